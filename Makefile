@@ -1,0 +1,39 @@
+# Triptych: `make setup demo` to try it, `make test` to check it.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MODELS ?= .models
+
+.PHONY: setup test test-fast lint demo models bench cluster-up cluster-down clean
+
+setup:
+	@bash scripts/setup.sh
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast:
+	$(PY) -m pytest -q -m "not slow and not cluster"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy triptych head/triptych_head worker/triptych_worker operator/triptych_operator
+
+models:
+	$(VENV)/bin/triptych models tiny --out $(MODELS)
+
+demo:
+	$(PY) -m triptych.demo --models $(MODELS) --out outputs
+
+bench:
+	$(PY) bench/run_all.py
+
+cluster-up:
+	@bash tests/cluster/up.sh
+
+cluster-down:
+	@bash tests/cluster/down.sh
+
+clean:
+	rm -rf $(MODELS) outputs .pytest_cache .mypy_cache .ruff_cache

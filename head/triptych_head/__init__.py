@@ -1,0 +1,1 @@
+"""The head: DiffusionServer (request state, dispatch, transfer coordination) and the HTTP API."""

@@ -1,0 +1,1 @@
+"""The kopf operator that reconciles DiffusionPipeline resources into Deployments and Services."""

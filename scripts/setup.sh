@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Idempotent set-up: system libraries, the project venv, and the local Kubernetes toolchain.
+# A second run is fast: each step is skipped when its result is already in place.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=.venv
+STAMPS=.stamps
+mkdir -p "$STAMPS"
+
+need_libs=()
+for lib in libibverbs.so.1 librdmacm.so.1 libnuma.so.1; do
+  ldconfig -p | grep -q "$lib" || need_libs+=("$lib")
+done
+if ((${#need_libs[@]})) || ! command -v openssl >/dev/null; then
+  echo "setup: installing Debian libraries for Mooncake (${need_libs[*]:-openssl})"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 openssl >/dev/null
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+key=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+if [ ! -f "$STAMPS/venv-$key" ] || ! "$VENV/bin/python" -c "import triptych, mooncake, diffusers" 2>/dev/null; then
+  echo "setup: installing the project into $VENV (torch is large; pip's cache keeps later runs fast)"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q -c constraints.txt -e '.[test]'
+  rm -f "$STAMPS"/venv-*; touch "$STAMPS/venv-$key"
+fi
+
+bash tests/cluster/build.sh
+echo "setup: done"

@@ -1,0 +1,66 @@
+"""`triptych`: the one entrypoint for every role, plus the tiny-model generator.
+
+    triptych serve --model-path DIR --disagg-role {monolithic,encoder,...,server} [flags]
+    triptych models tiny --out DIR
+
+The flags mirror the design spec; `triptych.config.ServeArgs` holds their parsed, validated
+values and is what the head and workers receive. The operator builds worker arguments with
+`triptych.config.ServeArgs.to_argv`, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from triptych.config import ConfigError, ServeArgs, add_serve_flags
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage dump) and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"triptych: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="triptych", description="Disaggregated diffusion serving.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    serve = sub.add_parser("serve", help="run one role of the pipeline (or all of it, monolithic)")
+    add_serve_flags(serve)
+    models = sub.add_parser("models", help="model utilities")
+    models_sub = models.add_subparsers(dest="models_command", required=True, parser_class=OneLineParser)
+    tiny = models_sub.add_parser("tiny", help="write tiny random-weight diffusers packages for tests and demos")
+    tiny.add_argument("--out", required=True, help="directory to write the packages into")
+    tiny.add_argument(
+        "--family", action="append", choices=None, default=None,
+        help="only these packages (repeatable); default: all",
+    )  # fmt: skip
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command == "serve":
+        try:
+            args = ServeArgs.from_namespace(ns)
+        except ConfigError as exc:
+            print(f"triptych: error: {exc}", file=sys.stderr)
+            return 2
+        from triptych.launch import serve
+
+        return serve(args)
+    if ns.command == "models":
+        from triptych.tiny_models import write_tiny_models
+
+        for path in write_tiny_models(ns.out, families=ns.family):
+            print(path)
+        return 0
+    parser.error(f"unknown command {ns.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""ServeArgs: the flags of `triptych serve`, their defaults and their validation, in one place."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
+from triptych.ports import DEFAULT_HTTP_PORT, DEFAULT_SCHEDULER_PORT, parse_tcp_endpoint
+from triptych.roles import Role
+
+MIB = 1 << 20
+DEFAULT_POOL_SIZE = 256 * MIB
+DEFAULT_TIMEOUT_S = 600.0
+DISPATCH_POLICIES = ("round_robin", "max_free_slots")
+DEVICES = ("cuda", "cpu")
+
+# Worker-URL flags of the head, by the role they list.
+URL_FLAGS: dict[Role, str] = {
+    Role.ENCODER: "encoder_urls",
+    Role.PROMPT_ENCODER: "prompt_encoder_urls",
+    Role.IMAGE_ENCODER: "image_encoder_urls",
+    Role.DENOISER: "denoiser_urls",
+    Role.DECODER: "decoder_urls",
+}
+
+# Per-role parallelism flags: role -> {degree: attribute}.
+ROLE_PARALLEL_FLAGS: dict[Role, dict[str, str]] = {
+    Role.ENCODER: {"tp": "encoder_tp"},
+    Role.DENOISER: {"tp": "denoiser_tp", "sp": "denoiser_sp", "ulysses": "denoiser_ulysses", "ring": "denoiser_ring"},
+    Role.DECODER: {"sp": "decoder_sp"},
+}
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; the message names the flag and what to do."""
+
+
+def flag(attr: str) -> str:
+    return "--" + attr.replace("_", "-")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '268435456', '256MiB', '1GiB', '512M'."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 268435456, 256MiB, 1GiB)")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(m.group(1)) * scale
+
+
+def parse_urls(text: str) -> list[str]:
+    return [u.strip() for u in text.split(";") if u.strip()]
+
+
+@dataclass
+class ServeArgs:
+    model_path: str
+    disagg_role: Role = Role.MONOLITHIC
+    disagg_server_addr: str | None = None
+    scheduler_port: int = DEFAULT_SCHEDULER_PORT
+    num_gpus: int = 1
+    base_gpu_id: int = 0
+    encoder_urls: list[str] = field(default_factory=list)
+    prompt_encoder_urls: list[str] = field(default_factory=list)
+    image_encoder_urls: list[str] = field(default_factory=list)
+    denoiser_urls: list[str] = field(default_factory=list)
+    decoder_urls: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_HTTP_PORT
+    disagg_p2p_hostname: str = "127.0.0.1"
+    disagg_ib_device: str | None = None
+    disagg_transfer_pool_size: int = DEFAULT_POOL_SIZE
+    disagg_timeout: float = DEFAULT_TIMEOUT_S
+    disagg_dispatch_policy: str = "round_robin"
+    master_port: int | None = None
+    output_path: str = "outputs"
+    device: str | None = None
+    tp_size: int | None = None
+    sp_degree: int | None = None
+    cfg_parallel_size: int | None = None
+    encoder_tp: int | None = None
+    denoiser_tp: int | None = None
+    denoiser_sp: int | None = None
+    denoiser_ulysses: int | None = None
+    denoiser_ring: int | None = None
+    decoder_sp: int | None = None
+    worker_capacity: int = 2
+    log_level: str = "info"
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> ServeArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        args = cls(**{k: v for k, v in vars(ns).items() if k in names})
+        args.validate()
+        return args
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def urls_for(self, role: Role) -> list[str]:
+        return list(getattr(self, URL_FLAGS[role]))
+
+    def parallelism(self) -> Parallelism:
+        """Degrees for this process's role; role-specific flags win over the generic ones."""
+        role_flags = ROLE_PARALLEL_FLAGS.get(self.disagg_role, {})
+        degrees = {"tp": self.tp_size, "sp": self.sp_degree, "cfg": self.cfg_parallel_size}
+        for degree, attr in role_flags.items():
+            if getattr(self, attr) is not None:
+                degrees[degree] = getattr(self, attr)
+        prefix = f"--{self.disagg_role.value.replace('_', '-')}-" if role_flags else "--"
+        return resolve_parallelism(self.num_gpus, where=prefix, **degrees)
+
+    def validate(self) -> None:
+        """Raise ConfigError for a missing or contradictory flag, naming it and the fix."""
+        role = self.disagg_role
+        if role.is_worker and not self.disagg_server_addr:
+            raise ConfigError(f"--disagg-role {role.value} needs --disagg-server-addr tcp://HEAD:SCHEDULER_PORT")
+        if self.disagg_server_addr:
+            if not role.is_worker:
+                raise ConfigError(f"--disagg-server-addr is only for worker roles, not --disagg-role {role.value}")
+            try:
+                parse_tcp_endpoint(self.disagg_server_addr)
+            except ValueError as exc:
+                raise ConfigError(f"--disagg-server-addr: {exc}") from None
+        given_urls = [r for r in URL_FLAGS if self.urls_for(r)]
+        if role is Role.SERVER:
+            self._validate_head_urls(given_urls)
+        elif given_urls:
+            names = ", ".join(flag(URL_FLAGS[r]) for r in given_urls)
+            raise ConfigError(f"{names} only apply to --disagg-role server, not {role.value}")
+        for name in ("scheduler_port", "port") + (("master_port",) if self.master_port is not None else ()):
+            value = getattr(self, name)
+            if not 1 <= value <= 65535:
+                raise ConfigError(f"{flag(name)} {value} is not a TCP port (1-65535)")
+        if role is Role.SERVER and self.scheduler_port + 5 > 65535:
+            raise ConfigError(f"--scheduler-port {self.scheduler_port} leaves no room for result ports (+1..+5)")
+        if self.disagg_transfer_pool_size < MIB:
+            raise ConfigError(
+                f"--disagg-transfer-pool-size {self.disagg_transfer_pool_size} is below 1 MiB; use e.g. 256MiB"
+            )
+        if self.disagg_timeout <= 0:
+            raise ConfigError(f"--disagg-timeout {self.disagg_timeout} must be > 0 seconds")
+        if self.num_gpus < 1 or self.base_gpu_id < 0:
+            raise ConfigError("--num-gpus must be >= 1 and --base-gpu-id >= 0")
+        if self.worker_capacity < 1:
+            raise ConfigError(f"--worker-capacity {self.worker_capacity} must be >= 1")
+        try:
+            self.parallelism()
+        except ParallelismError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def _validate_head_urls(self, given: list[Role]) -> None:
+        if Role.DENOISER not in given or Role.DECODER not in given:
+            raise ConfigError("--disagg-role server needs --denoiser-urls and --decoder-urls (semicolon-separated)")
+        split = Role.PROMPT_ENCODER in given or Role.IMAGE_ENCODER in given
+        if split and Role.ENCODER in given:
+            raise ConfigError("give either --encoder-urls or --prompt-encoder-urls/--image-encoder-urls, not both")
+        if not split and Role.ENCODER not in given:
+            raise ConfigError("--disagg-role server needs --encoder-urls (or --prompt-encoder-urls)")
+        if split and Role.PROMPT_ENCODER not in given:
+            raise ConfigError("--image-encoder-urls needs --prompt-encoder-urls as well")
+        seen: dict[str, Role] = {}
+        for role in given:
+            for url in self.urls_for(role):
+                try:
+                    parse_tcp_endpoint(url)
+                except ValueError as exc:
+                    raise ConfigError(f"{flag(URL_FLAGS[role])}: {exc}") from None
+                if url in seen:
+                    raise ConfigError(
+                        f"{url} is listed for both {seen[url].value} and {role.value}; each worker has one role"
+                    )
+                seen[url] = role
+
+    def to_argv(self) -> list[str]:
+        """The `triptych serve` arguments that reproduce these values (defaults omitted)."""
+        argv: list[str] = []
+        defaults = ServeArgs(model_path="")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "model_path" and value == getattr(defaults, f.name):
+                continue
+            if isinstance(value, Role):
+                value = value.value
+            if isinstance(value, list):
+                value = ";".join(value)
+            argv += [flag(f.name), str(value)]
+        return argv
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """Register every `triptych serve` flag; defaults come from ServeArgs."""
+    d = ServeArgs(model_path="")
+    a = parser.add_argument
+    a("--model-path", required=True, help="diffusers-format model directory (same package on every process)")
+    a("--disagg-role", type=Role, choices=list(Role), default=d.disagg_role, metavar="{" + ",".join(r.value for r in Role) + "}",
+      help="what this process runs (default: monolithic)")  # fmt: skip
+    a("--disagg-server-addr", default=None, help="workers: the head's tcp://HOST:SCHEDULER_PORT")
+    a("--scheduler-port", type=int, default=d.scheduler_port,
+      help="head: frontend port (results at +1..+5); worker: port its work socket binds")  # fmt: skip
+    a("--num-gpus", type=int, default=d.num_gpus)
+    a("--base-gpu-id", type=int, default=d.base_gpu_id)
+    for role, attr in URL_FLAGS.items():
+        a(flag(attr), type=parse_urls, default=[], help=f"head: {role.value} work endpoints, ';'-separated")
+    a("--host", default=d.host, help="head: HTTP and result-socket bind address")
+    a("--port", type=int, default=d.port, help="head/monolithic: HTTP port")
+    a("--disagg-p2p-hostname", default=d.disagg_p2p_hostname, help="worker: address peers reach it on (pod IP)")
+    a("--disagg-ib-device", default=None, help="worker: RDMA device (e.g. mlx5_0); TCP transport when unset")
+    a("--disagg-transfer-pool-size", type=parse_size, default=d.disagg_transfer_pool_size,
+      help="worker: registered transfer pool, bytes or 256MiB/1GiB (default 256MiB)")  # fmt: skip
+    a("--disagg-timeout", type=float, default=d.disagg_timeout, help="head: seconds before a request times out")
+    a("--disagg-dispatch-policy", choices=DISPATCH_POLICIES, default=d.disagg_dispatch_policy)
+    a("--master-port", type=int, default=None, help="worker: torch.distributed master port (multi-GPU roles)")
+    a("--output-path", default=d.output_path, help="head/monolithic: where generated files are written")
+    a("--device", choices=DEVICES, default=None, help="default: cuda when available, else cpu")
+    for attr in ("tp_size", "sp_degree", "cfg_parallel_size", "encoder_tp", "denoiser_tp", "denoiser_sp",
+                 "denoiser_ulysses", "denoiser_ring", "decoder_sp"):  # fmt: skip
+        a(flag(attr), type=int, default=None)
+    a("--worker-capacity", type=int, default=d.worker_capacity,
+      help="worker: requests it holds at once (one running, the rest prefetched)")  # fmt: skip
+    a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))

@@ -1,0 +1,53 @@
+"""The port convention shared by the head and the workers (see the design spec).
+
+Result endpoints are derived from the head's --scheduler-port, so a worker only needs
+--disagg-server-addr to find where its results go.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from triptych.roles import Role
+
+DEFAULT_SCHEDULER_PORT = 5555
+DEFAULT_HTTP_PORT = 30000
+
+RESULT_PORT_OFFSET: dict[Role, int] = {
+    Role.ENCODER: 1,
+    Role.DENOISER: 2,
+    Role.DECODER: 3,
+    Role.PROMPT_ENCODER: 4,
+    Role.IMAGE_ENCODER: 5,
+}
+
+
+def frontend_port(scheduler_port: int) -> int:
+    """The head's frontend ROUTER port."""
+    return scheduler_port
+
+
+def result_port(scheduler_port: int, role: Role) -> int:
+    """The head's PULL port on which `role` workers report."""
+    try:
+        return scheduler_port + RESULT_PORT_OFFSET[role]
+    except KeyError:
+        raise ValueError(f"role {role.value!r} has no result port; only worker roles report") from None
+
+
+def parse_tcp_endpoint(url: str) -> tuple[str, int]:
+    """Split 'tcp://host:port' into (host, port), with a message naming the bad value."""
+    parts = urlsplit(url)
+    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
+        raise ValueError(f"{url!r} is not a tcp://HOST:PORT endpoint")
+    return parts.hostname, parts.port
+
+
+def result_endpoint(server_addr: str, role: Role) -> str:
+    """The endpoint a worker of `role` connects to, derived from --disagg-server-addr."""
+    host, port = parse_tcp_endpoint(server_addr)
+    return f"tcp://{_bracket(host)}:{result_port(port, role)}"
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,10 @@
+"""The wire protocol: typed control messages (msgpack) and tensors as raw frames.
+
+No pickle anywhere: a peer can only ever make us build the dataclasses defined here.
+"""
+
+from triptych.protocol.codec import ProtocolError, decode, encode
+from triptych.protocol.messages import *  # noqa: F403
+from triptych.protocol.tensors import TensorSpec, frames_to_tensors, tensors_to_frames
+
+__all__ = ["ProtocolError", "decode", "encode", "TensorSpec", "frames_to_tensors", "tensors_to_frames"]

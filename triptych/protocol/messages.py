@@ -1,0 +1,199 @@
+"""Every control message that crosses a socket, one frozen dataclass each.
+
+Three conversations:
+- API client <-> head frontend (ROUTER at scheduler_port): Submit, Cancel / RequestEvent, RequestResult.
+- head -> worker (worker's PULL at its --scheduler-port): Ping, Work, TransferAlloc, TransferPush,
+  TransferReady, CancelWork.
+- worker -> head (head's PULL at scheduler_port + role offset): Heartbeat, Started, Progress,
+  TransferStaged, TransferAllocated, TransferRefused, TransferPushed, Result, Failed.
+
+The transfer flow (spec, "Transfer Flow"): the sender reports TransferStaged; the head picks a
+receiver and sends TransferAlloc; the receiver answers TransferAllocated (or TransferRefused
+when its pool is full, and the head retries when it has room); the head sends TransferPush to
+the sender; the sender writes through Mooncake and reports TransferPushed; the head sends
+TransferReady to the receiver, which loads the tensors and runs its stages.
+
+`instance` is the worker URL as the head knows it; workers echo it back so the head never has
+to trust a worker's idea of its own address.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triptych.protocol.codec import message
+
+__all__ = [
+    "Submit", "Cancel", "RequestEvent", "RequestResult",
+    "Ping", "Work", "TransferAlloc", "TransferPush", "TransferReady", "CancelWork",
+    "Heartbeat", "Started", "Progress", "TransferStaged", "TransferAllocated",
+    "TransferRefused", "TransferPushed", "Result", "Failed",
+]  # fmt: skip
+
+# --- API client <-> head frontend ---------------------------------------------------------
+
+
+@message("submit")
+class Submit:
+    request_id: str
+    params: dict[str, Any]
+
+
+@message("cancel")
+class Cancel:
+    request_id: str
+
+
+@message("event")
+class RequestEvent:
+    """A state change or denoising progress of one request, streamed to the API client."""
+
+    request_id: str
+    state: str
+    step: int = 0
+    total_steps: int = 0
+    error: str | None = None
+    status_code: int = 0
+
+
+@message("result")
+class RequestResult:
+    """Decoded pixels (uint8, [N, F, H, W, 3]) as raw frames described by `tensors`."""
+
+    request_id: str
+    tensors: list[dict[str, Any]]
+    timings: dict[str, float]
+
+
+# --- head -> worker -----------------------------------------------------------------------
+
+
+@message("ping")
+class Ping:
+    instance: str
+
+
+@message("work")
+class Work:
+    """Start a request on the first role of the pipeline (no incoming tensors)."""
+
+    request_id: str
+    instance: str
+    params: dict[str, Any]
+
+
+@message("transfer_alloc")
+class TransferAlloc:
+    request_id: str
+    instance: str
+    nbytes: int
+
+
+@message("transfer_push")
+class TransferPush:
+    request_id: str
+    instance: str
+    dest_session: str
+    dest_addr: int
+
+
+@message("transfer_ready")
+class TransferReady:
+    """The tensors described by `manifest` sit in the receiver's slot; run the stages."""
+
+    request_id: str
+    instance: str
+    params: dict[str, Any]
+    manifest: list[dict[str, Any]]
+    meta: dict[str, Any]
+
+
+@message("cancel_work")
+class CancelWork:
+    """Forget the request: drop queued work, staged buffers and reserved slots."""
+
+    request_id: str
+    instance: str
+
+
+# --- worker -> head -----------------------------------------------------------------------
+
+
+@message("heartbeat")
+class Heartbeat:
+    instance: str
+    role: str
+    session: str
+    pool_bytes: int
+    free_bytes: int
+    capacity: int
+    model: str
+
+
+@message("started")
+class Started:
+    request_id: str
+    instance: str
+
+
+@message("progress")
+class Progress:
+    request_id: str
+    instance: str
+    step: int
+    total: int
+
+
+@message("transfer_staged")
+class TransferStaged:
+    """The sender finished its stages; `nbytes` of tensors wait in its transfer buffer."""
+
+    request_id: str
+    instance: str
+    nbytes: int
+    manifest: list[dict[str, Any]]
+    meta: dict[str, Any]
+    seconds: float
+
+
+@message("transfer_allocated")
+class TransferAllocated:
+    request_id: str
+    instance: str
+    session: str
+    addr: int
+
+
+@message("transfer_refused")
+class TransferRefused:
+    """No room in the receive pool now (`fatal` False: retry later) or ever (`fatal` True)."""
+
+    request_id: str
+    instance: str
+    reason: str
+    fatal: bool
+
+
+@message("transfer_pushed")
+class TransferPushed:
+    request_id: str
+    instance: str
+    nbytes: int
+    seconds: float
+
+
+@message("worker_result")
+class Result:
+    """Final pixels from the decoder, as raw frames described by `tensors`."""
+
+    request_id: str
+    instance: str
+    tensors: list[dict[str, Any]]
+    seconds: float
+
+
+@message("failed")
+class Failed:
+    request_id: str
+    instance: str
+    error: str

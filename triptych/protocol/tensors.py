@@ -1,0 +1,119 @@
+"""Tensors on the wire: a dtype/shape header plus the raw bytes, never pickle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# Wire names -> torch dtype attribute names. Only plain numeric dtypes travel.
+WIRE_DTYPES: dict[str, str] = {
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float64": "float64",
+    "int64": "int64",
+    "int32": "int32",
+    "int16": "int16",
+    "int8": "int8",
+    "uint8": "uint8",
+    "bool": "bool",
+}
+
+MAX_TENSOR_RANK = 8
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one named tensor sits in a byte buffer (a ZMQ frame or a transfer slot)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        n = _itemsize(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> TensorSpec:
+        if not isinstance(raw, dict):
+            raise ValueError(f"tensor spec must be a map, got {type(raw).__name__}")
+        name, dtype, shape, offset = raw.get("name"), raw.get("dtype"), raw.get("shape"), raw.get("offset", 0)
+        if not isinstance(name, str) or not name:
+            raise ValueError("tensor spec 'name' must be a non-empty string")
+        if dtype not in WIRE_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_TENSOR_RANK
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise ValueError(f"tensor {name!r}: shape {shape!r} must be a list of at most {MAX_TENSOR_RANK} ints >= 0")
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"tensor {name!r}: offset {offset!r} must be an int >= 0")
+        return cls(name=name, dtype=dtype, shape=tuple(shape), offset=offset)
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return int(torch.empty((), dtype=getattr(torch, WIRE_DTYPES[dtype])).element_size())
+
+
+def wire_dtype(tensor: torch.Tensor) -> str:
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in WIRE_DTYPES:
+        raise ValueError(f"dtype {tensor.dtype} cannot travel; supported: {sorted(WIRE_DTYPES)}")
+    return name
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a zero-copy view (CPU, contiguous)."""
+    t = tensor.detach().to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(__import__("torch").uint8).numpy())
+
+
+def tensors_to_frames(tensors: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], list[memoryview]]:
+    """One raw frame per tensor, plus the specs that describe them (offset 0 in each frame)."""
+    specs, frames = [], []
+    for name, tensor in tensors.items():
+        specs.append(TensorSpec(name, wire_dtype(tensor), tuple(tensor.shape)).to_wire())
+        frames.append(tensor_bytes(tensor))
+    return specs, frames
+
+
+def frames_to_tensors(specs: list[Any], frames: list[Any]) -> dict[str, torch.Tensor]:
+    """Rebuild tensors from frames; raises ValueError naming the tensor that does not fit."""
+    import torch
+
+    if len(specs) != len(frames):
+        raise ValueError(f"{len(specs)} tensor specs but {len(frames)} frames")
+    out: dict[str, torch.Tensor] = {}
+    for raw, frame in zip(specs, frames, strict=True):
+        spec = TensorSpec.from_wire(raw)
+        buf = memoryview(frame)
+        if buf.nbytes != spec.nbytes:
+            raise ValueError(f"tensor {spec.name!r}: frame has {buf.nbytes} bytes, spec says {spec.nbytes}")
+        out[spec.name] = bytes_to_tensor(spec, buf)
+    return out
+
+
+def bytes_to_tensor(spec: TensorSpec, buf: Any) -> torch.Tensor:
+    """Copy `spec.nbytes` bytes at `spec.offset` of `buf` into a new tensor."""
+    import torch
+
+    dtype = getattr(torch, WIRE_DTYPES[spec.dtype])
+    raw = torch.frombuffer(bytearray(memoryview(buf)[spec.offset : spec.offset + spec.nbytes]), dtype=torch.uint8)
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=dtype)
+    return raw.view(dtype).reshape(spec.shape)

@@ -1,0 +1,53 @@
+"""The stage contract: a pipeline is an ordered list of stages, each with a role affinity.
+
+A role process instantiates only the stages whose affinity its role runs
+(`Role.runs_affinity`). Between roles, a StageBatch travels as its `tensors` (through
+Mooncake) and its `meta` (msgpack scalars, lists and maps through the head).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from triptych.params import GenerationParams
+from triptych.roles import Role
+
+if TYPE_CHECKING:
+    import torch
+
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass
+class StageBatch:
+    """One request as it moves through the stages."""
+
+    params: GenerationParams
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    on_progress: ProgressCallback | None = None
+
+    def report_progress(self, step: int, total: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(step, total)
+
+
+PIXELS = "pixels"
+"""The decoder's final output tensor: uint8 [num_outputs, frames, height, width, 3]."""
+
+
+class PipelineStage(abc.ABC):
+    """One step of a pipeline. Subclasses set `role_affinity` when it is not the encoder."""
+
+    role_affinity: ClassVar[Role] = Role.ENCODER
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    @abc.abstractmethod
+    def run(self, batch: StageBatch) -> None:
+        """Read and update `batch` in place."""
