@@ -1,0 +1,139 @@
+"""stage_tensors / load_tensors: what comes out is bit-identical to what went in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triptych_worker.transfer import ALIGNMENT, PayloadTooLarge, TransferPool, load_tensors, stage_tensors
+
+MIB = 1024 * 1024
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A tensor whose bytes are uniformly random, so NaN payloads and denormals are covered too."""
+    g = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = 1
+    for d in shape:
+        n *= d
+    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def round_trip(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    pool = TransferPool(4 * MIB, "encoder")
+    staged = stage_tensors(pool, tensors, "req-1")
+    assert staged is not None
+    out = load_tensors(pool, staged.allocation, staged.manifest, "cpu")
+    assert pool.free(staged.allocation)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool])
+def test_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
+    original = random_bits((3, 77, 5), dtype, seed=1) if dtype is not torch.bool else torch.rand(3, 77, 5) > 0.5
+    out = round_trip({"x": original})
+    assert same_bytes(out["x"], original)
+
+
+def test_bfloat16_nan_payloads_survive() -> None:
+    nans = torch.tensor([0x7FC1, 0x7F81, -1, 0x0001], dtype=torch.int16).view(torch.bfloat16)
+    out = round_trip({"nans": nans})
+    assert torch.equal(out["nans"].view(torch.int16), nans.view(torch.int16))
+
+
+def test_non_contiguous_tensors_arrive_contiguous_with_the_same_values() -> None:
+    base = random_bits((16, 12), torch.float32, seed=2)
+    views = {"transposed": base.t(), "strided": base[::3, 1::2], "expanded": base[0:1].expand(4, 12)}
+    out = round_trip(views)
+    for name, view in views.items():
+        assert out[name].is_contiguous()
+        assert same_bytes(out[name], view), name
+
+
+def test_zero_size_and_zero_dim_tensors_keep_their_shapes() -> None:
+    tensors = {
+        "empty": torch.empty(0, 4096, dtype=torch.bfloat16),
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "after": random_bits((33,), torch.uint8, seed=3),
+    }
+    out = round_trip(tensors)
+    assert out["empty"].shape == (0, 4096) and out["empty"].dtype == torch.bfloat16
+    assert out["scalar"].shape == () and out["scalar"].item() == 7
+    assert same_bytes(out["after"], tensors["after"])
+
+
+def test_only_zero_size_tensors_still_stage() -> None:
+    out = round_trip({"empty": torch.empty(0)})
+    assert out["empty"].shape == (0,)
+
+
+def test_flux_like_set_round_trips_with_aligned_offsets() -> None:
+    tensors = {
+        "prompt_embeds": random_bits((1, 512, 4096), torch.bfloat16, seed=4),
+        "pooled_prompt_embeds": random_bits((1, 768), torch.bfloat16, seed=5),
+        "text_ids": torch.zeros(512, 3, dtype=torch.int64),
+        "latents": random_bits((1, 4096, 64), torch.float32, seed=6),
+    }
+    pool = TransferPool(16 * MIB, "encoder")
+    staged = stage_tensors(pool, tensors, "req-1")
+    assert staged is not None
+    assert all(spec["offset"] % ALIGNMENT == 0 for spec in staged.manifest)
+    out = load_tensors(pool, staged.allocation, staged.manifest, "cpu")
+    pool.free(staged.allocation)
+    pool.allocate(16 * MIB, "overwrite-the-slot")  # loaded tensors must not alias the pool
+    for name, tensor in tensors.items():
+        assert same_bytes(out[name], tensor), name
+
+
+def test_stage_returns_none_when_the_pool_is_full() -> None:
+    pool = TransferPool(MIB, "encoder")
+    assert pool.allocate(MIB // 2 + 1, "other") is not None
+    assert stage_tensors(pool, {"x": torch.zeros(MIB // 2, dtype=torch.uint8)}, "req-1") is None
+
+
+def test_stage_raises_payload_too_large_naming_the_role() -> None:
+    pool = TransferPool(MIB, "encoder")
+    with pytest.raises(PayloadTooLarge, match="raise the flag on the encoder workers"):
+        stage_tensors(pool, {"x": torch.zeros(MIB + 1, dtype=torch.uint8)}, "req-1")
+
+
+def test_stage_rejects_a_dtype_that_cannot_travel_without_leaking_pool_space() -> None:
+    pool = TransferPool(MIB, "encoder")
+    with pytest.raises(ValueError, match=r"'bad'.*complex64"):
+        stage_tensors(pool, {"ok": torch.zeros(8), "bad": torch.zeros(8, dtype=torch.complex64)}, "req-1")
+    assert pool.free_bytes == MIB
+
+
+def test_stage_rejects_a_tensor_of_too_high_rank_naming_it() -> None:
+    pool = TransferPool(MIB, "encoder")
+    with pytest.raises(ValueError, match="'deep'"):
+        stage_tensors(pool, {"deep": torch.zeros((1,) * 9)}, "req-1")
+    assert pool.free_bytes == MIB
+
+
+def test_load_rejects_a_manifest_that_overruns_the_allocation_naming_the_tensor() -> None:
+    pool = TransferPool(MIB, "decoder")
+    slot = pool.allocate(1000, "req-1")
+    assert slot is not None
+    manifest = [
+        {"name": "fits", "dtype": "float32", "shape": [10], "offset": 0},
+        {"name": "latents", "dtype": "float32", "shape": [250], "offset": 256},
+    ]
+    with pytest.raises(ValueError, match=r"'latents'.*1000-byte allocation"):
+        load_tensors(pool, slot, manifest, "cpu")
+
+
+def test_load_rejects_duplicate_names() -> None:
+    pool = TransferPool(MIB, "decoder")
+    slot = pool.allocate(1000, "req-1")
+    assert slot is not None
+    spec = {"name": "x", "dtype": "uint8", "shape": [4], "offset": 0}
+    with pytest.raises(ValueError, match="'x' appears twice"):
+        load_tensors(pool, slot, [spec, spec], "cpu")

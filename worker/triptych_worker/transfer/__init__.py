@@ -1,0 +1,29 @@
+"""Tensor transfer between workers: a registered pool, staging into it, Mooncake writes out of it.
+
+Flow: the sender stages its output tensors into its pool (stage_tensors), the head reserves a
+slot in the receiver's pool and tells the sender the receiver's session and slot address, the
+sender writes the staged bytes there (MooncakeTransport.write), and the receiver loads the
+tensors out of its slot (load_tensors) and frees it.
+"""
+
+from .allocator import ALIGNMENT
+from .engine import MooncakeTransport
+from .errors import MooncakeNotInstalled, PayloadTooLarge, TransferError
+from .pool import Allocation, MemoryRegistrar, TransferPool
+from .tensors import StagedTensors, check_manifest, layout, load_tensors, stage_tensors
+
+__all__ = [
+    "ALIGNMENT",
+    "Allocation",
+    "MemoryRegistrar",
+    "MooncakeNotInstalled",
+    "MooncakeTransport",
+    "PayloadTooLarge",
+    "StagedTensors",
+    "TransferError",
+    "TransferPool",
+    "check_manifest",
+    "layout",
+    "load_tensors",
+    "stage_tensors",
+]

@@ -1,0 +1,122 @@
+"""The per-worker transfer pool: one registered buffer that senders stage in and peers write to."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .allocator import ALIGNMENT, FirstFitAllocator
+from .errors import PayloadTooLarge
+
+
+class MemoryRegistrar(Protocol):
+    """What the pool needs from a transport: make a host range reachable by remote peers."""
+
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Allocation:
+    """A live range of the pool. `addr` is what a remote peer writes to; `owner` is a request id.
+
+    Compared by identity: a stale Allocation never matches a newer one at the same offset.
+    """
+
+    offset: int
+    nbytes: int
+    addr: int
+    owner: str
+
+
+class TransferPool:
+    """A contiguous uint8 buffer of `pool_bytes`, registered once, shared out by first fit.
+
+    The buffer is pinned when CUDA is available (fast, async device copies) and plain CPU memory
+    otherwise; its base address is aligned to 256 bytes, as is every allocation. All methods are
+    thread-safe. `role` names the workers in the PayloadTooLarge message (e.g. "encoder").
+    """
+
+    def __init__(self, pool_bytes: int, role: str, transport: MemoryRegistrar | None = None) -> None:
+        if pool_bytes <= 0:
+            raise ValueError(f"--disagg-transfer-pool-size must be > 0 bytes, got {pool_bytes}")
+        self.role = role
+        self._allocator = FirstFitAllocator(pool_bytes, ALIGNMENT)
+        pinned = torch.cuda.is_available()
+        # Over-allocate by one alignment unit so the base address itself can be aligned.
+        raw = torch.empty(pool_bytes + ALIGNMENT - 1, dtype=torch.uint8, pin_memory=pinned)
+        shift = -raw.data_ptr() % ALIGNMENT
+        self._raw = raw
+        self.buffer: torch.Tensor = raw[shift : shift + pool_bytes]
+        self.base_addr: int = self.buffer.data_ptr()
+        self.pinned = pinned
+        self._lock = threading.Lock()
+        self._live: dict[int, Allocation] = {}
+        self._owners: dict[str, set[int]] = {}
+        if transport is not None:
+            transport.register(self.base_addr, pool_bytes)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self._allocator.capacity
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return self._allocator.free_bytes
+
+    @property
+    def largest_free_block(self) -> int:
+        with self._lock:
+            return self._allocator.largest_free_block
+
+    def allocate(self, nbytes: int, owner: str) -> Allocation | None:
+        """Reserve `nbytes` for `owner`; None when no free block fits right now (back-pressure).
+
+        Raises PayloadTooLarge when `nbytes` exceeds the whole pool, since waiting cannot help.
+        """
+        if nbytes > self.pool_bytes:
+            raise PayloadTooLarge(nbytes, self.pool_bytes, self.role)
+        with self._lock:
+            offset = self._allocator.allocate(nbytes)
+            if offset is None:
+                return None
+            allocation = Allocation(offset=offset, nbytes=nbytes, addr=self.base_addr + offset, owner=owner)
+            self._live[offset] = allocation
+            self._owners.setdefault(owner, set()).add(offset)
+            return allocation
+
+    def free(self, allocation: Allocation) -> bool:
+        """Release `allocation`; False (and no change) if it was already released, e.g. by free_owner."""
+        with self._lock:
+            if self._live.get(allocation.offset) is not allocation:
+                return False
+            self._release(allocation)
+            return True
+
+    def free_owner(self, owner: str) -> int:
+        """Release everything `owner` holds (failure or cancel cleanup); returns how many. Idempotent."""
+        with self._lock:
+            offsets = list(self._owners.get(owner, ()))
+            for offset in offsets:
+                self._release(self._live[offset])
+            return len(offsets)
+
+    def view(self, allocation: Allocation) -> torch.Tensor:
+        """The allocation's bytes as a uint8 tensor sharing the pool's memory."""
+        if allocation.offset < 0 or allocation.offset + allocation.nbytes > self.pool_bytes:
+            raise ValueError(
+                f"allocation at offset {allocation.offset} of {allocation.nbytes} bytes is outside "
+                f"this pool of {self.pool_bytes} bytes"
+            )
+        return self.buffer[allocation.offset : allocation.offset + allocation.nbytes]
+
+    def _release(self, allocation: Allocation) -> None:
+        del self._live[allocation.offset]
+        held = self._owners[allocation.owner]
+        held.discard(allocation.offset)
+        if not held:
+            del self._owners[allocation.owner]
+        self._allocator.free(allocation.offset)
