@@ -55,6 +55,18 @@ def parse_urls(text: str) -> list[str]:
     return [u.strip() for u in text.split(";") if u.strip()]
 
 
+def parse_worker_url(url: str) -> None:
+    """Accept tcp://HOST:PORT, or dns://NAME:PORT (every address NAME resolves to, re-resolved)."""
+    if url.startswith("dns://"):
+        url = "tcp://" + url.removeprefix("dns://")
+        try:
+            parse_tcp_endpoint(url)
+        except ValueError:
+            raise ValueError(f"{url.replace('tcp://', 'dns://', 1)!r} is not a dns://NAME:PORT endpoint") from None
+        return
+    parse_tcp_endpoint(url)
+
+
 @dataclass
 class ServeArgs:
     model_path: str
@@ -75,6 +87,7 @@ class ServeArgs:
     disagg_transfer_pool_size: int = DEFAULT_POOL_SIZE
     disagg_timeout: float = DEFAULT_TIMEOUT_S
     disagg_dispatch_policy: str = "round_robin"
+    disagg_heartbeat_timeout: float = 5.0
     master_port: int | None = None
     output_path: str = "outputs"
     device: str | None = None
@@ -148,6 +161,8 @@ class ServeArgs:
             )
         if self.disagg_timeout <= 0:
             raise ConfigError(f"--disagg-timeout {self.disagg_timeout} must be > 0 seconds")
+        if self.disagg_heartbeat_timeout <= 0:
+            raise ConfigError(f"--disagg-heartbeat-timeout {self.disagg_heartbeat_timeout} must be > 0 seconds")
         if self.num_gpus < 1 or self.base_gpu_id < 0:
             raise ConfigError("--num-gpus must be >= 1 and --base-gpu-id >= 0")
         if self.worker_capacity < 1:
@@ -171,7 +186,7 @@ class ServeArgs:
         for role in given:
             for url in self.urls_for(role):
                 try:
-                    parse_tcp_endpoint(url)
+                    parse_worker_url(url)
                 except ValueError as exc:
                     raise ConfigError(f"{flag(URL_FLAGS[role])}: {exc}") from None
                 if url in seen:
@@ -218,6 +233,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
       help="worker: registered transfer pool, bytes or 256MiB/1GiB (default 256MiB)")  # fmt: skip
     a("--disagg-timeout", type=float, default=d.disagg_timeout, help="head: seconds before a request times out")
     a("--disagg-dispatch-policy", choices=DISPATCH_POLICIES, default=d.disagg_dispatch_policy)
+    a("--disagg-heartbeat-timeout", type=float, default=d.disagg_heartbeat_timeout,
+      help="head: seconds without a heartbeat before a worker counts as gone and its requests fail")  # fmt: skip
     a("--master-port", type=int, default=None, help="worker: torch.distributed master port (multi-GPU roles)")
     a("--output-path", default=d.output_path, help="head/monolithic: where generated files are written")
     a("--device", choices=DEVICES, default=None, help="default: cuda when available, else cpu")

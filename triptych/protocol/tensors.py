@@ -24,6 +24,9 @@ WIRE_DTYPES: dict[str, str] = {
 
 MAX_TENSOR_RANK = 8
 
+PIXELS = "pixels"
+"""The decoder's output tensor: uint8 [num_outputs, frames, height, width, 3]."""
+
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from triptych.params import GenerationParams
+from triptych.protocol.tensors import PIXELS as WIRE_PIXELS
 from triptych.roles import Role
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ class StageBatch:
             self.on_progress(step, total)
 
 
-PIXELS = "pixels"
+PIXELS = WIRE_PIXELS
 """The decoder's final output tensor: uint8 [num_outputs, frames, height, width, 3]."""
 
 

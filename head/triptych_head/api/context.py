@@ -1,0 +1,73 @@
+"""What every route needs: the backend, the model, where files go, and request-parameter rules."""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from triptych.params import GenerationParams
+from triptych_head.api.errors import APIError
+from triptych_head.api.schemas import ImageGenerationRequest, VideoGenerationRequest, parse_size
+from triptych_head.backend import Backend, GenerationFailed
+from triptych_head.model_info import ModelInfo
+
+Validator = Callable[[GenerationParams], None]
+
+# Words in a validation message -> the request field a client should fix.
+_PARAM_OF = {"width": "size", "height": "size", "frames": "num_frames", "steps": "num_inference_steps"}
+
+
+@dataclass
+class HeadContext:
+    backend: Backend
+    model: ModelInfo
+    output_path: Path
+    registry: CollectorRegistry
+    validate: Validator | None = None
+    health: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def params_for(self, body: ImageGenerationRequest | VideoGenerationRequest) -> GenerationParams:
+        """GenerationParams with the model's defaults filled in, checked against the model."""
+        if body.model is not None and body.model != self.model.id:
+            raise APIError(404, f"model {body.model!r} is not served here; this deployment serves {self.model.id!r}", "model")
+        width, height = parse_size(body.size)
+        is_video = isinstance(body, VideoGenerationRequest)
+        if is_video and self.model.kind != "video":
+            raise APIError(400, f"model {self.model.id!r} generates images; use POST /v1/images/generations", "model")
+        params = GenerationParams(
+            prompt=body.prompt,
+            negative_prompt=body.negative_prompt,
+            width=width,
+            height=height,
+            num_frames=body.num_frames if isinstance(body, VideoGenerationRequest) else 1,
+            num_outputs=body.n if isinstance(body, ImageGenerationRequest) else 1,
+            num_inference_steps=body.num_inference_steps or self.model.default_steps,
+            guidance_scale=self.model.default_guidance if body.guidance_scale is None else body.guidance_scale,
+            seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
+        )
+        if self.validate is not None:
+            try:
+                self.validate(params)
+            except ValueError as exc:
+                text = str(exc)
+                param = next((p for word, p in _PARAM_OF.items() if word in text), None)
+                raise APIError(400, text, param) from None
+        return params
+
+    async def generate(self, params: GenerationParams, request_id: str | None = None, on_event: Any = None) -> Any:
+        try:
+            return await self.backend.generate(request_id or new_request_id(), params, on_event)
+        except GenerationFailed as exc:
+            raise APIError(exc.status_code if exc.status_code >= 400 else 500, str(exc), code=exc.state.lower()) from None
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"

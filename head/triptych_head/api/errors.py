@@ -1,0 +1,41 @@
+"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class APIError(Exception):
+    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code, self.message, self.param, self.code = status_code, message, param, code
+
+
+def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    kind = "invalid_request_error" if 400 <= status_code < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, exc.message, exc.param, exc.code), exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        if first.get("type") == "json_invalid":
+            message = f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+        return JSONResponse(error_body(400, message, param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code)

@@ -1,0 +1,101 @@
+"""Request and response models of the HTTP API (the API contract)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_SIDE = 4096
+SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+MAX_SEED = 2**63 - 1
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    m = SIZE_RE.match(size)
+    if not m:
+        raise ValueError(f"size {size!r} must be WIDTHxHEIGHT, e.g. 1024x1024")
+    w, h = int(m.group(1)), int(m.group(2))
+    if not (16 <= w <= MAX_SIDE and 16 <= h <= MAX_SIDE):
+        raise ValueError(f"size {size!r}: width and height must be between 16 and {MAX_SIDE}")
+    return w, h
+
+
+class _Generation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="Served model id (optional; there is one per deployment)")
+    prompt: str = Field(..., min_length=1, max_length=20_000)
+    negative_prompt: str | None = Field(None, max_length=20_000)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same pixels")
+    num_inference_steps: int | None = Field(None, ge=1, le=500)
+    guidance_scale: float | None = Field(None, ge=0, le=100)
+
+    @field_validator("size", check_fields=False)
+    @classmethod
+    def _size(cls, v: str) -> str:
+        parse_size(v)
+        return v
+
+
+class ImageGenerationRequest(_Generation):
+    size: str = "1024x1024"
+    n: int = Field(1, ge=1, le=8)
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    # Accepted for OpenAI client compatibility; they do not change the output.
+    quality: str | None = None
+    style: str | None = None
+    user: str | None = None
+
+
+class ImageData(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+
+
+class ImageGenerationResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+
+
+class VideoGenerationRequest(_Generation):
+    size: str = "832x480"
+    num_frames: int = Field(81, ge=1, le=1025)
+    fps: int = Field(16, ge=1, le=120)
+    user: str | None = None
+
+
+VideoStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
+
+
+class VideoJob(BaseModel):
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    status: VideoStatus
+    progress: int = Field(0, description="Percent of denoising steps done")
+    step: int = 0
+    total_steps: int = 0
+    state: str = "PENDING"
+    created_at: int
+    completed_at: int | None = None
+    size: str
+    num_frames: int
+    fps: int
+    seed: int
+    error: dict[str, str | None] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "triptych"
+    pipeline: str
+    kind: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,148 @@
+"""/v1/videos: asynchronous video jobs with denoising-step progress and MP4 content."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse
+
+from triptych.protocol import RequestEvent
+from triptych_head.api.context import HeadContext, new_request_id
+from triptych_head.api.errors import APIError
+from triptych_head.api.schemas import VideoGenerationRequest, VideoJob
+from triptych_head.media import write_mp4
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["videos"])
+
+MAX_JOBS = 1000  # remembered jobs; the oldest finished ones are forgotten first
+TERMINAL = ("completed", "failed", "cancelled")
+
+
+@dataclass
+class JobEntry:
+    job: VideoJob
+    task: asyncio.Task[None] | None = None
+    path: Path | None = None
+
+
+class VideoJobs:
+    def __init__(self) -> None:
+        self._jobs: OrderedDict[str, JobEntry] = OrderedDict()
+
+    def add(self, entry: JobEntry) -> None:
+        if len(self._jobs) >= MAX_JOBS:
+            finished = [k for k, e in self._jobs.items() if e.job.status in TERMINAL]
+            if not finished:
+                raise APIError(429, f"{MAX_JOBS} video jobs are in flight; retry later", code="too_many_jobs")
+            self._jobs.pop(finished[0])
+        self._jobs[entry.job.id] = entry
+
+    def get(self, job_id: str) -> JobEntry:
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise APIError(404, f"no video job {job_id!r}", "video_id") from None
+
+    def all(self) -> list[VideoJob]:
+        return [e.job for e in self._jobs.values()]
+
+    def remove(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+
+def _jobs(request: Request) -> VideoJobs:
+    return request.app.state.video_jobs  # type: ignore[no-any-return]
+
+
+@router.post("/v1/videos", response_model=VideoJob)
+async def create_video(body: VideoGenerationRequest, request: Request) -> VideoJob:
+    ctx: HeadContext = request.app.state.ctx
+    params = ctx.params_for(body)
+    job = VideoJob(
+        id=new_request_id("video"),
+        model=ctx.model.id,
+        status="queued",
+        created_at=int(time.time()),
+        size=body.size,
+        num_frames=params.num_frames,
+        fps=body.fps,
+        seed=params.seed,
+        total_steps=params.num_inference_steps,
+    )
+    entry = JobEntry(job)
+    _jobs(request).add(entry)
+    entry.task = asyncio.create_task(_run(ctx, entry, params, body.fps))
+    return job
+
+
+async def _run(ctx: HeadContext, entry: JobEntry, params, fps: int) -> None:  # type: ignore[no-untyped-def]
+    job = entry.job
+
+    def on_event(event: RequestEvent) -> None:
+        job.state = event.state
+        if event.state not in ("PENDING", "ENCODER_WAITING"):
+            job.status = "in_progress"
+        if event.total_steps:
+            job.step, job.total_steps = event.step, event.total_steps
+            job.progress = int(100 * event.step / event.total_steps)
+
+    try:
+        output = await ctx.generate(params, job.id, on_event)
+        path = ctx.output_path / "videos" / f"{job.id}.mp4"
+        await asyncio.to_thread(write_mp4, output.pixels[0], path, fps)
+        entry.path = path
+        job.status, job.state, job.progress = "completed", "DONE", 100
+    except asyncio.CancelledError:
+        job.status, job.state = "cancelled", "CANCELLED"
+    except APIError as exc:
+        job.status = "cancelled" if exc.code == "cancelled" else "failed"
+        job.state = (exc.code or "failed").upper()
+        job.error = {"message": exc.message, "code": exc.code}
+    except Exception as exc:
+        log.exception("video job %s failed", job.id)
+        job.status, job.error = "failed", {"message": f"{type(exc).__name__}: {exc}", "code": "internal_error"}
+    finally:
+        job.completed_at = int(time.time())
+
+
+@router.get("/v1/videos", response_model=list[VideoJob])
+async def list_videos(request: Request) -> list[VideoJob]:
+    return _jobs(request).all()
+
+
+@router.get("/v1/videos/{video_id}", response_model=VideoJob)
+async def get_video(video_id: str, request: Request) -> VideoJob:
+    return _jobs(request).get(video_id).job
+
+
+@router.get("/v1/videos/{video_id}/content", response_class=FileResponse)
+async def get_video_content(video_id: str, request: Request) -> FileResponse:
+    entry = _jobs(request).get(video_id)
+    if entry.job.status != "completed" or entry.path is None:
+        raise APIError(409, f"video {video_id} is {entry.job.status}; content is ready when status is completed")
+    return FileResponse(entry.path, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+
+@router.delete("/v1/videos/{video_id}", response_model=VideoJob)
+async def delete_video(video_id: str, request: Request) -> VideoJob:
+    """Cancel a running job; delete a finished one and its file."""
+    jobs = _jobs(request)
+    entry = jobs.get(video_id)
+    if entry.job.status not in TERMINAL and entry.task is not None:
+        entry.task.cancel()
+        try:
+            await entry.task
+        except asyncio.CancelledError:
+            pass
+        return entry.job
+    if entry.path is not None:
+        entry.path.unlink(missing_ok=True)
+    jobs.remove(video_id)
+    return entry.job

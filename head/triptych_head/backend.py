@@ -1,0 +1,183 @@
+"""How the HTTP API reaches the pipeline: the DiffusionServer's frontend, or in-process (monolithic).
+
+Both backends take a request id and GenerationParams, report events (state changes, denoising
+progress) through a callback, and return the decoded pixels or raise GenerationFailed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from triptych.params import GenerationParams
+from triptych.protocol import Cancel, ProtocolError, RequestEvent, RequestResult, Submit, TensorSpec, decode, encode
+from triptych.protocol.tensors import PIXELS
+
+if TYPE_CHECKING:
+    from triptych_worker.pipeline import RolePipeline
+
+log = logging.getLogger(__name__)
+
+EventCallback = Callable[[RequestEvent], None]
+
+
+@dataclass
+class GenerationOutput:
+    pixels: np.ndarray  # uint8 [num_outputs, frames, height, width, 3]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class GenerationFailed(Exception):
+    def __init__(self, message: str, status_code: int = 500, state: str = "FAILED"):
+        super().__init__(message)
+        self.status_code = status_code
+        self.state = state
+
+
+class Backend(Protocol):
+    async def start(self) -> None: ...
+    async def generate(
+        self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
+    ) -> GenerationOutput: ...
+    async def cancel(self, request_id: str) -> None: ...
+    async def close(self) -> None: ...
+
+
+def pixels_from_frames(specs: list[dict[str, Any]], frames: list[Any]) -> np.ndarray:
+    """The PIXELS tensor of a result, as numpy (the head needs no torch)."""
+    for raw, frame in zip(specs, frames, strict=False):
+        spec = TensorSpec.from_wire(raw)
+        if spec.name != PIXELS:
+            continue
+        if spec.dtype != "uint8" or len(spec.shape) != 5 or spec.shape[-1] != 3:
+            raise ValueError(f"pixels must be uint8 [N, F, H, W, 3], got {spec.dtype} {list(spec.shape)}")
+        buf = memoryview(frame)
+        if buf.nbytes != spec.nbytes:
+            raise ValueError(f"pixels frame has {buf.nbytes} bytes, expected {spec.nbytes}")
+        return np.frombuffer(buf, dtype=np.uint8).reshape(spec.shape).copy()
+    raise ValueError("result carries no pixels tensor")
+
+
+class FrontendClient:
+    """A DEALER on the DiffusionServer's frontend ROUTER, multiplexing concurrent requests."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self._sock: zmq.asyncio.Socket | None = None
+        self._pending: dict[str, tuple[asyncio.Future[GenerationOutput], EventCallback | None]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
+        self._reader = asyncio.create_task(self._read())
+
+    async def generate(
+        self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
+    ) -> GenerationOutput:
+        assert self._sock is not None, "start() first"
+        if request_id in self._pending:
+            raise GenerationFailed(f"request id {request_id!r} is already active", 409, "REJECTED")
+        future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = (future, on_event)
+        try:
+            await self._sock.send_multipart(encode(Submit(request_id, params.to_wire())))
+            return await future
+        except asyncio.CancelledError:
+            await self.cancel(request_id)
+            raise
+        finally:
+            self._pending.pop(request_id, None)
+
+    async def cancel(self, request_id: str) -> None:
+        if self._sock is not None:
+            await self._sock.send_multipart(encode(Cancel(request_id)))
+
+    async def _read(self) -> None:
+        assert self._sock is not None
+        while True:
+            parts = await self._sock.recv_multipart(copy=False)
+            try:
+                msg, frames = decode([p.buffer for p in parts])
+            except ProtocolError as exc:
+                log.error("undecodable reply from the DiffusionServer: %s", exc)
+                continue
+            entry = self._pending.get(msg.request_id)
+            if entry is None:
+                continue
+            future, on_event = entry
+            if future.done():
+                continue
+            if isinstance(msg, RequestResult):
+                try:
+                    future.set_result(GenerationOutput(pixels_from_frames(msg.tensors, frames), dict(msg.timings)))
+                except ValueError as exc:
+                    future.set_exception(GenerationFailed(f"bad result from the decoder: {exc}", 502))
+            elif isinstance(msg, RequestEvent):
+                if msg.error is not None:
+                    future.set_exception(GenerationFailed(msg.error, msg.status_code or 500, msg.state))
+                elif on_event is not None:
+                    on_event(msg)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._sock is not None:
+            self._sock.close()
+
+
+class LocalBackend:
+    """Monolithic mode: every stage in this process, one request at a time on the device."""
+
+    def __init__(self, pipeline: RolePipeline):
+        self._pipeline = pipeline
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
+        self._cancelled: set[str] = set()
+
+    async def start(self) -> None:
+        pass
+
+    async def generate(
+        self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
+    ) -> GenerationOutput:
+        from triptych_worker.stages import StageBatch
+
+        loop = asyncio.get_running_loop()
+
+        def progress(step: int, total: int) -> None:
+            if request_id in self._cancelled:
+                raise GenerationFailed("cancelled by the client", 499, "CANCELLED")
+            if on_event is not None:
+                event = RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=total)
+                loop.call_soon_threadsafe(on_event, event)
+
+        batch = StageBatch(params=params, on_progress=progress)
+        started = loop.time()
+        try:
+            await loop.run_in_executor(self._executor, self._pipeline.run, batch)
+        except GenerationFailed:
+            raise
+        except ValueError as exc:
+            raise GenerationFailed(str(exc), 400) from None
+        except Exception as exc:
+            log.exception("request %s failed", request_id)
+            raise GenerationFailed(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            self._cancelled.discard(request_id)
+        pixels = batch.tensors[PIXELS].cpu().numpy()
+        return GenerationOutput(pixels=pixels, timings={"total": loop.time() - started})
+
+    async def cancel(self, request_id: str) -> None:
+        self._cancelled.add(request_id)
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

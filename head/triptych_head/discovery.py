@@ -1,0 +1,72 @@
+"""Where the workers are: static tcp:// endpoints, or dns:// names resolved periodically.
+
+`dns://NAME:PORT` stands for every address NAME resolves to (a Kubernetes headless Service
+lists its ready pods), each as tcp://ADDRESS:PORT; instances come and go as the role scales.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+Resolver = Callable[[str], list[str]]
+
+
+def resolve_addresses(host: str) -> list[str]:
+    """All addresses `host` resolves to, sorted; [] when it does not resolve (yet)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def expand(spec: str, resolver: Resolver = resolve_addresses) -> list[str]:
+    """The tcp:// endpoints a --*-urls entry stands for right now."""
+    if not spec.startswith("dns://"):
+        return [spec]
+    parts = urlsplit(spec)
+    if not parts.hostname or parts.port is None:
+        raise ValueError(f"{spec!r} is not a dns://NAME:PORT endpoint")
+    return [f"tcp://{f'[{a}]' if ':' in a else a}:{parts.port}" for a in resolver(parts.hostname)]
+
+
+class WorkerDirectory:
+    """The current endpoints of one role; dns:// entries are re-resolved in a background thread."""
+
+    def __init__(self, specs: list[str], interval_s: float = 5.0, resolver: Resolver = resolve_addresses):
+        self._specs = list(specs)
+        self._resolver = resolver
+        self._interval = interval_s
+        self._urls = self._resolve()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if any(s.startswith("dns://") for s in specs):
+            self._thread = threading.Thread(target=self._refresh_loop, name="worker-discovery", daemon=True)
+            self._thread.start()
+
+    @property
+    def urls(self) -> list[str]:
+        return self._urls
+
+    def _resolve(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for spec in self._specs:
+            for url in expand(spec, self._resolver):
+                seen[url] = None
+        return list(seen)
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            urls = self._resolve()
+            if urls != self._urls:
+                log.info("discovery: %s -> %s", self._specs, urls)
+                self._urls = urls
+
+    def close(self) -> None:
+        self._stop.set()

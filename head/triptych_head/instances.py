@@ -1,0 +1,46 @@
+"""What the head knows about each worker instance, learned from its heartbeats."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from triptych.roles import Role
+
+
+@dataclass
+class WorkerInstance:
+    """One worker endpoint (tcp://HOST:PORT) of one role."""
+
+    url: str
+    role: Role
+    capacity: int = 0
+    inflight: set[str] = field(default_factory=set)  # request ids holding one of its scheduling slots
+    session: str | None = None
+    pool_bytes: int = 0
+    free_bytes: int = 0
+    model: str = ""
+    last_heartbeat: float | None = None
+    # Set when it refused an allocation for lack of room; cleared by a heartbeat showing more room.
+    refused_bytes: int | None = None
+    dispatched_total: int = 0
+
+    def alive(self, now: float, heartbeat_timeout: float) -> bool:
+        return self.last_heartbeat is not None and now - self.last_heartbeat <= heartbeat_timeout
+
+    @property
+    def free_slots(self) -> int:
+        return max(self.capacity - len(self.inflight), 0)
+
+    def can_take(self, nbytes: int = 0) -> bool:
+        """A free scheduling slot and, for a transfer, no recent refusal for this size."""
+        if self.free_slots <= 0:
+            return False
+        return self.refused_bytes is None or nbytes < self.refused_bytes
+
+    def on_heartbeat(self, capacity: int, session: str, pool_bytes: int, free_bytes: int, model: str) -> None:
+        self.capacity, self.session, self.pool_bytes, self.model = capacity, session, pool_bytes, model
+        if self.refused_bytes is not None and free_bytes > self.free_bytes:
+            self.refused_bytes = None
+        self.free_bytes = free_bytes
+        self.last_heartbeat = time.monotonic()

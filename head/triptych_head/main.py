@@ -1,0 +1,74 @@
+"""Run the head (DiffusionServer + HTTP API), or the whole pipeline in one process (monolithic)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from triptych.config import ServeArgs
+from triptych.params import GenerationParams
+from triptych_head.api.app import create_app
+from triptych_head.api.context import HeadContext
+from triptych_head.backend import FrontendClient, LocalBackend
+from triptych_head.metrics import HeadMetrics
+from triptych_head.model_info import read_model_info
+from triptych_head.server import DiffusionServer
+
+log = logging.getLogger(__name__)
+
+
+def model_validator(model_path: str):  # type: ignore[no-untyped-def]
+    """Request checks against the model's configs (sizes, frame counts), without loading weights."""
+    from triptych_worker.pipeline import validate_for_model
+
+    def validate(params: GenerationParams) -> None:
+        validate_for_model(model_path, params)
+
+    return validate
+
+
+def _serve_http(args: ServeArgs, ctx: HeadContext) -> None:
+    uvicorn.run(create_app(ctx), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+
+
+def run_head(args: ServeArgs) -> int:
+    model = read_model_info(args.model_path)
+    validate = model_validator(args.model_path)
+    metrics = HeadMetrics()
+    server = DiffusionServer(args, metrics, validate=validate)
+    loop = threading.Thread(target=server.run, name="diffusion-server", daemon=True)
+    loop.start()
+    ctx = HeadContext(
+        backend=FrontendClient(server.frontend_endpoint),
+        model=model,
+        output_path=Path(args.output_path),
+        registry=metrics.registry,
+        validate=validate,
+        health=lambda: {"mode": "disaggregated", "workers": server.registry.snapshot()},
+    )
+    try:
+        _serve_http(args, ctx)
+    finally:
+        server.stop()
+        loop.join(timeout=5)
+    return 0
+
+
+def run_monolithic(args: ServeArgs) -> int:
+    from triptych_worker.pipeline import load_role_pipeline
+
+    model = read_model_info(args.model_path)
+    pipeline = load_role_pipeline(args.model_path, args.disagg_role, args.resolved_device)
+    ctx = HeadContext(
+        backend=LocalBackend(pipeline),
+        model=model,
+        output_path=Path(args.output_path),
+        registry=HeadMetrics().registry,
+        validate=pipeline.validate,
+        health=lambda: {"mode": "monolithic"},
+    )
+    _serve_http(args, ctx)
+    return 0

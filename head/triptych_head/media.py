@@ -1,0 +1,37 @@
+"""Encoding decoded pixels into the files clients receive: PNG images and MP4 videos."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """One uint8 [H, W, 3] image as PNG."""
+    buf = io.BytesIO()
+    Image.fromarray(image, mode="RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_mp4(frames: np.ndarray, path: Path, fps: int) -> Path:
+    """uint8 [F, H, W, 3] frames as an H.264 MP4 (odd sizes are padded by one pixel)."""
+    import imageio.v2 as imageio
+
+    f, h, w, _ = frames.shape
+    if h % 2 or w % 2:  # yuv420p needs even dimensions
+        frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part.mp4")
+    writer = imageio.get_writer(
+        tmp, format="FFMPEG", fps=fps, codec="libx264", macro_block_size=1, pixelformat="yuv420p", quality=8
+    )
+    try:
+        for frame in frames:
+            writer.append_data(frame)
+    finally:
+        writer.close()
+    tmp.replace(path)
+    return path

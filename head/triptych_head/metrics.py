@@ -1,0 +1,49 @@
+"""Prometheus metrics of the head: one registry per process, served at GET /metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class HeadMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("triptych_requests", "Requests by final state", ["state"], registry=r)
+        self.request_seconds = Histogram(
+            "triptych_request_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.stage_seconds = Histogram(
+            "triptych_stage_seconds",
+            "Time a request spends in a role, from dispatch to its output being staged",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "triptych_queue_seconds", "Time waiting for a free instance", ["role"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_depth = Gauge("triptych_queue_depth", "Requests waiting for an instance", ["role"], registry=r)
+        self.active_requests = Gauge("triptych_active_requests", "Requests in flight", registry=r)
+        self.free_slots = Gauge(
+            "triptych_free_slots", "Free scheduling slots per instance", ["role", "instance"], registry=r
+        )
+        self.free_pool_bytes = Gauge(
+            "triptych_transfer_pool_free_bytes", "Free transfer-pool bytes per instance", ["role", "instance"], registry=r
+        )
+        self.instance_up = Gauge("triptych_instance_up", "1 when the instance heartbeats", ["role", "instance"], registry=r)
+        self.transfer_bytes = Counter(
+            "triptych_transfer_bytes", "Bytes moved worker-to-worker", ["source", "destination"], registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "triptych_transfer_seconds",
+            "Mooncake write time reported by the sender",
+            ["source", "destination"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.dropped_messages = Counter(
+            "triptych_dropped_messages", "Worker messages that could not be decoded or matched", registry=r
+        )

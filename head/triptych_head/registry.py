@@ -1,0 +1,152 @@
+"""The head's view of its worker pools: instances, their work sockets, pings and liveness."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from triptych.protocol import Ping, encode
+from triptych.roles import Role
+from triptych_head.discovery import WorkerDirectory
+from triptych_head.instances import WorkerInstance
+from triptych_head.metrics import HeadMetrics
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRegistry:
+    """Instances per role, kept in sync with discovery; one PUSH socket per instance.
+
+    Work sockets use ZMQ_IMMEDIATE, so a send to an instance that is not connected fails at
+    once instead of queueing work for a worker that may never come.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        directories: dict[Role, WorkerDirectory],
+        heartbeat_timeout: float,
+        metrics: HeadMetrics,
+    ):
+        self._ctx = ctx
+        self._directories = directories
+        self.heartbeat_timeout = heartbeat_timeout
+        self._metrics = metrics
+        self._instances: dict[Role, dict[str, WorkerInstance]] = {role: {} for role in directories}
+        self._sockets: dict[str, zmq.Socket] = {}
+        self.sync()
+
+    def roles(self) -> list[Role]:
+        return list(self._instances)
+
+    def instances(self, role: Role) -> Sequence[WorkerInstance]:
+        return list(self._instances.get(role, {}).values())
+
+    def get(self, role: Role, url: str) -> WorkerInstance | None:
+        return self._instances.get(role, {}).get(url)
+
+    def find(self, url: str) -> WorkerInstance | None:
+        for by_url in self._instances.values():
+            if url in by_url:
+                return by_url[url]
+        return None
+
+    def alive(self, inst: WorkerInstance) -> bool:
+        return inst.alive(time.monotonic(), self.heartbeat_timeout)
+
+    def sync(self) -> list[WorkerInstance]:
+        """Add and remove instances to match discovery; returns the removed ones."""
+        removed = []
+        for role, directory in self._directories.items():
+            current = self._instances[role]
+            wanted = directory.urls
+            for url in wanted:
+                if url not in current:
+                    current[url] = WorkerInstance(url=url, role=role)
+                    self._sockets[url] = self._connect(url)
+                    log.info("%s instance added: %s", role.value, url)
+            for url in [u for u in current if u not in wanted]:
+                removed.append(current.pop(url))
+                self._sockets.pop(url).close(linger=0)
+                self._forget_metrics(role, url)
+                log.info("%s instance removed: %s", role.value, url)
+        return removed
+
+    def _connect(self, url: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.connect(url)
+        return sock
+
+    def send(self, url: str, msg: Any, frames: Sequence[Any] = ()) -> bool:
+        """Send without blocking; False when the instance is not connected (or its queue is full)."""
+        sock = self._sockets.get(url)
+        if sock is None:
+            return False
+        try:
+            sock.send_multipart(encode(msg, frames), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+    def ping_all(self) -> None:
+        for by_url in self._instances.values():
+            for url in by_url:
+                self.send(url, Ping(instance=url))
+
+    def lost(self) -> list[WorkerInstance]:
+        """Instances whose heartbeats stopped since the last call (each reported once)."""
+        now = time.monotonic()
+        gone = []
+        for by_url in self._instances.values():
+            for inst in by_url.values():
+                if inst.last_heartbeat is not None and not inst.alive(now, self.heartbeat_timeout):
+                    inst.last_heartbeat = None
+                    gone.append(inst)
+        return gone
+
+    def publish_metrics(self) -> None:
+        now = time.monotonic()
+        for role, by_url in self._instances.items():
+            for url, inst in by_url.items():
+                up = inst.alive(now, self.heartbeat_timeout)
+                self._metrics.instance_up.labels(role.value, url).set(1 if up else 0)
+                self._metrics.free_slots.labels(role.value, url).set(inst.free_slots if up else 0)
+                self._metrics.free_pool_bytes.labels(role.value, url).set(inst.free_bytes if up else 0)
+
+    def _forget_metrics(self, role: Role, url: str) -> None:
+        for gauge in (self._metrics.instance_up, self._metrics.free_slots, self._metrics.free_pool_bytes):
+            try:
+                gauge.remove(role.value, url)
+            except KeyError:
+                pass
+
+    def snapshot(self) -> dict[str, list[dict[str, Any]]]:
+        """For /health: every instance with its liveness and load."""
+        now = time.monotonic()
+        return {
+            role.value: [
+                {
+                    "url": i.url,
+                    "alive": i.alive(now, self.heartbeat_timeout),
+                    "capacity": i.capacity,
+                    "free_slots": i.free_slots,
+                    "pool_bytes": i.pool_bytes,
+                    "free_bytes": i.free_bytes,
+                }
+                for i in by_url.values()
+            ]
+            for role, by_url in self._instances.items()
+        }
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        for directory in self._directories.values():
+            directory.close()

@@ -1,0 +1,433 @@
+"""DiffusionServer: routes every request through the worker pools; moves control, never tensors.
+
+One thread owns every socket. A request enters on the frontend ROUTER (Submit), waits in its
+role's queue until the dispatch policy finds an instance, and moves hop by hop through the
+transfer flow (spec, "Transfer Flow"):
+
+    sender --TransferStaged--> head --TransferAlloc--> receiver --TransferAllocated--> head
+    head --TransferPush--> sender --(Mooncake write)--> sender --TransferPushed--> head
+    head --TransferReady--> receiver ... decoder --Result(pixels)--> head --> API client
+
+Every state change goes through RequestRecord.move (state.py); every way a request ends goes
+through `_finish`, which releases the slots and buffers it held on any worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from triptych.config import ServeArgs
+from triptych.params import GenerationParams
+from triptych.ports import frontend_port, result_port
+from triptych.protocol import (
+    Cancel,
+    CancelWork,
+    Failed,
+    Heartbeat,
+    Progress,
+    ProtocolError,
+    RequestEvent,
+    RequestResult,
+    Result,
+    Started,
+    Submit,
+    TransferAlloc,
+    TransferAllocated,
+    TransferPush,
+    TransferPushed,
+    TransferReady,
+    TransferRefused,
+    TransferStaged,
+    Work,
+    decode,
+    encode,
+)
+from triptych.roles import Role
+from triptych_head.discovery import WorkerDirectory
+from triptych_head.dispatch import make_policy
+from triptych_head.instances import WorkerInstance
+from triptych_head.metrics import HeadMetrics
+from triptych_head.registry import WorkerRegistry
+from triptych_head.state import ROLE_STATES, RequestRecord, RequestState, StagedPayload
+
+log = logging.getLogger(__name__)
+
+PING_INTERVAL_S = 0.5
+POLL_MS = 50
+DRAIN_LIMIT = 1000  # messages taken from one socket per loop turn, so no socket starves the others
+REJECTED = "REJECTED"
+
+Validator = Callable[[GenerationParams], None]
+
+
+def pipeline_route(args: ServeArgs) -> list[Role]:
+    """The roles a text-to-image/video request visits, from the URL flags given to the head."""
+    first = [Role.PROMPT_ENCODER] if args.prompt_encoder_urls else [Role.ENCODER]
+    return [*first, Role.DENOISER, Role.DECODER]
+
+
+class DiffusionServer:
+    def __init__(
+        self,
+        args: ServeArgs,
+        metrics: HeadMetrics | None = None,
+        validate: Validator | None = None,
+        ctx: zmq.Context | None = None,
+    ):
+        self.args = args
+        self.metrics = metrics or HeadMetrics()
+        self._validate = validate
+        self._ctx = ctx or zmq.Context.instance()
+        self._route = pipeline_route(args)
+        self._policy = make_policy(args.disagg_dispatch_policy)
+        directories = {role: WorkerDirectory(args.urls_for(role)) for role in dict.fromkeys(self._route)}
+        self.registry = WorkerRegistry(self._ctx, directories, args.disagg_heartbeat_timeout, self.metrics)
+        self.requests: dict[str, RequestRecord] = {}
+        self._queues: dict[Role, deque[str]] = {role: deque() for role in directories}
+        self._stop = threading.Event()
+        self._sockets: list[tuple[zmq.Socket, Role | None]] = []
+        self.frontend_endpoint = f"tcp://127.0.0.1:{frontend_port(args.scheduler_port)}"
+        self.frontend = self._bind(zmq.ROUTER, self.frontend_endpoint, None)
+        for role in directories:
+            self._bind(zmq.PULL, f"tcp://{args.host}:{result_port(args.scheduler_port, role)}", role)
+
+    def _bind(self, kind: int, endpoint: str, role: Role | None) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            for other, _ in self._sockets:
+                other.close()
+            raise OSError(f"cannot bind {endpoint}: {exc} (is another head using --scheduler-port?)") from None
+        self._sockets.append((sock, role))
+        return sock
+
+    # --- loop -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until stop(); call from the thread that owns this server."""
+        poller = zmq.Poller()
+        for sock, _ in self._sockets:
+            poller.register(sock, zmq.POLLIN)
+        next_tick = 0.0
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(POLL_MS))
+                for sock, role in self._sockets:
+                    if sock in ready:
+                        self._drain(sock, role)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + PING_INTERVAL_S
+                    self._tick(now)
+                self._dispatch_all()
+        finally:
+            self.registry.close()
+            for sock, _ in self._sockets:
+                sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _drain(self, sock: zmq.Socket, role: Role | None) -> None:
+        for _ in range(DRAIN_LIMIT):
+            try:
+                parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if role is None:
+                self._on_frontend([p.buffer for p in parts])
+            else:
+                self._on_worker(role, [p.buffer for p in parts])
+
+    def _tick(self, now: float) -> None:
+        for inst in self.registry.sync():
+            self._fail_involving(inst, f"{inst.role.value} {inst.url} left the service (discovery removed it)")
+        self.registry.ping_all()
+        for inst in self.registry.lost():
+            inst.inflight.clear()
+            self._fail_involving(
+                inst,
+                f"{inst.role.value} {inst.url} stopped responding "
+                f"(no heartbeat for {self.registry.heartbeat_timeout:g}s)",
+            )
+        for rec in [r for r in self.requests.values() if now >= r.deadline]:
+            self._finish(rec, RequestState.TIMED_OUT, self._timeout_reason(rec), status_code=504)
+        self.registry.publish_metrics()
+        for role, queue in self._queues.items():
+            self.metrics.queue_depth.labels(role.value).set(len(queue))
+        self.metrics.active_requests.set(len(self.requests))
+
+    def _timeout_reason(self, rec: RequestRecord) -> str:
+        role = rec.role.value
+        alive = sum(1 for i in self.registry.instances(rec.role) if self.registry.alive(i))
+        total = len(self.registry.instances(rec.role))
+        return (
+            f"request timed out after {self.args.disagg_timeout:g}s (--disagg-timeout) in state {rec.state.value}; "
+            f"{alive} of {total} {role} instances responding"
+        )
+
+    # --- frontend: API clients --------------------------------------------------------------
+
+    def _on_frontend(self, parts: list[Any]) -> None:
+        if len(parts) < 2:
+            return
+        client, body = bytes(parts[0]), parts[1:]
+        try:
+            msg, _ = decode(body)
+        except ProtocolError as exc:
+            self._reply(client, RequestEvent(exc.request_id or "", REJECTED, error=str(exc), status_code=400))
+            return
+        if isinstance(msg, Submit):
+            self._submit(client, msg)
+        elif isinstance(msg, Cancel):
+            rec = self.requests.get(msg.request_id)
+            if rec is not None:
+                self._finish(rec, RequestState.CANCELLED, "cancelled by the client", status_code=499)
+        else:
+            self._reply(client, RequestEvent("", REJECTED, error=f"{msg.TYPE} is not a frontend message", status_code=400))
+
+    def _submit(self, client: bytes, msg: Submit) -> None:
+        rid = msg.request_id
+        if not rid:
+            self._reply(client, RequestEvent(rid, REJECTED, error="request_id must be non-empty", status_code=400))
+            return
+        if rid in self.requests:
+            # The original request is untouched: only the duplicate's sender hears about it.
+            self._reply(client, RequestEvent(rid, REJECTED, error=f"request id {rid!r} is already active", status_code=409))
+            return
+        try:
+            params = GenerationParams.from_wire(msg.params)
+            if self._validate is not None:
+                self._validate(params)
+        except ValueError as exc:
+            self._reply(client, RequestEvent(rid, REJECTED, error=str(exc), status_code=400))
+            return
+        rec = RequestRecord(
+            request_id=rid,
+            params=params,
+            route=list(self._route),
+            client=client,
+            deadline=time.monotonic() + self.args.disagg_timeout,
+        )
+        self.requests[rid] = rec
+        self._enter_hop(rec)
+
+    def _reply(self, client: bytes, msg: Any, frames: list[Any] | None = None) -> None:
+        try:
+            self.frontend.send_multipart([client, *encode(msg, frames or [])], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("frontend client %r is not reading; dropped %s", client, msg.TYPE)
+
+    def _event(self, rec: RequestRecord, step: int = 0, total: int = 0) -> None:
+        self._reply(rec.client, RequestEvent(rec.request_id, rec.state.value, step=step, total_steps=total))
+
+    # --- workers ----------------------------------------------------------------------------
+
+    def _on_worker(self, role: Role, parts: list[Any]) -> None:
+        try:
+            msg, frames = decode(parts)
+        except ProtocolError as exc:
+            self.metrics.dropped_messages.inc()
+            rec = self.requests.get(exc.request_id or "")
+            if rec is None:
+                log.warning("dropped undecodable message on the %s result socket: %s", role.value, exc)
+            else:
+                self._finish(rec, RequestState.FAILED, f"malformed message from a {role.value}: {exc}")
+            return
+        inst = self.registry.get(role, getattr(msg, "instance", ""))
+        if inst is None:
+            self.metrics.dropped_messages.inc()
+            log.warning("dropped %s from unknown %s instance %r", msg.TYPE, role.value, getattr(msg, "instance", None))
+            return
+        if isinstance(msg, Heartbeat):
+            inst.on_heartbeat(msg.capacity, msg.session, msg.pool_bytes, msg.free_bytes, msg.model)
+            return
+        rec = self.requests.get(msg.request_id)
+        if rec is None:
+            log.debug("late %s for finished request %s from %s", msg.TYPE, msg.request_id, inst.url)
+            if isinstance(msg, (TransferStaged, TransferAllocated)):
+                self.registry.send(inst.url, CancelWork(msg.request_id, inst.url))
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self.metrics.dropped_messages.inc()
+            log.warning("dropped %s: not a worker message", msg.TYPE)
+            return
+        handler(self, rec, inst, msg, frames)
+
+    def _on_started(self, rec: RequestRecord, inst: WorkerInstance, msg: Started, frames: list[Any]) -> None:
+        pass
+
+    def _on_progress(self, rec: RequestRecord, inst: WorkerInstance, msg: Progress, frames: list[Any]) -> None:
+        if rec.instance == inst.url:
+            self._event(rec, msg.step, msg.total)
+
+    def _on_staged(self, rec: RequestRecord, inst: WorkerInstance, msg: TransferStaged, frames: list[Any]) -> None:
+        waiting, running, done = ROLE_STATES[rec.role]
+        if rec.state is not running or rec.instance != inst.url:
+            self.registry.send(inst.url, CancelWork(rec.request_id, inst.url))
+            return
+        self._record_stage_time(rec)
+        rec.move(done)
+        rec.staged = StagedPayload(sender=inst.url, nbytes=msg.nbytes, manifest=msg.manifest, meta=msg.meta)
+        rec.instance = None
+        rec.hop += 1
+        self._enter_hop(rec)
+
+    def _on_allocated(self, rec: RequestRecord, inst: WorkerInstance, msg: TransferAllocated, frames: list[Any]) -> None:
+        if not (rec.receiver_reserved and rec.instance == inst.url and rec.staged):
+            self.registry.send(inst.url, CancelWork(rec.request_id, inst.url))
+            return
+        push = TransferPush(rec.request_id, rec.staged.sender, dest_session=msg.session, dest_addr=msg.addr)
+        if not self.registry.send(rec.staged.sender, push):
+            self._finish(rec, RequestState.FAILED, f"sender {rec.staged.sender} is unreachable; its output is lost")
+
+    def _on_refused(self, rec: RequestRecord, inst: WorkerInstance, msg: TransferRefused, frames: list[Any]) -> None:
+        if not (rec.receiver_reserved and rec.instance == inst.url):
+            return
+        if msg.fatal:
+            self._finish(rec, RequestState.FAILED, f"{inst.role.value} {inst.url}: {msg.reason}", status_code=413)
+            return
+        # Back-pressure: the sender keeps holding the tensors until this or another receiver has room.
+        inst.inflight.discard(rec.request_id)
+        inst.refused_bytes = rec.staged.nbytes if rec.staged else 0
+        rec.instance, rec.receiver_reserved = None, False
+        self._queues[rec.role].appendleft(rec.request_id)
+
+    def _on_pushed(self, rec: RequestRecord, inst: WorkerInstance, msg: TransferPushed, frames: list[Any]) -> None:
+        staged = rec.staged
+        if staged is None or staged.sender != inst.url or not rec.receiver_reserved or rec.instance is None:
+            return
+        inst.inflight.discard(rec.request_id)  # spec step 5: the sender's scheduling slot is free again
+        receiver = self.registry.find(rec.instance)
+        dest = receiver.role.value if receiver else "?"
+        self.metrics.transfer_bytes.labels(inst.role.value, dest).inc(msg.nbytes)
+        self.metrics.transfer_seconds.labels(inst.role.value, dest).observe(msg.seconds)
+        rec.timings[f"transfer_{inst.role.value}_{dest}"] = msg.seconds
+        ready = TransferReady(rec.request_id, rec.instance, rec.params.to_wire(), staged.manifest, staged.meta)
+        rec.staged, rec.receiver_reserved = None, False
+        if not self.registry.send(rec.instance, ready):
+            self._finish(rec, RequestState.FAILED, f"{dest} {rec.instance} became unreachable before its input was ready")
+            return
+        rec.move(ROLE_STATES[rec.role][1])
+        rec.hop_started = time.monotonic()
+        self._event(rec)
+
+    def _on_result(self, rec: RequestRecord, inst: WorkerInstance, msg: Result, frames: list[Any]) -> None:
+        if rec.state is not RequestState.DECODER_RUNNING or rec.instance != inst.url:
+            return
+        self._record_stage_time(rec)
+        rec.timings["total"] = time.monotonic() - rec.created
+        rec.move(RequestState.DONE)
+        self._reply(rec.client, RequestResult(rec.request_id, msg.tensors, rec.timings), frames)
+        self._finish(rec, RequestState.DONE)
+
+    def _on_failed(self, rec: RequestRecord, inst: WorkerInstance, msg: Failed, frames: list[Any]) -> None:
+        if inst.url in rec.involved_instances():
+            inst.inflight.discard(rec.request_id)
+            self._finish(rec, RequestState.FAILED, f"{inst.role.value} {inst.url}: {msg.error}")
+
+    _handlers: dict[type, Callable[..., None]] = {
+        Started: _on_started,
+        Progress: _on_progress,
+        TransferStaged: _on_staged,
+        TransferAllocated: _on_allocated,
+        TransferRefused: _on_refused,
+        TransferPushed: _on_pushed,
+        Result: _on_result,
+        Failed: _on_failed,
+    }
+
+    # --- hops and dispatch ------------------------------------------------------------------
+
+    def _enter_hop(self, rec: RequestRecord) -> None:
+        rec.move(ROLE_STATES[rec.role][0])
+        rec.hop_started = time.monotonic()
+        self._queues[rec.role].append(rec.request_id)
+        self._event(rec)
+
+    def _dispatch_all(self) -> None:
+        for role, queue in self._queues.items():
+            while queue and self._dispatch_one(role, queue[0]):
+                queue.popleft()
+
+    def _dispatch_one(self, role: Role, rid: str) -> bool:
+        """Give the request at the head of `role`'s queue to an instance; False if none can take it."""
+        rec = self.requests.get(rid)
+        if rec is None or rec.state.terminal:
+            return True  # stale entry
+        instances = self.registry.instances(role)
+        nbytes = rec.staged.nbytes if rec.staged else 0
+        if rec.staged:
+            known = [i for i in instances if self.registry.alive(i) and i.pool_bytes]
+            if known and all(nbytes > i.pool_bytes for i in known):
+                largest = max(i.pool_bytes for i in known)
+                self._finish(
+                    rec,
+                    RequestState.FAILED,
+                    f"payload of {nbytes} bytes exceeds --disagg-transfer-pool-size of every {role.value} "
+                    f"({largest} bytes); raise it on the {role.value} workers",
+                    status_code=413,
+                )
+                return True
+        inst = self._policy(instances, lambda i: self.registry.alive(i) and i.can_take(nbytes))
+        if inst is None:
+            return False
+        self.metrics.queue_seconds.labels(role.value).observe(time.monotonic() - rec.hop_started)
+        if rec.staged:
+            sent = self.registry.send(inst.url, TransferAlloc(rid, inst.url, nbytes))
+        else:
+            sent = self.registry.send(inst.url, Work(rid, inst.url, rec.params.to_wire()))
+        if not sent:
+            inst.last_heartbeat = None  # not connected: stop choosing it until it heartbeats again
+            return False
+        inst.inflight.add(rid)
+        inst.dispatched_total += 1
+        rec.instance = inst.url
+        rec.hop_started = time.monotonic()
+        if rec.staged:
+            rec.receiver_reserved = True
+        else:
+            rec.move(ROLE_STATES[role][1])
+            self._event(rec)
+        return True
+
+    def _record_stage_time(self, rec: RequestRecord) -> None:
+        elapsed = time.monotonic() - rec.hop_started
+        self.metrics.stage_seconds.labels(rec.role.value).observe(elapsed)
+        rec.timings[rec.role.value] = elapsed
+
+    # --- endings ----------------------------------------------------------------------------
+
+    def _fail_involving(self, inst: WorkerInstance, reason: str) -> None:
+        for rec in [r for r in self.requests.values() if inst.url in r.involved_instances()]:
+            self._finish(rec, RequestState.FAILED, reason, status_code=503)
+
+    def _finish(self, rec: RequestRecord, state: RequestState, error: str | None = None, status_code: int = 500) -> None:
+        """End a request: release what it holds on every worker, tell its client, forget it."""
+        if rec.state is not state:
+            rec.move(state)
+        for url in rec.involved_instances():
+            inst = self.registry.find(url)
+            if inst is not None:
+                inst.inflight.discard(rec.request_id)
+            if state is not RequestState.DONE:
+                self.registry.send(url, CancelWork(rec.request_id, url))
+        self.requests.pop(rec.request_id, None)
+        self.metrics.requests.labels(state.value).inc()
+        if state is RequestState.DONE:
+            self.metrics.request_seconds.observe(time.monotonic() - rec.created)
+            return
+        rec.error = error
+        log.info("request %s %s: %s", rec.request_id, state.value, error)
+        self._reply(rec.client, RequestEvent(rec.request_id, state.value, error=error, status_code=status_code))

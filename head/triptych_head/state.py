@@ -1,0 +1,121 @@
+"""The request state machine (spec, "Request State Machine"), enforced in one place.
+
+PENDING -> ENCODER_WAITING -> ENCODER_RUNNING -> ENCODER_DONE -> DENOISING_WAITING -> ...
+-> DECODER_RUNNING -> DONE; any non-terminal state -> FAILED, TIMED_OUT or CANCELLED.
+With split encoders a request passes the ENCODER_* states once per encoder hop.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from triptych.params import GenerationParams
+from triptych.roles import Role
+
+
+class RequestState(str, enum.Enum):
+    PENDING = "PENDING"
+    ENCODER_WAITING = "ENCODER_WAITING"
+    ENCODER_RUNNING = "ENCODER_RUNNING"
+    ENCODER_DONE = "ENCODER_DONE"
+    DENOISING_WAITING = "DENOISING_WAITING"
+    DENOISING_RUNNING = "DENOISING_RUNNING"
+    DENOISING_DONE = "DENOISING_DONE"
+    DECODER_WAITING = "DECODER_WAITING"
+    DECODER_RUNNING = "DECODER_RUNNING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+    TIMED_OUT = "TIMED_OUT"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({RequestState.DONE, RequestState.FAILED, RequestState.TIMED_OUT, RequestState.CANCELLED})
+
+_S = RequestState
+_FORWARD: dict[RequestState, frozenset[RequestState]] = {
+    _S.PENDING: frozenset({_S.ENCODER_WAITING}),
+    _S.ENCODER_WAITING: frozenset({_S.ENCODER_RUNNING}),
+    _S.ENCODER_RUNNING: frozenset({_S.ENCODER_DONE}),
+    # A second encoder hop (prompt_encoder -> image_encoder) re-enters ENCODER_WAITING.
+    _S.ENCODER_DONE: frozenset({_S.DENOISING_WAITING, _S.ENCODER_WAITING}),
+    _S.DENOISING_WAITING: frozenset({_S.DENOISING_RUNNING}),
+    _S.DENOISING_RUNNING: frozenset({_S.DENOISING_DONE}),
+    _S.DENOISING_DONE: frozenset({_S.DECODER_WAITING}),
+    _S.DECODER_WAITING: frozenset({_S.DECODER_RUNNING}),
+    _S.DECODER_RUNNING: frozenset({_S.DONE}),
+}
+
+# The (waiting, running, done) states a hop to `role` passes through.
+ROLE_STATES: dict[Role, tuple[RequestState, RequestState, RequestState]] = {
+    Role.ENCODER: (_S.ENCODER_WAITING, _S.ENCODER_RUNNING, _S.ENCODER_DONE),
+    Role.PROMPT_ENCODER: (_S.ENCODER_WAITING, _S.ENCODER_RUNNING, _S.ENCODER_DONE),
+    Role.IMAGE_ENCODER: (_S.ENCODER_WAITING, _S.ENCODER_RUNNING, _S.ENCODER_DONE),
+    Role.DENOISER: (_S.DENOISING_WAITING, _S.DENOISING_RUNNING, _S.DENOISING_DONE),
+    Role.DECODER: (_S.DECODER_WAITING, _S.DECODER_RUNNING, _S.DONE),
+}
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+def check_transition(current: RequestState, target: RequestState) -> None:
+    """Raise InvalidTransition unless the spec allows current -> target."""
+    if current.terminal:
+        raise InvalidTransition(f"request already {current.value}; cannot move to {target.value}")
+    if target in (_S.FAILED, _S.TIMED_OUT, _S.CANCELLED):
+        return
+    if target not in _FORWARD.get(current, frozenset()):
+        raise InvalidTransition(f"{current.value} -> {target.value} is not a transition of the request state machine")
+
+
+@dataclass
+class StagedPayload:
+    """Tensors a sender holds in its transfer buffer, waiting for a receiver."""
+
+    sender: str
+    nbytes: int
+    manifest: list[dict[str, Any]]
+    meta: dict[str, Any]
+
+
+@dataclass
+class RequestRecord:
+    """Everything the head knows about one in-flight request."""
+
+    request_id: str
+    params: GenerationParams
+    route: list[Role]
+    client: bytes
+    deadline: float
+    state: RequestState = RequestState.PENDING
+    hop: int = 0
+    instance: str | None = None  # the worker running (or receiving) the current hop
+    staged: StagedPayload | None = None
+    receiver_reserved: bool = False
+    created: float = field(default_factory=time.monotonic)
+    hop_started: float = field(default_factory=time.monotonic)
+    timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def role(self) -> Role:
+        return self.route[self.hop]
+
+    def move(self, target: RequestState) -> None:
+        check_transition(self.state, target)
+        self.state = target
+
+    def involved_instances(self) -> set[str]:
+        """Workers that may hold state for this request (running it, staging for it, or a slot)."""
+        out = {self.instance} if self.instance else set()
+        if self.staged:
+            out.add(self.staged.sender)
+        return out

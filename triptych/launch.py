@@ -1,0 +1,26 @@
+"""`triptych serve`: start the process for the chosen --disagg-role."""
+
+from __future__ import annotations
+
+import logging
+
+from triptych.config import ServeArgs
+from triptych.roles import Role
+
+
+def serve(args: ServeArgs) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [{args.disagg_role.value}] %(name)s: %(message)s",
+    )
+    if args.disagg_role is Role.SERVER:
+        from triptych_head.main import run_head
+
+        return run_head(args)
+    if args.disagg_role is Role.MONOLITHIC:
+        from triptych_head.main import run_monolithic
+
+        return run_monolithic(args)
+    from triptych_worker.runtime import run_worker
+
+    return run_worker(args)

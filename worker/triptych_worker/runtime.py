@@ -1,0 +1,332 @@
+"""The worker process: one role's stages behind a ZMQ work socket and a Mooncake transfer pool.
+
+Threads, each with one job and its own socket to the head:
+- control (the caller of `serve`): receives head messages, answers pings and allocations;
+- compute: runs the stages of one request at a time, stages outputs into the pool;
+- transfer: pushes staged outputs to receivers through Mooncake.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from triptych.config import ServeArgs
+from triptych.params import GenerationParams
+from triptych.ports import result_endpoint
+from triptych.protocol import (
+    CancelWork,
+    Failed,
+    Heartbeat,
+    Ping,
+    Progress,
+    ProtocolError,
+    Result,
+    Started,
+    TransferAlloc,
+    TransferAllocated,
+    TransferPush,
+    TransferPushed,
+    TransferReady,
+    TransferRefused,
+    TransferStaged,
+    Work,
+    decode,
+    encode,
+    tensors_to_frames,
+)
+from triptych.roles import Role
+from triptych_worker.pipeline import RolePipeline, load_role_pipeline
+from triptych_worker.stages import PIXELS, StageBatch
+from triptych_worker.transfer import (
+    Allocation,
+    MooncakeTransport,
+    PayloadTooLarge,
+    TransferError,
+    TransferPool,
+    load_tensors,
+    stage_tensors,
+)
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+STAGING_RETRY_S = 0.01
+CANCELLED_MEMORY = 10_000  # how many cancelled request ids are remembered
+
+
+class RequestCancelled(Exception):
+    """Raised inside a running request the head cancelled, to stop its stages early."""
+
+
+@dataclass
+class Job:
+    request_id: str
+    params: dict[str, Any]
+    incoming: tuple[Allocation, list[dict[str, Any]], dict[str, Any]] | None = None
+
+
+@dataclass
+class StagedOutput:
+    allocation: Allocation
+    nbytes: int
+
+
+class HeadLink:
+    """A thread's own PUSH socket to the head's result port for this role."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str):
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.connect(endpoint)
+
+    def send(self, msg: Any, frames: Sequence[Any] = ()) -> None:
+        self._sock.send_multipart(encode(msg, frames), copy=False)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class Worker:
+    def __init__(self, args: ServeArgs, pipeline: RolePipeline | None = None):
+        self.args = args
+        self.role = args.disagg_role
+        self.device = args.resolved_device
+        self.pipeline = pipeline or load_role_pipeline(args.model_path, self.role, self.device)
+        self.transport = MooncakeTransport(args.disagg_p2p_hostname, args.disagg_ib_device)
+        self.pool = TransferPool(args.disagg_transfer_pool_size, self.transport, role=self.role.value)
+        self.ctx = zmq.Context.instance()
+        self.head_endpoint = result_endpoint(args.disagg_server_addr or "", self.role)
+        self.work_endpoint = f"tcp://{args.disagg_p2p_hostname}:{args.scheduler_port}"
+        self.instance = ""  # learned from the head's first message: the URL the head knows us by
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._pushes: queue.Queue[tuple[str, TransferPush] | None] = queue.Queue()
+        self._staged: dict[str, StagedOutput] = {}
+        self._slots: dict[str, Allocation] = {}
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    # --- control thread ---------------------------------------------------------------------
+
+    def serve(self) -> None:
+        work = self.ctx.socket(zmq.PULL)
+        work.setsockopt(zmq.LINGER, 0)
+        work.bind(self.work_endpoint)
+        link = HeadLink(self.ctx, self.head_endpoint)
+        threads = [
+            threading.Thread(target=self._compute_loop, name="compute", daemon=True),
+            threading.Thread(target=self._transfer_loop, name="transfer", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        log.info(
+            "%s ready: work %s, results to %s, transfer session %s, pool %d bytes",
+            self.role.value, self.work_endpoint, self.head_endpoint, self.transport.session_id, self.pool.pool_bytes,
+        )  # fmt: skip
+        next_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                if work.poll(100):
+                    for _ in range(1000):
+                        try:
+                            parts = work.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_message(link, [p.buffer for p in parts])
+                if self.instance and time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+                    link.send(self._heartbeat())
+        finally:
+            self._jobs.put(None)
+            self._pushes.put(None)
+            for t in threads:
+                t.join(timeout=5)
+            work.close()
+            link.close()
+            self.transport.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            instance=self.instance,
+            role=self.role.value,
+            session=self.transport.session_id,
+            pool_bytes=self.pool.pool_bytes,
+            free_bytes=self.pool.free_bytes,
+            capacity=self.args.worker_capacity,
+            model=self.args.model_path,
+        )
+
+    def _on_message(self, link: HeadLink, parts: list[Any]) -> None:
+        try:
+            msg, _ = decode(parts)
+        except ProtocolError as exc:
+            log.warning("dropped undecodable message from the head: %s", exc)
+            if exc.request_id:
+                link.send(Failed(exc.request_id, self.instance, f"malformed message: {exc}"))
+            return
+        self.instance = msg.instance
+        if isinstance(msg, Ping):
+            link.send(self._heartbeat())
+        elif isinstance(msg, Work):
+            self._jobs.put(Job(msg.request_id, msg.params))
+        elif isinstance(msg, TransferAlloc):
+            self._allocate(link, msg)
+        elif isinstance(msg, TransferPush):
+            self._pushes.put((msg.request_id, msg))
+        elif isinstance(msg, TransferReady):
+            self._ready(link, msg)
+        elif isinstance(msg, CancelWork):
+            self._cancel(msg.request_id)
+        else:
+            log.warning("dropped %s: not a head-to-worker message", msg.TYPE)
+
+    def _allocate(self, link: HeadLink, msg: TransferAlloc) -> None:
+        try:
+            alloc = self.pool.allocate(msg.nbytes, owner=msg.request_id)
+        except PayloadTooLarge as exc:
+            link.send(TransferRefused(msg.request_id, self.instance, str(exc), fatal=True))
+            return
+        if alloc is None:
+            link.send(TransferRefused(msg.request_id, self.instance, "transfer pool full", fatal=False))
+            link.send(self._heartbeat())
+            return
+        with self._lock:
+            self._slots[msg.request_id] = alloc
+        link.send(TransferAllocated(msg.request_id, self.instance, self.transport.session_id, alloc.addr))
+
+    def _ready(self, link: HeadLink, msg: TransferReady) -> None:
+        with self._lock:
+            alloc = self._slots.pop(msg.request_id, None)
+        if alloc is None:
+            link.send(Failed(msg.request_id, self.instance, "transfer_ready for a slot this worker does not hold"))
+            return
+        self._jobs.put(Job(msg.request_id, msg.params, incoming=(alloc, msg.manifest, msg.meta)))
+
+    def _cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled[request_id] = None
+            while len(self._cancelled) > CANCELLED_MEMORY:
+                self._cancelled.popitem(last=False)
+            self._staged.pop(request_id, None)
+            self._slots.pop(request_id, None)
+        self.pool.free_owner(request_id)
+
+    def _is_cancelled(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._cancelled
+
+    # --- compute thread ---------------------------------------------------------------------
+
+    def _compute_loop(self) -> None:
+        link = HeadLink(self.ctx, self.head_endpoint)
+        try:
+            while (job := self._jobs.get()) is not None:
+                if self._is_cancelled(job.request_id):
+                    self.pool.free_owner(job.request_id)
+                    continue
+                try:
+                    self._run_job(link, job)
+                except RequestCancelled:
+                    self.pool.free_owner(job.request_id)
+                    link.send(self._heartbeat())
+                except Exception as exc:  # any stage error fails only this request
+                    log.exception("request %s failed", job.request_id)
+                    self.pool.free_owner(job.request_id)
+                    link.send(Failed(job.request_id, self.instance, f"{type(exc).__name__}: {exc}"))
+                    link.send(self._heartbeat())
+        finally:
+            link.close()
+
+    def _run_job(self, link: HeadLink, job: Job) -> None:
+        started = time.perf_counter()
+        link.send(Started(job.request_id, self.instance))
+        params = GenerationParams.from_wire(job.params)
+        batch = StageBatch(params=params)
+        if job.incoming is not None:
+            alloc, manifest, meta = job.incoming
+            batch.tensors = load_tensors(self.pool, alloc, manifest, self.device)
+            batch.meta = dict(meta)
+            self.pool.free(alloc)  # the slot is free as soon as its bytes are copied out
+            link.send(self._heartbeat())
+
+        def progress(step: int, total: int) -> None:
+            if self._is_cancelled(job.request_id):
+                raise RequestCancelled(job.request_id)
+            link.send(Progress(job.request_id, self.instance, step, total))
+
+        batch.on_progress = progress
+        self.pipeline.run(batch)
+        if self.role is Role.DECODER:
+            specs, frames = tensors_to_frames({PIXELS: batch.tensors[PIXELS]})
+            link.send(Result(job.request_id, self.instance, specs, time.perf_counter() - started), frames)
+            return
+        staged = self._stage(job.request_id, batch)
+        if staged is None:
+            return  # cancelled while waiting for room
+        allocation, manifest = staged
+        with self._lock:
+            if job.request_id in self._cancelled:
+                self.pool.free(allocation)
+                return
+            self._staged[job.request_id] = StagedOutput(allocation, allocation.nbytes)
+        link.send(
+            TransferStaged(
+                job.request_id, self.instance, allocation.nbytes, manifest, batch.meta, time.perf_counter() - started
+            )
+        )
+
+    def _stage(self, request_id: str, batch: StageBatch) -> tuple[Allocation, list[dict[str, Any]]] | None:
+        """Copy outputs into the pool, waiting while it is full (back-pressure on this sender)."""
+        while True:
+            staged = stage_tensors(self.pool, batch.tensors, owner=request_id)
+            if staged is not None:
+                return staged.allocation, staged.manifest
+            if self._is_cancelled(request_id) or self._stop.is_set():
+                return None
+            time.sleep(STAGING_RETRY_S)
+
+    # --- transfer thread --------------------------------------------------------------------
+
+    def _transfer_loop(self) -> None:
+        link = HeadLink(self.ctx, self.head_endpoint)
+        try:
+            while (item := self._pushes.get()) is not None:
+                request_id, push = item
+                with self._lock:
+                    staged = self._staged.pop(request_id, None)
+                if staged is None:
+                    link.send(Failed(request_id, self.instance, "transfer_push for a request with nothing staged"))
+                    continue
+                started = time.perf_counter()
+                try:
+                    self.transport.write(push.dest_session, staged.allocation.addr, push.dest_addr, staged.nbytes)
+                except TransferError as exc:
+                    link.send(Failed(request_id, self.instance, str(exc)))
+                else:
+                    link.send(TransferPushed(request_id, self.instance, staged.nbytes, time.perf_counter() - started))
+                finally:
+                    self.pool.free(staged.allocation)
+                link.send(self._heartbeat())
+        finally:
+            link.close()
+
+
+def run_worker(args: ServeArgs) -> int:
+    worker = Worker(args)
+    try:
+        worker.serve()
+    except KeyboardInterrupt:
+        pass
+    return 0
