@@ -1,0 +1,180 @@
+"""Real Mooncake TCP transfers: this process sends, a separate receiver process owns the slot."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import torch
+from triptych_worker.transfer import (
+    MooncakeNotInstalled,
+    MooncakeTransport,
+    TransferError,
+    TransferPool,
+    stage_tensors,
+)
+
+pytest.importorskip("mooncake.engine")
+
+MIB = 1024 * 1024
+RECEIVER = Path(__file__).with_name("mooncake_receiver.py")
+REPLY_TIMEOUT_S = 30.0
+
+
+class Receiver:
+    """The receiver process, with a bounded wait on each JSON line it prints."""
+
+    def __init__(self, pool_bytes: int, slot_bytes: int) -> None:
+        self._stderr: IO[str] = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(RECEIVER), str(pool_bytes), str(slot_bytes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def read(self) -> Any:
+        try:
+            return json.loads(self._lines.get(timeout=REPLY_TIMEOUT_S))
+        except queue.Empty:
+            self._stderr.seek(0)
+            log = self._stderr.read()[-3000:]
+            raise AssertionError(f"receiver sent nothing in {REPLY_TIMEOUT_S}s; stderr:\n{log}") from None
+
+    def send(self, message: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> int:
+        try:
+            return self.proc.wait(timeout=REPLY_TIMEOUT_S)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+            self._stderr.close()
+
+
+# Engines are shared per module: tearing one down takes Mooncake about a second.
+@pytest.fixture(scope="module")
+def transport() -> Iterator[MooncakeTransport]:
+    with MooncakeTransport("127.0.0.1", None) as t:
+        yield t
+
+
+@pytest.fixture(scope="module")
+def pool(transport: MooncakeTransport) -> TransferPool:
+    return TransferPool(8 * MIB, "encoder", transport)
+
+
+@pytest.fixture
+def sender(transport: MooncakeTransport, pool: TransferPool) -> Iterator[tuple[MooncakeTransport, TransferPool]]:
+    yield transport, pool
+    pool.free_owner("req-1")
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[tuple[MooncakeTransport, TransferPool]]:
+    with MooncakeTransport("127.0.0.1", None) as t:
+        yield t, TransferPool(MIB, "denoiser", t)
+
+
+def sha256(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def test_session_id_is_host_and_rpc_port(transport: MooncakeTransport) -> None:
+    host, port = transport.session_id.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    assert transport.protocol == "tcp"
+
+
+def test_tensors_written_to_another_process_arrive_bit_exact(sender: tuple[MooncakeTransport, TransferPool]) -> None:
+    transport, pool = sender
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "prompt_embeds": torch.randn(1, 77, 4096, generator=g).to(torch.bfloat16),
+        "pooled": torch.randn(1, 768, generator=g).t(),  # non-contiguous
+        "latents": torch.randint(0, 256, (1, 4096, 64 * 4), dtype=torch.uint8, generator=g).view(torch.float32),
+        "text_ids": torch.arange(77 * 3, dtype=torch.int64).reshape(77, 3),
+        "mask": torch.rand(77, generator=g) > 0.5,
+        "empty": torch.empty(0, 16),
+    }
+    staged = stage_tensors(pool, tensors, "req-1")
+    assert staged is not None
+    receiver = Receiver(pool_bytes=8 * MIB, slot_bytes=staged.nbytes)
+    try:
+        hello = receiver.read()
+        assert hello["slot_nbytes"] >= staged.nbytes
+        transport.write(hello["session"], staged.allocation.addr, hello["slot_addr"], staged.nbytes)
+        pool.free(staged.allocation)
+        receiver.send(staged.manifest)
+        report = receiver.read()
+    finally:
+        assert receiver.close() == 0
+    expected = {
+        name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": sha256(t)}
+        for name, t in tensors.items()
+    }
+    assert report == expected
+
+
+def test_write_to_an_unreachable_session_raises_transfer_error(sender: tuple[MooncakeTransport, TransferPool]) -> None:
+    transport, pool = sender
+    with pytest.raises(TransferError, match=r"1024 bytes to peer 127\.0\.0\.1:1 .*return code -?\d+"):
+        transport.write("127.0.0.1:1", pool.base_addr, 0x10000, 1024)
+
+
+def test_write_outside_the_peer_pool_raises_and_the_engine_keeps_working(
+    sender: tuple[MooncakeTransport, TransferPool], peer: tuple[MooncakeTransport, TransferPool]
+) -> None:
+    transport, pool = sender
+    peer_transport, peer_pool = peer
+    src = pool.allocate(4096, "req-1")
+    assert src is not None
+    pool.view(src).fill_(0xAB)
+    with pytest.raises(TransferError, match="return code"):
+        transport.write(peer_transport.session_id, src.addr, peer_pool.base_addr + MIB - 100, 4096)
+    transport.write(peer_transport.session_id, src.addr, peer_pool.base_addr, 4096)
+    assert bool((peer_pool.buffer[:4096] == 0xAB).all())
+
+
+def test_write_from_unregistered_local_memory_is_refused_before_the_engine(transport: MooncakeTransport) -> None:
+    stray = torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(TransferError, match="not inside memory registered"):
+        transport.write(transport.session_id, stray.data_ptr(), 0, 4096)
+
+
+def test_closed_transport_refuses_writes() -> None:
+    transport = MooncakeTransport("127.0.0.1", None)
+    transport.close()
+    transport.close()
+    with pytest.raises(TransferError, match="closed"):
+        transport.write("127.0.0.1:1", 0, 0, 1)
+
+
+def test_missing_mooncake_names_both_wheels_and_the_system_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    with pytest.raises(MooncakeNotInstalled) as info:
+        MooncakeTransport("127.0.0.1", None)
+    message = str(info.value)
+    for needle in ("pip install mooncake-transfer-engine`", "mooncake-transfer-engine-non-cuda", "libibverbs1"):
+        assert needle in message
