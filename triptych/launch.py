@@ -8,11 +8,15 @@ from triptych.config import ServeArgs
 from triptych.roles import Role
 
 
-def serve(args: ServeArgs) -> int:
+def configure_logging(args: ServeArgs) -> None:
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [{args.disagg_role.value}] %(name)s: %(message)s",
     )
+
+
+def serve(args: ServeArgs) -> int:
+    configure_logging(args)
     if args.disagg_role is Role.SERVER:
         from triptych_head.main import run_head
 

@@ -45,8 +45,8 @@ def resolve_parallelism(
     cfg_ = cfg or 1
     tp_ = tp or 1
     if sp is None:
-        if ulysses is not None or ring is not None:
-            sp_ = (ulysses or 1) * (ring or 1)
+        if ulysses is not None and ring is not None:
+            sp_ = ulysses * ring
         else:
             if num_gpus % (tp_ * cfg_):
                 raise ParallelismError(

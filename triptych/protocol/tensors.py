@@ -116,7 +116,7 @@ def bytes_to_tensor(spec: TensorSpec, buf: Any) -> torch.Tensor:
     import torch
 
     dtype = getattr(torch, WIRE_DTYPES[spec.dtype])
-    raw = torch.frombuffer(bytearray(memoryview(buf)[spec.offset : spec.offset + spec.nbytes]), dtype=torch.uint8)
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=dtype)
+    raw = torch.frombuffer(bytearray(memoryview(buf)[spec.offset : spec.offset + spec.nbytes]), dtype=torch.uint8)
     return raw.view(dtype).reshape(spec.shape)

@@ -83,4 +83,6 @@ def build_wan() -> DiffusionPipeline:
         steps_offset=0,
         final_sigmas_type="zero",
     )
-    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer)
+    return WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+    )

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -44,7 +44,6 @@ from triptych.protocol import (
     tensors_to_frames,
 )
 from triptych.roles import Role
-from triptych_worker.pipeline import RolePipeline, load_role_pipeline
 from triptych_worker.stages import PIXELS, StageBatch
 from triptych_worker.transfer import (
     Allocation,
@@ -55,6 +54,9 @@ from triptych_worker.transfer import (
     load_tensors,
     stage_tensors,
 )
+
+if TYPE_CHECKING:
+    from triptych_worker.pipeline import RolePipeline
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +102,13 @@ class Worker:
         self.args = args
         self.role = args.disagg_role
         self.device = args.resolved_device
-        self.pipeline = pipeline or load_role_pipeline(args.model_path, self.role, self.device)
+        if pipeline is None:
+            from triptych_worker.pipeline import load_role_pipeline
+
+            pipeline = load_role_pipeline(args.model_path, self.role, self.device)
+        self.pipeline = pipeline
         self.transport = MooncakeTransport(args.disagg_p2p_hostname, args.disagg_ib_device)
-        self.pool = TransferPool(args.disagg_transfer_pool_size, self.transport, role=self.role.value)
+        self.pool = TransferPool(args.disagg_transfer_pool_size, role=self.role.value, transport=self.transport)
         self.ctx = zmq.Context.instance()
         self.head_endpoint = result_endpoint(args.disagg_server_addr or "", self.role)
         self.work_endpoint = f"tcp://{args.disagg_p2p_hostname}:{args.scheduler_port}"

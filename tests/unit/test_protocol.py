@@ -1,0 +1,104 @@
+"""The wire protocol: typed msgpack headers, raw tensor frames, strict decoding, no pickle."""
+
+from __future__ import annotations
+
+import pickle
+
+import msgpack
+import pytest
+import torch
+
+from triptych.protocol import (
+    Heartbeat,
+    ProtocolError,
+    Submit,
+    TransferStaged,
+    decode,
+    encode,
+    frames_to_tensors,
+    tensors_to_frames,
+)
+from triptych.protocol.codec import PROTOCOL_VERSION
+
+
+def test_message_round_trips_with_version_and_type():
+    msg = TransferStaged("r1", "tcp://127.0.0.1:1", 42, [{"name": "x", "dtype": "uint8", "shape": [42]}], {"mu": 0.5}, 0.1)
+    parts = encode(msg)
+    header = msgpack.unpackb(parts[0])
+    assert header["v"] == PROTOCOL_VERSION and header["type"] == "transfer_staged"
+    decoded, frames = decode(parts)
+    assert decoded == msg and frames == []
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"", b"\xff\xfe\x00garbage", msgpack.packb([1, 2, 3]), msgpack.packb({"v": 1, "type": "no_such"})],
+)
+def test_garbage_headers_raise_protocol_error(garbage):
+    with pytest.raises(ProtocolError):
+        decode([garbage])
+
+
+def test_pickle_payload_is_rejected_not_executed():
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('pickle executed')",))
+
+    with pytest.raises(ProtocolError, match="not msgpack|must be a map"):
+        decode([pickle.dumps(Boom())])
+
+
+def test_wrong_field_type_names_the_field_and_keeps_request_id():
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "request_id": "abc", "params": "not-a-map"})
+    with pytest.raises(ProtocolError, match="'params'") as info:
+        decode([header])
+    assert info.value.request_id == "abc"
+
+
+def test_missing_field_and_wrong_version_are_errors():
+    with pytest.raises(ProtocolError, match="missing field 'params'"):
+        decode([msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "request_id": "a"})])
+    with pytest.raises(ProtocolError, match="version"):
+        decode([msgpack.packb({"v": 99, "type": "submit", "request_id": "a", "params": {}})])
+
+
+def test_bool_is_not_an_int():
+    hb = encode(Heartbeat("i", "encoder", "s", 1, 1, 2, "m"))
+    raw = msgpack.unpackb(hb[0])
+    raw["capacity"] = True
+    with pytest.raises(ProtocolError, match="capacity"):
+        decode([msgpack.packb(raw)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
+def test_tensor_frames_are_bit_exact(dtype):
+    t = (torch.randn(3, 5, 7) * 100).to(dtype)
+    specs, frames = tensors_to_frames({"t": t, "empty": torch.empty(0, 4, dtype=dtype)})
+    back = frames_to_tensors(specs, [bytes(f) for f in frames])
+    assert back["t"].dtype == dtype and torch.equal(back["t"].view(torch.uint8), t.view(torch.uint8))
+    assert back["empty"].shape == (0, 4)
+
+
+def test_tensor_frame_size_mismatch_names_the_tensor():
+    specs, frames = tensors_to_frames({"latents": torch.zeros(4)})
+    with pytest.raises(ValueError, match="'latents'"):
+        frames_to_tensors(specs, [bytes(frames[0])[:-1]])
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"name": "x", "dtype": "object", "shape": [1]},
+        {"name": "x", "dtype": "uint8", "shape": [-1]},
+        {"name": "x", "dtype": "uint8", "shape": [1] * 9},
+        {"name": "", "dtype": "uint8", "shape": [1]},
+    ],
+)
+def test_bad_tensor_specs_are_rejected(spec):
+    with pytest.raises(ValueError):
+        frames_to_tensors([spec], [b"\x00"])
+
+
+def test_submit_encodes_params_as_plain_map():
+    parts = encode(Submit("r", {"prompt": "a cat", "width": 64}))
+    assert msgpack.unpackb(parts[0])["params"] == {"prompt": "a cat", "width": 64}

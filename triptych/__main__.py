@@ -1,0 +1,5 @@
+import sys
+
+from triptych.cli import main
+
+sys.exit(main())
