@@ -1,0 +1,1 @@
+pytest_plugins = ["tests.cluster.fixtures", "tests.models.fixtures"]
