@@ -139,6 +139,7 @@ class WorkerRegistry:
                     "free_slots": i.free_slots,
                     "pool_bytes": i.pool_bytes,
                     "free_bytes": i.free_bytes,
+                    "dispatched": i.dispatched_total,
                 }
                 for i in by_url.values()
             ]

@@ -1,25 +1,159 @@
-"""The control and transfer planes with zero-compute stages: real processes, ZMQ and Mooncake."""
+"""The control and transfer planes with zero-compute stages: real processes, ZMQ and Mooncake.
+
+Workers run `triptych_worker.null_pipeline` (real sockets, pool and Mooncake transfers, no
+model compute), so these tests exercise the head's routing, dispatch and failure handling fast.
+"""
 
 from __future__ import annotations
 
 import base64
 import concurrent.futures
+import re
+import time
 
+import msgpack
 import pytest
+import zmq
 
 from tests.e2e.harness import deployment
+from triptych.protocol import RequestEvent, RequestResult, Submit, decode, encode
+from triptych.protocol.codec import PROTOCOL_VERSION
+from triptych.roles import Role
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tests.models.fixtures import tiny_model_path
-
-    return tiny_model_path("tiny-flux")
+def flux(tiny_models):
+    return tiny_models["tiny-flux"]
 
 
-def test_image_request_flows_through_all_roles(model_dir, tmp_path):
-    with deployment(model_dir, tmp_path, null_payload=4096) as dep, dep.client() as c:
-        r = c.post("/v1/images/generations", json={"prompt": "x", "size": "32x32", "seed": 1})
+def image(c, **extra):
+    body = {"prompt": "a red square", "size": "32x32", "seed": 1, "num_inference_steps": 2, **extra}
+    return c.post("/v1/images/generations", json=body)
+
+
+def metric(c, name: str) -> float:
+    text = c.get("/metrics").text
+    values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    return sum(values)
+
+
+def test_image_request_flows_through_all_roles(flux, tmp_path):
+    with deployment(flux, tmp_path, null_payload=4096) as dep, dep.client() as c:
+        r = image(c)
         assert r.status_code == 200, r.text
-        png = base64.b64decode(r.json()["data"][0]["b64_json"])
-        assert png.startswith(b"\x89PNG")
+        assert base64.b64decode(r.json()["data"][0]["b64_json"]).startswith(b"\x89PNG")
+        assert metric(c, "triptych_transfer_bytes_total") >= 2 * 4096
+
+
+def test_workers_started_before_the_head_join_without_restarts(flux, tmp_path):
+    with deployment(flux, tmp_path, null_payload=4096, head_first=False) as dep, dep.client() as c:
+        assert image(c).status_code == 200
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "max_free_slots"])
+def test_concurrent_requests_spread_over_instances(flux, tmp_path, policy):
+    flags = ("--disagg-dispatch-policy", policy)
+    with deployment(flux, tmp_path, encoders=2, denoisers=2, null_payload=4096, head_flags=flags) as dep:
+        with dep.client() as c, concurrent.futures.ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda _: image(c), range(16)))
+            assert [r.status_code for r in results] == [200] * 16
+            workers = c.get("/health").json()["workers"]
+    for role, n in (("encoder", 2), ("denoiser", 2), ("decoder", 1)):
+        dispatched = [w["dispatched"] for w in workers[role]]
+        assert len(dispatched) == n and sum(dispatched) == 16
+        assert min(dispatched) > 0, f"{policy}: {role} work not spread: {dispatched}"
+
+
+def test_payload_larger_than_the_pool_fails_that_request_naming_the_flag(flux, tmp_path):
+    big = 2 * 1024 * 1024
+    with deployment(flux, tmp_path, null_payload=big, worker_flags=("--disagg-transfer-pool-size", "1MiB")) as dep:
+        with dep.client() as c:
+            r = image(c)
+            assert r.status_code == 413, r.text
+            assert "--disagg-transfer-pool-size" in r.json()["error"]["message"]
+            assert c.get("/health").status_code == 200
+
+
+def _frontend(dep, ctx):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    sock.connect(f"tcp://127.0.0.1:{dep.scheduler_port}")
+    return sock
+
+
+def _recv_until_terminal(sock):
+    while True:
+        msg, frames = decode(sock.recv_multipart())
+        if isinstance(msg, RequestResult) or msg.error is not None:
+            return msg
+
+
+def test_duplicate_active_request_id_is_rejected_without_touching_the_original(flux, tmp_path):
+    params = {"prompt": "x", "width": 32, "height": 32, "num_inference_steps": 50}
+    with deployment(flux, tmp_path, null_payload=4096) as dep:
+        ctx = zmq.Context()
+        first, second = _frontend(dep, ctx), _frontend(dep, ctx)
+        try:
+            first.send_multipart(encode(Submit("dup-1", params)))
+            time.sleep(0.05)
+            second.send_multipart(encode(Submit("dup-1", params)))
+            rejected = _recv_until_terminal(second)
+            assert isinstance(rejected, RequestEvent) and rejected.status_code == 409
+            assert "already active" in rejected.error
+            assert isinstance(_recv_until_terminal(first), RequestResult)
+        finally:
+            first.close()
+            second.close()
+            ctx.term()
+
+
+def test_garbage_frames_on_every_socket_change_nothing_else(flux, tmp_path):
+    with deployment(flux, tmp_path, null_payload=4096) as dep, dep.client() as c:
+        ctx = zmq.Context()
+        try:
+            garbage = [[b"\xff\x00garbage"], [b""], [msgpack.packb({"v": PROTOCOL_VERSION, "type": "heartbeat"})],
+                       [msgpack.packb({"v": 7, "type": "x"}), b"frame"]]  # fmt: skip
+            targets = [f"tcp://127.0.0.1:{dep.scheduler_port + i}" for i in (1, 2, 3)]
+            targets += [w.url for w in dep.procs if w.role is not Role.SERVER]
+            for target in targets:
+                push = ctx.socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 2000)
+                push.connect(target)
+                for parts in garbage:
+                    push.send_multipart(parts)
+                push.close()
+            front = _frontend(dep, ctx)
+            front.send_multipart([b"\x93\x01"])
+            assert _recv_until_terminal(front).status_code == 400
+            front.close()
+            time.sleep(0.5)
+            assert image(c).status_code == 200
+            assert all(p.popen.poll() is None for p in dep.procs)
+            assert metric(c, "triptych_dropped_messages_total") >= 3 * len(garbage)
+        finally:
+            ctx.term()
+
+
+def test_malformed_message_with_a_request_id_fails_only_that_request(flux, tmp_path):
+    params = {"prompt": "x", "width": 32, "height": 32, "num_inference_steps": 100}
+    with deployment(flux, tmp_path, null_payload=4096) as dep, dep.client() as c:
+        ctx = zmq.Context()
+        front = _frontend(dep, ctx)
+        try:
+            front.send_multipart(encode(Submit("victim", params)))
+            time.sleep(0.2)
+            push = ctx.socket(zmq.PUSH)
+            push.connect(f"tcp://127.0.0.1:{dep.scheduler_port + 2}")
+            bad = {"v": PROTOCOL_VERSION, "type": "progress", "request_id": "victim", "instance": 5}
+            push.send_multipart([msgpack.packb(bad)])
+            push.close(linger=2000)
+            failed = _recv_until_terminal(front)
+            assert isinstance(failed, RequestEvent) and failed.state == "FAILED"
+            assert "malformed" in failed.error
+            assert image(c).status_code == 200
+        finally:
+            front.close()
+            ctx.term()

@@ -1,0 +1,158 @@
+"""A whole disaggregated deployment as local processes: one head plus worker processes.
+
+Used by `make demo`, the end-to-end tests and the benchmarks. Every process is a real
+`triptych serve` (or, for control-plane measurements, a zero-compute null worker) talking over
+loopback ZMQ and Mooncake TCP.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from triptych.roles import Role
+
+ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n consecutive free loopback ports (the head needs scheduler_port .. +5)."""
+    for _ in range(200):
+        base = random.randint(20000, 45000)
+        if all(_port_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no free port block on 127.0.0.1")
+
+
+@dataclass
+class Proc:
+    role: Role
+    url: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait(10)
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalDeployment:
+    http: str
+    scheduler_port: int
+    procs: list[Proc] = field(default_factory=list)
+
+    def workers(self, role: Role) -> list[Proc]:
+        return [p for p in self.procs if p.role is role]
+
+    def client(self, timeout: float = 300) -> httpx.Client:
+        return httpx.Client(base_url=self.http, timeout=timeout)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.role.value} {p.url}\n{p.tail()}" for p in self.procs)
+
+
+def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+@contextmanager
+def local_deployment(
+    model: Path,
+    workdir: Path,
+    counts: dict[Role, int] | None = None,
+    head_flags: Sequence[str] = (),
+    worker_flags: Sequence[str] = (),
+    null_payload_bytes: int | None = None,
+    head_first: bool = True,
+    ready_timeout: float = 180,
+) -> Iterator[LocalDeployment]:
+    """Start head and workers (logs under `workdir`), wait until every worker heartbeats, kill all on exit."""
+    counts = counts or dict.fromkeys(ROLES, 1)
+    workdir.mkdir(parents=True, exist_ok=True)
+    sched, http = free_port_block(6), free_port_block(1)
+    ports = {role: [free_port_block(1) for _ in range(counts.get(role, 0))] for role in ROLES}
+    urls = {role: [f"tcp://127.0.0.1:{p}" for p in ps] for role, ps in ports.items()}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    py = sys.executable
+    worker_cmd = (
+        [py, "-m", "triptych_worker.null_pipeline", "--payload-bytes", str(null_payload_bytes)]
+        if null_payload_bytes is not None
+        else [py, "-m", "triptych", "serve"]
+    )
+    dep = LocalDeployment(http=f"http://127.0.0.1:{http}", scheduler_port=sched)
+
+    def start_head() -> None:
+        argv = [py, "-m", "triptych", "serve", "--model-path", str(model), "--disagg-role", "server",
+                "--scheduler-port", str(sched), "--host", "127.0.0.1", "--port", str(http),
+                "--output-path", str(workdir / "outputs"), *head_flags]  # fmt: skip
+        for role in ROLES:
+            argv += [f"--{role.value}-urls", ";".join(urls[role])]
+        log = workdir / "head.log"
+        dep.procs.append(Proc(Role.SERVER, dep.http, _spawn(argv, log, env), log))
+
+    def start_workers() -> None:
+        for role in ROLES:
+            for i, port in enumerate(ports[role]):
+                argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
+                        "--disagg-server-addr", f"tcp://127.0.0.1:{sched}", "--scheduler-port", str(port),
+                        "--disagg-p2p-hostname", "127.0.0.1", *worker_flags]  # fmt: skip
+                log = workdir / f"{role.value}-{i}.log"
+                dep.procs.append(Proc(role, urls[role][i], _spawn(argv, log, env), log))
+
+    try:
+        first, second = (start_head, start_workers) if head_first else (start_workers, start_head)
+        first()
+        second()
+        wait_until_ready(dep, sum(counts.values()), ready_timeout)
+        yield dep
+    finally:
+        for p in dep.procs:
+            p.kill()
+
+
+def wait_until_ready(dep: LocalDeployment, n_workers: int, timeout: float) -> None:
+    """Poll the head's /health until `n_workers` workers heartbeat; fail fast if a process dies."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        for p in dep.procs:
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"{p.role.value} exited with {p.popen.returncode}:\n{p.tail()}")
+        try:
+            health = httpx.get(f"{dep.http}/health", timeout=2).json()
+            last = str(health)
+            if sum(w["alive"] for ws in health["workers"].values() for w in ws) == n_workers:
+                return
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"deployment not ready in {timeout}s; last health: {last}\n{dep.logs()}")
