@@ -1,0 +1,62 @@
+"""Names and numbers every object the operator writes agrees on, in one place.
+
+Ports follow the design's convention (triptych.ports): the head's frontend is its scheduler
+port and its result sockets sit at +1..+3; each worker pod binds its work socket on WORKER_PORT.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from triptych.ports import DEFAULT_HTTP_PORT, DEFAULT_SCHEDULER_PORT
+from triptych.roles import Role
+
+GROUP: Final = "triptych.ai"
+VERSION: Final = "v1alpha1"
+KIND: Final = "DiffusionPipeline"
+PLURAL: Final = "diffusionpipelines"
+SINGULAR: Final = "diffusionpipeline"
+SHORT_NAMES: Final = ("dp", "dpipe")
+
+# The roles a DiffusionPipeline runs as worker pools, in the order requests flow through them.
+PIPELINE_ROLES: Final = (Role.ENCODER, Role.DENOISER, Role.DECODER)
+HEAD_COMPONENT: Final = "head"
+
+# Ports. Every worker pod binds the same work port: pods have their own IPs, so nothing collides,
+# and the head's dns:// discovery needs one port per role.
+WORKER_PORT: Final = 19000
+# torch.distributed rendezvous for multi-GPU roles; kept far from the work port (+1 is its control port).
+WORKER_MASTER_PORT: Final = 29500
+HEAD_SCHEDULER_PORT: Final = DEFAULT_SCHEDULER_PORT
+HEAD_HTTP_PORT: Final = DEFAULT_HTTP_PORT
+
+# Where things live inside the containers.
+MODEL_MOUNT: Final = "/models"
+HF_CACHE_MOUNT: Final = "/cache"
+SHM_MOUNT: Final = "/dev/shm"
+OUTPUT_MOUNT: Final = "/var/lib/triptych/outputs"
+RUN_AS_USER: Final = 10001  # the numeric uid the images declare with USER
+
+# Default images; the chart overrides them through the operator's environment.
+DEFAULT_WORKER_IMAGE: Final = "ghcr.io/triptych-ai/triptych-worker:0.1.0"
+DEFAULT_HEAD_IMAGE: Final = "ghcr.io/triptych-ai/triptych-head:0.1.0"
+WORKER_IMAGE_ENV: Final = "TRIPTYCH_WORKER_IMAGE"
+HEAD_IMAGE_ENV: Final = "TRIPTYCH_HEAD_IMAGE"
+
+# Resources and scheduling.
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+DEFAULT_RDMA_RESOURCE: Final = "rdma/ib"
+MULTUS_NETWORKS_ANNOTATION: Final = "k8s.v1.cni.cncf.io/networks"
+# The per-pod queue-depth gauge the workers export, read by the HPA through a custom-metrics adapter.
+QUEUE_DEPTH_METRIC: Final = "triptych_worker_queue_depth"
+
+# Labels on every child; the selector labels never change so Deployments can be re-applied.
+LABEL_NAME: Final = "app.kubernetes.io/name"
+LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
+LABEL_COMPONENT: Final = "app.kubernetes.io/component"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+APP_NAME: Final = "triptych"
+MANAGER: Final = "triptych-operator"
+
+# CR names become Service names "<name>-denoiser", which must stay DNS-1035 labels (<= 63 chars).
+MAX_NAME_LENGTH: Final = 63 - len("-denoiser")

@@ -1,0 +1,172 @@
+"""kopf handlers: they only apply what `spec` + `manifests` + `status` compute.
+
+One reconcile, level-triggered and idempotent, runs when a DiffusionPipeline is created, changed
+or found on start-up, and whenever one of its children changes or is deleted (so a child edited
+or deleted by hand is restored within seconds). Children are watched with event handlers rather
+than a timer: kopf puts a finalizer on objects with timers, and a finalizer would make deleting a
+pipeline depend on the operator running.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any, cast
+
+import kopf
+
+from triptych_operator import kube
+from triptych_operator.constants import (
+    DEFAULT_HEAD_IMAGE,
+    DEFAULT_WORKER_IMAGE,
+    GROUP,
+    HEAD_IMAGE_ENV,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    MANAGER,
+    PLURAL,
+    VERSION,
+    WORKER_IMAGE_ENV,
+)
+from triptych_operator.manifests import render
+from triptych_operator.spec import SpecError, parse_pipeline
+from triptych_operator.status import PHASE_READY, compute_status
+
+OWNED = {LABEL_MANAGED_BY: MANAGER}
+
+_locks_guard = threading.Lock()
+_locks: dict[tuple[str, str], threading.Lock] = {}
+
+
+def _pipeline_lock(namespace: str, name: str) -> threading.Lock:
+    """Child events arrive in parallel; one reconcile per pipeline at a time keeps events and status coherent."""
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Keep kopf's bookkeeping in annotations: the status schema is ours and strict.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.posting.level = logging.WARNING  # our own kopf.info/warn events are the ones worth reading
+    settings.watching.server_timeout = 300
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def pipeline_changed(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    """The pipeline was created, edited, or found on start-up: make its children match."""
+    reconcile(dict(body), trigger="pipeline", logger=logger)
+
+
+CHILD_FILTER: dict[str, Any] = {**OWNED, LABEL_INSTANCE: kopf.PRESENT}
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=CHILD_FILTER)
+@kopf.on.event("", "v1", "services", labels=CHILD_FILTER)
+@kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=CHILD_FILTER)
+@kopf.on.event("networking.k8s.io", "v1", "ingresses", labels=CHILD_FILTER)
+def child_changed(
+    event: kopf.RawEvent, namespace: str | None, labels: kopf.Labels, logger: kopf.Logger, **_: Any
+) -> None:
+    """A child was edited or deleted: reconcile its pipeline, which restores what drifted.
+
+    Deployment status changes arrive here too, which is what keeps the pipeline's status current.
+    """
+    if event.get("type") not in ("MODIFIED", "DELETED") or not namespace:
+        return  # None is the initial listing (resume covers it); ADDED is our own apply
+    pipeline = kube.get_pipeline(labels[LABEL_INSTANCE], namespace)
+    if pipeline is None or pipeline["metadata"].get("deletionTimestamp"):
+        return  # the pipeline is gone or going; garbage collection is removing its children
+    reconcile(pipeline, trigger=f"child-{str(event['type']).lower()}", logger=logger)
+
+
+def reconcile(pipeline: dict[str, Any], *, trigger: str, logger: kopf.Logger) -> None:
+    """Make the children of `pipeline` match its spec, then write its status."""
+    meta = pipeline["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    with _pipeline_lock(namespace, name):
+        spec_error: str | None = None
+        try:
+            parsed = parse_pipeline(
+                name,
+                namespace,
+                pipeline.get("spec") or {},
+                worker_image=os.environ.get(WORKER_IMAGE_ENV, DEFAULT_WORKER_IMAGE),
+                head_image=os.environ.get(HEAD_IMAGE_ENV, DEFAULT_HEAD_IMAGE),
+            )
+            children = render(parsed, owner=pipeline)
+        except SpecError as exc:
+            # Nothing is applied: the objects of the last valid spec keep running untouched.
+            spec_error = str(exc)
+        else:
+            _apply_children(pipeline, children.apply, trigger=trigger, logger=logger)
+            for ref in children.delete:
+                if kube.delete_managed(ref.api_version, ref.kind, ref.name, namespace):
+                    _post(
+                        pipeline, "Normal", reason="Deleted", message=f"{ref.kind} {ref.name} is no longer in the spec"
+                    )
+        _write_status(pipeline, spec_error)
+
+
+def _apply_children(
+    pipeline: dict[str, Any], manifests: list[dict[str, Any]], *, trigger: str, logger: kopf.Logger
+) -> None:
+    by_hand = trigger.startswith("child")
+    for manifest in manifests:
+        result = kube.apply(manifest)
+        what = f"{manifest['kind']} {manifest['metadata']['name']}"
+        if result is kube.ApplyResult.CREATED:
+            reason = "Restored" if by_hand else "Created"
+            _post(
+                pipeline, "Normal", reason=reason, message=what + (" was deleted by hand; recreated" if by_hand else "")
+            )
+            logger.info("%s %s", reason.lower(), what)
+        elif result is kube.ApplyResult.UPDATED:
+            reason = "DriftCorrected" if by_hand else "Updated"
+            message = what + (" was edited by hand; restored to the spec" if by_hand else " updated to the new spec")
+            _post(pipeline, "Normal", reason=reason, message=message)
+            logger.info("%s: %s", reason, message)
+
+
+def _write_status(pipeline: dict[str, Any], spec_error: str | None) -> None:
+    meta = pipeline["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    deployments = {d["metadata"]["labels"].get(LABEL_COMPONENT): d for d in kube.pipeline_deployments(name, namespace)}
+    old = pipeline.get("status") or {}
+    status = compute_status(
+        int(meta.get("generation") or 0),
+        deployments,
+        spec_error=spec_error,
+        previous_conditions=old.get("conditions") or [],
+        now=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+    if status == old:
+        return
+    _announce(pipeline, old, status)
+    kube.patch_pipeline_status(name, namespace, status)
+
+
+def _announce(pipeline: dict[str, Any], old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    """Events for what a person would want to know: the phase changed, or a new problem appeared."""
+    degraded = next(c for c in new["conditions"] if c["type"] == "Degraded")
+    old_degraded: Mapping[str, Any] = next((c for c in old.get("conditions") or [] if c.get("type") == "Degraded"), {})
+    if degraded["status"] == "True" and degraded["message"] != old_degraded.get("message"):
+        _post(pipeline, "Warning", reason=degraded["reason"], message=degraded["message"])
+    if new["phase"] != old.get("phase"):
+        message = f"phase {old.get('phase') or 'None'} -> {new['phase']}"
+        if new["phase"] == PHASE_READY:
+            _post(pipeline, "Normal", reason="Ready", message=message + ": every role and the head are ready")
+        else:
+            _post(pipeline, "Normal", reason="PhaseChanged", message=message)
+
+
+def _post(pipeline: dict[str, Any], type_: str, *, reason: str, message: str) -> None:
+    """A Kubernetes Event on the pipeline (`kubectl describe dp` shows it)."""
+    kopf.event(kopf.Body(cast(kopf.RawBody, pipeline)), type=type_, reason=reason, message=message)

@@ -1,0 +1,105 @@
+"""The operator's only door to the API server: server-side apply, delete, read, status patch.
+
+Server-side apply makes reconciling idempotent: re-applying an unchanged object is a no-op (its
+resourceVersion and generation stay), and fields edited by hand are taken back (force=True).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import NotFoundError
+
+from triptych_operator.constants import GROUP, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
+
+_lock = threading.Lock()
+_clients: dict[str, DynamicClient] = {}
+
+
+class ApplyResult(enum.Enum):
+    CREATED = "created"
+    UPDATED = "updated"
+    UNCHANGED = "unchanged"
+
+
+def dynamic_client() -> DynamicClient:
+    """One client per kubeconfig (in-cluster when there is none); discovery is cached with it."""
+    key = os.environ.get("KUBECONFIG", "")
+    with _lock:
+        if key not in _clients:
+            if os.environ.get("KUBERNETES_SERVICE_HOST") and not key:
+                config.load_incluster_config()
+                api = client.ApiClient()
+            else:
+                api = config.new_client_from_config(config_file=key or None)
+            _clients[key] = DynamicClient(api)
+        return _clients[key]
+
+
+def _resource(api_version: str, kind: str) -> Any:
+    return dynamic_client().resources.get(api_version=api_version, kind=kind)
+
+
+def _get(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    try:
+        return _resource(api_version, kind).get(name=name, namespace=namespace).to_dict()
+    except NotFoundError:
+        return None
+
+
+def apply(obj: Mapping[str, Any]) -> ApplyResult:
+    """Server-side apply `obj` as the operator's field manager; say whether anything changed."""
+    meta = obj["metadata"]
+    before = _get(obj["apiVersion"], obj["kind"], meta["name"], meta["namespace"])
+    after = (
+        dynamic_client()
+        .server_side_apply(
+            _resource(obj["apiVersion"], obj["kind"]),
+            body=dict(obj),
+            name=meta["name"],
+            namespace=meta["namespace"],
+            field_manager=MANAGER,
+            force_conflicts=True,
+        )
+        .to_dict()
+    )
+    if before is None:
+        return ApplyResult.CREATED
+    if before["metadata"]["resourceVersion"] != after["metadata"]["resourceVersion"]:
+        return ApplyResult.UPDATED
+    return ApplyResult.UNCHANGED
+
+
+def delete_managed(api_version: str, kind: str, name: str, namespace: str) -> bool:
+    """Delete an object the operator manages (checked by label); True when something was deleted."""
+    live = _get(api_version, kind, name, namespace)
+    if live is None or (live["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGER:
+        return False
+    try:
+        _resource(api_version, kind).delete(name=name, namespace=namespace)
+    except NotFoundError:
+        return False
+    return True
+
+
+def get_pipeline(name: str, namespace: str) -> dict[str, Any] | None:
+    return _get(f"{GROUP}/{VERSION}", "DiffusionPipeline", name, namespace)
+
+
+def pipeline_deployments(name: str, namespace: str) -> list[dict[str, Any]]:
+    """The Deployments the operator made for pipeline `name`."""
+    selector = f"{LABEL_INSTANCE}={name},{LABEL_MANAGED_BY}={MANAGER}"
+    listing = _resource("apps/v1", "Deployment").get(namespace=namespace, label_selector=selector)
+    return [item.to_dict() for item in listing.items]
+
+
+def patch_pipeline_status(name: str, namespace: str, status: Mapping[str, Any]) -> None:
+    """Replace the pipeline's status fields (merge patch; lists such as conditions are replaced whole)."""
+    api = client.CustomObjectsApi(dynamic_client().client)
+    api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)})

@@ -1,0 +1,351 @@
+"""Desired children of a DiffusionPipeline, as plain dicts: `PipelineSpec -> manifests`.
+
+Nothing here talks to the API server, so every object the operator writes can be unit-tested.
+Each role's objects depend only on that role's spec (and the shared model/transfer/images), so
+editing one role rolls only that role's Deployment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import kopf
+
+from triptych.ports import result_port
+from triptych.roles import Role
+from triptych_operator.constants import (
+    APP_NAME,
+    GPU_RESOURCE,
+    HEAD_COMPONENT,
+    HEAD_SCHEDULER_PORT,
+    HF_CACHE_MOUNT,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    MANAGER,
+    MODEL_MOUNT,
+    MULTUS_NETWORKS_ANNOTATION,
+    OUTPUT_MOUNT,
+    PIPELINE_ROLES,
+    RUN_AS_USER,
+    SHM_MOUNT,
+    WORKER_PORT,
+)
+from triptych_operator.serve_args import SERVE_COMMAND, head_argv, object_name, worker_argv
+from triptych_operator.spec import PipelineSpec
+
+Manifest = dict[str, Any]
+
+API_COMPONENT = "api"  # the head's public HTTP Service; the scheduler ports stay on the internal one
+# Model loading takes minutes; the startup probe allows this long before liveness applies.
+STARTUP_GRACE_S = 1800
+PROBE_PERIOD_S = 10
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """An object the operator may have created earlier and that must not exist now."""
+
+    api_version: str
+    kind: str
+    name: str
+
+
+@dataclass
+class Children:
+    """What to apply for a pipeline, and which optional objects to remove (e.g. a disabled HPA)."""
+
+    apply: list[Manifest] = field(default_factory=list)
+    delete: list[ObjectRef] = field(default_factory=list)
+
+
+def labels(pipeline: PipelineSpec, component: str) -> dict[str, str]:
+    """Common labels; also the (immutable) Deployment selectors, so they never include anything that changes."""
+    return {
+        LABEL_NAME: APP_NAME,
+        LABEL_INSTANCE: pipeline.name,
+        LABEL_COMPONENT: component,
+        LABEL_MANAGED_BY: MANAGER,
+    }
+
+
+def _metadata(pipeline: PipelineSpec, component: str, name: str | None = None) -> dict[str, Any]:
+    return {
+        "name": name or object_name(pipeline.name, component),
+        "namespace": pipeline.namespace,
+        "labels": labels(pipeline, component),
+    }
+
+
+def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None) -> Children:
+    """Every child of `pipeline`; argv are validated first, so an invalid spec renders nothing.
+
+    With `owner` (the DiffusionPipeline body), each child gets a controller owner reference so
+    deleting the pipeline garbage-collects it.
+    """
+    argvs = {role: worker_argv(pipeline, role) for role in PIPELINE_ROLES}
+    head_args = head_argv(pipeline)
+    children = Children()
+    for role in PIPELINE_ROLES:
+        children.apply += [worker_deployment(pipeline, role, argvs[role]), worker_service(pipeline, role)]
+        hpa = worker_hpa(pipeline, role)
+        if hpa is None:
+            children.delete.append(
+                ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", object_name(pipeline.name, role.value))
+            )
+        else:
+            children.apply.append(hpa)
+    children.apply += [head_deployment(pipeline, head_args), head_service(pipeline), api_service(pipeline)]
+    ingress = head_ingress(pipeline)
+    if ingress is None:
+        children.delete.append(ObjectRef("networking.k8s.io/v1", "Ingress", object_name(pipeline.name, API_COMPONENT)))
+    else:
+        children.apply.append(ingress)
+    if owner is not None:
+        kopf.append_owner_reference(children.apply, owner=kopf.Body(cast(kopf.RawBody, dict(owner))))
+    return children
+
+
+def _model_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest], list[Manifest]]:
+    """(volumes, mounts, env) that give a container the model; a hub model needs a cache and a token."""
+    model = pipeline.model
+    if model.uses_volume:
+        if model.pvc_claim_name:
+            source: Manifest = {"persistentVolumeClaim": {"claimName": model.pvc_claim_name, "readOnly": True}}
+        else:
+            source = {"hostPath": {"path": model.host_path, "type": "Directory"}}
+        return [{"name": "model", **source}], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}], []
+    env: list[Manifest] = [{"name": "HF_HOME", "value": f"{HF_CACHE_MOUNT}/huggingface"}]
+    if model.token_secret_name:
+        ref = {"name": model.token_secret_name, "key": model.token_secret_key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    return [{"name": "hf-cache", "emptyDir": {}}], [{"name": "hf-cache", "mountPath": HF_CACHE_MOUNT}], env
+
+
+def _tcp_probes(port: str) -> dict[str, Manifest]:
+    tcp = {"tcpSocket": {"port": port}, "periodSeconds": PROBE_PERIOD_S}
+    return {
+        "startupProbe": {**tcp, "failureThreshold": STARTUP_GRACE_S // PROBE_PERIOD_S},
+        "readinessProbe": {**tcp, "failureThreshold": 3},
+        "livenessProbe": {**tcp, "failureThreshold": 6},
+    }
+
+
+def _pod_security() -> Manifest:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER}
+
+
+def _resources(user: Mapping[str, Any], extended: Mapping[str, int]) -> Manifest:
+    """User requests/limits plus the extended resources the role needs (the operator's counts win)."""
+    limits = {**(user.get("limits") or {}), **{k: v for k, v in extended.items()}}
+    out: Manifest = {"limits": limits} if limits else {}
+    requests = {k: v for k, v in (user.get("requests") or {}).items() if k not in extended}
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str]) -> Manifest:
+    """The GPU-pinned Deployment of one worker role."""
+    spec = pipeline.roles[role]
+    transfer = pipeline.transfer
+    volumes, mounts, model_env = _model_volume(pipeline)
+    extended = {GPU_RESOURCE: spec.gpus_per_replica}
+    if transfer.rdma:
+        extended[transfer.rdma_resource_name] = transfer.rdma_resource_count
+    container: Manifest = {
+        "name": role.value,
+        "image": pipeline.image_for(role),
+        "command": list(SERVE_COMMAND),
+        "args": argv,
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            *model_env,
+            *spec.env,
+        ],
+        "ports": [{"name": "work", "containerPort": WORKER_PORT, "protocol": "TCP"}],
+        "resources": _resources(spec.resources, extended),
+        # Mooncake registers (pins) transfer buffers, which needs locked memory.
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}},
+        "volumeMounts": [*mounts, {"name": "shm", "mountPath": SHM_MOUNT}],
+        **_tcp_probes("work"),
+    }
+    # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule; a GPU pod may always go there.
+    tolerations = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}, *spec.tolerations]
+    pod_spec: Manifest = {
+        "securityContext": _pod_security(),
+        "enableServiceLinks": False,
+        "containers": [container],
+        # NCCL and torch.multiprocessing share tensors through /dev/shm; the default 64 MiB is too small.
+        "volumes": [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory"}}],
+        "tolerations": tolerations,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.affinity:
+        pod_spec["affinity"] = dict(spec.affinity)
+    template_meta: Manifest = {"labels": labels(pipeline, role.value)}
+    if transfer.network_annotation:
+        template_meta["annotations"] = {MULTUS_NETWORKS_ANNOTATION: transfer.network_annotation}
+    deployment_spec: Manifest = {
+        "selector": {"matchLabels": labels(pipeline, role.value)},
+        # No surge: a surge pod needs GPUs that are usually all taken, and would sit Pending.
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+        "template": {"metadata": template_meta, "spec": pod_spec},
+    }
+    # With an HPA the replica count is its field; applying ours would fight it.
+    if not spec.autoscaling.enabled:
+        deployment_spec["replicas"] = spec.replicas
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(pipeline, role.value),
+        "spec": deployment_spec,
+    }
+
+
+def worker_service(pipeline: PipelineSpec, role: Role) -> Manifest:
+    """Headless Service: its DNS name resolves to the ready workers, which the head discovers via dns://."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(pipeline, role.value),
+        "spec": {
+            "clusterIP": "None",
+            "selector": labels(pipeline, role.value),
+            "ports": [{"name": "work", "port": WORKER_PORT, "targetPort": "work", "protocol": "TCP"}],
+        },
+    }
+
+
+def worker_hpa(pipeline: PipelineSpec, role: Role) -> Manifest | None:
+    """An autoscaling/v2 HPA on the per-pod queue depth, when the role asks for one."""
+    auto = pipeline.roles[role].autoscaling
+    if not auto.enabled:
+        return None
+    name = object_name(pipeline.name, role.value)
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(pipeline, role.value),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicas": auto.min_replicas,
+            "maxReplicas": auto.max_replicas,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": auto.metric_name},
+                        "target": {"type": "AverageValue", "averageValue": str(auto.target_queue_depth)},
+                    },
+                }
+            ],
+        },
+    }
+
+
+def _head_ports(pipeline: PipelineSpec) -> list[Manifest]:
+    ports = [
+        {"name": "http", "containerPort": pipeline.head.port},
+        {"name": "scheduler", "containerPort": HEAD_SCHEDULER_PORT},
+    ]
+    ports += [
+        {"name": f"{role.value}-results", "containerPort": result_port(HEAD_SCHEDULER_PORT, role)}
+        for role in PIPELINE_ROLES
+    ]
+    return [{**p, "protocol": "TCP"} for p in ports]
+
+
+def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
+    """The GPU-less head: HTTP API plus the scheduler frontend and result sockets."""
+    head = pipeline.head
+    volumes, mounts, model_env = _model_volume(pipeline)
+    container: Manifest = {
+        "name": HEAD_COMPONENT,
+        "image": pipeline.head_image,
+        "command": list(SERVE_COMMAND),
+        "args": argv,
+        "env": [*model_env, *head.env],
+        "ports": _head_ports(pipeline),
+        "resources": _resources(head.resources, {}),
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [*mounts, {"name": "outputs", "mountPath": OUTPUT_MOUNT}],
+        **_tcp_probes("http"),
+    }
+    pod_spec: Manifest = {
+        "securityContext": _pod_security(),
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": [*volumes, {"name": "outputs", "emptyDir": {}}],
+    }
+    if head.node_selector:
+        pod_spec["nodeSelector"] = dict(head.node_selector)
+    if head.tolerations:
+        pod_spec["tolerations"] = list(head.tolerations)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(pipeline, HEAD_COMPONENT),
+        "spec": {
+            "replicas": head.replicas,
+            "selector": {"matchLabels": labels(pipeline, HEAD_COMPONENT)},
+            # The head owns request state and its ports; two at once would split the workers between them.
+            "strategy": {"type": "Recreate"},
+            "template": {"metadata": {"labels": labels(pipeline, HEAD_COMPONENT)}, "spec": pod_spec},
+        },
+    }
+
+
+def head_service(pipeline: PipelineSpec) -> Manifest:
+    """Internal ClusterIP Service: workers reach the scheduler and result ports here."""
+    ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]} for p in _head_ports(pipeline)]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(pipeline, HEAD_COMPONENT),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": labels(pipeline, HEAD_COMPONENT),
+            "ports": [{**p, "protocol": "TCP"} for p in ports],
+        },
+    }
+
+
+def api_service(pipeline: PipelineSpec) -> Manifest:
+    """The HTTP API Service, of spec.head.serviceType; it exposes only the HTTP port (the scheduler
+    protocol is for a trusted network)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {**_metadata(pipeline, HEAD_COMPONENT, object_name(pipeline.name, API_COMPONENT))},
+        "spec": {
+            "type": pipeline.head.service_type,
+            "selector": labels(pipeline, HEAD_COMPONENT),
+            "ports": [{"name": "http", "port": pipeline.head.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def head_ingress(pipeline: PipelineSpec) -> Manifest | None:
+    ingress = pipeline.head.ingress
+    if not ingress.enabled:
+        return None
+    name = object_name(pipeline.name, API_COMPONENT)
+    backend = {"service": {"name": name, "port": {"name": "http"}}}
+    spec: Manifest = {
+        "rules": [{"host": ingress.host, "http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": backend}]}}]
+    }
+    if ingress.class_name:
+        spec["ingressClassName"] = ingress.class_name
+    if ingress.tls_secret_name:
+        spec["tls"] = [{"hosts": [ingress.host], "secretName": ingress.tls_secret_name}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "Ingress",
+        "metadata": _metadata(pipeline, HEAD_COMPONENT, name),
+        "spec": spec,
+    }

@@ -1,0 +1,116 @@
+"""The `triptych serve` arguments of each pod, built with triptych.config so they cannot drift.
+
+Every argv is checked the way the process will check it: parsed by the same flag definitions
+(`add_serve_flags`) and validated by `ServeArgs.validate`, extraArgs included. A CR whose pods
+would exit on start-up is reported instead of deployed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, add_serve_flags
+from triptych.roles import Role
+from triptych_operator.constants import (
+    HEAD_COMPONENT,
+    HEAD_SCHEDULER_PORT,
+    OUTPUT_MOUNT,
+    PIPELINE_ROLES,
+    WORKER_MASTER_PORT,
+    WORKER_PORT,
+)
+from triptych_operator.spec import PipelineSpec, SpecError
+
+CLUSTER_DOMAIN = "cluster.local"
+SERVE_COMMAND = ("triptych", "serve")
+# Expanded by the kubelet from the container's POD_IP env (downward API): peers reach the worker there.
+POD_IP_REF = "$(POD_IP)"
+# Degrees without a role-specific flag use the generic one, as ServeArgs.parallelism() reads them.
+GENERIC_PARALLEL_FLAGS = {"tp": "tp_size", "sp": "sp_degree", "cfg": "cfg_parallel_size"}
+
+
+def object_name(pipeline_name: str, component: str) -> str:
+    """The name shared by a component's Deployment, Service and HPA."""
+    return f"{pipeline_name}-{component}"
+
+
+def service_host(pipeline: PipelineSpec, component: str) -> str:
+    return f"{object_name(pipeline.name, component)}.{pipeline.namespace}.svc.{CLUSTER_DOMAIN}"
+
+
+def head_address(pipeline: PipelineSpec) -> str:
+    """--disagg-server-addr for workers: the head Service's frontend port."""
+    return f"tcp://{service_host(pipeline, HEAD_COMPONENT)}:{HEAD_SCHEDULER_PORT}"
+
+
+def worker_discovery_url(pipeline: PipelineSpec, role: Role) -> str:
+    """dns://HOST:PORT: the head resolves the headless Service and treats each address as a worker."""
+    return f"dns://{service_host(pipeline, role.value)}:{WORKER_PORT}"
+
+
+def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
+    spec = pipeline.roles[role]
+    parallel = {
+        ROLE_PARALLEL_FLAGS.get(role, {}).get(degree, GENERIC_PARALLEL_FLAGS.get(degree, "")): value
+        for degree, value in spec.explicit_degrees.items()
+    }
+    return ServeArgs(
+        model_path=pipeline.model.model_path,
+        disagg_role=role,
+        disagg_server_addr=head_address(pipeline),
+        scheduler_port=WORKER_PORT,
+        num_gpus=spec.gpus_per_replica,
+        disagg_p2p_hostname=POD_IP_REF,
+        disagg_ib_device=pipeline.transfer.ib_device if pipeline.transfer.rdma else None,
+        disagg_transfer_pool_size=pipeline.transfer.pool_size,
+        master_port=WORKER_MASTER_PORT if spec.gpus_per_replica > 1 else None,
+        device="cuda",
+        **parallel,  # type: ignore[arg-type]
+    )
+
+
+def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
+    urls = {URL_FLAGS[role]: [worker_discovery_url(pipeline, role)] for role in PIPELINE_ROLES}
+    return ServeArgs(
+        model_path=pipeline.model.model_path,
+        disagg_role=Role.SERVER,
+        scheduler_port=HEAD_SCHEDULER_PORT,
+        host="0.0.0.0",
+        port=pipeline.head.port,
+        disagg_timeout=float(pipeline.head.timeout_seconds),
+        disagg_dispatch_policy=pipeline.head.dispatch_policy,
+        output_path=OUTPUT_MOUNT,
+        **urls,  # type: ignore[arg-type]
+    )
+
+
+def worker_argv(pipeline: PipelineSpec, role: Role) -> list[str]:
+    """Container args for a worker of `role` (after `triptych serve`); raises SpecError if they would not start."""
+    argv = worker_serve_args(pipeline, role).to_argv() + list(pipeline.roles[role].extra_args)
+    check_argv(argv, where=f"spec.{role.value}")
+    return argv
+
+
+def head_argv(pipeline: PipelineSpec) -> list[str]:
+    """Container args for the head (after `triptych serve`); raises SpecError if they would not start."""
+    argv = head_serve_args(pipeline).to_argv() + list(pipeline.head.extra_args)
+    check_argv(argv, where="spec.head")
+    return argv
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """The `triptych serve` flags, reporting a bad one as an exception instead of exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def check_argv(argv: Sequence[str], *, where: str) -> ServeArgs:
+    """Parse and validate `argv` exactly as `triptych serve` does; SpecError names `where` (extraArgs live there)."""
+    parser = _RaisingParser(prog="triptych serve", add_help=False)
+    add_serve_flags(parser)
+    try:
+        return ServeArgs.from_namespace(parser.parse_args(list(argv)))
+    except ConfigError as exc:
+        raise SpecError(where, f"the process would reject its arguments: {exc}") from None

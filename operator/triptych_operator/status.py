@@ -1,0 +1,156 @@
+"""A DiffusionPipeline's status, computed from its Deployments: `(generation, deployments) -> status`.
+
+Conditions follow the Kubernetes convention (type/status/reason/message/lastTransitionTime,
+observedGeneration): `Ready`, `Progressing`, `Degraded`, and one `<Component>Ready` per role
+plus the head. Reasons are CamelCase and messages say what to look at or change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from triptych_operator.constants import HEAD_COMPONENT, PIPELINE_ROLES
+
+COMPONENTS: tuple[str, ...] = (*(r.value for r in PIPELINE_ROLES), HEAD_COMPONENT)
+
+PHASE_READY = "Ready"
+PHASE_PROGRESSING = "Progressing"
+PHASE_DEGRADED = "Degraded"
+PHASE_INVALID = "Invalid"
+
+
+@dataclass(frozen=True)
+class ComponentHealth:
+    """How one component's Deployment is doing."""
+
+    component: str
+    ready: int
+    desired: int
+    is_ready: bool
+    stuck: bool
+    reason: str
+    message: str
+
+    @property
+    def condition_type(self) -> str:
+        return f"{self.component.capitalize()}Ready"
+
+    def summary(self) -> dict[str, Any]:
+        return {"ready": f"{self.ready}/{self.desired}", "readyReplicas": self.ready, "replicas": self.desired}
+
+
+def _condition(deployment: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    for cond in (deployment.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return cond
+    return None
+
+
+def component_health(
+    component: str, deployment: Mapping[str, Any] | None, *, spec_error: bool = False
+) -> ComponentHealth:
+    """Read one Deployment: ready only when the current generation's pods are all updated and ready."""
+    if deployment is None:
+        if spec_error:
+            return ComponentHealth(component, 0, 0, False, False, "InvalidSpec", "not created: the spec is invalid")
+        return ComponentHealth(component, 0, 0, False, False, "DeploymentMissing", "the Deployment is being created")
+    name = deployment["metadata"]["name"]
+    status = deployment.get("status") or {}
+    desired = int((deployment.get("spec") or {}).get("replicas", 1))
+    ready = int(status.get("readyReplicas") or 0)
+    updated = int(status.get("updatedReplicas") or 0)
+    if int(status.get("observedGeneration") or 0) < int(deployment["metadata"].get("generation") or 0):
+        return ComponentHealth(component, ready, desired, False, False, "RolloutPending", f"{name}: rollout starting")
+    failure = _condition(deployment, "ReplicaFailure")
+    if failure and failure.get("status") == "True":
+        msg = f"{name}: cannot create pods: {failure.get('message', '')}"
+        return ComponentHealth(component, ready, desired, False, True, "ReplicaFailure", msg)
+    progressing = _condition(deployment, "Progressing")
+    if progressing and progressing.get("reason") == "ProgressDeadlineExceeded":
+        msg = (
+            f"{name}: rollout stalled with {ready}/{desired} pods ready; check `kubectl describe pods -l "
+            f"app.kubernetes.io/component={component}` for unschedulable pods (GPUs, RDMA) or crashing containers"
+        )
+        return ComponentHealth(component, ready, desired, False, True, "RolloutStuck", msg)
+    if desired == 0:
+        msg = f"{name} is scaled to 0; the pipeline cannot serve until it has at least one replica"
+        return ComponentHealth(component, 0, 0, False, False, "ScaledToZero", msg)
+    if updated < desired or ready < desired:
+        msg = f"{name}: {ready}/{desired} pods ready, {updated}/{desired} updated"
+        return ComponentHealth(component, ready, desired, False, False, "WaitingForPods", msg)
+    return ComponentHealth(component, ready, desired, True, False, "AllReplicasReady", f"{ready}/{desired} pods ready")
+
+
+def _make(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def compute_status(
+    generation: int,
+    deployments: Mapping[str, Mapping[str, Any] | None],
+    *,
+    spec_error: str | None = None,
+    previous_conditions: Sequence[Mapping[str, Any]] = (),
+    now: str,
+) -> dict[str, Any]:
+    """The full status for a pipeline at `generation`, given its Deployments by component.
+
+    `spec_error` is the validation message when the spec cannot be deployed; objects from the last
+    valid spec keep running and are still reported. `now` stamps conditions that changed.
+    """
+    health = [component_health(c, deployments.get(c), spec_error=spec_error is not None) for c in COMPONENTS]
+    not_ready = [h for h in health if not h.is_ready]
+    stuck = [h for h in health if h.stuck]
+    conditions = [_make(h.condition_type, h.is_ready, h.reason, h.message) for h in health]
+
+    if not not_ready:
+        ready = _make("Ready", True, "AllComponentsReady", "every role and the head have all pods ready")
+    elif spec_error is not None and all(deployments.get(c) is None for c in COMPONENTS):
+        ready = _make("Ready", False, "InvalidSpec", spec_error)
+    else:
+        names = ", ".join(f"{h.component} ({h.reason})" for h in not_ready)
+        ready = _make("Ready", False, "ComponentsNotReady", f"not ready: {names}")
+
+    rolling = [
+        h for h in not_ready if not h.stuck and h.reason in ("RolloutPending", "WaitingForPods", "DeploymentMissing")
+    ]
+    if rolling:
+        msg = "; ".join(h.message for h in rolling)
+        progressing = _make("Progressing", True, "RollingOut", msg)
+    else:
+        progressing = _make("Progressing", False, "Stable", "no rollout in progress")
+
+    if spec_error is not None:
+        degraded = _make("Degraded", True, "InvalidSpec", f"{spec_error}; fix the spec, nothing new was applied")
+    elif stuck:
+        degraded = _make("Degraded", True, stuck[0].reason, "; ".join(h.message for h in stuck))
+    else:
+        degraded = _make("Degraded", False, "AsExpected", "no problems detected")
+
+    conditions = [ready, progressing, degraded, *conditions]
+    _stamp(conditions, previous_conditions, generation, now)
+
+    if spec_error is not None:
+        phase = PHASE_INVALID
+    elif stuck:
+        phase = PHASE_DEGRADED
+    elif not not_ready:
+        phase = PHASE_READY
+    else:
+        phase = PHASE_PROGRESSING
+    status: dict[str, Any] = {"observedGeneration": generation, "phase": phase, "conditions": conditions}
+    for h in health:
+        status[h.component] = h.summary()
+    return status
+
+
+def _stamp(conditions: list[dict[str, Any]], previous: Sequence[Mapping[str, Any]], generation: int, now: str) -> None:
+    """Keep lastTransitionTime when a condition's status did not flip, so it tells when it last changed."""
+    before = {c.get("type"): c for c in previous}
+    for cond in conditions:
+        old = before.get(cond["type"])
+        same = old is not None and old.get("status") == cond["status"] and old.get("lastTransitionTime")
+        cond["lastTransitionTime"] = old["lastTransitionTime"] if same and old else now
+        cond["observedGeneration"] = generation
