@@ -230,7 +230,9 @@ def bench_size(
     def mb_s(size: int, samples: list[float]) -> float:
         return size / MB / statistics.median(samples)
 
-    result = {
+    memcpy_rate, raw_rate = mb_s(nbytes, memcpy), mb_s(nbytes, raw)
+    write_rate, ours_rate = mb_s(nbytes, write), mb_s(ours_bytes, ours_total)
+    return {
         "bytes": nbytes,
         "ours_payload_bytes": ours_bytes,
         "ours_staged_bytes": staged_extent,
@@ -241,17 +243,16 @@ def bench_size(
             "write": len(write),
             "ours": len(ours_total),
         },
-        "memcpy_mb_s": mb_s(nbytes, memcpy),
+        "memcpy_mb_s": memcpy_rate,
         "raw_back_to_back_mb_s": mb_s(nbytes, raw_b2b),
-        "raw_mooncake_mb_s": mb_s(nbytes, raw),
-        "write_mb_s": mb_s(nbytes, write),
-        "ours_mb_s": mb_s(ours_bytes, ours_total),
+        "raw_mooncake_mb_s": raw_rate,
+        "write_mb_s": write_rate,
+        "ours_mb_s": ours_rate,
         "ours_phase_ms": {k: statistics.median(v[warm:]) * 1e3 for k, v in phases.items()},
+        "ours_over_raw": ours_rate / raw_rate,
+        "raw_over_memcpy": raw_rate / memcpy_rate,
+        "write_over_raw": write_rate / raw_rate,
     }
-    result["ours_over_raw"] = result["ours_mb_s"] / result["raw_mooncake_mb_s"]
-    result["raw_over_memcpy"] = result["raw_mooncake_mb_s"] / result["memcpy_mb_s"]
-    result["write_over_raw"] = result["write_mb_s"] / result["raw_mooncake_mb_s"]
-    return result
 
 
 def print_table(results: list[dict[str, Any]], protocol: str) -> None:

@@ -55,7 +55,8 @@ class MooncakeTransport:
             raise ValueError(f"cannot register {nbytes} bytes")
         rc = self._engine.register_memory(ptr, nbytes)
         if rc != 0:
-            raise TransferError(f"Mooncake could not register {nbytes} bytes at 0x{ptr:x} (return code {rc})")
+            hint = "; RDMA pins the memory, so check the memlock limit (`ulimit -l`)" if self.protocol == "rdma" else ""
+            raise TransferError(f"Mooncake could not register {nbytes} bytes at 0x{ptr:x} (return code {rc}){hint}")
         with self._lock:
             self._regions.append((ptr, nbytes))
 
