@@ -1,0 +1,198 @@
+"""spec -> manifests: what each child looks like, checked without a cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from triptych_operator.constants import GPU_RESOURCE, HEAD_SCHEDULER_PORT, WORKER_PORT
+from triptych_operator.manifests import Manifest, render
+from triptych_operator.spec import SpecError
+
+from tests.operator.helpers import NAMESPACE, OWNER, example, minimal_spec, pipeline
+from triptych.cli import build_parser
+from triptych.config import ServeArgs
+from triptych.roles import Role
+
+ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER)
+
+
+def children(spec: dict[str, Any] | None = None) -> dict[tuple[str, str], Manifest]:
+    return {(m["kind"], m["metadata"]["name"]): m for m in render(pipeline(spec), owner=OWNER).apply}
+
+
+def container(deployment: Manifest) -> Manifest:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def parse_serve(container_: Manifest) -> ServeArgs:
+    """Parse a container's command line exactly as the `triptych` console script does."""
+    assert container_["command"] == ["triptych", "serve"]
+    ns = build_parser().parse_args(["serve", *container_["args"]])
+    return ServeArgs.from_namespace(ns)
+
+
+def test_every_role_gets_a_deployment_and_a_headless_service_and_the_head_two_services() -> None:
+    names = set(children())
+    for role in ROLES:
+        assert ("Deployment", f"wan-t2v-{role.value}") in names
+        assert ("Service", f"wan-t2v-{role.value}") in names
+    assert {("Deployment", "wan-t2v-head"), ("Service", "wan-t2v-head"), ("Service", "wan-t2v-api")} <= names
+    assert children()[("Service", "wan-t2v-denoiser")]["spec"]["clusterIP"] == "None"
+
+
+@pytest.mark.parametrize("role", ROLES, ids=lambda r: r.value)
+def test_worker_args_parse_and_validate_as_triptych_serve(role: Role) -> None:
+    args = parse_serve(container(children()[("Deployment", f"wan-t2v-{role.value}")]))
+    assert args.disagg_role is role
+    assert args.disagg_server_addr == f"tcp://wan-t2v-head.{NAMESPACE}.svc.cluster.local:{HEAD_SCHEDULER_PORT}"
+    assert args.scheduler_port == WORKER_PORT
+    assert args.disagg_p2p_hostname == "$(POD_IP)"
+    assert args.disagg_ib_device == "mlx5_0"
+    assert args.disagg_transfer_pool_size == 1 << 30
+    assert args.model_path == "/models/Wan2.1-T2V-14B-Diffusers"
+
+
+def test_denoiser_args_carry_its_parallelism_and_gpu_count() -> None:
+    args = parse_serve(container(children()[("Deployment", "wan-t2v-denoiser")]))
+    assert (args.num_gpus, args.denoiser_sp, args.denoiser_ulysses, args.denoiser_ring) == (4, 4, 2, 2)
+    assert args.master_port is not None
+    assert args.parallelism().sp == 4
+
+
+def test_head_args_list_workers_by_dns_discovery() -> None:
+    args = parse_serve(container(children()[("Deployment", "wan-t2v-head")]))
+    assert args.disagg_role is Role.SERVER
+    for role in ROLES:
+        assert args.urls_for(role) == [f"dns://wan-t2v-{role.value}.{NAMESPACE}.svc.cluster.local:{WORKER_PORT}"]
+    assert (args.disagg_dispatch_policy, args.disagg_timeout, args.host) == ("max_free_slots", 900.0, "0.0.0.0")
+
+
+def test_workers_are_pinned_to_gpus_and_rdma() -> None:
+    denoiser = container(children()[("Deployment", "wan-t2v-denoiser")])
+    assert denoiser["resources"]["limits"] == {GPU_RESOURCE: 4, "rdma/ib": 1}
+    assert denoiser["resources"]["requests"] == {"cpu": "8", "memory": "64Gi"}
+    assert container(children()[("Deployment", "wan-t2v-encoder")])["resources"]["limits"] == {
+        GPU_RESOURCE: 1,
+        "rdma/ib": 1,
+    }
+
+
+def test_tcp_mode_requests_no_rdma_and_names_no_ib_device() -> None:
+    c = container(children(minimal_spec())[("Deployment", "wan-t2v-encoder")])
+    assert c["resources"]["limits"] == {GPU_RESOURCE: 1}
+    assert "--disagg-ib-device" not in c["args"]
+
+
+def test_worker_pod_has_ipc_lock_shm_pod_ip_and_model_volume() -> None:
+    pod = children()[("Deployment", "wan-t2v-decoder")]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert {"name": "shm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_worker_probes_check_the_work_port() -> None:
+    c = container(children()[("Deployment", "wan-t2v-encoder")])
+    assert c["ports"] == [{"name": "work", "containerPort": WORKER_PORT, "protocol": "TCP"}]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["tcpSocket"] == {"port": "work"}
+
+
+def test_head_service_exposes_scheduler_and_result_ports() -> None:
+    ports = {p["name"]: p["port"] for p in children()[("Service", "wan-t2v-head")]["spec"]["ports"]}
+    assert ports == {
+        "http": 30000,
+        "scheduler": HEAD_SCHEDULER_PORT,
+        "encoder-results": HEAD_SCHEDULER_PORT + 1,
+        "denoiser-results": HEAD_SCHEDULER_PORT + 2,
+        "decoder-results": HEAD_SCHEDULER_PORT + 3,
+    }
+    api = children()[("Service", "wan-t2v-api")]["spec"]
+    assert [p["name"] for p in api["ports"]] == ["http"]  # the scheduler protocol stays internal
+
+
+def test_every_child_is_owned_by_the_pipeline_and_labelled() -> None:
+    for (_, name), obj in children().items():
+        meta = obj["metadata"]
+        assert meta["namespace"] == NAMESPACE
+        [ref] = meta["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+            "DiffusionPipeline",
+            "wan-t2v",
+            OWNER["metadata"]["uid"],
+            True,
+        ), name
+        assert meta["labels"]["app.kubernetes.io/name"] == "triptych"
+        assert meta["labels"]["app.kubernetes.io/instance"] == "wan-t2v"
+        assert meta["labels"]["app.kubernetes.io/component"] in {"encoder", "denoiser", "decoder", "head"}
+
+
+def test_changing_one_role_changes_only_that_roles_deployment() -> None:
+    before = children()
+    spec = example("wan-t2v.yaml")["spec"]
+    spec["denoiser"]["replicas"] = 3
+    spec["denoiser"]["image"] = "registry.example/worker:canary"
+    after = children(spec)
+    changed = {key for key in before if before[key] != after[key]}
+    assert changed == {("Deployment", "wan-t2v-denoiser")}
+
+
+def test_autoscaling_adds_an_hpa_and_leaves_replicas_to_it() -> None:
+    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 3}
+    objs = children(minimal_spec(denoiser={"autoscaling": auto}))
+    hpa = objs[("HorizontalPodAutoscaler", "wan-t2v-denoiser")]["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 4)
+    assert hpa["metrics"][0]["pods"]["target"] == {"type": "AverageValue", "averageValue": "3"}
+    assert "replicas" not in objs[("Deployment", "wan-t2v-denoiser")]["spec"]
+
+
+def test_disabled_optional_children_are_listed_for_deletion() -> None:
+    gone = {(ref.kind, ref.name) for ref in render(pipeline(minimal_spec())).delete}
+    assert ("Ingress", "wan-t2v-api") in gone
+    assert ("HorizontalPodAutoscaler", "wan-t2v-encoder") in gone
+
+
+def test_ingress_routes_to_the_api_service_with_tls() -> None:
+    head = {"ingress": {"enabled": True, "host": "wan.example.com", "className": "nginx", "tls": {"secretName": "t"}}}
+    ing = children(minimal_spec(head=head))[("Ingress", "wan-t2v-api")]["spec"]
+    assert ing["ingressClassName"] == "nginx"
+    assert ing["rules"][0]["http"]["paths"][0]["backend"]["service"] == {
+        "name": "wan-t2v-api",
+        "port": {"name": "http"},
+    }
+    assert ing["tls"] == [{"hosts": ["wan.example.com"], "secretName": "t"}]
+
+
+def test_hub_model_gets_token_and_cache_instead_of_a_volume() -> None:
+    objs = children(example("flux-t2i.yaml")["spec"])
+    c = container(objs[("Deployment", "wan-t2v-encoder")])
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
+    assert token in c["env"]
+    assert parse_serve(c).model_path == "black-forest-labs/FLUX.1-dev"
+
+
+def test_multus_network_annotation_lands_on_worker_pods() -> None:
+    spec = minimal_spec(transfer={"mode": "rdma", "ibDevice": "mlx5_0", "networkAnnotation": "rdma-net"})
+    meta = children(spec)[("Deployment", "wan-t2v-encoder")]["spec"]["template"]["metadata"]
+    assert meta["annotations"] == {"k8s.v1.cni.cncf.io/networks": "rdma-net"}
+
+
+def test_extra_args_are_appended_and_validated_like_the_process_does() -> None:
+    ok = container(
+        children(minimal_spec(decoder={"extraArgs": ["--log-level", "debug"]}))[("Deployment", "wan-t2v-decoder")]
+    )
+    assert parse_serve(ok).log_level == "debug"
+    with pytest.raises(SpecError) as info:
+        render(pipeline(minimal_spec(decoder={"extraArgs": ["--log-level", "loud"]})))
+    assert info.value.field == "spec.decoder"
+    assert "loud" in str(info.value)
+
+
+def test_an_invalid_extra_arg_renders_nothing() -> None:
+    with pytest.raises(SpecError):
+        render(pipeline(minimal_spec(head={"extraArgs": ["--no-such-flag"]})))

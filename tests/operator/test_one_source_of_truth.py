@@ -1,0 +1,65 @@
+"""The CRD, the chart's copy, the CLI and the examples agree: each is generated from or checked against one source."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from triptych_operator import crd
+from triptych_operator.constants import HEAD_HTTP_PORT
+from triptych_operator.spec import parse_pipeline
+
+from tests.operator.helpers import EXAMPLES, REPO
+from triptych.config import DISPATCH_POLICIES
+
+CRD_FILE = REPO / "crds" / "diffusionpipelines.yaml"
+CHART_CRD_FILE = REPO / "charts" / "triptych" / "crds" / "diffusionpipelines.yaml"
+REGENERATE = (
+    "regenerate: python -m triptych_operator.crd > crds/diffusionpipelines.yaml && cp it to charts/triptych/crds/"
+)
+
+
+def schema() -> dict[str, Any]:
+    doc = yaml.safe_load(CRD_FILE.read_text())
+    return doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_crd_file_is_what_the_generator_writes() -> None:
+    assert CRD_FILE.read_text() == crd.render_yaml(), REGENERATE
+
+
+def test_chart_crd_is_byte_identical_to_the_top_level_crd() -> None:
+    assert CHART_CRD_FILE.read_bytes() == CRD_FILE.read_bytes(), REGENERATE
+
+
+def test_dispatch_policy_enum_is_the_cli_choices() -> None:
+    head = schema()["properties"]["spec"]["properties"]["head"]["properties"]
+    assert head["dispatchPolicy"]["enum"] == list(DISPATCH_POLICIES)
+    assert head["dispatchPolicy"]["default"] == DISPATCH_POLICIES[0]
+    assert head["port"]["default"] == HEAD_HTTP_PORT
+
+
+def test_crd_names_group_version_and_printer_columns() -> None:
+    doc = yaml.safe_load(CRD_FILE.read_text())
+    assert doc["metadata"]["name"] == "diffusionpipelines.triptych.ai"
+    assert {"dp", "dpipe"} <= set(doc["spec"]["names"]["shortNames"])
+    version = doc["spec"]["versions"][0]
+    assert version["name"] == "v1alpha1"
+    assert version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Phase", "Encoder", "Denoiser", "Decoder", "Head", "Age"]
+
+
+def test_every_role_has_the_parallelism_cel_rule() -> None:
+    spec = schema()["properties"]["spec"]["properties"]
+    for role in ("encoder", "denoiser", "decoder"):
+        rules = [r["rule"] for r in spec[role]["x-kubernetes-validations"]]
+        assert any("self.gpusPerReplica" in r for r in rules), role
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_are_valid_pipelines(path: Any) -> None:
+    cr = yaml.safe_load(path.read_text())
+    assert (cr["apiVersion"], cr["kind"]) == ("triptych.ai/v1alpha1", "DiffusionPipeline")
+    parse_pipeline(cr["metadata"]["name"], "default", cr["spec"])

@@ -1,0 +1,107 @@
+"""Spec parsing and validation: a bad field is reported by its path with what to do."""
+
+from __future__ import annotations
+
+import pytest
+from triptych_operator.spec import SpecError, parse_pipeline
+
+from tests.operator.helpers import NAMESPACE, minimal_spec, pipeline
+from triptych.parallelism import Parallelism
+from triptych.roles import Role
+
+
+def error_for(spec: dict, name: str = "p") -> SpecError:
+    with pytest.raises(SpecError) as info:
+        parse_pipeline(name, NAMESPACE, spec)
+    return info.value
+
+
+def test_defaults_give_one_single_gpu_replica_per_role_over_tcp() -> None:
+    p = pipeline(minimal_spec())
+    for role in (Role.ENCODER, Role.DENOISER, Role.DECODER):
+        assert p.roles[role].replicas == 1
+        assert p.roles[role].gpus_per_replica == 1
+        assert p.roles[role].parallelism == Parallelism()
+    assert p.transfer.mode == "tcp"
+    assert p.head.dispatch_policy == "round_robin"
+    assert p.model.model_path == "/models/tiny"
+
+
+def test_unset_degrees_are_derived_from_the_gpu_count() -> None:
+    p = pipeline(minimal_spec(denoiser={"gpusPerReplica": 4, "parallelism": {"tp": 2}}))
+    assert p.roles[Role.DENOISER].parallelism == Parallelism(tp=2, sp=2, ulysses=2, ring=1, cfg=1)
+    assert p.roles[Role.DENOISER].explicit_degrees == {"tp": 2}
+
+
+def test_degrees_whose_product_is_not_the_gpu_count_are_rejected_with_the_field() -> None:
+    err = error_for(minimal_spec(denoiser={"gpusPerReplica": 4, "parallelism": {"tp": 2, "sp": 4}}))
+    assert err.field == "spec.denoiser.parallelism"
+    assert str(err).startswith("spec.denoiser.parallelism: tp=2 x sp=4 x cfg=1 = 8, but the role has 4 GPUs")
+
+
+def test_ulysses_times_ring_must_equal_sp() -> None:
+    err = error_for(minimal_spec(denoiser={"gpusPerReplica": 4, "parallelism": {"sp": 4, "ulysses": 2, "ring": 1}}))
+    assert "ulysses=2 x ring=1 must equal sp=4" in str(err)
+
+
+def test_ulysses_is_only_for_the_denoiser() -> None:
+    err = error_for(minimal_spec(encoder={"gpusPerReplica": 2, "parallelism": {"ulysses": 2}}))
+    assert err.field == "spec.encoder.parallelism.ulysses"
+    assert "only the denoiser" in str(err)
+
+
+def test_model_needs_exactly_one_source() -> None:
+    spec = minimal_spec()
+    spec["model"]["hubId"] = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    assert error_for(spec).field == "spec.model"
+    assert error_for({"model": {"path": "x"}}).field == "spec.model.volume"
+
+
+def test_model_path_cannot_leave_the_volume() -> None:
+    spec = minimal_spec()
+    spec["model"]["path"] = "../etc"
+    assert error_for(spec).field == "spec.model.path"
+
+
+def test_hub_model_uses_the_hub_id_as_model_path() -> None:
+    p = pipeline({"model": {"hubId": "black-forest-labs/FLUX.1-dev", "tokenSecretRef": {"name": "hf"}}})
+    assert p.model.model_path == "black-forest-labs/FLUX.1-dev"
+    assert (p.model.token_secret_name, p.model.token_secret_key) == ("hf", "token")
+
+
+def test_rdma_needs_an_ib_device() -> None:
+    err = error_for(minimal_spec(transfer={"mode": "rdma"}))
+    assert err.field == "spec.transfer.ibDevice"
+
+
+def test_pool_size_accepts_sizes_and_rejects_garbage() -> None:
+    assert pipeline(minimal_spec(transfer={"poolSize": "1GiB"})).transfer.pool_size == 1 << 30
+    assert error_for(minimal_spec(transfer={"poolSize": "lots"})).field == "spec.transfer.poolSize"
+
+
+def test_negative_replicas_are_rejected() -> None:
+    err = error_for(minimal_spec(decoder={"replicas": -1}))
+    assert str(err) == "spec.decoder.replicas: is -1; it must be >= 0"
+
+
+def test_unknown_dispatch_policy_lists_the_choices() -> None:
+    err = error_for(minimal_spec(head={"dispatchPolicy": "random"}))
+    assert str(err) == "spec.head.dispatchPolicy: is 'random'; choose one of round_robin, max_free_slots"
+
+
+def test_autoscaling_min_above_max_is_rejected() -> None:
+    spec = minimal_spec(denoiser={"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}})
+    assert "minReplicas 3 is above maxReplicas 2" in str(error_for(spec))
+
+
+def test_a_second_head_is_rejected() -> None:
+    assert error_for(minimal_spec(head={"replicas": 2})).field == "spec.head.replicas"
+
+
+def test_http_port_cannot_collide_with_scheduler_ports() -> None:
+    assert error_for(minimal_spec(head={"port": 5557})).field == "spec.head.port"
+
+
+@pytest.mark.parametrize("name", ["Upper", "a.b", "x" * 60])
+def test_names_that_cannot_prefix_service_names_are_rejected(name: str) -> None:
+    assert error_for(minimal_spec(), name=name).field == "metadata.name"

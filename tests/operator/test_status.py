@@ -1,0 +1,113 @@
+"""Status computation from Deployments: phase, per-role counts, conditions a person can act on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triptych_operator.status import compute_status
+
+NOW = "2026-01-01T00:00:00Z"
+LATER = "2026-01-01T00:05:00Z"
+COMPONENTS = ("encoder", "denoiser", "decoder", "head")
+
+
+def deployment(name: str, *, desired: int = 1, ready: int = 1, updated: int | None = None, **status: Any) -> dict:
+    return {
+        "metadata": {"name": name, "generation": 2},
+        "spec": {"replicas": desired},
+        "status": {
+            "observedGeneration": 2,
+            "readyReplicas": ready,
+            "updatedReplicas": desired if updated is None else updated,
+            **status,
+        },
+    }
+
+
+def all_ready() -> dict[str, dict]:
+    return {c: deployment(f"p-{c}") for c in COMPONENTS}
+
+
+def cond(status: dict, type_: str) -> dict:
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
+def test_all_components_ready_means_phase_ready() -> None:
+    status = compute_status(3, all_ready(), now=NOW)
+    assert status["phase"] == "Ready"
+    assert status["observedGeneration"] == 3
+    assert status["denoiser"] == {"ready": "1/1", "readyReplicas": 1, "replicas": 1}
+    assert cond(status, "Ready")["status"] == "True"
+    assert cond(status, "Degraded")["status"] == "False"
+    assert cond(status, "DenoiserReady")["reason"] == "AllReplicasReady"
+
+
+def test_waiting_pods_mean_progressing_with_counts() -> None:
+    deps = all_ready()
+    deps["denoiser"] = deployment("p-denoiser", desired=2, ready=1)
+    status = compute_status(1, deps, now=NOW)
+    assert status["phase"] == "Progressing"
+    assert status["denoiser"]["ready"] == "1/2"
+    assert cond(status, "DenoiserReady") | {"lastTransitionTime": None} == {
+        "type": "DenoiserReady",
+        "status": "False",
+        "reason": "WaitingForPods",
+        "message": "p-denoiser: 1/2 pods ready, 2/2 updated",
+        "lastTransitionTime": None,
+        "observedGeneration": 1,
+    }
+    assert cond(status, "Progressing")["status"] == "True"
+    assert "denoiser (WaitingForPods)" in cond(status, "Ready")["message"]
+
+
+def test_a_stalled_rollout_is_degraded_and_points_at_the_pods() -> None:
+    deps = all_ready()
+    stalled = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}]
+    deps["encoder"] = deployment("p-encoder", ready=0, conditions=stalled)
+    status = compute_status(1, deps, now=NOW)
+    assert status["phase"] == "Degraded"
+    degraded = cond(status, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "RolloutStuck")
+    assert "kubectl describe pods" in degraded["message"]
+
+
+def test_an_invalid_spec_with_nothing_created_is_invalid_and_says_why() -> None:
+    status = compute_status(1, {}, spec_error="spec.denoiser.parallelism: tp=3 ...", now=NOW)
+    assert status["phase"] == "Invalid"
+    assert cond(status, "Ready")["reason"] == "InvalidSpec"
+    degraded = cond(status, "Degraded")
+    assert degraded["status"] == "True"
+    assert degraded["message"].startswith("spec.denoiser.parallelism: tp=3")
+    assert cond(status, "EncoderReady")["reason"] == "InvalidSpec"
+
+
+def test_an_invalid_edit_keeps_reporting_the_running_objects() -> None:
+    status = compute_status(4, all_ready(), spec_error="spec.head.port: ...", now=NOW)
+    assert status["phase"] == "Invalid"
+    assert cond(status, "Ready")["status"] == "True"  # the previous spec still serves
+    assert cond(status, "Degraded")["reason"] == "InvalidSpec"
+
+
+def test_a_deployment_not_yet_observed_is_not_ready() -> None:
+    deps = all_ready()
+    deps["head"]["metadata"]["generation"] = 3
+    assert cond(compute_status(1, deps, now=NOW), "HeadReady")["reason"] == "RolloutPending"
+
+
+def test_scaled_to_zero_says_the_pipeline_cannot_serve() -> None:
+    deps = all_ready()
+    deps["decoder"] = deployment("p-decoder", desired=0, ready=0)
+    c = cond(compute_status(1, deps, now=NOW), "DecoderReady")
+    assert c["reason"] == "ScaledToZero"
+    assert "cannot serve" in c["message"]
+
+
+def test_transition_time_changes_only_when_status_flips() -> None:
+    first = compute_status(1, all_ready(), now=NOW)
+    again = compute_status(1, all_ready(), previous_conditions=first["conditions"], now=LATER)
+    assert again == first
+    deps = all_ready()
+    deps["head"] = deployment("p-head", ready=0)
+    flipped = compute_status(1, deps, previous_conditions=first["conditions"], now=LATER)
+    assert cond(flipped, "HeadReady")["lastTransitionTime"] == LATER
+    assert cond(flipped, "EncoderReady")["lastTransitionTime"] == NOW
