@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -35,3 +36,25 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int) -> Path:
         writer.close()
     tmp.replace(path)
     return path
+
+
+def frames_path(video: Path) -> Path:
+    """Where the exact frames of a video are kept beside its MP4."""
+    return video.with_suffix(".frames.npy")
+
+
+def save_frames(frames: np.ndarray, path: Path) -> None:
+    np.save(path, np.ascontiguousarray(frames, dtype=np.uint8), allow_pickle=False)
+
+
+def load_frames(path: Path) -> np.ndarray:
+    return np.load(path, allow_pickle=False)
+
+
+def png_zip(frames: np.ndarray) -> bytes:
+    """uint8 [F, H, W, 3] as a ZIP of lossless PNGs named frame-00000.png, ..."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
+        for i, frame in enumerate(frames):
+            zf.writestr(f"frame-{i:05d}.png", png_bytes(frame))
+    return buf.getvalue()

@@ -157,3 +157,32 @@ def test_malformed_message_with_a_request_id_fails_only_that_request(flux, tmp_p
         finally:
             front.close()
             ctx.term()
+
+
+def test_killing_a_denoiser_fails_only_its_requests_and_the_head_keeps_serving(flux, tmp_path):
+    worker_flags = ("--step-seconds", "0.05")  # 40 steps: each request denoises for ~2 s
+    head_flags = ("--disagg-heartbeat-timeout", "2", "--disagg-timeout", "60")
+    with deployment(flux, tmp_path, denoisers=2, null_payload=4096, head_flags=head_flags,
+                    worker_flags=worker_flags) as dep, dep.client() as c:  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(image, c, num_inference_steps=40) for _ in range(4)]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # wait until both denoisers hold work
+                denoisers = c.get("/health").json()["workers"]["denoiser"]
+                if all(d["dispatched"] > 0 for d in denoisers):
+                    break
+                time.sleep(0.05)
+            victim = dep.workers(Role.DENOISER)[0]
+            killed_at = time.monotonic()
+            victim.kill()
+            results = [f.result(timeout=60) for f in futures]
+        codes = sorted(r.status_code for r in results)
+        assert 200 in codes and any(code >= 500 for code in codes), codes
+        for r in results:
+            if r.status_code != 200:
+                message = r.json()["error"]["message"]
+                assert victim.url in message and "stopped responding" in message, message
+        assert time.monotonic() - killed_at < 60  # well within --disagg-timeout
+        assert image(c).status_code == 200  # the head keeps serving on the remaining denoiser
+        alive = {d["url"]: d["alive"] for d in c.get("/health").json()["workers"]["denoiser"]}
+        assert alive[victim.url] is False

@@ -1,6 +1,6 @@
 """Zero-compute stages, for measuring the control and transfer planes without a model.
 
-    python -m triptych_worker.null_pipeline --payload-bytes 1048576 <triptych serve worker flags>
+    python -m triptych_worker.null_pipeline --payload-bytes 1048576 [--step-seconds 0.05] <serve flags>
 
 runs a real worker (same sockets, pool and Mooncake transfers) whose stages only produce
 `--payload-bytes` of zeros (encoder, denoiser) or a black image (decoder).
@@ -8,8 +8,8 @@ runs a real worker (same sockets, pool and Mooncake transfers) whose stages only
 
 from __future__ import annotations
 
-import argparse
 import sys
+import time
 from collections.abc import Sequence
 
 import torch
@@ -27,9 +27,10 @@ class NullPipeline:
     family = "null"
     loaded_components: set[str] = set()
 
-    def __init__(self, role: Role, payload_bytes: int):
+    def __init__(self, role: Role, payload_bytes: int, step_seconds: float = 0.0):
         self.role = role
         self.payload_bytes = payload_bytes
+        self.step_seconds = step_seconds
         self.stage_names = [f"Null{role.value.title()}Stage"]
 
     def validate(self, params: GenerationParams) -> None:
@@ -41,6 +42,7 @@ class NullPipeline:
             batch.tensors = {PIXELS: torch.zeros((p.num_outputs, p.num_frames, p.height, p.width, 3), dtype=torch.uint8)}
         elif self.role is Role.DENOISER:
             for step in range(1, p.num_inference_steps + 1):
+                time.sleep(self.step_seconds)  # stands in for one DiT forward
                 batch.report_progress(step, p.num_inference_steps)
         else:
             batch.tensors = {"payload": torch.zeros(self.payload_bytes, dtype=torch.uint8)}
@@ -50,6 +52,7 @@ class NullPipeline:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(prog="null-worker")
     parser.add_argument("--payload-bytes", type=int, default=1 << 20)
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="denoiser: simulated time per step")
     add_serve_flags(parser)
     ns = parser.parse_args(argv)
     try:
@@ -61,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from triptych_worker.runtime import Worker
 
     configure_logging(args)
-    Worker(args, pipeline=NullPipeline(args.disagg_role, ns.payload_bytes)).serve()  # type: ignore[arg-type]
+    Worker(args, pipeline=NullPipeline(args.disagg_role, ns.payload_bytes, ns.step_seconds)).serve()  # type: ignore[arg-type]
     return 0
 
 

@@ -9,14 +9,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import APIRouter, Request
+from typing import Literal
+
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse
 
 from triptych.protocol import RequestEvent
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.errors import APIError
 from triptych_head.api.schemas import VideoGenerationRequest, VideoJob
-from triptych_head.media import write_mp4
+from triptych_head.media import frames_path, load_frames, png_zip, save_frames, write_mp4
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["videos"])
@@ -97,6 +99,7 @@ async def _run(ctx: HeadContext, entry: JobEntry, params, fps: int) -> None:  # 
         output = await ctx.generate(params, job.id, on_event)
         path = ctx.output_path / "videos" / f"{job.id}.mp4"
         await asyncio.to_thread(write_mp4, output.pixels[0], path, fps)
+        await asyncio.to_thread(save_frames, output.pixels[0], frames_path(path))
         entry.path = path
         job.status, job.state, job.progress = "completed", "DONE", 100
     except asyncio.CancelledError:
@@ -122,11 +125,17 @@ async def get_video(video_id: str, request: Request) -> VideoJob:
     return _jobs(request).get(video_id).job
 
 
-@router.get("/v1/videos/{video_id}/content", response_class=FileResponse)
-async def get_video_content(video_id: str, request: Request) -> FileResponse:
+@router.get("/v1/videos/{video_id}/content", response_model=None)
+async def get_video_content(
+    video_id: str, request: Request, variant: Literal["video", "frames"] = "video"
+) -> FileResponse | Response:
+    """The MP4 (variant=video), or the exact decoded frames as a ZIP of PNGs (variant=frames)."""
     entry = _jobs(request).get(video_id)
     if entry.job.status != "completed" or entry.path is None:
         raise APIError(409, f"video {video_id} is {entry.job.status}; content is ready when status is completed")
+    if variant == "frames":
+        data = await asyncio.to_thread(png_zip, load_frames(frames_path(entry.path)))
+        return Response(data, media_type="application/zip", headers={"Content-Disposition": f"attachment; filename={video_id}-frames.zip"})
     return FileResponse(entry.path, media_type="video/mp4", filename=f"{video_id}.mp4")
 
 
@@ -144,5 +153,6 @@ async def delete_video(video_id: str, request: Request) -> VideoJob:
         return entry.job
     if entry.path is not None:
         entry.path.unlink(missing_ok=True)
+        frames_path(entry.path).unlink(missing_ok=True)
     jobs.remove(video_id)
     return entry.job

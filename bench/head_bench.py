@@ -1,0 +1,141 @@
+"""Head control-plane benchmark: requests/second and per-request control overhead.
+
+Workers run zero-compute stages (triptych_worker.null_pipeline) in real processes, with real
+ZMQ and Mooncake TCP transfers, so what is measured is routing, dispatch and the transfer
+protocol. Requests go straight to the DiffusionServer frontend (no HTTP) and also through HTTP.
+
+    python bench/head_bench.py [--requests 400] [--concurrency 32] [--payload-bytes 65536]
+
+Prints, side by side in one run:
+- sequential latency per request, the Mooncake write time inside it (reported by the senders),
+  and the control overhead = latency - writes (target: < 2 ms);
+- throughput in requests/second at --concurrency (frontend and HTTP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import zmq
+import zmq.asyncio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from triptych.localdeploy import local_deployment  # noqa: E402
+from triptych.protocol import RequestEvent, RequestResult, Submit, decode, encode  # noqa: E402
+from triptych.tiny_models import write_tiny_models  # noqa: E402
+
+PARAMS = {"prompt": "bench", "width": 16, "height": 16, "num_inference_steps": 1}
+
+
+class Frontend:
+    def __init__(self, endpoint: str):
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.connect(endpoint)
+        self.waiting: dict[str, asyncio.Future[RequestResult]] = {}
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            msg, _ = decode(await self.sock.recv_multipart())
+            fut = self.waiting.get(msg.request_id)
+            if fut is None or fut.done():
+                continue
+            if isinstance(msg, RequestResult):
+                fut.set_result(msg)
+            elif isinstance(msg, RequestEvent) and msg.error:
+                fut.set_exception(RuntimeError(msg.error))
+
+    async def request(self, rid: str) -> RequestResult:
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[rid] = fut
+        await self.sock.send_multipart(encode(Submit(rid, PARAMS)))
+        try:
+            return await fut
+        finally:
+            self.waiting.pop(rid, None)
+
+
+async def sequential(front: Frontend, n: int) -> dict[str, float]:
+    latencies, writes = [], []
+    for i in range(n):
+        t0 = time.perf_counter()
+        result = await front.request(f"seq-{i}")
+        latencies.append(time.perf_counter() - t0)
+        writes.append(sum(v for k, v in result.timings.items() if k.startswith("transfer_")))
+    lat, wr = statistics.median(latencies), statistics.median(writes)
+    return {"latency_ms": lat * 1e3, "mooncake_write_ms": wr * 1e3, "control_overhead_ms": (lat - wr) * 1e3}
+
+
+async def throughput_frontend(front: Frontend, n: int, concurrency: int) -> float:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        async with sem:
+            await front.request(f"tp-{i}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    return n / (time.perf_counter() - t0)
+
+
+async def throughput_http(base: str, n: int, concurrency: int) -> float:
+    sem = asyncio.Semaphore(concurrency)
+    body = {"prompt": "bench", "size": "16x16", "num_inference_steps": 1, "seed": 0}
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+
+        async def one() -> None:
+            async with sem:
+                (await client.post("/v1/images/generations", json=body)).raise_for_status()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(n)))
+        return n / (time.perf_counter() - t0)
+
+
+async def measure(dep, args) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    front = Frontend(f"tcp://127.0.0.1:{dep.scheduler_port}")
+    await front.request("warmup")
+    out = await sequential(front, args.sequential)
+    out["frontend_rps"] = await throughput_frontend(front, args.requests, args.concurrency)
+    out["http_rps"] = await throughput_http(dep.http, args.requests, args.concurrency)
+    front.reader.cancel()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--sequential", type=int, default=100)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--payload-bytes", type=int, default=64 * 1024)
+    p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "head.json")
+    args = p.parse_args()
+    (flux,) = write_tiny_models(ROOT / ".models", families=["tiny-flux"])
+    with tempfile.TemporaryDirectory() as tmp:
+        with local_deployment(flux, Path(tmp), worker_flags=("--device", "cpu"),
+                              null_payload_bytes=args.payload_bytes) as dep:  # fmt: skip
+            result = asyncio.run(measure(dep, args))
+    result["payload_bytes"] = args.payload_bytes
+    print(f"head control plane, zero-compute stages, {args.payload_bytes} B per hop, 2 Mooncake hops/request")
+    print(f"  sequential latency      {result['latency_ms']:8.2f} ms (median of {args.sequential})")
+    print(f"  of which Mooncake write {result['mooncake_write_ms']:8.2f} ms")
+    print(f"  control overhead        {result['control_overhead_ms']:8.2f} ms   (target < 2 ms)")
+    print(f"  throughput, frontend    {result['frontend_rps']:8.1f} req/s at concurrency {args.concurrency}")
+    print(f"  throughput, HTTP        {result['http_rps']:8.1f} req/s at concurrency {args.concurrency}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
