@@ -1,0 +1,42 @@
+# Shared settings for build.sh, up.sh and down.sh (sourced, not executed).
+# Every value can be overridden from the environment.
+# `bash tests/cluster/env.sh` prints the resolved settings as KEY=VALUE lines (used by fixtures.py).
+
+CLUSTER_SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+# --- pinned versions (the wrapper modules under toolchain/ pin every dependency) ---
+K8S_VERSION=v1.34.4
+ETCD_VERSION=v3.6.14
+KWOK_VERSION=v0.8.0
+HELM_VERSION=v3.21.4
+
+# The cache key changes whenever a version, a wrapper go.mod/go.sum or the build flags change.
+_toolchain_hash=$(cat "$CLUSTER_SRC"/toolchain/*/go.mod "$CLUSTER_SRC"/toolchain/*/go.sum \
+  <(echo "cgo0 trimpath ldflags-v1") | sha256sum | cut -c1-10)
+K8S_CACHE=${TRIPTYCH_K8S_CACHE:-$HOME/.cache/triptych/k8s}
+VERSION_KEY=k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_helm-${HELM_VERSION}_${_toolchain_hash}
+BIN_DIR=$K8S_CACHE/$VERSION_KEY/bin
+
+# --- running cluster (loopback only) ---
+CLUSTER_DIR=${TRIPTYCH_CLUSTER_DIR:-$HOME/.cache/triptych/cluster}
+ETCD_CLIENT_PORT=${TRIPTYCH_ETCD_PORT:-12379}
+ETCD_PEER_PORT=${TRIPTYCH_ETCD_PEER_PORT:-12380}
+APISERVER_PORT=${TRIPTYCH_APISERVER_PORT:-16443}
+KCM_PORT=${TRIPTYCH_KCM_PORT:-16257}
+SCHEDULER_PORT=${TRIPTYCH_SCHEDULER_PORT:-16259}
+KWOK_PORT=${TRIPTYCH_KWOK_PORT:-16280}
+SERVICE_CIDR=${TRIPTYCH_SERVICE_CIDR:-10.96.0.0/16}
+POD_CIDR=${TRIPTYCH_POD_CIDR:-10.244.0.0/16}
+RDMA_RESOURCE=${TRIPTYCH_RDMA_RESOURCE:-rdma/ib}
+GPU_NODES=${TRIPTYCH_GPU_NODES:-2}
+KUBECONFIG_PATH=$CLUSTER_DIR/kubeconfig
+
+COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  for v in K8S_VERSION ETCD_VERSION KWOK_VERSION HELM_VERSION VERSION_KEY K8S_CACHE BIN_DIR CLUSTER_DIR \
+    KUBECONFIG_PATH ETCD_CLIENT_PORT ETCD_PEER_PORT APISERVER_PORT KCM_PORT SCHEDULER_PORT KWOK_PORT \
+    RDMA_RESOURCE; do
+    echo "$v=${!v}"
+  done
+fi
