@@ -144,18 +144,20 @@ class DiffusionServer:
                 parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if role is None:
-                self._on_frontend([p.buffer for p in parts])
-            else:
-                self._on_worker(role, [p.buffer for p in parts])
+            try:
+                if role is None:
+                    self._on_frontend([p.buffer for p in parts])
+                else:
+                    self._on_worker(role, [p.buffer for p in parts])
+            except Exception:  # the loop serves every other request; never let one message end it
+                log.exception("unhandled error on the %s socket; message dropped", role.value if role else "frontend")
 
     def _tick(self, now: float) -> None:
         for inst in self.registry.sync():
             self._fail_involving(inst, f"{inst.role.value} {inst.url} left the service (discovery removed it)")
         self.registry.ping_all()
         for inst in self.registry.lost():
-            inst.inflight.clear()
-            self._fail_involving(
+            self._instance_lost(
                 inst,
                 f"{inst.role.value} {inst.url} stopped responding "
                 f"(no heartbeat for {self.registry.heartbeat_timeout:g}s)",
@@ -263,7 +265,12 @@ class DiffusionServer:
             self.metrics.dropped_messages.inc()
             log.warning("dropped %s: not a worker message", msg.TYPE)
             return
-        handler(self, rec, inst, msg, frames)
+        try:
+            handler(self, rec, inst, msg, frames)
+        except Exception as exc:  # a bug or a misbehaving worker fails one request, never the loop
+            log.exception("handling %s for %s", msg.TYPE, rec.request_id)
+            if rec.request_id in self.requests:
+                self._finish(rec, RequestState.FAILED, f"internal error handling {msg.TYPE} from {inst.url}: {exc}")
 
     def _on_started(self, rec: RequestRecord, inst: WorkerInstance, msg: Started, frames: list[Any]) -> None:
         pass
@@ -277,6 +284,8 @@ class DiffusionServer:
         if rec.state is not running or rec.instance != inst.url:
             self.registry.send(inst.url, CancelWork(rec.request_id, inst.url))
             return
+        if rec.hop + 1 >= len(rec.route):
+            raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
         self._record_stage_time(rec)
         rec.move(done)
         rec.staged = StagedPayload(sender=inst.url, nbytes=msg.nbytes, manifest=msg.manifest, meta=msg.meta)
@@ -388,8 +397,8 @@ class DiffusionServer:
             sent = self.registry.send(inst.url, TransferAlloc(rid, inst.url, nbytes))
         else:
             sent = self.registry.send(inst.url, Work(rid, inst.url, rec.params.to_wire()))
-        if not sent:
-            inst.last_heartbeat = None  # not connected: stop choosing it until it heartbeats again
+        if not sent:  # not connected any more: treat it as gone until it heartbeats again
+            self._instance_lost(inst, f"{role.value} {inst.url} is not connected")
             return False
         inst.inflight.add(rid)
         inst.dispatched_total += 1
@@ -408,6 +417,12 @@ class DiffusionServer:
         rec.timings[rec.role.value] = elapsed
 
     # --- endings ----------------------------------------------------------------------------
+
+    def _instance_lost(self, inst: WorkerInstance, reason: str) -> None:
+        log.warning("%s", reason)
+        inst.last_heartbeat = None
+        inst.inflight.clear()
+        self._fail_involving(inst, reason)
 
     def _fail_involving(self, inst: WorkerInstance, reason: str) -> None:
         for rec in [r for r in self.requests.values() if inst.url in r.involved_instances()]:
