@@ -1,0 +1,59 @@
+{{- define "triptych.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "triptych.labels" -}}
+app.kubernetes.io/name: triptych
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "triptych.selectorLabels" -}}
+app.kubernetes.io/name: triptych
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "triptych.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "triptych.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The namespaced permissions: pipelines, their children, and events. */}}
+{{- define "triptych.namespacedRules" -}}
+- apiGroups: [triptych.ai]
+  resources: [diffusionpipelines]
+  # kopf records handler progress in annotations (patch).
+  verbs: [get, list, watch, patch]
+- apiGroups: [triptych.ai]
+  resources: [diffusionpipelines/status]
+  verbs: [get, patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  # Server-side apply creates and patches; nothing is deleted (garbage collection does that).
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  # Deleted when a role's autoscaling is turned off.
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [ingresses]
+  # Deleted when the head's ingress is turned off.
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}

@@ -1,0 +1,85 @@
+"""The images are written, not built here: check what a build would trip on.
+
+Every COPY source exists in the repository, every entrypoint is a console script the project
+declares, and the final stage runs as a numeric non-root user.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+from triptych_operator.serve_args import SERVE_COMMAND
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILES = sorted((REPO / "images").glob("*.Dockerfile"))
+SCRIPTS = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"])
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        keyword, _, rest = line.partition(" ")
+        out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def final_stage(path: Path) -> list[tuple[str, str]]:
+    steps = instructions(path)
+    last_from = max(i for i, (k, _) in enumerate(steps) if k == "FROM")
+    return steps[last_from:]
+
+
+def exec_form(args: str) -> list[str]:
+    return json.loads(args) if args.startswith("[") else shlex.split(args)
+
+
+def test_there_are_the_three_images() -> None:
+    assert [p.name for p in DOCKERFILES] == ["head.Dockerfile", "operator.Dockerfile", "worker.Dockerfile"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_every_copied_path_exists(dockerfile: Path) -> None:
+    copies = [args for keyword, args in instructions(dockerfile) if keyword in ("COPY", "ADD")]
+    assert copies
+    for args in copies:
+        words = exec_form(args)
+        if any(w.startswith("--from=") for w in words):
+            continue  # from another stage, not the build context
+        sources = [w for w in words if not w.startswith("--")][:-1]
+        for source in sources:
+            assert (REPO / source).exists(), f"{dockerfile.name}: COPY {source} does not exist in the repository"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_entrypoint_is_a_declared_console_script(dockerfile: Path) -> None:
+    stage = dict(final_stage(dockerfile))
+    command = exec_form(stage.get("ENTRYPOINT") or stage["CMD"])
+    assert command[0] in SCRIPTS, f"{dockerfile.name} runs {command[0]!r}; pyproject declares {sorted(SCRIPTS)}"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_final_stage_runs_as_a_numeric_non_root_user(dockerfile: Path) -> None:
+    users = [args for keyword, args in final_stage(dockerfile) if keyword == "USER"]
+    assert users, f"{dockerfile.name} sets no USER: it would run as root"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, f"{dockerfile.name}: USER {users[-1]} is not a numeric non-root uid"
+
+
+def test_commands_the_operator_and_chart_run_are_console_scripts() -> None:
+    assert SERVE_COMMAND[0] in SCRIPTS
+    chart_deployment = (REPO / "charts" / "triptych" / "templates" / "deployment.yaml").read_text()
+    assert "command: [triptych-operator]" in chart_deployment
+    assert "triptych-operator" in SCRIPTS

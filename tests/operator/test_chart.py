@@ -1,0 +1,72 @@
+"""The Helm chart: lints clean, renders least-privilege RBAC, and agrees with the operator's defaults."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+from triptych_operator.constants import DEFAULT_HEAD_IMAGE, DEFAULT_WORKER_IMAGE
+
+from tests.operator.helpers import REPO
+
+CHART = REPO / "charts" / "triptych"
+
+
+def helm(toolchain: dict[str, str], *args: str) -> str:
+    proc = subprocess.run(
+        [str(Path(toolchain["BIN_DIR"]) / "helm"), *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return proc.stdout
+
+
+def render(toolchain: dict[str, str], *sets: str) -> list[dict[str, Any]]:
+    flags = [f for s in sets for f in ("--set", s)]
+    out = helm(toolchain, "template", "rel", str(CHART), "--namespace", "ops", "--kube-version", "1.34.0", *flags)
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def test_values_default_images_are_the_operators_defaults() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert (values["workerImage"], values["headImage"]) == (DEFAULT_WORKER_IMAGE, DEFAULT_HEAD_IMAGE)
+
+
+def test_helm_lint_is_clean(k8s_toolchain: dict[str, str]) -> None:
+    out = helm(k8s_toolchain, "lint", "--strict", str(CHART), "--set", "examplePipeline.enabled=true")
+    assert "[WARNING]" not in out and "[ERROR]" not in out
+
+
+def test_cluster_wide_install_uses_a_cluster_role_without_wildcards(k8s_toolchain: dict[str, str]) -> None:
+    docs = render(k8s_toolchain)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ClusterRoleBinding",
+        "Deployment",
+        "ServiceAccount",
+    ]
+    for role in (d for d in docs if d["kind"] == "ClusterRole"):
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+            assert "kopf.dev" not in rule["apiGroups"]  # standalone: no peering resources
+
+
+def test_namespaced_install_uses_a_role_per_namespace(k8s_toolchain: dict[str, str]) -> None:
+    docs = render(k8s_toolchain, "watchNamespaces={a,b}")
+    roles = sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "Role")
+    assert roles == ["a", "b"]
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TRIPTYCH_WATCH_NAMESPACES"] == "a,b"
+
+
+def test_example_pipeline_is_optional_and_valid(k8s_toolchain: dict[str, str]) -> None:
+    from triptych_operator.spec import parse_pipeline
+
+    assert not [d for d in render(k8s_toolchain) if d["kind"] == "DiffusionPipeline"]
+    [example] = [d for d in render(k8s_toolchain, "examplePipeline.enabled=true") if d["kind"] == "DiffusionPipeline"]
+    parse_pipeline(example["metadata"]["name"], "ops", example["spec"])
