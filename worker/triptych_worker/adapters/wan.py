@@ -1,0 +1,161 @@
+"""Wan2.1 text-to-video (WanPipeline) split into role stages.
+
+Crosses encoder -> denoiser (tensors): prompt_embeds [n, L, D], latents [n, C, T', H', W'] (float32),
+and negative_prompt_embeds [n, L, D] when guidance_scale > 1 (classifier-free guidance, as the
+stock pipeline decides); (meta): timesteps (list of float), the encoder's schedule, which the
+denoiser's own scheduler must reproduce.
+Crosses denoiser -> decoder (tensors): latents [n, C, T', H', W'].
+Decoder output: pixels uint8 [n, num_frames, H, W, 3]; meta fps.
+
+Wan2.2 packages (two experts via boundary_ratio, or expand_timesteps) are rejected at load.
+torch and diffusers are imported inside methods so the head can validate without importing them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from triptych.params import GenerationParams
+from triptych_worker.adapters.base import FamilyAdapter, ModelPackage, check_common, lcm, pixels_uint8
+from triptych_worker.stages import PIXELS
+
+if TYPE_CHECKING:
+    from triptych_worker.stages import StageBatch
+
+FPS = 16  # Wan2.1's frame rate; the head uses it when it writes the video file
+MAX_FRAMES = 1025
+
+
+class WanAdapter(FamilyAdapter):
+    stage_components: ClassVar[dict[str, frozenset[str]]] = {
+        "TextEncodingStage": frozenset({"text_encoder", "tokenizer"}),
+        "TimestepPreparationStage": frozenset({"scheduler"}),
+        "DenoisingStage": frozenset({"transformer", "scheduler"}),
+        "DecodingStage": frozenset({"vae"}),
+    }
+
+    def __init__(self, package: ModelPackage, device: str = "cpu"):
+        super().__init__(package, device)
+        index = package.index
+        if index.get("boundary_ratio") is not None or index.get("expand_timesteps") or _present(index, "transformer_2"):
+            raise ValueError(
+                f"model path {package.path}: Wan2.2 packages (boundary_ratio, transformer_2, expand_timesteps) "
+                "are not supported yet; use a Wan2.1 text-to-video package"
+            )
+        transformer, vae = package.config("transformer"), package.config("vae")
+        # WanPipeline reads these from a loaded VAE and falls back to 8 and 4 without one.
+        self.scale_spatial = int(vae.get("scale_factor_spatial", 8))
+        self.scale_temporal = int(vae.get("scale_factor_temporal", 4))
+        self.latent_channels = int(transformer["in_channels"])
+        patch = transformer["patch_size"]
+        # check_inputs wants multiples of 16; patchification wants whole patches of latent pixels.
+        self.size_multiple = lcm(16, lcm(self.scale_spatial * patch[1], self.scale_spatial * patch[2]))
+        self.max_steps = int(package.config("scheduler").get("num_train_timesteps", 1000))
+
+    def validate(self, params: GenerationParams) -> None:
+        check_common(params, size_multiple=self.size_multiple, max_steps=self.max_steps)
+        n, k = params.num_frames, self.scale_temporal
+        if not 1 <= n <= MAX_FRAMES or (n - 1) % k:
+            raise ValueError(
+                f"num_frames {n} is invalid: Wan needs 1 + a multiple of {k} frames, at most {MAX_FRAMES} "
+                f"(e.g. {max(1, (n - 1) // k * k + 1)} or {(n - 1) // k * k + 1 + k})"
+            )
+
+    def load(self, components: set[str]) -> None:
+        from diffusers import WanPipeline
+
+        self.pipe = self._load_stock(WanPipeline, components)
+        self.pipe.vae_scale_factor_spatial = self.scale_spatial
+        self.pipe.vae_scale_factor_temporal = self.scale_temporal
+
+    def encode_text(self, batch: StageBatch) -> None:
+        p = batch.params
+        prompt_embeds, negative_embeds = self.pipe.encode_prompt(
+            prompt=p.prompt,
+            negative_prompt=p.negative_prompt,
+            do_classifier_free_guidance=_uses_cfg(p),
+            num_videos_per_prompt=p.num_outputs,
+            max_sequence_length=p.max_sequence_length,
+            device=self.device,
+        )
+        batch.tensors["prompt_embeds"] = prompt_embeds
+        if negative_embeds is not None:
+            batch.tensors["negative_prompt_embeds"] = negative_embeds
+
+    def prepare_latents(self, batch: StageBatch) -> None:
+        import torch
+
+        p = batch.params
+        # A CPU generator, as in the stock reference call, makes the noise the same on every device.
+        generator = torch.Generator("cpu").manual_seed(p.seed)
+        batch.tensors["latents"] = self.pipe.prepare_latents(
+            p.num_outputs,
+            self.latent_channels,
+            p.height,
+            p.width,
+            p.num_frames,
+            torch.float32,
+            torch.device(self.device),
+            generator,
+        )
+
+    def prepare_timesteps(self, batch: StageBatch) -> None:
+        self.pipe.scheduler.set_timesteps(batch.params.num_inference_steps, device=self.device)
+        batch.meta["timesteps"] = [float(t) for t in self.pipe.scheduler.timesteps]
+
+    def denoise(self, batch: StageBatch) -> None:
+        p, t, transformer, scheduler = batch.params, batch.tensors, self.pipe.transformer, self.pipe.scheduler
+        scheduler.set_timesteps(p.num_inference_steps, device=self.device)
+        timesteps = scheduler.timesteps
+        if [float(x) for x in timesteps] != batch.meta["timesteps"]:
+            raise ValueError(
+                "the denoiser's scheduler disagrees with the encoder's timesteps; "
+                "run every role from the same model package"
+            )
+        dtype = transformer.dtype
+        prompt_embeds = t["prompt_embeds"].to(dtype)
+        negative_embeds = t["negative_prompt_embeds"].to(dtype) if _uses_cfg(p) else None
+        latents = t["latents"]
+        scheduler.set_begin_index(0)
+        for i, step_t in enumerate(timesteps):
+            model_input = latents.to(dtype)
+            timestep = step_t.expand(latents.shape[0])
+            cache = {"step_index": i, "sigma": float(scheduler.sigmas[i]), "num_inference_steps": len(timesteps)}
+            with transformer.cache_context("cond", **cache):
+                noise_pred = transformer(
+                    hidden_states=model_input, timestep=timestep, encoder_hidden_states=prompt_embeds, return_dict=False
+                )[0]
+            if negative_embeds is not None:
+                with transformer.cache_context("uncond", **cache):
+                    noise_uncond = transformer(
+                        hidden_states=model_input,
+                        timestep=timestep,
+                        encoder_hidden_states=negative_embeds,
+                        return_dict=False,
+                    )[0]
+                noise_pred = noise_uncond + p.guidance_scale * (noise_pred - noise_uncond)
+            latents = scheduler.step(noise_pred, step_t, latents, return_dict=False)[0]
+            batch.report_progress(i + 1, len(timesteps))
+        batch.tensors = {"latents": latents}
+
+    def decode(self, batch: StageBatch) -> None:
+        import torch
+
+        vae = self.pipe.vae
+        latents = batch.tensors["latents"].to(vae.device, dtype=vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        frames = self.pipe.video_processor.postprocess_video(video, output_type="np")  # [n, F, H, W, 3] in [0, 1]
+        batch.tensors = {PIXELS: pixels_uint8(frames)}
+        batch.meta["fps"] = FPS
+
+
+def _uses_cfg(params: GenerationParams) -> bool:
+    return params.guidance_scale > 1.0  # WanPipeline.do_classifier_free_guidance
+
+
+def _present(index: dict[str, object], component: str) -> bool:
+    entry = index.get(component)
+    return isinstance(entry, list) and entry[0] is not None
