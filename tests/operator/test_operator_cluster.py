@@ -1,0 +1,314 @@
+"""The operator against a real API server (tests/cluster): kwok runs the pods on fake GPU/RDMA nodes.
+
+The operator runs in-process with kopf's KopfRunner, namespaced to the test's namespace. Every
+wait is bounded and polls.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from kopf.testing import KopfRunner
+
+from tests.cluster.fixtures import CommandError, KubeCluster
+from tests.operator.helpers import REPO, example
+
+pytestmark = pytest.mark.cluster
+
+T = TypeVar("T")
+CRD = REPO / "crds" / "diffusionpipelines.yaml"
+CHART = REPO / "charts" / "triptych"
+GPU_NODES = {"gpu-node-0", "gpu-node-1"}
+COMPONENTS = ("encoder", "denoiser", "decoder", "head")
+
+
+def poll(fn: Callable[[], T], *, timeout: float = 60, interval: float = 0.5, what: str) -> T:
+    """Call fn until it returns something truthy; fail with the last value after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last = fn()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def crd(kube_cluster: KubeCluster) -> KubeCluster:
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    kube_cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/diffusionpipelines.triptych.ai", "--timeout=60s", timeout=70
+    )
+    return kube_cluster
+
+
+@pytest.fixture
+def operator(crd: KubeCluster, kube_namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
+    """The operator, running in this process and watching only the test namespace."""
+    monkeypatch.setenv("KUBECONFIG", crd.kubeconfig)
+    args = ["run", "--standalone", "--namespace", kube_namespace, "-m", "triptych_operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        yield runner
+    assert runner.exception is None, runner.output
+
+
+def pipeline_manifest(name: str, **changes: Any) -> dict[str, Any]:
+    """The FLUX example made runnable here: a (fake) model directory on the node instead of the hub."""
+    cr = example("flux-t2i.yaml")
+    cr["metadata"] = {"name": name}
+    cr["spec"]["model"] = {"path": "tiny-flux", "volume": {"hostPath": {"path": "/var/lib/triptych/models"}}}
+    cr["spec"].update(changes)
+    return cr
+
+
+def apply(cluster: KubeCluster, namespace: str, manifest: dict[str, Any]) -> None:
+    cluster.apply(json.dumps(manifest), namespace=namespace)
+
+
+def get(cluster: KubeCluster, namespace: str, *what: str) -> dict[str, Any] | None:
+    proc = cluster.kubectl("get", "-n", namespace, *what, "-o", "json", check=False)
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+def condition(cr: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    for cond in ((cr or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == type_:
+            return cond
+    return {}
+
+
+def wait_phase(cluster: KubeCluster, namespace: str, name: str, phase: str, timeout: float = 90) -> dict[str, Any]:
+    def current() -> dict[str, Any] | None:
+        cr = get(cluster, namespace, "dp", name)
+        return cr if cr and (cr.get("status") or {}).get("phase") == phase else None
+
+    return poll(current, timeout=timeout, what=f"DiffusionPipeline {name} to be {phase}")
+
+
+def children(cluster: KubeCluster, namespace: str, name: str) -> dict[str, dict[str, Any]]:
+    """kind/name -> object for everything labelled as this pipeline's."""
+    listing = get(cluster, namespace, "deployments,services,hpa,ingresses", "-l", f"app.kubernetes.io/instance={name}")
+    return {f"{o['kind']}/{o['metadata']['name']}": o for o in (listing or {}).get("items", [])}
+
+
+def container(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_pipeline_becomes_ready_on_gpu_nodes_and_kubectl_shows_it(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    ns = kube_namespace
+    apply(crd, ns, pipeline_manifest("flux"))
+    cr = wait_phase(crd, ns, "flux", "Ready")
+    assert condition(cr, "Ready")["status"] == "True"
+    assert cr["status"]["observedGeneration"] == cr["metadata"]["generation"]
+
+    objs = children(crd, ns, "flux")
+    for component in COMPONENTS:
+        assert f"Deployment/flux-{component}" in objs
+    assert {"Service/flux-encoder", "Service/flux-denoiser", "Service/flux-decoder", "Service/flux-head"} <= set(objs)
+    assert objs["Service/flux-denoiser"]["spec"]["clusterIP"] == "None"
+    head_args = container(objs["Deployment/flux-head"])["args"]
+    assert f"dns://flux-denoiser.{ns}.svc.cluster.local:19000" in head_args
+
+    pods = get(crd, ns, "pods", "-l", "app.kubernetes.io/instance=flux")
+    assert pods is not None
+    workers = [p for p in pods["items"] if p["metadata"]["labels"]["app.kubernetes.io/component"] != "head"]
+    assert len(workers) == 4  # 1 encoder + 2 denoisers + 1 decoder
+    for pod in workers:
+        assert pod["spec"]["nodeName"] in GPU_NODES, pod["metadata"]["name"]
+        assert pod["status"]["phase"] == "Running"
+
+    table = crd.kubectl("get", "dp", "-n", ns).stdout.splitlines()
+    assert table[0].split() == ["NAME", "PHASE", "ENCODER", "DENOISER", "DECODER", "AGE"]
+    assert table[1].split()[:5] == ["flux", "Ready", "1/1", "2/2", "1/1"]
+    assert crd.kubectl("get", "dpipe", "-n", ns, "-o", "name").stdout.strip() == "diffusionpipeline.triptych.ai/flux"
+
+
+def test_rdma_pipeline_pins_gpus_and_rdma_devices(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:
+    """Each node has one rdma/ib device: two RDMA workers fit, the third waits and the status says so."""
+    ns = kube_namespace
+    manifest = pipeline_manifest(
+        "wan",
+        transfer={"mode": "rdma", "ibDevice": "mlx5_0", "poolSize": "512MiB"},
+        encoder={"replicas": 1},
+        denoiser={"replicas": 1, "gpusPerReplica": 4, "parallelism": {"sp": 4, "ulysses": 2, "ring": 2}},
+        decoder={"replicas": 1},
+    )
+    apply(crd, ns, manifest)
+    deployments = poll(
+        lambda: (lambda o: o if sum(k.startswith("Deployment/") for k in o) == 4 else None)(children(crd, ns, "wan")),
+        what="the four Deployments",
+    )
+    denoiser = container(deployments["Deployment/wan-denoiser"])
+    assert denoiser["resources"]["limits"] == {"nvidia.com/gpu": "4", "rdma/ib": "1"}
+    assert denoiser["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    args = denoiser["args"]
+    for flag, value in [("--disagg-ib-device", "mlx5_0"), ("--num-gpus", "4"), ("--denoiser-ulysses", "2")]:
+        assert args[args.index(flag) + 1] == value
+    assert args[args.index("--disagg-p2p-hostname") + 1] == "$(POD_IP)"
+
+    def placement() -> tuple[list[str], list[dict[str, Any]]] | None:
+        pods = (get(crd, ns, "pods", "-l", "app.kubernetes.io/instance=wan") or {}).get("items", [])
+        workers = [p for p in pods if p["metadata"]["labels"]["app.kubernetes.io/component"] != "head"]
+        running = [p["spec"]["nodeName"] for p in workers if p["status"].get("phase") == "Running"]
+        pending = [p for p in workers if p["status"].get("phase") == "Pending" and not p["spec"].get("nodeName")]
+        return (running, pending) if len(running) == 2 and len(pending) == 1 else None
+
+    running, pending = poll(placement, what="two RDMA workers running and one pending")
+    assert sorted(running) == sorted(GPU_NODES)  # one RDMA device per node: one worker per node
+    unschedulable = condition(pending[0], "PodScheduled")
+    assert "rdma/ib" in unschedulable.get("message", ""), unschedulable
+
+    cr = wait_phase(crd, ns, "wan", "Progressing")
+    assert condition(cr, "Ready")["status"] == "False"
+    assert "0/1 pods ready" in json.dumps(cr["status"]["conditions"])
+
+
+def test_editing_one_role_rolls_only_that_role(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:
+    ns = kube_namespace
+    apply(crd, ns, pipeline_manifest("edit"))
+    wait_phase(crd, ns, "edit", "Ready")
+    before = {k: v["metadata"] for k, v in children(crd, ns, "edit").items()}
+
+    patch = {"spec": {"denoiser": {"replicas": 3, "image": "registry.example/triptych-worker:canary"}}}
+    crd.kubectl("patch", "dp", "edit", "-n", ns, "--type=merge", "-p", json.dumps(patch))
+
+    def rolled() -> dict[str, Any] | None:
+        dep = get(crd, ns, "deployment", "edit-denoiser")
+        ok = dep and dep["spec"]["replicas"] == 3 and container(dep)["image"].endswith(":canary")
+        return dep if ok else None
+
+    poll(rolled, what="the denoiser Deployment to take the edit")
+    wait_phase(crd, ns, "edit", "Ready")
+    after = {k: v["metadata"] for k, v in children(crd, ns, "edit").items()}
+    assert after["Deployment/edit-denoiser"]["generation"] > before["Deployment/edit-denoiser"]["generation"]
+    for key, meta in before.items():
+        if key != "Deployment/edit-denoiser":
+            assert after[key]["resourceVersion"] == meta["resourceVersion"], f"{key} was rewritten"
+            assert after[key].get("generation") == meta.get("generation"), f"{key} rolled"
+
+
+def test_children_deleted_or_edited_by_hand_are_restored(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    ns = kube_namespace
+    apply(crd, ns, pipeline_manifest("drift"))
+    wait_phase(crd, ns, "drift", "Ready")
+    old = children(crd, ns, "drift")
+
+    crd.kubectl("delete", "deployment", "drift-encoder", "service", "drift-decoder", "-n", ns, "--wait=false")
+    crd.kubectl("scale", "deployment", "drift-denoiser", "-n", ns, "--replicas=5")
+
+    def restored() -> bool:
+        now = children(crd, ns, "drift")
+        return (
+            all(k in now for k in ("Deployment/drift-encoder", "Service/drift-decoder"))
+            and now["Deployment/drift-encoder"]["metadata"]["uid"] != old["Deployment/drift-encoder"]["metadata"]["uid"]
+            and now["Deployment/drift-denoiser"]["spec"]["replicas"] == 2
+        )
+
+    poll(restored, timeout=60, what="the deleted and scaled children to be restored")
+    wait_phase(crd, ns, "drift", "Ready")
+    events = crd.kubectl("get", "events", "-n", ns, "--field-selector", "involvedObject.name=drift").stdout
+    assert "Restored" in events
+
+
+def test_deleting_the_pipeline_removes_everything(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:
+    ns = kube_namespace
+    apply(crd, ns, pipeline_manifest("gone"))
+    poll(lambda: len(children(crd, ns, "gone")) >= 9, what="the children")
+    crd.kubectl("delete", "dp", "gone", "-n", ns, "--timeout=60s", timeout=70)
+    poll(lambda: not children(crd, ns, "gone"), timeout=90, what="garbage collection of the children")
+    pods = get(crd, ns, "pods", "-l", "app.kubernetes.io/instance=gone") or {}
+    poll(
+        lambda: not (get(crd, ns, "pods", "-l", "app.kubernetes.io/instance=gone") or {}).get("items"),
+        timeout=90,
+        what=f"the pods to go (had {len(pods.get('items', []))})",
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"decoder": {"replicas": -1}}, "spec.decoder.replicas"),
+        ({"head": {"dispatchPolicy": "random"}}, 'Unsupported value: "random"'),
+        ({"denoiser": {"gpusPerReplica": 4, "parallelism": {"tp": 2, "sp": 4}}}, "must equal gpusPerReplica (4)"),
+        ({"encoder": {"parallelism": {"ulysses": 1}}}, "apply to the denoiser only"),
+        ({"denoiser": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}}, "minReplicas must be"),
+        ({"transfer": {"mode": "rdma"}}, "ibDevice is required with mode rdma"),
+        ({"transfer": {"poolSize": "lots"}}, "poolSize is a byte count"),
+    ],
+    ids=[
+        "negative-replicas",
+        "unknown-policy",
+        "degrees-vs-gpus",
+        "encoder-ulysses",
+        "min-over-max",
+        "rdma-no-device",
+        "bad-pool",
+    ],
+)
+def test_api_server_rejects_invalid_pipelines(
+    crd: KubeCluster, kube_namespace: str, change: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(CommandError) as info:
+        apply(crd, kube_namespace, pipeline_manifest("bad", **change))
+    assert message in info.value.stderr
+
+
+def test_api_server_rejects_names_too_long_for_service_names(crd: KubeCluster, kube_namespace: str) -> None:
+    with pytest.raises(CommandError) as info:
+        apply(crd, kube_namespace, pipeline_manifest("a" * 60))
+    assert "at most 54 characters" in info.value.stderr
+
+
+def test_degrees_the_schema_cannot_check_mark_the_pipeline_degraded(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    ns = kube_namespace
+    bad = {"replicas": 1, "gpusPerReplica": 4, "parallelism": {"sp": 4, "ulysses": 2, "ring": 1}}
+    apply(crd, ns, pipeline_manifest("odd", denoiser=bad))
+    cr = wait_phase(crd, ns, "odd", "Invalid")
+    degraded = condition(cr, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+    assert degraded["message"].startswith("spec.denoiser.parallelism: ulysses=2 x ring=1 must equal sp=4")
+    assert not children(crd, ns, "odd"), "nothing is created for an invalid pipeline"
+
+    crd.kubectl(
+        "patch", "dp", "odd", "-n", ns, "--type=merge", "-p", '{"spec":{"denoiser":{"parallelism":{"ring":2}}}}'
+    )
+    cr = wait_phase(crd, ns, "odd", "Ready")
+    assert condition(cr, "Degraded")["status"] == "False"
+
+
+def test_helm_install_reconciles_the_example_and_uninstall_cleans_up(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    """The chart's operator pod is a kwok pod (nothing runs in it); the in-process operator does the work."""
+    ns = kube_namespace
+    release = f"r{ns[-6:]}"
+    crd.helm(
+        "install", release, str(CHART), "--namespace", ns, "--wait", "--timeout", "90s",
+        "--set", f"watchNamespaces={{{ns}}}", "--set", "examplePipeline.enabled=true",
+        timeout=120,
+    )  # fmt: skip
+    operator_deploy = get(crd, ns, "deployment", f"{release}-triptych")
+    assert operator_deploy is not None
+    assert container(operator_deploy)["command"] == ["triptych-operator"]
+    assert get(crd, ns, "role", f"{release}-triptych") is not None
+
+    cr = wait_phase(crd, ns, "example", "Ready")
+    assert cr["status"]["head"]["ready"] == "1/1"
+
+    crd.helm("uninstall", release, "--namespace", ns, "--wait", "--timeout", "90s", timeout=120)
+    poll(lambda: get(crd, ns, "dp", "example") is None, what="the example pipeline to be deleted")
+    poll(lambda: not children(crd, ns, "example"), timeout=90, what="the example's children to be collected")
+    assert get(crd, ns, "deployment", f"{release}-triptych") is None
+    assert crd.kubectl("get", "clusterrole", f"{release}-triptych-discovery", check=False).returncode != 0
