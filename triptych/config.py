@@ -216,7 +216,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     d = ServeArgs(model_path="")
     a = parser.add_argument
     a("--model-path", required=True, help="diffusers-format model directory (same package on every process)")
-    a("--disagg-role", type=Role, choices=list(Role), default=d.disagg_role, metavar="{" + ",".join(r.value for r in Role) + "}",
+    roles = "{" + ",".join(r.value for r in Role) + "}"
+    a("--disagg-role", type=Role, choices=list(Role), default=d.disagg_role, metavar=roles,
       help="what this process runs (default: monolithic)")  # fmt: skip
     a("--disagg-server-addr", default=None, help="workers: the head's tcp://HOST:SCHEDULER_PORT")
     a("--scheduler-port", type=int, default=d.scheduler_port,

@@ -24,8 +24,12 @@ def make_image(model: Path, out: Path) -> Path:
         print(f"demo: image deployment up (head {dep.http}); generating...", flush=True)
         r = c.post(
             "/v1/images/generations",
-            json={"prompt": "a lighthouse at dusk, oil painting", "size": "128x128", "seed": 7,
-                  "num_inference_steps": 4},  # fmt: skip
+            json={
+                "prompt": "a lighthouse at dusk, oil painting",
+                "size": "128x128",
+                "seed": 7,
+                "num_inference_steps": 4,
+            },
         )
         r.raise_for_status()
         path = out / "demo-image.png"

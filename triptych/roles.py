@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     """What one process runs. Worker roles own a GPU pool; SERVER is the GPU-less head."""
 
     MONOLITHIC = "monolithic"

@@ -21,7 +21,7 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int) -> Path:
     """uint8 [F, H, W, 3] frames as an H.264 MP4 (odd sizes are padded by one pixel)."""
     import imageio.v2 as imageio
 
-    f, h, w, _ = frames.shape
+    _, h, w, _ = frames.shape
     if h % 2 or w % 2:  # yuv420p needs even dimensions
         frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,9 +31,14 @@ class HeadMetrics:
             "triptych_free_slots", "Free scheduling slots per instance", ["role", "instance"], registry=r
         )
         self.free_pool_bytes = Gauge(
-            "triptych_transfer_pool_free_bytes", "Free transfer-pool bytes per instance", ["role", "instance"], registry=r
+            "triptych_transfer_pool_free_bytes",
+            "Free transfer-pool bytes per instance",
+            ["role", "instance"],
+            registry=r,
         )
-        self.instance_up = Gauge("triptych_instance_up", "1 when the instance heartbeats", ["role", "instance"], registry=r)
+        self.instance_up = Gauge(
+            "triptych_instance_up", "1 when the instance heartbeats", ["role", "instance"], registry=r
+        )
         self.transfer_bytes = Counter(
             "triptych_transfer_bytes", "Bytes moved worker-to-worker", ["source", "destination"], registry=r
         )

@@ -196,7 +196,9 @@ class DiffusionServer:
             if rec is not None:
                 self._finish(rec, RequestState.CANCELLED, "cancelled by the client", status_code=499)
         else:
-            self._reply(client, RequestEvent("", REJECTED, error=f"{msg.TYPE} is not a frontend message", status_code=400))
+            self._reply(
+                client, RequestEvent("", REJECTED, error=f"{msg.TYPE} is not a frontend message", status_code=400)
+            )
 
     def _submit(self, client: bytes, msg: Submit) -> None:
         rid = msg.request_id
@@ -205,7 +207,9 @@ class DiffusionServer:
             return
         if rid in self.requests:
             # The original request is untouched: only the duplicate's sender hears about it.
-            self._reply(client, RequestEvent(rid, REJECTED, error=f"request id {rid!r} is already active", status_code=409))
+            self._reply(
+                client, RequestEvent(rid, REJECTED, error=f"request id {rid!r} is already active", status_code=409)
+            )
             return
         try:
             params = GenerationParams.from_wire(msg.params)
@@ -280,7 +284,7 @@ class DiffusionServer:
             self._event(rec, msg.step, msg.total)
 
     def _on_staged(self, rec: RequestRecord, inst: WorkerInstance, msg: TransferStaged, frames: list[Any]) -> None:
-        waiting, running, done = ROLE_STATES[rec.role]
+        _, running, done = ROLE_STATES[rec.role]
         if rec.state is not running or rec.instance != inst.url:
             self.registry.send(inst.url, CancelWork(rec.request_id, inst.url))
             return
@@ -293,7 +297,9 @@ class DiffusionServer:
         rec.hop += 1
         self._enter_hop(rec)
 
-    def _on_allocated(self, rec: RequestRecord, inst: WorkerInstance, msg: TransferAllocated, frames: list[Any]) -> None:
+    def _on_allocated(
+        self, rec: RequestRecord, inst: WorkerInstance, msg: TransferAllocated, frames: list[Any]
+    ) -> None:
         if not (rec.receiver_reserved and rec.instance == inst.url and rec.staged):
             self.registry.send(inst.url, CancelWork(rec.request_id, inst.url))
             return
@@ -326,7 +332,9 @@ class DiffusionServer:
         ready = TransferReady(rec.request_id, rec.instance, rec.params.to_wire(), staged.manifest, staged.meta)
         rec.staged, rec.receiver_reserved = None, False
         if not self.registry.send(rec.instance, ready):
-            self._finish(rec, RequestState.FAILED, f"{dest} {rec.instance} became unreachable before its input was ready")
+            self._finish(
+                rec, RequestState.FAILED, f"{dest} {rec.instance} became unreachable before its input was ready"
+            )
             return
         rec.move(ROLE_STATES[rec.role][1])
         rec.hop_started = time.monotonic()
@@ -428,7 +436,9 @@ class DiffusionServer:
         for rec in [r for r in self.requests.values() if inst.url in r.involved_instances()]:
             self._finish(rec, RequestState.FAILED, reason, status_code=503)
 
-    def _finish(self, rec: RequestRecord, state: RequestState, error: str | None = None, status_code: int = 500) -> None:
+    def _finish(
+        self, rec: RequestRecord, state: RequestState, error: str | None = None, status_code: int = 500
+    ) -> None:
         """End a request: release what it holds on every worker, tell its client, forget it."""
         if rec.state is not state:
             rec.move(state)

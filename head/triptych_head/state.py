@@ -16,7 +16,7 @@ from triptych.params import GenerationParams
 from triptych.roles import Role
 
 
-class RequestState(str, enum.Enum):
+class RequestState(enum.StrEnum):
     PENDING = "PENDING"
     ENCODER_WAITING = "ENCODER_WAITING"
     ENCODER_RUNNING = "ENCODER_RUNNING"

@@ -18,13 +18,13 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 from prometheus_client import CollectorRegistry
-
-from triptych.params import GenerationParams
-from triptych.protocol import RequestEvent
 from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext
 from triptych_head.backend import GenerationFailed, GenerationOutput
 from triptych_head.model_info import ModelInfo
+
+from triptych.params import GenerationParams
+from triptych.protocol import RequestEvent
 
 
 class ScriptedBackend:
@@ -50,7 +50,9 @@ class ScriptedBackend:
         for step in range(1, params.num_inference_steps + 1):
             await asyncio.sleep(self.step_delay)
             if on_event:
-                on_event(RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=params.num_inference_steps))
+                on_event(
+                    RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=params.num_inference_steps)
+                )
         if self.fail:
             raise self.fail
         y = np.arange(params.height, dtype=np.uint8)[:, None, None]

@@ -86,7 +86,7 @@ def _frontend(dep, ctx):
 
 def _recv_until_terminal(sock):
     while True:
-        msg, frames = decode(sock.recv_multipart())
+        msg, _ = decode(sock.recv_multipart())
         if isinstance(msg, RequestResult) or msg.error is not None:
             return msg
 

@@ -47,7 +47,8 @@ def test_urls_are_semicolon_separated_and_pool_size_takes_units():
         (["--disagg-role", "encoder"], "--disagg-server-addr"),
         (["--disagg-role", "server", "--encoder-urls", "tcp://a:1"], "--denoiser-urls"),
         (["--disagg-role", "encoder", "--disagg-server-addr", "http://x"], "--disagg-server-addr"),
-        (["--disagg-role", "decoder", "--disagg-server-addr", "tcp://h:1", "--encoder-urls", "tcp://a:1"], "--encoder-urls"),
+        (["--disagg-role", "decoder", "--disagg-server-addr", "tcp://h:1", "--encoder-urls", "tcp://a:1"],
+         "--encoder-urls"),
         (["--disagg-timeout", "0"], "--disagg-timeout"),
         (["--disagg-transfer-pool-size", "1000"], "--disagg-transfer-pool-size"),
         (["--scheduler-port", "70000"], "--scheduler-port"),
@@ -62,8 +63,11 @@ def test_contradictory_flags_name_the_flag(argv, flag):
 
 
 def test_cli_exits_nonzero_with_one_line():
-    for argv in (["serve", "--model-path", "m", "--no-such-flag"], ["serve", "--model-path", "m", "--disagg-role", "encoder"],
-                 ["serve"]):  # fmt: skip
+    cases = [
+        ["serve", "--model-path", "m", "--no-such-flag"],
+        ["serve", "--model-path", "m", "--disagg-role", "encoder"],
+    ]
+    for argv in [*cases, ["serve"]]:
         proc = subprocess.run([sys.executable, "-m", "triptych", *argv], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()

@@ -22,7 +22,9 @@ from triptych.protocol.codec import PROTOCOL_VERSION
 
 
 def test_message_round_trips_with_version_and_type():
-    msg = TransferStaged("r1", "tcp://127.0.0.1:1", 42, [{"name": "x", "dtype": "uint8", "shape": [42]}], {"mu": 0.5}, 0.1)
+    msg = TransferStaged(
+        "r1", "tcp://127.0.0.1:1", 42, [{"name": "x", "dtype": "uint8", "shape": [42]}], {"mu": 0.5}, 0.1
+    )
     parts = encode(msg)
     header = msgpack.unpackb(parts[0])
     assert header["v"] == PROTOCOL_VERSION and header["type"] == "transfer_staged"
@@ -44,7 +46,7 @@ def test_pickle_payload_is_rejected_not_executed():
         def __reduce__(self):
             return (exec, ("raise SystemExit('pickle executed')",))
 
-    with pytest.raises(ProtocolError, match="not msgpack|must be a map"):
+    with pytest.raises(ProtocolError, match=r"not msgpack|must be a map"):
         decode([pickle.dumps(Boom())])
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
-from triptych.roles import Role
+import pytest
 from triptych_head.dispatch import RoundRobin, dispatch_max_free_slots
 from triptych_head.instances import WorkerInstance
 from triptych_head.state import InvalidTransition, RequestState, check_transition
+
+from triptych.roles import Role
 
 S = RequestState
 HAPPY_PATH = [
@@ -17,7 +19,7 @@ HAPPY_PATH = [
 
 
 def test_happy_path_is_allowed():
-    for a, b in zip(HAPPY_PATH, HAPPY_PATH[1:], strict=False):
+    for a, b in itertools.pairwise(HAPPY_PATH):
         check_transition(a, b)
 
 

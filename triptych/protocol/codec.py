@@ -19,6 +19,7 @@ PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 
 _REGISTRY: dict[str, type] = {}
+T = typing.TypeVar("T")
 
 
 class ProtocolError(ValueError):
@@ -29,10 +30,11 @@ class ProtocolError(ValueError):
         self.request_id = request_id
 
 
-def message(type_name: str) -> typing.Callable[[type], type]:
+@typing.dataclass_transform(frozen_default=True)
+def message(type_name: str) -> typing.Callable[[type[T]], type[T]]:
     """Class decorator: register a frozen dataclass as the message `type_name`."""
 
-    def register(cls: type) -> type:
+    def register(cls: type[T]) -> type[T]:
         cls = dataclasses.dataclass(frozen=True)(cls)
         cls.TYPE = type_name  # type: ignore[attr-defined]
         if type_name in _REGISTRY:
@@ -66,7 +68,8 @@ def decode(parts: typing.Sequence[Any]) -> tuple[Any, list[Any]]:
     request_id = raw.get("request_id") if isinstance(raw.get("request_id"), str) else None
     if raw.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {raw.get('v')!r} is not {PROTOCOL_VERSION}", request_id)
-    cls = _REGISTRY.get(raw.get("type"))  # type: ignore[arg-type]
+    type_name = raw.get("type")
+    cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {raw.get('type')!r}", request_id)
     hints = typing.get_type_hints(cls)
@@ -79,10 +82,10 @@ def decode(parts: typing.Sequence[Any]) -> tuple[Any, list[Any]]:
         elif field.default_factory is not dataclasses.MISSING:
             value = field.default_factory()
         else:
-            raise ProtocolError(f"{cls.TYPE}: missing field {field.name!r}", request_id)
+            raise ProtocolError(f"{type_name}: missing field {field.name!r}", request_id)
         if not _conforms(value, hints[field.name]):
             raise ProtocolError(
-                f"{cls.TYPE}: field {field.name!r} has {type(value).__name__} {_short(value)}, "
+                f"{type_name}: field {field.name!r} has {type(value).__name__} {_short(value)}, "
                 f"expected {hints[field.name]}",
                 request_id,
             )

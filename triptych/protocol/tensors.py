@@ -83,7 +83,7 @@ def wire_dtype(tensor: torch.Tensor) -> str:
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes as a zero-copy view (CPU, contiguous)."""
     t = tensor.detach().to("cpu").contiguous()
-    return memoryview(t.reshape(-1).view(__import__("torch").uint8).numpy())
+    return t.reshape(-1).view(__import__("torch").uint8).numpy().data
 
 
 def tensors_to_frames(tensors: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], list[memoryview]]:
@@ -97,7 +97,6 @@ def tensors_to_frames(tensors: dict[str, torch.Tensor]) -> tuple[list[dict[str, 
 
 def frames_to_tensors(specs: list[Any], frames: list[Any]) -> dict[str, torch.Tensor]:
     """Rebuild tensors from frames; raises ValueError naming the tensor that does not fit."""
-    import torch
 
     if len(specs) != len(frames):
         raise ValueError(f"{len(specs)} tensor specs but {len(frames)} frames")

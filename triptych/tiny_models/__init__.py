@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from diffusers import DiffusionPipeline
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 STAMP_FILE = "triptych-tiny.stamp"
 """Written last into each package; holds the content stamp that lets a later write skip it."""

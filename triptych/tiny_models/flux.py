@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 from diffusers import (
     AutoencoderKL,
-    DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
 )
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from triptych.tiny_models.text_tokenizers import train_clip_tokenizer, train_t5_tokenizer

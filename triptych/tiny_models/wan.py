@@ -9,7 +9,8 @@ scale_factor_spatial from vae/config.json builds the wrong latent grid and fails
 from __future__ import annotations
 
 import torch
-from diffusers import AutoencoderKLWan, DiffusionPipeline, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from transformers import UMT5Config, UMT5EncoderModel
 
 from triptych.tiny_models.text_tokenizers import train_t5_tokenizer

@@ -39,7 +39,9 @@ class NullPipeline:
     def run(self, batch: StageBatch) -> StageBatch:
         p = batch.params
         if self.role is Role.DECODER:
-            batch.tensors = {PIXELS: torch.zeros((p.num_outputs, p.num_frames, p.height, p.width, 3), dtype=torch.uint8)}
+            batch.tensors = {
+                PIXELS: torch.zeros((p.num_outputs, p.num_frames, p.height, p.width, 3), dtype=torch.uint8)
+            }
         elif self.role is Role.DENOISER:
             for step in range(1, p.num_inference_steps + 1):
                 time.sleep(self.step_seconds)  # stands in for one DiT forward

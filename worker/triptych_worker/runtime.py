@@ -12,8 +12,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -109,7 +109,7 @@ class Worker:
         self.pipeline = pipeline
         self.transport = MooncakeTransport(args.disagg_p2p_hostname, args.disagg_ib_device)
         self.pool = TransferPool(args.disagg_transfer_pool_size, role=self.role.value, transport=self.transport)
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self.head_endpoint = result_endpoint(args.disagg_server_addr or "", self.role)
         self.work_endpoint = f"tcp://{args.disagg_p2p_hostname}:{args.scheduler_port}"
         self.instance = ""  # learned from the head's first message: the URL the head knows us by

@@ -37,7 +37,9 @@ class HeadContext:
     def params_for(self, body: ImageGenerationRequest | VideoGenerationRequest) -> GenerationParams:
         """GenerationParams with the model's defaults filled in, checked against the model."""
         if body.model is not None and body.model != self.model.id:
-            raise APIError(404, f"model {body.model!r} is not served here; this deployment serves {self.model.id!r}", "model")
+            raise APIError(
+                404, f"model {body.model!r} is not served here; this deployment serves {self.model.id!r}", "model"
+            )
         width, height = parse_size(body.size)
         is_video = isinstance(body, VideoGenerationRequest)
         if is_video and self.model.kind != "video":
@@ -66,7 +68,9 @@ class HeadContext:
         try:
             return await self.backend.generate(request_id or new_request_id(), params, on_event)
         except GenerationFailed as exc:
-            raise APIError(exc.status_code if exc.status_code >= 400 else 500, str(exc), code=exc.state.lower()) from None
+            raise APIError(
+                exc.status_code if exc.status_code >= 400 else 500, str(exc), code=exc.state.lower()
+            ) from None
 
 
 def new_request_id(prefix: str = "req") -> str:

@@ -8,7 +8,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Literal
 
 from fastapi import APIRouter, Request, Response
@@ -135,7 +134,11 @@ async def get_video_content(
         raise APIError(409, f"video {video_id} is {entry.job.status}; content is ready when status is completed")
     if variant == "frames":
         data = await asyncio.to_thread(png_zip, load_frames(frames_path(entry.path)))
-        return Response(data, media_type="application/zip", headers={"Content-Disposition": f"attachment; filename={video_id}-frames.zip"})
+        return Response(
+            data,
+            media_type="application/zip",
+            headers={"Content-Disposition": f"attachment; filename={video_id}-frames.zip"},
+        )
     return FileResponse(entry.path, media_type="video/mp4", filename=f"{video_id}.mp4")
 
 
