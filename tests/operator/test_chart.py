@@ -6,25 +6,34 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from triptych_operator.constants import DEFAULT_HEAD_IMAGE, DEFAULT_WORKER_IMAGE
 
+from tests.cluster.fixtures import cluster_settings
 from tests.operator.helpers import REPO
 
 CHART = REPO / "charts" / "triptych"
 
 
-def helm(toolchain: dict[str, str], *args: str) -> str:
-    proc = subprocess.run(
-        [str(Path(toolchain["BIN_DIR"]) / "helm"), *args], capture_output=True, text=True, timeout=60, check=False
-    )
+@pytest.fixture(scope="module")
+def helm_bin() -> Path:
+    """The helm that tests/cluster/build.sh builds (only helm: no cluster is needed to lint or render)."""
+    path = Path(cluster_settings()["BIN_DIR"]) / "helm"
+    if not path.exists():
+        pytest.fail(f"{path} is not built: run `make setup` (or `bash tests/cluster/build.sh`)", pytrace=False)
+    return path
+
+
+def helm(helm_path: Path, *args: str) -> str:
+    proc = subprocess.run([str(helm_path), *args], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     return proc.stdout
 
 
-def render(toolchain: dict[str, str], *sets: str) -> list[dict[str, Any]]:
+def render(helm_bin: Path, *sets: str) -> list[dict[str, Any]]:
     flags = [f for s in sets for f in ("--set", s)]
-    out = helm(toolchain, "template", "rel", str(CHART), "--namespace", "ops", "--kube-version", "1.34.0", *flags)
+    out = helm(helm_bin, "template", "rel", str(CHART), "--namespace", "ops", "--kube-version", "1.34.0", *flags)
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
@@ -33,13 +42,13 @@ def test_values_default_images_are_the_operators_defaults() -> None:
     assert (values["workerImage"], values["headImage"]) == (DEFAULT_WORKER_IMAGE, DEFAULT_HEAD_IMAGE)
 
 
-def test_helm_lint_is_clean(k8s_toolchain: dict[str, str]) -> None:
-    out = helm(k8s_toolchain, "lint", "--strict", str(CHART), "--set", "examplePipeline.enabled=true")
+def test_helm_lint_is_clean(helm_bin: Path) -> None:
+    out = helm(helm_bin, "lint", "--strict", str(CHART), "--set", "examplePipeline.enabled=true")
     assert "[WARNING]" not in out and "[ERROR]" not in out
 
 
-def test_cluster_wide_install_uses_a_cluster_role_without_wildcards(k8s_toolchain: dict[str, str]) -> None:
-    docs = render(k8s_toolchain)
+def test_cluster_wide_install_uses_a_cluster_role_without_wildcards(helm_bin: Path) -> None:
+    docs = render(helm_bin)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == [
         "ClusterRole",
@@ -55,8 +64,8 @@ def test_cluster_wide_install_uses_a_cluster_role_without_wildcards(k8s_toolchai
             assert "kopf.dev" not in rule["apiGroups"]  # standalone: no peering resources
 
 
-def test_namespaced_install_uses_a_role_per_namespace(k8s_toolchain: dict[str, str]) -> None:
-    docs = render(k8s_toolchain, "watchNamespaces={a,b}")
+def test_namespaced_install_uses_a_role_per_namespace(helm_bin: Path) -> None:
+    docs = render(helm_bin, "watchNamespaces={a,b}")
     roles = sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "Role")
     assert roles == ["a", "b"]
     deployment = next(d for d in docs if d["kind"] == "Deployment")
@@ -64,9 +73,9 @@ def test_namespaced_install_uses_a_role_per_namespace(k8s_toolchain: dict[str, s
     assert env["TRIPTYCH_WATCH_NAMESPACES"] == "a,b"
 
 
-def test_example_pipeline_is_optional_and_valid(k8s_toolchain: dict[str, str]) -> None:
+def test_example_pipeline_is_optional_and_valid(helm_bin: Path) -> None:
     from triptych_operator.spec import parse_pipeline
 
-    assert not [d for d in render(k8s_toolchain) if d["kind"] == "DiffusionPipeline"]
-    [example] = [d for d in render(k8s_toolchain, "examplePipeline.enabled=true") if d["kind"] == "DiffusionPipeline"]
+    assert not [d for d in render(helm_bin) if d["kind"] == "DiffusionPipeline"]
+    [example] = [d for d in render(helm_bin, "examplePipeline.enabled=true") if d["kind"] == "DiffusionPipeline"]
     parse_pipeline(example["metadata"]["name"], "ops", example["spec"])
