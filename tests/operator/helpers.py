@@ -12,7 +12,7 @@ from triptych_operator.spec import PipelineSpec, parse_pipeline
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 NAMESPACE = "ml"
-OWNER = {
+OWNER: dict[str, Any] = {
     "apiVersion": "triptych.ai/v1alpha1",
     "kind": "DiffusionPipeline",
     "metadata": {"name": "wan-t2v", "namespace": NAMESPACE, "uid": "0b6f1e1c-0000-4000-8000-000000000001"},

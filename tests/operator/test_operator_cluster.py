@@ -26,7 +26,7 @@ GPU_NODES = {"gpu-node-0", "gpu-node-1"}
 COMPONENTS = ("encoder", "denoiser", "decoder", "head")
 
 
-def poll(fn: Callable[[], T], *, timeout: float = 60, interval: float = 0.5, what: str) -> T:
+def poll(fn: Callable[[], T | None], *, timeout: float = 60, interval: float = 0.5, what: str) -> T:
     """Call fn until it returns something truthy; fail with the last value after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
