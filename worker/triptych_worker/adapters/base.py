@@ -126,6 +126,10 @@ class FamilyAdapter(abc.ABC):
             return set()
         return {name for name, value in self.pipe.components.items() if value is not None}
 
+    def on_device(self, batch: StageBatch) -> dict[str, torch.Tensor]:
+        """The batch's tensors on this role's device (the transfer layer may land them elsewhere)."""
+        return {name: tensor.to(self.device) for name, tensor in batch.tensors.items()}
+
     def _load_stock(self, pipeline_class: Any, components: set[str]) -> Any:
         skipped = {name: None for name in self.package.components if name not in components}
         pipe = pipeline_class.from_pretrained(self.package.path, **skipped)

@@ -119,7 +119,7 @@ class FluxAdapter(FamilyAdapter):
         import torch
         from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
-        t, meta, transformer, scheduler = batch.tensors, batch.meta, self.pipe.transformer, self.pipe.scheduler
+        t, meta, transformer, scheduler = self.on_device(batch), batch.meta, self.pipe.transformer, self.pipe.scheduler
         # Rebuilt from meta alone: this process shares no state with the encoder that computed it.
         timesteps, _ = retrieve_timesteps(
             scheduler, batch.params.num_inference_steps, self.device, sigmas=meta["sigmas"], mu=meta["mu"]

@@ -104,7 +104,7 @@ class WanAdapter(FamilyAdapter):
         batch.meta["timesteps"] = [float(t) for t in self.pipe.scheduler.timesteps]
 
     def denoise(self, batch: StageBatch) -> None:
-        p, t, transformer, scheduler = batch.params, batch.tensors, self.pipe.transformer, self.pipe.scheduler
+        p, t, transformer, scheduler = batch.params, self.on_device(batch), self.pipe.transformer, self.pipe.scheduler
         scheduler.set_timesteps(p.num_inference_steps, device=self.device)
         timesteps = scheduler.timesteps
         if [float(x) for x in timesteps] != batch.meta["timesteps"]:
