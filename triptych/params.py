@@ -18,7 +18,7 @@ class GenerationParams:
     negative_prompt: str | None = None
     seed: int = 0
     num_outputs: int = 1
-    max_sequence_length: int = 64
+    max_sequence_length: int = 512  # the stock FLUX.1 and Wan2.1 default; changes the text embeddings
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
