@@ -33,10 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     models_sub = models.add_subparsers(dest="models_command", required=True, parser_class=OneLineParser)
     tiny = models_sub.add_parser("tiny", help="write tiny random-weight diffusers packages for tests and demos")
     tiny.add_argument("--out", required=True, help="directory to write the packages into")
-    tiny.add_argument(
-        "--family", action="append", choices=None, default=None,
-        help="only these packages (repeatable); default: all",
-    )  # fmt: skip
+    tiny.add_argument("--family", action="append", help="only this package (repeatable); default: all")
     return parser
 
 
@@ -55,7 +52,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "models":
         from triptych.tiny_models import write_tiny_models
 
-        for path in write_tiny_models(ns.out, families=ns.family):
+        try:
+            paths = write_tiny_models(ns.out, families=ns.family)
+        except ValueError as exc:
+            print(f"triptych: error: {exc}", file=sys.stderr)
+            return 2
+        for path in paths:
             print(path)
         return 0
     parser.error(f"unknown command {ns.command!r}")
