@@ -64,8 +64,14 @@ for b in "${ALL_BINS[@]}"; do
         "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" ;;
     helm)
       echo "k8s toolchain: building helm $HELM_VERSION (first time, ~2 min)"
-      build_one helm helm helm.sh/helm/v3/cmd/helm \
-        "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" ;;
+      # As helm's Makefile: the default Kubernetes version (helm template, lint) follows its client-go.
+      cg=$(awk '$1 == "k8s.io/client-go" {print $2}' "$TOOLCHAIN/helm/go.mod")  # v0.<minor>.<patch>
+      cg_minor=${cg#v0.}; cg_minor=${cg_minor%%.*}
+      helm_ldflags="-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+      for p in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+        helm_ldflags+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$cg_minor"
+      done
+      build_one helm helm helm.sh/helm/v3/cmd/helm "$helm_ldflags" ;;
     kube-apiserver)
       echo "k8s toolchain: building kube-apiserver $K8S_VERSION (first time, ~10 min)"
       build_one k8s "$b" "k8s.io/kubernetes/cmd/$b" "$version_ldflags" ;;

@@ -12,7 +12,7 @@ HELM_VERSION=v3.21.4
 
 # The cache key changes whenever a version, a wrapper go.mod/go.sum or the build flags change.
 _toolchain_hash=$(cat "$CLUSTER_SRC"/toolchain/*/go.mod "$CLUSTER_SRC"/toolchain/*/go.sum \
-  <(echo "cgo0 trimpath ldflags-v1") | sha256sum | cut -c1-10)
+  <(echo "cgo0 trimpath ldflags-v2") | sha256sum | cut -c1-10)
 K8S_CACHE=${TRIPTYCH_K8S_CACHE:-$HOME/.cache/triptych/k8s}
 VERSION_KEY=k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_helm-${HELM_VERSION}_${_toolchain_hash}
 BIN_DIR=$K8S_CACHE/$VERSION_KEY/bin

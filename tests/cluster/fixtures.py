@@ -1,0 +1,160 @@
+"""Pytest plugin: a real local Kubernetes control plane with fake (kwok) GPU/RDMA nodes.
+
+Registered from tests/conftest.py (``pytest_plugins = ["tests.cluster.fixtures"]``).
+
+Fixtures
+  ``k8s_toolchain`` (session): the built binaries; FAILS (does not skip) when ``make setup`` has not built them.
+  ``kube_cluster``  (session): starts the cluster with tests/cluster/up.sh, or reuses a running one.
+                               The cluster is left running at the end of the session (other sessions
+                               may share it; `make cluster-down` stops it). TRIPTYCH_CLUSTER_TEARDOWN=1
+                               stops it at the end if this session started it.
+  ``kube_namespace`` (function): a fresh, uniquely named namespace, deleted afterwards without waiting.
+
+Tests that use ``kube_cluster`` (directly or through ``kube_namespace``) are marked ``cluster``
+automatically, so ``pytest -m "not cluster"`` deselects them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CLUSTER_SRC = Path(__file__).resolve().parent
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+BINARIES = (*COMPONENTS, "kubectl", "helm")
+
+
+class CommandError(subprocess.CalledProcessError):
+    """A failed kubectl/helm call; str() includes stdout and stderr."""
+
+    def __str__(self) -> str:
+        cmd = " ".join(map(str, self.cmd))
+        return f"{cmd} exited with {self.returncode}\nstdout: {self.stdout}\nstderr: {self.stderr}"
+
+
+def cluster_settings(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The resolved settings of env.sh (paths, ports, versions) for the given environment."""
+    out = subprocess.run(
+        ["bash", str(CLUSTER_SRC / "env.sh")], env=env, capture_output=True, text=True, check=True, timeout=30
+    )
+    return dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+
+
+def missing_binaries(bin_dir: str | Path) -> list[str]:
+    return [b for b in BINARIES if not os.access(Path(bin_dir) / b, os.X_OK)]
+
+
+def cluster_env(settings: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
+    """os.environ + KUBECONFIG + PATH with our kubectl/helm first + helm state inside the cluster dir."""
+    env = dict(os.environ if base is None else base)
+    env["KUBECONFIG"] = settings["KUBECONFIG_PATH"]
+    env["PATH"] = settings["BIN_DIR"] + os.pathsep + env.get("PATH", "")
+    helm_home = Path(settings["CLUSTER_DIR"]) / "helm"
+    env["HELM_CACHE_HOME"] = str(helm_home / "cache")
+    env["HELM_CONFIG_HOME"] = str(helm_home / "config")
+    env["HELM_DATA_HOME"] = str(helm_home / "data")
+    return env
+
+
+def run(cmd: list[str], *, env: dict[str, str], check: bool = True, timeout: float = 60, input: str | None = None):
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, input=input)
+    if check and proc.returncode != 0:
+        raise CommandError(proc.returncode, cmd, proc.stdout, proc.stderr)
+    return proc
+
+
+@dataclasses.dataclass
+class KubeCluster:
+    kubeconfig: str
+    env: dict[str, str]
+    bin_dir: str
+    state_dir: str
+    settings: dict[str, str]
+
+    def kubectl(self, *args: str, check: bool = True, timeout: float = 60, input: str | None = None):
+        """Run our kubectl against this cluster; raises CommandError on failure unless check=False."""
+        cmd = [str(Path(self.bin_dir) / "kubectl"), *args]
+        return run(cmd, env=self.env, check=check, timeout=timeout, input=input)
+
+    def kubectl_json(self, *args: str, timeout: float = 60) -> dict:
+        return json.loads(self.kubectl(*args, "-o", "json", timeout=timeout).stdout)
+
+    def apply(self, manifest: str, namespace: str | None = None):
+        ns = ["-n", namespace] if namespace else []
+        return self.kubectl("apply", *ns, "-f", "-", input=manifest)
+
+    def helm(self, *args: str, check: bool = True, timeout: float = 120):
+        return run([str(Path(self.bin_dir) / "helm"), *args], env=self.env, check=check, timeout=timeout)
+
+    def is_ready(self) -> bool:
+        return self.kubectl("get", "--raw", "/readyz", check=False, timeout=10).returncode == 0
+
+
+def _cluster_for(settings: dict[str, str]) -> KubeCluster:
+    return KubeCluster(
+        kubeconfig=settings["KUBECONFIG_PATH"],
+        env=cluster_env(settings),
+        bin_dir=settings["BIN_DIR"],
+        state_dir=settings["CLUSTER_DIR"],
+        settings=settings,
+    )
+
+
+@pytest.fixture(scope="session")
+def k8s_toolchain() -> dict[str, str]:
+    settings = cluster_settings()
+    missing = missing_binaries(settings["BIN_DIR"])
+    if missing:
+        pytest.fail(
+            f"the local Kubernetes toolchain is not built (missing {', '.join(missing)} in {settings['BIN_DIR']}): "
+            "run `make setup` (or `bash tests/cluster/build.sh`, ~15-25 min the first time)",
+            pytrace=False,
+        )
+    return settings
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(k8s_toolchain: dict[str, str]) -> Iterator[KubeCluster]:
+    cluster = _cluster_for(k8s_toolchain)
+    was_running = Path(cluster.kubeconfig).exists() and cluster.is_ready()
+    # up.sh is idempotent: on a running cluster it only re-checks components and nodes (~1 s).
+    proc = subprocess.run(
+        ["bash", str(CLUSTER_SRC / "up.sh")], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"tests/cluster/up.sh failed ({proc.returncode}); logs in {cluster.state_dir}/logs\n"
+            f"{proc.stdout}\n{proc.stderr}",
+            pytrace=False,
+        )
+    yield cluster
+    # Left running by default: other pytest sessions (other workers, other engineers) may share it, and
+    # the next session then starts in ~2 s. `make cluster-down` stops it.
+    if not was_running and os.environ.get("TRIPTYCH_CLUSTER_TEARDOWN") == "1":
+        subprocess.run(["bash", str(CLUSTER_SRC / "down.sh")], capture_output=True, timeout=120)
+
+
+@pytest.fixture
+def kube_namespace(kube_cluster: KubeCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"t-{base}-{uuid.uuid4().hex[:6]}"
+    kube_cluster.kubectl("create", "namespace", name)
+    kube_cluster.kubectl("label", "namespace", name, "triptych.test/ephemeral=true")
+    yield name
+    # The namespace controller finishes the deletion in the background.
+    kube_cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False, timeout=30)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if ("kube_cluster" in fixtures or "kube_namespace" in fixtures) and not item.get_closest_marker("cluster"):
+            item.add_marker(pytest.mark.cluster)

@@ -1,0 +1,324 @@
+#!/usr/bin/env bash
+# Start a local Kubernetes control plane on 127.0.0.1 with fake (kwok) GPU/RDMA nodes.
+#   etcd -> kube-apiserver -> kube-controller-manager, kube-scheduler, kwok
+# Idempotent: components that are already running (pid file + cmdline check) are reused.
+# State (certs, etcd data, logs, pids, kubeconfig) lives in ${TRIPTYCH_CLUSTER_DIR:-~/.cache/triptych/cluster}.
+# Ports and node shape are overridable, see env.sh and docs/local-cluster.md.
+set -euo pipefail
+source "$(dirname "$0")/env.sh"
+
+for b in etcd kube-apiserver kube-controller-manager kube-scheduler kwok kubectl; do
+  if [ ! -x "$BIN_DIR/$b" ]; then
+    echo "up.sh: $BIN_DIR/$b is missing: the toolchain is not built; run 'make setup' (or bash tests/cluster/build.sh)" >&2
+    exit 1
+  fi
+done
+
+CERTS=$CLUSTER_DIR/certs
+PIDS=$CLUSTER_DIR/pids
+LOGS=$CLUSTER_DIR/logs
+mkdir -p "$CERTS" "$PIDS" "$LOGS" "$CLUSTER_DIR/etcd"
+chmod 700 "$CLUSTER_DIR"
+KUBECTL=("$BIN_DIR/kubectl" --kubeconfig "$KUBECONFIG_PATH")
+
+# ---------------------------------------------------------------- helpers
+log() { echo "up: $*"; }
+
+# pid of a running component of THIS cluster (matched by pid file, binary name and state dir), or nothing.
+component_pid() {
+  local name=$1 pid
+  pid=$(cat "$PIDS/$name.pid" 2>/dev/null) || return 1
+  [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
+  [ "$(basename "$(readlink "/proc/$pid/exe" 2>/dev/null)")" = "$name" ] || return 1
+  tr '\0' '\n' <"/proc/$pid/cmdline" | grep -qF -- "$CLUSTER_DIR/" || return 1
+  echo "$pid"
+}
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# wait_for <timeout seconds> <description> <command...>: poll every 0.5 s
+wait_for() {
+  local timeout=$1 what=$2; shift 2
+  local deadline=$((SECONDS + timeout))
+  until "$@" >/dev/null 2>&1; do
+    if [ $SECONDS -ge $deadline ]; then
+      echo "up.sh: timed out after ${timeout}s waiting for $what (logs: $LOGS)" >&2
+      return 1
+    fi
+    sleep 0.5
+  done
+}
+
+# start <name> <port that must be free> <args...>
+start() {
+  local name=$1 port=$2; shift 2
+  local pid
+  if pid=$(component_pid "$name"); then
+    log "$name already running (pid $pid)"
+    return 0
+  fi
+  if port_open "$port"; then
+    echo "up.sh: port 127.0.0.1:$port needed by $name is already in use by another process;" \
+      "stop it or choose other ports (TRIPTYCH_*_PORT, see docs/local-cluster.md)" >&2
+    exit 1
+  fi
+  echo "=== $(date -u +%FT%TZ) starting $name" >>"$LOGS/$name.log"
+  setsid "$BIN_DIR/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
+  echo $! >"$PIDS/$name.pid"
+  log "started $name (pid $!, log $LOGS/$name.log)"
+}
+
+# ---------------------------------------------------------------- certificates (openssl, once)
+new_key() { openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$1" 2>/dev/null; }
+
+new_ca() { # <name> <CN>
+  [ -f "$CERTS/$1.crt" ] && return 0
+  new_key "$CERTS/$1.key"
+  openssl req -x509 -new -key "$CERTS/$1.key" -out "$CERTS/$1.crt" -days 3650 -subj "/CN=$2" \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature"
+}
+
+new_cert() { # <name> <subject> <ca> <extendedKeyUsage> [subjectAltName]
+  local name=$1 subj=$2 ca=$3 eku=$4 san=${5:-}
+  [ -f "$CERTS/$name.crt" ] && return 0
+  new_key "$CERTS/$name.key"
+  openssl req -new -key "$CERTS/$name.key" -out "$CERTS/$name.csr" -subj "$subj"
+  {
+    echo "basicConstraints=CA:FALSE"
+    echo "keyUsage=critical,digitalSignature,keyEncipherment"
+    echo "extendedKeyUsage=$eku"
+    [ -n "$san" ] && echo "subjectAltName=$san"
+  } >"$CERTS/$name.ext"
+  openssl x509 -req -in "$CERTS/$name.csr" -CA "$CERTS/$ca.crt" -CAkey "$CERTS/$ca.key" -CAcreateserial \
+    -out "$CERTS/$name.crt" -days 3650 -extfile "$CERTS/$name.ext" 2>/dev/null
+  rm -f "$CERTS/$name.csr" "$CERTS/$name.ext"
+}
+
+write_kubeconfig() { # <file> <cert name>
+  cat >"$1" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: triptych-local
+  cluster:
+    server: https://127.0.0.1:$APISERVER_PORT
+    certificate-authority-data: $(base64 -w0 "$CERTS/ca.crt")
+users:
+- name: $2
+  user:
+    client-certificate-data: $(base64 -w0 "$CERTS/$2.crt")
+    client-key-data: $(base64 -w0 "$CERTS/$2.key")
+contexts:
+- name: triptych-local
+  context:
+    cluster: triptych-local
+    user: $2
+current-context: triptych-local
+EOF
+  chmod 600 "$1"
+}
+
+t_start=$SECONDS
+if [ ! -f "$CERTS/.done" ]; then
+  log "creating certificates in $CERTS"
+  # The first IP of the service range is the in-cluster address of the apiserver (kubernetes.default).
+  svc_ip=$(python3 -c "import ipaddress,sys; print(ipaddress.ip_network(sys.argv[1])[1])" "$SERVICE_CIDR")
+  new_ca ca triptych-local-ca
+  new_ca front-proxy-ca triptych-local-front-proxy-ca
+  new_cert apiserver "/CN=kube-apiserver" ca serverAuth \
+    "IP:127.0.0.1,IP:$svc_ip,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+  new_cert admin "/O=system:masters/CN=triptych-admin" ca clientAuth
+  new_cert kube-controller-manager "/CN=system:kube-controller-manager" ca clientAuth
+  new_cert kube-scheduler "/CN=system:kube-scheduler" ca clientAuth
+  new_cert kwok "/O=system:masters/CN=kwok-controller" ca clientAuth
+  new_cert front-proxy-client "/CN=front-proxy-client" front-proxy-ca clientAuth
+  [ -f "$CERTS/sa.key" ] || { new_key "$CERTS/sa.key"; openssl pkey -in "$CERTS/sa.key" -pubout -out "$CERTS/sa.pub"; }
+  touch "$CERTS/.done"
+fi
+chmod 600 "$CERTS"/*.key
+# Rewritten every time: the apiserver port may have been overridden.
+write_kubeconfig "$KUBECONFIG_PATH" admin
+write_kubeconfig "$CLUSTER_DIR/kube-controller-manager.kubeconfig" kube-controller-manager
+write_kubeconfig "$CLUSTER_DIR/kube-scheduler.kubeconfig" kube-scheduler
+write_kubeconfig "$CLUSTER_DIR/kwok.kubeconfig" kwok
+
+# ---------------------------------------------------------------- etcd
+start etcd "$ETCD_CLIENT_PORT" \
+  --name=triptych-local \
+  --data-dir="$CLUSTER_DIR/etcd" \
+  --listen-client-urls="http://127.0.0.1:$ETCD_CLIENT_PORT" \
+  --advertise-client-urls="http://127.0.0.1:$ETCD_CLIENT_PORT" \
+  --listen-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
+  --initial-advertise-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
+  --initial-cluster="triptych-local=http://127.0.0.1:$ETCD_PEER_PORT" \
+  --unsafe-no-fsync=true \
+  --quota-backend-bytes=4294967296 \
+  --log-level=warn
+wait_for 30 "etcd on 127.0.0.1:$ETCD_CLIENT_PORT" port_open "$ETCD_CLIENT_PORT"
+
+# ---------------------------------------------------------------- kube-apiserver
+# No kubelets exist (kwok fakes the nodes), so the advertise address only feeds the `kubernetes`
+# Service's endpoints; 127.0.0.1 is rejected there, so the apiserver does not reconcile them.
+start kube-apiserver "$APISERVER_PORT" \
+  --etcd-servers="http://127.0.0.1:$ETCD_CLIENT_PORT" \
+  --bind-address=127.0.0.1 \
+  --advertise-address=127.0.0.1 \
+  --endpoint-reconciler-type=none \
+  --secure-port="$APISERVER_PORT" \
+  --cert-dir="$CERTS/apiserver-selfsigned" \
+  --tls-cert-file="$CERTS/apiserver.crt" \
+  --tls-private-key-file="$CERTS/apiserver.key" \
+  --client-ca-file="$CERTS/ca.crt" \
+  --authorization-mode=Node,RBAC \
+  --allow-privileged=true \
+  --service-cluster-ip-range="$SERVICE_CIDR" \
+  --service-account-issuer=https://kubernetes.default.svc.cluster.local \
+  --service-account-key-file="$CERTS/sa.pub" \
+  --service-account-signing-key-file="$CERTS/sa.key" \
+  --requestheader-client-ca-file="$CERTS/front-proxy-ca.crt" \
+  --requestheader-allowed-names=front-proxy-client \
+  --requestheader-username-headers=X-Remote-User \
+  --requestheader-group-headers=X-Remote-Group \
+  --requestheader-uid-headers=X-Remote-Uid \
+  --requestheader-extra-headers-prefix=X-Remote-Extra- \
+  --proxy-client-cert-file="$CERTS/front-proxy-client.crt" \
+  --proxy-client-key-file="$CERTS/front-proxy-client.key" \
+  --enable-aggregator-routing=true \
+  --profiling=false
+wait_for 60 "kube-apiserver /readyz on 127.0.0.1:$APISERVER_PORT" "${KUBECTL[@]}" get --raw /readyz
+
+# ---------------------------------------------------------------- controllers
+start kube-controller-manager "$KCM_PORT" \
+  --kubeconfig="$CLUSTER_DIR/kube-controller-manager.kubeconfig" \
+  --authentication-kubeconfig="$CLUSTER_DIR/kube-controller-manager.kubeconfig" \
+  --authorization-kubeconfig="$CLUSTER_DIR/kube-controller-manager.kubeconfig" \
+  --authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics \
+  --bind-address=127.0.0.1 \
+  --secure-port="$KCM_PORT" \
+  --cert-dir="$CERTS/kcm-selfsigned" \
+  --leader-elect=false \
+  --controllers='*,bootstrapsigner,tokencleaner' \
+  --use-service-account-credentials=true \
+  --service-account-private-key-file="$CERTS/sa.key" \
+  --root-ca-file="$CERTS/ca.crt" \
+  --cluster-signing-cert-file="$CERTS/ca.crt" \
+  --cluster-signing-key-file="$CERTS/ca.key" \
+  --allocate-node-cidrs=true \
+  --cluster-cidr="$POD_CIDR" \
+  --node-cidr-mask-size=24 \
+  --service-cluster-ip-range="$SERVICE_CIDR" \
+  --profiling=false
+
+start kube-scheduler "$SCHEDULER_PORT" \
+  --kubeconfig="$CLUSTER_DIR/kube-scheduler.kubeconfig" \
+  --authentication-kubeconfig="$CLUSTER_DIR/kube-scheduler.kubeconfig" \
+  --authorization-kubeconfig="$CLUSTER_DIR/kube-scheduler.kubeconfig" \
+  --authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics \
+  --bind-address=127.0.0.1 \
+  --secure-port="$SCHEDULER_PORT" \
+  --cert-dir="$CERTS/scheduler-selfsigned" \
+  --leader-elect=false \
+  --profiling=false
+
+# kwok fakes kubelets: only nodes annotated kwok.x-k8s.io/node=fake; stages from tests/cluster/stages.
+stage_args=()
+for f in "$CLUSTER_SRC"/stages/*.yaml; do stage_args+=(--config="$f"); done
+start kwok "$KWOK_PORT" \
+  --kubeconfig="$CLUSTER_DIR/kwok.kubeconfig" \
+  --manage-all-nodes=false \
+  --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
+  --cidr="$POD_CIDR" \
+  --node-lease-duration-seconds=40 \
+  --server-address="127.0.0.1:$KWOK_PORT" \
+  "${stage_args[@]}"
+
+wait_for 30 "kube-controller-manager healthz" curl -fsk "https://127.0.0.1:$KCM_PORT/healthz"
+wait_for 30 "kube-scheduler healthz" curl -fsk "https://127.0.0.1:$SCHEDULER_PORT/healthz"
+
+# ---------------------------------------------------------------- fake nodes
+# Fake node IPs (kwok does not route them; they show up as node InternalIP and pod hostIP).
+node_status_yaml() { # <name> <cpu> <memory> <gpus> <ip>
+  local name=$1 cpu=$2 mem=$3 gpus=$4 ip=$5 gpu_res=""
+  if [ "$gpus" -gt 0 ]; then
+    gpu_res="    nvidia.com/gpu: \"$gpus\"
+    $RDMA_RESOURCE: \"1\""
+  fi
+  cat <<EOF
+status:
+  addresses:
+  - type: InternalIP
+    address: $ip
+  - type: Hostname
+    address: $name
+  capacity: &res
+    cpu: "$cpu"
+    memory: $mem
+    pods: "110"
+    ephemeral-storage: 1Ti
+$gpu_res
+  allocatable: *res
+EOF
+}
+
+node_yaml() { # <name> <role> <cpu> <memory> <gpus> <ip>
+  local name=$1 role=$2 gpus=$5 gpu_labels=""
+  if [ "$gpus" -gt 0 ]; then
+    gpu_labels="    nvidia.com/gpu.product: NVIDIA-H200
+    nvidia.com/gpu.count: \"$gpus\"
+    nvidia.com/gpu.present: \"true\""
+  fi
+  cat <<EOF
+apiVersion: v1
+kind: Node
+metadata:
+  name: $name
+  annotations:
+    kwok.x-k8s.io/node: fake
+    node.alpha.kubernetes.io/ttl: "0"
+  labels:
+    kubernetes.io/hostname: $name
+    kubernetes.io/os: linux
+    kubernetes.io/arch: amd64
+    type: kwok
+    node-role.kubernetes.io/$role: ""
+$gpu_labels
+EOF
+  node_status_yaml "$name" "$3" "$4" "$gpus" "$6"
+}
+
+mkdir -p "$CLUSTER_DIR/nodes"
+node_names=()
+add_node() { # <name> <role> <cpu> <memory> <gpus> <ip>
+  node_yaml "$@" >"$CLUSTER_DIR/nodes/$1.yaml"
+  node_status_yaml "$1" "$3" "$4" "$5" "$6" >"$CLUSTER_DIR/nodes/$1.status.yaml"
+  node_names+=("$1")
+}
+for ((i = 0; i < GPU_NODES; i++)); do add_node "gpu-node-$i" gpu 64 512Gi 8 "10.90.0.$((10 + i))"; done
+add_node cpu-node-0 cpu 16 64Gi 0 10.90.1.10
+for n in "${node_names[@]}"; do
+  if ! "${KUBECTL[@]}" get node "$n" >/dev/null 2>&1; then
+    # A Node keeps the status it is created with (as when a kubelet registers); kwok keeps the capacity.
+    "${KUBECTL[@]}" create -f "$CLUSTER_DIR/nodes/$n.yaml" >/dev/null
+    log "registered node $n"
+  else
+    # Reused cluster: make sure capacity and addresses are what this script says (e.g. another RDMA name).
+    "${KUBECTL[@]}" patch node "$n" --subresource=status --type=merge \
+      --patch-file="$CLUSTER_DIR/nodes/$n.status.yaml" >/dev/null
+  fi
+done
+
+wait_for 60 "nodes Ready" "${KUBECTL[@]}" wait --for=condition=Ready node "${node_names[@]}" --timeout=2s
+# The node lifecycle controller removes the not-ready taint shortly after Ready; pods need it gone.
+no_taints() { [ -z "$("${KUBECTL[@]}" get node "${node_names[@]}" -o jsonpath='{.items[*].spec.taints}')" ]; }
+wait_for 60 "node taints to clear" no_taints
+# The serviceaccount controller creates `default` in every namespace; TokenRequest needs it.
+wait_for 60 "the default ServiceAccount" "${KUBECTL[@]}" -n default get serviceaccount default
+
+log "cluster ready in $((SECONDS - t_start)) s: ${node_names[*]}"
+cat <<EOF
+up: use it with
+  export KUBECONFIG=$KUBECONFIG_PATH
+  export PATH=$BIN_DIR:\$PATH   # kubectl/helm $K8S_VERSION/$HELM_VERSION built by tests/cluster/build.sh
+  kubectl get nodes
+up: stop it with: make cluster-down   (logs: $LOGS)
+EOF
