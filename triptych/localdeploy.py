@@ -91,6 +91,7 @@ def local_deployment(
     counts: dict[Role, int] | None = None,
     head_flags: Sequence[str] = (),
     worker_flags: Sequence[str] = (),
+    role_flags: dict[Role, Sequence[str]] | None = None,
     null_payload_bytes: int | None = None,
     head_first: bool = True,
     ready_timeout: float = 180,
@@ -124,7 +125,8 @@ def local_deployment(
             for i, port in enumerate(ports[role]):
                 argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
                         "--disagg-server-addr", f"tcp://127.0.0.1:{sched}", "--scheduler-port", str(port),
-                        "--disagg-p2p-hostname", "127.0.0.1", *worker_flags]  # fmt: skip
+                        "--disagg-p2p-hostname", "127.0.0.1", *worker_flags,
+                        *(role_flags or {}).get(role, ())]  # fmt: skip
                 log = workdir / f"{role.value}-{i}.log"
                 dep.procs.append(Proc(role, urls[role][i], _spawn(argv, log, env), log))
 

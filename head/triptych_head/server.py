@@ -352,7 +352,7 @@ class DiffusionServer:
     def _on_failed(self, rec: RequestRecord, inst: WorkerInstance, msg: Failed, frames: list[Any]) -> None:
         if inst.url in rec.involved_instances():
             inst.inflight.discard(rec.request_id)
-            self._finish(rec, RequestState.FAILED, f"{inst.role.value} {inst.url}: {msg.error}")
+            self._finish(rec, RequestState.FAILED, f"{inst.role.value} {inst.url}: {msg.error}", msg.status_code)
 
     _handlers: dict[type, Callable[..., None]] = {
         Started: _on_started,

@@ -21,12 +21,13 @@ def deployment(
     decoders: int = 1,
     head_flags: Sequence[str] = (),
     worker_flags: Sequence[str] = (),
+    role_flags: dict[Role, Sequence[str]] | None = None,
     null_payload: int | None = None,
     head_first: bool = True,
 ) -> Iterator[LocalDeployment]:
     counts = {Role.ENCODER: encoders, Role.DENOISER: denoisers, Role.DECODER: decoders}
     with local_deployment(
-        model, tmp, counts, head_flags=head_flags, worker_flags=(*CPU, *worker_flags),
+        model, tmp, counts, head_flags=head_flags, worker_flags=(*CPU, *worker_flags), role_flags=role_flags,
         null_payload_bytes=null_payload, head_first=head_first,
     ) as dep:  # fmt: skip
         yield dep

@@ -22,6 +22,8 @@ from triptych.roles import Role
 
 pytestmark = pytest.mark.slow
 
+SLOW_DENOISER = ("--step-seconds", "0.03")  # so a request is still running when the test pokes at it
+
 
 @pytest.fixture(scope="module")
 def flux(tiny_models):
@@ -66,14 +68,17 @@ def test_concurrent_requests_spread_over_instances(flux, tmp_path, policy):
         assert min(dispatched) > 0, f"{policy}: {role} work not spread: {dispatched}"
 
 
-def test_payload_larger_than_the_pool_fails_that_request_naming_the_flag(flux, tmp_path):
-    big = 2 * 1024 * 1024
-    with deployment(flux, tmp_path, null_payload=big, worker_flags=("--disagg-transfer-pool-size", "1MiB")) as dep:
-        with dep.client() as c:
-            r = image(c)
-            assert r.status_code == 413, r.text
-            assert "--disagg-transfer-pool-size" in r.json()["error"]["message"]
-            assert c.get("/health").status_code == 200
+@pytest.mark.parametrize("small", [Role.ENCODER, Role.DENOISER], ids=["sender-pool", "receiver-pool"])
+def test_payload_larger_than_the_pool_fails_that_request_naming_the_flag(flux, tmp_path, small):
+    pool = {small: ("--disagg-transfer-pool-size", "1MiB")}
+    with deployment(flux, tmp_path, null_payload=2 * 1024 * 1024, role_flags=pool) as dep, dep.client() as c:
+        r = image(c)
+        assert r.status_code == 413, r.text
+        message = r.json()["error"]["message"]
+        assert "--disagg-transfer-pool-size" in message and small.value in message
+        ok = c.post("/v1/images/generations", json={"prompt": "x", "size": "32x32"})
+        assert ok.status_code == 413  # same payload, same answer: nothing got stuck
+        assert c.get("/health").json()["workers"]["encoder"][0]["free_slots"] == 2
 
 
 def _frontend(dep, ctx):
@@ -93,7 +98,7 @@ def _recv_until_terminal(sock):
 
 def test_duplicate_active_request_id_is_rejected_without_touching_the_original(flux, tmp_path):
     params = {"prompt": "x", "width": 32, "height": 32, "num_inference_steps": 50}
-    with deployment(flux, tmp_path, null_payload=4096) as dep:
+    with deployment(flux, tmp_path, null_payload=4096, worker_flags=SLOW_DENOISER) as dep:
         ctx = zmq.Context()
         first, second = _frontend(dep, ctx), _frontend(dep, ctx)
         try:
@@ -139,7 +144,7 @@ def test_garbage_frames_on_every_socket_change_nothing_else(flux, tmp_path):
 
 def test_malformed_message_with_a_request_id_fails_only_that_request(flux, tmp_path):
     params = {"prompt": "x", "width": 32, "height": 32, "num_inference_steps": 100}
-    with deployment(flux, tmp_path, null_payload=4096) as dep, dep.client() as c:
+    with deployment(flux, tmp_path, null_payload=4096, worker_flags=SLOW_DENOISER) as dep, dep.client() as c:
         ctx = zmq.Context()
         front = _frontend(dep, ctx)
         try:

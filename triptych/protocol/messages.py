@@ -197,3 +197,4 @@ class Failed:
     request_id: str
     instance: str
     error: str
+    status_code: int = 500  # what the HTTP client should see: 413 for a payload no pool can take

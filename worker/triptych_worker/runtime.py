@@ -247,6 +247,9 @@ class Worker:
                 except RequestCancelled:
                     self.pool.free_owner(job.request_id)
                     link.send(self._heartbeat())
+                except PayloadTooLarge as exc:
+                    self.pool.free_owner(job.request_id)
+                    link.send(Failed(job.request_id, self.instance, str(exc), status_code=413))
                 except Exception as exc:  # any stage error fails only this request
                     log.exception("request %s failed", job.request_id)
                     self.pool.free_owner(job.request_id)
