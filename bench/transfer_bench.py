@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+
 from triptych_worker.transfer import Allocation, MooncakeTransport, TransferPool, layout, load_tensors, stage_tensors
 
 MIB = 1024 * 1024

@@ -12,6 +12,7 @@ import json
 import sys
 
 import torch
+
 from triptych_worker.transfer import MooncakeTransport, TransferPool, load_tensors
 
 

@@ -15,6 +15,7 @@ from typing import IO, Any
 
 import pytest
 import torch
+
 from triptych_worker.transfer import (
     MooncakeNotInstalled,
     MooncakeTransport,

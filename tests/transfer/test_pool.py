@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+
 from triptych_worker.transfer import ALIGNMENT, Allocation, PayloadTooLarge, TransferPool
 
 KIB = 1024

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from triptych_worker.transfer import ALIGNMENT, PayloadTooLarge, TransferPool, load_tensors, stage_tensors
 
 MIB = 1024 * 1024

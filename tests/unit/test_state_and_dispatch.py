@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
+from triptych.roles import Role
 from triptych_head.dispatch import RoundRobin, dispatch_max_free_slots
 from triptych_head.instances import WorkerInstance
 from triptych_head.state import InvalidTransition, RequestState, check_transition
-
-from triptych.roles import Role
 
 S = RequestState
 HAPPY_PATH = [

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from triptych_worker.pipeline import RolePipeline, load_role_pipeline, validate_for_model
-from triptych_worker.stages import PIXELS, StageBatch
 
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import frames_to_tensors, tensors_to_frames
 from triptych.roles import Role
+from triptych_worker.pipeline import RolePipeline, load_role_pipeline, validate_for_model
+from triptych_worker.stages import PIXELS, StageBatch
 
 ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER, Role.MONOLITHIC)
 
