@@ -44,12 +44,16 @@ def make_video(model: Path, out: Path) -> Path:
                 "num_inference_steps": 4, "fps": 8}  # fmt: skip
         job = c.post("/v1/videos", json=body).raise_for_status().json()
         deadline = time.monotonic() + 300
+        shown = ""
         while job["status"] not in ("completed", "failed", "cancelled"):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"video job {job['id']} still {job['status']} after 300s")
-            time.sleep(0.2)
+            time.sleep(0.1)
             job = c.get(f"/v1/videos/{job['id']}").raise_for_status().json()
-            print(f"demo: video {job['status']} {job['progress']}% ({job['state']})", flush=True)
+            line = f"demo: video {job['status']} {job['progress']}% ({job['state']})"
+            if line != shown:
+                print(line, flush=True)
+                shown = line
         if job["status"] != "completed":
             raise RuntimeError(f"video job failed: {job.get('error')}")
         path = out / "demo-video.mp4"
