@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +22,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from triptych.localdeploy import free_port_block, local_deployment  # noqa: E402
+from triptych.localdeploy import local_deployment, local_monolithic  # noqa: E402
 from triptych.tiny_models import write_tiny_models  # noqa: E402
 
 
@@ -38,29 +37,8 @@ def timed_requests(client: httpx.Client, body: dict, n: int) -> list[float]:
 
 
 def monolithic(model: Path, tmp: Path, body: dict, n: int) -> list[float]:
-    port = free_port_block(1)
-    with (tmp / "mono.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "triptych", "serve", "--model-path", str(model), "--device", "cpu",
-             "--port", str(port), "--output-path", str(tmp / "out")],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError((tmp / "mono.log").read_text()) from None
-            time.sleep(0.2)
-        with httpx.Client(base_url=base, timeout=600) as c:
-            return timed_requests(c, body, n)
-    finally:
-        proc.kill()
-        proc.wait(10)
+    with local_monolithic(model, tmp / "mono", flags=("--device", "cpu")) as dep, dep.client(600) as c:
+        return timed_requests(c, body, n)
 
 
 def disaggregated(model: Path, tmp: Path, body: dict, n: int) -> list[float]:

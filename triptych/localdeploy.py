@@ -142,7 +142,7 @@ def local_deployment(
 
 
 def wait_until_ready(dep: LocalDeployment, n_workers: int, timeout: float) -> None:
-    """Poll the head's /health until `n_workers` workers heartbeat; fail fast if a process dies."""
+    """Poll the head's /health until `n_workers` workers heartbeat (0: until it answers at all)."""
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
@@ -152,9 +152,31 @@ def wait_until_ready(dep: LocalDeployment, n_workers: int, timeout: float) -> No
         try:
             health = httpx.get(f"{dep.http}/health", timeout=2).json()
             last = str(health)
-            if sum(w["alive"] for ws in health["workers"].values() for w in ws) == n_workers:
+            workers = health.get("workers", {})
+            if sum(w["alive"] for ws in workers.values() for w in ws) == n_workers:
                 return
         except (httpx.HTTPError, KeyError, ValueError):
             pass
         time.sleep(0.2)
     raise TimeoutError(f"deployment not ready in {timeout}s; last health: {last}\n{dep.logs()}")
+
+
+@contextmanager
+def local_monolithic(
+    model: Path, workdir: Path, flags: Sequence[str] = (), ready_timeout: float = 180
+) -> Iterator[LocalDeployment]:
+    """`triptych serve` in monolithic mode as one local process; waits for /health."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    http = free_port_block(1)
+    argv = [sys.executable, "-m", "triptych", "serve", "--model-path", str(model), "--port", str(http),
+            "--output-path", str(workdir / "outputs"), *flags]  # fmt: skip
+    log = workdir / "monolithic.log"
+    proc = Proc(
+        Role.MONOLITHIC, f"http://127.0.0.1:{http}", _spawn(argv, log, {**os.environ, "PYTHONUNBUFFERED": "1"}), log
+    )
+    dep = LocalDeployment(http=proc.url, scheduler_port=0, procs=[proc])
+    try:
+        wait_until_ready(dep, 0, ready_timeout)
+        yield dep
+    finally:
+        proc.kill()

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from tests.e2e.harness import deployment
-from triptych.localdeploy import free_port_block
+from triptych.localdeploy import local_monolithic
 from triptych.roles import Role
 
 pytestmark = pytest.mark.slow
@@ -72,34 +72,8 @@ def http_video(client) -> np.ndarray:
 
 
 def monolithic(model: Path, tmp: Path, fetch):  # type: ignore[no-untyped-def]
-    import subprocess
-    import sys
-
-    import httpx
-
-    port = free_port_block(1)
-    log = (tmp / "mono.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "triptych", "serve", "--model-path", str(model), "--device", "cpu",
-         "--port", str(port), "--output-path", str(tmp / "mono-out")],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp / "mono.log").read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "monolithic server did not come up"
-            time.sleep(0.2)
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:
-            return fetch(c)
-    finally:
-        proc.kill()
-        proc.wait(10)
+    with local_monolithic(model, tmp / "mono", flags=("--device", "cpu")) as dep, dep.client(300) as c:
+        return fetch(c)
 
 
 @pytest.mark.parametrize(
