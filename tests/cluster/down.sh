@@ -10,6 +10,11 @@ source "$(dirname "$0")/env.sh"
 PIDS=$CLUSTER_DIR/pids
 purge=false
 [ "${1:-}" = "--purge" ] && purge=true
+# One up/down at a time per state dir (concurrent pytest sessions share the cluster).
+if [ -d "$CLUSTER_DIR" ]; then
+  exec 9>"$CLUSTER_DIR/.lock"
+  flock -w 120 9 || { echo "down.sh: another up.sh/down.sh holds $CLUSTER_DIR/.lock" >&2; exit 1; }
+fi
 
 # pids of <name> that belong to this state dir
 find_pids() {
@@ -79,7 +84,9 @@ for port in "$ETCD_CLIENT_PORT" "$ETCD_PEER_PORT" "$APISERVER_PORT" "$KCM_PORT" 
 done
 [ -n "$busy" ] && echo "down: warning: ports still accepting connections (not ours?):$busy" >&2
 
-if $purge; then
+if [ ! -d "$CLUSTER_DIR" ]; then
+  echo "down: nothing left running for $CLUSTER_DIR"
+elif $purge; then
   rm -rf "$CLUSTER_DIR"
   echo "down: stopped and removed $CLUSTER_DIR"
 else

@@ -19,6 +19,9 @@ PIDS=$CLUSTER_DIR/pids
 LOGS=$CLUSTER_DIR/logs
 mkdir -p "$CERTS" "$PIDS" "$LOGS" "$CLUSTER_DIR/etcd"
 chmod 700 "$CLUSTER_DIR"
+# One up/down at a time per state dir (concurrent pytest sessions share the cluster).
+exec 9>"$CLUSTER_DIR/.lock"
+flock -w 180 9 || { echo "up.sh: another up.sh/down.sh holds $CLUSTER_DIR/.lock" >&2; exit 1; }
 KUBECTL=("$BIN_DIR/kubectl" --kubeconfig "$KUBECONFIG_PATH")
 
 # ---------------------------------------------------------------- helpers
@@ -63,7 +66,8 @@ start() {
     exit 1
   fi
   echo "=== $(date -u +%FT%TZ) starting $name" >>"$LOGS/$name.log"
-  setsid "$BIN_DIR/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
+  # New session, no inherited terminal, pipes or lock (fd 9): it outlives this script and its caller.
+  setsid "$BIN_DIR/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 9>&- &
   echo $! >"$PIDS/$name.pid"
   log "started $name (pid $!, log $LOGS/$name.log)"
 }
@@ -232,8 +236,13 @@ start kwok "$KWOK_PORT" \
   --server-address="127.0.0.1:$KWOK_PORT" \
   "${stage_args[@]}"
 
-wait_for 30 "kube-controller-manager healthz" curl -fsk "https://127.0.0.1:$KCM_PORT/healthz"
-wait_for 30 "kube-scheduler healthz" curl -fsk "https://127.0.0.1:$SCHEDULER_PORT/healthz"
+# Their serving certs are self-signed (in memory), hence no CA check; /healthz is always allowed.
+healthz() {
+  "$BIN_DIR/kubectl" --kubeconfig=/dev/null --server="https://127.0.0.1:$1" --insecure-skip-tls-verify=true \
+    --client-certificate="$CERTS/admin.crt" --client-key="$CERTS/admin.key" get --raw /healthz </dev/null
+}
+wait_for 30 "kube-controller-manager healthz" healthz "$KCM_PORT"
+wait_for 30 "kube-scheduler healthz" healthz "$SCHEDULER_PORT"
 
 # ---------------------------------------------------------------- fake nodes
 # Fake node IPs (kwok does not route them; they show up as node InternalIP and pod hostIP).
