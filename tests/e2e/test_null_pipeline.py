@@ -191,3 +191,58 @@ def test_killing_a_denoiser_fails_only_its_requests_and_the_head_keeps_serving(f
         assert image(c).status_code == 200  # the head keeps serving on the remaining denoiser
         alive = {d["url"]: d["alive"] for d in c.get("/health").json()["workers"]["denoiser"]}
         assert alive[victim.url] is False
+
+
+def assert_all_capacity_released(c) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 10
+    while True:
+        workers = [w for ws in c.get("/health").json()["workers"].values() for w in ws]
+        if all(w["free_slots"] == w["capacity"] and w["free_bytes"] == w["pool_bytes"] for w in workers):
+            return
+        assert time.monotonic() < deadline, f"capacity or pool bytes still held: {workers}"
+        time.sleep(0.1)
+
+
+def test_a_worker_error_fails_only_its_request_and_releases_slots_and_buffers(flux, tmp_path):
+    with deployment(flux, tmp_path, null_payload=4096, worker_flags=SLOW_DENOISER) as dep, dep.client() as c:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            bad = pool.submit(image, c, prompt="fail:denoiser", num_inference_steps=5)
+            good = [pool.submit(image, c, num_inference_steps=5) for _ in range(3)]
+            r = bad.result(60)
+            assert r.status_code == 500 and "failed on purpose" in r.json()["error"]["message"]
+            assert [g.result(60).status_code for g in good] == [200] * 3
+        assert_all_capacity_released(c)
+
+
+def test_a_request_past_the_timeout_is_timed_out_and_its_capacity_released(flux, tmp_path):
+    flags = ("--disagg-timeout", "1.5")
+    with deployment(flux, tmp_path, null_payload=4096, head_flags=flags, worker_flags=SLOW_DENOISER) as dep:
+        with dep.client() as c:
+            started = time.monotonic()
+            r = image(c, num_inference_steps=200)  # ~6 s of denoising
+            assert r.status_code == 504, r.text
+            assert "--disagg-timeout" in r.json()["error"]["message"]
+            assert time.monotonic() - started < 5
+            assert_all_capacity_released(c)
+            assert image(c).status_code == 200
+
+
+def test_cancelling_a_video_stops_it_on_the_workers(tiny_models, tmp_path):
+    wan = tiny_models["tiny-wan"]
+    with deployment(wan, tmp_path, null_payload=4096, worker_flags=SLOW_DENOISER) as dep, dep.client() as c:
+        body = {"prompt": "x", "size": "32x32", "num_frames": 5, "num_inference_steps": 300}
+        job = c.post("/v1/videos", json=body).json()
+        deadline = time.monotonic() + 20
+        while c.get(f"/v1/videos/{job['id']}").json()["step"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        cancelled = c.delete(f"/v1/videos/{job['id']}").json()
+        assert cancelled["status"] == "cancelled"
+        assert_all_capacity_released(c)
+        assert c.get(f"/v1/videos/{job['id']}/content").status_code == 409
+        # The denoiser really stopped: ~9 s of cancelled work does not delay the next request.
+        started = time.monotonic()
+        r = c.post("/v1/videos", json={**body, "num_inference_steps": 1}).json()
+        while c.get(f"/v1/videos/{r['id']}").json()["status"] != "completed":
+            assert time.monotonic() - started < 4, "the cancelled request kept the denoiser busy"
+            time.sleep(0.05)

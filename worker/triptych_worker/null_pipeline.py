@@ -38,6 +38,8 @@ class NullPipeline:
 
     def run(self, batch: StageBatch) -> StageBatch:
         p = batch.params
+        if p.prompt.startswith(f"fail:{self.role.value}"):  # lets tests make exactly one stage fail
+            raise RuntimeError(f"null {self.role.value} stage failed on purpose")
         if self.role is Role.DECODER:
             batch.tensors = {
                 PIXELS: torch.zeros((p.num_outputs, p.num_frames, p.height, p.width, 3), dtype=torch.uint8)
