@@ -39,11 +39,24 @@ component_pid() {
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+# Fail fast (with the log's tail) when a component of this run has exited, e.g. on a bad flag.
+RUNNING=()
+check_components() {
+  local name
+  for name in "${RUNNING[@]}"; do
+    component_pid "$name" >/dev/null && continue
+    echo "up.sh: $name exited; last lines of $LOGS/$name.log:" >&2
+    tail -n 20 "$LOGS/$name.log" >&2
+    exit 1
+  done
+}
+
 # wait_for <timeout seconds> <description> <command...>: poll every 0.5 s
 wait_for() {
   local timeout=$1 what=$2; shift 2
   local deadline=$((SECONDS + timeout))
   until "$@" >/dev/null 2>&1; do
+    check_components
     if [ $SECONDS -ge $deadline ]; then
       echo "up.sh: timed out after ${timeout}s waiting for $what (logs: $LOGS)" >&2
       return 1
@@ -58,6 +71,7 @@ start() {
   local pid
   if pid=$(component_pid "$name"); then
     log "$name already running (pid $pid)"
+    RUNNING+=("$name")
     return 0
   fi
   if port_open "$port"; then
@@ -69,6 +83,7 @@ start() {
   # New session, no inherited terminal, pipes or lock (fd 9): it outlives this script and its caller.
   setsid "$BIN_DIR/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 9>&- &
   echo $! >"$PIDS/$name.pid"
+  RUNNING+=("$name")
   log "started $name (pid $!, log $LOGS/$name.log)"
 }
 
