@@ -37,6 +37,7 @@ from triptych_operator.spec import SpecError, parse_pipeline
 from triptych_operator.status import PHASE_READY, compute_status
 
 OWNED = {LABEL_MANAGED_BY: MANAGER}
+APPLY_RETRY_S = 30
 
 _locks_guard = threading.Lock()
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -57,12 +58,28 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
 
 
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In-cluster service account, else $KUBECONFIG read now, else the client library's own discovery.
+
+    kopf's default goes straight to the client library, which fixes its default kubeconfig path
+    when it is imported; reading $KUBECONFIG at login keeps in-process runs (tests) on the right cluster.
+    """
+    return (
+        kopf.login_with_service_account(**kwargs)
+        or kopf.login_with_kubeconfig(**kwargs)
+        or kopf.login_via_client(**kwargs)
+    )
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def pipeline_changed(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     """The pipeline was created, edited, or found on start-up: make its children match."""
-    reconcile(dict(body), trigger="pipeline", logger=logger)
+    apply_error = reconcile(dict(body), trigger="pipeline", logger=logger)
+    if apply_error:
+        raise kopf.TemporaryError(apply_error, delay=APPLY_RETRY_S)
 
 
 CHILD_FILTER: dict[str, Any] = {**OWNED, LABEL_INSTANCE: kopf.PRESENT}
@@ -87,12 +104,16 @@ def child_changed(
     reconcile(pipeline, trigger=f"child-{str(event['type']).lower()}", logger=logger)
 
 
-def reconcile(pipeline: dict[str, Any], *, trigger: str, logger: kopf.Logger) -> None:
-    """Make the children of `pipeline` match its spec, then write its status."""
+def reconcile(pipeline: dict[str, Any], *, trigger: str, logger: kopf.Logger) -> str | None:
+    """Make the children of `pipeline` match its spec, then write its status.
+
+    Returns the API server's refusal of a child, if any (the status says so as well).
+    """
     meta = pipeline["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     with _pipeline_lock(namespace, name):
         spec_error: str | None = None
+        apply_error: str | None = None
         try:
             parsed = parse_pipeline(
                 name,
@@ -106,13 +127,16 @@ def reconcile(pipeline: dict[str, Any], *, trigger: str, logger: kopf.Logger) ->
             # Nothing is applied: the objects of the last valid spec keep running untouched.
             spec_error = str(exc)
         else:
-            _apply_children(pipeline, children.apply, trigger=trigger, logger=logger)
+            try:
+                _apply_children(pipeline, children.apply, trigger=trigger, logger=logger)
+            except kube.ApplyError as exc:
+                apply_error = str(exc)
             for ref in children.delete:
                 if kube.delete_managed(ref.api_version, ref.kind, ref.name, namespace):
-                    _post(
-                        pipeline, "Normal", reason="Deleted", message=f"{ref.kind} {ref.name} is no longer in the spec"
-                    )
-        _write_status(pipeline, spec_error)
+                    message = f"{ref.kind} {ref.name} is no longer in the spec"
+                    _post(pipeline, "Normal", reason="Deleted", message=message)
+        _write_status(pipeline, spec_error, apply_error)
+        return apply_error
 
 
 def _apply_children(
@@ -135,7 +159,7 @@ def _apply_children(
             logger.info("%s: %s", reason, message)
 
 
-def _write_status(pipeline: dict[str, Any], spec_error: str | None) -> None:
+def _write_status(pipeline: dict[str, Any], spec_error: str | None, apply_error: str | None) -> None:
     meta = pipeline["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     deployments = {d["metadata"]["labels"].get(LABEL_COMPONENT): d for d in kube.pipeline_deployments(name, namespace)}
@@ -144,6 +168,7 @@ def _write_status(pipeline: dict[str, Any], spec_error: str | None) -> None:
         int(meta.get("generation") or 0),
         deployments,
         spec_error=spec_error,
+        apply_error=apply_error,
         previous_conditions=old.get("conditions") or [],
         now=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )

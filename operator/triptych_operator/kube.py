@@ -7,6 +7,7 @@ resourceVersion and generation stay), and fields edited by hand are taken back (
 from __future__ import annotations
 
 import enum
+import json
 import os
 import threading
 from collections.abc import Mapping
@@ -14,12 +15,16 @@ from typing import Any
 
 from kubernetes import client, config
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import NotFoundError
+from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError
 
 from triptych_operator.constants import GROUP, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
 
 _lock = threading.Lock()
 _clients: dict[str, DynamicClient] = {}
+
+
+class ApplyError(RuntimeError):
+    """The API server refused an object; the message names it and quotes the server."""
 
 
 class ApplyResult(enum.Enum):
@@ -57,18 +62,21 @@ def apply(obj: Mapping[str, Any]) -> ApplyResult:
     """Server-side apply `obj` as the operator's field manager; say whether anything changed."""
     meta = obj["metadata"]
     before = _get(obj["apiVersion"], obj["kind"], meta["name"], meta["namespace"])
-    after = (
-        dynamic_client()
-        .server_side_apply(
-            _resource(obj["apiVersion"], obj["kind"]),
-            body=dict(obj),
-            name=meta["name"],
-            namespace=meta["namespace"],
-            field_manager=MANAGER,
-            force_conflicts=True,
+    try:
+        after = (
+            dynamic_client()
+            .server_side_apply(
+                _resource(obj["apiVersion"], obj["kind"]),
+                body=dict(obj),
+                name=meta["name"],
+                namespace=meta["namespace"],
+                field_manager=MANAGER,
+                force_conflicts=True,
+            )
+            .to_dict()
         )
-        .to_dict()
-    )
+    except DynamicApiError as exc:
+        raise ApplyError(f"{obj['kind']} {meta['name']}: {_server_message(exc)}") from exc
     if before is None:
         return ApplyResult.CREATED
     if before["metadata"]["resourceVersion"] != after["metadata"]["resourceVersion"]:
@@ -103,3 +111,10 @@ def patch_pipeline_status(name: str, namespace: str, status: Mapping[str, Any]) 
     """Replace the pipeline's status fields (merge patch; lists such as conditions are replaced whole)."""
     api = client.CustomObjectsApi(dynamic_client().client)
     api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)})
+
+
+def _server_message(exc: DynamicApiError) -> str:
+    try:
+        return str(json.loads(exc.body or "")["message"])
+    except (TypeError, ValueError, KeyError):
+        return f"{exc.status} {exc.reason}"

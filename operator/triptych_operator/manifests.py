@@ -254,7 +254,8 @@ def _head_ports(pipeline: PipelineSpec) -> list[Manifest]:
         {"name": "scheduler", "containerPort": HEAD_SCHEDULER_PORT},
     ]
     ports += [
-        {"name": f"{role.value}-results", "containerPort": result_port(HEAD_SCHEDULER_PORT, role)}
+        # Port names are at most 15 characters: "result-denoiser" is exactly that.
+        {"name": f"result-{role.value}", "containerPort": result_port(HEAD_SCHEDULER_PORT, role)}
         for role in PIPELINE_ROLES
     ]
     return [{**p, "protocol": "TCP"} for p in ports]

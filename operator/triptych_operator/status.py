@@ -92,13 +92,15 @@ def compute_status(
     deployments: Mapping[str, Mapping[str, Any] | None],
     *,
     spec_error: str | None = None,
+    apply_error: str | None = None,
     previous_conditions: Sequence[Mapping[str, Any]] = (),
     now: str,
 ) -> dict[str, Any]:
     """The full status for a pipeline at `generation`, given its Deployments by component.
 
     `spec_error` is the validation message when the spec cannot be deployed; objects from the last
-    valid spec keep running and are still reported. `now` stamps conditions that changed.
+    valid spec keep running and are still reported. `apply_error` is the API server refusing a
+    child (admission, quota). `now` stamps conditions that changed.
     """
     health = [component_health(c, deployments.get(c), spec_error=spec_error is not None) for c in COMPONENTS]
     not_ready = [h for h in health if not h.is_ready]
@@ -124,6 +126,8 @@ def compute_status(
 
     if spec_error is not None:
         degraded = _make("Degraded", True, "InvalidSpec", f"{spec_error}; fix the spec, nothing new was applied")
+    elif apply_error is not None:
+        degraded = _make("Degraded", True, "ApplyFailed", f"the API server refused {apply_error}; retrying")
     elif stuck:
         degraded = _make("Degraded", True, stuck[0].reason, "; ".join(h.message for h in stuck))
     else:
@@ -134,7 +138,7 @@ def compute_status(
 
     if spec_error is not None:
         phase = PHASE_INVALID
-    elif stuck:
+    elif stuck or apply_error is not None:
         phase = PHASE_DEGRADED
     elif not not_ready:
         phase = PHASE_READY

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -108,9 +109,9 @@ def test_head_service_exposes_scheduler_and_result_ports() -> None:
     assert ports == {
         "http": 30000,
         "scheduler": HEAD_SCHEDULER_PORT,
-        "encoder-results": HEAD_SCHEDULER_PORT + 1,
-        "denoiser-results": HEAD_SCHEDULER_PORT + 2,
-        "decoder-results": HEAD_SCHEDULER_PORT + 3,
+        "result-encoder": HEAD_SCHEDULER_PORT + 1,
+        "result-denoiser": HEAD_SCHEDULER_PORT + 2,
+        "result-decoder": HEAD_SCHEDULER_PORT + 3,
     }
     api = children()[("Service", "wan-t2v-api")]["spec"]
     assert [p["name"] for p in api["ports"]] == ["http"]  # the scheduler protocol stays internal
@@ -196,3 +197,11 @@ def test_extra_args_are_appended_and_validated_like_the_process_does() -> None:
 def test_an_invalid_extra_arg_renders_nothing() -> None:
     with pytest.raises(SpecError):
         render(pipeline(minimal_spec(head={"extraArgs": ["--no-such-flag"]})))
+
+
+def test_port_names_are_valid_service_port_names() -> None:
+    for obj in children().values():
+        pod = obj["spec"].get("template", {}).get("spec")
+        ports = [p for c in pod["containers"] for p in c["ports"]] if pod else obj["spec"].get("ports", [])
+        for port in ports:
+            assert re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?", port["name"]), (obj["metadata"]["name"], port)

@@ -111,3 +111,11 @@ def test_transition_time_changes_only_when_status_flips() -> None:
     flipped = compute_status(1, deps, previous_conditions=first["conditions"], now=LATER)
     assert cond(flipped, "HeadReady")["lastTransitionTime"] == LATER
     assert cond(flipped, "EncoderReady")["lastTransitionTime"] == NOW
+
+
+def test_a_refused_child_is_degraded_with_the_servers_words() -> None:
+    status = compute_status(1, all_ready(), apply_error="Deployment p-head: exceeded quota", now=NOW)
+    assert status["phase"] == "Degraded"
+    degraded = cond(status, "Degraded")
+    assert (degraded["reason"], degraded["status"]) == ("ApplyFailed", "True")
+    assert "exceeded quota" in degraded["message"]
