@@ -110,7 +110,12 @@ def pipeline_deployments(name: str, namespace: str) -> list[dict[str, Any]]:
 def patch_pipeline_status(name: str, namespace: str, status: Mapping[str, Any]) -> None:
     """Replace the pipeline's status fields (merge patch; lists such as conditions are replaced whole)."""
     api = client.CustomObjectsApi(dynamic_client().client)
-    api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)})
+    try:
+        api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)})
+    except client.ApiException as exc:
+        if exc.status != 404:
+            raise
+        # Deleted while we reconciled: nothing to report on.
 
 
 def _server_message(exc: DynamicApiError) -> str:

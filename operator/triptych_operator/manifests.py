@@ -42,6 +42,8 @@ Manifest = dict[str, Any]
 API_COMPONENT = "api"  # the head's public HTTP Service; the scheduler ports stay on the internal one
 # Model loading takes minutes; the startup probe allows this long before liveness applies.
 STARTUP_GRACE_S = 1800
+# A rollout is reported stuck only after the startup grace has run out, not while a model loads.
+PROGRESS_DEADLINE_S = STARTUP_GRACE_S + 600
 PROBE_PERIOD_S = 10
 
 
@@ -194,6 +196,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str]) -> Ma
         "selector": {"matchLabels": labels(pipeline, role.value)},
         # No surge: a surge pod needs GPUs that are usually all taken, and would sit Pending.
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+        "progressDeadlineSeconds": PROGRESS_DEADLINE_S,
         "template": {"metadata": template_meta, "spec": pod_spec},
     }
     # With an HPA the replica count is its field; applying ours would fight it.
@@ -296,6 +299,7 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
             "selector": {"matchLabels": labels(pipeline, HEAD_COMPONENT)},
             # The head owns request state and its ports; two at once would split the workers between them.
             "strategy": {"type": "Recreate"},
+            "progressDeadlineSeconds": PROGRESS_DEADLINE_S,
             "template": {"metadata": {"labels": labels(pipeline, HEAD_COMPONENT)}, "spec": pod_spec},
         },
     }

@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
 from triptych_operator.serve_args import SERVE_COMMAND
 
 REPO = Path(__file__).resolve().parents[2]

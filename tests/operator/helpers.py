@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from triptych_operator.spec import PipelineSpec, parse_pipeline
 
 REPO = Path(__file__).resolve().parents[2]

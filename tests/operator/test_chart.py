@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import yaml
-from triptych_operator.constants import DEFAULT_HEAD_IMAGE, DEFAULT_WORKER_IMAGE
 
 from tests.cluster.fixtures import cluster_settings
 from tests.operator.helpers import REPO
+from triptych_operator.constants import DEFAULT_HEAD_IMAGE, DEFAULT_WORKER_IMAGE
 
 CHART = REPO / "charts" / "triptych"
 

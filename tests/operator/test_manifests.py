@@ -6,14 +6,14 @@ import re
 from typing import Any
 
 import pytest
-from triptych_operator.constants import GPU_RESOURCE, HEAD_SCHEDULER_PORT, WORKER_PORT
-from triptych_operator.manifests import Manifest, render
-from triptych_operator.spec import SpecError
 
 from tests.operator.helpers import NAMESPACE, OWNER, example, minimal_spec, pipeline
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
 from triptych.roles import Role
+from triptych_operator.constants import GPU_RESOURCE, HEAD_SCHEDULER_PORT, WORKER_PORT
+from triptych_operator.manifests import Manifest, render
+from triptych_operator.spec import SpecError
 
 ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER)
 
@@ -205,3 +205,11 @@ def test_port_names_are_valid_service_port_names() -> None:
         ports = [p for c in pod["containers"] for p in c["ports"]] if pod else obj["spec"].get("ports", [])
         for port in ports:
             assert re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?", port["name"]), (obj["metadata"]["name"], port)
+
+
+def test_a_slow_model_load_is_not_reported_as_a_stuck_rollout() -> None:
+    for (kind, name), obj in children().items():
+        if kind == "Deployment":
+            probe = container(obj)["startupProbe"]
+            startup_s = probe["periodSeconds"] * probe["failureThreshold"]
+            assert obj["spec"]["progressDeadlineSeconds"] > startup_s, name

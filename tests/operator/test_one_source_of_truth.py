@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 import yaml
-from triptych_operator import crd
-from triptych_operator.constants import HEAD_HTTP_PORT
-from triptych_operator.spec import parse_pipeline
 
 from tests.operator.helpers import EXAMPLES, REPO
 from triptych.config import DISPATCH_POLICIES
+from triptych_operator import crd
+from triptych_operator.constants import HEAD_HTTP_PORT
+from triptych_operator.spec import parse_pipeline
 
 CRD_FILE = REPO / "crds" / "diffusionpipelines.yaml"
 CHART_CRD_FILE = REPO / "charts" / "triptych" / "crds" / "diffusionpipelines.yaml"

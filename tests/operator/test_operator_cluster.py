@@ -220,6 +220,28 @@ def test_children_deleted_or_edited_by_hand_are_restored(
     assert "Restored" in events
 
 
+def test_optional_children_follow_the_spec(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:
+    ns = kube_namespace
+    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2}
+    ingress = {"enabled": True, "host": "opt.example.com", "className": "nginx"}
+    apply(crd, ns, pipeline_manifest("opt", denoiser={"autoscaling": auto}, head={"ingress": ingress}))
+    objs = poll(
+        lambda: (lambda o: o if {"HorizontalPodAutoscaler/opt-denoiser", "Ingress/opt-api"} <= set(o) else None)(
+            children(crd, ns, "opt")
+        ),
+        what="the HPA and the Ingress",
+    )
+    assert objs["HorizontalPodAutoscaler/opt-denoiser"]["spec"]["maxReplicas"] == 3
+    assert objs["Ingress/opt-api"]["spec"]["rules"][0]["host"] == "opt.example.com"
+
+    off = {"spec": {"denoiser": {"autoscaling": {"enabled": False}}, "head": {"ingress": {"enabled": False}}}}
+    crd.kubectl("patch", "dp", "opt", "-n", ns, "--type=merge", "-p", json.dumps(off))
+    poll(
+        lambda: not {"HorizontalPodAutoscaler/opt-denoiser", "Ingress/opt-api"} & set(children(crd, ns, "opt")),
+        what="the HPA and the Ingress to be removed",
+    )
+
+
 def test_deleting_the_pipeline_removes_everything(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:
     ns = kube_namespace
     apply(crd, ns, pipeline_manifest("gone"))

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from triptych_operator.spec import SpecError, parse_pipeline
 
 from tests.operator.helpers import NAMESPACE, minimal_spec, pipeline
 from triptych.parallelism import Parallelism
 from triptych.roles import Role
+from triptych_operator.spec import SpecError, parse_pipeline
 
 
 def error_for(spec: dict, name: str = "p") -> SpecError:
