@@ -21,7 +21,8 @@ class WorkerInstance:
     free_bytes: int = 0
     model: str = ""
     last_heartbeat: float | None = None
-    # Set when it refused an allocation for lack of room; cleared by a heartbeat showing more room.
+    # Set when it refused an allocation for lack of room; cleared by its next heartbeat, which the
+    # worker sends whenever it frees pool space (and once a second), so the head retries then.
     refused_bytes: int | None = None
     dispatched_total: int = 0
 
@@ -40,7 +41,6 @@ class WorkerInstance:
 
     def on_heartbeat(self, capacity: int, session: str, pool_bytes: int, free_bytes: int, model: str) -> None:
         self.capacity, self.session, self.pool_bytes, self.model = capacity, session, pool_bytes, model
-        if self.refused_bytes is not None and free_bytes > self.free_bytes:
-            self.refused_bytes = None
+        self.refused_bytes = None
         self.free_bytes = free_bytes
         self.last_heartbeat = time.monotonic()

@@ -350,9 +350,14 @@ class DiffusionServer:
         self._finish(rec, RequestState.DONE)
 
     def _on_failed(self, rec: RequestRecord, inst: WorkerInstance, msg: Failed, frames: list[Any]) -> None:
-        if inst.url in rec.involved_instances():
-            inst.inflight.discard(rec.request_id)
-            self._finish(rec, RequestState.FAILED, f"{inst.role.value} {inst.url}: {msg.error}", msg.status_code)
+        if inst.url not in rec.involved_instances():
+            return
+        inst.inflight.discard(rec.request_id)
+        reason = f"{inst.role.value} {inst.url}: {msg.error}"
+        if rec.staged and rec.staged.sender == inst.url and rec.receiver_reserved:
+            # A failed push is as likely the receiver's fault as the sender's: name both.
+            reason = f"transfer to {rec.role.value} {rec.instance} failed: {reason}"
+        self._finish(rec, RequestState.FAILED, reason, msg.status_code)
 
     _handlers: dict[type, Callable[..., None]] = {
         Started: _on_started,

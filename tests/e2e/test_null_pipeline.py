@@ -186,7 +186,10 @@ def test_killing_a_denoiser_fails_only_its_requests_and_the_head_keeps_serving(f
         for r in results:
             if r.status_code != 200:
                 message = r.json()["error"]["message"]
-                assert victim.url in message and "stopped responding" in message, message
+                assert victim.url in message, message
+                # Which words depends on where the request was when the process died; each names the dead worker.
+                causes = ("stopped responding", "became unreachable", "transfer to denoiser")
+                assert any(cause in message for cause in causes), message
         assert time.monotonic() - killed_at < 60  # well within --disagg-timeout
         assert image(c).status_code == 200  # the head keeps serving on the remaining denoiser
         alive = {d["url"]: d["alive"] for d in c.get("/health").json()["workers"]["denoiser"]}
@@ -246,3 +249,17 @@ def test_cancelling_a_video_stops_it_on_the_workers(tiny_models, tmp_path):
         while c.get(f"/v1/videos/{r['id']}").json()["status"] != "completed":
             assert time.monotonic() - started < 4, "the cancelled request kept the denoiser busy"
             time.sleep(0.05)
+
+
+def test_a_tight_receive_pool_never_deadlocks_against_its_own_outputs(flux, tmp_path):
+    # A reserved 1.2 MiB input plus a 1.2 MiB output do not fit a 2 MiB denoiser pool: accepting the
+    # next request's input while one runs would leave the denoiser unable to stage its output, and
+    # the slot it waits on belongs to the request queued behind it.
+    pools = {Role.DENOISER: ("--disagg-transfer-pool-size", "2MiB")}
+    flags = ("--disagg-timeout", "30")
+    with deployment(flux, tmp_path, null_payload=1_258_291, role_flags=pools, head_flags=flags,
+                    worker_flags=("--step-seconds", "0.01")) as dep, dep.client() as c:  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            codes = [f.status_code for f in pool.map(lambda _: image(c, num_inference_steps=3), range(6))]
+        assert codes == [200] * 6
+        assert_all_capacity_released(c)

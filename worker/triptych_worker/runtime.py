@@ -117,6 +117,7 @@ class Worker:
         self._pushes: queue.Queue[tuple[str, TransferPush] | None] = queue.Queue()
         self._staged: dict[str, StagedOutput] = {}
         self._slots: dict[str, Allocation] = {}
+        self._outstanding: set[str] = set()  # accepted requests whose stages have not finished
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -186,6 +187,8 @@ class Worker:
         if isinstance(msg, Ping):
             link.send(self._heartbeat())
         elif isinstance(msg, Work):
+            with self._lock:
+                self._outstanding.add(msg.request_id)
             self._jobs.put(Job(msg.request_id, msg.params))
         elif isinstance(msg, TransferAlloc):
             self._allocate(link, msg)
@@ -199,6 +202,12 @@ class Worker:
             log.warning("dropped %s: not a head-to-worker message", msg.TYPE)
 
     def _allocate(self, link: HeadLink, msg: TransferAlloc) -> None:
+        if self._must_keep_room_for_outputs(msg.nbytes):
+            link.send(
+                TransferRefused(msg.request_id, self.instance, "keeping room to stage accepted work", fatal=False)
+            )
+            link.send(self._heartbeat())
+            return
         try:
             alloc = self.pool.allocate(msg.nbytes, owner=msg.request_id)
         except PayloadTooLarge as exc:
@@ -210,7 +219,21 @@ class Worker:
             return
         with self._lock:
             self._slots[msg.request_id] = alloc
+            self._outstanding.add(msg.request_id)
         link.send(TransferAllocated(msg.request_id, self.instance, self.transport.session_id, alloc.addr))
+
+    def _must_keep_room_for_outputs(self, nbytes: int) -> bool:
+        """Refuse an input slot that would leave no room to stage the outputs of work already accepted.
+
+        Otherwise a tight pool deadlocks: the running request cannot stage its output while the
+        space it needs holds the input of the request queued behind it. Outputs are assumed no
+        larger than inputs (latents in, latents out); the decoder's outputs bypass the pool.
+        """
+        if self.role is Role.DECODER or nbytes > self.pool.pool_bytes:
+            return False  # too large ever is reported by allocate() as fatal
+        with self._lock:
+            busy = bool(self._outstanding)
+        return busy and self.pool.free_bytes - nbytes < nbytes
 
     def _ready(self, link: HeadLink, msg: TransferReady) -> None:
         with self._lock:
@@ -227,6 +250,7 @@ class Worker:
                 self._cancelled.popitem(last=False)
             self._staged.pop(request_id, None)
             self._slots.pop(request_id, None)
+            self._outstanding.discard(request_id)
         self.pool.free_owner(request_id)
 
     def _is_cancelled(self, request_id: str) -> bool:
@@ -241,6 +265,8 @@ class Worker:
             while (job := self._jobs.get()) is not None:
                 if self._is_cancelled(job.request_id):
                     self.pool.free_owner(job.request_id)
+                    with self._lock:
+                        self._outstanding.discard(job.request_id)
                     continue
                 try:
                     self._run_job(link, job)
@@ -255,6 +281,9 @@ class Worker:
                     self.pool.free_owner(job.request_id)
                     link.send(Failed(job.request_id, self.instance, f"{type(exc).__name__}: {exc}"))
                     link.send(self._heartbeat())
+                finally:
+                    with self._lock:
+                        self._outstanding.discard(job.request_id)
         finally:
             link.close()
 
