@@ -7,11 +7,16 @@ wait is bounded and polls.
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 from kopf.testing import KopfRunner
 
 from tests.cluster.fixtures import CommandError, KubeCluster
@@ -335,3 +340,66 @@ def test_helm_install_reconciles_the_example_and_uninstall_cleans_up(
     poll(lambda: not children(crd, ns, "example"), timeout=90, what="the example's children to be collected")
     assert get(crd, ns, "deployment", f"{release}-triptych") is None
     assert crd.kubectl("get", "clusterrole", f"{release}-triptych-discovery", check=False).returncode != 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def service_account_kubeconfig(cluster: KubeCluster, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig that acts as `account`: the admin's server and CA with the account's token."""
+    token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration=1h").stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": admin["clusters"],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": account, "context": {"cluster": admin["clusters"][0]["name"], "user": account}}],
+        "current-context": account,
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_the_charts_rbac_is_all_the_operator_needs(crd: KubeCluster, kube_namespace: str, tmp_path: Path) -> None:
+    """`triptych-operator`, run as the chart's ServiceAccount, reconciles, restores and reports liveness."""
+    ns = kube_namespace
+    release = f"r{ns[-6:]}"
+    crd.helm("install", release, str(CHART), "--namespace", ns, "--set", f"watchNamespaces={{{ns}}}", timeout=120)
+    kubeconfig = service_account_kubeconfig(crd, ns, f"{release}-triptych", tmp_path / "operator.kubeconfig")
+    port = free_port()
+    env = {**crd.env, "KUBECONFIG": str(kubeconfig)}
+    log = (tmp_path / "operator.log").open("w+")
+    cmd = [
+        str(REPO / ".venv" / "bin" / "triptych-operator"),
+        "-n",
+        ns,
+        "--liveness",
+        f"http://127.0.0.1:{port}/healthz",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        poll(lambda: _healthz(port), timeout=60, what="the operator's liveness endpoint")
+        apply(crd, ns, pipeline_manifest("rbac"))
+        wait_phase(crd, ns, "rbac", "Ready")
+        crd.kubectl("delete", "deployment/rbac-decoder", "-n", ns, "--wait=false")
+        poll(lambda: "Deployment/rbac-decoder" in children(crd, ns, "rbac"), what="the decoder to be restored")
+        wait_phase(crd, ns, "rbac", "Ready")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        crd.helm("uninstall", release, "--namespace", ns, timeout=120)
+    log.seek(0)
+    output = log.read()
+    assert "403" not in output and "Forbidden" not in output, output[-3000:]
+
+
+def _healthz(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as rsp:
+            return bool(rsp.status == 200)
+    except OSError:
+        return False
