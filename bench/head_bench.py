@@ -9,7 +9,10 @@ protocol. Requests go straight to the DiffusionServer frontend (no HTTP) and als
 Prints, side by side in one run:
 - sequential latency per request, the Mooncake write time inside it (reported by the senders),
   and the control overhead = latency - writes (target: < 2 ms);
-- throughput in requests/second at --concurrency (frontend and HTTP).
+- throughput in requests/second at --concurrency (frontend and HTTP);
+- with --transfer-mib N: the encoder->denoiser hand-off of an N MiB payload through the whole
+  transfer flow (slot, push, write, report) against a raw Mooncake transfer_sync_write of the
+  same bytes between two processes (bench/transfer_bench.py), as a throughput ratio (target >= 90%).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -112,12 +116,56 @@ async def measure(dep, args) -> dict[str, float]:  # type: ignore[no-untyped-def
     return out
 
 
+def handoff(dep, n: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Median hand-off and write seconds of the encoder->denoiser hop over n sequential requests."""
+
+    async def run() -> dict[str, float]:
+        front = Frontend(f"tcp://127.0.0.1:{dep.scheduler_port}")
+        await front.request("warmup-handoff")
+        results = [await front.request(f"handoff-{i}") for i in range(n)]
+        front.reader.cancel()
+        return {
+            "handoff_s": statistics.median(r.timings["handoff_encoder_denoiser"] for r in results),
+            "write_s": statistics.median(r.timings["transfer_encoder_denoiser"] for r in results),
+        }
+
+    return asyncio.run(run())
+
+
+def raw_mooncake_seconds(nbytes: int, iterations: int) -> float:
+    """Raw transfer_sync_write of nbytes between two processes, measured now by transfer_bench.py."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "raw.json"
+        cmd = [sys.executable, str(ROOT / "bench" / "transfer_bench.py"), "--sizes-mib", str(nbytes >> 20),
+               "--iterations", str(iterations), "--json", str(out)]  # fmt: skip
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        row = json.loads(out.read_text())["results"][0]
+    return nbytes / (float(row["raw_mooncake_mb_s"]) * 1e6)
+
+
+def transfer_comparison(flux: Path, mib: int, n: int) -> dict[str, float]:
+    nbytes = mib << 20
+    with tempfile.TemporaryDirectory() as tmp:
+        with local_deployment(flux, Path(tmp), worker_flags=("--device", "cpu"), null_payload_bytes=nbytes) as dep:
+            measured = handoff(dep, n)
+    raw = raw_mooncake_seconds(nbytes, n)
+    return {
+        "transfer_bytes": nbytes,
+        "handoff_ms": measured["handoff_s"] * 1e3,
+        "write_ms": measured["write_s"] * 1e3,
+        "raw_mooncake_ms": raw * 1e3,
+        "handoff_vs_raw": raw / measured["handoff_s"],
+        "write_vs_raw": raw / measured["write_s"],
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--sequential", type=int, default=100)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--payload-bytes", type=int, default=64 * 1024)
+    p.add_argument("--transfer-mib", type=int, default=32, help="payload for the hand-off comparison (0: skip)")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "head.json")
     args = p.parse_args()
     (flux,) = write_tiny_models(ROOT / ".models", families=["tiny-flux"])
@@ -132,6 +180,15 @@ def main() -> int:
     print(f"  control overhead        {result['control_overhead_ms']:8.2f} ms   (target < 2 ms)")
     print(f"  throughput, frontend    {result['frontend_rps']:8.1f} req/s at concurrency {args.concurrency}")
     print(f"  throughput, HTTP        {result['http_rps']:8.1f} req/s at concurrency {args.concurrency}")
+    if args.transfer_mib:
+        t = transfer_comparison(flux, args.transfer_mib, 10)
+        result.update(t)
+        print(f"encoder->denoiser hand-off of {args.transfer_mib} MiB (median of 10), vs raw Mooncake in this run")
+        print(f"  raw transfer_sync_write {t['raw_mooncake_ms']:8.2f} ms")
+        print(f"  our write               {t['write_ms']:8.2f} ms   throughput {100 * t['write_vs_raw']:5.1f}% of raw")
+        print(
+            f"  our whole hand-off      {t['handoff_ms']:8.2f} ms   throughput {100 * t['handoff_vs_raw']:5.1f}% of raw"
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -49,6 +49,13 @@ class HeadMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.handoff_seconds = Histogram(
+            "triptych_handoff_seconds",
+            "From a sender's output being staged to its receiver being told it is ready (slot, push, write)",
+            ["source", "destination"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.dropped_messages = Counter(
             "triptych_dropped_messages", "Worker messages that could not be decoded or matched", registry=r
         )

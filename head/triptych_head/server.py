@@ -328,7 +328,10 @@ class DiffusionServer:
         dest = receiver.role.value if receiver else "?"
         self.metrics.transfer_bytes.labels(inst.role.value, dest).inc(msg.nbytes)
         self.metrics.transfer_seconds.labels(inst.role.value, dest).observe(msg.seconds)
+        handoff = time.monotonic() - staged.staged_at  # reserve a slot, push, write, report
+        self.metrics.handoff_seconds.labels(inst.role.value, dest).observe(handoff)
         rec.timings[f"transfer_{inst.role.value}_{dest}"] = msg.seconds
+        rec.timings[f"handoff_{inst.role.value}_{dest}"] = handoff
         ready = TransferReady(rec.request_id, rec.instance, rec.params.to_wire(), staged.manifest, staged.meta)
         rec.staged, rec.receiver_reserved = None, False
         if not self.registry.send(rec.instance, ready):

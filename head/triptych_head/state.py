@@ -84,6 +84,7 @@ class StagedPayload:
     nbytes: int
     manifest: list[dict[str, Any]]
     meta: dict[str, Any]
+    staged_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
