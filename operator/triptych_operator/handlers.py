@@ -33,7 +33,7 @@ from triptych_operator.constants import (
     WORKER_IMAGE_ENV,
 )
 from triptych_operator.manifests import render
-from triptych_operator.spec import SpecError, parse_pipeline
+from triptych_operator.spec import PipelineSpec, SpecError, parse_pipeline
 from triptych_operator.status import PHASE_READY, compute_status
 
 OWNED = {LABEL_MANAGED_BY: MANAGER}
@@ -104,6 +104,43 @@ def child_changed(
     reconcile(pipeline, trigger=f"child-{str(event['type']).lower()}", logger=logger)
 
 
+@kopf.on.event("v1", "pods", labels=CHILD_FILTER)
+def pod_changed(
+    event: kopf.RawEvent, namespace: str | None, labels: kopf.Labels, logger: kopf.Logger, **_: Any
+) -> None:
+    """A pipeline's pod changed (scheduled, ready, crash-looping): refresh the status, apply nothing."""
+    if event.get("type") is None or not namespace:
+        return
+    pipeline = kube.get_pipeline(labels[LABEL_INSTANCE], namespace)
+    if pipeline is None or pipeline["metadata"].get("deletionTimestamp"):
+        return
+    with _pipeline_lock(namespace, pipeline["metadata"]["name"]):
+        # Re-read under the lock: a reconcile may just have written a newer status.
+        fresh = kube.get_pipeline(labels[LABEL_INSTANCE], namespace)
+        if fresh is not None:
+            _write_status(fresh, _spec_error(fresh), None)
+
+
+def _spec_error(pipeline: dict[str, Any]) -> str | None:
+    """The validation message the current spec earns (so a status refresh keeps reporting it)."""
+    try:
+        render(_parse(pipeline), owner=pipeline)
+    except SpecError as exc:
+        return str(exc)
+    return None
+
+
+def _parse(pipeline: dict[str, Any]) -> PipelineSpec:
+    meta = pipeline["metadata"]
+    return parse_pipeline(
+        meta["name"],
+        meta["namespace"],
+        pipeline.get("spec") or {},
+        worker_image=os.environ.get(WORKER_IMAGE_ENV, DEFAULT_WORKER_IMAGE),
+        head_image=os.environ.get(HEAD_IMAGE_ENV, DEFAULT_HEAD_IMAGE),
+    )
+
+
 def reconcile(pipeline: dict[str, Any], *, trigger: str, logger: kopf.Logger) -> str | None:
     """Make the children of `pipeline` match its spec, then write its status.
 
@@ -115,14 +152,7 @@ def reconcile(pipeline: dict[str, Any], *, trigger: str, logger: kopf.Logger) ->
         spec_error: str | None = None
         apply_error: str | None = None
         try:
-            parsed = parse_pipeline(
-                name,
-                namespace,
-                pipeline.get("spec") or {},
-                worker_image=os.environ.get(WORKER_IMAGE_ENV, DEFAULT_WORKER_IMAGE),
-                head_image=os.environ.get(HEAD_IMAGE_ENV, DEFAULT_HEAD_IMAGE),
-            )
-            children = render(parsed, owner=pipeline)
+            children = render(_parse(pipeline), owner=pipeline)
         except SpecError as exc:
             # Nothing is applied: the objects of the last valid spec keep running untouched.
             spec_error = str(exc)
@@ -163,10 +193,14 @@ def _write_status(pipeline: dict[str, Any], spec_error: str | None, apply_error:
     meta = pipeline["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     deployments = {d["metadata"]["labels"].get(LABEL_COMPONENT): d for d in kube.pipeline_deployments(name, namespace)}
+    pods: dict[str, list[dict[str, Any]]] = {}
+    for pod in kube.pipeline_pods(name, namespace):
+        pods.setdefault(pod["metadata"]["labels"].get(LABEL_COMPONENT), []).append(pod)
     old = pipeline.get("status") or {}
     status = compute_status(
         int(meta.get("generation") or 0),
         deployments,
+        pods,
         spec_error=spec_error,
         apply_error=apply_error,
         previous_conditions=old.get("conditions") or [],

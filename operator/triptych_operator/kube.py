@@ -107,6 +107,13 @@ def pipeline_deployments(name: str, namespace: str) -> list[dict[str, Any]]:
     return [item.to_dict() for item in listing.items]
 
 
+def pipeline_pods(name: str, namespace: str) -> list[dict[str, Any]]:
+    """The pods of pipeline `name` (their conditions say why a component is not ready)."""
+    selector = f"{LABEL_INSTANCE}={name},{LABEL_MANAGED_BY}={MANAGER}"
+    listing = _resource("v1", "Pod").get(namespace=namespace, label_selector=selector)
+    return [item.to_dict() for item in listing.items]
+
+
 def patch_pipeline_status(name: str, namespace: str, status: Mapping[str, Any]) -> None:
     """Replace the pipeline's status fields (merge patch; lists such as conditions are replaced whole)."""
     api = client.CustomObjectsApi(dynamic_client().client)

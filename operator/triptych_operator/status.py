@@ -48,10 +48,46 @@ def _condition(deployment: Mapping[str, Any], type_: str) -> Mapping[str, Any] |
     return None
 
 
+# Container states that need a person (fix the image, the Secret, the arguments); not transient.
+STUCK_WAITING_REASONS = frozenset(
+    {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError"}
+)
+
+
+def pod_problem(pods: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
+    """(reason, message) for the first pod that cannot become ready without help, if any."""
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        status = pod.get("status") or {}
+        for cond in status.get("conditions") or []:
+            if (
+                cond.get("type") == "PodScheduled"
+                and cond.get("status") == "False"
+                and cond.get("reason") == "Unschedulable"
+            ):
+                return "Unschedulable", f"pod {name} cannot be scheduled: {cond.get('message', '')}"
+        for container in status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in STUCK_WAITING_REASONS:
+                detail = f": {waiting['message']}" if waiting.get("message") else ""
+                return str(
+                    waiting["reason"]
+                ), f"pod {name} container {container.get('name')} is {waiting['reason']}{detail}"
+    return None
+
+
 def component_health(
-    component: str, deployment: Mapping[str, Any] | None, *, spec_error: bool = False
+    component: str,
+    deployment: Mapping[str, Any] | None,
+    pods: Sequence[Mapping[str, Any]] = (),
+    *,
+    spec_error: bool = False,
 ) -> ComponentHealth:
-    """Read one Deployment: ready only when the current generation's pods are all updated and ready."""
+    """Read one Deployment (and its pods, for why they are not ready).
+
+    Ready only when the current generation's pods are all updated and ready. Pods that cannot be
+    scheduled or whose containers cannot start make the component stuck: waiting will not help.
+    """
     if deployment is None:
         if spec_error:
             return ComponentHealth(component, 0, 0, False, False, "InvalidSpec", "not created: the spec is invalid")
@@ -78,6 +114,11 @@ def component_health(
         msg = f"{name} is scaled to 0; the pipeline cannot serve until it has at least one replica"
         return ComponentHealth(component, 0, 0, False, False, "ScaledToZero", msg)
     if updated < desired or ready < desired:
+        problem = pod_problem(pods)
+        if problem is not None:
+            reason, detail = problem
+            msg = f"{name}: {ready}/{desired} pods ready; {detail}"
+            return ComponentHealth(component, ready, desired, False, True, reason, msg)
         msg = f"{name}: {ready}/{desired} pods ready, {updated}/{desired} updated"
         return ComponentHealth(component, ready, desired, False, False, "WaitingForPods", msg)
     return ComponentHealth(component, ready, desired, True, False, "AllReplicasReady", f"{ready}/{desired} pods ready")
@@ -90,19 +131,23 @@ def _make(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
 def compute_status(
     generation: int,
     deployments: Mapping[str, Mapping[str, Any] | None],
+    pods: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     *,
     spec_error: str | None = None,
     apply_error: str | None = None,
     previous_conditions: Sequence[Mapping[str, Any]] = (),
     now: str,
 ) -> dict[str, Any]:
-    """The full status for a pipeline at `generation`, given its Deployments by component.
+    """The full status for a pipeline at `generation`, given its Deployments (and pods) by component.
 
     `spec_error` is the validation message when the spec cannot be deployed; objects from the last
     valid spec keep running and are still reported. `apply_error` is the API server refusing a
     child (admission, quota). `now` stamps conditions that changed.
     """
-    health = [component_health(c, deployments.get(c), spec_error=spec_error is not None) for c in COMPONENTS]
+    pods = pods or {}
+    health = [
+        component_health(c, deployments.get(c), pods.get(c, ()), spec_error=spec_error is not None) for c in COMPONENTS
+    ]
     not_ready = [h for h in health if not h.is_ready]
     stuck = [h for h in health if h.stuck]
     conditions = [_make(h.condition_type, h.is_ready, h.reason, h.message) for h in health]

@@ -171,9 +171,12 @@ def test_rdma_pipeline_pins_gpus_and_rdma_devices(crd: KubeCluster, kube_namespa
     unschedulable = condition(pending[0], "PodScheduled")
     assert "rdma/ib" in unschedulable.get("message", ""), unschedulable
 
-    cr = wait_phase(crd, ns, "wan", "Progressing")
+    cr = wait_phase(crd, ns, "wan", "Degraded")
     assert condition(cr, "Ready")["status"] == "False"
-    assert "0/1 pods ready" in json.dumps(cr["status"]["conditions"])
+    degraded = condition(cr, "Degraded")
+    assert degraded["reason"] == "Unschedulable"
+    assert f"pod {pending[0]['metadata']['name']} cannot be scheduled" in degraded["message"]
+    assert "rdma/ib" in degraded["message"]
 
 
 def test_editing_one_role_rolls_only_that_role(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:

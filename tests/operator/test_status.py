@@ -119,3 +119,49 @@ def test_a_refused_child_is_degraded_with_the_servers_words() -> None:
     degraded = cond(status, "Degraded")
     assert (degraded["reason"], degraded["status"]) == ("ApplyFailed", "True")
     assert "exceeded quota" in degraded["message"]
+
+
+def pod(name: str, **status: Any) -> dict:
+    return {"metadata": {"name": name}, "status": status}
+
+
+def test_an_unschedulable_pod_is_degraded_with_the_schedulers_words() -> None:
+    deps = all_ready()
+    deps["decoder"] = deployment("p-decoder", ready=0)
+    unschedulable = {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "Unschedulable",
+        "message": "0/3 nodes are available: 3 Insufficient rdma/ib.",
+    }
+    pods = {"decoder": [pod("p-decoder-x", phase="Pending", conditions=[unschedulable])]}
+    status = compute_status(1, deps, pods, now=NOW)
+    assert status["phase"] == "Degraded"
+    decoder = cond(status, "DecoderReady")
+    assert decoder["reason"] == "Unschedulable"
+    assert decoder["message"] == (
+        "p-decoder: 0/1 pods ready; pod p-decoder-x cannot be scheduled: "
+        "0/3 nodes are available: 3 Insufficient rdma/ib."
+    )
+    assert cond(status, "Degraded")["reason"] == "Unschedulable"
+
+
+def test_a_crash_looping_container_names_the_pod_and_container() -> None:
+    deps = all_ready()
+    deps["head"] = deployment("p-head", ready=0)
+    waiting = {"reason": "CrashLoopBackOff", "message": "back-off 5m0s restarting failed container"}
+    crashing = pod("p-head-y", containerStatuses=[{"name": "head", "state": {"waiting": waiting}}])
+    head = cond(compute_status(1, deps, {"head": [crashing]}, now=NOW), "HeadReady")
+    assert head["reason"] == "CrashLoopBackOff"
+    assert "pod p-head-y container head is CrashLoopBackOff: back-off" in head["message"]
+
+
+def test_a_pod_still_starting_is_just_waiting() -> None:
+    deps = all_ready()
+    deps["encoder"] = deployment("p-encoder", ready=0)
+    starting = pod(
+        "p-encoder-z", containerStatuses=[{"name": "encoder", "state": {"waiting": {"reason": "ContainerCreating"}}}]
+    )
+    status = compute_status(1, deps, {"encoder": [starting]}, now=NOW)
+    assert status["phase"] == "Progressing"
+    assert cond(status, "EncoderReady")["reason"] == "WaitingForPods"

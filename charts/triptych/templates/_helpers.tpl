@@ -45,6 +45,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [services]
   verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  # Read only: why a component is not ready (unschedulable, crash-looping) goes into the status.
+  verbs: [get, list, watch]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
   # Deleted when a role's autoscaling is turned off.
