@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from triptych.config import ServeArgs
+from triptych.model_source import ModelSourceError, resolve_model_path
 from triptych.roles import Role
 
 
@@ -17,6 +19,11 @@ def configure_logging(args: ServeArgs) -> None:
 
 def serve(args: ServeArgs) -> int:
     configure_logging(args)
+    try:
+        args.model_path = resolve_model_path(args.model_path)
+    except ModelSourceError as exc:
+        print(f"triptych: error: {exc}", file=sys.stderr)
+        return 2
     if args.disagg_role is Role.SERVER:
         from triptych_head.main import run_head
 
