@@ -16,7 +16,7 @@ def test_local_package_is_used_as_is(tmp_path):
 
 
 def test_directory_without_model_index_is_rejected(tmp_path):
-    with pytest.raises(ModelSourceError, match="no model_index.json"):
+    with pytest.raises(ModelSourceError, match=r"no model_index\.json"):
         resolve_model_path(str(tmp_path))
 
 
