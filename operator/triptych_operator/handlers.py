@@ -115,10 +115,7 @@ def pod_changed(
     if pipeline is None or pipeline["metadata"].get("deletionTimestamp"):
         return
     with _pipeline_lock(namespace, pipeline["metadata"]["name"]):
-        # Re-read under the lock: a reconcile may just have written a newer status.
-        fresh = kube.get_pipeline(labels[LABEL_INSTANCE], namespace)
-        if fresh is not None:
-            _write_status(fresh, _spec_error(fresh), None)
+        _write_status(pipeline, _spec_error(pipeline), None)
 
 
 def _spec_error(pipeline: dict[str, Any]) -> str | None:
@@ -178,10 +175,9 @@ def _apply_children(
         what = f"{manifest['kind']} {manifest['metadata']['name']}"
         if result is kube.ApplyResult.CREATED:
             reason = "Restored" if by_hand else "Created"
-            _post(
-                pipeline, "Normal", reason=reason, message=what + (" was deleted by hand; recreated" if by_hand else "")
-            )
-            logger.info("%s %s", reason.lower(), what)
+            message = what + (" was deleted by hand; recreated" if by_hand else "")
+            _post(pipeline, "Normal", reason=reason, message=message)
+            logger.info("%s: %s", reason, message)
         elif result is kube.ApplyResult.UPDATED:
             reason = "DriftCorrected" if by_hand else "Updated"
             message = what + (" was edited by hand; restored to the spec" if by_hand else " updated to the new spec")
@@ -190,13 +186,19 @@ def _apply_children(
 
 
 def _write_status(pipeline: dict[str, Any], spec_error: str | None, apply_error: str | None) -> None:
+    """Compute the status from the live Deployments and pods; patch it (and announce changes) if it changed."""
     meta = pipeline["metadata"]
     name, namespace = meta["name"], meta["namespace"]
+    # Compare with the status as stored now, not as it was when this event was queued, so a
+    # change is announced once even when several events race to report it.
+    live = kube.get_pipeline(name, namespace)
+    if live is None:
+        return
     deployments = {d["metadata"]["labels"].get(LABEL_COMPONENT): d for d in kube.pipeline_deployments(name, namespace)}
     pods: dict[str, list[dict[str, Any]]] = {}
     for pod in kube.pipeline_pods(name, namespace):
         pods.setdefault(pod["metadata"]["labels"].get(LABEL_COMPONENT), []).append(pod)
-    old = pipeline.get("status") or {}
+    old = live.get("status") or {}
     status = compute_status(
         int(meta.get("generation") or 0),
         deployments,
