@@ -39,25 +39,29 @@ def poll(fn: Callable[[], T], timeout: float = 60, interval: float = 0.5, what: 
 def deployment(name: str, *, replicas: int = 1, gpus: int = 0, labels: dict[str, str] | None = None) -> str:
     labels = labels or {"app": name}
     limits = {"nvidia.com/gpu": str(gpus)} if gpus else {}
-    return json.dumps({
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "containers": [{
-                        "name": "main",
-                        "image": "registry.invalid/triptych/noop:0.1",
-                        "resources": {"requests": {"cpu": "100m"}, "limits": limits},
-                    }],
+    return json.dumps(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": name},
+            "spec": {
+                "replicas": replicas,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "main",
+                                "image": "registry.invalid/triptych/noop:0.1",
+                                "resources": {"requests": {"cpu": "100m"}, "limits": limits},
+                            }
+                        ],
+                    },
                 },
             },
-        },
-    })
+        }
+    )
 
 
 def pods(kube: KubeCluster, ns: str, selector: str) -> list[dict]:
@@ -69,6 +73,7 @@ def condition(obj: dict, ctype: str) -> dict:
 
 
 # --------------------------------------------------------------------------- the cluster itself
+
 
 def test_server_version_and_fake_gpu_nodes(kube_cluster: KubeCluster) -> None:
     version = json.loads(kube_cluster.kubectl("version", "-o", "json").stdout)
@@ -105,14 +110,21 @@ def test_aggregation_layer_is_configured(kube_cluster: KubeCluster) -> None:
 
 # --------------------------------------------------------------------------- scheduling
 
+
 def test_gpu_deployment_is_scheduled_on_a_gpu_node(kube_cluster: KubeCluster, kube_namespace: str) -> None:
     ns = kube_namespace
     kube_cluster.apply(deployment("gpu-worker", replicas=2, gpus=2), ns)
-    kube_cluster.kubectl("wait", "-n", ns, "--for=condition=Available", "deployment/gpu-worker", "--timeout=60s",
-                         timeout=70)
-    running = poll(lambda: [p for p in pods(kube_cluster, ns, "app=gpu-worker")
-                            if p["status"].get("phase") == "Running" and p["status"].get("podIP")],
-                   what="2 running pods with IPs")
+    kube_cluster.kubectl(
+        "wait", "-n", ns, "--for=condition=Available", "deployment/gpu-worker", "--timeout=60s", timeout=70
+    )
+    running = poll(
+        lambda: [
+            p
+            for p in pods(kube_cluster, ns, "app=gpu-worker")
+            if p["status"].get("phase") == "Running" and p["status"].get("podIP")
+        ],
+        what="2 running pods with IPs",
+    )
     assert len(running) == 2
     for pod in running:
         assert pod["spec"]["nodeName"] in GPU_NODES
@@ -124,11 +136,25 @@ def test_gpu_deployment_is_scheduled_on_a_gpu_node(kube_cluster: KubeCluster, ku
 
 def test_pod_asking_for_too_many_gpus_stays_pending(kube_cluster: KubeCluster, kube_namespace: str) -> None:
     ns = kube_namespace
-    kube_cluster.apply(json.dumps({
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "too-big"},
-        "spec": {"containers": [{"name": "main", "image": "registry.invalid/noop:0.1",
-                                 "resources": {"limits": {"nvidia.com/gpu": "9"}}}]},
-    }), ns)
+    kube_cluster.apply(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "too-big"},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "registry.invalid/noop:0.1",
+                            "resources": {"limits": {"nvidia.com/gpu": "9"}},
+                        }
+                    ]
+                },
+            }
+        ),
+        ns,
+    )
 
     def unschedulable() -> dict:
         pod = kube_cluster.kubectl_json("get", "pod", "-n", ns, "too-big")
@@ -144,25 +170,42 @@ def test_pod_asking_for_too_many_gpus_stays_pending(kube_cluster: KubeCluster, k
 
 # --------------------------------------------------------------------------- controllers
 
+
 def test_service_gets_an_endpointslice_with_the_ready_pods(kube_cluster: KubeCluster, kube_namespace: str) -> None:
     ns = kube_namespace
     kube_cluster.apply(deployment("web", replicas=2), ns)
-    kube_cluster.apply(json.dumps({
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
-        "spec": {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
-    }), ns)
+    kube_cluster.apply(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": "web"},
+                "spec": {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+            }
+        ),
+        ns,
+    )
 
     def ready_pod_ips() -> set[str]:
-        return {p["status"]["podIP"] for p in pods(kube_cluster, ns, "app=web")
-                if condition(p, "Ready").get("status") == "True" and p["status"].get("podIP")}
+        return {
+            p["status"]["podIP"]
+            for p in pods(kube_cluster, ns, "app=web")
+            if condition(p, "Ready").get("status") == "True" and p["status"].get("podIP")
+        }
 
-    ips = poll(lambda: (got if len(got := ready_pod_ips()) == 2 else set()), what="2 ready pods with IPs")
+    ips = poll(lambda: got if len(got := ready_pod_ips()) == 2 else set(), what="2 ready pods with IPs")
 
     def slice_ips() -> set[str]:
-        slices = kube_cluster.kubectl_json("get", "endpointslices", "-n", ns,
-                                           "-l", "kubernetes.io/service-name=web")["items"]
-        got = {addr for s in slices for ep in (s.get("endpoints") or [])
-               if ep.get("conditions", {}).get("ready") for addr in ep["addresses"]}
+        slices = kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l", "kubernetes.io/service-name=web")[
+            "items"
+        ]
+        got = {
+            addr
+            for s in slices
+            for ep in (s.get("endpoints") or [])
+            if ep.get("conditions", {}).get("ready")
+            for addr in ep["addresses"]
+        }
         return got if got == ips else set()
 
     assert poll(slice_ips, what="EndpointSlice listing the ready pods") == ips
@@ -175,16 +218,25 @@ def test_garbage_collector_deletes_dependents(kube_cluster: KubeCluster, kube_na
     # A ConfigMap owned by another ConfigMap.
     kube_cluster.kubectl("create", "configmap", "owner", "-n", ns, "--from-literal=a=1")
     uid = kube_cluster.kubectl_json("get", "configmap", "-n", ns, "owner")["metadata"]["uid"]
-    kube_cluster.apply(json.dumps({
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": "dependent", "ownerReferences": [
-            {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": uid}]},
-        "data": {"b": "2"},
-    }), ns)
+    kube_cluster.apply(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {
+                    "name": "dependent",
+                    "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": uid}],
+                },
+                "data": {"b": "2"},
+            }
+        ),
+        ns,
+    )
     # A Deployment owns ReplicaSets, which own Pods.
     kube_cluster.apply(deployment("gc-web", replicas=1), ns)
-    kube_cluster.kubectl("wait", "-n", ns, "--for=condition=Available", "deployment/gc-web", "--timeout=60s",
-                         timeout=70)
+    kube_cluster.kubectl(
+        "wait", "-n", ns, "--for=condition=Available", "deployment/gc-web", "--timeout=60s", timeout=70
+    )
     assert pods(kube_cluster, ns, "app=gc-web")
 
     kube_cluster.kubectl("delete", "configmap", "owner", "-n", ns, "--wait=false")
@@ -201,24 +253,47 @@ def test_garbage_collector_deletes_dependents(kube_cluster: KubeCluster, kube_na
 def test_service_account_tokens_work(kube_cluster: KubeCluster, kube_namespace: str) -> None:
     ns = kube_namespace
     # The serviceaccount controller creates `default` in every new namespace.
-    poll(lambda: kube_cluster.kubectl("get", "serviceaccount", "default", "-n", ns, check=False).returncode == 0,
-         timeout=30, what="the default ServiceAccount")
+    poll(
+        lambda: kube_cluster.kubectl("get", "serviceaccount", "default", "-n", ns, check=False).returncode == 0,
+        timeout=30,
+        what="the default ServiceAccount",
+    )
     token = kube_cluster.kubectl("create", "token", "default", "-n", ns, "--duration=10m").stdout.strip()
     payload = token.split(".")[1]
     claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
     assert claims["sub"] == f"system:serviceaccount:{ns}:default"
     assert claims["iss"] == "https://kubernetes.default.svc.cluster.local"
 
-    review = json.loads(kube_cluster.kubectl("create", "-o", "json", "-f", "-", input=json.dumps({
-        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": {"token": token},
-    })).stdout)
+    review = json.loads(
+        kube_cluster.kubectl(
+            "create",
+            "-o",
+            "json",
+            "-f",
+            "-",
+            input=json.dumps(
+                {
+                    "apiVersion": "authentication.k8s.io/v1",
+                    "kind": "TokenReview",
+                    "spec": {"token": token},
+                }
+            ),
+        ).stdout
+    )
     assert review["status"]["authenticated"] is True
     assert review["status"]["user"]["username"] == f"system:serviceaccount:{ns}:default"
 
     # The token authenticates against the apiserver; RBAC then denies the unprivileged account.
-    who = kube_cluster.kubectl("auth", "whoami", "-o", "json", f"--token={token}", "--kubeconfig=/dev/null",
-                               f"--server=https://127.0.0.1:{kube_cluster.settings['APISERVER_PORT']}",
-                               "--insecure-skip-tls-verify=true")
+    who = kube_cluster.kubectl(
+        "auth",
+        "whoami",
+        "-o",
+        "json",
+        f"--token={token}",
+        "--kubeconfig=/dev/null",
+        f"--server=https://127.0.0.1:{kube_cluster.settings['APISERVER_PORT']}",
+        "--insecure-skip-tls-verify=true",
+    )
     assert json.loads(who.stdout)["status"]["userInfo"]["username"] == f"system:serviceaccount:{ns}:default"
 
     # Pods get the projected service-account token volume (kwok does not mount it: no kubelet).
@@ -228,6 +303,7 @@ def test_service_account_tokens_work(kube_cluster: KubeCluster, kube_namespace: 
 
 
 # --------------------------------------------------------------------------- helm
+
 
 def test_helm_template_and_install(kube_cluster: KubeCluster, kube_namespace: str) -> None:
     ns = kube_namespace
@@ -248,6 +324,7 @@ def test_helm_template_and_install(kube_cluster: KubeCluster, kube_namespace: st
 
 
 # --------------------------------------------------------------------------- up -> down (separate instance)
+
 
 def _free_ports(n: int) -> list[int]:
     socks = []
@@ -292,32 +369,56 @@ def _our_processes(state_dir: str) -> list[str]:
 @pytest.mark.slow
 def test_up_then_down_leaves_nothing_behind(k8s_toolchain: dict[str, str], tmp_path: Path) -> None:
     """A second, throw-away cluster on other ports and another state dir (the session cluster is untouched)."""
-    names = ["TRIPTYCH_ETCD_PORT", "TRIPTYCH_ETCD_PEER_PORT", "TRIPTYCH_APISERVER_PORT", "TRIPTYCH_KCM_PORT",
-             "TRIPTYCH_SCHEDULER_PORT", "TRIPTYCH_KWOK_PORT"]
+    names = [
+        "TRIPTYCH_ETCD_PORT",
+        "TRIPTYCH_ETCD_PEER_PORT",
+        "TRIPTYCH_APISERVER_PORT",
+        "TRIPTYCH_KCM_PORT",
+        "TRIPTYCH_SCHEDULER_PORT",
+        "TRIPTYCH_KWOK_PORT",
+    ]
     ports = _free_ports(len(names))
-    env = dict(os.environ, TRIPTYCH_CLUSTER_DIR=str(tmp_path / "cluster"), TRIPTYCH_GPU_NODES="1",
-               **{k: str(p) for k, p in zip(names, ports, strict=True)})
+    env = dict(
+        os.environ,
+        TRIPTYCH_CLUSTER_DIR=str(tmp_path / "cluster"),
+        TRIPTYCH_GPU_NODES="1",
+        **{k: str(p) for k, p in zip(names, ports, strict=True)},
+    )
     settings = cluster_settings(env)
     kenv = cluster_env(settings, env)
     kubectl = [str(Path(settings["BIN_DIR"]) / "kubectl")]
     try:
         t0 = time.monotonic()
-        up = subprocess.run(["bash", str(CLUSTER_SRC / "up.sh")], env=env, capture_output=True, text=True,
-                            timeout=240, stdin=subprocess.DEVNULL)
+        up = subprocess.run(
+            ["bash", str(CLUSTER_SRC / "up.sh")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            stdin=subprocess.DEVNULL,
+        )
         assert up.returncode == 0, up.stdout + up.stderr
         assert time.monotonic() - t0 < 120
         assert len(_our_processes(settings["CLUSTER_DIR"])) == len(COMPONENTS)
         assert set(ports) <= _listening_ports()
-        nodes = subprocess.run([*kubectl, "get", "nodes", "-o", "name"], env=kenv, capture_output=True, text=True,
-                               timeout=30, check=True).stdout.split()
+        nodes = subprocess.run(
+            [*kubectl, "get", "nodes", "-o", "name"], env=kenv, capture_output=True, text=True, timeout=30, check=True
+        ).stdout.split()
         assert sorted(nodes) == ["node/cpu-node-0", "node/gpu-node-0"]
 
-        again = subprocess.run(["bash", str(CLUSTER_SRC / "up.sh")], env=env, capture_output=True, text=True,
-                               timeout=120, stdin=subprocess.DEVNULL)
+        again = subprocess.run(
+            ["bash", str(CLUSTER_SRC / "up.sh")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+        )
         assert again.returncode == 0 and "already running" in again.stdout, again.stdout + again.stderr
     finally:
-        down = subprocess.run(["bash", str(CLUSTER_SRC / "down.sh"), "--purge"], env=env, capture_output=True,
-                              text=True, timeout=120)
+        down = subprocess.run(
+            ["bash", str(CLUSTER_SRC / "down.sh"), "--purge"], env=env, capture_output=True, text=True, timeout=120
+        )
     assert down.returncode == 0, down.stdout + down.stderr
     assert _our_processes(settings["CLUSTER_DIR"]) == []
     assert not set(ports) & _listening_ports()
