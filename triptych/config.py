@@ -112,11 +112,13 @@ class ServeArgs:
 
     @property
     def resolved_device(self) -> str:
-        if self.device:
-            return self.device
-        import torch
+        """The torch device of this process: cuda:<--base-gpu-id> by default when CUDA is there."""
+        device = self.device
+        if device is None:
+            import torch
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return f"cuda:{self.base_gpu_id}" if device == "cuda" else device
 
     def urls_for(self, role: Role) -> list[str]:
         return list(getattr(self, URL_FLAGS[role]))

@@ -93,3 +93,8 @@ def test_parallelism_is_derived_from_gpus():
 def test_incompatible_parallelism_is_an_error_not_silently_fixed(kwargs):
     with pytest.raises(ParallelismError):
         resolve_parallelism(4, **kwargs)
+
+
+def test_base_gpu_id_picks_the_cuda_device():
+    assert parse("--model-path", "m", "--device", "cuda", "--base-gpu-id", "3").resolved_device == "cuda:3"
+    assert parse("--model-path", "m", "--device", "cpu", "--base-gpu-id", "3").resolved_device == "cpu"
