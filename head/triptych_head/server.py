@@ -36,7 +36,6 @@ from triptych.protocol import (
     RequestEvent,
     RequestResult,
     Result,
-    Started,
     Submit,
     TransferAlloc,
     TransferAllocated,
@@ -276,9 +275,6 @@ class DiffusionServer:
             if rec.request_id in self.requests:
                 self._finish(rec, RequestState.FAILED, f"internal error handling {msg.TYPE} from {inst.url}: {exc}")
 
-    def _on_started(self, rec: RequestRecord, inst: WorkerInstance, msg: Started, frames: list[Any]) -> None:
-        pass
-
     def _on_progress(self, rec: RequestRecord, inst: WorkerInstance, msg: Progress, frames: list[Any]) -> None:
         if rec.instance == inst.url:
             self._event(rec, msg.step, msg.total)
@@ -363,7 +359,6 @@ class DiffusionServer:
         self._finish(rec, RequestState.FAILED, reason, msg.status_code)
 
     _handlers: dict[type, Callable[..., None]] = {
-        Started: _on_started,
         Progress: _on_progress,
         TransferStaged: _on_staged,
         TransferAllocated: _on_allocated,

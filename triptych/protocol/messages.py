@@ -4,7 +4,7 @@ Three conversations:
 - API client <-> head frontend (ROUTER at scheduler_port): Submit, Cancel / RequestEvent, RequestResult.
 - head -> worker (worker's PULL at its --scheduler-port): Ping, Work, TransferAlloc, TransferPush,
   TransferReady, CancelWork.
-- worker -> head (head's PULL at scheduler_port + role offset): Heartbeat, Started, Progress,
+- worker -> head (head's PULL at scheduler_port + role offset): Heartbeat, Progress,
   TransferStaged, TransferAllocated, TransferRefused, TransferPushed, Result, Failed.
 
 The transfer flow (spec, "Transfer Flow"): the sender reports TransferStaged; the head picks a
@@ -26,7 +26,7 @@ from triptych.protocol.codec import message
 __all__ = [
     "Submit", "Cancel", "RequestEvent", "RequestResult",
     "Ping", "Work", "TransferAlloc", "TransferPush", "TransferReady", "CancelWork",
-    "Heartbeat", "Started", "Progress", "TransferStaged", "TransferAllocated",
+    "Heartbeat", "Progress", "TransferStaged", "TransferAllocated",
     "TransferRefused", "TransferPushed", "Result", "Failed",
 ]  # fmt: skip
 
@@ -128,12 +128,6 @@ class Heartbeat:
     free_bytes: int
     capacity: int
     model: str
-
-
-@message("started")
-class Started:
-    request_id: str
-    instance: str
 
 
 @message("progress")

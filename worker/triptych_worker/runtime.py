@@ -30,7 +30,6 @@ from triptych.protocol import (
     Progress,
     ProtocolError,
     Result,
-    Started,
     TransferAlloc,
     TransferAllocated,
     TransferPush,
@@ -289,7 +288,6 @@ class Worker:
 
     def _run_job(self, link: HeadLink, job: Job) -> None:
         started = time.perf_counter()
-        link.send(Started(job.request_id, self.instance))
         params = GenerationParams.from_wire(job.params)
         batch = StageBatch(params=params)
         if job.incoming is not None:
