@@ -97,7 +97,7 @@ def _parallelism_rule() -> Schema:
     """CEL for what it can see: the degrees the user set must multiply to gpusPerReplica (or divide it)."""
 
     def d(name: str) -> str:
-        return f"(has(self.parallelism.{name}) ? self.parallelism.{name} : 1)"
+        return f"self.parallelism.?{name}.orValue(1)"
 
     tc = f"{d('tp')} * {d('cfg')}"
     sp_product = f"{tc} * self.parallelism.sp == self.gpusPerReplica"
