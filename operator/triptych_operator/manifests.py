@@ -252,10 +252,9 @@ def worker_hpa(pipeline: PipelineSpec, role: Role) -> Manifest | None:
 
 
 def _head_ports(pipeline: PipelineSpec) -> list[Manifest]:
-    ports = [
-        {"name": "http", "containerPort": pipeline.head.port},
-        {"name": "scheduler", "containerPort": HEAD_SCHEDULER_PORT},
-    ]
+    """HTTP and the result ports workers push to. The frontend (the scheduler port itself) is the
+    head's in-process socket on loopback; workers only derive the result ports from its number."""
+    ports = [{"name": "http", "containerPort": pipeline.head.port}]
     ports += [
         # Port names are at most 15 characters: "result-denoiser" is exactly that.
         {"name": f"result-{role.value}", "containerPort": result_port(HEAD_SCHEDULER_PORT, role)}
@@ -306,7 +305,7 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
 
 
 def head_service(pipeline: PipelineSpec) -> Manifest:
-    """Internal ClusterIP Service: workers reach the scheduler and result ports here."""
+    """Internal ClusterIP Service: workers reach the result ports here (its name is in --disagg-server-addr)."""
     ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]} for p in _head_ports(pipeline)]
     return {
         "apiVersion": "v1",

@@ -104,11 +104,10 @@ def test_worker_probes_check_the_work_port() -> None:
         assert c[probe]["tcpSocket"] == {"port": "work"}
 
 
-def test_head_service_exposes_scheduler_and_result_ports() -> None:
+def test_head_service_exposes_http_and_the_result_ports_workers_push_to() -> None:
     ports = {p["name"]: p["port"] for p in children()[("Service", "wan-t2v-head")]["spec"]["ports"]}
     assert ports == {
         "http": 30000,
-        "scheduler": HEAD_SCHEDULER_PORT,
         "result-encoder": HEAD_SCHEDULER_PORT + 1,
         "result-denoiser": HEAD_SCHEDULER_PORT + 2,
         "result-decoder": HEAD_SCHEDULER_PORT + 3,
