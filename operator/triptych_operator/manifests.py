@@ -45,6 +45,7 @@ STARTUP_GRACE_S = 1800
 # A rollout is reported stuck only after the startup grace has run out, not while a model loads.
 PROGRESS_DEADLINE_S = STARTUP_GRACE_S + 600
 PROBE_PERIOD_S = 10
+HEAD_HEALTH_PATH = "/health"  # the head API's liveness route (head/triptych_head/api/system.py)
 
 
 @dataclass(frozen=True)
@@ -127,12 +128,13 @@ def _model_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest
     return [{"name": "hf-cache", "emptyDir": {}}], [{"name": "hf-cache", "mountPath": HF_CACHE_MOUNT}], env
 
 
-def _tcp_probes(port: str) -> dict[str, Manifest]:
-    tcp = {"tcpSocket": {"port": port}, "periodSeconds": PROBE_PERIOD_S}
+def _probes(check: Manifest) -> dict[str, Manifest]:
+    """Startup (long: the model loads), readiness and liveness, all with the same check."""
+    probe = {**check, "periodSeconds": PROBE_PERIOD_S}
     return {
-        "startupProbe": {**tcp, "failureThreshold": STARTUP_GRACE_S // PROBE_PERIOD_S},
-        "readinessProbe": {**tcp, "failureThreshold": 3},
-        "livenessProbe": {**tcp, "failureThreshold": 6},
+        "startupProbe": {**probe, "failureThreshold": STARTUP_GRACE_S // PROBE_PERIOD_S},
+        "readinessProbe": {**probe, "failureThreshold": 3},
+        "livenessProbe": {**probe, "failureThreshold": 6},
     }
 
 
@@ -173,7 +175,8 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str]) -> Ma
         # Mooncake registers (pins) transfer buffers, which needs locked memory.
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}},
         "volumeMounts": [*mounts, {"name": "shm", "mountPath": SHM_MOUNT}],
-        **_tcp_probes("work"),
+        # The worker binds its work socket only after loading its model, so "open" means "can take work".
+        **_probes({"tcpSocket": {"port": "work"}}),
     }
     # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule; a GPU pod may always go there.
     tolerations = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}, *spec.tolerations]
@@ -277,7 +280,7 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
         "resources": _resources(head.resources, {}),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [*mounts, {"name": "outputs", "mountPath": OUTPUT_MOUNT}],
-        **_tcp_probes("http"),
+        **_probes({"httpGet": {"path": HEAD_HEALTH_PATH, "port": "http"}}),
     }
     pod_spec: Manifest = {
         "securityContext": _pod_security(),

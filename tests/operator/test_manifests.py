@@ -104,6 +104,12 @@ def test_worker_probes_check_the_work_port() -> None:
         assert c[probe]["tcpSocket"] == {"port": "work"}
 
 
+def test_head_probes_use_its_health_route() -> None:
+    c = container(children()[("Deployment", "wan-t2v-head")])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+
+
 def test_head_service_exposes_http_and_the_result_ports_workers_push_to() -> None:
     ports = {p["name"]: p["port"] for p in children()[("Service", "wan-t2v-head")]["spec"]["ports"]}
     assert ports == {
