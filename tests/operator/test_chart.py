@@ -11,7 +11,8 @@ import yaml
 
 from tests.cluster.fixtures import cluster_settings
 from tests.operator.helpers import REPO
-from triptych_operator.constants import DEFAULT_HEAD_IMAGE, DEFAULT_WORKER_IMAGE
+from triptych_operator.constants import DEFAULT_HEAD_IMAGE, DEFAULT_WORKER_IMAGE, HEAD_IMAGE_ENV, WORKER_IMAGE_ENV
+from triptych_operator.main import LIVENESS_ENV, WATCH_NAMESPACES_ENV
 
 CHART = REPO / "charts" / "triptych"
 
@@ -79,3 +80,9 @@ def test_example_pipeline_is_optional_and_valid(helm_bin: Path) -> None:
     assert not [d for d in render(helm_bin) if d["kind"] == "DiffusionPipeline"]
     [example] = [d for d in render(helm_bin, "examplePipeline.enabled=true") if d["kind"] == "DiffusionPipeline"]
     parse_pipeline(example["metadata"]["name"], "ops", example["spec"])
+
+
+def test_the_operator_env_the_chart_sets_is_the_env_the_operator_reads(helm_bin: Path) -> None:
+    deployment = next(d for d in render(helm_bin) if d["kind"] == "Deployment")
+    env = {e["name"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env == {WATCH_NAMESPACES_ENV, LIVENESS_ENV, WORKER_IMAGE_ENV, HEAD_IMAGE_ENV}

@@ -319,6 +319,25 @@ def test_degrees_the_schema_cannot_check_mark_the_pipeline_degraded(
     assert condition(cr, "Degraded")["status"] == "False"
 
 
+def test_an_invalid_edit_leaves_the_running_pipeline_untouched(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    ns = kube_namespace
+    apply(crd, ns, pipeline_manifest("keep"))
+    wait_phase(crd, ns, "keep", "Ready")
+    before = {k: v["metadata"]["resourceVersion"] for k, v in children(crd, ns, "keep").items()}
+
+    bad = {"spec": {"denoiser": {"gpusPerReplica": 2, "parallelism": {"sp": 2, "ulysses": 2, "ring": 2}}}}
+    crd.kubectl("patch", "dp", "keep", "-n", ns, "--type=merge", "-p", json.dumps(bad))
+    cr = wait_phase(crd, ns, "keep", "Invalid")
+    assert condition(cr, "Degraded")["message"].startswith(
+        "spec.denoiser.parallelism: ulysses=2 x ring=2 must equal sp=2"
+    )
+    assert condition(cr, "Ready")["status"] == "True"  # the last valid objects still serve
+    after = {k: v["metadata"]["resourceVersion"] for k, v in children(crd, ns, "keep").items()}
+    assert after == before
+
+
 def test_helm_install_reconciles_the_example_and_uninstall_cleans_up(
     crd: KubeCluster, kube_namespace: str, operator: KopfRunner
 ) -> None:
