@@ -41,6 +41,8 @@ APPLY_RETRY_S = 30
 
 _locks_guard = threading.Lock()
 _locks: dict[tuple[str, str], threading.Lock] = {}
+# The last reconcile's refusal per pipeline, so a status refresh from a pod event keeps reporting it.
+_apply_errors: dict[tuple[str, str], str | None] = {}
 
 
 def _pipeline_lock(namespace: str, name: str) -> threading.Lock:
@@ -114,8 +116,9 @@ def pod_changed(
     pipeline = kube.get_pipeline(labels[LABEL_INSTANCE], namespace)
     if pipeline is None or pipeline["metadata"].get("deletionTimestamp"):
         return
-    with _pipeline_lock(namespace, pipeline["metadata"]["name"]):
-        _write_status(pipeline, _spec_error(pipeline), None)
+    name = pipeline["metadata"]["name"]
+    with _pipeline_lock(namespace, name):
+        _write_status(pipeline, _spec_error(pipeline), _apply_errors.get((namespace, name)))
 
 
 def _spec_error(pipeline: dict[str, Any]) -> str | None:
@@ -162,6 +165,7 @@ def reconcile(pipeline: dict[str, Any], *, trigger: str, logger: kopf.Logger) ->
                 if kube.delete_managed(ref.api_version, ref.kind, ref.name, namespace):
                     message = f"{ref.kind} {ref.name} is no longer in the spec"
                     _post(pipeline, "Normal", reason="Deleted", message=message)
+        _apply_errors[(namespace, name)] = apply_error
         _write_status(pipeline, spec_error, apply_error)
         return apply_error
 

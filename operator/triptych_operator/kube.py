@@ -62,6 +62,12 @@ def apply(obj: Mapping[str, Any]) -> ApplyResult:
     """Server-side apply `obj` as the operator's field manager; say whether anything changed."""
     meta = obj["metadata"]
     before = _get(obj["apiVersion"], obj["kind"], meta["name"], meta["namespace"])
+    if before is not None and (before["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGER:
+        # Never take over someone else's object that happens to have the name we need.
+        raise ApplyError(
+            f"{obj['kind']} {meta['name']} already exists and is not managed by {MANAGER}; "
+            "rename the pipeline or remove that object"
+        )
     try:
         after = (
             dynamic_client()

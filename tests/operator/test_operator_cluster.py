@@ -338,6 +338,25 @@ def test_an_invalid_edit_leaves_the_running_pipeline_untouched(
     assert after == before
 
 
+def test_an_object_in_the_way_is_reported_not_taken_over(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    ns = kube_namespace
+    crd.kubectl("create", "service", "clusterip", "clash-api", "--tcp=80:80", "-n", ns)
+    apply(crd, ns, pipeline_manifest("clash"))
+    cr = wait_phase(crd, ns, "clash", "Degraded")
+    degraded = condition(cr, "Degraded")
+    assert degraded["reason"] == "ApplyFailed"
+    assert "Service clash-api already exists and is not managed by triptych-operator" in degraded["message"]
+    theirs = get(crd, ns, "service", "clash-api")
+    assert theirs is not None and "ownerReferences" not in theirs["metadata"]
+
+    crd.kubectl("delete", "service", "clash-api", "-n", ns)
+    wait_phase(crd, ns, "clash", "Ready", timeout=120)  # the handler retries
+    ours = get(crd, ns, "service", "clash-api")
+    assert ours is not None and ours["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "triptych-operator"
+
+
 def test_helm_install_reconciles_the_example_and_uninstall_cleans_up(
     crd: KubeCluster, kube_namespace: str, operator: KopfRunner
 ) -> None:
