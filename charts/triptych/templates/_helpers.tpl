@@ -38,6 +38,11 @@ app.kubernetes.io/component: operator
 - apiGroups: [triptych.ai]
   resources: [diffusionpipelines/status]
   verbs: [get, patch]
+- apiGroups: [triptych.ai]
+  resources: [diffusionpipelines/finalizers]
+  # Children carry blockOwnerDeletion owner references; clusters with the
+  # OwnerReferencesPermissionEnforcement admission plugin require this to set them.
+  verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
   # Server-side apply creates and patches; nothing is deleted (garbage collection does that).
