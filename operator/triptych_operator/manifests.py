@@ -108,6 +108,8 @@ def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None) -> Ch
     else:
         children.apply.append(ingress)
     if owner is not None:
+        # The owner-reference half of kopf.adopt: adopt would also copy the pipeline's labels onto
+        # every child, so relabelling a pipeline would rewrite all of its objects.
         kopf.append_owner_reference(children.apply, owner=kopf.Body(cast(kopf.RawBody, dict(owner))))
     return children
 
