@@ -21,9 +21,11 @@ import json
 import os
 import re
 import subprocess
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -158,3 +160,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fixtures = getattr(item, "fixturenames", ())
         if ("kube_cluster" in fixtures or "kube_namespace" in fixtures) and not item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.cluster)
+
+
+T = TypeVar("T")
+
+
+def poll(fn: Callable[[], T | None], *, timeout: float = 60, interval: float = 0.5, what: str = "condition") -> T:
+    """Call fn until it returns something truthy; fail with the last value after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last = fn()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+        time.sleep(interval)

@@ -9,31 +9,15 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
-from tests.cluster.fixtures import CLUSTER_SRC, COMPONENTS, KubeCluster, cluster_env, cluster_settings
+from tests.cluster.fixtures import CLUSTER_SRC, COMPONENTS, KubeCluster, cluster_env, cluster_settings, poll
 
 pytestmark = pytest.mark.cluster
 
-T = TypeVar("T")
 GPU_NODES = {"gpu-node-0", "gpu-node-1"}
-
-
-def poll(fn: Callable[[], T], timeout: float = 60, interval: float = 0.5, what: str = "condition") -> T:
-    """Call fn until it returns something truthy; fail with the last value after timeout seconds."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while True:
-        last = fn()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
-        time.sleep(interval)
 
 
 def deployment(name: str, *, replicas: int = 1, gpus: int = 0, labels: dict[str, str] | None = None) -> str:

@@ -9,38 +9,24 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
 from kopf.testing import KopfRunner
 
-from tests.cluster.fixtures import CommandError, KubeCluster
+from tests.cluster.fixtures import CommandError, KubeCluster, poll
 from tests.operator.helpers import REPO, example
 
 pytestmark = pytest.mark.cluster
 
-T = TypeVar("T")
 CRD = REPO / "crds" / "diffusionpipelines.yaml"
 CHART = REPO / "charts" / "triptych"
 GPU_NODES = {"gpu-node-0", "gpu-node-1"}
 COMPONENTS = ("encoder", "denoiser", "decoder", "head")
-
-
-def poll(fn: Callable[[], T | None], *, timeout: float = 60, interval: float = 0.5, what: str) -> T:
-    """Call fn until it returns something truthy; fail with the last value after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        last = fn()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="module")
