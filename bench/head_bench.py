@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import zmq
 import zmq.asyncio
 
@@ -106,10 +107,23 @@ async def throughput_http(base: str, n: int, concurrency: int) -> float:
         return n / (time.perf_counter() - t0)
 
 
+def cpu_seconds(dep) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """CPU time (user + system) each process of the deployment has used so far, by role."""
+    out: dict[str, float] = {}
+    for p in dep.procs:
+        t = psutil.Process(p.popen.pid).cpu_times()
+        out[p.role.value] = out.get(p.role.value, 0.0) + t.user + t.system
+    return out
+
+
 async def measure(dep, args) -> dict[str, float]:  # type: ignore[no-untyped-def]
     front = Frontend(f"tcp://127.0.0.1:{dep.scheduler_port}")
     await front.request("warmup")
+    before = cpu_seconds(dep)
     out = await sequential(front, args.sequential)
+    after = cpu_seconds(dep)
+    for role, used in after.items():
+        out[f"cpu_ms_per_request_{role}"] = (used - before[role]) / args.sequential * 1e3
     out["frontend_rps"] = await throughput_frontend(front, args.requests, args.concurrency)
     out["http_rps"] = await throughput_http(dep.http, args.requests, args.concurrency)
     front.reader.cancel()
@@ -178,6 +192,10 @@ def main() -> int:
     print(f"  sequential latency      {result['latency_ms']:8.2f} ms (median of {args.sequential})")
     print(f"  of which Mooncake write {result['mooncake_write_ms']:8.2f} ms")
     print(f"  control overhead        {result['control_overhead_ms']:8.2f} ms   (target < 2 ms)")
+    cpu = ", ".join(
+        f"{k.removeprefix('cpu_ms_per_request_')} {v:.2f}" for k, v in result.items() if k.startswith("cpu_ms")
+    )
+    print(f"  CPU per request (ms)    {cpu}")
     print(f"  throughput, frontend    {result['frontend_rps']:8.1f} req/s at concurrency {args.concurrency}")
     print(f"  throughput, HTTP        {result['http_rps']:8.1f} req/s at concurrency {args.concurrency}")
     if args.transfer_mib:

@@ -90,7 +90,7 @@ class WorkerRegistry:
         if sock is None:
             return False
         try:
-            sock.send_multipart(encode(msg, frames), flags=zmq.NOBLOCK, copy=False)
+            sock.send_multipart(encode(msg, frames), flags=zmq.NOBLOCK, copy=not frames)
         except zmq.Again:
             return False
         return True

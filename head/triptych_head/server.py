@@ -229,7 +229,8 @@ class DiffusionServer:
 
     def _reply(self, client: bytes, msg: Any, frames: list[Any] | None = None) -> None:
         try:
-            self.frontend.send_multipart([client, *encode(msg, frames or [])], flags=zmq.NOBLOCK, copy=False)
+            # Zero-copy only pays for large frames (pixels); small control messages are cheaper copied.
+            self.frontend.send_multipart([client, *encode(msg, frames or [])], flags=zmq.NOBLOCK, copy=not frames)
         except zmq.Again:
             log.warning("frontend client %r is not reading; dropped %s", client, msg.TYPE)
 

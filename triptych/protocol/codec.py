@@ -9,6 +9,7 @@ type, so a garbage frame becomes a ProtocolError, never an arbitrary object.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any
@@ -72,7 +73,7 @@ def decode(parts: typing.Sequence[Any]) -> tuple[Any, list[Any]]:
     cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {raw.get('type')!r}", request_id)
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     kwargs = {}
     for field in dataclasses.fields(cls):
         if field.name in raw:
@@ -91,6 +92,12 @@ def decode(parts: typing.Sequence[Any]) -> tuple[Any, list[Any]]:
             )
         kwargs[field.name] = value
     return cls(**kwargs), list(parts[1:])
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """Field types of a message class, resolved once (get_type_hints re-evaluates them every call)."""
+    return typing.get_type_hints(cls)
 
 
 def _conforms(value: Any, hint: Any) -> bool:

@@ -68,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from triptych_worker.runtime import Worker
 
     configure_logging(args)
+    torch.set_num_threads(1)  # no compute here; idle OpenMP threads would only spin against the measured path
     Worker(args, pipeline=NullPipeline(args.disagg_role, ns.payload_bytes, ns.step_seconds)).serve()  # type: ignore[arg-type]
     return 0
 

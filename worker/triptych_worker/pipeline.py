@@ -12,6 +12,7 @@ the keys), so roles may run in different processes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -130,5 +131,10 @@ def validate_for_model(model_path: str, params: GenerationParams) -> None:
 
     Raises ValueError naming the field (or the unsupported pipeline) when the model cannot serve it.
     """
-    _, adapter = adapter_for(model_path)
-    adapter.validate(params)
+    _config_only_adapter(model_path).validate(params)
+
+
+@functools.cache
+def _config_only_adapter(model_path: str) -> FamilyAdapter:
+    """An adapter that has read the package's configs once and loads nothing (the head's hot path)."""
+    return adapter_for(model_path)[1]

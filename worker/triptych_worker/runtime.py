@@ -90,7 +90,7 @@ class HeadLink:
         self._sock.connect(endpoint)
 
     def send(self, msg: Any, frames: Sequence[Any] = ()) -> None:
-        self._sock.send_multipart(encode(msg, frames), copy=False)
+        self._sock.send_multipart(encode(msg, frames), copy=not frames)  # zero-copy only for pixel frames
 
     def close(self) -> None:
         self._sock.close()
@@ -117,6 +117,7 @@ class Worker:
         self._staged: dict[str, StagedOutput] = {}
         self._slots: dict[str, Allocation] = {}
         self._outstanding: set[str] = set()  # accepted requests whose stages have not finished
+        self._owes_heartbeat = False  # a refusal is pending: report freed pool space right away
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -197,15 +198,13 @@ class Worker:
             self._ready(link, msg)
         elif isinstance(msg, CancelWork):
             self._cancel(msg.request_id)
+            self._space_freed(link)
         else:
             log.warning("dropped %s: not a head-to-worker message", msg.TYPE)
 
     def _allocate(self, link: HeadLink, msg: TransferAlloc) -> None:
         if self._must_keep_room_for_outputs(msg.nbytes):
-            link.send(
-                TransferRefused(msg.request_id, self.instance, "keeping room to stage accepted work", fatal=False)
-            )
-            link.send(self._heartbeat())
+            self._refuse(link, msg.request_id, "keeping room to stage accepted work")
             return
         try:
             alloc = self.pool.allocate(msg.nbytes, owner=msg.request_id)
@@ -213,13 +212,26 @@ class Worker:
             link.send(TransferRefused(msg.request_id, self.instance, str(exc), fatal=True))
             return
         if alloc is None:
-            link.send(TransferRefused(msg.request_id, self.instance, "transfer pool full", fatal=False))
-            link.send(self._heartbeat())
+            self._refuse(link, msg.request_id, "transfer pool full")
             return
         with self._lock:
             self._slots[msg.request_id] = alloc
             self._outstanding.add(msg.request_id)
         link.send(TransferAllocated(msg.request_id, self.instance, self.transport.session_id, alloc.addr))
+
+    def _refuse(self, link: HeadLink, request_id: str, reason: str) -> None:
+        """Back-pressure: no slot now; the head retries after the heartbeat that reports freed space."""
+        with self._lock:
+            self._owes_heartbeat = True
+        link.send(TransferRefused(request_id, self.instance, reason, fatal=False))
+        link.send(self._heartbeat())
+
+    def _space_freed(self, link: HeadLink) -> None:
+        """Tell the head at once that pool space came back, if it is waiting for that (after a refusal)."""
+        with self._lock:
+            owed, self._owes_heartbeat = self._owes_heartbeat, False
+        if owed:
+            link.send(self._heartbeat())
 
     def _must_keep_room_for_outputs(self, nbytes: int) -> bool:
         """Refuse an input slot that would leave no room to stage the outputs of work already accepted.
@@ -271,7 +283,7 @@ class Worker:
                     self._run_job(link, job)
                 except RequestCancelled:
                     self.pool.free_owner(job.request_id)
-                    link.send(self._heartbeat())
+                    self._space_freed(link)
                 except PayloadTooLarge as exc:
                     self.pool.free_owner(job.request_id)
                     link.send(Failed(job.request_id, self.instance, str(exc), status_code=413))
@@ -279,7 +291,7 @@ class Worker:
                     log.exception("request %s failed", job.request_id)
                     self.pool.free_owner(job.request_id)
                     link.send(Failed(job.request_id, self.instance, f"{type(exc).__name__}: {exc}"))
-                    link.send(self._heartbeat())
+                    self._space_freed(link)
                 finally:
                     with self._lock:
                         self._outstanding.discard(job.request_id)
@@ -295,7 +307,7 @@ class Worker:
             batch.tensors = load_tensors(self.pool, alloc, manifest, self.device)
             batch.meta = dict(meta)
             self.pool.free(alloc)  # the slot is free as soon as its bytes are copied out
-            link.send(self._heartbeat())
+            self._space_freed(link)
 
         def progress(step: int, total: int) -> None:
             if self._is_cancelled(job.request_id):
@@ -354,7 +366,7 @@ class Worker:
                     link.send(TransferPushed(request_id, self.instance, staged.nbytes, time.perf_counter() - started))
                 finally:
                     self.pool.free(staged.allocation)
-                link.send(self._heartbeat())
+                self._space_freed(link)
         finally:
             link.close()
 
