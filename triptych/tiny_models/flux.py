@@ -19,7 +19,7 @@ from diffusers import (
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from triptych.tiny_models.text_tokenizers import train_clip_tokenizer, train_t5_tokenizer
+from triptych.tiny_models.text_tokenizers import t5_encoder_shape, train_clip_tokenizer, train_t5_tokenizer
 
 TEXT_DIM = 32
 LATENT_CHANNELS = 4
@@ -44,20 +44,7 @@ def build_flux(kontext: bool = False) -> DiffusionPipeline:
         )
     )
     torch.manual_seed(1)
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=TEXT_DIM,
-            d_kv=8,
-            d_ff=37,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id,
-        )
-    )
+    text_encoder_2 = T5EncoderModel(T5Config(**t5_encoder_shape(tokenizer_2, TEXT_DIM)))
     torch.manual_seed(2)
     transformer = FluxTransformer2DModel(
         patch_size=1,

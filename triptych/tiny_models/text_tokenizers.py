@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import itertools
 from collections import Counter
+from typing import Any
 
 import sentencepiece as spm
 from tokenizers import pre_tokenizers
@@ -111,3 +112,19 @@ def train_t5_tokenizer(vocab_size: int = 300, extra_ids: int = 4) -> T5Tokenizer
     pieces = [(sp.id_to_piece(i), 0.0 if i < 3 else float(sp.get_score(i))) for i in range(sp.get_piece_size())]
     pieces += [(f"<extra_id_{i}>", 0.0) for i in reversed(range(extra_ids))]
     return T5Tokenizer(vocab=pieces, extra_ids=extra_ids, model_max_length=512)
+
+
+def t5_encoder_shape(tokenizer: Any, d_model: int) -> dict[str, Any]:
+    """The tiny T5-family encoder both FLUX's T5 and Wan's UMT5 use, sized to `tokenizer`'s vocabulary."""
+    return {
+        "vocab_size": len(tokenizer),
+        "d_model": d_model,
+        "d_kv": 8,
+        "d_ff": 37,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "feed_forward_proj": "gated-gelu",
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }

@@ -13,7 +13,7 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, Wa
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from transformers import UMT5Config, UMT5EncoderModel
 
-from triptych.tiny_models.text_tokenizers import train_t5_tokenizer
+from triptych.tiny_models.text_tokenizers import t5_encoder_shape, train_t5_tokenizer
 
 TEXT_DIM = 32
 Z_DIM = 4
@@ -23,20 +23,7 @@ def build_wan() -> DiffusionPipeline:
     """The tiny Wan pipeline in memory, random weights from fixed seeds."""
     tokenizer = train_t5_tokenizer()
     torch.manual_seed(0)
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=TEXT_DIM,
-            d_kv=8,
-            d_ff=37,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
+    text_encoder = UMT5EncoderModel(UMT5Config(**t5_encoder_shape(tokenizer, TEXT_DIM)))
     torch.manual_seed(1)
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
