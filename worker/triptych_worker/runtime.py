@@ -75,12 +75,6 @@ class Job:
     incoming: tuple[Allocation, list[dict[str, Any]], dict[str, Any]] | None = None
 
 
-@dataclass
-class StagedOutput:
-    allocation: Allocation
-    nbytes: int
-
-
 class HeadLink:
     """A thread's own PUSH socket to the head's result port for this role."""
 
@@ -114,7 +108,7 @@ class Worker:
         self.instance = ""  # learned from the head's first message: the URL the head knows us by
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._pushes: queue.Queue[tuple[str, TransferPush] | None] = queue.Queue()
-        self._staged: dict[str, StagedOutput] = {}
+        self._staged: dict[str, Allocation] = {}  # outputs waiting for their transfer_push
         self._slots: dict[str, Allocation] = {}
         self._outstanding: set[str] = set()  # accepted requests whose stages have not finished
         self._owes_heartbeat = False  # a refusal is pending: report freed pool space right away
@@ -328,7 +322,7 @@ class Worker:
             if job.request_id in self._cancelled:
                 self.pool.free(allocation)
                 return
-            self._staged[job.request_id] = StagedOutput(allocation, allocation.nbytes)
+            self._staged[job.request_id] = allocation
         link.send(
             TransferStaged(
                 job.request_id, self.instance, allocation.nbytes, manifest, batch.meta, time.perf_counter() - started
@@ -359,13 +353,13 @@ class Worker:
                     continue
                 started = time.perf_counter()
                 try:
-                    self.transport.write(push.dest_session, staged.allocation.addr, push.dest_addr, staged.nbytes)
+                    self.transport.write(push.dest_session, staged.addr, push.dest_addr, staged.nbytes)
                 except TransferError as exc:
                     link.send(Failed(request_id, self.instance, str(exc)))
                 else:
                     link.send(TransferPushed(request_id, self.instance, staged.nbytes, time.perf_counter() - started))
                 finally:
-                    self.pool.free(staged.allocation)
+                    self.pool.free(staged)
                 self._space_freed(link)
         finally:
             link.close()
