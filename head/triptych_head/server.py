@@ -313,12 +313,12 @@ class DiffusionServer:
         # Back-pressure: the sender keeps holding the tensors until this or another receiver has room.
         inst.inflight.discard(rec.request_id)
         inst.refused_bytes = rec.staged.nbytes if rec.staged else 0
-        rec.instance, rec.receiver_reserved = None, False
+        rec.instance = None
         self._queues[rec.role].appendleft(rec.request_id)
 
     def _on_pushed(self, rec: RequestRecord, inst: WorkerInstance, msg: TransferPushed, frames: list[Any]) -> None:
         staged = rec.staged
-        if staged is None or staged.sender != inst.url or not rec.receiver_reserved or rec.instance is None:
+        if staged is None or staged.sender != inst.url or rec.instance is None:
             return
         inst.inflight.discard(rec.request_id)  # spec step 5: the sender's scheduling slot is free again
         receiver = self.registry.find(rec.instance)
@@ -330,7 +330,7 @@ class DiffusionServer:
         rec.timings[f"transfer_{inst.role.value}_{dest}"] = msg.seconds
         rec.timings[f"handoff_{inst.role.value}_{dest}"] = handoff
         ready = TransferReady(rec.request_id, rec.instance, rec.params.to_wire(), staged.manifest, staged.meta)
-        rec.staged, rec.receiver_reserved = None, False
+        rec.staged = None
         if not self.registry.send(rec.instance, ready):
             self._finish(
                 rec, RequestState.FAILED, f"{dest} {rec.instance} became unreachable before its input was ready"
@@ -416,9 +416,7 @@ class DiffusionServer:
         inst.dispatched_total += 1
         rec.instance = inst.url
         rec.hop_started = time.monotonic()
-        if rec.staged:
-            rec.receiver_reserved = True
-        else:
+        if not rec.staged:
             rec.move(ROLE_STATES[role][1])
             self._event(rec)
         return True

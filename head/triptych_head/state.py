@@ -100,7 +100,6 @@ class RequestRecord:
     hop: int = 0
     instance: str | None = None  # the worker running (or receiving) the current hop
     staged: StagedPayload | None = None
-    receiver_reserved: bool = False
     created: float = field(default_factory=time.monotonic)
     hop_started: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
@@ -109,6 +108,11 @@ class RequestRecord:
     @property
     def role(self) -> Role:
         return self.route[self.hop]
+
+    @property
+    def receiver_reserved(self) -> bool:
+        """Staged output with an instance chosen for it: a receive slot is reserved or being reserved."""
+        return self.staged is not None and self.instance is not None
 
     def move(self, target: RequestState) -> None:
         check_transition(self.state, target)
