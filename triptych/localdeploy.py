@@ -95,8 +95,13 @@ def local_deployment(
     null_payload_bytes: int | None = None,
     head_first: bool = True,
     ready_timeout: float = 180,
+    worker_url_scheme: str = "tcp://127.0.0.1",
 ) -> Iterator[LocalDeployment]:
-    """Start head and workers (logs under `workdir`), wait until every worker heartbeats, kill all on exit."""
+    """Start head and workers (logs under `workdir`), wait until every worker heartbeats, kill all on exit.
+
+    `worker_url_scheme` is how the head is told where workers are: tcp://127.0.0.1, or
+    dns://localhost to go through name resolution as the head does behind a headless Service.
+    """
     counts = counts or dict.fromkeys(ROLES, 1)
     workdir.mkdir(parents=True, exist_ok=True)
     sched, http = free_port_block(6), free_port_block(1)
@@ -116,7 +121,7 @@ def local_deployment(
                 "--scheduler-port", str(sched), "--host", "127.0.0.1", "--port", str(http),
                 "--output-path", str(workdir / "outputs"), *head_flags]  # fmt: skip
         for role in ROLES:
-            argv += [f"--{role.value}-urls", ";".join(urls[role])]
+            argv += [f"--{role.value}-urls", ";".join(f"{worker_url_scheme}:{p}" for p in ports[role])]
         log = workdir / "head.log"
         dep.procs.append(Proc(Role.SERVER, dep.http, _spawn(argv, log, env), log))
 

@@ -46,8 +46,9 @@ def parse_tcp_endpoint(url: str) -> tuple[str, int]:
 def result_endpoint(server_addr: str, role: Role) -> str:
     """The endpoint a worker of `role` connects to, derived from --disagg-server-addr."""
     host, port = parse_tcp_endpoint(server_addr)
-    return f"tcp://{_bracket(host)}:{result_port(port, role)}"
+    return tcp_url(host, result_port(port, role))
 
 
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+def tcp_url(host: str, port: int) -> str:
+    """tcp://HOST:PORT, with an IPv6 address in brackets (pod IPs can be IPv6)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+from triptych.ports import tcp_url
+
 log = logging.getLogger(__name__)
 
 Resolver = Callable[[str], list[str]]
@@ -33,7 +35,7 @@ def expand(spec: str, resolver: Resolver = resolve_addresses) -> list[str]:
     parts = urlsplit(spec)
     if not parts.hostname or parts.port is None:
         raise ValueError(f"{spec!r} is not a dns://NAME:PORT endpoint")
-    return [f"tcp://{f'[{a}]' if ':' in a else a}:{parts.port}" for a in resolver(parts.hostname)]
+    return [tcp_url(address, parts.port) for address in resolver(parts.hostname)]
 
 
 class WorkerDirectory:

@@ -66,8 +66,12 @@ class WorkerRegistry:
             wanted = directory.urls
             for url in wanted:
                 if url not in current:
+                    try:
+                        self._sockets[url] = self._connect(url)
+                    except zmq.ZMQError as exc:
+                        log.error("%s instance %s skipped: cannot connect (%s)", role.value, url, exc)
+                        continue
                     current[url] = WorkerInstance(url=url, role=role)
-                    self._sockets[url] = self._connect(url)
                     log.info("%s instance added: %s", role.value, url)
             for url in [u for u in current if u not in wanted]:
                 removed.append(current.pop(url))

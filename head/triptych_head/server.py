@@ -25,7 +25,7 @@ import zmq
 
 from triptych.config import ServeArgs
 from triptych.params import GenerationParams
-from triptych.ports import frontend_port, result_port
+from triptych.ports import frontend_port, result_port, tcp_url
 from triptych.protocol import (
     Cancel,
     CancelWork,
@@ -84,6 +84,7 @@ class DiffusionServer:
         self.metrics = metrics or HeadMetrics()
         self._validate = validate
         self._ctx = ctx or zmq.Context.instance()
+        self._ctx.setsockopt(zmq.IPV6, 1)  # workers may have IPv6 pod IPs; IPv4 keeps working
         self._route = pipeline_route(args)
         self._policy = make_policy(args.disagg_dispatch_policy)
         directories = {role: WorkerDirectory(args.urls_for(role)) for role in dict.fromkeys(self._route)}
@@ -95,7 +96,7 @@ class DiffusionServer:
         self.frontend_endpoint = f"tcp://127.0.0.1:{frontend_port(args.scheduler_port)}"
         self.frontend = self._bind(zmq.ROUTER, self.frontend_endpoint, None)
         for role in directories:
-            self._bind(zmq.PULL, f"tcp://{args.host}:{result_port(args.scheduler_port, role)}", role)
+            self._bind(zmq.PULL, tcp_url(args.host, result_port(args.scheduler_port, role)), role)
 
     def _bind(self, kind: int, endpoint: str, role: Role | None) -> zmq.Socket:
         sock = self._ctx.socket(kind)
@@ -127,7 +128,10 @@ class DiffusionServer:
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + PING_INTERVAL_S
-                    self._tick(now)
+                    try:
+                        self._tick(now)
+                    except Exception:  # e.g. an unusable address from discovery: log it, keep serving
+                        log.exception("periodic upkeep failed")
                 self._dispatch_all()
         finally:
             self.registry.close()

@@ -263,3 +263,15 @@ def test_a_tight_receive_pool_never_deadlocks_against_its_own_outputs(flux, tmp_
             codes = [f.status_code for f in pool.map(lambda _: image(c, num_inference_steps=3), range(6))]
         assert codes == [200] * 6
         assert_all_capacity_released(c)
+
+
+def test_workers_found_through_dns_names(flux, tmp_path):
+    # dns://localhost:PORT stands for every address localhost resolves to (127.0.0.1, maybe ::1);
+    # the head serves through the ones that answer, as it would through a headless Service.
+    from triptych.localdeploy import local_deployment
+
+    with local_deployment(flux, tmp_path, worker_flags=("--device", "cpu"), null_payload_bytes=4096,
+                          worker_url_scheme="dns://localhost") as dep, dep.client() as c:  # fmt: skip
+        assert image(c).status_code == 200
+        urls = [w["url"] for ws in c.get("/health").json()["workers"].values() for w in ws]
+        assert any(u.startswith("tcp://127.0.0.1:") for u in urls)

@@ -21,7 +21,7 @@ import zmq
 
 from triptych.config import ServeArgs
 from triptych.params import GenerationParams
-from triptych.ports import result_endpoint
+from triptych.ports import result_endpoint, tcp_url
 from triptych.protocol import (
     CancelWork,
     Failed,
@@ -103,8 +103,9 @@ class Worker:
         self.transport = MooncakeTransport(args.disagg_p2p_hostname, args.disagg_ib_device)
         self.pool = TransferPool(args.disagg_transfer_pool_size, role=self.role.value, transport=self.transport)
         self.ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.ctx.setsockopt(zmq.IPV6, 1)  # pod IPs may be IPv6; IPv4 keeps working
         self.head_endpoint = result_endpoint(args.disagg_server_addr or "", self.role)
-        self.work_endpoint = f"tcp://{args.disagg_p2p_hostname}:{args.scheduler_port}"
+        self.work_endpoint = tcp_url(args.disagg_p2p_hostname, args.scheduler_port)
         self.instance = ""  # learned from the head's first message: the URL the head knows us by
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._pushes: queue.Queue[tuple[str, TransferPush] | None] = queue.Queue()
