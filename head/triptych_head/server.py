@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -66,6 +67,15 @@ REJECTED = "REJECTED"
 Validator = Callable[[GenerationParams], None]
 
 
+@dataclass(frozen=True)
+class HeldSlot:
+    """A receive slot of an ended request whose sender may still be writing into it."""
+
+    sender: str
+    receiver: str
+    until: float
+
+
 def pipeline_route(args: ServeArgs) -> list[Role]:
     """The roles a text-to-image/video request visits, from the URL flags given to the head."""
     first = [Role.PROMPT_ENCODER] if args.prompt_encoder_urls else [Role.ENCODER]
@@ -90,6 +100,7 @@ class DiffusionServer:
         directories = {role: WorkerDirectory(args.urls_for(role)) for role in dict.fromkeys(self._route)}
         self.registry = WorkerRegistry(self._ctx, directories, args.disagg_heartbeat_timeout, self.metrics)
         self.requests: dict[str, RequestRecord] = {}
+        self._held_slots: dict[str, HeldSlot] = {}  # receive slots of ended requests, freed once their write is over
         self._queues: dict[Role, deque[str]] = {role: deque() for role in directories}
         self._stop = threading.Event()
         self._sockets: list[tuple[zmq.Socket, Role | None]] = []
@@ -167,6 +178,9 @@ class DiffusionServer:
             )
         for rec in [r for r in self.requests.values() if now >= r.deadline]:
             self._finish(rec, RequestState.TIMED_OUT, self._timeout_reason(rec), status_code=504)
+        for rid in [rid for rid, held in self._held_slots.items() if now >= held.until]:
+            log.warning("request %s: sender never reported its write; freeing the receive slot anyway", rid)
+            self._release_held(rid)
         self.registry.publish_metrics()
         for role, queue in self._queues.items():
             self.metrics.queue_depth.labels(role.value).set(len(queue))
@@ -265,6 +279,9 @@ class DiffusionServer:
         rec = self.requests.get(msg.request_id)
         if rec is None:
             log.debug("late %s for finished request %s from %s", msg.TYPE, msg.request_id, inst.url)
+            held = self._held_slots.get(msg.request_id)
+            if held and held.sender == inst.url and isinstance(msg, (TransferPushed, Failed)):
+                self._release_held(msg.request_id)
             if isinstance(msg, (TransferStaged, TransferAllocated)):
                 self.registry.send(inst.url, CancelWork(msg.request_id, inst.url))
             return
@@ -307,6 +324,8 @@ class DiffusionServer:
         push = TransferPush(rec.request_id, rec.staged.sender, dest_session=msg.session, dest_addr=msg.addr)
         if not self.registry.send(rec.staged.sender, push):
             self._finish(rec, RequestState.FAILED, f"sender {rec.staged.sender} is unreachable; its output is lost")
+            return
+        rec.push_in_flight = True
 
     def _on_refused(self, rec: RequestRecord, inst: WorkerInstance, msg: TransferRefused, frames: list[Any]) -> None:
         if not (rec.receiver_reserved and rec.instance == inst.url):
@@ -325,6 +344,7 @@ class DiffusionServer:
         if staged is None or staged.sender != inst.url or rec.instance is None:
             return
         inst.inflight.discard(rec.request_id)  # spec step 5: the sender's scheduling slot is free again
+        rec.push_in_flight = False
         receiver = self.registry.find(rec.instance)
         dest = receiver.role.value if receiver else "?"
         self.metrics.transfer_bytes.labels(inst.role.value, dest).inc(msg.nbytes)
@@ -358,6 +378,8 @@ class DiffusionServer:
             return
         inst.inflight.discard(rec.request_id)
         reason = f"{inst.role.value} {inst.url}: {msg.error}"
+        if rec.staged and rec.staged.sender == inst.url:
+            rec.push_in_flight = False  # the sender reported: no write of this request is under way
         if rec.staged and rec.staged.sender == inst.url and rec.receiver_reserved:
             # A failed push is as likely the receiver's fault as the sender's: name both.
             reason = f"transfer to {rec.role.value} {rec.instance} failed: {reason}"
@@ -437,6 +459,12 @@ class DiffusionServer:
         inst.last_heartbeat = None
         inst.inflight.clear()
         self._fail_involving(inst, reason)
+        for rid in [rid for rid, held in self._held_slots.items() if held.sender == inst.url]:
+            self._release_held(rid)  # a sender that is gone writes nothing more
+
+    def _release_held(self, request_id: str) -> None:
+        held = self._held_slots.pop(request_id)
+        self.registry.send(held.receiver, CancelWork(request_id, held.receiver))
 
     def _fail_involving(self, inst: WorkerInstance, reason: str) -> None:
         for rec in [r for r in self.requests.values() if inst.url in r.involved_instances()]:
@@ -452,8 +480,16 @@ class DiffusionServer:
             inst = self.registry.find(url)
             if inst is not None:
                 inst.inflight.discard(rec.request_id)
-            if state is not RequestState.DONE:
-                self.registry.send(url, CancelWork(rec.request_id, url))
+            if state is RequestState.DONE:
+                continue
+            if rec.push_in_flight and rec.staged and url == rec.instance:
+                # The sender may be writing into this slot right now: freeing it could hand the
+                # bytes of a late write to another request. Free it once the sender reports.
+                self._held_slots[rec.request_id] = HeldSlot(
+                    rec.staged.sender, url, time.monotonic() + 2 * self.registry.heartbeat_timeout
+                )
+                continue
+            self.registry.send(url, CancelWork(rec.request_id, url))
         self.requests.pop(rec.request_id, None)
         self.metrics.requests.labels(state.value).inc()
         if state is RequestState.DONE:

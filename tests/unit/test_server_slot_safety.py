@@ -1,0 +1,121 @@
+"""A receive slot is never freed while its sender may still be writing into it.
+
+The workers here are scripted over real ZMQ sockets (ScriptedWorker): a real worker cannot be
+paused in the middle of a Mooncake write, and that window is exactly what this test needs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from triptych.cli import build_parser
+from triptych.config import ServeArgs
+from triptych.localdeploy import free_port_block
+from triptych.ports import result_port
+from triptych.protocol import (
+    Cancel,
+    CancelWork,
+    Heartbeat,
+    Ping,
+    Submit,
+    TransferAlloc,
+    TransferAllocated,
+    TransferPush,
+    TransferPushed,
+    TransferStaged,
+    Work,
+    decode,
+    encode,
+)
+from triptych.roles import Role
+from triptych_head.server import DiffusionServer
+
+PARAMS = {"prompt": "x", "width": 16, "height": 16}
+
+
+class ScriptedWorker:
+    """Binds a worker's work socket, answers pings, and records every other message it gets."""
+
+    def __init__(self, ctx: zmq.Context, role: Role, scheduler_port: int):
+        self.role = role
+        self.port = free_port_block(1)
+        self.url = f"tcp://127.0.0.1:{self.port}"
+        self.work = ctx.socket(zmq.PULL)
+        self.work.bind(self.url)
+        self.results = ctx.socket(zmq.PUSH)
+        self.results.connect(f"tcp://127.0.0.1:{result_port(scheduler_port, role)}")
+        self.got: list[object] = []
+
+    def send(self, msg: object) -> None:
+        self.results.send_multipart(encode(msg))
+
+    def pump(self, seconds: float = 0.05) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.work.poll(int(left * 1000) + 1):
+                msg, _ = decode(self.work.recv_multipart())
+                if isinstance(msg, Ping):
+                    self.send(Heartbeat(msg.instance, self.role.value, "127.0.0.1:1", 1 << 20, 1 << 20, 2, "m"))
+                else:
+                    self.got.append(msg)
+
+    def wait_for(self, kind: type, seconds: float = 5.0) -> object:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for msg in self.got:
+                if isinstance(msg, kind):
+                    return msg
+            self.pump()
+        raise AssertionError(f"{self.role.value} never got {kind.__name__}; got {self.got}")
+
+
+@pytest.fixture
+def head():
+    ctx = zmq.Context()
+    sched = free_port_block(6)
+    workers = {role: ScriptedWorker(ctx, role, sched) for role in (Role.ENCODER, Role.DENOISER, Role.DECODER)}
+    argv = ["serve", "--model-path", "m", "--disagg-role", "server", "--scheduler-port", str(sched)]
+    for role, w in workers.items():
+        argv += [f"--{role.value}-urls", w.url]
+    server = DiffusionServer(ServeArgs.from_namespace(build_parser().parse_args(argv)), ctx=ctx)
+    loop = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+    client = ctx.socket(zmq.DEALER)
+    client.connect(server.frontend_endpoint)
+    deadline = time.monotonic() + 10
+    while not all(server.registry.alive(i) for r in workers for i in server.registry.instances(r)):
+        assert time.monotonic() < deadline, "scripted workers never registered"
+        for w in workers.values():
+            w.pump()
+    try:
+        yield client, workers
+    finally:
+        server.stop()
+        loop.join(5)
+        ctx.destroy(linger=0)
+
+
+def test_cancel_during_a_push_frees_the_receive_slot_only_after_the_write(head):
+    client, w = head
+    enc, den = w[Role.ENCODER], w[Role.DENOISER]
+    client.send_multipart(encode(Submit("r1", PARAMS)))
+    work = enc.wait_for(Work)
+    manifest = [{"name": "x", "dtype": "uint8", "shape": [8], "offset": 0}]
+    enc.send(TransferStaged("r1", work.instance, 8, manifest, {}, 0.0))
+    alloc = den.wait_for(TransferAlloc)
+    den.send(TransferAllocated("r1", alloc.instance, "127.0.0.1:2", 4096))
+    push = enc.wait_for(TransferPush)
+    assert push.dest_addr == 4096
+
+    client.send_multipart(encode(Cancel("r1")))  # the write is (as far as the head knows) under way
+    enc.wait_for(CancelWork)
+    den.pump(0.5)
+    assert not any(isinstance(m, CancelWork) for m in den.got), "slot freed while the sender may be writing"
+
+    enc.send(TransferPushed("r1", push.instance, 8, 0.01))  # the sender reports the write is over
+    released = den.wait_for(CancelWork)
+    assert released.request_id == "r1"
