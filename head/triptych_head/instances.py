@@ -9,6 +9,12 @@ from triptych.roles import Role
 
 
 @dataclass
+class StandingSlot:
+    nbytes: int
+    holder: str | None = None
+
+
+@dataclass
 class WorkerInstance:
     """One worker endpoint (tcp://HOST:PORT) of one role."""
 
@@ -19,12 +25,15 @@ class WorkerInstance:
     session: str | None = None
     pool_bytes: int = 0
     free_bytes: int = 0
+    standing_bytes: int = 0
     model: str = ""
     last_heartbeat: float | None = None
     # Set when it refused an allocation for lack of room; cleared by its next heartbeat, which the
     # worker sends whenever it frees pool space (and once a second), so the head retries then.
     refused_bytes: int | None = None
     dispatched_total: int = 0
+    # Preallocated receive slots it keeps for the head: address -> (bytes, request id holding it or None).
+    standing: dict[int, StandingSlot] = field(default_factory=dict)
 
     def alive(self, now: float, heartbeat_timeout: float) -> bool:
         return self.last_heartbeat is not None and now - self.last_heartbeat <= heartbeat_timeout
@@ -39,8 +48,21 @@ class WorkerInstance:
             return False
         return self.refused_bytes is None or nbytes < self.refused_bytes
 
-    def on_heartbeat(self, capacity: int, session: str, pool_bytes: int, free_bytes: int, model: str) -> None:
+    def free_standing_slot(self, nbytes: int) -> int | None:
+        """The address of an idle standing slot that fits `nbytes` (the smallest such), or None."""
+        fits = [(s.nbytes, addr) for addr, s in self.standing.items() if s.holder is None and s.nbytes >= nbytes]
+        return min(fits)[1] if fits else None
+
+    def should_keep_slot(self, nbytes: int) -> bool:
+        """Keep a new slot as standing while that still leaves room to stage outputs and one more slot."""
+        return len(self.standing) < self.capacity and self.pool_bytes >= (len(self.standing) + 2) * nbytes
+
+    def on_heartbeat(
+        self, capacity: int, session: str, pool_bytes: int, free_bytes: int, model: str, standing_bytes: int = 0
+    ) -> None:
+        if session != self.session:
+            self.standing.clear()  # a new process behind the same address: its slots are new too
         self.capacity, self.session, self.pool_bytes, self.model = capacity, session, pool_bytes, model
         self.refused_bytes = None
-        self.free_bytes = free_bytes
+        self.free_bytes, self.standing_bytes = free_bytes, standing_bytes
         self.last_heartbeat = time.monotonic()

@@ -143,6 +143,7 @@ class WorkerRegistry:
                     "free_slots": i.free_slots,
                     "pool_bytes": i.pool_bytes,
                     "free_bytes": i.free_bytes,
+                    "standing_bytes": i.standing_bytes,
                     "dispatched": i.dispatched_total,
                 }
                 for i in by_url.values()

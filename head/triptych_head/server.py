@@ -52,7 +52,7 @@ from triptych.protocol import (
 from triptych.roles import Role
 from triptych_head.discovery import WorkerDirectory
 from triptych_head.dispatch import make_policy
-from triptych_head.instances import WorkerInstance
+from triptych_head.instances import StandingSlot, WorkerInstance
 from triptych_head.metrics import HeadMetrics
 from triptych_head.registry import WorkerRegistry
 from triptych_head.state import ROLE_STATES, RequestRecord, RequestState, StagedPayload
@@ -74,6 +74,7 @@ class HeldSlot:
     sender: str
     receiver: str
     until: float
+    standing_addr: int = 0
 
 
 def pipeline_route(args: ServeArgs) -> list[Role]:
@@ -274,7 +275,7 @@ class DiffusionServer:
             log.warning("dropped %s from unknown %s instance %r", msg.TYPE, role.value, getattr(msg, "instance", None))
             return
         if isinstance(msg, Heartbeat):
-            inst.on_heartbeat(msg.capacity, msg.session, msg.pool_bytes, msg.free_bytes, msg.model)
+            inst.on_heartbeat(msg.capacity, msg.session, msg.pool_bytes, msg.free_bytes, msg.model, msg.standing_bytes)
             return
         rec = self.requests.get(msg.request_id)
         if rec is None:
@@ -285,6 +286,9 @@ class DiffusionServer:
             if isinstance(msg, (TransferStaged, TransferAllocated)):
                 self.registry.send(inst.url, CancelWork(msg.request_id, inst.url))
             return
+        if rec.slot_addr and inst.url == rec.instance and rec.state is ROLE_STATES[rec.role][1]:
+            self._free_standing(inst, rec.request_id, rec.slot_addr)  # it reports, so it has loaded the slot
+            rec.slot_addr = 0
         handler = self._handlers.get(type(msg))
         if handler is None:
             self.metrics.dropped_messages.inc()
@@ -321,6 +325,9 @@ class DiffusionServer:
         if not (rec.receiver_reserved and rec.instance == inst.url and rec.staged):
             self.registry.send(inst.url, CancelWork(rec.request_id, inst.url))
             return
+        if msg.kept:
+            inst.standing[msg.addr] = StandingSlot(rec.staged.nbytes, holder=rec.request_id)
+            rec.slot_addr = msg.addr
         push = TransferPush(rec.request_id, rec.staged.sender, dest_session=msg.session, dest_addr=msg.addr)
         if not self.registry.send(rec.staged.sender, push):
             self._finish(rec, RequestState.FAILED, f"sender {rec.staged.sender} is unreachable; its output is lost")
@@ -353,7 +360,9 @@ class DiffusionServer:
         self.metrics.handoff_seconds.labels(inst.role.value, dest).observe(handoff)
         rec.timings[f"transfer_{inst.role.value}_{dest}"] = msg.seconds
         rec.timings[f"handoff_{inst.role.value}_{dest}"] = handoff
-        ready = TransferReady(rec.request_id, rec.instance, rec.params.to_wire(), staged.manifest, staged.meta)
+        ready = TransferReady(
+            rec.request_id, rec.instance, rec.params.to_wire(), staged.manifest, staged.meta, rec.slot_addr
+        )
         rec.staged = None
         if not self.registry.send(rec.instance, ready):
             self._finish(
@@ -431,8 +440,18 @@ class DiffusionServer:
         if inst is None:
             return False
         self.metrics.queue_seconds.labels(role.value).observe(time.monotonic() - rec.hop_started)
-        if rec.staged:
-            sent = self.registry.send(inst.url, TransferAlloc(rid, inst.url, nbytes))
+        if rec.staged and inst.session and (addr := inst.free_standing_slot(nbytes)) is not None:
+            # Spec step 2, fast path: a preallocated slot fits, so no transfer_alloc round trip.
+            sender = rec.staged.sender
+            if not self.registry.send(sender, TransferPush(rid, sender, dest_session=inst.session, dest_addr=addr)):
+                self._finish(rec, RequestState.FAILED, f"sender {sender} is unreachable; its output is lost")
+                return True
+            inst.standing[addr].holder = rid
+            rec.slot_addr, rec.push_in_flight = addr, True
+            sent = True
+        elif rec.staged:
+            keep = inst.should_keep_slot(nbytes)
+            sent = self.registry.send(inst.url, TransferAlloc(rid, inst.url, nbytes, keep=keep))
         else:
             sent = self.registry.send(inst.url, Work(rid, inst.url, rec.params.to_wire()))
         if not sent:  # not connected any more: treat it as gone until it heartbeats again
@@ -458,13 +477,23 @@ class DiffusionServer:
         log.warning("%s", reason)
         inst.last_heartbeat = None
         inst.inflight.clear()
+        inst.standing.clear()
         self._fail_involving(inst, reason)
         for rid in [rid for rid, held in self._held_slots.items() if held.sender == inst.url]:
             self._release_held(rid)  # a sender that is gone writes nothing more
 
     def _release_held(self, request_id: str) -> None:
         held = self._held_slots.pop(request_id)
+        receiver = self.registry.find(held.receiver)
+        if receiver is not None and held.standing_addr:
+            self._free_standing(receiver, request_id, held.standing_addr)
         self.registry.send(held.receiver, CancelWork(request_id, held.receiver))
+
+    @staticmethod
+    def _free_standing(inst: WorkerInstance, request_id: str, addr: int) -> None:
+        slot = inst.standing.get(addr)
+        if slot is not None and slot.holder == request_id:
+            slot.holder = None
 
     def _fail_involving(self, inst: WorkerInstance, reason: str) -> None:
         for rec in [r for r in self.requests.values() if inst.url in r.involved_instances()]:
@@ -486,9 +515,11 @@ class DiffusionServer:
                 # The sender may be writing into this slot right now: freeing it could hand the
                 # bytes of a late write to another request. Free it once the sender reports.
                 self._held_slots[rec.request_id] = HeldSlot(
-                    rec.staged.sender, url, time.monotonic() + 2 * self.registry.heartbeat_timeout
+                    rec.staged.sender, url, time.monotonic() + 2 * self.registry.heartbeat_timeout, rec.slot_addr
                 )
                 continue
+            if url == rec.instance and rec.slot_addr and inst is not None:
+                self._free_standing(inst, rec.request_id, rec.slot_addr)
             self.registry.send(url, CancelWork(rec.request_id, url))
         self.requests.pop(rec.request_id, None)
         self.metrics.requests.labels(state.value).inc()

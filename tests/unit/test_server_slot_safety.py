@@ -21,11 +21,14 @@ from triptych.protocol import (
     CancelWork,
     Heartbeat,
     Ping,
+    Progress,
     Submit,
     TransferAlloc,
     TransferAllocated,
     TransferPush,
     TransferPushed,
+    TransferReady,
+    TransferRefused,
     TransferStaged,
     Work,
     decode,
@@ -35,6 +38,7 @@ from triptych.roles import Role
 from triptych_head.server import DiffusionServer
 
 PARAMS = {"prompt": "x", "width": 16, "height": 16}
+SESSION = "127.0.0.1:1"  # the Mooncake session every scripted worker reports
 
 
 class ScriptedWorker:
@@ -59,7 +63,7 @@ class ScriptedWorker:
             if self.work.poll(int(left * 1000) + 1):
                 msg, _ = decode(self.work.recv_multipart())
                 if isinstance(msg, Ping):
-                    self.send(Heartbeat(msg.instance, self.role.value, "127.0.0.1:1", 1 << 20, 1 << 20, 2, "m"))
+                    self.send(Heartbeat(msg.instance, self.role.value, SESSION, 1 << 20, 1 << 20, 2, "m"))
                 else:
                     self.got.append(msg)
 
@@ -107,7 +111,7 @@ def test_cancel_during_a_push_frees_the_receive_slot_only_after_the_write(head):
     manifest = [{"name": "x", "dtype": "uint8", "shape": [8], "offset": 0}]
     enc.send(TransferStaged("r1", work.instance, 8, manifest, {}, 0.0))
     alloc = den.wait_for(TransferAlloc)
-    den.send(TransferAllocated("r1", alloc.instance, "127.0.0.1:2", 4096))
+    den.send(TransferAllocated("r1", alloc.instance, SESSION, 4096))
     push = enc.wait_for(TransferPush)
     assert push.dest_addr == 4096
 
@@ -119,3 +123,42 @@ def test_cancel_during_a_push_frees_the_receive_slot_only_after_the_write(head):
     enc.send(TransferPushed("r1", push.instance, 8, 0.01))  # the sender reports the write is over
     released = den.wait_for(CancelWork)
     assert released.request_id == "r1"
+
+
+def _run_to_push(client, w, rid):  # type: ignore[no-untyped-def]
+    """Submit `rid` and play the encoder up to the head's transfer_push; returns the push."""
+    enc = w[Role.ENCODER]
+    client.send_multipart(encode(Submit(rid, PARAMS)))
+    work = next(m for m in iter(lambda: enc.wait_for(Work), None) if m.request_id == rid)
+    enc.got.remove(work)
+    manifest = [{"name": "x", "dtype": "uint8", "shape": [8], "offset": 0}]
+    enc.send(TransferStaged(rid, work.instance, 8, manifest, {}, 0.0))
+    return work
+
+
+def test_a_kept_slot_is_reused_without_transfer_alloc_once_its_holder_has_loaded_it(head):
+    client, w = head
+    enc, den = w[Role.ENCODER], w[Role.DENOISER]
+    _run_to_push(client, w, "a")
+    alloc = den.wait_for(TransferAlloc)
+    assert alloc.keep, "the head should ask the receiver to keep its first slot"
+    den.got.remove(alloc)
+    den.send(TransferAllocated("a", alloc.instance, SESSION, 8192, kept=True))
+    push = enc.wait_for(TransferPush)
+    enc.got.remove(push)
+    enc.send(TransferPushed("a", push.instance, 8, 0.01))
+    ready = den.wait_for(TransferReady)
+    assert ready.slot_addr == 8192
+    den.got.remove(ready)
+
+    _run_to_push(client, w, "b")  # slot still held by "a": the head must allocate another one
+    second = den.wait_for(TransferAlloc)
+    assert second.request_id == "b"
+    den.got.remove(second)
+    den.send(TransferRefused("b", second.instance, "transfer pool full", fatal=False))
+
+    den.send(Progress("a", ready.instance, 1, 4))  # "a" reports, so it has loaded its slot
+    den.send(Heartbeat(ready.instance, "denoiser", SESSION, 1 << 20, 1 << 20, 2, "m"))
+    push_b = enc.wait_for(TransferPush)
+    assert push_b.request_id == "b" and push_b.dest_addr == 8192
+    assert not any(isinstance(m, TransferAlloc) for m in den.got), "a fitting kept slot needs no transfer_alloc"

@@ -87,6 +87,7 @@ class TransferAlloc:
     request_id: str
     instance: str
     nbytes: int
+    keep: bool = False  # keep the slot after this transfer as a standing (preallocated) receive slot
 
 
 @message("transfer_push")
@@ -106,6 +107,7 @@ class TransferReady:
     params: dict[str, Any]
     manifest: list[dict[str, Any]]
     meta: dict[str, Any]
+    slot_addr: int = 0  # a standing slot the head assigned without transfer_alloc (0: the allocated one)
 
 
 @message("cancel_work")
@@ -128,6 +130,7 @@ class Heartbeat:
     free_bytes: int
     capacity: int
     model: str
+    standing_bytes: int = 0  # pool bytes kept as preallocated receive slots (not free, not leaked)
 
 
 @message("progress")
@@ -156,6 +159,7 @@ class TransferAllocated:
     instance: str
     session: str
     addr: int
+    kept: bool = False  # the slot stays reserved for this receiver's later transfers
 
 
 @message("transfer_refused")

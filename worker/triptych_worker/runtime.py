@@ -64,6 +64,9 @@ STAGING_RETRY_S = 0.01
 CANCELLED_MEMORY = 10_000  # how many cancelled request ids are remembered
 
 
+STANDING = "standing-slot"  # pool owner of preallocated receive slots
+
+
 class RequestCancelled(Exception):
     """Raised inside a running request the head cancelled, to stop its stages early."""
 
@@ -111,6 +114,7 @@ class Worker:
         self._pushes: queue.Queue[tuple[str, TransferPush] | None] = queue.Queue()
         self._staged: dict[str, Allocation] = {}  # outputs waiting for their transfer_push
         self._slots: dict[str, Allocation] = {}
+        self._standing: dict[int, Allocation] = {}  # preallocated receive slots the head assigns by address
         self._outstanding: set[str] = set()  # accepted requests whose stages have not finished
         self._owes_heartbeat = False  # a refusal is pending: report freed pool space right away
         self._cancelled: OrderedDict[str, None] = OrderedDict()
@@ -168,6 +172,7 @@ class Worker:
             free_bytes=self.pool.free_bytes,
             capacity=self.args.worker_capacity,
             model=self.args.model_path,
+            standing_bytes=self.pool.reserved_bytes(list(self._standing.values())),
         )
 
     def _on_message(self, link: HeadLink, parts: list[Any]) -> None:
@@ -202,7 +207,8 @@ class Worker:
             self._refuse(link, msg.request_id, "keeping room to stage accepted work")
             return
         try:
-            alloc = self.pool.allocate(msg.nbytes, owner=msg.request_id)
+            # A kept slot belongs to the worker, not the request: cancelling the request keeps it.
+            alloc = self.pool.allocate(msg.nbytes, owner=STANDING if msg.keep else msg.request_id)
         except PayloadTooLarge as exc:
             link.send(TransferRefused(msg.request_id, self.instance, str(exc), fatal=True))
             return
@@ -212,7 +218,9 @@ class Worker:
         with self._lock:
             self._slots[msg.request_id] = alloc
             self._outstanding.add(msg.request_id)
-        link.send(TransferAllocated(msg.request_id, self.instance, self.transport.session_id, alloc.addr))
+            if msg.keep:
+                self._standing[alloc.addr] = alloc
+        link.send(TransferAllocated(msg.request_id, self.instance, self.transport.session_id, alloc.addr, msg.keep))
 
     def _refuse(self, link: HeadLink, request_id: str, reason: str) -> None:
         """Back-pressure: no slot now; the head retries after the heartbeat that reports freed space."""
@@ -244,6 +252,9 @@ class Worker:
     def _ready(self, link: HeadLink, msg: TransferReady) -> None:
         with self._lock:
             alloc = self._slots.pop(msg.request_id, None)
+            if msg.slot_addr:
+                alloc = self._standing.get(msg.slot_addr)
+                self._outstanding.add(msg.request_id)
         if alloc is None:
             link.send(Failed(msg.request_id, self.instance, "transfer_ready for a slot this worker does not hold"))
             return
@@ -301,8 +312,11 @@ class Worker:
             alloc, manifest, meta = job.incoming
             batch.tensors = load_tensors(self.pool, alloc, manifest, self.device)
             batch.meta = dict(meta)
-            self.pool.free(alloc)  # the slot is free as soon as its bytes are copied out
-            self._space_freed(link)
+            with self._lock:
+                standing = self._standing.get(alloc.addr) is alloc
+            if not standing:  # the slot is free as soon as its bytes are copied out
+                self.pool.free(alloc)
+                self._space_freed(link)
 
         def progress(step: int, total: int) -> None:
             if self._is_cancelled(job.request_id):

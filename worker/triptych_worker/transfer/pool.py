@@ -72,6 +72,11 @@ class TransferPool:
         with self._lock:
             return self._allocator.largest_free_block
 
+    def reserved_bytes(self, allocations: list[Allocation]) -> int:
+        """Pool bytes the given live allocations take, alignment included."""
+        with self._lock:
+            return sum(self._allocator.reserved_size(a.offset) for a in allocations)
+
     def allocate(self, nbytes: int, owner: str) -> Allocation | None:
         """Reserve `nbytes` for `owner`; None when no free block fits right now (back-pressure).
 
