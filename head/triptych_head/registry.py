@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ class WorkerRegistry:
         self.heartbeat_timeout = heartbeat_timeout
         self._metrics = metrics
         self._instances: dict[Role, dict[str, WorkerInstance]] = {role: {} for role in directories}
+        self.head_id = uuid.uuid4().hex
         self._sockets: dict[str, zmq.Socket] = {}
         self.sync()
 
@@ -102,7 +104,7 @@ class WorkerRegistry:
     def ping_all(self) -> None:
         for by_url in self._instances.values():
             for url in by_url:
-                self.send(url, Ping(instance=url))
+                self.send(url, Ping(instance=url, head_id=self.head_id))
 
     def lost(self) -> list[WorkerInstance]:
         """Instances whose heartbeats stopped since the last call (each reported once)."""

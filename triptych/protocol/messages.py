@@ -71,6 +71,7 @@ class RequestResult:
 @message("ping")
 class Ping:
     instance: str
+    head_id: str = ""  # changes when the head restarts; standing slots of the old head are dropped
 
 
 @message("work")

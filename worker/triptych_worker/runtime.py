@@ -115,6 +115,7 @@ class Worker:
         self._staged: dict[str, Allocation] = {}  # outputs waiting for their transfer_push
         self._slots: dict[str, Allocation] = {}
         self._standing: dict[int, Allocation] = {}  # preallocated receive slots the head assigns by address
+        self._head_id = ""  # the head whose slot bookkeeping the standing slots belong to
         self._outstanding: set[str] = set()  # accepted requests whose stages have not finished
         self._owes_heartbeat = False  # a refusal is pending: report freed pool space right away
         self._cancelled: OrderedDict[str, None] = OrderedDict()
@@ -185,6 +186,7 @@ class Worker:
             return
         self.instance = msg.instance
         if isinstance(msg, Ping):
+            self._follow_head(msg.head_id)
             link.send(self._heartbeat())
         elif isinstance(msg, Work):
             with self._lock:
@@ -235,6 +237,18 @@ class Worker:
             owed, self._owes_heartbeat = self._owes_heartbeat, False
         if owed:
             link.send(self._heartbeat())
+
+    def _follow_head(self, head_id: str) -> None:
+        """A restarted head knows nothing of the slots the old one kept: give them back to the pool."""
+        if head_id == self._head_id:
+            return
+        with self._lock:
+            dropped, self._standing = list(self._standing.values()), {}
+        for alloc in dropped:
+            self.pool.free(alloc)
+        if dropped:
+            log.info("head %s replaced %s: dropped %d kept receive slots", head_id, self._head_id, len(dropped))
+        self._head_id = head_id
 
     def _must_keep_room_for_outputs(self, nbytes: int) -> bool:
         """Refuse an input slot that would leave no room to stage the outputs of work already accepted.
