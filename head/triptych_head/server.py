@@ -526,6 +526,5 @@ class DiffusionServer:
         if state is RequestState.DONE:
             self.metrics.request_seconds.observe(time.monotonic() - rec.created)
             return
-        rec.error = error
         log.info("request %s %s: %s", rec.request_id, state.value, error)
         self._reply(rec.client, RequestEvent(rec.request_id, state.value, error=error, status_code=status_code))

@@ -105,7 +105,6 @@ class RequestRecord:
     created: float = field(default_factory=time.monotonic)
     hop_started: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
 
     @property
     def role(self) -> Role:
