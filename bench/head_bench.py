@@ -46,6 +46,7 @@ class Frontend:
     def __init__(self, endpoint: str):
         self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self.sock.connect(endpoint)
+        self.endpoint = endpoint
         self.waiting: dict[str, asyncio.Future[RequestResult]] = {}
         self.reader = asyncio.create_task(self._read())
 
@@ -70,13 +71,25 @@ class Frontend:
             self.waiting.pop(rid, None)
 
 
-async def sequential(front: Frontend, n: int) -> dict[str, float]:
+def sequential(endpoint: str, n: int) -> dict[str, float]:
+    """One request at a time from a blocking DEALER, so the client adds no event-loop latency."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    sock.connect(endpoint)
     latencies, writes = [], []
-    for i in range(n):
-        t0 = time.perf_counter()
-        result = await front.request(f"seq-{i}")
-        latencies.append(time.perf_counter() - t0)
-        writes.append(sum(v for k, v in result.timings.items() if k.startswith("transfer_")))
+    try:
+        for i in range(n):
+            t0 = time.perf_counter()
+            sock.send_multipart(encode(Submit(f"seq-{i}", PARAMS)))
+            result, _ = decode(sock.recv_multipart())
+            latencies.append(time.perf_counter() - t0)
+            if not isinstance(result, RequestResult):
+                raise RuntimeError(f"request seq-{i} failed: {result}")
+            writes.append(sum(v for k, v in result.timings.items() if k.startswith("transfer_")))
+    finally:
+        sock.close()
     lat, wr = statistics.median(latencies), statistics.median(writes)
     return {"latency_ms": lat * 1e3, "mooncake_write_ms": wr * 1e3, "control_overhead_ms": (lat - wr) * 1e3}
 
@@ -120,7 +133,7 @@ async def measure(dep, args) -> dict[str, float]:  # type: ignore[no-untyped-def
     front = Frontend(f"tcp://127.0.0.1:{dep.scheduler_port}")
     await front.request("warmup")
     before = cpu_seconds(dep)
-    out = await sequential(front, args.sequential)
+    out = sequential(front.endpoint, args.sequential)
     after = cpu_seconds(dep)
     for role, used in after.items():
         out[f"cpu_ms_per_request_{role}"] = (used - before[role]) / args.sequential * 1e3

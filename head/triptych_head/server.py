@@ -9,7 +9,9 @@ transfer flow (spec, "Transfer Flow"):
     head --TransferReady--> receiver ... decoder --Result(pixels)--> head --> API client
 
 Every state change goes through RequestRecord.move (state.py); every way a request ends goes
-through `_finish`, which releases the slots and buffers it held on any worker.
+through `_finish`, which releases the slots and buffers it held on any worker. A client that
+submits with `watch` also hears every state change and denoising step (RequestEvent); the
+others hear only how their request ends, and their denoisers send no per-step progress.
 """
 
 from __future__ import annotations
@@ -242,6 +244,7 @@ class DiffusionServer:
             route=list(self._route),
             client=client,
             deadline=time.monotonic() + self.args.disagg_timeout,
+            watch=msg.watch,
         )
         self.requests[rid] = rec
         self._enter_hop(rec)
@@ -254,6 +257,8 @@ class DiffusionServer:
             log.warning("frontend client %r is not reading; dropped %s", client, msg.TYPE)
 
     def _event(self, rec: RequestRecord, step: int = 0, total: int = 0) -> None:
+        if not rec.watch:
+            return
         self._reply(rec.client, RequestEvent(rec.request_id, rec.state.value, step=step, total_steps=total))
 
     # --- workers ----------------------------------------------------------------------------
@@ -361,7 +366,7 @@ class DiffusionServer:
         rec.timings[f"transfer_{inst.role.value}_{dest}"] = msg.seconds
         rec.timings[f"handoff_{inst.role.value}_{dest}"] = handoff
         ready = TransferReady(
-            rec.request_id, rec.instance, rec.params.to_wire(), staged.manifest, staged.meta, rec.slot_addr
+            rec.request_id, rec.instance, rec.params.to_wire(), staged.manifest, staged.meta, rec.slot_addr, rec.watch
         )
         rec.staged = None
         if not self.registry.send(rec.instance, ready):
@@ -453,7 +458,7 @@ class DiffusionServer:
             keep = inst.should_keep_slot(nbytes)
             sent = self.registry.send(inst.url, TransferAlloc(rid, inst.url, nbytes, keep=keep))
         else:
-            sent = self.registry.send(inst.url, Work(rid, inst.url, rec.params.to_wire()))
+            sent = self.registry.send(inst.url, Work(rid, inst.url, rec.params.to_wire(), progress=rec.watch))
         if not sent:  # not connected any more: treat it as gone until it heartbeats again
             self._instance_lost(inst, f"{role.value} {inst.url} is not connected")
             return False

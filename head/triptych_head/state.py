@@ -96,6 +96,7 @@ class RequestRecord:
     route: list[Role]
     client: bytes
     deadline: float
+    watch: bool = False  # the client asked for every state change and denoising step
     state: RequestState = RequestState.PENDING
     hop: int = 0
     instance: str | None = None  # the worker running (or receiving) the current hop

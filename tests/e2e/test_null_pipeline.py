@@ -97,6 +97,33 @@ def _recv_until_terminal(sock):
             return msg
 
 
+def test_only_a_watching_client_hears_state_changes_and_steps(flux, tmp_path):
+    params = {"prompt": "x", "width": 32, "height": 32, "num_inference_steps": 3}
+    with deployment(flux, tmp_path, null_payload=4096) as dep:
+        ctx = zmq.Context()
+        front = _frontend(dep, ctx)
+        try:
+            front.send_multipart(encode(Submit("quiet", params)))
+            first, _ = decode(front.recv_multipart())
+            assert isinstance(first, RequestResult), first  # the outcome only, no RequestEvent before it
+
+            front.send_multipart(encode(Submit("watched", params, watch=True)))
+            events = []
+            while not isinstance(msg := decode(front.recv_multipart())[0], RequestResult):
+                events.append(msg)
+            states = [e.state for e in events]
+            assert states[0] == "ENCODER_WAITING" and states[-1] == "DECODER_RUNNING"
+            assert list(dict.fromkeys(states)) == [
+                "ENCODER_WAITING", "ENCODER_RUNNING", "DENOISING_WAITING", "DENOISING_RUNNING",
+                "DECODER_WAITING", "DECODER_RUNNING",
+            ]  # fmt: skip
+            steps = [(e.step, e.total_steps) for e in events if e.total_steps]
+            assert steps == [(1, 3), (2, 3), (3, 3)]
+        finally:
+            front.close()
+            ctx.term()
+
+
 def test_duplicate_active_request_id_is_rejected_without_touching_the_original(flux, tmp_path):
     params = {"prompt": "x", "width": 32, "height": 32, "num_inference_steps": 50}
     with deployment(flux, tmp_path, null_payload=4096, worker_flags=SLOW_DENOISER) as dep:

@@ -11,6 +11,7 @@ import torch
 from triptych.protocol import (
     Heartbeat,
     ProtocolError,
+    RequestEvent,
     Submit,
     TransferStaged,
     decode,
@@ -70,6 +71,23 @@ def test_bool_is_not_an_int():
     raw["capacity"] = True
     with pytest.raises(ProtocolError, match="capacity"):
         decode([msgpack.packb(raw)])
+
+
+def test_every_message_type_round_trips_and_checks_nested_fields():
+    from triptych.protocol.codec import _REGISTRY, _plan
+
+    for cls in _REGISTRY.values():
+        assert _plan(cls), cls  # every field type has a wire check
+    bad_manifest = {"v": PROTOCOL_VERSION, "type": "transfer_staged", "request_id": "r", "instance": "i",
+                    "nbytes": 1, "manifest": [{"name": "x"}, "not-a-map"], "meta": {}, "seconds": 0.0}  # fmt: skip
+    with pytest.raises(ProtocolError, match="'manifest'"):
+        decode([msgpack.packb(bad_manifest)])
+    optional = encode(RequestEvent("r", "FAILED", error=None))
+    assert decode(optional)[0].error is None
+    with pytest.raises(ProtocolError, match="'error'"):
+        decode([msgpack.packb({**msgpack.unpackb(optional[0]), "error": 5})])
+    defaults = decode([msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "request_id": "a", "params": {}})])[0]
+    assert defaults.watch is False  # an absent optional field takes its default
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])

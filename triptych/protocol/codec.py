@@ -48,7 +48,8 @@ def message(type_name: str) -> typing.Callable[[type[T]], type[T]]:
 
 def encode(msg: Any, frames: typing.Sequence[Any] = ()) -> list[Any]:
     """[header, *frames] ready for `socket.send_multipart`."""
-    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    cls: type = type(msg)
+    body = {name: getattr(msg, name) for name, _ in _plan(cls)}
     header = msgpack.packb({"v": PROTOCOL_VERSION, "type": msg.TYPE, **body}, use_bin_type=True)
     return [header, *frames]
 
@@ -57,9 +58,9 @@ def decode(parts: typing.Sequence[Any]) -> tuple[Any, list[Any]]:
     """Decode [header, *frames] into (message, frames); raises ProtocolError."""
     if not parts:
         raise ProtocolError("empty message")
-    header = bytes(parts[0])
-    if len(header) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    header = memoryview(parts[0])
+    if header.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {header.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         raw = msgpack.unpackb(header, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER_BYTES)
     except Exception as exc:  # msgpack raises several unrelated types
@@ -73,54 +74,83 @@ def decode(parts: typing.Sequence[Any]) -> tuple[Any, list[Any]]:
     cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {raw.get('type')!r}", request_id)
-    hints = _hints(cls)
     kwargs = {}
-    for field in dataclasses.fields(cls):
-        if field.name in raw:
-            value = raw[field.name]
-        elif field.default is not dataclasses.MISSING:
-            value = field.default
-        elif field.default_factory is not dataclasses.MISSING:
-            value = field.default_factory()
-        else:
-            raise ProtocolError(f"{type_name}: missing field {field.name!r}", request_id)
-        if not _conforms(value, hints[field.name]):
+    for name, field in _plan(cls):
+        value = raw.get(name, _ABSENT)
+        if value is _ABSENT:
+            if field.required:
+                raise ProtocolError(f"{type_name}: missing field {name!r}", request_id)
+            continue  # the dataclass fills in its own default
+        if not field.check(value):
             raise ProtocolError(
-                f"{type_name}: field {field.name!r} has {type(value).__name__} {_short(value)}, "
-                f"expected {hints[field.name]}",
+                f"{type_name}: field {name!r} has {type(value).__name__} {_short(value)}, expected {field.hint}",
                 request_id,
             )
-        kwargs[field.name] = value
+        kwargs[name] = value
     return cls(**kwargs), list(parts[1:])
 
 
+# --- per-class decoding plans, built once ------------------------------------------------------
+
+_ABSENT = object()
+Check = typing.Callable[[Any], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    hint: Any
+    check: Check
+    required: bool
+
+
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    """Field types of a message class, resolved once (get_type_hints re-evaluates them every call)."""
-    return typing.get_type_hints(cls)
+def _plan(cls: type) -> tuple[tuple[str, _Field], ...]:
+    """Each field of a message class with a checker compiled from its type hint (resolved once)."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        (
+            f.name,
+            _Field(
+                hints[f.name],
+                _checker(hints[f.name]),
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            ),
+        )
+        for f in dataclasses.fields(cls)
+    )
 
 
-def _conforms(value: Any, hint: Any) -> bool:
+def _any(value: Any) -> bool:
+    return True
+
+
+def _checker(hint: Any) -> Check:
+    """A predicate for values of type `hint`, as msgpack produces them (bool is not an int)."""
     origin = typing.get_origin(hint)
     if hint is Any:
-        return True
+        return _any
     if origin in (typing.Union, types.UnionType):
-        return any(_conforms(value, h) for h in typing.get_args(hint))
+        options = [_checker(h) for h in typing.get_args(hint)]
+        return lambda v: any(check(v) for check in options)
     if hint is type(None):
-        return value is None
+        return lambda v: v is None
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
     if origin is list:
-        (item,) = typing.get_args(hint) or (Any,)
-        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+        (item_hint,) = typing.get_args(hint) or (Any,)
+        item = _checker(item_hint)
+        return lambda v: isinstance(v, list) and all(map(item, v))
     if origin is dict:
-        key, val = typing.get_args(hint) or (Any, Any)
-        return isinstance(value, dict) and all(_conforms(k, key) and _conforms(v, val) for k, v in value.items())
+        key_hint, val_hint = typing.get_args(hint) or (Any, Any)
+        key, val = _checker(key_hint), _checker(val_hint)
+        if val is _any:
+            return lambda v: isinstance(v, dict) and all(map(key, v))
+        return lambda v: isinstance(v, dict) and all(key(k) and val(x) for k, x in v.items())
     if isinstance(hint, type):
-        return isinstance(value, hint)
-    return False
+        return lambda v: isinstance(v, hint)
+    raise TypeError(f"message field type {hint!r} has no wire check")
 
 
 def _short(value: Any) -> str:

@@ -35,8 +35,15 @@ __all__ = [
 
 @message("submit")
 class Submit:
+    """A new request. `watch`: also stream a RequestEvent for every state change and denoising step.
+
+    Without it the client hears only how the request ends (RequestResult, or a RequestEvent
+    carrying the error), which spares the head and the client a message per state change.
+    """
+
     request_id: str
     params: dict[str, Any]
+    watch: bool = False
 
 
 @message("cancel")
@@ -81,6 +88,7 @@ class Work:
     request_id: str
     instance: str
     params: dict[str, Any]
+    progress: bool = False  # report every denoising step (someone watches the request)
 
 
 @message("transfer_alloc")
@@ -109,6 +117,7 @@ class TransferReady:
     manifest: list[dict[str, Any]]
     meta: dict[str, Any]
     slot_addr: int = 0  # a standing slot the head assigned without transfer_alloc (0: the allocated one)
+    progress: bool = False  # report every denoising step (someone watches the request)
 
 
 @message("cancel_work")

@@ -76,6 +76,7 @@ class Job:
     request_id: str
     params: dict[str, Any]
     incoming: tuple[Allocation, list[dict[str, Any]], dict[str, Any]] | None = None
+    progress: bool = False  # send Progress for every step (the head has a watcher for it)
 
 
 class HeadLink:
@@ -191,7 +192,7 @@ class Worker:
         elif isinstance(msg, Work):
             with self._lock:
                 self._outstanding.add(msg.request_id)
-            self._jobs.put(Job(msg.request_id, msg.params))
+            self._jobs.put(Job(msg.request_id, msg.params, progress=msg.progress))
         elif isinstance(msg, TransferAlloc):
             self._allocate(link, msg)
         elif isinstance(msg, TransferPush):
@@ -272,7 +273,7 @@ class Worker:
         if alloc is None:
             link.send(Failed(msg.request_id, self.instance, "transfer_ready for a slot this worker does not hold"))
             return
-        self._jobs.put(Job(msg.request_id, msg.params, incoming=(alloc, msg.manifest, msg.meta)))
+        self._jobs.put(Job(msg.request_id, msg.params, (alloc, msg.manifest, msg.meta), msg.progress))
 
     def _cancel(self, request_id: str) -> None:
         with self._lock:
@@ -335,7 +336,8 @@ class Worker:
         def progress(step: int, total: int) -> None:
             if self._is_cancelled(job.request_id):
                 raise RequestCancelled(job.request_id)
-            link.send(Progress(job.request_id, self.instance, step, total))
+            if job.progress:
+                link.send(Progress(job.request_id, self.instance, step, total))
 
         batch.on_progress = progress
         self.pipeline.run(batch)

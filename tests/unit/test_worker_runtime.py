@@ -1,4 +1,4 @@
-"""Kept (preallocated) receive slots on the worker: kept across requests, dropped for a new head."""
+"""The worker runtime without sockets: kept receive slots across requests and heads, step reports."""
 
 from __future__ import annotations
 
@@ -50,3 +50,19 @@ def _encoded(msg: object) -> list[bytes]:
     from triptych.protocol import encode
 
     return encode(msg)
+
+
+def test_steps_are_reported_only_when_the_head_asks_for_them():
+    from triptych.protocol import Progress, TransferStaged
+    from triptych_worker.runtime import Job
+
+    worker = make_worker()
+    params = {"prompt": "x", "width": 16, "height": 16, "num_inference_steps": 3}
+    try:
+        for progress, expected_steps in ((False, []), (True, [1, 2, 3])):
+            link = RecordingLink()
+            worker._run_job(link, Job(f"r-{progress}", params, progress=progress))  # type: ignore[arg-type]
+            assert [m.step for m in link.sent if isinstance(m, Progress)] == expected_steps
+            assert isinstance(link.sent[-1], TransferStaged)
+    finally:
+        worker.transport.close()
