@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -140,7 +142,7 @@ def test_tensors_written_to_another_process_arrive_bit_exact(sender: tuple[Moonc
 
 def test_write_to_an_unreachable_session_raises_transfer_error(sender: tuple[MooncakeTransport, TransferPool]) -> None:
     transport, pool = sender
-    with pytest.raises(TransferError, match=r"1024 bytes to peer 127\.0\.0\.1:1 .*return code -?\d+"):
+    with pytest.raises(TransferError, match=r"1024 bytes to peer 127\.0\.0\.1:1 .*(could not start|failed)"):
         transport.write("127.0.0.1:1", pool.base_addr, 0x10000, 1024)
 
 
@@ -152,7 +154,7 @@ def test_write_outside_the_peer_pool_raises_and_the_engine_keeps_working(
     src = pool.allocate(4096, "req-1")
     assert src is not None
     pool.view(src).fill_(0xAB)
-    with pytest.raises(TransferError, match="return code"):
+    with pytest.raises(TransferError, match=r"could not start|failed \(status"):
         transport.write(peer_transport.session_id, src.addr, peer_pool.base_addr + MIB - 100, 4096)
     transport.write(peer_transport.session_id, src.addr, peer_pool.base_addr, 4096)
     assert bool((peer_pool.buffer[:4096] == 0xAB).all())
@@ -179,3 +181,28 @@ def test_missing_mooncake_names_both_wheels_and_the_system_libraries(monkeypatch
     message = str(info.value)
     for needle in ("pip install mooncake-transfer-engine`", "mooncake-transfer-engine-non-cuda", "libibverbs1"):
         assert needle in message
+
+
+def test_a_write_to_a_stalled_peer_times_out_as_stalled(
+    transport: MooncakeTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer that stops reading (SIGSTOP) leaves the write pending: it ends as TransferStalled."""
+    from triptych_worker.transfer import TransferStalled, engine
+
+    big = TransferPool(64 * MIB, "encoder", transport)
+    receiver = Receiver(pool_bytes=64 * MIB, slot_bytes=64 * MIB)
+    try:
+        hello = receiver.read()
+        src = big.allocate(64 * MIB, "req-big")
+        assert src is not None
+        transport.write(hello["session"], src.addr, hello["slot_addr"], 4096)  # connected while it answers
+        receiver.proc.send_signal(signal.SIGSTOP)
+        monkeypatch.setattr(engine, "WRITE_TIMEOUT_S", 1.0)
+        started = time.monotonic()
+        with pytest.raises(TransferStalled, match=r"did not finish in 1s"):
+            transport.write(hello["session"], src.addr, hello["slot_addr"], 64 * MIB)
+        assert time.monotonic() - started < 10
+    finally:
+        receiver.proc.send_signal(signal.SIGCONT)
+        receiver.send(None)
+        assert receiver.close() == 0

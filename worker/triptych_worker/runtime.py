@@ -50,6 +50,7 @@ from triptych_worker.transfer import (
     PayloadTooLarge,
     TransferError,
     TransferPool,
+    TransferStalled,
     load_tensors,
     stage_tensors,
 )
@@ -385,12 +386,19 @@ class Worker:
                 started = time.perf_counter()
                 try:
                     self.transport.write(push.dest_session, staged.addr, push.dest_addr, staged.nbytes)
+                except TransferStalled as exc:
+                    # Mooncake may still read these bytes: never hand them to another request.
+                    log.error("request %s: %s; quarantined %d pool bytes", request_id, exc, staged.nbytes)
+                    link.send(Failed(request_id, self.instance, str(exc)))
+                    continue
                 except TransferError as exc:
                     link.send(Failed(request_id, self.instance, str(exc)))
+                except Exception as exc:  # a bug fails this request, never the transfer thread
+                    log.exception("request %s: push failed", request_id)
+                    link.send(Failed(request_id, self.instance, f"{type(exc).__name__}: {exc}"))
                 else:
                     link.send(TransferPushed(request_id, self.instance, staged.nbytes, time.perf_counter() - started))
-                finally:
-                    self.pool.free(staged)
+                self.pool.free(staged)
                 self._space_freed(link)
         finally:
             link.close()

@@ -8,7 +8,7 @@ tensors out of its slot (load_tensors) and frees it.
 
 from .allocator import ALIGNMENT
 from .engine import MooncakeTransport
-from .errors import MooncakeNotInstalled, PayloadTooLarge, TransferError
+from .errors import MooncakeNotInstalled, PayloadTooLarge, TransferError, TransferStalled
 from .pool import Allocation, MemoryRegistrar, TransferPool
 from .tensors import StagedTensors, check_manifest, layout, load_tensors, stage_tensors
 
@@ -22,6 +22,7 @@ __all__ = [
     "StagedTensors",
     "TransferError",
     "TransferPool",
+    "TransferStalled",
     "check_manifest",
     "layout",
     "load_tensors",

@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
-from .errors import MooncakeNotInstalled, TransferError
+from .errors import MooncakeNotInstalled, TransferError, TransferStalled
+
+# How write() waits for Mooncake: poll without pausing while a write is young (small writes,
+# and RDMA ones, finish in microseconds), then sleep a small fraction of the time already spent
+# between polls, so a long write adds at most ~5% and leaves the CPU to the transport's own
+# threads. (transfer_sync_write spins a core for the whole write, which on a small host slows
+# the transfer itself and every other process.)
+SPIN_S = 200e-6
+POLL_FRACTION = 0.05
+POLL_MAX_S = 1e-3
+WRITE_TIMEOUT_S = 120.0
+_PENDING, _DONE = 0, 1
 
 
 def _import_transfer_engine() -> Any:
@@ -63,8 +75,10 @@ class MooncakeTransport:
     def write(self, dest_session: str, local_addr: int, dest_addr: int, nbytes: int) -> None:
         """Copy `nbytes` from local registered memory to `dest_addr` in peer `dest_session`; blocks.
 
-        Raises TransferError naming the peer, size and return code if the engine refuses or the
-        peer is unreachable, and before calling the engine if the local range is not registered.
+        Raises TransferError naming the peer, size and status if the engine refuses or the peer is
+        unreachable, and before calling the engine if the local range is not registered;
+        TransferStalled (a TransferError) if the write is still pending after WRITE_TIMEOUT_S, in
+        which case the engine may still read the local range, so it must not be reused.
         """
         self._check_open()
         if nbytes < 0:
@@ -76,12 +90,31 @@ class MooncakeTransport:
                 f"local range 0x{local_addr:x}+{nbytes} is not inside memory registered with this transport; "
                 "stage the payload in the TransferPool first"
             )
-        rc = self._engine.transfer_sync_write(dest_session, local_addr, dest_addr, nbytes)
-        if rc != 0:
-            raise TransferError(
-                f"Mooncake {self.protocol} write of {nbytes} bytes to peer {dest_session} at 0x{dest_addr:x} "
-                f"failed (return code {rc}); the peer may be gone or the address outside its transfer pool"
+        batch = self._engine.transfer_submit_write(dest_session, local_addr, dest_addr, nbytes)
+        status = self._wait(batch) if batch else None
+        if status == _DONE:
+            return
+        what = f"Mooncake {self.protocol} write of {nbytes} bytes to peer {dest_session} at 0x{dest_addr:x}"
+        if status == _PENDING:
+            raise TransferStalled(
+                f"{what} did not finish in {WRITE_TIMEOUT_S:g}s; the peer may be stalled or its network congested"
             )
+        outcome = "could not start" if status is None else f"failed (status {status})"
+        raise TransferError(f"{what} {outcome}; the peer may be gone or the address outside its transfer pool")
+
+    def _wait(self, batch: int) -> int:
+        """The final status of a submitted write (1 done, negative failed, 0 still pending at the timeout).
+
+        Mooncake forgets a batch once it has reported it done, so its status is read until then only.
+        """
+        started = time.perf_counter()
+        while (status := self._engine.transfer_check_status(batch)) == _PENDING:
+            elapsed = time.perf_counter() - started
+            if elapsed > WRITE_TIMEOUT_S:
+                break
+            if elapsed > SPIN_S:
+                time.sleep(min(POLL_MAX_S, elapsed * POLL_FRACTION))
+        return status
 
     def close(self) -> None:
         """Unregister all memory and drop the engine. Idempotent."""

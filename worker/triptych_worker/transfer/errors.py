@@ -7,6 +7,10 @@ class TransferError(RuntimeError):
     """A Mooncake engine call failed (initialize, register or write)."""
 
 
+class TransferStalled(TransferError):
+    """A write did not finish in time; Mooncake may still be reading its source bytes."""
+
+
 class MooncakeNotInstalled(ImportError):
     """The mooncake package is missing from this environment."""
 

@@ -1,0 +1,129 @@
+"""The messaging floor of one request: its 12 control messages over raw ZMQ, nothing else.
+
+A request through the head touches five processes with 12 one-way messages: client -> head,
+five head -> worker -> head round trips (encoder: work, push; denoiser: ready, push; decoder:
+ready), head -> client. Here the same sockets (DEALER -> ROUTER, PUSH -> PULL) between the same
+number of processes carry the same sequence of ~100-byte messages, and every process only
+forwards, so the median latency is what the messages alone cost on this machine.
+
+    python bench/zmq_floor.py [--requests 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import time
+
+import zmq
+
+ROUTE = (0, 0, 1, 1, 2)  # worker index of each head -> worker -> head round trip of one request
+MESSAGE = b"x" * 100
+TIMEOUT_MS = 10_000
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _worker(work_port: int, result_port: int) -> None:
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(f"tcp://127.0.0.1:{work_port}")
+    push.connect(f"tcp://127.0.0.1:{result_port}")
+    while (msg := pull.recv_multipart()) != [b"stop"]:
+        push.send_multipart(msg)
+
+
+def _head(front_port: int, result_port: int, work_ports: list[int]) -> None:
+    ctx = zmq.Context()
+    front, results = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
+    front.bind(f"tcp://127.0.0.1:{front_port}")
+    results.bind(f"tcp://127.0.0.1:{result_port}")
+    workers = [ctx.socket(zmq.PUSH) for _ in work_ports]
+    for sock, port in zip(workers, work_ports, strict=True):
+        sock.connect(f"tcp://127.0.0.1:{port}")
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(results, zmq.POLLIN)
+    client, hop = b"", 0
+    while True:
+        ready = dict(poller.poll(TIMEOUT_MS))
+        if front in ready:
+            client, body = front.recv_multipart()
+            if body == b"stop":
+                for w in workers:
+                    w.send(b"stop")
+                return
+            hop = 0
+            workers[ROUTE[0]].send_multipart([body])
+        if results in ready:
+            (body,) = results.recv_multipart()
+            hop += 1
+            if hop < len(ROUTE):
+                workers[ROUTE[hop]].send_multipart([body])
+            else:
+                front.send_multipart([client, body])
+
+
+def measure(requests: int = 200, max_seconds: float = 30.0) -> dict[str, float]:
+    """Median and p90 seconds of one request's 12 messages, over at most `requests` in `max_seconds`."""
+    front_port, result_port, *work_ports = _free_ports(2 + 1 + max(ROUTE))
+    spawn = mp.get_context("spawn")
+    procs = [spawn.Process(target=_worker, args=(p, result_port), daemon=True) for p in work_ports]
+    procs.append(spawn.Process(target=_head, args=(front_port, result_port, work_ports), daemon=True))
+    for p in procs:
+        p.start()
+    ctx = zmq.Context()
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(f"tcp://127.0.0.1:{front_port}")
+    samples: list[float] = []
+    try:
+        for _ in range(20):  # connect and warm up
+            client.send(MESSAGE)
+            client.recv()
+        deadline = time.monotonic() + max_seconds
+        while len(samples) < requests and time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            client.send(MESSAGE)
+            client.recv()
+            samples.append(time.perf_counter() - t0)
+        client.send(b"stop")
+    finally:
+        client.close()
+        ctx.term()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    samples.sort()
+    return {
+        "messages": 2 + 2 * len(ROUTE),
+        "floor_ms": statistics.median(samples) * 1e3,
+        "floor_p90_ms": samples[int(0.9 * (len(samples) - 1))] * 1e3,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=200)
+    args = p.parse_args()
+    out = measure(args.requests)
+    print(f"{out['messages']} raw ZMQ messages over 5 processes: {out['floor_ms']:.2f} ms median, "
+          f"{out['floor_p90_ms']:.2f} ms p90")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
