@@ -317,7 +317,7 @@ class DiffusionServer:
             return
         if rec.hop + 1 >= len(rec.route):
             raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
-        self._record_stage_time(rec)
+        self._record_stage_time(rec, msg.seconds)
         rec.move(done)
         rec.staged = StagedPayload(sender=inst.url, nbytes=msg.nbytes, manifest=msg.manifest, meta=msg.meta)
         rec.instance = None
@@ -381,7 +381,7 @@ class DiffusionServer:
     def _on_result(self, rec: RequestRecord, inst: WorkerInstance, msg: Result, frames: list[Any]) -> None:
         if rec.state is not RequestState.DECODER_RUNNING or rec.instance != inst.url:
             return
-        self._record_stage_time(rec)
+        self._record_stage_time(rec, msg.seconds)
         rec.timings["total"] = time.monotonic() - rec.created
         rec.move(RequestState.DONE)
         self._reply(rec.client, RequestResult(rec.request_id, msg.tensors, rec.timings), frames)
@@ -471,10 +471,12 @@ class DiffusionServer:
             self._event(rec)
         return True
 
-    def _record_stage_time(self, rec: RequestRecord) -> None:
+    def _record_stage_time(self, rec: RequestRecord, worker_seconds: float) -> None:
+        """The hop's time as the head saw it (dispatch to output reported) and as the worker spent it."""
         elapsed = time.monotonic() - rec.hop_started
         self.metrics.stage_seconds.labels(rec.role.value).observe(elapsed)
         rec.timings[rec.role.value] = elapsed
+        rec.timings[f"worker_{rec.role.value}"] = worker_seconds  # load inputs, run stages, stage outputs
 
     # --- endings ----------------------------------------------------------------------------
 

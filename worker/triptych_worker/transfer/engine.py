@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
 
 from .errors import MooncakeNotInstalled, TransferError, TransferStalled
 
-# How write() waits for Mooncake: poll without pausing while a write is young (small writes,
-# and RDMA ones, finish in microseconds), then sleep a small fraction of the time already spent
-# between polls, so a long write adds at most ~5% and leaves the CPU to the transport's own
-# threads. (transfer_sync_write spins a core for the whole write, which on a small host slows
-# the transfer itself and every other process.)
+# How write() waits for Mooncake. transfer_sync_write spins a core for the whole write, which
+# on a host with few cores starves the transport threads doing the work (and every other
+# process). Instead: poll without pausing while the write is young (small and RDMA writes end
+# within microseconds), then poll yielding the core to anything runnable, and once the write is
+# long, sleep a small fraction of the time already spent between polls (at most ~5% added).
 SPIN_S = 200e-6
+YIELD_S = 2e-3
 POLL_FRACTION = 0.05
 POLL_MAX_S = 1e-3
 WRITE_TIMEOUT_S = 120.0
@@ -112,8 +114,10 @@ class MooncakeTransport:
             elapsed = time.perf_counter() - started
             if elapsed > WRITE_TIMEOUT_S:
                 break
-            if elapsed > SPIN_S:
+            if elapsed > YIELD_S:
                 time.sleep(min(POLL_MAX_S, elapsed * POLL_FRACTION))
+            elif elapsed > SPIN_S:
+                os.sched_yield()
         return status
 
     def close(self) -> None:
