@@ -392,7 +392,7 @@ class DiffusionServer:
             return
         inst.inflight.discard(rec.request_id)
         reason = f"{inst.role.value} {inst.url}: {msg.error}"
-        if rec.staged and rec.staged.sender == inst.url:
+        if rec.staged and rec.staged.sender == inst.url and not msg.write_pending:
             rec.push_in_flight = False  # the sender reported: no write of this request is under way
         if rec.staged and rec.staged.sender == inst.url and rec.receiver_reserved:
             # A failed push is as likely the receiver's fault as the sender's: name both.

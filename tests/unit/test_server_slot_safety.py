@@ -19,6 +19,7 @@ from triptych.ports import result_port
 from triptych.protocol import (
     Cancel,
     CancelWork,
+    Failed,
     Heartbeat,
     Ping,
     Progress,
@@ -162,3 +163,22 @@ def test_a_kept_slot_is_reused_without_transfer_alloc_once_its_holder_has_loaded
     push_b = enc.wait_for(TransferPush)
     assert push_b.request_id == "b" and push_b.dest_addr == 8192
     assert not any(isinstance(m, TransferAlloc) for m in den.got), "a fitting kept slot needs no transfer_alloc"
+
+
+def test_a_push_that_gave_up_with_its_write_pending_keeps_the_receive_slot(head):
+    client, w = head
+    enc, den = w[Role.ENCODER], w[Role.DENOISER]
+    _run_to_push(client, w, "stalled")
+    alloc = den.wait_for(TransferAlloc)
+    den.send(TransferAllocated("stalled", alloc.instance, SESSION, 4096))
+    push = enc.wait_for(TransferPush)
+
+    enc.send(Failed("stalled", push.instance, "write did not finish", write_pending=True))
+    assert client.poll(5000), "the client never heard that its request failed"
+    failed, _ = decode(client.recv_multipart())
+    assert failed.state == "FAILED" and "did not finish" in failed.error
+    den.pump(0.5)
+    assert not any(isinstance(m, CancelWork) for m in den.got), "slot freed while the write may still land"
+
+    enc.send(Failed("stalled", push.instance, "the write ended after all"))  # a late report frees it
+    assert den.wait_for(CancelWork).request_id == "stalled"

@@ -206,3 +206,4 @@ class Failed:
     instance: str
     error: str
     status_code: int = 500  # what the HTTP client should see: 413 for a payload no pool can take
+    write_pending: bool = False  # a push gave up waiting, but Mooncake may still write into the receiver's slot

@@ -387,10 +387,8 @@ class Worker:
                 try:
                     self.transport.write(push.dest_session, staged.addr, push.dest_addr, staged.nbytes)
                 except TransferStalled as exc:
-                    # Mooncake may still read these bytes: never hand them to another request.
-                    log.error("request %s: %s; quarantined %d pool bytes", request_id, exc, staged.nbytes)
-                    link.send(Failed(request_id, self.instance, str(exc)))
-                    continue
+                    # The bytes may still land: the head keeps the receiver's slot out of use for now.
+                    link.send(Failed(request_id, self.instance, str(exc), write_pending=True))
                 except TransferError as exc:
                     link.send(Failed(request_id, self.instance, str(exc)))
                 except Exception as exc:  # a bug fails this request, never the transfer thread

@@ -80,7 +80,7 @@ class MooncakeTransport:
         Raises TransferError naming the peer, size and status if the engine refuses or the peer is
         unreachable, and before calling the engine if the local range is not registered;
         TransferStalled (a TransferError) if the write is still pending after WRITE_TIMEOUT_S, in
-        which case the engine may still read the local range, so it must not be reused.
+        which case the engine may still write into the peer's range (and read the local one).
         """
         self._check_open()
         if nbytes < 0:
