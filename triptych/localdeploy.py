@@ -35,10 +35,23 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def _ephemeral_port_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # the Linux default
+
+
 def free_port_block(n: int) -> int:
-    """A base port with n consecutive free loopback ports (the head needs scheduler_port .. +5)."""
+    """A base port with n consecutive free loopback ports (the head needs scheduler_port .. +5).
+
+    Picked between Mooncake's handshake ports (15000-17000) and the kernel's ephemeral range:
+    outgoing connections (Mooncake opens one per write) take local ports from the latter, so a
+    port picked there can be taken between this check and the process binding it.
+    """
+    low, high = 20000, max(20000, _ephemeral_port_start() - n)
     for _ in range(200):
-        base = random.randint(20000, 45000)
+        base = random.randint(low, high)
         if all(_port_free(base + i) for i in range(n)):
             return base
     raise RuntimeError("no free port block on 127.0.0.1")
