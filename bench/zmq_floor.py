@@ -13,26 +13,20 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import socket
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from triptych.localdeploy import free_port_block
 
 ROUTE = (0, 0, 1, 1, 2)  # worker index of each head -> worker -> head round trip of one request
 MESSAGE = b"x" * 100
 TIMEOUT_MS = 10_000
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _worker(work_port: int, result_port: int) -> None:
@@ -77,7 +71,9 @@ def _head(front_port: int, result_port: int, work_ports: list[int]) -> None:
 
 def measure(requests: int = 200, max_seconds: float = 30.0) -> dict[str, float]:
     """Median and p90 seconds of one request's 12 messages, over at most `requests` in `max_seconds`."""
-    front_port, result_port, *work_ports = _free_ports(2 + 1 + max(ROUTE))
+    n_ports = 2 + 1 + max(ROUTE)
+    base = free_port_block(n_ports)
+    front_port, result_port, *work_ports = range(base, base + n_ports)
     spawn = mp.get_context("spawn")
     procs = [spawn.Process(target=_worker, args=(p, result_port), daemon=True) for p in work_ports]
     procs.append(spawn.Process(target=_head, args=(front_port, result_port, work_ports), daemon=True))

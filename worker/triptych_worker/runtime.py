@@ -388,11 +388,10 @@ class Worker:
                 started = time.perf_counter()
                 try:
                     self.transport.write(push.dest_session, staged.addr, push.dest_addr, staged.nbytes)
-                except TransferStalled as exc:
-                    # The bytes may still land: the head keeps the receiver's slot out of use for now.
-                    link.send(Failed(request_id, self.instance, str(exc), write_pending=True))
                 except TransferError as exc:
-                    link.send(Failed(request_id, self.instance, str(exc)))
+                    # A stalled write may still land: the head then keeps the receiver's slot out of use.
+                    stalled = isinstance(exc, TransferStalled)
+                    link.send(Failed(request_id, self.instance, str(exc), write_pending=stalled))
                 except Exception as exc:  # a bug fails this request, never the transfer thread
                     log.exception("request %s: push failed", request_id)
                     link.send(Failed(request_id, self.instance, f"{type(exc).__name__}: {exc}"))
