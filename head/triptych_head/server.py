@@ -357,19 +357,13 @@ class DiffusionServer:
             return
         inst.inflight.discard(rec.request_id)  # spec step 5: the sender's scheduling slot is free again
         rec.push_in_flight = False
-        receiver = self.registry.find(rec.instance)
-        dest = receiver.role.value if receiver else "?"
-        self.metrics.transfer_bytes.labels(inst.role.value, dest).inc(msg.nbytes)
-        self.metrics.transfer_seconds.labels(inst.role.value, dest).observe(msg.seconds)
-        handoff = time.monotonic() - staged.staged_at  # reserve a slot, push, write, report
-        self.metrics.handoff_seconds.labels(inst.role.value, dest).observe(handoff)
-        rec.timings[f"transfer_{inst.role.value}_{dest}"] = msg.seconds
-        rec.timings[f"handoff_{inst.role.value}_{dest}"] = handoff
+        rec.staged = None
         ready = TransferReady(
             rec.request_id, rec.instance, rec.params.to_wire(), staged.manifest, staged.meta, rec.slot_addr, rec.watch
         )
-        rec.staged = None
-        if not self.registry.send(rec.instance, ready):
+        sent = self.registry.send(rec.instance, ready)
+        dest = self._record_transfer(rec, inst, staged, msg)  # after the send: the receiver need not wait for it
+        if not sent:
             self._finish(
                 rec, RequestState.FAILED, f"{dest} {rec.instance} became unreachable before its input was ready"
             )
@@ -377,6 +371,21 @@ class DiffusionServer:
         rec.move(ROLE_STATES[rec.role][1])
         rec.hop_started = time.monotonic()
         self._event(rec)
+
+    def _record_transfer(
+        self, rec: RequestRecord, sender: WorkerInstance, staged: StagedPayload, msg: TransferPushed
+    ) -> str:
+        """Metrics and timings of a finished hand-off; returns the receiving role's name."""
+        receiver = self.registry.find(rec.instance or "")
+        dest = receiver.role.value if receiver else "?"
+        src = sender.role.value
+        self.metrics.transfer_bytes.labels(src, dest).inc(msg.nbytes)
+        self.metrics.transfer_seconds.labels(src, dest).observe(msg.seconds)
+        handoff = time.monotonic() - staged.staged_at  # reserve a slot, push, write, report
+        self.metrics.handoff_seconds.labels(src, dest).observe(handoff)
+        rec.timings[f"transfer_{src}_{dest}"] = msg.seconds
+        rec.timings[f"handoff_{src}_{dest}"] = handoff
+        return dest
 
     def _on_result(self, rec: RequestRecord, inst: WorkerInstance, msg: Result, frames: list[Any]) -> None:
         if rec.state is not RequestState.DECODER_RUNNING or rec.instance != inst.url:
@@ -414,8 +423,11 @@ class DiffusionServer:
     def _enter_hop(self, rec: RequestRecord) -> None:
         rec.move(ROLE_STATES[rec.role][0])
         rec.hop_started = time.monotonic()
-        self._queues[rec.role].append(rec.request_id)
         self._event(rec)
+        queue = self._queues[rec.role]
+        queue.append(rec.request_id)
+        if len(queue) == 1 and self._dispatch_one(rec.role, rec.request_id):
+            queue.popleft()  # nothing waited ahead of it: dispatched now rather than at the end of the loop turn
 
     def _dispatch_all(self) -> None:
         for role, queue in self._queues.items():

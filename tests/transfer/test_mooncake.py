@@ -206,3 +206,40 @@ def test_a_write_to_a_stalled_peer_times_out_as_stalled(
         receiver.proc.send_signal(signal.SIGCONT)
         receiver.send(None)
         assert receiver.close() == 0
+
+
+def test_a_submitted_write_returns_at_once_and_lands_once_polled_done() -> None:
+    """submit_write does not wait for the peer (here SIGSTOPped); done() turns True once it resumes."""
+    with MooncakeTransport("127.0.0.1", None) as transport:  # its own: the module's has a 64 MiB pool already
+        _submit_and_poll(transport)
+
+
+def _submit_and_poll(transport: MooncakeTransport) -> None:
+    big = TransferPool(64 * MIB, "encoder", transport)
+    payload = {
+        "latents": torch.randint(0, 256, (32 * MIB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    }
+    staged = stage_tensors(big, payload, "req-submit")
+    assert staged is not None
+    receiver = Receiver(pool_bytes=64 * MIB, slot_bytes=staged.nbytes)
+    try:
+        hello = receiver.read()
+        transport.write(hello["session"], staged.allocation.addr, hello["slot_addr"], 4096)  # connect first
+        receiver.proc.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        pending = transport.submit_write(hello["session"], staged.allocation.addr, hello["slot_addr"], staged.nbytes)
+        assert time.monotonic() - started < 1.0
+        assert not pending.done(), "32 MiB cannot have reached a stopped peer"
+        receiver.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while not pending.done():
+            assert time.monotonic() < deadline, "the write never finished after the peer resumed"
+            pending.pause()
+        assert pending.done(), "a finished write stays done (Mooncake forgets the batch once it reported it)"
+        receiver.send(staged.manifest)
+        report = receiver.read()
+    finally:
+        receiver.proc.send_signal(signal.SIGCONT)
+        big.free(staged.allocation)
+        receiver.close()
+    assert report["latents"]["sha256"] == sha256(payload["latents"])

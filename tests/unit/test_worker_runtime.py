@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
 from triptych.protocol import CancelWork, TransferAlloc, TransferAllocated
@@ -66,3 +68,105 @@ def test_steps_are_reported_only_when_the_head_asks_for_them():
             assert isinstance(link.sent[-1], TransferStaged)
     finally:
         worker.transport.close()
+
+
+class GatedPipeline:
+    """A denoiser whose every job blocks until the test opens its gate; records who ran what."""
+
+    family = "gated"
+    loaded_components: set[str] = set()
+
+    def __init__(self) -> None:
+        import threading
+
+        self.gates: dict[str, threading.Event] = {}
+        self.runs: list[tuple[str, str]] = []  # (request id, thread name), in the order jobs started
+        self.running = 0
+        self.max_running = 0
+
+    def validate(self, params: object) -> None:
+        pass
+
+    def run(self, batch: object) -> object:
+        import threading
+
+        import torch
+
+        rid = batch.params.prompt  # type: ignore[attr-defined]
+        self.runs.append((rid, threading.current_thread().name))
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        try:
+            assert self.gates[rid].wait(30), f"gate of {rid} never opened"
+        finally:
+            self.running -= 1
+        batch.tensors = {"latents": torch.zeros(16, dtype=torch.uint8)}  # type: ignore[attr-defined]
+        return batch
+
+
+def test_a_computing_worker_keeps_answering_and_runs_queued_work_in_order_one_at_a_time():
+    """Real sockets: while one job runs, the other thread leads (answers pings and allocations);
+    work that arrives meanwhile runs after it, in order, never two at once."""
+    import threading
+
+    import zmq
+
+    from triptych.localdeploy import free_port_block
+    from triptych.protocol import Heartbeat, Ping, TransferStaged, Work, decode, encode
+
+    base = free_port_block(8)
+    argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--device", "cpu",
+            "--disagg-server-addr", f"tcp://127.0.0.1:{base}", "--scheduler-port", str(base + 6),
+            "--disagg-transfer-pool-size", "4MiB"]  # fmt: skip
+    args = ServeArgs.from_namespace(build_parser().parse_args(argv))
+    pipeline = GatedPipeline()
+    worker = Worker(args, pipeline=pipeline)  # type: ignore[arg-type]
+    ctx = zmq.Context.instance()
+    results = ctx.socket(zmq.PULL)
+    results.setsockopt(zmq.RCVTIMEO, 10_000)
+    results.bind(f"tcp://127.0.0.1:{base + 2}")  # the denoiser result port of a head at `base`
+    work = ctx.socket(zmq.PUSH)
+    work.setsockopt(zmq.LINGER, 0)
+    work.connect(f"tcp://127.0.0.1:{base + 6}")
+    serving = threading.Thread(target=worker.serve, daemon=True)
+    serving.start()
+
+    def next_message(kind: type) -> object:
+        while True:
+            msg, _ = decode(results.recv_multipart())  # zmq.Again after 10 s fails the test
+            if isinstance(msg, kind):
+                return msg
+
+    params = {"width": 16, "height": 16, "num_inference_steps": 1}
+    try:
+        for rid in ("r1", "r2", "r3"):
+            pipeline.gates[rid] = threading.Event()
+        work.send_multipart(encode(Work("r1", "w", {**params, "prompt": "r1"})))
+        deadline = time.monotonic() + 10
+        while not pipeline.runs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [r for r, _ in pipeline.runs] == ["r1"]
+        # r1 blocks its thread; the other one leads: pings and allocations are answered at once.
+        work.send_multipart(encode(Ping("w", "head-1")))
+        assert isinstance(next_message(Heartbeat), Heartbeat)
+        work.send_multipart(encode(TransferAlloc("r9", "w", 4096)))
+        assert next_message(TransferAllocated).request_id == "r9"  # type: ignore[attr-defined]
+        work.send_multipart(encode(Work("r2", "w", {**params, "prompt": "r2"})))
+        work.send_multipart(encode(Work("r3", "w", {**params, "prompt": "r3"})))
+        time.sleep(0.2)
+        assert [r for r, _ in pipeline.runs] == ["r1"], "queued work must wait for the running job"
+        for rid in ("r1", "r2", "r3"):
+            pipeline.gates[rid].set()
+            assert next_message(TransferStaged).request_id == rid  # type: ignore[attr-defined]
+        assert [r for r, _ in pipeline.runs] == ["r1", "r2", "r3"]
+        assert pipeline.max_running == 1
+        # The thread that finished r1 ran the queue; the one that led meanwhile never computed.
+        assert len({thread for _, thread in pipeline.runs}) == 1
+    finally:
+        for gate in pipeline.gates.values():
+            gate.set()
+        worker.stop()
+        serving.join(timeout=10)
+        work.close()
+        results.close()
+    assert not serving.is_alive()

@@ -1,18 +1,19 @@
 """The worker process: one role's stages behind a ZMQ work socket and a Mooncake transfer pool.
 
-Threads, each with one job and its own socket to the head:
-- control (the caller of `serve`): receives head messages, answers pings and allocations;
-- compute: runs the stages of one request at a time, stages outputs into the pool;
-- transfer: pushes staged outputs to receivers through Mooncake.
+Two threads share the work as leader and follower. The leader owns the work socket and the
+Mooncake writes under way: it receives head messages, answers pings and allocations, starts
+pushes and reports each one when its write completes. When work arrives and nothing is
+computing, the leader runs it itself and hands the lead to the other thread, so no request waits
+on its path for another thread to wake up; work that arrives while a job runs is queued, and
+the computing thread runs it next. Whichever thread leads, all of this state is the worker's.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ from triptych_worker.transfer import (
     Allocation,
     MooncakeTransport,
     PayloadTooLarge,
+    PendingWrite,
     TransferError,
     TransferPool,
     TransferStalled,
@@ -61,6 +63,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+IDLE_POLL_MS = 100  # how long the leader waits for a message when no write is under way
+DRAIN_LIMIT = 1000  # messages handled per wake-up before the leader looks at its writes again
+THREADS = 2  # one leads while the other computes
 STAGING_RETRY_S = 0.01
 CANCELLED_MEMORY = 10_000  # how many cancelled request ids are remembered
 
@@ -78,6 +83,15 @@ class Job:
     params: dict[str, Any]
     incoming: tuple[Allocation, list[dict[str, Any]], dict[str, Any]] | None = None
     progress: bool = False  # send Progress for every step (the head has a watcher for it)
+
+
+@dataclass
+class Push:
+    """A staged output on its way to a receiver: the Mooncake write under way out of it."""
+
+    request_id: str
+    staged: Allocation
+    write: PendingWrite
 
 
 class HeadLink:
@@ -112,10 +126,13 @@ class Worker:
         self.head_endpoint = result_endpoint(args.disagg_server_addr or "", self.role)
         self.work_endpoint = tcp_url(args.disagg_p2p_hostname, args.scheduler_port)
         self.instance = ""  # learned from the head's first message: the URL the head knows us by
-        # SimpleQueue: the C queue wakes its consumer several times faster than queue.Queue,
-        # and every request crosses these hand-offs.
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._pushes: queue.SimpleQueue[tuple[str, TransferPush] | None] = queue.SimpleQueue()
+        self._leading = threading.Lock()  # held by the leader; the work socket and self._pushes are its
+        self._work: zmq.Socket[Any] | None = None
+        self._pushes: list[Push] = []  # writes under way (leader only)
+        self._next_beat = 0.0
+        self._queue: deque[Job] = deque()  # accepted work waiting for the computing thread
+        self._computing = False  # a thread is running a job
+        self._crashed: BaseException | None = None
         self._staged: dict[str, Allocation] = {}  # outputs waiting for their transfer_push
         self._slots: dict[str, Allocation] = {}
         self._standing: dict[int, Allocation] = {}  # preallocated receive slots the head assigns by address
@@ -126,47 +143,106 @@ class Worker:
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
-    # --- control thread ---------------------------------------------------------------------
+    # --- threads ---------------------------------------------------------------------------
 
     def serve(self) -> None:
-        work = self.ctx.socket(zmq.PULL)
-        work.setsockopt(zmq.LINGER, 0)
-        work.bind(self.work_endpoint)
-        link = HeadLink(self.ctx, self.head_endpoint)
-        threads = [
-            threading.Thread(target=self._compute_loop, name="compute", daemon=True),
-            threading.Thread(target=self._transfer_loop, name="transfer", daemon=True),
-        ]
+        """Serve until stop() (or Ctrl-C); raises if a worker thread died of a bug."""
+        self._work = self.ctx.socket(zmq.PULL)
+        self._work.setsockopt(zmq.LINGER, 0)
+        self._work.bind(self.work_endpoint)
+        threads = [threading.Thread(target=self._thread_main, name=f"worker-{i}", daemon=True) for i in range(THREADS)]
         for t in threads:
             t.start()
         log.info(
             "%s ready: work %s, results to %s, transfer session %s, pool %d bytes",
             self.role.value, self.work_endpoint, self.head_endpoint, self.transport.session_id, self.pool.pool_bytes,
         )  # fmt: skip
-        next_beat = 0.0
         try:
-            while not self._stop.is_set():
-                if work.poll(100):
-                    for _ in range(1000):
-                        try:
-                            parts = work.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_message(link, [p.buffer for p in parts])
-                if self.instance and time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
-                    link.send(self._heartbeat())
+            while not self._stop.wait(0.5):  # the threads do the work; this one waits for stop or a signal
+                pass
         finally:
-            self._jobs.put(None)
-            self._pushes.put(None)
+            self._stop.set()
             for t in threads:
                 t.join(timeout=5)
-            work.close()
-            link.close()
+            self._work.close()
             self.transport.close()
+        if self._crashed is not None:
+            raise RuntimeError("a worker thread failed; see the log above") from self._crashed
+
+    def _thread_main(self) -> None:
+        link = HeadLink(self.ctx, self.head_endpoint)
+        try:
+            while not self._stop.is_set():
+                with self._leading:
+                    job = self._lead(link)
+                while job is not None:  # the other thread leads meanwhile
+                    self._compute(link, job)
+                    job = self._next_job()
+        except BaseException as exc:  # a bug: stop the worker so that it is restarted, not left half-working
+            log.exception("worker thread failed; stopping")
+            self._crashed = exc
+            self._stop.set()
+        finally:
+            link.close()
+
+    def _lead(self, link: HeadLink) -> Job | None:
+        """Serve the work socket and the writes under way until there is a job for this thread."""
+        assert self._work is not None
+        while not self._stop.is_set():
+            if (job := self._take_job()) is not None:
+                return job
+            if self._wait_for_message():
+                for _ in range(DRAIN_LIMIT):
+                    try:
+                        parts = self._work.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_message(link, [p.buffer for p in parts])
+                    if self._queue and not self._computing:  # a hint; _take_job decides under the lock
+                        break  # run it now; the messages behind it are the next leader's
+            self._check_pushes(link)
+            if self.instance and time.monotonic() >= self._next_beat:
+                self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+                link.send(self._heartbeat())
+        return None
+
+    def _wait_for_message(self) -> bool:
+        """Wait for a head message, but while writes are under way only as long as polling them allows."""
+        assert self._work is not None
+        if not self._pushes:
+            return bool(self._work.poll(IDLE_POLL_MS))
+        if self._work.poll(0):
+            return True
+        # Pace by the youngest write, the one polled most often; a message arriving meanwhile waits
+        # at most POLL_MAX_S (1 ms), and only behind writes already longer than that.
+        min(self._pushes, key=lambda p: p.write.elapsed()).write.pause()
+        return False
+
+    def _take_job(self) -> Job | None:
+        """The next queued job, claimed for this thread, if no thread is computing."""
+        with self._lock:
+            if self._computing or not self._queue:
+                return None
+            self._computing = True
+            return self._queue.popleft()
+
+    def _next_job(self) -> Job | None:
+        """After a job: the next queued one for the same thread, or None when nothing is left to compute."""
+        with self._lock:
+            if self._queue:
+                return self._queue.popleft()
+            self._computing = False
+            return None
+
+    def _enqueue(self, job: Job) -> None:
+        with self._lock:
+            self._outstanding.add(job.request_id)
+            self._queue.append(job)
 
     def stop(self) -> None:
         self._stop.set()
+
+    # --- head messages (leader) -------------------------------------------------------------
 
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(
@@ -193,13 +269,11 @@ class Worker:
             self._follow_head(msg.head_id)
             link.send(self._heartbeat())
         elif isinstance(msg, Work):
-            with self._lock:
-                self._outstanding.add(msg.request_id)
-            self._jobs.put(Job(msg.request_id, msg.params, progress=msg.progress))
+            self._enqueue(Job(msg.request_id, msg.params, progress=msg.progress))
         elif isinstance(msg, TransferAlloc):
             self._allocate(link, msg)
         elif isinstance(msg, TransferPush):
-            self._pushes.put((msg.request_id, msg))
+            self._start_push(link, msg)
         elif isinstance(msg, TransferReady):
             self._ready(link, msg)
         elif isinstance(msg, CancelWork):
@@ -272,11 +346,10 @@ class Worker:
             alloc = self._slots.pop(msg.request_id, None)
             if msg.slot_addr:
                 alloc = self._standing.get(msg.slot_addr)
-                self._outstanding.add(msg.request_id)
         if alloc is None:
             link.send(Failed(msg.request_id, self.instance, "transfer_ready for a slot this worker does not hold"))
             return
-        self._jobs.put(Job(msg.request_id, msg.params, (alloc, msg.manifest, msg.meta), msg.progress))
+        self._enqueue(Job(msg.request_id, msg.params, (alloc, msg.manifest, msg.meta), msg.progress))
 
     def _cancel(self, request_id: str) -> None:
         with self._lock:
@@ -292,35 +365,29 @@ class Worker:
         with self._lock:
             return request_id in self._cancelled
 
-    # --- compute thread ---------------------------------------------------------------------
+    # --- computing (either thread) ----------------------------------------------------------
 
-    def _compute_loop(self) -> None:
-        link = HeadLink(self.ctx, self.head_endpoint)
+    def _compute(self, link: HeadLink, job: Job) -> None:
+        """Run one job; any failure fails only its request."""
         try:
-            while (job := self._jobs.get()) is not None:
-                if self._is_cancelled(job.request_id):
-                    self.pool.free_owner(job.request_id)
-                    with self._lock:
-                        self._outstanding.discard(job.request_id)
-                    continue
-                try:
-                    self._run_job(link, job)
-                except RequestCancelled:
-                    self.pool.free_owner(job.request_id)
-                    self._space_freed(link)
-                except PayloadTooLarge as exc:
-                    self.pool.free_owner(job.request_id)
-                    link.send(Failed(job.request_id, self.instance, str(exc), status_code=413))
-                except Exception as exc:  # any stage error fails only this request
-                    log.exception("request %s failed", job.request_id)
-                    self.pool.free_owner(job.request_id)
-                    link.send(Failed(job.request_id, self.instance, f"{type(exc).__name__}: {exc}"))
-                    self._space_freed(link)
-                finally:
-                    with self._lock:
-                        self._outstanding.discard(job.request_id)
+            if self._is_cancelled(job.request_id):
+                self.pool.free_owner(job.request_id)
+                return
+            self._run_job(link, job)
+        except RequestCancelled:
+            self.pool.free_owner(job.request_id)
+            self._space_freed(link)
+        except PayloadTooLarge as exc:
+            self.pool.free_owner(job.request_id)
+            link.send(Failed(job.request_id, self.instance, str(exc), status_code=413))
+        except Exception as exc:  # any stage error fails only this request
+            log.exception("request %s failed", job.request_id)
+            self.pool.free_owner(job.request_id)
+            link.send(Failed(job.request_id, self.instance, f"{type(exc).__name__}: {exc}"))
+            self._space_freed(link)
         finally:
-            link.close()
+            with self._lock:
+                self._outstanding.discard(job.request_id)
 
     def _run_job(self, link: HeadLink, job: Job) -> None:
         started = time.perf_counter()
@@ -373,34 +440,45 @@ class Worker:
                 return None
             time.sleep(STAGING_RETRY_S)
 
-    # --- transfer thread --------------------------------------------------------------------
+    # --- pushes (leader) --------------------------------------------------------------------
 
-    def _transfer_loop(self) -> None:
-        link = HeadLink(self.ctx, self.head_endpoint)
+    def _start_push(self, link: HeadLink, msg: TransferPush) -> None:
+        with self._lock:
+            staged = self._staged.pop(msg.request_id, None)
+        if staged is None:
+            link.send(Failed(msg.request_id, self.instance, "transfer_push for a request with nothing staged"))
+            return
         try:
-            while (item := self._pushes.get()) is not None:
-                request_id, push = item
-                with self._lock:
-                    staged = self._staged.pop(request_id, None)
-                if staged is None:
-                    link.send(Failed(request_id, self.instance, "transfer_push for a request with nothing staged"))
+            write = self.transport.submit_write(msg.dest_session, staged.addr, msg.dest_addr, staged.nbytes)
+        except Exception as exc:
+            self._end_push(link, msg.request_id, staged, self._push_failed(msg.request_id, exc))
+            return
+        self._pushes.append(Push(msg.request_id, staged, write))
+
+    def _check_pushes(self, link: HeadLink) -> None:
+        """Report every push whose write has ended, and give its staged bytes back to the pool."""
+        for push in list(self._pushes):
+            try:
+                if not push.write.done():
                     continue
-                started = time.perf_counter()
-                try:
-                    self.transport.write(push.dest_session, staged.addr, push.dest_addr, staged.nbytes)
-                except TransferError as exc:
-                    # A stalled write may still land: the head then keeps the receiver's slot out of use.
-                    stalled = isinstance(exc, TransferStalled)
-                    link.send(Failed(request_id, self.instance, str(exc), write_pending=stalled))
-                except Exception as exc:  # a bug fails this request, never the transfer thread
-                    log.exception("request %s: push failed", request_id)
-                    link.send(Failed(request_id, self.instance, f"{type(exc).__name__}: {exc}"))
-                else:
-                    link.send(TransferPushed(request_id, self.instance, staged.nbytes, time.perf_counter() - started))
-                self.pool.free(staged)
-                self._space_freed(link)
-        finally:
-            link.close()
+            except Exception as exc:
+                report: Failed | TransferPushed = self._push_failed(push.request_id, exc)
+            else:
+                report = TransferPushed(push.request_id, self.instance, push.staged.nbytes, push.write.elapsed())
+            self._pushes.remove(push)
+            self._end_push(link, push.request_id, push.staged, report)
+
+    def _push_failed(self, request_id: str, exc: Exception) -> Failed:
+        if not isinstance(exc, TransferError):  # a bug fails this request, never the worker
+            log.error("request %s: push failed", request_id, exc_info=exc)
+            return Failed(request_id, self.instance, f"{type(exc).__name__}: {exc}")
+        # A stalled write may still land: the head then keeps the receiver's slot out of use.
+        return Failed(request_id, self.instance, str(exc), write_pending=isinstance(exc, TransferStalled))
+
+    def _end_push(self, link: HeadLink, request_id: str, staged: Allocation, report: Failed | TransferPushed) -> None:
+        link.send(report)
+        self.pool.free(staged)
+        self._space_freed(link)
 
 
 def run_worker(args: ServeArgs) -> int:

@@ -2,12 +2,12 @@
 
 Flow: the sender stages its output tensors into its pool (stage_tensors), the head reserves a
 slot in the receiver's pool and tells the sender the receiver's session and slot address, the
-sender writes the staged bytes there (MooncakeTransport.write), and the receiver loads the
+sender writes the staged bytes there (MooncakeTransport.submit_write), and the receiver loads the
 tensors out of its slot (load_tensors) and frees it.
 """
 
 from .allocator import ALIGNMENT
-from .engine import MooncakeTransport
+from .engine import MooncakeTransport, PendingWrite
 from .errors import MooncakeNotInstalled, PayloadTooLarge, TransferError, TransferStalled
 from .pool import Allocation, MemoryRegistrar, TransferPool
 from .tensors import StagedTensors, check_manifest, layout, load_tensors, stage_tensors
@@ -19,6 +19,7 @@ __all__ = [
     "MooncakeNotInstalled",
     "MooncakeTransport",
     "PayloadTooLarge",
+    "PendingWrite",
     "StagedTensors",
     "TransferError",
     "TransferPool",

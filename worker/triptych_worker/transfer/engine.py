@@ -9,9 +9,9 @@ from typing import Any
 
 from .errors import MooncakeNotInstalled, TransferError, TransferStalled
 
-# How write() waits for Mooncake. transfer_sync_write spins a core for the whole write, which
-# on a host with few cores starves the transport threads doing the work (and every other
-# process). Instead: poll without pausing while the write is young (small and RDMA writes end
+# How a write is waited for (PendingWrite.pause). transfer_sync_write spins a core for the
+# whole write, which on a host with few cores starves the transport threads doing the work (and
+# every other process). Instead: poll without pausing while the write is young (small and RDMA writes end
 # within microseconds), then poll yielding the core to anything runnable, and once the write is
 # long, sleep a small fraction of the time already spent between polls (at most ~5% added).
 SPIN_S = 200e-6
@@ -20,6 +20,7 @@ POLL_FRACTION = 0.05
 POLL_MAX_S = 1e-3
 WRITE_TIMEOUT_S = 120.0
 _PENDING, _DONE = 0, 1
+_PEER_HINT = "the peer may be gone or the address outside its transfer pool"
 
 
 def _import_transfer_engine() -> Any:
@@ -77,48 +78,32 @@ class MooncakeTransport:
     def write(self, dest_session: str, local_addr: int, dest_addr: int, nbytes: int) -> None:
         """Copy `nbytes` from local registered memory to `dest_addr` in peer `dest_session`; blocks.
 
-        Raises TransferError naming the peer, size and status if the engine refuses or the peer is
-        unreachable, and before calling the engine if the local range is not registered;
-        TransferStalled (a TransferError) if the write is still pending after WRITE_TIMEOUT_S, in
-        which case the engine may still write into the peer's range (and read the local one).
+        Raises as `submit_write` and `PendingWrite.done` do.
+        """
+        self.submit_write(dest_session, local_addr, dest_addr, nbytes).wait()
+
+    def submit_write(self, dest_session: str, local_addr: int, dest_addr: int, nbytes: int) -> PendingWrite:
+        """Start copying `nbytes` from local registered memory to `dest_addr` in peer `dest_session`.
+
+        Raises TransferError naming the peer and size if the engine cannot start the write, and
+        before calling the engine if the local range is not registered. The local range must stay
+        untouched until the returned write is done.
         """
         self._check_open()
         if nbytes < 0:
             raise ValueError(f"cannot write {nbytes} bytes")
+        what = f"Mooncake {self.protocol} write of {nbytes} bytes to peer {dest_session} at 0x{dest_addr:x}"
         if nbytes == 0:
-            return
+            return PendingWrite(self._engine, 0, what)
         if not self._is_registered(local_addr, nbytes):
             raise TransferError(
                 f"local range 0x{local_addr:x}+{nbytes} is not inside memory registered with this transport; "
                 "stage the payload in the TransferPool first"
             )
         batch = self._engine.transfer_submit_write(dest_session, local_addr, dest_addr, nbytes)
-        status = self._wait(batch) if batch else None
-        if status == _DONE:
-            return
-        what = f"Mooncake {self.protocol} write of {nbytes} bytes to peer {dest_session} at 0x{dest_addr:x}"
-        if status == _PENDING:
-            raise TransferStalled(
-                f"{what} did not finish in {WRITE_TIMEOUT_S:g}s; the peer may be stalled or its network congested"
-            )
-        outcome = "could not start" if status is None else f"failed (status {status})"
-        raise TransferError(f"{what} {outcome}; the peer may be gone or the address outside its transfer pool")
-
-    def _wait(self, batch: int) -> int:
-        """The final status of a submitted write (1 done, negative failed, 0 still pending at the timeout).
-
-        Mooncake forgets a batch once it has reported it done, so its status is read until then only.
-        """
-        started = time.perf_counter()
-        while (status := self._engine.transfer_check_status(batch)) == _PENDING:
-            elapsed = time.perf_counter() - started
-            if elapsed > WRITE_TIMEOUT_S:
-                break
-            if elapsed > YIELD_S:
-                time.sleep(min(POLL_MAX_S, elapsed * POLL_FRACTION))
-            elif elapsed > SPIN_S:
-                os.sched_yield()
-        return status
+        if not batch:
+            raise TransferError(f"{what} could not start; {_PEER_HINT}")
+        return PendingWrite(self._engine, batch, what)
 
     def close(self) -> None:
         """Unregister all memory and drop the engine. Idempotent."""
@@ -144,3 +129,56 @@ class MooncakeTransport:
     def _check_open(self) -> None:
         if self._closed:
             raise TransferError(f"transport {self.session_id} is closed")
+
+
+class PendingWrite:
+    """A submitted Mooncake write: poll it with `done()`, or block on it with `wait()`.
+
+    Used by one thread at a time. Mooncake forgets a batch once it has reported it done, so its
+    status is read until then only.
+    """
+
+    def __init__(self, engine: Any, batch: int, what: str) -> None:
+        self._engine = engine
+        self._batch = batch
+        self._what = what
+        self._finished = batch == 0  # an empty write has nothing to wait for
+        self.started = time.perf_counter()
+
+    def done(self) -> bool:
+        """True once the bytes are in the peer's memory; False while the write is under way.
+
+        Raises TransferError if the write failed, and TransferStalled (a TransferError) once it
+        has been pending for WRITE_TIMEOUT_S, in which case the engine may still write into the
+        peer's range (and read the local one).
+        """
+        if self._finished:
+            return True
+        status = self._engine.transfer_check_status(self._batch)
+        if status == _DONE:
+            self._finished = True
+            return True
+        if status != _PENDING:
+            self._finished = True
+            raise TransferError(f"{self._what} failed (status {status}); {_PEER_HINT}")
+        if self.elapsed() > WRITE_TIMEOUT_S:
+            raise TransferStalled(
+                f"{self._what} did not finish in {WRITE_TIMEOUT_S:g}s; the peer may be stalled or its network congested"
+            )
+        return False
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def pause(self) -> None:
+        """Leave the core before the next poll for as long as this write's age warrants."""
+        elapsed = self.elapsed()
+        if elapsed > YIELD_S:
+            time.sleep(min(POLL_MAX_S, elapsed * POLL_FRACTION))
+        elif elapsed > SPIN_S:
+            os.sched_yield()
+
+    def wait(self) -> None:
+        """Block until `done()`; raises as it does."""
+        while not self.done():
+            self.pause()
