@@ -149,6 +149,7 @@ class Worker:
         """Serve until stop() (or Ctrl-C); raises if a worker thread died of a bug."""
         self._work = self.ctx.socket(zmq.PULL)
         self._work.setsockopt(zmq.LINGER, 0)
+        self._work.setsockopt(zmq.RCVTIMEO, IDLE_POLL_MS)  # a blocking receive returns to look at stop and heartbeats
         self._work.bind(self.work_endpoint)
         threads = [threading.Thread(target=self._thread_main, name=f"worker-{i}", daemon=True) for i in range(THREADS)]
         for t in threads:
@@ -187,36 +188,33 @@ class Worker:
 
     def _lead(self, link: HeadLink) -> Job | None:
         """Serve the work socket and the writes under way until there is a job for this thread."""
-        assert self._work is not None
         while not self._stop.is_set():
             if (job := self._take_job()) is not None:
                 return job
-            if self._wait_for_message():
-                for _ in range(DRAIN_LIMIT):
-                    try:
-                        parts = self._work.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_message(link, [p.buffer for p in parts])
-                    if self._queue and not self._computing:  # a hint; _take_job decides under the lock
-                        break  # run it now; the messages behind it are the next leader's
+            received = 0
+            while received < DRAIN_LIMIT and (parts := self._receive(wait=received == 0)) is not None:
+                received += 1
+                self._on_message(link, parts)
+                if self._queue and not self._computing:  # a hint; _take_job decides under the lock
+                    break  # run it now; the messages behind it are the next leader's
             self._check_pushes(link)
+            if self._pushes and not received:
+                # Pace by the youngest write, the one polled most often; a message arriving meanwhile
+                # waits at most POLL_MAX_S (1 ms), and only behind writes already longer than that.
+                min(self._pushes, key=lambda p: p.write.elapsed()).write.pause()
             if self.instance and time.monotonic() >= self._next_beat:
                 self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
                 link.send(self._heartbeat())
         return None
 
-    def _wait_for_message(self) -> bool:
-        """Wait for a head message, but while writes are under way only as long as polling them allows."""
+    def _receive(self, wait: bool) -> list[Any] | None:
+        """The next head message; waits up to IDLE_POLL_MS for one if asked and no write is under way."""
         assert self._work is not None
-        if not self._pushes:
-            return bool(self._work.poll(IDLE_POLL_MS))
-        if self._work.poll(0):
-            return True
-        # Pace by the youngest write, the one polled most often; a message arriving meanwhile waits
-        # at most POLL_MAX_S (1 ms), and only behind writes already longer than that.
-        min(self._pushes, key=lambda p: p.write.elapsed()).write.pause()
-        return False
+        try:
+            parts = self._work.recv_multipart(flags=0 if wait and not self._pushes else zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        return [p.buffer for p in parts]
 
     def _take_job(self) -> Job | None:
         """The next queued job, claimed for this thread, if no thread is computing."""
