@@ -1,8 +1,13 @@
 """Disaggregated vs monolithic latency for the same request, measured side by side in one run.
 
 Starts `triptych serve` monolithic (one process) and the disaggregated deployment (head +
-encoder + denoiser + decoder processes, Mooncake TCP between workers) on the same model, sends
-the same request --requests times to each, and prints median latencies and their ratio.
+encoder + denoiser + decoder processes, Mooncake TCP between workers) on the same model, side by
+side, and sends the same request --requests times to each, alternating between them so that
+both see the same machine (on a shared host its speed drifts by tens of percent within
+minutes). Prints median latencies and their ratio, twice: with one OpenMP thread per process
+(equal compute on both sides, so the difference is what disaggregation adds) and with torch's
+default threads (on a host with few cores, the worker processes' idle OpenMP threads spin
+against each other, which a GPU deployment does not see).
 
     python bench/pipeline_bench.py [--model tiny-flux] [--size 256x256] [--steps 8] [--requests 10]
 """
@@ -11,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -26,24 +34,37 @@ from triptych.localdeploy import local_deployment, local_monolithic  # noqa: E40
 from triptych.tiny_models import write_tiny_models  # noqa: E402
 
 
-def timed_requests(client: httpx.Client, body: dict, n: int) -> list[float]:
-    client.post("/v1/images/generations", json=body).raise_for_status()  # warm-up
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        client.post("/v1/images/generations", json=body).raise_for_status()
-        out.append(time.perf_counter() - t0)
-    return out
+@contextmanager
+def threads_per_process(threads: str | None) -> Iterator[None]:
+    """OMP_NUM_THREADS for the processes started inside (None: torch's default, one per core)."""
+    saved = os.environ.pop("OMP_NUM_THREADS", None)
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = threads
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+        if saved is not None:
+            os.environ["OMP_NUM_THREADS"] = saved
 
 
-def monolithic(model: Path, tmp: Path, body: dict, n: int) -> list[float]:
-    with local_monolithic(model, tmp / "mono", flags=("--device", "cpu")) as dep, dep.client(600) as c:
-        return timed_requests(c, body, n)
+def post(client: httpx.Client, body: dict) -> float:
+    t0 = time.perf_counter()
+    client.post("/v1/images/generations", json=body).raise_for_status()
+    return time.perf_counter() - t0
 
 
-def disaggregated(model: Path, tmp: Path, body: dict, n: int) -> list[float]:
-    with local_deployment(model, tmp / "disagg", worker_flags=("--device", "cpu")) as dep, dep.client(600) as c:
-        return timed_requests(c, body, n)
+def side_by_side(model: Path, tmp: Path, body: dict, n: int) -> tuple[list[float], list[float]]:
+    """Latencies of n requests to each deployment, one to each in turn (after one warm-up each)."""
+    with (
+        local_monolithic(model, tmp / "mono", flags=("--device", "cpu")) as mono_dep,
+        mono_dep.client(600) as mono,
+        local_deployment(model, tmp / "disagg", worker_flags=("--device", "cpu")) as disagg_dep,
+        disagg_dep.client(600) as disagg,
+    ):
+        post(mono, body), post(disagg, body)
+        pairs = [(post(mono, body), post(disagg, body)) for _ in range(n)]
+    return [m for m, _ in pairs], [d for _, d in pairs]
 
 
 def main() -> int:
@@ -51,22 +72,24 @@ def main() -> int:
     p.add_argument("--model", default="tiny-flux")
     p.add_argument("--size", default="256x256")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--requests", type=int, default=10)
+    p.add_argument("--requests", type=int, default=20)
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "pipeline.json")
     args = p.parse_args()
     (model,) = write_tiny_models(ROOT / ".models", families=[args.model])
     body = {"prompt": "a lighthouse at dusk", "size": args.size, "seed": 1, "num_inference_steps": args.steps}
-    with tempfile.TemporaryDirectory() as tmp:
-        mono = statistics.median(monolithic(model, Path(tmp), body, args.requests))
-        disagg = statistics.median(disaggregated(model, Path(tmp), body, args.requests))
-    result = {
-        **{k: getattr(args, k) for k in ("model", "size", "steps", "requests")},
-        **{"monolithic_s": mono, "disaggregated_s": disagg, "ratio": disagg / mono},
-        "added_ms": (disagg - mono) * 1e3,
-    }
-    print(f"{args.model} {args.size} {args.steps} steps, median of {args.requests} sequential requests, CPU")
-    print(f"  monolithic     {mono * 1e3:9.1f} ms")
-    print(f"  disaggregated  {disagg * 1e3:9.1f} ms   ratio {disagg / mono:.3f}  (+{(disagg - mono) * 1e3:.1f} ms)")
+    results = []
+    print(f"{args.model} {args.size} {args.steps} steps, median of {args.requests} requests to each, alternating, CPU")
+    for threads in ("1", None):
+        with threads_per_process(threads), tempfile.TemporaryDirectory() as tmp:
+            mono_s, disagg_s = side_by_side(model, Path(tmp), body, args.requests)
+        mono, disagg = statistics.median(mono_s), statistics.median(disagg_s)
+        added = (disagg - mono) * 1e3
+        results.append({"omp_threads": threads or "default", "monolithic_s": mono, "disaggregated_s": disagg,
+                        "ratio": disagg / mono, "added_ms": added})  # fmt: skip
+        print(f"  OpenMP threads per process: {threads or 'default'}")
+        print(f"    monolithic     {mono * 1e3:9.1f} ms")
+        print(f"    disaggregated  {disagg * 1e3:9.1f} ms   ratio {disagg / mono:.3f}  ({added:+.1f} ms)")
+    result = {**{k: getattr(args, k) for k in ("model", "size", "steps", "requests")}, "runs": results}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     return 0
