@@ -99,13 +99,20 @@ def _recv_until_terminal(sock):
 
 def test_only_a_watching_client_hears_state_changes_and_steps(flux, tmp_path):
     params = {"prompt": "x", "width": 32, "height": 32, "num_inference_steps": 3}
-    with deployment(flux, tmp_path, null_payload=4096) as dep:
+    slow = {Role.DENOISER: SLOW_DENOISER}
+    with deployment(flux, tmp_path, null_payload=4096, role_flags=slow) as dep:
         ctx = zmq.Context()
         front = _frontend(dep, ctx)
         try:
             front.send_multipart(encode(Submit("quiet", params)))
             first, _ = decode(front.recv_multipart())
             assert isinstance(first, RequestResult), first  # the outcome only, no RequestEvent before it
+            # Each role's time as its worker spent it, inside the time the head saw for that hop.
+            timings = first.timings
+            for role in ("encoder", "denoiser", "decoder"):
+                assert 0 < timings[f"worker_{role}"] <= timings[role], (role, timings)
+            assert timings["worker_denoiser"] >= 3 * 0.03  # three simulated steps
+            assert timings["total"] >= sum(timings[role] for role in ("encoder", "denoiser", "decoder"))
 
             front.send_multipart(encode(Submit("watched", params, watch=True)))
             events = []
