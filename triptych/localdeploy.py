@@ -97,6 +97,22 @@ def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+HEAD_PORTS = 6  # scheduler_port .. +5: frontend, result ports per role, reserved split-encoder ports
+
+
+def deployment_ports(counts: dict[Role, int]) -> tuple[int, int, dict[Role, list[int]]]:
+    """Distinct free ports for one deployment: the head's block, its HTTP port, one per worker.
+
+    Taken from one contiguous free block: ports picked one by one can coincide, since nothing
+    binds them until the processes start.
+    """
+    n_workers = sum(counts.get(role, 0) for role in ROLES)
+    base = free_port_block(HEAD_PORTS + 1 + n_workers)
+    next_port = iter(range(base + HEAD_PORTS + 1, base + HEAD_PORTS + 1 + n_workers))
+    workers = {role: [next(next_port) for _ in range(counts.get(role, 0))] for role in ROLES}
+    return base, base + HEAD_PORTS, workers
+
+
 @contextmanager
 def local_deployment(
     model: Path,
@@ -117,8 +133,7 @@ def local_deployment(
     """
     counts = counts or dict.fromkeys(ROLES, 1)
     workdir.mkdir(parents=True, exist_ok=True)
-    sched, http = free_port_block(6), free_port_block(1)
-    ports = {role: [free_port_block(1) for _ in range(counts.get(role, 0))] for role in ROLES}
+    sched, http, ports = deployment_ports(counts)
     urls = {role: [f"tcp://127.0.0.1:{p}" for p in ps] for role, ps in ports.items()}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     py = sys.executable

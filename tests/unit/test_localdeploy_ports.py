@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from triptych.localdeploy import _ephemeral_port_start, free_port_block
+from triptych.localdeploy import _ephemeral_port_start, deployment_ports, free_port_block
+from triptych.roles import Role
 
 MOONCAKE_HANDSHAKE_PORTS = range(15000, 17001)  # Mooncake's P2P handshake listeners pick from here
 
@@ -19,3 +20,12 @@ def test_port_blocks_are_free_and_clear_of_the_ephemeral_and_mooncake_ranges():
         for port in block:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port))  # raises if the block was not free
+
+
+def test_a_deployment_gets_distinct_ports_for_the_head_its_http_api_and_every_worker():
+    counts = {Role.ENCODER: 2, Role.DENOISER: 3, Role.DECODER: 1}
+    for _ in range(50):
+        sched, http, workers = deployment_ports(counts)
+        taken = [*range(sched, sched + 6), http, *(p for ports in workers.values() for p in ports)]
+        assert len(set(taken)) == len(taken) == 6 + 1 + 6, taken
+        assert {role: len(ports) for role, ports in workers.items()} == counts

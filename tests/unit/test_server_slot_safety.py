@@ -14,7 +14,7 @@ import zmq
 
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
-from triptych.localdeploy import free_port_block
+from triptych.localdeploy import deployment_ports
 from triptych.ports import result_port
 from triptych.protocol import (
     Cancel,
@@ -45,9 +45,9 @@ SESSION = "127.0.0.1:1"  # the Mooncake session every scripted worker reports
 class ScriptedWorker:
     """Binds a worker's work socket, answers pings, and records every other message it gets."""
 
-    def __init__(self, ctx: zmq.Context, role: Role, scheduler_port: int):
+    def __init__(self, ctx: zmq.Context, role: Role, scheduler_port: int, port: int):
         self.role = role
-        self.port = free_port_block(1)
+        self.port = port
         self.url = f"tcp://127.0.0.1:{self.port}"
         self.work = ctx.socket(zmq.PULL)
         self.work.bind(self.url)
@@ -81,8 +81,9 @@ class ScriptedWorker:
 @pytest.fixture
 def head():
     ctx = zmq.Context()
-    sched = free_port_block(6)
-    workers = {role: ScriptedWorker(ctx, role, sched) for role in (Role.ENCODER, Role.DENOISER, Role.DECODER)}
+    roles = (Role.ENCODER, Role.DENOISER, Role.DECODER)
+    sched, _, ports = deployment_ports(dict.fromkeys(roles, 1))
+    workers = {role: ScriptedWorker(ctx, role, sched, ports[role][0]) for role in roles}
     argv = ["serve", "--model-path", "m", "--disagg-role", "server", "--scheduler-port", str(sched)]
     for role, w in workers.items():
         argv += [f"--{role.value}-urls", w.url]
