@@ -13,6 +13,9 @@ Prints, side by side in one run:
   dispatch, messages and thread hand-offs (target: < 2 ms);
 - the floor under that overhead: the same 12 messages sent between 5 processes that only
   forward them (bench/zmq_floor.py), measured in the same run;
+- the same sequential measurement with every thread of every process (head, workers, this
+  client) pinned to one CPU: no message then wakes a thread on another CPU (on a VM such a
+  wake-up is an interrupt sent through the hypervisor, and costs more than handling the message);
 - throughput in requests/second at --concurrency (frontend and HTTP);
 - with --transfer-mib N: the encoder->denoiser hand-off of an N MiB payload through the whole
   transfer flow (slot, push, write, report) against a raw Mooncake transfer_sync_write of the
@@ -24,11 +27,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -141,16 +147,46 @@ def cpu_seconds(dep) -> dict[str, float]:  # type: ignore[no-untyped-def]
     return out
 
 
+@contextmanager
+def on_one_cpu(pids: list[int]) -> Iterator[bool]:
+    """Every thread of these processes and of this one on a single CPU; yields False if there is only one."""
+    cpus = os.sched_getaffinity(0)
+    everyone = [os.getpid(), *pids]
+
+    def set_all(mask: set[int]) -> None:
+        for pid in everyone:
+            for thread in psutil.Process(pid).threads():
+                try:
+                    os.sched_setaffinity(thread.id, mask)
+                except ProcessLookupError:
+                    pass  # the thread ended meanwhile
+
+    if len(cpus) < 2:
+        yield False
+        return
+    set_all({min(cpus)})
+    try:
+        yield True
+    finally:
+        set_all(cpus)
+
+
 async def measure(dep, args) -> dict[str, float]:  # type: ignore[no-untyped-def]
     front = Frontend(f"tcp://127.0.0.1:{dep.scheduler_port}")
     await front.request("warmup")
     before = cpu_seconds(dep)
     out = sequential(front.endpoint, args.sequential)
-    floor = zmq_floor.measure(args.sequential)
-    out["zmq_floor_ms"], out["zmq_floor_messages"] = floor["floor_ms"], floor["messages"]
     after = cpu_seconds(dep)
     for role, used in after.items():
         out[f"cpu_ms_per_request_{role}"] = (used - before[role]) / args.sequential * 1e3
+    floor = zmq_floor.measure(args.sequential)
+    out["zmq_floor_ms"], out["zmq_floor_messages"] = floor["floor_ms"], floor["messages"]
+    with on_one_cpu([p.popen.pid for p in dep.procs]) as pinned:
+        if pinned:
+            sequential(front.endpoint, 20)  # settle on the new placement
+            one_cpu = sequential(front.endpoint, args.sequential)
+            out["one_cpu_latency_ms"] = one_cpu["latency_ms"]
+            out["one_cpu_control_overhead_ms"] = one_cpu["control_overhead_ms"]
     out["frontend_rps"] = await throughput_frontend(front, args.requests, args.concurrency)
     out["http_rps"] = await throughput_http(dep.http, args.requests, args.concurrency)
     front.reader.cancel()
@@ -222,6 +258,11 @@ def main() -> int:
         f"  of which worker stages  {result['worker_stages_ms']:8.2f} ms   (load inputs, zero compute, stage outputs)"
     )
     print(f"  control overhead        {result['control_overhead_ms']:8.2f} ms   (the rest; target < 2 ms)")
+    if "one_cpu_control_overhead_ms" in result:
+        print(
+            f"  ... all on one CPU      {result['one_cpu_control_overhead_ms']:8.2f} ms   (every process's threads "
+            f"pinned to one CPU: no cross-CPU wake-ups; latency {result['one_cpu_latency_ms']:.2f} ms)"
+        )
     print(
         f"  raw ZMQ floor           {result['zmq_floor_ms']:8.2f} ms   (the same {result['zmq_floor_messages']} "
         "messages over 5 forwarding-only processes, measured now)"
