@@ -14,8 +14,8 @@ Prints, side by side in one run:
 - the floor under that overhead: the same 12 messages sent between 5 processes that only
   forward them (bench/zmq_floor.py), measured in the same run;
 - the same sequential measurement with every thread of every process (head, workers, this
-  client) pinned to one CPU: no message then wakes a thread on another CPU (on a VM such a
-  wake-up is an interrupt sent through the hypervisor, and costs more than handling the message);
+  client) pinned to one CPU: no message then wakes a thread on another CPU (on a small VM such
+  a wake-up costs more than handling the message);
 - throughput in requests/second at --concurrency (frontend and HTTP);
 - with --transfer-mib N: the encoder->denoiser hand-off of an N MiB payload through the whole
   transfer flow (slot, push, write, report) against a raw Mooncake transfer_sync_write of the
