@@ -156,6 +156,15 @@ def test_write_outside_the_peer_pool_raises_and_the_engine_keeps_working(
     pool.view(src).fill_(0xAB)
     with pytest.raises(TransferError, match=r"could not start|failed \(status"):
         transport.write(peer_transport.session_id, src.addr, peer_pool.base_addr + MIB - 100, 4096)
+    # Polled instead of waited on, the write fails the same way, and stays failed.
+    pending = transport.submit_write(peer_transport.session_id, src.addr, peer_pool.base_addr + MIB - 100, 4096)
+    with pytest.raises(TransferError, match=r"failed \(status"):
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while not pending.done():
+            assert time.monotonic() < deadline, "the write never ended"
+            pending.pause()
+    with pytest.raises(TransferError, match=r"failed \(status"):
+        pending.done()
     transport.write(peer_transport.session_id, src.addr, peer_pool.base_addr, 4096)
     assert bool((peer_pool.buffer[:4096] == 0xAB).all())
 

@@ -11,9 +11,10 @@ from .errors import MooncakeNotInstalled, TransferError, TransferStalled
 
 # How a write is waited for (PendingWrite.pause). transfer_sync_write spins a core for the
 # whole write, which on a host with few cores starves the transport threads doing the work (and
-# every other process). Instead: poll without pausing while the write is young (small and RDMA writes end
-# within microseconds), then poll yielding the core to anything runnable, and once the write is
-# long, sleep a small fraction of the time already spent between polls (at most ~5% added).
+# every other process). Instead: poll without pausing while the write is young (small and RDMA
+# writes end within microseconds), then poll yielding the core to anything runnable, and once
+# the write is long, sleep a small fraction of the time already spent between polls (at most
+# ~5% added).
 SPIN_S = 200e-6
 YIELD_S = 2e-3
 POLL_FRACTION = 0.05
@@ -143,6 +144,7 @@ class PendingWrite:
         self._batch = batch
         self._what = what
         self._finished = batch == 0  # an empty write has nothing to wait for
+        self._failed: TransferError | None = None
         self.started = time.perf_counter()
 
     def done(self) -> bool:
@@ -152,6 +154,8 @@ class PendingWrite:
         has been pending for WRITE_TIMEOUT_S, in which case the engine may still write into the
         peer's range (and read the local one).
         """
+        if self._failed is not None:
+            raise self._failed
         if self._finished:
             return True
         status = self._engine.transfer_check_status(self._batch)
@@ -159,8 +163,8 @@ class PendingWrite:
             self._finished = True
             return True
         if status != _PENDING:
-            self._finished = True
-            raise TransferError(f"{self._what} failed (status {status}); {_PEER_HINT}")
+            self._failed = TransferError(f"{self._what} failed (status {status}); {_PEER_HINT}")
+            raise self._failed
         if self.elapsed() > WRITE_TIMEOUT_S:
             raise TransferStalled(
                 f"{self._what} did not finish in {WRITE_TIMEOUT_S:g}s; the peer may be stalled or its network congested"
