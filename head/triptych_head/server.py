@@ -52,6 +52,7 @@ from triptych.protocol import (
     encode,
 )
 from triptych.roles import Role
+from triptych.sockets import has_queued_message
 from triptych_head.discovery import WorkerDirectory
 from triptych_head.dispatch import make_policy
 from triptych_head.instances import StandingSlot, WorkerInstance
@@ -168,6 +169,8 @@ class DiffusionServer:
                     self._on_worker(role, [p.buffer for p in parts])
             except Exception:  # the loop serves every other request; never let one message end it
                 log.exception("unhandled error on the %s socket; message dropped", role.value if role else "frontend")
+            if not has_queued_message(sock):
+                return
 
     def _tick(self, now: float) -> None:
         for inst in self.registry.sync():

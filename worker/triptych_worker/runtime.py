@@ -44,6 +44,7 @@ from triptych.protocol import (
     tensors_to_frames,
 )
 from triptych.roles import Role
+from triptych.sockets import has_queued_message
 from triptych_worker.stages import PIXELS, StageBatch
 from triptych_worker.transfer import (
     Allocation,
@@ -188,6 +189,8 @@ class Worker:
 
     def _lead(self, link: HeadLink) -> Job | None:
         """Serve the work socket and the writes under way until there is a job for this thread."""
+        work = self._work
+        assert work is not None, "serve() binds the work socket"
         while not self._stop.is_set():
             if (job := self._take_job()) is not None:
                 return job
@@ -197,6 +200,8 @@ class Worker:
                 self._on_message(link, parts)
                 if self._queue and not self._computing:  # a hint; _take_job decides under the lock
                     break  # run it now; the messages behind it are the next leader's
+                if not has_queued_message(work):
+                    break
             self._check_pushes(link)
             if self._pushes and not received:
                 # Pace by the youngest write, the one polled most often; a message arriving meanwhile
