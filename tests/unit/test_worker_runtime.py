@@ -1,15 +1,32 @@
-"""The worker runtime without sockets: kept receive slots across requests and heads, step reports."""
+"""The worker runtime: kept receive slots across requests and heads, step reports (no sockets),
+and the leader/follower threads over real ZMQ sockets."""
 
 from __future__ import annotations
 
+import threading
 import time
+
+import torch
+import zmq
 
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
-from triptych.protocol import CancelWork, TransferAlloc, TransferAllocated
+from triptych.localdeploy import free_port_block
+from triptych.protocol import (
+    CancelWork,
+    Heartbeat,
+    Ping,
+    Progress,
+    TransferAlloc,
+    TransferAllocated,
+    TransferStaged,
+    Work,
+    decode,
+    encode,
+)
 from triptych.roles import Role
 from triptych_worker.null_pipeline import NullPipeline
-from triptych_worker.runtime import Worker
+from triptych_worker.runtime import Job, Worker
 
 
 class RecordingLink:
@@ -49,15 +66,10 @@ def test_kept_slot_survives_its_request_and_is_dropped_when_the_head_changes():
 
 
 def _encoded(msg: object) -> list[bytes]:
-    from triptych.protocol import encode
-
     return encode(msg)
 
 
 def test_steps_are_reported_only_when_the_head_asks_for_them():
-    from triptych.protocol import Progress, TransferStaged
-    from triptych_worker.runtime import Job
-
     worker = make_worker()
     params = {"prompt": "x", "width": 16, "height": 16, "num_inference_steps": 3}
     try:
@@ -77,8 +89,6 @@ class GatedPipeline:
     loaded_components: set[str] = set()
 
     def __init__(self) -> None:
-        import threading
-
         self.gates: dict[str, threading.Event] = {}
         self.runs: list[tuple[str, str]] = []  # (request id, thread name), in the order jobs started
         self.running = 0
@@ -88,10 +98,6 @@ class GatedPipeline:
         pass
 
     def run(self, batch: object) -> object:
-        import threading
-
-        import torch
-
         rid = batch.params.prompt  # type: ignore[attr-defined]
         self.runs.append((rid, threading.current_thread().name))
         self.running += 1
@@ -107,13 +113,6 @@ class GatedPipeline:
 def test_a_computing_worker_keeps_answering_and_runs_queued_work_in_order_one_at_a_time():
     """Real sockets: while one job runs, the other thread leads (answers pings and allocations);
     work that arrives meanwhile runs after it, in order, never two at once."""
-    import threading
-
-    import zmq
-
-    from triptych.localdeploy import free_port_block
-    from triptych.protocol import Heartbeat, Ping, TransferStaged, Work, decode, encode
-
     base = free_port_block(8)
     argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--device", "cpu",
             "--disagg-server-addr", f"tcp://127.0.0.1:{base}", "--scheduler-port", str(base + 6),
