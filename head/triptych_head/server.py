@@ -429,13 +429,18 @@ class DiffusionServer:
         self._event(rec)
         queue = self._queues[rec.role]
         queue.append(rec.request_id)
-        if len(queue) == 1 and self._dispatch_one(rec.role, rec.request_id):
-            queue.popleft()  # nothing waited ahead of it: dispatched now rather than at the end of the loop turn
+        if len(queue) == 1:  # nothing waited ahead of it: dispatched now rather than at the end of the loop turn
+            self._dispatch_queue(rec.role)
 
     def _dispatch_all(self) -> None:
-        for role, queue in self._queues.items():
-            while queue and self._dispatch_one(role, queue[0]):
-                queue.popleft()
+        for role in self._queues:
+            self._dispatch_queue(role)
+
+    def _dispatch_queue(self, role: Role) -> None:
+        """Dispatch `role`'s queue in order until its first request finds no instance."""
+        queue = self._queues[role]
+        while queue and self._dispatch_one(role, queue[0]):
+            queue.popleft()
 
     def _dispatch_one(self, role: Role, rid: str) -> bool:
         """Give the request at the head of `role`'s queue to an instance; False if none can take it."""

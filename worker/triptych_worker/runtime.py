@@ -195,7 +195,7 @@ class Worker:
             if (job := self._take_job()) is not None:
                 return job
             received = 0
-            while received < DRAIN_LIMIT and (parts := self._receive()) is not None:
+            while received < DRAIN_LIMIT and (parts := self._receive(work)) is not None:
                 received += 1
                 self._on_message(link, parts)
                 if self._queue and not self._computing:  # a hint; _take_job decides under the lock
@@ -212,11 +212,10 @@ class Worker:
                 link.send(self._heartbeat())
         return None
 
-    def _receive(self) -> list[Any] | None:
+    def _receive(self, work: zmq.Socket[Any]) -> list[Any] | None:
         """The next head message, waiting up to IDLE_POLL_MS for one unless writes are under way."""
-        assert self._work is not None
         try:
-            parts = self._work.recv_multipart(flags=zmq.NOBLOCK if self._pushes else 0, copy=False)
+            parts = work.recv_multipart(flags=zmq.NOBLOCK if self._pushes else 0, copy=False)
         except zmq.Again:
             return None
         return [p.buffer for p in parts]
