@@ -320,12 +320,13 @@ class DiffusionServer:
             return
         if rec.hop + 1 >= len(rec.route):
             raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
-        self._record_stage_time(rec, msg.seconds)
+        role, elapsed = self._time_stage(rec, msg.seconds)
         rec.move(done)
         rec.staged = StagedPayload(sender=inst.url, nbytes=msg.nbytes, manifest=msg.manifest, meta=msg.meta)
         rec.instance = None
         rec.hop += 1
         self._enter_hop(rec)
+        self.metrics.stage_seconds.labels(role).observe(elapsed)  # after the push went out: off the request's path
 
     def _on_allocated(
         self, rec: RequestRecord, inst: WorkerInstance, msg: TransferAllocated, frames: list[Any]
@@ -364,6 +365,7 @@ class DiffusionServer:
         ready = TransferReady(
             rec.request_id, rec.instance, rec.params.to_wire(), staged.manifest, staged.meta, rec.slot_addr, rec.watch
         )
+        started = time.monotonic()  # before the send, so the hop's time contains all the receiver's work
         sent = self.registry.send(rec.instance, ready)
         dest = self._record_transfer(rec, inst, staged, msg)  # after the send: the receiver need not wait for it
         if not sent:
@@ -372,7 +374,7 @@ class DiffusionServer:
             )
             return
         rec.move(ROLE_STATES[rec.role][1])
-        rec.hop_started = time.monotonic()
+        rec.hop_started = started
         self._event(rec)
 
     def _record_transfer(
@@ -393,10 +395,11 @@ class DiffusionServer:
     def _on_result(self, rec: RequestRecord, inst: WorkerInstance, msg: Result, frames: list[Any]) -> None:
         if rec.state is not RequestState.DECODER_RUNNING or rec.instance != inst.url:
             return
-        self._record_stage_time(rec, msg.seconds)
+        role, elapsed = self._time_stage(rec, msg.seconds)
         rec.timings["total"] = time.monotonic() - rec.created
         rec.move(RequestState.DONE)
         self._reply(rec.client, RequestResult(rec.request_id, msg.tensors, rec.timings), frames)
+        self.metrics.stage_seconds.labels(role).observe(elapsed)
         self._finish(rec, RequestState.DONE)
 
     def _on_failed(self, rec: RequestRecord, inst: WorkerInstance, msg: Failed, frames: list[Any]) -> None:
@@ -464,7 +467,8 @@ class DiffusionServer:
         inst = self._policy(instances, lambda i: self.registry.alive(i) and i.can_take(nbytes))
         if inst is None:
             return False
-        self.metrics.queue_seconds.labels(role.value).observe(time.monotonic() - rec.hop_started)
+        started = time.monotonic()  # before the send, so the hop's time contains all the instance's work
+        waited = started - rec.hop_started
         if rec.staged and inst.session and (addr := inst.free_standing_slot(nbytes)) is not None:
             # Spec step 2, fast path: a preallocated slot fits, so no transfer_alloc round trip.
             sender = rec.staged.sender
@@ -485,18 +489,23 @@ class DiffusionServer:
         inst.inflight.add(rid)
         inst.dispatched_total += 1
         rec.instance = inst.url
-        rec.hop_started = time.monotonic()
+        rec.hop_started = started
         if not rec.staged:
             rec.move(ROLE_STATES[role][1])
             self._event(rec)
+        self.metrics.queue_seconds.labels(role.value).observe(waited)
         return True
 
-    def _record_stage_time(self, rec: RequestRecord, worker_seconds: float) -> None:
-        """The hop's time as the head saw it (dispatch to output reported) and as the worker spent it."""
+    @staticmethod
+    def _time_stage(rec: RequestRecord, worker_seconds: float) -> tuple[str, float]:
+        """Record the hop's time as the head saw it (dispatch to output reported) and as the worker
+        spent it (load inputs, run stages, stage outputs); returns (role, head-seen seconds) for the
+        metric, which callers observe once the request's next message is out."""
+        role = rec.role.value
         elapsed = time.monotonic() - rec.hop_started
-        self.metrics.stage_seconds.labels(rec.role.value).observe(elapsed)
-        rec.timings[rec.role.value] = elapsed
-        rec.timings[f"worker_{rec.role.value}"] = worker_seconds  # load inputs, run stages, stage outputs
+        rec.timings[role] = elapsed
+        rec.timings[f"worker_{role}"] = worker_seconds
+        return role, elapsed
 
     # --- endings ----------------------------------------------------------------------------
 

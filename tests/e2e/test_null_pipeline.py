@@ -11,7 +11,7 @@ import concurrent.futures
 import re
 import time
 
-import msgpack
+import msgspec
 import pytest
 import zmq
 
@@ -154,8 +154,9 @@ def test_garbage_frames_on_every_socket_change_nothing_else(flux, tmp_path):
     with deployment(flux, tmp_path, null_payload=4096) as dep, dep.client() as c:
         ctx = zmq.Context()
         try:
-            garbage = [[b"\xff\x00garbage"], [b""], [msgpack.packb({"v": PROTOCOL_VERSION, "type": "heartbeat"})],
-                       [msgpack.packb({"v": 7, "type": "x"}), b"frame"]]  # fmt: skip
+            pack = msgspec.msgpack.encode
+            garbage = [[b"\xff\x00garbage"], [b""], [pack({"v": PROTOCOL_VERSION, "type": "heartbeat"})],
+                       [pack({"v": 7, "type": "x"}), b"frame"]]  # fmt: skip
             targets = [f"tcp://127.0.0.1:{dep.scheduler_port + i}" for i in (1, 2, 3)]
             targets += [w.url for w in dep.procs if w.role is not Role.SERVER]
             for target in targets:
@@ -188,7 +189,7 @@ def test_malformed_message_with_a_request_id_fails_only_that_request(flux, tmp_p
             push = ctx.socket(zmq.PUSH)
             push.connect(f"tcp://127.0.0.1:{dep.scheduler_port + 2}")
             bad = {"v": PROTOCOL_VERSION, "type": "progress", "request_id": "victim", "instance": 5}
-            push.send_multipart([msgpack.packb(bad)])
+            push.send_multipart([msgspec.msgpack.encode(bad)])
             push.close(linger=2000)
             failed = _recv_until_terminal(front)
             assert isinstance(failed, RequestEvent) and failed.state == "FAILED"

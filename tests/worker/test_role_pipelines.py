@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -73,7 +73,7 @@ def stock_pixels(tiny_models: dict[str, Path]) -> dict[str, torch.Tensor]:
 def over_the_wire(batch: StageBatch) -> StageBatch:
     """What a role hands the next: tensors as raw frames (bytes copied), meta through msgpack."""
     specs, frames = tensors_to_frames(batch.tensors)
-    meta = msgpack.unpackb(msgpack.packb(batch.meta))
+    meta = msgspec.msgpack.decode(msgspec.msgpack.encode(batch.meta))
     return StageBatch(params=batch.params, tensors=frames_to_tensors(specs, [bytes(f) for f in frames]), meta=meta)
 
 

@@ -1,6 +1,6 @@
 """The wire protocol: typed control messages (msgpack) and tensors as raw frames.
 
-No pickle anywhere: a peer can only ever make us build the dataclasses defined here.
+No pickle anywhere: a peer can only ever make us build the message classes defined here.
 """
 
 from triptych.protocol.codec import ProtocolError, decode, encode

@@ -1,4 +1,4 @@
-"""Every control message that crosses a socket, one frozen dataclass each.
+"""Every control message that crosses a socket, one frozen msgspec Struct each (codec.Message).
 
 Three conversations:
 - API client <-> head frontend (ROUTER at scheduler_port): Submit, Cancel / RequestEvent, RequestResult.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from triptych.protocol.codec import message
+from triptych.protocol.codec import Message
 
 __all__ = [
     "Submit", "Cancel", "RequestEvent", "RequestResult",
@@ -33,8 +33,7 @@ __all__ = [
 # --- API client <-> head frontend ---------------------------------------------------------
 
 
-@message("submit")
-class Submit:
+class Submit(Message, tag="submit", frozen=True):
     """A new request. `watch`: also stream a RequestEvent for every state change and denoising step.
 
     Without it the client hears only how the request ends (RequestResult, or a RequestEvent
@@ -46,13 +45,11 @@ class Submit:
     watch: bool = False
 
 
-@message("cancel")
-class Cancel:
+class Cancel(Message, tag="cancel", frozen=True):
     request_id: str
 
 
-@message("event")
-class RequestEvent:
+class RequestEvent(Message, tag="event", frozen=True):
     """A state change or denoising progress of one request, streamed to the API client."""
 
     request_id: str
@@ -63,8 +60,7 @@ class RequestEvent:
     status_code: int = 0
 
 
-@message("result")
-class RequestResult:
+class RequestResult(Message, tag="result", frozen=True):
     """Decoded pixels (uint8, [N, F, H, W, 3]) as raw frames described by `tensors`."""
 
     request_id: str
@@ -75,14 +71,12 @@ class RequestResult:
 # --- head -> worker -----------------------------------------------------------------------
 
 
-@message("ping")
-class Ping:
+class Ping(Message, tag="ping", frozen=True):
     instance: str
     head_id: str = ""  # changes when the head restarts; standing slots of the old head are dropped
 
 
-@message("work")
-class Work:
+class Work(Message, tag="work", frozen=True):
     """Start a request on the first role of the pipeline (no incoming tensors)."""
 
     request_id: str
@@ -91,24 +85,21 @@ class Work:
     progress: bool = False  # report every denoising step (someone watches the request)
 
 
-@message("transfer_alloc")
-class TransferAlloc:
+class TransferAlloc(Message, tag="transfer_alloc", frozen=True):
     request_id: str
     instance: str
     nbytes: int
     keep: bool = False  # keep the slot after this transfer as a standing (preallocated) receive slot
 
 
-@message("transfer_push")
-class TransferPush:
+class TransferPush(Message, tag="transfer_push", frozen=True):
     request_id: str
     instance: str
     dest_session: str
     dest_addr: int
 
 
-@message("transfer_ready")
-class TransferReady:
+class TransferReady(Message, tag="transfer_ready", frozen=True):
     """The tensors described by `manifest` sit in the receiver's slot; run the stages."""
 
     request_id: str
@@ -120,8 +111,7 @@ class TransferReady:
     progress: bool = False  # report every denoising step (someone watches the request)
 
 
-@message("cancel_work")
-class CancelWork:
+class CancelWork(Message, tag="cancel_work", frozen=True):
     """Forget the request: drop queued work, staged buffers and reserved slots."""
 
     request_id: str
@@ -131,8 +121,7 @@ class CancelWork:
 # --- worker -> head -----------------------------------------------------------------------
 
 
-@message("heartbeat")
-class Heartbeat:
+class Heartbeat(Message, tag="heartbeat", frozen=True):
     instance: str
     role: str
     session: str
@@ -143,16 +132,14 @@ class Heartbeat:
     standing_bytes: int = 0  # pool bytes kept as preallocated receive slots (not free, not leaked)
 
 
-@message("progress")
-class Progress:
+class Progress(Message, tag="progress", frozen=True):
     request_id: str
     instance: str
     step: int
     total: int
 
 
-@message("transfer_staged")
-class TransferStaged:
+class TransferStaged(Message, tag="transfer_staged", frozen=True):
     """The sender finished its stages; `nbytes` of tensors wait in its transfer buffer."""
 
     request_id: str
@@ -163,8 +150,7 @@ class TransferStaged:
     seconds: float
 
 
-@message("transfer_allocated")
-class TransferAllocated:
+class TransferAllocated(Message, tag="transfer_allocated", frozen=True):
     request_id: str
     instance: str
     session: str
@@ -172,8 +158,7 @@ class TransferAllocated:
     kept: bool = False  # the slot stays reserved for this receiver's later transfers
 
 
-@message("transfer_refused")
-class TransferRefused:
+class TransferRefused(Message, tag="transfer_refused", frozen=True):
     """No room in the receive pool now (`fatal` False: retry later) or ever (`fatal` True)."""
 
     request_id: str
@@ -182,16 +167,14 @@ class TransferRefused:
     fatal: bool
 
 
-@message("transfer_pushed")
-class TransferPushed:
+class TransferPushed(Message, tag="transfer_pushed", frozen=True):
     request_id: str
     instance: str
     nbytes: int
     seconds: float
 
 
-@message("worker_result")
-class Result:
+class Result(Message, tag="worker_result", frozen=True):
     """Final pixels from the decoder, as raw frames described by `tensors`."""
 
     request_id: str
@@ -200,8 +183,7 @@ class Result:
     seconds: float
 
 
-@message("failed")
-class Failed:
+class Failed(Message, tag="failed", frozen=True):
     request_id: str
     instance: str
     error: str
