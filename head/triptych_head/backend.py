@@ -90,7 +90,7 @@ class FrontendClient:
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, on_event)
         try:
-            await self._sock.send_multipart(encode(Submit(request_id, params.to_wire(), watch=on_event is not None)))
+            await self._sock.send_multipart(encode(Submit(request_id, params, watch=on_event is not None)))
             return await future
         except asyncio.CancelledError:
             await self.cancel(request_id)

@@ -10,8 +10,9 @@ from typing import Any
 
 import zmq
 
-from triptych.protocol import Ping, encode
+from triptych.protocol import Ping
 from triptych.roles import Role
+from triptych.sockets import send_message
 from triptych_head.discovery import WorkerDirectory
 from triptych_head.instances import WorkerInstance
 from triptych_head.metrics import HeadMetrics
@@ -96,7 +97,7 @@ class WorkerRegistry:
         if sock is None:
             return False
         try:
-            sock.send_multipart(encode(msg, frames), flags=zmq.NOBLOCK, copy=not frames)
+            send_message(sock, msg, frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True

@@ -234,16 +234,15 @@ class DiffusionServer:
                 client, RequestEvent(rid, REJECTED, error=f"request id {rid!r} is already active", status_code=409)
             )
             return
-        try:
-            params = GenerationParams.from_wire(msg.params)
+        try:  # the decoder checked each parameter's type; this checks them against the model
             if self._validate is not None:
-                self._validate(params)
+                self._validate(msg.params)
         except ValueError as exc:
             self._reply(client, RequestEvent(rid, REJECTED, error=str(exc), status_code=400))
             return
         rec = RequestRecord(
             request_id=rid,
-            params=params,
+            params=msg.params,
             route=list(self._route),
             client=client,
             deadline=time.monotonic() + self.args.disagg_timeout,
@@ -363,7 +362,7 @@ class DiffusionServer:
         rec.push_in_flight = False
         rec.staged = None
         ready = TransferReady(
-            rec.request_id, rec.instance, rec.params.to_wire(), staged.manifest, staged.meta, rec.slot_addr, rec.watch
+            rec.request_id, rec.instance, rec.params, staged.manifest, staged.meta, rec.slot_addr, rec.watch
         )
         started = time.monotonic()  # before the send, so the hop's time contains all the receiver's work
         sent = self.registry.send(rec.instance, ready)
@@ -482,7 +481,7 @@ class DiffusionServer:
             keep = inst.should_keep_slot(nbytes)
             sent = self.registry.send(inst.url, TransferAlloc(rid, inst.url, nbytes, keep=keep))
         else:
-            sent = self.registry.send(inst.url, Work(rid, inst.url, rec.params.to_wire(), progress=rec.watch))
+            sent = self.registry.send(inst.url, Work(rid, inst.url, rec.params, progress=rec.watch))
         if not sent:  # not connected any more: treat it as gone until it heartbeats again
             self._instance_lost(inst, f"{role.value} {inst.url} is not connected")
             return False

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 import torch
 
+from triptych.params import GenerationParams
 from triptych.protocol import (
     Heartbeat,
     ProtocolError,
@@ -60,6 +61,22 @@ def test_wrong_field_type_names_the_field_and_keeps_request_id():
     assert info.value.request_id == "abc"
 
 
+@pytest.mark.parametrize(
+    ("params", "problem"),
+    [
+        ({"prompt": "x", "width": "64", "height": 64}, "field 'params.width': expected int, got str"),
+        ({"prompt": "x", "width": True, "height": 64}, "field 'params.width': expected int, got bool"),
+        ({"prompt": "x", "width": 64, "height": 64, "widht": 3}, "unknown field 'params.widht'"),
+        ({"prompt": "x", "width": 64}, "missing field 'params.height'"),
+    ],
+)
+def test_generation_parameters_are_checked_by_the_decoder(params, problem):
+    header = _pack({"v": PROTOCOL_VERSION, "type": "submit", "request_id": "abc", "params": params})
+    with pytest.raises(ProtocolError) as info:
+        decode([header])
+    assert str(info.value) == f"submit: {problem}" and info.value.request_id == "abc"
+
+
 def test_missing_field_and_wrong_version_are_errors():
     with pytest.raises(ProtocolError, match="missing field 'params'"):
         decode([_pack({"v": PROTOCOL_VERSION, "type": "submit", "request_id": "a"})])
@@ -79,14 +96,16 @@ def test_every_message_type_round_trips_and_checks_nested_fields():
     assert len(message_types()) == 18  # every message class registered, each under its own type name
     bad_manifest = {"v": PROTOCOL_VERSION, "type": "transfer_staged", "request_id": "r", "instance": "i",
                     "nbytes": 1, "manifest": [{"name": "x"}, "not-a-map"], "meta": {}, "seconds": 0.0}  # fmt: skip
-    with pytest.raises(ProtocolError, match="'manifest'"):
+    with pytest.raises(ProtocolError, match=r"'manifest\[1\]'"):  # the field and the item in it
         decode([_pack(bad_manifest)])
     optional = encode(RequestEvent("r", "FAILED", error=None))
     assert decode(optional)[0].error is None
     with pytest.raises(ProtocolError, match="'error'"):
         decode([_pack({**_unpack(optional[0]), "error": 5})])
-    defaults = decode([_pack({"v": PROTOCOL_VERSION, "type": "submit", "request_id": "a", "params": {}})])[0]
+    params = {"prompt": "p", "width": 8, "height": 8}
+    defaults = decode([_pack({"v": PROTOCOL_VERSION, "type": "submit", "request_id": "a", "params": params})])[0]
     assert defaults.watch is False  # an absent optional field takes its default
+    assert defaults.params == GenerationParams("p", 8, 8) and defaults.params.num_inference_steps == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
@@ -119,5 +138,6 @@ def test_bad_tensor_specs_are_rejected(spec):
 
 
 def test_submit_encodes_params_as_plain_map():
-    parts = encode(Submit("r", {"prompt": "a cat", "width": 64}))
-    assert _unpack(parts[0])["params"] == {"prompt": "a cat", "width": 64}
+    parts = encode(Submit("r", GenerationParams("a cat", 64, 32)))
+    assert _unpack(parts[0])["params"] == {**_unpack(_pack(GenerationParams("", 0, 0))), "prompt": "a cat", "width": 64,
+                                           "height": 32}  # fmt: skip

@@ -12,6 +12,7 @@ import zmq
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
 from triptych.localdeploy import free_port_block
+from triptych.params import GenerationParams
 from triptych.protocol import (
     CancelWork,
     Heartbeat,
@@ -71,7 +72,7 @@ def _encoded(msg: object) -> list[bytes]:
 
 def test_steps_are_reported_only_when_the_head_asks_for_them():
     worker = make_worker()
-    params = {"prompt": "x", "width": 16, "height": 16, "num_inference_steps": 3}
+    params = GenerationParams("x", width=16, height=16, num_inference_steps=3)
     try:
         for progress, expected_steps in ((False, []), (True, [1, 2, 3])):
             link = RecordingLink()

@@ -6,7 +6,6 @@ stock output_type="pil"; videos are (frames * 255).round().astype(uint8) of stoc
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -32,10 +31,10 @@ WAN = GenerationParams("a dog running on the beach", width=64, height=48, num_fr
                        guidance_scale=1.0, seed=11, max_sequence_length=16)  # fmt: skip
 CASES = {
     "flux": ("tiny-flux", FLUX),
-    "flux-guidance-2-outputs": ("tiny-flux", dataclasses.replace(FLUX, guidance_scale=7.0, num_outputs=2)),
+    "flux-guidance-2-outputs": ("tiny-flux", msgspec.structs.replace(FLUX, guidance_scale=7.0, num_outputs=2)),
     "flux-kontext": ("tiny-flux-kontext", FLUX),
     "wan": ("tiny-wan", WAN),
-    "wan-cfg-negative-prompt": ("tiny-wan", dataclasses.replace(WAN, guidance_scale=4.0, negative_prompt="blurry")),
+    "wan-cfg-negative-prompt": ("tiny-wan", msgspec.structs.replace(WAN, guidance_scale=4.0, negative_prompt="blurry")),
 }
 
 
@@ -112,7 +111,7 @@ def test_flux_tensors_between_roles(role_pipelines) -> None:
 def test_wan_sends_negative_embeddings_only_under_classifier_free_guidance(role_pipelines) -> None:
     encoder = role_pipelines["tiny-wan", Role.ENCODER]
     without = encoder.run(StageBatch(WAN))
-    with_cfg = encoder.run(StageBatch(dataclasses.replace(WAN, guidance_scale=5.0)))
+    with_cfg = encoder.run(StageBatch(msgspec.structs.replace(WAN, guidance_scale=5.0)))
     assert set(without.tensors) == {"prompt_embeds", "latents"}
     assert set(with_cfg.tensors) == {"prompt_embeds", "negative_prompt_embeds", "latents"}
 
@@ -186,13 +185,13 @@ INVALID = [
 
 @pytest.mark.parametrize(("name", "change", "message"), INVALID, ids=[m for _, _, m in INVALID])
 def test_invalid_requests_are_rejected_naming_the_field(tiny_models, name: str, change: dict, message: str) -> None:
-    params = dataclasses.replace(FLUX if name == "tiny-flux" else WAN, **change)
+    params = msgspec.structs.replace(FLUX if name == "tiny-flux" else WAN, **change)
     with pytest.raises(ValueError, match=message):
         validate_for_model(str(tiny_models[name]), params)
 
 
 def test_the_encoder_role_validates_before_any_work(role_pipelines) -> None:
-    batch = StageBatch(dataclasses.replace(WAN, num_frames=6))
+    batch = StageBatch(msgspec.structs.replace(WAN, num_frames=6))
     with pytest.raises(ValueError, match="num_frames 6"):
         role_pipelines["tiny-wan", Role.ENCODER].run(batch)
     assert batch.tensors == {}

@@ -94,9 +94,11 @@ def _explain(header: Any, exc: msgspec.DecodeError) -> ProtocolError:
 
 
 def _field_problem(text: str) -> str:
-    """msgspec's "Expected `int`, got `str` - at `$.nbytes`" as "field 'nbytes': expected int, got str"."""
-    if missing := re.fullmatch(r"Object missing required field `(\w+)`", text):
-        return f"missing field {missing[1]!r}"
-    if at := re.fullmatch(r"(.*) - at `(?:.* in `)?\$\.(\w+).*`", text):
+    """msgspec's "Expected `int`, got `str` - at `$.params.width`" as "field 'params.width': expected int, got str"."""
+    if missing := re.fullmatch(r"Object missing required field `(\w+)`(?: - at `\$\.?(.*)`)?", text):
+        return f"missing field {'.'.join(filter(None, (missing[2], missing[1])))!r}"
+    if unknown := re.fullmatch(r"Object contains unknown field `(\w+)`(?: - at `\$\.?(.*)`)?", text):
+        return f"unknown field {'.'.join(filter(None, (unknown[2], unknown[1])))!r}"
+    if at := re.fullmatch(r"(.*) - at `(?:.* in `)?\$\.(.+)`", text):
         return f"field {at[2]!r}: {at[1].replace('`', '').lower()}"
     return text

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from triptych.params import GenerationParams
 from triptych.protocol.codec import Message
 
 __all__ = [
@@ -41,7 +42,7 @@ class Submit(Message, tag="submit", frozen=True):
     """
 
     request_id: str
-    params: dict[str, Any]
+    params: GenerationParams
     watch: bool = False
 
 
@@ -81,7 +82,7 @@ class Work(Message, tag="work", frozen=True):
 
     request_id: str
     instance: str
-    params: dict[str, Any]
+    params: GenerationParams
     progress: bool = False  # report every denoising step (someone watches the request)
 
 
@@ -104,7 +105,7 @@ class TransferReady(Message, tag="transfer_ready", frozen=True):
 
     request_id: str
     instance: str
-    params: dict[str, Any]
+    params: GenerationParams
     manifest: list[dict[str, Any]]
     meta: dict[str, Any]
     slot_addr: int = 0  # a standing slot the head assigned without transfer_alloc (0: the allocated one)

@@ -40,11 +40,10 @@ from triptych.protocol import (
     TransferStaged,
     Work,
     decode,
-    encode,
     tensors_to_frames,
 )
 from triptych.roles import Role
-from triptych.sockets import has_queued_message
+from triptych.sockets import has_queued_message, send_message
 from triptych_worker.stages import PIXELS, StageBatch
 from triptych_worker.transfer import (
     Allocation,
@@ -81,7 +80,7 @@ class RequestCancelled(Exception):
 @dataclass
 class Job:
     request_id: str
-    params: dict[str, Any]
+    params: GenerationParams
     incoming: tuple[Allocation, list[dict[str, Any]], dict[str, Any]] | None = None
     progress: bool = False  # send Progress for every step (the head has a watcher for it)
 
@@ -104,7 +103,7 @@ class HeadLink:
         self._sock.connect(endpoint)
 
     def send(self, msg: Any, frames: Sequence[Any] = ()) -> None:
-        self._sock.send_multipart(encode(msg, frames), copy=not frames)  # zero-copy only for pixel frames
+        send_message(self._sock, msg, frames)
 
     def close(self) -> None:
         self._sock.close()
@@ -393,8 +392,7 @@ class Worker:
 
     def _run_job(self, link: HeadLink, job: Job) -> None:
         started = time.perf_counter()
-        params = GenerationParams.from_wire(job.params)
-        batch = StageBatch(params=params)
+        batch = StageBatch(params=job.params)
         if job.incoming is not None:
             alloc, manifest, meta = job.incoming
             batch.tensors = load_tensors(self.pool, alloc, manifest, self.device)
