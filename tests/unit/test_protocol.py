@@ -45,6 +45,16 @@ def test_garbage_headers_raise_protocol_error(garbage):
         decode([garbage])
 
 
+@pytest.mark.parametrize("field", ["meta", "unknown_field"])
+def test_deeply_nested_header_is_a_protocol_error_not_a_crash(field):
+    head = _pack({"v": PROTOCOL_VERSION, "type": "transfer_staged", "request_id": "r", "instance": "i",
+                  "nbytes": 1, "manifest": [], "seconds": 0.0})  # fmt: skip
+    nested = b"\x91" * 200_000 + b"\xc0"  # [[[...[nil]...]]], 200k deep
+    header = bytes([head[0] + 1]) + head[1:] + _pack(field) + nested  # one more key in the map
+    with pytest.raises(ProtocolError, match="too deeply"):
+        decode([header])
+
+
 def test_pickle_payload_is_rejected_not_executed():
     class Boom:
         def __reduce__(self):

@@ -2,7 +2,8 @@
 
 A ZMQ message is [header, *raw_frames]. The header is a msgpack map
 {"type": <message type>, ...fields, "v": PROTOCOL_VERSION}; raw frames carry tensor bytes
-described by a `tensors` field. msgspec decodes a header straight into its message class and
+described by a `tensors` field (a header without "v" is read as version 1; a peer of another
+version sends its own and is refused). msgspec decodes a header straight into its message class and
 checks the type of every field on the way (in C: a control message costs a few microseconds
 at each end, on the path of every request), so a garbage frame becomes a ProtocolError, never
 an arbitrary object. msgspec builds only the classes in `messages.py` and plain maps, lists and
@@ -71,6 +72,8 @@ def decode(parts: typing.Sequence[Any]) -> tuple[Any, list[Any]]:
         msg = _decoder().decode(header)
     except msgspec.DecodeError as exc:  # ValidationError included
         raise _explain(header, exc) from None
+    except RecursionError:  # maps and lists nested thousands deep: refused, never a crash
+        raise ProtocolError("header nests maps or lists too deeply") from None
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {msg.v!r} is not {PROTOCOL_VERSION}", getattr(msg, "request_id", None))
     return msg, list(parts[1:])
@@ -80,8 +83,10 @@ def _explain(header: Any, exc: msgspec.DecodeError) -> ProtocolError:
     """What is wrong with a header the typed decoder refused, with its request id if it has one."""
     try:
         raw = msgspec.msgpack.decode(header)
-    except Exception:  # not msgpack at all
+    except msgspec.DecodeError:  # not msgpack at all
         return ProtocolError(f"header is not msgpack: {exc}")
+    except RecursionError:
+        return ProtocolError("header nests maps or lists too deeply")
     if not isinstance(raw, dict):
         return ProtocolError(f"header must be a map, got {type(raw).__name__}")
     request_id = raw.get("request_id") if isinstance(raw.get("request_id"), str) else None
