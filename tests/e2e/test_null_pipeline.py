@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from tests.e2e.harness import deployment
+from triptych.params import GenerationParams
 from triptych.protocol import RequestEvent, RequestResult, Submit, decode, encode
 from triptych.protocol.codec import PROTOCOL_VERSION
 from triptych.roles import Role
@@ -156,7 +157,11 @@ def test_garbage_frames_on_every_socket_change_nothing_else(flux, tmp_path):
         try:
             pack = msgspec.msgpack.encode
             garbage = [[b"\xff\x00garbage"], [b""], [pack({"v": PROTOCOL_VERSION, "type": "heartbeat"})],
-                       [pack({"v": 7, "type": "x"}), b"frame"]]  # fmt: skip
+                       [pack({"v": 7, "type": "x"}), b"frame"],
+                       # well-formed, but the wrong message for the socket, or a negative size
+                       encode(Submit("stray", GenerationParams("x", 32, 32))),
+                       [pack({"type": "transfer_alloc", "request_id": "r", "instance": "i", "nbytes": -1})],
+                       ]  # fmt: skip
             targets = [f"tcp://127.0.0.1:{dep.scheduler_port + i}" for i in (1, 2, 3)]
             targets += [w.url for w in dep.procs if w.role is not Role.SERVER]
             for target in targets:

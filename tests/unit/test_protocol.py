@@ -87,6 +87,22 @@ def test_generation_parameters_are_checked_by_the_decoder(params, problem):
     assert str(info.value) == f"submit: {problem}" and info.value.request_id == "abc"
 
 
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"type": "transfer_alloc", "nbytes": -1}, "field 'nbytes': expected int >= 0"),
+        ({"type": "transfer_push", "dest_session": "s", "dest_addr": -8}, "field 'dest_addr': expected int >= 0"),
+        ({"type": "failed", "error": "e", "status_code": 200}, "field 'status_code': expected int >= 400"),
+        ({"type": "transfer_pushed", "nbytes": 1, "seconds": -0.5}, "field 'seconds': expected float >= 0.0"),
+    ],
+)
+def test_sizes_addresses_and_status_codes_are_range_checked(fields, problem):
+    header = _pack({"v": PROTOCOL_VERSION, "request_id": "r", "instance": "i", **fields})
+    with pytest.raises(ProtocolError) as info:
+        decode([header])
+    assert str(info.value) == f"{fields['type']}: {problem}" and info.value.request_id == "r"
+
+
 def test_missing_field_and_wrong_version_are_errors():
     with pytest.raises(ProtocolError, match="missing field 'params'"):
         decode([_pack({"v": PROTOCOL_VERSION, "type": "submit", "request_id": "a"})])

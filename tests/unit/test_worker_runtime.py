@@ -15,9 +15,11 @@ from triptych.localdeploy import free_port_block
 from triptych.params import GenerationParams
 from triptych.protocol import (
     CancelWork,
+    Failed,
     Heartbeat,
     Ping,
     Progress,
+    Submit,
     TransferAlloc,
     TransferAllocated,
     TransferStaged,
@@ -68,6 +70,27 @@ def test_kept_slot_survives_its_request_and_is_dropped_when_the_head_changes():
 
 def _encoded(msg: object) -> list[bytes]:
     return encode(msg)
+
+
+def test_a_message_the_worker_cannot_act_on_fails_its_request_and_the_worker_goes_on(monkeypatch):
+    worker = make_worker()
+    link = RecordingLink()
+    try:
+        worker._on_message(link, _encoded(Submit("stray", GenerationParams("x", 8, 8))))  # type: ignore[arg-type]
+        assert link.sent == [] and worker.instance == ""  # not a head message: dropped, nothing learned from it
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("pool bookkeeping broke")
+
+        monkeypatch.setattr(worker.pool, "allocate", broken)
+        worker._on_message(link, _encoded(TransferAlloc("r1", "w", 1024)))  # type: ignore[arg-type]
+        (failed,) = link.sent
+        assert isinstance(failed, Failed) and failed.request_id == "r1"
+        assert "transfer_alloc could not be handled: pool bookkeeping broke" in failed.error
+        worker._on_message(link, _encoded(Ping("w", head_id="h")))  # type: ignore[arg-type]
+        assert isinstance(link.sent[-1], Heartbeat)  # still answering
+    finally:
+        worker.transport.close()
 
 
 def test_steps_are_reported_only_when_the_head_asks_for_them():

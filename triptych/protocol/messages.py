@@ -19,7 +19,9 @@ to trust a worker's idea of its own address.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from triptych.params import GenerationParams
 from triptych.protocol.codec import Message
@@ -30,6 +32,12 @@ __all__ = [
     "Heartbeat", "Progress", "TransferStaged", "TransferAllocated",
     "TransferRefused", "TransferPushed", "Result", "Failed",
 ]  # fmt: skip
+
+# Checked by the decoder, so a handler never sees a negative size or address, or a status code
+# that is not an HTTP error.
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+HttpError = Annotated[int, msgspec.Meta(ge=400, le=599)]
 
 # --- API client <-> head frontend ---------------------------------------------------------
 
@@ -55,8 +63,8 @@ class RequestEvent(Message, tag="event", frozen=True):
 
     request_id: str
     state: str
-    step: int = 0
-    total_steps: int = 0
+    step: Count = 0
+    total_steps: Count = 0
     error: str | None = None
     status_code: int = 0
 
@@ -89,7 +97,7 @@ class Work(Message, tag="work", frozen=True):
 class TransferAlloc(Message, tag="transfer_alloc", frozen=True):
     request_id: str
     instance: str
-    nbytes: int
+    nbytes: Count
     keep: bool = False  # keep the slot after this transfer as a standing (preallocated) receive slot
 
 
@@ -97,7 +105,7 @@ class TransferPush(Message, tag="transfer_push", frozen=True):
     request_id: str
     instance: str
     dest_session: str
-    dest_addr: int
+    dest_addr: Count
 
 
 class TransferReady(Message, tag="transfer_ready", frozen=True):
@@ -108,7 +116,7 @@ class TransferReady(Message, tag="transfer_ready", frozen=True):
     params: GenerationParams
     manifest: list[dict[str, Any]]
     meta: dict[str, Any]
-    slot_addr: int = 0  # a standing slot the head assigned without transfer_alloc (0: the allocated one)
+    slot_addr: Count = 0  # a standing slot the head assigned without transfer_alloc (0: the allocated one)
     progress: bool = False  # report every denoising step (someone watches the request)
 
 
@@ -126,18 +134,18 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     instance: str
     role: str
     session: str
-    pool_bytes: int
-    free_bytes: int
-    capacity: int
+    pool_bytes: Count
+    free_bytes: Count
+    capacity: Count
     model: str
-    standing_bytes: int = 0  # pool bytes kept as preallocated receive slots (not free, not leaked)
+    standing_bytes: Count = 0  # pool bytes kept as preallocated receive slots (not free, not leaked)
 
 
 class Progress(Message, tag="progress", frozen=True):
     request_id: str
     instance: str
-    step: int
-    total: int
+    step: Count
+    total: Count
 
 
 class TransferStaged(Message, tag="transfer_staged", frozen=True):
@@ -145,17 +153,17 @@ class TransferStaged(Message, tag="transfer_staged", frozen=True):
 
     request_id: str
     instance: str
-    nbytes: int
+    nbytes: Count
     manifest: list[dict[str, Any]]
     meta: dict[str, Any]
-    seconds: float
+    seconds: Seconds
 
 
 class TransferAllocated(Message, tag="transfer_allocated", frozen=True):
     request_id: str
     instance: str
     session: str
-    addr: int
+    addr: Count
     kept: bool = False  # the slot stays reserved for this receiver's later transfers
 
 
@@ -171,8 +179,8 @@ class TransferRefused(Message, tag="transfer_refused", frozen=True):
 class TransferPushed(Message, tag="transfer_pushed", frozen=True):
     request_id: str
     instance: str
-    nbytes: int
-    seconds: float
+    nbytes: Count
+    seconds: Seconds
 
 
 class Result(Message, tag="worker_result", frozen=True):
@@ -181,12 +189,12 @@ class Result(Message, tag="worker_result", frozen=True):
     request_id: str
     instance: str
     tensors: list[dict[str, Any]]
-    seconds: float
+    seconds: Seconds
 
 
 class Failed(Message, tag="failed", frozen=True):
     request_id: str
     instance: str
     error: str
-    status_code: int = 500  # what the HTTP client should see: 413 for a payload no pool can take
+    status_code: HttpError = 500  # what the HTTP client should see: 413 for a payload no pool can take
     write_pending: bool = False  # a push gave up waiting, but Mooncake may still write into the receiver's slot

@@ -70,6 +70,7 @@ STAGING_RETRY_S = 0.01
 CANCELLED_MEMORY = 10_000  # how many cancelled request ids are remembered
 
 
+FROM_HEAD = (Ping, Work, TransferAlloc, TransferPush, TransferReady, CancelWork)
 STANDING = "standing-slot"  # pool owner of preallocated receive slots
 
 
@@ -265,7 +266,18 @@ class Worker:
             if exc.request_id:
                 link.send(Failed(exc.request_id, self.instance, f"malformed message: {exc}"))
             return
+        if not isinstance(msg, FROM_HEAD):
+            log.warning("dropped %s: not a head-to-worker message", msg.TYPE)
+            return
         self.instance = msg.instance
+        try:
+            self._handle(link, msg)
+        except Exception as exc:  # a message this worker cannot act on fails its request, never the worker
+            log.exception("handling %s failed", msg.TYPE)
+            if request_id := getattr(msg, "request_id", None):
+                link.send(Failed(request_id, self.instance, f"{msg.TYPE} could not be handled: {exc}"))
+
+    def _handle(self, link: HeadLink, msg: Any) -> None:
         if isinstance(msg, Ping):
             self._follow_head(msg.head_id)
             link.send(self._heartbeat())
@@ -280,8 +292,6 @@ class Worker:
         elif isinstance(msg, CancelWork):
             self._cancel(msg.request_id)
             self._space_freed(link)
-        else:
-            log.warning("dropped %s: not a head-to-worker message", msg.TYPE)
 
     def _allocate(self, link: HeadLink, msg: TransferAlloc) -> None:
         if self._must_keep_room_for_outputs(msg.nbytes):
