@@ -22,6 +22,7 @@ import msgspec
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
+_TOO_DEEP = "header nests maps or lists too deeply"
 
 
 class ProtocolError(ValueError):
@@ -73,7 +74,7 @@ def decode(parts: typing.Sequence[Any]) -> tuple[Any, list[Any]]:
     except msgspec.DecodeError as exc:  # ValidationError included
         raise _explain(header, exc) from None
     except RecursionError:  # maps and lists nested thousands deep: refused, never a crash
-        raise ProtocolError("header nests maps or lists too deeply") from None
+        raise ProtocolError(_TOO_DEEP) from None
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {msg.v!r} is not {PROTOCOL_VERSION}", getattr(msg, "request_id", None))
     return msg, list(parts[1:])
@@ -86,7 +87,7 @@ def _explain(header: Any, exc: msgspec.DecodeError) -> ProtocolError:
     except msgspec.DecodeError:  # not msgpack at all
         return ProtocolError(f"header is not msgpack: {exc}")
     except RecursionError:
-        return ProtocolError("header nests maps or lists too deeply")
+        return ProtocolError(_TOO_DEEP)
     if not isinstance(raw, dict):
         return ProtocolError(f"header must be a map, got {type(raw).__name__}")
     request_id = raw.get("request_id") if isinstance(raw.get("request_id"), str) else None
@@ -100,10 +101,9 @@ def _explain(header: Any, exc: msgspec.DecodeError) -> ProtocolError:
 
 def _field_problem(text: str) -> str:
     """msgspec's "Expected `int`, got `str` - at `$.params.width`" as "field 'params.width': expected int, got str"."""
-    if missing := re.fullmatch(r"Object missing required field `(\w+)`(?: - at `\$\.?(.*)`)?", text):
-        return f"missing field {'.'.join(filter(None, (missing[2], missing[1])))!r}"
-    if unknown := re.fullmatch(r"Object contains unknown field `(\w+)`(?: - at `\$\.?(.*)`)?", text):
-        return f"unknown field {'.'.join(filter(None, (unknown[2], unknown[1])))!r}"
+    if absent := re.fullmatch(r"Object (missing required|contains unknown) field `(\w+)`(?: - at `\$\.?(.*)`)?", text):
+        problem = "missing" if absent[1].startswith("missing") else "unknown"
+        return f"{problem} field {'.'.join(filter(None, (absent[3], absent[2])))!r}"
     if at := re.fullmatch(r"(.*) - at `(?:.* in `)?\$\.(.+)`", text):
         return f"field {at[2]!r}: {at[1].replace('`', '').lower()}"
     return text

@@ -30,7 +30,7 @@ __all__ = [
     "Submit", "Cancel", "RequestEvent", "RequestResult",
     "Ping", "Work", "TransferAlloc", "TransferPush", "TransferReady", "CancelWork",
     "Heartbeat", "Progress", "TransferStaged", "TransferAllocated",
-    "TransferRefused", "TransferPushed", "Result", "Failed",
+    "TransferRefused", "TransferPushed", "Result", "Failed", "HEAD_TO_WORKER",
 ]  # fmt: skip
 
 # Checked by the decoder, so a handler never sees a negative size or address, or a status code
@@ -126,6 +126,8 @@ class CancelWork(Message, tag="cancel_work", frozen=True):
     request_id: str
     instance: str
 
+
+HEAD_TO_WORKER = (Ping, Work, TransferAlloc, TransferPush, TransferReady, CancelWork)  # what a worker acts on
 
 # --- worker -> head -----------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from triptych.config import ServeArgs
 from triptych.params import GenerationParams
 from triptych.ports import result_endpoint, tcp_url
 from triptych.protocol import (
+    HEAD_TO_WORKER,
     CancelWork,
     Failed,
     Heartbeat,
@@ -70,7 +71,6 @@ STAGING_RETRY_S = 0.01
 CANCELLED_MEMORY = 10_000  # how many cancelled request ids are remembered
 
 
-FROM_HEAD = (Ping, Work, TransferAlloc, TransferPush, TransferReady, CancelWork)
 STANDING = "standing-slot"  # pool owner of preallocated receive slots
 
 
@@ -266,7 +266,7 @@ class Worker:
             if exc.request_id:
                 link.send(Failed(exc.request_id, self.instance, f"malformed message: {exc}"))
             return
-        if not isinstance(msg, FROM_HEAD):
+        if not isinstance(msg, HEAD_TO_WORKER):
             log.warning("dropped %s: not a head-to-worker message", msg.TYPE)
             return
         self.instance = msg.instance
