@@ -10,11 +10,11 @@ from triptych_head.discovery import WorkerDirectory, expand, resolve_addresses
 
 
 def test_tcp_urls_pass_through_and_dns_urls_expand_to_each_address():
-    assert expand("tcp://10.0.0.1:19000") == ["tcp://10.0.0.1:19000"]
-    resolver = {"dec.ns.svc": ["10.1.0.7", "10.1.0.5", "fd00::1"]}.get
+    assert expand("tcp://192.0.2.1:19000") == ["tcp://192.0.2.1:19000"]
+    resolver = {"dec.ns.svc": ["192.0.2.7", "192.0.2.5", "fd00::1"]}.get
     assert expand("dns://dec.ns.svc:19000", lambda h: sorted(resolver(h) or [])) == [
-        "tcp://10.1.0.5:19000",
-        "tcp://10.1.0.7:19000",
+        "tcp://192.0.2.5:19000",
+        "tcp://192.0.2.7:19000",
         "tcp://[fd00::1]:19000",
     ]
 
@@ -30,18 +30,18 @@ def test_bad_dns_url_names_the_value():
 
 
 def test_directory_follows_scaling_of_the_service():
-    pods = ["10.0.0.1"]
+    pods = ["192.0.2.1"]
     directory = WorkerDirectory(["dns://enc.ns.svc:19000"], interval_s=0.05, resolver=lambda _: list(pods))
     try:
-        assert directory.urls == ["tcp://10.0.0.1:19000"]
-        pods.append("10.0.0.2")
+        assert directory.urls == ["tcp://192.0.2.1:19000"]
+        pods.append("192.0.2.2")
         deadline = time.monotonic() + 5
         while len(directory.urls) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert directory.urls == ["tcp://10.0.0.1:19000", "tcp://10.0.0.2:19000"]
-        pods.remove("10.0.0.1")
+        assert directory.urls == ["tcp://192.0.2.1:19000", "tcp://192.0.2.2:19000"]
+        pods.remove("192.0.2.1")
         while len(directory.urls) > 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert directory.urls == ["tcp://10.0.0.2:19000"]
+        assert directory.urls == ["tcp://192.0.2.2:19000"]
     finally:
         directory.close()

@@ -83,6 +83,9 @@ class RequestResult(Message, tag="result", frozen=True):
 class Ping(Message, tag="ping", frozen=True):
     instance: str
     head_id: str = ""  # changes when the head restarts; standing slots of the old head are dropped
+    # The head has seen this worker's draining heartbeat and dispatches nothing more to it; every
+    # message it sent before this ping has already arrived (one connection keeps them in order).
+    drain_acknowledged: bool = False
 
 
 class Work(Message, tag="work", frozen=True):
@@ -141,6 +144,7 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     capacity: Count
     model: str
     standing_bytes: Count = 0  # pool bytes kept as preallocated receive slots (not free, not leaked)
+    draining: bool = False  # SIGTERM: it finishes what it holds and then exits; send it no new work
 
 
 class Progress(Message, tag="progress", frozen=True):
