@@ -116,3 +116,25 @@ def test_a_denoiser_that_leaves_discovery_finishes_what_it_holds_and_gets_nothin
         while any(d["url"] == leaving.url for d in c.get("/health").json()["workers"]["denoiser"]):
             assert time.monotonic() < deadline, "an idle departed worker should be forgotten"
             time.sleep(0.2)
+
+
+def test_a_retried_image_has_the_same_pixels_as_an_unretried_one(tiny_models, tmp_path):
+    """Real tiny FLUX: the denoiser running a request is killed; the retry's pixels are byte-identical."""
+    body = {"prompt": "a lighthouse at dusk", "size": "64x64", "seed": 7, "num_inference_steps": 300}
+    with deployment(tiny_models["tiny-flux"], tmp_path, denoisers=2, head_flags=FAST_LOSS) as dep, dep.client() as c:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            retried = pool.submit(c.post, "/v1/images/generations", json=body)
+            deadline = time.monotonic() + 60
+            busy = []
+            while not busy:
+                assert time.monotonic() < deadline and not retried.done(), "no denoiser ever ran the request"
+                busy = [d["url"] for d in c.get("/health").json()["workers"]["denoiser"] if d["free_slots"] < 2]
+                time.sleep(0.01)
+            victim = next(p for p in dep.workers(Role.DENOISER) if p.url == busy[0])
+            victim.kill()
+            first = retried.result(timeout=300)
+        assert first.status_code == 200, first.text
+        assert metric(c, "triptych_retries_total") == 1
+        second = c.post("/v1/images/generations", json=body)  # the same request, never retried
+        assert second.status_code == 200, second.text
+    assert first.json()["data"][0]["b64_json"] == second.json()["data"][0]["b64_json"]
