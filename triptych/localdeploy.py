@@ -2,7 +2,9 @@
 
 Used by `make demo`, the end-to-end tests and the benchmarks. Every process is a real
 `triptych serve` (or, for control-plane measurements, a zero-compute null worker) talking over
-loopback ZMQ and Mooncake TCP.
+loopback ZMQ and Mooncake TCP. Give workers `--simulate` (worker_flags) for model-free workers of
+a few tens of MB each; give `spare` ports to add workers while the deployment runs
+(`LocalDeployment.start_worker`) and `stop_worker` to drain (SIGTERM) or kill one.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,9 +83,34 @@ class LocalDeployment:
     http: str
     scheduler_port: int
     procs: list[Proc] = field(default_factory=list)
+    spare: dict[Role, list[int]] = field(default_factory=dict)  # ports the head lists that no worker holds yet
+    spawn_worker: Callable[[Role, int], Proc] | None = None
 
     def workers(self, role: Role) -> list[Proc]:
         return [p for p in self.procs if p.role is role]
+
+    def start_worker(self, role: Role) -> Proc:
+        """Start one more `role` worker, on a spare port the head already lists; it joins once it heartbeats.
+
+        Raises RuntimeError when no spare port of that role is left (ask for more with `spare=`).
+        """
+        if not self.spare.get(role) or self.spawn_worker is None:
+            raise RuntimeError(f"no spare {role.value} port left; pass spare={{Role.{role.name}: n}}")
+        proc = self.spawn_worker(role, self.spare[role].pop(0))
+        self.procs.append(proc)
+        return proc
+
+    def stop_worker(self, proc: Proc, drain: bool = True, timeout: float = 30) -> int:
+        """SIGTERM (drain: finish held work, then exit) or SIGKILL one worker; returns its exit status.
+
+        Its port becomes spare again, so start_worker can bring the role back.
+        """
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM if drain else signal.SIGKILL)
+        code = proc.popen.wait(timeout)
+        self.procs.remove(proc)
+        self.spare.setdefault(proc.role, []).append(int(proc.url.rsplit(":", 1)[1]))
+        return code
 
     def client(self, timeout: float = 300) -> httpx.Client:
         return httpx.Client(base_url=self.http, timeout=timeout)
@@ -125,16 +152,21 @@ def local_deployment(
     head_first: bool = True,
     ready_timeout: float = 180,
     worker_url_scheme: str = "tcp://127.0.0.1",
+    spare: dict[Role, int] | None = None,
 ) -> Iterator[LocalDeployment]:
     """Start head and workers (logs under `workdir`), wait until every worker heartbeats, kill all on exit.
 
     `worker_url_scheme` is how the head is told where workers are: tcp://127.0.0.1, or
     dns://localhost to go through name resolution as the head does behind a headless Service.
+    `spare`: per role, how many more worker ports the head lists, for workers started later
+    with `LocalDeployment.start_worker` (until then the head sees them as not responding).
     """
     counts = counts or dict.fromkeys(ROLES, 1)
+    spare = spare or {}
     workdir.mkdir(parents=True, exist_ok=True)
-    sched, http, ports = deployment_ports(counts)
-    urls = {role: [f"tcp://127.0.0.1:{p}" for p in ps] for role, ps in ports.items()}
+    sched, http, ports = deployment_ports({role: counts.get(role, 0) + spare.get(role, 0) for role in ROLES})
+    spare_ports = {role: ports[role][counts.get(role, 0) :] for role in ROLES}
+    ports = {role: ports[role][: counts.get(role, 0)] for role in ROLES}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     py = sys.executable
     worker_cmd = (
@@ -142,26 +174,33 @@ def local_deployment(
         if null_payload_bytes is not None
         else [py, "-m", "triptych", "serve"]
     )
-    dep = LocalDeployment(http=f"http://127.0.0.1:{http}", scheduler_port=sched)
+    dep = LocalDeployment(http=f"http://127.0.0.1:{http}", scheduler_port=sched, spare=spare_ports)
+    started: dict[Role, int] = {}
+
+    def spawn_worker(role: Role, port: int) -> Proc:
+        argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
+                "--disagg-server-addr", f"tcp://127.0.0.1:{sched}", "--scheduler-port", str(port),
+                "--disagg-p2p-hostname", "127.0.0.1", *worker_flags, *(role_flags or {}).get(role, ())]  # fmt: skip
+        i = started[role] = started.get(role, -1) + 1
+        log = workdir / f"{role.value}-{i}.log"
+        return Proc(role, f"tcp://127.0.0.1:{port}", _spawn(argv, log, env), log)
+
+    dep.spawn_worker = spawn_worker
 
     def start_head() -> None:
         argv = [py, "-m", "triptych", "serve", "--model-path", str(model), "--disagg-role", "server",
                 "--scheduler-port", str(sched), "--host", "127.0.0.1", "--port", str(http),
                 "--output-path", str(workdir / "outputs"), *head_flags]  # fmt: skip
         for role in ROLES:
-            argv += [f"--{role.value}-urls", ";".join(f"{worker_url_scheme}:{p}" for p in ports[role])]
+            listed = ports[role] + spare_ports[role]
+            argv += [f"--{role.value}-urls", ";".join(f"{worker_url_scheme}:{p}" for p in listed)]
         log = workdir / "head.log"
         dep.procs.append(Proc(Role.SERVER, dep.http, _spawn(argv, log, env), log))
 
     def start_workers() -> None:
         for role in ROLES:
-            for i, port in enumerate(ports[role]):
-                argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
-                        "--disagg-server-addr", f"tcp://127.0.0.1:{sched}", "--scheduler-port", str(port),
-                        "--disagg-p2p-hostname", "127.0.0.1", *worker_flags,
-                        *(role_flags or {}).get(role, ())]  # fmt: skip
-                log = workdir / f"{role.value}-{i}.log"
-                dep.procs.append(Proc(role, urls[role][i], _spawn(argv, log, env), log))
+            for port in ports[role]:
+                dep.procs.append(spawn_worker(role, port))
 
     try:
         first, second = (start_head, start_workers) if head_first else (start_workers, start_head)
