@@ -190,7 +190,7 @@ class Worker:
             self.role.value, self.work_endpoint, self.head_endpoint, self.transport.session_id, self.pool.pool_bytes,
         )  # fmt: skip
         try:
-            while not self._stop.wait(0.1):  # the threads do the work; this one waits for stop or a signal
+            while not self._stop.wait(0.5):  # the threads do the work; this one waits for stop or a signal
                 pass
         finally:
             self._stop.set()
