@@ -26,6 +26,15 @@ URL_FLAGS: dict[Role, str] = {
     Role.DECODER: "decoder_urls",
 }
 
+# --simulate: per role, (seconds per request, seconds per unit of work) unless the flags say otherwise;
+# a unit is one output (encoder), one step over one megapixel-frame (denoiser), one megapixel-frame
+# (decoder). Coarse figures for a FLUX.1-dev-class model on one modern GPU (triptych_worker.simulated).
+SIMULATE_DEFAULTS: dict[Role, tuple[float, float]] = {
+    Role.ENCODER: (0.02, 0.005),
+    Role.DENOISER: (0.02, 0.25),
+    Role.DECODER: (0.01, 0.05),
+}
+
 # Per-role parallelism flags: role -> {degree: attribute}.
 ROLE_PARALLEL_FLAGS: dict[Role, dict[str, str]] = {
     Role.ENCODER: {"tp": "encoder_tp"},
@@ -272,10 +281,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--simulate", action="store_true",
       help="worker: load no model; each stage sleeps a modelled time and emits the tensors --model-path's family "
            "would (shapes from its configs), through the real pool and Mooncake transfers")  # fmt: skip
+    sim = {role.value: costs for role, costs in SIMULATE_DEFAULTS.items()}
     a("--simulate-seconds", type=float, default=None, metavar="S",
-      help="worker --simulate: fixed seconds per request (default: encoder 0.02, denoiser 0.02, "
-           "decoder 0.01)")  # fmt: skip
+      help="worker --simulate: fixed seconds per request (default: "
+           + ", ".join(f"{role} {fixed:g}" for role, (fixed, _) in sim.items()) + ")")  # fmt: skip
     a("--simulate-seconds-per-unit", type=float, default=None, metavar="S",
       help="worker --simulate: seconds per unit of work, added to --simulate-seconds; a unit is, for the denoiser, "
-           "one step over one megapixel-frame (default 0.25), for the decoder one megapixel-frame (default 0.05), "
-           "for the encoder one output (default 0.005)")  # fmt: skip
+           f"one step over one megapixel-frame (default {sim['denoiser'][1]:g}), for the decoder one "
+           f"megapixel-frame (default {sim['decoder'][1]:g}), for the encoder one output "
+           f"(default {sim['encoder'][1]:g})")  # fmt: skip

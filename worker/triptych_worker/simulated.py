@@ -12,8 +12,9 @@ Cost model, per request: seconds + seconds_per_unit x units, where a unit is
 - denoiser: one step over one megapixel-frame (num_outputs x num_frames x width x height / 2**20
   x num_inference_steps); progress is reported after each step, as the real loop does;
 - decoder: one megapixel-frame (num_outputs x num_frames x width x height / 2**20).
-The defaults (DEFAULT_COSTS) are coarse figures for a FLUX.1-dev-class model on one modern GPU;
---simulate-seconds and --simulate-seconds-per-unit override them for the worker's role.
+The defaults (triptych.config.SIMULATE_DEFAULTS, which the flags' help shows) are coarse figures
+for a FLUX.1-dev-class model on one modern GPU; --simulate-seconds and --simulate-seconds-per-unit
+override them for the worker's role.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from triptych.config import ServeArgs
+from triptych.config import SIMULATE_DEFAULTS, ServeArgs
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import TensorSpec
 from triptych.roles import Role
@@ -44,11 +45,7 @@ class StageCost:
         return self.seconds + self.seconds_per_unit * work_units(role, params)
 
 
-DEFAULT_COSTS: dict[Role, StageCost] = {
-    Role.ENCODER: StageCost(seconds=0.02, seconds_per_unit=0.005),
-    Role.DENOISER: StageCost(seconds=0.02, seconds_per_unit=0.25),
-    Role.DECODER: StageCost(seconds=0.01, seconds_per_unit=0.05),
-}
+DEFAULT_COSTS: dict[Role, StageCost] = {role: StageCost(*costs) for role, costs in SIMULATE_DEFAULTS.items()}
 
 
 def work_units(role: Role, params: GenerationParams) -> float:
