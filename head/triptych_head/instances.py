@@ -36,13 +36,15 @@ class WorkerInstance:
     standing: dict[int, StandingSlot] = field(default_factory=dict)
     draining: bool = False  # it got SIGTERM: it finishes what it holds, takes nothing new, then exits
     leaving: bool = False  # discovery no longer lists it (scaled down, not Ready): nothing new goes to it
+    # A write to it failed: it may have died. Nothing new goes to it until its next heartbeat says otherwise.
+    suspect: bool = False
 
     def alive(self, now: float, heartbeat_timeout: float) -> bool:
         return self.last_heartbeat is not None and now - self.last_heartbeat <= heartbeat_timeout
 
     def ready(self, now: float, heartbeat_timeout: float) -> bool:
         """Alive and taking new work: not draining, still listed by discovery."""
-        return self.alive(now, heartbeat_timeout) and not self.draining and not self.leaving
+        return self.alive(now, heartbeat_timeout) and not (self.draining or self.leaving or self.suspect)
 
     @property
     def free_slots(self) -> int:
@@ -76,6 +78,7 @@ class WorkerInstance:
         if session != self.session:
             self.standing.clear()  # a new process behind the same address: its slots are new too
         self.draining = draining
+        self.suspect = False
         self.capacity, self.session, self.pool_bytes, self.model = capacity, session, pool_bytes, model
         self.refused_bytes = None
         self.free_bytes, self.standing_bytes = free_bytes, standing_bytes

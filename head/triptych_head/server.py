@@ -105,7 +105,6 @@ class DiffusionServer:
         self._ctx = ctx or zmq.Context.instance()
         self._ctx.setsockopt(zmq.IPV6, 1)  # workers may have IPv6 pod IPs; IPv4 keeps working
         self._route = pipeline_route(args)
-        self._policy = make_policy(args.disagg_dispatch_policy)
         directories = {
             role: WorkerDirectory(args.urls_for(role), args.disagg_discovery_interval)
             for role in dict.fromkeys(self._route)
@@ -117,6 +116,9 @@ class DiffusionServer:
         self._no_instance_since: dict[Role, float] = {}  # roles with no ready instance, since when
         self._held_slots: dict[str, HeldSlot] = {}  # receive slots of ended requests, freed once their write is over
         self._queues: dict[Role, deque[str]] = {role: deque() for role in directories}
+        # One per role: a round-robin cursor shared by roles of different sizes would keep landing on
+        # the same instance of one of them (one encoder and two denoisers: always the second denoiser).
+        self._policies = {role: make_policy(args.disagg_dispatch_policy) for role in directories}
         self._stop = threading.Event()
         self._sockets: list[tuple[zmq.Socket, Role | None]] = []
         self.frontend_endpoint = f"tcp://127.0.0.1:{frontend_port(args.scheduler_port)}"
@@ -493,6 +495,7 @@ class DiffusionServer:
             reason = f"transfer to {rec.role.value} {rec.instance} failed: {reason}"
             receiver = self.registry.find(rec.instance or "")
             if receiver is not None:
+                receiver.suspect = True  # until it heartbeats again: retries must not go back to a dead one
                 self._retry(rec, receiver, "transfer_failed", reason, outputs_kept=False)
                 return
         self._finish(rec, RequestState.FAILED, reason, msg.status_code)
@@ -552,7 +555,7 @@ class DiffusionServer:
                     status_code=413,
                 )
                 return True
-        inst = self._policy(instances, lambda i: self.registry.ready(i) and i.can_take(nbytes))
+        inst = self._policies[role](instances, lambda i: self.registry.ready(i) and i.can_take(nbytes))
         if inst is None:
             return False
         started = time.monotonic()  # before the send, so the hop's time contains all the instance's work

@@ -81,6 +81,18 @@ def _encode_and_stage(client, enc: ScriptedWorker, rid: str, others: list[Script
     enc.send(TransferStaged(work.request_id, work.instance, 8, MANIFEST, {}, 0.01))
 
 
+def test_round_robin_takes_each_roles_instances_in_turn_whatever_the_other_roles_sizes():
+    with scripted_head({Role.ENCODER: 1, Role.DENOISER: 2, Role.DECODER: 1}) as (_, client, w):
+        enc, dec = w[Role.ENCODER][0], w[Role.DECODER][0]
+        receivers = []
+        for rid in ("r1", "r2"):
+            _encode_and_stage(client, enc, rid, [*w[Role.DENOISER], dec])
+            den, alloc = first_with(TransferAlloc, w[Role.DENOISER], [enc, dec])
+            assert alloc.request_id == rid
+            receivers.append(den)
+        assert receivers[0] is not receivers[1], "both requests went to the same denoiser"
+
+
 def test_a_receiver_lost_before_the_write_is_replaced_without_re_encoding():
     with scripted_head({Role.ENCODER: 1, Role.DENOISER: 2, Role.DECODER: 1}, FAST_LOSS) as (server, client, w):
         enc, dec = w[Role.ENCODER][0], w[Role.DECODER][0]
