@@ -88,6 +88,7 @@ class ServeArgs:
     disagg_timeout: float = DEFAULT_TIMEOUT_S
     disagg_dispatch_policy: str = "round_robin"
     disagg_heartbeat_timeout: float = 5.0
+    disagg_drain_timeout: float = 600.0
     master_port: int | None = None
     output_path: str = "outputs"
     device: str | None = None
@@ -165,6 +166,8 @@ class ServeArgs:
             raise ConfigError(f"--disagg-timeout {self.disagg_timeout} must be > 0 seconds")
         if self.disagg_heartbeat_timeout <= 0:
             raise ConfigError(f"--disagg-heartbeat-timeout {self.disagg_heartbeat_timeout} must be > 0 seconds")
+        if self.disagg_drain_timeout <= 0:
+            raise ConfigError(f"--disagg-drain-timeout {self.disagg_drain_timeout} must be > 0 seconds")
         if self.num_gpus < 1 or self.base_gpu_id < 0:
             raise ConfigError("--num-gpus must be >= 1 and --base-gpu-id >= 0")
         if self.worker_capacity < 1:
@@ -238,6 +241,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--disagg-dispatch-policy", choices=DISPATCH_POLICIES, default=d.disagg_dispatch_policy)
     a("--disagg-heartbeat-timeout", type=float, default=d.disagg_heartbeat_timeout,
       help="head: seconds without a heartbeat before a worker counts as gone and its requests fail")  # fmt: skip
+    a("--disagg-drain-timeout", type=float, default=d.disagg_drain_timeout,
+      help="worker: on SIGTERM, seconds to finish held work before exiting")  # fmt: skip
     a("--master-port", type=int, default=None, help="worker: torch.distributed master port (multi-GPU roles)")
     a("--output-path", default=d.output_path, help="head/monolithic: where generated files are written")
     a("--device", choices=DEVICES, default=None, help="default: cuda when available, else cpu")
