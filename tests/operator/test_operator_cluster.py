@@ -216,7 +216,7 @@ def test_children_deleted_or_edited_by_hand_are_restored(
 
 def test_optional_children_follow_the_spec(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:
     ns = kube_namespace
-    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2}
+    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetWorkSecondsPerReplica": 30}
     ingress = {"enabled": True, "host": "opt.example.com", "className": "nginx"}
     apply(crd, ns, pipeline_manifest("opt", denoiser={"autoscaling": auto}, head={"ingress": ingress}))
     objs = poll(
