@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import ssl
 import sys
 from collections.abc import Sequence
@@ -89,8 +90,11 @@ async def serve(args: argparse.Namespace) -> None:
         await runner.setup()
         await web.TCPSite(runner, args.bind_address, args.secure_port, ssl_context=tls).start()
         log.info("serving custom.metrics.k8s.io on https://%s:%d", args.bind_address, args.secure_port)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
             await runner.cleanup()
 
