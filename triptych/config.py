@@ -56,7 +56,12 @@ def parse_urls(text: str) -> list[str]:
 
 
 def parse_worker_url(url: str) -> None:
-    """Accept tcp://HOST:PORT, or dns://NAME:PORT (every address NAME resolves to, re-resolved)."""
+    """Accept tcp://HOST:PORT, dns://NAME:PORT (every address NAME resolves to, re-resolved) or
+    file:///PATH (the tcp:// endpoints listed in that file, re-read)."""
+    if url.startswith("file://"):
+        if not url.removeprefix("file://").startswith("/"):
+            raise ValueError(f"{url!r} is not a file:///ABSOLUTE/PATH")
+        return
     if url.startswith("dns://"):
         url = "tcp://" + url.removeprefix("dns://")
         try:
@@ -88,6 +93,9 @@ class ServeArgs:
     disagg_timeout: float = DEFAULT_TIMEOUT_S
     disagg_dispatch_policy: str = "round_robin"
     disagg_heartbeat_timeout: float = 5.0
+    disagg_max_retries: int = 2
+    disagg_discovery_interval: float = 5.0
+    disagg_no_instance_wait: float = 120.0
     disagg_drain_timeout: float = 600.0
     master_port: int | None = None
     output_path: str = "outputs"
@@ -166,6 +174,12 @@ class ServeArgs:
             raise ConfigError(f"--disagg-timeout {self.disagg_timeout} must be > 0 seconds")
         if self.disagg_heartbeat_timeout <= 0:
             raise ConfigError(f"--disagg-heartbeat-timeout {self.disagg_heartbeat_timeout} must be > 0 seconds")
+        if self.disagg_discovery_interval <= 0:
+            raise ConfigError(f"--disagg-discovery-interval {self.disagg_discovery_interval} must be > 0 seconds")
+        if self.disagg_max_retries < 0:
+            raise ConfigError(f"--disagg-max-retries {self.disagg_max_retries} must be >= 0 (0: never retry)")
+        if self.disagg_no_instance_wait <= 0:
+            raise ConfigError(f"--disagg-no-instance-wait {self.disagg_no_instance_wait} must be > 0 seconds")
         if self.disagg_drain_timeout <= 0:
             raise ConfigError(f"--disagg-drain-timeout {self.disagg_drain_timeout} must be > 0 seconds")
         if self.num_gpus < 1 or self.base_gpu_id < 0:
@@ -230,7 +244,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--num-gpus", type=int, default=d.num_gpus)
     a("--base-gpu-id", type=int, default=d.base_gpu_id)
     for role, attr in URL_FLAGS.items():
-        a(flag(attr), type=parse_urls, default=[], help=f"head: {role.value} work endpoints, ';'-separated")
+        a(
+            flag(attr),
+            type=parse_urls,
+            default=[],
+            help=f"head: {role.value} endpoints, ';'-separated: tcp://HOST:PORT dns://NAME:PORT file:///PATH",
+        )
     a("--host", default=d.host, help="head: HTTP and result-socket bind address")
     a("--port", type=int, default=d.port, help="head/monolithic: HTTP port")
     a("--disagg-p2p-hostname", default=d.disagg_p2p_hostname, help="worker: address peers reach it on (pod IP)")
@@ -240,7 +259,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--disagg-timeout", type=float, default=d.disagg_timeout, help="head: seconds before a request times out")
     a("--disagg-dispatch-policy", choices=DISPATCH_POLICIES, default=d.disagg_dispatch_policy)
     a("--disagg-heartbeat-timeout", type=float, default=d.disagg_heartbeat_timeout,
-      help="head: seconds without a heartbeat before a worker counts as gone and its requests fail")  # fmt: skip
+      help="head: seconds without a heartbeat before a worker counts as gone and its requests are retried")  # fmt: skip
+    a("--disagg-discovery-interval", type=float, default=d.disagg_discovery_interval,
+      help="head: seconds between re-reads of dns:// and file:// worker lists (default 5)")  # fmt: skip
+    a("--disagg-max-retries", type=int, default=d.disagg_max_retries,
+      help="head: times a request is restarted on other instances after losing a worker (default 2)")  # fmt: skip
+    a("--disagg-no-instance-wait", type=float, default=d.disagg_no_instance_wait,
+      help="head: seconds a request waits while its role has no ready instance, then fails (default 120)")  # fmt: skip
     a("--disagg-drain-timeout", type=float, default=d.disagg_drain_timeout,
       help="worker: on SIGTERM, seconds to finish held work before exiting")  # fmt: skip
     a("--master-port", type=int, default=None, help="worker: torch.distributed master port (multi-GPU roles)")

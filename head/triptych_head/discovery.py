@@ -1,7 +1,10 @@
-"""Where the workers are: static tcp:// endpoints, or dns:// names resolved periodically.
+"""Where the workers are: static tcp:// endpoints, dns:// names or file:// lists, re-read periodically.
 
 `dns://NAME:PORT` stands for every address NAME resolves to (a Kubernetes headless Service
 lists its ready pods), each as tcp://ADDRESS:PORT; instances come and go as the role scales.
+`file:///PATH` stands for the tcp:// endpoints listed in that file, one per line (`#` starts a
+comment): for deployments without DNS-based discovery, where a tool rewrites the file as workers
+come and go.
 """
 
 from __future__ import annotations
@@ -10,13 +13,15 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
-from triptych.ports import tcp_url
+from triptych.ports import parse_tcp_endpoint, tcp_url
 
 log = logging.getLogger(__name__)
 
 Resolver = Callable[[str], list[str]]
+DYNAMIC = ("dns://", "file://")  # entries whose endpoints change: re-read every interval
 
 
 def resolve_addresses(host: str) -> list[str]:
@@ -28,8 +33,30 @@ def resolve_addresses(host: str) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
+def read_endpoint_file(path: str) -> list[str]:
+    """The tcp:// endpoints listed in a file (one per line); [] when it is missing or unreadable."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    urls = []
+    for line in lines:
+        url = line.split("#", 1)[0].strip()
+        if not url:
+            continue
+        try:
+            parse_tcp_endpoint(url)
+        except ValueError as exc:
+            log.warning("discovery: %s: skipped %r: %s", path, url, exc)
+            continue
+        urls.append(url)
+    return urls
+
+
 def expand(spec: str, resolver: Resolver = resolve_addresses) -> list[str]:
     """The tcp:// endpoints a --*-urls entry stands for right now."""
+    if spec.startswith("file://"):
+        return read_endpoint_file(spec.removeprefix("file://"))
     if not spec.startswith("dns://"):
         return [spec]
     parts = urlsplit(spec)
@@ -39,7 +66,7 @@ def expand(spec: str, resolver: Resolver = resolve_addresses) -> list[str]:
 
 
 class WorkerDirectory:
-    """The current endpoints of one role; dns:// entries are re-resolved in a background thread."""
+    """The current endpoints of one role; dns:// and file:// entries are re-read in a background thread."""
 
     def __init__(self, specs: list[str], interval_s: float = 5.0, resolver: Resolver = resolve_addresses):
         self._specs = list(specs)
@@ -48,7 +75,7 @@ class WorkerDirectory:
         self._urls = self._resolve()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if any(s.startswith("dns://") for s in specs):
+        if any(s.startswith(DYNAMIC) for s in specs):
             self._thread = threading.Thread(target=self._refresh_loop, name="worker-discovery", daemon=True)
             self._thread.start()
 

@@ -34,9 +34,15 @@ class WorkerInstance:
     dispatched_total: int = 0
     # Preallocated receive slots it keeps for the head: address -> (bytes, request id holding it or None).
     standing: dict[int, StandingSlot] = field(default_factory=dict)
+    draining: bool = False  # it got SIGTERM: it finishes what it holds, takes nothing new, then exits
+    leaving: bool = False  # discovery no longer lists it (scaled down, not Ready): nothing new goes to it
 
     def alive(self, now: float, heartbeat_timeout: float) -> bool:
         return self.last_heartbeat is not None and now - self.last_heartbeat <= heartbeat_timeout
+
+    def ready(self, now: float, heartbeat_timeout: float) -> bool:
+        """Alive and taking new work: not draining, still listed by discovery."""
+        return self.alive(now, heartbeat_timeout) and not self.draining and not self.leaving
 
     @property
     def free_slots(self) -> int:
@@ -58,10 +64,18 @@ class WorkerInstance:
         return len(self.standing) < self.capacity and self.pool_bytes >= (len(self.standing) + 2) * nbytes
 
     def on_heartbeat(
-        self, capacity: int, session: str, pool_bytes: int, free_bytes: int, model: str, standing_bytes: int = 0
+        self,
+        capacity: int,
+        session: str,
+        pool_bytes: int,
+        free_bytes: int,
+        model: str,
+        standing_bytes: int = 0,
+        draining: bool = False,
     ) -> None:
         if session != self.session:
             self.standing.clear()  # a new process behind the same address: its slots are new too
+        self.draining = draining
         self.capacity, self.session, self.pool_bytes, self.model = capacity, session, pool_bytes, model
         self.refused_bytes = None
         self.free_bytes, self.standing_bytes = free_bytes, standing_bytes

@@ -25,7 +25,38 @@ class HeadMetrics:
         self.queue_seconds = Histogram(
             "triptych_queue_seconds", "Time waiting for a free instance", ["role"], buckets=LATENCY_BUCKETS, registry=r
         )
-        self.queue_depth = Gauge("triptych_queue_depth", "Requests waiting for an instance", ["role"], registry=r)
+        # Per-role load, the autoscaling signal (docs/autoscaling.md); workload.py has the estimate.
+        self.role_queued = Gauge(
+            "triptych_role_queued_requests", "Requests waiting for an instance of the role", ["role"], registry=r
+        )
+        self.role_running = Gauge(
+            "triptych_role_running_requests", "Requests dispatched to an instance of the role", ["role"], registry=r
+        )
+        self.role_ready = Gauge(
+            "triptych_role_ready_instances",
+            "Instances that heartbeat and take new work (not draining or leaving)",
+            ["role"],
+            registry=r,
+        )
+        self.role_pending_work = Gauge(
+            "triptych_role_pending_work_seconds",
+            "Estimated device-seconds of work accepted requests still need from the role",
+            ["role"],
+            registry=r,
+        )
+        self.role_seconds_per_unit = Gauge(
+            "triptych_role_seconds_per_work_unit",
+            "The calibrated cost of one unit of the role's work (see docs/autoscaling.md)",
+            ["role"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "triptych_retries",
+            "Requests restarted on another instance after losing one (cause: heartbeat_lost, disconnected, "
+            "left_discovery)",
+            ["role", "cause"],
+            registry=r,
+        )
         self.active_requests = Gauge("triptych_active_requests", "Requests in flight", registry=r)
         self.free_slots = Gauge(
             "triptych_free_slots", "Free scheduling slots per instance", ["role", "instance"], registry=r

@@ -61,27 +61,50 @@ class WorkerRegistry:
     def alive(self, inst: WorkerInstance) -> bool:
         return inst.alive(time.monotonic(), self.heartbeat_timeout)
 
-    def sync(self) -> list[WorkerInstance]:
-        """Add and remove instances to match discovery; returns the removed ones."""
-        removed = []
+    def ready(self, inst: WorkerInstance) -> bool:
+        """Alive and taking new work (not draining, not leaving)."""
+        return inst.ready(time.monotonic(), self.heartbeat_timeout)
+
+    def sync(self) -> None:
+        """Match discovery: connect to new endpoints; mark the ones it dropped as leaving.
+
+        A leaving instance gets no new work but keeps its socket, so that what it holds can
+        finish (a pod that is scaled down leaves DNS while it drains); the head removes it
+        with remove() once it holds nothing. An endpoint that comes back stops leaving.
+        """
         for role, directory in self._directories.items():
             current = self._instances[role]
             wanted = directory.urls
             for url in wanted:
-                if url not in current:
-                    try:
-                        self._sockets[url] = self._connect(url)
-                    except zmq.ZMQError as exc:
-                        log.error("%s instance %s skipped: cannot connect (%s)", role.value, url, exc)
-                        continue
-                    current[url] = WorkerInstance(url=url, role=role)
-                    log.info("%s instance added: %s", role.value, url)
-            for url in [u for u in current if u not in wanted]:
-                removed.append(current.pop(url))
-                self._sockets.pop(url).close(linger=0)
-                self._forget_metrics(role, url)
-                log.info("%s instance removed: %s", role.value, url)
-        return removed
+                inst = current.get(url)
+                if inst is not None:
+                    if inst.leaving:
+                        inst.leaving = False
+                        log.info("%s instance %s is listed again", role.value, url)
+                    continue
+                try:
+                    self._sockets[url] = self._connect(url)
+                except zmq.ZMQError as exc:
+                    log.error("%s instance %s skipped: cannot connect (%s)", role.value, url, exc)
+                    continue
+                current[url] = WorkerInstance(url=url, role=role)
+                log.info("%s instance added: %s", role.value, url)
+            for inst in current.values():
+                if inst.url not in wanted and not inst.leaving:
+                    inst.leaving = True
+                    log.info("%s instance %s left discovery; it gets no new work", role.value, inst.url)
+
+    def leaving(self) -> list[WorkerInstance]:
+        return [i for by_url in self._instances.values() for i in by_url.values() if i.leaving]
+
+    def remove(self, inst: WorkerInstance) -> None:
+        """Forget an instance discovery dropped (once nothing of a request is left on it)."""
+        self._instances[inst.role].pop(inst.url, None)
+        sock = self._sockets.pop(inst.url, None)
+        if sock is not None:
+            sock.close(linger=0)
+        self._forget_metrics(inst.role, inst.url)
+        log.info("%s instance removed: %s", inst.role.value, inst.url)
 
     def _connect(self, url: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.PUSH)
@@ -104,8 +127,9 @@ class WorkerRegistry:
 
     def ping_all(self) -> None:
         for by_url in self._instances.values():
-            for url in by_url:
-                self.send(url, Ping(instance=url, head_id=self.head_id))
+            for inst in by_url.values():
+                # A draining worker exits once acknowledged and idle: everything sent before this is there.
+                self.send(inst.url, Ping(instance=inst.url, head_id=self.head_id, drain_acknowledged=inst.draining))
 
     def lost(self) -> list[WorkerInstance]:
         """Instances whose heartbeats stopped since the last call (each reported once)."""
@@ -121,6 +145,9 @@ class WorkerRegistry:
     def publish_metrics(self) -> None:
         now = time.monotonic()
         for role, by_url in self._instances.items():
+            self._metrics.role_ready.labels(role.value).set(
+                sum(1 for i in by_url.values() if i.ready(now, self.heartbeat_timeout))
+            )
             for url, inst in by_url.items():
                 up = inst.alive(now, self.heartbeat_timeout)
                 self._metrics.instance_up.labels(role.value, url).set(1 if up else 0)
@@ -142,6 +169,9 @@ class WorkerRegistry:
                 {
                     "url": i.url,
                     "alive": i.alive(now, self.heartbeat_timeout),
+                    "ready": i.ready(now, self.heartbeat_timeout),
+                    "draining": i.draining,
+                    "leaving": i.leaving,
                     "capacity": i.capacity,
                     "free_slots": i.free_slots,
                     "pool_bytes": i.pool_bytes,

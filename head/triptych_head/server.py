@@ -9,7 +9,11 @@ transfer flow (spec, "Transfer Flow"):
     head --TransferReady--> receiver ... decoder --Result(pixels)--> head --> API client
 
 Every state change goes through RequestRecord.move (state.py); every way a request ends goes
-through `_finish`, which releases the slots and buffers it held on any worker. A client that
+through `_finish`, which releases the slots and buffers it held on any worker. A request whose
+worker is lost (no heartbeat, disconnected) is retried, bounded by --disagg-max-retries: the hop
+again with another receiver while its sender still holds the outputs, else the whole route as a
+new attempt (`wire_id`), so that no late message of the lost attempt can touch the new one.
+Workers that drain (SIGTERM) or leave discovery get no new work and finish what they hold. A client that
 submits with `watch` also hears every state change and denoising step (RequestEvent); the
 others hear only how their request ends, and their denoisers send no per-step progress.
 """
@@ -59,6 +63,7 @@ from triptych_head.instances import StandingSlot, WorkerInstance
 from triptych_head.metrics import HeadMetrics
 from triptych_head.registry import WorkerRegistry
 from triptych_head.state import ROLE_STATES, RequestRecord, RequestState, StagedPayload
+from triptych_head.workload import WorkEstimator
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +106,15 @@ class DiffusionServer:
         self._ctx.setsockopt(zmq.IPV6, 1)  # workers may have IPv6 pod IPs; IPv4 keeps working
         self._route = pipeline_route(args)
         self._policy = make_policy(args.disagg_dispatch_policy)
-        directories = {role: WorkerDirectory(args.urls_for(role)) for role in dict.fromkeys(self._route)}
+        directories = {
+            role: WorkerDirectory(args.urls_for(role), args.disagg_discovery_interval)
+            for role in dict.fromkeys(self._route)
+        }
         self.registry = WorkerRegistry(self._ctx, directories, args.disagg_heartbeat_timeout, self.metrics)
-        self.requests: dict[str, RequestRecord] = {}
+        self.requests: dict[str, RequestRecord] = {}  # by the client's request id
+        self._attempts: dict[str, RequestRecord] = {}  # the same records by the id workers know (wire_id)
+        self.workload = WorkEstimator()
+        self._no_instance_since: dict[Role, float] = {}  # roles with no ready instance, since when
         self._held_slots: dict[str, HeldSlot] = {}  # receive slots of ended requests, freed once their write is over
         self._queues: dict[Role, deque[str]] = {role: deque() for role in directories}
         self._stop = threading.Event()
@@ -173,24 +184,84 @@ class DiffusionServer:
                 return
 
     def _tick(self, now: float) -> None:
-        for inst in self.registry.sync():
-            self._fail_involving(inst, f"{inst.role.value} {inst.url} left the service (discovery removed it)")
+        self.registry.sync()
         self.registry.ping_all()
         for inst in self.registry.lost():
+            if inst.draining and not self._holds_anything(inst.url):
+                log.info("%s %s drained and exited", inst.role.value, inst.url)
+                continue
             self._instance_lost(
                 inst,
+                "heartbeat_lost",
                 f"{inst.role.value} {inst.url} stopped responding "
                 f"(no heartbeat for {self.registry.heartbeat_timeout:g}s)",
             )
+        self._remove_idle_leavers()
         for rec in [r for r in self.requests.values() if now >= r.deadline]:
             self._finish(rec, RequestState.TIMED_OUT, self._timeout_reason(rec), status_code=504)
+        self._fail_roles_without_instances(now)
         for rid in [rid for rid, held in self._held_slots.items() if now >= held.until]:
             log.warning("request %s: sender never reported its write; freeing the receive slot anyway", rid)
             self._release_held(rid)
         self.registry.publish_metrics()
-        for role, queue in self._queues.items():
-            self.metrics.queue_depth.labels(role.value).set(len(queue))
+        self._publish_load(now)
         self.metrics.active_requests.set(len(self.requests))
+
+    def _holds_anything(self, url: str) -> bool:
+        """Whether some request (or a receive slot still being written) involves this worker."""
+        return any(url in r.involved_instances() for r in self.requests.values()) or any(
+            url in (h.sender, h.receiver) for h in self._held_slots.values()
+        )
+
+    def _remove_idle_leavers(self) -> None:
+        """Forget the instances discovery dropped once nothing of a request is left on them."""
+        for inst in self.registry.leaving():
+            if not self._holds_anything(inst.url):
+                self.registry.remove(inst)
+            elif not self.registry.alive(inst):  # gone before finishing: what it held is retried
+                self._instance_lost(inst, "left_discovery", f"{inst.role.value} {inst.url} left the service")
+                self.registry.remove(inst)
+
+    def _fail_roles_without_instances(self, now: float) -> None:
+        """Fail the requests waiting for a role that has had no ready instance for --disagg-no-instance-wait."""
+        wait = self.args.disagg_no_instance_wait
+        for role, queue in self._queues.items():
+            instances = self.registry.instances(role)
+            if any(self.registry.ready(i) for i in instances):
+                self._no_instance_since.pop(role, None)
+                continue
+            since = self._no_instance_since.setdefault(role, now)
+            if now - since < wait:
+                continue
+            alive = sum(1 for i in instances if self.registry.alive(i))
+            reason = (
+                f"no {role.value} instance has taken work for {now - since:.0f}s (--disagg-no-instance-wait "
+                f"{wait:g}); {alive} of {len(instances)} known {role.value} instances responding, none ready"
+            )
+            for rid in list(queue):
+                rec = self.requests.get(rid)
+                if rec is not None and rec.role is role and rec.instance is None:
+                    self._finish(rec, RequestState.FAILED, reason, status_code=503)
+
+    def _publish_load(self, now: float) -> None:
+        """Per-role queued, running and estimated pending device-seconds: the autoscaling signal."""
+        queued = dict.fromkeys(self._queues, 0)
+        running = dict.fromkeys(self._queues, 0)
+        pending = dict.fromkeys(self._queues, 0.0)
+        for rec in self.requests.values():
+            if rec.instance is None:
+                queued[rec.role] += 1
+            else:
+                running[rec.role] += 1
+            computing = rec.state is ROLE_STATES[rec.role][1]
+            for role in rec.remaining_roles():
+                running_for = now - rec.hop_started if computing and role is rec.role else None
+                pending[role] += self.workload.remaining(role, rec.params, running_for)
+        for role in self._queues:
+            self.metrics.role_queued.labels(role.value).set(queued[role])
+            self.metrics.role_running.labels(role.value).set(running[role])
+            self.metrics.role_pending_work.labels(role.value).set(pending[role])
+            self.metrics.role_seconds_per_unit.labels(role.value).set(self.workload.seconds_per_unit(role))
 
     def _timeout_reason(self, rec: RequestRecord) -> str:
         role = rec.role.value
@@ -249,6 +320,7 @@ class DiffusionServer:
             watch=msg.watch,
         )
         self.requests[rid] = rec
+        self._attempts[rec.wire_id] = rec
         self._enter_hop(rec)
 
     def _reply(self, client: bytes, msg: Any, frames: list[Any] | None = None) -> None:
@@ -270,7 +342,7 @@ class DiffusionServer:
             msg, frames = decode(parts)
         except ProtocolError as exc:
             self.metrics.dropped_messages.inc()
-            rec = self.requests.get(exc.request_id or "")
+            rec = self._attempts.get(exc.request_id or "")
             if rec is None:
                 log.warning("dropped undecodable message on the %s result socket: %s", role.value, exc)
             else:
@@ -282,9 +354,13 @@ class DiffusionServer:
             log.warning("dropped %s from unknown %s instance %r", msg.TYPE, role.value, getattr(msg, "instance", None))
             return
         if isinstance(msg, Heartbeat):
-            inst.on_heartbeat(msg.capacity, msg.session, msg.pool_bytes, msg.free_bytes, msg.model, msg.standing_bytes)
+            if msg.draining and not inst.draining:
+                log.info("%s %s is draining: no new work goes to it", role.value, inst.url)
+            inst.on_heartbeat(
+                msg.capacity, msg.session, msg.pool_bytes, msg.free_bytes, msg.model, msg.standing_bytes, msg.draining
+            )
             return
-        rec = self.requests.get(msg.request_id)
+        rec = self._attempts.get(msg.request_id)
         if rec is None:
             log.debug("late %s for finished request %s from %s", msg.TYPE, msg.request_id, inst.url)
             held = self._held_slots.get(msg.request_id)
@@ -294,7 +370,7 @@ class DiffusionServer:
                 self.registry.send(inst.url, CancelWork(msg.request_id, inst.url))
             return
         if rec.slot_addr and inst.url == rec.instance and rec.state is ROLE_STATES[rec.role][1]:
-            self._free_standing(inst, rec.request_id, rec.slot_addr)  # it reports, so it has loaded the slot
+            self._free_standing(inst, rec.wire_id, rec.slot_addr)  # it reports, so it has loaded the slot
             rec.slot_addr = 0
         handler = self._handlers.get(type(msg))
         if handler is None:
@@ -304,8 +380,8 @@ class DiffusionServer:
         try:
             handler(self, rec, inst, msg, frames)
         except Exception as exc:  # a bug or a misbehaving worker fails one request, never the loop
-            log.exception("handling %s for %s", msg.TYPE, rec.request_id)
-            if rec.request_id in self.requests:
+            log.exception("handling %s for %s", msg.TYPE, rec.wire_id)
+            if self._attempts.get(rec.wire_id) is rec:
                 self._finish(rec, RequestState.FAILED, f"internal error handling {msg.TYPE} from {inst.url}: {exc}")
 
     def _on_progress(self, rec: RequestRecord, inst: WorkerInstance, msg: Progress, frames: list[Any]) -> None:
@@ -315,7 +391,7 @@ class DiffusionServer:
     def _on_staged(self, rec: RequestRecord, inst: WorkerInstance, msg: TransferStaged, frames: list[Any]) -> None:
         _, running, done = ROLE_STATES[rec.role]
         if rec.state is not running or rec.instance != inst.url:
-            self.registry.send(inst.url, CancelWork(rec.request_id, inst.url))
+            self.registry.send(inst.url, CancelWork(rec.wire_id, inst.url))
             return
         if rec.hop + 1 >= len(rec.route):
             raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
@@ -331,14 +407,14 @@ class DiffusionServer:
         self, rec: RequestRecord, inst: WorkerInstance, msg: TransferAllocated, frames: list[Any]
     ) -> None:
         if not (rec.receiver_reserved and rec.instance == inst.url and rec.staged):
-            self.registry.send(inst.url, CancelWork(rec.request_id, inst.url))
+            self.registry.send(inst.url, CancelWork(rec.wire_id, inst.url))
             return
         if msg.kept:
-            inst.standing[msg.addr] = StandingSlot(rec.staged.nbytes, holder=rec.request_id)
+            inst.standing[msg.addr] = StandingSlot(rec.staged.nbytes, holder=rec.wire_id)
             rec.slot_addr = msg.addr
-        push = TransferPush(rec.request_id, rec.staged.sender, dest_session=msg.session, dest_addr=msg.addr)
+        push = TransferPush(rec.wire_id, rec.staged.sender, dest_session=msg.session, dest_addr=msg.addr)
         if not self.registry.send(rec.staged.sender, push):
-            self._finish(rec, RequestState.FAILED, f"sender {rec.staged.sender} is unreachable; its output is lost")
+            self._sender_unreachable(rec)
             return
         rec.push_in_flight = True
 
@@ -349,7 +425,7 @@ class DiffusionServer:
             self._finish(rec, RequestState.FAILED, f"{inst.role.value} {inst.url}: {msg.reason}", status_code=413)
             return
         # Back-pressure: the sender keeps holding the tensors until this or another receiver has room.
-        inst.inflight.discard(rec.request_id)
+        inst.inflight.discard(rec.wire_id)
         inst.refused_bytes = rec.staged.nbytes if rec.staged else 0
         rec.instance = None
         self._queues[rec.role].appendleft(rec.request_id)
@@ -358,19 +434,22 @@ class DiffusionServer:
         staged = rec.staged
         if staged is None or staged.sender != inst.url or rec.instance is None:
             return
-        inst.inflight.discard(rec.request_id)  # spec step 5: the sender's scheduling slot is free again
+        inst.inflight.discard(rec.wire_id)  # spec step 5: the sender's scheduling slot is free again
         rec.push_in_flight = False
         rec.staged = None
         ready = TransferReady(
-            rec.request_id, rec.instance, rec.params, staged.manifest, staged.meta, rec.slot_addr, rec.watch
+            rec.wire_id, rec.instance, rec.params, staged.manifest, staged.meta, rec.slot_addr, rec.watch
         )
         started = time.monotonic()  # before the send, so the hop's time contains all the receiver's work
         sent = self.registry.send(rec.instance, ready)
         dest = self._record_transfer(rec, inst, staged, msg)  # after the send: the receiver need not wait for it
         if not sent:
-            self._finish(
-                rec, RequestState.FAILED, f"{dest} {rec.instance} became unreachable before its input was ready"
-            )
+            receiver = self.registry.find(rec.instance or "")
+            reason = f"{dest} {rec.instance} became unreachable before its input was ready"
+            if receiver is None:
+                self._finish(rec, RequestState.FAILED, reason, status_code=503)
+            else:
+                self._instance_lost(receiver, "disconnected", reason)
             return
         rec.move(ROLE_STATES[rec.role][1])
         rec.hop_started = started
@@ -404,7 +483,7 @@ class DiffusionServer:
     def _on_failed(self, rec: RequestRecord, inst: WorkerInstance, msg: Failed, frames: list[Any]) -> None:
         if inst.url not in rec.involved_instances():
             return
-        inst.inflight.discard(rec.request_id)
+        inst.inflight.discard(rec.wire_id)
         reason = f"{inst.role.value} {inst.url}: {msg.error}"
         if rec.staged and rec.staged.sender == inst.url and not msg.write_pending:
             rec.push_in_flight = False  # the sender reported: no write of this request is under way
@@ -425,12 +504,16 @@ class DiffusionServer:
 
     # --- hops and dispatch ------------------------------------------------------------------
 
-    def _enter_hop(self, rec: RequestRecord) -> None:
+    def _enter_hop(self, rec: RequestRecord, ahead: bool = False) -> None:
+        """Queue `rec` for its current role; `ahead`: before the others (a retry was accepted earlier)."""
         rec.move(ROLE_STATES[rec.role][0])
         rec.hop_started = time.monotonic()
         self._event(rec)
         queue = self._queues[rec.role]
-        queue.append(rec.request_id)
+        if ahead:
+            queue.appendleft(rec.request_id)
+        else:
+            queue.append(rec.request_id)
         if len(queue) == 1:  # nothing waited ahead of it: dispatched now rather than at the end of the loop turn
             self._dispatch_queue(rec.role)
 
@@ -447,8 +530,9 @@ class DiffusionServer:
     def _dispatch_one(self, role: Role, rid: str) -> bool:
         """Give the request at the head of `role`'s queue to an instance; False if none can take it."""
         rec = self.requests.get(rid)
-        if rec is None or rec.state.terminal:
-            return True  # stale entry
+        if rec is None or rec.state.terminal or rec.role is not role or rec.instance is not None:
+            return True  # stale entry: ended, restarted elsewhere in its route, or already dispatched
+        wire_id = rec.wire_id
         instances = self.registry.instances(role)
         nbytes = rec.staged.nbytes if rec.staged else 0
         if rec.staged:
@@ -463,7 +547,7 @@ class DiffusionServer:
                     status_code=413,
                 )
                 return True
-        inst = self._policy(instances, lambda i: self.registry.alive(i) and i.can_take(nbytes))
+        inst = self._policy(instances, lambda i: self.registry.ready(i) and i.can_take(nbytes))
         if inst is None:
             return False
         started = time.monotonic()  # before the send, so the hop's time contains all the instance's work
@@ -471,21 +555,21 @@ class DiffusionServer:
         if rec.staged and inst.session and (addr := inst.free_standing_slot(nbytes)) is not None:
             # Spec step 2, fast path: a preallocated slot fits, so no transfer_alloc round trip.
             sender = rec.staged.sender
-            if not self.registry.send(sender, TransferPush(rid, sender, dest_session=inst.session, dest_addr=addr)):
-                self._finish(rec, RequestState.FAILED, f"sender {sender} is unreachable; its output is lost")
+            if not self.registry.send(sender, TransferPush(wire_id, sender, dest_session=inst.session, dest_addr=addr)):
+                self._sender_unreachable(rec)
                 return True
-            inst.standing[addr].holder = rid
+            inst.standing[addr].holder = wire_id
             rec.slot_addr, rec.push_in_flight = addr, True
             sent = True
         elif rec.staged:
             keep = inst.should_keep_slot(nbytes)
-            sent = self.registry.send(inst.url, TransferAlloc(rid, inst.url, nbytes, keep=keep))
+            sent = self.registry.send(inst.url, TransferAlloc(wire_id, inst.url, nbytes, keep=keep))
         else:
-            sent = self.registry.send(inst.url, Work(rid, inst.url, rec.params, progress=rec.watch))
+            sent = self.registry.send(inst.url, Work(wire_id, inst.url, rec.params, progress=rec.watch))
         if not sent:  # not connected any more: treat it as gone until it heartbeats again
-            self._instance_lost(inst, f"{role.value} {inst.url} is not connected")
+            self._instance_lost(inst, "disconnected", f"{role.value} {inst.url} is not connected")
             return False
-        inst.inflight.add(rid)
+        inst.inflight.add(wire_id)
         inst.dispatched_total += 1
         rec.instance = inst.url
         rec.hop_started = started
@@ -495,44 +579,99 @@ class DiffusionServer:
         self.metrics.queue_seconds.labels(role.value).observe(waited)
         return True
 
-    @staticmethod
-    def _time_stage(rec: RequestRecord, worker_seconds: float) -> tuple[str, float]:
+    def _time_stage(self, rec: RequestRecord, worker_seconds: float) -> tuple[str, float]:
         """Record the hop's time as the head saw it (dispatch to output reported) and as the worker
-        spent it (load inputs, run stages, stage outputs); returns (role, head-seen seconds) for the
-        metric, which callers observe once the request's next message is out."""
+        spent it (load inputs, run stages, stage outputs), and calibrate the work estimate with the
+        latter; returns (role, head-seen seconds) for the metric, which callers observe once the
+        request's next message is out."""
         role = rec.role.value
         elapsed = time.monotonic() - rec.hop_started
         rec.timings[role] = elapsed
         rec.timings[f"worker_{role}"] = worker_seconds
+        self.workload.observe(rec.role, rec.params, worker_seconds)
         return role, elapsed
 
-    # --- endings ----------------------------------------------------------------------------
+    # --- lost workers and retries -----------------------------------------------------------
 
-    def _instance_lost(self, inst: WorkerInstance, reason: str) -> None:
+    def _instance_lost(self, inst: WorkerInstance, cause: str, reason: str) -> None:
+        """A worker stopped responding or cannot be reached: retry what it held, forget its slots."""
         log.warning("%s", reason)
         inst.last_heartbeat = None
         inst.inflight.clear()
         inst.standing.clear()
-        self._fail_involving(inst, reason)
-        for rid in [rid for rid, held in self._held_slots.items() if held.sender == inst.url]:
-            self._release_held(rid)  # a sender that is gone writes nothing more
+        for rec in [r for r in self.requests.values() if inst.url in r.involved_instances()]:
+            self._retry(rec, inst, cause, reason)
+        for wire_id in [w for w, held in self._held_slots.items() if held.sender == inst.url]:
+            self._release_held(wire_id)  # a sender that is gone writes nothing more
 
-    def _release_held(self, request_id: str) -> None:
-        held = self._held_slots.pop(request_id)
+    def _sender_unreachable(self, rec: RequestRecord) -> None:
+        assert rec.staged is not None
+        sender = self.registry.find(rec.staged.sender)
+        reason = f"sender {rec.staged.sender} is unreachable; its output is lost"
+        if sender is None:
+            self._finish(rec, RequestState.FAILED, reason, status_code=503)
+        else:
+            self._instance_lost(sender, "disconnected", reason)
+
+    def _retry(self, rec: RequestRecord, lost: WorkerInstance, cause: str, reason: str) -> None:
+        """Carry on without `lost`: the same hop with another receiver while the sender still holds
+        the outputs (nothing was written yet), else the whole route again as a new attempt. The
+        seed is in the parameters, so a retried request gives the same pixels."""
+        if rec.retries >= self.args.disagg_max_retries:
+            self._finish(
+                rec,
+                RequestState.FAILED,
+                f"{reason}; gave up after {rec.retries} retries (--disagg-max-retries)",
+                status_code=503,
+            )
+            return
+        rec.retries += 1
+        self.metrics.retries.labels(lost.role.value, cause).inc()
+        staged = rec.staged
+        if staged is not None and staged.sender != lost.url and not rec.push_in_flight:
+            log.info("request %s: %s; its %s outputs wait for another receiver", rec.request_id, reason, staged.sender)
+            rec.instance, rec.slot_addr = None, 0
+            self._queues[rec.role].appendleft(rec.request_id)
+            return
+        log.info("request %s: %s; restarting it (retry %d)", rec.request_id, reason, rec.retries)
+        self._release(rec)
+        del self._attempts[rec.wire_id]
+        rec.restart()
+        self._attempts[rec.wire_id] = rec
+        self._enter_hop(rec, ahead=True)
+
+    # --- endings ----------------------------------------------------------------------------
+
+    def _release_held(self, wire_id: str) -> None:
+        held = self._held_slots.pop(wire_id)
         receiver = self.registry.find(held.receiver)
         if receiver is not None and held.standing_addr:
-            self._free_standing(receiver, request_id, held.standing_addr)
-        self.registry.send(held.receiver, CancelWork(request_id, held.receiver))
+            self._free_standing(receiver, wire_id, held.standing_addr)
+        self.registry.send(held.receiver, CancelWork(wire_id, held.receiver))
 
     @staticmethod
-    def _free_standing(inst: WorkerInstance, request_id: str, addr: int) -> None:
+    def _free_standing(inst: WorkerInstance, wire_id: str, addr: int) -> None:
         slot = inst.standing.get(addr)
-        if slot is not None and slot.holder == request_id:
+        if slot is not None and slot.holder == wire_id:
             slot.holder = None
 
-    def _fail_involving(self, inst: WorkerInstance, reason: str) -> None:
-        for rec in [r for r in self.requests.values() if inst.url in r.involved_instances()]:
-            self._finish(rec, RequestState.FAILED, reason, status_code=503)
+    def _release(self, rec: RequestRecord) -> None:
+        """Free everything the current attempt of `rec` holds on any worker (CancelWork)."""
+        wire_id = rec.wire_id
+        for url in rec.involved_instances():
+            inst = self.registry.find(url)
+            if inst is not None:
+                inst.inflight.discard(wire_id)
+            if rec.push_in_flight and rec.staged and url == rec.instance:
+                # The sender may be writing into this slot right now: freeing it could hand the
+                # bytes of a late write to another request. Free it once the sender reports.
+                self._held_slots[wire_id] = HeldSlot(
+                    rec.staged.sender, url, time.monotonic() + 2 * self.registry.heartbeat_timeout, rec.slot_addr
+                )
+                continue
+            if url == rec.instance and rec.slot_addr and inst is not None:
+                self._free_standing(inst, wire_id, rec.slot_addr)
+            self.registry.send(url, CancelWork(wire_id, url))
 
     def _finish(
         self, rec: RequestRecord, state: RequestState, error: str | None = None, status_code: int = 500
@@ -540,23 +679,14 @@ class DiffusionServer:
         """End a request: release what it holds on every worker, tell its client, forget it."""
         if rec.state is not state:
             rec.move(state)
-        for url in rec.involved_instances():
-            inst = self.registry.find(url)
-            if inst is not None:
-                inst.inflight.discard(rec.request_id)
-            if state is RequestState.DONE:
-                continue
-            if rec.push_in_flight and rec.staged and url == rec.instance:
-                # The sender may be writing into this slot right now: freeing it could hand the
-                # bytes of a late write to another request. Free it once the sender reports.
-                self._held_slots[rec.request_id] = HeldSlot(
-                    rec.staged.sender, url, time.monotonic() + 2 * self.registry.heartbeat_timeout, rec.slot_addr
-                )
-                continue
-            if url == rec.instance and rec.slot_addr and inst is not None:
-                self._free_standing(inst, rec.request_id, rec.slot_addr)
-            self.registry.send(url, CancelWork(rec.request_id, url))
+        if state is RequestState.DONE:
+            for url in rec.involved_instances():
+                if (inst := self.registry.find(url)) is not None:
+                    inst.inflight.discard(rec.wire_id)
+        else:
+            self._release(rec)
         self.requests.pop(rec.request_id, None)
+        self._attempts.pop(rec.wire_id, None)
         self.metrics.requests.labels(state.value).inc()
         if state is RequestState.DONE:
             self.metrics.request_seconds.observe(time.monotonic() - rec.created)

@@ -2,7 +2,8 @@
 
 PENDING -> ENCODER_WAITING -> ENCODER_RUNNING -> ENCODER_DONE -> DENOISING_WAITING -> ...
 -> DECODER_RUNNING -> DONE; any non-terminal state -> FAILED, TIMED_OUT or CANCELLED.
-With split encoders a request passes the ENCODER_* states once per encoder hop.
+With split encoders a request passes the ENCODER_* states once per encoder hop. A request
+whose worker is lost is retried: any non-terminal state -> PENDING, as a new attempt.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def check_transition(current: RequestState, target: RequestState) -> None:
     """Raise InvalidTransition unless the spec allows current -> target."""
     if current.terminal:
         raise InvalidTransition(f"request already {current.value}; cannot move to {target.value}")
-    if target in (_S.FAILED, _S.TIMED_OUT, _S.CANCELLED):
+    if target in (_S.FAILED, _S.TIMED_OUT, _S.CANCELLED, _S.PENDING):  # PENDING: retried from the start
         return
     if target not in _FORWARD.get(current, frozenset()):
         raise InvalidTransition(f"{current.value} -> {target.value} is not a transition of the request state machine")
@@ -106,6 +107,13 @@ class RequestRecord:
     created: float = field(default_factory=time.monotonic)
     hop_started: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
+    attempt: int = 0  # how many times it was restarted after losing a worker
+    retries: int = 0  # restarts plus hops given to another receiver after losing one
+
+    @property
+    def wire_id(self) -> str:
+        """The id workers know this attempt by: a late message of an earlier attempt never matches it."""
+        return self.request_id if self.attempt == 0 else f"{self.request_id}~retry{self.attempt}"
 
     @property
     def role(self) -> Role:
@@ -119,6 +127,20 @@ class RequestRecord:
     def move(self, target: RequestState) -> None:
         check_transition(self.state, target)
         self.state = target
+
+    def restart(self) -> None:
+        """Back to the first hop as a new attempt (its outputs so far were lost with a worker)."""
+        self.move(RequestState.PENDING)
+        self.attempt += 1
+        self.hop = 0
+        self.instance = None
+        self.staged = None
+        self.slot_addr = 0
+        self.push_in_flight = False
+
+    def remaining_roles(self) -> list[Role]:
+        """The roles whose hop this request has not finished: the current one and those after it."""
+        return self.route[self.hop :]
 
     def involved_instances(self) -> set[str]:
         """Workers that may hold state for this request (running it, staging for it, or a slot)."""

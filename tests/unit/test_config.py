@@ -31,7 +31,7 @@ def test_spec_defaults():
 def test_port_convention():
     assert [result_port(19655, r) for r in (Role.ENCODER, Role.DENOISER, Role.DECODER)] == [19656, 19657, 19658]
     assert [result_port(19655, r) for r in (Role.PROMPT_ENCODER, Role.IMAGE_ENCODER)] == [19659, 19660]
-    assert result_endpoint("tcp://192.0.2.4:19655", Role.DENOISER) == "tcp://10.0.0.4:19657"
+    assert result_endpoint("tcp://192.0.2.4:19655", Role.DENOISER) == "tcp://192.0.2.4:19657"
 
 
 def test_urls_are_semicolon_separated_and_pool_size_takes_units():

@@ -1,27 +1,19 @@
 """A receive slot is never freed while its sender may still be writing into it.
 
-The workers here are scripted over real ZMQ sockets (ScriptedWorker): a real worker cannot be
-paused in the middle of a Mooncake write, and that window is exactly what this test needs.
+The workers here are scripted over real ZMQ sockets (tests/unit/scripted.py): a real worker
+cannot be paused in the middle of a Mooncake write, and that window is exactly what this test needs.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
-import zmq
 
-from triptych.cli import build_parser
-from triptych.config import ServeArgs
-from triptych.localdeploy import deployment_ports
-from triptych.ports import result_port
+from tests.unit.scripted import PARAMS, SESSION, scripted_head
 from triptych.protocol import (
     Cancel,
     CancelWork,
     Failed,
     Heartbeat,
-    Ping,
     Progress,
     Submit,
     TransferAlloc,
@@ -36,73 +28,12 @@ from triptych.protocol import (
     encode,
 )
 from triptych.roles import Role
-from triptych_head.server import DiffusionServer
-
-PARAMS = {"prompt": "x", "width": 16, "height": 16}
-SESSION = "127.0.0.1:1"  # the Mooncake session every scripted worker reports
-
-
-class ScriptedWorker:
-    """Binds a worker's work socket, answers pings, and records every other message it gets."""
-
-    def __init__(self, ctx: zmq.Context, role: Role, scheduler_port: int, port: int):
-        self.role = role
-        self.port = port
-        self.url = f"tcp://127.0.0.1:{self.port}"
-        self.work = ctx.socket(zmq.PULL)
-        self.work.bind(self.url)
-        self.results = ctx.socket(zmq.PUSH)
-        self.results.connect(f"tcp://127.0.0.1:{result_port(scheduler_port, role)}")
-        self.got: list[object] = []
-
-    def send(self, msg: object) -> None:
-        self.results.send_multipart(encode(msg))
-
-    def pump(self, seconds: float = 0.05) -> None:
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if self.work.poll(int(left * 1000) + 1):
-                msg, _ = decode(self.work.recv_multipart())
-                if isinstance(msg, Ping):
-                    self.send(Heartbeat(msg.instance, self.role.value, SESSION, 1 << 20, 1 << 20, 2, "m"))
-                else:
-                    self.got.append(msg)
-
-    def wait_for(self, kind: type, seconds: float = 5.0) -> object:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            for msg in self.got:
-                if isinstance(msg, kind):
-                    return msg
-            self.pump()
-        raise AssertionError(f"{self.role.value} never got {kind.__name__}; got {self.got}")
 
 
 @pytest.fixture
 def head():
-    ctx = zmq.Context()
-    roles = (Role.ENCODER, Role.DENOISER, Role.DECODER)
-    sched, _, ports = deployment_ports(dict.fromkeys(roles, 1))
-    workers = {role: ScriptedWorker(ctx, role, sched, ports[role][0]) for role in roles}
-    argv = ["serve", "--model-path", "m", "--disagg-role", "server", "--scheduler-port", str(sched)]
-    for role, w in workers.items():
-        argv += [f"--{role.value}-urls", w.url]
-    server = DiffusionServer(ServeArgs.from_namespace(build_parser().parse_args(argv)), ctx=ctx)
-    loop = threading.Thread(target=server.run, daemon=True)
-    loop.start()
-    client = ctx.socket(zmq.DEALER)
-    client.connect(server.frontend_endpoint)
-    deadline = time.monotonic() + 10
-    while not all(server.registry.alive(i) for r in workers for i in server.registry.instances(r)):
-        assert time.monotonic() < deadline, "scripted workers never registered"
-        for w in workers.values():
-            w.pump()
-    try:
-        yield client, workers
-    finally:
-        server.stop()
-        loop.join(5)
-        ctx.destroy(linger=0)
+    with scripted_head() as (_, client, workers):
+        yield client, {role: ws[0] for role, ws in workers.items()}
 
 
 def test_cancel_during_a_push_frees_the_receive_slot_only_after_the_write(head):

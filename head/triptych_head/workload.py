@@ -1,0 +1,80 @@
+"""How much device time a request still needs from each role: the autoscaling signal.
+
+Queue length is a poor signal for diffusion: one 81-frame video costs as much denoising as
+hundreds of small images. The head instead estimates, per role, the device-seconds of work that
+every accepted request still needs from that role, and exports the sum
+(`triptych_role_pending_work_seconds`) for the HPA.
+
+The estimate is `units(role, params) x seconds_per_unit(role)`:
+- denoiser: outputs x megapixels x frames x steps (one DiT forward per step over every latent frame);
+- decoder: outputs x megapixels x frames (one VAE decode of every frame);
+- encoders: outputs (one prompt or reference image, whatever the size).
+
+`seconds_per_unit` starts at a prior (PRIOR_SECONDS_PER_UNIT); the first stage time a worker
+reports for the role replaces it, and later ones (the workers' own seconds, not queueing) move an
+exponentially weighted mean, so after a few requests it is this deployment's own hardware and model. A request
+running now counts its estimate minus the time it has run (at least a tenth of it: a stage that
+overruns its estimate is still work).
+"""
+
+from __future__ import annotations
+
+from triptych.params import GenerationParams
+from triptych.roles import Role
+
+MEGAPIXEL = 1_000_000
+SMOOTHING = 0.2  # weight of the newest observation in the running mean
+MIN_REMAINING_FRACTION = 0.1
+
+# Device-seconds per unit before anything was observed: orders of magnitude of a mid-size DiT
+# (FLUX-class, one H100) so that the first requests already move the signal the right way.
+PRIOR_SECONDS_PER_UNIT: dict[Role, float] = {
+    Role.ENCODER: 0.1,
+    Role.PROMPT_ENCODER: 0.1,
+    Role.IMAGE_ENCODER: 0.1,
+    Role.DENOISER: 0.2,
+    Role.DECODER: 0.05,
+}
+
+
+def work_units(role: Role, params: GenerationParams) -> float:
+    """The size of a request's work for `role`, in that role's unit (see the module docstring)."""
+    outputs = params.num_outputs
+    if role is Role.DENOISER:
+        return outputs * params.width * params.height / MEGAPIXEL * params.num_frames * params.num_inference_steps
+    if role is Role.DECODER:
+        return outputs * params.width * params.height / MEGAPIXEL * params.num_frames
+    return float(outputs)
+
+
+class WorkEstimator:
+    """Seconds per unit of work for each role, calibrated from the stage times workers report."""
+
+    def __init__(self, prior: dict[Role, float] | None = None):
+        self._per_unit = dict(PRIOR_SECONDS_PER_UNIT if prior is None else prior)
+        self._observed: set[Role] = set()
+
+    def seconds_per_unit(self, role: Role) -> float:
+        return self._per_unit.get(role, 0.0)
+
+    def estimate(self, role: Role, params: GenerationParams) -> float:
+        """Device-seconds `role` needs for a request with these parameters."""
+        return work_units(role, params) * self.seconds_per_unit(role)
+
+    def remaining(self, role: Role, params: GenerationParams, running_for: float | None) -> float:
+        """What is left of the estimate; `running_for` is how long it has run on a worker (None: not started)."""
+        total = self.estimate(role, params)
+        if running_for is None:
+            return total
+        return max(total - running_for, total * MIN_REMAINING_FRACTION)
+
+    def observe(self, role: Role, params: GenerationParams, worker_seconds: float) -> None:
+        """A worker finished `role`'s stages for a request in `worker_seconds` of its own time."""
+        units = work_units(role, params)
+        if units <= 0 or worker_seconds <= 0:
+            return
+        sample = worker_seconds / units
+        if role in self._observed:
+            sample = (1 - SMOOTHING) * self._per_unit[role] + SMOOTHING * sample
+        self._per_unit[role] = sample
+        self._observed.add(role)

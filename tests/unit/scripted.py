@@ -1,0 +1,104 @@
+"""A real DiffusionServer with scripted workers over real ZMQ sockets.
+
+A scripted worker binds a worker's work socket, answers pings with heartbeats and records every
+other message, so a test can play the worker side of the protocol step by step: pause in the
+middle of a write, fall silent as a killed process does, or report that it drains.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import zmq
+
+from triptych.cli import build_parser
+from triptych.config import ServeArgs
+from triptych.localdeploy import deployment_ports
+from triptych.ports import result_port
+from triptych.protocol import Heartbeat, Ping, decode, encode
+from triptych.roles import Role
+from triptych_head.server import DiffusionServer
+
+PARAMS = {"prompt": "x", "width": 16, "height": 16}
+SESSION = "127.0.0.1:1"  # the Mooncake session every scripted worker reports
+ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER)
+
+
+class ScriptedWorker:
+    """Binds a worker's work socket, answers pings, and records every other message it gets."""
+
+    def __init__(self, ctx: zmq.Context, role: Role, scheduler_port: int, port: int):
+        self.role = role
+        self.port = port
+        self.url = f"tcp://127.0.0.1:{self.port}"
+        self.work = ctx.socket(zmq.PULL)
+        self.work.bind(self.url)
+        self.results = ctx.socket(zmq.PUSH)
+        self.results.connect(f"tcp://127.0.0.1:{result_port(scheduler_port, role)}")
+        self.got: list[object] = []
+        self.pings: list[Ping] = []
+        self.draining = False  # what its heartbeats report
+
+    def send(self, msg: object) -> None:
+        self.results.send_multipart(encode(msg))
+
+    def heartbeat(self, instance: str) -> Heartbeat:
+        return Heartbeat(instance, self.role.value, SESSION, 1 << 20, 1 << 20, 2, "m", draining=self.draining)
+
+    def pump(self, seconds: float = 0.05) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.work.poll(int(left * 1000) + 1):
+                msg, _ = decode(self.work.recv_multipart())
+                if isinstance(msg, Ping):
+                    self.pings.append(msg)
+                    self.send(self.heartbeat(msg.instance))
+                else:
+                    self.got.append(msg)
+
+    def wait_for(self, kind: type, seconds: float = 5.0, others: Sequence[ScriptedWorker] = ()) -> object:
+        """The first recorded message of `kind`; `others` keep heartbeating meanwhile."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for msg in self.got:
+                if isinstance(msg, kind):
+                    return msg
+            self.pump()
+            for other in others:
+                other.pump(0.0)
+        raise AssertionError(f"{self.role.value} never got {kind.__name__}; got {self.got}")
+
+
+@contextmanager
+def scripted_head(
+    counts: dict[Role, int] | None = None, flags: Sequence[str] = ()
+) -> Iterator[tuple[DiffusionServer, zmq.Socket, dict[Role, list[ScriptedWorker]]]]:
+    """A head serving scripted workers (one per role unless `counts` says otherwise), and a client
+    DEALER on its frontend; yields once every worker heartbeats."""
+    ctx = zmq.Context()
+    counts = counts or dict.fromkeys(ROLES, 1)
+    sched, _, ports = deployment_ports(counts)
+    workers = {role: [ScriptedWorker(ctx, role, sched, p) for p in ports[role]] for role in ROLES}
+    argv = ["serve", "--model-path", "m", "--disagg-role", "server", "--scheduler-port", str(sched), *flags]
+    for role, ws in workers.items():
+        argv += [f"--{role.value}-urls", ";".join(w.url for w in ws)]
+    server = DiffusionServer(ServeArgs.from_namespace(build_parser().parse_args(argv)), ctx=ctx)
+    loop = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+    client = ctx.socket(zmq.DEALER)
+    client.connect(server.frontend_endpoint)
+    everyone = [w for ws in workers.values() for w in ws]
+    deadline = time.monotonic() + 10
+    while not all(server.registry.alive(i) for r in workers for i in server.registry.instances(r)):
+        assert time.monotonic() < deadline, "scripted workers never registered"
+        for w in everyone:
+            w.pump()
+    try:
+        yield server, client, workers
+    finally:
+        server.stop()
+        loop.join(5)
+        ctx.destroy(linger=0)
