@@ -172,7 +172,9 @@ def custom_metrics_api(
     log_path = tmp_path / "metrics-api.log"
     proc: subprocess.Popen[bytes] | None = None
     try:
-        cluster.apply("\n---\n".join(json.dumps(d) for d in [*objects, endpoint_slice]), namespace=ns)
+        endpoint_slice["metadata"]["namespace"] = ns
+        # Each object names its namespace (the chart's, or kube-system for the auth reader binding).
+        cluster.apply("\n---\n".join(json.dumps(d) for d in [*objects, endpoint_slice]))
         kubeconfig = sa_kubeconfig(cluster, ns, account, tmp_path / "sa.kubeconfig")
         with log_path.open("wb") as log:
             proc = subprocess.Popen(

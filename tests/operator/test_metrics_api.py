@@ -294,7 +294,7 @@ def test_the_hpa_gets_the_denoisers_pending_work_as_an_object_metric(api: Api) -
     assert item["metric"] == {"name": "triptych_pending_work_seconds"}
     assert item["value"] == "42500m"
     [review] = api.reviews
-    assert review["user"] == HPA_USER and review["groups"] == ["system:serviceaccounts"]
+    assert review["user"] == HPA_USER and review["groups"] == ["system:serviceaccounts", "system:authenticated"]
     assert review["resourceAttributes"] == {
         "verb": "get",
         "group": "custom.metrics.k8s.io",

@@ -20,6 +20,7 @@ from typing import Any
 AUTH_CONFIGMAP_NAMESPACE = "kube-system"
 AUTH_CONFIGMAP = "extension-apiserver-authentication"
 DECISION_CACHE_S = 10.0
+AUTHENTICATED_GROUP = "system:authenticated"
 
 
 class AuthConfigError(RuntimeError):
@@ -84,6 +85,8 @@ def authenticate(peercert: Mapping[str, Any] | None, headers: Any, config: Reque
     if not name:
         return None
     groups = tuple(g for h in config.group_headers for g in headers.getall(h, ()))
+    if AUTHENTICATED_GROUP not in groups:  # as every API server adds it (discovery is granted to it)
+        groups += (AUTHENTICATED_GROUP,)
     extra: dict[str, tuple[str, ...]] = {}
     for key in headers:
         for prefix in config.extra_prefixes:
