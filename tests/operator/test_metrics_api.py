@@ -8,6 +8,8 @@ import http.server
 import json
 import logging
 import ssl
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -361,3 +363,19 @@ def test_a_user_the_cluster_does_not_authorize_is_refused(api: Api) -> None:
 def test_health_needs_no_credentials(api: Api) -> None:
     code, body = asyncio.run(api.get("/healthz", cert=None))
     assert (code, body) == (200, "ok")
+
+
+def test_the_server_imports_nothing_the_operator_image_lacks() -> None:
+    """The operator image has kopf, kubernetes and PyYAML (aiohttp with kopf), no torch or head code."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'torch', 'diffusers', 'transformers', 'prometheus_client', 'fastapi',\n"
+        "                                  'zmq', 'msgspec', 'triptych_head', 'triptych_worker'}:\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import triptych_operator.metrics_api.main\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
