@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,9 +81,33 @@ class LocalDeployment:
     http: str
     scheduler_port: int
     procs: list[Proc] = field(default_factory=list)
+    # With discovery files: the file:// list of each role's endpoints, which add_worker extends.
+    endpoint_files: dict[Role, Path] = field(default_factory=dict)
+    _spawn_worker: Callable[[Role, int], Proc] | None = None
 
     def workers(self, role: Role) -> list[Proc]:
         return [p for p in self.procs if p.role is role]
+
+    def add_worker(self, role: Role) -> Proc:
+        """Start one more worker of `role` and list it in the role's discovery file (the head
+        picks it up at its next re-read; needs `discovery_files=True`)."""
+        if self._spawn_worker is None or role not in self.endpoint_files:
+            raise RuntimeError("add_worker needs a deployment started with discovery_files=True")
+        proc = self._spawn_worker(role, free_port_block(1))
+        self.procs.append(proc)
+        self.write_endpoints(role)
+        return proc
+
+    def unlist_worker(self, proc: Proc) -> None:
+        """Remove a worker from its role's discovery file, as a scale-down removes it from DNS."""
+        self.write_endpoints(proc.role, without=proc)
+
+    def write_endpoints(self, role: Role, without: Proc | None = None) -> None:
+        urls = [p.url for p in self.workers(role) if p is not without and p.popen.poll() is None]
+        path = self.endpoint_files[role]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(f"{u}\n" for u in urls))
+        tmp.replace(path)  # atomic: the head never reads half a list
 
     def client(self, timeout: float = 300) -> httpx.Client:
         return httpx.Client(base_url=self.http, timeout=timeout)
@@ -125,16 +149,18 @@ def local_deployment(
     head_first: bool = True,
     ready_timeout: float = 180,
     worker_url_scheme: str = "tcp://127.0.0.1",
+    discovery_files: bool = False,
 ) -> Iterator[LocalDeployment]:
     """Start head and workers (logs under `workdir`), wait until every worker heartbeats, kill all on exit.
 
     `worker_url_scheme` is how the head is told where workers are: tcp://127.0.0.1, or
     dns://localhost to go through name resolution as the head does behind a headless Service.
+    `discovery_files`: the head reads each role's workers from a file:// list instead, which
+    LocalDeployment.add_worker and unlist_worker rewrite (workers joining and leaving).
     """
     counts = counts or dict.fromkeys(ROLES, 1)
     workdir.mkdir(parents=True, exist_ok=True)
     sched, http, ports = deployment_ports(counts)
-    urls = {role: [f"tcp://127.0.0.1:{p}" for p in ps] for role, ps in ports.items()}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     py = sys.executable
     worker_cmd = (
@@ -143,25 +169,38 @@ def local_deployment(
         else [py, "-m", "triptych", "serve"]
     )
     dep = LocalDeployment(http=f"http://127.0.0.1:{http}", scheduler_port=sched)
+    if discovery_files:
+        dep.endpoint_files = {role: workdir / f"{role.value}.endpoints" for role in ROLES}
 
     def start_head() -> None:
         argv = [py, "-m", "triptych", "serve", "--model-path", str(model), "--disagg-role", "server",
                 "--scheduler-port", str(sched), "--host", "127.0.0.1", "--port", str(http),
                 "--output-path", str(workdir / "outputs"), *head_flags]  # fmt: skip
         for role in ROLES:
-            argv += [f"--{role.value}-urls", ";".join(f"{worker_url_scheme}:{p}" for p in ports[role])]
+            if discovery_files:
+                spec = f"file://{dep.endpoint_files[role].resolve()}"
+            else:
+                spec = ";".join(f"{worker_url_scheme}:{p}" for p in ports[role])
+            argv += [f"--{role.value}-urls", spec]
         log = workdir / "head.log"
         dep.procs.append(Proc(Role.SERVER, dep.http, _spawn(argv, log, env), log))
 
+    def spawn_worker(role: Role, port: int) -> Proc:
+        argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
+                "--disagg-server-addr", f"tcp://127.0.0.1:{sched}", "--scheduler-port", str(port),
+                "--disagg-p2p-hostname", "127.0.0.1", *worker_flags,
+                *(role_flags or {}).get(role, ())]  # fmt: skip
+        log = workdir / f"{role.value}-{port}.log"
+        return Proc(role, f"tcp://127.0.0.1:{port}", _spawn(argv, log, env), log)
+
+    dep._spawn_worker = spawn_worker
+
     def start_workers() -> None:
         for role in ROLES:
-            for i, port in enumerate(ports[role]):
-                argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
-                        "--disagg-server-addr", f"tcp://127.0.0.1:{sched}", "--scheduler-port", str(port),
-                        "--disagg-p2p-hostname", "127.0.0.1", *worker_flags,
-                        *(role_flags or {}).get(role, ())]  # fmt: skip
-                log = workdir / f"{role.value}-{i}.log"
-                dep.procs.append(Proc(role, urls[role][i], _spawn(argv, log, env), log))
+            for port in ports[role]:
+                dep.procs.append(spawn_worker(role, port))
+            if discovery_files:
+                dep.write_endpoints(role)
 
     try:
         first, second = (start_head, start_workers) if head_first else (start_workers, start_head)

@@ -53,7 +53,7 @@ class HeadMetrics:
         self.retries = Counter(
             "triptych_retries",
             "Requests restarted on another instance after losing one (cause: heartbeat_lost, disconnected, "
-            "left_discovery)",
+            "left_discovery, transfer_failed)",
             ["role", "cause"],
             registry=r,
         )

@@ -488,8 +488,13 @@ class DiffusionServer:
         if rec.staged and rec.staged.sender == inst.url and not msg.write_pending:
             rec.push_in_flight = False  # the sender reported: no write of this request is under way
         if rec.staged and rec.staged.sender == inst.url and rec.receiver_reserved:
-            # A failed push is as likely the receiver's fault as the sender's: name both.
+            # A failed push is as likely the receiver's fault (it may have died) as the sender's: name
+            # both, and retry the request; the sender has freed its outputs, so from the start.
             reason = f"transfer to {rec.role.value} {rec.instance} failed: {reason}"
+            receiver = self.registry.find(rec.instance or "")
+            if receiver is not None:
+                self._retry(rec, receiver, "transfer_failed", reason, outputs_kept=False)
+                return
         self._finish(rec, RequestState.FAILED, reason, msg.status_code)
 
     _handlers: dict[type, Callable[..., None]] = {
@@ -613,10 +618,12 @@ class DiffusionServer:
         else:
             self._instance_lost(sender, "disconnected", reason)
 
-    def _retry(self, rec: RequestRecord, lost: WorkerInstance, cause: str, reason: str) -> None:
+    def _retry(
+        self, rec: RequestRecord, lost: WorkerInstance, cause: str, reason: str, outputs_kept: bool = True
+    ) -> None:
         """Carry on without `lost`: the same hop with another receiver while the sender still holds
-        the outputs (nothing was written yet), else the whole route again as a new attempt. The
-        seed is in the parameters, so a retried request gives the same pixels."""
+        the outputs (nothing was written yet, and `outputs_kept`), else the whole route again as a
+        new attempt. The seed is in the parameters, so a retried request gives the same pixels."""
         if rec.retries >= self.args.disagg_max_retries:
             self._finish(
                 rec,
@@ -628,7 +635,7 @@ class DiffusionServer:
         rec.retries += 1
         self.metrics.retries.labels(lost.role.value, cause).inc()
         staged = rec.staged
-        if staged is not None and staged.sender != lost.url and not rec.push_in_flight:
+        if outputs_kept and staged is not None and staged.sender != lost.url and not rec.push_in_flight:
             log.info("request %s: %s; its %s outputs wait for another receiver", rec.request_id, reason, staged.sender)
             rec.instance, rec.slot_addr = None, 0
             self._queues[rec.role].appendleft(rec.request_id)

@@ -24,10 +24,11 @@ def deployment(
     role_flags: dict[Role, Sequence[str]] | None = None,
     null_payload: int | None = None,
     head_first: bool = True,
+    discovery_files: bool = False,
 ) -> Iterator[LocalDeployment]:
     counts = {Role.ENCODER: encoders, Role.DENOISER: denoisers, Role.DECODER: decoders}
     with local_deployment(
         model, tmp, counts, head_flags=head_flags, worker_flags=(*CPU, *worker_flags), role_flags=role_flags,
-        null_payload_bytes=null_payload, head_first=head_first,
+        null_payload_bytes=null_payload, head_first=head_first, discovery_files=discovery_files,
     ) as dep:  # fmt: skip
         yield dep

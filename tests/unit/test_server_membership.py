@@ -11,6 +11,7 @@ import time
 from tests.unit.scripted import PARAMS, SESSION, ScriptedWorker, scripted_head
 from triptych.params import GenerationParams
 from triptych.protocol import (
+    Failed,
     Submit,
     TransferAlloc,
     TransferAllocated,
@@ -124,6 +125,22 @@ def test_a_request_whose_running_denoiser_dies_restarts_as_a_new_attempt():
         _, alloc = first_with(TransferAlloc, [survivor], [enc, dec])
         assert alloc.request_id == "r1~retry1"
         assert server.requests["r1"].state.value == "DENOISING_WAITING"
+
+
+def test_a_failed_push_restarts_the_request_since_the_sender_freed_its_outputs():
+    with scripted_head({Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1}) as (server, client, w):
+        enc, den, dec = w[Role.ENCODER][0], w[Role.DENOISER][0], w[Role.DECODER][0]
+        _encode_and_stage(client, enc, "r1", [den, dec])
+        _, alloc = first_with(TransferAlloc, [den], [enc, dec])
+        den.send(TransferAllocated("r1", alloc.instance, SESSION, 4096))
+        _, push = first_with(TransferPush, [enc], [den, dec])
+        enc.send(Failed("r1", push.instance, "peer closed the connection"))
+        _, work = first_with(Work, [enc], [den, dec])
+        assert work.request_id == "r1~retry1"
+        retries = server.metrics.registry.get_sample_value(
+            "triptych_retries_total", {"role": "denoiser", "cause": "transfer_failed"}
+        )
+        assert retries == 1
 
 
 def test_a_request_out_of_retries_fails_naming_the_lost_worker():

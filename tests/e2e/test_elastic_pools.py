@@ -1,0 +1,140 @@
+"""Pools that grow, shrink and lose workers under traffic, with no accepted request lost.
+
+Real processes: a head and zero-compute workers (`triptych_worker.null_pipeline`: real sockets,
+pool and Mooncake transfers) whose denoiser sleeps per step, so a request is busy long enough
+to lose its worker in the middle.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+
+from tests.e2e.harness import deployment
+from tests.e2e.test_null_pipeline import image, metric
+from triptych.roles import Role
+
+pytestmark = pytest.mark.slow
+
+FAST_LOSS = ("--disagg-heartbeat-timeout", "2", "--disagg-timeout", "120", "--disagg-discovery-interval", "0.5")
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_models):
+    return tiny_models["tiny-flux"]
+
+
+def wait_until_busy(c, role: Role, url: str, seconds: float = 30) -> None:  # type: ignore[no-untyped-def]
+    """Until the head has a request on `url` (one of its scheduling slots is taken)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        inst = next(i for i in c.get("/health").json()["workers"][role.value] if i["url"] == url)
+        if inst["free_slots"] < inst["capacity"]:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{url} never got work")
+
+
+def test_killing_a_busy_denoiser_loses_no_request(flux, tmp_path):
+    steps = ("--step-seconds", "0.05")  # 40 steps: each request denoises for ~2 s
+    with deployment(flux, tmp_path, denoisers=2, null_payload=4096, head_flags=FAST_LOSS,
+                    role_flags={Role.DENOISER: steps}) as dep, dep.client() as c:  # fmt: skip
+        victim = dep.workers(Role.DENOISER)[0]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(image, c, num_inference_steps=40, seed=i) for i in range(4)]
+            wait_until_busy(c, Role.DENOISER, victim.url)
+            victim.kill()
+            results = [f.result(timeout=90) for f in futures]
+        assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
+        assert metric(c, "triptych_retries_total") >= 1
+        alive = {d["url"]: d["alive"] for d in c.get("/health").json()["workers"]["denoiser"]}
+        assert alive[victim.url] is False
+
+
+def test_denoisers_added_while_requests_flow_take_work_without_a_head_restart(flux, tmp_path):
+    steps = ("--step-seconds", "0.04")  # 10 steps: 0.4 s of denoising per request, 2 at a time per denoiser
+    with deployment(flux, tmp_path, null_payload=4096, head_flags=FAST_LOSS, discovery_files=True,
+                    role_flags={Role.DENOISER: steps}) as dep, dep.client() as c:  # fmt: skip
+        head_pid = dep.procs[0].popen.pid
+        done: list[float] = []
+        stop = time.monotonic() + 40  # bounded: the load stops by itself
+
+        def client_loop() -> None:
+            while time.monotonic() < stop and len(done) < 400:
+                r = image(c, num_inference_steps=10)
+                assert r.status_code == 200, r.text
+                done.append(time.monotonic())
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            loops = [pool.submit(client_loop) for _ in range(8)]
+            time.sleep(6)
+            before = len(done) / 6
+            added_at = time.monotonic()
+            new = [dep.add_worker(Role.DENOISER) for _ in range(2)]
+            deadline = added_at + 60
+            while sum(d["alive"] for d in c.get("/health").json()["workers"]["denoiser"]) < 3:
+                assert time.monotonic() < deadline, dep.logs()
+                time.sleep(0.2)
+            joined_in = time.monotonic() - added_at
+            window_start, count_start = time.monotonic(), len(done)
+            time.sleep(6)
+            after = (len(done) - count_start) / (time.monotonic() - window_start)
+            stop = 0.0  # the loops read it through the closure and end
+            for f in loops:
+                f.result(timeout=60)
+        denoisers = {d["url"]: d for d in c.get("/health").json()["workers"]["denoiser"]}
+        assert all(denoisers[p.url]["dispatched"] > 0 for p in new), denoisers
+        assert after > 1.8 * before, f"throughput {before:.2f}/s with 1 denoiser, {after:.2f}/s with 3"
+        assert dep.procs[0].popen.pid == head_pid and dep.procs[0].popen.poll() is None
+        assert joined_in < 30
+
+
+def test_a_denoiser_that_leaves_discovery_finishes_what_it_holds_and_gets_nothing_more(flux, tmp_path):
+    steps = ("--step-seconds", "0.05")
+    with deployment(flux, tmp_path, denoisers=2, null_payload=4096, head_flags=FAST_LOSS, discovery_files=True,
+                    role_flags={Role.DENOISER: steps}) as dep, dep.client() as c:  # fmt: skip
+        leaving = dep.workers(Role.DENOISER)[0]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(image, c, num_inference_steps=40, seed=i) for i in range(4)]
+            wait_until_busy(c, Role.DENOISER, leaving.url)
+            dispatched = None
+            dep.unlist_worker(leaving)  # as a scale-down takes the pod out of the headless Service
+            deadline = time.monotonic() + 10
+            while dispatched is None:
+                inst = {d["url"]: d for d in c.get("/health").json()["workers"]["denoiser"]}.get(leaving.url)
+                if inst is None or inst["leaving"]:
+                    dispatched = inst["dispatched"] if inst else -1
+                assert time.monotonic() < deadline, "the head never saw the worker leave"
+                time.sleep(0.05)
+            more = [pool.submit(image, c, num_inference_steps=5, seed=10 + i) for i in range(4)]
+            results = [f.result(timeout=90) for f in [*futures, *more]]
+        assert [r.status_code for r in results] == [200] * 8, [r.text for r in results]
+        assert metric(c, "triptych_retries_total") == 0  # nothing was lost: what it held, it finished
+        deadline = time.monotonic() + 10
+        while any(d["url"] == leaving.url for d in c.get("/health").json()["workers"]["denoiser"]):
+            assert time.monotonic() < deadline, "an idle departed worker should be forgotten"
+            time.sleep(0.2)
+
+
+def test_a_retried_image_has_the_same_pixels_as_an_unretried_one(tiny_models, tmp_path):
+    """Real tiny FLUX: the denoiser running a request is killed; the retry's pixels are byte-identical."""
+    body = {"prompt": "a lighthouse at dusk", "size": "64x64", "seed": 7, "num_inference_steps": 300}
+    with deployment(tiny_models["tiny-flux"], tmp_path, denoisers=2, head_flags=FAST_LOSS) as dep, dep.client() as c:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            retried = pool.submit(c.post, "/v1/images/generations", json=body)
+            deadline = time.monotonic() + 60
+            busy = []
+            while not busy:
+                assert time.monotonic() < deadline and not retried.done(), "no denoiser ever ran the request"
+                busy = [d["url"] for d in c.get("/health").json()["workers"]["denoiser"] if d["free_slots"] < 2]
+                time.sleep(0.01)
+            victim = next(p for p in dep.workers(Role.DENOISER) if p.url == busy[0])
+            victim.kill()
+            first = retried.result(timeout=300)
+        assert first.status_code == 200, first.text
+        assert metric(c, "triptych_retries_total") == 1
+        second = c.post("/v1/images/generations", json=body)  # the same request, never retried
+        assert second.status_code == 200, second.text
+    assert first.json()["data"][0]["b64_json"] == second.json()["data"][0]["b64_json"]
