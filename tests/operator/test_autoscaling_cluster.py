@@ -143,7 +143,7 @@ def custom_metrics_api(
     docs = render_chart(cluster, f"am-{ns[-6:]}", ns)
     objects = metrics_api_objects(docs)
     service = next(d for d in objects if d["kind"] == "Service")
-    account = next(d for d in objects if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    account_name = next(d for d in objects if d["kind"] == "ServiceAccount")["metadata"]["name"]
     secret = next(d for d in docs if d["kind"] == "Secret")
     crt, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     crt.write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
@@ -173,9 +173,13 @@ def custom_metrics_api(
     proc: subprocess.Popen[bytes] | None = None
     try:
         endpoint_slice["metadata"]["namespace"] = ns
-        # Each object names its namespace (the chart's, or kube-system for the auth reader binding).
-        cluster.apply("\n---\n".join(json.dumps(d) for d in [*objects, endpoint_slice]))
-        kubeconfig = sa_kubeconfig(cluster, ns, account, tmp_path / "sa.kubeconfig")
+        # The account first, the routing to the server once it serves. Each object names its
+        # namespace (the chart's, or kube-system for the auth reader binding).
+        service_and_slice = [service, endpoint_slice]
+        apiservices = [d for d in objects if d["kind"] == "APIService"]
+        account = [d for d in objects if d["kind"] not in ("Service", "APIService")]
+        cluster.apply("\n---\n".join(json.dumps(d) for d in account))
+        kubeconfig = sa_kubeconfig(cluster, ns, account_name, tmp_path / "sa.kubeconfig")
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "triptych_operator.metrics_api", "--bind-address", metrics_address,
@@ -195,6 +199,8 @@ def custom_metrics_api(
                 return False
 
         poll(healthy, timeout=30, what="triptych-metrics-api to serve")
+        cluster.apply("\n---\n".join(json.dumps(d) for d in service_and_slice))
+        cluster.apply("\n---\n".join(json.dumps(d) for d in apiservices))
         cluster.kubectl(
             "wait", "--for=condition=Available", f"apiservice/{APISERVICES[0]}", "--timeout=60s", timeout=70
         )

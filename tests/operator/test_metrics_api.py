@@ -328,6 +328,11 @@ def test_discovery_lists_the_metrics_per_deployment(api: Api) -> None:
     assert api.reviews[-1]["nonResourceAttributes"] == {"path": GROUP_PATH + "/v1beta2", "verb": "get"}
 
 
+def test_the_aggregator_finds_an_openapi_document(api: Api) -> None:
+    code, body = asyncio.run(api.get("/openapi/v2", user="system:kube-aggregator"))
+    assert code == 200 and body["swagger"] == "2.0"
+
+
 @pytest.mark.parametrize(
     "path",
     [

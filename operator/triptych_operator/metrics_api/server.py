@@ -175,6 +175,13 @@ async def _metric(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+async def _openapi(request: web.Request) -> web.Response:
+    """An empty OpenAPI v2 document: the aggregator fetches one from every APIService (and retries
+    forever on a 404); metric values have no schema worth publishing."""
+    info = {"title": "triptych-metrics-api", "version": VERSIONS[0]}
+    return web.json_response({"swagger": "2.0", "info": info, "paths": {}})
+
+
 async def _health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
@@ -189,6 +196,7 @@ def build_app(source: HeadMetricsSource, authorizer: Authorizer, auth_config: Re
     app.router.add_get(group, _group)
     app.router.add_get(group + "/{version}", _resources)
     app.router.add_get(group + "/{version}/namespaces/{namespace}/{resource}/{name}/{metric}", _metric)
+    app.router.add_get("/openapi/v2", _openapi)
     for path in HEALTH_PATHS:
         app.router.add_get(path, _health)
     return app
