@@ -242,6 +242,8 @@ class Api:
 
     def review(self, spec: dict[str, Any]) -> bool:
         self.reviews.append(spec)
+        if spec["user"] == "unreviewable":
+            raise ConnectionError("the API server did not answer")
         return spec["user"] not in self.deny_users
 
     async def get(self, path: str, *, cert: str | None = "proxy", user: str = HPA_USER) -> tuple[int, Any]:
@@ -363,6 +365,11 @@ def test_a_user_the_cluster_does_not_authorize_is_refused(api: Api) -> None:
     api.deny_users.add("mallory")
     code, body = asyncio.run(api.get(METRIC_PATH, user="mallory"))
     assert code == 403 and body["reason"] == "Forbidden"
+
+
+def test_when_the_review_cannot_be_made_the_request_is_refused_with_503(api: Api) -> None:
+    code, body = asyncio.run(api.get(METRIC_PATH, user="unreviewable"))
+    assert code == 503 and body["kind"] == "Status", body
 
 
 def test_health_needs_no_credentials(api: Api) -> None:

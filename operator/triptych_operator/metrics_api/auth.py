@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,7 +92,7 @@ def authenticate(peercert: Mapping[str, Any] | None, headers: Any, config: Reque
     for key in headers:
         for prefix in config.extra_prefixes:
             if key.lower().startswith(prefix.lower()):
-                extra_key = key[len(prefix) :].lower()
+                extra_key = urllib.parse.unquote(key[len(prefix) :]).lower()  # keys are percent-encoded
                 extra[extra_key] = tuple(headers.getall(key))
     return User(name=name, groups=groups, extra=extra)
 

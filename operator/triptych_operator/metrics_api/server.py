@@ -96,18 +96,23 @@ async def authn_authz(request: web.Request, handler: Any) -> web.StreamResponse:
     if user is None:
         return status(401, "Unauthorized", "this API is served through the kube-apiserver's aggregation layer")
     resource = request.match_info.get("resource")
-    if resource:
-        attrs = resource_attributes(
-            CUSTOM_METRICS_GROUP,
-            request.match_info["version"],
-            request.match_info["namespace"],
-            resource,
-            request.match_info["name"],
-            request.match_info["metric"],
-        )
-        allowed = await request.app[_authorizer_key].allowed(user, resource=attrs)
-    else:
-        allowed = await request.app[_authorizer_key].allowed(user, path=request.path)
+    authorizer = request.app[_authorizer_key]
+    try:
+        if resource:
+            attrs = resource_attributes(
+                CUSTOM_METRICS_GROUP,
+                request.match_info["version"],
+                request.match_info["namespace"],
+                resource,
+                request.match_info["name"],
+                request.match_info["metric"],
+            )
+            allowed = await authorizer.allowed(user, resource=attrs)
+        else:
+            allowed = await authorizer.allowed(user, path=request.path)
+    except Exception as exc:  # the API server did not answer the review: refuse, and say why
+        log.warning("SubjectAccessReview for %s failed: %s", user.name, exc)
+        return status(503, "ServiceUnavailable", f"cannot authorize the request: {exc}")
     if not allowed:
         return status(403, "Forbidden", f'user "{user.name}" cannot get {request.path}')
     return await handler(request)
