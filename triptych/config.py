@@ -26,6 +26,15 @@ URL_FLAGS: dict[Role, str] = {
     Role.DECODER: "decoder_urls",
 }
 
+# --simulate: per role, (seconds per request, seconds per unit of work) unless the flags say otherwise;
+# a unit is one output (encoder), one step over one megapixel-frame (denoiser), one megapixel-frame
+# (decoder). Coarse figures for a FLUX.1-dev-class model on one modern GPU (triptych_worker.simulated).
+SIMULATE_DEFAULTS: dict[Role, tuple[float, float]] = {
+    Role.ENCODER: (0.02, 0.005),
+    Role.DENOISER: (0.02, 0.25),
+    Role.DECODER: (0.01, 0.05),
+}
+
 # Per-role parallelism flags: role -> {degree: attribute}.
 ROLE_PARALLEL_FLAGS: dict[Role, dict[str, str]] = {
     Role.ENCODER: {"tp": "encoder_tp"},
@@ -111,6 +120,10 @@ class ServeArgs:
     decoder_sp: int | None = None
     worker_capacity: int = 2
     log_level: str = "info"
+    disagg_drain_timeout: float = 600.0
+    simulate: bool = False
+    simulate_seconds: float | None = None
+    simulate_seconds_per_unit: float | None = None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServeArgs:
@@ -186,10 +199,23 @@ class ServeArgs:
             raise ConfigError("--num-gpus must be >= 1 and --base-gpu-id >= 0")
         if self.worker_capacity < 1:
             raise ConfigError(f"--worker-capacity {self.worker_capacity} must be >= 1")
+        if self.disagg_drain_timeout <= 0:
+            raise ConfigError(f"--disagg-drain-timeout {self.disagg_drain_timeout} must be > 0 seconds")
+        self._validate_simulation()
         try:
             self.parallelism()
         except ParallelismError as exc:
             raise ConfigError(str(exc)) from None
+
+    def _validate_simulation(self) -> None:
+        timing = [f for f in ("simulate_seconds", "simulate_seconds_per_unit") if getattr(self, f) is not None]
+        if self.simulate and not self.disagg_role.is_worker:
+            raise ConfigError(f"--simulate is for worker roles (encoder, denoiser, decoder), not {self.disagg_role}")
+        if timing and not self.simulate:
+            raise ConfigError(f"{flag(timing[0])} only applies with --simulate")
+        for name in timing:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{flag(name)} {getattr(self, name)} must be >= 0 seconds")
 
     def _validate_head_urls(self, given: list[Role]) -> None:
         if Role.DENOISER not in given or Role.DECODER not in given:
@@ -221,6 +247,9 @@ class ServeArgs:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name != "model_path" and value == getattr(defaults, f.name):
+                continue
+            if isinstance(value, bool):  # a switch: present or absent
+                argv.append(flag(f.name))
                 continue
             if isinstance(value, Role):
                 value = value.value
@@ -277,3 +306,17 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--worker-capacity", type=int, default=d.worker_capacity,
       help="worker: requests it holds at once (one running, the rest prefetched)")  # fmt: skip
     a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
+    a("--disagg-drain-timeout", type=float, default=d.disagg_drain_timeout,
+      help="worker: on SIGTERM, seconds to finish held work before exiting")  # fmt: skip
+    a("--simulate", action="store_true",
+      help="worker: load no model; each stage sleeps a modelled time and emits the tensors --model-path's family "
+           "would (shapes from its configs), through the real pool and Mooncake transfers")  # fmt: skip
+    sim = {role.value: costs for role, costs in SIMULATE_DEFAULTS.items()}
+    a("--simulate-seconds", type=float, default=None, metavar="S",
+      help="worker --simulate: fixed seconds per request (default: "
+           + ", ".join(f"{role} {fixed:g}" for role, (fixed, _) in sim.items()) + ")")  # fmt: skip
+    a("--simulate-seconds-per-unit", type=float, default=None, metavar="S",
+      help="worker --simulate: seconds per unit of work, added to --simulate-seconds; a unit is, for the denoiser, "
+           f"one step over one megapixel-frame (default {sim['denoiser'][1]:g}), for the decoder one "
+           f"megapixel-frame (default {sim['decoder'][1]:g}), for the encoder one output "
+           f"(default {sim['encoder'][1]:g})")  # fmt: skip

@@ -2,7 +2,9 @@
 
 Used by `make demo`, the end-to-end tests and the benchmarks. Every process is a real
 `triptych serve` (or, for control-plane measurements, a zero-compute null worker) talking over
-loopback ZMQ and Mooncake TCP.
+loopback ZMQ and Mooncake TCP. Give workers `--simulate` (worker_flags) for model-free workers of
+a few tens of MB each; give `spare` ports to add workers while the deployment runs
+(`LocalDeployment.start_worker`) and `stop_worker` to drain (SIGTERM) or kill one.
 """
 
 from __future__ import annotations
@@ -81,22 +83,46 @@ class LocalDeployment:
     http: str
     scheduler_port: int
     procs: list[Proc] = field(default_factory=list)
-    # With discovery files: the file:// list of each role's endpoints, which add_worker extends.
+    spare: dict[Role, list[int]] = field(default_factory=dict)  # ports the head lists that no worker holds yet
+    # With discovery files: the file:// list of each role's endpoints, which start_worker extends.
     endpoint_files: dict[Role, Path] = field(default_factory=dict)
-    _spawn_worker: Callable[[Role, int], Proc] | None = None
+    spawn_worker: Callable[[Role, int], Proc] | None = None
 
     def workers(self, role: Role) -> list[Proc]:
         return [p for p in self.procs if p.role is role]
 
-    def add_worker(self, role: Role) -> Proc:
-        """Start one more worker of `role` and list it in the role's discovery file (the head
-        picks it up at its next re-read; needs `discovery_files=True`)."""
-        if self._spawn_worker is None or role not in self.endpoint_files:
-            raise RuntimeError("add_worker needs a deployment started with discovery_files=True")
-        proc = self._spawn_worker(role, free_port_block(1))
+    def start_worker(self, role: Role) -> Proc:
+        """Start one more `role` worker; it joins once it heartbeats.
+
+        With discovery files it gets a new port and is added to the role's list (the head picks it
+        up at its next re-read); otherwise it takes a spare port the head already lists, and
+        RuntimeError says when none is left (ask for more with `spare=`).
+        """
+        if self.spawn_worker is None:
+            raise RuntimeError("start_worker needs a deployment started by local_deployment")
+        if role in self.endpoint_files:
+            port = self.spare[role].pop(0) if self.spare.get(role) else free_port_block(1)
+        elif self.spare.get(role):
+            port = self.spare[role].pop(0)
+        else:
+            raise RuntimeError(f"no spare {role.value} port left; pass spare={{Role.{role.name}: n}}")
+        proc = self.spawn_worker(role, port)
         self.procs.append(proc)
-        self.write_endpoints(role)
+        if role in self.endpoint_files:
+            self.write_endpoints(role)
         return proc
+
+    def stop_worker(self, proc: Proc, drain: bool = True, timeout: float = 30) -> int:
+        """SIGTERM (drain: finish held work, then exit) or SIGKILL one worker; returns its exit status.
+
+        Its port becomes spare again, so start_worker can bring the role back.
+        """
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM if drain else signal.SIGKILL)
+        code = proc.popen.wait(timeout)
+        self.procs.remove(proc)
+        self.spare.setdefault(proc.role, []).append(int(proc.url.rsplit(":", 1)[1]))
+        return code
 
     def unlist_worker(self, proc: Proc) -> None:
         """Remove a worker from its role's discovery file, as a scale-down removes it from DNS."""
@@ -150,17 +176,23 @@ def local_deployment(
     ready_timeout: float = 180,
     worker_url_scheme: str = "tcp://127.0.0.1",
     discovery_files: bool = False,
+    spare: dict[Role, int] | None = None,
 ) -> Iterator[LocalDeployment]:
     """Start head and workers (logs under `workdir`), wait until every worker heartbeats, kill all on exit.
 
     `worker_url_scheme` is how the head is told where workers are: tcp://127.0.0.1, or
     dns://localhost to go through name resolution as the head does behind a headless Service.
     `discovery_files`: the head reads each role's workers from a file:// list instead, which
-    LocalDeployment.add_worker and unlist_worker rewrite (workers joining and leaving).
+    LocalDeployment.start_worker and unlist_worker rewrite (workers joining and leaving).
+    `spare`: per role, how many more worker ports the head lists, for workers started later
+    with `LocalDeployment.start_worker` (until then the head sees them as not responding).
     """
     counts = counts or dict.fromkeys(ROLES, 1)
+    spare = spare or {}
     workdir.mkdir(parents=True, exist_ok=True)
-    sched, http, ports = deployment_ports(counts)
+    sched, http, ports = deployment_ports({role: counts.get(role, 0) + spare.get(role, 0) for role in ROLES})
+    spare_ports = {role: ports[role][counts.get(role, 0) :] for role in ROLES}
+    ports = {role: ports[role][: counts.get(role, 0)] for role in ROLES}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     py = sys.executable
     worker_cmd = (
@@ -168,9 +200,20 @@ def local_deployment(
         if null_payload_bytes is not None
         else [py, "-m", "triptych", "serve"]
     )
-    dep = LocalDeployment(http=f"http://127.0.0.1:{http}", scheduler_port=sched)
+    dep = LocalDeployment(http=f"http://127.0.0.1:{http}", scheduler_port=sched, spare=spare_ports)
     if discovery_files:
         dep.endpoint_files = {role: workdir / f"{role.value}.endpoints" for role in ROLES}
+    started: dict[Role, int] = {}
+
+    def spawn_worker(role: Role, port: int) -> Proc:
+        argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
+                "--disagg-server-addr", f"tcp://127.0.0.1:{sched}", "--scheduler-port", str(port),
+                "--disagg-p2p-hostname", "127.0.0.1", *worker_flags, *(role_flags or {}).get(role, ())]  # fmt: skip
+        i = started[role] = started.get(role, -1) + 1
+        log = workdir / f"{role.value}-{i}.log"
+        return Proc(role, f"tcp://127.0.0.1:{port}", _spawn(argv, log, env), log)
+
+    dep.spawn_worker = spawn_worker
 
     def start_head() -> None:
         argv = [py, "-m", "triptych", "serve", "--model-path", str(model), "--disagg-role", "server",
@@ -180,20 +223,10 @@ def local_deployment(
             if discovery_files:
                 spec = f"file://{dep.endpoint_files[role].resolve()}"
             else:
-                spec = ";".join(f"{worker_url_scheme}:{p}" for p in ports[role])
+                spec = ";".join(f"{worker_url_scheme}:{p}" for p in ports[role] + spare_ports[role])
             argv += [f"--{role.value}-urls", spec]
         log = workdir / "head.log"
         dep.procs.append(Proc(Role.SERVER, dep.http, _spawn(argv, log, env), log))
-
-    def spawn_worker(role: Role, port: int) -> Proc:
-        argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
-                "--disagg-server-addr", f"tcp://127.0.0.1:{sched}", "--scheduler-port", str(port),
-                "--disagg-p2p-hostname", "127.0.0.1", *worker_flags,
-                *(role_flags or {}).get(role, ())]  # fmt: skip
-        log = workdir / f"{role.value}-{port}.log"
-        return Proc(role, f"tcp://127.0.0.1:{port}", _spawn(argv, log, env), log)
-
-    dep._spawn_worker = spawn_worker
 
     def start_workers() -> None:
         for role in ROLES:

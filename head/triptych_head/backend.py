@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import zmq
@@ -22,6 +22,8 @@ from triptych.protocol import Cancel, ProtocolError, RequestEvent, RequestResult
 from triptych.protocol.tensors import PIXELS
 
 if TYPE_CHECKING:
+    import torch
+
     from triptych_worker.pipeline import RolePipeline
 
 log = logging.getLogger(__name__)
@@ -173,7 +175,7 @@ class LocalBackend:
             raise GenerationFailed(f"{type(exc).__name__}: {exc}") from None
         finally:
             self._cancelled.discard(request_id)
-        pixels = batch.tensors[PIXELS].cpu().numpy()
+        pixels = cast("torch.Tensor", batch.tensors[PIXELS]).cpu().numpy()  # a model's stages make torch tensors
         return GenerationOutput(pixels=pixels, timings={"total": loop.time() - started})
 
     async def cancel(self, request_id: str) -> None:

@@ -128,8 +128,10 @@ class WorkerRegistry:
     def ping_all(self) -> None:
         for by_url in self._instances.values():
             for inst in by_url.values():
-                # A draining worker exits once acknowledged and idle: everything sent before this is there.
-                self.send(inst.url, Ping(instance=inst.url, head_id=self.head_id, drain_acknowledged=inst.draining))
+                # A draining worker exits once acknowledged and idle, so acknowledge only when nothing is
+                # on its way to it (a push into one of its kept slots, say): all that went before is there.
+                ack = inst.draining and not inst.inflight
+                self.send(inst.url, Ping(instance=inst.url, head_id=self.head_id, drain_acknowledged=ack))
 
     def lost(self) -> list[WorkerInstance]:
         """Instances whose heartbeats stopped since the last call (each reported once)."""

@@ -25,10 +25,16 @@ def deployment(
     null_payload: int | None = None,
     head_first: bool = True,
     discovery_files: bool = False,
+    simulate: bool = False,
+    spare: dict[Role, int] | None = None,
 ) -> Iterator[LocalDeployment]:
+    """`simulate`: model-free workers (`--simulate`; timing per role through role_flags). `spare`: ports
+    the head lists for workers started later with `dep.start_worker(role)` (`dep.stop_worker` drains one).
+    `discovery_files`: the head reads file:// worker lists, which start_worker and unlist_worker rewrite."""
     counts = {Role.ENCODER: encoders, Role.DENOISER: denoisers, Role.DECODER: decoders}
+    flags = (*CPU, *(("--simulate",) if simulate else ()), *worker_flags)
     with local_deployment(
-        model, tmp, counts, head_flags=head_flags, worker_flags=(*CPU, *worker_flags), role_flags=role_flags,
-        null_payload_bytes=null_payload, head_first=head_first, discovery_files=discovery_files,
+        model, tmp, counts, head_flags=head_flags, worker_flags=flags, role_flags=role_flags,
+        null_payload_bytes=null_payload, head_first=head_first, spare=spare, discovery_files=discovery_files,
     ) as dep:  # fmt: skip
         yield dep

@@ -72,7 +72,7 @@ def test_denoisers_added_while_requests_flow_take_work_without_a_head_restart(fl
             time.sleep(6)
             before = len(done) / 6
             added_at = time.monotonic()
-            new = [dep.add_worker(Role.DENOISER) for _ in range(2)]
+            new = [dep.start_worker(Role.DENOISER) for _ in range(2)]
             deadline = added_at + 60
             while sum(d["alive"] for d in c.get("/health").json()["workers"]["denoiser"]) < 3:
                 assert time.monotonic() < deadline, dep.logs()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 
@@ -138,3 +142,76 @@ def test_load_rejects_duplicate_names() -> None:
     spec = {"name": "x", "dtype": "uint8", "shape": [4], "offset": 0}
     with pytest.raises(ValueError, match="'x' appears twice"):
         load_tensors(pool, slot, [spec, spec], "cpu")
+
+
+# --- numpy arrays and numpy pools (simulated workers, which never import torch) ---------------
+
+
+@pytest.mark.parametrize("memory", ["torch", "numpy"])
+def test_numpy_arrays_round_trip_bit_exact_through_either_pool(memory: str) -> None:
+    rng = np.random.default_rng(7)
+    arrays = {
+        "f16": rng.integers(0, 256, size=(2, 77 * 2 * 3), dtype=np.uint8).view(np.float16).reshape(2, 77, 3),
+        "i64": rng.integers(-(2**62), 2**62, size=(5,), dtype=np.int64),
+        "mask": rng.random((3, 4)) > 0.5,
+        "strided": rng.random((6, 8), dtype=np.float32)[::2, 1::3],
+        "scalar": np.array(3.5, dtype=np.float64),
+        "empty": np.empty((0, 16), dtype=np.float32),
+    }
+    pool = TransferPool(4 * MIB, "encoder", memory=memory)  # type: ignore[arg-type]
+    staged = stage_tensors(pool, arrays, "req-1")
+    assert staged is not None
+    out = load_tensors(pool, staged.allocation, staged.manifest, None)
+    pool.free(staged.allocation)
+    pool.allocate(4 * MIB, "overwrite-the-slot")  # loaded arrays must not alias the pool
+    for name, array in arrays.items():
+        assert isinstance(out[name], np.ndarray) and out[name].flags.c_contiguous, name
+        assert out[name].dtype == array.dtype and out[name].shape == array.shape, name
+        assert out[name].tobytes() == np.ascontiguousarray(array).tobytes(), name
+
+
+def test_a_numpy_sender_and_a_torch_receiver_see_the_same_bytes() -> None:
+    """A simulated worker's output loads as the same tensor a model worker would have staged."""
+    original = random_bits((3, 40, 5), torch.float32, seed=8)
+    pool = TransferPool(MIB, "encoder", memory="numpy")
+    staged = stage_tensors(pool, {"x": original.numpy()}, "req-1")
+    assert staged is not None
+    from_numpy = load_tensors(pool, staged.allocation, staged.manifest, "cpu")["x"]
+    assert same_bytes(from_numpy, original)
+    staged_torch = stage_tensors(TransferPool(MIB, "encoder"), {"x": original}, "req-2")
+    assert staged_torch is not None and staged_torch.manifest == staged.manifest
+
+
+def test_a_numpy_pool_is_aligned_and_registers_its_whole_buffer() -> None:
+    calls: list[tuple[int, int]] = []
+
+    class Registrar:
+        def register(self, ptr: int, nbytes: int) -> None:
+            calls.append((ptr, nbytes))
+
+    pool = TransferPool(MIB + 100, "decoder", Registrar(), memory="numpy")
+    assert pool.base_addr % ALIGNMENT == 0 and isinstance(pool.buffer, np.ndarray)
+    assert calls == [(pool.base_addr, MIB + 100)] and pool.buffer.ctypes.data == pool.base_addr
+
+
+def test_loading_bfloat16_as_numpy_says_to_load_it_as_torch() -> None:
+    pool = TransferPool(MIB, "decoder", memory="numpy")
+    slot = pool.allocate(64, "req-1")
+    assert slot is not None
+    with pytest.raises(ValueError, match="'emb' is bfloat16"):
+        load_tensors(pool, slot, [{"name": "emb", "dtype": "bfloat16", "shape": [4], "offset": 0}], None)
+
+
+def test_numpy_staging_and_loading_never_import_torch() -> None:
+    code = (
+        "import sys, numpy as np\n"
+        "from triptych_worker.transfer import TransferPool, load_tensors, stage_tensors\n"
+        "from triptych.protocol import tensors_to_frames\n"
+        "pool = TransferPool(1 << 20, 'encoder', memory='numpy')\n"
+        "s = stage_tensors(pool, {'x': np.arange(10, dtype=np.float32)}, 'r')\n"
+        "assert load_tensors(pool, s.allocation, s.manifest, None)['x'].tolist() == list(range(10))\n"
+        "tensors_to_frames({'pixels': np.zeros((1, 1, 2, 2, 3), dtype=np.uint8)})\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -3,6 +3,7 @@ and the leader/follower threads over real ZMQ sockets."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -22,6 +23,8 @@ from triptych.protocol import (
     Submit,
     TransferAlloc,
     TransferAllocated,
+    TransferPush,
+    TransferPushed,
     TransferStaged,
     Work,
     decode,
@@ -30,6 +33,7 @@ from triptych.protocol import (
 from triptych.roles import Role
 from triptych_worker.null_pipeline import NullPipeline
 from triptych_worker.runtime import Job, Worker
+from triptych_worker.transfer import MooncakeTransport, TransferPool
 
 
 class RecordingLink:
@@ -193,3 +197,111 @@ def test_a_computing_worker_keeps_answering_and_runs_queued_work_in_order_one_at
         work.close()
         results.close()
     assert not serving.is_alive()
+
+
+# --- drain (SIGTERM) ---------------------------------------------------------------------------
+
+
+def test_a_draining_worker_says_so_in_every_heartbeat():
+    worker = make_worker()
+    try:
+        assert worker._heartbeat().draining is False
+        worker.begin_drain()  # what the SIGTERM handler does
+        assert worker._heartbeat().draining is True
+        assert worker._heartbeat().draining is True
+    finally:
+        worker.transport.close()
+
+
+def test_a_drain_ends_once_acknowledged_and_the_held_request_is_computed_and_pushed(caplog):
+    """Acknowledged early, the worker still runs the request it holds and pushes its output before it stops."""
+    worker = make_worker()
+    link = RecordingLink()
+    peer = MooncakeTransport("127.0.0.1")
+    peer_pool = TransferPool(1 << 20, "decoder", peer, memory="numpy")
+    params = GenerationParams("x", width=16, height=16, num_inference_steps=1)
+    caplog.set_level(logging.INFO, logger="triptych_worker.runtime")
+    try:
+        worker._on_message(link, _encoded(Ping("w", head_id="h")))  # type: ignore[arg-type]
+        worker._on_message(link, _encoded(Work("r1", "w", params)))  # type: ignore[arg-type]
+        worker.begin_drain()
+        worker._on_message(link, _encoded(Ping("w", head_id="h", drain_acknowledged=True)))  # type: ignore[arg-type]
+        assert worker._drain is not None and worker._drain.acknowledged
+        assert not worker._drain_over(time.monotonic())
+        assert worker._held_summary() == "1 job"
+
+        job = worker._take_job()
+        assert job is not None
+        worker._compute(link, job)
+        assert worker._next_job() is None
+        staged = link.sent[-1]
+        assert isinstance(staged, TransferStaged) and staged.request_id == "r1"
+        assert worker._held_summary() == "1 staged output"
+        assert not worker._drain_over(time.monotonic())
+
+        slot = peer_pool.allocate(staged.nbytes, "r1")
+        assert slot is not None
+        peer_pool.view(slot)[:] = 0xFF
+        push = TransferPush("r1", "w", dest_session=peer.session_id, dest_addr=slot.addr)
+        worker._on_message(link, _encoded(push))  # type: ignore[arg-type]
+        assert worker._held_summary() == "1 push"
+        assert not worker._drain_over(time.monotonic()), "a push under way is held"
+        deadline = time.monotonic() + 10
+        while worker._pushes and time.monotonic() < deadline:
+            worker._check_pushes(link)
+            time.sleep(0.001)
+        assert isinstance(link.sent[-1], TransferPushed) and link.sent[-1].request_id == "r1"
+        assert not peer_pool.view(slot).any(), "the simulated denoiser's zeros landed in the receiver's slot"
+        assert worker._drain_over(time.monotonic())
+        assert "draining: 1 job left" in caplog.text and "draining: 1 push left" in caplog.text
+    finally:
+        worker.transport.close()
+        peer.close()
+
+
+def test_an_unacknowledged_drain_ends_when_the_idle_worker_hears_no_head_or_when_time_is_up(caplog):
+    worker = make_worker()
+    link = RecordingLink()
+    caplog.set_level(logging.INFO, logger="triptych_worker.runtime")
+    try:
+        worker._on_message(link, _encoded(Ping("w", head_id="h")))  # type: ignore[arg-type]
+        worker.begin_drain()
+        worker._start_drain()
+        now = time.monotonic()
+        head_gone = 3 * worker.args.disagg_heartbeat_timeout
+        assert not worker._drain_over(now), "idle but not acknowledged, and the head still pings"
+        assert worker._drain_over(now + head_gone + 0.1), "idle and no ping for three heartbeat timeouts"
+
+        params = GenerationParams("x", width=16, height=16, num_inference_steps=1)
+        worker._on_message(link, _encoded(Work("r1", "w", params)))  # type: ignore[arg-type]
+        assert not worker._drain_over(now + head_gone + 0.1), "a worker holding work waits for its head"
+        assert worker._drain is not None
+        assert worker._drain_over(worker._drain.deadline)
+        assert "drain timed out after 600s (--disagg-drain-timeout); abandoning 1 job" in caplog.text
+    finally:
+        worker.transport.close()
+
+
+def test_an_acknowledgement_counts_only_for_the_head_that_gave_it():
+    worker = make_worker()
+    link = RecordingLink()
+    try:
+        worker._on_message(link, _encoded(Ping("w", head_id="h1")))  # type: ignore[arg-type]
+        worker.begin_drain()
+        worker._on_message(link, _encoded(Ping("w", head_id="h1", drain_acknowledged=True)))  # type: ignore[arg-type]
+        assert worker._drain is not None and worker._drain.acknowledged
+        worker._on_message(link, _encoded(Ping("w", head_id="h2")))  # type: ignore[arg-type]
+        assert not worker._drain.acknowledged, "a restarted head has not seen the drain"
+        assert not worker._drain_over(time.monotonic())
+    finally:
+        worker.transport.close()
+
+
+def test_an_acknowledgement_to_a_worker_that_is_not_draining_changes_nothing():
+    worker = make_worker()
+    link = RecordingLink()
+    try:
+        worker._on_message(link, _encoded(Ping("w", head_id="h", drain_acknowledged=True)))  # type: ignore[arg-type]
+        assert worker._drain is None and not worker._heartbeat().draining
+    finally:
+        worker.transport.close()

@@ -97,6 +97,20 @@ def test_monolithic_role_equals_the_stock_pipeline(role_pipelines, stock_pixels,
     assert torch.equal(batch.tensors[PIXELS], stock_pixels[case])
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_simulated_workers_emit_exactly_the_names_dtypes_and_shapes_the_stages_produce(role_pipelines, case) -> None:
+    """What `triptych serve --simulate` emits (adapter.output_specs, from configs) is what the loaded stages hand on."""
+    name, params = CASES[case]
+    params = msgspec.structs.replace(params, num_outputs=2)
+    batch = StageBatch(params)
+    for role in (Role.ENCODER, Role.DENOISER, Role.DECODER):
+        pipeline = role_pipelines[name, role]
+        batch = pipeline.run(batch if role is Role.ENCODER else over_the_wire(batch))
+        produced = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in batch.tensors.items()]
+        declared = [(s.name, s.dtype, s.shape) for s in pipeline.adapter.output_specs(role, params)]
+        assert sorted(produced) == sorted(declared), role
+
+
 def test_flux_tensors_between_roles(role_pipelines) -> None:
     batch = role_pipelines["tiny-flux", Role.ENCODER].run(StageBatch(FLUX))
     assert set(batch.tensors) == {"prompt_embeds", "pooled_prompt_embeds", "text_ids", "latents", "latent_image_ids"}

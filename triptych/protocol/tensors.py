@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import numpy as np
 
 if TYPE_CHECKING:
     import torch
 
-# Wire names -> torch dtype attribute names. Only plain numeric dtypes travel.
+Array: TypeAlias = "torch.Tensor | np.ndarray"
+"""A tensor as the transfer layer takes it: a torch tensor, or a numpy array where torch is not loaded."""
+
+# Wire names -> torch dtype attribute names. Only plain numeric dtypes travel. numpy names the
+# same dtypes the same way, except bfloat16, which it lacks.
 WIRE_DTYPES: dict[str, str] = {
     "float32": "float32",
     "float16": "float16",
@@ -21,6 +27,10 @@ WIRE_DTYPES: dict[str, str] = {
     "uint8": "uint8",
     "bool": "bool",
 }
+ITEMSIZE: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}  # fmt: skip
 
 MAX_TENSOR_RANK = 8
 
@@ -39,7 +49,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = _itemsize(self.dtype)
+        n = ITEMSIZE[self.dtype]
         for d in self.shape:
             n *= d
         return n
@@ -67,26 +77,23 @@ class TensorSpec:
         return cls(name=name, dtype=dtype, shape=tuple(shape), offset=offset)
 
 
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return int(torch.empty((), dtype=getattr(torch, WIRE_DTYPES[dtype])).element_size())
-
-
-def wire_dtype(tensor: torch.Tensor) -> str:
+def wire_dtype(tensor: Array) -> str:
+    """The wire name of a torch tensor's or numpy array's dtype; ValueError if it cannot travel."""
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in WIRE_DTYPES:
         raise ValueError(f"dtype {tensor.dtype} cannot travel; supported: {sorted(WIRE_DTYPES)}")
     return name
 
 
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes as a zero-copy view (CPU, contiguous)."""
+def tensor_bytes(tensor: Array) -> memoryview:
+    """The bytes of a torch tensor or numpy array as a zero-copy view where possible (CPU, contiguous)."""
+    if isinstance(tensor, np.ndarray):  # numpy arrays (simulated workers) never need torch imported
+        return np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data
     t = tensor.detach().to("cpu").contiguous()
     return t.reshape(-1).view(__import__("torch").uint8).numpy().data
 
 
-def tensors_to_frames(tensors: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], list[memoryview]]:
+def tensors_to_frames(tensors: dict[str, Array]) -> tuple[list[dict[str, Any]], list[memoryview]]:
     """One raw frame per tensor, plus the specs that describe them (offset 0 in each frame)."""
     specs, frames = [], []
     for name, tensor in tensors.items():

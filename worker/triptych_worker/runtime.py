@@ -6,11 +6,15 @@ pushes and reports each one when its write completes. When work arrives and noth
 computing, the leader runs it itself and hands the lead to the other thread, so no request waits
 on its path for another thread to wake up; work that arrives while a job runs is queued, and
 the computing thread runs it next. Whichever thread leads, all of this state is the worker's.
+
+Drain (SIGTERM, see `begin_drain`): the worker says so in every heartbeat, keeps serving whatever
+the head still sends, and stops once the head has acknowledged the drain and nothing is held.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections import OrderedDict, deque
@@ -45,6 +49,7 @@ from triptych.protocol import (
 )
 from triptych.roles import Role
 from triptych.sockets import has_queued_message, send_message
+from triptych_worker.simulated import SimulatedPipeline
 from triptych_worker.stages import PIXELS, StageBatch
 from triptych_worker.transfer import (
     Allocation,
@@ -69,6 +74,8 @@ DRAIN_LIMIT = 1000  # messages handled per wake-up before the leader looks at it
 THREADS = 2  # one leads while the other computes
 STAGING_RETRY_S = 0.01
 CANCELLED_MEMORY = 10_000  # how many cancelled request ids are remembered
+HEAD_GONE_HEARTBEAT_TIMEOUTS = 3  # a draining worker that holds nothing and hears no ping this long stops
+DRAIN_LOG_S = 5.0  # a draining worker logs what it still holds at least this often
 
 
 STANDING = "standing-slot"  # pool owner of preallocated receive slots
@@ -95,6 +102,17 @@ class Push:
     write: PendingWrite
 
 
+@dataclass
+class Drain:
+    """A drain under way: since when, until when at most, and whether the head has acknowledged it."""
+
+    started: float
+    deadline: float
+    acknowledged: bool = False
+    last_report: str = ""
+    last_logged: float = 0.0
+
+
 class HeadLink:
     """A thread's own PUSH socket to the head's result port for this role."""
 
@@ -111,17 +129,26 @@ class HeadLink:
 
 
 class Worker:
-    def __init__(self, args: ServeArgs, pipeline: RolePipeline | None = None):
+    def __init__(self, args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | None = None):
         self.args = args
         self.role = args.disagg_role
-        self.device = args.resolved_device
+        if pipeline is None and args.simulate:
+            pipeline = SimulatedPipeline.from_args(args)
+        simulated = isinstance(pipeline, SimulatedPipeline)
+        # Simulated stages hold numpy arrays, so the worker never imports torch (None: numpy inputs).
+        self.device: str | None = None if simulated else args.resolved_device
         if pipeline is None:
             from triptych_worker.pipeline import load_role_pipeline
 
-            pipeline = load_role_pipeline(args.model_path, self.role, self.device)
+            pipeline = load_role_pipeline(args.model_path, self.role, args.resolved_device)
         self.pipeline = pipeline
         self.transport = MooncakeTransport(args.disagg_p2p_hostname, args.disagg_ib_device)
-        self.pool = TransferPool(args.disagg_transfer_pool_size, role=self.role.value, transport=self.transport)
+        self.pool = TransferPool(
+            args.disagg_transfer_pool_size,
+            role=self.role.value,
+            transport=self.transport,
+            memory="numpy" if simulated else "torch",
+        )
         self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self.ctx.setsockopt(zmq.IPV6, 1)  # pod IPs may be IPv6; IPv4 keeps working
         self.head_endpoint = result_endpoint(args.disagg_server_addr or "", self.role)
@@ -143,6 +170,9 @@ class Worker:
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._drain_requested = threading.Event()  # set by the SIGTERM handler; the leader starts the drain
+        self._drain: Drain | None = None  # leader only
+        self._last_ping = time.monotonic()
 
     # --- threads ---------------------------------------------------------------------------
 
@@ -207,9 +237,13 @@ class Worker:
                 # Pace by the youngest write, the one polled most often; a message arriving meanwhile
                 # waits at most POLL_MAX_S (1 ms), and only behind writes already longer than that.
                 min(self._pushes, key=lambda p: p.write.elapsed()).write.pause()
+            if self._drain_requested.is_set() and self._drain is None:
+                self._start_drain()
             if self.instance and time.monotonic() >= self._next_beat:
                 self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
                 link.send(self._heartbeat())
+            if self._drain is not None and self._drain_over(time.monotonic()):
+                self._stop.set()
         return None
 
     def _receive(self, work: zmq.Socket[Any]) -> list[Any] | None:
@@ -244,6 +278,73 @@ class Worker:
     def stop(self) -> None:
         self._stop.set()
 
+    # --- drain (leader) ---------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """Finish what is held, take what the head still sends, then stop (safe from a signal handler)."""
+        self._drain_requested.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_requested.is_set()
+
+    def _start_drain(self) -> None:
+        now = time.monotonic()
+        self._drain = Drain(started=now, deadline=now + self.args.disagg_drain_timeout)
+        self._next_beat = 0.0  # tell the head now, not at the next beat
+        log.info(
+            "draining (SIGTERM): finishing held work (%s), then exiting; at most %gs (--disagg-drain-timeout)",
+            self._held_summary() or "nothing held", self.args.disagg_drain_timeout,
+        )  # fmt: skip
+
+    def _acknowledge_drain(self) -> None:
+        if self._drain is None:  # the ack overtook the leader's own start of the drain
+            self._start_drain()
+        assert self._drain is not None
+        if not self._drain.acknowledged:
+            self._drain.acknowledged = True
+            log.info("the head acknowledged the drain: it sends nothing more")
+
+    def _held_summary(self) -> str:
+        """What this worker still holds, in words; empty when nothing."""
+        with self._lock:
+            jobs = len(self._queue) + (1 if self._computing else 0)
+            staged, slots = len(self._staged), len(self._slots)
+            outstanding = len(self._outstanding)
+        counts = [
+            (jobs, "job"),
+            (staged, "staged output"),
+            (len(self._pushes), "push"),
+            (slots, "reserved slot"),
+            # Accepted requests not counted above (e.g. a job between leaving the queue and running).
+            (max(0, outstanding - jobs - slots), "other request"),
+        ]
+        return ", ".join(f"{n} {what}{'s' if n > 1 else ''}" for n, what in counts if n)
+
+    def _drain_over(self, now: float) -> bool:
+        """Whether the drain has ended: acknowledged and nothing held, head gone, or out of time."""
+        drain = self._drain
+        assert drain is not None
+        held = self._held_summary()
+        if held != drain.last_report or now - drain.last_logged >= DRAIN_LOG_S:
+            if held:
+                log.info("draining: %s left", held)
+            drain.last_report, drain.last_logged = held, now
+        if not held and drain.acknowledged:
+            log.info("drained in %.2fs: the head acknowledged and nothing is held; exiting", now - drain.started)
+            return True
+        head_gone_s = HEAD_GONE_HEARTBEAT_TIMEOUTS * self.args.disagg_heartbeat_timeout
+        if not held and now - self._last_ping >= head_gone_s:
+            log.info("drained: nothing held and no ping from the head for %.0fs (head gone); exiting", head_gone_s)
+            return True
+        if now >= drain.deadline:
+            log.warning(
+                "drain timed out after %gs (--disagg-drain-timeout); abandoning %s",
+                self.args.disagg_drain_timeout, held or "nothing (waiting for the head's acknowledgement)",
+            )  # fmt: skip
+            return True
+        return False
+
     # --- head messages (leader) -------------------------------------------------------------
 
     def _heartbeat(self) -> Heartbeat:
@@ -256,6 +357,7 @@ class Worker:
             capacity=self.args.worker_capacity,
             model=self.args.model_path,
             standing_bytes=self.pool.reserved_bytes(list(self._standing.values())),
+            draining=self._drain_requested.is_set(),
         )
 
     def _on_message(self, link: HeadLink, parts: list[Any]) -> None:
@@ -279,7 +381,12 @@ class Worker:
 
     def _handle(self, link: HeadLink, msg: Any) -> None:
         if isinstance(msg, Ping):
+            self._last_ping = time.monotonic()
+            if self._drain is not None and msg.head_id != self._head_id:
+                self._drain.acknowledged = False  # a new head has not seen the drain yet
             self._follow_head(msg.head_id)
+            if msg.drain_acknowledged and self.draining:
+                self._acknowledge_drain()
             link.send(self._heartbeat())
         elif isinstance(msg, Work):
             self._enqueue(Job(msg.request_id, msg.params, progress=msg.progress))
@@ -491,10 +598,14 @@ class Worker:
         self._space_freed(link)
 
 
-def run_worker(args: ServeArgs) -> int:
-    worker = Worker(args)
+def run_worker(args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | None = None) -> int:
+    """Serve until drained (SIGTERM, exit 0), interrupted (Ctrl-C) or stopped; the worker entry point."""
+    worker = Worker(args, pipeline)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: worker.begin_drain())
     try:
         worker.serve()
     except KeyboardInterrupt:
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0

@@ -10,14 +10,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import PIXELS as WIRE_PIXELS
+from triptych.protocol.tensors import Array
 from triptych.roles import Role
-
-if TYPE_CHECKING:
-    import torch
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -27,7 +25,7 @@ class StageBatch:
     """One request as it moves through the stages."""
 
     params: GenerationParams
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, Array] = field(default_factory=dict)  # torch tensors; numpy arrays in simulated workers
     meta: dict[str, Any] = field(default_factory=dict)
     on_progress: ProgressCallback | None = None
 

@@ -11,9 +11,11 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from triptych.params import GenerationParams
+from triptych.protocol.tensors import PIXELS, TensorSpec
+from triptych.roles import Role
 
 if TYPE_CHECKING:
     import numpy as np
@@ -120,6 +122,26 @@ class FamilyAdapter(abc.ABC):
     def load(self, components: set[str]) -> None:
         """Load the stock pipeline with only `components`; the rest are passed as None."""
 
+    def output_specs(self, role: Role, params: GenerationParams) -> list[TensorSpec]:
+        """The tensors `role`'s stages hand on for `params`, by name, dtype and shape, read from the configs.
+
+        What simulated workers emit (`triptych serve --simulate`); tests hold it to what the loaded
+        stages produce. Every tensor is float32 (this code loads packages without a torch_dtype),
+        the decoder's pixels uint8.
+        """
+        p = params
+        if role is Role.DECODER:
+            return [TensorSpec(PIXELS, "uint8", (p.num_outputs, p.num_frames, p.height, p.width, 3))]
+        if role is Role.DENOISER:
+            return [spec for spec in self._encoder_outputs(p) if spec.name == "latents"]
+        if role is Role.ENCODER:
+            return self._encoder_outputs(p)
+        raise ValueError(f"role {role.value} hands on no tensors")
+
+    @abc.abstractmethod
+    def _encoder_outputs(self, params: GenerationParams) -> list[TensorSpec]:
+        """What the encoder hands the denoiser (the denoiser hands on `latents` of the same shape)."""
+
     @property
     def loaded_components(self) -> set[str]:
         if self.pipe is None:
@@ -128,7 +150,8 @@ class FamilyAdapter(abc.ABC):
 
     def on_device(self, batch: StageBatch) -> dict[str, torch.Tensor]:
         """The batch's tensors on this role's device (the transfer layer may land them elsewhere)."""
-        return {name: tensor.to(self.device) for name, tensor in batch.tensors.items()}
+        # A model worker's transfer layer loads torch tensors (numpy arrays are for simulated workers).
+        return {name: cast("torch.Tensor", tensor).to(self.device) for name, tensor in batch.tensors.items()}
 
     def _load_stock(self, pipeline_class: Any, components: set[str]) -> Any:
         skipped = {name: None for name in self.package.components if name not in components}

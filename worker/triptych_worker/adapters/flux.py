@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from triptych.params import GenerationParams
+from triptych.protocol.tensors import TensorSpec
 from triptych_worker.adapters.base import FamilyAdapter, ModelPackage, check_common, pixels_uint8
 from triptych_worker.stages import PIXELS
 
@@ -44,6 +45,19 @@ class FluxAdapter(FamilyAdapter):
         self.latent_channels = int(transformer["in_channels"]) // 4
         self.guidance_embeds = bool(transformer.get("guidance_embeds", False))
         self.max_steps = int(package.config("scheduler").get("num_train_timesteps", 1000))
+        self.text_dim = int(package.config("text_encoder_2")["d_model"])  # T5
+        self.pooled_dim = int(package.config("text_encoder")["hidden_size"])  # CLIP's pooled output
+
+    def _encoder_outputs(self, params: GenerationParams) -> list[TensorSpec]:
+        n, length = params.num_outputs, params.max_sequence_length
+        seq = (params.height // self.size_multiple) * (params.width // self.size_multiple)
+        return [
+            TensorSpec("prompt_embeds", "float32", (n, length, self.text_dim)),
+            TensorSpec("pooled_prompt_embeds", "float32", (n, self.pooled_dim)),
+            TensorSpec("text_ids", "float32", (length, 3)),
+            TensorSpec("latents", "float32", (n, seq, self.latent_channels * 4)),
+            TensorSpec("latent_image_ids", "float32", (seq, 3)),
+        ]
 
     @property
     def size_multiple(self) -> int:

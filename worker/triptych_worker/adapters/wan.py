@@ -13,13 +13,16 @@ torch and diffusers are imported inside methods so the head can validate without
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 from triptych.params import GenerationParams
+from triptych.protocol.tensors import TensorSpec
 from triptych_worker.adapters.base import FamilyAdapter, ModelPackage, check_common, lcm, pixels_uint8
 from triptych_worker.stages import PIXELS
 
 if TYPE_CHECKING:
+    import torch
+
     from triptych_worker.stages import StageBatch
 
 FPS = 16  # Wan2.1's frame rate; the head uses it when it writes the video file
@@ -51,6 +54,18 @@ class WanAdapter(FamilyAdapter):
         # check_inputs wants multiples of 16; patchification wants whole patches of latent pixels.
         self.size_multiple = lcm(16, lcm(self.scale_spatial * patch[1], self.scale_spatial * patch[2]))
         self.max_steps = int(package.config("scheduler").get("num_train_timesteps", 1000))
+        self.text_dim = int(package.config("text_encoder")["d_model"])  # UMT5
+
+    def _encoder_outputs(self, params: GenerationParams) -> list[TensorSpec]:
+        p, s = params, self.scale_spatial
+        embeds = (p.num_outputs, p.max_sequence_length, self.text_dim)
+        frames = (p.num_frames - 1) // self.scale_temporal + 1
+        latents = (p.num_outputs, self.latent_channels, frames, p.height // s, p.width // s)
+        return [
+            TensorSpec("prompt_embeds", "float32", embeds),
+            *([TensorSpec("negative_prompt_embeds", "float32", embeds)] if _uses_cfg(p) else []),
+            TensorSpec("latents", "float32", latents),
+        ]
 
     def validate(self, params: GenerationParams) -> None:
         check_common(params, size_multiple=self.size_multiple, max_steps=self.max_steps)
@@ -142,7 +157,7 @@ class WanAdapter(FamilyAdapter):
         import torch
 
         vae = self.pipe.vae
-        latents = batch.tensors["latents"].to(vae.device, dtype=vae.dtype)
+        latents = cast("torch.Tensor", batch.tensors["latents"]).to(vae.device, dtype=vae.dtype)
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)

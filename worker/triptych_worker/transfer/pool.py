@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import torch
+import numpy as np
 
 from .allocator import ALIGNMENT, FirstFitAllocator
 from .errors import PayloadTooLarge
+
+if TYPE_CHECKING:
+    import torch
+
+PoolMemory = Literal["torch", "numpy"]
 
 
 class MemoryRegistrar(Protocol):
@@ -34,24 +39,39 @@ class Allocation:
 class TransferPool:
     """A contiguous uint8 buffer of `pool_bytes`, registered once, shared out by first fit.
 
-    The buffer is pinned when CUDA is available (fast, async device copies) and plain CPU memory
-    otherwise; its base address is aligned to 256 bytes, as is every allocation. All methods are
-    thread-safe. `role` names the workers in the PayloadTooLarge message (e.g. "encoder").
+    `memory="torch"` (model workers): the buffer is a torch tensor, pinned when CUDA is available
+    (fast, async device copies) and plain CPU memory otherwise. `memory="numpy"` (simulated
+    workers): a numpy array, and torch is never imported. Either way its base address is aligned
+    to 256 bytes, as is every allocation, and stage_tensors/load_tensors take torch tensors and
+    numpy arrays alike. All methods are thread-safe. `role` names the workers in the
+    PayloadTooLarge message (e.g. "encoder").
     """
 
-    def __init__(self, pool_bytes: int, role: str, transport: MemoryRegistrar | None = None) -> None:
+    def __init__(
+        self, pool_bytes: int, role: str, transport: MemoryRegistrar | None = None, memory: PoolMemory = "torch"
+    ) -> None:
         if pool_bytes <= 0:
             raise ValueError(f"--disagg-transfer-pool-size must be > 0 bytes, got {pool_bytes}")
         self.role = role
+        self.memory = memory
         self._allocator = FirstFitAllocator(pool_bytes, ALIGNMENT)
-        pinned = torch.cuda.is_available()
         # Over-allocate by one alignment unit so the base address itself can be aligned.
-        raw = torch.empty(pool_bytes + ALIGNMENT - 1, dtype=torch.uint8, pin_memory=pinned)
-        shift = -raw.data_ptr() % ALIGNMENT
+        raw: Any
+        if memory == "torch":
+            import torch
+
+            self.pinned = torch.cuda.is_available()
+            raw = torch.empty(pool_bytes + ALIGNMENT - 1, dtype=torch.uint8, pin_memory=self.pinned)
+            shift = -raw.data_ptr() % ALIGNMENT
+        elif memory == "numpy":
+            self.pinned = False
+            raw = np.empty(pool_bytes + ALIGNMENT - 1, dtype=np.uint8)  # untouched pages cost no memory
+            shift = -raw.ctypes.data % ALIGNMENT
+        else:
+            raise ValueError(f"pool memory must be 'torch' or 'numpy', got {memory!r}")
         self._raw = raw
-        self.buffer: torch.Tensor = raw[shift : shift + pool_bytes]
-        self.base_addr: int = self.buffer.data_ptr()
-        self.pinned = pinned
+        self.buffer: torch.Tensor | np.ndarray = raw[shift : shift + pool_bytes]
+        self.base_addr: int = raw.data_ptr() + shift if memory == "torch" else raw.ctypes.data + shift
         self._lock = threading.Lock()
         self._live: dict[int, Allocation] = {}
         self._owners: dict[str, set[int]] = {}
@@ -109,8 +129,8 @@ class TransferPool:
                 self._release(self._live[offset])
             return len(offsets)
 
-    def view(self, allocation: Allocation) -> torch.Tensor:
-        """The allocation's bytes as a uint8 tensor sharing the pool's memory."""
+    def view(self, allocation: Allocation) -> torch.Tensor | np.ndarray:
+        """The allocation's bytes as a uint8 tensor (or numpy array, as the buffer is) sharing the pool's memory."""
         if allocation.offset < 0 or allocation.offset + allocation.nbytes > self.pool_bytes:
             raise ValueError(
                 f"allocation at offset {allocation.offset} of {allocation.nbytes} bytes is outside "

@@ -1,16 +1,24 @@
-"""Staging named tensors into a pool allocation and loading them back out, byte for byte."""
+"""Staging named tensors into a pool allocation and loading them back out, byte for byte.
+
+Tensors are torch tensors (model workers) or numpy arrays (simulated workers, which never import
+torch); a pool of either memory takes both. torch is imported only to handle a torch tensor or a
+torch pool, so a simulated worker runs this module without it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
-from triptych.protocol.tensors import WIRE_DTYPES, TensorSpec, wire_dtype
+from triptych.protocol.tensors import WIRE_DTYPES, Array, TensorSpec, wire_dtype
 
 from .allocator import ALIGNMENT, align_up
 from .pool import Allocation, TransferPool
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -26,7 +34,7 @@ class StagedTensors:
         return self.allocation.nbytes
 
 
-def layout(tensors: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], int]:
+def layout(tensors: dict[str, Array]) -> tuple[list[dict[str, Any]], int]:
     """Manifest placing each tensor at a 256-byte-aligned offset, and the total bytes it spans."""
     manifest: list[dict[str, Any]] = []
     end = 0
@@ -59,8 +67,8 @@ def check_manifest(manifest: list[Any], nbytes: int) -> list[TensorSpec]:
     return specs
 
 
-def stage_tensors(pool: TransferPool, tensors: dict[str, torch.Tensor], owner: str) -> StagedTensors | None:
-    """Copy `tensors` (any device, any layout) into one new allocation owned by `owner`.
+def stage_tensors(pool: TransferPool, tensors: dict[str, Array], owner: str) -> StagedTensors | None:
+    """Copy `tensors` (torch on any device, or numpy; any layout) into one new allocation owned by `owner`.
 
     Returns None when the pool has no room right now (back-pressure; retry later); raises
     PayloadTooLarge when it never could, and ValueError for a dtype or shape that cannot travel.
@@ -74,13 +82,20 @@ def stage_tensors(pool: TransferPool, tensors: dict[str, torch.Tensor], owner: s
         slot = pool.view(allocation)
         devices: set[torch.device] = set()
         for raw, tensor in zip(manifest, tensors.values(), strict=True):
+            if isinstance(tensor, np.ndarray):
+                flat = np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)
+                _as_numpy(slot)[raw["offset"] : raw["offset"] + flat.size] = flat
+                continue
             src = _as_bytes(tensor)
             if src.is_cuda:
                 devices.add(src.device)
-            slot[raw["offset"] : raw["offset"] + src.numel()].copy_(src, non_blocking=src.is_cuda)
-        for device in devices:
-            # The peer reads the slot as soon as write() returns, so device copies must be done.
-            torch.cuda.current_stream(device).synchronize()
+            _as_torch(slot)[raw["offset"] : raw["offset"] + src.numel()].copy_(src, non_blocking=src.is_cuda)
+        if devices:
+            import torch
+
+            for device in devices:
+                # The peer reads the slot as soon as write() returns, so device copies must be done.
+                torch.cuda.current_stream(device).synchronize()
     except BaseException:
         pool.free(allocation)
         raise
@@ -88,14 +103,20 @@ def stage_tensors(pool: TransferPool, tensors: dict[str, torch.Tensor], owner: s
 
 
 def load_tensors(
-    pool: TransferPool, allocation: Allocation, manifest: list[Any], device: str | torch.device
-) -> dict[str, torch.Tensor]:
-    """New tensors on `device` holding the bytes `manifest` describes; the slot may be freed after.
+    pool: TransferPool, allocation: Allocation, manifest: list[Any], device: str | torch.device | None
+) -> dict[str, Any]:
+    """New tensors holding the bytes `manifest` describes; the slot may be freed after.
 
-    Raises ValueError naming the tensor if the manifest does not fit the allocation.
+    `device`: torch tensors on that device, or None for numpy arrays in host memory (no torch;
+    bfloat16, which numpy lacks, then raises ValueError). Raises ValueError naming the tensor if
+    the manifest does not fit the allocation.
     """
     specs = check_manifest(manifest, allocation.nbytes)
-    slot = pool.view(allocation)
+    if device is None:
+        return _load_numpy(_as_numpy(pool.view(allocation)), specs)
+    import torch
+
+    slot = _as_torch(pool.view(allocation))
     target = torch.device(device)
     out: dict[str, torch.Tensor] = {}
     for spec in specs:
@@ -110,6 +131,33 @@ def load_tensors(
     return out
 
 
+def _load_numpy(slot: np.ndarray, specs: list[TensorSpec]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for spec in specs:
+        if spec.dtype == "bfloat16":
+            raise ValueError(f"tensor {spec.name!r} is bfloat16, which numpy cannot hold; load it as torch")
+        array = np.empty(spec.shape, dtype=np.dtype(spec.dtype))
+        array.reshape(-1).view(np.uint8)[:] = slot[spec.offset : spec.offset + spec.nbytes]
+        out[spec.name] = array
+    return out
+
+
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat contiguous uint8 tensor on its own device."""
+    import torch
+
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _as_numpy(slot: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A pool view as a numpy array over the same memory (a torch pool is host memory)."""
+    return slot if isinstance(slot, np.ndarray) else slot.numpy()
+
+
+def _as_torch(slot: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A pool view as a torch tensor over the same memory."""
+    if not isinstance(slot, np.ndarray):
+        return slot
+    import torch
+
+    return torch.from_numpy(slot)
