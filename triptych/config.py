@@ -105,7 +105,6 @@ class ServeArgs:
     disagg_max_retries: int = 2
     disagg_discovery_interval: float = 5.0
     disagg_no_instance_wait: float = 120.0
-    disagg_drain_timeout: float = 600.0
     master_port: int | None = None
     output_path: str = "outputs"
     device: str | None = None
@@ -193,8 +192,6 @@ class ServeArgs:
             raise ConfigError(f"--disagg-max-retries {self.disagg_max_retries} must be >= 0 (0: never retry)")
         if self.disagg_no_instance_wait <= 0:
             raise ConfigError(f"--disagg-no-instance-wait {self.disagg_no_instance_wait} must be > 0 seconds")
-        if self.disagg_drain_timeout <= 0:
-            raise ConfigError(f"--disagg-drain-timeout {self.disagg_drain_timeout} must be > 0 seconds")
         if self.num_gpus < 1 or self.base_gpu_id < 0:
             raise ConfigError("--num-gpus must be >= 1 and --base-gpu-id >= 0")
         if self.worker_capacity < 1:
@@ -295,8 +292,6 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
       help="head: times a request is restarted on other instances after losing a worker (default 2)")  # fmt: skip
     a("--disagg-no-instance-wait", type=float, default=d.disagg_no_instance_wait,
       help="head: seconds a request waits while its role has no ready instance, then fails (default 120)")  # fmt: skip
-    a("--disagg-drain-timeout", type=float, default=d.disagg_drain_timeout,
-      help="worker: on SIGTERM, seconds to finish held work before exiting")  # fmt: skip
     a("--master-port", type=int, default=None, help="worker: torch.distributed master port (multi-GPU roles)")
     a("--output-path", default=d.output_path, help="head/monolithic: where generated files are written")
     a("--device", choices=DEVICES, default=None, help="default: cuda when available, else cpu")
