@@ -35,6 +35,7 @@ from tests.operator.test_operator_cluster import CRD, apply, get, pipeline_manif
 from triptych.localdeploy import free_port_block, local_deployment
 from triptych.roles import Role
 from triptych_operator.constants import HEAD_METRICS_URL_ANNOTATION
+from triptych_operator.metrics_api.source import KubePipelineReader, head_metrics_urls
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -330,3 +331,32 @@ def status_replicas(cluster: KubeCluster, namespace: str, name: str) -> int | No
 
 def parse_quantity(text: str) -> float:
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def test_without_the_annotation_the_heads_are_the_head_services_ready_endpoints(
+    kube_cluster: KubeCluster, kube_namespace: str
+) -> None:
+    """The default discovery, through the real API: EndpointSlices of <pipeline>-head, ready ones only."""
+    from kubernetes import config
+
+    ns = kube_namespace
+    slice_ = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": "flux-head-abc", "namespace": ns, "labels": {"kubernetes.io/service-name": "flux-head"}},
+        "addressType": "IPv4",
+        "endpoints": [
+            {"addresses": ["192.0.2.10"], "conditions": {"ready": True}},
+            {"addresses": ["192.0.2.11"], "conditions": {"ready": False}},  # e.g. terminating
+        ],
+        "ports": [{"name": "http", "port": 30000, "protocol": "TCP"}],
+    }
+    other = {
+        **slice_,
+        "metadata": {**slice_["metadata"], "name": "other", "labels": {"kubernetes.io/service-name": "x"}},
+    }
+    kube_cluster.apply("\n---\n".join(json.dumps(s) for s in (slice_, other)))
+    reader = KubePipelineReader(config.new_client_from_config(config_file=kube_cluster.kubeconfig))
+    pipeline = {"metadata": {"name": "flux", "namespace": ns}, "spec": {"head": {"port": 31000}}}
+    assert head_metrics_urls(pipeline, reader) == ["http://192.0.2.10:31000/metrics"]
+    assert reader.get_pipeline(ns, "no-such-pipeline") is None
