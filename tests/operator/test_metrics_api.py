@@ -391,3 +391,22 @@ def test_the_server_imports_nothing_the_operator_image_lacks() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_cache_forgets_expired_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triptych_operator.metrics_api import source as source_module
+
+    monkeypatch.setattr(source_module, "MAX_CACHED_PIPELINES", 2)
+    reader = FakeReader({})  # nobody's pipeline: cached as absent
+    now = [0.0]
+
+    async def run() -> HeadMetricsSource:
+        async with aiohttp.ClientSession() as session:
+            source = HeadMetricsSource(reader, http_fetcher(session), cache_seconds=1, clock=lambda: now[0])
+            for i in range(5):
+                now[0] = 2.0 * i
+                await source.role_values("ml", f"p{i}")
+            return source
+
+    source = asyncio.run(run())
+    assert len(source._cache) <= 3

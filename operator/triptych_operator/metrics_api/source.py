@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_SECONDS = 5.0
 DEFAULT_SCRAPE_TIMEOUT_S = 2.0
 METRICS_PATH = "/metrics"
+MAX_CACHED_PIPELINES = 1000
 
 
 class PipelineReader(Protocol):
@@ -102,6 +103,8 @@ class HeadMetricsSource:
     async def role_values(self, namespace: str, pipeline: str) -> tuple[RoleValues, float] | None:
         """(role -> metric -> value, unix time of the scrape), or None when the pipeline or its heads are not there."""
         key = (namespace, pipeline)
+        if len(self._cache) > MAX_CACHED_PIPELINES:
+            self._forget_stale()
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:  # one scrape per pipeline at a time; the others reuse its result
             entry = self._cache.get(key)
@@ -109,6 +112,15 @@ class HeadMetricsSource:
                 entry = _Entry(await self._scrape(namespace, pipeline), self.clock(), time.time())
                 self._cache[key] = entry
         return None if entry.values is None else (entry.values, entry.timestamp)
+
+    def _forget_stale(self) -> None:
+        """Drop expired entries (deleted pipelines, names nobody asks about any more)."""
+        now = self.clock()
+        for key in [k for k, e in self._cache.items() if now - e.at >= self.cache_seconds]:
+            del self._cache[key]
+            lock = self._locks.get(key)
+            if lock is not None and not lock.locked():
+                del self._locks[key]
 
     async def pipelines(self, namespace: str) -> list[str]:
         listing = await asyncio.to_thread(self.reader.list_pipelines, namespace)
