@@ -47,8 +47,15 @@ HEAD_IMAGE_ENV: Final = "TRIPTYCH_HEAD_IMAGE"
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 DEFAULT_RDMA_RESOURCE: Final = "rdma/ib"
 MULTUS_NETWORKS_ANNOTATION: Final = "k8s.v1.cni.cncf.io/networks"
-# The per-pod queue-depth gauge the workers export, read by the HPA through a custom-metrics adapter.
-QUEUE_DEPTH_METRIC: Final = "triptych_worker_queue_depth"
+
+# Autoscaling. The HPA of an autoscaled role reads this Object metric on the role's Deployment:
+# the device-seconds of work queued and running for the role, as the head estimates it. The
+# metrics API server (triptych_operator.metrics_api) serves it from the heads' /metrics.
+PENDING_WORK_METRIC: Final = "triptych_pending_work_seconds"
+CUSTOM_METRICS_GROUP: Final = "custom.metrics.k8s.io"
+# Where the metrics API server scrapes a pipeline's head, when not at its Service's endpoints
+# (comma-separated URLs, summed): e.g. a head running outside the cluster.
+HEAD_METRICS_URL_ANNOTATION: Final = f"{GROUP}/head-metrics-url"
 
 # Labels on every child; the selector labels never change so Deployments can be re-applied.
 LABEL_NAME: Final = "app.kubernetes.io/name"

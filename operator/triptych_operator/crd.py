@@ -15,21 +15,28 @@ from typing import Any
 import yaml
 
 from triptych.config import DEFAULT_POOL_SIZE, DEFAULT_TIMEOUT_S, DISPATCH_POLICIES
+from triptych.roles import Role
 from triptych_operator.constants import (
     DEFAULT_RDMA_RESOURCE,
     GROUP,
     HEAD_HTTP_PORT,
     KIND,
     MAX_NAME_LENGTH,
+    PENDING_WORK_METRIC,
     PIPELINE_ROLES,
     PLURAL,
-    QUEUE_DEPTH_METRIC,
     SHORT_NAMES,
     SINGULAR,
     VERSION,
 )
 from triptych_operator.spec import (
+    DEFAULT_DRAIN_SECONDS,
+    DEFAULT_SCALE_DOWN_STABILIZATION_S,
+    DEFAULT_TARGET_WORK_SECONDS,
     DEFAULT_TOKEN_KEY,
+    DRAIN_MARGIN_S,
+    MAX_STABILIZATION_S,
+    MIN_DRAIN_SECONDS,
     NAME_PATTERN,
     PARALLEL_DEGREES,
     ROLE_DEGREES,
@@ -115,7 +122,8 @@ def _parallelism_rule() -> Schema:
     }
 
 
-def _role(role_name: str, degrees: tuple[str, ...]) -> Schema:
+def _role(role: Role, degrees: tuple[str, ...]) -> Schema:
+    role_name = role.value
     parallel_props = {
         name: _int(f"{name} degree; unset degrees are derived so tp x sp x cfg = gpusPerReplica.", minimum=1)
         for name in PARALLEL_DEGREES
@@ -131,14 +139,29 @@ def _role(role_name: str, degrees: tuple[str, ...]) -> Schema:
                 "message": f"parallelism: {' and '.join(forbidden)} apply to the denoiser only",
             }
         )
+    deprecated = "Deprecated and ignored: the HPA reads " + PENDING_WORK_METRIC + "; set targetWorkSecondsPerReplica."
     autoscaling = _obj(
-        "Horizontal autoscaling on the workers' queue depth (needs a custom-metrics adapter).",
+        f"An HPA on the role's pending work (the Object metric {PENDING_WORK_METRIC} on its Deployment, "
+        "served by triptych-metrics-api from the head). See docs/autoscaling.md.",
         {
             "enabled": {"type": "boolean", "default": False},
             "minReplicas": _int("Lower bound.", minimum=1, default=1),
             "maxReplicas": _int("Upper bound; required when enabled.", minimum=1),
-            "targetQueueDepth": _int("Target average queued requests per pod.", minimum=1, default=2),
-            "metricName": _str("Per-pod metric the HPA reads.", default=QUEUE_DEPTH_METRIC),
+            "targetWorkSecondsPerReplica": _int(
+                "Estimated device-seconds of queued + running work per replica the HPA aims for: "
+                "replicas = ceil(pending work / this).",
+                minimum=1,
+                default=DEFAULT_TARGET_WORK_SECONDS,
+            ),
+            "scaleDownStabilizationSeconds": _int(
+                "The HPA scales down only to the highest recommendation of this many past seconds, so a "
+                "momentary dip does not remove busy GPUs.",
+                minimum=0,
+                maximum=MAX_STABILIZATION_S,
+                default=DEFAULT_SCALE_DOWN_STABILIZATION_S,
+            ),
+            "targetQueueDepth": _int(deprecated, minimum=1),
+            "metricName": _str(deprecated),
         },
         **{
             "x-kubernetes-validations": [
@@ -164,6 +187,12 @@ def _role(role_name: str, degrees: tuple[str, ...]) -> Schema:
             "extraArgs": _extra_args(f"the {role_name}"),
             "env": _env(),
             "autoscaling": autoscaling,
+            "drainSeconds": _int(
+                "terminationGracePeriodSeconds of the role's pods: on SIGTERM a worker finishes what it holds "
+                f"within this minus {DRAIN_MARGIN_S} s (--disagg-drain-timeout), then exits.",
+                minimum=MIN_DRAIN_SECONDS,
+                default=DEFAULT_DRAIN_SECONDS[role],
+            ),
         },
         default={},
         **{"x-kubernetes-validations": rules},
@@ -331,7 +360,7 @@ def crd() -> Schema:
         "Desired state of a disaggregated diffusion pipeline.",
         {
             "model": _model(),
-            **{role.value: _role(role.value, ROLE_DEGREES[role]) for role in PIPELINE_ROLES},
+            **{role.value: _role(role, ROLE_DEGREES[role]) for role in PIPELINE_ROLES},
             "transfer": _transfer(),
             "head": _head(),
             "images": _obj(

@@ -29,6 +29,7 @@ from triptych_operator.constants import (
     MODEL_MOUNT,
     MULTUS_NETWORKS_ANNOTATION,
     OUTPUT_MOUNT,
+    PENDING_WORK_METRIC,
     PIPELINE_ROLES,
     RUN_AS_USER,
     SHM_MOUNT,
@@ -185,6 +186,10 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str]) -> Ma
     pod_spec: Manifest = {
         "securityContext": _pod_security(),
         "enableServiceLinks": False,
+        # SIGTERM starts the worker's drain (no new work, finish and push what it holds, exit 0); the
+        # kubelet kills it this much later. A terminating pod leaves the headless Service's ready
+        # addresses at once (Kubernetes does that, whatever the probe says), so no new work is routed to it.
+        "terminationGracePeriodSeconds": spec.drain_seconds,
         "containers": [container],
         # NCCL and torch.multiprocessing share tensors through /dev/shm; the default 64 MiB is too small.
         "volumes": [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory"}}],
@@ -229,29 +234,56 @@ def worker_service(pipeline: PipelineSpec, role: Role) -> Manifest:
     }
 
 
+# Scale-up: react at once, at most doubling (or +4 pods) a minute: a new GPU pod takes minutes to
+# load its model, and its arrival is what the next evaluation should see.
+SCALE_UP_BEHAVIOR: Manifest = {
+    "stabilizationWindowSeconds": 0,
+    "selectPolicy": "Max",
+    "policies": [
+        {"type": "Percent", "value": 100, "periodSeconds": 60},
+        {"type": "Pods", "value": 4, "periodSeconds": 60},
+    ],
+}
+
+
 def worker_hpa(pipeline: PipelineSpec, role: Role) -> Manifest | None:
-    """An autoscaling/v2 HPA on the per-pod queue depth, when the role asks for one."""
+    """An autoscaling/v2 HPA on the role's pending work, when the role asks for one.
+
+    The metric is an Object metric on the role's own Deployment (served by triptych-metrics-api
+    from the head): the device-seconds of queued and running work. With an AverageValue target
+    the HPA keeps replicas = ceil(pending work / target per replica).
+    """
     auto = pipeline.roles[role].autoscaling
     if not auto.enabled:
         return None
     name = object_name(pipeline.name, role.value)
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
         "metadata": _metadata(pipeline, role.value),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "scaleTargetRef": deployment,
             "minReplicas": auto.min_replicas,
             "maxReplicas": auto.max_replicas,
             "metrics": [
                 {
-                    "type": "Pods",
-                    "pods": {
-                        "metric": {"name": auto.metric_name},
-                        "target": {"type": "AverageValue", "averageValue": str(auto.target_queue_depth)},
+                    "type": "Object",
+                    "object": {
+                        "describedObject": deployment,
+                        "metric": {"name": PENDING_WORK_METRIC},
+                        "target": {"type": "AverageValue", "averageValue": str(auto.target_work_seconds_per_replica)},
                     },
                 }
             ],
+            "behavior": {
+                "scaleUp": SCALE_UP_BEHAVIOR,
+                "scaleDown": {
+                    "stabilizationWindowSeconds": auto.scale_down_stabilization_seconds,
+                    "selectPolicy": "Max",
+                    "policies": [{"type": "Percent", "value": 100, "periodSeconds": 15}],
+                },
+            },
         },
     }
 

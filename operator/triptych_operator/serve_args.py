@@ -66,6 +66,7 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         disagg_transfer_pool_size=pipeline.transfer.pool_size,
         master_port=WORKER_MASTER_PORT if spec.gpus_per_replica > 1 else None,
         device="cuda",
+        disagg_drain_timeout=float(spec.drain_timeout_seconds),
         **parallel,  # type: ignore[arg-type]
     )
 

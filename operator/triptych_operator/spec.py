@@ -25,7 +25,6 @@ from triptych_operator.constants import (
     MAX_NAME_LENGTH,
     MODEL_MOUNT,
     PIPELINE_ROLES,
-    QUEUE_DEPTH_METRIC,
 )
 
 TRANSFER_MODES = ("tcp", "rdma")
@@ -38,6 +37,19 @@ ROLE_DEGREES: dict[Role, tuple[str, ...]] = {
     Role.DECODER: ("tp", "sp", "cfg"),
 }
 DEFAULT_TOKEN_KEY = "token"
+# Autoscaling defaults: a denoiser replica should have about a minute of queued work before
+# another is added, and a pool is shrunk only after ten quiet minutes (model loads take minutes).
+DEFAULT_TARGET_WORK_SECONDS = 60
+DEFAULT_SCALE_DOWN_STABILIZATION_S = 600
+MAX_STABILIZATION_S = 3600  # the HPA API's limit
+# Drain: a worker gets SIGTERM, finishes what it holds, and is killed drainSeconds later. The
+# default fits the longest request each role runs (a long video's denoising loop takes minutes).
+DEFAULT_DRAIN_SECONDS: dict[Role, int] = {Role.ENCODER: 120, Role.DENOISER: 900, Role.DECODER: 120}
+# The worker's own deadline is this much earlier, so it exits before the kubelet's SIGKILL.
+DRAIN_MARGIN_S = 15
+MIN_DRAIN_SECONDS = 2 * DRAIN_MARGIN_S
+# Accepted and ignored (the per-pod queue-depth metric they configured was never exported).
+DEPRECATED_AUTOSCALING_FIELDS = ("targetQueueDepth", "metricName")
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 
@@ -75,11 +87,13 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Autoscaling:
+    """An HPA on the role's pending work: replicas = ceil(device-seconds of work / target per replica)."""
+
     enabled: bool = False
     min_replicas: int = 1
     max_replicas: int = 1
-    target_queue_depth: int = 2
-    metric_name: str = QUEUE_DEPTH_METRIC
+    target_work_seconds_per_replica: int = DEFAULT_TARGET_WORK_SECONDS
+    scale_down_stabilization_seconds: int = DEFAULT_SCALE_DOWN_STABILIZATION_S
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,13 @@ class RoleSpec:
     extra_args: Sequence[str] = ()
     env: Sequence[Mapping[str, Any]] = ()
     autoscaling: Autoscaling = field(default_factory=Autoscaling)
+    # terminationGracePeriodSeconds; the worker's --disagg-drain-timeout is DRAIN_MARGIN_S less.
+    drain_seconds: int = DEFAULT_DRAIN_SECONDS[Role.DENOISER]
+
+    @property
+    def drain_timeout_seconds(self) -> int:
+        """The worker's own deadline for finishing held work after SIGTERM."""
+        return self.drain_seconds - DRAIN_MARGIN_S
 
 
 @dataclass(frozen=True)
@@ -272,8 +293,17 @@ def _parse_autoscaling(raw: Mapping[str, Any], where: str) -> Autoscaling:
         enabled=True,
         min_replicas=low,
         max_replicas=high,
-        target_queue_depth=_int(raw, "targetQueueDepth", where, Autoscaling.target_queue_depth, minimum=1),
-        metric_name=str(raw.get("metricName") or QUEUE_DEPTH_METRIC),
+        target_work_seconds_per_replica=_int(
+            raw, "targetWorkSecondsPerReplica", where, DEFAULT_TARGET_WORK_SECONDS, minimum=1
+        ),
+        scale_down_stabilization_seconds=_int(
+            raw,
+            "scaleDownStabilizationSeconds",
+            where,
+            DEFAULT_SCALE_DOWN_STABILIZATION_S,
+            minimum=0,
+            maximum=MAX_STABILIZATION_S,
+        ),
     )
 
 
@@ -295,6 +325,7 @@ def _parse_role(role: Role, raw: Mapping[str, Any]) -> RoleSpec:
         extra_args=_strings(raw, "extraArgs", where),
         env=tuple(raw.get("env") or ()),
         autoscaling=_parse_autoscaling(_mapping(raw, "autoscaling", f"{where}.autoscaling"), f"{where}.autoscaling"),
+        drain_seconds=_int(raw, "drainSeconds", where, DEFAULT_DRAIN_SECONDS[role], minimum=MIN_DRAIN_SECONDS),
     )
 
 

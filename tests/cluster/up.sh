@@ -226,6 +226,7 @@ start kube-controller-manager "$KCM_PORT" \
   --cluster-cidr="$POD_CIDR" \
   --node-cidr-mask-size=24 \
   --service-cluster-ip-range="$SERVICE_CIDR" \
+  --horizontal-pod-autoscaler-sync-period=5s \
   --profiling=false
 
 start kube-scheduler "$SCHEDULER_PORT" \

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import re
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,8 @@ from tests.cluster.fixtures import cluster_settings
 from tests.operator.helpers import REPO
 from triptych_operator.constants import DEFAULT_HEAD_IMAGE, DEFAULT_WORKER_IMAGE, HEAD_IMAGE_ENV, WORKER_IMAGE_ENV
 from triptych_operator.main import LIVENESS_ENV, WATCH_NAMESPACES_ENV
+from triptych_operator.metrics_api.main import build_parser as metrics_api_parser
+from triptych_operator.metrics_api.prometheus import HEAD_GAUGES
 
 CHART = REPO / "charts" / "triptych"
 
@@ -38,6 +43,10 @@ def render(helm_bin: Path, *sets: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
+def operator_deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-triptych")
+
+
 def test_values_default_images_are_the_operators_defaults() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert (values["workerImage"], values["headImage"]) == (DEFAULT_WORKER_IMAGE, DEFAULT_HEAD_IMAGE)
@@ -49,7 +58,7 @@ def test_helm_lint_is_clean(helm_bin: Path) -> None:
 
 
 def test_cluster_wide_install_uses_a_cluster_role_without_wildcards(helm_bin: Path) -> None:
-    docs = render(helm_bin)
+    docs = render(helm_bin, "metricsApi.enabled=false")
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == [
         "ClusterRole",
@@ -59,7 +68,7 @@ def test_cluster_wide_install_uses_a_cluster_role_without_wildcards(helm_bin: Pa
         "Deployment",
         "ServiceAccount",
     ]
-    for role in (d for d in docs if d["kind"] == "ClusterRole"):
+    for role in (d for d in render(helm_bin) if d["kind"] in ("ClusterRole", "Role")):
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
             assert "kopf.dev" not in rule["apiGroups"]  # standalone: no peering resources
@@ -67,9 +76,14 @@ def test_cluster_wide_install_uses_a_cluster_role_without_wildcards(helm_bin: Pa
 
 def test_namespaced_install_uses_a_role_per_namespace(helm_bin: Path) -> None:
     docs = render(helm_bin, "watchNamespaces={a,b}")
-    roles = sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "Role")
-    assert roles == ["a", "b"]
-    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    roles = sorted((d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs if d["kind"] == "Role")
+    assert roles == [
+        ("rel-triptych", "a"),
+        ("rel-triptych", "b"),
+        ("rel-triptych-metrics-api", "a"),
+        ("rel-triptych-metrics-api", "b"),
+    ]
+    deployment = operator_deployment(docs)
     env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["TRIPTYCH_WATCH_NAMESPACES"] == "a,b"
 
@@ -83,6 +97,108 @@ def test_example_pipeline_is_optional_and_valid(helm_bin: Path) -> None:
 
 
 def test_the_operator_env_the_chart_sets_is_the_env_the_operator_reads(helm_bin: Path) -> None:
-    deployment = next(d for d in render(helm_bin) if d["kind"] == "Deployment")
+    deployment = operator_deployment(render(helm_bin))
     env = {e["name"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env == {WATCH_NAMESPACES_ENV, LIVENESS_ENV, WORKER_IMAGE_ENV, HEAD_IMAGE_ENV}
+
+
+# ---------------------------------------------------------------- the custom metrics API
+
+METRICS = "rel-triptych-metrics-api"
+
+
+def by_kind_name(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def test_the_metrics_api_is_an_aggregated_api_whose_ca_verifies_its_certificate(helm_bin: Path, tmp_path: Path) -> None:
+    objs = by_kind_name(render(helm_bin))
+    service = objs[("Service", METRICS)]
+    for version in ("v1beta2", "v1beta1"):
+        api = objs[("APIService", f"{version}.custom.metrics.k8s.io")]["spec"]
+        assert (api["group"], api["version"]) == ("custom.metrics.k8s.io", version)
+        assert api["service"] == {"name": METRICS, "namespace": "ops", "port": service["spec"]["ports"][0]["port"]}
+        assert "insecureSkipTLSVerify" not in api
+    ca = base64.b64decode(objs[("APIService", "v1beta2.custom.metrics.k8s.io")]["spec"]["caBundle"])
+    secret = objs[("Secret", f"{METRICS}-tls")]
+    (tmp_path / "ca.crt").write_bytes(ca)
+    (tmp_path / "tls.crt").write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
+    # The kube-apiserver dials <service>.<namespace>.svc and checks the certificate against caBundle.
+    verify = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"), "-purpose", "sslserver",
+         "-verify_hostname", f"{METRICS}.ops.svc", str(tmp_path / "tls.crt")],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    deployment = objs[("Deployment", METRICS)]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["volumes"][0]["secret"]["secretName"] == f"{METRICS}-tls"
+    assert pod["serviceAccountName"] == METRICS
+    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def test_the_chart_starts_the_metrics_api_with_flags_it_accepts(helm_bin: Path) -> None:
+    deployment = by_kind_name(render(helm_bin))[("Deployment", METRICS)]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["triptych-metrics-api"]
+    assert "triptych-metrics-api" in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    args = metrics_api_parser().parse_args(container["args"])
+    assert args.secure_port == container["ports"][0]["containerPort"]
+    assert args.tls_cert_file.startswith(container["volumeMounts"][0]["mountPath"])
+
+
+def test_metrics_api_rbac_follows_the_extension_apiserver_convention(helm_bin: Path) -> None:
+    objs = by_kind_name(render(helm_bin))
+    sa = {"kind": "ServiceAccount", "name": METRICS, "namespace": "ops"}
+    delegator = objs[("ClusterRoleBinding", f"{METRICS}:system:auth-delegator")]
+    assert (delegator["roleRef"]["name"], delegator["subjects"]) == ("system:auth-delegator", [sa])
+    reader = objs[("RoleBinding", f"{METRICS}-auth-reader")]
+    assert reader["metadata"]["namespace"] == "kube-system"
+    assert (reader["roleRef"]["name"], reader["subjects"]) == ("extension-apiserver-authentication-reader", [sa])
+    hpa = objs[("ClusterRoleBinding", f"{METRICS}-reader")]
+    assert hpa["subjects"] == [
+        {"kind": "ServiceAccount", "name": "horizontal-pod-autoscaler", "namespace": "kube-system"}
+    ]
+    [rule] = objs[("ClusterRole", f"{METRICS}-reader")]["rules"]
+    # Exactly the metrics the server serves, each a subresource of deployments.apps.
+    assert sorted(rule["resources"]) == sorted(f"deployments.apps/{m}" for m in HEAD_GAUGES)
+    own = objs[("ClusterRole", METRICS)]["rules"]
+    assert {(g, r, v) for rule in own for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]} == {
+        ("triptych.ai", "diffusionpipelines", "get"),
+        ("triptych.ai", "diffusionpipelines", "list"),
+        ("discovery.k8s.io", "endpointslices", "list"),
+    }
+
+
+def test_the_metrics_api_can_be_turned_off(helm_bin: Path) -> None:
+    docs = render(helm_bin, "metricsApi.enabled=false")
+    assert not [d for d in docs if "metrics-api" in d["metadata"]["name"] or d["kind"] == "APIService"]
+
+
+def test_a_users_certificate_secret_comes_with_its_ca(helm_bin: Path) -> None:
+    objs = by_kind_name(render(helm_bin, "metricsApi.tls.secretName=mine", "metricsApi.tls.caBundle=Q0E="))
+    assert ("Secret", f"{METRICS}-tls") not in objs
+    assert objs[("APIService", "v1beta2.custom.metrics.k8s.io")]["spec"]["caBundle"] == "Q0E="
+    assert objs[("Deployment", METRICS)]["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"] == "mine"
+    flags = ["template", "rel", str(CHART), "--set", "metricsApi.tls.secretName=mine"]
+    proc = subprocess.run([str(helm_bin), *flags], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode != 0 and "metricsApi.tls.caBundle" in proc.stderr
+
+
+def test_prometheus_alternative_yields_the_same_metric_names(helm_bin: Path) -> None:
+    sets = ("metricsApi.enabled=false", "metricsApi.prometheus.podMonitor.enabled=true",
+            "metricsApi.prometheus.adapterRules.enabled=true")  # fmt: skip
+    objs = by_kind_name(render(helm_bin, *sets))
+    monitor = objs[("PodMonitor", "rel-triptych-heads")]["spec"]
+    assert monitor["selector"]["matchLabels"]["app.kubernetes.io/component"] == "head"
+    [relabel] = monitor["podMetricsEndpoints"][0]["metricRelabelings"]
+    assert relabel["targetLabel"] == "deployment" and relabel["replacement"] == "${1}-${2}"
+    [rule] = yaml.safe_load(objs[("ConfigMap", "rel-triptych-prometheus-adapter-rules")]["data"]["config.yaml"])[
+        "rules"
+    ]
+    assert rule["resources"]["overrides"]["deployment"] == {"group": "apps", "resource": "deployment"}
+    served = re.compile(rule["name"]["matches"])
+    series = re.compile(re.search(r'__name__=~"([^"]+)"', rule["seriesQuery"]).group(1))  # type: ignore[union-attr]
+    for metric, gauge in HEAD_GAUGES.items():
+        assert series.fullmatch(gauge), gauge
+        assert served.sub(rule["name"]["as"].replace("${1}", r"\1"), gauge) == metric

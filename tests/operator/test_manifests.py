@@ -148,13 +148,60 @@ def test_changing_one_role_changes_only_that_roles_deployment() -> None:
     assert changed == {("Deployment", "wan-t2v-denoiser")}
 
 
-def test_autoscaling_adds_an_hpa_and_leaves_replicas_to_it() -> None:
-    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 3}
+def test_autoscaling_adds_an_hpa_on_the_roles_pending_work_and_leaves_replicas_to_it() -> None:
+    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetWorkSecondsPerReplica": 90}
     objs = children(minimal_spec(denoiser={"autoscaling": auto}))
     hpa = objs[("HorizontalPodAutoscaler", "wan-t2v-denoiser")]["spec"]
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 4)
-    assert hpa["metrics"][0]["pods"]["target"] == {"type": "AverageValue", "averageValue": "3"}
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "wan-t2v-denoiser"}
+    assert hpa["scaleTargetRef"] == deployment
+    assert hpa["metrics"] == [
+        {
+            "type": "Object",
+            "object": {
+                "describedObject": deployment,
+                "metric": {"name": "triptych_pending_work_seconds"},
+                "target": {"type": "AverageValue", "averageValue": "90"},
+            },
+        }
+    ]
+    assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 600
+    assert hpa["behavior"]["scaleUp"]["stabilizationWindowSeconds"] == 0
+    # The operator never writes the replica count of an autoscaled role: the HPA owns it.
     assert "replicas" not in objs[("Deployment", "wan-t2v-denoiser")]["spec"]
+    assert objs[("Deployment", "wan-t2v-encoder")]["spec"]["replicas"] == 1
+
+
+def test_scale_down_stabilization_comes_from_the_cr() -> None:
+    auto = {"enabled": True, "maxReplicas": 4, "scaleDownStabilizationSeconds": 30}
+    hpa = children(minimal_spec(decoder={"autoscaling": auto}))[("HorizontalPodAutoscaler", "wan-t2v-decoder")]
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 30
+    assert hpa["spec"]["metrics"][0]["object"]["target"]["averageValue"] == "60"  # the default target
+
+
+def test_the_deprecated_queue_depth_fields_are_accepted_and_ignored() -> None:
+    auto = {"enabled": True, "maxReplicas": 4, "targetQueueDepth": 3, "metricName": "triptych_worker_queue_depth"}
+    hpa = children(minimal_spec(denoiser={"autoscaling": auto}))[("HorizontalPodAutoscaler", "wan-t2v-denoiser")]
+    assert hpa["spec"]["metrics"][0]["object"]["metric"]["name"] == "triptych_pending_work_seconds"
+
+
+@pytest.mark.parametrize(("role", "grace"), [("encoder", 120), ("denoiser", 900), ("decoder", 120)])
+def test_each_role_drains_within_its_grace_period(role: str, grace: int) -> None:
+    deployment = children(minimal_spec())[("Deployment", f"wan-t2v-{role}")]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == grace
+    args = pod["containers"][0]["args"]
+    # The worker's own deadline leaves it time to exit before the kubelet's SIGKILL.
+    assert float(args[args.index("--disagg-drain-timeout") + 1]) == grace - 15
+    # A draining pod leaves the Service by Kubernetes' own doing; the probe stays the TCP check.
+    assert pod["containers"][0]["readinessProbe"]["tcpSocket"] == {"port": "work"}
+
+
+def test_drain_seconds_is_per_role() -> None:
+    objs = children(minimal_spec(denoiser={"drainSeconds": 1800}))
+    pod = objs[("Deployment", "wan-t2v-denoiser")]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 1800
+    assert objs[("Deployment", "wan-t2v-encoder")]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 120
 
 
 def test_disabled_optional_children_are_listed_for_deletion() -> None:

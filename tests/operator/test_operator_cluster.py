@@ -216,7 +216,7 @@ def test_children_deleted_or_edited_by_hand_are_restored(
 
 def test_optional_children_follow_the_spec(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:
     ns = kube_namespace
-    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2}
+    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetWorkSecondsPerReplica": 30}
     ingress = {"enabled": True, "host": "opt.example.com", "className": "nginx"}
     apply(crd, ns, pipeline_manifest("opt", denoiser={"autoscaling": auto}, head={"ingress": ingress}))
     objs = poll(
@@ -395,20 +395,24 @@ def test_the_charts_rbac_is_all_the_operator_needs(crd: KubeCluster, kube_namesp
     """`triptych-operator`, run as the chart's ServiceAccount, reconciles, restores and reports liveness."""
     ns = kube_namespace
     release = f"r{ns[-6:]}"
-    crd.helm("install", release, str(CHART), "--namespace", ns, "--set", f"watchNamespaces={{{ns}}}", timeout=120)
-    kubeconfig = service_account_kubeconfig(crd, ns, f"{release}-triptych", tmp_path / "operator.kubeconfig")
-    port = free_port()
-    env = {**crd.env, "KUBECONFIG": str(kubeconfig)}
+    # Without the metrics API: its APIServices are cluster-wide, and kwok pods could not serve them
+    # (test_autoscaling_cluster.py runs that server).
+    flags = ["--set", f"watchNamespaces={{{ns}}}", "--set", "metricsApi.enabled=false"]
+    crd.helm("install", release, str(CHART), "--namespace", ns, *flags, timeout=120)
+    proc: subprocess.Popen[bytes] | None = None
     log = (tmp_path / "operator.log").open("w+")
-    cmd = [
-        str(REPO / ".venv" / "bin" / "triptych-operator"),
-        "-n",
-        ns,
-        "--liveness",
-        f"http://127.0.0.1:{port}/healthz",
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
+        kubeconfig = service_account_kubeconfig(crd, ns, f"{release}-triptych", tmp_path / "operator.kubeconfig")
+        port = free_port()
+        env = {**crd.env, "KUBECONFIG": str(kubeconfig)}
+        cmd = [
+            str(REPO / ".venv" / "bin" / "triptych-operator"),
+            "-n",
+            ns,
+            "--liveness",
+            f"http://127.0.0.1:{port}/healthz",
+        ]
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         poll(lambda: _healthz(port), timeout=60, what="the operator's liveness endpoint")
         apply(crd, ns, pipeline_manifest("rbac"))
         wait_phase(crd, ns, "rbac", "Ready")
@@ -416,8 +420,9 @@ def test_the_charts_rbac_is_all_the_operator_needs(crd: KubeCluster, kube_namesp
         poll(lambda: "Deployment/rbac-decoder" in children(crd, ns, "rbac"), what="the decoder to be restored")
         wait_phase(crd, ns, "rbac", "Ready")
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
         crd.helm("uninstall", release, "--namespace", ns, timeout=120)
     log.seek(0)
     output = log.read()

@@ -105,3 +105,17 @@ def test_http_port_cannot_collide_with_scheduler_ports() -> None:
 @pytest.mark.parametrize("name", ["Upper", "a.b", "x" * 60])
 def test_names_that_cannot_prefix_service_names_are_rejected(name: str) -> None:
     assert error_for(minimal_spec(), name=name).field == "metadata.name"
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"drainSeconds": 10}, "spec.denoiser.drainSeconds"),
+        ({"autoscaling": {"enabled": True, "maxReplicas": 2, "targetWorkSecondsPerReplica": 0}}, "targetWorkSeconds"),
+        ({"autoscaling": {"enabled": True, "maxReplicas": 2, "scaleDownStabilizationSeconds": 4000}}, "scaleDown"),
+    ],
+    ids=["drain-below-margin", "zero-target", "window-above-hpa-limit"],
+)
+def test_autoscaling_and_drain_bounds(section: dict, field: str) -> None:
+    with pytest.raises(SpecError, match=field):
+        pipeline(minimal_spec(denoiser=section))

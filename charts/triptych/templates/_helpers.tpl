@@ -66,3 +66,26 @@ app.kubernetes.io/component: operator
   resources: [events]
   verbs: [create, patch]
 {{- end -}}
+
+{{/* The custom metrics API server (triptych-metrics-api): its own name, labels and account. */}}
+{{- define "triptych.metricsApi.fullname" -}}
+{{- printf "%s-metrics-api" (include "triptych.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "triptych.metricsApi.labels" -}}
+{{ include "triptych.labels" . | replace "app.kubernetes.io/component: operator" "app.kubernetes.io/component: metrics-api" }}
+{{- end -}}
+
+{{- define "triptych.metricsApi.selectorLabels" -}}
+app.kubernetes.io/name: triptych
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: metrics-api
+{{- end -}}
+
+{{/* The metrics the HPA may read: each served metric as a subresource of deployments.apps (no wildcard). */}}
+{{- define "triptych.metricsApi.metricResources" -}}
+- deployments.apps/triptych_pending_work_seconds
+- deployments.apps/triptych_queued_requests
+- deployments.apps/triptych_running_requests
+- deployments.apps/triptych_ready_instances
+{{- end -}}

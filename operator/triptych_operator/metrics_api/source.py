@@ -1,0 +1,211 @@
+"""Where the numbers come from: each pipeline's head(s), scraped on demand and cached briefly.
+
+A metric request names a Deployment `<pipeline>-<role>`; the pipeline's heads are found at the
+ready endpoints of its `<pipeline>-head` Service (EndpointSlices), or at the URLs of the
+`triptych.ai/head-metrics-url` annotation. Values are summed over the heads. When a head cannot
+be scraped the metrics are absent (the HPA then holds its replica count) and this is logged once
+until it recovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import aiohttp
+
+from triptych_operator.constants import (
+    GROUP,
+    HEAD_COMPONENT,
+    HEAD_HTTP_PORT,
+    HEAD_METRICS_URL_ANNOTATION,
+    PIPELINE_ROLES,
+    PLURAL,
+    VERSION,
+)
+from triptych_operator.metrics_api.prometheus import RoleValues, add, parse_role_gauges
+from triptych_operator.serve_args import object_name
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_SECONDS = 5.0
+DEFAULT_SCRAPE_TIMEOUT_S = 2.0
+METRICS_PATH = "/metrics"
+MAX_CACHED_PIPELINES = 1000
+
+
+class PipelineReader(Protocol):
+    """The API reads the metrics server needs (a fake in unit tests, kubernetes client in production)."""
+
+    def get_pipeline(self, namespace: str, name: str) -> Mapping[str, Any] | None: ...
+
+    def list_pipelines(self, namespace: str) -> list[Mapping[str, Any]]: ...
+
+    def ready_addresses(self, namespace: str, service: str) -> list[str]:
+        """Addresses of the ready endpoints of `service` (its EndpointSlices)."""
+        ...
+
+
+Fetch = Callable[[str], Awaitable[str]]
+
+
+def split_deployment_name(name: str) -> tuple[str, str] | None:
+    """`flux-denoiser` -> (`flux`, `denoiser`); None when it is no role's Deployment name."""
+    for role in PIPELINE_ROLES:
+        suffix = f"-{role.value}"
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name.removesuffix(suffix), role.value
+    return None
+
+
+def head_metrics_urls(pipeline: Mapping[str, Any], reader: PipelineReader) -> list[str]:
+    """The /metrics URLs of a pipeline's heads: the annotation's, else its head Service's ready endpoints."""
+    meta = pipeline["metadata"]
+    override = (meta.get("annotations") or {}).get(HEAD_METRICS_URL_ANNOTATION)
+    if override:
+        return [url.strip() for url in override.split(",") if url.strip()]
+    port = ((pipeline.get("spec") or {}).get("head") or {}).get("port", HEAD_HTTP_PORT)
+    service = object_name(meta["name"], HEAD_COMPONENT)
+    hosts = reader.ready_addresses(meta["namespace"], service)
+    return [f"http://{f'[{h}]' if ':' in h else h}:{port}{METRICS_PATH}" for h in hosts]
+
+
+@dataclass
+class _Entry:
+    values: RoleValues | None
+    at: float
+    timestamp: float
+
+
+class HeadMetricsSource:
+    """Per-pipeline role values, scraped when asked and reused for `cache_seconds`."""
+
+    def __init__(
+        self,
+        reader: PipelineReader,
+        fetch: Fetch,
+        *,
+        cache_seconds: float = DEFAULT_CACHE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.reader = reader
+        self.fetch = fetch
+        self.cache_seconds = cache_seconds
+        self.clock = clock
+        self._cache: dict[tuple[str, str], _Entry] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._failing: dict[tuple[str, str], str] = {}
+
+    async def role_values(self, namespace: str, pipeline: str) -> tuple[RoleValues, float] | None:
+        """(role -> metric -> value, unix time of the scrape), or None when the pipeline or its heads are not there."""
+        key = (namespace, pipeline)
+        if len(self._cache) > MAX_CACHED_PIPELINES:
+            self._forget_stale()
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:  # one scrape per pipeline at a time; the others reuse its result
+            entry = self._cache.get(key)
+            if entry is None or self.clock() - entry.at >= self.cache_seconds:
+                entry = _Entry(await self._scrape(namespace, pipeline), self.clock(), time.time())
+                self._cache[key] = entry
+        return None if entry.values is None else (entry.values, entry.timestamp)
+
+    def _forget_stale(self) -> None:
+        """Drop expired entries (deleted pipelines, names nobody asks about any more)."""
+        now = self.clock()
+        for key in [k for k, e in self._cache.items() if now - e.at >= self.cache_seconds]:
+            del self._cache[key]
+            lock = self._locks.get(key)
+            if lock is not None and not lock.locked():
+                del self._locks[key]
+
+    async def pipelines(self, namespace: str) -> list[str]:
+        listing = await asyncio.to_thread(self.reader.list_pipelines, namespace)
+        return [p["metadata"]["name"] for p in listing]
+
+    async def _scrape(self, namespace: str, name: str) -> RoleValues | None:
+        try:
+            pipeline = await asyncio.to_thread(self.reader.get_pipeline, namespace, name)
+            if pipeline is None:
+                return None  # not a pipeline's Deployment: nothing to report, nothing to log
+            urls = await asyncio.to_thread(head_metrics_urls, pipeline, self.reader)
+            if not urls:
+                raise LookupError(f"no ready head endpoint for {object_name(name, HEAD_COMPONENT)}")
+            pages = await asyncio.gather(*(self.fetch(url) for url in urls))
+        except Exception as exc:  # any failure means "no metric": the HPA holds rather than acts on a guess
+            self._report_failure((namespace, name), f"{type(exc).__name__}: {exc}")
+            return None
+        if self._failing.pop((namespace, name), None) is not None:
+            log.info("pipeline %s/%s: head metrics are back", namespace, name)
+        total: RoleValues = {}
+        for page in pages:
+            add(total, parse_role_gauges(page))
+        return total
+
+    def _report_failure(self, key: tuple[str, str], reason: str) -> None:
+        """Log once per failure streak, not on every request of every HPA."""
+        if key not in self._failing:
+            log.warning(
+                "pipeline %s/%s: cannot read its head's metrics (%s); its metrics are absent until it can",
+                *key,
+                reason,
+            )
+        self._failing[key] = reason
+
+
+def http_fetcher(session: aiohttp.ClientSession, timeout_s: float = DEFAULT_SCRAPE_TIMEOUT_S) -> Fetch:
+    """GET a /metrics page; a non-2xx answer or a timeout raises."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def fetch(url: str) -> str:
+        async with session.get(url, timeout=timeout) as resp:
+            resp.raise_for_status()
+            return await resp.text()
+
+    return fetch
+
+
+class KubePipelineReader:
+    """PipelineReader over the kubernetes client (DiffusionPipelines and EndpointSlices, read only)."""
+
+    def __init__(self, api_client: Any) -> None:
+        from kubernetes import client
+
+        self._client = client
+        self.custom = client.CustomObjectsApi(api_client)
+        self.discovery = client.DiscoveryV1Api(api_client)
+
+    def get_pipeline(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        try:
+            found: Any = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            return cast(Mapping[str, Any], found)
+        except self._client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list_pipelines(self, namespace: str) -> list[Mapping[str, Any]]:
+        listing: Any = self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
+        return list(listing.get("items") or [])
+
+    def ready_addresses(self, namespace: str, service: str) -> list[str]:
+        slices = self.discovery.list_namespaced_endpoint_slice(
+            namespace, label_selector=f"kubernetes.io/service-name={service}"
+        )
+        return ready_addresses(slice_.to_dict() for slice_ in slices.items)
+
+
+def ready_addresses(slices: Any) -> list[str]:
+    """Addresses of ready endpoints across EndpointSlices (dicts in the client's snake_case), deduplicated."""
+    seen: dict[str, None] = {}
+    for slice_ in slices:
+        for endpoint in slice_.get("endpoints") or []:
+            ready = (endpoint.get("conditions") or {}).get("ready")
+            if ready is False:  # unknown (None) counts as ready, as the API documents
+                continue
+            for address in endpoint.get("addresses") or []:
+                seen[address] = None
+    return list(seen)

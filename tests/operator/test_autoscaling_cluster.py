@@ -1,0 +1,362 @@
+"""Autoscaling end to end on the local control plane: a real head under real load, the custom
+metrics API server, the aggregator, the real HPA controller and the operator.
+
+The pods of the local cluster are kwok's (no container runs), so the pipeline's head runs here as
+a local process (with null workers whose denoiser is slow, so requests queue) and the pipeline
+says where it is with the `triptych.ai/head-metrics-url` annotation, the documented override. The
+metrics API server also runs here, as `triptych-metrics-api`, with the ServiceAccount, RBAC,
+APIServices and Service the Helm chart renders; the Service has no selector and an EndpointSlice
+points the aggregator at the server. The aggregator only routes to addresses an Endpoint may hold
+(not loopback), so the server listens on 192.0.2.250 (TEST-NET-1) put on this machine for the test.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+
+from tests.cluster.fixtures import KubeCluster, poll
+from tests.operator.helpers import REPO
+from tests.operator.test_operator_cluster import CRD, apply, get, pipeline_manifest
+from triptych.localdeploy import free_port_block, local_deployment
+from triptych.roles import Role
+from triptych_operator.constants import HEAD_METRICS_URL_ANNOTATION
+from triptych_operator.metrics_api.source import KubePipelineReader, head_metrics_urls
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+CHART = REPO / "charts" / "triptych"
+METRICS_IP = "192.0.2.250"
+METRICS_DEVICE = "trp-metrics"
+CUSTOM_METRICS = "/apis/custom.metrics.k8s.io/v1beta2"
+APISERVICES = ("v1beta2.custom.metrics.k8s.io", "v1beta1.custom.metrics.k8s.io")
+STEP_SECONDS = 0.05  # null denoiser: 20 steps take 1 s, so a few concurrent clients keep work queued
+STEPS = 20
+CLIENTS = 6
+TARGET_WORK_SECONDS = 1  # per replica: ~6 s of pending work asks for the maximum
+MAX_REPLICAS = 4
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=False)
+
+
+@pytest.fixture
+def metrics_address() -> Iterator[str]:
+    """192.0.2.250 on this machine: on a dummy interface, or (no dummy driver) as a /32 on lo."""
+    if METRICS_IP in _ip("-o", "addr", "show").stdout:
+        yield METRICS_IP  # left by someone else: use it, leave it
+        return
+    if _ip("link", "add", METRICS_DEVICE, "type", "dummy").returncode == 0:
+        added = ["link", "del", METRICS_DEVICE]
+        _ip("addr", "add", f"{METRICS_IP}/32", "dev", METRICS_DEVICE)
+        _ip("link", "set", METRICS_DEVICE, "up")
+    else:
+        proc = _ip("addr", "add", f"{METRICS_IP}/32", "dev", "lo")
+        if proc.returncode != 0:
+            pytest.fail(f"cannot put {METRICS_IP} on this machine (needs CAP_NET_ADMIN): {proc.stderr}", pytrace=False)
+        added = ["addr", "del", f"{METRICS_IP}/32", "dev", "lo"]
+    try:
+        yield METRICS_IP
+    finally:
+        _ip(*added)
+
+
+def render_chart(cluster: KubeCluster, release: str, namespace: str) -> list[dict[str, Any]]:
+    out = cluster.helm("template", release, str(CHART), "--namespace", namespace, "--set", "metricsApi.cacheSeconds=2")
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def metrics_api_objects(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the chart installs for the metrics API, less its Deployment (the server runs here)."""
+    picked = []
+    for doc in docs:
+        component = doc["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+        if component != "metrics-api" or doc["kind"] in ("Deployment", "Secret"):
+            continue
+        if doc["kind"] == "Service":
+            doc["spec"].pop("selector")  # no pod behind it: the EndpointSlice below says where the server is
+        picked.append(doc)
+    return picked
+
+
+def sa_kubeconfig(cluster: KubeCluster, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig with the chart's ServiceAccount token: the server gets exactly the chart's RBAC."""
+    token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration=1h").stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": admin["clusters"],
+                "users": [{"name": account, "user": {"token": token}}],
+                "contexts": [{"name": "sa", "context": {"cluster": admin["clusters"][0]["name"], "user": account}}],
+                "current-context": "sa",
+            }
+        )
+    )
+    return path
+
+
+def load(url: str, stop: threading.Event, counts: list[int], deadline: float) -> None:
+    """One client: image requests back to back until told to stop (or the deadline)."""
+    body = {"prompt": "a lighthouse", "size": "32x32", "seed": 1, "num_inference_steps": STEPS}
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while not stop.is_set() and time.monotonic() < deadline:
+            if client.post("/v1/images/generations", json=body).status_code == 200:
+                counts.append(1)
+
+
+def replicas(cluster: KubeCluster, namespace: str, name: str) -> int:
+    dep = get(cluster, namespace, "deployment", name) or {}
+    return int((dep.get("spec") or {}).get("replicas") or 0)
+
+
+def operator_owns_replicas(cluster: KubeCluster, namespace: str, name: str) -> bool:
+    dep = get(cluster, namespace, "deployment", name) or {}
+    for entry in dep["metadata"].get("managedFields") or []:
+        if entry.get("manager") == "triptych-operator" and "f:replicas" in json.dumps(entry.get("fieldsV1", {})):
+            return True
+    return False
+
+
+@pytest.fixture
+def custom_metrics_api(
+    kube_cluster: KubeCluster, kube_namespace: str, metrics_address: str, tmp_path: Path
+) -> Iterator[None]:
+    """triptych-metrics-api as a local process, registered with the objects the chart renders."""
+    cluster, ns = kube_cluster, kube_namespace
+    docs = render_chart(cluster, f"am-{ns[-6:]}", ns)
+    objects = metrics_api_objects(docs)
+    service = next(d for d in objects if d["kind"] == "Service")
+    account_name = next(d for d in objects if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    crt, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    crt.write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
+    key.write_bytes(base64.b64decode(secret["data"]["tls.key"]))
+    ca = base64.b64decode(next(d for d in objects if d["kind"] == "APIService")["spec"]["caBundle"])
+    outside_namespace = [d for d in objects if d["metadata"].get("namespace", "kube-system") == "kube-system"]
+    for existing in APISERVICES:
+        other = get(cluster, "default", "apiservice", existing)
+        if other and (other["spec"].get("service") or {}).get("namespace") != ns:
+            pytest.fail(f"APIService {existing} is already served by {other['spec'].get('service')}", pytrace=False)
+    port = free_port_block(1)
+    endpoint_slice = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{service['metadata']['name']}-local",
+            "labels": {
+                "kubernetes.io/service-name": service["metadata"]["name"],
+                "endpointslice.kubernetes.io/managed-by": "triptych-tests",
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [metrics_address], "conditions": {"ready": True}}],
+        "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
+    }
+    log_path = tmp_path / "metrics-api.log"
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        endpoint_slice["metadata"]["namespace"] = ns
+        # The account first, the routing to the server once it serves. Each object names its
+        # namespace (the chart's, or kube-system for the auth reader binding).
+        service_and_slice = [service, endpoint_slice]
+        apiservices = [d for d in objects if d["kind"] == "APIService"]
+        account = [d for d in objects if d["kind"] not in ("Service", "APIService")]
+        cluster.apply("\n---\n".join(json.dumps(d) for d in account))
+        kubeconfig = sa_kubeconfig(cluster, ns, account_name, tmp_path / "sa.kubeconfig")
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "triptych_operator.metrics_api", "--bind-address", metrics_address,
+                 "--secure-port", str(port), "--tls-cert-file", str(crt), "--tls-private-key-file", str(key),
+                 "--cache-seconds", "2", "--kubeconfig", str(kubeconfig)],
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        tls = ssl.create_default_context(cadata=ca.decode())
+        tls.check_hostname = False  # the certificate names the Service, not the address
+
+        def healthy() -> bool:
+            assert proc is not None and proc.poll() is None, log_path.read_text()
+            try:
+                url = f"https://{metrics_address}:{port}/healthz"
+                return bool(urllib.request.urlopen(url, context=tls, timeout=2).status == 200)
+            except OSError:
+                return False
+
+        poll(healthy, timeout=30, what="triptych-metrics-api to serve")
+        cluster.apply("\n---\n".join(json.dumps(d) for d in service_and_slice))
+        cluster.apply("\n---\n".join(json.dumps(d) for d in apiservices))
+        cluster.kubectl(
+            "wait", "--for=condition=Available", f"apiservice/{APISERVICES[0]}", "--timeout=60s", timeout=70
+        )
+        yield
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for doc in outside_namespace:
+            kind, name = doc["kind"].lower(), doc["metadata"]["name"]
+            where = ["-n", doc["metadata"]["namespace"]] if doc["metadata"].get("namespace") else []
+            cluster.kubectl("delete", kind, name, *where, "--ignore-not-found", "--wait=false", check=False)
+
+
+@pytest.fixture
+def operator(kube_cluster: KubeCluster, kube_namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
+    """The operator in this process, watching the test namespace, with this branch's CRD."""
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    kube_cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/diffusionpipelines.triptych.ai", "--timeout=60s", timeout=70
+    )
+    monkeypatch.setenv("KUBECONFIG", kube_cluster.kubeconfig)
+    args = ["run", "--standalone", "--namespace", kube_namespace, "-m", "triptych_operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        yield runner
+    assert runner.exception is None, runner.output
+
+
+@pytest.fixture
+def busy_head(tiny_models: dict[str, Path], tmp_path: Path) -> Iterator[str]:
+    """A real head with null workers whose denoiser takes STEP_SECONDS a step; yields its HTTP URL."""
+    with local_deployment(
+        tiny_models["tiny-flux"],
+        tmp_path / "deployment",
+        null_payload_bytes=4096,
+        worker_flags=("--device", "cpu"),
+        role_flags={Role.DENOISER: ("--step-seconds", str(STEP_SECONDS))},
+    ) as dep:
+        yield dep.http
+
+
+def test_a_heads_pending_work_drives_the_real_hpa_up_and_back_down(
+    kube_cluster: KubeCluster,
+    kube_namespace: str,
+    custom_metrics_api: None,
+    operator: KopfRunner,
+    busy_head: str,
+) -> None:
+    cluster, ns = kube_cluster, kube_namespace
+    autoscaling = {
+        "enabled": True,
+        "minReplicas": 1,
+        "maxReplicas": MAX_REPLICAS,
+        "targetWorkSecondsPerReplica": TARGET_WORK_SECONDS,
+        "scaleDownStabilizationSeconds": 5,
+    }
+    cr = pipeline_manifest("auto", denoiser={"autoscaling": autoscaling})
+    cr["metadata"]["annotations"] = {HEAD_METRICS_URL_ANNOTATION: f"{busy_head}/metrics"}
+    apply(cluster, ns, cr)
+    hpa = poll(lambda: get(cluster, ns, "hpa", "auto-denoiser"), what="the operator's HPA")
+    target = hpa["spec"]["metrics"][0]["object"]["target"]
+    assert target == {"type": "AverageValue", "averageValue": str(TARGET_WORK_SECONDS)}, "the CRD lacks the field?"
+    poll(lambda: replicas(cluster, ns, "auto-denoiser") == 1, what="the denoiser Deployment")
+
+    stop = threading.Event()
+    deadline = time.monotonic() + 150  # the load stops by itself even if the test fails
+    done: list[int] = []
+    clients = [threading.Thread(target=load, args=(busy_head, stop, done, deadline)) for _ in range(CLIENTS)]
+    for client in clients:
+        client.start()
+    try:
+        path = f"{CUSTOM_METRICS}/namespaces/{ns}/deployments.apps/auto-denoiser/triptych_pending_work_seconds"
+
+        def pending_work() -> dict[str, Any] | None:
+            proc = cluster.kubectl("get", "--raw", path, check=False)
+            if proc.returncode != 0:
+                return None
+            [item] = json.loads(proc.stdout)["items"]
+            return item if parse_quantity(item["value"]) > TARGET_WORK_SECONDS else None
+
+        item = poll(pending_work, timeout=60, interval=1, what="kubectl get --raw to return the head's pending work")
+        assert item["describedObject"] == {
+            "kind": "Deployment",
+            "namespace": ns,
+            "name": "auto-denoiser",
+            "apiVersion": "apps/v1",
+        }
+
+        scaled = poll(
+            lambda: (lambda n: n if n > 1 else None)(replicas(cluster, ns, "auto-denoiser")),
+            timeout=90,
+            interval=1,
+            what="the HPA to scale the denoiser up",
+        )
+        current = (get(cluster, ns, "hpa", "auto-denoiser") or {})["status"]["currentMetrics"][0]["object"]
+        assert current["metric"]["name"] == "triptych_pending_work_seconds"
+        # The operator reconciles on every change of its Deployment, and leaves the HPA's count alone.
+        poll(
+            lambda: status_replicas(cluster, ns, "auto") == replicas(cluster, ns, "auto-denoiser"),
+            timeout=30,
+            what="the pipeline's status to report the HPA's replica count",
+        )
+        assert replicas(cluster, ns, "auto-denoiser") >= scaled
+        assert not operator_owns_replicas(cluster, ns, "auto-denoiser")
+    finally:
+        stop.set()
+        for client in clients:
+            client.join(timeout=70)
+    assert done, "no request completed under load"
+
+    poll(
+        lambda: replicas(cluster, ns, "auto-denoiser") == 1,
+        timeout=120,
+        interval=1,
+        what="the HPA to scale the denoiser back down after the load stopped",
+    )
+    assert not operator_owns_replicas(cluster, ns, "auto-denoiser")
+
+
+def status_replicas(cluster: KubeCluster, namespace: str, name: str) -> int | None:
+    status = (get(cluster, namespace, "dp", name) or {}).get("status") or {}
+    return (status.get("denoiser") or {}).get("replicas")
+
+
+def parse_quantity(text: str) -> float:
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def test_without_the_annotation_the_heads_are_the_head_services_ready_endpoints(
+    kube_cluster: KubeCluster, kube_namespace: str
+) -> None:
+    """The default discovery, through the real API: EndpointSlices of <pipeline>-head, ready ones only."""
+    from kubernetes import config
+
+    ns = kube_namespace
+    slice_ = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": "flux-head-abc", "namespace": ns, "labels": {"kubernetes.io/service-name": "flux-head"}},
+        "addressType": "IPv4",
+        "endpoints": [
+            {"addresses": ["192.0.2.10"], "conditions": {"ready": True}},
+            {"addresses": ["192.0.2.11"], "conditions": {"ready": False}},  # e.g. terminating
+        ],
+        "ports": [{"name": "http", "port": 30000, "protocol": "TCP"}],
+    }
+    other = {
+        **slice_,
+        "metadata": {**slice_["metadata"], "name": "other", "labels": {"kubernetes.io/service-name": "x"}},
+    }
+    kube_cluster.apply("\n---\n".join(json.dumps(s) for s in (slice_, other)))
+    reader = KubePipelineReader(config.new_client_from_config(config_file=kube_cluster.kubeconfig))
+    pipeline = {"metadata": {"name": "flux", "namespace": ns}, "spec": {"head": {"port": 31000}}}
+    assert head_metrics_urls(pipeline, reader) == ["http://192.0.2.10:31000/metrics"]
+    assert reader.get_pipeline(ns, "no-such-pipeline") is None

@@ -1,0 +1,412 @@
+"""The custom metrics API server without a cluster: real HTTPS, real client certificates, real
+head-like /metrics pages over HTTP; the Kubernetes reads and the SubjectAccessReview are fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import logging
+import ssl
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.operator.tls import make_ca, make_cert
+from triptych_operator.constants import HEAD_METRICS_URL_ANNOTATION
+from triptych_operator.metrics_api.auth import Authorizer, RequestHeaderConfig
+from triptych_operator.metrics_api.main import server_tls
+from triptych_operator.metrics_api.prometheus import parse_role_gauges
+from triptych_operator.metrics_api.server import build_app, quantity
+from triptych_operator.metrics_api.source import HeadMetricsSource, http_fetcher, ready_addresses, split_deployment_name
+
+HEAD_PAGE = """\
+# HELP triptych_role_pending_work_seconds Estimated device-seconds of queued and running work
+# TYPE triptych_role_pending_work_seconds gauge
+triptych_role_pending_work_seconds{role="encoder"} 0.25
+triptych_role_pending_work_seconds{role="denoiser"} 42.5
+triptych_role_pending_work_seconds{role="decoder"} NaN
+triptych_role_queued_requests{role="denoiser"} 7.0
+triptych_role_running_requests{role="denoiser"} 2.0
+triptych_role_ready_instances{role="denoiser"} 1.0
+triptych_queue_depth{role="denoiser"} 7.0
+triptych_role_something_else{role="denoiser"} 9.0
+"""
+
+
+def test_reads_the_role_gauges_and_nothing_else() -> None:
+    values = parse_role_gauges(HEAD_PAGE)
+    assert values == {
+        "encoder": {"triptych_pending_work_seconds": 0.25},
+        "denoiser": {
+            "triptych_pending_work_seconds": 42.5,
+            "triptych_queued_requests": 7.0,
+            "triptych_running_requests": 2.0,
+            "triptych_ready_instances": 1.0,
+        },
+    }
+
+
+def test_quantities_are_kubernetes_quantities() -> None:
+    assert [quantity(v) for v in (0, 3, 42.5, 0.0004, 1234.5678)] == ["0", "3", "42500m", "0", "1234568m"]
+
+
+def test_deployment_names_map_to_pipeline_and_role() -> None:
+    assert split_deployment_name("flux-denoiser") == ("flux", "denoiser")
+    assert split_deployment_name("my-flux-encoder") == ("my-flux", "encoder")
+    assert split_deployment_name("flux-head") is None
+    assert split_deployment_name("-decoder") is None
+
+
+def test_only_ready_endpoints_are_heads() -> None:
+    slices = [
+        {"endpoints": [{"addresses": ["198.19.0.5"], "conditions": {"ready": True}}]},
+        {"endpoints": [{"addresses": ["198.19.0.6"], "conditions": {"ready": False}}, {"addresses": ["198.19.0.7"]}]},
+        {"endpoints": None},
+    ]
+    assert ready_addresses(slices) == ["198.19.0.5", "198.19.0.7"]
+
+
+class FakeReader:
+    def __init__(self, pipelines: dict[str, dict[str, Any]], endpoints: dict[str, list[str]] | None = None) -> None:
+        self.pipelines = pipelines
+        self.endpoints = endpoints or {}
+        self.gets = 0
+
+    def get_pipeline(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        self.gets += 1
+        return self.pipelines.get(name)
+
+    def list_pipelines(self, namespace: str) -> list[Mapping[str, Any]]:
+        return list(self.pipelines.values())
+
+    def ready_addresses(self, namespace: str, service: str) -> list[str]:
+        return self.endpoints.get(service, [])
+
+
+def pipeline(name: str, url: str | None = None, port: int | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": "ml"}
+    if url:
+        meta["annotations"] = {HEAD_METRICS_URL_ANNOTATION: url}
+    spec: dict[str, Any] = {"head": {"port": port}} if port else {}
+    return {"metadata": meta, "spec": spec}
+
+
+class Heads:
+    """Real HTTP servers on loopback serving a settable /metrics page."""
+
+    def __init__(self) -> None:
+        self.pages: dict[int, str] = {}
+        self.hits = 0
+        self.servers: list[http.server.ThreadingHTTPServer] = []
+
+    def start(self, page: str) -> int:
+        heads = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                heads.hits += 1
+                body = heads.pages[self.server.server_address[1]].encode()
+                self.send_response(200 if self.path == "/metrics" else 404)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        port = server.server_address[1]
+        self.pages[port] = page
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self.servers.append(server)
+        return port
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.fixture
+def heads() -> Iterator[Heads]:
+    h = Heads()
+    yield h
+    h.stop()
+
+
+async def _values(source: HeadMetricsSource, name: str) -> Any:
+    found = await source.role_values("ml", name)
+    return None if found is None else found[0]
+
+
+def test_a_pipelines_heads_are_scraped_summed_and_cached(heads: Heads) -> None:
+    a = heads.start(HEAD_PAGE)
+    b = heads.start('triptych_role_pending_work_seconds{role="denoiser"} 7.5\n')
+    reader = FakeReader({"flux": pipeline("flux", port=a)}, {"flux-head": ["127.0.0.1"]})
+    reader.pipelines["two"] = pipeline("two", url=f"http://127.0.0.1:{a}/metrics, http://127.0.0.1:{b}/metrics")
+    now = [0.0]
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            source = HeadMetricsSource(reader, http_fetcher(session), cache_seconds=5, clock=lambda: now[0])
+            flux = await _values(source, "flux")  # found through the head Service's endpoints
+            assert flux["denoiser"]["triptych_pending_work_seconds"] == 42.5
+            two = await _values(source, "two")  # two heads by annotation: summed
+            assert two["denoiser"]["triptych_pending_work_seconds"] == 50.0
+            assert two["denoiser"]["triptych_queued_requests"] == 7.0
+            hits = heads.hits
+            await _values(source, "flux")
+            assert heads.hits == hits  # cached
+            now[0] = 6.0
+            await _values(source, "flux")
+            assert heads.hits == hits + 1
+
+    asyncio.run(run())
+
+
+def test_an_unreachable_head_makes_the_metric_absent_and_is_logged_once(
+    heads: Heads, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = heads.start(HEAD_PAGE)
+    heads.stop()  # nothing listens there any more
+    reader = FakeReader({"flux": pipeline("flux", url=f"http://127.0.0.1:{port}/metrics")})
+    now = [0.0]
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            source = HeadMetricsSource(reader, http_fetcher(session, 1.0), cache_seconds=1, clock=lambda: now[0])
+            for i in range(3):
+                now[0] = 2.0 * i
+                assert await source.role_values("ml", "flux") is None
+            assert await source.role_values("ml", "gone") is None  # not a pipeline: absent, not logged
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(run())
+    warnings = [r for r in caplog.records if "cannot read its head's metrics" in r.getMessage()]
+    assert len(warnings) == 1 and "ml/flux" in warnings[0].getMessage()
+
+
+def test_a_pipeline_without_a_ready_head_has_no_metrics() -> None:
+    reader = FakeReader({"flux": pipeline("flux")}, {})
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            assert await HeadMetricsSource(reader, http_fetcher(session)).role_values("ml", "flux") is None
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- the HTTPS API itself
+
+PROXY_NAME = "front-proxy-client"
+HPA_USER = "system:serviceaccount:kube-system:horizontal-pod-autoscaler"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("pki")
+    server_ca = make_ca(d, "serving-ca")
+    proxy_ca = make_ca(d, "front-proxy-ca")
+    other_ca = make_ca(d, "other-ca")
+    serving = make_cert(d, "serving", server_ca, cn="metrics", san="DNS:localhost,IP:127.0.0.1", usage="serverAuth")
+    proxy = make_cert(d, "proxy", proxy_ca, cn=PROXY_NAME, san=None, usage="clientAuth")
+    wrong_name = make_cert(d, "wrong-name", proxy_ca, cn="someone-else", san=None, usage="clientAuth")
+    forged = make_cert(d, "forged", other_ca, cn=PROXY_NAME, san=None, usage="clientAuth")
+    return {
+        "server_ca": server_ca[0],
+        "proxy_ca": proxy_ca[0],
+        "serving_crt": serving[0],
+        "serving_key": serving[1],
+        **{f"{n}_crt": c for n, (c, _) in (("proxy", proxy), ("wrong", wrong_name), ("forged", forged))},
+        **{f"{n}_key": k for n, (_, k) in (("proxy", proxy), ("wrong", wrong_name), ("forged", forged))},
+    }
+
+
+class Api:
+    """The app on loopback HTTPS, with a recorded, scriptable SubjectAccessReview."""
+
+    def __init__(self, pki: dict[str, Path], reader: FakeReader) -> None:
+        self.pki = pki
+        self.reader = reader
+        self.reviews: list[dict[str, Any]] = []
+        self.deny_users: set[str] = set()
+
+    def review(self, spec: dict[str, Any]) -> bool:
+        self.reviews.append(spec)
+        if spec["user"] == "unreviewable":
+            raise ConnectionError("the API server did not answer")
+        return spec["user"] not in self.deny_users
+
+    async def get(self, path: str, *, cert: str | None = "proxy", user: str = HPA_USER) -> tuple[int, Any]:
+        config = RequestHeaderConfig(
+            client_ca_pem=self.pki["proxy_ca"].read_text(),
+            allowed_names=(PROXY_NAME,),
+            username_headers=("X-Remote-User",),
+            group_headers=("X-Remote-Group",),
+            extra_prefixes=("X-Remote-Extra-",),
+        )
+        tls = server_tls(str(self.pki["serving_crt"]), str(self.pki["serving_key"]), config.client_ca_pem)
+        client = ssl.create_default_context(cafile=str(self.pki["server_ca"]))
+        if cert:
+            client.load_cert_chain(str(self.pki[f"{cert}_crt"]), str(self.pki[f"{cert}_key"]))
+        async with aiohttp.ClientSession() as session:
+            source = HeadMetricsSource(self.reader, http_fetcher(session))
+            runner = web.AppRunner(build_app(source, Authorizer(self.review), config))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
+            await site.start()
+            port = runner.addresses[0][1]
+            headers = {"X-Remote-User": user, "X-Remote-Group": "system:serviceaccounts"}
+            try:
+                async with session.get(f"https://localhost:{port}{path}", ssl=client, headers=headers) as resp:
+                    text = await resp.text()
+                    return resp.status, json.loads(text) if text.startswith("{") else text
+            finally:
+                await runner.cleanup()
+
+
+GROUP_PATH = "/apis/custom.metrics.k8s.io"
+METRIC_PATH = GROUP_PATH + "/v1beta2/namespaces/ml/deployments.apps/flux-denoiser/triptych_pending_work_seconds"
+
+
+@pytest.fixture
+def api(pki: dict[str, Path], heads: Heads) -> Api:
+    port = heads.start(HEAD_PAGE)
+    return Api(pki, FakeReader({"flux": pipeline("flux", url=f"http://127.0.0.1:{port}/metrics")}))
+
+
+def test_the_hpa_gets_the_denoisers_pending_work_as_an_object_metric(api: Api) -> None:
+    code, body = asyncio.run(api.get(METRIC_PATH + "?metricLabelSelector=x%3Dy"))
+    assert code == 200, body
+    assert body["kind"] == "MetricValueList" and body["apiVersion"] == "custom.metrics.k8s.io/v1beta2"
+    [item] = body["items"]
+    assert item["describedObject"] == {
+        "kind": "Deployment",
+        "namespace": "ml",
+        "name": "flux-denoiser",
+        "apiVersion": "apps/v1",
+    }
+    assert item["metric"] == {"name": "triptych_pending_work_seconds"}
+    assert item["value"] == "42500m"
+    [review] = api.reviews
+    assert review["user"] == HPA_USER and review["groups"] == ["system:serviceaccounts", "system:authenticated"]
+    assert review["resourceAttributes"] == {
+        "verb": "get",
+        "group": "custom.metrics.k8s.io",
+        "version": "v1beta2",
+        "resource": "deployments.apps",
+        "namespace": "ml",
+        "name": "flux-denoiser",
+        "subresource": "triptych_pending_work_seconds",
+    }
+
+
+def test_v1beta1_and_a_list_over_all_deployments(api: Api) -> None:
+    path = GROUP_PATH + "/v1beta1/namespaces/ml/deployments.apps/*/triptych_queued_requests"
+    code, body = asyncio.run(api.get(path))
+    assert code == 200, body
+    assert [(i["describedObject"]["name"], i["metricName"], i["value"]) for i in body["items"]] == [
+        ("flux-denoiser", "triptych_queued_requests", "7")
+    ]
+    assert api.reviews[0]["resourceAttributes"]["verb"] == "list"
+
+
+def test_discovery_lists_the_metrics_per_deployment(api: Api) -> None:
+    code, group = asyncio.run(api.get(GROUP_PATH))
+    assert code == 200 and group["preferredVersion"]["version"] == "v1beta2"
+    code, resources = asyncio.run(api.get(GROUP_PATH + "/v1beta2"))
+    assert code == 200 and resources["kind"] == "APIResourceList"
+    names = {r["name"] for r in resources["resources"]}
+    assert "deployments.apps/triptych_pending_work_seconds" in names
+    assert api.reviews[-1]["nonResourceAttributes"] == {"path": GROUP_PATH + "/v1beta2", "verb": "get"}
+
+
+def test_the_aggregator_finds_an_openapi_document(api: Api) -> None:
+    code, body = asyncio.run(api.get("/openapi/v2", user="system:kube-aggregator"))
+    assert code == 200 and body["swagger"] == "2.0"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        GROUP_PATH + "/v1beta2/namespaces/ml/deployments.apps/other-denoiser/triptych_pending_work_seconds",
+        GROUP_PATH + "/v1beta2/namespaces/ml/deployments.apps/flux-denoiser/triptych_unknown",
+        GROUP_PATH + "/v1beta2/namespaces/ml/pods/flux-denoiser/triptych_pending_work_seconds",
+        GROUP_PATH + "/v1beta2/namespaces/ml/deployments.apps/flux-decoder/triptych_pending_work_seconds",  # NaN
+    ],
+    ids=["no-such-pipeline", "unknown-metric", "not-a-deployment", "no-value"],
+)
+def test_what_is_not_there_is_a_404_status(api: Api, path: str) -> None:
+    code, body = asyncio.run(api.get(path))
+    assert code == 404 and body["kind"] == "Status" and body["reason"] == "NotFound", body
+
+
+@pytest.mark.parametrize("cert", [None, "wrong", "forged"], ids=["no-cert", "not-an-allowed-name", "other-ca"])
+def test_only_the_front_proxy_may_name_the_user(api: Api, cert: str | None) -> None:
+    try:
+        code, body = asyncio.run(api.get(METRIC_PATH, cert=cert))
+    except aiohttp.ClientError:
+        assert cert == "forged"  # a certificate of another CA fails the TLS handshake itself
+        return
+    assert code == 401, body
+    assert not api.reviews
+
+
+def test_a_user_the_cluster_does_not_authorize_is_refused(api: Api) -> None:
+    api.deny_users.add("mallory")
+    code, body = asyncio.run(api.get(METRIC_PATH, user="mallory"))
+    assert code == 403 and body["reason"] == "Forbidden"
+
+
+def test_when_the_review_cannot_be_made_the_request_is_refused_with_503(api: Api) -> None:
+    code, body = asyncio.run(api.get(METRIC_PATH, user="unreviewable"))
+    assert code == 503 and body["kind"] == "Status", body
+
+
+def test_health_needs_no_credentials(api: Api) -> None:
+    code, body = asyncio.run(api.get("/healthz", cert=None))
+    assert (code, body) == (200, "ok")
+
+
+def test_the_server_imports_nothing_the_operator_image_lacks() -> None:
+    """The operator image has kopf, kubernetes and PyYAML (aiohttp with kopf), no torch or head code."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'torch', 'diffusers', 'transformers', 'prometheus_client', 'fastapi',\n"
+        "                                  'zmq', 'msgspec', 'triptych_head', 'triptych_worker'}:\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import triptych_operator.metrics_api.main\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_cache_forgets_expired_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triptych_operator.metrics_api import source as source_module
+
+    monkeypatch.setattr(source_module, "MAX_CACHED_PIPELINES", 2)
+    reader = FakeReader({})  # nobody's pipeline: cached as absent
+    now = [0.0]
+
+    async def run() -> HeadMetricsSource:
+        async with aiohttp.ClientSession() as session:
+            source = HeadMetricsSource(reader, http_fetcher(session), cache_seconds=1, clock=lambda: now[0])
+            for i in range(5):
+                now[0] = 2.0 * i
+                await source.role_values("ml", f"p{i}")
+            return source
+
+    source = asyncio.run(run())
+    assert len(source._cache) <= 3
