@@ -356,6 +356,10 @@ class DiffusionServer:
             log.warning("dropped %s from unknown %s instance %r", msg.TYPE, role.value, getattr(msg, "instance", None))
             return
         if isinstance(msg, Heartbeat):
+            if msg.head_id and msg.head_id != self.registry.head_id:
+                # It still serves a previous head; once our ping reaches it, it drops that head's work
+                # and says so in its next heartbeat. Until then nothing is dispatched to it.
+                return
             if msg.draining and not inst.draining:
                 log.info("%s %s is draining: no new work goes to it", role.value, inst.url)
             inst.on_heartbeat(

@@ -145,6 +145,9 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     model: str
     standing_bytes: Count = 0  # pool bytes kept as preallocated receive slots (not free, not leaked)
     draining: bool = False  # SIGTERM: it finishes what it holds and then exits; send it no new work
+    # The head (Ping.head_id) this worker serves; a head ignores heartbeats naming another head, so it
+    # dispatches nothing to a worker before that worker has dropped a previous head's work.
+    head_id: str = ""
 
 
 class Progress(Message, tag="progress", frozen=True):

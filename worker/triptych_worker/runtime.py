@@ -358,6 +358,7 @@ class Worker:
             model=self.args.model_path,
             standing_bytes=self.pool.reserved_bytes(list(self._standing.values())),
             draining=self._drain_requested.is_set(),
+            head_id=self._head_id,
         )
 
     def _on_message(self, link: HeadLink, parts: list[Any]) -> None:
@@ -384,7 +385,9 @@ class Worker:
             self._last_ping = time.monotonic()
             if self._drain is not None and msg.head_id != self._head_id:
                 self._drain.acknowledged = False  # a new head has not seen the drain yet
-            self._follow_head(msg.head_id)
+            for request_id in self._follow_head(msg.head_id):
+                reason = f"dropped: head {msg.head_id} replaced the head it came from"
+                link.send(Failed(request_id, self.instance, reason))
             if msg.drain_acknowledged and self.draining:
                 self._acknowledge_drain()
             link.send(self._heartbeat())
@@ -434,17 +437,33 @@ class Worker:
         if owed:
             link.send(self._heartbeat())
 
-    def _follow_head(self, head_id: str) -> None:
-        """A restarted head knows nothing of the slots the old one kept: give them back to the pool."""
+    def _follow_head(self, head_id: str) -> list[str]:
+        """Serve `head_id` from now on. A new head knows nothing of what this worker holds for the
+        previous one: give all of it back to the pool (kept slots, reserved slots, staged outputs,
+        queued work; running work stops at its next step) and return the requests it dropped.
+
+        The first head inherits nothing: work can only have come from it.
+        """
         if head_id == self._head_id:
-            return
+            return []
+        previous = self._head_id
         with self._lock:
             dropped, self._standing = list(self._standing.values()), {}
+            abandoned = (self._outstanding | set(self._staged) | set(self._slots)) if previous else set()
+            if previous:
+                self._queue.clear()  # each queued job is in _outstanding: cancelled below
+        writing = {push.request_id for push in self._pushes}  # their staged bytes come back when the write ends
         for alloc in dropped:
             self.pool.free(alloc)
-        if dropped:
-            log.info("head %s replaced %s: dropped %d kept receive slots", head_id, self._head_id, len(dropped))
-        self._head_id = head_id
+        for request_id in abandoned:
+            self._cancel(request_id, free=request_id not in writing)
+        if dropped or abandoned:
+            log.info(
+                "head %s replaced %s: dropped %d kept receive slots and %d requests",
+                head_id, previous, len(dropped), len(abandoned),
+            )  # fmt: skip
+        self._head_id = head_id  # last: heartbeats name the new head only once everything is released
+        return sorted(abandoned)
 
     def _must_keep_room_for_outputs(self, nbytes: int) -> bool:
         """Refuse an input slot that would leave no room to stage the outputs of work already accepted.
@@ -469,7 +488,7 @@ class Worker:
             return
         self._enqueue(Job(msg.request_id, msg.params, (alloc, msg.manifest, msg.meta), msg.progress))
 
-    def _cancel(self, request_id: str) -> None:
+    def _cancel(self, request_id: str, free: bool = True) -> None:
         with self._lock:
             self._cancelled[request_id] = None
             while len(self._cancelled) > CANCELLED_MEMORY:
@@ -477,7 +496,8 @@ class Worker:
             self._staged.pop(request_id, None)
             self._slots.pop(request_id, None)
             self._outstanding.discard(request_id)
-        self.pool.free_owner(request_id)
+        if free:
+            self.pool.free_owner(request_id)
 
     def _is_cancelled(self, request_id: str) -> bool:
         with self._lock:
