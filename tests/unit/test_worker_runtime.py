@@ -72,6 +72,33 @@ def test_kept_slot_survives_its_request_and_is_dropped_when_the_head_changes():
         worker.transport.close()
 
 
+def test_a_new_head_gets_a_fully_free_pool_and_hears_which_requests_were_dropped():
+    worker = make_worker()
+    link = RecordingLink()
+    try:
+        worker._on_message(link, _encoded(Ping("w", head_id="head-1")))  # type: ignore[arg-type]
+        worker._allocate(link, TransferAlloc("reserved", "w", 4096))  # type: ignore[arg-type]
+        worker._allocate(link, TransferAlloc("kept", "w", 4096, keep=True))  # type: ignore[arg-type]
+        staged = worker.pool.allocate(4096, owner="staged")  # an output waiting for its transfer_push
+        with worker._lock:
+            worker._staged["staged"] = staged
+        queued_input = worker.pool.allocate(4096, owner="queued")
+        worker._enqueue(Job("queued", GenerationParams("x", 8, 8), (queued_input, [], {})))
+        assert worker.pool.free_bytes < worker.pool.pool_bytes
+
+        link.sent.clear()
+        worker._on_message(link, _encoded(Ping("w", head_id="head-2")))  # type: ignore[arg-type]
+
+        assert worker.pool.free_bytes == worker.pool.pool_bytes
+        failed = sorted(m.request_id for m in link.sent if isinstance(m, Failed))
+        assert failed == ["kept", "queued", "reserved", "staged"]
+        beat = link.sent[-1]
+        assert isinstance(beat, Heartbeat) and beat.head_id == "head-2" and beat.free_bytes == beat.pool_bytes
+        assert not worker._queue and not worker._outstanding and beat.standing_bytes == 0
+    finally:
+        worker.transport.close()
+
+
 def _encoded(msg: object) -> list[bytes]:
     return encode(msg)
 
