@@ -14,6 +14,13 @@ from triptych.roles import Role
 MIB = 1 << 20
 DEFAULT_POOL_SIZE = 256 * MIB
 DEFAULT_TIMEOUT_S = 600.0
+# On SIGTERM the head lets accepted requests finish for this long (an image takes seconds; raise it
+# for long videos), then fails the rest and exits; it needs at most HEAD_SHUTDOWN_OVERHEAD_S more to
+# answer the last clients and save video jobs.
+DEFAULT_DRAIN_TIMEOUT_S = 120.0
+HEAD_SHUTDOWN_OVERHEAD_S = 15.0
+DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
+DEFAULT_RESULTS_MAX_BYTES = 5 << 30
 DISPATCH_POLICIES = ("round_robin", "max_free_slots")
 DEVICES = ("cuda", "cpu")
 
@@ -105,6 +112,9 @@ class ServeArgs:
     disagg_max_retries: int = 2
     disagg_discovery_interval: float = 5.0
     disagg_no_instance_wait: float = 120.0
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+    results_max_age: float = DEFAULT_RESULTS_MAX_AGE_S
+    results_max_bytes: int = DEFAULT_RESULTS_MAX_BYTES
     master_port: int | None = None
     output_path: str = "outputs"
     device: str | None = None
@@ -192,6 +202,10 @@ class ServeArgs:
             raise ConfigError(f"--disagg-max-retries {self.disagg_max_retries} must be >= 0 (0: never retry)")
         if self.disagg_no_instance_wait <= 0:
             raise ConfigError(f"--disagg-no-instance-wait {self.disagg_no_instance_wait} must be > 0 seconds")
+        if self.drain_timeout < 0:
+            raise ConfigError(f"--drain-timeout {self.drain_timeout} must be >= 0 seconds")
+        if self.results_max_age <= 0:
+            raise ConfigError(f"--results-max-age {self.results_max_age} must be > 0 seconds")
         if self.num_gpus < 1 or self.base_gpu_id < 0:
             raise ConfigError("--num-gpus must be >= 1 and --base-gpu-id >= 0")
         if self.worker_capacity < 1:
@@ -293,7 +307,15 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--disagg-no-instance-wait", type=float, default=d.disagg_no_instance_wait,
       help="head: seconds a request waits while its role has no ready instance, then fails (default 120)")  # fmt: skip
     a("--master-port", type=int, default=None, help="worker: torch.distributed master port (multi-GPU roles)")
-    a("--output-path", default=d.output_path, help="head/monolithic: where generated files are written")
+    a("--output-path", default=d.output_path,
+      help="head/monolithic: where finished images (URL responses) and video jobs are kept; mount a "
+           "persistent volume here for them to survive a restart")  # fmt: skip
+    a("--drain-timeout", type=float, default=d.drain_timeout,
+      help="head: on SIGTERM, seconds accepted requests may take to finish before they fail and it exits")  # fmt: skip
+    a("--results-max-age", type=float, default=d.results_max_age,
+      help="head: seconds a finished result is kept under --output-path (default one day)")  # fmt: skip
+    a("--results-max-bytes", type=parse_size, default=d.results_max_bytes,
+      help="head: most bytes kept under --output-path, oldest results removed first (default 5GiB)")  # fmt: skip
     a("--device", choices=DEVICES, default=None, help="default: cuda when available, else cpu")
     for attr in ("tp_size", "sp_degree", "cfg_parallel_size", "encoder_tp", "denoiser_tp", "denoiser_sp",
                  "denoiser_ulysses", "denoiser_ring", "decoder_sp"):  # fmt: skip

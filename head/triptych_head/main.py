@@ -6,8 +6,6 @@ import logging
 import threading
 from pathlib import Path
 
-import uvicorn
-
 from triptych.config import ServeArgs
 from triptych.params import GenerationParams
 from triptych_head.api.app import create_app
@@ -15,7 +13,9 @@ from triptych_head.api.context import HeadContext
 from triptych_head.backend import FrontendClient, LocalBackend
 from triptych_head.metrics import HeadMetrics
 from triptych_head.model_info import read_model_info
+from triptych_head.results import Retention
 from triptych_head.server import DiffusionServer
+from triptych_head.shutdown import disaggregated_drain, in_process_drain, serve_http
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,8 @@ def model_validator(model_path: str):  # type: ignore[no-untyped-def]
     return validate
 
 
-def _serve_http(args: ServeArgs, ctx: HeadContext) -> None:
-    uvicorn.run(create_app(ctx), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+def _retention(args: ServeArgs) -> Retention:
+    return Retention(max_age_s=args.results_max_age, max_bytes=args.results_max_bytes)
 
 
 def run_head(args: ServeArgs) -> int:
@@ -48,9 +48,13 @@ def run_head(args: ServeArgs) -> int:
         registry=metrics.registry,
         validate=validate,
         health=lambda: {"mode": "disaggregated", "workers": server.registry.snapshot()},
+        ready=loop.is_alive,
+        retention=_retention(args),
+        drain_seconds=args.drain_timeout,
     )
+    drain, hurry = disaggregated_drain(server, loop)
     try:
-        _serve_http(args, ctx)
+        serve_http(create_app(ctx), ctx, args.host, args.port, args.log_level, drain, hurry)
     finally:
         server.stop()
         loop.join(timeout=5)
@@ -69,6 +73,9 @@ def run_monolithic(args: ServeArgs) -> int:
         registry=HeadMetrics().registry,
         validate=pipeline.validate,
         health=lambda: {"mode": "monolithic"},
+        retention=_retention(args),
+        drain_seconds=args.drain_timeout,
     )
-    _serve_http(args, ctx)
+    drain, hurry = in_process_drain(ctx)
+    serve_http(create_app(ctx), ctx, args.host, args.port, args.log_level, drain, hurry)
     return 0

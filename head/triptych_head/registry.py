@@ -186,8 +186,9 @@ class WorkerRegistry:
             for role, by_url in self._instances.items()
         }
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket; messages still queued get up to `linger_ms` to leave."""
         for sock in self._sockets.values():
-            sock.close(linger=0)
+            sock.close(linger=linger_ms)
         for directory in self._directories.values():
             directory.close()

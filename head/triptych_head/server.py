@@ -68,9 +68,11 @@ from triptych_head.workload import WorkEstimator
 log = logging.getLogger(__name__)
 
 PING_INTERVAL_S = 0.5
+SHUTDOWN_LINGER_MS = 1000  # how long the last messages to workers may take to leave after a drain
 POLL_MS = 50
 DRAIN_LIMIT = 1000  # messages taken from one socket per loop turn, so no socket starves the others
 REJECTED = "REJECTED"
+SHUTTING_DOWN = "the head is shutting down and takes no new requests; retry shortly (another head takes over)"
 
 Validator = Callable[[GenerationParams], None]
 
@@ -120,6 +122,8 @@ class DiffusionServer:
         # the same instance of one of them (one encoder and two denoisers: always the second denoiser).
         self._policies = {role: make_policy(args.disagg_dispatch_policy) for role in directories}
         self._stop = threading.Event()
+        self._drain_deadline: float | None = None  # set by drain() from another thread; read by the loop
+        self._drain_seconds = 0.0
         self._sockets: list[tuple[zmq.Socket, Role | None]] = []
         self.frontend_endpoint = f"tcp://127.0.0.1:{frontend_port(args.scheduler_port)}"
         self.frontend = self._bind(zmq.ROUTER, self.frontend_endpoint, None)
@@ -161,13 +165,45 @@ class DiffusionServer:
                     except Exception:  # e.g. an unusable address from discovery: log it, keep serving
                         log.exception("periodic upkeep failed")
                 self._dispatch_all()
+                if self._drain_deadline is not None and self._drained(time.monotonic(), self._drain_deadline):
+                    break
         finally:
-            self.registry.close()
+            # Lingering lets the CancelWork messages of a drain reach the workers before the sockets go.
+            self.registry.close(linger_ms=SHUTDOWN_LINGER_MS if self._drain_deadline is not None else 0)
             for sock, _ in self._sockets:
                 sock.close(linger=0)
 
     def stop(self) -> None:
         self._stop.set()
+
+    def drain(self, seconds: float) -> None:
+        """Stop taking requests; in-flight ones have `seconds` to finish, then fail (503) and free
+        their worker slots; run() returns once nothing is held on any worker. Thread-safe; a second
+        call can only bring the deadline forward."""
+        deadline = time.monotonic() + max(seconds, 0.0)
+        if self._drain_deadline is None:
+            self._drain_seconds = seconds  # before the deadline: the loop reads them in that order
+            self._drain_deadline = deadline
+        else:
+            self._drain_deadline = min(self._drain_deadline, deadline)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def _drained(self, now: float, deadline: float) -> bool:
+        """While draining: past the deadline fail what is left (releasing its slots); True once
+        no request and no receive slot is held any more."""
+        if now >= deadline:
+            reason = (
+                f"the head shut down before this request finished (it had {self._drain_seconds:g}s to drain, "
+                "--drain-timeout); its worker slots were released; retry it"
+            )
+            for rec in list(self.requests.values()):
+                self._finish(rec, RequestState.FAILED, reason, status_code=503)
+            for rid in list(self._held_slots):
+                self._release_held(rid)  # the sender's late write lands in a slot no later request of ours uses
+        return not self.requests and not self._held_slots
 
     def _drain(self, sock: zmq.Socket, role: Role | None) -> None:
         for _ in range(DRAIN_LIMIT):
@@ -300,6 +336,9 @@ class DiffusionServer:
         rid = msg.request_id
         if not rid:
             self._reply(client, RequestEvent(rid, REJECTED, error="request_id must be non-empty", status_code=400))
+            return
+        if self._drain_deadline is not None:
+            self._reply(client, RequestEvent(rid, REJECTED, error=SHUTTING_DOWN, status_code=503))
             return
         if rid in self.requests:
             # The original request is untouched: only the duplicate's sender hears about it.

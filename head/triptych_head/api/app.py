@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -12,21 +14,42 @@ from triptych_head.api import images, system, videos
 from triptych_head.api.context import HeadContext
 from triptych_head.api.errors import install_error_handlers
 
+log = logging.getLogger(__name__)
+
+JOB_SAVE_GRACE_S = 5.0  # at shutdown, how long finished video jobs may take to write their files
+
 
 def create_app(ctx: HeadContext) -> FastAPI:
+    jobs = videos.VideoJobs(ctx.results)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        jobs.restore()
         await ctx.backend.start()
+        sweeper = asyncio.create_task(_apply_retention(ctx, jobs))
         try:
             yield
         finally:
+            sweeper.cancel()
+            await jobs.shutdown(JOB_SAVE_GRACE_S)
             await ctx.backend.close()
 
     app = FastAPI(title="Triptych", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
-    app.state.video_jobs = videos.VideoJobs()
+    app.state.video_jobs = jobs
     install_error_handlers(app)
     app.include_router(images.router)
     app.include_router(videos.router)
     app.include_router(system.router)
     return app
+
+
+async def _apply_retention(ctx: HeadContext, jobs: videos.VideoJobs) -> None:
+    """Remove results past --results-max-age / --results-max-bytes, at start and periodically."""
+    while True:
+        try:
+            removed = await asyncio.to_thread(ctx.results.sweep, keep=set(jobs.running()))
+            jobs.forget_removed(removed)
+        except Exception:  # a full or read-only disk must not stop the head serving
+            log.exception("applying result retention failed")
+        await asyncio.sleep(ctx.results.retention.sweep_interval_s)

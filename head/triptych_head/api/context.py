@@ -12,13 +12,17 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from triptych.config import DEFAULT_DRAIN_TIMEOUT_S
 from triptych.params import GenerationParams
 from triptych_head.api.errors import APIError
 from triptych_head.api.schemas import ImageGenerationRequest, VideoGenerationRequest, parse_size
 from triptych_head.backend import Backend, GenerationFailed
 from triptych_head.model_info import ModelInfo
+from triptych_head.results import ResultStore, Retention
 
 Validator = Callable[[GenerationParams], None]
+
+RETRY_AFTER_S = 5  # what a client refused by a draining head waits before retrying (a new head takes over)
 
 # Words in a validation message -> the request field a client should fix.
 _PARAM_OF = {"width": "size", "height": "size", "frames": "num_frames", "steps": "num_inference_steps"}
@@ -32,7 +36,25 @@ class HeadContext:
     registry: CollectorRegistry
     validate: Validator | None = None
     health: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    ready: Callable[[], bool] = field(default=lambda: True)  # the backend can take requests (its loop runs)
+    retention: Retention = field(default_factory=Retention)
+    drain_seconds: float = DEFAULT_DRAIN_TIMEOUT_S
     started: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # SIGTERM: readiness fails and new requests are refused (shutdown.py)
+    active: set[str] = field(default_factory=set)  # request ids being generated right now
+
+    def __post_init__(self) -> None:
+        self.results = ResultStore(self.output_path, self.retention)
+
+    def refuse_if_draining(self) -> None:
+        """New work goes to another head: 503 with Retry-After while this one drains."""
+        if self.draining:
+            raise APIError(
+                503,
+                "this head is shutting down and takes no new requests; retry shortly",
+                code="shutting_down",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
 
     def params_for(self, body: ImageGenerationRequest | VideoGenerationRequest) -> GenerationParams:
         """GenerationParams with the model's defaults filled in, checked against the model."""
@@ -65,12 +87,16 @@ class HeadContext:
         return params
 
     async def generate(self, params: GenerationParams, request_id: str | None = None, on_event: Any = None) -> Any:
+        request_id = request_id or new_request_id()
+        self.active.add(request_id)
         try:
-            return await self.backend.generate(request_id or new_request_id(), params, on_event)
+            return await self.backend.generate(request_id, params, on_event)
         except GenerationFailed as exc:
-            raise APIError(
-                exc.status_code if exc.status_code >= 400 else 500, str(exc), code=exc.state.lower()
-            ) from None
+            status = exc.status_code if exc.status_code >= 400 else 500
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 and self.draining else None
+            raise APIError(status, str(exc), code=exc.state.lower(), headers=headers) from None
+        finally:
+            self.active.discard(request_id)
 
 
 def new_request_id(prefix: str = "req") -> str:

@@ -11,9 +11,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 class APIError(Exception):
-    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status_code, self.message, self.param, self.code = status_code, message, param, code
+        self.headers = headers
 
 
 def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -24,7 +32,8 @@ def error_body(status_code: int, message: str, param: str | None = None, code: s
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, exc.message, exc.param, exc.code), exc.status_code)
+        body = error_body(exc.status_code, exc.message, exc.param, exc.code)
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -18,6 +18,7 @@ router = APIRouter(tags=["images"])
 @router.post("/v1/images/generations", response_model=ImageGenerationResponse)
 async def create_images(body: ImageGenerationRequest, request: Request) -> ImageGenerationResponse:
     ctx: HeadContext = request.app.state.ctx
+    ctx.refuse_if_draining()
     params = ctx.params_for(body)
     request_id = new_request_id("img")
     output = await ctx.generate(params, request_id)
@@ -25,11 +26,11 @@ async def create_images(body: ImageGenerationRequest, request: Request) -> Image
     if body.response_format == "b64_json":
         data = [ImageData(b64_json=base64.b64encode(png).decode()) for png in pngs]
     else:
-        folder = ctx.output_path / "images"
-        folder.mkdir(parents=True, exist_ok=True)
         data = []
         for i, png in enumerate(pngs):
             name = f"{request_id}-{i}.png"
-            (folder / name).write_bytes(png)
+            path = ctx.results.image_path(name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(png)
             data.append(ImageData(url=str(request.url_for("get_file", kind="images", name=name))))
     return ImageGenerationResponse(created=int(time.time()), data=data)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from triptych_head.api.context import HeadContext
+from triptych_head.api.context import RETRY_AFTER_S, HeadContext
 from triptych_head.api.errors import APIError
 from triptych_head.api.schemas import ModelCard, ModelList
 
@@ -24,8 +24,20 @@ async def list_models(request: Request) -> ModelList:
 
 @router.get("/health")
 async def health(request: Request) -> dict[str, Any]:
+    """Liveness: the process serves HTTP (it stays 200 while draining, so it is not killed mid-drain)."""
     ctx: HeadContext = request.app.state.ctx
-    return {"status": "ok", "model": ctx.model.id, **ctx.health()}
+    return {"status": "ok", "model": ctx.model.id, "draining": ctx.draining, **ctx.health()}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 while this head takes new requests; 503 once it drains (SIGTERM) or its loop stopped."""
+    ctx: HeadContext = request.app.state.ctx
+    if ctx.draining:
+        return JSONResponse({"status": "draining"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    if not ctx.ready():
+        return JSONResponse({"status": "not ready"}, 503)
+    return JSONResponse({"status": "ready"})
 
 
 @router.get("/metrics")
@@ -39,7 +51,7 @@ async def get_file(kind: str, name: str, request: Request) -> FileResponse:
     ctx: HeadContext = request.app.state.ctx
     if kind not in ("images", "videos") or "/" in name or name.startswith("."):
         raise APIError(404, f"no file {kind}/{name}")
-    path = ctx.output_path / kind / name
+    path = ctx.results.root / kind / name
     if not path.is_file():
         raise APIError(404, f"no file {kind}/{name}")
     return FileResponse(path)

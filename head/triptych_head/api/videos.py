@@ -18,12 +18,15 @@ from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.errors import APIError
 from triptych_head.api.schemas import VideoGenerationRequest, VideoJob
 from triptych_head.media import frames_path, load_frames, png_zip, save_frames, write_mp4
+from triptych_head.results import ResultStore
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["videos"])
 
 MAX_JOBS = 1000  # remembered jobs; the oldest finished ones are forgotten first
 TERMINAL = ("completed", "failed", "cancelled")
+RESTARTED = "the head restarted while this job was running; submit it again"
+SHUT_DOWN = "the head shut down while this job was running; submit it again"
 
 
 @dataclass
@@ -34,8 +37,30 @@ class JobEntry:
 
 
 class VideoJobs:
-    def __init__(self) -> None:
+    """The video jobs this head knows, each saved in the result store whenever its status changes."""
+
+    def __init__(self, store: ResultStore | None = None) -> None:
         self._jobs: OrderedDict[str, JobEntry] = OrderedDict()
+        self.store = store
+
+    def restore(self) -> None:
+        """Take back the saved jobs of a previous head; one that was running then has failed."""
+        if self.store is None:
+            return
+        for job in self.store.load_jobs()[-MAX_JOBS:]:
+            path = self.store.video_path(job.id)
+            if job.status not in TERMINAL:
+                job.status, job.state = "failed", "FAILED"
+                job.error = {"message": RESTARTED, "code": "head_restarted"}
+                job.completed_at = job.completed_at or int(time.time())
+                self.store.save_job(job)
+            elif job.status == "completed" and not path.is_file():
+                continue  # its content is gone (removed by hand): forget it
+            self._jobs[job.id] = JobEntry(job, path=path if job.status == "completed" else None)
+
+    def save(self, entry: JobEntry) -> None:
+        if self.store is not None:
+            self.store.save_job(entry.job)
 
     def add(self, entry: JobEntry) -> None:
         if len(self._jobs) >= MAX_JOBS:
@@ -44,6 +69,7 @@ class VideoJobs:
                 raise APIError(429, f"{MAX_JOBS} video jobs are in flight; retry later", code="too_many_jobs")
             self._jobs.pop(finished[0])
         self._jobs[entry.job.id] = entry
+        self.save(entry)
 
     def get(self, job_id: str) -> JobEntry:
         try:
@@ -54,8 +80,34 @@ class VideoJobs:
     def all(self) -> list[VideoJob]:
         return [e.job for e in self._jobs.values()]
 
+    def running(self) -> list[str]:
+        return [k for k, e in self._jobs.items() if e.job.status not in TERMINAL]
+
     def remove(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
+
+    def forget_removed(self, keys: list[str]) -> None:
+        """Retention removed these results' files: a finished job among them is gone."""
+        for key in keys:
+            entry = self._jobs.get(key)
+            if entry is not None and entry.job.status in TERMINAL:
+                self._jobs.pop(key)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Let jobs finish saving for up to `grace_s`; any still running fails, saved as such."""
+        tasks = [e.task for e in self._jobs.values() if e.task is not None and not e.task.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
+        for entry in self._jobs.values():
+            if entry.job.status in TERMINAL:
+                continue
+            if entry.task is not None:
+                entry.task.cancel()
+                await asyncio.gather(entry.task, return_exceptions=True)
+            entry.job.status, entry.job.state = "failed", "FAILED"
+            entry.job.error = {"message": SHUT_DOWN, "code": "head_shut_down"}
+            entry.job.completed_at = int(time.time())
+            self.save(entry)
 
 
 def _jobs(request: Request) -> VideoJobs:
@@ -65,6 +117,7 @@ def _jobs(request: Request) -> VideoJobs:
 @router.post("/v1/videos", response_model=VideoJob)
 async def create_video(body: VideoGenerationRequest, request: Request) -> VideoJob:
     ctx: HeadContext = request.app.state.ctx
+    ctx.refuse_if_draining()
     params = ctx.params_for(body)
     job = VideoJob(
         id=new_request_id("video"),
@@ -79,11 +132,11 @@ async def create_video(body: VideoGenerationRequest, request: Request) -> VideoJ
     )
     entry = JobEntry(job)
     _jobs(request).add(entry)
-    entry.task = asyncio.create_task(_run(ctx, entry, params, body.fps))
+    entry.task = asyncio.create_task(_run(ctx, _jobs(request), entry, params, body.fps))
     return job
 
 
-async def _run(ctx: HeadContext, entry: JobEntry, params, fps: int) -> None:  # type: ignore[no-untyped-def]
+async def _run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params, fps: int) -> None:  # type: ignore[no-untyped-def]
     job = entry.job
 
     def on_event(event: RequestEvent) -> None:
@@ -96,7 +149,7 @@ async def _run(ctx: HeadContext, entry: JobEntry, params, fps: int) -> None:  # 
 
     try:
         output = await ctx.generate(params, job.id, on_event)
-        path = ctx.output_path / "videos" / f"{job.id}.mp4"
+        path = ctx.results.video_path(job.id)
         await asyncio.to_thread(write_mp4, output.pixels[0], path, fps)
         await asyncio.to_thread(save_frames, output.pixels[0], frames_path(path))
         entry.path = path
@@ -111,7 +164,9 @@ async def _run(ctx: HeadContext, entry: JobEntry, params, fps: int) -> None:  # 
         log.exception("video job %s failed", job.id)
         job.status, job.error = "failed", {"message": f"{type(exc).__name__}: {exc}", "code": "internal_error"}
     finally:
-        job.completed_at = int(time.time())
+        if job.status in TERMINAL:
+            job.completed_at = int(time.time())
+            jobs.save(entry)
 
 
 @router.get("/v1/videos", response_model=list[VideoJob])
@@ -157,5 +212,7 @@ async def delete_video(video_id: str, request: Request) -> VideoJob:
     if entry.path is not None:
         entry.path.unlink(missing_ok=True)
         frames_path(entry.path).unlink(missing_ok=True)
+    if jobs.store is not None:
+        jobs.store.delete(video_id)
     jobs.remove(video_id)
     return entry.job
