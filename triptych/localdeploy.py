@@ -87,6 +87,9 @@ class LocalDeployment:
     # With discovery files: the file:// list of each role's endpoints, which start_worker extends.
     endpoint_files: dict[Role, Path] = field(default_factory=dict)
     spawn_worker: Callable[[Role, int], Proc] | None = None
+    head_argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: Path = Path(".")
 
     def workers(self, role: Role) -> list[Proc]:
         return [p for p in self.procs if p.role is role]
@@ -134,6 +137,19 @@ class LocalDeployment:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(f"{u}\n" for u in urls))
         tmp.replace(path)  # atomic: the head never reads half a list
+
+    @property
+    def head(self) -> Proc:
+        """The head started last."""
+        return self.workers(Role.SERVER)[-1]
+
+    def start_head(self) -> Proc:
+        """Start another head with the same flags and ports (as a restarted pod would); the previous
+        one must have exited. Its log is head-2.log, head-3.log, ..."""
+        log = self.workdir / f"head-{len(self.workers(Role.SERVER)) + 1}.log"
+        proc = Proc(Role.SERVER, self.http, _spawn(self.head_argv, log, self.env), log)
+        self.procs.append(proc)
+        return proc
 
     def client(self, timeout: float = 300) -> httpx.Client:
         return httpx.Client(base_url=self.http, timeout=timeout)
@@ -200,7 +216,9 @@ def local_deployment(
         if null_payload_bytes is not None
         else [py, "-m", "triptych", "serve"]
     )
-    dep = LocalDeployment(http=f"http://127.0.0.1:{http}", scheduler_port=sched, spare=spare_ports)
+    dep = LocalDeployment(
+        http=f"http://127.0.0.1:{http}", scheduler_port=sched, spare=spare_ports, env=env, workdir=workdir
+    )
     if discovery_files:
         dep.endpoint_files = {role: workdir / f"{role.value}.endpoints" for role in ROLES}
     started: dict[Role, int] = {}
@@ -225,6 +243,7 @@ def local_deployment(
             else:
                 spec = ";".join(f"{worker_url_scheme}:{p}" for p in ports[role] + spare_ports[role])
             argv += [f"--{role.value}-urls", spec]
+        dep.head_argv = argv
         log = workdir / "head.log"
         dep.procs.append(Proc(Role.SERVER, dep.http, _spawn(argv, log, env), log))
 
@@ -252,7 +271,8 @@ def wait_until_ready(dep: LocalDeployment, n_workers: int, timeout: float) -> No
     last = ""
     while time.monotonic() < deadline:
         for p in dep.procs:
-            if p.popen.poll() is not None:
+            replaced = p.role is Role.SERVER and p is not dep.head  # an earlier head, restarted since
+            if p.popen.poll() is not None and not replaced:
                 raise RuntimeError(f"{p.role.value} exited with {p.popen.returncode}:\n{p.tail()}")
         try:
             health = httpx.get(f"{dep.http}/health", timeout=2).json()

@@ -25,6 +25,7 @@ from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext
 from triptych_head.backend import GenerationFailed, GenerationOutput
 from triptych_head.model_info import ModelInfo
+from triptych_head.results import Retention
 
 
 class ScriptedBackend:
@@ -71,13 +72,14 @@ def backend():
     return ScriptedBackend()
 
 
-def make_client(backend, tmp_path: Path, kind: str = "video") -> TestClient:
+def make_client(backend, tmp_path: Path, kind: str = "video", retention: Retention | None = None) -> TestClient:
     ctx = HeadContext(
         backend=backend,
         model=ModelInfo("tiny", "WanPipeline" if kind == "video" else "FluxPipeline", kind, 4, 3.5),
         output_path=tmp_path,
         registry=CollectorRegistry(),
         validate=validate,
+        retention=retention or Retention(),
     )
     return TestClient(create_app(ctx))
 

@@ -1,0 +1,84 @@
+"""Results on disk: video jobs and URL images outlive the app that made them; retention removes
+old ones by age and by total bytes, oldest first, never a running job's files."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from tests.api.test_http_api import ScriptedBackend, make_client, wait_for
+from triptych_head.api.schemas import VideoJob
+from triptych_head.results import ResultStore, Retention
+
+VIDEO = {"prompt": "waves", "size": "32x16", "num_frames": 5, "num_inference_steps": 2}
+
+
+def _file(path, nbytes: int, age_s: float) -> None:  # type: ignore[no-untyped-def]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * nbytes)
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+
+
+def test_retention_removes_results_older_than_the_max_age_with_all_their_files(tmp_path):
+    store = ResultStore(tmp_path, Retention(max_age_s=3600, max_bytes=1 << 30))
+    for suffix in (".mp4", ".frames.npy", ".json"):
+        _file(tmp_path / "videos" / f"video_old{suffix}", 10, age_s=7200)
+    _file(tmp_path / "videos" / "video_new.mp4", 10, age_s=60)
+    _file(tmp_path / "images" / "img_old-0.png", 10, age_s=7200)
+    assert sorted(store.sweep()) == ["img_old-0", "video_old"]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["video_new.mp4"]
+
+
+def test_retention_removes_the_oldest_results_until_the_total_fits_and_keeps_running_jobs(tmp_path):
+    store = ResultStore(tmp_path, Retention(max_age_s=3600, max_bytes=250))
+    _file(tmp_path / "videos" / "video_running.json", 100, age_s=400)  # oldest, but still running
+    for i, age in enumerate((300, 200, 100)):
+        _file(tmp_path / "images" / f"img_{i}-0.png", 100, age_s=age)
+    assert store.sweep(keep={"video_running"}) == ["img_0-0", "img_1-0"]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["img_2-0.png", "video_running.json"]
+
+
+def test_a_finished_video_and_a_url_image_are_served_by_the_next_app_on_the_same_path(tmp_path):
+    with make_client(ScriptedBackend(), tmp_path) as first:
+        job = wait_for(first, first.post("/v1/videos", json=VIDEO).json()["id"], "completed")
+        mp4 = first.get(f"/v1/videos/{job['id']}/content").content
+        url = first.post("/v1/images/generations", json={"prompt": "c", "size": "32x32", "response_format": "url"})
+        url = url.json()["data"][0]["url"]
+    with make_client(ScriptedBackend(), tmp_path) as second:
+        assert second.get(f"/v1/videos/{job['id']}").json() == job
+        assert second.get(f"/v1/videos/{job['id']}/content").content == mp4
+        assert second.get(url).content.startswith(b"\x89PNG")
+
+
+def test_a_job_that_was_running_when_its_head_died_reports_failed_with_the_reason(tmp_path):
+    store = ResultStore(tmp_path)
+    running = VideoJob(id="video_x", model="tiny", status="in_progress", created_at=1, size="32x32", num_frames=5,
+                       fps=16, seed=1)  # fmt: skip
+    store.save_job(running)  # what a head that died (SIGKILL) leaves behind
+    with make_client(ScriptedBackend(), tmp_path) as c:
+        job = c.get("/v1/videos/video_x").json()
+        assert job["status"] == "failed" and job["error"]["code"] == "head_restarted"
+        assert "the head restarted while this job was running" in job["error"]["message"]
+        assert c.get("/v1/videos/video_x/content").status_code == 409
+    assert ResultStore(tmp_path).load_jobs()[0].status == "failed"  # saved, so it says so after the next restart too
+
+
+def test_a_job_still_running_when_its_head_shuts_down_is_saved_as_failed(tmp_path):
+    backend = ScriptedBackend()
+    backend.step_delay = 1.0
+    with make_client(backend, tmp_path) as c:
+        job_id = c.post("/v1/videos", json={**VIDEO, "num_inference_steps": 100}).json()["id"]
+    (saved,) = ResultStore(tmp_path).load_jobs()
+    assert saved.id == job_id and saved.status == "failed"
+    assert saved.error is not None and "shut down" in (saved.error["message"] or "")
+
+
+def test_the_app_applies_retention_periodically_and_forgets_removed_jobs(tmp_path):
+    with make_client(ScriptedBackend(), tmp_path, retention=Retention(max_age_s=0.5, max_bytes=1 << 30)) as c:
+        job = wait_for(c, c.post("/v1/videos", json=VIDEO).json()["id"], "completed")
+        deadline = time.monotonic() + 10
+        while c.get(f"/v1/videos/{job['id']}").status_code != 404:
+            assert time.monotonic() < deadline, "retention never removed the finished job"
+            time.sleep(0.1)
+        assert not list((tmp_path / "videos").iterdir())

@@ -1,0 +1,125 @@
+"""DiffusionServer.drain: new requests are refused, accepted ones may finish until the deadline,
+then fail with a reason and release every worker slot; the loop ends within the bound.
+
+Scripted workers over real ZMQ sockets (tests/unit/test_server_slot_safety.py), so a request can
+be held at exactly the point the test needs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from tests.unit.test_server_slot_safety import PARAMS, SESSION, ScriptedWorker
+from triptych.cli import build_parser
+from triptych.config import ServeArgs
+from triptych.localdeploy import deployment_ports
+from triptych.protocol import (
+    CancelWork,
+    RequestEvent,
+    RequestResult,
+    Result,
+    Submit,
+    TransferAlloc,
+    TransferAllocated,
+    TransferPush,
+    TransferPushed,
+    TransferReady,
+    TransferStaged,
+    Work,
+    decode,
+)
+from triptych.protocol import encode as encode_message
+from triptych.roles import Role
+from triptych_head.server import DiffusionServer
+
+ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[DiffusionServer, threading.Thread, zmq.Socket, dict[Role, ScriptedWorker]]]:
+    ctx = zmq.Context()
+    sched, _, ports = deployment_ports(dict.fromkeys(ROLES, 1))
+    workers = {role: ScriptedWorker(ctx, role, sched, ports[role][0]) for role in ROLES}
+    argv = ["serve", "--model-path", "m", "--disagg-role", "server", "--scheduler-port", str(sched)]
+    for role, w in workers.items():
+        argv += [f"--{role.value}-urls", w.url]
+    server = DiffusionServer(ServeArgs.from_namespace(build_parser().parse_args(argv)), ctx=ctx)
+    loop = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+    client = ctx.socket(zmq.DEALER)
+    client.connect(server.frontend_endpoint)
+    deadline = time.monotonic() + 10
+    while not all(server.registry.alive(i) for r in workers for i in server.registry.instances(r)):
+        assert time.monotonic() < deadline, "scripted workers never registered"
+        for w in workers.values():
+            w.pump()
+    try:
+        yield server, loop, client, workers
+    finally:
+        server.stop()
+        loop.join(5)
+        ctx.destroy(linger=0)
+
+
+def reply(client: zmq.Socket) -> object:
+    assert client.poll(5000), "the client heard nothing"
+    msg, _ = decode(client.recv_multipart())
+    return msg
+
+
+def test_a_drain_fails_what_is_left_at_the_deadline_releasing_its_slots_and_ends_the_loop(served):
+    server, loop, client, w = served
+    client.send_multipart(encode_message(Submit("held", PARAMS)))
+    work = w[Role.ENCODER].wait_for(Work)
+    w[Role.ENCODER].send(TransferStaged("held", work.instance, 8, [], {}, 0.0))  # the encoder holds its output
+    w[Role.DENOISER].wait_for(object)  # the head asked the denoiser for a slot, which never answers
+
+    server.drain(0.5)
+    client.send_multipart(encode_message(Submit("late", PARAMS)))
+    refused = reply(client)
+    assert isinstance(refused, RequestEvent) and refused.request_id == "late" and refused.status_code == 503
+    assert "shutting down" in (refused.error or "")
+
+    failed = reply(client)
+    assert isinstance(failed, RequestEvent) and failed.request_id == "held" and failed.status_code == 503
+    assert "--drain-timeout" in (failed.error or "")
+    loop.join(2)
+    assert not loop.is_alive(), "the loop kept running after the drain"
+    for role in (Role.ENCODER, Role.DENOISER):  # the sender's staged output and the receiver's slot
+        assert w[role].wait_for(CancelWork).request_id == "held"
+
+
+def test_a_drain_ends_as_soon_as_the_requests_in_flight_are_done(served):
+    server, loop, client, w = served
+    client.send_multipart(encode_message(Submit("r", PARAMS)))
+    work = w[Role.ENCODER].wait_for(Work)
+    server.drain(30)
+    w[Role.ENCODER].got.clear()
+    assert server.requests["r"].instance == work.instance
+    started = time.monotonic()
+    _finish_request(server, client, w)
+    assert isinstance(reply(client), RequestResult)
+    loop.join(2)
+    assert not loop.is_alive() and time.monotonic() - started < 5
+
+
+def _finish_request(server: DiffusionServer, client: zmq.Socket, w: dict[Role, ScriptedWorker]) -> None:
+    """Drive request "r" from the encoder to the decoder's result with the scripted workers."""
+    manifest = [{"name": "x", "dtype": "uint8", "shape": [8], "offset": 0}]
+    for sender, receiver in ((Role.ENCODER, Role.DENOISER), (Role.DENOISER, Role.DECODER)):
+        src, dst = w[sender], w[receiver]
+        src.send(TransferStaged("r", src.url, 8, manifest, {}, 0.0))
+        alloc = dst.wait_for(TransferAlloc)
+        dst.got.remove(alloc)
+        dst.send(TransferAllocated("r", alloc.instance, SESSION, 4096))
+        push = src.wait_for(TransferPush)
+        src.got.remove(push)
+        src.send(TransferPushed("r", push.instance, 8, 0.0))
+        ready = dst.wait_for(TransferReady)
+        dst.got.remove(ready)
+    w[Role.DECODER].send(Result("r", w[Role.DECODER].url, [], 0.0))
