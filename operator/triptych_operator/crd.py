@@ -14,7 +14,14 @@ from typing import Any
 
 import yaml
 
-from triptych.config import DEFAULT_POOL_SIZE, DEFAULT_TIMEOUT_S, DISPATCH_POLICIES
+from triptych.config import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_POOL_SIZE,
+    DEFAULT_RESULTS_MAX_AGE_S,
+    DEFAULT_RESULTS_MAX_BYTES,
+    DEFAULT_TIMEOUT_S,
+    DISPATCH_POLICIES,
+)
 from triptych.roles import Role
 from triptych_operator.constants import (
     DEFAULT_RDMA_RESOURCE,
@@ -278,6 +285,43 @@ def _transfer() -> Schema:
     )
 
 
+def _size_field(description: str) -> Schema:
+    return {
+        "x-kubernetes-int-or-string": True,
+        "description": description,
+        "x-kubernetes-validations": [
+            {
+                "rule": "type(self) == string ? self.matches('^[0-9]+([KMGT]i?B?)?$') : self >= 1",
+                "message": "a byte count or a size such as 256MiB or 5GiB",
+            }
+        ],
+    }
+
+
+def _results() -> Schema:
+    return _obj(
+        "Where the head keeps finished images (URL responses) and video jobs (--output-path), and for how long.",
+        {
+            "persistentVolumeClaim": _obj(
+                "An existing PVC mounted at the output path, so results outlive the pod; without it an emptyDir. "
+                "ReadWriteOnce is enough for one head.",
+                {"claimName": _str("PVC name.", minLength=1)},
+                required=["claimName"],
+            ),
+            "maxAgeSeconds": _int(
+                "--results-max-age: results older than this are removed.",
+                minimum=1,
+                default=int(DEFAULT_RESULTS_MAX_AGE_S),
+            ),
+            "maxBytes": _size_field(
+                "--results-max-bytes: the oldest results are removed beyond this total, bytes or 5GiB "
+                f"(default {DEFAULT_RESULTS_MAX_BYTES})."
+            ),
+        },
+        default={},
+    )
+
+
 def _head() -> Schema:
     ingress = _obj(
         "Optional Ingress to the head's HTTP API.",
@@ -308,6 +352,13 @@ def _head() -> Schema:
                 "--disagg-dispatch-policy.", enum=list(DISPATCH_POLICIES), default=DISPATCH_POLICIES[0]
             ),
             "timeoutSeconds": _int("--disagg-timeout.", minimum=1, default=int(DEFAULT_TIMEOUT_S)),
+            "drainSeconds": _int(
+                "--drain-timeout: on shutdown or rollout, how long accepted requests may take to finish before "
+                "they fail; the pod's terminationGracePeriodSeconds is set above it.",
+                minimum=0,
+                default=int(DEFAULT_DRAIN_TIMEOUT_S),
+            ),
+            "results": _results(),
             "port": _int("HTTP port.", minimum=1, maximum=65535, default=HEAD_HTTP_PORT),
             "resources": _resources(),
             "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},

@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import kopf
 
+from triptych.config import HEAD_SHUTDOWN_OVERHEAD_S
 from triptych.ports import result_port
 from triptych.roles import Role
 from triptych_operator.constants import (
@@ -47,6 +48,10 @@ STARTUP_GRACE_S = 1800
 PROGRESS_DEADLINE_S = STARTUP_GRACE_S + 600
 PROBE_PERIOD_S = 10
 HEAD_HEALTH_PATH = "/health"  # the head API's liveness route (head/triptych_head/api/system.py)
+HEAD_READY_PATH = "/ready"  # its readiness route: 503 from the moment it drains (SIGTERM)
+HEAD_READY_PERIOD_S = 2
+# Past --drain-timeout the head needs at most HEAD_SHUTDOWN_OVERHEAD_S to exit; this is on top of both.
+HEAD_GRACE_MARGIN_S = 15
 
 
 @dataclass(frozen=True)
@@ -300,6 +305,32 @@ def _head_ports(pipeline: PipelineSpec) -> list[Manifest]:
     return [{**p, "protocol": "TCP"} for p in ports]
 
 
+def _head_probes() -> dict[str, Manifest]:
+    """Liveness (and startup) on /health, which stays 200 while the head drains so it is not killed
+    mid-drain; readiness on /ready, which fails at once on SIGTERM so the api Service drops it."""
+    probes = _probes({"httpGet": {"path": HEAD_HEALTH_PATH, "port": "http"}})
+    probes["readinessProbe"] = {
+        "httpGet": {"path": HEAD_READY_PATH, "port": "http"},
+        "periodSeconds": HEAD_READY_PERIOD_S,
+        "failureThreshold": 1,
+    }
+    return probes
+
+
+def head_termination_grace_seconds(pipeline: PipelineSpec) -> int:
+    """Long enough for the whole drain: --drain-timeout, the head's own shutdown work, and a margin."""
+    return pipeline.head.drain_seconds + int(HEAD_SHUTDOWN_OVERHEAD_S) + HEAD_GRACE_MARGIN_S
+
+
+def head_results_volume(pipeline: PipelineSpec) -> Manifest:
+    """--output-path: the claim the CR names (results survive the pod), else an emptyDir (they survive
+    container restarts only)."""
+    claim = pipeline.head.results.claim_name
+    if claim:
+        return {"name": "outputs", "persistentVolumeClaim": {"claimName": claim}}
+    return {"name": "outputs", "emptyDir": {}}
+
+
 def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
     """The GPU-less head: HTTP API plus the scheduler frontend and result sockets."""
     head = pipeline.head
@@ -314,13 +345,14 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
         "resources": _resources(head.resources, {}),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [*mounts, {"name": "outputs", "mountPath": OUTPUT_MOUNT}],
-        **_probes({"httpGet": {"path": HEAD_HEALTH_PATH, "port": "http"}}),
+        **_head_probes(),
     }
     pod_spec: Manifest = {
         "securityContext": _pod_security(),
         "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": head_termination_grace_seconds(pipeline),
         "containers": [container],
-        "volumes": [*volumes, {"name": "outputs", "emptyDir": {}}],
+        "volumes": [*volumes, head_results_volume(pipeline)],
     }
     if head.node_selector:
         pod_spec["nodeSelector"] = dict(head.node_selector)
@@ -333,7 +365,10 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
         "spec": {
             "replicas": head.replicas,
             "selector": {"matchLabels": labels(pipeline, HEAD_COMPONENT)},
-            # The head owns request state and its ports; two at once would split the workers between them.
+            # A worker serves one head at a time (docs/operator.md, "Head rollouts"): the old head
+            # drains what it accepted, then the new one starts and the workers follow it. A surge
+            # pod would split the workers between two heads, and a ReadWriteOnce results claim
+            # cannot be mounted by both.
             "strategy": {"type": "Recreate"},
             "progressDeadlineSeconds": PROGRESS_DEADLINE_S,
             "template": {"metadata": {"labels": labels(pipeline, HEAD_COMPONENT)}, "spec": pod_spec},
@@ -351,6 +386,9 @@ def head_service(pipeline: PipelineSpec) -> Manifest:
         "spec": {
             "type": "ClusterIP",
             "selector": labels(pipeline, HEAD_COMPONENT),
+            # Workers must keep reaching a draining head (not ready by design) to report the work it
+            # is finishing; readiness governs only the public api Service.
+            "publishNotReadyAddresses": True,
             "ports": [{**p, "protocol": "TCP"} for p in ports],
         },
     }

@@ -13,7 +13,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from triptych.config import DEFAULT_POOL_SIZE, DEFAULT_TIMEOUT_S, DISPATCH_POLICIES, parse_size
+from triptych.config import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_POOL_SIZE,
+    DEFAULT_RESULTS_MAX_AGE_S,
+    DEFAULT_RESULTS_MAX_BYTES,
+    DEFAULT_TIMEOUT_S,
+    DISPATCH_POLICIES,
+    parse_size,
+)
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
 from triptych.roles import Role
 from triptych_operator.constants import (
@@ -146,12 +154,23 @@ class IngressSpec:
 
 
 @dataclass(frozen=True)
+class ResultsSpec:
+    """Where the head keeps finished results and video jobs (--output-path), and for how long."""
+
+    claim_name: str | None = None  # an existing PVC; None: an emptyDir (results last as long as the pod)
+    max_age_seconds: int = int(DEFAULT_RESULTS_MAX_AGE_S)
+    max_bytes: int = DEFAULT_RESULTS_MAX_BYTES
+
+
+@dataclass(frozen=True)
 class HeadSpec:
     replicas: int = 1
     service_type: str = "ClusterIP"
     ingress: IngressSpec = field(default_factory=IngressSpec)
     dispatch_policy: str = "round_robin"
     timeout_seconds: int = int(DEFAULT_TIMEOUT_S)
+    drain_seconds: int = int(DEFAULT_DRAIN_TIMEOUT_S)
+    results: ResultsSpec = field(default_factory=ResultsSpec)
     port: int = HEAD_HTTP_PORT
     resources: Mapping[str, Any] = field(default_factory=dict)
     node_selector: Mapping[str, str] = field(default_factory=dict)
@@ -329,6 +348,24 @@ def _parse_role(role: Role, raw: Mapping[str, Any]) -> RoleSpec:
     )
 
 
+def _size(obj: Mapping[str, Any], key: str, where: str, default: int) -> int:
+    """Bytes from an integer or a size string such as 256MiB."""
+    value = obj.get(key, default)
+    try:
+        return value if isinstance(value, int) and not isinstance(value, bool) else parse_size(str(value))
+    except argparse.ArgumentTypeError as exc:
+        raise SpecError(f"{where}.{key}", str(exc)) from None
+
+
+def _parse_results(raw: Mapping[str, Any], where: str) -> ResultsSpec:
+    claim = _mapping(raw, "persistentVolumeClaim", f"{where}.persistentVolumeClaim").get("claimName")
+    return ResultsSpec(
+        claim_name=str(claim) if claim else None,
+        max_age_seconds=_int(raw, "maxAgeSeconds", where, ResultsSpec.max_age_seconds, minimum=1),
+        max_bytes=_size(raw, "maxBytes", where, ResultsSpec.max_bytes),
+    )
+
+
 def _parse_transfer(raw: Mapping[str, Any]) -> TransferSpec:
     where = "spec.transfer"
     mode = _choice(raw, "mode", where, "tcp", TRANSFER_MODES)
@@ -373,6 +410,8 @@ def _parse_head(raw: Mapping[str, Any]) -> HeadSpec:
         ),
         dispatch_policy=_choice(raw, "dispatchPolicy", where, "round_robin", DISPATCH_POLICIES),
         timeout_seconds=_int(raw, "timeoutSeconds", where, int(DEFAULT_TIMEOUT_S), minimum=1),
+        drain_seconds=_int(raw, "drainSeconds", where, int(DEFAULT_DRAIN_TIMEOUT_S), minimum=0),
+        results=_parse_results(_mapping(raw, "results", f"{where}.results"), f"{where}.results"),
         port=port,
         resources=_mapping(raw, "resources", f"{where}.resources"),
         node_selector=_mapping(raw, "nodeSelector", f"{where}.nodeSelector"),

@@ -9,7 +9,7 @@ import pytest
 
 from tests.operator.helpers import NAMESPACE, OWNER, example, minimal_spec, pipeline
 from triptych.cli import build_parser
-from triptych.config import ServeArgs
+from triptych.config import DEFAULT_DRAIN_TIMEOUT_S, HEAD_SHUTDOWN_OVERHEAD_S, ServeArgs
 from triptych.roles import Role
 from triptych_operator.constants import GPU_RESOURCE, HEAD_SCHEDULER_PORT, WORKER_PORT
 from triptych_operator.manifests import Manifest, render
@@ -104,10 +104,52 @@ def test_worker_probes_check_the_work_port() -> None:
         assert c[probe]["tcpSocket"] == {"port": "work"}
 
 
-def test_head_probes_use_its_health_route() -> None:
+def test_head_is_ready_on_its_readiness_route_and_alive_on_its_health_route() -> None:
     c = container(children()[("Deployment", "wan-t2v-head")])
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):  # /health stays 200 while it drains: never killed mid-drain
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # /ready fails the moment it drains; one failure takes it out of the api Service.
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["readinessProbe"]["failureThreshold"] == 1
+
+
+def test_head_rolls_out_by_draining_the_old_head_before_the_new_one_starts() -> None:
+    deployment = children(minimal_spec(head={"drainSeconds": 300}))[("Deployment", "wan-t2v-head")]
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    args = parse_serve(container(deployment))
+    assert args.drain_timeout == 300
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= 300 + HEAD_SHUTDOWN_OVERHEAD_S + 5, "the kubelet would kill the head mid-drain"
+    assert grace <= 300 + 60
+
+
+def test_head_drain_defaults_to_the_cli_default() -> None:
+    deployment = children(minimal_spec())[("Deployment", "wan-t2v-head")]
+    assert parse_serve(container(deployment)).drain_timeout == DEFAULT_DRAIN_TIMEOUT_S
+
+
+def test_workers_reach_a_draining_head_through_its_internal_service() -> None:
+    assert children()[("Service", "wan-t2v-head")]["spec"]["publishNotReadyAddresses"] is True
+    assert "publishNotReadyAddresses" not in children()[("Service", "wan-t2v-api")]["spec"]
+
+
+def _outputs_volume(spec: dict[str, Any]) -> Manifest:
+    pod = children(spec)[("Deployment", "wan-t2v-head")]["spec"]["template"]["spec"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "outputs")
+    assert mount["mountPath"] == parse_serve(pod["containers"][0]).output_path
+    return next(v for v in pod["volumes"] if v["name"] == "outputs")
+
+
+def test_head_results_live_on_the_claim_the_cr_names_with_its_retention() -> None:
+    results = {"persistentVolumeClaim": {"claimName": "dp-results"}, "maxAgeSeconds": 3600, "maxBytes": "2GiB"}
+    spec = minimal_spec(head={"results": results})
+    assert _outputs_volume(spec) == {"name": "outputs", "persistentVolumeClaim": {"claimName": "dp-results"}}
+    args = parse_serve(container(children(spec)[("Deployment", "wan-t2v-head")]))
+    assert (args.results_max_age, args.results_max_bytes) == (3600, 2 << 30)
+
+
+def test_head_results_default_to_an_empty_dir() -> None:
+    assert _outputs_volume(minimal_spec()) == {"name": "outputs", "emptyDir": {}}
 
 
 def test_head_service_exposes_http_and_the_result_ports_workers_push_to() -> None:

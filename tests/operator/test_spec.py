@@ -119,3 +119,15 @@ def test_names_that_cannot_prefix_service_names_are_rejected(name: str) -> None:
 def test_autoscaling_and_drain_bounds(section: dict, field: str) -> None:
     with pytest.raises(SpecError, match=field):
         pipeline(minimal_spec(denoiser=section))
+
+
+@pytest.mark.parametrize(
+    ("head", "field"),
+    [
+        ({"drainSeconds": -1}, "spec.head.drainSeconds"),
+        ({"results": {"maxBytes": "lots"}}, "spec.head.results.maxBytes"),
+        ({"results": {"maxAgeSeconds": 0}}, "spec.head.results.maxAgeSeconds"),
+    ],
+)
+def test_head_drain_and_results_fields_are_checked_naming_the_field(head: dict, field: str) -> None:
+    assert error_for(minimal_spec(head=head)).field == field
