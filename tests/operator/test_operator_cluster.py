@@ -165,6 +165,27 @@ def test_rdma_pipeline_pins_gpus_and_rdma_devices(crd: KubeCluster, kube_namespa
     assert "rdma/ib" in degraded["message"]
 
 
+def test_head_drains_before_its_successor_starts_and_keeps_results_on_the_claim(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    ns = kube_namespace
+    results = {"persistentVolumeClaim": {"claimName": "drain-results"}, "maxBytes": "1GiB"}
+    apply(crd, ns, pipeline_manifest("drain", head={"drainSeconds": 45, "results": results}))
+    objs = poll(
+        lambda: (o := children(crd, ns, "drain")) and "Deployment/drain-head" in o and o,
+        timeout=60,
+        what="the head Deployment",
+    )
+    head = objs["Deployment/drain-head"]
+    pod = head["spec"]["template"]["spec"]
+    assert head["spec"]["strategy"]["type"] == "Recreate"
+    assert 45 + 15 <= pod["terminationGracePeriodSeconds"] <= 45 + 60
+    assert container(head)["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container(head)["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert {"name": "outputs", "persistentVolumeClaim": {"claimName": "drain-results"}} in pod["volumes"]
+    assert objs["Service/drain-head"]["spec"]["publishNotReadyAddresses"] is True
+
+
 def test_editing_one_role_rolls_only_that_role(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:
     ns = kube_namespace
     apply(crd, ns, pipeline_manifest("edit"))
