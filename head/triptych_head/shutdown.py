@@ -109,6 +109,7 @@ def in_process_drain(ctx: HeadContext) -> tuple[Drain, Callable[[], None]]:
             await asyncio.wait_for(_until_idle(ctx, hurry), seconds)
         except TimeoutError:
             pass
+        ctx.drain_expired = True
         for request_id in list(ctx.active):
             await ctx.backend.cancel(request_id)
 

@@ -41,6 +41,7 @@ class HeadContext:
     drain_seconds: float = DEFAULT_DRAIN_TIMEOUT_S
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM: readiness fails and new requests are refused (shutdown.py)
+    drain_expired: bool = False  # the drain time is over: what is still running is being cancelled
     active: set[str] = field(default_factory=set)  # request ids being generated right now
 
     def __post_init__(self) -> None:
@@ -92,6 +93,14 @@ class HeadContext:
         try:
             return await self.backend.generate(request_id, params, on_event)
         except GenerationFailed as exc:
+            if self.drain_expired and exc.state == "CANCELLED":  # the shutdown cancelled it, not the client
+                raise APIError(
+                    503,
+                    f"the head shut down before this request finished (it had {self.drain_seconds:g}s to drain, "
+                    "--drain-timeout); retry it",
+                    code="failed",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                ) from None
             status = exc.status_code if exc.status_code >= 400 else 500
             headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 and self.draining else None
             raise APIError(status, str(exc), code=exc.state.lower(), headers=headers) from None
