@@ -312,7 +312,8 @@ def _head_probes() -> dict[str, Manifest]:
     probes["readinessProbe"] = {
         "httpGet": {"path": HEAD_READY_PATH, "port": "http"},
         "periodSeconds": HEAD_READY_PERIOD_S,
-        "failureThreshold": 1,
+        "timeoutSeconds": HEAD_READY_PERIOD_S,
+        "failureThreshold": 2,  # out of the api Service within 4 s; one slow answer is not enough
     }
     return probes
 

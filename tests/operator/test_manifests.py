@@ -108,9 +108,10 @@ def test_head_is_ready_on_its_readiness_route_and_alive_on_its_health_route() ->
     c = container(children()[("Deployment", "wan-t2v-head")])
     for probe in ("startupProbe", "livenessProbe"):  # /health stays 200 while it drains: never killed mid-drain
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
-    # /ready fails the moment it drains; one failure takes it out of the api Service.
-    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
-    assert c["readinessProbe"]["failureThreshold"] == 1
+    # /ready fails the moment it drains; the api Service drops it within seconds.
+    ready = c["readinessProbe"]
+    assert ready["httpGet"] == {"path": "/ready", "port": "http"}
+    assert ready["periodSeconds"] * ready["failureThreshold"] <= 5
 
 
 def test_head_rolls_out_by_draining_the_old_head_before_the_new_one_starts() -> None:
