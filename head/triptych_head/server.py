@@ -187,10 +187,6 @@ class DiffusionServer:
         else:
             self._drain_deadline = min(self._drain_deadline, deadline)
 
-    @property
-    def draining(self) -> bool:
-        return self._drain_deadline is not None
-
     def _drained(self, now: float, deadline: float) -> bool:
         """While draining: past the deadline fail what is left (releasing its slots); True once
         no request and no receive slot is held any more."""
@@ -202,7 +198,7 @@ class DiffusionServer:
             for rec in list(self.requests.values()):
                 self._finish(rec, RequestState.FAILED, reason, status_code=503)
             for rid in list(self._held_slots):
-                self._release_held(rid)  # the sender's late write lands in a slot no later request of ours uses
+                self._release_held(rid)  # as at its own timeout: this head is going and would never free it
         return not self.requests and not self._held_slots
 
     def _drain(self, sock: zmq.Socket, role: Role | None) -> None:
