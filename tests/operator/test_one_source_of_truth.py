@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tests.operator.helpers import EXAMPLES, REPO
-from triptych.config import DISPATCH_POLICIES
+from triptych.config import DISPATCH_POLICIES, ServeArgs
 from triptych_operator import crd
 from triptych_operator.constants import HEAD_HTTP_PORT, PIPELINE_ROLES
 from triptych_operator.spec import (
@@ -83,3 +83,12 @@ def test_autoscaling_and_drain_defaults_are_the_operators() -> None:
         assert auto["scaleDownStabilizationSeconds"]["default"] == DEFAULT_SCALE_DOWN_STABILIZATION_S
         for name in DEPRECATED_AUTOSCALING_FIELDS:  # kept so existing CRs still apply, documented as ignored
             assert "ignored" in auto[name]["description"]
+
+
+def test_head_drain_and_retention_defaults_are_the_cli_defaults() -> None:
+    defaults = ServeArgs(model_path="")
+    head = schema()["properties"]["spec"]["properties"]["head"]["properties"]
+    assert head["drainSeconds"]["default"] == defaults.drain_timeout
+    results = head["results"]["properties"]
+    assert results["maxAgeSeconds"]["default"] == defaults.results_max_age
+    assert str(defaults.results_max_bytes) in results["maxBytes"]["description"]
