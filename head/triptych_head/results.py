@@ -73,9 +73,14 @@ class ResultStore:
         jobs = []
         for path in sorted((self.root / VIDEOS).glob("*.json")):
             try:
-                jobs.append(VideoJob.model_validate_json(path.read_bytes()))
+                job = VideoJob.model_validate_json(path.read_bytes())
             except (OSError, ValueError) as exc:
                 log.warning("skipping unreadable video job %s: %s", path, exc)
+                continue
+            if job.id != path.stem:  # its id names its files: never follow one elsewhere
+                log.warning("skipping video job %s: it names itself %r", path, job.id)
+                continue
+            jobs.append(job)
         return sorted(jobs, key=lambda j: j.created_at)
 
     def delete(self, key: str) -> None:

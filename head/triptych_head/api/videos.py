@@ -59,8 +59,12 @@ class VideoJobs:
             self._jobs[job.id] = JobEntry(job, path=path if job.status == "completed" else None)
 
     def save(self, entry: JobEntry) -> None:
-        if self.store is not None:
+        if self.store is None:
+            return
+        try:
             self.store.save_job(entry.job)
+        except OSError:  # a full or read-only volume: the job still runs, it just will not survive a restart
+            log.exception("could not save video job %s", entry.job.id)
 
     def add(self, entry: JobEntry) -> None:
         if len(self._jobs) >= MAX_JOBS:
