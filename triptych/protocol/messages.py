@@ -82,7 +82,7 @@ class RequestResult(Message, tag="result", frozen=True):
 
 class Ping(Message, tag="ping", frozen=True):
     instance: str
-    head_id: str = ""  # changes when the head restarts; standing slots of the old head are dropped
+    head_id: str = ""  # new for each head process; a worker drops all it held for the previous one
     # The head has seen this worker's draining heartbeat and dispatches nothing more to it; every
     # message it sent before this ping has already arrived (one connection keeps them in order).
     drain_acknowledged: bool = False

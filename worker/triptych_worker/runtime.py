@@ -164,7 +164,7 @@ class Worker:
         self._staged: dict[str, Allocation] = {}  # outputs waiting for their transfer_push
         self._slots: dict[str, Allocation] = {}
         self._standing: dict[int, Allocation] = {}  # preallocated receive slots the head assigns by address
-        self._head_id = ""  # the head whose slot bookkeeping the standing slots belong to
+        self._head_id = ""  # the head this worker serves (Ping.head_id); all it holds is for that head
         self._outstanding: set[str] = set()  # accepted requests whose stages have not finished
         self._owes_heartbeat = False  # a refusal is pending: report freed pool space right away
         self._cancelled: OrderedDict[str, None] = OrderedDict()
