@@ -1,8 +1,8 @@
 """DiffusionServer.drain: new requests are refused, accepted ones may finish until the deadline,
 then fail with a reason and release every worker slot; the loop ends within the bound.
 
-Scripted workers over real ZMQ sockets (tests/unit/test_server_slot_safety.py), so a request can
-be held at exactly the point the test needs.
+Scripted workers over real ZMQ sockets (tests/unit/scripted.py), so a request can be held at
+exactly the point the test needs; the loop runs in a thread of the test's own, to see it end.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from tests.unit.test_server_slot_safety import PARAMS, SESSION, ScriptedWorker
+from tests.unit.scripted import PARAMS, ROLES, SESSION, ScriptedWorker
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
 from triptych.localdeploy import deployment_ports
@@ -36,8 +36,6 @@ from triptych.protocol import (
 from triptych.protocol import encode as encode_message
 from triptych.roles import Role
 from triptych_head.server import DiffusionServer
-
-ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER)
 
 
 @pytest.fixture
