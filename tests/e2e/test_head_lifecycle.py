@@ -62,7 +62,7 @@ def test_sigterm_with_a_request_stuck_waiting_exits_0_within_the_drain_bound(flu
         wait_for(lambda: not c.get("/health").json()["workers"]["decoder"][0]["alive"], 10, "decoder seen gone")
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             stuck = pool.submit(image, c)
-            wait_for(lambda: metric(c, "triptych_queue_depth") >= 1, 10, "request queued for the decoder")
+            wait_for(lambda: metric(c, "triptych_role_queued_requests") >= 1, 10, "request queued for the decoder")
             took = sigterm_and_wait(dep, 2 + HEAD_SHUTDOWN_OVERHEAD_S)
             r = stuck.result(10)
         assert took >= 1.5, "the head did not give the request its drain time"
