@@ -14,10 +14,10 @@ from triptych.roles import Role
 MIB = 1 << 20
 DEFAULT_POOL_SIZE = 256 * MIB
 DEFAULT_TIMEOUT_S = 600.0
-# On SIGTERM the head lets accepted requests finish for this long (an image takes seconds; raise it
-# for long videos), then fails the rest and exits; it needs at most HEAD_SHUTDOWN_OVERHEAD_S more to
-# answer the last clients and save video jobs.
-DEFAULT_DRAIN_TIMEOUT_S = 120.0
+# --disagg-drain-timeout: on SIGTERM a head or worker lets the work it accepted finish for this long
+# (as long as --disagg-timeout lets a request live). The head then fails the rest and needs at most
+# HEAD_SHUTDOWN_OVERHEAD_S more to answer the last clients and save video jobs.
+DEFAULT_DRAIN_TIMEOUT_S = 600.0
 HEAD_SHUTDOWN_OVERHEAD_S = 15.0
 DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
 DEFAULT_RESULTS_MAX_BYTES = 5 << 30
@@ -112,7 +112,6 @@ class ServeArgs:
     disagg_max_retries: int = 2
     disagg_discovery_interval: float = 5.0
     disagg_no_instance_wait: float = 120.0
-    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     results_max_age: float = DEFAULT_RESULTS_MAX_AGE_S
     results_max_bytes: int = DEFAULT_RESULTS_MAX_BYTES
     master_port: int | None = None
@@ -129,7 +128,7 @@ class ServeArgs:
     decoder_sp: int | None = None
     worker_capacity: int = 2
     log_level: str = "info"
-    disagg_drain_timeout: float = 600.0
+    disagg_drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     simulate: bool = False
     simulate_seconds: float | None = None
     simulate_seconds_per_unit: float | None = None
@@ -202,8 +201,6 @@ class ServeArgs:
             raise ConfigError(f"--disagg-max-retries {self.disagg_max_retries} must be >= 0 (0: never retry)")
         if self.disagg_no_instance_wait <= 0:
             raise ConfigError(f"--disagg-no-instance-wait {self.disagg_no_instance_wait} must be > 0 seconds")
-        if self.drain_timeout < 0:
-            raise ConfigError(f"--drain-timeout {self.drain_timeout} must be >= 0 seconds")
         if self.results_max_age <= 0:
             raise ConfigError(f"--results-max-age {self.results_max_age} must be > 0 seconds")
         if self.num_gpus < 1 or self.base_gpu_id < 0:
@@ -310,8 +307,6 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--output-path", default=d.output_path,
       help="head/monolithic: where finished images (URL responses) and video jobs are kept; mount a "
            "persistent volume here for them to survive a restart")  # fmt: skip
-    a("--drain-timeout", type=float, default=d.drain_timeout,
-      help="head: on SIGTERM, seconds accepted requests may take to finish before they fail and it exits")  # fmt: skip
     a("--results-max-age", type=float, default=d.results_max_age,
       help="head: seconds a finished result is kept under --output-path (default one day)")  # fmt: skip
     a("--results-max-bytes", type=parse_size, default=d.results_max_bytes,
@@ -324,7 +319,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
       help="worker: requests it holds at once (one running, the rest prefetched)")  # fmt: skip
     a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     a("--disagg-drain-timeout", type=float, default=d.disagg_drain_timeout,
-      help="worker: on SIGTERM, seconds to finish held work before exiting")  # fmt: skip
+      help="head and worker: on SIGTERM, seconds to finish accepted work before exiting "
+           "(the head fails what is left with a 503)")  # fmt: skip
     a("--simulate", action="store_true",
       help="worker: load no model; each stage sleeps a modelled time and emits the tensors --model-path's family "
            "would (shapes from its configs), through the real pool and Mooncake transfers")  # fmt: skip

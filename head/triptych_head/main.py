@@ -50,7 +50,7 @@ def run_head(args: ServeArgs) -> int:
         health=lambda: {"mode": "disaggregated", "workers": server.registry.snapshot()},
         ready=loop.is_alive,
         retention=_retention(args),
-        drain_seconds=args.drain_timeout,
+        drain_seconds=args.disagg_drain_timeout,
     )
     drain, hurry = disaggregated_drain(server, loop)
     try:
@@ -74,7 +74,7 @@ def run_monolithic(args: ServeArgs) -> int:
         validate=pipeline.validate,
         health=lambda: {"mode": "monolithic"},
         retention=_retention(args),
-        drain_seconds=args.drain_timeout,
+        drain_seconds=args.disagg_drain_timeout,
     )
     drain, hurry = in_process_drain(ctx)
     serve_http(create_app(ctx), ctx, args.host, args.port, args.log_level, drain, hurry)

@@ -193,7 +193,7 @@ class DiffusionServer:
         if now >= deadline:
             reason = (
                 f"the head shut down before this request finished (it had {self._drain_seconds:g}s to drain, "
-                "--drain-timeout); its worker slots were released; retry it"
+                "--disagg-drain-timeout); its worker slots were released; retry it"
             )
             for rec in list(self.requests.values()):
                 self._finish(rec, RequestState.FAILED, reason, status_code=503)

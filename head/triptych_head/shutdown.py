@@ -2,12 +2,12 @@
 
 1. At once: /ready answers 503 (the Service stops sending it traffic) and new generation
    requests get 503 with Retry-After.
-2. Accepted requests have --drain-timeout seconds to finish; whatever is left then fails with a
+2. Accepted requests have --disagg-drain-timeout seconds to finish; whatever is left then fails with a
    503 saying so, and every worker slot it held is released (DiffusionServer.drain).
 3. The HTTP server lets the last responses go out, video jobs are saved, and the process exits 0.
 
 A second signal brings the deadline forward to now. However its requests are stuck, the head is
-gone within --drain-timeout + HEAD_SHUTDOWN_OVERHEAD_S.
+gone within --disagg-drain-timeout + HEAD_SHUTDOWN_OVERHEAD_S.
 """
 
 from __future__ import annotations

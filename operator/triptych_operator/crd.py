@@ -353,9 +353,9 @@ def _head() -> Schema:
             ),
             "timeoutSeconds": _int("--disagg-timeout.", minimum=1, default=int(DEFAULT_TIMEOUT_S)),
             "drainSeconds": _int(
-                "--drain-timeout: on shutdown or rollout, how long accepted requests may take to finish before "
-                "they fail; the pod's terminationGracePeriodSeconds is set above it.",
-                minimum=0,
+                "--disagg-drain-timeout of the head: on shutdown or rollout, how long accepted requests may take to "
+                "finish before they fail; the pod's terminationGracePeriodSeconds is set above it.",
+                minimum=1,
                 default=int(DEFAULT_DRAIN_TIMEOUT_S),
             ),
             "results": _results(),

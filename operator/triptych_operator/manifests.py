@@ -50,7 +50,7 @@ PROBE_PERIOD_S = 10
 HEAD_HEALTH_PATH = "/health"  # the head API's liveness route (head/triptych_head/api/system.py)
 HEAD_READY_PATH = "/ready"  # its readiness route: 503 from the moment it drains (SIGTERM)
 HEAD_READY_PERIOD_S = 2
-# Past --drain-timeout the head needs at most HEAD_SHUTDOWN_OVERHEAD_S to exit; this is on top of both.
+# Past --disagg-drain-timeout the head needs at most HEAD_SHUTDOWN_OVERHEAD_S to exit; this is on top of both.
 HEAD_GRACE_MARGIN_S = 15
 
 
@@ -319,7 +319,7 @@ def _head_probes() -> dict[str, Manifest]:
 
 
 def head_termination_grace_seconds(pipeline: PipelineSpec) -> int:
-    """Long enough for the whole drain: --drain-timeout, the head's own shutdown work, and a margin."""
+    """Long enough for the whole drain: --disagg-drain-timeout, the head's own shutdown work, and a margin."""
     return pipeline.head.drain_seconds + int(HEAD_SHUTDOWN_OVERHEAD_S) + HEAD_GRACE_MARGIN_S
 
 

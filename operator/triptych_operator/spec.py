@@ -410,7 +410,7 @@ def _parse_head(raw: Mapping[str, Any]) -> HeadSpec:
         ),
         dispatch_policy=_choice(raw, "dispatchPolicy", where, "round_robin", DISPATCH_POLICIES),
         timeout_seconds=_int(raw, "timeoutSeconds", where, int(DEFAULT_TIMEOUT_S), minimum=1),
-        drain_seconds=_int(raw, "drainSeconds", where, int(DEFAULT_DRAIN_TIMEOUT_S), minimum=0),
+        drain_seconds=_int(raw, "drainSeconds", where, int(DEFAULT_DRAIN_TIMEOUT_S), minimum=1),
         results=_parse_results(_mapping(raw, "results", f"{where}.results"), f"{where}.results"),
         port=port,
         resources=_mapping(raw, "resources", f"{where}.resources"),

@@ -1,6 +1,6 @@
 """The head stops, restarts and hands its workers over without losing what it accepted.
 
-Real processes (null workers): SIGTERM drains within --drain-timeout whatever state requests are
+Real processes (null workers): SIGTERM drains within --disagg-drain-timeout whatever state requests are
 in; a restarted head finds every worker's pool free within one heartbeat; finished results and
 video jobs outlive the head that made them.
 """
@@ -56,7 +56,7 @@ def wait_for(predicate, timeout: float, what: str):  # type: ignore[no-untyped-d
 
 def test_sigterm_with_a_request_stuck_waiting_exits_0_within_the_drain_bound(flux, tmp_path):
     # The decoder's only worker is gone: a request waits for it, and would for --disagg-timeout (600 s).
-    flags = ("--drain-timeout", "2", "--disagg-heartbeat-timeout", "1")
+    flags = ("--disagg-drain-timeout", "2", "--disagg-heartbeat-timeout", "1")
     with deployment(flux, tmp_path, null_payload=4096, head_flags=flags) as dep, dep.client(timeout=60) as c:
         dep.workers(Role.DECODER)[0].kill()
         wait_for(lambda: not c.get("/health").json()["workers"]["decoder"][0]["alive"], 10, "decoder seen gone")
@@ -68,11 +68,11 @@ def test_sigterm_with_a_request_stuck_waiting_exits_0_within_the_drain_bound(flu
         assert took >= 1.5, "the head did not give the request its drain time"
         assert r.status_code == 503, r.text
         message = r.json()["error"]["message"]
-        assert "shut down" in message and "--drain-timeout" in message, message
+        assert "shut down" in message and "--disagg-drain-timeout" in message, message
 
 
 def test_sigterm_lets_requests_in_flight_finish_and_refuses_new_ones(flux, tmp_path):
-    flags = ("--drain-timeout", "30")
+    flags = ("--disagg-drain-timeout", "30")
     with deployment(flux, tmp_path, null_payload=4096, head_flags=flags, worker_flags=STEPS_1S) as dep:
         with dep.client(timeout=60) as c, concurrent.futures.ThreadPoolExecutor(3) as pool:
             assert c.get("/ready").status_code == 200
@@ -88,7 +88,7 @@ def test_sigterm_lets_requests_in_flight_finish_and_refuses_new_ones(flux, tmp_p
 
 
 def test_a_head_restart_under_traffic_loses_no_accepted_request(flux, tmp_path):
-    flags = ("--drain-timeout", "30")
+    flags = ("--disagg-drain-timeout", "30")
     worker_flags = ("--step-seconds", "0.02")
     with deployment(flux, tmp_path, null_payload=4096, head_flags=flags, worker_flags=worker_flags) as dep:
         stop = threading.Event()

@@ -118,7 +118,7 @@ def test_head_rolls_out_by_draining_the_old_head_before_the_new_one_starts() -> 
     deployment = children(minimal_spec(head={"drainSeconds": 300}))[("Deployment", "wan-t2v-head")]
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     args = parse_serve(container(deployment))
-    assert args.drain_timeout == 300
+    assert args.disagg_drain_timeout == 300
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace >= 300 + HEAD_SHUTDOWN_OVERHEAD_S + 5, "the kubelet would kill the head mid-drain"
     assert grace <= 300 + 60
@@ -126,7 +126,7 @@ def test_head_rolls_out_by_draining_the_old_head_before_the_new_one_starts() -> 
 
 def test_head_drain_defaults_to_the_cli_default() -> None:
     deployment = children(minimal_spec())[("Deployment", "wan-t2v-head")]
-    assert parse_serve(container(deployment)).drain_timeout == DEFAULT_DRAIN_TIMEOUT_S
+    assert parse_serve(container(deployment)).disagg_drain_timeout == DEFAULT_DRAIN_TIMEOUT_S
 
 
 def test_workers_reach_a_draining_head_through_its_internal_service() -> None:

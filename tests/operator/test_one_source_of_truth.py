@@ -88,7 +88,7 @@ def test_autoscaling_and_drain_defaults_are_the_operators() -> None:
 def test_head_drain_and_retention_defaults_are_the_cli_defaults() -> None:
     defaults = ServeArgs(model_path="")
     head = schema()["properties"]["spec"]["properties"]["head"]["properties"]
-    assert head["drainSeconds"]["default"] == defaults.drain_timeout
+    assert head["drainSeconds"]["default"] == defaults.disagg_drain_timeout
     results = head["results"]["properties"]
     assert results["maxAgeSeconds"]["default"] == defaults.results_max_age
     assert str(defaults.results_max_bytes) in results["maxBytes"]["description"]

@@ -50,7 +50,6 @@ def test_urls_are_semicolon_separated_and_pool_size_takes_units():
         (["--disagg-role", "decoder", "--disagg-server-addr", "tcp://h:1", "--encoder-urls", "tcp://a:1"],
          "--encoder-urls"),
         (["--disagg-timeout", "0"], "--disagg-timeout"),
-        (["--drain-timeout", "-1"], "--drain-timeout"),
         (["--results-max-age", "0"], "--results-max-age"),
         (["--disagg-transfer-pool-size", "1000"], "--disagg-transfer-pool-size"),
         (["--scheduler-port", "70000"], "--scheduler-port"),

@@ -85,7 +85,7 @@ def test_a_drain_fails_what_is_left_at_the_deadline_releasing_its_slots_and_ends
 
     failed = reply(client)
     assert isinstance(failed, RequestEvent) and failed.request_id == "held" and failed.status_code == 503
-    assert "--drain-timeout" in (failed.error or "")
+    assert "--disagg-drain-timeout" in (failed.error or "")
     loop.join(2)
     assert not loop.is_alive(), "the loop kept running after the drain"
     for role in (Role.ENCODER, Role.DENOISER):  # the sender's staged output and the receiver's slot

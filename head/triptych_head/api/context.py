@@ -97,7 +97,7 @@ class HeadContext:
                 raise APIError(
                     503,
                     f"the head shut down before this request finished (it had {self.drain_seconds:g}s to drain, "
-                    "--drain-timeout); retry it",
+                    "--disagg-drain-timeout); retry it",
                     code="failed",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 ) from None
