@@ -15,7 +15,6 @@ from typing import Any
 import yaml
 
 from triptych.config import (
-    DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_POOL_SIZE,
     DEFAULT_RESULTS_MAX_AGE_S,
     DEFAULT_RESULTS_MAX_BYTES,
@@ -38,12 +37,15 @@ from triptych_operator.constants import (
 )
 from triptych_operator.spec import (
     DEFAULT_DRAIN_SECONDS,
+    DEFAULT_HEAD_DRAIN_SECONDS,
     DEFAULT_SCALE_DOWN_STABILIZATION_S,
     DEFAULT_TARGET_WORK_SECONDS,
     DEFAULT_TOKEN_KEY,
     DRAIN_MARGIN_S,
+    HEAD_DRAIN_MARGIN_S,
     MAX_STABILIZATION_S,
     MIN_DRAIN_SECONDS,
+    MIN_HEAD_DRAIN_SECONDS,
     NAME_PATTERN,
     PARALLEL_DEGREES,
     ROLE_DEGREES,
@@ -353,10 +355,11 @@ def _head() -> Schema:
             ),
             "timeoutSeconds": _int("--disagg-timeout.", minimum=1, default=int(DEFAULT_TIMEOUT_S)),
             "drainSeconds": _int(
-                "--disagg-drain-timeout of the head: on shutdown or rollout, how long accepted requests may take to "
-                "finish before they fail; the pod's terminationGracePeriodSeconds is set above it.",
-                minimum=1,
-                default=int(DEFAULT_DRAIN_TIMEOUT_S),
+                "The head pod's terminationGracePeriodSeconds. On SIGTERM (rollout, deletion) it stops taking "
+                "requests and lets accepted ones finish until this minus "
+                f"{HEAD_DRAIN_MARGIN_S} s (--disagg-drain-timeout), then fails the rest and exits.",
+                minimum=MIN_HEAD_DRAIN_SECONDS,
+                default=DEFAULT_HEAD_DRAIN_SECONDS,
             ),
             "results": _results(),
             "port": _int("HTTP port.", minimum=1, maximum=65535, default=HEAD_HTTP_PORT),

@@ -13,7 +13,6 @@ from typing import Any, cast
 
 import kopf
 
-from triptych.config import HEAD_SHUTDOWN_OVERHEAD_S
 from triptych.ports import result_port
 from triptych.roles import Role
 from triptych_operator.constants import (
@@ -50,8 +49,6 @@ PROBE_PERIOD_S = 10
 HEAD_HEALTH_PATH = "/health"  # the head API's liveness route (head/triptych_head/api/system.py)
 HEAD_READY_PATH = "/ready"  # its readiness route: 503 from the moment it drains (SIGTERM)
 HEAD_READY_PERIOD_S = 2
-# Past --disagg-drain-timeout the head needs at most HEAD_SHUTDOWN_OVERHEAD_S to exit; this is on top of both.
-HEAD_GRACE_MARGIN_S = 15
 
 
 @dataclass(frozen=True)
@@ -319,8 +316,9 @@ def _head_probes() -> dict[str, Manifest]:
 
 
 def head_termination_grace_seconds(pipeline: PipelineSpec) -> int:
-    """Long enough for the whole drain: --disagg-drain-timeout, the head's own shutdown work, and a margin."""
-    return pipeline.head.drain_seconds + int(HEAD_SHUTDOWN_OVERHEAD_S) + HEAD_GRACE_MARGIN_S
+    """drainSeconds, as for the roles: the head's --disagg-drain-timeout ends HEAD_DRAIN_MARGIN_S
+    earlier, which covers its own shutdown work (HEAD_SHUTDOWN_OVERHEAD_S) with room to spare."""
+    return pipeline.head.drain_seconds
 
 
 def head_results_volume(pipeline: PipelineSpec) -> Manifest:

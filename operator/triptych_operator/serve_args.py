@@ -82,7 +82,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         disagg_timeout=float(pipeline.head.timeout_seconds),
         disagg_dispatch_policy=pipeline.head.dispatch_policy,
         output_path=OUTPUT_MOUNT,
-        disagg_drain_timeout=float(pipeline.head.drain_seconds),
+        disagg_drain_timeout=float(pipeline.head.drain_timeout_seconds),
         results_max_age=float(pipeline.head.results.max_age_seconds),
         results_max_bytes=pipeline.head.results.max_bytes,
         **urls,  # type: ignore[arg-type]

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triptych.config import (
-    DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_POOL_SIZE,
     DEFAULT_RESULTS_MAX_AGE_S,
     DEFAULT_RESULTS_MAX_BYTES,
     DEFAULT_TIMEOUT_S,
     DISPATCH_POLICIES,
+    HEAD_SHUTDOWN_OVERHEAD_S,
     parse_size,
 )
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
@@ -56,6 +56,11 @@ DEFAULT_DRAIN_SECONDS: dict[Role, int] = {Role.ENCODER: 120, Role.DENOISER: 900,
 # The worker's own deadline is this much earlier, so it exits before the kubelet's SIGKILL.
 DRAIN_MARGIN_S = 15
 MIN_DRAIN_SECONDS = 2 * DRAIN_MARGIN_S
+# The head's drainSeconds means the same (its terminationGracePeriodSeconds); its own deadline leaves
+# room for answering the last clients and saving video jobs (HEAD_SHUTDOWN_OVERHEAD_S) as well.
+HEAD_DRAIN_MARGIN_S = int(HEAD_SHUTDOWN_OVERHEAD_S) + DRAIN_MARGIN_S
+DEFAULT_HEAD_DRAIN_SECONDS = 600
+MIN_HEAD_DRAIN_SECONDS = 2 * HEAD_DRAIN_MARGIN_S
 # Accepted and ignored (the per-pod queue-depth metric they configured was never exported).
 DEPRECATED_AUTOSCALING_FIELDS = ("targetQueueDepth", "metricName")
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
@@ -169,7 +174,8 @@ class HeadSpec:
     ingress: IngressSpec = field(default_factory=IngressSpec)
     dispatch_policy: str = "round_robin"
     timeout_seconds: int = int(DEFAULT_TIMEOUT_S)
-    drain_seconds: int = int(DEFAULT_DRAIN_TIMEOUT_S)
+    # terminationGracePeriodSeconds; the head's --disagg-drain-timeout is HEAD_DRAIN_MARGIN_S less.
+    drain_seconds: int = DEFAULT_HEAD_DRAIN_SECONDS
     results: ResultsSpec = field(default_factory=ResultsSpec)
     port: int = HEAD_HTTP_PORT
     resources: Mapping[str, Any] = field(default_factory=dict)
@@ -177,6 +183,11 @@ class HeadSpec:
     tolerations: Sequence[Mapping[str, Any]] = ()
     extra_args: Sequence[str] = ()
     env: Sequence[Mapping[str, Any]] = ()
+
+    @property
+    def drain_timeout_seconds(self) -> int:
+        """The head's own deadline for the requests it accepted, after SIGTERM."""
+        return self.drain_seconds - HEAD_DRAIN_MARGIN_S
 
 
 @dataclass(frozen=True)
@@ -410,7 +421,7 @@ def _parse_head(raw: Mapping[str, Any]) -> HeadSpec:
         ),
         dispatch_policy=_choice(raw, "dispatchPolicy", where, "round_robin", DISPATCH_POLICIES),
         timeout_seconds=_int(raw, "timeoutSeconds", where, int(DEFAULT_TIMEOUT_S), minimum=1),
-        drain_seconds=_int(raw, "drainSeconds", where, int(DEFAULT_DRAIN_TIMEOUT_S), minimum=1),
+        drain_seconds=_int(raw, "drainSeconds", where, DEFAULT_HEAD_DRAIN_SECONDS, minimum=MIN_HEAD_DRAIN_SECONDS),
         results=_parse_results(_mapping(raw, "results", f"{where}.results"), f"{where}.results"),
         port=port,
         resources=_mapping(raw, "resources", f"{where}.resources"),

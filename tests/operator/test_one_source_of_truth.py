@@ -13,10 +13,12 @@ from triptych_operator import crd
 from triptych_operator.constants import HEAD_HTTP_PORT, PIPELINE_ROLES
 from triptych_operator.spec import (
     DEFAULT_DRAIN_SECONDS,
+    DEFAULT_HEAD_DRAIN_SECONDS,
     DEFAULT_SCALE_DOWN_STABILIZATION_S,
     DEFAULT_TARGET_WORK_SECONDS,
     DEPRECATED_AUTOSCALING_FIELDS,
     MIN_DRAIN_SECONDS,
+    MIN_HEAD_DRAIN_SECONDS,
     parse_pipeline,
 )
 
@@ -85,10 +87,11 @@ def test_autoscaling_and_drain_defaults_are_the_operators() -> None:
             assert "ignored" in auto[name]["description"]
 
 
-def test_head_drain_and_retention_defaults_are_the_cli_defaults() -> None:
+def test_head_drain_and_retention_defaults_are_the_operators_and_the_clis() -> None:
     defaults = ServeArgs(model_path="")
     head = schema()["properties"]["spec"]["properties"]["head"]["properties"]
-    assert head["drainSeconds"]["default"] == defaults.disagg_drain_timeout
+    assert head["drainSeconds"]["default"] == DEFAULT_HEAD_DRAIN_SECONDS
+    assert head["drainSeconds"]["minimum"] == MIN_HEAD_DRAIN_SECONDS
     results = head["results"]["properties"]
     assert results["maxAgeSeconds"]["default"] == defaults.results_max_age
     assert str(defaults.results_max_bytes) in results["maxBytes"]["description"]

@@ -170,7 +170,7 @@ def test_head_drains_before_its_successor_starts_and_keeps_results_on_the_claim(
 ) -> None:
     ns = kube_namespace
     results = {"persistentVolumeClaim": {"claimName": "drain-results"}, "maxBytes": "1GiB"}
-    apply(crd, ns, pipeline_manifest("drain", head={"drainSeconds": 45, "results": results}))
+    apply(crd, ns, pipeline_manifest("drain", head={"drainSeconds": 90, "results": results}))
     objs = poll(
         lambda: (o := children(crd, ns, "drain")) and "Deployment/drain-head" in o and o,
         timeout=60,
@@ -179,7 +179,8 @@ def test_head_drains_before_its_successor_starts_and_keeps_results_on_the_claim(
     head = objs["Deployment/drain-head"]
     pod = head["spec"]["template"]["spec"]
     assert head["spec"]["strategy"]["type"] == "Recreate"
-    assert 45 + 15 <= pod["terminationGracePeriodSeconds"] <= 45 + 60
+    assert pod["terminationGracePeriodSeconds"] == 90
+    assert float(container(head)["args"][container(head)["args"].index("--disagg-drain-timeout") + 1]) < 90 - 15
     assert container(head)["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container(head)["livenessProbe"]["httpGet"]["path"] == "/health"
     assert {"name": "outputs", "persistentVolumeClaim": {"claimName": "drain-results"}} in pod["volumes"]

@@ -124,7 +124,7 @@ def test_autoscaling_and_drain_bounds(section: dict, field: str) -> None:
 @pytest.mark.parametrize(
     ("head", "field"),
     [
-        ({"drainSeconds": 0}, "spec.head.drainSeconds"),
+        ({"drainSeconds": 30}, "spec.head.drainSeconds"),
         ({"results": {"maxBytes": "lots"}}, "spec.head.results.maxBytes"),
         ({"results": {"maxAgeSeconds": 0}}, "spec.head.results.maxAgeSeconds"),
     ],
