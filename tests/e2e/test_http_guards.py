@@ -22,7 +22,7 @@ import pytest
 
 from tests.e2e.harness import deployment
 from tests.e2e.test_null_pipeline import metric
-from triptych.localdeploy import LocalDeployment
+from triptych.localdeploy import LocalDeployment, local_monolithic
 from triptych.roles import Role
 
 pytestmark = pytest.mark.slow
@@ -351,3 +351,24 @@ def counter(c: httpx.Client, name: str, **labels: str) -> float:
         if line.startswith(f"{name}{{{wanted}}} "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_in_monolithic_mode_a_disconnected_client_stops_its_request_at_the_next_step(flux, tmp_path):
+    heavy = {**SMALL, "size": "256x256", "n": 4}
+    with local_monolithic(flux, tmp_path, flags=("--device", "cpu")) as dep, dep.client(timeout=120) as c:
+        started = time.monotonic()
+        assert c.post("/v1/images/generations", json={**heavy, "num_inference_steps": 20}).status_code == 200
+        per_step = (time.monotonic() - started) / 20
+        assert per_step * 500 > 8, f"500 steps of {per_step * 1e3:.1f} ms are too short to tell"
+        body = json.dumps({**heavy, "num_inference_steps": 500}).encode()
+        port = int(dep.http.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(
+                b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            time.sleep(1.0)
+        # One request at a time on the device: the next one waits for the abandoned one to stop.
+        started = time.monotonic()
+        assert c.post("/v1/images/generations", json={**SMALL, "num_inference_steps": 1}).status_code == 200
+        assert time.monotonic() - started < 4, "the abandoned request kept the pipeline busy"
