@@ -164,6 +164,33 @@ def test_an_oversized_chunked_body_is_refused_while_it_streams(guarded):
     assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_too_large"
 
 
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+def test_the_head_never_buffers_an_oversized_body_and_keeps_serving(guarded):
+    dep, _ = guarded
+    pid = dep.head.popen.pid
+    before = peak_rss(pid)
+    port = int(dep.http.rsplit(":", 1)[1])
+    chunk = b"x" * (1 << 20)
+    for _ in range(2):  # 64 MiB each, the audit's size
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(request_head(dep, "Transfer-Encoding: chunked\r\n"))
+            try:
+                for _ in range(64):
+                    s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            except OSError:  # refused and closed part way: what should happen
+                pass
+    with dep.client(timeout=30) as c:
+        assert c.post("/v1/images/generations", json=SMALL, headers=auth(KEYS[0])).status_code == 200
+    grew = peak_rss(pid) - before
+    assert grew < 16 << 20, f"the head's peak memory grew by {grew >> 20} MiB"
+
+
 def test_a_body_under_the_limit_is_served(guarded):
     dep, _ = guarded
     with dep.client(timeout=30) as c:
