@@ -252,7 +252,9 @@ def main() -> int:
     args = p.parse_args()
     (flux,) = write_tiny_models(ROOT / ".models", families=["tiny-flux"])
     with tempfile.TemporaryDirectory() as tmp:
-        with local_deployment(flux, Path(tmp), worker_flags=("--device", "cpu"),
+        # The closed loop of --concurrency HTTP clients is load the head should take, not refuse (429).
+        head_flags = ("--max-queued-requests", str(args.concurrency))
+        with local_deployment(flux, Path(tmp), worker_flags=("--device", "cpu"), head_flags=head_flags,
                               null_payload_bytes=args.payload_bytes) as dep:  # fmt: skip
             result = asyncio.run(measure(dep, args))
     result["payload_bytes"] = args.payload_bytes

@@ -22,6 +22,8 @@ HEAD_SHUTDOWN_OVERHEAD_S = 15.0
 DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
 DEFAULT_RESULTS_MAX_BYTES = 5 << 30
 DISPATCH_POLICIES = ("round_robin", "max_free_slots")
+# --max-request-bytes: room for a prompt and, once edits land, an uploaded image or two.
+DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
 DEVICES = ("cuda", "cpu")
 
 # Worker-URL flags of the head, by the role they list.
@@ -129,6 +131,9 @@ class ServeArgs:
     worker_capacity: int = 2
     log_level: str = "info"
     disagg_drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+    api_keys_file: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_queued_requests: int | None = None  # None: sized to the worker pools (triptych_head.admission)
     simulate: bool = False
     simulate_seconds: float | None = None
     simulate_seconds_per_unit: float | None = None
@@ -209,11 +214,21 @@ class ServeArgs:
             raise ConfigError(f"--worker-capacity {self.worker_capacity} must be >= 1")
         if self.disagg_drain_timeout <= 0:
             raise ConfigError(f"--disagg-drain-timeout {self.disagg_drain_timeout} must be > 0 seconds")
+        self._validate_http_limits()
         self._validate_simulation()
         try:
             self.parallelism()
         except ParallelismError as exc:
             raise ConfigError(str(exc)) from None
+
+    def _validate_http_limits(self) -> None:
+        head_only = [f for f in ("api_keys_file", "max_queued_requests") if getattr(self, f) is not None]
+        if head_only and self.disagg_role.is_worker:
+            raise ConfigError(f"{flag(head_only[0])} is for the head (server or monolithic), not {self.disagg_role}")
+        if self.max_request_bytes < 1024:
+            raise ConfigError(f"--max-request-bytes {self.max_request_bytes} is below 1KiB; use e.g. 16MiB")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ConfigError(f"--max-queued-requests {self.max_queued_requests} must be >= 0")
 
     def _validate_simulation(self) -> None:
         timing = [f for f in ("simulate_seconds", "simulate_seconds_per_unit") if getattr(self, f) is not None]
@@ -321,6 +336,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--disagg-drain-timeout", type=float, default=d.disagg_drain_timeout,
       help="head and worker: on SIGTERM, seconds to finish accepted work before exiting "
            "(the head fails what is left with a 503)")  # fmt: skip
+    a("--api-keys-file", default=None, metavar="PATH",
+      help="head/monolithic: require 'Authorization: Bearer KEY' on the API; one key per line (# comments), "
+           "re-read when the file changes; /health, /ready and /metrics stay open")  # fmt: skip
+    a("--max-request-bytes", type=parse_size, default=d.max_request_bytes,
+      help="head/monolithic: largest HTTP request body, bytes or 16MiB; larger get 413 (default 16MiB)")  # fmt: skip
+    a("--max-queued-requests", type=int, default=None, metavar="N",
+      help="head/monolithic: requests accepted beyond what the workers can run at once; more get 429 with "
+           "Retry-After (default: twice the ready workers' slots, at least 8)")  # fmt: skip
     a("--simulate", action="store_true",
       help="worker: load no model; each stage sleeps a modelled time and emits the tensors --model-path's family "
            "would (shapes from its configs), through the real pool and Mooncake transfers")  # fmt: skip

@@ -162,10 +162,19 @@ class LocalBackend:
                 event = RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=total)
                 loop.call_soon_threadsafe(on_event, event)
 
+        def run() -> None:
+            try:
+                self._pipeline.run(batch)
+            finally:
+                self._cancelled.discard(request_id)
+
         batch = StageBatch(params=params, on_progress=progress)
         started = loop.time()
         try:
-            await loop.run_in_executor(self._executor, self._pipeline.run, batch)
+            await loop.run_in_executor(self._executor, run)
+        except asyncio.CancelledError:  # the client went away: stop at the next step (progress raises)
+            self._cancelled.add(request_id)
+            raise
         except GenerationFailed:
             raise
         except ValueError as exc:
@@ -173,8 +182,6 @@ class LocalBackend:
         except Exception as exc:
             log.exception("request %s failed", request_id)
             raise GenerationFailed(f"{type(exc).__name__}: {exc}") from None
-        finally:
-            self._cancelled.discard(request_id)
         pixels = cast("torch.Tensor", batch.tensors[PIXELS]).cpu().numpy()  # a model's stages make torch tensors
         return GenerationOutput(pixels=pixels, timings={"total": loop.time() - started})
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from triptych.config import ServeArgs
 from triptych.params import GenerationParams
+from triptych_head.admission import AdmissionControl
 from triptych_head.api.app import create_app
+from triptych_head.api.auth import APIKeyError, APIKeys
 from triptych_head.api.context import HeadContext
 from triptych_head.backend import FrontendClient, LocalBackend
 from triptych_head.metrics import HeadMetrics
@@ -34,7 +38,21 @@ def _retention(args: ServeArgs) -> Retention:
     return Retention(max_age_s=args.results_max_age, max_bytes=args.results_max_bytes)
 
 
+def _http_guards(args: ServeArgs) -> dict[str, Any] | None:
+    """HeadContext fields from the HTTP flags: API keys and the body limit. None (after saying why in
+    one line) when the keys file cannot be used: the head must not start open by mistake."""
+    try:
+        keys = APIKeys(args.api_keys_file) if args.api_keys_file else None
+    except APIKeyError as exc:
+        print(f"triptych: error: {exc}", file=sys.stderr)
+        return None
+    return {"api_keys": keys, "max_request_bytes": args.max_request_bytes}
+
+
 def run_head(args: ServeArgs) -> int:
+    guards = _http_guards(args)
+    if guards is None:
+        return 2
     model = read_model_info(args.model_path)
     validate = model_validator(args.model_path)
     metrics = HeadMetrics()
@@ -51,6 +69,8 @@ def run_head(args: ServeArgs) -> int:
         ready=loop.is_alive,
         retention=_retention(args),
         drain_seconds=args.disagg_drain_timeout,
+        admission=server.admission,
+        **guards,
     )
     drain, hurry = disaggregated_drain(server, loop)
     try:
@@ -64,17 +84,23 @@ def run_head(args: ServeArgs) -> int:
 def run_monolithic(args: ServeArgs) -> int:
     from triptych_worker.pipeline import load_role_pipeline
 
+    guards = _http_guards(args)
+    if guards is None:
+        return 2
     model = read_model_info(args.model_path)
     pipeline = load_role_pipeline(args.model_path, args.disagg_role, args.resolved_device)
+    metrics = HeadMetrics()
     ctx = HeadContext(
         backend=LocalBackend(pipeline),
         model=model,
         output_path=Path(args.output_path),
-        registry=HeadMetrics().registry,
+        registry=metrics.registry,
         validate=pipeline.validate,
         health=lambda: {"mode": "monolithic"},
         retention=_retention(args),
         drain_seconds=args.disagg_drain_timeout,
+        admission=AdmissionControl(args.max_queued_requests, metrics, worker_slots=1),  # one request at a time
+        **guards,
     )
     drain, hurry = in_process_drain(ctx)
     serve_http(create_app(ctx), ctx, args.host, args.port, args.log_level, drain, hurry)

@@ -87,6 +87,28 @@ class HeadMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # Admission control (admission.py): the bound, its parts, and what it refused.
+        self.admission_max_in_flight = Gauge(
+            "triptych_admission_max_in_flight_requests",
+            "Requests the head takes at once (worker slots + --max-queued-requests); more get 429",
+            registry=r,
+        )
+        self.admission_in_flight = Gauge(
+            "triptych_admission_in_flight_requests",
+            "Requests the HTTP API accepted and has not answered yet (video jobs until they end)",
+            registry=r,
+        )
+        self.admission_worker_slots = Gauge(
+            "triptych_admission_worker_slots", "Scheduling slots of the ready workers, all roles", registry=r
+        )
+        self.admission_retry_after = Gauge(
+            "triptych_admission_retry_after_seconds", "The Retry-After a refused request gets now", registry=r
+        )
+        self.rejected_overloaded = Counter(
+            "triptych_rejected_overloaded_requests",
+            "Requests refused with 429: the pipeline was at capacity",
+            registry=r,
+        )
         self.dropped_messages = Counter(
             "triptych_dropped_messages", "Worker messages that could not be decoded or matched", registry=r
         )

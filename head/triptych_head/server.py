@@ -57,6 +57,7 @@ from triptych.protocol import (
 )
 from triptych.roles import Role
 from triptych.sockets import has_queued_message
+from triptych_head.admission import AdmissionControl, retry_after_seconds
 from triptych_head.discovery import WorkerDirectory
 from triptych_head.dispatch import make_policy
 from triptych_head.instances import StandingSlot, WorkerInstance
@@ -115,6 +116,9 @@ class DiffusionServer:
         self.requests: dict[str, RequestRecord] = {}  # by the client's request id
         self._attempts: dict[str, RequestRecord] = {}  # the same records by the id workers know (wire_id)
         self.workload = WorkEstimator()
+        self.admission = AdmissionControl(args.max_queued_requests, self.metrics)  # the API admits against it
+        self._typical_seconds: dict[Role, float] = {}  # device-seconds of a request per role, for Retry-After
+        self._last_params: GenerationParams | None = None  # the latest request's, for the estimate when idle
         self._no_instance_since: dict[Role, float] = {}  # roles with no ready instance, since when
         self._held_slots: dict[str, HeldSlot] = {}  # receive slots of ended requests, freed once their write is over
         self._queues: dict[Role, deque[str]] = {role: deque() for role in directories}
@@ -278,10 +282,13 @@ class DiffusionServer:
                     self._finish(rec, RequestState.FAILED, reason, status_code=503)
 
     def _publish_load(self, now: float) -> None:
-        """Per-role queued, running and estimated pending device-seconds: the autoscaling signal."""
+        """Per-role queued, running and estimated pending device-seconds (the autoscaling signal), and
+        the admission bound: the ready workers' slots and how long a refused client should wait."""
         queued = dict.fromkeys(self._queues, 0)
         running = dict.fromkeys(self._queues, 0)
         pending = dict.fromkeys(self._queues, 0.0)
+        per_request = dict.fromkeys(self._queues, 0.0)  # full estimates, for the Retry-After
+        visiting = dict.fromkeys(self._queues, 0)
         for rec in self.requests.values():
             if rec.instance is None:
                 queued[rec.role] += 1
@@ -291,11 +298,22 @@ class DiffusionServer:
             for role in rec.remaining_roles():
                 running_for = now - rec.hop_started if computing and role is rec.role else None
                 pending[role] += self.workload.remaining(role, rec.params, running_for)
+                per_request[role] += self.workload.estimate(role, rec.params)
+                visiting[role] += 1
+        slots, retry_after = 0, 1
         for role in self._queues:
             self.metrics.role_queued.labels(role.value).set(queued[role])
             self.metrics.role_running.labels(role.value).set(running[role])
             self.metrics.role_pending_work.labels(role.value).set(pending[role])
             self.metrics.role_seconds_per_unit.labels(role.value).set(self.workload.seconds_per_unit(role))
+            ready = [i for i in self.registry.instances(role) if self.registry.ready(i)]
+            slots += sum(i.capacity for i in ready)
+            if visiting[role]:
+                self._typical_seconds[role] = per_request[role] / visiting[role]
+            elif self._last_params is not None:  # idle: what the latest request would cost, at today's rates
+                self._typical_seconds[role] = self.workload.estimate(role, self._last_params)
+            retry_after = max(retry_after, retry_after_seconds(self._typical_seconds.get(role, 0.0), len(ready)))
+        self.admission.update(slots, retry_after)
 
     def _timeout_reason(self, rec: RequestRecord) -> str:
         role = rec.role.value
@@ -359,6 +377,7 @@ class DiffusionServer:
         self.requests[rid] = rec
         self._attempts[rec.wire_id] = rec
         self._enter_hop(rec)
+        self._last_params = msg.params
 
     def _reply(self, client: bytes, msg: Any, frames: list[Any] | None = None) -> None:
         try:

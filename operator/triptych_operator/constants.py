@@ -35,6 +35,10 @@ MODEL_MOUNT: Final = "/models"
 HF_CACHE_MOUNT: Final = "/cache"
 SHM_MOUNT: Final = "/dev/shm"
 OUTPUT_MOUNT: Final = "/var/lib/triptych/outputs"
+# head.apiKeysSecret: the Secret's key is mounted as this file (a whole-volume mount, never subPath,
+# so a Secret update reaches the file and the head re-reads it).
+API_KEYS_MOUNT: Final = "/etc/triptych/api-keys"
+API_KEYS_FILE: Final = f"{API_KEYS_MOUNT}/keys"
 RUN_AS_USER: Final = 10001  # the numeric uid the images declare with USER
 
 # Default images; the chart overrides them through the operator's environment.

@@ -36,6 +36,7 @@ from triptych_operator.constants import (
     VERSION,
 )
 from triptych_operator.spec import (
+    DEFAULT_API_KEYS_KEY,
     DEFAULT_DRAIN_SECONDS,
     DEFAULT_HEAD_DRAIN_SECONDS,
     DEFAULT_SCALE_DOWN_STABILIZATION_S,
@@ -362,6 +363,17 @@ def _head() -> Schema:
                 default=DEFAULT_HEAD_DRAIN_SECONDS,
             ),
             "results": _results(),
+            "apiKeysSecret": _obj(
+                "API keys of the HTTP API: a Secret in the pipeline's namespace whose `key` holds one key per "
+                "line (# comments allowed), mounted into the head as --api-keys-file. Clients send "
+                "'Authorization: Bearer KEY'; /health, /ready and /metrics stay open. Updating the Secret "
+                "rotates the keys without a restart. Unset: the API is open.",
+                {
+                    "name": _str("Secret name.", minLength=1),
+                    "key": _str("Key in the Secret.", default=DEFAULT_API_KEYS_KEY),
+                },
+                required=["name"],
+            ),
             "port": _int("HTTP port.", minimum=1, maximum=65535, default=HEAD_HTTP_PORT),
             "resources": _resources(),
             "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},

@@ -16,6 +16,8 @@ import kopf
 from triptych.ports import result_port
 from triptych.roles import Role
 from triptych_operator.constants import (
+    API_KEYS_FILE,
+    API_KEYS_MOUNT,
     APP_NAME,
     GPU_RESOURCE,
     HEAD_COMPONENT,
@@ -330,10 +332,22 @@ def head_results_volume(pipeline: PipelineSpec) -> Manifest:
     return {"name": "outputs", "emptyDir": {}}
 
 
+def head_api_keys_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest]]:
+    """(volumes, mounts) of head.apiKeysSecret: its key as the file --api-keys-file names. A Secret
+    update reaches the mounted file within the kubelet's sync period; the head re-reads it then."""
+    ref = pipeline.head.api_keys_secret
+    if ref is None:
+        return [], []
+    items = [{"key": ref.key, "path": API_KEYS_FILE.rsplit("/", 1)[1]}]
+    volume = {"name": "api-keys", "secret": {"secretName": ref.name, "items": items, "defaultMode": 0o440}}
+    return [volume], [{"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True}]
+
+
 def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
     """The GPU-less head: HTTP API plus the scheduler frontend and result sockets."""
     head = pipeline.head
     volumes, mounts, model_env = _model_volume(pipeline)
+    key_volumes, key_mounts = head_api_keys_volume(pipeline)
     container: Manifest = {
         "name": HEAD_COMPONENT,
         "image": pipeline.head_image,
@@ -343,7 +357,7 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
         "ports": _head_ports(pipeline),
         "resources": _resources(head.resources, {}),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [*mounts, {"name": "outputs", "mountPath": OUTPUT_MOUNT}],
+        "volumeMounts": [*mounts, {"name": "outputs", "mountPath": OUTPUT_MOUNT}, *key_mounts],
         **_head_probes(),
     }
     pod_spec: Manifest = {
@@ -351,7 +365,7 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": head_termination_grace_seconds(pipeline),
         "containers": [container],
-        "volumes": [*volumes, head_results_volume(pipeline)],
+        "volumes": [*volumes, head_results_volume(pipeline), *key_volumes],
     }
     if head.node_selector:
         pod_spec["nodeSelector"] = dict(head.node_selector)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, add_serve_flags
 from triptych.roles import Role
 from triptych_operator.constants import (
+    API_KEYS_FILE,
     HEAD_COMPONENT,
     HEAD_SCHEDULER_PORT,
     OUTPUT_MOUNT,
@@ -85,6 +86,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         disagg_drain_timeout=float(pipeline.head.drain_timeout_seconds),
         results_max_age=float(pipeline.head.results.max_age_seconds),
         results_max_bytes=pipeline.head.results.max_bytes,
+        api_keys_file=API_KEYS_FILE if pipeline.head.api_keys_secret else None,
         **urls,  # type: ignore[arg-type]
     )
 

@@ -45,6 +45,7 @@ ROLE_DEGREES: dict[Role, tuple[str, ...]] = {
     Role.DECODER: ("tp", "sp", "cfg"),
 }
 DEFAULT_TOKEN_KEY = "token"
+DEFAULT_API_KEYS_KEY = "keys"
 # Autoscaling defaults: a denoiser replica should have about a minute of queued work before
 # another is added, and a pool is shrunk only after ten quiet minutes (model loads take minutes).
 DEFAULT_TARGET_WORK_SECONDS = 60
@@ -168,6 +169,12 @@ class ResultsSpec:
 
 
 @dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
 class HeadSpec:
     replicas: int = 1
     service_type: str = "ClusterIP"
@@ -177,6 +184,8 @@ class HeadSpec:
     # terminationGracePeriodSeconds; the head's --disagg-drain-timeout is HEAD_DRAIN_MARGIN_S less.
     drain_seconds: int = DEFAULT_HEAD_DRAIN_SECONDS
     results: ResultsSpec = field(default_factory=ResultsSpec)
+    # The HTTP API's keys (--api-keys-file): one per line in this Secret key; None: the API is open.
+    api_keys_secret: SecretKeyRef | None = None
     port: int = HEAD_HTTP_PORT
     resources: Mapping[str, Any] = field(default_factory=dict)
     node_selector: Mapping[str, str] = field(default_factory=dict)
@@ -398,6 +407,16 @@ def _parse_transfer(raw: Mapping[str, Any]) -> TransferSpec:
     )
 
 
+def _parse_secret_ref(raw: Mapping[str, Any], key: str, where: str, default_key: str) -> SecretKeyRef | None:
+    ref = _mapping(raw, key, f"{where}.{key}")
+    if not ref:
+        return None
+    name = ref.get("name")
+    if not isinstance(name, str) or not name:
+        raise SpecError(f"{where}.{key}.name", "is required: the name of a Secret in the pipeline's namespace")
+    return SecretKeyRef(name=name, key=str(ref.get("key") or default_key))
+
+
 def _parse_head(raw: Mapping[str, Any]) -> HeadSpec:
     where = "spec.head"
     ingress = _mapping(raw, "ingress", f"{where}.ingress")
@@ -423,6 +442,7 @@ def _parse_head(raw: Mapping[str, Any]) -> HeadSpec:
         timeout_seconds=_int(raw, "timeoutSeconds", where, int(DEFAULT_TIMEOUT_S), minimum=1),
         drain_seconds=_int(raw, "drainSeconds", where, DEFAULT_HEAD_DRAIN_SECONDS, minimum=MIN_HEAD_DRAIN_SECONDS),
         results=_parse_results(_mapping(raw, "results", f"{where}.results"), f"{where}.results"),
+        api_keys_secret=_parse_secret_ref(raw, "apiKeysSecret", where, DEFAULT_API_KEYS_KEY),
         port=port,
         resources=_mapping(raw, "resources", f"{where}.resources"),
         node_selector=_mapping(raw, "nodeSelector", f"{where}.nodeSelector"),

@@ -254,7 +254,8 @@ def assert_all_capacity_released(c) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_a_worker_error_fails_only_its_request_and_releases_slots_and_buffers(flux, tmp_path):
-    with deployment(flux, tmp_path, null_payload=4096, worker_flags=SLOW_DENOISER) as dep, dep.client() as c:
+    flags = (*SLOW_DENOISER, "--fail-prompt-prefix", "fail:")
+    with deployment(flux, tmp_path, null_payload=4096, worker_flags=flags) as dep, dep.client() as c:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             bad = pool.submit(image, c, prompt="fail:denoiser", num_inference_steps=5)
             good = [pool.submit(image, c, num_inference_steps=5) for _ in range(3)]

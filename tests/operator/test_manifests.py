@@ -303,3 +303,21 @@ def test_a_slow_model_load_is_not_reported_as_a_stuck_rollout() -> None:
             probe = container(obj)["startupProbe"]
             startup_s = probe["periodSeconds"] * probe["failureThreshold"]
             assert obj["spec"]["progressDeadlineSeconds"] > startup_s, name
+
+
+def test_head_api_keys_come_from_the_secret_the_cr_names_mounted_where_the_flag_points() -> None:
+    spec = minimal_spec(head={"apiKeysSecret": {"name": "dp-api-keys", "key": "clients"}})
+    deployment = children(spec)[("Deployment", "wan-t2v-head")]
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"]["secretName"] == "dp-api-keys"
+    assert volume["secret"]["items"] == [{"key": "clients", "path": "keys"}]
+    mount = next(m for m in container(deployment)["volumeMounts"] if m["name"] == "api-keys")
+    # A whole-volume mount (never subPath): Secret updates reach the file, and the head re-reads it.
+    assert mount["readOnly"] is True and "subPath" not in mount
+    assert parse_serve(container(deployment)).api_keys_file == f"{mount['mountPath']}/keys"
+
+
+def test_without_api_keys_the_head_mounts_no_secret_and_gets_no_keys_flag() -> None:
+    deployment = children()[("Deployment", "wan-t2v-head")]
+    assert parse_serve(container(deployment)).api_keys_file is None
+    assert all(v["name"] != "api-keys" for v in deployment["spec"]["template"]["spec"]["volumes"])

@@ -99,3 +99,16 @@ def test_incompatible_parallelism_is_an_error_not_silently_fixed(kwargs):
 def test_base_gpu_id_picks_the_cuda_device():
     assert parse("--model-path", "m", "--device", "cuda", "--base-gpu-id", "3").resolved_device == "cuda:3"
     assert parse("--model-path", "m", "--device", "cpu", "--base-gpu-id", "3").resolved_device == "cpu"
+
+
+def test_http_guard_flags_take_sizes_and_belong_to_the_head() -> None:
+    a = parse("--model-path", "m", "--max-request-bytes", "4MiB", "--max-queued-requests", "0")
+    assert (a.max_request_bytes, a.max_queued_requests, a.api_keys_file) == (4 << 20, 0, None)
+    assert parse("--model-path", "m").max_request_bytes == 16 << 20
+    worker = ("--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1")
+    with pytest.raises(ConfigError, match="--api-keys-file is for the head"):
+        parse(*worker, "--api-keys-file", "/keys")
+    with pytest.raises(ConfigError, match="--max-request-bytes 10 is below 1KiB"):
+        parse("--model-path", "m", "--max-request-bytes", "10")
+    with pytest.raises(ConfigError, match="--max-queued-requests -1 must be >= 0"):
+        parse("--model-path", "m", "--max-queued-requests", "-1")

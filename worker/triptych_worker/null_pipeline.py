@@ -23,8 +23,8 @@ from triptych_worker.simulated import FixedPayload, SimulatedPipeline, StageCost
 class NullPipeline(SimulatedPipeline):
     """Simulated stages that cost nothing but the bytes they emit (and `step_seconds` per denoising step)."""
 
-    def __init__(self, role: Role, payload_bytes: int, step_seconds: float = 0.0):
-        super().__init__(role, FixedPayload(payload_bytes), StageCost(0.0, 0.0), family="null")
+    def __init__(self, role: Role, payload_bytes: int, step_seconds: float = 0.0, fail_prefix: str | None = None):
+        super().__init__(role, FixedPayload(payload_bytes), StageCost(0.0, 0.0), family="null", fail_prefix=fail_prefix)
         self.payload_bytes = payload_bytes
         self.step_seconds = step_seconds
         self.stage_names = [f"Null{role.value.title()}Stage"]
@@ -37,6 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(prog="null-worker")
     parser.add_argument("--payload-bytes", type=int, default=1 << 20)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="denoiser: simulated time per step")
+    parser.add_argument(
+        "--fail-prompt-prefix", default=None, help="tests: a prompt PREFIX+ROLE (e.g. fail:denoiser) fails that stage"
+    )
     add_serve_flags(parser)
     ns = parser.parse_args(argv)
     try:
@@ -48,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from triptych_worker.runtime import run_worker
 
     configure_logging(args)
-    return run_worker(args, NullPipeline(args.disagg_role, ns.payload_bytes, ns.step_seconds))
+    return run_worker(args, NullPipeline(args.disagg_role, ns.payload_bytes, ns.step_seconds, ns.fail_prompt_prefix))
 
 
 if __name__ == "__main__":

@@ -72,11 +72,17 @@ class SimulatedPipeline:
 
     loaded_components: set[str] = set()
 
-    def __init__(self, role: Role, shapes: OutputShapes, cost: StageCost, family: str = "simulated"):
+    def __init__(
+        self, role: Role, shapes: OutputShapes, cost: StageCost, family: str = "simulated",
+        fail_prefix: str | None = None,
+    ):  # fmt: skip
         self.role = role
         self.shapes = shapes
         self.cost = cost
         self.family = family
+        # Tests only (null workers' --fail-prompt-prefix): a prompt "<prefix><role>" fails that role's
+        # stage. Off by default: a client's prompt must never be able to make a worker fail.
+        self.fail_prefix = fail_prefix
         self.stage_names = [f"Simulated{role.value.title()}Stage"]
 
     @classmethod
@@ -100,7 +106,7 @@ class SimulatedPipeline:
 
     def run(self, batch: StageBatch) -> StageBatch:
         p = batch.params
-        if p.prompt.startswith(f"fail:{self.role.value}"):  # lets tests make exactly one stage fail
+        if self.fail_prefix is not None and p.prompt.startswith(f"{self.fail_prefix}{self.role.value}"):
             raise RuntimeError(f"simulated {self.role.value} stage failed on purpose")
         started, total = time.monotonic(), self.duration(p)
         if self.role is Role.DENOISER:

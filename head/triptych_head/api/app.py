@@ -11,8 +11,10 @@ from fastapi import FastAPI
 
 from triptych import __version__
 from triptych_head.api import images, system, videos
+from triptych_head.api.auth import APIKeyMiddleware
 from triptych_head.api.context import HeadContext
 from triptych_head.api.errors import install_error_handlers
+from triptych_head.api.limits import BodyLimitMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,10 @@ def create_app(ctx: HeadContext) -> FastAPI:
     app.state.ctx = ctx
     app.state.video_jobs = jobs
     install_error_handlers(app)
+    # The last added runs first: the key is checked before a byte of the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
+    if ctx.api_keys is not None:
+        app.add_middleware(APIKeyMiddleware, keys=ctx.api_keys)
     app.include_router(images.router)
     app.include_router(videos.router)
     app.include_router(system.router)

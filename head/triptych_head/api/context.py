@@ -12,8 +12,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from triptych.config import DEFAULT_DRAIN_TIMEOUT_S
+from triptych.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from triptych.params import GenerationParams
+from triptych_head.admission import AdmissionControl, Overloaded
+from triptych_head.api.auth import APIKeys
 from triptych_head.api.errors import APIError
 from triptych_head.api.schemas import ImageGenerationRequest, VideoGenerationRequest, parse_size
 from triptych_head.backend import Backend, GenerationFailed
@@ -24,8 +26,18 @@ Validator = Callable[[GenerationParams], None]
 
 RETRY_AFTER_S = 5  # what a client refused by a draining head waits before retrying (a new head takes over)
 
-# Words in a validation message -> the request field a client should fix.
-_PARAM_OF = {"width": "size", "height": "size", "frames": "num_frames", "steps": "num_inference_steps"}
+# Words in a validation message -> the request field a client should fix (the earliest word wins:
+# "negative_prompt is not supported ... guidance_scale" is about negative_prompt).
+_PARAM_OF = {
+    "negative_prompt": "negative_prompt",
+    "guidance_scale": "guidance_scale",
+    "num_outputs": "n",
+    "seed": "seed",
+    "width": "size",
+    "height": "size",
+    "frames": "num_frames",
+    "steps": "num_inference_steps",
+}
 
 
 @dataclass
@@ -42,7 +54,10 @@ class HeadContext:
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM: readiness fails and new requests are refused (shutdown.py)
     drain_expired: bool = False  # the drain time is over: what is still running is being cancelled
-    active: set[str] = field(default_factory=set)  # request ids being generated right now
+    active: set[str] = field(default_factory=set)  # request ids accepted and not answered yet
+    admission: AdmissionControl | None = None  # None: no bound on requests in flight
+    api_keys: APIKeys | None = None  # None: the API is open (no --api-keys-file)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         self.results = ResultStore(self.output_path, self.retention)
@@ -83,13 +98,43 @@ class HeadContext:
                 self.validate(params)
             except ValueError as exc:
                 text = str(exc)
-                param = next((p for word, p in _PARAM_OF.items() if word in text), None)
+                named = [(text.find(word), p) for word, p in _PARAM_OF.items() if word in text]
+                param = min(named)[1] if named else None
                 raise APIError(400, text, param) from None
         return params
 
+    def admit(self, request_id: str) -> None:
+        """Count a new request in flight, or refuse it (429 with Retry-After) when the pipeline is at
+        capacity (admission.py). Call it right before generate(), or when a video job is created."""
+        if self.admission is not None:
+            try:
+                self.admission.check(len(self.active))
+            except Overloaded as exc:
+                raise APIError(
+                    429, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after_s)}
+                ) from None
+        self.active.add(request_id)
+        self._count_in_flight()
+
+    def release(self, request_id: str) -> None:
+        """The request was answered (or its job ended): it no longer counts against the bound."""
+        self.active.discard(request_id)
+        self._count_in_flight()
+
+    def _count_in_flight(self) -> None:
+        if self.admission is not None:
+            self.admission.count(len(self.active))
+
+    def admission_health(self) -> dict[str, Any]:
+        """For /health: the bound and the current load."""
+        if self.admission is None:
+            return {"in_flight": len(self.active), "max_in_flight": None}
+        return self.admission.snapshot(len(self.active))
+
     async def generate(self, params: GenerationParams, request_id: str | None = None, on_event: Any = None) -> Any:
         request_id = request_id or new_request_id()
-        self.active.add(request_id)
+        if request_id not in self.active:
+            self.admit(request_id)
         try:
             return await self.backend.generate(request_id, params, on_event)
         except GenerationFailed as exc:
@@ -105,7 +150,7 @@ class HeadContext:
             headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 and self.draining else None
             raise APIError(status, str(exc), code=exc.state.lower(), headers=headers) from None
         finally:
-            self.active.discard(request_id)
+            self.release(request_id)
 
 
 def new_request_id(prefix: str = "req") -> str:

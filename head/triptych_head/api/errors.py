@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 
 class APIError(Exception):
@@ -29,6 +31,15 @@ def error_body(status_code: int, message: str, param: str | None = None, code: s
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+async def send_json(send: Send, status_code: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+    """Answer from an ASGI middleware, before (or instead of) the application."""
+    payload = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status_code, "headers": raw})
+    await send({"type": "http.response.body", "body": payload})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -47,4 +58,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code)
+        code = getattr(exc, "code", None)  # e.g. the body limit's request_too_large (limits.py)
+        return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), exc.status_code, exc.headers)

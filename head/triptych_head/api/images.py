@@ -1,4 +1,8 @@
-"""POST /v1/images/generations: synchronous text-to-image."""
+"""POST /v1/images/generations: synchronous text-to-image.
+
+The client waits on the connection for its pixels, so a client that goes away no longer wants
+them: the request is cancelled (its stages stop at their next step, its worker slots free).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,11 @@ import time
 
 from fastapi import APIRouter, Request
 
+from triptych.params import GenerationParams
 from triptych_head.api.context import HeadContext, new_request_id
+from triptych_head.api.errors import APIError
 from triptych_head.api.schemas import ImageData, ImageGenerationRequest, ImageGenerationResponse
+from triptych_head.backend import GenerationOutput
 from triptych_head.media import png_bytes
 
 router = APIRouter(tags=["images"])
@@ -21,7 +28,8 @@ async def create_images(body: ImageGenerationRequest, request: Request) -> Image
     ctx.refuse_if_draining()
     params = ctx.params_for(body)
     request_id = new_request_id("img")
-    output = await ctx.generate(params, request_id)
+    ctx.admit(request_id)
+    output = await _generate_while_connected(ctx, params, request_id, request)
     pngs = await asyncio.to_thread(lambda: [png_bytes(img[0]) for img in output.pixels])
     if body.response_format == "b64_json":
         data = [ImageData(b64_json=base64.b64encode(png).decode()) for png in pngs]
@@ -34,3 +42,30 @@ async def create_images(body: ImageGenerationRequest, request: Request) -> Image
             path.write_bytes(png)
             data.append(ImageData(url=str(request.url_for("get_file", kind="images", name=name))))
     return ImageGenerationResponse(created=int(time.time()), data=data)
+
+
+async def _generate_while_connected(
+    ctx: HeadContext, params: GenerationParams, request_id: str, request: Request
+) -> GenerationOutput:
+    """ctx.generate, cancelled (Cancel to the DiffusionServer) as soon as the client disconnects."""
+    generation = asyncio.ensure_future(ctx.generate(params, request_id))
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait((generation, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not generation.done():
+            generation.cancel()  # the backend sends Cancel: stages stop at their next step, slots free
+            await asyncio.gather(generation, return_exceptions=True)
+            raise APIError(499, "the client disconnected; the request was cancelled", code="client_disconnected")
+        return generation.result()
+    finally:
+        gone.cancel()
+        if not generation.done():  # this handler itself was cancelled
+            generation.cancel()
+        ctx.release(request_id)  # admitted by the caller; released here even if generation never started
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client has disconnected. The body was read already, so the next message the
+    server delivers is the disconnect (it waits for it; nothing else arrives on this request)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -13,7 +13,7 @@ MAX_SEED = 2**63 - 1
 
 
 def parse_size(size: str) -> tuple[int, int]:
-    m = SIZE_RE.match(size)
+    m = SIZE_RE.fullmatch(size)
     if not m:
         raise ValueError(f"size {size!r} must be WIDTHxHEIGHT, e.g. 1024x1024")
     w, h = int(m.group(1)), int(m.group(2))
@@ -31,6 +31,17 @@ class _Generation(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same pixels")
     num_inference_steps: int | None = Field(None, ge=1, le=500)
     guidance_scale: float | None = Field(None, ge=0, le=100)
+
+    @field_validator("*")
+    @classmethod
+    def _encodable(cls, v: object) -> object:
+        # JSON allows lone surrogates ("\ud800"); they cannot be encoded to reach the workers.
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+        return v
 
     @field_validator("size", check_fields=False)
     @classmethod

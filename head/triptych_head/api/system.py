@@ -26,7 +26,13 @@ async def list_models(request: Request) -> ModelList:
 async def health(request: Request) -> dict[str, Any]:
     """Liveness: the process serves HTTP (it stays 200 while draining, so it is not killed mid-drain)."""
     ctx: HeadContext = request.app.state.ctx
-    return {"status": "ok", "model": ctx.model.id, "draining": ctx.draining, **ctx.health()}
+    return {
+        "status": "ok",
+        "model": ctx.model.id,
+        "draining": ctx.draining,
+        "admission": ctx.admission_health(),
+        **ctx.health(),
+    }
 
 
 @router.get("/ready")
@@ -50,8 +56,12 @@ async def metrics(request: Request) -> Response:
 async def get_file(kind: str, name: str, request: Request) -> FileResponse:
     ctx: HeadContext = request.app.state.ctx
     if kind not in ("images", "videos") or "/" in name or name.startswith("."):
-        raise APIError(404, f"no file {kind}/{name}")
+        raise APIError(404, f"no file {kind}/{name[:200]}")
     path = ctx.results.root / kind / name
-    if not path.is_file():
-        raise APIError(404, f"no file {kind}/{name}")
+    try:
+        found = path.is_file()
+    except (OSError, ValueError):  # a name the filesystem cannot hold (too long, NUL) names no file either
+        found = False
+    if not found:
+        raise APIError(404, f"no file {kind}/{name[:200]}")
     return FileResponse(path)

@@ -135,7 +135,12 @@ async def create_video(body: VideoGenerationRequest, request: Request) -> VideoJ
         total_steps=params.num_inference_steps,
     )
     entry = JobEntry(job)
-    _jobs(request).add(entry)
+    ctx.admit(job.id)  # counted from now until the job ends: 429 here, never a job failed later
+    try:
+        _jobs(request).add(entry)
+    except APIError:
+        ctx.release(job.id)
+        raise
     entry.task = asyncio.create_task(_run(ctx, _jobs(request), entry, params, body.fps))
     return job
 
@@ -168,6 +173,7 @@ async def _run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params, fps: 
         log.exception("video job %s failed", job.id)
         job.status, job.error = "failed", {"message": f"{type(exc).__name__}: {exc}", "code": "internal_error"}
     finally:
+        ctx.release(job.id)  # also when it was cancelled before generating started
         if job.status in TERMINAL:
             job.completed_at = int(time.time())
             jobs.save(entry)

@@ -1,0 +1,128 @@
+"""API keys: `Authorization: Bearer KEY` on every route but the probes and the metrics scrape.
+
+Keys come from a file (--api-keys-file; on Kubernetes a Secret mounted into the head): one key per
+line, blank lines and `#` comments ignored. The file is re-read when it changes (checked at most
+once a second, on a request), so rotating keys is editing the file or the Secret: add the new key,
+move clients over, remove the old one; no restart. A file that cannot be read any more keeps the
+keys last read (a failed re-read must not open the API); one that lists no key locks everyone out.
+
+A presented key is compared with every configured key with hmac.compare_digest, all of them each
+time, so neither which key matched nor how much of one did shows in the timing.
+
+/health, /ready and /metrics stay open: the kubelet's probes and Prometheus (and the chart's
+metrics API server, which scrapes the head's load for the HPA) carry no API key. They tell a
+caller the model id and the pools' load, never request content.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from triptych_head.api.errors import error_body, send_json
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+RECHECK_S = 1.0
+
+
+class APIKeyError(ValueError):
+    """The keys file cannot be used at start-up; the message names the flag and the file."""
+
+
+def parse_keys(text: str) -> list[str]:
+    keys = []
+    for line in text.splitlines():
+        key = line.split("#", 1)[0].strip()
+        if key:
+            keys.append(key)
+    return keys
+
+
+class APIKeys:
+    """The keys of --api-keys-file, re-read when the file changes."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._checked = 0.0
+        try:
+            self._stamp = self._stat()
+            self._keys = self._read()
+        except OSError as exc:
+            raise APIKeyError(f"--api-keys-file {self.path}: {exc.strerror or exc}") from None
+        if not self._keys:
+            raise APIKeyError(f"--api-keys-file {self.path} lists no key (one per line; # starts a comment)")
+
+    def _stat(self) -> tuple[int, int, int]:
+        st = os.stat(self.path)  # follows the symlinks a mounted Secret swaps on update
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _read(self) -> list[bytes]:
+        return [k.encode() for k in parse_keys(self.path.read_text(encoding="utf-8", errors="replace"))]
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < RECHECK_S:
+            return
+        with self._lock:
+            self._checked = now
+            try:
+                stamp = self._stat()
+                if stamp == self._stamp:
+                    return
+                keys = self._read()
+            except OSError as exc:
+                log.error("cannot re-read --api-keys-file %s (%s); keeping the keys read before", self.path, exc)
+                return
+            self._stamp, self._keys = stamp, keys
+            log.info("--api-keys-file %s changed: %d keys", self.path, len(keys))
+            if not keys:
+                log.warning("--api-keys-file %s lists no key: every API request is refused", self.path)
+
+    def valid(self, presented: bytes) -> bool:
+        """Whether `presented` is one of the keys (constant time in which key and how much matched)."""
+        self._refresh()
+        match = False
+        for key in self._keys:
+            match |= hmac.compare_digest(presented, key)
+        return match
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                return token.strip()
+            return None
+    return None
+
+
+class APIKeyMiddleware:
+    """401 (OpenAI-style body, `WWW-Authenticate: Bearer`) unless the request carries a valid key."""
+
+    def __init__(self, app: ASGIApp, keys: APIKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        token = bearer_token(scope)
+        if token is not None and self.keys.valid(token):
+            await self.app(scope, receive, send)
+            return
+        message = (
+            "missing API key: send 'Authorization: Bearer YOUR_KEY'" if token is None else "incorrect API key provided"
+        )
+        body = error_body(401, message, code="invalid_api_key")
+        await send_json(send, 401, body, {"www-authenticate": "Bearer"})
