@@ -6,6 +6,7 @@ Result endpoints are derived from the head's --scheduler-port, so a worker only 
 
 from __future__ import annotations
 
+import ipaddress
 from urllib.parse import urlsplit
 
 from triptych.roles import Role
@@ -52,3 +53,13 @@ def result_endpoint(server_addr: str, role: Role) -> str:
 def tcp_url(host: str, port: int) -> str:
     """tcp://HOST:PORT, with an IPv6 address in brackets (pod IPs can be IPv6)."""
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name, or a placeholder such as $(POD_IP): reachable from elsewhere

@@ -1,0 +1,164 @@
+"""The control plane's authentication: CURVE keys, and the one place head<->worker sockets are secured.
+
+Every head<->worker ZMQ socket is CURVE (libzmq's: mutual authentication and encryption) when
+`--disagg-keys-dir` is given. A key set is two key pairs, in zmq.auth's certificate format:
+
+    head.key    head.key_secret     the head's pair
+    worker.key  worker.key_secret   the pair every worker of the pipeline shares
+
+A worker's work socket is a CURVE server that lets in only clients holding the head's key; the
+head's result sockets are CURVE servers that let in only clients holding the worker key. The
+check is a ZAP handler (zmq.auth.thread.ThreadAuthenticator) on the process's context, started
+before any socket binds. A process needs its own pair and the other side's public key, no more:
+the operator mounts exactly those files into each pod.
+
+`triptych keys generate DIR` writes a key set; secret files are created with mode 0600.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from triptych.config import ConfigError, ServeArgs
+
+Side = Literal["head", "worker"]
+SIDES: tuple[Side, Side] = ("head", "worker")
+PUBLIC_SUFFIX = ".key"
+SECRET_SUFFIX = ".key_secret"
+ZAP_DOMAIN = "triptych"
+
+
+def public_file(side: Side) -> str:
+    return side + PUBLIC_SUFFIX
+
+
+def secret_file(side: Side) -> str:
+    return side + SECRET_SUFFIX
+
+
+def key_files(side: Side) -> tuple[str, str, str]:
+    """The files a process of `side` reads: its own public and secret files and the other side's public file."""
+    other: Side = "worker" if side == "head" else "head"
+    return public_file(side), secret_file(side), public_file(other)
+
+
+def _write_cert(path: Path, public: bytes, secret: bytes | None) -> None:
+    """One certificate in zmq.auth's format; a secret one is created 0600 (never readable by others)."""
+    lines = ["#   ZeroMQ CURVE " + ("Secret" if secret else "Public") + " Certificate (triptych)", "metadata", "curve"]
+    lines.append(f'    public-key = "{public.decode()}"')
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if secret else 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def generate_keys(keys_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write a head and a worker key pair into `keys_dir` (created 0700 if missing); refuses to overwrite."""
+    directory = Path(keys_dir)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    paths = [directory / name for side in SIDES for name in (public_file(side), secret_file(side))]
+    existing = [p.name for p in paths if p.exists()]
+    if existing:
+        raise ConfigError(f"{directory} already holds {', '.join(existing)}; remove them first to make new keys")
+    for side in SIDES:
+        public, secret = zmq.curve_keypair()
+        _write_cert(directory / public_file(side), public, None)
+        _write_cert(directory / secret_file(side), public, secret)
+    return paths
+
+
+@dataclass(frozen=True)
+class ControlKeys:
+    """What one process needs: its own key pair and the public key of the only peers it accepts."""
+
+    public: bytes
+    secret: bytes
+    peer_public: bytes
+
+
+def load_keys(keys_dir: str | os.PathLike[str], side: Side) -> ControlKeys:
+    """Read `side`'s keys from `keys_dir`; ConfigError names the file that is missing or unreadable."""
+    directory = Path(keys_dir)
+    _, own_secret, peer = key_files(side)
+    try:
+        public, secret = zmq.auth.load_certificate(directory / own_secret)
+        peer_public, _ = zmq.auth.load_certificate(directory / peer)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"--disagg-keys-dir {directory}: cannot read the {side}'s keys ({exc}); it needs {own_secret} and {peer} "
+            "(`triptych keys generate DIR` writes them)"
+        ) from None
+    if secret is None:
+        raise ConfigError(f"--disagg-keys-dir {directory}: {own_secret} holds no secret key")
+    return ControlKeys(public=public, secret=secret, peer_public=peer_public)
+
+
+class ControlPlane:
+    """Secures the head<->worker sockets of one process: CURVE with a ZAP check when keys are given.
+
+    `server(sock)` before binding a socket peers connect to; `client(sock, ...)` before connecting
+    one. Without keys (--disagg-insecure, or loopback only) both leave the socket as it is.
+    """
+
+    def __init__(self, ctx: zmq.Context[Any], keys: ControlKeys | None):
+        self.keys = keys
+        self._auth: ThreadAuthenticator | None = None
+        if keys is not None:
+            # The ZAP handler must run before a CURVE server binds: without one, libzmq lets in any
+            # client that knows the server's public key.
+            self._auth = ThreadAuthenticator(ctx, log=None)
+            self._auth.start()
+            self._auth.configure_curve_callback(ZAP_DOMAIN, _OnlyKey(keys.peer_public))
+
+    @property
+    def authenticated(self) -> bool:
+        return self.keys is not None
+
+    def server(self, sock: zmq.Socket[Any]) -> None:
+        """A socket that binds: only the peer key may connect, everything is encrypted."""
+        if self.keys is None:
+            return
+        sock.curve_secretkey = self.keys.secret
+        sock.curve_publickey = self.keys.public
+        sock.curve_server = True
+        sock.zap_domain = ZAP_DOMAIN.encode()
+
+    def client(self, sock: zmq.Socket[Any]) -> None:
+        """A socket that connects to the peer side's server, whose public key it must present."""
+        if self.keys is None:
+            return
+        sock.curve_secretkey = self.keys.secret
+        sock.curve_publickey = self.keys.public
+        sock.curve_serverkey = self.keys.peer_public
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+class _OnlyKey:
+    """ZAP credentials check: exactly one client public key (z85, as certificates hold it) is let in."""
+
+    def __init__(self, public: bytes):
+        self._allowed = z85.decode(public)
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:
+        return hmac.compare_digest(z85.decode(z85_key), self._allowed)
+
+
+def control_plane(args: ServeArgs, ctx: zmq.Context[Any], side: Side) -> ControlPlane:
+    """The control-plane security `args` ask for (ServeArgs.validate has refused an unprotected
+    non-loopback bind already); ConfigError when the keys cannot be read."""
+    keys = load_keys(args.disagg_keys_dir, side) if args.disagg_keys_dir else None
+    return ControlPlane(ctx, keys)
