@@ -23,6 +23,12 @@ RESULT_PORT_OFFSET: dict[Role, int] = {
 }
 
 
+# Mooncake takes its handshake and TCP data ports from this range (its defaults, which the worker
+# pins through MC_MIN_RPC_PORT/MC_MAX_RPC_PORT); the operator's NetworkPolicy opens exactly these
+# ports between a pipeline's workers.
+MOONCAKE_PORT_RANGE = (15000, 17000)
+
+
 def frontend_port(scheduler_port: int) -> int:
     """The head's frontend ROUTER port."""
     return scheduler_port

@@ -17,6 +17,7 @@ the operator mounts exactly those files into each pod.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from dataclasses import dataclass
@@ -51,30 +52,47 @@ def key_files(side: Side) -> tuple[str, str, str]:
     return public_file(side), secret_file(side), public_file(other)
 
 
-def _write_cert(path: Path, public: bytes, secret: bytes | None) -> None:
-    """One certificate in zmq.auth's format; a secret one is created 0600 (never readable by others)."""
-    lines = ["#   ZeroMQ CURVE " + ("Secret" if secret else "Public") + " Certificate (triptych)", "metadata", "curve"]
+def _cert_text(public: bytes, secret: bytes | None) -> str:
+    """One certificate in zmq.auth's format (zmq.auth.load_certificate reads it)."""
+    kind = "Secret" if secret is not None else "Public"
+    lines = [f"#   ZeroMQ CURVE {kind} Certificate (triptych)", "metadata", "curve"]
     lines.append(f'    public-key = "{public.decode()}"')
     if secret is not None:
         lines.append(f'    secret-key = "{secret.decode()}"')
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if secret else 0o644)
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
+
+
+def new_key_set() -> dict[str, str]:
+    """A fresh key set: file name -> certificate text (what `generate_keys` writes; the operator's Secret holds)."""
+    files: dict[str, str] = {}
+    for side in SIDES:
+        public, secret = zmq.curve_keypair()
+        files[public_file(side)] = _cert_text(public, None)
+        files[secret_file(side)] = _cert_text(public, secret)
+    return files
 
 
 def generate_keys(keys_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write a head and a worker key pair into `keys_dir` (created 0700 if missing); refuses to overwrite."""
+    """Write a head and a worker key pair into `keys_dir` (created 0700 if missing); refuses to overwrite.
+    Secret files are created 0600, never readable by others even for a moment."""
     directory = Path(keys_dir)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    paths = [directory / name for side in SIDES for name in (public_file(side), secret_file(side))]
-    existing = [p.name for p in paths if p.exists()]
+    files = new_key_set()
+    existing = [name for name in files if (directory / name).exists()]
     if existing:
         raise ConfigError(f"{directory} already holds {', '.join(existing)}; remove them first to make new keys")
-    for side in SIDES:
-        public, secret = zmq.curve_keypair()
-        _write_cert(directory / public_file(side), public, None)
-        _write_cert(directory / secret_file(side), public, secret)
-    return paths
+    for name, text in files.items():
+        mode = 0o600 if name.endswith(SECRET_SUFFIX) else 0o644
+        fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    return [directory / name for name in files]
+
+
+def public_fingerprint(files: dict[str, str]) -> str:
+    """A short digest of a key set's public keys: changes when the keys do (the operator rolls pods on it)."""
+    digest = hashlib.sha256("".join(files.get(public_file(side), "") for side in SIDES).encode())
+    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

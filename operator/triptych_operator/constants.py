@@ -35,6 +35,11 @@ MODEL_MOUNT: Final = "/models"
 HF_CACHE_MOUNT: Final = "/cache"
 SHM_MOUNT: Final = "/dev/shm"
 OUTPUT_MOUNT: Final = "/var/lib/triptych/outputs"
+# The pipeline's control-plane key set (Secret "<name>-control-keys"), read-only: --disagg-keys-dir.
+KEYS_MOUNT: Final = "/etc/triptych/keys"
+KEYS_COMPONENT: Final = "control-keys"
+# Pod-template annotation with the keys' public fingerprint: new keys (a deleted Secret) roll every pod.
+KEYS_FINGERPRINT_ANNOTATION: Final = "triptych.ai/control-keys"
 RUN_AS_USER: Final = 10001  # the numeric uid the images declare with USER
 
 # Default images; the chart overrides them through the operator's environment.

@@ -15,6 +15,7 @@ from triptych.roles import Role
 from triptych_operator.constants import (
     HEAD_COMPONENT,
     HEAD_SCHEDULER_PORT,
+    KEYS_MOUNT,
     OUTPUT_MOUNT,
     PIPELINE_ROLES,
     WORKER_MASTER_PORT,
@@ -67,6 +68,7 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         master_port=WORKER_MASTER_PORT if spec.gpus_per_replica > 1 else None,
         device="cuda",
         disagg_drain_timeout=float(spec.drain_timeout_seconds),
+        disagg_keys_dir=KEYS_MOUNT,
         **parallel,  # type: ignore[arg-type]
     )
 
@@ -85,6 +87,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         disagg_drain_timeout=float(pipeline.head.drain_timeout_seconds),
         results_max_age=float(pipeline.head.results.max_age_seconds),
         results_max_bytes=pipeline.head.results.max_bytes,
+        disagg_keys_dir=KEYS_MOUNT,
         **urls,  # type: ignore[arg-type]
     )
 
