@@ -460,6 +460,12 @@ class DiffusionServer:
         if not (rec.receiver_reserved and rec.instance == inst.url and rec.staged):
             self.registry.send(inst.url, CancelWork(rec.wire_id, inst.url))
             return
+        if msg.session != inst.session:
+            # A sender writes only to the transfer session its receiver heartbeats, never to one a
+            # message names (a restarted process behind the same address: its next heartbeat tells).
+            reason = f"{inst.role.value} {inst.url} offered a slot in transfer session {msg.session!r}, not its own"
+            self._instance_lost(inst, "session_mismatch", reason)
+            return
         if msg.kept:
             inst.standing[msg.addr] = StandingSlot(rec.staged.nbytes, holder=rec.wire_id)
             rec.slot_addr = msg.addr
