@@ -12,9 +12,12 @@ here is the default one of triptych.localdeploy (keys generated in its workdir).
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +28,7 @@ import zmq
 from tests.e2e.harness import deployment
 from triptych.localdeploy import LocalDeployment
 from triptych.params import GenerationParams
-from triptych.ports import result_port
+from triptych.ports import MOONCAKE_PORT_RANGE, result_port
 from triptych.protocol import Heartbeat, Ping, TransferAlloc, TransferPush, Work, encode
 from triptych.roles import Role
 
@@ -219,3 +222,44 @@ def test_forged_messages_on_the_heads_result_ports_change_nothing(dep, expected,
     assert results == [expected] * 3
     assert all(not draining for sample in samples for (*_, draining) in sample.values()), samples
     assert settled(dep) == before
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on, from /proc (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_addr)
+            # /proc prints the address as 32-bit words in host (little-endian) order.
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            address = socket.inet_ntop(family, raw).removeprefix("::ffff:")  # IPv4 on a dual-stack socket
+            found.add((address, int(hex_port, 16)))
+    return found
+
+
+def test_a_worker_listens_on_its_work_port_at_the_p2p_hostname_and_mooncake_in_the_policy_range(dep):
+    """Everything a worker listens on. Its work socket is bound to --disagg-p2p-hostname only.
+    Mooncake's two listeners (handshake, TCP data) come from MOONCAKE_PORT_RANGE, the ports the
+    operator's NetworkPolicy opens to peer workers only; Mooncake (0.3.13) binds them on every
+    address, which no setting of it narrows (README, "Control plane and transfers")."""
+    low, high = MOONCAKE_PORT_RANGE
+    for role in (Role.ENCODER, Role.DENOISER, Role.DECODER):
+        proc = dep.workers(role)[0]
+        work_port = int(proc.url.rsplit(":", 1)[1])
+        sockets = listening(proc.popen.pid)
+        assert ("127.0.0.1", work_port) in sockets, sockets  # and on no other address:
+        mooncake = sockets - {("127.0.0.1", work_port)}
+        assert len(mooncake) == 2 and all(low <= port <= high for _, port in mooncake), sockets
