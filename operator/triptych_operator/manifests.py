@@ -442,8 +442,8 @@ def head_service(pipeline: PipelineSpec) -> Manifest:
 
 
 def api_service(pipeline: PipelineSpec) -> Manifest:
-    """The HTTP API Service, of spec.head.serviceType; it exposes only the HTTP port (the scheduler
-    protocol is for a trusted network)."""
+    """The HTTP API Service, of spec.head.serviceType; it exposes only the HTTP port (the result ports
+    are for the pipeline's workers, on the internal Service)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
