@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +38,9 @@ SIDES: tuple[Side, Side] = ("head", "worker")
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 ZAP_DOMAIN = "triptych"
+REFUSAL_LOG_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 def public_file(side: Side) -> str:
@@ -166,13 +171,28 @@ class ControlPlane:
 
 
 class _OnlyKey:
-    """ZAP credentials check: exactly one client public key (z85, as certificates hold it) is let in."""
+    """ZAP credentials check: exactly one client public key (z85, as certificates hold it) is let in.
+    Refusals are logged at most every REFUSAL_LOG_S (a peer with old keys after a rotation retries
+    its handshake all the time)."""
 
     def __init__(self, public: bytes):
         self._allowed = z85.decode(public)
+        self._refused = 0
+        self._logged_at = -REFUSAL_LOG_S
 
     def callback(self, domain: str, z85_key: bytes) -> bool:
-        return hmac.compare_digest(z85.decode(z85_key), self._allowed)
+        if hmac.compare_digest(z85.decode(z85_key), self._allowed):
+            return True
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._logged_at >= REFUSAL_LOG_S:
+            log.warning(
+                "refused %d control-plane connection(s) from a key that is not this pipeline's (latest %s...); "
+                "a peer with other or old --disagg-keys-dir keys?",
+                self._refused, z85_key[:8].decode(errors="replace"),
+            )  # fmt: skip
+            self._refused, self._logged_at = 0, now
+        return False
 
 
 def control_plane(args: ServeArgs, ctx: zmq.Context[Any], side: Side) -> ControlPlane:

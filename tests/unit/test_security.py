@@ -105,7 +105,7 @@ def received(pull: zmq.Socket, timeout_ms: int = 1500) -> list[bytes]:
     return out
 
 
-def test_a_curve_server_takes_messages_only_from_the_peer_key(tmp_path):
+def test_a_curve_server_takes_messages_only_from_the_peer_key(tmp_path, caplog):
     main(["keys", "generate", str(tmp_path / "ours")])
     main(["keys", "generate", str(tmp_path / "theirs")])
     server_ctx, client_ctx, stranger_ctx, plain_ctx = (zmq.Context() for _ in range(4))
@@ -135,6 +135,7 @@ def test_a_curve_server_takes_messages_only_from_the_peer_key(tmp_path):
             push.send(payload, zmq.NOBLOCK) if plane is client else _try_send(push, payload)
             sockets.append(push)
         assert received(pull) == [b"head"]
+        assert "refused 1 control-plane connection(s) from a key that is not this pipeline's" in caplog.text
     finally:
         for sock in [*sockets, pull]:
             sock.close(linger=0)
