@@ -135,6 +135,11 @@ class DiffusionServer:
         self.frontend = self._bind(zmq.ROUTER, self.frontend_endpoint, None)  # in-process API clients only
         for role in directories:
             self._bind(zmq.PULL, tcp_url(args.host, result_port(args.scheduler_port, role)), role)
+        log.info(
+            "result sockets on %s ports %s, control plane %s", args.host,
+            ",".join(str(result_port(args.scheduler_port, role)) for role in directories),
+            "authenticated (CURVE)" if self.security.authenticated else "UNAUTHENTICATED",
+        )  # fmt: skip
 
     def _bind(self, kind: int, endpoint: str, role: Role | None) -> zmq.Socket:
         sock = self._ctx.socket(kind)
