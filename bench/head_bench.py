@@ -18,6 +18,9 @@ Prints, side by side in one run:
   client) pinned to one CPU: no message then wakes a thread on another CPU (on a small VM such
   a wake-up costs more than handling the message);
 - throughput in requests/second at --concurrency (frontend and HTTP);
+- the cost of the authenticated control plane: a deployment with CURVE keys (the default, measured
+  above) and one without, both up side by side, measured in alternating blocks of sequential
+  requests (--auth-blocks, 0: skip);
 - with --transfer-mib N: the encoder->denoiser hand-off of an N MiB payload through the whole
   transfer flow (slot, push, write, report) against a raw Mooncake transfer_sync_write of the
   same bytes between two processes (bench/transfer_bench.py), as a throughput ratio (target >= 90%).
@@ -35,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -198,6 +201,36 @@ async def measure(dep, args) -> dict[str, float]:  # type: ignore[no-untyped-def
     return out
 
 
+def auth_comparison(flux: Path, payload_bytes: int, blocks: int, per_block: int) -> dict[str, float]:
+    """Control overhead with CURVE authentication on and off: two deployments up at once, alternating
+    blocks of `per_block` sequential requests (so the host's drift falls on both); medians of blocks."""
+    figures: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        deps = {
+            auth: stack.enter_context(
+                local_deployment(
+                    flux,
+                    Path(tmp) / ("on" if auth else "off"),
+                    worker_flags=("--device", "cpu"),
+                    null_payload_bytes=payload_bytes,
+                    authenticated=auth,
+                )
+            )
+            for auth in (True, False)
+        }
+        for dep in deps.values():
+            sequential(f"tcp://127.0.0.1:{dep.scheduler_port}", 20)  # warm up
+        for i in range(blocks):
+            for auth in (True, False) if i % 2 == 0 else (False, True):
+                figures[auth].append(sequential(f"tcp://127.0.0.1:{deps[auth].scheduler_port}", per_block))
+    out: dict[str, float] = {}
+    for auth, name in ((True, "auth_on"), (False, "auth_off")):
+        for key in ("latency_ms", "control_overhead_ms"):
+            out[f"{name}_{key}"] = statistics.median(f[key] for f in figures[auth])
+    out["auth_requests_each"] = blocks * per_block
+    return out
+
+
 def handoff(dep, n: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Median hand-off and write seconds of the encoder->denoiser hop over n sequential requests."""
 
@@ -248,6 +281,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--payload-bytes", type=int, default=64 * 1024)
     p.add_argument("--transfer-mib", type=int, default=32, help="payload for the hand-off comparison (0: skip)")
+    p.add_argument("--auth-blocks", type=int, default=8, help="alternating blocks for authentication on/off (0: skip)")
+    p.add_argument("--auth-block-requests", type=int, default=100)
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "head.json")
     args = p.parse_args()
     (flux,) = write_tiny_models(ROOT / ".models", families=["tiny-flux"])
@@ -258,7 +293,10 @@ def main() -> int:
                               null_payload_bytes=args.payload_bytes) as dep:  # fmt: skip
             result = asyncio.run(measure(dep, args))
     result["payload_bytes"] = args.payload_bytes
-    print(f"head control plane, zero-compute stages, {args.payload_bytes} B per hop, 2 Mooncake hops/request")
+    print(
+        f"head control plane (authenticated), zero-compute stages, {args.payload_bytes} B per hop, "
+        "2 Mooncake hops/request"
+    )
     print(f"  sequential latency      {result['latency_ms']:8.2f} ms (median of {args.sequential})")
     print(f"  of which Mooncake write {result['mooncake_write_ms']:8.2f} ms")
     print(
@@ -282,6 +320,15 @@ def main() -> int:
     print(f"  CPU per request (ms)    {cpu}")
     print(f"  throughput, frontend    {result['frontend_rps']:8.1f} req/s at concurrency {args.concurrency}")
     print(f"  throughput, HTTP        {result['http_rps']:8.1f} req/s at concurrency {args.concurrency}")
+    if args.auth_blocks:
+        a = auth_comparison(flux, args.payload_bytes, args.auth_blocks, args.auth_block_requests)
+        result.update(a)
+        print(f"control plane authenticated (CURVE) vs not: two deployments side by side, {args.auth_blocks} "
+              f"alternating blocks of {args.auth_block_requests} sequential requests, medians")  # fmt: skip
+        on, off = a["auth_on_control_overhead_ms"], a["auth_off_control_overhead_ms"]
+        print(f"  control overhead        {on:8.2f} ms with keys, {off:.2f} ms without ({on - off:+.2f} ms)")
+        on, off = a["auth_on_latency_ms"], a["auth_off_latency_ms"]
+        print(f"  latency                 {on:8.2f} ms with keys, {off:.2f} ms without")
     if args.transfer_mib:
         t = transfer_comparison(flux, args.transfer_mib, 10)
         result.update(t)

@@ -2,6 +2,7 @@
 
     triptych serve --model-path DIR --disagg-role {monolithic,encoder,...,server} [flags]
     triptych models tiny --out DIR
+    triptych keys generate DIR
 
 The flags mirror the design spec; `triptych.config.ServeArgs` holds their parsed, validated
 values and is what the head and workers receive. The operator builds worker arguments with
@@ -34,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = models_sub.add_parser("tiny", help="write tiny random-weight diffusers packages for tests and demos")
     tiny.add_argument("--out", required=True, help="directory to write the packages into")
     tiny.add_argument("--family", action="append", help="only this package (repeatable); default: all")
+    keys = sub.add_parser("keys", help="control-plane keys (CURVE) for --disagg-keys-dir")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, parser_class=OneLineParser)
+    generate = keys_sub.add_parser("generate", help="write a head and a worker key pair (secret files 0600)")
+    generate.add_argument("dir", help="directory to write them into (created if missing)")
     return parser
 
 
@@ -55,6 +60,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             paths = write_tiny_models(ns.out, families=ns.family)
         except ValueError as exc:
+            print(f"triptych: error: {exc}", file=sys.stderr)
+            return 2
+        for path in paths:
+            print(path)
+        return 0
+    if ns.command == "keys":
+        from triptych.security import generate_keys
+
+        try:
+            paths = generate_keys(ns.dir)
+        except (ConfigError, OSError) as exc:
             print(f"triptych: error: {exc}", file=sys.stderr)
             return 2
         for path in paths:

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
-from triptych.ports import DEFAULT_HTTP_PORT, DEFAULT_SCHEDULER_PORT, parse_tcp_endpoint
+from triptych.ports import DEFAULT_HTTP_PORT, DEFAULT_SCHEDULER_PORT, is_loopback, parse_tcp_endpoint
 from triptych.roles import Role
 
 MIB = 1 << 20
@@ -137,6 +137,8 @@ class ServeArgs:
     simulate: bool = False
     simulate_seconds: float | None = None
     simulate_seconds_per_unit: float | None = None
+    disagg_keys_dir: str | None = None
+    disagg_insecure: bool = False
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServeArgs:
@@ -216,6 +218,7 @@ class ServeArgs:
             raise ConfigError(f"--disagg-drain-timeout {self.disagg_drain_timeout} must be > 0 seconds")
         self._validate_http_limits()
         self._validate_simulation()
+        self._validate_control_security()
         try:
             self.parallelism()
         except ParallelismError as exc:
@@ -239,6 +242,26 @@ class ServeArgs:
         for name in timing:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{flag(name)} {getattr(self, name)} must be >= 0 seconds")
+
+    def control_bind_address(self) -> str | None:
+        """Where this process accepts control-plane peers: the head's result sockets (--host), a
+        worker's work socket (--disagg-p2p-hostname); None for monolithic mode (no control plane)."""
+        if self.disagg_role is Role.SERVER:
+            return self.host
+        return self.disagg_p2p_hostname if self.disagg_role.is_worker else None
+
+    def _validate_control_security(self) -> None:
+        if self.disagg_keys_dir and self.disagg_insecure:
+            raise ConfigError("give --disagg-keys-dir or --disagg-insecure, not both")
+        address = self.control_bind_address()
+        if address is None or self.disagg_keys_dir or self.disagg_insecure or is_loopback(address):
+            return
+        which = "--host" if self.disagg_role is Role.SERVER else "--disagg-p2p-hostname"
+        raise ConfigError(
+            f"{which} {address} is reachable from other hosts and the control plane has no keys: give "
+            "--disagg-keys-dir DIR (`triptych keys generate DIR` writes one) or, on a trusted network, "
+            "--disagg-insecure"
+        )
 
     def _validate_head_urls(self, given: list[Role]) -> None:
         if Role.DENOISER not in given or Role.DECODER not in given:
@@ -356,3 +379,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
            f"one step over one megapixel-frame (default {sim['denoiser'][1]:g}), for the decoder one "
            f"megapixel-frame (default {sim['decoder'][1]:g}), for the encoder one output "
            f"(default {sim['encoder'][1]:g})")  # fmt: skip
+    a("--disagg-keys-dir", default=None, metavar="DIR",
+      help="head and worker: authenticate and encrypt the control plane (CURVE) with the keys in DIR "
+           "(`triptych keys generate DIR`); needed on a non-loopback address unless --disagg-insecure")  # fmt: skip
+    a("--disagg-insecure", action="store_true",
+      help="head and worker: run the control plane unauthenticated on a non-loopback address "
+           "(anyone who reaches a worker's port controls it; only on a network you trust)")  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from triptych.config import ServeArgs
+from triptych.config import ConfigError, ServeArgs
 from triptych.model_source import ModelSourceError, resolve_model_path
 from triptych.roles import Role
 
@@ -21,9 +21,13 @@ def serve(args: ServeArgs) -> int:
     configure_logging(args)
     try:
         args.model_path = resolve_model_path(args.model_path)
-    except ModelSourceError as exc:
+        return _serve_role(args)
+    except (ModelSourceError, ConfigError) as exc:  # e.g. unreadable --disagg-keys-dir, found at start-up
         print(f"triptych: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _serve_role(args: ServeArgs) -> int:
     if args.disagg_role is Role.SERVER:
         from triptych_head.main import run_head
 

@@ -2,7 +2,8 @@
 
 Used by `make demo`, the end-to-end tests and the benchmarks. Every process is a real
 `triptych serve` (or, for control-plane measurements, a zero-compute null worker) talking over
-loopback ZMQ and Mooncake TCP. Give workers `--simulate` (worker_flags) for model-free workers of
+loopback ZMQ and Mooncake TCP, with an authenticated control plane (a key set generated in the
+workdir; `authenticated=False` runs it without). Give workers `--simulate` (worker_flags) for model-free workers of
 a few tens of MB each; give `spare` ports to add workers while the deployment runs
 (`LocalDeployment.start_worker`) and `stop_worker` to drain (SIGTERM) or kill one.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from triptych.roles import Role
+from triptych.security import generate_keys
 
 ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER)
 
@@ -90,6 +92,7 @@ class LocalDeployment:
     head_argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     workdir: Path = Path(".")
+    keys_dir: Path | None = None  # the control plane's key set (--disagg-keys-dir), None when unauthenticated
 
     def workers(self, role: Role) -> list[Proc]:
         return [p for p in self.procs if p.role is role]
@@ -193,6 +196,7 @@ def local_deployment(
     worker_url_scheme: str = "tcp://127.0.0.1",
     discovery_files: bool = False,
     spare: dict[Role, int] | None = None,
+    authenticated: bool = True,
 ) -> Iterator[LocalDeployment]:
     """Start head and workers (logs under `workdir`), wait until every worker heartbeats, kill all on exit.
 
@@ -202,6 +206,8 @@ def local_deployment(
     LocalDeployment.start_worker and unlist_worker rewrite (workers joining and leaving).
     `spare`: per role, how many more worker ports the head lists, for workers started later
     with `LocalDeployment.start_worker` (until then the head sees them as not responding).
+    `authenticated`: the head and workers get --disagg-keys-dir with a key set written to
+    `workdir`/keys (kept if it is there already); False runs the control plane without keys.
     """
     counts = counts or dict.fromkeys(ROLES, 1)
     spare = spare or {}
@@ -221,12 +227,19 @@ def local_deployment(
     )
     if discovery_files:
         dep.endpoint_files = {role: workdir / f"{role.value}.endpoints" for role in ROLES}
+    security_flags: list[str] = []
+    if authenticated:
+        dep.keys_dir = workdir / "keys"
+        if not (dep.keys_dir / "head.key").exists():
+            generate_keys(dep.keys_dir)
+        security_flags = ["--disagg-keys-dir", str(dep.keys_dir)]
     started: dict[Role, int] = {}
 
     def spawn_worker(role: Role, port: int) -> Proc:
         argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
                 "--disagg-server-addr", f"tcp://127.0.0.1:{sched}", "--scheduler-port", str(port),
-                "--disagg-p2p-hostname", "127.0.0.1", *worker_flags, *(role_flags or {}).get(role, ())]  # fmt: skip
+                "--disagg-p2p-hostname", "127.0.0.1", *security_flags, *worker_flags,
+                *(role_flags or {}).get(role, ())]  # fmt: skip
         i = started[role] = started.get(role, -1) + 1
         log = workdir / f"{role.value}-{i}.log"
         return Proc(role, f"tcp://127.0.0.1:{port}", _spawn(argv, log, env), log)
@@ -236,7 +249,7 @@ def local_deployment(
     def start_head() -> None:
         argv = [py, "-m", "triptych", "serve", "--model-path", str(model), "--disagg-role", "server",
                 "--scheduler-port", str(sched), "--host", "127.0.0.1", "--port", str(http),
-                "--output-path", str(workdir / "outputs"), *head_flags]  # fmt: skip
+                "--output-path", str(workdir / "outputs"), *security_flags, *head_flags]  # fmt: skip
         for role in ROLES:
             if discovery_files:
                 spec = f"file://{dep.endpoint_files[role].resolve()}"

@@ -6,6 +6,7 @@ Result endpoints are derived from the head's --scheduler-port, so a worker only 
 
 from __future__ import annotations
 
+import ipaddress
 from urllib.parse import urlsplit
 
 from triptych.roles import Role
@@ -20,6 +21,12 @@ RESULT_PORT_OFFSET: dict[Role, int] = {
     Role.PROMPT_ENCODER: 4,
     Role.IMAGE_ENCODER: 5,
 }
+
+
+# Mooncake takes its handshake and TCP data ports from this range (its defaults, which the worker
+# pins through MC_MIN_RPC_PORT/MC_MAX_RPC_PORT); the operator's NetworkPolicy opens exactly these
+# ports between a pipeline's workers.
+MOONCAKE_PORT_RANGE = (15000, 17000)
 
 
 def frontend_port(scheduler_port: int) -> int:
@@ -52,3 +59,13 @@ def result_endpoint(server_addr: str, role: Role) -> str:
 def tcp_url(host: str, port: int) -> str:
     """tcp://HOST:PORT, with an IPv6 address in brackets (pod IPs can be IPv6)."""
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name, or a placeholder such as $(POD_IP): reachable from elsewhere

@@ -12,6 +12,7 @@ import zmq
 
 from triptych.protocol import Ping
 from triptych.roles import Role
+from triptych.security import ControlPlane
 from triptych.sockets import send_message
 from triptych_head.discovery import WorkerDirectory
 from triptych_head.instances import WorkerInstance
@@ -33,8 +34,10 @@ class WorkerRegistry:
         directories: dict[Role, WorkerDirectory],
         heartbeat_timeout: float,
         metrics: HeadMetrics,
+        security: ControlPlane | None = None,
     ):
         self._ctx = ctx
+        self._security = security
         self._directories = directories
         self.heartbeat_timeout = heartbeat_timeout
         self._metrics = metrics
@@ -111,6 +114,8 @@ class WorkerRegistry:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 10_000)
+        if self._security is not None:
+            self._security.client(sock)
         sock.connect(url)
         return sock
 

@@ -56,6 +56,7 @@ from triptych.protocol import (
     encode,
 )
 from triptych.roles import Role
+from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message
 from triptych_head.admission import AdmissionControl, retry_after_seconds
 from triptych_head.discovery import WorkerDirectory
@@ -107,12 +108,17 @@ class DiffusionServer:
         self._validate = validate
         self._ctx = ctx or zmq.Context.instance()
         self._ctx.setsockopt(zmq.IPV6, 1)  # workers may have IPv6 pod IPs; IPv4 keeps working
+        # Before any socket: with keys, result sockets let in only the pipeline's workers, and the
+        # head reaches workers' work sockets as the only client they accept.
+        self.security: ControlPlane = control_plane(args, self._ctx, "head")
         self._route = pipeline_route(args)
         directories = {
             role: WorkerDirectory(args.urls_for(role), args.disagg_discovery_interval)
             for role in dict.fromkeys(self._route)
         }
-        self.registry = WorkerRegistry(self._ctx, directories, args.disagg_heartbeat_timeout, self.metrics)
+        self.registry = WorkerRegistry(
+            self._ctx, directories, args.disagg_heartbeat_timeout, self.metrics, self.security
+        )
         self.requests: dict[str, RequestRecord] = {}  # by the client's request id
         self._attempts: dict[str, RequestRecord] = {}  # the same records by the id workers know (wire_id)
         self.workload = WorkEstimator()
@@ -130,19 +136,27 @@ class DiffusionServer:
         self._drain_seconds = 0.0
         self._sockets: list[tuple[zmq.Socket, Role | None]] = []
         self.frontend_endpoint = f"tcp://127.0.0.1:{frontend_port(args.scheduler_port)}"
-        self.frontend = self._bind(zmq.ROUTER, self.frontend_endpoint, None)
+        self.frontend = self._bind(zmq.ROUTER, self.frontend_endpoint, None)  # in-process API clients only
         for role in directories:
             self._bind(zmq.PULL, tcp_url(args.host, result_port(args.scheduler_port, role)), role)
+        log.info(
+            "result sockets on %s ports %s, control plane %s", args.host,
+            ",".join(str(result_port(args.scheduler_port, role)) for role in directories),
+            "authenticated (CURVE)" if self.security.authenticated else "UNAUTHENTICATED",
+        )  # fmt: skip
 
     def _bind(self, kind: int, endpoint: str, role: Role | None) -> zmq.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if role is not None:
+            self.security.server(sock)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
             sock.close()
             for other, _ in self._sockets:
                 other.close()
+            self.security.close()
             raise OSError(f"cannot bind {endpoint}: {exc} (is another head using --scheduler-port?)") from None
         self._sockets.append((sock, role))
         return sock
@@ -176,6 +190,7 @@ class DiffusionServer:
             self.registry.close(linger_ms=SHUTDOWN_LINGER_MS if self._drain_deadline is not None else 0)
             for sock, _ in self._sockets:
                 sock.close(linger=0)
+            self.security.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -468,6 +483,12 @@ class DiffusionServer:
     ) -> None:
         if not (rec.receiver_reserved and rec.instance == inst.url and rec.staged):
             self.registry.send(inst.url, CancelWork(rec.wire_id, inst.url))
+            return
+        if msg.session != inst.session:
+            # A sender writes only to the transfer session its receiver heartbeats, never to one a
+            # message names (a restarted process behind the same address: its next heartbeat tells).
+            reason = f"{inst.role.value} {inst.url} offered a slot in transfer session {msg.session!r}, not its own"
+            self._instance_lost(inst, "session_mismatch", reason)
             return
         if msg.kept:
             inst.standing[msg.addr] = StandingSlot(rec.staged.nbytes, holder=rec.wire_id)

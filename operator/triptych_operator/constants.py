@@ -39,6 +39,11 @@ OUTPUT_MOUNT: Final = "/var/lib/triptych/outputs"
 # so a Secret update reaches the file and the head re-reads it).
 API_KEYS_MOUNT: Final = "/etc/triptych/api-keys"
 API_KEYS_FILE: Final = f"{API_KEYS_MOUNT}/keys"
+# The pipeline's control-plane key set (Secret "<name>-control-keys"), read-only: --disagg-keys-dir.
+KEYS_MOUNT: Final = "/etc/triptych/keys"
+KEYS_COMPONENT: Final = "control-keys"
+# Pod-template annotation with the keys' public fingerprint: new keys (a deleted Secret) roll every pod.
+KEYS_FINGERPRINT_ANNOTATION: Final = "triptych.ai/control-keys"
 RUN_AS_USER: Final = 10001  # the numeric uid the images declare with USER
 
 # Default images; the chart overrides them through the operator's environment.

@@ -9,6 +9,7 @@ pipeline depend on the operator running.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import logging
 import os
@@ -18,6 +19,7 @@ from typing import Any, cast
 
 import kopf
 
+from triptych.security import new_key_set, public_fingerprint
 from triptych_operator import kube
 from triptych_operator.constants import (
     DEFAULT_HEAD_IMAGE,
@@ -32,7 +34,7 @@ from triptych_operator.constants import (
     VERSION,
     WORKER_IMAGE_ENV,
 )
-from triptych_operator.manifests import render
+from triptych_operator.manifests import control_keys_secret, render
 from triptych_operator.spec import PipelineSpec, SpecError, parse_pipeline
 from triptych_operator.status import PHASE_READY, compute_status
 
@@ -91,6 +93,7 @@ CHILD_FILTER: dict[str, Any] = {**OWNED, LABEL_INSTANCE: kopf.PRESENT}
 @kopf.on.event("", "v1", "services", labels=CHILD_FILTER)
 @kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=CHILD_FILTER)
 @kopf.on.event("networking.k8s.io", "v1", "ingresses", labels=CHILD_FILTER)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=CHILD_FILTER)
 def child_changed(
     event: kopf.RawEvent, namespace: str | None, labels: kopf.Labels, logger: kopf.Logger, **_: Any
 ) -> None:
@@ -152,22 +155,40 @@ def reconcile(pipeline: dict[str, Any], *, trigger: str, logger: kopf.Logger) ->
         spec_error: str | None = None
         apply_error: str | None = None
         try:
-            children = render(_parse(pipeline), owner=pipeline)
+            spec = _parse(pipeline)
+            deletions = render(spec).delete  # also validates: an invalid spec creates nothing, not even keys
         except SpecError as exc:
             # Nothing is applied: the objects of the last valid spec keep running untouched.
             spec_error = str(exc)
         else:
             try:
+                fingerprint = _ensure_control_keys(pipeline, spec, logger=logger)
+                children = render(spec, owner=pipeline, keys_fingerprint=fingerprint)
                 _apply_children(pipeline, children.apply, trigger=trigger, logger=logger)
             except kube.ApplyError as exc:
                 apply_error = str(exc)
-            for ref in children.delete:
+            for ref in deletions:
                 if kube.delete_managed(ref.api_version, ref.kind, ref.name, namespace):
                     message = f"{ref.kind} {ref.name} is no longer in the spec"
                     _post(pipeline, "Normal", reason="Deleted", message=message)
         _apply_errors[(namespace, name)] = apply_error
         _write_status(pipeline, spec_error, apply_error)
         return apply_error
+
+
+def _ensure_control_keys(pipeline: dict[str, Any], spec: PipelineSpec, *, logger: kopf.Logger) -> str:
+    """The pipeline's control-plane key Secret, created with new keys if there is none (first
+    reconcile, or deleted to rotate them); returns its public fingerprint for the pod templates."""
+    secret = control_keys_secret(spec, new_key_set())
+    kopf.append_owner_reference(secret, owner=kopf.Body(cast(kopf.RawBody, pipeline)))
+    live, created = kube.create_once(secret)
+    files = {name: base64.b64decode(value).decode() for name, value in (live.get("data") or {}).items()}
+    fingerprint = public_fingerprint(files)
+    if created:
+        message = f"Secret {secret['metadata']['name']}: new control-plane keys (fingerprint {fingerprint})"
+        _post(pipeline, "Normal", reason="KeysCreated", message=message)
+        logger.info("%s", message)
+    return fingerprint
 
 
 def _apply_children(

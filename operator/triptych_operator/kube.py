@@ -90,6 +90,26 @@ def apply(obj: Mapping[str, Any]) -> ApplyResult:
     return ApplyResult.UNCHANGED
 
 
+def create_once(obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    """(the live object of `obj`'s name, whether it was created now from `obj`); an existing one is
+    never changed (a Secret of generated keys must not be rewritten by a later reconcile)."""
+    meta = obj["metadata"]
+    what = f"{obj['kind']} {meta['name']}"
+    for _ in range(2):  # a second reconcile may create it between our read and our create: read it then
+        live = _get(obj["apiVersion"], obj["kind"], meta["name"], meta["namespace"])
+        if live is not None:
+            if (live["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGER:
+                raise ApplyError(f"{what} already exists and is not managed by {MANAGER}; remove or rename it")
+            return live, False
+        resource = _resource(obj["apiVersion"], obj["kind"])
+        try:
+            return dict(resource.create(body=dict(obj), namespace=meta["namespace"]).to_dict()), True
+        except DynamicApiError as exc:
+            if exc.status != 409:
+                raise ApplyError(f"{what}: {_server_message(exc)}") from exc
+    raise ApplyError(f"{what} could not be created or read")
+
+
 def delete_managed(api_version: str, kind: str, name: str, namespace: str) -> bool:
     """Delete an object the operator manages (checked by label); True when something was deleted."""
     live = _get(api_version, kind, name, namespace)

@@ -13,8 +13,9 @@ from typing import Any, cast
 
 import kopf
 
-from triptych.ports import result_port
+from triptych.ports import MOONCAKE_PORT_RANGE, result_port
 from triptych.roles import Role
+from triptych.security import Side, key_files
 from triptych_operator.constants import (
     API_KEYS_FILE,
     API_KEYS_MOUNT,
@@ -23,6 +24,9 @@ from triptych_operator.constants import (
     HEAD_COMPONENT,
     HEAD_SCHEDULER_PORT,
     HF_CACHE_MOUNT,
+    KEYS_COMPONENT,
+    KEYS_FINGERPRINT_ANNOTATION,
+    KEYS_MOUNT,
     LABEL_COMPONENT,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
@@ -51,6 +55,10 @@ PROBE_PERIOD_S = 10
 HEAD_HEALTH_PATH = "/health"  # the head API's liveness route (head/triptych_head/api/system.py)
 HEAD_READY_PATH = "/ready"  # its readiness route: 503 from the moment it drains (SIGTERM)
 HEAD_READY_PERIOD_S = 2
+KEYS_VOLUME = "control-keys"
+KEYS_FILE_MODE = 0o440  # owner root, group the pod's fsGroup (the process): nobody else reads the secret keys
+WORKERS_POLICY = "workers"  # name suffixes of the two NetworkPolicies
+HEAD_POLICY = "head"
 
 
 @dataclass(frozen=True)
@@ -88,17 +96,20 @@ def _metadata(pipeline: PipelineSpec, component: str, name: str | None = None) -
     }
 
 
-def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None) -> Children:
+def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None, keys_fingerprint: str = "") -> Children:
     """Every child of `pipeline`; argv are validated first, so an invalid spec renders nothing.
 
     With `owner` (the DiffusionPipeline body), each child gets a controller owner reference so
-    deleting the pipeline garbage-collects it.
+    deleting the pipeline garbage-collects it. `keys_fingerprint` (of the control-keys Secret,
+    which the handler creates once, see `control_keys_secret`) goes into every pod template, so
+    new keys roll every pod.
     """
     argvs = {role: worker_argv(pipeline, role) for role in PIPELINE_ROLES}
     head_args = head_argv(pipeline)
     children = Children()
     for role in PIPELINE_ROLES:
-        children.apply += [worker_deployment(pipeline, role, argvs[role]), worker_service(pipeline, role)]
+        deployment = worker_deployment(pipeline, role, argvs[role], keys_fingerprint)
+        children.apply += [deployment, worker_service(pipeline, role)]
         hpa = worker_hpa(pipeline, role)
         if hpa is None:
             children.delete.append(
@@ -106,7 +117,8 @@ def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None) -> Ch
             )
         else:
             children.apply.append(hpa)
-    children.apply += [head_deployment(pipeline, head_args), head_service(pipeline), api_service(pipeline)]
+    children.apply += [head_deployment(pipeline, head_args, keys_fingerprint), head_service(pipeline)]
+    children.apply += [api_service(pipeline), worker_network_policy(pipeline), head_network_policy(pipeline)]
     ingress = head_ingress(pipeline)
     if ingress is None:
         children.delete.append(ObjectRef("networking.k8s.io/v1", "Ingress", object_name(pipeline.name, API_COMPONENT)))
@@ -135,6 +147,34 @@ def _model_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest
     return [{"name": "hf-cache", "emptyDir": {}}], [{"name": "hf-cache", "mountPath": HF_CACHE_MOUNT}], env
 
 
+def keys_secret_name(pipeline: PipelineSpec) -> str:
+    return object_name(pipeline.name, KEYS_COMPONENT)
+
+
+def control_keys_secret(pipeline: PipelineSpec, files: Mapping[str, str]) -> Manifest:
+    """The pipeline's control-plane key set (triptych.security.new_key_set). Created once and never
+    rewritten: deleting it is how keys are rotated (the operator makes new ones and rolls every pod)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(pipeline, KEYS_COMPONENT, keys_secret_name(pipeline)),
+        "type": "Opaque",
+        "stringData": dict(files),
+    }
+
+
+def _keys_volume(pipeline: PipelineSpec, side: Side) -> tuple[Manifest, Manifest]:
+    """(volume, mount) of the key files one side needs: its own pair and the other side's public key.
+    A worker never holds the head's secret key, nor the head a worker's."""
+    items = [{"key": name, "path": name} for name in key_files(side)]
+    secret = {"secretName": keys_secret_name(pipeline), "defaultMode": KEYS_FILE_MODE, "items": items}
+    return {"name": KEYS_VOLUME, "secret": secret}, {"name": KEYS_VOLUME, "mountPath": KEYS_MOUNT, "readOnly": True}
+
+
+def _template_annotations(keys_fingerprint: str) -> dict[str, str]:
+    return {KEYS_FINGERPRINT_ANNOTATION: keys_fingerprint} if keys_fingerprint else {}
+
+
 def _probes(check: Manifest) -> dict[str, Manifest]:
     """Startup (long: the model loads), readiness and liveness, all with the same check."""
     probe = {**check, "periodSeconds": PROBE_PERIOD_S}
@@ -159,11 +199,12 @@ def _resources(user: Mapping[str, Any], extended: Mapping[str, int]) -> Manifest
     return out
 
 
-def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str]) -> Manifest:
+def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_fingerprint: str = "") -> Manifest:
     """The GPU-pinned Deployment of one worker role."""
     spec = pipeline.roles[role]
     transfer = pipeline.transfer
     volumes, mounts, model_env = _model_volume(pipeline)
+    keys_volume, keys_mount = _keys_volume(pipeline, "worker")
     extended = {GPU_RESOURCE: spec.gpus_per_replica}
     if transfer.rdma:
         extended[transfer.rdma_resource_name] = transfer.rdma_resource_count
@@ -181,7 +222,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str]) -> Ma
         "resources": _resources(spec.resources, extended),
         # Mooncake registers (pins) transfer buffers, which needs locked memory.
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}},
-        "volumeMounts": [*mounts, {"name": "shm", "mountPath": SHM_MOUNT}],
+        "volumeMounts": [*mounts, {"name": "shm", "mountPath": SHM_MOUNT}, keys_mount],
         # The worker binds its work socket only after loading its model, so "open" means "can take work".
         **_probes({"tcpSocket": {"port": "work"}}),
     }
@@ -196,7 +237,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str]) -> Ma
         "terminationGracePeriodSeconds": spec.drain_seconds,
         "containers": [container],
         # NCCL and torch.multiprocessing share tensors through /dev/shm; the default 64 MiB is too small.
-        "volumes": [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory"}}],
+        "volumes": [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory"}}, keys_volume],
         "tolerations": tolerations,
     }
     if spec.node_selector:
@@ -204,8 +245,11 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str]) -> Ma
     if spec.affinity:
         pod_spec["affinity"] = dict(spec.affinity)
     template_meta: Manifest = {"labels": labels(pipeline, role.value)}
+    annotations = _template_annotations(keys_fingerprint)
     if transfer.network_annotation:
-        template_meta["annotations"] = {MULTUS_NETWORKS_ANNOTATION: transfer.network_annotation}
+        annotations[MULTUS_NETWORKS_ANNOTATION] = transfer.network_annotation
+    if annotations:
+        template_meta["annotations"] = annotations
     deployment_spec: Manifest = {
         "selector": {"matchLabels": labels(pipeline, role.value)},
         # No surge: a surge pod needs GPUs that are usually all taken, and would sit Pending.
@@ -343,11 +387,12 @@ def head_api_keys_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[M
     return [volume], [{"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True}]
 
 
-def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
+def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: str = "") -> Manifest:
     """The GPU-less head: HTTP API plus the scheduler frontend and result sockets."""
     head = pipeline.head
     volumes, mounts, model_env = _model_volume(pipeline)
-    key_volumes, key_mounts = head_api_keys_volume(pipeline)
+    keys_volume, keys_mount = _keys_volume(pipeline, "head")
+    api_key_volumes, api_key_mounts = head_api_keys_volume(pipeline)
     container: Manifest = {
         "name": HEAD_COMPONENT,
         "image": pipeline.head_image,
@@ -357,7 +402,7 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
         "ports": _head_ports(pipeline),
         "resources": _resources(head.resources, {}),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [*mounts, {"name": "outputs", "mountPath": OUTPUT_MOUNT}, *key_mounts],
+        "volumeMounts": [*mounts, {"name": "outputs", "mountPath": OUTPUT_MOUNT}, keys_mount, *api_key_mounts],
         **_head_probes(),
     }
     pod_spec: Manifest = {
@@ -365,12 +410,15 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": head_termination_grace_seconds(pipeline),
         "containers": [container],
-        "volumes": [*volumes, head_results_volume(pipeline), *key_volumes],
+        "volumes": [*volumes, head_results_volume(pipeline), keys_volume, *api_key_volumes],
     }
     if head.node_selector:
         pod_spec["nodeSelector"] = dict(head.node_selector)
     if head.tolerations:
         pod_spec["tolerations"] = list(head.tolerations)
+    head_template_meta: Manifest = {"labels": labels(pipeline, HEAD_COMPONENT)}
+    if keys_fingerprint:
+        head_template_meta["annotations"] = _template_annotations(keys_fingerprint)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -384,7 +432,7 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str]) -> Manifest:
             # cannot be mounted by both.
             "strategy": {"type": "Recreate"},
             "progressDeadlineSeconds": PROGRESS_DEADLINE_S,
-            "template": {"metadata": {"labels": labels(pipeline, HEAD_COMPONENT)}, "spec": pod_spec},
+            "template": {"metadata": head_template_meta, "spec": pod_spec},
         },
     }
 
@@ -408,8 +456,8 @@ def head_service(pipeline: PipelineSpec) -> Manifest:
 
 
 def api_service(pipeline: PipelineSpec) -> Manifest:
-    """The HTTP API Service, of spec.head.serviceType; it exposes only the HTTP port (the scheduler
-    protocol is for a trusted network)."""
+    """The HTTP API Service, of spec.head.serviceType; it exposes only the HTTP port (the result ports
+    are for the pipeline's workers, on the internal Service)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -418,6 +466,62 @@ def api_service(pipeline: PipelineSpec) -> Manifest:
             "type": pipeline.head.service_type,
             "selector": labels(pipeline, HEAD_COMPONENT),
             "ports": [{"name": "http", "port": pipeline.head.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def _workers_selector(pipeline: PipelineSpec) -> Manifest:
+    """Every worker pod of this pipeline, whatever its role."""
+    common = {k: v for k, v in labels(pipeline, "").items() if k != LABEL_COMPONENT}
+    roles = [role.value for role in PIPELINE_ROLES]
+    return {"matchLabels": common, "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": roles}]}
+
+
+def _head_selector(pipeline: PipelineSpec) -> Manifest:
+    return {"matchLabels": labels(pipeline, HEAD_COMPONENT)}
+
+
+def worker_network_policy(pipeline: PipelineSpec) -> Manifest:
+    """Workers accept their work port from the pipeline's head only, and Mooncake's ports (handshake
+    and TCP data, both from MOONCAKE_PORT_RANGE) from the pipeline's other workers only. RDMA
+    traffic bypasses the kernel and is not subject to NetworkPolicy."""
+    low, high = MOONCAKE_PORT_RANGE
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(pipeline, WORKERS_POLICY),
+        "spec": {
+            "podSelector": _workers_selector(pipeline),
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": _head_selector(pipeline)}],
+                    "ports": [{"protocol": "TCP", "port": WORKER_PORT}],
+                },
+                {
+                    "from": [{"podSelector": _workers_selector(pipeline)}],
+                    "ports": [{"protocol": "TCP", "port": low, "endPort": high}],
+                },
+            ],
+        },
+    }
+
+
+def head_network_policy(pipeline: PipelineSpec) -> Manifest:
+    """The head accepts its result ports from the pipeline's workers only; its HTTP port from anyone
+    (clients, the Ingress controller, the metrics API server's scrape). The frontend port is loopback."""
+    result_ports = [{"protocol": "TCP", "port": result_port(HEAD_SCHEDULER_PORT, role)} for role in PIPELINE_ROLES]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(pipeline, HEAD_COMPONENT, object_name(pipeline.name, HEAD_POLICY)),
+        "spec": {
+            "podSelector": _head_selector(pipeline),
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": _workers_selector(pipeline)}], "ports": result_ports},
+                {"ports": [{"protocol": "TCP", "port": pipeline.head.port}]},
+            ],
         },
     }
 

@@ -16,6 +16,7 @@ from triptych_operator.constants import (
     API_KEYS_FILE,
     HEAD_COMPONENT,
     HEAD_SCHEDULER_PORT,
+    KEYS_MOUNT,
     OUTPUT_MOUNT,
     PIPELINE_ROLES,
     WORKER_MASTER_PORT,
@@ -68,6 +69,7 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         master_port=WORKER_MASTER_PORT if spec.gpus_per_replica > 1 else None,
         device="cuda",
         disagg_drain_timeout=float(spec.drain_timeout_seconds),
+        disagg_keys_dir=KEYS_MOUNT,
         **parallel,  # type: ignore[arg-type]
     )
 
@@ -87,6 +89,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         results_max_age=float(pipeline.head.results.max_age_seconds),
         results_max_bytes=pipeline.head.results.max_bytes,
         api_keys_file=API_KEYS_FILE if pipeline.head.api_keys_secret else None,
+        disagg_keys_dir=KEYS_MOUNT,
         **urls,  # type: ignore[arg-type]
     )
 

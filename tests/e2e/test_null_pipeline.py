@@ -16,10 +16,12 @@ import pytest
 import zmq
 
 from tests.e2e.harness import deployment
+from triptych.localdeploy import LocalDeployment
 from triptych.params import GenerationParams
 from triptych.protocol import RequestEvent, RequestResult, Submit, decode, encode
 from triptych.protocol.codec import PROTOCOL_VERSION
 from triptych.roles import Role
+from triptych.security import ControlPlane, Side, load_keys
 
 pytestmark = pytest.mark.slow
 
@@ -151,9 +153,30 @@ def test_duplicate_active_request_id_is_rejected_without_touching_the_original(f
             ctx.term()
 
 
+class KeyedPeer:
+    """PUSH sockets holding one side's keys of a deployment: a buggy worker ("worker") or head ("head").
+    A peer without the keys gets nothing through the CURVE handshake (tests/e2e/test_security.py)."""
+
+    def __init__(self, dep: LocalDeployment, side: Side):
+        assert dep.keys_dir is not None
+        self.ctx = zmq.Context()
+        self.plane = ControlPlane(self.ctx, load_keys(dep.keys_dir, side))
+
+    def push(self, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        self.plane.client(sock)
+        sock.connect(endpoint)
+        return sock
+
+    def close(self) -> None:
+        self.plane.close()
+        self.ctx.term()
+
+
 def test_garbage_frames_on_every_socket_change_nothing_else(flux, tmp_path):
     with deployment(flux, tmp_path, null_payload=4096) as dep, dep.client() as c:
         ctx = zmq.Context()
+        as_worker, as_head = KeyedPeer(dep, "worker"), KeyedPeer(dep, "head")
         try:
             pack = msgspec.msgpack.encode
             garbage = [[b"\xff\x00garbage"], [b""], [pack({"v": PROTOCOL_VERSION, "type": "heartbeat"})],
@@ -162,15 +185,13 @@ def test_garbage_frames_on_every_socket_change_nothing_else(flux, tmp_path):
                        encode(Submit("stray", GenerationParams("x", 32, 32))),
                        [pack({"type": "transfer_alloc", "request_id": "r", "instance": "i", "nbytes": -1})],
                        ]  # fmt: skip
-            targets = [f"tcp://127.0.0.1:{dep.scheduler_port + i}" for i in (1, 2, 3)]
-            targets += [w.url for w in dep.procs if w.role is not Role.SERVER]
-            for target in targets:
-                push = ctx.socket(zmq.PUSH)
-                push.setsockopt(zmq.LINGER, 2000)
-                push.connect(target)
+            targets = [(f"tcp://127.0.0.1:{dep.scheduler_port + i}", as_worker) for i in (1, 2, 3)]
+            targets += [(w.url, as_head) for w in dep.procs if w.role is not Role.SERVER]
+            for target, peer in targets:
+                push = peer.push(target)
                 for parts in garbage:
                     push.send_multipart(parts)
-                push.close()
+                push.close(linger=2000)
             front = _frontend(dep, ctx)
             front.send_multipart([b"\x93\x01"])
             assert _recv_until_terminal(front).status_code == 400
@@ -180,6 +201,8 @@ def test_garbage_frames_on_every_socket_change_nothing_else(flux, tmp_path):
             assert all(p.popen.poll() is None for p in dep.procs)
             assert metric(c, "triptych_dropped_messages_total") >= 3 * len(garbage)
         finally:
+            as_worker.close()
+            as_head.close()
             ctx.term()
 
 
@@ -188,11 +211,11 @@ def test_malformed_message_with_a_request_id_fails_only_that_request(flux, tmp_p
     with deployment(flux, tmp_path, null_payload=4096, worker_flags=SLOW_DENOISER) as dep, dep.client() as c:
         ctx = zmq.Context()
         front = _frontend(dep, ctx)
+        as_worker = KeyedPeer(dep, "worker")  # a buggy worker of the pipeline
         try:
             front.send_multipart(encode(Submit("victim", params)))
             time.sleep(0.2)
-            push = ctx.socket(zmq.PUSH)
-            push.connect(f"tcp://127.0.0.1:{dep.scheduler_port + 2}")
+            push = as_worker.push(f"tcp://127.0.0.1:{dep.scheduler_port + 2}")
             bad = {"v": PROTOCOL_VERSION, "type": "progress", "request_id": "victim", "instance": 5}
             push.send_multipart([msgspec.msgpack.encode(bad)])
             push.close(linger=2000)
@@ -202,6 +225,7 @@ def test_malformed_message_with_a_request_id_fails_only_that_request(flux, tmp_p
             assert image(c).status_code == 200
         finally:
             front.close()
+            as_worker.close()
             ctx.term()
 
 

@@ -173,7 +173,8 @@ def test_every_child_is_owned_by_the_pipeline_and_labelled() -> None:
         ), name
         assert meta["labels"]["app.kubernetes.io/name"] == "triptych"
         assert meta["labels"]["app.kubernetes.io/instance"] == "wan-t2v"
-        assert meta["labels"]["app.kubernetes.io/component"] in {"encoder", "denoiser", "decoder", "head"}
+        # "workers": the NetworkPolicy that covers every role's pods
+        assert meta["labels"]["app.kubernetes.io/component"] in {"encoder", "denoiser", "decoder", "head", "workers"}
 
 
 def test_changing_one_role_changes_only_that_roles_deployment() -> None:
@@ -321,3 +322,106 @@ def test_without_api_keys_the_head_mounts_no_secret_and_gets_no_keys_flag() -> N
     deployment = children()[("Deployment", "wan-t2v-head")]
     assert parse_serve(container(deployment)).api_keys_file is None
     assert all(v["name"] != "api-keys" for v in deployment["spec"]["template"]["spec"]["volumes"])
+
+
+# --- control-plane keys and NetworkPolicies -------------------------------------------------
+
+
+def pod_spec(deployment: Manifest) -> Manifest:
+    return deployment["spec"]["template"]["spec"]
+
+
+def keys_volume(deployment: Manifest) -> Manifest:
+    [volume] = [v for v in pod_spec(deployment)["volumes"] if v["name"] == "control-keys"]
+    return volume
+
+
+@pytest.mark.parametrize(
+    ("component", "files"),
+    [
+        ("head", ["head.key", "head.key_secret", "worker.key"]),
+        ("encoder", ["worker.key", "worker.key_secret", "head.key"]),
+        ("denoiser", ["worker.key", "worker.key_secret", "head.key"]),
+        ("decoder", ["worker.key", "worker.key_secret", "head.key"]),
+    ],
+)
+def test_each_pod_mounts_only_its_own_key_pair_and_the_other_sides_public_key(component: str, files: list[str]) -> None:
+    deployment = children()[("Deployment", f"wan-t2v-{component}")]
+    secret = keys_volume(deployment)["secret"]
+    assert secret["secretName"] == "wan-t2v-control-keys"
+    assert [item["key"] for item in secret["items"]] == files
+    assert secret["defaultMode"] & 0o007 == 0  # nobody but the owner and the pod's group reads them
+    [mount] = [m for m in container(deployment)["volumeMounts"] if m["name"] == "control-keys"]
+    assert mount["readOnly"] is True
+    args = parse_serve(container(deployment))
+    assert args.disagg_keys_dir == mount["mountPath"]
+    assert not args.disagg_insecure
+
+
+def test_the_keys_fingerprint_goes_into_every_pod_template_so_new_keys_roll_every_pod() -> None:
+    applied = render(pipeline(), owner=OWNER, keys_fingerprint="abc123").apply
+    deployments = [m for m in applied if m["kind"] == "Deployment"]
+    assert len(deployments) == 4
+    for deployment in deployments:
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["triptych.ai/control-keys"] == "abc123"
+
+
+def test_the_keys_secret_holds_a_key_set_the_processes_can_load(tmp_path) -> None:
+    from triptych.security import load_keys, new_key_set
+    from triptych_operator.manifests import control_keys_secret
+
+    secret = control_keys_secret(pipeline(), new_key_set())
+    assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", "wan-t2v-control-keys")
+    for name, text in secret["stringData"].items():
+        (tmp_path / name).write_text(text)
+    head, worker = load_keys(tmp_path, "head"), load_keys(tmp_path, "worker")
+    assert head.peer_public == worker.public and worker.peer_public == head.public
+
+
+def policy(name: str) -> Manifest:
+    return children()[("NetworkPolicy", name)]["spec"]
+
+
+WORKERS = {
+    "matchLabels": {
+        "app.kubernetes.io/name": "triptych",
+        "app.kubernetes.io/instance": "wan-t2v",
+        "app.kubernetes.io/managed-by": "triptych-operator",
+    },
+    "matchExpressions": [
+        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["encoder", "denoiser", "decoder"]}
+    ],
+}
+HEAD = {"matchLabels": {**WORKERS["matchLabels"], "app.kubernetes.io/component": "head"}}
+
+
+def test_workers_accept_work_from_their_head_and_mooncake_from_their_peers_only() -> None:
+    spec = policy("wan-t2v-workers")
+    assert spec["podSelector"] == WORKERS and spec["policyTypes"] == ["Ingress"]
+    work, mooncake = spec["ingress"]
+    assert work == {"from": [{"podSelector": HEAD}], "ports": [{"protocol": "TCP", "port": WORKER_PORT}]}
+    assert mooncake == {
+        "from": [{"podSelector": WORKERS}],
+        "ports": [{"protocol": "TCP", "port": 15000, "endPort": 17000}],
+    }
+
+
+def test_the_head_accepts_results_from_its_workers_only_and_http_from_anyone() -> None:
+    spec = policy("wan-t2v-head")
+    assert spec["podSelector"] == HEAD and spec["policyTypes"] == ["Ingress"]
+    results, http = spec["ingress"]
+    assert results["from"] == [{"podSelector": WORKERS}]
+    assert sorted(p["port"] for p in results["ports"]) == [HEAD_SCHEDULER_PORT + i for i in (1, 2, 3)]
+    assert http == {"ports": [{"protocol": "TCP", "port": 30000}]}  # no "from": every source
+
+
+def test_the_policies_select_exactly_the_pods_the_deployments_run() -> None:
+    objs = children()
+    for component in ("encoder", "denoiser", "decoder"):
+        pod_labels = objs[("Deployment", f"wan-t2v-{component}")]["spec"]["template"]["metadata"]["labels"]
+        assert WORKERS["matchLabels"].items() <= pod_labels.items()
+        assert pod_labels["app.kubernetes.io/component"] in WORKERS["matchExpressions"][0]["values"]
+    head_labels = objs[("Deployment", "wan-t2v-head")]["spec"]["template"]["metadata"]["labels"]
+    assert HEAD["matchLabels"].items() <= head_labels.items()
+    assert container(objs[("Deployment", "wan-t2v-encoder")])["ports"][0]["containerPort"] == WORKER_PORT

@@ -6,6 +6,7 @@ wait is bounded and polls.
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from kopf.testing import KopfRunner
 
 from tests.cluster.fixtures import CommandError, KubeCluster, poll
 from tests.operator.helpers import REPO, example
+from triptych.security import public_fingerprint
 
 pytestmark = pytest.mark.cluster
 
@@ -458,3 +460,91 @@ def _healthz(port: int) -> bool:
             return bool(rsp.status == 200)
     except OSError:
         return False
+
+
+def test_pipeline_gets_control_keys_network_policies_and_pods_that_mount_and_use_them(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    """The key Secret is created once (a reconcile never rewrites it), every pod mounts its part of it
+    read-only and runs with --disagg-keys-dir, the NetworkPolicies select the pipeline's pods and
+    ports; deleting the Secret gives new keys, which roll every pod."""
+    ns = kube_namespace
+    apply(crd, ns, pipeline_manifest("sec"))
+
+    def ready() -> tuple[dict[str, Any], dict[str, dict[str, Any]]] | None:
+        secret = get(crd, ns, "secret", "sec-control-keys")
+        objs = children(crd, ns, "sec")
+        policies = get(crd, ns, "networkpolicies", "-l", "app.kubernetes.io/instance=sec") or {}
+        objs.update({f"NetworkPolicy/{p['metadata']['name']}": p for p in policies.get("items", [])})
+        wanted = [f"Deployment/sec-{c}" for c in COMPONENTS] + ["NetworkPolicy/sec-workers", "NetworkPolicy/sec-head"]
+        return (secret, objs) if secret and all(w in objs for w in wanted) else None
+
+    secret, objs = poll(ready, what="the key Secret, the NetworkPolicies and the Deployments")
+    assert sorted(secret["data"]) == ["head.key", "head.key_secret", "worker.key", "worker.key_secret"]
+    assert secret["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "triptych-operator"
+    assert [r["kind"] for r in secret["metadata"]["ownerReferences"]] == ["DiffusionPipeline"]
+    fingerprint = public_fingerprint({k: base64.b64decode(v).decode() for k, v in secret["data"].items()})
+
+    for component in COMPONENTS:
+        deployment = objs[f"Deployment/sec-{component}"]
+        template = deployment["spec"]["template"]
+        assert template["metadata"]["annotations"]["triptych.ai/control-keys"] == fingerprint
+        [volume] = [v for v in template["spec"]["volumes"] if v.get("secret")]
+        side = "head" if component == "head" else "worker"
+        other = "worker" if side == "head" else "head"
+        assert volume["secret"]["secretName"] == "sec-control-keys"
+        assert [i["key"] for i in volume["secret"]["items"]] == [f"{side}.key", f"{side}.key_secret", f"{other}.key"]
+        [mount] = [m for m in container(deployment)["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["readOnly"] is True
+        args = container(deployment)["args"]
+        assert args[args.index("--disagg-keys-dir") + 1] == mount["mountPath"]
+        assert "--disagg-insecure" not in args
+
+    workers = objs["NetworkPolicy/sec-workers"]["spec"]
+    head = objs["NetworkPolicy/sec-head"]["spec"]
+    head_selector = {
+        "app.kubernetes.io/name": "triptych",
+        "app.kubernetes.io/instance": "sec",
+        "app.kubernetes.io/component": "head",
+        "app.kubernetes.io/managed-by": "triptych-operator",
+    }
+    assert head["podSelector"] == {"matchLabels": head_selector}
+    assert workers["podSelector"]["matchExpressions"][0]["values"] == ["encoder", "denoiser", "decoder"]
+    work, mooncake = workers["ingress"]
+    assert work["from"] == [{"podSelector": {"matchLabels": head_selector}}]
+    assert work["ports"] == [{"protocol": "TCP", "port": 19000}]
+    assert mooncake["from"] == [{"podSelector": workers["podSelector"]}]
+    assert mooncake["ports"] == [{"protocol": "TCP", "port": 15000, "endPort": 17000}]
+    results, http = head["ingress"]
+    assert results["from"] == [{"podSelector": workers["podSelector"]}]
+    assert sorted(p["port"] for p in results["ports"]) == [5556, 5557, 5558]
+    assert http == {"ports": [{"protocol": "TCP", "port": 30000}]}
+    # Each selector matches exactly the pipeline's pods of that kind (kwok runs them).
+    pods = (get(crd, ns, "pods", "-l", "app.kubernetes.io/instance=sec") or {}).get("items", [])
+    components = sorted(p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods)
+    assert components == ["decoder", "denoiser", "denoiser", "encoder", "head"]
+
+    # A reconcile (here: an edit of the pipeline) leaves the keys alone.
+    crd.kubectl("patch", "dp", "sec", "-n", ns, "--type=merge", "-p", '{"spec": {"decoder": {"replicas": 2}}}')
+    poll(lambda: (children(crd, ns, "sec")["Deployment/sec-decoder"]["spec"].get("replicas") == 2) or None,
+         what="the decoder to scale")  # fmt: skip
+    assert get(crd, ns, "secret", "sec-control-keys")["data"] == secret["data"]  # type: ignore[index]
+
+    # Rotation: delete the Secret and nudge the pipeline; new keys, and every pod template changes.
+    crd.kubectl("delete", "secret", "sec-control-keys", "-n", ns)
+    crd.kubectl("annotate", "dp", "sec", "-n", ns, "triptych.ai/rotate-keys=1", "--overwrite")
+
+    def rotated() -> dict[str, Any] | None:
+        new = get(crd, ns, "secret", "sec-control-keys")
+        return new if new and new["data"] != secret["data"] else None
+
+    new = poll(rotated, what="new keys")
+    new_fingerprint = public_fingerprint({k: base64.b64decode(v).decode() for k, v in new["data"].items()})
+    assert new_fingerprint != fingerprint
+
+    def rolled() -> bool | None:
+        objs = children(crd, ns, "sec")
+        notes = [objs[f"Deployment/sec-{c}"]["spec"]["template"]["metadata"]["annotations"] for c in COMPONENTS]
+        return all(n["triptych.ai/control-keys"] == new_fingerprint for n in notes) or None
+
+    poll(rolled, what="every Deployment to carry the new keys' fingerprint")

@@ -113,3 +113,17 @@ def test_a_push_that_gave_up_with_its_write_pending_keeps_the_receive_slot(head)
 
     enc.send(Failed("stalled", push.instance, "the write ended after all"))  # a late report frees it
     assert den.wait_for(CancelWork).request_id == "stalled"
+
+
+def test_a_slot_offered_in_another_transfer_session_gets_no_push(head):
+    """The sender writes only to the session its receiver heartbeats, whatever an allocation names."""
+    client, w = head
+    enc, den = w[Role.ENCODER], w[Role.DENOISER]
+    client.send_multipart(encode(Submit("elsewhere", PARAMS)))
+    work = enc.wait_for(Work)
+    manifest = [{"name": "x", "dtype": "uint8", "shape": [8], "offset": 0}]
+    enc.send(TransferStaged("elsewhere", work.instance, 8, manifest, {}, 0.0))
+    alloc = den.wait_for(TransferAlloc)
+    den.send(TransferAllocated("elsewhere", alloc.instance, "192.0.2.66:15001", 4096))
+    enc.pump(1.0)
+    assert not any(isinstance(m, TransferPush) for m in enc.got), "the sender was sent to a foreign session"

@@ -51,7 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from triptych_worker.runtime import run_worker
 
     configure_logging(args)
-    return run_worker(args, NullPipeline(args.disagg_role, ns.payload_bytes, ns.step_seconds, ns.fail_prompt_prefix))
+    try:
+        return run_worker(args, NullPipeline(args.disagg_role, ns.payload_bytes, ns.step_seconds, ns.fail_prompt_prefix))
+    except ConfigError as exc:  # e.g. an unreadable --disagg-keys-dir
+        print(f"null-worker: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

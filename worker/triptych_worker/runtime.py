@@ -48,6 +48,7 @@ from triptych.protocol import (
     tensors_to_frames,
 )
 from triptych.roles import Role
+from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message, send_message
 from triptych_worker.simulated import SimulatedPipeline
 from triptych_worker.stages import PIXELS, StageBatch
@@ -116,9 +117,10 @@ class Drain:
 class HeadLink:
     """A thread's own PUSH socket to the head's result port for this role."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str):
+    def __init__(self, ctx: zmq.Context, endpoint: str, security: ControlPlane):
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 1000)
+        security.client(self._sock)  # with keys: the head's result port lets in the pipeline's workers only
         self._sock.connect(endpoint)
 
     def send(self, msg: Any, frames: Sequence[Any] = ()) -> None:
@@ -132,6 +134,10 @@ class Worker:
     def __init__(self, args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | None = None):
         self.args = args
         self.role = args.disagg_role
+        self.ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.ctx.setsockopt(zmq.IPV6, 1)  # pod IPs may be IPv6; IPv4 keeps working
+        # Before the model loads: unreadable keys fail in a second, not after minutes.
+        self.security: ControlPlane = control_plane(args, self.ctx, "worker")
         if pipeline is None and args.simulate:
             pipeline = SimulatedPipeline.from_args(args)
         simulated = isinstance(pipeline, SimulatedPipeline)
@@ -149,8 +155,6 @@ class Worker:
             transport=self.transport,
             memory="numpy" if simulated else "torch",
         )
-        self.ctx: zmq.Context[Any] = zmq.Context.instance()
-        self.ctx.setsockopt(zmq.IPV6, 1)  # pod IPs may be IPv6; IPv4 keeps working
         self.head_endpoint = result_endpoint(args.disagg_server_addr or "", self.role)
         self.work_endpoint = tcp_url(args.disagg_p2p_hostname, args.scheduler_port)
         self.instance = ""  # learned from the head's first message: the URL the head knows us by
@@ -180,14 +184,16 @@ class Worker:
         """Serve until stop() (or Ctrl-C); raises if a worker thread died of a bug."""
         self._work = self.ctx.socket(zmq.PULL)
         self._work.setsockopt(zmq.LINGER, 0)
+        self.security.server(self._work)  # with keys: only the head's key may connect and send
         self._work.setsockopt(zmq.RCVTIMEO, IDLE_POLL_MS)  # a blocking receive returns to look at stop and heartbeats
         self._work.bind(self.work_endpoint)
         threads = [threading.Thread(target=self._thread_main, name=f"worker-{i}", daemon=True) for i in range(THREADS)]
         for t in threads:
             t.start()
         log.info(
-            "%s ready: work %s, results to %s, transfer session %s, pool %d bytes",
+            "%s ready: work %s, results to %s, transfer session %s, pool %d bytes, control plane %s",
             self.role.value, self.work_endpoint, self.head_endpoint, self.transport.session_id, self.pool.pool_bytes,
+            "authenticated (CURVE)" if self.security.authenticated else "UNAUTHENTICATED",
         )  # fmt: skip
         try:
             while not self._stop.wait(0.5):  # the threads do the work; this one waits for stop or a signal
@@ -198,11 +204,12 @@ class Worker:
                 t.join(timeout=5)
             self._work.close()
             self.transport.close()
+            self.security.close()
         if self._crashed is not None:
             raise RuntimeError("a worker thread failed; see the log above") from self._crashed
 
     def _thread_main(self) -> None:
-        link = HeadLink(self.ctx, self.head_endpoint)
+        link = HeadLink(self.ctx, self.head_endpoint, self.security)
         try:
             while not self._stop.is_set():
                 with self._leading:

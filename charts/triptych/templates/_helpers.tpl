@@ -62,6 +62,14 @@ app.kubernetes.io/component: operator
   resources: [ingresses]
   # Deleted when the head's ingress is turned off.
   verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  # Who may reach the workers' and head's control and transfer ports.
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [secrets]
+  # Each pipeline's control-plane keys: created once, read back for their fingerprint, never changed.
+  verbs: [get, create]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]

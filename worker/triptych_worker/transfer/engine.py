@@ -7,6 +7,8 @@ import threading
 import time
 from typing import Any
 
+from triptych.ports import MOONCAKE_PORT_RANGE
+
 from .errors import MooncakeNotInstalled, TransferError, TransferStalled
 
 # How a write is waited for (PendingWrite.pause). transfer_sync_write spins a core for the
@@ -25,6 +27,10 @@ _PEER_HINT = "the peer may be gone or the address outside its transfer pool"
 
 
 def _import_transfer_engine() -> Any:
+    # Read by the engine when it starts: the ports it listens on come from the range the operator's
+    # NetworkPolicy opens between workers (triptych.ports).
+    os.environ.setdefault("MC_MIN_RPC_PORT", str(MOONCAKE_PORT_RANGE[0]))
+    os.environ.setdefault("MC_MAX_RPC_PORT", str(MOONCAKE_PORT_RANGE[1]))
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:

@@ -1,0 +1,265 @@
+"""An attacker on the network against a running deployment: real processes, real tiny FLUX on CPU.
+
+The attacker is a plain ZMQ peer (no keys) that reaches every port: the workers' work sockets and
+the head's result sockets. Each test is one attack from issue 12's list. The attacker must get
+nothing, no worker may act on it (no pool bytes held, no slot kept, no write), and real requests
+sent meanwhile must come back with the same pixels as before the attack.
+
+Written against the unauthenticated control plane, where each attack succeeded; the deployment
+here is the default one of triptych.localdeploy (keys generated in its workdir).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import zmq
+
+from tests.e2e.harness import deployment
+from triptych.localdeploy import LocalDeployment
+from triptych.params import GenerationParams
+from triptych.ports import MOONCAKE_PORT_RANGE, result_port
+from triptych.protocol import Heartbeat, Ping, TransferAlloc, TransferPush, Work, encode
+from triptych.roles import Role
+
+pytestmark = pytest.mark.slow
+
+IMAGE = {"prompt": "a lighthouse at dusk", "size": "32x32", "seed": 7, "num_inference_steps": 2}
+PARAMS = GenerationParams("a forged prompt", width=32, height=32, num_inference_steps=2, seed=1)
+SETTLE_S = 2.5  # two worker heartbeats: what a worker holds shows in the head's /health by then
+FOREIGN = "tcp://192.0.2.66:19000"  # an instance name the head does not know
+
+
+@pytest.fixture(scope="module")
+def dep(tiny_models, tmp_path_factory) -> Iterator[LocalDeployment]:
+    with deployment(tiny_models["tiny-flux"], tmp_path_factory.mktemp("attacked"), denoisers=2) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def expected(dep: LocalDeployment) -> str:
+    """The image of IMAGE before any attack (the seed fixes it)."""
+    with dep.client() as c:
+        return generate(c)
+
+
+def generate(client: httpx.Client) -> str:
+    r = client.post("/v1/images/generations", json=IMAGE, timeout=60)
+    assert r.status_code == 200, r.text
+    return str(r.json()["data"][0]["b64_json"])
+
+
+def pools(dep: LocalDeployment) -> dict[str, tuple[int, int, int, bool]]:
+    """Per worker: (pool bytes, free bytes, kept-slot bytes, draining) as its heartbeats report them."""
+    health = httpx.get(f"{dep.http}/health", timeout=5).json()
+    return {
+        w["url"]: (w["pool_bytes"], w["free_bytes"], w["standing_bytes"], w["draining"])
+        for ws in health["workers"].values()
+        for w in ws
+    }
+
+
+def settled(dep: LocalDeployment) -> dict[str, tuple[int, int, int, bool]]:
+    """The workers' pools once nothing is in flight (two heartbeats after the last request)."""
+    time.sleep(SETTLE_S)
+    return pools(dep)
+
+
+class Attacker:
+    """Unauthenticated PUSH sockets to any endpoint, as anyone on the pod network could open."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sockets: dict[str, zmq.Socket] = {}
+
+    def send(self, endpoint: str, msg: Any) -> None:
+        sock = self.sockets.get(endpoint)
+        if sock is None:
+            sock = self.sockets[endpoint] = self.ctx.socket(zmq.PUSH)
+            sock.linger = 0
+            sock.sndhwm = 100_000
+            sock.connect(endpoint)
+        try:
+            sock.send_multipart(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not connected (refused): as good as sent, for an attacker
+
+    def spam(self, endpoint: str, make: Callable[[int], Any], seconds: float, interval: float = 0.005) -> int:
+        deadline, n = time.monotonic() + seconds, 0
+        while time.monotonic() < deadline:
+            self.send(endpoint, make(n))
+            n += 1
+            time.sleep(interval)
+        return n
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def attacker() -> Iterator[Attacker]:
+    a = Attacker()
+    yield a
+    a.close()
+
+
+def url(dep: LocalDeployment, role: Role, i: int = 0) -> str:
+    return dep.workers(role)[i].url
+
+
+def test_forged_work_is_never_run_and_holds_no_pool_bytes(dep, expected, attacker):
+    before = settled(dep)
+    encoder = url(dep, Role.ENCODER)
+    for i in range(20):  # as issue 12: Work naming an instance the head does not know, so nothing frees it
+        attacker.send(encoder, Work(f"forged-work-{i}", FOREIGN, PARAMS))
+    assert settled(dep) == before
+    with dep.client() as c:
+        assert generate(c) == expected
+
+
+def test_forged_transfer_push_writes_nothing_to_the_attacker(dep, expected, attacker):
+    from triptych_worker.transfer import MooncakeTransport
+
+    trap = np.zeros(1 << 20, dtype=np.uint8)  # the attacker's own Mooncake buffer, waiting for bytes
+    with MooncakeTransport("127.0.0.1") as transport:
+        transport.register(trap.ctypes.data, trap.nbytes)
+        encoder = url(dep, Role.ENCODER)
+        # A request for the encoder to stage, then the push that would send its output to the attacker.
+        attacker.send(encoder, Work("forged-push", FOREIGN, PARAMS))
+        time.sleep(2.0)
+        attacker.send(encoder, TransferPush("forged-push", FOREIGN, transport.session_id, trap.ctypes.data))
+        # And pushes for whatever the real requests below stage (ids a sniffer could have seen).
+        with concurrent.futures.ThreadPoolExecutor(2) as pool, dep.client() as c:
+            images = [pool.submit(generate, c) for _ in range(2)]
+            attacker.spam(
+                encoder,
+                lambda n: TransferPush(f"forged-push-{n}", encoder, transport.session_id, trap.ctypes.data),
+                seconds=1.0,
+            )
+            assert [f.result(timeout=120) for f in images] == [expected, expected]
+        time.sleep(1.0)
+        assert not trap.any(), "a worker wrote into the attacker's buffer"
+
+
+def test_forged_pings_from_another_head_drop_nothing_real_requests_rely_on(dep, expected, attacker):
+    denoisers = [url(dep, Role.DENOISER, i) for i in range(2)]
+    stop = threading.Event()
+
+    def spam() -> None:
+        n = 0
+        while not stop.is_set() and n < 100_000:
+            for d in denoisers:
+                attacker.send(d, Ping(instance=d, head_id=f"rogue-head-{n % 2}"))
+            n += 1
+            time.sleep(0.005)
+
+    spammer = threading.Thread(target=spam, daemon=True)
+    spammer.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool, dep.client() as c:
+            images = [pool.submit(generate, c) for _ in range(6)]
+            results = [f.result(timeout=120) for f in images]
+    finally:
+        stop.set()
+        spammer.join(timeout=5)
+    assert results == [expected] * 6
+
+
+def test_forged_kept_slot_allocations_pin_nothing(dep, expected, attacker):
+    before = settled(dep)
+    for d in [url(dep, Role.DENOISER, i) for i in range(2)]:
+        pool_bytes = before[d][0]
+        for i in range(16):  # issue 12: enough kept slots to pin every byte of both pools
+            attacker.send(d, TransferAlloc(f"forged-keep-{i}", d, nbytes=pool_bytes // 16, keep=True))
+    assert settled(dep) == before
+    with dep.client() as c:
+        assert generate(c) == expected
+
+
+def test_forged_messages_on_the_heads_result_ports_change_nothing(dep, expected, attacker):
+    before = settled(dep)
+    forged: list[tuple[str, Heartbeat]] = []
+    for role in (Role.ENCODER, Role.DENOISER, Role.DECODER):
+        endpoint = f"tcp://127.0.0.1:{result_port(dep.scheduler_port, role)}"
+        for proc in dep.workers(role):
+            # "I am draining, with no room and no capacity": the head would stop sending it work.
+            beat = Heartbeat(proc.url, role.value, "192.0.2.66:1", 1 << 20, 0, 0, "forged", draining=True)
+            forged.append((endpoint, beat))
+    samples = []
+    stop = threading.Event()
+
+    def spam() -> None:
+        n = 0
+        while not stop.is_set() and n < 100_000:
+            for endpoint, beat in forged:
+                attacker.send(endpoint, beat)
+            n += 1
+            time.sleep(0.005)
+
+    spammer = threading.Thread(target=spam, daemon=True)
+    spammer.start()
+    try:
+        with dep.client() as c:
+            results = [generate(c) for _ in range(3)]
+            for _ in range(10):
+                samples.append(pools(dep))
+                time.sleep(0.1)
+    finally:
+        stop.set()
+        spammer.join(timeout=5)
+    assert results == [expected] * 3
+    assert all(not draining for sample in samples for (*_, draining) in sample.values()), samples
+    assert settled(dep) == before
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on, from /proc (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_addr)
+            # /proc prints the address as 32-bit words in host (little-endian) order.
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            address = socket.inet_ntop(family, raw).removeprefix("::ffff:")  # IPv4 on a dual-stack socket
+            found.add((address, int(hex_port, 16)))
+    return found
+
+
+def test_a_worker_listens_on_its_work_port_at_the_p2p_hostname_and_mooncake_in_the_policy_range(dep):
+    """Everything a worker listens on. Its work socket is bound to --disagg-p2p-hostname only.
+    Mooncake's two listeners (handshake, TCP data) come from MOONCAKE_PORT_RANGE, the ports the
+    operator's NetworkPolicy opens to peer workers only; Mooncake (0.3.13) binds them on every
+    address, which no setting of it narrows (README, "Control plane and transfers")."""
+    low, high = MOONCAKE_PORT_RANGE
+    for role in (Role.ENCODER, Role.DENOISER, Role.DECODER):
+        proc = dep.workers(role)[0]
+        work_port = int(proc.url.rsplit(":", 1)[1])
+        sockets = listening(proc.popen.pid)
+        assert ("127.0.0.1", work_port) in sockets, sockets  # and on no other address:
+        mooncake = sockets - {("127.0.0.1", work_port)}
+        assert len(mooncake) == 2 and all(low <= port <= high for _, port in mooncake), sockets
