@@ -52,7 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_logging(args)
     try:
-        return run_worker(args, NullPipeline(args.disagg_role, ns.payload_bytes, ns.step_seconds, ns.fail_prompt_prefix))
+        return run_worker(
+            args, NullPipeline(args.disagg_role, ns.payload_bytes, ns.step_seconds, ns.fail_prompt_prefix)
+        )
     except ConfigError as exc:  # e.g. an unreadable --disagg-keys-dir
         print(f"null-worker: error: {exc}", file=sys.stderr)
         return 2
