@@ -60,12 +60,12 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         disagg_role=role,
         disagg_server_addr=head_address(pipeline),
         scheduler_port=WORKER_PORT,
-        num_gpus=spec.gpus_per_replica,
+        num_gpus=spec.num_devices,
         disagg_p2p_hostname=POD_IP_REF,
         disagg_ib_device=pipeline.transfer.ib_device if pipeline.transfer.rdma else None,
         disagg_transfer_pool_size=pipeline.transfer.pool_size,
         master_port=WORKER_MASTER_PORT if spec.gpus_per_replica > 1 else None,
-        device="cuda",
+        device=spec.device,
         disagg_drain_timeout=float(spec.drain_timeout_seconds),
         **parallel,  # type: ignore[arg-type]
     )
