@@ -20,6 +20,19 @@ if ((${#need_libs[@]})) || ! command -v openssl >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 openssl >/dev/null
 fi
 
+# Container images (make images, tests/images): podman with runc (crun fails on this kind of host's
+# hybrid cgroups; images/local/containers.conf selects runc) and debootstrap for the local base.
+need_tools=()
+for tool in podman runc debootstrap; do
+  command -v "$tool" >/dev/null || need_tools+=("$tool")
+done
+if ((${#need_tools[@]})); then
+  echo "setup: installing Debian packages for building images (${need_tools[*]})"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq podman runc debootstrap >/dev/null
+fi
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 key=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ ! -f "$STAMPS/venv-$key" ] || ! "$VENV/bin/python" -c "import triptych, mooncake, diffusers" 2>/dev/null; then
