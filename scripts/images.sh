@@ -29,6 +29,15 @@ for tool in podman debootstrap runc; do
 done
 
 label_of() { podman image inspect --format "{{index .Labels \"$LABEL\"}}" "$1" 2>/dev/null || true; }
+id_of() { podman image inspect --format '{{.Id}}' "$1" 2>/dev/null || true; }
+
+# Remove the image a build replaced under the same tag (only that one: the store is shared).
+drop_replaced() {
+  local old=$1 tag=$2
+  if [ -n "$old" ] && [ "$old" != "$(id_of "$tag")" ]; then
+    podman rmi "$old" >/dev/null 2>&1 || true
+  fi
+}
 
 # The Debian mirror apt on this host already uses (first URIs: of a deb822 source, else sources.list).
 debian_mirror() {
@@ -45,7 +54,7 @@ debian_mirror() {
 BASE_PACKAGES=python3,python3-venv,python-is-python3,ca-certificates
 HOST_CA=/etc/ssl/certs/ca-certificates.crt
 build_base() {
-  local mirror key rootfs start
+  local mirror key rootfs start old
   mirror=$(debian_mirror)
   key=$( { echo "base-v1 bookworm $mirror $BASE_PACKAGES"; sha256sum "$HOST_CA"; } | sha256sum | cut -c1-32)
   if [ "$(label_of "$BASE")" = "$key" ]; then
@@ -53,6 +62,7 @@ build_base() {
     return
   fi
   start=$SECONDS
+  old=$(id_of "$BASE")
   echo "images: making $BASE with debootstrap from $mirror"
   rootfs=$(mktemp -d "$CACHE/rootfs.XXXXXX")
   trap 'rm -rf "$rootfs"' RETURN
@@ -73,6 +83,7 @@ build_base() {
     --change "ENV REQUESTS_CA_BUNDLE=/etc/ssl/host-ca-bundle.crt" \
     --change 'CMD ["python3"]' \
     - "$BASE" >/dev/null
+  drop_replaced "$old" "$BASE"
   echo "images: $BASE made in $((SECONDS - start)) s"
 }
 
@@ -120,7 +131,7 @@ declare -A LOCAL_ARGS=(
 )
 
 build_image() {
-  local name=$1 dockerfile=images/$1.Dockerfile tag=$IMAGE_REPO/triptych-$1:$IMAGE_TAG key start
+  local name=$1 dockerfile=images/$1.Dockerfile tag=$IMAGE_REPO/triptych-$1:$IMAGE_TAG key start old
   local -a args
   read -r -a args <<<"${LOCAL_ARGS[$name]}"
   args+=("${pip_build_args[@]}")
@@ -134,6 +145,7 @@ build_image() {
     exit 3
   fi
   start=$SECONDS
+  old=$(id_of "$tag")
   echo "images: building $tag (${args[*]})"
   # --network host: RUN steps reach PyPI as this host does. The pip cache volume keeps downloaded
   # wheels between builds (a rebuild after a code change downloads nothing); it is not in the image.
@@ -145,6 +157,7 @@ build_image() {
       echo "images: building $tag failed; the whole log is $CACHE/build-$name.log" >&2
       exit 1
     }
+  drop_replaced "$old" "$tag"
   echo "images: built $tag in $((SECONDS - start)) s"
 }
 
@@ -161,7 +174,6 @@ for name in "${images[@]}"; do
   [ -f "images/$name.Dockerfile" ] || { echo "images: no images/$name.Dockerfile (operator, head, worker)" >&2; exit 2; }
   build_image "$name"
 done
-podman image prune --force >/dev/null 2>&1 || true  # dangling layers of replaced builds
 for name in "${images[@]}"; do
   podman image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' "$IMAGE_REPO/triptych-$name:$IMAGE_TAG"
 done

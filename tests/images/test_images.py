@@ -8,15 +8,19 @@ otherwise tested only when it is already built from the current sources.
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from triptych import __version__
+from triptych.localdeploy import local_deployment, wait_until_ready
 from triptych_operator.constants import RUN_AS_USER
 
 pytestmark = pytest.mark.slow
@@ -118,6 +122,37 @@ def test_the_head_image_validates_requests_against_a_read_only_model_volume(
     mount = f"{tiny_models['tiny-flux']}:/models/tiny-flux:ro"
     out = run(tag, "-c", probe, entrypoint="python", volumes=(mount,))
     assert out.startswith("rejected:") and "width" in out
+
+
+def test_the_head_image_serves_requests_from_real_workers(
+    built: dict[str, str], tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The head restarted (as a pod would be) from its image, as uid 10001, behind null-pipeline workers
+    on this host: the model mounted read-only, the results volume writable, loopback only."""
+    tag = image(built, "head")
+    model = tiny_models["tiny-flux"]
+    name = f"triptych-head-test-{uuid.uuid4().hex[:8]}"
+    with local_deployment(model, tmp_path, null_payload_bytes=4096) as dep:
+        dep.head.kill()
+        _python, dash_m, module, serve, *args = dep.head_argv
+        assert (dash_m, module, serve) == ("-m", "triptych", "serve")
+        outputs = tmp_path / "outputs"
+        outputs.mkdir(exist_ok=True)
+        outputs.chmod(0o777)  # a results volume the pod's user can write
+        volumes = [f"--volume={model}:{model}:ro", f"--volume={outputs}:{outputs}"]
+        dep.head_argv = ["podman", "run", "--rm", f"--name={name}", "--network=host", *volumes, tag, "serve", *args]
+        dep.env = {**dep.env, **ENV}
+        try:
+            dep.start_head()
+            wait_until_ready(dep, 3, timeout=120)
+            body = {"prompt": "a red square", "size": "32x32", "seed": 1, "num_inference_steps": 2}
+            r = httpx.post(f"{dep.http}/v1/images/generations", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert base64.b64decode(r.json()["data"][0]["b64_json"]).startswith(b"\x89PNG")
+            inside = podman("exec", name, "id", "-u")
+            assert inside.stdout.strip() == str(RUN_AS_USER), inside.stderr
+        finally:
+            podman("rm", "--force", "--time=0", name)
 
 
 def test_the_worker_image_imports_torch_diffusers_and_mooncake(built: dict[str, str]) -> None:
