@@ -9,7 +9,7 @@ ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM ${BASE_IMAGE} AS base
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv libibverbs1 librdmacm1 libnuma1 \
+    && apt-get install -y --no-install-recommends python3 python3-venv libibverbs1 librdmacm1 libnuma1 libcurl4 \
     && rm -rf /var/lib/apt/lists/*
 
 FROM base AS build

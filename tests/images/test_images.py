@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from triptych import __version__
-from triptych.localdeploy import local_deployment, wait_until_ready
+from triptych.localdeploy import free_port_block, local_deployment, wait_until_ready
+from triptych.roles import Role
 from triptych_operator.constants import RUN_AS_USER
 
 pytestmark = pytest.mark.slow
@@ -159,6 +160,68 @@ def test_the_worker_image_imports_torch_diffusers_and_mooncake(built: dict[str, 
     tag = image(built, "worker")
     probe = "import torch, diffusers, mooncake.engine, triptych_worker.runtime; print(torch.__version__)"
     assert run(tag, "-c", probe, entrypoint="python").strip().startswith("2.")
+
+
+def test_the_worker_image_serves_the_whole_pipeline_on_cpu(
+    built: dict[str, str], tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Monolithic mode from the worker image: torch, diffusers and the head in one process, as uid
+    10001, reading the model read-only; loopback only."""
+    tag = image(built, "worker")
+    model, port = tiny_models["tiny-flux"], free_port_block(1)
+    name = f"triptych-worker-test-{uuid.uuid4().hex[:8]}"
+    argv = ["podman", "run", "--rm", f"--name={name}", "--network=host", f"--volume={model}:/models/tiny-flux:ro",
+            tag, "serve", "--model-path", "/models/tiny-flux", "--disagg-role", "monolithic", "--device", "cpu",
+            "--host", "127.0.0.1", "--port", str(port), "--output-path", "/tmp/outputs"]  # fmt: skip
+    with (tmp_path / "worker.log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "worker.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
+            time.sleep(0.5)
+        body = {"prompt": "a red square", "size": "32x32", "seed": 1, "num_inference_steps": 2}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/images/generations", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert base64.b64decode(r.json()["data"][0]["b64_json"]).startswith(b"\x89PNG")
+    finally:
+        podman("rm", "--force", "--time=0", name)
+        proc.wait(30)
+
+
+def test_a_worker_from_the_image_joins_a_running_deployment_and_moves_tensors_through_mooncake(
+    built: dict[str, str], tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A simulated decoder (real sockets, pool and Mooncake TCP writes, no weights) from the worker
+    image, as uid 10001, takes a spare port of a deployment whose head and other roles run here."""
+    tag = image(built, "worker")
+    model = tiny_models["tiny-flux"]
+    name = f"triptych-decoder-test-{uuid.uuid4().hex[:8]}"
+    counts = {Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 0}
+    flags = ("--device", "cpu", "--simulate")
+    with local_deployment(model, tmp_path, counts, worker_flags=flags, spare={Role.DECODER: 1}) as dep:
+        port = int(dep.spare[Role.DECODER][0])
+        argv = ["podman", "run", "--rm", f"--name={name}", "--network=host", f"--volume={model}:{model}:ro", tag,
+                "serve", "--model-path", str(model), "--disagg-role", "decoder", "--scheduler-port", str(port),
+                "--disagg-server-addr", f"tcp://127.0.0.1:{dep.scheduler_port}", "--disagg-p2p-hostname", "127.0.0.1",
+                *flags]  # fmt: skip
+        with (tmp_path / "decoder-image.log").open("wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        try:
+            wait_until_ready(dep, 3, timeout=120)
+            body = {"prompt": "a red square", "size": "32x32", "seed": 1, "num_inference_steps": 2}
+            r = httpx.post(f"{dep.http}/v1/images/generations", json=body, timeout=60)
+            assert r.status_code == 200, r.text + (tmp_path / "decoder-image.log").read_text()
+            assert base64.b64decode(r.json()["data"][0]["b64_json"]).startswith(b"\x89PNG")
+        finally:
+            podman("rm", "--force", "--time=0", name)
+            proc.wait(30)
 
 
 def test_a_rebuild_with_nothing_changed_takes_seconds(built: dict[str, str]) -> None:
