@@ -65,7 +65,8 @@ build_base() {
   old=$(id_of "$BASE")
   echo "images: making $BASE with debootstrap from $mirror"
   rootfs=$(mktemp -d "$CACHE/rootfs.XXXXXX")
-  trap 'rm -rf "$rootfs"' RETURN
+  ROOTFS_TO_CLEAN=$rootfs
+  trap 'rm -rf "$ROOTFS_TO_CLEAN"' EXIT  # also when debootstrap fails and the script exits
   mkdir -p "$CACHE/debs"
   debootstrap --variant=minbase --include="$BASE_PACKAGES" --cache-dir="$CACHE/debs" bookworm "$rootfs" "$mirror" \
     >"$CACHE/debootstrap.log" 2>&1 || { tail -20 "$CACHE/debootstrap.log" >&2; exit 1; }
@@ -84,6 +85,7 @@ build_base() {
     --change 'CMD ["python3"]' \
     - "$BASE" >/dev/null
   drop_replaced "$old" "$BASE"
+  rm -rf "$rootfs"
   echo "images: $BASE made in $((SECONDS - start)) s"
 }
 
