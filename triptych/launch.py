@@ -17,6 +17,13 @@ def configure_logging(args: ServeArgs) -> None:
     )
 
 
+# What each install extra brings (pyproject.toml); a role started without its extra says which.
+EXTRA_OF_PACKAGE = {
+    **dict.fromkeys(("torch", "diffusers", "transformers", "accelerate", "safetensors"), "worker"),
+    **dict.fromkeys(("fastapi", "uvicorn", "av", "PIL", "prometheus_client"), "head"),
+}
+
+
 def serve(args: ServeArgs) -> int:
     configure_logging(args)
     try:
@@ -24,6 +31,22 @@ def serve(args: ServeArgs) -> int:
     except ModelSourceError as exc:
         print(f"triptych: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _run_role(args)
+    except ModuleNotFoundError as exc:
+        extra = EXTRA_OF_PACKAGE.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"triptych: error: --disagg-role {args.disagg_role.value} needs {exc.name}, which this install lacks: "
+            f"install the project's `{extra}` extra (pip install 'triptych[{extra}]'), or use the image that "
+            f"has it (monolithic mode and the worker roles run from the worker image)",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def _run_role(args: ServeArgs) -> int:
     if args.disagg_role is Role.SERVER:
         from triptych_head.main import run_head
 

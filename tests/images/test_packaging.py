@@ -134,3 +134,12 @@ def test_tiny_model_packages_are_readable_by_the_images_non_root_user(tiny_model
                 f"{folder} is not readable by others (mode {folder.stat().st_mode:o})"
             )
         assert all(f.stat().st_mode & 0o004 for f in package.rglob("*") if f.is_file())
+
+
+def test_monolithic_mode_without_the_worker_extra_says_which_extra_it_needs(tiny_models: dict[str, Path]) -> None:
+    main = "from triptych.cli import main; sys.exit(main(sys.argv[1:]))"
+    flags = ["--model-path", str(tiny_models["tiny-flux"]), "--disagg-role", "monolithic", "--port", "1"]
+    out = run_python(without(*WORKER_ONLY, *OPERATOR_ONLY) + main, "serve", *flags)
+    assert out.returncode == 2, out.stderr
+    assert "--disagg-role monolithic needs torch" in out.stderr
+    assert "pip install 'triptych[worker]'" in out.stderr
