@@ -125,6 +125,17 @@ def test_the_head_image_validates_requests_against_a_read_only_model_volume(
     assert out.startswith("rejected:") and "width" in out
 
 
+def test_the_head_image_refuses_monolithic_mode_naming_the_worker_extra(
+    built: dict[str, str], tiny_models: dict[str, Path]
+) -> None:
+    tag = image(built, "head")
+    mount = f"{tiny_models['tiny-flux']}:/models/tiny-flux:ro"
+    args = ["serve", "--model-path", "/models/tiny-flux", "--disagg-role", "monolithic"]
+    out = podman("run", "--rm", "--network=none", "--volume", mount, tag, *args)
+    assert out.returncode == 2, out.stderr
+    assert "needs torch" in out.stderr and "triptych[worker]" in out.stderr
+
+
 def test_the_head_image_serves_requests_from_real_workers(
     built: dict[str, str], tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
