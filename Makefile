@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODELS ?= .models
 
-.PHONY: setup test test-fast lint demo models bench cluster-up cluster-down clean
+.PHONY: setup test test-fast lint demo models bench images cluster-up cluster-down clean
 
 setup:
 	@bash scripts/setup.sh
@@ -28,6 +28,10 @@ demo:
 
 bench:
 	$(PY) bench/run_all.py
+
+# The operator, head and worker images (scripts/images.sh; IMAGES="head operator" for some).
+images:
+	@bash scripts/images.sh $(IMAGES)
 
 cluster-up:
 	@bash tests/cluster/up.sh

@@ -1,26 +1,28 @@
-# The GPU-less head (DiffusionServer + HTTP API): CPU-only PyTorch wheels, TCP Mooncake build.
+# The GPU-less head (DiffusionServer + HTTP API): the `head` extra only, no torch, no Mooncake.
 #   docker build -f images/head.Dockerfile -t ghcr.io/triptych-ai/triptych-head:0.1.0 .
-# The operator starts it as `triptych serve --disagg-role server ...`.
-FROM python:3.11-slim AS build
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# The operator starts it as `triptych serve --disagg-role server ...`. Request validation reads the
+# model's JSON configs (the worker package's adapters, imported without torch), so the project's
+# pure-Python packages are all installed, their heavy dependencies are not.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE} AS build
+ARG PIP_INDEX_URL=https://pypi.org/simple
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_INDEX_URL=${PIP_INDEX_URL}
 RUN python -m venv /opt/triptych
 ENV PATH=/opt/triptych/bin:$PATH
 WORKDIR /src
-COPY constraints.txt pyproject.toml README.md ./
+COPY constraints.txt pyproject.toml ./
 COPY triptych/ triptych/
 COPY head/ head/
 COPY worker/ worker/
 COPY operator/ operator/
-# The CPU index first so torch resolves to its small +cpu build (the constraint pins the version).
-RUN pip install --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple \
-      -c constraints.txt '.[cpu]'
+# pip's cache stays in this stage (scripts/images.sh mounts a persistent one); pip itself is removed
+# from the venv the image runs (it installs nothing).
+RUN pip install -c constraints.txt '.[head]' \
+    && pip uninstall -qy pip setuptools
 
-FROM python:3.11-slim
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends libibverbs1 librdmacm1 libnuma1 \
-    && rm -rf /var/lib/apt/lists/*
+FROM ${BASE_IMAGE}
 COPY --from=build /opt/triptych /opt/triptych
-ENV PATH=/opt/triptych/bin:$PATH PYTHONUNBUFFERED=1 HOME=/tmp
+ENV PATH=/opt/triptych/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
 WORKDIR /var/lib/triptych
 USER 10001:10001
 EXPOSE 30000 5555-5560

@@ -1,28 +1,37 @@
-# A role worker (encoder / denoiser / decoder): CUDA runtime, the project with the `cuda` extra
-# (Mooncake with RDMA), and the verbs/RDMA-CM/NUMA libraries Mooncake loads.
+# A role worker (encoder / denoiser / decoder, or the whole pipeline in monolithic mode): a CUDA
+# runtime, the project's `head` and `worker` extras and Mooncake (the CUDA wheel, RDMA), with the
+# verbs/RDMA-CM/NUMA libraries Mooncake loads.
 #   docker build -f images/worker.Dockerfile -t ghcr.io/triptych-ai/triptych-worker:0.1.0 .
 # The operator starts it as `triptych serve --disagg-role <role> ...`.
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS base
+# Built without a GPU (scripts/images.sh): --build-arg BASE_IMAGE=<a Debian base with python3>
+# --build-arg MOONCAKE_EXTRA=cpu (Mooncake's TCP-only wheel).
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+FROM ${BASE_IMAGE} AS base
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv libibverbs1 librdmacm1 libnuma1 \
+    && apt-get install -y --no-install-recommends python3 python3-venv libibverbs1 librdmacm1 libnuma1 libcurl4 \
     && rm -rf /var/lib/apt/lists/*
 
 FROM base AS build
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ARG PIP_INDEX_URL=https://pypi.org/simple
+ARG MOONCAKE_EXTRA=cuda
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_INDEX_URL=${PIP_INDEX_URL}
 RUN python3 -m venv /opt/triptych
 ENV PATH=/opt/triptych/bin:$PATH
 WORKDIR /src
-COPY constraints.txt pyproject.toml README.md ./
+COPY constraints.txt pyproject.toml ./
 COPY triptych/ triptych/
 COPY head/ head/
 COPY worker/ worker/
 COPY operator/ operator/
-RUN pip install -c constraints.txt '.[cuda]'
+# pip's cache stays in this stage (scripts/images.sh mounts a persistent one); pip itself is removed
+# from the venv the image runs (it installs nothing).
+RUN pip install -c constraints.txt ".[head,worker,${MOONCAKE_EXTRA}]" \
+    && pip uninstall -qy pip setuptools
 
 FROM base
 COPY --from=build /opt/triptych /opt/triptych
-ENV PATH=/opt/triptych/bin:$PATH PYTHONUNBUFFERED=1 HOME=/tmp HF_HOME=/cache/huggingface
+ENV PATH=/opt/triptych/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp HF_HOME=/cache/huggingface
 WORKDIR /var/lib/triptych
 USER 10001:10001
 EXPOSE 19000

@@ -10,14 +10,27 @@ STAMPS=.stamps
 mkdir -p "$STAMPS"
 
 need_libs=()
-for lib in libibverbs.so.1 librdmacm.so.1 libnuma.so.1; do
+for lib in libibverbs.so.1 librdmacm.so.1 libnuma.so.1 libcurl.so.4; do
   ldconfig -p | grep -q "$lib" || need_libs+=("$lib")
 done
 if ((${#need_libs[@]})) || ! command -v openssl >/dev/null; then
   echo "setup: installing Debian libraries for Mooncake (${need_libs[*]:-openssl})"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 openssl >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 libcurl4 openssl >/dev/null
+fi
+
+# Container images (make images, tests/images): podman with runc (crun fails on this kind of host's
+# hybrid cgroups; images/local/containers.conf selects runc) and debootstrap for the local base.
+need_tools=()
+for tool in podman runc debootstrap; do
+  command -v "$tool" >/dev/null || need_tools+=("$tool")
+done
+if ((${#need_tools[@]})); then
+  echo "setup: installing Debian packages for building images (${need_tools[*]})"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq podman runc debootstrap >/dev/null
 fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

@@ -15,6 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from triptych import __version__
 from triptych.config import ConfigError, ServeArgs, add_serve_flags
 
 
@@ -27,6 +28,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="triptych", description="Disaggregated diffusion serving.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     serve = sub.add_parser("serve", help="run one role of the pipeline (or all of it, monolithic)")
     add_serve_flags(serve)

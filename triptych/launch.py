@@ -17,6 +17,13 @@ def configure_logging(args: ServeArgs) -> None:
     )
 
 
+# What each install extra brings (pyproject.toml); a role started without its extra says which.
+EXTRA_OF_PACKAGE = {
+    **dict.fromkeys(("torch", "diffusers", "transformers", "accelerate", "safetensors"), "worker"),
+    **dict.fromkeys(("fastapi", "uvicorn", "av", "PIL", "prometheus_client"), "head"),
+}
+
+
 def serve(args: ServeArgs) -> int:
     configure_logging(args)
     try:
@@ -24,6 +31,17 @@ def serve(args: ServeArgs) -> int:
         return _serve_role(args)
     except (ModelSourceError, ConfigError) as exc:  # e.g. unreadable --disagg-keys-dir, found at start-up
         print(f"triptych: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        extra = EXTRA_OF_PACKAGE.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"triptych: error: --disagg-role {args.disagg_role.value} needs {exc.name}, which this install lacks: "
+            f"install the project's `{extra}` extra (pip install 'triptych[{extra}]'), or use the image that "
+            f"has it (monolithic mode and the worker roles run from the worker image)",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -18,22 +18,26 @@ def png_bytes(image: np.ndarray) -> bytes:
 
 
 def write_mp4(frames: np.ndarray, path: Path, fps: int) -> Path:
-    """uint8 [F, H, W, 3] frames as an H.264 MP4 (odd sizes are padded by one pixel)."""
-    import imageio.v2 as imageio
+    """uint8 [F, H, W, 3] frames as an H.264 MP4 (odd sizes are padded by one pixel).
+
+    PyAV (FFmpeg's libraries, libx264 included in its wheels) rather than an ffmpeg binary: the
+    head image stays small (imageio-ffmpeg's static binary alone is ~170 MB).
+    """
+    import av
 
     _, h, w, _ = frames.shape
     if h % 2 or w % 2:  # yuv420p needs even dimensions
         frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".part.mp4")
-    writer = imageio.get_writer(
-        tmp, format="FFMPEG", fps=fps, codec="libx264", macro_block_size=1, pixelformat="yuv420p", quality=8
-    )
-    try:
+    with av.open(str(tmp), mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "18"}  # visually lossless; the exact frames are kept beside the MP4
         for frame in frames:
-            writer.append_data(frame)
-    finally:
-        writer.close()
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        container.mux(stream.encode())  # flush the encoder
     tmp.replace(path)
     return path
 

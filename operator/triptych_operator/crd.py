@@ -121,7 +121,7 @@ def _parallelism_rule() -> Schema:
     split_product = f"{tc} * {d('ulysses')} * {d('ring')} == self.gpusPerReplica"
     derived = f"self.gpusPerReplica % ({tc}) == 0"
     rule = (
-        f"!has(self.parallelism) || (has(self.parallelism.sp) ? {sp_product} : "
+        f"!has(self.parallelism) || self.gpusPerReplica == 0 || (has(self.parallelism.sp) ? {sp_product} : "
         f"((has(self.parallelism.ulysses) || has(self.parallelism.ring)) ? {split_product} : {derived}))"
     )
     return {
@@ -132,13 +132,23 @@ def _parallelism_rule() -> Schema:
     }
 
 
+def _cpu_role_rule() -> Schema:
+    """gpusPerReplica 0 is a CPU role: one device per pod, so every degree the user sets must be 1."""
+    ones = " && ".join(f"self.parallelism.?{name}.orValue(1) == 1" for name in PARALLEL_DEGREES)
+    return {
+        "rule": f"self.gpusPerReplica > 0 || !has(self.parallelism) || ({ones})",
+        "message": "parallelism: gpusPerReplica 0 runs the role on CPU, one device per pod; set no degree above 1",
+        "reason": "FieldValueInvalid",
+    }
+
+
 def _role(role: Role, degrees: tuple[str, ...]) -> Schema:
     role_name = role.value
     parallel_props = {
         name: _int(f"{name} degree; unset degrees are derived so tp x sp x cfg = gpusPerReplica.", minimum=1)
         for name in PARALLEL_DEGREES
     }
-    rules = [_parallelism_rule()]
+    rules = [_parallelism_rule(), _cpu_role_rule()]
     forbidden = [name for name in PARALLEL_DEGREES if name not in degrees]
     if forbidden:
         rules.append(
@@ -187,7 +197,12 @@ def _role(role: Role, degrees: tuple[str, ...]) -> Schema:
         f"The {role_name} worker pool.",
         {
             "replicas": _int("Worker pods (ignored while autoscaling is enabled).", minimum=0, default=1),
-            "gpusPerReplica": _int("GPUs per pod (nvidia.com/gpu) = the role's --num-gpus.", minimum=1, default=1),
+            "gpusPerReplica": _int(
+                "GPUs per pod (nvidia.com/gpu) = the role's --num-gpus; 0 runs the role on CPU "
+                "(no GPU requested or tolerated, --device cpu).",
+                minimum=0,
+                default=1,
+            ),
             "parallelism": _obj(f"Parallel degrees of the {role_name}.", parallel_props),
             "image": _str("Image for this role; default spec.images.worker."),
             "resources": _resources(),

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import kopf
 
+from triptych import __version__
+
 WATCH_NAMESPACES_ENV = "TRIPTYCH_WATCH_NAMESPACES"
 LIVENESS_ENV = "TRIPTYCH_LIVENESS_ENDPOINT"
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"kopf liveness endpoint (default: ${LIVENESS_ENV} or {DEFAULT_LIVENESS}); '' disables it",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
 
 

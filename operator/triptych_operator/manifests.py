@@ -200,12 +200,12 @@ def _resources(user: Mapping[str, Any], extended: Mapping[str, int]) -> Manifest
 
 
 def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_fingerprint: str = "") -> Manifest:
-    """The GPU-pinned Deployment of one worker role."""
+    """The Deployment of one worker role: GPU-pinned, or a CPU role (gpusPerReplica 0) that asks for no GPU."""
     spec = pipeline.roles[role]
     transfer = pipeline.transfer
     volumes, mounts, model_env = _model_volume(pipeline)
     keys_volume, keys_mount = _keys_volume(pipeline, "worker")
-    extended = {GPU_RESOURCE: spec.gpus_per_replica}
+    extended = {GPU_RESOURCE: spec.gpus_per_replica} if spec.gpus_per_replica else {}
     if transfer.rdma:
         extended[transfer.rdma_resource_name] = transfer.rdma_resource_count
     container: Manifest = {
@@ -226,8 +226,10 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
         # The worker binds its work socket only after loading its model, so "open" means "can take work".
         **_probes({"tcpSocket": {"port": "work"}}),
     }
-    # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule; a GPU pod may always go there.
-    tolerations = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}, *spec.tolerations]
+    # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule; a GPU pod may always go there, a
+    # CPU pod stays off them unless the user's own tolerations say otherwise.
+    gpu_toleration = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+    tolerations = [*([gpu_toleration] if spec.gpus_per_replica else []), *spec.tolerations]
     pod_spec: Manifest = {
         "securityContext": _pod_security(),
         "enableServiceLinks": False,

@@ -136,6 +136,16 @@ class RoleSpec:
         """The worker's own deadline for finishing held work after SIGTERM."""
         return self.drain_seconds - DRAIN_MARGIN_S
 
+    @property
+    def device(self) -> str:
+        """The worker's --device: gpusPerReplica 0 makes a CPU role (no GPU requested, one device per pod)."""
+        return "cpu" if self.gpus_per_replica == 0 else "cuda"
+
+    @property
+    def num_devices(self) -> int:
+        """The worker's --num-gpus: the GPUs it holds, or its one CPU device."""
+        return max(self.gpus_per_replica, 1)
+
 
 @dataclass(frozen=True)
 class TransferSpec:
@@ -348,8 +358,17 @@ def _parse_autoscaling(raw: Mapping[str, Any], where: str) -> Autoscaling:
 
 def _parse_role(role: Role, raw: Mapping[str, Any]) -> RoleSpec:
     where = f"spec.{role.value}"
-    gpus = _int(raw, "gpusPerReplica", where, 1, minimum=1)
-    parallelism, given = _parse_parallelism(role, _mapping(raw, "parallelism", f"{where}.parallelism"), gpus)
+    gpus = _int(raw, "gpusPerReplica", where, 1, minimum=0)
+    raw_parallelism = _mapping(raw, "parallelism", f"{where}.parallelism")
+    if gpus == 0:
+        split = sorted(d for d in PARALLEL_DEGREES if raw_parallelism.get(d) not in (None, 1))
+        if split:
+            raise SpecError(
+                f"{where}.parallelism.{split[0]}",
+                "is above 1, but gpusPerReplica 0 runs the role on CPU, one device per pod: "
+                "remove the parallel degrees or request GPUs",
+            )
+    parallelism, given = _parse_parallelism(role, raw_parallelism, max(gpus, 1))
     return RoleSpec(
         role=role,
         replicas=_int(raw, "replicas", where, 1, minimum=0),

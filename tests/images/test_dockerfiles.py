@@ -1,7 +1,9 @@
-"""The images are written, not built here: check what a build would trip on.
+"""The Dockerfiles as users build them: what a build would trip on, read without building.
 
 Every COPY source exists in the repository, every entrypoint is a console script the project
-declares, and the final stage runs as a numeric non-root user.
+declares, the final stage runs as a numeric non-root user, the base is an upstream default that
+only `--build-arg BASE_IMAGE=...` changes, and no package index is written into a Dockerfile.
+tests/images/test_images.py builds and runs them.
 """
 
 from __future__ import annotations
@@ -84,3 +86,36 @@ def test_commands_the_operator_and_chart_run_are_console_scripts() -> None:
     chart_deployment = (REPO / "charts" / "triptych" / "templates" / "deployment.yaml").read_text()
     assert "command: [triptych-operator]" in chart_deployment
     assert "triptych-operator" in SCRIPTS
+
+
+UPSTREAM_BASES = {
+    "head.Dockerfile": "python:3.11-slim",
+    "operator.Dockerfile": "python:3.11-slim",
+    "worker.Dockerfile": "nvidia/cuda:",
+}
+EXTRAS = {"head.Dockerfile": "'.[head]'", "operator.Dockerfile": "'.[operator]'", "worker.Dockerfile": "worker"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_base_is_the_upstream_image_unless_a_build_arg_says_otherwise(dockerfile: Path) -> None:
+    steps = instructions(dockerfile)
+    assert steps[0][0] == "ARG" and steps[0][1].startswith(f"BASE_IMAGE={UPSTREAM_BASES[dockerfile.name]}")
+    froms = [args.split()[0] for keyword, args in steps if keyword == "FROM"]
+    assert froms[0] == "${BASE_IMAGE}"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_no_package_index_host_is_written_into_a_dockerfile(dockerfile: Path) -> None:
+    runs = " ".join(args for keyword, args in instructions(dockerfile) if keyword == "RUN")
+    assert "--index-url" not in runs and "--extra-index-url" not in runs
+    assert [args for keyword, args in instructions(dockerfile) if keyword == "ARG" and "PIP_INDEX_URL" in args] == [
+        "PIP_INDEX_URL=https://pypi.org/simple"
+    ]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_each_image_installs_its_own_extra(dockerfile: Path) -> None:
+    installs = [args for keyword, args in instructions(dockerfile) if keyword == "RUN" and "pip install" in args]
+    assert len(installs) == 1 and EXTRAS[dockerfile.name] in installs[0]
+    if dockerfile.name != "worker.Dockerfile":
+        assert "worker" not in installs[0] and "cuda" not in installs[0]

@@ -85,6 +85,31 @@ def test_tcp_mode_requests_no_rdma_and_names_no_ib_device() -> None:
     assert "--disagg-ib-device" not in c["args"]
 
 
+def test_a_cpu_role_requests_and_tolerates_no_gpu_and_runs_on_cpu() -> None:
+    spec = minimal_spec(encoder={"gpusPerReplica": 0, "resources": {"limits": {"cpu": "2"}}})
+    deployments = children(spec)
+    cpu_pod = deployments[("Deployment", "wan-t2v-encoder")]["spec"]["template"]["spec"]
+    c = cpu_pod["containers"][0]
+    assert c["resources"]["limits"] == {"cpu": "2"}
+    assert cpu_pod["tolerations"] == []
+    args = parse_serve(c)
+    assert (args.device, args.num_gpus, args.resolved_device) == ("cpu", 1, "cpu")
+    assert args.master_port is None
+    gpu_pod = deployments[("Deployment", "wan-t2v-denoiser")]["spec"]["template"]["spec"]
+    assert gpu_pod["containers"][0]["resources"]["limits"] == {GPU_RESOURCE: 1}
+    assert {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"} in gpu_pod["tolerations"]
+    assert parse_serve(gpu_pod["containers"][0]).device == "cuda"
+
+
+def test_a_cpu_role_keeps_the_users_own_tolerations() -> None:
+    user = {"key": "dedicated", "operator": "Equal", "value": "ci", "effect": "NoSchedule"}
+    pod = children(minimal_spec(decoder={"gpusPerReplica": 0, "tolerations": [user]}))[
+        ("Deployment", "wan-t2v-decoder")
+    ]["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [user]
+    assert GPU_RESOURCE not in pod["containers"][0].get("resources", {}).get("limits", {})
+
+
 def test_worker_pod_has_ipc_lock_shm_pod_ip_and_model_volume() -> None:
     pod = children()[("Deployment", "wan-t2v-decoder")]["spec"]["template"]["spec"]
     c = pod["containers"][0]

@@ -284,6 +284,8 @@ def test_deleting_the_pipeline_removes_everything(crd: KubeCluster, kube_namespa
         ({"denoiser": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}}, "minReplicas must be"),
         ({"transfer": {"mode": "rdma"}}, "ibDevice is required with mode rdma"),
         ({"transfer": {"poolSize": "lots"}}, "poolSize is a byte count"),
+        ({"denoiser": {"gpusPerReplica": 0, "parallelism": {"tp": 2}}}, "gpusPerReplica 0 runs the role on CPU"),
+        ({"decoder": {"gpusPerReplica": -1}}, "spec.decoder.gpusPerReplica"),
     ],
     ids=[
         "negative-replicas",
@@ -293,6 +295,8 @@ def test_deleting_the_pipeline_removes_everything(crd: KubeCluster, kube_namespa
         "min-over-max",
         "rdma-no-device",
         "bad-pool",
+        "cpu-role-with-tp",
+        "negative-gpus",
     ],
 )
 def test_api_server_rejects_invalid_pipelines(
@@ -301,6 +305,14 @@ def test_api_server_rejects_invalid_pipelines(
     with pytest.raises(CommandError) as info:
         apply(crd, kube_namespace, pipeline_manifest("bad", **change))
     assert message in info.value.stderr
+
+
+def test_api_server_accepts_cpu_roles(crd: KubeCluster, kube_namespace: str) -> None:
+    cpu = {"gpusPerReplica": 0, "parallelism": {"sp": 1}}
+    apply(crd, kube_namespace, pipeline_manifest("cpu", encoder={"gpusPerReplica": 0}, denoiser=cpu))
+    stored = get(crd, kube_namespace, "diffusionpipeline", "cpu")
+    assert stored is not None
+    assert stored["spec"]["encoder"]["gpusPerReplica"] == 0 and stored["spec"]["decoder"]["gpusPerReplica"] == 1
 
 
 def test_api_server_rejects_names_too_long_for_service_names(crd: KubeCluster, kube_namespace: str) -> None:

@@ -138,3 +138,25 @@ def test_api_keys_secret_needs_a_name_and_its_key_defaults_to_keys() -> None:
     ref = pipeline(minimal_spec(head={"apiKeysSecret": {"name": "dp-keys"}})).head.api_keys_secret
     assert ref is not None and (ref.name, ref.key) == ("dp-keys", "keys")
     assert pipeline(minimal_spec()).head.api_keys_secret is None
+
+
+def test_zero_gpus_per_replica_makes_a_cpu_role_of_one_device() -> None:
+    p = pipeline(minimal_spec(encoder={"gpusPerReplica": 0}, decoder={"gpusPerReplica": 0}))
+    encoder, denoiser = p.roles[Role.ENCODER], p.roles[Role.DENOISER]
+    assert (encoder.gpus_per_replica, encoder.device, encoder.num_devices) == (0, "cpu", 1)
+    assert encoder.parallelism == Parallelism()
+    assert (denoiser.device, denoiser.num_devices) == ("cuda", 1)
+
+
+def test_a_cpu_role_takes_no_parallel_degree_above_one() -> None:
+    err = error_for(minimal_spec(denoiser={"gpusPerReplica": 0, "parallelism": {"tp": 2}}))
+    assert err.field == "spec.denoiser.parallelism.tp"
+    assert "gpusPerReplica 0 runs the role on CPU" in str(err)
+    p = pipeline(minimal_spec(denoiser={"gpusPerReplica": 0, "parallelism": {"sp": 1}}))
+    assert p.roles[Role.DENOISER].parallelism == Parallelism()
+
+
+def test_negative_gpus_per_replica_is_rejected_with_the_field() -> None:
+    err = error_for(minimal_spec(decoder={"gpusPerReplica": -1}))
+    assert err.field == "spec.decoder.gpusPerReplica"
+    assert "must be >= 0" in str(err)

@@ -87,11 +87,13 @@ def _write_package(root: Path, name: str) -> Path:
     target = root / name
     stamp = content_stamp(name)
     if _stamp_of(target) == stamp:
+        _readable_by_all(target)
         return target
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
         PACKAGES[name]().save_pretrained(staging, safe_serialization=True)
         (staging / STAMP_FILE).write_text(stamp + "\n")
+        _readable_by_all(staging)
         if target.exists():
             shutil.rmtree(target)
         try:
@@ -103,6 +105,16 @@ def _write_package(root: Path, name: str) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _readable_by_all(package: Path) -> None:
+    """Let every user read the package: mkdtemp makes folders 0700 and the weights are written 0600,
+    but the images run as uid 10001 and read packages through a volume."""
+    for path in [package, *package.rglob("*")]:
+        mode = path.stat().st_mode
+        wanted = mode | (0o055 if path.is_dir() else 0o044)
+        if wanted != mode:
+            path.chmod(wanted)
 
 
 def _stamp_of(package: Path) -> str | None:

@@ -19,7 +19,7 @@ class MooncakeNotInstalled(ImportError):
             "disaggregated serving needs the Mooncake transfer engine, which failed to import "
             f"({cause}). Install it with `pip install mooncake-transfer-engine` (CUDA hosts) or "
             "`pip install mooncake-transfer-engine-non-cuda` (CPU/TCP only), plus the system libraries "
-            "`apt-get install libibverbs1 librdmacm1 libnuma1`."
+            "`apt-get install libibverbs1 librdmacm1 libnuma1 libcurl4`."
         )
 
 
