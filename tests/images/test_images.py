@@ -92,6 +92,12 @@ def test_the_operator_entrypoints_answer_version_and_help(built: dict[str, str])
     assert "--tls-cert-file" in run(tag, "--help", entrypoint="triptych-metrics-api")
 
 
+def test_the_operator_image_imports_everything_the_operator_runs(built: dict[str, str]) -> None:
+    """--version answers before the handlers load: import them (and the key generation they use)."""
+    code = "import triptych_operator.handlers, triptych_operator.metrics_api.main; print('imported')"
+    assert run(image(built, "operator"), "-c", code, entrypoint="python").strip() == "imported"
+
+
 @pytest.mark.parametrize("name", ["head", "worker"])
 def test_the_triptych_entrypoint_answers_version_and_serve_help(built: dict[str, str], name: str) -> None:
     tag = image(built, name)
@@ -152,6 +158,12 @@ def test_the_head_image_serves_requests_from_real_workers(
         outputs.mkdir(exist_ok=True)
         outputs.chmod(0o777)  # a results volume the pod's user can write
         volumes = [f"--volume={model}:{model}:ro", f"--volume={outputs}:{outputs}"]
+        if dep.keys_dir is not None:  # the key set, readable by the pod's user as the operator's mount is
+            keys = tmp_path / "head-keys"
+            shutil.copytree(dep.keys_dir, keys)
+            for path in (keys, *keys.iterdir()):
+                os.chown(path, RUN_AS_USER, RUN_AS_USER)
+            volumes.append(f"--volume={keys}:{dep.keys_dir}:ro")
         dep.head_argv = ["podman", "run", "--rm", f"--name={name}", "--network=host", *volumes, tag, "serve", *args]
         dep.env = {**dep.env, **ENV}
         try:
