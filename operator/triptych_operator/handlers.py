@@ -48,6 +48,8 @@ from triptych_operator.status import PHASE_READY, compute_status
 OWNED = {LABEL_MANAGED_BY: MANAGER}
 CHILD_FILTER: dict[str, Any] = {**OWNED, LABEL_INSTANCE: kopf.PRESENT}
 APPLY_RETRY_S = 30
+# With peering (main.py --peering): how long a silent replica counts as alive (kopf's keep-alive lifetime).
+PEERING_LIFETIME_S = 60
 
 # The watched kinds, by the (apiVersion, kind) of the manifests, and the kopf index holding each.
 CHILD_KINDS: dict[tuple[str, str], tuple[str, str, str, str]] = {
@@ -70,6 +72,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.WARNING  # our own kopf.info/warn events are the ones worth reading
     settings.watching.server_timeout = 300
+    settings.peering.lifetime = PEERING_LIFETIME_S
+    settings.peering.stealth = True  # keep-alives are not worth a log line each
     memo.pipelines = PipelineStates()
 
 

@@ -142,6 +142,19 @@ class RoleSpec:
     autoscaling: Autoscaling = field(default_factory=Autoscaling)
     # terminationGracePeriodSeconds; the worker's --disagg-drain-timeout is DRAIN_MARGIN_S less.
     drain_seconds: int = DEFAULT_DRAIN_SECONDS[Role.DENOISER]
+    # The Deployment's rolling update; None: the defaults of `rolling_update`.
+    max_unavailable: int | None = None
+    max_surge: int | None = None
+
+    def rolling_update(self) -> dict[str, int]:
+        """maxUnavailable/maxSurge of the role's Deployment. Defaults never take a serving role to zero:
+        with several replicas one is replaced at a time (no surge: a surge pod would wait for GPUs that are
+        taken); a single replica is replaced by a surge pod that must be ready before the old one goes
+        (it needs room for one more pod; until there is, the old one keeps serving)."""
+        several = self.replicas > 1 or self.autoscaling.enabled
+        unavailable = self.max_unavailable if self.max_unavailable is not None else (1 if several else 0)
+        surge = self.max_surge if self.max_surge is not None else (0 if several else 1)
+        return {"maxUnavailable": unavailable, "maxSurge": surge}
 
     @property
     def drain_timeout_seconds(self) -> int:
@@ -466,6 +479,40 @@ def role_field(role: Role) -> Field:
             Field("affinity", "free", "A core/v1 Affinity.", doc="Pod affinity, passed through.", doc_type="Affinity"),
             *_pod_fields("role")[1:],
             _autoscaling(),
+            Field(
+                "rollout",
+                "object",
+                "How the role's pods are replaced when its pod template changes (a spec edit, a new operator "
+                "version): the Deployment's rolling update.",
+                fields=(
+                    Field(
+                        "maxUnavailable",
+                        "integer",
+                        "Pods that may be down at once; default 1 with several replicas, 0 with one.",
+                        minimum=0,
+                        doc="Pods that may be down at once during a rollout.",
+                        doc_default="`1`; `0` with one replica",
+                    ),
+                    Field(
+                        "maxSurge",
+                        "integer",
+                        "Extra pods during a rollout; default 0 with several replicas (GPUs are taken), 1 with one.",
+                        minimum=0,
+                        doc="Extra pods during a rollout (each needs its GPUs free). The defaults never take a role "
+                        "to zero: several replicas are replaced one at a time, a single one by a surge pod that is "
+                        "ready before the old one stops (until there is room for it, the old pod keeps serving and "
+                        "the rollout waits).",
+                        doc_default="`0`; `1` with one replica",
+                    ),
+                ),
+                rules=(
+                    Rule(
+                        "!has(self.maxUnavailable) || !has(self.maxSurge) || self.maxUnavailable + self.maxSurge > 0",
+                        "rollout: maxUnavailable and maxSurge cannot both be 0",
+                        lambda o: "" if o.get("maxUnavailable") == 0 and o.get("maxSurge") == 0 else None,
+                    ),
+                ),
+            ),
             Field(
                 "drainSeconds",
                 "integer",
@@ -906,6 +953,8 @@ def _parse_role(role: Role, raw: Mapping[str, Any]) -> RoleSpec:
         env=tuple(raw["env"] or ()),
         autoscaling=_parse_autoscaling(raw["autoscaling"] or {"enabled": False}),
         drain_seconds=raw["drainSeconds"],
+        max_unavailable=(raw["rollout"] or {}).get("maxUnavailable"),
+        max_surge=(raw["rollout"] or {}).get("maxSurge"),
     )
 
 
