@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +122,25 @@ def all_one_unless_positive(
         return next((f"{obj}.{n}" for n in sorted(names) if inner.get(n) not in (None, 1)), None)
 
     return Rule(f"self.{count} > 0 || !has(self.{obj}) || ({ones})", message, check, reason)
+
+
+def not_both_zero(a: str, b: str, message: str) -> Rule:
+    """`a` and `b` (both optional) are not both set to 0."""
+    return Rule(
+        f"!has(self.{a}) || !has(self.{b}) || self.{a} + self.{b} > 0",
+        message,
+        lambda o: "" if o.get(a) == 0 and o.get(b) == 0 else None,
+    )
+
+
+def bounded_match(name: str, max_length: int, pattern: str, message: str) -> Rule:
+    """The string `name` is at most `max_length` long and matches `pattern` (CEL's RE2 and Python's re
+    agree on the simple patterns this is used with)."""
+    return Rule(
+        f"self.{name}.size() <= {max_length} && self.{name}.matches('{pattern}')",
+        message,
+        lambda o: None if len(o[name]) <= max_length and re.match(pattern, o[name]) else name,
+    )
 
 
 def cel_only(cel: str, message: str, reason: str | None = None) -> Rule:

@@ -82,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import triptych_operator.handlers  # registers the handlers
 
     kopf.configure(verbose=args.verbose)
+    priority = 0
     if args.peering:
         # Two replicas of equal priority would both pause: random priorities practically never collide.
         priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
@@ -89,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kopf.run(
         standalone=not args.peering,
         peering_name=args.peering,
-        priority=priority if args.peering else 0,
+        priority=priority,
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=args.liveness or None,

@@ -10,7 +10,6 @@ naming it, which the operator reports as a Degraded condition.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,10 +41,12 @@ from triptych_operator.fields import (
     Rule,
     absent_within,
     all_one_unless_positive,
+    bounded_match,
     cel_only,
     exactly_one,
     needs,
     not_above,
+    not_both_zero,
     read,
     required_when,
     required_when_equal,
@@ -253,11 +254,12 @@ class PipelineSpec:
 
 # ---------------------------------------------------------------- the declaration
 
-NAME_RULE = Rule(
-    f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')",
+NAME_RULE = bounded_match(
+    "metadata.name",
+    MAX_NAME_LENGTH,
+    NAME_PATTERN,
     f"metadata.name must be a lowercase DNS label of at most {MAX_NAME_LENGTH} characters "
     "(it prefixes Service names such as <name>-denoiser)",
-    lambda o: None if len(o["name"]) <= MAX_NAME_LENGTH and re.match(NAME_PATTERN, o["name"]) else "name",
 )
 
 
@@ -506,10 +508,8 @@ def role_field(role: Role) -> Field:
                     ),
                 ),
                 rules=(
-                    Rule(
-                        "!has(self.maxUnavailable) || !has(self.maxSurge) || self.maxUnavailable + self.maxSurge > 0",
-                        "rollout: maxUnavailable and maxSurge cannot both be 0",
-                        lambda o: "" if o.get("maxUnavailable") == 0 and o.get("maxSurge") == 0 else None,
+                    not_both_zero(
+                        "maxUnavailable", "maxSurge", "rollout: maxUnavailable and maxSurge cannot both be 0"
                     ),
                 ),
             ),
@@ -877,7 +877,7 @@ def parse_pipeline(
 ) -> PipelineSpec:
     """Parse and validate a DiffusionPipeline spec; raise SpecError naming the first bad field."""
     assert NAME_RULE.check is not None
-    if NAME_RULE.check({"name": name}) is not None:
+    if NAME_RULE.check({"metadata.name": name}) is not None:
         raise SpecError("metadata.name", f"{name!r}: {NAME_RULE.message.removeprefix('metadata.name ')}")
     try:
         values = read(SPEC, spec, "spec")
