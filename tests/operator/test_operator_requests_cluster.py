@@ -100,7 +100,9 @@ def test_requests_follow_changes_and_stop_at_rest(kube_cluster: KubeCluster, cou
     assert create["writes"] == CREATE_WRITES, (create, counted_operator.log())
     # Reads: the Secret's existence check, the first look at each child (not yet in the watch), discovery.
     assert create["reads"] <= CHILDREN + 1 + 25, create
-    assert 1 <= create["status"] <= 10, create
+    # Written only when it changes: per component missing, rolling out (pods 0/n ... n/n), ready; racing events
+    # coalesce, so the count depends on timing (6-11 seen), never on how many events arrived.
+    assert 1 <= create["status"] <= 20, create
 
     # A pod event that changes nothing the status reports costs nothing at all.
     pods = (get(cluster, ns, "pods", "-l", "app.kubernetes.io/instance=cost") or {})["items"]
