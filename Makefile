@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODELS ?= .models
 
-.PHONY: setup test test-fast lint demo models bench images cluster-up cluster-down clean
+.PHONY: setup test test-fast lint demo models bench images crd cluster-up cluster-down clean
 
 setup:
 	@bash scripts/setup.sh
@@ -28,6 +28,11 @@ demo:
 
 bench:
 	$(PY) bench/run_all.py
+
+# The CRD (crds/ and the chart's copy) and the field tables of docs/operator.md, from the one
+# declaration of the spec (operator/triptych_operator/spec.py: SPEC); a test fails when they are stale.
+crd:
+	PYTHONPATH=.:operator $(PY) -m triptych_operator.crd --write
 
 # The operator, head and worker images (scripts/images.sh; IMAGES="head operator" for some).
 images:

@@ -5,22 +5,28 @@ or found on start-up, and whenever one of its children changes or is deleted (so
 or deleted by hand is restored within seconds). Children are watched with event handlers rather
 than a timer: kopf puts a finalizer on objects with timers, and a finalizer would make deleting a
 pipeline depend on the operator running.
+
+A reconcile costs what changed, not what exists. The live pipelines, children and pods are kept in
+kopf indexes, fed by the watches kopf runs anyway, so no reconcile lists or re-reads them; a child
+is applied only when its manifest changed or a field the operator sets was edited (`drift`); the
+spec is parsed once per generation and the status written only when it differs from the last one
+written (`pipeline_state`). With nothing changing, the operator sends the API server nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime
 import logging
 import os
-import threading
 from collections.abc import Mapping
 from typing import Any, cast
 
 import kopf
 
 from triptych.security import new_key_set, public_fingerprint
-from triptych_operator import kube
+from triptych_operator import drift, kube
 from triptych_operator.constants import (
     DEFAULT_HEAD_IMAGE,
     DEFAULT_WORKER_IMAGE,
@@ -35,31 +41,40 @@ from triptych_operator.constants import (
     WORKER_IMAGE_ENV,
 )
 from triptych_operator.manifests import control_keys_secret, render
+from triptych_operator.pipeline_state import PipelineKey, PipelineState, PipelineStates
 from triptych_operator.spec import PipelineSpec, SpecError, parse_pipeline
 from triptych_operator.status import PHASE_READY, compute_status
 
 OWNED = {LABEL_MANAGED_BY: MANAGER}
+CHILD_FILTER: dict[str, Any] = {**OWNED, LABEL_INSTANCE: kopf.PRESENT}
 APPLY_RETRY_S = 30
+# With peering (main.py --peering): how long a silent replica counts as alive (kopf's keep-alive lifetime).
+PEERING_LIFETIME_S = 60
 
-_locks_guard = threading.Lock()
-_locks: dict[tuple[str, str], threading.Lock] = {}
-# The last reconcile's refusal per pipeline, so a status refresh from a pod event keeps reporting it.
-_apply_errors: dict[tuple[str, str], str | None] = {}
-
-
-def _pipeline_lock(namespace: str, name: str) -> threading.Lock:
-    """Child events arrive in parallel; one reconcile per pipeline at a time keeps events and status coherent."""
-    with _locks_guard:
-        return _locks.setdefault((namespace, name), threading.Lock())
+# The watched kinds, by the (apiVersion, kind) of the manifests, and the kopf index holding each.
+CHILD_KINDS: dict[tuple[str, str], tuple[str, str, str, str]] = {
+    # (apiVersion, kind): (group, version, plural, index name)
+    ("apps/v1", "Deployment"): ("apps", "v1", "deployments", "deployment_index"),
+    ("v1", "Service"): ("", "v1", "services", "service_index"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): ("autoscaling", "v2", "horizontalpodautoscalers", "hpa_index"),
+    ("networking.k8s.io/v1", "Ingress"): ("networking.k8s.io", "v1", "ingresses", "ingress_index"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("networking.k8s.io", "v1", "networkpolicies", "networkpolicy_index"),
+}
+POD_INDEX = "pod_index"
+PIPELINE_INDEX = "pipeline_index"
+Indexes = Mapping[str, Any]  # the handler's kwargs: kopf passes every index by its name
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # Keep kopf's bookkeeping in annotations: the status schema is ours and strict.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.WARNING  # our own kopf.info/warn events are the ones worth reading
     settings.watching.server_timeout = 300
+    settings.peering.lifetime = PEERING_LIFETIME_S
+    settings.peering.stealth = True  # keep-alives are not worth a log line each
+    memo.pipelines = PipelineStates()
 
 
 @kopf.on.login()
@@ -76,64 +91,130 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     )
 
 
+def _trim(body: kopf.Body) -> dict[str, Any]:
+    """The object as the index keeps it: without managedFields, which are large and never read."""
+    obj = dict(body)
+    obj["metadata"] = {k: v for k, v in body["metadata"].items() if k != "managedFields"}
+    return obj
+
+
+def _index_by_pipeline(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> dict[Any, Any]:
+    return {(namespace, labels[LABEL_INSTANCE]): _trim(body)}
+
+
+for _group, _version, _plural, _index in [*CHILD_KINDS.values(), ("", "v1", "pods", POD_INDEX)]:
+    kopf.index(_group, _version, _plural, labels=CHILD_FILTER, id=_index)(_index_by_pipeline)
+
+
+@kopf.index(GROUP, VERSION, PLURAL, id=PIPELINE_INDEX)
+def _index_pipeline(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): _trim(body)}
+
+
+def _live(indexes: Indexes, index: str, key: PipelineKey) -> list[dict[str, Any]]:
+    store = indexes[index].get(key)
+    return list(store) if store is not None else []
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-def pipeline_changed(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+async def pipeline_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any) -> None:
     """The pipeline was created, edited, or found on start-up: make its children match."""
-    apply_error = reconcile(dict(body), trigger="pipeline", logger=logger)
+    pipeline = _trim(body)
+    apply_error = await reconcile(pipeline, memo.pipelines, kwargs, trigger="pipeline", logger=logger)
     if apply_error:
         raise kopf.TemporaryError(apply_error, delay=APPLY_RETRY_S)
 
 
-CHILD_FILTER: dict[str, Any] = {**OWNED, LABEL_INSTANCE: kopf.PRESENT}
-
-
-@kopf.on.event("apps", "v1", "deployments", labels=CHILD_FILTER)
-@kopf.on.event("", "v1", "services", labels=CHILD_FILTER)
-@kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=CHILD_FILTER)
-@kopf.on.event("networking.k8s.io", "v1", "ingresses", labels=CHILD_FILTER)
-@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=CHILD_FILTER)
-def child_changed(
-    event: kopf.RawEvent, namespace: str | None, labels: kopf.Labels, logger: kopf.Logger, **_: Any
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def pipeline_event(
+    event: kopf.RawEvent,
+    body: kopf.Body,
+    namespace: str | None,
+    name: str | None,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **kwargs: Any,
 ) -> None:
-    """A child was edited or deleted: reconcile its pipeline, which restores what drifted.
+    """A deleted pipeline's state is dropped; new annotations re-read its key Secret.
 
-    Deployment status changes arrive here too, which is what keeps the pipeline's status current.
+    kopf's update handler ignores annotations under the operator's own prefix (its storage), and the
+    documented way to rotate keys is to delete the Secret and annotate the pipeline.
     """
-    if event.get("type") not in ("MODIFIED", "DELETED") or not namespace:
-        return  # None is the initial listing (resume covers it); ADDED is our own apply
-    pipeline = kube.get_pipeline(labels[LABEL_INSTANCE], namespace)
-    if pipeline is None or pipeline["metadata"].get("deletionTimestamp"):
-        return  # the pipeline is gone or going; garbage collection is removing its children
-    reconcile(pipeline, trigger=f"child-{str(event['type']).lower()}", logger=logger)
+    if not namespace or not name:
+        return
+    if event.get("type") == "DELETED":
+        memo.pipelines.forget((namespace, name))
+        return
+    state = memo.pipelines.by_key.get((namespace, name))
+    if event.get("type") != "MODIFIED" or state is None or state.annotations is None:
+        return
+    if _annotations(body) != state.annotations and not body["metadata"].get("deletionTimestamp"):
+        await reconcile(_trim(body), memo.pipelines, kwargs, trigger="pipeline", logger=logger)
+
+
+def _annotations(pipeline: Mapping[str, Any]) -> str:
+    return drift.digest(pipeline["metadata"].get("annotations") or {})
+
+
+def _child_event_handler(group: str, version: str, plural: str) -> None:
+    @kopf.on.event(group, version, plural, labels=CHILD_FILTER, id=f"child-{plural}")
+    async def child_changed(
+        event: kopf.RawEvent,
+        body: kopf.Body,
+        namespace: str | None,
+        labels: kopf.Labels,
+        memo: kopf.Memo,
+        logger: kopf.Logger,
+        **kwargs: Any,
+    ) -> None:
+        """A child was edited or deleted: reconcile its pipeline, which restores what drifted.
+
+        Deployment status changes arrive here too, which is what keeps the pipeline's status current.
+        """
+        if event.get("type") not in ("MODIFIED", "DELETED") or not namespace:
+            return  # None is the initial listing (resume covers it); ADDED is our own apply
+        key = (namespace, labels[LABEL_INSTANCE])
+        pipeline = _pipeline(kwargs, key)
+        if pipeline is None:
+            return  # the pipeline is gone or going; garbage collection is removing its children
+        if event["type"] == "DELETED":
+            memo.pipelines.get(key).applied.pop((body["kind"], body["metadata"]["name"]), None)
+        await reconcile(pipeline, memo.pipelines, kwargs, trigger=f"child-{str(event['type']).lower()}", logger=logger)
+
+
+for _group, _version, _plural, _index in CHILD_KINDS.values():
+    _child_event_handler(_group, _version, _plural)
 
 
 @kopf.on.event("v1", "pods", labels=CHILD_FILTER)
-def pod_changed(
-    event: kopf.RawEvent, namespace: str | None, labels: kopf.Labels, logger: kopf.Logger, **_: Any
+async def pod_changed(
+    event: kopf.RawEvent, namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kwargs: Any
 ) -> None:
     """A pipeline's pod changed (scheduled, ready, crash-looping): refresh the status, apply nothing."""
     if event.get("type") is None or not namespace:
         return
-    pipeline = kube.get_pipeline(labels[LABEL_INSTANCE], namespace)
-    if pipeline is None or pipeline["metadata"].get("deletionTimestamp"):
+    key = (namespace, labels[LABEL_INSTANCE])
+    pipeline = _pipeline(kwargs, key)
+    if pipeline is None:
         return
-    name = pipeline["metadata"]["name"]
-    with _pipeline_lock(namespace, name):
-        _write_status(pipeline, _spec_error(pipeline), _apply_errors.get((namespace, name)))
+    state = memo.pipelines.get(key)
+    async with state.lock:
+        if state.parsed_for is None:
+            return  # not reconciled yet in this process: the reconcile will write the status
+        await _write_status(pipeline, state, kwargs)
 
 
-def _spec_error(pipeline: dict[str, Any]) -> str | None:
-    """The validation message the current spec earns (so a status refresh keeps reporting it)."""
-    try:
-        render(_parse(pipeline), owner=pipeline)
-    except SpecError as exc:
-        return str(exc)
-    return None
+def _pipeline(indexes: Indexes, key: PipelineKey) -> dict[str, Any] | None:
+    """The pipeline as last seen by the watch; None when it is gone or being deleted."""
+    found = _live(indexes, PIPELINE_INDEX, key)
+    if not found or found[0]["metadata"].get("deletionTimestamp"):
+        return None
+    return found[0]
 
 
-def _parse(pipeline: dict[str, Any]) -> PipelineSpec:
+def _parse(pipeline: Mapping[str, Any]) -> PipelineSpec:
     meta = pipeline["metadata"]
     return parse_pipeline(
         meta["name"],
@@ -144,36 +225,56 @@ def _parse(pipeline: dict[str, Any]) -> PipelineSpec:
     )
 
 
-def reconcile(pipeline: dict[str, Any], *, trigger: str, logger: kopf.Logger) -> str | None:
+def _validate(pipeline: Mapping[str, Any], state: PipelineState) -> None:
+    """Parse and render once per (uid, generation); an invalid spec creates nothing, not even keys."""
+    meta = pipeline["metadata"]
+    parsed_for = (str(meta.get("uid")), int(meta.get("generation") or 0))
+    if state.parsed_for == parsed_for:
+        return
+    state.parsed_for, state.spec, state.spec_error, state.deletions = parsed_for, None, None, []
+    try:
+        spec = _parse(pipeline)
+        state.deletions = render(spec).delete
+        state.spec = spec
+    except SpecError as exc:
+        # Nothing is applied: the objects of the last valid spec keep running untouched.
+        state.spec_error = str(exc)
+
+
+async def reconcile(
+    pipeline: dict[str, Any], states: PipelineStates, indexes: Indexes, *, trigger: str, logger: kopf.Logger
+) -> str | None:
     """Make the children of `pipeline` match its spec, then write its status.
 
     Returns the API server's refusal of a child, if any (the status says so as well).
     """
     meta = pipeline["metadata"]
-    name, namespace = meta["name"], meta["namespace"]
-    with _pipeline_lock(namespace, name):
-        spec_error: str | None = None
-        apply_error: str | None = None
-        try:
-            spec = _parse(pipeline)
-            deletions = render(spec).delete  # also validates: an invalid spec creates nothing, not even keys
-        except SpecError as exc:
-            # Nothing is applied: the objects of the last valid spec keep running untouched.
-            spec_error = str(exc)
-        else:
+    key = (meta["namespace"], meta["name"])
+    state = states.get(key)
+    async with state.lock:
+        _validate(pipeline, state)
+        if state.spec is not None:
             try:
-                fingerprint = _ensure_control_keys(pipeline, spec, logger=logger)
-                children = render(spec, owner=pipeline, keys_fingerprint=fingerprint)
-                _apply_children(pipeline, children.apply, trigger=trigger, logger=logger)
+                if trigger == "pipeline" or state.keys_fingerprint is None:
+                    state.annotations = _annotations(pipeline)
+                    # The Secret is read on pipeline events only: deleting it and touching the pipeline rotates keys.
+                    state.keys_fingerprint = await asyncio.to_thread(
+                        _ensure_control_keys, pipeline, state.spec, logger=logger
+                    )
+                rendered_for = (*state.parsed_for, state.keys_fingerprint)  # type: ignore[misc]
+                if state.rendered_for != rendered_for:
+                    state.children = render(state.spec, owner=pipeline, keys_fingerprint=state.keys_fingerprint)
+                    state.rendered_for = rendered_for
+                assert state.children is not None
+                await _apply_children(pipeline, state, indexes, trigger=trigger, logger=logger)
+                state.apply_error = None
             except kube.ApplyError as exc:
-                apply_error = str(exc)
-            for ref in deletions:
-                if kube.delete_managed(ref.api_version, ref.kind, ref.name, namespace):
-                    message = f"{ref.kind} {ref.name} is no longer in the spec"
-                    _post(pipeline, "Normal", reason="Deleted", message=message)
-        _apply_errors[(namespace, name)] = apply_error
-        _write_status(pipeline, spec_error, apply_error)
-        return apply_error
+                state.apply_error = str(exc)
+            await _delete_unwanted(pipeline, state, indexes)
+        else:
+            state.apply_error = None  # nothing was applied for this spec
+        await _write_status(pipeline, state, indexes)
+        return state.apply_error
 
 
 def _ensure_control_keys(pipeline: dict[str, Any], spec: PipelineSpec, *, logger: kopf.Logger) -> str:
@@ -191,13 +292,37 @@ def _ensure_control_keys(pipeline: dict[str, Any], spec: PipelineSpec, *, logger
     return fingerprint
 
 
-def _apply_children(
-    pipeline: dict[str, Any], manifests: list[dict[str, Any]], *, trigger: str, logger: kopf.Logger
+def _live_child(indexes: Indexes, key: PipelineKey, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
+    for obj in _live(indexes, CHILD_KINDS[(api_version, kind)][3], key):
+        if obj["metadata"]["name"] == name:
+            return obj
+    return None
+
+
+async def _apply_children(
+    pipeline: dict[str, Any], state: PipelineState, indexes: Indexes, *, trigger: str, logger: kopf.Logger
 ) -> None:
+    """Apply each child whose manifest changed or that drifted; the others cost no request."""
+    assert state.children is not None
+    meta = pipeline["metadata"]
+    key = (meta["namespace"], meta["name"])
     by_hand = trigger.startswith("child")
-    for manifest in manifests:
-        result = kube.apply(manifest)
-        what = f"{manifest['kind']} {manifest['metadata']['name']}"
+    for manifest in state.children.apply:
+        kind, name = manifest["kind"], manifest["metadata"]["name"]
+        applied = state.applied.get((kind, name))
+        live = _live_child(indexes, key, manifest["apiVersion"], kind, name)
+        if live is None:
+            if applied is not None and applied.desired == drift.digest(manifest):
+                continue  # applied by us and not deleted since (that drops the record): the watch lags
+            # Not ours to know: someone else's object may hold the name (get_managed refuses it then).
+            live = await asyncio.to_thread(kube.get_managed, manifest["apiVersion"], kind, name, meta["namespace"])
+        if not drift.needs_apply(manifest, live, applied):
+            if applied is None and live is not None:
+                state.applied[(kind, name)] = drift.record(manifest, live)
+            continue
+        result, after = await asyncio.to_thread(kube.apply, manifest, live)
+        state.applied[(kind, name)] = drift.record(manifest, after)
+        what = f"{kind} {name}"
         if result is kube.ApplyResult.CREATED:
             reason = "Restored" if by_hand else "Created"
             message = what + (" was deleted by hand; recreated" if by_hand else "")
@@ -210,33 +335,43 @@ def _apply_children(
             logger.info("%s: %s", reason, message)
 
 
-def _write_status(pipeline: dict[str, Any], spec_error: str | None, apply_error: str | None) -> None:
-    """Compute the status from the live Deployments and pods; patch it (and announce changes) if it changed."""
+async def _delete_unwanted(pipeline: dict[str, Any], state: PipelineState, indexes: Indexes) -> None:
+    """Remove optional children the spec no longer asks for (a disabled HPA or Ingress)."""
     meta = pipeline["metadata"]
-    name, namespace = meta["name"], meta["namespace"]
-    # Compare with the status as stored now, not as it was when this event was queued, so a
-    # change is announced once even when several events race to report it.
-    live = kube.get_pipeline(name, namespace)
-    if live is None:
-        return
-    deployments = {d["metadata"]["labels"].get(LABEL_COMPONENT): d for d in kube.pipeline_deployments(name, namespace)}
+    key = (meta["namespace"], meta["name"])
+    for ref in state.deletions:
+        if _live_child(indexes, key, ref.api_version, ref.kind, ref.name) is None:
+            continue  # the index holds only objects we manage: absent means nothing to delete
+        state.applied.pop((ref.kind, ref.name), None)
+        if await asyncio.to_thread(kube.delete, ref.api_version, ref.kind, ref.name, meta["namespace"]):
+            _post(pipeline, "Normal", reason="Deleted", message=f"{ref.kind} {ref.name} is no longer in the spec")
+
+
+async def _write_status(pipeline: dict[str, Any], state: PipelineState, indexes: Indexes) -> None:
+    """Compute the status from the watched Deployments and pods; patch it (and announce changes) if it changed."""
+    meta = pipeline["metadata"]
+    key = (meta["namespace"], meta["name"])
+    deployments = {d["metadata"]["labels"].get(LABEL_COMPONENT): d for d in _live(indexes, "deployment_index", key)}
     pods: dict[str, list[dict[str, Any]]] = {}
-    for pod in kube.pipeline_pods(name, namespace):
+    for pod in _live(indexes, POD_INDEX, key):
         pods.setdefault(pod["metadata"]["labels"].get(LABEL_COMPONENT), []).append(pod)
-    old = live.get("status") or {}
+    # What this process wrote last is newer than the watched pipeline until its own update arrives.
+    old = state.status if state.status is not None else (pipeline.get("status") or {})
     status = compute_status(
         int(meta.get("generation") or 0),
         deployments,
         pods,
-        spec_error=spec_error,
-        apply_error=apply_error,
+        spec_error=state.spec_error,
+        apply_error=state.apply_error,
         previous_conditions=old.get("conditions") or [],
         now=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
     if status == old:
+        state.status = status
         return
     _announce(pipeline, old, status)
-    kube.patch_pipeline_status(name, namespace, status)
+    await asyncio.to_thread(kube.patch_pipeline_status, meta["name"], meta["namespace"], status)
+    state.status = status
 
 
 def _announce(pipeline: dict[str, Any], old: Mapping[str, Any], new: Mapping[str, Any]) -> None:

@@ -1,5 +1,8 @@
 """The operator's only door to the API server: server-side apply, delete, read, status patch.
 
+Only writes and the few reads a cache cannot answer go through here: the handlers keep the live
+children and pods in kopf indexes (fed by the watches kopf runs anyway), so nothing here lists.
+
 Server-side apply makes reconciling idempotent: re-applying an unchanged object is a no-op (its
 resourceVersion and generation stay), and fields edited by hand are taken back (force=True).
 """
@@ -17,7 +20,7 @@ from kubernetes import client, config
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError
 
-from triptych_operator.constants import GROUP, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
+from triptych_operator.constants import GROUP, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
 
 _lock = threading.Lock()
 _clients: dict[str, DynamicClient] = {}
@@ -58,16 +61,21 @@ def _get(api_version: str, kind: str, name: str, namespace: str) -> dict[str, An
         return None
 
 
-def apply(obj: Mapping[str, Any]) -> ApplyResult:
-    """Server-side apply `obj` as the operator's field manager; say whether anything changed."""
-    meta = obj["metadata"]
-    before = _get(obj["apiVersion"], obj["kind"], meta["name"], meta["namespace"])
-    if before is not None and (before["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGER:
+def get_managed(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    """The live object, or None; ApplyError when one exists that the operator does not manage."""
+    live = _get(api_version, kind, name, namespace)
+    if live is not None and (live["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGER:
         # Never take over someone else's object that happens to have the name we need.
         raise ApplyError(
-            f"{obj['kind']} {meta['name']} already exists and is not managed by {MANAGER}; "
-            "rename the pipeline or remove that object"
+            f"{kind} {name} already exists and is not managed by {MANAGER}; rename the pipeline or remove that object"
         )
+    return live
+
+
+def apply(obj: Mapping[str, Any], before: Mapping[str, Any] | None) -> tuple[ApplyResult, dict[str, Any]]:
+    """Server-side apply `obj` as the operator's field manager; `before` is the live object the caller
+    read (from its cache or `get_managed`). Returns whether anything changed, and the object now."""
+    meta = obj["metadata"]
     try:
         after = (
             dynamic_client()
@@ -84,10 +92,10 @@ def apply(obj: Mapping[str, Any]) -> ApplyResult:
     except DynamicApiError as exc:
         raise ApplyError(f"{obj['kind']} {meta['name']}: {_server_message(exc)}") from exc
     if before is None:
-        return ApplyResult.CREATED
-    if before["metadata"]["resourceVersion"] != after["metadata"]["resourceVersion"]:
-        return ApplyResult.UPDATED
-    return ApplyResult.UNCHANGED
+        return ApplyResult.CREATED, after
+    if before["metadata"].get("resourceVersion") != after["metadata"]["resourceVersion"]:
+        return ApplyResult.UPDATED, after
+    return ApplyResult.UNCHANGED, after
 
 
 def create_once(obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -110,34 +118,13 @@ def create_once(obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
     raise ApplyError(f"{what} could not be created or read")
 
 
-def delete_managed(api_version: str, kind: str, name: str, namespace: str) -> bool:
-    """Delete an object the operator manages (checked by label); True when something was deleted."""
-    live = _get(api_version, kind, name, namespace)
-    if live is None or (live["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGER:
-        return False
+def delete(api_version: str, kind: str, name: str, namespace: str) -> bool:
+    """Delete an object the caller knows the operator manages; True when something was deleted."""
     try:
         _resource(api_version, kind).delete(name=name, namespace=namespace)
     except NotFoundError:
         return False
     return True
-
-
-def get_pipeline(name: str, namespace: str) -> dict[str, Any] | None:
-    return _get(f"{GROUP}/{VERSION}", "DiffusionPipeline", name, namespace)
-
-
-def pipeline_deployments(name: str, namespace: str) -> list[dict[str, Any]]:
-    """The Deployments the operator made for pipeline `name`."""
-    selector = f"{LABEL_INSTANCE}={name},{LABEL_MANAGED_BY}={MANAGER}"
-    listing = _resource("apps/v1", "Deployment").get(namespace=namespace, label_selector=selector)
-    return [item.to_dict() for item in listing.items]
-
-
-def pipeline_pods(name: str, namespace: str) -> list[dict[str, Any]]:
-    """The pods of pipeline `name` (their conditions say why a component is not ready)."""
-    selector = f"{LABEL_INSTANCE}={name},{LABEL_MANAGED_BY}={MANAGER}"
-    listing = _resource("v1", "Pod").get(namespace=namespace, label_selector=selector)
-    return [item.to_dict() for item in listing.items]
 
 
 def patch_pipeline_status(name: str, namespace: str, status: Mapping[str, Any]) -> None:

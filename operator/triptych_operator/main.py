@@ -3,13 +3,18 @@
     triptych-operator                          # all namespaces
     triptych-operator -n team-a -n team-b      # only these (or TRIPTYCH_WATCH_NAMESPACES=team-a,team-b)
 
-Peering is off (standalone): run one replica, so no kopf peering CRDs or RBAC are needed.
+Standalone by default: one replica, no kopf peering resources. For high availability run several
+replicas with `--peering NAME` (or TRIPTYCH_PEERING): they share kopf's KopfPeering (namespaced)
+or ClusterKopfPeering (cluster-wide) object NAME, the one with the highest priority works and
+the others pause; when it stops they resume (at once after a clean exit, within
+--peering-lifetime seconds after a crash). Each replica picks a random priority unless given one.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 from collections.abc import Sequence
 
 import kopf
@@ -19,6 +24,10 @@ from triptych import __version__
 WATCH_NAMESPACES_ENV = "TRIPTYCH_WATCH_NAMESPACES"
 LIVENESS_ENV = "TRIPTYCH_LIVENESS_ENDPOINT"
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+PEERING_ENV = "TRIPTYCH_PEERING"
+PEERING_LIFETIME_ENV = "TRIPTYCH_PEERING_LIFETIME"
+# kopf's default: a replica that stops without saying so is taken for dead this long after its last keep-alive.
+DEFAULT_PEERING_LIFETIME_S = 60
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +43,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--liveness",
         default=os.environ.get(LIVENESS_ENV, DEFAULT_LIVENESS),
         help=f"kopf liveness endpoint (default: ${LIVENESS_ENV} or {DEFAULT_LIVENESS}); '' disables it",
+    )
+    parser.add_argument(
+        "--peering",
+        default=os.environ.get(PEERING_ENV) or None,
+        help=f"run as one of several replicas, sharing this kopf peering object (default: ${PEERING_ENV}; "
+        "unset: standalone, the only replica)",
+    )
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority: the live replica with the highest one works (default: random)",
+    )
+    parser.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=int(os.environ.get(PEERING_LIFETIME_ENV) or DEFAULT_PEERING_LIFETIME_S),
+        help="seconds after its last keep-alive that a silent replica is taken for dead and another takes over "
+        f"(default: ${PEERING_LIFETIME_ENV} or {DEFAULT_PEERING_LIFETIME_S})",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -51,11 +79,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `triptych-operator` console script."""
     args = build_parser().parse_args(argv)
     namespaces = watched_namespaces(args.namespace, os.environ.get(WATCH_NAMESPACES_ENV))
-    import triptych_operator.handlers  # noqa: F401  (registers the handlers)
+    import triptych_operator.handlers  # registers the handlers
 
     kopf.configure(verbose=args.verbose)
+    priority = 0
+    if args.peering:
+        # Two replicas of equal priority would both pause: random priorities practically never collide.
+        priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
+        triptych_operator.handlers.PEERING_LIFETIME_S = args.peering_lifetime
     kopf.run(
-        standalone=True,
+        standalone=not args.peering,
+        peering_name=args.peering,
+        priority=priority,
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=args.liveness or None,

@@ -255,7 +255,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
     deployment_spec: Manifest = {
         "selector": {"matchLabels": labels(pipeline, role.value)},
         # No surge: a surge pod needs GPUs that are usually all taken, and would sit Pending.
-        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": spec.rolling_update()},
         "progressDeadlineSeconds": PROGRESS_DEADLINE_S,
         "template": {"metadata": template_meta, "spec": pod_spec},
     }

@@ -1,14 +1,15 @@
-"""A DiffusionPipeline's spec, parsed into dataclasses and checked the way `triptych serve` checks flags.
+"""A DiffusionPipeline's spec: declared once (`SPEC`), parsed into dataclasses, checked like `triptych serve`.
 
-The CRD schema rejects what OpenAPI and CEL can express (types, enums, minimums, one-of); this
-module catches the rest (parallel degrees via triptych.parallelism, size strings) and raises
-SpecError naming the field, so the operator can report it as a Degraded condition.
+`SPEC` is the one declaration of every field (type, default, bounds, enum, description, CEL rule);
+the CRD schema (crd.py), the checks and defaults of `parse_pipeline` (fields.read) and the field
+tables of docs/operator.md are generated from it (`make crd`). What CEL cannot express is checked
+here only, once: parallel degrees (triptych.parallelism), size strings, the head's port, model
+paths, and each pod's argv as `triptych serve` parses it (serve_args). A bad field raises SpecError
+naming it, which the operator reports as a Degraded condition.
 """
 
 from __future__ import annotations
 
-import argparse
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,6 @@ from triptych.config import (
     DEFAULT_TIMEOUT_S,
     DISPATCH_POLICIES,
     HEAD_SHUTDOWN_OVERHEAD_S,
-    parse_size,
 )
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
 from triptych.roles import Role
@@ -32,7 +32,24 @@ from triptych_operator.constants import (
     HEAD_SCHEDULER_PORT,
     MAX_NAME_LENGTH,
     MODEL_MOUNT,
+    PENDING_WORK_METRIC,
     PIPELINE_ROLES,
+)
+from triptych_operator.fields import (
+    Field,
+    FieldError,
+    Rule,
+    absent_within,
+    all_one_unless_positive,
+    bounded_match,
+    cel_only,
+    exactly_one,
+    needs,
+    not_above,
+    not_both_zero,
+    read,
+    required_when,
+    required_when_equal,
 )
 
 TRANSFER_MODES = ("tcp", "rdma")
@@ -67,12 +84,8 @@ DEPRECATED_AUTOSCALING_FIELDS = ("targetQueueDepth", "metricName")
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 
-class SpecError(ValueError):
+class SpecError(FieldError):
     """A spec value that cannot work. `str()` starts with the field path and says what to do."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,19 @@ class RoleSpec:
     autoscaling: Autoscaling = field(default_factory=Autoscaling)
     # terminationGracePeriodSeconds; the worker's --disagg-drain-timeout is DRAIN_MARGIN_S less.
     drain_seconds: int = DEFAULT_DRAIN_SECONDS[Role.DENOISER]
+    # The Deployment's rolling update; None: the defaults of `rolling_update`.
+    max_unavailable: int | None = None
+    max_surge: int | None = None
+
+    def rolling_update(self) -> dict[str, int]:
+        """maxUnavailable/maxSurge of the role's Deployment. Defaults never take a serving role to zero:
+        with several replicas one is replaced at a time (no surge: a surge pod would wait for GPUs that are
+        taken); a single replica is replaced by a surge pod that must be ready before the old one goes
+        (it needs room for one more pod; until there is, the old one keeps serving)."""
+        several = self.replicas > 1 or self.autoscaling.enabled
+        unavailable = self.max_unavailable if self.max_unavailable is not None else (1 if several else 0)
+        surge = self.max_surge if self.max_surge is not None else (0 if several else 1)
+        return {"maxUnavailable": unavailable, "maxSurge": surge}
 
     @property
     def drain_timeout_seconds(self) -> int:
@@ -226,6 +252,621 @@ class PipelineSpec:
         return self.roles[role].image or self.worker_image
 
 
+# ---------------------------------------------------------------- the declaration
+
+NAME_RULE = bounded_match(
+    "metadata.name",
+    MAX_NAME_LENGTH,
+    NAME_PATTERN,
+    f"metadata.name must be a lowercase DNS label of at most {MAX_NAME_LENGTH} characters "
+    "(it prefixes Service names such as <name>-denoiser)",
+)
+
+
+def _resources(who: str) -> Field:
+    return Field(
+        "resources",
+        "object",
+        "Extra requests/limits (cpu, memory, ...). GPU and RDMA counts are set by the operator.",
+        fields=(Field("requests", "quantity-map"), Field("limits", "quantity-map")),
+        doc="CPU/memory etc. The operator sets `nvidia.com/gpu` (and the RDMA resource) itself; its counts win."
+        if who == "role"
+        else "CPU/memory of the head pod.",
+        doc_type="`requests`/`limits`: map of quantities",
+        doc_row=True,
+    )
+
+
+def _pod_fields(who: str) -> tuple[Field, ...]:
+    """nodeSelector, tolerations, extraArgs, env: the same for the roles and the head."""
+    return (
+        Field("nodeSelector", "string-map", doc="Pod node selector."),
+        Field(
+            "tolerations",
+            "array",
+            "Pod tolerations.",
+            items=Field("", "free", "A core/v1 Toleration.", doc_type="Toleration"),
+            doc="Added to the default toleration for `nvidia.com/gpu:NoSchedule` (a CPU role has only these)."
+            if who == "role"
+            else "Pod tolerations.",
+        ),
+        Field(
+            "extraArgs",
+            "array",
+            f"Extra `triptych serve` flags for {'the ' + who if who != 'role' else 'the role'}, appended after "
+            "the operator's; validated by the operator like the process validates them.",
+            items=Field("", "string", doc_type="string"),
+            doc="More `triptych serve` flags, appended after the operator's; checked like the process checks them."
+            + (
+                " For the head they also set the HTTP limits: `--max-request-bytes` (default 16MiB), "
+                "`--max-queued-requests`."
+                if who == "head"
+                else ""
+            ),
+        ),
+        Field(
+            "env",
+            "array",
+            "Extra environment variables.",
+            items=Field(
+                "", "free", "A core/v1 EnvVar.", fields=(Field("name", "string", required=True),), doc_type="EnvVar"
+            ),
+            doc="More container environment.",
+        ),
+    )
+
+
+def _parallelism_rule() -> Rule:
+    """CEL for what it can see: the degrees set must multiply to gpusPerReplica (or divide it).
+    CEL only: resolve_parallelism (in `_parse_role`) is the full check, ulysses x ring = sp included."""
+
+    def d(name: str) -> str:
+        return f"self.parallelism.?{name}.orValue(1)"
+
+    tc = f"{d('tp')} * {d('cfg')}"
+    sp_product = f"{tc} * self.parallelism.sp == self.gpusPerReplica"
+    split_product = f"{tc} * {d('ulysses')} * {d('ring')} == self.gpusPerReplica"
+    derived = f"self.gpusPerReplica % ({tc}) == 0"
+    return cel_only(
+        f"!has(self.parallelism) || self.gpusPerReplica == 0 || (has(self.parallelism.sp) ? {sp_product} : "
+        f"((has(self.parallelism.ulysses) || has(self.parallelism.ring)) ? {split_product} : {derived}))",
+        # A static message: CEL's cost estimate for a messageExpression with string() is over budget.
+        "parallelism: tp x sp x cfg must equal gpusPerReplica; leave a degree unset to derive it",
+        reason="FieldValueInvalid",
+    )
+
+
+def _autoscaling() -> Field:
+    deprecated = "Deprecated and ignored: the HPA reads " + PENDING_WORK_METRIC + "; set targetWorkSecondsPerReplica."
+    deprecated_doc = (
+        "Deprecated and ignored (the per-pod queue metric it named was never exported); "
+        "kept so older manifests still apply."
+    )
+    return Field(
+        "autoscaling",
+        "object",
+        f"An HPA on the role's pending work (the Object metric {PENDING_WORK_METRIC} on its Deployment, "
+        "served by triptych-metrics-api from the head). See docs/autoscaling.md.",
+        fields=(
+            Field(
+                "enabled",
+                "boolean",
+                default=False,
+                doc="Create an `autoscaling/v2` HPA for the role ([autoscaling.md](autoscaling.md)).",
+            ),
+            Field(
+                "minReplicas",
+                "integer",
+                "Lower bound.",
+                default=1,
+                minimum=1,
+                doc="HPA lower bound; must be ≤ `maxReplicas`.",
+            ),
+            Field(
+                "maxReplicas",
+                "integer",
+                "Upper bound; required when enabled.",
+                minimum=1,
+                doc="HPA upper bound; required when enabled.",
+            ),
+            Field(
+                "targetWorkSecondsPerReplica",
+                "integer",
+                "Estimated device-seconds of queued + running work per replica the HPA aims for: "
+                "replicas = ceil(pending work / this).",
+                default=DEFAULT_TARGET_WORK_SECONDS,
+                minimum=1,
+                doc="Estimated device-seconds of queued + running work per replica: the HPA keeps replicas = "
+                f"ceil(`{PENDING_WORK_METRIC}` / this).",
+            ),
+            Field(
+                "scaleDownStabilizationSeconds",
+                "integer",
+                "The HPA scales down only to the highest recommendation of this many past seconds, so a "
+                "momentary dip does not remove busy GPUs.",
+                default=DEFAULT_SCALE_DOWN_STABILIZATION_S,
+                minimum=0,
+                maximum=MAX_STABILIZATION_S,
+                doc="The HPA's `behavior.scaleDown.stabilizationWindowSeconds`: "
+                "no scale-down on a dip shorter than this.",
+            ),
+            Field("targetQueueDepth", "integer", deprecated, minimum=1, doc=deprecated_doc),
+            Field("metricName", "string", deprecated, doc=deprecated_doc),
+        ),
+        rules=(
+            required_when("maxReplicas", "enabled", "maxReplicas is required when enabled"),
+            not_above("minReplicas", "maxReplicas", "minReplicas must be <= maxReplicas"),
+        ),
+    )
+
+
+def role_field(role: Role) -> Field:
+    """spec.<role>: one worker pool."""
+    forbidden = [name for name in PARALLEL_DEGREES if name not in ROLE_DEGREES[role]]
+    rules = [
+        _parallelism_rule(),
+        all_one_unless_positive(
+            "gpusPerReplica",
+            "parallelism",
+            PARALLEL_DEGREES,
+            "parallelism: gpusPerReplica 0 runs the role on CPU, one device per pod; set no degree above 1",
+            reason="FieldValueInvalid",
+        ),
+    ]
+    if forbidden:
+        rules.append(
+            absent_within(
+                "parallelism", forbidden, f"parallelism: {' and '.join(forbidden)} apply to the denoiser only"
+            )
+        )
+    degree_doc = (
+        "Parallel degrees. Unset degrees are derived (`triptych.parallelism.resolve_parallelism`) so that "
+        "`tp × sp × cfg = gpusPerReplica` and `ulysses × ring = sp`; "  # noqa: RUF001 (the docs' multiplication sign)
+        "explicit values that do not fit are an error, "
+        "never silently reduced."
+    )
+    split_doc = (
+        "Denoiser only (`--denoiser-ulysses/--denoiser-ring`); "
+        "rejected on the encoder and decoder, which derive them from `sp`."
+    )
+    degrees = tuple(
+        Field(
+            name,
+            "integer",
+            f"{name} degree; unset degrees are derived so tp x sp x cfg = gpusPerReplica.",
+            minimum=1,
+            doc=split_doc if name in ("ulysses", "ring") else degree_doc,
+            doc_default="derived",
+        )
+        for name in PARALLEL_DEGREES
+    )
+    drain_defaults = ", ".join(
+        f"`{seconds}` {'/'.join(r.value for r in PIPELINE_ROLES if DEFAULT_DRAIN_SECONDS[r] == seconds)}"
+        for seconds in sorted(set(DEFAULT_DRAIN_SECONDS.values()))
+    )
+    return Field(
+        role.value,
+        "object",
+        f"The {role.value} worker pool.",
+        default={},
+        fields=(
+            Field(
+                "replicas",
+                "integer",
+                "Worker pods (ignored while autoscaling is enabled).",
+                default=1,
+                minimum=0,
+                doc="Worker pods. Ignored while `autoscaling.enabled`. 0 parks the role (the pipeline cannot serve).",
+            ),
+            Field(
+                "gpusPerReplica",
+                "integer",
+                "GPUs per pod (nvidia.com/gpu) = the role's --num-gpus; 0 runs the role on CPU "
+                "(no GPU requested or tolerated, --device cpu).",
+                default=1,
+                minimum=0,
+                doc="`nvidia.com/gpu` limit of each pod and its `--num-gpus`, with `--device cuda`. `0`: a CPU role "
+                "(`--device cpu`, no GPU limit or toleration; see above).",
+            ),
+            Field("parallelism", "object", f"Parallel degrees of the {role.value}.", fields=degrees),
+            Field(
+                "image",
+                "string",
+                "Image for this role; default spec.images.worker.",
+                doc="Image for this role only (e.g. a canary).",
+                doc_default="`spec.images.worker`",
+            ),
+            _resources("role"),
+            _pod_fields("role")[0],
+            Field("affinity", "free", "A core/v1 Affinity.", doc="Pod affinity, passed through.", doc_type="Affinity"),
+            *_pod_fields("role")[1:],
+            _autoscaling(),
+            Field(
+                "rollout",
+                "object",
+                "How the role's pods are replaced when its pod template changes (a spec edit, a new operator "
+                "version): the Deployment's rolling update.",
+                fields=(
+                    Field(
+                        "maxUnavailable",
+                        "integer",
+                        "Pods that may be down at once; default 1 with several replicas, 0 with one.",
+                        minimum=0,
+                        doc="Pods that may be down at once during a rollout.",
+                        doc_default="`1`; `0` with one replica",
+                    ),
+                    Field(
+                        "maxSurge",
+                        "integer",
+                        "Extra pods during a rollout; default 0 with several replicas (GPUs are taken), 1 with one.",
+                        minimum=0,
+                        doc="Extra pods during a rollout (each needs its GPUs free). The defaults never take a role "
+                        "to zero: several replicas are replaced one at a time, a single one by a surge pod that is "
+                        "ready before the old one stops (until there is room for it, the old pod keeps serving and "
+                        "the rollout waits).",
+                        doc_default="`0`; `1` with one replica",
+                    ),
+                ),
+                rules=(
+                    not_both_zero(
+                        "maxUnavailable", "maxSurge", "rollout: maxUnavailable and maxSurge cannot both be 0"
+                    ),
+                ),
+            ),
+            Field(
+                "drainSeconds",
+                "integer",
+                "terminationGracePeriodSeconds of the role's pods: on SIGTERM a worker finishes what it holds "
+                f"within this minus {DRAIN_MARGIN_S} s (--disagg-drain-timeout), then exits.",
+                default=DEFAULT_DRAIN_SECONDS[role],
+                minimum=MIN_DRAIN_SECONDS,
+                doc="The pods' `terminationGracePeriodSeconds`; the worker gets "
+                f"`--disagg-drain-timeout` {DRAIN_MARGIN_S} s less to finish and push what it holds after SIGTERM, "
+                "then exits 0.",
+                doc_default=drain_defaults,
+            ),
+        ),
+        rules=tuple(rules),
+    )
+
+
+MODEL = Field(
+    "model",
+    "object",
+    "The diffusers model every process loads: `path` on a `volume`, or a `hubId`.",
+    required=True,
+    fields=(
+        Field(
+            "path",
+            "string",
+            "Model directory relative to the volume root ('.' for the root).",
+            doc="Model directory relative to the volume root (`.` for the root). "
+            f"Becomes `--model-path {MODEL_MOUNT}/<path>`. No `..`.",
+        ),
+        Field(
+            "volume",
+            "object",
+            f"The volume holding the model directory (mounted read-only at {MODEL_MOUNT}).",
+            fields=(
+                Field(
+                    "persistentVolumeClaim",
+                    "object",
+                    "A PVC in the pipeline's namespace.",
+                    fields=(
+                        Field(
+                            "claimName",
+                            "string",
+                            "PVC name.",
+                            min_length=1,
+                            required=True,
+                            doc="A PVC in the pipeline's namespace, "
+                            f"mounted read-only at `{MODEL_MOUNT}` in every pod. "
+                            "Use a ReadOnlyMany/ReadWriteMany volume when pods land on several nodes.",
+                        ),
+                    ),
+                ),
+                Field(
+                    "hostPath",
+                    "object",
+                    "A directory on every node.",
+                    fields=(
+                        Field(
+                            "path",
+                            "string",
+                            "Node path.",
+                            min_length=1,
+                            required=True,
+                            doc=f"A node directory (type `Directory`), mounted read-only at `{MODEL_MOUNT}`. "
+                            "Exactly one of `persistentVolumeClaim` and `hostPath`.",
+                        ),
+                    ),
+                ),
+            ),
+            rules=(
+                exactly_one(
+                    "persistentVolumeClaim", "hostPath", "set exactly one of persistentVolumeClaim or hostPath"
+                ),
+            ),
+        ),
+        Field(
+            "hubId",
+            "string",
+            "Hub repository id (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers), for clusters that reach a hub.",
+            doc="Hub repository id (e.g. `black-forest-labs/FLUX.1-dev`), for clusters that reach a hub. Becomes "
+            "`--model-path <hubId>`; downloads go to an `emptyDir` at `/cache` (`HF_HOME=/cache/huggingface`).",
+        ),
+        Field(
+            "tokenSecretRef",
+            "object",
+            "Secret holding the hub token (exposed as HF_TOKEN).",
+            fields=(
+                Field(
+                    "name",
+                    "string",
+                    "Secret name.",
+                    required=True,
+                    doc="Secret with the hub token, exposed as `HF_TOKEN`.",
+                ),
+                Field("key", "string", "Key in the Secret.", default=DEFAULT_TOKEN_KEY, doc="Key in that Secret."),
+            ),
+        ),
+    ),
+    rules=(
+        exactly_one("path", "hubId", "set exactly one of path or hubId"),
+        needs("path", "volume", "path needs a volume"),
+    ),
+)
+
+TRANSFER = Field(
+    "transfer",
+    "object",
+    "How tensors move between workers (Mooncake).",
+    default={},
+    fields=(
+        Field(
+            "mode",
+            "string",
+            "rdma: GPU-direct over InfiniBand/RoCE; tcp: anywhere.",
+            enum=TRANSFER_MODES,
+            default="tcp",
+            doc="Mooncake transport between workers. "
+            "`rdma` adds the RDMA device-plugin resource and `--disagg-ib-device`.",
+        ),
+        Field(
+            "rdmaResourceName",
+            "string",
+            "Device-plugin resource requested per worker in rdma mode.",
+            default=DEFAULT_RDMA_RESOURCE,
+            doc="Extended resource requested per worker pod in `rdma` mode.",
+        ),
+        Field(
+            "rdmaResourceCount",
+            "integer",
+            "How many of rdmaResourceName per worker.",
+            default=1,
+            minimum=1,
+            doc="How many of it.",
+        ),
+        Field(
+            "ibDevice",
+            "string",
+            "RDMA device (--disagg-ib-device), e.g. mlx5_0; required in rdma mode.",
+            doc="RDMA NIC (`mlx5_0`, `mlx5_roce0`); "
+            "required in `rdma` mode (without it Mooncake would fall back to TCP).",
+        ),
+        Field(
+            "networkAnnotation",
+            "string",
+            "Multus k8s.v1.cni.cncf.io/networks value for worker pods.",
+            doc="Value of `k8s.v1.cni.cncf.io/networks` on worker pods (Multus secondary network for RoCE).",
+        ),
+        Field(
+            "poolSize",
+            "size",
+            f"Transfer pool per worker, bytes or 256MiB/1GiB (default {DEFAULT_POOL_SIZE}).",
+            default=DEFAULT_POOL_SIZE,
+            doc="`--disagg-transfer-pool-size`: bytes, or `256MiB`, `1GiB`; at least 1 MiB.",
+            doc_default=f"`{DEFAULT_POOL_SIZE}` ({DEFAULT_POOL_SIZE >> 20} MiB)",
+        ),
+    ),
+    rules=(required_when_equal("ibDevice", "mode", "rdma", "ibDevice is required with mode rdma"),),
+)
+
+HEAD = Field(
+    "head",
+    "object",
+    "The GPU-less head (DiffusionServer + HTTP API).",
+    default={},
+    fields=(
+        Field(
+            "replicas",
+            "integer",
+            "0 or 1: the head holds request state and every worker reports to one head.",
+            default=1,
+            minimum=0,
+            maximum=1,
+            doc="The head holds request state and every worker serves exactly one head, "
+            "so there is never more than one (see [Head rollouts](#head-rollouts-drain-and-results)).",
+        ),
+        Field(
+            "serviceType",
+            "string",
+            "Type of the <name>-api Service.",
+            enum=SERVICE_TYPES,
+            default="ClusterIP",
+            doc="Type of the `<name>-api` Service (HTTP only).",
+        ),
+        Field(
+            "ingress",
+            "object",
+            "Optional Ingress to the head's HTTP API.",
+            fields=(
+                Field("enabled", "boolean", default=False, doc="Create an Ingress to `<name>-api`."),
+                Field("host", "string", "Host name.", doc="Required when enabled."),
+                Field("className", "string", "IngressClass.", doc="`ingressClassName`."),
+                Field(
+                    "tls",
+                    "object",
+                    "TLS.",
+                    fields=(Field("secretName", "string", "TLS Secret.", doc="TLS Secret for `host`."),),
+                ),
+            ),
+            rules=(required_when("host", "enabled", "host is required when enabled"),),
+        ),
+        Field(
+            "dispatchPolicy",
+            "string",
+            "--disagg-dispatch-policy.",
+            enum=DISPATCH_POLICIES,
+            default=DISPATCH_POLICIES[0],
+            doc="`--disagg-dispatch-policy` (the enum is `triptych.config.DISPATCH_POLICIES`).",
+        ),
+        Field(
+            "timeoutSeconds",
+            "integer",
+            "--disagg-timeout.",
+            default=int(DEFAULT_TIMEOUT_S),
+            minimum=1,
+            doc="`--disagg-timeout`.",
+        ),
+        Field(
+            "drainSeconds",
+            "integer",
+            "The head pod's terminationGracePeriodSeconds. On SIGTERM (rollout, deletion) it stops taking "
+            "requests and lets accepted ones finish until this minus "
+            f"{HEAD_DRAIN_MARGIN_S} s (--disagg-drain-timeout), then fails the rest and exits.",
+            default=DEFAULT_HEAD_DRAIN_SECONDS,
+            minimum=MIN_HEAD_DRAIN_SECONDS,
+            doc="As for the roles, the head pod's `terminationGracePeriodSeconds`. On SIGTERM (rollout, deletion, "
+            f"eviction) accepted requests may finish until {HEAD_DRAIN_MARGIN_S} s before it "
+            f"(`--disagg-drain-timeout` = `drainSeconds` − {HEAD_DRAIN_MARGIN_S}: "  # noqa: RUF001 (the docs' minus)
+            f"the head needs at most {int(HEAD_SHUTDOWN_OVERHEAD_S)} s to answer "
+            "its last clients and save its jobs), then fail with a 503 that says so; the head exits as soon as nothing "
+            "is left. Keep it above `timeoutSeconds` so any request that can still succeed does (the Wan example uses "
+            "900 for both).",
+        ),
+        Field(
+            "results",
+            "object",
+            "Where the head keeps finished images (URL responses) and video jobs (--output-path), and for how long.",
+            default={},
+            fields=(
+                Field(
+                    "persistentVolumeClaim",
+                    "object",
+                    "An existing PVC mounted at the output path, so results outlive the pod; without it an emptyDir. "
+                    "ReadWriteOnce is enough for one head.",
+                    fields=(
+                        Field(
+                            "claimName",
+                            "string",
+                            "PVC name.",
+                            min_length=1,
+                            required=True,
+                            doc="An existing PVC mounted at the head's `--output-path` "
+                            "(`/var/lib/triptych/outputs`): URL images and video jobs survive a head restart. "
+                            "ReadWriteOnce is enough for the one head. "
+                            "Without it: an `emptyDir` (results survive container restarts, not a new pod).",
+                        ),
+                    ),
+                ),
+                Field(
+                    "maxAgeSeconds",
+                    "integer",
+                    "--results-max-age: results older than this are removed.",
+                    default=int(DEFAULT_RESULTS_MAX_AGE_S),
+                    minimum=1,
+                    doc="`--results-max-age`: results older than this are removed.",
+                ),
+                Field(
+                    "maxBytes",
+                    "size",
+                    "--results-max-bytes: the oldest results are removed beyond this total, bytes or 5GiB "
+                    f"(default {DEFAULT_RESULTS_MAX_BYTES}).",
+                    default=DEFAULT_RESULTS_MAX_BYTES,
+                    doc="`--results-max-bytes`: beyond this total the oldest results are removed. "
+                    "Keep it below the claim's size.",
+                    doc_default=f"`{DEFAULT_RESULTS_MAX_BYTES}` ({DEFAULT_RESULTS_MAX_BYTES >> 30} GiB)",
+                ),
+            ),
+        ),
+        Field(
+            "apiKeysSecret",
+            "object",
+            "API keys of the HTTP API: a Secret in the pipeline's namespace whose `key` holds one key per "
+            "line (# comments allowed), mounted into the head as --api-keys-file. Clients send "
+            "'Authorization: Bearer KEY'; /health, /ready and /metrics stay open. Updating the Secret "
+            "rotates the keys without a restart. Unset: the API is open.",
+            fields=(
+                Field(
+                    "name",
+                    "string",
+                    "Secret name.",
+                    min_length=1,
+                    required=True,
+                    doc="A Secret in the pipeline's namespace holding the HTTP API's keys, one per line (`#` comments "
+                    "allowed). Mounted read-only at `/etc/triptych/api-keys` (a whole-volume mount, so Secret updates "
+                    "reach it) and passed as `--api-keys-file`; clients then send `Authorization: Bearer KEY`. "
+                    'Updating the Secret rotates keys without a restart (README, "HTTP API and overload"). '
+                    "Unset: the API is open.",
+                ),
+                Field(
+                    "key",
+                    "string",
+                    "Key in the Secret.",
+                    default=DEFAULT_API_KEYS_KEY,
+                    doc="The Secret's key holding the list.",
+                ),
+            ),
+        ),
+        Field(
+            "port",
+            "integer",
+            "HTTP port.",
+            default=HEAD_HTTP_PORT,
+            minimum=1,
+            maximum=65535,
+            doc="HTTP port; must not collide with the scheduler ports "
+            f"{HEAD_SCHEDULER_PORT}–{HEAD_SCHEDULER_PORT + 5}.",  # noqa: RUF001 (the docs' en dash)
+        ),
+        _resources("head"),
+        *_pod_fields("head"),
+    ),
+)
+
+IMAGES = Field(
+    "images",
+    "object",
+    "Image overrides (default: the operator's configured images).",
+    fields=(
+        Field(
+            "worker",
+            "string",
+            "Worker image (CUDA).",
+            doc="CUDA worker image for all roles (a role's `image` wins).",
+            doc_default="operator's `TRIPTYCH_WORKER_IMAGE` (chart `workerImage`)",
+        ),
+        Field(
+            "head",
+            "string",
+            "Head image (CPU).",
+            doc="CPU head image.",
+            doc_default="operator's `TRIPTYCH_HEAD_IMAGE` (chart `headImage`)",
+        ),
+    ),
+)
+
+SPEC = Field(
+    "spec",
+    "object",
+    "Desired state of a disaggregated diffusion pipeline.",
+    required=True,
+    fields=(MODEL, *(role_field(role) for role in PIPELINE_ROLES), TRANSFER, HEAD, IMAGES),
+)
+
+# ---------------------------------------------------------------- the parser
+
+
 def parse_pipeline(
     name: str,
     namespace: str,
@@ -235,93 +876,46 @@ def parse_pipeline(
     head_image: str = DEFAULT_HEAD_IMAGE,
 ) -> PipelineSpec:
     """Parse and validate a DiffusionPipeline spec; raise SpecError naming the first bad field."""
-    if len(name) > MAX_NAME_LENGTH or not re.match(NAME_PATTERN, name):
-        raise SpecError(
-            "metadata.name",
-            f"{name!r} must be a lowercase DNS label of at most {MAX_NAME_LENGTH} characters "
-            "(it prefixes Service names such as <name>-denoiser)",
-        )
-    images = _mapping(spec, "images", "spec.images")
+    assert NAME_RULE.check is not None
+    if NAME_RULE.check({"metadata.name": name}) is not None:
+        raise SpecError("metadata.name", f"{name!r}: {NAME_RULE.message.removeprefix('metadata.name ')}")
+    try:
+        values = read(SPEC, spec, "spec")
+    except FieldError as exc:
+        raise SpecError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+    images = values["images"] or {}
     return PipelineSpec(
         name=name,
         namespace=namespace,
-        model=_parse_model(_mapping(spec, "model", "spec.model", required=True)),
-        roles={role: _parse_role(role, _mapping(spec, role.value, f"spec.{role.value}")) for role in PIPELINE_ROLES},
-        transfer=_parse_transfer(_mapping(spec, "transfer", "spec.transfer")),
-        head=_parse_head(_mapping(spec, "head", "spec.head")),
+        model=_parse_model(values["model"]),
+        roles={role: _parse_role(role, values[role.value]) for role in PIPELINE_ROLES},
+        transfer=_parse_transfer(values["transfer"]),
+        head=_parse_head(values["head"]),
         worker_image=images.get("worker") or worker_image,
         head_image=images.get("head") or head_image,
     )
 
 
-def _mapping(parent: Mapping[str, Any], key: str, where: str, *, required: bool = False) -> Mapping[str, Any]:
-    value = parent.get(key)
-    if value is None:
-        if required:
-            raise SpecError(where, "is required")
-        return {}
-    if not isinstance(value, Mapping):
-        raise SpecError(where, f"must be an object, not {type(value).__name__}")
-    return value
-
-
-def _int(
-    obj: Mapping[str, Any], key: str, where: str, default: int, *, minimum: int, maximum: int | None = None
-) -> int:
-    value = obj.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{where}.{key}", f"must be an integer, not {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
-        raise SpecError(f"{where}.{key}", f"is {value}; it must be {bound}")
-    return value
-
-
-def _choice(obj: Mapping[str, Any], key: str, where: str, default: str, choices: Sequence[str]) -> str:
-    value = obj.get(key, default)
-    if value not in choices:
-        raise SpecError(f"{where}.{key}", f"is {value!r}; choose one of {', '.join(choices)}")
-    return str(value)
-
-
-def _strings(obj: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
-    value = obj.get(key) or []
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise SpecError(f"{where}.{key}", "must be a list of strings")
-    return tuple(value)
-
-
 def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
-    path, hub_id = model.get("path"), model.get("hubId")
-    if (path is None) == (hub_id is None):
-        raise SpecError("spec.model", "set exactly one of path (with volume) or hubId")
-    if hub_id is not None:
-        token = _mapping(model, "tokenSecretRef", "spec.model.tokenSecretRef")
+    if model["hubId"] is not None:
+        token = model["tokenSecretRef"] or {}
         return ModelSpec(
-            hub_id=str(hub_id),
+            hub_id=model["hubId"],
             token_secret_name=token.get("name"),
             token_secret_key=token.get("key") or DEFAULT_TOKEN_KEY,
         )
-    if ".." in str(path).split("/"):
+    path = model["path"]
+    if ".." in path.split("/"):
         raise SpecError("spec.model.path", f"{path!r} must stay inside the volume (no '..')")
-    volume = _mapping(model, "volume", "spec.model.volume", required=True)
-    pvc = _mapping(volume, "persistentVolumeClaim", "spec.model.volume.persistentVolumeClaim").get("claimName")
-    host = _mapping(volume, "hostPath", "spec.model.volume.hostPath").get("path")
-    if (pvc is None) == (host is None):
-        raise SpecError("spec.model.volume", "set exactly one of persistentVolumeClaim.claimName or hostPath.path")
-    return ModelSpec(path=str(path), pvc_claim_name=pvc, host_path=host)
+    volume = model["volume"]
+    pvc = (volume["persistentVolumeClaim"] or {}).get("claimName")
+    host = (volume["hostPath"] or {}).get("path")
+    return ModelSpec(path=path, pvc_claim_name=pvc, host_path=host)
 
 
 def _parse_parallelism(role: Role, raw: Mapping[str, Any], gpus: int) -> tuple[Parallelism, dict[str, int]]:
     where = f"spec.{role.value}.parallelism"
-    allowed = ROLE_DEGREES[role]
-    given: dict[str, int] = {}
-    for degree in PARALLEL_DEGREES:
-        if raw.get(degree) is None:
-            continue
-        if degree not in allowed:
-            raise SpecError(f"{where}.{degree}", f"only the denoiser takes {degree}; {role.value} derives it from sp")
-        given[degree] = _int(raw, degree, where, 1, minimum=1)
+    given = {degree: raw[degree] for degree in PARALLEL_DEGREES if raw.get(degree) is not None}
     try:
         return resolve_parallelism(gpus, where=f"{where}.", **given), given
     except ParallelismError as exc:
@@ -329,143 +923,84 @@ def _parse_parallelism(role: Role, raw: Mapping[str, Any], gpus: int) -> tuple[P
         raise SpecError(f"{where}", str(exc).removeprefix(f"{where}.")) from None
 
 
-def _parse_autoscaling(raw: Mapping[str, Any], where: str) -> Autoscaling:
-    if not raw.get("enabled", False):
+def _parse_autoscaling(raw: Mapping[str, Any]) -> Autoscaling:
+    if not raw["enabled"]:
         return Autoscaling()
-    low = _int(raw, "minReplicas", where, 1, minimum=1)
-    if raw.get("maxReplicas") is None:
-        raise SpecError(f"{where}.maxReplicas", "is required when autoscaling is enabled")
-    high = _int(raw, "maxReplicas", where, low, minimum=1)
-    if low > high:
-        raise SpecError(where, f"minReplicas {low} is above maxReplicas {high}")
     return Autoscaling(
         enabled=True,
-        min_replicas=low,
-        max_replicas=high,
-        target_work_seconds_per_replica=_int(
-            raw, "targetWorkSecondsPerReplica", where, DEFAULT_TARGET_WORK_SECONDS, minimum=1
-        ),
-        scale_down_stabilization_seconds=_int(
-            raw,
-            "scaleDownStabilizationSeconds",
-            where,
-            DEFAULT_SCALE_DOWN_STABILIZATION_S,
-            minimum=0,
-            maximum=MAX_STABILIZATION_S,
-        ),
+        min_replicas=raw["minReplicas"],
+        max_replicas=raw["maxReplicas"],
+        target_work_seconds_per_replica=raw["targetWorkSecondsPerReplica"],
+        scale_down_stabilization_seconds=raw["scaleDownStabilizationSeconds"],
     )
 
 
 def _parse_role(role: Role, raw: Mapping[str, Any]) -> RoleSpec:
-    where = f"spec.{role.value}"
-    gpus = _int(raw, "gpusPerReplica", where, 1, minimum=0)
-    raw_parallelism = _mapping(raw, "parallelism", f"{where}.parallelism")
-    if gpus == 0:
-        split = sorted(d for d in PARALLEL_DEGREES if raw_parallelism.get(d) not in (None, 1))
-        if split:
-            raise SpecError(
-                f"{where}.parallelism.{split[0]}",
-                "is above 1, but gpusPerReplica 0 runs the role on CPU, one device per pod: "
-                "remove the parallel degrees or request GPUs",
-            )
-    parallelism, given = _parse_parallelism(role, raw_parallelism, max(gpus, 1))
+    gpus = raw["gpusPerReplica"]
+    parallelism, given = _parse_parallelism(role, raw["parallelism"] or {}, max(gpus, 1))
     return RoleSpec(
         role=role,
-        replicas=_int(raw, "replicas", where, 1, minimum=0),
+        replicas=raw["replicas"],
         gpus_per_replica=gpus,
         parallelism=parallelism,
         explicit_degrees=given,
-        image=raw.get("image") or None,
-        resources=_mapping(raw, "resources", f"{where}.resources"),
-        node_selector=_mapping(raw, "nodeSelector", f"{where}.nodeSelector"),
-        affinity=raw.get("affinity") or None,
-        tolerations=tuple(raw.get("tolerations") or ()),
-        extra_args=_strings(raw, "extraArgs", where),
-        env=tuple(raw.get("env") or ()),
-        autoscaling=_parse_autoscaling(_mapping(raw, "autoscaling", f"{where}.autoscaling"), f"{where}.autoscaling"),
-        drain_seconds=_int(raw, "drainSeconds", where, DEFAULT_DRAIN_SECONDS[role], minimum=MIN_DRAIN_SECONDS),
-    )
-
-
-def _size(obj: Mapping[str, Any], key: str, where: str, default: int) -> int:
-    """Bytes from an integer or a size string such as 256MiB."""
-    value = obj.get(key, default)
-    try:
-        return value if isinstance(value, int) and not isinstance(value, bool) else parse_size(str(value))
-    except argparse.ArgumentTypeError as exc:
-        raise SpecError(f"{where}.{key}", str(exc)) from None
-
-
-def _parse_results(raw: Mapping[str, Any], where: str) -> ResultsSpec:
-    claim = _mapping(raw, "persistentVolumeClaim", f"{where}.persistentVolumeClaim").get("claimName")
-    return ResultsSpec(
-        claim_name=str(claim) if claim else None,
-        max_age_seconds=_int(raw, "maxAgeSeconds", where, ResultsSpec.max_age_seconds, minimum=1),
-        max_bytes=_size(raw, "maxBytes", where, ResultsSpec.max_bytes),
+        image=raw["image"] or None,
+        resources={k: v for k, v in (raw["resources"] or {}).items() if v is not None},
+        node_selector=raw["nodeSelector"] or {},
+        affinity=raw["affinity"] or None,
+        tolerations=tuple(raw["tolerations"] or ()),
+        extra_args=tuple(raw["extraArgs"] or ()),
+        env=tuple(raw["env"] or ()),
+        autoscaling=_parse_autoscaling(raw["autoscaling"] or {"enabled": False}),
+        drain_seconds=raw["drainSeconds"],
+        max_unavailable=(raw["rollout"] or {}).get("maxUnavailable"),
+        max_surge=(raw["rollout"] or {}).get("maxSurge"),
     )
 
 
 def _parse_transfer(raw: Mapping[str, Any]) -> TransferSpec:
-    where = "spec.transfer"
-    mode = _choice(raw, "mode", where, "tcp", TRANSFER_MODES)
-    ib_device = raw.get("ibDevice") or None
-    if mode == "rdma" and not ib_device:
-        raise SpecError(f"{where}.ibDevice", "is required with mode rdma (e.g. mlx5_0); use mode tcp without RDMA")
-    pool = raw.get("poolSize", DEFAULT_POOL_SIZE)
-    try:
-        pool_size = pool if isinstance(pool, int) and not isinstance(pool, bool) else parse_size(str(pool))
-    except argparse.ArgumentTypeError as exc:
-        raise SpecError(f"{where}.poolSize", str(exc)) from None
     return TransferSpec(
-        mode=mode,
-        rdma_resource_name=raw.get("rdmaResourceName") or DEFAULT_RDMA_RESOURCE,
-        rdma_resource_count=_int(raw, "rdmaResourceCount", where, 1, minimum=1),
-        ib_device=ib_device,
-        network_annotation=raw.get("networkAnnotation") or None,
-        pool_size=pool_size,
+        mode=raw["mode"],
+        rdma_resource_name=raw["rdmaResourceName"] or DEFAULT_RDMA_RESOURCE,
+        rdma_resource_count=raw["rdmaResourceCount"],
+        ib_device=raw["ibDevice"] or None,
+        network_annotation=raw["networkAnnotation"] or None,
+        pool_size=raw["poolSize"],
     )
 
 
-def _parse_secret_ref(raw: Mapping[str, Any], key: str, where: str, default_key: str) -> SecretKeyRef | None:
-    ref = _mapping(raw, key, f"{where}.{key}")
-    if not ref:
-        return None
-    name = ref.get("name")
-    if not isinstance(name, str) or not name:
-        raise SpecError(f"{where}.{key}.name", "is required: the name of a Secret in the pipeline's namespace")
-    return SecretKeyRef(name=name, key=str(ref.get("key") or default_key))
-
-
 def _parse_head(raw: Mapping[str, Any]) -> HeadSpec:
-    where = "spec.head"
-    ingress = _mapping(raw, "ingress", f"{where}.ingress")
-    port = _int(raw, "port", where, HEAD_HTTP_PORT, minimum=1, maximum=65535)
+    port = raw["port"]
     if HEAD_SCHEDULER_PORT <= port <= HEAD_SCHEDULER_PORT + 5:
         raise SpecError(
-            f"{where}.port",
+            "spec.head.port",
             f"{port} collides with the head's scheduler ports {HEAD_SCHEDULER_PORT}-{HEAD_SCHEDULER_PORT + 5}",
         )
-    if ingress.get("enabled") and not ingress.get("host"):
-        raise SpecError(f"{where}.ingress.host", "is required when the ingress is enabled")
+    ingress = raw["ingress"] or {}
+    keys = raw["apiKeysSecret"]
+    claim = (raw["results"]["persistentVolumeClaim"] or {}).get("claimName")
     return HeadSpec(
-        # One head at most: it owns the request state and every worker reports to exactly one head.
-        replicas=_int(raw, "replicas", where, 1, minimum=0, maximum=1),
-        service_type=_choice(raw, "serviceType", where, "ClusterIP", SERVICE_TYPES),
+        replicas=raw["replicas"],
+        service_type=raw["serviceType"],
         ingress=IngressSpec(
-            enabled=bool(ingress.get("enabled", False)),
+            enabled=bool(ingress.get("enabled")),
             host=ingress.get("host"),
             class_name=ingress.get("className"),
-            tls_secret_name=_mapping(ingress, "tls", f"{where}.ingress.tls").get("secretName"),
+            tls_secret_name=(ingress.get("tls") or {}).get("secretName"),
         ),
-        dispatch_policy=_choice(raw, "dispatchPolicy", where, "round_robin", DISPATCH_POLICIES),
-        timeout_seconds=_int(raw, "timeoutSeconds", where, int(DEFAULT_TIMEOUT_S), minimum=1),
-        drain_seconds=_int(raw, "drainSeconds", where, DEFAULT_HEAD_DRAIN_SECONDS, minimum=MIN_HEAD_DRAIN_SECONDS),
-        results=_parse_results(_mapping(raw, "results", f"{where}.results"), f"{where}.results"),
-        api_keys_secret=_parse_secret_ref(raw, "apiKeysSecret", where, DEFAULT_API_KEYS_KEY),
+        dispatch_policy=raw["dispatchPolicy"],
+        timeout_seconds=raw["timeoutSeconds"],
+        drain_seconds=raw["drainSeconds"],
+        results=ResultsSpec(
+            claim_name=claim or None,
+            max_age_seconds=raw["results"]["maxAgeSeconds"],
+            max_bytes=raw["results"]["maxBytes"],
+        ),
+        api_keys_secret=SecretKeyRef(name=keys["name"], key=keys["key"]) if keys else None,
         port=port,
-        resources=_mapping(raw, "resources", f"{where}.resources"),
-        node_selector=_mapping(raw, "nodeSelector", f"{where}.nodeSelector"),
-        tolerations=tuple(raw.get("tolerations") or ()),
-        extra_args=_strings(raw, "extraArgs", where),
-        env=tuple(raw.get("env") or ()),
+        resources={k: v for k, v in (raw["resources"] or {}).items() if v is not None},
+        node_selector=raw["nodeSelector"] or {},
+        tolerations=tuple(raw["tolerations"] or ()),
+        extra_args=tuple(raw["extraArgs"] or ()),
+        env=tuple(raw["env"] or ()),
     )

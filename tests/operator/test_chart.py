@@ -202,3 +202,23 @@ def test_prometheus_alternative_yields_the_same_metric_names(helm_bin: Path) -> 
     for metric, gauge in HEAD_GAUGES.items():
         assert series.fullmatch(gauge), gauge
         assert served.sub(rule["name"]["as"].replace("${1}", r"\1"), gauge) == metric
+
+
+def test_replicas_above_one_peer_through_kopf_with_only_the_peering_rights_they_need(helm_bin: Path) -> None:
+    docs = render(helm_bin, "replicas=2", "watchNamespaces={a,b}", "metricsApi.enabled=false")
+    deployment = operator_deployment(docs)
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TRIPTYCH_PEERING"] == "rel-triptych" and env["TRIPTYCH_PEERING_LIFETIME"] == "60"
+    peerings = sorted((d["kind"], d["metadata"]["namespace"]) for d in docs if d["apiVersion"] == "kopf.dev/v1")
+    assert peerings == [("KopfPeering", "a"), ("KopfPeering", "b")]
+    for role in (d for d in docs if d["kind"] == "Role"):
+        peering_rules = [r for r in role["rules"] if "kopf.dev" in r["apiGroups"]]
+        assert peering_rules == [
+            {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings"], "verbs": ["get", "list", "watch", "patch"]}
+        ]
+    cluster_wide = render(helm_bin, "replicas=2", "metricsApi.enabled=false")
+    assert [d["kind"] for d in cluster_wide if d["apiVersion"] == "kopf.dev/v1"] == ["ClusterKopfPeering"]
+    crds = yaml.safe_load_all((CHART / "crds" / "kopf-peerings.yaml").read_text())
+    assert sorted(c["metadata"]["name"] for c in crds) == ["clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"]

@@ -1,8 +1,10 @@
-"""The `triptych-operator` command: which namespaces it watches."""
+"""The `triptych-operator` command: which namespaces it watches, and whether it peers."""
 
 from __future__ import annotations
 
-from triptych_operator.main import build_parser, watched_namespaces
+import pytest
+
+from triptych_operator.main import PEERING_ENV, PEERING_LIFETIME_ENV, build_parser, watched_namespaces
 
 
 def test_flags_win_over_the_environment() -> None:
@@ -21,3 +23,12 @@ def test_nothing_given_means_cluster_wide() -> None:
 
 def test_liveness_endpoint_can_be_disabled() -> None:
     assert build_parser().parse_args(["--liveness", ""]).liveness == ""
+
+
+def test_standalone_unless_a_peering_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PEERING_ENV, raising=False)
+    assert build_parser().parse_args([]).peering is None
+    monkeypatch.setenv(PEERING_ENV, "rel-triptych")
+    monkeypatch.setenv(PEERING_LIFETIME_ENV, "15")
+    args = build_parser().parse_args([])
+    assert (args.peering, args.peering_lifetime, args.priority) == ("rel-triptych", 15, None)

@@ -450,3 +450,22 @@ def test_the_policies_select_exactly_the_pods_the_deployments_run() -> None:
     head_labels = objs[("Deployment", "wan-t2v-head")]["spec"]["template"]["metadata"]["labels"]
     assert HEAD["matchLabels"].items() <= head_labels.items()
     assert container(objs[("Deployment", "wan-t2v-encoder")])["ports"][0]["containerPort"] == WORKER_PORT
+
+
+def test_a_rollout_never_takes_a_role_to_zero_by_default() -> None:
+    one = render(pipeline(minimal_spec(encoder={"replicas": 1}, denoiser={"replicas": 3})))
+    strategies = {
+        m["metadata"]["name"]: m["spec"]["strategy"]["rollingUpdate"]
+        for m in one.apply
+        if m["kind"] == "Deployment" and m["metadata"]["labels"]["app.kubernetes.io/component"] != "head"
+    }
+    assert strategies["wan-t2v-encoder"] == {"maxUnavailable": 0, "maxSurge": 1}  # one pod: replaced by a surge pod
+    assert strategies["wan-t2v-denoiser"] == {"maxUnavailable": 1, "maxSurge": 0}  # several: one at a time
+
+
+def test_a_roles_rollout_can_be_set_and_both_zero_is_rejected() -> None:
+    spec = minimal_spec(decoder={"replicas": 4, "rollout": {"maxUnavailable": 2}})
+    deployment = next(m for m in render(pipeline(spec)).apply if m["metadata"]["name"] == "wan-t2v-decoder")
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 2, "maxSurge": 0}
+    with pytest.raises(SpecError, match="maxUnavailable and maxSurge cannot both be 0"):
+        pipeline(minimal_spec(denoiser={"rollout": {"maxUnavailable": 0, "maxSurge": 0}}))

@@ -73,6 +73,12 @@ app.kubernetes.io/component: operator
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]
+{{- if gt (int .Values.replicas) 1 }}
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  # High availability: the replicas' keep-alives and who is active (kopf peering).
+  verbs: [get, list, watch, patch]
+{{- end }}
 {{- end -}}
 
 {{/* The custom metrics API server (triptych-metrics-api): its own name, labels and account. */}}

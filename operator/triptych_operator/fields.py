@@ -1,0 +1,371 @@
+"""A spec declared once, as a tree of `Field`s, and the three things generated from it.
+
+    schema(field)       the CRD's OpenAPI v3 schema, CEL rules included (crd.py writes the CRD)
+    read(field, value)  the parser's checks: types, bounds, enums, required fields, defaults, and the
+                        same cross-field rules, evaluated in Python (spec.py builds its dataclasses
+                        from what this returns)
+    docs_table(field)   a Markdown table of the fields (crd.py writes them into docs/operator.md)
+
+A cross-field `Rule` is made by one of the constructors below, which write its CEL and its Python
+check from the same arguments, so the two cannot disagree. A rule the constructors cannot express
+is CEL only (`cel_only`), and its description says which Python code is the full check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from triptych.config import parse_size
+
+Schema = dict[str, Any]
+# Returns None when the object passes, else the field to name (relative, "" for the object itself).
+Check = Callable[[Mapping[str, Any]], str | None]
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Any = _Missing()
+SIZE_PATTERN = "^[0-9]+([KMGT]i?B?)?$"
+
+
+class FieldError(ValueError):
+    """A value that does not fit its declaration; `str()` starts with the field's path."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule across an object's fields: CEL for the API server, `check` for the parser."""
+
+    cel: str
+    message: str
+    check: Check | None = None  # None: CEL only (see the module docstring)
+    reason: str | None = None
+
+    def schema(self) -> Schema:
+        out: Schema = {"rule": self.cel, "message": self.message}
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+def _has(obj: Mapping[str, Any], name: str) -> bool:
+    return obj.get(name) is not None
+
+
+def exactly_one(a: str, b: str, message: str) -> Rule:
+    return Rule(f"has(self.{a}) != has(self.{b})", message, lambda o: None if _has(o, a) != _has(o, b) else "")
+
+
+def needs(a: str, b: str, message: str) -> Rule:
+    """Setting `a` requires `b`; the error names `b`."""
+    return Rule(f"!has(self.{a}) || has(self.{b})", message, lambda o: b if _has(o, a) and not _has(o, b) else None)
+
+
+def required_when(name: str, flag: str, message: str) -> Rule:
+    """`name` is required while the boolean `flag` (which has a default) is true."""
+    return Rule(
+        f"!self.{flag} || has(self.{name})", message, lambda o: name if o.get(flag) and not _has(o, name) else None
+    )
+
+
+def required_when_equal(name: str, key: str, value: str, message: str) -> Rule:
+    return Rule(
+        f"!has(self.{key}) || self.{key} != '{value}' || has(self.{name})",
+        message,
+        lambda o: name if o.get(key) == value and not _has(o, name) else None,
+    )
+
+
+def not_above(low: str, high: str, message: str) -> Rule:
+    """`low` <= `high` when `high` is set (`low` has a default)."""
+    return Rule(
+        f"!has(self.{high}) || self.{low} <= self.{high}",
+        message,
+        lambda o: "" if _has(o, high) and o[low] > o[high] else None,
+    )
+
+
+def absent_within(obj: str, names: Sequence[str], message: str) -> Rule:
+    """None of `names` may be set inside the object `obj`; the error names the first that is."""
+    none_set = " && ".join(f"!has(self.{obj}.{n})" for n in names)
+    cel = f"!has(self.{obj}) || ({none_set})"
+
+    def check(o: Mapping[str, Any]) -> str | None:
+        inner = o.get(obj) or {}
+        return next((f"{obj}.{n}" for n in names if _has(inner, n)), None)
+
+    return Rule(cel, message, check)
+
+
+def all_one_unless_positive(
+    count: str, obj: str, names: Sequence[str], message: str, reason: str | None = None
+) -> Rule:
+    """While `count` is 0, every one of `names` set inside `obj` must be 1; the error names the first that is not."""
+    ones = " && ".join(f"self.{obj}.?{n}.orValue(1) == 1" for n in names)
+
+    def check(o: Mapping[str, Any]) -> str | None:
+        if o.get(count, 0) > 0:
+            return None
+        inner = o.get(obj) or {}
+        return next((f"{obj}.{n}" for n in sorted(names) if inner.get(n) not in (None, 1)), None)
+
+    return Rule(f"self.{count} > 0 || !has(self.{obj}) || ({ones})", message, check, reason)
+
+
+def not_both_zero(a: str, b: str, message: str) -> Rule:
+    """`a` and `b` (both optional) are not both set to 0."""
+    return Rule(
+        f"!has(self.{a}) || !has(self.{b}) || self.{a} + self.{b} > 0",
+        message,
+        lambda o: "" if o.get(a) == 0 and o.get(b) == 0 else None,
+    )
+
+
+def bounded_match(name: str, max_length: int, pattern: str, message: str) -> Rule:
+    """The string `name` is at most `max_length` long and matches `pattern` (CEL's RE2 and Python's re
+    agree on the simple patterns this is used with)."""
+    return Rule(
+        f"self.{name}.size() <= {max_length} && self.{name}.matches('{pattern}')",
+        message,
+        lambda o: None if len(o[name]) <= max_length and re.match(pattern, o[name]) else name,
+    )
+
+
+def cel_only(cel: str, message: str, reason: str | None = None) -> Rule:
+    return Rule(cel, message, None, reason)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of the spec: what the CRD, the parser and the docs all say about it.
+
+    `type` is a JSON type (string, integer, boolean, object, array) or one of: `size` (bytes, as an
+    integer or a string such as 256MiB), `free` (a Kubernetes type passed through unchecked, e.g.
+    Affinity), `string-map`, `quantity-map` (resource quantities by name).
+    """
+
+    name: str
+    type: str
+    description: str = ""
+    default: Any = MISSING
+    minimum: int | None = None
+    maximum: int | None = None
+    min_length: int | None = None
+    enum: tuple[str, ...] | None = None
+    required: bool = False
+    fields: tuple[Field, ...] = ()
+    items: Field | None = None
+    rules: tuple[Rule, ...] = ()
+    doc: str | None = None  # the docs' Meaning column, when it says more than the description
+    doc_type: str | None = None
+    doc_default: str | None = None
+    doc_row: bool = False  # an object documented as one row rather than one per field
+
+    def field(self, name: str) -> Field:
+        return next(f for f in self.fields if f.name == name)
+
+
+# ---------------------------------------------------------------- schema
+
+
+def schema(field: Field) -> Schema:
+    """The OpenAPI v3 schema of `field` (structural, as a CRD needs)."""
+    out: Schema = {}
+    if field.type == "size":
+        out["x-kubernetes-int-or-string"] = True
+    elif field.type in ("free", "string-map", "quantity-map"):
+        out["type"] = "object"
+    else:
+        out["type"] = field.type
+    if field.description:
+        out["description"] = field.description
+    if field.type == "free":
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    if field.type == "string-map":
+        out["additionalProperties"] = {"type": "string"}
+    if field.type == "quantity-map":
+        out["additionalProperties"] = {"x-kubernetes-int-or-string": True}
+    if field.enum is not None:
+        out["enum"] = list(field.enum)
+    if field.minimum is not None:
+        out["minimum"] = field.minimum
+    if field.maximum is not None:
+        out["maximum"] = field.maximum
+    if field.min_length is not None:
+        out["minLength"] = field.min_length
+    if field.fields:
+        out["properties"] = {f.name: schema(f) for f in field.fields}
+        required = [f.name for f in field.fields if f.required]
+        if required:
+            out["required"] = required
+    if field.items is not None:
+        out["items"] = schema(field.items)
+    if field.default is not MISSING:
+        out["default"] = field.default
+    rules = [r.schema() for r in field.rules]
+    if field.type == "size":
+        rules.insert(0, _size_rule(field.name))
+    if rules:
+        out["x-kubernetes-validations"] = rules
+    return out
+
+
+def _size_rule(name: str) -> Schema:
+    return {
+        "rule": f"type(self) == string ? self.matches('{SIZE_PATTERN}') : self >= 1",
+        "message": f"{name} is a byte count or a size such as 256MiB or 1GiB",
+    }
+
+
+# ---------------------------------------------------------------- parser
+
+
+def read(field: Field, value: Any, where: str) -> Any:
+    """`value` checked against `field` with defaults filled in, as the API server would store it
+    (unknown keys dropped); raises FieldError naming the first bad field."""
+    if value is None:
+        if field.default is not MISSING:
+            value = copy.deepcopy(field.default)
+        elif field.required:
+            raise FieldError(where, "is required")
+        else:
+            return None
+    reader = _READERS.get(field.type)
+    if reader is None:
+        raise TypeError(f"{where}: unknown field type {field.type!r}")
+    return reader(field, value, where)
+
+
+def _read_integer(field: Field, value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FieldError(where, f"must be an integer, not {value!r}")
+    low, high = field.minimum, field.maximum
+    if (low is not None and value < low) or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"<= {high}" if low is None else f"between {low} and {high}"
+        raise FieldError(where, f"is {value}; it must be {bound}")
+    return value
+
+
+def _read_string(field: Field, value: Any, where: str) -> str:
+    if field.enum is not None and value not in field.enum:
+        raise FieldError(where, f"is {value!r}; choose one of {', '.join(field.enum)}")
+    if not isinstance(value, str):
+        raise FieldError(where, f"must be a string, not {value!r}")
+    if field.min_length is not None and len(value) < field.min_length:
+        raise FieldError(where, "must not be empty")
+    return value
+
+
+def _read_boolean(field: Field, value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise FieldError(where, f"must be true or false, not {value!r}")
+    return value
+
+
+def _read_object(field: Field, value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise FieldError(where, f"must be an object, not {type(value).__name__}")
+    out = {f.name: read(f, value.get(f.name), f"{where}.{f.name}") for f in field.fields}
+    for rule in field.rules:
+        bad = rule.check(out) if rule.check is not None else None
+        if bad is not None:
+            raise FieldError(f"{where}.{bad}" if bad else where, rule.message)
+    return out
+
+
+def _read_array(field: Field, value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise FieldError(where, f"must be a list, not {type(value).__name__}")
+    assert field.items is not None
+    return [read(field.items, item, f"{where}[{i}]") for i, item in enumerate(value)]
+
+
+def _read_size(field: Field, value: Any, where: str) -> int:
+    """Bytes. parse_size is the full check (the CRD's pattern only checks the shape)."""
+    try:
+        return value if isinstance(value, int) and not isinstance(value, bool) else parse_size(str(value))
+    except argparse.ArgumentTypeError as exc:
+        raise FieldError(where, str(exc)) from None
+
+
+def _read_mapping(field: Field, value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise FieldError(where, f"must be an object, not {type(value).__name__}")
+    if field.type == "string-map" and not all(isinstance(v, str) for v in value.values()):
+        raise FieldError(where, "must map names to strings")
+    if field.type == "free" and field.fields:
+        for f in field.fields:
+            read(f, value.get(f.name), f"{where}.{f.name}")
+    return dict(value)
+
+
+_READERS: dict[str, Callable[[Field, Any, str], Any]] = {
+    "integer": _read_integer,
+    "string": _read_string,
+    "boolean": _read_boolean,
+    "object": _read_object,
+    "array": _read_array,
+    "size": _read_size,
+    "free": _read_mapping,
+    "string-map": _read_mapping,
+    "quantity-map": _read_mapping,
+}
+
+
+# ---------------------------------------------------------------- docs
+
+
+def _doc_type(field: Field) -> str:
+    if field.doc_type is not None:
+        return field.doc_type
+    if field.enum is not None:
+        return " \\| ".join(f"`{v}`" for v in field.enum)
+    if field.type == "integer":
+        if field.minimum is not None and field.maximum is not None:
+            return f"{field.minimum}–{field.maximum}"  # noqa: RUF001 (the docs' en dash)
+        return f"int ≥ {field.minimum}" if field.minimum is not None else "int"
+    if field.type == "array" and field.items is not None:
+        return f"[]{_doc_type(field.items)}"
+    return {"boolean": "bool", "size": "int or size", "string-map": "map", "quantity-map": "map of quantities"}.get(
+        field.type, field.type
+    )
+
+
+def _doc_default(field: Field) -> str:
+    if field.doc_default is not None:
+        return field.doc_default
+    if field.default is MISSING or field.default == {}:
+        return "–"  # noqa: RUF001 (the docs' en dash)
+    return f"`{str(field.default).lower() if isinstance(field.default, bool) else field.default}`"
+
+
+def _rows(field: Field, prefix: str) -> list[tuple[str, Field]]:
+    rows: list[tuple[str, Field]] = []
+    for f in field.fields:
+        path = f"{prefix}{f.name}"
+        if f.type == "object" and f.fields and not f.doc_row:
+            rows += _rows(f, path + ".")
+        else:
+            rows.append((path, f))
+    return rows
+
+
+def docs_table(field: Field) -> str:
+    """The Markdown table of `field`'s fields (nested objects flattened to dotted paths)."""
+    lines = ["| Field | Type | Default | Meaning |", "|---|---|---|---|"]
+    for path, f in _rows(field, ""):
+        meaning = (f.doc or f.description).replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| `{path}` | {_doc_type(f)} | {_doc_default(f)} | {meaning} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,133 @@
+"""Two operator replicas (kopf peering, as the chart runs them with replicas > 1): one works, the
+other waits; killed, the working one is replaced within the stated time and an edit made meanwhile
+is applied exactly once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.fixtures import KubeCluster, poll
+from tests.operator.helpers import REPO
+from tests.operator.test_operator_cluster import (
+    CHART,
+    CRD,
+    _healthz,
+    apply,
+    children,
+    free_port,
+    get,
+    pipeline_manifest,
+    service_account_kubeconfig,
+    wait_phase,
+)
+
+pytestmark = pytest.mark.cluster
+
+LIFETIME_S = 10  # --peering-lifetime: a replica silent this long is taken for dead
+HANDOVER_S = LIFETIME_S + 20  # the stated bound: the lifetime, then a re-list and one reconcile
+
+
+class Replica:
+    def __init__(self, name: str, proc: subprocess.Popen[bytes], log: Path, port: int) -> None:
+        self.name, self.proc, self.log_path, self.port = name, proc, log, port
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+@pytest.fixture
+def release(kube_cluster: KubeCluster, kube_namespace: str) -> Iterator[str]:
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    release = f"r{kube_namespace[-6:]}"
+    flags = ["--set", f"watchNamespaces={{{kube_namespace}}}", "--set", "metricsApi.enabled=false"]
+    flags += ["--set", "replicas=2", "--set", f"peeringLifetimeSeconds={LIFETIME_S}"]
+    kube_cluster.helm("install", release, str(CHART), "--namespace", kube_namespace, *flags, timeout=120)
+    yield release
+    kube_cluster.helm("uninstall", release, "--namespace", kube_namespace, check=False, timeout=120)
+
+
+def test_the_standby_takes_over_within_the_lifetime_and_applies_an_edit_once(
+    kube_cluster: KubeCluster, kube_namespace: str, release: str, tmp_path: Path
+) -> None:
+    cluster, ns = kube_cluster, kube_namespace
+    peering = get(cluster, ns, "kopfpeering", f"{release}-triptych")
+    assert peering is not None, "the chart creates the peering object with replicas > 1"
+    kubeconfig = service_account_kubeconfig(cluster, ns, f"{release}-triptych", tmp_path / "kc")
+    env = {**cluster.env, "KUBECONFIG": str(kubeconfig)}
+    replicas: list[Replica] = []
+
+    def start(name: str, priority: int) -> Replica:
+        port = free_port()
+        cmd = [
+            str(REPO / ".venv" / "bin" / "triptych-operator"),
+            "-n",
+            ns,
+            "--liveness",
+            f"http://127.0.0.1:{port}/healthz",
+        ]
+        cmd += ["--peering", f"{release}-triptych", "--priority", str(priority), "--peering-lifetime", str(LIFETIME_S)]
+        log = tmp_path / f"{name}.log"
+        replica = Replica(
+            name, subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT), log, port
+        )
+        replicas.append(replica)
+        poll(lambda: _healthz(port), timeout=60, what=f"{name}'s liveness endpoint")
+        return replica
+
+    try:
+        active = start("active", priority=200)
+        standby = start("standby", priority=100)
+        # Both keep alive in the peering object; the active one resumed, the standby (which starts paused) did not.
+        poll(
+            lambda: len((get(cluster, ns, "kopfpeering", f"{release}-triptych") or {}).get("status") or {}) == 2,
+            timeout=30,
+            what="both replicas in the peering object",
+        )
+        assert "Resuming operations" in active.log()
+        assert "Resuming operations" not in standby.log()
+
+        apply(cluster, ns, pipeline_manifest("ha"))
+        wait_phase(cluster, ns, "ha", "Ready")
+        assert "Created: Deployment ha-decoder" in active.log()
+        assert "Created:" not in standby.log() and "Updated:" not in standby.log(), standby.log()[-2000:]
+        before = {k: v["metadata"] for k, v in children(cluster, ns, "ha").items()}
+
+        active.proc.send_signal(signal.SIGKILL)
+        active.proc.wait(timeout=10)
+        killed = time.monotonic()
+        cluster.kubectl(
+            "patch", "dp", "ha", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"decoder": {"replicas": 2}}})
+        )
+
+        def decoder_scaled() -> bool:
+            dep = get(cluster, ns, "deployment", "ha-decoder")
+            return bool(dep and dep["spec"]["replicas"] == 2)
+
+        poll(decoder_scaled, timeout=HANDOVER_S + 30, what="the standby to apply the edit")
+        handover = time.monotonic() - killed
+        print(f"handover: the edit was applied {handover:.1f} s after the active replica was killed")
+        assert handover <= HANDOVER_S, standby.log()[-3000:]
+        assert "Resuming operations after the pause" in standby.log()
+        wait_phase(cluster, ns, "ha", "Ready")
+
+        after = {k: v["metadata"] for k, v in children(cluster, ns, "ha").items()}
+        assert after["Deployment/ha-decoder"]["generation"] == before["Deployment/ha-decoder"]["generation"] + 1
+        for key, meta in before.items():
+            if key != "Deployment/ha-decoder":
+                assert after[key]["resourceVersion"] == meta["resourceVersion"], f"{key} was rewritten by the standby"
+        assert standby.log().count("Updated: Deployment ha-decoder") == 1, standby.log()[-3000:]
+        events = cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", "involvedObject.name=ha")["items"]
+        updates = [e for e in events if e["reason"] == "Updated" and "Deployment ha-decoder" in e["message"]]
+        assert sum(int(e.get("count") or 1) for e in updates) == 1, updates
+    finally:
+        for replica in replicas:
+            if replica.proc.poll() is None:
+                replica.proc.terminate()
+                replica.proc.wait(timeout=30)
