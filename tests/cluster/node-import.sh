@@ -19,7 +19,7 @@ for image in "$@"; do
   fi
   t0=$SECONDS
   tmp=$(mktemp -p "$NODE_DIR" image.XXXXXX.tar)
-  podman save --format docker-archive -o "$tmp" "$image" >/dev/null
+  podman save --quiet --format docker-archive -o "$tmp" "$image" >/dev/null
   "${CTR[@]}" images import "$tmp" >/dev/null
   rm -f "$tmp"
   echo "node-import: imported $image in $((SECONDS - t0)) s"
