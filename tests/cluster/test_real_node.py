@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.cluster.fixtures import CLUSTER_SRC, KubeCluster, cluster_env, cluster_settings, missing_binaries, poll
 
@@ -278,6 +279,117 @@ def test_kwok_nodes_keep_their_pods_off_the_real_node(real_node: KubeCluster) ->
     assert node["metadata"]["labels"]["triptych.dev/real-node"] == "true"
     addresses = {a["type"]: a["address"] for a in node["status"]["addresses"]}
     assert addresses["InternalIP"] == real_node.settings["NODE_IP"]
+
+
+E2E_IMAGES = ("localhost/triptych-operator:0.1.0", HEAD_IMAGE, "localhost/triptych-worker:0.1.0")
+ON_REAL_NODE = {
+    "nodeSelector": {"triptych.dev/real-node": "true"},
+    "tolerations": [{"key": "triptych.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}],
+}
+
+
+def _pipeline_manifest(models: Path) -> str:
+    """examples/tiny-flux-cpu.yaml on the real node: every role on CPU, the model on a hostPath."""
+    role = {"replicas": 1, "gpusPerReplica": 0, "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}}
+    spec = {
+        "model": {"path": "tiny-flux", "volume": {"hostPath": {"path": str(models)}}},
+        **{r: role | ON_REAL_NODE for r in ("encoder", "denoiser", "decoder")},
+        "head": ON_REAL_NODE,
+        "transfer": {"mode": "tcp", "poolSize": "64MiB"},
+    }
+    dp = {"apiVersion": "triptych.ai/v1alpha1", "kind": "DiffusionPipeline", "metadata": {"name": "tiny"}, "spec": spec}
+    return json.dumps(dp)
+
+
+def _post_json(url: str, body: dict, timeout: float) -> dict:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with opener.open(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def test_helm_install_serves_tiny_flux_with_pixels_equal_to_stock_diffusers(
+    real_node: KubeCluster, tiny_models: dict[str, Path]
+) -> None:
+    """The chart with the local images: the operator as a pod under the chart's ServiceAccount, a CPU
+    pipeline Ready with real pods, a request through the head's Service, `helm uninstall` removes it all."""
+    absent = [i for i in E2E_IMAGES if subprocess.run(["podman", "image", "exists", i], timeout=30).returncode]
+    if absent:
+        pytest.skip(f"{absent} not built: TRIPTYCH_BUILD_WORKER_IMAGE=1 make images")
+    env = json.loads(real_node.settings["_env"])
+    t0 = time.monotonic()
+    imported = subprocess.run(
+        ["bash", str(CLUSTER_SRC / "node-import.sh"), *E2E_IMAGES], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert imported.returncode == 0, imported.stdout + imported.stderr
+    print(f"images imported in {time.monotonic() - t0:.1f} s")
+    values = {
+        "image": {"repository": "localhost/triptych-operator", "tag": "0.1.0", "pullPolicy": "Never"},
+        "workerImage": E2E_IMAGES[2],
+        "headImage": HEAD_IMAGE,
+        **ON_REAL_NODE,
+    }
+    values_file = Path(real_node.state_dir) / "e2e-values.json"
+    values_file.write_text(json.dumps(values))
+    ns, release, system = "real-node-e2e", "triptych", "triptych-system"
+    chart = str(REPO / "charts" / "triptych")
+    try:
+        t0 = time.monotonic()
+        real_node.helm("install", release, chart, "-n", system, "--create-namespace", "-f", str(values_file),
+                       "--wait", "--timeout=180s", timeout=200)  # fmt: skip
+        print(f"helm install (operator and metrics API Ready) in {time.monotonic() - t0:.1f} s")
+        chart_objects = real_node.helm("get", "manifest", release, "-n", system).stdout
+        operator = real_node.kubectl_json("-n", system, "get", "pods", "-l", "app.kubernetes.io/name=triptych")
+        assert {p["spec"]["serviceAccountName"] for p in operator["items"]} == {release}
+
+        real_node.kubectl("create", "namespace", ns)
+        t0 = time.monotonic()
+        real_node.apply(_pipeline_manifest(tiny_models["tiny-flux"].parent), ns)
+
+        def ready() -> bool:
+            conditions = real_node.kubectl_json("-n", ns, "get", "dp", "tiny").get("status", {}).get("conditions", [])
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+        poll(ready, timeout=300, interval=2, what="the DiffusionPipeline Ready")
+        print(f"pipeline Ready in {time.monotonic() - t0:.1f} s")
+        pods = real_node.kubectl_json("-n", ns, "get", "pods")["items"]
+        assert {p["spec"]["nodeName"] for p in pods} == {real_node.settings["NODE_NAME"]}
+        assert all(s["ready"] for p in pods for s in p["status"]["containerStatuses"])
+
+        from tests.e2e.test_pixels import IMAGE, stock_image
+
+        api = real_node.kubectl_json("-n", ns, "get", "service", "tiny-api")["spec"]
+        t0 = time.monotonic()
+        body = _post_json(f"http://{api['clusterIP']}:{api['ports'][0]['port']}/v1/images/generations", IMAGE, 300)
+        print(f"request through the head's Service in {time.monotonic() - t0:.1f} s")
+        import base64
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        got = np.stack([np.array(Image.open(io.BytesIO(base64.b64decode(d["b64_json"])))) for d in body["data"]])
+        np.testing.assert_array_equal(got, stock_image(tiny_models["tiny-flux"]))
+
+        real_node.kubectl("-n", ns, "delete", "dp", "tiny", "--timeout=60s", timeout=90)
+        t0 = time.monotonic()
+        real_node.helm("uninstall", release, "-n", system, "--wait", "--timeout=120s", timeout=150)
+        print(f"helm uninstall in {time.monotonic() - t0:.1f} s")
+        cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "APIService", "Namespace"}
+        for obj in filter(None, yaml.safe_load_all(chart_objects)):
+            meta = obj["metadata"]
+            where = [] if obj["kind"] in cluster_scoped else ["-n", meta.get("namespace", system)]
+            left = real_node.kubectl("get", obj["kind"], meta["name"], *where, "--ignore-not-found", "-o", "name")
+            assert left.stdout == "", f"{obj['kind']}/{meta['name']} survived helm uninstall"
+        poll(lambda: not real_node.kubectl("get", "pods", "-n", system, "-o", "name").stdout.strip()
+             and not real_node.kubectl("get", "pods", "-n", ns, "-o", "name").stdout.strip(),
+             timeout=90, what="every pod of the chart and the pipeline gone")  # fmt: skip
+    except BaseException:
+        print(f"logs saved in {_save_logs(real_node, ns, 'e2e')} and {_save_logs(real_node, system, 'e2e-system')}")
+        raise
+    finally:
+        real_node.helm("uninstall", release, "-n", system, "--ignore-not-found", check=False, timeout=150)
+        real_node.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
 
 
 def test_node_down_leaves_nothing_behind(real_node: KubeCluster) -> None:
