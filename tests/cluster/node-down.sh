@@ -73,6 +73,7 @@ if [ -n "$(find_pids kubelet)" ] && "${KUBECTL[@]}" get --raw /readyz >/dev/null
     while [ $SECONDS -lt $deadline ] && [ -n "$("${KUBECTL[@]}" get pods -A --field-selector "spec.nodeName=$NODE_NAME" -o name 2>/dev/null)" ]; do
       sleep 1
     done
+    log "pods gone after $((SECONDS - t_start)) s"
   fi
 fi
 
@@ -83,6 +84,7 @@ if [ -S "$SOCK" ] && [ -n "$(find_pids containerd)" ]; then
   for id in $("${CTR[@]}" containers ls -q 2>/dev/null); do "${CTR[@]}" containers delete "$id" >/dev/null 2>&1 || true; done
 fi
 stop 20 containerd
+log "processes stopped after $((SECONDS - t_start)) s"
 stop 10 containerd-shim-runc-v2
 # Containers the shims leave behind (should none be left, this finds nothing): their runc state is ours.
 if [ -d "$NODE_DIR/containerd/runc" ]; then

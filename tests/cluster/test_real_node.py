@@ -339,8 +339,9 @@ def test_helm_install_serves_tiny_flux_with_pixels_equal_to_stock_diffusers(
                        "--wait", "--timeout=180s", timeout=200)  # fmt: skip
         print(f"helm install (operator and metrics API Ready) in {time.monotonic() - t0:.1f} s")
         chart_objects = real_node.helm("get", "manifest", release, "-n", system).stdout
-        operator = real_node.kubectl_json("-n", system, "get", "pods", "-l", "app.kubernetes.io/name=triptych")
-        assert {p["spec"]["serviceAccountName"] for p in operator["items"]} == {release}
+        operator = real_node.kubectl_json("-n", system, "get", "deployment", release)
+        assert operator["spec"]["template"]["spec"]["serviceAccountName"] == release
+        assert operator["status"]["readyReplicas"] == 1
 
         real_node.kubectl("create", "namespace", ns)
         t0 = time.monotonic()
@@ -400,6 +401,6 @@ def test_node_down_leaves_nothing_behind(real_node: KubeCluster) -> None:
         ["bash", str(CLUSTER_SRC / "down.sh"), "--purge"], env=env, capture_output=True, text=True, timeout=180
     )
     assert down.returncode == 0, down.stdout + down.stderr
-    print(f"cluster with a real node down in {time.monotonic() - t0:.1f} s")
+    print(f"cluster with a real node down in {time.monotonic() - t0:.1f} s:\n{down.stdout}")
     assert _host_leftovers(real_node.settings) == []
     assert not Path(real_node.state_dir).exists()
