@@ -38,6 +38,7 @@ crd:
 images:
 	@bash scripts/images.sh $(IMAGES)
 
+# TRIPTYCH_REAL_NODE=1 make cluster-up: also a real node (containerd, kubelet, kube-proxy, CoreDNS; opt-in).
 cluster-up:
 	@bash tests/cluster/up.sh
 

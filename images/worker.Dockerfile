@@ -33,6 +33,9 @@ FROM base
 COPY --from=build /opt/triptych /opt/triptych
 ENV PATH=/opt/triptych/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp HF_HOME=/cache/huggingface
 WORKDIR /var/lib/triptych
+# A passwd entry for the user: kopf (getpass.getuser) and torch look the uid up and fail without one.
+RUN groupadd --gid 10001 triptych \
+    && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin triptych
 USER 10001:10001
 EXPOSE 19000
 ENTRYPOINT ["triptych"]

@@ -62,6 +62,14 @@ stop_group() {
   fi
 }
 
+# The real node first (its teardown deletes its pods through the apiserver), if this cluster has one.
+if [ -d "$NODE_DIR" ]; then
+  exec 9>&-  # node-down.sh takes the same lock
+  bash "$CLUSTER_SRC/node-down.sh"
+  exec 9>"$CLUSTER_DIR/.lock"
+  flock -w 120 9 || { echo "down.sh: another up.sh/down.sh holds $CLUSTER_DIR/.lock" >&2; exit 1; }
+fi
+
 # Clients first, then the apiserver, then its storage.
 stop_group 15 kwok kube-scheduler kube-controller-manager
 stop_group 20 kube-apiserver

@@ -176,13 +176,26 @@ start etcd "$ETCD_CLIENT_PORT" \
 wait_for 30 "etcd on 127.0.0.1:$ETCD_CLIENT_PORT" port_open "$ETCD_CLIENT_PORT"
 
 # ---------------------------------------------------------------- kube-apiserver
-# No kubelets exist (kwok fakes the nodes), so the advertise address only feeds the `kubernetes`
-# Service's endpoints; 127.0.0.1 is rejected there, so the apiserver does not reconcile them.
+if [ "$REAL_NODE" = 1 ]; then
+  # Pods of the real node reach the apiserver through the `kubernetes` Service, whose endpoint is the
+  # advertise address (the node IP): listen there too, and reach the kubelet by its InternalIP with a
+  # client certificate (logs, exec).
+  new_cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" ca clientAuth
+  apiserver_address_args=(
+    --bind-address=0.0.0.0
+    --advertise-address="$NODE_IP"
+    --kubelet-preferred-address-types=InternalIP
+    --kubelet-client-certificate="$CERTS/apiserver-kubelet-client.crt"
+    --kubelet-client-key="$CERTS/apiserver-kubelet-client.key"
+  )
+else
+  # No kubelets exist (kwok fakes the nodes), so the advertise address only feeds the `kubernetes`
+  # Service's endpoints; 127.0.0.1 is rejected there, so the apiserver does not reconcile them.
+  apiserver_address_args=(--bind-address=127.0.0.1 --advertise-address=127.0.0.1 --endpoint-reconciler-type=none)
+fi
 start kube-apiserver "$APISERVER_PORT" \
   --etcd-servers="http://127.0.0.1:$ETCD_CLIENT_PORT" \
-  --bind-address=127.0.0.1 \
-  --advertise-address=127.0.0.1 \
-  --endpoint-reconciler-type=none \
+  "${apiserver_address_args[@]}" \
   --secure-port="$APISERVER_PORT" \
   --cert-dir="$CERTS/apiserver-selfsigned" \
   --tls-cert-file="$CERTS/apiserver.crt" \
@@ -318,8 +331,8 @@ add_node() { # <name> <role> <cpu> <memory> <gpus> <ip>
   node_status_yaml "$1" "$3" "$4" "$5" "$6" >"$CLUSTER_DIR/nodes/$1.status.yaml"
   node_names+=("$1")
 }
-for ((i = 0; i < GPU_NODES; i++)); do add_node "gpu-node-$i" gpu 64 512Gi 8 "10.90.0.$((10 + i))"; done
-add_node cpu-node-0 cpu 16 64Gi 0 10.90.1.10
+for ((i = 0; i < GPU_NODES; i++)); do add_node "gpu-node-$i" gpu 64 512Gi 8 "192.0.2.$((240 + i))"; done
+add_node cpu-node-0 cpu 16 64Gi 0 192.0.2.249
 for n in "${node_names[@]}"; do
   if ! "${KUBECTL[@]}" get node "$n" >/dev/null 2>&1; then
     # A Node keeps the status it is created with (as when a kubelet registers); kwok keeps the capacity.
@@ -340,6 +353,10 @@ wait_for 60 "node taints to clear" no_taints
 wait_for 60 "the default ServiceAccount" "${KUBECTL[@]}" -n default get serviceaccount default
 
 log "cluster ready in $((SECONDS - t_start)) s: ${node_names[*]}"
+if [ "$REAL_NODE" = 1 ]; then
+  exec 9>&-  # node-up.sh takes the same lock
+  bash "$CLUSTER_SRC/node-up.sh"
+fi
 cat <<EOF
 up: use it with
   export KUBECONFIG=$KUBECONFIG_PATH

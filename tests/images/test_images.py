@@ -230,10 +230,18 @@ def test_a_worker_from_the_image_joins_a_running_deployment_and_moves_tensors_th
     flags = ("--device", "cpu", "--simulate")
     with local_deployment(model, tmp_path, counts, worker_flags=flags, spare={Role.DECODER: 1}) as dep:
         port = int(dep.spare[Role.DECODER][0])
-        argv = ["podman", "run", "--rm", f"--name={name}", "--network=host", f"--volume={model}:{model}:ro", tag,
+        volumes, key_args = [f"--volume={model}:{model}:ro"], []
+        if dep.keys_dir is not None:  # the deployment's key set, readable by the pod's user as the operator's mount is
+            keys = tmp_path / "decoder-keys"
+            shutil.copytree(dep.keys_dir, keys)
+            for path in (keys, *keys.iterdir()):
+                os.chown(path, RUN_AS_USER, RUN_AS_USER)
+            volumes.append(f"--volume={keys}:{dep.keys_dir}:ro")
+            key_args = ["--disagg-keys-dir", str(dep.keys_dir)]
+        argv = ["podman", "run", "--rm", f"--name={name}", "--network=host", *volumes, tag,
                 "serve", "--model-path", str(model), "--disagg-role", "decoder", "--scheduler-port", str(port),
                 "--disagg-server-addr", f"tcp://127.0.0.1:{dep.scheduler_port}", "--disagg-p2p-hostname", "127.0.0.1",
-                *flags]  # fmt: skip
+                *key_args, *flags]  # fmt: skip
         with (tmp_path / "decoder-image.log").open("wb") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=ENV)
         try:

@@ -1,0 +1,3 @@
+module local/triptych/pause
+
+go 1.24.0
