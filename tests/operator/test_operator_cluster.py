@@ -531,10 +531,15 @@ def test_pipeline_gets_control_keys_network_policies_and_pods_that_mount_and_use
     assert results["from"] == [{"podSelector": workers["podSelector"]}]
     assert sorted(p["port"] for p in results["ports"]) == [5556, 5557, 5558]
     assert http == {"ports": [{"protocol": "TCP", "port": 30000}]}
-    # Each selector matches exactly the pipeline's pods of that kind (kwok runs them).
-    pods = (get(crd, ns, "pods", "-l", "app.kubernetes.io/instance=sec") or {}).get("items", [])
-    components = sorted(p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods)
-    assert components == ["decoder", "denoiser", "denoiser", "encoder", "head"]
+    # Each selector matches exactly the pipeline's pods of that kind (kwok runs them, once the
+    # Deployment and ReplicaSet controllers have created them all).
+    expected = ["decoder", "denoiser", "denoiser", "encoder", "head"]
+
+    def components() -> list[str]:
+        pods = (get(crd, ns, "pods", "-l", "app.kubernetes.io/instance=sec") or {}).get("items", [])
+        return sorted(p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods)
+
+    poll(lambda: components() == expected or None, what=f"the pipeline's pods {expected}")
 
     # A reconcile (here: an edit of the pipeline) leaves the keys alone.
     crd.kubectl("patch", "dp", "sec", "-n", ns, "--type=merge", "-p", '{"spec": {"decoder": {"replicas": 2}}}')
