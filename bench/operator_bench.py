@@ -176,7 +176,8 @@ class Bench:
         self.release = f"r{self.ns[-6:]}"
         self.nodes = [f"bench-node-{self.ns[-6:]}-{i}" for i in range(-(-pipelines * 4 // PODS_PER_NODE) + 1)]
         self.counter = RequestCounter(cluster, self.ns, f"{self.release}-triptych")
-        self.api = client.CustomObjectsApi(config.new_client_from_config(config_file=cluster.kubeconfig))
+        api_client = config.new_client_from_config(config_file=cluster.kubeconfig)
+        self.api, self.apps = client.CustomObjectsApi(api_client), client.AppsV1Api(api_client)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def setup(self) -> None:
@@ -247,8 +248,11 @@ class Bench:
         }
 
     def pipelines(self) -> list[dict[str, Any]]:
-        out = self.cluster.kubectl("get", "dp", "-n", self.ns, "-o", "json", timeout=60).stdout
-        return list(json.loads(out)["items"])
+        # Polled every second: through the client already loaded, not a kubectl process each time.
+        rsp: Any = self.api.list_namespaced_custom_object(
+            "triptych.ai", "v1alpha1", self.ns, "diffusionpipelines", _preload_content=False
+        )
+        return list(json.loads(rsp.data)["items"])
 
     def all_ready(self, generation: int) -> tuple[bool, str]:
         items = self.pipelines()
@@ -261,11 +265,11 @@ class Bench:
         return ready == self.n, f"{ready}/{self.n} Ready"
 
     def heads_rolled(self, timeout_s: int) -> tuple[bool, str]:
-        out = self.cluster.kubectl(
-            "get", "deploy", "-n", self.ns, "-l", "app.kubernetes.io/component=head", "-o", "json", timeout=60
-        ).stdout
+        rsp: Any = self.apps.list_namespaced_deployment(
+            self.ns, label_selector="app.kubernetes.io/component=head", _preload_content=False
+        )
         done = 0
-        for d in json.loads(out)["items"]:
+        for d in json.loads(rsp.data)["items"]:
             args = d["spec"]["template"]["spec"]["containers"][0]["args"]
             status = d.get("status") or {}
             new = "--disagg-timeout" in args and float(args[args.index("--disagg-timeout") + 1]) == timeout_s

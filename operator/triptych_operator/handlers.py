@@ -285,6 +285,7 @@ async def reconcile(
                 rendered_for = (*state.parsed_for, state.keys_fingerprint)  # type: ignore[misc]
                 if state.rendered_for != rendered_for:
                     state.children = render(state.spec, owner=pipeline, keys_fingerprint=state.keys_fingerprint)
+                    state.digests = {(m["kind"], m["metadata"]["name"]): drift.digest(m) for m in state.children.apply}
                     state.rendered_for = rendered_for
                 assert state.children is not None
                 await _apply_children(pipeline, state, indexes, trigger=trigger, logger=logger)
@@ -336,19 +337,22 @@ async def _apply_children(
     try:
         for manifest in state.children.apply:
             kind, name = manifest["kind"], manifest["metadata"]["name"]
+            desired = state.digests[(kind, name)]
             applied = state.applied.get((kind, name))
             live = _live_child(indexes, key, manifest["apiVersion"], kind, name)
+            if drift.unchanged(applied, desired, live):
+                continue
             if live is None:
-                if applied is not None and applied.desired == drift.digest(manifest):
+                if applied is not None and applied.desired == desired:
                     continue  # applied by us and not deleted since (that drops the record): the watch lags
                 # Not ours to know: someone else's object may hold the name (get_managed refuses it then).
                 live = await kube.run(kube.get_managed, manifest["apiVersion"], kind, name, meta["namespace"])
             if not drift.needs_apply(manifest, live, applied):
-                if applied is None and live is not None:
-                    state.applied[(kind, name)] = drift.record(manifest, live)
+                if live is not None:  # as it should be: remember this version, so its next look is free
+                    state.applied[(kind, name)] = drift.record(manifest, live, desired)
                 continue
             result, after = await kube.run(kube.apply, manifest, live)
-            state.applied[(kind, name)] = drift.record(manifest, after)
+            state.applied[(kind, name)] = drift.record(manifest, after, desired)
             if result is not kube.ApplyResult.UNCHANGED:
                 reason = CHANGE_REASONS[(result, by_hand)]
                 changed.setdefault(reason, []).append(f"{kind} {name}")

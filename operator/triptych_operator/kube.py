@@ -76,16 +76,23 @@ def _resource(api_version: str, kind: str) -> Any:
     return dynamic_client().resources.get(api_version=api_version, kind=kind)
 
 
-def _get(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+def _get(api_version: str, kind: str, name: str, namespace: str, *, cached: bool = False) -> dict[str, Any] | None:
+    # cached: from the API server's watch cache (resourceVersion=0), no etcd read; may lag it by moments.
+    version = "0" if cached else None
     try:
-        return _resource(api_version, kind).get(name=name, namespace=namespace).to_dict()
+        found = _resource(api_version, kind).get(name=name, namespace=namespace, resource_version=version)
+        return dict(found.to_dict())
     except NotFoundError:
         return None
 
 
 def get_managed(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-    """The live object, or None; ApplyError when one exists that the operator does not manage."""
-    live = _get(api_version, kind, name, namespace)
+    """The live object, or None; ApplyError when one exists that the operator does not manage.
+
+    Read from the API server's cache: a new pipeline asks this of every child, and the answer only
+    decides whether a name is taken by someone else's object (and whether the apply creates).
+    """
+    live = _get(api_version, kind, name, namespace, cached=True)
     if live is not None and (live["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGER:
         # Never take over someone else's object that happens to have the name we need.
         raise ApplyError(

@@ -34,6 +34,7 @@ class PipelineState:
     annotations: str | None = None  # digest of the annotations when the Secret was last read
     rendered_for: tuple[str, int, str] | None = None
     children: Children | None = None
+    digests: dict[ChildKey, str] = field(default_factory=dict)  # of each child's manifest, per render
     applied: dict[ChildKey, Applied] = field(default_factory=dict)
     apply_error: str | None = None
     # The status this operator last wrote, compared before writing again.
