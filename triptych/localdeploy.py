@@ -24,10 +24,10 @@ from pathlib import Path
 
 import httpx
 
-from triptych.roles import Role
+from triptych.roles import COMBINED_ROLES, Role
 from triptych.security import generate_keys
 
-ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER)
+ROLES = COMBINED_ROLES
 
 
 def _port_free(port: int) -> bool:

@@ -55,7 +55,7 @@ from triptych.protocol import (
     decode,
     encode,
 )
-from triptych.roles import Role
+from triptych.roles import WORKER_ROLES, Role, route_for
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message
 from triptych_head.admission import AdmissionControl, retry_after_seconds
@@ -89,10 +89,14 @@ class HeldSlot:
     standing_addr: int = 0
 
 
-def pipeline_route(args: ServeArgs) -> list[Role]:
-    """The roles a text-to-image/video request visits, from the URL flags given to the head."""
-    first = [Role.PROMPT_ENCODER] if args.prompt_encoder_urls else [Role.ENCODER]
-    return [*first, Role.DENOISER, Role.DECODER]
+def deployed_roles(args: ServeArgs) -> frozenset[Role]:
+    """The worker roles this head routes through: those its URL flags list."""
+    return frozenset(role for role in WORKER_ROLES if args.urls_for(role))
+
+
+def request_route(roles: frozenset[Role], params: GenerationParams) -> list[Role]:
+    """The roles one request visits, in order (an edit's reference image adds the image encoder)."""
+    return route_for(roles, has_reference=params.has_reference)
 
 
 class DiffusionServer:
@@ -111,10 +115,11 @@ class DiffusionServer:
         # Before any socket: with keys, result sockets let in only the pipeline's workers, and the
         # head reaches workers' work sockets as the only client they accept.
         self.security: ControlPlane = control_plane(args, self._ctx, "head")
-        self._route = pipeline_route(args)
+        self._roles = deployed_roles(args)
         directories = {
             role: WorkerDirectory(args.urls_for(role), args.disagg_discovery_interval)
-            for role in dict.fromkeys(self._route)
+            for role in WORKER_ROLES
+            if role in self._roles
         }
         self.registry = WorkerRegistry(
             self._ctx, directories, args.disagg_heartbeat_timeout, self.metrics, self.security
@@ -384,7 +389,7 @@ class DiffusionServer:
         rec = RequestRecord(
             request_id=rid,
             params=msg.params,
-            route=list(self._route),
+            route=request_route(self._roles, msg.params),
             client=client,
             deadline=time.monotonic() + self.args.disagg_timeout,
             watch=msg.watch,

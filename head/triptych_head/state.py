@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triptych.params import GenerationParams
-from triptych.roles import Role
+from triptych.roles import ROLE_SPECS, Role
 
 
 class RequestState(enum.StrEnum):
@@ -53,13 +53,15 @@ _FORWARD: dict[RequestState, frozenset[RequestState]] = {
     _S.DECODER_RUNNING: frozenset({_S.DONE}),
 }
 
-# The (waiting, running, done) states a hop to `role` passes through.
+
+def _hop_states(group: str) -> tuple[RequestState, RequestState, RequestState]:
+    done = _S.DONE if group == "DECODER" else RequestState[f"{group}_DONE"]  # the last hop ends the request
+    return RequestState[f"{group}_WAITING"], RequestState[f"{group}_RUNNING"], done
+
+
+# The (waiting, running, done) states a hop to `role` passes through, named by the role descriptor.
 ROLE_STATES: dict[Role, tuple[RequestState, RequestState, RequestState]] = {
-    Role.ENCODER: (_S.ENCODER_WAITING, _S.ENCODER_RUNNING, _S.ENCODER_DONE),
-    Role.PROMPT_ENCODER: (_S.ENCODER_WAITING, _S.ENCODER_RUNNING, _S.ENCODER_DONE),
-    Role.IMAGE_ENCODER: (_S.ENCODER_WAITING, _S.ENCODER_RUNNING, _S.ENCODER_DONE),
-    Role.DENOISER: (_S.DENOISING_WAITING, _S.DENOISING_RUNNING, _S.DENOISING_DONE),
-    Role.DECODER: (_S.DECODER_WAITING, _S.DECODER_RUNNING, _S.DONE),
+    role: _hop_states(spec.stage_states) for role, spec in ROLE_SPECS.items()
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Final
 
 from triptych.ports import DEFAULT_HTTP_PORT, DEFAULT_SCHEDULER_PORT
-from triptych.roles import Role
+from triptych.roles import COMBINED_ROLES
 
 GROUP: Final = "triptych.ai"
 VERSION: Final = "v1alpha1"
@@ -19,7 +19,7 @@ SINGULAR: Final = "diffusionpipeline"
 SHORT_NAMES: Final = ("dp", "dpipe")
 
 # The roles a DiffusionPipeline runs as worker pools, in the order requests flow through them.
-PIPELINE_ROLES: Final = (Role.ENCODER, Role.DENOISER, Role.DECODER)
+PIPELINE_ROLES: Final = COMBINED_ROLES
 HEAD_COMPONENT: Final = "head"
 
 # Ports. Every worker pod binds the same work port: pods have their own IPs, so nothing collides,

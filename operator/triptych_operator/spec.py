@@ -56,11 +56,7 @@ TRANSFER_MODES = ("tcp", "rdma")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PARALLEL_DEGREES = ("tp", "sp", "ulysses", "ring", "cfg")
 # Only the denoiser has --denoiser-ulysses/--denoiser-ring; other roles derive them from sp.
-ROLE_DEGREES: dict[Role, tuple[str, ...]] = {
-    Role.ENCODER: ("tp", "sp", "cfg"),
-    Role.DENOISER: PARALLEL_DEGREES,
-    Role.DECODER: ("tp", "sp", "cfg"),
-}
+ROLE_DEGREES: dict[Role, tuple[str, ...]] = {role: role.spec.operator_degrees for role in PIPELINE_ROLES}
 DEFAULT_TOKEN_KEY = "token"
 DEFAULT_API_KEYS_KEY = "keys"
 # Autoscaling defaults: a denoiser replica should have about a minute of queued work before
@@ -70,7 +66,7 @@ DEFAULT_SCALE_DOWN_STABILIZATION_S = 600
 MAX_STABILIZATION_S = 3600  # the HPA API's limit
 # Drain: a worker gets SIGTERM, finishes what it holds, and is killed drainSeconds later. The
 # default fits the longest request each role runs (a long video's denoising loop takes minutes).
-DEFAULT_DRAIN_SECONDS: dict[Role, int] = {Role.ENCODER: 120, Role.DENOISER: 900, Role.DECODER: 120}
+DEFAULT_DRAIN_SECONDS: dict[Role, int] = {role: role.spec.drain_seconds for role in PIPELINE_ROLES}
 # The worker's own deadline is this much earlier, so it exits before the kubelet's SIGKILL.
 DRAIN_MARGIN_S = 15
 MIN_DRAIN_SECONDS = 2 * DRAIN_MARGIN_S

@@ -13,13 +13,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from triptych.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
+from triptych.families import ModelInfo
 from triptych.params import GenerationParams
 from triptych_head.admission import AdmissionControl, Overloaded
 from triptych_head.api.auth import APIKeys
 from triptych_head.api.errors import APIError
 from triptych_head.api.schemas import ImageGenerationRequest, VideoGenerationRequest, parse_size
 from triptych_head.backend import Backend, GenerationFailed
-from triptych_head.model_info import ModelInfo
 from triptych_head.results import ResultStore, Retention
 
 Validator = Callable[[GenerationParams], None]

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from triptych.params import GenerationParams
-from triptych.protocol.tensors import TensorSpec
-from triptych_worker.adapters.base import FamilyAdapter, ModelPackage, check_common, pixels_uint8
+from triptych.families.flux import KONTEXT, FluxRules
+from triptych_worker.adapters.base import FamilyAdapter, pixels_uint8
 from triptych_worker.stages import PIXELS
 
 if TYPE_CHECKING:
@@ -29,56 +28,21 @@ if TYPE_CHECKING:
 TEXT = frozenset({"text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"})
 
 
-class FluxAdapter(FamilyAdapter):
+class FluxAdapter(FamilyAdapter[FluxRules]):
     stage_components: ClassVar[dict[str, frozenset[str]]] = {
         "TextEncodingStage": TEXT,
+        "ImageEncodingStage": frozenset({"vae"}),
         "TimestepPreparationStage": frozenset({"scheduler"}),
         "DenoisingStage": frozenset({"transformer", "scheduler"}),
         "DecodingStage": frozenset({"vae"}),
     }
-
-    def __init__(self, package: ModelPackage, device: str = "cpu"):
-        super().__init__(package, device)
-        transformer, vae = package.config("transformer"), package.config("vae")
-        # The same formula FluxPipeline applies to a loaded VAE, read here from its config.
-        self.vae_scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
-        self.latent_channels = int(transformer["in_channels"]) // 4
-        self.guidance_embeds = bool(transformer.get("guidance_embeds", False))
-        self.max_steps = int(package.config("scheduler").get("num_train_timesteps", 1000))
-        self.text_dim = int(package.config("text_encoder_2")["d_model"])  # T5
-        self.pooled_dim = int(package.config("text_encoder")["hidden_size"])  # CLIP's pooled output
-
-    def _encoder_outputs(self, params: GenerationParams) -> list[TensorSpec]:
-        n, length = params.num_outputs, params.max_sequence_length
-        seq = (params.height // self.size_multiple) * (params.width // self.size_multiple)
-        return [
-            TensorSpec("prompt_embeds", "float32", (n, length, self.text_dim)),
-            TensorSpec("pooled_prompt_embeds", "float32", (n, self.pooled_dim)),
-            TensorSpec("text_ids", "float32", (length, 3)),
-            TensorSpec("latents", "float32", (n, seq, self.latent_channels * 4)),
-            TensorSpec("latent_image_ids", "float32", (seq, 3)),
-        ]
-
-    @property
-    def size_multiple(self) -> int:
-        return self.vae_scale_factor * 2  # latents are packed in 2x2 patches
-
-    def validate(self, params: GenerationParams) -> None:
-        check_common(params, size_multiple=self.size_multiple, max_steps=self.max_steps)
-        if params.num_frames != 1:
-            raise ValueError(f"num_frames {params.num_frames} must be 1: {self.package.class_name} makes images")
-        if params.negative_prompt:
-            raise ValueError(
-                "negative_prompt is not supported by FLUX.1: it uses embedded guidance (guidance_scale), "
-                "not classifier-free guidance; leave negative_prompt empty"
-            )
 
     def load(self, components: set[str]) -> None:
         import diffusers
 
         self.pipe = self._load_stock(getattr(diffusers, self.package.class_name), components)
         # Without its VAE the stock pipeline falls back to a factor of 8; the package may differ.
-        self.pipe.vae_scale_factor = self.vae_scale_factor
+        self.pipe.vae_scale_factor = self.rules.vae_scale_factor
 
     def encode_text(self, batch: StageBatch) -> None:
         p = batch.params
@@ -98,14 +62,14 @@ class FluxAdapter(FamilyAdapter):
         generator = torch.Generator("cpu").manual_seed(p.seed)
         args: tuple[Any, ...] = (
             p.num_outputs,
-            self.latent_channels,
+            self.rules.latent_channels,
             p.height,
             p.width,
             batch.tensors["prompt_embeds"].dtype,
             torch.device(self.device),
             generator,
         )
-        if self.package.class_name == "FluxKontextPipeline":
+        if self.package.class_name == KONTEXT:
             latents, _, latent_ids, _ = self.pipe.prepare_latents(None, *args)  # no reference image
         else:
             latents, latent_ids = self.pipe.prepare_latents(*args)
@@ -126,7 +90,7 @@ class FluxAdapter(FamilyAdapter):
             config.get("max_shift", 1.15),
         )
         batch.meta.update(
-            sigmas=sigmas, mu=float(mu), guidance=float(p.guidance_scale) if self.guidance_embeds else None
+            sigmas=sigmas, mu=float(mu), guidance=float(p.guidance_scale) if self.rules.guidance_embeds else None
         )
 
     def denoise(self, batch: StageBatch) -> None:
@@ -164,7 +128,7 @@ class FluxAdapter(FamilyAdapter):
 
     def decode(self, batch: StageBatch) -> None:
         p, vae = batch.params, self.pipe.vae
-        latents = self.pipe._unpack_latents(batch.tensors["latents"], p.height, p.width, self.vae_scale_factor)
+        latents = self.pipe._unpack_latents(batch.tensors["latents"], p.height, p.width, self.rules.vae_scale_factor)
         latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
         image = vae.decode(latents.to(vae.device), return_dict=False)[0]
         images = self.pipe.image_processor.postprocess(image, output_type="np")  # [n, H, W, 3] in [0, 1]
