@@ -386,6 +386,10 @@ class DiffusionServer:
         except ValueError as exc:
             self._reply(client, RequestEvent(rid, REJECTED, error=str(exc), status_code=400))
             return
+        if msg.params.has_reference and not any(role.runs_affinity(Role.IMAGE_ENCODER) for role in self._roles):
+            error = "image: this deployment encodes no reference images (its head has no --image-encoder-urls)"
+            self._reply(client, RequestEvent(rid, REJECTED, error=error, status_code=400))
+            return
         rec = RequestRecord(
             request_id=rid,
             params=msg.params,
@@ -524,7 +528,7 @@ class DiffusionServer:
         rec.push_in_flight = False
         rec.staged = None
         ready = TransferReady(
-            rec.wire_id, rec.instance, rec.params, staged.manifest, staged.meta, rec.slot_addr, rec.watch
+            rec.wire_id, rec.instance, rec.wire_params(), staged.manifest, staged.meta, rec.slot_addr, rec.watch
         )
         started = time.monotonic()  # before the send, so the hop's time contains all the receiver's work
         sent = self.registry.send(rec.instance, ready)
@@ -657,7 +661,7 @@ class DiffusionServer:
             keep = inst.should_keep_slot(nbytes)
             sent = self.registry.send(inst.url, TransferAlloc(wire_id, inst.url, nbytes, keep=keep))
         else:
-            sent = self.registry.send(inst.url, Work(wire_id, inst.url, rec.params, progress=rec.watch))
+            sent = self.registry.send(inst.url, Work(wire_id, inst.url, rec.wire_params(), progress=rec.watch))
         if not sent:  # not connected any more: treat it as gone until it heartbeats again
             self._instance_lost(inst, "disconnected", f"{role.value} {inst.url} is not connected")
             return False

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from triptych.params import GenerationParams
 from triptych.roles import ROLE_SPECS, Role
 
@@ -120,6 +122,13 @@ class RequestRecord:
     @property
     def role(self) -> Role:
         return self.route[self.hop]
+
+    def wire_params(self) -> GenerationParams:
+        """The request as the current hop's role gets it: an inlined reference image travels only
+        to the role that encodes it, not on to the denoiser and decoder."""
+        if self.params.image is None or self.role.runs_affinity(Role.IMAGE_ENCODER):
+            return self.params
+        return msgspec.structs.replace(self.params, image=None)
 
     @property
     def receiver_reserved(self) -> bool:

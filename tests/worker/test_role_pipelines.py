@@ -255,3 +255,57 @@ def test_the_role_table_names_every_stage_affinity() -> None:
     from triptych_worker.pipeline import STAGES
 
     assert {stage.role_affinity for stage in STAGES} | {Role.ENCODER} == set(WORKER_ROLES)
+
+
+def reference_png(width: int = 40, height: int = 56, seed: int = 3) -> bytes:
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def stock_kontext_edit(model: Path, params: GenerationParams) -> torch.Tensor:
+    """FluxKontextPipeline.__call__ with the reference and max_area = width x height (the size asked for)."""
+    import io
+
+    from diffusers import FluxKontextPipeline
+    from PIL import Image
+
+    assert params.image is not None
+    pipe = FluxKontextPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    images = pipe(
+        image=Image.open(io.BytesIO(params.image)).convert("RGB"), prompt=params.prompt, width=params.width,
+        height=params.height, max_area=params.width * params.height, num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale, max_sequence_length=params.max_sequence_length,
+        num_images_per_prompt=params.num_outputs, generator=torch.Generator("cpu").manual_seed(params.seed),
+        output_type="pil",
+    ).images  # fmt: skip
+    return torch.from_numpy(np.stack([np.array(image) for image in images]))[:, None]
+
+
+def test_kontext_edits_equal_the_stock_pipeline_in_every_topology(role_pipelines, tiny_models) -> None:
+    params = msgspec.structs.replace(FLUX, image=reference_png(), num_outputs=2)
+    expected = stock_kontext_edit(tiny_models["tiny-flux-kontext"], params)
+    text_only = run_split(role_pipelines, "tiny-flux-kontext", msgspec.structs.replace(params, image=None))
+    assert not torch.equal(text_only.tensors[PIXELS], expected)  # the reference changes the pixels
+    mono = role_pipelines["tiny-flux-kontext", Role.MONOLITHIC].run(StageBatch(params))
+    assert torch.equal(mono.tensors[PIXELS], expected)
+    for roles in (THREE_ROLES, FOUR_ROLES):
+        assert torch.equal(run_split(role_pipelines, "tiny-flux-kontext", params, roles).tensors[PIXELS], expected)
+
+
+def test_the_image_encoder_hands_on_the_reference_latents(role_pipelines) -> None:
+    params = msgspec.structs.replace(FLUX, image=reference_png())
+    prompt = role_pipelines["tiny-flux-kontext", Role.PROMPT_ENCODER].run(StageBatch(params))
+    batch = role_pipelines["tiny-flux-kontext", Role.IMAGE_ENCODER].run(over_the_wire(prompt))
+    assert set(batch.tensors) == {"prompt_embeds", "pooled_prompt_embeds", "text_ids", "image_latents", "image_ids"}
+
+
+def test_text_only_packages_reject_a_reference_naming_the_field(tiny_models) -> None:
+    with pytest.raises(ValueError, match=r"^image: FluxPipeline makes images from text only"):
+        read_rules(str(tiny_models["tiny-flux"])).validate(msgspec.structs.replace(FLUX, image=b"x"))

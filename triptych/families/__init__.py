@@ -27,12 +27,11 @@ class ModelFamily:
     default_steps: int  # defaults follow each family's stock pipeline __call__
     default_guidance: float
     rules: type[FamilyRules]
-    edits: bool = False  # takes a reference image (/v1/images/edits)
 
 
 FAMILIES: dict[str, ModelFamily] = {
     "FluxPipeline": ModelFamily("flux", "image", 28, 3.5, FluxRules),
-    "FluxKontextPipeline": ModelFamily("flux-kontext", "image", 28, 3.5, FluxRules, edits=True),
+    "FluxKontextPipeline": ModelFamily("flux-kontext", "image", 28, 3.5, FluxRules),
     "WanPipeline": ModelFamily("wan", "video", 50, 5.0, WanRules),
 }
 """model_index.json `_class_name` -> the family."""
@@ -47,7 +46,8 @@ class ModelInfo:
     kind: str  # "image" or "video"
     default_steps: int
     default_guidance: float
-    edits: bool = False
+    edits: bool = False  # takes reference images (/v1/images/edits)
+    size_multiple: int = 16  # width and height must be multiples of it
 
 
 def family_of(package: ModelPackage) -> ModelFamily:
@@ -65,13 +65,15 @@ def read_model_info(model_path: str | Path) -> ModelInfo:
     """The model card of the package at `model_path`; ValueError naming what is wrong with it."""
     package = ModelPackage.read(model_path)
     family = family_of(package)
+    rules = family.rules(package)
     return ModelInfo(
         id=Path(model_path).resolve().name,
         pipeline_class=package.class_name,
         kind=family.kind,
         default_steps=family.default_steps,
         default_guidance=family.default_guidance,
-        edits=family.edits,
+        edits=rules.takes_reference,
+        size_multiple=rules.size_multiple,
     )
 
 

@@ -22,10 +22,7 @@ class FluxRules(FamilyRules):
         self.text_dim = int(package.config("text_encoder_2")["d_model"])  # T5
         self.pooled_dim = int(package.config("text_encoder")["hidden_size"])  # CLIP's pooled output
         self.takes_reference = package.class_name == KONTEXT
-
-    @property
-    def size_multiple(self) -> int:
-        return self.vae_scale_factor * 2  # latents are packed in 2x2 patches
+        self.size_multiple = self.vae_scale_factor * 2  # latents are packed in 2x2 patches
 
     def validate(self, params: GenerationParams) -> None:
         check_common(params, size_multiple=self.size_multiple, max_steps=self.max_steps)

@@ -19,6 +19,8 @@ class FamilyRules(abc.ABC):
 
     takes_reference: bool = False
     """Whether requests may carry a reference image (image edits)."""
+    size_multiple: int
+    """Width and height must be multiples of it (VAE downsampling x transformer patch)."""
 
     def __init__(self, package: ModelPackage):
         self.package = package
