@@ -28,7 +28,7 @@ from typing import Any
 
 from triptych.config import ServeArgs, flag
 from triptych.localdeploy import Device, LocalDeployment, local_deployment
-from triptych.roles import Role
+from triptych.roles import COMBINED_ROLES, ROLE_SPECS, SPLIT_ROLES, WORKER_ROLES, Role
 
 Devices = Sequence[Sequence[Device]]
 
@@ -59,53 +59,67 @@ def serve_flags_argv(flags: dict[str, Any]) -> list[str]:
     return argv
 
 
+CPU: Devices = (("cpu",),)
+
+
+def role_devices(kwargs: dict[str, Any]) -> dict[Role, Devices]:
+    """The `<role>_devices` arguments by role (encoder_devices -> Role.ENCODER); the rest stay in kwargs."""
+    out = {}
+    for name in [n for n in kwargs if n.endswith("_devices")]:
+        try:
+            role = Role(name.removesuffix("_devices"))
+        except ValueError:
+            role = Role.SERVER
+        if not role.is_worker:
+            roles = ", ".join(f"{r.value}_devices" for r in WORKER_ROLES)
+            raise TypeError(f"launch_pool: {name} names no worker role; use {roles}")
+        out[role] = kwargs.pop(name)
+    return out
+
+
 @contextmanager
 def launch_pool(
     model_path: str | Path,
     *,
-    encoder_devices: Devices | None = None,
-    prompt_encoder_devices: Devices | None = None,
-    image_encoder_devices: Devices | None = None,
-    denoiser_devices: Devices = (("cpu",),),
-    decoder_devices: Devices = (("cpu",),),
     head_flags: dict[str, Any] | None = None,
     worker_flags: dict[str, Any] | None = None,
     workdir: str | Path | None = None,
     ready_timeout: float = 300,
-    **serve_flags: Any,
+    **kwargs: Any,
 ) -> Iterator[Pool]:
     """Start a head and one worker per device list, wait until all are ready, stop all on exit.
 
-    Each `*_devices` is a list of instances, each instance a list of devices: `[["cpu"]]`, or GPU
-    indices (`[[0, 1]]`: one worker on GPUs 0 and 1, `--num-gpus 2`). Give `encoder_devices`
-    (three roles; the default, one CPU encoder) or `prompt_encoder_devices` and optionally
-    `image_encoder_devices` (split encoders, needed for image edits), not both.
-    `serve_flags` are `triptych serve` flags by ServeArgs name, given to every process
-    (`denoiser_sp=4`, `disagg_transfer_pool_size="1GiB"`); `head_flags` go to the head only
+    `<role>_devices` (encoder_devices, prompt_encoder_devices, image_encoder_devices,
+    denoiser_devices, decoder_devices) list a role's instances, each a list of devices: `[["cpu"]]`
+    (the default for the roles of the topology), or GPU indices (`[[0, 1]]`: one worker on GPUs 0
+    and 1, `--num-gpus 2`). The split encoders (prompt_encoder_devices, and image_encoder_devices
+    for image edits) replace the combined encoder. The other keyword arguments are `triptych serve`
+    flags by ServeArgs name, given to every process (`denoiser_sp=4`,
+    `disagg_transfer_pool_size="1GiB"`); `head_flags` go to the head only
     (`disagg_dispatch_policy="max_free_slots"`), `worker_flags` to the workers only (`simulate=True`).
     Logs and keys go to `workdir` (a temporary directory, removed on exit, when not given).
     Raises ValueError for a bad device list or topology, RuntimeError/TimeoutError (with the
     processes' logs) when the deployment does not come up.
     """
-    split = prompt_encoder_devices is not None or image_encoder_devices is not None
-    if split and encoder_devices is not None:
+    given = role_devices(kwargs)
+    split = any(ROLE_SPECS[role].split_encoder for role in given)
+    if split and Role.ENCODER in given:
         raise ValueError("give encoder_devices or prompt_encoder_devices/image_encoder_devices, not both")
-    if image_encoder_devices is not None and prompt_encoder_devices is None:
+    if Role.IMAGE_ENCODER in given and Role.PROMPT_ENCODER not in given:
         raise ValueError("image_encoder_devices needs prompt_encoder_devices as well")
-    encoders = (
-        {Role.PROMPT_ENCODER: prompt_encoder_devices, Role.IMAGE_ENCODER: image_encoder_devices}
-        if split
-        else {Role.ENCODER: encoder_devices if encoder_devices is not None else (("cpu",),)}
-    )
-    given: dict[Role, Devices | None] = {**encoders, Role.DENOISER: denoiser_devices, Role.DECODER: decoder_devices}
-    devices: dict[Role, Devices] = {role: list(d) for role, d in given.items() if d}
+    topology = SPLIT_ROLES if split else COMBINED_ROLES
+    devices: dict[Role, Devices] = {
+        role: list(given.get(role, CPU))
+        for role in topology
+        if role in given or not ROLE_SPECS[role].needs_reference  # the image encoder only when asked for
+    }
     with tempfile.TemporaryDirectory(prefix="triptych-pool-") as tmp:
         with local_deployment(
             Path(model_path),
             Path(workdir) if workdir is not None else Path(tmp),
             {role: len(d) for role, d in devices.items()},
-            head_flags=serve_flags_argv({**serve_flags, **(head_flags or {})}),
-            worker_flags=serve_flags_argv({**serve_flags, **(worker_flags or {})}),
+            head_flags=serve_flags_argv({**kwargs, **(head_flags or {})}),
+            worker_flags=serve_flags_argv({**kwargs, **(worker_flags or {})}),
             devices=devices,
             ready_timeout=ready_timeout,
         ) as dep:

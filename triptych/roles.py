@@ -38,6 +38,11 @@ class Role(enum.StrEnum):
         return f"{self.value}_urls"
 
     @property
+    def dns_name(self) -> str:
+        """The role in Kubernetes object names and labels: 'prompt-encoder' (no underscores there)."""
+        return self.value.replace("_", "-")
+
+    @property
     def flag_prefix(self) -> str:
         """'--prompt-encoder-' for Role.PROMPT_ENCODER: how its own flags begin."""
         return f"--{self.value.replace('_', '-')}-"

@@ -21,6 +21,8 @@ from triptych_head.api.schemas import ImageEditRequest
 
 FILE_FIELDS = ("image", "image[]")
 MAX_FORM_FIELDS = 32
+# multipart for uploads; a URL reference may also come url-encoded (no file part to carry)
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Reference:
 
 async def read_edit_form(request: Request) -> tuple[ImageEditRequest, Reference]:
     """The request's fields and its reference image; APIError (400, naming the field) for anything wrong."""
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+    if not request.headers.get("content-type", "").startswith(FORM_TYPES):
         raise APIError(400, "POST /v1/images/edits takes multipart/form-data (an `image` file and text fields)")
     try:
         form = await request.form(max_files=len(FILE_FIELDS) + 1, max_fields=MAX_FORM_FIELDS)
