@@ -24,6 +24,7 @@ import triptych
 from tests.worker.test_role_pipelines import reference_png, stock_kontext_edit
 from triptych.localdeploy import local_monolithic
 from triptych.params import GenerationParams
+from triptych.roles import Role
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +67,8 @@ def test_four_roles_equal_stock_diffusers(four_roles, expected) -> None:
         assert np.array_equal(pixels_of(edit(c)), expected)
         workers = c.get("/health").json()["workers"]
     assert [w["dispatched"] for w in workers["image_encoder"]] == [1]
+    (image_encoder,) = four_roles.deployment.workers(Role.IMAGE_ENCODER)
+    assert "stages ImageEncodingStage; loaded vae (" in image_encoder.log.read_text()
 
 
 def test_three_roles_and_monolithic_equal_stock_diffusers(tiny_models, tmp_path, expected) -> None:

@@ -27,6 +27,14 @@ def metric(text: str, name: str, role: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def _loaded(pool: triptych.pool.Pool, role: str) -> tuple[str, int]:
+    """What a worker process says it loaded (its log's `loaded NAMES (N parameters)`)."""
+    (proc,) = pool.deployment.workers(Role(role))
+    m = re.search(r"loaded (\S+) \((\d+) parameters\)", proc.log.read_text())
+    assert m, proc.tail()
+    return m.group(1), int(m.group(2))
+
+
 def test_text_to_image_through_four_roles_equals_stock_and_skips_the_image_encoder(tiny_models, tmp_path):
     model = tiny_models["tiny-flux"]
     with triptych.launch_pool(model, prompt_encoder_devices=CPU, image_encoder_devices=CPU, workdir=tmp_path) as pool:
@@ -39,6 +47,11 @@ def test_text_to_image_through_four_roles_equals_stock_and_skips_the_image_encod
     assert [w["dispatched"] for w in health["prompt_encoder"]] == [1]
     assert metric(metrics, "triptych_stage_seconds_count", "image_encoder") == 0
     assert metric(metrics, "triptych_stage_seconds_count", "prompt_encoder") == 1
+    loaded = {role: _loaded(pool, role) for role in ("prompt_encoder", "image_encoder", "denoiser", "decoder")}
+    assert loaded["prompt_encoder"][0] == "text_encoder,text_encoder_2,tokenizer,tokenizer_2"
+    assert loaded["image_encoder"] == ("none", 0)  # tiny-flux takes no reference: nothing to load
+    assert loaded["denoiser"][0] == "scheduler,transformer" and loaded["decoder"][0] == "vae"
+    assert all(count > 0 for name, count in loaded.values() if name != "none")
     reference = stock_image(model)
     assert np.array_equal(pixels.reshape(reference.shape), reference), "pixels differ from stock diffusers"
 

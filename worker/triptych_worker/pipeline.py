@@ -117,6 +117,19 @@ class RolePipeline:
         """Names of the diffusers components this process holds in memory."""
         return self.adapter.loaded_components
 
+    @property
+    def parameter_count(self) -> int:
+        """Parameters of the loaded torch modules (what this role holds in memory)."""
+        if self.adapter.pipe is None:
+            return 0
+        modules = [c for c in self.adapter.pipe.components.values() if hasattr(c, "parameters")]
+        return sum(p.numel() for module in modules for p in module.parameters())
+
+    def describe(self) -> str:
+        """One log line: the stages, the components loaded and their parameters."""
+        components = ",".join(sorted(self.loaded_components)) or "none"
+        return f"stages {','.join(self.stage_names)}; loaded {components} ({self.parameter_count} parameters)"
+
     def validate(self, params: GenerationParams) -> None:
         """Raise ValueError naming the field when this model cannot serve `params`."""
         self.adapter.validate(params)

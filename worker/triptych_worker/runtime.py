@@ -148,6 +148,7 @@ class Worker:
             from triptych_worker.pipeline import load_role_pipeline
 
             pipeline = load_role_pipeline(args.model_path, self.role, args.resolved_device)
+            log.info("%s: %s", self.role.value, pipeline.describe())
         self.pipeline = pipeline
         self.transport = MooncakeTransport(args.disagg_p2p_hostname, args.disagg_ib_device)
         self.pool = TransferPool(
