@@ -232,7 +232,8 @@ class ServeArgs:
     def _validate_simulation(self) -> None:
         timing = [f for f in ("simulate_seconds", "simulate_seconds_per_unit") if getattr(self, f) is not None]
         if self.simulate and not self.disagg_role.is_worker:
-            raise ConfigError(f"--simulate is for worker roles (encoder, denoiser, decoder), not {self.disagg_role}")
+            workers = ", ".join(role.value for role in WORKER_ROLES)
+            raise ConfigError(f"--simulate is for worker roles ({workers}), not {self.disagg_role}")
         if timing and not self.simulate:
             raise ConfigError(f"{flag(timing[0])} only applies with --simulate")
         for name in timing:
