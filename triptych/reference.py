@@ -66,6 +66,14 @@ def check_reference_url(url: str, field: str = "image") -> str:
     return url
 
 
+class _HTTPOnlyRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow redirects to http(s) only (urllib's default also follows ftp://)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        check_reference_url(newurl)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 def fetch_reference(
     url: str, field: str = "image", max_bytes: int = MAX_REFERENCE_BYTES, timeout: float = URL_TIMEOUT_S
 ) -> bytes:
@@ -73,7 +81,7 @@ def fetch_reference(
     check_reference_url(url, field)
     request = urllib.request.Request(url, headers={"User-Agent": "triptych-image-encoder"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.build_opener(_HTTPOnlyRedirects).open(request, timeout=timeout) as response:
             data: bytes = response.read(max_bytes + 1)
     except urllib.error.HTTPError as exc:
         raise BadReference(f"{field}: GET {url[:200]} answered {exc.code}") from None
