@@ -207,7 +207,7 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
 
 
 def _panel(panel: Panel, panel_id: int, x: int, y: int, width: int) -> dict[str, Any]:
-    targets = [
+    targets: list[dict[str, Any]] = [
         {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr, "legendFormat": legend}
         for i, (expr, legend) in enumerate(panel.targets)
     ]
