@@ -81,12 +81,12 @@ def test_the_build_is_skipped_when_the_source_is_unchanged(shim):
     assert out.returncode == 0 and out.stdout == "" and shim.stat().st_mtime_ns == before
 
 
-def worker_argv(model: Path, *flags: str) -> list[str]:
+def worker_argv(model: Path, *flags: str, host: str = "127.0.0.1") -> list[str]:
     """A simulated encoder (a real worker process with its Mooncake engine, no torch); no head is needed
     for it to start listening."""
     return [sys.executable, "-m", "triptych", "serve", "--model-path", str(model), "--disagg-role", "encoder",
             "--simulate", "--disagg-server-addr", "tcp://127.0.0.1:9", "--scheduler-port", str(free_port()),
-            "--disagg-transfer-pool-size", "4MiB", "--disagg-p2p-hostname", "127.0.0.1", *flags]  # fmt: skip
+            "--disagg-transfer-pool-size", "4MiB", "--disagg-p2p-hostname", host, *flags]  # fmt: skip
 
 
 def free_port() -> int:
@@ -99,10 +99,10 @@ def free_port() -> int:
 def worker(tiny_models, shim, tmp_path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(*flags: str) -> subprocess.Popen[bytes]:
+    def start(*flags: str, host: str = "127.0.0.1") -> subprocess.Popen[bytes]:
         env = {**os.environ, SHIM_ENV: str(shim)}
         with (tmp_path / f"worker-{len(procs)}.log").open("wb") as log:
-            argv = worker_argv(tiny_models["tiny-flux"], *flags)
+            argv = worker_argv(tiny_models["tiny-flux"], *flags, host=host)
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         procs.append(proc)
         return proc
@@ -125,10 +125,12 @@ def listeners_once_up(proc: subprocess.Popen[bytes]) -> set[tuple[str, int]]:
     raise TimeoutError(f"worker listens on {sockets} after {WAIT_S}s")
 
 
-def test_a_worker_reexecutes_itself_under_the_shim_and_listens_on_its_address_only(worker, shim):
-    proc = worker()
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_a_worker_reexecutes_itself_under_the_shim_and_listens_on_its_address_only(worker, shim, host):
+    """IPv6 too: the worker also has Mooncake open IPv6 sockets (MC_USE_IPV6), which the shim confines."""
+    proc = worker(host=host)
     sockets = listeners_once_up(proc)
-    assert {address for address, _ in sockets} == {"127.0.0.1"}, sockets
+    assert {address for address, _ in sockets} == {host}, sockets
     assert str(shim) in Path(f"/proc/{proc.pid}/maps").read_text()  # the same pid, now under the shim
     low, high = MOONCAKE_PORT_RANGE
     assert sum(low <= port <= high for _, port in sockets) == 2, sockets
