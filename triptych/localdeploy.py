@@ -209,15 +209,16 @@ def local_deployment(
     null_payload_bytes: int | None = None,
     head_first: bool = True,
     ready_timeout: float = 180,
-    worker_url_scheme: str = "tcp://127.0.0.1",
+    worker_url_scheme: str | None = None,
     discovery_files: bool = False,
     spare: dict[Role, int] | None = None,
     authenticated: bool = True,
     devices: Mapping[Role, Sequence[Sequence[Device]]] | None = None,
+    host: str = "127.0.0.1",
 ) -> Iterator[LocalDeployment]:
     """Start head and workers (logs under `workdir`), wait until every worker heartbeats, kill all on exit.
 
-    `worker_url_scheme` is how the head is told where workers are: tcp://127.0.0.1, or
+    `worker_url_scheme` is how the head is told where workers are: tcp://HOST (the default), or
     dns://localhost to go through name resolution as the head does behind a headless Service.
     `discovery_files`: the head reads each role's workers from a file:// list instead, which
     LocalDeployment.start_worker and unlist_worker rewrite (workers joining and leaving).
@@ -225,6 +226,8 @@ def local_deployment(
     with `LocalDeployment.start_worker` (until then the head sees them as not responding).
     `authenticated`: the head and workers get --disagg-keys-dir with a key set written to
     `workdir`/keys (kept if it is there already); False runs the control plane without keys.
+    `host`: the IPv4 address every process binds and is reached on (the head's --host, the workers'
+    --disagg-p2p-hostname), loopback by default; another needs `authenticated`.
     The roles are the keys of `counts` (and `spare`): the three-role topology by default, or
     the split encoders (Role.PROMPT_ENCODER, Role.IMAGE_ENCODER) instead of Role.ENCODER.
     `devices`: per role, each instance's devices (device_flags); instances beyond it get worker_flags only.
@@ -233,6 +236,7 @@ def local_deployment(
     spare = spare or {}
     devices = devices or {}
     roles = [role for role in WORKER_ROLES if role in counts or role in spare]
+    worker_url_scheme = worker_url_scheme or f"tcp://{host}"
     workdir.mkdir(parents=True, exist_ok=True)
     sched, http, ports = deployment_ports({role: counts.get(role, 0) + spare.get(role, 0) for role in roles})
     spare_ports = {role: ports[role][counts.get(role, 0) :] for role in roles}
@@ -245,7 +249,7 @@ def local_deployment(
         else [py, "-m", "triptych", "serve"]
     )
     dep = LocalDeployment(
-        http=f"http://127.0.0.1:{http}", scheduler_port=sched, spare=spare_ports, env=env, workdir=workdir
+        http=f"http://{host}:{http}", scheduler_port=sched, spare=spare_ports, env=env, workdir=workdir
     )
     if discovery_files:
         dep.endpoint_files = {role: workdir / f"{role.value}.endpoints" for role in roles}
@@ -262,17 +266,17 @@ def local_deployment(
         own = devices.get(role, ())
         placement, placement_env = device_flags(own[i]) if i < len(own) else ([], {})
         argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
-                "--disagg-server-addr", f"tcp://127.0.0.1:{sched}", "--scheduler-port", str(port),
-                "--disagg-p2p-hostname", "127.0.0.1", *security_flags, *worker_flags, *placement,
+                "--disagg-server-addr", f"tcp://{host}:{sched}", "--scheduler-port", str(port),
+                "--disagg-p2p-hostname", host, *security_flags, *worker_flags, *placement,
                 *(role_flags or {}).get(role, ())]  # fmt: skip
         log = workdir / f"{role.value}-{i}.log"
-        return Proc(role, f"tcp://127.0.0.1:{port}", _spawn(argv, log, {**env, **placement_env}), log)
+        return Proc(role, f"tcp://{host}:{port}", _spawn(argv, log, {**env, **placement_env}), log)
 
     dep.spawn_worker = spawn_worker
 
     def start_head() -> None:
         argv = [py, "-m", "triptych", "serve", "--model-path", str(model), "--disagg-role", "server",
-                "--scheduler-port", str(sched), "--host", "127.0.0.1", "--port", str(http),
+                "--scheduler-port", str(sched), "--host", host, "--port", str(http),
                 "--output-path", str(workdir / "outputs"), *security_flags, *head_flags]  # fmt: skip
         for role in roles:
             if discovery_files:
