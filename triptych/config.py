@@ -8,8 +8,14 @@ import re
 from dataclasses import dataclass, field
 
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
-from triptych.ports import DEFAULT_HTTP_PORT, DEFAULT_SCHEDULER_PORT, is_loopback, parse_tcp_endpoint
-from triptych.roles import Role
+from triptych.ports import (
+    DEFAULT_HTTP_PORT,
+    DEFAULT_SCHEDULER_PORT,
+    MAX_RESULT_PORT_OFFSET,
+    is_loopback,
+    parse_tcp_endpoint,
+)
+from triptych.roles import ROLE_SPECS, WORKER_ROLES, Role
 
 MIB = 1 << 20
 DEFAULT_POOL_SIZE = 256 * MIB
@@ -26,30 +32,17 @@ DISPATCH_POLICIES = ("round_robin", "max_free_slots")
 DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
 DEVICES = ("cuda", "cpu")
 
-# Worker-URL flags of the head, by the role they list.
-URL_FLAGS: dict[Role, str] = {
-    Role.ENCODER: "encoder_urls",
-    Role.PROMPT_ENCODER: "prompt_encoder_urls",
-    Role.IMAGE_ENCODER: "image_encoder_urls",
-    Role.DENOISER: "denoiser_urls",
-    Role.DECODER: "decoder_urls",
-}
+# Worker-URL flags of the head, by the role they list (the role descriptor's, triptych.roles).
+URL_FLAGS: dict[Role, str] = {role: role.url_attr for role in WORKER_ROLES}
 
 # --simulate: per role, (seconds per request, seconds per unit of work) unless the flags say otherwise;
-# a unit is one output (encoder), one step over one megapixel-frame (denoiser), one megapixel-frame
+# a unit is one output (encoders), one step over one megapixel-frame (denoiser), one megapixel-frame
 # (decoder). Coarse figures for a FLUX.1-dev-class model on one modern GPU (triptych_worker.simulated).
-SIMULATE_DEFAULTS: dict[Role, tuple[float, float]] = {
-    Role.ENCODER: (0.02, 0.005),
-    Role.DENOISER: (0.02, 0.25),
-    Role.DECODER: (0.01, 0.05),
-}
+SIMULATE_DEFAULTS: dict[Role, tuple[float, float]] = {role: spec.simulate_seconds for role, spec in ROLE_SPECS.items()}
 
 # Per-role parallelism flags: role -> {degree: attribute}.
-ROLE_PARALLEL_FLAGS: dict[Role, dict[str, str]] = {
-    Role.ENCODER: {"tp": "encoder_tp"},
-    Role.DENOISER: {"tp": "denoiser_tp", "sp": "denoiser_sp", "ulysses": "denoiser_ulysses", "ring": "denoiser_ring"},
-    Role.DECODER: {"sp": "decoder_sp"},
-}
+ROLE_PARALLEL_FLAGS: dict[Role, dict[str, str]] = {role: spec.parallel_flags for role, spec in ROLE_SPECS.items()}
+ROLE_PARALLEL_ATTRS: tuple[str, ...] = tuple(attr for flags in ROLE_PARALLEL_FLAGS.values() for attr in flags.values())
 
 
 class ConfigError(ValueError):
@@ -168,7 +161,7 @@ class ServeArgs:
         for degree, attr in role_flags.items():
             if getattr(self, attr) is not None:
                 degrees[degree] = getattr(self, attr)
-        prefix = f"--{self.disagg_role.value.replace('_', '-')}-" if role_flags else "--"
+        prefix = self.disagg_role.flag_prefix if role_flags else "--"
         return resolve_parallelism(self.num_gpus, where=prefix, **degrees)
 
     def validate(self) -> None:
@@ -193,8 +186,11 @@ class ServeArgs:
             value = getattr(self, name)
             if not 1 <= value <= 65535:
                 raise ConfigError(f"{flag(name)} {value} is not a TCP port (1-65535)")
-        if role is Role.SERVER and self.scheduler_port + 5 > 65535:
-            raise ConfigError(f"--scheduler-port {self.scheduler_port} leaves no room for result ports (+1..+5)")
+        if role is Role.SERVER and self.scheduler_port + MAX_RESULT_PORT_OFFSET > 65535:
+            raise ConfigError(
+                f"--scheduler-port {self.scheduler_port} leaves no room for the result ports "
+                f"(+1..+{MAX_RESULT_PORT_OFFSET})"
+            )
         if self.disagg_transfer_pool_size < MIB:
             raise ConfigError(
                 f"--disagg-transfer-pool-size {self.disagg_transfer_pool_size} is below 1 MiB; use e.g. 256MiB"
@@ -239,7 +235,8 @@ class ServeArgs:
     def _validate_simulation(self) -> None:
         timing = [f for f in ("simulate_seconds", "simulate_seconds_per_unit") if getattr(self, f) is not None]
         if self.simulate and not self.disagg_role.is_worker:
-            raise ConfigError(f"--simulate is for worker roles (encoder, denoiser, decoder), not {self.disagg_role}")
+            workers = ", ".join(role.value for role in WORKER_ROLES)
+            raise ConfigError(f"--simulate is for worker roles ({workers}), not {self.disagg_role}")
         if timing and not self.simulate:
             raise ConfigError(f"{flag(timing[0])} only applies with --simulate")
         for name in timing:
@@ -356,8 +353,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--results-max-bytes", type=parse_size, default=d.results_max_bytes,
       help="head: most bytes kept under --output-path, oldest results removed first (default 5GiB)")  # fmt: skip
     a("--device", choices=DEVICES, default=None, help="default: cuda when available, else cpu")
-    for attr in ("tp_size", "sp_degree", "cfg_parallel_size", "encoder_tp", "denoiser_tp", "denoiser_sp",
-                 "denoiser_ulysses", "denoiser_ring", "decoder_sp"):  # fmt: skip
+    for attr in ("tp_size", "sp_degree", "cfg_parallel_size", *ROLE_PARALLEL_ATTRS):
         a(flag(attr), type=int, default=None)
     a("--worker-capacity", type=int, default=d.worker_capacity,
       help="worker: requests it holds at once (one running, the rest prefetched)")  # fmt: skip
@@ -384,7 +380,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
       help="worker --simulate: seconds per unit of work, added to --simulate-seconds; a unit is, for the denoiser, "
            f"one step over one megapixel-frame (default {sim['denoiser'][1]:g}), for the decoder one "
            f"megapixel-frame (default {sim['decoder'][1]:g}), for the encoder one output "
-           f"(default {sim['encoder'][1]:g})")  # fmt: skip
+           f"(default {sim['encoder'][1]:g}; the same for prompt_encoder and image_encoder)")  # fmt: skip
     a("--disagg-keys-dir", default=None, metavar="DIR",
       help="head and worker: authenticate and encrypt the control plane (CURVE) with the keys in DIR "
            "(`triptych keys generate DIR`); needed on a non-loopback address unless --disagg-insecure")  # fmt: skip

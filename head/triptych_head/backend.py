@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
@@ -21,10 +21,7 @@ from triptych.params import GenerationParams
 from triptych.protocol import Cancel, ProtocolError, RequestEvent, RequestResult, Submit, TensorSpec, decode, encode
 from triptych.protocol.tensors import PIXELS
 
-if TYPE_CHECKING:
-    import torch
-
-    from triptych_worker.pipeline import RolePipeline
+ProgressCallback = Callable[[int, int], None]
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +134,19 @@ class FrontendClient:
             self._sock.close()
 
 
+class InProcessPipeline(Protocol):
+    """The one interface monolithic mode needs from the worker package (triptych_worker.pipeline.RolePipeline)."""
+
+    def validate(self, params: GenerationParams) -> None: ...
+    def generate(self, params: GenerationParams, on_progress: ProgressCallback) -> np.ndarray:
+        """Every stage of a request; the pixels as uint8 [num_outputs, frames, height, width, 3]."""
+        ...
+
+
 class LocalBackend:
     """Monolithic mode: every stage in this process, one request at a time on the device."""
 
-    def __init__(self, pipeline: RolePipeline):
+    def __init__(self, pipeline: InProcessPipeline):
         self._pipeline = pipeline
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
         self._cancelled: set[str] = set()
@@ -151,8 +157,6 @@ class LocalBackend:
     async def generate(
         self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
     ) -> GenerationOutput:
-        from triptych_worker.stages import StageBatch
-
         loop = asyncio.get_running_loop()
 
         def progress(step: int, total: int) -> None:
@@ -162,16 +166,15 @@ class LocalBackend:
                 event = RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=total)
                 loop.call_soon_threadsafe(on_event, event)
 
-        def run() -> None:
+        def run() -> np.ndarray:
             try:
-                self._pipeline.run(batch)
+                return self._pipeline.generate(params, progress)
             finally:
                 self._cancelled.discard(request_id)
 
-        batch = StageBatch(params=params, on_progress=progress)
         started = loop.time()
         try:
-            await loop.run_in_executor(self._executor, run)
+            pixels = await loop.run_in_executor(self._executor, run)
         except asyncio.CancelledError:  # the client went away: stop at the next step (progress raises)
             self._cancelled.add(request_id)
             raise
@@ -182,7 +185,6 @@ class LocalBackend:
         except Exception as exc:
             log.exception("request %s failed", request_id)
             raise GenerationFailed(f"{type(exc).__name__}: {exc}") from None
-        pixels = cast("torch.Tensor", batch.tensors[PIXELS]).cpu().numpy()  # a model's stages make torch tensors
         return GenerationOutput(pixels=pixels, timings={"total": loop.time() - started})
 
     async def cancel(self, request_id: str) -> None:

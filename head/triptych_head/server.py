@@ -55,7 +55,7 @@ from triptych.protocol import (
     decode,
     encode,
 )
-from triptych.roles import Role
+from triptych.roles import WORKER_ROLES, Role, route_for
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message
 from triptych_head.admission import AdmissionControl, retry_after_seconds
@@ -89,10 +89,14 @@ class HeldSlot:
     standing_addr: int = 0
 
 
-def pipeline_route(args: ServeArgs) -> list[Role]:
-    """The roles a text-to-image/video request visits, from the URL flags given to the head."""
-    first = [Role.PROMPT_ENCODER] if args.prompt_encoder_urls else [Role.ENCODER]
-    return [*first, Role.DENOISER, Role.DECODER]
+def deployed_roles(args: ServeArgs) -> frozenset[Role]:
+    """The worker roles this head routes through: those its URL flags list."""
+    return frozenset(role for role in WORKER_ROLES if args.urls_for(role))
+
+
+def request_route(roles: frozenset[Role], params: GenerationParams) -> list[Role]:
+    """The roles one request visits, in order (an edit's reference image adds the image encoder)."""
+    return route_for(roles, has_reference=params.has_reference)
 
 
 class DiffusionServer:
@@ -111,10 +115,11 @@ class DiffusionServer:
         # Before any socket: with keys, result sockets let in only the pipeline's workers, and the
         # head reaches workers' work sockets as the only client they accept.
         self.security: ControlPlane = control_plane(args, self._ctx, "head")
-        self._route = pipeline_route(args)
+        self._roles = deployed_roles(args)
         directories = {
             role: WorkerDirectory(args.urls_for(role), args.disagg_discovery_interval)
-            for role in dict.fromkeys(self._route)
+            for role in WORKER_ROLES
+            if role in self._roles
         }
         self.registry = WorkerRegistry(
             self._ctx, directories, args.disagg_heartbeat_timeout, self.metrics, self.security
@@ -381,10 +386,14 @@ class DiffusionServer:
         except ValueError as exc:
             self._reply(client, RequestEvent(rid, REJECTED, error=str(exc), status_code=400))
             return
+        if msg.params.has_reference and not any(role.runs_affinity(Role.IMAGE_ENCODER) for role in self._roles):
+            error = "image: this deployment encodes no reference images (its head has no --image-encoder-urls)"
+            self._reply(client, RequestEvent(rid, REJECTED, error=error, status_code=400))
+            return
         rec = RequestRecord(
             request_id=rid,
             params=msg.params,
-            route=list(self._route),
+            route=request_route(self._roles, msg.params),
             client=client,
             deadline=time.monotonic() + self.args.disagg_timeout,
             watch=msg.watch,
@@ -519,7 +528,7 @@ class DiffusionServer:
         rec.push_in_flight = False
         rec.staged = None
         ready = TransferReady(
-            rec.wire_id, rec.instance, rec.params, staged.manifest, staged.meta, rec.slot_addr, rec.watch
+            rec.wire_id, rec.instance, rec.wire_params(), staged.manifest, staged.meta, rec.slot_addr, rec.watch
         )
         started = time.monotonic()  # before the send, so the hop's time contains all the receiver's work
         sent = self.registry.send(rec.instance, ready)
@@ -652,7 +661,7 @@ class DiffusionServer:
             keep = inst.should_keep_slot(nbytes)
             sent = self.registry.send(inst.url, TransferAlloc(wire_id, inst.url, nbytes, keep=keep))
         else:
-            sent = self.registry.send(inst.url, Work(wire_id, inst.url, rec.params, progress=rec.watch))
+            sent = self.registry.send(inst.url, Work(wire_id, inst.url, rec.wire_params(), progress=rec.watch))
         if not sent:  # not connected any more: treat it as gone until it heartbeats again
             self._instance_lost(inst, "disconnected", f"{role.value} {inst.url} is not connected")
             return False

@@ -19,12 +19,12 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
+from triptych.families import ModelInfo
 from triptych.params import GenerationParams
 from triptych.protocol import RequestEvent
 from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext
 from triptych_head.backend import GenerationFailed, GenerationOutput
-from triptych_head.model_info import ModelInfo
 from triptych_head.results import Retention
 
 

@@ -47,6 +47,7 @@ from triptych.protocol import (
     decode,
     tensors_to_frames,
 )
+from triptych.reference import BadReference
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message, send_message
@@ -148,6 +149,7 @@ class Worker:
             from triptych_worker.pipeline import load_role_pipeline
 
             pipeline = load_role_pipeline(args.model_path, self.role, args.resolved_device)
+            log.info("%s: %s", self.role.value, pipeline.describe())
         self.pipeline = pipeline
         self.transport = MooncakeTransport(args.disagg_p2p_hostname, args.disagg_ib_device)
         self.pool = TransferPool(
@@ -526,6 +528,10 @@ class Worker:
         except PayloadTooLarge as exc:
             self.pool.free_owner(job.request_id)
             link.send(Failed(job.request_id, self.instance, str(exc), status_code=413))
+        except BadReference as exc:  # the client's reference image (a URL the image encoder fetched)
+            self.pool.free_owner(job.request_id)
+            link.send(Failed(job.request_id, self.instance, str(exc), status_code=400))
+            self._space_freed(link)
         except Exception as exc:  # any stage error fails only this request
             log.exception("request %s failed", job.request_id)
             self.pool.free_owner(job.request_id)

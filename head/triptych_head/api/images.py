@@ -1,4 +1,6 @@
-"""POST /v1/images/generations: synchronous text-to-image.
+"""POST /v1/images/generations (text-to-image) and POST /v1/images/edits (a reference image and a prompt).
+
+Both are synchronous and answer alike.
 
 The client waits on the connection for its pixels, so a client that goes away no longer wants
 them: the request is cancelled (its stages stop at their next step, its worker slots free).
@@ -15,6 +17,7 @@ from fastapi import APIRouter, Request
 from triptych.params import GenerationParams
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.errors import APIError
+from triptych_head.api.reference import read_edit_form
 from triptych_head.api.schemas import ImageData, ImageGenerationRequest, ImageGenerationResponse
 from triptych_head.backend import GenerationOutput
 from triptych_head.media import png_bytes
@@ -26,12 +29,31 @@ router = APIRouter(tags=["images"])
 async def create_images(body: ImageGenerationRequest, request: Request) -> ImageGenerationResponse:
     ctx: HeadContext = request.app.state.ctx
     ctx.refuse_if_draining()
-    params = ctx.params_for(body)
+    return await _images(ctx, ctx.params_for(body), body.response_format, request)
+
+
+@router.post("/v1/images/edits", response_model=ImageGenerationResponse)
+async def edit_images(request: Request) -> ImageGenerationResponse:
+    """Multipart: `image` (a file, or an http(s) URL as text), `prompt`, and optionally `size` (default:
+    the reference's size), `seed`, `n`, `num_inference_steps`, `guidance_scale`, `response_format`."""
+    ctx: HeadContext = request.app.state.ctx
+    ctx.refuse_if_draining()
+    if not ctx.model.edits:
+        raise APIError(
+            400, f"model {ctx.model.id!r} makes images from text only; use POST /v1/images/generations", "image"
+        )
+    body, reference = await read_edit_form(request)
+    return await _images(ctx, ctx.params_for(body, reference), body.response_format, request)
+
+
+async def _images(
+    ctx: HeadContext, params: GenerationParams, response_format: str, request: Request
+) -> ImageGenerationResponse:
     request_id = new_request_id("img")
     ctx.admit(request_id)
     output = await _generate_while_connected(ctx, params, request_id, request)
     pngs = await asyncio.to_thread(lambda: [png_bytes(img[0]) for img in output.pixels])
-    if body.response_format == "b64_json":
+    if response_format == "b64_json":
         data = [ImageData(b64_json=base64.b64encode(png).decode()) for png in pngs]
     else:
         data = []

@@ -60,6 +60,20 @@ class ImageGenerationRequest(_Generation):
     user: str | None = None
 
 
+class ImageEditRequest(_Generation):
+    """The text fields of a multipart POST /v1/images/edits; `image` is a file part (inlined into the
+    request) or, as text, an http(s) URL the image encoder fetches."""
+
+    size: str | None = Field(
+        None, description="WIDTHxHEIGHT; omitted: the reference's own size, cropped to the model's multiple"
+    )
+    n: int = Field(1, ge=1, le=8)
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    image_url: str | None = Field(None, max_length=4096)
+    user: str | None = None
+    quality: str | None = None
+
+
 class ImageData(BaseModel):
     b64_json: str | None = None
     url: str | None = None
