@@ -47,7 +47,11 @@ class GenerationFailed(Exception):
 class Backend(Protocol):
     async def start(self) -> None: ...
     async def generate(
-        self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
+        self,
+        request_id: str,
+        params: GenerationParams,
+        on_event: EventCallback | None = None,
+        preview_every: int = 0,
     ) -> GenerationOutput: ...
     async def cancel(self, request_id: str) -> None: ...
     async def close(self) -> None: ...
@@ -84,7 +88,11 @@ class FrontendClient:
         self._reader = asyncio.create_task(self._read())
 
     async def generate(
-        self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
+        self,
+        request_id: str,
+        params: GenerationParams,
+        on_event: EventCallback | None = None,
+        preview_every: int = 0,
     ) -> GenerationOutput:
         assert self._sock is not None, "start() first"
         if request_id in self._pending:
@@ -92,7 +100,8 @@ class FrontendClient:
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, on_event)
         try:
-            await self._sock.send_multipart(encode(Submit(request_id, params, watch=on_event is not None)))
+            submit = Submit(request_id, params, watch=on_event is not None, preview_every=preview_every)
+            await self._sock.send_multipart(encode(submit))
             return await future
         except asyncio.CancelledError:
             await self.cancel(request_id)
@@ -142,6 +151,7 @@ class LocalBackend:
 
     def __init__(self, pipeline: RolePipeline):
         self._pipeline = pipeline
+        self._previewer = pipeline.previewer()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
         self._cancelled: set[str] = set()
 
@@ -149,17 +159,25 @@ class LocalBackend:
         pass
 
     async def generate(
-        self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
+        self,
+        request_id: str,
+        params: GenerationParams,
+        on_event: EventCallback | None = None,
+        preview_every: int = 0,
     ) -> GenerationOutput:
+        from triptych_worker.preview import should_preview
         from triptych_worker.stages import StageBatch
 
         loop = asyncio.get_running_loop()
 
-        def progress(step: int, total: int) -> None:
+        def progress(step: int, total: int, latents: Any = None) -> None:
             if request_id in self._cancelled:
                 raise GenerationFailed("cancelled by the client", 499, "CANCELLED")
             if on_event is not None:
-                event = RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=total)
+                preview = b""
+                if self._previewer is not None and should_preview(step, preview_every, latents):
+                    preview = self._previewer.png(latents, params)
+                event = RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=total, preview=preview)
                 loop.call_soon_threadsafe(on_event, event)
 
         def run() -> None:

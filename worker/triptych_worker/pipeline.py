@@ -19,6 +19,7 @@ from typing import ClassVar
 from triptych.params import GenerationParams
 from triptych.roles import Role
 from triptych_worker.adapters import FamilyAdapter, adapter_for
+from triptych_worker.preview import LatentPreviewer, find_projection
 from triptych_worker.stages import PipelineStage, StageBatch
 
 
@@ -95,6 +96,14 @@ class RolePipeline:
     def validate(self, params: GenerationParams) -> None:
         """Raise ValueError naming the field when this model cannot serve `params`."""
         self.adapter.validate(params)
+
+    def previewer(self) -> LatentPreviewer | None:
+        """What turns this role's latents into preview PNGs: None when it does not denoise or no
+        projection was fitted for the model (preview.py)."""
+        if not any(isinstance(stage, DenoisingStage) for stage in self.stages):
+            return None
+        projection = find_projection(self.adapter.package.path)
+        return None if projection is None else LatentPreviewer(projection, self.adapter.latent_grid)
 
     def run(self, batch: StageBatch) -> StageBatch:
         """Run this role's stages in order on `batch` (in place) and return it."""

@@ -122,6 +122,11 @@ class FamilyAdapter(abc.ABC):
     def load(self, components: set[str]) -> None:
         """Load the stock pipeline with only `components`; the rest are passed as None."""
 
+    @abc.abstractmethod
+    def latent_grid(self, latents: Any, params: GenerationParams) -> np.ndarray:
+        """The denoiser's latents (as `denoise` holds them) of the first output, as float32 [C, h, w]:
+        what a denoising preview projects to RGB (preview.py). One frame for video."""
+
     def output_specs(self, role: Role, params: GenerationParams) -> list[TensorSpec]:
         """The tensors `role`'s stages hand on for `params`, by name, dtype and shape, read from the configs.
 

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import TensorSpec
 from triptych_worker.adapters.base import FamilyAdapter, ModelPackage, check_common, pixels_uint8
+from triptych_worker.preview import as_numpy
 from triptych_worker.stages import PIXELS
 
 if TYPE_CHECKING:
@@ -159,8 +162,14 @@ class FluxAdapter(FamilyAdapter):
                     return_dict=False,
                 )[0]
             latents = scheduler.step(noise_pred, step_t, latents, return_dict=False)[0]
-            batch.report_progress(i + 1, len(timesteps))
+            batch.report_progress(i + 1, len(timesteps), latents)
         batch.tensors = {"latents": latents}
+
+    def latent_grid(self, latents: Any, params: GenerationParams) -> np.ndarray:
+        # Packed [N, h/2 * w/2, C * 4] (2x2 patches, as FluxPipeline._pack_latents) -> [C, h, w].
+        h, w = params.height // self.vae_scale_factor, params.width // self.vae_scale_factor
+        packed = as_numpy(latents[0]).reshape(h // 2, w // 2, self.latent_channels, 2, 2)
+        return packed.transpose(2, 0, 3, 1, 4).reshape(self.latent_channels, h, w)
 
     def decode(self, batch: StageBatch) -> None:
         p, vae = batch.params, self.pipe.vae
