@@ -23,6 +23,7 @@ def request_view(rec: RequestRecord, now: float) -> dict[str, Any]:
         "id": rec.request_id,
         "state": rec.state.value,
         "role": rec.role.value,
+        "done": [role.value for role in rec.route[: rec.hop]],  # the roles it has passed through
         "instance": rec.instance,
         "step": rec.step,
         "total_steps": rec.total_steps,
