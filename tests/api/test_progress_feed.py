@@ -7,7 +7,7 @@ import asyncio
 import json
 
 from triptych.protocol import RequestEvent
-from triptych_head.api.progress import QUEUE_LIMIT, ProgressFeed, SSEMessage, message_of, role_of
+from triptych_head.api.progress import QUEUE_LIMIT, ProgressFeed, SSEMessage, Subscriber, message_of, role_of
 
 
 def parse(chunks: list[bytes]) -> list[tuple[str, dict]]:
@@ -60,3 +60,17 @@ def test_states_name_the_role_a_request_is_at():
         None, "encoder", "denoiser", "decoder", None,
     ]  # fmt: skip
     assert message_of("r", RequestEvent("r", "DENOISING_RUNNING", step=3, total_steps=8)).event == "step"
+
+
+def test_a_subscriber_holds_at_most_its_byte_bound_of_previews_but_always_the_newest_message():
+    async def run() -> list[tuple[str, dict]]:
+        feed = ProgressFeed("r3")
+        sub = Subscriber(limit=1000, max_bytes=10_000)
+        feed.subscribers.add(sub)
+        for step in range(1, 11):  # ~4 KB each as base64
+            feed.on_event(RequestEvent("r3", "DENOISING_RUNNING", step=step, total_steps=10, preview=bytes(3000)))
+        feed.publish(SSEMessage("completed", {"id": "r3", "big": "x" * 20_000}))  # alone over the bound
+        return await read_all(feed, sub)
+
+    got = asyncio.run(run())
+    assert got == [("dropped", {"id": "r3", "dropped": 10}), ("completed", {"id": "r3", "big": "x" * 20_000})]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -25,6 +26,7 @@ from triptych_head.api.schemas import ImageData, ImageGenerationRequest, ImageGe
 from triptych_head.backend import GenerationOutput
 from triptych_head.media import png_bytes
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["images"])
 
 
@@ -79,6 +81,9 @@ def _stream(
         except asyncio.CancelledError:
             feed.publish(error_message(request_id, "cancelled", "cancelled", 499))
             raise
+        except Exception as exc:  # the stream must still end, with the error
+            log.exception("streamed image request %s failed", request_id)
+            feed.publish(error_message(request_id, f"{type(exc).__name__}: {exc}", "internal_error", 500))
         finally:
             ctx.release(request_id)  # admitted by the caller; released here even if generation never started
 

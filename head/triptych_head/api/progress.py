@@ -4,8 +4,9 @@ Each request that someone may watch has a ProgressFeed. The backend reports its 
 (RequestEvent: state changes, every denoising step, a preview PNG every k steps) on the event
 loop; the feed turns each into one SSE message and offers it to every subscriber's bounded
 queue, which never waits. A subscriber that does not keep up (a stalled connection) loses its
-oldest messages and is told how many (`dropped`); its last message, how the request ended,
-always arrives. So a slow client costs the request nothing, and the head a bounded buffer.
+oldest messages (beyond 64 of them or 4 MiB) and is told how many (`dropped`); its last
+message, how the request ended, always arrives. So a slow client costs the request nothing,
+and the head a bounded buffer.
 
     event: state      data: {"id", "state", "role"}
     event: step       data: {"id", "state", "role", "step", "total_steps", "preview"?: base64 PNG}
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 from collections import deque
 from collections.abc import AsyncIterator
@@ -29,6 +31,7 @@ from fastapi.responses import StreamingResponse
 from triptych.protocol import RequestEvent
 
 QUEUE_LIMIT = 64  # messages a subscriber may fall behind before it loses the oldest
+QUEUE_BYTES = 4 << 20  # and bytes (previews are up to ~260 KB each as base64)
 KEEPALIVE_S = 15.0  # a comment line while nothing happens, so proxies keep the connection open
 TERMINAL_EVENTS = ("completed", "error")
 
@@ -45,7 +48,9 @@ class SSEMessage:
     event: str
     data: dict[str, Any]
 
-    def encode(self) -> bytes:
+    @functools.cached_property
+    def encoded(self) -> bytes:
+        """The message on the wire (encoded once, whatever the number of subscribers)."""
         return f"event: {self.event}\ndata: {json.dumps(self.data, separators=(',', ':'))}\n\n".encode()
 
     @property
@@ -71,19 +76,19 @@ def error_message(request_id: str, message: str, code: str | None, status: int) 
 class Subscriber:
     """One client's bounded queue of messages: offering never blocks, the oldest go first when full."""
 
-    def __init__(self, limit: int = QUEUE_LIMIT) -> None:
+    def __init__(self, limit: int = QUEUE_LIMIT, max_bytes: int = QUEUE_BYTES) -> None:
         self._queue: deque[SSEMessage] = deque()
-        self._limit = limit
+        self._limit, self._max_bytes = limit, max_bytes
+        self._bytes = 0
         self._wake = asyncio.Event()
         self.dropped = 0  # lost since the client last read
-        self.dropped_total = 0
 
     def offer(self, msg: SSEMessage) -> None:
-        if len(self._queue) >= self._limit:
-            self._queue.popleft()
-            self.dropped += 1
-            self.dropped_total += 1
         self._queue.append(msg)
+        self._bytes += len(msg.encoded)
+        while len(self._queue) > 1 and (len(self._queue) > self._limit or self._bytes > self._max_bytes):
+            self._bytes -= len(self._queue.popleft().encoded)
+            self.dropped += 1
         self._wake.set()
 
     async def messages(self, request_id: str) -> AsyncIterator[bytes]:
@@ -98,9 +103,10 @@ class Subscriber:
                 continue
             if self.dropped:
                 dropped, self.dropped = self.dropped, 0
-                yield SSEMessage("dropped", {"id": request_id, "dropped": dropped}).encode()
+                yield SSEMessage("dropped", {"id": request_id, "dropped": dropped}).encoded
             msg = self._queue.popleft()
-            yield msg.encode()
+            self._bytes -= len(msg.encoded)
+            yield msg.encoded
             if msg.terminal:
                 return
 
