@@ -75,7 +75,7 @@ def _stream(
         try:
             output = await ctx.generate(params, request_id, feed.on_event, body.preview_every)
             answer = await _response(ctx, body, output, request_id, request)
-            feed.publish(SSEMessage("completed", {"id": request_id, **answer.model_dump(exclude_none=True)}))
+            feed.publish(SSEMessage("completed", {"id": request_id, **answer.model_dump()}))
         except APIError as exc:
             feed.publish(error_message(request_id, exc.message, exc.code, exc.status_code))
         except asyncio.CancelledError:
