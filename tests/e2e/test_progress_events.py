@@ -8,6 +8,7 @@ import base64
 import io
 import socket
 import statistics
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,6 +103,16 @@ def stalled_subscriber(http: str, video_id: str) -> socket.socket:
     return sock
 
 
+def unsent_bytes(http: str, client: socket.socket) -> int:
+    """The head's Send-Q towards `client`: bytes its kernel holds because the client reads none."""
+    port, client_port = http.rsplit(":", 1)[1], client.getsockname()[1]
+    out = subprocess.run(
+        ["ss", "-tnH", "state", "established", f"( sport = :{port} and dport = :{client_port} )"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    return int(out[1])  # Recv-Q Send-Q Local Peer
+
+
 def timed_video(client: TriptychClient, body: dict, stall: bool, wan: LocalDeployment) -> tuple[float, list[Event]]:
     """Seconds from POST to the completed event, as a reading client sees them; with `stall`, a second
     subscriber that never reads is connected before the first step."""
@@ -111,9 +122,10 @@ def timed_video(client: TriptychClient, body: dict, stall: bool, wan: LocalDeplo
     try:
         events = list(client.video_events(job["id"]))
         elapsed = time.monotonic() - started
-        if stalled is not None:  # still connected, its unread events piled up in the buffers
+        if stalled is not None:  # still connected, and the head holds events it could not send it
             stalled.settimeout(5)
             assert stalled.recv(64, socket.MSG_PEEK).startswith(b"HTTP/1.1 200")
+            assert unsent_bytes(wan.http, stalled) > 0, "the stalled client was not stalled"
     finally:
         if stalled is not None:
             stalled.close()
