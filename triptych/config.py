@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
 from triptych.ports import DEFAULT_HTTP_PORT, DEFAULT_SCHEDULER_PORT, is_loopback, parse_tcp_endpoint
 from triptych.roles import Role
+from triptych.serve_help import grouped_adder
 
 MIB = 1 << 20
 DEFAULT_POOL_SIZE = 256 * MIB
@@ -308,7 +309,7 @@ class ServeArgs:
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """Register every `triptych serve` flag; defaults come from ServeArgs."""
     d = ServeArgs(model_path="")
-    a = parser.add_argument
+    a = grouped_adder(parser)  # --help lists them by who uses them (serve_help.py)
     a("--model-path", required=True, help="diffusers-format model directory (same package on every process)")
     roles = "{" + ",".join(r.value for r in Role) + "}"
     a("--disagg-role", type=Role, choices=list(Role), default=d.disagg_role, metavar=roles,
