@@ -51,6 +51,15 @@ if [ ! -f "$STAMPS/venv-$key" ] || ! "$VENV/bin/python" -c "import triptych, moo
   rm -f "$STAMPS"/venv-*; touch "$STAMPS/venv-$key"
 fi
 
+# The worker's bind shim (an LD_PRELOAD library, C): Mooncake's listeners on --disagg-p2p-hostname only.
+if ! command -v "${CC:-gcc}" >/dev/null || [ ! -f /usr/include/stdio.h ]; then
+  echo "setup: installing a C compiler for the worker's bind shim"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev >/dev/null
+fi
+bash scripts/build-bind-shim.sh
+
 bash tests/cluster/build.sh
 
 # The real node (opt-in until it runs in CI: TRIPTYCH_REAL_NODE=1; docs/local-cluster.md "A real node"):

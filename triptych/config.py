@@ -109,6 +109,7 @@ class ServeArgs:
     disagg_p2p_hostname: str = "127.0.0.1"
     disagg_ib_device: str | None = None
     disagg_transfer_pool_size: int = DEFAULT_POOL_SIZE
+    disagg_transfer_listen_any: bool = False
     disagg_timeout: float = DEFAULT_TIMEOUT_S
     disagg_dispatch_policy: str = "round_robin"
     disagg_heartbeat_timeout: float = 5.0
@@ -199,6 +200,8 @@ class ServeArgs:
             raise ConfigError(
                 f"--disagg-transfer-pool-size {self.disagg_transfer_pool_size} is below 1 MiB; use e.g. 256MiB"
             )
+        if self.disagg_transfer_listen_any and not role.is_worker:
+            raise ConfigError(f"--disagg-transfer-listen-any is for worker roles, not --disagg-role {role.value}")
         if self.disagg_timeout <= 0:
             raise ConfigError(f"--disagg-timeout {self.disagg_timeout} must be > 0 seconds")
         if self.disagg_heartbeat_timeout <= 0:
@@ -332,6 +335,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--disagg-ib-device", default=None, help="worker: RDMA device (e.g. mlx5_0); TCP transport when unset")
     a("--disagg-transfer-pool-size", type=parse_size, default=d.disagg_transfer_pool_size,
       help="worker: registered transfer pool, bytes or 256MiB/1GiB (default 256MiB)")  # fmt: skip
+    a("--disagg-transfer-listen-any", action="store_true",
+      help="worker: let Mooncake's handshake and data ports listen on every address of the host (its own "
+           "behaviour), not only --disagg-p2p-hostname; whoever reaches them can read and write the pool")  # fmt: skip
     a("--disagg-timeout", type=float, default=d.disagg_timeout, help="head: seconds before a request times out")
     a("--disagg-dispatch-policy", choices=DISPATCH_POLICIES, default=d.disagg_dispatch_policy)
     a("--disagg-heartbeat-timeout", type=float, default=d.disagg_heartbeat_timeout,

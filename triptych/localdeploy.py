@@ -193,14 +193,15 @@ def local_deployment(
     null_payload_bytes: int | None = None,
     head_first: bool = True,
     ready_timeout: float = 180,
-    worker_url_scheme: str = "tcp://127.0.0.1",
+    worker_url_scheme: str | None = None,
     discovery_files: bool = False,
     spare: dict[Role, int] | None = None,
     authenticated: bool = True,
+    host: str = "127.0.0.1",
 ) -> Iterator[LocalDeployment]:
     """Start head and workers (logs under `workdir`), wait until every worker heartbeats, kill all on exit.
 
-    `worker_url_scheme` is how the head is told where workers are: tcp://127.0.0.1, or
+    `worker_url_scheme` is how the head is told where workers are: tcp://HOST (the default), or
     dns://localhost to go through name resolution as the head does behind a headless Service.
     `discovery_files`: the head reads each role's workers from a file:// list instead, which
     LocalDeployment.start_worker and unlist_worker rewrite (workers joining and leaving).
@@ -208,9 +209,12 @@ def local_deployment(
     with `LocalDeployment.start_worker` (until then the head sees them as not responding).
     `authenticated`: the head and workers get --disagg-keys-dir with a key set written to
     `workdir`/keys (kept if it is there already); False runs the control plane without keys.
+    `host`: the IPv4 address every process binds and is reached on (the head's --host, the workers'
+    --disagg-p2p-hostname), loopback by default; another needs `authenticated`.
     """
     counts = counts or dict.fromkeys(ROLES, 1)
     spare = spare or {}
+    worker_url_scheme = worker_url_scheme or f"tcp://{host}"
     workdir.mkdir(parents=True, exist_ok=True)
     sched, http, ports = deployment_ports({role: counts.get(role, 0) + spare.get(role, 0) for role in ROLES})
     spare_ports = {role: ports[role][counts.get(role, 0) :] for role in ROLES}
@@ -223,7 +227,7 @@ def local_deployment(
         else [py, "-m", "triptych", "serve"]
     )
     dep = LocalDeployment(
-        http=f"http://127.0.0.1:{http}", scheduler_port=sched, spare=spare_ports, env=env, workdir=workdir
+        http=f"http://{host}:{http}", scheduler_port=sched, spare=spare_ports, env=env, workdir=workdir
     )
     if discovery_files:
         dep.endpoint_files = {role: workdir / f"{role.value}.endpoints" for role in ROLES}
@@ -237,18 +241,18 @@ def local_deployment(
 
     def spawn_worker(role: Role, port: int) -> Proc:
         argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
-                "--disagg-server-addr", f"tcp://127.0.0.1:{sched}", "--scheduler-port", str(port),
-                "--disagg-p2p-hostname", "127.0.0.1", *security_flags, *worker_flags,
+                "--disagg-server-addr", f"tcp://{host}:{sched}", "--scheduler-port", str(port),
+                "--disagg-p2p-hostname", host, *security_flags, *worker_flags,
                 *(role_flags or {}).get(role, ())]  # fmt: skip
         i = started[role] = started.get(role, -1) + 1
         log = workdir / f"{role.value}-{i}.log"
-        return Proc(role, f"tcp://127.0.0.1:{port}", _spawn(argv, log, env), log)
+        return Proc(role, f"tcp://{host}:{port}", _spawn(argv, log, env), log)
 
     dep.spawn_worker = spawn_worker
 
     def start_head() -> None:
         argv = [py, "-m", "triptych", "serve", "--model-path", str(model), "--disagg-role", "server",
-                "--scheduler-port", str(sched), "--host", "127.0.0.1", "--port", str(http),
+                "--scheduler-port", str(sched), "--host", host, "--port", str(http),
                 "--output-path", str(workdir / "outputs"), *security_flags, *head_flags]  # fmt: skip
         for role in ROLES:
             if discovery_files:

@@ -68,7 +68,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "transfer": (
         "worker-to-worker tensors (Mooncake)",
-        ("--disagg-p2p-hostname", "--disagg-ib-device", "--disagg-transfer-pool-size"),
+        ("--disagg-p2p-hostname", "--disagg-ib-device", "--disagg-transfer-pool-size", "--disagg-transfer-listen-any"),
     ),
     "control plane security": (
         "head and workers",

@@ -476,13 +476,13 @@ class DiffusionServer:
             return
         if rec.hop + 1 >= len(rec.route):
             raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
-        role, elapsed = self._time_stage(rec, msg.seconds)
+        stage = self._time_stage(rec, msg.seconds)
         rec.move(done)
         rec.staged = StagedPayload(sender=inst.url, nbytes=msg.nbytes, manifest=msg.manifest, meta=msg.meta)
         rec.instance = None
         rec.hop += 1
         self._enter_hop(rec)
-        self.metrics.stage_seconds.labels(role).observe(elapsed)  # after the push went out: off the request's path
+        self.metrics.observe_stage(*stage)  # after the push went out: off the request's path
 
     def _on_allocated(
         self, rec: RequestRecord, inst: WorkerInstance, msg: TransferAllocated, frames: list[Any]
@@ -567,11 +567,11 @@ class DiffusionServer:
     def _on_result(self, rec: RequestRecord, inst: WorkerInstance, msg: Result, frames: list[Any]) -> None:
         if rec.state is not RequestState.DECODER_RUNNING or rec.instance != inst.url:
             return
-        role, elapsed = self._time_stage(rec, msg.seconds)
+        stage = self._time_stage(rec, msg.seconds)
         rec.timings["total"] = time.monotonic() - rec.created
         rec.move(RequestState.DONE)
         self._reply(rec.client, RequestResult(rec.request_id, msg.tensors, rec.timings), frames)
-        self.metrics.stage_seconds.labels(role).observe(elapsed)
+        self.metrics.observe_stage(*stage)
         self._finish(rec, RequestState.DONE)
 
     def _on_failed(self, rec: RequestRecord, inst: WorkerInstance, msg: Failed, frames: list[Any]) -> None:
@@ -679,17 +679,17 @@ class DiffusionServer:
         self.metrics.queue_seconds.labels(role.value).observe(waited)
         return True
 
-    def _time_stage(self, rec: RequestRecord, worker_seconds: float) -> tuple[str, float]:
+    def _time_stage(self, rec: RequestRecord, worker_seconds: float) -> tuple[str, float, float]:
         """Record the hop's time as the head saw it (dispatch to output reported) and as the worker
         spent it (load inputs, run stages, stage outputs), and calibrate the work estimate with the
-        latter; returns (role, head-seen seconds) for the metric, which callers observe once the
-        request's next message is out."""
+        latter; returns (role, head-seen seconds, worker seconds) for the metrics, which callers
+        observe once the request's next message is out."""
         role = rec.role.value
         elapsed = time.monotonic() - rec.hop_started
         rec.timings[role] = elapsed
         rec.timings[f"worker_{role}"] = worker_seconds
         self.workload.observe(rec.role, rec.params, worker_seconds)
-        return role, elapsed
+        return role, elapsed, worker_seconds
 
     # --- lost workers and retries -----------------------------------------------------------
 

@@ -33,10 +33,12 @@ __all__ = [
     "TransferRefused", "TransferPushed", "Result", "Failed", "HEAD_TO_WORKER",
 ]  # fmt: skip
 
-# Checked by the decoder, so a handler never sees a negative size or address, or a status code
-# that is not an HTTP error.
+# Checked by the decoder, so a handler never sees a negative size or address, a duration no clock
+# measures (negative, NaN, infinite: the head's work estimate and Retry-After are built from them),
+# or a status code that is not an HTTP error.
+MAX_SECONDS = 7 * 24 * 3600.0
 Count = Annotated[int, msgspec.Meta(ge=0)]
-Seconds = Annotated[float, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
 HttpError = Annotated[int, msgspec.Meta(ge=400, le=599)]
 # A denoising preview (PNG of the latents' low-resolution RGB projection, worker/triptych_worker/preview.py).
 PREVIEW_MAX_BYTES = 1 << 20

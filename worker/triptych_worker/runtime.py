@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from triptych.config import ServeArgs
+from triptych.config import ConfigError, ServeArgs
 from triptych.params import GenerationParams
 from triptych.ports import result_endpoint, tcp_url
 from triptych.protocol import (
@@ -64,6 +64,7 @@ from triptych_worker.transfer import (
     load_tensors,
     stage_tensors,
 )
+from triptych_worker.transfer.listeners import check_mooncake_listeners, confine_mooncake_listeners
 
 if TYPE_CHECKING:
     from triptych_worker.pipeline import RolePipeline
@@ -643,8 +644,18 @@ class Worker:
 
 
 def run_worker(args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | None = None) -> int:
-    """Serve until drained (SIGTERM, exit 0), interrupted (Ctrl-C) or stopped; the worker entry point."""
+    """Serve until drained (SIGTERM, exit 0), interrupted (Ctrl-C) or stopped; the worker entry point.
+
+    First re-executes the process under the bind shim unless it runs under it already, so that
+    Mooncake listens on --disagg-p2p-hostname only (triptych_worker.transfer.listeners).
+    """
+    confine_mooncake_listeners(args)
     worker = Worker(args, pipeline)
+    try:
+        check_mooncake_listeners(args)
+    except ConfigError:
+        worker.transport.close()
+        raise
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: worker.begin_drain())
     try:
         worker.serve()
