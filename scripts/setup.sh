@@ -33,6 +33,15 @@ if ((${#need_tools[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq podman runc debootstrap >/dev/null
 fi
 
+# The playground's browser test (tests/e2e/test_playground.py): Playwright drives Debian's Chromium,
+# so no browser is downloaded.
+if ! command -v chromium >/dev/null; then
+  echo "setup: installing Debian's chromium for the browser test"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 key=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ ! -f "$STAMPS/venv-$key" ] || ! "$VENV/bin/python" -c "import triptych, mooncake, diffusers" 2>/dev/null; then

@@ -16,6 +16,7 @@ from triptych.ports import (
     parse_tcp_endpoint,
 )
 from triptych.roles import ROLE_SPECS, WORKER_ROLES, Role
+from triptych.serve_help import flag, grouped_adder
 
 MIB = 1 << 20
 DEFAULT_POOL_SIZE = 256 * MIB
@@ -47,10 +48,6 @@ ROLE_PARALLEL_ATTRS: tuple[str, ...] = tuple(attr for flags in ROLE_PARALLEL_FLA
 
 class ConfigError(ValueError):
     """A flag value that cannot work; the message names the flag and what to do."""
-
-
-def flag(attr: str) -> str:
-    return "--" + attr.replace("_", "-")
 
 
 def parse_size(text: str) -> int:
@@ -308,7 +305,7 @@ class ServeArgs:
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """Register every `triptych serve` flag; defaults come from ServeArgs."""
     d = ServeArgs(model_path="")
-    a = parser.add_argument
+    a = grouped_adder(parser)  # --help lists them by who uses them (serve_help.py)
     a("--model-path", required=True, help="diffusers-format model directory (same package on every process)")
     roles = "{" + ",".join(r.value for r in Role) + "}"
     a("--disagg-role", type=Role, choices=list(Role), default=d.disagg_role, metavar=roles,

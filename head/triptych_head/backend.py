@@ -21,7 +21,7 @@ from triptych.params import GenerationParams
 from triptych.protocol import Cancel, ProtocolError, RequestEvent, RequestResult, Submit, TensorSpec, decode, encode
 from triptych.protocol.tensors import PIXELS
 
-ProgressCallback = Callable[[int, int], None]
+ProgressCallback = Callable[[int, int, bytes], None]  # (step, total steps, a preview PNG or b"")
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,11 @@ class GenerationFailed(Exception):
 class Backend(Protocol):
     async def start(self) -> None: ...
     async def generate(
-        self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
+        self,
+        request_id: str,
+        params: GenerationParams,
+        on_event: EventCallback | None = None,
+        preview_every: int = 0,
     ) -> GenerationOutput: ...
     async def cancel(self, request_id: str) -> None: ...
     async def close(self) -> None: ...
@@ -81,7 +85,11 @@ class FrontendClient:
         self._reader = asyncio.create_task(self._read())
 
     async def generate(
-        self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
+        self,
+        request_id: str,
+        params: GenerationParams,
+        on_event: EventCallback | None = None,
+        preview_every: int = 0,
     ) -> GenerationOutput:
         assert self._sock is not None, "start() first"
         if request_id in self._pending:
@@ -89,7 +97,8 @@ class FrontendClient:
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, on_event)
         try:
-            await self._sock.send_multipart(encode(Submit(request_id, params, watch=on_event is not None)))
+            submit = Submit(request_id, params, watch=on_event is not None, preview_every=preview_every)
+            await self._sock.send_multipart(encode(submit))
             return await future
         except asyncio.CancelledError:
             await self.cancel(request_id)
@@ -138,8 +147,9 @@ class InProcessPipeline(Protocol):
     """The one interface monolithic mode needs from the worker package (triptych_worker.pipeline.RolePipeline)."""
 
     def validate(self, params: GenerationParams) -> None: ...
-    def generate(self, params: GenerationParams, on_progress: ProgressCallback) -> np.ndarray:
-        """Every stage of a request; the pixels as uint8 [num_outputs, frames, height, width, 3]."""
+    def generate(self, params: GenerationParams, on_progress: ProgressCallback, preview_every: int = 0) -> np.ndarray:
+        """Every stage of a request; the pixels as uint8 [num_outputs, frames, height, width, 3];
+        `on_progress` after each denoising step, with a preview every `preview_every` steps."""
         ...
 
 
@@ -155,20 +165,24 @@ class LocalBackend:
         pass
 
     async def generate(
-        self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
+        self,
+        request_id: str,
+        params: GenerationParams,
+        on_event: EventCallback | None = None,
+        preview_every: int = 0,
     ) -> GenerationOutput:
         loop = asyncio.get_running_loop()
 
-        def progress(step: int, total: int) -> None:
+        def progress(step: int, total: int, preview: bytes) -> None:
             if request_id in self._cancelled:
                 raise GenerationFailed("cancelled by the client", 499, "CANCELLED")
             if on_event is not None:
-                event = RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=total)
+                event = RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=total, preview=preview)
                 loop.call_soon_threadsafe(on_event, event)
 
         def run() -> np.ndarray:
             try:
-                return self._pipeline.generate(params, progress)
+                return self._pipeline.generate(params, progress, preview_every if on_event else 0)
             finally:
                 self._cancelled.discard(request_id)
 

@@ -63,6 +63,7 @@ from triptych_head.discovery import WorkerDirectory
 from triptych_head.dispatch import make_policy
 from triptych_head.instances import StandingSlot, WorkerInstance
 from triptych_head.metrics import HeadMetrics
+from triptych_head.pipeline_view import build_view
 from triptych_head.registry import WorkerRegistry
 from triptych_head.state import ROLE_STATES, RequestRecord, RequestState, StagedPayload
 from triptych_head.workload import WorkEstimator
@@ -133,6 +134,7 @@ class DiffusionServer:
         self._no_instance_since: dict[Role, float] = {}  # roles with no ready instance, since when
         self._held_slots: dict[str, HeldSlot] = {}  # receive slots of ended requests, freed once their write is over
         self._queues: dict[Role, deque[str]] = {role: deque() for role in directories}
+        self.pipeline_view: dict[str, Any] = {"roles": {}, "requests": []}  # replaced whole at each tick
         # One per role: a round-robin cursor shared by roles of different sizes would keep landing on
         # the same instance of one of them (one encoder and two denoisers: always the second denoiser).
         self._policies = {role: make_policy(args.disagg_dispatch_policy) for role in directories}
@@ -334,6 +336,7 @@ class DiffusionServer:
                 self._typical_seconds[role] = self.workload.estimate(role, self._last_params)
             retry_after = max(retry_after, retry_after_seconds(self._typical_seconds.get(role, 0.0), len(ready)))
         self.admission.update(slots, retry_after)
+        self.pipeline_view = build_view(self.registry.snapshot(), queued, running, self.requests.values())
 
     def _timeout_reason(self, rec: RequestRecord) -> str:
         role = rec.role.value
@@ -397,6 +400,7 @@ class DiffusionServer:
             client=client,
             deadline=time.monotonic() + self.args.disagg_timeout,
             watch=msg.watch,
+            preview_every=msg.preview_every if msg.watch else 0,
         )
         self.requests[rid] = rec
         self._attempts[rec.wire_id] = rec
@@ -410,10 +414,11 @@ class DiffusionServer:
         except zmq.Again:
             log.warning("frontend client %r is not reading; dropped %s", client, msg.TYPE)
 
-    def _event(self, rec: RequestRecord, step: int = 0, total: int = 0) -> None:
+    def _event(self, rec: RequestRecord, step: int = 0, total: int = 0, preview: bytes = b"") -> None:
         if not rec.watch:
             return
-        self._reply(rec.client, RequestEvent(rec.request_id, rec.state.value, step=step, total_steps=total))
+        event = RequestEvent(rec.request_id, rec.state.value, step=step, total_steps=total, preview=preview)
+        self._reply(rec.client, event)
 
     # --- workers ----------------------------------------------------------------------------
 
@@ -470,7 +475,8 @@ class DiffusionServer:
 
     def _on_progress(self, rec: RequestRecord, inst: WorkerInstance, msg: Progress, frames: list[Any]) -> None:
         if rec.instance == inst.url:
-            self._event(rec, msg.step, msg.total)
+            rec.step, rec.total_steps = msg.step, msg.total
+            self._event(rec, msg.step, msg.total, msg.preview)
 
     def _on_staged(self, rec: RequestRecord, inst: WorkerInstance, msg: TransferStaged, frames: list[Any]) -> None:
         _, running, done = ROLE_STATES[rec.role]
@@ -528,7 +534,14 @@ class DiffusionServer:
         rec.push_in_flight = False
         rec.staged = None
         ready = TransferReady(
-            rec.wire_id, rec.instance, rec.wire_params(), staged.manifest, staged.meta, rec.slot_addr, rec.watch
+            rec.wire_id,
+            rec.instance,
+            rec.wire_params(),
+            staged.manifest,
+            staged.meta,
+            rec.slot_addr,
+            rec.watch,
+            rec.preview_every,
         )
         started = time.monotonic()  # before the send, so the hop's time contains all the receiver's work
         sent = self.registry.send(rec.instance, ready)
@@ -661,7 +674,10 @@ class DiffusionServer:
             keep = inst.should_keep_slot(nbytes)
             sent = self.registry.send(inst.url, TransferAlloc(wire_id, inst.url, nbytes, keep=keep))
         else:
-            sent = self.registry.send(inst.url, Work(wire_id, inst.url, rec.wire_params(), progress=rec.watch))
+            sent = self.registry.send(
+                inst.url,
+                Work(wire_id, inst.url, rec.wire_params(), progress=rec.watch, preview_every=rec.preview_every),
+            )
         if not sent:  # not connected any more: treat it as gone until it heartbeats again
             self._instance_lost(inst, "disconnected", f"{role.value} {inst.url} is not connected")
             return False

@@ -102,6 +102,9 @@ class RequestRecord:
     client: bytes
     deadline: float
     watch: bool = False  # the client asked for every state change and denoising step
+    preview_every: int = 0  # with watch: a preview image every k denoising steps (0: none)
+    step: int = 0  # the last denoising step reported (watched requests only)
+    total_steps: int = 0
     state: RequestState = RequestState.PENDING
     hop: int = 0
     instance: str | None = None  # the worker running (or receiving) the current hop

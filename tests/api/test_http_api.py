@@ -46,7 +46,7 @@ class ScriptedBackend:
     async def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
 
-    async def generate(self, request_id, params, on_event=None):
+    async def generate(self, request_id, params, on_event=None, preview_every=0):
         self.calls.append(params)
         for step in range(1, params.num_inference_steps + 1):
             await asyncio.sleep(self.step_delay)

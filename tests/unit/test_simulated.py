@@ -81,7 +81,7 @@ def test_a_simulated_denoiser_takes_its_modelled_time_reports_every_step_and_emi
     )  # fmt: skip
     steps: list[tuple[int, int]] = []
     batch = StageBatch(GenerationParams("x", 64, 32, num_inference_steps=3, num_outputs=2))
-    batch.on_progress = lambda step, total: steps.append((step, total))
+    batch.on_progress = lambda step, total, latents=None: steps.append((step, total))
     started = time.monotonic()
     pipeline.run(batch)
     elapsed = time.monotonic() - started

@@ -156,7 +156,7 @@ def test_denoiser_reports_progress_after_every_step(role_pipelines) -> None:
     batch = role_pipelines["tiny-flux", Role.ENCODER].run(StageBatch(FLUX))
     seen: list[tuple[int, int]] = []
     batch = over_the_wire(batch)
-    batch.on_progress = lambda step, total: seen.append((step, total))
+    batch.on_progress = lambda step, total, latents=None: seen.append((step, total))
     role_pipelines["tiny-flux", Role.DENOISER].run(batch)
     assert seen == [(1, 2), (2, 2)]
 

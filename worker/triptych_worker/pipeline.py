@@ -13,17 +13,22 @@ the keys), so roles may run in different processes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from triptych.params import GenerationParams
 from triptych.roles import WORKER_ROLES, Role
 from triptych_worker.adapters import FamilyAdapter, adapter_for
-from triptych_worker.stages import PIXELS, PipelineStage, ProgressCallback, StageBatch
+from triptych_worker.preview import LatentPreviewer, find_projection, should_preview
+from triptych_worker.stages import PIXELS, PipelineStage, StageBatch
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+PreviewProgress = Callable[[int, int, bytes], None]
+"""Monolithic mode's progress: (step, total steps, preview PNG or b"")."""
 
 
 class AdapterStage(PipelineStage):
@@ -134,10 +139,27 @@ class RolePipeline:
         """Raise ValueError naming the field when this model cannot serve `params`."""
         self.adapter.validate(params)
 
-    def generate(self, params: GenerationParams, on_progress: ProgressCallback) -> np.ndarray:
-        """Monolithic mode's entry (triptych_head.backend.InProcessPipeline): every stage, pixels as numpy."""
-        batch = self.run(StageBatch(params=params, on_progress=on_progress))
+    def generate(self, params: GenerationParams, on_progress: PreviewProgress, preview_every: int = 0) -> np.ndarray:
+        """Monolithic mode's entry (triptych_head.backend.InProcessPipeline): every stage, pixels as numpy;
+        `on_progress` after each denoising step, with a preview PNG every `preview_every` steps."""
+        previewer = self.previewer() if preview_every else None
+
+        def progress(step: int, total: int, latents: Any = None) -> None:
+            preview = b""
+            if previewer is not None and should_preview(step, preview_every, latents):
+                preview = previewer.png(latents, params)
+            on_progress(step, total, preview)
+
+        batch = self.run(StageBatch(params=params, on_progress=progress))
         return cast("torch.Tensor", batch.tensors[PIXELS]).cpu().numpy()
+
+    def previewer(self) -> LatentPreviewer | None:
+        """What turns this role's latents into preview PNGs: None when it does not denoise or no
+        projection was fitted for the model (preview.py)."""
+        if not any(isinstance(stage, DenoisingStage) for stage in self.stages):
+            return None
+        projection = find_projection(self.adapter.package.path)
+        return None if projection is None else LatentPreviewer(projection, self.adapter.latent_grid)
 
     def run(self, batch: StageBatch) -> StageBatch:
         """Run this role's stages in order on `batch` (in place) and return it."""

@@ -50,6 +50,8 @@ class HeadContext:
     registry: CollectorRegistry
     validate: Validator | None = None
     health: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    # The pools and the requests in flight, for the playground's pipeline view (GET /v1/pipeline).
+    pipeline_view: Callable[[], dict[str, Any]] = field(default=lambda: {"roles": {}, "requests": []})
     ready: Callable[[], bool] = field(default=lambda: True)  # the backend can take requests (its loop runs)
     retention: Retention = field(default_factory=Retention)
     drain_seconds: float = DEFAULT_DRAIN_TIMEOUT_S
@@ -144,12 +146,14 @@ class HeadContext:
             return {"in_flight": len(self.active), "max_in_flight": None}
         return self.admission.snapshot(len(self.active))
 
-    async def generate(self, params: GenerationParams, request_id: str | None = None, on_event: Any = None) -> Any:
+    async def generate(
+        self, params: GenerationParams, request_id: str | None = None, on_event: Any = None, preview_every: int = 0
+    ) -> Any:
         request_id = request_id or new_request_id()
         if request_id not in self.active:
             self.admit(request_id)
         try:
-            return await self.backend.generate(request_id, params, on_event)
+            return await self.backend.generate(request_id, params, on_event, preview_every=preview_every)
         except GenerationFailed as exc:
             if self.drain_expired and exc.state == "CANCELLED":  # the shutdown cancelled it, not the client
                 raise APIError(

@@ -64,6 +64,11 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
     def load(self, components: set[str]) -> None:
         """Load the stock pipeline with only `components`; the rest are passed as None."""
 
+    @abc.abstractmethod
+    def latent_grid(self, latents: Any, params: GenerationParams) -> np.ndarray:
+        """The denoiser's latents (as `denoise` holds them) of the first output, as float32 [C, h, w]:
+        what a denoising preview projects to RGB (preview.py). One frame for video."""
+
     @property
     def loaded_components(self) -> set[str]:
         if self.pipe is None:

@@ -20,8 +20,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 from triptych.families.flux import KONTEXT, FluxRules
+from triptych.params import GenerationParams
 from triptych_worker.adapters.base import FamilyAdapter, pixels_uint8
+from triptych_worker.preview import as_numpy
 from triptych_worker.stages import PIXELS
 
 if TYPE_CHECKING:
@@ -152,8 +156,14 @@ class FluxAdapter(FamilyAdapter[FluxRules]):
                     return_dict=False,
                 )[0][:, : latents.size(1)]
             latents = scheduler.step(noise_pred, step_t, latents, return_dict=False)[0]
-            batch.report_progress(i + 1, len(timesteps))
+            batch.report_progress(i + 1, len(timesteps), latents)
         batch.tensors = {"latents": latents}
+
+    def latent_grid(self, latents: Any, params: GenerationParams) -> np.ndarray:
+        # Packed [N, h/2 * w/2, C * 4] (2x2 patches, as FluxPipeline._pack_latents) -> [C, h, w].
+        h, w = params.height // self.rules.vae_scale_factor, params.width // self.rules.vae_scale_factor
+        packed = as_numpy(latents[0]).reshape(h // 2, w // 2, self.rules.latent_channels, 2, 2)
+        return packed.transpose(2, 0, 3, 1, 4).reshape(self.rules.latent_channels, h, w)
 
     def decode(self, batch: StageBatch) -> None:
         p, vae = batch.params, self.pipe.vae

@@ -13,11 +13,15 @@ torch and diffusers are imported inside methods so the head can validate without
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+import numpy as np
 
 from triptych.families.wan import FPS, WanRules
 from triptych.families.wan import uses_cfg as _uses_cfg
+from triptych.params import GenerationParams
 from triptych_worker.adapters.base import FamilyAdapter, pixels_uint8
+from triptych_worker.preview import as_numpy
 from triptych_worker.stages import PIXELS
 
 if TYPE_CHECKING:
@@ -108,8 +112,12 @@ class WanAdapter(FamilyAdapter[WanRules]):
                     )[0]
                 noise_pred = noise_uncond + p.guidance_scale * (noise_pred - noise_uncond)
             latents = scheduler.step(noise_pred, step_t, latents, return_dict=False)[0]
-            batch.report_progress(i + 1, len(timesteps))
+            batch.report_progress(i + 1, len(timesteps), latents)
         batch.tensors = {"latents": latents}
+
+    def latent_grid(self, latents: Any, params: GenerationParams) -> np.ndarray:
+        # [N, C, F, h, w]: the middle latent frame of the first video.
+        return as_numpy(latents[0, :, latents.shape[2] // 2])
 
     def decode(self, batch: StageBatch) -> None:
         import torch
