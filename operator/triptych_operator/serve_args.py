@@ -19,9 +19,9 @@ from triptych_operator.constants import (
     HEAD_SCHEDULER_PORT,
     KEYS_MOUNT,
     OUTPUT_MOUNT,
-    PIPELINE_ROLES,
     WORKER_MASTER_PORT,
     WORKER_PORT,
+    crd_field,
 )
 from triptych_operator.spec import PipelineSpec, SpecError
 
@@ -49,7 +49,7 @@ def head_address(pipeline: PipelineSpec) -> str:
 
 def worker_discovery_url(pipeline: PipelineSpec, role: Role) -> str:
     """dns://HOST:PORT: the head resolves the headless Service and treats each address as a worker."""
-    return f"dns://{service_host(pipeline, role.value)}:{WORKER_PORT}"
+    return f"dns://{service_host(pipeline, role.dns_name)}:{WORKER_PORT}"
 
 
 def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
@@ -76,7 +76,7 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
 
 
 def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
-    urls = {URL_FLAGS[role]: [worker_discovery_url(pipeline, role)] for role in PIPELINE_ROLES}
+    urls = {URL_FLAGS[role]: [worker_discovery_url(pipeline, role)] for role in pipeline.roles}
     return ServeArgs(
         model_path=pipeline.model.model_path,
         disagg_role=Role.SERVER,
@@ -98,7 +98,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
 def worker_argv(pipeline: PipelineSpec, role: Role) -> list[str]:
     """Container args for a worker of `role` (after `triptych serve`); raises SpecError if they would not start."""
     argv = worker_serve_args(pipeline, role).to_argv() + list(pipeline.roles[role].extra_args)
-    check_argv(argv, where=f"spec.{role.value}")
+    check_argv(argv, where=f"spec.{crd_field(role)}")
     return argv
 
 
