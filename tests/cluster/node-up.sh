@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start a REAL node in the local cluster (opt-in; `TRIPTYCH_REAL_NODE=1 make cluster-up` calls it):
+# Start a REAL node in the local cluster (`TRIPTYCH_REAL_NODE=1 make cluster-up` calls it; so does the real node's test):
 #   containerd (private config/root/state/socket) + runc, kubelet, kube-proxy (iptables), CoreDNS.
 # The control plane must run with TRIPTYCH_REAL_NODE=1 (up.sh then listens where pods reach it).
 # Addresses stay on this machine: the node IP ($NODE_IP, TEST-NET-1) on a dummy interface or as a /32 on
@@ -8,24 +8,23 @@
 # node-down.sh. Idempotent: running components are reused.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
+source "$CLUSTER_SRC/lib.sh"
 
 CERTS=$CLUSTER_DIR/certs
-PIDS=$NODE_DIR/pids
-LOGS=$NODE_DIR/logs
+# shellcheck disable=SC2034  # read by lib.sh
+SCRIPT=node-up PIDS=$NODE_DIR/pids OWNED_BY=$NODE_DIR LOGS=$NODE_DIR/logs
 SOCK=$NODE_DIR/containerd/containerd.sock
 KUBECTL=("$BIN_DIR/kubectl" --kubeconfig "$KUBECONFIG_PATH")
 CTR=(ctr --address "$SOCK" -n k8s.io)
 PAUSE_IMAGE=localhost/triptych-pause:1.0
 DNS_IP=$(python3 -c "import ipaddress,sys; print(ipaddress.ip_network(sys.argv[1])[10])" "$SERVICE_CIDR")
 
-log() { echo "node-up: $*"; }
-die() { echo "node-up.sh: $*" >&2; exit 1; }
 
 for b in kubelet kube-proxy coredns pause; do
   [ -x "$NODE_BIN_DIR/$b" ] || die "$NODE_BIN_DIR/$b is missing: run 'bash tests/cluster/build-node.sh'"
 done
 for t in containerd containerd-shim-runc-v2 ctr runc iptables conntrack /usr/lib/cni/bridge /usr/lib/cni/host-local; do
-  command -v "$t" >/dev/null || die "$t is missing: run 'TRIPTYCH_REAL_NODE=1 make setup' (Debian: containerd runc containernetworking-plugins iptables conntrack)"
+  command -v "$t" >/dev/null || die "$t is missing: run 'make setup' (Debian: containerd runc containernetworking-plugins iptables conntrack)"
 done
 [ "$(id -u)" = 0 ] || die "a real node needs root (iptables, mounts, cgroups)"
 if [ ! -f "$KUBECONFIG_PATH" ] || ! "${KUBECTL[@]}" get --raw /readyz >/dev/null 2>&1; then
@@ -46,44 +45,6 @@ echo "$CLUSTER_DIR" >/run/triptych-real-node.owner
 t_start=$SECONDS
 
 # ---------------------------------------------------------------- helpers
-component_pid() { # <name>: pid of our running <name> (pid file + binary name + our node dir in its cmdline)
-  local name=$1 pid
-  pid=$(cat "$PIDS/$name.pid" 2>/dev/null) || return 1
-  [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
-  [ "$(basename "$(readlink "/proc/$pid/exe" 2>/dev/null)")" = "$name" ] || return 1
-  tr '\0' '\n' <"/proc/$pid/cmdline" | grep -F -- "$NODE_DIR/" >/dev/null || return 1
-  echo "$pid"
-}
-RUNNING=()
-check_components() {
-  local name
-  for name in "${RUNNING[@]}"; do
-    component_pid "$name" >/dev/null && continue
-    echo "node-up.sh: $name exited; last lines of $LOGS/$name.log:" >&2
-    tail -n 20 "$LOGS/$name.log" >&2
-    exit 1
-  done
-}
-wait_for() { # <timeout s> <what> <command...>
-  local timeout=$1 what=$2; shift 2
-  local deadline=$((SECONDS + timeout))
-  until "$@" >/dev/null 2>&1; do
-    check_components
-    [ $SECONDS -lt $deadline ] || die "timed out after ${timeout}s waiting for $what (logs: $LOGS)"
-    sleep 0.5
-  done
-}
-start() { # <name> <binary> <args...>
-  local name=$1 bin=$2 pid; shift 2
-  if pid=$(component_pid "$name"); then
-    log "$name already running (pid $pid)"; RUNNING+=("$name"); return 0
-  fi
-  echo "=== $(date -u +%FT%TZ) starting $name" >>"$LOGS/$name.log"
-  setsid "$bin" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 8>&- 9>&- &
-  echo $! >"$PIDS/$name.pid"
-  RUNNING+=("$name")
-  log "started $name (pid $!, log $LOGS/$name.log)"
-}
 new_client_cert() { # <name> <subject>: a client certificate signed by the cluster CA
   local name=$1 subj=$2 d=$NODE_DIR/certs
   [ -f "$d/$name.crt" ] && return 0

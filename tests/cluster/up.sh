@@ -6,6 +6,7 @@
 # Ports and node shape are overridable, see env.sh and docs/local-cluster.md.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
+source "$CLUSTER_SRC/lib.sh"
 
 for b in etcd kube-apiserver kube-controller-manager kube-scheduler kwok kubectl; do
   if [ ! -x "$BIN_DIR/$b" ]; then
@@ -15,76 +16,27 @@ for b in etcd kube-apiserver kube-controller-manager kube-scheduler kwok kubectl
 done
 
 CERTS=$CLUSTER_DIR/certs
-PIDS=$CLUSTER_DIR/pids
-LOGS=$CLUSTER_DIR/logs
+# shellcheck disable=SC2034  # read by lib.sh
+SCRIPT=up PIDS=$CLUSTER_DIR/pids OWNED_BY=$CLUSTER_DIR LOGS=$CLUSTER_DIR/logs
 mkdir -p "$CERTS" "$PIDS" "$LOGS" "$CLUSTER_DIR/etcd"
 chmod 700 "$CLUSTER_DIR"
 # One up/down at a time per state dir (concurrent pytest sessions share the cluster).
 exec 9>"$CLUSTER_DIR/.lock"
-flock -w 180 9 || { echo "up.sh: another up.sh/down.sh holds $CLUSTER_DIR/.lock" >&2; exit 1; }
+flock -w 180 9 || { echo "up: another up.sh/down.sh holds $CLUSTER_DIR/.lock" >&2; exit 1; }
 KUBECTL=("$BIN_DIR/kubectl" --kubeconfig "$KUBECONFIG_PATH")
 
 # ---------------------------------------------------------------- helpers
-log() { echo "up: $*"; }
-
-# pid of a running component of THIS cluster (matched by pid file, binary name and state dir), or nothing.
-component_pid() {
-  local name=$1 pid
-  pid=$(cat "$PIDS/$name.pid" 2>/dev/null) || return 1
-  [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
-  [ "$(basename "$(readlink "/proc/$pid/exe" 2>/dev/null)")" = "$name" ] || return 1
-  tr '\0' '\n' <"/proc/$pid/cmdline" | grep -qF -- "$CLUSTER_DIR/" || return 1
-  echo "$pid"
-}
-
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-# Fail fast (with the log's tail) when a component of this run has exited, e.g. on a bad flag.
-RUNNING=()
-check_components() {
-  local name
-  for name in "${RUNNING[@]}"; do
-    component_pid "$name" >/dev/null && continue
-    echo "up.sh: $name exited; last lines of $LOGS/$name.log:" >&2
-    tail -n 20 "$LOGS/$name.log" >&2
-    exit 1
-  done
-}
-
-# wait_for <timeout seconds> <description> <command...>: poll every 0.5 s
-wait_for() {
-  local timeout=$1 what=$2; shift 2
-  local deadline=$((SECONDS + timeout))
-  until "$@" >/dev/null 2>&1; do
-    check_components
-    if [ $SECONDS -ge $deadline ]; then
-      echo "up.sh: timed out after ${timeout}s waiting for $what (logs: $LOGS)" >&2
-      return 1
-    fi
-    sleep 0.5
-  done
-}
-
-# start <name> <port that must be free> <args...>
-start() {
-  local name=$1 port=$2; shift 2
-  local pid
-  if pid=$(component_pid "$name"); then
-    log "$name already running (pid $pid)"
-    RUNNING+=("$name")
-    return 0
+# start_on <port that must be free> <name> <args...>: start $BIN_DIR/<name> unless it already runs.
+start_on() {
+  local port=$1 name=$2
+  shift 2
+  if ! component_pid "$name" >/dev/null && port_open "$port"; then
+    die "port 127.0.0.1:$port needed by $name is already in use by another process;" \
+      "stop it or choose other ports (TRIPTYCH_*_PORT, see docs/local-cluster.md)"
   fi
-  if port_open "$port"; then
-    echo "up.sh: port 127.0.0.1:$port needed by $name is already in use by another process;" \
-      "stop it or choose other ports (TRIPTYCH_*_PORT, see docs/local-cluster.md)" >&2
-    exit 1
-  fi
-  echo "=== $(date -u +%FT%TZ) starting $name" >>"$LOGS/$name.log"
-  # New session, no inherited terminal, pipes or lock (fd 9): it outlives this script and its caller.
-  setsid "$BIN_DIR/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 9>&- &
-  echo $! >"$PIDS/$name.pid"
-  RUNNING+=("$name")
-  log "started $name (pid $!, log $LOGS/$name.log)"
+  start "$name" "$BIN_DIR/$name" "$@"
 }
 
 # ---------------------------------------------------------------- certificates (openssl, once)
@@ -162,7 +114,7 @@ write_kubeconfig "$CLUSTER_DIR/kube-scheduler.kubeconfig" kube-scheduler
 write_kubeconfig "$CLUSTER_DIR/kwok.kubeconfig" kwok
 
 # ---------------------------------------------------------------- etcd
-start etcd "$ETCD_CLIENT_PORT" \
+start_on "$ETCD_CLIENT_PORT" etcd \
   --name=triptych-local \
   --data-dir="$CLUSTER_DIR/etcd" \
   --listen-client-urls="http://127.0.0.1:$ETCD_CLIENT_PORT" \
@@ -193,7 +145,7 @@ else
   # Service's endpoints; 127.0.0.1 is rejected there, so the apiserver does not reconcile them.
   apiserver_address_args=(--bind-address=127.0.0.1 --advertise-address=127.0.0.1 --endpoint-reconciler-type=none)
 fi
-start kube-apiserver "$APISERVER_PORT" \
+start_on "$APISERVER_PORT" kube-apiserver \
   --etcd-servers="http://127.0.0.1:$ETCD_CLIENT_PORT" \
   "${apiserver_address_args[@]}" \
   --secure-port="$APISERVER_PORT" \
@@ -220,7 +172,7 @@ start kube-apiserver "$APISERVER_PORT" \
 wait_for 60 "kube-apiserver /readyz on 127.0.0.1:$APISERVER_PORT" "${KUBECTL[@]}" get --raw /readyz
 
 # ---------------------------------------------------------------- controllers
-start kube-controller-manager "$KCM_PORT" \
+start_on "$KCM_PORT" kube-controller-manager \
   --kubeconfig="$CLUSTER_DIR/kube-controller-manager.kubeconfig" \
   --authentication-kubeconfig="$CLUSTER_DIR/kube-controller-manager.kubeconfig" \
   --authorization-kubeconfig="$CLUSTER_DIR/kube-controller-manager.kubeconfig" \
@@ -242,7 +194,7 @@ start kube-controller-manager "$KCM_PORT" \
   --horizontal-pod-autoscaler-sync-period=5s \
   --profiling=false
 
-start kube-scheduler "$SCHEDULER_PORT" \
+start_on "$SCHEDULER_PORT" kube-scheduler \
   --kubeconfig="$CLUSTER_DIR/kube-scheduler.kubeconfig" \
   --authentication-kubeconfig="$CLUSTER_DIR/kube-scheduler.kubeconfig" \
   --authorization-kubeconfig="$CLUSTER_DIR/kube-scheduler.kubeconfig" \
@@ -256,7 +208,7 @@ start kube-scheduler "$SCHEDULER_PORT" \
 # kwok fakes kubelets: only nodes annotated kwok.x-k8s.io/node=fake; stages from tests/cluster/stages.
 stage_args=()
 for f in "$CLUSTER_SRC"/stages/*.yaml; do stage_args+=(--config="$f"); done
-start kwok "$KWOK_PORT" \
+start_on "$KWOK_PORT" kwok \
   --kubeconfig="$CLUSTER_DIR/kwok.kubeconfig" \
   --manage-all-nodes=false \
   --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
