@@ -11,7 +11,7 @@
 # arguments, and a build is skipped when the tagged image carries that key in its label.
 #
 # Environment: IMAGE_REPO (tag prefix, default localhost), IMAGE_TAG (default: the project version),
-# TRIPTYCH_IMAGES_CACHE (debootstrap and pip caches, default ~/.cache/triptych/images).
+# TRIPTYCH_IMAGES_CACHE (debootstrap's cache and build logs, default ~/.cache/triptych/images).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO_ROOT=$PWD
@@ -22,7 +22,7 @@ IMAGE_TAG=${IMAGE_TAG:-$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | he
 CACHE=${TRIPTYCH_IMAGES_CACHE:-$HOME/.cache/triptych/images}
 LABEL=ai.triptych.content-key
 BASE=localhost/triptych-base:bookworm
-mkdir -p "$CACHE/pip"
+mkdir -p "$CACHE"
 
 for tool in podman debootstrap runc; do
   command -v "$tool" >/dev/null || { echo "images: $tool is missing; run \`make setup\` (scripts/setup.sh installs it)" >&2; exit 1; }
@@ -149,10 +149,10 @@ build_image() {
   start=$SECONDS
   old=$(id_of "$tag")
   echo "images: building $tag (${args[*]})"
-  # --network host: RUN steps reach PyPI as this host does. The pip cache volume keeps downloaded
-  # wheels between builds (a rebuild after a code change downloads nothing); it is not in the image.
-  # --layers=false: a build stage is not kept as a cache image (the worker's is several GB).
-  podman build --pull=never --layers=false --force-rm --network host --volume "$CACHE/pip:/root/.cache/pip" \
+  # --network host: RUN steps reach PyPI as this host does. --layers: every step is cached, so a
+  # change to the code rebuilds only the steps after the Dockerfile's COPY of it (the dependencies'
+  # layer, several GB for the worker, is reused); pip's cache is the Dockerfiles' cache mount.
+  podman build --pull=never --layers --force-rm --network host \
     --label "$LABEL=$key" "${args[@]}" -f "$dockerfile" -t "$tag" . \
     >"$CACHE/build-$name.log" 2>&1 || {
       tail -30 "$CACHE/build-$name.log" >&2
