@@ -2,7 +2,6 @@
 # `make images`: build the operator, head and worker images from images/*.Dockerfile on this machine.
 #
 #   scripts/images.sh [operator] [head] [worker]     (default: all three)
-#   scripts/images.sh --only-if-current worker       (build nothing: exit 3 unless it is up to date)
 #
 # No registry is reachable here, so the upstream bases (python:3.11-slim, nvidia/cuda) are replaced
 # by a Debian base made locally with debootstrap; the Dockerfiles themselves are the ones users
@@ -142,10 +141,6 @@ build_image() {
     echo "images: $tag is up to date"
     return
   fi
-  if ((only_if_current)); then
-    echo "images: $tag is not built from the current sources (not building it: --only-if-current)"
-    exit 3
-  fi
   start=$SECONDS
   old=$(id_of "$tag")
   echo "images: building $tag (${args[*]})"
@@ -163,15 +158,9 @@ build_image() {
   echo "images: built $tag in $((SECONDS - start)) s"
 }
 
-only_if_current=0
-if [ "${1:-}" = --only-if-current ]; then only_if_current=1; shift; fi
 images=("$@")
 ((${#images[@]})) || images=(operator head worker)
-if ((only_if_current)) && [ -z "$(label_of "$BASE")" ]; then
-  echo "images: no $BASE (not building it: --only-if-current)"
-  exit 3
-fi
-((only_if_current)) || build_base
+build_base
 for name in "${images[@]}"; do
   [ -f "images/$name.Dockerfile" ] || { echo "images: no images/$name.Dockerfile (operator, head, worker)" >&2; exit 2; }
   build_image "$name"

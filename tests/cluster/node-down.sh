@@ -91,6 +91,7 @@ umount_under() {
 }
 umount_under "$NODE_DIR/"
 umount_under "$NODE_DIR"
+umount_under "$NODE_CONTAINERD_ROOT/"
 for f in /run/netns/cni-*; do
   [ -e "$f" ] || continue
   grep -qx "$(basename "$f")" "$NODE_DIR/preexisting-netns" 2>/dev/null || ip netns delete "$(basename "$f")" 2>/dev/null || true

@@ -111,10 +111,10 @@ write_kubeconfig "$NODE_DIR/kube-proxy.kubeconfig" kube-proxy
 write_kubeconfig "$NODE_DIR/coredns.kubeconfig" coredns
 
 # ---------------------------------------------------------------- containerd
-mkdir -p "$NODE_DIR/containerd" "$NODE_DIR/cni/net.d" "$NODE_DIR/cni/ipam"
+mkdir -p "$NODE_DIR/containerd" "$NODE_CONTAINERD_ROOT" "$NODE_DIR/cni/net.d" "$NODE_DIR/cni/ipam"
 cat >"$NODE_DIR/containerd/config.toml" <<EOF
 version = 2
-root = "$NODE_DIR/containerd/root"
+root = "$NODE_CONTAINERD_ROOT"
 state = "$NODE_DIR/containerd/state"
 disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp"]
 [grpc]
