@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the real node's binaries from the Go module proxy (opt-in, see docs/local-cluster.md "A real node"):
+# Build the real node's binaries from the Go module proxy (make setup; docs/local-cluster.md "A real node"):
 # kubelet and kube-proxy (k8s.io/kubernetes, the apiserver's version), CoreDNS (a trimmed plugin set) and
 # a static pause binary for the pod sandbox image.
 #
@@ -12,33 +12,19 @@ SCRIPT="node toolchain"
 
 if [ "${1:-}" = "--print-bin-dir" ]; then echo "$NODE_BIN_DIR"; exit 0; fi
 
-ALL_BINS=(pause kubelet kube-proxy coredns)
-missing=()
-for b in "${ALL_BINS[@]}"; do [ -x "$NODE_BIN_DIR/$b" ] || missing+=("$b"); done
-if [ ${#missing[@]} -eq 0 ]; then
-  log "up to date in $NODE_BIN_DIR"
-  exit 0
-fi
-
-find_go "Go >= 1.25 for CoreDNS $COREDNS_VERSION"
-mkdir -p "$NODE_BIN_DIR"
-build_lock "$K8S_CACHE/.build-node.lock"
-build_one() { go_build "$1" "$NODE_BIN_DIR/$2" "$3" "${4:-}"; }  # <module dir> <output> <package> [ldflags]
-version_ldflags=$(k8s_version_ldflags)
-
-start_all=$SECONDS
-for b in "${ALL_BINS[@]}"; do
-  [ -x "$NODE_BIN_DIR/$b" ] && continue
-  t0=$SECONDS
+# build_binary <name> <output file>: how each one is built (build_missing in lib.sh calls it for the missing ones).
+build_binary() {
+  local b=$1 out=$2
   case $b in
-    pause) build_one pause pause . ;;
+    pause) go_build pause "$out" . ;;
     coredns)
       log "building CoreDNS $COREDNS_VERSION (first time, ~6 min)"
-      build_one coredns coredns . "-X github.com/coredns/coredns/coremain.GitCommit=$COREDNS_VERSION" ;;
+      go_build coredns "$out" . "-X github.com/coredns/coredns/coremain.GitCommit=$COREDNS_VERSION" ;;
     *)
       log "building $b $K8S_VERSION (first time: kubelet ~9 min, kube-proxy ~1 min after it)"
-      build_one node "$b" "k8s.io/kubernetes/cmd/$b" "$version_ldflags" ;;
+      go_build node "$out" "k8s.io/kubernetes/cmd/$b" "$(k8s_version_ldflags)" ;;
   esac
-  log "built $b in $((SECONDS - t0)) s"
-done
-log "all binaries in $NODE_BIN_DIR (built in $((SECONDS - start_all)) s)"
+}
+
+build_missing "$NODE_BIN_DIR" "$K8S_CACHE/.build-node.lock" "Go >= 1.25 for CoreDNS $COREDNS_VERSION" \
+  pause kubelet kube-proxy coredns

@@ -38,7 +38,7 @@ RDMA_RESOURCE=${TRIPTYCH_RDMA_RESOURCE:-rdma/ib}
 GPU_NODES=${TRIPTYCH_GPU_NODES:-2}
 KUBECONFIG_PATH=$CLUSTER_DIR/kubeconfig
 
-# --- the real node (opt-in: TRIPTYCH_REAL_NODE=1; node-up.sh, node-down.sh, docs/local-cluster.md) ---
+# --- the real node (TRIPTYCH_REAL_NODE=1: make cluster-up and the real node's test; node-up.sh, node-down.sh) ---
 # One per machine (iptables, the bridge and the cgroups are global). Its IP sits on a dummy interface,
 # or as a /32 on lo where the dummy driver is missing; pods get the node's pod CIDR on bridge NODE_BRIDGE.
 REAL_NODE=${TRIPTYCH_REAL_NODE:-0}

@@ -41,6 +41,29 @@ go_build() {
   mv -f "$tmp" "$out"
 }
 
+# build_missing <bin dir> <lock file> <Go needed> <names...>: build each binary missing from <bin dir>
+# with the calling script's `build_binary <name> <output file>`, one build at a time per cache.
+build_missing() {
+  local bin_dir=$1 lock=$2 need=$3 b t0 start missing=()
+  shift 3
+  for b in "$@"; do [ -x "$bin_dir/$b" ] || missing+=("$b"); done
+  if [ ${#missing[@]} -eq 0 ]; then
+    log "up to date in $bin_dir"
+    return 0
+  fi
+  find_go "$need"
+  mkdir -p "$bin_dir"
+  build_lock "$lock"
+  start=$SECONDS
+  for b in "${missing[@]}"; do
+    [ -x "$bin_dir/$b" ] && continue  # built by another build while this one waited for the lock
+    t0=$SECONDS
+    build_binary "$b" "$bin_dir/$b"
+    log "built $b in $((SECONDS - t0)) s"
+  done
+  log "all binaries in $bin_dir (built in $((SECONDS - start)) s)"
+}
+
 # The version k8s.io/kubernetes binaries report (kubectl version, the apiserver's /version), as its Makefile sets it.
 k8s_version_ldflags() {
   local minor=${K8S_VERSION#v1.} p flags=""
@@ -157,4 +180,53 @@ wait_for() {
     [ $SECONDS -lt $deadline ] || die "timed out after ${timeout}s waiting for $what (logs: $LOGS)"
     sleep 0.5
   done
+}
+
+# ---------------------------------------------------------------- certificates and kubeconfigs (openssl, once)
+new_key() { openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$1" 2>/dev/null; }
+
+# new_cert <dir> <name> <subject> <ca> <extendedKeyUsage> [subjectAltName]: <dir>/<name>.crt and .key,
+# signed by the cluster's $CERTS/<ca>.crt; an existing one is kept.
+new_cert() {
+  local dir=$1 name=$2 subj=$3 ca=$4 eku=$5 san=${6:-}
+  [ -f "$dir/$name.crt" ] && return 0
+  new_key "$dir/$name.key"
+  chmod 600 "$dir/$name.key"
+  openssl req -new -key "$dir/$name.key" -out "$dir/$name.csr" -subj "$subj"
+  {
+    echo "basicConstraints=CA:FALSE"
+    echo "keyUsage=critical,digitalSignature,keyEncipherment"
+    echo "extendedKeyUsage=$eku"
+    if [ -n "$san" ]; then echo "subjectAltName=$san"; fi
+  } >"$dir/$name.ext"
+  openssl x509 -req -in "$dir/$name.csr" -CA "$CERTS/$ca.crt" -CAkey "$CERTS/$ca.key" -CAcreateserial \
+    -out "$dir/$name.crt" -days 3650 -extfile "$dir/$name.ext" 2>/dev/null
+  rm -f "$dir/$name.csr" "$dir/$name.ext"
+}
+
+# write_kubeconfig <file> <cert dir> <cert name>: the apiserver on 127.0.0.1 as that client certificate's
+# user, certificates embedded (rewritten every time: the apiserver port may have been overridden).
+write_kubeconfig() {
+  local file=$1 dir=$2 name=$3
+  cat >"$file" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: triptych-local
+  cluster:
+    server: https://127.0.0.1:$APISERVER_PORT
+    certificate-authority-data: $(base64 -w0 "$CERTS/ca.crt")
+users:
+- name: $name
+  user:
+    client-certificate-data: $(base64 -w0 "$dir/$name.crt")
+    client-key-data: $(base64 -w0 "$dir/$name.key")
+contexts:
+- name: triptych-local
+  context:
+    cluster: triptych-local
+    user: $name
+current-context: triptych-local
+EOF
+  chmod 600 "$file"
 }

@@ -44,40 +44,6 @@ owner=$(cat /run/triptych-real-node.owner 2>/dev/null || true)
 echo "$CLUSTER_DIR" >/run/triptych-real-node.owner
 t_start=$SECONDS
 
-# ---------------------------------------------------------------- helpers
-new_client_cert() { # <name> <subject>: a client certificate signed by the cluster CA
-  local name=$1 subj=$2 d=$NODE_DIR/certs
-  [ -f "$d/$name.crt" ] && return 0
-  openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$d/$name.key" 2>/dev/null
-  openssl req -new -key "$d/$name.key" -out "$d/$name.csr" -subj "$subj"
-  printf 'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n' >"$d/$name.ext"
-  openssl x509 -req -in "$d/$name.csr" -CA "$CERTS/ca.crt" -CAkey "$CERTS/ca.key" -CAcreateserial \
-    -out "$d/$name.crt" -days 3650 -extfile "$d/$name.ext" 2>/dev/null
-  rm -f "$d/$name.csr" "$d/$name.ext"
-  chmod 600 "$d/$name.key"
-}
-write_kubeconfig() { # <file> <cert name>
-  cat >"$1" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: triptych-local
-  cluster:
-    server: https://127.0.0.1:$APISERVER_PORT
-    certificate-authority: $CERTS/ca.crt
-users:
-- name: $2
-  user:
-    client-certificate: $NODE_DIR/certs/$2.crt
-    client-key: $NODE_DIR/certs/$2.key
-contexts:
-- name: triptych-local
-  context: {cluster: triptych-local, user: $2}
-current-context: triptych-local
-EOF
-  chmod 600 "$1"
-}
-
 # ---------------------------------------------------------------- host state this node adds (undone by node-down.sh)
 # Paths the node's software writes outside $NODE_DIR: remember which existed before, so that
 # node-down.sh removes only what this node created.
@@ -103,12 +69,12 @@ if ! ip -o addr show | grep -w "inet $NODE_IP/32" >/dev/null; then
 fi
 
 # ---------------------------------------------------------------- certificates and kubeconfigs
-new_client_cert kubelet "/O=system:nodes/CN=system:node:$NODE_NAME"
-new_client_cert kube-proxy "/CN=system:kube-proxy"
-new_client_cert coredns "/CN=triptych:coredns"
-write_kubeconfig "$NODE_DIR/kubelet.kubeconfig" kubelet
-write_kubeconfig "$NODE_DIR/kube-proxy.kubeconfig" kube-proxy
-write_kubeconfig "$NODE_DIR/coredns.kubeconfig" coredns
+new_cert "$NODE_DIR/certs" kubelet "/O=system:nodes/CN=system:node:$NODE_NAME" ca clientAuth
+new_cert "$NODE_DIR/certs" kube-proxy "/CN=system:kube-proxy" ca clientAuth
+new_cert "$NODE_DIR/certs" coredns "/CN=triptych:coredns" ca clientAuth
+write_kubeconfig "$NODE_DIR/kubelet.kubeconfig" "$NODE_DIR/certs" kubelet
+write_kubeconfig "$NODE_DIR/kube-proxy.kubeconfig" "$NODE_DIR/certs" kube-proxy
+write_kubeconfig "$NODE_DIR/coredns.kubeconfig" "$NODE_DIR/certs" coredns
 
 # ---------------------------------------------------------------- containerd
 mkdir -p "$NODE_DIR/containerd" "$NODE_CONTAINERD_ROOT" "$NODE_DIR/cni/net.d" "$NODE_DIR/cni/ipam"

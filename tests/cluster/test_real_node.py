@@ -18,8 +18,9 @@ import dataclasses
 import json
 import os
 import re
-import socket
+import shutil
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -30,7 +31,16 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.cluster.fixtures import CLUSTER_SRC, KubeCluster, cluster_env, cluster_settings, missing_binaries, poll
+from tests.cluster.fixtures import (
+    CLUSTER_SRC,
+    KubeCluster,
+    cluster_env,
+    cluster_settings,
+    free_port_settings,
+    missing_binaries,
+    poll,
+    running_processes,
+)
 from tests.e2e.test_pixels import http_image, http_video, stock_image, stock_video
 
 REPO = CLUSTER_SRC.parent.parent
@@ -49,17 +59,6 @@ HOST_PATHS = ("/var/lib/kubelet", "/var/log/containers", "/var/log/pods", "/run/
 NODE_PROCESSES = ("containerd", "containerd-shim-runc-v2", "kubelet", "kube-proxy", "coredns")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _sh(*cmd: str) -> str:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
 
@@ -68,17 +67,11 @@ def _host_leftovers(settings: dict[str, str]) -> list[str]:
     """Everything of a real node that can outlive its processes: processes, mounts, iptables chains,
     cgroups, the bridge, the node IP, paths outside the state dir."""
     node_dir = settings["NODE_DIR"]
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            exe = os.path.basename(os.readlink(proc / "exe"))
-            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if exe in NODE_PROCESSES and (node_dir + "/" in cmdline or exe == "containerd-shim-runc-v2"):
-            found.append(f"process {exe}:{proc.name}")
+    found = [
+        f"process {exe}:{pid}"
+        for pid, exe, cmdline in running_processes()
+        if exe in NODE_PROCESSES and (node_dir + "/" in cmdline or exe == "containerd-shim-runc-v2")
+    ]
     found += [
         f"mount {line.split()[1]}" for line in Path("/proc/self/mounts").read_text().splitlines() if node_dir in line
     ]
@@ -140,14 +133,6 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float) -> None:
 
 @pytest.fixture(scope="module")
 def real_node() -> Iterator[KubeCluster]:
-    names = [
-        "TRIPTYCH_ETCD_PORT",
-        "TRIPTYCH_ETCD_PEER_PORT",
-        "TRIPTYCH_APISERVER_PORT",
-        "TRIPTYCH_KCM_PORT",
-        "TRIPTYCH_SCHEDULER_PORT",
-        "TRIPTYCH_KWOK_PORT",
-    ]
     state = Path(os.environ.get("TRIPTYCH_REAL_NODE_TEST_DIR", "/tmp/triptych-real-node-test"))
     env = dict(
         os.environ,
@@ -158,7 +143,7 @@ def real_node() -> Iterator[KubeCluster]:
         # The node's image store outlives the cluster: an unchanged image is not imported again (the
         # worker's 6.5 GB take minutes), a changed one only its new layers.
         TRIPTYCH_NODE_CONTAINERD_ROOT=str(Path.home() / ".cache" / "triptych" / "node-containerd"),
-        **{k: str(p) for k, p in zip(names, _free_ports(len(names)), strict=True)},
+        **free_port_settings(),
     )
     settings = cluster_settings(env)
     missing = missing_binaries(settings["BIN_DIR"]) + [
@@ -183,6 +168,20 @@ def real_node() -> Iterator[KubeCluster]:
         yield cluster
     finally:
         subprocess.run(["bash", str(CLUSTER_SRC / "down.sh"), "--purge"], env=env, capture_output=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def node_models(tiny_models: dict[str, Path]) -> Iterator[dict[str, Path]]:
+    """The tiny packages where the pods' user (uid 10001) reads them through a hostPath: a copy in a
+    world-readable dir of its own (the checkout may sit under a dir only root enters, as a CI clone does)."""
+    root = Path(tempfile.mkdtemp(prefix="triptych-node-models-"))
+    try:
+        root.chmod(0o755)
+        copies = {name: Path(shutil.copytree(path, root / name)) for name, path in tiny_models.items()}
+        subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True, timeout=60)
+        yield copies
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _head_manifest(model_dir: Path) -> str:
@@ -235,13 +234,13 @@ def _head_manifest(model_dir: Path) -> str:
 
 
 def test_the_head_image_runs_on_the_real_node_behind_kube_proxy_and_coredns(
-    real_node: KubeCluster, tiny_models: dict[str, Path]
+    real_node: KubeCluster, node_models: dict[str, Path]
 ) -> None:
     ns = "real-node-head"
     real_node.kubectl("create", "namespace", ns)
     try:
         t0 = time.monotonic()
-        real_node.apply(_head_manifest(tiny_models["tiny-flux"].parent).replace("{ns}", ns), ns)
+        real_node.apply(_head_manifest(node_models["tiny-flux"].parent).replace("{ns}", ns), ns)
         real_node.kubectl("-n", ns, "wait", "--for=condition=Ready", "pod/head", "--timeout=90s", timeout=100)
         print(f"head pod Ready in {time.monotonic() - t0:.1f} s")
         pod = real_node.kubectl_json("-n", ns, "get", "pod", "head")
@@ -461,8 +460,8 @@ def chart(real_node: KubeCluster) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def tiny_flux(real_node: KubeCluster, chart: str, tiny_models: dict[str, Path]) -> Iterator[Pipeline]:
-    with _pipeline(real_node, chart, "tiny", tiny_models["tiny-flux"]) as pipeline:
+def tiny_flux(real_node: KubeCluster, chart: str, node_models: dict[str, Path]) -> Iterator[Pipeline]:
+    with _pipeline(real_node, chart, "tiny", node_models["tiny-flux"]) as pipeline:
         yield pipeline
 
 
@@ -482,13 +481,13 @@ def test_an_image_request_through_the_head_service_equals_stock_diffusers(
 
 
 def test_a_wan_video_job_completes_with_frames_equal_to_stock_diffusers(
-    real_node: KubeCluster, chart: str, tiny_models: dict[str, Path]
+    real_node: KubeCluster, chart: str, node_models: dict[str, Path]
 ) -> None:
-    with _pipeline(real_node, chart, "wan", tiny_models["tiny-wan"]) as wan:
+    with _pipeline(real_node, chart, "wan", node_models["tiny-wan"]) as wan:
         t0 = time.monotonic()
         frames = http_video(wan.http)
         print(f"video job through the head's Service in {time.monotonic() - t0:.1f} s")
-    np.testing.assert_array_equal(frames, stock_video(tiny_models["tiny-wan"]))
+    np.testing.assert_array_equal(frames, stock_video(node_models["tiny-wan"]))
 
 
 def _role_pods(cluster: KubeCluster, pipeline: Pipeline, role: str) -> list[dict]:

@@ -40,53 +40,11 @@ start_on() {
 }
 
 # ---------------------------------------------------------------- certificates (openssl, once)
-new_key() { openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$1" 2>/dev/null; }
-
 new_ca() { # <name> <CN>
   [ -f "$CERTS/$1.crt" ] && return 0
   new_key "$CERTS/$1.key"
   openssl req -x509 -new -key "$CERTS/$1.key" -out "$CERTS/$1.crt" -days 3650 -subj "/CN=$2" \
     -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature"
-}
-
-new_cert() { # <name> <subject> <ca> <extendedKeyUsage> [subjectAltName]
-  local name=$1 subj=$2 ca=$3 eku=$4 san=${5:-}
-  [ -f "$CERTS/$name.crt" ] && return 0
-  new_key "$CERTS/$name.key"
-  openssl req -new -key "$CERTS/$name.key" -out "$CERTS/$name.csr" -subj "$subj"
-  {
-    echo "basicConstraints=CA:FALSE"
-    echo "keyUsage=critical,digitalSignature,keyEncipherment"
-    echo "extendedKeyUsage=$eku"
-    [ -n "$san" ] && echo "subjectAltName=$san"
-  } >"$CERTS/$name.ext"
-  openssl x509 -req -in "$CERTS/$name.csr" -CA "$CERTS/$ca.crt" -CAkey "$CERTS/$ca.key" -CAcreateserial \
-    -out "$CERTS/$name.crt" -days 3650 -extfile "$CERTS/$name.ext" 2>/dev/null
-  rm -f "$CERTS/$name.csr" "$CERTS/$name.ext"
-}
-
-write_kubeconfig() { # <file> <cert name>
-  cat >"$1" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: triptych-local
-  cluster:
-    server: https://127.0.0.1:$APISERVER_PORT
-    certificate-authority-data: $(base64 -w0 "$CERTS/ca.crt")
-users:
-- name: $2
-  user:
-    client-certificate-data: $(base64 -w0 "$CERTS/$2.crt")
-    client-key-data: $(base64 -w0 "$CERTS/$2.key")
-contexts:
-- name: triptych-local
-  context:
-    cluster: triptych-local
-    user: $2
-current-context: triptych-local
-EOF
-  chmod 600 "$1"
 }
 
 t_start=$SECONDS
@@ -96,22 +54,22 @@ if [ ! -f "$CERTS/.done" ]; then
   svc_ip=$(python3 -c "import ipaddress,sys; print(ipaddress.ip_network(sys.argv[1])[1])" "$SERVICE_CIDR")
   new_ca ca triptych-local-ca
   new_ca front-proxy-ca triptych-local-front-proxy-ca
-  new_cert apiserver "/CN=kube-apiserver" ca serverAuth \
+  new_cert "$CERTS" apiserver "/CN=kube-apiserver" ca serverAuth \
     "IP:127.0.0.1,IP:$svc_ip,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
-  new_cert admin "/O=system:masters/CN=triptych-admin" ca clientAuth
-  new_cert kube-controller-manager "/CN=system:kube-controller-manager" ca clientAuth
-  new_cert kube-scheduler "/CN=system:kube-scheduler" ca clientAuth
-  new_cert kwok "/O=system:masters/CN=kwok-controller" ca clientAuth
-  new_cert front-proxy-client "/CN=front-proxy-client" front-proxy-ca clientAuth
+  new_cert "$CERTS" admin "/O=system:masters/CN=triptych-admin" ca clientAuth
+  new_cert "$CERTS" kube-controller-manager "/CN=system:kube-controller-manager" ca clientAuth
+  new_cert "$CERTS" kube-scheduler "/CN=system:kube-scheduler" ca clientAuth
+  new_cert "$CERTS" kwok "/O=system:masters/CN=kwok-controller" ca clientAuth
+  new_cert "$CERTS" front-proxy-client "/CN=front-proxy-client" front-proxy-ca clientAuth
   [ -f "$CERTS/sa.key" ] || { new_key "$CERTS/sa.key"; openssl pkey -in "$CERTS/sa.key" -pubout -out "$CERTS/sa.pub"; }
   touch "$CERTS/.done"
 fi
 chmod 600 "$CERTS"/*.key
 # Rewritten every time: the apiserver port may have been overridden.
-write_kubeconfig "$KUBECONFIG_PATH" admin
-write_kubeconfig "$CLUSTER_DIR/kube-controller-manager.kubeconfig" kube-controller-manager
-write_kubeconfig "$CLUSTER_DIR/kube-scheduler.kubeconfig" kube-scheduler
-write_kubeconfig "$CLUSTER_DIR/kwok.kubeconfig" kwok
+write_kubeconfig "$KUBECONFIG_PATH" "$CERTS" admin
+write_kubeconfig "$CLUSTER_DIR/kube-controller-manager.kubeconfig" "$CERTS" kube-controller-manager
+write_kubeconfig "$CLUSTER_DIR/kube-scheduler.kubeconfig" "$CERTS" kube-scheduler
+write_kubeconfig "$CLUSTER_DIR/kwok.kubeconfig" "$CERTS" kwok
 
 # ---------------------------------------------------------------- etcd
 start_on "$ETCD_CLIENT_PORT" etcd \
@@ -132,7 +90,7 @@ if [ "$REAL_NODE" = 1 ]; then
   # Pods of the real node reach the apiserver through the `kubernetes` Service, whose endpoint is the
   # advertise address (the node IP): listen there too, and reach the kubelet by its InternalIP with a
   # client certificate (logs, exec).
-  new_cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" ca clientAuth
+  new_cert "$CERTS" apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" ca clientAuth
   apiserver_address_args=(
     --bind-address=0.0.0.0
     --advertise-address="$NODE_IP"
