@@ -43,7 +43,7 @@ dashboard:
 images:
 	@bash scripts/images.sh $(IMAGES)
 
-# TRIPTYCH_REAL_NODE=1 make cluster-up: also a real node (containerd, kubelet, kube-proxy, CoreDNS; opt-in).
+# TRIPTYCH_REAL_NODE=1 make cluster-up: also a real node (containerd, kubelet, kube-proxy, CoreDNS; root).
 cluster-up:
 	@bash tests/cluster/up.sh
 

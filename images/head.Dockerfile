@@ -3,30 +3,36 @@
 # The operator starts it as `triptych serve --disagg-role server ...`. Request validation reads the
 # model's JSON configs (the worker package's adapters, imported without torch), so the project's
 # pure-Python packages are all installed, their heavy dependencies are not.
+#
+# The build stage installs the dependencies in a layer of their own before it copies the code, so a change
+# to the code reinstalls only the project (seconds); the image gets the finished venv, without pip.
 ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE} AS requirements
+COPY pyproject.toml images/requirements.py /src/
+RUN python /src/requirements.py /src/pyproject.toml head >/requirements.txt
+
 FROM ${BASE_IMAGE} AS build
 ARG PIP_INDEX_URL=https://pypi.org/simple
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_INDEX_URL=${PIP_INDEX_URL}
-RUN python -m venv /opt/triptych
-ENV PATH=/opt/triptych/bin:$PATH
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_INDEX_URL=${PIP_INDEX_URL} PATH=/opt/triptych/bin:$PATH
 WORKDIR /src
-COPY constraints.txt pyproject.toml ./
+COPY constraints.txt ./
+COPY --from=requirements /requirements.txt ./
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -m venv /opt/triptych && pip install -c constraints.txt -r requirements.txt
+COPY pyproject.toml ./
 COPY triptych/ triptych/
 COPY head/ head/
 COPY worker/ worker/
 COPY operator/ operator/
-# pip's cache stays in this stage (scripts/images.sh mounts a persistent one); pip itself is removed
-# from the venv the image runs (it installs nothing).
-RUN pip install -c constraints.txt '.[head]' \
-    && pip uninstall -qy pip setuptools
+RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . && pip uninstall -qy pip setuptools
 
 FROM ${BASE_IMAGE}
-COPY --from=build /opt/triptych /opt/triptych
-ENV PATH=/opt/triptych/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
-WORKDIR /var/lib/triptych
 # A passwd entry for the user: kopf (getpass.getuser) and torch look the uid up and fail without one.
 RUN groupadd --gid 10001 triptych \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin triptych
+COPY --from=build /opt/triptych /opt/triptych
+ENV PATH=/opt/triptych/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
+WORKDIR /var/lib/triptych
 USER 10001:10001
 EXPOSE 30000 5555-5560
 ENTRYPOINT ["triptych"]

@@ -2,7 +2,6 @@
 # `make images`: build the operator, head and worker images from images/*.Dockerfile on this machine.
 #
 #   scripts/images.sh [operator] [head] [worker]     (default: all three)
-#   scripts/images.sh --only-if-current worker       (build nothing: exit 3 unless it is up to date)
 #
 # No registry is reachable here, so the upstream bases (python:3.11-slim, nvidia/cuda) are replaced
 # by a Debian base made locally with debootstrap; the Dockerfiles themselves are the ones users
@@ -11,7 +10,7 @@
 # arguments, and a build is skipped when the tagged image carries that key in its label.
 #
 # Environment: IMAGE_REPO (tag prefix, default localhost), IMAGE_TAG (default: the project version),
-# TRIPTYCH_IMAGES_CACHE (debootstrap and pip caches, default ~/.cache/triptych/images).
+# TRIPTYCH_IMAGES_CACHE (debootstrap's cache and build logs, default ~/.cache/triptych/images).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO_ROOT=$PWD
@@ -22,7 +21,7 @@ IMAGE_TAG=${IMAGE_TAG:-$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | he
 CACHE=${TRIPTYCH_IMAGES_CACHE:-$HOME/.cache/triptych/images}
 LABEL=ai.triptych.content-key
 BASE=localhost/triptych-base:bookworm
-mkdir -p "$CACHE/pip"
+mkdir -p "$CACHE"
 
 for tool in podman debootstrap runc; do
   command -v "$tool" >/dev/null || { echo "images: $tool is missing; run \`make setup\` (scripts/setup.sh installs it)" >&2; exit 1; }
@@ -142,17 +141,13 @@ build_image() {
     echo "images: $tag is up to date"
     return
   fi
-  if ((only_if_current)); then
-    echo "images: $tag is not built from the current sources (not building it: --only-if-current)"
-    exit 3
-  fi
   start=$SECONDS
   old=$(id_of "$tag")
   echo "images: building $tag (${args[*]})"
-  # --network host: RUN steps reach PyPI as this host does. The pip cache volume keeps downloaded
-  # wheels between builds (a rebuild after a code change downloads nothing); it is not in the image.
-  # --layers=false: a build stage is not kept as a cache image (the worker's is several GB).
-  podman build --pull=never --layers=false --force-rm --network host --volume "$CACHE/pip:/root/.cache/pip" \
+  # --network host: RUN steps reach PyPI as this host does. --layers: every step is cached, so a
+  # change to the code rebuilds only the steps after the Dockerfile's COPY of it (the dependencies'
+  # layer, several GB for the worker, is reused); pip's cache is the Dockerfiles' cache mount.
+  podman build --pull=never --layers --force-rm --network host \
     --label "$LABEL=$key" "${args[@]}" -f "$dockerfile" -t "$tag" . \
     >"$CACHE/build-$name.log" 2>&1 || {
       tail -30 "$CACHE/build-$name.log" >&2
@@ -163,15 +158,9 @@ build_image() {
   echo "images: built $tag in $((SECONDS - start)) s"
 }
 
-only_if_current=0
-if [ "${1:-}" = --only-if-current ]; then only_if_current=1; shift; fi
 images=("$@")
 ((${#images[@]})) || images=(operator head worker)
-if ((only_if_current)) && [ -z "$(label_of "$BASE")" ]; then
-  echo "images: no $BASE (not building it: --only-if-current)"
-  exit 3
-fi
-((only_if_current)) || build_base
+build_base
 for name in "${images[@]}"; do
   [ -f "images/$name.Dockerfile" ] || { echo "images: no images/$name.Dockerfile (operator, head, worker)" >&2; exit 2; }
   build_image "$name"

@@ -62,22 +62,20 @@ bash scripts/build-bind-shim.sh
 
 bash tests/cluster/build.sh
 
-# The real node (opt-in until it runs in CI: TRIPTYCH_REAL_NODE=1; docs/local-cluster.md "A real node"):
-# Debian's containerd, runc, CNI plugins, iptables, conntrack, and kubelet/kube-proxy/CoreDNS/pause built
-# from the Go module proxy (~15 min cold on 2 cores, cached like the control plane).
-if [ "${TRIPTYCH_REAL_NODE:-0}" = 1 ]; then
-  need_pkgs=()
-  command -v containerd >/dev/null || need_pkgs+=(containerd)
-  command -v runc >/dev/null || need_pkgs+=(runc)
-  [ -x /usr/lib/cni/bridge ] || need_pkgs+=(containernetworking-plugins)
-  command -v iptables >/dev/null || need_pkgs+=(iptables)
-  command -v conntrack >/dev/null || need_pkgs+=(conntrack)
-  if ((${#need_pkgs[@]})); then
-    echo "setup: installing Debian packages for the real node (${need_pkgs[*]})"
-    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
-  fi
-  bash tests/cluster/build-node.sh
+# The real node that tests/cluster/test_real_node.py runs the product on (docs/local-cluster.md "A real node"):
+# Debian's containerd, runc, CNI plugins, iptables, conntrack, and kubelet/kube-proxy/CoreDNS/pause built from
+# the Go module proxy (cached like the control plane; README "What setup and tests cost").
+need_pkgs=()
+command -v containerd >/dev/null || need_pkgs+=(containerd)
+command -v runc >/dev/null || need_pkgs+=(runc)
+[ -x /usr/lib/cni/bridge ] || need_pkgs+=(containernetworking-plugins)
+command -v iptables >/dev/null || need_pkgs+=(iptables)
+command -v conntrack >/dev/null || need_pkgs+=(conntrack)
+if ((${#need_pkgs[@]})); then
+  echo "setup: installing Debian packages for the real node (${need_pkgs[*]})"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
 fi
+bash tests/cluster/build-node.sh
 echo "setup: done"

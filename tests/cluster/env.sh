@@ -44,7 +44,7 @@ KCM_API_BURST=${TRIPTYCH_KCM_API_BURST:-400}
 KCM_CONCURRENT_SYNCS=${TRIPTYCH_KCM_CONCURRENT_SYNCS:-20}
 KUBECONFIG_PATH=$CLUSTER_DIR/kubeconfig
 
-# --- the real node (opt-in: TRIPTYCH_REAL_NODE=1; node-up.sh, node-down.sh, docs/local-cluster.md) ---
+# --- the real node (TRIPTYCH_REAL_NODE=1: make cluster-up and the real node's test; node-up.sh, node-down.sh) ---
 # One per machine (iptables, the bridge and the cgroups are global). Its IP sits on a dummy interface,
 # or as a /32 on lo where the dummy driver is missing; pods get the node's pod CIDR on bridge NODE_BRIDGE.
 REAL_NODE=${TRIPTYCH_REAL_NODE:-0}
@@ -52,6 +52,9 @@ NODE_NAME=${TRIPTYCH_NODE_NAME:-real-node-0}
 NODE_IP=${TRIPTYCH_NODE_IP:-192.0.2.250}
 NODE_BRIDGE=${TRIPTYCH_NODE_BRIDGE:-triptych0}
 NODE_DIR=$CLUSTER_DIR/node
+# containerd's root (its image store and snapshots); somewhere lasting, such as the real node test's
+# ~/.cache/triptych/node-containerd, keeps imported images from one throw-away cluster to the next.
+NODE_CONTAINERD_ROOT=${TRIPTYCH_NODE_CONTAINERD_ROOT:-$NODE_DIR/containerd/root}
 KUBELET_PORT=${TRIPTYCH_KUBELET_PORT:-10250}
 KUBELET_HEALTHZ_PORT=${TRIPTYCH_KUBELET_HEALTHZ_PORT:-10248}
 KUBE_PROXY_HEALTHZ_PORT=${TRIPTYCH_KUBE_PROXY_HEALTHZ_PORT:-10256}
@@ -65,7 +68,7 @@ COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
   for v in K8S_VERSION ETCD_VERSION KWOK_VERSION HELM_VERSION VERSION_KEY K8S_CACHE BIN_DIR CLUSTER_DIR \
     KUBECONFIG_PATH ETCD_CLIENT_PORT ETCD_PEER_PORT APISERVER_PORT KCM_PORT SCHEDULER_PORT KWOK_PORT \
-    RDMA_RESOURCE NODE_BIN_DIR REAL_NODE NODE_NAME NODE_IP NODE_BRIDGE NODE_DIR; do
+    RDMA_RESOURCE NODE_BIN_DIR REAL_NODE NODE_NAME NODE_IP NODE_BRIDGE NODE_DIR NODE_CONTAINERD_ROOT; do
     echo "$v=${!v}"
   done
 fi

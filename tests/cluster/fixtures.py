@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 import uuid
@@ -160,6 +161,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fixtures = getattr(item, "fixturenames", ())
         if ("kube_cluster" in fixtures or "kube_namespace" in fixtures) and not item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.cluster)
+
+
+PORT_SETTINGS = (
+    "TRIPTYCH_ETCD_PORT",
+    "TRIPTYCH_ETCD_PEER_PORT",
+    "TRIPTYCH_APISERVER_PORT",
+    "TRIPTYCH_KCM_PORT",
+    "TRIPTYCH_SCHEDULER_PORT",
+    "TRIPTYCH_KWOK_PORT",
+)
+
+
+def free_port_settings() -> dict[str, str]:
+    """Every port setting of env.sh -> a port free on 127.0.0.1 now: a throw-away cluster beside the shared one."""
+    socks = [socket.socket() for _ in PORT_SETTINGS]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return {name: str(s.getsockname()[1]) for name, s in zip(PORT_SETTINGS, socks, strict=True)}
+    finally:
+        for s in socks:
+            s.close()
+
+
+def running_processes() -> Iterator[tuple[str, str, str]]:
+    """(pid, executable's base name, NUL-separated command line) of every process this user can read."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            exe = os.path.basename(os.readlink(proc / "exe"))
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        yield proc.name, exe, cmdline
 
 
 T = TypeVar("T")

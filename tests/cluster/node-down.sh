@@ -9,55 +9,16 @@
 #   bash tests/cluster/node-down.sh --purge    # ... and removes it
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
-
-PIDS=$NODE_DIR/pids
+source "$CLUSTER_SRC/lib.sh"
+# shellcheck disable=SC2034  # read by lib.sh
+SCRIPT=node-down PIDS=$NODE_DIR/pids OWNED_BY=$NODE_DIR
 SOCK=$NODE_DIR/containerd/containerd.sock
 KUBECTL=("$BIN_DIR/kubectl" --kubeconfig "$KUBECONFIG_PATH" --request-timeout=10s)
 CTR=(ctr --address "$SOCK" -n k8s.io)
-log() { echo "node-down: $*"; }
 [ -d "$NODE_DIR" ] || { log "no real node in $CLUSTER_DIR"; exit 0; }
 exec 8>/run/triptych-real-node.lock
-flock -w 60 8 || { echo "node-down.sh: node-up.sh/node-down.sh of another shell holds /run/triptych-real-node.lock" >&2; exit 1; }
+flock -w 60 8 || { echo "node-down: node-up.sh/node-down.sh of another shell holds /run/triptych-real-node.lock" >&2; exit 1; }
 t_start=$SECONDS
-
-# pids of our <binary name> (pid file, or any process of that binary naming our node dir)
-find_pids() {
-  local name=$1 d exe
-  {
-    cat "$PIDS/$name.pid" 2>/dev/null || true
-    for d in /proc/[0-9]*; do
-      exe=$(readlink "$d/exe" 2>/dev/null) || continue
-      [ "$(basename "$exe")" = "$name" ] && echo "${d#/proc/}"
-    done
-  } | sort -un | while read -r pid; do
-    [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || continue
-    [ "$(basename "$(readlink "/proc/$pid/exe" 2>/dev/null)")" = "$name" ] || continue
-    tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | grep -F -- "$NODE_DIR/" >/dev/null && echo "$pid"
-  done
-  return 0
-}
-alive() {
-  local p state
-  for p in "$@"; do
-    state=$(sed -E 's/^[0-9]+ \(.*\) ([A-Za-z]).*/\1/' "/proc/$p/stat" 2>/dev/null) || continue
-    [ -n "$state" ] && [ "$state" != Z ] && return 0
-  done
-  return 1
-}
-stop() { # <timeout> <names...>: SIGTERM, wait, SIGKILL
-  local timeout=$1; shift
-  local pids=() name p
-  for name in "$@"; do for p in $(find_pids "$name"); do pids+=("$p"); log "stopping $name (pid $p)"; done; done
-  [ ${#pids[@]} -eq 0 ] && return 0
-  kill -TERM "${pids[@]}" 2>/dev/null || true
-  local deadline=$((SECONDS + timeout))
-  while alive "${pids[@]}" && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
-  if alive "${pids[@]}"; then
-    kill -KILL "${pids[@]}" 2>/dev/null || true
-    deadline=$((SECONDS + 10))
-    while alive "${pids[@]}" && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
-  fi
-}
 
 # 1. Pods first, while the kubelet runs: it stops their containers, tears down their network (CNI DEL)
 #    and unmounts their volumes. Bounded: whatever is left is killed below.
@@ -78,14 +39,14 @@ if [ -n "$(find_pids kubelet)" ] && "${KUBECTL[@]}" get --raw /readyz >/dev/null
 fi
 
 # 2. Processes: clients of the apiserver first, then containerd and its shims.
-stop 20 coredns kube-proxy kubelet
+stop_group 20 coredns kube-proxy kubelet
 if [ -S "$SOCK" ] && [ -n "$(find_pids containerd)" ]; then
   for id in $("${CTR[@]}" tasks ls -q 2>/dev/null); do "${CTR[@]}" tasks delete -f "$id" >/dev/null 2>&1 || true; done
   for id in $("${CTR[@]}" containers ls -q 2>/dev/null); do "${CTR[@]}" containers delete "$id" >/dev/null 2>&1 || true; done
 fi
-stop 20 containerd
+stop_group 20 containerd
 log "processes stopped after $((SECONDS - t_start)) s"
-stop 10 containerd-shim-runc-v2
+stop_group 10 containerd-shim-runc-v2
 # Containers the shims leave behind (should none be left, this finds nothing): their runc state is ours.
 if [ -d "$NODE_DIR/containerd/runc" ]; then
   for state in "$NODE_DIR"/containerd/runc/*/*/state.json; do
@@ -130,6 +91,7 @@ umount_under() {
 }
 umount_under "$NODE_DIR/"
 umount_under "$NODE_DIR"
+umount_under "$NODE_CONTAINERD_ROOT/"
 for f in /run/netns/cni-*; do
   [ -e "$f" ] || continue
   grep -qx "$(basename "$f")" "$NODE_DIR/preexisting-netns" 2>/dev/null || ip netns delete "$(basename "$f")" 2>/dev/null || true
@@ -180,7 +142,7 @@ for hier in /sys/fs/cgroup/*/; do [ -d "$hier/kubepods" ] && left+=("cgroup ${hi
 ip link show "$NODE_BRIDGE" >/dev/null 2>&1 && left+=("bridge $NODE_BRIDGE")
 ip -o addr show | grep -w "inet $NODE_IP/32" >/dev/null && left+=("address $NODE_IP")
 if [ ${#left[@]} -gt 0 ]; then
-  printf 'node-down.sh: left behind: %s\n' "${left[@]}" >&2
+  printf 'node-down: left behind: %s\n' "${left[@]}" >&2
   exit 1
 fi
 if [ "${1:-}" = "--purge" ]; then rm -rf "$NODE_DIR"; fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start a REAL node in the local cluster (opt-in; `TRIPTYCH_REAL_NODE=1 make cluster-up` calls it):
+# Start a REAL node in the local cluster (`TRIPTYCH_REAL_NODE=1 make cluster-up` calls it; so does the real node's test):
 #   containerd (private config/root/state/socket) + runc, kubelet, kube-proxy (iptables), CoreDNS.
 # The control plane must run with TRIPTYCH_REAL_NODE=1 (up.sh then listens where pods reach it).
 # Addresses stay on this machine: the node IP ($NODE_IP, TEST-NET-1) on a dummy interface or as a /32 on
@@ -8,24 +8,23 @@
 # node-down.sh. Idempotent: running components are reused.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
+source "$CLUSTER_SRC/lib.sh"
 
 CERTS=$CLUSTER_DIR/certs
-PIDS=$NODE_DIR/pids
-LOGS=$NODE_DIR/logs
+# shellcheck disable=SC2034  # read by lib.sh
+SCRIPT=node-up PIDS=$NODE_DIR/pids OWNED_BY=$NODE_DIR LOGS=$NODE_DIR/logs
 SOCK=$NODE_DIR/containerd/containerd.sock
 KUBECTL=("$BIN_DIR/kubectl" --kubeconfig "$KUBECONFIG_PATH")
 CTR=(ctr --address "$SOCK" -n k8s.io)
 PAUSE_IMAGE=localhost/triptych-pause:1.0
 DNS_IP=$(python3 -c "import ipaddress,sys; print(ipaddress.ip_network(sys.argv[1])[10])" "$SERVICE_CIDR")
 
-log() { echo "node-up: $*"; }
-die() { echo "node-up.sh: $*" >&2; exit 1; }
 
 for b in kubelet kube-proxy coredns pause; do
   [ -x "$NODE_BIN_DIR/$b" ] || die "$NODE_BIN_DIR/$b is missing: run 'bash tests/cluster/build-node.sh'"
 done
 for t in containerd containerd-shim-runc-v2 ctr runc iptables conntrack /usr/lib/cni/bridge /usr/lib/cni/host-local; do
-  command -v "$t" >/dev/null || die "$t is missing: run 'TRIPTYCH_REAL_NODE=1 make setup' (Debian: containerd runc containernetworking-plugins iptables conntrack)"
+  command -v "$t" >/dev/null || die "$t is missing: run 'make setup' (Debian: containerd runc containernetworking-plugins iptables conntrack)"
 done
 [ "$(id -u)" = 0 ] || die "a real node needs root (iptables, mounts, cgroups)"
 if [ ! -f "$KUBECONFIG_PATH" ] || ! "${KUBECTL[@]}" get --raw /readyz >/dev/null 2>&1; then
@@ -44,78 +43,6 @@ owner=$(cat /run/triptych-real-node.owner 2>/dev/null || true)
   die "the real node of $owner is still set up on this machine: stop it first (TRIPTYCH_CLUSTER_DIR=$owner bash tests/cluster/node-down.sh)"
 echo "$CLUSTER_DIR" >/run/triptych-real-node.owner
 t_start=$SECONDS
-
-# ---------------------------------------------------------------- helpers
-component_pid() { # <name>: pid of our running <name> (pid file + binary name + our node dir in its cmdline)
-  local name=$1 pid
-  pid=$(cat "$PIDS/$name.pid" 2>/dev/null) || return 1
-  [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
-  [ "$(basename "$(readlink "/proc/$pid/exe" 2>/dev/null)")" = "$name" ] || return 1
-  tr '\0' '\n' <"/proc/$pid/cmdline" | grep -F -- "$NODE_DIR/" >/dev/null || return 1
-  echo "$pid"
-}
-RUNNING=()
-check_components() {
-  local name
-  for name in "${RUNNING[@]}"; do
-    component_pid "$name" >/dev/null && continue
-    echo "node-up.sh: $name exited; last lines of $LOGS/$name.log:" >&2
-    tail -n 20 "$LOGS/$name.log" >&2
-    exit 1
-  done
-}
-wait_for() { # <timeout s> <what> <command...>
-  local timeout=$1 what=$2; shift 2
-  local deadline=$((SECONDS + timeout))
-  until "$@" >/dev/null 2>&1; do
-    check_components
-    [ $SECONDS -lt $deadline ] || die "timed out after ${timeout}s waiting for $what (logs: $LOGS)"
-    sleep 0.5
-  done
-}
-start() { # <name> <binary> <args...>
-  local name=$1 bin=$2 pid; shift 2
-  if pid=$(component_pid "$name"); then
-    log "$name already running (pid $pid)"; RUNNING+=("$name"); return 0
-  fi
-  echo "=== $(date -u +%FT%TZ) starting $name" >>"$LOGS/$name.log"
-  setsid "$bin" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 8>&- 9>&- &
-  echo $! >"$PIDS/$name.pid"
-  RUNNING+=("$name")
-  log "started $name (pid $!, log $LOGS/$name.log)"
-}
-new_client_cert() { # <name> <subject>: a client certificate signed by the cluster CA
-  local name=$1 subj=$2 d=$NODE_DIR/certs
-  [ -f "$d/$name.crt" ] && return 0
-  openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$d/$name.key" 2>/dev/null
-  openssl req -new -key "$d/$name.key" -out "$d/$name.csr" -subj "$subj"
-  printf 'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n' >"$d/$name.ext"
-  openssl x509 -req -in "$d/$name.csr" -CA "$CERTS/ca.crt" -CAkey "$CERTS/ca.key" -CAcreateserial \
-    -out "$d/$name.crt" -days 3650 -extfile "$d/$name.ext" 2>/dev/null
-  rm -f "$d/$name.csr" "$d/$name.ext"
-  chmod 600 "$d/$name.key"
-}
-write_kubeconfig() { # <file> <cert name>
-  cat >"$1" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: triptych-local
-  cluster:
-    server: https://127.0.0.1:$APISERVER_PORT
-    certificate-authority: $CERTS/ca.crt
-users:
-- name: $2
-  user:
-    client-certificate: $NODE_DIR/certs/$2.crt
-    client-key: $NODE_DIR/certs/$2.key
-contexts:
-- name: triptych-local
-  context: {cluster: triptych-local, user: $2}
-current-context: triptych-local
-EOF
-  chmod 600 "$1"
-}
 
 # ---------------------------------------------------------------- host state this node adds (undone by node-down.sh)
 # Paths the node's software writes outside $NODE_DIR: remember which existed before, so that
@@ -142,18 +69,18 @@ if ! ip -o addr show | grep -w "inet $NODE_IP/32" >/dev/null; then
 fi
 
 # ---------------------------------------------------------------- certificates and kubeconfigs
-new_client_cert kubelet "/O=system:nodes/CN=system:node:$NODE_NAME"
-new_client_cert kube-proxy "/CN=system:kube-proxy"
-new_client_cert coredns "/CN=triptych:coredns"
-write_kubeconfig "$NODE_DIR/kubelet.kubeconfig" kubelet
-write_kubeconfig "$NODE_DIR/kube-proxy.kubeconfig" kube-proxy
-write_kubeconfig "$NODE_DIR/coredns.kubeconfig" coredns
+new_cert "$NODE_DIR/certs" kubelet "/O=system:nodes/CN=system:node:$NODE_NAME" ca clientAuth
+new_cert "$NODE_DIR/certs" kube-proxy "/CN=system:kube-proxy" ca clientAuth
+new_cert "$NODE_DIR/certs" coredns "/CN=triptych:coredns" ca clientAuth
+write_kubeconfig "$NODE_DIR/kubelet.kubeconfig" "$NODE_DIR/certs" kubelet
+write_kubeconfig "$NODE_DIR/kube-proxy.kubeconfig" "$NODE_DIR/certs" kube-proxy
+write_kubeconfig "$NODE_DIR/coredns.kubeconfig" "$NODE_DIR/certs" coredns
 
 # ---------------------------------------------------------------- containerd
-mkdir -p "$NODE_DIR/containerd" "$NODE_DIR/cni/net.d" "$NODE_DIR/cni/ipam"
+mkdir -p "$NODE_DIR/containerd" "$NODE_CONTAINERD_ROOT" "$NODE_DIR/cni/net.d" "$NODE_DIR/cni/ipam"
 cat >"$NODE_DIR/containerd/config.toml" <<EOF
 version = 2
-root = "$NODE_DIR/containerd/root"
+root = "$NODE_CONTAINERD_ROOT"
 state = "$NODE_DIR/containerd/state"
 disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp"]
 [grpc]

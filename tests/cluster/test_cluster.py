@@ -6,14 +6,22 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.fixtures import CLUSTER_SRC, COMPONENTS, KubeCluster, cluster_env, cluster_settings, poll
+from tests.cluster.fixtures import (
+    CLUSTER_SRC,
+    COMPONENTS,
+    KubeCluster,
+    cluster_env,
+    cluster_settings,
+    free_port_settings,
+    poll,
+    running_processes,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -310,19 +318,6 @@ def test_helm_template_and_install(kube_cluster: KubeCluster, kube_namespace: st
 # --------------------------------------------------------------------------- up -> down (separate instance)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _listening_ports() -> set[int]:
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -336,38 +331,16 @@ def _listening_ports() -> set[int]:
 
 
 def _our_processes(state_dir: str) -> list[str]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            exe = os.path.basename(os.readlink(proc / "exe"))
-            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if exe in COMPONENTS and state_dir + "/" in cmdline:
-            found.append(f"{exe}:{proc.name}")
-    return found
+    ours = [(pid, exe) for pid, exe, cmdline in running_processes() if state_dir + "/" in cmdline]
+    return [f"{exe}:{pid}" for pid, exe in ours if exe in COMPONENTS]
 
 
 @pytest.mark.slow
 def test_up_then_down_leaves_nothing_behind(k8s_toolchain: dict[str, str], tmp_path: Path) -> None:
     """A second, throw-away cluster on other ports and another state dir (the session cluster is untouched)."""
-    names = [
-        "TRIPTYCH_ETCD_PORT",
-        "TRIPTYCH_ETCD_PEER_PORT",
-        "TRIPTYCH_APISERVER_PORT",
-        "TRIPTYCH_KCM_PORT",
-        "TRIPTYCH_SCHEDULER_PORT",
-        "TRIPTYCH_KWOK_PORT",
-    ]
-    ports = _free_ports(len(names))
-    env = dict(
-        os.environ,
-        TRIPTYCH_CLUSTER_DIR=str(tmp_path / "cluster"),
-        TRIPTYCH_GPU_NODES="1",
-        **{k: str(p) for k, p in zip(names, ports, strict=True)},
-    )
+    port_settings = free_port_settings()
+    ports = [int(p) for p in port_settings.values()]
+    env = dict(os.environ, TRIPTYCH_CLUSTER_DIR=str(tmp_path / "cluster"), TRIPTYCH_GPU_NODES="1", **port_settings)
     settings = cluster_settings(env)
     kenv = cluster_env(settings, env)
     kubectl = [str(Path(settings["BIN_DIR"]) / "kubectl")]

@@ -1,54 +1,62 @@
-"""A real node (containerd + runc + kubelet + kube-proxy + CoreDNS) beside the kwok nodes, and that it leaves
-nothing behind. Opt-in: TRIPTYCH_REAL_NODE=1 (root; `TRIPTYCH_REAL_NODE=1 make setup` builds the node's
-binaries and installs containerd, conntrack; `make images` builds the head image).
+"""The product as users deploy it, on a real node (containerd + runc + kubelet + kube-proxy + CoreDNS) beside
+the kwok nodes: the images built from images/*.Dockerfile, the README's Kubernetes commands, the chart's
+operator as a pod reconciling CPU pipelines of real pods, requests end to end through the head's Service,
+scaling and losing a worker; and that the node leaves nothing behind.
 
-The module runs its own throw-away cluster (another state dir and ports, TRIPTYCH_REAL_NODE=1), so the
-shared session cluster is untouched; only one real node can run on a machine at a time.
+Part of `make test` (root: iptables, mounts, cgroups). `make setup` builds the node's binaries and installs
+containerd; the module builds the three images (scripts/images.sh, cached by content) and runs its own
+throw-away cluster (another state dir and ports), so the shared session cluster is untouched; only one real
+node can run on a machine at a time. When a test fails, the logs of every pod, `kubectl describe` and the
+node's own logs are saved under outputs/real-node/<test>/.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import dataclasses
 import json
 import os
-import socket
+import re
+import shutil
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
 import yaml
 
-from tests.cluster.fixtures import CLUSTER_SRC, KubeCluster, cluster_env, cluster_settings, missing_binaries, poll
+from tests.cluster.fixtures import (
+    CLUSTER_SRC,
+    KubeCluster,
+    cluster_env,
+    cluster_settings,
+    free_port_settings,
+    missing_binaries,
+    poll,
+    running_processes,
+)
+from tests.e2e.test_pixels import http_image, http_video, stock_image, stock_video
 
 REPO = CLUSTER_SRC.parent.parent
-HEAD_IMAGE = "localhost/triptych-head:0.1.0"
+IMAGES = {name: f"localhost/triptych-{name}:0.1.0" for name in ("operator", "head", "worker")}
+HEAD_IMAGE, WORKER_IMAGE = IMAGES["head"], IMAGES["worker"]
 OUTPUTS = REPO / "outputs" / "real-node"
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.cluster,
-    pytest.mark.skipif(
-        os.environ.get("TRIPTYCH_REAL_NODE") != "1",
-        reason="opt-in: TRIPTYCH_REAL_NODE=1 (a real kubelet node; docs/local-cluster.md, 'A real node')",
-    ),
+    pytest.mark.skipif(os.geteuid() != 0, reason="a real node needs root (iptables, mounts, cgroups), as CI has"),
 ]
 
 # What a real node may leave on the host, and what node-down.sh must remove (see _host_leftovers).
 HOST_PATHS = ("/var/lib/kubelet", "/var/log/containers", "/var/log/pods", "/run/containerd")
 NODE_PROCESSES = ("containerd", "containerd-shim-runc-v2", "kubelet", "kube-proxy", "coredns")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _sh(*cmd: str) -> str:
@@ -59,17 +67,11 @@ def _host_leftovers(settings: dict[str, str]) -> list[str]:
     """Everything of a real node that can outlive its processes: processes, mounts, iptables chains,
     cgroups, the bridge, the node IP, paths outside the state dir."""
     node_dir = settings["NODE_DIR"]
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            exe = os.path.basename(os.readlink(proc / "exe"))
-            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if exe in NODE_PROCESSES and (node_dir + "/" in cmdline or exe == "containerd-shim-runc-v2"):
-            found.append(f"process {exe}:{proc.name}")
+    found = [
+        f"process {exe}:{pid}"
+        for pid, exe, cmdline in running_processes()
+        if exe in NODE_PROCESSES and (node_dir + "/" in cmdline or exe == "containerd-shim-runc-v2")
+    ]
     found += [
         f"mount {line.split()[1]}" for line in Path("/proc/self/mounts").read_text().splitlines() if node_dir in line
     ]
@@ -95,46 +97,63 @@ def _get_json(url: str) -> dict | None:
         return None
 
 
-def _save_logs(cluster: KubeCluster, namespace: str, test: str) -> Path:
-    out = OUTPUTS / test
+def _save_logs(cluster: KubeCluster, out: Path) -> None:
+    """Every pod's logs (all namespaces), `kubectl describe pods` and the node's own logs, into out/."""
     out.mkdir(parents=True, exist_ok=True)
-    pods = cluster.kubectl("-n", namespace, "get", "pods", "-o", "name", check=False).stdout.split()
-    for pod in pods:
-        logs = cluster.kubectl("-n", namespace, "logs", pod, "--all-containers", "--tail=500", check=False)
-        (out / f"{pod.split('/')[-1]}.log").write_text(logs.stdout + logs.stderr)
-    describe = cluster.kubectl("-n", namespace, "describe", "pods", check=False)
-    (out / "describe.txt").write_text(describe.stdout + describe.stderr)
+    pods = cluster.kubectl("get", "pods", "-A", "-o", "json", check=False)
+    for pod in json.loads(pods.stdout or "{}").get("items", []):
+        ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        for previous in ("", "--previous"):
+            logs = cluster.kubectl("-n", ns, "logs", name, "--all-containers", "--tail=2000", *filter(None, [previous]),
+                                   check=False)  # fmt: skip
+            if logs.stdout or not previous:
+                (out / f"{ns}.{name}{'.previous' if previous else ''}.log").write_text(logs.stdout + logs.stderr)
+    describe = cluster.kubectl("describe", "pods", "-A", check=False)
+    (out / "describe-pods.txt").write_text(describe.stdout + describe.stderr)
     for log in Path(cluster.settings["NODE_DIR"], "logs").glob("*.log"):
         (out / f"node-{log.name}").write_text(log.read_text(errors="replace")[-200_000:])
-    return out
+
+
+@pytest.fixture(autouse=True)
+def _logs_when_a_test_fails(request: pytest.FixtureRequest, real_node: KubeCluster) -> Iterator[None]:
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed and real_node.is_ready():
+        out = OUTPUTS / request.node.name
+        _save_logs(real_node, out)
+        print(f"logs of every pod saved in {out}")
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float) -> None:
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, f"{' '.join(cmd)}: exit {out.returncode}\n{out.stdout}{out.stderr}"
+    print(f"{Path(cmd[1]).name} {' '.join(cmd[2:])[:60]}: {time.monotonic() - t0:.1f} s\n{out.stdout.strip()}")
 
 
 @pytest.fixture(scope="module")
 def real_node() -> Iterator[KubeCluster]:
-    names = [
-        "TRIPTYCH_ETCD_PORT",
-        "TRIPTYCH_ETCD_PEER_PORT",
-        "TRIPTYCH_APISERVER_PORT",
-        "TRIPTYCH_KCM_PORT",
-        "TRIPTYCH_SCHEDULER_PORT",
-        "TRIPTYCH_KWOK_PORT",
-    ]
     state = Path(os.environ.get("TRIPTYCH_REAL_NODE_TEST_DIR", "/tmp/triptych-real-node-test"))
     env = dict(
         os.environ,
         TRIPTYCH_CLUSTER_DIR=str(state),
-        TRIPTYCH_GPU_NODES="1",
+        # Four kwok GPU nodes (8 GPUs and one RDMA device each): examples/wan-t2v.yaml's four RDMA pods fit.
+        TRIPTYCH_GPU_NODES="4",
         TRIPTYCH_REAL_NODE="1",
-        **{k: str(p) for k, p in zip(names, _free_ports(len(names)), strict=True)},
+        # The node's image store outlives the cluster: an unchanged image is not imported again (the
+        # worker's 6.5 GB take minutes), a changed one only its new layers.
+        TRIPTYCH_NODE_CONTAINERD_ROOT=str(Path.home() / ".cache" / "triptych" / "node-containerd"),
+        **free_port_settings(),
     )
     settings = cluster_settings(env)
     missing = missing_binaries(settings["BIN_DIR"]) + [
         b for b in ("kubelet", "kube-proxy", "coredns", "pause") if not (Path(settings["NODE_BIN_DIR"]) / b).exists()
     ]
     if missing:
-        pytest.fail(f"missing {missing}: run `TRIPTYCH_REAL_NODE=1 make setup`", pytrace=False)
+        pytest.fail(f"missing {missing}: run `make setup`", pytrace=False)
     before = _host_leftovers(settings)
     assert before == [], f"the host already has a real node's state (another cluster's node?): {before}"
+    _run(["bash", str(REPO / "scripts" / "images.sh"), *IMAGES], env, timeout=2400)
     subprocess.run(["bash", str(CLUSTER_SRC / "down.sh"), "--purge"], env=env, capture_output=True, timeout=180)
     cluster = KubeCluster(
         kubeconfig=settings["KUBECONFIG_PATH"],
@@ -144,30 +163,25 @@ def real_node() -> Iterator[KubeCluster]:
         settings=settings | {"_env": json.dumps(env)},
     )
     try:
-        t0 = time.monotonic()
-        up = subprocess.run(
-            ["bash", str(CLUSTER_SRC / "up.sh")],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            stdin=subprocess.DEVNULL,
-        )
-        assert up.returncode == 0, up.stdout + up.stderr
-        print(f"cluster with a real node up in {time.monotonic() - t0:.1f} s")
-        t0 = time.monotonic()
-        imported = subprocess.run(
-            ["bash", str(CLUSTER_SRC / "node-import.sh"), HEAD_IMAGE],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert imported.returncode == 0, f"{HEAD_IMAGE} (make images): {imported.stdout}{imported.stderr}"
-        print(f"{HEAD_IMAGE} imported in {time.monotonic() - t0:.1f} s")
+        _run(["bash", str(CLUSTER_SRC / "up.sh")], env, timeout=300)
+        _run(["bash", str(CLUSTER_SRC / "node-import.sh"), *IMAGES.values()], env, timeout=900)
         yield cluster
     finally:
         subprocess.run(["bash", str(CLUSTER_SRC / "down.sh"), "--purge"], env=env, capture_output=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def node_models(tiny_models: dict[str, Path]) -> Iterator[dict[str, Path]]:
+    """The tiny packages where the pods' user (uid 10001) reads them through a hostPath: a copy in a
+    world-readable dir of its own (the checkout may sit under a dir only root enters, as a CI clone does)."""
+    root = Path(tempfile.mkdtemp(prefix="triptych-node-models-"))
+    try:
+        root.chmod(0o755)
+        copies = {name: Path(shutil.copytree(path, root / name)) for name, path in tiny_models.items()}
+        subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True, timeout=60)
+        yield copies
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _head_manifest(model_dir: Path) -> str:
@@ -220,13 +234,13 @@ def _head_manifest(model_dir: Path) -> str:
 
 
 def test_the_head_image_runs_on_the_real_node_behind_kube_proxy_and_coredns(
-    real_node: KubeCluster, tiny_models: dict[str, Path]
+    real_node: KubeCluster, node_models: dict[str, Path]
 ) -> None:
     ns = "real-node-head"
     real_node.kubectl("create", "namespace", ns)
     try:
         t0 = time.monotonic()
-        real_node.apply(_head_manifest(tiny_models["tiny-flux"].parent).replace("{ns}", ns), ns)
+        real_node.apply(_head_manifest(node_models["tiny-flux"].parent).replace("{ns}", ns), ns)
         real_node.kubectl("-n", ns, "wait", "--for=condition=Ready", "pod/head", "--timeout=90s", timeout=100)
         print(f"head pod Ready in {time.monotonic() - t0:.1f} s")
         pod = real_node.kubectl_json("-n", ns, "get", "pod", "head")
@@ -266,9 +280,6 @@ def test_the_head_image_runs_on_the_real_node_behind_kube_proxy_and_coredns(
             check=False,
         )
         assert refused.returncode != 0 and "gaierror" in refused.stderr
-    except BaseException:
-        print(f"logs saved in {_save_logs(real_node, ns, 'head')}")
-        raise
     finally:
         real_node.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
@@ -281,116 +292,283 @@ def test_kwok_nodes_keep_their_pods_off_the_real_node(real_node: KubeCluster) ->
     assert addresses["InternalIP"] == real_node.settings["NODE_IP"]
 
 
-E2E_IMAGES = ("localhost/triptych-operator:0.1.0", HEAD_IMAGE, "localhost/triptych-worker:0.1.0")
 ON_REAL_NODE = {
     "nodeSelector": {"triptych.dev/real-node": "true"},
     "tolerations": [{"key": "triptych.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}],
 }
+RELEASE, SYSTEM = "triptych", "triptych-system"
 
 
-def _pipeline_manifest(models: Path) -> str:
+def _chart_values(cluster: KubeCluster) -> Path:
+    """The local images and the operator's placement on the real node: what a cluster that cannot pull the
+    chart's default images gives `helm install -f` (the README says so)."""
+    values = {
+        "image": {"repository": "localhost/triptych-operator", "tag": "0.1.0", "pullPolicy": "Never"},
+        "workerImage": WORKER_IMAGE,
+        "headImage": HEAD_IMAGE,
+        **ON_REAL_NODE,
+    }
+    path = Path(cluster.state_dir) / "chart-values.json"
+    path.write_text(json.dumps(values))
+    return path
+
+
+def _readme_commands(section: str = "On Kubernetes") -> list[str]:
+    """The commands of the first bash block of a README section, one per line, as written."""
+    text = (REPO / "README.md").read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```bash\n(.*?)```", body, re.S)
+    assert match, f"no bash block in the README's section {section!r}"
+    return [line for line in match.group(1).splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _models_volume() -> str:
+    """The volume examples/wan-t2v.yaml says exists beforehand (a PVC `models` holding the package);
+    bound to a hostPath PV. Its pods land on kwok GPU nodes, which mount nothing."""
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": "readme-models"},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadOnlyMany"],
+            "storageClassName": "",
+            "hostPath": {"path": "/nonexistent/readme-models"},
+            "claimRef": {"namespace": "default", "name": "models"},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "models", "namespace": "default"},
+        "spec": {
+            "accessModes": ["ReadOnlyMany"],
+            "storageClassName": "",
+            "volumeName": "readme-models",
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]})
+
+
+def test_the_readme_on_kubernetes_commands_work_as_written(real_node: KubeCluster) -> None:
+    """The README's "On Kubernetes" block, each line run by bash from the repository root with the local
+    kubectl and helm; the one substitution is the README's own: `-f VALUES` on `helm install` with the
+    local images (no registry here). The operator runs as a real pod on the real node, examples/wan-t2v.yaml's
+    GPU pods on kwok GPU nodes, and `kubectl get dp` shows the pipeline Ready with its documented columns."""
+    commands = _readme_commands()
+    assert [c.split()[:2] for c in commands] == [["helm", "install"], ["kubectl", "apply"], ["kubectl", "get"]]
+    values = _chart_values(real_node)
+    real_node.apply(_models_volume())
+
+    def sh(line: str) -> str:
+        if line.startswith("helm install"):
+            line = line.replace("--create-namespace", f"--create-namespace -f {values}", 1)
+        out = subprocess.run(["bash", "-c", line], cwd=REPO, env=real_node.env, capture_output=True, text=True,
+                             timeout=240)  # fmt: skip
+        assert out.returncode == 0, f"{line}: exit {out.returncode}\n{out.stdout}{out.stderr}"
+        return out.stdout
+
+    try:
+        for line in commands:
+            out = sh(line)
+        assert out.split("\n")[0].split() == ["NAME", "PHASE", "ENCODER", "DENOISER", "DECODER", "AGE"]
+        real_node.kubectl("-n", SYSTEM, "wait", "--for=condition=Available", f"deployment/{RELEASE}", "--timeout=180s",
+                          timeout=200)  # fmt: skip
+        operator = real_node.kubectl_json("-n", SYSTEM, "get", "pods", "-l", "app.kubernetes.io/name=triptych")
+        assert {p["spec"]["nodeName"] for p in operator["items"]} == {real_node.settings["NODE_NAME"]}
+
+        def wan_ready() -> list[str] | None:
+            row = next((r.split() for r in sh(commands[-1]).splitlines() if r.startswith("wan-t2v ")), None)
+            return row if row and row[1:5] == ["Ready", "1/1", "2/2", "1/1"] else None
+
+        poll(wan_ready, timeout=180, interval=2, what="`kubectl get dp` showing wan-t2v Ready, 1/1 2/2 1/1")
+    finally:
+        real_node.kubectl("delete", "-f", str(REPO / "examples" / "wan-t2v.yaml"), "--ignore-not-found",
+                          "--timeout=60s", check=False, timeout=90)  # fmt: skip
+        real_node.helm("uninstall", RELEASE, "-n", SYSTEM, "--ignore-not-found", "--wait", check=False, timeout=150)
+        real_node.kubectl("delete", "-f", "-", "--ignore-not-found", input=_models_volume(), check=False)
+
+
+def _pipeline_manifest(name: str, package: Path) -> str:
     """examples/tiny-flux-cpu.yaml on the real node: every role on CPU, the model on a hostPath."""
     role = {"replicas": 1, "gpusPerReplica": 0, "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}}
     spec = {
-        "model": {"path": "tiny-flux", "volume": {"hostPath": {"path": str(models)}}},
+        "model": {"path": package.name, "volume": {"hostPath": {"path": str(package.parent)}}},
         **{r: role | ON_REAL_NODE for r in ("encoder", "denoiser", "decoder")},
         "head": ON_REAL_NODE,
         "transfer": {"mode": "tcp", "poolSize": "64MiB"},
     }
-    dp = {"apiVersion": "triptych.ai/v1alpha1", "kind": "DiffusionPipeline", "metadata": {"name": "tiny"}, "spec": spec}
+    dp = {"apiVersion": "triptych.ai/v1alpha1", "kind": "DiffusionPipeline", "metadata": {"name": name}, "spec": spec}
     return json.dumps(dp)
 
 
-def _post_json(url: str, body: dict, timeout: float) -> dict:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with opener.open(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+@dataclasses.dataclass
+class Pipeline:
+    """A DiffusionPipeline Ready on the real node, and an HTTP client of its head's Service (kube-proxy)."""
+
+    name: str
+    namespace: str
+    http: httpx.Client
+
+    def head(self) -> dict:
+        return self.http.get("/health").json()
+
+    def denoisers(self) -> list[dict]:
+        return [d for d in self.head()["workers"]["denoiser"] if d["ready"]]
 
 
-def test_helm_install_serves_tiny_flux_with_pixels_equal_to_stock_diffusers(
-    real_node: KubeCluster, tiny_models: dict[str, Path]
-) -> None:
-    """The chart with the local images: the operator as a pod under the chart's ServiceAccount, a CPU
-    pipeline Ready with real pods, a request through the head's Service, `helm uninstall` removes it all."""
-    absent = [i for i in E2E_IMAGES if subprocess.run(["podman", "image", "exists", i], timeout=30).returncode]
-    if absent:
-        pytest.skip(f"{absent} not built: TRIPTYCH_BUILD_WORKER_IMAGE=1 make images")
-    env = json.loads(real_node.settings["_env"])
+def _pipeline_ready(cluster: KubeCluster, ns: str, name: str) -> bool:
+    conditions = cluster.kubectl_json("-n", ns, "get", "dp", name).get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+@contextlib.contextmanager
+def _pipeline(cluster: KubeCluster, ns: str, name: str, package: Path) -> Iterator[Pipeline]:
     t0 = time.monotonic()
-    imported = subprocess.run(
-        ["bash", str(CLUSTER_SRC / "node-import.sh"), *E2E_IMAGES], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert imported.returncode == 0, imported.stdout + imported.stderr
-    print(f"images imported in {time.monotonic() - t0:.1f} s")
-    values = {
-        "image": {"repository": "localhost/triptych-operator", "tag": "0.1.0", "pullPolicy": "Never"},
-        "workerImage": E2E_IMAGES[2],
-        "headImage": HEAD_IMAGE,
-        **ON_REAL_NODE,
-    }
-    values_file = Path(real_node.state_dir) / "e2e-values.json"
-    values_file.write_text(json.dumps(values))
-    ns, release, system = "real-node-e2e", "triptych", "triptych-system"
-    chart = str(REPO / "charts" / "triptych")
+    cluster.apply(_pipeline_manifest(name, package), ns)
     try:
-        t0 = time.monotonic()
-        real_node.helm("install", release, chart, "-n", system, "--create-namespace", "-f", str(values_file),
-                       "--wait", "--timeout=180s", timeout=200)  # fmt: skip
-        print(f"helm install (operator and metrics API Ready) in {time.monotonic() - t0:.1f} s")
-        chart_objects = real_node.helm("get", "manifest", release, "-n", system).stdout
-        operator = real_node.kubectl_json("-n", system, "get", "deployment", release)
-        assert operator["spec"]["template"]["spec"]["serviceAccountName"] == release
-        assert operator["status"]["readyReplicas"] == 1
-
-        real_node.kubectl("create", "namespace", ns)
-        t0 = time.monotonic()
-        real_node.apply(_pipeline_manifest(tiny_models["tiny-flux"].parent), ns)
-
-        def ready() -> bool:
-            conditions = real_node.kubectl_json("-n", ns, "get", "dp", "tiny").get("status", {}).get("conditions", [])
-            return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-        poll(ready, timeout=300, interval=2, what="the DiffusionPipeline Ready")
-        print(f"pipeline Ready in {time.monotonic() - t0:.1f} s")
-        pods = real_node.kubectl_json("-n", ns, "get", "pods")["items"]
-        assert {p["spec"]["nodeName"] for p in pods} == {real_node.settings["NODE_NAME"]}
-        assert all(s["ready"] for p in pods for s in p["status"]["containerStatuses"])
-
-        from tests.e2e.test_pixels import IMAGE, stock_image
-
-        api = real_node.kubectl_json("-n", ns, "get", "service", "tiny-api")["spec"]
-        t0 = time.monotonic()
-        body = _post_json(f"http://{api['clusterIP']}:{api['ports'][0]['port']}/v1/images/generations", IMAGE, 300)
-        print(f"request through the head's Service in {time.monotonic() - t0:.1f} s")
-        import base64
-        import io
-
-        import numpy as np
-        from PIL import Image
-
-        got = np.stack([np.array(Image.open(io.BytesIO(base64.b64decode(d["b64_json"])))) for d in body["data"]])
-        np.testing.assert_array_equal(got, stock_image(tiny_models["tiny-flux"]))
-
-        real_node.kubectl("-n", ns, "delete", "dp", "tiny", "--timeout=60s", timeout=90)
-        t0 = time.monotonic()
-        real_node.helm("uninstall", release, "-n", system, "--wait", "--timeout=120s", timeout=150)
-        print(f"helm uninstall in {time.monotonic() - t0:.1f} s")
-        cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "APIService", "Namespace"}
-        for obj in filter(None, yaml.safe_load_all(chart_objects)):
-            meta = obj["metadata"]
-            where = [] if obj["kind"] in cluster_scoped else ["-n", meta.get("namespace", system)]
-            left = real_node.kubectl("get", obj["kind"], meta["name"], *where, "--ignore-not-found", "-o", "name")
-            assert left.stdout == "", f"{obj['kind']}/{meta['name']} survived helm uninstall"
-        poll(lambda: not real_node.kubectl("get", "pods", "-n", system, "-o", "name").stdout.strip()
-             and not real_node.kubectl("get", "pods", "-n", ns, "-o", "name").stdout.strip(),
-             timeout=90, what="every pod of the chart and the pipeline gone")  # fmt: skip
-    except BaseException:
-        print(f"logs saved in {_save_logs(real_node, ns, 'e2e')} and {_save_logs(real_node, system, 'e2e-system')}")
-        raise
+        poll(
+            lambda: _pipeline_ready(cluster, ns, name), timeout=300, interval=2, what=f"DiffusionPipeline {name} Ready"
+        )
+        print(f"pipeline {name} Ready in {time.monotonic() - t0:.1f} s")
+        pods = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"]
+        assert {p["spec"]["nodeName"] for p in pods} == {cluster.settings["NODE_NAME"]}
+        api = cluster.kubectl_json("-n", ns, "get", "service", f"{name}-api")["spec"]
+        url = f"http://{api['clusterIP']}:{api['ports'][0]['port']}"
+        with httpx.Client(base_url=url, timeout=600, trust_env=False) as http:
+            yield Pipeline(name, ns, http)
     finally:
-        real_node.helm("uninstall", release, "-n", system, "--ignore-not-found", check=False, timeout=150)
+        cluster.kubectl("-n", ns, "delete", "dp", name, "--ignore-not-found", "--timeout=90s", check=False, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def chart(real_node: KubeCluster) -> Iterator[str]:
+    """`helm install` of the chart with the local images; the namespace for pipelines."""
+    ns = "real-node-e2e"
+    t0 = time.monotonic()
+    real_node.helm("install", RELEASE, str(REPO / "charts" / "triptych"), "-n", SYSTEM, "--create-namespace",
+                   "-f", str(_chart_values(real_node)), "--wait", "--timeout=180s", timeout=200)  # fmt: skip
+    print(f"helm install (operator and metrics API Ready) in {time.monotonic() - t0:.1f} s")
+    real_node.kubectl("create", "namespace", ns)
+    try:
+        yield ns
+    finally:
+        real_node.kubectl("delete", "dp", "--all", "-n", ns, "--timeout=90s", check=False, timeout=120)
+        real_node.helm("uninstall", RELEASE, "-n", SYSTEM, "--ignore-not-found", "--wait", check=False, timeout=150)
         real_node.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_flux(real_node: KubeCluster, chart: str, node_models: dict[str, Path]) -> Iterator[Pipeline]:
+    with _pipeline(real_node, chart, "tiny", node_models["tiny-flux"]) as pipeline:
+        yield pipeline
+
+
+def test_the_operator_runs_under_the_chart_service_account(real_node: KubeCluster, chart: str) -> None:
+    operator = real_node.kubectl_json("-n", SYSTEM, "get", "deployment", RELEASE)
+    assert operator["spec"]["template"]["spec"]["serviceAccountName"] == RELEASE
+    assert operator["status"]["readyReplicas"] == 1
+
+
+def test_an_image_request_through_the_head_service_equals_stock_diffusers(
+    tiny_flux: Pipeline, tiny_models: dict[str, Path]
+) -> None:
+    t0 = time.monotonic()
+    got = http_image(tiny_flux.http)
+    print(f"request through the head's Service in {time.monotonic() - t0:.1f} s")
+    np.testing.assert_array_equal(got, stock_image(tiny_models["tiny-flux"]))
+
+
+def test_a_wan_video_job_completes_with_frames_equal_to_stock_diffusers(
+    real_node: KubeCluster, chart: str, node_models: dict[str, Path]
+) -> None:
+    with _pipeline(real_node, chart, "wan", node_models["tiny-wan"]) as wan:
+        t0 = time.monotonic()
+        frames = http_video(wan.http)
+        print(f"video job through the head's Service in {time.monotonic() - t0:.1f} s")
+    np.testing.assert_array_equal(frames, stock_video(node_models["tiny-wan"]))
+
+
+def _role_pods(cluster: KubeCluster, pipeline: Pipeline, role: str) -> list[dict]:
+    selector = f"app.kubernetes.io/instance={pipeline.name},app.kubernetes.io/component={role}"
+    return cluster.kubectl_json("-n", pipeline.namespace, "get", "pods", "-l", selector)["items"]
+
+
+def _head_pod(cluster: KubeCluster, pipeline: Pipeline) -> tuple[str, int]:
+    pods = _role_pods(cluster, pipeline, "head")
+    assert len(pods) == 1
+    return pods[0]["metadata"]["uid"], pods[0]["status"]["containerStatuses"][0]["restartCount"]
+
+
+def test_scaling_the_denoiser_to_two_gives_the_head_two_within_seconds_without_a_restart(
+    real_node: KubeCluster, tiny_flux: Pipeline
+) -> None:
+    head_before = _head_pod(real_node, tiny_flux)
+    assert len(tiny_flux.denoisers()) == 1
+    real_node.kubectl("-n", tiny_flux.namespace, "patch", "dp", tiny_flux.name, "--type=merge",
+                      "-p", '{"spec": {"denoiser": {"replicas": 2}}}')  # fmt: skip
+    deployment = f"{tiny_flux.name}-denoiser"
+    poll(lambda: real_node.kubectl_json("-n", tiny_flux.namespace, "get", "deployment", deployment)["status"]
+         .get("readyReplicas") == 2, timeout=240, interval=0.5, what="two denoiser pods Ready")  # fmt: skip
+    pod_ready = time.monotonic()
+    poll(lambda: len(tiny_flux.denoisers()) == 2, timeout=60, interval=0.25, what="the head's two ready denoisers")
+    seen = time.monotonic() - pod_ready
+    print(f"the head had its second denoiser {seen:.1f} s after the pod was Ready")
+    assert seen < 15  # DNS discovery every 5 s, then the worker's first heartbeat
+    assert _head_pod(real_node, tiny_flux) == head_before  # same pod, no restart
+
+
+# Long enough (several seconds of denoising even on an idle machine) for the kill to land mid-run.
+LONG_IMAGE = {"prompt": "a lighthouse at night", "size": "384x384", "seed": 7, "num_inference_steps": 48,
+              "guidance_scale": 3.5, "n": 1}  # fmt: skip
+
+
+def _retries(pipeline: Pipeline, role: str) -> float:
+    metrics = pipeline.http.get("/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("triptych_retries_total{") and f'role="{role}"' in line
+    )
+
+
+def test_deleting_a_busy_denoiser_pod_loses_no_request(
+    real_node: KubeCluster, tiny_flux: Pipeline, tiny_models: dict[str, Path]
+) -> None:
+    """Two denoisers (the scaling test's); the one holding a long request is deleted with no grace (its
+    container is killed 2 s later): the head retries on the other and the pixels are stock diffusers'."""
+    poll(lambda: len(tiny_flux.denoisers()) == 2, timeout=240, what="two ready denoisers")
+    retries = _retries(tiny_flux, "denoiser")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        result = pool.submit(http_image, tiny_flux.http, LONG_IMAGE)
+        busy = poll(lambda: [d for d in tiny_flux.denoisers() if d["free_slots"] < d["capacity"]], timeout=120,
+                    interval=0.1, what="a denoiser holding the request")  # fmt: skip
+        ip = busy[0]["url"].removeprefix("tcp://").rsplit(":", 1)[0]
+        pods = _role_pods(real_node, tiny_flux, "denoiser")
+        victim = next(p["metadata"]["name"] for p in pods if p["status"].get("podIP") == ip)
+        real_node.kubectl("-n", tiny_flux.namespace, "delete", "pod", victim, "--grace-period=0", "--force")
+        print(f"deleted {victim} ({ip}) while it held the request")
+        got = result.result(timeout=600)
+    assert _retries(tiny_flux, "denoiser") > retries, "the request finished without a retry: it was not lost"
+    np.testing.assert_array_equal(got, stock_image(tiny_models["tiny-flux"], LONG_IMAGE))
+
+
+def test_helm_uninstall_removes_every_chart_object(real_node: KubeCluster, chart: str) -> None:
+    chart_objects = real_node.helm("get", "manifest", RELEASE, "-n", SYSTEM).stdout
+    real_node.kubectl("-n", chart, "delete", "dp", "--all", "--timeout=90s", timeout=120)
+    t0 = time.monotonic()
+    real_node.helm("uninstall", RELEASE, "-n", SYSTEM, "--wait", "--timeout=120s", timeout=150)
+    print(f"helm uninstall in {time.monotonic() - t0:.1f} s")
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "APIService", "Namespace"}
+    for obj in filter(None, yaml.safe_load_all(chart_objects)):
+        meta = obj["metadata"]
+        where = [] if obj["kind"] in cluster_scoped else ["-n", meta.get("namespace", SYSTEM)]
+        left = real_node.kubectl("get", obj["kind"], meta["name"], *where, "--ignore-not-found", "-o", "name")
+        assert left.stdout == "", f"{obj['kind']}/{meta['name']} survived helm uninstall"
+    poll(lambda: not real_node.kubectl("get", "pods", "-n", SYSTEM, "-o", "name").stdout.strip()
+         and not real_node.kubectl("get", "pods", "-n", chart, "-o", "name").stdout.strip(),
+         timeout=90, what="every pod of the chart and the pipelines gone")  # fmt: skip
 
 
 def test_node_down_leaves_nothing_behind(real_node: KubeCluster) -> None:

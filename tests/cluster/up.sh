@@ -6,6 +6,7 @@
 # Ports and node shape are overridable, see env.sh and docs/local-cluster.md.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
+source "$CLUSTER_SRC/lib.sh"
 
 for b in etcd kube-apiserver kube-controller-manager kube-scheduler kwok kubectl; do
   if [ ! -x "$BIN_DIR/$b" ]; then
@@ -15,126 +16,35 @@ for b in etcd kube-apiserver kube-controller-manager kube-scheduler kwok kubectl
 done
 
 CERTS=$CLUSTER_DIR/certs
-PIDS=$CLUSTER_DIR/pids
-LOGS=$CLUSTER_DIR/logs
+# shellcheck disable=SC2034  # read by lib.sh
+SCRIPT=up PIDS=$CLUSTER_DIR/pids OWNED_BY=$CLUSTER_DIR LOGS=$CLUSTER_DIR/logs
 mkdir -p "$CERTS" "$PIDS" "$LOGS" "$CLUSTER_DIR/etcd"
 chmod 700 "$CLUSTER_DIR"
 # One up/down at a time per state dir (concurrent pytest sessions share the cluster).
 exec 9>"$CLUSTER_DIR/.lock"
-flock -w 180 9 || { echo "up.sh: another up.sh/down.sh holds $CLUSTER_DIR/.lock" >&2; exit 1; }
+flock -w 180 9 || { echo "up: another up.sh/down.sh holds $CLUSTER_DIR/.lock" >&2; exit 1; }
 KUBECTL=("$BIN_DIR/kubectl" --kubeconfig "$KUBECONFIG_PATH")
 
 # ---------------------------------------------------------------- helpers
-log() { echo "up: $*"; }
-
-# pid of a running component of THIS cluster (matched by pid file, binary name and state dir), or nothing.
-component_pid() {
-  local name=$1 pid
-  pid=$(cat "$PIDS/$name.pid" 2>/dev/null) || return 1
-  [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
-  [ "$(basename "$(readlink "/proc/$pid/exe" 2>/dev/null)")" = "$name" ] || return 1
-  tr '\0' '\n' <"/proc/$pid/cmdline" | grep -qF -- "$CLUSTER_DIR/" || return 1
-  echo "$pid"
-}
-
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-# Fail fast (with the log's tail) when a component of this run has exited, e.g. on a bad flag.
-RUNNING=()
-check_components() {
-  local name
-  for name in "${RUNNING[@]}"; do
-    component_pid "$name" >/dev/null && continue
-    echo "up.sh: $name exited; last lines of $LOGS/$name.log:" >&2
-    tail -n 20 "$LOGS/$name.log" >&2
-    exit 1
-  done
-}
-
-# wait_for <timeout seconds> <description> <command...>: poll every 0.5 s
-wait_for() {
-  local timeout=$1 what=$2; shift 2
-  local deadline=$((SECONDS + timeout))
-  until "$@" >/dev/null 2>&1; do
-    check_components
-    if [ $SECONDS -ge $deadline ]; then
-      echo "up.sh: timed out after ${timeout}s waiting for $what (logs: $LOGS)" >&2
-      return 1
-    fi
-    sleep 0.5
-  done
-}
-
-# start <name> <port that must be free> <args...>
-start() {
-  local name=$1 port=$2; shift 2
-  local pid
-  if pid=$(component_pid "$name"); then
-    log "$name already running (pid $pid)"
-    RUNNING+=("$name")
-    return 0
+# start_on <port that must be free> <name> <args...>: start $BIN_DIR/<name> unless it already runs.
+start_on() {
+  local port=$1 name=$2
+  shift 2
+  if ! component_pid "$name" >/dev/null && port_open "$port"; then
+    die "port 127.0.0.1:$port needed by $name is already in use by another process;" \
+      "stop it or choose other ports (TRIPTYCH_*_PORT, see docs/local-cluster.md)"
   fi
-  if port_open "$port"; then
-    echo "up.sh: port 127.0.0.1:$port needed by $name is already in use by another process;" \
-      "stop it or choose other ports (TRIPTYCH_*_PORT, see docs/local-cluster.md)" >&2
-    exit 1
-  fi
-  echo "=== $(date -u +%FT%TZ) starting $name" >>"$LOGS/$name.log"
-  # New session, no inherited terminal, pipes or lock (fd 9): it outlives this script and its caller.
-  setsid "$BIN_DIR/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 9>&- &
-  echo $! >"$PIDS/$name.pid"
-  RUNNING+=("$name")
-  log "started $name (pid $!, log $LOGS/$name.log)"
+  start "$name" "$BIN_DIR/$name" "$@"
 }
 
 # ---------------------------------------------------------------- certificates (openssl, once)
-new_key() { openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$1" 2>/dev/null; }
-
 new_ca() { # <name> <CN>
   [ -f "$CERTS/$1.crt" ] && return 0
   new_key "$CERTS/$1.key"
   openssl req -x509 -new -key "$CERTS/$1.key" -out "$CERTS/$1.crt" -days 3650 -subj "/CN=$2" \
     -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature"
-}
-
-new_cert() { # <name> <subject> <ca> <extendedKeyUsage> [subjectAltName]
-  local name=$1 subj=$2 ca=$3 eku=$4 san=${5:-}
-  [ -f "$CERTS/$name.crt" ] && return 0
-  new_key "$CERTS/$name.key"
-  openssl req -new -key "$CERTS/$name.key" -out "$CERTS/$name.csr" -subj "$subj"
-  {
-    echo "basicConstraints=CA:FALSE"
-    echo "keyUsage=critical,digitalSignature,keyEncipherment"
-    echo "extendedKeyUsage=$eku"
-    [ -n "$san" ] && echo "subjectAltName=$san"
-  } >"$CERTS/$name.ext"
-  openssl x509 -req -in "$CERTS/$name.csr" -CA "$CERTS/$ca.crt" -CAkey "$CERTS/$ca.key" -CAcreateserial \
-    -out "$CERTS/$name.crt" -days 3650 -extfile "$CERTS/$name.ext" 2>/dev/null
-  rm -f "$CERTS/$name.csr" "$CERTS/$name.ext"
-}
-
-write_kubeconfig() { # <file> <cert name>
-  cat >"$1" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: triptych-local
-  cluster:
-    server: https://127.0.0.1:$APISERVER_PORT
-    certificate-authority-data: $(base64 -w0 "$CERTS/ca.crt")
-users:
-- name: $2
-  user:
-    client-certificate-data: $(base64 -w0 "$CERTS/$2.crt")
-    client-key-data: $(base64 -w0 "$CERTS/$2.key")
-contexts:
-- name: triptych-local
-  context:
-    cluster: triptych-local
-    user: $2
-current-context: triptych-local
-EOF
-  chmod 600 "$1"
 }
 
 t_start=$SECONDS
@@ -144,25 +54,25 @@ if [ ! -f "$CERTS/.done" ]; then
   svc_ip=$(python3 -c "import ipaddress,sys; print(ipaddress.ip_network(sys.argv[1])[1])" "$SERVICE_CIDR")
   new_ca ca triptych-local-ca
   new_ca front-proxy-ca triptych-local-front-proxy-ca
-  new_cert apiserver "/CN=kube-apiserver" ca serverAuth \
+  new_cert "$CERTS" apiserver "/CN=kube-apiserver" ca serverAuth \
     "IP:127.0.0.1,IP:$svc_ip,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
-  new_cert admin "/O=system:masters/CN=triptych-admin" ca clientAuth
-  new_cert kube-controller-manager "/CN=system:kube-controller-manager" ca clientAuth
-  new_cert kube-scheduler "/CN=system:kube-scheduler" ca clientAuth
-  new_cert kwok "/O=system:masters/CN=kwok-controller" ca clientAuth
-  new_cert front-proxy-client "/CN=front-proxy-client" front-proxy-ca clientAuth
+  new_cert "$CERTS" admin "/O=system:masters/CN=triptych-admin" ca clientAuth
+  new_cert "$CERTS" kube-controller-manager "/CN=system:kube-controller-manager" ca clientAuth
+  new_cert "$CERTS" kube-scheduler "/CN=system:kube-scheduler" ca clientAuth
+  new_cert "$CERTS" kwok "/O=system:masters/CN=kwok-controller" ca clientAuth
+  new_cert "$CERTS" front-proxy-client "/CN=front-proxy-client" front-proxy-ca clientAuth
   [ -f "$CERTS/sa.key" ] || { new_key "$CERTS/sa.key"; openssl pkey -in "$CERTS/sa.key" -pubout -out "$CERTS/sa.pub"; }
   touch "$CERTS/.done"
 fi
 chmod 600 "$CERTS"/*.key
 # Rewritten every time: the apiserver port may have been overridden.
-write_kubeconfig "$KUBECONFIG_PATH" admin
-write_kubeconfig "$CLUSTER_DIR/kube-controller-manager.kubeconfig" kube-controller-manager
-write_kubeconfig "$CLUSTER_DIR/kube-scheduler.kubeconfig" kube-scheduler
-write_kubeconfig "$CLUSTER_DIR/kwok.kubeconfig" kwok
+write_kubeconfig "$KUBECONFIG_PATH" "$CERTS" admin
+write_kubeconfig "$CLUSTER_DIR/kube-controller-manager.kubeconfig" "$CERTS" kube-controller-manager
+write_kubeconfig "$CLUSTER_DIR/kube-scheduler.kubeconfig" "$CERTS" kube-scheduler
+write_kubeconfig "$CLUSTER_DIR/kwok.kubeconfig" "$CERTS" kwok
 
 # ---------------------------------------------------------------- etcd
-start etcd "$ETCD_CLIENT_PORT" \
+start_on "$ETCD_CLIENT_PORT" etcd \
   --name=triptych-local \
   --data-dir="$CLUSTER_DIR/etcd" \
   --listen-client-urls="http://127.0.0.1:$ETCD_CLIENT_PORT" \
@@ -180,7 +90,7 @@ if [ "$REAL_NODE" = 1 ]; then
   # Pods of the real node reach the apiserver through the `kubernetes` Service, whose endpoint is the
   # advertise address (the node IP): listen there too, and reach the kubelet by its InternalIP with a
   # client certificate (logs, exec).
-  new_cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" ca clientAuth
+  new_cert "$CERTS" apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" ca clientAuth
   apiserver_address_args=(
     --bind-address=0.0.0.0
     --advertise-address="$NODE_IP"
@@ -193,7 +103,7 @@ else
   # Service's endpoints; 127.0.0.1 is rejected there, so the apiserver does not reconcile them.
   apiserver_address_args=(--bind-address=127.0.0.1 --advertise-address=127.0.0.1 --endpoint-reconciler-type=none)
 fi
-start kube-apiserver "$APISERVER_PORT" \
+start_on "$APISERVER_PORT" kube-apiserver \
   --etcd-servers="http://127.0.0.1:$ETCD_CLIENT_PORT" \
   "${apiserver_address_args[@]}" \
   --secure-port="$APISERVER_PORT" \
@@ -220,7 +130,7 @@ start kube-apiserver "$APISERVER_PORT" \
 wait_for 60 "kube-apiserver /readyz on 127.0.0.1:$APISERVER_PORT" "${KUBECTL[@]}" get --raw /readyz
 
 # ---------------------------------------------------------------- controllers
-start kube-controller-manager "$KCM_PORT" \
+start_on "$KCM_PORT" kube-controller-manager \
   --kubeconfig="$CLUSTER_DIR/kube-controller-manager.kubeconfig" \
   --authentication-kubeconfig="$CLUSTER_DIR/kube-controller-manager.kubeconfig" \
   --authorization-kubeconfig="$CLUSTER_DIR/kube-controller-manager.kubeconfig" \
@@ -246,7 +156,7 @@ start kube-controller-manager "$KCM_PORT" \
   --concurrent-replicaset-syncs="$KCM_CONCURRENT_SYNCS" \
   --profiling=false
 
-start kube-scheduler "$SCHEDULER_PORT" \
+start_on "$SCHEDULER_PORT" kube-scheduler \
   --kubeconfig="$CLUSTER_DIR/kube-scheduler.kubeconfig" \
   --authentication-kubeconfig="$CLUSTER_DIR/kube-scheduler.kubeconfig" \
   --authorization-kubeconfig="$CLUSTER_DIR/kube-scheduler.kubeconfig" \
@@ -260,7 +170,7 @@ start kube-scheduler "$SCHEDULER_PORT" \
 # kwok fakes kubelets: only nodes annotated kwok.x-k8s.io/node=fake; stages from tests/cluster/stages.
 stage_args=()
 for f in "$CLUSTER_SRC"/stages/*.yaml; do stage_args+=(--config="$f"); done
-start kwok "$KWOK_PORT" \
+start_on "$KWOK_PORT" kwok \
   --kubeconfig="$CLUSTER_DIR/kwok.kubeconfig" \
   --manage-all-nodes=false \
   --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \

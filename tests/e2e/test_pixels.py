@@ -28,15 +28,16 @@ VIDEO = {"prompt": "waves on a beach", "negative_prompt": "blurry", "size": "48x
          "num_inference_steps": 3, "guidance_scale": 5.0, "fps": 8}  # fmt: skip
 
 
-def stock_image(model: Path) -> np.ndarray:
+def stock_image(model: Path, request: dict = IMAGE) -> np.ndarray:
+    """What stock diffusers' own __call__ makes of an images request (IMAGE's fields, all given)."""
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(model)
-    w, h = map(int, IMAGE["size"].split("x"))
+    w, h = map(int, request["size"].split("x"))
     out = pipe(
-        IMAGE["prompt"], width=w, height=h, num_inference_steps=IMAGE["num_inference_steps"],
-        guidance_scale=IMAGE["guidance_scale"], num_images_per_prompt=IMAGE["n"],
-        generator=torch.Generator("cpu").manual_seed(IMAGE["seed"]), output_type="pil",
+        request["prompt"], width=w, height=h, num_inference_steps=request["num_inference_steps"],
+        guidance_scale=request["guidance_scale"], num_images_per_prompt=request["n"],
+        generator=torch.Generator("cpu").manual_seed(request["seed"]), output_type="pil",
     )  # fmt: skip
     return np.stack([np.array(img) for img in out.images])
 
@@ -54,8 +55,8 @@ def stock_video(model: Path) -> np.ndarray:
     return (out.frames[0] * 255).round().astype(np.uint8)
 
 
-def http_image(client) -> np.ndarray:
-    r = client.post("/v1/images/generations", json=IMAGE)
+def http_image(client, request: dict = IMAGE) -> np.ndarray:
+    r = client.post("/v1/images/generations", json=request)
     assert r.status_code == 200, r.text
     return np.stack([np.array(Image.open(io.BytesIO(base64.b64decode(d["b64_json"])))) for d in r.json()["data"]])
 

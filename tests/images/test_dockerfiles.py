@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -93,7 +95,8 @@ UPSTREAM_BASES = {
     "operator.Dockerfile": "python:3.11-slim",
     "worker.Dockerfile": "nvidia/cuda:",
 }
-EXTRAS = {"head.Dockerfile": "'.[head]'", "operator.Dockerfile": "'.[operator]'", "worker.Dockerfile": "worker"}
+EXTRAS = {"head.Dockerfile": ["head"], "operator.Dockerfile": ["operator"],
+          "worker.Dockerfile": ["head", "worker", "${MOONCAKE_EXTRA}"]}  # fmt: skip
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -114,8 +117,32 @@ def test_no_package_index_host_is_written_into_a_dockerfile(dockerfile: Path) ->
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
-def test_each_image_installs_its_own_extra(dockerfile: Path) -> None:
-    installs = [args for keyword, args in instructions(dockerfile) if keyword == "RUN" and "pip install" in args]
-    assert len(installs) == 1 and EXTRAS[dockerfile.name] in installs[0]
-    if dockerfile.name != "worker.Dockerfile":
-        assert "worker" not in installs[0] and "cuda" not in installs[0]
+def test_each_image_installs_its_own_extras_then_the_project_without_dependencies(dockerfile: Path) -> None:
+    runs = [args for keyword, args in instructions(dockerfile) if keyword == "RUN"]
+    listed = [shlex.split(r.split(">")[0]) for r in runs if "requirements.py" in r]
+    assert len(listed) == 1 and listed[0][1:3] == ["/src/requirements.py", "/src/pyproject.toml"]
+    assert listed[0][3:] == EXTRAS[dockerfile.name]
+    installs = [r for r in runs if "pip install" in r]
+    assert len(installs) == 2
+    assert installs[0].endswith("pip install -c constraints.txt -r requirements.txt")
+    assert "pip install --no-deps ." in installs[1]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_dependencies_layer_comes_before_the_code_so_a_code_change_reuses_it(dockerfile: Path) -> None:
+    steps = instructions(dockerfile)
+    deps = next(i for i, (k, a) in enumerate(steps) if k == "RUN" and "-r requirements.txt" in a)
+    code = [i for i, (k, a) in enumerate(steps) if k == "COPY" and a.split()[0] in ("triptych/", "head/", "worker/")]
+    assert code and min(code) > deps
+    # pip's cache never lands in a layer: every install mounts it as a build cache.
+    assert all("--mount=type=cache,target=/root/.cache/pip" in a for k, a in steps if k == "RUN" and "pip install" in a)
+
+
+def test_the_requirements_script_lists_exactly_the_extras_requirements() -> None:
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    out = subprocess.run([sys.executable, str(REPO / "images" / "requirements.py"), str(REPO / "pyproject.toml"),
+                          "head", "cpu"], capture_output=True, text=True, check=True, timeout=30)  # fmt: skip
+    assert out.stdout.split() == sorted(set(declared["head"]) | set(declared["cpu"]))
+    bad = subprocess.run([sys.executable, str(REPO / "images" / "requirements.py"), str(REPO / "pyproject.toml"),
+                          "gpu"], capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert bad.returncode != 0 and "no extra ['gpu']" in bad.stderr
