@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -113,6 +114,9 @@ class FamilyAdapter(abc.ABC):
         self.package = package
         self.device = device
         self.pipe: Any = None
+        # How one denoising step runs its guidance branches (cond, uncond): here in turn; a
+        # CFG-parallel denoiser runs each on its own rank (triptych_worker.parallel).
+        self.run_branches: Callable[[Sequence[Callable[[], torch.Tensor]]], list[torch.Tensor]] = run_in_order
 
     @abc.abstractmethod
     def validate(self, params: GenerationParams) -> None:
@@ -173,6 +177,10 @@ class FamilyAdapter(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, batch: StageBatch) -> None: ...
+
+
+def run_in_order(branches: Sequence[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+    return [branch() for branch in branches]
 
 
 def lcm(a: int, b: int) -> int:
