@@ -5,15 +5,19 @@
 | wan | 2 (negative prompt branch) | divides the heads | yes | no | no | no |
 | flux, flux-kontext | no: embedded guidance, one branch | divides the heads | yes | no | no | no |
 
-`check_degrees` runs at startup (a combination a family cannot run exits naming the flag), and
-`check_request` before a job reaches the ranks (a sequence that does not split evenly fails that
-request naming the field). `shard_sequence` installs the hooks that cut a family's token
-sequence into this rank's shard before the transformer blocks and join the shards after them,
-where diffusers' `_cp_plan` for the family cuts and joins it.
+Unless `--denoiser-ulysses`/`--denoiser-ring` are given, the Ulysses degree is the largest that
+divides both the heads and sp, and the ring takes the rest. `check_degrees` runs at startup (a
+combination a family cannot run exits naming the flag), and `check_request` before a job reaches
+the ranks (a sequence that does not split evenly fails that request naming the field).
+`shard_sequence` installs the hooks that cut a family's token sequence into this rank's shard
+before the transformer blocks and join the shards after them, where diffusers' `_cp_plan` for
+the family cuts and joins it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 from triptych.config import ConfigError, ServeArgs
@@ -62,6 +66,10 @@ def check_degrees(args: ServeArgs, family: str, adapter: FamilyAdapter) -> Paral
             f"there are no two guidance branches to split; use --denoiser-ulysses/--denoiser-ring instead"
         )
     heads = int(adapter.package.config("transformer")["num_attention_heads"])
+    if args.denoiser_ulysses is None and args.denoiser_ring is None:
+        # Derived, not chosen: Ulysses takes what the heads allow, the ring the rest.
+        ulysses = math.gcd(heads, degrees.sp)
+        degrees = dataclasses.replace(degrees, ulysses=ulysses, ring=degrees.sp // ulysses)
     if heads % degrees.ulysses:
         raise ConfigError(
             f"{degree_flag(args, 'ulysses')} {degrees.ulysses} does not divide the model's {heads} attention heads; "

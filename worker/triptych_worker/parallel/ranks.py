@@ -33,6 +33,7 @@ from triptych_worker.adapters import adapter_for
 from triptych_worker.parallel import families
 from triptych_worker.parallel.attention import SequenceParallelAttention, use_sequence_parallel
 from triptych_worker.parallel.jobs import StopFollowing, receive_job, send_job, step_flag
+from triptych_worker.parallel.layout import RankLayout
 from triptych_worker.parallel.mesh import RankMesh
 from triptych_worker.stages import ProgressCallback, StageBatch
 
@@ -161,10 +162,9 @@ def _describe(d: Parallelism) -> str:
 
 def start_ranks(args: ServeArgs) -> ParallelPipeline:
     """Rank 0: start the followers, join them, and watch them for as long as this process lives."""
-    world = args.parallelism().cfg * args.parallelism().sp * args.parallelism().tp
     # Refuse what the family cannot run before any process starts.
     family, adapter = adapter_for(args.model_path)
-    families.check_degrees(args, family, adapter)
+    world = RankLayout(families.check_degrees(args, family, adapter)).world_size
     argv = [sys.executable, "-m", "triptych_worker.parallel.follower"]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
     followers = [subprocess.Popen([*argv, str(rank), *args.to_argv()], env=env) for rank in range(1, world)]
