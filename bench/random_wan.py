@@ -7,7 +7,7 @@ layers, 12 heads of 128, FFN 8960, text dim 4096; the 16-channel VAE with its la
 the scheduler its UniPC flow-matching settings. The text encoder is a UMT5 of the real width
 (d_model 4096) but 2 layers and the tiny packages' tokenizer: the benchmarks this serves time the
 denoiser and the VAE, which are real-size. Weights are random from fixed seeds, so pixels are
-noise, the same on every run. `--num-layers` shrinks the transformer (a quick check of the script).
+noise (the same for a given device). `--num-layers` shrinks the transformer (a quick check of the script).
 """
 
 from __future__ import annotations
@@ -44,13 +44,15 @@ def write_random_wan(out: Path, num_layers: int = 30, dtype: str = "float32") ->
         return out
     torch_dtype = getattr(torch, dtype)
     tokenizer = train_t5_tokenizer()
-    torch.manual_seed(0)
-    text_shape = t5_encoder_shape(tokenizer, 4096) | {"d_kv": 64, "num_heads": 64, "d_ff": 10240}
-    text_encoder = UMT5EncoderModel(UMT5Config(**text_shape)).to(torch_dtype)
-    torch.manual_seed(1)
-    transformer = WanTransformer3DModel(**(WAN_1_3B_TRANSFORMER | {"num_layers": num_layers})).to(torch_dtype)
-    torch.manual_seed(2)
-    vae = AutoencoderKLWan()  # the class defaults are Wan2.1's VAE (z_dim 16, base_dim 96)
+    # Initialising 1.3B random weights takes seconds on a GPU, minutes on a busy CPU.
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        torch.manual_seed(0)
+        text_shape = t5_encoder_shape(tokenizer, 4096) | {"d_kv": 64, "num_heads": 64, "d_ff": 10240}
+        text_encoder = UMT5EncoderModel(UMT5Config(**text_shape)).to(torch_dtype)
+        torch.manual_seed(1)
+        transformer = WanTransformer3DModel(**(WAN_1_3B_TRANSFORMER | {"num_layers": num_layers})).to(torch_dtype)
+        torch.manual_seed(2)
+        vae = AutoencoderKLWan()  # the class defaults are Wan2.1's VAE (z_dim 16, base_dim 96)
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000,
         solver_order=2, predict_x0=True, solver_type="bh2", lower_order_final=True, final_sigmas_type="zero",

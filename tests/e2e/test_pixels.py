@@ -28,10 +28,10 @@ VIDEO = {"prompt": "waves on a beach", "negative_prompt": "blurry", "size": "48x
          "num_inference_steps": 3, "guidance_scale": 5.0, "fps": 8}  # fmt: skip
 
 
-def stock_image(model: Path) -> np.ndarray:
+def stock_image(model: Path, device: str = "cpu") -> np.ndarray:
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model)
+    pipe = DiffusionPipeline.from_pretrained(model).to(device)
     w, h = map(int, IMAGE["size"].split("x"))
     out = pipe(
         IMAGE["prompt"], width=w, height=h, num_inference_steps=IMAGE["num_inference_steps"],
@@ -41,10 +41,10 @@ def stock_image(model: Path) -> np.ndarray:
     return np.stack([np.array(img) for img in out.images])
 
 
-def stock_video(model: Path) -> np.ndarray:
+def stock_video(model: Path, device: str = "cpu") -> np.ndarray:
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model)
+    pipe = DiffusionPipeline.from_pretrained(model).to(device)
     w, h = map(int, VIDEO["size"].split("x"))
     out = pipe(
         VIDEO["prompt"], negative_prompt=VIDEO["negative_prompt"], width=w, height=h, num_frames=VIDEO["num_frames"],
@@ -71,8 +71,8 @@ def http_video(client) -> np.ndarray:
     return np.stack([np.array(Image.open(io.BytesIO(z.read(n)))) for n in sorted(z.namelist())])
 
 
-def monolithic(model: Path, tmp: Path, fetch):  # type: ignore[no-untyped-def]
-    with local_monolithic(model, tmp / "mono", flags=("--device", "cpu")) as dep, dep.client(300) as c:
+def monolithic(model: Path, tmp: Path, fetch, device: str = "cpu"):  # type: ignore[no-untyped-def]
+    with local_monolithic(model, tmp / "mono", flags=("--device", device)) as dep, dep.client(300) as c:
         return fetch(c)
 
 
