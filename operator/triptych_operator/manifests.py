@@ -242,6 +242,8 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
         "resources": _resources(spec.resources, extended),
         # Mooncake registers (pins) transfer buffers, which needs locked memory.
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}},
+        # A refused start-up ends the log with one line naming the flag; the status shows it (and its CR field).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [*mounts, {"name": "shm", "mountPath": SHM_MOUNT}, keys_mount],
         # The worker binds its work socket only after loading its model, so "open" means "can take work".
         **_probes({"tcpSocket": {"port": "work"}}),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, add_serve_flags
+from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, add_serve_flags, flag
 from triptych.roles import Role
 from triptych_operator.constants import (
     API_KEYS_FILE,
@@ -30,6 +30,7 @@ SERVE_COMMAND = ("triptych", "serve")
 POD_IP_REF = "$(POD_IP)"
 # Degrees without a role-specific flag use the generic one, as ServeArgs.parallelism() reads them.
 GENERIC_PARALLEL_FLAGS = {"tp": "tp_size", "sp": "sp_degree", "cfg": "cfg_parallel_size"}
+PIPELINE_ROLE_NAMES = frozenset(role.value for role in PIPELINE_ROLES)
 
 
 def object_name(pipeline_name: str, component: str) -> str:
@@ -49,6 +50,17 @@ def head_address(pipeline: PipelineSpec) -> str:
 def worker_discovery_url(pipeline: PipelineSpec, role: Role) -> str:
     """dns://HOST:PORT: the head resolves the headless Service and treats each address as a worker."""
     return f"dns://{service_host(pipeline, role.value)}:{WORKER_PORT}"
+
+
+def spec_field_of_flag(component: str, flag_name: str) -> str | None:
+    """The CR field behind a worker flag (`--denoiser-ulysses` -> spec.denoiser.parallelism.ulysses), if any."""
+    if flag_name == "--num-gpus":
+        return f"spec.{component}.gpusPerReplica"
+    role_flags = ROLE_PARALLEL_FLAGS.get(Role(component), {}) if component in PIPELINE_ROLE_NAMES else {}
+    for degree, attr in (*role_flags.items(), *GENERIC_PARALLEL_FLAGS.items()):
+        if flag(attr) == flag_name:
+            return f"spec.{component}.parallelism.{degree}"
+    return None
 
 
 def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
