@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.e2e.harness import deployment
-from tests.e2e.test_pixels import http_image, http_video
+from tests.e2e.test_pixels import VIDEO, http_image, http_video
 from triptych.localdeploy import LocalDeployment, free_port_block
 from triptych.roles import Role
 
@@ -81,6 +81,21 @@ def test_ulysses2_ring2_denoiser_is_within_the_ring_tolerance(tiny_models, tmp_p
     diff = np.abs(pixels.astype(np.int16) - single.astype(np.int16))
     assert diff.max() <= RING_PIXEL_TOLERANCE, f"max pixel difference {diff.max()}"
     assert len(work) == 4 and min(work) > 0 and len(set(work)) == 1, work
+
+
+def test_a_cancelled_job_stops_every_rank_at_one_step_and_the_next_job_runs(tiny_models, tmp_path):
+    body = {**VIDEO, "num_inference_steps": 200}  # long enough to cancel halfway
+    flags = denoiser_flags("--num-gpus", "2", "--denoiser-ulysses", "2")
+    with deployment(tiny_models["tiny-wan"], tmp_path, role_flags=flags) as dep, dep.client(timeout=300) as c:
+        job = c.post("/v1/videos", json=body).json()
+        deadline = time.monotonic() + 120
+        while c.get(f"/v1/videos/{job['id']}").json()["step"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.delete(f"/v1/videos/{job['id']}").status_code in (200, 204)
+        assert http_video(c).shape[0] == VIDEO["num_frames"]  # the ranks are in step for the next job
+        assert dep.workers(Role.DENOISER)[0].popen.poll() is None
+        log = dep.workers(Role.DENOISER)[0].log.read_text(errors="replace")
+    assert "out of step" not in log and len(WORK.findall(log)) == 1  # only the finished job reports
 
 
 def children(pid: int) -> list[int]:

@@ -9,8 +9,9 @@ each job rank 0 runs is broadcast to the followers first. The worker keeps one w
 set of slots and one Mooncake pool: the followers talk to rank 0 only.
 
 A rank that dies takes the instance down: rank 0 watches its followers and exits (status 3)
-when one exits, so the head stops hearing its heartbeats and retries what it held elsewhere;
-followers die with rank 0 (the kernel's parent-death signal) or on a broken collective.
+when one exits, or when rank 0 itself fails inside a job (the ranks are then out of step), so
+the head stops hearing its heartbeats and retries what it held elsewhere; followers die with
+rank 0 (the kernel's parent-death signal) or on a broken collective.
 """
 
 from __future__ import annotations
@@ -133,9 +134,17 @@ class ParallelPipeline:
         started = time.perf_counter()
         send_job(self.rank.mesh, batch)
         self.last_fanout_s = time.perf_counter() - started
-        batch.on_progress = _leading_steps(self.rank.mesh, batch.on_progress)
+        steps = LeadingSteps(self.rank.mesh, batch.on_progress)
+        batch.on_progress = steps
         started = time.perf_counter()
-        self.rank.run(batch)
+        try:
+            self.rank.run(batch)
+        except BaseException:
+            if not steps.stopped:  # the followers are somewhere inside the job: no way back into step
+                log.critical("rank 0 failed inside a job; the ranks are out of step, stopping this instance")
+                _exit_instance()
+            self.rank.gather_counters()  # the followers stopped at the same step and gather next
+            raise
         elapsed = time.perf_counter() - started
         self.last_counters = self.rank.gather_counters()
         log.info(
@@ -147,17 +156,28 @@ class ParallelPipeline:
         return batch
 
 
-def _leading_steps(mesh: RankMesh, report: ProgressCallback | None) -> ProgressCallback:
-    def on_progress(step: int, total: int) -> None:
-        try:
-            if report is not None:
-                report(step, total)
-        except BaseException:
-            step_flag(mesh, stop=True)
-            raise
-        step_flag(mesh, stop=False)
+class LeadingSteps:
+    """Rank 0's progress callback: the worker's own (which raises to cancel), then the step flag to the followers."""
 
-    return on_progress
+    def __init__(self, mesh: RankMesh, report: ProgressCallback | None):
+        self.mesh = mesh
+        self.report = report
+        self.stopped = False
+
+    def __call__(self, step: int, total: int) -> None:
+        try:
+            if self.report is not None:
+                self.report(step, total)
+        except BaseException:
+            self.stopped = True
+            step_flag(self.mesh, stop=True)
+            raise
+        step_flag(self.mesh, stop=False)
+
+
+def _exit_instance() -> None:
+    logging.shutdown()
+    os._exit(RANK_DIED_EXIT)
 
 
 def _describe(d: Parallelism) -> str:
@@ -189,8 +209,7 @@ def _watch(followers: list[subprocess.Popen[bytes]]) -> None:
                 for other in followers:
                     if other.poll() is None:
                         other.kill()
-                logging.shutdown()
-                os._exit(RANK_DIED_EXIT)
+                _exit_instance()
         time.sleep(WATCH_INTERVAL_S)
 
 
