@@ -16,7 +16,9 @@ from triptych_worker.parallel.ranks import die_with_parent, follow
 
 def main(argv: list[str]) -> int:
     die_with_parent()
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a drain is rank 0's business; it ends this process
+    # A drain (SIGTERM) or Ctrl-C (SIGINT, sent to the whole process group) is rank 0's business: it ends this process.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank = int(argv[0])
     args = ServeArgs.from_namespace(build_parser().parse_args(["serve", *argv[1:]]))
     logging.basicConfig(
