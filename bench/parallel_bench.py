@@ -4,9 +4,11 @@
 
 Runs the real denoiser stages of a Wan-shaped package (the tiny Wan package's text encoder,
 scheduler and VAE, with a larger random-weight transformer written locally: no download) for
-each configuration in its own process group: 1 rank (the plain single-device pipeline), 2 ranks
+each configuration in its own process group, all started at once and given one job each in
+turn (`--jobs` rounds after a warm-up round; medians), so every configuration sees the same
+machine: 1 rank (the plain single-device pipeline), 2 ranks
 CFG parallel, 2 ranks Ulysses, 4 ranks Ulysses 2 x Ring 2. On CPU the ranks use gloo and are
-pinned to distinct cores where the machine has them; on CUDA, NCCL with one GPU per rank
+pinned to distinct cores where the machine has them, one OpenMP thread each; on CUDA, NCCL with one GPU per rank
 (configurations needing more GPUs than there are are skipped). Prints, per configuration: the
 time per denoising step and its ratio to the 1-rank baseline of the same run, the share of
 rank time spent in collectives, the time rank 0 takes to hand a job's inputs to the other
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -91,25 +94,24 @@ def child(opts: argparse.Namespace) -> None:
         pipeline = load_role_pipeline(opts.model, Role.DENOISER, opts.device)  # type: ignore[assignment]
         if opts.device == "cpu" and cores >= 1:
             os.sched_setaffinity(0, {0})
-    runs = []
-    for job in range(opts.jobs + 1):  # the first one warms up
+    print("ready", flush=True)
+    for line in sys.stdin:  # one job per "run" from the parent, so that configurations alternate
+        if line.strip() != "run":
+            break
         batch = StageBatch(params, dict(encoded.tensors), dict(encoded.meta))
         started = time.perf_counter()
         out = pipeline.run(batch)
         if opts.device.startswith("cuda"):
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - started
-        if job:
-            counters = getattr(pipeline, "last_counters", [])
-            runs.append({
-                "step_s": elapsed / opts.steps,
-                "comm_share": [s / elapsed for _, s in counters] or [0.0],
-                "fanout_s": getattr(pipeline, "last_fanout_s", 0.0),
-            })  # fmt: skip
-    np.save(opts.latents, out.tensors["latents"].float().cpu().numpy())
-    best = min(runs, key=lambda r: r["step_s"])
-    Path(opts.result).write_text(json.dumps(best))
-    sys.stdout.flush()
+        counters = getattr(pipeline, "last_counters", [])
+        run = {
+            "step_s": elapsed / opts.steps,
+            "comm_share": [s / elapsed for _, s in counters] or [0.0],
+            "fanout_s": getattr(pipeline, "last_fanout_s", 0.0),
+        }
+        np.save(opts.latents, out.tensors["latents"].float().cpu().numpy())
+        print(json.dumps(run), flush=True)
     os._exit(0)  # the followers die with this process
 
 
@@ -122,9 +124,8 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=9)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--master-port", type=int, default=29731, help=argparse.SUPPRESS)
+    parser.add_argument("--master-port", type=int, default=29731, help="first of 4 rendezvous ports")
     parser.add_argument("--latents", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child is not None:
         child(opts)
@@ -134,34 +135,69 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     model = bench_package(RESULTS / "parallel-bench-wan")
     devices = (os.cpu_count() or 1) if opts.device == "cpu" else _cuda_count()
-    rows = []
-    baseline: dict[str, object] = {}
-    for name, flags in CONFIGS.items():
+    children: dict[str, subprocess.Popen[str]] = {}
+    for i, (name, flags) in enumerate(CONFIGS.items()):
         ranks = int(flags[1]) if flags else 1
         if opts.device == "cuda" and ranks > devices:
             print(f"{name:26} skipped: {ranks} GPUs needed, {devices} here", flush=True)
             continue
-        latents, result = RESULTS / "parallel-latents.npy", RESULTS / "parallel-result.json"
         cmd = [sys.executable, __file__, "--child", json.dumps(flags), "--model", str(model), "--device", opts.device,
-               "--steps", str(opts.steps), "--jobs", str(opts.jobs), "--size", opts.size, "--frames",
-               str(opts.frames), "--latents", str(latents), "--result", str(result)]  # fmt: skip
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
-        row = {"config": name, "ranks": ranks, **json.loads(result.read_text())}
-        got = np.load(latents)
-        if not baseline:
-            baseline = {"latents": got, "step_s": row["step_s"]}
-        row["vs_1_rank"] = row["step_s"] / baseline["step_s"]  # type: ignore[operator]
-        row["max_abs_diff"] = float(np.abs(got - baseline["latents"]).max())  # type: ignore[operator]
+               "--steps", str(opts.steps), "--size", opts.size, "--frames", str(opts.frames),
+               "--master-port", str(opts.master_port + i),
+               "--latents", str(RESULTS / f"parallel-latents-{i}.npy")]  # fmt: skip
+        # One OpenMP thread per rank, as one core each: idle OpenMP threads spinning on a shared core
+        # would measure the machine, not the parallelism.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        children[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    for proc in children.values():
+        _reply(proc)
+    # Rounds: one job per configuration in turn (the first round warms up), so all see the same machine.
+    runs: dict[str, list[dict[str, object]]] = {name: [] for name in children}
+    for round_ in range(opts.jobs + 1):
+        for name, proc in children.items():
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write("run\n")
+            proc.stdin.flush()
+            result = json.loads(_reply(proc))
+            if round_:
+                runs[name].append(result)
+    for proc in children.values():
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    rows = []
+    baseline_step = statistics.median(float(r["step_s"]) for r in runs["1 rank"])  # type: ignore[arg-type]
+    baseline_latents = np.load(RESULTS / "parallel-latents-0.npy")
+    for i, name in enumerate(CONFIGS):
+        if name not in runs:
+            continue
+        step = statistics.median(float(r["step_s"]) for r in runs[name])  # type: ignore[arg-type]
+        shares = [statistics.mean(r["comm_share"]) for r in runs[name]]  # type: ignore[arg-type]
+        row = {
+            "config": name, "ranks": int(CONFIGS[name][1]) if CONFIGS[name] else 1, "step_s": step,
+            "vs_1_rank": step / baseline_step, "comm_share": statistics.median(shares),
+            "fanout_s": statistics.median(float(r["fanout_s"]) for r in runs[name]),  # type: ignore[arg-type]
+            "max_abs_diff": float(np.abs(np.load(RESULTS / f"parallel-latents-{i}.npy") - baseline_latents).max()),
+        }  # fmt: skip
         rows.append(row)
         print(
-            f"{name:26} step {row['step_s'] * 1000:8.1f} ms  x{row['vs_1_rank']:.2f} of 1 rank  "
-            f"collectives {100 * sum(row['comm_share']) / len(row['comm_share']):5.1f}% of rank time  "
+            f"{name:26} step {step * 1000:8.1f} ms  x{row['vs_1_rank']:.2f} of 1 rank  "
+            f"collectives {100 * row['comm_share']:5.1f}% of rank time  "
             f"fan-out {row['fanout_s'] * 1000:6.2f} ms  max |latents - 1 rank| {row['max_abs_diff']:.2e}",
             flush=True,
         )
     report = {"device": opts.device, "cores": os.cpu_count(), "size": opts.size, "frames": opts.frames,
               "steps": opts.steps, "transformer": BENCH_TRANSFORMER, "rows": rows}  # fmt: skip
     (RESULTS / "parallel_bench.json").write_text(json.dumps(report, indent=2))
+
+
+def _reply(proc: subprocess.Popen[str]) -> str:
+    """The child's next protocol line ("ready" or a JSON object), past anything else a library printed."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(("ready", "{")):
+            return line
+    raise RuntimeError(f"a bench process exited with {proc.wait()}")
 
 
 def _cuda_count() -> int:
