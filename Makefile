@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODELS ?= .models
 
-.PHONY: setup test test-fast lint demo models bench gpu-check images crd cluster-up cluster-down clean
+.PHONY: setup test test-fast lint demo models bench gpu-check images crd dashboard cluster-up cluster-down clean
 
 setup:
 	@bash scripts/setup.sh
@@ -37,6 +37,11 @@ gpu-check:
 # declaration of the spec (operator/triptych_operator/spec.py: SPEC); a test fails when they are stale.
 crd:
 	PYTHONPATH=.:operator $(PY) -m triptych_operator.crd --write
+
+# The chart's Grafana dashboard (charts/triptych/dashboards/triptych.json) from its declaration
+# (operator/triptych_operator/dashboard.py); a test fails when it is stale.
+dashboard:
+	PYTHONPATH=.:operator $(PY) -m triptych_operator.dashboard --write
 
 # The operator, head and worker images (scripts/images.sh; IMAGES="head operator" for some).
 images:

@@ -28,10 +28,16 @@ COPY operator/ operator/
 # from the venv the image runs (it installs nothing).
 RUN pip install -c constraints.txt ".[head,worker,${MOONCAKE_EXTRA}]" \
     && pip uninstall -qy pip setuptools
+# The bind shim (LD_PRELOAD, C) that keeps Mooncake's listeners on --disagg-p2p-hostname; the worker
+# finds it through TRIPTYCH_BIND_SHIM and re-executes itself under it. The compiler stays in this stage.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+COPY scripts/build-bind-shim.sh scripts/
+RUN bash scripts/build-bind-shim.sh /opt/triptych/lib/libtriptych_bind.so
 
 FROM base
 COPY --from=build /opt/triptych /opt/triptych
-ENV PATH=/opt/triptych/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp HF_HOME=/cache/huggingface
+ENV PATH=/opt/triptych/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp HF_HOME=/cache/huggingface \
+    TRIPTYCH_BIND_SHIM=/opt/triptych/lib/libtriptych_bind.so
 WORKDIR /var/lib/triptych
 # A passwd entry for the user: kopf (getpass.getuser) and torch look the uid up and fail without one.
 RUN groupadd --gid 10001 triptych \

@@ -33,6 +33,15 @@ if ((${#need_tools[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq podman runc debootstrap >/dev/null
 fi
 
+# The playground's browser test (tests/e2e/test_playground.py): Playwright drives Debian's Chromium,
+# so no browser is downloaded.
+if ! command -v chromium >/dev/null; then
+  echo "setup: installing Debian's chromium for the browser test"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 key=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ ! -f "$STAMPS/venv-$key" ] || ! "$VENV/bin/python" -c "import triptych, mooncake, diffusers" 2>/dev/null; then
@@ -41,6 +50,15 @@ if [ ! -f "$STAMPS/venv-$key" ] || ! "$VENV/bin/python" -c "import triptych, moo
   "$VENV/bin/pip" install -q -c constraints.txt -e '.[test]'
   rm -f "$STAMPS"/venv-*; touch "$STAMPS/venv-$key"
 fi
+
+# The worker's bind shim (an LD_PRELOAD library, C): Mooncake's listeners on --disagg-p2p-hostname only.
+if ! command -v "${CC:-gcc}" >/dev/null || [ ! -f /usr/include/stdio.h ]; then
+  echo "setup: installing a C compiler for the worker's bind shim"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev >/dev/null
+fi
+bash scripts/build-bind-shim.sh
 
 bash tests/cluster/build.sh
 

@@ -3,6 +3,7 @@
     triptych serve --model-path DIR --disagg-role {monolithic,encoder,...,server} [flags]
     triptych models tiny --out DIR
     triptych keys generate DIR
+    triptych generate "PROMPT" -o out.png | video "PROMPT" -o out.mp4 | status   (HTTP clients of a head)
 
 The flags mirror the design spec; `triptych.config.ServeArgs` holds their parsed, validated
 values and is what the head and workers receive. The operator builds worker arguments with
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from triptych import __version__
+from triptych.client_cli import add_client_commands, run_client_command
 from triptych.config import ConfigError, ServeArgs, add_serve_flags
 
 
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys_sub = keys.add_subparsers(dest="keys_command", required=True, parser_class=OneLineParser)
     generate = keys_sub.add_parser("generate", help="write a head and a worker key pair (secret files 0600)")
     generate.add_argument("dir", help="directory to write them into (created if missing)")
+    add_client_commands(sub)
     return parser
 
 
@@ -78,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path in paths:
             print(path)
         return 0
+    if ns.command in ("generate", "video", "status"):
+        return run_client_command(ns)
     parser.error(f"unknown command {ns.command!r}")
     return 2
 

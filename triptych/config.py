@@ -8,8 +8,15 @@ import re
 from dataclasses import dataclass, field
 
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
-from triptych.ports import DEFAULT_HTTP_PORT, DEFAULT_SCHEDULER_PORT, is_loopback, parse_tcp_endpoint
-from triptych.roles import Role
+from triptych.ports import (
+    DEFAULT_HTTP_PORT,
+    DEFAULT_SCHEDULER_PORT,
+    MAX_RESULT_PORT_OFFSET,
+    is_loopback,
+    parse_tcp_endpoint,
+)
+from triptych.roles import ROLE_SPECS, WORKER_ROLES, Role
+from triptych.serve_help import flag, grouped_adder
 
 MIB = 1 << 20
 DEFAULT_POOL_SIZE = 256 * MIB
@@ -26,38 +33,21 @@ DISPATCH_POLICIES = ("round_robin", "max_free_slots")
 DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
 DEVICES = ("cuda", "cpu")
 
-# Worker-URL flags of the head, by the role they list.
-URL_FLAGS: dict[Role, str] = {
-    Role.ENCODER: "encoder_urls",
-    Role.PROMPT_ENCODER: "prompt_encoder_urls",
-    Role.IMAGE_ENCODER: "image_encoder_urls",
-    Role.DENOISER: "denoiser_urls",
-    Role.DECODER: "decoder_urls",
-}
+# Worker-URL flags of the head, by the role they list (the role descriptor's, triptych.roles).
+URL_FLAGS: dict[Role, str] = {role: role.url_attr for role in WORKER_ROLES}
 
 # --simulate: per role, (seconds per request, seconds per unit of work) unless the flags say otherwise;
-# a unit is one output (encoder), one step over one megapixel-frame (denoiser), one megapixel-frame
+# a unit is one output (encoders), one step over one megapixel-frame (denoiser), one megapixel-frame
 # (decoder). Coarse figures for a FLUX.1-dev-class model on one modern GPU (triptych_worker.simulated).
-SIMULATE_DEFAULTS: dict[Role, tuple[float, float]] = {
-    Role.ENCODER: (0.02, 0.005),
-    Role.DENOISER: (0.02, 0.25),
-    Role.DECODER: (0.01, 0.05),
-}
+SIMULATE_DEFAULTS: dict[Role, tuple[float, float]] = {role: spec.simulate_seconds for role, spec in ROLE_SPECS.items()}
 
 # Per-role parallelism flags: role -> {degree: attribute}.
-ROLE_PARALLEL_FLAGS: dict[Role, dict[str, str]] = {
-    Role.ENCODER: {"tp": "encoder_tp"},
-    Role.DENOISER: {"tp": "denoiser_tp", "sp": "denoiser_sp", "ulysses": "denoiser_ulysses", "ring": "denoiser_ring"},
-    Role.DECODER: {"sp": "decoder_sp"},
-}
+ROLE_PARALLEL_FLAGS: dict[Role, dict[str, str]] = {role: spec.parallel_flags for role, spec in ROLE_SPECS.items()}
+ROLE_PARALLEL_ATTRS: tuple[str, ...] = tuple(attr for flags in ROLE_PARALLEL_FLAGS.values() for attr in flags.values())
 
 
 class ConfigError(ValueError):
     """A flag value that cannot work; the message names the flag and what to do."""
-
-
-def flag(attr: str) -> str:
-    return "--" + attr.replace("_", "-")
 
 
 def parse_size(text: str) -> int:
@@ -108,6 +98,7 @@ class ServeArgs:
     disagg_p2p_hostname: str = "127.0.0.1"
     disagg_ib_device: str | None = None
     disagg_transfer_pool_size: int = DEFAULT_POOL_SIZE
+    disagg_transfer_listen_any: bool = False
     disagg_timeout: float = DEFAULT_TIMEOUT_S
     disagg_dispatch_policy: str = "round_robin"
     disagg_heartbeat_timeout: float = 5.0
@@ -167,7 +158,7 @@ class ServeArgs:
         for degree, attr in role_flags.items():
             if getattr(self, attr) is not None:
                 degrees[degree] = getattr(self, attr)
-        prefix = f"--{self.disagg_role.value.replace('_', '-')}-" if role_flags else "--"
+        prefix = self.disagg_role.flag_prefix if role_flags else "--"
         return resolve_parallelism(self.num_gpus, where=prefix, **degrees)
 
     def validate(self) -> None:
@@ -192,12 +183,17 @@ class ServeArgs:
             value = getattr(self, name)
             if not 1 <= value <= 65535:
                 raise ConfigError(f"{flag(name)} {value} is not a TCP port (1-65535)")
-        if role is Role.SERVER and self.scheduler_port + 5 > 65535:
-            raise ConfigError(f"--scheduler-port {self.scheduler_port} leaves no room for result ports (+1..+5)")
+        if role is Role.SERVER and self.scheduler_port + MAX_RESULT_PORT_OFFSET > 65535:
+            raise ConfigError(
+                f"--scheduler-port {self.scheduler_port} leaves no room for the result ports "
+                f"(+1..+{MAX_RESULT_PORT_OFFSET})"
+            )
         if self.disagg_transfer_pool_size < MIB:
             raise ConfigError(
                 f"--disagg-transfer-pool-size {self.disagg_transfer_pool_size} is below 1 MiB; use e.g. 256MiB"
             )
+        if self.disagg_transfer_listen_any and not role.is_worker:
+            raise ConfigError(f"--disagg-transfer-listen-any is for worker roles, not --disagg-role {role.value}")
         if self.disagg_timeout <= 0:
             raise ConfigError(f"--disagg-timeout {self.disagg_timeout} must be > 0 seconds")
         if self.disagg_heartbeat_timeout <= 0:
@@ -236,7 +232,8 @@ class ServeArgs:
     def _validate_simulation(self) -> None:
         timing = [f for f in ("simulate_seconds", "simulate_seconds_per_unit") if getattr(self, f) is not None]
         if self.simulate and not self.disagg_role.is_worker:
-            raise ConfigError(f"--simulate is for worker roles (encoder, denoiser, decoder), not {self.disagg_role}")
+            workers = ", ".join(role.value for role in WORKER_ROLES)
+            raise ConfigError(f"--simulate is for worker roles ({workers}), not {self.disagg_role}")
         if timing and not self.simulate:
             raise ConfigError(f"{flag(timing[0])} only applies with --simulate")
         for name in timing:
@@ -308,7 +305,7 @@ class ServeArgs:
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """Register every `triptych serve` flag; defaults come from ServeArgs."""
     d = ServeArgs(model_path="")
-    a = parser.add_argument
+    a = grouped_adder(parser)  # --help lists them by who uses them (serve_help.py)
     a("--model-path", required=True, help="diffusers-format model directory (same package on every process)")
     roles = "{" + ",".join(r.value for r in Role) + "}"
     a("--disagg-role", type=Role, choices=list(Role), default=d.disagg_role, metavar=roles,
@@ -331,6 +328,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--disagg-ib-device", default=None, help="worker: RDMA device (e.g. mlx5_0); TCP transport when unset")
     a("--disagg-transfer-pool-size", type=parse_size, default=d.disagg_transfer_pool_size,
       help="worker: registered transfer pool, bytes or 256MiB/1GiB (default 256MiB)")  # fmt: skip
+    a("--disagg-transfer-listen-any", action="store_true",
+      help="worker: let Mooncake's handshake and data ports listen on every address of the host (its own "
+           "behaviour), not only --disagg-p2p-hostname; whoever reaches them can read and write the pool")  # fmt: skip
     a("--disagg-timeout", type=float, default=d.disagg_timeout, help="head: seconds before a request times out")
     a("--disagg-dispatch-policy", choices=DISPATCH_POLICIES, default=d.disagg_dispatch_policy)
     a("--disagg-heartbeat-timeout", type=float, default=d.disagg_heartbeat_timeout,
@@ -350,8 +350,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--results-max-bytes", type=parse_size, default=d.results_max_bytes,
       help="head: most bytes kept under --output-path, oldest results removed first (default 5GiB)")  # fmt: skip
     a("--device", choices=DEVICES, default=None, help="default: cuda when available, else cpu")
-    for attr in ("tp_size", "sp_degree", "cfg_parallel_size", "encoder_tp", "denoiser_tp", "denoiser_sp",
-                 "denoiser_ulysses", "denoiser_ring", "decoder_sp"):  # fmt: skip
+    for attr in ("tp_size", "sp_degree", "cfg_parallel_size", *ROLE_PARALLEL_ATTRS):
         a(flag(attr), type=int, default=None)
     a("--worker-capacity", type=int, default=d.worker_capacity,
       help="worker: requests it holds at once (one running, the rest prefetched)")  # fmt: skip
@@ -378,7 +377,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
       help="worker --simulate: seconds per unit of work, added to --simulate-seconds; a unit is, for the denoiser, "
            f"one step over one megapixel-frame (default {sim['denoiser'][1]:g}), for the decoder one "
            f"megapixel-frame (default {sim['decoder'][1]:g}), for the encoder one output "
-           f"(default {sim['encoder'][1]:g})")  # fmt: skip
+           f"(default {sim['encoder'][1]:g}; the same for prompt_encoder and image_encoder)")  # fmt: skip
     a("--disagg-keys-dir", default=None, metavar="DIR",
       help="head and worker: authenticate and encrypt the control plane (CURVE) with the keys in DIR "
            "(`triptych keys generate DIR`); needed on a non-loopback address unless --disagg-insecure")  # fmt: skip

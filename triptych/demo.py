@@ -1,8 +1,9 @@
 """`make demo`: the tiny models served by the full disaggregated pipeline as local processes.
 
 Starts a head plus one encoder, denoiser and decoder per model (separate processes, real ZMQ and
-Mooncake TCP), asks the FLUX-style package for an image and the Wan-style package for a video,
-and writes both under --out.
+Mooncake TCP, through `triptych.launch_pool`), asks the FLUX-style package for an image and the
+Wan-style package for a video; then a FLUX.1 Kontext-style package with split encoders (prompt
+encoder, image encoder, denoiser, decoder) edits that image. Writes all three under --out.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-from triptych.localdeploy import local_deployment
+from triptych.pool import launch_pool
 from triptych.tiny_models import write_tiny_models
 
-CPU = ("--device", "cpu")
+CPU = [["cpu"]]
 
 
 def make_image(model: Path, out: Path) -> Path:
-    with local_deployment(model, out / "logs" / "image", worker_flags=CPU) as dep, dep.client() as c:
-        print(f"demo: image deployment up (head {dep.http}); generating...", flush=True)
+    with launch_pool(model, workdir=out / "logs" / "image") as pool, pool.deployment.client() as c:
+        print(f"demo: image deployment up (head {pool.url}); generating...", flush=True)
         r = c.post(
             "/v1/images/generations",
             json={
@@ -37,9 +38,28 @@ def make_image(model: Path, out: Path) -> Path:
         return path
 
 
+def make_edit(model: Path, reference: Path, out: Path) -> Path:
+    with (
+        launch_pool(
+            model, prompt_encoder_devices=CPU, image_encoder_devices=CPU, workdir=out / "logs" / "edit"
+        ) as pool,
+        pool.deployment.client() as c,
+    ):
+        print(f"demo: edit deployment up with split encoders (head {pool.url}); editing...", flush=True)
+        r = c.post(
+            "/v1/images/edits",
+            data={"prompt": "the same lighthouse at night", "seed": "7", "num_inference_steps": "4"},
+            files={"image": (reference.name, reference.read_bytes(), "image/png")},
+        )
+        r.raise_for_status()
+        path = out / "demo-edit.png"
+        path.write_bytes(base64.b64decode(r.json()["data"][0]["b64_json"]))
+        return path
+
+
 def make_video(model: Path, out: Path) -> Path:
-    with local_deployment(model, out / "logs" / "video", worker_flags=CPU) as dep, dep.client() as c:
-        print(f"demo: video deployment up (head {dep.http}); generating...", flush=True)
+    with launch_pool(model, workdir=out / "logs" / "video") as pool, pool.deployment.client() as c:
+        print(f"demo: video deployment up (head {pool.url}); generating...", flush=True)
         body = {"prompt": "waves rolling onto a beach", "size": "64x64", "num_frames": 9, "seed": 7,
                 "num_inference_steps": 4, "fps": 8}  # fmt: skip
         job = c.post("/v1/videos", json=body).raise_for_status().json()
@@ -68,11 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    flux, wan = write_tiny_models(args.models, families=["tiny-flux", "tiny-wan"])
+    flux, wan, kontext = write_tiny_models(args.models, families=["tiny-flux", "tiny-wan", "tiny-flux-kontext"])
     image = make_image(flux.resolve(), out)
     video = make_video(wan.resolve(), out)
+    edit = make_edit(kontext.resolve(), image, out)
     print(f"image: {image}")
     print(f"video: {video}")
+    print(f"edit: {edit}")
     return 0
 
 

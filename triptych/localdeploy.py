@@ -17,17 +17,22 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from triptych.roles import Role
+from triptych.config import flag
+from triptych.ports import MAX_RESULT_PORT_OFFSET
+from triptych.roles import COMBINED_ROLES, WORKER_ROLES, Role
 from triptych.security import generate_keys
 
-ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER)
+ROLES = COMBINED_ROLES  # the default topology: one encoder, one denoiser, one decoder
+
+Device = int | str
+"""A GPU index, or "cpu"."""
 
 
 def _port_free(port: int) -> bool:
@@ -166,7 +171,7 @@ def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-HEAD_PORTS = 6  # scheduler_port .. +5: frontend, result ports per role, reserved split-encoder ports
+HEAD_PORTS = 1 + MAX_RESULT_PORT_OFFSET  # scheduler_port .. +5: the frontend and every role's result port
 
 
 def deployment_ports(counts: dict[Role, int]) -> tuple[int, int, dict[Role, list[int]]]:
@@ -175,11 +180,22 @@ def deployment_ports(counts: dict[Role, int]) -> tuple[int, int, dict[Role, list
     Taken from one contiguous free block: ports picked one by one can coincide, since nothing
     binds them until the processes start.
     """
-    n_workers = sum(counts.get(role, 0) for role in ROLES)
+    n_workers = sum(counts.values())
     base = free_port_block(HEAD_PORTS + 1 + n_workers)
     next_port = iter(range(base + HEAD_PORTS + 1, base + HEAD_PORTS + 1 + n_workers))
-    workers = {role: [next(next_port) for _ in range(counts.get(role, 0))] for role in ROLES}
+    workers = {role: [next(next_port) for _ in range(n)] for role, n in counts.items()}
     return base, base + HEAD_PORTS, workers
+
+
+def device_flags(devices: Sequence[Device]) -> tuple[list[str], dict[str, str]]:
+    """`triptych serve` flags and environment for one worker on `devices`: ["cpu"], or GPU indices
+    (made visible through CUDA_VISIBLE_DEVICES, so any set of GPUs works as --num-gpus N)."""
+    if list(devices) == ["cpu"]:
+        return ["--device", "cpu"], {}
+    if not devices or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
+        raise ValueError(f'devices {list(devices)!r}: give ["cpu"] or GPU indices such as [0, 1]')
+    visible = ",".join(str(d) for d in devices)
+    return ["--device", "cuda", "--num-gpus", str(len(devices))], {"CUDA_VISIBLE_DEVICES": visible}
 
 
 @contextmanager
@@ -193,14 +209,16 @@ def local_deployment(
     null_payload_bytes: int | None = None,
     head_first: bool = True,
     ready_timeout: float = 180,
-    worker_url_scheme: str = "tcp://127.0.0.1",
+    worker_url_scheme: str | None = None,
     discovery_files: bool = False,
     spare: dict[Role, int] | None = None,
     authenticated: bool = True,
+    devices: Mapping[Role, Sequence[Sequence[Device]]] | None = None,
+    host: str = "127.0.0.1",
 ) -> Iterator[LocalDeployment]:
     """Start head and workers (logs under `workdir`), wait until every worker heartbeats, kill all on exit.
 
-    `worker_url_scheme` is how the head is told where workers are: tcp://127.0.0.1, or
+    `worker_url_scheme` is how the head is told where workers are: tcp://HOST (the default), or
     dns://localhost to go through name resolution as the head does behind a headless Service.
     `discovery_files`: the head reads each role's workers from a file:// list instead, which
     LocalDeployment.start_worker and unlist_worker rewrite (workers joining and leaving).
@@ -208,13 +226,21 @@ def local_deployment(
     with `LocalDeployment.start_worker` (until then the head sees them as not responding).
     `authenticated`: the head and workers get --disagg-keys-dir with a key set written to
     `workdir`/keys (kept if it is there already); False runs the control plane without keys.
+    `host`: the IPv4 address every process binds and is reached on (the head's --host, the workers'
+    --disagg-p2p-hostname), loopback by default; another needs `authenticated`.
+    The roles are the keys of `counts` (and `spare`): the three-role topology by default, or
+    the split encoders (Role.PROMPT_ENCODER, Role.IMAGE_ENCODER) instead of Role.ENCODER.
+    `devices`: per role, each instance's devices (device_flags); instances beyond it get worker_flags only.
     """
     counts = counts or dict.fromkeys(ROLES, 1)
     spare = spare or {}
+    devices = devices or {}
+    roles = [role for role in WORKER_ROLES if role in counts or role in spare]
+    worker_url_scheme = worker_url_scheme or f"tcp://{host}"
     workdir.mkdir(parents=True, exist_ok=True)
-    sched, http, ports = deployment_ports({role: counts.get(role, 0) + spare.get(role, 0) for role in ROLES})
-    spare_ports = {role: ports[role][counts.get(role, 0) :] for role in ROLES}
-    ports = {role: ports[role][: counts.get(role, 0)] for role in ROLES}
+    sched, http, ports = deployment_ports({role: counts.get(role, 0) + spare.get(role, 0) for role in roles})
+    spare_ports = {role: ports[role][counts.get(role, 0) :] for role in roles}
+    ports = {role: ports[role][: counts.get(role, 0)] for role in roles}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     py = sys.executable
     worker_cmd = (
@@ -223,10 +249,10 @@ def local_deployment(
         else [py, "-m", "triptych", "serve"]
     )
     dep = LocalDeployment(
-        http=f"http://127.0.0.1:{http}", scheduler_port=sched, spare=spare_ports, env=env, workdir=workdir
+        http=f"http://{host}:{http}", scheduler_port=sched, spare=spare_ports, env=env, workdir=workdir
     )
     if discovery_files:
-        dep.endpoint_files = {role: workdir / f"{role.value}.endpoints" for role in ROLES}
+        dep.endpoint_files = {role: workdir / f"{role.value}.endpoints" for role in roles}
     security_flags: list[str] = []
     if authenticated:
         dep.keys_dir = workdir / "keys"
@@ -236,32 +262,34 @@ def local_deployment(
     started: dict[Role, int] = {}
 
     def spawn_worker(role: Role, port: int) -> Proc:
-        argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
-                "--disagg-server-addr", f"tcp://127.0.0.1:{sched}", "--scheduler-port", str(port),
-                "--disagg-p2p-hostname", "127.0.0.1", *security_flags, *worker_flags,
-                *(role_flags or {}).get(role, ())]  # fmt: skip
         i = started[role] = started.get(role, -1) + 1
+        own = devices.get(role, ())
+        placement, placement_env = device_flags(own[i]) if i < len(own) else ([], {})
+        argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
+                "--disagg-server-addr", f"tcp://{host}:{sched}", "--scheduler-port", str(port),
+                "--disagg-p2p-hostname", host, *security_flags, *worker_flags, *placement,
+                *(role_flags or {}).get(role, ())]  # fmt: skip
         log = workdir / f"{role.value}-{i}.log"
-        return Proc(role, f"tcp://127.0.0.1:{port}", _spawn(argv, log, env), log)
+        return Proc(role, f"tcp://{host}:{port}", _spawn(argv, log, {**env, **placement_env}), log)
 
     dep.spawn_worker = spawn_worker
 
     def start_head() -> None:
         argv = [py, "-m", "triptych", "serve", "--model-path", str(model), "--disagg-role", "server",
-                "--scheduler-port", str(sched), "--host", "127.0.0.1", "--port", str(http),
+                "--scheduler-port", str(sched), "--host", host, "--port", str(http),
                 "--output-path", str(workdir / "outputs"), *security_flags, *head_flags]  # fmt: skip
-        for role in ROLES:
+        for role in roles:
             if discovery_files:
                 spec = f"file://{dep.endpoint_files[role].resolve()}"
             else:
                 spec = ";".join(f"{worker_url_scheme}:{p}" for p in ports[role] + spare_ports[role])
-            argv += [f"--{role.value}-urls", spec]
+            argv += [flag(role.url_attr), spec]
         dep.head_argv = argv
         log = workdir / "head.log"
         dep.procs.append(Proc(Role.SERVER, dep.http, _spawn(argv, log, env), log))
 
     def start_workers() -> None:
-        for role in ROLES:
+        for role in roles:
             for port in ports[role]:
                 dep.procs.append(spawn_worker(role, port))
             if discovery_files:

@@ -20,3 +20,11 @@ class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int = 0
     num_outputs: int = 1
     max_sequence_length: int = 512  # the stock FLUX.1 and Wan2.1 default; changes the text embeddings
+    # Image edits: the reference image, inlined by the head (the encoded file's bytes, never decoded
+    # there), or an http(s) URL the image encoder fetches. Requests without one are text-to-image/video.
+    image: bytes | None = None
+    image_url: str | None = None
+
+    @property
+    def has_reference(self) -> bool:
+        return self.image is not None or self.image_url is not None

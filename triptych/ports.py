@@ -9,18 +9,13 @@ from __future__ import annotations
 import ipaddress
 from urllib.parse import urlsplit
 
-from triptych.roles import Role
+from triptych.roles import ROLE_SPECS, Role
 
 DEFAULT_SCHEDULER_PORT = 5555
 DEFAULT_HTTP_PORT = 30000
 
-RESULT_PORT_OFFSET: dict[Role, int] = {
-    Role.ENCODER: 1,
-    Role.DENOISER: 2,
-    Role.DECODER: 3,
-    Role.PROMPT_ENCODER: 4,
-    Role.IMAGE_ENCODER: 5,
-}
+RESULT_PORT_OFFSET: dict[Role, int] = {role: spec.result_port_offset for role, spec in ROLE_SPECS.items()}
+MAX_RESULT_PORT_OFFSET = max(RESULT_PORT_OFFSET.values())
 
 
 # Mooncake takes its handshake and TCP data ports from this range (its defaults, which the worker

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
@@ -21,10 +21,7 @@ from triptych.params import GenerationParams
 from triptych.protocol import Cancel, ProtocolError, RequestEvent, RequestResult, Submit, TensorSpec, decode, encode
 from triptych.protocol.tensors import PIXELS
 
-if TYPE_CHECKING:
-    import torch
-
-    from triptych_worker.pipeline import RolePipeline
+ProgressCallback = Callable[[int, int, bytes], None]  # (step, total steps, a preview PNG or b"")
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +44,11 @@ class GenerationFailed(Exception):
 class Backend(Protocol):
     async def start(self) -> None: ...
     async def generate(
-        self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
+        self,
+        request_id: str,
+        params: GenerationParams,
+        on_event: EventCallback | None = None,
+        preview_every: int = 0,
     ) -> GenerationOutput: ...
     async def cancel(self, request_id: str) -> None: ...
     async def close(self) -> None: ...
@@ -84,7 +85,11 @@ class FrontendClient:
         self._reader = asyncio.create_task(self._read())
 
     async def generate(
-        self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
+        self,
+        request_id: str,
+        params: GenerationParams,
+        on_event: EventCallback | None = None,
+        preview_every: int = 0,
     ) -> GenerationOutput:
         assert self._sock is not None, "start() first"
         if request_id in self._pending:
@@ -92,7 +97,8 @@ class FrontendClient:
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, on_event)
         try:
-            await self._sock.send_multipart(encode(Submit(request_id, params, watch=on_event is not None)))
+            submit = Submit(request_id, params, watch=on_event is not None, preview_every=preview_every)
+            await self._sock.send_multipart(encode(submit))
             return await future
         except asyncio.CancelledError:
             await self.cancel(request_id)
@@ -137,10 +143,20 @@ class FrontendClient:
             self._sock.close()
 
 
+class InProcessPipeline(Protocol):
+    """The one interface monolithic mode needs from the worker package (triptych_worker.pipeline.RolePipeline)."""
+
+    def validate(self, params: GenerationParams) -> None: ...
+    def generate(self, params: GenerationParams, on_progress: ProgressCallback, preview_every: int = 0) -> np.ndarray:
+        """Every stage of a request; the pixels as uint8 [num_outputs, frames, height, width, 3];
+        `on_progress` after each denoising step, with a preview every `preview_every` steps."""
+        ...
+
+
 class LocalBackend:
     """Monolithic mode: every stage in this process, one request at a time on the device."""
 
-    def __init__(self, pipeline: RolePipeline):
+    def __init__(self, pipeline: InProcessPipeline):
         self._pipeline = pipeline
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
         self._cancelled: set[str] = set()
@@ -149,29 +165,30 @@ class LocalBackend:
         pass
 
     async def generate(
-        self, request_id: str, params: GenerationParams, on_event: EventCallback | None = None
+        self,
+        request_id: str,
+        params: GenerationParams,
+        on_event: EventCallback | None = None,
+        preview_every: int = 0,
     ) -> GenerationOutput:
-        from triptych_worker.stages import StageBatch
-
         loop = asyncio.get_running_loop()
 
-        def progress(step: int, total: int) -> None:
+        def progress(step: int, total: int, preview: bytes) -> None:
             if request_id in self._cancelled:
                 raise GenerationFailed("cancelled by the client", 499, "CANCELLED")
             if on_event is not None:
-                event = RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=total)
+                event = RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=total, preview=preview)
                 loop.call_soon_threadsafe(on_event, event)
 
-        def run() -> None:
+        def run() -> np.ndarray:
             try:
-                self._pipeline.run(batch)
+                return self._pipeline.generate(params, progress, preview_every if on_event else 0)
             finally:
                 self._cancelled.discard(request_id)
 
-        batch = StageBatch(params=params, on_progress=progress)
         started = loop.time()
         try:
-            await loop.run_in_executor(self._executor, run)
+            pixels = await loop.run_in_executor(self._executor, run)
         except asyncio.CancelledError:  # the client went away: stop at the next step (progress raises)
             self._cancelled.add(request_id)
             raise
@@ -182,7 +199,6 @@ class LocalBackend:
         except Exception as exc:
             log.exception("request %s failed", request_id)
             raise GenerationFailed(f"{type(exc).__name__}: {exc}") from None
-        pixels = cast("torch.Tensor", batch.tensors[PIXELS]).cpu().numpy()  # a model's stages make torch tensors
         return GenerationOutput(pixels=pixels, timings={"total": loop.time() - started})
 
     async def cancel(self, request_id: str) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from triptych.config import ServeArgs
+from triptych.families import read_model_info, read_rules
 from triptych.params import GenerationParams
 from triptych_head.admission import AdmissionControl
 from triptych_head.api.app import create_app
@@ -16,7 +18,6 @@ from triptych_head.api.auth import APIKeyError, APIKeys
 from triptych_head.api.context import HeadContext
 from triptych_head.backend import FrontendClient, LocalBackend
 from triptych_head.metrics import HeadMetrics
-from triptych_head.model_info import read_model_info
 from triptych_head.results import Retention
 from triptych_head.server import DiffusionServer
 from triptych_head.shutdown import disaggregated_drain, in_process_drain, serve_http
@@ -24,14 +25,9 @@ from triptych_head.shutdown import disaggregated_drain, in_process_drain, serve_
 log = logging.getLogger(__name__)
 
 
-def model_validator(model_path: str):  # type: ignore[no-untyped-def]
+def model_validator(model_path: str) -> Callable[[GenerationParams], None]:
     """Request checks against the model's configs (sizes, frame counts), without loading weights."""
-    from triptych_worker.pipeline import validate_for_model
-
-    def validate(params: GenerationParams) -> None:
-        validate_for_model(model_path, params)
-
-    return validate
+    return read_rules(model_path).validate
 
 
 def _retention(args: ServeArgs) -> Retention:
@@ -66,6 +62,7 @@ def run_head(args: ServeArgs) -> int:
         registry=metrics.registry,
         validate=validate,
         health=lambda: {"mode": "disaggregated", "workers": server.registry.snapshot()},
+        pipeline_view=lambda: server.pipeline_view,
         ready=loop.is_alive,
         retention=_retention(args),
         drain_seconds=args.disagg_drain_timeout,
@@ -82,6 +79,7 @@ def run_head(args: ServeArgs) -> int:
 
 
 def run_monolithic(args: ServeArgs) -> int:
+    # The one place the head reaches into the worker package: monolithic mode runs the stages in-process.
     from triptych_worker.pipeline import load_role_pipeline
 
     guards = _http_guards(args)

@@ -22,6 +22,14 @@ class HeadMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # Device time (the Grafana dashboard's device-seconds): what workers report spending on each
+        # request's stages, never queueing; a replica with G GPUs spends G GPU-seconds per second of it.
+        self.worker_seconds = Counter(
+            "triptych_worker_seconds",
+            "Seconds workers spent running requests' stages (load inputs, run, stage outputs), as they report them",
+            ["role"],
+            registry=r,
+        )
         self.queue_seconds = Histogram(
             "triptych_queue_seconds", "Time waiting for a free instance", ["role"], buckets=LATENCY_BUCKETS, registry=r
         )
@@ -112,3 +120,8 @@ class HeadMetrics:
         self.dropped_messages = Counter(
             "triptych_dropped_messages", "Worker messages that could not be decoded or matched", registry=r
         )
+
+    def observe_stage(self, role: str, elapsed: float, worker_seconds: float) -> None:
+        """One request's hop through `role`: the head-seen time and the worker's own time."""
+        self.stage_seconds.labels(role).observe(elapsed)
+        self.worker_seconds.labels(role).inc(worker_seconds)

@@ -55,7 +55,7 @@ from triptych.protocol import (
     decode,
     encode,
 )
-from triptych.roles import Role
+from triptych.roles import WORKER_ROLES, Role, route_for
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message
 from triptych_head.admission import AdmissionControl, retry_after_seconds
@@ -63,6 +63,7 @@ from triptych_head.discovery import WorkerDirectory
 from triptych_head.dispatch import make_policy
 from triptych_head.instances import StandingSlot, WorkerInstance
 from triptych_head.metrics import HeadMetrics
+from triptych_head.pipeline_view import build_view
 from triptych_head.registry import WorkerRegistry
 from triptych_head.state import ROLE_STATES, RequestRecord, RequestState, StagedPayload
 from triptych_head.workload import WorkEstimator
@@ -89,10 +90,14 @@ class HeldSlot:
     standing_addr: int = 0
 
 
-def pipeline_route(args: ServeArgs) -> list[Role]:
-    """The roles a text-to-image/video request visits, from the URL flags given to the head."""
-    first = [Role.PROMPT_ENCODER] if args.prompt_encoder_urls else [Role.ENCODER]
-    return [*first, Role.DENOISER, Role.DECODER]
+def deployed_roles(args: ServeArgs) -> frozenset[Role]:
+    """The worker roles this head routes through: those its URL flags list."""
+    return frozenset(role for role in WORKER_ROLES if args.urls_for(role))
+
+
+def request_route(roles: frozenset[Role], params: GenerationParams) -> list[Role]:
+    """The roles one request visits, in order (an edit's reference image adds the image encoder)."""
+    return route_for(roles, has_reference=params.has_reference)
 
 
 class DiffusionServer:
@@ -111,10 +116,11 @@ class DiffusionServer:
         # Before any socket: with keys, result sockets let in only the pipeline's workers, and the
         # head reaches workers' work sockets as the only client they accept.
         self.security: ControlPlane = control_plane(args, self._ctx, "head")
-        self._route = pipeline_route(args)
+        self._roles = deployed_roles(args)
         directories = {
             role: WorkerDirectory(args.urls_for(role), args.disagg_discovery_interval)
-            for role in dict.fromkeys(self._route)
+            for role in WORKER_ROLES
+            if role in self._roles
         }
         self.registry = WorkerRegistry(
             self._ctx, directories, args.disagg_heartbeat_timeout, self.metrics, self.security
@@ -128,6 +134,7 @@ class DiffusionServer:
         self._no_instance_since: dict[Role, float] = {}  # roles with no ready instance, since when
         self._held_slots: dict[str, HeldSlot] = {}  # receive slots of ended requests, freed once their write is over
         self._queues: dict[Role, deque[str]] = {role: deque() for role in directories}
+        self.pipeline_view: dict[str, Any] = {"roles": {}, "requests": []}  # replaced whole at each tick
         # One per role: a round-robin cursor shared by roles of different sizes would keep landing on
         # the same instance of one of them (one encoder and two denoisers: always the second denoiser).
         self._policies = {role: make_policy(args.disagg_dispatch_policy) for role in directories}
@@ -329,6 +336,7 @@ class DiffusionServer:
                 self._typical_seconds[role] = self.workload.estimate(role, self._last_params)
             retry_after = max(retry_after, retry_after_seconds(self._typical_seconds.get(role, 0.0), len(ready)))
         self.admission.update(slots, retry_after)
+        self.pipeline_view = build_view(self.registry.snapshot(), queued, running, self.requests.values())
 
     def _timeout_reason(self, rec: RequestRecord) -> str:
         role = rec.role.value
@@ -381,13 +389,18 @@ class DiffusionServer:
         except ValueError as exc:
             self._reply(client, RequestEvent(rid, REJECTED, error=str(exc), status_code=400))
             return
+        if msg.params.has_reference and not any(role.runs_affinity(Role.IMAGE_ENCODER) for role in self._roles):
+            error = "image: this deployment encodes no reference images (its head has no --image-encoder-urls)"
+            self._reply(client, RequestEvent(rid, REJECTED, error=error, status_code=400))
+            return
         rec = RequestRecord(
             request_id=rid,
             params=msg.params,
-            route=list(self._route),
+            route=request_route(self._roles, msg.params),
             client=client,
             deadline=time.monotonic() + self.args.disagg_timeout,
             watch=msg.watch,
+            preview_every=msg.preview_every if msg.watch else 0,
         )
         self.requests[rid] = rec
         self._attempts[rec.wire_id] = rec
@@ -401,10 +414,11 @@ class DiffusionServer:
         except zmq.Again:
             log.warning("frontend client %r is not reading; dropped %s", client, msg.TYPE)
 
-    def _event(self, rec: RequestRecord, step: int = 0, total: int = 0) -> None:
+    def _event(self, rec: RequestRecord, step: int = 0, total: int = 0, preview: bytes = b"") -> None:
         if not rec.watch:
             return
-        self._reply(rec.client, RequestEvent(rec.request_id, rec.state.value, step=step, total_steps=total))
+        event = RequestEvent(rec.request_id, rec.state.value, step=step, total_steps=total, preview=preview)
+        self._reply(rec.client, event)
 
     # --- workers ----------------------------------------------------------------------------
 
@@ -461,7 +475,8 @@ class DiffusionServer:
 
     def _on_progress(self, rec: RequestRecord, inst: WorkerInstance, msg: Progress, frames: list[Any]) -> None:
         if rec.instance == inst.url:
-            self._event(rec, msg.step, msg.total)
+            rec.step, rec.total_steps = msg.step, msg.total
+            self._event(rec, msg.step, msg.total, msg.preview)
 
     def _on_staged(self, rec: RequestRecord, inst: WorkerInstance, msg: TransferStaged, frames: list[Any]) -> None:
         _, running, done = ROLE_STATES[rec.role]
@@ -470,13 +485,13 @@ class DiffusionServer:
             return
         if rec.hop + 1 >= len(rec.route):
             raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
-        role, elapsed = self._time_stage(rec, msg.seconds)
+        stage = self._time_stage(rec, msg.seconds)
         rec.move(done)
         rec.staged = StagedPayload(sender=inst.url, nbytes=msg.nbytes, manifest=msg.manifest, meta=msg.meta)
         rec.instance = None
         rec.hop += 1
         self._enter_hop(rec)
-        self.metrics.stage_seconds.labels(role).observe(elapsed)  # after the push went out: off the request's path
+        self.metrics.observe_stage(*stage)  # after the push went out: off the request's path
 
     def _on_allocated(
         self, rec: RequestRecord, inst: WorkerInstance, msg: TransferAllocated, frames: list[Any]
@@ -519,7 +534,14 @@ class DiffusionServer:
         rec.push_in_flight = False
         rec.staged = None
         ready = TransferReady(
-            rec.wire_id, rec.instance, rec.params, staged.manifest, staged.meta, rec.slot_addr, rec.watch
+            rec.wire_id,
+            rec.instance,
+            rec.wire_params(),
+            staged.manifest,
+            staged.meta,
+            rec.slot_addr,
+            rec.watch,
+            rec.preview_every,
         )
         started = time.monotonic()  # before the send, so the hop's time contains all the receiver's work
         sent = self.registry.send(rec.instance, ready)
@@ -554,11 +576,11 @@ class DiffusionServer:
     def _on_result(self, rec: RequestRecord, inst: WorkerInstance, msg: Result, frames: list[Any]) -> None:
         if rec.state is not RequestState.DECODER_RUNNING or rec.instance != inst.url:
             return
-        role, elapsed = self._time_stage(rec, msg.seconds)
+        stage = self._time_stage(rec, msg.seconds)
         rec.timings["total"] = time.monotonic() - rec.created
         rec.move(RequestState.DONE)
         self._reply(rec.client, RequestResult(rec.request_id, msg.tensors, rec.timings), frames)
-        self.metrics.stage_seconds.labels(role).observe(elapsed)
+        self.metrics.observe_stage(*stage)
         self._finish(rec, RequestState.DONE)
 
     def _on_failed(self, rec: RequestRecord, inst: WorkerInstance, msg: Failed, frames: list[Any]) -> None:
@@ -652,7 +674,10 @@ class DiffusionServer:
             keep = inst.should_keep_slot(nbytes)
             sent = self.registry.send(inst.url, TransferAlloc(wire_id, inst.url, nbytes, keep=keep))
         else:
-            sent = self.registry.send(inst.url, Work(wire_id, inst.url, rec.params, progress=rec.watch))
+            sent = self.registry.send(
+                inst.url,
+                Work(wire_id, inst.url, rec.wire_params(), progress=rec.watch, preview_every=rec.preview_every),
+            )
         if not sent:  # not connected any more: treat it as gone until it heartbeats again
             self._instance_lost(inst, "disconnected", f"{role.value} {inst.url} is not connected")
             return False
@@ -666,17 +691,17 @@ class DiffusionServer:
         self.metrics.queue_seconds.labels(role.value).observe(waited)
         return True
 
-    def _time_stage(self, rec: RequestRecord, worker_seconds: float) -> tuple[str, float]:
+    def _time_stage(self, rec: RequestRecord, worker_seconds: float) -> tuple[str, float, float]:
         """Record the hop's time as the head saw it (dispatch to output reported) and as the worker
         spent it (load inputs, run stages, stage outputs), and calibrate the work estimate with the
-        latter; returns (role, head-seen seconds) for the metric, which callers observe once the
-        request's next message is out."""
+        latter; returns (role, head-seen seconds, worker seconds) for the metrics, which callers
+        observe once the request's next message is out."""
         role = rec.role.value
         elapsed = time.monotonic() - rec.hop_started
         rec.timings[role] = elapsed
         rec.timings[f"worker_{role}"] = worker_seconds
         self.workload.observe(rec.role, rec.params, worker_seconds)
-        return role, elapsed
+        return role, elapsed, worker_seconds
 
     # --- lost workers and retries -----------------------------------------------------------
 

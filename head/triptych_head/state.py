@@ -13,8 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from triptych.params import GenerationParams
-from triptych.roles import Role
+from triptych.roles import ROLE_SPECS, Role
 
 
 class RequestState(enum.StrEnum):
@@ -53,13 +55,15 @@ _FORWARD: dict[RequestState, frozenset[RequestState]] = {
     _S.DECODER_RUNNING: frozenset({_S.DONE}),
 }
 
-# The (waiting, running, done) states a hop to `role` passes through.
+
+def _hop_states(group: str) -> tuple[RequestState, RequestState, RequestState]:
+    done = _S.DONE if group == "DECODER" else RequestState[f"{group}_DONE"]  # the last hop ends the request
+    return RequestState[f"{group}_WAITING"], RequestState[f"{group}_RUNNING"], done
+
+
+# The (waiting, running, done) states a hop to `role` passes through, named by the role descriptor.
 ROLE_STATES: dict[Role, tuple[RequestState, RequestState, RequestState]] = {
-    Role.ENCODER: (_S.ENCODER_WAITING, _S.ENCODER_RUNNING, _S.ENCODER_DONE),
-    Role.PROMPT_ENCODER: (_S.ENCODER_WAITING, _S.ENCODER_RUNNING, _S.ENCODER_DONE),
-    Role.IMAGE_ENCODER: (_S.ENCODER_WAITING, _S.ENCODER_RUNNING, _S.ENCODER_DONE),
-    Role.DENOISER: (_S.DENOISING_WAITING, _S.DENOISING_RUNNING, _S.DENOISING_DONE),
-    Role.DECODER: (_S.DECODER_WAITING, _S.DECODER_RUNNING, _S.DONE),
+    role: _hop_states(spec.stage_states) for role, spec in ROLE_SPECS.items()
 }
 
 
@@ -98,6 +102,9 @@ class RequestRecord:
     client: bytes
     deadline: float
     watch: bool = False  # the client asked for every state change and denoising step
+    preview_every: int = 0  # with watch: a preview image every k denoising steps (0: none)
+    step: int = 0  # the last denoising step reported (watched requests only)
+    total_steps: int = 0
     state: RequestState = RequestState.PENDING
     hop: int = 0
     instance: str | None = None  # the worker running (or receiving) the current hop
@@ -118,6 +125,13 @@ class RequestRecord:
     @property
     def role(self) -> Role:
         return self.route[self.hop]
+
+    def wire_params(self) -> GenerationParams:
+        """The request as the current hop's role gets it: an inlined reference image travels only
+        to the role that encodes it, not on to the denoiser and decoder."""
+        if self.params.image is None or self.role.runs_affinity(Role.IMAGE_ENCODER):
+            return self.params
+        return msgspec.structs.replace(self.params, image=None)
 
     @property
     def receiver_reserved(self) -> bool:

@@ -20,7 +20,7 @@ overruns its estimate is still work).
 from __future__ import annotations
 
 from triptych.params import GenerationParams
-from triptych.roles import Role
+from triptych.roles import ROLE_SPECS, Role
 
 MEGAPIXEL = 1_000_000
 SMOOTHING = 0.2  # weight of the newest observation in the running mean
@@ -28,13 +28,7 @@ MIN_REMAINING_FRACTION = 0.1
 
 # Device-seconds per unit before anything was observed: orders of magnitude of a mid-size DiT
 # (FLUX-class, one H100) so that the first requests already move the signal the right way.
-PRIOR_SECONDS_PER_UNIT: dict[Role, float] = {
-    Role.ENCODER: 0.1,
-    Role.PROMPT_ENCODER: 0.1,
-    Role.IMAGE_ENCODER: 0.1,
-    Role.DENOISER: 0.2,
-    Role.DECODER: 0.05,
-}
+PRIOR_SECONDS_PER_UNIT: dict[Role, float] = {role: spec.prior_seconds_per_unit for role, spec in ROLE_SPECS.items()}
 
 
 def work_units(role: Role, params: GenerationParams) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Final
 
 from triptych.ports import DEFAULT_HTTP_PORT, DEFAULT_SCHEDULER_PORT
-from triptych.roles import Role
+from triptych.roles import COMBINED_ROLES, WORKER_ROLES, Role
 
 GROUP: Final = "triptych.ai"
 VERSION: Final = "v1alpha1"
@@ -19,7 +19,20 @@ SINGULAR: Final = "diffusionpipeline"
 SHORT_NAMES: Final = ("dp", "dpipe")
 
 # The roles a DiffusionPipeline runs as worker pools, in the order requests flow through them.
-PIPELINE_ROLES: Final = (Role.ENCODER, Role.DENOISER, Role.DECODER)
+# Every role a DiffusionPipeline may declare a pool for (its CR field is the role descriptor's
+# crd_field); a pipeline runs the combined encoder or the split encoders, and DEFAULT_ROLES when
+# it names neither.
+PIPELINE_ROLES: Final = tuple(role for role in WORKER_ROLES if role.spec.crd_field)
+DEFAULT_ROLES: Final = COMBINED_ROLES
+
+
+def crd_field(role: Role) -> str:
+    """The role's pool in spec and status: spec.promptEncoder."""
+    field = role.spec.crd_field
+    assert field is not None, role
+    return field
+
+
 HEAD_COMPONENT: Final = "head"
 
 # Ports. Every worker pod binds the same work port: pods have their own IPs, so nothing collides,
@@ -78,4 +91,4 @@ APP_NAME: Final = "triptych"
 MANAGER: Final = "triptych-operator"
 
 # CR names become Service names "<name>-denoiser", which must stay DNS-1035 labels (<= 63 chars).
-MAX_NAME_LENGTH: Final = 63 - len("-denoiser")
+MAX_NAME_LENGTH: Final = 63 - len("-denoiser")  # split-encoder Services are checked when they are declared

@@ -25,6 +25,7 @@ from triptych_operator.constants import (
     SHORT_NAMES,
     SINGULAR,
     VERSION,
+    crd_field,
 )
 from triptych_operator.fields import Field, docs_table, schema
 from triptych_operator.spec import HEAD, IMAGES, MODEL, NAME_RULE, SPEC, TRANSFER, role_field
@@ -107,7 +108,13 @@ def crd() -> Schema:
     spec = schema(SPEC)
     columns: list[Schema] = [{"name": "Phase", "type": "string", "jsonPath": ".status.phase"}]
     columns += [
-        {"name": role.value.capitalize(), "type": "string", "jsonPath": f".status.{role.value}.ready"}
+        {
+            "name": role.value.replace("_", " ").title().replace(" ", ""),
+            "type": "string",
+            "jsonPath": f".status.{crd_field(role)}.ready",
+            # The split encoders' columns show with -o wide: most pipelines run the combined encoder.
+            **({"priority": 1} if role.spec.split_encoder else {}),
+        }
         for role in PIPELINE_ROLES
     ]
     columns += [

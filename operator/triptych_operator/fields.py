@@ -68,6 +68,16 @@ def exactly_one(a: str, b: str, message: str) -> Rule:
     return Rule(f"has(self.{a}) != has(self.{b})", message, lambda o: None if _has(o, a) != _has(o, b) else "")
 
 
+def excludes(a: str, others: Sequence[str], message: str) -> Rule:
+    """Setting `a` forbids every one of `others`; the error names `a`."""
+    any_other = " || ".join(f"has(self.{b})" for b in others)
+    return Rule(
+        f"!has(self.{a}) || !({any_other})",
+        message,
+        lambda o: a if _has(o, a) and any(_has(o, b) for b in others) else None,
+    )
+
+
 def needs(a: str, b: str, message: str) -> Rule:
     """Setting `a` requires `b`; the error names `b`."""
     return Rule(f"!has(self.{a}) || has(self.{b})", message, lambda o: b if _has(o, a) and not _has(o, b) else None)

@@ -43,7 +43,7 @@ from triptych_operator.constants import (
 from triptych_operator.manifests import control_keys_secret, render
 from triptych_operator.pipeline_state import PipelineKey, PipelineState, PipelineStates
 from triptych_operator.spec import PipelineSpec, SpecError, parse_pipeline
-from triptych_operator.status import PHASE_READY, compute_status
+from triptych_operator.status import PHASE_READY, compute_status, pipeline_components
 
 OWNED = {LABEL_MANAGED_BY: MANAGER}
 CHILD_FILTER: dict[str, Any] = {**OWNED, LABEL_INSTANCE: kopf.PRESENT}
@@ -365,6 +365,7 @@ async def _write_status(pipeline: dict[str, Any], state: PipelineState, indexes:
         apply_error=state.apply_error,
         previous_conditions=old.get("conditions") or [],
         now=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        components=pipeline_components(state.spec),
     )
     if status == old:
         state.status = status

@@ -42,6 +42,7 @@ from triptych_operator.constants import (
     SHM_MOUNT,
     SHM_PER_RANK_GIB,
     WORKER_PORT,
+    crd_field,
 )
 from triptych_operator.serve_args import SERVE_COMMAND, head_argv, object_name, worker_argv
 from triptych_operator.spec import PipelineSpec
@@ -106,16 +107,19 @@ def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None, keys_
     which the handler creates once, see `control_keys_secret`) goes into every pod template, so
     new keys roll every pod.
     """
-    argvs = {role: worker_argv(pipeline, role) for role in PIPELINE_ROLES}
+    argvs = {role: worker_argv(pipeline, role) for role in pipeline.roles}
     head_args = head_argv(pipeline)
     children = Children()
     for role in PIPELINE_ROLES:
+        if role not in pipeline.roles:  # the other encoder shape: remove its pool if it was declared before
+            children.delete += _role_refs(pipeline, role)
+            continue
         deployment = worker_deployment(pipeline, role, argvs[role], keys_fingerprint)
         children.apply += [deployment, worker_service(pipeline, role)]
         hpa = worker_hpa(pipeline, role)
         if hpa is None:
             children.delete.append(
-                ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", object_name(pipeline.name, role.value))
+                ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", object_name(pipeline.name, role.dns_name))
             )
         else:
             children.apply.append(hpa)
@@ -201,6 +205,16 @@ def _resources(user: Mapping[str, Any], extended: Mapping[str, int]) -> Manifest
     return out
 
 
+def _role_refs(pipeline: PipelineSpec, role: Role) -> list[ObjectRef]:
+    """The children one role's pool consists of."""
+    name = object_name(pipeline.name, role.dns_name)
+    return [
+        ObjectRef("apps/v1", "Deployment", name),
+        ObjectRef("v1", "Service", name),
+        ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", name),
+    ]
+
+
 def rank_env(ranks: int, user_env: Sequence[Mapping[str, Any]] = ()) -> list[Manifest]:
     """Env for a role of several ranks (one process per GPU, all in this pod): their collectives stay on
     loopback, never on the pod or RDMA network; the user's own values for these names win."""
@@ -228,7 +242,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
     if transfer.rdma:
         extended[transfer.rdma_resource_name] = transfer.rdma_resource_count
     container: Manifest = {
-        "name": role.value,
+        "name": role.dns_name,
         "image": pipeline.image_for(role),
         "command": list(SERVE_COMMAND),
         "args": argv,
@@ -268,14 +282,14 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.affinity:
         pod_spec["affinity"] = dict(spec.affinity)
-    template_meta: Manifest = {"labels": labels(pipeline, role.value)}
+    template_meta: Manifest = {"labels": labels(pipeline, crd_field(role))}
     annotations = _template_annotations(keys_fingerprint)
     if transfer.network_annotation:
         annotations[MULTUS_NETWORKS_ANNOTATION] = transfer.network_annotation
     if annotations:
         template_meta["annotations"] = annotations
     deployment_spec: Manifest = {
-        "selector": {"matchLabels": labels(pipeline, role.value)},
+        "selector": {"matchLabels": labels(pipeline, crd_field(role))},
         # No surge: a surge pod needs GPUs that are usually all taken, and would sit Pending.
         "strategy": {"type": "RollingUpdate", "rollingUpdate": spec.rolling_update()},
         "progressDeadlineSeconds": PROGRESS_DEADLINE_S,
@@ -287,7 +301,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(pipeline, role.value),
+        "metadata": _metadata(pipeline, crd_field(role), object_name(pipeline.name, role.dns_name)),
         "spec": deployment_spec,
     }
 
@@ -297,10 +311,10 @@ def worker_service(pipeline: PipelineSpec, role: Role) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(pipeline, role.value),
+        "metadata": _metadata(pipeline, crd_field(role), object_name(pipeline.name, role.dns_name)),
         "spec": {
             "clusterIP": "None",
-            "selector": labels(pipeline, role.value),
+            "selector": labels(pipeline, crd_field(role)),
             "ports": [{"name": "work", "port": WORKER_PORT, "targetPort": "work", "protocol": "TCP"}],
         },
     }
@@ -328,12 +342,12 @@ def worker_hpa(pipeline: PipelineSpec, role: Role) -> Manifest | None:
     auto = pipeline.roles[role].autoscaling
     if not auto.enabled:
         return None
-    name = object_name(pipeline.name, role.value)
+    name = object_name(pipeline.name, role.dns_name)
     deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": _metadata(pipeline, role.value),
+        "metadata": _metadata(pipeline, crd_field(role), object_name(pipeline.name, role.dns_name)),
         "spec": {
             "scaleTargetRef": deployment,
             "minReplicas": auto.min_replicas,
@@ -360,14 +374,20 @@ def worker_hpa(pipeline: PipelineSpec, role: Role) -> Manifest | None:
     }
 
 
+def _result_port_name(role: Role) -> str:
+    # Port names are at most 15 characters: "result-denoiser" is exactly that; the split encoders
+    # are named by their offset (result-plus4: --scheduler-port + 4).
+    name = f"result-{role.dns_name}"
+    return name if len(name) <= 15 else f"result-plus{role.spec.result_port_offset}"
+
+
 def _head_ports(pipeline: PipelineSpec) -> list[Manifest]:
     """HTTP and the result ports workers push to. The frontend (the scheduler port itself) is the
     head's in-process socket on loopback; workers only derive the result ports from its number."""
     ports = [{"name": "http", "containerPort": pipeline.head.port}]
     ports += [
-        # Port names are at most 15 characters: "result-denoiser" is exactly that.
-        {"name": f"result-{role.value}", "containerPort": result_port(HEAD_SCHEDULER_PORT, role)}
-        for role in PIPELINE_ROLES
+        {"name": _result_port_name(role), "containerPort": result_port(HEAD_SCHEDULER_PORT, role)}
+        for role in pipeline.roles
     ]
     return [{**p, "protocol": "TCP"} for p in ports]
 
@@ -497,7 +517,7 @@ def api_service(pipeline: PipelineSpec) -> Manifest:
 def _workers_selector(pipeline: PipelineSpec) -> Manifest:
     """Every worker pod of this pipeline, whatever its role."""
     common = {k: v for k, v in labels(pipeline, "").items() if k != LABEL_COMPONENT}
-    roles = [role.value for role in PIPELINE_ROLES]
+    roles = [crd_field(role) for role in pipeline.roles]
     return {"matchLabels": common, "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": roles}]}
 
 
@@ -534,7 +554,7 @@ def worker_network_policy(pipeline: PipelineSpec) -> Manifest:
 def head_network_policy(pipeline: PipelineSpec) -> Manifest:
     """The head accepts its result ports from the pipeline's workers only; its HTTP port from anyone
     (clients, the Ingress controller, the metrics API server's scrape). The frontend port is loopback."""
-    result_ports = [{"protocol": "TCP", "port": result_port(HEAD_SCHEDULER_PORT, role)} for role in PIPELINE_ROLES]
+    result_ports = [{"protocol": "TCP", "port": result_port(HEAD_SCHEDULER_PORT, role)} for role in pipeline.roles]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

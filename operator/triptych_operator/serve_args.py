@@ -21,6 +21,7 @@ from triptych_operator.constants import (
     PIPELINE_ROLES,
     WORKER_MASTER_PORT,
     WORKER_PORT,
+    crd_field,
 )
 from triptych_operator.spec import PipelineSpec, SpecError
 
@@ -30,7 +31,6 @@ SERVE_COMMAND = ("triptych", "serve")
 POD_IP_REF = "$(POD_IP)"
 # Degrees without a role-specific flag use the generic one, as ServeArgs.parallelism() reads them.
 GENERIC_PARALLEL_FLAGS = {"tp": "tp_size", "sp": "sp_degree", "cfg": "cfg_parallel_size"}
-PIPELINE_ROLE_NAMES = frozenset(role.value for role in PIPELINE_ROLES)
 
 
 def object_name(pipeline_name: str, component: str) -> str:
@@ -49,17 +49,20 @@ def head_address(pipeline: PipelineSpec) -> str:
 
 def worker_discovery_url(pipeline: PipelineSpec, role: Role) -> str:
     """dns://HOST:PORT: the head resolves the headless Service and treats each address as a worker."""
-    return f"dns://{service_host(pipeline, role.value)}:{WORKER_PORT}"
+    return f"dns://{service_host(pipeline, role.dns_name)}:{WORKER_PORT}"
 
 
-def spec_field_of_flag(component: str, flag_name: str) -> str | None:
-    """The CR field behind a worker flag (`--denoiser-ulysses` -> spec.denoiser.parallelism.ulysses), if any."""
+def spec_field_of_flag(container: str, flag_name: str) -> str | None:
+    """The CR field behind a worker flag (`--denoiser-ulysses` -> spec.denoiser.parallelism.ulysses), if any;
+    `container` is the worker container's name (the role's DNS name)."""
+    role = next((r for r in PIPELINE_ROLES if r.dns_name == container), None)
+    if role is None:
+        return None
     if flag_name == "--num-gpus":
-        return f"spec.{component}.gpusPerReplica"
-    role_flags = ROLE_PARALLEL_FLAGS.get(Role(component), {}) if component in PIPELINE_ROLE_NAMES else {}
-    for degree, attr in (*role_flags.items(), *GENERIC_PARALLEL_FLAGS.items()):
+        return f"spec.{crd_field(role)}.gpusPerReplica"
+    for degree, attr in (*ROLE_PARALLEL_FLAGS.get(role, {}).items(), *GENERIC_PARALLEL_FLAGS.items()):
         if flag(attr) == flag_name:
-            return f"spec.{component}.parallelism.{degree}"
+            return f"spec.{crd_field(role)}.parallelism.{degree}"
     return None
 
 
@@ -87,7 +90,7 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
 
 
 def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
-    urls = {URL_FLAGS[role]: [worker_discovery_url(pipeline, role)] for role in PIPELINE_ROLES}
+    urls = {URL_FLAGS[role]: [worker_discovery_url(pipeline, role)] for role in pipeline.roles}
     return ServeArgs(
         model_path=pipeline.model.model_path,
         disagg_role=Role.SERVER,
@@ -109,7 +112,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
 def worker_argv(pipeline: PipelineSpec, role: Role) -> list[str]:
     """Container args for a worker of `role` (after `triptych serve`); raises SpecError if they would not start."""
     argv = worker_serve_args(pipeline, role).to_argv() + list(pipeline.roles[role].extra_args)
-    check_argv(argv, where=f"spec.{role.value}")
+    check_argv(argv, where=f"spec.{crd_field(role)}")
     return argv
 
 

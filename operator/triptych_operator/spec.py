@@ -27,6 +27,7 @@ from triptych.roles import Role
 from triptych_operator.constants import (
     DEFAULT_HEAD_IMAGE,
     DEFAULT_RDMA_RESOURCE,
+    DEFAULT_ROLES,
     DEFAULT_WORKER_IMAGE,
     HEAD_HTTP_PORT,
     HEAD_SCHEDULER_PORT,
@@ -34,8 +35,10 @@ from triptych_operator.constants import (
     MODEL_MOUNT,
     PENDING_WORK_METRIC,
     PIPELINE_ROLES,
+    crd_field,
 )
 from triptych_operator.fields import (
+    MISSING,
     Field,
     FieldError,
     Rule,
@@ -44,6 +47,7 @@ from triptych_operator.fields import (
     bounded_match,
     cel_only,
     exactly_one,
+    excludes,
     needs,
     not_above,
     not_both_zero,
@@ -56,11 +60,7 @@ TRANSFER_MODES = ("tcp", "rdma")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PARALLEL_DEGREES = ("tp", "sp", "ulysses", "ring", "cfg")
 # Only the denoiser has --denoiser-ulysses/--denoiser-ring; other roles derive them from sp.
-ROLE_DEGREES: dict[Role, tuple[str, ...]] = {
-    Role.ENCODER: ("tp", "sp", "cfg"),
-    Role.DENOISER: PARALLEL_DEGREES,
-    Role.DECODER: ("tp", "sp", "cfg"),
-}
+ROLE_DEGREES: dict[Role, tuple[str, ...]] = {role: role.spec.operator_degrees for role in PIPELINE_ROLES}
 DEFAULT_TOKEN_KEY = "token"
 DEFAULT_API_KEYS_KEY = "keys"
 # Autoscaling defaults: a denoiser replica should have about a minute of queued work before
@@ -70,7 +70,7 @@ DEFAULT_SCALE_DOWN_STABILIZATION_S = 600
 MAX_STABILIZATION_S = 3600  # the HPA API's limit
 # Drain: a worker gets SIGTERM, finishes what it holds, and is killed drainSeconds later. The
 # default fits the longest request each role runs (a long video's denoising loop takes minutes).
-DEFAULT_DRAIN_SECONDS: dict[Role, int] = {Role.ENCODER: 120, Role.DENOISER: 900, Role.DECODER: 120}
+DEFAULT_DRAIN_SECONDS: dict[Role, int] = {role: role.spec.drain_seconds for role in PIPELINE_ROLES}
 # The worker's own deadline is this much earlier, so it exits before the kubelet's SIGKILL.
 DRAIN_MARGIN_S = 15
 MIN_DRAIN_SECONDS = 2 * DRAIN_MARGIN_S
@@ -444,11 +444,13 @@ def role_field(role: Role) -> Field:
         f"`{seconds}` {'/'.join(r.value for r in PIPELINE_ROLES if DEFAULT_DRAIN_SECONDS[r] == seconds)}"
         for seconds in sorted(set(DEFAULT_DRAIN_SECONDS.values()))
     )
+    # The pools both shapes run default to one replica; the encoders exist only as declared (see SPEC's rules).
+    shared = role in DEFAULT_ROLES and not (role.spec.also_runs or role.spec.split_encoder)
     return Field(
-        role.value,
+        crd_field(role),
         "object",
         f"The {role.value} worker pool.",
-        default={},
+        default={} if shared else MISSING,
         fields=(
             Field(
                 "replicas",
@@ -862,6 +864,14 @@ SPEC = Field(
     "Desired state of a disaggregated diffusion pipeline.",
     required=True,
     fields=(MODEL, *(role_field(role) for role in PIPELINE_ROLES), TRANSFER, HEAD, IMAGES),
+    rules=(
+        excludes(
+            "encoder",
+            ("promptEncoder", "imageEncoder"),
+            "spec.encoder: declare encoder (three roles) or promptEncoder and imageEncoder (split encoders), not both",
+        ),
+        needs("imageEncoder", "promptEncoder", "spec.imageEncoder needs spec.promptEncoder (the split encoders)"),
+    ),
 )
 
 # ---------------------------------------------------------------- the parser
@@ -888,12 +898,28 @@ def parse_pipeline(
         name=name,
         namespace=namespace,
         model=_parse_model(values["model"]),
-        roles={role: _parse_role(role, values[role.value]) for role in PIPELINE_ROLES},
+        roles=_parse_roles(name, values),
         transfer=_parse_transfer(values["transfer"]),
         head=_parse_head(values["head"]),
         worker_image=images.get("worker") or worker_image,
         head_image=images.get("head") or head_image,
     )
+
+
+def _parse_roles(name: str, values: Mapping[str, Any]) -> dict[Role, RoleSpec]:
+    """The declared pools, in route order; a pipeline that names no encoder gets the combined one."""
+    declared = [role for role in PIPELINE_ROLES if values[crd_field(role)] is not None]
+    if not any(role.runs_affinity(Role.PROMPT_ENCODER) for role in declared):
+        declared.insert(0, Role.ENCODER)
+    roles = {}
+    for role in (r for r in PIPELINE_ROLES if r in declared):
+        field = crd_field(role)
+        raw = values[field] if values[field] is not None else read(role_field(role), {}, f"spec.{field}")
+        if len(f"{name}-{role.dns_name}") > 63:
+            raise SpecError("metadata.name", f"{name!r} is too long for spec.{field}: {name}-{role.dns_name} "
+                            "must be at most 63 characters (a Service name)")  # fmt: skip
+        roles[role] = _parse_role(role, raw)
+    return roles
 
 
 def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
@@ -914,7 +940,7 @@ def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
 
 
 def _parse_parallelism(role: Role, raw: Mapping[str, Any], gpus: int) -> tuple[Parallelism, dict[str, int]]:
-    where = f"spec.{role.value}.parallelism"
+    where = f"spec.{crd_field(role)}.parallelism"
     given = {degree: raw[degree] for degree in PARALLEL_DEGREES if raw.get(degree) is not None}
     try:
         return resolve_parallelism(gpus, where=f"{where}.", **given), given

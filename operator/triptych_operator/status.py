@@ -10,12 +10,17 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from triptych_operator.constants import HEAD_COMPONENT, PIPELINE_ROLES
+from triptych_operator.constants import DEFAULT_ROLES, HEAD_COMPONENT, PIPELINE_ROLES, crd_field
 from triptych_operator.serve_args import spec_field_of_flag
 
-COMPONENTS: tuple[str, ...] = (*(r.value for r in PIPELINE_ROLES), HEAD_COMPONENT)
+COMPONENTS: tuple[str, ...] = (*(crd_field(r) for r in PIPELINE_ROLES), HEAD_COMPONENT)
+"""Every component a pipeline may have: its `app.kubernetes.io/component` label and status key."""
+
+if TYPE_CHECKING:
+    from triptych_operator.spec import PipelineSpec
+DEFAULT_COMPONENTS: tuple[str, ...] = (*(crd_field(r) for r in DEFAULT_ROLES), HEAD_COMPONENT)
 
 PHASE_READY = "Ready"
 PHASE_PROGRESSING = "Progressing"
@@ -37,7 +42,7 @@ class ComponentHealth:
 
     @property
     def condition_type(self) -> str:
-        return f"{self.component.capitalize()}Ready"
+        return f"{self.component[0].upper()}{self.component[1:]}Ready"
 
     def summary(self) -> dict[str, Any]:
         return {"ready": f"{self.ready}/{self.desired}", "readyReplicas": self.ready, "replicas": self.desired}
@@ -147,6 +152,14 @@ def _make(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
+def pipeline_components(spec: PipelineSpec | None) -> tuple[str, ...]:
+    """The components a pipeline reports: its declared roles and the head (the default shape while
+    no valid spec was parsed yet)."""
+    if spec is None:
+        return DEFAULT_COMPONENTS
+    return (*(crd_field(role) for role in spec.roles), HEAD_COMPONENT)
+
+
 def compute_status(
     generation: int,
     deployments: Mapping[str, Mapping[str, Any] | None],
@@ -156,16 +169,18 @@ def compute_status(
     apply_error: str | None = None,
     previous_conditions: Sequence[Mapping[str, Any]] = (),
     now: str,
+    components: Sequence[str] = DEFAULT_COMPONENTS,
 ) -> dict[str, Any]:
     """The full status for a pipeline at `generation`, given its Deployments (and pods) by component.
 
     `spec_error` is the validation message when the spec cannot be deployed; objects from the last
     valid spec keep running and are still reported. `apply_error` is the API server refusing a
-    child (admission, quota). `now` stamps conditions that changed.
+    child (admission, quota). `now` stamps conditions that changed. `components`: the pipeline's
+    (its declared roles and the head; pipeline_components).
     """
     pods = pods or {}
     health = [
-        component_health(c, deployments.get(c), pods.get(c, ()), spec_error=spec_error is not None) for c in COMPONENTS
+        component_health(c, deployments.get(c), pods.get(c, ()), spec_error=spec_error is not None) for c in components
     ]
     not_ready = [h for h in health if not h.is_ready]
     stuck = [h for h in health if h.stuck]
@@ -173,7 +188,7 @@ def compute_status(
 
     if not not_ready:
         ready = _make("Ready", True, "AllComponentsReady", "every role and the head have all pods ready")
-    elif spec_error is not None and all(deployments.get(c) is None for c in COMPONENTS):
+    elif spec_error is not None and all(deployments.get(c) is None for c in components):
         ready = _make("Ready", False, "InvalidSpec", spec_error)
     else:
         names = ", ".join(f"{h.component} ({h.reason})" for h in not_ready)

@@ -12,12 +12,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.api.test_http_api import ScriptedBackend
+from triptych.families import ModelInfo
 from triptych_head.admission import MAX_RETRY_AFTER_S, MIN_QUEUED, AdmissionControl, Overloaded, retry_after_seconds
 from triptych_head.api.app import create_app
 from triptych_head.api.auth import APIKeyError, APIKeys, parse_keys
 from triptych_head.api.context import HeadContext
 from triptych_head.metrics import HeadMetrics
-from triptych_head.model_info import ModelInfo
 
 
 def test_keys_file_takes_one_key_per_line_with_comments_and_blank_lines() -> None:

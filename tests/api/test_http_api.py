@@ -19,12 +19,12 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
+from triptych.families import ModelInfo
 from triptych.params import GenerationParams
 from triptych.protocol import RequestEvent
 from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext
 from triptych_head.backend import GenerationFailed, GenerationOutput
-from triptych_head.model_info import ModelInfo
 from triptych_head.results import Retention
 
 
@@ -46,7 +46,7 @@ class ScriptedBackend:
     async def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
 
-    async def generate(self, request_id, params, on_event=None):
+    async def generate(self, request_id, params, on_event=None, preview_every=0):
         self.calls.append(params)
         for step in range(1, params.num_inference_steps + 1):
             await asyncio.sleep(self.step_delay)

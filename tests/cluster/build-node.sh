@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the real node's binaries from the Go module proxy (opt-in, see docs/local-cluster.md "A real node"):
+# Build the real node's binaries from the Go module proxy (make setup; docs/local-cluster.md "A real node"):
 # kubelet and kube-proxy (k8s.io/kubernetes, the apiserver's version), CoreDNS (a trimmed plugin set) and
 # a static pause binary for the pod sandbox image.
 #

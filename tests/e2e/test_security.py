@@ -11,13 +11,14 @@ here is the default one of triptych.localdeploy (keys generated in its workdir).
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
-import os
-import socket
+import io
+import ipaddress
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,11 +27,13 @@ import pytest
 import zmq
 
 from tests.e2e.harness import deployment
+from tests.models.fixtures import MODELS_DIR
 from triptych.localdeploy import LocalDeployment
 from triptych.params import GenerationParams
 from triptych.ports import MOONCAKE_PORT_RANGE, result_port
 from triptych.protocol import Heartbeat, Ping, TransferAlloc, TransferPush, Work, encode
 from triptych.roles import Role
+from triptych_worker.transfer.listeners import listening_sockets
 
 pytestmark = pytest.mark.slow
 
@@ -224,42 +227,65 @@ def test_forged_messages_on_the_heads_result_ports_change_nothing(dep, expected,
     assert settled(dep) == before
 
 
-def listening(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket process `pid` listens on, from /proc (IPv4 and IPv6)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    found = set()
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            hex_addr, hex_port = local.split(":")
-            raw = bytes.fromhex(hex_addr)
-            # /proc prints the address as 32-bit words in host (little-endian) order.
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            address = socket.inet_ntop(family, raw).removeprefix("::ffff:")  # IPv4 on a dual-stack socket
-            found.add((address, int(hex_port, 16)))
-    return found
+def non_loopback_ipv4() -> str | None:
+    """An IPv4 address of this host other than loopback (e.g. eth0's), or None."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        address = line.split()[3].split("/")[0]
+        if not ipaddress.ip_address(address).is_loopback:
+            return address
+    return None
 
 
-def test_a_worker_listens_on_its_work_port_at_the_p2p_hostname_and_mooncake_in_the_policy_range(dep):
-    """Everything a worker listens on. Its work socket is bound to --disagg-p2p-hostname only.
-    Mooncake's two listeners (handshake, TCP data) come from MOONCAKE_PORT_RANGE, the ports the
-    operator's NetworkPolicy opens to peer workers only; Mooncake (0.3.13) binds them on every
-    address, which no setting of it narrows (README, "Control plane and transfers")."""
+def assert_workers_listen_only_on(dep: LocalDeployment, address: str) -> None:
+    """Everything each worker listens on: its work socket and Mooncake's two listeners (handshake,
+    TCP data), all on `address` (--disagg-p2p-hostname), none on 0.0.0.0 or ::. Mooncake's ports
+    come from MOONCAKE_PORT_RANGE, the ports the operator's NetworkPolicy opens to peer workers only."""
     low, high = MOONCAKE_PORT_RANGE
     for role in (Role.ENCODER, Role.DENOISER, Role.DECODER):
-        proc = dep.workers(role)[0]
-        work_port = int(proc.url.rsplit(":", 1)[1])
-        sockets = listening(proc.popen.pid)
-        assert ("127.0.0.1", work_port) in sockets, sockets  # and on no other address:
-        mooncake = sockets - {("127.0.0.1", work_port)}
-        assert len(mooncake) == 2 and all(low <= port <= high for _, port in mooncake), sockets
+        for proc in dep.workers(role):
+            work_port = int(proc.url.rsplit(":", 1)[1])
+            sockets = listening_sockets(proc.popen.pid)
+            assert {a for a, _ in sockets} == {address}, (role, sockets)
+            mooncake = {port for _, port in sockets} - {work_port}
+            assert len(mooncake) == 2 and all(low <= port <= high for port in mooncake), sockets
+
+
+def stock_image() -> bytes:
+    """IMAGE's pixels from stock diffusers in this process: what every deployment returned before the
+    workers' listeners were confined (tests/e2e/test_pixels.py)."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(MODELS_DIR / "tiny-flux")
+    w, h = map(int, str(IMAGE["size"]).split("x"))
+    image = pipe(
+        IMAGE["prompt"], width=w, height=h, num_inference_steps=IMAGE["num_inference_steps"],
+        generator=torch.Generator("cpu").manual_seed(int(IMAGE["seed"])), output_type="pil",
+    ).images[0]  # fmt: skip
+    return np.array(image).tobytes()
+
+
+def pixels(b64_png: str) -> bytes:
+    from PIL import Image
+
+    return np.array(Image.open(io.BytesIO(base64.b64decode(b64_png)))).tobytes()
+
+
+def test_workers_listen_only_on_the_p2p_hostname_on_loopback(dep, expected):
+    """With every flag saying 127.0.0.1, Mooncake's listeners too are on 127.0.0.1 only (they were on
+    0.0.0.0 and [::] before: issue 12), and the pixels are stock diffusers' own."""
+    assert_workers_listen_only_on(dep, "127.0.0.1")
+    assert pixels(expected) == stock_image()
+
+
+def test_workers_listen_only_on_the_p2p_hostname_on_a_host_address(tiny_models, tmp_path, expected):
+    """The same on an address other hosts reach (this host's eth0 address), and the request
+    returns the pixels the loopback deployment does."""
+    address = non_loopback_ipv4()
+    if address is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    with deployment(tiny_models["tiny-flux"], tmp_path, host=address) as host_dep:
+        assert_workers_listen_only_on(host_dep, address)
+        with host_dep.client() as c:
+            assert generate(c) == expected

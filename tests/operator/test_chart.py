@@ -6,6 +6,7 @@ import base64
 import re
 import subprocess
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from triptych_operator.metrics_api.main import build_parser as metrics_api_parse
 from triptych_operator.metrics_api.prometheus import HEAD_GAUGES
 
 CHART = REPO / "charts" / "triptych"
+PROMETHEUS_OPERATOR = "monitoring.coreos.com/v1"  # the API its PodMonitor and ServiceMonitor CRDs serve
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,9 @@ def helm(helm_path: Path, *args: str) -> str:
     return proc.stdout
 
 
-def render(helm_bin: Path, *sets: str) -> list[dict[str, Any]]:
-    flags = [f for s in sets for f in ("--set", s)]
+def render(helm_bin: Path, *sets: str, api_versions: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """`helm template` of the chart; `api_versions` are API groups/versions the cluster is said to serve."""
+    flags = [f for s in sets for f in ("--set", s)] + [f for v in api_versions for f in ("--api-versions", v)]
     out = helm(helm_bin, "template", "rel", str(CHART), "--namespace", "ops", "--kube-version", "1.34.0", *flags)
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
@@ -186,9 +189,9 @@ def test_a_users_certificate_secret_comes_with_its_ca(helm_bin: Path) -> None:
 
 
 def test_prometheus_alternative_yields_the_same_metric_names(helm_bin: Path) -> None:
-    sets = ("metricsApi.enabled=false", "metricsApi.prometheus.podMonitor.enabled=true",
+    sets = ("metricsApi.enabled=false", "monitoring.podMonitor.enabled=true",
             "metricsApi.prometheus.adapterRules.enabled=true")  # fmt: skip
-    objs = by_kind_name(render(helm_bin, *sets))
+    objs = by_kind_name(render(helm_bin, *sets, api_versions=[PROMETHEUS_OPERATOR]))
     monitor = objs[("PodMonitor", "rel-triptych-heads")]["spec"]
     assert monitor["selector"]["matchLabels"]["app.kubernetes.io/component"] == "head"
     [relabel] = monitor["podMetricsEndpoints"][0]["metricRelabelings"]

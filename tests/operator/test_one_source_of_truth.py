@@ -10,7 +10,7 @@ import yaml
 from tests.operator.helpers import EXAMPLES, REPO
 from triptych.config import DISPATCH_POLICIES, ServeArgs
 from triptych_operator import crd
-from triptych_operator.constants import HEAD_HTTP_PORT, PIPELINE_ROLES
+from triptych_operator.constants import HEAD_HTTP_PORT, PIPELINE_ROLES, crd_field
 from triptych_operator.fields import Field, docs_table
 from triptych_operator.spec import (
     DEFAULT_DRAIN_SECONDS,
@@ -80,7 +80,7 @@ def test_crd_names_group_version_and_printer_columns() -> None:
     assert version["name"] == "v1alpha1"
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Encoder", "Denoiser", "Decoder", "Head", "Age"]
+    assert columns == ["Phase", "Encoder", "PromptEncoder", "ImageEncoder", "Denoiser", "Decoder", "Head", "Age"]
 
 
 def test_every_role_has_the_parallelism_cel_rule() -> None:
@@ -100,7 +100,7 @@ def test_examples_are_valid_pipelines(path: Any) -> None:
 def test_autoscaling_and_drain_defaults_are_the_operators() -> None:
     spec = schema()["properties"]["spec"]["properties"]
     for role in PIPELINE_ROLES:
-        props = spec[role.value]["properties"]
+        props = spec[crd_field(role)]["properties"]
         assert props["drainSeconds"]["default"] == DEFAULT_DRAIN_SECONDS[role]
         assert props["drainSeconds"]["minimum"] == MIN_DRAIN_SECONDS
         auto = props["autoscaling"]["properties"]

@@ -124,6 +124,46 @@ def test_pipeline_becomes_ready_on_gpu_nodes_and_kubectl_shows_it(
     assert crd.kubectl("get", "dpipe", "-n", ns, "-o", "name").stdout.strip() == "diffusionpipeline.triptych.ai/flux"
 
 
+def test_a_four_pool_pipeline_runs_split_encoders_behind_the_head(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    """promptEncoder + imageEncoder instead of encoder: five Deployments, the head lists both encoder Services."""
+    ns = kube_namespace
+    cr = pipeline_manifest("kontext", promptEncoder={"replicas": 2}, imageEncoder={"gpusPerReplica": 0})
+    del cr["spec"]["encoder"]
+    apply(crd, ns, cr)
+    ready = wait_phase(crd, ns, "kontext", "Ready")
+    assert ready["status"]["promptEncoder"]["ready"] == "2/2" and ready["status"]["imageEncoder"]["ready"] == "1/1"
+    assert condition(ready, "PromptEncoderReady")["status"] == "True"
+    objs = children(crd, ns, "kontext")
+    deployments = sorted(k for k in objs if k.startswith("Deployment/"))
+    assert deployments == [
+        f"Deployment/kontext-{c}" for c in ("decoder", "denoiser", "head", "image-encoder", "prompt-encoder")
+    ]
+    for role, flag in (("prompt-encoder", "prompt_encoder"), ("image-encoder", "image_encoder")):
+        args = container(objs[f"Deployment/kontext-{role}"])["args"]
+        assert args[args.index("--disagg-role") + 1] == flag
+        assert objs[f"Service/kontext-{role}"]["spec"]["clusterIP"] == "None"
+    assert "--device" in container(objs["Deployment/kontext-image-encoder"])["args"]
+    head = container(objs["Deployment/kontext-head"])["args"]
+    assert head[head.index("--prompt-encoder-urls") + 1] == f"dns://kontext-prompt-encoder.{ns}.svc.cluster.local:19000"
+    assert head[head.index("--image-encoder-urls") + 1] == f"dns://kontext-image-encoder.{ns}.svc.cluster.local:19000"
+    assert "--encoder-urls" not in head
+    wide = crd.kubectl("get", "dp", "-n", ns, "-o", "wide").stdout.splitlines()
+    assert "PROMPTENCODER" in wide[0].split() and "IMAGEENCODER" in wide[0].split()
+
+
+def test_api_server_rejects_both_encoder_shapes(crd: KubeCluster, kube_namespace: str) -> None:
+    with pytest.raises(CommandError) as info:
+        apply(crd, kube_namespace, pipeline_manifest("both", promptEncoder={"replicas": 1}))
+    assert "declare encoder (three roles) or promptEncoder and imageEncoder" in info.value.stderr
+    cr = pipeline_manifest("image-only", imageEncoder={"replicas": 1})
+    del cr["spec"]["encoder"]
+    with pytest.raises(CommandError) as info:
+        apply(crd, kube_namespace, cr)
+    assert "spec.imageEncoder needs spec.promptEncoder" in info.value.stderr
+
+
 def test_rdma_pipeline_pins_gpus_and_rdma_devices(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:
     """Each node has one rdma/ib device: two RDMA workers fit, the third waits and the status says so."""
     ns = kube_namespace

@@ -161,3 +161,29 @@ def test_negative_gpus_per_replica_is_rejected_with_the_field() -> None:
     err = error_for(minimal_spec(decoder={"gpusPerReplica": -1}))
     assert err.field == "spec.decoder.gpusPerReplica"
     assert "must be >= 0" in str(err)
+
+
+def test_without_an_encoder_shape_the_pipeline_runs_the_combined_encoder() -> None:
+    assert list(pipeline(minimal_spec()).roles) == [Role.ENCODER, Role.DENOISER, Role.DECODER]
+
+
+def test_split_encoders_replace_the_combined_one_with_their_own_settings() -> None:
+    p = pipeline(minimal_spec(promptEncoder={"replicas": 2}, imageEncoder={"gpusPerReplica": 0}))
+    assert list(p.roles) == [Role.PROMPT_ENCODER, Role.IMAGE_ENCODER, Role.DENOISER, Role.DECODER]
+    assert p.roles[Role.PROMPT_ENCODER].replicas == 2 and p.roles[Role.IMAGE_ENCODER].gpus_per_replica == 0
+    assert list(pipeline(minimal_spec(promptEncoder={})).roles) == [Role.PROMPT_ENCODER, Role.DENOISER, Role.DECODER]
+
+
+def test_both_encoder_shapes_or_an_image_encoder_alone_are_rejected_naming_the_field() -> None:
+    assert error_for(minimal_spec(encoder={}, promptEncoder={})).field == "spec.encoder"
+    assert error_for(minimal_spec(imageEncoder={})).field == "spec.promptEncoder"
+
+
+def test_split_encoder_errors_name_their_camel_case_field() -> None:
+    err = error_for(minimal_spec(promptEncoder={"parallelism": {"ulysses": 2}, "gpusPerReplica": 2}))
+    assert err.field.startswith("spec.promptEncoder")
+
+
+def test_names_too_long_for_the_split_encoder_services_are_rejected() -> None:
+    assert error_for(minimal_spec(promptEncoder={}), name="a" * 50).field == "metadata.name"
+    pipeline(minimal_spec(), name="a" * 50)  # the three-role shape's Services fit

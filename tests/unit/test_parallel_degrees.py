@@ -85,7 +85,7 @@ def test_a_combination_the_family_runs_is_accepted(tiny_models, package, flags, 
 def test_a_request_whose_tokens_do_not_split_over_the_ranks_is_refused_naming_the_field(tiny_models):
     family, adapter = adapter_for(str(tiny_models["tiny-flux"]))
     degrees = Parallelism(sp=4, ulysses=4)
-    m = adapter.size_multiple  # one image token per m x m pixels
+    m = adapter.rules.size_multiple  # one image token per m x m pixels
     three = GenerationParams(prompt="x", width=3 * m, height=m, max_sequence_length=64)
     with pytest.raises(ValueError, match="size: the request makes 3 tokens"):
         families.check_request(adapter, family, three, degrees)

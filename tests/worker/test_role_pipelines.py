@@ -17,13 +17,14 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
+from triptych.families import read_rules
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import frames_to_tensors, tensors_to_frames
-from triptych.roles import Role
-from triptych_worker.pipeline import RolePipeline, load_role_pipeline, validate_for_model
+from triptych.roles import WORKER_ROLES, Role
+from triptych_worker.pipeline import RolePipeline, load_role_pipeline
 from triptych_worker.stages import PIXELS, StageBatch
 
-ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER, Role.MONOLITHIC)
+ROLES = (Role.ENCODER, Role.PROMPT_ENCODER, Role.IMAGE_ENCODER, Role.DENOISER, Role.DECODER, Role.MONOLITHIC)
 
 FLUX = GenerationParams("a cat sitting on a red chair", width=64, height=48, num_inference_steps=2, seed=11,
                         max_sequence_length=16)  # fmt: skip
@@ -76,10 +77,17 @@ def over_the_wire(batch: StageBatch) -> StageBatch:
     return StageBatch(params=batch.params, tensors=frames_to_tensors(specs, [bytes(f) for f in frames]), meta=meta)
 
 
-def run_split(pipelines: dict[tuple[str, Role], RolePipeline], name: str, params: GenerationParams) -> StageBatch:
-    batch = pipelines[name, Role.ENCODER].run(StageBatch(params))
-    batch = pipelines[name, Role.DENOISER].run(over_the_wire(batch))
-    return pipelines[name, Role.DECODER].run(over_the_wire(batch))
+THREE_ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER)
+FOUR_ROLES = (Role.PROMPT_ENCODER, Role.IMAGE_ENCODER, Role.DENOISER, Role.DECODER)
+
+
+def run_split(
+    pipelines: dict[tuple[str, Role], RolePipeline], name: str, params: GenerationParams, roles=THREE_ROLES
+) -> StageBatch:
+    batch = StageBatch(params)
+    for i, role in enumerate(roles):
+        batch = pipelines[name, role].run(over_the_wire(batch) if i else batch)
+    return batch
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -87,6 +95,14 @@ def test_three_roles_over_the_wire_equal_the_stock_pipeline(role_pipelines, stoc
     name, params = CASES[case]
     pixels = run_split(role_pipelines, name, params).tensors[PIXELS]
     assert pixels.dtype == torch.uint8
+    assert torch.equal(pixels, stock_pixels[case])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_four_roles_over_the_wire_equal_the_stock_pipeline(role_pipelines, stock_pixels, case: str) -> None:
+    """Split encoders: a text-to-image/video request passes the image encoder untouched."""
+    name, params = CASES[case]
+    pixels = run_split(role_pipelines, name, params, FOUR_ROLES).tensors[PIXELS]
     assert torch.equal(pixels, stock_pixels[case])
 
 
@@ -103,9 +119,9 @@ def test_simulated_workers_emit_exactly_the_names_dtypes_and_shapes_the_stages_p
     name, params = CASES[case]
     params = msgspec.structs.replace(params, num_outputs=2)
     batch = StageBatch(params)
-    for role in (Role.ENCODER, Role.DENOISER, Role.DECODER):
+    for role in FOUR_ROLES:
         pipeline = role_pipelines[name, role]
-        batch = pipeline.run(batch if role is Role.ENCODER else over_the_wire(batch))
+        batch = pipeline.run(batch if role is Role.PROMPT_ENCODER else over_the_wire(batch))
         produced = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in batch.tensors.items()]
         declared = [(s.name, s.dtype, s.shape) for s in pipeline.adapter.output_specs(role, params)]
         assert sorted(produced) == sorted(declared), role
@@ -113,8 +129,8 @@ def test_simulated_workers_emit_exactly_the_names_dtypes_and_shapes_the_stages_p
 
 def test_flux_tensors_between_roles(role_pipelines) -> None:
     batch = role_pipelines["tiny-flux", Role.ENCODER].run(StageBatch(FLUX))
-    assert set(batch.tensors) == {"prompt_embeds", "pooled_prompt_embeds", "text_ids", "latents", "latent_image_ids"}
-    assert set(batch.meta) == {"sigmas", "mu", "guidance"}
+    assert set(batch.tensors) == {"prompt_embeds", "pooled_prompt_embeds", "text_ids"}
+    assert batch.meta == {}  # the denoiser makes the noise and the schedule itself
     batch = role_pipelines["tiny-flux", Role.DENOISER].run(over_the_wire(batch))
     assert set(batch.tensors) == {"latents"}
     batch = role_pipelines["tiny-flux", Role.DECODER].run(over_the_wire(batch))
@@ -126,8 +142,8 @@ def test_wan_sends_negative_embeddings_only_under_classifier_free_guidance(role_
     encoder = role_pipelines["tiny-wan", Role.ENCODER]
     without = encoder.run(StageBatch(WAN))
     with_cfg = encoder.run(StageBatch(msgspec.structs.replace(WAN, guidance_scale=5.0)))
-    assert set(without.tensors) == {"prompt_embeds", "latents"}
-    assert set(with_cfg.tensors) == {"prompt_embeds", "negative_prompt_embeds", "latents"}
+    assert set(without.tensors) == {"prompt_embeds"}
+    assert set(with_cfg.tensors) == {"prompt_embeds", "negative_prompt_embeds"}
 
 
 def test_wan_decoder_returns_every_frame_and_the_frame_rate(role_pipelines) -> None:
@@ -140,18 +156,26 @@ def test_denoiser_reports_progress_after_every_step(role_pipelines) -> None:
     batch = role_pipelines["tiny-flux", Role.ENCODER].run(StageBatch(FLUX))
     seen: list[tuple[int, int]] = []
     batch = over_the_wire(batch)
-    batch.on_progress = lambda step, total: seen.append((step, total))
+    batch.on_progress = lambda step, total, latents=None: seen.append((step, total))
     role_pipelines["tiny-flux", Role.DENOISER].run(batch)
     assert seen == [(1, 2), (2, 2)]
 
 
 TEXT_FLUX = {"text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"}
 EXPECTED_COMPONENTS = {
-    ("tiny-flux", Role.ENCODER): TEXT_FLUX | {"scheduler"},
+    ("tiny-flux", Role.ENCODER): TEXT_FLUX,
+    ("tiny-flux", Role.PROMPT_ENCODER): TEXT_FLUX,
+    ("tiny-flux", Role.IMAGE_ENCODER): set(),  # text-to-image only: nothing to encode
     ("tiny-flux", Role.DENOISER): {"transformer", "scheduler"},
     ("tiny-flux", Role.DECODER): {"vae"},
     ("tiny-flux", Role.MONOLITHIC): TEXT_FLUX | {"scheduler", "transformer", "vae"},
-    ("tiny-wan", Role.ENCODER): {"text_encoder", "tokenizer", "scheduler"},
+    ("tiny-flux-kontext", Role.ENCODER): TEXT_FLUX | {"vae"},  # the combined encoder encodes references too
+    ("tiny-flux-kontext", Role.PROMPT_ENCODER): TEXT_FLUX,
+    ("tiny-flux-kontext", Role.IMAGE_ENCODER): {"vae"},
+    ("tiny-flux-kontext", Role.DENOISER): {"transformer", "scheduler"},
+    ("tiny-flux-kontext", Role.DECODER): {"vae"},
+    ("tiny-wan", Role.ENCODER): {"text_encoder", "tokenizer"},
+    ("tiny-wan", Role.PROMPT_ENCODER): {"text_encoder", "tokenizer"},
     ("tiny-wan", Role.DENOISER): {"transformer", "scheduler"},
     ("tiny-wan", Role.DECODER): {"vae"},
     ("tiny-wan", Role.MONOLITHIC): {"text_encoder", "tokenizer", "scheduler", "transformer", "vae"},
@@ -167,13 +191,10 @@ def test_each_role_loads_only_the_components_its_stages_use(role_pipelines, name
 
 def test_each_role_instantiates_only_its_stages(role_pipelines) -> None:
     names = {role: role_pipelines["tiny-wan", role].stage_names for role in ROLES}
-    assert names[Role.ENCODER] == [
-        "InputValidationStage",
-        "TextEncodingStage",
-        "LatentPreparationStage",
-        "TimestepPreparationStage",
-    ]
-    assert names[Role.DENOISER] == ["DenoisingStage"]
+    assert names[Role.PROMPT_ENCODER] == ["InputValidationStage", "TextEncodingStage"]
+    assert names[Role.IMAGE_ENCODER] == ["ImageEncodingStage"]
+    assert names[Role.ENCODER] == names[Role.PROMPT_ENCODER] + names[Role.IMAGE_ENCODER]
+    assert names[Role.DENOISER] == ["LatentPreparationStage", "TimestepPreparationStage", "DenoisingStage"]
     assert names[Role.DECODER] == ["DecodingStage"]
     assert names[Role.MONOLITHIC] == names[Role.ENCODER] + names[Role.DENOISER] + names[Role.DECODER]
     assert role_pipelines["tiny-flux", Role.ENCODER].family == "flux"
@@ -201,7 +222,7 @@ INVALID = [
 def test_invalid_requests_are_rejected_naming_the_field(tiny_models, name: str, change: dict, message: str) -> None:
     params = msgspec.structs.replace(FLUX if name == "tiny-flux" else WAN, **change)
     with pytest.raises(ValueError, match=message):
-        validate_for_model(str(tiny_models[name]), params)
+        read_rules(str(tiny_models[name])).validate(params)
 
 
 def test_the_encoder_role_validates_before_any_work(role_pipelines) -> None:
@@ -213,13 +234,13 @@ def test_the_encoder_role_validates_before_any_work(role_pipelines) -> None:
         role_pipelines["tiny-wan", Role.MONOLITHIC].validate(batch.params)
 
 
-def test_validation_for_the_head_imports_neither_torch_nor_diffusers(tiny_models) -> None:
+def test_validation_for_the_head_imports_neither_torch_nor_diffusers_nor_the_worker(tiny_models) -> None:
     code = (
         "import sys\n"
         "from triptych.params import GenerationParams\n"
-        "from triptych_worker.pipeline import validate_for_model\n"
-        f"validate_for_model({str(tiny_models['tiny-wan'])!r}, GenerationParams('x', 64, 48, num_frames=5))\n"
-        "assert not {'torch', 'diffusers', 'transformers'} & set(sys.modules), sorted(sys.modules)\n"
+        "from triptych.families import read_rules\n"
+        f"read_rules({str(tiny_models['tiny-wan'])!r}).validate(GenerationParams('x', 64, 48, num_frames=5))\n"
+        "assert not {'torch', 'diffusers', 'transformers', 'triptych_worker'} & set(sys.modules), sorted(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -230,6 +251,61 @@ def test_unknown_pipelines_are_rejected_listing_the_supported_ones(tmp_path: Pat
         load_role_pipeline(str(tmp_path), Role.ENCODER)
 
 
-def test_roles_without_stages_in_this_family_are_rejected(tiny_models) -> None:
-    with pytest.raises(ValueError, match="prompt_encoder"):
-        load_role_pipeline(str(tiny_models["tiny-flux"]), Role.PROMPT_ENCODER)
+def test_the_role_table_names_every_stage_affinity() -> None:
+    from triptych_worker.pipeline import STAGES
+
+    assert {stage.role_affinity for stage in STAGES} | {Role.ENCODER} == set(WORKER_ROLES)
+
+
+def reference_png(width: int = 40, height: int = 56, seed: int = 3) -> bytes:
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def stock_kontext_edit(model: Path, params: GenerationParams) -> torch.Tensor:
+    """FluxKontextPipeline.__call__ with the reference and max_area = width x height (the size asked for)."""
+    import io
+
+    from diffusers import FluxKontextPipeline
+    from PIL import Image
+
+    assert params.image is not None
+    pipe = FluxKontextPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    images = pipe(
+        image=Image.open(io.BytesIO(params.image)).convert("RGB"), prompt=params.prompt, width=params.width,
+        height=params.height, max_area=params.width * params.height, num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale, max_sequence_length=params.max_sequence_length,
+        num_images_per_prompt=params.num_outputs, generator=torch.Generator("cpu").manual_seed(params.seed),
+        output_type="pil",
+    ).images  # fmt: skip
+    return torch.from_numpy(np.stack([np.array(image) for image in images]))[:, None]
+
+
+def test_kontext_edits_equal_the_stock_pipeline_in_every_topology(role_pipelines, tiny_models) -> None:
+    params = msgspec.structs.replace(FLUX, image=reference_png(), num_outputs=2)
+    expected = stock_kontext_edit(tiny_models["tiny-flux-kontext"], params)
+    text_only = run_split(role_pipelines, "tiny-flux-kontext", msgspec.structs.replace(params, image=None))
+    assert not torch.equal(text_only.tensors[PIXELS], expected)  # the reference changes the pixels
+    mono = role_pipelines["tiny-flux-kontext", Role.MONOLITHIC].run(StageBatch(params))
+    assert torch.equal(mono.tensors[PIXELS], expected)
+    for roles in (THREE_ROLES, FOUR_ROLES):
+        assert torch.equal(run_split(role_pipelines, "tiny-flux-kontext", params, roles).tensors[PIXELS], expected)
+
+
+def test_the_image_encoder_hands_on_the_reference_latents(role_pipelines) -> None:
+    params = msgspec.structs.replace(FLUX, image=reference_png())
+    prompt = role_pipelines["tiny-flux-kontext", Role.PROMPT_ENCODER].run(StageBatch(params))
+    batch = role_pipelines["tiny-flux-kontext", Role.IMAGE_ENCODER].run(over_the_wire(prompt))
+    assert set(batch.tensors) == {"prompt_embeds", "pooled_prompt_embeds", "text_ids", "image_latents", "image_ids"}
+
+
+def test_text_only_packages_reject_a_reference_naming_the_field(tiny_models) -> None:
+    with pytest.raises(ValueError, match=r"^image: FluxPipeline makes images from text only"):
+        read_rules(str(tiny_models["tiny-flux"])).validate(msgspec.structs.replace(FLUX, image=b"x"))

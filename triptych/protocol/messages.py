@@ -33,11 +33,16 @@ __all__ = [
     "TransferRefused", "TransferPushed", "Result", "Failed", "HEAD_TO_WORKER",
 ]  # fmt: skip
 
-# Checked by the decoder, so a handler never sees a negative size or address, or a status code
-# that is not an HTTP error.
+# Checked by the decoder, so a handler never sees a negative size or address, a duration no clock
+# measures (negative, NaN, infinite: the head's work estimate and Retry-After are built from them),
+# or a status code that is not an HTTP error.
+MAX_SECONDS = 7 * 24 * 3600.0
 Count = Annotated[int, msgspec.Meta(ge=0)]
-Seconds = Annotated[float, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
 HttpError = Annotated[int, msgspec.Meta(ge=400, le=599)]
+# A denoising preview (PNG of the latents' low-resolution RGB projection, worker/triptych_worker/preview.py).
+PREVIEW_MAX_BYTES = 1 << 20
+PreviewPNG = Annotated[bytes, msgspec.Meta(max_length=PREVIEW_MAX_BYTES)]
 
 # --- API client <-> head frontend ---------------------------------------------------------
 
@@ -47,11 +52,13 @@ class Submit(Message, tag="submit", frozen=True):
 
     Without it the client hears only how the request ends (RequestResult, or a RequestEvent
     carrying the error), which spares the head and the client a message per state change.
+    `preview_every` k > 0 (with `watch`): every k-th step's event carries a preview image.
     """
 
     request_id: str
     params: GenerationParams
     watch: bool = False
+    preview_every: Count = 0
 
 
 class Cancel(Message, tag="cancel", frozen=True):
@@ -67,6 +74,7 @@ class RequestEvent(Message, tag="event", frozen=True):
     total_steps: Count = 0
     error: str | None = None
     status_code: int = 0
+    preview: PreviewPNG = b""  # a PNG of the current latents, every preview_every steps
 
 
 class RequestResult(Message, tag="result", frozen=True):
@@ -95,6 +103,7 @@ class Work(Message, tag="work", frozen=True):
     instance: str
     params: GenerationParams
     progress: bool = False  # report every denoising step (someone watches the request)
+    preview_every: Count = 0  # with progress: a preview PNG every k steps (0: none)
 
 
 class TransferAlloc(Message, tag="transfer_alloc", frozen=True):
@@ -121,6 +130,7 @@ class TransferReady(Message, tag="transfer_ready", frozen=True):
     meta: dict[str, Any]
     slot_addr: Count = 0  # a standing slot the head assigned without transfer_alloc (0: the allocated one)
     progress: bool = False  # report every denoising step (someone watches the request)
+    preview_every: Count = 0  # with progress: a preview PNG every k steps (0: none)
 
 
 class CancelWork(Message, tag="cancel_work", frozen=True):
@@ -155,6 +165,7 @@ class Progress(Message, tag="progress", frozen=True):
     instance: str
     step: Count
     total: Count
+    preview: PreviewPNG = b""  # a PNG of the current latents when this step is a preview step
 
 
 class TransferStaged(Message, tag="transfer_staged", frozen=True):

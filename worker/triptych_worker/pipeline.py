@@ -4,22 +4,31 @@
     pipeline.run(batch)  # runs this role's stages in order, in place
 
 A role instantiates only the stages whose affinity it runs and loads only the components those
-stages use: the encoder never loads the transformer or the VAE, the denoiser never loads text
-encoders or the VAE, the decoder never loads the transformer or text encoders. What one role
+stages use: the prompt encoder loads the text encoders only, the image encoder the VAE only (to
+encode reference images), the denoiser the transformer and scheduler only, the decoder the VAE
+only; the combined encoder runs both encoders' stages. What one role
 hands the next travels in `batch.tensors` and `batch.meta` only (see each adapter's docstring for
 the keys), so roles may run in different processes.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from triptych.params import GenerationParams
-from triptych.roles import Role
+from triptych.roles import WORKER_ROLES, Role
 from triptych_worker.adapters import FamilyAdapter, adapter_for
-from triptych_worker.stages import PipelineStage, StageBatch
+from triptych_worker.preview import LatentPreviewer, find_projection, should_preview
+from triptych_worker.stages import PIXELS, PipelineStage, StageBatch
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+PreviewProgress = Callable[[int, int, bytes], None]
+"""Monolithic mode's progress: (step, total steps, preview PNG or b"")."""
 
 
 class AdapterStage(PipelineStage):
@@ -30,21 +39,41 @@ class AdapterStage(PipelineStage):
 
 
 class InputValidationStage(AdapterStage):
+    role_affinity: ClassVar[Role] = Role.PROMPT_ENCODER
+
     def run(self, batch: StageBatch) -> None:
         self.adapter.validate(batch.params)
 
 
 class TextEncodingStage(AdapterStage):
+    role_affinity: ClassVar[Role] = Role.PROMPT_ENCODER
+
     def run(self, batch: StageBatch) -> None:
         self.adapter.encode_text(batch)
 
 
+class ImageEncodingStage(AdapterStage):
+    """VAE encode of an edit's reference image; requests without one pass through untouched."""
+
+    role_affinity: ClassVar[Role] = Role.IMAGE_ENCODER
+
+    def run(self, batch: StageBatch) -> None:
+        if batch.params.has_reference:
+            self.adapter.encode_image(batch)
+
+
+# The denoiser makes the noise from the request's seed and its own schedule, whichever encoders ran
+# before it: the encoders hand on embeddings only, the same in the three- and four-role topologies.
 class LatentPreparationStage(AdapterStage):
+    role_affinity: ClassVar[Role] = Role.DENOISER
+
     def run(self, batch: StageBatch) -> None:
         self.adapter.prepare_latents(batch)
 
 
 class TimestepPreparationStage(AdapterStage):
+    role_affinity: ClassVar[Role] = Role.DENOISER
+
     def run(self, batch: StageBatch) -> None:
         self.adapter.prepare_timesteps(batch)
 
@@ -66,6 +95,7 @@ class DecodingStage(AdapterStage):
 STAGES: tuple[type[AdapterStage], ...] = (
     InputValidationStage,
     TextEncodingStage,
+    ImageEncodingStage,
     LatentPreparationStage,
     TimestepPreparationStage,
     DenoisingStage,
@@ -92,9 +122,44 @@ class RolePipeline:
         """Names of the diffusers components this process holds in memory."""
         return self.adapter.loaded_components
 
+    @property
+    def parameter_count(self) -> int:
+        """Parameters of the loaded torch modules (what this role holds in memory)."""
+        if self.adapter.pipe is None:
+            return 0
+        modules = [c for c in self.adapter.pipe.components.values() if hasattr(c, "parameters")]
+        return sum(p.numel() for module in modules for p in module.parameters())
+
+    def describe(self) -> str:
+        """One log line: the stages, the components loaded and their parameters."""
+        components = ",".join(sorted(self.loaded_components)) or "none"
+        return f"stages {','.join(self.stage_names)}; loaded {components} ({self.parameter_count} parameters)"
+
     def validate(self, params: GenerationParams) -> None:
         """Raise ValueError naming the field when this model cannot serve `params`."""
         self.adapter.validate(params)
+
+    def generate(self, params: GenerationParams, on_progress: PreviewProgress, preview_every: int = 0) -> np.ndarray:
+        """Monolithic mode's entry (triptych_head.backend.InProcessPipeline): every stage, pixels as numpy;
+        `on_progress` after each denoising step, with a preview PNG every `preview_every` steps."""
+        previewer = self.previewer() if preview_every else None
+
+        def progress(step: int, total: int, latents: Any = None) -> None:
+            preview = b""
+            if previewer is not None and should_preview(step, preview_every, latents):
+                preview = previewer.png(latents, params)
+            on_progress(step, total, preview)
+
+        batch = self.run(StageBatch(params=params, on_progress=progress))
+        return cast("torch.Tensor", batch.tensors[PIXELS]).cpu().numpy()
+
+    def previewer(self) -> LatentPreviewer | None:
+        """What turns this role's latents into preview PNGs: None when it does not denoise or no
+        projection was fitted for the model (preview.py)."""
+        if not any(isinstance(stage, DenoisingStage) for stage in self.stages):
+            return None
+        projection = find_projection(self.adapter.package.path)
+        return None if projection is None else LatentPreviewer(projection, self.adapter.latent_grid)
 
     def run(self, batch: StageBatch) -> StageBatch:
         """Run this role's stages in order on `batch` (in place) and return it."""
@@ -117,24 +182,10 @@ def load_role_pipeline(model_path: str, role: Role, device: str = "cpu") -> Role
     if not stage_classes:
         raise ValueError(
             f"--disagg-role {role.value}: the {family} pipeline has no stages for this role; "
-            f"use one of monolithic, encoder, denoiser, decoder"
+            f"use one of monolithic, {', '.join(r.value for r in WORKER_ROLES)}"
         )
     components: set[str] = set()
     for stage in stage_classes:
-        components |= adapter.stage_components.get(stage.__name__, frozenset())
+        components |= adapter.components_for(stage.__name__)
     adapter.load(components)
     return RolePipeline(family=family, role=role, stages=[stage(adapter) for stage in stage_classes], adapter=adapter)
-
-
-def validate_for_model(model_path: str, params: GenerationParams) -> None:
-    """Check `params` against the package's configs without loading weights or importing torch.
-
-    Raises ValueError naming the field (or the unsupported pipeline) when the model cannot serve it.
-    """
-    _config_only_adapter(model_path).validate(params)
-
-
-@functools.cache
-def _config_only_adapter(model_path: str) -> FamilyAdapter:
-    """An adapter that has read the package's configs once and loads nothing (the head's hot path)."""
-    return adapter_for(model_path)[1]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from triptych.config import ServeArgs
+from triptych.config import ConfigError, ServeArgs
 from triptych.params import GenerationParams
 from triptych.ports import result_endpoint, tcp_url
 from triptych.protocol import (
@@ -47,9 +47,11 @@ from triptych.protocol import (
     decode,
     tensors_to_frames,
 )
+from triptych.reference import BadReference
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message, send_message
+from triptych_worker.preview import LatentPreviewer, should_preview
 from triptych_worker.simulated import SimulatedPipeline
 from triptych_worker.stages import PIXELS, StageBatch
 from triptych_worker.transfer import (
@@ -63,6 +65,7 @@ from triptych_worker.transfer import (
     load_tensors,
     stage_tensors,
 )
+from triptych_worker.transfer.listeners import check_mooncake_listeners, confine_mooncake_listeners
 
 if TYPE_CHECKING:
     from triptych_worker.parallel.ranks import ParallelPipeline
@@ -93,6 +96,7 @@ class Job:
     params: GenerationParams
     incoming: tuple[Allocation, list[dict[str, Any]], dict[str, Any]] | None = None
     progress: bool = False  # send Progress for every step (the head has a watcher for it)
+    preview_every: int = 0  # with progress: a preview PNG of the latents every k steps
 
 
 @dataclass
@@ -152,7 +156,10 @@ class Worker:
             from triptych_worker.pipeline import load_role_pipeline
 
             pipeline = load_role_pipeline(args.model_path, self.role, args.resolved_device)
+            log.info("%s: %s", self.role.value, pipeline.describe())
         self.pipeline = pipeline
+        make_previewer = getattr(pipeline, "previewer", None)  # only real stages hold latents to preview
+        self.previewer: LatentPreviewer | None = make_previewer() if make_previewer is not None else None
         self.transport = MooncakeTransport(args.disagg_p2p_hostname, args.disagg_ib_device)
         self.pool = TransferPool(
             args.disagg_transfer_pool_size,
@@ -404,7 +411,7 @@ class Worker:
                 self._acknowledge_drain()
             link.send(self._heartbeat())
         elif isinstance(msg, Work):
-            self._enqueue(Job(msg.request_id, msg.params, progress=msg.progress))
+            self._enqueue(Job(msg.request_id, msg.params, None, msg.progress, msg.preview_every))
         elif isinstance(msg, TransferAlloc):
             self._allocate(link, msg)
         elif isinstance(msg, TransferPush):
@@ -498,7 +505,8 @@ class Worker:
         if alloc is None:
             link.send(Failed(msg.request_id, self.instance, "transfer_ready for a slot this worker does not hold"))
             return
-        self._enqueue(Job(msg.request_id, msg.params, (alloc, msg.manifest, msg.meta), msg.progress))
+        incoming = (alloc, msg.manifest, msg.meta)
+        self._enqueue(Job(msg.request_id, msg.params, incoming, msg.progress, msg.preview_every))
 
     def _cancel(self, request_id: str, free: bool = True) -> None:
         with self._lock:
@@ -530,6 +538,10 @@ class Worker:
         except PayloadTooLarge as exc:
             self.pool.free_owner(job.request_id)
             link.send(Failed(job.request_id, self.instance, str(exc), status_code=413))
+        except BadReference as exc:  # the client's reference image (a URL the image encoder fetched)
+            self.pool.free_owner(job.request_id)
+            link.send(Failed(job.request_id, self.instance, str(exc), status_code=400))
+            self._space_freed(link)
         except Exception as exc:  # any stage error fails only this request
             log.exception("request %s failed", job.request_id)
             self.pool.free_owner(job.request_id)
@@ -552,11 +564,12 @@ class Worker:
                 self.pool.free(alloc)
                 self._space_freed(link)
 
-        def progress(step: int, total: int) -> None:
+        def progress(step: int, total: int, latents: Any = None) -> None:
             if self._is_cancelled(job.request_id):
                 raise RequestCancelled(job.request_id)
             if job.progress:
-                link.send(Progress(job.request_id, self.instance, step, total))
+                preview = self._preview(job, step, latents)
+                link.send(Progress(job.request_id, self.instance, step, total, preview))
 
         batch.on_progress = progress
         self.pipeline.run(batch)
@@ -578,6 +591,17 @@ class Worker:
                 job.request_id, self.instance, allocation.nbytes, manifest, batch.meta, time.perf_counter() - started
             )
         )
+
+    def _preview(self, job: Job, step: int, latents: Any) -> bytes:
+        """The step's preview PNG when the request asked for one now (b"" otherwise, or when it fails:
+        a preview is never worth failing the request for)."""
+        if self.previewer is None or not should_preview(step, job.preview_every, latents):
+            return b""
+        try:
+            return self.previewer.png(latents, job.params)
+        except Exception:
+            log.exception("request %s: preview at step %d failed", job.request_id, step)
+            return b""
 
     def _stage(self, request_id: str, batch: StageBatch) -> tuple[Allocation, list[dict[str, Any]]] | None:
         """Copy outputs into the pool, waiting while it is full (back-pressure on this sender)."""
@@ -631,8 +655,18 @@ class Worker:
 
 
 def run_worker(args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | ParallelPipeline | None = None) -> int:
-    """Serve until drained (SIGTERM, exit 0), interrupted (Ctrl-C) or stopped; the worker entry point."""
+    """Serve until drained (SIGTERM, exit 0), interrupted (Ctrl-C) or stopped; the worker entry point.
+
+    First re-executes the process under the bind shim unless it runs under it already, so that
+    Mooncake listens on --disagg-p2p-hostname only (triptych_worker.transfer.listeners).
+    """
+    confine_mooncake_listeners(args)
     worker = Worker(args, pipeline)
+    try:
+        check_mooncake_listeners(args)
+    except ConfigError:
+        worker.transport.close()
+        raise
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: worker.begin_drain())
     try:
         worker.serve()

@@ -3,7 +3,7 @@
 A simulated worker is a real worker (same sockets, messages, transfer pool and Mooncake writes)
 whose stages load no weights and never import torch: each request sleeps for the time the cost
 model gives its role, then emits zeros shaped as the family of --model-path would emit them
-(`FamilyAdapter.output_specs`, read from the package's JSON configs). The pool holds numpy
+(`FamilyRules.output_specs` of triptych.families, read from the package's JSON configs). The pool holds numpy
 arrays. That keeps one worker to a few tens of MB, so one small machine can run dozens of them
 against one head (bench/scaling_bench.py).
 
@@ -26,6 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from triptych.config import SIMULATE_DEFAULTS, ServeArgs
+from triptych.families import family_of, read_rules
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import TensorSpec
 from triptych.roles import Role
@@ -60,7 +61,7 @@ def work_units(role: Role, params: GenerationParams) -> float:
 
 
 class OutputShapes(Protocol):
-    """Where a simulated stage learns what to emit: a family adapter, or a fixed payload."""
+    """Where a simulated stage learns what to emit: a family's rules, or a fixed payload."""
 
     def output_specs(self, role: Role, params: GenerationParams) -> list[TensorSpec]: ...
 
@@ -88,15 +89,13 @@ class SimulatedPipeline:
     @classmethod
     def from_args(cls, args: ServeArgs) -> SimulatedPipeline:
         """The simulated stages of `args.disagg_role` for the package at --model-path (its configs only)."""
-        from triptych_worker.adapters import adapter_for
-
-        family, adapter = adapter_for(args.model_path)
+        rules = read_rules(args.model_path)
         default = DEFAULT_COSTS[args.disagg_role]
         cost = StageCost(
             default.seconds if args.simulate_seconds is None else args.simulate_seconds,
             default.seconds_per_unit if args.simulate_seconds_per_unit is None else args.simulate_seconds_per_unit,
         )
-        return cls(args.disagg_role, adapter, cost, family)
+        return cls(args.disagg_role, rules, cost, family_of(rules.package).name)
 
     def validate(self, params: GenerationParams) -> None:
         self.shapes.validate(params)

@@ -17,7 +17,8 @@ from triptych.protocol.tensors import PIXELS as WIRE_PIXELS
 from triptych.protocol.tensors import Array
 from triptych.roles import Role
 
-ProgressCallback = Callable[[int, int], None]
+ProgressCallback = Callable[[int, int, Any], None]
+"""(step, total, latents after that step or None): the denoising loop reports after every step."""
 
 
 @dataclass
@@ -29,9 +30,9 @@ class StageBatch:
     meta: dict[str, Any] = field(default_factory=dict)
     on_progress: ProgressCallback | None = None
 
-    def report_progress(self, step: int, total: int) -> None:
+    def report_progress(self, step: int, total: int, latents: Any = None) -> None:
         if self.on_progress is not None:
-            self.on_progress(step, total)
+            self.on_progress(step, total, latents)
 
 
 PIXELS = WIRE_PIXELS

@@ -15,6 +15,7 @@ from triptych_head.api.auth import APIKeyMiddleware
 from triptych_head.api.context import HeadContext
 from triptych_head.api.errors import install_error_handlers
 from triptych_head.api.limits import BodyLimitMiddleware
+from triptych_head.api.playground import install_playground
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def create_app(ctx: HeadContext) -> FastAPI:
     app.include_router(images.router)
     app.include_router(videos.router)
     app.include_router(system.router)
+    install_playground(app)
     return app
 
 

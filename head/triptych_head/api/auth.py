@@ -11,7 +11,8 @@ time, so neither which key matched nor how much of one did shows in the timing.
 
 /health, /ready and /metrics stay open: the kubelet's probes and Prometheus (and the chart's
 metrics API server, which scrapes the head's load for the HPA) carry no API key. They tell a
-caller the model id and the pools' load, never request content.
+caller the model id and the pools' load, never request content. So do the playground's static
+files (`/`, `/static/...`): the page asks for the key and sends it with its API calls.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from triptych_head.api.errors import error_body, send_json
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/"})
+OPEN_PREFIXES = ("/static/",)
 RECHECK_S = 1.0
 
 
@@ -114,7 +116,8 @@ class APIKeyMiddleware:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope)

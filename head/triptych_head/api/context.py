@@ -13,13 +13,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from triptych.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
+from triptych.families import ModelInfo
 from triptych.params import GenerationParams
 from triptych_head.admission import AdmissionControl, Overloaded
 from triptych_head.api.auth import APIKeys
 from triptych_head.api.errors import APIError
-from triptych_head.api.schemas import ImageGenerationRequest, VideoGenerationRequest, parse_size
+from triptych_head.api.reference import Reference
+from triptych_head.api.schemas import ImageEditRequest, ImageGenerationRequest, VideoGenerationRequest, parse_size
 from triptych_head.backend import Backend, GenerationFailed
-from triptych_head.model_info import ModelInfo
 from triptych_head.results import ResultStore, Retention
 
 Validator = Callable[[GenerationParams], None]
@@ -37,6 +38,7 @@ _PARAM_OF = {
     "height": "size",
     "frames": "num_frames",
     "steps": "num_inference_steps",
+    "image": "image",
 }
 
 
@@ -48,6 +50,8 @@ class HeadContext:
     registry: CollectorRegistry
     validate: Validator | None = None
     health: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    # The pools and the requests in flight, for the playground's pipeline view (GET /v1/pipeline).
+    pipeline_view: Callable[[], dict[str, Any]] = field(default=lambda: {"roles": {}, "requests": []})
     ready: Callable[[], bool] = field(default=lambda: True)  # the backend can take requests (its loop runs)
     retention: Retention = field(default_factory=Retention)
     drain_seconds: float = DEFAULT_DRAIN_TIMEOUT_S
@@ -72,13 +76,22 @@ class HeadContext:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
-    def params_for(self, body: ImageGenerationRequest | VideoGenerationRequest) -> GenerationParams:
+    def params_for(
+        self,
+        body: ImageGenerationRequest | ImageEditRequest | VideoGenerationRequest,
+        reference: Reference | None = None,
+    ) -> GenerationParams:
         """GenerationParams with the model's defaults filled in, checked against the model."""
         if body.model is not None and body.model != self.model.id:
             raise APIError(
                 404, f"model {body.model!r} is not served here; this deployment serves {self.model.id!r}", "model"
             )
-        width, height = parse_size(body.size)
+        if body.size is not None:
+            width, height = parse_size(body.size)
+        elif reference is not None:
+            width, height = reference.default_size(self.model.size_multiple)
+        else:
+            raise APIError(400, "size: required", "size")
         is_video = isinstance(body, VideoGenerationRequest)
         if is_video and self.model.kind != "video":
             raise APIError(400, f"model {self.model.id!r} generates images; use POST /v1/images/generations", "model")
@@ -88,10 +101,12 @@ class HeadContext:
             width=width,
             height=height,
             num_frames=body.num_frames if isinstance(body, VideoGenerationRequest) else 1,
-            num_outputs=body.n if isinstance(body, ImageGenerationRequest) else 1,
+            num_outputs=body.n if isinstance(body, ImageGenerationRequest | ImageEditRequest) else 1,
             num_inference_steps=body.num_inference_steps or self.model.default_steps,
             guidance_scale=self.model.default_guidance if body.guidance_scale is None else body.guidance_scale,
             seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
+            image=reference.data if reference is not None else None,
+            image_url=reference.url if reference is not None else None,
         )
         if self.validate is not None:
             try:
@@ -131,12 +146,14 @@ class HeadContext:
             return {"in_flight": len(self.active), "max_in_flight": None}
         return self.admission.snapshot(len(self.active))
 
-    async def generate(self, params: GenerationParams, request_id: str | None = None, on_event: Any = None) -> Any:
+    async def generate(
+        self, params: GenerationParams, request_id: str | None = None, on_event: Any = None, preview_every: int = 0
+    ) -> Any:
         request_id = request_id or new_request_id()
         if request_id not in self.active:
             self.admit(request_id)
         try:
-            return await self.backend.generate(request_id, params, on_event)
+            return await self.backend.generate(request_id, params, on_event, preview_every=preview_every)
         except GenerationFailed as exc:
             if self.drain_expired and exc.state == "CANCELLED":  # the shutdown cancelled it, not the client
                 raise APIError(

@@ -1,35 +1,80 @@
-"""POST /v1/images/generations: synchronous text-to-image.
+"""POST /v1/images/generations (text-to-image) and POST /v1/images/edits (a reference image and a prompt).
+
+Both are synchronous and answer alike.
 
 The client waits on the connection for its pixels, so a client that goes away no longer wants
 them: the request is cancelled (its stages stop at their next step, its worker slots free).
+With `stream: true` the answer is Server-Sent Events (progress.py): the request's states, every
+denoising step (with a preview every `preview_every` steps), then `completed` carrying what the
+plain answer would hold, or `error`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
 from triptych.params import GenerationParams
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.errors import APIError
-from triptych_head.api.schemas import ImageData, ImageGenerationRequest, ImageGenerationResponse
+from triptych_head.api.progress import ProgressFeed, SSEMessage, error_message, sse_response
+from triptych_head.api.reference import read_edit_form
+from triptych_head.api.schemas import ImageData, ImageEditRequest, ImageGenerationRequest, ImageGenerationResponse
 from triptych_head.backend import GenerationOutput
 from triptych_head.media import png_bytes
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["images"])
 
 
 @router.post("/v1/images/generations", response_model=ImageGenerationResponse)
-async def create_images(body: ImageGenerationRequest, request: Request) -> ImageGenerationResponse:
+async def create_images(body: ImageGenerationRequest, request: Request) -> ImageGenerationResponse | StreamingResponse:
     ctx: HeadContext = request.app.state.ctx
     ctx.refuse_if_draining()
-    params = ctx.params_for(body)
+    return await _images(ctx, body, ctx.params_for(body), request)
+
+
+@router.post("/v1/images/edits", response_model=ImageGenerationResponse)
+async def edit_images(request: Request) -> ImageGenerationResponse | StreamingResponse:
+    """Multipart: `image` (a file, or an http(s) URL as text), `prompt`, and optionally `size` (default:
+    the reference's size), `seed`, `n`, `num_inference_steps`, `guidance_scale`, `response_format`,
+    `stream`, `preview_every`."""
+    ctx: HeadContext = request.app.state.ctx
+    ctx.refuse_if_draining()
+    if not ctx.model.edits:
+        raise APIError(
+            400, f"model {ctx.model.id!r} makes images from text only; use POST /v1/images/generations", "image"
+        )
+    body, reference = await read_edit_form(request)
+    return await _images(ctx, body, ctx.params_for(body, reference), request)
+
+
+ImageRequest = ImageGenerationRequest | ImageEditRequest
+
+
+async def _images(
+    ctx: HeadContext, body: ImageRequest, params: GenerationParams, request: Request
+) -> ImageGenerationResponse | StreamingResponse:
+    if body.preview_every and not body.stream:
+        raise APIError(400, "preview_every needs stream: true (previews arrive as Server-Sent Events)", "preview_every")
     request_id = new_request_id("img")
     ctx.admit(request_id)
+    if body.stream:
+        return _stream(ctx, body, params, request_id, request)
     output = await _generate_while_connected(ctx, params, request_id, request)
+    return await _response(ctx, body, output, request_id, request)
+
+
+async def _response(
+    ctx: HeadContext, body: ImageRequest, output: GenerationOutput, request_id: str, request: Request
+) -> ImageGenerationResponse:
+    """The answer: PNGs inline (b64_json) or written under --output-path (url)."""
     pngs = await asyncio.to_thread(lambda: [png_bytes(img[0]) for img in output.pixels])
     if body.response_format == "b64_json":
         data = [ImageData(b64_json=base64.b64encode(png).decode()) for png in pngs]
@@ -42,6 +87,44 @@ async def create_images(body: ImageGenerationRequest, request: Request) -> Image
             path.write_bytes(png)
             data.append(ImageData(url=str(request.url_for("get_file", kind="images", name=name))))
     return ImageGenerationResponse(created=int(time.time()), data=data)
+
+
+def _stream(
+    ctx: HeadContext, body: ImageRequest, params: GenerationParams, request_id: str, request: Request
+) -> StreamingResponse:
+    """Run the request in its own task and answer with its progress feed. The task never waits for
+    the client; a client that disconnects cancels the request."""
+    feed = ProgressFeed(request_id)
+    sub = feed.subscribe()
+
+    async def run() -> None:
+        try:
+            output = await ctx.generate(params, request_id, feed.on_event, body.preview_every)
+            answer = await _response(ctx, body, output, request_id, request)
+            feed.publish(SSEMessage("completed", {"id": request_id, **answer.model_dump()}))
+        except APIError as exc:
+            feed.publish(error_message(request_id, exc.message, exc.code, exc.status_code))
+        except asyncio.CancelledError:
+            feed.publish(error_message(request_id, "cancelled", "cancelled", 499))
+            raise
+        except Exception as exc:  # the stream must still end, with the error
+            log.exception("streamed image request %s failed", request_id)
+            feed.publish(error_message(request_id, f"{type(exc).__name__}: {exc}", "internal_error", 500))
+        finally:
+            ctx.release(request_id)  # admitted by the caller; released here even if generation never started
+
+    task = asyncio.ensure_future(run())
+
+    async def stream() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in sub.messages(request_id):
+                yield chunk
+        finally:  # the stream ended, or the client went away before the result
+            feed.unsubscribe(sub)
+            if not task.done():
+                task.cancel()
+
+    return sse_response(stream())
 
 
 async def _generate_while_connected(

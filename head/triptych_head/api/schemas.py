@@ -31,6 +31,9 @@ class _Generation(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same pixels")
     num_inference_steps: int | None = Field(None, ge=1, le=500)
     guidance_scale: float | None = Field(None, ge=0, le=100)
+    preview_every: int = Field(
+        0, ge=0, le=500, description="Progress events carry a low-resolution preview every k denoising steps (0: none)"
+    )
 
     @field_validator("*")
     @classmethod
@@ -54,10 +57,26 @@ class ImageGenerationRequest(_Generation):
     size: str = "1024x1024"
     n: int = Field(1, ge=1, le=8)
     response_format: Literal["b64_json", "url"] = "b64_json"
+    stream: bool = Field(False, description="Answer with Server-Sent Events: progress, previews, then the result")
     # Accepted for OpenAI client compatibility; they do not change the output.
     quality: str | None = None
     style: str | None = None
     user: str | None = None
+
+
+class ImageEditRequest(_Generation):
+    """The text fields of a multipart POST /v1/images/edits; `image` is a file part (inlined into the
+    request) or, as text, an http(s) URL the image encoder fetches."""
+
+    size: str | None = Field(
+        None, description="WIDTHxHEIGHT; omitted: the reference's own size, cropped to the model's multiple"
+    )
+    n: int = Field(1, ge=1, le=8)
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    stream: bool = Field(False, description="Answer with Server-Sent Events: progress, previews, then the result")
+    image_url: str | None = Field(None, max_length=4096)
+    user: str | None = None
+    quality: str | None = None
 
 
 class ImageData(BaseModel):

@@ -35,6 +35,14 @@ async def health(request: Request) -> dict[str, Any]:
     }
 
 
+@router.get("/v1/pipeline")
+async def pipeline(request: Request) -> dict[str, Any]:
+    """Each role's instances (alive, draining, free slots), queue and running requests, and the
+    requests in flight with the role and instance each is at; refreshed twice a second."""
+    ctx: HeadContext = request.app.state.ctx
+    return {"model": ctx.model.id, "kind": ctx.model.kind, "draining": ctx.draining, **ctx.pipeline_view()}
+
+
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 while this head takes new requests; 503 once it drains (SIGTERM) or its loop stopped."""

@@ -1,4 +1,9 @@
-"""/v1/videos: asynchronous video jobs with denoising-step progress and MP4 content."""
+"""/v1/videos: asynchronous video jobs with denoising-step progress and MP4 content.
+
+GET /v1/videos/{id}/events streams a job's progress as Server-Sent Events (progress.py): its
+states, every denoising step (a preview every `preview_every` steps), then `completed` (the job)
+or `error`. A job that has ended answers with its final event at once.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,12 @@ from pathlib import Path
 from typing import Literal
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 
 from triptych.protocol import RequestEvent
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.errors import APIError
+from triptych_head.api.progress import ProgressFeed, SSEMessage, error_message
 from triptych_head.api.schemas import VideoGenerationRequest, VideoJob
 from triptych_head.media import frames_path, load_frames, png_zip, save_frames, write_mp4
 from triptych_head.results import ResultStore
@@ -34,6 +40,23 @@ class JobEntry:
     job: VideoJob
     task: asyncio.Task[None] | None = None
     path: Path | None = None
+    feed: ProgressFeed | None = None  # made for a running job, or when someone asks for a finished one's events
+
+    def progress_feed(self) -> ProgressFeed:
+        if self.feed is None:
+            self.feed = ProgressFeed(self.job.id)
+            if self.job.status in TERMINAL:
+                self.feed.publish(final_message(self.job))
+        return self.feed
+
+
+def final_message(job: VideoJob) -> SSEMessage:
+    """How a job ended, as its last progress event."""
+    if job.status == "completed":
+        return SSEMessage("completed", {**job.model_dump(), "content_url": f"/v1/videos/{job.id}/content"})
+    error = job.error or {}
+    status = 499 if job.status == "cancelled" else 500
+    return error_message(job.id, error.get("message") or job.status, error.get("code") or job.status, status)
 
 
 class VideoJobs:
@@ -134,19 +157,19 @@ async def create_video(body: VideoGenerationRequest, request: Request) -> VideoJ
         seed=params.seed,
         total_steps=params.num_inference_steps,
     )
-    entry = JobEntry(job)
+    entry = JobEntry(job, feed=ProgressFeed(job.id))
     ctx.admit(job.id)  # counted from now until the job ends: 429 here, never a job failed later
     try:
         _jobs(request).add(entry)
     except APIError:
         ctx.release(job.id)
         raise
-    entry.task = asyncio.create_task(_run(ctx, _jobs(request), entry, params, body.fps))
+    entry.task = asyncio.create_task(_run(ctx, _jobs(request), entry, params, body))
     return job
 
 
-async def _run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params, fps: int) -> None:  # type: ignore[no-untyped-def]
-    job = entry.job
+async def _run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params, body: VideoGenerationRequest) -> None:  # type: ignore[no-untyped-def]
+    job, feed = entry.job, entry.progress_feed()
 
     def on_event(event: RequestEvent) -> None:
         job.state = event.state
@@ -155,11 +178,12 @@ async def _run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params, fps: 
         if event.total_steps:
             job.step, job.total_steps = event.step, event.total_steps
             job.progress = int(100 * event.step / event.total_steps)
+        feed.on_event(event)
 
     try:
-        output = await ctx.generate(params, job.id, on_event)
+        output = await ctx.generate(params, job.id, on_event, body.preview_every)
         path = ctx.results.video_path(job.id)
-        await asyncio.to_thread(write_mp4, output.pixels[0], path, fps)
+        await asyncio.to_thread(write_mp4, output.pixels[0], path, body.fps)
         await asyncio.to_thread(save_frames, output.pixels[0], frames_path(path))
         entry.path = path
         job.status, job.state, job.progress = "completed", "DONE", 100
@@ -177,6 +201,7 @@ async def _run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params, fps: 
         if job.status in TERMINAL:
             job.completed_at = int(time.time())
             jobs.save(entry)
+            feed.publish(final_message(job))
 
 
 @router.get("/v1/videos", response_model=list[VideoJob])
@@ -187,6 +212,12 @@ async def list_videos(request: Request) -> list[VideoJob]:
 @router.get("/v1/videos/{video_id}", response_model=VideoJob)
 async def get_video(video_id: str, request: Request) -> VideoJob:
     return _jobs(request).get(video_id).job
+
+
+@router.get("/v1/videos/{video_id}/events", response_model=None)
+async def video_events(video_id: str, request: Request) -> StreamingResponse:
+    """The job's progress as Server-Sent Events, until it completes or fails."""
+    return _jobs(request).get(video_id).progress_feed().response()
 
 
 @router.get("/v1/videos/{video_id}/content", response_model=None)

@@ -54,9 +54,10 @@ Fetch = Callable[[str], Awaitable[str]]
 
 
 def split_deployment_name(name: str) -> tuple[str, str] | None:
-    """`flux-denoiser` -> (`flux`, `denoiser`); None when it is no role's Deployment name."""
-    for role in PIPELINE_ROLES:
-        suffix = f"-{role.value}"
+    """`flux-denoiser` -> (`flux`, `denoiser`), `flux-prompt-encoder` -> (`flux`, `prompt_encoder`): the
+    role as the head's metrics label it; None when it is no role's Deployment name."""
+    for role in sorted(PIPELINE_ROLES, key=lambda r: -len(r.dns_name)):  # prompt-encoder before encoder
+        suffix = f"-{role.dns_name}"
         if name.endswith(suffix) and len(name) > len(suffix):
             return name.removesuffix(suffix), role.value
     return None

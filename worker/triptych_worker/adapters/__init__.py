@@ -1,20 +1,19 @@
-"""Model-family adapters: which stock diffusers pipeline a package is, and how its stages run.
+"""Model-family adapters: the torch code of each family in the model-family table (triptych.families).
 
-A family is chosen from model_index.json `_class_name`.
+A package's family is chosen from model_index.json `_class_name` by that table; this maps the
+family's name to the adapter that runs its stages.
 """
 
 from __future__ import annotations
 
-from triptych_worker.adapters.base import FamilyAdapter, ModelPackage
+from triptych.families import FAMILIES, ModelPackage, family_of
+from triptych_worker.adapters.base import FamilyAdapter
 from triptych_worker.adapters.flux import FluxAdapter
 from triptych_worker.adapters.wan import WanAdapter
 
-ADAPTERS: dict[str, tuple[str, type[FamilyAdapter]]] = {
-    "FluxPipeline": ("flux", FluxAdapter),
-    "FluxKontextPipeline": ("flux-kontext", FluxAdapter),
-    "WanPipeline": ("wan", WanAdapter),
-}
-"""model_index.json `_class_name` -> (family name, adapter class)."""
+ADAPTERS: dict[str, type[FamilyAdapter]] = {"flux": FluxAdapter, "flux-kontext": FluxAdapter, "wan": WanAdapter}
+"""Family name (triptych.families.FAMILIES) -> its adapter class."""
+assert {f.name for f in FAMILIES.values()} == set(ADAPTERS), "every family in the table needs an adapter"
 
 
 def adapter_for(model_path: str, device: str = "cpu") -> tuple[str, FamilyAdapter]:
@@ -23,13 +22,8 @@ def adapter_for(model_path: str, device: str = "cpu") -> tuple[str, FamilyAdapte
     Raises ValueError naming the pipeline class and the supported ones when it is unknown.
     """
     package = ModelPackage.read(model_path)
-    if package.class_name not in ADAPTERS:
-        raise ValueError(
-            f"model path {model_path}: pipeline {package.class_name!r} is not supported; "
-            f"supported: {', '.join(sorted(ADAPTERS))}"
-        )
-    family, adapter_class = ADAPTERS[package.class_name]
-    return family, adapter_class(package, device)
+    family = family_of(package)
+    return family.name, ADAPTERS[family.name](family.rules(package), device)
 
 
-__all__ = ["ADAPTERS", "FamilyAdapter", "ModelPackage", "adapter_for"]
+__all__ = ["ADAPTERS", "FamilyAdapter", "adapter_for"]

@@ -1,21 +1,15 @@
-"""What every model-family adapter shares: reading a package's JSON, request limits, the adapter contract.
-
-Nothing here imports torch or diffusers: the GPU-less head validates requests through this module
-(`triptych_worker.pipeline.validate_for_model`) without loading weights.
-"""
+"""The adapter contract: the torch side of a model family (its request rules and shapes are
+triptych.families', which the head reads without this package)."""
 
 from __future__ import annotations
 
 import abc
-import json
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
+from triptych.families import FamilyRules, ModelPackage
 from triptych.params import GenerationParams
-from triptych.protocol.tensors import PIXELS, TensorSpec
+from triptych.protocol.tensors import TensorSpec
 from triptych.roles import Role
 
 if TYPE_CHECKING:
@@ -23,75 +17,6 @@ if TYPE_CHECKING:
     import torch
 
     from triptych_worker.stages import StageBatch
-
-# Guards against requests no deployment should attempt; model-specific rules come from the configs.
-MAX_SIDE = 4096
-MAX_OUTPUTS = 16
-MAX_SEQUENCE_LENGTH = 512  # FluxPipeline rejects more; T5/UMT5 encoders were trained up to 512
-
-
-@dataclass(frozen=True)
-class ModelPackage:
-    """A diffusers package on disk, read through its JSON files only."""
-
-    path: Path
-    index: dict[str, Any]
-
-    @classmethod
-    def read(cls, model_path: str | Path) -> ModelPackage:
-        """Read model_index.json; raises ValueError naming the path when it is not a diffusers package."""
-        path = Path(model_path)
-        index_file = path / "model_index.json"
-        try:
-            index = json.loads(index_file.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"model path {path}: no model_index.json (is it a diffusers package?)") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{index_file}: not valid JSON ({exc})") from None
-        if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
-            raise ValueError(f"{index_file}: no '_class_name'; not a diffusers model index")
-        return cls(path=path, index=index)
-
-    @property
-    def class_name(self) -> str:
-        return str(self.index["_class_name"])
-
-    @property
-    def components(self) -> tuple[str, ...]:
-        """Component names the index declares, present ones and null ones alike."""
-        return tuple(k for k, v in self.index.items() if not k.startswith("_") and isinstance(v, list))
-
-    def config(self, component: str) -> dict[str, Any]:
-        """A component's config.json (scheduler_config.json for schedulers), without loading weights."""
-        folder = self.path / component
-        for name in ("config.json", "scheduler_config.json"):
-            if (folder / name).is_file():
-                return dict(json.loads((folder / name).read_text()))
-        raise ValueError(f"model path {self.path}: component {component!r} has no config.json")
-
-
-def check_common(params: GenerationParams, *, size_multiple: int, max_steps: int) -> None:
-    """Checks every family shares; raises ValueError naming the field and the allowed values."""
-    for field, value in (("width", params.width), ("height", params.height)):
-        if not size_multiple <= value <= MAX_SIDE:
-            raise ValueError(f"{field} {value} is out of range: this model needs {size_multiple}..{MAX_SIDE} pixels")
-        if value % size_multiple:
-            raise ValueError(
-                f"{field} {value} is not a multiple of {size_multiple}, which this model needs "
-                f"(VAE downsampling x transformer patch); try {value // size_multiple * size_multiple or size_multiple}"
-            )
-    if not 1 <= params.num_inference_steps <= max_steps:
-        raise ValueError(f"num_inference_steps {params.num_inference_steps} must be between 1 and {max_steps}")
-    if not 1 <= params.num_outputs <= MAX_OUTPUTS:
-        raise ValueError(f"num_outputs {params.num_outputs} must be between 1 and {MAX_OUTPUTS}")
-    if not (math.isfinite(params.guidance_scale) and params.guidance_scale >= 0):
-        raise ValueError(f"guidance_scale {params.guidance_scale} must be a finite number >= 0")
-    if not 1 <= params.max_sequence_length <= MAX_SEQUENCE_LENGTH:
-        raise ValueError(
-            f"max_sequence_length {params.max_sequence_length} must be between 1 and {MAX_SEQUENCE_LENGTH}"
-        )
-    if not 0 <= params.seed < 2**64:
-        raise ValueError(f"seed {params.seed} must be between 0 and 2**64-1")
 
 
 def pixels_uint8(images: np.ndarray) -> torch.Tensor:
@@ -101,50 +26,52 @@ def pixels_uint8(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy((images * 255).round().astype("uint8"))
 
 
-class FamilyAdapter(abc.ABC):
-    """One model family: its request rules (pure) and the work of each stage (stock diffusers).
+RulesT = TypeVar("RulesT", bound=FamilyRules)
 
-    Constructing an adapter reads only JSON; `load` brings in the weights the role's stages need.
+
+class FamilyAdapter(abc.ABC, Generic[RulesT]):
+    """One model family's stage work (stock diffusers), over the family's rules (triptych.families).
+
+    Constructing an adapter loads nothing; `load` brings in the weights the role's stages need.
     """
 
     stage_components: ClassVar[dict[str, frozenset[str]]]
     """Stage class name -> the diffusers components it runs; a role loads the union over its stages."""
 
-    def __init__(self, package: ModelPackage, device: str = "cpu"):
-        self.package = package
+    def __init__(self, rules: RulesT, device: str = "cpu"):
+        self.rules = rules
         self.device = device
         self.pipe: Any = None
         # How one denoising step runs its guidance branches (cond, uncond): here in turn; a
         # CFG-parallel denoiser runs each on its own rank (triptych_worker.parallel).
         self.run_branches: Callable[[Sequence[Callable[[], torch.Tensor]]], list[torch.Tensor]] = run_in_order
 
-    @abc.abstractmethod
+    def components_for(self, stage: str) -> frozenset[str]:
+        """The components stage class `stage` runs for this package (none when it does nothing here)."""
+        if stage == "ImageEncodingStage" and not self.rules.takes_reference:
+            return frozenset()  # a text-only package's image encoder has nothing to encode
+        return self.stage_components.get(stage, frozenset())
+
+    @property
+    def package(self) -> ModelPackage:
+        return self.rules.package
+
     def validate(self, params: GenerationParams) -> None:
         """Raise ValueError naming the field when the model cannot serve `params`."""
+        self.rules.validate(params)
+
+    def output_specs(self, role: Role, params: GenerationParams) -> list[TensorSpec]:
+        """The tensors `role`'s stages hand on (FamilyRules.output_specs)."""
+        return self.rules.output_specs(role, params)
 
     @abc.abstractmethod
     def load(self, components: set[str]) -> None:
         """Load the stock pipeline with only `components`; the rest are passed as None."""
 
-    def output_specs(self, role: Role, params: GenerationParams) -> list[TensorSpec]:
-        """The tensors `role`'s stages hand on for `params`, by name, dtype and shape, read from the configs.
-
-        What simulated workers emit (`triptych serve --simulate`); tests hold it to what the loaded
-        stages produce. Every tensor is float32 (this code loads packages without a torch_dtype),
-        the decoder's pixels uint8.
-        """
-        p = params
-        if role is Role.DECODER:
-            return [TensorSpec(PIXELS, "uint8", (p.num_outputs, p.num_frames, p.height, p.width, 3))]
-        if role is Role.DENOISER:
-            return [spec for spec in self._encoder_outputs(p) if spec.name == "latents"]
-        if role is Role.ENCODER:
-            return self._encoder_outputs(p)
-        raise ValueError(f"role {role.value} hands on no tensors")
-
     @abc.abstractmethod
-    def _encoder_outputs(self, params: GenerationParams) -> list[TensorSpec]:
-        """What the encoder hands the denoiser (the denoiser hands on `latents` of the same shape)."""
+    def latent_grid(self, latents: Any, params: GenerationParams) -> np.ndarray:
+        """The denoiser's latents (as `denoise` holds them) of the first output, as float32 [C, h, w]:
+        what a denoising preview projects to RGB (preview.py). One frame for video."""
 
     @property
     def loaded_components(self) -> set[str]:
@@ -166,6 +93,10 @@ class FamilyAdapter(abc.ABC):
     @abc.abstractmethod
     def encode_text(self, batch: StageBatch) -> None: ...
 
+    def encode_image(self, batch: StageBatch) -> None:
+        """Encode the request's reference image (families that take one override this)."""
+        raise ValueError(f"image: {self.package.class_name} takes no reference image")
+
     @abc.abstractmethod
     def prepare_latents(self, batch: StageBatch) -> None: ...
 
@@ -181,7 +112,3 @@ class FamilyAdapter(abc.ABC):
 
 def run_in_order(branches: Sequence[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
     return [branch() for branch in branches]
-
-
-def lcm(a: int, b: int) -> int:
-    return a * b // math.gcd(a, b)

@@ -1,15 +1,17 @@
-"""FLUX.1 (FluxPipeline) and FLUX.1 Kontext (FluxKontextPipeline, text-to-image) split into role stages.
+"""FLUX.1 (FluxPipeline) and FLUX.1 Kontext (FluxKontextPipeline, text-to-image and image edits) as role stages.
 
-Crosses encoder -> denoiser (tensors): prompt_embeds [n, L, D], pooled_prompt_embeds [n, P],
-text_ids [L, 3], latents [n, S, 4C] (packed 2x2 patches), latent_image_ids [S, 3];
-(meta): sigmas (list of float, or None when the scheduler makes its own), mu (float),
-guidance (float, or None without guidance embeddings).
+Crosses prompt encoder -> (image encoder ->) denoiser (tensors): prompt_embeds [n, L, D],
+pooled_prompt_embeds [n, P], text_ids [L, 3]; with a reference image (Kontext) also
+image_latents [n, S', 4C] (the VAE-encoded reference, packed 2x2) and image_ids [S', 3].
+The denoiser makes latents [n, S, 4C] from the seed and its schedule (sigmas, mu, guidance) itself.
 Crosses denoiser -> decoder (tensors): latents [n, S, 4C].
 Decoder output: pixels uint8 [n, 1, H, W, 3].
 
 FLUX.1-dev embeds guidance_scale in the transformer instead of running classifier-free guidance,
 so a negative prompt is rejected rather than silently ignored (the stock pipeline ignores it).
-Kontext runs text-to-image only: a request carries no reference image.
+Kontext's edits follow FluxKontextPipeline.__call__ with max_area = width x height (the size
+asked for is the size returned): the reference is resized to the preferred Kontext resolution
+nearest its aspect ratio, rounded down to whole latent patches, and VAE-encoded (argmax).
 
 torch and diffusers are imported inside methods so the head can validate without importing them.
 """
@@ -18,9 +20,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
+from triptych.families.flux import KONTEXT, FluxRules
 from triptych.params import GenerationParams
-from triptych.protocol.tensors import TensorSpec
-from triptych_worker.adapters.base import FamilyAdapter, ModelPackage, check_common, pixels_uint8
+from triptych_worker.adapters.base import FamilyAdapter, pixels_uint8
+from triptych_worker.preview import as_numpy
 from triptych_worker.stages import PIXELS
 
 if TYPE_CHECKING:
@@ -29,56 +34,23 @@ if TYPE_CHECKING:
 TEXT = frozenset({"text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"})
 
 
-class FluxAdapter(FamilyAdapter):
+class FluxAdapter(FamilyAdapter[FluxRules]):
     stage_components: ClassVar[dict[str, frozenset[str]]] = {
         "TextEncodingStage": TEXT,
+        "ImageEncodingStage": frozenset({"vae"}),  # Kontext only (FamilyAdapter.components_for)
         "TimestepPreparationStage": frozenset({"scheduler"}),
         "DenoisingStage": frozenset({"transformer", "scheduler"}),
         "DecodingStage": frozenset({"vae"}),
     }
 
-    def __init__(self, package: ModelPackage, device: str = "cpu"):
-        super().__init__(package, device)
-        transformer, vae = package.config("transformer"), package.config("vae")
-        # The same formula FluxPipeline applies to a loaded VAE, read here from its config.
-        self.vae_scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
-        self.latent_channels = int(transformer["in_channels"]) // 4
-        self.guidance_embeds = bool(transformer.get("guidance_embeds", False))
-        self.max_steps = int(package.config("scheduler").get("num_train_timesteps", 1000))
-        self.text_dim = int(package.config("text_encoder_2")["d_model"])  # T5
-        self.pooled_dim = int(package.config("text_encoder")["hidden_size"])  # CLIP's pooled output
-
-    def _encoder_outputs(self, params: GenerationParams) -> list[TensorSpec]:
-        n, length = params.num_outputs, params.max_sequence_length
-        seq = (params.height // self.size_multiple) * (params.width // self.size_multiple)
-        return [
-            TensorSpec("prompt_embeds", "float32", (n, length, self.text_dim)),
-            TensorSpec("pooled_prompt_embeds", "float32", (n, self.pooled_dim)),
-            TensorSpec("text_ids", "float32", (length, 3)),
-            TensorSpec("latents", "float32", (n, seq, self.latent_channels * 4)),
-            TensorSpec("latent_image_ids", "float32", (seq, 3)),
-        ]
-
-    @property
-    def size_multiple(self) -> int:
-        return self.vae_scale_factor * 2  # latents are packed in 2x2 patches
-
-    def validate(self, params: GenerationParams) -> None:
-        check_common(params, size_multiple=self.size_multiple, max_steps=self.max_steps)
-        if params.num_frames != 1:
-            raise ValueError(f"num_frames {params.num_frames} must be 1: {self.package.class_name} makes images")
-        if params.negative_prompt:
-            raise ValueError(
-                "negative_prompt is not supported by FLUX.1: it uses embedded guidance (guidance_scale), "
-                "not classifier-free guidance; leave negative_prompt empty"
-            )
-
     def load(self, components: set[str]) -> None:
         import diffusers
+        from diffusers.image_processor import VaeImageProcessor
 
         self.pipe = self._load_stock(getattr(diffusers, self.package.class_name), components)
         # Without its VAE the stock pipeline falls back to a factor of 8; the package may differ.
-        self.pipe.vae_scale_factor = self.vae_scale_factor
+        self.pipe.vae_scale_factor = self.rules.vae_scale_factor
+        self.pipe.image_processor = VaeImageProcessor(vae_scale_factor=self.rules.vae_scale_factor * 2)
 
     def encode_text(self, batch: StageBatch) -> None:
         p = batch.params
@@ -90,6 +62,29 @@ class FluxAdapter(FamilyAdapter):
         )
         batch.tensors.update(prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled, text_ids=text_ids)
 
+    def encode_image(self, batch: StageBatch) -> None:
+        import torch
+        from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+        from triptych.reference import reference_image
+
+        p, pipe, multiple = batch.params, self.pipe, self.rules.size_multiple
+        image = reference_image(p.image, p.image_url)
+        height, width = pipe.image_processor.get_default_height_width(image)
+        aspect = width / height
+        _, width, height = min((abs(aspect - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+        width, height = width // multiple * multiple, height // multiple * multiple
+        pixels = pipe.image_processor.preprocess(pipe.image_processor.resize(image, height, width), height, width)
+        dtype = batch.tensors["prompt_embeds"].dtype if "prompt_embeds" in batch.tensors else torch.float32
+        pixels = pixels.to(device=self.device, dtype=dtype)
+        latents = pipe._encode_vae_image(image=pixels, generator=None)  # argmax: no randomness
+        latents = torch.cat([latents] * p.num_outputs, dim=0)
+        lh, lw = latents.shape[2:]
+        packed = pipe._pack_latents(latents, p.num_outputs, self.rules.latent_channels, lh, lw)
+        ids = pipe._prepare_latent_image_ids(p.num_outputs, lh // 2, lw // 2, torch.device(self.device), dtype)
+        ids[..., 0] = 1  # the reference's tokens: the latents' ids with the first coordinate 1
+        batch.tensors.update(image_latents=packed, image_ids=ids)
+
     def prepare_latents(self, batch: StageBatch) -> None:
         import torch
 
@@ -98,14 +93,14 @@ class FluxAdapter(FamilyAdapter):
         generator = torch.Generator("cpu").manual_seed(p.seed)
         args: tuple[Any, ...] = (
             p.num_outputs,
-            self.latent_channels,
+            self.rules.latent_channels,
             p.height,
             p.width,
             batch.tensors["prompt_embeds"].dtype,
             torch.device(self.device),
             generator,
         )
-        if self.package.class_name == "FluxKontextPipeline":
+        if self.package.class_name == KONTEXT:
             latents, _, latent_ids, _ = self.pipe.prepare_latents(None, *args)  # no reference image
         else:
             latents, latent_ids = self.pipe.prepare_latents(*args)
@@ -126,7 +121,7 @@ class FluxAdapter(FamilyAdapter):
             config.get("max_shift", 1.15),
         )
         batch.meta.update(
-            sigmas=sigmas, mu=float(mu), guidance=float(p.guidance_scale) if self.guidance_embeds else None
+            sigmas=sigmas, mu=float(mu), guidance=float(p.guidance_scale) if self.rules.guidance_embeds else None
         )
 
     def denoise(self, batch: StageBatch) -> None:
@@ -139,6 +134,8 @@ class FluxAdapter(FamilyAdapter):
             scheduler, batch.params.num_inference_steps, self.device, sigmas=meta["sigmas"], mu=meta["mu"]
         )
         latents = t["latents"]
+        image_latents = t.get("image_latents")
+        img_ids = t["latent_image_ids"] if image_latents is None else torch.cat([t["latent_image_ids"], t["image_ids"]])
         guidance = None
         if meta["guidance"] is not None:
             guidance = torch.full([1], meta["guidance"], device=latents.device, dtype=torch.float32)
@@ -148,23 +145,29 @@ class FluxAdapter(FamilyAdapter):
             timestep = step_t.expand(latents.shape[0]).to(latents.dtype)
             with transformer.cache_context("cond"):
                 noise_pred = transformer(
-                    hidden_states=latents,
+                    hidden_states=latents if image_latents is None else torch.cat([latents, image_latents], dim=1),
                     timestep=timestep / 1000,
                     guidance=guidance,
                     pooled_projections=t["pooled_prompt_embeds"],
                     encoder_hidden_states=t["prompt_embeds"],
                     txt_ids=t["text_ids"],
-                    img_ids=t["latent_image_ids"],
+                    img_ids=img_ids,
                     joint_attention_kwargs={},
                     return_dict=False,
-                )[0]
+                )[0][:, : latents.size(1)]
             latents = scheduler.step(noise_pred, step_t, latents, return_dict=False)[0]
-            batch.report_progress(i + 1, len(timesteps))
+            batch.report_progress(i + 1, len(timesteps), latents)
         batch.tensors = {"latents": latents}
+
+    def latent_grid(self, latents: Any, params: GenerationParams) -> np.ndarray:
+        # Packed [N, h/2 * w/2, C * 4] (2x2 patches, as FluxPipeline._pack_latents) -> [C, h, w].
+        h, w = params.height // self.rules.vae_scale_factor, params.width // self.rules.vae_scale_factor
+        packed = as_numpy(latents[0]).reshape(h // 2, w // 2, self.rules.latent_channels, 2, 2)
+        return packed.transpose(2, 0, 3, 1, 4).reshape(self.rules.latent_channels, h, w)
 
     def decode(self, batch: StageBatch) -> None:
         p, vae = batch.params, self.pipe.vae
-        latents = self.pipe._unpack_latents(batch.tensors["latents"], p.height, p.width, self.vae_scale_factor)
+        latents = self.pipe._unpack_latents(batch.tensors["latents"], p.height, p.width, self.rules.vae_scale_factor)
         latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
         image = vae.decode(latents.to(vae.device), return_dict=False)[0]
         images = self.pipe.image_processor.postprocess(image, output_type="np")  # [n, H, W, 3] in [0, 1]

@@ -14,11 +14,15 @@ torch and diffusers are imported inside methods so the head can validate without
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
+import numpy as np
+
+from triptych.families.wan import FPS, WanRules
+from triptych.families.wan import uses_cfg as _uses_cfg
 from triptych.params import GenerationParams
-from triptych.protocol.tensors import TensorSpec
-from triptych_worker.adapters.base import FamilyAdapter, ModelPackage, check_common, lcm, pixels_uint8
+from triptych_worker.adapters.base import FamilyAdapter, pixels_uint8
+from triptych_worker.preview import as_numpy
 from triptych_worker.stages import PIXELS
 
 if TYPE_CHECKING:
@@ -26,11 +30,8 @@ if TYPE_CHECKING:
 
     from triptych_worker.stages import StageBatch
 
-FPS = 16  # Wan2.1's frame rate; the head uses it when it writes the video file
-MAX_FRAMES = 1025
 
-
-class WanAdapter(FamilyAdapter):
+class WanAdapter(FamilyAdapter[WanRules]):
     stage_components: ClassVar[dict[str, frozenset[str]]] = {
         "TextEncodingStage": frozenset({"text_encoder", "tokenizer"}),
         "TimestepPreparationStage": frozenset({"scheduler"}),
@@ -38,51 +39,12 @@ class WanAdapter(FamilyAdapter):
         "DecodingStage": frozenset({"vae"}),
     }
 
-    def __init__(self, package: ModelPackage, device: str = "cpu"):
-        super().__init__(package, device)
-        index = package.index
-        if index.get("boundary_ratio") is not None or index.get("expand_timesteps") or _present(index, "transformer_2"):
-            raise ValueError(
-                f"model path {package.path}: Wan2.2 packages (boundary_ratio, transformer_2, expand_timesteps) "
-                "are not supported yet; use a Wan2.1 text-to-video package"
-            )
-        transformer, vae = package.config("transformer"), package.config("vae")
-        # WanPipeline reads these from a loaded VAE and falls back to 8 and 4 without one.
-        self.scale_spatial = int(vae.get("scale_factor_spatial", 8))
-        self.scale_temporal = int(vae.get("scale_factor_temporal", 4))
-        self.latent_channels = int(transformer["in_channels"])
-        patch = transformer["patch_size"]
-        # check_inputs wants multiples of 16; patchification wants whole patches of latent pixels.
-        self.size_multiple = lcm(16, lcm(self.scale_spatial * patch[1], self.scale_spatial * patch[2]))
-        self.max_steps = int(package.config("scheduler").get("num_train_timesteps", 1000))
-        self.text_dim = int(package.config("text_encoder")["d_model"])  # UMT5
-
-    def _encoder_outputs(self, params: GenerationParams) -> list[TensorSpec]:
-        p, s = params, self.scale_spatial
-        embeds = (p.num_outputs, p.max_sequence_length, self.text_dim)
-        frames = (p.num_frames - 1) // self.scale_temporal + 1
-        latents = (p.num_outputs, self.latent_channels, frames, p.height // s, p.width // s)
-        return [
-            TensorSpec("prompt_embeds", "float32", embeds),
-            *([TensorSpec("negative_prompt_embeds", "float32", embeds)] if _uses_cfg(p) else []),
-            TensorSpec("latents", "float32", latents),
-        ]
-
-    def validate(self, params: GenerationParams) -> None:
-        check_common(params, size_multiple=self.size_multiple, max_steps=self.max_steps)
-        n, k = params.num_frames, self.scale_temporal
-        if not 1 <= n <= MAX_FRAMES or (n - 1) % k:
-            raise ValueError(
-                f"num_frames {n} is invalid: Wan needs 1 + a multiple of {k} frames, at most {MAX_FRAMES} "
-                f"(e.g. {max(1, (n - 1) // k * k + 1)} or {(n - 1) // k * k + 1 + k})"
-            )
-
     def load(self, components: set[str]) -> None:
         from diffusers import WanPipeline
 
         self.pipe = self._load_stock(WanPipeline, components)
-        self.pipe.vae_scale_factor_spatial = self.scale_spatial
-        self.pipe.vae_scale_factor_temporal = self.scale_temporal
+        self.pipe.vae_scale_factor_spatial = self.rules.scale_spatial
+        self.pipe.vae_scale_factor_temporal = self.rules.scale_temporal
 
     def encode_text(self, batch: StageBatch) -> None:
         p = batch.params
@@ -106,7 +68,7 @@ class WanAdapter(FamilyAdapter):
         generator = torch.Generator("cpu").manual_seed(p.seed)
         batch.tensors["latents"] = self.pipe.prepare_latents(
             p.num_outputs,
-            self.latent_channels,
+            self.rules.latent_channels,
             p.height,
             p.width,
             p.num_frames,
@@ -145,7 +107,7 @@ class WanAdapter(FamilyAdapter):
             if uncond:
                 noise_pred = uncond[0] + p.guidance_scale * (noise_pred - uncond[0])
             latents = scheduler.step(noise_pred, step_t, latents, return_dict=False)[0]
-            batch.report_progress(i + 1, len(timesteps))
+            batch.report_progress(i + 1, len(timesteps), latents)
         batch.tensors = {"latents": latents}
 
     def _predict(
@@ -166,6 +128,10 @@ class WanAdapter(FamilyAdapter):
                 )[0],
             )
 
+    def latent_grid(self, latents: Any, params: GenerationParams) -> np.ndarray:
+        # [N, C, F, h, w]: the middle latent frame of the first video.
+        return as_numpy(latents[0, :, latents.shape[2] // 2])
+
     def decode(self, batch: StageBatch) -> None:
         import torch
 
@@ -178,12 +144,3 @@ class WanAdapter(FamilyAdapter):
         frames = self.pipe.video_processor.postprocess_video(video, output_type="np")  # [n, F, H, W, 3] in [0, 1]
         batch.tensors = {PIXELS: pixels_uint8(frames)}
         batch.meta["fps"] = FPS
-
-
-def _uses_cfg(params: GenerationParams) -> bool:
-    return params.guidance_scale > 1.0  # WanPipeline.do_classifier_free_guidance
-
-
-def _present(index: dict[str, object], component: str) -> bool:
-    entry = index.get(component)
-    return isinstance(entry, list) and entry[0] is not None

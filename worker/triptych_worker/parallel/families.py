@@ -20,7 +20,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
-from triptych.config import ConfigError, ServeArgs
+from triptych.config import ROLE_PARALLEL_FLAGS, ConfigError, ServeArgs, flag
 from triptych.parallelism import Parallelism
 from triptych.params import GenerationParams
 from triptych.roles import Role
@@ -33,14 +33,13 @@ if TYPE_CHECKING:
     from triptych_worker.parallel.mesh import RankMesh
 
 
+GENERIC_FLAGS = {"tp": "--tp-size", "sp": "--sp-degree", "cfg": "--cfg-parallel-size"}
+
+
 def degree_flag(args: ServeArgs, degree: str) -> str:
-    """The flag a user set (or would set) for `degree` of this role."""
-    role = args.disagg_role.value
-    if degree == "cfg":
-        return "--cfg-parallel-size"
-    if degree == "tp":
-        return f"--{role}-tp" if args.disagg_role in (Role.ENCODER, Role.DENOISER) else "--tp-size"
-    return f"--{role}-{degree}"
+    """The flag a user sets for `degree` of this role: its own (--denoiser-ulysses), else the generic one."""
+    attr = ROLE_PARALLEL_FLAGS.get(args.disagg_role, {}).get(degree)
+    return flag(attr) if attr else GENERIC_FLAGS[degree]
 
 
 def check_degrees(args: ServeArgs, family: str, adapter: FamilyAdapter) -> Parallelism:
@@ -48,7 +47,7 @@ def check_degrees(args: ServeArgs, family: str, adapter: FamilyAdapter) -> Paral
     degrees = args.parallelism()
     n = args.num_gpus
     if args.disagg_role is not Role.DENOISER:
-        what = {Role.ENCODER: "--encoder-tp", Role.DECODER: "--decoder-sp"}.get(args.disagg_role, "parallelism")
+        what = ", ".join(flag(a) for a in ROLE_PARALLEL_FLAGS.get(args.disagg_role, {}).values()) or "parallelism"
         raise ConfigError(
             f"--num-gpus {n} on the {args.disagg_role.value}: {what} is not supported for {family}; "
             f"only the denoiser runs on several devices (give this role --num-gpus 1)"

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from triptych.config import ServeArgs
 from triptych.parallelism import Parallelism
@@ -164,10 +164,10 @@ class LeadingSteps:
         self.report = report
         self.stopped = False
 
-    def __call__(self, step: int, total: int) -> None:
+    def __call__(self, step: int, total: int, latents: Any = None) -> None:
         try:
             if self.report is not None:
-                self.report(step, total)
+                self.report(step, total, latents)
         except BaseException:
             self.stopped = True
             step_flag(self.mesh, stop=True)
@@ -225,7 +225,7 @@ def follow(args: ServeArgs, rank_index: int) -> None:
     rank = Rank.start(args, rank_index)
     mesh = rank.mesh
 
-    def on_progress(step: int, total: int) -> None:
+    def on_progress(step: int, total: int, latents: Any = None) -> None:
         if step_flag(mesh):
             raise StopFollowing
 

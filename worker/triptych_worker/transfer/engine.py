@@ -7,9 +7,8 @@ import threading
 import time
 from typing import Any
 
-from triptych.ports import MOONCAKE_PORT_RANGE
-
 from .errors import MooncakeNotInstalled, TransferError, TransferStalled
+from .listeners import mooncake_port_range
 
 # How a write is waited for (PendingWrite.pause). transfer_sync_write spins a core for the
 # whole write, which on a host with few cores starves the transport threads doing the work (and
@@ -27,10 +26,7 @@ _PEER_HINT = "the peer may be gone or the address outside its transfer pool"
 
 
 def _import_transfer_engine() -> Any:
-    # Read by the engine when it starts: the ports it listens on come from the range the operator's
-    # NetworkPolicy opens between workers (triptych.ports).
-    os.environ.setdefault("MC_MIN_RPC_PORT", str(MOONCAKE_PORT_RANGE[0]))
-    os.environ.setdefault("MC_MAX_RPC_PORT", str(MOONCAKE_PORT_RANGE[1]))
+    mooncake_port_range()  # read by the engine when it starts
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:

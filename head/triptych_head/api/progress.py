@@ -1,0 +1,166 @@
+"""A request's progress as Server-Sent Events, forwarded without ever holding up the pipeline.
+
+Each request that someone may watch has a ProgressFeed. The backend reports its events
+(RequestEvent: state changes, every denoising step, a preview PNG every k steps) on the event
+loop; the feed turns each into one SSE message and offers it to every subscriber's bounded
+queue, which never waits. A subscriber that does not keep up (a stalled connection) loses its
+oldest messages (beyond 64 of them or 4 MiB) and is told how many (`dropped`); its last
+message, how the request ended, always arrives. So a slow client costs the request nothing,
+and the head a bounded buffer.
+
+    event: state      data: {"id", "state", "role"}
+    event: step       data: {"id", "state", "role", "step", "total_steps", "preview"?: base64 PNG}
+    event: dropped    data: {"id", "dropped"}
+    event: completed  data: the result (images: {"id", "created", "data"}; videos: the job)
+    event: error      data: {"id", "error": {"message", "code", ...}}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import json
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from triptych.protocol import RequestEvent
+
+QUEUE_LIMIT = 64  # messages a subscriber may fall behind before it loses the oldest
+QUEUE_BYTES = 4 << 20  # and bytes (previews are up to ~260 KB each as base64)
+KEEPALIVE_S = 15.0  # a comment line while nothing happens, so proxies keep the connection open
+TERMINAL_EVENTS = ("completed", "error")
+
+_ROLE_OF_STATE = {"ENCODER": "encoder", "DENOISING": "denoiser", "DECODER": "decoder"}
+
+
+def role_of(state: str) -> str | None:
+    """The role a request in `state` is at (ENCODER_RUNNING -> encoder), None before or after them."""
+    return _ROLE_OF_STATE.get(state.split("_", 1)[0])
+
+
+@dataclass(frozen=True)
+class SSEMessage:
+    event: str
+    data: dict[str, Any]
+
+    @functools.cached_property
+    def encoded(self) -> bytes:
+        """The message on the wire (encoded once, whatever the number of subscribers)."""
+        return f"event: {self.event}\ndata: {json.dumps(self.data, separators=(',', ':'))}\n\n".encode()
+
+    @property
+    def terminal(self) -> bool:
+        return self.event in TERMINAL_EVENTS
+
+
+def message_of(request_id: str, event: RequestEvent) -> SSEMessage:
+    """One backend event as the SSE message clients see."""
+    data: dict[str, Any] = {"id": request_id, "state": event.state, "role": role_of(event.state)}
+    if not event.total_steps:
+        return SSEMessage("state", data)
+    data.update(step=event.step, total_steps=event.total_steps)
+    if event.preview:
+        data["preview"] = base64.b64encode(event.preview).decode()
+    return SSEMessage("step", data)
+
+
+def error_message(request_id: str, message: str, code: str | None, status: int) -> SSEMessage:
+    return SSEMessage("error", {"id": request_id, "error": {"message": message, "code": code, "status": status}})
+
+
+class Subscriber:
+    """One client's bounded queue of messages: offering never blocks, the oldest go first when full."""
+
+    def __init__(self, limit: int = QUEUE_LIMIT, max_bytes: int = QUEUE_BYTES) -> None:
+        self._queue: deque[SSEMessage] = deque()
+        self._limit, self._max_bytes = limit, max_bytes
+        self._bytes = 0
+        self._wake = asyncio.Event()
+        self.dropped = 0  # lost since the client last read
+
+    def offer(self, msg: SSEMessage) -> None:
+        self._queue.append(msg)
+        self._bytes += len(msg.encoded)
+        while len(self._queue) > 1 and (len(self._queue) > self._limit or self._bytes > self._max_bytes):
+            self._bytes -= len(self._queue.popleft().encoded)
+            self.dropped += 1
+        self._wake.set()
+
+    async def messages(self, request_id: str) -> AsyncIterator[bytes]:
+        """The encoded messages, in order, until the terminal one; keep-alive comments in between."""
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), KEEPALIVE_S)
+                except TimeoutError:
+                    yield b": keep-alive\n\n"
+                continue
+            if self.dropped:
+                dropped, self.dropped = self.dropped, 0
+                yield SSEMessage("dropped", {"id": request_id, "dropped": dropped}).encoded
+            msg = self._queue.popleft()
+            self._bytes -= len(msg.encoded)
+            yield msg.encoded
+            if msg.terminal:
+                return
+
+
+class ProgressFeed:
+    """The progress of one request, fanned out to its subscribers."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.subscribers: set[Subscriber] = set()
+        self.latest: SSEMessage | None = None  # what a subscriber joining late sees first
+        self.final: SSEMessage | None = None
+
+    def on_event(self, event: RequestEvent) -> None:
+        """The backend's callback (runs on the event loop; never waits)."""
+        self.publish(message_of(self.request_id, event))
+
+    def publish(self, msg: SSEMessage) -> None:
+        if self.final is not None:
+            return
+        if msg.terminal:
+            self.final = msg
+        self.latest = msg
+        for sub in self.subscribers:
+            sub.offer(msg)
+        if msg.terminal:
+            self.subscribers.clear()
+
+    def subscribe(self) -> Subscriber:
+        sub = Subscriber()
+        if self.latest is not None:
+            sub.offer(self.latest)
+        if self.final is None:
+            self.subscribers.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        self.subscribers.discard(sub)
+
+    def response(self) -> StreamingResponse:
+        """An SSE response for a new subscriber; it unsubscribes when the client goes or the stream ends."""
+        sub = self.subscribe()
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in sub.messages(self.request_id):
+                    yield chunk
+            finally:
+                self.unsubscribe(sub)
+
+        return sse_response(stream())
+
+
+def sse_response(stream: AsyncIterator[bytes]) -> StreamingResponse:
+    # X-Accel-Buffering: nginx (and ingress-nginx) must pass each event on at once.
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(stream, media_type="text/event-stream", headers=headers)

@@ -1,0 +1,95 @@
+"""The reference image of a POST /v1/images/edits: read from the multipart form, checked, inlined.
+
+An uploaded file is decoded once here (so a bad image is a 400 before any worker sees it) and
+travels in the request as its encoded bytes; workers need no shared disk. A URL is only checked
+to be http(s): the image encoder fetches it (size limit and timeout there, triptych.reference).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from triptych.reference import BadReference, check_reference_url, open_reference
+from triptych_head.api.errors import APIError
+from triptych_head.api.schemas import ImageEditRequest
+
+FILE_FIELDS = ("image", "image[]")
+MAX_FORM_FIELDS = 32
+# multipart for uploads; a URL reference may also come url-encoded (no file part to carry)
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An edit's reference: inlined bytes (with the size read from them) or a URL."""
+
+    data: bytes | None = None
+    url: str | None = None
+    size: tuple[int, int] | None = None  # (width, height) of an uploaded image
+
+    def default_size(self, multiple: int) -> tuple[int, int]:
+        """The output size when the client gives none: the reference's, cropped to the model's multiple."""
+        if self.size is None:
+            raise APIError(400, "size: required with an image URL (the head does not fetch it)", "size")
+        width, height = (side // multiple * multiple for side in self.size)
+        if not width or not height:
+            raise APIError(
+                400,
+                f"image: {self.size[0]}x{self.size[1]} is smaller than {multiple} pixels a side; give a size",
+                "image",
+            )
+        return width, height
+
+
+async def read_edit_form(request: Request) -> tuple[ImageEditRequest, Reference]:
+    """The request's fields and its reference image; APIError (400, naming the field) for anything wrong."""
+    if not request.headers.get("content-type", "").startswith(FORM_TYPES):
+        raise APIError(400, "POST /v1/images/edits takes multipart/form-data (an `image` file and text fields)")
+    try:
+        form = await request.form(max_files=len(FILE_FIELDS) + 1, max_fields=MAX_FORM_FIELDS)
+    except Exception as exc:  # starlette's MultiPartException and the parser's own errors
+        raise APIError(400, f"the multipart body cannot be read: {exc}") from None
+    try:
+        files = [(k, v) for k, v in form.multi_items() if isinstance(v, UploadFile)]
+        texts = [(k, v) for k, v in form.multi_items() if isinstance(v, str)]
+        for name, _ in files:
+            if name not in FILE_FIELDS:
+                raise APIError(400, f"{name}: unexpected file field; upload the reference as `image`", name)
+        if len(files) > 1:
+            raise APIError(400, f"image: {len(files)} files given; this model takes one reference image", "image")
+        fields = dict(texts)
+        if len(fields) != len(texts):
+            repeated = sorted({k for k, _ in texts if [n for n, _ in texts].count(k) > 1})
+            raise APIError(400, f"{repeated[0]}: given more than once", repeated[0])
+        url = fields.pop("image", None)
+        try:
+            body = ImageEditRequest.model_validate({**fields, "image_url": url})
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        if files and url is not None:
+            raise APIError(400, "image: give a file or a URL, not both", "image")
+        if files:
+            data = await files[0][1].read()
+            return body, await asyncio.to_thread(_inline, data)
+    finally:
+        await form.close()
+    if url is None:
+        raise APIError(400, "image: required (a file, or an http(s) URL)", "image")
+    try:
+        return body, Reference(url=check_reference_url(url))
+    except BadReference as exc:
+        raise APIError(400, str(exc), "image") from None
+
+
+def _inline(data: bytes) -> Reference:
+    try:
+        image = open_reference(data)
+    except BadReference as exc:
+        raise APIError(400, str(exc), "image") from None
+    return Reference(data=data, size=image.size)

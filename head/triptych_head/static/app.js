@@ -1,0 +1,295 @@
+// The Triptych playground: requests through the head's HTTP API, progress and previews from its
+// Server-Sent Events (read with fetch, so the API key travels as a header), this browser's history
+// in localStorage, and the pipeline view from GET /v1/pipeline.
+
+const $ = (id) => document.getElementById(id);
+const HISTORY_KEY = "triptych.history";
+const API_KEY = "triptych.apiKey";
+const HISTORY_MAX = 24;
+const THUMB_MAX_CHARS = 200_000; // images larger than this are kept in history without their pixels
+const PIPELINE_POLL_MS = 700;
+
+let model = null; // {id, kind}
+let mine = new Set(); // request ids started from this page
+
+function headers(extra = {}) {
+  const key = $("apikey").value.trim();
+  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+}
+
+async function api(path, options = {}) {
+  const response = await fetch(path, { ...options, headers: headers(options.headers) });
+  if (!response.ok) throw new Error(await errorText(response));
+  return response;
+}
+
+async function errorText(response) {
+  try {
+    const body = await response.json();
+    return `${response.status}: ${body.error?.message ?? JSON.stringify(body)}`;
+  } catch {
+    return `${response.status} ${response.statusText}`;
+  }
+}
+
+// Server-Sent Events from a fetch response: yields {event, data}.
+async function* sse(response) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      let event = "message";
+      const data = [];
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event:")) event = line.slice(6).trim();
+        else if (line.startsWith("data:")) data.push(line.slice(5).trim());
+      }
+      if (data.length) yield { event, data: JSON.parse(data.join("\n")) };
+    }
+  }
+}
+
+function notice(text) {
+  $("notice").textContent = text;
+  $("notice").hidden = !text;
+}
+
+async function loadModel() {
+  try {
+    const { data } = await (await api("/v1/models")).json();
+    model = data[0];
+    $("model").textContent = `${model.id} · ${model.kind}`;
+    document.body.dataset.kind = model.kind;
+    for (const el of document.querySelectorAll(".video-only")) el.hidden = model.kind !== "video";
+    notice("");
+  } catch (err) {
+    notice(String(err.message).startsWith("401") ? "This head needs an API key: enter it above." : err.message);
+  }
+}
+
+function requestBody() {
+  const body = {
+    prompt: $("prompt").value,
+    size: `${$("width").value}x${$("height").value}`,
+    num_inference_steps: Number($("steps").value),
+    preview_every: Number($("preview-every").value || 0),
+  };
+  if ($("negative").value) body.negative_prompt = $("negative").value;
+  if ($("seed").value !== "") body.seed = Number($("seed").value);
+  if (model.kind === "video") body.num_frames = Number($("frames").value);
+  return body;
+}
+
+function resetOutput() {
+  $("error").hidden = true;
+  $("progress").value = 0;
+  $("progress").max = 1;
+  $("steps-done").textContent = "";
+  $("role").textContent = "queued";
+  $("preview").hidden = true;
+  $("result-image").hidden = true;
+  $("result-video").hidden = true;
+  $("caption").textContent = "";
+}
+
+function showEvent({ event, data }) {
+  if (data.id) mine.add(data.id);
+  if (data.role) $("role").textContent = data.role;
+  if (event === "step") {
+    $("progress").max = data.total_steps;
+    $("progress").value = data.step;
+    $("steps-done").textContent = `step ${data.step}/${data.total_steps}`;
+    if (data.preview) {
+      $("preview").src = `data:image/png;base64,${data.preview}`;
+      $("preview").hidden = false;
+      $("preview").dataset.step = data.step;
+    }
+  } else if (event === "state") {
+    $("caption").textContent = data.state;
+  }
+}
+
+async function follow(response) {
+  for await (const message of sse(response)) {
+    showEvent(message);
+    if (message.event === "completed" || message.event === "error") return message;
+  }
+  throw new Error("the progress stream ended without a result");
+}
+
+async function generateImage(body) {
+  const response = await api("/v1/images/generations", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ ...body, stream: true }),
+  });
+  const final = await follow(response);
+  if (final.event === "error") throw new Error(final.data.error.message);
+  const src = `data:image/png;base64,${final.data.data[0].b64_json}`;
+  $("result-image").src = src;
+  $("result-image").hidden = false;
+  return { id: final.data.id, src };
+}
+
+async function generateVideo(body) {
+  const job = await (
+    await api("/v1/videos", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })
+  ).json();
+  mine.add(job.id);
+  const final = await follow(await api(`/v1/videos/${job.id}/events`));
+  if (final.event === "error") throw new Error(final.data.error.message);
+  const blob = await (await api(`/v1/videos/${job.id}/content`)).blob();
+  $("result-video").src = URL.createObjectURL(blob);
+  $("result-video").hidden = false;
+  return { id: job.id };
+}
+
+async function onSubmit(event) {
+  event.preventDefault();
+  if (!model) await loadModel();
+  if (!model) return;
+  const body = requestBody();
+  resetOutput();
+  $("generate").disabled = true;
+  const started = performance.now();
+  try {
+    const result = model.kind === "video" ? await generateVideo(body) : await generateImage(body);
+    $("preview").hidden = true;
+    $("role").textContent = "done";
+    const seconds = ((performance.now() - started) / 1000).toFixed(1);
+    $("caption").textContent = `${result.id} · ${seconds} s`;
+    remember({ ...body, id: result.id, kind: model.kind, src: result.src, seconds, at: Date.now() });
+  } catch (err) {
+    $("role").textContent = "failed";
+    $("error").textContent = err.message;
+    $("error").hidden = false;
+  } finally {
+    $("generate").disabled = false;
+  }
+}
+
+function history() {
+  try {
+    return JSON.parse(localStorage.getItem(HISTORY_KEY) ?? "[]");
+  } catch {
+    return [];
+  }
+}
+
+function remember(entry) {
+  if (entry.src && entry.src.length > THUMB_MAX_CHARS) delete entry.src;
+  const entries = [entry, ...history()].slice(0, HISTORY_MAX);
+  try {
+    localStorage.setItem(HISTORY_KEY, JSON.stringify(entries));
+  } catch {
+    localStorage.setItem(HISTORY_KEY, JSON.stringify(entries.map(({ src, ...rest }) => rest)));
+  }
+  renderHistory();
+}
+
+function renderHistory() {
+  const list = $("history");
+  list.replaceChildren(
+    ...history().map((entry) => {
+      const li = document.createElement("li");
+      if (entry.src) {
+        const img = document.createElement("img");
+        img.src = entry.src;
+        img.alt = entry.prompt;
+        li.append(img);
+      }
+      const text = document.createElement("span");
+      text.textContent = `${entry.prompt} · ${entry.size} · seed ${entry.seed ?? "random"} · ${entry.seconds} s`;
+      li.append(text);
+      li.addEventListener("click", () => {
+        $("prompt").value = entry.prompt;
+        $("seed").value = entry.seed ?? "";
+        $("steps").value = entry.num_inference_steps;
+        [$("width").value, $("height").value] = entry.size.split("x");
+      });
+      return li;
+    }),
+  );
+}
+
+function instanceState(inst) {
+  if (!inst.alive) return "down";
+  if (inst.draining || inst.leaving) return "draining";
+  return inst.ready ? "ready" : "alive";
+}
+
+function renderPipeline(view) {
+  const roles = Object.entries(view.roles);
+  const total = roles.reduce((n, [, info]) => n + info.instances.length, 0);
+  $("pipeline-summary").textContent = `${total} instances · ${view.requests.length} in flight`;
+  $("roles").replaceChildren(
+    ...roles.map(([role, info]) => {
+      const box = document.createElement("div");
+      box.className = "role";
+      box.dataset.role = role;
+      const title = document.createElement("h3");
+      title.innerHTML = `<span></span><span class="muted"></span>`;
+      title.children[0].textContent = role;
+      title.children[1].textContent = `queue ${info.queued} · running ${info.running}`;
+      box.append(title);
+      for (const inst of info.instances) {
+        const row = document.createElement("div");
+        row.className = "instance";
+        row.dataset.state = instanceState(inst);
+        const url = document.createElement("span");
+        url.className = "url";
+        url.textContent = `${inst.url} · ${row.dataset.state}`;
+        const slots = document.createElement("span");
+        slots.title = `${inst.free_slots} of ${inst.capacity} slots free`;
+        for (let i = 0; i < inst.capacity; i++) {
+          const slot = document.createElement("span");
+          slot.className = i < inst.free_slots ? "slot" : "slot busy";
+          slots.append(slot);
+        }
+        row.append(url, slots);
+        box.append(row);
+      }
+      for (const req of view.requests.filter((r) => r.role === role)) {
+        const chip = document.createElement("div");
+        chip.className = mine.has(req.id) ? "request mine" : "request";
+        chip.dataset.id = req.id;
+        chip.dataset.state = req.state;
+        chip.dataset.done = req.done.join(" ");
+        const steps = req.total_steps ? ` ${req.step}/${req.total_steps}` : "";
+        const path = req.done.map((r) => `${r} ✓ `).join("");
+        chip.textContent = `${req.id.slice(0, 14)}… ${path}${req.state.toLowerCase()}${steps}`;
+        box.append(chip);
+      }
+      return box;
+    }),
+  );
+}
+
+async function pollPipeline() {
+  try {
+    renderPipeline(await (await api("/v1/pipeline")).json());
+  } catch (err) {
+    $("pipeline-summary").textContent = err.message;
+  }
+  setTimeout(pollPipeline, PIPELINE_POLL_MS);
+}
+
+$("apikey").value = localStorage.getItem(API_KEY) ?? "";
+$("apikey").addEventListener("change", () => {
+  localStorage.setItem(API_KEY, $("apikey").value.trim());
+  loadModel();
+});
+$("form").addEventListener("submit", onSubmit);
+$("clear-history").addEventListener("click", () => {
+  localStorage.removeItem(HISTORY_KEY);
+  renderHistory();
+});
+renderHistory();
+loadModel();
+pollPipeline();

@@ -1,0 +1,73 @@
+"""The progress routes over a scripted backend: a streamed image ends with the plain answer's
+pixels or with the error, a video's events end with the job, and the playground's files."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.api.test_http_api import ScriptedBackend, make_client
+from triptych.client import iter_sse
+from triptych_head.backend import GenerationFailed
+
+
+@pytest.fixture
+def backend() -> ScriptedBackend:
+    return ScriptedBackend()
+
+
+def events(client, method: str, path: str, **kwargs) -> list:
+    with client.stream(method, path, **kwargs) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return list(iter_sse(r.iter_lines()))
+
+
+def test_a_streamed_image_reports_each_step_then_the_same_pixels_as_the_plain_answer(backend, tmp_path):
+    body = {"prompt": "cat", "size": "32x32", "seed": 1, "num_inference_steps": 3}
+    with make_client(backend, tmp_path, kind="image") as c:
+        got = events(c, "POST", "/v1/images/generations", json={**body, "stream": True})
+        plain = c.post("/v1/images/generations", json=body).json()
+    assert [e.event for e in got] == ["step", "step", "step", "completed"]
+    assert [e.data["step"] for e in got[:3]] == [1, 2, 3] and got[0].data["role"] == "denoiser"
+    assert got[-1].data["data"] == plain["data"]
+
+
+def test_a_streamed_image_that_fails_ends_with_the_error(backend, tmp_path):
+    backend.fail = GenerationFailed("the denoiser ran out of memory", 503, "FAILED")
+    with make_client(backend, tmp_path, kind="image") as c:
+        got = events(c, "POST", "/v1/images/generations", json={"prompt": "cat", "size": "32x32", "stream": True})
+        assert c.get("/health").json()["admission"]["in_flight"] == 0
+    assert got[-1].event == "error"
+    assert got[-1].data["error"] == {"message": "the denoiser ran out of memory", "code": "failed", "status": 503}
+
+
+def test_a_video_s_events_end_with_the_job_and_a_finished_job_answers_at_once(backend, tmp_path):
+    backend.step_delay = 0.05
+    with make_client(backend, tmp_path) as c:
+        job = c.post("/v1/videos", json={"prompt": "sea", "size": "32x32", "num_frames": 5}).json()
+        got = events(c, "GET", f"/v1/videos/{job['id']}/events")
+        assert [e.data["step"] for e in got if e.event == "step"] == [1, 2, 3, 4]
+        assert got[-1].event == "completed" and got[-1].data["status"] == "completed"
+        assert c.get(got[-1].data["content_url"]).content[4:8] == b"ftyp"
+        assert [e.event for e in events(c, "GET", f"/v1/videos/{job['id']}/events")] == ["completed"]
+        assert c.get("/v1/videos/video_nope/events").status_code == 404
+
+
+def test_a_cancelled_video_s_events_end_with_a_cancelled_error(backend, tmp_path):
+    backend.step_delay = 1.0
+    with make_client(backend, tmp_path) as c:
+        job = c.post("/v1/videos", json={"prompt": "sea", "size": "32x32", "num_frames": 5}).json()
+        time.sleep(0.2)
+        assert c.delete(f"/v1/videos/{job['id']}").json()["status"] == "cancelled"
+        got = events(c, "GET", f"/v1/videos/{job['id']}/events")
+    assert [e.event for e in got] == ["error"] and got[0].data["error"]["status"] == 499
+
+
+def test_the_playground_is_served_at_the_root_with_its_files(backend, tmp_path):
+    with make_client(backend, tmp_path) as c:
+        page = c.get("/")
+        assert page.status_code == 200 and "Content-Security-Policy" in page.headers
+        assert '<script type="module" src="/static/app.js">' in page.text
+        assert c.get("/static/app.js").headers["content-type"].startswith("text/javascript")
+        assert c.get("/static/nope.js").status_code == 404

@@ -1,0 +1,76 @@
+"""ProgressFeed and its subscribers: offering never waits, a slow subscriber loses its oldest
+messages (and is told how many), never the last one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from triptych.protocol import RequestEvent
+from triptych_head.api.progress import QUEUE_LIMIT, ProgressFeed, SSEMessage, Subscriber, message_of, role_of
+
+
+def parse(chunks: list[bytes]) -> list[tuple[str, dict]]:
+    out = []
+    for chunk in chunks:
+        head, data = chunk.decode().strip().split("\n")
+        out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+async def read_all(feed: ProgressFeed, sub) -> list[tuple[str, dict]]:
+    return parse([chunk async for chunk in sub.messages(feed.request_id)])
+
+
+def test_a_subscriber_that_never_reads_keeps_the_newest_messages_and_learns_how_many_it_lost():
+    async def run() -> list[tuple[str, dict]]:
+        feed = ProgressFeed("r1")
+        sub = feed.subscribe()
+        for step in range(1, 101):
+            feed.on_event(RequestEvent("r1", "DENOISING_RUNNING", step=step, total_steps=100))
+        feed.publish(SSEMessage("completed", {"id": "r1"}))
+        return await read_all(feed, sub)
+
+    got = asyncio.run(run())
+    assert got[0] == ("dropped", {"id": "r1", "dropped": 101 - QUEUE_LIMIT})
+    steps = [d["step"] for e, d in got if e == "step"]
+    assert steps == list(range(102 - QUEUE_LIMIT, 101))  # the newest, in order
+    assert got[-1] == ("completed", {"id": "r1"})
+
+
+def test_a_late_subscriber_starts_from_the_latest_event_and_one_after_the_end_gets_only_the_end():
+    async def run() -> tuple[list, list]:
+        feed = ProgressFeed("r2")
+        feed.on_event(RequestEvent("r2", "ENCODER_RUNNING"))
+        late = feed.subscribe()
+        feed.on_event(RequestEvent("r2", "DENOISING_RUNNING", step=1, total_steps=2, preview=b"\x89PNG"))
+        feed.publish(SSEMessage("error", {"id": "r2", "error": {"message": "boom"}}))
+        after = feed.subscribe()
+        return await read_all(feed, late), await read_all(feed, after)
+
+    late, after = asyncio.run(run())
+    assert [e for e, _ in late] == ["state", "step", "error"]
+    assert late[0][1] == {"id": "r2", "state": "ENCODER_RUNNING", "role": "encoder"}
+    assert late[1][1]["preview"] == "iVBORw=="  # base64 of the PNG bytes
+    assert [e for e, _ in after] == ["error"]
+
+
+def test_states_name_the_role_a_request_is_at():
+    assert [role_of(s) for s in ("PENDING", "ENCODER_WAITING", "DENOISING_DONE", "DECODER_RUNNING", "DONE")] == [
+        None, "encoder", "denoiser", "decoder", None,
+    ]  # fmt: skip
+    assert message_of("r", RequestEvent("r", "DENOISING_RUNNING", step=3, total_steps=8)).event == "step"
+
+
+def test_a_subscriber_holds_at_most_its_byte_bound_of_previews_but_always_the_newest_message():
+    async def run() -> list[tuple[str, dict]]:
+        feed = ProgressFeed("r3")
+        sub = Subscriber(limit=1000, max_bytes=10_000)
+        feed.subscribers.add(sub)
+        for step in range(1, 11):  # ~4 KB each as base64
+            feed.on_event(RequestEvent("r3", "DENOISING_RUNNING", step=step, total_steps=10, preview=bytes(3000)))
+        feed.publish(SSEMessage("completed", {"id": "r3", "big": "x" * 20_000}))  # alone over the bound
+        return await read_all(feed, sub)
+
+    got = asyncio.run(run())
+    assert got == [("dropped", {"id": "r3", "dropped": 10}), ("completed", {"id": "r3", "big": "x" * 20_000})]

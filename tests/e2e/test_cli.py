@@ -1,0 +1,127 @@
+"""`triptych generate / video / status` as a user runs them, against real deployments with the tiny
+models: the PNG is the API's, a video shows its progress and Ctrl-C cancels it on the server."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.harness import deployment
+from triptych.localdeploy import LocalDeployment
+
+pytestmark = pytest.mark.slow
+
+KEY = "cli-test-key"
+IMAGE = {"prompt": "a lighthouse at dusk", "size": "64x48", "seed": 21, "num_inference_steps": 3}
+
+
+def triptych(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "triptych", *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
+    tmp = tmp_path_factory.mktemp("flux")
+    (tmp / "keys.txt").write_text(KEY + "\n")
+    with deployment(tiny_models["tiny-flux"], tmp, head_flags=("--api-keys-file", str(tmp / "keys.txt"))) as dep:
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def wan(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
+    with deployment(tiny_models["tiny-wan"], tmp_path_factory.mktemp("wan"), denoisers=2) as dep:
+        yield dep
+
+
+def test_generate_writes_the_png_the_api_returns(flux: LocalDeployment, tmp_path: Path):
+    out = tmp_path / "out.png"
+    args = ["generate", IMAGE["prompt"], "-o", str(out), "--size", IMAGE["size"], "--seed", str(IMAGE["seed"])]
+    done = triptych(*args, "--steps", "3", env={"TRIPTYCH_URL": flux.http, "TRIPTYCH_API_KEY": KEY})
+    assert done.returncode == 0, done.stderr
+    r = httpx.post(f"{flux.http}/v1/images/generations", json=IMAGE, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=120)  # fmt: skip
+    assert out.read_bytes() == base64.b64decode(r.json()["data"][0]["b64_json"])
+    assert "denoiser step 3/3" in done.stderr and f"wrote {out}" in done.stderr
+
+
+def test_generate_n_writes_numbered_files_and_a_missing_key_is_a_one_line_error(flux: LocalDeployment, tmp_path):
+    out = tmp_path / "many.png"
+    done = triptych("generate", "boats", "-o", str(out), "--n", "2", "--size", "32x32", "--steps", "2",
+                    "--url", flux.http, "--api-key", KEY)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in sorted(tmp_path.glob("many-*.png"))] == ["many-0.png", "many-1.png"]
+    denied = triptych("generate", "boats", "-o", str(out), "--url", flux.http)
+    assert denied.returncode == 1
+    assert denied.stderr.strip() == "triptych: error: 401: missing API key: send 'Authorization: Bearer YOUR_KEY'"
+    bad = triptych("generate", "boats", "-o", str(out), "--size", "64by64", "--url", flux.http, "--api-key", KEY)
+    assert bad.returncode == 1 and "size" in bad.stderr and "64by64" in bad.stderr
+    gone = triptych("status", "--url", "http://127.0.0.1:9")
+    assert gone.returncode == 1 and gone.stderr.startswith("triptych: error: cannot reach http://127.0.0.1:9")
+
+
+def test_status_prints_each_role_s_instances_and_free_slots(wan: LocalDeployment):
+    done = triptych("status", "--url", wan.http, env={"COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if "tcp://127.0.0.1:" in line]
+    assert len(rows) == 4, done.stdout  # one encoder, two denoisers, one decoder
+    assert all("ready" in row and "2/2" in row for row in rows), done.stdout
+    assert [row.split("│")[1].strip() for row in rows] == ["encoder", "denoiser", "", "decoder"]
+
+
+def test_video_shows_its_progress_and_writes_the_mp4(wan: LocalDeployment, tmp_path: Path):
+    out = tmp_path / "out.mp4"
+    done = triptych("video", "waves", "-o", str(out), "--size", "64x64", "--frames", "5", "--steps", "4",
+                    "--seed", "3", "--url", wan.http)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("video_") and lines[0].endswith(" queued")
+    steps = [line for line in lines if line.startswith("denoiser step ")]
+    assert steps == [f"denoiser step {k}/4" for k in range(1, 5)]
+    roles = [line.split()[0] for line in lines if line.endswith("_RUNNING")]
+    assert roles == ["encoder", "denoiser", "decoder"]
+    assert out.read_bytes()[4:8] == b"ftyp"
+
+
+def test_ctrl_c_during_video_cancels_the_job_on_the_server_and_frees_its_slots(wan: LocalDeployment, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "triptych", "video", "a long one", "-o", str(tmp_path / "never.mp4"),
+         "--size", "64x64", "--frames", "5", "--steps", "200", "--url", wan.http],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    job_id, seen = "", []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline().strip()
+        seen.append(line)
+        job_id = job_id or (line.split()[0] if line.startswith("video_") else "")
+        if line.startswith("denoiser step 2/200"):
+            break
+    else:
+        proc.kill()
+        pytest.fail(f"no progress within 180 s: {seen}")
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130
+    assert f"cancelled {job_id} on the server (cancelled)" in rest
+    assert httpx.get(f"{wan.http}/v1/videos/{job_id}", timeout=30).json()["status"] == "cancelled"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        workers = httpx.get(f"{wan.http}/health", timeout=30).json()["workers"]
+        if all(w["free_slots"] == w["capacity"] for ws in workers.values() for w in ws):
+            break
+        time.sleep(0.3)
+    else:
+        pytest.fail(f"slots still held after the cancel: {workers}")

@@ -1,0 +1,196 @@
+"""The web playground in a real browser (Playwright driving Debian's Chromium, headless) against
+real local deployments with the tiny models: an image whose bytes are the API's, a video whose
+progress bar advances with previews before the result, the pipeline view's instance counts and a
+request moving through it, a phone-sized viewport, and an API key entered in the page.
+Screenshots go to outputs/ (docs/playground.png is one of them)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.e2e.harness import deployment
+from triptych.localdeploy import LocalDeployment
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+OUTPUTS = Path(__file__).resolve().parents[2] / "outputs"
+KEY = "playground-test-key"
+DESKTOP = {"width": 1280, "height": 1000}
+PHONE = {"width": 390, "height": 844}
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (make setup installs it)")
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
+    """Two denoisers, behind an API key."""
+    tmp = tmp_path_factory.mktemp("flux")
+    keys = tmp / "api-keys"
+    keys.write_text(f"{KEY}\n")
+    flags = ("--api-keys-file", str(keys))
+    with deployment(tiny_models["tiny-flux"], tmp, denoisers=2, head_flags=flags) as dep:
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def wan(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
+    with deployment(tiny_models["tiny-wan"], tmp_path_factory.mktemp("wan")) as dep:
+        yield dep
+
+
+def new_page(browser, viewport: dict[str, int], bypass_csp: bool = True):
+    """A page in its own context; bypass_csp lets the test evaluate its probes (the page's CSP forbids
+    eval, which the playground itself never uses: the phone page below runs under it)."""
+    return browser.new_context(viewport=viewport, bypass_csp=bypass_csp).new_page()
+
+
+def screenshot(page, name: str) -> Image.Image:
+    OUTPUTS.mkdir(exist_ok=True)
+    path = OUTPUTS / name
+    page.screenshot(path=str(path), full_page=True)
+    image = Image.open(path).convert("RGB")
+    pixels = np.asarray(image)
+    assert pixels.std() > 10, f"{path} looks blank"
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50, f"{path} has almost no distinct colours"
+    return image
+
+
+def fill_request(page, prompt: str, width: int, height: int, steps: int, seed: int, preview_every: int) -> None:
+    page.fill("#prompt", prompt)
+    page.fill("#width", str(width))
+    page.fill("#height", str(height))
+    page.fill("#steps", str(steps))
+    page.fill("#seed", str(seed))
+    page.fill("#preview-every", str(preview_every))
+
+
+def instance_counts(page) -> dict[str, int]:
+    return page.eval_on_selector_all(
+        ".role", "boxes => Object.fromEntries(boxes.map(b => [b.dataset.role, b.querySelectorAll('.instance').length]))"
+    )
+
+
+def test_the_page_and_its_files_need_no_key_but_the_api_does(flux: LocalDeployment):
+    for path in ("/", "/static/app.js", "/static/style.css"):
+        assert httpx.get(flux.http + path, timeout=30).status_code == 200, path
+    assert httpx.get(flux.http + "/v1/pipeline", timeout=30).status_code == 401
+    assert httpx.get(flux.http + "/static/../v1/pipeline", timeout=30).status_code in (401, 404)
+
+
+def test_an_image_generated_in_the_page_is_the_api_s_image(browser, flux: LocalDeployment):
+    page = new_page(browser, DESKTOP)
+    page.goto(flux.http + "/")
+    page.fill("#apikey", KEY)
+    page.dispatch_event("#apikey", "change")
+    page.wait_for_function("document.querySelector('#model').textContent.includes('tiny-flux')")
+    fill_request(page, "a lighthouse at dusk", 64, 48, 4, 11, 1)
+    page.click("#generate")
+    page.wait_for_selector("#result-image:not([hidden])", timeout=120_000)
+    src = page.get_attribute("#result-image", "src")
+    shown = base64.b64decode(src.removeprefix("data:image/png;base64,"))
+    body = {"prompt": "a lighthouse at dusk", "size": "64x48", "num_inference_steps": 4, "seed": 11}
+    r = httpx.post(
+        f"{flux.http}/v1/images/generations", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    assert shown == base64.b64decode(r.json()["data"][0]["b64_json"])
+    assert Image.open(io.BytesIO(shown)).size == (64, 48)
+    assert page.eval_on_selector_all("#history li", "items => items.length") == 1
+    page.wait_for_function("document.querySelectorAll('.role .instance').length === 4")
+    assert instance_counts(page) == {"encoder": 1, "denoiser": 2, "decoder": 1}
+    assert page.eval_on_selector_all(".instance", "rows => rows.map(r => r.dataset.state)") == ["ready"] * 4
+    image = screenshot(page, "playground-image.png")
+    assert image.width == DESKTOP["width"] and image.height >= 600
+
+    page.close()
+
+    # A phone, under the page's own Content-Security-Policy (so probes are selectors, not scripts).
+    phone = new_page(browser, PHONE, bypass_csp=False)
+    phone.goto(flux.http + "/")
+    phone.fill("#apikey", KEY)
+    phone.dispatch_event("#apikey", "change")
+    phone.wait_for_selector(".role[data-role=decoder] .instance")
+    assert phone.locator(".role .instance").count() == 4
+    assert phone.locator("#model").inner_text().startswith("tiny-flux")
+    box = phone.locator("#generate").bounding_box()
+    assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"]
+    shot = screenshot(phone, "playground-phone.png")
+    assert shot.width == PHONE["width"]  # nothing wider than the viewport (a full-page shot would widen)
+    phone.close()
+
+
+RECORD_PROGRESS = """() => {
+  window.seen = {progress: [], previewBeforeResult: false, chips: []};
+  const note = () => {
+    const p = document.querySelector('#progress');
+    window.seen.progress.push(Number(p.value));
+    const preview = !document.querySelector('#preview').hidden;
+    const result = !document.querySelector('#result-video').hidden;
+    if (preview && !result) window.seen.previewBeforeResult = true;
+    for (const chip of document.querySelectorAll('.request.mine')) {
+      window.seen.chips.push([chip.closest('.role').dataset.role, chip.dataset.done]);
+    }
+  };
+  new MutationObserver(note).observe(document.body, {subtree: true, childList: true, attributes: true});
+}"""
+
+
+def test_a_video_shows_progress_and_previews_before_its_result_and_moves_through_the_pipeline(
+    browser, wan: LocalDeployment
+):
+    page = new_page(browser, DESKTOP)
+    page.goto(wan.http + "/")
+    page.wait_for_function("document.body.dataset.kind === 'video'")
+    fill_request(page, "waves on a beach", 64, 64, 10, 5, 2)
+    page.fill("#frames", "5")
+    page.evaluate(RECORD_PROGRESS)
+    page.click("#generate")
+    page.wait_for_selector("#preview:not([hidden])", timeout=120_000)
+    page.wait_for_selector(".request.mine")  # the pipeline view has caught up with it
+    shot = screenshot(page, "playground-video-progress.png")
+    assert shot.width == DESKTOP["width"] and shot.height >= 600
+    shutil.copy(OUTPUTS / "playground-video-progress.png", OUTPUTS / "playground.png")  # docs/playground.png
+    page.wait_for_selector("#result-video:not([hidden])", timeout=180_000)
+    seen = page.evaluate("window.seen")
+    steps = sorted(set(seen["progress"]))
+    assert steps[-1] == 10 and len(steps) >= 3, steps  # the bar advanced step by step to the end
+    assert seen["previewBeforeResult"]
+    assert ["denoiser", "encoder"] in seen["chips"], seen["chips"]  # at the denoiser, the encoder done
+    for role, done in seen["chips"]:
+        assert done == {"encoder": "", "denoiser": "encoder", "decoder": "encoder denoiser"}[role]
+    assert page.evaluate("document.querySelector('#result-video').duration") > 0
+    assert instance_counts(page) == {"encoder": 1, "denoiser": 1, "decoder": 1}
+    screenshot(page, "playground-video.png")
+    page.close()
+
+
+def test_history_survives_a_reload_and_can_be_cleared(browser, wan: LocalDeployment):
+    page = new_page(browser, DESKTOP)
+    page.goto(wan.http + "/")
+    page.evaluate(
+        "localStorage.setItem('triptych.history', JSON.stringify([{prompt: 'x', size: '64x64', seed: 1, seconds: 1}]))"
+    )
+    page.reload()
+    assert page.eval_on_selector_all("#history li", "items => items.length") == 1
+    page.click("#clear-history")
+    assert page.eval_on_selector_all("#history li", "items => items.length") == 0
+    page.close()

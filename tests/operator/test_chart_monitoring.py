@@ -1,0 +1,126 @@
+"""The chart's monitoring: Prometheus Operator monitors only where its CRDs exist, and a Grafana dashboard
+whose every query reads a metric the head exports. Real `helm template` (the toolchain's helm)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import promql_parser
+import pytest
+
+from tests.operator.test_chart import CHART, PROMETHEUS_OPERATOR, by_kind_name, helm_bin, render
+from triptych_head.metrics import HeadMetrics
+from triptych_operator.dashboard import DASHBOARD_FILE, dashboard
+from triptych_operator.dashboard import render as render_dashboard
+
+__all__ = ["helm_bin"]  # the fixture, shared with test_chart.py
+
+MONITORS = {"podMonitor": "PodMonitor", "serviceMonitor": "ServiceMonitor"}
+DASHBOARD = ("ConfigMap", "rel-triptych-dashboard")
+# What issue 18 asks the dashboard to show, by the metric that shows it.
+REQUIRED = {
+    "triptych_role_queued_requests": "per-role queue",
+    "triptych_stage_seconds_bucket": "latency by stage",
+    "triptych_transfer_bytes_total": "transfer throughput",
+    "triptych_instance_up": "instance health",
+    "triptych_worker_seconds_total": "device (GPU) seconds",
+}
+
+
+@pytest.mark.parametrize("value", sorted(MONITORS))
+def test_a_monitor_renders_only_where_the_prometheus_operator_crds_exist(helm_bin: Path, value: str) -> None:
+    kind = MONITORS[value]
+    with_crds = by_kind_name(render(helm_bin, f"monitoring.{value}.enabled=true", api_versions=[PROMETHEUS_OPERATOR]))
+    monitor = with_crds[(kind, "rel-triptych-heads")]
+    assert monitor["apiVersion"] == PROMETHEUS_OPERATOR
+    assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "head"
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    without_crds = render(helm_bin, f"monitoring.{value}.enabled=true")
+    assert [d for d in without_crds if d["apiVersion"] == PROMETHEUS_OPERATOR] == []
+    assert len(without_crds) == len(with_crds) - 1  # nothing else differs
+    off = render(helm_bin, api_versions=[PROMETHEUS_OPERATOR])  # the CRDs alone render nothing
+    assert [d for d in off if d["apiVersion"] == PROMETHEUS_OPERATOR] == []
+
+
+def test_the_service_monitor_scrapes_each_head_once_through_its_workers_service(helm_bin: Path) -> None:
+    """A head has two Services with its labels (<pipeline>-head, <pipeline>-api); only the first is kept."""
+    docs = render(helm_bin, "monitoring.serviceMonitor.enabled=true", api_versions=[PROMETHEUS_OPERATOR])
+    [endpoint] = by_kind_name(docs)[("ServiceMonitor", "rel-triptych-heads")]["spec"]["endpoints"]
+    [keep] = endpoint["relabelings"]
+    assert keep["action"] == "keep" and keep["sourceLabels"] == ["__meta_kubernetes_service_name"]
+    assert re.fullmatch(keep["regex"], "wan-head") and not re.fullmatch(keep["regex"], "wan-head-api")
+    assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+
+
+def test_both_monitors_at_once_are_refused_naming_the_values(helm_bin: Path) -> None:
+    sets = ["--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.serviceMonitor.enabled=true"]
+    proc = subprocess.run(
+        [str(helm_bin), "template", "rel", str(CHART), *sets], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode != 0
+    assert "monitoring.podMonitor or monitoring.serviceMonitor, not both" in proc.stderr
+
+
+def test_the_dashboard_is_off_by_default_and_labelled_for_grafanas_sidecar_when_on(helm_bin: Path) -> None:
+    assert DASHBOARD not in by_kind_name(render(helm_bin))
+    sets = ("monitoring.grafanaDashboard.enabled=true", "monitoring.grafanaDashboard.namespace=monitoring")
+    config_map = by_kind_name(render(helm_bin, *sets))[DASHBOARD]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["namespace"] == "monitoring"
+    assert json.loads(config_map["data"]["triptych.json"]) == dashboard()
+
+
+def test_the_dashboard_file_is_what_its_declaration_generates() -> None:
+    assert DASHBOARD_FILE.read_text() == render_dashboard(), "stale: run `make dashboard`"
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metrics a dashboard query reads, from its syntax tree (promql-parser); raises ValueError when
+    it is not PromQL. Grafana's range variables are given a duration first, as Grafana does."""
+    expr = re.sub(r"\$__(rate_interval|interval|range)\b", "5m", expr)
+    names: set[str] = set()
+
+    def visit(node: object) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            names.add(str(node.name))
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return names
+
+
+def exported_series() -> set[str]:
+    """Every series name the head's registry exposes at /metrics (counters with _total, histograms'
+    _bucket/_count/_sum), labelled or not yet observed included."""
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
+    return {family.name + s for family in HeadMetrics().registry.collect() for s in suffixes[family.type]}
+
+
+def queries(board: dict[str, Any]) -> list[str]:
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    variables = [v["query"]["query"] for v in board["templating"]["list"] if v["type"] == "query"]
+    return exprs + [re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1", q) for q in variables]
+
+
+def test_every_metric_the_dashboard_queries_is_one_the_head_exports() -> None:
+    board = json.loads(DASHBOARD_FILE.read_text())
+    exported = exported_series()
+    used: set[str] = set()
+    for expr in queries(board):
+        names = metric_names(expr)
+        assert names, f"no metric found in {expr!r}"
+        assert names <= exported, f"{expr!r} reads {sorted(names - exported)}, which the head does not export"
+        used |= names
+    missing = {what for metric, what in REQUIRED.items() if metric not in used}
+    assert not missing, f"the dashboard shows no {sorted(missing)}"
+
+
+def test_the_metric_check_reads_metrics_from_the_syntax_tree_and_rejects_what_is_not_promql() -> None:
+    expr = 'sum by (role) (rate(kube_pod_info{namespace=~"$ns"}[$__rate_interval])) / triptych_active_requests'
+    names = metric_names(expr)
+    assert names == {"kube_pod_info", "triptych_active_requests"} and not names <= exported_series()
+    with pytest.raises(ValueError):
+        metric_names("sum(rate(triptych_requests_total[5m])")

@@ -1,0 +1,48 @@
+"""What the head's /metrics says about the work done: real DiffusionServer, scripted workers over real ZMQ."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from tests.unit.scripted import PARAMS, scripted_head
+from triptych.params import GenerationParams
+from triptych.protocol import RequestEvent, Submit, TransferStaged, Work, decode, encode
+from triptych.roles import Role
+
+MANIFEST = [{"name": "x", "dtype": "uint8", "shape": [8], "offset": 0}]
+
+
+def test_worker_seconds_add_up_what_workers_report_and_an_impossible_report_fails_only_its_request():
+    """An infinite report used to reach the work estimate and crash the head's loop (Retry-After)."""
+    reported = [0.25, 0.5, -3.0, math.inf, math.nan]
+    # Three encoders of two slots each: every request is encoded at once (none is pushed on here).
+    with scripted_head({Role.ENCODER: 3, Role.DENOISER: 1, Role.DECODER: 1}) as (server, client, w):
+        everyone = [worker for ws in w.values() for worker in ws]
+        for i in range(len(reported)):
+            client.send_multipart(encode(Submit(f"r{i}", GenerationParams(**PARAMS))))
+        failed: dict[str, str] = {}
+        deadline = time.monotonic() + 10
+        while len(failed) < 3:
+            assert time.monotonic() < deadline, f"failed so far: {failed}"
+            for worker in everyone:
+                worker.pump(0.01)
+                for work in [m for m in worker.got if isinstance(m, Work)]:
+                    worker.got.remove(work)
+                    seconds = reported[int(work.request_id.removeprefix("r"))]
+                    worker.send(TransferStaged(work.request_id, work.instance, 8, MANIFEST, {}, seconds))
+            while client.poll(0):
+                event, _ = decode(client.recv_multipart())
+                if isinstance(event, RequestEvent) and event.state == "FAILED":
+                    failed[event.request_id] = event.error or ""
+        assert sorted(failed) == ["r2", "r3", "r4"]
+        assert all("field 'seconds'" in error for error in failed.values()), failed
+        sample = server.metrics.registry.get_sample_value
+        assert sample("triptych_stage_seconds_count", {"role": "encoder"}) == 2
+        assert sample("triptych_worker_seconds_total", {"role": "encoder"}) == 0.75
+        client.send_multipart(encode(Submit("after", GenerationParams(**PARAMS))))  # the loop still runs:
+        deadline = time.monotonic() + 5
+        while not any(isinstance(m, Work) and m.request_id == "after" for x in everyone for m in x.got):
+            assert time.monotonic() < deadline, "the head dispatched nothing after the impossible reports"
+            for worker in everyone:
+                worker.pump(0.01)

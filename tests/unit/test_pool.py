@@ -1,0 +1,52 @@
+"""triptych.launch_pool's arguments (the deployment itself: tests/e2e/test_split_encoders.py, test_image_edits.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import triptych
+from triptych.localdeploy import device_flags
+from triptych.pool import role_devices, serve_flags_argv
+from triptych.roles import Role
+
+
+def test_launch_pool_is_the_public_entry() -> None:
+    from triptych.pool import launch_pool
+
+    assert triptych.launch_pool is launch_pool
+
+
+def test_role_device_arguments_are_named_after_the_roles() -> None:
+    kwargs = {"prompt_encoder_devices": [["cpu"]], "denoiser_devices": [[0, 1]], "denoiser_sp": 2}
+    assert role_devices(kwargs) == {Role.PROMPT_ENCODER: [["cpu"]], Role.DENOISER: [[0, 1]]}
+    assert kwargs == {"denoiser_sp": 2}
+    with pytest.raises(TypeError, match="server_devices names no worker role; use encoder_devices"):
+        role_devices({"server_devices": [["cpu"]]})
+
+
+def test_serve_flags_become_triptych_serve_arguments() -> None:
+    assert serve_flags_argv({"denoiser_sp": 4, "simulate": True, "disagg_insecure": False}) == [
+        "--denoiser-sp", "4", "--simulate",
+    ]  # fmt: skip
+    with pytest.raises(TypeError, match="not_a_flag=1 is not a `triptych serve` flag"):
+        serve_flags_argv({"not_a_flag": 1})
+
+
+def test_devices_are_cpu_or_gpu_indices() -> None:
+    assert device_flags(["cpu"]) == (["--device", "cpu"], {})
+    assert device_flags([4, 5]) == (["--device", "cuda", "--num-gpus", "2"], {"CUDA_VISIBLE_DEVICES": "4,5"})
+    for bad in ([], ["gpu0"], [-1], [True]):
+        with pytest.raises(ValueError, match="give"):
+            device_flags(bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"encoder_devices": [["cpu"]], "prompt_encoder_devices": [["cpu"]]}, "not both"),
+        ({"image_encoder_devices": [["cpu"]]}, "needs prompt_encoder_devices"),
+    ],
+)
+def test_contradictory_topologies_are_refused_before_anything_starts(tmp_path, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message), triptych.launch_pool(tmp_path, **kwargs):
+        pass

@@ -1,0 +1,78 @@
+"""Reference images (triptych.reference): every bad image or URL is a BadReference naming the field."""
+
+from __future__ import annotations
+
+import http.server
+import io
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from PIL import Image
+
+from triptych.reference import BadReference, fetch_reference, open_reference
+
+
+def png(width: int = 12, height: int = 10) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGBA", (width, height), (1, 2, 3, 4)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_a_good_image_decodes_to_rgb() -> None:
+    image = open_reference(png())
+    assert (image.mode, image.size) == ("RGB", (12, 10))
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"", "the file is empty"),
+        (b"plain text", "not an image"),
+        (png()[:40], "truncated or corrupt|not an image"),
+    ],
+)
+def test_bad_bytes_name_the_field(data: bytes, message: str) -> None:
+    with pytest.raises(BadReference, match=rf"^reference: ({message})"):
+        open_reference(data, "reference")
+
+
+class _Server(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path == "/slow":
+            time.sleep(2)
+        if self.path == "/ftp":
+            self.send_response(302)
+            self.send_header("Location", "ftp://example.com/x.png")
+            self.end_headers()
+            return
+        body = png() if self.path in ("/ok", "/slow") else b""
+        self.send_response(200 if body else 404)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def base() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_urls_are_fetched_within_their_limits(base: str) -> None:
+    assert fetch_reference(f"{base}/ok") == png()
+    with pytest.raises(BadReference, match="answered 404"):
+        fetch_reference(f"{base}/missing")
+    with pytest.raises(BadReference, match="larger than 10 bytes"):
+        fetch_reference(f"{base}/ok", max_bytes=10)
+    with pytest.raises(BadReference, match="failed"):
+        fetch_reference(f"{base}/slow", timeout=0.5)
+    with pytest.raises(BadReference, match="not an http"):
+        fetch_reference(f"{base}/ftp")
+    with pytest.raises(BadReference, match="not an http"):
+        fetch_reference("file:///etc/passwd")

@@ -1,0 +1,217 @@
+"""`triptych generate`, `triptych video` and `triptych status`: the HTTP client on the command line.
+
+    triptych generate "a lighthouse at dusk" -o out.png --size 512x512 --seed 1 --steps 20
+    triptych video "waves on a beach" -o out.mp4 --frames 33
+    triptych status
+
+They talk to a head's HTTP API only: `--url` (or TRIPTYCH_URL, default http://127.0.0.1:30000) and
+`--api-key` (or TRIPTYCH_API_KEY) when the head has --api-keys-file. Progress (the role a request
+is at, denoising steps, time left) comes from the request's Server-Sent Events; on a terminal it
+is a live bar, elsewhere one line per event. Ctrl-C during `video` cancels the job on the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from triptych.client import Event, TriptychClient
+
+DEFAULT_URL = "http://127.0.0.1:30000"
+INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
+
+
+def add_client_commands(sub: Any) -> None:
+    """The client subcommands, on `triptych`'s subparsers."""
+    connection = argparse.ArgumentParser(add_help=False)
+    connection.add_argument("--url", default=os.environ.get("TRIPTYCH_URL", DEFAULT_URL), help="the head's HTTP URL")
+    connection.add_argument("--api-key", default=os.environ.get("TRIPTYCH_API_KEY"), help="Bearer key, if required")
+    request = argparse.ArgumentParser(add_help=False)
+    request.add_argument("prompt")
+    request.add_argument("-o", "--output", required=True, type=Path, help="file to write")
+    request.add_argument("--size", help="WIDTHxHEIGHT (the server's default when omitted)")
+    request.add_argument("--seed", type=int, help="same seed, same pixels")
+    request.add_argument("--steps", type=int, help="denoising steps (the model's default when omitted)")
+    request.add_argument("--negative-prompt")
+    request.add_argument("--guidance", type=float, help="guidance_scale")
+
+    gen = sub.add_parser("generate", parents=[request, connection], help="text to image through a head's HTTP API")
+    gen.add_argument("--n", type=int, default=1, help="images to make; out.png becomes out-0.png, out-1.png, ...")
+    vid = sub.add_parser("video", parents=[request, connection], help="text to video, with a live progress bar")
+    vid.add_argument("--frames", type=int, help="num_frames")
+    vid.add_argument("--fps", type=int)
+    sub.add_parser("status", parents=[connection], help="the head's pools: instances, free slots, queues")
+
+
+def run_client_command(ns: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from triptych.client import ClientError, TriptychClient
+
+    console = Console(stderr=True)
+    client = TriptychClient(ns.url, ns.api_key)
+    try:
+        if ns.command == "generate":
+            return _generate(client, ns, console)
+        if ns.command == "video":
+            return _video(client, ns, console)
+        return _status(client, Console())
+    except ClientError as exc:
+        console.print(f"triptych: error: {exc}", markup=False, highlight=False)
+        return 1
+    finally:
+        client.close()
+
+
+def _body(ns: argparse.Namespace) -> dict[str, Any]:
+    fields = {
+        "prompt": ns.prompt,
+        "size": ns.size,
+        "seed": ns.seed,
+        "num_inference_steps": ns.steps,
+        "negative_prompt": ns.negative_prompt,
+        "guidance_scale": ns.guidance,
+    }
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def output_paths(output: Path, n: int) -> list[Path]:
+    return [output] if n == 1 else [output.with_name(f"{output.stem}-{i}{output.suffix}") for i in range(n)]
+
+
+def _generate(client: TriptychClient, ns: argparse.Namespace, console: Console) -> int:
+    import base64
+
+    body = {**_body(ns), "n": ns.n}
+    with ProgressView(console, "image") as view:
+        final = view.follow(client.stream_images(body))
+    if final.event != "completed":
+        console.print(f"triptych: error: {final.data['error']['message']}", markup=False, highlight=False)
+        return 1
+    for path, item in zip(output_paths(ns.output, ns.n), final.data["data"], strict=True):
+        path.write_bytes(base64.b64decode(item["b64_json"]))
+        console.print(f"wrote {path}", highlight=False)
+    return 0
+
+
+def _video(client: TriptychClient, ns: argparse.Namespace, console: Console) -> int:
+    body = _body(ns)
+    if ns.frames is not None:
+        body["num_frames"] = ns.frames
+    if ns.fps is not None:
+        body["fps"] = ns.fps
+    job = client.create_video(body)
+    console.print(f"{job['id']} {job['status']}", highlight=False)
+    try:
+        with ProgressView(console, job["id"]) as view:
+            final = view.follow(client.video_events(job["id"]))
+    except KeyboardInterrupt:
+        ended = client.cancel_video(job["id"])
+        console.print(f"cancelled {job['id']} on the server ({ended['status']})", highlight=False)
+        return INTERRUPTED
+    if final.event != "completed":
+        console.print(f"triptych: error: {final.data['error']['message']}", markup=False, highlight=False)
+        return 1
+    size = client.save_video(job["id"], ns.output)
+    console.print(f"wrote {ns.output} ({size} bytes)", highlight=False)
+    return 0
+
+
+class ProgressView:
+    """Shows a request's progress events: a live bar on a terminal, one line per event elsewhere."""
+
+    def __init__(self, console: Console, label: str) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.console = console
+        self.live = console.is_terminal
+        self.progress = Progress(
+            TextColumn("{task.fields[role]:<8}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            disable=not self.live,
+        )
+        self.task = self.progress.add_task(label, total=None, role="queued")
+
+    def __enter__(self) -> ProgressView:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def follow(self, events: Any) -> Event:
+        """Show every event until the last one (completed or error), and return that."""
+        from triptych.client import ClientError
+
+        last = None
+        for event in events:
+            last = event
+            self.show(event)
+            if event.event in ("completed", "error"):
+                return event
+        if last is None:
+            raise ClientError("the head closed the progress stream without an event")
+        raise ClientError(f"the progress stream ended without a result (last event: {last.event})")
+
+    def show(self, event: Event) -> None:
+        data = event.data
+        role = data.get("role") or data.get("state", "").lower()
+        if event.event == "step":
+            self.progress.update(self.task, total=data["total_steps"], completed=data["step"], role=role)
+            line = f"{role} step {data['step']}/{data['total_steps']}"
+        elif event.event == "state":
+            self.progress.update(self.task, role=role)
+            line = f"{role} {data['state']}"
+        elif event.event == "dropped":
+            line = f"(missed {data['dropped']} events)"
+        else:
+            line = event.event
+        if not self.live:
+            self.console.print(line, highlight=False, markup=False)
+
+
+def _status(client: TriptychClient, console: Console) -> int:
+    from rich.table import Table
+
+    view = client.pipeline()
+    table = Table(title=f"{client.url}  model {view['model']}" + ("  (draining)" if view.get("draining") else ""))
+    for column in ("role", "instance", "state", "free slots", "queued", "running", "dispatched"):
+        table.add_column(column, justify="right" if column in ("queued", "running", "dispatched") else "left")
+    for role, info in view["roles"].items():
+        instances = info["instances"] or [None]
+        for i, inst in enumerate(instances):
+            first = i == 0
+            cells = [role if first else "", "-", "none", "-"] if inst is None else [
+                role if first else "", inst["url"], instance_state(inst), f"{inst['free_slots']}/{inst['capacity']}"
+            ]  # fmt: skip
+            counts = [str(info["queued"]), str(info["running"])] if first else ["", ""]
+            table.add_row(*cells, *counts, "-" if inst is None else str(inst["dispatched"]))
+    console.print(table)
+    console.print(f"{len(view['requests'])} requests in flight", highlight=False)
+    return 0
+
+
+def instance_state(inst: dict[str, Any]) -> str:
+    if not inst["alive"]:
+        return "down"
+    if inst["draining"] or inst["leaving"]:
+        return "draining"
+    return "ready" if inst["ready"] else "alive"

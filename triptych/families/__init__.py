@@ -1,0 +1,95 @@
+"""The model-family table: which diffusers pipelines Triptych serves and what it knows of each.
+
+Pure Python (JSON configs only, no torch): the head reads it to describe the model and to
+validate every request once at its door; workers pick their adapter (the torch code) by the
+family's name; simulated workers take their tensor shapes from it.
+
+    read_model_info(path)             # the model card; ValueError naming the file / supported pipelines
+    read_rules(path).validate(params) # ValueError naming the field
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from triptych.families.flux import FluxRules
+from triptych.families.package import ModelPackage
+from triptych.families.rules import FamilyRules
+from triptych.families.wan import WanRules
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    kind: Literal["image", "video"]
+    default_steps: int  # defaults follow each family's stock pipeline __call__
+    default_guidance: float
+    rules: type[FamilyRules]
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    "FluxPipeline": ModelFamily("flux", "image", 28, 3.5, FluxRules),
+    "FluxKontextPipeline": ModelFamily("flux-kontext", "image", 28, 3.5, FluxRules),
+    "WanPipeline": ModelFamily("wan", "video", 50, 5.0, WanRules),
+}
+"""model_index.json `_class_name` -> the family."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the head tells clients about the served model (and the defaults it fills in)."""
+
+    id: str
+    pipeline_class: str
+    kind: str  # "image" or "video"
+    default_steps: int
+    default_guidance: float
+    edits: bool = False  # takes reference images (/v1/images/edits)
+    size_multiple: int = 16  # width and height must be multiples of it
+
+
+def family_of(package: ModelPackage) -> ModelFamily:
+    """The package's family; ValueError naming the pipeline and the supported ones."""
+    family = FAMILIES.get(package.class_name)
+    if family is None:
+        raise ValueError(
+            f"model path {package.path}: pipeline {package.class_name!r} is not supported; "
+            f"supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return family
+
+
+def read_model_info(model_path: str | Path) -> ModelInfo:
+    """The model card of the package at `model_path`; ValueError naming what is wrong with it."""
+    package = ModelPackage.read(model_path)
+    family = family_of(package)
+    rules = family.rules(package)
+    return ModelInfo(
+        id=Path(model_path).resolve().name,
+        pipeline_class=package.class_name,
+        kind=family.kind,
+        default_steps=family.default_steps,
+        default_guidance=family.default_guidance,
+        edits=rules.takes_reference,
+        size_multiple=rules.size_multiple,
+    )
+
+
+def read_rules(model_path: str | Path) -> FamilyRules:
+    """The request rules and tensor shapes of the package at `model_path`, read from its configs."""
+    package = ModelPackage.read(model_path)
+    return family_of(package).rules(package)
+
+
+__all__ = [
+    "FAMILIES",
+    "FamilyRules",
+    "ModelFamily",
+    "ModelInfo",
+    "ModelPackage",
+    "family_of",
+    "read_model_info",
+    "read_rules",
+]

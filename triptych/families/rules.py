@@ -1,0 +1,59 @@
+"""What a model family's requests may ask for and what its roles hand on, from the package's JSON alone."""
+
+from __future__ import annotations
+
+import abc
+
+from triptych.families.package import ModelPackage
+from triptych.params import GenerationParams
+from triptych.protocol.tensors import PIXELS, TensorSpec
+from triptych.roles import Role
+
+
+class FamilyRules(abc.ABC):
+    """A family's request rules and tensor shapes, read from one package's configs (no torch).
+
+    The head validates requests with it at its door; simulated workers emit `output_specs`; the
+    worker's adapter (triptych_worker.adapters) runs the stages with the same numbers.
+    """
+
+    takes_reference: bool = False
+    """Whether requests may carry a reference image (image edits)."""
+    size_multiple: int
+    """Width and height must be multiples of it (VAE downsampling x transformer patch)."""
+
+    def __init__(self, package: ModelPackage):
+        self.package = package
+
+    @abc.abstractmethod
+    def validate(self, params: GenerationParams) -> None:
+        """Raise ValueError naming the field when the model cannot serve `params`."""
+
+    @abc.abstractmethod
+    def text_outputs(self, params: GenerationParams) -> list[TensorSpec]:
+        """What the prompt encoder hands on."""
+
+    def image_outputs(self, params: GenerationParams) -> list[TensorSpec]:
+        """What the image encoder hands on for a request with a reference image (none by default)."""
+        return []
+
+    @abc.abstractmethod
+    def latent_spec(self, params: GenerationParams) -> TensorSpec:
+        """The latents the denoiser makes from the seed and hands the decoder."""
+
+    def output_specs(self, role: Role, params: GenerationParams) -> list[TensorSpec]:
+        """The tensors `role`'s stages hand on for `params`, by name, dtype and shape.
+
+        What simulated workers emit (`triptych serve --simulate`); tests hold it to what the loaded
+        stages produce. Every tensor is float32 (packages load without a torch_dtype), pixels uint8.
+        An encoder's outputs accumulate: the image encoder passes the prompt encoder's on.
+        """
+        p = params
+        if role is Role.DECODER:
+            return [TensorSpec(PIXELS, "uint8", (p.num_outputs, p.num_frames, p.height, p.width, 3))]
+        if role is Role.DENOISER:
+            return [self.latent_spec(p)]
+        if not role.is_worker:
+            raise ValueError(f"role {role.value} hands on no tensors")
+        image = self.image_outputs(p) if p.has_reference and role.runs_affinity(Role.IMAGE_ENCODER) else []
+        return [*self.text_outputs(p), *image]

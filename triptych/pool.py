@@ -1,0 +1,126 @@
+"""`triptych.launch_pool`: a whole local deployment (head + worker pools) from Python.
+
+    import triptych
+
+    with triptych.launch_pool(
+        ".models/tiny-flux",
+        encoder_devices=[["cpu"]],
+        denoiser_devices=[[0, 1, 2, 3], [4, 5, 6, 7]],  # two denoisers of four GPUs each
+        decoder_devices=[[0]],
+        denoiser_sp=4,
+    ) as pool:
+        httpx.post(f"{pool.url}/v1/images/generations", json={"prompt": "a lighthouse"})
+
+Every process is a real `triptych serve`, as on separate machines (ZMQ control plane with a key
+set written to the work directory, Mooncake transfers over loopback TCP). The design spec's
+`launch_pool_disagg_server` made into a context manager: it returns once every worker
+heartbeats to the head, and stops every process on exit.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from triptych.config import ServeArgs, flag
+from triptych.localdeploy import Device, LocalDeployment, local_deployment
+from triptych.roles import COMBINED_ROLES, ROLE_SPECS, SPLIT_ROLES, WORKER_ROLES, Role
+
+Devices = Sequence[Sequence[Device]]
+
+
+@dataclass
+class Pool:
+    """A running local deployment: `url` is the head's HTTP API; `deployment` its processes and logs."""
+
+    url: str
+    deployment: LocalDeployment
+
+    def workers(self, role: Role) -> list[str]:
+        """The work endpoints of `role`'s running instances."""
+        return [p.url for p in self.deployment.workers(role)]
+
+
+def serve_flags_argv(flags: dict[str, Any]) -> list[str]:
+    """`triptych serve` arguments by ServeArgs name: denoiser_sp=4 -> --denoiser-sp 4, simulate=True -> --simulate."""
+    known = set(ServeArgs.__dataclass_fields__)
+    argv: list[str] = []
+    for name, value in flags.items():
+        if name not in known:
+            raise TypeError(f"launch_pool: {name}={value!r} is not a `triptych serve` flag (see triptych serve --help)")
+        if isinstance(value, bool):
+            argv += [flag(name)] if value else []
+        else:
+            argv += [flag(name), ";".join(value) if isinstance(value, list) else str(value)]
+    return argv
+
+
+CPU: Devices = (("cpu",),)
+
+
+def role_devices(kwargs: dict[str, Any]) -> dict[Role, Devices]:
+    """The `<role>_devices` arguments by role (encoder_devices -> Role.ENCODER); the rest stay in kwargs."""
+    out = {}
+    for name in [n for n in kwargs if n.endswith("_devices")]:
+        try:
+            role = Role(name.removesuffix("_devices"))
+        except ValueError:
+            role = Role.SERVER
+        if not role.is_worker:
+            roles = ", ".join(f"{r.value}_devices" for r in WORKER_ROLES)
+            raise TypeError(f"launch_pool: {name} names no worker role; use {roles}")
+        out[role] = kwargs.pop(name)
+    return out
+
+
+@contextmanager
+def launch_pool(
+    model_path: str | Path,
+    *,
+    head_flags: dict[str, Any] | None = None,
+    worker_flags: dict[str, Any] | None = None,
+    workdir: str | Path | None = None,
+    ready_timeout: float = 300,
+    **kwargs: Any,
+) -> Iterator[Pool]:
+    """Start a head and one worker per device list, wait until all are ready, stop all on exit.
+
+    `<role>_devices` (encoder_devices, prompt_encoder_devices, image_encoder_devices,
+    denoiser_devices, decoder_devices) list a role's instances, each a list of devices: `[["cpu"]]`
+    (the default for the roles of the topology), or GPU indices (`[[0, 1]]`: one worker on GPUs 0
+    and 1, `--num-gpus 2`). The split encoders (prompt_encoder_devices, and image_encoder_devices
+    for image edits) replace the combined encoder. The other keyword arguments are `triptych serve`
+    flags by ServeArgs name, given to every process (`denoiser_sp=4`,
+    `disagg_transfer_pool_size="1GiB"`); `head_flags` go to the head only
+    (`disagg_dispatch_policy="max_free_slots"`), `worker_flags` to the workers only (`simulate=True`).
+    Logs and keys go to `workdir` (a temporary directory, removed on exit, when not given).
+    Raises ValueError for a bad device list or topology, RuntimeError/TimeoutError (with the
+    processes' logs) when the deployment does not come up.
+    """
+    given = role_devices(kwargs)
+    split = any(ROLE_SPECS[role].split_encoder for role in given)
+    if split and Role.ENCODER in given:
+        raise ValueError("give encoder_devices or prompt_encoder_devices/image_encoder_devices, not both")
+    if Role.IMAGE_ENCODER in given and Role.PROMPT_ENCODER not in given:
+        raise ValueError("image_encoder_devices needs prompt_encoder_devices as well")
+    topology = SPLIT_ROLES if split else COMBINED_ROLES
+    devices: dict[Role, Devices] = {
+        role: list(given.get(role, CPU))
+        for role in topology
+        if role in given or not ROLE_SPECS[role].needs_reference  # the image encoder only when asked for
+    }
+    with tempfile.TemporaryDirectory(prefix="triptych-pool-") as tmp:
+        with local_deployment(
+            Path(model_path),
+            Path(workdir) if workdir is not None else Path(tmp),
+            {role: len(d) for role, d in devices.items()},
+            head_flags=serve_flags_argv({**kwargs, **(head_flags or {})}),
+            worker_flags=serve_flags_argv({**kwargs, **(worker_flags or {})}),
+            devices=devices,
+            ready_timeout=ready_timeout,
+        ) as dep:
+            yield Pool(url=dep.http, deployment=dep)

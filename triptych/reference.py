@@ -1,0 +1,101 @@
+"""Reference images of image edits: opened safely, in the head (uploads) and the image encoder (URLs).
+
+Every way an image can be bad (not an image, truncated, empty, too large, a decompression bomb,
+an unreachable or oversized URL) raises BadReference naming the field, which the head answers
+with a 400 and a worker reports as the request's 400: no process ever crashes on one. Pillow is
+imported inside the functions (the head and worker extras both install it).
+"""
+
+from __future__ import annotations
+
+import io
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+MAX_REFERENCE_SIDE = 8192
+MAX_REFERENCE_PIXELS = 8192 * 8192 // 2  # 32 megapixels; FLUX.1 Kontext resizes references to about one
+MAX_REFERENCE_BYTES = 16 << 20
+URL_TIMEOUT_S = 20.0
+FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
+
+
+class BadReference(ValueError):
+    """A reference image that cannot be used; the message names the field and why."""
+
+
+def open_reference(data: bytes, field: str = "image") -> Image.Image:
+    """Decode `data` fully into an RGB image, checking its size before a pixel is decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise BadReference(f"{field}: the file is empty")
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise BadReference(f"{field}: not an image this server reads ({', '.join(FORMATS)}): {exc}") from None
+    except Image.DecompressionBombError:
+        raise BadReference(f"{field}: the image declares more pixels than allowed (a decompression bomb?)") from None
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise BadReference(f"{field}: the image is {width}x{height}; it needs at least one pixel")
+    if width > MAX_REFERENCE_SIDE or height > MAX_REFERENCE_SIDE or width * height > MAX_REFERENCE_PIXELS:
+        raise BadReference(
+            f"{field}: the image is {width}x{height}; at most {MAX_REFERENCE_SIDE} pixels a side and "
+            f"{MAX_REFERENCE_PIXELS // 1_000_000} megapixels"
+        )
+    try:
+        image.load()
+        return image.convert("RGB")
+    except Image.DecompressionBombError:
+        raise BadReference(f"{field}: the image decodes to more pixels than allowed (a decompression bomb?)") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise BadReference(f"{field}: the image is truncated or corrupt ({exc})") from None
+
+
+def check_reference_url(url: str, field: str = "image") -> str:
+    """An http(s) URL, or BadReference naming the field (nothing else is fetched: no file://, no ftp://)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadReference(f"{field}: {url[:200]!r} is not an http(s) URL")
+    return url
+
+
+class _HTTPOnlyRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow redirects to http(s) only (urllib's default also follows ftp://)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        check_reference_url(newurl)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def fetch_reference(
+    url: str, field: str = "image", max_bytes: int = MAX_REFERENCE_BYTES, timeout: float = URL_TIMEOUT_S
+) -> bytes:
+    """GET an http(s) reference, at most `max_bytes` within `timeout` seconds a read, else BadReference."""
+    check_reference_url(url, field)
+    request = urllib.request.Request(url, headers={"User-Agent": "triptych-image-encoder"})
+    try:
+        with urllib.request.build_opener(_HTTPOnlyRedirects).open(request, timeout=timeout) as response:
+            data: bytes = response.read(max_bytes + 1)
+    except urllib.error.HTTPError as exc:
+        raise BadReference(f"{field}: GET {url[:200]} answered {exc.code}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise BadReference(f"{field}: GET {url[:200]} failed: {getattr(exc, 'reason', exc)}") from None
+    if len(data) > max_bytes:
+        raise BadReference(f"{field}: {url[:200]} is larger than {max_bytes} bytes")
+    return data
+
+
+def reference_image(image: bytes | None, image_url: str | None, field: str = "image") -> Image.Image:
+    """The request's reference, inlined or fetched, decoded (the image encoder's entry)."""
+    if image is not None:
+        return open_reference(image, field)
+    if image_url is None:
+        raise BadReference(f"{field}: the request carries no reference image")
+    return open_reference(fetch_reference(image_url, field), field)
