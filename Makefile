@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODELS ?= .models
 
-.PHONY: setup test test-fast lint demo models bench images crd dashboard cluster-up cluster-down clean
+.PHONY: setup test test-fast lint demo models bench gpu-check images crd dashboard cluster-up cluster-down clean
 
 setup:
 	@bash scripts/setup.sh
@@ -28,6 +28,10 @@ demo:
 
 bench:
 	$(PY) bench/run_all.py
+
+# On a machine with a CUDA GPU: CUDA tests, pixels on CUDA, benchmarks on a Wan 1.3B-shaped model (<= 8 min).
+gpu-check:
+	@bash scripts/gpu-check.sh
 
 # The CRD (crds/ and the chart's copy) and the field tables of docs/operator.md, from the one
 # declaration of the spec (operator/triptych_operator/spec.py: SPEC); a test fails when they are stale.

@@ -47,6 +47,9 @@ HEAD_HTTP_PORT: Final = DEFAULT_HTTP_PORT
 MODEL_MOUNT: Final = "/models"
 HF_CACHE_MOUNT: Final = "/cache"
 SHM_MOUNT: Final = "/dev/shm"
+SHM_PER_RANK_GIB: Final = 2  # /dev/shm per rank of a multi-GPU role (NCCL's intra-node buffers, with room)
+# A multi-GPU role's ranks share one pod: these keep NCCL's bootstrap and gloo on loopback.
+RANK_INTERFACE_ENV: Final = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 OUTPUT_MOUNT: Final = "/var/lib/triptych/outputs"
 # head.apiKeysSecret: the Secret's key is mounted as this file (a whole-volume mount, never subPath,
 # so a Secret update reaches the file and the head re-reads it).

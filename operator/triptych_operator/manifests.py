@@ -7,7 +7,7 @@ editing one role rolls only that role's Deployment.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -37,8 +37,10 @@ from triptych_operator.constants import (
     OUTPUT_MOUNT,
     PENDING_WORK_METRIC,
     PIPELINE_ROLES,
+    RANK_INTERFACE_ENV,
     RUN_AS_USER,
     SHM_MOUNT,
+    SHM_PER_RANK_GIB,
     WORKER_PORT,
     crd_field,
 )
@@ -213,6 +215,23 @@ def _role_refs(pipeline: PipelineSpec, role: Role) -> list[ObjectRef]:
     ]
 
 
+def rank_env(ranks: int, user_env: Sequence[Mapping[str, Any]] = ()) -> list[Manifest]:
+    """Env for a role of several ranks (one process per GPU, all in this pod): their collectives stay on
+    loopback, never on the pod or RDMA network; the user's own values for these names win."""
+    if ranks <= 1:
+        return []
+    chosen = {e.get("name") for e in user_env}
+    return [{"name": name, "value": "lo"} for name in RANK_INTERFACE_ENV if name not in chosen]
+
+
+def shm_volume(ranks: int) -> Manifest:
+    """/dev/shm in memory; with several ranks, SHM_PER_RANK_GIB for each (NCCL's buffers between them)."""
+    empty_dir: Manifest = {"medium": "Memory"}
+    if ranks > 1:
+        empty_dir["sizeLimit"] = f"{SHM_PER_RANK_GIB * ranks}Gi"
+    return {"name": "shm", "emptyDir": empty_dir}
+
+
 def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_fingerprint: str = "") -> Manifest:
     """The Deployment of one worker role: GPU-pinned, or a CPU role (gpusPerReplica 0) that asks for no GPU."""
     spec = pipeline.roles[role]
@@ -230,12 +249,15 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
         "env": [
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             *model_env,
+            *rank_env(spec.num_devices, spec.env),
             *spec.env,
         ],
         "ports": [{"name": "work", "containerPort": WORKER_PORT, "protocol": "TCP"}],
         "resources": _resources(spec.resources, extended),
         # Mooncake registers (pins) transfer buffers, which needs locked memory.
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}},
+        # A refused start-up ends the log with one line naming the flag; the status shows it (and its CR field).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [*mounts, {"name": "shm", "mountPath": SHM_MOUNT}, keys_mount],
         # The worker binds its work socket only after loading its model, so "open" means "can take work".
         **_probes({"tcpSocket": {"port": "work"}}),
@@ -253,7 +275,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
         "terminationGracePeriodSeconds": spec.drain_seconds,
         "containers": [container],
         # NCCL and torch.multiprocessing share tensors through /dev/shm; the default 64 MiB is too small.
-        "volumes": [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory"}}, keys_volume],
+        "volumes": [*volumes, shm_volume(spec.num_devices), keys_volume],
         "tolerations": tolerations,
     }
     if spec.node_selector:

@@ -11,7 +11,7 @@ import argparse
 import functools
 from collections.abc import Sequence
 
-from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, add_serve_flags
+from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, add_serve_flags, flag
 from triptych.roles import Role
 from triptych_operator.constants import (
     API_KEYS_FILE,
@@ -19,6 +19,7 @@ from triptych_operator.constants import (
     HEAD_SCHEDULER_PORT,
     KEYS_MOUNT,
     OUTPUT_MOUNT,
+    PIPELINE_ROLES,
     WORKER_MASTER_PORT,
     WORKER_PORT,
     crd_field,
@@ -50,6 +51,20 @@ def head_address(pipeline: PipelineSpec) -> str:
 def worker_discovery_url(pipeline: PipelineSpec, role: Role) -> str:
     """dns://HOST:PORT: the head resolves the headless Service and treats each address as a worker."""
     return f"dns://{service_host(pipeline, role.dns_name)}:{WORKER_PORT}"
+
+
+def spec_field_of_flag(container: str, flag_name: str) -> str | None:
+    """The CR field behind a worker flag (`--denoiser-ulysses` -> spec.denoiser.parallelism.ulysses), if any;
+    `container` is the worker container's name (the role's DNS name)."""
+    role = next((r for r in PIPELINE_ROLES if r.dns_name == container), None)
+    if role is None:
+        return None
+    if flag_name == "--num-gpus":
+        return f"spec.{crd_field(role)}.gpusPerReplica"
+    for degree, attr in (*ROLE_PARALLEL_FLAGS.get(role, {}).items(), *GENERIC_PARALLEL_FLAGS.items()):
+        if flag(attr) == flag_name:
+            return f"spec.{crd_field(role)}.parallelism.{degree}"
+    return None
 
 
 def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:

@@ -7,11 +7,13 @@ plus the head. Reasons are CamelCase and messages say what to look at or change.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from triptych_operator.constants import DEFAULT_ROLES, HEAD_COMPONENT, PIPELINE_ROLES, crd_field
+from triptych_operator.serve_args import spec_field_of_flag
 
 COMPONENTS: tuple[str, ...] = (*(crd_field(r) for r in PIPELINE_ROLES), HEAD_COMPONENT)
 """Every component a pipeline may have: its `app.kubernetes.io/component` label and status key."""
@@ -59,6 +61,22 @@ STUCK_WAITING_REASONS = frozenset(
 )
 
 
+REFUSAL = re.compile(r"^triptych: error: (.*)$", re.MULTILINE)
+FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+
+
+def startup_refusal(container: Mapping[str, Any]) -> str:
+    """'; it exits with: <the process's one-line refusal> (spec.<role>.<field>)' when its last run refused to
+    start, read from its termination message (the container's log tail: FallbackToLogsOnError); else ''."""
+    terminated = (container.get("lastState") or {}).get("terminated") or {}
+    refusals = REFUSAL.findall(str(terminated.get("message") or ""))
+    if not refusals:
+        return ""
+    refusal = refusals[-1]
+    fields = [f for f in (spec_field_of_flag(str(container.get("name")), m) for m in FLAG.findall(refusal)) if f]
+    return f"; it exits with: {refusal}" + (f" (set by {fields[0]})" if fields else "")
+
+
 def pod_problem(pods: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
     """(reason, message) for the first pod that cannot become ready without help, if any."""
     for pod in pods:
@@ -75,6 +93,7 @@ def pod_problem(pods: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
             waiting = (container.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in STUCK_WAITING_REASONS:
                 detail = f": {waiting['message']}" if waiting.get("message") else ""
+                detail += startup_refusal(container)
                 return str(
                     waiting["reason"]
                 ), f"pod {name} container {container.get('name')} is {waiting['reason']}{detail}"

@@ -28,11 +28,11 @@ VIDEO = {"prompt": "waves on a beach", "negative_prompt": "blurry", "size": "48x
          "num_inference_steps": 3, "guidance_scale": 5.0, "fps": 8}  # fmt: skip
 
 
-def stock_image(model: Path, request: dict = IMAGE) -> np.ndarray:
+def stock_image(model: Path, request: dict = IMAGE, device: str = "cpu") -> np.ndarray:
     """What stock diffusers' own __call__ makes of an images request (IMAGE's fields, all given)."""
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model)
+    pipe = DiffusionPipeline.from_pretrained(model).to(device)
     w, h = map(int, request["size"].split("x"))
     out = pipe(
         request["prompt"], width=w, height=h, num_inference_steps=request["num_inference_steps"],
@@ -42,10 +42,10 @@ def stock_image(model: Path, request: dict = IMAGE) -> np.ndarray:
     return np.stack([np.array(img) for img in out.images])
 
 
-def stock_video(model: Path) -> np.ndarray:
+def stock_video(model: Path, device: str = "cpu") -> np.ndarray:
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model)
+    pipe = DiffusionPipeline.from_pretrained(model).to(device)
     w, h = map(int, VIDEO["size"].split("x"))
     out = pipe(
         VIDEO["prompt"], negative_prompt=VIDEO["negative_prompt"], width=w, height=h, num_frames=VIDEO["num_frames"],
@@ -72,8 +72,8 @@ def http_video(client) -> np.ndarray:
     return np.stack([np.array(Image.open(io.BytesIO(z.read(n)))) for n in sorted(z.namelist())])
 
 
-def monolithic(model: Path, tmp: Path, fetch):  # type: ignore[no-untyped-def]
-    with local_monolithic(model, tmp / "mono", flags=("--device", "cpu")) as dep, dep.client(300) as c:
+def monolithic(model: Path, tmp: Path, fetch, device: str = "cpu"):  # type: ignore[no-untyped-def]
+    with local_monolithic(model, tmp / "mono", flags=("--device", device)) as dep, dep.client(300) as c:
         return fetch(c)
 
 

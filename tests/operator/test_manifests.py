@@ -10,6 +10,7 @@ import pytest
 from tests.operator.helpers import NAMESPACE, OWNER, example, minimal_spec, pipeline
 from triptych.cli import build_parser
 from triptych.config import HEAD_SHUTDOWN_OVERHEAD_S, ServeArgs
+from triptych.ports import MOONCAKE_PORT_RANGE
 from triptych.roles import Role
 from triptych_operator.constants import GPU_RESOURCE, HEAD_SCHEDULER_PORT, WORKER_PORT
 from triptych_operator.manifests import Manifest, render
@@ -120,6 +121,32 @@ def test_worker_pod_has_ipc_lock_shm_pod_ip_and_model_volume() -> None:
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
     assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_a_multi_gpu_role_gets_a_master_port_loopback_collectives_and_shm_for_its_ranks() -> None:
+    pod = children()[("Deployment", "wan-t2v-denoiser")]["spec"]["template"]["spec"]  # 4 GPUs
+    c = pod["containers"][0]
+    args = parse_serve(c)
+    low, high = MOONCAKE_PORT_RANGE
+    assert args.master_port not in (WORKER_PORT, WORKER_PORT + 1) and not low <= args.master_port < high
+    assert {"name": "NCCL_SOCKET_IFNAME", "value": "lo"} in c["env"]
+    assert {"name": "GLOO_SOCKET_IFNAME", "value": "lo"} in c["env"]
+    assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["volumes"]
+
+
+def test_a_single_gpu_role_gets_no_rank_settings() -> None:
+    pod = children()[("Deployment", "wan-t2v-decoder")]["spec"]["template"]["spec"]  # 1 GPU
+    c = pod["containers"][0]
+    assert parse_serve(c).master_port is None
+    assert not {e["name"] for e in c["env"]} & {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}
+
+
+def test_the_users_interface_env_wins_over_the_rank_default() -> None:
+    env = [{"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}]
+    spec = minimal_spec(denoiser={"gpusPerReplica": 2, "env": env})
+    c = container(children(spec)[("Deployment", "wan-t2v-denoiser")])
+    assert [e for e in c["env"] if e["name"] == "NCCL_SOCKET_IFNAME"] == env
+    assert {"name": "GLOO_SOCKET_IFNAME", "value": "lo"} in c["env"]
 
 
 def test_worker_probes_check_the_work_port() -> None:

@@ -156,6 +156,26 @@ def test_a_crash_looping_container_names_the_pod_and_container() -> None:
     assert "pod p-head-y container head is CrashLoopBackOff: back-off" in head["message"]
 
 
+def test_a_worker_that_refuses_its_parallelism_is_degraded_naming_the_cr_field() -> None:
+    deps = all_ready()
+    deps["denoiser"] = deployment("p-denoiser", ready=0)
+    refusal = (
+        "W1201 topology.cpp:201] No RDMA devices found\n"
+        "triptych: error: --cfg-parallel-size 2: flux uses embedded guidance (one transformer pass per step), "
+        "there are no two guidance branches to split; use --denoiser-ulysses/--denoiser-ring instead\n"
+    )
+    waiting = {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed container"}
+    last = {"terminated": {"exitCode": 2, "reason": "Error", "message": refusal}}
+    crashing = pod("p-denoiser-z", containerStatuses=[{"name": "denoiser", "state": {"waiting": waiting},
+                                                       "lastState": last}])  # fmt: skip
+    status = compute_status(1, deps, {"denoiser": [crashing]}, now=NOW)
+    assert status["phase"] == "Degraded"
+    degraded = cond(status, "Degraded")
+    assert degraded["reason"] == "CrashLoopBackOff"
+    assert "it exits with: --cfg-parallel-size 2: flux uses embedded guidance" in degraded["message"]
+    assert degraded["message"].endswith("(set by spec.denoiser.parallelism.cfg)")
+
+
 def test_a_pod_still_starting_is_just_waiting() -> None:
     deps = all_ready()
     deps["encoder"] = deployment("p-encoder", ready=0)

@@ -68,6 +68,7 @@ from triptych_worker.transfer import (
 from triptych_worker.transfer.listeners import check_mooncake_listeners, confine_mooncake_listeners
 
 if TYPE_CHECKING:
+    from triptych_worker.parallel.ranks import ParallelPipeline
     from triptych_worker.pipeline import RolePipeline
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class HeadLink:
 
 
 class Worker:
-    def __init__(self, args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | None = None):
+    def __init__(self, args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | ParallelPipeline | None = None):
         self.args = args
         self.role = args.disagg_role
         self.ctx: zmq.Context[Any] = zmq.Context.instance()
@@ -147,6 +148,10 @@ class Worker:
         simulated = isinstance(pipeline, SimulatedPipeline)
         # Simulated stages hold numpy arrays, so the worker never imports torch (None: numpy inputs).
         self.device: str | None = None if simulated else args.resolved_device
+        if pipeline is None and args.num_gpus > 1:
+            from triptych_worker.parallel.ranks import start_ranks
+
+            pipeline = start_ranks(args)  # rank 0 of N; the other ranks follow it (one instance to the head)
         if pipeline is None:
             from triptych_worker.pipeline import load_role_pipeline
 
@@ -649,7 +654,7 @@ class Worker:
         self._space_freed(link)
 
 
-def run_worker(args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | None = None) -> int:
+def run_worker(args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | ParallelPipeline | None = None) -> int:
     """Serve until drained (SIGTERM, exit 0), interrupted (Ctrl-C) or stopped; the worker entry point.
 
     First re-executes the process under the bind shim unless it runs under it already, so that

@@ -4,6 +4,7 @@ triptych.families', which the head reads without this package)."""
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 from triptych.families import FamilyRules, ModelPackage
@@ -41,6 +42,9 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
         self.rules = rules
         self.device = device
         self.pipe: Any = None
+        # How one denoising step runs its guidance branches (cond, uncond): here in turn; a
+        # CFG-parallel denoiser runs each on its own rank (triptych_worker.parallel).
+        self.run_branches: Callable[[Sequence[Callable[[], torch.Tensor]]], list[torch.Tensor]] = run_in_order
 
     def components_for(self, stage: str) -> frozenset[str]:
         """The components stage class `stage` runs for this package (none when it does nothing here)."""
@@ -104,3 +108,7 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
 
     @abc.abstractmethod
     def decode(self, batch: StageBatch) -> None: ...
+
+
+def run_in_order(branches: Sequence[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+    return [branch() for branch in branches]

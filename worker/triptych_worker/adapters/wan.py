@@ -13,6 +13,7 @@ torch and diffusers are imported inside methods so the head can validate without
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
@@ -98,22 +99,34 @@ class WanAdapter(FamilyAdapter[WanRules]):
             model_input = latents.to(dtype)
             timestep = step_t.expand(latents.shape[0])
             cache = {"step_index": i, "sigma": float(scheduler.sigmas[i]), "num_inference_steps": len(timesteps)}
-            with transformer.cache_context("cond", **cache):
-                noise_pred = transformer(
-                    hidden_states=model_input, timestep=timestep, encoder_hidden_states=prompt_embeds, return_dict=False
-                )[0]
+            predict = functools.partial(self._predict, model_input, timestep, cache)
+            branches = [functools.partial(predict, "cond", prompt_embeds)]
             if negative_embeds is not None:
-                with transformer.cache_context("uncond", **cache):
-                    noise_uncond = transformer(
-                        hidden_states=model_input,
-                        timestep=timestep,
-                        encoder_hidden_states=negative_embeds,
-                        return_dict=False,
-                    )[0]
-                noise_pred = noise_uncond + p.guidance_scale * (noise_pred - noise_uncond)
+                branches.append(functools.partial(predict, "uncond", negative_embeds))
+            noise_pred, *uncond = self.run_branches(branches)
+            if uncond:
+                noise_pred = uncond[0] + p.guidance_scale * (noise_pred - uncond[0])
             latents = scheduler.step(noise_pred, step_t, latents, return_dict=False)[0]
             batch.report_progress(i + 1, len(timesteps), latents)
         batch.tensors = {"latents": latents}
+
+    def _predict(
+        self,
+        model_input: torch.Tensor,
+        timestep: torch.Tensor,
+        cache: dict[str, float],
+        name: str,
+        embeds: torch.Tensor,
+    ) -> torch.Tensor:
+        """One transformer pass of one guidance branch ("cond" or "uncond")."""
+        transformer = self.pipe.transformer
+        with transformer.cache_context(name, **cache):
+            return cast(
+                "torch.Tensor",
+                transformer(
+                    hidden_states=model_input, timestep=timestep, encoder_hidden_states=embeds, return_dict=False
+                )[0],
+            )
 
     def latent_grid(self, latents: Any, params: GenerationParams) -> np.ndarray:
         # [N, C, F, h, w]: the middle latent frame of the first video.

@@ -1,0 +1,210 @@
+"""Multi-device denoiser: step time for 1, 2 and 4 ranks, the communication share, the fan-out cost.
+
+    python bench/parallel_bench.py [--device cpu|cuda] [--steps 4] [--jobs 3] [--size 256x256] [--frames 9]
+
+Runs the real denoiser stages of a Wan-shaped package (the tiny Wan package's text encoder,
+scheduler and VAE, with a larger random-weight transformer written locally: no download) for
+each configuration in its own process group, all started at once and given one job each in
+turn (`--jobs` rounds after a warm-up round; medians), so every configuration sees the same
+machine: 1 rank (the plain single-device pipeline), 2 ranks
+CFG parallel, 2 ranks Ulysses, 4 ranks Ulysses 2 x Ring 2. On CPU the ranks use gloo and are
+pinned to distinct cores where the machine has them, one OpenMP thread each; on CUDA, NCCL with one GPU per rank
+(configurations needing more GPUs than there are are skipped). Prints, per configuration: the
+time per denoising step and its ratio to the 1-rank baseline of the same run, the share of
+rank time spent in collectives, the time rank 0 takes to hand a job's inputs to the other
+ranks, and the largest difference of the latents from the 1-rank baseline. Writes
+bench/results/parallel_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "1 rank": (),
+    "2 ranks cfg": ("--num-gpus", "2", "--cfg-parallel-size", "2"),
+    "2 ranks ulysses": ("--num-gpus", "2", "--denoiser-ulysses", "2"),
+    "4 ranks ulysses2 x ring2": ("--num-gpus", "4", "--denoiser-ulysses", "2", "--denoiser-ring", "2"),
+}
+# The bench transformer: Wan's layout at a size a CPU steps through in about a second.
+BENCH_TRANSFORMER = {"num_attention_heads": 8, "attention_head_dim": 32, "ffn_dim": 1024, "num_layers": 4}
+
+
+def bench_package(out: Path) -> Path:
+    """The tiny Wan package with a larger random-weight transformer (written once)."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from triptych.tiny_models import write_tiny_models
+
+    if (out / "transformer" / "config.json").exists():
+        return out
+    tiny = next(p for p in write_tiny_models(ROOT / ".models", families=["tiny-wan"]) if p.name == "tiny-wan")
+    shutil.copytree(tiny, out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
+    config = {k: v for k, v in json.loads((tiny / "transformer" / "config.json").read_text()).items()}
+    config = {k: v for k, v in config.items() if not k.startswith("_")} | BENCH_TRANSFORMER
+    torch.manual_seed(0)
+    WanTransformer3DModel(**config).save_pretrained(out / "transformer")
+    return out
+
+
+def child(opts: argparse.Namespace) -> None:
+    """One configuration: run the jobs, write the figures and the latents."""
+    import numpy as np
+    import torch
+
+    from triptych.cli import build_parser
+    from triptych.config import ServeArgs
+    from triptych.params import GenerationParams
+    from triptych.roles import Role
+    from triptych_worker.pipeline import load_role_pipeline
+    from triptych_worker.stages import StageBatch
+
+    w, h = map(int, opts.size.split("x"))
+    params = GenerationParams(prompt="waves on a beach", negative_prompt="blurry", width=w, height=h,
+                              num_frames=opts.frames, seed=7, num_inference_steps=opts.steps, guidance_scale=5.0,
+                              max_sequence_length=64)  # fmt: skip
+    encoded = load_role_pipeline(opts.model, Role.ENCODER, "cpu").run(StageBatch(params))
+    flags = json.loads(opts.child)
+    cores = os.cpu_count() or 1
+    if flags:
+        head = "tcp://127.0.0.1:1"  # never contacted: the bench runs the ranks without a head
+        argv = ["serve", "--model-path", opts.model, "--disagg-role", "denoiser", "--device", opts.device,
+                "--disagg-server-addr", head, "--master-port", str(opts.master_port), *flags]  # fmt: skip
+        from triptych_worker.parallel.ranks import start_ranks
+
+        pipeline = start_ranks(ServeArgs.from_namespace(build_parser().parse_args(argv)))
+        if opts.device == "cpu" and cores >= len(pipeline.followers) + 1:
+            os.sched_setaffinity(0, {0})
+            for i, follower in enumerate(pipeline.followers, start=1):
+                os.sched_setaffinity(follower.pid, {i})
+    else:
+        pipeline = load_role_pipeline(opts.model, Role.DENOISER, opts.device)  # type: ignore[assignment]
+        if opts.device == "cpu" and cores >= 1:
+            os.sched_setaffinity(0, {0})
+    print("ready", flush=True)
+    for line in sys.stdin:  # one job per "run" from the parent, so that configurations alternate
+        if line.strip() != "run":
+            break
+        batch = StageBatch(params, dict(encoded.tensors), dict(encoded.meta))
+        started = time.perf_counter()
+        out = pipeline.run(batch)
+        if opts.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - started
+        counters = getattr(pipeline, "last_counters", [])
+        run = {
+            "step_s": elapsed / opts.steps,
+            "comm_share": [s / elapsed for _, s in counters] or [0.0],
+            "fanout_s": getattr(pipeline, "last_fanout_s", 0.0),
+        }
+        np.save(opts.latents, out.tensors["latents"].float().cpu().numpy())
+        print(json.dumps(run), flush=True)
+    os._exit(0)  # the followers die with this process
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--jobs", type=int, default=3)
+    parser.add_argument("--size", default="256x256")
+    parser.add_argument("--frames", type=int, default=9)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--master-port", type=int, default=29731, help="first of 4 rendezvous ports")
+    parser.add_argument("--latents", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.child is not None:
+        child(opts)
+        return
+    import numpy as np
+
+    RESULTS.mkdir(exist_ok=True)
+    model = bench_package(RESULTS / "parallel-bench-wan")
+    devices = (os.cpu_count() or 1) if opts.device == "cpu" else _cuda_count()
+    children: dict[str, subprocess.Popen[str]] = {}
+    for i, (name, flags) in enumerate(CONFIGS.items()):
+        ranks = int(flags[1]) if flags else 1
+        if opts.device == "cuda" and ranks > devices:
+            print(f"{name:26} skipped: {ranks} GPUs needed, {devices} here", flush=True)
+            continue
+        cmd = [sys.executable, __file__, "--child", json.dumps(flags), "--model", str(model), "--device", opts.device,
+               "--steps", str(opts.steps), "--size", opts.size, "--frames", str(opts.frames),
+               "--master-port", str(opts.master_port + i),
+               "--latents", str(RESULTS / f"parallel-latents-{i}.npy")]  # fmt: skip
+        # One OpenMP thread per rank, as one core each: idle OpenMP threads spinning on a shared core
+        # would measure the machine, not the parallelism.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        children[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    for proc in children.values():
+        _reply(proc)
+    # Rounds: one job per configuration in turn (the first round warms up), so all see the same machine.
+    runs: dict[str, list[dict[str, object]]] = {name: [] for name in children}
+    for round_ in range(opts.jobs + 1):
+        for name, proc in children.items():
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write("run\n")
+            proc.stdin.flush()
+            result = json.loads(_reply(proc))
+            if round_:
+                runs[name].append(result)
+    for proc in children.values():
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    rows = []
+    baseline_step = statistics.median(float(r["step_s"]) for r in runs["1 rank"])  # type: ignore[arg-type]
+    baseline_latents = np.load(RESULTS / "parallel-latents-0.npy")
+    for i, name in enumerate(CONFIGS):
+        if name not in runs:
+            continue
+        step = statistics.median(float(r["step_s"]) for r in runs[name])  # type: ignore[arg-type]
+        shares = [statistics.mean(r["comm_share"]) for r in runs[name]]  # type: ignore[arg-type]
+        row = {
+            "config": name, "ranks": int(CONFIGS[name][1]) if CONFIGS[name] else 1, "step_s": step,
+            "vs_1_rank": step / baseline_step, "comm_share": statistics.median(shares),
+            "fanout_s": statistics.median(float(r["fanout_s"]) for r in runs[name]),  # type: ignore[arg-type]
+            "max_abs_diff": float(np.abs(np.load(RESULTS / f"parallel-latents-{i}.npy") - baseline_latents).max()),
+        }  # fmt: skip
+        rows.append(row)
+        print(
+            f"{name:26} step {step * 1000:8.1f} ms  x{row['vs_1_rank']:.2f} of 1 rank  "
+            f"collectives {100 * row['comm_share']:5.1f}% of rank time  "
+            f"fan-out {row['fanout_s'] * 1000:6.2f} ms  max |latents - 1 rank| {row['max_abs_diff']:.2e}",
+            flush=True,
+        )
+    report = {"device": opts.device, "cores": os.cpu_count(), "size": opts.size, "frames": opts.frames,
+              "steps": opts.steps, "transformer": BENCH_TRANSFORMER, "rows": rows}  # fmt: skip
+    (RESULTS / "parallel_bench.json").write_text(json.dumps(report, indent=2))
+
+
+def _reply(proc: subprocess.Popen[str]) -> str:
+    """The child's next protocol line ("ready" or a JSON object), past anything else a library printed."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(("ready", "{")):
+            return line
+    raise RuntimeError(f"a bench process exited with {proc.wait()}")
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+if __name__ == "__main__":
+    main()

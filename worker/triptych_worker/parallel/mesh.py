@@ -1,0 +1,153 @@
+"""A role's ranks joined with torch.distributed: the process groups each kind of parallelism uses.
+
+Every rank of a role runs on one host (one pod), so the rendezvous is on loopback at
+`--master-port`: gloo on CPU, NCCL on CUDA. Collectives are timed, so that a job can report how
+much of its time went to communication.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from triptych.parallelism import Parallelism
+from triptych_worker.parallel.layout import RankLayout
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+# Idle followers wait for the next job in a broadcast on the default group, for as long as the
+# worker lives; dead peers are noticed by the rank watchdog (process exit) and by gloo/NCCL
+# connection errors, not by this timeout.
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+# A collective inside a job that waits this long has lost a peer that is still alive (hung).
+STEP_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+@dataclass
+class CommTimer:
+    """Seconds spent in collectives since the last reset (this rank's view)."""
+
+    seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+
+
+@dataclass
+class RankMesh:
+    """This rank's place among the role's ranks and the groups it communicates in."""
+
+    rank: int
+    layout: RankLayout
+    device: str
+    sp_group: dist.ProcessGroup | None = None
+    ulysses_group: dist.ProcessGroup | None = None
+    ring_group: dist.ProcessGroup | None = None
+    cfg_group: dist.ProcessGroup | None = None
+    sp_ranks: list[int] = field(default_factory=list)
+    ring_ranks: list[int] = field(default_factory=list)
+    comm: CommTimer = field(default_factory=CommTimer)
+
+    @property
+    def degrees(self) -> Parallelism:
+        return self.layout.degrees
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @classmethod
+    def join(cls, rank: int, degrees: Parallelism, device: str, master_port: int) -> RankMesh:
+        """Rendezvous with the role's other ranks on loopback and build the groups (every rank calls this)."""
+        import torch.distributed as dist
+
+        layout = RankLayout(degrees)
+        # All ranks share one host: talk over loopback unless the deployment chose an interface.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend_for(device),
+            init_method=f"tcp://127.0.0.1:{master_port}",
+            rank=rank,
+            world_size=layout.world_size,
+            timeout=IDLE_TIMEOUT,
+        )
+        mesh = cls(rank=rank, layout=layout, device=device)
+        # Every rank creates every group, in the same order (torch.distributed requires it).
+        for name, groups in (
+            ("sp", layout.sp_groups()),
+            ("ulysses", layout.ulysses_groups()),
+            ("ring", layout.ring_groups()),
+            ("cfg", layout.cfg_groups()),
+        ):
+            for ranks in groups:
+                group = dist.new_group(ranks, timeout=STEP_TIMEOUT)
+                if rank in ranks:
+                    setattr(mesh, f"{name}_group", group)
+                    if name == "sp":
+                        mesh.sp_ranks = ranks
+                    if name == "ring":
+                        mesh.ring_ranks = ranks
+        return mesh
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # --- collectives (timed) ---------------------------------------------------------------
+
+    def all_gather_cat(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+        """Concatenate every group member's `tensor` along `dim`, in group order."""
+        import torch
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor, group=group)
+        self.comm.seconds += time.perf_counter() - started
+        return torch.cat(parts, dim=dim)
+
+    def all_to_all(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """Exchange the first-dimension chunks of `tensor`: chunk j goes to member j, which sends back its chunk."""
+        import torch
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        tensor = tensor.contiguous()
+        out = torch.empty_like(tensor)
+        dist.all_to_all_single(out, tensor, group=group)
+        self.comm.seconds += time.perf_counter() - started
+        return out
+
+    def ring_shift(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send `tensors` to the next rank of this rank's ring and return what the previous one sent."""
+        import torch
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        ring = self.ring_ranks
+        me = ring.index(self.rank)
+        to, frm = ring[(me + 1) % len(ring)], ring[(me - 1) % len(ring)]
+        received = [torch.empty_like(t) for t in tensors]
+        requests = [dist.isend(t.contiguous(), to, group=self.ring_group) for t in tensors]
+        requests += [dist.irecv(r, frm, group=self.ring_group) for r in received]
+        for request in requests:
+            if request is not None:
+                request.wait()
+        self.comm.seconds += time.perf_counter() - started
+        return received

@@ -1,0 +1,239 @@
+"""A multi-device role: rank 0 is the worker the head sees; ranks 1..N-1 are follower processes.
+
+    pipeline = start_ranks(args)    # rank 0, inside `triptych serve --num-gpus N`
+    pipeline.run(batch)             # every rank runs the job; rank 0 returns its outputs
+
+Rank 0 starts one follower process per other device (`python -m triptych_worker.parallel.follower`
+with the same flags), all ranks load the role's stages and rendezvous on `--master-port`, and
+each job rank 0 runs is broadcast to the followers first. The worker keeps one work socket, one
+set of slots and one Mooncake pool: the followers talk to rank 0 only.
+
+A rank that dies takes the instance down: rank 0 watches its followers and exits (status 3)
+when one exits, or when rank 0 itself fails inside a job (the ranks are then out of step), so
+the head stops hearing its heartbeats and retries what it held elsewhere; followers die with
+rank 0 (the kernel's parent-death signal) or on a broken collective.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from triptych.config import ServeArgs
+from triptych.parallelism import Parallelism
+from triptych_worker.adapters import adapter_for
+from triptych_worker.parallel import families
+from triptych_worker.parallel.attention import SequenceParallelAttention, use_sequence_parallel
+from triptych_worker.parallel.jobs import StopFollowing, receive_job, send_job, step_flag
+from triptych_worker.parallel.layout import RankLayout
+from triptych_worker.parallel.mesh import RankMesh
+from triptych_worker.stages import ProgressCallback, StageBatch
+
+if TYPE_CHECKING:
+    import torch
+
+    from triptych_worker.pipeline import RolePipeline
+
+log = logging.getLogger(__name__)
+
+RANK_DIED_EXIT = 3
+WATCH_INTERVAL_S = 0.2
+DEFAULT_MASTER_PORT_OFFSET = 50  # the spec's convention: --master-port = work port + 50 when unset
+
+
+def master_port(args: ServeArgs) -> int:
+    return args.master_port if args.master_port is not None else args.scheduler_port + DEFAULT_MASTER_PORT_OFFSET
+
+
+def rank_device(args: ServeArgs, rank: int) -> str:
+    """One device per rank: cuda:<base-gpu-id + rank>, or the CPU for every rank."""
+    device = args.resolved_device
+    return f"cuda:{args.base_gpu_id + rank}" if device.startswith("cuda") else device
+
+
+@dataclass
+class Rank:
+    """One rank's loaded stages, its place in the mesh and its attention counters."""
+
+    pipeline: RolePipeline
+    mesh: RankMesh
+    attention: SequenceParallelAttention
+    family: str
+
+    @classmethod
+    def start(cls, args: ServeArgs, rank: int) -> Rank:
+        """Check the degrees against the family, load the stages, join the other ranks, shard the transformer."""
+        from triptych_worker.pipeline import load_role_pipeline
+
+        family, adapter = adapter_for(args.model_path)
+        degrees = families.check_degrees(args, family, adapter)
+        device = rank_device(args, rank)
+        pipeline = load_role_pipeline(args.model_path, args.disagg_role, device)
+        mesh = RankMesh.join(rank, degrees, device, master_port(args))
+        attention = SequenceParallelAttention(mesh)
+        transformer = pipeline.adapter.pipe.transformer
+        use_sequence_parallel(transformer, attention)  # with sp 1 it only counts this rank's attention work
+        if degrees.sp > 1:
+            families.shard_sequence(transformer, family, mesh, attention)
+        if degrees.cfg > 1:
+            pipeline.adapter.run_branches = _CfgBranches(mesh)
+        return cls(pipeline, mesh, attention, family)
+
+    @property
+    def degrees(self) -> Parallelism:
+        return self.mesh.degrees
+
+    def run(self, batch: StageBatch) -> StageBatch:
+        self.mesh.comm.reset()
+        return self.pipeline.run(batch)
+
+    def gather_counters(self) -> list[tuple[int, float]]:
+        """(attention work, seconds in collectives) of every rank, gathered at rank 0 after a job."""
+        import torch
+
+        mine = torch.tensor([float(self.attention.work), self.mesh.comm.seconds], dtype=torch.float64)
+        gathered = self.mesh.all_gather_cat(mine.to(self.mesh.device), None, dim=0).view(-1, 2).cpu()
+        return [(int(work), float(seconds)) for work, seconds in gathered.tolist()]
+
+
+class _CfgBranches:
+    """CFG parallel: each rank runs the guidance branch of its CFG index; the group shares the results."""
+
+    def __init__(self, mesh: RankMesh):
+        self.mesh = mesh
+
+    def __call__(self, branches: Sequence[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+        if len(branches) != self.mesh.degrees.cfg:  # e.g. a request without guidance: every rank runs it all
+            return [branch() for branch in branches]
+        mine = branches[self.mesh.layout.cfg_index(self.mesh.rank)]()
+        joined = self.mesh.all_gather_cat(mine.unsqueeze(0), self.mesh.cfg_group, dim=0)
+        return list(joined.unbind(0))
+
+
+class ParallelPipeline:
+    """Rank 0's pipeline: what the worker runs, with its followers running each job alongside."""
+
+    def __init__(self, rank: Rank, followers: list[subprocess.Popen[bytes]]):
+        self.rank = rank
+        self.followers = followers
+        self.last_counters: list[tuple[int, float]] = []
+        self.last_fanout_s = 0.0  # what handing the job's inputs to the followers added to this hop
+
+    def run(self, batch: StageBatch) -> StageBatch:
+        adapter = self.rank.pipeline.adapter
+        families.check_request(adapter, self.rank.family, batch.params, self.rank.degrees)
+        started = time.perf_counter()
+        send_job(self.rank.mesh, batch)
+        self.last_fanout_s = time.perf_counter() - started
+        steps = LeadingSteps(self.rank.mesh, batch.on_progress)
+        batch.on_progress = steps
+        started = time.perf_counter()
+        try:
+            self.rank.run(batch)
+        except BaseException:
+            if not steps.stopped:  # the followers are somewhere inside the job: no way back into step
+                log.critical("rank 0 failed inside a job; the ranks are out of step, stopping this instance")
+                _exit_instance()
+            self.rank.gather_counters()  # the followers stopped at the same step and gather next
+            raise
+        elapsed = time.perf_counter() - started
+        self.last_counters = self.rank.gather_counters()
+        log.info(
+            "parallel job (%s): inputs to the followers in %.4fs, ran in %.3fs; attention work per rank %s; "
+            "seconds in collectives per rank %s",
+            _describe(self.rank.degrees), self.last_fanout_s, elapsed, [w for w, _ in self.last_counters],
+            [round(s, 4) for _, s in self.last_counters],
+        )  # fmt: skip
+        return batch
+
+
+class LeadingSteps:
+    """Rank 0's progress callback: the worker's own (which raises to cancel), then the step flag to the followers."""
+
+    def __init__(self, mesh: RankMesh, report: ProgressCallback | None):
+        self.mesh = mesh
+        self.report = report
+        self.stopped = False
+
+    def __call__(self, step: int, total: int, latents: Any = None) -> None:
+        try:
+            if self.report is not None:
+                self.report(step, total, latents)
+        except BaseException:
+            self.stopped = True
+            step_flag(self.mesh, stop=True)
+            raise
+        step_flag(self.mesh, stop=False)
+
+
+def _exit_instance() -> None:
+    logging.shutdown()
+    os._exit(RANK_DIED_EXIT)
+
+
+def _describe(d: Parallelism) -> str:
+    return f"cfg {d.cfg} x ulysses {d.ulysses} x ring {d.ring}"
+
+
+def start_ranks(args: ServeArgs) -> ParallelPipeline:
+    """Rank 0: start the followers, join them, and watch them for as long as this process lives."""
+    # Refuse what the family cannot run before any process starts.
+    family, adapter = adapter_for(args.model_path)
+    world = RankLayout(families.check_degrees(args, family, adapter)).world_size
+    argv = [sys.executable, "-m", "triptych_worker.parallel.follower"]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    followers = [subprocess.Popen([*argv, str(rank), *args.to_argv()], env=env) for rank in range(1, world)]
+    watchdog = threading.Thread(target=_watch, args=(followers,), name="rank-watchdog", daemon=True)
+    watchdog.start()
+    rank = Rank.start(args, 0)
+    log.info("%d ranks joined on port %d (%s)", world, master_port(args), _describe(rank.degrees))
+    return ParallelPipeline(rank, followers)
+
+
+def _watch(followers: list[subprocess.Popen[bytes]]) -> None:
+    """Exit this worker as soon as a follower exits: a role is all its ranks or none."""
+    while True:
+        for i, follower in enumerate(followers, start=1):
+            code = follower.poll()
+            if code is not None:
+                log.error("rank %d exited with status %s; stopping this instance (the head will see it gone)", i, code)
+                for other in followers:
+                    if other.poll() is None:
+                        other.kill()
+                _exit_instance()
+        time.sleep(WATCH_INTERVAL_S)
+
+
+def die_with_parent() -> None:
+    """A follower gets SIGKILL when rank 0 dies, however it dies (Linux; elsewhere a broken collective ends it)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def follow(args: ServeArgs, rank_index: int) -> None:
+    """A follower: run every job rank 0 broadcasts until the process is killed or a collective breaks."""
+    rank = Rank.start(args, rank_index)
+    mesh = rank.mesh
+
+    def on_progress(step: int, total: int, latents: Any = None) -> None:
+        if step_flag(mesh):
+            raise StopFollowing
+
+    while True:
+        batch = receive_job(mesh)
+        batch.on_progress = on_progress
+        try:
+            rank.run(batch)
+        except StopFollowing:
+            pass
+        rank.gather_counters()
