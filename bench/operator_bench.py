@@ -13,7 +13,7 @@ one is Ready; edit one field on all N (head.timeoutSeconds, which rolls each hea
 and wait until every head runs the new argument and every pipeline is Ready at its new
 generation; then --steady seconds with nothing changing.
 
-    python bench/operator_bench.py [--pipelines 200] [--steady 60]
+    python bench/operator_bench.py [--pipelines 200] [--steady 60] [--no-edit]
 
 Prints a table and writes bench/results/operator.json.
 """
@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,10 +44,12 @@ from kubernetes import client, config  # noqa: E402
 from tests.cluster.fixtures import KubeCluster, _cluster_for, cluster_settings  # noqa: E402
 from tests.operator.api_requests import RequestCounter, delta  # noqa: E402
 from tests.operator.test_operator_cluster import free_port, service_account_kubeconfig  # noqa: E402
+from triptych_operator.constants import MANAGER  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 CHART = ROOT / "charts" / "triptych"
 CRD = ROOT / "crds" / "diffusionpipelines.yaml"
+RESULTS = ROOT / "bench" / "results"
 TAINT_KEY = "triptych.ai/bench"
 PODS_PER_NODE = 200  # kwok takes pod IPs from the node's /24
 
@@ -113,6 +117,53 @@ def wait(what: str, done: Callable[[], tuple[bool, str]], timeout: float) -> flo
     raise TimeoutError(f"{what}: not done after {timeout:.0f} s ({last})")
 
 
+def _epoch(stamp: str | None) -> float | None:
+    """An API timestamp (RFC 3339, UTC, second resolution) as seconds since the epoch."""
+    if not stamp:
+        return None
+    return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+
+
+def _condition_time(obj: dict[str, Any], type_: str) -> float | None:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_ and cond.get("status") == "True":
+            return _epoch(cond.get("lastTransitionTime"))
+    return None
+
+
+def _applied_time(obj: dict[str, Any]) -> float | None:
+    """When the operator last applied `obj` (its server-side apply entry in managedFields)."""
+    for entry in obj["metadata"].get("managedFields") or []:
+        if entry.get("manager") == MANAGER and entry.get("operation") == "Apply":
+            return _epoch(entry.get("time"))
+    return None
+
+
+# Where the time of a phase goes, stage by stage along a pipeline's path, from the timestamps the
+# API server and the controllers leave on the objects (read once, after the phase): who acts, on
+# what, and the moment it did. Objects that existed before the phase do not count.
+STAGES: tuple[tuple[str, str, str, Callable[[dict[str, Any]], float | None]], ...] = (
+    ("operator", "applies the Deployments", "deploy", lambda o: _applied_time(o)),
+    ("controller manager", "creates the ReplicaSets", "rs", lambda o: _epoch(o["metadata"].get("creationTimestamp"))),
+    ("controller manager", "creates the pods", "pods", lambda o: _epoch(o["metadata"].get("creationTimestamp"))),
+    ("scheduler", "binds the pods", "pods", lambda o: _condition_time(o, "PodScheduled")),
+    ("kwok", "makes the pods Ready", "pods", lambda o: _condition_time(o, "Ready")),
+    ("controller manager", "marks the Deployments Available", "deploy", lambda o: _condition_time(o, "Available")),
+    ("operator", "marks the pipelines Ready", "dp", lambda o: _condition_time(o, "Ready")),
+)
+
+
+def stage_times(objects: dict[str, list[dict[str, Any]]], start: float) -> list[dict[str, Any]]:
+    """Per stage: seconds after `start` when half and when all of its objects (made since) got there."""
+    out = []
+    for who, what, kind, moment in STAGES:
+        times = sorted(t - start for t in (moment(o) for o in objects[kind]) if t is not None and t >= start - 1)
+        if times:
+            half, last = round(times[len(times) // 2]), round(times[-1])
+            out.append({"who": who, "what": what, "count": len(times), "median_s": half, "last_s": last})
+    return out
+
+
 def in_parallel(fn: Callable[[int], Any], n: int, workers: int = 16) -> None:
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         list(pool.map(fn, range(n)))
@@ -125,7 +176,8 @@ class Bench:
         self.release = f"r{self.ns[-6:]}"
         self.nodes = [f"bench-node-{self.ns[-6:]}-{i}" for i in range(-(-pipelines * 4 // PODS_PER_NODE) + 1)]
         self.counter = RequestCounter(cluster, self.ns, f"{self.release}-triptych")
-        self.api = client.CustomObjectsApi(config.new_client_from_config(config_file=cluster.kubeconfig))
+        api_client = config.new_client_from_config(config_file=cluster.kubeconfig)
+        self.api, self.apps = client.CustomObjectsApi(api_client), client.AppsV1Api(api_client)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def setup(self) -> None:
@@ -171,21 +223,36 @@ class Bench:
         assert self.proc is not None
         return {"cpu_s": cpu_seconds(self.proc.pid), "requests": self.counter.snapshot()}
 
-    def phase(self, before: dict[str, Any], seconds: float) -> dict[str, Any]:
+    def objects(self) -> dict[str, list[dict[str, Any]]]:
+        args = ("get", "deploy,rs,pods,dp", "-n", self.ns, "-o", "json", "--show-managed-fields")
+        out = self.cluster.kubectl(*args, timeout=120).stdout
+        by_kind: dict[str, list[dict[str, Any]]] = {"deploy": [], "rs": [], "pods": [], "dp": []}
+        kinds = {"Deployment": "deploy", "ReplicaSet": "rs", "Pod": "pods", "DiffusionPipeline": "dp"}
+        for item in json.loads(out)["items"]:
+            by_kind[kinds[item["kind"]]].append(item)
+        return by_kind
+
+    def phase(self, before: dict[str, Any], seconds: float, started_at: float) -> dict[str, Any]:
         after = self.sample()
         requests = delta(after["requests"], before["requests"])
         assert self.proc is not None
         return {
             "seconds": round(seconds, 1),
+            "stages": stage_times(self.objects(), started_at),
             "operator_cpu_s": round(after["cpu_s"] - before["cpu_s"], 1),
             "operator_peak_rss_mib": round(peak_rss_mib(self.proc.pid), 1),
             "requests": requests,
             "requests_per_pipeline": {k: round(v / self.n, 2) for k, v in requests.items()},
+            # Runnable processes on the machine (5-minute average) as the phase ended: what else wanted the cores.
+            "machine_load_5m": round(os.getloadavg()[1], 1),
         }
 
     def pipelines(self) -> list[dict[str, Any]]:
-        out = self.cluster.kubectl("get", "dp", "-n", self.ns, "-o", "json", timeout=60).stdout
-        return list(json.loads(out)["items"])
+        # Polled every second: through the client already loaded, not a kubectl process each time.
+        rsp: Any = self.api.list_namespaced_custom_object(
+            "triptych.ai", "v1alpha1", self.ns, "diffusionpipelines", _preload_content=False
+        )
+        return list(json.loads(rsp.data)["items"])
 
     def all_ready(self, generation: int) -> tuple[bool, str]:
         items = self.pipelines()
@@ -198,11 +265,11 @@ class Bench:
         return ready == self.n, f"{ready}/{self.n} Ready"
 
     def heads_rolled(self, timeout_s: int) -> tuple[bool, str]:
-        out = self.cluster.kubectl(
-            "get", "deploy", "-n", self.ns, "-l", "app.kubernetes.io/component=head", "-o", "json", timeout=60
-        ).stdout
+        rsp: Any = self.apps.list_namespaced_deployment(
+            self.ns, label_selector="app.kubernetes.io/component=head", _preload_content=False
+        )
         done = 0
-        for d in json.loads(out)["items"]:
+        for d in json.loads(rsp.data)["items"]:
             args = d["spec"]["template"]["spec"]["containers"][0]["args"]
             status = d.get("status") or {}
             new = "--disagg-timeout" in args and float(args[args.index("--disagg-timeout") + 1]) == timeout_s
@@ -214,10 +281,10 @@ class Bench:
                 done += 1
         return done == self.n, f"{done}/{self.n} heads rolled"
 
-    def run(self, steady_s: float) -> dict[str, Any]:
+    def run(self, steady_s: float, edit: bool) -> dict[str, Any]:
         names = [f"p{i:03d}" for i in range(self.n)]
         before = self.sample()
-        start = time.monotonic()
+        start, started_at = time.monotonic(), time.time()
         in_parallel(
             lambda i: self.api.create_namespaced_custom_object(
                 "triptych.ai", "v1alpha1", self.ns, "diffusionpipelines", pipeline(names[i])
@@ -227,12 +294,21 @@ class Bench:
         wait(f"{self.n} pipelines Ready", lambda: self.all_ready(1), 900)
         create_s = time.monotonic() - start
         self.counter.wait_quiet(quiet_s=5)
-        create = self.phase(before, create_s)
+        create = self.phase(before, create_s, started_at)
         print(f"create: {create}", flush=True)
+        result = {"pipelines": self.n, "create": create}
+        if edit:
+            result["edit_one_field"] = self.edit_all(names)
+        before = self.sample()
+        time.sleep(steady_s)
+        result["steady"] = self.phase(before, steady_s, time.time() - steady_s)
+        print(f"steady: {result['steady']}", flush=True)
+        return result
 
+    def edit_all(self, names: list[str]) -> dict[str, Any]:
         new_timeout = 601
         before = self.sample()
-        start = time.monotonic()
+        start, started_at = time.monotonic(), time.time()
         patch = {"spec": {"head": {"timeoutSeconds": new_timeout}}}
         in_parallel(
             lambda i: self.api.patch_namespaced_custom_object(
@@ -244,14 +320,9 @@ class Bench:
         wait(f"{self.n} pipelines Ready again", lambda: self.all_ready(2), 900)
         edit_s = time.monotonic() - start
         self.counter.wait_quiet(quiet_s=5)
-        edit = self.phase(before, edit_s)
+        edit = self.phase(before, edit_s, started_at)
         print(f"edit: {edit}", flush=True)
-
-        before = self.sample()
-        time.sleep(steady_s)
-        steady = self.phase(before, steady_s)
-        print(f"steady: {steady}", flush=True)
-        return {"pipelines": self.n, "create": create, "edit_one_field": edit, "steady": steady}
+        return edit
 
 
 def _healthz(port: int) -> bool:
@@ -266,6 +337,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipelines", type=int, default=200)
     parser.add_argument("--steady", type=float, default=60.0, help="seconds of steady state measured at the end")
+    parser.add_argument("--no-edit", action="store_true", help="skip editing the pipelines (to iterate on create)")
     args = parser.parse_args()
     cluster = _cluster_for(cluster_settings())
     if not cluster.is_ready():
@@ -275,26 +347,33 @@ def main() -> int:
         bench = Bench(cluster, args.pipelines, Path(tmp))
         try:
             bench.setup()
-            result = bench.run(args.steady)
+            result = bench.run(args.steady, edit=not args.no_edit)
         finally:
             bench.teardown()
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            shutil.copy(Path(tmp) / "operator.log", RESULTS / "operator.log")
     result["date"] = time.strftime("%Y-%m-%d")
-    out = ROOT / "bench" / "results" / "operator.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "operator.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{args.pipelines} pipelines, {os.cpu_count()} CPUs (shared)")
     print(
         "| phase | seconds | operator CPU s | peak RSS MiB | writes/pipeline | status/pipeline | events/pipeline "
-        "| reads/pipeline |"
+        "| reads/pipeline | machine load (5 min) |"
     )
-    for key in ("create", "edit_one_field", "steady"):
+    phases = [key for key in ("create", "edit_one_field", "steady") if key in result]
+    for key in phases:
         r = result[key]
         per = r["requests_per_pipeline"]
         print(
             f"| {key} | {r['seconds']} | {r['operator_cpu_s']} | {r['operator_peak_rss_mib']} | {per['writes']} "
-            f"| {per['status']} | {per['events']} | {per['reads']} |"
+            f"| {per['status']} | {per['events']} | {per['reads']} | {r['machine_load_5m']} |"
         )
-    print(f"wrote {out.relative_to(ROOT)}")
+    for key in phases[:-1]:
+        print(f"\n{key}: where the time went (seconds after the first request)")
+        print("| who | does what | objects | half done | all done |")
+        for stage in result[key]["stages"]:
+            print(f"| {stage['who']} | {stage['what']} | {stage['count']} | {stage['median_s']} | {stage['last_s']} |")
+    print(f"wrote {out.relative_to(ROOT)} (and the operator's log beside it)")
     return 0
 
 

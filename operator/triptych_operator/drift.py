@@ -46,11 +46,30 @@ class Applied:
 
     desired: str  # digest of the manifest
     live: str  # digest of the server's answer, projected onto the manifest
+    resource_version: str = ""  # of that answer: the same version later cannot have drifted
 
 
-def record(desired: Mapping[str, Any], live: Mapping[str, Any]) -> Applied:
-    """The record to keep after applying `desired` and getting `live` back."""
-    return Applied(desired=digest(desired), live=digest(projection(desired, live)))
+def record(desired: Mapping[str, Any], live: Mapping[str, Any], desired_digest: str | None = None) -> Applied:
+    """The record to keep after applying `desired` (its digest, if the caller has it) and getting `live` back."""
+    return Applied(
+        desired=desired_digest or digest(desired),
+        live=digest(projection(desired, live)),
+        resource_version=str(live["metadata"].get("resourceVersion") or ""),
+    )
+
+
+def unchanged(applied: Applied | None, desired_digest: str, live: Mapping[str, Any] | None) -> bool:
+    """True when `live` is the very version recorded for this manifest: no comparison needed.
+
+    A pipeline's reconcile looks at all its children on any child's event; this keeps the others free.
+    """
+    return (
+        applied is not None
+        and live is not None
+        and applied.desired == desired_digest
+        and bool(applied.resource_version)
+        and live["metadata"].get("resourceVersion") == applied.resource_version
+    )
 
 
 def needs_apply(desired: Mapping[str, Any], live: Mapping[str, Any] | None, applied: Applied | None) -> bool:

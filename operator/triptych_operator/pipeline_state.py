@@ -34,10 +34,13 @@ class PipelineState:
     annotations: str | None = None  # digest of the annotations when the Secret was last read
     rendered_for: tuple[str, int, str] | None = None
     children: Children | None = None
+    digests: dict[ChildKey, str] = field(default_factory=dict)  # of each child's manifest, per render
     applied: dict[ChildKey, Applied] = field(default_factory=dict)
     apply_error: str | None = None
     # The status this operator last wrote, compared before writing again.
     status: dict[str, Any] | None = None
+    # The pending status write, if one is scheduled (handlers._status_soon).
+    status_writer: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -50,7 +53,9 @@ class PipelineStates:
         return self.by_key.setdefault(key, PipelineState())
 
     def forget(self, key: PipelineKey) -> None:
-        self.by_key.pop(key, None)
+        state = self.by_key.pop(key, None)
+        if state is not None and state.status_writer is not None:
+            state.status_writer.cancel()
 
     def __len__(self) -> int:
         return len(self.by_key)

@@ -8,6 +8,7 @@ would exit on start-up is reported instead of deployed.
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Sequence
 
 from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, add_serve_flags, flag
@@ -130,11 +131,17 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def check_argv(argv: Sequence[str], *, where: str) -> ServeArgs:
-    """Parse and validate `argv` exactly as `triptych serve` does; SpecError names `where` (extraArgs live there)."""
+@functools.cache
+def _serve_parser() -> _RaisingParser:
+    # Built once: building it (~90 flags, help formatters) cost more than all of a pipeline's API calls.
     parser = _RaisingParser(prog="triptych serve", add_help=False)
     add_serve_flags(parser)
+    return parser
+
+
+def check_argv(argv: Sequence[str], *, where: str) -> ServeArgs:
+    """Parse and validate `argv` exactly as `triptych serve` does; SpecError names `where` (extraArgs live there)."""
     try:
-        return ServeArgs.from_namespace(parser.parse_args(list(argv)))
+        return ServeArgs.from_namespace(_serve_parser().parse_args(list(argv)))
     except ConfigError as exc:
         raise SpecError(where, f"the process would reject its arguments: {exc}") from None

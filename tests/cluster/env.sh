@@ -36,6 +36,12 @@ SERVICE_CIDR=${TRIPTYCH_SERVICE_CIDR:-198.18.0.0/16}
 POD_CIDR=${TRIPTYCH_POD_CIDR:-198.19.0.0/16}
 RDMA_RESOURCE=${TRIPTYCH_RDMA_RESOURCE:-rdma/ib}
 GPU_NODES=${TRIPTYCH_GPU_NODES:-2}
+# The controller-manager's client rate (each controller has its own: --use-service-account-credentials)
+# and how many Deployments / ReplicaSets it syncs at once. Kubernetes' defaults (20/s with bursts of 30;
+# 5 and 5) leave 800 new Deployments (bench/operator_bench.py) waiting minutes for their ReplicaSets.
+KCM_API_QPS=${TRIPTYCH_KCM_API_QPS:-200}
+KCM_API_BURST=${TRIPTYCH_KCM_API_BURST:-400}
+KCM_CONCURRENT_SYNCS=${TRIPTYCH_KCM_CONCURRENT_SYNCS:-20}
 KUBECONFIG_PATH=$CLUSTER_DIR/kubeconfig
 
 # --- the real node (TRIPTYCH_REAL_NODE=1: make cluster-up and the real node's test; node-up.sh, node-down.sh) ---

@@ -150,6 +150,10 @@ start_on "$KCM_PORT" kube-controller-manager \
   --node-cidr-mask-size=24 \
   --service-cluster-ip-range="$SERVICE_CIDR" \
   --horizontal-pod-autoscaler-sync-period=5s \
+  --kube-api-qps="$KCM_API_QPS" \
+  --kube-api-burst="$KCM_API_BURST" \
+  --concurrent-deployment-syncs="$KCM_CONCURRENT_SYNCS" \
+  --concurrent-replicaset-syncs="$KCM_CONCURRENT_SYNCS" \
   --profiling=false
 
 start_on "$SCHEDULER_PORT" kube-scheduler \

@@ -6,7 +6,7 @@ import copy
 from typing import Any
 
 from tests.operator.helpers import OWNER, pipeline
-from triptych_operator.drift import needs_apply, projection, record
+from triptych_operator.drift import digest, needs_apply, projection, record, unchanged
 from triptych_operator.manifests import render
 
 
@@ -75,3 +75,17 @@ def test_without_a_record_only_an_exact_projection_counts_as_applied() -> None:
     assert not needs_apply(desired, exact, None)
     exact["spec"]["template"]["spec"]["containers"][0]["image"] = "someone/else:1"
     assert needs_apply(desired, exact, None)
+
+
+def test_the_version_last_recorded_needs_no_comparison_and_any_other_does() -> None:
+    desired = deployment()
+    live = as_served(desired)
+    applied = record(desired, live)
+    assert unchanged(applied, digest(desired), live)
+    edited = copy.deepcopy(live)
+    edited["metadata"]["resourceVersion"] = "8"  # the API server gives every change a new version
+    assert not unchanged(applied, digest(desired), edited)
+    changed_spec = copy.deepcopy(desired)
+    changed_spec["spec"]["template"]["spec"]["containers"][0]["args"].append("--verbose")
+    assert not unchanged(applied, digest(changed_spec), live)
+    assert not unchanged(None, digest(desired), live) and not unchanged(applied, digest(desired), None)

@@ -103,6 +103,8 @@ def test_requests_follow_changes_and_stop_at_rest(kube_cluster: KubeCluster, cou
     # Written only when it changes: per component missing, rolling out (pods 0/n ... n/n), ready; racing events
     # coalesce, so the count depends on timing (6-11 seen), never on how many events arrived.
     assert 1 <= create["status"] <= 20, create
+    # Events: the new keys, one naming every child created, the phase changes (Progressing, Ready); none per child.
+    assert 1 <= create["events"] <= 5, create
 
     # A pod event that changes nothing the status reports costs nothing at all.
     pods = (get(cluster, ns, "pods", "-l", "app.kubernetes.io/instance=cost") or {})["items"]
