@@ -130,6 +130,7 @@ class ServeArgs:
     simulate_seconds_per_unit: float | None = None
     disagg_keys_dir: str | None = None
     disagg_insecure: bool = False
+    reference_url_networks: str = ""  # ';'-separated CIDRs image-edit URLs may reach besides public addresses
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServeArgs:
@@ -213,12 +214,21 @@ class ServeArgs:
         if self.disagg_drain_timeout <= 0:
             raise ConfigError(f"--disagg-drain-timeout {self.disagg_drain_timeout} must be > 0 seconds")
         self._validate_http_limits()
+        self._validate_reference_urls()
         self._validate_simulation()
         self._validate_control_security()
         try:
             self.parallelism()
         except ParallelismError as exc:
             raise ConfigError(str(exc)) from None
+
+    def _validate_reference_urls(self) -> None:
+        from triptych.reference import parse_networks
+
+        try:
+            parse_networks(self.reference_url_networks)
+        except ValueError as exc:
+            raise ConfigError(f"--reference-url-networks: {exc}") from None
 
     def _validate_http_limits(self) -> None:
         head_only = [f for f in ("api_keys_file", "max_queued_requests") if getattr(self, f) is not None]
@@ -366,6 +376,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--max-queued-requests", type=int, default=None, metavar="N",
       help="head/monolithic: requests accepted beyond what the workers can run at once; more get 429 with "
            "Retry-After (default: twice the ready workers' slots, at least 8)")  # fmt: skip
+    a("--reference-url-networks", default=d.reference_url_networks, metavar="CIDR;CIDR",
+      help="image encoder/monolithic: private networks an edit's image URL may reach; public addresses always "
+           "may, every other address (loopback, link-local, private) is refused (default: none)")  # fmt: skip
     a("--simulate", action="store_true",
       help="worker: load no model; each stage sleeps a modelled time and emits the tensors --model-path's family "
            "would (shapes from its configs), through the real pool and Mooncake transfers")  # fmt: skip

@@ -7,6 +7,7 @@ import sys
 
 from triptych.config import ConfigError, ServeArgs
 from triptych.model_source import ModelSourceError, resolve_model_path
+from triptych.reference import allow_url_networks, parse_networks
 from triptych.roles import Role
 
 
@@ -28,6 +29,7 @@ def serve(args: ServeArgs) -> int:
     configure_logging(args)
     try:
         args.model_path = resolve_model_path(args.model_path)
+        allow_url_networks(parse_networks(args.reference_url_networks))  # image edits' URL references
         return _serve_role(args)
     except (ModelSourceError, ConfigError) as exc:  # e.g. unreadable --disagg-keys-dir, found at start-up
         print(f"triptych: error: {exc}", file=sys.stderr)

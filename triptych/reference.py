@@ -8,10 +8,15 @@ imported inside the functions (the head and worker extras both install it).
 
 from __future__ import annotations
 
+import functools
+import http.client
 import io
+import ipaddress
+import socket
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -23,8 +28,83 @@ URL_TIMEOUT_S = 20.0
 FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+URL_NETWORKS: list[Network] = []
+"""Non-public networks a reference URL may reach (--reference-url-networks); public addresses always may."""
+
+
 class BadReference(ValueError):
     """A reference image that cannot be used; the message names the field and why."""
+
+
+def parse_networks(text: str) -> list[Network]:
+    """'10.1.0.0/16;fd00::/8' -> networks; ValueError naming the bad entry."""
+    networks = []
+    for entry in filter(None, (e.strip() for e in text.replace(",", ";").split(";"))):
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            raise ValueError(f"{entry!r} is not a network (CIDR such as 10.1.0.0/16 or fd00::/8)") from None
+    return networks
+
+
+def allow_url_networks(networks: Iterable[Network]) -> None:
+    """Let reference URLs of this process reach `networks` besides the public internet."""
+    URL_NETWORKS[:] = list(networks)
+
+
+def _permitted(address: str, allowed: list[Network]) -> bool:
+    ip = ipaddress.ip_address(address.partition("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global or any(ip in network for network in allowed)
+
+
+def _vetted_connection(
+    allowed: list[Network], address: tuple[str, int], timeout: Any = None, source_address: Any = None
+) -> socket.socket:
+    """socket.create_connection to an address the URL policy permits, checked after resolution (so a
+    name cannot point at an internal service) and connected to the very address that was checked."""
+    host, port = address
+    resolved = [str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+    refused = [a for a in resolved if not _permitted(a, allowed)]
+    if refused:
+        raise OSError(
+            f"{host} resolves to {refused[0]}, not a public address; "
+            "the image encoder's --reference-url-networks lists the private networks it may fetch from"
+        )
+    return socket.create_connection((resolved[0], port), timeout, source_address)
+
+
+def _connection_class(base: type[http.client.HTTPConnection], allowed: list[Network]) -> Any:
+    def make(host: str, **kwargs: Any) -> http.client.HTTPConnection:
+        conn = base(host, **kwargs)
+        conn._create_connection = functools.partial(_vetted_connection, allowed)  # type: ignore[attr-defined]
+        return conn
+
+    return make
+
+
+class _VettedHTTP(urllib.request.HTTPHandler):
+    def __init__(self, allowed: list[Network]):
+        super().__init__()
+        self._allowed = allowed
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_connection_class(http.client.HTTPConnection, self._allowed), req)
+
+
+class _VettedHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, allowed: list[Network]):
+        super().__init__()
+        self._allowed = allowed
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(
+            _connection_class(http.client.HTTPSConnection, self._allowed),
+            req,
+            context=self._context,  # type: ignore[attr-defined]
+        )
 
 
 def open_reference(data: bytes, field: str = "image") -> Image.Image:
@@ -75,13 +155,25 @@ class _HTTPOnlyRedirects(urllib.request.HTTPRedirectHandler):
 
 
 def fetch_reference(
-    url: str, field: str = "image", max_bytes: int = MAX_REFERENCE_BYTES, timeout: float = URL_TIMEOUT_S
+    url: str,
+    field: str = "image",
+    max_bytes: int = MAX_REFERENCE_BYTES,
+    timeout: float = URL_TIMEOUT_S,
+    networks: list[Network] | None = None,
 ) -> bytes:
-    """GET an http(s) reference, at most `max_bytes` within `timeout` seconds a read, else BadReference."""
+    """GET an http(s) reference, at most `max_bytes` within `timeout` seconds a read, else BadReference.
+
+    Only public addresses, and the non-public `networks` (default: the process's
+    --reference-url-networks), are connected to, redirects included; no proxy is used.
+    """
     check_reference_url(url, field)
+    allowed = URL_NETWORKS if networks is None else networks
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), _VettedHTTP(allowed), _VettedHTTPS(allowed), _HTTPOnlyRedirects
+    )
     request = urllib.request.Request(url, headers={"User-Agent": "triptych-image-encoder"})
     try:
-        with urllib.request.build_opener(_HTTPOnlyRedirects).open(request, timeout=timeout) as response:
+        with opener.open(request, timeout=timeout) as response:
             data: bytes = response.read(max_bytes + 1)
     except urllib.error.HTTPError as exc:
         raise BadReference(f"{field}: GET {url[:200]} answered {exc.code}") from None

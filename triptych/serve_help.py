@@ -51,6 +51,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
             "--simulate",
             "--simulate-seconds",
             "--simulate-seconds-per-unit",
+            "--reference-url-networks",
         ),
     ),
     "parallelism": (

@@ -57,7 +57,7 @@ def expected(tiny_models) -> np.ndarray:
 def four_roles(tiny_models, tmp_path_factory) -> Iterator[triptych.pool.Pool]:
     with triptych.launch_pool(
         tiny_models["tiny-flux-kontext"], prompt_encoder_devices=CPU, image_encoder_devices=CPU,
-        workdir=tmp_path_factory.mktemp("four"),
+        workdir=tmp_path_factory.mktemp("four"), worker_flags={"reference_url_networks": "127.0.0.0/8"},
     ) as pool:  # fmt: skip
         yield pool
 
@@ -139,6 +139,8 @@ def test_a_url_reference_is_fetched_by_the_image_encoder(four_roles, expected) -
             assert missing.status_code == 400 and "image: GET" in missing.text and "404" in missing.text
             local = edit(c, files={}, image="file:///etc/passwd")
             assert local.status_code == 400 and local.json()["error"]["param"] == "image"
+            metadata = edit(c, files={}, image="http://169.254.169.254/latest/meta-data/ref.png")
+            assert metadata.status_code == 400 and "not a public address" in metadata.text
             no_size = edit(c, files={}, image=f"{base}/ref.png", size=None)
     finally:
         server.shutdown()

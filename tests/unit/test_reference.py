@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from PIL import Image
 
-from triptych.reference import BadReference, fetch_reference, open_reference
+from triptych.reference import BadReference, fetch_reference, open_reference, parse_networks
 
 
 def png(width: int = 12, height: int = 10) -> bytes:
@@ -42,6 +42,11 @@ class _Server(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/slow":
             time.sleep(2)
+        if self.path == "/to-ipv6-loopback":
+            self.send_response(302)
+            self.send_header("Location", "http://[::1]:9/x.png")
+            self.end_headers()
+            return
         if self.path == "/ftp":
             self.send_response(302)
             self.send_header("Location", "ftp://example.com/x.png")
@@ -64,15 +69,38 @@ def base() -> Iterator[str]:
     server.shutdown()
 
 
+LOOPBACK = parse_networks("127.0.0.0/8")
+
+
 def test_urls_are_fetched_within_their_limits(base: str) -> None:
-    assert fetch_reference(f"{base}/ok") == png()
+    assert fetch_reference(f"{base}/ok", networks=LOOPBACK) == png()
     with pytest.raises(BadReference, match="answered 404"):
-        fetch_reference(f"{base}/missing")
+        fetch_reference(f"{base}/missing", networks=LOOPBACK)
     with pytest.raises(BadReference, match="larger than 10 bytes"):
-        fetch_reference(f"{base}/ok", max_bytes=10)
+        fetch_reference(f"{base}/ok", max_bytes=10, networks=LOOPBACK)
     with pytest.raises(BadReference, match="failed"):
-        fetch_reference(f"{base}/slow", timeout=0.5)
+        fetch_reference(f"{base}/slow", timeout=0.5, networks=LOOPBACK)
     with pytest.raises(BadReference, match="not an http"):
-        fetch_reference(f"{base}/ftp")
+        fetch_reference(f"{base}/ftp", networks=LOOPBACK)
     with pytest.raises(BadReference, match="not an http"):
         fetch_reference("file:///etc/passwd")
+
+
+def test_urls_reach_public_addresses_and_the_listed_networks_only(base: str) -> None:
+    """An edit's URL must not make the image encoder a proxy into the cluster (cloud metadata, the
+    pod network, the node): non-public addresses are refused unless --reference-url-networks lists
+    them, checked after name resolution and on every redirect."""
+    port = base.rsplit(":", 1)[1]
+    for url in (f"{base}/ok", f"http://localhost:{port}/ok", "http://169.254.169.254/latest/meta-data/",
+                "http://[::ffff:127.0.0.1]:9/x.png", "http://192.168.0.1/x.png"):  # fmt: skip
+        with pytest.raises(BadReference, match="not a public address") as refused:
+            fetch_reference(url, timeout=2)
+        assert str(refused.value).startswith("image: ") and "--reference-url-networks" in str(refused.value)
+    with pytest.raises(BadReference, match=r"::1, not a public address"):
+        fetch_reference(f"{base}/to-ipv6-loopback", networks=LOOPBACK)  # allowed server, refused redirect
+
+
+def test_network_lists_name_the_bad_entry() -> None:
+    assert [str(n) for n in parse_networks("10.1.0.0/16; fd00::/8,")] == ["10.1.0.0/16", "fd00::/8"]
+    with pytest.raises(ValueError, match=r"'10\.1\.0\.300/16' is not a network"):
+        parse_networks("10.1.0.0/16;10.1.0.300/16")
