@@ -21,6 +21,7 @@ import pytest
 
 from tests.e2e.harness import deployment
 from tests.worker.test_role_pipelines import reference_png
+from triptych.client import Reference, TriptychClient
 from triptych.localdeploy import LocalDeployment
 
 pytestmark = pytest.mark.slow
@@ -153,6 +154,12 @@ def test_edit_writes_the_png_the_api_returns_for_the_same_reference(kontext: Loc
     assert r.status_code == 200, r.text
     assert out.read_bytes() == base64.b64decode(r.json()["data"][0]["b64_json"])
     assert "denoiser step 2/2" in done.stderr and f"wrote {out}" in done.stderr
+    client = TriptychClient(kontext.http)  # the library call behind it, without streaming
+    try:
+        body = {**EDIT, "seed": 7, "num_inference_steps": 2, "guidance_scale": 2.5}
+        assert client.edit_images(body, Reference.of(str(reference))) == [out.read_bytes()]
+    finally:
+        client.close()
 
 
 def test_edit_of_a_url_sends_the_url_for_the_server_to_fetch(kontext: LocalDeployment, tmp_path: Path):
