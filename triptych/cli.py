@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from triptych import __version__
-from triptych.client_cli import add_client_commands, run_client_command
+from triptych.client_cli import CLIENT_COMMANDS, add_client_commands, run_client_command
 from triptych.config import ConfigError, ServeArgs, add_serve_flags
 
 
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path in paths:
             print(path)
         return 0
-    if ns.command in ("generate", "video", "status"):
+    if ns.command in CLIENT_COMMANDS:
         return run_client_command(ns)
     parser.error(f"unknown command {ns.command!r}")
     return 2

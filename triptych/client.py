@@ -2,6 +2,7 @@
 
     client = TriptychClient("http://head:30000", api_key="...")
     pngs = client.generate_images({"prompt": "a lighthouse", "size": "512x512", "seed": 1})
+    pngs = client.edit_images({"prompt": "at night", "seed": 1}, Reference.of("photo.png"))
     job = client.create_video({"prompt": "waves", "num_frames": 33})
     for event in client.video_events(job["id"]): ...
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import mimetypes
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +57,41 @@ def _error_text(response: httpx.Response) -> str:
         return response.text[:500] or response.reason_phrase
 
 
+@dataclass(frozen=True)
+class Reference:
+    """An edit's reference image: a file's bytes (uploaded) or an http(s) URL (the server fetches it)."""
+
+    data: bytes | None = None
+    url: str | None = None
+    name: str = "image.png"
+
+    @classmethod
+    def of(cls, image: str) -> Reference:
+        """`image` as a user gives it: an http(s) URL, else a path to an image file."""
+        if image.startswith(("http://", "https://")):
+            return cls(url=image)
+        try:
+            return cls(data=Path(image).read_bytes(), name=Path(image).name)
+        except OSError as exc:
+            raise ClientError(f"image: cannot read {image}: {exc.strerror or exc}") from None
+
+    def form(self, body: dict[str, Any]) -> dict[str, Any]:
+        """httpx keyword arguments for a POST /v1/images/edits of `body` with this reference."""
+        fields = {k: _form_text(v) for k, v in body.items()}
+        if self.url is not None:
+            return {"data": {**fields, "image": self.url}}
+        mime = mimetypes.guess_type(self.name)[0] or "application/octet-stream"
+        return {"data": fields, "files": {"image": (self.name, self.data, mime)}}
+
+
+def _form_text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+def _pngs(response: httpx.Response) -> list[bytes]:
+    return [base64.b64decode(item["b64_json"]) for item in response.json()["data"]]
+
+
 class TriptychClient:
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -85,12 +122,19 @@ class TriptychClient:
 
     def generate_images(self, body: dict[str, Any]) -> list[bytes]:
         """The PNGs of POST /v1/images/generations."""
-        data = self._request("POST", "/v1/images/generations", json={**body, "response_format": "b64_json"}).json()
-        return [base64.b64decode(item["b64_json"]) for item in data["data"]]
+        return _pngs(self._request("POST", "/v1/images/generations", json={**body, "response_format": "b64_json"}))
 
     def stream_images(self, body: dict[str, Any]) -> Iterator[Event]:
         """POST /v1/images/generations with stream: its progress events, the last `completed` or `error`."""
         return self._events("POST", "/v1/images/generations", json={**body, "stream": True})
+
+    def edit_images(self, body: dict[str, Any], image: Reference) -> list[bytes]:
+        """The PNGs of POST /v1/images/edits: `body` (prompt, size, seed, ...) applied to `image`."""
+        return _pngs(self._request("POST", "/v1/images/edits", **image.form({**body, "response_format": "b64_json"})))
+
+    def stream_edits(self, body: dict[str, Any], image: Reference) -> Iterator[Event]:
+        """POST /v1/images/edits with stream: its progress events, the last `completed` or `error`."""
+        return self._events("POST", "/v1/images/edits", **image.form({**body, "stream": True}))
 
     def create_video(self, body: dict[str, Any]) -> dict[str, Any]:
         return dict(self._request("POST", "/v1/videos", json=body).json())

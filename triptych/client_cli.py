@@ -1,6 +1,7 @@
-"""`triptych generate`, `triptych video` and `triptych status`: the HTTP client on the command line.
+"""`triptych generate / edit / video / status`: the HTTP client on the command line.
 
     triptych generate "a lighthouse at dusk" -o out.png --size 512x512 --seed 1 --steps 20
+    triptych edit photo.png "make it a watercolor" -o edited.png --seed 1   # or an http(s) URL
     triptych video "waves on a beach" -o out.mp4 --frames 33
     triptych status
 
@@ -18,10 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from rich.console import Console
 
     from triptych.client import Event, TriptychClient
 
+CLIENT_COMMANDS = ("generate", "edit", "video", "status")
 DEFAULT_URL = "http://127.0.0.1:30000"
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
 
@@ -31,17 +35,24 @@ def add_client_commands(sub: Any) -> None:
     connection = argparse.ArgumentParser(add_help=False)
     connection.add_argument("--url", default=os.environ.get("TRIPTYCH_URL", DEFAULT_URL), help="the head's HTTP URL")
     connection.add_argument("--api-key", default=os.environ.get("TRIPTYCH_API_KEY"), help="Bearer key, if required")
+    reference = argparse.ArgumentParser(add_help=False)
+    reference.add_argument("image", help="the reference image: a file, or an http(s) URL the server fetches")
     request = argparse.ArgumentParser(add_help=False)
     request.add_argument("prompt")
     request.add_argument("-o", "--output", required=True, type=Path, help="file to write")
-    request.add_argument("--size", help="WIDTHxHEIGHT (the server's default when omitted)")
+    request.add_argument("--size", help="WIDTHxHEIGHT (omitted: the server's default; edit: the reference's)")
     request.add_argument("--seed", type=int, help="same seed, same pixels")
     request.add_argument("--steps", type=int, help="denoising steps (the model's default when omitted)")
     request.add_argument("--negative-prompt")
     request.add_argument("--guidance", type=float, help="guidance_scale")
 
-    gen = sub.add_parser("generate", parents=[request, connection], help="text to image through a head's HTTP API")
-    gen.add_argument("--n", type=int, default=1, help="images to make; out.png becomes out-0.png, out-1.png, ...")
+    images = argparse.ArgumentParser(add_help=False)
+    images.add_argument("--n", type=int, default=1, help="images to make; out.png becomes out-0.png, out-1.png, ...")
+
+    sub.add_parser("generate", parents=[request, images, connection], help="text to image through a head's HTTP API")
+    sub.add_parser(
+        "edit", parents=[reference, request, images, connection], help="a reference image and a prompt to an image"
+    )
     vid = sub.add_parser("video", parents=[request, connection], help="text to video, with a live progress bar")
     vid.add_argument("--frames", type=int, help="num_frames")
     vid.add_argument("--fps", type=int)
@@ -51,21 +62,28 @@ def add_client_commands(sub: Any) -> None:
 def run_client_command(ns: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from triptych.client import ClientError, TriptychClient
+    from triptych.client import ClientError, Reference, TriptychClient
 
     console = Console(stderr=True)
     client = TriptychClient(ns.url, ns.api_key)
     try:
         if ns.command == "generate":
-            return _generate(client, ns, console)
+            return _images(client.stream_images({**_body(ns), "n": ns.n}), ns, console)
+        if ns.command == "edit":
+            return _images(client.stream_edits({**_body(ns), "n": ns.n}, Reference.of(ns.image)), ns, console)
         if ns.command == "video":
             return _video(client, ns, console)
         return _status(client, Console())
     except ClientError as exc:
-        console.print(f"triptych: error: {exc}", markup=False, highlight=False)
-        return 1
+        return print_error(console, str(exc))
     finally:
         client.close()
+
+
+def print_error(console: Console, message: str) -> int:
+    """One line on stderr, however long (soft_wrap: rich would wrap it at the console's width); returns 1."""
+    console.print(f"triptych: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    return 1
 
 
 def _body(ns: argparse.Namespace) -> dict[str, Any]:
@@ -84,15 +102,14 @@ def output_paths(output: Path, n: int) -> list[Path]:
     return [output] if n == 1 else [output.with_name(f"{output.stem}-{i}{output.suffix}") for i in range(n)]
 
 
-def _generate(client: TriptychClient, ns: argparse.Namespace, console: Console) -> int:
+def _images(events: Iterator[Event], ns: argparse.Namespace, console: Console) -> int:
+    """Follow a streamed image request (generation or edit) and write its PNGs."""
     import base64
 
-    body = {**_body(ns), "n": ns.n}
     with ProgressView(console, "image") as view:
-        final = view.follow(client.stream_images(body))
+        final = view.follow(events)
     if final.event != "completed":
-        console.print(f"triptych: error: {final.data['error']['message']}", markup=False, highlight=False)
-        return 1
+        return print_error(console, final.data["error"]["message"])
     for path, item in zip(output_paths(ns.output, ns.n), final.data["data"], strict=True):
         path.write_bytes(base64.b64decode(item["b64_json"]))
         console.print(f"wrote {path}", highlight=False)
@@ -115,8 +132,7 @@ def _video(client: TriptychClient, ns: argparse.Namespace, console: Console) -> 
         console.print(f"cancelled {job['id']} on the server ({ended['status']})", highlight=False)
         return INTERRUPTED
     if final.event != "completed":
-        console.print(f"triptych: error: {final.data['error']['message']}", markup=False, highlight=False)
-        return 1
+        return print_error(console, final.data["error"]["message"])
     size = client.save_video(job["id"], ns.output)
     console.print(f"wrote {ns.output} ({size} bytes)", highlight=False)
     return 0

@@ -1,13 +1,17 @@
-"""`triptych generate / video / status` as a user runs them, against real deployments with the tiny
-models: the PNG is the API's, a video shows its progress and Ctrl-C cancels it on the server."""
+"""`triptych generate / edit / video / status` as a user runs them, against real deployments with the
+tiny models: the PNG is the API's (for an edit too: FLUX.1 Kontext with an uploaded or URL
+reference), a video shows its progress and Ctrl-C cancels it on the server."""
 
 from __future__ import annotations
 
 import base64
+import functools
+import http.server
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,12 +20,17 @@ import httpx
 import pytest
 
 from tests.e2e.harness import deployment
+from tests.worker.test_role_pipelines import reference_png
+from triptych.client import Reference, TriptychClient
 from triptych.localdeploy import LocalDeployment
 
 pytestmark = pytest.mark.slow
 
 KEY = "cli-test-key"
 IMAGE = {"prompt": "a lighthouse at dusk", "size": "64x48", "seed": 21, "num_inference_steps": 3}
+EDIT = {"prompt": "make it a watercolor", "size": "64x48", "seed": "7", "num_inference_steps": "2",
+        "guidance_scale": "2.5"}  # fmt: skip
+EDIT_FLAGS = ("--size", "64x48", "--seed", "7", "--steps", "2", "--guidance", "2.5")
 
 
 def triptych(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -42,6 +51,13 @@ def flux(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="module")
 def wan(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
     with deployment(tiny_models["tiny-wan"], tmp_path_factory.mktemp("wan"), denoisers=2) as dep:
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def kontext(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
+    """FLUX.1 Kontext (takes a reference image), three roles: the encoder encodes the reference."""
+    with deployment(tiny_models["tiny-flux-kontext"], tmp_path_factory.mktemp("kontext")) as dep:
         yield dep
 
 
@@ -125,3 +141,59 @@ def test_ctrl_c_during_video_cancels_the_job_on_the_server_and_frees_its_slots(w
         time.sleep(0.3)
     else:
         pytest.fail(f"slots still held after the cancel: {workers}")
+
+
+def test_edit_writes_the_png_the_api_returns_for_the_same_reference(kontext: LocalDeployment, tmp_path: Path):
+    reference = tmp_path / "ref.png"
+    reference.write_bytes(reference_png(40, 56))
+    out = tmp_path / "edited.png"
+    done = triptych("edit", str(reference), EDIT["prompt"], "-o", str(out), *EDIT_FLAGS, "--url", kontext.http)
+    assert done.returncode == 0, done.stderr
+    r = httpx.post(f"{kontext.http}/v1/images/edits", data=EDIT,
+                   files={"image": ("ref.png", reference.read_bytes(), "image/png")}, timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert out.read_bytes() == base64.b64decode(r.json()["data"][0]["b64_json"])
+    assert "denoiser step 2/2" in done.stderr and f"wrote {out}" in done.stderr
+    client = TriptychClient(kontext.http)  # the library call behind it, without streaming
+    try:
+        body = {**EDIT, "seed": 7, "num_inference_steps": 2, "guidance_scale": 2.5}
+        assert client.edit_images(body, Reference.of(str(reference))) == [out.read_bytes()]
+    finally:
+        client.close()
+
+
+def test_edit_of_a_url_sends_the_url_for_the_server_to_fetch(kontext: LocalDeployment, tmp_path: Path):
+    (tmp_path / "ref.png").write_bytes(reference_png(40, 56))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/ref.png"
+        done = triptych("edit", url, EDIT["prompt"], "-o", str(tmp_path / "from-url.png"), *EDIT_FLAGS, "--n", "2",
+                        "--url", kontext.http)  # fmt: skip
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr
+    from_file = triptych("edit", str(tmp_path / "ref.png"), EDIT["prompt"], "-o", str(tmp_path / "from-file.png"),
+                         *EDIT_FLAGS, "--n", "2", "--url", kontext.http)  # fmt: skip
+    assert from_file.returncode == 0, from_file.stderr
+    for i in range(2):
+        assert (tmp_path / f"from-url-{i}.png").read_bytes() == (tmp_path / f"from-file-{i}.png").read_bytes()
+
+
+def test_edit_of_a_bad_image_file_or_field_is_a_one_line_error(kontext: LocalDeployment, tmp_path: Path):
+    text = tmp_path / "notes.png"
+    text.write_text("this is text, not a picture")
+    out = tmp_path / "never.png"
+    bad = triptych("edit", str(text), "x", "-o", str(out), "--url", kontext.http)
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("triptych: error: 400: image: not an image") and bad.stderr.count("\n") == 1
+    missing = triptych("edit", str(tmp_path / "missing.png"), "x", "-o", str(out), "--url", kontext.http)
+    assert missing.returncode == 1
+    assert missing.stderr.startswith(f"triptych: error: image: cannot read {tmp_path / 'missing.png'}")
+    assert missing.stderr.count("\n") == 1
+    reference = tmp_path / "ref.png"
+    reference.write_bytes(reference_png(40, 56))
+    steps = triptych("edit", str(reference), "x", "-o", str(out), "--steps", "0", "--url", kontext.http)
+    assert steps.returncode == 1 and steps.stderr.startswith("triptych: error: 400: num_inference_steps: ")
+    assert not out.exists()

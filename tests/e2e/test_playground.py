@@ -1,5 +1,6 @@
 """The web playground in a real browser (Playwright driving Debian's Chromium, headless) against
-real local deployments with the tiny models: an image whose bytes are the API's, a video whose
+real local deployments with the tiny models: an image whose bytes are the API's, an edit of an
+uploaded reference (FLUX.1 Kontext) whose bytes are the API's edit, a video whose
 progress bar advances with previews before the result, the pipeline view's instance counts and a
 request moving through it, a phone-sized viewport, and an API key entered in the page.
 Screenshots go to outputs/ (docs/playground.png is one of them)."""
@@ -18,6 +19,7 @@ import pytest
 from PIL import Image
 
 from tests.e2e.harness import deployment
+from tests.worker.test_role_pipelines import reference_png
 from triptych.localdeploy import LocalDeployment
 
 pytestmark = pytest.mark.slow
@@ -27,6 +29,7 @@ OUTPUTS = Path(__file__).resolve().parents[2] / "outputs"
 KEY = "playground-test-key"
 DESKTOP = {"width": 1280, "height": 1000}
 PHONE = {"width": 390, "height": 844}
+REFERENCE = reference_png(40, 56)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +57,13 @@ def flux(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="module")
 def wan(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
     with deployment(tiny_models["tiny-wan"], tmp_path_factory.mktemp("wan")) as dep:
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def kontext(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
+    """FLUX.1 Kontext: text to image, and edits of a reference image."""
+    with deployment(tiny_models["tiny-flux-kontext"], tmp_path_factory.mktemp("kontext")) as dep:
         yield dep
 
 
@@ -102,6 +112,7 @@ def test_an_image_generated_in_the_page_is_the_api_s_image(browser, flux: LocalD
     page.fill("#apikey", KEY)
     page.dispatch_event("#apikey", "change")
     page.wait_for_function("document.querySelector('#model').textContent.includes('tiny-flux')")
+    assert page.locator("#reference").is_hidden()  # a text-only model takes no reference image
     fill_request(page, "a lighthouse at dusk", 64, 48, 4, 11, 1)
     page.click("#generate")
     page.wait_for_selector("#result-image:not([hidden])", timeout=120_000)
@@ -136,6 +147,31 @@ def test_an_image_generated_in_the_page_is_the_api_s_image(browser, flux: LocalD
     shot = screenshot(phone, "playground-phone.png")
     assert shot.width == PHONE["width"]  # nothing wider than the viewport (a full-page shot would widen)
     phone.close()
+
+
+def test_an_edit_of_an_uploaded_reference_is_the_api_s_edit(browser, kontext: LocalDeployment):
+    page = new_page(browser, DESKTOP)
+    page.goto(kontext.http + "/")
+    page.wait_for_selector("#reference:visible")  # /v1/models says the model takes a reference
+    fill_request(page, "make it a watercolor", 64, 48, 3, 7, 1)
+    page.set_input_files("#reference", files=[{"name": "ref.png", "mimeType": "image/png", "buffer": REFERENCE}])
+    page.wait_for_selector("#reference-thumb:visible")
+    with page.expect_request("**/v1/images/edits") as sent:
+        page.click("#generate")
+    assert sent.value.method == "POST"
+    assert sent.value.headers["content-type"].startswith("multipart/form-data")
+    page.wait_for_selector("#result-image:not([hidden])", timeout=120_000)
+    shown = base64.b64decode(page.get_attribute("#result-image", "src").removeprefix("data:image/png;base64,"))
+    fields = {"prompt": "make it a watercolor", "size": "64x48", "num_inference_steps": "3", "seed": "7"}
+    r = httpx.post(f"{kontext.http}/v1/images/edits", data=fields,
+                   files={"image": ("ref.png", REFERENCE, "image/png")}, timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert shown == base64.b64decode(r.json()["data"][0]["b64_json"])
+    assert page.get_attribute("#progress", "max") == "3" and page.eval_on_selector("#progress", "p => p.value") == 3
+    assert page.get_attribute("#preview", "data-step") == "3"  # a preview came with every step
+    assert "edit of ref.png" in page.inner_text("#history li")
+    screenshot(page, "playground-edit.png")
+    page.close()
 
 
 RECORD_PROGRESS = """() => {

@@ -124,6 +124,7 @@ class ModelCard(BaseModel):
     owned_by: str = "triptych"
     pipeline: str
     kind: str
+    edits: bool = Field(False, description="Takes a reference image: POST /v1/images/edits serves it")
 
 
 class ModelList(BaseModel):

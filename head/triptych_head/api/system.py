@@ -18,7 +18,10 @@ router = APIRouter(tags=["system"])
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     ctx: HeadContext = request.app.state.ctx
-    card = ModelCard(id=ctx.model.id, created=ctx.started, pipeline=ctx.model.pipeline_class, kind=ctx.model.kind)
+    model = ctx.model
+    card = ModelCard(
+        id=model.id, created=ctx.started, pipeline=model.pipeline_class, kind=model.kind, edits=model.edits
+    )
     return ModelList(data=[card])
 
 

@@ -9,7 +9,7 @@ const HISTORY_MAX = 24;
 const THUMB_MAX_CHARS = 200_000; // images larger than this are kept in history without their pixels
 const PIPELINE_POLL_MS = 700;
 
-let model = null; // {id, kind}
+let model = null; // {id, kind, edits}
 let mine = new Set(); // request ids started from this page
 
 function headers(extra = {}) {
@@ -67,6 +67,7 @@ async function loadModel() {
     $("model").textContent = `${model.id} · ${model.kind}`;
     document.body.dataset.kind = model.kind;
     for (const el of document.querySelectorAll(".video-only")) el.hidden = model.kind !== "video";
+    for (const el of document.querySelectorAll(".edit-only")) el.hidden = !model.edits;
     notice("");
   } catch (err) {
     notice(String(err.message).startsWith("401") ? "This head needs an API key: enter it above." : err.message);
@@ -123,12 +124,27 @@ async function follow(response) {
   throw new Error("the progress stream ended without a result");
 }
 
-async function generateImage(body) {
-  const response = await api("/v1/images/generations", {
-    method: "POST",
-    headers: { "Content-Type": "application/json" },
-    body: JSON.stringify({ ...body, stream: true }),
-  });
+// The chosen reference image, when the model takes one (edits); null: a generation from text.
+function reference() {
+  return model.edits ? ($("reference").files[0] ?? null) : null;
+}
+
+// An image request with stream: true: JSON to /v1/images/generations, or with a reference image
+// multipart to /v1/images/edits (the same fields, as text, and the `image` file).
+function imageRequest(body, image) {
+  const fields = { ...body, stream: true };
+  if (!image) {
+    const json = { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(fields) };
+    return ["/v1/images/generations", json];
+  }
+  const form = new FormData();
+  for (const [name, value] of Object.entries(fields)) form.append(name, String(value));
+  form.append("image", image);
+  return ["/v1/images/edits", { method: "POST", body: form }];
+}
+
+async function generateImage(body, image) {
+  const response = await api(...imageRequest(body, image));
   const final = await follow(response);
   if (final.event === "error") throw new Error(final.data.error.message);
   const src = `data:image/png;base64,${final.data.data[0].b64_json}`;
@@ -155,16 +171,17 @@ async function onSubmit(event) {
   if (!model) await loadModel();
   if (!model) return;
   const body = requestBody();
+  const image = reference();
   resetOutput();
   $("generate").disabled = true;
   const started = performance.now();
   try {
-    const result = model.kind === "video" ? await generateVideo(body) : await generateImage(body);
+    const result = model.kind === "video" ? await generateVideo(body) : await generateImage(body, image);
     $("preview").hidden = true;
     $("role").textContent = "done";
     const seconds = ((performance.now() - started) / 1000).toFixed(1);
     $("caption").textContent = `${result.id} · ${seconds} s`;
-    remember({ ...body, id: result.id, kind: model.kind, src: result.src, seconds, at: Date.now() });
+    remember({ ...body, id: result.id, kind: model.kind, src: result.src, edit: image?.name, seconds, at: Date.now() });
   } catch (err) {
     $("role").textContent = "failed";
     $("error").textContent = err.message;
@@ -205,7 +222,8 @@ function renderHistory() {
         li.append(img);
       }
       const text = document.createElement("span");
-      text.textContent = `${entry.prompt} · ${entry.size} · seed ${entry.seed ?? "random"} · ${entry.seconds} s`;
+      const edit = entry.edit ? ` · edit of ${entry.edit}` : "";
+      text.textContent = `${entry.prompt}${edit} · ${entry.size} · seed ${entry.seed ?? "random"} · ${entry.seconds} s`;
       li.append(text);
       li.addEventListener("click", () => {
         $("prompt").value = entry.prompt;
@@ -286,6 +304,12 @@ $("apikey").addEventListener("change", () => {
   loadModel();
 });
 $("form").addEventListener("submit", onSubmit);
+$("reference").addEventListener("change", () => {
+  const file = $("reference").files[0];
+  if ($("reference-thumb").src) URL.revokeObjectURL($("reference-thumb").src);
+  $("reference-thumb").src = file ? URL.createObjectURL(file) : "";
+  $("reference-thumb").hidden = !file;
+});
 $("clear-history").addEventListener("click", () => {
   localStorage.removeItem(HISTORY_KEY);
   renderHistory();
