@@ -62,7 +62,7 @@ def run_head(args: ServeArgs) -> int:
         registry=metrics.registry,
         validate=validate,
         health=lambda: {"mode": "disaggregated", "workers": server.registry.snapshot()},
-        pipeline_view=lambda: server.pipeline_view,
+        pipeline_view=server.view,
         ready=loop.is_alive,
         retention=_retention(args),
         drain_seconds=args.disagg_drain_timeout,

@@ -338,6 +338,14 @@ class DiffusionServer:
         self.admission.update(slots, retry_after)
         self.pipeline_view = build_view(self.registry.snapshot(), queued, running, self.requests.values())
 
+    def view(self) -> dict[str, Any]:
+        """GET /v1/pipeline: the instances as they are now (what /health shows), the queues and the
+        requests as of the last tick (at most PING_INTERVAL_S old)."""
+        view, instances = self.pipeline_view, self.registry.snapshot()
+        tick = view["roles"] or dict.fromkeys(instances, {"queued": 0, "running": 0})  # before the first tick
+        roles = {role: {**info, "instances": instances.get(role, [])} for role, info in tick.items()}
+        return {**view, "roles": roles}
+
     def _timeout_reason(self, rec: RequestRecord) -> str:
         role = rec.role.value
         alive = sum(1 for i in self.registry.instances(rec.role) if self.registry.alive(i))
