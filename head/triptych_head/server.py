@@ -342,7 +342,7 @@ class DiffusionServer:
         """GET /v1/pipeline: the instances as they are now (what /health shows), the queues and the
         requests as of the last tick (at most PING_INTERVAL_S old)."""
         view, instances = self.pipeline_view, self.registry.snapshot()
-        tick = view["roles"] or dict.fromkeys(instances, {"queued": 0, "running": 0})  # before the first tick
+        tick = view["roles"] or {role: {"queued": 0, "running": 0} for role in instances}  # before the first tick
         roles = {role: {**info, "instances": instances.get(role, [])} for role, info in tick.items()}
         return {**view, "roles": roles}
 
