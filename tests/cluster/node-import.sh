@@ -9,6 +9,7 @@ SOCK=$NODE_DIR/containerd/containerd.sock
 CTR=(ctr --address "$SOCK" -n k8s.io)
 [ -S "$SOCK" ] || { echo "node-import.sh: no real node runs for $CLUSTER_DIR (bash tests/cluster/node-up.sh)" >&2; exit 1; }
 for image in "$@"; do
+  cfg=""
   id=$(podman image inspect --format '{{.Id}}' "$image") ||
     { echo "node-import.sh: $image is not in podman's store (make images)" >&2; exit 1; }
   # containerd's image config digest is podman's image ID.
@@ -22,5 +23,8 @@ for image in "$@"; do
   podman save --quiet --format docker-archive -o "$tmp" "$image" >/dev/null
   "${CTR[@]}" images import "$tmp" >/dev/null
   rm -f "$tmp"
+  # The CRI plugin also names each image it has seen by its ID (sha256:<config digest>): drop the
+  # replaced version's name, or its layers stay in this store (kept between runs) for good.
+  if [ -n "$cfg" ] && [ "$cfg" != "sha256:$id" ]; then "${CTR[@]}" images rm "$cfg" >/dev/null 2>&1 || true; fi
   echo "node-import: imported $image in $((SECONDS - t0)) s"
 done
