@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +42,12 @@ from kubernetes import client, config  # noqa: E402
 
 from tests.cluster.fixtures import KubeCluster, _cluster_for, cluster_settings  # noqa: E402
 from tests.operator.api_requests import RequestCounter, delta  # noqa: E402
-from tests.operator.test_operator_cluster import free_port, service_account_kubeconfig  # noqa: E402
+from tests.operator.test_operator_cluster import (  # noqa: E402
+    _healthz,
+    free_port,
+    operator_command,
+    service_account_kubeconfig,
+)
 from triptych_operator.constants import MANAGER  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -52,6 +56,8 @@ CRD = ROOT / "crds" / "diffusionpipelines.yaml"
 RESULTS = ROOT / "bench" / "results"
 TAINT_KEY = "triptych.ai/bench"
 PODS_PER_NODE = 200  # kwok takes pod IPs from the node's /24
+NODE_IP_BASE = 200  # bench nodes' InternalIPs: 192.0.2.200-239 (TEST-NET-1, below the cluster's own nodes' .240-.250)
+MAX_NODES = 40
 
 
 def cpu_seconds(pid: int) -> float:
@@ -174,7 +180,12 @@ class Bench:
         self.cluster, self.n, self.tmp = cluster, pipelines, tmp
         self.ns = f"bench-operator-{uuid.uuid4().hex[:6]}"
         self.release = f"r{self.ns[-6:]}"
-        self.nodes = [f"bench-node-{self.ns[-6:]}-{i}" for i in range(-(-pipelines * 4 // PODS_PER_NODE) + 1)]
+        count = -(-pipelines * 4 // PODS_PER_NODE) + 1
+        if count > MAX_NODES:
+            raise SystemExit(
+                f"--pipelines {pipelines}: needs {count} nodes, more than the {MAX_NODES} addresses kept for them"
+            )
+        self.nodes = [f"bench-node-{self.ns[-6:]}-{i}" for i in range(count)]
         self.counter = RequestCounter(cluster, self.ns, f"{self.release}-triptych")
         api_client = config.new_client_from_config(config_file=cluster.kubeconfig)
         self.api, self.apps = client.CustomObjectsApi(api_client), client.AppsV1Api(api_client)
@@ -186,7 +197,7 @@ class Bench:
         kubectl("create", "namespace", self.ns)
         kubectl("label", "namespace", self.ns, "triptych.test/ephemeral=true")
         for i, node in enumerate(self.nodes):
-            kubectl("create", "-f", "-", input=json.dumps(bench_node(node, f"10.91.{i}.10")))
+            kubectl("create", "-f", "-", input=json.dumps(bench_node(node, f"192.0.2.{NODE_IP_BASE + i}")))
         kubectl("wait", "--for=condition=Ready", *(f"node/{n}" for n in self.nodes), "--timeout=60s", timeout=70)
         flags = ["--set", f"watchNamespaces={{{self.ns}}}", "--set", "metricsApi.enabled=false"]
         self.cluster.helm("install", self.release, str(CHART), "--namespace", self.ns, *flags, timeout=120)
@@ -194,10 +205,11 @@ class Bench:
         kubeconfig = service_account_kubeconfig(self.cluster, self.ns, f"{self.release}-triptych", self.tmp / "kc")
         port = free_port()
         env = {**self.cluster.env, "KUBECONFIG": str(kubeconfig)}
-        cmd = [str(ROOT / ".venv" / "bin" / "triptych-operator"), "-n", self.ns]
-        cmd += ["--liveness", f"http://127.0.0.1:{port}/healthz"]
         self.proc = subprocess.Popen(
-            cmd, env=env, stdout=(self.tmp / "operator.log").open("w"), stderr=subprocess.STDOUT
+            operator_command(self.ns, port),
+            env=env,
+            stdout=(self.tmp / "operator.log").open("w"),
+            stderr=subprocess.STDOUT,
         )
         wait("the operator's liveness endpoint", lambda: (_healthz(port), ""), 60)
 
@@ -323,14 +335,6 @@ class Bench:
         edit = self.phase(before, edit_s, started_at)
         print(f"edit: {edit}", flush=True)
         return edit
-
-
-def _healthz(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as rsp:
-            return bool(rsp.status == 200)
-    except OSError:
-        return False
 
 
 def main() -> int:

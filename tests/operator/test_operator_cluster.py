@@ -481,14 +481,7 @@ def test_the_charts_rbac_is_all_the_operator_needs(crd: KubeCluster, kube_namesp
         kubeconfig = service_account_kubeconfig(crd, ns, f"{release}-triptych", tmp_path / "operator.kubeconfig")
         port = free_port()
         env = {**crd.env, "KUBECONFIG": str(kubeconfig)}
-        cmd = [
-            str(REPO / ".venv" / "bin" / "triptych-operator"),
-            "-n",
-            ns,
-            "--liveness",
-            f"http://127.0.0.1:{port}/healthz",
-        ]
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(operator_command(ns, port), env=env, stdout=log, stderr=subprocess.STDOUT)
         poll(lambda: _healthz(port), timeout=60, what="the operator's liveness endpoint")
         apply(crd, ns, pipeline_manifest("rbac"))
         wait_phase(crd, ns, "rbac", "Ready")
@@ -504,6 +497,17 @@ def test_the_charts_rbac_is_all_the_operator_needs(crd: KubeCluster, kube_namesp
     output = log.read()
     # kopf logs a refused request as APIForbiddenError('... is forbidden: User ...').
     assert "forbidden" not in output.lower(), output[-3000:]
+
+
+def operator_command(namespace: str, port: int) -> list[str]:
+    """The operator as a local process watching `namespace`, its liveness endpoint on `port` (_healthz)."""
+    return [
+        str(REPO / ".venv" / "bin" / "triptych-operator"),
+        "-n",
+        namespace,
+        "--liveness",
+        f"http://127.0.0.1:{port}/healthz",
+    ]
 
 
 def _healthz(port: int) -> bool:

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.fixtures import KubeCluster, poll
-from tests.operator.helpers import REPO
 from tests.operator.test_operator_cluster import (
     CHART,
     CRD,
@@ -23,6 +22,7 @@ from tests.operator.test_operator_cluster import (
     children,
     free_port,
     get,
+    operator_command,
     pipeline_manifest,
     service_account_kubeconfig,
     wait_phase,
@@ -65,13 +65,7 @@ def test_the_standby_takes_over_within_the_lifetime_and_applies_an_edit_once(
 
     def start(name: str, priority: int) -> Replica:
         port = free_port()
-        cmd = [
-            str(REPO / ".venv" / "bin" / "triptych-operator"),
-            "-n",
-            ns,
-            "--liveness",
-            f"http://127.0.0.1:{port}/healthz",
-        ]
+        cmd = operator_command(ns, port)
         cmd += ["--peering", f"{release}-triptych", "--priority", str(priority), "--peering-lifetime", str(LIFETIME_S)]
         log = tmp_path / f"{name}.log"
         replica = Replica(

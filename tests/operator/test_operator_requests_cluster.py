@@ -17,7 +17,6 @@ import pytest
 
 from tests.cluster.fixtures import KubeCluster, poll
 from tests.operator.api_requests import RequestCounter, delta
-from tests.operator.helpers import REPO
 from tests.operator.test_operator_cluster import (
     CHART,
     CRD,
@@ -25,6 +24,7 @@ from tests.operator.test_operator_cluster import (
     apply,
     free_port,
     get,
+    operator_command,
     pipeline_manifest,
     service_account_kubeconfig,
     wait_phase,
@@ -60,9 +60,9 @@ class Operator:
         )
         port = free_port()
         env = {**self.cluster.env, "KUBECONFIG": str(kubeconfig)}
-        cmd = [str(REPO / ".venv" / "bin" / "triptych-operator"), "-n", self.namespace]
-        cmd += ["--liveness", f"http://127.0.0.1:{port}/healthz"]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            operator_command(self.namespace, port), env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT
+        )
         poll(lambda: _healthz(port), timeout=60, what="the operator's liveness endpoint")
 
     def stop(self) -> None:
