@@ -7,6 +7,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from triptych.batching import BATCHING_MODES
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
 from triptych.ports import (
     DEFAULT_HTTP_PORT,
@@ -131,6 +132,10 @@ class ServeArgs:
     disagg_keys_dir: str | None = None
     disagg_insecure: bool = False
     reference_url_networks: str = ""  # ';'-separated CIDRs image-edit URLs may reach besides public addresses
+    batching_mode: str = "off"  # head: "dynamic" groups compatible queued requests (triptych.batching)
+    batching_max_size: int = 1  # head: most requests per group; worker: most requests per batched forward
+    batching_delay_ms: float = 30.0  # head: longest a request waits for its group to fill
+    enable_batching_metrics: bool = False  # head: batch size, wait and fill histograms on /metrics
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServeArgs:
@@ -214,6 +219,7 @@ class ServeArgs:
         if self.disagg_drain_timeout <= 0:
             raise ConfigError(f"--disagg-drain-timeout {self.disagg_drain_timeout} must be > 0 seconds")
         self._validate_http_limits()
+        self._validate_batching()
         self._validate_reference_urls()
         self._validate_simulation()
         self._validate_control_security()
@@ -238,6 +244,26 @@ class ServeArgs:
             raise ConfigError(f"--max-request-bytes {self.max_request_bytes} is below 1KiB; use e.g. 16MiB")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError(f"--max-queued-requests {self.max_queued_requests} must be >= 0")
+
+    def _validate_batching(self) -> None:
+        if self.batching_mode not in BATCHING_MODES:
+            raise ConfigError(f"--batching-mode {self.batching_mode!r} is not one of {', '.join(BATCHING_MODES)}")
+        if self.batching_max_size < 1:
+            raise ConfigError(f"--batching-max-size {self.batching_max_size} must be >= 1 (1: no batching)")
+        if not self.batching_delay_ms >= 0:  # NaN too
+            raise ConfigError(f"--batching-delay-ms {self.batching_delay_ms} must be >= 0 milliseconds")
+        head_only = [f for f in ("batching_mode", "batching_delay_ms", "enable_batching_metrics")
+                     if getattr(self, f) != getattr(ServeArgs, f)]  # fmt: skip
+        if head_only and self.disagg_role is not Role.SERVER:
+            raise ConfigError(f"{flag(head_only[0])} is for the head (--disagg-role server), not {self.disagg_role}")
+        if self.batching_max_size > 1 and self.disagg_role is Role.MONOLITHIC:
+            raise ConfigError("--batching-max-size is for --disagg-role server and its workers; monolithic mode "
+                              "runs one request at a time")  # fmt: skip
+        if self.batching_max_size > 1 and self.num_gpus > 1 and self.disagg_role.is_worker:
+            raise ConfigError(
+                f"--batching-max-size {self.batching_max_size} with --num-gpus {self.num_gpus}: a multi-GPU worker "
+                "runs one request at a time; use --batching-max-size 1"
+            )
 
     def _validate_simulation(self) -> None:
         timing = [f for f in ("simulate_seconds", "simulate_seconds_per_unit") if getattr(self, f) is not None]
@@ -379,6 +405,18 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--reference-url-networks", default=d.reference_url_networks, metavar="CIDR;CIDR",
       help="image encoder/monolithic: private networks an edit's image URL may reach; public addresses always "
            "may, every other address (loopback, link-local, private) is refused (default: none)")  # fmt: skip
+    a("--batching-mode", choices=BATCHING_MODES, default=d.batching_mode,
+      help="head: dynamic groups compatible queued requests (same size, frames, steps, guidance, negative prompt "
+           "given or not, max sequence length, outputs) for one worker, which runs each group as one batched "
+           "forward per stage (default off)")  # fmt: skip
+    a("--batching-max-size", type=int, default=d.batching_max_size, metavar="N",
+      help="head: most requests per group; worker: most requests it runs as one batched forward, and it holds "
+           "--worker-capacity such batches (default 1: no batching)")  # fmt: skip
+    a("--batching-delay-ms", type=float, default=d.batching_delay_ms, metavar="MS",
+      help="head --batching-mode dynamic: longest a request waits for its group to fill; a group leaves when "
+           "full, at this delay, or when the worker has no more free slots (default 30)")  # fmt: skip
+    a("--enable-batching-metrics", action="store_true",
+      help="head: export batch sizes, batching waits and fill ratios per role (histograms) on /metrics")  # fmt: skip
     a("--simulate", action="store_true",
       help="worker: load no model; each stage sleeps a modelled time and emits the tensors --model-path's family "
            "would (shapes from its configs), through the real pool and Mooncake transfers")  # fmt: skip

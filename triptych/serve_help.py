@@ -43,6 +43,10 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
             "--disagg-drain-timeout",
         ),
     ),
+    "batching": (
+        "the head groups compatible requests, each worker runs a group as one batched forward",
+        ("--batching-mode", "--batching-max-size", "--batching-delay-ms", "--enable-batching-metrics"),
+    ),
     "worker": (
         "encoder, denoiser and decoder processes",
         (

@@ -20,6 +20,7 @@ others hear only how their request ends, and their denoisers send no per-step pr
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -52,6 +53,7 @@ from triptych.protocol import (
     TransferRefused,
     TransferStaged,
     Work,
+    WorkBatch,
     decode,
     encode,
 )
@@ -59,6 +61,7 @@ from triptych.roles import WORKER_ROLES, Role, route_for
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message
 from triptych_head.admission import AdmissionControl, retry_after_seconds
+from triptych_head.batcher import BatchingMetrics, Group, GroupBatcher
 from triptych_head.discovery import WorkerDirectory
 from triptych_head.dispatch import make_policy
 from triptych_head.instances import StandingSlot, WorkerInstance
@@ -138,6 +141,10 @@ class DiffusionServer:
         # One per role: a round-robin cursor shared by roles of different sizes would keep landing on
         # the same instance of one of them (one encoder and two denoisers: always the second denoiser).
         self._policies = {role: make_policy(args.disagg_dispatch_policy) for role in directories}
+        self._batch_metrics = BatchingMetrics(self.metrics.registry) if args.enable_batching_metrics else None
+        self._batcher: GroupBatcher | None = None
+        if args.batching_mode == "dynamic":
+            self._batcher = GroupBatcher(args.batching_max_size, args.batching_delay_ms / 1000, self._batch_metrics)
         self._stop = threading.Event()
         self._drain_deadline: float | None = None  # set by drain() from another thread; read by the loop
         self._drain_seconds = 0.0
@@ -494,6 +501,8 @@ class DiffusionServer:
         if rec.hop + 1 >= len(rec.route):
             raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
         stage = self._time_stage(rec, msg.seconds)
+        if self._batch_metrics is not None:
+            self._batch_metrics.observe_ran(inst.role.value, msg.batch_size, msg.batch_leader)
         rec.move(done)
         rec.staged = StagedPayload(sender=inst.url, nbytes=msg.nbytes, manifest=msg.manifest, meta=msg.meta)
         rec.instance = None
@@ -550,6 +559,7 @@ class DiffusionServer:
             rec.slot_addr,
             rec.watch,
             rec.preview_every,
+            *rec.batch,
         )
         started = time.monotonic()  # before the send, so the hop's time contains all the receiver's work
         sent = self.registry.send(rec.instance, ready)
@@ -585,6 +595,8 @@ class DiffusionServer:
         if rec.state is not RequestState.DECODER_RUNNING or rec.instance != inst.url:
             return
         stage = self._time_stage(rec, msg.seconds)
+        if self._batch_metrics is not None:
+            self._batch_metrics.observe_ran(inst.role.value, msg.batch_size, msg.batch_leader)
         rec.timings["total"] = time.monotonic() - rec.created
         rec.move(RequestState.DONE)
         self._reply(rec.client, RequestResult(rec.request_id, msg.tensors, rec.timings), frames)
@@ -640,15 +652,65 @@ class DiffusionServer:
 
     def _dispatch_queue(self, role: Role) -> None:
         """Dispatch `role`'s queue in order until its first request finds no instance."""
+        if self._batcher is not None:
+            self._dispatch_groups(role, self._batcher)
+            return
         queue = self._queues[role]
         while queue and self._dispatch_one(role, queue[0]):
             queue.popleft()
 
-    def _dispatch_one(self, role: Role, rid: str) -> bool:
-        """Give the request at the head of `role`'s queue to an instance; False if none can take it."""
+    def _queued(self, role: Role, rid: str) -> RequestRecord | None:
+        """The request behind a queue entry, or None for a stale entry (ended, restarted elsewhere in
+        its route, or already dispatched)."""
         rec = self.requests.get(rid)
         if rec is None or rec.state.terminal or rec.role is not role or rec.instance is not None:
-            return True  # stale entry: ended, restarted elsewhere in its route, or already dispatched
+            return None
+        return rec
+
+    def _dispatch_groups(self, role: Role, batcher: GroupBatcher) -> None:
+        """--batching-mode dynamic: send the groups of `role`'s queue that are ready (batcher.py),
+        each to one instance; what an instance has no room for stays queued."""
+        queue = self._queues[role]
+        queued = [rec for rid in queue if (rec := self._queued(role, rid)) is not None]
+        instances = [i for i in self.registry.instances(role) if self.registry.ready(i)]
+        room = max((i.free_slots for i in instances), default=0)
+        gone: set[str] = {rid for rid in queue if self._queued(role, rid) is None}
+        now = time.monotonic()
+        for members in batcher.ready_groups(queued, room, now):
+            nbytes = members[0].staged.nbytes if members[0].staged else 0  # compatible: the same for all
+            inst = self._policies[role](instances, functools.partial(self._can_take, nbytes=nbytes))
+            if inst is None:
+                break
+            group = Group(inst, members[: inst.free_slots])
+            for rec in group.members:
+                rec.batch = (group.batch_id, len(group.members)) if len(group.members) > 1 else ("", 1)
+                if self._dispatch_one(role, rec.request_id, group):
+                    gone.add(rec.request_id)
+            if group.work and not self._send_work(inst, group.work):
+                break
+            batcher.observe_sent(role.value, group, now)
+        if gone:
+            remaining = [rid for rid in queue if rid not in gone]
+            queue.clear()
+            queue.extend(remaining)
+
+    def _can_take(self, inst: WorkerInstance, nbytes: int) -> bool:
+        return self.registry.ready(inst) and inst.can_take(nbytes)
+
+    def _send_work(self, inst: WorkerInstance, work: list[Work]) -> bool:
+        """A group's first-role work as one message (a single request as plain Work)."""
+        msg: Work | WorkBatch = work[0] if len(work) == 1 else WorkBatch(inst.url, work)
+        if self.registry.send(inst.url, msg):
+            return True
+        self._instance_lost(inst, "disconnected", f"{inst.role.value} {inst.url} is not connected")
+        return False
+
+    def _dispatch_one(self, role: Role, rid: str, group: Group | None = None) -> bool:
+        """Give the request at the head of `role`'s queue to an instance; False if none can take it.
+        With `group`: to the group's instance, and a first role's Work goes into `group.work`."""
+        rec = self._queued(role, rid)
+        if rec is None:
+            return True
         wire_id = rec.wire_id
         instances = self.registry.instances(role)
         nbytes = rec.staged.nbytes if rec.staged else 0
@@ -664,7 +726,10 @@ class DiffusionServer:
                     status_code=413,
                 )
                 return True
-        inst = self._policies[role](instances, lambda i: self.registry.ready(i) and i.can_take(nbytes))
+        if group is None:
+            inst = self._policies[role](instances, lambda i: self.registry.ready(i) and i.can_take(nbytes))
+        else:
+            inst = group.instance if self.registry.ready(group.instance) and group.instance.can_take(nbytes) else None
         if inst is None:
             return False
         started = time.monotonic()  # before the send, so the hop's time contains all the instance's work
@@ -682,10 +747,12 @@ class DiffusionServer:
             keep = inst.should_keep_slot(nbytes)
             sent = self.registry.send(inst.url, TransferAlloc(wire_id, inst.url, nbytes, keep=keep))
         else:
-            sent = self.registry.send(
-                inst.url,
-                Work(wire_id, inst.url, rec.wire_params(), progress=rec.watch, preview_every=rec.preview_every),
-            )
+            work = Work(wire_id, inst.url, rec.wire_params(), progress=rec.watch, preview_every=rec.preview_every)
+            if group is not None:
+                group.work.append(work)  # sent with the rest of the group (_send_work)
+                sent = True
+            else:
+                sent = self.registry.send(inst.url, work)
         if not sent:  # not connected any more: treat it as gone until it heartbeats again
             self._instance_lost(inst, "disconnected", f"{role.value} {inst.url} is not connected")
             return False

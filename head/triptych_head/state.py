@@ -110,6 +110,7 @@ class RequestRecord:
     instance: str | None = None  # the worker running (or receiving) the current hop
     staged: StagedPayload | None = None
     slot_addr: int = 0  # the receiver's standing slot this request's transfer uses (0: an allocated one)
+    batch: tuple[str, int] = ("", 1)  # the group (id, size) its current hop was dispatched in (batcher.py)
     push_in_flight: bool = False  # the sender was told to write into the receiver's slot and has not reported back
     created: float = field(default_factory=time.monotonic)
     hop_started: float = field(default_factory=time.monotonic)

@@ -107,7 +107,7 @@ sent = []
 class Link:
     def send(self, msg, frames=()):
         sent.append(msg)
-worker._run_job(Link(), Job("r1", GenerationParams("x", 64, 48, num_frames=5, guidance_scale=5.0)))
+worker._compute(Link(), [Job("r1", GenerationParams("x", 64, 48, num_frames=5, guidance_scale=5.0))])
 names = sorted(spec["name"] for spec in sent[-1].manifest)
 worker.transport.close()
 print(sent[-1].TYPE, names, "torch" in sys.modules)

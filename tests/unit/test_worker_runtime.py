@@ -130,7 +130,7 @@ def test_steps_are_reported_only_when_the_head_asks_for_them():
     try:
         for progress, expected_steps in ((False, []), (True, [1, 2, 3])):
             link = RecordingLink()
-            worker._run_job(link, Job(f"r-{progress}", params, progress=progress))  # type: ignore[arg-type]
+            worker._compute(link, [Job(f"r-{progress}", params, progress=progress)])  # type: ignore[arg-type]
             assert [m.step for m in link.sent if isinstance(m, Progress)] == expected_steps
             assert isinstance(link.sent[-1], TransferStaged)
     finally:
@@ -257,10 +257,10 @@ def test_a_drain_ends_once_acknowledged_and_the_held_request_is_computed_and_pus
         assert not worker._drain_over(time.monotonic())
         assert worker._held_summary() == "1 job"
 
-        job = worker._take_job()
-        assert job is not None
-        worker._compute(link, job)
-        assert worker._next_job() is None
+        jobs = worker._take_jobs()
+        assert [job.request_id for job in jobs] == ["r1"]
+        worker._compute(link, jobs)
+        assert worker._next_jobs() == []
         staged = link.sent[-1]
         assert isinstance(staged, TransferStaged) and staged.request_id == "r1"
         assert worker._held_summary() == "1 staged output"

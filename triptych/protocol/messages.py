@@ -2,8 +2,8 @@
 
 Three conversations:
 - API client <-> head frontend (ROUTER at scheduler_port): Submit, Cancel / RequestEvent, RequestResult.
-- head -> worker (worker's PULL at its --scheduler-port): Ping, Work, TransferAlloc, TransferPush,
-  TransferReady, CancelWork.
+- head -> worker (worker's PULL at its --scheduler-port): Ping, Work, WorkBatch, TransferAlloc,
+  TransferPush, TransferReady, CancelWork.
 - worker -> head (head's PULL at scheduler_port + role offset): Heartbeat, Progress,
   TransferStaged, TransferAllocated, TransferRefused, TransferPushed, Result, Failed.
 
@@ -12,6 +12,11 @@ receiver and sends TransferAlloc; the receiver answers TransferAllocated (or Tra
 when its pool is full, and the head retries when it has room); the head sends TransferPush to
 the sender; the sender writes through Mooncake and reports TransferPushed; the head sends
 TransferReady to the receiver, which loads the tensors and runs its stages.
+
+Batching (--batching-mode dynamic): the head sends a group of compatible requests for the first
+role as one WorkBatch, and tags each TransferReady of a group for a later role with `batch_id` and
+`batch_size`, so the receiver runs the group as one batched forward once all of it has arrived.
+Workers report the batch each request ran in (`batch_size`, `batch_leader`) with its output.
 
 `instance` is the worker URL as the head knows it; workers echo it back so the head never has
 to trust a worker's idea of its own address.
@@ -28,7 +33,7 @@ from triptych.protocol.codec import Message
 
 __all__ = [
     "Submit", "Cancel", "RequestEvent", "RequestResult",
-    "Ping", "Work", "TransferAlloc", "TransferPush", "TransferReady", "CancelWork",
+    "Ping", "Work", "WorkBatch", "TransferAlloc", "TransferPush", "TransferReady", "CancelWork",
     "Heartbeat", "Progress", "TransferStaged", "TransferAllocated",
     "TransferRefused", "TransferPushed", "Result", "Failed", "HEAD_TO_WORKER",
 ]  # fmt: skip
@@ -106,6 +111,13 @@ class Work(Message, tag="work", frozen=True):
     preview_every: Count = 0  # with progress: a preview PNG every k steps (0: none)
 
 
+class WorkBatch(Message, tag="work_batch", frozen=True):
+    """Start a group of compatible requests (triptych.batching) on the first role, as one batch."""
+
+    instance: str
+    items: list[Work]
+
+
 class TransferAlloc(Message, tag="transfer_alloc", frozen=True):
     request_id: str
     instance: str
@@ -131,6 +143,10 @@ class TransferReady(Message, tag="transfer_ready", frozen=True):
     slot_addr: Count = 0  # a standing slot the head assigned without transfer_alloc (0: the allocated one)
     progress: bool = False  # report every denoising step (someone watches the request)
     preview_every: Count = 0  # with progress: a preview PNG every k steps (0: none)
+    # A group the head dispatched to this receiver together: run its members as one batch once
+    # `batch_size` of them have arrived ("": not part of a group).
+    batch_id: str = ""
+    batch_size: Count = 1
 
 
 class CancelWork(Message, tag="cancel_work", frozen=True):
@@ -140,7 +156,8 @@ class CancelWork(Message, tag="cancel_work", frozen=True):
     instance: str
 
 
-HEAD_TO_WORKER = (Ping, Work, TransferAlloc, TransferPush, TransferReady, CancelWork)  # what a worker acts on
+# What a worker acts on.
+HEAD_TO_WORKER = (Ping, Work, WorkBatch, TransferAlloc, TransferPush, TransferReady, CancelWork)
 
 # --- worker -> head -----------------------------------------------------------------------
 
@@ -177,6 +194,8 @@ class TransferStaged(Message, tag="transfer_staged", frozen=True):
     manifest: list[dict[str, Any]]
     meta: dict[str, Any]
     seconds: Seconds
+    batch_size: Count = 1  # how many requests ran in the same batched forward as this one
+    batch_leader: bool = True  # the first of them: the head counts each batch once
 
 
 class TransferAllocated(Message, tag="transfer_allocated", frozen=True):
@@ -210,6 +229,8 @@ class Result(Message, tag="worker_result", frozen=True):
     instance: str
     tensors: list[dict[str, Any]]
     seconds: Seconds
+    batch_size: Count = 1  # as TransferStaged's
+    batch_leader: bool = True
 
 
 class Failed(Message, tag="failed", frozen=True):

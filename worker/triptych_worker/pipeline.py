@@ -13,19 +13,24 @@ the keys), so roles may run in different processes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from triptych.params import GenerationParams
+from triptych.protocol.tensors import Array
 from triptych.roles import WORKER_ROLES, Role
 from triptych_worker.adapters import FamilyAdapter, adapter_for
+from triptych_worker.batching import run_merged, split
 from triptych_worker.preview import LatentPreviewer, find_projection, should_preview
 from triptych_worker.stages import PIXELS, PipelineStage, StageBatch
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+log = logging.getLogger(__name__)
 
 PreviewProgress = Callable[[int, int, bytes], None]
 """Monolithic mode's progress: (step, total steps, preview PNG or b"")."""
@@ -38,6 +43,26 @@ class AdapterStage(PipelineStage):
         self.adapter = adapter
 
 
+class BatchedAdapterStage(AdapterStage):
+    """A stage that runs several compatible requests as one forward (`run_batched`).
+
+    Should the batched forward fail (an out-of-memory, say), each request runs again alone, so
+    that one bad request fails only itself; its progress then restarts from step 1.
+    """
+
+    def run_many(self, batches: list[StageBatch]) -> list[Exception | None]:
+        if len(batches) == 1:
+            return super().run_many(batches)
+        try:
+            return self.run_batched(batches)
+        except Exception:
+            log.exception("batched %s over %d requests failed; running them one by one", self.name, len(batches))
+            return super().run_many(batches)
+
+    def run_batched(self, batches: list[StageBatch]) -> list[Exception | None]:
+        return run_merged(batches, self.adapter.shared_tensors, self.run)
+
+
 class InputValidationStage(AdapterStage):
     role_affinity: ClassVar[Role] = Role.PROMPT_ENCODER
 
@@ -45,11 +70,18 @@ class InputValidationStage(AdapterStage):
         self.adapter.validate(batch.params)
 
 
-class TextEncodingStage(AdapterStage):
+class TextEncodingStage(BatchedAdapterStage):
     role_affinity: ClassVar[Role] = Role.PROMPT_ENCODER
 
     def run(self, batch: StageBatch) -> None:
-        self.adapter.encode_text(batch)
+        self.run_batched([batch])
+
+    def run_batched(self, batches: list[StageBatch]) -> list[Exception | None]:
+        # The prompts differ (the merged batch has one): the adapter encodes the list of them.
+        tensors: dict[str, Array] = {**self.adapter.encode_texts([b.params for b in batches])}
+        merged = StageBatch(params=batches[0].params, tensors=tensors)
+        split(merged, batches, self.adapter.shared_tensors)
+        return [None] * len(batches)
 
 
 class ImageEncodingStage(AdapterStage):
@@ -78,14 +110,14 @@ class TimestepPreparationStage(AdapterStage):
         self.adapter.prepare_timesteps(batch)
 
 
-class DenoisingStage(AdapterStage):
+class DenoisingStage(BatchedAdapterStage):
     role_affinity: ClassVar[Role] = Role.DENOISER
 
     def run(self, batch: StageBatch) -> None:
         self.adapter.denoise(batch)
 
 
-class DecodingStage(AdapterStage):
+class DecodingStage(BatchedAdapterStage):
     role_affinity: ClassVar[Role] = Role.DECODER
 
     def run(self, batch: StageBatch) -> None:
@@ -169,6 +201,23 @@ class RolePipeline:
             for stage in self.stages:
                 stage.run(batch)
         return batch
+
+    def run_many(self, batches: list[StageBatch]) -> list[Exception | None]:
+        """Run compatible requests (triptych.batching) through this role's stages together, in place:
+        the batched stages as one forward, the others (validation, a request's noise from its own
+        seed, its schedule, an edit's reference) per request. Per request, the exception it failed
+        with or None; a request that fails leaves the batch, the others carry on."""
+        import torch
+
+        outcomes: list[Exception | None] = [None] * len(batches)
+        with torch.no_grad():
+            for stage in self.stages:
+                live = [i for i, error in enumerate(outcomes) if error is None]
+                if not live:
+                    break
+                for i, error in zip(live, stage.run_many([batches[i] for i in live]), strict=True):
+                    outcomes[i] = error
+        return outcomes
 
 
 def load_role_pipeline(model_path: str, role: Role, device: str = "cpu") -> RolePipeline:

@@ -7,25 +7,30 @@ computing, the leader runs it itself and hands the lead to the other thread, so 
 on its path for another thread to wake up; work that arrives while a job runs is queued, and
 the computing thread runs it next. Whichever thread leads, all of this state is the worker's.
 
+Batching (--batching-max-size N > 1): the computing thread takes up to N compatible queued jobs
+(triptych.batching) and runs them as one batched forward per stage (triptych_worker.batching); a
+group the head dispatched together (WorkBatch, or TransferReady tagged with a batch id) waits up to
+BATCH_ASSEMBLY_S for all its members. Each request still loads, stages and reports its own tensors.
+
 Drain (SIGTERM, see `begin_drain`): the worker says so in every heartbeat, keeps serving whatever
 the head still sends, and stops once the head has acknowledged the drain and nothing is held.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from triptych.config import ConfigError, ServeArgs
-from triptych.params import GenerationParams
 from triptych.ports import result_endpoint, tcp_url
 from triptych.protocol import (
     HEAD_TO_WORKER,
@@ -44,6 +49,7 @@ from triptych.protocol import (
     TransferRefused,
     TransferStaged,
     Work,
+    WorkBatch,
     decode,
     tensors_to_frames,
 )
@@ -51,6 +57,7 @@ from triptych.reference import BadReference
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message, send_message
+from triptych_worker.job_groups import Job, take_group
 from triptych_worker.preview import LatentPreviewer, should_preview
 from triptych_worker.simulated import SimulatedPipeline
 from triptych_worker.stages import PIXELS, StageBatch
@@ -83,20 +90,12 @@ HEAD_GONE_HEARTBEAT_TIMEOUTS = 3  # a draining worker that holds nothing and hea
 DRAIN_LOG_S = 5.0  # a draining worker logs what it still holds at least this often
 
 
+BATCH_ASSEMBLY_S = 0.5  # how long a group the head dispatched together waits for its last members
 STANDING = "standing-slot"  # pool owner of preallocated receive slots
 
 
 class RequestCancelled(Exception):
     """Raised inside a running request the head cancelled, to stop its stages early."""
-
-
-@dataclass
-class Job:
-    request_id: str
-    params: GenerationParams
-    incoming: tuple[Allocation, list[dict[str, Any]], dict[str, Any]] | None = None
-    progress: bool = False  # send Progress for every step (the head has a watcher for it)
-    preview_every: int = 0  # with progress: a preview PNG of the latents every k steps
 
 
 @dataclass
@@ -225,10 +224,10 @@ class Worker:
         try:
             while not self._stop.is_set():
                 with self._leading:
-                    job = self._lead(link)
-                while job is not None:  # the other thread leads meanwhile
-                    self._compute(link, job)
-                    job = self._next_job()
+                    jobs = self._lead(link)
+                while jobs:  # the other thread leads meanwhile
+                    self._compute(link, jobs)
+                    jobs = self._next_jobs()
         except BaseException as exc:  # a bug: stop the worker so that it is restarted, not left half-working
             log.exception("worker thread failed; stopping")
             self._crashed = exc
@@ -236,13 +235,13 @@ class Worker:
         finally:
             link.close()
 
-    def _lead(self, link: HeadLink) -> Job | None:
-        """Serve the work socket and the writes under way until there is a job for this thread."""
+    def _lead(self, link: HeadLink) -> list[Job]:
+        """Serve the work socket and the writes under way until there are jobs for this thread."""
         work = self._work
         assert work is not None, "serve() binds the work socket"
         while not self._stop.is_set():
-            if (job := self._take_job()) is not None:
-                return job
+            if jobs := self._take_jobs():
+                return jobs
             received = 0
             while received < DRAIN_LIMIT and (parts := self._receive(work)) is not None:
                 received += 1
@@ -263,7 +262,7 @@ class Worker:
                 link.send(self._heartbeat())
             if self._drain is not None and self._drain_over(time.monotonic()):
                 self._stop.set()
-        return None
+        return []
 
     def _receive(self, work: zmq.Socket[Any]) -> list[Any] | None:
         """The next head message, waiting up to IDLE_POLL_MS for one unless writes are under way."""
@@ -273,26 +272,32 @@ class Worker:
             return None
         return [p.buffer for p in parts]
 
-    def _take_job(self) -> Job | None:
-        """The next queued job, claimed for this thread, if no thread is computing."""
+    def _take_jobs(self) -> list[Job]:
+        """The next group of queued jobs (one job without batching), claimed for this thread, if no
+        thread is computing."""
         with self._lock:
-            if self._computing or not self._queue:
-                return None
-            self._computing = True
-            return self._queue.popleft()
+            if self._computing:
+                return []
+            jobs = self._group()
+            self._computing = bool(jobs)
+            return jobs
 
-    def _next_job(self) -> Job | None:
-        """After a job: the next queued one for the same thread, or None when nothing is left to compute."""
+    def _next_jobs(self) -> list[Job]:
+        """After a group: the next one for the same thread, or [] when none is ready to compute."""
         with self._lock:
-            if self._queue:
-                return self._queue.popleft()
-            self._computing = False
-            return None
+            jobs = self._group()
+            self._computing = bool(jobs)
+            return jobs
 
-    def _enqueue(self, job: Job) -> None:
+    def _group(self) -> list[Job]:
+        """Take the next ready group out of the queue (caller holds the lock)."""
+        return take_group(self._queue, self.args.batching_max_size, time.monotonic() - BATCH_ASSEMBLY_S)
+
+    def _enqueue(self, *jobs: Job) -> None:
         with self._lock:
-            self._outstanding.add(job.request_id)
-            self._queue.append(job)
+            for job in jobs:
+                self._outstanding.add(job.request_id)
+                self._queue.append(job)
 
     def stop(self) -> None:
         self._stop.set()
@@ -373,7 +378,7 @@ class Worker:
             session=self.transport.session_id,
             pool_bytes=self.pool.pool_bytes,
             free_bytes=self.pool.free_bytes,
-            capacity=self.args.worker_capacity,
+            capacity=self.args.worker_capacity * self.args.batching_max_size,  # that many batches
             model=self.args.model_path,
             standing_bytes=self.pool.reserved_bytes(list(self._standing.values())),
             draining=self._drain_requested.is_set(),
@@ -412,6 +417,12 @@ class Worker:
             link.send(self._heartbeat())
         elif isinstance(msg, Work):
             self._enqueue(Job(msg.request_id, msg.params, None, msg.progress, msg.preview_every))
+        elif isinstance(msg, WorkBatch) and msg.items:
+            group = msg.items[0].request_id
+            self._enqueue(*(
+                Job(w.request_id, w.params, None, w.progress, w.preview_every, group, len(msg.items))
+                for w in msg.items
+            ))  # fmt: skip
         elif isinstance(msg, TransferAlloc):
             self._allocate(link, msg)
         elif isinstance(msg, TransferPush):
@@ -506,7 +517,9 @@ class Worker:
             link.send(Failed(msg.request_id, self.instance, "transfer_ready for a slot this worker does not hold"))
             return
         incoming = (alloc, msg.manifest, msg.meta)
-        self._enqueue(Job(msg.request_id, msg.params, incoming, msg.progress, msg.preview_every))
+        self._enqueue(
+            Job(msg.request_id, msg.params, incoming, msg.progress, msg.preview_every, msg.batch_id, msg.batch_size)
+        )
 
     def _cancel(self, request_id: str, free: bool = True) -> None:
         with self._lock:
@@ -525,13 +538,34 @@ class Worker:
 
     # --- computing (either thread) ----------------------------------------------------------
 
-    def _compute(self, link: HeadLink, job: Job) -> None:
-        """Run one job; any failure fails only its request."""
+    def _compute(self, link: HeadLink, jobs: list[Job]) -> None:
+        """Run a group of compatible jobs as one batch (a single job alone); a failure or a cancel
+        fails only its own request, the others carry on."""
+        started = time.perf_counter()
+        prepared: list[tuple[Job, StageBatch]] = []
         try:
-            if self._is_cancelled(job.request_id):
-                self.pool.free_owner(job.request_id)
-                return
-            self._run_job(link, job)
+            for job in jobs:
+                with self._fails_alone(link, job):
+                    if self._is_cancelled(job.request_id):
+                        self.pool.free_owner(job.request_id)
+                        continue
+                    prepared.append((job, self._prepare(link, job)))
+            outcomes = self._run_stages([batch for _, batch in prepared])
+            ran = [(job, batch) for (job, batch), error in zip(prepared, outcomes, strict=True) if error is None]
+            for (job, batch), error in zip(prepared, outcomes, strict=True):
+                with self._fails_alone(link, job):
+                    if error is not None:
+                        raise error
+                    self._deliver(link, job, batch, started, len(prepared), leader=job is ran[0][0])
+        finally:
+            with self._lock:
+                self._outstanding.difference_update(job.request_id for job in jobs)
+
+    @contextlib.contextmanager
+    def _fails_alone(self, link: HeadLink, job: Job) -> Iterator[None]:
+        """Whatever goes wrong inside fails `job`'s request only, with the status its cause calls for."""
+        try:
+            yield
         except RequestCancelled:
             self.pool.free_owner(job.request_id)
             self._space_freed(link)
@@ -543,16 +577,29 @@ class Worker:
             link.send(Failed(job.request_id, self.instance, str(exc), status_code=400))
             self._space_freed(link)
         except Exception as exc:  # any stage error fails only this request
-            log.exception("request %s failed", job.request_id)
+            log.exception("request %s failed", job.request_id, exc_info=exc)
             self.pool.free_owner(job.request_id)
             link.send(Failed(job.request_id, self.instance, f"{type(exc).__name__}: {exc}"))
             self._space_freed(link)
-        finally:
-            with self._lock:
-                self._outstanding.discard(job.request_id)
 
-    def _run_job(self, link: HeadLink, job: Job) -> None:
-        started = time.perf_counter()
+    def _run_stages(self, batches: list[StageBatch]) -> list[Exception | None]:
+        """This role's stages over the batches: one batched forward when the pipeline can (per
+        request, the exception it failed with or None)."""
+        run_many = getattr(self.pipeline, "run_many", None)  # simulated and multi-GPU stages run one at a time
+        if len(batches) > 1 and run_many is not None:
+            return list(run_many(batches))
+        outcomes: list[Exception | None] = []
+        for batch in batches:
+            try:
+                self.pipeline.run(batch)
+            except Exception as exc:
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
+        return outcomes
+
+    def _prepare(self, link: HeadLink, job: Job) -> StageBatch:
+        """The job's StageBatch: its incoming tensors loaded (its slot freed) and its progress reporting."""
         batch = StageBatch(params=job.params)
         if job.incoming is not None:
             alloc, manifest, meta = job.incoming
@@ -572,10 +619,18 @@ class Worker:
                 link.send(Progress(job.request_id, self.instance, step, total, preview))
 
         batch.on_progress = progress
-        self.pipeline.run(batch)
+        return batch
+
+    def _deliver(
+        self, link: HeadLink, job: Job, batch: StageBatch, started: float, batch_size: int, leader: bool
+    ) -> None:
+        """Send the job's outputs on: pixels to the head (decoder), else staged for the next role."""
+        seconds = time.perf_counter() - started
+        if self._is_cancelled(job.request_id):  # cancelled while its batch ran on: discarded
+            raise RequestCancelled(job.request_id)
         if self.role is Role.DECODER:
             specs, frames = tensors_to_frames({PIXELS: batch.tensors[PIXELS]})
-            link.send(Result(job.request_id, self.instance, specs, time.perf_counter() - started), frames)
+            link.send(Result(job.request_id, self.instance, specs, seconds, batch_size, leader), frames)
             return
         staged = self._stage(job.request_id, batch)
         if staged is None:
@@ -588,9 +643,10 @@ class Worker:
             self._staged[job.request_id] = allocation
         link.send(
             TransferStaged(
-                job.request_id, self.instance, allocation.nbytes, manifest, batch.meta, time.perf_counter() - started
+                job.request_id, self.instance, allocation.nbytes, manifest, batch.meta,
+                time.perf_counter() - started, batch_size, leader,
             )
-        )
+        )  # fmt: skip
 
     def _preview(self, job: Job, step: int, latents: Any) -> bytes:
         """The step's preview PNG when the request asked for one now (b"" otherwise, or when it fails:

@@ -51,3 +51,16 @@ class PipelineStage(abc.ABC):
     @abc.abstractmethod
     def run(self, batch: StageBatch) -> None:
         """Read and update `batch` in place."""
+
+    def run_many(self, batches: list[StageBatch]) -> list[Exception | None]:
+        """Run several requests (compatible ones, triptych.batching); per request, the exception it
+        failed with or None. Here one by one; a stage that batches its forward overrides this."""
+        return [_attempt(self.run, batch) for batch in batches]
+
+
+def _attempt(run: Callable[[StageBatch], None], batch: StageBatch) -> Exception | None:
+    try:
+        run(batch)
+    except Exception as exc:
+        return exc
+    return None

@@ -37,6 +37,9 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
 
     stage_components: ClassVar[dict[str, frozenset[str]]]
     """Stage class name -> the diffusers components it runs; a role loads the union over its stages."""
+    shared_tensors: ClassVar[frozenset[str]] = frozenset()
+    """Tensors without a row per output (positional ids of the shape): a batch holds one for all its
+    requests (triptych_worker.batching); every other tensor a stage hands on is [num_outputs, ...]."""
 
     def __init__(self, rules: RulesT, device: str = "cpu"):
         self.rules = rules
@@ -91,7 +94,9 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
         return pipe.to(self.device)
 
     @abc.abstractmethod
-    def encode_text(self, batch: StageBatch) -> None: ...
+    def encode_texts(self, params: Sequence[GenerationParams]) -> dict[str, torch.Tensor]:
+        """The text embeddings of compatible requests' prompts as one batch: rows in request order
+        (num_outputs each), shared tensors once."""
 
     def encode_image(self, batch: StageBatch) -> None:
         """Encode the request's reference image (families that take one override this)."""

@@ -18,6 +18,7 @@ torch and diffusers are imported inside methods so the head can validate without
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -29,12 +30,15 @@ from triptych_worker.preview import as_numpy
 from triptych_worker.stages import PIXELS
 
 if TYPE_CHECKING:
+    import torch
+
     from triptych_worker.stages import StageBatch
 
 TEXT = frozenset({"text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"})
 
 
 class FluxAdapter(FamilyAdapter[FluxRules]):
+    shared_tensors: ClassVar[frozenset[str]] = frozenset({"text_ids", "latent_image_ids", "image_ids"})
     stage_components: ClassVar[dict[str, frozenset[str]]] = {
         "TextEncodingStage": TEXT,
         "ImageEncodingStage": frozenset({"vae"}),  # Kontext only (FamilyAdapter.components_for)
@@ -52,15 +56,15 @@ class FluxAdapter(FamilyAdapter[FluxRules]):
         self.pipe.vae_scale_factor = self.rules.vae_scale_factor
         self.pipe.image_processor = VaeImageProcessor(vae_scale_factor=self.rules.vae_scale_factor * 2)
 
-    def encode_text(self, batch: StageBatch) -> None:
-        p = batch.params
+    def encode_texts(self, params: Sequence[GenerationParams]) -> dict[str, torch.Tensor]:
+        p = params[0]  # compatible requests: the same outputs and sequence length
         prompt_embeds, pooled, text_ids = self.pipe.encode_prompt(
-            prompt=p.prompt,
+            prompt=[q.prompt for q in params],
             device=self.device,
             num_images_per_prompt=p.num_outputs,
             max_sequence_length=p.max_sequence_length,
         )
-        batch.tensors.update(prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled, text_ids=text_ids)
+        return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled, "text_ids": text_ids}
 
     def encode_image(self, batch: StageBatch) -> None:
         import torch

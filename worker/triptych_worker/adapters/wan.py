@@ -14,6 +14,7 @@ torch and diffusers are imported inside methods so the head can validate without
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
@@ -46,19 +47,19 @@ class WanAdapter(FamilyAdapter[WanRules]):
         self.pipe.vae_scale_factor_spatial = self.rules.scale_spatial
         self.pipe.vae_scale_factor_temporal = self.rules.scale_temporal
 
-    def encode_text(self, batch: StageBatch) -> None:
-        p = batch.params
+    def encode_texts(self, params: Sequence[GenerationParams]) -> dict[str, torch.Tensor]:
+        p = params[0]  # compatible requests: the same guidance, outputs and sequence length
         prompt_embeds, negative_embeds = self.pipe.encode_prompt(
-            prompt=p.prompt,
-            negative_prompt=p.negative_prompt,
+            prompt=[q.prompt for q in params],
+            negative_prompt=[q.negative_prompt or "" for q in params],  # the stock default for None
             do_classifier_free_guidance=_uses_cfg(p),
             num_videos_per_prompt=p.num_outputs,
             max_sequence_length=p.max_sequence_length,
             device=self.device,
         )
-        batch.tensors["prompt_embeds"] = prompt_embeds
-        if negative_embeds is not None:
-            batch.tensors["negative_prompt_embeds"] = negative_embeds
+        if negative_embeds is None:
+            return {"prompt_embeds": prompt_embeds}
+        return {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_embeds}
 
     def prepare_latents(self, batch: StageBatch) -> None:
         import torch

@@ -1,0 +1,111 @@
+"""Dynamic batching in the head (--batching-mode dynamic): which queued requests leave together.
+
+A role's queue is split into groups of compatible requests (triptych.batching.batch_key), in queue
+order, each at most --batching-max-size. A group leaves for one worker instance when it is full,
+when its oldest request has waited --batching-delay-ms, or when it already fills the free slots of
+the roomiest ready instance (waiting longer could not make it larger). The server sends a group for
+the first role as one WorkBatch, and tags a later role's transfers with the group's id and size so
+that the receiver runs them together (protocol/messages.py).
+
+With --enable-batching-metrics, /metrics has per role: the sizes of the groups the head sent
+(triptych_batch_size), how long their oldest request waited for the group to form
+(triptych_batch_wait_seconds), how full they left (triptych_batch_fill_ratio: size / max size) and
+the batches the workers ran (triptych_worker_batch_size, from what each worker reports with a
+request's output: a group may run split when a worker's own --batching-max-size is smaller).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+
+from triptych.batching import batch_key
+from triptych.protocol import Work
+from triptych_head.instances import WorkerInstance
+from triptych_head.state import RequestRecord
+
+SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
+FILL_BUCKETS = (0.125, 0.25, 0.5, 0.75, 0.999, 1)
+
+
+class BatchingMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.size = Histogram(
+            "triptych_batch_size", "Requests per group the head dispatched", ["role"], buckets=SIZE_BUCKETS, registry=r
+        )
+        self.wait = Histogram(
+            "triptych_batch_wait_seconds",
+            "How long a group's oldest request waited in the queue before the group left",
+            ["role"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.fill = Histogram(
+            "triptych_batch_fill_ratio",
+            "Group size over --batching-max-size",
+            ["role"],
+            buckets=FILL_BUCKETS,
+            registry=r,
+        )
+        self.worker_size = Histogram(
+            "triptych_worker_batch_size",
+            "Requests per batched forward, as the workers report running them",
+            ["role"],
+            buckets=SIZE_BUCKETS,
+            registry=r,
+        )
+
+    def observe_ran(self, role: str, batch_size: int, leader: bool) -> None:
+        """A worker's report of the batch one request ran in; each batch counts once (its leader)."""
+        if leader:
+            self.worker_size.labels(role).observe(batch_size)
+
+
+@dataclass
+class Group:
+    """Requests leaving together for one instance; `work` collects the first role's Work items."""
+
+    instance: WorkerInstance
+    members: list[RequestRecord]
+    work: list[Work] = field(default_factory=list)
+
+    @property
+    def batch_id(self) -> str:
+        return self.members[0].wire_id
+
+
+class GroupBatcher:
+    def __init__(self, max_size: int, delay_s: float, metrics: BatchingMetrics | None = None):
+        self.max_size = max_size
+        self.delay_s = delay_s
+        self.metrics = metrics
+
+    def ready_groups(self, queued: Iterable[RequestRecord], room: int, now: float) -> list[list[RequestRecord]]:
+        """The groups that may leave now, oldest first; `room`: the most free slots of a ready instance."""
+        limit = min(self.max_size, room)
+        if limit <= 0:
+            return []
+        by_key: dict[tuple[Any, ...], list[RequestRecord]] = {}
+        for rec in queued:
+            by_key.setdefault(batch_key(rec.params, rec.wire_id), []).append(rec)
+        groups: list[list[RequestRecord]] = []
+        for members in by_key.values():
+            for start in range(0, len(members), limit):
+                chunk = members[start : start + limit]
+                if len(chunk) >= limit or now - chunk[0].hop_started >= self.delay_s:
+                    groups.append(chunk)
+        groups.sort(key=lambda chunk: chunk[0].hop_started)
+        return groups
+
+    def observe_sent(self, role: str, group: Group, now: float) -> None:
+        if self.metrics is None:
+            return
+        size = len(group.members)
+        self.metrics.size.labels(role).observe(size)
+        self.metrics.wait.labels(role).observe(max(0.0, now - group.members[0].hop_started))
+        self.metrics.fill.labels(role).observe(size / self.max_size)

@@ -1,0 +1,100 @@
+"""One batched forward over several requests: merge their StageBatches, run a stage once, split.
+
+The requests of a batch are compatible (triptych.batching.batch_key), so their tensors differ only
+in their rows: every tensor a stage hands on has one row per output ([num_outputs, ...]) except the
+ones the adapter lists as shared (positional ids that depend on the shape alone), and their meta
+(the schedule) is the same. `merge` concatenates the rows in request order and keeps the first
+request's params and meta; `split` hands each request its own rows back.
+
+Progress fans out per request (`fan_out_progress`), each request seeing its own rows of the
+latents. A request whose progress callback raises (the head cancelled it) is dropped from the
+batch's reporting at that step boundary and its outputs are discarded after the batch ends; the
+others run on. Only when every request of the batch has dropped does the stage stop early.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+from triptych_worker.stages import StageBatch
+
+if TYPE_CHECKING:
+    import torch
+
+
+class EveryRequestDropped(Exception):
+    """Raised inside a batched stage once every request of the batch has dropped out."""
+
+    def __init__(self, errors: dict[int, Exception]):
+        super().__init__(f"all {len(errors)} requests of the batch dropped out")
+        self.errors = errors
+
+
+def rows(batch: StageBatch) -> int:
+    return batch.params.num_outputs
+
+
+def merge(batches: Sequence[StageBatch], shared: frozenset[str]) -> StageBatch:
+    """One StageBatch holding every request's rows (request order), the first request's params and meta."""
+    import torch
+
+    first = batches[0]
+    tensors: dict[str, Any] = {}
+    for name, tensor in first.tensors.items():
+        if name in shared:
+            tensors[name] = tensor
+        else:
+            tensors[name] = torch.cat([cast("torch.Tensor", b.tensors[name]) for b in batches], dim=0)
+    return StageBatch(params=first.params, tensors=tensors, meta=dict(first.meta))
+
+
+def split(merged: StageBatch, batches: Sequence[StageBatch], shared: frozenset[str]) -> None:
+    """Give each request its rows of `merged`'s tensors (a copy, so none keeps the batch alive) and its meta."""
+    start = 0
+    for batch in batches:
+        n = rows(batch)
+        batch.tensors = {
+            name: tensor if name in shared else cast("torch.Tensor", tensor)[start : start + n].clone()
+            for name, tensor in merged.tensors.items()
+        }
+        batch.meta.update(merged.meta)
+        start += n
+
+
+def fan_out_progress(batches: Sequence[StageBatch], dropped: dict[int, Exception]) -> Callable[[int, int, Any], None]:
+    """The merged batch's progress callback: each request's own, with its rows of the latents.
+
+    A request whose callback raises joins `dropped` (index -> its exception) and hears nothing more.
+    """
+
+    def progress(step: int, total: int, latents: torch.Tensor | None = None) -> None:
+        start = 0
+        for i, batch in enumerate(batches):
+            n = rows(batch)
+            if i not in dropped:
+                try:
+                    batch.report_progress(step, total, None if latents is None else latents[start : start + n])
+                except Exception as exc:
+                    dropped[i] = exc
+            start += n
+        if len(dropped) == len(batches):
+            raise EveryRequestDropped(dict(dropped))
+
+    return progress
+
+
+def run_merged(
+    batches: Sequence[StageBatch], shared: frozenset[str], run: Callable[[StageBatch], None]
+) -> list[Exception | None]:
+    """Run `run` once over the merged requests and split its outputs back; per request, the exception
+    it dropped out with (None: it ran to the end)."""
+    dropped: dict[int, Exception] = {}
+    merged = merge(batches, shared)
+    merged.on_progress = fan_out_progress(batches, dropped)
+    try:
+        run(merged)
+    except EveryRequestDropped as exc:
+        return [exc.errors.get(i) for i in range(len(batches))]
+    split(merged, batches, shared)
+    return [dropped.get(i) for i in range(len(batches))]

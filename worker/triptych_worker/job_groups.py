@@ -1,0 +1,61 @@
+"""A worker's queued jobs and which of them run together as one batch.
+
+Without batching (--batching-max-size 1) the next job is the oldest one. With it, the oldest job
+that is ready leads a group of up to --batching-max-size jobs: a group the head dispatched together
+(same `group` id) once all its members have arrived, or once its oldest member has waited past the
+assembly cut-off (a member cancelled or retried elsewhere never arrives); an untagged job with the
+queued untagged jobs of the same compatibility key (triptych.batching.batch_key).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from triptych.batching import batch_key
+from triptych.params import GenerationParams
+
+if TYPE_CHECKING:
+    from triptych_worker.transfer import Allocation
+
+
+@dataclass
+class Job:
+    request_id: str
+    params: GenerationParams
+    incoming: tuple[Allocation, list[dict[str, Any]], dict[str, Any]] | None = None
+    progress: bool = False  # send Progress for every step (the head has a watcher for it)
+    preview_every: int = 0  # with progress: a preview PNG of the latents every k steps
+    group: str = ""  # the batch the head dispatched it in ("" or group_size 1: none)
+    group_size: int = 1
+    queued_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return (self.incoming is None, *batch_key(self.params, self.request_id))
+
+
+def take_group(queue: deque[Job], max_size: int, assembly_cutoff: float) -> list[Job]:
+    """Remove and return the next group to run from `queue` ([] when none is ready yet).
+
+    `assembly_cutoff`: a monotonic time; a tagged group whose oldest member arrived before it runs
+    with the members it has.
+    """
+    if not queue:
+        return []
+    if max_size <= 1:
+        return [queue.popleft()]
+    for job in queue:
+        if job.group and job.group_size > 1:
+            members = [j for j in queue if j.group == job.group]
+            if len(members) < job.group_size and job.queued_at > assembly_cutoff:
+                continue  # the rest of its group is on its way
+        else:
+            members = [j for j in queue if not (j.group and j.group_size > 1) and j.key == job.key]
+        chosen = members[:max_size]
+        for member in chosen:
+            queue.remove(member)
+        return chosen
+    return []
