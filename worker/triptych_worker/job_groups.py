@@ -49,7 +49,8 @@ def take_group(queue: deque[Job], max_size: int, assembly_cutoff: float) -> list
         return [queue.popleft()]
     for job in queue:
         if job.group and job.group_size > 1:
-            members = [j for j in queue if j.group == job.group]
+            # The key too: a member the head grouped wrongly runs apart rather than in a wrong batch.
+            members = [j for j in queue if j.group == job.group and j.key == job.key]
             if len(members) < job.group_size and job.queued_at > assembly_cutoff:
                 continue  # the rest of its group is on its way
         else:

@@ -542,6 +542,8 @@ class Worker:
         """Run a group of compatible jobs as one batch (a single job alone); a failure or a cancel
         fails only its own request, the others carry on."""
         started = time.perf_counter()
+        if len(jobs) > 1:
+            log.info("running %d requests as one batch: %s", len(jobs), ", ".join(job.request_id for job in jobs))
         prepared: list[tuple[Job, StageBatch]] = []
         try:
             for job in jobs:
