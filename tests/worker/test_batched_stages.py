@@ -79,11 +79,9 @@ def test_batched_stages_match_requests_run_alone(pipelines: dict[str, RolePipeli
 def test_each_request_keeps_its_own_progress_and_rows_of_the_latents(pipelines: dict[str, RolePipeline]):
     params = requests(FLUX, 3)
     seen: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(3)}
-    batches = []
-    for i, p in enumerate(params):
-        batches.append(
-            StageBatch(params=p, on_progress=lambda step, total, latents, i=i: seen[i].append((step, total, len(latents))))
-        )
+    batches = [StageBatch(params=p) for p in params]
+    for i, batch in enumerate(batches):
+        batch.on_progress = lambda step, total, latents, i=i: seen[i].append((step, total, len(latents)))
     assert pipelines["flux"].run_many(batches) == [None, None, None]
     for i in range(3):
         assert seen[i] == [(1, 3, 1), (2, 3, 1), (3, 3, 1)]  # one row each: its own output's latents

@@ -58,5 +58,7 @@ def take_group(queue: deque[Job], max_size: int, assembly_cutoff: float) -> list
         chosen = members[:max_size]
         for member in chosen:
             queue.remove(member)
+        for rest in members[max_size:]:  # a group larger than this worker's batches: the rest wait for none
+            rest.group_size -= len(chosen)
         return chosen
     return []

@@ -554,11 +554,17 @@ class Worker:
                     prepared.append((job, self._prepare(link, job)))
             outcomes = self._run_stages([batch for _, batch in prepared])
             ran = [(job, batch) for (job, batch), error in zip(prepared, outcomes, strict=True) if error is None]
+            # Reported together once all are staged, so that the head sees the batch arrive as one.
+            reports: list[tuple[Result | TransferStaged, list[Any]]] = []
             for (job, batch), error in zip(prepared, outcomes, strict=True):
                 with self._fails_alone(link, job):
                     if error is not None:
                         raise error
-                    self._deliver(link, job, batch, started, len(prepared), leader=job is ran[0][0])
+                    report = self._deliver(job, batch, started, len(prepared), leader=job is ran[0][0])
+                    if report is not None:
+                        reports.append(report)
+            for msg, frames in reports:
+                link.send(msg, frames)
         finally:
             with self._lock:
                 self._outstanding.difference_update(job.request_id for job in jobs)
@@ -624,31 +630,29 @@ class Worker:
         return batch
 
     def _deliver(
-        self, link: HeadLink, job: Job, batch: StageBatch, started: float, batch_size: int, leader: bool
-    ) -> None:
-        """Send the job's outputs on: pixels to the head (decoder), else staged for the next role."""
-        seconds = time.perf_counter() - started
+        self, job: Job, batch: StageBatch, started: float, batch_size: int, leader: bool
+    ) -> tuple[Result | TransferStaged, list[Any]] | None:
+        """The job's outputs, ready to go on: pixels for the head (decoder), else staged for the next
+        role; the report to send the head (None: cancelled meanwhile, nothing to report)."""
         if self._is_cancelled(job.request_id):  # cancelled while its batch ran on: discarded
             raise RequestCancelled(job.request_id)
         if self.role is Role.DECODER:
             specs, frames = tensors_to_frames({PIXELS: batch.tensors[PIXELS]})
-            link.send(Result(job.request_id, self.instance, specs, seconds, batch_size, leader), frames)
-            return
+            seconds = time.perf_counter() - started
+            return Result(job.request_id, self.instance, specs, seconds, batch_size, leader), frames
         staged = self._stage(job.request_id, batch)
         if staged is None:
-            return  # cancelled while waiting for room
+            return None  # cancelled while waiting for room
         allocation, manifest = staged
         with self._lock:
             if job.request_id in self._cancelled:
                 self.pool.free(allocation)
-                return
+                return None
             self._staged[job.request_id] = allocation
-        link.send(
-            TransferStaged(
-                job.request_id, self.instance, allocation.nbytes, manifest, batch.meta,
-                time.perf_counter() - started, batch_size, leader,
-            )
-        )  # fmt: skip
+        seconds = time.perf_counter() - started
+        return TransferStaged(
+            job.request_id, self.instance, allocation.nbytes, manifest, batch.meta, seconds, batch_size, leader
+        ), []
 
     def _preview(self, job: Job, step: int, latents: Any) -> bytes:
         """The step's preview PNG when the request asked for one now (b"" otherwise, or when it fails:

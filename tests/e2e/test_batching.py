@@ -1,0 +1,142 @@
+"""Dynamic batching against real processes (head, encoder, denoiser, decoder; ZMQ, Mooncake) with the
+tiny FLUX package on CPU: concurrent compatible requests leave the head in groups and each worker runs
+a group as one batched forward, as the batching metrics on /metrics show; their pixels equal the same
+requests run alone within the tolerance tests/worker/test_batched_stages.py measures."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.harness import deployment
+from triptych.localdeploy import LocalDeployment
+
+pytestmark = pytest.mark.slow
+
+ROLES = ("encoder", "denoiser", "decoder")
+HEAD_FLAGS = ("--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "50",
+              "--enable-batching-metrics")  # fmt: skip
+BASE = {"size": "64x48", "num_inference_steps": 3, "guidance_scale": 3.5}
+PIXEL_TOLERANCE = 1
+PIXEL_SHARE = 0.01
+
+
+@pytest.fixture(scope="module")
+def batching(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
+    with deployment(
+        tiny_models["tiny-flux"], tmp_path_factory.mktemp("batching"), head_flags=HEAD_FLAGS,
+        worker_flags=("--batching-max-size", "4"),
+    ) as dep:  # fmt: skip
+        yield dep
+
+
+def histograms(client: httpx.Client, name: str) -> dict[str, dict[str, float]]:
+    """role -> {"count", "sum", "le=<bound>"...} of one histogram on /metrics."""
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        if family.name != name:
+            continue
+        for sample in family.samples:
+            role = out.setdefault(sample.labels["role"], {})
+            if sample.name.endswith("_count"):
+                role["count"] = sample.value
+            elif sample.name.endswith("_sum"):
+                role["sum"] = sample.value
+            elif sample.name.endswith("_bucket"):
+                role[f"le={float(sample.labels['le']):g}"] = sample.value
+    return out
+
+
+def delta(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]], role: str, key: str) -> float:
+    return after.get(role, {}).get(key, 0.0) - before.get(role, {}).get(key, 0.0)
+
+
+def generate(client: httpx.Client, request: dict) -> np.ndarray:
+    r = client.post("/v1/images/generations", json=request)
+    assert r.status_code == 200, r.text
+    (image,) = r.json()["data"]
+    return np.array(Image.open(io.BytesIO(base64.b64decode(image["b64_json"]))))
+
+
+def concurrently(dep: LocalDeployment, requests: list[dict]) -> list[np.ndarray]:
+    """Every request at once, each from its own thread and connection, released together."""
+    results: list[np.ndarray | BaseException | None] = [None] * len(requests)
+    start = threading.Barrier(len(requests))
+
+    def one(i: int) -> None:
+        with dep.client() as c:
+            start.wait()
+            try:
+                results[i] = generate(c, requests[i])
+            except BaseException as exc:
+                results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for r in results:
+        if not isinstance(r, np.ndarray):
+            raise AssertionError(f"a request did not return an image: {r!r}")
+    return results  # type: ignore[return-value]
+
+
+def assert_close(batched: np.ndarray, alone: np.ndarray) -> None:
+    assert batched.shape == alone.shape
+    diff = np.abs(batched.astype(int) - alone.astype(int))
+    assert diff.max() <= PIXEL_TOLERANCE and np.mean(diff > 0) <= PIXEL_SHARE
+
+
+def test_eight_concurrent_compatible_requests_run_in_at_most_two_batches_per_stage(batching: LocalDeployment):
+    requests = [{**BASE, "prompt": f"a lighthouse number {i}", "seed": 10 + i} for i in range(8)]
+    with batching.client() as c:
+        sent_before = histograms(c, "triptych_batch_size")
+        ran_before = histograms(c, "triptych_worker_batch_size")
+        batched = concurrently(batching, requests)
+        sent_after = histograms(c, "triptych_batch_size")
+        ran_after = histograms(c, "triptych_worker_batch_size")
+        for role in ROLES:
+            assert delta(sent_after, sent_before, role, "sum") == 8, role  # every request, in groups
+            assert delta(sent_after, sent_before, role, "count") <= 2, role
+            assert delta(ran_after, ran_before, role, "sum") == 8, role  # the workers ran them batched
+            assert delta(ran_after, ran_before, role, "count") <= 2, role
+        assert "triptych_batch_wait_seconds_count" in c.get("/metrics").text
+        assert "triptych_batch_fill_ratio_bucket" in c.get("/metrics").text
+
+        # The same requests one at a time: each alone in its batch, pixels within the tolerance.
+        ran_before = histograms(c, "triptych_worker_batch_size")
+        for request, image in zip(requests, batched, strict=True):
+            assert_close(image, generate(c, request))
+        ran_after = histograms(c, "triptych_worker_batch_size")
+        for role in ROLES:
+            assert delta(ran_after, ran_before, role, "count") == 8 == delta(ran_after, ran_before, role, "le=1")
+
+
+def test_incompatible_requests_are_never_batched_together(batching: LocalDeployment):
+    """Two requests of each of three incompatible kinds (sizes, steps), all at once: with groups of up
+    to 4 a batcher that mixed them would form a group larger than 2."""
+    kinds = [BASE, {**BASE, "size": "48x64"}, {**BASE, "num_inference_steps": 2}]
+    requests = [{**kind, "prompt": f"a boat {i}", "seed": i} for kind in kinds for i in range(2)]
+    with batching.client() as c:
+        sent_before = histograms(c, "triptych_batch_size")
+        ran_before = histograms(c, "triptych_worker_batch_size")
+        images = concurrently(batching, requests)
+        sent_after = histograms(c, "triptych_batch_size")
+        ran_after = histograms(c, "triptych_worker_batch_size")
+        for role in ROLES:
+            for before, after in ((sent_before, sent_after), (ran_before, ran_after)):
+                assert delta(after, before, role, "sum") == 6, role
+                assert delta(after, before, role, "le=2") == delta(after, before, role, "count"), role
+        assert [image.shape for image in images] == [(48, 64, 3)] * 2 + [(64, 48, 3)] * 2 + [(48, 64, 3)] * 2
+        for request, image in zip(requests, images, strict=True):
+            assert_close(image, generate(c, request))

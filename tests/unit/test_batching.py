@@ -1,0 +1,167 @@
+"""Batching's rules without processes: which requests are compatible, which groups the head sends,
+which queued jobs a worker runs together, the flags and the WorkBatch message."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import msgspec
+import pytest
+
+from triptych.batching import batch_key
+from triptych.cli import build_parser
+from triptych.config import ConfigError, ServeArgs
+from triptych.params import GenerationParams
+from triptych.protocol import TransferReady, Work, WorkBatch, decode, encode
+from triptych.roles import Role
+from triptych_head.batcher import GroupBatcher
+from triptych_head.state import RequestRecord
+from triptych_worker.job_groups import Job, take_group
+
+BASE = GenerationParams("a cat", width=64, height=48, num_inference_steps=4, guidance_scale=3.5, seed=1)
+
+
+def parse(*argv: str) -> ServeArgs:
+    return ServeArgs.from_namespace(build_parser().parse_args(["serve", "--model-path", "m", *argv]))
+
+
+HEAD = ("--disagg-role", "server", "--encoder-urls", "tcp://a:1", "--denoiser-urls", "tcp://b:1",
+        "--decoder-urls", "tcp://c:1")  # fmt: skip
+
+
+# --- the compatibility rule -----------------------------------------------------------------
+
+
+def test_prompt_negative_text_and_seed_may_differ_within_a_batch():
+    negative = msgspec.structs.replace(BASE, negative_prompt="blurry")
+    assert batch_key(BASE) == batch_key(msgspec.structs.replace(BASE, prompt="a dog", seed=99))
+    assert batch_key(negative) == batch_key(msgspec.structs.replace(negative, negative_prompt="dark"))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"width": 48},
+        {"height": 64},
+        {"num_frames": 5},
+        {"num_inference_steps": 3},
+        {"guidance_scale": 5.0},
+        {"negative_prompt": "blurry"},
+        {"max_sequence_length": 256},
+        {"num_outputs": 2},
+    ],
+)
+def test_what_changes_shapes_or_math_makes_requests_incompatible(change: dict):
+    assert batch_key(BASE) != batch_key(msgspec.structs.replace(BASE, **change))
+
+
+def test_edits_are_never_batched():
+    edit = msgspec.structs.replace(BASE, image=b"png")
+    assert batch_key(edit, "r1") != batch_key(edit, "r2")
+
+
+# --- the head's groups ----------------------------------------------------------------------
+
+
+def record(rid: str, params: GenerationParams, queued_at: float) -> RequestRecord:
+    rec = RequestRecord(request_id=rid, params=params, route=[Role.ENCODER], client=b"", deadline=1e18)
+    rec.hop_started = queued_at
+    return rec
+
+
+def test_a_group_leaves_when_full_or_at_the_delay_and_never_mixes_incompatible_requests():
+    batcher = GroupBatcher(max_size=4, delay_s=0.05)
+    other = msgspec.structs.replace(BASE, width=48)
+    fewer_steps = msgspec.structs.replace(BASE, num_inference_steps=2)
+    queued = [record(f"a{i}", BASE, 10.0 + i * 0.001) for i in range(5)]
+    queued += [record("b0", other, 10.0), record("c0", fewer_steps, 10.02)]
+    groups = batcher.ready_groups(queued, room=8, now=10.01)  # before the delay: only the full group
+    assert [[r.request_id for r in g] for g in groups] == [["a0", "a1", "a2", "a3"]]
+    groups = batcher.ready_groups(queued, room=8, now=10.1)  # past it: every group, oldest first
+    assert [[r.request_id for r in g] for g in groups] == [["a0", "a1", "a2", "a3"], ["b0"], ["a4"], ["c0"]]
+
+
+def test_a_group_is_bounded_by_the_roomiest_instance_and_then_counts_as_full():
+    batcher = GroupBatcher(max_size=4, delay_s=10.0)
+    queued = [record(f"a{i}", BASE, 10.0) for i in range(3)]
+    assert [len(g) for g in batcher.ready_groups(queued, room=2, now=10.0)] == [2]
+    assert batcher.ready_groups(queued, room=0, now=99.0) == []
+
+
+# --- the worker's groups --------------------------------------------------------------------
+
+
+def job(rid: str, params: GenerationParams = BASE, group: str = "", size: int = 1, at: float = 0.0) -> Job:
+    return Job(rid, params, group=group, group_size=size, queued_at=at or time.monotonic())
+
+
+def test_without_batching_the_oldest_job_runs_alone():
+    queue = deque([job("a"), job("b")])
+    assert [j.request_id for j in take_group(queue, 1, 0.0)] == ["a"]
+
+
+def test_a_dispatched_group_waits_for_its_members_until_the_cutoff():
+    queue = deque([job("g1", group="g1", size=3, at=5.0), job("g2", group="g1", size=3, at=5.0)])
+    assert take_group(queue, 4, assembly_cutoff=4.0) == []  # g3 is on its way
+    assert [j.request_id for j in take_group(queue, 4, assembly_cutoff=6.0)] == ["g1", "g2"]  # waited long enough
+    queue = deque([job(f"g{i}", group="g0", size=5) for i in range(5)])
+    assert [len(take_group(queue, 4, 0.0)), len(take_group(queue, 4, 0.0))] == [4, 1]  # the worker's own bound
+
+
+def test_untagged_jobs_batch_with_compatible_ones_only():
+    other = msgspec.structs.replace(BASE, num_inference_steps=2)
+    queue = deque([job("a"), job("b", other), job("c"), job("d", other)])
+    assert [j.request_id for j in take_group(queue, 4, 0.0)] == ["a", "c"]
+    assert [j.request_id for j in take_group(queue, 4, 0.0)] == ["b", "d"]
+
+
+def test_a_wrongly_grouped_member_runs_apart():
+    other = msgspec.structs.replace(BASE, width=48)
+    queue = deque([job("a", group="g", size=2, at=1.0), job("b", other, group="g", size=2, at=1.0)])
+    assert [j.request_id for j in take_group(queue, 4, assembly_cutoff=2.0)] == ["a"]
+    assert [j.request_id for j in take_group(queue, 4, assembly_cutoff=2.0)] == ["b"]
+
+
+# --- flags and messages ---------------------------------------------------------------------
+
+
+def test_batching_flags_parse_for_the_head_and_the_worker():
+    head = parse(*HEAD, "--batching-mode", "dynamic", "--batching-max-size", "28", "--batching-delay-ms", "30",
+                 "--enable-batching-metrics")  # fmt: skip
+    assert (head.batching_mode, head.batching_max_size, head.batching_delay_ms) == ("dynamic", 28, 30.0)
+    assert head.enable_batching_metrics
+    worker = parse("--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--batching-max-size", "4")
+    assert worker.batching_max_size == 4 and worker.batching_mode == "off"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ((*HEAD, "--batching-max-size", "0"), "--batching-max-size 0 must be >= 1"),
+        ((*HEAD, "--batching-delay-ms", "-1"), "--batching-delay-ms -1.0 must be >= 0"),
+        ((*HEAD, "--batching-delay-ms", "nan"), "--batching-delay-ms nan must be >= 0"),
+        (("--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--batching-mode", "dynamic"),
+         "--batching-mode is for the head"),
+        (("--batching-max-size", "4"), "monolithic mode runs one request at a time"),
+    ],
+)  # fmt: skip
+def test_bad_batching_flags_are_refused_naming_the_flag(argv: tuple[str, ...], message: str):
+    with pytest.raises(ConfigError, match=message):
+        parse(*argv)
+
+
+def test_an_unknown_batching_mode_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit):
+        parse(*HEAD, "--batching-mode", "static")
+    assert "--batching-mode: invalid choice: 'static'" in capsys.readouterr().err
+
+
+def test_a_work_batch_and_a_tagged_transfer_ready_round_trip():
+    items = [Work(f"r{i}", "tcp://w:1", msgspec.structs.replace(BASE, seed=i), progress=i == 0) for i in range(3)]
+    msg, _ = decode(encode(WorkBatch("tcp://w:1", items)))
+    assert isinstance(msg, WorkBatch) and msg.items == items
+    ready = TransferReady("r1", "tcp://w:1", BASE, [], {}, batch_id="r0", batch_size=3)
+    assert decode(encode(ready))[0] == ready
+    old = TransferReady("r1", "tcp://w:1", BASE, [], {})  # a sender of the previous version: not in a group
+    assert decode(encode(old))[0].batch_size == 1
