@@ -2,8 +2,9 @@
 
 A role's queue is split into groups of compatible requests (triptych.batching.batch_key), in queue
 order, each at most --batching-max-size. A group leaves for one worker instance when it is full,
-when its oldest request has waited --batching-delay-ms, or when it already fills the free slots of
-the roomiest ready instance (waiting longer could not make it larger). The server sends a group for
+when its oldest request has waited --batching-delay-ms, or when it already fills the room of the
+roomiest ready instance (its free slots, at most its own --batching-max-size, which it heartbeats:
+waiting longer could not make the group larger). The server sends a group for
 the first role as one WorkBatch, and tags a later role's transfers with the group's id and size so
 that the receiver runs them together (protocol/messages.py).
 
@@ -86,7 +87,7 @@ class GroupBatcher:
         self.metrics = metrics
 
     def ready_groups(self, queued: Iterable[RequestRecord], room: int, now: float) -> list[list[RequestRecord]]:
-        """The groups that may leave now, oldest first; `room`: the most free slots of a ready instance."""
+        """The groups that may leave now, oldest first; `room`: the largest group a ready instance takes now."""
         limit = min(self.max_size, room)
         if limit <= 0:
             return []

@@ -38,6 +38,7 @@ class WorkerInstance:
     leaving: bool = False  # discovery no longer lists it (scaled down, not Ready): nothing new goes to it
     # A write to it failed: it may have died. Nothing new goes to it until its next heartbeat says otherwise.
     suspect: bool = False
+    max_batch: int = 1  # the most requests it runs as one batch (its --batching-max-size)
 
     def alive(self, now: float, heartbeat_timeout: float) -> bool:
         return self.last_heartbeat is not None and now - self.last_heartbeat <= heartbeat_timeout
@@ -49,6 +50,11 @@ class WorkerInstance:
     @property
     def free_slots(self) -> int:
         return max(self.capacity - len(self.inflight), 0)
+
+    @property
+    def batch_room(self) -> int:
+        """The largest group it can take now: its free slots, at most one batch of its own size."""
+        return min(self.free_slots, self.max_batch)
 
     def can_take(self, nbytes: int = 0) -> bool:
         """A free scheduling slot and, for a transfer, no recent refusal for this size."""
@@ -74,6 +80,7 @@ class WorkerInstance:
         model: str,
         standing_bytes: int = 0,
         draining: bool = False,
+        max_batch: int = 1,
     ) -> None:
         if session != self.session:
             self.standing.clear()  # a new process behind the same address: its slots are new too
@@ -82,4 +89,5 @@ class WorkerInstance:
         self.capacity, self.session, self.pool_bytes, self.model = capacity, session, pool_bytes, model
         self.refused_bytes = None
         self.free_bytes, self.standing_bytes = free_bytes, standing_bytes
+        self.max_batch = max_batch
         self.last_heartbeat = time.monotonic()

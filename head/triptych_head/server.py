@@ -461,7 +461,14 @@ class DiffusionServer:
             if msg.draining and not inst.draining:
                 log.info("%s %s is draining: no new work goes to it", role.value, inst.url)
             inst.on_heartbeat(
-                msg.capacity, msg.session, msg.pool_bytes, msg.free_bytes, msg.model, msg.standing_bytes, msg.draining
+                msg.capacity,
+                msg.session,
+                msg.pool_bytes,
+                msg.free_bytes,
+                msg.model,
+                msg.standing_bytes,
+                msg.draining,
+                msg.max_batch,
             )
             return
         rec = self._attempts.get(msg.request_id)
@@ -673,7 +680,7 @@ class DiffusionServer:
         queue = self._queues[role]
         queued = [rec for rid in queue if (rec := self._queued(role, rid)) is not None]
         instances = [i for i in self.registry.instances(role) if self.registry.ready(i)]
-        room = max((i.free_slots for i in instances), default=0)
+        room = max((i.batch_room for i in instances), default=0)
         gone: set[str] = {rid for rid in queue if self._queued(role, rid) is None}
         now = time.monotonic()
         for members in batcher.ready_groups(queued, room, now):
@@ -681,7 +688,7 @@ class DiffusionServer:
             inst = self._policies[role](instances, functools.partial(self._can_take, nbytes=nbytes))
             if inst is None:
                 break
-            group = Group(inst, members[: inst.free_slots])
+            group = Group(inst, members[: inst.batch_room])
             for rec in group.members:
                 rec.batch = (group.batch_id, len(group.members)) if len(group.members) > 1 else ("", 1)
                 if self._dispatch_one(role, rec.request_id, group):

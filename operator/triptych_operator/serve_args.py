@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, add_serve_flags, flag
 from triptych.roles import Role
@@ -86,8 +87,23 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         device=spec.device,
         disagg_drain_timeout=float(spec.drain_timeout_seconds),
         disagg_keys_dir=KEYS_MOUNT,
+        batching_max_size=spec.batch_max_size,
         **parallel,  # type: ignore[arg-type]
     )
+
+
+def head_batching(pipeline: PipelineSpec) -> dict[str, Any]:
+    """The head's batching flags: dynamic grouping, with its metrics, when some role batches. Its group
+    size is the largest role's; each role's workers heartbeat their own, which bounds their groups."""
+    largest = max(spec.batch_max_size for spec in pipeline.roles.values())
+    if largest <= 1:
+        return {}
+    return {
+        "batching_mode": "dynamic",
+        "batching_max_size": largest,
+        "batching_delay_ms": float(pipeline.head.batch_delay_ms),
+        "enable_batching_metrics": True,
+    }
 
 
 def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
@@ -106,6 +122,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         results_max_bytes=pipeline.head.results.max_bytes,
         api_keys_file=API_KEYS_FILE if pipeline.head.api_keys_secret else None,
         disagg_keys_dir=KEYS_MOUNT,
+        **head_batching(pipeline),
         **urls,  # type: ignore[arg-type]
     )
 

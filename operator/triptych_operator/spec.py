@@ -66,6 +66,9 @@ DEFAULT_API_KEYS_KEY = "keys"
 # Autoscaling defaults: a denoiser replica should have about a minute of queued work before
 # another is added, and a pool is shrunk only after ten quiet minutes (model loads take minutes).
 DEFAULT_TARGET_WORK_SECONDS = 60
+DEFAULT_BATCH_DELAY_MS = 30  # the spec's GLM-Image head: --batching-delay-ms 30
+MAX_BATCH_DELAY_MS = 10_000
+MAX_BATCH_SIZE = 256
 DEFAULT_SCALE_DOWN_STABILIZATION_S = 600
 MAX_STABILIZATION_S = 3600  # the HPA API's limit
 # Drain: a worker gets SIGTERM, finishes what it holds, and is killed drainSeconds later. The
@@ -146,6 +149,8 @@ class RoleSpec:
     # The Deployment's rolling update; None: the defaults of `rolling_update`.
     max_unavailable: int | None = None
     max_surge: int | None = None
+    # Most compatible requests a worker runs as one batched forward (--batching-max-size; 1: none).
+    batch_max_size: int = 1
 
     def rolling_update(self) -> dict[str, int]:
         """maxUnavailable/maxSurge of the role's Deployment. Defaults never take a serving role to zero:
@@ -228,6 +233,7 @@ class HeadSpec:
     tolerations: Sequence[Mapping[str, Any]] = ()
     extra_args: Sequence[str] = ()
     env: Sequence[Mapping[str, Any]] = ()
+    batch_delay_ms: int = DEFAULT_BATCH_DELAY_MS  # how long a group may wait to fill (--batching-delay-ms)
 
     @property
     def drain_timeout_seconds(self) -> int:
@@ -516,6 +522,26 @@ def role_field(role: Role) -> Field:
                 ),
             ),
             Field(
+                "batching",
+                "object",
+                "Batched forwards: the most compatible requests a worker of the role runs as one "
+                "(--batching-max-size); above 1 the head groups requests for it (spec.head.batching).",
+                fields=(
+                    Field(
+                        "maxSize",
+                        "integer",
+                        "Most requests per batched forward; 1: each request alone.",
+                        default=1,
+                        minimum=1,
+                        maximum=MAX_BATCH_SIZE,
+                        doc="The workers' `--batching-max-size`: the most compatible requests (same size, steps, "
+                        "guidance, ...) one batched forward runs; each worker holds that many times its "
+                        "capacity. Above 1 on any role, the head runs `--batching-mode dynamic` "
+                        "([batching.md](batching.md)). Not with `gpusPerReplica` above 1.",
+                    ),
+                ),
+            ),
+            Field(
                 "drainSeconds",
                 "integer",
                 "terminationGracePeriodSeconds of the role's pods: on SIGTERM a worker finishes what it holds "
@@ -714,6 +740,24 @@ HEAD = Field(
                 ),
             ),
             rules=(required_when("host", "enabled", "host is required when enabled"),),
+        ),
+        Field(
+            "batching",
+            "object",
+            "How the head groups requests for roles whose batching.maxSize is above 1.",
+            fields=(
+                Field(
+                    "delayMs",
+                    "integer",
+                    "--batching-delay-ms: longest a request waits for its group to fill.",
+                    default=DEFAULT_BATCH_DELAY_MS,
+                    minimum=0,
+                    maximum=MAX_BATCH_DELAY_MS,
+                    doc="`--batching-delay-ms`: the longest a request waits for its group to fill, for every "
+                    "role (the head has one queue timer; each role's group size is its own `batching.maxSize`, "
+                    "which its workers heartbeat to the head).",
+                ),
+            ),
         ),
         Field(
             "dispatchPolicy",
@@ -979,6 +1023,7 @@ def _parse_role(role: Role, raw: Mapping[str, Any]) -> RoleSpec:
         env=tuple(raw["env"] or ()),
         autoscaling=_parse_autoscaling(raw["autoscaling"] or {"enabled": False}),
         drain_seconds=raw["drainSeconds"],
+        batch_max_size=(raw["batching"] or {}).get("maxSize", 1),
         max_unavailable=(raw["rollout"] or {}).get("maxUnavailable"),
         max_surge=(raw["rollout"] or {}).get("maxSurge"),
     )
@@ -1015,6 +1060,7 @@ def _parse_head(raw: Mapping[str, Any]) -> HeadSpec:
             tls_secret_name=(ingress.get("tls") or {}).get("secretName"),
         ),
         dispatch_policy=raw["dispatchPolicy"],
+        batch_delay_ms=(raw["batching"] or {}).get("delayMs", DEFAULT_BATCH_DELAY_MS),
         timeout_seconds=raw["timeoutSeconds"],
         drain_seconds=raw["drainSeconds"],
         results=ResultsSpec(

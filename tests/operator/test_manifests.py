@@ -496,3 +496,29 @@ def test_a_roles_rollout_can_be_set_and_both_zero_is_rejected() -> None:
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 2, "maxSurge": 0}
     with pytest.raises(SpecError, match="maxUnavailable and maxSurge cannot both be 0"):
         pipeline(minimal_spec(denoiser={"rollout": {"maxUnavailable": 0, "maxSurge": 0}}))
+
+
+def test_batching_renders_each_roles_size_to_its_workers_and_dynamic_grouping_to_the_head() -> None:
+    spec = minimal_spec(
+        denoiser={"batching": {"maxSize": 8}}, decoder={"batching": {"maxSize": 4}}, head={"batching": {"delayMs": 20}}
+    )
+    kids = children(spec)
+    sizes = {role: parse_serve(container(kids[("Deployment", f"wan-t2v-{role.value}")])).batching_max_size
+             for role in ROLES}  # fmt: skip
+    assert sizes == {Role.ENCODER: 1, Role.DENOISER: 8, Role.DECODER: 4}
+    head = parse_serve(container(kids[("Deployment", "wan-t2v-head")]))
+    assert (head.batching_mode, head.batching_max_size, head.batching_delay_ms) == ("dynamic", 8, 20.0)
+    assert head.enable_batching_metrics
+
+
+def test_without_batching_the_head_and_workers_get_no_batching_flags() -> None:
+    for obj in children(minimal_spec()).values():
+        if obj["kind"] == "Deployment":
+            assert not any(arg.startswith("--batching") for arg in container(obj)["args"]), obj["metadata"]["name"]
+
+
+def test_batching_on_a_multi_gpu_role_is_refused_naming_the_role() -> None:
+    with pytest.raises(SpecError) as info:
+        render(pipeline(minimal_spec(denoiser={"gpusPerReplica": 2, "batching": {"maxSize": 4}})))
+    assert info.value.field == "spec.denoiser"
+    assert "--batching-max-size 4 with --num-gpus 2" in str(info.value)

@@ -187,3 +187,20 @@ def test_split_encoder_errors_name_their_camel_case_field() -> None:
 def test_names_too_long_for_the_split_encoder_services_are_rejected() -> None:
     assert error_for(minimal_spec(promptEncoder={}), name="a" * 50).field == "metadata.name"
     pipeline(minimal_spec(), name="a" * 50)  # the three-role shape's Services fit
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"denoiser": {"batching": {"maxSize": 0}}}, "spec.denoiser.batching.maxSize: is 0; it must be between 1 and 256"),
+        ({"head": {"batching": {"delayMs": -5}}}, "spec.head.batching.delayMs: is -5; it must be between 0 and 10000"),
+    ],
+)
+def test_batching_bounds_name_the_field(section: dict, message: str) -> None:
+    assert str(error_for(minimal_spec(**section))) == message
+
+
+def test_batching_defaults_to_none_and_the_spec_heads_delay() -> None:
+    p = pipeline(minimal_spec(encoder={"batching": {}}))
+    assert {spec.batch_max_size for spec in p.roles.values()} == {1}
+    assert p.head.batch_delay_ms == 30

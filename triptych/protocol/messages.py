@@ -175,6 +175,7 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     # The head (Ping.head_id) this worker serves; a head ignores heartbeats naming another head, so it
     # dispatches nothing to a worker before that worker has dropped a previous head's work.
     head_id: str = ""
+    max_batch: Annotated[int, msgspec.Meta(ge=1)] = 1  # its --batching-max-size: the largest group it runs at once
 
 
 class Progress(Message, tag="progress", frozen=True):

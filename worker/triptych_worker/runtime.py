@@ -383,6 +383,7 @@ class Worker:
             standing_bytes=self.pool.reserved_bytes(list(self._standing.values())),
             draining=self._drain_requested.is_set(),
             head_id=self._head_id,
+            max_batch=self.args.batching_max_size,
         )
 
     def _on_message(self, link: HeadLink, parts: list[Any]) -> None:

@@ -1,0 +1,114 @@
+"""Batching: throughput (images/s) of one worker's stages vs the batch size, tiny FLUX.
+
+    python bench/batching_bench.py [--device cpu|cuda] [--sizes 64x64,256x256] [--batch-sizes 1,2,4,8]
+                                   [--images 8] [--steps 4] [--rounds 3] [--json PATH]
+
+Runs every stage of the tiny FLUX package (text encoders, DiT, VAE; RolePipeline.run_many, the
+code a worker runs for a batch) over `--images` compatible requests (different prompts and seeds),
+as images/B batched forwards of B requests each. Each round times every batch size in turn, so all
+of them see the same machine; the figure is the median over rounds after a warm-up round. Prints,
+per size and batch size, images/s and the ratio to batch size 1 of the same run, and writes
+bench/results/batching_bench.json (or --json).
+
+The tiny model is small enough that on a CPU its per-call overheads (Python, kernel launches,
+tokenizers) weigh as much as its arithmetic: the ratios show what batching saves of those, not
+what it saves on a GPU-sized DiT. `make gpu-check` runs it with --device cuda.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    width, height = (int(v) for v in text.lower().split("x"))
+    return width, height
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--sizes", default="64x64,256x256", help="WIDTHxHEIGHT list (default 64x64,256x256)")
+    ap.add_argument("--batch-sizes", default="1,2,4,8")
+    ap.add_argument("--images", type=int, default=8, help="requests per measurement (a multiple of every batch size)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round (median)")
+    ap.add_argument("--json", type=Path, default=RESULTS / "batching_bench.json")
+    args = ap.parse_args()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if any(b < 1 or args.images % b for b in batch_sizes):
+        ap.error(f"--images {args.images} must be a multiple of every batch size ({args.batch_sizes})")
+
+    import torch
+
+    from triptych.params import GenerationParams
+    from triptych.roles import Role
+    from triptych.tiny_models import write_tiny_models
+    from triptych_worker.pipeline import load_role_pipeline
+    from triptych_worker.stages import StageBatch
+
+    model = next(p for p in write_tiny_models(ROOT / ".models", families=["tiny-flux"]) if p.name == "tiny-flux")
+    pipeline = load_role_pipeline(str(model), Role.MONOLITHIC, args.device)
+
+    def run(size: tuple[int, int], batch_size: int) -> float:
+        """Seconds for --images requests as batches of `batch_size`."""
+        width, height = size
+        params = [
+            GenerationParams(f"a lighthouse number {i}", width=width, height=height, seed=i,
+                             num_inference_steps=args.steps, max_sequence_length=64)
+            for i in range(args.images)
+        ]  # fmt: skip
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for start in range(0, len(params), batch_size):
+            batches = [StageBatch(params=p) for p in params[start : start + batch_size]]
+            errors = pipeline.run_many(batches)
+            if any(errors):
+                raise RuntimeError(f"batch of {batch_size} failed: {errors}")
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    results = []
+    for size_text in args.sizes.split(","):
+        size = parse_size(size_text)
+        times: dict[int, list[float]] = {b: [] for b in batch_sizes}
+        for round_ in range(args.rounds + 1):
+            for b in batch_sizes:
+                seconds = run(size, b)
+                if round_:  # the first round warms up
+                    times[b].append(seconds)
+        base = args.images / statistics.median(times[batch_sizes[0]])
+        for b in batch_sizes:
+            rate = args.images / statistics.median(times[b])
+            results.append({"size": size_text, "batch_size": b, "images_per_s": round(rate, 2),
+                            "ratio": round(rate / base, 2)})  # fmt: skip
+    print(f"tiny FLUX, {args.steps} steps, {args.images} images per measurement, {args.device}, median of {args.rounds}")
+    print(f"{'size':>9} {'batch':>5} {'images/s':>9} {'vs batch 1':>10}")
+    for r in results:
+        print(f"{r['size']:>9} {r['batch_size']:>5} {r['images_per_s']:>9.2f} {r['ratio']:>9.2f}x")
+    report = {
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "images": args.images,
+        "rounds": args.rounds,
+        "results": results,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
