@@ -93,7 +93,7 @@ def main() -> int:
             rate = args.images / statistics.median(times[b])
             results.append({"size": size_text, "batch_size": b, "images_per_s": round(rate, 2),
                             "ratio": round(rate / base, 2)})  # fmt: skip
-    print(f"tiny FLUX, {args.steps} steps, {args.images} images per measurement, {args.device}, median of {args.rounds}")
+    print(f"tiny FLUX, {args.steps} steps, {args.images} images a measurement, {args.device}, median of {args.rounds}")
     print(f"{'size':>9} {'batch':>5} {'images/s':>9} {'vs batch 1':>10}")
     for r in results:
         print(f"{r['size']:>9} {r['batch_size']:>5} {r['images_per_s']:>9.2f} {r['ratio']:>9.2f}x")
