@@ -29,7 +29,7 @@ demo:
 bench:
 	$(PY) bench/run_all.py
 
-# On a machine with a CUDA GPU: CUDA tests, pixels on CUDA, benchmarks on a Wan 1.3B-shaped model (<= 8 min).
+# On a machine with a CUDA GPU: CUDA tests, pixels on CUDA, benchmarks on a Wan 1.3B-shaped model and batching on tiny FLUX (<= 9 min).
 gpu-check:
 	@bash scripts/gpu-check.sh
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with one CUDA GPU, at most 8 minutes once `make setup` has run:
+# One prepared check for a machine with one CUDA GPU, at most 9 minutes once `make setup` has run:
 #   1. the CUDA-marked tests (tests/e2e/test_cuda.py: pixels on CUDA, disaggregated == monolithic == stock diffusers;
 #      the NCCL rank tests run where there are 2 GPUs),
 #   2. a random-weight package of the Wan2.1-T2V-1.3B shape, written locally (bench/random_wan.py; no download),
 #   3. the pipeline benchmark on it, disaggregated vs monolithic in the same run (bench/pipeline_bench.py),
-#   4. the multi-device denoiser benchmark (bench/parallel_bench.py; 1 rank on one GPU, more with more GPUs).
+#   4. the multi-device denoiser benchmark (bench/parallel_bench.py; 1 rank on one GPU, more with more GPUs),
+#   5. the batching benchmark: images/s vs batch size 1/2/4/8, tiny FLUX at 64x64 and 256x256 (bench/batching_bench.py).
 # Needs ~30 GB of GPU memory (the monolithic and the disaggregated deployment hold the float32 model side by side).
 # Writes bench/results/gpu-check/report.json (and each step's log beside it); exits non-zero when a step failed.
 #   make gpu-check            or            bash scripts/gpu-check.sh
@@ -48,6 +49,7 @@ step random-wan 90 "$PY" bench/random_wan.py --out "$MODEL" --dtype bfloat16
 step pipeline-bench 180 "$PY" bench/pipeline_bench.py --model "$MODEL" --device cuda --size 832x480 --frames 17 \
   --steps 4 --requests 2 --json "$OUT/pipeline.json"
 step parallel-bench 60 "$PY" bench/parallel_bench.py --device cuda --jobs 2
+step batching-bench 60 "$PY" bench/batching_bench.py --device cuda --json "$OUT/batching.json"
 
 cp -f bench/results/parallel_bench.json "$OUT/parallel.json" 2>/dev/null || true
 "$PY" - "$OUT" <<'PY'
@@ -66,7 +68,7 @@ report = {
 if (out / "cuda-tests.xml").exists():
     suite = ET.parse(out / "cuda-tests.xml").getroot().find("testsuite")
     report["cuda_tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-for name in ("pipeline", "parallel"):
+for name in ("pipeline", "parallel", "batching"):
     if (out / f"{name}.json").exists():
         report[f"{name}_bench"] = json.loads((out / f"{name}.json").read_text())
 (out / "report.json").write_text(json.dumps(report, indent=2))

@@ -507,7 +507,7 @@ class DiffusionServer:
             return
         if rec.hop + 1 >= len(rec.route):
             raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
-        stage = self._time_stage(rec, msg.seconds)
+        stage = self._time_stage(rec, msg.seconds, msg.batch_size)
         if self._batch_metrics is not None:
             self._batch_metrics.observe_ran(inst.role.value, msg.batch_size, msg.batch_leader)
         rec.move(done)
@@ -601,7 +601,7 @@ class DiffusionServer:
     def _on_result(self, rec: RequestRecord, inst: WorkerInstance, msg: Result, frames: list[Any]) -> None:
         if rec.state is not RequestState.DECODER_RUNNING or rec.instance != inst.url:
             return
-        stage = self._time_stage(rec, msg.seconds)
+        stage = self._time_stage(rec, msg.seconds, msg.batch_size)
         if self._batch_metrics is not None:
             self._batch_metrics.observe_ran(inst.role.value, msg.batch_size, msg.batch_leader)
         rec.timings["total"] = time.monotonic() - rec.created
@@ -773,17 +773,19 @@ class DiffusionServer:
         self.metrics.queue_seconds.labels(role.value).observe(waited)
         return True
 
-    def _time_stage(self, rec: RequestRecord, worker_seconds: float) -> tuple[str, float, float]:
+    def _time_stage(self, rec: RequestRecord, worker_seconds: float, batch_size: int = 1) -> tuple[str, float, float]:
         """Record the hop's time as the head saw it (dispatch to output reported) and as the worker
         spent it (load inputs, run stages, stage outputs), and calibrate the work estimate with the
         latter; returns (role, head-seen seconds, worker seconds) for the metrics, which callers
-        observe once the request's next message is out."""
+        observe once the request's next message is out. A request that ran in a batch of B costs
+        the device a B-th of the batch's time: that share is its device time and its estimate."""
         role = rec.role.value
         elapsed = time.monotonic() - rec.hop_started
         rec.timings[role] = elapsed
         rec.timings[f"worker_{role}"] = worker_seconds
-        self.workload.observe(rec.role, rec.params, worker_seconds)
-        return role, elapsed, worker_seconds
+        share = worker_seconds / max(batch_size, 1)
+        self.workload.observe(rec.role, rec.params, share)
+        return role, elapsed, share
 
     # --- lost workers and retries -----------------------------------------------------------
 

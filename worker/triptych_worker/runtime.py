@@ -555,13 +555,15 @@ class Worker:
                     prepared.append((job, self._prepare(link, job)))
             outcomes = self._run_stages([batch for _, batch in prepared])
             ran = [(job, batch) for (job, batch), error in zip(prepared, outcomes, strict=True) if error is None]
+            together = len(prepared) if self._batches_forward(len(prepared)) else 1
             # Reported together once all are staged, so that the head sees the batch arrive as one.
             reports: list[tuple[Result | TransferStaged, list[Any]]] = []
             for (job, batch), error in zip(prepared, outcomes, strict=True):
                 with self._fails_alone(link, job):
                     if error is not None:
                         raise error
-                    report = self._deliver(job, batch, started, len(prepared), leader=job is ran[0][0])
+                    leader = together == 1 or job is ran[0][0]
+                    report = self._deliver(job, batch, started, together, leader)
                     if report is not None:
                         reports.append(report)
             for msg, frames in reports:
@@ -591,12 +593,16 @@ class Worker:
             link.send(Failed(job.request_id, self.instance, f"{type(exc).__name__}: {exc}"))
             self._space_freed(link)
 
+    def _batches_forward(self, n: int) -> bool:
+        """Whether `n` requests run as one batched forward here (simulated and multi-GPU stages run
+        them one at a time)."""
+        return n > 1 and hasattr(self.pipeline, "run_many")
+
     def _run_stages(self, batches: list[StageBatch]) -> list[Exception | None]:
         """This role's stages over the batches: one batched forward when the pipeline can (per
         request, the exception it failed with or None)."""
-        run_many = getattr(self.pipeline, "run_many", None)  # simulated and multi-GPU stages run one at a time
-        if len(batches) > 1 and run_many is not None:
-            return list(run_many(batches))
+        if self._batches_forward(len(batches)):
+            return list(self.pipeline.run_many(batches))  # type: ignore[union-attr]
         outcomes: list[Exception | None] = []
         for batch in batches:
             try:
