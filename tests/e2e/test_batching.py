@@ -18,6 +18,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.harness import deployment
+from triptych.client import Event, TriptychClient
 from triptych.localdeploy import LocalDeployment
 
 pytestmark = pytest.mark.slow
@@ -140,3 +141,33 @@ def test_incompatible_requests_are_never_batched_together(batching: LocalDeploym
         assert [image.shape for image in images] == [(48, 64, 3)] * 2 + [(64, 48, 3)] * 2 + [(48, 64, 3)] * 2
         for request, image in zip(requests, images, strict=True):
             assert_close(image, generate(c, request))
+
+
+def test_requests_in_one_batch_each_stream_their_own_steps_and_previews(batching: LocalDeployment):
+    requests = [{**BASE, "prompt": f"a tower {i}", "seed": 40 + i, "preview_every": 1} for i in range(4)]
+    streams: list[list[Event] | BaseException | None] = [None] * len(requests)
+    start = threading.Barrier(len(requests))
+
+    def one(i: int) -> None:
+        client = TriptychClient(batching.http)
+        start.wait()
+        try:
+            streams[i] = list(client.stream_images(requests[i]))
+        except BaseException as exc:
+            streams[i] = exc
+
+    with batching.client() as c:
+        ran_before = histograms(c, "triptych_worker_batch_size")
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        ran_after = histograms(c, "triptych_worker_batch_size")
+    assert delta(ran_after, ran_before, "denoiser", "sum") == 4
+    assert delta(ran_after, ran_before, "denoiser", "count") <= 2  # they shared batched forwards
+    for events in streams:
+        assert isinstance(events, list), events
+        steps = [e.data for e in events if e.event == "step"]
+        assert [s["step"] for s in steps] == [1, 2, 3] and all("preview" in s for s in steps)
+        assert events[-1].event == "completed"
