@@ -8,8 +8,9 @@ code a worker runs for a batch) over `--images` compatible requests (different p
 as images/B batched forwards of B requests each. Each round times every batch size in turn, so all
 of them see the same machine; the figure is the fastest round after a warm-up round (on a shared
 machine the fastest round is the least disturbed one; --stat median for the median). Prints,
-per size and batch size, images/s and the ratio to batch size 1 of the same run, and writes
-bench/results/batching_bench.json (or --json).
+per size and batch size, images/s and the ratio to batch size 1 of the same run, and the same per
+CPU-second of this process (all its threads: on a shared CPU, what batching saves of the work
+itself, whatever else runs), and writes bench/results/batching_bench.json (or --json).
 
 The tiny model is small enough that on a CPU its per-call overheads (Python, kernel launches,
 tokenizers) weigh as much as its arithmetic: the ratios show what batching saves of those, not
@@ -61,8 +62,9 @@ def main() -> int:
     model = next(p for p in write_tiny_models(ROOT / ".models", families=["tiny-flux"]) if p.name == "tiny-flux")
     pipeline = load_role_pipeline(str(model), Role.MONOLITHIC, args.device)
 
-    def run(size: tuple[int, int], batch_size: int) -> float:
-        """Seconds for --images requests as batches of `batch_size`."""
+    def run(size: tuple[int, int], batch_size: int) -> tuple[float, float]:
+        """Wall-clock and CPU seconds (this process, all threads) for --images requests as batches of
+        `batch_size`."""
         width, height = size
         params = [
             GenerationParams(f"a lighthouse number {i}", width=width, height=height, seed=i,
@@ -71,7 +73,7 @@ def main() -> int:
         ]  # fmt: skip
         if args.device == "cuda":
             torch.cuda.synchronize()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for start in range(0, len(params), batch_size):
             batches = [StageBatch(params=p) for p in params[start : start + batch_size]]
             errors = pipeline.run_many(batches)
@@ -79,28 +81,33 @@ def main() -> int:
                 raise RuntimeError(f"batch of {batch_size} failed: {errors}")
         if args.device == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - started
+        return time.perf_counter() - started, time.process_time() - cpu_started
 
     results = []
     for size_text in args.sizes.split(","):
         size = parse_size(size_text)
         times: dict[int, list[float]] = {b: [] for b in batch_sizes}
+        cpu: dict[int, list[float]] = {b: [] for b in batch_sizes}
         for round_ in range(args.rounds + 1):
             for b in batch_sizes:
-                seconds = run(size, b)
+                seconds, cpu_seconds = run(size, b)
                 if round_:  # the first round warms up
                     times[b].append(seconds)
+                    cpu[b].append(cpu_seconds)
         pick = min if args.stat == "fastest" else statistics.median
         base = args.images / pick(times[batch_sizes[0]])
+        cpu_base = args.images / pick(cpu[batch_sizes[0]])
         for b in batch_sizes:
-            rate = args.images / pick(times[b])
+            rate, cpu_rate = args.images / pick(times[b]), args.images / pick(cpu[b])
             results.append({"size": size_text, "batch_size": b, "images_per_s": round(rate, 2),
-                            "ratio": round(rate / base, 2)})  # fmt: skip
+                            "ratio": round(rate / base, 2), "images_per_cpu_s": round(cpu_rate, 2),
+                            "cpu_ratio": round(cpu_rate / cpu_base, 2)})  # fmt: skip
     what = f"{args.images} images each, {args.device}, {args.stat} of {args.rounds} rounds"
     print(f"tiny FLUX, {args.steps} steps, {what}")
-    print(f"{'size':>9} {'batch':>5} {'images/s':>9} {'vs batch 1':>10}")
+    print(f"{'size':>9} {'batch':>5} {'images/s':>9} {'vs batch 1':>10} {'images/CPU-s':>12} {'vs batch 1':>10}")
     for r in results:
-        print(f"{r['size']:>9} {r['batch_size']:>5} {r['images_per_s']:>9.2f} {r['ratio']:>9.2f}x")
+        print(f"{r['size']:>9} {r['batch_size']:>5} {r['images_per_s']:>9.2f} {r['ratio']:>9.2f}x "
+              f"{r['images_per_cpu_s']:>12.2f} {r['cpu_ratio']:>9.2f}x")  # fmt: skip
     report = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
         "threads": torch.get_num_threads(),

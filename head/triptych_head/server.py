@@ -183,9 +183,12 @@ class DiffusionServer:
         for sock, _ in self._sockets:
             poller.register(sock, zmq.POLLIN)
         next_tick = 0.0
+        # A group waiting for --batching-delay-ms leaves on time, not at the next idle wake-up.
+        delay_ms = self._batcher.delay_s * 1000 if self._batcher is not None else 0.0
+        poll_ms = min(POLL_MS, max(1, int(delay_ms))) if delay_ms > 0 else POLL_MS
         try:
             while not self._stop.is_set():
-                ready = dict(poller.poll(POLL_MS))
+                ready = dict(poller.poll(poll_ms))
                 for sock, role in self._sockets:
                     if sock in ready:
                         self._drain(sock, role)
