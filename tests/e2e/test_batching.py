@@ -69,12 +69,13 @@ def generate(client: httpx.Client, request: dict) -> np.ndarray:
 
 
 def concurrently(dep: LocalDeployment, requests: list[dict]) -> list[np.ndarray]:
-    """Every request at once, each from its own thread and connection, released together."""
+    """Every request at once, each from its own thread and connection (opened beforehand), released together."""
     results: list[np.ndarray | BaseException | None] = [None] * len(requests)
     start = threading.Barrier(len(requests))
 
     def one(i: int) -> None:
         with dep.client() as c:
+            assert c.get("/health").status_code == 200  # the connection is up before the race starts
             start.wait()
             try:
                 results[i] = generate(c, requests[i])
@@ -107,10 +108,11 @@ def test_eight_concurrent_compatible_requests_run_in_at_most_two_batches_per_sta
         sent_after = histograms(c, "triptych_batch_size")
         ran_after = histograms(c, "triptych_worker_batch_size")
         for role in ROLES:
-            assert delta(sent_after, sent_before, role, "sum") == 8, role  # every request, in groups
-            assert delta(sent_after, sent_before, role, "count") <= 2, role
-            assert delta(ran_after, ran_before, role, "sum") == 8, role  # the workers ran them batched
-            assert delta(ran_after, ran_before, role, "count") <= 2, role
+            seen = (role, sent_before, sent_after, ran_before, ran_after)
+            assert delta(sent_after, sent_before, role, "sum") == 8, seen  # every request, in groups
+            assert delta(sent_after, sent_before, role, "count") <= 2, seen
+            assert delta(ran_after, ran_before, role, "sum") == 8, seen  # the workers ran them batched
+            assert delta(ran_after, ran_before, role, "count") <= 2, seen
         assert "triptych_batch_wait_seconds_count" in c.get("/metrics").text
         assert "triptych_batch_fill_ratio_bucket" in c.get("/metrics").text
 
