@@ -107,7 +107,7 @@ def child(opts: argparse.Namespace) -> None:
         counters = getattr(pipeline, "last_counters", [])
         run = {
             "step_s": elapsed / opts.steps,
-            "comm_share": [s / elapsed for _, s in counters] or [0.0],
+            "comm_share": [s / elapsed for _, s, _ in counters] or [0.0],
             "fanout_s": getattr(pipeline, "last_fanout_s", 0.0),
         }
         np.save(opts.latents, out.tensors["latents"].float().cpu().numpy())
