@@ -2,6 +2,9 @@
 
 `--decoder-sp 2` (Wan): the VAE decode split by bands of rows with halo exchange gives the
 single-rank decoder's pixels byte for byte, and both ranks decoded an equal, non-zero share.
+`triptych.launch_pool` with the spec's `denoiser_gpus=[[1, 2], [3, 4]]` on CPU: two denoiser
+instances of two rank processes each, one instance per list to the head, both serving.
+(The denoiser's TP tests are in test_parallel_ranks.py, beside the single-rank pixels they compare to.)
 """
 
 from __future__ import annotations
@@ -10,11 +13,13 @@ import functools
 import re
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
+import triptych
 from tests.e2e.harness import deployment
-from tests.e2e.test_pixels import VIDEO, http_video
+from tests.e2e.test_pixels import IMAGE, VIDEO, http_image, http_video
 from triptych.localdeploy import free_port_block
 from triptych.roles import Role
 
@@ -48,3 +53,25 @@ def test_two_rank_wan_decoder_gives_the_single_rank_pixels(tiny_models, tmp_path
     assert np.array_equal(pixels, single), f"max pixel difference {np.abs(pixels.astype(int) - single).max()}"
     work = work_per_rank(log, "decode")
     assert len(work) == 2 and min(work) > 0 and work[0] == work[1], work
+
+
+def rank_processes(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def test_a_pool_of_two_denoisers_of_two_cpu_ranks_each_from_the_specs_gpu_lists(tiny_models, tmp_path):
+    # The spec's shape; device="cpu" runs each GPU list as that many CPU rank processes.
+    with triptych.launch_pool(
+        tiny_models["tiny-flux"], denoiser_gpus=[[1, 2], [3, 4]], device="cpu", workdir=tmp_path
+    ) as pool:
+        denoisers = pool.deployment.workers(Role.DENOISER)
+        assert len(denoisers) == 2
+        assert [len(rank_processes(p.popen.pid)) for p in denoisers] == [1, 1]  # one follower rank each
+        with httpx.Client(base_url=pool.url, timeout=300) as c:
+            health = c.get("/health").json()["workers"]["denoiser"]
+            assert len(health) == 2 and all(w["alive"] for w in health)  # one instance per list, not per rank
+            first, second = http_image(c, {**IMAGE, "n": 1}), http_image(c, {**IMAGE, "n": 1})
+        logs = [p.log.read_text(errors="replace") for p in denoisers]
+    assert np.array_equal(first, second)  # round robin: one image from each instance, the same pixels
+    assert all("2 ranks joined" in log and work_per_rank(log, "attention") for log in logs), "a denoiser ran no job"
