@@ -101,9 +101,9 @@ def _decoder_degrees(args: ServeArgs, family: str, degrees: Parallelism) -> Para
             )
     if family != "wan":
         raise ConfigError(
-            f"--decoder-sp {degrees.sp}: {family} decodes single images with a 2D VAE whose GroupNorm spans the "
-            f"whole image, so bands of rows cannot decode apart, and an image decode is short; run more decoder "
-            f"replicas with --num-gpus 1 instead"
+            f"{degree_flag(args, 'sp')} {degrees.sp}: {family} decodes single images with a 2D VAE whose "
+            f"GroupNorm spans the whole image, so bands of rows cannot decode apart, and an image decode is "
+            f"short; run more decoder replicas with --num-gpus 1 instead"
         )
     return degrees
 
