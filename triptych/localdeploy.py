@@ -187,15 +187,25 @@ def deployment_ports(counts: dict[Role, int]) -> tuple[int, int, dict[Role, list
     return base, base + HEAD_PORTS, workers
 
 
+def check_devices(devices: Sequence[Device]) -> bool:
+    """Raise ValueError for a device list no worker can run on; True for CPU ranks, False for GPU indices."""
+    cpu = bool(devices) and all(d == "cpu" for d in devices)
+    if not cpu and not (devices and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)):
+        raise ValueError(f'devices {list(devices)!r}: give ["cpu"] (one per CPU rank) or GPU indices such as [0, 1]')
+    if not cpu and len(set(devices)) != len(devices):
+        raise ValueError(f"devices {list(devices)!r}: a GPU index appears twice; give each rank its own GPU")
+    return cpu
+
+
 def device_flags(devices: Sequence[Device]) -> tuple[list[str], dict[str, str]]:
-    """`triptych serve` flags and environment for one worker on `devices`: ["cpu"], or GPU indices
-    (made visible through CUDA_VISIBLE_DEVICES, so any set of GPUs works as --num-gpus N)."""
-    if list(devices) == ["cpu"]:
-        return ["--device", "cpu"], {}
-    if not devices or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
-        raise ValueError(f'devices {list(devices)!r}: give ["cpu"] or GPU indices such as [0, 1]')
-    visible = ",".join(str(d) for d in devices)
-    return ["--device", "cuda", "--num-gpus", str(len(devices))], {"CUDA_VISIBLE_DEVICES": visible}
+    """`triptych serve` flags and environment for one worker on `devices`: ["cpu"] (k entries: k CPU ranks),
+    or GPU indices (made visible through CUDA_VISIBLE_DEVICES, so any set of GPUs works as --num-gpus N).
+    A worker of several ranks gets a free --master-port of its own, so instances on one host never share one."""
+    cpu = check_devices(devices)
+    ranks = ["--num-gpus", str(len(devices)), "--master-port", str(free_port_block(1))] if len(devices) > 1 else []
+    if cpu:
+        return ["--device", "cpu", *ranks], {}
+    return ["--device", "cuda", *ranks], {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
 
 
 @contextmanager

@@ -61,8 +61,8 @@ def http_image(client, request: dict = IMAGE) -> np.ndarray:
     return np.stack([np.array(Image.open(io.BytesIO(base64.b64decode(d["b64_json"])))) for d in r.json()["data"]])
 
 
-def http_video(client) -> np.ndarray:
-    job = client.post("/v1/videos", json=VIDEO).json()
+def http_video(client, request: dict = VIDEO) -> np.ndarray:
+    job = client.post("/v1/videos", json=request).json()
     deadline = time.monotonic() + 300
     while job["status"] not in ("completed", "failed", "cancelled") and time.monotonic() < deadline:
         time.sleep(0.1)
