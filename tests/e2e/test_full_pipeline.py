@@ -9,6 +9,7 @@ import base64
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,24 +27,33 @@ from tests.e2e.test_progress_events import IMAGE as STREAMED
 from tests.e2e.test_progress_events import VAE_SCALE, png_size
 from tests.worker.test_role_pipelines import stock_kontext_edit
 from triptych.client import TriptychClient
+from triptych.config import DEFAULT_ENCODER_CACHE_BYTES
 from triptych.localdeploy import LocalDeployment
 from triptych.roles import Role
 
 pytestmark = pytest.mark.slow
 
 TRANSFER_MESSAGES = ("transfer_alloc", "transfer_push", "transfer_ready")
+HEARTBEAT_S = 1.5  # a worker heartbeat (1 s) and a head tick (0.5 s)
+
+
+def samples(http: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The head's /metrics samples named `name`: (labels, value) each."""
+    text = httpx.get(f"{http}/metrics", timeout=30).text
+    return [
+        (s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples if s.name == name
+    ]
 
 
 def messages_sent(http: str) -> dict[str, float]:
     """The head's triptych_worker_messages_sent_total by message type."""
-    text = httpx.get(f"{http}/metrics", timeout=30).text
-    return {
-        sample.labels["type"]: sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "triptych_worker_messages_sent"
-        for sample in family.samples
-        if sample.name.endswith("_total")
-    }
+    return {labels["type"]: value for labels, value in samples(http, "triptych_worker_messages_sent_total")}
+
+
+def cache_counts(http: str) -> tuple[float, float]:
+    """(hits, misses) of every worker's prompt-embedding cache, as the head last heard them."""
+    hits = sum(value for _, value in samples(http, "triptych_encoder_cache_hits"))
+    return hits, sum(value for _, value in samples(http, "triptych_encoder_cache_misses"))
 
 
 def assert_full_pipeline_served(dep: LocalDeployment, requests: int) -> None:
@@ -108,6 +118,21 @@ def test_pipeline_view_and_triptych_status_say_full_pipeline(flux_pool: LocalDep
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "full pipeline" in done.stdout and done.stdout.count("ready") == 2, done.stdout
+
+
+def test_a_repeated_prompt_is_a_cache_hit_on_each_worker_and_the_head_exports_it(flux_pool: LocalDeployment):
+    body = {"prompt": "a cache test", "size": "32x32", "num_inference_steps": 1, "seed": 4}
+    time.sleep(HEARTBEAT_S)  # what the workers did before is in the head's metrics
+    hits, misses = cache_counts(flux_pool.http)
+    client = TriptychClient(flux_pool.http)
+    images = [client.generate_images(body)[0] for _ in range(4)]  # round robin: two on each worker
+    assert len(set(images)) == 1, "a cache hit changed the pixels"
+    deadline = time.monotonic() + 10 * HEARTBEAT_S
+    while cache_counts(flux_pool.http)[0] < hits + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cache_counts(flux_pool.http) == (hits + 2, misses + 2)
+    capacity = samples(flux_pool.http, "triptych_encoder_cache_capacity_bytes")
+    assert [value for _, value in capacity] == [DEFAULT_ENCODER_CACHE_BYTES] * 2
 
 
 def test_a_worker_of_the_other_topology_gets_no_work(tiny_models, tmp_path):

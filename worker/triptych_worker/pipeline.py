@@ -135,7 +135,7 @@ class RolePipeline:
     @property
     def encoder_cache(self) -> EncoderCache | None:
         """The prompt-embedding cache of this role's text encoding, if it encodes prompts and keeps one."""
-        return next((s.cache for s in self.stages if isinstance(s, TextEncodingStage) and s.cache), None)
+        return next((s.cache for s in self.stages if isinstance(s, TextEncodingStage) and s.cache is not None), None)
 
     @property
     def stage_names(self) -> list[str]:
