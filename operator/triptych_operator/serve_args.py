@@ -86,6 +86,7 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         device=spec.device,
         disagg_drain_timeout=float(spec.drain_timeout_seconds),
         disagg_keys_dir=KEYS_MOUNT,
+        disagg_full_pipeline=pipeline.full_pipeline,
         **parallel,  # type: ignore[arg-type]
     )
 
@@ -113,7 +114,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
 def worker_argv(pipeline: PipelineSpec, role: Role) -> list[str]:
     """Container args for a worker of `role` (after `triptych serve`); raises SpecError if they would not start."""
     argv = worker_serve_args(pipeline, role).to_argv() + list(pipeline.roles[role].extra_args)
-    check_argv(argv, where=f"spec.{crd_field(role)}")
+    check_argv(argv, where="spec.fullPipeline" if pipeline.full_pipeline else f"spec.{crd_field(role)}")
     return argv
 
 
