@@ -218,8 +218,10 @@ class Worker:
         for t in threads:
             t.start()
         log.info(
-            "%s ready: work %s, results to %s, transfer session %s, pool %d bytes, control plane %s",
-            self.role.value, self.work_endpoint, self.head_endpoint, self.transport.session_id, self.pool.pool_bytes,
+            "%s ready: work %s, results to %s, %s, control plane %s",
+            self.role.value, self.work_endpoint, self.head_endpoint,
+            "full pipeline (no transfers, no Mooncake)" if self.full_pipeline else
+            f"transfer session {self.transport.session_id}, pool {self.pool.pool_bytes} bytes",
             "authenticated (CURVE)" if self.security.authenticated else "UNAUTHENTICATED",
         )  # fmt: skip
         try:
