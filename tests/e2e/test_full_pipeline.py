@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -156,3 +157,51 @@ def test_an_edit_in_a_full_pipeline_pool_equals_stock_diffusers(tiny_models, tmp
             got = pixels_of(edit(c))
         assert messages_sent(pool.url).get("transfer_alloc", 0) == 0
     assert np.array_equal(got, stock_kontext_edit(model, EDIT_PARAMS).numpy())
+
+
+LONG = {"prompt": "a lighthouse at dusk", "size": "64x64", "seed": 7, "num_inference_steps": 300}
+
+
+def busy_worker(dep: LocalDeployment, seconds: float = 60) -> str:
+    """The URL of a full-pipeline worker the head has given a request to."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        workers = httpx.get(f"{dep.http}/health", timeout=30).json()["workers"]["denoiser"]
+        if busy := [w["url"] for w in workers if w["free_slots"] < w["capacity"]]:
+            return busy[0]
+        time.sleep(0.02)
+    raise AssertionError("no worker ever got the request")
+
+
+def test_a_cancelled_video_stops_on_its_full_pipeline_worker_and_frees_it(tiny_models, tmp_path):
+    with deployment(tiny_models["tiny-wan"], tmp_path, denoisers=1, full_pipeline=True) as dep:
+        client = TriptychClient(dep.http)
+        job = client.create_video({"prompt": "waves", "size": "32x32", "num_frames": 5, "num_inference_steps": 500})
+        busy_worker(dep)
+        assert client.cancel_video(job["id"])["status"] == "cancelled"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            (worker,) = httpx.get(f"{dep.http}/health", timeout=30).json()["workers"]["denoiser"]
+            if worker["free_slots"] == worker["capacity"]:
+                break
+            time.sleep(0.1)
+        assert worker["free_slots"] == worker["capacity"], worker
+        assert messages_sent(dep.http).get("cancel_work", 0) >= 1
+        quick = {"prompt": "waves", "size": "32x32", "num_frames": 5, "num_inference_steps": 2}
+        done = client.create_video(quick)
+        assert [e.event for e in client.video_events(done["id"])][-1] == "completed"  # the worker is free again
+
+
+def test_sigterm_to_a_busy_full_pipeline_worker_finishes_its_request_then_exits(tiny_models, tmp_path):
+    body = {**LONG, "num_inference_steps": 60}
+    with deployment(tiny_models["tiny-flux"], tmp_path, denoisers=2, full_pipeline=True) as dep:
+        client = TriptychClient(dep.http)
+        with ThreadPoolExecutor(1) as pool:
+            drained = pool.submit(client.generate_images, body)
+            url = busy_worker(dep)
+            victim = next(p for p in dep.workers(Role.DENOISER) if p.url == url)
+            code = dep.stop_worker(victim, drain=True, timeout=120)
+            image = drained.result(timeout=120)[0]
+        assert code == 0
+        assert not [s for s in samples(dep.http, "triptych_retries_total") if s[1]], "the drained request was retried"
+        assert client.generate_images(body)[0] == image  # the other worker, the same pixels
