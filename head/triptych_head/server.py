@@ -297,11 +297,14 @@ class DiffusionServer:
             since = self._no_instance_since.setdefault(role, now)
             if now - since < wait:
                 continue
-            alive = sum(1 for i in instances if self.registry.alive(i))
+            alive = [i for i in instances if self.registry.alive(i)]
             reason = (
                 f"no {role.value} instance has taken work for {now - since:.0f}s (--disagg-no-instance-wait "
-                f"{wait:g}); {alive} of {len(instances)} known {role.value} instances responding, none ready"
+                f"{wait:g}); {len(alive)} of {len(instances)} known {role.value} instances responding, none ready"
             )
+            if wrong := sum(1 for i in alive if i.wrong_topology):
+                flag = "without" if self.full_pipeline else "with"
+                reason += f" ({wrong} started {flag} --disagg-full-pipeline, which this head's URL flags do not match)"
             for rid in list(queue):
                 rec = self.requests.get(rid)
                 if rec is not None and rec.role is role and rec.instance is None:

@@ -147,7 +147,7 @@ def test_a_worker_of_the_other_topology_gets_no_work(tiny_models, tmp_path):
         with dep.client(60) as c:
             r = c.post("/v1/images/generations", json={"prompt": "x", "size": "32x32", "num_inference_steps": 1})
         assert r.status_code == 503, r.text
-        assert "none ready" in r.json()["error"]["message"]
+        assert "none ready (1 started with --disagg-full-pipeline" in r.json()["error"]["message"]
 
 
 def test_an_edit_in_a_full_pipeline_pool_equals_stock_diffusers(tiny_models, tmp_path):
