@@ -23,17 +23,26 @@ import triptych
 from tests.e2e.harness import deployment
 from tests.e2e.test_image_edits import PARAMS as EDIT_PARAMS
 from tests.e2e.test_image_edits import edit, pixels_of
-from tests.e2e.test_pixels import http_image, http_video, stock_image, stock_video
+from tests.e2e.test_pixels import IMAGE, VIDEO, http_image, http_video, stock_image, stock_video
 from tests.e2e.test_progress_events import IMAGE as STREAMED
 from tests.e2e.test_progress_events import VAE_SCALE, png_size
 from tests.worker.test_role_pipelines import stock_kontext_edit
 from triptych.client import TriptychClient
 from triptych.config import DEFAULT_ENCODER_CACHE_BYTES
 from triptych.localdeploy import LocalDeployment
+from triptych.params import GenerationParams
 from triptych.roles import Role
+from triptych_worker.pipeline import load_role_pipeline
 
 pytestmark = pytest.mark.slow
 
+# test_pixels' IMAGE and VIDEO requests as the head hands them on (what monolithic mode runs in-process).
+MONOLITHIC_PARAMS = {
+    "tiny-flux": GenerationParams(IMAGE["prompt"], 64, 48, num_inference_steps=3, guidance_scale=3.5, seed=1234,
+                                  num_outputs=2),
+    "tiny-wan": GenerationParams(VIDEO["prompt"], 48, 32, num_frames=5, num_inference_steps=3, guidance_scale=5.0,
+                                 negative_prompt="blurry", seed=99),
+}  # fmt: skip
 TRANSFER_MESSAGES = ("transfer_alloc", "transfer_push", "transfer_ready")
 HEARTBEAT_S = 1.5  # a worker heartbeat (1 s) and a head tick (0.5 s)
 
@@ -86,6 +95,8 @@ def test_a_pool_of_two_full_pipeline_workers_returns_stock_diffusers_pixels_with
     assert first.dtype == np.uint8
     assert np.array_equal(first.reshape(reference.shape), reference), "pixels differ from stock diffusers"
     assert np.array_equal(second, first), "the two workers' pixels differ"
+    mono = load_role_pipeline(str(model), Role.MONOLITHIC).generate(MONOLITHIC_PARAMS[package], lambda *_: None)
+    assert np.array_equal(first.reshape(mono.shape), mono), "pixels differ from monolithic mode's pipeline"
 
 
 @pytest.fixture(scope="module")
