@@ -80,7 +80,7 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         scheduler_port=WORKER_PORT,
         num_gpus=spec.num_devices,
         disagg_p2p_hostname=POD_IP_REF,
-        disagg_ib_device=pipeline.transfer.ib_device if pipeline.transfer.rdma else None,
+        disagg_ib_device=pipeline.transfer.ib_device if pipeline.transfer.rdma and not pipeline.full_pipeline else None,
         disagg_transfer_pool_size=pipeline.transfer.pool_size,
         master_port=WORKER_MASTER_PORT if spec.gpus_per_replica > 1 else None,
         device=spec.device,
