@@ -1,4 +1,5 @@
-"""The worker process: one role's stages behind a ZMQ work socket and a Mooncake transfer pool.
+"""The worker process: one role's stages behind a ZMQ work socket and a Mooncake transfer pool
+(a full-pipeline worker, --disagg-full-pipeline: every stage, pixels back to the head, no Mooncake).
 
 Two threads share the work as leader and follower. The leader owns the work socket and the
 Mooncake writes under way: it receives head messages, answers pings and allocations, starts
