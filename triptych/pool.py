@@ -33,7 +33,15 @@ from typing import Any
 
 from triptych.config import ServeArgs, flag
 from triptych.localdeploy import Device, LocalDeployment, check_devices, local_deployment
-from triptych.roles import COMBINED_ROLES, ROLE_SPECS, SPLIT_ROLES, WORKER_ROLES, Role
+from triptych.roles import (
+    COMBINED_ROLES,
+    FULL_PIPELINE_ROLE,
+    ROLE_SPECS,
+    SPLIT_ROLES,
+    WORKER_ROLES,
+    Role,
+    is_full_pipeline,
+)
 
 Devices = Sequence[Sequence[Device]]
 
@@ -120,6 +128,7 @@ def launch_pool(
     worker_flags: dict[str, Any] | None = None,
     workdir: str | Path | None = None,
     ready_timeout: float = 300,
+    full_pipeline: bool = False,
     **kwargs: Any,
 ) -> Iterator[Pool]:
     """Start a head and one worker per device list, wait until all are ready, stop all on exit.
@@ -133,6 +142,8 @@ def launch_pool(
     are `triptych serve` flags by ServeArgs name, given to every process (`denoiser_sp=4`,
     `disagg_transfer_pool_size="1GiB"`); `head_flags` go to the head only
     (`disagg_dispatch_policy="max_free_slots"`), `worker_flags` to the workers only (`simulate=True`).
+    `full_pipeline=True`: a full-pipeline pool instead, denoisers only (denoiser_devices), each running
+    every stage (--disagg-full-pipeline) and returning pixels to a head with only --denoiser-urls.
     Logs and keys go to `workdir` (a temporary directory, removed on exit, when not given).
     Raises ValueError for a bad device list or topology, RuntimeError/TimeoutError (with the
     processes' logs) when the deployment does not come up.
@@ -144,17 +155,7 @@ def launch_pool(
             f"launch_pool: master_port={kwargs['master_port']}: every multi-device instance gets a free "
             f"rendezvous port of its own; leave master_port unset"
         )
-    split = any(ROLE_SPECS[role].split_encoder for role in given)
-    if split and Role.ENCODER in given:
-        raise ValueError("give encoder_devices or prompt_encoder_devices/image_encoder_devices, not both")
-    if Role.IMAGE_ENCODER in given and Role.PROMPT_ENCODER not in given:
-        raise ValueError("image_encoder_devices needs prompt_encoder_devices as well")
-    topology = SPLIT_ROLES if split else COMBINED_ROLES
-    devices: dict[Role, Devices] = {
-        role: list(given.get(role, CPU))
-        for role in topology
-        if role in given or not ROLE_SPECS[role].needs_reference  # the image encoder only when asked for
-    }
+    devices = pool_devices(given, full_pipeline)
     with tempfile.TemporaryDirectory(prefix="triptych-pool-") as tmp:
         with local_deployment(
             Path(model_path),
@@ -164,5 +165,26 @@ def launch_pool(
             worker_flags=serve_flags_argv({**kwargs, **(worker_flags or {})}),
             devices=devices,
             ready_timeout=ready_timeout,
+            full_pipeline=full_pipeline,
         ) as dep:
             yield Pool(url=dep.http, deployment=dep)
+
+
+def pool_devices(given: dict[Role, Devices], full_pipeline: bool) -> dict[Role, Devices]:
+    """Every role of the topology with its instances' devices (one CPU instance unless given)."""
+    if full_pipeline:
+        if not is_full_pipeline({FULL_PIPELINE_ROLE, *given}):
+            others = ", ".join(f"{role.value}_devices" for role in given if role is not FULL_PIPELINE_ROLE)
+            raise ValueError(f"full_pipeline=True runs {FULL_PIPELINE_ROLE.value}_devices only, not {others}")
+        return {FULL_PIPELINE_ROLE: list(given.get(FULL_PIPELINE_ROLE, CPU))}
+    split = any(ROLE_SPECS[role].split_encoder for role in given)
+    if split and Role.ENCODER in given:
+        raise ValueError("give encoder_devices or prompt_encoder_devices/image_encoder_devices, not both")
+    if Role.IMAGE_ENCODER in given and Role.PROMPT_ENCODER not in given:
+        raise ValueError("image_encoder_devices needs prompt_encoder_devices as well")
+    topology = SPLIT_ROLES if split else COMBINED_ROLES
+    return {
+        role: list(given.get(role, CPU))
+        for role in topology
+        if role in given or not ROLE_SPECS[role].needs_reference  # the image encoder only when asked for
+    }

@@ -88,8 +88,17 @@ def test_one_master_port_for_several_multi_device_instances_is_refused(tmp_path)
     [
         ({"encoder_devices": [["cpu"]], "prompt_encoder_devices": [["cpu"]]}, "not both"),
         ({"image_encoder_devices": [["cpu"]]}, "needs prompt_encoder_devices"),
+        ({"full_pipeline": True, "decoder_devices": [["cpu"]]}, "full_pipeline=True runs denoiser_devices only"),
     ],
 )
 def test_contradictory_topologies_are_refused_before_anything_starts(tmp_path, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message), triptych.launch_pool(tmp_path, **kwargs):
         pass
+
+
+def test_a_full_pipeline_pool_is_denoisers_only() -> None:
+    from triptych.pool import pool_devices
+    from triptych.roles import Role
+
+    assert pool_devices({}, full_pipeline=True) == {Role.DENOISER: [("cpu",)]}
+    assert pool_devices({Role.DENOISER: [[0], [1]]}, full_pipeline=True) == {Role.DENOISER: [[0], [1]]}

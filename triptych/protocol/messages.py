@@ -29,7 +29,7 @@ from triptych.protocol.codec import Message
 __all__ = [
     "Submit", "Cancel", "RequestEvent", "RequestResult",
     "Ping", "Work", "TransferAlloc", "TransferPush", "TransferReady", "CancelWork",
-    "Heartbeat", "Progress", "TransferStaged", "TransferAllocated",
+    "Heartbeat", "EncoderCacheStats", "Progress", "TransferStaged", "TransferAllocated",
     "TransferRefused", "TransferPushed", "Result", "Failed", "HEAD_TO_WORKER",
 ]  # fmt: skip
 
@@ -145,6 +145,16 @@ HEAD_TO_WORKER = (Ping, Work, TransferAlloc, TransferPush, TransferReady, Cancel
 # --- worker -> head -----------------------------------------------------------------------
 
 
+class EncoderCacheStats(msgspec.Struct, frozen=True):
+    """A worker's prompt-embedding cache since it started (--encoder-cache-bytes), for the head's /metrics."""
+
+    hits: Count = 0
+    misses: Count = 0
+    evictions: Count = 0
+    bytes: Count = 0  # held now
+    capacity_bytes: Count = 0
+
+
 class Heartbeat(Message, tag="heartbeat", frozen=True):
     instance: str
     role: str
@@ -158,6 +168,8 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     # The head (Ping.head_id) this worker serves; a head ignores heartbeats naming another head, so it
     # dispatches nothing to a worker before that worker has dropped a previous head's work.
     head_id: str = ""
+    full_pipeline: bool = False  # runs every stage and returns pixels (--disagg-full-pipeline)
+    encoder_cache: EncoderCacheStats | None = None  # None: this worker encodes no prompts
 
 
 class Progress(Message, tag="progress", frozen=True):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 from triptych.params import GenerationParams
 from triptych.roles import WORKER_ROLES, Role
 from triptych_worker.adapters import FamilyAdapter, adapter_for
+from triptych_worker.encoder_cache import EncoderCache
 from triptych_worker.preview import LatentPreviewer, find_projection, should_preview
 from triptych_worker.stages import PIXELS, PipelineStage, StageBatch
 
@@ -46,10 +47,28 @@ class InputValidationStage(AdapterStage):
 
 
 class TextEncodingStage(AdapterStage):
+    """The text encoders, skipped for a prompt `cache` holds (encoder_cache.py); a hit adds the same
+    tensors (copies) the encoders would."""
+
     role_affinity: ClassVar[Role] = Role.PROMPT_ENCODER
 
+    def __init__(self, adapter: FamilyAdapter, cache: EncoderCache | None = None):
+        super().__init__(adapter)
+        self.cache = cache
+
     def run(self, batch: StageBatch) -> None:
+        if self.cache is None:
+            self.adapter.encode_text(batch)
+            return
+        key = (self.adapter.package.path, *self.adapter.text_encoding_key(batch.params))
+        cached = self.cache.get(key)
+        if cached is not None:
+            batch.tensors.update(cached)
+            return
+        before = set(batch.tensors)
         self.adapter.encode_text(batch)
+        added = {name: cast("torch.Tensor", t) for name, t in batch.tensors.items() if name not in before}
+        self.cache.put(key, added)
 
 
 class ImageEncodingStage(AdapterStage):
@@ -114,6 +133,11 @@ class RolePipeline:
     adapter: FamilyAdapter
 
     @property
+    def encoder_cache(self) -> EncoderCache | None:
+        """The prompt-embedding cache of this role's text encoding, if it encodes prompts and keeps one."""
+        return next((s.cache for s in self.stages if isinstance(s, TextEncodingStage) and s.cache is not None), None)
+
+    @property
     def stage_names(self) -> list[str]:
         return [stage.name for stage in self.stages]
 
@@ -171,8 +195,9 @@ class RolePipeline:
         return batch
 
 
-def load_role_pipeline(model_path: str, role: Role, device: str = "cpu") -> RolePipeline:
-    """Build `role`'s stages for the diffusers package at `model_path`, loading only their weights.
+def load_role_pipeline(model_path: str, role: Role, device: str = "cpu", encoder_cache_bytes: int = 0) -> RolePipeline:
+    """Build `role`'s stages for the diffusers package at `model_path`, loading only their weights;
+    its text encoding keeps up to `encoder_cache_bytes` of prompt embeddings (0: no cache).
 
     Raises ValueError for an unsupported pipeline class or a role this family has no stages for.
     """
@@ -188,4 +213,8 @@ def load_role_pipeline(model_path: str, role: Role, device: str = "cpu") -> Role
     for stage in stage_classes:
         components |= adapter.components_for(stage.__name__)
     adapter.load(components)
-    return RolePipeline(family=family, role=role, stages=[stage(adapter) for stage in stage_classes], adapter=adapter)
+    cache = EncoderCache(encoder_cache_bytes) if encoder_cache_bytes else None
+    stages: list[PipelineStage] = [
+        TextEncodingStage(adapter, cache) if s is TextEncodingStage else s(adapter) for s in stage_classes
+    ]
+    return RolePipeline(family=family, role=role, stages=stages, adapter=adapter)

@@ -4,7 +4,7 @@ triptych.families', which the head reads without this package)."""
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 from triptych.families import FamilyRules, ModelPackage
@@ -92,6 +92,11 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
 
     @abc.abstractmethod
     def encode_text(self, batch: StageBatch) -> None: ...
+
+    @abc.abstractmethod
+    def text_encoding_key(self, params: GenerationParams) -> tuple[Hashable, ...]:
+        """Every request parameter `encode_text` reads: two requests with the same key get the same
+        embeddings, so the prompt-embedding cache (encoder_cache.py) keys on it."""
 
     def encode_image(self, batch: StageBatch) -> None:
         """Encode the request's reference image (families that take one override this)."""
