@@ -1,19 +1,21 @@
-"""Multi-device denoiser: step time for 1, 2 and 4 ranks, the communication share, the fan-out cost.
+"""Multi-device roles: denoiser step time for 1, 2 and 4 ranks (CFG, Ulysses, Ring, TP) and the Wan
+decoder's decode time for 1 and 2 ranks (--decoder-sp), the communication share, the fan-out cost.
 
     python bench/parallel_bench.py [--device cpu|cuda] [--steps 4] [--jobs 3] [--size 256x256] [--frames 9]
 
-Runs the real denoiser stages of a Wan-shaped package (the tiny Wan package's text encoder,
-scheduler and VAE, with a larger random-weight transformer written locally: no download) for
-each configuration in its own process group, all started at once and given one job each in
-turn (`--jobs` rounds after a warm-up round; medians), so every configuration sees the same
-machine: 1 rank (the plain single-device pipeline), 2 ranks
-CFG parallel, 2 ranks Ulysses, 4 ranks Ulysses 2 x Ring 2. On CPU the ranks use gloo and are
-pinned to distinct cores where the machine has them, one OpenMP thread each; on CUDA, NCCL with one GPU per rank
-(configurations needing more GPUs than there are are skipped). Prints, per configuration: the
-time per denoising step and its ratio to the 1-rank baseline of the same run, the share of
-rank time spent in collectives, the time rank 0 takes to hand a job's inputs to the other
-ranks, and the largest difference of the latents from the 1-rank baseline. Writes
-bench/results/parallel_bench.json.
+Runs the real denoiser and decoder stages of a Wan-shaped package (the tiny Wan package's text
+encoder, scheduler and VAE, with a larger random-weight transformer written locally: no
+download) for each configuration in its own process group, all started at once and given one job
+each in turn (`--jobs` rounds after a warm-up round; medians), so every configuration sees the
+same machine: denoisers of 1 rank (the plain single-device pipeline), 2 ranks CFG parallel, 2
+ranks Ulysses, 4 ranks Ulysses 2 x Ring 2, 2 ranks TP; decoders of 1 and 2 ranks (random latents
+of the request's shape). On CPU the ranks use gloo and are pinned to distinct cores where the
+machine has them, one OpenMP thread each; on CUDA, NCCL with one GPU per rank (configurations
+needing more GPUs than there are are skipped). Prints, per configuration: the time per
+denoising step (per decode for decoders) and its ratio to the same role's 1-rank baseline of the
+same run, the share of rank time spent in collectives, the time rank 0 takes to hand a job's
+inputs to the other ranks, and the largest difference of the output (latents; pixels for
+decoders) from that baseline. Writes bench/results/parallel_bench.json.
 """
 
 from __future__ import annotations
@@ -27,17 +29,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from triptych.params import GenerationParams
+    from triptych_worker.stages import StageBatch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 
-CONFIGS: dict[str, tuple[str, ...]] = {
-    "1 rank": (),
-    "2 ranks cfg": ("--num-gpus", "2", "--cfg-parallel-size", "2"),
-    "2 ranks ulysses": ("--num-gpus", "2", "--denoiser-ulysses", "2"),
-    "4 ranks ulysses2 x ring2": ("--num-gpus", "4", "--denoiser-ulysses", "2", "--denoiser-ring", "2"),
+# name -> (role, flags); the first configuration of a role, with no flags, is its 1-rank baseline.
+CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "1 rank": ("denoiser", ()),
+    "2 ranks cfg": ("denoiser", ("--num-gpus", "2", "--cfg-parallel-size", "2")),
+    "2 ranks ulysses": ("denoiser", ("--num-gpus", "2", "--denoiser-ulysses", "2")),
+    "4 ranks ulysses2 x ring2": ("denoiser", ("--num-gpus", "4", "--denoiser-ulysses", "2", "--denoiser-ring", "2")),
+    "2 ranks tp": ("denoiser", ("--num-gpus", "2", "--denoiser-tp", "2")),
+    "decoder 1 rank": ("decoder", ()),
+    "decoder 2 ranks sp": ("decoder", ("--num-gpus", "2", "--decoder-sp", "2")),
 }
+OUTPUT = {"denoiser": "latents", "decoder": "pixels"}
 # The bench transformer: Wan's layout at a size a CPU steps through in about a second.
 BENCH_TRANSFORMER = {"num_attention_heads": 8, "attention_head_dim": 32, "ffn_dim": 1024, "num_layers": 4}
 
@@ -76,12 +88,16 @@ def child(opts: argparse.Namespace) -> None:
     params = GenerationParams(prompt="waves on a beach", negative_prompt="blurry", width=w, height=h,
                               num_frames=opts.frames, seed=7, num_inference_steps=opts.steps, guidance_scale=5.0,
                               max_sequence_length=64)  # fmt: skip
-    encoded = load_role_pipeline(opts.model, Role.ENCODER, "cpu").run(StageBatch(params))
+    role = Role(opts.role)
+    if role is Role.DENOISER:
+        encoded = load_role_pipeline(opts.model, Role.ENCODER, "cpu").run(StageBatch(params))
+    else:  # what a denoiser hands the decoder: latents of the request's shape (random: the decode costs the same)
+        encoded = decoder_inputs(opts.model, params)
     flags = json.loads(opts.child)
     cores = os.cpu_count() or 1
     if flags:
         head = "tcp://127.0.0.1:1"  # never contacted: the bench runs the ranks without a head
-        argv = ["serve", "--model-path", opts.model, "--disagg-role", "denoiser", "--device", opts.device,
+        argv = ["serve", "--model-path", opts.model, "--disagg-role", role.value, "--device", opts.device,
                 "--disagg-server-addr", head, "--master-port", str(opts.master_port), *flags]  # fmt: skip
         from triptych_worker.parallel.ranks import start_ranks
 
@@ -91,7 +107,7 @@ def child(opts: argparse.Namespace) -> None:
             for i, follower in enumerate(pipeline.followers, start=1):
                 os.sched_setaffinity(follower.pid, {i})
     else:
-        pipeline = load_role_pipeline(opts.model, Role.DENOISER, opts.device)  # type: ignore[assignment]
+        pipeline = load_role_pipeline(opts.model, role, opts.device)  # type: ignore[assignment]
         if opts.device == "cpu" and cores >= 1:
             os.sched_setaffinity(0, {0})
     print("ready", flush=True)
@@ -106,13 +122,26 @@ def child(opts: argparse.Namespace) -> None:
         elapsed = time.perf_counter() - started
         counters = getattr(pipeline, "last_counters", [])
         run = {
-            "step_s": elapsed / opts.steps,
-            "comm_share": [s / elapsed for _, s in counters] or [0.0],
+            "unit_s": elapsed / (opts.steps if role is Role.DENOISER else 1),
+            "comm_share": [s / elapsed for _, s, _ in counters] or [0.0],
             "fanout_s": getattr(pipeline, "last_fanout_s", 0.0),
         }
-        np.save(opts.latents, out.tensors["latents"].float().cpu().numpy())
+        np.save(opts.latents, out.tensors[OUTPUT[role.value]].float().cpu().numpy())
         print(json.dumps(run), flush=True)
     os._exit(0)  # the followers die with this process
+
+
+def decoder_inputs(model: str, params: GenerationParams) -> StageBatch:
+    import torch
+
+    from triptych.roles import Role
+    from triptych_worker.adapters import adapter_for
+    from triptych_worker.stages import StageBatch
+
+    _, adapter = adapter_for(model)
+    spec = next(s for s in adapter.output_specs(Role.DENOISER, params) if s.name == "latents")
+    latents = torch.randn(spec.shape, generator=torch.Generator().manual_seed(params.seed))
+    return StageBatch(params, {"latents": latents})
 
 
 def main() -> None:
@@ -124,7 +153,8 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=9)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--master-port", type=int, default=29731, help="first of 4 rendezvous ports")
+    parser.add_argument("--role", default="denoiser", help=argparse.SUPPRESS)
+    parser.add_argument("--master-port", type=int, default=29731, help=f"first of {len(CONFIGS)} rendezvous ports")
     parser.add_argument("--latents", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child is not None:
@@ -136,15 +166,16 @@ def main() -> None:
     model = bench_package(RESULTS / "parallel-bench-wan")
     devices = (os.cpu_count() or 1) if opts.device == "cpu" else _cuda_count()
     children: dict[str, subprocess.Popen[str]] = {}
-    for i, (name, flags) in enumerate(CONFIGS.items()):
+    for i, (name, (role, flags)) in enumerate(CONFIGS.items()):
         ranks = int(flags[1]) if flags else 1
         if opts.device == "cuda" and ranks > devices:
             print(f"{name:26} skipped: {ranks} GPUs needed, {devices} here", flush=True)
             continue
-        cmd = [sys.executable, __file__, "--child", json.dumps(flags), "--model", str(model), "--device", opts.device,
+        cmd = [sys.executable, __file__, "--child", json.dumps(flags), "--role", role, "--model", str(model),
+               "--device", opts.device,
                "--steps", str(opts.steps), "--size", opts.size, "--frames", str(opts.frames),
                "--master-port", str(opts.master_port + i),
-               "--latents", str(RESULTS / f"parallel-latents-{i}.npy")]  # fmt: skip
+               "--latents", str(RESULTS / f"parallel-output-{i}.npy")]  # fmt: skip
         # One OpenMP thread per rank, as one core each: idle OpenMP threads spinning on a shared core
         # would measure the machine, not the parallelism.
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -166,24 +197,28 @@ def main() -> None:
         proc.stdin.close()
         proc.wait(timeout=60)
     rows = []
-    baseline_step = statistics.median(float(r["step_s"]) for r in runs["1 rank"])  # type: ignore[arg-type]
-    baseline_latents = np.load(RESULTS / "parallel-latents-0.npy")
-    for i, name in enumerate(CONFIGS):
+    baselines: dict[str, tuple[float, np.ndarray]] = {}
+    for i, (name, (role, flags)) in enumerate(CONFIGS.items()):
         if name not in runs:
             continue
-        step = statistics.median(float(r["step_s"]) for r in runs[name])  # type: ignore[arg-type]
+        unit = statistics.median(float(r["unit_s"]) for r in runs[name])  # type: ignore[arg-type]
+        output = np.load(RESULTS / f"parallel-output-{i}.npy")
+        if not flags:
+            baselines[role] = (unit, output)
+        base_unit, base_output = baselines[role]
         shares = [statistics.mean(r["comm_share"]) for r in runs[name]]  # type: ignore[arg-type]
         row = {
-            "config": name, "ranks": int(CONFIGS[name][1]) if CONFIGS[name] else 1, "step_s": step,
-            "vs_1_rank": step / baseline_step, "comm_share": statistics.median(shares),
+            "config": name, "role": role, "ranks": int(flags[1]) if flags else 1,
+            "unit": "step" if role == "denoiser" else "decode", "unit_s": unit, "vs_1_rank": unit / base_unit,
+            "comm_share": statistics.median(shares),
             "fanout_s": statistics.median(float(r["fanout_s"]) for r in runs[name]),  # type: ignore[arg-type]
-            "max_abs_diff": float(np.abs(np.load(RESULTS / f"parallel-latents-{i}.npy") - baseline_latents).max()),
+            "max_abs_diff": float(np.abs(output - base_output).max()), "output": OUTPUT[role],
         }  # fmt: skip
         rows.append(row)
         print(
-            f"{name:26} step {step * 1000:8.1f} ms  x{row['vs_1_rank']:.2f} of 1 rank  "
+            f"{name:26} {row['unit']} {unit * 1000:8.1f} ms  x{row['vs_1_rank']:.2f} of 1 rank  "
             f"collectives {100 * row['comm_share']:5.1f}% of rank time  "
-            f"fan-out {row['fanout_s'] * 1000:6.2f} ms  max |latents - 1 rank| {row['max_abs_diff']:.2e}",
+            f"fan-out {row['fanout_s'] * 1000:6.2f} ms  max |{OUTPUT[role]} - 1 rank| {row['max_abs_diff']:.2e}",
             flush=True,
         )
     report = {"device": opts.device, "cores": os.cpu_count(), "size": opts.size, "frames": opts.frames,

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with one CUDA GPU, at most 9 minutes once `make setup` has run:
 #   1. the CUDA-marked tests (tests/e2e/test_cuda.py: pixels on CUDA, disaggregated == monolithic == stock diffusers;
-#      the NCCL rank tests run where there are 2 GPUs),
+#      the NCCL rank tests (Ulysses, TP, the Wan decoder's --decoder-sp) run where there are 2 GPUs),
 #   2. a random-weight package of the Wan2.1-T2V-1.3B shape, written locally (bench/random_wan.py; no download),
 #   3. the pipeline benchmark on it, disaggregated vs monolithic in the same run (bench/pipeline_bench.py),
-#   4. the multi-device denoiser benchmark (bench/parallel_bench.py; 1 rank on one GPU, more with more GPUs),
+#   4. the multi-device benchmark (bench/parallel_bench.py: denoiser CFG/Ulysses/Ring/TP and decoder --decoder-sp
+#      rows against 1 rank of the same run; on one GPU only the 1-rank rows run, the others need a GPU per rank),
 #   5. the batching benchmark: images/s vs batch size 1/2/4/8, tiny FLUX at 64x64 and 256x256 (bench/batching_bench.py).
 # Needs ~30 GB of GPU memory (the monolithic and the disaggregated deployment hold the float32 model side by side).
 # Writes bench/results/gpu-check/report.json (and each step's log beside it); exits non-zero when a step failed.

@@ -63,7 +63,7 @@ bash scripts/build-bind-shim.sh
 bash tests/cluster/build.sh
 
 # The real node that tests/cluster/test_real_node.py runs the product on (docs/local-cluster.md "A real node"):
-# Debian's containerd, runc, CNI plugins, iptables, conntrack, and kubelet/kube-proxy/CoreDNS/pause built from
+# Debian's containerd, runc, CNI plugins, iptables, conntrack, skopeo, and kubelet/kube-proxy/CoreDNS/pause built from
 # the Go module proxy (cached like the control plane; README "What setup and tests cost").
 need_pkgs=()
 command -v containerd >/dev/null || need_pkgs+=(containerd)
@@ -71,6 +71,7 @@ command -v runc >/dev/null || need_pkgs+=(runc)
 [ -x /usr/lib/cni/bridge ] || need_pkgs+=(containernetworking-plugins)
 command -v iptables >/dev/null || need_pkgs+=(iptables)
 command -v conntrack >/dev/null || need_pkgs+=(conntrack)
+command -v skopeo >/dev/null || need_pkgs+=(skopeo)  # node-import.sh: only the layers containerd lacks travel
 if ((${#need_pkgs[@]})); then
   echo "setup: installing Debian packages for the real node (${need_pkgs[*]})"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo

@@ -208,7 +208,10 @@ def _status(client: TriptychClient, console: Console) -> int:
     from rich.table import Table
 
     view = client.pipeline()
-    table = Table(title=f"{client.url}  model {view['model']}" + ("  (draining)" if view.get("draining") else ""))
+    # A full-pipeline pool: its denoisers run every stage (--disagg-full-pipeline) and return pixels.
+    topology = "  full pipeline" if view.get("topology") == "full_pipeline" else ""
+    draining = "  (draining)" if view.get("draining") else ""
+    table = Table(title=f"{client.url}  model {view['model']}{topology}{draining}")
     for column in ("role", "instance", "state", "free slots", "queued", "running", "dispatched"):
         table.add_column(column, justify="right" if column in ("queued", "running", "dispatched") else "left")
     for role, info in view["roles"].items():
@@ -230,4 +233,6 @@ def instance_state(inst: dict[str, Any]) -> str:
         return "down"
     if inst["draining"] or inst["leaving"]:
         return "draining"
+    if inst.get("wrong_topology"):
+        return "wrong topology"
     return "ready" if inst["ready"] else "alive"

@@ -16,7 +16,7 @@ from triptych.ports import (
     is_loopback,
     parse_tcp_endpoint,
 )
-from triptych.roles import ROLE_SPECS, WORKER_ROLES, Role
+from triptych.roles import FULL_PIPELINE_ROLE, ROLE_SPECS, WORKER_ROLES, Role, is_full_pipeline
 from triptych.serve_help import flag, grouped_adder
 
 MIB = 1 << 20
@@ -33,6 +33,8 @@ DISPATCH_POLICIES = ("round_robin", "max_free_slots")
 # --max-request-bytes: room for a prompt and, once edits land, an uploaded image or two.
 DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
 DEVICES = ("cuda", "cpu")
+# --encoder-cache-bytes: prompt embeddings kept for repeated prompts (a FLUX.1 prompt: 512 x 4096 bf16, 4 MiB).
+DEFAULT_ENCODER_CACHE_BYTES = 256 * MIB
 
 # Worker-URL flags of the head, by the role they list (the role descriptor's, triptych.roles).
 URL_FLAGS: dict[Role, str] = {role: role.url_attr for role in WORKER_ROLES}
@@ -100,6 +102,8 @@ class ServeArgs:
     disagg_ib_device: str | None = None
     disagg_transfer_pool_size: int = DEFAULT_POOL_SIZE
     disagg_transfer_listen_any: bool = False
+    disagg_full_pipeline: bool = False  # a denoiser that runs every stage (a head with only --denoiser-urls)
+    encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES
     disagg_timeout: float = DEFAULT_TIMEOUT_S
     disagg_dispatch_policy: str = "round_robin"
     disagg_heartbeat_timeout: float = 5.0
@@ -153,6 +157,11 @@ class ServeArgs:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
         return f"cuda:{self.base_gpu_id}" if device == "cuda" else device
+
+    @property
+    def stage_role(self) -> Role:
+        """Whose stages this process runs: a full-pipeline denoiser runs every stage, as monolithic mode does."""
+        return Role.MONOLITHIC if self.disagg_full_pipeline else self.disagg_role
 
     def urls_for(self, role: Role) -> list[str]:
         return list(getattr(self, URL_FLAGS[role]))
@@ -218,6 +227,9 @@ class ServeArgs:
             raise ConfigError(f"--worker-capacity {self.worker_capacity} must be >= 1")
         if self.disagg_drain_timeout <= 0:
             raise ConfigError(f"--disagg-drain-timeout {self.disagg_drain_timeout} must be > 0 seconds")
+        if self.encoder_cache_bytes < 0:
+            raise ConfigError(f"--encoder-cache-bytes {self.encoder_cache_bytes} must be >= 0 (0: no cache)")
+        self._validate_full_pipeline()
         self._validate_http_limits()
         self._validate_batching()
         self._validate_reference_urls()
@@ -227,6 +239,20 @@ class ServeArgs:
             self.parallelism()
         except ParallelismError as exc:
             raise ConfigError(str(exc)) from None
+
+    def _validate_full_pipeline(self) -> None:
+        if not self.disagg_full_pipeline:
+            return
+        if self.disagg_role is not FULL_PIPELINE_ROLE:
+            raise ConfigError(
+                f"--disagg-full-pipeline is for --disagg-role {FULL_PIPELINE_ROLE} (a full-pipeline pool), "
+                f"not {self.disagg_role}"
+            )
+        if self.num_gpus > 1 or self.simulate:
+            what = f"--num-gpus {self.num_gpus}" if self.num_gpus > 1 else "--simulate"
+            raise ConfigError(
+                f"--disagg-full-pipeline does not support {what} yet; run one GPU per full-pipeline worker"
+            )
 
     def _validate_reference_urls(self) -> None:
         from triptych.reference import parse_networks
@@ -297,15 +323,8 @@ class ServeArgs:
         )
 
     def _validate_head_urls(self, given: list[Role]) -> None:
-        if Role.DENOISER not in given or Role.DECODER not in given:
-            raise ConfigError("--disagg-role server needs --denoiser-urls and --decoder-urls (semicolon-separated)")
-        split = Role.PROMPT_ENCODER in given or Role.IMAGE_ENCODER in given
-        if split and Role.ENCODER in given:
-            raise ConfigError("give either --encoder-urls or --prompt-encoder-urls/--image-encoder-urls, not both")
-        if not split and Role.ENCODER not in given:
-            raise ConfigError("--disagg-role server needs --encoder-urls (or --prompt-encoder-urls)")
-        if split and Role.PROMPT_ENCODER not in given:
-            raise ConfigError("--image-encoder-urls needs --prompt-encoder-urls as well")
+        if not is_full_pipeline(set(given)):  # only denoisers: a full-pipeline pool (--disagg-full-pipeline)
+            self._validate_role_pools(given)
         seen: dict[str, Role] = {}
         for role in given:
             for url in self.urls_for(role):
@@ -318,6 +337,21 @@ class ServeArgs:
                         f"{url} is listed for both {seen[url].value} and {role.value}; each worker has one role"
                     )
                 seen[url] = role
+
+    @staticmethod
+    def _validate_role_pools(given: list[Role]) -> None:
+        if Role.DENOISER not in given or Role.DECODER not in given:
+            raise ConfigError(
+                "--disagg-role server needs --denoiser-urls and --decoder-urls (semicolon-separated), or only "
+                "--denoiser-urls for a full-pipeline pool (workers started with --disagg-full-pipeline)"
+            )
+        split = Role.PROMPT_ENCODER in given or Role.IMAGE_ENCODER in given
+        if split and Role.ENCODER in given:
+            raise ConfigError("give either --encoder-urls or --prompt-encoder-urls/--image-encoder-urls, not both")
+        if not split and Role.ENCODER not in given:
+            raise ConfigError("--disagg-role server needs --encoder-urls (or --prompt-encoder-urls)")
+        if split and Role.PROMPT_ENCODER not in given:
+            raise ConfigError("--image-encoder-urls needs --prompt-encoder-urls as well")
 
     def to_argv(self) -> list[str]:
         """The `triptych serve` arguments that reproduce these values (defaults omitted)."""
@@ -367,6 +401,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--disagg-transfer-listen-any", action="store_true",
       help="worker: let Mooncake's handshake and data ports listen on every address of the host (its own "
            "behaviour), not only --disagg-p2p-hostname; whoever reaches them can read and write the pool")  # fmt: skip
+    a("--disagg-full-pipeline", action="store_true",
+      help="denoiser: load and run the whole pipeline (encode, denoise, decode) and return pixels to a "
+           "head started with only --denoiser-urls; no tensor moves between workers: no Mooncake engine")  # fmt: skip
+    a("--encoder-cache-bytes", type=parse_size, default=d.encoder_cache_bytes,
+      help="encoder, prompt_encoder, full-pipeline denoiser: bytes of prompt embeddings kept for repeated "
+           "prompts, least recently used dropped first (default 256MiB; 0: no cache)")  # fmt: skip
     a("--disagg-timeout", type=float, default=d.disagg_timeout, help="head: seconds before a request times out")
     a("--disagg-dispatch-policy", choices=DISPATCH_POLICIES, default=d.disagg_dispatch_policy)
     a("--disagg-heartbeat-timeout", type=float, default=d.disagg_heartbeat_timeout,

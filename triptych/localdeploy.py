@@ -26,7 +26,7 @@ import httpx
 
 from triptych.config import flag
 from triptych.ports import MAX_RESULT_PORT_OFFSET
-from triptych.roles import COMBINED_ROLES, WORKER_ROLES, Role
+from triptych.roles import COMBINED_ROLES, FULL_PIPELINE_ROLE, WORKER_ROLES, Role, is_full_pipeline
 from triptych.security import generate_keys
 
 ROLES = COMBINED_ROLES  # the default topology: one encoder, one denoiser, one decoder
@@ -187,15 +187,25 @@ def deployment_ports(counts: dict[Role, int]) -> tuple[int, int, dict[Role, list
     return base, base + HEAD_PORTS, workers
 
 
+def check_devices(devices: Sequence[Device]) -> bool:
+    """Raise ValueError for a device list no worker can run on; True for CPU ranks, False for GPU indices."""
+    cpu = bool(devices) and all(d == "cpu" for d in devices)
+    if not cpu and not (devices and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)):
+        raise ValueError(f'devices {list(devices)!r}: give ["cpu"] (one per CPU rank) or GPU indices such as [0, 1]')
+    if not cpu and len(set(devices)) != len(devices):
+        raise ValueError(f"devices {list(devices)!r}: a GPU index appears twice; give each rank its own GPU")
+    return cpu
+
+
 def device_flags(devices: Sequence[Device]) -> tuple[list[str], dict[str, str]]:
-    """`triptych serve` flags and environment for one worker on `devices`: ["cpu"], or GPU indices
-    (made visible through CUDA_VISIBLE_DEVICES, so any set of GPUs works as --num-gpus N)."""
-    if list(devices) == ["cpu"]:
-        return ["--device", "cpu"], {}
-    if not devices or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
-        raise ValueError(f'devices {list(devices)!r}: give ["cpu"] or GPU indices such as [0, 1]')
-    visible = ",".join(str(d) for d in devices)
-    return ["--device", "cuda", "--num-gpus", str(len(devices))], {"CUDA_VISIBLE_DEVICES": visible}
+    """`triptych serve` flags and environment for one worker on `devices`: ["cpu"] (k entries: k CPU ranks),
+    or GPU indices (made visible through CUDA_VISIBLE_DEVICES, so any set of GPUs works as --num-gpus N).
+    A worker of several ranks gets a free --master-port of its own, so instances on one host never share one."""
+    cpu = check_devices(devices)
+    ranks = ["--num-gpus", str(len(devices)), "--master-port", str(free_port_block(1))] if len(devices) > 1 else []
+    if cpu:
+        return ["--device", "cpu", *ranks], {}
+    return ["--device", "cuda", *ranks], {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
 
 
 @contextmanager
@@ -215,6 +225,7 @@ def local_deployment(
     authenticated: bool = True,
     devices: Mapping[Role, Sequence[Sequence[Device]]] | None = None,
     host: str = "127.0.0.1",
+    full_pipeline: bool = False,
 ) -> Iterator[LocalDeployment]:
     """Start head and workers (logs under `workdir`), wait until every worker heartbeats, kill all on exit.
 
@@ -231,8 +242,14 @@ def local_deployment(
     The roles are the keys of `counts` (and `spare`): the three-role topology by default, or
     the split encoders (Role.PROMPT_ENCODER, Role.IMAGE_ENCODER) instead of Role.ENCODER.
     `devices`: per role, each instance's devices (device_flags); instances beyond it get worker_flags only.
+    `full_pipeline`: a full-pipeline pool: denoisers only (`counts` may list no other role), each
+    started with --disagg-full-pipeline, and a head with only --denoiser-urls.
     """
-    counts = counts or dict.fromkeys(ROLES, 1)
+    counts = counts or ({FULL_PIPELINE_ROLE: 1} if full_pipeline else dict.fromkeys(ROLES, 1))
+    if full_pipeline and not is_full_pipeline({*counts, *(spare or {})}):
+        listed = ", ".join(role.value for role in counts)
+        raise ValueError(f"a full-pipeline pool has {FULL_PIPELINE_ROLE.value} workers only, not {listed}")
+    pool_flags = ["--disagg-full-pipeline"] if full_pipeline else []
     spare = spare or {}
     devices = devices or {}
     roles = [role for role in WORKER_ROLES if role in counts or role in spare]
@@ -267,7 +284,7 @@ def local_deployment(
         placement, placement_env = device_flags(own[i]) if i < len(own) else ([], {})
         argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
                 "--disagg-server-addr", f"tcp://{host}:{sched}", "--scheduler-port", str(port),
-                "--disagg-p2p-hostname", host, *security_flags, *worker_flags, *placement,
+                "--disagg-p2p-hostname", host, *security_flags, *pool_flags, *worker_flags, *placement,
                 *(role_flags or {}).get(role, ())]  # fmt: skip
         log = workdir / f"{role.value}-{i}.log"
         return Proc(role, f"tcp://{host}:{port}", _spawn(argv, log, {**env, **placement_env}), log)

@@ -4,12 +4,17 @@
 
     with triptych.launch_pool(
         ".models/tiny-flux",
-        encoder_devices=[["cpu"]],
-        denoiser_devices=[[0, 1, 2, 3], [4, 5, 6, 7]],  # two denoisers of four GPUs each
-        decoder_devices=[[0]],
+        encoder_gpus=[[0]],
+        denoiser_gpus=[[1, 2, 3, 4], [5, 6, 7, 8]],  # two denoisers of four GPUs each (the spec's shape)
+        decoder_gpus=[[0]],
         denoiser_sp=4,
     ) as pool:
         httpx.post(f"{pool.url}/v1/images/generations", json={"prompt": "a lighthouse"})
+
+`<role>_gpus` and `<role>_devices` are one argument under two names (the spec's and ours). Each
+inner list is one instance of the role with `--num-gpus len(list)`: GPU indices (made visible to
+it as CUDA_VISIBLE_DEVICES), or "cpu" once per CPU rank; with `device="cpu"`, GPU index lists run
+as that many CPU ranks (the same pool shape on a machine without GPUs).
 
 Every process is a real `triptych serve`, as on separate machines (ZMQ control plane with a key
 set written to the work directory, Mooncake transfers over loopback TCP). The design spec's
@@ -27,8 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from triptych.config import ServeArgs, flag
-from triptych.localdeploy import Device, LocalDeployment, local_deployment
-from triptych.roles import COMBINED_ROLES, ROLE_SPECS, SPLIT_ROLES, WORKER_ROLES, Role
+from triptych.localdeploy import Device, LocalDeployment, check_devices, local_deployment
+from triptych.roles import (
+    COMBINED_ROLES,
+    FULL_PIPELINE_ROLE,
+    ROLE_SPECS,
+    SPLIT_ROLES,
+    WORKER_ROLES,
+    Role,
+    is_full_pipeline,
+)
 
 Devices = Sequence[Sequence[Device]]
 
@@ -62,19 +75,49 @@ def serve_flags_argv(flags: dict[str, Any]) -> list[str]:
 CPU: Devices = (("cpu",),)
 
 
-def role_devices(kwargs: dict[str, Any]) -> dict[Role, Devices]:
-    """The `<role>_devices` arguments by role (encoder_devices -> Role.ENCODER); the rest stay in kwargs."""
-    out = {}
-    for name in [n for n in kwargs if n.endswith("_devices")]:
+DEVICE_SUFFIXES = ("_devices", "_gpus")
+
+
+def role_devices(kwargs: dict[str, Any], cpu: bool = False) -> dict[Role, Devices]:
+    """The `<role>_devices`/`<role>_gpus` arguments by role (encoder_gpus -> Role.ENCODER), checked; the rest
+    stay in kwargs. `cpu`: GPU indices become CPU ranks, one per index. Errors name the argument."""
+    out: dict[Role, Devices] = {}
+    given: dict[Role, str] = {}
+    for name in [n for n in kwargs if n.endswith(DEVICE_SUFFIXES)]:
+        suffix = next(s for s in DEVICE_SUFFIXES if name.endswith(s))
+        stem = name.removesuffix(suffix)
         try:
-            role = Role(name.removesuffix("_devices"))
+            role = Role(stem)
         except ValueError:
             role = Role.SERVER
         if not role.is_worker:
-            roles = ", ".join(f"{r.value}_devices" for r in WORKER_ROLES)
+            roles = ", ".join(f"{r.value}{suffix}" for r in WORKER_ROLES)
             raise TypeError(f"launch_pool: {name} names no worker role; use {roles}")
-        out[role] = kwargs.pop(name)
+        if role in given:
+            raise TypeError(f"launch_pool: {given[role]} and {name} are the same argument; give one")
+        given[role] = name
+        out[role] = _instances(name, kwargs.pop(name), cpu)
     return out
+
+
+def _instances(name: str, value: Any, cpu: bool) -> Devices:
+    """One role's instances: a non-empty list of device lists, each valid for device_flags."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise ValueError(f"launch_pool: {name}={value!r}: give a list of instances, each a list of devices: [[0, 1]]")
+    instances = []
+    for i, devices in enumerate(value):
+        if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
+            raise ValueError(
+                f'launch_pool: {name}[{i}]={devices!r}: an instance is a list of devices: [0, 1] or ["cpu"]'
+            )
+        if cpu and all(isinstance(d, int) and not isinstance(d, bool) for d in devices):
+            devices = ["cpu"] * len(devices)
+        try:
+            check_devices(devices)
+        except ValueError as exc:
+            raise ValueError(f"launch_pool: {name}[{i}]: {exc}") from None
+        instances.append(list(devices))
+    return instances
 
 
 @contextmanager
@@ -85,34 +128,34 @@ def launch_pool(
     worker_flags: dict[str, Any] | None = None,
     workdir: str | Path | None = None,
     ready_timeout: float = 300,
+    full_pipeline: bool = False,
     **kwargs: Any,
 ) -> Iterator[Pool]:
     """Start a head and one worker per device list, wait until all are ready, stop all on exit.
 
-    `<role>_devices` (encoder_devices, prompt_encoder_devices, image_encoder_devices,
-    denoiser_devices, decoder_devices) list a role's instances, each a list of devices: `[["cpu"]]`
-    (the default for the roles of the topology), or GPU indices (`[[0, 1]]`: one worker on GPUs 0
-    and 1, `--num-gpus 2`). The split encoders (prompt_encoder_devices, and image_encoder_devices
-    for image edits) replace the combined encoder. The other keyword arguments are `triptych serve`
-    flags by ServeArgs name, given to every process (`denoiser_sp=4`,
+    `<role>_gpus` or `<role>_devices` (encoder_gpus, prompt_encoder_gpus, image_encoder_gpus,
+    denoiser_gpus, decoder_gpus) list a role's instances, each a list of devices: `[["cpu"]]`
+    (the default for the roles of the topology), GPU indices (`[[0, 1]]`: one worker on GPUs 0
+    and 1, `--num-gpus 2`), or `[["cpu", "cpu"]]` (one worker of two CPU ranks); with
+    `device="cpu"`, GPU index lists run as CPU ranks. The split encoders (prompt_encoder_gpus, and
+    image_encoder_gpus for image edits) replace the combined encoder. The other keyword arguments
+    are `triptych serve` flags by ServeArgs name, given to every process (`denoiser_sp=4`,
     `disagg_transfer_pool_size="1GiB"`); `head_flags` go to the head only
     (`disagg_dispatch_policy="max_free_slots"`), `worker_flags` to the workers only (`simulate=True`).
+    `full_pipeline=True`: a full-pipeline pool instead, denoisers only (denoiser_devices), each running
+    every stage (--disagg-full-pipeline) and returning pixels to a head with only --denoiser-urls.
     Logs and keys go to `workdir` (a temporary directory, removed on exit, when not given).
     Raises ValueError for a bad device list or topology, RuntimeError/TimeoutError (with the
     processes' logs) when the deployment does not come up.
     """
-    given = role_devices(kwargs)
-    split = any(ROLE_SPECS[role].split_encoder for role in given)
-    if split and Role.ENCODER in given:
-        raise ValueError("give encoder_devices or prompt_encoder_devices/image_encoder_devices, not both")
-    if Role.IMAGE_ENCODER in given and Role.PROMPT_ENCODER not in given:
-        raise ValueError("image_encoder_devices needs prompt_encoder_devices as well")
-    topology = SPLIT_ROLES if split else COMBINED_ROLES
-    devices: dict[Role, Devices] = {
-        role: list(given.get(role, CPU))
-        for role in topology
-        if role in given or not ROLE_SPECS[role].needs_reference  # the image encoder only when asked for
-    }
+    cpu = str({**kwargs, **(worker_flags or {})}.get("device", "")).startswith("cpu")
+    given = role_devices(kwargs, cpu)
+    if kwargs.get("master_port") is not None and any(len(d) > 1 for ds in given.values() for d in ds):
+        raise ValueError(
+            f"launch_pool: master_port={kwargs['master_port']}: every multi-device instance gets a free "
+            f"rendezvous port of its own; leave master_port unset"
+        )
+    devices = pool_devices(given, full_pipeline)
     with tempfile.TemporaryDirectory(prefix="triptych-pool-") as tmp:
         with local_deployment(
             Path(model_path),
@@ -122,5 +165,26 @@ def launch_pool(
             worker_flags=serve_flags_argv({**kwargs, **(worker_flags or {})}),
             devices=devices,
             ready_timeout=ready_timeout,
+            full_pipeline=full_pipeline,
         ) as dep:
             yield Pool(url=dep.http, deployment=dep)
+
+
+def pool_devices(given: dict[Role, Devices], full_pipeline: bool) -> dict[Role, Devices]:
+    """Every role of the topology with its instances' devices (one CPU instance unless given)."""
+    if full_pipeline:
+        if not is_full_pipeline({FULL_PIPELINE_ROLE, *given}):
+            others = ", ".join(f"{role.value}_devices" for role in given if role is not FULL_PIPELINE_ROLE)
+            raise ValueError(f"full_pipeline=True runs {FULL_PIPELINE_ROLE.value}_devices only, not {others}")
+        return {FULL_PIPELINE_ROLE: list(given.get(FULL_PIPELINE_ROLE, CPU))}
+    split = any(ROLE_SPECS[role].split_encoder for role in given)
+    if split and Role.ENCODER in given:
+        raise ValueError("give encoder_devices or prompt_encoder_devices/image_encoder_devices, not both")
+    if Role.IMAGE_ENCODER in given and Role.PROMPT_ENCODER not in given:
+        raise ValueError("image_encoder_devices needs prompt_encoder_devices as well")
+    topology = SPLIT_ROLES if split else COMBINED_ROLES
+    return {
+        role: list(given.get(role, CPU))
+        for role in topology
+        if role in given or not ROLE_SPECS[role].needs_reference  # the image encoder only when asked for
+    }

@@ -155,3 +155,13 @@ def route_for(roles: set[Role] | frozenset[Role], *, has_reference: bool) -> lis
     """The hops of a request through a deployment running `roles`: in route order, skipping the
     roles only reference images need when the request has none (T2I bypasses the image encoder)."""
     return [role for role in WORKER_ROLES if role in roles and (has_reference or not ROLE_SPECS[role].needs_reference)]
+
+
+FULL_PIPELINE_ROLE = Role.DENOISER
+"""The role of a full-pipeline pool's workers (--disagg-full-pipeline): a head that lists only this
+role's URLs sends each request to one of them whole, and gets its pixels back."""
+
+
+def is_full_pipeline(roles: set[Role] | frozenset[Role] | list[Role]) -> bool:
+    """Whether a deployment (or a request's route) of `roles` is a full-pipeline pool."""
+    return set(roles) == {FULL_PIPELINE_ROLE}

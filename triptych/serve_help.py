@@ -51,6 +51,8 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
         "encoder, denoiser and decoder processes",
         (
             "--disagg-server-addr",
+            "--disagg-full-pipeline",
+            "--encoder-cache-bytes",
             "--worker-capacity",
             "--simulate",
             "--simulate-seconds",

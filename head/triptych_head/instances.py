@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from triptych.protocol import EncoderCacheStats
 from triptych.roles import Role
 
 
@@ -39,13 +40,19 @@ class WorkerInstance:
     # A write to it failed: it may have died. Nothing new goes to it until its next heartbeat says otherwise.
     suspect: bool = False
     max_batch: int = 1  # the most requests it runs as one batch (its --batching-max-size)
+    full_pipeline: bool = False  # it runs every stage and returns pixels (--disagg-full-pipeline)
+    # It runs the whole pipeline and the head routes through role pools, or the reverse: it never gets work.
+    wrong_topology: bool = False
+    encoder_cache: EncoderCacheStats | None = None  # its prompt-embedding cache, as of its last heartbeat
 
     def alive(self, now: float, heartbeat_timeout: float) -> bool:
         return self.last_heartbeat is not None and now - self.last_heartbeat <= heartbeat_timeout
 
     def ready(self, now: float, heartbeat_timeout: float) -> bool:
         """Alive and taking new work: not draining, still listed by discovery."""
-        return self.alive(now, heartbeat_timeout) and not (self.draining or self.leaving or self.suspect)
+        return self.alive(now, heartbeat_timeout) and not (
+            self.draining or self.leaving or self.suspect or self.wrong_topology
+        )
 
     @property
     def free_slots(self) -> int:

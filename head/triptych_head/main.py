@@ -61,7 +61,7 @@ def run_head(args: ServeArgs) -> int:
         output_path=Path(args.output_path),
         registry=metrics.registry,
         validate=validate,
-        health=lambda: {"mode": "disaggregated", "workers": server.registry.snapshot()},
+        health=lambda: {"mode": "disaggregated", "topology": server.topology, "workers": server.registry.snapshot()},
         pipeline_view=server.view,
         ready=loop.is_alive,
         retention=_retention(args),

@@ -120,6 +120,26 @@ class HeadMetrics:
         self.dropped_messages = Counter(
             "triptych_dropped_messages", "Worker messages that could not be decoded or matched", registry=r
         )
+        self.worker_messages = Counter(
+            "triptych_worker_messages_sent",
+            "Messages the head sent to workers, by type (work, transfer_alloc, transfer_push, transfer_ready, "
+            "ping, cancel_work); a full-pipeline pool gets no transfer_*",
+            ["type"],
+            registry=r,
+        )
+        # Each worker's prompt-embedding cache (--encoder-cache-bytes) as its last heartbeat reported it:
+        # gauges, since the head relays the worker's own running counts.
+        cache = {
+            "hits": "Prompt encodings served from the worker's cache (text encoders skipped), since it started",
+            "misses": "Prompt encodings the worker's text encoders ran for, since it started",
+            "evictions": "Cached prompt embeddings the worker dropped to stay within --encoder-cache-bytes",
+            "bytes": "Bytes of prompt embeddings the worker's cache holds now",
+            "capacity_bytes": "The worker's --encoder-cache-bytes",
+        }
+        self.encoder_cache = {
+            field: Gauge(f"triptych_encoder_cache_{field}", text, ["role", "instance"], registry=r)
+            for field, text in cache.items()
+        }
 
     def observe_stage(self, role: str, elapsed: float, worker_seconds: float) -> None:
         """One request's hop through `role`: the head-seen time and the worker's own time."""

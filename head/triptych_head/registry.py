@@ -128,6 +128,7 @@ class WorkerRegistry:
             send_message(sock, msg, frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
+        self._metrics.worker_messages.labels(msg.TYPE).inc()
         return True
 
     def ping_all(self) -> None:
@@ -160,9 +161,13 @@ class WorkerRegistry:
                 self._metrics.instance_up.labels(role.value, url).set(1 if up else 0)
                 self._metrics.free_slots.labels(role.value, url).set(inst.free_slots if up else 0)
                 self._metrics.free_pool_bytes.labels(role.value, url).set(inst.free_bytes if up else 0)
+                if inst.encoder_cache is not None:
+                    for field, gauge in self._metrics.encoder_cache.items():
+                        gauge.labels(role.value, url).set(getattr(inst.encoder_cache, field))
 
     def _forget_metrics(self, role: Role, url: str) -> None:
-        for gauge in (self._metrics.instance_up, self._metrics.free_slots, self._metrics.free_pool_bytes):
+        gauges = (self._metrics.instance_up, self._metrics.free_slots, self._metrics.free_pool_bytes)
+        for gauge in (*gauges, *self._metrics.encoder_cache.values()):
             try:
                 gauge.remove(role.value, url)
             except KeyError:
@@ -185,6 +190,8 @@ class WorkerRegistry:
                     "free_bytes": i.free_bytes,
                     "standing_bytes": i.standing_bytes,
                     "dispatched": i.dispatched_total,
+                    "full_pipeline": i.full_pipeline,
+                    "wrong_topology": i.wrong_topology,
                 }
                 for i in by_url.values()
             ]

@@ -57,7 +57,7 @@ from triptych.protocol import (
     decode,
     encode,
 )
-from triptych.roles import WORKER_ROLES, Role, route_for
+from triptych.roles import WORKER_ROLES, Role, is_full_pipeline, route_for
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message
 from triptych_head.admission import AdmissionControl, retry_after_seconds
@@ -120,6 +120,10 @@ class DiffusionServer:
         # head reaches workers' work sockets as the only client they accept.
         self.security: ControlPlane = control_plane(args, self._ctx, "head")
         self._roles = deployed_roles(args)
+        # Only --denoiser-urls: each request goes whole to one worker, which returns its pixels; no tensor
+        # moves between workers, so the head sends no transfer_* message (triptych.roles.FULL_PIPELINE_ROLE).
+        self.full_pipeline = is_full_pipeline(self._roles)
+        self.topology = "full_pipeline" if self.full_pipeline else "disaggregated"
         directories = {
             role: WorkerDirectory(args.urls_for(role), args.disagg_discovery_interval)
             for role in WORKER_ROLES
@@ -303,11 +307,14 @@ class DiffusionServer:
             since = self._no_instance_since.setdefault(role, now)
             if now - since < wait:
                 continue
-            alive = sum(1 for i in instances if self.registry.alive(i))
+            alive = [i for i in instances if self.registry.alive(i)]
             reason = (
                 f"no {role.value} instance has taken work for {now - since:.0f}s (--disagg-no-instance-wait "
-                f"{wait:g}); {alive} of {len(instances)} known {role.value} instances responding, none ready"
+                f"{wait:g}); {len(alive)} of {len(instances)} known {role.value} instances responding, none ready"
             )
+            if wrong := sum(1 for i in alive if i.wrong_topology):
+                flag = "without" if self.full_pipeline else "with"
+                reason += f" ({wrong} started {flag} --disagg-full-pipeline, which this head's URL flags do not match)"
             for rid in list(queue):
                 rec = self.requests.get(rid)
                 if rec is not None and rec.role is role and rec.instance is None:
@@ -354,7 +361,7 @@ class DiffusionServer:
         view, instances = self.pipeline_view, self.registry.snapshot()
         tick = view["roles"] or {role: {"queued": 0, "running": 0} for role in instances}  # before the first tick
         roles = {role: {**info, "instances": instances.get(role, [])} for role, info in tick.items()}
-        return {**view, "roles": roles}
+        return {**view, "topology": self.topology, "roles": roles}
 
     def _timeout_reason(self, rec: RequestRecord) -> str:
         role = rec.role.value
@@ -407,7 +414,8 @@ class DiffusionServer:
         except ValueError as exc:
             self._reply(client, RequestEvent(rid, REJECTED, error=str(exc), status_code=400))
             return
-        if msg.params.has_reference and not any(role.runs_affinity(Role.IMAGE_ENCODER) for role in self._roles):
+        encodes_images = self.full_pipeline or any(role.runs_affinity(Role.IMAGE_ENCODER) for role in self._roles)
+        if msg.params.has_reference and not encodes_images:
             error = "image: this deployment encodes no reference images (its head has no --image-encoder-urls)"
             self._reply(client, RequestEvent(rid, REJECTED, error=error, status_code=400))
             return
@@ -473,6 +481,7 @@ class DiffusionServer:
                 msg.draining,
                 msg.max_batch,
             )
+            self._check_topology(inst, msg)
             return
         rec = self._attempts.get(msg.request_id)
         if rec is None:
@@ -497,6 +506,17 @@ class DiffusionServer:
             log.exception("handling %s for %s", msg.TYPE, rec.wire_id)
             if self._attempts.get(rec.wire_id) is rec:
                 self._finish(rec, RequestState.FAILED, f"internal error handling {msg.TYPE} from {inst.url}: {exc}")
+
+    def _check_topology(self, inst: WorkerInstance, msg: Heartbeat) -> None:
+        """A full-pipeline worker behind a role-pool head, or a role worker behind a full-pipeline head,
+        would return the wrong thing: it gets no work, and the head says why once."""
+        inst.full_pipeline, inst.encoder_cache = msg.full_pipeline, msg.encoder_cache
+        wrong = msg.full_pipeline != self.full_pipeline
+        if wrong and not inst.wrong_topology:
+            worker = "runs the whole pipeline (--disagg-full-pipeline)" if msg.full_pipeline else "runs its role only"
+            head = "lists only --denoiser-urls (a full-pipeline pool)" if self.full_pipeline else "routes through roles"
+            log.error("%s %s %s but this head %s: it gets no work", inst.role.value, inst.url, worker, head)
+        inst.wrong_topology = wrong
 
     def _on_progress(self, rec: RequestRecord, inst: WorkerInstance, msg: Progress, frames: list[Any]) -> None:
         if rec.instance == inst.url:
@@ -602,7 +622,8 @@ class DiffusionServer:
         return dest
 
     def _on_result(self, rec: RequestRecord, inst: WorkerInstance, msg: Result, frames: list[Any]) -> None:
-        if rec.state is not RequestState.DECODER_RUNNING or rec.instance != inst.url:
+        """Pixels from the route's last hop: the decoder, or a full-pipeline worker."""
+        if not rec.last_hop or rec.state is not ROLE_STATES[rec.role][1] or rec.instance != inst.url:
             return
         stage = self._time_stage(rec, msg.seconds, msg.batch_size)
         if self._batch_metrics is not None:

@@ -3,7 +3,8 @@
 PENDING -> ENCODER_WAITING -> ENCODER_RUNNING -> ENCODER_DONE -> DENOISING_WAITING -> ...
 -> DECODER_RUNNING -> DONE; any non-terminal state -> FAILED, TIMED_OUT or CANCELLED.
 With split encoders a request passes the ENCODER_* states once per encoder hop. A request
-whose worker is lost is retried: any non-terminal state -> PENDING, as a new attempt.
+whose worker is lost is retried: any non-terminal state -> PENDING, as a new attempt. A
+full-pipeline pool's request has one hop: PENDING -> DENOISING_WAITING -> DENOISING_RUNNING -> DONE.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import msgspec
 
 from triptych.params import GenerationParams
-from triptych.roles import ROLE_SPECS, Role
+from triptych.roles import ROLE_SPECS, Role, is_full_pipeline
 
 
 class RequestState(enum.StrEnum):
@@ -43,13 +44,14 @@ TERMINAL = frozenset({RequestState.DONE, RequestState.FAILED, RequestState.TIMED
 
 _S = RequestState
 _FORWARD: dict[RequestState, frozenset[RequestState]] = {
-    _S.PENDING: frozenset({_S.ENCODER_WAITING}),
+    # A full-pipeline pool's one hop is the denoiser's, which ends the request (triptych.roles.FULL_PIPELINE_ROLE).
+    _S.PENDING: frozenset({_S.ENCODER_WAITING, _S.DENOISING_WAITING}),
     _S.ENCODER_WAITING: frozenset({_S.ENCODER_RUNNING}),
     _S.ENCODER_RUNNING: frozenset({_S.ENCODER_DONE}),
     # A second encoder hop (prompt_encoder -> image_encoder) re-enters ENCODER_WAITING.
     _S.ENCODER_DONE: frozenset({_S.DENOISING_WAITING, _S.ENCODER_WAITING}),
     _S.DENOISING_WAITING: frozenset({_S.DENOISING_RUNNING}),
-    _S.DENOISING_RUNNING: frozenset({_S.DENOISING_DONE}),
+    _S.DENOISING_RUNNING: frozenset({_S.DENOISING_DONE, _S.DONE}),
     _S.DENOISING_DONE: frozenset({_S.DECODER_WAITING}),
     _S.DECODER_WAITING: frozenset({_S.DECODER_RUNNING}),
     _S.DECODER_RUNNING: frozenset({_S.DONE}),
@@ -129,10 +131,19 @@ class RequestRecord:
 
     def wire_params(self) -> GenerationParams:
         """The request as the current hop's role gets it: an inlined reference image travels only
-        to the role that encodes it, not on to the denoiser and decoder."""
-        if self.params.image is None or self.role.runs_affinity(Role.IMAGE_ENCODER):
+        to the role that encodes it (a full-pipeline worker encodes it too), not on to the denoiser and decoder."""
+        if self.params.image is None or self.role.runs_affinity(Role.IMAGE_ENCODER) or self.whole_pipeline:
             return self.params
         return msgspec.structs.replace(self.params, image=None)
+
+    @property
+    def whole_pipeline(self) -> bool:
+        """Its one hop runs every stage (a full-pipeline pool) and returns its pixels."""
+        return is_full_pipeline(self.route)
+
+    @property
+    def last_hop(self) -> bool:
+        return self.hop + 1 >= len(self.route)
 
     @property
     def receiver_reserved(self) -> bool:

@@ -239,7 +239,8 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
     volumes, mounts, model_env = _model_volume(pipeline)
     keys_volume, keys_mount = _keys_volume(pipeline, "worker")
     extended = {GPU_RESOURCE: spec.gpus_per_replica} if spec.gpus_per_replica else {}
-    if transfer.rdma:
+    moves_tensors = not pipeline.full_pipeline  # a full-pipeline worker runs no Mooncake: no NIC, no pinned pool
+    if transfer.rdma and moves_tensors:
         extended[transfer.rdma_resource_name] = transfer.rdma_resource_count
     container: Manifest = {
         "name": role.dns_name,
@@ -255,7 +256,10 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
         "ports": [{"name": "work", "containerPort": WORKER_PORT, "protocol": "TCP"}],
         "resources": _resources(spec.resources, extended),
         # Mooncake registers (pins) transfer buffers, which needs locked memory.
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            **({"capabilities": {"add": ["IPC_LOCK"]}} if moves_tensors else {}),
+        },
         # A refused start-up ends the log with one line naming the flag; the status shows it (and its CR field).
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [*mounts, {"name": "shm", "mountPath": SHM_MOUNT}, keys_mount],
@@ -284,7 +288,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
         pod_spec["affinity"] = dict(spec.affinity)
     template_meta: Manifest = {"labels": labels(pipeline, crd_field(role))}
     annotations = _template_annotations(keys_fingerprint)
-    if transfer.network_annotation:
+    if transfer.network_annotation and moves_tensors:
         annotations[MULTUS_NETWORKS_ANNOTATION] = transfer.network_annotation
     if annotations:
         template_meta["annotations"] = annotations

@@ -81,13 +81,14 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         scheduler_port=WORKER_PORT,
         num_gpus=spec.num_devices,
         disagg_p2p_hostname=POD_IP_REF,
-        disagg_ib_device=pipeline.transfer.ib_device if pipeline.transfer.rdma else None,
+        disagg_ib_device=pipeline.transfer.ib_device if pipeline.transfer.rdma and not pipeline.full_pipeline else None,
         disagg_transfer_pool_size=pipeline.transfer.pool_size,
         master_port=WORKER_MASTER_PORT if spec.gpus_per_replica > 1 else None,
         device=spec.device,
         disagg_drain_timeout=float(spec.drain_timeout_seconds),
         disagg_keys_dir=KEYS_MOUNT,
         batching_max_size=spec.batch_max_size,
+        disagg_full_pipeline=pipeline.full_pipeline,
         **parallel,  # type: ignore[arg-type]
     )
 
@@ -130,7 +131,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
 def worker_argv(pipeline: PipelineSpec, role: Role) -> list[str]:
     """Container args for a worker of `role` (after `triptych serve`); raises SpecError if they would not start."""
     argv = worker_serve_args(pipeline, role).to_argv() + list(pipeline.roles[role].extra_args)
-    check_argv(argv, where=f"spec.{crd_field(role)}")
+    check_argv(argv, where="spec.fullPipeline" if pipeline.full_pipeline else f"spec.{crd_field(role)}")
     return argv
 
 

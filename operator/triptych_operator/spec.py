@@ -10,6 +10,7 @@ naming it, which the operator reports as a Degraded condition.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ from triptych.config import (
     HEAD_SHUTDOWN_OVERHEAD_S,
 )
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
-from triptych.roles import Role
+from triptych.roles import FULL_PIPELINE_ROLE, Role
 from triptych_operator.constants import (
     DEFAULT_HEAD_IMAGE,
     DEFAULT_RDMA_RESOURCE,
@@ -38,7 +39,6 @@ from triptych_operator.constants import (
     crd_field,
 )
 from triptych_operator.fields import (
-    MISSING,
     Field,
     FieldError,
     Rule,
@@ -253,6 +253,8 @@ class PipelineSpec:
     head: HeadSpec
     worker_image: str
     head_image: str
+    # spec.fullPipeline: `roles` is one denoiser pool whose workers run every stage (--disagg-full-pipeline).
+    full_pipeline: bool = False
 
     def image_for(self, role: Role) -> str:
         return self.roles[role].image or self.worker_image
@@ -450,13 +452,12 @@ def role_field(role: Role) -> Field:
         f"`{seconds}` {'/'.join(r.value for r in PIPELINE_ROLES if DEFAULT_DRAIN_SECONDS[r] == seconds)}"
         for seconds in sorted(set(DEFAULT_DRAIN_SECONDS.values()))
     )
-    # The pools both shapes run default to one replica; the encoders exist only as declared (see SPEC's rules).
-    shared = role in DEFAULT_ROLES and not (role.spec.also_runs or role.spec.split_encoder)
+    # No schema default: a defaulted pool would clash with spec.fullPipeline; the parser gives a role-pool
+    # pipeline the denoiser and decoder it does not declare (_parse_roles).
     return Field(
         crd_field(role),
         "object",
         f"The {role.value} worker pool.",
-        default={} if shared else MISSING,
         fields=(
             Field(
                 "replicas",
@@ -902,13 +903,46 @@ IMAGES = Field(
     ),
 )
 
+
+def full_pipeline_field() -> Field:
+    """spec.fullPipeline: one pool whose workers each run the whole pipeline (--disagg-full-pipeline).
+
+    A denoiser pool's fields (its pods are denoiser-role workers, its objects <name>-denoiser) without
+    parallelism: a full-pipeline worker runs on one device."""
+    pool = role_field(FULL_PIPELINE_ROLE)
+    gpus = dataclasses.replace(
+        pool.field("gpusPerReplica"),
+        description="GPUs per pod: 1, or 0 to run on CPU; a full-pipeline worker runs on one device.",
+        maximum=1,
+        doc="`1` (one GPU, `--device cuda`) or `0` (CPU); a full-pipeline worker runs on one device.",
+    )
+    return dataclasses.replace(
+        pool,
+        name="fullPipeline",
+        description="A full-pipeline pool instead of role pools: each worker pod loads the whole pipeline "
+        "(encode, denoise, decode) and returns pixels to the head; no tensor moves between pods (no Mooncake). "
+        "Exclusive with encoder, promptEncoder, imageEncoder, denoiser and decoder.",
+        fields=tuple(gpus if f.name == "gpusPerReplica" else f for f in pool.fields if f.name != "parallelism"),
+        rules=(),
+    )
+
+
+FULL_PIPELINE = full_pipeline_field()
+ROLE_POOL_FIELDS = tuple(crd_field(role) for role in PIPELINE_ROLES)
+
 SPEC = Field(
     "spec",
     "object",
     "Desired state of a disaggregated diffusion pipeline.",
     required=True,
-    fields=(MODEL, *(role_field(role) for role in PIPELINE_ROLES), TRANSFER, HEAD, IMAGES),
+    fields=(MODEL, *(role_field(role) for role in PIPELINE_ROLES), FULL_PIPELINE, TRANSFER, HEAD, IMAGES),
     rules=(
+        excludes(
+            "fullPipeline",
+            ROLE_POOL_FIELDS,
+            "spec.fullPipeline: declare a full-pipeline pool or role pools (encoder, promptEncoder, imageEncoder, "
+            "denoiser, decoder), not both",
+        ),
         excludes(
             "encoder",
             ("promptEncoder", "imageEncoder"),
@@ -942,7 +976,10 @@ def parse_pipeline(
         name=name,
         namespace=namespace,
         model=_parse_model(values["model"]),
-        roles=_parse_roles(name, values),
+        roles=_parse_full_pipeline(name, values["fullPipeline"])
+        if values["fullPipeline"]
+        else _parse_roles(name, values),
+        full_pipeline=values["fullPipeline"] is not None,
         transfer=_parse_transfer(values["transfer"]),
         head=_parse_head(values["head"]),
         worker_image=images.get("worker") or worker_image,
@@ -951,19 +988,30 @@ def parse_pipeline(
 
 
 def _parse_roles(name: str, values: Mapping[str, Any]) -> dict[Role, RoleSpec]:
-    """The declared pools, in route order; a pipeline that names no encoder gets the combined one."""
+    """The declared pools, in route order; the denoiser and decoder are there declared or not, and a
+    pipeline that names no encoder gets the combined one."""
     declared = [role for role in PIPELINE_ROLES if values[crd_field(role)] is not None]
+    declared += [role for role in DEFAULT_ROLES if role.spec.crd_field and not role.spec.also_runs]
     if not any(role.runs_affinity(Role.PROMPT_ENCODER) for role in declared):
         declared.insert(0, Role.ENCODER)
     roles = {}
     for role in (r for r in PIPELINE_ROLES if r in declared):
         field = crd_field(role)
         raw = values[field] if values[field] is not None else read(role_field(role), {}, f"spec.{field}")
-        if len(f"{name}-{role.dns_name}") > 63:
-            raise SpecError("metadata.name", f"{name!r} is too long for spec.{field}: {name}-{role.dns_name} "
-                            "must be at most 63 characters (a Service name)")  # fmt: skip
+        _check_object_name(name, role, field)
         roles[role] = _parse_role(role, raw)
     return roles
+
+
+def _parse_full_pipeline(name: str, raw: Mapping[str, Any]) -> dict[Role, RoleSpec]:
+    _check_object_name(name, FULL_PIPELINE_ROLE, "fullPipeline")
+    return {FULL_PIPELINE_ROLE: _parse_role(FULL_PIPELINE_ROLE, {**raw, "parallelism": None})}
+
+
+def _check_object_name(name: str, role: Role, field: str) -> None:
+    if len(f"{name}-{role.dns_name}") > 63:
+        raise SpecError("metadata.name", f"{name!r} is too long for spec.{field}: {name}-{role.dns_name} "
+                        "must be at most 63 characters (a Service name)")  # fmt: skip
 
 
 def _parse_model(model: Mapping[str, Any]) -> ModelSpec:

@@ -55,6 +55,20 @@ def test_a_late_subscriber_starts_from_the_latest_event_and_one_after_the_end_ge
     assert [e for e, _ in after] == ["error"]
 
 
+def test_a_subscriber_joining_after_the_last_preview_sees_it_then_the_latest_state():
+    async def run() -> list:
+        feed = ProgressFeed("r3")
+        feed.on_event(RequestEvent("r3", "DENOISING_RUNNING", step=2, total_steps=2, preview=b"\x89PNG"))
+        feed.on_event(RequestEvent("r3", "DECODER_RUNNING"))
+        late = feed.subscribe()
+        feed.publish(SSEMessage("completed", {"id": "r3"}))
+        return await read_all(feed, late)
+
+    got = asyncio.run(run())
+    assert [e for e, _ in got] == ["step", "state", "completed"]
+    assert got[0][1]["preview"] == "iVBORw==" and got[1][1]["role"] == "decoder"
+
+
 def test_states_name_the_role_a_request_is_at():
     assert [role_of(s) for s in ("PENDING", "ENCODER_WAITING", "DENOISING_DONE", "DECODER_RUNNING", "DONE")] == [
         None, "encoder", "denoiser", "decoder", None,

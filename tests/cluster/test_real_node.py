@@ -292,6 +292,47 @@ def test_kwok_nodes_keep_their_pods_off_the_real_node(real_node: KubeCluster) ->
     assert addresses["InternalIP"] == real_node.settings["NODE_IP"]
 
 
+def test_an_import_after_a_one_layer_change_sends_only_that_layer(real_node: KubeCluster, tmp_path: Path) -> None:
+    """The head image plus one new layer (a code change's shape): node-import.sh sends containerd that
+    layer, the config and the manifest (its own count), not the image; containerd then has it, unpacked,
+    under podman's image ID."""
+    env = json.loads(real_node.settings["_env"])
+    podman_env = dict(env, CONTAINERS_CONF=str(REPO / "images" / "local" / "containers.conf"))
+    probe, tag = f"{time.time_ns()}\n", "localhost/triptych-import-probe:test"
+    (tmp_path / "probe.txt").write_text(probe)
+    (tmp_path / "Containerfile").write_text(f"FROM {HEAD_IMAGE}\nCOPY probe.txt /probe.txt\n")
+    ctr = ["ctr", "--address", f"{real_node.settings['NODE_DIR']}/containerd/containerd.sock", "-n", "k8s.io"]
+    build = ["podman", "build", "--pull=never", "--quiet", "-t", tag, "-f", "Containerfile", "."]
+    subprocess.run(build, cwd=tmp_path, env=podman_env, check=True, capture_output=True, timeout=300)
+    try:
+        out = subprocess.run(["bash", str(CLUSTER_SRC / "node-import.sh"), tag], env=env, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        print(out.stdout)
+        sent = re.search(r"sent (\d+) blobs, (\d+) bytes", out.stdout)
+        assert sent, out.stdout
+        assert int(sent[1]) == 3, out.stdout  # the new layer, the config, the manifest
+        assert int(sent[2]) < 64 * 1024, out.stdout  # the head's own layers stay behind (~380 MB)
+        image_id = subprocess.run(["podman", "image", "inspect", "--format", "{{.Id}}", tag], env=podman_env,
+                                  capture_output=True, text=True, check=True, timeout=60).stdout.strip()  # fmt: skip
+        target = next(line.split()[2] for line in _sh(*ctr, "images", "ls").splitlines() if line.split()[0] == tag)
+        assert json.loads(_sh(*ctr, "content", "get", target))["config"]["digest"] == f"sha256:{image_id}"
+        mount = tmp_path / "mnt"
+        mount.mkdir()
+        subprocess.run([*ctr, "images", "mount", tag, str(mount)], check=True, capture_output=True, timeout=120)
+        try:
+            assert (mount / "probe.txt").read_text() == probe
+            assert (mount / "etc" / "passwd").exists()  # the head's layers, from containerd's own store
+        finally:
+            subprocess.run([*ctr, "images", "unmount", "--rm", str(mount)], capture_output=True, timeout=60)
+        again = subprocess.run(["bash", str(CLUSTER_SRC / "node-import.sh"), tag], env=env, capture_output=True,
+                               text=True, timeout=120)  # fmt: skip
+        assert f"node-import: {tag} up to date" in again.stdout, again.stdout + again.stderr
+    finally:
+        subprocess.run([*ctr, "images", "rm", "--sync", tag], capture_output=True, timeout=120)
+        subprocess.run(["podman", "rmi", tag], env=podman_env, capture_output=True, timeout=120)
+
+
 ON_REAL_NODE = {
     "nodeSelector": {"triptych.dev/real-node": "true"},
     "tolerations": [{"key": "triptych.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}],

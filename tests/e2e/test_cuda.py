@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from tests.e2e.harness import deployment
-from tests.e2e.test_parallel_ranks import RING_PIXEL_TOLERANCE, denoiser_flags
+from tests.e2e.test_parallel_ranks import RING_PIXEL_TOLERANCE, TP_PIXEL_TOLERANCE, denoiser_flags
+from tests.e2e.test_parallel_roles import BIG_VIDEO
 from tests.e2e.test_pixels import http_image, http_video, monolithic, stock_image, stock_video
+from triptych.localdeploy import free_port_block
+from triptych.roles import Role
 
 pytestmark = [
     pytest.mark.cuda,
@@ -34,15 +37,37 @@ def test_disaggregated_equals_monolithic_equals_stock_diffusers_on_cuda(tiny_mod
     assert np.array_equal(disagg.reshape(reference.shape), reference), "pixels differ from stock diffusers on CUDA"
 
 
+# cuBLAS may pick other kernels for a rank's share of the rows or heads, so on a GPU the bound is the
+# ring's (Ulysses) or the all-reduce's (TP), not bitwise.
+NCCL_DENOISERS = [("--denoiser-ulysses", RING_PIXEL_TOLERANCE), ("--denoiser-tp", TP_PIXEL_TOLERANCE)]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one NCCL rank each)")
 @pytest.mark.parametrize(("package", "fetch", "stock"), PACKAGES, ids=["flux-image", "wan-video"])
-def test_two_rank_ulysses_denoiser_on_nccl_matches_one_gpu(tiny_models, tmp_path, package, fetch, stock):
+@pytest.mark.parametrize(("degree", "tolerance"), NCCL_DENOISERS, ids=["ulysses2", "tp2"])
+def test_two_rank_denoiser_on_nccl_matches_one_gpu(tiny_models, tmp_path, package, fetch, stock, degree, tolerance):
     model = tiny_models[package]
     with deployment(model, tmp_path / "one", worker_flags=CUDA) as dep, dep.client(timeout=300) as c:
         single = fetch(c)
-    flags = denoiser_flags("--num-gpus", "2", "--denoiser-ulysses", "2")
+    flags = denoiser_flags("--num-gpus", "2", degree, "2")
     with deployment(model, tmp_path / "two", worker_flags=CUDA, role_flags=flags) as dep, dep.client(300) as c:
         pixels = fetch(c)
-    # cuBLAS may pick other kernels for half the rows, so on a GPU the bound is the ring's, not bitwise.
     diff = np.abs(pixels.astype(np.int16) - single.astype(np.int16))
-    assert diff.max() <= RING_PIXEL_TOLERANCE, f"2 NCCL ranks differ from one GPU by {diff.max()} levels"
+    assert diff.max() <= tolerance, f"2 NCCL ranks ({degree} 2) differ from one GPU by {diff.max()} levels"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one NCCL rank each)")
+def test_two_rank_wan_decoder_on_nccl_matches_one_gpu(tiny_models, tmp_path):
+    model = tiny_models["tiny-wan"]
+
+    def fetch(c):  # type: ignore[no-untyped-def]
+        return http_video(c, BIG_VIDEO)
+
+    with deployment(model, tmp_path / "one", worker_flags=CUDA) as dep, dep.client(timeout=300) as c:
+        single = fetch(c)
+    flags = {Role.DECODER: ("--master-port", str(free_port_block(1)), "--num-gpus", "2")}
+    with deployment(model, tmp_path / "two", worker_flags=CUDA, role_flags=flags) as dep, dep.client(300) as c:
+        pixels = fetch(c)
+    # cuDNN picks its convolution algorithm by shape, so a band may sum in another order than the whole frame.
+    diff = np.abs(pixels.astype(np.int16) - single.astype(np.int16))
+    assert diff.max() <= 1, f"2 NCCL decoder ranks differ from one GPU by {diff.max()} levels"

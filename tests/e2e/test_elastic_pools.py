@@ -146,10 +146,14 @@ def test_a_denoiser_that_leaves_discovery_finishes_what_it_holds_and_gets_nothin
             time.sleep(0.2)
 
 
-def test_a_retried_image_has_the_same_pixels_as_an_unretried_one(tiny_models, tmp_path):
-    """Real tiny FLUX: the denoiser running a request is killed; the retry's pixels are byte-identical."""
+@pytest.mark.parametrize("full_pipeline", [False, True], ids=["role-pools", "full-pipeline"])
+def test_a_retried_image_has_the_same_pixels_as_an_unretried_one(tiny_models, tmp_path, full_pipeline):
+    """Real tiny FLUX: the denoiser running a request is killed; the retry's pixels are byte-identical.
+    In a full-pipeline pool the denoiser runs every stage, so the retry starts the request over."""
     body = {"prompt": "a lighthouse at dusk", "size": "64x64", "seed": 7, "num_inference_steps": 300}
-    with deployment(tiny_models["tiny-flux"], tmp_path, denoisers=2, head_flags=FAST_LOSS) as dep, dep.client() as c:
+    model = tiny_models["tiny-flux"]
+    with deployment(model, tmp_path, denoisers=2, head_flags=FAST_LOSS, full_pipeline=full_pipeline) as dep, \
+            dep.client() as c:  # fmt: skip
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             retried = pool.submit(c.post, "/v1/images/generations", json=body)
             deadline = time.monotonic() + 60

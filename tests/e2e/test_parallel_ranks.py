@@ -26,7 +26,9 @@ from triptych.roles import Role
 pytestmark = pytest.mark.slow
 
 RING_PIXEL_TOLERANCE = 1  # uint8 levels; the latents differ by ~2e-6 (bench/parallel_bench.py reports it)
+TP_PIXEL_TOLERANCE = 1  # uint8 levels: the all-reduce sums each row-parallel matmul in another order
 WORK = re.compile(r"attention work per rank \[([\d, ]+)\]")
+HELD = re.compile(r"parameter bytes per rank \[([\d, ]+)\]")
 
 
 def denoiser_flags(*degrees: str) -> dict[Role, tuple[str, ...]]:
@@ -35,13 +37,21 @@ def denoiser_flags(*degrees: str) -> dict[Role, tuple[str, ...]]:
 
 def fetch_pixels(model: Path, tmp: Path, fetch, *degrees: str) -> tuple[np.ndarray, list[int]]:  # type: ignore[no-untyped-def]
     """Pixels of one request through a deployment whose denoiser runs `degrees`, and its per-rank attention work."""
+    pixels, log = fetch_with_log(model, tmp, fetch, *degrees)
+    return pixels, per_rank(WORK, log)
+
+
+def fetch_with_log(model: Path, tmp: Path, fetch, *degrees: str) -> tuple[np.ndarray, str]:  # type: ignore[no-untyped-def]
     with deployment(model, tmp, role_flags=denoiser_flags(*degrees) if degrees else None) as dep:
         with dep.client(timeout=300) as c:
             pixels = fetch(c)
-        log = dep.workers(Role.DENOISER)[0].log.read_text(errors="replace")
-    found = WORK.findall(log)
-    work = [int(x) for x in found[-1].split(",")] if found else []
-    return pixels, work
+        return pixels, dep.workers(Role.DENOISER)[0].log.read_text(errors="replace")
+
+
+def per_rank(pattern: re.Pattern[str], log: str) -> list[int]:
+    """The last per-rank list rank 0 logged for `pattern`."""
+    found = pattern.findall(log)
+    return [int(x) for x in found[-1].split(",")] if found else []
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +91,63 @@ def test_ulysses2_ring2_denoiser_is_within_the_ring_tolerance(tiny_models, tmp_p
     diff = np.abs(pixels.astype(np.int16) - single.astype(np.int16))
     assert diff.max() <= RING_PIXEL_TOLERANCE, f"max pixel difference {diff.max()}"
     assert len(work) == 4 and min(work) > 0 and len(set(work)) == 1, work
+
+
+def tp_shard_bytes(model: Path, family: str, tp: int) -> tuple[int, int]:
+    """(the whole transformer's parameter bytes, what one of `tp` ranks holds when every planned module keeps
+    1/tp of its weights and a row-parallel layer keeps its whole bias)."""
+    import fnmatch
+
+    from diffusers import FluxTransformer2DModel, WanTransformer3DModel
+
+    from triptych_worker.parallel.tensor import COLWISE, tp_plan
+
+    cls = WanTransformer3DModel if family == "wan" else FluxTransformer2DModel
+    transformer = cls.from_pretrained(model / "transformer")
+    plan = tp_plan(transformer, family)
+    full = held = 0
+    for name, param in transformer.named_parameters():
+        size = param.numel() * param.element_size()
+        module, _, kind = name.rpartition(".")
+        style = next((s for p, s in plan.items() if fnmatch.fnmatchcase(module, p)), None)
+        full += size
+        whole = style is None or (kind == "bias" and style != COLWISE)
+        held += size if whole else size // tp
+    return full, held
+
+
+@pytest.mark.parametrize("package", ["tiny-wan", "tiny-flux"])
+def test_two_rank_tp_denoiser_holds_half_the_weights_and_is_within_the_tp_tolerance(
+    tiny_models, tmp_path, request, package
+):
+    single = request.getfixturevalue("wan_single" if package == "tiny-wan" else "flux_single")
+    fetch = http_video if package == "tiny-wan" else http_image
+    pixels, log = fetch_with_log(tiny_models[package], tmp_path, fetch, "--num-gpus", "2", "--denoiser-tp", "2")
+    assert pixels.shape == single.shape
+    diff = np.abs(pixels.astype(np.int16) - single.astype(np.int16))
+    assert diff.max() <= TP_PIXEL_TOLERANCE, f"max pixel difference {diff.max()}"
+    work = per_rank(WORK, log)
+    assert len(work) == 2 and min(work) > 0 and work[0] == work[1], work
+    full, shard = tp_shard_bytes(tiny_models[package], package.removeprefix("tiny-"), 2)
+    assert per_rank(HELD, log) == [shard, shard] and shard < 0.8 * full, (per_rank(HELD, log), full)
+
+
+@pytest.mark.parametrize(
+    ("package", "degrees"),
+    [("tiny-wan", ("--cfg-parallel-size", "2")), ("tiny-flux", ("--denoiser-ring", "2"))],
+    ids=["wan-tp2-cfg2", "flux-tp2-ring2"],
+)
+def test_tp_combines_with_cfg_and_ring_parallelism(tiny_models, tmp_path, request, package, degrees):
+    single = request.getfixturevalue("wan_single" if package == "tiny-wan" else "flux_single")
+    fetch = http_video if package == "tiny-wan" else http_image
+    flags = ("--num-gpus", "4", "--denoiser-tp", "2", *degrees)
+    pixels, log = fetch_with_log(tiny_models[package], tmp_path, fetch, *flags)
+    diff = np.abs(pixels.astype(np.int16) - single.astype(np.int16))
+    assert diff.max() <= max(TP_PIXEL_TOLERANCE, RING_PIXEL_TOLERANCE), f"max pixel difference {diff.max()}"
+    work = per_rank(WORK, log)
+    assert len(work) == 4 and min(work) > 0 and len(set(work)) == 1, work
+    _, shard = tp_shard_bytes(tiny_models[package], package.removeprefix("tiny-"), 2)
+    assert per_rank(HELD, log) == [shard] * 4
 
 
 def test_a_cancelled_job_stops_every_rank_at_one_step_and_the_next_job_runs(tiny_models, tmp_path):

@@ -61,8 +61,8 @@ def http_image(client, request: dict = IMAGE) -> np.ndarray:
     return np.stack([np.array(Image.open(io.BytesIO(base64.b64decode(d["b64_json"])))) for d in r.json()["data"]])
 
 
-def http_video(client) -> np.ndarray:
-    job = client.post("/v1/videos", json=VIDEO).json()
+def http_video(client, request: dict = VIDEO) -> np.ndarray:
+    job = client.post("/v1/videos", json=request).json()
     deadline = time.monotonic() + 300
     while job["status"] not in ("completed", "failed", "cancelled") and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -95,6 +95,24 @@ def test_disaggregated_equals_monolithic_equals_stock_diffusers(tiny_models, tmp
     assert np.array_equal(disagg.reshape(reference.shape), reference), "pixels differ from stock diffusers"
 
 
+def encoder_cache_counts(client, at_least: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(hits, misses) of every encoder's prompt-embedding cache in the head's /metrics, once the
+    heartbeats have reported `at_least` encodings (within 10 s)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + 10
+    while True:
+        counts = dict.fromkeys(("triptych_encoder_cache_hits", "triptych_encoder_cache_misses"), 0.0)
+        for family in text_string_to_metric_families(client.get("/metrics").text):
+            for sample in family.samples:
+                if sample.name in counts:
+                    counts[sample.name] += sample.value
+        hits, misses = counts.values()
+        if hits + misses >= at_least or time.monotonic() > deadline:
+            return hits, misses
+        time.sleep(0.2)
+
+
 def test_concurrent_requests_on_several_instances_each_get_their_own_pixels(tiny_models, tmp_path):
     """2 encoders, 2 denoisers, 1 decoder, real model: no request ever receives another's tensors."""
     import concurrent.futures
@@ -111,7 +129,10 @@ def test_concurrent_requests_on_several_instances_each_get_their_own_pixels(tiny
         with concurrent.futures.ThreadPoolExecutor(len(seeds)) as pool:
             responses = list(pool.map(lambda s: c.post("/v1/images/generations", json={**body, "seed": s}), seeds))
         workers = c.get("/health").json()["workers"]
+        hits, misses = encoder_cache_counts(c, at_least=len(seeds))
     assert all(min(w["dispatched"] for w in workers[role]) > 0 for role in ("encoder", "denoiser")), workers
+    # One prompt: each encoder ran its text encoders once, then served its cache, through the same transfers.
+    assert misses == 2 and hits == len(seeds) - 2, (hits, misses)
     mono = load_role_pipeline(str(model), Role.MONOLITHIC, "cpu")
     for seed, r in zip(seeds, responses, strict=True):
         assert r.status_code == 200, r.text

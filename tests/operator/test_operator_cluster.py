@@ -609,3 +609,47 @@ def test_pipeline_gets_control_keys_network_policies_and_pods_that_mount_and_use
         return all(n["triptych.ai/control-keys"] == new_fingerprint for n in notes) or None
 
     poll(rolled, what="every Deployment to carry the new keys' fingerprint")
+
+
+def full_pipeline_manifest(name: str) -> dict[str, Any]:
+    cr = pipeline_manifest(name, fullPipeline={"replicas": 2})
+    for pool in ("encoder", "denoiser", "decoder"):
+        del cr["spec"][pool]
+    return cr
+
+
+@pytest.mark.parametrize("pool", ["encoder", "denoiser", "decoder", "promptEncoder"])
+def test_api_server_rejects_a_full_pipeline_pool_beside_a_role_pool(
+    crd: KubeCluster, kube_namespace: str, pool: str
+) -> None:
+    cr = full_pipeline_manifest("both-shapes")
+    cr["spec"][pool] = {"replicas": 1}
+    with pytest.raises(CommandError) as info:
+        apply(crd, kube_namespace, cr)
+    assert "spec.fullPipeline: declare a full-pipeline pool or role pools" in info.value.stderr
+
+
+def test_api_server_rejects_a_full_pipeline_pool_on_several_gpus(crd: KubeCluster, kube_namespace: str) -> None:
+    cr = full_pipeline_manifest("two-gpus")
+    cr["spec"]["fullPipeline"]["gpusPerReplica"] = 2
+    with pytest.raises(CommandError) as info:
+        apply(crd, kube_namespace, cr)
+    assert "spec.fullPipeline.gpusPerReplica" in info.value.stderr
+
+
+def test_a_full_pipeline_pipeline_becomes_one_worker_pool_behind_a_head_with_only_denoiser_urls(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    ns = kube_namespace
+    apply(crd, ns, full_pipeline_manifest("whole"))
+    ready = wait_phase(crd, ns, "whole", "Ready")
+    assert ready["status"]["denoiser"]["ready"] == "2/2" and "encoder" not in ready["status"]
+    objs = children(crd, ns, "whole")
+    assert sorted(k for k in objs if k.startswith("Deployment/")) == [
+        "Deployment/whole-denoiser",
+        "Deployment/whole-head",
+    ]
+    assert "--disagg-full-pipeline" in container(objs["Deployment/whole-denoiser"])["args"]
+    head = container(objs["Deployment/whole-head"])["args"]
+    assert head[head.index("--denoiser-urls") + 1] == f"dns://whole-denoiser.{ns}.svc.cluster.local:19000"
+    assert "--encoder-urls" not in head and "--decoder-urls" not in head

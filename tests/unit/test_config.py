@@ -41,6 +41,17 @@ def test_urls_are_semicolon_separated_and_pool_size_takes_units():
     assert parse("--model-path", "m", "--disagg-transfer-pool-size", "1GiB").disagg_transfer_pool_size == 1 << 30
 
 
+def test_a_head_with_only_denoiser_urls_is_a_full_pipeline_pool_and_its_workers_say_so():
+    head = parse("--model-path", "m", "--disagg-role", "server", "--denoiser-urls", "tcp://a:1;tcp://b:1")
+    assert head.denoiser_urls == ["tcp://a:1", "tcp://b:1"] and not head.encoder_urls and not head.decoder_urls
+    worker = parse("--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1",
+                   "--disagg-full-pipeline", "--encoder-cache-bytes", "64MiB")  # fmt: skip
+    assert worker.stage_role is Role.MONOLITHIC and worker.encoder_cache_bytes == 64 << 20
+    assert "--disagg-full-pipeline" in worker.to_argv()
+    assert parse("--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1"
+                 ).stage_role is Role.DENOISER  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
@@ -56,6 +67,12 @@ def test_urls_are_semicolon_separated_and_pool_size_takes_units():
         (["--num-gpus", "4", "--tp-size", "3"], "--"),
         (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--num-gpus", "4", "--denoiser-sp", "2"],
          "--denoiser-"),
+        (["--disagg-role", "decoder", "--disagg-server-addr", "tcp://h:1", "--disagg-full-pipeline"],
+         "--disagg-full-pipeline is for --disagg-role denoiser"),
+        (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--disagg-full-pipeline", "--simulate"],
+         "--disagg-full-pipeline does not support --simulate"),
+        (["--disagg-role", "server", "--denoiser-urls", "tcp://a:1", "--encoder-urls", "tcp://b:1"],
+         "or only --denoiser-urls for a full-pipeline pool"),
     ],
 )  # fmt: skip
 def test_contradictory_flags_name_the_flag(argv, flag):

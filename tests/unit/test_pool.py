@@ -34,10 +34,53 @@ def test_serve_flags_become_triptych_serve_arguments() -> None:
 
 def test_devices_are_cpu_or_gpu_indices() -> None:
     assert device_flags(["cpu"]) == (["--device", "cpu"], {})
-    assert device_flags([4, 5]) == (["--device", "cuda", "--num-gpus", "2"], {"CUDA_VISIBLE_DEVICES": "4,5"})
-    for bad in ([], ["gpu0"], [-1], [True]):
+    flags, env = device_flags([4, 5])
+    assert flags[:4] == ["--device", "cuda", "--num-gpus", "2"] and env == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert flags[4] == "--master-port" and 1 <= int(flags[5]) <= 65535  # an instance's own rendezvous port
+    assert device_flags(["cpu", "cpu"])[0][:4] == ["--device", "cpu", "--num-gpus", "2"]  # two CPU ranks
+    for bad in ([], ["gpu0"], [-1], [True], ["cpu", 1]):
         with pytest.raises(ValueError, match="give"):
             device_flags(bad)
+    with pytest.raises(ValueError, match="a GPU index appears twice"):
+        device_flags([1, 1])
+
+
+def test_the_specs_gpus_arguments_are_the_devices_arguments() -> None:
+    kwargs = {"encoder_gpus": [[0]], "denoiser_gpus": [[1, 2, 3, 4], [5, 6, 7, 8]], "decoder_gpus": [[0]]}
+    assert role_devices(kwargs) == {
+        Role.ENCODER: [[0]],
+        Role.DENOISER: [[1, 2, 3, 4], [5, 6, 7, 8]],
+        Role.DECODER: [[0]],
+    }
+    with pytest.raises(TypeError, match="denoiser_devices and denoiser_gpus are the same argument"):
+        role_devices({"denoiser_devices": [[0]], "denoiser_gpus": [[1]]})
+
+
+def test_on_cpu_gpu_index_lists_become_cpu_ranks() -> None:
+    assert role_devices({"denoiser_gpus": [[1, 2], [3, 4]]}, cpu=True) == {
+        Role.DENOISER: [["cpu", "cpu"], ["cpu", "cpu"]]
+    }
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([], r"denoiser_gpus=\[\]: give a list of instances"),
+        ("0,1", r"denoiser_gpus='0,1': give a list of instances"),
+        ([[0, 1], 2], r"denoiser_gpus\[1\]=2: an instance is a list of devices"),
+        ([[0, 1], [2, "x"]], r"denoiser_gpus\[1\]: devices \[2, 'x'\]: give"),
+        ([[0, 0]], r"denoiser_gpus\[0\]: devices \[0, 0\]: a GPU index appears twice"),
+    ],
+)
+def test_a_bad_device_list_is_refused_naming_the_argument(value, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        role_devices({"denoiser_gpus": value})
+
+
+def test_one_master_port_for_several_multi_device_instances_is_refused(tmp_path) -> None:
+    pool = triptych.launch_pool(tmp_path, denoiser_gpus=[[0, 1], [2, 3]], master_port=29500)
+    with pytest.raises(ValueError, match="master_port=29500: every multi-device instance"), pool:
+        pass
 
 
 @pytest.mark.parametrize(
@@ -45,8 +88,17 @@ def test_devices_are_cpu_or_gpu_indices() -> None:
     [
         ({"encoder_devices": [["cpu"]], "prompt_encoder_devices": [["cpu"]]}, "not both"),
         ({"image_encoder_devices": [["cpu"]]}, "needs prompt_encoder_devices"),
+        ({"full_pipeline": True, "decoder_devices": [["cpu"]]}, "full_pipeline=True runs denoiser_devices only"),
     ],
 )
 def test_contradictory_topologies_are_refused_before_anything_starts(tmp_path, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message), triptych.launch_pool(tmp_path, **kwargs):
         pass
+
+
+def test_a_full_pipeline_pool_is_denoisers_only() -> None:
+    from triptych.pool import pool_devices
+    from triptych.roles import Role
+
+    assert pool_devices({}, full_pipeline=True) == {Role.DENOISER: [("cpu",)]}
+    assert pool_devices({Role.DENOISER: [[0], [1]]}, full_pipeline=True) == {Role.DENOISER: [[0], [1]]}

@@ -167,3 +167,16 @@ def test_submit_encodes_params_as_plain_map():
     parts = encode(Submit("r", GenerationParams("a cat", 64, 32)))
     assert _unpack(parts[0])["params"] == {**_unpack(_pack(GenerationParams("", 0, 0))), "prompt": "a cat", "width": 64,
                                            "height": 32}  # fmt: skip
+
+
+def test_a_heartbeat_carries_the_topology_and_the_encoder_cache_counts_range_checked():
+    from triptych.protocol import EncoderCacheStats
+
+    stats = EncoderCacheStats(hits=3, misses=2, evictions=1, bytes=100, capacity_bytes=1000)
+    hb = Heartbeat("i", "denoiser", "", 0, 0, 2, "m", full_pipeline=True, encoder_cache=stats)
+    decoded, _ = decode(encode(hb))
+    assert decoded == hb and decoded.encoder_cache.hits == 3 and decoded.full_pipeline
+    header = _unpack(encode(hb)[0])
+    header["encoder_cache"]["hits"] = -1
+    with pytest.raises(ProtocolError, match="hits"):
+        decode([_pack(header)])

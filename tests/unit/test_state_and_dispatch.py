@@ -23,6 +23,11 @@ def test_happy_path_is_allowed():
         check_transition(a, b)
 
 
+def test_a_full_pipeline_request_has_one_hop_which_ends_it():
+    for a, b in itertools.pairwise([S.PENDING, S.DENOISING_WAITING, S.DENOISING_RUNNING, S.DONE]):
+        check_transition(a, b)
+
+
 @pytest.mark.parametrize("state", HAPPY_PATH[:-1])
 def test_any_live_state_can_fail_or_time_out(state):
     for end in (S.FAILED, S.TIMED_OUT, S.CANCELLED):

@@ -34,7 +34,7 @@ from triptych.protocol.codec import Message
 __all__ = [
     "Submit", "Cancel", "RequestEvent", "RequestResult",
     "Ping", "Work", "WorkBatch", "TransferAlloc", "TransferPush", "TransferReady", "CancelWork",
-    "Heartbeat", "Progress", "TransferStaged", "TransferAllocated",
+    "Heartbeat", "EncoderCacheStats", "Progress", "TransferStaged", "TransferAllocated",
     "TransferRefused", "TransferPushed", "Result", "Failed", "HEAD_TO_WORKER",
 ]  # fmt: skip
 
@@ -162,6 +162,16 @@ HEAD_TO_WORKER = (Ping, Work, WorkBatch, TransferAlloc, TransferPush, TransferRe
 # --- worker -> head -----------------------------------------------------------------------
 
 
+class EncoderCacheStats(msgspec.Struct, frozen=True):
+    """A worker's prompt-embedding cache since it started (--encoder-cache-bytes), for the head's /metrics."""
+
+    hits: Count = 0
+    misses: Count = 0
+    evictions: Count = 0
+    bytes: Count = 0  # held now
+    capacity_bytes: Count = 0
+
+
 class Heartbeat(Message, tag="heartbeat", frozen=True):
     instance: str
     role: str
@@ -175,6 +185,8 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     # The head (Ping.head_id) this worker serves; a head ignores heartbeats naming another head, so it
     # dispatches nothing to a worker before that worker has dropped a previous head's work.
     head_id: str = ""
+    full_pipeline: bool = False  # runs every stage and returns pixels (--disagg-full-pipeline)
+    encoder_cache: EncoderCacheStats | None = None  # None: this worker encodes no prompts
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 1  # its --batching-max-size: the largest group it runs at once
 
 

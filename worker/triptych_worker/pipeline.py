@@ -23,6 +23,7 @@ from triptych.protocol.tensors import Array
 from triptych.roles import WORKER_ROLES, Role
 from triptych_worker.adapters import FamilyAdapter, adapter_for
 from triptych_worker.batching import run_merged, split
+from triptych_worker.encoder_cache import EncoderCache
 from triptych_worker.preview import LatentPreviewer, find_projection, should_preview
 from triptych_worker.stages import PIXELS, PipelineStage, StageBatch
 
@@ -71,17 +72,41 @@ class InputValidationStage(AdapterStage):
 
 
 class TextEncodingStage(BatchedAdapterStage):
+    """The text encoders, over a batch's prompts as one forward; a prompt `cache` holds
+    (encoder_cache.py) skips them and gets the same tensors (copies) the encoders would."""
+
     role_affinity: ClassVar[Role] = Role.PROMPT_ENCODER
+
+    def __init__(self, adapter: FamilyAdapter, cache: EncoderCache | None = None):
+        super().__init__(adapter)
+        self.cache = cache
 
     def run(self, batch: StageBatch) -> None:
         self.run_batched([batch])
 
     def run_batched(self, batches: list[StageBatch]) -> list[Exception | None]:
-        # The prompts differ (the merged batch has one): the adapter encodes the list of them.
-        tensors: dict[str, Array] = {**self.adapter.encode_texts([b.params for b in batches])}
-        merged = StageBatch(params=batches[0].params, tensors=tensors)
-        split(merged, batches, self.adapter.shared_tensors)
+        misses = [b for b in batches if not self._from_cache(b)]
+        if misses:
+            # The prompts differ (a merged batch has one): the adapter encodes the list of them.
+            tensors: dict[str, Array] = {**self.adapter.encode_texts([b.params for b in misses])}
+            encoded = [StageBatch(params=b.params) for b in misses]
+            split(StageBatch(params=misses[0].params, tensors=tensors), encoded, self.adapter.shared_tensors)
+            for batch, own in zip(misses, encoded, strict=True):
+                batch.tensors.update(own.tensors)
+                if self.cache is not None:
+                    self.cache.put(
+                        self._key(batch.params), {n: cast("torch.Tensor", t) for n, t in own.tensors.items()}
+                    )
         return [None] * len(batches)
+
+    def _key(self, params: GenerationParams) -> tuple[Any, ...]:
+        return (self.adapter.package.path, *self.adapter.text_encoding_key(params))
+
+    def _from_cache(self, batch: StageBatch) -> bool:
+        cached = None if self.cache is None else self.cache.get(self._key(batch.params))
+        if cached is not None:
+            batch.tensors.update(cached)
+        return cached is not None
 
 
 class ImageEncodingStage(AdapterStage):
@@ -144,6 +169,11 @@ class RolePipeline:
     role: Role
     stages: list[PipelineStage]
     adapter: FamilyAdapter
+
+    @property
+    def encoder_cache(self) -> EncoderCache | None:
+        """The prompt-embedding cache of this role's text encoding, if it encodes prompts and keeps one."""
+        return next((s.cache for s in self.stages if isinstance(s, TextEncodingStage) and s.cache is not None), None)
 
     @property
     def stage_names(self) -> list[str]:
@@ -220,8 +250,9 @@ class RolePipeline:
         return outcomes
 
 
-def load_role_pipeline(model_path: str, role: Role, device: str = "cpu") -> RolePipeline:
-    """Build `role`'s stages for the diffusers package at `model_path`, loading only their weights.
+def load_role_pipeline(model_path: str, role: Role, device: str = "cpu", encoder_cache_bytes: int = 0) -> RolePipeline:
+    """Build `role`'s stages for the diffusers package at `model_path`, loading only their weights;
+    its text encoding keeps up to `encoder_cache_bytes` of prompt embeddings (0: no cache).
 
     Raises ValueError for an unsupported pipeline class or a role this family has no stages for.
     """
@@ -237,4 +268,8 @@ def load_role_pipeline(model_path: str, role: Role, device: str = "cpu") -> Role
     for stage in stage_classes:
         components |= adapter.components_for(stage.__name__)
     adapter.load(components)
-    return RolePipeline(family=family, role=role, stages=[stage(adapter) for stage in stage_classes], adapter=adapter)
+    cache = EncoderCache(encoder_cache_bytes) if encoder_cache_bytes else None
+    stages: list[PipelineStage] = [
+        TextEncodingStage(adapter, cache) if s is TextEncodingStage else s(adapter) for s in stage_classes
+    ]
+    return RolePipeline(family=family, role=role, stages=stages, adapter=adapter)

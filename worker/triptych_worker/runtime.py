@@ -1,4 +1,5 @@
-"""The worker process: one role's stages behind a ZMQ work socket and a Mooncake transfer pool.
+"""The worker process: one role's stages behind a ZMQ work socket and a Mooncake transfer pool
+(a full-pipeline worker, --disagg-full-pipeline: every stage, pixels back to the head, no Mooncake).
 
 Two threads share the work as leader and follower. The leader owns the work socket and the
 Mooncake writes under way: it receives head messages, answers pings and allocations, starts
@@ -35,6 +36,7 @@ from triptych.ports import result_endpoint, tcp_url
 from triptych.protocol import (
     HEAD_TO_WORKER,
     CancelWork,
+    EncoderCacheStats,
     Failed,
     Heartbeat,
     Ping,
@@ -62,8 +64,10 @@ from triptych_worker.preview import LatentPreviewer, should_preview
 from triptych_worker.simulated import SimulatedPipeline
 from triptych_worker.stages import PIXELS, StageBatch
 from triptych_worker.transfer import (
+    ALIGNMENT,
     Allocation,
     MooncakeTransport,
+    NoTransport,
     PayloadTooLarge,
     PendingWrite,
     TransferError,
@@ -154,18 +158,30 @@ class Worker:
         if pipeline is None:
             from triptych_worker.pipeline import load_role_pipeline
 
-            pipeline = load_role_pipeline(args.model_path, self.role, args.resolved_device)
+            pipeline = load_role_pipeline(
+                args.model_path, args.stage_role, args.resolved_device, encoder_cache_bytes=args.encoder_cache_bytes
+            )
             log.info("%s: %s", self.role.value, pipeline.describe())
         self.pipeline = pipeline
         make_previewer = getattr(pipeline, "previewer", None)  # only real stages hold latents to preview
         self.previewer: LatentPreviewer | None = make_previewer() if make_previewer is not None else None
-        self.transport = MooncakeTransport(args.disagg_p2p_hostname, args.disagg_ib_device)
-        self.pool = TransferPool(
-            args.disagg_transfer_pool_size,
-            role=self.role.value,
-            transport=self.transport,
-            memory="numpy" if simulated else "torch",
-        )
+        # A full-pipeline worker (--disagg-full-pipeline) runs every stage and returns pixels, like a
+        # decoder: no tensor moves to or from another worker, so it starts no Mooncake engine and keeps
+        # only a token pool (nothing is ever staged in it or allocated from it).
+        self.full_pipeline = args.disagg_full_pipeline
+        self.returns_pixels = self.role is Role.DECODER or self.full_pipeline
+        self.transport: MooncakeTransport | NoTransport
+        if self.full_pipeline:
+            self.transport = NoTransport()
+            self.pool = TransferPool(ALIGNMENT, role=self.role.value, memory="numpy")
+        else:
+            self.transport = MooncakeTransport(args.disagg_p2p_hostname, args.disagg_ib_device)
+            self.pool = TransferPool(
+                args.disagg_transfer_pool_size,
+                role=self.role.value,
+                transport=self.transport,
+                memory="numpy" if simulated else "torch",
+            )
         self.head_endpoint = result_endpoint(args.disagg_server_addr or "", self.role)
         self.work_endpoint = tcp_url(args.disagg_p2p_hostname, args.scheduler_port)
         self.instance = ""  # learned from the head's first message: the URL the head knows us by
@@ -202,8 +218,10 @@ class Worker:
         for t in threads:
             t.start()
         log.info(
-            "%s ready: work %s, results to %s, transfer session %s, pool %d bytes, control plane %s",
-            self.role.value, self.work_endpoint, self.head_endpoint, self.transport.session_id, self.pool.pool_bytes,
+            "%s ready: work %s, results to %s, %s, control plane %s",
+            self.role.value, self.work_endpoint, self.head_endpoint,
+            "full pipeline (no transfers, no Mooncake)" if self.full_pipeline else
+            f"transfer session {self.transport.session_id}, pool {self.pool.pool_bytes} bytes",
             "authenticated (CURVE)" if self.security.authenticated else "UNAUTHENTICATED",
         )  # fmt: skip
         try:
@@ -376,15 +394,22 @@ class Worker:
             instance=self.instance,
             role=self.role.value,
             session=self.transport.session_id,
-            pool_bytes=self.pool.pool_bytes,
-            free_bytes=self.pool.free_bytes,
+            # A full-pipeline worker's token pool takes no transfer: it reports none.
+            pool_bytes=0 if self.full_pipeline else self.pool.pool_bytes,
+            free_bytes=0 if self.full_pipeline else self.pool.free_bytes,
             capacity=self.args.worker_capacity * self.args.batching_max_size,  # that many batches
             model=self.args.model_path,
             standing_bytes=self.pool.reserved_bytes(list(self._standing.values())),
             draining=self._drain_requested.is_set(),
             head_id=self._head_id,
             max_batch=self.args.batching_max_size,
+            full_pipeline=self.full_pipeline,
+            encoder_cache=self._encoder_cache_stats(),
         )
+
+    def _encoder_cache_stats(self) -> EncoderCacheStats | None:
+        cache = getattr(self.pipeline, "encoder_cache", None)  # only model pipelines that encode prompts have one
+        return None if cache is None else cache.stats()
 
     def _on_message(self, link: HeadLink, parts: list[Any]) -> None:
         try:
@@ -643,7 +668,7 @@ class Worker:
         role; the report to send the head (None: cancelled meanwhile, nothing to report)."""
         if self._is_cancelled(job.request_id):  # cancelled while its batch ran on: discarded
             raise RequestCancelled(job.request_id)
-        if self.role is Role.DECODER:
+        if self.returns_pixels:
             specs, frames = tensors_to_frames({PIXELS: batch.tensors[PIXELS]})
             seconds = time.perf_counter() - started
             return Result(job.request_id, self.instance, specs, seconds, batch_size, leader), frames
@@ -729,10 +754,12 @@ def run_worker(args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | Par
     First re-executes the process under the bind shim unless it runs under it already, so that
     Mooncake listens on --disagg-p2p-hostname only (triptych_worker.transfer.listeners).
     """
-    confine_mooncake_listeners(args)
+    if not args.disagg_full_pipeline:  # a full-pipeline worker starts no Mooncake engine
+        confine_mooncake_listeners(args)
     worker = Worker(args, pipeline)
     try:
-        check_mooncake_listeners(args)
+        if not args.disagg_full_pipeline:
+            check_mooncake_listeners(args)
     except ConfigError:
         worker.transport.close()
         raise

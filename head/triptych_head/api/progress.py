@@ -3,10 +3,11 @@
 Each request that someone may watch has a ProgressFeed. The backend reports its events
 (RequestEvent: state changes, every denoising step, a preview PNG every k steps) on the event
 loop; the feed turns each into one SSE message and offers it to every subscriber's bounded
-queue, which never waits. A subscriber that does not keep up (a stalled connection) loses its
-oldest messages (beyond 64 of them or 4 MiB) and is told how many (`dropped`); its last
-message, how the request ended, always arrives. So a slow client costs the request nothing,
-and the head a bounded buffer.
+queue, which never waits. A subscriber joining a running request late gets its last preview
+and its latest message first; one joining after the end, only the end. A subscriber that does
+not keep up (a stalled connection) loses its oldest messages (beyond 64 of them or 4 MiB) and
+is told how many (`dropped`); its last message, how the request ended, always arrives. So a
+slow client costs the request nothing, and the head a bounded buffer.
 
     event: state      data: {"id", "state", "role"}
     event: step       data: {"id", "state", "role", "step", "total_steps", "preview"?: base64 PNG}
@@ -118,6 +119,7 @@ class ProgressFeed:
         self.request_id = request_id
         self.subscribers: set[Subscriber] = set()
         self.latest: SSEMessage | None = None  # what a subscriber joining late sees first
+        self.latest_preview: SSEMessage | None = None  # and the last preview before it, if the latest has none
         self.final: SSEMessage | None = None
 
     def on_event(self, event: RequestEvent) -> None:
@@ -129,6 +131,8 @@ class ProgressFeed:
             return
         if msg.terminal:
             self.final = msg
+        if "preview" in msg.data:
+            self.latest_preview = msg
         self.latest = msg
         for sub in self.subscribers:
             sub.offer(msg)
@@ -137,6 +141,8 @@ class ProgressFeed:
 
     def subscribe(self) -> Subscriber:
         sub = Subscriber()
+        if self.final is None and self.latest_preview not in (None, self.latest):
+            sub.offer(self.latest_preview)  # a page opened after the last preview still shows it
         if self.latest is not None:
             sub.offer(self.latest)
         if self.final is None:

@@ -4,7 +4,7 @@ triptych.families', which the head reads without this package)."""
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 from triptych.families import FamilyRules, ModelPackage
@@ -97,6 +97,11 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
     def encode_texts(self, params: Sequence[GenerationParams]) -> dict[str, torch.Tensor]:
         """The text embeddings of compatible requests' prompts as one batch: rows in request order
         (num_outputs each), shared tensors once."""
+
+    @abc.abstractmethod
+    def text_encoding_key(self, params: GenerationParams) -> tuple[Hashable, ...]:
+        """Every request parameter `encode_texts` reads: two requests with the same key get the same
+        embeddings, so the prompt-embedding cache (encoder_cache.py) keys on it."""
 
     def encode_image(self, batch: StageBatch) -> None:
         """Encode the request's reference image (families that take one override this)."""

@@ -18,7 +18,7 @@ torch and diffusers are imported inside methods so the head can validate without
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -65,6 +65,10 @@ class FluxAdapter(FamilyAdapter[FluxRules]):
             max_sequence_length=p.max_sequence_length,
         )
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled, "text_ids": text_ids}
+
+    def text_encoding_key(self, params: GenerationParams) -> tuple[Hashable, ...]:
+        # No negative prompt (rejected) and no guidance: FLUX.1 embeds guidance in the transformer.
+        return params.prompt, params.num_outputs, params.max_sequence_length
 
     def encode_image(self, batch: StageBatch) -> None:
         import torch

@@ -14,7 +14,7 @@ torch and diffusers are imported inside methods so the head can validate without
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
@@ -60,6 +60,11 @@ class WanAdapter(FamilyAdapter[WanRules]):
         if negative_embeds is None:
             return {"prompt_embeds": prompt_embeds}
         return {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_embeds}
+
+    def text_encoding_key(self, params: GenerationParams) -> tuple[Hashable, ...]:
+        # The negative prompt is encoded only when classifier-free guidance runs (guidance_scale > 1).
+        p = params
+        return p.prompt, p.negative_prompt, _uses_cfg(p), p.num_outputs, p.max_sequence_length
 
     def prepare_latents(self, batch: StageBatch) -> None:
         import torch

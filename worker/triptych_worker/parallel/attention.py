@@ -36,6 +36,8 @@ class SequenceParallelAttention:
     this rank computed; `seconds` the time in attention (communication included).
     """
 
+    kind = "attention"
+
     def __init__(self, mesh: RankMesh):
         self.mesh = mesh
         self.text_tokens = 0

@@ -2,8 +2,10 @@
 
 | family | CFG parallel | Ulysses | Ring | TP | --decoder-sp | encoder ranks |
 |---|---|---|---|---|---|---|
-| wan | 2 (negative prompt branch) | divides the heads | yes | no | no | no |
-| flux, flux-kontext | no: embedded guidance, one branch | divides the heads | yes | no | no | no |
+| wan | 2 (negative prompt branch) | divides the heads | yes | divides heads, ffn_dim | row bands | no |
+| flux, flux-kontext | no: embedded guidance, one branch | divides the heads | yes | divides the heads | no | no |
+
+TP (tensor.py) splits the heads first: Ulysses then divides each TP rank's heads.
 
 Unless `--denoiser-ulysses`/`--denoiser-ring` are given, the Ulysses degree is the largest that
 divides both the heads and sp, and the ring takes the rest. `check_degrees` runs at startup (a
@@ -46,16 +48,13 @@ def check_degrees(args: ServeArgs, family: str, adapter: FamilyAdapter) -> Paral
     """The degrees this role runs, or ConfigError naming the flag a family cannot run."""
     degrees = args.parallelism()
     n = args.num_gpus
+    if args.disagg_role is Role.DECODER:
+        return _decoder_degrees(args, family, degrees)
     if args.disagg_role is not Role.DENOISER:
         what = ", ".join(flag(a) for a in ROLE_PARALLEL_FLAGS.get(args.disagg_role, {}).values()) or "parallelism"
         raise ConfigError(
             f"--num-gpus {n} on the {args.disagg_role.value}: {what} is not supported for {family}; "
-            f"only the denoiser runs on several devices (give this role --num-gpus 1)"
-        )
-    if degrees.tp > 1:
-        raise ConfigError(
-            f"{degree_flag(args, 'tp')} {degrees.tp}: tensor parallelism is not supported for {family}; "
-            f"use --cfg-parallel-size, --denoiser-ulysses and --denoiser-ring"
+            f"only the denoiser and the Wan decoder run on several devices (give this role --num-gpus 1)"
         )
     if degrees.cfg > 2:
         raise ConfigError(f"--cfg-parallel-size {degrees.cfg}: a step has at most 2 guidance branches; use 1 or 2")
@@ -64,15 +63,47 @@ def check_degrees(args: ServeArgs, family: str, adapter: FamilyAdapter) -> Paral
             f"--cfg-parallel-size {degrees.cfg}: {family} uses embedded guidance (one transformer pass per step), "
             f"there are no two guidance branches to split; use --denoiser-ulysses/--denoiser-ring instead"
         )
-    heads = int(adapter.package.config("transformer")["num_attention_heads"])
+    config = adapter.package.config("transformer")
+    for what, width in tp_widths(config, family).items():
+        if width % degrees.tp:
+            raise ConfigError(
+                f"{degree_flag(args, 'tp')} {degrees.tp} does not divide the model's {width} {what}; "
+                f"use a TP degree that divides {width}"
+            )
+    heads = int(config["num_attention_heads"]) // degrees.tp  # each TP rank's heads
     if args.denoiser_ulysses is None and args.denoiser_ring is None:
         # Derived, not chosen: Ulysses takes what the heads allow, the ring the rest.
         ulysses = math.gcd(heads, degrees.sp)
         degrees = dataclasses.replace(degrees, ulysses=ulysses, ring=degrees.sp // ulysses)
     if heads % degrees.ulysses:
+        per_rank = f" ({heads} per TP rank)" if degrees.tp > 1 else ""
         raise ConfigError(
-            f"{degree_flag(args, 'ulysses')} {degrees.ulysses} does not divide the model's {heads} attention heads; "
-            f"use a divisor of {heads} (and --denoiser-ring for the rest)"
+            f"{degree_flag(args, 'ulysses')} {degrees.ulysses} does not divide the model's {heads * degrees.tp} "
+            f"attention heads{per_rank}; use a divisor of {heads} (and --denoiser-ring for the rest)"
+        )
+    return degrees
+
+
+def tp_widths(config: dict[str, Any], family: str) -> dict[str, int]:
+    """What the TP degree must divide, by what it is (FLUX's MLPs are 4 x heads x head_dim wide)."""
+    widths = {"attention heads": int(config["num_attention_heads"])}
+    if family == "wan":
+        widths["feed-forward units (ffn_dim)"] = int(config["ffn_dim"])
+    return widths
+
+
+def _decoder_degrees(args: ServeArgs, family: str, degrees: Parallelism) -> Parallelism:
+    for degree in ("tp", "cfg"):
+        if getattr(degrees, degree) > 1:
+            raise ConfigError(
+                f"{degree_flag(args, degree)} {getattr(degrees, degree)}: the decoder splits its work by "
+                f"--decoder-sp only; leave {degree_flag(args, degree)} unset on the decoder"
+            )
+    if family != "wan":
+        raise ConfigError(
+            f"{degree_flag(args, 'sp')} {degrees.sp}: {family} decodes single images with a 2D VAE whose "
+            f"GroupNorm spans the whole image, so bands of rows cannot decode apart, and an image decode is "
+            f"short; run more decoder replicas with --num-gpus 1 instead"
         )
     return degrees
 
@@ -87,8 +118,20 @@ def sequence_lengths(adapter: FamilyAdapter, family: str, params: GenerationPara
     return {"size": latents.shape[1], "max_sequence_length": params.max_sequence_length}
 
 
-def check_request(adapter: FamilyAdapter, family: str, params: GenerationParams, degrees: Parallelism) -> None:
-    """Raise ValueError naming the field when the request's tokens do not split over the sp ranks."""
+def check_request(
+    adapter: FamilyAdapter, family: str, params: GenerationParams, degrees: Parallelism, role: Role = Role.DENOISER
+) -> None:
+    """Raise ValueError naming the field when the request's tokens (rows, for the decoder) do not split over
+    the sp ranks."""
+    if role is Role.DECODER:
+        latents = next(spec for spec in adapter.output_specs(Role.DENOISER, params) if spec.name == "latents")
+        rows = latents.shape[3]  # [n, C, T', H', W']
+        if rows % degrees.sp:
+            raise ValueError(
+                f"size: the request's height makes {rows} latent rows, which do not split over this decoder's "
+                f"{degrees.sp} ranks; choose a height giving a multiple of {degrees.sp} latent rows"
+            )
+        return
     for field, tokens in sequence_lengths(adapter, family, params).items():
         if tokens % degrees.sp:
             raise ValueError(

@@ -53,6 +53,7 @@ class RankMesh:
     ulysses_group: dist.ProcessGroup | None = None
     ring_group: dist.ProcessGroup | None = None
     cfg_group: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None
     sp_ranks: list[int] = field(default_factory=list)
     ring_ranks: list[int] = field(default_factory=list)
     comm: CommTimer = field(default_factory=CommTimer)
@@ -91,6 +92,7 @@ class RankMesh:
             ("ulysses", layout.ulysses_groups()),
             ("ring", layout.ring_groups()),
             ("cfg", layout.cfg_groups()),
+            ("tp", layout.tp_groups()),
         ):
             for ranks in groups:
                 group = dist.new_group(ranks, timeout=STEP_TIMEOUT)
@@ -122,6 +124,16 @@ class RankMesh:
         self.comm.seconds += time.perf_counter() - started
         return torch.cat(parts, dim=dim)
 
+    def all_reduce_sum(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """The sum of every group member's `tensor` (a new tensor)."""
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        total = tensor.contiguous().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        self.comm.seconds += time.perf_counter() - started
+        return total
+
     def all_to_all(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """Exchange the first-dimension chunks of `tensor`: chunk j goes to member j, which sends back its chunk."""
         import torch
@@ -151,3 +163,26 @@ class RankMesh:
                 request.wait()
         self.comm.seconds += time.perf_counter() - started
         return received
+
+    def exchange_edges(
+        self, first: torch.Tensor, last: torch.Tensor, ranks: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Along the chain `ranks`: send `first` to the previous rank and `last` to the next one; return
+        (the previous rank's `last`, the next rank's `first`), zeros where the chain ends."""
+        import torch
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        me = ranks.index(self.rank)
+        before = torch.zeros_like(last)
+        after = torch.zeros_like(first)
+        requests = []
+        if me > 0:
+            requests += [dist.isend(first.contiguous(), ranks[me - 1], tag=1), dist.irecv(before, ranks[me - 1], tag=2)]
+        if me < len(ranks) - 1:
+            requests += [dist.isend(last.contiguous(), ranks[me + 1], tag=2), dist.irecv(after, ranks[me + 1], tag=1)]
+        for request in requests:
+            if request is not None:
+                request.wait()
+        self.comm.seconds += time.perf_counter() - started
+        return before, after

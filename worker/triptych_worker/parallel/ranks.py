@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,15 +31,13 @@ from triptych.config import ServeArgs
 from triptych.parallelism import Parallelism
 from triptych_worker.adapters import adapter_for
 from triptych_worker.parallel import families
-from triptych_worker.parallel.attention import SequenceParallelAttention, use_sequence_parallel
+from triptych_worker.parallel.apply import WorkCounter, parallelize, parameter_bytes
 from triptych_worker.parallel.jobs import StopFollowing, receive_job, send_job, step_flag
 from triptych_worker.parallel.layout import RankLayout
 from triptych_worker.parallel.mesh import RankMesh
 from triptych_worker.stages import ProgressCallback, StageBatch
 
 if TYPE_CHECKING:
-    import torch
-
     from triptych_worker.pipeline import RolePipeline
 
 log = logging.getLogger(__name__)
@@ -62,16 +59,16 @@ def rank_device(args: ServeArgs, rank: int) -> str:
 
 @dataclass
 class Rank:
-    """One rank's loaded stages, its place in the mesh and its attention counters."""
+    """One rank's loaded stages, its place in the mesh and its work counter."""
 
     pipeline: RolePipeline
     mesh: RankMesh
-    attention: SequenceParallelAttention
+    work: WorkCounter
     family: str
 
     @classmethod
     def start(cls, args: ServeArgs, rank: int) -> Rank:
-        """Check the degrees against the family, load the stages, join the other ranks, shard the transformer."""
+        """Check the degrees against the family, load the stages, join the other ranks, split the model."""
         from triptych_worker.pipeline import load_role_pipeline
 
         family, adapter = adapter_for(args.model_path)
@@ -79,14 +76,7 @@ class Rank:
         device = rank_device(args, rank)
         pipeline = load_role_pipeline(args.model_path, args.disagg_role, device)
         mesh = RankMesh.join(rank, degrees, device, master_port(args))
-        attention = SequenceParallelAttention(mesh)
-        transformer = pipeline.adapter.pipe.transformer
-        use_sequence_parallel(transformer, attention)  # with sp 1 it only counts this rank's attention work
-        if degrees.sp > 1:
-            families.shard_sequence(transformer, family, mesh, attention)
-        if degrees.cfg > 1:
-            pipeline.adapter.run_branches = _CfgBranches(mesh)
-        return cls(pipeline, mesh, attention, family)
+        return cls(pipeline, mesh, parallelize(pipeline, mesh), family)
 
     @property
     def degrees(self) -> Parallelism:
@@ -96,27 +86,14 @@ class Rank:
         self.mesh.comm.reset()
         return self.pipeline.run(batch)
 
-    def gather_counters(self) -> list[tuple[int, float]]:
-        """(attention work, seconds in collectives) of every rank, gathered at rank 0 after a job."""
+    def gather_counters(self) -> list[tuple[int, float, int]]:
+        """(work, seconds in collectives, parameter bytes held) of every rank, gathered at rank 0 after a job."""
         import torch
 
-        mine = torch.tensor([float(self.attention.work), self.mesh.comm.seconds], dtype=torch.float64)
-        gathered = self.mesh.all_gather_cat(mine.to(self.mesh.device), None, dim=0).view(-1, 2).cpu()
-        return [(int(work), float(seconds)) for work, seconds in gathered.tolist()]
-
-
-class _CfgBranches:
-    """CFG parallel: each rank runs the guidance branch of its CFG index; the group shares the results."""
-
-    def __init__(self, mesh: RankMesh):
-        self.mesh = mesh
-
-    def __call__(self, branches: Sequence[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
-        if len(branches) != self.mesh.degrees.cfg:  # e.g. a request without guidance: every rank runs it all
-            return [branch() for branch in branches]
-        mine = branches[self.mesh.layout.cfg_index(self.mesh.rank)]()
-        joined = self.mesh.all_gather_cat(mine.unsqueeze(0), self.mesh.cfg_group, dim=0)
-        return list(joined.unbind(0))
+        held = float(parameter_bytes(self.pipeline))
+        mine = torch.tensor([float(self.work.work), self.mesh.comm.seconds, held], dtype=torch.float64)
+        gathered = self.mesh.all_gather_cat(mine.to(self.mesh.device), None, dim=0).view(-1, 3).cpu()
+        return [(int(work), float(seconds), int(held)) for work, seconds, held in gathered.tolist()]
 
 
 class ParallelPipeline:
@@ -125,12 +102,12 @@ class ParallelPipeline:
     def __init__(self, rank: Rank, followers: list[subprocess.Popen[bytes]]):
         self.rank = rank
         self.followers = followers
-        self.last_counters: list[tuple[int, float]] = []
+        self.last_counters: list[tuple[int, float, int]] = []
         self.last_fanout_s = 0.0  # what handing the job's inputs to the followers added to this hop
 
     def run(self, batch: StageBatch) -> StageBatch:
         adapter = self.rank.pipeline.adapter
-        families.check_request(adapter, self.rank.family, batch.params, self.rank.degrees)
+        families.check_request(adapter, self.rank.family, batch.params, self.rank.degrees, self.rank.pipeline.role)
         started = time.perf_counter()
         send_job(self.rank.mesh, batch)
         self.last_fanout_s = time.perf_counter() - started
@@ -148,10 +125,11 @@ class ParallelPipeline:
         elapsed = time.perf_counter() - started
         self.last_counters = self.rank.gather_counters()
         log.info(
-            "parallel job (%s): inputs to the followers in %.4fs, ran in %.3fs; attention work per rank %s; "
-            "seconds in collectives per rank %s",
-            _describe(self.rank.degrees), self.last_fanout_s, elapsed, [w for w, _ in self.last_counters],
-            [round(s, 4) for _, s in self.last_counters],
+            "parallel job (%s): inputs to the followers in %.4fs, ran in %.3fs; %s work per rank %s; "
+            "seconds in collectives per rank %s; parameter bytes per rank %s",
+            _describe(self.rank.degrees), self.last_fanout_s, elapsed, self.rank.work.kind,
+            [w for w, _, _ in self.last_counters], [round(s, 4) for _, s, _ in self.last_counters],
+            [b for _, _, b in self.last_counters],
         )  # fmt: skip
         return batch
 
@@ -181,7 +159,7 @@ def _exit_instance() -> None:
 
 
 def _describe(d: Parallelism) -> str:
-    return f"cfg {d.cfg} x ulysses {d.ulysses} x ring {d.ring}"
+    return f"cfg {d.cfg} x ulysses {d.ulysses} x ring {d.ring} x tp {d.tp}"
 
 
 def start_ranks(args: ServeArgs) -> ParallelPipeline:

@@ -7,7 +7,7 @@ tensors out of its slot (load_tensors) and frees it.
 """
 
 from .allocator import ALIGNMENT
-from .engine import MooncakeTransport, PendingWrite
+from .engine import MooncakeTransport, NoTransport, PendingWrite
 from .errors import MooncakeNotInstalled, PayloadTooLarge, TransferError, TransferStalled
 from .pool import Allocation, MemoryRegistrar, TransferPool
 from .tensors import StagedTensors, check_manifest, layout, load_tensors, stage_tensors
@@ -18,6 +18,7 @@ __all__ = [
     "MemoryRegistrar",
     "MooncakeNotInstalled",
     "MooncakeTransport",
+    "NoTransport",
     "PayloadTooLarge",
     "PendingWrite",
     "StagedTensors",

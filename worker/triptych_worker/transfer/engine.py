@@ -189,3 +189,16 @@ class PendingWrite:
         """Block until `done()`; raises as it does."""
         while not self.done():
             self.pause()
+
+
+class NoTransport:
+    """A full-pipeline worker's transport (--disagg-full-pipeline): it neither sends nor receives
+    tensors (only pixels to the head, over ZMQ), so no Mooncake engine starts and no memory is registered."""
+
+    session_id = ""  # heartbeats name no transfer session: the head never reserves a slot on it
+
+    def submit_write(self, dest_session: str, local_addr: int, dest_addr: int, nbytes: int) -> PendingWrite:
+        raise TransferError("a full-pipeline worker writes no tensors to other workers")
+
+    def close(self) -> None:
+        pass
