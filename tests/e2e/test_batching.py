@@ -173,3 +173,17 @@ def test_requests_in_one_batch_each_stream_their_own_steps_and_previews(batching
         steps = [e.data for e in events if e.event == "step"]
         assert [s["step"] for s in steps] == [1, 2, 3] and all("preview" in s for s in steps)
         assert events[-1].event == "completed"
+
+
+def test_a_full_pipeline_worker_batches_through_the_same_stages(tiny_models: dict[str, Path], tmp_path: Path):
+    """A head with only --denoiser-urls and one --disagg-full-pipeline worker: every stage batched."""
+    requests = [{**BASE, "prompt": f"a harbour {i}", "seed": 70 + i} for i in range(8)]
+    with deployment(
+        tiny_models["tiny-flux"], tmp_path, denoisers=1, full_pipeline=True, head_flags=HEAD_FLAGS,
+        worker_flags=("--batching-max-size", "4"),
+    ) as dep, dep.client() as c:  # fmt: skip
+        batched = concurrently(dep, requests)
+        ran = histograms(c, "triptych_worker_batch_size")
+        assert ran["denoiser"]["sum"] == 8 and ran["denoiser"]["count"] <= 2, ran
+        for request, image in zip(requests, batched, strict=True):
+            assert_close(image, generate(c, request))
