@@ -38,7 +38,7 @@ def test_a_subscriber_that_never_reads_keeps_the_newest_messages_and_learns_how_
     assert got[-1] == ("completed", {"id": "r1"})
 
 
-def test_a_late_subscriber_starts_from_the_latest_event_and_one_after_the_end_gets_only_the_end():
+def test_a_late_subscriber_gets_what_it_missed_and_one_after_the_end_gets_only_the_end():
     async def run() -> tuple[list, list]:
         feed = ProgressFeed("r2")
         feed.on_event(RequestEvent("r2", "ENCODER_RUNNING"))
@@ -67,6 +67,23 @@ def test_a_subscriber_joining_after_the_last_preview_sees_it_then_the_latest_sta
     got = asyncio.run(run())
     assert [e for e, _ in got] == ["step", "state", "completed"]
     assert got[0][1]["preview"] == "iVBORw==" and got[1][1]["role"] == "decoder"
+
+
+def test_a_late_subscriber_gets_the_newest_history_and_how_much_it_missed():
+    async def run() -> list:
+        feed = ProgressFeed("r4")
+        feed.on_event(RequestEvent("r4", "ENCODER_RUNNING"))
+        for step in range(1, 101):
+            feed.on_event(RequestEvent("r4", "DENOISING_RUNNING", step=step, total_steps=100))
+        late = feed.subscribe()
+        feed.publish(SSEMessage("completed", {"id": "r4"}))
+        return await read_all(feed, late)
+
+    got = asyncio.run(run())
+    # As for one subscribed from the start that never read: 102 messages, the newest 64 kept.
+    assert got[0] == ("dropped", {"id": "r4", "dropped": 102 - QUEUE_LIMIT})
+    assert [d["step"] for e, d in got if e == "step"] == list(range(102 - QUEUE_LIMIT, 101))
+    assert got[-1] == ("completed", {"id": "r4"})
 
 
 def test_states_name_the_role_a_request_is_at():

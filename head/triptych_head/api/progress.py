@@ -3,11 +3,13 @@
 Each request that someone may watch has a ProgressFeed. The backend reports its events
 (RequestEvent: state changes, every denoising step, a preview PNG every k steps) on the event
 loop; the feed turns each into one SSE message and offers it to every subscriber's bounded
-queue, which never waits. A subscriber joining a running request late gets its last preview
-and its latest message first; one joining after the end, only the end. A subscriber that does
-not keep up (a stalled connection) loses its oldest messages (beyond 64 of them or 4 MiB) and
-is told how many (`dropped`); its last message, how the request ended, always arrives. So a
-slow client costs the request nothing, and the head a bounded buffer.
+queue, which never waits. A subscriber that does not keep up (a stalled connection) loses its
+oldest messages (beyond 64 of them or 4 MiB) and is told how many (`dropped`); its last message,
+how the request ended, always arrives. So a slow client costs the request nothing, and the head a
+bounded buffer. The feed keeps the running request's recent history alike (64 messages, 1 MiB):
+a subscriber joining late (a video's events asked for after the POST, a reloaded page) gets it
+first, as if it had been there from the start, or told how many it missed; one joining after the
+end gets only the end.
 
     event: state      data: {"id", "state", "role"}
     event: step       data: {"id", "state", "role", "step", "total_steps", "preview"?: base64 PNG}
@@ -33,6 +35,7 @@ from triptych.protocol import RequestEvent
 
 QUEUE_LIMIT = 64  # messages a subscriber may fall behind before it loses the oldest
 QUEUE_BYTES = 4 << 20  # and bytes (previews are up to ~260 KB each as base64)
+HISTORY_BYTES = 1 << 20  # what a running request's feed keeps for subscribers joining late
 KEEPALIVE_S = 15.0  # a comment line while nothing happens, so proxies keep the connection open
 TERMINAL_EVENTS = ("completed", "error")
 
@@ -92,6 +95,12 @@ class Subscriber:
             self.dropped += 1
         self._wake.set()
 
+    def replay(self, history: Subscriber) -> None:
+        """Start with what `history` holds (and the count it lost), as if subscribed all along."""
+        self.dropped += history.dropped
+        for msg in history._queue:
+            self.offer(msg)
+
     async def messages(self, request_id: str) -> AsyncIterator[bytes]:
         """The encoded messages, in order, until the terminal one; keep-alive comments in between."""
         while True:
@@ -118,8 +127,7 @@ class ProgressFeed:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.subscribers: set[Subscriber] = set()
-        self.latest: SSEMessage | None = None  # what a subscriber joining late sees first
-        self.latest_preview: SSEMessage | None = None  # and the last preview before it, if the latest has none
+        self.history = Subscriber(QUEUE_LIMIT, HISTORY_BYTES)  # never read: what a late subscriber missed
         self.final: SSEMessage | None = None
 
     def on_event(self, event: RequestEvent) -> None:
@@ -131,21 +139,20 @@ class ProgressFeed:
             return
         if msg.terminal:
             self.final = msg
-        if "preview" in msg.data:
-            self.latest_preview = msg
-        self.latest = msg
+        else:
+            self.history.offer(msg)
         for sub in self.subscribers:
             sub.offer(msg)
         if msg.terminal:
             self.subscribers.clear()
+            self.history = Subscriber()  # the end is all a later subscriber gets
 
     def subscribe(self) -> Subscriber:
         sub = Subscriber()
-        if self.final is None and self.latest_preview not in (None, self.latest):
-            sub.offer(self.latest_preview)  # a page opened after the last preview still shows it
-        if self.latest is not None:
-            sub.offer(self.latest)
-        if self.final is None:
+        if self.final is not None:
+            sub.offer(self.final)
+        else:
+            sub.replay(self.history)
             self.subscribers.add(sub)
         return sub
 
