@@ -23,8 +23,6 @@ from typing import Any
 
 from triptych.params import GenerationParams
 
-BATCHING_MODES = ("off", "dynamic")
-
 
 def batch_key(params: GenerationParams, request_id: str = "") -> tuple[Any, ...]:
     """Requests with equal keys may run as one batch; `request_id` keeps an edit's key its own."""

@@ -7,7 +7,6 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from triptych.batching import BATCHING_MODES
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
 from triptych.ports import (
     DEFAULT_HTTP_PORT,
@@ -30,6 +29,7 @@ HEAD_SHUTDOWN_OVERHEAD_S = 15.0
 DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
 DEFAULT_RESULTS_MAX_BYTES = 5 << 30
 DISPATCH_POLICIES = ("round_robin", "max_free_slots")
+BATCHING_MODES = ("off", "dynamic")  # dynamic: the head groups compatible requests (triptych.batching)
 # --max-request-bytes: room for a prompt and, once edits land, an uploaded image or two.
 DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
 DEVICES = ("cuda", "cpu")

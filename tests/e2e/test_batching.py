@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -61,6 +61,24 @@ def delta(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]
     return after.get(role, {}).get(key, 0.0) - before.get(role, {}).get(key, 0.0)
 
 
+Deltas = Callable[[str, str], tuple[float, float]]
+BATCH_HISTOGRAMS = ("triptych_batch_size", "triptych_worker_batch_size")  # the head's groups, the workers' batches
+
+
+def batched_concurrently(dep: LocalDeployment, client: httpx.Client, requests: list[dict]) -> tuple[list, Deltas]:
+    """`concurrently`, and how the head's groups (triptych_batch_size) and the workers' batches
+    (triptych_worker_batch_size) moved meanwhile: deltas(role, key) -> (sent, ran)."""
+    before = [histograms(client, name) for name in BATCH_HISTOGRAMS]
+    images = concurrently(dep, requests)
+    after = [histograms(client, name) for name in BATCH_HISTOGRAMS]
+
+    def deltas(role: str, key: str) -> tuple[float, float]:
+        sent, ran = (delta(a, b, role, key) for a, b in zip(after, before, strict=True))
+        return sent, ran
+
+    return images, deltas
+
+
 def generate(client: httpx.Client, request: dict) -> np.ndarray:
     r = client.post("/v1/images/generations", json=request)
     assert r.status_code == 200, r.text
@@ -102,17 +120,11 @@ def assert_close(batched: np.ndarray, alone: np.ndarray) -> None:
 def test_eight_concurrent_compatible_requests_run_in_at_most_two_batches_per_stage(batching: LocalDeployment):
     requests = [{**BASE, "prompt": f"a lighthouse number {i}", "seed": 10 + i} for i in range(8)]
     with batching.client() as c:
-        sent_before = histograms(c, "triptych_batch_size")
-        ran_before = histograms(c, "triptych_worker_batch_size")
-        batched = concurrently(batching, requests)
-        sent_after = histograms(c, "triptych_batch_size")
-        ran_after = histograms(c, "triptych_worker_batch_size")
+        batched, deltas = batched_concurrently(batching, c, requests)
         for role in ROLES:
-            seen = (role, sent_before, sent_after, ran_before, ran_after)
-            assert delta(sent_after, sent_before, role, "sum") == 8, seen  # every request, in groups
-            assert delta(sent_after, sent_before, role, "count") <= 2, seen
-            assert delta(ran_after, ran_before, role, "sum") == 8, seen  # the workers ran them batched
-            assert delta(ran_after, ran_before, role, "count") <= 2, seen
+            # every request, in groups the head sent and batches the workers ran: at most two of each
+            assert deltas(role, "sum") == (8, 8), role
+            assert max(deltas(role, "count")) <= 2, (role, deltas(role, "count"))
         assert "triptych_batch_wait_seconds_count" in c.get("/metrics").text
         assert "triptych_batch_fill_ratio_bucket" in c.get("/metrics").text
 
@@ -131,15 +143,10 @@ def test_incompatible_requests_are_never_batched_together(batching: LocalDeploym
     kinds = [BASE, {**BASE, "size": "48x64"}, {**BASE, "num_inference_steps": 2}]
     requests = [{**kind, "prompt": f"a boat {i}", "seed": i} for kind in kinds for i in range(2)]
     with batching.client() as c:
-        sent_before = histograms(c, "triptych_batch_size")
-        ran_before = histograms(c, "triptych_worker_batch_size")
-        images = concurrently(batching, requests)
-        sent_after = histograms(c, "triptych_batch_size")
-        ran_after = histograms(c, "triptych_worker_batch_size")
+        images, deltas = batched_concurrently(batching, c, requests)
         for role in ROLES:
-            for before, after in ((sent_before, sent_after), (ran_before, ran_after)):
-                assert delta(after, before, role, "sum") == 6, role
-                assert delta(after, before, role, "le=2") == delta(after, before, role, "count"), role
+            assert deltas(role, "sum") == (6, 6), role
+            assert deltas(role, "le=2") == deltas(role, "count"), role  # no group or batch above 2
         assert [image.shape for image in images] == [(48, 64, 3)] * 2 + [(64, 48, 3)] * 2 + [(48, 64, 3)] * 2
         for request, image in zip(requests, images, strict=True):
             assert_close(image, generate(c, request))
