@@ -116,6 +116,8 @@ def test_ctrl_c_during_video_cancels_the_job_on_the_server_and_frees_its_slots(w
         [sys.executable, "-m", "triptych", "video", "a long one", "-o", str(tmp_path / "never.mp4"),
          "--size", "64x64", "--frames", "5", "--steps", "200", "--url", wan.http],
         stderr=subprocess.PIPE, text=True,
+        # as from a terminal: a suite started in the background (`cmd &`) passes SIGINT on ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     assert proc.stderr is not None
     job_id, seen = "", []
