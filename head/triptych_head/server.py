@@ -702,10 +702,16 @@ class DiffusionServer:
         """--batching-mode dynamic: send the groups of `role`'s queue that are ready (batcher.py),
         each to one instance; what an instance has no room for stays queued."""
         queue = self._queues[role]
-        queued = [rec for rid in queue if (rec := self._queued(role, rid)) is not None]
+        queued: list[RequestRecord] = []
+        gone: set[str] = set()  # stale entries, then the dispatched ones
+        for rid in queue:
+            rec = self._queued(role, rid)
+            if rec is None:
+                gone.add(rid)
+            else:
+                queued.append(rec)
         instances = [i for i in self.registry.instances(role) if self.registry.ready(i)]
         room = max((i.batch_room for i in instances), default=0)
-        gone: set[str] = {rid for rid in queue if self._queued(role, rid) is None}
         now = time.monotonic()
         for members in batcher.ready_groups(queued, room, now):
             nbytes = members[0].staged.nbytes if members[0].staged else 0  # compatible: the same for all
@@ -758,9 +764,9 @@ class DiffusionServer:
                 )
                 return True
         if group is None:
-            inst = self._policies[role](instances, lambda i: self.registry.ready(i) and i.can_take(nbytes))
+            inst = self._policies[role](instances, functools.partial(self._can_take, nbytes=nbytes))
         else:
-            inst = group.instance if self.registry.ready(group.instance) and group.instance.can_take(nbytes) else None
+            inst = group.instance if self._can_take(group.instance, nbytes) else None
         if inst is None:
             return False
         started = time.monotonic()  # before the send, so the hop's time contains all the instance's work
