@@ -4,7 +4,8 @@ Registered from tests/conftest.py (``pytest_plugins = ["tests.cluster.fixtures"]
 
 Fixtures
   ``k8s_toolchain`` (session): the built binaries; FAILS (does not skip) when ``make setup`` has not built them.
-  ``kube_cluster``  (session): starts the cluster with tests/cluster/up.sh, or reuses a running one.
+  ``kube_cluster``  (session): starts the cluster with tests/cluster/up.sh (from an empty etcd, once more
+                               after a failed start), or reuses a running one.
                                The cluster is left running at the end of the session (other sessions
                                may share it; `make cluster-down` stops it). TRIPTYCH_CLUSTER_TEARDOWN=1
                                stops it at the end if this session started it.
@@ -124,20 +125,42 @@ def k8s_toolchain() -> dict[str, str]:
     return settings
 
 
+def _up(fresh: bool) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRIPTYCH_CLUSTER_FRESH": "1"} if fresh else None
+    return subprocess.run(
+        ["bash", str(CLUSTER_SRC / "up.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+
+
+def _why(proc: subprocess.CompletedProcess) -> str:
+    """up.sh's reason (its last line on stderr), for the one line pytest's summary shows."""
+    lines = [line for line in (proc.stderr or "").splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit status {proc.returncode}"
+
+
 @pytest.fixture(scope="session")
 def kube_cluster(k8s_toolchain: dict[str, str]) -> Iterator[KubeCluster]:
     cluster = _cluster_for(k8s_toolchain)
     was_running = Path(cluster.kubeconfig).exists() and cluster.is_ready()
-    # up.sh is idempotent: on a running cluster it only re-checks components and nodes (~1 s).
-    proc = subprocess.run(
-        ["bash", str(CLUSTER_SRC / "up.sh")], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
-    )
+    # up.sh is idempotent: on a running cluster it only re-checks components and nodes (~1 s). A session
+    # that starts the cluster starts it from an empty etcd (certs kept): what earlier sessions left there
+    # is no input to this one.
+    proc = _up(fresh=not was_running)
     if proc.returncode != 0:
-        pytest.fail(
-            f"tests/cluster/up.sh failed ({proc.returncode}); logs in {cluster.state_dir}/logs\n"
-            f"{proc.stdout}\n{proc.stderr}",
-            pytrace=False,
-        )
+        # Once more from a clean stop, so that one bad start costs a retry, not every cluster test.
+        subprocess.run(["bash", str(CLUSTER_SRC / "down.sh")], capture_output=True, timeout=180)
+        first, proc = proc, _up(fresh=True)
+        if proc.returncode != 0:
+            pytest.fail(
+                f"tests/cluster/up.sh failed twice: {_why(proc)} (first: {_why(first)}); logs in "
+                f"{cluster.state_dir}/logs\n{proc.stdout}\n{proc.stderr}",
+                pytrace=False,
+            )
     yield cluster
     # Left running by default: other pytest sessions (other workers, other engineers) may share it, and
     # the next session then starts in ~2 s. `make cluster-down` stops it.

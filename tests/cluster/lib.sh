@@ -153,9 +153,15 @@ start() {
   fi
   echo "=== $(date -u +%FT%TZ) starting $name" >>"$LOGS/$name.log"
   setsid "$bin" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 8>&- 9>&- &
-  echo $! >"$PIDS/$name.pid"
+  pid=$!
+  echo "$pid" >"$PIDS/$name.pid"
+  # Until setsid has exec'd the binary, /proc/<pid>/exe is bash's or setsid's, and check_components
+  # would take the starting component for one that exited (seen under load: a test session's up.sh died
+  # "etcd exited" while etcd was starting). Wait for the exec, or for the process to end.
+  local deadline=$((SECONDS + 10))
+  while ! owned "$pid" "$name" && alive "$pid" && [ $SECONDS -lt $deadline ]; do sleep 0.05; done
   RUNNING+=("$name")
-  log "started $name (pid $!, log $LOGS/$name.log)"
+  log "started $name (pid $pid, log $LOGS/$name.log)"
 }
 
 # check_components: die, with the log's tail, when a component this run started or found has exited
