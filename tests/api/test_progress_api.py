@@ -9,6 +9,7 @@ import pytest
 
 from tests.api.test_http_api import ScriptedBackend, make_client
 from triptych.client import iter_sse
+from triptych_head.api import progress
 from triptych_head.backend import GenerationFailed
 
 
@@ -42,7 +43,8 @@ def test_a_streamed_image_that_fails_ends_with_the_error(backend, tmp_path):
     assert got[-1].data["error"] == {"message": "the denoiser ran out of memory", "code": "failed", "status": 503}
 
 
-def test_a_video_s_events_end_with_the_job_and_a_finished_job_answers_at_once(backend, tmp_path):
+def test_a_video_s_events_end_with_the_job_and_a_finished_job_answers_at_once(backend, tmp_path, monkeypatch):
+    monkeypatch.setattr(progress, "HISTORY_LINGER_S", 1.0)
     backend.step_delay = 0.05
     with make_client(backend, tmp_path) as c:
         job = c.post("/v1/videos", json={"prompt": "sea", "size": "32x32", "num_frames": 5}).json()
@@ -50,6 +52,11 @@ def test_a_video_s_events_end_with_the_job_and_a_finished_job_answers_at_once(ba
         assert [e.data["step"] for e in got if e.event == "step"] == [1, 2, 3, 4]
         assert got[-1].event == "completed" and got[-1].data["status"] == "completed"
         assert c.get(got[-1].data["content_url"]).content[4:8] == b"ftyp"
+        # Asked again within a minute of the end: the same story at once (a fast job's client that asked
+        # for its events after the POST); a minute (here a second) later only the end.
+        again = events(c, "GET", f"/v1/videos/{job['id']}/events")
+        assert [(e.event, e.data.get("step")) for e in again] == [(e.event, e.data.get("step")) for e in got]
+        time.sleep(1.2)
         assert [e.event for e in events(c, "GET", f"/v1/videos/{job['id']}/events")] == ["completed"]
         assert c.get("/v1/videos/video_nope/events").status_code == 404
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 
 from triptych.protocol import RequestEvent
+from triptych_head.api import progress
 from triptych_head.api.progress import QUEUE_LIMIT, ProgressFeed, SSEMessage, Subscriber, message_of, role_of
 
 
@@ -38,21 +39,26 @@ def test_a_subscriber_that_never_reads_keeps_the_newest_messages_and_learns_how_
     assert got[-1] == ("completed", {"id": "r1"})
 
 
-def test_a_late_subscriber_gets_what_it_missed_and_one_after_the_end_gets_only_the_end():
-    async def run() -> tuple[list, list]:
+def test_a_late_subscriber_gets_what_it_missed_even_just_after_the_end_and_a_later_one_only_the_end(monkeypatch):
+    monkeypatch.setattr(progress, "HISTORY_LINGER_S", 0.2)
+
+    async def run() -> tuple[list, list, list]:
         feed = ProgressFeed("r2")
         feed.on_event(RequestEvent("r2", "ENCODER_RUNNING"))
         late = feed.subscribe()
         feed.on_event(RequestEvent("r2", "DENOISING_RUNNING", step=1, total_steps=2, preview=b"\x89PNG"))
         feed.publish(SSEMessage("error", {"id": "r2", "error": {"message": "boom"}}))
-        after = feed.subscribe()
-        return await read_all(feed, late), await read_all(feed, after)
+        just_after = feed.subscribe()  # a fast job's client asking for its events right after the POST
+        await asyncio.sleep(0.4)
+        later = feed.subscribe()
+        return await read_all(feed, late), await read_all(feed, just_after), await read_all(feed, later)
 
-    late, after = asyncio.run(run())
+    late, just_after, later = asyncio.run(run())
     assert [e for e, _ in late] == ["state", "step", "error"]
     assert late[0][1] == {"id": "r2", "state": "ENCODER_RUNNING", "role": "encoder"}
     assert late[1][1]["preview"] == "iVBORw=="  # base64 of the PNG bytes
-    assert [e for e, _ in after] == ["error"]
+    assert just_after == late
+    assert [e for e, _ in later] == ["error"]
 
 
 def test_a_subscriber_joining_after_the_last_preview_sees_it_then_the_latest_state():

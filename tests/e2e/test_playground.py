@@ -198,11 +198,14 @@ def test_a_video_shows_progress_and_previews_before_its_result_and_moves_through
     page = new_page(browser, DESKTOP)
     page.goto(wan.http + "/")
     page.wait_for_function("document.body.dataset.kind === 'video'")
-    fill_request(page, "waves on a beach", 64, 64, 10, 5, 2)
-    page.fill("#frames", "5")
+    # 256x256, 9 frames: ~3 s here, long enough for the pipeline view (polled every 700 ms) to show it
+    # (64x64 takes ~0.3 s, which it may never see).
+    fill_request(page, "waves on a beach", 256, 256, 10, 5, 2)
+    page.fill("#frames", "9")
     page.evaluate(RECORD_PROGRESS)
     page.click("#generate")
-    page.wait_for_selector("#preview:not([hidden])", timeout=120_000)
+    # The recorder notes every change of the page; a preview may show for less than a polling interval.
+    page.wait_for_function("window.seen.previewBeforeResult", timeout=120_000)
     page.wait_for_selector(".request.mine")  # the pipeline view has caught up with it
     shot = screenshot(page, "playground-video-progress.png")
     assert shot.width == DESKTOP["width"] and shot.height >= 600

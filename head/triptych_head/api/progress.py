@@ -8,8 +8,9 @@ oldest messages (beyond 64 of them or 4 MiB) and is told how many (`dropped`); i
 how the request ended, always arrives. So a slow client costs the request nothing, and the head a
 bounded buffer. The feed keeps the running request's recent history alike (64 messages, 1 MiB):
 a subscriber joining late (a video's events asked for after the POST, a reloaded page) gets it
-first, as if it had been there from the start, or told how many it missed; one joining after the
-end gets only the end.
+first, as if it had been there from the start, or told how many it missed. The history outlives
+the end by a minute (HISTORY_LINGER_S), so a client that asks for a fast job's events just after
+its POST still sees its steps and previews; one joining later gets only the end.
 
     event: state      data: {"id", "state", "role"}
     event: step       data: {"id", "state", "role", "step", "total_steps", "preview"?: base64 PNG}
@@ -36,6 +37,7 @@ from triptych.protocol import RequestEvent
 QUEUE_LIMIT = 64  # messages a subscriber may fall behind before it loses the oldest
 QUEUE_BYTES = 4 << 20  # and bytes (previews are up to ~260 KB each as base64)
 HISTORY_BYTES = 1 << 20  # what a running request's feed keeps for subscribers joining late
+HISTORY_LINGER_S = 60.0  # and for how long after the end
 KEEPALIVE_S = 15.0  # a comment line while nothing happens, so proxies keep the connection open
 TERMINAL_EVENTS = ("completed", "error")
 
@@ -145,14 +147,26 @@ class ProgressFeed:
             sub.offer(msg)
         if msg.terminal:
             self.subscribers.clear()
-            self.history = Subscriber()  # the end is all a later subscriber gets
+            self._forget_history_later()
+
+    def _forget_history_later(self) -> None:
+        """After HISTORY_LINGER_S the end is all a later subscriber gets (at once, outside an event loop)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._forget_history()
+        else:
+            loop.call_later(HISTORY_LINGER_S, self._forget_history)
+
+    def _forget_history(self) -> None:
+        self.history = Subscriber()
 
     def subscribe(self) -> Subscriber:
         sub = Subscriber()
+        sub.replay(self.history)
         if self.final is not None:
             sub.offer(self.final)
         else:
-            sub.replay(self.history)
             self.subscribers.add(sub)
         return sub
 

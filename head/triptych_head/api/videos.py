@@ -2,7 +2,8 @@
 
 GET /v1/videos/{id}/events streams a job's progress as Server-Sent Events (progress.py): its
 states, every denoising step (a preview every `preview_every` steps), then `completed` (the job)
-or `error`. A job that has ended answers with its final event at once.
+or `error`. A job that has ended answers at once: with its history and final event within a
+minute of its end (progress.HISTORY_LINGER_S), with its final event after that.
 """
 
 from __future__ import annotations
