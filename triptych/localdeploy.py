@@ -26,6 +26,7 @@ import httpx
 
 from triptych.config import flag
 from triptych.ports import MAX_RESULT_PORT_OFFSET
+from triptych.prefork import Launcher, PreforkedProcess
 from triptych.roles import COMBINED_ROLES, FULL_PIPELINE_ROLE, WORKER_ROLES, Role, is_full_pipeline
 from triptych.security import generate_keys
 
@@ -70,7 +71,7 @@ def free_port_block(n: int) -> int:
 class Proc:
     role: Role
     url: str
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | PreforkedProcess
     log: Path
 
     def kill(self) -> None:
@@ -166,7 +167,23 @@ class LocalDeployment:
         return "\n".join(f"--- {p.role.value} {p.url}\n{p.tail()}" for p in self.procs)
 
 
-def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+_launcher: Launcher | None = None
+
+
+def use_prefork(launcher: Launcher | None) -> None:
+    """Start workers and monolithic servers from `launcher`'s preloaded interpreter (triptych.prefork)
+    when it can take them; None: ordinary processes only (the default)."""
+    global _launcher
+    _launcher = launcher
+
+
+def _spawn(
+    argv: list[str], log: Path, env: dict[str, str], preforked: bool = False
+) -> subprocess.Popen[bytes] | PreforkedProcess:
+    if preforked and _launcher is not None:
+        child = _launcher.spawn(argv, log, env)
+        if child is not None:
+            return child
     with log.open("wb") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -287,7 +304,7 @@ def local_deployment(
                 "--disagg-p2p-hostname", host, *security_flags, *pool_flags, *worker_flags, *placement,
                 *(role_flags or {}).get(role, ())]  # fmt: skip
         log = workdir / f"{role.value}-{i}.log"
-        return Proc(role, f"tcp://{host}:{port}", _spawn(argv, log, {**env, **placement_env}), log)
+        return Proc(role, f"tcp://{host}:{port}", _spawn(argv, log, {**env, **placement_env}, preforked=True), log)
 
     dep.spawn_worker = spawn_worker
 
@@ -355,7 +372,10 @@ def local_monolithic(
             "--output-path", str(workdir / "outputs"), *flags]  # fmt: skip
     log = workdir / "monolithic.log"
     proc = Proc(
-        Role.MONOLITHIC, f"http://127.0.0.1:{http}", _spawn(argv, log, {**os.environ, "PYTHONUNBUFFERED": "1"}), log
+        Role.MONOLITHIC,
+        f"http://127.0.0.1:{http}",
+        _spawn(argv, log, {**os.environ, "PYTHONUNBUFFERED": "1"}, preforked=True),
+        log,
     )
     dep = LocalDeployment(http=proc.url, scheduler_port=0, procs=[proc])
     try:
