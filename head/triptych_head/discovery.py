@@ -92,7 +92,11 @@ class WorkerDirectory:
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self._interval):
-            urls = self._resolve()
+            try:
+                urls = self._resolve()
+            except Exception:  # the resolver failing in a way it should not: keep the last list, try again
+                log.exception("discovery: re-reading %s failed; keeping %s", self._specs, self._urls)
+                continue
             if urls != self._urls:
                 log.info("discovery: %s -> %s", self._specs, urls)
                 self._urls = urls

@@ -120,8 +120,15 @@ def _logs_when_a_test_fails(request: pytest.FixtureRequest, real_node: KubeClust
     yield
     if request.session.testsfailed > failed and real_node.is_ready():
         out = OUTPUTS / request.node.name
+        if out.exists():  # saved by _pipeline before it deleted the pipeline's pods: these are the later ones
+            out = out / "after"
         _save_logs(real_node, out)
         print(f"logs of every pod saved in {out}")
+
+
+def _current_test() -> str:
+    """The running test's name (pytest's PYTEST_CURRENT_TEST: 'path::name (phase)')."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "unknown").split("::")[-1].split(" ")[0]
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float) -> None:
@@ -479,6 +486,12 @@ def _pipeline(cluster: KubeCluster, ns: str, name: str, package: Path) -> Iterat
         url = f"http://{api['clusterIP']}:{api['ports'][0]['port']}"
         with httpx.Client(base_url=url, timeout=600, trust_env=False) as http:
             yield Pipeline(name, ns, http)
+    except BaseException:
+        # Now, while its pods are there: deleting the pipeline takes the head's log with it.
+        out = OUTPUTS / _current_test()
+        _save_logs(cluster, out)
+        print(f"logs of every pod saved in {out} (before the pipeline was deleted)")
+        raise
     finally:
         cluster.kubectl("-n", ns, "delete", "dp", name, "--ignore-not-found", "--timeout=90s", check=False, timeout=120)
 

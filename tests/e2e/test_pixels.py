@@ -67,7 +67,7 @@ def http_video(client, request: dict = VIDEO) -> np.ndarray:
     while job["status"] not in ("completed", "failed", "cancelled") and time.monotonic() < deadline:
         time.sleep(0.1)
         job = client.get(f"/v1/videos/{job['id']}").json()
-    assert job["status"] == "completed", job
+    assert job["status"] == "completed", job.get("error") or job
     z = zipfile.ZipFile(io.BytesIO(client.get(f"/v1/videos/{job['id']}/content", params={"variant": "frames"}).content))
     return np.stack([np.array(Image.open(io.BytesIO(z.read(n)))) for n in sorted(z.namelist())])
 

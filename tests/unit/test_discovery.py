@@ -45,3 +45,22 @@ def test_directory_follows_scaling_of_the_service():
         assert directory.urls == ["tcp://192.0.2.2:19000"]
     finally:
         directory.close()
+
+
+def test_a_resolver_error_keeps_the_last_list_and_the_directory_keeps_re_reading():
+    answers: list = [["192.0.2.1"], OSError("resolver broke"), ["192.0.2.1", "192.0.2.3"]]
+
+    def resolver(_: str) -> list[str]:
+        answer = answers[0] if len(answers) == 1 else answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return list(answer)
+
+    directory = WorkerDirectory(["dns://enc.ns.svc:19000"], interval_s=0.05, resolver=resolver)
+    try:
+        deadline = time.monotonic() + 5
+        while len(directory.urls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert directory.urls == ["tcp://192.0.2.1:19000", "tcp://192.0.2.3:19000"]
+    finally:
+        directory.close()
