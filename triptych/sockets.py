@@ -10,6 +10,20 @@ import zmq
 from triptych.protocol import encode
 from triptych.protocol.codec import Message
 
+# A connect attempt that gets no answer at all is given up after this long and tried again. Without
+# it the kernel's SYN retries decide (~2 min): a worker that first dials its head's Service before
+# kube-proxy has programmed the new ClusterIP sends its SYN nowhere (and conntrack keeps the retries
+# of that attempt on the same path), so it stays invisible to the head for two minutes after the
+# rule exists (the likely cause of a real-node test failure: a video failed for want of an encoder
+# whose pod was Ready).
+CONNECT_TIMEOUT_MS = 2000
+
+
+def connect(sock: zmq.Socket[Any], url: str) -> None:
+    """Connect `sock` to `url`, an attempt without an answer retried after CONNECT_TIMEOUT_MS."""
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
+    sock.connect(url)
+
 
 def send_message(sock: zmq.Socket[Any], msg: Message, frames: Sequence[Any] = (), flags: int = 0) -> None:
     """Encode and send one message. A control message is one part, sent without send_multipart's

@@ -13,7 +13,7 @@ import zmq
 from triptych.protocol import Ping
 from triptych.roles import Role
 from triptych.security import ControlPlane
-from triptych.sockets import send_message
+from triptych.sockets import connect, send_message
 from triptych_head.discovery import WorkerDirectory
 from triptych_head.instances import WorkerInstance
 from triptych_head.metrics import HeadMetrics
@@ -116,7 +116,7 @@ class WorkerRegistry:
         sock.setsockopt(zmq.SNDHWM, 10_000)
         if self._security is not None:
             self._security.client(sock)
-        sock.connect(url)
+        connect(sock, url)
         return sock
 
     def send(self, url: str, msg: Any, frames: Sequence[Any] = ()) -> bool:

@@ -58,7 +58,7 @@ from triptych.protocol import (
 from triptych.reference import BadReference
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
-from triptych.sockets import has_queued_message, send_message
+from triptych.sockets import connect, has_queued_message, send_message
 from triptych_worker.job_groups import Job, take_group
 from triptych_worker.preview import LatentPreviewer, should_preview
 from triptych_worker.simulated import SimulatedPipeline
@@ -129,7 +129,7 @@ class HeadLink:
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 1000)
         security.client(self._sock)  # with keys: the head's result port lets in the pipeline's workers only
-        self._sock.connect(endpoint)
+        connect(self._sock, endpoint)
 
     def send(self, msg: Any, frames: Sequence[Any] = ()) -> None:
         send_message(self._sock, msg, frames)

@@ -1,0 +1,48 @@
+"""triptych.sockets.connect: a connect attempt that gets no answer is given up and retried within
+seconds, as for a Service whose ClusterIP kube-proxy had not programmed when the first SYN left."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from triptych.sockets import CONNECT_TIMEOUT_MS, connect
+
+
+def test_a_connect_attempt_without_an_answer_is_retried_within_seconds():
+    # A listener whose accept queue is full: the kernel drops further SYNs, so a connect gets no answer
+    # (neither SYN-ACK nor RST), like one sent to an address nothing routes.
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)
+    port = blackhole.getsockname()[1]
+    fillers = [socket.socket() for _ in range(4)]
+    for f in fillers:
+        f.setblocking(False)
+        f.connect_ex(("127.0.0.1", port))
+    time.sleep(0.3)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    monitor = push.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED)
+    try:
+        t0 = time.monotonic()
+        connect(push, f"tcp://127.0.0.1:{port}")
+        retried = []
+        while time.monotonic() - t0 < 2 * CONNECT_TIMEOUT_MS / 1000 + 2 and len(retried) < 2:
+            if monitor.poll(100):
+                recv_monitor_message(monitor)
+                retried.append(time.monotonic() - t0)
+        # Two fresh attempts (new source ports, which a newly programmed rule would route) within ~2 timeouts.
+        assert len(retried) == 2, retried
+        assert retried[0] < CONNECT_TIMEOUT_MS / 1000 + 1, retried
+    finally:
+        push.disable_monitor()
+        monitor.close()
+        push.close()
+        ctx.term()
+        for s in (*fillers, blackhole):
+            s.close()
