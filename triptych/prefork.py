@@ -12,6 +12,9 @@ The server runs under the worker's bind shim (triptych_worker.transfer.listeners
 process would need anything else (another address, `--disagg-transfer-listen-any`, an environment
 that differs from the server's) is declined, and the caller starts an ordinary process.
 
+`ps` lists a child under the server's command line (`python -m triptych.prefork SOCKET`): its
+pid (Proc.popen.pid) and its log say which worker it is.
+
 Protocol: a Unix stream socket in a private directory, one connection per child, JSON lines (no
 pickle, and only the modules in MODULES run):
     client -> {"argv": [python, "-m", module, *args], "env": {...}, "cwd": "...", "log": "..."}
