@@ -9,7 +9,7 @@ import pytest
 
 from tests.api.test_http_api import ScriptedBackend, make_client
 from triptych.client import iter_sse
-from triptych_head.api import progress
+from triptych_head.api import videos
 from triptych_head.backend import GenerationFailed
 
 
@@ -44,7 +44,7 @@ def test_a_streamed_image_that_fails_ends_with_the_error(backend, tmp_path):
 
 
 def test_a_video_s_events_end_with_the_job_and_a_finished_job_answers_at_once(backend, tmp_path, monkeypatch):
-    monkeypatch.setattr(progress, "HISTORY_LINGER_S", 1.0)
+    monkeypatch.setattr(videos, "HISTORY_LINGER_S", 1.0)
     backend.step_delay = 0.05
     with make_client(backend, tmp_path) as c:
         job = c.post("/v1/videos", json={"prompt": "sea", "size": "32x32", "num_frames": 5}).json()

@@ -7,7 +7,6 @@ import asyncio
 import json
 
 from triptych.protocol import RequestEvent
-from triptych_head.api import progress
 from triptych_head.api.progress import QUEUE_LIMIT, ProgressFeed, SSEMessage, Subscriber, message_of, role_of
 
 
@@ -39,11 +38,9 @@ def test_a_subscriber_that_never_reads_keeps_the_newest_messages_and_learns_how_
     assert got[-1] == ("completed", {"id": "r1"})
 
 
-def test_a_late_subscriber_gets_what_it_missed_even_just_after_the_end_and_a_later_one_only_the_end(monkeypatch):
-    monkeypatch.setattr(progress, "HISTORY_LINGER_S", 0.2)
-
+def test_a_late_subscriber_gets_what_it_missed_even_just_after_the_end_and_a_later_one_only_the_end():
     async def run() -> tuple[list, list, list]:
-        feed = ProgressFeed("r2")
+        feed = ProgressFeed("r2", linger_s=0.2)  # a video job's feed (HISTORY_LINGER_S)
         feed.on_event(RequestEvent("r2", "ENCODER_RUNNING"))
         late = feed.subscribe()
         feed.on_event(RequestEvent("r2", "DENOISING_RUNNING", step=1, total_steps=2, preview=b"\x89PNG"))
@@ -111,3 +108,13 @@ def test_a_subscriber_holds_at_most_its_byte_bound_of_previews_but_always_the_ne
 
     got = asyncio.run(run())
     assert got == [("dropped", {"id": "r3", "dropped": 10}), ("completed", {"id": "r3", "big": "x" * 20_000})]
+
+
+def test_an_image_stream_s_history_goes_with_its_end():
+    async def run() -> list:
+        feed = ProgressFeed("r9")  # an image stream: its POST is its only subscriber
+        feed.on_event(RequestEvent("r9", "DENOISING_RUNNING", step=1, total_steps=1, preview=b"\x89PNG"))
+        feed.publish(SSEMessage("completed", {"id": "r9"}))
+        return await read_all(feed, feed.subscribe())
+
+    assert [e for e, _ in asyncio.run(run())] == ["completed"]

@@ -8,9 +8,10 @@ oldest messages (beyond 64 of them or 4 MiB) and is told how many (`dropped`); i
 how the request ended, always arrives. So a slow client costs the request nothing, and the head a
 bounded buffer. The feed keeps the running request's recent history alike (64 messages, 1 MiB):
 a subscriber joining late (a video's events asked for after the POST, a reloaded page) gets it
-first, as if it had been there from the start, or told how many it missed. The history outlives
-the end by a minute (HISTORY_LINGER_S), so a client that asks for a fast job's events just after
-its POST still sees its steps and previews; one joining later gets only the end.
+first, as if it had been there from the start, or told how many it missed. A video job's history
+outlives the end by a minute (HISTORY_LINGER_S), so a client that asks for a fast job's events just
+after its POST still sees its steps and previews; one joining later gets only the end (an image
+stream's POST is its only subscriber: its history goes with the end).
 
     event: state      data: {"id", "state", "role"}
     event: step       data: {"id", "state", "role", "step", "total_steps", "preview"?: base64 PNG}
@@ -126,8 +127,11 @@ class Subscriber:
 class ProgressFeed:
     """The progress of one request, fanned out to its subscribers."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, linger_s: float = 0.0) -> None:
+        """`linger_s`: how long the history outlives the end (HISTORY_LINGER_S for a video job, whose
+        events are asked for after its POST; 0 for an image stream, whose POST is its only subscriber)."""
         self.request_id = request_id
+        self.linger_s = linger_s
         self.subscribers: set[Subscriber] = set()
         self.history = Subscriber(QUEUE_LIMIT, HISTORY_BYTES)  # never read: what a late subscriber missed
         self.final: SSEMessage | None = None
@@ -150,13 +154,15 @@ class ProgressFeed:
             self._forget_history_later()
 
     def _forget_history_later(self) -> None:
-        """After HISTORY_LINGER_S the end is all a later subscriber gets (at once, outside an event loop)."""
+        """After linger_s the end is all a later subscriber gets (at once without one, or outside an event loop)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
+            loop = None
+        if loop is None or self.linger_s <= 0:
             self._forget_history()
         else:
-            loop.call_later(HISTORY_LINGER_S, self._forget_history)
+            loop.call_later(self.linger_s, self._forget_history)
 
     def _forget_history(self) -> None:
         self.history = Subscriber()

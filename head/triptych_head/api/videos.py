@@ -22,7 +22,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 from triptych.protocol import RequestEvent
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.errors import APIError
-from triptych_head.api.progress import ProgressFeed, SSEMessage, error_message
+from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message
 from triptych_head.api.schemas import VideoGenerationRequest, VideoJob
 from triptych_head.media import frames_path, load_frames, png_zip, save_frames, write_mp4
 from triptych_head.results import ResultStore
@@ -45,7 +45,7 @@ class JobEntry:
 
     def progress_feed(self) -> ProgressFeed:
         if self.feed is None:
-            self.feed = ProgressFeed(self.job.id)
+            self.feed = ProgressFeed(self.job.id, HISTORY_LINGER_S)
             if self.job.status in TERMINAL:
                 self.feed.publish(final_message(self.job))
         return self.feed
@@ -158,7 +158,7 @@ async def create_video(body: VideoGenerationRequest, request: Request) -> VideoJ
         seed=params.seed,
         total_steps=params.num_inference_steps,
     )
-    entry = JobEntry(job, feed=ProgressFeed(job.id))
+    entry = JobEntry(job, feed=ProgressFeed(job.id, HISTORY_LINGER_S))
     ctx.admit(job.id)  # counted from now until the job ends: 429 here, never a job failed later
     try:
         _jobs(request).add(entry)
