@@ -103,7 +103,10 @@ class PreforkedProcess:
         ready, _, _ = select.select([self._conn], [], [], timeout)
         if not ready:
             return
-        chunk = self._conn.recv(4096)
+        try:
+            chunk = self._conn.recv(4096)
+        except OSError:
+            chunk = b""
         if not chunk:
             self._conn.close()
             return
@@ -118,6 +121,11 @@ class PreforkedProcess:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+
+    def __del__(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        self._conn.close()
 
     def poll(self) -> int | None:
         if self.returncode is None:
