@@ -59,17 +59,20 @@ def test_a_forked_worker_runs_confined_to_loopback_and_dies_by_its_signal(
             "--disagg-p2p-hostname", "127.0.0.1"]  # fmt: skip
     log = tmp_path / "decoder.log"
     child = spawn(launcher, args, log)
-    deadline = time.monotonic() + 60
-    while "TcpTransport: listen on port" not in (text := log.read_text(errors="replace") if log.exists() else ""):
-        assert child.poll() is None, text
-        assert time.monotonic() < deadline, text
-        time.sleep(0.1)
-    sockets = listening_sockets(child.pid)
-    assert sockets and all(address == "127.0.0.1" for address, _ in sockets), sockets
-    assert os.getsid(child.pid) == child.pid  # its own session, as start_new_session gives
-    child.send_signal(signal.SIGKILL)
-    assert child.wait(30) == -signal.SIGKILL
-    child.send_signal(signal.SIGKILL)  # an ended child is never signalled again (its pid may be reused)
+    try:
+        deadline = time.monotonic() + 60
+        while "TcpTransport: listen on port" not in (text := log.read_text(errors="replace") if log.exists() else ""):
+            assert child.poll() is None, text
+            assert time.monotonic() < deadline, text
+            time.sleep(0.1)
+        sockets = listening_sockets(child.pid)
+        assert sockets and all(address == "127.0.0.1" for address, _ in sockets), sockets
+        assert os.getsid(child.pid) == child.pid  # its own session, as start_new_session gives
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(30) == -signal.SIGKILL
+        child.send_signal(signal.SIGKILL)  # an ended child is never signalled again (its pid may be reused)
+    finally:
+        child.kill()  # a failed assertion leaves no worker behind (it would wait for its head forever)
 
 
 @pytest.mark.parametrize(
