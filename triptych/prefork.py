@@ -38,6 +38,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from triptych.config import flag
+from triptych.ports import MOONCAKE_PORT_RANGE
+
 MODULES = ("triptych", "triptych_worker.null_pipeline")  # what a child may run
 # Imported once by the server: the worker's own modules, and the classes the tiny models load.
 PRELOAD = (
@@ -68,6 +71,8 @@ ADDED_ENV = "TRIPTYCH_PREFORK_ADDED"
 FREE_ENV = ("PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST")
 ADDRESS = "127.0.0.1"
 ORPHAN_RETURNCODE = -255  # a child that ended after the server had gone: its status is lost
+OPT_OUT_FLAG = flag("disagg_transfer_listen_any")
+HOSTNAME_FLAG = flag("disagg_p2p_hostname")
 
 
 class Declined(Exception):
@@ -219,8 +224,8 @@ class Launcher:
         if not shim.is_file():
             self._broken = f"no bind shim at {shim}"
             raise Declined(self._broken)
-        low = os.environ.get("MC_MIN_RPC_PORT") or "15000"
-        high = os.environ.get("MC_MAX_RPC_PORT") or "17000"
+        low = os.environ.get("MC_MIN_RPC_PORT") or str(MOONCAKE_PORT_RANGE[0])
+        high = os.environ.get("MC_MAX_RPC_PORT") or str(MOONCAKE_PORT_RANGE[1])
         preload = os.environ.get("LD_PRELOAD", "")
         added = {
             "LD_PRELOAD": ":".join(p for p in (str(shim), preload) if p),
@@ -272,10 +277,6 @@ def _check_worker_argv(argv: Sequence[str]) -> None:
             value = arg.split("=", 1)[1]
         if value is not None and value != ADDRESS:
             raise Declined(f"{HOSTNAME_FLAG} {value} (the server's shim confines Mooncake to {ADDRESS})")
-
-
-OPT_OUT_FLAG = "--disagg-transfer-listen-any"
-HOSTNAME_FLAG = "--disagg-p2p-hostname"
 
 
 def _read_line(conn: socket.socket, timeout: float) -> bytes:
@@ -414,13 +415,14 @@ class _Server:
                 return
             conn = self.children.pop(pid, None)
             if conn is not None:
-                with contextlib.suppress(OSError):
-                    _reply(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+                _reply(conn, {"returncode": os.waitstatus_to_exitcode(status)})
                 conn.close()
 
 
 def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
-    conn.sendall(json.dumps(message).encode() + b"\n")
+    """Send one line; a client that has gone (a test process killed) must not take the server down."""
+    with contextlib.suppress(OSError):
+        conn.sendall(json.dumps(message).encode() + b"\n")
 
 
 def _fresh_random_state() -> None:

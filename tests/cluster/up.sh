@@ -19,7 +19,6 @@ CERTS=$CLUSTER_DIR/certs
 # shellcheck disable=SC2034  # read by lib.sh
 SCRIPT=up PIDS=$CLUSTER_DIR/pids OWNED_BY=$CLUSTER_DIR LOGS=$CLUSTER_DIR/logs
 mkdir -p "$CERTS" "$PIDS" "$LOGS"
-mkdir -p -m 700 "$CLUSTER_DIR/etcd"
 chmod 700 "$CLUSTER_DIR"
 # One up/down at a time per state dir (concurrent pytest sessions share the cluster).
 exec 9>"$CLUSTER_DIR/.lock"
@@ -77,10 +76,8 @@ write_kubeconfig "$CLUSTER_DIR/kwok.kubeconfig" "$CERTS" kwok
 # empty etcd, without what earlier sessions left (a running one is shared, and kept).
 fresh=${TRIPTYCH_CLUSTER_FRESH:-0}
 for name in "${COMPONENTS[@]}"; do component_pid "$name" >/dev/null && fresh=0; done
-if [ "$fresh" = 1 ]; then
-  rm -rf "$CLUSTER_DIR/etcd"
-  mkdir -m 700 "$CLUSTER_DIR/etcd"
-fi
+if [ "$fresh" = 1 ]; then rm -rf "$CLUSTER_DIR/etcd"; fi
+mkdir -p -m 700 "$CLUSTER_DIR/etcd"
 start_on "$ETCD_CLIENT_PORT" etcd \
   --name=triptych-local \
   --data-dir="$CLUSTER_DIR/etcd" \

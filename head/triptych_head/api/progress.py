@@ -155,14 +155,13 @@ class ProgressFeed:
 
     def _forget_history_later(self) -> None:
         """After linger_s the end is all a later subscriber gets (at once without one, or outside an event loop)."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is None or self.linger_s <= 0:
-            self._forget_history()
-        else:
-            loop.call_later(self.linger_s, self._forget_history)
+        if self.linger_s > 0:
+            try:
+                asyncio.get_running_loop().call_later(self.linger_s, self._forget_history)
+                return
+            except RuntimeError:  # no running loop: nothing would ever call it
+                pass
+        self._forget_history()
 
     def _forget_history(self) -> None:
         self.history = Subscriber()
