@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -97,3 +98,15 @@ def test_what_a_child_could_not_be_is_declined(launcher: Launcher, tmp_path: Pat
     assert any(reason in why for why in launcher.declined), launcher.declined
     assert launcher.spawn([sys.executable, "-m", "json.tool"], tmp_path / "y.log", env()) is None
     assert any("only `python -m`" in why for why in launcher.declined), launcher.declined
+
+
+def test_a_client_gone_before_its_answer_leaves_the_server_serving(launcher: Launcher, tmp_path: Path):
+    assert spawn(launcher, ["--version"], tmp_path / "first.log").wait(60) == 0  # the server is up
+    for _ in range(3):  # a request whose client closes at once: its reply meets a closed socket
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+            gone.connect(str(launcher.socket_path))
+            gone.sendall(b'{"argv": ["python", "-m", "json.tool"], "env": {}, "cwd": "/", "log": "/dev/null"}\n')
+    time.sleep(0.5)
+    forked = launcher.forked
+    assert spawn(launcher, ["--version"], tmp_path / "after.log").wait(60) == 0
+    assert launcher.forked == forked + 1  # forked by the same server, not started as an ordinary process
