@@ -17,13 +17,13 @@ build_binary() {
   local b=$1 out=$2 cg cg_minor helm_ldflags p
   case $b in
     etcd)
-      log "building etcd $ETCD_VERSION (first time, ~2 min)"
+      log "building etcd $ETCD_VERSION (first time, ~1 min on 2 idle cores)"
       go_build etcd "$out" go.etcd.io/etcd/server/v3 ;;
     kwok)
-      log "building kwok $KWOK_VERSION (first time, ~2 min)"
+      log "building kwok $KWOK_VERSION (first time, ~1.5 min)"
       go_build kwok "$out" sigs.k8s.io/kwok/cmd/kwok "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" ;;
     helm)
-      log "building helm $HELM_VERSION (first time, ~2 min)"
+      log "building helm $HELM_VERSION (first time, ~1 min)"
       # As helm's Makefile: the default Kubernetes version (helm template, lint) follows its client-go.
       cg=$(awk '$1 == "k8s.io/client-go" {print $2}' "$CLUSTER_SRC/toolchain/helm/go.mod")  # v0.<minor>.<patch>
       cg_minor=${cg#v0.}; cg_minor=${cg_minor%%.*}
@@ -33,10 +33,10 @@ build_binary() {
       done
       go_build helm "$out" helm.sh/helm/v3/cmd/helm "$helm_ldflags" ;;
     kube-apiserver)
-      log "building kube-apiserver $K8S_VERSION (first time, ~10 min)"
+      log "building kube-apiserver $K8S_VERSION (first time, ~3.5 min)"
       go_build k8s "$out" "k8s.io/kubernetes/cmd/$b" "$(k8s_version_ldflags)" ;;
     *)
-      log "building $b $K8S_VERSION (first time, ~3 min)"
+      log "building $b $K8S_VERSION (first time, under a minute after kube-apiserver)"
       go_build k8s "$out" "k8s.io/kubernetes/cmd/$b" "$(k8s_version_ldflags)" ;;
   esac
 }
