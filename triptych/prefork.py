@@ -218,7 +218,7 @@ class Launcher:
         return self.workdir / "prefork.log"
 
     def _start_server(self) -> None:
-        from triptych_worker.transfer.listeners import ADDRESS_ENV, PORTS_ENV, bind_shim_path
+        from triptych_worker.transfer.listeners import bind_shim_path, shim_environment
 
         shim = bind_shim_path().resolve()
         if not shim.is_file():
@@ -226,14 +226,7 @@ class Launcher:
             raise Declined(self._broken)
         low = os.environ.get("MC_MIN_RPC_PORT") or str(MOONCAKE_PORT_RANGE[0])
         high = os.environ.get("MC_MAX_RPC_PORT") or str(MOONCAKE_PORT_RANGE[1])
-        preload = os.environ.get("LD_PRELOAD", "")
-        added = {
-            "LD_PRELOAD": ":".join(p for p in (str(shim), preload) if p),
-            ADDRESS_ENV: ADDRESS,
-            PORTS_ENV: f"{low}-{high}",
-            "MC_MIN_RPC_PORT": low,
-            "MC_MAX_RPC_PORT": high,
-        }
+        added = {**shim_environment(shim, ADDRESS, f"{low}-{high}"), "MC_MIN_RPC_PORT": low, "MC_MAX_RPC_PORT": high}
         added = {k: v for k, v in added.items() if os.environ.get(k) != v}
         env = {**os.environ, **added, ADDED_ENV: ",".join(added), "PYTHONUNBUFFERED": "1"}
         self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -54,6 +54,13 @@ def bind_shim_path() -> Path:
     return Path(os.environ.get(SHIM_ENV) or Path(__file__).with_name(SHIM_NAME))
 
 
+def shim_environment(shim: Path, address: str, ports: str) -> dict[str, str]:
+    """The variables that load the bind shim (before whatever LD_PRELOAD already names) and confine
+    the binds of `ports` (MIN-MAX) to `address`."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    return {"LD_PRELOAD": ":".join(p for p in (str(shim), preload) if p), ADDRESS_ENV: address, PORTS_ENV: ports}
+
+
 def listen_address(hostname: str) -> str:
     """The IP address of --disagg-p2p-hostname (a literal, or the first address a name resolves to)."""
     try:
@@ -98,8 +105,7 @@ def confine_mooncake_listeners(args: ServeArgs) -> None:
             f"its bind shim {shim} is missing; build it (`make setup`, or scripts/build-bind-shim.sh {shim}), "
             f"point {SHIM_ENV} at it, or give {OPT_OUT}"
         )
-    env = {**os.environ, "LD_PRELOAD": ":".join(p for p in (str(shim), preload) if p)}
-    env.update({ADDRESS_ENV: address, PORTS_ENV: ports})
+    env = {**os.environ, **shim_environment(shim, address, ports)}
     if ipaddress.ip_address(address).version == 6:
         env.setdefault("MC_USE_IPV6", "1")  # Mooncake's handshake socket is IPv4 otherwise (and cannot take it)
     sys.stdout.flush()
