@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from triptych.protocol import EncoderCacheStats
@@ -80,6 +79,7 @@ class WorkerInstance:
 
     def on_heartbeat(
         self,
+        now: float,
         capacity: int,
         session: str,
         pool_bytes: int,
@@ -97,4 +97,4 @@ class WorkerInstance:
         self.refused_bytes = None
         self.free_bytes, self.standing_bytes = free_bytes, standing_bytes
         self.max_batch = max_batch
-        self.last_heartbeat = time.monotonic()
+        self.last_heartbeat = now

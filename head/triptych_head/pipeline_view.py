@@ -8,7 +8,6 @@ without a lock.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,8 +36,8 @@ def build_view(
     queued: dict[Role, int],
     running: dict[Role, int],
     requests: Iterable[RequestRecord],
+    now: float,
 ) -> dict[str, Any]:
-    now = time.monotonic()
     listed = sorted(requests, key=lambda r: r.created)[:MAX_LISTED_REQUESTS]
     return {
         "roles": {

@@ -1,0 +1,419 @@
+"""The head's decisions: what every message in means and which messages go out, with no socket.
+
+HeadCore takes the frontend's and the workers' messages in (on_frontend, on_worker), is woken
+for upkeep (tick) and dispatch, and acts through its Transport (membership.py): the edge
+(server.py) wires that to ZMQ sockets, a test records it. Time comes from an injected clock,
+so every rule here can be driven step by step without a socket, a thread or a sleep.
+
+A request enters as a Submit, waits in its role's queue until the dispatch policy finds an
+instance (queues.py), and moves hop by hop through the transfer flow (transfers.py;
+docs/design.md, "Transfer flow"):
+
+    sender --TransferStaged--> head --TransferAlloc--> receiver --TransferAllocated--> head
+    head --TransferPush--> sender --(Mooncake write)--> sender --TransferPushed--> head
+    head --TransferReady--> receiver ... decoder --Result(pixels)--> head --> API client
+
+Every state change goes through RequestRecord.move (state.py); every way a request ends goes
+through `finish`, which releases the slots and buffers it held on any worker. A request whose
+worker is lost (no heartbeat, disconnected) is retried, bounded by --disagg-max-retries: the hop
+again with another receiver while its sender still holds the outputs, else the whole route as a
+new attempt (`wire_id`), so that no late message of the lost attempt can touch the new one.
+Workers that drain (SIGTERM) or leave discovery get no new work and finish what they hold. A
+client that submits with `watch` also hears every state change and denoising step
+(RequestEvent); the others hear only how their request ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from triptych.config import ServeArgs
+from triptych.params import GenerationParams
+from triptych.protocol import (
+    Cancel,
+    CancelWork,
+    Failed,
+    Heartbeat,
+    ProtocolError,
+    RequestEvent,
+    Submit,
+    TransferAllocated,
+    TransferPushed,
+    TransferStaged,
+    decode,
+)
+from triptych.roles import WORKER_ROLES, Role, is_full_pipeline, route_for
+from triptych_head import transfers, upkeep
+from triptych_head.admission import AdmissionControl
+from triptych_head.batcher import BatchingMetrics
+from triptych_head.instances import WorkerInstance
+from triptych_head.membership import Clock, Membership, Transport
+from triptych_head.metrics import HeadMetrics
+from triptych_head.queues import Dispatcher
+from triptych_head.state import ROLE_STATES, RequestRecord, RequestState
+from triptych_head.workload import WorkEstimator
+
+log = logging.getLogger(__name__)
+
+REJECTED = "REJECTED"
+SHUTTING_DOWN = "the head is shutting down and takes no new requests; retry shortly (another head takes over)"
+
+Validator = Callable[[GenerationParams], None]
+
+
+@dataclass(frozen=True)
+class HeldSlot:
+    """A receive slot of an ended request whose sender may still be writing into it."""
+
+    sender: str
+    receiver: str
+    until: float
+    standing_addr: int = 0
+
+
+def deployed_roles(args: ServeArgs) -> frozenset[Role]:
+    """The worker roles this head routes through: those its URL flags list."""
+    return frozenset(role for role in WORKER_ROLES if args.urls_for(role))
+
+
+def request_route(roles: frozenset[Role], params: GenerationParams) -> list[Role]:
+    """The roles one request visits, in order (an edit's reference image adds the image encoder)."""
+    return route_for(roles, has_reference=params.has_reference)
+
+
+class HeadCore:
+    def __init__(
+        self,
+        args: ServeArgs,
+        transport: Transport,
+        metrics: HeadMetrics | None = None,
+        validate: Validator | None = None,
+        clock: Clock = time.monotonic,
+    ):
+        self.args = args
+        self.metrics = metrics or HeadMetrics()
+        self.transport = transport
+        self.clock = clock
+        self._validate = validate
+        self.roles = deployed_roles(args)
+        # Only --denoiser-urls: each request goes whole to one worker, which returns its pixels; no tensor
+        # moves between workers, so the head sends no transfer_* message (triptych.roles.FULL_PIPELINE_ROLE).
+        self.full_pipeline = is_full_pipeline(self.roles)
+        self.topology = "full_pipeline" if self.full_pipeline else "disaggregated"
+        ordered = [role for role in WORKER_ROLES if role in self.roles]
+        self.membership = Membership(ordered, args.disagg_heartbeat_timeout, self.metrics, transport, clock)
+        self.requests: dict[str, RequestRecord] = {}  # by the client's request id
+        self.attempts: dict[str, RequestRecord] = {}  # the same records by the id workers know (wire_id)
+        self.held_slots: dict[str, HeldSlot] = {}  # receive slots of ended requests, freed once their write is over
+        self.workload = WorkEstimator()
+        self.admission = AdmissionControl(args.max_queued_requests, self.metrics)  # the API admits against it
+        self.batch_metrics = BatchingMetrics(self.metrics.registry) if args.enable_batching_metrics else None
+        self.dispatcher = Dispatcher(self, ordered)
+        self.load = upkeep.LoadTracker(ordered)
+        self.pipeline_view: dict[str, Any] = {"roles": {}, "requests": []}  # replaced whole at each tick
+        self.drain_deadline: float | None = None  # set by shut_down(); new requests are refused from then on
+        self.drain_seconds = 0.0
+
+    # --- inputs -----------------------------------------------------------------------------
+
+    def on_frontend(self, client: bytes, body: Sequence[Any]) -> None:
+        """A message from an API client of this head (Submit or Cancel)."""
+        try:
+            msg, _ = decode(body)
+        except ProtocolError as exc:
+            self._reject(client, exc.request_id or "", str(exc), 400)
+            return
+        if isinstance(msg, Submit):
+            self._submit(client, msg)
+        elif isinstance(msg, Cancel):
+            rec = self.requests.get(msg.request_id)
+            if rec is not None:
+                self.finish(rec, RequestState.CANCELLED, "cancelled by the client", status_code=499)
+        else:
+            self._reject(client, "", f"{msg.TYPE} is not a frontend message", 400)
+
+    def on_worker(self, role: Role, parts: Sequence[Any]) -> None:
+        """A message on `role`'s result socket: a heartbeat, or a step of one request's flow."""
+        try:
+            msg, frames = decode(parts)
+        except ProtocolError as exc:
+            self.metrics.dropped_messages.inc()
+            rec = self.attempts.get(exc.request_id or "")
+            if rec is None:
+                log.warning("dropped undecodable message on the %s result socket: %s", role.value, exc)
+            else:
+                self.finish(rec, RequestState.FAILED, f"malformed message from a {role.value}: {exc}")
+            return
+        inst = self.membership.get(role, getattr(msg, "instance", ""))
+        if inst is None:
+            self.metrics.dropped_messages.inc()
+            log.warning("dropped %s from unknown %s instance %r", msg.TYPE, role.value, getattr(msg, "instance", None))
+            return
+        if isinstance(msg, Heartbeat):
+            self._on_heartbeat(inst, msg)
+            return
+        rec = self.attempts.get(msg.request_id)
+        if rec is None:
+            self._on_late(inst, msg)
+            return
+        if rec.slot_addr and inst.url == rec.instance and rec.state is ROLE_STATES[rec.role][1]:
+            free_standing(inst, rec.wire_id, rec.slot_addr)  # it reports, so it has loaded the slot
+            rec.slot_addr = 0
+        handler = transfers.HANDLERS.get(type(msg))
+        if handler is None:
+            self.metrics.dropped_messages.inc()
+            log.warning("dropped %s: not a worker message", msg.TYPE)
+            return
+        try:
+            handler(self, rec, inst, msg, frames)
+        except Exception as exc:  # a bug or a misbehaving worker fails one request, never the loop
+            log.exception("handling %s for %s", msg.TYPE, rec.wire_id)
+            if self.attempts.get(rec.wire_id) is rec:
+                self.finish(rec, RequestState.FAILED, f"internal error handling {msg.TYPE} from {inst.url}: {exc}")
+
+    def tick(self, discovered: Mapping[Role, Sequence[str]]) -> None:
+        """Periodic upkeep (twice a second): membership as discovery lists it now, pings, lost
+        workers, timeouts, load."""
+        self.membership.sync(discovered)
+        upkeep.tick(self, self.clock())
+
+    def dispatch(self) -> None:
+        """Give every queue's waiting requests to instances that can take them now."""
+        self.dispatcher.dispatch_all()
+
+    def shut_down(self, seconds: float) -> None:
+        """Stop taking requests; in-flight ones have `seconds` to finish, then fail (503) and free
+        their worker slots (see drained). A second call can only bring the deadline forward."""
+        deadline = self.clock() + max(seconds, 0.0)
+        if self.drain_deadline is None:
+            self.drain_seconds = seconds
+            self.drain_deadline = deadline
+        else:
+            self.drain_deadline = min(self.drain_deadline, deadline)
+
+    def drained(self) -> bool:
+        """While shutting down: past the deadline fail what is left (releasing its slots); True once
+        no request and no receive slot is held any more."""
+        if self.drain_deadline is None:
+            return False
+        if self.clock() >= self.drain_deadline:
+            reason = (
+                f"the head shut down before this request finished (it had {self.drain_seconds:g}s to drain, "
+                "--disagg-drain-timeout); its worker slots were released; retry it"
+            )
+            for rec in list(self.requests.values()):
+                self.finish(rec, RequestState.FAILED, reason, status_code=503)
+            for rid in list(self.held_slots):
+                self.release_held(rid)  # as at its own timeout: this head is going and would never free it
+        return not self.requests and not self.held_slots
+
+    # --- frontend ---------------------------------------------------------------------------
+
+    def _reject(self, client: bytes, rid: str, error: str, status_code: int) -> None:
+        self.transport.reply(client, RequestEvent(rid, REJECTED, error=error, status_code=status_code))
+
+    def _submit(self, client: bytes, msg: Submit) -> None:
+        rid = msg.request_id
+        if not rid:
+            self._reject(client, rid, "request_id must be non-empty", 400)
+            return
+        if self.drain_deadline is not None:
+            self._reject(client, rid, SHUTTING_DOWN, 503)
+            return
+        if rid in self.requests:
+            # The original request is untouched: only the duplicate's sender hears about it.
+            self._reject(client, rid, f"request id {rid!r} is already active", 409)
+            return
+        try:  # the decoder checked each parameter's type; this checks them against the model
+            if self._validate is not None:
+                self._validate(msg.params)
+        except ValueError as exc:
+            self._reject(client, rid, str(exc), 400)
+            return
+        encodes_images = self.full_pipeline or any(role.runs_affinity(Role.IMAGE_ENCODER) for role in self.roles)
+        if msg.params.has_reference and not encodes_images:
+            error = "image: this deployment encodes no reference images (its head has no --image-encoder-urls)"
+            self._reject(client, rid, error, 400)
+            return
+        now = self.clock()
+        rec = RequestRecord(
+            request_id=rid,
+            params=msg.params,
+            route=request_route(self.roles, msg.params),
+            client=client,
+            deadline=now + self.args.disagg_timeout,
+            watch=msg.watch,
+            preview_every=msg.preview_every if msg.watch else 0,
+            created=now,
+            hop_started=now,
+        )
+        self.requests[rid] = rec
+        self.attempts[rec.wire_id] = rec
+        self.load.last_params = msg.params
+        self.dispatcher.enter_hop(rec)
+
+    def event(self, rec: RequestRecord, step: int = 0, total: int = 0, preview: bytes = b"") -> None:
+        """A watched request's state change or step, to its client."""
+        if rec.watch:
+            event = RequestEvent(rec.request_id, rec.state.value, step=step, total_steps=total, preview=preview)
+            self.transport.reply(rec.client, event)
+
+    # --- workers ----------------------------------------------------------------------------
+
+    def _on_heartbeat(self, inst: WorkerInstance, msg: Heartbeat) -> None:
+        if msg.head_id and msg.head_id != self.membership.head_id:
+            # It still serves a previous head; once our ping reaches it, it drops that head's work
+            # and says so in its next heartbeat. Until then nothing is dispatched to it.
+            return
+        if msg.draining and not inst.draining:
+            log.info("%s %s is draining: no new work goes to it", inst.role.value, inst.url)
+        inst.on_heartbeat(
+            self.clock(),
+            msg.capacity,
+            msg.session,
+            msg.pool_bytes,
+            msg.free_bytes,
+            msg.model,
+            msg.standing_bytes,
+            msg.draining,
+            msg.max_batch,
+        )
+        self._check_topology(inst, msg)
+
+    def _on_late(self, inst: WorkerInstance, msg: Any) -> None:
+        """A message of an attempt that ended: free what the worker still holds for it."""
+        log.debug("late %s for finished request %s from %s", msg.TYPE, msg.request_id, inst.url)
+        held = self.held_slots.get(msg.request_id)
+        if held and held.sender == inst.url and isinstance(msg, (TransferPushed, Failed)):
+            self.release_held(msg.request_id)
+        if isinstance(msg, (TransferStaged, TransferAllocated)):
+            self.membership.send(inst.url, CancelWork(msg.request_id, inst.url))
+
+    def _check_topology(self, inst: WorkerInstance, msg: Heartbeat) -> None:
+        """A full-pipeline worker behind a role-pool head, or a role worker behind a full-pipeline head,
+        would return the wrong thing: it gets no work, and the head says why once."""
+        inst.full_pipeline, inst.encoder_cache = msg.full_pipeline, msg.encoder_cache
+        wrong = msg.full_pipeline != self.full_pipeline
+        if wrong and not inst.wrong_topology:
+            worker = "runs the whole pipeline (--disagg-full-pipeline)" if msg.full_pipeline else "runs its role only"
+            head = "lists only --denoiser-urls (a full-pipeline pool)" if self.full_pipeline else "routes through roles"
+            log.error("%s %s %s but this head %s: it gets no work", inst.role.value, inst.url, worker, head)
+        inst.wrong_topology = wrong
+
+    def holds_anything(self, url: str) -> bool:
+        """Whether some request (or a receive slot still being written) involves this worker."""
+        return any(url in r.involved_instances() for r in self.requests.values()) or any(
+            url in (h.sender, h.receiver) for h in self.held_slots.values()
+        )
+
+    # --- lost workers and retries -----------------------------------------------------------
+
+    def instance_lost(self, inst: WorkerInstance, cause: str, reason: str) -> None:
+        """A worker stopped responding or cannot be reached: retry what it held, forget its slots."""
+        log.warning("%s", reason)
+        inst.last_heartbeat = None
+        inst.inflight.clear()
+        inst.standing.clear()
+        for rec in [r for r in self.requests.values() if inst.url in r.involved_instances()]:
+            self.retry(rec, inst, cause, reason)
+        for wire_id in [w for w, held in self.held_slots.items() if held.sender == inst.url]:
+            self.release_held(wire_id)  # a sender that is gone writes nothing more
+
+    def unreachable(self, url: str | None, reason: str, rec: RequestRecord) -> None:
+        """A send to `url` failed: that worker is lost (what it held is retried); one that is no
+        longer known fails `rec` alone."""
+        inst = self.membership.find(url or "")
+        if inst is None:
+            self.finish(rec, RequestState.FAILED, reason, status_code=503)
+        else:
+            self.instance_lost(inst, "disconnected", reason)
+
+    def sender_unreachable(self, rec: RequestRecord) -> None:
+        assert rec.staged is not None
+        self.unreachable(rec.staged.sender, f"sender {rec.staged.sender} is unreachable; its output is lost", rec)
+
+    def retry(
+        self, rec: RequestRecord, lost: WorkerInstance, cause: str, reason: str, outputs_kept: bool = True
+    ) -> None:
+        """Carry on without `lost`: the same hop with another receiver while the sender still holds
+        the outputs (nothing was written yet, and `outputs_kept`), else the whole route again as a
+        new attempt. The seed is in the parameters, so a retried request gives the same pixels."""
+        if rec.retries >= self.args.disagg_max_retries:
+            self.finish(
+                rec,
+                RequestState.FAILED,
+                f"{reason}; gave up after {rec.retries} retries (--disagg-max-retries)",
+                status_code=503,
+            )
+            return
+        rec.retries += 1
+        self.metrics.retries.labels(lost.role.value, cause).inc()
+        staged = rec.staged
+        if outputs_kept and staged is not None and staged.sender != lost.url and not rec.push_in_flight:
+            log.info("request %s: %s; its %s outputs wait for another receiver", rec.request_id, reason, staged.sender)
+            rec.instance, rec.slot_addr = None, 0
+            self.dispatcher.requeue(rec)
+            return
+        log.info("request %s: %s; restarting it (retry %d)", rec.request_id, reason, rec.retries)
+        self._release(rec)
+        del self.attempts[rec.wire_id]
+        rec.restart()
+        self.attempts[rec.wire_id] = rec
+        self.dispatcher.enter_hop(rec, ahead=True)
+
+    # --- endings ----------------------------------------------------------------------------
+
+    def release_held(self, wire_id: str) -> None:
+        held = self.held_slots.pop(wire_id)
+        receiver = self.membership.find(held.receiver)
+        if receiver is not None and held.standing_addr:
+            free_standing(receiver, wire_id, held.standing_addr)
+        self.membership.send(held.receiver, CancelWork(wire_id, held.receiver))
+
+    def _release(self, rec: RequestRecord) -> None:
+        """Free everything the current attempt of `rec` holds on any worker (CancelWork)."""
+        wire_id = rec.wire_id
+        for url in rec.involved_instances():
+            inst = self.membership.find(url)
+            if inst is not None:
+                inst.inflight.discard(wire_id)
+            if rec.push_in_flight and rec.staged and url == rec.instance:
+                # The sender may be writing into this slot right now: freeing it could hand the
+                # bytes of a late write to another request. Free it once the sender reports.
+                until = self.clock() + 2 * self.membership.heartbeat_timeout
+                self.held_slots[wire_id] = HeldSlot(rec.staged.sender, url, until, rec.slot_addr)
+                continue
+            if url == rec.instance and rec.slot_addr and inst is not None:
+                free_standing(inst, wire_id, rec.slot_addr)
+            self.membership.send(url, CancelWork(wire_id, url))
+
+    def finish(self, rec: RequestRecord, state: RequestState, error: str | None = None, status_code: int = 500) -> None:
+        """End a request: release what it holds on every worker, tell its client, forget it."""
+        if rec.state is not state:
+            rec.move(state)
+        if state is RequestState.DONE:
+            for url in rec.involved_instances():
+                if (inst := self.membership.find(url)) is not None:
+                    inst.inflight.discard(rec.wire_id)
+        else:
+            self._release(rec)
+        self.requests.pop(rec.request_id, None)
+        self.attempts.pop(rec.wire_id, None)
+        self.metrics.requests.labels(state.value).inc()
+        if state is RequestState.DONE:
+            self.metrics.request_seconds.observe(self.clock() - rec.created)
+            return
+        log.info("request %s %s: %s", rec.request_id, state.value, error)
+        ended = RequestEvent(rec.request_id, state.value, error=error, status_code=status_code)
+        self.transport.reply(rec.client, ended)
+
+
+def free_standing(inst: WorkerInstance, wire_id: str, addr: int) -> None:
+    """The standing slot at `addr` no longer holds `wire_id`'s input."""
+    slot = inst.standing.get(addr)
+    if slot is not None and slot.holder == wire_id:
+        slot.holder = None

@@ -1,0 +1,188 @@
+"""Per-role queues and dispatch: which waiting request goes to which instance, and what is sent.
+
+A request waits in its current role's queue until the role's policy (dispatch.py) finds an
+instance that can take it; with --batching-mode dynamic, compatible requests leave together
+(batcher.py). A request with staged outputs is given a receiver: a free standing receive slot
+that fits (the fast path: TransferPush at once), else TransferAlloc; a request at its first
+role gets Work.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from triptych.protocol import TransferAlloc, TransferPush, Work, WorkBatch
+from triptych.roles import Role
+from triptych_head.batcher import Group, GroupBatcher
+from triptych_head.dispatch import make_policy
+from triptych_head.instances import WorkerInstance
+from triptych_head.state import ROLE_STATES, RequestRecord, RequestState
+
+if TYPE_CHECKING:
+    from triptych_head.core import HeadCore
+
+
+class Dispatcher:
+    def __init__(self, core: HeadCore, roles: Sequence[Role]):
+        self._core = core
+        self._membership = core.membership
+        args = core.args
+        self.queues: dict[Role, deque[str]] = {role: deque() for role in roles}
+        # One per role: a round-robin cursor shared by roles of different sizes would keep landing on
+        # the same instance of one of them (one encoder and two denoisers: always the second denoiser).
+        self._policies = {role: make_policy(args.disagg_dispatch_policy) for role in roles}
+        self.batcher: GroupBatcher | None = None
+        if args.batching_mode == "dynamic":
+            self.batcher = GroupBatcher(args.batching_max_size, args.batching_delay_ms / 1000, core.batch_metrics)
+
+    def enter_hop(self, rec: RequestRecord, ahead: bool = False) -> None:
+        """Queue `rec` for its current role; `ahead`: before the others (a retry was accepted earlier)."""
+        rec.move(ROLE_STATES[rec.role][0])
+        rec.hop_started = self._core.clock()
+        self._core.event(rec)
+        queue = self.queues[rec.role]
+        if ahead:
+            queue.appendleft(rec.request_id)
+        else:
+            queue.append(rec.request_id)
+        if len(queue) == 1:  # nothing waited ahead of it: dispatched now rather than at the end of the loop turn
+            self.dispatch_queue(rec.role)
+
+    def requeue(self, rec: RequestRecord) -> None:
+        """Back to the front of its role's queue: its receiver refused or was lost; its sender still holds it."""
+        self.queues[rec.role].appendleft(rec.request_id)
+
+    def dispatch_all(self) -> None:
+        for role in self.queues:
+            self.dispatch_queue(role)
+
+    def dispatch_queue(self, role: Role) -> None:
+        """Dispatch `role`'s queue in order until its first request finds no instance."""
+        if self.batcher is not None:
+            self._dispatch_groups(role, self.batcher)
+            return
+        queue = self.queues[role]
+        while queue and self._dispatch_one(role, queue[0]):
+            queue.popleft()
+
+    def _queued(self, role: Role, rid: str) -> RequestRecord | None:
+        """The request behind a queue entry, or None for a stale entry (ended, restarted elsewhere in
+        its route, or already dispatched)."""
+        rec = self._core.requests.get(rid)
+        if rec is None or rec.state.terminal or rec.role is not role or rec.instance is not None:
+            return None
+        return rec
+
+    def _dispatch_groups(self, role: Role, batcher: GroupBatcher) -> None:
+        """--batching-mode dynamic: send the groups of `role`'s queue that are ready (batcher.py),
+        each to one instance; what an instance has no room for stays queued."""
+        queue = self.queues[role]
+        queued: list[RequestRecord] = []
+        gone: set[str] = set()  # stale entries, then the dispatched ones
+        for rid in queue:
+            rec = self._queued(role, rid)
+            if rec is None:
+                gone.add(rid)
+            else:
+                queued.append(rec)
+        instances = [i for i in self._membership.instances(role) if self._membership.ready(i)]
+        room = max((i.batch_room for i in instances), default=0)
+        now = self._core.clock()
+        for members in batcher.ready_groups(queued, room, now):
+            nbytes = members[0].staged.nbytes if members[0].staged else 0  # compatible: the same for all
+            inst = self._policies[role](instances, functools.partial(self._can_take, nbytes=nbytes))
+            if inst is None:
+                break
+            group = Group(inst, members[: inst.batch_room])
+            for rec in group.members:
+                rec.batch = (group.batch_id, len(group.members)) if len(group.members) > 1 else ("", 1)
+                if self._dispatch_one(role, rec.request_id, group):
+                    gone.add(rec.request_id)
+            if group.work and not self._send_work(inst, group.work):
+                break
+            batcher.observe_sent(role.value, group, now)
+        if gone:
+            remaining = [rid for rid in queue if rid not in gone]
+            queue.clear()
+            queue.extend(remaining)
+
+    def _can_take(self, inst: WorkerInstance, nbytes: int) -> bool:
+        return self._membership.ready(inst) and inst.can_take(nbytes)
+
+    def _send_work(self, inst: WorkerInstance, work: list[Work]) -> bool:
+        """A group's first-role work as one message (a single request as plain Work)."""
+        msg: Work | WorkBatch = work[0] if len(work) == 1 else WorkBatch(inst.url, work)
+        if self._membership.send(inst.url, msg):
+            return True
+        self._core.instance_lost(inst, "disconnected", f"{inst.role.value} {inst.url} is not connected")
+        return False
+
+    def _too_large(self, role: Role, rec: RequestRecord, nbytes: int) -> bool:
+        """Fail a request whose staged payload fits no known instance's transfer pool."""
+        known = [i for i in self._membership.instances(role) if self._membership.alive(i) and i.pool_bytes]
+        if not known or any(nbytes <= i.pool_bytes for i in known):
+            return False
+        largest = max(i.pool_bytes for i in known)
+        self._core.finish(
+            rec,
+            RequestState.FAILED,
+            f"payload of {nbytes} bytes exceeds --disagg-transfer-pool-size of every {role.value} "
+            f"({largest} bytes); raise it on the {role.value} workers",
+            status_code=413,
+        )
+        return True
+
+    def _dispatch_one(self, role: Role, rid: str, group: Group | None = None) -> bool:
+        """Give the request at the head of `role`'s queue to an instance; False if none can take it.
+        With `group`: to the group's instance, and a first role's Work goes into `group.work`."""
+        rec = self._queued(role, rid)
+        if rec is None:
+            return True
+        core, wire_id = self._core, rec.wire_id
+        nbytes = rec.staged.nbytes if rec.staged else 0
+        if rec.staged and self._too_large(role, rec, nbytes):
+            return True
+        if group is None:
+            eligible = functools.partial(self._can_take, nbytes=nbytes)
+            inst = self._policies[role](self._membership.instances(role), eligible)
+        else:
+            inst = group.instance if self._can_take(group.instance, nbytes) else None
+        if inst is None:
+            return False
+        started = core.clock()  # before the send, so the hop's time contains all the instance's work
+        waited = started - rec.hop_started
+        if rec.staged and inst.session and (addr := inst.free_standing_slot(nbytes)) is not None:
+            # Transfer flow step 2, fast path: a standing slot fits, so no transfer_alloc round trip.
+            sender = rec.staged.sender
+            push = TransferPush(wire_id, sender, dest_session=inst.session, dest_addr=addr)
+            if not self._membership.send(sender, push):
+                core.sender_unreachable(rec)
+                return True
+            inst.standing[addr].holder = wire_id
+            rec.slot_addr, rec.push_in_flight = addr, True
+            sent = True
+        elif rec.staged:
+            keep = inst.should_keep_slot(nbytes)
+            sent = self._membership.send(inst.url, TransferAlloc(wire_id, inst.url, nbytes, keep=keep))
+        else:
+            work = Work(wire_id, inst.url, rec.wire_params(), progress=rec.watch, preview_every=rec.preview_every)
+            if group is not None:
+                group.work.append(work)  # sent with the rest of the group (_send_work)
+                sent = True
+            else:
+                sent = self._membership.send(inst.url, work)
+        if not sent:  # not connected any more: treat it as gone until it heartbeats again
+            core.instance_lost(inst, "disconnected", f"{role.value} {inst.url} is not connected")
+            return False
+        inst.inflight.add(wire_id)
+        inst.dispatched_total += 1
+        rec.instance = inst.url
+        rec.hop_started = started
+        if not rec.staged:
+            rec.move(ROLE_STATES[role][1])
+            core.event(rec)
+        core.metrics.queue_seconds.labels(role.value).observe(waited)
+        return True

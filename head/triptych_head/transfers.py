@@ -1,0 +1,199 @@
+"""What each worker message of a request's flow means to the head (docs/design.md, "Transfer flow").
+
+One function per message type, each given the request's record and the instance that sent it:
+a staged output goes to the next role's queue, an allocated slot gets the sender's push, a
+pushed write readies the receiver, pixels go back to the client, a failure is retried or ends
+the request. Messages that no longer match the request's state are stale and ignored (or the
+worker is told to drop what it holds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from triptych.protocol import (
+    CancelWork,
+    Failed,
+    Progress,
+    RequestResult,
+    Result,
+    TransferAllocated,
+    TransferPush,
+    TransferPushed,
+    TransferReady,
+    TransferRefused,
+    TransferStaged,
+)
+from triptych_head.instances import StandingSlot, WorkerInstance
+from triptych_head.state import ROLE_STATES, RequestRecord, RequestState, StagedPayload
+
+if TYPE_CHECKING:
+    from triptych_head.core import HeadCore
+
+
+def on_progress(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Progress, frames: list[Any]) -> None:
+    if rec.instance == inst.url:
+        rec.step, rec.total_steps = msg.step, msg.total
+        core.event(rec, msg.step, msg.total, msg.preview)
+
+
+def on_staged(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: TransferStaged, frames: list[Any]) -> None:
+    _, running, done = ROLE_STATES[rec.role]
+    if rec.state is not running or rec.instance != inst.url:
+        core.membership.send(inst.url, CancelWork(rec.wire_id, inst.url))
+        return
+    if rec.hop + 1 >= len(rec.route):
+        raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
+    stage = _time_stage(core, rec, msg.seconds, msg.batch_size)
+    if core.batch_metrics is not None:
+        core.batch_metrics.observe_ran(inst.role.value, msg.batch_size, msg.batch_leader)
+    rec.move(done)
+    rec.staged = StagedPayload(inst.url, msg.nbytes, msg.manifest, msg.meta, staged_at=core.clock())
+    rec.instance = None
+    rec.hop += 1
+    core.dispatcher.enter_hop(rec)
+    core.metrics.observe_stage(*stage)  # after the push went out: off the request's path
+
+
+def on_allocated(
+    core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: TransferAllocated, frames: list[Any]
+) -> None:
+    if not (rec.receiver_reserved and rec.instance == inst.url and rec.staged):
+        core.membership.send(inst.url, CancelWork(rec.wire_id, inst.url))
+        return
+    if msg.session != inst.session:
+        # A sender writes only to the transfer session its receiver heartbeats, never to one a
+        # message names (a restarted process behind the same address: its next heartbeat tells).
+        reason = f"{inst.role.value} {inst.url} offered a slot in transfer session {msg.session!r}, not its own"
+        core.instance_lost(inst, "session_mismatch", reason)
+        return
+    if msg.kept:
+        inst.standing[msg.addr] = StandingSlot(rec.staged.nbytes, holder=rec.wire_id)
+        rec.slot_addr = msg.addr
+    push = TransferPush(rec.wire_id, rec.staged.sender, dest_session=msg.session, dest_addr=msg.addr)
+    if not core.membership.send(rec.staged.sender, push):
+        core.sender_unreachable(rec)
+        return
+    rec.push_in_flight = True
+
+
+def on_refused(
+    core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: TransferRefused, frames: list[Any]
+) -> None:
+    if not (rec.receiver_reserved and rec.instance == inst.url):
+        return
+    if msg.fatal:
+        core.finish(rec, RequestState.FAILED, f"{inst.role.value} {inst.url}: {msg.reason}", status_code=413)
+        return
+    # Back-pressure: the sender keeps holding the tensors until this or another receiver has room.
+    inst.inflight.discard(rec.wire_id)
+    inst.refused_bytes = rec.staged.nbytes if rec.staged else 0
+    rec.instance = None
+    core.dispatcher.requeue(rec)
+
+
+def on_pushed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: TransferPushed, frames: list[Any]) -> None:
+    staged = rec.staged
+    if staged is None or staged.sender != inst.url or rec.instance is None:
+        return
+    inst.inflight.discard(rec.wire_id)  # transfer flow step 5: the sender's scheduling slot is free again
+    rec.push_in_flight = False
+    rec.staged = None
+    ready = TransferReady(
+        rec.wire_id,
+        rec.instance,
+        rec.wire_params(),
+        staged.manifest,
+        staged.meta,
+        rec.slot_addr,
+        rec.watch,
+        rec.preview_every,
+        *rec.batch,
+    )
+    started = core.clock()  # before the send, so the hop's time contains all the receiver's work
+    sent = core.membership.send(rec.instance, ready)
+    dest = _record_transfer(core, rec, inst, staged, msg)  # after the send: the receiver need not wait for it
+    if not sent:
+        core.unreachable(rec.instance, f"{dest} {rec.instance} became unreachable before its input was ready", rec)
+        return
+    rec.move(ROLE_STATES[rec.role][1])
+    rec.hop_started = started
+    core.event(rec)
+
+
+def on_result(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Result, frames: list[Any]) -> None:
+    """Pixels from the route's last hop: the decoder, or a full-pipeline worker."""
+    if not rec.last_hop or rec.state is not ROLE_STATES[rec.role][1] or rec.instance != inst.url:
+        return
+    stage = _time_stage(core, rec, msg.seconds, msg.batch_size)
+    if core.batch_metrics is not None:
+        core.batch_metrics.observe_ran(inst.role.value, msg.batch_size, msg.batch_leader)
+    rec.timings["total"] = core.clock() - rec.created
+    rec.move(RequestState.DONE)
+    core.transport.reply(rec.client, RequestResult(rec.request_id, msg.tensors, rec.timings), frames)
+    core.metrics.observe_stage(*stage)
+    core.finish(rec, RequestState.DONE)
+
+
+def on_failed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Failed, frames: list[Any]) -> None:
+    if inst.url not in rec.involved_instances():
+        return
+    inst.inflight.discard(rec.wire_id)
+    reason = f"{inst.role.value} {inst.url}: {msg.error}"
+    if rec.staged and rec.staged.sender == inst.url and not msg.write_pending:
+        rec.push_in_flight = False  # the sender reported: no write of this request is under way
+    if rec.staged and rec.staged.sender == inst.url and rec.receiver_reserved:
+        # A failed push is as likely the receiver's fault (it may have died) as the sender's: name
+        # both, and retry the request; the sender has freed its outputs, so from the start.
+        reason = f"transfer to {rec.role.value} {rec.instance} failed: {reason}"
+        receiver = core.membership.find(rec.instance or "")
+        if receiver is not None:
+            receiver.suspect = True  # until it heartbeats again: retries must not go back to a dead one
+            core.retry(rec, receiver, "transfer_failed", reason, outputs_kept=False)
+            return
+    core.finish(rec, RequestState.FAILED, reason, msg.status_code)
+
+
+HANDLERS: dict[type, Callable[..., None]] = {
+    Progress: on_progress,
+    TransferStaged: on_staged,
+    TransferAllocated: on_allocated,
+    TransferRefused: on_refused,
+    TransferPushed: on_pushed,
+    Result: on_result,
+    Failed: on_failed,
+}
+
+
+def _record_transfer(
+    core: HeadCore, rec: RequestRecord, sender: WorkerInstance, staged: StagedPayload, msg: TransferPushed
+) -> str:
+    """Metrics and timings of a finished hand-off; returns the receiving role's name."""
+    receiver = core.membership.find(rec.instance or "")
+    dest = receiver.role.value if receiver else "?"
+    src = sender.role.value
+    core.metrics.transfer_bytes.labels(src, dest).inc(msg.nbytes)
+    core.metrics.transfer_seconds.labels(src, dest).observe(msg.seconds)
+    handoff = core.clock() - staged.staged_at  # reserve a slot, push, write, report
+    core.metrics.handoff_seconds.labels(src, dest).observe(handoff)
+    rec.timings[f"transfer_{src}_{dest}"] = msg.seconds
+    rec.timings[f"handoff_{src}_{dest}"] = handoff
+    return dest
+
+
+def _time_stage(
+    core: HeadCore, rec: RequestRecord, worker_seconds: float, batch_size: int = 1
+) -> tuple[str, float, float]:
+    """Record the hop's time as the head saw it (dispatch to output reported) and as the worker
+    spent it (load inputs, run stages, stage outputs), and calibrate the work estimate with the
+    latter; returns (role, head-seen seconds, worker seconds) for the metrics, which callers
+    observe once the request's next message is out. A request that ran in a batch of B costs
+    the device a B-th of the batch's time: that share is its device time and its estimate."""
+    role = rec.role.value
+    elapsed = core.clock() - rec.hop_started
+    rec.timings[role] = elapsed
+    rec.timings[f"worker_{role}"] = worker_seconds
+    share = worker_seconds / max(batch_size, 1)
+    core.workload.observe(rec.role, rec.params, share)
+    return role, elapsed, share
