@@ -1,0 +1,256 @@
+"""The head's decisions, driven message by message with no socket, thread or sleep (core.py).
+
+The core is given what the frontend and the workers say and a hand-moved clock; what it sends
+is recorded. The invariants the transfer flow rests on are checked from both sides after every
+step of many seeded random schedules: never two requests in one receive slot, never a write into
+a slot freed or given to another, never a worker above its capacity, never a slot leaked, and
+every request ends exactly once.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.unit.core_harness import Harness, SimWorker, SlotViolation
+from triptych.protocol import (
+    RequestEvent,
+    RequestResult,
+    TransferAllocated,
+    TransferPush,
+    TransferStaged,
+    Work,
+    encode,
+)
+from triptych.roles import Role
+from triptych_head.state import RequestState
+
+THREE_ROLES = {Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1}
+
+
+def _kinds(h: Harness) -> list[tuple[str, str]]:
+    return [(h.workers[url].role.value, type(msg).__name__) for url, msg in h.pending]
+
+
+def test_a_request_walks_the_transfer_flow_one_message_at_a_time() -> None:
+    h = Harness(THREE_ROLES)
+    h.submit("r")
+    assert _kinds(h) == [("encoder", "Work")]
+    assert h.state("r") is RequestState.ENCODER_RUNNING
+    h.deliver()  # the encoder runs and stages its outputs
+    h.answer()
+    assert _kinds(h) == [("denoiser", "TransferAlloc")]
+    assert h.state("r") is RequestState.DENOISING_WAITING
+    h.deliver()  # the denoiser reserves a slot
+    h.answer()
+    assert _kinds(h) == [("encoder", "TransferPush")]
+    h.deliver()  # the encoder writes and reports
+    h.answer()
+    assert _kinds(h) == [("denoiser", "TransferReady")]
+    assert h.state("r") is RequestState.DENOISING_RUNNING
+    h.deliver()
+    h.answer()  # staged for the decoder
+    for _ in range(2):  # alloc, push
+        h.deliver()
+        h.answer()
+    assert _kinds(h) == [("decoder", "TransferReady")]
+    assert h.state("r") is RequestState.DECODER_RUNNING
+    h.deliver()
+    h.answer()  # pixels
+    assert [type(m) for m in h.endings()["r"]] == [RequestResult]
+    h.check_idle()
+
+
+def test_a_dead_encoder_is_found_by_the_clock_and_its_request_goes_to_the_other_one() -> None:
+    h = Harness({Role.ENCODER: 2, Role.DENOISER: 1, Role.DECODER: 1})
+    h.submit("r")
+    ((url, work),) = h.pending
+    h.workers[url].alive = False
+    h.pending.clear()
+    h.clock.advance(h.args.disagg_heartbeat_timeout + 1)
+    h.tick()
+    ((retry_url, retry),) = [(u, m) for u, m in h.pending if isinstance(m, Work)]
+    assert retry_url != url and isinstance(retry, Work)
+    assert retry.request_id != work.request_id  # a new attempt: late messages of the old one cannot touch it
+    assert h.core.metrics.retries.labels("encoder", "heartbeat_lost")._value.get() == 1
+
+
+def test_a_refused_allocation_keeps_the_outputs_on_the_sender_until_the_receiver_has_room() -> None:
+    h = Harness(THREE_ROLES)
+    h.submit("r")
+    h.deliver()
+    h.answer()  # staged
+    assert h.refuse_next_alloc()
+    h.answer()
+    assert h.state("r") is RequestState.DENOISING_WAITING and h.pending == []
+    h.tick()  # the receiver's next heartbeat clears the refusal: the head asks again
+    assert _kinds(h) == [("denoiser", "TransferAlloc")]
+
+
+def test_a_send_to_a_disconnected_worker_retries_what_it_held_elsewhere() -> None:
+    h = Harness({Role.ENCODER: 1, Role.DENOISER: 2, Role.DECODER: 1})
+    h.submit("r")
+    h.deliver()
+    h.answer()  # staged; alloc to one denoiser
+    ((denoiser, alloc),) = h.pending
+    h.pending.clear()
+    h.transport.down.add(denoiser)  # its socket is gone: the next send to it fails at once
+    h.workers[denoiser].alive = False
+    allocated = TransferAllocated(alloc.request_id, denoiser, h.workers[denoiser].session, 0x10, kept=False)
+    h.workers[denoiser].reserved[0x10] = alloc.request_id
+    h.core.on_worker(Role.DENOISER, encode(allocated))
+    h.collect()
+    # The push was sent to the encoder (up); the denoiser's loss shows when the head sends it TransferReady.
+    h.deliver()
+    h.answer()
+    h.collect()
+    kinds = _kinds(h)
+    assert h.core.requests["r"].retries == 1, kinds
+    assert ("encoder", "Work") in kinds  # the sender freed its outputs with the push: the route restarts
+
+
+def test_the_core_refuses_new_requests_once_shutting_down_and_fails_the_rest_at_the_deadline() -> None:
+    h = Harness(THREE_ROLES)
+    h.submit("r")
+    h.core.shut_down(5)
+    h.submit("late")
+    assert h.endings()["late"][0].status_code == 503
+    assert not h.core.drained()
+    h.clock.advance(6)
+    assert h.core.drained()
+    (ended,) = h.endings()["r"]
+    assert isinstance(ended, RequestEvent) and ended.state == "FAILED" and ended.status_code == 503
+    h.check_idle()
+
+
+def _run_schedule(seed: int, counts: dict[Role, int], flags: tuple[str, ...] = ()) -> Harness:
+    """Requests, worker answers in random order, refusals, failures, cancels and worker deaths,
+    bounded in steps; the invariants are checked after every step, then everything must end."""
+    rnd = random.Random(seed)
+    h = Harness(counts, flags)
+    n_requests = 6
+    submitted = 0
+    for _step in range(600):
+        h.check_ledger()
+        choice = rnd.random()
+        if submitted < n_requests and choice < 0.15:
+            h.submit(f"r{submitted}")
+            submitted += 1
+        elif h.pending and choice < 0.55:
+            i = rnd.randrange(len(h.pending))
+            roll = rnd.random()
+            if not (roll < 0.05 and h.fail(i)):
+                h.deliver(i)
+        elif h.answers and choice < 0.9:
+            h.answer(rnd.randrange(len(h.answers)))
+        elif choice < 0.93 and h.core.requests:
+            h.cancel(rnd.choice(sorted(h.core.requests)))
+        elif choice < 0.95:
+            h.refuse_next_alloc()
+        elif choice < 0.96:
+            victim = rnd.choice(sorted(h.workers))
+            if (
+                h.workers[victim].alive
+                and sum(w.alive for w in h.workers.values() if w.role is h.workers[victim].role) > 1
+            ):
+                h.workers[victim].alive = False
+                _forget(h, h.workers[victim])
+        else:
+            h.clock.advance(rnd.choice((0.1, 0.5, h.args.disagg_heartbeat_timeout + 0.5)))
+            h.tick()
+        if submitted == n_requests and not h.core.requests and not h.pending and not h.answers:
+            break
+    # Let it all end: every message handled, then time passes until nothing is held.
+    for _ in range(200):
+        h.check_ledger()
+        if h.pending:
+            h.deliver()
+        elif h.answers:
+            h.answer()
+        elif h.core.requests or h.core.held_slots:
+            h.clock.advance(h.args.disagg_heartbeat_timeout + 0.5)
+            h.tick()
+        else:
+            break
+    for i in range(submitted, n_requests):
+        h.submit(f"r{i}")  # the ones the schedule never sent: refused or run
+    while h.pending or h.answers:
+        h.deliver() if h.pending else h.answer()
+        h.check_ledger()
+    return h
+
+
+def _forget(h: Harness, w: SimWorker) -> None:
+    """A dead worker's state is gone with it."""
+    w.computing.clear()
+    w.staged.clear()
+    w.reserved.clear()
+    w.kept.clear()
+    w.content.clear()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_schedules_never_share_a_slot_oversubscribe_a_worker_or_leak(seed: int) -> None:
+    h = _run_schedule(seed, {Role.ENCODER: 2, Role.DENOISER: 2, Role.DECODER: 1})
+    for _ in range(50):
+        if not h.core.requests and not h.core.held_slots:
+            break
+        h.clock.advance(h.args.disagg_timeout + 1)
+        h.tick()
+        while h.pending or h.answers:
+            h.deliver() if h.pending else h.answer()
+    h.check_idle()
+    endings = h.endings()
+    assert sorted(endings) == [f"r{i}" for i in range(6)], endings
+    assert all(len(e) == 1 for e in endings.values()), {k: v for k, v in endings.items() if len(v) != 1}
+    assert all(w.peak_computing <= 2 for w in h.workers.values())
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_schedules_with_batching_keep_the_same_invariants(seed: int) -> None:
+    flags = ("--batching-mode", "dynamic", "--batching-max-size", "2", "--batching-delay-ms", "0")
+    h = _run_schedule(seed, {Role.ENCODER: 1, Role.DENOISER: 2, Role.DECODER: 1}, flags)
+    for _ in range(50):
+        if not h.core.requests and not h.core.held_slots:
+            break
+        h.clock.advance(h.args.disagg_timeout + 1)
+        h.tick()
+        while h.pending or h.answers:
+            h.deliver() if h.pending else h.answer()
+    h.check_idle()
+    assert all(len(e) == 1 for e in h.endings().values())
+
+
+def test_the_invariant_checks_catch_a_core_that_gives_one_slot_to_two_requests() -> None:
+    """The checks can fail: a core that forgets a standing slot's holder hands it out twice."""
+    h = Harness(THREE_ROLES)
+    h.submit("a")
+    h.deliver()
+    h.answer()  # a staged; TransferAlloc(keep) to the denoiser
+    h.deliver()
+    h.answer()  # allocated and kept: TransferPush to the encoder
+    inst = h.core.membership.find(next(u for u, w in h.workers.items() if w.role is Role.DENOISER))
+    assert inst is not None and inst.standing, "the first transfer's slot should be kept"
+    h.deliver()  # a's bytes land in the slot; the denoiser has not loaded them yet
+    for slot in inst.standing.values():
+        slot.holder = None  # the bug: the slot looks free while it holds a's input
+    h.submit("b")
+    h.deliver()  # b's encoder stage
+    h.answer()  # a pushed: TransferReady(a) waits for the denoiser
+    h.answer()  # b staged: the "free" standing slot is reused at once
+    push_b = next(i for i, (_, m) in enumerate(h.pending) if isinstance(m, TransferPush))
+    h.deliver(push_b)  # b's bytes overwrite a's
+    with pytest.raises(SlotViolation, match=r"loaded 'b''s bytes as a's input"):
+        h.deliver()  # TransferReady(a)
+
+
+def test_a_staged_message_for_an_ended_attempt_is_answered_with_cancel_work() -> None:
+    h = Harness(THREE_ROLES)
+    h.submit("r")
+    ((url, work),) = h.pending
+    h.cancel("r")
+    h.pending.clear()
+    h.core.on_worker(Role.ENCODER, encode(TransferStaged(work.request_id, url, 10, [], {}, 0.1)))
+    h.collect()
+    assert [m.TYPE for _, m in h.pending] == ["cancel_work"]
