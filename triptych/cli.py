@@ -5,7 +5,7 @@
     triptych keys generate DIR
     triptych generate "PROMPT" -o out.png | video "PROMPT" -o out.mp4 | status   (HTTP clients of a head)
 
-The flags mirror the design spec; `triptych.config.ServeArgs` holds their parsed, validated
+The flags: docs/design.md, "`triptych serve` flags". `triptych.config.ServeArgs` holds their parsed, validated
 values and is what the head and workers receive. The operator builds worker arguments with
 `triptych.config.ServeArgs.to_argv`, so the two cannot drift.
 """

@@ -1,4 +1,4 @@
-"""The port convention shared by the head and the workers (see the design spec).
+"""The port convention shared by the head and the workers (docs/design.md, "Port convention").
 
 Result endpoints are derived from the head's --scheduler-port, so a worker only needs
 --disagg-server-addr to find where its results go.

@@ -64,7 +64,7 @@ class RoleSpec:
     """Everything the layers of Triptych know about one worker role."""
 
     result_port_offset: int
-    """The head's PULL port for this role's results: --scheduler-port + this (the spec's convention)."""
+    """The head's PULL port for this role's results: --scheduler-port + this (docs/design.md, "Port convention")."""
     route_order: int
     """Place in a request's route; the head visits the roles its URL flags list, in this order."""
     stage_states: str

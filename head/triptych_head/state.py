@@ -1,4 +1,4 @@
-"""The request state machine (spec, "Request State Machine"), enforced in one place.
+"""The request state machine (docs/design.md, "Request state machine"), enforced in one place.
 
 PENDING -> ENCODER_WAITING -> ENCODER_RUNNING -> ENCODER_DONE -> DENOISING_WAITING -> ...
 -> DECODER_RUNNING -> DONE; any non-terminal state -> FAILED, TIMED_OUT or CANCELLED.
@@ -74,7 +74,7 @@ class InvalidTransition(RuntimeError):
 
 
 def check_transition(current: RequestState, target: RequestState) -> None:
-    """Raise InvalidTransition unless the spec allows current -> target."""
+    """Raise InvalidTransition unless the request state machine (docs/design.md) allows current -> target."""
     if current.terminal:
         raise InvalidTransition(f"request already {current.value}; cannot move to {target.value}")
     if target in (_S.FAILED, _S.TIMED_OUT, _S.CANCELLED, _S.PENDING):  # PENDING: retried from the start

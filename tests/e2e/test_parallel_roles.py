@@ -2,7 +2,7 @@
 
 `--decoder-sp 2` (Wan): the VAE decode split by bands of rows with halo exchange gives the
 single-rank decoder's pixels byte for byte, and both ranks decoded an equal, non-zero share.
-`triptych.launch_pool` with the spec's `denoiser_gpus=[[1, 2], [3, 4]]` on CPU: two denoiser
+`triptych.launch_pool` with the reference design's `denoiser_gpus=[[1, 2], [3, 4]]` on CPU: two denoiser
 instances of two rank processes each, one instance per list to the head, both serving.
 (The denoiser's TP tests are in test_parallel_ranks.py, beside the single-rank pixels they compare to.)
 """

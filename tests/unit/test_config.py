@@ -1,4 +1,4 @@
-"""`triptych serve` flags: defaults from the spec, one-line errors naming the flag."""
+"""`triptych serve` flags: defaults as docs/design.md gives them, one-line errors naming the flag."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Three conversations:
 - worker -> head (head's PULL at scheduler_port + role offset): Heartbeat, Progress,
   TransferStaged, TransferAllocated, TransferRefused, TransferPushed, Result, Failed.
 
-The transfer flow (spec, "Transfer Flow"): the sender reports TransferStaged; the head picks a
+The transfer flow (docs/design.md, "Transfer flow"): the sender reports TransferStaged; the head picks a
 receiver and sends TransferAlloc; the receiver answers TransferAllocated (or TransferRefused
 when its pool is full, and the head retries when it has room); the head sends TransferPush to
 the sender; the sender writes through Mooncake and reports TransferPushed; the head sends

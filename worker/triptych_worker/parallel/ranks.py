@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 RANK_DIED_EXIT = 3
 WATCH_INTERVAL_S = 0.2
-DEFAULT_MASTER_PORT_OFFSET = 50  # the spec's convention: --master-port = work port + 50 when unset
+DEFAULT_MASTER_PORT_OFFSET = 50  # docs/design.md, "Port convention": --master-port = work port + 50 when unset
 
 
 def master_port(args: ServeArgs) -> int:
