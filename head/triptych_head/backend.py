@@ -20,6 +20,8 @@ import zmq.asyncio
 from triptych.params import GenerationParams
 from triptych.protocol import Cancel, ProtocolError, RequestEvent, RequestResult, Submit, TensorSpec, decode, encode
 from triptych.protocol.tensors import PIXELS
+from triptych.roles import Role
+from triptych_head.state import REJECTED, RequestState
 
 ProgressCallback = Callable[[int, int, bytes], None]  # (step, total steps, a preview PNG or b"")
 
@@ -35,7 +37,7 @@ class GenerationOutput:
 
 
 class GenerationFailed(Exception):
-    def __init__(self, message: str, status_code: int = 500, state: str = "FAILED"):
+    def __init__(self, message: str, status_code: int = 500, state: str = RequestState.FAILED):
         super().__init__(message)
         self.status_code = status_code
         self.state = state
@@ -93,7 +95,7 @@ class FrontendClient:
     ) -> GenerationOutput:
         assert self._sock is not None, "start() first"
         if request_id in self._pending:
-            raise GenerationFailed(f"request id {request_id!r} is already active", 409, "REJECTED")
+            raise GenerationFailed(f"request id {request_id!r} is already active", 409, REJECTED)
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, on_event)
         try:
@@ -153,6 +155,10 @@ class InProcessPipeline(Protocol):
         ...
 
 
+# Monolithic mode reports its denoising steps as the disaggregated denoiser does.
+RUNNING = RequestState.DENOISING_RUNNING.value
+
+
 class LocalBackend:
     """Monolithic mode: every stage in this process, one request at a time on the device."""
 
@@ -175,9 +181,9 @@ class LocalBackend:
 
         def progress(step: int, total: int, preview: bytes) -> None:
             if request_id in self._cancelled:
-                raise GenerationFailed("cancelled by the client", 499, "CANCELLED")
+                raise GenerationFailed("cancelled by the client", 499, RequestState.CANCELLED)
             if on_event is not None:
-                event = RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=total, preview=preview)
+                event = RequestEvent(request_id, RUNNING, step, total, preview=preview, role=Role.DENOISER.value)
                 loop.call_soon_threadsafe(on_event, event)
 
         def run() -> np.ndarray:

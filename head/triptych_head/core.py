@@ -54,12 +54,11 @@ from triptych_head.instances import WorkerInstance
 from triptych_head.membership import Clock, Membership, Transport
 from triptych_head.metrics import HeadMetrics
 from triptych_head.queues import Dispatcher
-from triptych_head.state import ROLE_STATES, RequestRecord, RequestState
+from triptych_head.state import REJECTED, ROLE_STATES, RequestRecord, RequestState
 from triptych_head.workload import WorkEstimator
 
 log = logging.getLogger(__name__)
 
-REJECTED = "REJECTED"
 SHUTTING_DOWN = "the head is shutting down and takes no new requests; retry shortly (another head takes over)"
 
 Validator = Callable[[GenerationParams], None]
@@ -259,7 +258,8 @@ class HeadCore:
     def event(self, rec: RequestRecord, step: int = 0, total: int = 0, preview: bytes = b"") -> None:
         """A watched request's state change or step, to its client."""
         if rec.watch:
-            event = RequestEvent(rec.request_id, rec.state.value, step=step, total_steps=total, preview=preview)
+            role = rec.role.value if rec.state.hop_role_known else ""
+            event = RequestEvent(rec.request_id, rec.state.value, step, total, preview=preview, role=role)
             self.transport.reply(rec.client, event)
 
     # --- workers ----------------------------------------------------------------------------

@@ -39,6 +39,13 @@ class RequestState(enum.StrEnum):
     def terminal(self) -> bool:
         return self in TERMINAL
 
+    @property
+    def hop_role_known(self) -> bool:
+        """A hop's WAITING, RUNNING or DONE state (not PENDING, not an ending): the request is at a role."""
+        return self is not RequestState.PENDING and not self.terminal
+
+
+REJECTED = "REJECTED"  # the state a reply to a request the head refused to take carries (not a request state)
 
 TERMINAL = frozenset({RequestState.DONE, RequestState.FAILED, RequestState.TIMED_OUT, RequestState.CANCELLED})
 

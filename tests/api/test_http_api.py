@@ -51,9 +51,8 @@ class ScriptedBackend:
         for step in range(1, params.num_inference_steps + 1):
             await asyncio.sleep(self.step_delay)
             if on_event:
-                on_event(
-                    RequestEvent(request_id, "DENOISING_RUNNING", step=step, total_steps=params.num_inference_steps)
-                )
+                total = params.num_inference_steps
+                on_event(RequestEvent(request_id, "DENOISING_RUNNING", step, total, role="denoiser"))
         if self.fail:
             raise self.fail
         y = np.arange(params.height, dtype=np.uint8)[:, None, None]

@@ -27,7 +27,7 @@ def test_a_subscriber_that_never_reads_keeps_the_newest_messages_and_learns_how_
         feed = ProgressFeed("r1")
         sub = feed.subscribe()
         for step in range(1, 101):
-            feed.on_event(RequestEvent("r1", "DENOISING_RUNNING", step=step, total_steps=100))
+            feed.on_event(RequestEvent("r1", "DENOISING_RUNNING", step=step, total_steps=100, role="denoiser"))
         feed.publish(SSEMessage("completed", {"id": "r1"}))
         return await read_all(feed, sub)
 
@@ -41,9 +41,9 @@ def test_a_subscriber_that_never_reads_keeps_the_newest_messages_and_learns_how_
 def test_a_late_subscriber_gets_what_it_missed_even_just_after_the_end_and_a_later_one_only_the_end():
     async def run() -> tuple[list, list, list]:
         feed = ProgressFeed("r2", linger_s=0.2)  # a video job's feed (HISTORY_LINGER_S)
-        feed.on_event(RequestEvent("r2", "ENCODER_RUNNING"))
+        feed.on_event(RequestEvent("r2", "ENCODER_RUNNING", role="encoder"))
         late = feed.subscribe()
-        feed.on_event(RequestEvent("r2", "DENOISING_RUNNING", step=1, total_steps=2, preview=b"\x89PNG"))
+        feed.on_event(RequestEvent("r2", "DENOISING_RUNNING", 1, 2, preview=b"\x89PNG", role="denoiser"))
         feed.publish(SSEMessage("error", {"id": "r2", "error": {"message": "boom"}}))
         just_after = feed.subscribe()  # a fast job's client asking for its events right after the POST
         await asyncio.sleep(0.4)
@@ -61,8 +61,8 @@ def test_a_late_subscriber_gets_what_it_missed_even_just_after_the_end_and_a_lat
 def test_a_subscriber_joining_after_the_last_preview_sees_it_then_the_latest_state():
     async def run() -> list:
         feed = ProgressFeed("r3")
-        feed.on_event(RequestEvent("r3", "DENOISING_RUNNING", step=2, total_steps=2, preview=b"\x89PNG"))
-        feed.on_event(RequestEvent("r3", "DECODER_RUNNING"))
+        feed.on_event(RequestEvent("r3", "DENOISING_RUNNING", 2, 2, preview=b"\x89PNG", role="denoiser"))
+        feed.on_event(RequestEvent("r3", "DECODER_RUNNING", role="decoder"))
         late = feed.subscribe()
         feed.publish(SSEMessage("completed", {"id": "r3"}))
         return await read_all(feed, late)
@@ -75,9 +75,9 @@ def test_a_subscriber_joining_after_the_last_preview_sees_it_then_the_latest_sta
 def test_a_late_subscriber_gets_the_newest_history_and_how_much_it_missed():
     async def run() -> list:
         feed = ProgressFeed("r4")
-        feed.on_event(RequestEvent("r4", "ENCODER_RUNNING"))
+        feed.on_event(RequestEvent("r4", "ENCODER_RUNNING", role="encoder"))
         for step in range(1, 101):
-            feed.on_event(RequestEvent("r4", "DENOISING_RUNNING", step=step, total_steps=100))
+            feed.on_event(RequestEvent("r4", "DENOISING_RUNNING", step=step, total_steps=100, role="denoiser"))
         late = feed.subscribe()
         feed.publish(SSEMessage("completed", {"id": "r4"}))
         return await read_all(feed, late)
@@ -89,10 +89,14 @@ def test_a_late_subscriber_gets_the_newest_history_and_how_much_it_missed():
     assert got[-1] == ("completed", {"id": "r4"})
 
 
-def test_states_name_the_role_a_request_is_at():
-    assert [role_of(s) for s in ("PENDING", "ENCODER_WAITING", "DENOISING_DONE", "DECODER_RUNNING", "DONE")] == [
-        None, "encoder", "denoiser", "decoder", None,
-    ]  # fmt: skip
+def test_events_name_the_role_the_head_says_a_request_is_at():
+    events = [
+        ("PENDING", ""),
+        ("ENCODER_WAITING", "prompt_encoder"),
+        ("ENCODER_RUNNING", "image_encoder"),
+        ("DONE", ""),
+    ]
+    assert [role_of(RequestEvent("r", s, role=r)) for s, r in events] == [None, "prompt_encoder", "image_encoder", None]
     assert message_of("r", RequestEvent("r", "DENOISING_RUNNING", step=3, total_steps=8)).event == "step"
 
 
@@ -113,7 +117,7 @@ def test_a_subscriber_holds_at_most_its_byte_bound_of_previews_but_always_the_ne
 def test_an_image_stream_s_history_goes_with_its_end():
     async def run() -> list:
         feed = ProgressFeed("r9")  # an image stream: its POST is its only subscriber
-        feed.on_event(RequestEvent("r9", "DENOISING_RUNNING", step=1, total_steps=1, preview=b"\x89PNG"))
+        feed.on_event(RequestEvent("r9", "DENOISING_RUNNING", 1, 1, preview=b"\x89PNG", role="denoiser"))
         feed.publish(SSEMessage("completed", {"id": "r9"}))
         return await read_all(feed, feed.subscribe())
 

@@ -136,7 +136,7 @@ class Harness:
         port = itertools.count(41000)
         for role, n in counts.items():
             urls = [f"tcp://127.0.0.1:{next(port)}" for _ in range(n)]
-            argv += [f"--{role.value}-urls", ";".join(urls)]
+            argv += [f"{role.flag_prefix}urls", ";".join(urls)]
             for url in urls:
                 self.workers[url] = SimWorker(role, url, session=f"session-{url[-5:]}")
         self.args = ServeArgs.from_namespace(build_parser().parse_args(argv))

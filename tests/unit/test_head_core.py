@@ -13,10 +13,12 @@ import random
 
 import pytest
 
-from tests.unit.core_harness import Harness, SimWorker, SlotViolation
+from tests.unit.core_harness import PARAMS, Harness, SimWorker, SlotViolation
+from triptych.params import GenerationParams
 from triptych.protocol import (
     RequestEvent,
     RequestResult,
+    Submit,
     TransferAllocated,
     TransferPush,
     TransferStaged,
@@ -254,3 +256,15 @@ def test_a_staged_message_for_an_ended_attempt_is_answered_with_cancel_work() ->
     h.core.on_worker(Role.ENCODER, encode(TransferStaged(work.request_id, url, 10, [], {}, 0.1)))
     h.collect()
     assert [m.TYPE for _, m in h.pending] == ["cancel_work"]
+
+
+def test_a_watched_request_s_events_name_each_hop_s_own_role_split_encoders_included() -> None:
+    h = Harness({Role.PROMPT_ENCODER: 1, Role.IMAGE_ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1})
+    h.core.on_frontend(b"c", encode(Submit("r", GenerationParams(**PARAMS, image=b"\x89PNG"), watch=True)))
+    h.collect()
+    while h.pending or h.answers:
+        h.deliver() if h.pending else h.answer()
+    roles = [(m.state, m.role) for _, m in h.transport.replies if isinstance(m, RequestEvent)]
+    assert ("ENCODER_RUNNING", "prompt_encoder") in roles and ("ENCODER_RUNNING", "image_encoder") in roles
+    assert ("DENOISING_RUNNING", "denoiser") in roles and ("DECODER_RUNNING", "decoder") in roles
+    assert all(role == "" for state, role in roles if state in ("PENDING", "DONE"))

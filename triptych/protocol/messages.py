@@ -74,12 +74,13 @@ class RequestEvent(Message, tag="event", frozen=True):
     """A state change or denoising progress of one request, streamed to the API client."""
 
     request_id: str
-    state: str
+    state: str  # a RequestState's value (triptych_head.state), or REJECTED
     step: Count = 0
     total_steps: Count = 0
     error: str | None = None
     status_code: int = 0
     preview: PreviewPNG = b""  # a PNG of the current latents, every preview_every steps
+    role: str = ""  # the role of the hop the request is at ("": before or after its hops)
 
 
 class RequestResult(Message, tag="result", frozen=True):

@@ -22,6 +22,7 @@ from triptych_head.api.reference import Reference
 from triptych_head.api.schemas import ImageEditRequest, ImageGenerationRequest, VideoGenerationRequest, parse_size
 from triptych_head.backend import Backend, GenerationFailed
 from triptych_head.results import ResultStore, Retention
+from triptych_head.state import RequestState
 
 Validator = Callable[[GenerationParams], None]
 
@@ -155,7 +156,7 @@ class HeadContext:
         try:
             return await self.backend.generate(request_id, params, on_event, preview_every=preview_every)
         except GenerationFailed as exc:
-            if self.drain_expired and exc.state == "CANCELLED":  # the shutdown cancelled it, not the client
+            if self.drain_expired and exc.state == RequestState.CANCELLED:  # the shutdown cancelled it, not the client
                 raise APIError(
                     503,
                     f"the head shut down before this request finished (it had {self.drain_seconds:g}s to drain, "

@@ -42,12 +42,11 @@ HISTORY_LINGER_S = 60.0  # and for how long after the end
 KEEPALIVE_S = 15.0  # a comment line while nothing happens, so proxies keep the connection open
 TERMINAL_EVENTS = ("completed", "error")
 
-_ROLE_OF_STATE = {"ENCODER": "encoder", "DENOISING": "denoiser", "DECODER": "decoder"}
 
-
-def role_of(state: str) -> str | None:
-    """The role a request in `state` is at (ENCODER_RUNNING -> encoder), None before or after them."""
-    return _ROLE_OF_STATE.get(state.split("_", 1)[0])
+def role_of(event: RequestEvent) -> str | None:
+    """The role a request is at, as the head named it (prompt_encoder, image_encoder, ...); None
+    before or after its hops."""
+    return event.role or None
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class SSEMessage:
 
 def message_of(request_id: str, event: RequestEvent) -> SSEMessage:
     """One backend event as the SSE message clients see."""
-    data: dict[str, Any] = {"id": request_id, "state": event.state, "role": role_of(event.state)}
+    data: dict[str, Any] = {"id": request_id, "state": event.state, "role": role_of(event)}
     if not event.total_steps:
         return SSEMessage("state", data)
     data.update(step=event.step, total_steps=event.total_steps)

@@ -26,6 +26,7 @@ from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessag
 from triptych_head.api.schemas import VideoGenerationRequest, VideoJob
 from triptych_head.media import frames_path, load_frames, png_zip, save_frames, write_mp4
 from triptych_head.results import ResultStore
+from triptych_head.state import RequestState
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["videos"])
@@ -74,7 +75,7 @@ class VideoJobs:
         for job in self.store.load_jobs()[-MAX_JOBS:]:
             path = self.store.video_path(job.id)
             if job.status not in TERMINAL:
-                job.status, job.state = "failed", "FAILED"
+                job.status, job.state = "failed", RequestState.FAILED.value
                 job.error = {"message": RESTARTED, "code": "head_restarted"}
                 job.completed_at = job.completed_at or int(time.time())
                 self.store.save_job(job)
@@ -174,7 +175,7 @@ async def _run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params, body:
 
     def on_event(event: RequestEvent) -> None:
         job.state = event.state
-        if event.state not in ("PENDING", "ENCODER_WAITING"):
+        if event.state not in (RequestState.PENDING, RequestState.ENCODER_WAITING):
             job.status = "in_progress"
         if event.total_steps:
             job.step, job.total_steps = event.step, event.total_steps
@@ -187,9 +188,9 @@ async def _run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params, body:
         await asyncio.to_thread(write_mp4, output.pixels[0], path, body.fps)
         await asyncio.to_thread(save_frames, output.pixels[0], frames_path(path))
         entry.path = path
-        job.status, job.state, job.progress = "completed", "DONE", 100
+        job.status, job.state, job.progress = "completed", RequestState.DONE.value, 100
     except asyncio.CancelledError:
-        job.status, job.state = "cancelled", "CANCELLED"
+        job.status, job.state = "cancelled", RequestState.CANCELLED.value
     except APIError as exc:
         job.status = "cancelled" if exc.code == "cancelled" else "failed"
         job.state = (exc.code or "failed").upper()
