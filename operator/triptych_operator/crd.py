@@ -28,7 +28,7 @@ from triptych_operator.constants import (
     crd_field,
 )
 from triptych_operator.fields import Field, docs_table, schema
-from triptych_operator.spec import HEAD, IMAGES, MODEL, NAME_RULE, SPEC, TRANSFER, role_field
+from triptych_operator.spec.declaration import HEAD, IMAGES, MODEL, NAME_RULE, SPEC, TRANSFER, role_field
 from triptych_operator.status import COMPONENTS
 
 Schema = dict[str, Any]
