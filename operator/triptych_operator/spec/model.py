@@ -366,18 +366,24 @@ def _check_type(cls: type, name: str, hint: Any, chain: list[Field], where: str)
     declared = chain[-1]
     if isinstance(target, type) and dataclasses.is_dataclass(target):
         if declared.type != "object":
-            raise ModelError(f"{cls.__name__}.{name} is a {target.__name__}, but {where} is a {declared.type}")
+            raise ModelError(f"{cls.__name__}.{name} is a {target.__name__}, but {where} is declared {declared.type}")
         check_model(target, declared, where)
         return
     origin = typing.get_origin(target) or target
     if not (isinstance(origin, type) and issubclass(origin, _PYTHON_TYPES[declared.type])):
-        raise ModelError(f"{cls.__name__}.{name} is {hint}, but {where} is a {declared.type}")
+        raise ModelError(f"{cls.__name__}.{name} is {_name(hint)}, but {where} is declared {declared.type}")
     always_set = declared.default is not MISSING or all(f.required for f in chain)
     container = declared.type in ("array", "object", "string-map", "quantity-map") or (
         declared.type == "free" and not optional
     )
     if not (optional or always_set or container):
-        raise ModelError(f"{cls.__name__}.{name} cannot be None, but {where} may be unset: make it `{hint} | None`")
+        raise ModelError(
+            f"{cls.__name__}.{name} cannot be None, but {where} may be unset: make it `{_name(hint)} | None`"
+        )
+
+
+def _name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("collections.abc.", "").replace("typing.", "")
 
 
 def _leaf_paths(field: Field, prefix: str) -> list[str]:
