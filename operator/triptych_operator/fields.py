@@ -2,8 +2,8 @@
 
     schema(field)       the CRD's OpenAPI v3 schema, CEL rules included (crd.py writes the CRD)
     read(field, value)  the parser's checks: types, bounds, enums, required fields, defaults, and the
-                        same cross-field rules, evaluated in Python (spec.py builds its dataclasses
-                        from what this returns)
+                        same cross-field rules, evaluated in Python (spec/model.py builds its
+                        dataclasses from what this returns)
     docs_table(field)   a Markdown table of the fields (crd.py writes them into docs/operator.md)
 
 A cross-field `Rule` is made by one of the constructors below, which write its CEL and its Python
