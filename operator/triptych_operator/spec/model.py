@@ -3,14 +3,17 @@
 Each attribute is bound to a field of the declaration (declaration.py): by default the camelCase of
 its name, or the dotted path in `bound(...)` when the model flattens an object (`batch_max_size` is
 `batching.maxSize`). The attribute carries only a name and a type: the default, the bounds and the
-prose are the declaration's. `parse` walks the declaration (fields.read: defaults, types, enums,
-bounds, the CEL rules) and fills the dataclass; `check_model` proves at import that every declared
-field has an attribute and every attribute a declared field of a matching type, so neither can be
-added without the other. Attributes the cross-field rules compute (rules.py) are `derived(...)`.
+prose are the declaration's. The generic parser is `checked`, which walks the declaration
+(fields.read: defaults, types, enums, bounds, the CEL rules; errors name the field path and the
+value), and `build`, which fills a dataclass from what it returned. `check_model` proves at import
+that every declared field has an attribute and every attribute a declared field of a matching type,
+so neither can be added without the other. Attributes the cross-field rules compute (rules.py) are
+`derived(...)`.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -27,6 +30,7 @@ from triptych_operator.spec.declaration import (
     DRAIN_MARGIN_S,
     FULL_PIPELINE,
     HEAD_DRAIN_MARGIN_S,
+    ROLE_POOL_FIELDS,
     SPEC,
     role_field,
 )
@@ -206,9 +210,6 @@ class HeadSpec:
         return self.drain_seconds - HEAD_DRAIN_MARGIN_S
 
 
-ROLE_POOLS = (*(crd_field(role) for role in PIPELINE_ROLES), "fullPipeline")
-
-
 @dataclass(frozen=True)
 class PipelineSpec:
     """A whole DiffusionPipeline, validated: everything the manifests need and nothing else."""
@@ -217,7 +218,7 @@ class PipelineSpec:
     namespace: str = dataclasses.field(metadata=derived())
     model: ModelSpec
     # The pools in route order (rules.py); with spec.fullPipeline one denoiser pool whose workers run every stage.
-    roles: Mapping[Role, RoleSpec] = dataclasses.field(metadata=derived(*ROLE_POOLS))
+    roles: Mapping[Role, RoleSpec] = dataclasses.field(metadata=derived(*ROLE_POOL_FIELDS, "fullPipeline"))
     transfer: TransferSpec
     head: HeadSpec
     worker_image: str = dataclasses.field(metadata=derived("images.worker"))
@@ -238,11 +239,6 @@ def checked(field: Field, value: Any, where: str) -> Any:
         return read(field, value, where)
     except FieldError as exc:
         raise SpecError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
-
-
-def parse(cls: type[T], field: Field, value: Any, where: str, **derived_values: Any) -> T:
-    """`value` checked against the declaration `field` and built into `cls` (see `checked` and `build`)."""
-    return build(cls, field, checked(field, value, where), where, **derived_values)
 
 
 def build(cls: type[T], field: Field, values: Mapping[str, Any], where: str, **derived_values: Any) -> T:
@@ -283,7 +279,7 @@ def _lookup(field: Field, values: Mapping[str, Any] | None, path: str) -> tuple[
     chain = _declared(field, path)
     for declared in chain:
         if values is None:
-            return chain[-1], None if chain[-1].default is MISSING else chain[-1].default
+            return chain[-1], None if chain[-1].default is MISSING else copy.deepcopy(chain[-1].default)
         values = values.get(declared.name)
     return chain[-1], values
 
@@ -304,7 +300,7 @@ def _convert(hint: Any, declared: Field, value: Any, where: str) -> Any:
         if value is None:
             if optional:
                 return None
-            value = read(declared, {}, where)  # an unset object: its fields' defaults
+            value = checked(declared, {}, where)  # an unset object: its fields' defaults
         return build(typing.cast(type, target), declared, value, where)
     if declared.type == "array":
         return tuple(value or ())
