@@ -34,7 +34,7 @@ gpu-check:
 	@bash scripts/gpu-check.sh
 
 # The CRD (crds/ and the chart's copy) and the field tables of docs/operator.md, from the one
-# declaration of the spec (operator/triptych_operator/spec.py: SPEC); a test fails when they are stale.
+# declaration of the spec (operator/triptych_operator/spec/declaration.py: SPEC); a test fails when they are stale.
 crd:
 	PYTHONPATH=.:operator $(PY) -m triptych_operator.crd --write
 

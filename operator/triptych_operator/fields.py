@@ -2,8 +2,8 @@
 
     schema(field)       the CRD's OpenAPI v3 schema, CEL rules included (crd.py writes the CRD)
     read(field, value)  the parser's checks: types, bounds, enums, required fields, defaults, and the
-                        same cross-field rules, evaluated in Python (spec.py builds its dataclasses
-                        from what this returns)
+                        same cross-field rules, evaluated in Python (spec/model.py builds its
+                        dataclasses from what this returns)
     docs_table(field)   a Markdown table of the fields (crd.py writes them into docs/operator.md)
 
 A cross-field `Rule` is made by one of the constructors below, which write its CEL and its Python
@@ -161,6 +161,10 @@ def cel_only(cel: str, message: str, reason: str | None = None) -> Rule:
 class Field:
     """One field of the spec: what the CRD, the parser and the docs all say about it.
 
+    `description` is the field's one prose text: the CRD's description (kubectl explain) and the docs'
+    Meaning column. Write it as Markdown that reads as plain text too; a `docs/<page>.md` mention
+    becomes a link in the docs table.
+
     `type` is a JSON type (string, integer, boolean, object, array) or one of: `size` (bytes, as an
     integer or a string such as 256MiB), `free` (a Kubernetes type passed through unchecked, e.g.
     Affinity), `string-map`, `quantity-map` (resource quantities by name).
@@ -178,7 +182,6 @@ class Field:
     fields: tuple[Field, ...] = ()
     items: Field | None = None
     rules: tuple[Rule, ...] = ()
-    doc: str | None = None  # the docs' Meaning column, when it says more than the description
     doc_type: str | None = None
     doc_default: str | None = None
     doc_row: bool = False  # an object documented as one row rather than one per field
@@ -372,10 +375,15 @@ def _rows(field: Field, prefix: str) -> list[tuple[str, Field]]:
     return rows
 
 
+def _linked(text: str) -> str:
+    """`docs/autoscaling.md` (optionally with #anchor) as a link relative to the docs folder."""
+    return re.sub(r"`?docs/([\w-]+\.md)(#[\w-]+)?`?", r"[\1](\1\2)", text)
+
+
 def docs_table(field: Field) -> str:
     """The Markdown table of `field`'s fields (nested objects flattened to dotted paths)."""
     lines = ["| Field | Type | Default | Meaning |", "|---|---|---|---|"]
     for path, f in _rows(field, ""):
-        meaning = (f.doc or f.description).replace("|", "\\|").replace("\n", " ")
+        meaning = _linked(f.description.replace("|", "\\|").replace("\n", " "))
         lines.append(f"| `{path}` | {_doc_type(f)} | {_doc_default(f)} | {meaning} |")
     return "\n".join(lines) + "\n"

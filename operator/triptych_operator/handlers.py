@@ -42,7 +42,8 @@ from triptych_operator.constants import (
 )
 from triptych_operator.manifests import control_keys_secret, render
 from triptych_operator.pipeline_state import PipelineKey, PipelineState, PipelineStates
-from triptych_operator.spec import PipelineSpec, SpecError, parse_pipeline
+from triptych_operator.spec.model import PipelineSpec, SpecError
+from triptych_operator.spec.rules import parse_pipeline
 from triptych_operator.status import PHASE_READY, compute_status, pipeline_components
 
 OWNED = {LABEL_MANAGED_BY: MANAGER}

@@ -45,7 +45,7 @@ from triptych_operator.constants import (
     crd_field,
 )
 from triptych_operator.serve_args import SERVE_COMMAND, head_argv, object_name, worker_argv
-from triptych_operator.spec import PipelineSpec
+from triptych_operator.spec.model import PipelineSpec
 
 Manifest = dict[str, Any]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from triptych_operator.drift import Applied
 from triptych_operator.manifests import Children
-from triptych_operator.spec import PipelineSpec
+from triptych_operator.spec.model import PipelineSpec
 
 PipelineKey = tuple[str, str]  # (namespace, name)
 ChildKey = tuple[str, str]  # (kind, name)

@@ -25,7 +25,7 @@ from triptych_operator.constants import (
     WORKER_PORT,
     crd_field,
 )
-from triptych_operator.spec import PipelineSpec, SpecError
+from triptych_operator.spec.model import PipelineSpec, SpecError
 
 CLUSTER_DOMAIN = "cluster.local"
 SERVE_COMMAND = ("triptych", "serve")

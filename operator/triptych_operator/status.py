@@ -19,7 +19,7 @@ COMPONENTS: tuple[str, ...] = (*(crd_field(r) for r in PIPELINE_ROLES), HEAD_COM
 """Every component a pipeline may have: its `app.kubernetes.io/component` label and status key."""
 
 if TYPE_CHECKING:
-    from triptych_operator.spec import PipelineSpec
+    from triptych_operator.spec.model import PipelineSpec
 DEFAULT_COMPONENTS: tuple[str, ...] = (*(crd_field(r) for r in DEFAULT_ROLES), HEAD_COMPONENT)
 
 PHASE_READY = "Ready"

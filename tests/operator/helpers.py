@@ -8,7 +8,8 @@ from typing import Any
 
 import yaml
 
-from triptych_operator.spec import PipelineSpec, parse_pipeline
+from triptych_operator.spec.model import PipelineSpec
+from triptych_operator.spec.rules import parse_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

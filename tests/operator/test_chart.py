@@ -92,7 +92,7 @@ def test_namespaced_install_uses_a_role_per_namespace(helm_bin: Path) -> None:
 
 
 def test_example_pipeline_is_optional_and_valid(helm_bin: Path) -> None:
-    from triptych_operator.spec import parse_pipeline
+    from triptych_operator.spec.rules import parse_pipeline
 
     assert not [d for d in render(helm_bin) if d["kind"] == "DiffusionPipeline"]
     [example] = [d for d in render(helm_bin, "examplePipeline.enabled=true") if d["kind"] == "DiffusionPipeline"]

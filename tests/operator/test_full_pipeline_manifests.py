@@ -13,7 +13,7 @@ from tests.operator.test_manifests import container, parse_serve
 from triptych.roles import Role
 from triptych_operator.constants import GPU_RESOURCE, MULTUS_NETWORKS_ANNOTATION
 from triptych_operator.manifests import Manifest, render
-from triptych_operator.spec import SpecError
+from triptych_operator.spec.model import SpecError
 
 
 def rendered(spec: dict[str, Any]) -> tuple[dict[tuple[str, str], Manifest], list[tuple[str, str]]]:

@@ -14,7 +14,7 @@ from triptych.ports import MOONCAKE_PORT_RANGE
 from triptych.roles import Role
 from triptych_operator.constants import GPU_RESOURCE, HEAD_SCHEDULER_PORT, WORKER_PORT
 from triptych_operator.manifests import Manifest, render
-from triptych_operator.spec import SpecError
+from triptych_operator.spec.model import SpecError
 
 ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER)
 

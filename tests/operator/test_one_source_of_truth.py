@@ -12,7 +12,7 @@ from triptych.config import DISPATCH_POLICIES, ServeArgs
 from triptych_operator import crd
 from triptych_operator.constants import HEAD_HTTP_PORT, PIPELINE_ROLES, crd_field
 from triptych_operator.fields import Field, docs_table
-from triptych_operator.spec import (
+from triptych_operator.spec.declaration import (
     DEFAULT_DRAIN_SECONDS,
     DEFAULT_HEAD_DRAIN_SECONDS,
     DEFAULT_SCALE_DOWN_STABILIZATION_S,
@@ -21,8 +21,8 @@ from triptych_operator.spec import (
     MIN_DRAIN_SECONDS,
     MIN_HEAD_DRAIN_SECONDS,
     SPEC,
-    parse_pipeline,
 )
+from triptych_operator.spec.rules import parse_pipeline
 
 CRD_FILE = REPO / "crds" / "diffusionpipelines.yaml"
 CHART_CRD_FILE = REPO / "charts" / "triptych" / "crds" / "diffusionpipelines.yaml"

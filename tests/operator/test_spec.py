@@ -7,7 +7,8 @@ import pytest
 from tests.operator.helpers import NAMESPACE, minimal_spec, pipeline
 from triptych.parallelism import Parallelism
 from triptych.roles import Role
-from triptych_operator.spec import SpecError, parse_pipeline
+from triptych_operator.spec.model import SpecError
+from triptych_operator.spec.rules import parse_pipeline
 
 
 def error_for(spec: dict, name: str = "p") -> SpecError:

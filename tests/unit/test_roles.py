@@ -15,7 +15,7 @@ from triptych.roles import COMBINED_ROLES, ROLE_SPECS, SPLIT_ROLES, WORKER_ROLES
 from triptych_head.state import ROLE_STATES, RequestState
 from triptych_head.workload import PRIOR_SECONDS_PER_UNIT
 from triptych_operator.constants import PIPELINE_ROLES
-from triptych_operator.spec import DEFAULT_DRAIN_SECONDS, ROLE_DEGREES
+from triptych_operator.spec.declaration import DEFAULT_DRAIN_SECONDS, ROLE_DEGREES
 
 ROOT = Path(__file__).resolve().parents[2]
 # What ships; tests and benchmarks describe particular deployments (so many encoders, so many denoisers).

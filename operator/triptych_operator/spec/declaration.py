@@ -1,0 +1,589 @@
+"""What a DiffusionPipeline spec may say: every field declared once, as a tree of `fields.Field`.
+
+Each field has its type, default, bounds, enum, its one prose text and the CEL rules across its
+object; the CRD schema and the field tables of docs/operator.md (crd.py, `make crd`), the parser's
+checks and defaults (fields.read) and the typed model (model.py, checked against this tree) all come
+from here. Change this module to add, remove or re-describe a field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from triptych.config import (
+    DEFAULT_POOL_SIZE,
+    DEFAULT_RESULTS_MAX_AGE_S,
+    DEFAULT_RESULTS_MAX_BYTES,
+    DEFAULT_TIMEOUT_S,
+    DISPATCH_POLICIES,
+    HEAD_SHUTDOWN_OVERHEAD_S,
+)
+from triptych.roles import FULL_PIPELINE_ROLE, Role
+from triptych_operator.constants import (
+    DEFAULT_RDMA_RESOURCE,
+    HEAD_HTTP_PORT,
+    HEAD_SCHEDULER_PORT,
+    MAX_NAME_LENGTH,
+    MODEL_MOUNT,
+    PENDING_WORK_METRIC,
+    PIPELINE_ROLES,
+    crd_field,
+)
+from triptych_operator.fields import (
+    Field,
+    Rule,
+    absent_within,
+    all_one_unless_positive,
+    bounded_match,
+    cel_only,
+    exactly_one,
+    excludes,
+    needs,
+    not_above,
+    not_both_zero,
+    required_when,
+    required_when_equal,
+)
+
+TRANSFER_MODES = ("tcp", "rdma")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+PARALLEL_DEGREES = ("tp", "sp", "ulysses", "ring", "cfg")
+# Only the denoiser has --denoiser-ulysses/--denoiser-ring; other roles derive them from sp.
+ROLE_DEGREES: dict[Role, tuple[str, ...]] = {role: role.spec.operator_degrees for role in PIPELINE_ROLES}
+DEFAULT_TOKEN_KEY = "token"
+DEFAULT_API_KEYS_KEY = "keys"
+# Autoscaling defaults: a denoiser replica should have about a minute of queued work before
+# another is added, and a pool is shrunk only after ten quiet minutes (model loads take minutes).
+DEFAULT_TARGET_WORK_SECONDS = 60
+DEFAULT_BATCH_DELAY_MS = 30  # the spec's GLM-Image head: --batching-delay-ms 30
+MAX_BATCH_DELAY_MS = 10_000
+MAX_BATCH_SIZE = 256
+DEFAULT_SCALE_DOWN_STABILIZATION_S = 600
+MAX_STABILIZATION_S = 3600  # the HPA API's limit
+# Drain: a worker gets SIGTERM, finishes what it holds, and is killed drainSeconds later. The
+# default fits the longest request each role runs (a long video's denoising loop takes minutes).
+DEFAULT_DRAIN_SECONDS: dict[Role, int] = {role: role.spec.drain_seconds for role in PIPELINE_ROLES}
+# The worker's own deadline is this much earlier, so it exits before the kubelet's SIGKILL.
+DRAIN_MARGIN_S = 15
+MIN_DRAIN_SECONDS = 2 * DRAIN_MARGIN_S
+# The head's drainSeconds means the same (its terminationGracePeriodSeconds); its own deadline leaves
+# room for answering the last clients and saving video jobs (HEAD_SHUTDOWN_OVERHEAD_S) as well.
+HEAD_DRAIN_MARGIN_S = int(HEAD_SHUTDOWN_OVERHEAD_S) + DRAIN_MARGIN_S
+DEFAULT_HEAD_DRAIN_SECONDS = 600
+MIN_HEAD_DRAIN_SECONDS = 2 * HEAD_DRAIN_MARGIN_S
+# Accepted and ignored (the per-pod queue-depth metric they configured was never exported).
+DEPRECATED_AUTOSCALING_FIELDS = ("targetQueueDepth", "metricName")
+_OPERATOR_IMAGE = "operator's `TRIPTYCH_%s_IMAGE` (chart `%sImage`)"
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+NAME_RULE = bounded_match(
+    "metadata.name",
+    MAX_NAME_LENGTH,
+    NAME_PATTERN,
+    f"metadata.name must be a lowercase DNS label of at most {MAX_NAME_LENGTH} characters "
+    "(it prefixes Service names such as <name>-denoiser)",
+)
+
+
+def _resources(who: str) -> Field:
+    return Field(
+        "resources",
+        "object",
+        "Requests/limits (CPU, memory, ...) of each pod. The operator sets `nvidia.com/gpu` (and the RDMA "
+        "resource) itself; its counts win."
+        if who == "role"
+        else "Requests/limits (CPU, memory, ...) of the head pod.",
+        fields=(Field("requests", "quantity-map"), Field("limits", "quantity-map")),
+        doc_type="`requests`/`limits`: map of quantities",
+        doc_row=True,
+    )
+
+
+def _pod_fields(who: str) -> tuple[Field, ...]:
+    """nodeSelector, tolerations, extraArgs, env: the same for the roles and the head."""
+    tolerations = "Pod tolerations" + (
+        ", added to the default toleration for `nvidia.com/gpu:NoSchedule` (a CPU role has only these)."
+        if who == "role"
+        else "."
+    )
+    args = f"More `triptych serve` flags for the {who}, after the operator's; checked as the process checks them."
+    if who == "head":
+        args += " They also set the HTTP limits: `--max-request-bytes` (default 16MiB), `--max-queued-requests`."
+    env_var = Field(
+        "", "free", "A core/v1 EnvVar.", fields=(Field("name", "string", required=True),), doc_type="EnvVar"
+    )
+    return (
+        Field("nodeSelector", "string-map", "Pod node selector."),
+        Field(
+            "tolerations", "array", tolerations, items=Field("", "free", "A core/v1 Toleration.", doc_type="Toleration")
+        ),
+        Field("extraArgs", "array", args, items=Field("", "string", doc_type="string")),
+        Field("env", "array", "More container environment variables.", items=env_var),
+    )
+
+
+def _parallelism_rule() -> Rule:
+    """CEL for what it can see: the degrees set must multiply to gpusPerReplica (or divide it).
+    CEL only: resolve_parallelism (in rules.py) is the full check, ulysses x ring = sp included."""
+
+    def d(name: str) -> str:
+        return f"self.parallelism.?{name}.orValue(1)"
+
+    tc = f"{d('tp')} * {d('cfg')}"
+    sp_product = f"{tc} * self.parallelism.sp == self.gpusPerReplica"
+    split_product = f"{tc} * {d('ulysses')} * {d('ring')} == self.gpusPerReplica"
+    derived = f"self.gpusPerReplica % ({tc}) == 0"
+    return cel_only(
+        f"!has(self.parallelism) || self.gpusPerReplica == 0 || (has(self.parallelism.sp) ? {sp_product} : "
+        f"((has(self.parallelism.ulysses) || has(self.parallelism.ring)) ? {split_product} : {derived}))",
+        # A static message: CEL's cost estimate for a messageExpression with string() is over budget.
+        "parallelism: tp x sp x cfg must equal gpusPerReplica; leave a degree unset to derive it",
+        reason="FieldValueInvalid",
+    )
+
+
+def _autoscaling() -> Field:
+    deprecated = (
+        "Deprecated and ignored: the per-pod queue metric it named was never exported, the HPA reads "
+        f"{PENDING_WORK_METRIC} (set `targetWorkSecondsPerReplica`); kept so older manifests still apply."
+    )
+    return Field(
+        "autoscaling",
+        "object",
+        f"An HPA on the role's pending work (the Object metric {PENDING_WORK_METRIC} on its Deployment, "
+        "served by triptych-metrics-api from the head). See docs/autoscaling.md.",
+        fields=(
+            Field(
+                "enabled",
+                "boolean",
+                "Create an `autoscaling/v2` HPA for the role (docs/autoscaling.md).",
+                default=False,
+            ),
+            Field("minReplicas", "integer", "HPA lower bound; must be <= `maxReplicas`.", default=1, minimum=1),
+            Field("maxReplicas", "integer", "HPA upper bound; required when enabled.", minimum=1),
+            Field(
+                "targetWorkSecondsPerReplica",
+                "integer",
+                "Estimated device-seconds of queued + running work per replica: the HPA keeps replicas = "
+                f"ceil(`{PENDING_WORK_METRIC}` / this).",
+                default=DEFAULT_TARGET_WORK_SECONDS,
+                minimum=1,
+            ),
+            Field(
+                "scaleDownStabilizationSeconds",
+                "integer",
+                "The HPA's `behavior.scaleDown.stabilizationWindowSeconds`: it scales down only to the highest "
+                "recommendation of this many past seconds, so a momentary dip does not remove busy GPUs.",
+                default=DEFAULT_SCALE_DOWN_STABILIZATION_S,
+                minimum=0,
+                maximum=MAX_STABILIZATION_S,
+            ),
+            Field("targetQueueDepth", "integer", deprecated, minimum=1),
+            Field("metricName", "string", deprecated),
+        ),
+        rules=(
+            required_when("maxReplicas", "enabled", "maxReplicas is required when enabled"),
+            not_above("minReplicas", "maxReplicas", "minReplicas must be <= maxReplicas"),
+        ),
+    )
+
+
+def _degree(name: str) -> Field:
+    text = (
+        "Denoiser only (`--denoiser-ulysses`/`--denoiser-ring`), with `ulysses x ring = sp`; rejected on the "
+        "encoders and the decoder, which derive them from `sp`."
+        if name in ("ulysses", "ring")
+        else "Parallel degree. Unset degrees are derived (`triptych.parallelism.resolve_parallelism`) so that "
+        "`tp x sp x cfg = gpusPerReplica` and `ulysses x ring = sp`; explicit values that do not fit are an "
+        "error, never silently reduced."
+    )
+    return Field(name, "integer", text, minimum=1, doc_default="derived")
+
+
+def _rollout() -> Field:
+    unavailable = "Pods that may be down at once during a rollout; default 1 with several replicas, 0 with one."
+    surge = (
+        "Extra pods during a rollout (each needs its GPUs free); default 0 with several replicas, 1 with one. The "
+        "defaults never take a role to zero: several replicas are replaced one at a time, a single one by a surge "
+        "pod that is ready before the old one stops (until there is room for it, the old pod keeps serving and the "
+        "rollout waits)."
+    )
+    return Field(
+        "rollout",
+        "object",
+        "How the role's pods are replaced when its pod template changes (a spec edit, a new operator "
+        "version): the Deployment's rolling update.",
+        fields=(
+            Field("maxUnavailable", "integer", unavailable, minimum=0, doc_default="`1`; `0` with one replica"),
+            Field("maxSurge", "integer", surge, minimum=0, doc_default="`0`; `1` with one replica"),
+        ),
+        rules=(not_both_zero("maxUnavailable", "maxSurge", "rollout: maxUnavailable and maxSurge cannot both be 0"),),
+    )
+
+
+def _role_batching() -> Field:
+    max_size = (
+        "The workers' `--batching-max-size`: the most compatible requests (same size, steps, guidance, ...) one "
+        "batched forward runs (1: each request alone); each worker holds that many times its capacity. Above 1 on "
+        "any role, the head runs `--batching-mode dynamic` (docs/batching.md). Not with `gpusPerReplica` above 1."
+    )
+    return Field(
+        "batching",
+        "object",
+        "Batched forwards: the most compatible requests a worker of the role runs as one "
+        "(--batching-max-size); above 1 the head groups requests for it (spec.head.batching).",
+        fields=(Field("maxSize", "integer", max_size, default=1, minimum=1, maximum=MAX_BATCH_SIZE),),
+    )
+
+
+def _role_rules(role: Role) -> tuple[Rule, ...]:
+    forbidden = [name for name in PARALLEL_DEGREES if name not in ROLE_DEGREES[role]]
+    cpu = "parallelism: gpusPerReplica 0 runs the role on CPU, one device per pod; set no degree above 1"
+    rules = [
+        _parallelism_rule(),
+        all_one_unless_positive("gpusPerReplica", "parallelism", PARALLEL_DEGREES, cpu, reason="FieldValueInvalid"),
+    ]
+    if forbidden:
+        only = f"parallelism: {' and '.join(forbidden)} apply to the denoiser only"
+        rules.append(absent_within("parallelism", forbidden, only))
+    return tuple(rules)
+
+
+def role_field(role: Role) -> Field:
+    """spec.<role>: one worker pool."""
+    replicas = "Worker pods. Ignored while `autoscaling.enabled`. 0 parks the role (the pipeline cannot serve)."
+    gpus = (
+        "`nvidia.com/gpu` limit of each pod and its `--num-gpus`, with `--device cuda`. `0`: a CPU role "
+        "(`--device cpu`, no GPU limit or toleration)."
+    )
+    drain = (
+        f"The pods' `terminationGracePeriodSeconds`; the worker gets `--disagg-drain-timeout` {DRAIN_MARGIN_S} s "
+        "less to finish and push what it holds after SIGTERM, then exits 0."
+    )
+    drain_defaults = ", ".join(
+        f"`{seconds}` {'/'.join(r.value for r in PIPELINE_ROLES if DEFAULT_DRAIN_SECONDS[r] == seconds)}"
+        for seconds in sorted(set(DEFAULT_DRAIN_SECONDS.values()))
+    )
+    degrees = tuple(_degree(name) for name in PARALLEL_DEGREES)
+    image = "Image for this role only (e.g. a canary); default `spec.images.worker`."
+    # No schema default: a defaulted pool would clash with spec.fullPipeline; the parser gives a role-pool
+    # pipeline the denoiser and decoder it does not declare (rules.py).
+    return Field(
+        crd_field(role),
+        "object",
+        f"The {role.value} worker pool.",
+        fields=(
+            Field("replicas", "integer", replicas, default=1, minimum=0),
+            Field("gpusPerReplica", "integer", gpus, default=1, minimum=0),
+            Field("parallelism", "object", f"Parallel degrees of the {role.value}.", fields=degrees),
+            Field("image", "string", image, doc_default="`spec.images.worker`"),
+            _resources("role"),
+            _pod_fields("role")[0],
+            Field("affinity", "free", "Pod affinity (a core/v1 Affinity), passed through.", doc_type="Affinity"),
+            *_pod_fields("role")[1:],
+            _autoscaling(),
+            _rollout(),
+            _role_batching(),
+            Field(
+                "drainSeconds",
+                "integer",
+                drain,
+                default=DEFAULT_DRAIN_SECONDS[role],
+                minimum=MIN_DRAIN_SECONDS,
+                doc_default=drain_defaults,
+            ),
+        ),
+        rules=_role_rules(role),
+    )
+
+
+def _model_volume() -> Field:
+    claim = (
+        f"A PVC in the pipeline's namespace, mounted read-only at `{MODEL_MOUNT}` in every pod. "
+        "Use a ReadOnlyMany/ReadWriteMany volume when pods land on several nodes."
+    )
+    host = (
+        f"A node directory (type `Directory`), mounted read-only at `{MODEL_MOUNT}`. "
+        "Exactly one of `persistentVolumeClaim` and `hostPath`."
+    )
+    return Field(
+        "volume",
+        "object",
+        f"The volume holding the model directory (mounted read-only at {MODEL_MOUNT}).",
+        fields=(
+            Field(
+                "persistentVolumeClaim",
+                "object",
+                "A PVC in the pipeline's namespace.",
+                fields=(Field("claimName", "string", claim, min_length=1, required=True),),
+            ),
+            Field(
+                "hostPath",
+                "object",
+                "A directory on every node.",
+                fields=(Field("path", "string", host, min_length=1, required=True),),
+            ),
+        ),
+        rules=(
+            exactly_one("persistentVolumeClaim", "hostPath", "set exactly one of persistentVolumeClaim or hostPath"),
+        ),
+    )
+
+
+def _model() -> Field:
+    path = (
+        f"Model directory relative to the volume root (`.` for the root). Becomes `--model-path {MODEL_MOUNT}/<path>`. "
+        "No `..`."
+    )
+    hub_id = (
+        "Hub repository id (e.g. `black-forest-labs/FLUX.1-dev`), for clusters that reach a hub. Becomes "
+        "`--model-path <hubId>`; downloads go to an `emptyDir` at `/cache` (`HF_HOME=/cache/huggingface`)."
+    )
+    token = (
+        Field("name", "string", "Secret with the hub token, exposed as `HF_TOKEN`.", required=True),
+        Field("key", "string", "Key in that Secret.", default=DEFAULT_TOKEN_KEY),
+    )
+    return Field(
+        "model",
+        "object",
+        "The diffusers model every process loads: `path` on a `volume`, or a `hubId`.",
+        required=True,
+        fields=(
+            Field("path", "string", path),
+            _model_volume(),
+            Field("hubId", "string", hub_id),
+            Field("tokenSecretRef", "object", "Secret holding the hub token (exposed as HF_TOKEN).", fields=token),
+        ),
+        rules=(
+            exactly_one("path", "hubId", "set exactly one of path or hubId"),
+            needs("path", "volume", "path needs a volume"),
+        ),
+    )
+
+
+MODEL = _model()
+
+
+def _transfer() -> Field:
+    mode = (
+        "Mooncake transport between workers: `tcp` anywhere; `rdma` GPU-direct over InfiniBand/RoCE, which adds the "
+        "RDMA device-plugin resource and `--disagg-ib-device`."
+    )
+    resource = "Extended (device-plugin) resource requested per worker pod in `rdma` mode."
+    ib_device = (
+        "RDMA NIC (`--disagg-ib-device`, e.g. `mlx5_0`, `mlx5_roce0`); required in `rdma` mode (without it "
+        "Mooncake would fall back to TCP)."
+    )
+    network = "Value of `k8s.v1.cni.cncf.io/networks` on worker pods (Multus secondary network for RoCE)."
+    pool = "Transfer pool per worker (`--disagg-transfer-pool-size`): bytes, or `256MiB`, `1GiB`; at least 1 MiB."
+    pool_default = f"`{DEFAULT_POOL_SIZE}` ({DEFAULT_POOL_SIZE >> 20} MiB)"
+    return Field(
+        "transfer",
+        "object",
+        "How tensors move between workers (Mooncake).",
+        default={},
+        fields=(
+            Field("mode", "string", mode, enum=TRANSFER_MODES, default="tcp"),
+            Field("rdmaResourceName", "string", resource, default=DEFAULT_RDMA_RESOURCE),
+            Field(
+                "rdmaResourceCount", "integer", "How many of `rdmaResourceName` per worker pod.", default=1, minimum=1
+            ),
+            Field("ibDevice", "string", ib_device),
+            Field("networkAnnotation", "string", network),
+            Field("poolSize", "size", pool, default=DEFAULT_POOL_SIZE, doc_default=pool_default),
+        ),
+        rules=(required_when_equal("ibDevice", "mode", "rdma", "ibDevice is required with mode rdma"),),
+    )
+
+
+TRANSFER = _transfer()
+
+
+def _ingress() -> Field:
+    return Field(
+        "ingress",
+        "object",
+        "Optional Ingress to the head's HTTP API.",
+        fields=(
+            Field("enabled", "boolean", "Create an Ingress to `<name>-api`.", default=False),
+            Field("host", "string", "Host name; required when enabled."),
+            Field("className", "string", "The Ingress's `ingressClassName`."),
+            Field("tls", "object", "TLS.", fields=(Field("secretName", "string", "TLS Secret for `host`."),)),
+        ),
+        rules=(required_when("host", "enabled", "host is required when enabled"),),
+    )
+
+
+def _results() -> Field:
+    claim = (
+        "An existing PVC mounted at the head's `--output-path` (`/var/lib/triptych/outputs`): URL images and "
+        "video jobs survive a head restart. ReadWriteOnce is enough for the one head. Without it: an `emptyDir` "
+        "(results survive container restarts, not a new pod)."
+    )
+    max_age = "`--results-max-age`: results older than this are removed."
+    max_bytes = (
+        "`--results-max-bytes`: beyond this total the oldest results are removed; bytes or a size such as "
+        f"`5GiB` (default {DEFAULT_RESULTS_MAX_BYTES}). Keep it below the claim's size."
+    )
+    max_bytes_default = f"`{DEFAULT_RESULTS_MAX_BYTES}` ({DEFAULT_RESULTS_MAX_BYTES >> 30} GiB)"
+    return Field(
+        "results",
+        "object",
+        "Where the head keeps finished images (URL responses) and video jobs (--output-path), and for how long.",
+        default={},
+        fields=(
+            Field(
+                "persistentVolumeClaim",
+                "object",
+                "An existing PVC mounted at the output path, so results outlive the pod; without it an emptyDir.",
+                fields=(Field("claimName", "string", claim, min_length=1, required=True),),
+            ),
+            Field("maxAgeSeconds", "integer", max_age, default=int(DEFAULT_RESULTS_MAX_AGE_S), minimum=1),
+            Field("maxBytes", "size", max_bytes, default=DEFAULT_RESULTS_MAX_BYTES, doc_default=max_bytes_default),
+        ),
+    )
+
+
+def _api_keys_secret() -> Field:
+    name = (
+        "A Secret in the pipeline's namespace holding the HTTP API's keys, one per line (`#` comments allowed). "
+        "Mounted read-only at `/etc/triptych/api-keys` (a whole-volume mount, so Secret updates reach it) and "
+        "passed as `--api-keys-file`; clients then send `Authorization: Bearer KEY`, while /health, /ready and "
+        '/metrics stay open. Updating the Secret rotates keys without a restart (README, "HTTP API and '
+        'overload"). Unset: the API is open.'
+    )
+    return Field(
+        "apiKeysSecret",
+        "object",
+        "API keys of the HTTP API (--api-keys-file); unset: the API is open.",
+        fields=(
+            Field("name", "string", name, min_length=1, required=True),
+            Field("key", "string", "The Secret's key holding the list.", default=DEFAULT_API_KEYS_KEY),
+        ),
+    )
+
+
+def _head_batching() -> Field:
+    delay = (
+        "`--batching-delay-ms`: the longest a request waits for its group to fill, for every role (the head has "
+        "one queue timer; each role's group size is its own `batching.maxSize`, which its workers heartbeat to the "
+        "head)."
+    )
+    return Field(
+        "batching",
+        "object",
+        "How the head groups requests for roles whose batching.maxSize is above 1.",
+        fields=(
+            Field("delayMs", "integer", delay, default=DEFAULT_BATCH_DELAY_MS, minimum=0, maximum=MAX_BATCH_DELAY_MS),
+        ),
+    )
+
+
+def _head() -> Field:
+    replicas = (
+        "0 or 1: the head holds request state and every worker serves exactly one head, so there is never more "
+        "than one (see docs/operator.md#head-rollouts-drain-and-results)."
+    )
+    policy = "`--disagg-dispatch-policy` (the enum is `triptych.config.DISPATCH_POLICIES`)."
+    drain = (
+        "The head pod's `terminationGracePeriodSeconds`, as for the roles. On SIGTERM (rollout, deletion, eviction) "
+        f"accepted requests may finish until {HEAD_DRAIN_MARGIN_S} s before it (`--disagg-drain-timeout` = "
+        f"`drainSeconds` - {HEAD_DRAIN_MARGIN_S}: the head needs at most {int(HEAD_SHUTDOWN_OVERHEAD_S)} s to "
+        "answer its last clients and save its jobs), then fail with a 503 that says so; the head exits as soon as "
+        "nothing is left. Keep it above `timeoutSeconds` so any request that can still succeed does (the Wan "
+        "example uses 900 for both)."
+    )
+    port = f"HTTP port; must not collide with the scheduler ports {HEAD_SCHEDULER_PORT}-{HEAD_SCHEDULER_PORT + 5}."
+    return Field(
+        "head",
+        "object",
+        "The GPU-less head (DiffusionServer + HTTP API).",
+        default={},
+        fields=(
+            Field("replicas", "integer", replicas, default=1, minimum=0, maximum=1),
+            Field(
+                "serviceType",
+                "string",
+                "Type of the `<name>-api` Service (HTTP only).",
+                enum=SERVICE_TYPES,
+                default="ClusterIP",
+            ),
+            _ingress(),
+            _head_batching(),
+            Field("dispatchPolicy", "string", policy, enum=DISPATCH_POLICIES, default=DISPATCH_POLICIES[0]),
+            Field("timeoutSeconds", "integer", "`--disagg-timeout`.", default=int(DEFAULT_TIMEOUT_S), minimum=1),
+            Field("drainSeconds", "integer", drain, default=DEFAULT_HEAD_DRAIN_SECONDS, minimum=MIN_HEAD_DRAIN_SECONDS),
+            _results(),
+            _api_keys_secret(),
+            Field("port", "integer", port, default=HEAD_HTTP_PORT, minimum=1, maximum=65535),
+            _resources("head"),
+            *_pod_fields("head"),
+        ),
+    )
+
+
+HEAD = _head()
+
+IMAGES = Field(
+    "images",
+    "object",
+    "Image overrides (default: the operator's configured images).",
+    fields=(
+        Field(
+            "worker",
+            "string",
+            "CUDA worker image for all roles (a role's `image` wins).",
+            doc_default=_OPERATOR_IMAGE % ("WORKER", "worker"),
+        ),
+        Field("head", "string", "CPU head image.", doc_default=_OPERATOR_IMAGE % ("HEAD", "head")),
+    ),
+)
+
+
+def full_pipeline_field() -> Field:
+    """spec.fullPipeline: one pool whose workers each run the whole pipeline (--disagg-full-pipeline).
+
+    A denoiser pool's fields (its pods are denoiser-role workers, its objects <name>-denoiser) without
+    parallelism: a full-pipeline worker runs on one device."""
+    pool = role_field(FULL_PIPELINE_ROLE)
+    gpus = dataclasses.replace(
+        pool.field("gpusPerReplica"),
+        description="`1` (one GPU, `--device cuda`) or `0` (CPU, `--device cpu`); a full-pipeline worker runs on "
+        "one device.",
+        maximum=1,
+    )
+    return dataclasses.replace(
+        pool,
+        name="fullPipeline",
+        description="A full-pipeline pool instead of role pools: each worker pod loads the whole pipeline "
+        "(encode, denoise, decode) and returns pixels to the head; no tensor moves between pods (no Mooncake). "
+        "Exclusive with encoder, promptEncoder, imageEncoder, denoiser and decoder.",
+        fields=tuple(gpus if f.name == "gpusPerReplica" else f for f in pool.fields if f.name != "parallelism"),
+        rules=(),
+    )
+
+
+FULL_PIPELINE = full_pipeline_field()
+ROLE_POOL_FIELDS = tuple(crd_field(role) for role in PIPELINE_ROLES)
+
+SPEC = Field(
+    "spec",
+    "object",
+    "Desired state of a disaggregated diffusion pipeline.",
+    required=True,
+    fields=(MODEL, *(role_field(role) for role in PIPELINE_ROLES), FULL_PIPELINE, TRANSFER, HEAD, IMAGES),
+    rules=(
+        excludes(
+            "fullPipeline",
+            ROLE_POOL_FIELDS,
+            "spec.fullPipeline: declare a full-pipeline pool or role pools (encoder, promptEncoder, imageEncoder, "
+            "denoiser, decoder), not both",
+        ),
+        excludes(
+            "encoder",
+            ("promptEncoder", "imageEncoder"),
+            "spec.encoder: declare encoder (three roles) or promptEncoder and imageEncoder (split encoders), not both",
+        ),
+        needs("imageEncoder", "promptEncoder", "spec.imageEncoder needs spec.promptEncoder (the split encoders)"),
+    ),
+)

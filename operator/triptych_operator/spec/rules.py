@@ -1,0 +1,128 @@
+"""The rules across fields that the declaration cannot state, and `parse_pipeline`, which applies them.
+
+The declaration's own checks (types, bounds, enums, required fields, CEL rules) run in the generic
+parser (model.parse). What CEL cannot express is checked here only, once: which pools a pipeline
+runs, parallel degrees against the GPU count (triptych.parallelism), Service names that fit, model
+paths that stay on their volume and the head's port against its scheduler ports. Each pod's argv is
+checked as `triptych serve` parses it in serve_args. A bad field raises SpecError naming it, which
+the operator reports as a Degraded condition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
+from triptych.roles import FULL_PIPELINE_ROLE, Role
+from triptych_operator.constants import (
+    DEFAULT_HEAD_IMAGE,
+    DEFAULT_ROLES,
+    DEFAULT_WORKER_IMAGE,
+    HEAD_SCHEDULER_PORT,
+    PIPELINE_ROLES,
+    crd_field,
+)
+from triptych_operator.fields import read
+from triptych_operator.spec.declaration import FULL_PIPELINE, NAME_RULE, PARALLEL_DEGREES, SPEC, role_field
+from triptych_operator.spec.model import PipelineSpec, RoleSpec, SpecError, build, checked
+
+MAX_SERVICE_NAME = 63
+
+
+def parse_pipeline(
+    name: str,
+    namespace: str,
+    spec: Mapping[str, Any],
+    *,
+    worker_image: str = DEFAULT_WORKER_IMAGE,
+    head_image: str = DEFAULT_HEAD_IMAGE,
+) -> PipelineSpec:
+    """Parse and validate a DiffusionPipeline spec; raise SpecError naming the first bad field."""
+    assert NAME_RULE.check is not None
+    if NAME_RULE.check({"metadata.name": name}) is not None:
+        raise SpecError("metadata.name", f"{name!r}: {NAME_RULE.message.removeprefix('metadata.name ')}")
+    values = checked(SPEC, spec, "spec")  # as the API server would store it: defaults in, unknown keys out
+    _check_model_path(values["model"]["path"])
+    full = values["fullPipeline"]
+    roles = _full_pipeline_pool(name, full) if full is not None else _role_pools(name, values)
+    _check_head_port(values["head"]["port"])
+    images = values["images"] or {}
+    return build(
+        PipelineSpec,
+        SPEC,
+        values,
+        "spec",
+        name=name,
+        namespace=namespace,
+        roles=roles,
+        worker_image=images.get("worker") or worker_image,
+        head_image=images.get("head") or head_image,
+        full_pipeline=full is not None,
+    )
+
+
+def _role_pools(name: str, values: Mapping[str, Any]) -> dict[Role, RoleSpec]:
+    """The declared pools, in route order; the denoiser and decoder are there declared or not, and a
+    pipeline that names no encoder gets the combined one."""
+    declared = [role for role in PIPELINE_ROLES if values[crd_field(role)] is not None]
+    declared += [role for role in DEFAULT_ROLES if role.spec.crd_field and not role.spec.also_runs]
+    if not any(role.runs_affinity(Role.PROMPT_ENCODER) for role in declared):
+        declared.insert(0, Role.ENCODER)
+    pools = {}
+    for role in (r for r in PIPELINE_ROLES if r in declared):
+        field, where = role_field(role), f"spec.{crd_field(role)}"
+        raw = values[crd_field(role)]
+        pool = raw if raw is not None else read(field, {}, where)
+        _check_object_name(name, role, crd_field(role))
+        parallelism, given = _parallelism(pool["parallelism"] or {}, max(pool["gpusPerReplica"], 1), where)
+        pools[role] = build(RoleSpec, field, pool, where, role=role, parallelism=parallelism, explicit_degrees=given)
+    return pools
+
+
+def _full_pipeline_pool(name: str, pool: Mapping[str, Any]) -> dict[Role, RoleSpec]:
+    """spec.fullPipeline: one pool of workers that each run on one device, so no parallel degree."""
+    _check_object_name(name, FULL_PIPELINE_ROLE, "fullPipeline")
+    spec = build(
+        RoleSpec,
+        FULL_PIPELINE,
+        pool,
+        "spec.fullPipeline",
+        role=FULL_PIPELINE_ROLE,
+        parallelism=Parallelism(),
+        explicit_degrees={},
+    )
+    return {FULL_PIPELINE_ROLE: spec}
+
+
+def _check_object_name(name: str, role: Role, field: str) -> None:
+    if len(f"{name}-{role.dns_name}") > MAX_SERVICE_NAME:
+        raise SpecError(
+            "metadata.name",
+            f"{name!r} is too long for spec.{field}: {name}-{role.dns_name} "
+            f"must be at most {MAX_SERVICE_NAME} characters (a Service name)",
+        )
+
+
+def _parallelism(raw: Mapping[str, Any], gpus: int, pool: str) -> tuple[Parallelism, dict[str, int]]:
+    """The resolved degrees (unset ones derived) and the ones the user wrote."""
+    where = f"{pool}.parallelism"
+    given = {degree: raw[degree] for degree in PARALLEL_DEGREES if raw.get(degree) is not None}
+    try:
+        return resolve_parallelism(gpus, where=f"{where}.", **given), given
+    except ParallelismError as exc:
+        # The message already starts with the field path (where=...).
+        raise SpecError(where, str(exc).removeprefix(f"{where}.")) from None
+
+
+def _check_model_path(path: str | None) -> None:
+    if path is not None and ".." in path.split("/"):
+        raise SpecError("spec.model.path", f"{path!r} must stay inside the volume (no '..')")
+
+
+def _check_head_port(port: int) -> None:
+    if HEAD_SCHEDULER_PORT <= port <= HEAD_SCHEDULER_PORT + 5:
+        raise SpecError(
+            "spec.head.port",
+            f"{port} collides with the head's scheduler ports {HEAD_SCHEDULER_PORT}-{HEAD_SCHEDULER_PORT + 5}",
+        )
