@@ -8,7 +8,7 @@ rules.py        what the declaration cannot state (pools, parallel degrees, name
                 and `parse_pipeline`, the entry point
 """
 
-from triptych_operator.spec.model import PipelineSpec, RoleSpec, SpecError
+from triptych_operator.spec.model import PipelineSpec, PoolSpec, SpecError
 from triptych_operator.spec.rules import parse_pipeline
 
-__all__ = ["PipelineSpec", "RoleSpec", "SpecError", "parse_pipeline"]
+__all__ = ["PipelineSpec", "PoolSpec", "SpecError", "parse_pipeline"]

@@ -93,7 +93,7 @@ class Autoscaling:
 
 
 @dataclass(frozen=True)
-class RoleSpec:
+class PoolSpec:
     """One worker pool: how many pods, how many GPUs each, and how they split the work."""
 
     role: Role = dataclasses.field(metadata=derived())
@@ -218,7 +218,7 @@ class PipelineSpec:
     namespace: str = dataclasses.field(metadata=derived())
     model: ModelSpec
     # The pools in route order (rules.py); with spec.fullPipeline one denoiser pool whose workers run every stage.
-    roles: Mapping[Role, RoleSpec] = dataclasses.field(metadata=derived(*ROLE_POOL_FIELDS, "fullPipeline"))
+    roles: Mapping[Role, PoolSpec] = dataclasses.field(metadata=derived(*ROLE_POOL_FIELDS, "fullPipeline"))
     transfer: TransferSpec
     head: HeadSpec
     worker_image: str = dataclasses.field(metadata=derived("images.worker"))
@@ -397,8 +397,8 @@ def check_all() -> None:
     """The whole typed model against the whole declaration (run at import)."""
     check_model(PipelineSpec, SPEC, "spec")
     for role in PIPELINE_ROLES:
-        check_model(RoleSpec, role_field(role), f"spec.{crd_field(role)}")
-    check_model(RoleSpec, FULL_PIPELINE, "spec.fullPipeline")
+        check_model(PoolSpec, role_field(role), f"spec.{crd_field(role)}")
+    check_model(PoolSpec, FULL_PIPELINE, "spec.fullPipeline")
 
 
 check_all()

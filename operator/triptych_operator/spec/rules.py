@@ -25,7 +25,7 @@ from triptych_operator.constants import (
 )
 from triptych_operator.fields import read
 from triptych_operator.spec.declaration import FULL_PIPELINE, NAME_RULE, PARALLEL_DEGREES, SPEC, role_field
-from triptych_operator.spec.model import PipelineSpec, RoleSpec, SpecError, build, checked
+from triptych_operator.spec.model import PipelineSpec, PoolSpec, SpecError, build, checked
 
 MAX_SERVICE_NAME = 63
 
@@ -62,7 +62,7 @@ def parse_pipeline(
     )
 
 
-def _role_pools(name: str, values: Mapping[str, Any]) -> dict[Role, RoleSpec]:
+def _role_pools(name: str, values: Mapping[str, Any]) -> dict[Role, PoolSpec]:
     """The declared pools, in route order; the denoiser and decoder are there declared or not, and a
     pipeline that names no encoder gets the combined one."""
     declared = [role for role in PIPELINE_ROLES if values[crd_field(role)] is not None]
@@ -76,15 +76,15 @@ def _role_pools(name: str, values: Mapping[str, Any]) -> dict[Role, RoleSpec]:
         pool = raw if raw is not None else read(field, {}, where)
         _check_object_name(name, role, crd_field(role))
         parallelism, given = _parallelism(pool["parallelism"] or {}, max(pool["gpusPerReplica"], 1), where)
-        pools[role] = build(RoleSpec, field, pool, where, role=role, parallelism=parallelism, explicit_degrees=given)
+        pools[role] = build(PoolSpec, field, pool, where, role=role, parallelism=parallelism, explicit_degrees=given)
     return pools
 
 
-def _full_pipeline_pool(name: str, pool: Mapping[str, Any]) -> dict[Role, RoleSpec]:
+def _full_pipeline_pool(name: str, pool: Mapping[str, Any]) -> dict[Role, PoolSpec]:
     """spec.fullPipeline: one pool of workers that each run on one device, so no parallel degree."""
     _check_object_name(name, FULL_PIPELINE_ROLE, "fullPipeline")
     spec = build(
-        RoleSpec,
+        PoolSpec,
         FULL_PIPELINE,
         pool,
         "spec.fullPipeline",
