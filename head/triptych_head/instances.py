@@ -32,7 +32,7 @@ class WorkerInstance:
     # worker sends whenever it frees pool space (and once a second), so the head retries then.
     refused_bytes: int | None = None
     dispatched_total: int = 0
-    # Preallocated receive slots it keeps for the head: address -> (bytes, request id holding it or None).
+    # Standing receive slots it keeps for the head: address -> (bytes, request id holding it or None).
     standing: dict[int, StandingSlot] = field(default_factory=dict)
     draining: bool = False  # it got SIGTERM: it finishes what it holds, takes nothing new, then exits
     leaving: bool = False  # discovery no longer lists it (scaled down, not Ready): nothing new goes to it
@@ -73,7 +73,7 @@ class WorkerInstance:
         fits = [(s.nbytes, addr) for addr, s in self.standing.items() if s.holder is None and s.nbytes >= nbytes]
         return min(fits)[1] if fits else None
 
-    def should_keep_slot(self, nbytes: int) -> bool:
+    def should_make_standing(self, nbytes: int) -> bool:
         """Keep a new slot as standing while that still leaves room to stage outputs and one more slot."""
         return len(self.standing) < self.capacity and self.pool_bytes >= (len(self.standing) + 2) * nbytes
 

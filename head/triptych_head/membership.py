@@ -115,7 +115,7 @@ class Membership:
     def ping_all(self) -> None:
         for inst in self.all():
             # A draining worker exits once acknowledged and idle, so acknowledge only when nothing is
-            # on its way to it (a push into one of its kept slots, say): all that went before is there.
+            # on its way to it (a push into one of its standing slots, say): all that went before is there.
             ack = inst.draining and not inst.inflight
             self.send(inst.url, Ping(instance=inst.url, head_id=self.head_id, drain_acknowledged=ack))
 

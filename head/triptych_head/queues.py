@@ -165,8 +165,8 @@ class Dispatcher:
             rec.slot_addr, rec.push_in_flight = addr, True
             sent = True
         elif rec.staged:
-            keep = inst.should_keep_slot(nbytes)
-            sent = self._membership.send(inst.url, TransferAlloc(wire_id, inst.url, nbytes, keep=keep))
+            standing = inst.should_make_standing(nbytes)
+            sent = self._membership.send(inst.url, TransferAlloc(wire_id, inst.url, nbytes, standing=standing))
         else:
             work = Work(wire_id, inst.url, rec.wire_params(), progress=rec.watch, preview_every=rec.preview_every)
             if group is not None:

@@ -68,7 +68,7 @@ def on_allocated(
         reason = f"{inst.role.value} {inst.url} offered a slot in transfer session {msg.session!r}, not its own"
         core.instance_lost(inst, "session_mismatch", reason)
         return
-    if msg.kept:
+    if msg.standing:
         inst.standing[msg.addr] = StandingSlot(rec.staged.nbytes, holder=rec.wire_id)
         rec.slot_addr = msg.addr
     push = TransferPush(rec.wire_id, rec.staged.sender, dest_session=msg.session, dest_addr=msg.addr)

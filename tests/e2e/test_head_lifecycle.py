@@ -135,7 +135,7 @@ def pools_free(health: dict) -> bool:  # type: ignore[type-arg]
 
 def test_after_a_head_is_killed_its_successor_finds_every_pool_free_within_one_heartbeat(flux, tmp_path):
     # A slow denoiser with a queue: when head A dies, encoders hold staged outputs and the denoiser
-    # holds reserved and kept slots and queued work, all for A's requests.
+    # holds reserved and standing slots and queued work, all for A's requests.
     with deployment(flux, tmp_path, null_payload=65536, worker_flags=STEPS_1S) as dep:
         with dep.client(timeout=60) as c, concurrent.futures.ThreadPoolExecutor(6) as pool:
             for _ in range(6):

@@ -184,8 +184,8 @@ def test_forged_kept_slot_allocations_pin_nothing(dep, expected, attacker):
     before = settled(dep)
     for d in [url(dep, Role.DENOISER, i) for i in range(2)]:
         pool_bytes = before[d][0]
-        for i in range(16):  # issue 12: enough kept slots to pin every byte of both pools
-            attacker.send(d, TransferAlloc(f"forged-keep-{i}", d, nbytes=pool_bytes // 16, keep=True))
+        for i in range(16):  # issue 12: enough standing slots to pin every byte of both pools
+            attacker.send(d, TransferAlloc(f"forged-keep-{i}", d, nbytes=pool_bytes // 16, standing=True))
     assert settled(dep) == before
     with dep.client() as c:
         assert generate(c) == expected

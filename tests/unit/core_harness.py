@@ -229,11 +229,11 @@ class Harness:
             self._finish_stage(w, msg.request_id)
         elif isinstance(msg, TransferAlloc):
             addr = next(self._addr)
-            if msg.keep:
+            if msg.standing:
                 w.kept.add(addr)
             else:
                 w.reserved[addr] = msg.request_id
-            self.said(w.role, TransferAllocated(msg.request_id, w.url, w.session, addr, kept=msg.keep), w.url)
+            self.said(w.role, TransferAllocated(msg.request_id, w.url, w.session, addr, standing=msg.standing), w.url)
         elif isinstance(msg, TransferPush):
             self._write(w, msg)
         elif isinstance(msg, TransferReady):

@@ -99,7 +99,7 @@ def test_a_send_to_a_disconnected_worker_retries_what_it_held_elsewhere() -> Non
     h.pending.clear()
     h.transport.down.add(denoiser)  # its socket is gone: the next send to it fails at once
     h.workers[denoiser].alive = False
-    allocated = TransferAllocated(alloc.request_id, denoiser, h.workers[denoiser].session, 0x10, kept=False)
+    allocated = TransferAllocated(alloc.request_id, denoiser, h.workers[denoiser].session, 0x10, standing=False)
     h.workers[denoiser].reserved[0x10] = alloc.request_id
     h.core.on_worker(Role.DENOISER, encode(allocated))
     h.collect()

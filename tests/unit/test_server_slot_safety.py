@@ -68,14 +68,14 @@ def _run_to_push(client, w, rid):  # type: ignore[no-untyped-def]
     return work
 
 
-def test_a_kept_slot_is_reused_without_transfer_alloc_once_its_holder_has_loaded_it(head):
+def test_a_standing_slot_is_reused_without_transfer_alloc_once_its_holder_has_loaded_it(head):
     client, w = head
     enc, den = w[Role.ENCODER], w[Role.DENOISER]
     _run_to_push(client, w, "a")
     alloc = den.wait_for(TransferAlloc)
-    assert alloc.keep, "the head should ask the receiver to keep its first slot"
+    assert alloc.standing, "the head should ask the receiver to keep its first slot"
     den.got.remove(alloc)
-    den.send(TransferAllocated("a", alloc.instance, SESSION, 8192, kept=True))
+    den.send(TransferAllocated("a", alloc.instance, SESSION, 8192, standing=True))
     push = enc.wait_for(TransferPush)
     enc.got.remove(push)
     enc.send(TransferPushed("a", push.instance, 8, 0.01))
@@ -93,7 +93,7 @@ def test_a_kept_slot_is_reused_without_transfer_alloc_once_its_holder_has_loaded
     den.send(Heartbeat(ready.instance, "denoiser", SESSION, 1 << 20, 1 << 20, 2, "m"))
     push_b = enc.wait_for(TransferPush)
     assert push_b.request_id == "b" and push_b.dest_addr == 8192
-    assert not any(isinstance(m, TransferAlloc) for m in den.got), "a fitting kept slot needs no transfer_alloc"
+    assert not any(isinstance(m, TransferAlloc) for m in den.got), "a fitting standing slot needs no transfer_alloc"
 
 
 def test_a_push_that_gave_up_with_its_write_pending_keeps_the_receive_slot(head):

@@ -1,4 +1,4 @@
-"""The worker runtime: kept receive slots across requests and heads, step reports (no sockets),
+"""The worker runtime: standing receive slots across requests and heads, step reports (no sockets),
 and the leader/follower threads over real ZMQ sockets."""
 
 from __future__ import annotations
@@ -58,11 +58,11 @@ def test_kept_slot_survives_its_request_and_is_dropped_when_the_head_changes():
     link = RecordingLink()
     try:
         worker._follow_head("head-1")
-        worker._allocate(link, TransferAlloc("r1", "w", 1 << 20, keep=True))  # type: ignore[arg-type]
+        worker._allocate(link, TransferAlloc("r1", "w", 1 << 20, standing=True))  # type: ignore[arg-type]
         allocated = link.sent[-1]
-        assert isinstance(allocated, TransferAllocated) and allocated.kept
+        assert isinstance(allocated, TransferAllocated) and allocated.standing
         worker._on_message(link, _encoded(CancelWork("r1", "w")))  # type: ignore[arg-type]
-        assert worker.pool.free_bytes == worker.pool.pool_bytes - (1 << 20), "a kept slot outlives its request"
+        assert worker.pool.free_bytes == worker.pool.pool_bytes - (1 << 20), "a standing slot outlives its request"
         worker._follow_head("head-1")
         assert worker.pool.free_bytes < worker.pool.pool_bytes
         worker._follow_head("head-2")  # a restarted head never heard of it
@@ -78,7 +78,7 @@ def test_a_new_head_gets_a_fully_free_pool_and_hears_which_requests_were_dropped
     try:
         worker._on_message(link, _encoded(Ping("w", head_id="head-1")))  # type: ignore[arg-type]
         worker._allocate(link, TransferAlloc("reserved", "w", 4096))  # type: ignore[arg-type]
-        worker._allocate(link, TransferAlloc("kept", "w", 4096, keep=True))  # type: ignore[arg-type]
+        worker._allocate(link, TransferAlloc("kept", "w", 4096, standing=True))  # type: ignore[arg-type]
         staged = worker.pool.allocate(4096, owner="staged")  # an output waiting for its transfer_push
         with worker._lock:
             worker._staged["staged"] = staged

@@ -123,7 +123,7 @@ class TransferAlloc(Message, tag="transfer_alloc", frozen=True):
     request_id: str
     instance: str
     nbytes: Count
-    keep: bool = False  # keep the slot after this transfer as a standing (preallocated) receive slot
+    standing: bool = False  # keep the slot after this transfer as a standing receive slot
 
 
 class TransferPush(Message, tag="transfer_push", frozen=True):
@@ -181,7 +181,7 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     free_bytes: Count
     capacity: Count
     model: str
-    standing_bytes: Count = 0  # pool bytes kept as preallocated receive slots (not free, not leaked)
+    standing_bytes: Count = 0  # pool bytes held as standing receive slots (not free, not leaked)
     draining: bool = False  # SIGTERM: it finishes what it holds and then exits; send it no new work
     # The head (Ping.head_id) this worker serves; a head ignores heartbeats naming another head, so it
     # dispatches nothing to a worker before that worker has dropped a previous head's work.
@@ -217,7 +217,7 @@ class TransferAllocated(Message, tag="transfer_allocated", frozen=True):
     instance: str
     session: str
     addr: Count
-    kept: bool = False  # the slot stays reserved for this receiver's later transfers
+    standing: bool = False  # the slot stays reserved as a standing slot for this receiver's later transfers
 
 
 class TransferRefused(Message, tag="transfer_refused", frozen=True):

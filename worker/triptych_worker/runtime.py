@@ -95,7 +95,7 @@ DRAIN_LOG_S = 5.0  # a draining worker logs what it still holds at least this of
 
 
 BATCH_ASSEMBLY_S = 0.5  # how long a group the head dispatched together waits for its last members
-STANDING = "standing-slot"  # pool owner of preallocated receive slots
+STANDING = "standing-slot"  # pool owner of standing receive slots
 
 
 class RequestCancelled(Exception):
@@ -194,7 +194,7 @@ class Worker:
         self._crashed: BaseException | None = None
         self._staged: dict[str, Allocation] = {}  # outputs waiting for their transfer_push
         self._slots: dict[str, Allocation] = {}
-        self._standing: dict[int, Allocation] = {}  # preallocated receive slots the head assigns by address
+        self._standing: dict[int, Allocation] = {}  # standing receive slots the head assigns by address
         self._head_id = ""  # the head this worker serves (Ping.head_id); all it holds is for that head
         self._outstanding: set[str] = set()  # accepted requests whose stages have not finished
         self._owes_heartbeat = False  # a refusal is pending: report freed pool space right away
@@ -464,8 +464,8 @@ class Worker:
             self._refuse(link, msg.request_id, "keeping room to stage accepted work")
             return
         try:
-            # A kept slot belongs to the worker, not the request: cancelling the request keeps it.
-            alloc = self.pool.allocate(msg.nbytes, owner=STANDING if msg.keep else msg.request_id)
+            # A standing slot belongs to the worker, not the request: cancelling the request keeps it.
+            alloc = self.pool.allocate(msg.nbytes, owner=STANDING if msg.standing else msg.request_id)
         except PayloadTooLarge as exc:
             link.send(TransferRefused(msg.request_id, self.instance, str(exc), fatal=True))
             return
@@ -475,9 +475,9 @@ class Worker:
         with self._lock:
             self._slots[msg.request_id] = alloc
             self._outstanding.add(msg.request_id)
-            if msg.keep:
+            if msg.standing:
                 self._standing[alloc.addr] = alloc
-        link.send(TransferAllocated(msg.request_id, self.instance, self.transport.session_id, alloc.addr, msg.keep))
+        link.send(TransferAllocated(msg.request_id, self.instance, self.transport.session_id, alloc.addr, msg.standing))
 
     def _refuse(self, link: HeadLink, request_id: str, reason: str) -> None:
         """Back-pressure: no slot now; the head retries after the heartbeat that reports freed space."""
@@ -495,7 +495,7 @@ class Worker:
 
     def _follow_head(self, head_id: str) -> list[str]:
         """Serve `head_id` from now on. A new head knows nothing of what this worker holds for the
-        previous one: give all of it back to the pool (kept slots, reserved slots, staged outputs,
+        previous one: give all of it back to the pool (standing slots, reserved slots, staged outputs,
         queued work; running work stops at its next step) and return the requests it dropped.
 
         The first head inherits nothing: work can only have come from it.
@@ -515,7 +515,7 @@ class Worker:
             self._cancel(request_id, free=request_id not in writing)
         if dropped or abandoned:
             log.info(
-                "head %s replaced %s: dropped %d kept receive slots and %d requests",
+                "head %s replaced %s: dropped %d standing receive slots and %d requests",
                 head_id, previous, len(dropped), len(abandoned),
             )  # fmt: skip
         self._head_id = head_id  # last: heartbeats name the new head only once everything is released
