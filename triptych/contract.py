@@ -131,11 +131,14 @@ class Limits:
         }  # fmt: skip
         in_range = (lo is None or value >= lo) and (hi is None or value <= hi)  # False for nan
         if not in_range:
-            default = (
-                "{field} {value} must be {minimum}"
-                if lo == hi
-                else "{field} {value} must be between {minimum} and {maximum}"
-            )
+            if lo == hi:
+                default = "{field} {value} must be {minimum}"
+            elif hi is None:
+                default = "{field} {value} must be at least {minimum}"
+            elif lo is None:
+                default = "{field} {value} must be at most {maximum}"
+            else:
+                default = "{field} {value} must be between {minimum} and {maximum}"
             return (self.message or default).format(**words)
         if s and (value - o) % s:
             return (self.step_message or "{field} {value} must be {offset} + a multiple of {step}").format(
@@ -285,7 +288,7 @@ CONTRACT = Contract(
         RequestParam(
             "size",
             str,
-            "WIDTHxHEIGHT in pixels, each a multiple of the model's size multiple",
+            "WIDTHxHEIGHT in pixels, each a multiple of the model's size multiple (edits: the reference's size)",
             ALL,
             defaults={IMAGES: "1024x1024", EDITS: None, VIDEOS: "832x480"},
             limits=Limits(minimum=MIN_SIDE, maximum=MAX_SIDE),

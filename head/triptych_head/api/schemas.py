@@ -57,15 +57,15 @@ def _field(param: RequestParam, endpoint: str) -> tuple[Any, Any]:
     (the served family's narrower ones are checked at the door: context.HeadContext.params_for)."""
     lim = param.limits
     annotation: Any = Literal[lim.choices] if lim.choices else param.type
-    default = ... if param.required else param.default_for(endpoint)
+    default: Any = ... if param.required else param.default_for(endpoint)
     if param.name == "image":
         default = None  # an edit's URL; the file part arrives beside the form's text fields (reference.py)
     if default is None:
         annotation = annotation | None
-    numeric = param.type in (int, float)
-    bounds = {
-        "ge": lim.minimum if numeric and param.name != "size" else None,
-        "le": lim.maximum if numeric and param.name != "size" else None,
+    numeric = param.type in (int, float)  # size's limits are its sides': parse_size checks them
+    bounds: dict[str, Any] = {
+        "ge": lim.minimum if numeric else None,
+        "le": lim.maximum if numeric else None,
         "min_length": lim.min_length,
         "max_length": lim.max_length,
     }
@@ -74,7 +74,7 @@ def _field(param: RequestParam, endpoint: str) -> tuple[Any, Any]:
 
 def request_model(name: str, endpoint: str, contract: Contract = CONTRACT) -> type[RequestBody]:
     """The pydantic model of `endpoint`'s request: the parameters of `contract` it takes."""
-    fields = {p.name: _field(p, endpoint) for p in contract.taken_by(endpoint)}
+    fields: dict[str, Any] = {p.name: _field(p, endpoint) for p in contract.taken_by(endpoint)}
     model: type[RequestBody] = create_model(name, __base__=RequestBody, **fields)
     model.__doc__ = f"The body of POST {endpoint}."
     return model
