@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from triptych.contract import CONTRACT, EDITS, IMAGES, VIDEOS, Contract
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
@@ -30,8 +32,29 @@ DEFAULT_URL = "http://127.0.0.1:30000"
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
 
 
-def add_client_commands(sub: Any) -> None:
-    """The client subcommands, on `triptych`'s subparsers."""
+COMMAND_ENDPOINTS = {"generate": IMAGES, "edit": EDITS, "video": VIDEOS}
+CLI_NOTES = {"n": "out.png becomes out-0.png, out-1.png, ..."}  # what the command itself does with a value
+
+
+def add_request_options(parser: argparse.ArgumentParser, endpoint: str, contract: Contract = CONTRACT) -> None:
+    """One option per parameter of `contract` that `endpoint` takes and that has a CLI flag. Omitted
+    options are not sent: the server's defaults apply."""
+    names = []
+    for param in contract.taken_by(endpoint):
+        if param.cli is None:
+            continue
+        default = param.default_for(endpoint)
+        notes = [param.doc, *(["default: " + str(default)] if default is not None else []), CLI_NOTES.get(param.name)]
+        kind: dict[str, Any] = (
+            {"action": argparse.BooleanOptionalAction} if param.type is bool else {"type": param.type}
+        )
+        parser.add_argument(param.cli, dest=param.name, help="; ".join(n for n in notes if n), **kind)
+        names.append(param.name)
+    parser.set_defaults(request_params=tuple(names))
+
+
+def add_client_commands(sub: Any, contract: Contract = CONTRACT) -> None:
+    """The client subcommands, on `triptych`'s subparsers; their request options come from `contract`."""
     connection = argparse.ArgumentParser(add_help=False)
     connection.add_argument("--url", default=os.environ.get("TRIPTYCH_URL", DEFAULT_URL), help="the head's HTTP URL")
     connection.add_argument("--api-key", default=os.environ.get("TRIPTYCH_API_KEY"), help="Bearer key, if required")
@@ -40,22 +63,14 @@ def add_client_commands(sub: Any) -> None:
     request = argparse.ArgumentParser(add_help=False)
     request.add_argument("prompt")
     request.add_argument("-o", "--output", required=True, type=Path, help="file to write")
-    request.add_argument("--size", help="WIDTHxHEIGHT (omitted: the server's default; edit: the reference's)")
-    request.add_argument("--seed", type=int, help="same seed, same pixels")
-    request.add_argument("--steps", type=int, help="denoising steps (the model's default when omitted)")
-    request.add_argument("--negative-prompt")
-    request.add_argument("--guidance", type=float, help="guidance_scale")
 
-    images = argparse.ArgumentParser(add_help=False)
-    images.add_argument("--n", type=int, default=1, help="images to make; out.png becomes out-0.png, out-1.png, ...")
-
-    sub.add_parser("generate", parents=[request, images, connection], help="text to image through a head's HTTP API")
-    sub.add_parser(
-        "edit", parents=[reference, request, images, connection], help="a reference image and a prompt to an image"
+    generate = sub.add_parser("generate", parents=[request, connection], help="text to image through a head's HTTP API")
+    edit = sub.add_parser(
+        "edit", parents=[reference, request, connection], help="a reference image and a prompt to an image"
     )
-    vid = sub.add_parser("video", parents=[request, connection], help="text to video, with a live progress bar")
-    vid.add_argument("--frames", type=int, help="num_frames")
-    vid.add_argument("--fps", type=int)
+    video = sub.add_parser("video", parents=[request, connection], help="text to video, with a live progress bar")
+    for command, parser in (("generate", generate), ("edit", edit), ("video", video)):
+        add_request_options(parser, COMMAND_ENDPOINTS[command], contract)
     sub.add_parser("status", parents=[connection], help="the head's pools: instances, free slots, queues")
 
 
@@ -68,9 +83,9 @@ def run_client_command(ns: argparse.Namespace) -> int:
     client = TriptychClient(ns.url, ns.api_key)
     try:
         if ns.command == "generate":
-            return _images(client.stream_images({**_body(ns), "n": ns.n}), ns, console)
+            return _images(client.stream_images(request_body(ns)), ns, console)
         if ns.command == "edit":
-            return _images(client.stream_edits({**_body(ns), "n": ns.n}, Reference.of(ns.image)), ns, console)
+            return _images(client.stream_edits(request_body(ns), Reference.of(ns.image)), ns, console)
         if ns.command == "video":
             return _video(client, ns, console)
         return _status(client, Console())
@@ -86,16 +101,10 @@ def print_error(console: Console, message: str) -> int:
     return 1
 
 
-def _body(ns: argparse.Namespace) -> dict[str, Any]:
-    fields = {
-        "prompt": ns.prompt,
-        "size": ns.size,
-        "seed": ns.seed,
-        "num_inference_steps": ns.steps,
-        "negative_prompt": ns.negative_prompt,
-        "guidance_scale": ns.guidance,
-    }
-    return {k: v for k, v in fields.items() if v is not None}
+def request_body(ns: argparse.Namespace) -> dict[str, Any]:
+    """The request's JSON body: the prompt and the request options given (add_request_options)."""
+    given = {name: getattr(ns, name) for name in ns.request_params}
+    return {"prompt": ns.prompt, **{k: v for k, v in given.items() if v is not None}}
 
 
 def output_paths(output: Path, n: int) -> list[Path]:
@@ -110,19 +119,14 @@ def _images(events: Iterator[Event], ns: argparse.Namespace, console: Console) -
         final = view.follow(events)
     if final.event != "completed":
         return print_error(console, final.data["error"]["message"])
-    for path, item in zip(output_paths(ns.output, ns.n), final.data["data"], strict=True):
+    for path, item in zip(output_paths(ns.output, ns.n or 1), final.data["data"], strict=True):
         path.write_bytes(base64.b64decode(item["b64_json"]))
         console.print(f"wrote {path}", highlight=False)
     return 0
 
 
 def _video(client: TriptychClient, ns: argparse.Namespace, console: Console) -> int:
-    body = _body(ns)
-    if ns.frames is not None:
-        body["num_frames"] = ns.frames
-    if ns.fps is not None:
-        body["fps"] = ns.fps
-    job = client.create_video(body)
+    job = client.create_video(request_body(ns))
     console.print(f"{job['id']} {job['status']}", highlight=False)
     try:
         with ProgressView(console, job["id"]) as view:

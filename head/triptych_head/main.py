@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def model_validator(model_path: str) -> Callable[[GenerationParams], None]:
-    """Request checks against the model's configs (sizes, frame counts), without loading weights."""
+    """The request contract's checks with the model's family limits, as the API runs them at its door
+    (HeadContext.params_for), without loading weights; raises ParamError naming the field."""
     return read_rules(model_path).validate
 
 
@@ -49,10 +50,9 @@ def run_head(args: ServeArgs) -> int:
     guards = _http_guards(args)
     if guards is None:
         return 2
-    model = read_model_info(args.model_path)
-    validate = model_validator(args.model_path)
+    model = read_model_info(args.model_path)  # its family's limits: the API checks requests with them
     metrics = HeadMetrics()
-    server = DiffusionServer(args, metrics, validate=validate)
+    server = DiffusionServer(args, metrics)
     loop = threading.Thread(target=server.run, name="diffusion-server", daemon=True)
     loop.start()
     ctx = HeadContext(
@@ -60,7 +60,6 @@ def run_head(args: ServeArgs) -> int:
         model=model,
         output_path=Path(args.output_path),
         registry=metrics.registry,
-        validate=validate,
         health=lambda: {"mode": "disaggregated", "topology": server.topology, "workers": server.registry.snapshot()},
         pipeline_view=server.view,
         ready=loop.is_alive,
@@ -93,7 +92,6 @@ def run_monolithic(args: ServeArgs) -> int:
         model=model,
         output_path=Path(args.output_path),
         registry=metrics.registry,
-        validate=pipeline.validate,
         health=lambda: {"mode": "monolithic"},
         retention=_retention(args),
         drain_seconds=args.disagg_drain_timeout,

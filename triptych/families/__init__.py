@@ -1,11 +1,12 @@
 """The model-family table: which diffusers pipelines Triptych serves and what it knows of each.
 
-Pure Python (JSON configs only, no torch): the head reads it to describe the model and to
-validate every request once at its door; workers pick their adapter (the torch code) by the
-family's name; simulated workers take their tensor shapes from it.
+Pure Python (JSON configs only, no torch): the head reads it to describe the model and, with the
+request contract (triptych.contract), to validate every request once at its door; workers pick
+their adapter (the torch code) by the family's name; simulated workers take their tensor shapes
+from it.
 
     read_model_info(path)             # the model card; ValueError naming the file / supported pipelines
-    read_rules(path).validate(params) # ValueError naming the field
+    read_rules(path).validate(params) # ParamError (a ValueError) naming the field
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ FAMILIES: dict[str, ModelFamily] = {
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the head tells clients about the served model (and the defaults it fills in)."""
+    """What the head tells clients about the served model, the defaults it fills in, and the
+    family's traits the request contract narrows its limits with (triptych.contract.ModelTraits)."""
 
     id: str
     pipeline_class: str
@@ -48,6 +50,9 @@ class ModelInfo:
     default_guidance: float
     edits: bool = False  # takes reference images (/v1/images/edits)
     size_multiple: int = 16  # width and height must be multiples of it
+    max_steps: int = 1000  # the scheduler's timesteps
+    frame_step: int = 1  # videos have 1 + k * frame_step frames
+    negative_prompt: bool = True  # takes a negative prompt (classifier-free guidance)
 
 
 def family_of(package: ModelPackage) -> ModelFamily:
@@ -72,8 +77,11 @@ def read_model_info(model_path: str | Path) -> ModelInfo:
         kind=family.kind,
         default_steps=family.default_steps,
         default_guidance=family.default_guidance,
-        edits=rules.takes_reference,
+        edits=rules.edits,
         size_multiple=rules.size_multiple,
+        max_steps=rules.max_steps,
+        frame_step=rules.frame_step,
+        negative_prompt=rules.negative_prompt,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from triptych.families.package import ModelPackage, check_common
+from triptych.families.package import ModelPackage
 from triptych.families.rules import FamilyRules
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import TensorSpec
@@ -11,6 +11,9 @@ KONTEXT = "FluxKontextPipeline"
 
 
 class FluxRules(FamilyRules):
+    kind = "image"
+    negative_prompt = False  # embedded guidance (guidance_scale), not classifier-free guidance
+
     def __init__(self, package: ModelPackage):
         super().__init__(package)
         transformer, vae = package.config("transformer"), package.config("vae")
@@ -23,18 +26,6 @@ class FluxRules(FamilyRules):
         self.pooled_dim = int(package.config("text_encoder")["hidden_size"])  # CLIP's pooled output
         self.takes_reference = package.class_name == KONTEXT
         self.size_multiple = self.vae_scale_factor * 2  # latents are packed in 2x2 patches
-
-    def validate(self, params: GenerationParams) -> None:
-        check_common(params, size_multiple=self.size_multiple, max_steps=self.max_steps)
-        if params.num_frames != 1:
-            raise ValueError(f"num_frames {params.num_frames} must be 1: {self.package.class_name} makes images")
-        if params.negative_prompt:
-            raise ValueError(
-                "negative_prompt is not supported by FLUX.1: it uses embedded guidance (guidance_scale), "
-                "not classifier-free guidance; leave negative_prompt empty"
-            )
-        if params.has_reference and not self.takes_reference:
-            raise ValueError(f"image: {self.package.class_name} makes images from text only; it takes no image")
 
     def _sequence(self, params: GenerationParams) -> int:
         return (params.height // self.size_multiple) * (params.width // self.size_multiple)

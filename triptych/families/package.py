@@ -1,4 +1,4 @@
-"""A diffusers package read through its JSON files only, and the request checks every family shares."""
+"""A diffusers package read through its JSON files only."""
 
 from __future__ import annotations
 
@@ -7,13 +7,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from triptych.params import GenerationParams
-
-# Guards against requests no deployment should attempt; model-specific rules come from the configs.
-MAX_SIDE = 4096
-MAX_OUTPUTS = 16
-MAX_SEQUENCE_LENGTH = 512  # FluxPipeline rejects more; T5/UMT5 encoders were trained up to 512
 
 
 @dataclass(frozen=True)
@@ -58,30 +51,6 @@ class ModelPackage:
             if (folder / name).is_file():
                 return dict(json.loads((folder / name).read_text()))
         raise ValueError(f"model path {self.path}: component {component!r} has no config.json")
-
-
-def check_common(params: GenerationParams, *, size_multiple: int, max_steps: int) -> None:
-    """Checks every family shares; raises ValueError naming the field and the allowed values."""
-    for field, value in (("width", params.width), ("height", params.height)):
-        if not size_multiple <= value <= MAX_SIDE:
-            raise ValueError(f"{field} {value} is out of range: this model needs {size_multiple}..{MAX_SIDE} pixels")
-        if value % size_multiple:
-            raise ValueError(
-                f"{field} {value} is not a multiple of {size_multiple}, which this model needs "
-                f"(VAE downsampling x transformer patch); try {value // size_multiple * size_multiple or size_multiple}"
-            )
-    if not 1 <= params.num_inference_steps <= max_steps:
-        raise ValueError(f"num_inference_steps {params.num_inference_steps} must be between 1 and {max_steps}")
-    if not 1 <= params.num_outputs <= MAX_OUTPUTS:
-        raise ValueError(f"num_outputs {params.num_outputs} must be between 1 and {MAX_OUTPUTS}")
-    if not (math.isfinite(params.guidance_scale) and params.guidance_scale >= 0):
-        raise ValueError(f"guidance_scale {params.guidance_scale} must be a finite number >= 0")
-    if not 1 <= params.max_sequence_length <= MAX_SEQUENCE_LENGTH:
-        raise ValueError(
-            f"max_sequence_length {params.max_sequence_length} must be between 1 and {MAX_SEQUENCE_LENGTH}"
-        )
-    if not 0 <= params.seed < 2**64:
-        raise ValueError(f"seed {params.seed} must be between 0 and 2**64-1")
 
 
 def lcm(a: int, b: int) -> int:

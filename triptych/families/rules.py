@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import abc
 
+import msgspec
+
+from triptych.contract import CONTRACT
 from triptych.families.package import ModelPackage
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import PIXELS, TensorSpec
@@ -13,21 +16,40 @@ from triptych.roles import Role
 class FamilyRules(abc.ABC):
     """A family's request rules and tensor shapes, read from one package's configs (no torch).
 
-    The head validates requests with it at its door; simulated workers emit `output_specs`; the
-    worker's adapter (triptych_worker.adapters) runs the stages with the same numbers.
+    Its numbers are the family's traits (triptych.contract.ModelTraits): the request contract
+    narrows its limits with them. The head copies them into its ModelInfo and checks requests at
+    its door; simulated workers emit `output_specs`; the worker's adapter (triptych_worker.adapters)
+    runs the stages with the same numbers.
     """
 
+    kind: str
+    """"image" or "video"."""
     takes_reference: bool = False
     """Whether requests may carry a reference image (image edits)."""
     size_multiple: int
     """Width and height must be multiples of it (VAE downsampling x transformer patch)."""
+    max_steps: int
+    """The most denoising steps the scheduler has timesteps for."""
+    frame_step: int = 0
+    """Videos have 1 + k * frame_step frames (the VAE's temporal compression); 0: images."""
+    negative_prompt: bool = True
+    """Whether requests may carry a negative prompt (classifier-free guidance)."""
 
     def __init__(self, package: ModelPackage):
         self.package = package
 
-    @abc.abstractmethod
+    @property
+    def pipeline_class(self) -> str:
+        return self.package.class_name
+
+    @property
+    def edits(self) -> bool:
+        return self.takes_reference
+
     def validate(self, params: GenerationParams) -> None:
-        """Raise ValueError naming the field when the model cannot serve `params`."""
+        """Raise ParamError (a ValueError) naming the field when the model cannot serve `params`:
+        the request contract's checks (triptych.contract), with this family's limits."""
+        CONTRACT.check(msgspec.structs.asdict(params), self)
 
     @abc.abstractmethod
     def text_outputs(self, params: GenerationParams) -> list[TensorSpec]:

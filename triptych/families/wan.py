@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from triptych.families.package import ModelPackage, check_common, lcm
+from triptych.families.package import ModelPackage, lcm
 from triptych.families.rules import FamilyRules
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import TensorSpec
 
 FPS = 16  # Wan2.1's frame rate; the head uses it when it writes the video file
-MAX_FRAMES = 1025
 
 
 def uses_cfg(params: GenerationParams) -> bool:
@@ -16,6 +15,8 @@ def uses_cfg(params: GenerationParams) -> bool:
 
 
 class WanRules(FamilyRules):
+    kind = "video"
+
     def __init__(self, package: ModelPackage):
         super().__init__(package)
         index = package.index
@@ -28,23 +29,13 @@ class WanRules(FamilyRules):
         # WanPipeline reads these from a loaded VAE and falls back to 8 and 4 without one.
         self.scale_spatial = int(vae.get("scale_factor_spatial", 8))
         self.scale_temporal = int(vae.get("scale_factor_temporal", 4))
+        self.frame_step = self.scale_temporal  # WanPipeline wants 1 + a multiple of it frames
         self.latent_channels = int(transformer["in_channels"])
         patch = transformer["patch_size"]
         # check_inputs wants multiples of 16; patchification wants whole patches of latent pixels.
         self.size_multiple = lcm(16, lcm(self.scale_spatial * patch[1], self.scale_spatial * patch[2]))
         self.max_steps = int(package.config("scheduler").get("num_train_timesteps", 1000))
         self.text_dim = int(package.config("text_encoder")["d_model"])  # UMT5
-
-    def validate(self, params: GenerationParams) -> None:
-        check_common(params, size_multiple=self.size_multiple, max_steps=self.max_steps)
-        n, k = params.num_frames, self.scale_temporal
-        if not 1 <= n <= MAX_FRAMES or (n - 1) % k:
-            raise ValueError(
-                f"num_frames {n} is invalid: Wan needs 1 + a multiple of {k} frames, at most {MAX_FRAMES} "
-                f"(e.g. {max(1, (n - 1) // k * k + 1)} or {(n - 1) // k * k + 1 + k})"
-            )
-        if params.has_reference:
-            raise ValueError("image: WanPipeline makes videos from text only; it takes no image")
 
     def text_outputs(self, params: GenerationParams) -> list[TensorSpec]:
         embeds = (params.num_outputs, params.max_sequence_length, self.text_dim)

@@ -16,6 +16,7 @@ from triptych_head.api.context import HeadContext
 from triptych_head.api.errors import install_error_handlers
 from triptych_head.api.limits import BodyLimitMiddleware
 from triptych_head.api.playground import install_playground
+from triptych_head.api.schemas import RequestModels
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,9 @@ def create_app(ctx: HeadContext) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
     if ctx.api_keys is not None:
         app.add_middleware(APIKeyMiddleware, keys=ctx.api_keys)
-    app.include_router(images.router)
-    app.include_router(videos.router)
+    models = RequestModels.build(ctx.contract)  # the request models of the contract this head serves
+    app.include_router(images.image_routes(models))
+    app.include_router(videos.video_routes(models))
     app.include_router(system.router)
     install_playground(app)
     return app

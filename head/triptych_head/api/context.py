@@ -1,4 +1,4 @@
-"""What every route needs: the backend, the model, where files go, and request-parameter rules."""
+"""What every route needs: the backend, the model, where files go, and the request contract."""
 
 from __future__ import annotations
 
@@ -10,37 +10,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel
 
 from triptych.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
+from triptych.contract import CONTRACT, VIDEOS, Contract, ParamError
 from triptych.families import ModelInfo
 from triptych.params import GenerationParams
 from triptych_head.admission import AdmissionControl, Overloaded
 from triptych_head.api.auth import APIKeys
 from triptych_head.api.errors import APIError
 from triptych_head.api.reference import Reference
-from triptych_head.api.schemas import ImageEditRequest, ImageGenerationRequest, VideoGenerationRequest, parse_size
+from triptych_head.api.schemas import parse_size
 from triptych_head.backend import Backend, GenerationFailed
 from triptych_head.results import ResultStore, Retention
 from triptych_head.state import RequestState
 
 Validator = Callable[[GenerationParams], None]
+GENERATION_FIELDS = frozenset(GenerationParams.__struct_fields__)
 
 RETRY_AFTER_S = 5  # what a client refused by a draining head waits before retrying (a new head takes over)
-
-# Words in a validation message -> the request field a client should fix (the earliest word wins:
-# "negative_prompt is not supported ... guidance_scale" is about negative_prompt).
-_PARAM_OF = {
-    "negative_prompt": "negative_prompt",
-    "guidance_scale": "guidance_scale",
-    "num_outputs": "n",
-    "seed": "seed",
-    "width": "size",
-    "height": "size",
-    "frames": "num_frames",
-    "steps": "num_inference_steps",
-    "image": "image",
-}
 
 
 @dataclass
@@ -49,6 +39,9 @@ class HeadContext:
     model: ModelInfo
     output_path: Path
     registry: CollectorRegistry
+    # The parameters requests may carry, their limits narrowed by `model`'s family: checked once, here.
+    contract: Contract = CONTRACT
+    # Checks beyond the contract's (none in `triptych serve`); raise ParamError naming the parameter.
     validate: Validator | None = None
     health: Callable[[], dict[str, Any]] = field(default=lambda: {})
     # The pools and the requests in flight, for the playground's pipeline view (GET /v1/pipeline).
@@ -77,46 +70,46 @@ class HeadContext:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
-    def params_for(
-        self,
-        body: ImageGenerationRequest | ImageEditRequest | VideoGenerationRequest,
-        reference: Reference | None = None,
-    ) -> GenerationParams:
-        """GenerationParams with the model's defaults filled in, checked against the model."""
-        if body.model is not None and body.model != self.model.id:
+    def params_for(self, endpoint: str, body: BaseModel, reference: Reference | None = None) -> GenerationParams:
+        """The request's GenerationParams, with the model's defaults filled in, checked against the
+        contract with the model family's limits: the one validation a request gets. APIError (400,
+        naming the parameter) for a value the model cannot take."""
+        values = body.model_dump()
+        if values["model"] is not None and values["model"] != self.model.id:
             raise APIError(
-                404, f"model {body.model!r} is not served here; this deployment serves {self.model.id!r}", "model"
+                404, f"model {values['model']!r} is not served here; this deployment serves {self.model.id!r}", "model"
             )
-        if body.size is not None:
-            width, height = parse_size(body.size)
+        if values["size"] is not None:
+            width, height = parse_size(values["size"])
         elif reference is not None:
             width, height = reference.default_size(self.model.size_multiple)
         else:
             raise APIError(400, "size: required", "size")
-        is_video = isinstance(body, VideoGenerationRequest)
-        if is_video and self.model.kind != "video":
+        if endpoint == VIDEOS and self.model.kind != "video":
             raise APIError(400, f"model {self.model.id!r} generates images; use POST /v1/images/generations", "model")
-        params = GenerationParams(
-            prompt=body.prompt,
-            negative_prompt=body.negative_prompt,
-            width=width,
-            height=height,
-            num_frames=body.num_frames if isinstance(body, VideoGenerationRequest) else 1,
-            num_outputs=body.n if isinstance(body, ImageGenerationRequest | ImageEditRequest) else 1,
-            num_inference_steps=body.num_inference_steps or self.model.default_steps,
-            guidance_scale=self.model.default_guidance if body.guidance_scale is None else body.guidance_scale,
-            seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
-            image=reference.data if reference is not None else None,
-            image_url=reference.url if reference is not None else None,
-        )
-        if self.validate is not None:
-            try:
+        taken = self.contract.taken_by(endpoint)
+        fields: dict[str, Any] = {
+            "width": width,
+            "height": height,
+            "num_inference_steps": self.model.default_steps,
+            "guidance_scale": self.model.default_guidance,
+            "seed": secrets.randbelow(2**31),
+        }
+        for param in taken:  # a parameter that sets one GenerationParams field reaches the stages as it is
+            if len(param.sets) == 1 and param.sets[0] in GENERATION_FIELDS and values[param.name] is not None:
+                fields[param.sets[0]] = values[param.name]
+        if reference is not None:
+            fields.update(image=reference.data, image_url=reference.url)
+        params = GenerationParams(**fields)
+        own = {p.name: values[p.name] for p in taken if p.fields == ()}  # what the head alone uses (fps, ...)
+        try:
+            self.contract.check({**own, **msgspec.structs.asdict(params)}, self.model)
+            if self.validate is not None:
                 self.validate(params)
-            except ValueError as exc:
-                text = str(exc)
-                named = [(text.find(word), p) for word, p in _PARAM_OF.items() if word in text]
-                param = min(named)[1] if named else None
-                raise APIError(400, text, param) from None
+        except ParamError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+        except ValueError as exc:  # a check beyond the contract that names no parameter
+            raise APIError(400, str(exc)) from None
         return params
 
     def admit(self, request_id: str) -> None:

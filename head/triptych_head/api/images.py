@@ -16,67 +16,73 @@ import base64
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from triptych.contract import EDITS, IMAGES
 from triptych.params import GenerationParams
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.errors import APIError
 from triptych_head.api.progress import ProgressFeed, SSEMessage, error_message, sse_response
-from triptych_head.api.reference import read_edit_form
-from triptych_head.api.schemas import ImageData, ImageEditRequest, ImageGenerationRequest, ImageGenerationResponse
+from triptych_head.api.reference import edit_form_schema, read_edit_form
+from triptych_head.api.schemas import ImageData, ImageGenerationResponse, RequestBody, RequestModels
 from triptych_head.backend import GenerationOutput
 from triptych_head.media import png_bytes
 
 log = logging.getLogger(__name__)
-router = APIRouter(tags=["images"])
 
 
-@router.post("/v1/images/generations", response_model=ImageGenerationResponse)
-async def create_images(body: ImageGenerationRequest, request: Request) -> ImageGenerationResponse | StreamingResponse:
-    ctx: HeadContext = request.app.state.ctx
-    ctx.refuse_if_draining()
-    return await _images(ctx, body, ctx.params_for(body), request)
+def image_routes(models: RequestModels) -> APIRouter:
+    """The two image endpoints, taking the request models of the head's contract."""
+    router = APIRouter(tags=["images"])
 
+    async def create_images(body: RequestBody, request: Request) -> ImageGenerationResponse | StreamingResponse:
+        ctx: HeadContext = request.app.state.ctx
+        ctx.refuse_if_draining()
+        return await _images(ctx, body, ctx.params_for(IMAGES, body), request)
 
-@router.post("/v1/images/edits", response_model=ImageGenerationResponse)
-async def edit_images(request: Request) -> ImageGenerationResponse | StreamingResponse:
-    """Multipart: `image` (a file, or an http(s) URL as text), `prompt`, and optionally `size` (default:
-    the reference's size), `seed`, `n`, `num_inference_steps`, `guidance_scale`, `response_format`,
-    `stream`, `preview_every`."""
-    ctx: HeadContext = request.app.state.ctx
-    ctx.refuse_if_draining()
-    if not ctx.model.edits:
-        raise APIError(
-            400, f"model {ctx.model.id!r} makes images from text only; use POST /v1/images/generations", "image"
-        )
-    body, reference = await read_edit_form(request)
-    return await _images(ctx, body, ctx.params_for(body, reference), request)
+    async def edit_images(request: Request) -> ImageGenerationResponse | StreamingResponse:
+        """Multipart: `image` (a file, or an http(s) URL as text), `prompt`, and optionally the other
+        fields of the form's schema (`size` defaults to the reference's size)."""
+        ctx: HeadContext = request.app.state.ctx
+        ctx.refuse_if_draining()
+        if not ctx.model.edits:
+            raise APIError(
+                400, f"model {ctx.model.id!r} makes images from text only; use POST /v1/images/generations", "image"
+            )
+        body, reference = await read_edit_form(request, models.edits)
+        return await _images(ctx, body, ctx.params_for(EDITS, body, reference), request)
 
-
-ImageRequest = ImageGenerationRequest | ImageEditRequest
+    create_images.__annotations__["body"] = models.images  # FastAPI reads the body's model from the signature
+    router.post(IMAGES, response_model=ImageGenerationResponse)(create_images)
+    router.post(EDITS, response_model=ImageGenerationResponse, openapi_extra=edit_form_schema(models.edits))(
+        edit_images
+    )
+    return router
 
 
 async def _images(
-    ctx: HeadContext, body: ImageRequest, params: GenerationParams, request: Request
+    ctx: HeadContext, body: RequestBody, params: GenerationParams, request: Request
 ) -> ImageGenerationResponse | StreamingResponse:
-    if body.preview_every and not body.stream:
+    values = body.model_dump()
+    if values["preview_every"] and not values["stream"]:
         raise APIError(400, "preview_every needs stream: true (previews arrive as Server-Sent Events)", "preview_every")
     request_id = new_request_id("img")
     ctx.admit(request_id)
-    if body.stream:
-        return _stream(ctx, body, params, request_id, request)
+    if values["stream"]:
+        return _stream(ctx, values, params, request_id, request)
     output = await _generate_while_connected(ctx, params, request_id, request)
-    return await _response(ctx, body, output, request_id, request)
+    return await _response(ctx, values, output, request_id, request)
 
 
 async def _response(
-    ctx: HeadContext, body: ImageRequest, output: GenerationOutput, request_id: str, request: Request
+    ctx: HeadContext, values: dict[str, Any], output: GenerationOutput, request_id: str, request: Request
 ) -> ImageGenerationResponse:
     """The answer: PNGs inline (b64_json) or written under --output-path (url)."""
     pngs = await asyncio.to_thread(lambda: [png_bytes(img[0]) for img in output.pixels])
-    if body.response_format == "b64_json":
+    if values["response_format"] == "b64_json":
         data = [ImageData(b64_json=base64.b64encode(png).decode()) for png in pngs]
     else:
         data = []
@@ -90,7 +96,7 @@ async def _response(
 
 
 def _stream(
-    ctx: HeadContext, body: ImageRequest, params: GenerationParams, request_id: str, request: Request
+    ctx: HeadContext, values: dict[str, Any], params: GenerationParams, request_id: str, request: Request
 ) -> StreamingResponse:
     """Run the request in its own task and answer with its progress feed. The task never waits for
     the client; a client that disconnects cancels the request."""
@@ -99,8 +105,8 @@ def _stream(
 
     async def run() -> None:
         try:
-            output = await ctx.generate(params, request_id, feed.on_event, body.preview_every)
-            answer = await _response(ctx, body, output, request_id, request)
+            output = await ctx.generate(params, request_id, feed.on_event, values["preview_every"])
+            answer = await _response(ctx, values, output, request_id, request)
             feed.publish(SSEMessage("completed", {"id": request_id, **answer.model_dump()}))
         except APIError as exc:
             feed.publish(error_message(request_id, exc.message, exc.code, exc.status_code))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -17,7 +18,7 @@ from starlette.datastructures import UploadFile
 
 from triptych.reference import BadReference, check_reference_url, open_reference
 from triptych_head.api.errors import APIError
-from triptych_head.api.schemas import ImageEditRequest
+from triptych_head.api.schemas import RequestBody
 
 FILE_FIELDS = ("image", "image[]")
 MAX_FORM_FIELDS = 32
@@ -47,8 +48,21 @@ class Reference:
         return width, height
 
 
-async def read_edit_form(request: Request) -> tuple[ImageEditRequest, Reference]:
-    """The request's fields and its reference image; APIError (400, naming the field) for anything wrong."""
+def edit_form_schema(model: type[RequestBody]) -> dict[str, Any]:
+    """The OpenAPI requestBody of POST /v1/images/edits: the edit model's fields as a multipart
+    form, `image` a file or an http(s) URL."""
+    schema = model.model_json_schema()
+    schema["properties"]["image"] = {
+        "description": schema["properties"]["image"].get("description", ""),
+        "anyOf": [{"type": "string", "format": "binary"}, {"type": "string", "maxLength": 4096}],
+    }
+    schema["required"] = sorted({*schema.get("required", []), "image"})
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
+
+
+async def read_edit_form(request: Request, model: type[RequestBody]) -> tuple[RequestBody, Reference]:
+    """The request's fields (as `model`) and its reference image; APIError (400, naming the field)
+    for anything wrong."""
     if not request.headers.get("content-type", "").startswith(FORM_TYPES):
         raise APIError(400, "POST /v1/images/edits takes multipart/form-data (an `image` file and text fields)")
     try:
@@ -67,11 +81,11 @@ async def read_edit_form(request: Request) -> tuple[ImageEditRequest, Reference]
         if len(fields) != len(texts):
             repeated = sorted({k for k, _ in texts if [n for n, _ in texts].count(k) > 1})
             raise APIError(400, f"{repeated[0]}: given more than once", repeated[0])
-        url = fields.pop("image", None)
         try:
-            body = ImageEditRequest.model_validate({**fields, "image_url": url})
+            body = model.model_validate(fields)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
+        url = fields.get("image")
         if files and url is not None:
             raise APIError(400, "image: give a file or a URL, not both", "image")
         if files:

@@ -1,15 +1,20 @@
-"""Request and response models of the HTTP API (the API contract)."""
+"""Request and response models of the HTTP API.
+
+The request models are built from the request contract (triptych.contract), one per endpoint;
+FastAPI's OpenAPI schema follows from them.
+"""
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-MAX_SIDE = 4096
+from triptych.contract import CONTRACT, EDITS, IMAGES, MAX_SIDE, MIN_SIDE, VIDEOS, Contract, RequestParam
+
 SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
-MAX_SEED = 2**63 - 1
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -17,23 +22,16 @@ def parse_size(size: str) -> tuple[int, int]:
     if not m:
         raise ValueError(f"size {size!r} must be WIDTHxHEIGHT, e.g. 1024x1024")
     w, h = int(m.group(1)), int(m.group(2))
-    if not (16 <= w <= MAX_SIDE and 16 <= h <= MAX_SIDE):
-        raise ValueError(f"size {size!r}: width and height must be between 16 and {MAX_SIDE}")
+    if not (MIN_SIDE <= w <= MAX_SIDE and MIN_SIDE <= h <= MAX_SIDE):
+        raise ValueError(f"size {size!r}: width and height must be between {MIN_SIDE} and {MAX_SIDE}")
     return w, h
 
 
-class _Generation(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RequestBody(BaseModel):
+    """A request's JSON body (or an edit's form fields); each endpoint's model adds the contract's
+    parameters it takes (request_model)."""
 
-    model: str | None = Field(None, description="Served model id (optional; there is one per deployment)")
-    prompt: str = Field(..., min_length=1, max_length=20_000)
-    negative_prompt: str | None = Field(None, max_length=20_000)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same pixels")
-    num_inference_steps: int | None = Field(None, ge=1, le=500)
-    guidance_scale: float | None = Field(None, ge=0, le=100)
-    preview_every: int = Field(
-        0, ge=0, le=500, description="Progress events carry a low-resolution preview every k denoising steps (0: none)"
-    )
+    model_config = ConfigDict(extra="forbid")
 
     @field_validator("*")
     @classmethod
@@ -48,35 +46,61 @@ class _Generation(BaseModel):
 
     @field_validator("size", check_fields=False)
     @classmethod
-    def _size(cls, v: str) -> str:
-        parse_size(v)
+    def _size(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_size(v)
         return v
 
 
-class ImageGenerationRequest(_Generation):
-    size: str = "1024x1024"
-    n: int = Field(1, ge=1, le=8)
-    response_format: Literal["b64_json", "url"] = "b64_json"
-    stream: bool = Field(False, description="Answer with Server-Sent Events: progress, previews, then the result")
-    # Accepted for OpenAI client compatibility; they do not change the output.
-    quality: str | None = None
-    style: str | None = None
-    user: str | None = None
+def _field(param: RequestParam, endpoint: str) -> tuple[Any, Any]:
+    """The pydantic annotation and Field of `param` on `endpoint`, with the contract's own limits
+    (the served family's narrower ones are checked at the door: context.HeadContext.params_for)."""
+    lim = param.limits
+    annotation: Any = Literal[lim.choices] if lim.choices else param.type
+    default: Any = ... if param.required else param.default_for(endpoint)
+    if param.name == "image":
+        default = None  # an edit's URL; the file part arrives beside the form's text fields (reference.py)
+    if default is None:
+        annotation = annotation | None
+    numeric = param.type in (int, float)  # size's limits are its sides': parse_size checks them
+    bounds: dict[str, Any] = {
+        "ge": lim.minimum if numeric else None,
+        "le": lim.maximum if numeric else None,
+        "min_length": lim.min_length,
+        "max_length": lim.max_length,
+    }
+    return annotation, Field(default, description=param.doc, **{k: v for k, v in bounds.items() if v is not None})
 
 
-class ImageEditRequest(_Generation):
-    """The text fields of a multipart POST /v1/images/edits; `image` is a file part (inlined into the
-    request) or, as text, an http(s) URL the image encoder fetches."""
+def request_model(name: str, endpoint: str, contract: Contract = CONTRACT) -> type[RequestBody]:
+    """The pydantic model of `endpoint`'s request: the parameters of `contract` it takes."""
+    fields: dict[str, Any] = {p.name: _field(p, endpoint) for p in contract.taken_by(endpoint)}
+    model: type[RequestBody] = create_model(name, __base__=RequestBody, **fields)
+    model.__doc__ = f"The body of POST {endpoint}."
+    return model
 
-    size: str | None = Field(
-        None, description="WIDTHxHEIGHT; omitted: the reference's own size, cropped to the model's multiple"
-    )
-    n: int = Field(1, ge=1, le=8)
-    response_format: Literal["b64_json", "url"] = "b64_json"
-    stream: bool = Field(False, description="Answer with Server-Sent Events: progress, previews, then the result")
-    image_url: str | None = Field(None, max_length=4096)
-    user: str | None = None
-    quality: str | None = None
+
+@dataclass(frozen=True)
+class RequestModels:
+    """The request models of the three generating endpoints, built from one contract."""
+
+    images: type[RequestBody]
+    edits: type[RequestBody]
+    videos: type[RequestBody]
+
+    @classmethod
+    def build(cls, contract: Contract = CONTRACT) -> RequestModels:
+        return cls(
+            images=request_model("ImageGenerationRequest", IMAGES, contract),
+            edits=request_model("ImageEditRequest", EDITS, contract),
+            videos=request_model("VideoGenerationRequest", VIDEOS, contract),
+        )
+
+
+MODELS = RequestModels.build()
+ImageGenerationRequest = MODELS.images
+ImageEditRequest = MODELS.edits
+VideoGenerationRequest = MODELS.videos
 
 
 class ImageData(BaseModel):
@@ -87,13 +111,6 @@ class ImageData(BaseModel):
 class ImageGenerationResponse(BaseModel):
     created: int
     data: list[ImageData]
-
-
-class VideoGenerationRequest(_Generation):
-    size: str = "832x480"
-    num_frames: int = Field(81, ge=1, le=1025)
-    fps: int = Field(16, ge=1, le=120)
-    user: str | None = None
 
 
 VideoStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from triptych.contract import ENDPOINTS
 from triptych_head.api.context import RETRY_AFTER_S, HeadContext
 from triptych_head.api.errors import APIError
 from triptych_head.api.schemas import ModelCard, ModelList
@@ -23,6 +24,15 @@ async def list_models(request: Request) -> ModelList:
         id=model.id, created=ctx.started, pipeline=model.pipeline_class, kind=model.kind, edits=model.edits
     )
     return ModelList(data=[card])
+
+
+@router.get("/v1/contract")
+async def contract(request: Request) -> dict[str, Any]:
+    """The parameters each endpoint takes, with this model's limits (its family narrows the
+    contract's): what the playground builds its form from."""
+    ctx: HeadContext = request.app.state.ctx
+    endpoints = {path: ctx.contract.describe(path, ctx.model) for path in ENDPOINTS}
+    return {"model": ctx.model.id, "kind": ctx.model.kind, "edits": ctx.model.edits, "endpoints": endpoints}
 
 
 @router.get("/health")

@@ -19,17 +19,19 @@ from typing import Literal
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
 
+from triptych.contract import VIDEOS
+from triptych.params import GenerationParams
 from triptych.protocol import RequestEvent
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.errors import APIError
 from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message
-from triptych_head.api.schemas import VideoGenerationRequest, VideoJob
+from triptych_head.api.schemas import RequestBody, RequestModels, VideoJob
 from triptych_head.media import frames_path, load_frames, png_zip, save_frames, write_mp4
 from triptych_head.results import ResultStore
 from triptych_head.state import RequestState
 
 log = logging.getLogger(__name__)
-router = APIRouter(tags=["videos"])
+router = APIRouter(tags=["videos"])  # all but POST /v1/videos, which video_routes adds
 
 MAX_JOBS = 1000  # remembered jobs; the oldest finished ones are forgotten first
 TERMINAL = ("completed", "failed", "cancelled")
@@ -143,19 +145,32 @@ def _jobs(request: Request) -> VideoJobs:
     return request.app.state.video_jobs  # type: ignore[no-any-return]
 
 
-@router.post("/v1/videos", response_model=VideoJob)
-async def create_video(body: VideoGenerationRequest, request: Request) -> VideoJob:
+def video_routes(models: RequestModels) -> APIRouter:
+    """The video endpoints, POST /v1/videos taking the request model of the head's contract."""
+    routes = APIRouter(tags=["videos"])
+
+    async def create_video(body: RequestBody, request: Request) -> VideoJob:
+        return await _create_video(body, request)
+
+    create_video.__annotations__["body"] = models.videos  # FastAPI reads the body's model from the signature
+    routes.post(VIDEOS, response_model=VideoJob)(create_video)
+    routes.include_router(router)
+    return routes
+
+
+async def _create_video(body: RequestBody, request: Request) -> VideoJob:
     ctx: HeadContext = request.app.state.ctx
     ctx.refuse_if_draining()
-    params = ctx.params_for(body)
+    params = ctx.params_for(VIDEOS, body)
+    values = body.model_dump()
     job = VideoJob(
         id=new_request_id("video"),
         model=ctx.model.id,
         status="queued",
         created_at=int(time.time()),
-        size=body.size,
+        size=values["size"],
         num_frames=params.num_frames,
-        fps=body.fps,
+        fps=values["fps"],
         seed=params.seed,
         total_steps=params.num_inference_steps,
     )
@@ -166,11 +181,13 @@ async def create_video(body: VideoGenerationRequest, request: Request) -> VideoJ
     except APIError:
         ctx.release(job.id)
         raise
-    entry.task = asyncio.create_task(_run(ctx, _jobs(request), entry, params, body))
+    entry.task = asyncio.create_task(_run(ctx, _jobs(request), entry, params, values["preview_every"]))
     return job
 
 
-async def _run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params, body: VideoGenerationRequest) -> None:  # type: ignore[no-untyped-def]
+async def _run(
+    ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params: GenerationParams, preview_every: int
+) -> None:
     job, feed = entry.job, entry.progress_feed()
 
     def on_event(event: RequestEvent) -> None:
@@ -183,9 +200,9 @@ async def _run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params, body:
         feed.on_event(event)
 
     try:
-        output = await ctx.generate(params, job.id, on_event, body.preview_every)
+        output = await ctx.generate(params, job.id, on_event, preview_every)
         path = ctx.results.video_path(job.id)
-        await asyncio.to_thread(write_mp4, output.pixels[0], path, body.fps)
+        await asyncio.to_thread(write_mp4, output.pixels[0], path, job.fps)
         await asyncio.to_thread(save_frames, output.pixels[0], frames_path(path))
         entry.path = path
         job.status, job.state, job.progress = "completed", RequestState.DONE.value, 100

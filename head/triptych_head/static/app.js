@@ -1,6 +1,8 @@
 // The Triptych playground: requests through the head's HTTP API, progress and previews from its
 // Server-Sent Events (read with fetch, so the API key travels as a header), this browser's history
-// in localStorage, and the pipeline view from GET /v1/pipeline.
+// in localStorage, and the pipeline view from GET /v1/pipeline. The form follows the request
+// contract (GET /v1/contract): each field named by its data-param takes the served model's limits,
+// and a parameter the contract shows in forms that the page has no field for gets one.
 
 const $ = (id) => document.getElementById(id);
 const HISTORY_KEY = "triptych.history";
@@ -10,6 +12,7 @@ const THUMB_MAX_CHARS = 200_000; // images larger than this are kept in history 
 const PIPELINE_POLL_MS = 700;
 
 let model = null; // {id, kind, edits}
+let contract = null; // GET /v1/contract: each endpoint's parameters with this model's limits
 let mine = new Set(); // request ids started from this page
 
 function headers(extra = {}) {
@@ -68,22 +71,53 @@ async function loadModel() {
     document.body.dataset.kind = model.kind;
     for (const el of document.querySelectorAll(".video-only")) el.hidden = model.kind !== "video";
     for (const el of document.querySelectorAll(".edit-only")) el.hidden = !model.edits;
+    contract = await (await api("/v1/contract")).json();
+    applyContract(contract.endpoints[model.kind === "video" ? "/v1/videos" : "/v1/images/generations"]);
     notice("");
   } catch (err) {
     notice(String(err.message).startsWith("401") ? "This head needs an API key: enter it above." : err.message);
   }
 }
 
+// The form's fields take the model's limits; a parameter the form lacks gets a field; one the
+// model does not take (e.g. FLUX.1's negative prompt) is hidden.
+function applyContract(params) {
+  for (const [name, spec] of Object.entries(params)) {
+    if (spec.form && !document.querySelector(`#form [data-param="${name}"]`)) $("more-params").append(newField(name, spec));
+  }
+  for (const input of document.querySelectorAll("#form [data-param]")) {
+    const spec = params[input.dataset.param];
+    const label = input.closest("label");
+    if (!spec || !spec.supported) {
+      if (label) label.hidden = true;
+      continue;
+    }
+    if (input.type !== "number") continue;
+    if (spec.minimum !== undefined) input.min = spec.minimum;
+    if (spec.maximum !== undefined) input.max = spec.maximum;
+    input.step = spec.step ?? (spec.type === "float" ? "any" : 1);
+  }
+}
+
+function newField(name, spec) {
+  const label = document.createElement("label");
+  label.title = spec.doc;
+  const input = document.createElement("input");
+  input.dataset.param = name;
+  input.type = spec.type === "int" || spec.type === "float" ? "number" : "text";
+  if (spec.default !== undefined) input.value = spec.default;
+  label.append(`${name.replaceAll("_", " ")} `, input);
+  return label;
+}
+
+// Every shown field with a value; empty ones are left to the model's defaults.
 function requestBody() {
-  const body = {
-    prompt: $("prompt").value,
-    size: `${$("width").value}x${$("height").value}`,
-    num_inference_steps: Number($("steps").value),
-    preview_every: Number($("preview-every").value || 0),
-  };
-  if ($("negative").value) body.negative_prompt = $("negative").value;
-  if ($("seed").value !== "") body.seed = Number($("seed").value);
-  if (model.kind === "video") body.num_frames = Number($("frames").value);
+  const body = { prompt: $("prompt").value, size: `${$("width").value}x${$("height").value}` };
+  for (const input of document.querySelectorAll("#form [data-param]")) {
+    const name = input.dataset.param;
+    if (name === "prompt" || name === "size" || input.closest("[hidden]") || input.value === "") continue;
+    body[name] = input.type === "number" ? Number(input.value) : input.value;
+  }
   return body;
 }
 
