@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,9 +61,6 @@ log = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "the head is shutting down and takes no new requests; retry shortly (another head takes over)"
 
-Validator = Callable[[GenerationParams], None]
-
-
 @dataclass(frozen=True)
 class HeldSlot:
     """A receive slot of an ended request whose sender may still be writing into it."""
@@ -90,14 +87,12 @@ class HeadCore:
         args: ServeArgs,
         transport: Transport,
         metrics: HeadMetrics | None = None,
-        validate: Validator | None = None,
         clock: Clock = time.monotonic,
     ):
         self.args = args
         self.metrics = metrics or HeadMetrics()
         self.transport = transport
         self.clock = clock
-        self._validate = validate
         self.roles = deployed_roles(args)
         # Only --denoiser-urls: each request goes whole to one worker, which returns its pixels; no tensor
         # moves between workers, so the head sends no transfer_* message (triptych.roles.FULL_PIPELINE_ROLE).
@@ -226,12 +221,6 @@ class HeadCore:
         if rid in self.requests:
             # The original request is untouched: only the duplicate's sender hears about it.
             self._reject(client, rid, f"request id {rid!r} is already active", 409)
-            return
-        try:  # the decoder checked each parameter's type; this checks them against the model
-            if self._validate is not None:
-                self._validate(msg.params)
-        except ValueError as exc:
-            self._reject(client, rid, str(exc), 400)
             return
         encodes_images = self.full_pipeline or any(role.runs_affinity(Role.IMAGE_ENCODER) for role in self.roles)
         if msg.params.has_reference and not encodes_images:

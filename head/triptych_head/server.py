@@ -24,7 +24,7 @@ from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message
 from triptych_head import upkeep
-from triptych_head.core import HeadCore, Validator
+from triptych_head.core import HeadCore
 from triptych_head.discovery import WorkerDirectory
 from triptych_head.links import WorkerLinks
 from triptych_head.membership import Membership
@@ -68,7 +68,6 @@ class DiffusionServer:
         self,
         args: ServeArgs,
         metrics: HeadMetrics | None = None,
-        validate: Validator | None = None,
         ctx: zmq.Context | None = None,
     ):
         self.args = args
@@ -78,7 +77,7 @@ class DiffusionServer:
         # head reaches workers' work sockets as the only client they accept.
         self.security: ControlPlane = control_plane(args, self._ctx, "head")
         self._transport = _SocketTransport(WorkerLinks(self._ctx, self.security))
-        self.core = HeadCore(args, self._transport, metrics, validate)
+        self.core = HeadCore(args, self._transport, metrics)
         roles = self.core.membership.roles()
         self._directories = {
             role: WorkerDirectory(args.urls_for(role), args.disagg_discovery_interval) for role in roles
@@ -192,7 +191,7 @@ class DiffusionServer:
             try:
                 if role is None:
                     if len(parts) >= 2:
-                        self.core.on_frontend(bytes(parts[0]), [p.buffer for p in parts[1:]])
+                        self.core.on_frontend(parts[0].bytes, [p.buffer for p in parts[1:]])
                 else:
                     self.core.on_worker(role, [p.buffer for p in parts])
             except Exception:  # the loop serves every other request; never let one message end it
