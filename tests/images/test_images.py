@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from triptych import __version__
-from triptych.localdeploy import free_port_block, local_deployment, wait_until_ready
 from triptych.roles import Role
+from triptych_dev.localdeploy import free_port_block, local_deployment, wait_until_ready
 from triptych_operator.constants import RUN_AS_USER
 
 pytestmark = pytest.mark.slow

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from triptych.localdeploy import local_deployment, wait_until_ready
 from triptych.roles import Role
+from triptych_dev.localdeploy import local_deployment, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]
 EXTRAS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]

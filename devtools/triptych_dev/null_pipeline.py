@@ -1,6 +1,6 @@
 """Zero-compute stages, for measuring the control and transfer planes without a model.
 
-    python -m triptych_worker.null_pipeline --payload-bytes 1048576 [--step-seconds 0.05] <serve flags>
+    python -m triptych_dev.null_pipeline --payload-bytes 1048576 [--step-seconds 0.05] <serve flags>
 
 runs a real worker (same sockets, pool and Mooncake transfers) whose stages only produce
 `--payload-bytes` of zeros (encoder, denoiser) or a black image (decoder). It is the simulated

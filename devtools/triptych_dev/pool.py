@@ -1,8 +1,8 @@
-"""`triptych.launch_pool`: a whole local deployment (head + worker pools) from Python.
+"""`triptych_dev.launch_pool`: a whole local deployment (head + worker pools) from Python.
 
-    import triptych
+    from triptych_dev import launch_pool
 
-    with triptych.launch_pool(
+    with launch_pool(
         ".models/tiny-flux",
         encoder_gpus=[[0]],
         denoiser_gpus=[[1, 2, 3, 4], [5, 6, 7, 8]],  # two denoisers of four GPUs each (the spec's shape)
@@ -19,7 +19,9 @@ as that many CPU ranks (the same pool shape on a machine without GPUs).
 Every process is a real `triptych serve`, as on separate machines (ZMQ control plane with a key
 set written to the work directory, Mooncake transfers over loopback TCP). The design spec's
 `launch_pool_disagg_server` made into a context manager: it returns once every worker
-heartbeats to the head, and stops every process on exit.
+heartbeats to the head, and stops every process on exit. It is local tooling (it starts
+processes on this machine), so it lives outside the shipped packages; `triptych_dev.launch_pool`
+is its public import path.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from triptych.config import ServeArgs, flag
-from triptych.localdeploy import Device, LocalDeployment, check_devices, local_deployment
 from triptych.roles import (
     COMBINED_ROLES,
     FULL_PIPELINE_ROLE,
@@ -42,6 +43,7 @@ from triptych.roles import (
     Role,
     is_full_pipeline,
 )
+from triptych_dev.localdeploy import Device, LocalDeployment, check_devices, local_deployment
 
 Devices = Sequence[Sequence[Device]]
 
