@@ -55,10 +55,6 @@ class Pool:
     url: str
     deployment: LocalDeployment
 
-    def workers(self, role: Role) -> list[str]:
-        """The work endpoints of `role`'s running instances."""
-        return [p.url for p in self.deployment.workers(role)]
-
 
 def serve_flags_argv(flags: dict[str, Any]) -> list[str]:
     """`triptych serve` arguments by ServeArgs name: denoiser_sp=4 -> --denoiser-sp 4, simulate=True -> --simulate."""

@@ -97,6 +97,16 @@ def test_the_triptych_entrypoint_answers_version_and_serve_help(built: dict[str,
     assert "--disagg-role" in run(tag, "serve", "--disagg-role", "server", "--help")
 
 
+@pytest.mark.parametrize("name", ["operator", "head", "worker"])
+def test_no_image_carries_the_local_tooling(built: dict[str, str], name: str) -> None:
+    """triptych_dev (devtools/) is for development only; the CLI leaves its subcommands out."""
+    tag = image(built, name)
+    probe = "import importlib.util as u; print(u.find_spec('triptych_dev'))"
+    assert run(tag, "-c", probe, entrypoint="python").strip() == "None"
+    if name != "operator":
+        assert "models" not in run(tag, "--help")
+
+
 @pytest.mark.parametrize("name", ["operator", "head"])
 def test_the_cpu_images_carry_no_worker_package_and_stay_small(built: dict[str, str], name: str) -> None:
     tag = image(built, name)

@@ -30,6 +30,7 @@ OPERATOR_ONLY = ("kopf", "kubernetes", "aiohttp")
 HEAD_ONLY = ("fastapi", "uvicorn", "numpy", "PIL", "av", "prometheus_client", "msgspec")
 # In both the head and the operator image: the operator generates each pipeline's CURVE keys.
 ZMQ = ("zmq",)
+LOCAL_TOOLING = "triptych_dev"  # in no image
 
 
 def without(*packages: str) -> str:
@@ -69,8 +70,9 @@ def test_the_head_and_operator_extras_name_no_worker_package() -> None:
 
 
 def test_the_cli_help_and_version_need_nothing_but_python() -> None:
+    """Nor the local tooling: no image has it, while its entry point is in every image's metadata."""
     main = "from triptych.cli import main; sys.exit(main(sys.argv[1:]))"
-    blocked = without(*WORKER_ONLY, *OPERATOR_ONLY, *HEAD_ONLY, *ZMQ) + main
+    blocked = without(*WORKER_ONLY, *OPERATOR_ONLY, *HEAD_ONLY, *ZMQ, LOCAL_TOOLING) + main
     helped = run_python(blocked, "serve", "--disagg-role", "server", "--help")
     assert helped.returncode == 0, helped.stderr
     assert "--disagg-role" in helped.stdout
@@ -80,7 +82,7 @@ def test_the_cli_help_and_version_need_nothing_but_python() -> None:
 
 def test_the_heads_modules_and_request_validation_import_no_worker_package(tiny_models: dict[str, Path]) -> None:
     flux = tiny_models["tiny-flux"]
-    code = without(*WORKER_ONLY, *OPERATOR_ONLY) + textwrap.dedent(f"""
+    code = without(*WORKER_ONLY, *OPERATOR_ONLY, LOCAL_TOOLING) + textwrap.dedent(f"""
         import triptych_head.api.app, triptych_head.main, triptych_head.server
         from triptych.params import GenerationParams
         validate = triptych_head.main.model_validator({str(flux)!r})
@@ -96,7 +98,7 @@ def test_the_heads_modules_and_request_validation_import_no_worker_package(tiny_
 
 
 def test_the_operator_and_metrics_api_import_no_head_or_worker_package() -> None:
-    code = without(*WORKER_ONLY, *HEAD_ONLY) + textwrap.dedent("""
+    code = without(*WORKER_ONLY, *HEAD_ONLY, LOCAL_TOOLING) + textwrap.dedent("""
         import triptych_operator.handlers, triptych_operator.main, triptych_operator.metrics_api.main
         from triptych_operator.main import main
         sys.exit(main(["--version"]))
@@ -115,7 +117,7 @@ def test_a_running_head_serves_requests_without_any_worker_package(
         main = "from triptych.cli import main; sys.exit(main(sys.argv[1:]))"
         python, dash_m, module, *args = dep.head_argv
         assert (dash_m, module) == ("-m", "triptych")
-        dep.head_argv = [python, "-c", without(*WORKER_ONLY, *OPERATOR_ONLY) + main, *args]
+        dep.head_argv = [python, "-c", without(*WORKER_ONLY, *OPERATOR_ONLY, LOCAL_TOOLING) + main, *args]
         dep.start_head()
         wait_until_ready(dep, 3, timeout=60)
         body = {"prompt": "a red square", "size": "32x32", "seed": 1, "num_inference_steps": 2}
@@ -141,7 +143,7 @@ def test_tiny_model_packages_are_readable_by_the_images_non_root_user(tiny_model
 def test_monolithic_mode_without_the_worker_extra_says_which_extra_it_needs(tiny_models: dict[str, Path]) -> None:
     main = "from triptych.cli import main; sys.exit(main(sys.argv[1:]))"
     flags = ["--model-path", str(tiny_models["tiny-flux"]), "--disagg-role", "monolithic", "--port", "1"]
-    out = run_python(without(*WORKER_ONLY, *OPERATOR_ONLY) + main, "serve", *flags)
+    out = run_python(without(*WORKER_ONLY, *OPERATOR_ONLY, LOCAL_TOOLING) + main, "serve", *flags)
     assert out.returncode == 2, out.stderr
     assert "--disagg-role monolithic needs torch" in out.stderr
     assert "pip install 'triptych[worker]'" in out.stderr

@@ -16,6 +16,13 @@ def test_launch_pool_is_the_public_entry() -> None:
     assert triptych_dev.launch_pool is launch_pool
 
 
+def test_the_core_s_old_name_says_where_launch_pool_went() -> None:
+    import triptych
+
+    with pytest.raises(AttributeError, match="from triptych_dev import launch_pool"):
+        triptych.launch_pool  # noqa: B018
+
+
 def test_role_device_arguments_are_named_after_the_roles() -> None:
     kwargs = {"prompt_encoder_devices": [["cpu"]], "denoiser_devices": [[0, 1]], "denoiser_sp": 2}
     assert role_devices(kwargs) == {Role.PROMPT_ENCODER: [["cpu"]], Role.DENOISER: [[0, 1]]}
