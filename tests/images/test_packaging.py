@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import tomllib
+import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.images.test_dockerfiles import DOCKERFILES, exec_form, instructions
 from triptych.roles import Role
 from triptych_dev.localdeploy import local_deployment, wait_until_ready
 
@@ -67,6 +70,51 @@ def test_the_head_and_operator_extras_name_no_worker_package() -> None:
         names = " ".join(EXTRAS[extra]).lower()
         assert not [p for p in ("torch", "diffusers", "transformers", "mooncake") if p in names], extra
     assert "torch>=2.4" in EXTRAS["worker"]
+
+
+def build_context(dockerfile: Path) -> list[str]:
+    """What a Dockerfile copies from the build context (not from another stage)."""
+    sources = []
+    for args in [a for keyword, a in instructions(dockerfile) if keyword == "COPY"]:
+        words = exec_form(args)
+        if not any(w.startswith("--from=") for w in words):
+            sources += [w.rstrip("/") for w in words if not w.startswith("--")][:-1]
+    return sources
+
+
+def wheel_of(paths: list[str], tmp_path: Path) -> zipfile.ZipFile:
+    """The wheel `pip install .` would install from a context holding only `paths` of the repository."""
+    context = tmp_path / "context"
+    for path in paths:
+        source = REPO / path
+        if source.is_dir():
+            shutil.copytree(
+                source, context / path, ignore=shutil.ignore_patterns("__pycache__", "*.so"), dirs_exist_ok=True
+            )
+        else:
+            (context / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, context / path)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "w"),
+         str(context)], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (wheel,) = (tmp_path / "w").glob("*.whl")
+    return zipfile.ZipFile(wheel)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_images_install_has_no_local_tooling(dockerfile: Path, tmp_path: Path) -> None:
+    names = wheel_of(build_context(dockerfile), tmp_path).namelist()
+    assert "triptych/cli.py" in names and "triptych_worker/runtime.py" in names
+    assert not [n for n in names if n.startswith(f"{LOCAL_TOOLING}/")]
+
+
+def test_a_dev_install_has_the_local_tooling_and_its_cli_entry_point(tmp_path: Path) -> None:
+    wheel = wheel_of(["pyproject.toml", "triptych", "head", "worker", "operator", "devtools"], tmp_path)
+    assert "triptych_dev/pool.py" in wheel.namelist()
+    (entry_points,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    assert "[triptych.commands]\nlocal = triptych_dev.cli:add_commands" in wheel.read(entry_points).decode()
 
 
 def test_the_cli_help_and_version_need_nothing_but_python() -> None:
