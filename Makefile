@@ -18,13 +18,14 @@ test-fast:
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy triptych head/triptych_head worker/triptych_worker operator/triptych_operator
+	$(VENV)/bin/mypy triptych head/triptych_head worker/triptych_worker operator/triptych_operator devtools/triptych_dev
 
+# The local tooling (devtools/triptych_dev): also `triptych models tiny` and `triptych demo` in a dev install.
 models:
-	$(VENV)/bin/triptych models tiny --out $(MODELS)
+	$(PY) -m triptych_dev models tiny --out $(MODELS)
 
 demo:
-	$(PY) -m triptych.demo --models $(MODELS) --out outputs
+	$(PY) -m triptych_dev demo --models $(MODELS) --out outputs
 
 bench:
 	$(PY) bench/run_all.py

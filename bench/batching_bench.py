@@ -62,7 +62,7 @@ def main() -> int:
 
     from triptych.params import GenerationParams
     from triptych.roles import Role
-    from triptych.tiny_models import write_tiny_models
+    from triptych_dev.tiny_models import write_tiny_models
     from triptych_worker.pipeline import load_role_pipeline
     from triptych_worker.stages import StageBatch
 

@@ -1,6 +1,6 @@
 """Head control-plane benchmark: requests/second and per-request control overhead.
 
-Workers run zero-compute stages (triptych_worker.null_pipeline) in real processes, with real
+Workers run zero-compute stages (triptych_dev.null_pipeline) in real processes, with real
 ZMQ and Mooncake TCP transfers, so what is measured is routing, dispatch and the transfer
 protocol. Requests go straight to the DiffusionServer frontend (no HTTP) and also through HTTP.
 
@@ -51,10 +51,10 @@ sys.path.insert(0, str(ROOT))
 
 import zmq_floor  # noqa: E402
 
-from triptych.localdeploy import local_deployment  # noqa: E402
 from triptych.params import GenerationParams  # noqa: E402
 from triptych.protocol import RequestEvent, RequestResult, Submit, decode, encode  # noqa: E402
-from triptych.tiny_models import write_tiny_models  # noqa: E402
+from triptych_dev.localdeploy import local_deployment  # noqa: E402
+from triptych_dev.tiny_models import write_tiny_models  # noqa: E402
 
 PARAMS = GenerationParams("bench", width=16, height=16, num_inference_steps=1)
 

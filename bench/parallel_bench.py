@@ -59,7 +59,7 @@ def bench_package(out: Path) -> Path:
     import torch
     from diffusers import WanTransformer3DModel
 
-    from triptych.tiny_models import write_tiny_models
+    from triptych_dev.tiny_models import write_tiny_models
 
     if (out / "transformer" / "config.json").exists():
         return out

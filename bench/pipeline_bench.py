@@ -33,8 +33,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from triptych.localdeploy import local_deployment, local_monolithic  # noqa: E402
-from triptych.tiny_models import write_tiny_models  # noqa: E402
+from triptych_dev.localdeploy import local_deployment, local_monolithic  # noqa: E402
+from triptych_dev.tiny_models import write_tiny_models  # noqa: E402
 
 
 @contextmanager

@@ -38,7 +38,7 @@ def write_random_wan(out: Path, num_layers: int = 30, dtype: str = "float32") ->
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from triptych.tiny_models.text_tokenizers import t5_encoder_shape, train_t5_tokenizer
+    from triptych_dev.tiny_models.text_tokenizers import t5_encoder_shape, train_t5_tokenizer
 
     if (out / "transformer" / "config.json").exists():
         return out

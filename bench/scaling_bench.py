@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 from head_bench import Frontend  # noqa: E402
 
-from triptych.localdeploy import LocalDeployment, local_deployment, wait_until_ready  # noqa: E402
 from triptych.roles import Role  # noqa: E402
-from triptych.tiny_models import write_tiny_models  # noqa: E402
+from triptych_dev.localdeploy import LocalDeployment, local_deployment, wait_until_ready  # noqa: E402
+from triptych_dev.tiny_models import write_tiny_models  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

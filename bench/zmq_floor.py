@@ -22,7 +22,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from triptych.localdeploy import free_port_block
+from triptych_dev.localdeploy import free_port_block
 
 ROUTE = (0, 0, 1, 1, 2)  # worker index of each head -> worker -> head round trip of one request
 MESSAGE = b"x" * 100

@@ -44,7 +44,7 @@ fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 key=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
-if [ ! -f "$STAMPS/venv-$key" ] || ! "$VENV/bin/python" -c "import triptych, mooncake, diffusers" 2>/dev/null; then
+if [ ! -f "$STAMPS/venv-$key" ] || ! "$VENV/bin/python" -c "import triptych, triptych_dev, mooncake, diffusers" 2>/dev/null; then
   echo "setup: installing the project into $VENV (torch is large; pip's cache keeps later runs fast)"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q -c constraints.txt -e '.[test]'

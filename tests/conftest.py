@@ -5,8 +5,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from triptych import localdeploy
-from triptych.prefork import Launcher
+from triptych_dev import localdeploy
+from triptych_dev.prefork import Launcher
 
 pytest_plugins = ["tests.cluster.fixtures", "tests.models.fixtures"]
 
@@ -14,7 +14,7 @@ pytest_plugins = ["tests.cluster.fixtures", "tests.models.fixtures"]
 @pytest.fixture(scope="session", autouse=True)
 def preloaded_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher | None]:
     """Local deployments start their workers from one interpreter that imported torch and diffusers
-    once (triptych.prefork; ~5 s of CPU saved per worker); TRIPTYCH_PREFORK=0: ordinary processes.
+    once (triptych_dev.prefork; ~5 s of CPU saved per worker); TRIPTYCH_PREFORK=0: ordinary processes.
     The server starts with the first worker, so a session without one never pays for it."""
     if os.environ.get("TRIPTYCH_PREFORK", "1") == "0":
         yield None

@@ -1,20 +1,25 @@
-"""`triptych`: the one entrypoint for every role, plus the tiny-model generator.
+"""`triptych`: the one entrypoint for every role.
 
     triptych serve --model-path DIR --disagg-role {monolithic,encoder,...,server} [flags]
-    triptych models tiny --out DIR
     triptych keys generate DIR
     triptych generate "PROMPT" -o out.png | video "PROMPT" -o out.mp4 | status   (HTTP clients of a head)
 
 The flags: docs/design.md, "`triptych serve` flags". `triptych.config.ServeArgs` holds their parsed, validated
 values and is what the head and workers receive. The operator builds worker arguments with
 `triptych.config.ServeArgs.to_argv`, so the two cannot drift.
+
+Other packages add subcommands through the `triptych.commands` entry points (PLUGIN_GROUP): the
+local tooling of a dev install (devtools/, `triptych models tiny`, `triptych demo`) does, and the
+core never imports it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from triptych import __version__
 from triptych.client_cli import CLIENT_COMMANDS, add_client_commands, run_client_command
@@ -28,27 +33,53 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"triptych: error: {message} (see `{self.prog} --help`)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+PLUGIN_GROUP = "triptych.commands"
+"""Entry points `name = "module:add_commands"`: add_commands(subparsers) adds subcommands whose parsers
+set `run` (a function of the parsed namespace returning the exit status) as a default."""
+
+AddCommands = Callable[["argparse._SubParsersAction[Any]"], None]
+
+
+def plugin_commands(
+    entry_points: Sequence[importlib.metadata.EntryPoint] | None = None,
+) -> list[AddCommands]:
+    """The add_commands functions of the installed plugins (PLUGIN_GROUP).
+
+    An entry point whose package is absent is left out: the images install the project without
+    devtools/, and their metadata still declares its entry point. Any other import error is a bug
+    in the plugin and propagates.
+    """
+    found = importlib.metadata.entry_points(group=PLUGIN_GROUP) if entry_points is None else entry_points
+    loaded = []
+    for entry_point in found:
+        try:
+            loaded.append(entry_point.load())
+        except ModuleNotFoundError as exc:
+            package = entry_point.module.partition(".")[0]
+            if exc.name is None or exc.name.partition(".")[0] != package:
+                raise
+    return loaded
+
+
+def build_parser(plugins: Sequence[AddCommands] = ()) -> argparse.ArgumentParser:
+    """The `triptych` parser: the core's subcommands, and those `plugins` add (see plugin_commands)."""
     parser = OneLineParser(prog="triptych", description="Disaggregated diffusion serving.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     serve = sub.add_parser("serve", help="run one role of the pipeline (or all of it, monolithic)")
     add_serve_flags(serve)
-    models = sub.add_parser("models", help="model utilities")
-    models_sub = models.add_subparsers(dest="models_command", required=True, parser_class=OneLineParser)
-    tiny = models_sub.add_parser("tiny", help="write tiny random-weight diffusers packages for tests and demos")
-    tiny.add_argument("--out", required=True, help="directory to write the packages into")
-    tiny.add_argument("--family", action="append", help="only this package (repeatable); default: all")
     keys = sub.add_parser("keys", help="control-plane keys (CURVE) for --disagg-keys-dir")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True, parser_class=OneLineParser)
     generate = keys_sub.add_parser("generate", help="write a head and a worker key pair (secret files 0600)")
     generate.add_argument("dir", help="directory to write them into (created if missing)")
     add_client_commands(sub)
+    for add_commands in plugins:
+        add_commands(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(plugin_commands())
     ns = parser.parse_args(argv)
     if ns.command == "serve":
         try:
@@ -59,17 +90,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from triptych.launch import serve
 
         return serve(args)
-    if ns.command == "models":
-        from triptych.tiny_models import write_tiny_models
-
-        try:
-            paths = write_tiny_models(ns.out, families=ns.family)
-        except ValueError as exc:
-            print(f"triptych: error: {exc}", file=sys.stderr)
-            return 2
-        for path in paths:
-            print(path)
-        return 0
     if ns.command == "keys":
         from triptych.security import generate_keys
 
@@ -83,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if ns.command in CLIENT_COMMANDS:
         return run_client_command(ns)
+    if getattr(ns, "run", None) is not None:  # a plugin's subcommand
+        return int(ns.run(ns))
     parser.error(f"unknown command {ns.command!r}")
     return 2
 

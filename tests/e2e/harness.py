@@ -1,4 +1,4 @@
-"""Test-side shorthands over triptych.localdeploy (real processes on loopback)."""
+"""Test-side shorthands over triptych_dev.localdeploy (real processes on loopback)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from triptych.localdeploy import LocalDeployment, local_deployment
 from triptych.roles import Role
+from triptych_dev.localdeploy import LocalDeployment, local_deployment
 
 CPU = ("--device", "cpu")
 

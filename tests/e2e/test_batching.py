@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.harness import deployment
 from triptych.client import Event, TriptychClient
-from triptych.localdeploy import LocalDeployment
+from triptych_dev.localdeploy import LocalDeployment
 
 pytestmark = pytest.mark.slow
 

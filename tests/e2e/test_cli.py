@@ -22,7 +22,7 @@ import pytest
 from tests.e2e.harness import deployment
 from tests.worker.test_role_pipelines import reference_png
 from triptych.client import Reference, TriptychClient
-from triptych.localdeploy import LocalDeployment
+from triptych_dev.localdeploy import LocalDeployment
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ from tests.e2e.harness import deployment
 from tests.e2e.test_parallel_ranks import RING_PIXEL_TOLERANCE, TP_PIXEL_TOLERANCE, denoiser_flags
 from tests.e2e.test_parallel_roles import BIG_VIDEO
 from tests.e2e.test_pixels import http_image, http_video, monolithic, stock_image, stock_video
-from triptych.localdeploy import free_port_block
 from triptych.roles import Role
+from triptych_dev.localdeploy import free_port_block
 
 pytestmark = [
     pytest.mark.cuda,

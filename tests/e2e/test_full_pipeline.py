@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import triptych
+import triptych_dev
 from tests.e2e.harness import deployment
 from tests.e2e.test_image_edits import PARAMS as EDIT_PARAMS
 from tests.e2e.test_image_edits import edit, pixels_of
@@ -29,9 +29,9 @@ from tests.e2e.test_progress_events import VAE_SCALE, png_size
 from tests.worker.test_role_pipelines import stock_kontext_edit
 from triptych.client import TriptychClient
 from triptych.config import DEFAULT_ENCODER_CACHE_BYTES
-from triptych.localdeploy import LocalDeployment
 from triptych.params import GenerationParams
 from triptych.roles import Role
+from triptych_dev.localdeploy import LocalDeployment
 from triptych_worker.pipeline import load_role_pipeline
 
 pytestmark = pytest.mark.slow
@@ -163,7 +163,7 @@ def test_a_worker_of_the_other_topology_gets_no_work(tiny_models, tmp_path):
 
 def test_an_edit_in_a_full_pipeline_pool_equals_stock_diffusers(tiny_models, tmp_path):
     model = tiny_models["tiny-flux-kontext"]
-    with triptych.launch_pool(model, full_pipeline=True, workdir=tmp_path) as pool:
+    with triptych_dev.launch_pool(model, full_pipeline=True, workdir=tmp_path) as pool:
         with pool.deployment.client(300) as c:
             got = pixels_of(edit(c))
         assert messages_sent(pool.url).get("transfer_alloc", 0) == 0

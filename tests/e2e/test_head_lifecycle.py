@@ -18,8 +18,8 @@ import pytest
 from tests.e2e.harness import deployment
 from tests.e2e.test_null_pipeline import assert_all_capacity_released, image, metric
 from triptych.config import HEAD_SHUTDOWN_OVERHEAD_S
-from triptych.localdeploy import LocalDeployment, wait_until_ready
 from triptych.roles import Role
+from triptych_dev.localdeploy import LocalDeployment, wait_until_ready
 from triptych_worker.runtime import HEARTBEAT_INTERVAL_S
 
 pytestmark = pytest.mark.slow

@@ -22,8 +22,8 @@ import pytest
 
 from tests.e2e.harness import deployment
 from tests.e2e.test_null_pipeline import metric
-from triptych.localdeploy import LocalDeployment, local_monolithic
 from triptych.roles import Role
+from triptych_dev.localdeploy import LocalDeployment, local_monolithic
 
 pytestmark = pytest.mark.slow
 

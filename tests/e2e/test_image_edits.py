@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import triptych
+import triptych_dev
 from tests.worker.test_role_pipelines import reference_png, stock_kontext_edit
-from triptych.localdeploy import local_monolithic
 from triptych.params import GenerationParams
 from triptych.roles import Role
+from triptych_dev.localdeploy import local_monolithic
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,8 @@ def expected(tiny_models) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def four_roles(tiny_models, tmp_path_factory) -> Iterator[triptych.pool.Pool]:
-    with triptych.launch_pool(
+def four_roles(tiny_models, tmp_path_factory) -> Iterator[triptych_dev.pool.Pool]:
+    with triptych_dev.launch_pool(
         tiny_models["tiny-flux-kontext"], prompt_encoder_devices=CPU, image_encoder_devices=CPU,
         workdir=tmp_path_factory.mktemp("four"), worker_flags={"reference_url_networks": "127.0.0.0/8"},
     ) as pool:  # fmt: skip
@@ -73,7 +73,7 @@ def test_four_roles_equal_stock_diffusers(four_roles, expected) -> None:
 
 def test_three_roles_and_monolithic_equal_stock_diffusers(tiny_models, tmp_path, expected) -> None:
     model = tiny_models["tiny-flux-kontext"]
-    with triptych.launch_pool(model, encoder_devices=CPU, workdir=tmp_path / "three") as pool:
+    with triptych_dev.launch_pool(model, encoder_devices=CPU, workdir=tmp_path / "three") as pool:
         with pool.deployment.client(300) as c:
             assert np.array_equal(pixels_of(edit(c)), expected)
     with local_monolithic(model, tmp_path / "mono", flags=("--device", "cpu")) as dep, dep.client(300) as c:

@@ -1,6 +1,6 @@
 """The control and transfer planes with zero-compute stages: real processes, ZMQ and Mooncake.
 
-Workers run `triptych_worker.null_pipeline` (real sockets, pool and Mooncake transfers, no
+Workers run `triptych_dev.null_pipeline` (real sockets, pool and Mooncake transfers, no
 model compute), so these tests exercise the head's routing, dispatch and failure handling fast.
 """
 
@@ -16,12 +16,12 @@ import pytest
 import zmq
 
 from tests.e2e.harness import deployment
-from triptych.localdeploy import LocalDeployment
 from triptych.params import GenerationParams
 from triptych.protocol import RequestEvent, RequestResult, Submit, decode, encode
 from triptych.protocol.codec import PROTOCOL_VERSION
 from triptych.roles import Role
 from triptych.security import ControlPlane, Side, load_keys
+from triptych_dev.localdeploy import LocalDeployment
 
 pytestmark = pytest.mark.slow
 
@@ -340,7 +340,7 @@ def test_a_tight_receive_pool_never_deadlocks_against_its_own_outputs(flux, tmp_
 def test_workers_found_through_dns_names(flux, tmp_path):
     # dns://localhost:PORT stands for every address localhost resolves to (127.0.0.1, maybe ::1);
     # the head serves through the ones that answer, as it would through a headless Service.
-    from triptych.localdeploy import local_deployment
+    from triptych_dev.localdeploy import local_deployment
 
     with local_deployment(flux, tmp_path, worker_flags=("--device", "cpu"), null_payload_bytes=4096,
                           worker_url_scheme="dns://localhost") as dep, dep.client() as c:  # fmt: skip

@@ -20,8 +20,8 @@ import pytest
 
 from tests.e2e.harness import deployment
 from tests.e2e.test_pixels import VIDEO, http_image, http_video
-from triptych.localdeploy import LocalDeployment, free_port_block
 from triptych.roles import Role
+from triptych_dev.localdeploy import LocalDeployment, free_port_block
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,8 @@
 
 `--decoder-sp 2` (Wan): the VAE decode split by bands of rows with halo exchange gives the
 single-rank decoder's pixels byte for byte, and both ranks decoded an equal, non-zero share.
-`triptych.launch_pool` with the reference design's `denoiser_gpus=[[1, 2], [3, 4]]` on CPU: two denoiser
+`triptych_dev.launch_pool` with the reference design's `denoiser_gpus=[[1, 2], [3, 4]]` on CPU: two
+denoiser
 instances of two rank processes each, one instance per list to the head, both serving.
 (The denoiser's TP tests are in test_parallel_ranks.py, beside the single-rank pixels they compare to.)
 """
@@ -17,11 +18,11 @@ import httpx
 import numpy as np
 import pytest
 
-import triptych
+import triptych_dev
 from tests.e2e.harness import deployment
 from tests.e2e.test_pixels import IMAGE, VIDEO, http_image, http_video
-from triptych.localdeploy import free_port_block
 from triptych.roles import Role
+from triptych_dev.localdeploy import free_port_block
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +63,7 @@ def rank_processes(pid: int) -> list[int]:
 
 def test_a_pool_of_two_denoisers_of_two_cpu_ranks_each_from_the_specs_gpu_lists(tiny_models, tmp_path):
     # The spec's shape; device="cpu" runs each GPU list as that many CPU rank processes.
-    with triptych.launch_pool(
+    with triptych_dev.launch_pool(
         tiny_models["tiny-flux"], denoiser_gpus=[[1, 2], [3, 4]], device="cpu", workdir=tmp_path
     ) as pool:
         denoisers = pool.deployment.workers(Role.DENOISER)

@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 
 from tests.e2e.harness import deployment
-from triptych.localdeploy import local_monolithic
 from triptych.roles import Role
+from triptych_dev.localdeploy import local_monolithic
 
 pytestmark = pytest.mark.slow
 

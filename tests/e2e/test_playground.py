@@ -20,7 +20,7 @@ from PIL import Image
 
 from tests.e2e.harness import deployment
 from tests.worker.test_role_pipelines import reference_png
-from triptych.localdeploy import LocalDeployment
+from triptych_dev.localdeploy import LocalDeployment
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""triptych.prefork, the preloaded interpreter the tests' local deployments fork their workers from:
+"""triptych_dev.prefork, the preloaded interpreter the tests' local deployments fork their workers from:
 a child is what `python -m <module> <args>` would be (output, exit status, signals, confined
 listeners), and what it could not be is declined, to be started as an ordinary process."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from triptych import __version__
-from triptych.localdeploy import free_port_block
-from triptych.prefork import Launcher, PreforkedProcess
+from triptych_dev.localdeploy import free_port_block
+from triptych_dev.prefork import Launcher, PreforkedProcess
 from triptych_worker.transfer.listeners import listening_sockets
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from PIL import Image
 
 from tests.e2e.harness import deployment
 from triptych.client import Event, TriptychClient, iter_sse
-from triptych.localdeploy import LocalDeployment
+from triptych_dev.localdeploy import LocalDeployment
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ nothing, no worker may act on it (no pool bytes held, no slot kept, no write), a
 sent meanwhile must come back with the same pixels as before the attack.
 
 Written against the unauthenticated control plane, where each attack succeeded; the deployment
-here is the default one of triptych.localdeploy (keys generated in its workdir).
+here is the default one of triptych_dev.localdeploy (keys generated in its workdir).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import zmq
 
 from tests.e2e.harness import deployment
 from tests.models.fixtures import MODELS_DIR
-from triptych.localdeploy import LocalDeployment
 from triptych.params import GenerationParams
 from triptych.ports import MOONCAKE_PORT_RANGE, result_port
 from triptych.protocol import Heartbeat, Ping, TransferAlloc, TransferPush, Work, encode
 from triptych.roles import Role
+from triptych_dev.localdeploy import LocalDeployment
 from triptych_worker.transfer.listeners import listening_sockets
 
 pytestmark = pytest.mark.slow

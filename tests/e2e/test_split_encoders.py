@@ -1,4 +1,4 @@
-"""Split encoders (prompt_encoder + image_encoder), started through the public `triptych.launch_pool`.
+"""Split encoders (prompt_encoder + image_encoder), started through the public `triptych_dev.launch_pool`.
 
 Real processes on CPU with the tiny packages: text-to-image through the four-role topology
 returns the pixels the three-role topology and stock diffusers return, and bypasses the image
@@ -12,10 +12,10 @@ import re
 import numpy as np
 import pytest
 
-import triptych
+import triptych_dev
 from tests.e2e.test_pixels import IMAGE, http_image, stock_image
-from triptych.localdeploy import local_deployment
 from triptych.roles import Role
+from triptych_dev.localdeploy import local_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def metric(text: str, name: str, role: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def _loaded(pool: triptych.pool.Pool, role: str) -> tuple[str, int]:
+def _loaded(pool: triptych_dev.pool.Pool, role: str) -> tuple[str, int]:
     """What a worker process says it loaded (its log's `loaded NAMES (N parameters)`)."""
     (proc,) = pool.deployment.workers(Role(role))
     m = re.search(r"loaded (\S+) \((\d+) parameters\)", proc.log.read_text())
@@ -37,7 +37,9 @@ def _loaded(pool: triptych.pool.Pool, role: str) -> tuple[str, int]:
 
 def test_text_to_image_through_four_roles_equals_stock_and_skips_the_image_encoder(tiny_models, tmp_path):
     model = tiny_models["tiny-flux"]
-    with triptych.launch_pool(model, prompt_encoder_devices=CPU, image_encoder_devices=CPU, workdir=tmp_path) as pool:
+    with triptych_dev.launch_pool(
+        model, prompt_encoder_devices=CPU, image_encoder_devices=CPU, workdir=tmp_path
+    ) as pool:
         client = pool.deployment.client(300)
         pixels = http_image(client)
         health = client.get("/health").json()["workers"]

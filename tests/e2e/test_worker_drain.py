@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import zmq
 
-from triptych.localdeploy import free_port_block
 from triptych.params import GenerationParams
 from triptych.protocol import Heartbeat, Ping, TransferPush, TransferPushed, TransferStaged, Work, decode, encode
+from triptych_dev.localdeploy import free_port_block
 from triptych_worker.transfer import MooncakeTransport, TransferPool
 
 pytestmark = pytest.mark.slow

@@ -68,6 +68,21 @@ def test_every_copied_path_exists(dockerfile: Path) -> None:
             assert (REPO / source).exists(), f"{dockerfile.name}: COPY {source} does not exist in the repository"
 
 
+SHIPPED_FOLDERS = {"triptych/", "head/", "worker/", "operator/"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_code_copied_is_the_shipped_packages_never_the_local_tooling(dockerfile: Path) -> None:
+    """`pip install .` installs what the build context holds: devtools/ (triptych_dev) must not be there."""
+    sources = []
+    for args in [a for keyword, a in instructions(dockerfile) if keyword in ("COPY", "ADD")]:
+        words = exec_form(args)
+        if not any(w.startswith("--from=") for w in words):
+            sources += [w for w in words if not w.startswith("--")][:-1]
+    assert not [s for s in sources if s.rstrip("/") in (".", "devtools") or s.startswith("devtools/")], sources
+    assert SHIPPED_FOLDERS <= set(sources), sources
+
+
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_entrypoint_is_a_declared_console_script(dockerfile: Path) -> None:
     stage = dict(final_stage(dockerfile))

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from triptych import __version__
-from triptych.localdeploy import free_port_block, local_deployment, wait_until_ready
 from triptych.roles import Role
+from triptych_dev.localdeploy import free_port_block, local_deployment, wait_until_ready
 from triptych_operator.constants import RUN_AS_USER
 
 pytestmark = pytest.mark.slow
@@ -95,6 +95,16 @@ def test_the_triptych_entrypoint_answers_version_and_serve_help(built: dict[str,
     assert run(tag, "--version").strip() == f"triptych {__version__}"
     assert "--disagg-role" in run(tag)  # the default command: serve --help
     assert "--disagg-role" in run(tag, "serve", "--disagg-role", "server", "--help")
+
+
+@pytest.mark.parametrize("name", ["operator", "head", "worker"])
+def test_no_image_carries_the_local_tooling(built: dict[str, str], name: str) -> None:
+    """triptych_dev (devtools/) is for development only; the CLI leaves its subcommands out."""
+    tag = image(built, name)
+    probe = "import importlib.util as u; print(u.find_spec('triptych_dev'))"
+    assert run(tag, "-c", probe, entrypoint="python").strip() == "None"
+    if name != "operator":
+        assert "models" not in run(tag, "--help")
 
 
 @pytest.mark.parametrize("name", ["operator", "head"])

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import tomllib
+import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
 
-from triptych.localdeploy import local_deployment, wait_until_ready
+from tests.images.test_dockerfiles import DOCKERFILES, exec_form, instructions
 from triptych.roles import Role
+from triptych_dev.localdeploy import local_deployment, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]
 EXTRAS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -30,6 +33,7 @@ OPERATOR_ONLY = ("kopf", "kubernetes", "aiohttp")
 HEAD_ONLY = ("fastapi", "uvicorn", "numpy", "PIL", "av", "prometheus_client", "msgspec")
 # In both the head and the operator image: the operator generates each pipeline's CURVE keys.
 ZMQ = ("zmq",)
+LOCAL_TOOLING = "triptych_dev"  # in no image
 
 
 def without(*packages: str) -> str:
@@ -68,9 +72,55 @@ def test_the_head_and_operator_extras_name_no_worker_package() -> None:
     assert "torch>=2.4" in EXTRAS["worker"]
 
 
+def build_context(dockerfile: Path) -> list[str]:
+    """What a Dockerfile copies from the build context (not from another stage)."""
+    sources = []
+    for args in [a for keyword, a in instructions(dockerfile) if keyword == "COPY"]:
+        words = exec_form(args)
+        if not any(w.startswith("--from=") for w in words):
+            sources += [w.rstrip("/") for w in words if not w.startswith("--")][:-1]
+    return sources
+
+
+def wheel_of(paths: list[str], tmp_path: Path) -> zipfile.ZipFile:
+    """The wheel `pip install .` would install from a context holding only `paths` of the repository."""
+    context = tmp_path / "context"
+    for path in paths:
+        source = REPO / path
+        if source.is_dir():
+            shutil.copytree(
+                source, context / path, ignore=shutil.ignore_patterns("__pycache__", "*.so"), dirs_exist_ok=True
+            )
+        else:
+            (context / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, context / path)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "w"),
+         str(context)], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (wheel,) = (tmp_path / "w").glob("*.whl")
+    return zipfile.ZipFile(wheel)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_images_install_has_no_local_tooling(dockerfile: Path, tmp_path: Path) -> None:
+    names = wheel_of(build_context(dockerfile), tmp_path).namelist()
+    assert "triptych/cli.py" in names and "triptych_worker/runtime.py" in names
+    assert not [n for n in names if n.startswith(f"{LOCAL_TOOLING}/")]
+
+
+def test_a_dev_install_has_the_local_tooling_and_its_cli_entry_point(tmp_path: Path) -> None:
+    wheel = wheel_of(["pyproject.toml", "triptych", "head", "worker", "operator", "devtools"], tmp_path)
+    assert "triptych_dev/pool.py" in wheel.namelist()
+    (entry_points,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    assert "[triptych.commands]\nlocal = triptych_dev.cli:add_commands" in wheel.read(entry_points).decode()
+
+
 def test_the_cli_help_and_version_need_nothing_but_python() -> None:
+    """Nor the local tooling: no image has it, while its entry point is in every image's metadata."""
     main = "from triptych.cli import main; sys.exit(main(sys.argv[1:]))"
-    blocked = without(*WORKER_ONLY, *OPERATOR_ONLY, *HEAD_ONLY, *ZMQ) + main
+    blocked = without(*WORKER_ONLY, *OPERATOR_ONLY, *HEAD_ONLY, *ZMQ, LOCAL_TOOLING) + main
     helped = run_python(blocked, "serve", "--disagg-role", "server", "--help")
     assert helped.returncode == 0, helped.stderr
     assert "--disagg-role" in helped.stdout
@@ -80,7 +130,7 @@ def test_the_cli_help_and_version_need_nothing_but_python() -> None:
 
 def test_the_heads_modules_and_request_validation_import_no_worker_package(tiny_models: dict[str, Path]) -> None:
     flux = tiny_models["tiny-flux"]
-    code = without(*WORKER_ONLY, *OPERATOR_ONLY) + textwrap.dedent(f"""
+    code = without(*WORKER_ONLY, *OPERATOR_ONLY, LOCAL_TOOLING) + textwrap.dedent(f"""
         import triptych_head.api.app, triptych_head.main, triptych_head.server
         from triptych.params import GenerationParams
         validate = triptych_head.main.model_validator({str(flux)!r})
@@ -96,7 +146,7 @@ def test_the_heads_modules_and_request_validation_import_no_worker_package(tiny_
 
 
 def test_the_operator_and_metrics_api_import_no_head_or_worker_package() -> None:
-    code = without(*WORKER_ONLY, *HEAD_ONLY) + textwrap.dedent("""
+    code = without(*WORKER_ONLY, *HEAD_ONLY, LOCAL_TOOLING) + textwrap.dedent("""
         import triptych_operator.handlers, triptych_operator.main, triptych_operator.metrics_api.main
         from triptych_operator.main import main
         sys.exit(main(["--version"]))
@@ -115,7 +165,7 @@ def test_a_running_head_serves_requests_without_any_worker_package(
         main = "from triptych.cli import main; sys.exit(main(sys.argv[1:]))"
         python, dash_m, module, *args = dep.head_argv
         assert (dash_m, module) == ("-m", "triptych")
-        dep.head_argv = [python, "-c", without(*WORKER_ONLY, *OPERATOR_ONLY) + main, *args]
+        dep.head_argv = [python, "-c", without(*WORKER_ONLY, *OPERATOR_ONLY, LOCAL_TOOLING) + main, *args]
         dep.start_head()
         wait_until_ready(dep, 3, timeout=60)
         body = {"prompt": "a red square", "size": "32x32", "seed": 1, "num_inference_steps": 2}
@@ -141,7 +191,7 @@ def test_tiny_model_packages_are_readable_by_the_images_non_root_user(tiny_model
 def test_monolithic_mode_without_the_worker_extra_says_which_extra_it_needs(tiny_models: dict[str, Path]) -> None:
     main = "from triptych.cli import main; sys.exit(main(sys.argv[1:]))"
     flags = ["--model-path", str(tiny_models["tiny-flux"]), "--disagg-role", "monolithic", "--port", "1"]
-    out = run_python(without(*WORKER_ONLY, *OPERATOR_ONLY) + main, "serve", *flags)
+    out = run_python(without(*WORKER_ONLY, *OPERATOR_ONLY, LOCAL_TOOLING) + main, "serve", *flags)
     assert out.returncode == 2, out.stderr
     assert "--disagg-role monolithic needs torch" in out.stderr
     assert "pip install 'triptych[worker]'" in out.stderr

@@ -13,6 +13,6 @@ MODELS_DIR = Path(__file__).resolve().parents[2] / ".models"
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, Path]:
     """Package name ("tiny-flux", "tiny-flux-kontext", "tiny-wan") -> its folder."""
-    from triptych.tiny_models import write_tiny_models
+    from triptych_dev.tiny_models import write_tiny_models
 
     return {path.name: path for path in write_tiny_models(MODELS_DIR)}

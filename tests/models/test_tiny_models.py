@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-from triptych.tiny_models import PACKAGES, STAMP_FILE, write_tiny_models
+from triptych_dev.tiny_models import PACKAGES, STAMP_FILE, write_tiny_models
 
 WIDTH, HEIGHT, FRAMES = 64, 48, 5
 

@@ -32,8 +32,8 @@ from kopf.testing import KopfRunner
 from tests.cluster.fixtures import KubeCluster, poll
 from tests.operator.helpers import REPO
 from tests.operator.test_operator_cluster import CRD, apply, get, pipeline_manifest
-from triptych.localdeploy import free_port_block, local_deployment
 from triptych.roles import Role
+from triptych_dev.localdeploy import free_port_block, local_deployment
 from triptych_operator.constants import HEAD_METRICS_URL_ANNOTATION
 from triptych_operator.metrics_api.source import KubePipelineReader, head_metrics_urls
 

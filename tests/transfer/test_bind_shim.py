@@ -90,7 +90,7 @@ def worker_argv(model: Path, *flags: str, host: str = "127.0.0.1") -> list[str]:
 
 
 def free_port() -> int:
-    from triptych.localdeploy import free_port_block
+    from triptych_dev.localdeploy import free_port_block
 
     return free_port_block(1)
 

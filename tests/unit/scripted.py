@@ -16,10 +16,10 @@ import zmq
 
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
-from triptych.localdeploy import deployment_ports
 from triptych.ports import result_port
 from triptych.protocol import Heartbeat, Ping, decode, encode
 from triptych.roles import Role
+from triptych_dev.localdeploy import deployment_ports
 from triptych_head.server import DiffusionServer
 
 PARAMS = {"prompt": "x", "width": 16, "height": 16}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from triptych.localdeploy import _ephemeral_port_start, deployment_ports, free_port_block
 from triptych.roles import Role
+from triptych_dev.localdeploy import _ephemeral_port_start, deployment_ports, free_port_block
 
 MOONCAKE_HANDSHAKE_PORTS = range(15000, 17001)  # Mooncake's P2P handshake listeners pick from here
 

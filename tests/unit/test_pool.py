@@ -1,19 +1,26 @@
-"""triptych.launch_pool's arguments (the deployment itself: tests/e2e/test_split_encoders.py, test_image_edits.py)."""
+"""triptych_dev.launch_pool's arguments (the deployment: tests/e2e/test_split_encoders.py, test_image_edits.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-import triptych
-from triptych.localdeploy import device_flags
-from triptych.pool import role_devices, serve_flags_argv
+import triptych_dev
 from triptych.roles import Role
+from triptych_dev.localdeploy import device_flags
+from triptych_dev.pool import role_devices, serve_flags_argv
 
 
 def test_launch_pool_is_the_public_entry() -> None:
-    from triptych.pool import launch_pool
+    from triptych_dev.pool import launch_pool
 
-    assert triptych.launch_pool is launch_pool
+    assert triptych_dev.launch_pool is launch_pool
+
+
+def test_the_core_s_old_name_says_where_launch_pool_went() -> None:
+    import triptych
+
+    with pytest.raises(AttributeError, match="from triptych_dev import launch_pool"):
+        triptych.launch_pool  # noqa: B018
 
 
 def test_role_device_arguments_are_named_after_the_roles() -> None:
@@ -78,7 +85,7 @@ def test_a_bad_device_list_is_refused_naming_the_argument(value, message) -> Non
 
 
 def test_one_master_port_for_several_multi_device_instances_is_refused(tmp_path) -> None:
-    pool = triptych.launch_pool(tmp_path, denoiser_gpus=[[0, 1], [2, 3]], master_port=29500)
+    pool = triptych_dev.launch_pool(tmp_path, denoiser_gpus=[[0, 1], [2, 3]], master_port=29500)
     with pytest.raises(ValueError, match="master_port=29500: every multi-device instance"), pool:
         pass
 
@@ -92,13 +99,13 @@ def test_one_master_port_for_several_multi_device_instances_is_refused(tmp_path)
     ],
 )
 def test_contradictory_topologies_are_refused_before_anything_starts(tmp_path, kwargs, message) -> None:
-    with pytest.raises(ValueError, match=message), triptych.launch_pool(tmp_path, **kwargs):
+    with pytest.raises(ValueError, match=message), triptych_dev.launch_pool(tmp_path, **kwargs):
         pass
 
 
 def test_a_full_pipeline_pool_is_denoisers_only() -> None:
-    from triptych.pool import pool_devices
     from triptych.roles import Role
+    from triptych_dev.pool import pool_devices
 
     assert pool_devices({}, full_pipeline=True) == {Role.DENOISER: [("cpu",)]}
     assert pool_devices({Role.DENOISER: [[0], [1]]}, full_pipeline=True) == {Role.DENOISER: [[0], [1]]}

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from triptych.config import ROLE_PARALLEL_FLAGS, SIMULATE_DEFAULTS, URL_FLAGS, ServeArgs, add_serve_flags
-from triptych.localdeploy import ROLES as LOCAL_ROLES
 from triptych.ports import RESULT_PORT_OFFSET, result_port
 from triptych.roles import COMBINED_ROLES, ROLE_SPECS, SPLIT_ROLES, WORKER_ROLES, Role, route_for
+from triptych_dev.localdeploy import ROLES as LOCAL_ROLES
 from triptych_head.state import ROLE_STATES, RequestState
 from triptych_head.workload import PRIOR_SECONDS_PER_UNIT
 from triptych_operator.constants import PIPELINE_ROLES
@@ -19,7 +19,13 @@ from triptych_operator.spec.declaration import DEFAULT_DRAIN_SECONDS, ROLE_DEGRE
 
 ROOT = Path(__file__).resolve().parents[2]
 # What ships; tests and benchmarks describe particular deployments (so many encoders, so many denoisers).
-SOURCES = ("triptych", "head/triptych_head", "worker/triptych_worker", "operator/triptych_operator")
+SOURCES = (
+    "triptych",
+    "head/triptych_head",
+    "worker/triptych_worker",
+    "operator/triptych_operator",
+    "devtools/triptych_dev",
+)
 WORKER_NAMES = {role.name for role in WORKER_ROLES}
 WORKER_VALUES = {role.value for role in WORKER_ROLES}
 

@@ -17,7 +17,6 @@ import zmq
 from tests.unit.scripted import PARAMS, ROLES, SESSION, ScriptedWorker
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
-from triptych.localdeploy import deployment_ports
 from triptych.protocol import (
     CancelWork,
     RequestEvent,
@@ -35,6 +34,7 @@ from triptych.protocol import (
 )
 from triptych.protocol import encode as encode_message
 from triptych.roles import Role
+from triptych_dev.localdeploy import deployment_ports
 from triptych_head.server import DiffusionServer
 
 

@@ -12,7 +12,6 @@ import zmq
 
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
-from triptych.localdeploy import free_port_block
 from triptych.params import GenerationParams
 from triptych.protocol import (
     CancelWork,
@@ -31,7 +30,8 @@ from triptych.protocol import (
     encode,
 )
 from triptych.roles import Role
-from triptych_worker.null_pipeline import NullPipeline
+from triptych_dev.localdeploy import free_port_block
+from triptych_dev.null_pipeline import NullPipeline
 from triptych_worker.runtime import Job, Worker
 from triptych_worker.transfer import MooncakeTransport, TransferPool
 

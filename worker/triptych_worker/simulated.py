@@ -61,7 +61,7 @@ def work_units(role: Role, params: GenerationParams) -> float:
 
 
 class OutputShapes(Protocol):
-    """Where a simulated stage learns what to emit: a family's rules, or a fixed payload."""
+    """Where a simulated stage learns what to emit: a family's rules (or the null pipeline's fixed payload)."""
 
     def output_specs(self, role: Role, params: GenerationParams) -> list[TensorSpec]: ...
 
@@ -73,17 +73,11 @@ class SimulatedPipeline:
 
     loaded_components: set[str] = set()
 
-    def __init__(
-        self, role: Role, shapes: OutputShapes, cost: StageCost, family: str = "simulated",
-        fail_prefix: str | None = None,
-    ):  # fmt: skip
+    def __init__(self, role: Role, shapes: OutputShapes, cost: StageCost, family: str = "simulated"):
         self.role = role
         self.shapes = shapes
         self.cost = cost
         self.family = family
-        # Tests only (null workers' --fail-prompt-prefix): a prompt "<prefix><role>" fails that role's
-        # stage. Off by default: a client's prompt must never be able to make a worker fail.
-        self.fail_prefix = fail_prefix
         self.stage_names = [f"Simulated{role.value.title()}Stage"]
 
     @classmethod
@@ -105,8 +99,6 @@ class SimulatedPipeline:
 
     def run(self, batch: StageBatch) -> StageBatch:
         p = batch.params
-        if self.fail_prefix is not None and p.prompt.startswith(f"{self.fail_prefix}{self.role.value}"):
-            raise RuntimeError(f"simulated {self.role.value} stage failed on purpose")
         started, total = time.monotonic(), self.duration(p)
         if self.role is Role.DENOISER:
             steps = p.num_inference_steps
@@ -118,19 +110,3 @@ class SimulatedPipeline:
         specs = self.shapes.output_specs(self.role, p)
         batch.tensors = {spec.name: np.zeros(spec.shape, dtype=np.dtype(spec.dtype)) for spec in specs}
         return batch
-
-
-@dataclass(frozen=True)
-class FixedPayload:
-    """Shapes for control-plane measurements: `nbytes` of uint8 per hop, real-shaped pixels at the end."""
-
-    nbytes: int
-
-    def output_specs(self, role: Role, params: GenerationParams) -> list[TensorSpec]:
-        p = params
-        if role is Role.DECODER:
-            return [TensorSpec("pixels", "uint8", (p.num_outputs, p.num_frames, p.height, p.width, 3))]
-        return [TensorSpec("payload", "uint8", (self.nbytes,))]
-
-    def validate(self, params: GenerationParams) -> None:
-        pass

@@ -55,7 +55,7 @@ DEFAULT_API_KEYS_KEY = "keys"
 # Autoscaling defaults: a denoiser replica should have about a minute of queued work before
 # another is added, and a pool is shrunk only after ten quiet minutes (model loads take minutes).
 DEFAULT_TARGET_WORK_SECONDS = 60
-DEFAULT_BATCH_DELAY_MS = 30  # the spec's GLM-Image head: --batching-delay-ms 30
+DEFAULT_BATCH_DELAY_MS = 30  # the reference design's GLM-Image head (docs/design.md): --batching-delay-ms 30
 MAX_BATCH_DELAY_MS = 10_000
 MAX_BATCH_SIZE = 256
 DEFAULT_SCALE_DOWN_STABILIZATION_S = 600

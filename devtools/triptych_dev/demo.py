@@ -1,21 +1,20 @@
-"""`make demo`: the tiny models served by the full disaggregated pipeline as local processes.
+"""`make demo` (`triptych demo`): the tiny models served by the full disaggregated pipeline as local processes.
 
 Starts a head plus one encoder, denoiser and decoder per model (separate processes, real ZMQ and
-Mooncake TCP, through `triptych.launch_pool`), asks the FLUX-style package for an image and the
+Mooncake TCP, through `triptych_dev.launch_pool`), asks the FLUX-style package for an image and the
 Wan-style package for a video; then a FLUX.1 Kontext-style package with split encoders (prompt
 encoder, image encoder, denoiser, decoder) edits that image. Writes all three under --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
-import sys
+import os
 import time
 from pathlib import Path
 
-from triptych.pool import launch_pool
-from triptych.tiny_models import write_tiny_models
+from triptych_dev.pool import launch_pool
+from triptych_dev.tiny_models import write_tiny_models
 
 CPU = [["cpu"]]
 
@@ -81,14 +80,11 @@ def make_video(model: Path, out: Path) -> Path:
         return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="triptych-demo", description=__doc__)
-    parser.add_argument("--models", default=".models", help="where the tiny packages are (written if missing)")
-    parser.add_argument("--out", default="outputs")
-    args = parser.parse_args(argv)
-    out = Path(args.out).resolve()
+def run(models: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> int:
+    """Write the tiny packages under `models` (if missing), then the image, video and edit under `out_dir`."""
+    out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    flux, wan, kontext = write_tiny_models(args.models, families=["tiny-flux", "tiny-wan", "tiny-flux-kontext"])
+    flux, wan, kontext = write_tiny_models(models, families=["tiny-flux", "tiny-wan", "tiny-flux-kontext"])
     image = make_image(flux.resolve(), out)
     video = make_video(wan.resolve(), out)
     edit = make_edit(kontext.resolve(), image, out)
@@ -96,7 +92,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"video: {video}")
     print(f"edit: {edit}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

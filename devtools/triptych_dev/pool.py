@@ -1,25 +1,27 @@
-"""`triptych.launch_pool`: a whole local deployment (head + worker pools) from Python.
+"""`triptych_dev.launch_pool`: a whole local deployment (head + worker pools) from Python.
 
-    import triptych
+    from triptych_dev import launch_pool
 
-    with triptych.launch_pool(
+    with launch_pool(
         ".models/tiny-flux",
         encoder_gpus=[[0]],
-        denoiser_gpus=[[1, 2, 3, 4], [5, 6, 7, 8]],  # two denoisers of four GPUs each (the spec's shape)
+        denoiser_gpus=[[1, 2, 3, 4], [5, 6, 7, 8]],  # two denoisers of four GPUs each (the reference design's shape)
         decoder_gpus=[[0]],
         denoiser_sp=4,
     ) as pool:
         httpx.post(f"{pool.url}/v1/images/generations", json={"prompt": "a lighthouse"})
 
-`<role>_gpus` and `<role>_devices` are one argument under two names (the spec's and ours). Each
+`<role>_gpus` and `<role>_devices` are one argument under two names (the reference design's and ours). Each
 inner list is one instance of the role with `--num-gpus len(list)`: GPU indices (made visible to
 it as CUDA_VISIBLE_DEVICES), or "cpu" once per CPU rank; with `device="cpu"`, GPU index lists run
 as that many CPU ranks (the same pool shape on a machine without GPUs).
 
 Every process is a real `triptych serve`, as on separate machines (ZMQ control plane with a key
-set written to the work directory, Mooncake transfers over loopback TCP). The design spec's
+set written to the work directory, Mooncake transfers over loopback TCP). The reference design's
 `launch_pool_disagg_server` made into a context manager: it returns once every worker
-heartbeats to the head, and stops every process on exit.
+heartbeats to the head, and stops every process on exit. It is local tooling (it starts
+processes on this machine), so it lives outside the shipped packages; `triptych_dev.launch_pool`
+is its public import path.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from triptych.config import ServeArgs, flag
-from triptych.localdeploy import Device, LocalDeployment, check_devices, local_deployment
 from triptych.roles import (
     COMBINED_ROLES,
     FULL_PIPELINE_ROLE,
@@ -42,6 +43,7 @@ from triptych.roles import (
     Role,
     is_full_pipeline,
 )
+from triptych_dev.localdeploy import Device, LocalDeployment, check_devices, local_deployment
 
 Devices = Sequence[Sequence[Device]]
 
@@ -52,10 +54,6 @@ class Pool:
 
     url: str
     deployment: LocalDeployment
-
-    def workers(self, role: Role) -> list[str]:
-        """The work endpoints of `role`'s running instances."""
-        return [p.url for p in self.deployment.workers(role)]
 
 
 def serve_flags_argv(flags: dict[str, Any]) -> list[str]:

@@ -26,9 +26,9 @@ import httpx
 
 from triptych.config import flag
 from triptych.ports import MAX_RESULT_PORT_OFFSET
-from triptych.prefork import Launcher, PreforkedProcess
 from triptych.roles import COMBINED_ROLES, FULL_PIPELINE_ROLE, WORKER_ROLES, Role, is_full_pipeline
 from triptych.security import generate_keys
+from triptych_dev.prefork import Launcher, PreforkedProcess
 
 ROLES = COMBINED_ROLES  # the default topology: one encoder, one denoiser, one decoder
 
@@ -171,7 +171,7 @@ _launcher: Launcher | None = None
 
 
 def use_prefork(launcher: Launcher | None) -> None:
-    """Start workers and monolithic servers from `launcher`'s preloaded interpreter (triptych.prefork)
+    """Start workers and monolithic servers from `launcher`'s preloaded interpreter (triptych_dev.prefork)
     when it can take them; None: ordinary processes only (the default)."""
     global _launcher
     _launcher = launcher
@@ -278,7 +278,7 @@ def local_deployment(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     py = sys.executable
     worker_cmd = (
-        [py, "-m", "triptych_worker.null_pipeline", "--payload-bytes", str(null_payload_bytes)]
+        [py, "-m", "triptych_dev.null_pipeline", "--payload-bytes", str(null_payload_bytes)]
         if null_payload_bytes is not None
         else [py, "-m", "triptych", "serve"]
     )

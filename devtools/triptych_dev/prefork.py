@@ -12,7 +12,7 @@ The server runs under the worker's bind shim (triptych_worker.transfer.listeners
 process would need anything else (another address, `--disagg-transfer-listen-any`, an environment
 that differs from the server's) is declined, and the caller starts an ordinary process.
 
-`ps` lists a child under the server's command line (`python -m triptych.prefork SOCKET`): its
+`ps` lists a child under the server's command line (`python -m triptych_dev.prefork SOCKET`): its
 pid (Proc.popen.pid) and its log say which worker it is.
 
 Protocol: a Unix stream socket in a private directory, one connection per child, JSON lines (no
@@ -41,7 +41,7 @@ from typing import Any
 from triptych.config import flag
 from triptych.ports import MOONCAKE_PORT_RANGE
 
-MODULES = ("triptych", "triptych_worker.null_pipeline")  # what a child may run
+MODULES = ("triptych", "triptych_dev.null_pipeline")  # what a child may run
 # Imported once by the server: the worker's own modules, and the classes the tiny models load.
 PRELOAD = (
     "torch",
@@ -151,9 +151,6 @@ class PreforkedProcess:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, sig)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
@@ -232,7 +229,7 @@ class Launcher:
         self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         with self._log.open("wb") as out:
             self._server = subprocess.Popen(
-                [sys.executable, "-m", "triptych.prefork", str(self.socket_path)],
+                [sys.executable, "-m", "triptych_dev.prefork", str(self.socket_path)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -438,7 +435,7 @@ def _run_child(module: str, argv: list[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        raise SystemExit("usage: python -m triptych.prefork SOCKET")
+        raise SystemExit("usage: python -m triptych_dev.prefork SOCKET")
     started = time.monotonic()
     server = _Server(Path(args[0]))
     server.preload()

@@ -31,19 +31,19 @@ _LIBRARIES = ("torch", "diffusers", "transformers", "tokenizers", "sentencepiece
 
 
 def _build_flux() -> DiffusionPipeline:
-    from triptych.tiny_models.flux import build_flux
+    from triptych_dev.tiny_models.flux import build_flux
 
     return build_flux(kontext=False)
 
 
 def _build_flux_kontext() -> DiffusionPipeline:
-    from triptych.tiny_models.flux import build_flux
+    from triptych_dev.tiny_models.flux import build_flux
 
     return build_flux(kontext=True)
 
 
 def _build_wan() -> DiffusionPipeline:
-    from triptych.tiny_models.wan import build_wan
+    from triptych_dev.tiny_models.wan import build_wan
 
     return build_wan()
 

@@ -1,6 +1,6 @@
 """Zero-compute stages, for measuring the control and transfer planes without a model.
 
-    python -m triptych_worker.null_pipeline --payload-bytes 1048576 [--step-seconds 0.05] <serve flags>
+    python -m triptych_dev.null_pipeline --payload-bytes 1048576 [--step-seconds 0.05] <serve flags>
 
 runs a real worker (same sockets, pool and Mooncake transfers) whose stages only produce
 `--payload-bytes` of zeros (encoder, denoiser) or a black image (decoder). It is the simulated
@@ -12,25 +12,51 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from triptych.cli import OneLineParser
 from triptych.config import ConfigError, ServeArgs, add_serve_flags
 from triptych.params import GenerationParams
+from triptych.protocol.tensors import TensorSpec
 from triptych.roles import Role
-from triptych_worker.simulated import FixedPayload, SimulatedPipeline, StageCost
+from triptych_worker.simulated import SimulatedPipeline, StageCost
+from triptych_worker.stages import StageBatch
+
+
+@dataclass(frozen=True)
+class FixedPayload:
+    """Shapes for control-plane measurements: `nbytes` of uint8 per hop, real-shaped pixels at the end."""
+
+    nbytes: int
+
+    def output_specs(self, role: Role, params: GenerationParams) -> list[TensorSpec]:
+        p = params
+        if role is Role.DECODER:
+            return [TensorSpec("pixels", "uint8", (p.num_outputs, p.num_frames, p.height, p.width, 3))]
+        return [TensorSpec("payload", "uint8", (self.nbytes,))]
+
+    def validate(self, params: GenerationParams) -> None:
+        pass
 
 
 class NullPipeline(SimulatedPipeline):
     """Simulated stages that cost nothing but the bytes they emit (and `step_seconds` per denoising step)."""
 
     def __init__(self, role: Role, payload_bytes: int, step_seconds: float = 0.0, fail_prefix: str | None = None):
-        super().__init__(role, FixedPayload(payload_bytes), StageCost(0.0, 0.0), family="null", fail_prefix=fail_prefix)
+        super().__init__(role, FixedPayload(payload_bytes), StageCost(0.0, 0.0), family="null")
         self.payload_bytes = payload_bytes
         self.step_seconds = step_seconds
+        # --fail-prompt-prefix: a prompt "<prefix><role>" fails that role's stage (tests of failure paths).
+        self.fail_prefix = fail_prefix
         self.stage_names = [f"Null{role.value.title()}Stage"]
 
     def duration(self, params: GenerationParams) -> float:
         return self.step_seconds * params.num_inference_steps if self.role is Role.DENOISER else 0.0
+
+    def run(self, batch: StageBatch) -> StageBatch:
+        if self.fail_prefix is not None and batch.params.prompt.startswith(f"{self.fail_prefix}{self.role.value}"):
+            raise RuntimeError(f"simulated {self.role.value} stage failed on purpose")
+        return super().run(batch)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, Wa
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from transformers import UMT5Config, UMT5EncoderModel
 
-from triptych.tiny_models.text_tokenizers import t5_encoder_shape, train_t5_tokenizer
+from triptych_dev.tiny_models.text_tokenizers import t5_encoder_shape, train_t5_tokenizer
 
 TEXT_DIM = 32
 Z_DIM = 4

@@ -19,7 +19,7 @@ from diffusers import (
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from triptych.tiny_models.text_tokenizers import t5_encoder_shape, train_clip_tokenizer, train_t5_tokenizer
+from triptych_dev.tiny_models.text_tokenizers import t5_encoder_shape, train_clip_tokenizer, train_t5_tokenizer
 
 TEXT_DIM = 32
 LATENT_CHANNELS = 4

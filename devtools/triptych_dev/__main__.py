@@ -1,0 +1,5 @@
+import sys
+
+from triptych_dev.cli import main
+
+sys.exit(main())
