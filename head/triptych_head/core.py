@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "the head is shutting down and takes no new requests; retry shortly (another head takes over)"
 
+
 @dataclass(frozen=True)
 class HeldSlot:
     """A receive slot of an ended request whose sender may still be writing into it."""
