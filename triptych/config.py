@@ -66,7 +66,7 @@ def parse_urls(text: str) -> list[str]:
     return [u.strip() for u in text.split(";") if u.strip()]
 
 
-def parse_worker_url(url: str) -> None:
+def parse_endpoint_spec(url: str) -> None:
     """Accept tcp://HOST:PORT, dns://NAME:PORT (every address NAME resolves to, re-resolved) or
     file:///PATH (the tcp:// endpoints listed in that file, re-read)."""
     if url.startswith("file://"):
@@ -184,10 +184,14 @@ class ServeArgs:
         if self.disagg_server_addr:
             if not role.is_worker:
                 raise ConfigError(f"--disagg-server-addr is only for worker roles, not --disagg-role {role.value}")
-            try:
-                parse_tcp_endpoint(self.disagg_server_addr)
+            try:  # one head, or several (replicated heads): the forms of the head's worker lists
+                specs = parse_urls(self.disagg_server_addr)
+                for spec in specs:
+                    parse_endpoint_spec(spec)
             except ValueError as exc:
                 raise ConfigError(f"--disagg-server-addr: {exc}") from None
+            if not specs:
+                raise ConfigError("--disagg-server-addr is empty: give tcp://HEAD:SCHEDULER_PORT")
         given_urls = [r for r in URL_FLAGS if self.urls_for(r)]
         if role is Role.SERVER:
             self._validate_head_urls(given_urls)
@@ -329,7 +333,7 @@ class ServeArgs:
         for role in given:
             for url in self.urls_for(role):
                 try:
-                    parse_worker_url(url)
+                    parse_endpoint_spec(url)
                 except ValueError as exc:
                     raise ConfigError(f"{flag(URL_FLAGS[role])}: {exc}") from None
                 if url in seen:
@@ -380,7 +384,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     roles = "{" + ",".join(r.value for r in Role) + "}"
     a("--disagg-role", type=Role, choices=list(Role), default=d.disagg_role, metavar=roles,
       help="what this process runs (default: monolithic)")  # fmt: skip
-    a("--disagg-server-addr", default=None, help="workers: the head's tcp://HOST:SCHEDULER_PORT")
+    a(
+        "--disagg-server-addr",
+        default=None,
+        help="workers: the head's tcp://HOST:SCHEDULER_PORT; replicated heads: ';'-separated, "
+        "dns://NAME:SCHEDULER_PORT (a headless Service) or file:///PATH, served all at once",
+    )
     a("--scheduler-port", type=int, default=d.scheduler_port,
       help="head: frontend port (results at +1..+5); worker: port its work socket binds")  # fmt: skip
     a("--num-gpus", type=int, default=d.num_gpus)

@@ -99,6 +99,7 @@ class LocalDeployment:
     env: dict[str, str] = field(default_factory=dict)
     workdir: Path = Path(".")
     keys_dir: Path | None = None  # the control plane's key set (--disagg-keys-dir), None when unauthenticated
+    head_urls: list[str] = field(default_factory=list)  # every head's HTTP address (replicated heads: several)
 
     def workers(self, role: Role) -> list[Proc]:
         return [p for p in self.procs if p.role is role]
@@ -243,6 +244,7 @@ def local_deployment(
     devices: Mapping[Role, Sequence[Sequence[Device]]] | None = None,
     host: str = "127.0.0.1",
     full_pipeline: bool = False,
+    heads: int = 1,
 ) -> Iterator[LocalDeployment]:
     """Start head and workers (logs under `workdir`), wait until every worker heartbeats, kill all on exit.
 
@@ -261,6 +263,8 @@ def local_deployment(
     `devices`: per role, each instance's devices (device_flags); instances beyond it get worker_flags only.
     `full_pipeline`: a full-pipeline pool: denoisers only (`counts` may list no other role), each
     started with --disagg-full-pipeline, and a head with only --denoiser-urls.
+    `heads`: replicated heads, each with its own ports and the same worker lists; every worker serves
+    them all (--disagg-server-addr lists each). `dep.http` is the first, `dep.head_urls` all of them.
     """
     counts = counts or ({FULL_PIPELINE_ROLE: 1} if full_pipeline else dict.fromkeys(ROLES, 1))
     if full_pipeline and not is_full_pipeline({*counts, *(spare or {})}):
@@ -282,9 +286,12 @@ def local_deployment(
         if null_payload_bytes is not None
         else [py, "-m", "triptych", "serve"]
     )
+    head_ports = [(sched, http)] + [(free_port_block(6), free_port_block(1)) for _ in range(heads - 1)]
+    server_addr = ";".join(f"tcp://{host}:{s}" for s, _ in head_ports)
     dep = LocalDeployment(
-        http=f"http://{host}:{http}", scheduler_port=sched, spare=spare_ports, env=env, workdir=workdir
-    )
+        http=f"http://{host}:{http}", scheduler_port=sched, spare=spare_ports, env=env, workdir=workdir,
+        head_urls=[f"http://{host}:{h}" for _, h in head_ports],
+    )  # fmt: skip
     if discovery_files:
         dep.endpoint_files = {role: workdir / f"{role.value}.endpoints" for role in roles}
     security_flags: list[str] = []
@@ -300,7 +307,7 @@ def local_deployment(
         own = devices.get(role, ())
         placement, placement_env = device_flags(own[i]) if i < len(own) else ([], {})
         argv = [*worker_cmd, "--model-path", str(model), "--disagg-role", role.value,
-                "--disagg-server-addr", f"tcp://{host}:{sched}", "--scheduler-port", str(port),
+                "--disagg-server-addr", server_addr, "--scheduler-port", str(port),
                 "--disagg-p2p-hostname", host, *security_flags, *pool_flags, *worker_flags, *placement,
                 *(role_flags or {}).get(role, ())]  # fmt: skip
         log = workdir / f"{role.value}-{i}.log"
@@ -308,9 +315,10 @@ def local_deployment(
 
     dep.spawn_worker = spawn_worker
 
-    def start_head() -> None:
+    def start_head(i: int = 0) -> None:
+        head_sched, head_http = head_ports[i]
         argv = [py, "-m", "triptych", "serve", "--model-path", str(model), "--disagg-role", "server",
-                "--scheduler-port", str(sched), "--host", host, "--port", str(http),
+                "--scheduler-port", str(head_sched), "--host", host, "--port", str(head_http),
                 "--output-path", str(workdir / "outputs"), *security_flags, *head_flags]  # fmt: skip
         for role in roles:
             if discovery_files:
@@ -318,9 +326,14 @@ def local_deployment(
             else:
                 spec = ";".join(f"{worker_url_scheme}:{p}" for p in ports[role] + spare_ports[role])
             argv += [flag(role.url_attr), spec]
-        dep.head_argv = argv
-        log = workdir / "head.log"
-        dep.procs.append(Proc(Role.SERVER, dep.http, _spawn(argv, log, env), log))
+        if i == 0:
+            dep.head_argv = argv
+        log = workdir / ("head.log" if i == 0 else f"head-{chr(ord('a') + i)}.log")
+        dep.procs.append(Proc(Role.SERVER, dep.head_urls[i], _spawn(argv, log, env), log))
+
+    def start_heads() -> None:
+        for i in range(heads):
+            start_head(i)
 
     def start_workers() -> None:
         for role in roles:
@@ -330,7 +343,7 @@ def local_deployment(
                 dep.write_endpoints(role)
 
     try:
-        first, second = (start_head, start_workers) if head_first else (start_workers, start_head)
+        first, second = (start_heads, start_workers) if head_first else (start_workers, start_heads)
         first()
         second()
         wait_until_ready(dep, sum(counts.values()), ready_timeout)
@@ -350,10 +363,13 @@ def wait_until_ready(dep: LocalDeployment, n_workers: int, timeout: float) -> No
             if p.popen.poll() is not None and not replaced:
                 raise RuntimeError(f"{p.role.value} exited with {p.popen.returncode}:\n{p.tail()}")
         try:
-            health = httpx.get(f"{dep.http}/health", timeout=2).json()
-            last = str(health)
-            workers = health.get("workers", {})
-            if sum(w["alive"] for ws in workers.values() for w in ws) == n_workers:
+            ready = 0
+            for url in dep.head_urls or [dep.http]:  # every head sees every worker
+                health = httpx.get(f"{url}/health", timeout=2).json()
+                last = str(health)
+                workers = health.get("workers", {})
+                ready += sum(w["alive"] for ws in workers.values() for w in ws) == n_workers
+            if ready == len(dep.head_urls or [dep.http]):
                 return
         except (httpx.HTTPError, KeyError, ValueError):
             pass

@@ -101,6 +101,7 @@ class HeadCore:
         self.topology = "full_pipeline" if self.full_pipeline else "disaggregated"
         ordered = [role for role in WORKER_ROLES if role in self.roles]
         self.membership = Membership(ordered, args.disagg_heartbeat_timeout, self.metrics, transport, clock)
+        self.head_id = self.membership.head_id  # every message to a worker names it
         self.requests: dict[str, RequestRecord] = {}  # by the client's request id
         self.attempts: dict[str, RequestRecord] = {}  # the same records by the id workers know (wire_id)
         self.held_slots: dict[str, HeldSlot] = {}  # receive slots of ended requests, freed once their write is over
@@ -255,6 +256,7 @@ class HeadCore:
     # --- workers ----------------------------------------------------------------------------
 
     def _on_heartbeat(self, inst: WorkerInstance, msg: Heartbeat) -> None:
+        inst.via = msg.via  # even from a heartbeat naming another head: our next ping tells it we are here
         if msg.head_id and msg.head_id != self.membership.head_id:
             # It still serves a previous head; once our ping reaches it, it drops that head's work
             # and says so in its next heartbeat. Until then nothing is dispatched to it.
@@ -271,7 +273,9 @@ class HeadCore:
             msg.standing_bytes,
             msg.draining,
             msg.max_batch,
+            msg.others_busy,
         )
+        inst.held, inst.peak_held = msg.held, msg.peak_held
         self._check_topology(inst, msg)
 
     def _on_late(self, inst: WorkerInstance, msg: Any) -> None:
@@ -281,7 +285,7 @@ class HeadCore:
         if held and held.sender == inst.url and isinstance(msg, (TransferPushed, Failed)):
             self.release_held(msg.request_id)
         if isinstance(msg, (TransferStaged, TransferAllocated)):
-            self.membership.send(inst.url, CancelWork(msg.request_id, inst.url))
+            self.membership.send(inst.url, CancelWork(msg.request_id, inst.url, self.head_id))
 
     def _check_topology(self, inst: WorkerInstance, msg: Heartbeat) -> None:
         """A full-pipeline worker behind a role-pool head, or a role worker behind a full-pipeline head,
@@ -362,7 +366,7 @@ class HeadCore:
         receiver = self.membership.find(held.receiver)
         if receiver is not None and held.standing_addr:
             free_standing(receiver, wire_id, held.standing_addr)
-        self.membership.send(held.receiver, CancelWork(wire_id, held.receiver))
+        self.membership.send(held.receiver, CancelWork(wire_id, held.receiver, self.head_id))
 
     def _release(self, rec: RequestRecord) -> None:
         """Free everything the current attempt of `rec` holds on any worker (CancelWork)."""
@@ -379,7 +383,7 @@ class HeadCore:
                 continue
             if url == rec.instance and rec.slot_addr and inst is not None:
                 free_standing(inst, wire_id, rec.slot_addr)
-            self.membership.send(url, CancelWork(wire_id, url))
+            self.membership.send(url, CancelWork(wire_id, url, self.head_id))
 
     def finish(self, rec: RequestRecord, state: RequestState, error: str | None = None, status_code: int = 500) -> None:
         """End a request: release what it holds on every worker, tell its client, forget it."""

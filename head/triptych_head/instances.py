@@ -43,6 +43,12 @@ class WorkerInstance:
     # It runs the whole pipeline and the head routes through role pools, or the reverse: it never gets work.
     wrong_topology: bool = False
     encoder_cache: EncoderCacheStats | None = None  # its prompt-embedding cache, as of its last heartbeat
+    via: str = ""  # the endpoint its heartbeats reach this head by (echoed in pings)
+    # Scheduling slots it holds for other heads (it serves several); a WorkRefused counts it full
+    # until its next heartbeat.
+    others_busy: int = 0
+    held: int = 0  # requests holding one of its slots, for every head (its heartbeat's word)
+    peak_held: int = 0  # the most it ever held at once (its heartbeat's word)
 
     def alive(self, now: float, heartbeat_timeout: float) -> bool:
         return self.last_heartbeat is not None and now - self.last_heartbeat <= heartbeat_timeout
@@ -55,7 +61,7 @@ class WorkerInstance:
 
     @property
     def free_slots(self) -> int:
-        return max(self.capacity - len(self.inflight), 0)
+        return max(self.capacity - len(self.inflight) - self.others_busy, 0)
 
     @property
     def batch_room(self) -> int:
@@ -88,6 +94,7 @@ class WorkerInstance:
         standing_bytes: int = 0,
         draining: bool = False,
         max_batch: int = 1,
+        others_busy: int = 0,
     ) -> None:
         if session != self.session:
             self.standing.clear()  # a new process behind the same address: its slots are new too
@@ -97,4 +104,5 @@ class WorkerInstance:
         self.refused_bytes = None
         self.free_bytes, self.standing_bytes = free_bytes, standing_bytes
         self.max_batch = max_batch
+        self.others_busy = others_busy
         self.last_heartbeat = now

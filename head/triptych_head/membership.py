@@ -117,7 +117,7 @@ class Membership:
             # A draining worker exits once acknowledged and idle, so acknowledge only when nothing is
             # on its way to it (a push into one of its standing slots, say): all that went before is there.
             ack = inst.draining and not inst.inflight
-            self.send(inst.url, Ping(instance=inst.url, head_id=self.head_id, drain_acknowledged=ack))
+            self.send(inst.url, Ping(instance=inst.url, head_id=self.head_id, drain_acknowledged=ack, via=inst.via))
 
     def send(self, url: str, msg: Any) -> bool:
         """To a worker, counted; False when it is not connected."""
@@ -177,6 +177,9 @@ class Membership:
                     "leaving": i.leaving,
                     "capacity": i.capacity,
                     "free_slots": i.free_slots,
+                    "others_busy": i.others_busy,
+                    "held": i.held,
+                    "peak_held": i.peak_held,
                     "pool_bytes": i.pool_bytes,
                     "free_bytes": i.free_bytes,
                     "standing_bytes": i.standing_bytes,

@@ -65,6 +65,13 @@ class HeadMetrics:
             ["role", "cause"],
             registry=r,
         )
+        self.refused_work = Counter(
+            "triptych_refused_work",
+            "Work a worker refused because other heads' requests held its slots (replicated heads); each went "
+            "to another instance",
+            ["role"],
+            registry=r,
+        )
         self.active_requests = Gauge("triptych_active_requests", "Requests in flight", registry=r)
         self.free_slots = Gauge(
             "triptych_free_slots", "Free scheduling slots per instance", ["role", "instance"], registry=r

@@ -114,7 +114,7 @@ class Dispatcher:
 
     def _send_work(self, inst: WorkerInstance, work: list[Work]) -> bool:
         """A group's first-role work as one message (a single request as plain Work)."""
-        msg: Work | WorkBatch = work[0] if len(work) == 1 else WorkBatch(inst.url, work)
+        msg: Work | WorkBatch = work[0] if len(work) == 1 else WorkBatch(inst.url, work, self._core.head_id)
         if self._membership.send(inst.url, msg):
             return True
         self._core.instance_lost(inst, "disconnected", f"{inst.role.value} {inst.url} is not connected")
@@ -157,7 +157,7 @@ class Dispatcher:
         if rec.staged and inst.session and (addr := inst.free_standing_slot(nbytes)) is not None:
             # Transfer flow step 2, fast path: a standing slot fits, so no transfer_alloc round trip.
             sender = rec.staged.sender
-            push = TransferPush(wire_id, sender, dest_session=inst.session, dest_addr=addr)
+            push = TransferPush(wire_id, sender, dest_session=inst.session, dest_addr=addr, head_id=core.head_id)
             if not self._membership.send(sender, push):
                 core.sender_unreachable(rec)
                 return True
@@ -166,9 +166,10 @@ class Dispatcher:
             sent = True
         elif rec.staged:
             standing = inst.should_make_standing(nbytes)
-            sent = self._membership.send(inst.url, TransferAlloc(wire_id, inst.url, nbytes, standing=standing))
+            alloc = TransferAlloc(wire_id, inst.url, nbytes, standing=standing, head_id=core.head_id)
+            sent = self._membership.send(inst.url, alloc)
         else:
-            work = Work(wire_id, inst.url, rec.wire_params(), progress=rec.watch, preview_every=rec.preview_every)
+            work = Work(wire_id, inst.url, rec.wire_params(), rec.watch, rec.preview_every, core.head_id)
             if group is not None:
                 group.work.append(work)  # sent with the rest of the group (_send_work)
                 sent = True

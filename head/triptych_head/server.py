@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from triptych.config import ServeArgs
+from triptych.discovery import EndpointDirectory
 from triptych.ports import frontend_port, result_port, tcp_url
 from triptych.protocol import encode
 from triptych.roles import Role
@@ -25,7 +26,6 @@ from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message
 from triptych_head import upkeep
 from triptych_head.core import HeadCore
-from triptych_head.discovery import WorkerDirectory
 from triptych_head.links import WorkerLinks
 from triptych_head.membership import Membership
 from triptych_head.metrics import HeadMetrics
@@ -80,7 +80,7 @@ class DiffusionServer:
         self.core = HeadCore(args, self._transport, metrics)
         roles = self.core.membership.roles()
         self._directories = {
-            role: WorkerDirectory(args.urls_for(role), args.disagg_discovery_interval) for role in roles
+            role: EndpointDirectory(args.urls_for(role), args.disagg_discovery_interval) for role in roles
         }
         self.core.membership.sync(self._discovered())
         self._stop = threading.Event()

@@ -5,6 +5,8 @@ PENDING -> ENCODER_WAITING -> ENCODER_RUNNING -> ENCODER_DONE -> DENOISING_WAITI
 With split encoders a request passes the ENCODER_* states once per encoder hop. A request
 whose worker is lost is retried: any non-terminal state -> PENDING, as a new attempt. A
 full-pipeline pool's request has one hop: PENDING -> DENOISING_WAITING -> DENOISING_RUNNING -> DONE.
+A first hop's Work that a worker refuses (it serves several heads and is full) goes from RUNNING
+back to WAITING.
 """
 
 from __future__ import annotations
@@ -54,11 +56,12 @@ _FORWARD: dict[RequestState, frozenset[RequestState]] = {
     # A full-pipeline pool's one hop is the denoiser's, which ends the request (triptych.roles.FULL_PIPELINE_ROLE).
     _S.PENDING: frozenset({_S.ENCODER_WAITING, _S.DENOISING_WAITING}),
     _S.ENCODER_WAITING: frozenset({_S.ENCODER_RUNNING}),
-    _S.ENCODER_RUNNING: frozenset({_S.ENCODER_DONE}),
+    # Back to waiting: a worker serving several heads refused the Work (WorkRefused); another takes it.
+    _S.ENCODER_RUNNING: frozenset({_S.ENCODER_DONE, _S.ENCODER_WAITING}),
     # A second encoder hop (prompt_encoder -> image_encoder) re-enters ENCODER_WAITING.
     _S.ENCODER_DONE: frozenset({_S.DENOISING_WAITING, _S.ENCODER_WAITING}),
     _S.DENOISING_WAITING: frozenset({_S.DENOISING_RUNNING}),
-    _S.DENOISING_RUNNING: frozenset({_S.DENOISING_DONE, _S.DONE}),
+    _S.DENOISING_RUNNING: frozenset({_S.DENOISING_DONE, _S.DONE, _S.DENOISING_WAITING}),
     _S.DENOISING_DONE: frozenset({_S.DECODER_WAITING}),
     _S.DECODER_WAITING: frozenset({_S.DECODER_RUNNING}),
     _S.DECODER_RUNNING: frozenset({_S.DONE}),

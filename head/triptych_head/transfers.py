@@ -24,6 +24,7 @@ from triptych.protocol import (
     TransferReady,
     TransferRefused,
     TransferStaged,
+    WorkRefused,
 )
 from triptych_head.instances import StandingSlot, WorkerInstance
 from triptych_head.state import ROLE_STATES, RequestRecord, RequestState, StagedPayload
@@ -41,7 +42,7 @@ def on_progress(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: P
 def on_staged(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: TransferStaged, frames: list[Any]) -> None:
     _, running, done = ROLE_STATES[rec.role]
     if rec.state is not running or rec.instance != inst.url:
-        core.membership.send(inst.url, CancelWork(rec.wire_id, inst.url))
+        core.membership.send(inst.url, CancelWork(rec.wire_id, inst.url, core.head_id))
         return
     if rec.hop + 1 >= len(rec.route):
         raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
@@ -60,7 +61,7 @@ def on_allocated(
     core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: TransferAllocated, frames: list[Any]
 ) -> None:
     if not (rec.receiver_reserved and rec.instance == inst.url and rec.staged):
-        core.membership.send(inst.url, CancelWork(rec.wire_id, inst.url))
+        core.membership.send(inst.url, CancelWork(rec.wire_id, inst.url, core.head_id))
         return
     if msg.session != inst.session:
         # A sender writes only to the transfer session its receiver heartbeats, never to one a
@@ -71,7 +72,7 @@ def on_allocated(
     if msg.standing:
         inst.standing[msg.addr] = StandingSlot(rec.staged.nbytes, holder=rec.wire_id)
         rec.slot_addr = msg.addr
-    push = TransferPush(rec.wire_id, rec.staged.sender, dest_session=msg.session, dest_addr=msg.addr)
+    push = TransferPush(rec.wire_id, rec.staged.sender, msg.session, msg.addr, core.head_id)
     if not core.membership.send(rec.staged.sender, push):
         core.sender_unreachable(rec)
         return
@@ -93,6 +94,22 @@ def on_refused(
     core.dispatcher.requeue(rec)
 
 
+def on_work_refused(
+    core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: WorkRefused, frames: list[Any]
+) -> None:
+    """A worker serving several heads had no scheduling slot free for this Work (another head's
+    requests hold them): it counts as full until its next heartbeat, and the request waits again at
+    the front of its queue for any instance with room."""
+    if rec.instance != inst.url or rec.staged is not None or rec.state is not ROLE_STATES[rec.role][1]:
+        return
+    inst.inflight.discard(rec.wire_id)
+    inst.others_busy = max(inst.others_busy, inst.capacity - len(inst.inflight))
+    core.metrics.refused_work.labels(inst.role.value).inc()
+    rec.instance = None
+    rec.move(ROLE_STATES[rec.role][0])
+    core.dispatcher.requeue(rec)
+
+
 def on_pushed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: TransferPushed, frames: list[Any]) -> None:
     staged = rec.staged
     if staged is None or staged.sender != inst.url or rec.instance is None:
@@ -110,6 +127,7 @@ def on_pushed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
         rec.watch,
         rec.preview_every,
         *rec.batch,
+        core.head_id,
     )
     started = core.clock()  # before the send, so the hop's time contains all the receiver's work
     sent = core.membership.send(rec.instance, ready)
@@ -160,6 +178,7 @@ HANDLERS: dict[type, Callable[..., None]] = {
     TransferStaged: on_staged,
     TransferAllocated: on_allocated,
     TransferRefused: on_refused,
+    WorkRefused: on_work_refused,
     TransferPushed: on_pushed,
     Result: on_result,
     Failed: on_failed,

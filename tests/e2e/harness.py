@@ -29,12 +29,14 @@ def deployment(
     spare: dict[Role, int] | None = None,
     host: str = "127.0.0.1",
     full_pipeline: bool = False,
+    heads: int = 1,
 ) -> Iterator[LocalDeployment]:
     """`simulate`: model-free workers (`--simulate`; timing per role through role_flags). `spare`: ports
     the head lists for workers started later with `dep.start_worker(role)` (`dep.stop_worker` drains one).
     `discovery_files`: the head reads file:// worker lists, which start_worker and unlist_worker rewrite.
     `host`: the address every process binds and is reached on (loopback by default).
-    `full_pipeline`: `denoisers` full-pipeline workers only (the other counts are ignored)."""
+    `full_pipeline`: `denoisers` full-pipeline workers only (the other counts are ignored).
+    `heads`: replicated heads sharing the workers (`dep.head_urls`)."""
     counts = {Role.ENCODER: encoders, Role.DENOISER: denoisers, Role.DECODER: decoders}
     if full_pipeline:
         counts = {Role.DENOISER: denoisers}
@@ -42,6 +44,6 @@ def deployment(
     with local_deployment(
         model, tmp, counts, head_flags=head_flags, worker_flags=flags, role_flags=role_flags,
         null_payload_bytes=null_payload, head_first=head_first, spare=spare, discovery_files=discovery_files,
-        host=host, full_pipeline=full_pipeline,
+        host=host, full_pipeline=full_pipeline, heads=heads,
     ) as dep:  # fmt: skip
         yield dep

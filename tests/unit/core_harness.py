@@ -1,5 +1,7 @@
 """The head's decision core with no socket: a recording Transport, a hand-moved clock, and
-simulated workers that answer its messages as the protocol says.
+simulated workers that answer its messages as the protocol says; with `heads` > 1, several cores
+(replicated heads) share the workers, which refuse what they have no slot for and release what a
+dead head held, as a worker serving several heads does.
 
 The simulated workers also keep their own ledger of the receive slots and scheduling slots the
 head gave them, so a test can assert the slot-safety invariants from the workers' side: never
@@ -33,6 +35,7 @@ from triptych.protocol import (
     TransferStaged,
     Work,
     WorkBatch,
+    WorkRefused,
     decode,
     encode,
 )
@@ -101,6 +104,7 @@ class SimWorker:
     url: str
     session: str
     alive: bool = True
+    owner: dict[str, str] = field(default_factory=dict)  # request id -> the head it came from
     computing: set[str] = field(default_factory=set)  # request ids whose stages it runs now
     staged: set[str] = field(default_factory=set)  # request ids whose outputs it holds for a push
     reserved: dict[int, str] = field(default_factory=dict)  # allocated receive slot -> the request it is for
@@ -108,14 +112,26 @@ class SimWorker:
     content: dict[int, str] = field(default_factory=dict)  # slot -> whose bytes were written into it last
     peak_computing: int = 0
 
+    def held(self) -> set[str]:
+        """Requests holding one of its scheduling slots (computing, outputs staged, a slot reserved)."""
+        return self.computing | self.staged | set(self.reserved.values())
+
     def heartbeat(self, head_id: str = "") -> Heartbeat:
-        return Heartbeat(self.url, self.role.value, self.session, POOL_BYTES, POOL_BYTES, CAPACITY, "m")
+        others = sum(1 for r in self.held() if self.owner.get(r) != head_id)
+        return Heartbeat(
+            self.url, self.role.value, self.session, POOL_BYTES, POOL_BYTES, CAPACITY, "m",
+            head_id=head_id, others_busy=others, held=len(self.held()),
+        )  # fmt: skip
 
     def start(self, rid: str) -> None:
         self.computing.add(rid)
         self.peak_computing = max(self.peak_computing, len(self.computing))
         if len(self.computing) > CAPACITY:
             raise SlotViolation(f"{self.url} computes {sorted(self.computing)}: more than its {CAPACITY} slots")
+
+    def check_capacity(self) -> None:
+        if len(self.held()) > CAPACITY:
+            raise SlotViolation(f"{self.url} holds {sorted(self.held())}: more than its {CAPACITY} slots")
 
     def drop(self, rid: str) -> None:
         self.computing.discard(rid)
@@ -126,11 +142,11 @@ class SimWorker:
 
 
 class Harness:
-    """A HeadCore over simulated workers; `deliver` hands one worker's answer back to the core."""
+    """HeadCores (one, or several replicated heads) over simulated workers; `deliver` hands a
+    worker one head's message, `answer` hands that head the worker's reply."""
 
-    def __init__(self, counts: dict[Role, int], flags: Sequence[str] = ()):
+    def __init__(self, counts: dict[Role, int], flags: Sequence[str] = (), heads: int = 1):
         self.clock = FakeClock()
-        self.transport = RecordingTransport()
         self.workers: dict[str, SimWorker] = {}
         argv = ["serve", "--model-path", "m", "--disagg-role", "server", *flags]
         port = itertools.count(41000)
@@ -140,14 +156,22 @@ class Harness:
             for url in urls:
                 self.workers[url] = SimWorker(role, url, session=f"session-{url[-5:]}")
         self.args = ServeArgs.from_namespace(build_parser().parse_args(argv))
-        self.core = HeadCore(self.args, self.transport, clock=self.clock)
+        self.transports = [RecordingTransport() for _ in range(heads)]
+        self.cores = [HeadCore(self.args, t, clock=self.clock) for t in self.transports]
+        self.core, self.transport = self.cores[0], self.transports[0]
+        self.dead: set[str] = set()  # head ids of killed heads
+        self.several = heads > 1  # the workers serve several heads: no standing slots, refusals when full
         self._addr = itertools.count(0x1000, 0x100)
         self.pending: list[tuple[str, Any]] = []  # what the workers were sent and have not handled yet
-        self.answers: list[tuple[Role, Any, str]] = []  # what the workers said and the head has not read yet
-        self.core.membership.sync(self.discovered())
+        self.answers: list[tuple[Role, Any, str, str]] = []  # (role, message, worker, head id) not read yet
+        for core in self.cores:
+            core.membership.sync(self.discovered())
         self.tick()
 
-    # --- driving the core ---------------------------------------------------------------------
+    def core_of(self, head_id: str) -> HeadCore:
+        return next(c for c in self.cores if c.head_id == head_id)
+
+    # --- driving the cores --------------------------------------------------------------------
 
     def discovered(self) -> dict[Role, list[str]]:
         by_role: dict[Role, list[str]] = {}
@@ -155,107 +179,150 @@ class Harness:
             by_role.setdefault(w.role, []).append(w.url)
         return by_role
 
+    def live_cores(self) -> list[HeadCore]:
+        return [c for c in self.cores if c.head_id not in self.dead]
+
     def tick(self) -> None:
-        """Live workers heartbeat, then the core's upkeep runs."""
-        for w in self.workers.values():
-            if w.alive:
-                self.core.on_worker(w.role, encode(w.heartbeat()))
-        self.core.tick(self.discovered())
-        self.core.dispatch()
+        """Live workers heartbeat to every live head, then each head's upkeep runs."""
+        for core in self.live_cores():
+            for w in self.workers.values():
+                if w.alive:
+                    core.on_worker(w.role, encode(w.heartbeat(core.head_id if self.several else "")))
+            core.tick(self.discovered())
+            core.dispatch()
         self.collect()
 
-    def submit(self, rid: str, client: bytes = b"client", **params: Any) -> None:
+    def kill_head(self, index: int) -> None:
+        """SIGKILL of one head: what it sent and was sent is lost; the workers, hearing no ping from
+        it, release all they hold for it."""
+        head = self.cores[index].head_id
+        self.dead.add(head)
+        self.pending = [(u, m) for u, m in self.pending if m.head_id != head]
+        self.answers = [a for a in self.answers if a[3] != head]
+        for w in self.workers.values():
+            for rid in [r for r, h in w.owner.items() if h == head]:
+                w.drop(rid)
+                for addr in [a for a, r in w.content.items() if r == rid]:
+                    del w.content[addr]
+
+    def submit(self, rid: str, client: bytes = b"client", head: int = 0, **params: Any) -> None:
         from triptych.params import GenerationParams
 
         submit = Submit(rid, GenerationParams(**{**PARAMS, **params}))
-        self.core.on_frontend(client, encode(submit))
+        self.cores[head].on_frontend(client, encode(submit))
         self.collect()
 
     def cancel(self, rid: str, client: bytes = b"client") -> None:
         from triptych.protocol import Cancel
 
-        self.core.on_frontend(client, encode(Cancel(rid)))
+        for core in self.live_cores():
+            if rid in core.requests:
+                core.on_frontend(client, encode(Cancel(rid)))
         self.collect()
 
     def collect(self) -> None:
-        """Move what the core sent into the workers' inboxes (pings are answered by tick)."""
-        for url, msg in self.transport.take():
-            if not isinstance(msg, Ping):
-                self.pending.append((url, msg))
+        """Move what the cores sent into the workers' inboxes (pings are answered by tick)."""
+        for core, transport in zip(self.cores, self.transports, strict=True):
+            sent = transport.take()
+            if core.head_id not in self.dead:
+                self.pending += [(url, msg) for url, msg in sent if not isinstance(msg, Ping)]
+
+    def _oldest(self, index: int) -> int:
+        """The index of the oldest pending message on the link (head -> worker) of the index-th one."""
+        url, msg = self.pending[index]
+        return next(i for i, (u, m) in enumerate(self.pending) if u == url and m.head_id == msg.head_id)
 
     def deliver(self, index: int = 0) -> None:
-        """The worker the index-th pending message went to handles its oldest one (a socket is FIFO)."""
-        url = self.pending[index][0]
-        index = next(i for i, (u, _) in enumerate(self.pending) if u == url)
-        _, msg = self.pending.pop(index)
+        """The worker the index-th pending message went to handles the oldest one its head sent (a
+        connection is FIFO)."""
+        url, msg = self.pending.pop(self._oldest(index))
         worker = self.workers[url]
         if worker.alive:
             self._handle(worker, msg)
+            worker.check_capacity()
 
     def fail(self, index: int) -> bool:
-        """The worker the index-th pending message went to fails its oldest one, if that is a
-        stage to run (Work or TransferReady): it frees what it held for it and says Failed."""
-        url = self.pending[index][0]
-        index = next(i for i, (u, _) in enumerate(self.pending) if u == url)
-        msg = self.pending[index][1]
+        """The worker the index-th pending message went to fails the oldest one on that link, if that
+        is a stage to run (Work or TransferReady): it frees what it held for it and says Failed."""
+        index = self._oldest(index)
+        url, msg = self.pending[index]
         worker = self.workers[url]
         if not isinstance(msg, (Work, TransferReady)) or not worker.alive:
             return False
         del self.pending[index]
+        worker.owner[msg.request_id] = msg.head_id
         worker.drop(msg.request_id)
-        self.said(worker.role, Failed(msg.request_id, url, "simulated stage error"), url)
+        self.said(worker, Failed(msg.request_id, url, "simulated stage error"))
         return True
 
     def answer(self, index: int = 0) -> None:
-        """The head reads the oldest answer of the worker that sent the index-th one."""
-        url = self.answers[index][2]
-        index = next(i for i, (_, _, u) in enumerate(self.answers) if u == url)
-        role, msg, _ = self.answers.pop(index)
-        self.core.on_worker(role, encode(msg))
-        self.core.dispatch()
+        """The head reads the oldest answer on the link (worker -> head) of the index-th one."""
+        _, _, url, head = self.answers[index]
+        index = next(i for i, a in enumerate(self.answers) if a[2] == url and a[3] == head)
+        role, msg, _, _ = self.answers.pop(index)
+        core = self.core_of(head)
+        core.on_worker(role, encode(msg))
+        core.dispatch()
         self.collect()
 
-    def said(self, role: Role, msg: Any, url: str) -> None:
-        self.answers.append((role, msg, url))
+    def said(self, w: SimWorker, msg: Any) -> None:
+        """`w` reports on a request to the head it came from."""
+        head = w.owner.get(msg.request_id, self.core.head_id)
+        if head not in self.dead:
+            self.answers.append((w.role, msg, w.url, head))
 
     # --- the workers' side of the protocol --------------------------------------------------
+
+    def _full(self, w: SimWorker) -> bool:
+        return self.several and len(w.held()) >= CAPACITY
 
     def _handle(self, w: SimWorker, msg: Any) -> None:
         if isinstance(msg, WorkBatch):
             for item in msg.items:
                 self._handle(w, item)
-        elif isinstance(msg, Work):
+            return
+        if hasattr(msg, "request_id") and not isinstance(msg, CancelWork):
+            w.owner[msg.request_id] = msg.head_id
+        if isinstance(msg, Work):
+            if self._full(w):
+                self.said(w, WorkRefused(msg.request_id, w.url, "every slot taken"))
+                return
             w.start(msg.request_id)
             self._finish_stage(w, msg.request_id)
         elif isinstance(msg, TransferAlloc):
+            if self._full(w):
+                self.said(w, TransferRefused(msg.request_id, w.url, "every slot taken", fatal=False))
+                return
             addr = next(self._addr)
-            if msg.standing:
+            standing = msg.standing and not self.several
+            if standing:
                 w.kept.add(addr)
-            else:
-                w.reserved[addr] = msg.request_id
-            self.said(w.role, TransferAllocated(msg.request_id, w.url, w.session, addr, standing=msg.standing), w.url)
+            w.reserved[addr] = msg.request_id  # held until it is loaded (a standing slot stays kept)
+            self.said(w, TransferAllocated(msg.request_id, w.url, w.session, addr, standing=standing))
         elif isinstance(msg, TransferPush):
             self._write(w, msg)
         elif isinstance(msg, TransferReady):
             self._load(w, msg)
         elif isinstance(msg, CancelWork):
-            w.drop(msg.request_id)
+            if w.owner.get(msg.request_id, msg.head_id) == msg.head_id:
+                w.drop(msg.request_id)
         else:
             raise AssertionError(f"{w.url} got an unexpected {msg.TYPE}")
 
     def _finish_stage(self, w: SimWorker, rid: str) -> None:
-        rec = self.core.attempts.get(rid)
+        core = self.core_of(w.owner.get(rid, self.core.head_id))
+        rec = core.attempts.get(rid)
         last = rec is not None and rec.last_hop and rec.role is w.role
         w.computing.discard(rid)
         if last:
-            self.said(w.role, WorkerResult(rid, w.url, [], 0.01), w.url)
+            self.said(w, WorkerResult(rid, w.url, [], 0.01))
         else:
             w.staged.add(rid)
-            self.said(w.role, TransferStaged(rid, w.url, NBYTES, [], {}, 0.01), w.url)
+            self.said(w, TransferStaged(rid, w.url, NBYTES, [], {}, 0.01))
 
     def _write(self, sender: SimWorker, push: TransferPush) -> None:
         """The sender's Mooncake write into the receiver's slot: a slot the receiver still has, and
-        (an allocated one) reserved for this request."""
+        reserved for this request (a standing one: whichever request the head assigned it to)."""
         rid = push.request_id
         receiver = next(w for w in self.workers.values() if w.session == push.dest_session)
         if rid not in sender.staged:
@@ -267,19 +334,20 @@ class Harness:
                 raise SlotViolation(f"{rid}'s bytes written into {receiver.url} slot {addr:#x}, which holds {holder!r}")
             receiver.content[addr] = rid
         sender.staged.discard(rid)
-        self.said(sender.role, TransferPushed(rid, sender.url, NBYTES, 0.001), sender.url)
+        self.said(sender, TransferPushed(rid, sender.url, NBYTES, 0.001))
 
     def _load(self, w: SimWorker, ready: TransferReady) -> None:
         """The receiver loads its input: the bytes in the slot must be this request's (unless the
         head has ended it meanwhile: its CancelWork follows, and nothing it computes is used)."""
         rid = ready.request_id
         addr = ready.slot_addr or next((a for a, h in w.reserved.items() if h == rid), None)
-        live = rid in self.core.attempts
+        live = rid in self.core_of(ready.head_id).attempts
         if live and (addr is None or w.content.get(addr) != rid):
             found = w.content.get(addr) if addr is not None else None
             raise SlotViolation(f"{w.url} loaded {found!r}'s bytes as {rid}'s input (slot {addr})")
         if addr is not None:
-            w.reserved.pop(addr, None)  # loaded: an allocated slot goes back to the pool, a kept one stays
+            if w.reserved.get(addr) == rid:
+                del w.reserved[addr]  # loaded: the slot is free again (a standing one stays kept)
             if w.content.get(addr) == rid:
                 w.content.pop(addr)
         w.start(rid)
@@ -288,54 +356,60 @@ class Harness:
     # --- what the tests assert ----------------------------------------------------------------
 
     def endings(self) -> dict[str, list[Any]]:
-        """Each request's terminal replies (RequestResult, or a RequestEvent in a terminal state)."""
+        """Each request's terminal replies (RequestResult, or a RequestEvent in a terminal state), from every head."""
         out: dict[str, list[Any]] = {}
-        for _, msg in self.transport.replies:
-            if isinstance(msg, RequestResult) or (isinstance(msg, RequestEvent) and msg.state in TERMINAL_STATES):
-                out.setdefault(msg.request_id, []).append(msg)
+        for transport in self.transports:
+            for _, msg in transport.replies:
+                if isinstance(msg, RequestResult) or (isinstance(msg, RequestEvent) and msg.state in TERMINAL_STATES):
+                    out.setdefault(msg.request_id, []).append(msg)
         return out
 
     def check_ledger(self) -> None:
-        """The head's own ledger: no instance above its capacity, no standing slot held by two
-        requests, every standing slot's holder a live attempt or a slot still being written."""
-        core = self.core
-        live = set(core.attempts) | set(core.held_slots)
-        seen: dict[tuple[str, int], str] = {}
-        for inst in core.membership.all():
-            if len(inst.inflight) > max(inst.capacity, 0):
-                raise SlotViolation(f"{inst.url} holds {sorted(inst.inflight)} in {inst.capacity} slots")
-            for addr, slot in inst.standing.items():
-                if slot.holder is not None and slot.holder not in live:
-                    raise SlotViolation(f"{inst.url} standing slot {addr:#x} leaked to ended {slot.holder}")
-        for rec in core.attempts.values():
-            if rec.slot_addr and rec.instance:
-                key = (rec.instance, rec.slot_addr)
-                if key in seen:
-                    raise SlotViolation(f"{rec.wire_id} and {seen[key]} both in slot {key}")
-                seen[key] = rec.wire_id
+        """Each live head's own ledger: no instance above its capacity, no standing slot held by two
+        requests, every standing slot's holder a live attempt or a slot still being written; and no
+        worker holding more than its capacity, whichever heads its requests came from."""
+        for core in self.live_cores():
+            live = set(core.attempts) | set(core.held_slots)
+            seen: dict[tuple[str, int], str] = {}
+            for inst in core.membership.all():
+                if len(inst.inflight) > max(inst.capacity, 0):
+                    raise SlotViolation(f"{inst.url} holds {sorted(inst.inflight)} in {inst.capacity} slots")
+                for addr, slot in inst.standing.items():
+                    if slot.holder is not None and slot.holder not in live:
+                        raise SlotViolation(f"{inst.url} standing slot {addr:#x} leaked to ended {slot.holder}")
+            for rec in core.attempts.values():
+                if rec.slot_addr and rec.instance:
+                    key = (rec.instance, rec.slot_addr)
+                    if key in seen:
+                        raise SlotViolation(f"{rec.wire_id} and {seen[key]} both in slot {key}")
+                    seen[key] = rec.wire_id
+        for w in self.workers.values():
+            w.check_capacity()
 
     def check_idle(self) -> None:
-        """Nothing is held anywhere once every request ended."""
-        core = self.core
-        assert not core.requests and not core.attempts, sorted(core.requests)
-        assert not core.held_slots, core.held_slots
-        for inst in core.membership.all():
-            assert not inst.inflight, (inst.url, inst.inflight)
-            assert all(s.holder is None for s in inst.standing.values()), (inst.url, inst.standing)
+        """Nothing is held anywhere once every request ended: not by a live head, not on a worker."""
+        for core in self.live_cores():
+            assert not core.requests and not core.attempts, sorted(core.requests)
+            assert not core.held_slots, core.held_slots
+            for inst in core.membership.all():
+                assert not inst.inflight, (inst.url, inst.inflight)
+                assert all(s.holder is None for s in inst.standing.values()), (inst.url, inst.standing)
+        for w in self.workers.values():
+            if w.alive:
+                assert not w.held(), (w.url, w.held())
 
     def state(self, rid: str) -> RequestState:
         return self.core.requests[rid].state
 
     def refuse_next_alloc(self) -> bool:
-        """The first pending TransferAlloc that is its worker's oldest message is answered with a
+        """The first pending TransferAlloc that is the oldest on its link is answered with a
         (non-fatal) refusal instead; False when there is none."""
         for i, (url, msg) in enumerate(self.pending):
-            if isinstance(msg, TransferAlloc):
-                if any(u == url for u, _ in self.pending[:i]):
-                    continue  # not this worker's oldest message
+            if isinstance(msg, TransferAlloc) and self._oldest(i) == i:
                 del self.pending[i]
                 w = self.workers[url]
-                self.said(w.role, TransferRefused(msg.request_id, url, "no room", fatal=False), url)
+                w.owner[msg.request_id] = msg.head_id
+                self.said(w, TransferRefused(msg.request_id, url, "no room", fatal=False))
                 return True
         return False
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from triptych_head.discovery import WorkerDirectory, expand, resolve_addresses
+from triptych.discovery import EndpointDirectory, expand, resolve_addresses
 
 
 def test_tcp_urls_pass_through_and_dns_urls_expand_to_each_address():
@@ -31,7 +31,7 @@ def test_bad_dns_url_names_the_value():
 
 def test_directory_follows_scaling_of_the_service():
     pods = ["192.0.2.1"]
-    directory = WorkerDirectory(["dns://enc.ns.svc:19000"], interval_s=0.05, resolver=lambda _: list(pods))
+    directory = EndpointDirectory(["dns://enc.ns.svc:19000"], interval_s=0.05, resolver=lambda _: list(pods))
     try:
         assert directory.urls == ["tcp://192.0.2.1:19000"]
         pods.append("192.0.2.2")
@@ -56,7 +56,7 @@ def test_a_resolver_error_keeps_the_last_list_and_the_directory_keeps_re_reading
             raise answer
         return list(answer)
 
-    directory = WorkerDirectory(["dns://enc.ns.svc:19000"], interval_s=0.05, resolver=resolver)
+    directory = EndpointDirectory(["dns://enc.ns.svc:19000"], interval_s=0.05, resolver=resolver)
     try:
         deadline = time.monotonic() + 5
         while len(directory.urls) < 2 and time.monotonic() < deadline:

@@ -126,18 +126,24 @@ def test_the_core_refuses_new_requests_once_shutting_down_and_fails_the_rest_at_
     h.check_idle()
 
 
-def _run_schedule(seed: int, counts: dict[Role, int], flags: tuple[str, ...] = ()) -> Harness:
-    """Requests, worker answers in random order, refusals, failures, cancels and worker deaths,
-    bounded in steps; the invariants are checked after every step, then everything must end."""
+def _run_schedule(
+    seed: int, counts: dict[Role, int], flags: tuple[str, ...] = (), heads: int = 1, kill_head: bool = False
+) -> Harness:
+    """Requests (through each head in turn), worker answers in random order, refusals, failures,
+    cancels, worker deaths and (`kill_head`) the death of the last head, bounded in steps; the
+    invariants are checked after every step, then everything must end."""
     rnd = random.Random(seed)
-    h = Harness(counts, flags)
-    n_requests = 6
+    h = Harness(counts, flags, heads=heads)
+    n_requests = 6 * heads
     submitted = 0
-    for _step in range(600):
+    kill_at = rnd.randrange(10, 120) if kill_head else -1  # a step while requests are in flight
+    for step in range(600 * heads):
         h.check_ledger()
+        if step == kill_at:
+            h.kill_head(heads - 1)
         choice = rnd.random()
         if submitted < n_requests and choice < 0.15:
-            h.submit(f"r{submitted}")
+            h.submit(f"r{submitted}", head=submitted % heads)
             submitted += 1
         elif h.pending and choice < 0.55:
             i = rnd.randrange(len(h.pending))
@@ -146,41 +152,51 @@ def _run_schedule(seed: int, counts: dict[Role, int], flags: tuple[str, ...] = (
                 h.deliver(i)
         elif h.answers and choice < 0.9:
             h.answer(rnd.randrange(len(h.answers)))
-        elif choice < 0.93 and h.core.requests:
-            h.cancel(rnd.choice(sorted(h.core.requests)))
+        elif choice < 0.93 and _active(h):
+            h.cancel(rnd.choice(sorted(_active(h))))
         elif choice < 0.95:
             h.refuse_next_alloc()
         elif choice < 0.96:
             victim = rnd.choice(sorted(h.workers))
-            if (
-                h.workers[victim].alive
-                and sum(w.alive for w in h.workers.values() if w.role is h.workers[victim].role) > 1
-            ):
+            peers = [w for w in h.workers.values() if w.role is h.workers[victim].role and w.alive]
+            if h.workers[victim].alive and len(peers) > 1:
                 h.workers[victim].alive = False
                 _forget(h, h.workers[victim])
         else:
             h.clock.advance(rnd.choice((0.1, 0.5, h.args.disagg_heartbeat_timeout + 0.5)))
             h.tick()
-        if submitted == n_requests and not h.core.requests and not h.pending and not h.answers:
+        if submitted == n_requests and not _active(h) and not h.pending and not h.answers and step > kill_at:
             break
     # Let it all end: every message handled, then time passes until nothing is held.
-    for _ in range(200):
+    for _ in range(200 * heads):
         h.check_ledger()
         if h.pending:
             h.deliver()
         elif h.answers:
             h.answer()
-        elif h.core.requests or h.core.held_slots:
+        elif _active(h) or any(c.held_slots for c in h.live_cores()):
             h.clock.advance(h.args.disagg_heartbeat_timeout + 0.5)
             h.tick()
         else:
             break
     for i in range(submitted, n_requests):
-        h.submit(f"r{i}")  # the ones the schedule never sent: refused or run
+        if h.cores[i % heads].head_id not in h.dead:
+            h.submit(f"r{i}", head=i % heads)  # the ones the schedule never sent: refused or run
     while h.pending or h.answers:
         h.deliver() if h.pending else h.answer()
         h.check_ledger()
+    for _ in range(50):  # what is left ends by timing out
+        if not _active(h) and not any(c.held_slots for c in h.live_cores()):
+            break
+        h.clock.advance(h.args.disagg_timeout + 1)
+        h.tick()
+        while h.pending or h.answers:
+            h.deliver() if h.pending else h.answer()
     return h
+
+
+def _active(h: Harness) -> set[str]:
+    return {rid for core in h.live_cores() for rid in core.requests}
 
 
 def _forget(h: Harness, w: SimWorker) -> None:
@@ -195,13 +211,6 @@ def _forget(h: Harness, w: SimWorker) -> None:
 @pytest.mark.parametrize("seed", range(40))
 def test_random_schedules_never_share_a_slot_oversubscribe_a_worker_or_leak(seed: int) -> None:
     h = _run_schedule(seed, {Role.ENCODER: 2, Role.DENOISER: 2, Role.DECODER: 1})
-    for _ in range(50):
-        if not h.core.requests and not h.core.held_slots:
-            break
-        h.clock.advance(h.args.disagg_timeout + 1)
-        h.tick()
-        while h.pending or h.answers:
-            h.deliver() if h.pending else h.answer()
     h.check_idle()
     endings = h.endings()
     assert sorted(endings) == [f"r{i}" for i in range(6)], endings
@@ -213,15 +222,30 @@ def test_random_schedules_never_share_a_slot_oversubscribe_a_worker_or_leak(seed
 def test_random_schedules_with_batching_keep_the_same_invariants(seed: int) -> None:
     flags = ("--batching-mode", "dynamic", "--batching-max-size", "2", "--batching-delay-ms", "0")
     h = _run_schedule(seed, {Role.ENCODER: 1, Role.DENOISER: 2, Role.DECODER: 1}, flags)
-    for _ in range(50):
-        if not h.core.requests and not h.core.held_slots:
-            break
-        h.clock.advance(h.args.disagg_timeout + 1)
-        h.tick()
-        while h.pending or h.answers:
-            h.deliver() if h.pending else h.answer()
     h.check_idle()
     assert all(len(e) == 1 for e in h.endings().values())
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_two_heads_over_shared_workers_never_oversubscribe_one_or_share_a_slot_and_every_request_ends(
+    seed: int,
+) -> None:
+    h = _run_schedule(seed, {Role.ENCODER: 2, Role.DENOISER: 2, Role.DECODER: 1}, heads=2)
+    h.check_idle()
+    endings = h.endings()
+    assert sorted(endings) == sorted(f"r{i}" for i in range(12)), endings
+    assert all(len(e) == 1 for e in endings.values()), {k: v for k, v in endings.items() if len(v) != 1}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_killed_head_s_work_is_released_on_every_worker_and_the_other_head_s_requests_all_end(seed: int) -> None:
+    h = _run_schedule(seed, {Role.ENCODER: 1, Role.DENOISER: 2, Role.DECODER: 1}, heads=2, kill_head=True)
+    assert h.dead, "the schedule kills the second head"
+    h.check_idle()  # the live head holds nothing, and no worker holds anything for either head
+    endings = h.endings()
+    survivor = {f"r{i}" for i in range(0, 12, 2)}  # head 0's requests
+    assert survivor <= set(endings), sorted(survivor - set(endings))
+    assert all(len(endings[r]) == 1 for r in survivor)
 
 
 def test_the_invariant_checks_catch_a_core_that_gives_one_slot_to_two_requests() -> None:

@@ -37,13 +37,26 @@ from triptych_worker.transfer import MooncakeTransport, TransferPool
 
 
 class RecordingLink:
-    """Stands in for the worker's socket to the head; records what the worker says."""
+    """Stands in for the worker's sockets to its heads (heads.HeadLinks); records what the worker says."""
 
     def __init__(self) -> None:
         self.sent: list[object] = []
 
     def send(self, msg: object, frames: object = ()) -> None:
         self.sent.append(msg)
+
+    def send_to(self, endpoint: object, msg: object) -> None:
+        self.sent.append(msg)
+
+    def broadcast(self, make) -> None:  # type: ignore[no-untyped-def]
+        self.sent.append(make(HEAD_ENDPOINT, ""))
+
+
+HEAD_ENDPOINT = "tcp://127.0.0.1:3"  # the denoiser result port of the head at tcp://127.0.0.1:1
+
+
+def ping(head_id: str) -> list[bytes]:
+    return encode(Ping("w", head_id=head_id))
 
 
 def make_worker() -> Worker:
@@ -57,15 +70,15 @@ def test_kept_slot_survives_its_request_and_is_dropped_when_the_head_changes():
     worker = make_worker()
     link = RecordingLink()
     try:
-        worker._follow_head("head-1")
+        worker._on_message(link, ping("head-1"))  # type: ignore[arg-type]
         worker._allocate(link, TransferAlloc("r1", "w", 1 << 20, standing=True))  # type: ignore[arg-type]
         allocated = link.sent[-1]
         assert isinstance(allocated, TransferAllocated) and allocated.standing
         worker._on_message(link, _encoded(CancelWork("r1", "w")))  # type: ignore[arg-type]
         assert worker.pool.free_bytes == worker.pool.pool_bytes - (1 << 20), "a standing slot outlives its request"
-        worker._follow_head("head-1")
+        worker._on_message(link, ping("head-1"))  # type: ignore[arg-type]
         assert worker.pool.free_bytes < worker.pool.pool_bytes
-        worker._follow_head("head-2")  # a restarted head never heard of it
+        worker._on_message(link, ping("head-2"))  # type: ignore[arg-type]  # a restarted head never heard of it
         assert worker.pool.free_bytes == worker.pool.pool_bytes
         assert worker._heartbeat().standing_bytes == 0
     finally:

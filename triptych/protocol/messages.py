@@ -5,7 +5,10 @@ Three conversations:
 - head -> worker (worker's PULL at its --scheduler-port): Ping, Work, WorkBatch, TransferAlloc,
   TransferPush, TransferReady, CancelWork.
 - worker -> head (head's PULL at scheduler_port + role offset): Heartbeat, Progress,
-  TransferStaged, TransferAllocated, TransferRefused, TransferPushed, Result, Failed.
+  TransferStaged, TransferAllocated, TransferRefused, WorkRefused, TransferPushed, Result, Failed.
+
+A worker may serve several heads (replicated heads): it heartbeats to each, every head->worker
+message names its head (`head_id`), and each request's messages go back to the head that sent it.
 
 The transfer flow (docs/design.md, "Transfer flow"): the sender reports TransferStaged; the head picks a
 receiver and sends TransferAlloc; the receiver answers TransferAllocated (or TransferRefused
@@ -35,7 +38,7 @@ __all__ = [
     "Submit", "Cancel", "RequestEvent", "RequestResult",
     "Ping", "Work", "WorkBatch", "TransferAlloc", "TransferPush", "TransferReady", "CancelWork",
     "Heartbeat", "EncoderCacheStats", "Progress", "TransferStaged", "TransferAllocated",
-    "TransferRefused", "TransferPushed", "Result", "Failed", "HEAD_TO_WORKER",
+    "TransferRefused", "WorkRefused", "TransferPushed", "Result", "Failed", "HEAD_TO_WORKER",
 ]  # fmt: skip
 
 # Checked by the decoder, so a handler never sees a negative size or address, a duration no clock
@@ -100,6 +103,9 @@ class Ping(Message, tag="ping", frozen=True):
     # The head has seen this worker's draining heartbeat and dispatches nothing more to it; every
     # message it sent before this ping has already arrived (one connection keeps them in order).
     drain_acknowledged: bool = False
+    # The endpoint this worker's heartbeats reach this head by (their `via`): a worker serving several
+    # heads learns which head is where, and sends each request's messages to the head that owns it.
+    via: str = ""
 
 
 class Work(Message, tag="work", frozen=True):
@@ -110,6 +116,7 @@ class Work(Message, tag="work", frozen=True):
     params: GenerationParams
     progress: bool = False  # report every denoising step (someone watches the request)
     preview_every: Count = 0  # with progress: a preview PNG every k steps (0: none)
+    head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
 
 
 class WorkBatch(Message, tag="work_batch", frozen=True):
@@ -117,6 +124,7 @@ class WorkBatch(Message, tag="work_batch", frozen=True):
 
     instance: str
     items: list[Work]
+    head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
 
 
 class TransferAlloc(Message, tag="transfer_alloc", frozen=True):
@@ -124,6 +132,7 @@ class TransferAlloc(Message, tag="transfer_alloc", frozen=True):
     instance: str
     nbytes: Count
     standing: bool = False  # keep the slot after this transfer as a standing receive slot
+    head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
 
 
 class TransferPush(Message, tag="transfer_push", frozen=True):
@@ -131,6 +140,7 @@ class TransferPush(Message, tag="transfer_push", frozen=True):
     instance: str
     dest_session: str
     dest_addr: Count
+    head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
 
 
 class TransferReady(Message, tag="transfer_ready", frozen=True):
@@ -148,6 +158,7 @@ class TransferReady(Message, tag="transfer_ready", frozen=True):
     # `batch_size` of them have arrived ("": not part of a group).
     batch_id: str = ""
     batch_size: Count = 1
+    head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
 
 
 class CancelWork(Message, tag="cancel_work", frozen=True):
@@ -155,6 +166,7 @@ class CancelWork(Message, tag="cancel_work", frozen=True):
 
     request_id: str
     instance: str
+    head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
 
 
 # What a worker acts on.
@@ -187,6 +199,12 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     # dispatches nothing to a worker before that worker has dropped a previous head's work.
     head_id: str = ""
     full_pipeline: bool = False  # runs every stage and returns pixels (--disagg-full-pipeline)
+    # Several heads: the endpoint this heartbeat was sent to (echoed in Ping.via), and the scheduling
+    # slots it holds for the other heads (a head counts them as taken).
+    via: str = ""
+    others_busy: Count = 0
+    held: Count = 0  # requests holding one of its scheduling slots now, for every head
+    peak_held: Count = 0  # the most it has held at once since it started (never above its capacity)
     encoder_cache: EncoderCacheStats | None = None  # None: this worker encodes no prompts
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 1  # its --batching-max-size: the largest group it runs at once
 
@@ -227,6 +245,15 @@ class TransferRefused(Message, tag="transfer_refused", frozen=True):
     instance: str
     reason: str
     fatal: bool
+
+
+class WorkRefused(Message, tag="work_refused", frozen=True):
+    """A worker serving several heads has no scheduling slot free for this Work: the head gives it
+    to another instance (or to this one after its next heartbeat)."""
+
+    request_id: str
+    instance: str
+    reason: str
 
 
 class TransferPushed(Message, tag="transfer_pushed", frozen=True):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from triptych.config import ConfigError, ServeArgs
-from triptych.ports import result_endpoint, tcp_url
+from triptych.ports import tcp_url
 from triptych.protocol import (
     HEAD_TO_WORKER,
     CancelWork,
@@ -52,13 +52,15 @@ from triptych.protocol import (
     TransferStaged,
     Work,
     WorkBatch,
+    WorkRefused,
     decode,
     tensors_to_frames,
 )
 from triptych.reference import BadReference
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
-from triptych.sockets import connect, has_queued_message, send_message
+from triptych.sockets import has_queued_message
+from triptych_worker.heads import HeadBook, HeadLinks
 from triptych_worker.job_groups import Job, take_group
 from triptych_worker.preview import LatentPreviewer, should_preview
 from triptych_worker.simulated import SimulatedPipeline
@@ -96,6 +98,7 @@ DRAIN_LOG_S = 5.0  # a draining worker logs what it still holds at least this of
 
 BATCH_ASSEMBLY_S = 0.5  # how long a group the head dispatched together waits for its last members
 STANDING = "standing-slot"  # pool owner of standing receive slots
+UNMAPPED = "?"  # a heartbeat's head_id before that endpoint's head is known: no head takes it as its own
 
 
 class RequestCancelled(Exception):
@@ -120,22 +123,6 @@ class Drain:
     acknowledged: bool = False
     last_report: str = ""
     last_logged: float = 0.0
-
-
-class HeadLink:
-    """A thread's own PUSH socket to the head's result port for this role."""
-
-    def __init__(self, ctx: zmq.Context, endpoint: str, security: ControlPlane):
-        self._sock = ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.LINGER, 1000)
-        security.client(self._sock)  # with keys: the head's result port lets in the pipeline's workers only
-        connect(self._sock, endpoint)
-
-    def send(self, msg: Any, frames: Sequence[Any] = ()) -> None:
-        send_message(self._sock, msg, frames)
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 class Worker:
@@ -182,9 +169,11 @@ class Worker:
                 transport=self.transport,
                 memory="numpy" if simulated else "torch",
             )
-        self.head_endpoint = result_endpoint(args.disagg_server_addr or "", self.role)
+        # The heads it serves (--disagg-server-addr: one address, or several / dns:// / file:// for
+        # replicated heads) and whose request is whose (heads.py).
+        self.heads = HeadBook(args.disagg_server_addr or "", self.role, args.disagg_discovery_interval, time.monotonic)
         self.work_endpoint = tcp_url(args.disagg_p2p_hostname, args.scheduler_port)
-        self.instance = ""  # learned from the head's first message: the URL the head knows us by
+        self.instance = ""  # learned from the heads' messages: the URL a head knows us by
         self._leading = threading.Lock()  # held by the leader; the work socket and self._pushes are its
         self._work: zmq.Socket[Any] | None = None
         self._pushes: list[Push] = []  # writes under way (leader only)
@@ -195,15 +184,15 @@ class Worker:
         self._staged: dict[str, Allocation] = {}  # outputs waiting for their transfer_push
         self._slots: dict[str, Allocation] = {}
         self._standing: dict[int, Allocation] = {}  # standing receive slots the head assigns by address
-        self._head_id = ""  # the head this worker serves (Ping.head_id); all it holds is for that head
         self._outstanding: set[str] = set()  # accepted requests whose stages have not finished
         self._owes_heartbeat = False  # a refusal is pending: report freed pool space right away
+        self._peak_held = 0  # the most requests held at once (heartbeats report it)
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._drain_requested = threading.Event()  # set by the SIGTERM handler; the leader starts the drain
         self._drain: Drain | None = None  # leader only
-        self._last_ping = time.monotonic()
+        self._started = time.monotonic()
 
     # --- threads ---------------------------------------------------------------------------
 
@@ -219,7 +208,7 @@ class Worker:
             t.start()
         log.info(
             "%s ready: work %s, results to %s, %s, control plane %s",
-            self.role.value, self.work_endpoint, self.head_endpoint,
+            self.role.value, self.work_endpoint, ", ".join(self.heads.endpoints()) or "(no head found yet)",
             "full pipeline (no transfers, no Mooncake)" if self.full_pipeline else
             f"transfer session {self.transport.session_id}, pool {self.pool.pool_bytes} bytes",
             "authenticated (CURVE)" if self.security.authenticated else "UNAUTHENTICATED",
@@ -232,13 +221,14 @@ class Worker:
             for t in threads:
                 t.join(timeout=5)
             self._work.close()
+            self.heads.close()
             self.transport.close()
             self.security.close()
         if self._crashed is not None:
             raise RuntimeError("a worker thread failed; see the log above") from self._crashed
 
     def _thread_main(self) -> None:
-        link = HeadLink(self.ctx, self.head_endpoint, self.security)
+        link = HeadLinks(self.ctx, self.heads, self.security)
         try:
             while not self._stop.is_set():
                 with self._leading:
@@ -253,7 +243,7 @@ class Worker:
         finally:
             link.close()
 
-    def _lead(self, link: HeadLink) -> list[Job]:
+    def _lead(self, link: HeadLinks) -> list[Job]:
         """Serve the work socket and the writes under way until there are jobs for this thread."""
         work = self._work
         assert work is not None, "serve() binds the work socket"
@@ -277,7 +267,10 @@ class Worker:
                 self._start_drain()
             if self.instance and time.monotonic() >= self._next_beat:
                 self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
-                link.send(self._heartbeat())
+                link.broadcast(self._heartbeat)
+                if not self.heads.single:  # a head silent this long is gone: release what it held here
+                    for head in self.heads.silent_heads(self.args.disagg_heartbeat_timeout):
+                        self._release_head(head, f"head {head} stopped pinging")
             if self._drain is not None and self._drain_over(time.monotonic()):
                 self._stop.set()
         return []
@@ -339,13 +332,12 @@ class Worker:
             self._held_summary() or "nothing held", self.args.disagg_drain_timeout,
         )  # fmt: skip
 
-    def _acknowledge_drain(self) -> None:
+    def _acknowledge_drain(self, head_id: str) -> None:
         if self._drain is None:  # the ack overtook the leader's own start of the drain
             self._start_drain()
-        assert self._drain is not None
-        if not self._drain.acknowledged:
-            self._drain.acknowledged = True
-            log.info("the head acknowledged the drain: it sends nothing more")
+        if head_id not in self.heads.acknowledged():
+            self.heads.acknowledge(head_id)
+            log.info("head %s acknowledged the drain: it sends nothing more", head_id)
 
     def _held_summary(self) -> str:
         """What this worker still holds, in words; empty when nothing."""
@@ -372,11 +364,12 @@ class Worker:
             if held:
                 log.info("draining: %s left", held)
             drain.last_report, drain.last_logged = held, now
+        drain.acknowledged = self.heads.all_acknowledged(self.args.disagg_heartbeat_timeout)
         if not held and drain.acknowledged:
             log.info("drained in %.2fs: the head acknowledged and nothing is held; exiting", now - drain.started)
             return True
         head_gone_s = HEAD_GONE_HEARTBEAT_TIMEOUTS * self.args.disagg_heartbeat_timeout
-        if not held and now - self._last_ping >= head_gone_s:
+        if not held and now - (self.heads.last_ping() or self._started) >= head_gone_s:
             log.info("drained: nothing held and no ping from the head for %.0fs (head gone); exiting", head_gone_s)
             return True
         if now >= drain.deadline:
@@ -389,9 +382,13 @@ class Worker:
 
     # --- head messages (leader) -------------------------------------------------------------
 
-    def _heartbeat(self) -> Heartbeat:
+    def _heartbeat(self, endpoint: str = "", head_id: str = "") -> Heartbeat:
+        """This worker's state for the head at `endpoint` (`head_id` there, "" when not known yet)."""
+        instance = self.heads.instance_for(head_id) or self.instance
+        if not self.heads.single and not head_id:
+            head_id = UNMAPPED  # no head dispatches to it before its ping has told which endpoint it is
         return Heartbeat(
-            instance=self.instance,
+            instance=instance,
             role=self.role.value,
             session=self.transport.session_id,
             # A full-pipeline worker's token pool takes no transfer: it reports none.
@@ -401,17 +398,42 @@ class Worker:
             model=self.args.model_path,
             standing_bytes=self.pool.reserved_bytes(list(self._standing.values())),
             draining=self._drain_requested.is_set(),
-            head_id=self._head_id,
+            head_id=head_id,
             max_batch=self.args.batching_max_size,
             full_pipeline=self.full_pipeline,
             encoder_cache=self._encoder_cache_stats(),
+            via=endpoint,
+            others_busy=self._busy_for_others(head_id),
+            held=len(self._held_requests()),
+            peak_held=self._peak_held,
         )
+
+    def _held_requests(self) -> set[str]:
+        """The requests holding one of this worker's scheduling slots (the head's view of its load)."""
+        with self._lock:
+            held = self._outstanding | set(self._staged) | set(self._slots)
+        return held | {push.request_id for push in self._pushes}
+
+    def _busy_for_others(self, head_id: str) -> int:
+        """Slots held for heads other than `head_id` (0 for a worker serving one head)."""
+        if self.heads.single:
+            return 0
+        return sum(1 for r in self._held_requests() if self.heads.owner(r) != head_id)
+
+    def _note_held(self) -> None:
+        """Keep the peak of held requests (heartbeats report it: the capacity check, seen from here)."""
+        self._peak_held = max(self._peak_held, len(self._held_requests()))
+
+    def _full(self) -> bool:
+        """A worker serving several heads refuses work beyond its capacity: it, not any one head, knows it."""
+        capacity = self.args.worker_capacity * self.args.batching_max_size
+        return not self.heads.single and len(self._held_requests()) >= capacity
 
     def _encoder_cache_stats(self) -> EncoderCacheStats | None:
         cache = getattr(self.pipeline, "encoder_cache", None)  # only model pipelines that encode prompts have one
         return None if cache is None else cache.stats()
 
-    def _on_message(self, link: HeadLink, parts: list[Any]) -> None:
+    def _on_message(self, link: HeadLinks, parts: list[Any]) -> None:
         try:
             msg, _ = decode(parts)
         except ProtocolError as exc:
@@ -430,25 +452,17 @@ class Worker:
             if request_id := getattr(msg, "request_id", None):
                 link.send(Failed(request_id, self.instance, f"{msg.TYPE} could not be handled: {exc}"))
 
-    def _handle(self, link: HeadLink, msg: Any) -> None:
+    def _handle(self, link: HeadLinks, msg: Any) -> None:
         if isinstance(msg, Ping):
-            self._last_ping = time.monotonic()
-            if self._drain is not None and msg.head_id != self._head_id:
-                self._drain.acknowledged = False  # a new head has not seen the drain yet
-            for request_id in self._follow_head(msg.head_id):
-                reason = f"dropped: head {msg.head_id} replaced the head it came from"
-                link.send(Failed(request_id, self.instance, reason))
-            if msg.drain_acknowledged and self.draining:
-                self._acknowledge_drain()
-            link.send(self._heartbeat())
-        elif isinstance(msg, Work):
-            self._enqueue(Job(msg.request_id, msg.params, None, msg.progress, msg.preview_every))
+            self._on_ping(link, msg)
+            return
+        if self._foreign(msg):
+            log.warning("dropped %s for %s: another head owns that request here", msg.TYPE, msg.request_id)
+            return
+        if isinstance(msg, Work):
+            self._take_work(link, [msg], msg.head_id)
         elif isinstance(msg, WorkBatch) and msg.items:
-            group = msg.items[0].request_id
-            self._enqueue(*(
-                Job(w.request_id, w.params, None, w.progress, w.preview_every, group, len(msg.items))
-                for w in msg.items
-            ))  # fmt: skip
+            self._take_work(link, msg.items, msg.head_id)
         elif isinstance(msg, TransferAlloc):
             self._allocate(link, msg)
         elif isinstance(msg, TransferPush):
@@ -459,13 +473,65 @@ class Worker:
             self._cancel(msg.request_id)
             self._space_freed(link)
 
-    def _allocate(self, link: HeadLink, msg: TransferAlloc) -> None:
+    def _on_ping(self, link: HeadLinks, msg: Ping) -> None:
+        replaced = self.heads.on_ping(msg.head_id, msg.via, msg.instance)
+        if replaced is not None:
+            # A new head knows nothing of what this worker holds for the one it replaced: release it
+            # and tell the new head which requests were dropped (the first head inherits nothing).
+            endpoint = self.heads.endpoint_of(msg.head_id)
+            for request_id in self._release_head(replaced, f"head {msg.head_id} replaced {replaced}"):
+                reason = f"dropped: head {msg.head_id} replaced the head it came from"
+                link.send_to(endpoint, Failed(request_id, msg.instance, reason))
+        if msg.drain_acknowledged and self.draining:
+            self._acknowledge_drain(msg.head_id)
+        if self._drain is not None:  # acknowledged by every live head (a new one has not seen the drain)
+            self._drain.acknowledged = self.heads.all_acknowledged(self.args.disagg_heartbeat_timeout)
+        endpoint = self.heads.endpoint_of(msg.head_id)
+        if endpoint is None:
+            link.broadcast(self._heartbeat)  # which endpoint is this head's: its next ping says (via)
+        else:
+            link.send_to(endpoint, self._heartbeat(endpoint, msg.head_id))
+
+    def _foreign(self, msg: Any) -> bool:
+        """A message about a request another head owns here (a worker serving several heads)."""
+        if self.heads.single or isinstance(msg, (Work, WorkBatch)):
+            return False
+        owner = self.heads.owner(msg.request_id)
+        return bool(owner) and owner != msg.head_id
+
+    def _take_work(self, link: HeadLinks, items: Sequence[Work], head_id: str) -> None:
+        """Queue a first role's work (a group of it runs as one batch), refusing each request this
+        worker has no slot for when it serves several heads."""
+        accepted = []
+        for work in items:
+            self.heads.own(work.request_id, head_id)
+            if self._full():
+                link.send(WorkRefused(work.request_id, self.instance, "every scheduling slot is taken"))
+                continue
+            accepted.append(work)
+            with self._lock:
+                self._outstanding.add(work.request_id)  # counted at once: the next Work sees it
+            self._note_held()
+        group = accepted[0].request_id if len(accepted) > 1 else ""
+        self._enqueue(*(
+            Job(w.request_id, w.params, None, w.progress, w.preview_every, group, len(accepted) if group else 1)
+            for w in accepted
+        ))  # fmt: skip
+
+    def _allocate(self, link: HeadLinks, msg: TransferAlloc) -> None:
+        self.heads.own(msg.request_id, msg.head_id)
+        if self._full():
+            self._refuse(link, msg.request_id, "every scheduling slot is taken")
+            return
         if self._must_keep_room_for_outputs(msg.nbytes):
             self._refuse(link, msg.request_id, "keeping room to stage accepted work")
             return
+        # Standing slots only for a worker serving one head: the head assigns them without asking, and
+        # two heads could assign one slot, or fill more slots than the worker has.
+        standing = msg.standing and self.heads.single
         try:
             # A standing slot belongs to the worker, not the request: cancelling the request keeps it.
-            alloc = self.pool.allocate(msg.nbytes, owner=STANDING if msg.standing else msg.request_id)
+            alloc = self.pool.allocate(msg.nbytes, owner=STANDING if standing else msg.request_id)
         except PayloadTooLarge as exc:
             link.send(TransferRefused(msg.request_id, self.instance, str(exc), fatal=True))
             return
@@ -475,51 +541,45 @@ class Worker:
         with self._lock:
             self._slots[msg.request_id] = alloc
             self._outstanding.add(msg.request_id)
-            if msg.standing:
+            if standing:
                 self._standing[alloc.addr] = alloc
-        link.send(TransferAllocated(msg.request_id, self.instance, self.transport.session_id, alloc.addr, msg.standing))
+        self._note_held()
+        link.send(TransferAllocated(msg.request_id, self.instance, self.transport.session_id, alloc.addr, standing))
 
-    def _refuse(self, link: HeadLink, request_id: str, reason: str) -> None:
+    def _refuse(self, link: HeadLinks, request_id: str, reason: str) -> None:
         """Back-pressure: no slot now; the head retries after the heartbeat that reports freed space."""
         with self._lock:
             self._owes_heartbeat = True
         link.send(TransferRefused(request_id, self.instance, reason, fatal=False))
-        link.send(self._heartbeat())
+        link.broadcast(self._heartbeat)
 
-    def _space_freed(self, link: HeadLink) -> None:
+    def _space_freed(self, link: HeadLinks) -> None:
         """Tell the head at once that pool space came back, if it is waiting for that (after a refusal)."""
         with self._lock:
             owed, self._owes_heartbeat = self._owes_heartbeat, False
         if owed:
-            link.send(self._heartbeat())
+            link.broadcast(self._heartbeat)
 
-    def _follow_head(self, head_id: str) -> list[str]:
-        """Serve `head_id` from now on. A new head knows nothing of what this worker holds for the
-        previous one: give all of it back to the pool (standing slots, reserved slots, staged outputs,
-        queued work; running work stops at its next step) and return the requests it dropped.
-
-        The first head inherits nothing: work can only have come from it.
-        """
-        if head_id == self._head_id:
-            return []
-        previous = self._head_id
+    def _release_head(self, head_id: str, why: str) -> list[str]:
+        """Give back to the pool everything held for `head_id` (a head that was replaced or went
+        silent): its standing slots (a worker serving one head), reserved slots, staged outputs and
+        queued work; running work stops at its next step. Returns the requests dropped."""
         with self._lock:
-            dropped, self._standing = list(self._standing.values()), {}
-            abandoned = (self._outstanding | set(self._staged) | set(self._slots)) if previous else set()
-            if previous:
-                self._queue.clear()  # each queued job is in _outstanding: cancelled below
+            held = self._outstanding | set(self._staged) | set(self._slots)
+        mine = held if self.heads.single else held & self.heads.requests_of(head_id)
+        with self._lock:
+            dropped_slots = list(self._standing.values()) if self.heads.single else []
+            if self.heads.single:
+                self._standing = {}
+            self._queue = deque(job for job in self._queue if job.request_id not in mine)
         writing = {push.request_id for push in self._pushes}  # their staged bytes come back when the write ends
-        for alloc in dropped:
+        for alloc in dropped_slots:
             self.pool.free(alloc)
-        for request_id in abandoned:
+        for request_id in mine:
             self._cancel(request_id, free=request_id not in writing)
-        if dropped or abandoned:
-            log.info(
-                "head %s replaced %s: dropped %d standing receive slots and %d requests",
-                head_id, previous, len(dropped), len(abandoned),
-            )  # fmt: skip
-        self._head_id = head_id  # last: heartbeats name the new head only once everything is released
-        return sorted(abandoned)
+        if dropped_slots or mine:
+            log.info("%s: dropped %d standing receive slots and %d requests", why, len(dropped_slots), len(mine))
+        return sorted(mine)
 
     def _must_keep_room_for_outputs(self, nbytes: int) -> bool:
         """Refuse an input slot that would leave no room to stage the outputs of work already accepted.
@@ -534,7 +594,8 @@ class Worker:
             busy = bool(self._outstanding)
         return busy and self.pool.free_bytes - nbytes < nbytes
 
-    def _ready(self, link: HeadLink, msg: TransferReady) -> None:
+    def _ready(self, link: HeadLinks, msg: TransferReady) -> None:
+        self.heads.own(msg.request_id, msg.head_id)
         with self._lock:
             alloc = self._slots.pop(msg.request_id, None)
             if msg.slot_addr:
@@ -546,6 +607,7 @@ class Worker:
         self._enqueue(
             Job(msg.request_id, msg.params, incoming, msg.progress, msg.preview_every, msg.batch_id, msg.batch_size)
         )
+        self._note_held()
 
     def _cancel(self, request_id: str, free: bool = True) -> None:
         with self._lock:
@@ -564,7 +626,7 @@ class Worker:
 
     # --- computing (either thread) ----------------------------------------------------------
 
-    def _compute(self, link: HeadLink, jobs: list[Job]) -> None:
+    def _compute(self, link: HeadLinks, jobs: list[Job]) -> None:
         """Run a group of compatible jobs as one batch (a single job alone); a failure or a cancel
         fails only its own request, the others carry on."""
         started = time.perf_counter()
@@ -591,6 +653,8 @@ class Worker:
                     report = self._deliver(job, batch, started, together, leader)
                     if report is not None:
                         reports.append(report)
+            with self._lock:  # settled before the head hears: work it sends next finds the slots free
+                self._outstanding.difference_update(job.request_id for job in jobs)
             for msg, frames in reports:
                 link.send(msg, frames)
         finally:
@@ -598,7 +662,7 @@ class Worker:
                 self._outstanding.difference_update(job.request_id for job in jobs)
 
     @contextlib.contextmanager
-    def _fails_alone(self, link: HeadLink, job: Job) -> Iterator[None]:
+    def _fails_alone(self, link: HeadLinks, job: Job) -> Iterator[None]:
         """Whatever goes wrong inside fails `job`'s request only, with the status its cause calls for."""
         try:
             yield
@@ -638,7 +702,7 @@ class Worker:
                 outcomes.append(None)
         return outcomes
 
-    def _prepare(self, link: HeadLink, job: Job) -> StageBatch:
+    def _prepare(self, link: HeadLinks, job: Job) -> StageBatch:
         """The job's StageBatch: its incoming tensors loaded (its slot freed) and its progress reporting."""
         batch = StageBatch(params=job.params)
         if job.incoming is not None:
@@ -709,7 +773,7 @@ class Worker:
 
     # --- pushes (leader) --------------------------------------------------------------------
 
-    def _start_push(self, link: HeadLink, msg: TransferPush) -> None:
+    def _start_push(self, link: HeadLinks, msg: TransferPush) -> None:
         with self._lock:
             staged = self._staged.pop(msg.request_id, None)
         if staged is None:
@@ -722,7 +786,7 @@ class Worker:
             return
         self._pushes.append(Push(msg.request_id, staged, write))
 
-    def _check_pushes(self, link: HeadLink) -> None:
+    def _check_pushes(self, link: HeadLinks) -> None:
         """Report every push whose write has ended, and give its staged bytes back to the pool."""
         for push in list(self._pushes):
             try:
@@ -742,7 +806,7 @@ class Worker:
         # A stalled write may still land: the head then keeps the receiver's slot out of use.
         return Failed(request_id, self.instance, str(exc), write_pending=isinstance(exc, TransferStalled))
 
-    def _end_push(self, link: HeadLink, request_id: str, staged: Allocation, report: Failed | TransferPushed) -> None:
+    def _end_push(self, link: HeadLinks, request_id: str, staged: Allocation, report: Failed | TransferPushed) -> None:
         link.send(report)
         self.pool.free(staged)
         self._space_freed(link)

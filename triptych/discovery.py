@@ -1,7 +1,9 @@
-"""Where the workers are: static tcp:// endpoints, dns:// names or file:// lists, re-read periodically.
+"""Where the workers (for a head) or the heads (for a worker) are: static tcp:// endpoints, dns://
+names or file:// lists, re-read periodically.
 
 `dns://NAME:PORT` stands for every address NAME resolves to (a Kubernetes headless Service
 lists its ready pods), each as tcp://ADDRESS:PORT; instances come and go as the role scales.
+The same forms name a head's workers (--encoder-urls, ...) and a worker's heads (--disagg-server-addr).
 `file:///PATH` stands for the tcp:// endpoints listed in that file, one per line (`#` starts a
 comment): for deployments without DNS-based discovery, where a tool rewrites the file as workers
 come and go.
@@ -54,7 +56,7 @@ def read_endpoint_file(path: str) -> list[str]:
 
 
 def expand(spec: str, resolver: Resolver = resolve_addresses) -> list[str]:
-    """The tcp:// endpoints a --*-urls entry stands for right now."""
+    """The tcp:// endpoints a --*-urls or --disagg-server-addr entry stands for right now."""
     if spec.startswith("file://"):
         return read_endpoint_file(spec.removeprefix("file://"))
     if not spec.startswith("dns://"):
@@ -65,8 +67,8 @@ def expand(spec: str, resolver: Resolver = resolve_addresses) -> list[str]:
     return [tcp_url(address, parts.port) for address in resolver(parts.hostname)]
 
 
-class WorkerDirectory:
-    """The current endpoints of one role; dns:// and file:// entries are re-read in a background thread."""
+class EndpointDirectory:
+    """The current endpoints of a list of entries; dns:// and file:// ones are re-read in a background thread."""
 
     def __init__(self, specs: list[str], interval_s: float = 5.0, resolver: Resolver = resolve_addresses):
         self._specs = list(specs)
@@ -76,7 +78,7 @@ class WorkerDirectory:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if any(s.startswith(DYNAMIC) for s in specs):
-            self._thread = threading.Thread(target=self._refresh_loop, name="worker-discovery", daemon=True)
+            self._thread = threading.Thread(target=self._refresh_loop, name="discovery", daemon=True)
             self._thread.start()
 
     @property

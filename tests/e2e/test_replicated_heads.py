@@ -1,0 +1,113 @@
+"""Replicated heads over shared workers (real processes, real ZMQ and Mooncake, the tiny FLUX model).
+
+Every worker serves both heads (`--disagg-server-addr` lists each): concurrent requests through
+both give each request its own pixels, equal to stock diffusers; no worker ever holds more than its
+capacity across the heads (its own count, in its heartbeats); and a head killed with SIGKILL has
+what it held on the workers released within a heartbeat timeout while the other head's requests
+complete.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.e2e.harness import deployment
+
+pytestmark = pytest.mark.slow
+
+BODY = {"prompt": "a lighthouse at dusk", "size": "32x32", "num_inference_steps": 2}
+HEARTBEAT = ("--disagg-heartbeat-timeout", "2")  # a killed head is noticed within 2 s
+
+
+def stock(model: Path, seeds: list[int]) -> dict[int, np.ndarray]:
+    """Stock diffusers' own pixels for BODY at each seed."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model).to("cpu")
+    out = {}
+    for seed in seeds:
+        image = pipe(
+            BODY["prompt"], width=32, height=32, num_inference_steps=2, guidance_scale=3.5,
+            generator=torch.Generator("cpu").manual_seed(seed), output_type="pil",
+        ).images[0]  # fmt: skip
+        out[seed] = np.array(image)
+    return out
+
+
+def generate(url: str, seed: int) -> np.ndarray:
+    r = httpx.post(f"{url}/v1/images/generations", json={**BODY, "seed": seed}, timeout=300)
+    assert r.status_code == 200, r.text
+    return np.array(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
+
+
+def workers_seen_by(url: str) -> list[dict]:
+    health = httpx.get(f"{url}/health", timeout=5).json()
+    return [w for ws in health["workers"].values() for w in ws]
+
+
+def wait_until_all_free(url: str, seconds: float) -> list[dict]:
+    """The workers as `url` sees them once each holds nothing for any head (or as they are at the end)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        workers = workers_seen_by(url)
+        free = all(w["held"] == 0 and w["others_busy"] == 0 and w["free_slots"] == w["capacity"] for w in workers)
+        if free and all(w["free_bytes"] == w["pool_bytes"] for w in workers if w["pool_bytes"]):
+            return workers
+        if time.monotonic() > deadline:
+            return workers
+        time.sleep(0.2)
+
+
+def test_two_heads_share_the_workers_each_request_gets_stock_pixels_and_no_worker_exceeds_capacity(
+    tiny_models, tmp_path
+):
+    model = tiny_models["tiny-flux"]
+    seeds = list(range(8))
+    flags = ("--worker-capacity", "1")  # one slot per worker: the heads compete for every one
+    with deployment(model, tmp_path, denoisers=2, heads=2, worker_flags=flags) as dep:
+        a, b = dep.head_urls
+        with concurrent.futures.ThreadPoolExecutor(len(seeds)) as pool:
+            got = dict(zip(seeds, pool.map(lambda s: generate(a if s % 2 else b, s), seeds), strict=True))
+        after = {url: wait_until_all_free(url, 10) for url in (a, b)}
+    expected = stock(model, seeds)
+    for seed in seeds:
+        assert np.array_equal(got[seed], expected[seed]), f"seed {seed}: not stock diffusers' pixels"
+    for url, workers in after.items():
+        assert all(w["peak_held"] <= w["capacity"] == 1 for w in workers), (url, workers)
+        assert all(w["held"] == 0 and w["free_slots"] == 1 for w in workers), (url, workers)
+        assert all(w["free_bytes"] == w["pool_bytes"] for w in workers if w["pool_bytes"]), (url, workers)
+        assert sum(w["dispatched"] for w in workers if w["url"]) >= 3 * 4, (url, workers)  # each head used the pools
+
+
+def test_a_killed_head_loses_only_its_own_requests_and_its_slots_are_freed_within_a_heartbeat(tiny_models, tmp_path):
+    model = tiny_models["tiny-flux"]
+    with deployment(model, tmp_path, heads=2, head_flags=HEARTBEAT, worker_flags=HEARTBEAT) as dep:
+        a, b = dep.head_urls
+        head_b = next(p for p in dep.procs if p.url == b)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            on_a = [pool.submit(generate, a, s) for s in range(4)]
+            on_b = [pool.submit(generate, b, s) for s in range(4, 8)]
+            deadline = time.monotonic() + 60
+            while not any(w["held"] for w in workers_seen_by(a)) and time.monotonic() < deadline:
+                time.sleep(0.05)  # until the workers hold something: b's requests are in flight
+            head_b.kill()  # SIGKILL: no drain, nothing said to the workers
+            results_a = [f.result() for f in on_a]
+            lost_b = [f.exception(timeout=300) for f in on_b]
+        workers = wait_until_all_free(a, 15)
+        after = generate(a, 100)  # every slot is usable again
+    expected = stock(model, [*range(4), 100])
+    assert all(np.array_equal(results_a[s], expected[s]) for s in range(4)), "a's requests must complete, unchanged"
+    assert all(isinstance(e, httpx.HTTPError) for e in lost_b if e is not None)
+    assert np.array_equal(after, expected[100])
+    assert all(w["held"] == 0 and w["others_busy"] == 0 for w in workers), workers
+    assert all(w["free_bytes"] == w["pool_bytes"] for w in workers if w["pool_bytes"]), workers
