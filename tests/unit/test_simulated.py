@@ -99,6 +99,7 @@ import sys
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
 from triptych.params import GenerationParams
+from triptych_worker import compute, drain, pushes
 from triptych_worker.runtime import Job, Worker
 argv = ["serve", "--model-path", {str(tiny_models["tiny-wan"])!r}, "--disagg-role", "encoder", "--simulate",
         "--disagg-server-addr", "tcp://127.0.0.1:1", "--disagg-transfer-pool-size", "4MiB"]
@@ -107,7 +108,7 @@ sent = []
 class Link:
     def send(self, msg, frames=()):
         sent.append(msg)
-worker._compute(Link(), [Job("r1", GenerationParams("x", 64, 48, num_frames=5, guidance_scale=5.0))])
+compute.compute(worker, Link(), [Job("r1", GenerationParams("x", 64, 48, num_frames=5, guidance_scale=5.0))])
 names = sorted(spec["name"] for spec in sent[-1].manifest)
 worker.transport.close()
 print(sent[-1].TYPE, names, "torch" in sys.modules)

@@ -32,6 +32,7 @@ from triptych.protocol import (
 from triptych.roles import Role
 from triptych_dev.localdeploy import free_port_block
 from triptych_dev.null_pipeline import NullPipeline
+from triptych_worker import compute, drain, pushes
 from triptych_worker.runtime import Job, Worker
 from triptych_worker.transfer import MooncakeTransport, TransferPool
 
@@ -143,7 +144,7 @@ def test_steps_are_reported_only_when_the_head_asks_for_them():
     try:
         for progress, expected_steps in ((False, []), (True, [1, 2, 3])):
             link = RecordingLink()
-            worker._compute(link, [Job(f"r-{progress}", params, progress=progress)])  # type: ignore[arg-type]
+            compute.compute(worker, link, [Job(f"r-{progress}", params, progress=progress)])  # type: ignore[arg-type]
             assert [m.step for m in link.sent if isinstance(m, Progress)] == expected_steps
             assert isinstance(link.sent[-1], TransferStaged)
     finally:
@@ -260,39 +261,39 @@ def test_a_drain_ends_once_acknowledged_and_the_held_request_is_computed_and_pus
     peer = MooncakeTransport("127.0.0.1")
     peer_pool = TransferPool(1 << 20, "decoder", peer, memory="numpy")
     params = GenerationParams("x", width=16, height=16, num_inference_steps=1)
-    caplog.set_level(logging.INFO, logger="triptych_worker.runtime")
+    caplog.set_level(logging.INFO, logger="triptych_worker")
     try:
         worker._on_message(link, _encoded(Ping("w", head_id="h")))  # type: ignore[arg-type]
         worker._on_message(link, _encoded(Work("r1", "w", params)))  # type: ignore[arg-type]
         worker.begin_drain()
         worker._on_message(link, _encoded(Ping("w", head_id="h", drain_acknowledged=True)))  # type: ignore[arg-type]
         assert worker._drain is not None and worker._drain.acknowledged
-        assert not worker._drain_over(time.monotonic())
-        assert worker._held_summary() == "1 job"
+        assert not drain.drain_over(worker, time.monotonic())
+        assert drain.held_summary(worker) == "1 job"
 
         jobs = worker._take_jobs()
         assert [job.request_id for job in jobs] == ["r1"]
-        worker._compute(link, jobs)
+        compute.compute(worker, link, jobs)
         assert worker._next_jobs() == []
         staged = link.sent[-1]
         assert isinstance(staged, TransferStaged) and staged.request_id == "r1"
-        assert worker._held_summary() == "1 staged output"
-        assert not worker._drain_over(time.monotonic())
+        assert drain.held_summary(worker) == "1 staged output"
+        assert not drain.drain_over(worker, time.monotonic())
 
         slot = peer_pool.allocate(staged.nbytes, "r1")
         assert slot is not None
         peer_pool.view(slot)[:] = 0xFF
         push = TransferPush("r1", "w", dest_session=peer.session_id, dest_addr=slot.addr)
         worker._on_message(link, _encoded(push))  # type: ignore[arg-type]
-        assert worker._held_summary() == "1 push"
-        assert not worker._drain_over(time.monotonic()), "a push under way is held"
+        assert drain.held_summary(worker) == "1 push"
+        assert not drain.drain_over(worker, time.monotonic()), "a push under way is held"
         deadline = time.monotonic() + 10
         while worker._pushes and time.monotonic() < deadline:
-            worker._check_pushes(link)
+            pushes.check_pushes(worker, link)
             time.sleep(0.001)
         assert isinstance(link.sent[-1], TransferPushed) and link.sent[-1].request_id == "r1"
         assert not peer_pool.view(slot).any(), "the simulated denoiser's zeros landed in the receiver's slot"
-        assert worker._drain_over(time.monotonic())
+        assert drain.drain_over(worker, time.monotonic())
         assert "draining: 1 job left" in caplog.text and "draining: 1 push left" in caplog.text
     finally:
         worker.transport.close()
@@ -302,21 +303,21 @@ def test_a_drain_ends_once_acknowledged_and_the_held_request_is_computed_and_pus
 def test_an_unacknowledged_drain_ends_when_the_idle_worker_hears_no_head_or_when_time_is_up(caplog):
     worker = make_worker()
     link = RecordingLink()
-    caplog.set_level(logging.INFO, logger="triptych_worker.runtime")
+    caplog.set_level(logging.INFO, logger="triptych_worker")
     try:
         worker._on_message(link, _encoded(Ping("w", head_id="h")))  # type: ignore[arg-type]
         worker.begin_drain()
-        worker._start_drain()
+        drain.start_drain(worker)
         now = time.monotonic()
         head_gone = 3 * worker.args.disagg_heartbeat_timeout
-        assert not worker._drain_over(now), "idle but not acknowledged, and the head still pings"
-        assert worker._drain_over(now + head_gone + 0.1), "idle and no ping for three heartbeat timeouts"
+        assert not drain.drain_over(worker, now), "idle but not acknowledged, and the head still pings"
+        assert drain.drain_over(worker, now + head_gone + 0.1), "idle and no ping for three heartbeat timeouts"
 
         params = GenerationParams("x", width=16, height=16, num_inference_steps=1)
         worker._on_message(link, _encoded(Work("r1", "w", params)))  # type: ignore[arg-type]
-        assert not worker._drain_over(now + head_gone + 0.1), "a worker holding work waits for its head"
+        assert not drain.drain_over(worker, now + head_gone + 0.1), "a worker holding work waits for its head"
         assert worker._drain is not None
-        assert worker._drain_over(worker._drain.deadline)
+        assert drain.drain_over(worker, worker._drain.deadline)
         assert "drain timed out after 600s (--disagg-drain-timeout); abandoning 1 job" in caplog.text
     finally:
         worker.transport.close()
@@ -332,7 +333,7 @@ def test_an_acknowledgement_counts_only_for_the_head_that_gave_it():
         assert worker._drain is not None and worker._drain.acknowledged
         worker._on_message(link, _encoded(Ping("w", head_id="h2")))  # type: ignore[arg-type]
         assert not worker._drain.acknowledged, "a restarted head has not seen the drain"
-        assert not worker._drain_over(time.monotonic())
+        assert not drain.drain_over(worker, time.monotonic())
     finally:
         worker.transport.close()
 

@@ -13,20 +13,18 @@ Batching (--batching-max-size N > 1): the computing thread takes up to N compati
 group the head dispatched together (WorkBatch, or TransferReady tagged with a batch id) waits up to
 BATCH_ASSEMBLY_S for all its members. Each request still loads, stages and reports its own tensors.
 
-Drain (SIGTERM, see `begin_drain`): the worker says so in every heartbeat, keeps serving whatever
-the head still sends, and stops once the head has acknowledged the drain and nothing is held.
+Where the rest lives: the heads it serves and the links to them (heads.py), running jobs
+(compute.py), the Mooncake writes under way (pushes.py), and the drain on SIGTERM (drain.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -40,43 +38,34 @@ from triptych.protocol import (
     Failed,
     Heartbeat,
     Ping,
-    Progress,
     ProtocolError,
-    Result,
     TransferAlloc,
     TransferAllocated,
     TransferPush,
-    TransferPushed,
     TransferReady,
     TransferRefused,
-    TransferStaged,
     Work,
     WorkBatch,
     WorkRefused,
     decode,
-    tensors_to_frames,
 )
-from triptych.reference import BadReference
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message
+from triptych_worker import compute, drain, pushes
+from triptych_worker.drain import Drain
 from triptych_worker.heads import HeadBook, HeadLinks
 from triptych_worker.job_groups import Job, take_group
-from triptych_worker.preview import LatentPreviewer, should_preview
+from triptych_worker.preview import LatentPreviewer
+from triptych_worker.pushes import Push
 from triptych_worker.simulated import SimulatedPipeline
-from triptych_worker.stages import PIXELS, StageBatch
 from triptych_worker.transfer import (
     ALIGNMENT,
     Allocation,
     MooncakeTransport,
     NoTransport,
     PayloadTooLarge,
-    PendingWrite,
-    TransferError,
     TransferPool,
-    TransferStalled,
-    load_tensors,
-    stage_tensors,
 )
 from triptych_worker.transfer.listeners import check_mooncake_listeners, confine_mooncake_listeners
 
@@ -90,39 +79,12 @@ HEARTBEAT_INTERVAL_S = 1.0
 IDLE_POLL_MS = 100  # how long the leader waits for a message when no write is under way
 DRAIN_LIMIT = 1000  # messages handled per wake-up before the leader looks at its writes again
 THREADS = 2  # one leads while the other computes
-STAGING_RETRY_S = 0.01
 CANCELLED_MEMORY = 10_000  # how many cancelled request ids are remembered
-HEAD_GONE_HEARTBEAT_TIMEOUTS = 3  # a draining worker that holds nothing and hears no ping this long stops
-DRAIN_LOG_S = 5.0  # a draining worker logs what it still holds at least this often
 
 
 BATCH_ASSEMBLY_S = 0.5  # how long a group the head dispatched together waits for its last members
 STANDING = "standing-slot"  # pool owner of standing receive slots
 UNMAPPED = "?"  # a heartbeat's head_id before that endpoint's head is known: no head takes it as its own
-
-
-class RequestCancelled(Exception):
-    """Raised inside a running request the head cancelled, to stop its stages early."""
-
-
-@dataclass
-class Push:
-    """A staged output on its way to a receiver: the Mooncake write under way out of it."""
-
-    request_id: str
-    staged: Allocation
-    write: PendingWrite
-
-
-@dataclass
-class Drain:
-    """A drain under way: since when, until when at most, and whether the head has acknowledged it."""
-
-    started: float
-    deadline: float
-    acknowledged: bool = False
-    last_report: str = ""
-    last_logged: float = 0.0
 
 
 class Worker:
@@ -234,7 +196,7 @@ class Worker:
                 with self._leading:
                     jobs = self._lead(link)
                 while jobs:  # the other thread leads meanwhile
-                    self._compute(link, jobs)
+                    compute.compute(self, link, jobs)
                     jobs = self._next_jobs()
         except BaseException as exc:  # a bug: stop the worker so that it is restarted, not left half-working
             log.exception("worker thread failed; stopping")
@@ -258,20 +220,20 @@ class Worker:
                     break  # run it now; the messages behind it are the next leader's
                 if not has_queued_message(work):
                     break
-            self._check_pushes(link)
+            pushes.check_pushes(self, link)
             if self._pushes and not received:
                 # Pace by the youngest write, the one polled most often; a message arriving meanwhile
                 # waits at most POLL_MAX_S (1 ms), and only behind writes already longer than that.
                 min(self._pushes, key=lambda p: p.write.elapsed()).write.pause()
             if self._drain_requested.is_set() and self._drain is None:
-                self._start_drain()
+                drain.start_drain(self)
             if self.instance and time.monotonic() >= self._next_beat:
                 self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
                 link.broadcast(self._heartbeat)
                 if not self.heads.single:  # a head silent this long is gone: release what it held here
                     for head in self.heads.silent_heads(self.args.disagg_heartbeat_timeout):
                         self._release_head(head, f"head {head} stopped pinging")
-            if self._drain is not None and self._drain_over(time.monotonic()):
+            if self._drain is not None and drain.drain_over(self, time.monotonic()):
                 self._stop.set()
         return []
 
@@ -322,63 +284,6 @@ class Worker:
     @property
     def draining(self) -> bool:
         return self._drain_requested.is_set()
-
-    def _start_drain(self) -> None:
-        now = time.monotonic()
-        self._drain = Drain(started=now, deadline=now + self.args.disagg_drain_timeout)
-        self._next_beat = 0.0  # tell the head now, not at the next beat
-        log.info(
-            "draining (SIGTERM): finishing held work (%s), then exiting; at most %gs (--disagg-drain-timeout)",
-            self._held_summary() or "nothing held", self.args.disagg_drain_timeout,
-        )  # fmt: skip
-
-    def _acknowledge_drain(self, head_id: str) -> None:
-        if self._drain is None:  # the ack overtook the leader's own start of the drain
-            self._start_drain()
-        if head_id not in self.heads.acknowledged():
-            self.heads.acknowledge(head_id)
-            log.info("head %s acknowledged the drain: it sends nothing more", head_id)
-
-    def _held_summary(self) -> str:
-        """What this worker still holds, in words; empty when nothing."""
-        with self._lock:
-            jobs = len(self._queue) + (1 if self._computing else 0)
-            staged, slots = len(self._staged), len(self._slots)
-            outstanding = len(self._outstanding)
-        counts = [
-            (jobs, "job"),
-            (staged, "staged output"),
-            (len(self._pushes), "push"),
-            (slots, "reserved slot"),
-            # Accepted requests not counted above (e.g. a job between leaving the queue and running).
-            (max(0, outstanding - jobs - slots), "other request"),
-        ]
-        return ", ".join(f"{n} {what}{'s' if n > 1 else ''}" for n, what in counts if n)
-
-    def _drain_over(self, now: float) -> bool:
-        """Whether the drain has ended: acknowledged and nothing held, head gone, or out of time."""
-        drain = self._drain
-        assert drain is not None
-        held = self._held_summary()
-        if held != drain.last_report or now - drain.last_logged >= DRAIN_LOG_S:
-            if held:
-                log.info("draining: %s left", held)
-            drain.last_report, drain.last_logged = held, now
-        drain.acknowledged = self.heads.all_acknowledged(self.args.disagg_heartbeat_timeout)
-        if not held and drain.acknowledged:
-            log.info("drained in %.2fs: the head acknowledged and nothing is held; exiting", now - drain.started)
-            return True
-        head_gone_s = HEAD_GONE_HEARTBEAT_TIMEOUTS * self.args.disagg_heartbeat_timeout
-        if not held and now - (self.heads.last_ping() or self._started) >= head_gone_s:
-            log.info("drained: nothing held and no ping from the head for %.0fs (head gone); exiting", head_gone_s)
-            return True
-        if now >= drain.deadline:
-            log.warning(
-                "drain timed out after %gs (--disagg-drain-timeout); abandoning %s",
-                self.args.disagg_drain_timeout, held or "nothing (waiting for the head's acknowledgement)",
-            )  # fmt: skip
-            return True
-        return False
 
     # --- head messages (leader) -------------------------------------------------------------
 
@@ -466,7 +371,7 @@ class Worker:
         elif isinstance(msg, TransferAlloc):
             self._allocate(link, msg)
         elif isinstance(msg, TransferPush):
-            self._start_push(link, msg)
+            pushes.start_push(self, link, msg)
         elif isinstance(msg, TransferReady):
             self._ready(link, msg)
         elif isinstance(msg, CancelWork):
@@ -483,7 +388,7 @@ class Worker:
                 reason = f"dropped: head {msg.head_id} replaced the head it came from"
                 link.send_to(endpoint, Failed(request_id, msg.instance, reason))
         if msg.drain_acknowledged and self.draining:
-            self._acknowledge_drain(msg.head_id)
+            drain.acknowledge_drain(self, msg.head_id)
         if self._drain is not None:  # acknowledged by every live head (a new one has not seen the drain)
             self._drain.acknowledged = self.heads.all_acknowledged(self.args.disagg_heartbeat_timeout)
         endpoint = self.heads.endpoint_of(msg.head_id)
@@ -623,193 +528,6 @@ class Worker:
     def _is_cancelled(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._cancelled
-
-    # --- computing (either thread) ----------------------------------------------------------
-
-    def _compute(self, link: HeadLinks, jobs: list[Job]) -> None:
-        """Run a group of compatible jobs as one batch (a single job alone); a failure or a cancel
-        fails only its own request, the others carry on."""
-        started = time.perf_counter()
-        if len(jobs) > 1:
-            log.info("running %d requests as one batch: %s", len(jobs), ", ".join(job.request_id for job in jobs))
-        prepared: list[tuple[Job, StageBatch]] = []
-        try:
-            for job in jobs:
-                with self._fails_alone(link, job):
-                    if self._is_cancelled(job.request_id):
-                        self.pool.free_owner(job.request_id)
-                        continue
-                    prepared.append((job, self._prepare(link, job)))
-            outcomes = self._run_stages([batch for _, batch in prepared])
-            ran = [(job, batch) for (job, batch), error in zip(prepared, outcomes, strict=True) if error is None]
-            together = len(prepared) if self._batches_forward(len(prepared)) else 1
-            # Reported together once all are staged, so that the head sees the batch arrive as one.
-            reports: list[tuple[Result | TransferStaged, list[Any]]] = []
-            for (job, batch), error in zip(prepared, outcomes, strict=True):
-                with self._fails_alone(link, job):
-                    if error is not None:
-                        raise error
-                    leader = together == 1 or job is ran[0][0]
-                    report = self._deliver(job, batch, started, together, leader)
-                    if report is not None:
-                        reports.append(report)
-            with self._lock:  # settled before the head hears: work it sends next finds the slots free
-                self._outstanding.difference_update(job.request_id for job in jobs)
-            for msg, frames in reports:
-                link.send(msg, frames)
-        finally:
-            with self._lock:
-                self._outstanding.difference_update(job.request_id for job in jobs)
-
-    @contextlib.contextmanager
-    def _fails_alone(self, link: HeadLinks, job: Job) -> Iterator[None]:
-        """Whatever goes wrong inside fails `job`'s request only, with the status its cause calls for."""
-        try:
-            yield
-        except RequestCancelled:
-            self.pool.free_owner(job.request_id)
-            self._space_freed(link)
-        except PayloadTooLarge as exc:
-            self.pool.free_owner(job.request_id)
-            link.send(Failed(job.request_id, self.instance, str(exc), status_code=413))
-        except BadReference as exc:  # the client's reference image (a URL the image encoder fetched)
-            self.pool.free_owner(job.request_id)
-            link.send(Failed(job.request_id, self.instance, str(exc), status_code=400))
-            self._space_freed(link)
-        except Exception as exc:  # any stage error fails only this request
-            log.exception("request %s failed", job.request_id, exc_info=exc)
-            self.pool.free_owner(job.request_id)
-            link.send(Failed(job.request_id, self.instance, f"{type(exc).__name__}: {exc}"))
-            self._space_freed(link)
-
-    def _batches_forward(self, n: int) -> bool:
-        """Whether `n` requests run as one batched forward here (simulated and multi-GPU stages run
-        them one at a time)."""
-        return n > 1 and hasattr(self.pipeline, "run_many")
-
-    def _run_stages(self, batches: list[StageBatch]) -> list[Exception | None]:
-        """This role's stages over the batches: one batched forward when the pipeline can (per
-        request, the exception it failed with or None)."""
-        if self._batches_forward(len(batches)):
-            return list(self.pipeline.run_many(batches))  # type: ignore[union-attr]
-        outcomes: list[Exception | None] = []
-        for batch in batches:
-            try:
-                self.pipeline.run(batch)
-            except Exception as exc:
-                outcomes.append(exc)
-            else:
-                outcomes.append(None)
-        return outcomes
-
-    def _prepare(self, link: HeadLinks, job: Job) -> StageBatch:
-        """The job's StageBatch: its incoming tensors loaded (its slot freed) and its progress reporting."""
-        batch = StageBatch(params=job.params)
-        if job.incoming is not None:
-            alloc, manifest, meta = job.incoming
-            batch.tensors = load_tensors(self.pool, alloc, manifest, self.device)
-            batch.meta = dict(meta)
-            with self._lock:
-                standing = self._standing.get(alloc.addr) is alloc
-            if not standing:  # the slot is free as soon as its bytes are copied out
-                self.pool.free(alloc)
-                self._space_freed(link)
-
-        def progress(step: int, total: int, latents: Any = None) -> None:
-            if self._is_cancelled(job.request_id):
-                raise RequestCancelled(job.request_id)
-            if job.progress:
-                preview = self._preview(job, step, latents)
-                link.send(Progress(job.request_id, self.instance, step, total, preview))
-
-        batch.on_progress = progress
-        return batch
-
-    def _deliver(
-        self, job: Job, batch: StageBatch, started: float, batch_size: int, leader: bool
-    ) -> tuple[Result | TransferStaged, list[Any]] | None:
-        """The job's outputs, ready to go on: pixels for the head (decoder), else staged for the next
-        role; the report to send the head (None: cancelled meanwhile, nothing to report)."""
-        if self._is_cancelled(job.request_id):  # cancelled while its batch ran on: discarded
-            raise RequestCancelled(job.request_id)
-        if self.returns_pixels:
-            specs, frames = tensors_to_frames({PIXELS: batch.tensors[PIXELS]})
-            seconds = time.perf_counter() - started
-            return Result(job.request_id, self.instance, specs, seconds, batch_size, leader), frames
-        staged = self._stage(job.request_id, batch)
-        if staged is None:
-            return None  # cancelled while waiting for room
-        allocation, manifest = staged
-        with self._lock:
-            if job.request_id in self._cancelled:
-                self.pool.free(allocation)
-                return None
-            self._staged[job.request_id] = allocation
-        seconds = time.perf_counter() - started
-        return TransferStaged(
-            job.request_id, self.instance, allocation.nbytes, manifest, batch.meta, seconds, batch_size, leader
-        ), []
-
-    def _preview(self, job: Job, step: int, latents: Any) -> bytes:
-        """The step's preview PNG when the request asked for one now (b"" otherwise, or when it fails:
-        a preview is never worth failing the request for)."""
-        if self.previewer is None or not should_preview(step, job.preview_every, latents):
-            return b""
-        try:
-            return self.previewer.png(latents, job.params)
-        except Exception:
-            log.exception("request %s: preview at step %d failed", job.request_id, step)
-            return b""
-
-    def _stage(self, request_id: str, batch: StageBatch) -> tuple[Allocation, list[dict[str, Any]]] | None:
-        """Copy outputs into the pool, waiting while it is full (back-pressure on this sender)."""
-        while True:
-            staged = stage_tensors(self.pool, batch.tensors, owner=request_id)
-            if staged is not None:
-                return staged.allocation, staged.manifest
-            if self._is_cancelled(request_id) or self._stop.is_set():
-                return None
-            time.sleep(STAGING_RETRY_S)
-
-    # --- pushes (leader) --------------------------------------------------------------------
-
-    def _start_push(self, link: HeadLinks, msg: TransferPush) -> None:
-        with self._lock:
-            staged = self._staged.pop(msg.request_id, None)
-        if staged is None:
-            link.send(Failed(msg.request_id, self.instance, "transfer_push for a request with nothing staged"))
-            return
-        try:
-            write = self.transport.submit_write(msg.dest_session, staged.addr, msg.dest_addr, staged.nbytes)
-        except Exception as exc:
-            self._end_push(link, msg.request_id, staged, self._push_failed(msg.request_id, exc))
-            return
-        self._pushes.append(Push(msg.request_id, staged, write))
-
-    def _check_pushes(self, link: HeadLinks) -> None:
-        """Report every push whose write has ended, and give its staged bytes back to the pool."""
-        for push in list(self._pushes):
-            try:
-                if not push.write.done():
-                    continue
-            except Exception as exc:
-                report: Failed | TransferPushed = self._push_failed(push.request_id, exc)
-            else:
-                report = TransferPushed(push.request_id, self.instance, push.staged.nbytes, push.write.elapsed())
-            self._pushes.remove(push)
-            self._end_push(link, push.request_id, push.staged, report)
-
-    def _push_failed(self, request_id: str, exc: Exception) -> Failed:
-        if not isinstance(exc, TransferError):  # a bug fails this request, never the worker
-            log.error("request %s: push failed", request_id, exc_info=exc)
-            return Failed(request_id, self.instance, f"{type(exc).__name__}: {exc}")
-        # A stalled write may still land: the head then keeps the receiver's slot out of use.
-        return Failed(request_id, self.instance, str(exc), write_pending=isinstance(exc, TransferStalled))
-
-    def _end_push(self, link: HeadLinks, request_id: str, staged: Allocation, report: Failed | TransferPushed) -> None:
-        link.send(report)
-        self.pool.free(staged)
-        self._space_freed(link)
 
 
 def run_worker(args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | ParallelPipeline | None = None) -> int:

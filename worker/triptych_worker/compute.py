@@ -1,0 +1,185 @@
+"""Running a worker's jobs (either thread): load inputs, run the role's stages, stage or return outputs.
+
+A group of compatible jobs runs as one batched forward where the pipeline can; whatever goes wrong
+fails only its own request (`_fails_alone`); a cancelled request stops at its next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from triptych.protocol import Failed, Progress, Result, TransferStaged, tensors_to_frames
+from triptych.reference import BadReference
+from triptych_worker.heads import HeadLinks
+from triptych_worker.job_groups import Job
+from triptych_worker.preview import should_preview
+from triptych_worker.stages import PIXELS, StageBatch
+from triptych_worker.transfer import Allocation, PayloadTooLarge, load_tensors, stage_tensors
+
+if TYPE_CHECKING:
+    from triptych_worker.runtime import Worker
+
+log = logging.getLogger(__name__)
+
+STAGING_RETRY_S = 0.01
+
+
+class RequestCancelled(Exception):
+    """Raised inside a running request the head cancelled, to stop its stages early."""
+
+
+def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
+    """Run a group of compatible jobs as one batch (a single job alone); a failure or a cancel
+    fails only its own request, the others carry on."""
+    started = time.perf_counter()
+    if len(jobs) > 1:
+        log.info("running %d requests as one batch: %s", len(jobs), ", ".join(job.request_id for job in jobs))
+    prepared: list[tuple[Job, StageBatch]] = []
+    try:
+        for job in jobs:
+            with _fails_alone(worker, link, job):
+                if worker._is_cancelled(job.request_id):
+                    worker.pool.free_owner(job.request_id)
+                    continue
+                prepared.append((job, _prepare(worker, link, job)))
+        outcomes = _run_stages(worker, [batch for _, batch in prepared])
+        ran = [(job, batch) for (job, batch), error in zip(prepared, outcomes, strict=True) if error is None]
+        together = len(prepared) if _batches_forward(worker, len(prepared)) else 1
+        # Reported together once all are staged, so that the head sees the batch arrive as one.
+        reports: list[tuple[Result | TransferStaged, list[Any]]] = []
+        for (job, batch), error in zip(prepared, outcomes, strict=True):
+            with _fails_alone(worker, link, job):
+                if error is not None:
+                    raise error
+                leader = together == 1 or job is ran[0][0]
+                report = _deliver(worker, job, batch, started, together, leader)
+                if report is not None:
+                    reports.append(report)
+        with worker._lock:  # settled before the head hears: work it sends next finds the slots free
+            worker._outstanding.difference_update(job.request_id for job in jobs)
+        for msg, frames in reports:
+            link.send(msg, frames)
+    finally:
+        with worker._lock:
+            worker._outstanding.difference_update(job.request_id for job in jobs)
+
+
+@contextlib.contextmanager
+def _fails_alone(worker: Worker, link: HeadLinks, job: Job) -> Iterator[None]:
+    """Whatever goes wrong inside fails `job`'s request only, with the status its cause calls for."""
+    try:
+        yield
+    except RequestCancelled:
+        worker.pool.free_owner(job.request_id)
+        worker._space_freed(link)
+    except PayloadTooLarge as exc:
+        worker.pool.free_owner(job.request_id)
+        link.send(Failed(job.request_id, worker.instance, str(exc), status_code=413))
+    except BadReference as exc:  # the client's reference image (a URL the image encoder fetched)
+        worker.pool.free_owner(job.request_id)
+        link.send(Failed(job.request_id, worker.instance, str(exc), status_code=400))
+        worker._space_freed(link)
+    except Exception as exc:  # any stage error fails only this request
+        log.exception("request %s failed", job.request_id, exc_info=exc)
+        worker.pool.free_owner(job.request_id)
+        link.send(Failed(job.request_id, worker.instance, f"{type(exc).__name__}: {exc}"))
+        worker._space_freed(link)
+
+
+def _batches_forward(worker: Worker, n: int) -> bool:
+    """Whether `n` requests run as one batched forward here (simulated and multi-GPU stages run
+    them one at a time)."""
+    return n > 1 and hasattr(worker.pipeline, "run_many")
+
+
+def _run_stages(worker: Worker, batches: list[StageBatch]) -> list[Exception | None]:
+    """This role's stages over the batches: one batched forward when the pipeline can (per
+    request, the exception it failed with or None)."""
+    if _batches_forward(worker, len(batches)):
+        return list(worker.pipeline.run_many(batches))  # type: ignore[union-attr]
+    outcomes: list[Exception | None] = []
+    for batch in batches:
+        try:
+            worker.pipeline.run(batch)
+        except Exception as exc:
+            outcomes.append(exc)
+        else:
+            outcomes.append(None)
+    return outcomes
+
+
+def _prepare(worker: Worker, link: HeadLinks, job: Job) -> StageBatch:
+    """The job's StageBatch: its incoming tensors loaded (its slot freed) and its progress reporting."""
+    batch = StageBatch(params=job.params)
+    if job.incoming is not None:
+        alloc, manifest, meta = job.incoming
+        batch.tensors = load_tensors(worker.pool, alloc, manifest, worker.device)
+        batch.meta = dict(meta)
+        with worker._lock:
+            standing = worker._standing.get(alloc.addr) is alloc
+        if not standing:  # the slot is free as soon as its bytes are copied out
+            worker.pool.free(alloc)
+            worker._space_freed(link)
+
+    def progress(step: int, total: int, latents: Any = None) -> None:
+        if worker._is_cancelled(job.request_id):
+            raise RequestCancelled(job.request_id)
+        if job.progress:
+            preview = _preview(worker, job, step, latents)
+            link.send(Progress(job.request_id, worker.instance, step, total, preview))
+
+    batch.on_progress = progress
+    return batch
+
+
+def _deliver(
+    worker: Worker, job: Job, batch: StageBatch, started: float, batch_size: int, leader: bool
+) -> tuple[Result | TransferStaged, list[Any]] | None:
+    """The job's outputs, ready to go on: pixels for the head (decoder), else staged for the next
+    role; the report to send the head (None: cancelled meanwhile, nothing to report)."""
+    if worker._is_cancelled(job.request_id):  # cancelled while its batch ran on: discarded
+        raise RequestCancelled(job.request_id)
+    if worker.returns_pixels:
+        specs, frames = tensors_to_frames({PIXELS: batch.tensors[PIXELS]})
+        seconds = time.perf_counter() - started
+        return Result(job.request_id, worker.instance, specs, seconds, batch_size, leader), frames
+    staged = _stage(worker, job.request_id, batch)
+    if staged is None:
+        return None  # cancelled while waiting for room
+    allocation, manifest = staged
+    with worker._lock:
+        if job.request_id in worker._cancelled:
+            worker.pool.free(allocation)
+            return None
+        worker._staged[job.request_id] = allocation
+    seconds = time.perf_counter() - started
+    return TransferStaged(
+        job.request_id, worker.instance, allocation.nbytes, manifest, batch.meta, seconds, batch_size, leader
+    ), []
+
+
+def _preview(worker: Worker, job: Job, step: int, latents: Any) -> bytes:
+    """The step's preview PNG when the request asked for one now (b"" otherwise, or when it fails:
+    a preview is never worth failing the request for)."""
+    if worker.previewer is None or not should_preview(step, job.preview_every, latents):
+        return b""
+    try:
+        return worker.previewer.png(latents, job.params)
+    except Exception:
+        log.exception("request %s: preview at step %d failed", job.request_id, step)
+        return b""
+
+
+def _stage(worker: Worker, request_id: str, batch: StageBatch) -> tuple[Allocation, list[dict[str, Any]]] | None:
+    """Copy outputs into the pool, waiting while it is full (back-pressure on this sender)."""
+    while True:
+        staged = stage_tensors(worker.pool, batch.tensors, owner=request_id)
+        if staged is not None:
+            return staged.allocation, staged.manifest
+        if worker._is_cancelled(request_id) or worker._stop.is_set():
+            return None
+        time.sleep(STAGING_RETRY_S)

@@ -1,0 +1,70 @@
+"""The Mooncake writes a worker's leader has under way: start one per TransferPush, report each
+when it ends, and give its staged bytes back to the pool."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from triptych.protocol import Failed, TransferPush, TransferPushed
+from triptych_worker.heads import HeadLinks
+from triptych_worker.transfer import Allocation, PendingWrite, TransferError, TransferStalled
+
+if TYPE_CHECKING:
+    from triptych_worker.runtime import Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Push:
+    """A staged output on its way to a receiver: the Mooncake write under way out of it."""
+
+    request_id: str
+    staged: Allocation
+    write: PendingWrite
+
+
+def start_push(worker: Worker, link: HeadLinks, msg: TransferPush) -> None:
+    with worker._lock:
+        staged = worker._staged.pop(msg.request_id, None)
+    if staged is None:
+        link.send(Failed(msg.request_id, worker.instance, "transfer_push for a request with nothing staged"))
+        return
+    try:
+        write = worker.transport.submit_write(msg.dest_session, staged.addr, msg.dest_addr, staged.nbytes)
+    except Exception as exc:
+        _end_push(worker, link, msg.request_id, staged, _push_failed(worker, msg.request_id, exc))
+        return
+    worker._pushes.append(Push(msg.request_id, staged, write))
+
+
+def check_pushes(worker: Worker, link: HeadLinks) -> None:
+    """Report every push whose write has ended, and give its staged bytes back to the pool."""
+    for push in list(worker._pushes):
+        try:
+            if not push.write.done():
+                continue
+        except Exception as exc:
+            report: Failed | TransferPushed = _push_failed(worker, push.request_id, exc)
+        else:
+            report = TransferPushed(push.request_id, worker.instance, push.staged.nbytes, push.write.elapsed())
+        worker._pushes.remove(push)
+        _end_push(worker, link, push.request_id, push.staged, report)
+
+
+def _push_failed(worker: Worker, request_id: str, exc: Exception) -> Failed:
+    if not isinstance(exc, TransferError):  # a bug fails this request, never the worker
+        log.error("request %s: push failed", request_id, exc_info=exc)
+        return Failed(request_id, worker.instance, f"{type(exc).__name__}: {exc}")
+    # A stalled write may still land: the head then keeps the receiver's slot out of use.
+    return Failed(request_id, worker.instance, str(exc), write_pending=isinstance(exc, TransferStalled))
+
+
+def _end_push(
+    worker: Worker, link: HeadLinks, request_id: str, staged: Allocation, report: Failed | TransferPushed
+) -> None:
+    link.send(report)
+    worker.pool.free(staged)
+    worker._space_freed(link)
