@@ -481,8 +481,8 @@ def _head_batching() -> Field:
 
 def _head() -> Field:
     replicas = (
-        "0 or 1: the head holds request state and every worker serves exactly one head, so there is never more "
-        "than one (see docs/operator.md#head-rollouts-drain-and-results)."
+        "0 or 1: workers can serve several heads, but URL images and video jobs are not yet shared between "
+        "heads, so the operator runs at most one (see docs/operator.md#head-rollouts-drain-and-results)."
     )
     policy = "`--disagg-dispatch-policy` (the enum is `triptych.config.DISPATCH_POLICIES`)."
     drain = (
