@@ -100,6 +100,7 @@ class LocalDeployment:
     workdir: Path = Path(".")
     keys_dir: Path | None = None  # the control plane's key set (--disagg-keys-dir), None when unauthenticated
     head_urls: list[str] = field(default_factory=list)  # every head's HTTP address (replicated heads: several)
+    head_scheduler_ports: list[int] = field(default_factory=list)  # and its --scheduler-port (frontend, results)
 
     def workers(self, role: Role) -> list[Proc]:
         return [p for p in self.procs if p.role is role]
@@ -290,7 +291,7 @@ def local_deployment(
     server_addr = ";".join(f"tcp://{host}:{s}" for s, _ in head_ports)
     dep = LocalDeployment(
         http=f"http://{host}:{http}", scheduler_port=sched, spare=spare_ports, env=env, workdir=workdir,
-        head_urls=[f"http://{host}:{h}" for _, h in head_ports],
+        head_urls=[f"http://{host}:{h}" for _, h in head_ports], head_scheduler_ports=[s for s, _ in head_ports],
     )  # fmt: skip
     if discovery_files:
         dep.endpoint_files = {role: workdir / f"{role.value}.endpoints" for role in roles}
