@@ -73,12 +73,15 @@ def test_topologies_and_routes() -> None:
     assert Role.ENCODER.runs_affinity(Role.IMAGE_ENCODER) and not Role.PROMPT_ENCODER.runs_affinity(Role.IMAGE_ENCODER)
 
 
+STATE_WORDS = {state.value for state in RequestState} | {state.value.split("_")[0] for state in RequestState}
+
+
 def _role_lists(tree: ast.AST) -> list[tuple[int, list[str]]]:
-    """Collection displays (tuple, list, set, dict keys) naming two or more worker roles."""
+    """Collection displays (tuple, list, set, dict keys or values) naming two or more worker roles."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Dict):
-            items: list[ast.expr | None] = list(node.keys)
+            items: list[ast.expr | None] = [*node.keys, *node.values]
         elif isinstance(node, ast.Tuple | ast.List | ast.Set):
             items = list(node.elts)
         else:
@@ -92,6 +95,41 @@ def _role_lists(tree: ast.AST) -> list[tuple[int, list[str]]]:
         if len(names) >= 2:
             found.append((node.lineno, sorted(names)))
     return found
+
+
+def _state_to_role_chains(tree: ast.AST) -> list[tuple[int, list[str]]]:
+    """Functions that name two or more worker roles beside request states: a hand mapping of states
+    to roles (an if-chain, or a lookup), which ROLE_STATES and RequestEvent.role make unnecessary."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        strings = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+        roles, states = strings & WORKER_VALUES, strings & STATE_WORDS
+        if len(roles) >= 2 and states:
+            found.append((node.lineno, sorted(roles | states)))
+    return found
+
+
+def test_the_checks_catch_a_hand_mapping_of_states_to_roles() -> None:
+    as_dict = 'ROLE_OF = {"ENCODER": "encoder", "DENOISING": "denoiser"}'
+    as_chain = (
+        "def role_of(state):\n"
+        "    if state.startswith('ENCODER'):\n        return 'encoder'\n"
+        "    if state == 'DENOISING_RUNNING':\n        return 'denoiser'\n"
+    )
+    assert _role_lists(ast.parse(as_dict)) and _state_to_role_chains(ast.parse(as_chain))
+
+
+@pytest.mark.parametrize("folder", SOURCES)
+def test_no_state_to_role_mapping_by_hand(folder: str) -> None:
+    offenders = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        if path == ROOT / "triptych" / "roles.py" or "tiny_models" in path.parts:
+            continue
+        for line, names in _state_to_role_chains(ast.parse(path.read_text(), str(path))):
+            offenders.append(f"{path.relative_to(ROOT)}:{line}: {names}")
+    assert offenders == [], "use triptych_head.state.ROLE_STATES or RequestEvent.role:\n" + "\n".join(offenders)
 
 
 @pytest.mark.parametrize("folder", SOURCES)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from triptych.contract import CONTRACT, EDITS, IMAGES, MAX_SIDE, MIN_SIDE, VIDEOS, Contract, RequestParam
+from triptych_head.state import RequestState
 
 SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
@@ -124,7 +125,7 @@ class VideoJob(BaseModel):
     progress: int = Field(0, description="Percent of denoising steps done")
     step: int = 0
     total_steps: int = 0
-    state: str = "PENDING"
+    state: str = RequestState.PENDING.value
     created_at: int
     completed_at: int | None = None
     size: str

@@ -135,7 +135,7 @@ class VideoJobs:
             if entry.task is not None:
                 entry.task.cancel()
                 await asyncio.gather(entry.task, return_exceptions=True)
-            entry.job.status, entry.job.state = "failed", "FAILED"
+            entry.job.status, entry.job.state = "failed", RequestState.FAILED.value
             entry.job.error = {"message": SHUT_DOWN, "code": "head_shut_down"}
             entry.job.completed_at = int(time.time())
             self.save(entry)
