@@ -117,6 +117,8 @@ class TriptychClient:
                     response.read()
                     raise ClientError(f"{response.status_code}: {_error_text(response)}")
                 yield from iter_sse(response.iter_lines())
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never connected: nothing was lost
+            raise ClientError(f"cannot reach {self.url}: {exc}") from None
         except httpx.HTTPError as exc:
             raise ClientError(f"lost the connection to {self.url}: {exc}") from None
 

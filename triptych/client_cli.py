@@ -88,11 +88,17 @@ def run_client_command(ns: argparse.Namespace) -> int:
             return _images(client.stream_edits(request_body(ns), Reference.of(ns.image)), ns, console)
         if ns.command == "video":
             return _video(client, ns, console)
-        return _status(client, Console())
+        out = Console()
+        # Off a terminal (CI logs, pipes) rich would fit the table into 80 columns and cut every
+        # address to "tcp://127.0…": a log is read whole, so give the table the room it needs.
+        return _status(client, out if out.is_terminal else Console(width=STATUS_WIDTH_OFF_TERMINAL))
     except ClientError as exc:
         return print_error(console, str(exc))
     finally:
         client.close()
+
+
+STATUS_WIDTH_OFF_TERMINAL = 1000
 
 
 def print_error(console: Console, message: str) -> int:
@@ -217,7 +223,11 @@ def _status(client: TriptychClient, console: Console) -> int:
     draining = "  (draining)" if view.get("draining") else ""
     table = Table(title=f"{client.url}  model {view['model']}{topology}{draining}")
     for column in ("role", "instance", "state", "free slots", "queued", "running", "dispatched"):
-        table.add_column(column, justify="right" if column in ("queued", "running", "dispatched") else "left")
+        table.add_column(
+            column,
+            justify="right" if column in ("queued", "running", "dispatched") else "left",
+            no_wrap=column == "instance",  # an address is copied whole, never cut or folded
+        )
     for role, info in view["roles"].items():
         instances = info["instances"] or [None]
         for i, inst in enumerate(instances):

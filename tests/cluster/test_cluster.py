@@ -340,6 +340,8 @@ def test_up_then_down_leaves_nothing_behind(k8s_toolchain: dict[str, str], tmp_p
     """A second, throw-away cluster on other ports and another state dir (the session cluster is untouched)."""
     port_settings = free_port_settings()
     ports = [int(p) for p in port_settings.values()]
+    flex = Path("/usr/libexec/kubernetes/kubelet-plugins/volume/exec")  # kube-controller-manager's default
+    flex_before = flex.exists()
     env = dict(os.environ, TRIPTYCH_CLUSTER_DIR=str(tmp_path / "cluster"), TRIPTYCH_GPU_NODES="1", **port_settings)
     settings = cluster_settings(env)
     kenv = cluster_env(settings, env)
@@ -380,3 +382,4 @@ def test_up_then_down_leaves_nothing_behind(k8s_toolchain: dict[str, str], tmp_p
     assert _our_processes(settings["CLUSTER_DIR"]) == []
     assert not set(ports) & _listening_ports()
     assert not Path(settings["CLUSTER_DIR"]).exists()
+    assert flex_before or not flex.exists(), f"{flex}: made by the controller manager outside the cluster dir"

@@ -628,6 +628,7 @@ def test_helm_uninstall_removes_every_chart_object(real_node: KubeCluster, chart
 def test_node_down_leaves_nothing_behind(real_node: KubeCluster) -> None:
     env = json.loads(real_node.settings["_env"])
     poll(lambda: real_node.settings["NODE_NAME"] in real_node.kubectl("get", "nodes").stdout, what="the real node")
+    preexisting = set((Path(real_node.settings["NODE_DIR"]) / "preexisting").read_text().split())
     t0 = time.monotonic()
     down = subprocess.run(
         ["bash", str(CLUSTER_SRC / "down.sh"), "--purge"], env=env, capture_output=True, text=True, timeout=180
@@ -636,3 +637,5 @@ def test_node_down_leaves_nothing_behind(real_node: KubeCluster) -> None:
     print(f"cluster with a real node down in {time.monotonic() - t0:.1f} s:\n{down.stdout}")
     assert _host_leftovers(real_node.settings) == []
     assert not Path(real_node.state_dir).exists()
+    for path in ("/run/netns", "/usr/libexec/kubernetes"):  # the machine as the node found it
+        assert path in preexisting or not Path(path).exists(), f"{path} was made by the node and left behind"

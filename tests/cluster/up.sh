@@ -152,6 +152,7 @@ start_on "$KCM_PORT" kube-controller-manager \
   --cluster-signing-cert-file="$CERTS/ca.crt" \
   --cluster-signing-key-file="$CERTS/ca.key" \
   --allocate-node-cidrs=true \
+  --flex-volume-plugin-dir="$CLUSTER_DIR/flexvolume" \
   --cluster-cidr="$POD_CIDR" \
   --node-cidr-mask-size=24 \
   --service-cluster-ip-range="$SERVICE_CIDR" \

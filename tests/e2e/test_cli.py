@@ -22,6 +22,7 @@ import pytest
 from tests.e2e.harness import deployment
 from tests.worker.test_role_pipelines import reference_png
 from triptych.client import Reference, TriptychClient
+from triptych.roles import Role
 from triptych_dev.localdeploy import LocalDeployment
 
 pytestmark = pytest.mark.slow
@@ -86,13 +87,17 @@ def test_generate_n_writes_numbered_files_and_a_missing_key_is_a_one_line_error(
     assert bad.returncode == 1 and "size" in bad.stderr and "64by64" in bad.stderr
     gone = triptych("status", "--url", "http://127.0.0.1:9")
     assert gone.returncode == 1 and gone.stderr.startswith("triptych: error: cannot reach http://127.0.0.1:9")
+    nowhere = triptych("generate", "boats", "-o", str(out), "--url", "http://127.0.0.1:9")  # streams: never connected
+    assert nowhere.returncode == 1 and nowhere.stderr.startswith("triptych: error: cannot reach http://127.0.0.1:9")
 
 
 def test_status_prints_each_role_s_instances_and_free_slots(wan: LocalDeployment):
-    done = triptych("status", "--url", wan.http, env={"COLUMNS": "200"})
+    done = triptych("status", "--url", wan.http)  # off a terminal, as in a CI log: no width to fit
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if "tcp://127.0.0.1:" in line]
     assert len(rows) == 4, done.stdout  # one encoder, two denoisers, one decoder
+    workers = [p.url for p in wan.procs if p.role is not Role.SERVER]
+    assert sorted(url for row in rows for url in workers if f" {url} " in row) == sorted(workers), done.stdout
     assert all("ready" in row and "2/2" in row for row in rows), done.stdout
     assert [row.split("│")[1].strip() for row in rows] == ["encoder", "denoiser", "", "decoder"]
 
