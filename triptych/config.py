@@ -86,6 +86,7 @@ def parse_endpoint_spec(url: str) -> None:
 @dataclass
 class ServeArgs:
     model_path: str
+    served_model_name: str | None = None  # the id requests name and /v1/models lists first
     disagg_role: Role = Role.MONOLITHIC
     disagg_server_addr: str | None = None
     scheduler_port: int = DEFAULT_SCHEDULER_PORT
@@ -179,6 +180,11 @@ class ServeArgs:
     def validate(self) -> None:
         """Raise ConfigError for a missing or contradictory flag, naming it and the fix."""
         role = self.disagg_role
+        if self.served_model_name is not None:
+            if role.is_worker:
+                raise ConfigError(f"--served-model-name is for the head (server or monolithic), not {role.value}")
+            if not self.served_model_name.strip():
+                raise ConfigError("--served-model-name is empty: give the id clients send as `model`")
         if role.is_worker and not self.disagg_server_addr:
             raise ConfigError(f"--disagg-role {role.value} needs --disagg-server-addr tcp://HEAD:SCHEDULER_PORT")
         if self.disagg_server_addr:
@@ -381,6 +387,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     d = ServeArgs(model_path="")
     a = grouped_adder(parser)  # --help lists them by who uses them (serve_help.py)
     a("--model-path", required=True, help="diffusers-format model directory (same package on every process)")
+    a("--served-model-name", default=None,
+      help="head/monolithic: the model id requests name and /v1/models lists first; the --model-path as "
+           "given, its hub id and its folder's name are accepted too")  # fmt: skip
     roles = "{" + ",".join(r.value for r in Role) + "}"
     a("--disagg-role", type=Role, choices=list(Role), default=d.disagg_role, metavar=roles,
       help="what this process runs (default: monolithic)")  # fmt: skip

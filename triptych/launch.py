@@ -6,7 +6,7 @@ import logging
 import sys
 
 from triptych.config import ConfigError, ServeArgs
-from triptych.model_source import ModelSourceError, resolve_model_path
+from triptych.model_source import ModelSourceError, model_names, resolve_model_path
 from triptych.reference import allow_url_networks, parse_networks
 from triptych.roles import Role
 
@@ -28,9 +28,10 @@ EXTRA_OF_PACKAGE = {
 def serve(args: ServeArgs) -> int:
     configure_logging(args)
     try:
-        args.model_path = resolve_model_path(args.model_path)
+        given = args.model_path
+        args.model_path = resolve_model_path(given)
         allow_url_networks(parse_networks(args.reference_url_networks))  # image edits' URL references
-        return _serve_role(args)
+        return _serve_role(args, model_names(given, args.model_path, args.served_model_name))
     except (ModelSourceError, ConfigError) as exc:  # e.g. unreadable --disagg-keys-dir, found at start-up
         print(f"triptych: error: {exc}", file=sys.stderr)
         return 2
@@ -47,15 +48,15 @@ def serve(args: ServeArgs) -> int:
         return 2
 
 
-def _serve_role(args: ServeArgs) -> int:
+def _serve_role(args: ServeArgs, names: list[str]) -> int:
     if args.disagg_role is Role.SERVER:
         from triptych_head.main import run_head
 
-        return run_head(args)
+        return run_head(args, names)
     if args.disagg_role is Role.MONOLITHIC:
         from triptych_head.main import run_monolithic
 
-        return run_monolithic(args)
+        return run_monolithic(args, names)
     from triptych_worker.runtime import run_worker
 
     return run_worker(args)

@@ -17,6 +17,15 @@ class ModelSourceError(ValueError):
     """The model cannot be found or fetched; the message says what to do."""
 
 
+def model_names(given: str, resolved: str, served: str | None = None) -> list[str]:
+    """The ids a request's `model` may name, the one to show first: --served-model-name, else the hub
+    id the path was given as, else the package folder's name; then the others, and --model-path as given."""
+    folder = Path(resolved).resolve().name
+    hub = given if not Path(given).is_dir() and HUB_ID.match(given) else None
+    names = [served, hub, folder, given]
+    return list(dict.fromkeys(n for n in names if n))
+
+
 def resolve_model_path(model_path: str) -> str:
     """A local directory holding model_index.json for `model_path` (a directory or a hub id)."""
     local = Path(model_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +46,11 @@ def _http_guards(args: ServeArgs) -> dict[str, Any] | None:
     return {"api_keys": keys, "max_request_bytes": args.max_request_bytes}
 
 
-def run_head(args: ServeArgs) -> int:
+def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
     guards = _http_guards(args)
     if guards is None:
         return 2
-    model = read_model_info(args.model_path)  # its family's limits: the API checks requests with them
+    model = read_model_info(args.model_path, names)  # its family's limits: the API checks requests with them
     metrics = HeadMetrics()
     server = DiffusionServer(args, metrics)
     loop = threading.Thread(target=server.run, name="diffusion-server", daemon=True)
@@ -77,14 +77,14 @@ def run_head(args: ServeArgs) -> int:
     return 0
 
 
-def run_monolithic(args: ServeArgs) -> int:
+def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
     # The one place the head reaches into the worker package: monolithic mode runs the stages in-process.
     from triptych_worker.pipeline import load_role_pipeline
 
     guards = _http_guards(args)
     if guards is None:
         return 2
-    model = read_model_info(args.model_path)
+    model = read_model_info(args.model_path, names)
     pipeline = load_role_pipeline(args.model_path, args.disagg_role, args.resolved_device)
     metrics = HeadMetrics()
     ctx = HeadContext(

@@ -71,10 +71,12 @@ def backend():
     return ScriptedBackend()
 
 
-def make_client(backend, tmp_path: Path, kind: str = "video", retention: Retention | None = None) -> TestClient:
+def make_client(
+    backend, tmp_path: Path, kind: str = "video", retention: Retention | None = None, model: ModelInfo | None = None
+) -> TestClient:
     ctx = HeadContext(
         backend=backend,
-        model=ModelInfo("tiny", "WanPipeline" if kind == "video" else "FluxPipeline", kind, 4, 3.5),
+        model=model or ModelInfo("tiny", "WanPipeline" if kind == "video" else "FluxPipeline", kind, 4, 3.5),
         output_path=tmp_path,
         registry=CollectorRegistry(),
         validate=validate,
@@ -190,3 +192,18 @@ def test_openapi_models_health_metrics(client):
     assert card["id"] == "tiny" and card["edits"] is False  # the playground shows no reference upload
     assert client.get("/health").json()["status"] == "ok"
     assert client.get("/metrics").status_code == 200
+
+
+def test_every_name_of_the_model_is_accepted_and_listed_and_another_is_a_404_naming_them(backend, tmp_path):
+    ctx_model = ModelInfo("wan", "WanPipeline", "video", 4, 3.5, aliases=("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "0123"))
+    with make_client(backend, tmp_path, model=ctx_model) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == list(ctx_model.names)
+        for name in ctx_model.names:
+            r = c.post("/v1/videos", json={"model": name, "prompt": "raccoon", "size": "64x32", "num_frames": 5})
+            assert r.status_code == 200, (name, r.text)
+        r = c.post("/v1/videos", json={"model": "other/model", "prompt": "raccoon"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        assert (
+            "'wan'" in r.json()["error"]["message"]
+            and "'Wan-AI/Wan2.1-T2V-1.3B-Diffusers'" in r.json()["error"]["message"]
+        )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from triptych.model_source import ModelSourceError, resolve_model_path
+from triptych.model_source import ModelSourceError, model_names, resolve_model_path
 
 
 def test_local_package_is_used_as_is(tmp_path):
@@ -39,3 +41,58 @@ def test_serve_exits_with_one_line_for_a_bad_model_path(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("triptych: error: --model-path")
+
+
+def hub_cache(tmp_path, package, repo_id: str):
+    """`package` as the hub client's cache holds a downloaded snapshot of `repo_id` (HF_HOME layout)."""
+    import shutil
+
+    repo = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(package, repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    return tmp_path
+
+
+def test_a_hub_id_resolves_to_its_cached_snapshot_and_is_a_name_of_the_model(tmp_path):
+    """The reference design's requests name the model by its hub id: accepted although the package's
+    folder is a snapshot hash (huggingface_hub's own offline lookup, no network; a fresh process,
+    since the hub client reads HF_HOME when it is imported)."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "model_index.json").write_text("{}")
+    given = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    home = hub_cache(tmp_path / "home", package, given)
+    code = (
+        "import json, sys; from triptych.model_source import model_names, resolve_model_path; "
+        "r = resolve_model_path(sys.argv[1]); print(json.dumps([r, model_names(sys.argv[1], r), "
+        "model_names(sys.argv[1], r, 'wan')]))"
+    )
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code, given], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    resolved, names, served = json.loads(out.stdout)
+    assert resolved.endswith("snapshots/0123abcd")
+    assert names == [given, "0123abcd"] and served == ["wan", given, "0123abcd"]
+
+
+def test_a_local_path_is_named_by_its_folder_first_then_as_given(tmp_path):
+    (tmp_path / "tiny-flux").mkdir()
+    assert model_names(str(tmp_path / "tiny-flux"), str(tmp_path / "tiny-flux")) == [
+        "tiny-flux", str(tmp_path / "tiny-flux"),
+    ]  # fmt: skip
+    assert model_names("tiny-flux", "tiny-flux", "flux") == ["flux", "tiny-flux"]
+
+
+def test_served_model_name_is_for_the_head_only():
+    from triptych.cli import build_parser
+    from triptych.config import ConfigError, ServeArgs
+
+    def args(*argv: str) -> ServeArgs:
+        return ServeArgs.from_namespace(build_parser().parse_args(["serve", "--model-path", "m", *argv]))
+
+    assert args("--served-model-name", "wan").served_model_name == "wan"
+    with pytest.raises(ConfigError, match="--served-model-name is for the head"):
+        args("--served-model-name", "wan", "--disagg-role", "encoder", "--disagg-server-addr", "tcp://h:1")
+    with pytest.raises(ConfigError, match="--served-model-name is empty"):
+        args("--served-model-name", " ")

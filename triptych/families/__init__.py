@@ -11,6 +11,7 @@ from it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -53,6 +54,12 @@ class ModelInfo:
     max_steps: int = 1000  # the scheduler's timesteps
     frame_step: int = 1  # videos have 1 + k * frame_step frames
     negative_prompt: bool = True  # takes a negative prompt (classifier-free guidance)
+    aliases: tuple[str, ...] = ()  # other ids a request may name it by (--model-path as given, hub id, ...)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every id a request's `model` may be, `id` first."""
+        return (self.id, *(a for a in self.aliases if a != self.id))
 
 
 def family_of(package: ModelPackage) -> ModelFamily:
@@ -66,13 +73,16 @@ def family_of(package: ModelPackage) -> ModelFamily:
     return family
 
 
-def read_model_info(model_path: str | Path) -> ModelInfo:
-    """The model card of the package at `model_path`; ValueError naming what is wrong with it."""
+def read_model_info(model_path: str | Path, names: Sequence[str] = ()) -> ModelInfo:
+    """The model card of the package at `model_path`, known by `names` (the first is its id; default:
+    the folder's name); ValueError naming what is wrong with it."""
     package = ModelPackage.read(model_path)
     family = family_of(package)
     rules = family.rules(package)
+    names = list(names) or [Path(model_path).resolve().name]
     return ModelInfo(
-        id=Path(model_path).resolve().name,
+        id=names[0],
+        aliases=tuple(names[1:]),
         pipeline_class=package.class_name,
         kind=family.kind,
         default_steps=family.default_steps,

@@ -75,9 +75,12 @@ class HeadContext:
         contract with the model family's limits: the one validation a request gets. APIError (400,
         naming the parameter) for a value the model cannot take."""
         values = body.model_dump()
-        if values["model"] is not None and values["model"] != self.model.id:
+        if values["model"] is not None and values["model"] not in self.model.names:
             raise APIError(
-                404, f"model {values['model']!r} is not served here; this deployment serves {self.model.id!r}", "model"
+                404,
+                f"model {values['model']!r} is not served here; this deployment serves {self.model.id!r} "
+                f"(also named {', '.join(repr(n) for n in self.model.names[1:]) or 'nothing else'})",
+                "model",
             )
         if values["size"] is not None:
             width, height = parse_size(values["size"])

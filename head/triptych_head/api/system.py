@@ -20,10 +20,11 @@ router = APIRouter(tags=["system"])
 async def list_models(request: Request) -> ModelList:
     ctx: HeadContext = request.app.state.ctx
     model = ctx.model
-    card = ModelCard(
-        id=model.id, created=ctx.started, pipeline=model.pipeline_class, kind=model.kind, edits=model.edits
-    )
-    return ModelList(data=[card])
+    cards = [  # one card per name a request may use, the model's id first
+        ModelCard(id=name, created=ctx.started, pipeline=model.pipeline_class, kind=model.kind, edits=model.edits)
+        for name in model.names
+    ]
+    return ModelList(data=cards)
 
 
 @router.get("/v1/contract")
