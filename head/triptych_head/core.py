@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from triptych.config import ServeArgs
+from triptych.families.package import package_fingerprint
 from triptych.params import GenerationParams
 from triptych.protocol import (
     Cancel,
@@ -102,6 +103,7 @@ class HeadCore:
         ordered = [role for role in WORKER_ROLES if role in self.roles]
         self.membership = Membership(ordered, args.disagg_heartbeat_timeout, self.metrics, transport, clock)
         self.head_id = self.membership.head_id  # every message to a worker names it
+        self.model_fingerprint = package_fingerprint(args.model_path)  # a worker with another model gets no work
         self.requests: dict[str, RequestRecord] = {}  # by the client's request id
         self.attempts: dict[str, RequestRecord] = {}  # the same records by the id workers know (wire_id)
         self.held_slots: dict[str, HeldSlot] = {}  # receive slots of ended requests, freed once their write is over
@@ -277,6 +279,7 @@ class HeadCore:
         )
         inst.held, inst.peak_held = msg.held, msg.peak_held
         self._check_topology(inst, msg)
+        self._check_model(inst, msg)
 
     def _on_late(self, inst: WorkerInstance, msg: Any) -> None:
         """A message of an attempt that ended: free what the worker still holds for it."""
@@ -297,6 +300,19 @@ class HeadCore:
             head = "lists only --denoiser-urls (a full-pipeline pool)" if self.full_pipeline else "routes through roles"
             log.error("%s %s %s but this head %s: it gets no work", inst.role.value, inst.url, worker, head)
         inst.wrong_topology = wrong
+
+    def _check_model(self, inst: WorkerInstance, msg: Heartbeat) -> None:
+        """A worker that loaded another package would compute another model's tensors: it gets no
+        work, and the head says why once (the reference design: the same package on every process)."""
+        mine, theirs = self.model_fingerprint, msg.model_fingerprint
+        wrong = bool(mine and theirs and mine != theirs)
+        if wrong and not inst.wrong_model:
+            log.error(
+                "%s %s serves model %s (fingerprint %s), not this head's %s (%s): it gets no work; "
+                "start it with the same --model-path package", inst.role.value, inst.url, msg.model, theirs,
+                self.args.model_path, mine,
+            )  # fmt: skip
+        inst.wrong_model = wrong
 
     def holds_anything(self, url: str) -> bool:
         """Whether some request (or a receive slot still being written) involves this worker."""

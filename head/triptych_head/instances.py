@@ -42,6 +42,7 @@ class WorkerInstance:
     full_pipeline: bool = False  # it runs every stage and returns pixels (--disagg-full-pipeline)
     # It runs the whole pipeline and the head routes through role pools, or the reverse: it never gets work.
     wrong_topology: bool = False
+    wrong_model: bool = False  # its package is not the head's (another fingerprint): it never gets work
     encoder_cache: EncoderCacheStats | None = None  # its prompt-embedding cache, as of its last heartbeat
     via: str = ""  # the endpoint its heartbeats reach this head by (echoed in pings)
     # Scheduling slots it holds for other heads (it serves several); a WorkRefused counts it full
@@ -56,7 +57,7 @@ class WorkerInstance:
     def ready(self, now: float, heartbeat_timeout: float) -> bool:
         """Alive and taking new work: not draining, still listed by discovery."""
         return self.alive(now, heartbeat_timeout) and not (
-            self.draining or self.leaving or self.suspect or self.wrong_topology
+            self.draining or self.leaving or self.suspect or self.wrong_topology or self.wrong_model
         )
 
     @property

@@ -186,6 +186,7 @@ class Membership:
                     "dispatched": i.dispatched_total,
                     "full_pipeline": i.full_pipeline,
                     "wrong_topology": i.wrong_topology,
+                    "wrong_model": i.wrong_model,
                 }
                 for i in by_url.values()
             ]

@@ -84,6 +84,8 @@ def _fail_roles_without_instances(core: HeadCore, now: float) -> None:
         if wrong := sum(1 for i in alive if i.wrong_topology):
             flag = "without" if core.full_pipeline else "with"
             reason += f" ({wrong} started {flag} --disagg-full-pipeline, which this head's URL flags do not match)"
+        if other := sum(1 for i in alive if i.wrong_model):
+            reason += f" ({other} serve another model than this head's --model-path)"
         for rid in list(queue):
             rec = core.requests.get(rid)
             if rec is not None and rec.role is role and rec.instance is None:

@@ -105,6 +105,7 @@ class SimWorker:
     session: str
     alive: bool = True
     owner: dict[str, str] = field(default_factory=dict)  # request id -> the head it came from
+    fingerprint: str = ""  # its model package's (heartbeats report it)
     computing: set[str] = field(default_factory=set)  # request ids whose stages it runs now
     staged: set[str] = field(default_factory=set)  # request ids whose outputs it holds for a push
     reserved: dict[int, str] = field(default_factory=dict)  # allocated receive slot -> the request it is for
@@ -120,7 +121,7 @@ class SimWorker:
         others = sum(1 for r in self.held() if self.owner.get(r) != head_id)
         return Heartbeat(
             self.url, self.role.value, self.session, POOL_BYTES, POOL_BYTES, CAPACITY, "m",
-            head_id=head_id, others_busy=others, held=len(self.held()),
+            head_id=head_id, others_busy=others, held=len(self.held()), model_fingerprint=self.fingerprint,
         )  # fmt: skip
 
     def start(self, rid: str) -> None:
@@ -183,7 +184,11 @@ class Harness:
         return [c for c in self.cores if c.head_id not in self.dead]
 
     def tick(self) -> None:
-        """Live workers heartbeat to every live head, then each head's upkeep runs."""
+        """Live workers heartbeat to every live head, then each head's upkeep runs. A worker's leader
+        handles every message waiting on its socket before it heartbeats: a live worker is never
+        seconds behind on what a head sent it."""
+        while waiting := [i for i, (url, _) in enumerate(self.pending) if self.workers[url].alive]:
+            self.deliver(waiting[0])
         for core in self.live_cores():
             for w in self.workers.values():
                 if w.alive:
@@ -239,7 +244,8 @@ class Harness:
         worker = self.workers[url]
         if worker.alive:
             self._handle(worker, msg)
-            worker.check_capacity()
+            if self.several:
+                worker.check_capacity()
 
     def fail(self, index: int) -> bool:
         """The worker the index-th pending message went to fails the oldest one on that link, if that
@@ -383,8 +389,9 @@ class Harness:
                     if key in seen:
                         raise SlotViolation(f"{rec.wire_id} and {seen[key]} both in slot {key}")
                     seen[key] = rec.wire_id
-        for w in self.workers.values():
-            w.check_capacity()
+        if self.several:  # a worker serving several heads enforces its capacity itself (one head: its ledger does)
+            for w in self.workers.values():
+                w.check_capacity()
 
     def check_idle(self) -> None:
         """Nothing is held anywhere once every request ended: not by a live head, not on a worker."""

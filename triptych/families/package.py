@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -44,6 +45,18 @@ class ModelPackage:
         entry = self.index.get(component)
         return isinstance(entry, list) and entry[0] is not None
 
+    def fingerprint(self) -> str:
+        """What makes two copies of a package the same model, from its JSON files only: the index and
+        every present component's config (weights are not read: a copy with other weights under the
+        same configs is not told apart). Processes on different machines compare it, not paths."""
+        digest = hashlib.sha256(json.dumps(self.index, sort_keys=True).encode())
+        for component in sorted(c for c in self.components if self.present(c)):
+            try:
+                digest.update(json.dumps([component, self.config(component)], sort_keys=True).encode())
+            except ValueError:  # a component without a config (a tokenizer): its name is in the index
+                continue
+        return digest.hexdigest()[:16]
+
     def config(self, component: str) -> dict[str, Any]:
         """A component's config.json (scheduler_config.json for schedulers), without loading weights."""
         folder = self.path / component
@@ -51,6 +64,14 @@ class ModelPackage:
             if (folder / name).is_file():
                 return dict(json.loads((folder / name).read_text()))
         raise ValueError(f"model path {self.path}: component {component!r} has no config.json")
+
+
+def package_fingerprint(model_path: str | Path) -> str:
+    """ModelPackage.fingerprint of the package at `model_path`; "" when it cannot be read (nothing to compare)."""
+    try:
+        return ModelPackage.read(model_path).fingerprint()
+    except (ValueError, OSError):
+        return ""
 
 
 def lcm(a: int, b: int) -> int:

@@ -203,6 +203,7 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     # slots it holds for the other heads (a head counts them as taken).
     via: str = ""
     others_busy: Count = 0
+    model_fingerprint: str = ""  # its package's (ModelPackage.fingerprint): a head refuses another model's worker
     held: Count = 0  # requests holding one of its scheduling slots now, for every head
     peak_held: Count = 0  # the most it has held at once since it started (never above its capacity)
     encoder_cache: EncoderCacheStats | None = None  # None: this worker encodes no prompts

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from triptych.config import ConfigError, ServeArgs
+from triptych.families.package import package_fingerprint
 from triptych.ports import tcp_url
 from triptych.protocol import (
     HEAD_TO_WORKER,
@@ -112,6 +113,7 @@ class Worker:
             )
             log.info("%s: %s", self.role.value, pipeline.describe())
         self.pipeline = pipeline
+        self.model_fingerprint = package_fingerprint(args.model_path)  # the head compares it with its own
         make_previewer = getattr(pipeline, "previewer", None)  # only real stages hold latents to preview
         self.previewer: LatentPreviewer | None = make_previewer() if make_previewer is not None else None
         # A full-pipeline worker (--disagg-full-pipeline) runs every stage and returns pixels, like a
@@ -301,6 +303,7 @@ class Worker:
             free_bytes=0 if self.full_pipeline else self.pool.free_bytes,
             capacity=self.args.worker_capacity * self.args.batching_max_size,  # that many batches
             model=self.args.model_path,
+            model_fingerprint=self.model_fingerprint,
             standing_bytes=self.pool.reserved_bytes(list(self._standing.values())),
             draining=self._drain_requested.is_set(),
             head_id=head_id,
