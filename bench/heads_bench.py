@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from head_bench import Frontend  # noqa: E402
-from scaling_bench import closed_loop  # noqa: E402
+from scaling_bench import closed_loop, simulated_role_flags  # noqa: E402
 
 from triptych.roles import Role  # noqa: E402
 from triptych_dev.localdeploy import LocalDeployment, local_deployment  # noqa: E402
@@ -110,12 +110,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "heads.json")
     args = p.parse_args()
     (flux,) = write_tiny_models(ROOT / ".models", families=["tiny-flux"])
-    fixed = ("--simulate-seconds-per-unit", "0")
-    role_flags = {
-        Role.ENCODER: ("--simulate-seconds", str(args.edge_seconds), *fixed),
-        Role.DENOISER: ("--simulate-seconds", str(args.stage_seconds), *fixed),
-        Role.DECODER: ("--simulate-seconds", str(args.edge_seconds), *fixed),
-    }
+    role_flags = simulated_role_flags(args.stage_seconds, args.edge_seconds)
     counts = {Role.ENCODER: 2, Role.DENOISER: args.denoisers, Role.DECODER: 2}
     rows = []
     for heads in (int(h) for h in args.heads.split(",")):

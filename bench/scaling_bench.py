@@ -112,6 +112,16 @@ def measure(dep: LocalDeployment, n: int, args: argparse.Namespace) -> dict[str,
     }
 
 
+def simulated_role_flags(stage_seconds: float, edge_seconds: float) -> dict[Role, tuple[str, ...]]:
+    """Simulated workers' flags: a fixed modelled time per request, the denoiser's and the edges'."""
+    fixed = ("--simulate-seconds-per-unit", "0")
+    return {
+        Role.ENCODER: ("--simulate-seconds", str(edge_seconds), *fixed),
+        Role.DENOISER: ("--simulate-seconds", str(stage_seconds), *fixed),
+        Role.DECODER: ("--simulate-seconds", str(edge_seconds), *fixed),
+    }
+
+
 def grow(dep: LocalDeployment, n: int, timeout: float = 120) -> None:
     """Start denoisers (on the head's spare ports) until n run, and wait until the head sees every one."""
     while len(dep.workers(Role.DENOISER)) < n:
@@ -132,12 +142,7 @@ def main() -> int:
     args = p.parse_args()
     sizes = sorted(int(x) for x in args.denoisers.split(","))
     (flux,) = write_tiny_models(ROOT / ".models", families=["tiny-flux"])
-    fixed = ("--simulate-seconds-per-unit", "0")
-    role_flags = {
-        Role.ENCODER: ("--simulate-seconds", str(args.edge_seconds), *fixed),
-        Role.DENOISER: ("--simulate-seconds", str(args.stage_seconds), *fixed),
-        Role.DECODER: ("--simulate-seconds", str(args.edge_seconds), *fixed),
-    }
+    role_flags = simulated_role_flags(args.stage_seconds, args.edge_seconds)
     counts = {Role.ENCODER: args.encoders, Role.DENOISER: sizes[0], Role.DECODER: args.decoders}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -121,24 +122,25 @@ def test_the_checks_catch_a_hand_mapping_of_states_to_roles() -> None:
     assert _role_lists(ast.parse(as_dict)) and _state_to_role_chains(ast.parse(as_chain))
 
 
-@pytest.mark.parametrize("folder", SOURCES)
-def test_no_state_to_role_mapping_by_hand(folder: str) -> None:
+def _offenders(folder: str, finder: Callable[[ast.AST], list[tuple[int, list[str]]]]) -> list[str]:
+    """`finder`'s findings in every shipped source file of `folder` but the role table itself."""
     offenders = []
     for path in sorted((ROOT / folder).rglob("*.py")):
         if path == ROOT / "triptych" / "roles.py" or "tiny_models" in path.parts:
             continue
-        for line, names in _state_to_role_chains(ast.parse(path.read_text(), str(path))):
+        for line, names in finder(ast.parse(path.read_text(), str(path))):
             offenders.append(f"{path.relative_to(ROOT)}:{line}: {names}")
+    return offenders
+
+
+@pytest.mark.parametrize("folder", SOURCES)
+def test_no_state_to_role_mapping_by_hand(folder: str) -> None:
+    offenders = _offenders(folder, _state_to_role_chains)
     assert offenders == [], "use triptych_head.state.ROLE_STATES or RequestEvent.role:\n" + "\n".join(offenders)
 
 
 @pytest.mark.parametrize("folder", SOURCES)
 def test_no_second_list_of_roles_anywhere(folder: str) -> None:
     """Grep-level: no source file but triptych/roles.py spells out a collection of worker roles."""
-    offenders = []
-    for path in sorted((ROOT / folder).rglob("*.py")):
-        if path == ROOT / "triptych" / "roles.py" or "tiny_models" in path.parts:
-            continue
-        for line, names in _role_lists(ast.parse(path.read_text(), str(path))):
-            offenders.append(f"{path.relative_to(ROOT)}:{line}: {names}")
+    offenders = _offenders(folder, _role_lists)
     assert offenders == [], "derive these from triptych.roles.ROLE_SPECS:\n" + "\n".join(offenders)
