@@ -75,7 +75,10 @@ def test_sigterm_to_a_busy_denoiser_drains_it_and_loses_no_request(flux, tmp_pat
             code = dep.stop_worker(victim, drain=True, timeout=30)
             drained_in = time.monotonic() - started
             results = [f.result(timeout=90) for f in futures]
-        assert code == 0 and drained_in < 10, (code, drained_in)
+        # Finishing what it held takes seconds (each request 0.6 s a stage); a worker that waited out its
+        # --disagg-drain-timeout (600 s) instead would be killed by stop_worker's 30 s. 20 s holds on a
+        # loaded 2-core machine (10.8 s was seen there with every core busy).
+        assert code == 0 and drained_in < 20, (code, drained_in)
         assert [r.status_code for r in results] == [200] * 6, [r.text for r in results]
         assert retries(c) == 0  # it finished and pushed what it held
         assert image(c, seed=99).status_code == 200
