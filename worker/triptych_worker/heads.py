@@ -55,13 +55,21 @@ class HeadBook:
         self._instance_as: dict[str, str] = {}  # head id -> this worker's URL as that head knows it
         self._owner: OrderedDict[str, str] = OrderedDict()  # request id -> head id, the newest OWNED_MEMORY
         self._acknowledged: set[str] = set()  # heads that acknowledged this worker's drain
-        self.version = 0  # bumped when the endpoints change, so each thread's links follow
+        self.version = 0  # bumped when the endpoints or the heads at them change, so each thread's links follow
+        self._urls_seen: list[str] | None = None  # the directory's list endpoints() was made from
+        self._endpoints: list[str] = []
 
     # --- where the heads are ----------------------------------------------------------------
 
     def endpoints(self) -> list[str]:
-        """The result endpoints of every head discovery lists now."""
-        return [result_endpoint(addr, self._role) for addr in self._directory.urls]
+        """The result endpoints of every head discovery lists now (the directory replaces its list
+        when it changes: only then are they worked out again, and the version bumped)."""
+        urls = self._directory.urls
+        if urls is not self._urls_seen:
+            self._endpoints = [result_endpoint(addr, self._role) for addr in urls]
+            self._urls_seen = urls
+            self.version += 1
+        return self._endpoints
 
     def close(self) -> None:
         self._directory.close()
@@ -187,10 +195,10 @@ class HeadLinks:
         self._version = -1
 
     def _sync(self) -> None:
-        if self._version == self._book.version and self._sockets:
+        wanted = set(self._book.endpoints())  # first: a discovery change bumps the version
+        if self._version == self._book.version:
             return
         self._version = self._book.version
-        wanted = set(self._book.endpoints())
         for endpoint in [e for e in self._sockets if e not in wanted]:
             self._sockets.pop(endpoint).close(linger=0)
         for endpoint in wanted - set(self._sockets):
