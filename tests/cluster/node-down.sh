@@ -121,7 +121,8 @@ for p in /var/lib/kubelet /var/log/containers /var/log/pods /usr/libexec/kuberne
   grep -qx "$p" "$NODE_DIR/preexisting" 2>/dev/null || rm -rf "$p"
 done
 # The pods' network namespaces' directory, once empty (a namespace left by something else keeps it).
-grep -qx /run/netns "$NODE_DIR/preexisting" 2>/dev/null || rmdir /run/netns 2>/dev/null || true
+# `ip netns` makes /run/netns a bind mount of itself: unmount that before removing the directory.
+grep -qx /run/netns "$NODE_DIR/preexisting" 2>/dev/null || { umount /run/netns 2>/dev/null; rmdir /run/netns 2>/dev/null; } || true
 # Our CNI results cache entries (libcni keeps them in /var/lib/cni even with a private conf dir).
 rm -f /var/lib/cni/results/triptych-* 2>/dev/null || true
 rm -rf "$NODE_DIR/containerd/state" "$NODE_DIR/cni/ipam" "$PIDS"
