@@ -195,10 +195,11 @@ class HeadLinks:
         self._version = -1
 
     def _sync(self) -> None:
-        wanted = set(self._book.endpoints())  # first: a discovery change bumps the version
+        endpoints = self._book.endpoints()  # first: a discovery change bumps the version
         if self._version == self._book.version:
-            return
+            return  # the common case, on every report: nothing built
         self._version = self._book.version
+        wanted = set(endpoints)
         for endpoint in [e for e in self._sockets if e not in wanted]:
             self._sockets.pop(endpoint).close(linger=0)
         for endpoint in wanted - set(self._sockets):

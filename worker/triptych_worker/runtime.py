@@ -472,12 +472,13 @@ class Worker:
         """Give back to the pool everything held for `head_id` (a head that was replaced or went
         silent): its standing slots (a worker serving one head), reserved slots, staged outputs and
         queued work; running work stops at its next step. Returns the requests dropped."""
+        single = self.heads.single
+        theirs = set() if single else self.heads.requests_of(head_id)  # before the worker's lock: never nested
         with self._lock:
             held = self._outstanding | set(self._staged) | set(self._slots)
-        mine = held if self.heads.single else held & self.heads.requests_of(head_id)
-        with self._lock:
-            dropped_slots = list(self._standing.values()) if self.heads.single else []
-            if self.heads.single:
+            mine = held if single else held & theirs
+            dropped_slots = list(self._standing.values()) if single else []
+            if single:
                 self._standing = {}
             self._queue = deque(job for job in self._queue if job.request_id not in mine)
         writing = {push.request_id for push in self._pushes}  # their staged bytes come back when the write ends
