@@ -61,6 +61,7 @@ fi
 bash scripts/build-bind-shim.sh
 
 bash tests/cluster/build.sh
+bash tests/s3/build.sh  # SeaweedFS: the S3-compatible server the result-store tests run (tests/s3)
 
 # The real node that tests/cluster/test_real_node.py runs the product on (docs/local-cluster.md "A real node"):
 # Debian's containerd, runc, CNI plugins, iptables, conntrack, skopeo, and kubelet/kube-proxy/CoreDNS/pause built from

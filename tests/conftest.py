@@ -8,7 +8,7 @@ import pytest
 from triptych_dev import localdeploy
 from triptych_dev.prefork import Launcher
 
-pytest_plugins = ["tests.cluster.fixtures", "tests.models.fixtures"]
+pytest_plugins = ["tests.cluster.fixtures", "tests.models.fixtures", "tests.s3.seaweedfs"]
 
 
 @pytest.fixture(scope="session", autouse=True)

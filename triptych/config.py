@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
 from triptych.ports import (
@@ -28,6 +29,8 @@ DEFAULT_DRAIN_TIMEOUT_S = 600.0
 HEAD_SHUTDOWN_OVERHEAD_S = 15.0
 DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
 DEFAULT_RESULTS_MAX_BYTES = 5 << 30
+S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+MAX_PRESIGN_S = 7 * 24 * 3600  # S3 signs a URL for a week at most
 DISPATCH_POLICIES = ("round_robin", "max_free_slots")
 BATCHING_MODES = ("off", "dynamic")  # dynamic: the head groups compatible requests (triptych.batching)
 # --max-request-bytes: room for a prompt and, once edits land, an uploaded image or two.
@@ -113,6 +116,9 @@ class ServeArgs:
     disagg_no_instance_wait: float = 120.0
     results_max_age: float = DEFAULT_RESULTS_MAX_AGE_S
     results_max_bytes: int = DEFAULT_RESULTS_MAX_BYTES
+    results_store: str | None = None  # s3://BUCKET/PREFIX; None: the --output-path folder
+    results_s3_endpoint: str | None = None  # the S3-compatible server's URL; None: AWS S3
+    results_presign: int = 0  # seconds presigned URLs of --results-store stay valid; 0: the head proxies content
     master_port: int | None = None
     output_path: str = "outputs"
     device: str | None = None
@@ -231,6 +237,7 @@ class ServeArgs:
             raise ConfigError(f"--disagg-no-instance-wait {self.disagg_no_instance_wait} must be > 0 seconds")
         if self.results_max_age <= 0:
             raise ConfigError(f"--results-max-age {self.results_max_age} must be > 0 seconds")
+        self._validate_results_store()
         if self.num_gpus < 1 or self.base_gpu_id < 0:
             raise ConfigError("--num-gpus must be >= 1 and --base-gpu-id >= 0")
         if self.worker_capacity < 1:
@@ -262,6 +269,38 @@ class ServeArgs:
             what = f"--num-gpus {self.num_gpus}" if self.num_gpus > 1 else "--simulate"
             raise ConfigError(
                 f"--disagg-full-pipeline does not support {what} yet; run one GPU per full-pipeline worker"
+            )
+
+    def _validate_results_store(self) -> None:
+        given = [f for f in ("results_store", "results_s3_endpoint", "results_presign") if getattr(self, f)]
+        if given and self.disagg_role.is_worker:
+            raise ConfigError(f"{flag(given[0])} is for the head (server or monolithic), not {self.disagg_role}")
+        if self.results_store is not None:
+            parts = urlsplit(self.results_store)
+            if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+                raise ConfigError(
+                    f"--results-store {self.results_store!r} is not s3://BUCKET/PREFIX (for a shared folder, "
+                    "mount it and give --output-path instead)"
+                )
+            if not S3_BUCKET.fullmatch(parts.netloc):
+                raise ConfigError(
+                    f"--results-store {self.results_store!r}: {parts.netloc!r} is not an S3 bucket name "
+                    "(3-63 lowercase letters, digits, dots and hyphens)"
+                )
+        elif self.results_s3_endpoint or self.results_presign:
+            which = "--results-s3-endpoint" if self.results_s3_endpoint else "--results-presign"
+            raise ConfigError(f"{which} only applies with --results-store s3://BUCKET/PREFIX")
+        if self.results_s3_endpoint is not None:
+            parts = urlsplit(self.results_s3_endpoint)
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.path.strip("/") or parts.query:
+                raise ConfigError(
+                    f"--results-s3-endpoint {self.results_s3_endpoint!r} is not http(s)://HOST[:PORT] "
+                    "(the bucket goes in --results-store)"
+                )
+        if not 0 <= self.results_presign <= MAX_PRESIGN_S:
+            raise ConfigError(
+                f"--results-presign {self.results_presign} must be between 0 (the head proxies content) and "
+                f"{MAX_PRESIGN_S} seconds (S3's longest)"
             )
 
     def _validate_reference_urls(self) -> None:
@@ -443,6 +482,16 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
       help="head: seconds a finished result is kept under --output-path (default one day)")  # fmt: skip
     a("--results-max-bytes", type=parse_size, default=d.results_max_bytes,
       help="head: most bytes kept under --output-path, oldest results removed first (default 5GiB)")  # fmt: skip
+    a("--results-store", default=None, metavar="s3://BUCKET/PREFIX",
+      help="head/monolithic: keep results in this S3-compatible bucket, shared by every head (credentials from "
+           "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY); default: the --output-path folder, which several "
+           "heads share as one ReadWriteMany volume")  # fmt: skip
+    a("--results-s3-endpoint", default=None, metavar="URL",
+      help="head: the S3-compatible server of --results-store, e.g. http://seaweedfs:8333 "
+           "(default: AWS S3)")  # fmt: skip
+    a("--results-presign", type=int, default=d.results_presign, metavar="SECONDS",
+      help="head: hand out image URLs and video content as presigned URLs of --results-store valid this long, "
+           "so the bytes skip the head; 0 proxies them through the head (default 0)")  # fmt: skip
     a("--device", choices=DEVICES, default=None, help="default: cuda when available, else cpu")
     for attr in ("tp_size", "sp_degree", "cfg_parallel_size", *ROLE_PARALLEL_ATTRS):
         a(flag(attr), type=int, default=None)

@@ -18,6 +18,7 @@ from triptych_head.api.auth import APIKeyError, APIKeys
 from triptych_head.api.context import HeadContext
 from triptych_head.backend import FrontendClient, LocalBackend
 from triptych_head.metrics import HeadMetrics
+from triptych_head.objects import StoreError, open_object_store
 from triptych_head.results import Retention
 from triptych_head.server import DiffusionServer
 from triptych_head.shutdown import disaggregated_drain, in_process_drain, serve_http
@@ -35,6 +36,20 @@ def _retention(args: ServeArgs) -> Retention:
     return Retention(max_age_s=args.results_max_age, max_bytes=args.results_max_bytes)
 
 
+def _results(args: ServeArgs) -> dict[str, Any] | None:
+    """HeadContext fields for the result store the flags name, checked by writing to it. None (after
+    saying why in one line, naming the flag) when it cannot be used: a head that could not keep a
+    result must not start taking requests."""
+    try:
+        store = open_object_store(args.output_path, args.results_store, args.results_s3_endpoint)
+    except StoreError as exc:
+        print(f"triptych: error: {exc}", file=sys.stderr)
+        return None
+    how = f"presigned URLs valid {args.results_presign}s" if args.results_presign else "served by the head"
+    log.info("results in %s (%s)", store.description, how)
+    return {"results_store": store, "results_presign_s": args.results_presign, "retention": _retention(args)}
+
+
 def _http_guards(args: ServeArgs) -> dict[str, Any] | None:
     """HeadContext fields from the HTTP flags: API keys and the body limit. None (after saying why in
     one line) when the keys file cannot be used: the head must not start open by mistake."""
@@ -48,7 +63,8 @@ def _http_guards(args: ServeArgs) -> dict[str, Any] | None:
 
 def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
     guards = _http_guards(args)
-    if guards is None:
+    results = _results(args) if guards is not None else None
+    if guards is None or results is None:
         return 2
     model = read_model_info(args.model_path, names)  # its family's limits: the API checks requests with them
     metrics = HeadMetrics()
@@ -63,10 +79,10 @@ def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
         health=lambda: {"mode": "disaggregated", "topology": server.topology, "workers": server.registry.snapshot()},
         pipeline_view=server.view,
         ready=loop.is_alive,
-        retention=_retention(args),
         drain_seconds=args.disagg_drain_timeout,
         admission=server.admission,
         **guards,
+        **results,
     )
     drain, hurry = disaggregated_drain(server, loop)
     try:
@@ -82,7 +98,8 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
     from triptych_worker.pipeline import load_role_pipeline
 
     guards = _http_guards(args)
-    if guards is None:
+    results = _results(args) if guards is not None else None
+    if guards is None or results is None:
         return 2
     model = read_model_info(args.model_path, names)
     pipeline = load_role_pipeline(args.model_path, args.disagg_role, args.resolved_device)
@@ -93,10 +110,10 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
         output_path=Path(args.output_path),
         registry=metrics.registry,
         health=lambda: {"mode": "monolithic"},
-        retention=_retention(args),
         drain_seconds=args.disagg_drain_timeout,
         admission=AdmissionControl(args.max_queued_requests, metrics, worker_slots=1),  # one request at a time
         **guards,
+        **results,
     )
     drain, hurry = in_process_drain(ctx)
     serve_http(create_app(ctx), ctx, args.host, args.port, args.log_level, drain, hurry)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import zipfile
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image
@@ -42,16 +43,11 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int) -> Path:
     return path
 
 
-def frames_path(video: Path) -> Path:
-    """Where the exact frames of a video are kept beside its MP4."""
-    return video.with_suffix(".frames.npy")
-
-
 def save_frames(frames: np.ndarray, path: Path) -> None:
     np.save(path, np.ascontiguousarray(frames, dtype=np.uint8), allow_pickle=False)
 
 
-def load_frames(path: Path) -> np.ndarray:
+def load_frames(path: Path | BinaryIO) -> np.ndarray:
     return np.load(path, allow_pickle=False)
 
 

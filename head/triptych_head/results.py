@@ -1,31 +1,38 @@
-"""Finished results on disk, under --output-path: what survives a head restart, and for how long.
+"""Finished results in the store every head shares (objects.py), and for how long they are kept.
 
     images/<request id>-<i>.png                    images served by URL (response_format url)
     videos/<job id>.json                           a video job's status, rewritten when it changes
     videos/<job id>.mp4, <job id>.frames.npy       its content
 
-Files whose names agree up to the first dot are one result: retention removes them together,
+Objects whose names agree up to the first dot are one result: retention removes them together,
 oldest first, once they are older than --results-max-age or the total passes --results-max-bytes.
-Mount a persistent volume there (the operator's `head.results`) for results to outlive the pod.
+A running job's files are never removed: the head running it holds a lease on it (`lease_until`
+in its JSON, renewed every JOB_LEASE_RENEW_S); a job still running whose lease has run out lost
+its head, and any head marks it failed. Every head serves every result: a job another head made
+is read from its JSON, as that head last wrote it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from triptych.config import DEFAULT_RESULTS_MAX_AGE_S, DEFAULT_RESULTS_MAX_BYTES
 from triptych_head.api.schemas import VideoJob
+from triptych_head.objects import DirectoryObjects, ObjectMissing, ObjectStore
 
 log = logging.getLogger(__name__)
 
 IMAGES = "images"
 VIDEOS = "videos"
 SWEEP_INTERVAL_MAX_S = 60.0  # retention runs at least this often, and ten times per max age when that is shorter
+JOB_LEASE_S = 30.0  # a running job whose head has not renewed its lease for this long lost its head
+JOB_LEASE_RENEW_S = JOB_LEASE_S / 3
+TERMINAL = ("completed", "failed", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -38,89 +45,144 @@ class Retention:
         return min(SWEEP_INTERVAL_MAX_S, max(self.max_age_s / 10, 0.5))
 
 
+@dataclass(frozen=True)
+class StoredJob:
+    """A video job as its JSON says, with the lease of the head running it (None once it ended)."""
+
+    job: VideoJob
+    lease_until: float | None = None
+
+    def orphaned(self, now: float) -> bool:
+        """Still running, but no head holds it: its head died (or it was saved without a lease)."""
+        return self.job.status not in TERMINAL and (self.lease_until is None or self.lease_until < now)
+
+
 @dataclass
 class _Result:
     key: str
-    files: list[Path]
-    mtime: float
-    nbytes: int
+    names: list[str] = field(default_factory=list)
+    mtime: float = 0.0
+    nbytes: int = 0
 
 
 class ResultStore:
-    def __init__(self, root: Path, retention: Retention | None = None):
-        self.root = root
+    def __init__(self, objects: ObjectStore | Path, retention: Retention | None = None, presign_s: int = 0):
+        """`presign_s` > 0: content is handed out as URLs of the object store valid that long (S3 only)."""
+        self.objects: ObjectStore = DirectoryObjects(objects) if isinstance(objects, Path) else objects
         self.retention = retention or Retention()
+        self.presign_s = presign_s
 
-    def image_path(self, name: str) -> Path:
-        return self.root / IMAGES / name
+    @staticmethod
+    def image_name(name: str) -> str:
+        return f"{IMAGES}/{name}"
 
-    def video_path(self, job_id: str) -> Path:
-        return self.root / VIDEOS / f"{job_id}.mp4"
+    @staticmethod
+    def video_name(job_id: str) -> str:
+        return f"{VIDEOS}/{job_id}.mp4"
 
-    def job_path(self, job_id: str) -> Path:
-        return self.root / VIDEOS / f"{job_id}.json"
+    @staticmethod
+    def frames_name(job_id: str) -> str:
+        return f"{VIDEOS}/{job_id}.frames.npy"
 
-    def save_job(self, job: VideoJob) -> None:
-        """Write the job's status atomically (a crash leaves the old or the new file, never half of one)."""
-        path = self.job_path(job.id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(job.model_dump_json())
-        os.replace(tmp, path)
+    @staticmethod
+    def job_name(job_id: str) -> str:
+        return f"{VIDEOS}/{job_id}.json"
+
+    def save_job(self, job: VideoJob, lease_until: float | None = None) -> None:
+        """Write the job's status atomically (a crash leaves the old or the new object, never half of one).
+        `lease_until`: the job runs on this head until then at least (renewed while it runs)."""
+        data = job.model_dump(mode="json")
+        if lease_until is not None and job.status not in TERMINAL:
+            data["lease_until"] = lease_until
+        self.objects.put_bytes(self.job_name(job.id), json.dumps(data).encode(), "application/json")
+
+    def load_job(self, job_id: str) -> StoredJob | None:
+        """The job as last saved by any head; None when there is none (or it cannot be read)."""
+        try:
+            raw = self.objects.get_bytes(self.job_name(job_id))
+        except ObjectMissing:
+            return None
+        return self._parse(job_id, raw)
+
+    def _parse(self, job_id: str, raw: bytes) -> StoredJob | None:
+        try:
+            data = json.loads(raw)
+            lease = data.pop("lease_until", None)
+            job = VideoJob.model_validate(data)
+        except (ValueError, TypeError, AttributeError) as exc:
+            log.warning("skipping unreadable video job %s: %s", job_id, exc)
+            return None
+        if job.id != job_id:  # its id names its files: never follow one elsewhere
+            log.warning("skipping video job %s: it names itself %r", job_id, job.id)
+            return None
+        return StoredJob(job, float(lease) if isinstance(lease, int | float) else None)
+
+    def load_stored_jobs(self) -> list[StoredJob]:
+        """Every saved job, oldest first; unreadable ones are skipped with a warning."""
+        jobs = []
+        for obj in self.objects.list(f"{VIDEOS}/"):
+            if not obj.name.endswith(".json"):
+                continue
+            job_id = obj.name.removeprefix(f"{VIDEOS}/").removesuffix(".json")
+            stored = self.load_job(job_id)
+            if stored is not None:
+                jobs.append(stored)
+        return sorted(jobs, key=lambda s: s.job.created_at)
 
     def load_jobs(self) -> list[VideoJob]:
-        """Every saved job, oldest first; unreadable files are skipped with a warning."""
-        jobs = []
-        for path in sorted((self.root / VIDEOS).glob("*.json")):
-            try:
-                job = VideoJob.model_validate_json(path.read_bytes())
-            except (OSError, ValueError) as exc:
-                log.warning("skipping unreadable video job %s: %s", path, exc)
-                continue
-            if job.id != path.stem:  # its id names its files: never follow one elsewhere
-                log.warning("skipping video job %s: it names itself %r", path, job.id)
-                continue
-            jobs.append(job)
-        return sorted(jobs, key=lambda j: j.created_at)
+        return [s.job for s in self.load_stored_jobs()]
+
+    def has(self, name: str) -> bool:
+        return self.objects.stat(name) is not None
 
     def delete(self, key: str) -> None:
+        """Remove every object of one result (a video job's JSON, MP4 and frames; a URL image)."""
         for folder in (IMAGES, VIDEOS):
-            for path in (self.root / folder).glob(f"{key}.*"):
-                path.unlink(missing_ok=True)
+            for obj in list(self.objects.list(f"{folder}/")):
+                if _key_of(obj.name) == key:
+                    self.objects.delete(obj.name)
 
     def sweep(self, now: float | None = None, keep: Collection[str] = ()) -> list[str]:
         """Apply retention: remove results older than the max age, then the oldest until the total
-        fits the max bytes. Results named in `keep` (running jobs) stay. Returns the removed keys."""
+        fits the max bytes. Results named in `keep`, and jobs some head still runs, stay. Returns the
+        removed keys."""
         now = time.time() if now is None else now
         everything = self._results()
         total = sum(r.nbytes for r in everything)  # kept results take room too, they only cannot go
-        results = [r for r in everything if r.key not in keep]
         removed = []
-        for result in sorted(results, key=lambda r: r.mtime):
+        for result in sorted(everything, key=lambda r: r.mtime):
             if now - result.mtime <= self.retention.max_age_s and total <= self.retention.max_bytes:
                 break  # oldest first: everything after this one is younger and fits
-            for path in result.files:
-                path.unlink(missing_ok=True)
+            if result.key in keep or self._running_elsewhere(result, now):
+                continue
+            for name in result.names:
+                self.objects.delete(name)
             total -= result.nbytes
             removed.append(result.key)
         if removed:
             log.info("retention removed %d results (%d bytes kept)", len(removed), total)
         return removed
 
+    def _running_elsewhere(self, result: _Result, now: float) -> bool:
+        """A job another head runs (its lease is live): the store is shared, so its own list is not enough."""
+        json_name = self.job_name(result.key)
+        if json_name not in result.names:
+            return False
+        stored = self.load_job(result.key)
+        return stored is not None and stored.job.status not in TERMINAL and not stored.orphaned(now)
+
     def _results(self) -> list[_Result]:
         by_key: dict[tuple[str, str], _Result] = {}
         for folder in (IMAGES, VIDEOS):
-            directory = self.root / folder
-            if not directory.is_dir():
-                continue
-            for path in directory.iterdir():
-                try:
-                    stat = path.stat()
-                except OSError:  # removed meanwhile
-                    continue
-                key = path.name.lstrip(".").split(".", 1)[0]
-                result = by_key.setdefault((folder, key), _Result(key, [], 0.0, 0))
-                result.files.append(path)
-                result.mtime = max(result.mtime, stat.st_mtime)
-                result.nbytes += stat.st_size
+            for obj in self.objects.list(f"{folder}/"):
+                key = _key_of(obj.name)
+                result = by_key.setdefault((folder, key), _Result(key))
+                result.names.append(obj.name)
+                result.mtime = max(result.mtime, obj.mtime)
+                result.nbytes += obj.size
         return list(by_key.values())
+
+
+def _key_of(name: str) -> str:
+    """The result an object belongs to: its file name up to the first dot."""
+    return name.rsplit("/", 1)[-1].split(".", 1)[0]

@@ -6,8 +6,16 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
 from tests.api.test_http_api import ScriptedBackend, make_client, wait_for
+from triptych.families import ModelInfo
+from triptych_head.api.app import create_app
+from triptych_head.api.context import HeadContext
 from triptych_head.api.schemas import VideoJob
+from triptych_head.objects import DirectoryObjects
 from triptych_head.results import ResultStore, Retention
 
 VIDEO = {"prompt": "waves", "size": "32x16", "num_frames": 5, "num_inference_steps": 2}
@@ -82,3 +90,39 @@ def test_the_app_applies_retention_periodically_and_forgets_removed_jobs(tmp_pat
             assert time.monotonic() < deadline, "retention never removed the finished job"
             time.sleep(0.1)
         assert not list((tmp_path / "videos").iterdir())
+
+
+class SlowJobWrites(DirectoryObjects):
+    """A store whose job JSON takes a while to land, as over a network."""
+
+    def put_bytes(self, name: str, data: bytes, content_type: str) -> None:
+        if name.endswith(".json"):
+            time.sleep(1.0)
+        super().put_bytes(name, data, content_type)
+
+
+def test_a_job_polled_while_its_last_save_is_in_flight_still_ends_saved_as_completed(tmp_path):
+    # The job ends while its `in_progress` save is still being written: its last save waits for that one.
+    model = ModelInfo("tiny", "WanPipeline", "video", 4, 3.5)
+    store = SlowJobWrites(tmp_path)
+    ctx = HeadContext(ScriptedBackend(), model, tmp_path, CollectorRegistry(), results_store=store)
+    with TestClient(create_app(ctx)) as c:
+        job_id = c.post("/v1/videos", json=VIDEO).json()["id"]
+        seen = set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "completed" not in seen:
+            seen.add(c.get(f"/v1/videos/{job_id}").json()["status"])  # reads race the final save
+        assert seen <= {"queued", "in_progress", "completed"}, seen  # never read back as lost or stale
+        time.sleep(3.0)  # every save has landed
+        assert c.get(f"/v1/videos/{job_id}").json()["status"] == "completed"
+    saved = ResultStore(tmp_path).load_job(job_id)
+    assert saved is not None and saved.job.status == "completed" and saved.lease_until is None
+
+
+def test_a_directory_store_never_reaches_outside_its_root(tmp_path):
+    from triptych_head.objects import DirectoryObjects, ObjectMissing
+
+    store = DirectoryObjects(tmp_path / "root")
+    for name in ("/etc/passwd", "../secret", "images/../../x", ".staging/probe", "a/.hidden", "nul\x00byte"):
+        with pytest.raises(ObjectMissing):
+            store.get_bytes(name)

@@ -20,6 +20,7 @@ from tests.e2e.test_null_pipeline import assert_all_capacity_released, image, me
 from triptych.config import HEAD_SHUTDOWN_OVERHEAD_S
 from triptych.roles import Role
 from triptych_dev.localdeploy import LocalDeployment, wait_until_ready
+from triptych_head.results import JOB_LEASE_S
 from triptych_worker.runtime import HEARTBEAT_INTERVAL_S
 
 pytestmark = pytest.mark.slow
@@ -173,6 +174,13 @@ def test_finished_results_survive_a_head_restart_and_a_running_job_reports_faile
         assert c.get(f"/v1/videos/{done['id']}/content").content == mp4
         png = c.get(url)
         assert png.status_code == 200 and png.content.startswith(b"\x89PNG")
+        # The dead head's lease on its running job (renewed while it lived) must run out first: until
+        # then another head could still be running it (replicated heads share the store).
+        wait_for(
+            lambda: c.get(f"/v1/videos/{running['id']}").json()["status"] != "in_progress",
+            JOB_LEASE_S + 15,
+            "the dead head's job to end once its lease ran out",
+        )
         job = c.get(f"/v1/videos/{running['id']}").json()
         assert job["status"] == "failed", job
         assert "the head restarted while this job was running" in job["error"]["message"]

@@ -156,7 +156,8 @@ def test_the_head_image_serves_requests_from_real_workers(
         _python, dash_m, module, serve, *args = dep.head_argv
         assert (dash_m, module, serve) == ("-m", "triptych", "serve")
         outputs = tmp_path / "outputs"
-        outputs.mkdir(exist_ok=True)
+        shutil.rmtree(outputs, ignore_errors=True)  # the local head (root) made its staging dir there
+        outputs.mkdir()
         outputs.chmod(0o777)  # a results volume the pod's user can write
         volumes = [f"--volume={model}:{model}:ro", f"--volume={outputs}:{outputs}"]
         if dep.keys_dir is not None:  # the key set, readable by the pod's user as the operator's mount is

@@ -62,6 +62,17 @@ def test_a_head_with_only_denoiser_urls_is_a_full_pipeline_pool_and_its_workers_
          "--encoder-urls"),
         (["--disagg-timeout", "0"], "--disagg-timeout"),
         (["--results-max-age", "0"], "--results-max-age"),
+        (["--results-store", "/mnt/results"], "--results-store '/mnt/results' is not s3://BUCKET/PREFIX"),
+        (["--results-store", "s3://B/p"], "not an S3 bucket name"),
+        (["--results-s3-endpoint", "http://s3:8333"], "--results-s3-endpoint only applies with --results-store"),
+        (["--results-presign", "60"], "--results-presign only applies with --results-store"),
+        (["--results-store", "s3://bucket1/p", "--results-s3-endpoint", "s3:8333"], "--results-s3-endpoint 's3:8333'"),
+        (["--results-store", "s3://bucket1/p", "--results-s3-endpoint", "http://s3:8333/bucket1"],
+         "the bucket goes in"),
+        (["--results-store", "s3://bucket1/p", "--results-presign", "-1"], "--results-presign -1 must be between"),
+        (["--results-store", "s3://bucket1/p", "--results-presign", "700000"], "--results-presign 700000"),
+        (["--disagg-role", "encoder", "--disagg-server-addr", "tcp://h:1", "--results-store", "s3://bucket1/p"],
+         "--results-store is for the head"),
         (["--disagg-transfer-pool-size", "1000"], "--disagg-transfer-pool-size"),
         (["--scheduler-port", "70000"], "--scheduler-port"),
         (["--num-gpus", "4", "--tp-size", "3"], "--"),
@@ -96,6 +107,9 @@ def test_to_argv_round_trips():
     a = parse("--model-path", "/m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:5555",
               "--num-gpus", "4", "--denoiser-ulysses", "2", "--disagg-ib-device", "mlx5_0")  # fmt: skip
     assert parse(*a.to_argv()) == a
+    head = parse("--model-path", "/m", "--results-store", "s3://results/pipeline-a", "--results-s3-endpoint",
+                 "http://seaweedfs:8333", "--results-presign", "600")  # fmt: skip
+    assert parse(*head.to_argv()) == head
 
 
 def test_parallelism_is_derived_from_gpus():

@@ -10,13 +10,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from triptych import __version__
-from triptych_head.api import images, system, videos
+from triptych_head.api import files, images, system, videos
 from triptych_head.api.auth import APIKeyMiddleware
 from triptych_head.api.context import HeadContext
 from triptych_head.api.errors import install_error_handlers
 from triptych_head.api.limits import BodyLimitMiddleware
 from triptych_head.api.playground import install_playground
 from triptych_head.api.schemas import RequestModels
+from triptych_head.results import JOB_LEASE_RENEW_S
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +29,15 @@ def create_app(ctx: HeadContext) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        jobs.restore()
+        await asyncio.to_thread(jobs.restore)
         await ctx.backend.start()
         sweeper = asyncio.create_task(_apply_retention(ctx, jobs))
+        leases = asyncio.create_task(_renew_leases(jobs))
         try:
             yield
         finally:
             sweeper.cancel()
+            leases.cancel()
             await jobs.shutdown(JOB_SAVE_GRACE_S)
             await ctx.backend.close()
 
@@ -50,6 +53,7 @@ def create_app(ctx: HeadContext) -> FastAPI:
     app.include_router(images.image_routes(models))
     app.include_router(videos.video_routes(models))
     app.include_router(system.router)
+    app.include_router(files.router)
     install_playground(app)
     return app
 
@@ -63,3 +67,13 @@ async def _apply_retention(ctx: HeadContext, jobs: videos.VideoJobs) -> None:
         except Exception:  # a full or read-only disk must not stop the head serving
             log.exception("applying result retention failed")
         await asyncio.sleep(ctx.results.retention.sweep_interval_s)
+
+
+async def _renew_leases(jobs: videos.VideoJobs) -> None:
+    """Keep the jobs this head runs its own in the shared store (results.JOB_LEASE_S)."""
+    while True:
+        await asyncio.sleep(JOB_LEASE_RENEW_S)
+        try:
+            await jobs.renew_leases()
+        except Exception:
+            log.exception("renewing video job leases failed")

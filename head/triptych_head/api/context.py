@@ -24,6 +24,7 @@ from triptych_head.api.errors import APIError
 from triptych_head.api.reference import Reference
 from triptych_head.api.schemas import parse_size
 from triptych_head.backend import Backend, GenerationFailed
+from triptych_head.objects import DirectoryObjects, ObjectStore
 from triptych_head.results import ResultStore, Retention
 from triptych_head.state import RequestState
 
@@ -48,6 +49,9 @@ class HeadContext:
     pipeline_view: Callable[[], dict[str, Any]] = field(default=lambda: {"roles": {}, "requests": []})
     ready: Callable[[], bool] = field(default=lambda: True)  # the backend can take requests (its loop runs)
     retention: Retention = field(default_factory=Retention)
+    # Where results go (objects.py): None is a directory at output_path. Every head of a pipeline shares it.
+    results_store: ObjectStore | None = None
+    results_presign_s: int = 0  # > 0: content is handed out as presigned URLs of the store (S3), valid this long
     drain_seconds: float = DEFAULT_DRAIN_TIMEOUT_S
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM: readiness fails and new requests are refused (shutdown.py)
@@ -58,7 +62,8 @@ class HeadContext:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
-        self.results = ResultStore(self.output_path, self.retention)
+        objects = self.results_store or DirectoryObjects(self.output_path)
+        self.results = ResultStore(objects, self.retention, self.results_presign_s)
 
     def refuse_if_draining(self) -> None:
         """New work goes to another head: 503 with Retry-After while this one drains."""

@@ -80,7 +80,7 @@ async def _images(
 async def _response(
     ctx: HeadContext, values: dict[str, Any], output: GenerationOutput, request_id: str, request: Request
 ) -> ImageGenerationResponse:
-    """The answer: PNGs inline (b64_json) or written under --output-path (url)."""
+    """The answer: PNGs inline (b64_json) or written to the result store (url), which every head serves."""
     pngs = await asyncio.to_thread(lambda: [png_bytes(img[0]) for img in output.pixels])
     if values["response_format"] == "b64_json":
         data = [ImageData(b64_json=base64.b64encode(png).decode()) for png in pngs]
@@ -88,11 +88,20 @@ async def _response(
         data = []
         for i, png in enumerate(pngs):
             name = f"{request_id}-{i}.png"
-            path = ctx.results.image_path(name)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(png)
-            data.append(ImageData(url=str(request.url_for("get_file", kind="images", name=name))))
+            await asyncio.to_thread(ctx.results.objects.put_bytes, ctx.results.image_name(name), png, "image/png")
+            data.append(ImageData(url=await _image_url(ctx, name, request)))
     return ImageGenerationResponse(created=int(time.time()), data=data)
+
+
+async def _image_url(ctx: HeadContext, name: str, request: Request) -> str:
+    """Where the client fetches the image: the store itself (--results-presign), or any head."""
+    if ctx.results.presign_s:
+        url = await asyncio.to_thread(
+            ctx.results.objects.presigned_url, ctx.results.image_name(name), ctx.results.presign_s, "image/png", None
+        )
+        if url is not None:
+            return url
+    return str(request.url_for("get_file", kind="images", name=name))
 
 
 def _stream(

@@ -1,16 +1,15 @@
-"""/v1/models, /health, /metrics and generated files."""
+"""/v1/models, /health, /metrics (results are served by files.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from triptych.contract import ENDPOINTS
 from triptych_head.api.context import RETRY_AFTER_S, HeadContext
-from triptych_head.api.errors import APIError
 from triptych_head.api.schemas import ModelCard, ModelList
 
 router = APIRouter(tags=["system"])
@@ -72,18 +71,3 @@ async def ready(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     ctx: HeadContext = request.app.state.ctx
     return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-@router.get("/v1/files/{kind}/{name}", name="get_file")
-async def get_file(kind: str, name: str, request: Request) -> FileResponse:
-    ctx: HeadContext = request.app.state.ctx
-    if kind not in ("images", "videos") or "/" in name or name.startswith("."):
-        raise APIError(404, f"no file {kind}/{name[:200]}")
-    path = ctx.results.root / kind / name
-    try:
-        found = path.is_file()
-    except (OSError, ValueError):  # a name the filesystem cannot hold (too long, NUL) names no file either
-        found = False
-    if not found:
-        raise APIError(404, f"no file {kind}/{name[:200]}")
-    return FileResponse(path)

@@ -9,42 +9,53 @@ minute of its end (progress.HISTORY_LINGER_S), with its final event after that.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
+import re
 import time
+import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from triptych.contract import VIDEOS
 from triptych.params import GenerationParams
 from triptych.protocol import RequestEvent
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.errors import APIError
-from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message
+from triptych_head.api.files import object_response
+from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message, sse_response
 from triptych_head.api.schemas import RequestBody, RequestModels, VideoJob
-from triptych_head.media import frames_path, load_frames, png_zip, save_frames, write_mp4
-from triptych_head.results import ResultStore
+from triptych_head.media import load_frames, png_zip, save_frames, write_mp4
+from triptych_head.objects import ObjectMissing
+from triptych_head.results import JOB_LEASE_S, TERMINAL, ResultStore
 from triptych_head.state import RequestState
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["videos"])  # all but POST /v1/videos, which video_routes adds
 
 MAX_JOBS = 1000  # remembered jobs; the oldest finished ones are forgotten first
-TERMINAL = ("completed", "failed", "cancelled")
 RESTARTED = "the head restarted while this job was running; submit it again"
+JOB_ID = re.compile(r"video_[A-Za-z0-9_-]{1,64}")  # new_request_id("video") makes video_<32 hex>
+FOREIGN_POLL_S = 1.0  # how often the events of a job another head runs re-read its status
 SHUT_DOWN = "the head shut down while this job was running; submit it again"
 
 
 @dataclass
 class JobEntry:
     job: VideoJob
-    task: asyncio.Task[None] | None = None
-    path: Path | None = None
+    task: asyncio.Task[None] | None = None  # set on the head that runs the job, once it starts
+    made_here: bool = False  # this head runs (or ran) the job: its memory is the truth, the store follows
     feed: ProgressFeed | None = None  # made for a running job, or when someone asks for a finished one's events
+    save_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves land in the order they were asked for
+
+    @property
+    def running_here(self) -> bool:
+        return self.made_here and self.job.status not in TERMINAL
 
     def progress_feed(self) -> ProgressFeed:
         if self.feed is None:
@@ -63,50 +74,127 @@ def final_message(job: VideoJob) -> SSEMessage:
     return error_message(job.id, error.get("message") or job.status, error.get("code") or job.status, status)
 
 
+def fail_orphan(job: VideoJob, message: str = RESTARTED, code: str = "head_restarted") -> None:
+    job.status, job.state = "failed", RequestState.FAILED.value
+    job.error = {"message": message, "code": code}
+    job.completed_at = job.completed_at or int(time.time())
+
+
 class VideoJobs:
-    """The video jobs this head knows, each saved in the result store whenever its status changes."""
+    """The video jobs this head runs or has seen; every job's JSON in the result store, which all
+    heads share, is the truth for a job this head does not run (its status as its head last wrote it)."""
 
     def __init__(self, store: ResultStore | None = None) -> None:
         self._jobs: OrderedDict[str, JobEntry] = OrderedDict()
         self.store = store
+        self._pending: set[asyncio.Future[None]] = set()  # background saves (save_soon)
 
     def restore(self) -> None:
-        """Take back the saved jobs of a previous head; one that was running then has failed."""
+        """Take back the saved jobs; one still running that no head holds (its head died) has failed.
+        A job another head runs now stays that head's."""
         if self.store is None:
             return
-        for job in self.store.load_jobs()[-MAX_JOBS:]:
-            path = self.store.video_path(job.id)
-            if job.status not in TERMINAL:
-                job.status, job.state = "failed", RequestState.FAILED.value
-                job.error = {"message": RESTARTED, "code": "head_restarted"}
-                job.completed_at = job.completed_at or int(time.time())
+        now = time.time()
+        for stored in self.store.load_stored_jobs()[-MAX_JOBS:]:
+            job = stored.job
+            if stored.orphaned(now):
+                fail_orphan(job)
                 self.store.save_job(job)
-            elif job.status == "completed" and not path.is_file():
+            elif job.status not in TERMINAL:
+                continue  # another head's: read from the store whenever asked for
+            elif job.status == "completed" and not self.store.has(self.store.video_name(job.id)):
                 continue  # its content is gone (removed by hand): forget it
-            self._jobs[job.id] = JobEntry(job, path=path if job.status == "completed" else None)
+            self._jobs[job.id] = JobEntry(job)
+
+    def _lease(self) -> float:
+        return time.time() + JOB_LEASE_S
 
     def save(self, entry: JobEntry) -> None:
+        """Save now (blocking): at shutdown."""
         if self.store is None:
             return
         try:
-            self.store.save_job(entry.job)
-        except OSError:  # a full or read-only volume: the job still runs, it just will not survive a restart
+            self.store.save_job(entry.job, self._lease() if entry.running_here else None)
+        except Exception:  # a full or unreachable store: the job still runs, other heads just see it late
             log.exception("could not save video job %s", entry.job.id)
 
-    def add(self, entry: JobEntry) -> None:
+    async def save_async(self, entry: JobEntry) -> None:
+        """Save the job as it is when its turn comes: the last save asked for is the last written."""
+        if self.store is None:
+            return
+        async with entry.save_lock:
+            job = entry.job.model_copy()
+            lease = self._lease() if entry.running_here else None
+            try:
+                await asyncio.to_thread(self.store.save_job, job, lease)
+            except Exception:
+                log.exception("could not save video job %s", job.id)
+
+    def save_soon(self, entry: JobEntry) -> None:
+        """Save in the background (its state changed): other heads see it within a write."""
+        task = asyncio.ensure_future(self.save_async(entry))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def renew_leases(self) -> None:
+        """Re-save the jobs this head runs, so no other head takes them for orphans."""
+        for entry in list(self._jobs.values()):
+            if entry.running_here:
+                await self.save_async(entry)
+
+    async def add(self, entry: JobEntry) -> None:
         if len(self._jobs) >= MAX_JOBS:
             finished = [k for k, e in self._jobs.items() if e.job.status in TERMINAL]
             if not finished:
                 raise APIError(429, f"{MAX_JOBS} video jobs are in flight; retry later", code="too_many_jobs")
             self._jobs.pop(finished[0])
         self._jobs[entry.job.id] = entry
-        self.save(entry)
+        await self.save_async(entry)
 
-    def get(self, job_id: str) -> JobEntry:
+    async def get(self, job_id: str) -> JobEntry:
+        """The job, wherever it runs: the jobs this head runs from memory (the ones it ran too, once the
+        store shows they were not removed), every other from the store."""
+        entry = self._jobs.get(job_id)
+        if entry is None and not JOB_ID.fullmatch(job_id):  # never one of ours: the store is not asked
+            raise APIError(404, f"no video job {job_id[:200]!r}", "video_id")
+        if (entry is not None and entry.running_here) or self.store is None:
+            if entry is None:
+                raise APIError(404, f"no video job {job_id!r}", "video_id")
+            return entry
         try:
-            return self._jobs[job_id]
-        except KeyError:
-            raise APIError(404, f"no video job {job_id!r}", "video_id") from None
+            stored = await asyncio.to_thread(self.store.load_job, job_id)
+        except Exception as exc:  # the shared store did not answer: say so, not a bare 500
+            log.warning("reading video job %s from the result store failed: %s", job_id, exc)
+            raise APIError(
+                503,
+                f"the result store did not answer for video {job_id}; retry",
+                code="store_unavailable",
+                headers={"Retry-After": "1"},
+            ) from None
+        if stored is None:  # never made, or removed (by retention or DELETE on any head)
+            self._jobs.pop(job_id, None)
+            raise APIError(404, f"no video job {job_id!r}", "video_id")
+        if entry is not None and entry.made_here:
+            return entry  # this head ran it: its memory is ahead of the store until its last save lands
+        if stored.orphaned(time.time()):  # its head died without saying so
+            fail_orphan(stored.job)
+            await asyncio.to_thread(self.store.save_job, stored.job)
+        if entry is None:
+            entry = JobEntry(stored.job)
+            if stored.job.status in TERMINAL:
+                self._remember(entry)
+        elif stored.job.status != entry.job.status and stored.job.status in TERMINAL and entry.feed is not None:
+            entry.feed.publish(final_message(stored.job))
+        entry.job = stored.job
+        return entry
+
+    def _remember(self, entry: JobEntry) -> None:
+        if len(self._jobs) >= MAX_JOBS:
+            finished = [k for k, e in self._jobs.items() if e.job.status in TERMINAL]
+            if not finished:
+                return
+            self._jobs.pop(finished[0])
+        self._jobs[entry.job.id] = entry
 
     def all(self) -> list[VideoJob]:
         return [e.job for e in self._jobs.values()]
@@ -130,15 +218,37 @@ class VideoJobs:
         if tasks:
             await asyncio.wait(tasks, timeout=grace_s)
         for entry in self._jobs.values():
-            if entry.job.status in TERMINAL:
+            if entry.job.status in TERMINAL or entry.task is None:
                 continue
-            if entry.task is not None:
-                entry.task.cancel()
-                await asyncio.gather(entry.task, return_exceptions=True)
-            entry.job.status, entry.job.state = "failed", RequestState.FAILED.value
-            entry.job.error = {"message": SHUT_DOWN, "code": "head_shut_down"}
+            entry.task.cancel()
+            await asyncio.gather(entry.task, return_exceptions=True)
+            fail_orphan(entry.job, SHUT_DOWN, "head_shut_down")
             entry.job.completed_at = int(time.time())
-            self.save(entry)
+            await self.save_async(entry)
+
+
+async def foreign_events(jobs: VideoJobs, entry: JobEntry) -> AsyncIterator[bytes]:
+    """The events of a job another head runs, as its saved status changes (state changes and, at each
+    lease renewal, its step), until it ends."""
+    job_id, last = entry.job.id, None
+    while True:
+        job = entry.job
+        seen = (job.state, job.step)
+        if job.status in TERMINAL:
+            yield final_message(job).encoded
+            return
+        if seen != last:
+            data: dict[str, Any] = {"id": job_id, "state": job.state, "role": None}
+            if job.total_steps:
+                data.update(step=job.step, total_steps=job.total_steps)
+            yield SSEMessage("step" if job.total_steps else "state", data).encoded
+            last = seen
+        await asyncio.sleep(FOREIGN_POLL_S)
+        try:
+            entry = await jobs.get(job_id)
+        except APIError as exc:
+            yield error_message(job_id, exc.message, exc.code, exc.status_code).encoded
+            return
 
 
 def _jobs(request: Request) -> VideoJobs:
@@ -174,10 +284,10 @@ async def _create_video(body: RequestBody, request: Request) -> VideoJob:
         seed=params.seed,
         total_steps=params.num_inference_steps,
     )
-    entry = JobEntry(job, feed=ProgressFeed(job.id, HISTORY_LINGER_S))
+    entry = JobEntry(job, feed=ProgressFeed(job.id, HISTORY_LINGER_S), made_here=True)
     ctx.admit(job.id)  # counted from now until the job ends: 429 here, never a job failed later
     try:
-        _jobs(request).add(entry)
+        await _jobs(request).add(entry)
     except APIError:
         ctx.release(job.id)
         raise
@@ -191,6 +301,7 @@ async def _run(
     job, feed = entry.job, entry.progress_feed()
 
     def on_event(event: RequestEvent) -> None:
+        before = (job.status, job.state)
         job.state = event.state
         if event.state not in (RequestState.PENDING, RequestState.ENCODER_WAITING):
             job.status = "in_progress"
@@ -198,13 +309,12 @@ async def _run(
             job.step, job.total_steps = event.step, event.total_steps
             job.progress = int(100 * event.step / event.total_steps)
         feed.on_event(event)
+        if (job.status, job.state) != before:  # other heads answer for this job from the store
+            jobs.save_soon(entry)
 
     try:
         output = await ctx.generate(params, job.id, on_event, preview_every)
-        path = ctx.results.video_path(job.id)
-        await asyncio.to_thread(write_mp4, output.pixels[0], path, job.fps)
-        await asyncio.to_thread(save_frames, output.pixels[0], frames_path(path))
-        entry.path = path
+        await asyncio.to_thread(_store_content, ctx.results, job.id, output.pixels[0], job.fps)
         job.status, job.state, job.progress = "completed", RequestState.DONE.value, 100
     except asyncio.CancelledError:
         job.status, job.state = "cancelled", RequestState.CANCELLED.value
@@ -219,8 +329,23 @@ async def _run(
         ctx.release(job.id)  # also when it was cancelled before generating started
         if job.status in TERMINAL:
             job.completed_at = int(time.time())
-            jobs.save(entry)
+            await jobs.save_async(entry)  # after its content: a head that reads `completed` finds the files
             feed.publish(final_message(job))
+
+
+def _store_content(results: ResultStore, job_id: str, frames: Any, fps: int) -> None:
+    """The MP4 and the exact frames, made in the store's staging folder and then stored whole."""
+    results.objects.staging.mkdir(parents=True, exist_ok=True)
+    stem = results.objects.staging / f"{job_id}-{uuid.uuid4().hex}"
+    mp4, npy = stem.with_suffix(".mp4"), stem.with_suffix(".npy")
+    try:
+        write_mp4(frames, mp4, fps)
+        save_frames(frames, npy)
+        results.objects.put_file(results.video_name(job_id), mp4, "video/mp4")
+        results.objects.put_file(results.frames_name(job_id), npy, "application/octet-stream")
+    finally:
+        mp4.unlink(missing_ok=True)
+        npy.unlink(missing_ok=True)
 
 
 @router.get("/v1/videos", response_model=list[VideoJob])
@@ -230,49 +355,59 @@ async def list_videos(request: Request) -> list[VideoJob]:
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob)
 async def get_video(video_id: str, request: Request) -> VideoJob:
-    return _jobs(request).get(video_id).job
+    return (await _jobs(request).get(video_id)).job
 
 
 @router.get("/v1/videos/{video_id}/events", response_model=None)
 async def video_events(video_id: str, request: Request) -> StreamingResponse:
     """The job's progress as Server-Sent Events, until it completes or fails."""
-    return _jobs(request).get(video_id).progress_feed().response()
+    jobs = _jobs(request)
+    entry = await jobs.get(video_id)
+    if not entry.made_here and entry.job.status not in TERMINAL:  # another head runs it: follow its saved status
+        return sse_response(foreign_events(jobs, entry))
+    return entry.progress_feed().response()
 
 
 @router.get("/v1/videos/{video_id}/content", response_model=None)
-async def get_video_content(
-    video_id: str, request: Request, variant: Literal["video", "frames"] = "video"
-) -> FileResponse | Response:
+async def get_video_content(video_id: str, request: Request, variant: Literal["video", "frames"] = "video") -> Response:
     """The MP4 (variant=video), or the exact decoded frames as a ZIP of PNGs (variant=frames)."""
-    entry = _jobs(request).get(video_id)
-    if entry.job.status != "completed" or entry.path is None:
+    entry = await _jobs(request).get(video_id)
+    if entry.job.status != "completed":
         raise APIError(409, f"video {video_id} is {entry.job.status}; content is ready when status is completed")
+    results: ResultStore = request.app.state.ctx.results
     if variant == "frames":
-        data = await asyncio.to_thread(png_zip, load_frames(frames_path(entry.path)))
+        try:
+            raw = await asyncio.to_thread(results.objects.get_bytes, results.frames_name(video_id))
+        except ObjectMissing:
+            raise APIError(404, f"the frames of video {video_id} were removed") from None
+        data = await asyncio.to_thread(lambda: png_zip(load_frames(io.BytesIO(raw))))
         return Response(
             data,
             media_type="application/zip",
             headers={"Content-Disposition": f"attachment; filename={video_id}-frames.zip"},
         )
-    return FileResponse(entry.path, media_type="video/mp4", filename=f"{video_id}.mp4")
+    return await object_response(results, results.video_name(video_id), "video/mp4", f"{video_id}.mp4")
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoJob)
 async def delete_video(video_id: str, request: Request) -> VideoJob:
-    """Cancel a running job; delete a finished one and its file."""
+    """Cancel a running job; delete a finished one and its files."""
     jobs = _jobs(request)
-    entry = jobs.get(video_id)
-    if entry.job.status not in TERMINAL and entry.task is not None:
+    entry = await jobs.get(video_id)
+    if entry.job.status not in TERMINAL:
+        if not entry.made_here or entry.task is None:
+            raise APIError(
+                409,
+                f"video {video_id} runs on another head, which alone can cancel it: retry (the load balancer may "
+                "pick that head) or wait for it to end",
+            )
         entry.task.cancel()
         try:
             await entry.task
         except asyncio.CancelledError:
             pass
         return entry.job
-    if entry.path is not None:
-        entry.path.unlink(missing_ok=True)
-        frames_path(entry.path).unlink(missing_ok=True)
     if jobs.store is not None:
-        jobs.store.delete(video_id)
+        await asyncio.to_thread(jobs.store.delete, video_id)
     jobs.remove(video_id)
     return entry.job

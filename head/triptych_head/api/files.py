@@ -1,0 +1,60 @@
+"""Results as HTTP responses, whichever head made them: a local file (directory store), the object
+proxied through this head (S3, the default), or a redirect to a presigned URL (S3 with
+--results-presign)."""
+
+from __future__ import annotations
+
+import asyncio
+import mimetypes
+import re
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
+from starlette.concurrency import iterate_in_threadpool
+
+from triptych_head.api.context import HeadContext
+from triptych_head.api.errors import APIError
+from triptych_head.objects import ObjectMissing
+from triptych_head.results import IMAGES, VIDEOS, ResultStore
+
+router = APIRouter(tags=["system"])
+FILE_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}(\.[A-Za-z0-9]{1,10}){1,2}")  # img_<hex>-0.png, video_<hex>.mp4
+
+
+async def object_response(results: ResultStore, name: str, media_type: str, filename: str | None = None) -> Response:
+    """The object `name` as a response; APIError 404 when there is none (never made, or removed)."""
+    store = results.objects
+    stat = await asyncio.to_thread(store.stat, name)
+    if stat is None:
+        raise APIError(404, f"no file {name[:200]}")
+    if results.presign_s:
+        url = await asyncio.to_thread(store.presigned_url, name, results.presign_s, media_type, filename)
+        if url is not None:
+            return RedirectResponse(url, status_code=307)
+    path = store.local_path(name)
+    if path is not None:
+        return FileResponse(path, media_type=media_type, filename=filename)
+    chunks = store.stream(name)
+    try:  # the first chunk here: an object removed since the stat is a 404, not a broken stream
+        first = await asyncio.to_thread(next, chunks, b"")
+    except ObjectMissing:
+        raise APIError(404, f"no file {name[:200]}") from None
+
+    async def body():  # type: ignore[no-untyped-def]
+        yield first
+        async for chunk in iterate_in_threadpool(chunks):
+            yield chunk
+
+    headers = {"Content-Length": str(stat.size)}
+    if filename:
+        headers["Content-Disposition"] = f"attachment; filename={filename}"
+    return StreamingResponse(body(), media_type=media_type, headers=headers)
+
+
+@router.get("/v1/files/{kind}/{name}", name="get_file")
+async def get_file(kind: str, name: str, request: Request) -> Response:
+    ctx: HeadContext = request.app.state.ctx
+    if kind not in (IMAGES, VIDEOS) or not FILE_NAME.fullmatch(name):
+        raise APIError(404, f"no file {kind}/{name[:200]}")
+    media_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
+    return await object_response(ctx.results, f"{kind}/{name}", media_type)

@@ -1,0 +1,350 @@
+"""Where finished results live: named objects in a directory or an S3-compatible bucket.
+
+Every head of a pipeline reads and writes the same store, so any head can answer for a result
+another one made (results.py says which objects make up a result). Two backends:
+
+    DirectoryObjects   a directory: --output-path; with several heads, a volume every head mounts
+                       (ReadWriteMany). Writes go to a temporary name and are renamed into place.
+    S3Objects          s3://BUCKET/PREFIX (--results-store) on any S3-compatible server
+                       (--results-s3-endpoint), credentials from AWS_ACCESS_KEY_ID and
+                       AWS_SECRET_ACCESS_KEY (AWS_SESSION_TOKEN, AWS_REGION when set). An S3 PUT
+                       is atomic: a reader sees the old object or the new one.
+
+Names are relative paths such as `videos/<job id>.json`; a name never starts with a dot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlsplit
+
+CHUNK_BYTES = 1 << 20  # what a proxied download reads at a time
+
+
+class ObjectMissing(KeyError):
+    """No object of that name (never written, or removed meanwhile)."""
+
+
+class StoreError(Exception):
+    """The store cannot be used as configured; the message names the flag or variable to fix."""
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    name: str
+    size: int
+    mtime: float  # seconds since the epoch: when it was last written
+
+
+class ObjectStore(Protocol):
+    description: str  # for logs and errors: the directory or s3://bucket/prefix
+    staging: Path  # a local folder where a file is written before put_file takes it
+
+    def check(self) -> None:
+        """Raise StoreError (naming what to fix) unless objects can be written, read and removed."""
+
+    def put_bytes(self, name: str, data: bytes, content_type: str) -> None: ...
+
+    def put_file(self, name: str, path: Path, content_type: str) -> None:
+        """Store the file at `path` (under `staging`) as `name`; the file is consumed."""
+
+    def get_bytes(self, name: str) -> bytes:
+        """The object's bytes; ObjectMissing when there is none."""
+
+    def stat(self, name: str) -> StoredObject | None: ...
+
+    def list(self, prefix: str) -> Iterator[StoredObject]:
+        """Every object whose name starts with `prefix` (a folder such as `videos/`)."""
+
+    def delete(self, name: str) -> None:
+        """Remove the object; one already gone is not an error."""
+
+    def local_path(self, name: str) -> Path | None:
+        """The object as a local file (served with range requests), or None for a remote store."""
+
+    def stream(self, name: str) -> Iterator[bytes]:
+        """The object's bytes in chunks of CHUNK_BYTES (blocking: iterate it in a thread)."""
+
+    def presigned_url(self, name: str, expires_s: int, content_type: str, filename: str | None) -> str | None:
+        """A URL that fetches the object without the head for `expires_s`, or None where the store has none."""
+
+
+class DirectoryObjects:
+    """Objects as files under `root`; several heads may share it (a ReadWriteMany volume)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.description = str(root)
+        self.staging = root / ".staging"  # on the same filesystem: put_file is a rename
+
+    def _path(self, name: str) -> Path:
+        if name.startswith((".", "/")) or "/." in name or ".." in name.split("/") or "\x00" in name:
+            raise ObjectMissing(name)  # temporary and staging files are nobody's result
+        return self.root / name
+
+    def check(self) -> None:
+        try:
+            self.staging.mkdir(parents=True, exist_ok=True)
+            probe = self.staging / f"probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise StoreError(f"--output-path {self.root}: cannot write there ({exc}); give a writable folder") from None
+
+    def put_bytes(self, name: str, data: bytes, content_type: str) -> None:
+        path = self._path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)  # atomic: another head reads the old file or the new one, never half
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def put_file(self, name: str, path: Path, content_type: str) -> None:
+        target = self._path(name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            shutil.move(path, tmp)  # a rename when staging is on the same filesystem
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+
+    def get_bytes(self, name: str) -> bytes:
+        try:
+            return self._path(name).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectMissing(name) from None
+
+    def stat(self, name: str) -> StoredObject | None:
+        try:
+            st = self._path(name).stat()
+        except (OSError, ValueError, ObjectMissing):  # ValueError: a name the filesystem cannot hold (NUL)
+            return None
+        return StoredObject(name, st.st_size, st.st_mtime) if stat.S_ISREG(st.st_mode) else None
+
+    def list(self, prefix: str) -> Iterator[StoredObject]:
+        folder = self.root / prefix
+        if not folder.is_dir():
+            return
+        for path in folder.iterdir():
+            if path.name.startswith("."):  # a write in progress
+                continue
+            try:
+                st = path.stat()
+            except OSError:  # removed meanwhile
+                continue
+            yield StoredObject(f"{prefix}{path.name}", st.st_size, st.st_mtime)
+
+    def delete(self, name: str) -> None:
+        try:
+            self._path(name).unlink(missing_ok=True)
+        except ObjectMissing:
+            pass
+
+    def local_path(self, name: str) -> Path | None:
+        return self._path(name)
+
+    def stream(self, name: str) -> Iterator[bytes]:
+        try:
+            f = self._path(name).open("rb")
+        except FileNotFoundError:
+            raise ObjectMissing(name) from None
+        with f:
+            while chunk := f.read(CHUNK_BYTES):
+                yield chunk
+
+    def presigned_url(self, name: str, expires_s: int, content_type: str, filename: str | None) -> str | None:
+        return None
+
+
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    prefix: str  # "" or ending in "/"
+
+    @classmethod
+    def parse(cls, spec: str) -> S3Location:
+        """s3://BUCKET or s3://BUCKET/PREFIX; ValueError saying what is wrong."""
+        parts = urlsplit(spec)
+        if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+            raise ValueError(f"{spec!r} is not s3://BUCKET/PREFIX")
+        prefix = parts.path.strip("/")
+        return cls(parts.netloc, f"{prefix}/" if prefix else "")
+
+
+S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+class S3Objects:
+    """Objects in an S3-compatible bucket, through the MinIO client (any S3 API: AWS, MinIO, SeaweedFS, Ceph)."""
+
+    def __init__(self, location: S3Location, endpoint: str, environ: dict[str, str] | None = None) -> None:
+        import urllib3
+        from minio import Minio
+
+        env = os.environ if environ is None else environ
+        missing = [v for v in S3_CREDENTIALS if not env.get(v)]
+        if missing:
+            raise StoreError(
+                f"--results-store s3://{location.bucket}/{location.prefix}: {' and '.join(missing)} not set; "
+                "give the bucket's credentials in the environment (never as a flag)"
+            )
+        url = urlsplit(endpoint)
+        self.location = location
+        self.endpoint = endpoint
+        self.description = f"s3://{location.bucket}/{location.prefix} at {endpoint}"
+        self.staging = Path(tempfile.gettempdir()) / "triptych-results"
+        # Short connect timeout and few retries: a store that does not answer fails the request (and the
+        # start-up check) within seconds, not after urllib3's defaults of minutes.
+        http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=5, read=60),
+            retries=urllib3.Retry(total=2, backoff_factor=0.2, status_forcelist=(500, 502, 503, 504)),
+            maxsize=16,
+        )
+        self.client = Minio(
+            url.netloc,
+            access_key=env["AWS_ACCESS_KEY_ID"],
+            secret_key=env["AWS_SECRET_ACCESS_KEY"],
+            session_token=env.get("AWS_SESSION_TOKEN") or None,
+            secure=url.scheme == "https",
+            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
+            http_client=http,
+        )
+
+    def _key(self, name: str) -> str:
+        return self.location.prefix + name
+
+    def check(self) -> None:
+        from minio.error import S3Error
+
+        where = f"--results-store s3://{self.location.bucket}/{self.location.prefix}"
+        retries = logging.getLogger("urllib3.connectionpool")  # its retry warnings would bury the one line
+        level = retries.level
+        retries.setLevel(logging.ERROR)
+        try:
+            if not self.client.bucket_exists(self.location.bucket):
+                raise StoreError(f"{where}: bucket {self.location.bucket!r} does not exist at {self.endpoint}; "
+                                 "create it, or name another")  # fmt: skip
+            probe = f".probe-{uuid.uuid4().hex}"
+            self.put_bytes(probe, b"", "application/octet-stream")
+            self.delete(probe)
+        except S3Error as exc:
+            hint = {
+                "InvalidAccessKeyId": "check AWS_ACCESS_KEY_ID",
+                "SignatureDoesNotMatch": "check AWS_SECRET_ACCESS_KEY",
+                "AccessDenied": "give these credentials read, write and delete on the prefix",
+                "NoSuchBucket": "create the bucket, or name another",
+            }.get(exc.code or "", "check the bucket, the prefix and the credentials")
+            raise StoreError(f"{where}: {exc.code}: {exc.message}; {hint}") from None
+        except StoreError:
+            raise
+        except ValueError as exc:  # the client refuses a name before sending anything
+            raise StoreError(f"{where}: {exc}") from None
+        except Exception as exc:  # urllib3: refused, unresolvable, timed out
+            reason = getattr(exc, "reason", None) or exc  # MaxRetryError wraps what went wrong
+            raise StoreError(
+                f"--results-s3-endpoint {self.endpoint}: cannot reach it ({_last_words(reason)}); "
+                "give the S3 server's URL, e.g. http://seaweedfs:8333"
+            ) from None
+        finally:
+            retries.setLevel(level)
+
+    def put_bytes(self, name: str, data: bytes, content_type: str) -> None:
+        import io
+
+        self.client.put_object(self.location.bucket, self._key(name), io.BytesIO(data), len(data), content_type)
+
+    def put_file(self, name: str, path: Path, content_type: str) -> None:
+        try:
+            self.client.fput_object(self.location.bucket, self._key(name), str(path), content_type)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _get(self, name: str):  # type: ignore[no-untyped-def]
+        from minio.error import S3Error
+
+        try:
+            return self.client.get_object(self.location.bucket, self._key(name))
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchObject"):
+                raise ObjectMissing(name) from None
+            raise
+
+    def get_bytes(self, name: str) -> bytes:
+        response = self._get(name)
+        try:
+            return bytes(response.read())
+        finally:
+            response.close()
+            response.release_conn()
+
+    def stat(self, name: str) -> StoredObject | None:
+        from minio.error import S3Error
+
+        try:
+            st = self.client.stat_object(self.location.bucket, self._key(name))
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"):
+                return None
+            raise
+        return StoredObject(name, st.size or 0, st.last_modified.timestamp() if st.last_modified else 0.0)
+
+    def list(self, prefix: str) -> Iterator[StoredObject]:
+        start = len(self.location.prefix)
+        for obj in self.client.list_objects(self.location.bucket, prefix=self._key(prefix), recursive=True):
+            name = (obj.object_name or "")[start:]
+            if not name or name.rsplit("/", 1)[-1].startswith("."):
+                continue
+            mtime = obj.last_modified.timestamp() if obj.last_modified else 0.0
+            yield StoredObject(name, obj.size or 0, mtime)
+
+    def delete(self, name: str) -> None:
+        self.client.remove_object(self.location.bucket, self._key(name))  # S3: removing a missing key succeeds
+
+    def local_path(self, name: str) -> Path | None:
+        return None
+
+    def stream(self, name: str) -> Iterator[bytes]:
+        response = self._get(name)
+        try:
+            yield from response.stream(CHUNK_BYTES)
+        finally:
+            response.close()
+            response.release_conn()
+
+    def presigned_url(self, name: str, expires_s: int, content_type: str, filename: str | None) -> str | None:
+        headers: dict[str, str | list[str] | tuple[str]] = {"response-content-type": content_type}
+        if filename:
+            headers["response-content-disposition"] = f"attachment; filename={filename}"
+        return self.client.presigned_get_object(
+            self.location.bucket, self._key(name), expires=timedelta(seconds=expires_s), response_headers=headers
+        )
+
+
+def _last_words(exc: BaseException) -> str:
+    """The end of an urllib3 error's message: "[Errno 111] Connection refused", not the pool's repr."""
+    text = str(exc)
+    return text.rsplit(": ", 1)[-1].rstrip("')\"") if ": " in text else text
+
+
+def open_object_store(output_path: str, results_store: str | None, s3_endpoint: str | None) -> ObjectStore:
+    """The store the flags name (ServeArgs checked their form); StoreError when it cannot be used."""
+    if results_store is None:
+        store: ObjectStore = DirectoryObjects(Path(output_path))
+    else:
+        store = S3Objects(S3Location.parse(results_store), s3_endpoint or "https://s3.amazonaws.com")
+    store.check()
+    return store

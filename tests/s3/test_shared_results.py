@@ -1,0 +1,245 @@
+"""Results any head can serve: two heads over one result store, a directory (a ReadWriteMany volume)
+or an S3 bucket on a real S3-compatible server (SeaweedFS, tests/s3/seaweedfs.py).
+
+A video job made through head A is read through head B (its status as A last wrote it, then its
+content); a URL image made by A is fetched through B; retention run by either head removes a
+result for both and never a job another head is running; a bad store stops the head at start-up
+with one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from tests.api.test_http_api import ScriptedBackend, validate, wait_for
+from tests.e2e.harness import deployment
+from tests.s3.seaweedfs import S3Server
+from triptych.families import ModelInfo
+from triptych_head.api.app import create_app
+from triptych_head.api.context import HeadContext
+from triptych_head.api.schemas import VideoJob
+from triptych_head.objects import DirectoryObjects, ObjectStore, S3Location, S3Objects
+from triptych_head.results import ResultStore, Retention
+
+VIDEO = {"prompt": "waves", "size": "32x16", "num_frames": 5, "num_inference_steps": 2}
+IMAGE = {"prompt": "a cat", "size": "32x32", "response_format": "url"}
+MODEL = ModelInfo("tiny", "WanPipeline", "video", 4, 3.5)
+
+
+@pytest.fixture(params=["directory", "s3"])
+def shared_store(request, tmp_path) -> ObjectStore:  # type: ignore[no-untyped-def]
+    """What each head opens: the same folder, or the same bucket and prefix."""
+    if request.param == "directory":
+        return DirectoryObjects(tmp_path / "results")
+    server: S3Server = request.getfixturevalue("s3_server")
+    bucket = request.getfixturevalue("s3_bucket")
+    return S3Objects(S3Location.parse(f"s3://{bucket}/{request.node.name}"), server.endpoint)
+
+
+def open_store(store: ObjectStore) -> ObjectStore:
+    """A second head's own client of the same store (nothing shared in memory)."""
+    if isinstance(store, DirectoryObjects):
+        return DirectoryObjects(store.root)
+    assert isinstance(store, S3Objects)
+    return S3Objects(store.location, store.endpoint)
+
+
+@contextmanager
+def head(
+    store: ObjectStore, backend: ScriptedBackend | None = None, retention: Retention | None = None, presign: int = 0
+) -> Iterator[TestClient]:
+    ctx = HeadContext(
+        backend=backend or ScriptedBackend(), model=MODEL, output_path=Path("/nonexistent"),
+        registry=CollectorRegistry(), validate=validate, retention=retention or Retention(),
+        results_store=open_store(store), results_presign_s=presign,
+    )  # fmt: skip
+    with TestClient(create_app(ctx)) as client:
+        yield client
+
+
+def test_a_video_job_made_through_one_head_is_followed_and_fetched_through_the_other(shared_store):
+    slow = ScriptedBackend()
+    slow.step_delay = 0.5
+    with head(shared_store, slow) as a, head(shared_store) as b:
+        job_id = a.post("/v1/videos", json={**VIDEO, "num_inference_steps": 6}).json()["id"]
+        deadline = time.monotonic() + 10
+        while (seen := b.get(f"/v1/videos/{job_id}")).json().get("status") != "in_progress":
+            assert time.monotonic() < deadline, f"head B never saw the job running: {seen.text}"
+            time.sleep(0.05)
+        assert b.get(f"/v1/videos/{job_id}/content").status_code == 409  # not ready: as A would say
+        done = wait_for(a, job_id, "completed", timeout=60)
+        assert wait_for(b, job_id, "completed", timeout=60) == done
+        mp4 = a.get(f"/v1/videos/{job_id}/content")
+        through_b = b.get(f"/v1/videos/{job_id}/content")
+        assert through_b.status_code == 200 and through_b.headers["content-type"] == "video/mp4"
+        assert through_b.content == mp4.content and mp4.content[4:8] == b"ftyp"
+        frames = b.get(f"/v1/videos/{job_id}/content", params={"variant": "frames"})
+        assert frames.content == a.get(f"/v1/videos/{job_id}/content", params={"variant": "frames"}).content
+        events = b.get(f"/v1/videos/{job_id}/events").text
+        assert "event: completed" in events and job_id in events
+
+
+def test_events_of_a_job_another_head_runs_end_with_its_completion(shared_store):
+    slow = ScriptedBackend()
+    slow.step_delay = 0.3
+    with head(shared_store, slow) as a, head(shared_store) as b:
+        job_id = a.post("/v1/videos", json={**VIDEO, "num_inference_steps": 8}).json()["id"]
+        wait_for(b, job_id, "in_progress", timeout=60)
+        stream = b.get(f"/v1/videos/{job_id}/events").text  # ends when the job does
+    messages = [m for m in stream.split("\n\n") if m.startswith("event:")]
+    assert messages[0].startswith("event: step") or messages[0].startswith("event: state"), stream
+    assert messages[-1].startswith("event: completed"), stream
+    assert json.loads(messages[-1].split("data: ", 1)[1])["status"] == "completed"
+
+
+def test_a_url_image_made_by_one_head_is_served_by_the_other(shared_store):
+    with head(shared_store) as a, head(shared_store) as b:
+        url = a.post("/v1/images/generations", json=IMAGE).json()["data"][0]["url"]
+        r = b.get(url)
+        assert r.status_code == 200 and r.content.startswith(b"\x89PNG") and r.headers["content-type"] == "image/png"
+        assert b.get(url.replace(".png", "x.png")).status_code == 404
+
+
+def test_retention_on_either_head_removes_a_result_for_both_but_never_a_job_another_head_runs(shared_store):
+    slow = ScriptedBackend()
+    slow.step_delay = 0.5
+    short = Retention(max_age_s=1.0, max_bytes=1 << 30)
+    with head(shared_store, slow) as a:
+        finished = a.post("/v1/videos", json=VIDEO).json()["id"]
+        wait_for(a, finished, "completed", timeout=60)
+        url = a.post("/v1/images/generations", json=IMAGE).json()["data"][0]["url"]
+        running = a.post("/v1/videos", json={**VIDEO, "num_inference_steps": 40}).json()["id"]
+        time.sleep(2.5)  # the finished results are past B's max age; the running job's JSON is too
+        with head(shared_store, retention=short) as b:  # B sweeps at start and every 0.5 s
+            deadline = time.monotonic() + 10
+            while a.get(f"/v1/videos/{finished}").status_code != 404 or a.get(url).status_code != 404:
+                assert time.monotonic() < deadline, "B's retention never removed A's finished results"
+                time.sleep(0.1)
+            assert b.get(f"/v1/videos/{finished}").status_code == 404
+            time.sleep(1.5)  # more sweeps by B while A's job runs on
+            assert b.get(f"/v1/videos/{running}").json()["status"] == "in_progress"
+            assert a.get(f"/v1/videos/{running}").json()["status"] == "in_progress"
+
+
+def test_a_running_job_whose_head_stopped_renewing_its_lease_reads_failed_on_any_head(shared_store):
+    job = VideoJob(id="video_lost", model="tiny", status="in_progress", created_at=1, size="32x16", num_frames=5,
+                   fps=16, seed=1)  # fmt: skip
+    store = ResultStore(open_store(shared_store))
+    store.save_job(job, lease_until=time.time() + 2)  # its head died right after this save
+    with head(shared_store) as b:
+        assert b.get("/v1/videos/video_lost").json()["status"] == "in_progress"  # its lease still holds
+        time.sleep(2.5)
+        lost = b.get("/v1/videos/video_lost").json()
+    assert lost["status"] == "failed" and lost["error"]["code"] == "head_restarted"
+    saved = store.load_job("video_lost")
+    assert saved is not None and saved.job.status == "failed"  # saved: every other head reads it too
+
+
+def test_presigned_urls_let_clients_fetch_images_and_videos_from_the_bucket_itself(s3_server, s3_bucket):
+    store = S3Objects(S3Location.parse(f"s3://{s3_bucket}/presigned-{uuid.uuid4().hex}"), s3_server.endpoint)
+    with head(store, presign=300) as a, head(store, presign=300) as b:
+        url = a.post("/v1/images/generations", json=IMAGE).json()["data"][0]["url"]
+        assert url.startswith(f"{s3_server.endpoint}/{s3_bucket}/presigned-") and "X-Amz-Signature" in url
+        png = httpx.get(url)
+        assert png.status_code == 200 and png.content.startswith(b"\x89PNG")
+        job_id = a.post("/v1/videos", json=VIDEO).json()["id"]
+        wait_for(b, job_id, "completed", timeout=60)
+        redirect = b.get(f"/v1/videos/{job_id}/content", follow_redirects=False)
+        assert redirect.status_code == 307 and redirect.headers["location"].startswith(s3_server.endpoint)
+        mp4 = httpx.get(redirect.headers["location"])
+        assert mp4.status_code == 200 and mp4.content[4:8] == b"ftyp"
+        assert mp4.headers["content-type"] == "video/mp4"
+    unsigned = httpx.get(url.split("?", 1)[0])
+    assert unsigned.status_code == 403  # the bucket is private: only a signed URL reads it
+
+
+# --- bad stores stop the head at start-up --------------------------------------------------------
+
+
+def serve_head(model: Path, *flags: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`triptych serve` as a head whose workers are never reached: it stops (or not) at the store check."""
+    argv = [sys.executable, "-m", "triptych", "serve", "--model-path", str(model), "--disagg-role", "server",
+            "--encoder-urls", "tcp://127.0.0.1:9", "--denoiser-urls", "tcp://127.0.0.1:10",
+            "--decoder-urls", "tcp://127.0.0.1:11", "--port", "9", *flags]  # fmt: skip
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+
+def without_credentials() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+
+
+@pytest.mark.parametrize(
+    ("case", "flag", "says"),
+    [
+        ("unreachable endpoint", "--results-s3-endpoint", "cannot reach it"),
+        ("missing bucket", "--results-store", "does not exist"),
+        ("missing credentials", "--results-store", "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY not set"),
+        ("wrong secret", "--results-store", "check AWS_SECRET_ACCESS_KEY"),
+    ],
+)
+def test_a_store_the_head_cannot_use_stops_it_at_start_up_with_one_line_naming_the_flag(
+    s3_server, s3_bucket, tiny_models, case, flag, says
+):
+    env, bucket, endpoint = {**os.environ}, s3_bucket, s3_server.endpoint
+    if case == "unreachable endpoint":
+        endpoint = "http://127.0.0.1:9"  # discard: nothing listens
+    elif case == "missing bucket":
+        bucket = "no-such-bucket-here"
+    elif case == "missing credentials":
+        env = without_credentials()
+    else:
+        env["AWS_SECRET_ACCESS_KEY"] = "not-the-secret"
+    store = ("--results-store", f"s3://{bucket}/p", "--results-s3-endpoint", endpoint)
+    done = serve_head(tiny_models["tiny-wan"], *store, env=env)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"triptych: error: {flag}") and says in lines[0], lines
+
+
+def test_a_directory_the_head_cannot_write_stops_it_at_start_up(tiny_models, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    done = serve_head(tiny_models["tiny-wan"], "--output-path", str(blocked / "results"), env={**os.environ})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("triptych: error: --output-path"), lines
+
+
+# --- two real head processes over the same workers ------------------------------------------------
+
+INSTANT = ("--simulate-seconds", "0", "--simulate-seconds-per-unit", "0")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["directory", "s3"])
+def test_two_head_processes_serve_each_others_video_jobs(backend, tiny_models, tmp_path, request):
+    flags: tuple[str, ...] = ()
+    if backend == "s3":
+        server: S3Server = request.getfixturevalue("s3_server")
+        bucket = request.getfixturevalue("s3_bucket")  # sets the credentials the heads inherit
+        flags = ("--results-store", f"s3://{bucket}/{uuid.uuid4().hex}", "--results-s3-endpoint", server.endpoint)
+    with deployment(tiny_models["tiny-wan"], tmp_path, simulate=True, worker_flags=INSTANT, heads=2,
+                    head_flags=flags) as dep:  # fmt: skip
+        a, b = dep.head_urls
+        job = httpx.post(f"{a}/v1/videos", json={**VIDEO, "size": "32x32"}, timeout=30)
+        assert job.status_code == 200, job.text
+        job_id = job.json()["id"]
+        deadline = time.monotonic() + 120
+        while (status := httpx.get(f"{b}/v1/videos/{job_id}", timeout=10).json())["status"] != "completed":
+            assert status["status"] in ("queued", "in_progress") and time.monotonic() < deadline, status
+            time.sleep(0.2)
+        mp4_b = httpx.get(f"{b}/v1/videos/{job_id}/content", timeout=30)
+        mp4_a = httpx.get(f"{a}/v1/videos/{job_id}/content", timeout=30)
+        assert mp4_b.status_code == 200 and mp4_b.content == mp4_a.content and mp4_b.content[4:8] == b"ftyp"
