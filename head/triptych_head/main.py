@@ -47,7 +47,12 @@ def _results(args: ServeArgs) -> dict[str, Any] | None:
         return None
     how = f"presigned URLs valid {args.results_presign}s" if args.results_presign else "served by the head"
     log.info("results in %s (%s)", store.description, how)
-    return {"results_store": store, "results_presign_s": args.results_presign, "retention": _retention(args)}
+    return {
+        "results_store": store,
+        "results_presign_s": args.results_presign,
+        "retention": _retention(args),
+        "idempotency_wait_s": args.disagg_timeout,
+    }
 
 
 def _http_guards(args: ServeArgs) -> dict[str, Any] | None:
@@ -81,6 +86,7 @@ def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
         ready=loop.is_alive,
         drain_seconds=args.disagg_drain_timeout,
         admission=server.admission,
+        head_id=server.core.head_id,  # the id its workers know it by names its runs in the shared store too
         **guards,
         **results,
     )

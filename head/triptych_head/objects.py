@@ -29,6 +29,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 CHUNK_BYTES = 1 << 20  # what a proxied download reads at a time
+CLAIM_STALE_S = 60.0  # S3Objects.create: a rival claim this much older than ours was left by a dead head
 
 
 class ObjectMissing(KeyError):
@@ -55,6 +56,11 @@ class ObjectStore(Protocol):
 
     def put_bytes(self, name: str, data: bytes, content_type: str) -> None: ...
 
+    def create(self, name: str, data: bytes, content_type: str) -> bool:
+        """Write the object only if no object of that name exists, atomically: of several heads
+        creating one name at once, at most one gets True. False: it exists, or (S3) another head
+        was creating it at the same moment; the caller reads it, or tries again later."""
+
     def put_file(self, name: str, path: Path, content_type: str) -> None:
         """Store the file at `path` (under `staging`) as `name`; the file is consumed."""
 
@@ -64,7 +70,7 @@ class ObjectStore(Protocol):
     def stat(self, name: str) -> StoredObject | None: ...
 
     def list(self, prefix: str) -> Iterator[StoredObject]:
-        """Every object whose name starts with `prefix` (a folder such as `videos/`)."""
+        """Every object whose name starts with `prefix` (a folder such as `videos/`, or `videos/<id>.`)."""
 
     def delete(self, name: str) -> None:
         """Remove the object; one already gone is not an error."""
@@ -111,6 +117,19 @@ class DirectoryObjects:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def create(self, name: str, data: bytes, content_type: str) -> bool:
+        path = self._path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            tmp.write_bytes(data)
+            os.link(tmp, path)  # atomic and exclusive, on NFS too: fails when the name exists
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        return True
+
     def put_file(self, name: str, path: Path, content_type: str) -> None:
         target = self._path(name)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -136,17 +155,18 @@ class DirectoryObjects:
         return StoredObject(name, st.st_size, st.st_mtime) if stat.S_ISREG(st.st_mode) else None
 
     def list(self, prefix: str) -> Iterator[StoredObject]:
-        folder = self.root / prefix
+        folder_name, _, start = prefix.rpartition("/")
+        folder = self.root / folder_name
         if not folder.is_dir():
             return
         for path in folder.iterdir():
-            if path.name.startswith("."):  # a write in progress
+            if path.name.startswith(".") or not path.name.startswith(start):  # "." : a write in progress
                 continue
             try:
                 st = path.stat()
             except OSError:  # removed meanwhile
                 continue
-            yield StoredObject(f"{prefix}{path.name}", st.st_size, st.st_mtime)
+            yield StoredObject(f"{folder_name}/{path.name}" if folder_name else path.name, st.st_size, st.st_mtime)
 
     def delete(self, name: str) -> None:
         try:
@@ -266,6 +286,26 @@ class S3Objects:
         import io
 
         self.client.put_object(self.location.bucket, self._key(name), io.BytesIO(data), len(data), content_type)
+
+    def create(self, name: str, data: bytes, content_type: str) -> bool:
+        """S3-compatible servers do not all take a conditional PUT, so: each contender writes a claim of
+        its own beside the name, then lists the claims, and only one that sees its claim alone writes
+        the object. Two that see each other both withdraw (their callers try again later). At most one
+        wins because S3 lists are strongly consistent: of two contenders, the later to write its claim
+        lists the earlier's (a winner's claim stays, and goes with the object's result). A claim
+        CLAIM_STALE_S older than ours (by the server's clock) is a contender that died mid-way."""
+        if self.stat(name) is not None:
+            return False
+        mine = f"{name}.claim-{uuid.uuid4().hex}"
+        self.put_bytes(mine, b"", "application/octet-stream")
+        claims = {obj.name: obj.mtime for obj in self.list(f"{name}.claim-")}
+        written = claims.get(mine, 0.0)
+        rivals = [n for n, mtime in claims.items() if n != mine and written - mtime < CLAIM_STALE_S]
+        if mine not in claims or rivals or self.stat(name) is not None:
+            self.delete(mine)
+            return False
+        self.put_bytes(name, data, content_type)
+        return True
 
     def put_file(self, name: str, path: Path, content_type: str) -> None:
         try:

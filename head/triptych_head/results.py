@@ -3,13 +3,15 @@
     images/<request id>-<i>.png                    images served by URL (response_format url)
     videos/<job id>.json                           a video job's status, rewritten when it changes
     videos/<job id>.mp4, <job id>.frames.npy       its content
+    idempotency/<digest>.<n>.json, .response       an Idempotency-Key's runs (idempotency.py)
 
 Objects whose names agree up to the first dot are one result: retention removes them together,
 oldest first, once they are older than --results-max-age or the total passes --results-max-bytes.
 A running job's files are never removed: the head running it holds a lease on it (`lease_until`
-in its JSON, renewed every JOB_LEASE_RENEW_S); a job still running whose lease has run out lost
-its head, and any head marks it failed. Every head serves every result: a job another head made
-is read from its JSON, as that head last wrote it.
+in its JSON, renewed every JOB_LEASE_RENEW_S), and `videos/<job id>.running` lists it while it
+runs. A job still running whose lease has run out lost its head: another head takes it over and
+runs it again from the start (videos.py), or marks it failed when it cannot. Every head serves
+every result: a job another head made is read from its JSON, as that head last wrote it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from triptych.config import DEFAULT_RESULTS_MAX_AGE_S, DEFAULT_RESULTS_MAX_BYTES
+from triptych_head import idempotency
 from triptych_head.api.schemas import VideoJob
 from triptych_head.objects import DirectoryObjects, ObjectMissing, ObjectStore
 
@@ -47,10 +51,12 @@ class Retention:
 
 @dataclass(frozen=True)
 class StoredJob:
-    """A video job as its JSON says, with the lease of the head running it (None once it ended)."""
+    """A video job as its JSON says, with the lease of the head running it (None once it ended) and
+    what another head needs to run it again (`run`: its GenerationParams and preview_every)."""
 
     job: VideoJob
     lease_until: float | None = None
+    run: dict[str, Any] | None = None
 
     def orphaned(self, now: float) -> bool:
         """Still running, but no head holds it: its head died (or it was saved without a lease)."""
@@ -60,9 +66,14 @@ class StoredJob:
 @dataclass
 class _Result:
     key: str
+    folder: str
     names: list[str] = field(default_factory=list)
     mtime: float = 0.0
     nbytes: int = 0
+
+    def running_key(self, now: float) -> bool:
+        """An Idempotency-Key whose run may still go on: its head renews its record well within a lease."""
+        return self.folder == idempotency.FOLDER and now - self.mtime < idempotency.LEASE_S
 
 
 class ResultStore:
@@ -88,13 +99,32 @@ class ResultStore:
     def job_name(job_id: str) -> str:
         return f"{VIDEOS}/{job_id}.json"
 
-    def save_job(self, job: VideoJob, lease_until: float | None = None) -> None:
+    @staticmethod
+    def running_name(job_id: str) -> str:
+        return f"{VIDEOS}/{job_id}.running"
+
+    def save_job(self, job: VideoJob, lease_until: float | None = None, run: dict[str, Any] | None = None) -> None:
         """Write the job's status atomically (a crash leaves the old or the new object, never half of one).
-        `lease_until`: the job runs on this head until then at least (renewed while it runs)."""
+        `lease_until`: the job runs on this head until then at least (renewed while it runs). `run`:
+        what another head needs to run it again should this one die."""
         data = job.model_dump(mode="json")
         if lease_until is not None and job.status not in TERMINAL:
             data["lease_until"] = lease_until
+        if run is not None and job.status not in TERMINAL:
+            data["run"] = run
         self.objects.put_bytes(self.job_name(job.id), json.dumps(data).encode(), "application/json")
+        if job.status in TERMINAL:
+            self.objects.delete(self.running_name(job.id))
+
+    def mark_running(self, job_id: str) -> None:
+        """List the job among those some head must run (heads look for orphans among them)."""
+        self.objects.put_bytes(self.running_name(job_id), b"", "application/octet-stream")
+
+    def running_jobs(self) -> list[str]:
+        """The jobs listed as running: one LIST, whatever the number of finished jobs."""
+        suffix = ".running"
+        names = (obj.name for obj in self.objects.list(f"{VIDEOS}/"))
+        return [n.removeprefix(f"{VIDEOS}/").removesuffix(suffix) for n in names if n.endswith(suffix)]
 
     def load_job(self, job_id: str) -> StoredJob | None:
         """The job as last saved by any head; None when there is none (or it cannot be read)."""
@@ -108,6 +138,7 @@ class ResultStore:
         try:
             data = json.loads(raw)
             lease = data.pop("lease_until", None)
+            run = data.pop("run", None)
             job = VideoJob.model_validate(data)
         except (ValueError, TypeError, AttributeError) as exc:
             log.warning("skipping unreadable video job %s: %s", job_id, exc)
@@ -115,7 +146,9 @@ class ResultStore:
         if job.id != job_id:  # its id names its files: never follow one elsewhere
             log.warning("skipping video job %s: it names itself %r", job_id, job.id)
             return None
-        return StoredJob(job, float(lease) if isinstance(lease, int | float) else None)
+        return StoredJob(
+            job, float(lease) if isinstance(lease, int | float) else None, run if isinstance(run, dict) else None
+        )
 
     def load_stored_jobs(self) -> list[StoredJob]:
         """Every saved job, oldest first; unreadable ones are skipped with a warning."""
@@ -153,7 +186,7 @@ class ResultStore:
         for result in sorted(everything, key=lambda r: r.mtime):
             if now - result.mtime <= self.retention.max_age_s and total <= self.retention.max_bytes:
                 break  # oldest first: everything after this one is younger and fits
-            if result.key in keep or self._running_elsewhere(result, now):
+            if result.key in keep or self._running_elsewhere(result, now) or result.running_key(now):
                 continue
             for name in result.names:
                 self.objects.delete(name)
@@ -173,10 +206,10 @@ class ResultStore:
 
     def _results(self) -> list[_Result]:
         by_key: dict[tuple[str, str], _Result] = {}
-        for folder in (IMAGES, VIDEOS):
+        for folder in (IMAGES, VIDEOS, idempotency.FOLDER):
             for obj in self.objects.list(f"{folder}/"):
                 key = _key_of(obj.name)
-                result = by_key.setdefault((folder, key), _Result(key))
+                result = by_key.setdefault((folder, key), _Result(key, folder))
                 result.names.append(obj.name)
                 result.mtime = max(result.mtime, obj.mtime)
                 result.nbytes += obj.size

@@ -111,3 +111,29 @@ def test_a_killed_head_loses_only_its_own_requests_and_its_slots_are_freed_withi
     assert np.array_equal(after, expected[100])
     assert all(w["held"] == 0 and w["others_busy"] == 0 for w in workers), workers
     assert all(w["free_bytes"] == w["pool_bytes"] for w in workers if w["pool_bytes"]), workers
+
+
+def test_a_video_job_of_a_killed_head_is_run_to_completion_by_the_other_and_its_events_resume(tiny_models, tmp_path):
+    from triptych_head.results import JOB_LEASE_S
+
+    slow = ("--step-seconds", "0.05", *HEARTBEAT)
+    with deployment(tiny_models["tiny-wan"], tmp_path, null_payload=4096, heads=2, head_flags=HEARTBEAT,
+                    worker_flags=slow) as dep:  # fmt: skip
+        a, b = dep.head_urls
+        head_b = next(p for p in dep.procs if p.url == b)
+        body = {"prompt": "waves", "size": "32x32", "num_frames": 5, "num_inference_steps": 200, "seed": 3}
+        job = httpx.post(f"{b}/v1/videos", json=body, timeout=30).json()
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{a}/v1/videos/{job['id']}", timeout=10).json()["step"] < 1:  # a reads b's saves
+            assert time.monotonic() < deadline, "b's job never started"
+            time.sleep(0.2)
+        head_b.kill()  # SIGKILL: no drain, its lease is left to run out
+        with httpx.stream("GET", f"{a}/v1/videos/{job['id']}/events", timeout=JOB_LEASE_S + 90) as events:
+            text = "".join(events.iter_text())  # a client that reconnects to the head left
+        assert "event: completed" in text, text[-2000:]
+        done = httpx.get(f"{a}/v1/videos/{job['id']}", timeout=10).json()
+        assert done["status"] == "completed" and done["restarts"] == 1 and done["seed"] == 3, done
+        mp4 = httpx.get(f"{a}/v1/videos/{job['id']}/content", timeout=30)
+        assert mp4.status_code == 200 and mp4.content[4:8] == b"ftyp"
+        workers = wait_until_all_free(a, 15)
+    assert all(w["held"] == 0 and w["others_busy"] == 0 for w in workers), workers

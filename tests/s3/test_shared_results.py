@@ -9,10 +9,13 @@ with one line naming the flag.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import random
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,6 +28,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from tests.api.test_http_api import ScriptedBackend, validate, wait_for
+from tests.api.test_takeover import _orphan
 from tests.e2e.harness import deployment
 from tests.s3.seaweedfs import S3Server
 from triptych.families import ModelInfo
@@ -134,11 +138,11 @@ def test_retention_on_either_head_removes_a_result_for_both_but_never_a_job_anot
             assert a.get(f"/v1/videos/{running}").json()["status"] == "in_progress"
 
 
-def test_a_running_job_whose_head_stopped_renewing_its_lease_reads_failed_on_any_head(shared_store):
+def test_a_running_job_whose_head_died_with_nothing_to_run_it_again_reads_failed_on_any_head(shared_store):
     job = VideoJob(id="video_lost", model="tiny", status="in_progress", created_at=1, size="32x16", num_frames=5,
                    fps=16, seed=1)  # fmt: skip
     store = ResultStore(open_store(shared_store))
-    store.save_job(job, lease_until=time.time() + 2)  # its head died right after this save
+    store.save_job(job, lease_until=time.time() + 2)  # its head died right after this save, kept no parameters
     with head(shared_store) as b:
         assert b.get("/v1/videos/video_lost").json()["status"] == "in_progress"  # its lease still holds
         time.sleep(2.5)
@@ -164,6 +168,60 @@ def test_presigned_urls_let_clients_fetch_images_and_videos_from_the_bucket_itse
         assert mp4.headers["content-type"] == "video/mp4"
     unsigned = httpx.get(url.split("?", 1)[0])
     assert unsigned.status_code == 403  # the bucket is private: only a signed URL reads it
+
+
+def test_a_running_job_whose_head_died_is_run_again_by_another_head_exactly_once(shared_store):
+    store = ResultStore(open_store(shared_store))
+    params = _orphan(store, lease_until=time.time() + 2)  # its head died right after this save
+    backends = [ScriptedBackend(), ScriptedBackend()]
+    with head(shared_store, backends[0]) as a, head(shared_store, backends[1]) as b:
+        assert b.get("/v1/videos/video_orphan").json()["status"] == "in_progress"  # its lease still holds
+        time.sleep(2.5)
+        for c in (a, b):  # both notice the orphan; one runs it, the other follows it
+            c.get("/v1/videos/video_orphan")
+        done = [wait_for(c, "video_orphan", "completed", timeout=60) for c in (a, b)]
+    assert [job["restarts"] for job in done] == [1, 1]
+    assert backends[0].calls + backends[1].calls == [params]  # the same request, run once more
+    assert store.running_jobs() == []
+
+
+def _contend(store: ObjectStore, name: str, me: int, barrier: threading.Barrier) -> bool:
+    """One head creating `name` as Idempotency does: try, and after a loss try again until it exists."""
+    barrier.wait(10)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if store.create(name, str(me).encode(), "application/json"):
+            return True
+        if store.stat(name) is not None:
+            return False
+        time.sleep(random.uniform(0.01, 0.1))  # we withdrew together with a rival (S3): again, later
+    raise AssertionError(f"nobody created {name} in 30 s")
+
+
+def test_create_lets_exactly_one_of_many_contenders_write_a_name(shared_store):
+    stores = [open_store(shared_store) for _ in range(6)]
+    for _round in range(3):
+        name, barrier = f"claims/race-{uuid.uuid4().hex}.json", threading.Barrier(len(stores))
+        with concurrent.futures.ThreadPoolExecutor(len(stores)) as pool:
+            won = list(pool.map(_contend, stores, [name] * len(stores), range(len(stores)), [barrier] * len(stores)))
+        assert sum(won) == 1, won
+        assert stores[0].get_bytes(name) == str(won.index(True)).encode()  # the winner's, never overwritten
+        assert not stores[1].create(name, b"late", "application/json")
+
+
+def test_an_idempotency_key_retried_through_either_head_runs_once(shared_store):
+    backends = [ScriptedBackend(), ScriptedBackend()]
+    for backend in backends:
+        backend.step_delay = 0.1
+    body = {"prompt": "a cat", "size": "32x32"}
+    headers = {"Idempotency-Key": f"retry-{uuid.uuid4().hex}"}
+    with head(shared_store, backends[0]) as a, head(shared_store, backends[1]) as b:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            post = lambda c: c.post("/v1/images/generations", json=body, headers=headers)  # noqa: E731
+            answers = list(pool.map(post, [a, b, a, b]))
+    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+    assert len({r.content for r in answers}) == 1
+    assert len(backends[0].calls) + len(backends[1].calls) == 1
 
 
 # --- bad stores stop the head at start-up --------------------------------------------------------

@@ -25,7 +25,7 @@ JOB_SAVE_GRACE_S = 5.0  # at shutdown, how long finished video jobs may take to 
 
 
 def create_app(ctx: HeadContext) -> FastAPI:
-    jobs = videos.VideoJobs(ctx.results)
+    jobs = videos.VideoJobs(ctx.results, lambda entry: videos.start_job(ctx, jobs, entry), ctx.registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,8 +70,13 @@ async def _apply_retention(ctx: HeadContext, jobs: videos.VideoJobs) -> None:
 
 
 async def _renew_leases(jobs: videos.VideoJobs) -> None:
-    """Keep the jobs this head runs its own in the shared store (results.JOB_LEASE_S)."""
+    """Keep the jobs this head runs its own in the shared store (results.JOB_LEASE_S), and take over
+    those whose heads died (from start-up on)."""
     while True:
+        try:
+            await jobs.take_over_orphans()
+        except Exception:
+            log.exception("looking for video jobs whose head died failed")
         await asyncio.sleep(JOB_LEASE_RENEW_S)
         try:
             await jobs.renew_leases()

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel
 
-from triptych.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
+from triptych.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TIMEOUT_S
 from triptych.contract import CONTRACT, VIDEOS, Contract, ParamError
 from triptych.families import ModelInfo
 from triptych.params import GenerationParams
@@ -24,6 +24,7 @@ from triptych_head.api.errors import APIError
 from triptych_head.api.reference import Reference
 from triptych_head.api.schemas import parse_size
 from triptych_head.backend import Backend, GenerationFailed
+from triptych_head.idempotency import Idempotency
 from triptych_head.objects import DirectoryObjects, ObjectStore
 from triptych_head.results import ResultStore, Retention
 from triptych_head.state import RequestState
@@ -60,10 +61,20 @@ class HeadContext:
     admission: AdmissionControl | None = None  # None: no bound on requests in flight
     api_keys: APIKeys | None = None  # None: the API is open (no --api-keys-file)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # Names this head in what it writes to the shared store (whose run a key or a video job is).
+    head_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # How long a request waits for another run of its Idempotency-Key before a 409: the request timeout.
+    idempotency_wait_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         objects = self.results_store or DirectoryObjects(self.output_path)
         self.results = ResultStore(objects, self.retention, self.results_presign_s)
+        self.idempotency = Idempotency(objects, self.head_id)
+        self.idempotent_replays = Counter(
+            "triptych_idempotent_replays",
+            "Requests answered with an earlier run's result of their Idempotency-Key",
+            registry=self.registry,
+        )
 
     def refuse_if_draining(self) -> None:
         """New work goes to another head: 503 with Retry-After while this one drains."""
@@ -120,10 +131,11 @@ class HeadContext:
             raise APIError(400, str(exc)) from None
         return params
 
-    def admit(self, request_id: str) -> None:
+    def admit(self, request_id: str, bounded: bool = True) -> None:
         """Count a new request in flight, or refuse it (429 with Retry-After) when the pipeline is at
-        capacity (admission.py). Call it right before generate(), or when a video job is created."""
-        if self.admission is not None:
+        capacity (admission.py). Call it right before generate(), or when a video job is created.
+        `bounded=False`: count it whatever the load (a job accepted once already, by a head that died)."""
+        if self.admission is not None and bounded:
             try:
                 self.admission.check(len(self.active))
             except Overloaded as exc:

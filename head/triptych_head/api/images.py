@@ -18,15 +18,16 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from triptych.contract import EDITS, IMAGES
 from triptych.params import GenerationParams
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.errors import APIError
+from triptych_head.api.idempotent import HEADER, answer_once, fingerprint, idempotency_key
 from triptych_head.api.progress import ProgressFeed, SSEMessage, error_message, sse_response
-from triptych_head.api.reference import edit_form_schema, read_edit_form
+from triptych_head.api.reference import Reference, edit_form_schema, read_edit_form
 from triptych_head.api.schemas import ImageData, ImageGenerationResponse, RequestBody, RequestModels
 from triptych_head.backend import GenerationOutput
 from triptych_head.media import png_bytes
@@ -38,12 +39,14 @@ def image_routes(models: RequestModels) -> APIRouter:
     """The two image endpoints, taking the request models of the head's contract."""
     router = APIRouter(tags=["images"])
 
-    async def create_images(body: RequestBody, request: Request) -> ImageGenerationResponse | StreamingResponse:
+    async def create_images(
+        body: RequestBody, request: Request
+    ) -> ImageGenerationResponse | StreamingResponse | Response:
         ctx: HeadContext = request.app.state.ctx
         ctx.refuse_if_draining()
-        return await _images(ctx, body, ctx.params_for(IMAGES, body), request)
+        return await _images(ctx, IMAGES, body, ctx.params_for(IMAGES, body), request)
 
-    async def edit_images(request: Request) -> ImageGenerationResponse | StreamingResponse:
+    async def edit_images(request: Request) -> ImageGenerationResponse | StreamingResponse | Response:
         """Multipart: `image` (a file, or an http(s) URL as text), `prompt`, and optionally the other
         fields of the form's schema (`size` defaults to the reference's size)."""
         ctx: HeadContext = request.app.state.ctx
@@ -53,7 +56,7 @@ def image_routes(models: RequestModels) -> APIRouter:
                 400, f"model {ctx.model.id!r} makes images from text only; use POST /v1/images/generations", "image"
             )
         body, reference = await read_edit_form(request, models.edits)
-        return await _images(ctx, body, ctx.params_for(EDITS, body, reference), request)
+        return await _images(ctx, EDITS, body, ctx.params_for(EDITS, body, reference), request, reference)
 
     create_images.__annotations__["body"] = models.images  # FastAPI reads the body's model from the signature
     router.post(IMAGES, response_model=ImageGenerationResponse)(create_images)
@@ -64,17 +67,33 @@ def image_routes(models: RequestModels) -> APIRouter:
 
 
 async def _images(
-    ctx: HeadContext, body: RequestBody, params: GenerationParams, request: Request
-) -> ImageGenerationResponse | StreamingResponse:
+    ctx: HeadContext,
+    endpoint: str,
+    body: RequestBody,
+    params: GenerationParams,
+    request: Request,
+    reference: Reference | None = None,
+) -> ImageGenerationResponse | StreamingResponse | Response:
     values = body.model_dump()
     if values["preview_every"] and not values["stream"]:
         raise APIError(400, "preview_every needs stream: true (previews arrive as Server-Sent Events)", "preview_every")
-    request_id = new_request_id("img")
-    ctx.admit(request_id)
+    key = idempotency_key(request)
     if values["stream"]:
+        if key is not None:
+            raise APIError(400, f"{HEADER} applies to plain requests, not to stream: true", HEADER)
+        request_id = new_request_id("img")
+        ctx.admit(request_id)
         return _stream(ctx, values, params, request_id, request)
-    output = await _generate_while_connected(ctx, params, request_id, request)
-    return await _response(ctx, values, output, request_id, request)
+
+    async def run() -> ImageGenerationResponse:
+        request_id = new_request_id("img")
+        ctx.admit(request_id)
+        output = await _generate_while_connected(ctx, params, request_id, request)
+        return await _response(ctx, values, output, request_id, request)
+
+    if key is None:
+        return await run()
+    return await answer_once(ctx, request, key, fingerprint(endpoint, values, reference), run)
 
 
 async def _response(

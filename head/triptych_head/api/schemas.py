@@ -133,6 +133,9 @@ class VideoJob(BaseModel):
     fps: int
     seed: int
     error: dict[str, str | None] | None = None
+    restarts: int = Field(
+        0, description="Times another head took the job over after its head died, and ran it again from the start"
+    )
 
 
 class ModelCard(BaseModel):

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import logging
 import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
+from prometheus_client import CollectorRegistry, Counter
 
 from triptych.contract import VIDEOS
 from triptych.params import GenerationParams
@@ -28,11 +31,12 @@ from triptych.protocol import RequestEvent
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.errors import APIError
 from triptych_head.api.files import object_response
+from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
 from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message, sse_response
 from triptych_head.api.schemas import RequestBody, RequestModels, VideoJob
 from triptych_head.media import load_frames, png_zip, save_frames, write_mp4
 from triptych_head.objects import ObjectMissing
-from triptych_head.results import JOB_LEASE_S, TERMINAL, ResultStore
+from triptych_head.results import JOB_LEASE_S, TERMINAL, ResultStore, StoredJob
 from triptych_head.state import RequestState
 
 log = logging.getLogger(__name__)
@@ -52,10 +56,25 @@ class JobEntry:
     made_here: bool = False  # this head runs (or ran) the job: its memory is the truth, the store follows
     feed: ProgressFeed | None = None  # made for a running job, or when someone asks for a finished one's events
     save_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves land in the order they were asked for
+    params: GenerationParams | None = None  # on the head that runs it: what it runs (saved for a take-over)
+    preview_every: int = 0
+    handed_over: bool = False  # this head shut down while the job ran: it is left to another head
+
+    @property
+    def request_id(self) -> str:
+        """The id its run goes by on the workers: a run again after a take-over gets its own (the dead
+        head's run of the job may still be held there until the workers notice that head is gone)."""
+        return self.job.id if not self.job.restarts else f"{self.job.id}_r{self.job.restarts}"
+
+    def run_record(self) -> dict[str, Any] | None:
+        """What another head needs to run this job again (results.StoredJob.run)."""
+        if self.params is None:
+            return None
+        return {"params": json.loads(msgspec.json.encode(self.params)), "preview_every": self.preview_every}
 
     @property
     def running_here(self) -> bool:
-        return self.made_here and self.job.status not in TERMINAL
+        return self.made_here and self.job.status not in TERMINAL and not self.handed_over
 
     def progress_feed(self) -> ProgressFeed:
         if self.feed is None:
@@ -80,28 +99,40 @@ def fail_orphan(job: VideoJob, message: str = RESTARTED, code: str = "head_resta
     job.completed_at = job.completed_at or int(time.time())
 
 
+Starter = Callable[["JobEntry"], None]
+
+
 class VideoJobs:
     """The video jobs this head runs or has seen; every job's JSON in the result store, which all
-    heads share, is the truth for a job this head does not run (its status as its head last wrote it)."""
+    heads share, is the truth for a job this head does not run (its status as its head last wrote it).
 
-    def __init__(self, store: ResultStore | None = None) -> None:
+    A job whose head died (its lease ran out) is taken over by the first head that notices (each
+    looks every JOB_LEASE_RENEW_S, and whenever a client asks for it) and wins the job's next
+    attempt (`videos/<id>.adopt-<n>`, created once): that head runs it again from the start, same
+    parameters and seed, so the same pixels; `restarts` counts the take-overs."""
+
+    def __init__(
+        self, store: ResultStore | None = None, start: Starter | None = None, registry: CollectorRegistry | None = None
+    ) -> None:
         self._jobs: OrderedDict[str, JobEntry] = OrderedDict()
         self.store = store
+        self.start = start  # runs a job on this head (set by the app: it needs the backend)
         self._pending: set[asyncio.Future[None]] = set()  # background saves (save_soon)
+        self.takeovers = Counter(
+            "triptych_video_job_takeovers",
+            "Video jobs this head took over from a head that died or shut down, and ran again from the start",
+            registry=registry,
+        )
 
     def restore(self) -> None:
-        """Take back the saved jobs; one still running that no head holds (its head died) has failed.
-        A job another head runs now stays that head's."""
+        """Take back the saved jobs that ended. A running one stays its head's, or, when its head
+        died, is taken over by take_over_orphans (the app runs it at start)."""
         if self.store is None:
             return
-        now = time.time()
         for stored in self.store.load_stored_jobs()[-MAX_JOBS:]:
             job = stored.job
-            if stored.orphaned(now):
-                fail_orphan(job)
-                self.store.save_job(job)
-            elif job.status not in TERMINAL:
-                continue  # another head's: read from the store whenever asked for
+            if job.status not in TERMINAL:
+                continue  # another head's (or an orphan's): read from the store whenever asked for
             elif job.status == "completed" and not self.store.has(self.store.video_name(job.id)):
                 continue  # its content is gone (removed by hand): forget it
             self._jobs[job.id] = JobEntry(job)
@@ -114,7 +145,7 @@ class VideoJobs:
         if self.store is None:
             return
         try:
-            self.store.save_job(entry.job, self._lease() if entry.running_here else None)
+            self.store.save_job(entry.job, self._lease() if entry.running_here else None, entry.run_record())
         except Exception:  # a full or unreachable store: the job still runs, other heads just see it late
             log.exception("could not save video job %s", entry.job.id)
 
@@ -126,7 +157,7 @@ class VideoJobs:
             job = entry.job.model_copy()
             lease = self._lease() if entry.running_here else None
             try:
-                await asyncio.to_thread(self.store.save_job, job, lease)
+                await asyncio.to_thread(self.store.save_job, job, lease, entry.run_record())
             except Exception:
                 log.exception("could not save video job %s", job.id)
 
@@ -150,6 +181,47 @@ class VideoJobs:
             self._jobs.pop(finished[0])
         self._jobs[entry.job.id] = entry
         await self.save_async(entry)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.mark_running, entry.job.id)
+
+    async def take_over_orphans(self) -> None:
+        """Run again the jobs whose heads died (they are listed as running, their leases ran out)."""
+        if self.store is None:
+            return
+        for job_id in await asyncio.to_thread(self.store.running_jobs):
+            entry = self._jobs.get(job_id)
+            if entry is not None and entry.running_here:
+                continue
+            stored = await asyncio.to_thread(self.store.load_job, job_id)
+            if stored is not None and stored.orphaned(time.time()):
+                await self.take_over(stored)
+
+    async def take_over(self, stored: StoredJob) -> JobEntry | None:
+        """Run an orphaned job here, if this head wins its next attempt: the entry. None when another
+        head won it, or when it cannot run again (saved by a head that kept no parameters): then it
+        is marked failed, as the stored job shows."""
+        assert self.store is not None
+        job, run = stored.job, stored.run
+        if self.start is None or run is None:
+            fail_orphan(job)
+            await asyncio.to_thread(self.store.save_job, job)
+            return None
+        attempt = job.restarts + 1
+        claim = f"{self.store.job_name(job.id).removesuffix('.json')}.adopt-{attempt}"
+        if not await asyncio.to_thread(self.store.objects.create, claim, b"", "application/octet-stream"):
+            return None  # another head takes it over: its next save shows it
+        params = msgspec.json.decode(json.dumps(run["params"]), type=GenerationParams)
+        job.restarts, job.step, job.progress, job.error = attempt, 0, 0, None
+        job.status, job.state = "queued", RequestState.PENDING.value
+        entry = JobEntry(job, made_here=True, params=params, preview_every=int(run.get("preview_every", 0)))
+        entry.feed = ProgressFeed(job.id, HISTORY_LINGER_S)
+        self._jobs[job.id] = entry
+        self._jobs.move_to_end(job.id)
+        await self.save_async(entry)
+        log.warning("video job %s lost its head: running it again here from the start (restart %d)", job.id, attempt)
+        self.takeovers.inc()
+        self.start(entry)
+        return entry
 
     async def get(self, job_id: str) -> JobEntry:
         """The job, wherever it runs: the jobs this head runs from memory (the ones it ran too, once the
@@ -176,9 +248,10 @@ class VideoJobs:
             raise APIError(404, f"no video job {job_id!r}", "video_id")
         if entry is not None and entry.made_here:
             return entry  # this head ran it: its memory is ahead of the store until its last save lands
-        if stored.orphaned(time.time()):  # its head died without saying so
-            fail_orphan(stored.job)
-            await asyncio.to_thread(self.store.save_job, stored.job)
+        if stored.orphaned(time.time()):  # its head died without saying so: this head may take it over
+            adopted = await self.take_over(stored)
+            if adopted is not None:
+                return adopted
         if entry is None:
             entry = JobEntry(stored.job)
             if stored.job.status in TERMINAL:
@@ -213,17 +286,21 @@ class VideoJobs:
                 self._jobs.pop(key)
 
     async def shutdown(self, grace_s: float) -> None:
-        """Let jobs finish saving for up to `grace_s`; any still running fails, saved as such."""
+        """Let jobs finish saving for up to `grace_s`. Any still running is handed over: saved as
+        running, without a lease, so another head (or this one's successor, at its start) takes it
+        over and runs it again. Without a store to leave it in, it fails."""
         tasks = [e.task for e in self._jobs.values() if e.task is not None and not e.task.done()]
         if tasks:
             await asyncio.wait(tasks, timeout=grace_s)
         for entry in self._jobs.values():
             if entry.job.status in TERMINAL or entry.task is None:
                 continue
+            entry.handed_over = self.store is not None and entry.params is not None
             entry.task.cancel()
             await asyncio.gather(entry.task, return_exceptions=True)
-            fail_orphan(entry.job, SHUT_DOWN, "head_shut_down")
-            entry.job.completed_at = int(time.time())
+            if not entry.handed_over:
+                fail_orphan(entry.job, SHUT_DOWN, "head_shut_down")
+                entry.job.completed_at = int(time.time())
             await self.save_async(entry)
 
 
@@ -259,7 +336,7 @@ def video_routes(models: RequestModels) -> APIRouter:
     """The video endpoints, POST /v1/videos taking the request model of the head's contract."""
     routes = APIRouter(tags=["videos"])
 
-    async def create_video(body: RequestBody, request: Request) -> VideoJob:
+    async def create_video(body: RequestBody, request: Request) -> VideoJob | Response:
         return await _create_video(body, request)
 
     create_video.__annotations__["body"] = models.videos  # FastAPI reads the body's model from the signature
@@ -268,11 +345,21 @@ def video_routes(models: RequestModels) -> APIRouter:
     return routes
 
 
-async def _create_video(body: RequestBody, request: Request) -> VideoJob:
+async def _create_video(body: RequestBody, request: Request) -> VideoJob | Response:
+    """A new job; with an Idempotency-Key, one job per key (a retry answers the job made first)."""
     ctx: HeadContext = request.app.state.ctx
     ctx.refuse_if_draining()
     params = ctx.params_for(VIDEOS, body)
     values = body.model_dump()
+    key = idempotency_key(request)
+    if key is None:
+        return await _new_job(ctx, params, values, request)
+    return await answer_once(
+        ctx, request, key, fingerprint(VIDEOS, values), lambda: _new_job(ctx, params, values, request)
+    )
+
+
+async def _new_job(ctx: HeadContext, params: GenerationParams, values: dict[str, Any], request: Request) -> VideoJob:
     job = VideoJob(
         id=new_request_id("video"),
         model=ctx.model.id,
@@ -284,15 +371,26 @@ async def _create_video(body: RequestBody, request: Request) -> VideoJob:
         seed=params.seed,
         total_steps=params.num_inference_steps,
     )
-    entry = JobEntry(job, feed=ProgressFeed(job.id, HISTORY_LINGER_S), made_here=True)
+    entry = JobEntry(job, feed=ProgressFeed(job.id, HISTORY_LINGER_S), made_here=True, params=params)
+    entry.preview_every = values["preview_every"]
     ctx.admit(job.id)  # counted from now until the job ends: 429 here, never a job failed later
+    jobs = _jobs(request)
     try:
-        await _jobs(request).add(entry)
+        await jobs.add(entry)
     except APIError:
         ctx.release(job.id)
         raise
-    entry.task = asyncio.create_task(_run(ctx, _jobs(request), entry, params, values["preview_every"]))
+    start_job(ctx, jobs, entry)
     return job
+
+
+def start_job(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry) -> None:
+    """Run the job on this head: one it was given, or one it took over (counted in flight either way,
+    without the admission bound for a take-over: it was accepted once already)."""
+    assert entry.params is not None
+    if entry.request_id not in ctx.active:
+        ctx.admit(entry.request_id, bounded=False)
+    entry.task = asyncio.create_task(_run(ctx, jobs, entry, entry.params, entry.preview_every))
 
 
 async def _run(
@@ -313,24 +411,31 @@ async def _run(
             jobs.save_soon(entry)
 
     try:
-        output = await ctx.generate(params, job.id, on_event, preview_every)
+        output = await ctx.generate(params, entry.request_id, on_event, preview_every)
         await asyncio.to_thread(_store_content, ctx.results, job.id, output.pixels[0], job.fps)
         job.status, job.state, job.progress = "completed", RequestState.DONE.value, 100
     except asyncio.CancelledError:
-        job.status, job.state = "cancelled", RequestState.CANCELLED.value
+        if not entry.handed_over:  # a client's DELETE; a shutdown leaves the job to another head
+            job.status, job.state = "cancelled", RequestState.CANCELLED.value
     except APIError as exc:
-        job.status = "cancelled" if exc.code == "cancelled" else "failed"
-        job.state = (exc.code or "failed").upper()
-        job.error = {"message": exc.message, "code": exc.code}
+        if ctx.draining and exc.status_code == 503 and jobs.store is not None:  # cut short by this head's drain
+            entry.handed_over = True
+        else:
+            job.status = "cancelled" if exc.code == "cancelled" else "failed"
+            job.state = (exc.code or "failed").upper()
+            job.error = {"message": exc.message, "code": exc.code}
     except Exception as exc:
         log.exception("video job %s failed", job.id)
         job.status, job.error = "failed", {"message": f"{type(exc).__name__}: {exc}", "code": "internal_error"}
     finally:
-        ctx.release(job.id)  # also when it was cancelled before generating started
+        ctx.release(entry.request_id)  # also when it was cancelled before generating started
         if job.status in TERMINAL:
             job.completed_at = int(time.time())
             await jobs.save_async(entry)  # after its content: a head that reads `completed` finds the files
             feed.publish(final_message(job))
+        elif entry.handed_over:  # saved running without a lease: the next head to look runs it again
+            log.warning("video job %s left to another head: this head shut down before it finished", job.id)
+            await jobs.save_async(entry)
 
 
 def _store_content(results: ResultStore, job_id: str, frames: Any, fps: int) -> None:

@@ -1,0 +1,78 @@
+"""The Idempotency-Key header on POST /v1/images/generations, /v1/images/edits and /v1/videos
+(idempotency.py has the rules): a retry with the same key and body answers what the first run
+answered (with `Idempotent-Replayed: true`), whichever head it reaches, and never starts a second
+run while one is going."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Request, Response
+from pydantic import BaseModel
+
+from triptych_head.api.auth import bearer_token
+from triptych_head.api.context import HeadContext
+from triptych_head.api.errors import APIError
+from triptych_head.api.reference import Reference
+from triptych_head.idempotency import MAX_KEY_LENGTH, InProgress, KeyReused, valid_key
+
+HEADER = "Idempotency-Key"
+REPLAYED = "Idempotent-Replayed"
+
+
+def idempotency_key(request: Request) -> str | None:
+    """The request's key, or None without one; 400 naming the header for one that cannot be a key."""
+    key = request.headers.get(HEADER)
+    if key is None:
+        return None
+    if not valid_key(key):
+        raise APIError(
+            400,
+            f"{HEADER} {key[:80]!r} is not a key: use 1-{MAX_KEY_LENGTH} printable ASCII characters without "
+            "spaces (a UUID, say)",
+            HEADER,
+        )
+    return key
+
+
+def fingerprint(endpoint: str, values: dict[str, Any], reference: Reference | None = None) -> str:
+    """What makes two requests the same request: the endpoint, the body's fields, the reference image."""
+    digest = hashlib.sha256(endpoint.encode())
+    digest.update(json.dumps(values, sort_keys=True, default=str).encode())
+    if reference is not None:
+        digest.update(reference.data or (reference.url or "").encode())
+    return digest.hexdigest()
+
+
+async def answer_once(
+    ctx: HeadContext, request: Request, key: str, fingerprint: str, run: Callable[[], Awaitable[BaseModel]]
+) -> Response:
+    """Run the request unless its key ran (or runs) already; answer the key's one run either way."""
+
+    async def encoded() -> bytes:
+        return (await run()).model_dump_json().encode()
+
+    scope = hashlib.sha256(bearer_token(request.scope) or b"").hexdigest()  # a tenant's keys are its own
+    try:
+        body, replayed = await ctx.idempotency.once(scope, key, fingerprint, encoded, ctx.idempotency_wait_s)
+    except KeyReused:
+        raise APIError(
+            422,
+            f"{HEADER} {key!r} was used for a different request; use a new key for a new request",
+            HEADER,
+            code="idempotency_key_reused",
+        ) from None
+    except InProgress:
+        raise APIError(
+            409,
+            f"the request with {HEADER} {key!r} is still running (on this head or another); retry to get its answer",
+            HEADER,
+            code="idempotency_key_in_progress",
+            headers={"Retry-After": "5"},
+        ) from None
+    if replayed:
+        ctx.idempotent_replays.inc()
+    return Response(body, media_type="application/json", headers={REPLAYED: "true"} if replayed else None)

@@ -1,0 +1,165 @@
+"""Idempotency-Key: a client that retries a request with the same key gets the first run's answer,
+or exactly one new run, whichever head of the pipeline it reaches.
+
+A key's runs are records in the result store every head shares (objects.py), one per attempt:
+
+    idempotency/<digest>.<n>.json        {"state": "running" | "done" | "failed", "fingerprint", "head",
+                                          "lease_until"}; written once with `create` (one head wins
+                                          attempt n), then rewritten by that head alone
+    idempotency/<digest>.<n>.response    the answer of a run that is done
+
+<digest> hashes the caller's scope (its API key) and the key, so two tenants' keys never meet.
+A request whose key has
+
+- no record, or a last attempt that failed, or one whose head stopped renewing its lease (it
+  died): runs, as attempt n+1, if this head wins that attempt's record; a head that loses it
+  follows the winner instead. So of any number of retries at once, one runs;
+- a last attempt running on a live head: waits for it (polling the record), then answers what it
+  answered; still running after the caller's wait: InProgress (the client retries later);
+- a last attempt done: that answer, without running anything;
+- a different request body (fingerprint) under the same key: KeyReused.
+
+The records go with the results, by the same retention (results.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+
+from triptych_head.objects import ObjectMissing, ObjectStore
+
+log = logging.getLogger(__name__)
+
+FOLDER = "idempotency"
+LEASE_S = 30.0  # a running attempt whose head has not renewed its record for this long lost its head
+POLL_S = 0.2  # how often a request waiting on another head's run re-reads its record
+MAX_KEY_LENGTH = 255
+
+
+class KeyReused(Exception):
+    """The key was used before with a different request."""
+
+
+class InProgress(Exception):
+    """Another run of the key has not ended within the caller's wait."""
+
+
+@dataclass
+class Attempt:
+    state: str  # running, done, failed
+    fingerprint: str
+    head: str
+    lease_until: float
+
+    def live(self, now: float) -> bool:
+        return self.state == "running" and self.lease_until >= now
+
+
+def valid_key(key: str) -> bool:
+    """Printable ASCII without spaces, 1-255 characters (a UUID is the usual choice)."""
+    return 0 < len(key) <= MAX_KEY_LENGTH and all("!" <= c <= "~" for c in key)
+
+
+class Idempotency:
+    def __init__(self, objects: ObjectStore, head_id: str, lease_s: float = LEASE_S, poll_s: float = POLL_S) -> None:
+        self.objects = objects
+        self.head_id = head_id
+        self.lease_s = lease_s
+        self.poll_s = poll_s
+
+    @staticmethod
+    def digest(scope: str, key: str) -> str:
+        return hashlib.sha256(f"{scope}\0{key}".encode()).hexdigest()
+
+    @staticmethod
+    def _record(digest: str, n: int) -> str:
+        return f"{FOLDER}/{digest}.{n}.json"
+
+    @staticmethod
+    def _response(digest: str, n: int) -> str:
+        return f"{FOLDER}/{digest}.{n}.response"
+
+    async def once(
+        self, scope: str, key: str, fingerprint: str, run: Callable[[], Awaitable[bytes]], wait_s: float
+    ) -> tuple[bytes, bool]:
+        """(the answer, whether it is a replay of an earlier run). `run` is awaited at most once, and
+        only when this head won the key's next attempt; its exception (the run failed) propagates
+        and a later retry runs again."""
+        digest = self.digest(scope, key)
+        deadline = time.monotonic() + wait_s
+        while True:
+            n, attempt = await asyncio.to_thread(self._latest, digest)
+            if attempt is not None and attempt.fingerprint != fingerprint:
+                raise KeyReused(key)
+            if attempt is not None and attempt.state == "done":
+                try:
+                    return await asyncio.to_thread(self.objects.get_bytes, self._response(digest, n)), True
+                except ObjectMissing:  # removed by retention between the two reads: run it again
+                    attempt = None
+            if attempt is not None and attempt.live(time.time()):
+                if time.monotonic() >= deadline:
+                    raise InProgress(key)
+                await asyncio.sleep(self.poll_s)
+                continue
+            nxt = 0 if n < 0 else n + 1
+            mine = Attempt("running", fingerprint, self.head_id, time.time() + self.lease_s)
+            record = self._record(digest, nxt)
+            if await asyncio.to_thread(self.objects.create, record, _encode(mine), "application/json"):
+                return await self._hold(digest, nxt, mine, run), False
+            await asyncio.sleep(random.uniform(0.5, 1.5) * self.poll_s)  # another head won it (or we both withdrew)
+
+    async def _hold(self, digest: str, n: int, mine: Attempt, run: Callable[[], Awaitable[bytes]]) -> bytes:
+        """Run attempt n, renewing its lease, then record its answer (or its failure)."""
+        renewal = asyncio.create_task(self._renew(digest, n, mine))
+        try:
+            answer = await run()
+        except BaseException:
+            renewal.cancel()
+            mine.state = "failed"
+            await self._save(digest, n, mine)
+            raise
+        renewal.cancel()
+        await asyncio.to_thread(self.objects.put_bytes, self._response(digest, n), answer, "application/json")
+        mine.state = "done"  # after the answer: a head that reads `done` finds it
+        await self._save(digest, n, mine)
+        return answer
+
+    async def _renew(self, digest: str, n: int, mine: Attempt) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            mine.lease_until = time.time() + self.lease_s
+            await self._save(digest, n, mine)
+
+    async def _save(self, digest: str, n: int, attempt: Attempt) -> None:
+        try:
+            record, data = self._record(digest, n), _encode(attempt)
+            await asyncio.to_thread(self.objects.put_bytes, record, data, "application/json")
+        except Exception:  # the run's own answer still goes to its client; a retry may run it again
+            log.exception("could not save idempotency record %s.%d", digest, n)
+
+    def _latest(self, digest: str) -> tuple[int, Attempt | None]:
+        """The key's last attempt: (n, its record), or (-1, None) when it has none."""
+        numbers = []
+        for obj in self.objects.list(f"{FOLDER}/{digest}."):
+            number, _, suffix = obj.name.rsplit("/", 1)[-1].removeprefix(f"{digest}.").partition(".")
+            if suffix == "json" and number.isdigit():
+                numbers.append(int(number))
+        for n in sorted(numbers, reverse=True):
+            try:
+                data = json.loads(self.objects.get_bytes(self._record(digest, n)))
+                return n, Attempt(**{k: data[k] for k in ("state", "fingerprint", "head", "lease_until")})
+            except (ObjectMissing, ValueError, KeyError, TypeError) as exc:
+                log.warning("skipping unreadable idempotency record %s.%d: %s", digest, n, exc)
+                return n, None  # its attempt number is taken all the same: the next run is n+1
+        return -1, None
+
+
+def _encode(attempt: Attempt) -> bytes:
+    return json.dumps(asdict(attempt)).encode()

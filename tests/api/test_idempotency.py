@@ -1,0 +1,106 @@
+"""Idempotency-Key: a retried request answers its first run, whichever head it reaches, and two
+runs of one key never go at once; a different body under the key, or a bad key, is refused."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import pytest
+
+from tests.api.test_http_api import ScriptedBackend, make_client
+from triptych_head.backend import GenerationFailed
+
+IMAGE = {"prompt": "a cat", "size": "32x32"}
+
+
+def _key(value: str) -> dict[str, str]:
+    return {"Idempotency-Key": value}
+
+
+def test_a_retry_with_the_same_key_gets_the_first_answer_without_a_second_run(tmp_path):
+    backend = ScriptedBackend()
+    with make_client(backend, tmp_path, kind="image") as c:
+        first = c.post("/v1/images/generations", json=IMAGE, headers=_key("k-1"))
+        again = c.post("/v1/images/generations", json=IMAGE, headers=_key("k-1"))
+        other = c.post("/v1/images/generations", json=IMAGE, headers=_key("k-2"))
+        plain = c.post("/v1/images/generations", json=IMAGE)
+        assert "triptych_idempotent_replays_total 1.0" in c.get("/metrics").text
+    assert first.status_code == again.status_code == other.status_code == plain.status_code == 200
+    assert again.content == first.content and again.headers["Idempotent-Replayed"] == "true"
+    assert "Idempotent-Replayed" not in first.headers
+    assert len(backend.calls) == 3  # k-1 once, k-2 once, the request without a key
+
+
+def test_retries_at_once_through_two_heads_make_exactly_one_run(tmp_path):
+    backends = [ScriptedBackend(), ScriptedBackend()]
+    for b in backends:
+        b.step_delay = 0.1  # the first run is still going when the others arrive
+    with make_client(backends[0], tmp_path, kind="image") as a, make_client(backends[1], tmp_path, kind="image") as b:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda c: c.post("/v1/images/generations", json=IMAGE, headers=_key("once")),
+                                    [a, b, a, b, a, b]))  # fmt: skip
+        later = b.post("/v1/images/generations", json=IMAGE, headers=_key("once"))
+    assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
+    assert len(backends[0].calls) + len(backends[1].calls) == 1
+    assert {r.content for r in [*answers, later]} == {answers[0].content}
+    assert sum(r.headers.get("Idempotent-Replayed") == "true" for r in answers) == 5
+
+
+def test_a_failed_run_is_run_again_by_the_retry(tmp_path):
+    backend = ScriptedBackend()
+    backend.fail = GenerationFailed("the decoder died", 503)
+    with make_client(backend, tmp_path, kind="image") as c:
+        failed = c.post("/v1/images/generations", json=IMAGE, headers=_key("retry-me"))
+        backend.fail = None
+        ok = c.post("/v1/images/generations", json=IMAGE, headers=_key("retry-me"))
+        replay = c.post("/v1/images/generations", json=IMAGE, headers=_key("retry-me"))
+    assert failed.status_code == 503 and ok.status_code == 200, (failed.text, ok.text)
+    assert replay.content == ok.content and len(backend.calls) == 2
+
+
+def test_a_video_job_is_made_once_per_key(tmp_path):
+    body = {"prompt": "waves", "size": "32x16", "num_frames": 5, "num_inference_steps": 2}
+    backend = ScriptedBackend()
+    with make_client(backend, tmp_path) as c:
+        first = c.post("/v1/videos", json=body, headers=_key("video-1"))
+        again = c.post("/v1/videos", json=body, headers=_key("video-1"))
+        assert first.json()["id"] == again.json()["id"] and again.headers["Idempotent-Replayed"] == "true"
+        assert len(c.get("/v1/videos").json()) == 1
+    assert len(backend.calls) == 1
+
+
+def test_the_key_with_another_body_is_a_422_naming_the_header(tmp_path):
+    with make_client(ScriptedBackend(), tmp_path, kind="image") as c:
+        assert c.post("/v1/images/generations", json=IMAGE, headers=_key("k")).status_code == 200
+        r = c.post("/v1/images/generations", json={**IMAGE, "prompt": "a dog"}, headers=_key("k"))
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["param"] == "Idempotency-Key" and error["code"] == "idempotency_key_reused"
+
+
+@pytest.mark.parametrize(("key", "body"), [("has space", IMAGE), ("x" * 256, IMAGE), ("ok", {**IMAGE, "stream": True})])
+def test_a_key_that_cannot_be_one_or_a_streamed_request_is_a_400_naming_the_header(tmp_path, key, body):
+    backend = ScriptedBackend()
+    with make_client(backend, tmp_path, kind="image") as c:
+        r = c.post("/v1/images/generations", json=body, headers=_key(key))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "Idempotency-Key", r.text
+    assert backend.calls == []
+
+
+def test_a_run_still_going_after_the_wait_is_a_409_to_retry(tmp_path):
+    backend = ScriptedBackend()
+    backend.step_delay = 0.5
+    with make_client(backend, tmp_path, kind="image") as c:
+        c.app.state.ctx.idempotency_wait_s = 0.3  # type: ignore[attr-defined]
+        body = {**IMAGE, "num_inference_steps": 4}
+        first = threading.Thread(
+            target=c.post, args=("/v1/images/generations",), kwargs={"json": body, "headers": _key("slow")}
+        )
+        first.start()
+        while not backend.calls:
+            threading.Event().wait(0.02)
+        r = c.post("/v1/images/generations", json=body, headers=_key("slow"))
+        first.join(10)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "idempotency_key_in_progress", r.text
+    assert r.headers["Retry-After"] and len(backend.calls) == 1

@@ -1,0 +1,97 @@
+"""A video job outlives its head: one left running by a head that died or shut down is taken over
+by another head (or the next one on the same store), run again from the start with the same
+parameters and seed, and its events end with its completion wherever the client reconnects."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import msgspec
+
+from tests.api.test_http_api import ScriptedBackend, make_client, wait_for
+from triptych.params import GenerationParams
+from triptych_head.api.schemas import VideoJob
+from triptych_head.results import ResultStore
+
+VIDEO = {"prompt": "waves", "size": "32x16", "num_frames": 5, "num_inference_steps": 4, "seed": 7}
+
+
+def _orphan(store: ResultStore, job_id: str = "video_orphan", lease_until: float | None = None) -> GenerationParams:
+    """What a head that died mid-job (SIGKILL) leaves in the shared store: the job, running, with the
+    parameters to run it again, a lease that has run out, and its entry among the running jobs."""
+    params = GenerationParams(prompt="waves", width=32, height=16, num_frames=5, num_inference_steps=4, seed=7)
+    job = VideoJob(id=job_id, model="tiny", status="in_progress", state="DENOISING_RUNNING", step=2, total_steps=4,
+                   created_at=int(time.time()), size="32x16", num_frames=5, fps=16, seed=7)  # fmt: skip
+    run = {"params": json.loads(msgspec.json.encode(params)), "preview_every": 0}
+    store.save_job(job, lease_until if lease_until is not None else time.time() - 1, run)
+    store.mark_running(job_id)
+    return params
+
+
+def test_a_job_still_running_when_its_head_shuts_down_is_run_again_by_the_next_head(tmp_path):
+    slow = ScriptedBackend()
+    slow.step_delay = 1.0
+    with make_client(slow, tmp_path) as first:
+        job_id = first.post("/v1/videos", json={**VIDEO, "num_inference_steps": 100}).json()["id"]
+    saved = ResultStore(tmp_path).load_job(job_id)
+    assert saved is not None and saved.job.status in ("queued", "in_progress"), saved  # left running, not failed
+    assert saved.lease_until is None and saved.run is not None  # no head holds it; the next can run it
+
+    fresh = ScriptedBackend()
+    with make_client(fresh, tmp_path) as second:
+        job = wait_for(second, job_id, "completed")
+        assert job["restarts"] == 1 and job["error"] is None
+        assert second.get(f"/v1/videos/{job_id}/content").content.startswith(b"\x00\x00\x00")  # an MP4
+    assert [p.seed for p in fresh.calls] == [slow.calls[0].seed]  # the same request, seed included
+    assert fresh.calls[0] == slow.calls[0]
+    assert ResultStore(tmp_path).running_jobs() == []
+
+
+def test_a_job_whose_head_died_is_taken_over_and_its_events_end_with_its_completion(tmp_path):
+    params = _orphan(ResultStore(tmp_path))
+    backend = ScriptedBackend()
+    backend.step_delay = 0.05
+    with make_client(backend, tmp_path) as c:
+        with c.stream("GET", "/v1/videos/video_orphan/events") as events:
+            text = "".join(events.iter_text())
+        assert "event: completed" in text, text
+        job = c.get("/v1/videos/video_orphan").json()
+        assert job["status"] == "completed" and job["restarts"] == 1
+        assert "triptych_video_job_takeovers_total 1.0" in c.get("/metrics").text
+    assert backend.calls == [params]
+
+
+def test_a_job_whose_lease_is_live_stays_its_head_s(tmp_path):
+    _orphan(ResultStore(tmp_path), lease_until=time.time() + 60)  # its head is alive, just not this one
+    backend = ScriptedBackend()
+    with make_client(backend, tmp_path) as c:
+        time.sleep(0.5)
+        job = c.get("/v1/videos/video_orphan").json()
+        assert job["status"] == "in_progress" and job["restarts"] == 0
+    assert backend.calls == []
+
+
+def test_of_two_heads_that_find_one_orphan_at_once_exactly_one_runs_it(tmp_path):
+    for i in range(5):
+        _orphan(ResultStore(tmp_path), f"video_orphan{i}")
+    backends = [ScriptedBackend(), ScriptedBackend()]
+    started = threading.Barrier(2)
+    done = []
+
+    def head(backend: ScriptedBackend) -> None:
+        with make_client(backend, tmp_path) as c:  # each looks for orphans as it starts
+            started.wait(10)
+            for i in range(5):
+                c.get(f"/v1/videos/video_orphan{i}")  # and when asked for one
+            for i in range(5):
+                done.append(wait_for(c, f"video_orphan{i}", "completed")["restarts"])
+
+    threads = [threading.Thread(target=head, args=(b,)) for b in backends]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(done) == 10 and set(done) == {1}, done
+    assert len(backends[0].calls) + len(backends[1].calls) == 5  # each job ran again exactly once
