@@ -101,6 +101,7 @@ class LocalDeployment:
     keys_dir: Path | None = None  # the control plane's key set (--disagg-keys-dir), None when unauthenticated
     head_urls: list[str] = field(default_factory=list)  # every head's HTTP address (replicated heads: several)
     head_scheduler_ports: list[int] = field(default_factory=list)  # and its --scheduler-port (frontend, results)
+    head_argvs: list[list[str]] = field(default_factory=list)  # and its command line
 
     def workers(self, role: Role) -> list[Proc]:
         return [p for p in self.procs if p.role is role]
@@ -159,6 +160,21 @@ class LocalDeployment:
         one must have exited. Its log is head-2.log, head-3.log, ..."""
         log = self.workdir / f"head-{len(self.workers(Role.SERVER)) + 1}.log"
         proc = Proc(Role.SERVER, self.http, _spawn(self.head_argv, log, self.env), log)
+        self.procs.append(proc)
+        return proc
+
+    def replace_head(self, i: int, timeout: float = 60) -> Proc:
+        """Roll replicated head `i` as a rollout does: SIGTERM it (it drains what it accepted), wait for
+        it to exit 0, then start its replacement on the same ports. Returns the new head."""
+        url = self.head_urls[i]
+        old = next(p for p in reversed(self.workers(Role.SERVER)) if p.url == url and p.popen.poll() is None)
+        old.popen.send_signal(signal.SIGTERM)
+        code = old.popen.wait(timeout)
+        if code != 0:
+            raise RuntimeError(f"head {url} exited with {code} on SIGTERM:\n{old.tail()}")
+        self.procs.remove(old)
+        log = self.workdir / f"head-{i}-{len(self.procs)}.log"
+        proc = Proc(Role.SERVER, url, _spawn(self.head_argvs[i], log, self.env), log)
         self.procs.append(proc)
         return proc
 
@@ -329,6 +345,7 @@ def local_deployment(
             argv += [flag(role.url_attr), spec]
         if i == 0:
             dep.head_argv = argv
+        dep.head_argvs.append(argv)
         log = workdir / ("head.log" if i == 0 else f"head-{chr(ord('a') + i)}.log")
         dep.procs.append(Proc(Role.SERVER, dep.head_urls[i], _spawn(argv, log, env), log))
 
