@@ -8,6 +8,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-for script in ("transfer_bench.py", "head_bench.py", "pipeline_bench.py", "scaling_bench.py", "heads_bench.py"):
+for script in (
+    "transfer_bench.py",
+    "head_bench.py",
+    "pipeline_bench.py",
+    "scaling_bench.py",
+    "heads_bench.py",
+    "rollout_bench.py",
+):
     print(f"\n=== {script}", flush=True)
     subprocess.run([sys.executable, str(HERE / script)], check=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
-import threading
 import time
 from pathlib import Path
 
@@ -23,13 +22,12 @@ import torch
 from PIL import Image
 
 from tests.e2e.harness import deployment
+from triptych_dev.rollout import ServiceLoad, roll_heads
 
 pytestmark = pytest.mark.slow
 
 BODY = {"prompt": "a lighthouse at dusk", "size": "32x32", "num_inference_steps": 2}
 HEARTBEAT = ("--disagg-heartbeat-timeout", "2")  # a killed head is noticed within 2 s
-# The head pod's preStop pause (the operator's): SIGTERM comes after the Service stopped routing to it.
-PRESTOP_S = 1.0
 
 
 def stock(model: Path, seeds: list[int]) -> dict[int, np.ndarray]:
@@ -143,63 +141,16 @@ def test_a_video_job_of_a_killed_head_is_run_to_completion_by_the_other_and_its_
 
 
 def test_a_rolling_restart_of_the_heads_under_continuous_load_fails_no_request(tiny_models, tmp_path):
-    """As a Deployment rollout with a Service in front: each head in turn leaves the Service's
-    endpoints (here: the list the client picks from, round-robin), gets SIGTERM after its preStop
-    pause, drains what it accepted, and its replacement joins once it sees the workers. A request
-    every 100 ms throughout."""
+    """As a Deployment rollout with a Service in front (triptych_dev.rollout): each head in turn
+    leaves the Service's endpoints, gets SIGTERM after its preStop pause, drains what it accepted,
+    and its replacement joins once it sees the workers. A request every 100 ms throughout."""
     flags = ("--step-seconds", "0.01")
     with deployment(tiny_models["tiny-flux"], tmp_path, null_payload=4096, heads=2, worker_flags=flags,
                     denoisers=2) as dep:  # fmt: skip
-        endpoints = list(dep.head_urls)  # the Service's ready endpoints
-        lock, stop = threading.Lock(), threading.Event()
-        answers: list[tuple[str, int, str]] = []
-
-        def one(url: str, seed: int) -> None:
-            try:
-                r = httpx.post(f"{url}/v1/images/generations", json={**BODY, "seed": seed}, timeout=60)
-                answers.append((url, r.status_code, r.text[:300]))
-            except httpx.HTTPError as exc:
-                answers.append((url, 0, repr(exc)))
-
-        def load() -> None:
-            with concurrent.futures.ThreadPoolExecutor(16) as pool:
-                for seed in range(2000):  # bounded: 200 s at 10 a second
-                    if stop.is_set():
-                        break
-                    with lock:
-                        url = endpoints[seed % len(endpoints)]
-                    pool.submit(one, url, seed)
-                    time.sleep(0.1)
-
-        client = threading.Thread(target=load)
-        client.start()
-        try:
+        with ServiceLoad(list(dep.head_urls), BODY, interval=0.1) as load:
             time.sleep(2)
-            for i, url in enumerate(dep.head_urls):
-                with lock:
-                    endpoints.remove(url)  # terminating: the Service stops routing to it first
-                time.sleep(PRESTOP_S)  # requests routed to it just before arrive before SIGTERM
-                dep.replace_head(i, timeout=60)
-                deadline = time.monotonic() + 60
-                while not ready_with_workers(url, 4):  # encoder, two denoisers, decoder
-                    assert time.monotonic() < deadline, f"the new head at {url} never saw the workers\n{dep.logs()}"
-                    time.sleep(0.2)
-                with lock:
-                    endpoints.append(url)
-                time.sleep(2)
-        finally:
-            stop.set()
-            client.join(120)
-    failed = [a for a in answers if a[1] != 200]
-    assert not failed, f"{len(failed)} of {len(answers)} requests failed during the rollout: {failed[:5]}"
-    assert len(answers) >= 50, len(answers)  # the rollout took at least 5 s of load
-
-
-def ready_with_workers(url: str, n: int) -> bool:
-    try:
-        return (
-            httpx.get(f"{url}/ready", timeout=2).status_code == 200
-            and sum(w["alive"] for w in workers_seen_by(url)) == n
-        )
-    except httpx.HTTPError:
-        return False
+            roll_heads(dep, load)
+            time.sleep(2)
+    failed = load.failed()
+    assert not failed, f"{len(failed)} of {len(load.answers)} requests failed during the rollout: {failed[:5]}"
+    assert len(load.answers) >= 50, len(load.answers)  # the rollout took at least 5 s of load
