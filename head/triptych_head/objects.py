@@ -126,8 +126,20 @@ class DirectoryObjects:
             os.link(tmp, path)  # atomic and exclusive, on NFS too: fails when the name exists
         except FileExistsError:
             return False
+        except OSError:  # no hard links here (SMB shares): exclusive still, the content lands just after
+            return self._create_exclusive(path, data)
         finally:
             tmp.unlink(missing_ok=True)
+        return True
+
+    @staticmethod
+    def _create_exclusive(path: Path, data: bytes) -> bool:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         return True
 
     def put_file(self, name: str, path: Path, content_type: str) -> None:

@@ -116,3 +116,18 @@ def test_a_directory_store_never_reaches_outside_its_root(tmp_path):
     for name in ("/etc/passwd", "../secret", "images/../../x", ".staging/probe", "a/.hidden", "nul\x00byte"):
         with pytest.raises(ObjectMissing):
             store.get_bytes(name)
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_a_directory_store_creates_a_name_once_with_or_without_hard_links(tmp_path, monkeypatch, hard_links):
+    if not hard_links:  # an SMB share: os.link fails, the store falls back to an exclusive open
+
+        def no_links(src, dst):  # type: ignore[no-untyped-def]
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", no_links)
+    store = DirectoryObjects(tmp_path)
+    assert store.create("claims/a.json", b"first", "application/json")
+    assert not store.create("claims/a.json", b"second", "application/json")
+    assert store.get_bytes("claims/a.json") == b"first"
+    assert [o.name for o in store.list("claims/a.")] == ["claims/a.json"]  # no temporary file left in sight
