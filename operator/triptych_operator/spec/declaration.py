@@ -17,6 +17,7 @@ from triptych.config import (
     DEFAULT_TIMEOUT_S,
     DISPATCH_POLICIES,
     HEAD_SHUTDOWN_OVERHEAD_S,
+    MAX_PRESIGN_S,
 )
 from triptych.roles import FULL_PIPELINE_ROLE, Role
 from triptych_operator.constants import (
@@ -52,6 +53,13 @@ PARALLEL_DEGREES = ("tp", "sp", "ulysses", "ring", "cfg")
 ROLE_DEGREES: dict[Role, tuple[str, ...]] = {role: role.spec.operator_degrees for role in PIPELINE_ROLES}
 DEFAULT_TOKEN_KEY = "token"
 DEFAULT_API_KEYS_KEY = "keys"
+# The env names the head's S3 client reads (--results-store), and so the default Secret keys.
+S3_ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
+S3_SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
+# head.replicas when unset: two heads when every head sees the same results (a rollout then replaces
+# one while the other serves), one when each head would keep its own.
+SHARED_RESULTS_HEADS = 2
+UNSHARED_RESULTS_HEADS = 1
 # Autoscaling defaults: a denoiser replica should have about a minute of queued work before
 # another is added, and a pool is shrunk only after ten quiet minutes (model loads take minutes).
 DEFAULT_TARGET_WORK_SECONDS = 60
@@ -414,11 +422,60 @@ def _ingress() -> Field:
     )
 
 
+def _s3() -> Field:
+    url = (
+        "`--results-store`: `s3://BUCKET/PREFIX` of an S3-compatible bucket every head reads and writes (checked as "
+        "the flag is)."
+    )
+    endpoint = "`--results-s3-endpoint`: the server's `http(s)://HOST[:PORT]` (e.g. MinIO, SeaweedFS); unset: AWS S3."
+    secret = (
+        f"A Secret in the pipeline's namespace whose keys become the head's `{S3_ACCESS_KEY_ENV}` and "
+        f"`{S3_SECRET_KEY_ENV}` (`secretKeyRef`: the values never appear in the Deployment). Unset: the operator "
+        "sets no credentials (give them in `head.env`)."
+    )
+    presign = (
+        "`--results-presign`: image URLs and video content are handed out as presigned URLs valid this long, so "
+        "the bytes skip the head (clients must reach the bucket); 0: the head proxies them."
+    )
+    return Field(
+        "s3",
+        "object",
+        "Results in an S3-compatible bucket shared by every head (--results-store).",
+        fields=(
+            Field("url", "string", url, min_length=1, required=True),
+            Field("endpoint", "string", endpoint),
+            Field(
+                "credentialsSecret",
+                "object",
+                "The bucket's credentials.",
+                fields=(
+                    Field("name", "string", secret, min_length=1, required=True),
+                    Field(
+                        "accessKeyIdKey",
+                        "string",
+                        f"The Secret's key for `{S3_ACCESS_KEY_ENV}`.",
+                        default=S3_ACCESS_KEY_ENV,
+                    ),
+                    Field(
+                        "secretAccessKeyKey",
+                        "string",
+                        f"The Secret's key for `{S3_SECRET_KEY_ENV}`.",
+                        default=S3_SECRET_KEY_ENV,
+                    ),
+                ),
+            ),
+            Field("presignSeconds", "integer", presign, default=0, minimum=0, maximum=MAX_PRESIGN_S),
+        ),
+    )
+
+
 def _results() -> Field:
     claim = (
-        "An existing PVC mounted at the head's `--output-path` (`/var/lib/triptych/outputs`): URL images and "
-        "video jobs survive a head restart. ReadWriteOnce is enough for the one head. Without it: an `emptyDir` "
-        "(results survive container restarts, not a new pod)."
+        "An existing PVC mounted at every head's `--output-path` (`/var/lib/triptych/outputs`): URL images and "
+        "video jobs survive a head restart, and every head serves every result. More than one head needs a "
+        "ReadWriteMany claim (a ReadWriteOnce one: set `head.replicas: 1`, and the head is replaced with "
+        "`Recreate`). Without it or `s3`: an `emptyDir` per head (results survive container restarts, not a new "
+        "pod, and only one head may run)."
     )
     max_age = "`--results-max-age`: results older than this are removed."
     max_bytes = (
@@ -429,7 +486,8 @@ def _results() -> Field:
     return Field(
         "results",
         "object",
-        "Where the head keeps finished images (URL responses) and video jobs (--output-path), and for how long.",
+        "Where the heads keep finished images (URL responses) and video jobs, and for how long: a claim "
+        "(--output-path) or a bucket (--results-store) every head shares, else each head's own emptyDir.",
         default={},
         fields=(
             Field(
@@ -438,8 +496,16 @@ def _results() -> Field:
                 "An existing PVC mounted at the output path, so results outlive the pod; without it an emptyDir.",
                 fields=(Field("claimName", "string", claim, min_length=1, required=True),),
             ),
+            _s3(),
             Field("maxAgeSeconds", "integer", max_age, default=int(DEFAULT_RESULTS_MAX_AGE_S), minimum=1),
             Field("maxBytes", "size", max_bytes, default=DEFAULT_RESULTS_MAX_BYTES, doc_default=max_bytes_default),
+        ),
+        rules=(
+            excludes(
+                "s3",
+                ("persistentVolumeClaim",),
+                "results: set s3 (a bucket) or persistentVolumeClaim (a shared folder), not both",
+            ),
         ),
     )
 
@@ -481,8 +547,14 @@ def _head_batching() -> Field:
 
 def _head() -> Field:
     replicas = (
-        "0 or 1: workers can serve several heads, but URL images and video jobs are not yet shared between "
-        "heads, so the operator runs at most one (see docs/operator.md#head-rollouts-drain-and-results)."
+        "Head pods. Every worker serves every head (a headless Service `<name>-heads`), so clients may reach any "
+        "of them; more than one needs results every head shares (`results.s3`, or `results.persistentVolumeClaim` "
+        "on a ReadWriteMany claim). A rollout replaces one head at a time while the others serve; 0 parks the "
+        "pipeline (see docs/operator.md#head-rollouts-drain-and-results)."
+    )
+    replicas_default = (
+        f"`{SHARED_RESULTS_HEADS}` with `results.s3` or `results.persistentVolumeClaim`, else "
+        f"`{UNSHARED_RESULTS_HEADS}`"
     )
     policy = "`--disagg-dispatch-policy` (the enum is `triptych.config.DISPATCH_POLICIES`)."
     drain = (
@@ -500,7 +572,7 @@ def _head() -> Field:
         "The GPU-less head (DiffusionServer + HTTP API).",
         default={},
         fields=(
-            Field("replicas", "integer", replicas, default=1, minimum=0, maximum=1),
+            Field("replicas", "integer", replicas, minimum=0, doc_default=replicas_default),
             Field(
                 "serviceType",
                 "string",
