@@ -46,7 +46,7 @@ from triptych_operator.constants import (
     crd_field,
 )
 from triptych_operator.serve_args import SERVE_COMMAND, head_argv, object_name, worker_argv
-from triptych_operator.spec.declaration import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
+from triptych_operator.spec.declaration import HEAD_UNROUTE_S, S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
 from triptych_operator.spec.model import PipelineSpec
 
 Manifest = dict[str, Any]
@@ -476,6 +476,9 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [*mounts, {"name": "outputs", "mountPath": OUTPUT_MOUNT}, keys_mount, *api_key_mounts],
         **_head_probes(),
+        # Deleted, it keeps serving while every Service and proxy stops routing to it; SIGTERM (the
+        # drain: new requests get a 503) comes after, when none should arrive. Part of the grace period.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(HEAD_UNROUTE_S)]}}},
     }
     pod_spec: Manifest = {
         "securityContext": _pod_security(),

@@ -9,11 +9,13 @@ import pytest
 
 from tests.operator.helpers import NAMESPACE, OWNER, minimal_spec, pipeline
 from tests.operator.test_manifests import children, container, parse_serve
+from triptych.config import HEAD_SHUTDOWN_OVERHEAD_S
 from triptych.discovery import expand
 from triptych.ports import result_endpoint
 from triptych.roles import Role
 from triptych_operator.constants import HEAD_SCHEDULER_PORT
 from triptych_operator.manifests import ObjectRef, render
+from triptych_operator.spec.declaration import HEAD_UNROUTE_S
 from triptych_operator.spec.model import SpecError
 
 S3 = {"url": "s3://triptych-results/wan", "credentialsSecret": {"name": "results-s3"}}
@@ -208,3 +210,14 @@ def test_scaling_the_heads_rolls_no_worker() -> None:
     for key, obj in one.items():
         if key[0] == "Deployment" and key[1] != "wan-t2v-head":
             assert json.dumps(obj, sort_keys=True) == json.dumps(three[key], sort_keys=True), key
+
+
+def test_a_deleted_head_keeps_serving_until_it_is_unrouted_then_drains_before_the_kill() -> None:
+    deployment = head_deployment(head_spec(drainSeconds=300))
+    c = container(deployment)
+    [sleep, seconds] = c["lifecycle"]["preStop"]["exec"]["command"][-2:]
+    assert sleep == "sleep" and int(seconds) == HEAD_UNROUTE_S
+    # SIGTERM comes after the sleep; the head's deadline, its shutdown work and a margin still fit the grace period.
+    drain = parse_serve(c).disagg_drain_timeout
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert HEAD_UNROUTE_S + drain + HEAD_SHUTDOWN_OVERHEAD_S + 10 <= grace == 300

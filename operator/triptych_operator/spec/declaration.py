@@ -79,6 +79,10 @@ MIN_DRAIN_SECONDS = 2 * DRAIN_MARGIN_S
 HEAD_DRAIN_MARGIN_S = int(HEAD_SHUTDOWN_OVERHEAD_S) + DRAIN_MARGIN_S
 DEFAULT_HEAD_DRAIN_SECONDS = 600
 MIN_HEAD_DRAIN_SECONDS = 2 * HEAD_DRAIN_MARGIN_S
+# A head being deleted keeps taking requests this long before its SIGTERM (a preStop sleep): Services,
+# kube-proxy and Ingress controllers stop routing to it meanwhile, so no request meets a draining head.
+# Taken out of its own drain deadline, so the deadline still ends HEAD_DRAIN_MARGIN_S before the kill.
+HEAD_UNROUTE_S = 5
 # Accepted and ignored (the per-pod queue-depth metric they configured was never exported).
 DEPRECATED_AUTOSCALING_FIELDS = ("targetQueueDepth", "metricName")
 _OPERATOR_IMAGE = "operator's `TRIPTYCH_%s_IMAGE` (chart `%sImage`)"
@@ -558,10 +562,12 @@ def _head() -> Field:
     )
     policy = "`--disagg-dispatch-policy` (the enum is `triptych.config.DISPATCH_POLICIES`)."
     drain = (
-        "The head pod's `terminationGracePeriodSeconds`, as for the roles. On SIGTERM (rollout, deletion, eviction) "
-        f"accepted requests may finish until {HEAD_DRAIN_MARGIN_S} s before it (`--disagg-drain-timeout` = "
-        f"`drainSeconds` - {HEAD_DRAIN_MARGIN_S}: the head needs at most {int(HEAD_SHUTDOWN_OVERHEAD_S)} s to "
-        "answer its last clients and save its jobs), then fail with a 503 that says so; the head exits as soon as "
+        "The head pod's `terminationGracePeriodSeconds`, as for the roles. A head being deleted (rollout, "
+        f"eviction) takes requests for {HEAD_UNROUTE_S} more seconds while it leaves the Services (a `preStop` "
+        f"sleep), then gets SIGTERM; accepted requests may finish until {HEAD_DRAIN_MARGIN_S} s before the end "
+        f"(`--disagg-drain-timeout` = `drainSeconds` - {HEAD_DRAIN_MARGIN_S + HEAD_UNROUTE_S}: the head needs at "
+        f"most {int(HEAD_SHUTDOWN_OVERHEAD_S)} s to answer its last clients and save its jobs), then fail with a "
+        "503 that says so; the head exits as soon as "
         "nothing is left. Keep it above `timeoutSeconds` so any request that can still succeed does (the Wan "
         "example uses 900 for both)."
     )

@@ -30,6 +30,7 @@ from triptych_operator.spec.declaration import (
     DRAIN_MARGIN_S,
     FULL_PIPELINE,
     HEAD_DRAIN_MARGIN_S,
+    HEAD_UNROUTE_S,
     ROLE_POOL_FIELDS,
     SHARED_RESULTS_HEADS,
     SPEC,
@@ -218,7 +219,8 @@ class HeadSpec:
     ingress: IngressSpec
     dispatch_policy: str
     timeout_seconds: int
-    # terminationGracePeriodSeconds; the head's --disagg-drain-timeout is HEAD_DRAIN_MARGIN_S less.
+    # terminationGracePeriodSeconds: the preStop sleep (HEAD_UNROUTE_S), then --disagg-drain-timeout,
+    # which ends HEAD_DRAIN_MARGIN_S before the kill.
     drain_seconds: int
     results: ResultsSpec
     # The HTTP API's keys (--api-keys-file): one per line in this Secret key; None: the API is open.
@@ -243,7 +245,7 @@ class HeadSpec:
     @property
     def drain_timeout_seconds(self) -> int:
         """The head's own deadline for the requests it accepted, after SIGTERM."""
-        return self.drain_seconds - HEAD_DRAIN_MARGIN_S
+        return self.drain_seconds - HEAD_UNROUTE_S - HEAD_DRAIN_MARGIN_S
 
 
 @dataclass(frozen=True)
