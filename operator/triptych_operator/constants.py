@@ -34,6 +34,10 @@ def crd_field(role: Role) -> str:
 
 
 HEAD_COMPONENT: Final = "head"
+# The headless Service listing every head pod (<name>-heads): the workers' dns:// --disagg-server-addr.
+# A new object beside <name>-head (a ClusterIP Service, which the metrics API and the ServiceMonitor
+# read): a Service's clusterIP cannot be changed to None in place.
+HEADS_SERVICE: Final = "heads"
 
 # Ports. Every worker pod binds the same work port: pods have their own IPs, so nothing collides,
 # and the head's dns:// discovery needs one port per role.

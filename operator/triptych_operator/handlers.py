@@ -62,6 +62,7 @@ CHILD_KINDS: dict[tuple[str, str], tuple[str, str, str, str]] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): ("autoscaling", "v2", "horizontalpodautoscalers", "hpa_index"),
     ("networking.k8s.io/v1", "Ingress"): ("networking.k8s.io", "v1", "ingresses", "ingress_index"),
     ("networking.k8s.io/v1", "NetworkPolicy"): ("networking.k8s.io", "v1", "networkpolicies", "networkpolicy_index"),
+    ("policy/v1", "PodDisruptionBudget"): ("policy", "v1", "poddisruptionbudgets", "pdb_index"),
 }
 # What kopf keeps on the pipeline with the storages `configure` sets (its handler-progress keys
 # appear only while a handler is retried).
@@ -364,7 +365,8 @@ async def _apply_children(
 
 
 async def _delete_unwanted(pipeline: dict[str, Any], state: PipelineState, indexes: Indexes) -> None:
-    """Remove optional children the spec no longer asks for (a disabled HPA or Ingress)."""
+    """Remove optional children the spec no longer asks for (a disabled HPA or Ingress, the heads' budget
+    when one head is left)."""
     meta = pipeline["metadata"]
     key = (meta["namespace"], meta["name"])
     for ref in state.deletions:

@@ -23,6 +23,7 @@ from triptych_operator.constants import (
     GPU_RESOURCE,
     HEAD_COMPONENT,
     HEAD_SCHEDULER_PORT,
+    HEADS_SERVICE,
     HF_CACHE_MOUNT,
     KEYS_COMPONENT,
     KEYS_FINGERPRINT_ANNOTATION,
@@ -45,6 +46,7 @@ from triptych_operator.constants import (
     crd_field,
 )
 from triptych_operator.serve_args import SERVE_COMMAND, head_argv, object_name, worker_argv
+from triptych_operator.spec.declaration import HEAD_UNROUTE_S, S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
 from triptych_operator.spec.model import PipelineSpec
 
 Manifest = dict[str, Any]
@@ -62,6 +64,7 @@ KEYS_VOLUME = "control-keys"
 KEYS_FILE_MODE = 0o440  # owner root, group the pod's fsGroup (the process): nobody else reads the secret keys
 WORKERS_POLICY = "workers"  # name suffixes of the two NetworkPolicies
 HEAD_POLICY = "head"
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,14 @@ def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None, keys_
         else:
             children.apply.append(hpa)
     children.apply += [head_deployment(pipeline, head_args, keys_fingerprint), head_service(pipeline)]
+    children.apply.append(heads_service(pipeline))
+    pdb = head_disruption_budget(pipeline)
+    if pdb is None:
+        children.delete.append(
+            ObjectRef("policy/v1", "PodDisruptionBudget", object_name(pipeline.name, HEAD_COMPONENT))
+        )
+    else:
+        children.apply.append(pdb)
     children.apply += [api_service(pipeline), worker_network_policy(pipeline), head_network_policy(pipeline)]
     ingress = head_ingress(pipeline)
     if ingress is None:
@@ -416,12 +427,25 @@ def head_termination_grace_seconds(pipeline: PipelineSpec) -> int:
 
 
 def head_results_volume(pipeline: PipelineSpec) -> Manifest:
-    """--output-path: the claim the CR names (results survive the pod), else an emptyDir (they survive
-    container restarts only)."""
+    """--output-path: the claim the CR names (results survive the pod; every head mounts it), else an
+    emptyDir (they survive container restarts only; with results.s3 the bucket holds them instead)."""
     claim = pipeline.head.results.claim_name
     if claim:
         return {"name": "outputs", "persistentVolumeClaim": {"claimName": claim}}
     return {"name": "outputs", "emptyDir": {}}
+
+
+def head_results_env(pipeline: PipelineSpec) -> list[Manifest]:
+    """The bucket's credentials, as the head's S3 client reads them: references to the Secret's keys,
+    so the values are in no Deployment (and `kubectl get deploy -o yaml` shows none)."""
+    s3 = pipeline.head.results.s3
+    if s3 is None or s3.credentials is None:
+        return []
+    creds = s3.credentials
+    return [
+        {"name": env, "valueFrom": {"secretKeyRef": {"name": creds.name, "key": key}}}
+        for env, key in ((S3_ACCESS_KEY_ENV, creds.access_key_id_key), (S3_SECRET_KEY_ENV, creds.secret_access_key_key))
+    ]
 
 
 def head_api_keys_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest]]:
@@ -446,12 +470,15 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
         "image": pipeline.head_image,
         "command": list(SERVE_COMMAND),
         "args": argv,
-        "env": [*model_env, *head.env],
+        "env": [*model_env, *head_results_env(pipeline), *head.env],
         "ports": _head_ports(pipeline),
         "resources": _resources(head.resources, {}),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [*mounts, {"name": "outputs", "mountPath": OUTPUT_MOUNT}, keys_mount, *api_key_mounts],
         **_head_probes(),
+        # Deleted, it keeps serving while every Service and proxy stops routing to it; SIGTERM (the
+        # drain: new requests get a 503) comes after, when none should arrive. Part of the grace period.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(HEAD_UNROUTE_S)]}}},
     }
     pod_spec: Manifest = {
         "securityContext": _pod_security(),
@@ -464,6 +491,16 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
         pod_spec["nodeSelector"] = dict(head.node_selector)
     if head.tolerations:
         pod_spec["tolerations"] = list(head.tolerations)
+    # Heads on different nodes where there are several (one node lost takes one head), but never
+    # Pending for it: a one-node cluster runs them all.
+    pod_spec["topologySpreadConstraints"] = [
+        {
+            "maxSkew": 1,
+            "topologyKey": HOSTNAME_TOPOLOGY,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": labels(pipeline, HEAD_COMPONENT)},
+        }
+    ]
     head_template_meta: Manifest = {"labels": labels(pipeline, HEAD_COMPONENT)}
     if keys_fingerprint:
         head_template_meta["annotations"] = _template_annotations(keys_fingerprint)
@@ -474,19 +511,30 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
         "spec": {
             "replicas": head.replicas,
             "selector": {"matchLabels": labels(pipeline, HEAD_COMPONENT)},
-            # A worker serves one head at a time (docs/operator.md, "Head rollouts"): the old head
-            # drains what it accepted, then the new one starts and the workers follow it. A surge
-            # pod would split the workers between two heads, and a ReadWriteOnce results claim
-            # cannot be mounted by both.
-            "strategy": {"type": "Recreate"},
+            "strategy": head_strategy(pipeline),
             "progressDeadlineSeconds": PROGRESS_DEADLINE_S,
             "template": {"metadata": head_template_meta, "spec": pod_spec},
         },
     }
 
 
+def head_strategy(pipeline: PipelineSpec) -> Manifest:
+    """How a head rollout goes (docs/operator.md, "Head rollouts"): a new head is started and ready
+    before an old one drains, so some head always takes requests; every worker serves every head
+    (`<name>-heads`), so the surge head gets work at once. One head on a claim keeps Recreate: the
+    claim may be ReadWriteOnce, which a surge pod on another node could not mount (the rollout would
+    hang), so that head drains first and its successor starts after."""
+    head = pipeline.head
+    if head.replicas <= 1 and head.results.claim_name:
+        return {"type": "Recreate"}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+
+
 def head_service(pipeline: PipelineSpec) -> Manifest:
-    """Internal ClusterIP Service: workers reach the result ports here (its name is in --disagg-server-addr)."""
+    """Internal ClusterIP Service over the head pods: the metrics API (triptych-metrics-api) finds the
+    heads at its endpoints and the chart's ServiceMonitor scrapes them through it. The result ports
+    stay so that workers started with an earlier operator's `tcp://<name>-head` keep reporting while
+    they roll onto `<name>-heads`."""
     ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]} for p in _head_ports(pipeline)]
     return {
         "apiVersion": "v1",
@@ -495,10 +543,52 @@ def head_service(pipeline: PipelineSpec) -> Manifest:
         "spec": {
             "type": "ClusterIP",
             "selector": labels(pipeline, HEAD_COMPONENT),
-            # Workers must keep reaching a draining head (not ready by design) to report the work it
-            # is finishing; readiness governs only the public api Service.
+            # A draining head (not ready by design) still holds work whose metrics count, and which
+            # workers must reach to report; readiness governs only the public api Service.
             "publishNotReadyAddresses": True,
             "ports": [{**p, "protocol": "TCP"} for p in ports],
+        },
+    }
+
+
+def heads_service(pipeline: PipelineSpec) -> Manifest:
+    """Headless Service of every head pod: its name resolves to each head's address, which is what a
+    worker's `--disagg-server-addr dns://<name>-heads...:5555` serves (it derives the result ports from
+    5555). Not-ready heads are listed too: a draining head must still get the reports of the work it
+    is finishing, and a new head must be found before it can be ready."""
+    ports = [p for p in _head_ports(pipeline) if p["name"] != "http"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(pipeline, HEAD_COMPONENT, object_name(pipeline.name, HEADS_SERVICE)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": labels(pipeline, HEAD_COMPONENT),
+            "publishNotReadyAddresses": True,
+            "ports": [
+                {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+                for p in ports
+            ],
+        },
+    }
+
+
+def head_disruption_budget(pipeline: PipelineSpec) -> Manifest | None:
+    """With several heads, a voluntary disruption (a node drain, an autoscaler's scale-down) evicts one
+    at a time, so the others keep serving; None with one head (a budget would block every drain of its
+    node, and a single head is replaced by its Deployment, not kept by a budget)."""
+    if pipeline.head.replicas <= 1:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(pipeline, HEAD_COMPONENT),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": labels(pipeline, HEAD_COMPONENT)},
+            # A head that is not ready (crash-looping, stuck) may always be evicted: it serves nothing,
+            # and keeping it must not block a node drain.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 

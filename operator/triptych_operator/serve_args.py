@@ -16,8 +16,8 @@ from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeAr
 from triptych.roles import Role
 from triptych_operator.constants import (
     API_KEYS_FILE,
-    HEAD_COMPONENT,
     HEAD_SCHEDULER_PORT,
+    HEADS_SERVICE,
     KEYS_MOUNT,
     OUTPUT_MOUNT,
     PIPELINE_ROLES,
@@ -45,8 +45,13 @@ def service_host(pipeline: PipelineSpec, component: str) -> str:
 
 
 def head_address(pipeline: PipelineSpec) -> str:
-    """--disagg-server-addr for workers: the head Service's frontend port."""
-    return f"tcp://{service_host(pipeline, HEAD_COMPONENT)}:{HEAD_SCHEDULER_PORT}"
+    """--disagg-server-addr for workers: every head pod, as the headless `<name>-heads` Service resolves
+    (re-read as heads come and go), at the scheduler port the result ports are derived from.
+
+    Always dns://, whatever head.replicas says: scaling the heads or a rollout's surge head then never
+    changes (and rolls) the GPU workers. The price with one head: a worker grants standing receive slots
+    only to a single static tcp:// head, so each hop pays a TransferAlloc round trip (docs/design.md)."""
+    return f"dns://{service_host(pipeline, HEADS_SERVICE)}:{HEAD_SCHEDULER_PORT}"
 
 
 def worker_discovery_url(pipeline: PipelineSpec, role: Role) -> str:
@@ -107,6 +112,14 @@ def head_batching(pipeline: PipelineSpec) -> dict[str, Any]:
     }
 
 
+def head_results_store(pipeline: PipelineSpec) -> dict[str, Any]:
+    """The --results-store flags of head.results.s3 (the credentials are env from its Secret, not flags)."""
+    s3 = pipeline.head.results.s3
+    if s3 is None:
+        return {}
+    return {"results_store": s3.url, "results_s3_endpoint": s3.endpoint, "results_presign": s3.presign_seconds}
+
+
 def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
     urls = {URL_FLAGS[role]: [worker_discovery_url(pipeline, role)] for role in pipeline.roles}
     return ServeArgs(
@@ -124,6 +137,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         api_keys_file=API_KEYS_FILE if pipeline.head.api_keys_secret else None,
         disagg_keys_dir=KEYS_MOUNT,
         **head_batching(pipeline),
+        **head_results_store(pipeline),
         **urls,  # type: ignore[arg-type]
     )
 

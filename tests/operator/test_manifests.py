@@ -47,7 +47,8 @@ def test_every_role_gets_a_deployment_and_a_headless_service_and_the_head_two_se
 def test_worker_args_parse_and_validate_as_triptych_serve(role: Role) -> None:
     args = parse_serve(container(children()[("Deployment", f"wan-t2v-{role.value}")]))
     assert args.disagg_role is role
-    assert args.disagg_server_addr == f"tcp://wan-t2v-head.{NAMESPACE}.svc.cluster.local:{HEAD_SCHEDULER_PORT}"
+    # Every head, as the headless Service resolves: the workers serve them all.
+    assert args.disagg_server_addr == f"dns://wan-t2v-heads.{NAMESPACE}.svc.cluster.local:{HEAD_SCHEDULER_PORT}"
     assert args.scheduler_port == WORKER_PORT
     assert args.disagg_p2p_hostname == "$(POD_IP)"
     assert args.disagg_ib_device == "mlx5_0"
@@ -166,9 +167,10 @@ def test_head_is_ready_on_its_readiness_route_and_alive_on_its_health_route() ->
     assert ready["periodSeconds"] * ready["failureThreshold"] <= 5
 
 
-def test_head_rolls_out_by_draining_the_old_head_before_the_new_one_starts() -> None:
+def test_an_old_head_drains_within_its_grace_period_after_its_successor_is_up() -> None:
     deployment = children(minimal_spec(head={"drainSeconds": 300}))[("Deployment", "wan-t2v-head")]
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # The successor first (a surge pod, ready before the old one gets SIGTERM): test_head_replicas.py.
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
     # drainSeconds is the grace period, as for the roles; the head's own deadline leaves it time to
     # answer its last clients and save its jobs before the kubelet's SIGKILL.
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 300

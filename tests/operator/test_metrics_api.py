@@ -23,7 +23,7 @@ from tests.operator.tls import make_ca, make_cert
 from triptych_operator.constants import HEAD_METRICS_URL_ANNOTATION
 from triptych_operator.metrics_api.auth import Authorizer, RequestHeaderConfig
 from triptych_operator.metrics_api.main import server_tls
-from triptych_operator.metrics_api.prometheus import parse_role_gauges
+from triptych_operator.metrics_api.prometheus import add, parse_role_gauges
 from triptych_operator.metrics_api.server import build_app, quantity
 from triptych_operator.metrics_api.source import HeadMetricsSource, http_fetcher, ready_addresses, split_deployment_name
 
@@ -52,6 +52,16 @@ def test_reads_the_role_gauges_and_nothing_else() -> None:
             "triptych_ready_instances": 1.0,
         },
     }
+
+
+def test_several_heads_sum_their_own_requests_but_not_the_workers_they_all_see() -> None:
+    one = parse_role_gauges(HEAD_PAGE)
+    other = parse_role_gauges(
+        'triptych_role_queued_requests{role="denoiser"} 3.0\ntriptych_role_ready_instances{role="denoiser"} 2.0\n'
+    )
+    total = add(add({}, one), other)
+    assert total["denoiser"]["triptych_queued_requests"] == 10.0  # each request is one head's
+    assert total["denoiser"]["triptych_ready_instances"] == 2.0  # every worker serves every head
 
 
 def test_quantities_are_kubernetes_quantities() -> None:

@@ -85,7 +85,8 @@ def wait_phase(cluster: KubeCluster, namespace: str, name: str, phase: str, time
 
 def children(cluster: KubeCluster, namespace: str, name: str) -> dict[str, dict[str, Any]]:
     """kind/name -> object for everything labelled as this pipeline's."""
-    listing = get(cluster, namespace, "deployments,services,hpa,ingresses", "-l", f"app.kubernetes.io/instance={name}")
+    kinds = "deployments,services,hpa,ingresses,poddisruptionbudgets"
+    listing = get(cluster, namespace, kinds, "-l", f"app.kubernetes.io/instance={name}")
     return {f"{o['kind']}/{o['metadata']['name']}": o for o in (listing or {}).get("items", [])}
 
 
@@ -212,7 +213,8 @@ def test_head_drains_before_its_successor_starts_and_keeps_results_on_the_claim(
 ) -> None:
     ns = kube_namespace
     results = {"persistentVolumeClaim": {"claimName": "drain-results"}, "maxBytes": "1GiB"}
-    apply(crd, ns, pipeline_manifest("drain", head={"drainSeconds": 90, "results": results}))
+    # One head on a claim that may be ReadWriteOnce: drained before its successor starts (Recreate).
+    apply(crd, ns, pipeline_manifest("drain", head={"replicas": 1, "drainSeconds": 90, "results": results}))
     objs = poll(
         lambda: (o := children(crd, ns, "drain")) and "Deployment/drain-head" in o and o,
         timeout=60,
@@ -227,6 +229,66 @@ def test_head_drains_before_its_successor_starts_and_keeps_results_on_the_claim(
     assert container(head)["livenessProbe"]["httpGet"]["path"] == "/health"
     assert {"name": "outputs", "persistentVolumeClaim": {"claimName": "drain-results"}} in pod["volumes"]
     assert objs["Service/drain-head"]["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_replicated_heads_get_a_budget_a_headless_service_and_lose_the_budget_at_one(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    ns = kube_namespace
+    secret = {"AWS_ACCESS_KEY_ID": "ha-key", "AWS_SECRET_ACCESS_KEY": "ha-secret"}
+    crd.kubectl(
+        "create", "secret", "generic", "ha-s3", "-n", ns, *(f"--from-literal={k}={v}" for k, v in secret.items())
+    )
+    s3 = {
+        "url": "s3://triptych-results/ha",
+        "endpoint": "http://seaweedfs:8333",
+        "credentialsSecret": {"name": "ha-s3"},
+    }
+    apply(crd, ns, pipeline_manifest("ha", head={"replicas": 2, "results": {"s3": s3}}))
+    wanted = {"Deployment/ha-head", "PodDisruptionBudget/ha-head", "Service/ha-heads", "Service/ha-head"}
+    objs = poll(
+        lambda: (o := children(crd, ns, "ha")) and wanted <= set(o) and o, timeout=60, what="the heads' objects"
+    )
+    head = objs["Deployment/ha-head"]
+    assert head["spec"]["replicas"] == 2
+    assert head["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    env = {e["name"]: e for e in container(head)["env"]}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "ha-s3",
+        "key": "AWS_SECRET_ACCESS_KEY",
+    }
+    assert "ha-secret" not in json.dumps(head)  # by reference only
+    args = container(head)["args"]
+    assert args[args.index("--results-store") + 1] == "s3://triptych-results/ha"
+    pdb = objs["PodDisruptionBudget/ha-head"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"] == head["spec"]["selector"]
+    heads = objs["Service/ha-heads"]["spec"]
+    assert heads["clusterIP"] == "None" and heads["publishNotReadyAddresses"] is True
+    worker_args = container(objs["Deployment/ha-denoiser"])["args"]
+    assert worker_args[worker_args.index("--disagg-server-addr") + 1] == f"dns://ha-heads.{ns}.svc.cluster.local:5555"
+    wait_phase(crd, ns, "ha", "Ready")
+    # The API server computes the budget over both heads (kwok runs them): one may go at a time.
+    poll(
+        lambda: (get(crd, ns, "pdb", "ha-head") or {}).get("status", {}).get("disruptionsAllowed") == 1,
+        timeout=60,
+        what="the heads' budget to allow one disruption",
+    )
+
+    crd.kubectl("patch", "dp", "ha", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"head": {"replicas": 1}}}))
+    poll(
+        lambda: "PodDisruptionBudget/ha-head" not in children(crd, ns, "ha"),
+        timeout=60,
+        what="the budget to be removed at one head",
+    )
+    after = children(crd, ns, "ha")
+    assert after["Deployment/ha-head"]["spec"]["replicas"] == 1
+    assert "Service/ha-heads" in after  # the workers keep finding their one head there
+    # Only the head changed: the workers were not rolled.
+    for role in ("encoder", "denoiser", "decoder"):
+        key = f"Deployment/ha-{role}"
+        assert after[key]["metadata"]["generation"] == objs[key]["metadata"]["generation"], key
+    wait_phase(crd, ns, "ha", "Ready")
 
 
 def test_editing_one_role_rolls_only_that_role(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:

@@ -33,9 +33,10 @@ from tests.operator.test_operator_cluster import (
 pytestmark = pytest.mark.cluster
 
 STEADY_S = 60
-# One pipeline's children: 4 Deployments, 5 Services, 2 NetworkPolicies; plus its key Secret and
-# kopf's one annotation of the handled spec on the pipeline.
-CHILDREN = 11
+# One pipeline's children: 4 Deployments, 6 Services (the roles', the head's, the heads' headless one,
+# the api), 2 NetworkPolicies; plus its key Secret and kopf's one annotation of the handled spec on the
+# pipeline. One head (the example's results are not shared): no PodDisruptionBudget.
+CHILDREN = 12
 CREATE_WRITES = CHILDREN + 1 + 1
 
 

@@ -96,8 +96,10 @@ def test_autoscaling_min_above_max_is_rejected() -> None:
     assert str(err) == "spec.denoiser.autoscaling: minReplicas must be <= maxReplicas"  # the CEL rule's message
 
 
-def test_a_second_head_is_rejected() -> None:
-    assert error_for(minimal_spec(head={"replicas": 2})).field == "spec.head.replicas"
+def test_a_second_head_without_shared_results_is_rejected_saying_what_to_do() -> None:
+    err = error_for(minimal_spec(head={"replicas": 2}))
+    assert err.field == "spec.head.replicas"
+    assert "spec.head.results.s3" in str(err) and "spec.head.results.persistentVolumeClaim" in str(err)
 
 
 def test_http_port_cannot_collide_with_scheduler_ports() -> None:

@@ -62,6 +62,10 @@ app.kubernetes.io/component: operator
   resources: [ingresses]
   # Deleted when the head's ingress is turned off.
   verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  # The heads' budget while there are several; deleted when one head is left.
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   # Who may reach the workers' and head's control and transfer ports.

@@ -20,6 +20,9 @@ HEAD_GAUGES: Final = {
     "triptych_ready_instances": "triptych_role_ready_instances",
 }
 _SERVED_BY_GAUGE: Final = {gauge: served for served, gauge in HEAD_GAUGES.items()}
+# What each head sees of the same workers (every worker serves every head): the heads' largest
+# value, not their sum. The others count each head's own requests, which no other head counts.
+SHARED_VIEW_METRICS: Final = frozenset({"triptych_ready_instances"})
 
 # role -> served metric name -> value
 RoleValues = dict[str, dict[str, float]]
@@ -50,9 +53,10 @@ def parse_role_gauges(text: str) -> RoleValues:
 
 
 def add(total: RoleValues, more: RoleValues) -> RoleValues:
-    """Sum `more` into `total` (several heads of one pipeline)."""
+    """Sum `more` into `total` (several heads of one pipeline); the workers' count is the largest any head sees."""
     for role, values in more.items():
         into = total.setdefault(role, {})
         for name, value in values.items():
-            into[name] = into.get(name, 0.0) + value
+            combine = max if name in SHARED_VIEW_METRICS else float.__add__
+            into[name] = combine(into[name], value) if name in into else value
     return total

@@ -17,6 +17,7 @@ from triptych.config import (
     DEFAULT_TIMEOUT_S,
     DISPATCH_POLICIES,
     HEAD_SHUTDOWN_OVERHEAD_S,
+    MAX_PRESIGN_S,
 )
 from triptych.roles import FULL_PIPELINE_ROLE, Role
 from triptych_operator.constants import (
@@ -52,6 +53,13 @@ PARALLEL_DEGREES = ("tp", "sp", "ulysses", "ring", "cfg")
 ROLE_DEGREES: dict[Role, tuple[str, ...]] = {role: role.spec.operator_degrees for role in PIPELINE_ROLES}
 DEFAULT_TOKEN_KEY = "token"
 DEFAULT_API_KEYS_KEY = "keys"
+# The env names the head's S3 client reads (--results-store), and so the default Secret keys.
+S3_ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
+S3_SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
+# head.replicas when unset: two heads when every head sees the same results (a rollout then replaces
+# one while the other serves), one when each head would keep its own.
+SHARED_RESULTS_HEADS = 2
+UNSHARED_RESULTS_HEADS = 1
 # Autoscaling defaults: a denoiser replica should have about a minute of queued work before
 # another is added, and a pool is shrunk only after ten quiet minutes (model loads take minutes).
 DEFAULT_TARGET_WORK_SECONDS = 60
@@ -71,6 +79,10 @@ MIN_DRAIN_SECONDS = 2 * DRAIN_MARGIN_S
 HEAD_DRAIN_MARGIN_S = int(HEAD_SHUTDOWN_OVERHEAD_S) + DRAIN_MARGIN_S
 DEFAULT_HEAD_DRAIN_SECONDS = 600
 MIN_HEAD_DRAIN_SECONDS = 2 * HEAD_DRAIN_MARGIN_S
+# A head being deleted keeps taking requests this long before its SIGTERM (a preStop sleep): Services,
+# kube-proxy and Ingress controllers stop routing to it meanwhile, so no request meets a draining head.
+# Taken out of its own drain deadline, so the deadline still ends HEAD_DRAIN_MARGIN_S before the kill.
+HEAD_UNROUTE_S = 5
 # Accepted and ignored (the per-pod queue-depth metric they configured was never exported).
 DEPRECATED_AUTOSCALING_FIELDS = ("targetQueueDepth", "metricName")
 _OPERATOR_IMAGE = "operator's `TRIPTYCH_%s_IMAGE` (chart `%sImage`)"
@@ -414,11 +426,60 @@ def _ingress() -> Field:
     )
 
 
+def _s3() -> Field:
+    url = (
+        "`--results-store`: `s3://BUCKET/PREFIX` of an S3-compatible bucket every head reads and writes (checked as "
+        "the flag is)."
+    )
+    endpoint = "`--results-s3-endpoint`: the server's `http(s)://HOST[:PORT]` (e.g. MinIO, SeaweedFS); unset: AWS S3."
+    secret = (
+        f"A Secret in the pipeline's namespace whose keys become the head's `{S3_ACCESS_KEY_ENV}` and "
+        f"`{S3_SECRET_KEY_ENV}` (`secretKeyRef`: the values never appear in the Deployment). Unset: the operator "
+        "sets no credentials (give them in `head.env`)."
+    )
+    presign = (
+        "`--results-presign`: image URLs and video content are handed out as presigned URLs valid this long, so "
+        "the bytes skip the head (clients must reach the bucket); 0: the head proxies them."
+    )
+    return Field(
+        "s3",
+        "object",
+        "Results in an S3-compatible bucket shared by every head (--results-store).",
+        fields=(
+            Field("url", "string", url, min_length=1, required=True),
+            Field("endpoint", "string", endpoint),
+            Field(
+                "credentialsSecret",
+                "object",
+                "The bucket's credentials.",
+                fields=(
+                    Field("name", "string", secret, min_length=1, required=True),
+                    Field(
+                        "accessKeyIdKey",
+                        "string",
+                        f"The Secret's key for `{S3_ACCESS_KEY_ENV}`.",
+                        default=S3_ACCESS_KEY_ENV,
+                    ),
+                    Field(
+                        "secretAccessKeyKey",
+                        "string",
+                        f"The Secret's key for `{S3_SECRET_KEY_ENV}`.",
+                        default=S3_SECRET_KEY_ENV,
+                    ),
+                ),
+            ),
+            Field("presignSeconds", "integer", presign, default=0, minimum=0, maximum=MAX_PRESIGN_S),
+        ),
+    )
+
+
 def _results() -> Field:
     claim = (
-        "An existing PVC mounted at the head's `--output-path` (`/var/lib/triptych/outputs`): URL images and "
-        "video jobs survive a head restart. ReadWriteOnce is enough for the one head. Without it: an `emptyDir` "
-        "(results survive container restarts, not a new pod)."
+        "An existing PVC mounted at every head's `--output-path` (`/var/lib/triptych/outputs`): URL images and "
+        "video jobs survive a head restart, and every head serves every result. More than one head needs a "
+        "ReadWriteMany claim (a ReadWriteOnce one: set `head.replicas: 1`, and the head is replaced with "
+        "`Recreate`). Without it or `s3`: an `emptyDir` per head (results survive container restarts, not a new "
+        "pod, and only one head may run)."
     )
     max_age = "`--results-max-age`: results older than this are removed."
     max_bytes = (
@@ -429,7 +490,8 @@ def _results() -> Field:
     return Field(
         "results",
         "object",
-        "Where the head keeps finished images (URL responses) and video jobs (--output-path), and for how long.",
+        "Where the heads keep finished images (URL responses) and video jobs, and for how long: a claim "
+        "(--output-path) or a bucket (--results-store) every head shares, else each head's own emptyDir.",
         default={},
         fields=(
             Field(
@@ -438,8 +500,16 @@ def _results() -> Field:
                 "An existing PVC mounted at the output path, so results outlive the pod; without it an emptyDir.",
                 fields=(Field("claimName", "string", claim, min_length=1, required=True),),
             ),
+            _s3(),
             Field("maxAgeSeconds", "integer", max_age, default=int(DEFAULT_RESULTS_MAX_AGE_S), minimum=1),
             Field("maxBytes", "size", max_bytes, default=DEFAULT_RESULTS_MAX_BYTES, doc_default=max_bytes_default),
+        ),
+        rules=(
+            excludes(
+                "s3",
+                ("persistentVolumeClaim",),
+                "results: set s3 (a bucket) or persistentVolumeClaim (a shared folder), not both",
+            ),
         ),
     )
 
@@ -481,15 +551,23 @@ def _head_batching() -> Field:
 
 def _head() -> Field:
     replicas = (
-        "0 or 1: workers can serve several heads, but URL images and video jobs are not yet shared between "
-        "heads, so the operator runs at most one (see docs/operator.md#head-rollouts-drain-and-results)."
+        "Head pods. Every worker serves every head (a headless Service `<name>-heads`), so clients may reach any "
+        "of them; more than one needs results every head shares (`results.s3`, or `results.persistentVolumeClaim` "
+        "on a ReadWriteMany claim). A rollout replaces one head at a time while the others serve; 0 parks the "
+        "pipeline (see docs/operator.md#head-rollouts-drain-and-results)."
+    )
+    replicas_default = (
+        f"`{SHARED_RESULTS_HEADS}` with `results.s3` or `results.persistentVolumeClaim`, else "
+        f"`{UNSHARED_RESULTS_HEADS}`"
     )
     policy = "`--disagg-dispatch-policy` (the enum is `triptych.config.DISPATCH_POLICIES`)."
     drain = (
-        "The head pod's `terminationGracePeriodSeconds`, as for the roles. On SIGTERM (rollout, deletion, eviction) "
-        f"accepted requests may finish until {HEAD_DRAIN_MARGIN_S} s before it (`--disagg-drain-timeout` = "
-        f"`drainSeconds` - {HEAD_DRAIN_MARGIN_S}: the head needs at most {int(HEAD_SHUTDOWN_OVERHEAD_S)} s to "
-        "answer its last clients and save its jobs), then fail with a 503 that says so; the head exits as soon as "
+        "The head pod's `terminationGracePeriodSeconds`, as for the roles. A head being deleted (rollout, "
+        f"eviction) takes requests for {HEAD_UNROUTE_S} more seconds while it leaves the Services (a `preStop` "
+        f"sleep), then gets SIGTERM; accepted requests may finish until {HEAD_DRAIN_MARGIN_S} s before the end "
+        f"(`--disagg-drain-timeout` = `drainSeconds` - {HEAD_DRAIN_MARGIN_S + HEAD_UNROUTE_S}: the head needs at "
+        f"most {int(HEAD_SHUTDOWN_OVERHEAD_S)} s to answer its last clients and save its jobs), then fail with a "
+        "503 that says so; the head exits as soon as "
         "nothing is left. Keep it above `timeoutSeconds` so any request that can still succeed does (the Wan "
         "example uses 900 for both)."
     )
@@ -500,7 +578,7 @@ def _head() -> Field:
         "The GPU-less head (DiffusionServer + HTTP API).",
         default={},
         fields=(
-            Field("replicas", "integer", replicas, default=1, minimum=0, maximum=1),
+            Field("replicas", "integer", replicas, minimum=0, doc_default=replicas_default),
             Field(
                 "serviceType",
                 "string",

@@ -30,8 +30,11 @@ from triptych_operator.spec.declaration import (
     DRAIN_MARGIN_S,
     FULL_PIPELINE,
     HEAD_DRAIN_MARGIN_S,
+    HEAD_UNROUTE_S,
     ROLE_POOL_FIELDS,
+    SHARED_RESULTS_HEADS,
     SPEC,
+    UNSHARED_RESULTS_HEADS,
     role_field,
 )
 
@@ -168,13 +171,38 @@ class IngressSpec:
 
 
 @dataclass(frozen=True)
-class ResultsSpec:
-    """Where the head keeps finished results and video jobs (--output-path), and for how long."""
+class S3Credentials:
+    """The Secret whose two keys become the head's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY."""
 
-    # An existing PVC; None: an emptyDir (results last as long as the pod).
+    name: str
+    access_key_id_key: str
+    secret_access_key_key: str
+
+
+@dataclass(frozen=True)
+class S3Results:
+    """An S3-compatible bucket every head shares (--results-store and its flags)."""
+
+    url: str
+    endpoint: str | None
+    credentials: S3Credentials | None = dataclasses.field(metadata=bound("credentialsSecret"))
+    presign_seconds: int
+
+
+@dataclass(frozen=True)
+class ResultsSpec:
+    """Where the heads keep finished results and video jobs, and for how long."""
+
+    # An existing PVC at --output-path; None: an emptyDir (results last as long as the pod).
     claim_name: str | None = dataclasses.field(metadata=bound("persistentVolumeClaim.claimName"))
+    s3: S3Results | None
     max_age_seconds: int
     max_bytes: int
+
+    @property
+    def shared(self) -> bool:
+        """Whether every head sees every result (a bucket, or one claim they all mount); an emptyDir is one head's."""
+        return self.s3 is not None or self.claim_name is not None
 
 
 @dataclass(frozen=True)
@@ -185,12 +213,14 @@ class SecretKeyRef:
 
 @dataclass(frozen=True)
 class HeadSpec:
-    replicas: int
+    # As written; None: the default `replicas` resolves (it depends on the results store).
+    requested_replicas: int | None = dataclasses.field(metadata=bound("replicas"))
     service_type: str
     ingress: IngressSpec
     dispatch_policy: str
     timeout_seconds: int
-    # terminationGracePeriodSeconds; the head's --disagg-drain-timeout is HEAD_DRAIN_MARGIN_S less.
+    # terminationGracePeriodSeconds: the preStop sleep (HEAD_UNROUTE_S), then --disagg-drain-timeout,
+    # which ends HEAD_DRAIN_MARGIN_S before the kill.
     drain_seconds: int
     results: ResultsSpec
     # The HTTP API's keys (--api-keys-file): one per line in this Secret key; None: the API is open.
@@ -205,9 +235,17 @@ class HeadSpec:
     batch_delay_ms: int = dataclasses.field(metadata=bound("batching.delayMs"))
 
     @property
+    def replicas(self) -> int:
+        """Head pods: as written, else two with shared results (one serves while a rollout replaces the
+        other) and one without (each head's emptyDir would hold results the others cannot serve)."""
+        if self.requested_replicas is not None:
+            return self.requested_replicas
+        return SHARED_RESULTS_HEADS if self.results.shared else UNSHARED_RESULTS_HEADS
+
+    @property
     def drain_timeout_seconds(self) -> int:
         """The head's own deadline for the requests it accepted, after SIGTERM."""
-        return self.drain_seconds - HEAD_DRAIN_MARGIN_S
+        return self.drain_seconds - HEAD_UNROUTE_S - HEAD_DRAIN_MARGIN_S
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 The declaration's own checks (types, bounds, enums, required fields, CEL rules) run in the generic
 parser (model.parse). What CEL cannot express is checked here only, once: which pools a pipeline
 runs, parallel degrees against the GPU count (triptych.parallelism), Service names that fit, model
-paths that stay on their volume and the head's port against its scheduler ports. Each pod's argv is
+paths that stay on their volume, the head's port against its scheduler ports, the results bucket
+as the head's flags check it, and several heads only with results they all share. Each pod's argv is
 checked as `triptych serve` parses it in serve_args. A bad field raises SpecError naming it, which
 the operator reports as a Degraded condition.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from triptych.config import ConfigError, ServeArgs
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
 from triptych.roles import FULL_PIPELINE_ROLE, Role
 from triptych_operator.constants import (
@@ -47,6 +49,8 @@ def parse_pipeline(
     full = values["fullPipeline"]
     roles = _full_pipeline_pool(name, full) if full is not None else _role_pools(name, values)
     _check_head_port(values["head"]["port"])
+    _check_results_store(values["head"]["results"]["s3"], values["model"]["path"] or values["model"]["hubId"])
+    _check_head_replicas(values["head"])
     images = values["images"] or {}
     return build(
         PipelineSpec,
@@ -126,3 +130,42 @@ def _check_head_port(port: int) -> None:
             "spec.head.port",
             f"{port} collides with the head's scheduler ports {HEAD_SCHEDULER_PORT}-{HEAD_SCHEDULER_PORT + 5}",
         )
+
+
+# The head flags behind spec.head.results.s3, so a refusal names the CR field.
+S3_FIELD_OF_FLAG = {
+    "--results-s3-endpoint": "endpoint",
+    "--results-presign": "presignSeconds",
+    "--results-store": "url",
+}
+
+
+def _check_results_store(s3: Mapping[str, Any] | None, model_path: str) -> None:
+    """The bucket as the head will check its --results-store flags (the CRD checks only the shape)."""
+    if s3 is None:
+        return
+    args = ServeArgs(
+        model_path=model_path,
+        disagg_role=Role.SERVER,
+        results_store=s3["url"],
+        results_s3_endpoint=s3["endpoint"],
+        results_presign=s3["presignSeconds"],
+    )
+    try:
+        args._validate_results_store()  # the flags' own check, not the whole argv's (that one names only spec.head)
+    except ConfigError as exc:
+        flag = next((f for f in S3_FIELD_OF_FLAG if str(exc).startswith(f)), "--results-store")
+        raise SpecError(f"spec.head.results.s3.{S3_FIELD_OF_FLAG[flag]}", str(exc)) from None
+
+
+def _check_head_replicas(head: Mapping[str, Any]) -> None:
+    """Several heads only with a results store they all share: with an emptyDir each, a URL image or a
+    video job would be answered only by the head that made it, and a 404 by the others."""
+    replicas, results = head["replicas"], head["results"]
+    if replicas is None or replicas <= 1 or results["s3"] is not None or results["persistentVolumeClaim"] is not None:
+        return
+    raise SpecError(
+        "spec.head.replicas",
+        f"{replicas} heads need results every head shares: set spec.head.results.s3 (a bucket) or "
+        "spec.head.results.persistentVolumeClaim (a ReadWriteMany claim), or run 1 head",
+    )
