@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from triptych_head.server import DiffusionServer
 from triptych_head.shutdown import disaggregated_drain, in_process_drain, serve_http
 
 log = logging.getLogger(__name__)
+
+READY_WITHOUT_WORKERS_S = 30.0  # a head whose workers have not all found it is ready after this all the same
 
 
 def model_validator(model_path: str) -> Callable[[GenerationParams], None]:
@@ -66,6 +69,21 @@ def _http_guards(args: ServeArgs) -> dict[str, Any] | None:
     return {"api_keys": keys, "max_request_bytes": args.max_request_bytes}
 
 
+def _readiness(server: DiffusionServer, loop: threading.Thread) -> Callable[[], bool]:
+    """GET /ready of a disaggregated head: its loop runs and its workers have found it (a ready instance
+    of every role), so a Service sends it requests only once it can dispatch them: a head that starts
+    beside others (a rollout's surge head) waits for the workers' first heartbeats. After
+    READY_WITHOUT_WORKERS_S it is ready regardless: a pipeline with a role at zero still takes (and
+    queues) requests rather than refusing connections."""
+    started = time.monotonic()
+
+    def ready() -> bool:
+        waited = time.monotonic() - started >= READY_WITHOUT_WORKERS_S
+        return loop.is_alive() and (waited or server.registry.every_role_ready())
+
+    return ready
+
+
 def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
     guards = _http_guards(args)
     results = _results(args) if guards is not None else None
@@ -83,7 +101,7 @@ def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
         registry=metrics.registry,
         health=lambda: {"mode": "disaggregated", "topology": server.topology, "workers": server.registry.snapshot()},
         pipeline_view=server.view,
-        ready=loop.is_alive,
+        ready=_readiness(server, loop),
         drain_seconds=args.disagg_drain_timeout,
         admission=server.admission,
         head_id=server.core.head_id,  # the id its workers know it by names its runs in the shared store too

@@ -136,6 +136,10 @@ class Membership:
                 gone.append(inst)
         return gone
 
+    def every_role_ready(self) -> bool:
+        """Each role of the topology has an instance that takes work: the workers have found this head."""
+        return all(any(self.ready(i) for i in self.instances(role)) for role in self.roles())
+
     def ready_capacity(self, role: Role) -> tuple[int, int]:
         """(ready instances, their scheduling slots) of `role`."""
         ready = [i for i in self.instances(role) if self.ready(i)]

@@ -20,6 +20,7 @@ from tests.e2e.test_null_pipeline import assert_all_capacity_released, image, me
 from triptych.config import HEAD_SHUTDOWN_OVERHEAD_S
 from triptych.roles import Role
 from triptych_dev.localdeploy import LocalDeployment, wait_until_ready
+from triptych_head.main import READY_WITHOUT_WORKERS_S
 from triptych_head.results import JOB_LEASE_S
 from triptych_worker.runtime import HEARTBEAT_INTERVAL_S
 
@@ -152,6 +153,33 @@ def test_after_a_head_is_killed_its_successor_finds_every_pool_free_within_one_h
             workers = [w for ws in c.get("/health").json()["workers"].values() for w in ws]
             assert all(w["free_slots"] == w["capacity"] for w in workers), workers
             assert image(c).status_code == 200
+
+
+def answers(c: httpx.Client) -> bool:
+    try:
+        return c.get("/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_head_is_not_ready_while_a_role_has_no_worker_for_it_and_is_after_the_grace(flux, tmp_path):
+    # A Service must not send requests to a head its workers have not found yet (a rollout's surge
+    # head): /ready says 503 until each role has a ready instance, or READY_WITHOUT_WORKERS_S passed
+    # (a pipeline with a role at zero then takes requests and queues them).
+    with deployment(flux, tmp_path, null_payload=4096) as dep:
+        dep.workers(Role.DECODER)[0].kill()
+        dep.head.kill()
+        dep.start_head()
+        started = time.monotonic()
+        with dep.client(timeout=5) as c:
+            wait_for(lambda: answers(c), 60, "the new head answering")
+            workers = lambda: c.get("/health").json()["workers"]  # noqa: E731
+            wait_for(lambda: all(w["alive"] for w in workers()["encoder"] + workers()["denoiser"]), 10, "the others")
+            while time.monotonic() - started < READY_WITHOUT_WORKERS_S - 5:
+                assert c.get("/ready").status_code == 503, "ready without a decoder"
+                time.sleep(0.5)
+            wait_for(lambda: c.get("/ready").status_code == 200, 15, "ready after the grace")
+            assert time.monotonic() - started >= READY_WITHOUT_WORKERS_S
 
 
 def test_finished_results_survive_a_head_restart_and_a_running_job_is_run_again_by_the_next_head(tiny_models, tmp_path):
