@@ -1,7 +1,8 @@
 """Head rollouts on a local deployment, under a steady load through an emulated Service.
 
-`ServiceLoad` sends one image request every `interval` seconds to the heads in its endpoint list,
-round-robin (as a Service spreads connections over its ready endpoints), and records each answer.
+`ServiceLoad` sends one request (an image, or a video job) every `interval` seconds to the heads
+in its endpoint list, round-robin (as a Service spreads connections over its ready endpoints; one
+endpoint: a real Service's address), and records each answer.
 `roll_heads` replaces replicated heads one at a time as a Deployment with `maxUnavailable: 0`
 does (the head leaves the endpoints, its preStop pause, SIGTERM and drain, its replacement joins
 once it sees the workers); `recreate_head` replaces a single head as `Recreate` does (SIGTERM,
@@ -37,6 +38,7 @@ class ServiceLoad:
     endpoints: list[str]
     body: dict[str, Any]
     interval: float = 0.1
+    path: str = "/v1/images/generations"  # or /v1/videos: each answer's `id` is kept (Answer.detail)
     max_requests: int = 2000  # bounded whatever happens
     answers: list[Answer] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -75,8 +77,8 @@ class ServiceLoad:
     def _one(self, url: str, seed: int) -> None:
         sent = time.monotonic()
         try:
-            r = httpx.post(f"{url}/v1/images/generations", json={**self.body, "seed": seed}, timeout=60)
-            answer = Answer(sent, url, r.status_code, r.text[:300])
+            r = httpx.post(f"{url}{self.path}", json={**self.body, "seed": seed}, timeout=60, trust_env=False)
+            answer = Answer(sent, url, r.status_code, r.text[:300] if r.status_code != 200 else r.json().get("id", ""))
         except httpx.HTTPError as exc:
             answer = Answer(sent, url, 0, repr(exc))
         with self.lock:

@@ -42,6 +42,7 @@ from tests.cluster.fixtures import (
     running_processes,
 )
 from tests.e2e.test_pixels import http_image, http_video, stock_image, stock_video
+from triptych_dev.rollout import ServiceLoad
 
 REPO = CLUSTER_SRC.parent.parent
 IMAGES = {name: f"localhost/triptych-{name}:0.1.0" for name in ("operator", "head", "worker")}
@@ -476,9 +477,12 @@ def _pipeline_ready(cluster: KubeCluster, ns: str, name: str) -> bool:
 
 
 @contextlib.contextmanager
-def _pipeline(cluster: KubeCluster, ns: str, name: str, package: Path) -> Iterator[Pipeline]:
+def _pipeline(
+    cluster: KubeCluster, ns: str, name: str, package: Path, manifest: str | None = None
+) -> Iterator[Pipeline]:
+    """`manifest`: the DiffusionPipeline to apply (default: _pipeline_manifest's)."""
     t0 = time.monotonic()
-    cluster.apply(_pipeline_manifest(name, package), ns)
+    cluster.apply(manifest or _pipeline_manifest(name, package), ns)
     try:
         poll(
             lambda: _pipeline_ready(cluster, ns, name), timeout=300, interval=2, what=f"DiffusionPipeline {name} Ready"
@@ -643,3 +647,102 @@ def test_node_down_leaves_nothing_behind(real_node: KubeCluster) -> None:
     assert not Path(real_node.state_dir).exists()
     for path in ("/run/netns", "/usr/libexec/kubernetes"):  # the machine as the node found it
         assert path in preexisting or not Path(path).exists(), f"{path} was made by the node and left behind"
+
+
+def _shared_results(ns: str, folder: Path) -> str:
+    """A ReadWriteMany claim every head mounts: a hostPath PV on the one real node (on a cluster: NFS,
+    CephFS, EFS...), writable by the heads' user."""
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"{ns}-results"},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "",
+            "hostPath": {"path": str(folder)},
+            "claimRef": {"namespace": ns, "name": "results"},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "results", "namespace": ns},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "",
+            "volumeName": f"{ns}-results",
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]})
+
+
+QUICK_VIDEO = {"prompt": "waves", "size": "32x32", "num_frames": 5, "num_inference_steps": 2}
+LONG_VIDEO = {"prompt": "waves", "size": "48x32", "num_frames": 5, "num_inference_steps": 60}
+
+
+def _jobs_completed(pipeline: Pipeline, ids: list[str], timeout: float) -> dict[str, dict]:
+    """Each job as the Service answers for it, once every one has ended (or the last seen at the timeout)."""
+    deadline, jobs = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        jobs = {i: pipeline.http.get(f"/v1/videos/{i}").json() for i in ids}
+        if all(j.get("status") in ("completed", "failed", "cancelled") for j in jobs.values()):
+            break
+        time.sleep(1)
+    return jobs
+
+
+def test_two_heads_roll_on_a_cr_edit_under_load_and_a_deleted_head_loses_no_video_job(
+    real_node: KubeCluster, chart: str, node_models: dict[str, Path]
+) -> None:
+    """`head.replicas: 2` over a shared ReadWriteMany claim: a CR edit of a head field rolls the heads
+    (a surge head first, the old one leaves the Service during its preStop pause, then drains) under a
+    video job every 500 ms through the head Service: none fails and every job completes; then one head
+    pod is deleted while video jobs run on both: every job completes."""
+    folder = Path(tempfile.mkdtemp(prefix="triptych-results-"))
+    folder.chmod(0o777)  # the heads' user (10001) writes there
+    real_node.apply(_shared_results(chart, folder), chart)
+    manifest = json.loads(_pipeline_manifest("heads", node_models["tiny-wan"]))
+    manifest["spec"]["head"] |= {"replicas": 2, "results": {"persistentVolumeClaim": {"claimName": "results"}}}
+    try:
+        with _pipeline(real_node, chart, "heads", node_models["tiny-wan"], json.dumps(manifest)) as heads:
+            pods = _role_pods(real_node, heads, "head")
+            assert len(pods) == 2
+            pdb = real_node.kubectl_json("-n", chart, "get", "pdb", "heads-head")
+            assert pdb["spec"]["maxUnavailable"] == 1
+
+            api = str(heads.http.base_url).rstrip("/")
+            with ServiceLoad([api], QUICK_VIDEO, interval=0.5, path="/v1/videos") as load:
+                time.sleep(3)
+                before = {p["metadata"]["name"] for p in pods}
+                real_node.kubectl("-n", chart, "patch", "dp", "heads", "--type=merge",
+                                  "-p", '{"spec": {"head": {"timeoutSeconds": 700}}}')  # fmt: skip
+
+                def rolled() -> bool:
+                    now = _role_pods(real_node, heads, "head")
+                    names = {p["metadata"]["name"] for p in now}
+                    ready = all(c.get("ready") for p in now for c in p["status"].get("containerStatuses", []))
+                    return len(now) == 2 and not names & before and ready
+
+                poll(rolled, timeout=240, interval=1, what="both heads replaced and ready")
+                time.sleep(3)
+            failed = load.failed()
+            assert not failed, f"{len(failed)} of {len(load.answers)} requests failed during the rollout: {failed[:5]}"
+            assert len(load.answers) >= 30, len(load.answers)
+            jobs = _jobs_completed(heads, [a.detail for a in load.answers], 300)
+            assert all(j["status"] == "completed" for j in jobs.values()), [
+                j for j in jobs.values() if j["status"] != "completed"
+            ][:3]
+
+            # Video jobs spread over both heads (the Service picks per connection), then one head pod goes.
+            ids = [heads.http.post("/v1/videos", json={**LONG_VIDEO, "seed": s}).json()["id"] for s in range(6)]
+            poll(lambda: any(heads.http.get(f"/v1/videos/{i}").json()["step"] >= 1 for i in ids), timeout=120,
+                 interval=0.5, what="a video job denoising")  # fmt: skip
+            victim = _role_pods(real_node, heads, "head")[0]["metadata"]["name"]
+            real_node.kubectl("-n", chart, "delete", "pod", victim, "--wait=false")
+            jobs = _jobs_completed(heads, ids, 400)
+            assert all(j["status"] == "completed" for j in jobs.values()), list(jobs.values())
+    finally:
+        real_node.kubectl("delete", "-f", "-", "--ignore-not-found", input=_shared_results(chart, folder), check=False)
+        shutil.rmtree(folder, ignore_errors=True)
