@@ -149,6 +149,18 @@ class ServeArgs:
     enable_batching_metrics: bool = False  # head: batch size, wait and fill histograms on /metrics
 
     @classmethod
+    def from_kwargs(cls, **kwargs: object) -> ServeArgs:
+        """ServeArgs from flags by name (`ServeArgs.from_kwargs(model_path=..., denoiser_sp=4)`), as the
+        design's Python API builds them; TypeError naming an argument that is not a flag."""
+        known = set(cls.__dataclass_fields__)
+        for name in kwargs:
+            if name not in known:
+                raise TypeError(
+                    f"ServeArgs.from_kwargs: {name!r} is not a `triptych serve` flag (see triptych serve --help)"
+                )
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServeArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         args = cls(**{k: v for k, v in vars(ns).items() if k in names})

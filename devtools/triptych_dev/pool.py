@@ -26,10 +26,12 @@ is its public import path.
 
 from __future__ import annotations
 
+import signal
 import tempfile
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ from triptych.roles import (
     Role,
     is_full_pipeline,
 )
+from triptych.serve_help import GENERAL, GROUP_OF
 from triptych_dev.localdeploy import Device, LocalDeployment, check_devices, local_deployment
 
 Devices = Sequence[Sequence[Device]]
@@ -68,6 +71,43 @@ def serve_flags_argv(flags: dict[str, Any]) -> list[str]:
         else:
             argv += [flag(name), ";".join(value) if isinstance(value, list) else str(value)]
     return argv
+
+
+@dataclass
+class RoutedFlags:
+    """`triptych serve` flags by ServeArgs name, split by the processes that take them."""
+
+    head: dict[str, Any] = field(default_factory=dict)
+    workers: dict[str, Any] = field(default_factory=dict)  # every worker role
+    roles: dict[Role, dict[str, Any]] = field(default_factory=dict)  # one role's own (--denoiser-sp)
+
+
+HEAD_ONLY = ("head",)  # serve_help groups whose flags only a head takes
+WORKERS_ONLY = ("worker", "parallelism", "transfer")  # and only workers
+
+
+def route_flags(flags: dict[str, Any]) -> RoutedFlags:
+    """Each flag to whom `triptych serve --help` lists it under: the head's to the head, the workers'
+    to every worker, a role's parallel degree (denoiser_sp) to that role's workers only, the rest
+    (the model, the device, batching, the control plane's keys) to every process. A flag given to a
+    process that does not take it would be refused at its start-up (the head refuses
+    --cfg-parallel-size)."""
+    known = set(ServeArgs.__dataclass_fields__)
+    routed = RoutedFlags()
+    for name, value in flags.items():
+        if name not in known:
+            raise TypeError(f"launch_pool: {name}={value!r} is not a `triptych serve` flag (see triptych serve --help)")
+        owners = [role for role, spec in ROLE_SPECS.items() if name in spec.parallel_flags.values()]
+        group = GROUP_OF.get(flag(name), GENERAL)
+        if owners:
+            for role in owners:
+                routed.roles.setdefault(role, {})[name] = value
+            continue
+        if group not in WORKERS_ONLY:
+            routed.head[name] = value
+        if group not in HEAD_ONLY:
+            routed.workers[name] = value
+    return routed
 
 
 CPU: Devices = (("cpu",),)
@@ -137,9 +177,10 @@ def launch_pool(
     and 1, `--num-gpus 2`), or `[["cpu", "cpu"]]` (one worker of two CPU ranks); with
     `device="cpu"`, GPU index lists run as CPU ranks. The split encoders (prompt_encoder_gpus, and
     image_encoder_gpus for image edits) replace the combined encoder. The other keyword arguments
-    are `triptych serve` flags by ServeArgs name, given to every process (`denoiser_sp=4`,
-    `disagg_transfer_pool_size="1GiB"`); `head_flags` go to the head only
-    (`disagg_dispatch_policy="max_free_slots"`), `worker_flags` to the workers only (`simulate=True`).
+    are `triptych serve` flags by ServeArgs name, each given to the processes that take it
+    (route_flags: `disagg_dispatch_policy` to the head, `disagg_transfer_pool_size` to every worker,
+    `denoiser_sp=4` to the denoisers, `device` to all); `head_flags` go to the head only,
+    `worker_flags` to every worker (`simulate=True`).
     `full_pipeline=True`: a full-pipeline pool instead, denoisers only (denoiser_devices), each running
     every stage (--disagg-full-pipeline) and returning pixels to a head with only --denoiser-urls.
     Logs and keys go to `workdir` (a temporary directory, removed on exit, when not given).
@@ -154,13 +195,15 @@ def launch_pool(
             f"rendezvous port of its own; leave master_port unset"
         )
     devices = pool_devices(given, full_pipeline)
+    routed = route_flags(kwargs)
     with tempfile.TemporaryDirectory(prefix="triptych-pool-") as tmp:
         with local_deployment(
             Path(model_path),
             Path(workdir) if workdir is not None else Path(tmp),
             {role: len(d) for role, d in devices.items()},
-            head_flags=serve_flags_argv({**kwargs, **(head_flags or {})}),
-            worker_flags=serve_flags_argv({**kwargs, **(worker_flags or {})}),
+            head_flags=serve_flags_argv({**routed.head, **(head_flags or {})}),
+            worker_flags=serve_flags_argv({**routed.workers, **(worker_flags or {})}),
+            role_flags={role: serve_flags_argv(flags) for role, flags in routed.roles.items()},
             devices=devices,
             ready_timeout=ready_timeout,
             full_pipeline=full_pipeline,
@@ -186,3 +229,45 @@ def pool_devices(given: dict[Role, Devices], full_pipeline: bool) -> dict[Role, 
         for role in topology
         if role in given or not ROLE_SPECS[role].needs_reference  # the image encoder only when asked for
     }
+
+
+def launch_pool_disagg_server(
+    server_args: ServeArgs,
+    *,
+    ready: Callable[[Pool], None] | None = None,
+    stop: threading.Event | None = None,
+    **devices: Any,
+) -> None:
+    """The reference design's Python API, as it has it: start the pool `server_args` describes with
+    the given `<role>_gpus` (encoder_gpus=[[0]], denoiser_gpus=[[1, 2, 3, 4], [5, 6, 7, 8]], ...),
+    serve until SIGINT or SIGTERM (or `stop` is set), then stop every process. Each flag of
+    `server_args` that differs from its default reaches the processes that take it (route_flags).
+    `ready` is called with the running pool (the default prints the head's URL).
+
+        if __name__ == "__main__":
+            from triptych.config import ServeArgs
+            from triptych_dev.pool import launch_pool_disagg_server
+
+            server_args = ServeArgs.from_kwargs(model_path=".models/tiny-flux", denoiser_sp=2, device="cpu")
+            launch_pool_disagg_server(server_args, encoder_gpus=[[0]], denoiser_gpus=[[1, 2]], decoder_gpus=[[0]])
+    """
+    unknown = [name for name in devices if not name.endswith(DEVICE_SUFFIXES)]
+    if unknown:
+        raise TypeError(
+            f"launch_pool_disagg_server: {unknown[0]} is not a <role>_gpus argument; flags go in server_args"
+        )
+    defaults = ServeArgs(model_path=server_args.model_path)
+    flags = {
+        name: getattr(server_args, name)
+        for name in ServeArgs.__dataclass_fields__
+        if name not in ("model_path", "disagg_role") and getattr(server_args, name) != getattr(defaults, name)
+    }
+    stop = stop or threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with launch_pool(server_args.model_path, **flags, **devices) as pool:
+            (ready or (lambda p: print(f"triptych: serving on {p.url} (Ctrl-C stops)", flush=True)))(pool)
+            stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

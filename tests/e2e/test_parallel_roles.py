@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import functools
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -76,3 +79,36 @@ def test_a_pool_of_two_denoisers_of_two_cpu_ranks_each_from_the_specs_gpu_lists(
         logs = [p.log.read_text(errors="replace") for p in denoisers]
     assert np.array_equal(first, second)  # round robin: one image from each instance, the same pixels
     assert all("2 ranks joined" in log and work_per_rank(log, "attention") for log in logs), "a denoiser ran no job"
+
+
+def test_launch_pool_disagg_server_runs_the_specs_example_as_written(tiny_models, tmp_path):
+    # The design's Python API with its signature: ServeArgs.from_kwargs, then the <role>_gpus lists;
+    # denoiser_sp reaches the denoisers only (the head would refuse it), the dispatch policy the head.
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "if __name__ == '__main__':\n"
+        "    from triptych.config import ServeArgs\n"
+        "    from triptych_dev.pool import launch_pool_disagg_server\n\n"
+        f"    server_args = ServeArgs.from_kwargs(model_path={str(tiny_models['tiny-flux'])!r}, denoiser_sp=2,\n"
+        "                                        device='cpu', disagg_dispatch_policy='max_free_slots')\n"
+        "    launch_pool_disagg_server(server_args, encoder_gpus=[[0]], denoiser_gpus=[[1, 2]], decoder_gpus=[[0]])\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:  # bounded by the pool's own ready timeout (300 s)
+            lines.append(line)
+            if line.startswith("triptych: serving on "):
+                break
+        url = lines[-1].split("serving on ", 1)[1].split()[0] if lines else ""
+        assert url.startswith("http://"), "".join(lines[-30:])
+        with httpx.Client(base_url=url, timeout=300) as c:
+            health = c.get("/health").json()["workers"]
+            assert [len(health[r]) for r in ("encoder", "denoiser", "decoder")] == [1, 1, 1]
+            assert http_image(c, {**IMAGE, "n": 1}).shape[0] == 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

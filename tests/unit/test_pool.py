@@ -109,3 +109,28 @@ def test_a_full_pipeline_pool_is_denoisers_only() -> None:
 
     assert pool_devices({}, full_pipeline=True) == {Role.DENOISER: [("cpu",)]}
     assert pool_devices({Role.DENOISER: [[0], [1]]}, full_pipeline=True) == {Role.DENOISER: [[0], [1]]}
+
+
+def test_each_flag_reaches_only_the_processes_that_take_it() -> None:
+    from triptych_dev.pool import route_flags
+
+    routed = route_flags({
+        "cfg_parallel_size": 2, "denoiser_sp": 2, "encoder_tp": 1, "disagg_dispatch_policy": "max_free_slots",
+        "disagg_transfer_pool_size": "64MiB", "device": "cpu", "batching_mode": "dynamic",
+    })  # fmt: skip
+    assert routed.head == {"disagg_dispatch_policy": "max_free_slots", "device": "cpu", "batching_mode": "dynamic"}
+    assert routed.workers == {
+        "cfg_parallel_size": 2, "disagg_transfer_pool_size": "64MiB", "device": "cpu", "batching_mode": "dynamic",
+    }  # fmt: skip
+    assert routed.roles == {Role.DENOISER: {"denoiser_sp": 2}, Role.ENCODER: {"encoder_tp": 1}}
+    with pytest.raises(TypeError, match="cfg_parallel=2 is not a `triptych serve` flag"):
+        route_flags({"cfg_parallel": 2})
+
+
+def test_serve_args_from_kwargs_takes_flags_by_name_and_names_a_wrong_one() -> None:
+    from triptych.config import ServeArgs
+
+    args = ServeArgs.from_kwargs(model_path="m", denoiser_sp=4, disagg_ib_device="mlx5_0")
+    assert (args.model_path, args.denoiser_sp, args.disagg_ib_device) == ("m", 4, "mlx5_0")
+    with pytest.raises(TypeError, match="'denoiser_spp' is not a `triptych serve` flag"):
+        ServeArgs.from_kwargs(model_path="m", denoiser_spp=4)
