@@ -117,25 +117,33 @@ class Idempotency:
 
     async def _hold(self, digest: str, n: int, mine: Attempt, run: Callable[[], Awaitable[bytes]]) -> bytes:
         """Run attempt n, renewing its lease, then record its answer (or its failure)."""
-        renewal = asyncio.create_task(self._renew(digest, n, mine))
+        ended = asyncio.Event()
+        renewal = asyncio.create_task(self._renew(digest, n, mine, ended))
         try:
             answer = await run()
         except BaseException:
-            renewal.cancel()
+            ended.set()
+            await asyncio.shield(renewal)  # its write in flight lands before ours, never after
             mine.state = "failed"
             await self._save(digest, n, mine)
             raise
-        renewal.cancel()
+        ended.set()
+        await renewal
         await asyncio.to_thread(self.objects.put_bytes, self._response(digest, n), answer, "application/json")
         mine.state = "done"  # after the answer: a head that reads `done` finds it
         await self._save(digest, n, mine)
         return answer
 
-    async def _renew(self, digest: str, n: int, mine: Attempt) -> None:
+    async def _renew(self, digest: str, n: int, mine: Attempt, ended: asyncio.Event) -> None:
+        """Rewrite the record every third of a lease until the run ends. Not cancelled: a write cut
+        off mid-way would still land (it runs in a thread), possibly after the final one."""
         while True:
-            await asyncio.sleep(self.lease_s / 3)
-            mine.lease_until = time.time() + self.lease_s
-            await self._save(digest, n, mine)
+            try:
+                await asyncio.wait_for(ended.wait(), self.lease_s / 3)
+                return
+            except TimeoutError:
+                mine.lease_until = time.time() + self.lease_s
+                await self._save(digest, n, mine)
 
     async def _save(self, digest: str, n: int, attempt: Attempt) -> None:
         try:

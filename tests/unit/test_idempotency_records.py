@@ -1,0 +1,55 @@
+"""The records behind Idempotency-Key (head/triptych_head/idempotency.py), without HTTP: a run's
+lease is renewed while it runs, so another head waits for it rather than running it again; its
+last record says `done` (no renewal lands after it); a run whose head died is run again once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from triptych_head.idempotency import FOLDER, Idempotency
+from triptych_head.objects import DirectoryObjects
+
+
+def _records(store: DirectoryObjects) -> dict[str, dict]:
+    return {o.name: json.loads(store.get_bytes(o.name)) for o in store.list(f"{FOLDER}/") if o.name.endswith(".json")}
+
+
+def test_a_long_run_keeps_its_lease_so_another_head_waits_for_its_answer(tmp_path):
+    a = Idempotency(DirectoryObjects(tmp_path), "head-a", lease_s=0.3, poll_s=0.05)
+    b = Idempotency(DirectoryObjects(tmp_path), "head-b", lease_s=0.3, poll_s=0.05)
+    runs: list[str] = []
+
+    async def slow(who: str) -> bytes:
+        runs.append(who)
+        await asyncio.sleep(1.2)  # four leases long: only renewals keep it live
+        return b'{"answer": 1}'
+
+    async def both() -> list[tuple[bytes, bool]]:
+        first = asyncio.create_task(a.once("tenant", "k", "fp", lambda: slow("a"), wait_s=10))
+        await asyncio.sleep(0.1)
+        second = await b.once("tenant", "k", "fp", lambda: slow("b"), wait_s=10)
+        return [await first, second]
+
+    (answer_a, replay_a), (answer_b, replay_b) = asyncio.run(both())
+    assert runs == ["a"] and answer_a == answer_b == b'{"answer": 1}' and (replay_a, replay_b) == (False, True)
+    time.sleep(0.5)  # a renewal still in flight would land now
+    (record,) = _records(DirectoryObjects(tmp_path)).values()
+    assert record["state"] == "done" and record["head"] == "head-a"
+
+
+def test_a_run_whose_head_died_is_run_again_as_the_next_attempt(tmp_path):
+    store = DirectoryObjects(tmp_path)
+    dead = Idempotency(store, "dead", lease_s=0.2)
+    digest = dead.digest("tenant", "k")
+    record = {"state": "running", "fingerprint": "fp", "head": "dead", "lease_until": time.time() - 1}
+    assert store.create(f"{FOLDER}/{digest}.0.json", json.dumps(record).encode(), "application/json")
+
+    async def run() -> bytes:
+        return b"again"
+
+    alive = Idempotency(DirectoryObjects(tmp_path), "alive", lease_s=0.2)
+    assert asyncio.run(alive.once("tenant", "k", "fp", run, wait_s=5)) == (b"again", False)
+    assert sorted(_records(store)) == [f"{FOLDER}/{digest}.0.json", f"{FOLDER}/{digest}.1.json"]
+    assert asyncio.run(alive.once("tenant", "k", "fp", run, wait_s=5)) == (b"again", True)
