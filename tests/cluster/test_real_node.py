@@ -42,6 +42,7 @@ from tests.cluster.fixtures import (
     running_processes,
 )
 from tests.e2e.test_pixels import http_image, http_video, stock_image, stock_video
+from tests.setup_check import missing
 from triptych_dev.rollout import ServiceLoad
 
 REPO = CLUSTER_SRC.parent.parent
@@ -56,8 +57,9 @@ pytestmark = [
     # alone can pass the suite's 600 s per test (cold: ~8 min idle, more when loaded). Its own steps
     # are bounded (images 2400 s, cluster 300 s, import 900 s); pytest-timeout bounds each test's body.
     pytest.mark.timeout(600, func_only=True),
-    pytest.mark.skipif(os.geteuid() != 0, reason="a real node needs root (iptables, mounts, cgroups), as CI has"),
 ]
+if os.geteuid() != 0:
+    missing("root", "a real node needs root for iptables, mounts and cgroups, as CI has")
 
 # What a real node may leave on the host, and what node-down.sh must remove (see _host_leftovers).
 HOST_PATHS = ("/var/lib/kubelet", "/var/log/containers", "/var/log/pods", "/run/containerd")

@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from tests.e2e.harness import deployment
+from tests.setup_check import missing
 from tests.worker.test_role_pipelines import reference_png
 from triptych_dev.localdeploy import LocalDeployment
 
@@ -34,9 +35,12 @@ REFERENCE = reference_png(40, 56)
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator:
-    playwright = pytest.importorskip("playwright.sync_api")
+    try:
+        import playwright.sync_api as playwright
+    except ImportError:
+        missing("the playwright package", "`make setup` installs it with the test extra")
     if not Path(CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (make setup installs it)")
+        missing(f"Debian's chromium ({CHROMIUM})", "`make setup` installs it")
     with playwright.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True)
         yield b

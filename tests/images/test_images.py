@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.setup_check import missing
 from triptych import __version__
 from triptych.roles import Role
 from triptych_dev.localdeploy import free_port_block, local_deployment, wait_until_ready
@@ -55,7 +56,7 @@ def run(image: str, *args: str, entrypoint: str | None = None, volumes: tuple[st
 def built() -> dict[str, str]:
     """name -> tag of the three images, built from the current sources."""
     if shutil.which("podman") is None:
-        pytest.skip("podman is not installed; `make setup` installs it (scripts/setup.sh)")
+        missing("podman", "`make setup` installs it: scripts/setup.sh")
     names = ("operator", "head", "worker")
     out = images_sh(*names, timeout=2400)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -18,6 +18,7 @@ from typing import IO, Any
 import pytest
 import torch
 
+from tests.setup_check import missing
 from triptych_worker.transfer import (
     MooncakeNotInstalled,
     MooncakeTransport,
@@ -26,7 +27,12 @@ from triptych_worker.transfer import (
     stage_tensors,
 )
 
-pytest.importorskip("mooncake.engine")
+try:
+    import mooncake.engine  # noqa: F401
+except ImportError:
+    missing(
+        "Mooncake (mooncake.engine)", "`make setup` installs its wheel and Debian's libibverbs1, librdmacm1, libnuma1"
+    )
 
 MIB = 1024 * 1024
 RECEIVER = Path(__file__).with_name("mooncake_receiver.py")
