@@ -243,7 +243,9 @@ def _submit_and_poll(transport: MooncakeTransport) -> None:
         receiver.proc.send_signal(signal.SIGSTOP)
         started = time.monotonic()
         pending = transport.submit_write(hello["session"], staged.allocation.addr, hello["slot_addr"], staged.nbytes)
-        assert time.monotonic() - started < 1.0
+        # submit returns without waiting for the transfer, which to a stopped peer never ends: any
+        # bound well under the test's own timeout tells the two apart, on a loaded machine too.
+        assert time.monotonic() - started < 5.0
         assert not pending.done(), "32 MiB cannot have reached a stopped peer"
         receiver.proc.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 30

@@ -85,7 +85,9 @@ def test_a_simulated_denoiser_takes_its_modelled_time_reports_every_step_and_emi
     started = time.monotonic()
     pipeline.run(batch)
     elapsed = time.monotonic() - started
-    assert 0.3 <= elapsed < 1.0
+    # The modelled 0.3 s once per call: not per step or per output (3 x 2 x 0.3 = 1.8 s); the bound
+    # leaves a loaded machine 1.2 s of slack.
+    assert 0.3 <= elapsed < 1.5
     assert steps == [(1, 3), (2, 3), (3, 3)]
     (latents,) = batch.tensors.values()
     assert isinstance(latents, np.ndarray) and latents.dtype == np.float32
