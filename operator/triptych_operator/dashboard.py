@@ -52,6 +52,12 @@ def per(metric: str, by: str) -> str:
     return f"sum by ({by}) ({metric}{S})"
 
 
+def seen(metric: str, by: str) -> str:
+    """What every head reports about the same workers (their instances, slots, pools): the largest
+    any head sees, not the sum over the heads, which would count each worker once per head."""
+    return f"max by ({by}) ({metric}{S})"
+
+
 ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     (
         "Requests",
@@ -148,7 +154,7 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel(
                 "Free transfer-pool bytes",
                 "Free bytes of each instance's registered transfer pool, from its heartbeats.",
-                ((per("triptych_transfer_pool_free_bytes", "role, instance"), "{{role}} {{instance}}"),),
+                ((seen("triptych_transfer_pool_free_bytes", "role, instance"), "{{role}} {{instance}}"),),
                 unit="bytes",
             ),
         ),
@@ -159,17 +165,17 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel(
                 "Ready instances",
                 "Instances that heartbeat and take new work (not draining or leaving).",
-                ((per("triptych_role_ready_instances", "role"), "{{role}}"),),
+                ((seen("triptych_role_ready_instances", "role"), "{{role}}"),),
             ),
             Panel(
                 "Instances up",
                 "1 while an instance heartbeats, 0 once the head counts it gone.",
-                ((per("triptych_instance_up", "role, instance"), "{{role}} {{instance}}"),),
+                ((seen("triptych_instance_up", "role, instance"), "{{role}} {{instance}}"),),
             ),
             Panel(
                 "Free scheduling slots",
                 "Requests each instance can still take.",
-                ((per("triptych_free_slots", "role, instance"), "{{role}} {{instance}}"),),
+                ((seen("triptych_free_slots", "role, instance"), "{{role}} {{instance}}"),),
             ),
             Panel(
                 "Retries",
@@ -198,7 +204,7 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel(
                 "Device-seconds per unit of work",
                 "The head's calibrated cost of one unit of each role's work (docs/autoscaling.md).",
-                ((per("triptych_role_seconds_per_work_unit", "role"), "{{role}}"),),
+                ((seen("triptych_role_seconds_per_work_unit", "role"), "{{role}}"),),
                 unit="s",
             ),
         ),

@@ -124,3 +124,13 @@ def test_the_metric_check_reads_metrics_from_the_syntax_tree_and_rejects_what_is
     assert names == {"kube_pod_info", "triptych_active_requests"} and not names <= exported_series()
     with pytest.raises(ValueError):
         metric_names("sum(rate(triptych_requests_total[5m])")
+
+
+def test_what_every_head_reports_of_the_same_workers_is_not_summed_over_the_heads() -> None:
+    # With replicated heads each head exports the instances, slots and pools it sees, the same ones.
+    board = json.loads(DASHBOARD_FILE.read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    for metric in ("triptych_role_ready_instances", "triptych_instance_up", "triptych_free_slots",
+                   "triptych_transfer_pool_free_bytes"):  # fmt: skip
+        (expr,) = [e for e in exprs if metric in e]
+        assert expr.startswith("max by ("), expr
