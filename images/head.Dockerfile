@@ -19,9 +19,10 @@ WORKDIR /src
 COPY constraints.txt ./
 COPY --from=requirements /requirements.txt ./
 RUN --mount=type=cache,target=/root/.cache/pip \
-    python -m venv /opt/triptych && pip install -c constraints.txt -r requirements.txt \
-    && find /opt/triptych/lib/python3.11/site-packages -type d \
-       \( -path '*/numpy/tests' -o -path '*/numpy/*/tests' -o -path '*/Crypto/SelfTest' \) -prune -exec rm -rf {} +
+    python -m venv /opt/triptych && pip install -c constraints.txt -r requirements.txt
+# The image gets /opt/triptych alone (COPY --from=build below), so files removed here never reach it.
+RUN find /opt/triptych/lib/python3.11/site-packages -type d \
+    \( -path '*/numpy/tests' -o -path '*/numpy/*/tests' -o -path '*/Crypto/SelfTest' \) -prune -exec rm -rf {} +
 COPY pyproject.toml ./
 COPY triptych/ triptych/
 COPY head/ head/
