@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from triptych.flag_roles import first_unused, refusal
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
 from triptych.ports import (
     DEFAULT_HTTP_PORT,
@@ -264,10 +265,19 @@ class ServeArgs:
         self._validate_reference_urls()
         self._validate_simulation()
         self._validate_control_security()
+        self._validate_flags_taken()
         try:
             self.parallelism()
         except ParallelismError as exc:
             raise ConfigError(str(exc)) from None
+
+    def _validate_flags_taken(self) -> None:
+        # No flag silently ignored: one a role does not use is refused (the table: triptych.flag_roles).
+        defaults = ServeArgs(model_path="")
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        unused = first_unused(values, {n: getattr(defaults, n) for n in values}, self.disagg_role)
+        if unused is not None:
+            raise ConfigError(refusal(unused, self.disagg_role))
 
     def _validate_full_pipeline(self) -> None:
         if not self.disagg_full_pipeline:

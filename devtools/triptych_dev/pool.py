@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from triptych.config import ServeArgs, flag
+from triptych.flag_roles import WORKERS, roles_taking
 from triptych.roles import (
     COMBINED_ROLES,
     FULL_PIPELINE_ROLE,
@@ -45,7 +46,6 @@ from triptych.roles import (
     Role,
     is_full_pipeline,
 )
-from triptych.serve_help import GENERAL, GROUP_OF
 from triptych_dev.localdeploy import Device, LocalDeployment, check_devices, local_deployment
 
 Devices = Sequence[Sequence[Device]]
@@ -82,31 +82,25 @@ class RoutedFlags:
     roles: dict[Role, dict[str, Any]] = field(default_factory=dict)  # one role's own (--denoiser-sp)
 
 
-HEAD_ONLY = ("head",)  # serve_help groups whose flags only a head takes
-WORKERS_ONLY = ("worker", "parallelism", "transfer")  # and only workers
-
-
 def route_flags(flags: dict[str, Any]) -> RoutedFlags:
-    """Each flag to whom `triptych serve --help` lists it under: the head's to the head, the workers'
-    to every worker, a role's parallel degree (denoiser_sp) to that role's workers only, the rest
-    (the model, the device, batching, the control plane's keys) to every process. A flag given to a
-    process that does not take it would be refused at its start-up (the head refuses
-    --cfg-parallel-size)."""
+    """Each flag to the processes whose role takes it (triptych.flag_roles, the table ServeArgs.validate
+    refuses by): the head's to the head, one every worker role takes to every worker, one only some
+    worker roles take (denoiser_sp, encoder_cache_bytes) to those roles' workers only. A flag given to
+    a process that does not take it would be refused at its start-up."""
     known = set(ServeArgs.__dataclass_fields__)
     routed = RoutedFlags()
     for name, value in flags.items():
         if name not in known:
             raise TypeError(f"launch_pool: {name}={value!r} is not a `triptych serve` flag (see triptych serve --help)")
-        owners = [role for role, spec in ROLE_SPECS.items() if name in spec.parallel_flags.values()]
-        group = GROUP_OF.get(flag(name), GENERAL)
-        if owners:
-            for role in owners:
-                routed.roles.setdefault(role, {})[name] = value
-            continue
-        if group not in WORKERS_ONLY:
+        takers = roles_taking(flag(name))
+        if Role.SERVER in takers:
             routed.head[name] = value
-        if group not in HEAD_ONLY:
+        if WORKERS <= takers:
             routed.workers[name] = value
+            continue
+        for role in WORKER_ROLES:
+            if role in takers:
+                routed.roles.setdefault(role, {})[name] = value
     return routed
 
 

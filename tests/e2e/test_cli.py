@@ -58,8 +58,8 @@ def wan(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture(scope="module")
 def kontext(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
     """FLUX.1 Kontext (takes a reference image), three roles: the encoder encodes the reference."""
-    local = ("--reference-url-networks", "127.0.0.0/8")  # the test's URL references are served on loopback
-    with deployment(tiny_models["tiny-flux-kontext"], tmp_path_factory.mktemp("kontext"), worker_flags=local) as dep:
+    local = {Role.ENCODER: ("--reference-url-networks", "127.0.0.0/8")}  # URL references served on loopback
+    with deployment(tiny_models["tiny-flux-kontext"], tmp_path_factory.mktemp("kontext"), role_flags=local) as dep:
         yield dep
 
 

@@ -57,7 +57,7 @@ def expected(tiny_models) -> np.ndarray:
 def four_roles(tiny_models, tmp_path_factory) -> Iterator[triptych_dev.pool.Pool]:
     with triptych_dev.launch_pool(
         tiny_models["tiny-flux-kontext"], prompt_encoder_devices=CPU, image_encoder_devices=CPU,
-        workdir=tmp_path_factory.mktemp("four"), worker_flags={"reference_url_networks": "127.0.0.0/8"},
+        workdir=tmp_path_factory.mktemp("four"), reference_url_networks="127.0.0.0/8",  # to the roles that take it
     ) as pool:  # fmt: skip
         yield pool
 

@@ -38,7 +38,8 @@ def test_urls_are_semicolon_separated_and_pool_size_takes_units():
     a = parse("--model-path", "m", "--disagg-role", "server", "--encoder-urls", "tcp://a:1;tcp://b:1",
               "--denoiser-urls", "tcp://c:1", "--decoder-urls", "dns://dec.ns.svc:1")  # fmt: skip
     assert a.encoder_urls == ["tcp://a:1", "tcp://b:1"] and a.decoder_urls == ["dns://dec.ns.svc:1"]
-    assert parse("--model-path", "m", "--disagg-transfer-pool-size", "1GiB").disagg_transfer_pool_size == 1 << 30
+    worker = ("--model-path", "m", "--disagg-role", "decoder", "--disagg-server-addr", "tcp://h:1")
+    assert parse(*worker, "--disagg-transfer-pool-size", "1GiB").disagg_transfer_pool_size == 1 << 30
 
 
 def test_a_head_with_only_denoiser_urls_is_a_full_pipeline_pool_and_its_workers_say_so():

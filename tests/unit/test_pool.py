@@ -117,12 +117,18 @@ def test_each_flag_reaches_only_the_processes_that_take_it() -> None:
     routed = route_flags({
         "cfg_parallel_size": 2, "denoiser_sp": 2, "encoder_tp": 1, "disagg_dispatch_policy": "max_free_slots",
         "disagg_transfer_pool_size": "64MiB", "device": "cpu", "batching_mode": "dynamic",
+        "encoder_cache_bytes": "1MiB",
     })  # fmt: skip
     assert routed.head == {"disagg_dispatch_policy": "max_free_slots", "device": "cpu", "batching_mode": "dynamic"}
-    assert routed.workers == {
-        "cfg_parallel_size": 2, "disagg_transfer_pool_size": "64MiB", "device": "cpu", "batching_mode": "dynamic",
-    }  # fmt: skip
-    assert routed.roles == {Role.DENOISER: {"denoiser_sp": 2}, Role.ENCODER: {"encoder_tp": 1}}
+    # batching_mode is the head's alone: a worker refuses it (triptych.flag_roles)
+    assert routed.workers == {"cfg_parallel_size": 2, "disagg_transfer_pool_size": "64MiB", "device": "cpu"}
+    # the prompt cache: only the roles that encode prompts (a full-pipeline denoiser among them)
+    cache = {"encoder_cache_bytes": "1MiB"}
+    assert routed.roles == {
+        Role.DENOISER: {"denoiser_sp": 2, **cache},
+        Role.ENCODER: {"encoder_tp": 1, **cache},
+        Role.PROMPT_ENCODER: cache,
+    }
     with pytest.raises(TypeError, match="cfg_parallel=2 is not a `triptych serve` flag"):
         route_flags({"cfg_parallel": 2})
 

@@ -1,0 +1,254 @@
+"""No `triptych serve` flag is silently ignored: every flag of `--help` is either refused by each role
+that does not take it (triptych.flag_roles) or, for the roles that do, has a test of its effect named
+here, or is listed UNTESTED with the reason. A flag added to add_serve_flags without an entry in
+SAMPLE and in TESTED or UNTESTED fails this file."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from triptych.config import MIB, ConfigError, ServeArgs, add_serve_flags
+from triptych.flag_roles import roles_taking
+from triptych.roles import WORKER_ROLES, Role
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serve_flags() -> list[str]:
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    return [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+def attr(name: str) -> str:
+    return name[2:].replace("-", "_")
+
+
+# A non-default value of each flag, valid on its own, to give a role that does not take it.
+SAMPLE: dict[str, Any] = {
+    "--model-path": "other",
+    "--served-model-name": "x",
+    "--disagg-role": None,  # the role itself: every process takes it
+    "--disagg-server-addr": "tcp://127.0.0.1:9",
+    "--scheduler-port": 6000,
+    "--num-gpus": 2,
+    "--base-gpu-id": 1,
+    **{f"--{r.value.replace('_', '-')}-urls": ["tcp://127.0.0.1:9"] for r in WORKER_ROLES},
+    "--host": "127.0.0.2",
+    "--port": 31000,
+    "--disagg-p2p-hostname": "127.0.0.2",
+    "--disagg-ib-device": "mlx5_0",
+    "--disagg-transfer-pool-size": 2 * MIB,
+    "--disagg-transfer-listen-any": True,
+    "--disagg-full-pipeline": True,
+    "--encoder-cache-bytes": 1,
+    "--disagg-timeout": 5.0,
+    "--disagg-dispatch-policy": "max_free_slots",
+    "--disagg-heartbeat-timeout": 1.0,
+    "--disagg-discovery-interval": 1.0,
+    "--disagg-max-retries": 0,
+    "--disagg-no-instance-wait": 1.0,
+    "--master-port": 29600,
+    "--output-path": "elsewhere",
+    "--results-max-age": 1.0,
+    "--results-max-bytes": 1,
+    "--results-store": "s3://bucket/prefix",
+    "--results-s3-endpoint": "http://s3:8333",
+    "--results-presign": 60,
+    "--device": "cpu",
+    "--tp-size": 2,
+    "--sp-degree": 2,
+    "--cfg-parallel-size": 2,
+    "--encoder-tp": 2,
+    "--denoiser-tp": 2,
+    "--denoiser-sp": 2,
+    "--denoiser-ulysses": 2,
+    "--denoiser-ring": 2,
+    "--decoder-sp": 2,
+    "--worker-capacity": 3,
+    "--log-level": "debug",
+    "--disagg-drain-timeout": 1.0,
+    "--api-keys-file": "/keys",
+    "--max-request-bytes": 2048,
+    "--max-queued-requests": 3,
+    "--reference-url-networks": "10.0.0.0/8",
+    "--batching-mode": "dynamic",
+    "--batching-max-size": 2,
+    "--batching-delay-ms": 5.0,
+    "--enable-batching-metrics": True,
+    "--simulate": True,
+    "--simulate-seconds": 1.0,
+    "--simulate-seconds-per-unit": 1.0,
+    "--disagg-keys-dir": "/keys-dir",
+    "--disagg-insecure": True,
+}
+
+# flag -> the test that exercises its effect in a role that takes it (not only its parsing).
+TESTED: dict[str, str] = {
+    "--model-path": "tests/unit/test_model_source.py::test_serve_exits_with_one_line_for_a_bad_model_path",
+    "--served-model-name": "tests/unit/test_flags_honoured.py::test_served_model_name_is_a_name_requests_may_use",
+    "--disagg-role": "tests/unit/test_simulated.py::test_a_simulated_worker_process_never_imports_torch",
+    "--disagg-server-addr": "tests/unit/test_worker_runtime.py::"
+    "test_a_computing_worker_keeps_answering_and_runs_queued_work_in_order_one_at_a_time",
+    "--scheduler-port": "tests/unit/test_design_rules.py::test_the_master_port_defaults_to_the_work_port_plus_50",
+    "--num-gpus": "tests/unit/test_parallel_degrees.py::test_the_wan_decoder_splits_over_sp_ranks",
+    "--base-gpu-id": "tests/unit/test_config.py::test_base_gpu_id_picks_the_cuda_device",
+    "--encoder-urls": "tests/unit/test_design_rules.py::test_encoder_urls_exclude_the_split_encoders",
+    "--prompt-encoder-urls": "tests/unit/test_design_rules.py::test_encoder_urls_exclude_the_split_encoders",
+    "--image-encoder-urls": "tests/e2e/test_split_encoders.py::"
+    "test_split_encoder_workers_started_before_the_head_serve_several_instances",
+    "--denoiser-urls": "tests/unit/test_design_rules.py::test_encoder_urls_exclude_the_split_encoders",
+    "--decoder-urls": "tests/unit/test_design_rules.py::test_encoder_urls_exclude_the_split_encoders",
+    "--disagg-p2p-hostname": "tests/e2e/test_prefork.py::"
+    "test_a_forked_worker_runs_confined_to_loopback_and_dies_by_its_signal",
+    "--disagg-transfer-pool-size": "tests/transfer/test_pool.py::"
+    "test_payload_larger_than_pool_raises_with_the_flag_and_role",
+    "--disagg-transfer-listen-any": "tests/transfer/test_bind_shim.py::"
+    "test_a_worker_given_listen_any_leaves_mooncake_on_every_address",
+    "--disagg-full-pipeline": "tests/e2e/test_full_pipeline.py::test_a_worker_of_the_other_topology_gets_no_work",
+    "--encoder-cache-bytes": "tests/worker/test_encoder_cache.py::"
+    "test_an_entry_larger_than_the_bound_or_a_zero_bound_keeps_nothing",
+    "--disagg-timeout": "tests/e2e/test_null_pipeline.py::"
+    "test_a_request_past_the_timeout_is_timed_out_and_its_capacity_released",
+    "--disagg-dispatch-policy": "tests/unit/test_state_and_dispatch.py::test_max_free_slots_picks_the_emptiest",
+    "--disagg-heartbeat-timeout": "tests/unit/test_head_core.py::"
+    "test_a_dead_encoder_is_found_by_the_clock_and_its_request_goes_to_the_other_one",
+    "--disagg-max-retries": "tests/unit/test_server_membership.py::"
+    "test_a_request_out_of_retries_fails_naming_the_lost_worker",
+    "--disagg-no-instance-wait": "tests/unit/test_server_membership.py::"
+    "test_requests_fail_when_their_role_has_had_no_ready_instance_for_the_wait",
+    "--master-port": "tests/unit/test_design_rules.py::test_the_master_port_defaults_to_the_work_port_plus_50",
+    "--output-path": "tests/s3/test_shared_results.py::test_a_directory_the_head_cannot_write_stops_it_at_start_up",
+    "--results-max-age": "tests/api/test_results.py::"
+    "test_retention_removes_results_older_than_the_max_age_with_all_their_files",
+    "--results-max-bytes": "tests/api/test_results.py::"
+    "test_retention_removes_the_oldest_results_until_the_total_fits_and_keeps_running_jobs",
+    "--results-store": "tests/s3/test_shared_results.py::test_two_head_processes_serve_each_others_video_jobs",
+    "--results-s3-endpoint": "tests/s3/test_shared_results.py::test_two_head_processes_serve_each_others_video_jobs",
+    "--results-presign": "tests/s3/test_shared_results.py::"
+    "test_presigned_urls_let_clients_fetch_images_and_videos_from_the_bucket_itself",
+    "--device": "tests/unit/test_config.py::test_base_gpu_id_picks_the_cuda_device",
+    "--tp-size": "tests/unit/test_design_rules.py::test_role_flags_win_over_the_generic_tp_size_and_sp_degree",
+    "--sp-degree": "tests/unit/test_design_rules.py::test_role_flags_win_over_the_generic_tp_size_and_sp_degree",
+    "--cfg-parallel-size": "tests/unit/test_parallel_degrees.py::test_a_combination_the_family_runs_is_accepted",
+    "--encoder-tp": "tests/unit/test_flags_honoured.py::test_a_roles_own_degree_reaches_its_parallelism",
+    "--denoiser-tp": "tests/e2e/test_parallel_ranks.py::"
+    "test_two_rank_tp_denoiser_holds_half_the_weights_and_is_within_the_tp_tolerance",
+    "--denoiser-sp": "tests/e2e/test_parallel_roles.py::"
+    "test_launch_pool_disagg_server_runs_the_specs_example_as_written",
+    "--denoiser-ulysses": "tests/e2e/test_parallel_ranks.py::test_ulysses2_ring2_denoiser_is_within_the_ring_tolerance",
+    "--denoiser-ring": "tests/e2e/test_parallel_ranks.py::test_ulysses2_ring2_denoiser_is_within_the_ring_tolerance",
+    "--decoder-sp": "tests/unit/test_flags_honoured.py::test_a_roles_own_degree_reaches_its_parallelism",
+    "--worker-capacity": "tests/e2e/test_replicated_heads.py::"
+    "test_two_heads_share_the_workers_each_request_gets_stock_pixels_and_no_worker_exceeds_capacity",
+    "--disagg-drain-timeout": "tests/unit/test_server_drain.py::"
+    "test_a_drain_fails_what_is_left_at_the_deadline_releasing_its_slots_and_ends_the_loop",
+    "--api-keys-file": "tests/api/test_guards.py::test_a_missing_or_keyless_file_stops_the_head_naming_the_flag",
+    "--max-request-bytes": "tests/e2e/test_http_guards.py::test_a_declared_oversized_body_is_refused_before_it_is_sent",
+    "--max-queued-requests": "tests/e2e/test_http_guards.py::"
+    "test_beyond_the_bound_requests_get_429_with_retry_after_from_observed_stage_times",
+    "--reference-url-networks": "tests/unit/test_reference.py::"
+    "test_urls_reach_public_addresses_and_the_listed_networks_only",
+    "--batching-mode": "tests/unit/test_head_core.py::test_random_schedules_with_batching_keep_the_same_invariants",
+    "--batching-max-size": "tests/e2e/test_batching.py::test_a_full_pipeline_worker_batches_through_the_same_stages",
+    "--batching-delay-ms": "tests/unit/test_head_core.py::test_random_schedules_with_batching_keep_the_same_invariants",
+    "--simulate": "tests/unit/test_simulated.py::"
+    "test_a_simulated_denoiser_takes_its_modelled_time_reports_every_step_and_emits_latents",
+    "--simulate-seconds": "tests/unit/test_simulated.py::"
+    "test_flags_override_the_role_defaults_and_anything_else_keeps_them",
+    "--simulate-seconds-per-unit": "tests/unit/test_simulated.py::"
+    "test_flags_override_the_role_defaults_and_anything_else_keeps_them",
+    "--disagg-keys-dir": "tests/unit/test_security.py::test_serve_exits_with_one_line_when_the_keys_cannot_be_read",
+    "--disagg-insecure": "tests/unit/test_security.py::"
+    "test_a_non_loopback_control_plane_without_keys_is_refused_naming_both_flags",
+}
+
+# Flags taken by some role with no test of their effect yet. Each says why.
+UNTESTED: dict[str, str] = {
+    "--host": "every e2e deployment binds its head with it; no test asserts the address it listens on",
+    "--port": "every e2e deployment reaches its head on it; no test asserts a non-default port by name",
+    "--disagg-ib-device": "needs an RDMA device; the operator tests only render it",
+    "--disagg-discovery-interval": "re-reading is tested (test_discovery) at a fixed interval, not at this flag's",
+    "--log-level": "no test reads the log level a process runs at",
+    "--enable-batching-metrics": "parsing and rendering are tested; no test reads the histograms on /metrics",
+}
+
+
+def base(role: Role) -> dict[str, Any]:
+    """The least a process of `role` needs to validate."""
+    if role is Role.SERVER:
+        return {"encoder_urls": ["tcp://127.0.0.1:1"], "denoiser_urls": ["tcp://127.0.0.1:2"],
+                "decoder_urls": ["tcp://127.0.0.1:3"]}  # fmt: skip
+    return {"disagg_server_addr": "tcp://127.0.0.1:5555"} if role.is_worker else {}
+
+
+def test_every_flag_has_a_sample_and_a_test_or_says_why_not() -> None:
+    flags = serve_flags()
+    assert set(flags) == set(SAMPLE), "give each new flag a SAMPLE value (and a TESTED or UNTESTED entry)"
+    assert set(TESTED).isdisjoint(UNTESTED)
+    assert set(flags) == set(TESTED) | set(UNTESTED), sorted(set(flags) ^ (set(TESTED) | set(UNTESTED)))
+    print("flags whose effect no test exercises:", ", ".join(sorted(UNTESTED)))
+
+
+@pytest.mark.parametrize("name", sorted(TESTED))
+def test_each_named_test_exists(name: str) -> None:
+    path, _, function = TESTED[name].partition("::")
+    text = (ROOT / path).read_text()
+    assert re.search(rf"^(async )?def {function}\(", text, re.MULTILINE), f"{name}: no {TESTED[name]}"
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(SAMPLE) if SAMPLE[n] is not None])
+def test_each_role_that_does_not_take_a_flag_refuses_it_naming_it(name: str) -> None:
+    for role in set(Role) - roles_taking(name):
+        args = ServeArgs(model_path="m", disagg_role=role, **{**base(role), attr(name): SAMPLE[name]})
+        with pytest.raises(ConfigError) as refused:
+            args.validate()
+        assert name in str(refused.value), f"{role}: {refused.value}"
+
+
+def test_every_role_takes_its_base_flags() -> None:
+    for role in Role:
+        ServeArgs(model_path="m", disagg_role=role, **base(role)).validate()
+
+
+@pytest.mark.parametrize(
+    ("role", "given", "says"),
+    [
+        (Role.MONOLITHIC, {"num_gpus": 2}, "--num-gpus is for worker roles"),
+        (Role.MONOLITHIC, {"tp_size": 2}, "run the roles disaggregated (--disagg-role denoiser ...) for multi-device"),
+        (Role.MONOLITHIC, {"denoiser_sp": 2}, "--denoiser-sp is for denoiser, not monolithic: monolithic mode runs"),
+        (Role.ENCODER, {"port": 31000}, "--port is for the head (server or monolithic), not encoder"),
+        (Role.DECODER, {"results_max_age": 1.0}, "--results-max-age is for the head (server or monolithic), not"),
+        (Role.SERVER, {"worker_capacity": 3}, "--worker-capacity is for worker roles"),
+        (Role.SERVER, {"disagg_transfer_pool_size": 2 * MIB}, "--disagg-transfer-pool-size is for worker roles"),
+        (Role.ENCODER, {"decoder_sp": 2}, "--decoder-sp is for decoder, not encoder"),
+        (Role.MONOLITHIC, {"disagg_dispatch_policy": "max_free_slots"}, "is for the head (--disagg-role server)"),
+    ],
+)
+def test_the_refusal_is_one_line_naming_flag_role_and_what_to_use(role: Role, given: dict[str, Any], says: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        ServeArgs(model_path="m", disagg_role=role, **{**base(role), **given}).validate()
+
+
+def test_one_device_and_degrees_of_one_are_not_multi_device_and_pass_monolithic() -> None:
+    ServeArgs(model_path="m", num_gpus=1, tp_size=1, sp_degree=1, cfg_parallel_size=1, denoiser_sp=1).validate()
+
+
+def test_a_roles_own_degree_reaches_its_parallelism() -> None:
+    """--encoder-tp and --decoder-sp set their role's degree (families may still refuse the layout at
+    start-up: test_parallel_degrees)."""
+    encoder = ServeArgs(model_path="m", disagg_role=Role.ENCODER, num_gpus=2, encoder_tp=2, **base(Role.ENCODER))
+    assert encoder.parallelism().tp == 2
+    decoder = ServeArgs(model_path="m", disagg_role=Role.DECODER, num_gpus=2, decoder_sp=2, **base(Role.DECODER))
+    assert decoder.parallelism().sp == 2
+
+
+def test_served_model_name_is_a_name_requests_may_use() -> None:
+    from triptych.model_source import model_names
+
+    assert model_names("/models/flux", "/models/flux", "my-flux")[0] == "my-flux"
