@@ -5,7 +5,7 @@ results written under tmp_path (bench/results/ keeps the real runs). The figures
 on a small shared machine they say little; that the script runs to the end and prints its table is
 what is checked. The CUDA part of the benchmarks that have one (`--device cuda`) is skipped without
 a CUDA GPU; scripts/gpu-check.sh runs them at full size on a GPU machine. The operator benchmark
-needs the local control plane, so it is a cluster test. Total on 2 loaded cores: about 3 minutes.
+needs the local control plane, so it is a cluster test. Total on 2 loaded cores: under 4 minutes.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ TIMEOUT_S = 240
 # script -> (smoke flags, the text its output must contain). "{tmp}" is the test's tmp_path.
 SMOKE: dict[str, tuple[list[str], str]] = {
     "transfer_bench.py": (
-        ["--sizes-mib", "1", "--iterations", "2", "--warmup", "1", "--max-seconds", "2", "--json", "{tmp}/t.json"],
-        "1MiB",
+        ["--sizes-mib", "1", "--iterations", "2", "--blocks", "2", "--warmup", "1", "--max-seconds", "2"]
+        + ["--json", "{tmp}/t.json"],
+        "write/raw and ours/raw per block",
     ),
     "head_bench.py": (
         ["--requests", "20", "--sequential", "10", "--concurrency", "4", "--transfer-mib", "1"]
-        + ["--auth-blocks", "2", "--auth-block-requests", "5", "--json", "{tmp}/h.json"],
-        "control overhead",
+        + ["--auth-blocks", "2", "--auth-block-requests", "5", "--blocks", "2", "--json", "{tmp}/h.json"],
+        "overhead / floor",
     ),
     "zmq_floor.py": (["--requests", "20"], "raw ZMQ messages"),
     "scaling_bench.py": (
