@@ -13,7 +13,7 @@ one is Ready; edit one field on all N (head.timeoutSeconds, which rolls each hea
 and wait until every head runs the new argument and every pipeline is Ready at its new
 generation; then --steady seconds with nothing changing.
 
-    python bench/operator_bench.py [--pipelines 200] [--steady 60] [--no-edit]
+    python bench/operator_bench.py [--pipelines 200] [--steady 60] [--no-edit] [--json PATH]
 
 Prints a table and writes bench/results/operator.json.
 """
