@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODELS ?= .models
 
-.PHONY: setup test test-fast lint demo models bench gpu-check images crd dashboard cluster-up cluster-down clean
+.PHONY: setup test test-fast lint demo models bench bench-smoke gpu-check images crd dashboard cluster-up cluster-down clean
 
 setup:
 	@bash scripts/setup.sh
@@ -29,6 +29,11 @@ demo:
 
 bench:
 	$(PY) bench/run_all.py
+
+# Every script in bench/ run briefly (small sizes, short windows); each must exit 0 (~4 min).
+# `make test` runs the same test (tests/unit/test_bench_smoke.py); the operator one needs the local cluster.
+bench-smoke: setup
+	$(PY) -m pytest -q tests/unit/test_bench_smoke.py
 
 # On a machine with a CUDA GPU: CUDA tests, pixels on CUDA, benchmarks on a Wan 1.3B-shaped model and batching on tiny FLUX (<= 9 min).
 gpu-check:

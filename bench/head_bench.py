@@ -13,7 +13,9 @@ Prints, side by side in one run:
   dispatch, messages and thread hand-offs (target: < 2 ms), as medians, and the 90th and 99th
   percentiles of each request's own overhead;
 - the floor under that overhead: the same 12 messages sent between 5 processes that only
-  forward them (bench/zmq_floor.py), measured in the same run;
+  forward them (bench/zmq_floor.py), in --blocks blocks alternating with the head's (floor, head,
+  floor, head, ...) in this one process lifetime; the overhead / floor ratio per block pair and
+  its median;
 - the same sequential measurement with every thread of every process (head, workers, this
   client) pinned to one CPU: no message then wakes a thread on another CPU (on a small VM such
   a wake-up costs more than handling the message);
@@ -23,7 +25,9 @@ Prints, side by side in one run:
   requests (--auth-blocks, 0: skip);
 - with --transfer-mib N: the encoder->denoiser hand-off of an N MiB payload through the whole
   transfer flow (slot, push, write, report) against a raw Mooncake transfer_sync_write of the
-  same bytes between two processes (bench/transfer_bench.py), as a throughput ratio (target >= 90%).
+  same bytes between this process and a receiver (bench/transfer_bench.py's pair), in --blocks
+  alternating blocks (raw, ours, raw, ours, ...) while the deployment is up, as a throughput
+  ratio per block and its median (target >= 90%).
 """
 
 from __future__ import annotations
@@ -33,13 +37,13 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -88,8 +92,9 @@ class Frontend:
             self.waiting.pop(rid, None)
 
 
-def sequential(endpoint: str, n: int) -> dict[str, float]:
-    """One request at a time from a blocking DEALER, so the client adds no event-loop latency."""
+def sequential_samples(endpoint: str, n: int) -> tuple[list[float], list[float], list[float]]:
+    """Latency, Mooncake write and worker stage seconds of n requests, one at a time from a blocking
+    DEALER, so the client adds no event-loop latency."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -108,6 +113,11 @@ def sequential(endpoint: str, n: int) -> dict[str, float]:
             stages.append(sum(v for k, v in result.timings.items() if k.startswith("worker_")))
     finally:
         sock.close()
+    return latencies, writes, stages
+
+
+def summarize(latencies: list[float], writes: list[float], stages: list[float]) -> dict[str, float]:
+    n = len(latencies)
     lat, wr, st = statistics.median(latencies), statistics.median(writes), statistics.median(stages)
     per_request = sorted(x - w - s for x, w, s in zip(latencies, writes, stages, strict=True))
     return {
@@ -118,6 +128,10 @@ def sequential(endpoint: str, n: int) -> dict[str, float]:
         "control_overhead_p90_ms": per_request[int(0.9 * n)] * 1e3,
         "control_overhead_p99_ms": per_request[int(0.99 * n)] * 1e3,
     }
+
+
+def sequential(endpoint: str, n: int) -> dict[str, float]:
+    return summarize(*sequential_samples(endpoint, n))
 
 
 async def throughput_frontend(front: Frontend, n: int, concurrency: int) -> float:
@@ -179,16 +193,34 @@ def on_one_cpu(pids: list[int]) -> Iterator[bool]:
         set_all(cpus)
 
 
-async def measure(dep, args) -> dict[str, float]:  # type: ignore[no-untyped-def]
+async def measure(dep, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     front = Frontend(f"tcp://127.0.0.1:{dep.scheduler_port}")
     await front.request("warmup")
-    before = cpu_seconds(dep)
-    out = sequential(front.endpoint, args.sequential)
-    after = cpu_seconds(dep)
-    for role, used in after.items():
-        out[f"cpu_ms_per_request_{role}"] = (used - before[role]) / args.sequential * 1e3
-    floor = zmq_floor.measure(args.sequential)
-    out["zmq_floor_ms"], out["zmq_floor_messages"] = floor["floor_ms"], floor["messages"]
+    # The ZMQ floor and the head in alternating blocks (floor, head, floor, head, ...) in this one
+    # process lifetime, so the host's drift falls on both; the ratio per block pair and its median.
+    per_block = max(1, -(-args.sequential // args.blocks))
+    runs: tuple[list[float], list[float], list[float]] = ([], [], [])
+    floor_samples: list[float] = []
+    ratios: list[float] = []
+    cpu_used = dict.fromkeys(cpu_seconds(dep), 0.0)
+    with zmq_floor.Floor() as floor:
+        for _ in range(args.blocks):
+            floor_block = floor.block(per_block)
+            before = cpu_seconds(dep)
+            block = sequential_samples(front.endpoint, per_block)
+            for role, used in cpu_seconds(dep).items():
+                cpu_used[role] += used - before[role]
+            floor_samples += floor_block
+            for acc, xs in zip(runs, block, strict=True):
+                acc += xs
+            ratios.append(summarize(*block)["control_overhead_ms"] / zmq_floor.summary(floor_block)["floor_ms"])
+    out: dict[str, Any] = dict(summarize(*runs))
+    for role, used in cpu_used.items():
+        out[f"cpu_ms_per_request_{role}"] = used / len(runs[0]) * 1e3
+    floor_summary = zmq_floor.summary(floor_samples)
+    out["zmq_floor_ms"], out["zmq_floor_messages"] = floor_summary["floor_ms"], floor_summary["messages"]
+    out["overhead_over_floor_per_block"] = ratios
+    out["overhead_over_floor"] = statistics.median(ratios)
     with on_one_cpu([p.popen.pid for p in dep.procs]) as pinned:
         if pinned:
             sequential(front.endpoint, 20)  # settle on the new placement
@@ -231,46 +263,88 @@ def auth_comparison(flux: Path, payload_bytes: int, blocks: int, per_block: int)
     return out
 
 
-def handoff(dep, n: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """Median hand-off and write seconds of the encoder->denoiser hop over n sequential requests."""
+class RawMooncake:
+    """A raw TransferEngine.transfer_sync_write of nbytes to a receiver process (bench/transfer_bench.py's
+    pair: registered buffers, a receiver round trip before each write, the cadence of `raw` there),
+    up for the `with` block so its blocks alternate with the deployment's in one process lifetime."""
 
-    async def run() -> dict[str, float]:
-        front = Frontend(f"tcp://127.0.0.1:{dep.scheduler_port}")
-        await front.request("warmup-handoff")
-        results = [await front.request(f"handoff-{i}") for i in range(n)]
-        front.reader.cancel()
-        return {
-            "handoff_s": statistics.median(r.timings["handoff_encoder_denoiser"] for r in results),
-            "write_s": statistics.median(r.timings["transfer_encoder_denoiser"] for r in results),
-        }
+    def __init__(self, nbytes: int):
+        import transfer_bench
 
-    return asyncio.run(run())
+        from triptych_worker.transfer import MooncakeTransport, TransferPool
+
+        self.nbytes = nbytes
+        pool_bytes = nbytes + (2 << 20)
+        self.transport = MooncakeTransport("127.0.0.1", None)
+        self.pool = TransferPool(pool_bytes, "bench-raw", self.transport)
+        self.peer = transfer_bench.ReceiverProcess(
+            argparse.Namespace(hostname="127.0.0.1", ib_device=None, receiver_pool_bytes=pool_bytes, torch_threads=1)
+        )
+        src = self.pool.allocate(nbytes, "raw")
+        assert src is not None
+        self.src = src.addr
+        self.dest = self.peer.ask({"op": "slot", "nbytes": nbytes})["addr"]
+        self.block(2)  # warm up
+
+    def block(self, n: int) -> list[float]:
+        samples = []
+        for _ in range(n):
+            self.peer.ask({"op": "ping"})
+            t0 = time.perf_counter()
+            rc = self.transport.engine.transfer_sync_write(self.peer.session, self.src, self.dest, self.nbytes)
+            samples.append(time.perf_counter() - t0)
+            if rc != 0:
+                raise RuntimeError(f"raw transfer_sync_write returned {rc}")
+        return samples
+
+    def close(self) -> None:
+        self.peer.close()
 
 
-def raw_mooncake_seconds(nbytes: int, iterations: int) -> float:
-    """Raw transfer_sync_write of nbytes between two processes, measured now by transfer_bench.py."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "raw.json"
-        cmd = [sys.executable, str(ROOT / "bench" / "transfer_bench.py"), "--sizes-mib", str(nbytes >> 20),
-               "--iterations", str(iterations), "--json", str(out)]  # fmt: skip
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        row = json.loads(out.read_text())["results"][0]
-    return nbytes / (float(row["raw_mooncake_mb_s"]) * 1e6)
-
-
-def transfer_comparison(flux: Path, mib: int, n: int) -> dict[str, float]:
+def transfer_comparison(flux: Path, mib: int, n: int, blocks: int) -> dict[str, Any]:
+    """The encoder->denoiser hand-off (slot, push, write, report) of mib MiB against a raw Mooncake
+    write of the same bytes, in alternating blocks (raw, ours, raw, ours, ...) of n requests in all."""
     nbytes = mib << 20
+    per_block = max(1, -(-n // blocks))
+    raw_s: list[float] = []
+    handoff_s: list[float] = []
+    write_s: list[float] = []
+    handoff_ratios: list[float] = []
+    write_ratios: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         with local_deployment(flux, Path(tmp), worker_flags=("--device", "cpu"), null_payload_bytes=nbytes) as dep:
-            measured = handoff(dep, n)
-    raw = raw_mooncake_seconds(nbytes, n)
+            raw = RawMooncake(nbytes)
+            try:
+
+                async def run() -> None:
+                    front = Frontend(f"tcp://127.0.0.1:{dep.scheduler_port}")
+                    await front.request("warmup-handoff")
+                    for b in range(blocks):
+                        raw_block = raw.block(per_block)
+                        results = [await front.request(f"handoff-{b}-{i}") for i in range(per_block)]
+                        hand = [r.timings["handoff_encoder_denoiser"] for r in results]
+                        write = [r.timings["transfer_encoder_denoiser"] for r in results]
+                        raw_s.extend(raw_block)
+                        handoff_s.extend(hand)
+                        write_s.extend(write)
+                        handoff_ratios.append(statistics.median(raw_block) / statistics.median(hand))
+                        write_ratios.append(statistics.median(raw_block) / statistics.median(write))
+                    front.reader.cancel()
+
+                asyncio.run(run())
+            finally:
+                raw.close()
     return {
         "transfer_bytes": nbytes,
-        "handoff_ms": measured["handoff_s"] * 1e3,
-        "write_ms": measured["write_s"] * 1e3,
-        "raw_mooncake_ms": raw * 1e3,
-        "handoff_vs_raw": raw / measured["handoff_s"],
-        "write_vs_raw": raw / measured["write_s"],
+        "transfer_blocks": blocks,
+        "handoff_ms": statistics.median(handoff_s) * 1e3,
+        "write_ms": statistics.median(write_s) * 1e3,
+        "raw_mooncake_ms": statistics.median(raw_s) * 1e3,
+        # throughput ratios to raw: the median of the per-block ratios, and each block's own
+        "handoff_vs_raw": statistics.median(handoff_ratios),
+        "write_vs_raw": statistics.median(write_ratios),
+        "handoff_vs_raw_per_block": handoff_ratios,
+        "write_vs_raw_per_block": write_ratios,
     }
 
 
@@ -283,8 +357,16 @@ def main() -> int:
     p.add_argument("--transfer-mib", type=int, default=32, help="payload for the hand-off comparison (0: skip)")
     p.add_argument("--auth-blocks", type=int, default=8, help="alternating blocks for authentication on/off (0: skip)")
     p.add_argument("--auth-block-requests", type=int, default=100)
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=5,
+        help="alternating blocks of baseline and measured runs (ZMQ floor / head; raw Mooncake / hand-off)",
+    )
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "head.json")
     args = p.parse_args()
+    if args.blocks < 1:
+        p.error("--blocks must be >= 1")
     (flux,) = write_tiny_models(ROOT / ".models", families=["tiny-flux"])
     with tempfile.TemporaryDirectory() as tmp:
         # The closed loop of --concurrency HTTP clients is load the head should take, not refuse (429).
@@ -312,8 +394,10 @@ def main() -> int:
         )
     print(
         f"  raw ZMQ floor           {result['zmq_floor_ms']:8.2f} ms   (the same {result['zmq_floor_messages']} "
-        "messages over 5 forwarding-only processes, measured now)"
+        f"messages over 5 forwarding-only processes, in {args.blocks} blocks alternating with the head's)"
     )
+    per_block = " ".join(f"{r:.2f}" for r in result["overhead_over_floor_per_block"])
+    print(f"  overhead / floor        {result['overhead_over_floor']:8.2f}x  median of the block pairs: {per_block}")
     cpu = ", ".join(
         f"{k.removeprefix('cpu_ms_per_request_')} {v:.2f}" for k, v in result.items() if k.startswith("cpu_ms")
     )
@@ -330,14 +414,19 @@ def main() -> int:
         on, off = a["auth_on_latency_ms"], a["auth_off_latency_ms"]
         print(f"  latency                 {on:8.2f} ms with keys, {off:.2f} ms without")
     if args.transfer_mib:
-        t = transfer_comparison(flux, args.transfer_mib, 10)
+        t = transfer_comparison(flux, args.transfer_mib, 10, args.blocks)
         result.update(t)
-        print(f"encoder->denoiser hand-off of {args.transfer_mib} MiB (median of 10), vs raw Mooncake in this run")
+        print(
+            f"encoder->denoiser hand-off of {args.transfer_mib} MiB (10 requests), vs raw Mooncake in "
+            f"{args.blocks} alternating blocks (raw, ours, raw, ours, ...); medians, ratios the median of the blocks'"
+        )
         print(f"  raw transfer_sync_write {t['raw_mooncake_ms']:8.2f} ms")
         print(f"  our write               {t['write_ms']:8.2f} ms   throughput {100 * t['write_vs_raw']:5.1f}% of raw")
         print(
             f"  our whole hand-off      {t['handoff_ms']:8.2f} ms   throughput {100 * t['handoff_vs_raw']:5.1f}% of raw"
         )
+        blocks = " ".join(f"{100 * r:.0f}%" for r in t["handoff_vs_raw_per_block"])
+        print(f"  ... hand-off per block  {blocks}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     return 0

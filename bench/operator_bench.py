@@ -13,7 +13,7 @@ one is Ready; edit one field on all N (head.timeoutSeconds, which rolls each hea
 and wait until every head runs the new argument and every pipeline is Ready at its new
 generation; then --steady seconds with nothing changing.
 
-    python bench/operator_bench.py [--pipelines 200] [--steady 60] [--no-edit]
+    python bench/operator_bench.py [--pipelines 200] [--steady 60] [--no-edit] [--json PATH]
 
 Prints a table and writes bench/results/operator.json.
 """
@@ -342,6 +342,7 @@ def main() -> int:
     parser.add_argument("--pipelines", type=int, default=200)
     parser.add_argument("--steady", type=float, default=60.0, help="seconds of steady state measured at the end")
     parser.add_argument("--no-edit", action="store_true", help="skip editing the pipelines (to iterate on create)")
+    parser.add_argument("--json", type=Path, default=RESULTS / "operator.json", help="where to write the results")
     args = parser.parse_args()
     cluster = _cluster_for(cluster_settings())
     if not cluster.is_ready():
@@ -354,10 +355,11 @@ def main() -> int:
             result = bench.run(args.steady, edit=not args.no_edit)
         finally:
             bench.teardown()
-            RESULTS.mkdir(parents=True, exist_ok=True)
-            shutil.copy(Path(tmp) / "operator.log", RESULTS / "operator.log")
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(Path(tmp) / "operator.log", args.json.parent / "operator.log")
     result["date"] = time.strftime("%Y-%m-%d")
-    out = RESULTS / "operator.json"
+    out = args.json
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{args.pipelines} pipelines, {os.cpu_count()} CPUs (shared)")
     print(

@@ -2,6 +2,7 @@
 decoder's decode time for 1 and 2 ranks (--decoder-sp), the communication share, the fan-out cost.
 
     python bench/parallel_bench.py [--device cpu|cuda] [--steps 4] [--jobs 3] [--size 256x256] [--frames 9]
+                                  [--configs '1 rank,2 ranks cfg,...'] [--json PATH]
 
 Runs the real denoiser and decoder stages of a Wan-shaped package (the tiny Wan package's text
 encoder, scheduler and VAE, with a larger random-weight transformer written locally: no
@@ -15,7 +16,7 @@ needing more GPUs than there are are skipped). Prints, per configuration: the ti
 denoising step (per decode for decoders) and its ratio to the same role's 1-rank baseline of the
 same run, the share of rank time spent in collectives, the time rank 0 takes to hand a job's
 inputs to the other ranks, and the largest difference of the output (latents; pixels for
-decoders) from that baseline. Writes bench/results/parallel_bench.json.
+decoders) from that baseline. Writes bench/results/parallel_bench.json (--json PATH elsewhere).
 """
 
 from __future__ import annotations
@@ -156,10 +157,22 @@ def main() -> None:
     parser.add_argument("--role", default="denoiser", help=argparse.SUPPRESS)
     parser.add_argument("--master-port", type=int, default=29731, help=f"first of {len(CONFIGS)} rendezvous ports")
     parser.add_argument("--latents", help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, default=RESULTS / "parallel_bench.json", help="where to write the results")
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="comma-separated configurations (default all); each role's 1-rank baseline is always run",
+    )
     opts = parser.parse_args()
     if opts.child is not None:
         child(opts)
         return
+    selected = {name.strip() for name in opts.configs.split(",") if name.strip()}
+    if unknown := selected - set(CONFIGS):
+        parser.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+    selected |= {
+        name for name, (role, flags) in CONFIGS.items() if not flags and role in {CONFIGS[n][0] for n in selected}
+    }
     import numpy as np
 
     RESULTS.mkdir(exist_ok=True)
@@ -167,6 +180,8 @@ def main() -> None:
     devices = (os.cpu_count() or 1) if opts.device == "cpu" else _cuda_count()
     children: dict[str, subprocess.Popen[str]] = {}
     for i, (name, (role, flags)) in enumerate(CONFIGS.items()):
+        if name not in selected:
+            continue
         ranks = int(flags[1]) if flags else 1
         if opts.device == "cuda" and ranks > devices:
             print(f"{name:26} skipped: {ranks} GPUs needed, {devices} here", flush=True)
@@ -223,7 +238,8 @@ def main() -> None:
         )
     report = {"device": opts.device, "cores": os.cpu_count(), "size": opts.size, "frames": opts.frames,
               "steps": opts.steps, "transformer": BENCH_TRANSFORMER, "rows": rows}  # fmt: skip
-    (RESULTS / "parallel_bench.json").write_text(json.dumps(report, indent=2))
+    opts.json.parent.mkdir(parents=True, exist_ok=True)
+    opts.json.write_text(json.dumps(report, indent=2))
 
 
 def _reply(proc: subprocess.Popen[str]) -> str:

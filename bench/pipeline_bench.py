@@ -10,6 +10,7 @@ default threads (on a host with few cores, the worker processes' idle OpenMP thr
 against each other, which a GPU deployment does not see).
 
     python bench/pipeline_bench.py [--model tiny-flux] [--size 256x256] [--steps 8] [--requests 10]
+                                   [--omp-threads both|1|default]
 
 `--model` is a tiny package's name or a package directory (a Wan package is asked for videos of
 `--frames` frames); `--device cuda` runs every process on the GPU (scripts/gpu-check.sh does).
@@ -89,6 +90,12 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "pipeline.json")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--frames", type=int, default=17, help="frames per video (Wan packages)")
+    p.add_argument(
+        "--omp-threads",
+        choices=("both", "1", "default"),
+        default="both",
+        help="OpenMP threads per process on CPU: one, torch's default, or both in turn (default)",
+    )
     args = p.parse_args()
     if Path(args.model).is_dir():
         model = Path(args.model)
@@ -101,7 +108,8 @@ def main() -> int:
     print(f"{args.model} {args.size} {args.steps} steps, median of {args.requests} requests to each, alternating, "
           f"{args.device}")  # fmt: skip
     # On a GPU the OpenMP threads only feed it: one setting says it all.
-    for threads in ("1", None) if args.device == "cpu" else (None,):
+    modes = {"both": ("1", None), "1": ("1",), "default": (None,)}[args.omp_threads]
+    for threads in modes if args.device == "cpu" else (None,):
         with threads_per_process(threads), tempfile.TemporaryDirectory() as tmp:
             mono_s, disagg_s = side_by_side(model, Path(tmp), body, args.requests, args.device)
         mono, disagg = statistics.median(mono_s), statistics.median(disagg_s)

@@ -9,10 +9,14 @@ stdout) and, for each payload size, measures side by side:
   ours     stage_tensors (copy into the pool) + MooncakeTransport.write + load_tensors on the
            receiver, for a FLUX-like tensor set of about N bytes
 
-Medians over at most --iterations runs per path, each loop also bounded by --max-seconds.
+The runs alternate in --blocks blocks in this one process lifetime: each block takes the baselines
+(memcpy, raw back to back), then the measured paths (raw and write interleaved run by run, then
+ours), so the host's drift falls on baseline and measured alike. Figures are medians over at most
+--iterations runs per path (split over the blocks, each path's loops bounded by --max-seconds in
+all); each ratio is also computed per block, and the table gives the median of those.
 Results print as a table and are written as JSON to --json (default bench/results/transfer.json).
 
-    .venv/bin/python bench/transfer_bench.py --sizes-mib 1 16 64 --iterations 10
+    .venv/bin/python bench/transfer_bench.py --sizes-mib 1 16 64 --iterations 10 --blocks 5
 """
 
 from __future__ import annotations
@@ -160,99 +164,126 @@ class ReceiverProcess:
 def bench_size(
     nbytes: int, args: argparse.Namespace, transport: MooncakeTransport, pool: TransferPool, peer: ReceiverProcess
 ) -> dict[str, Any]:
-    loop = {"iterations": args.iterations, "warmup": args.warmup, "max_seconds": args.max_seconds}
-
+    """Alternating blocks (--blocks) in one process lifetime: each block takes the baselines (memcpy,
+    raw back to back) and then the measured paths (raw and our write interleaved per run, then
+    stage + write + load), so drift of the shared host falls on both; ratios per block and medians."""
+    blocks = args.blocks
+    per_block = max(1, -(-args.iterations // blocks))  # --iterations over all blocks, rounded up
     src_cpu = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     dst_cpu = torch.empty_like(src_cpu)
 
     def memcpy_once() -> None:
         dst_cpu.copy_(src_cpu)
 
-    memcpy = timed_loop(memcpy_once, **loop)
-
     src = pool.allocate(nbytes, "raw")
     assert src is not None
     pool.view(src).copy_(src_cpu)
-    dest = peer.ask({"op": "slot", "nbytes": nbytes})["addr"]
+    raw_dest = peer.ask({"op": "slot", "nbytes": nbytes})["addr"]
     engine = transport.engine
 
     def raw_once() -> None:
-        rc = engine.transfer_sync_write(peer.session, src.addr, dest, nbytes)
+        rc = engine.transfer_sync_write(peer.session, src.addr, raw_dest, nbytes)
         if rc != 0:
             raise RuntimeError(f"raw transfer_sync_write returned {rc}")
 
-    raw_b2b = timed_loop(raw_once, **loop)
-
-    raw_samples: list[float] = []
-    write_samples: list[float] = []
+    pair: dict[str, float] = {}
 
     def raw_then_wrapper() -> float:
         # Same cadence as `ours` (one receiver round trip before each write, which lets the peer's
-        # engine threads go idle) and interleaved, so both paths see the same load on shared cores.
+        # engine threads go idle) and interleaved run by run, so both see the same load on shared cores.
         peer.ask({"op": "ping"})
         t0 = time.perf_counter()
         raw_once()
         t1 = time.perf_counter()
         peer.ask({"op": "ping"})
         t2 = time.perf_counter()
-        transport.write(peer.session, src.addr, dest, nbytes)
+        transport.write(peer.session, src.addr, raw_dest, nbytes)
         t3 = time.perf_counter()
-        raw_samples.append(t1 - t0)
-        write_samples.append(t3 - t2)
+        pair.update(raw=t1 - t0, write=t3 - t2)
         return t3 - t0
 
-    timed_loop(raw_then_wrapper, **loop)
-    warm = args.warmup
-    raw, write = raw_samples[warm:], write_samples[warm:]
-    pool.free(src)
-
     tensors = flux_like_tensors(nbytes)
+    ours_bytes = payload_bytes(tensors)
     _, staged_extent = layout(tensors)
-    dest = peer.ask({"op": "slot", "nbytes": staged_extent})["addr"]
-    phases: dict[str, list[float]] = {"stage": [], "write": [], "load": []}
+    ours_dest = peer.ask({"op": "slot", "nbytes": staged_extent})["addr"]
+    phase: dict[str, float] = {}
 
     def ours() -> float:
         t0 = time.perf_counter()
         staged = stage_tensors(pool, tensors, "ours")
         t1 = time.perf_counter()
         assert staged is not None
-        transport.write(peer.session, staged.allocation.addr, dest, staged.nbytes)
+        transport.write(peer.session, staged.allocation.addr, ours_dest, staged.nbytes)
         t2 = time.perf_counter()
         pool.free(staged.allocation)
         load_s = float(peer.ask({"op": "load", "manifest": staged.manifest})["load_s"])
-        phases["stage"].append(t1 - t0)
-        phases["write"].append(t2 - t1)
-        phases["load"].append(load_s)
+        phase.update(stage=t1 - t0, write=t2 - t1, load=load_s)
         return (t2 - t0) + load_s
 
-    ours_total = timed_loop(ours, **loop)
-    ours_bytes = payload_bytes(tensors)
+    # Warm-up runs once, before the first block, for every path.
+    for fn in (memcpy_once, raw_once, raw_then_wrapper, ours):
+        for _ in range(args.warmup):
+            fn()
+    paths = ("memcpy", "raw_b2b", "raw", "write", "ours")
+    samples: dict[str, list[float]] = {k: [] for k in paths}
+    phases: dict[str, list[float]] = {"stage": [], "write": [], "load": []}
+    per_block_rates: list[dict[str, float]] = []
+    loop = {"iterations": per_block, "warmup": 0, "max_seconds": args.max_seconds / blocks}
 
-    def mb_s(size: int, samples: list[float]) -> float:
-        return size / MB / statistics.median(samples)
+    def mb_s(size: int, xs: list[float]) -> float:
+        return size / MB / statistics.median(xs)
 
-    memcpy_rate, raw_rate = mb_s(nbytes, memcpy), mb_s(nbytes, raw)
-    write_rate, ours_rate = mb_s(nbytes, write), mb_s(ours_bytes, ours_total)
+    for _ in range(blocks):
+        block: dict[str, list[float]] = {k: [] for k in paths}
+        # baselines
+        block["memcpy"] = timed_loop(memcpy_once, **loop)
+        block["raw_b2b"] = timed_loop(raw_once, **loop)
+        # measured (raw interleaved run by run with our write)
+        for _ in timed_loop(raw_then_wrapper, **loop):
+            block["raw"].append(pair["raw"])
+            block["write"].append(pair["write"])
+        for total in timed_loop(ours, **loop):
+            block["ours"].append(total)
+            for k in phases:
+                phases[k].append(phase[k])
+        for k in paths:
+            samples[k] += block[k]
+        rates = {k: mb_s(ours_bytes if k == "ours" else nbytes, block[k]) for k in paths}
+        per_block_rates.append(rates)
+    pool.free(src)
+
+    def ratios(num: str, den: str) -> list[float]:
+        return [r[num] / r[den] for r in per_block_rates]
+
+    memcpy_rate, raw_rate = mb_s(nbytes, samples["memcpy"]), mb_s(nbytes, samples["raw"])
+    write_rate, ours_rate = mb_s(nbytes, samples["write"]), mb_s(ours_bytes, samples["ours"])
+    per_block = {
+        "ours_over_raw": ratios("ours", "raw"),
+        "raw_over_memcpy": ratios("raw", "memcpy"),
+        "write_over_raw": ratios("write", "raw"),
+    }
     return {
         "bytes": nbytes,
         "ours_payload_bytes": ours_bytes,
         "ours_staged_bytes": staged_extent,
+        "blocks": blocks,
         "iterations": {
-            "memcpy": len(memcpy),
-            "raw_back_to_back": len(raw_b2b),
-            "raw": len(raw),
-            "write": len(write),
-            "ours": len(ours_total),
+            "memcpy": len(samples["memcpy"]),
+            "raw_back_to_back": len(samples["raw_b2b"]),
+            "raw": len(samples["raw"]),
+            "write": len(samples["write"]),
+            "ours": len(samples["ours"]),
         },
         "memcpy_mb_s": memcpy_rate,
-        "raw_back_to_back_mb_s": mb_s(nbytes, raw_b2b),
+        "raw_back_to_back_mb_s": mb_s(nbytes, samples["raw_b2b"]),
         "raw_mooncake_mb_s": raw_rate,
         "write_mb_s": write_rate,
         "ours_mb_s": ours_rate,
-        "ours_phase_ms": {k: statistics.median(v[warm:]) * 1e3 for k, v in phases.items()},
-        "ours_over_raw": ours_rate / raw_rate,
-        "raw_over_memcpy": raw_rate / memcpy_rate,
-        "write_over_raw": write_rate / raw_rate,
+        "ours_phase_ms": {k: statistics.median(v) * 1e3 for k, v in phases.items()},
+        # Ratios: the median over blocks of each block's ratio (a block's baseline and measured runs
+        # are minutes apart at most), and each block's own.
+        **{k: statistics.median(v) for k, v in per_block.items()},
+        "per_block": per_block,
     }
 
 
@@ -272,7 +303,15 @@ def print_table(results: list[dict[str, Any]], protocol: str) -> None:
             f"{r['raw_over_memcpy']:>11.1%} {r['write_over_raw']:>10.1%}   "
             f"{p['stage']:.2f} / {p['write']:.2f} / {p['load']:.2f}"
         )
+    for r in results:
+        blocks = " ".join(
+            f"{a:.0%}/{b:.0%}"
+            for a, b in zip(r["per_block"]["write_over_raw"], r["per_block"]["ours_over_raw"], strict=True)
+        )
+        print(f"{r['bytes'] / MIB:>5.0f}MiB write/raw and ours/raw per block ({r['blocks']} blocks): {blocks}")
     print(
+        "ratios are medians of the per-block ratios; each block: memcpy and raw b2b (baselines), then raw\n"
+        "and write interleaved run by run, then ours, all in this one process lifetime.\n"
         "memcpy: torch copy into a preallocated buffer; raw b2b: transfer_sync_write back to back;\n"
         "raw / write: transfer_sync_write / MooncakeTransport.write, each after a receiver round trip\n"
         "(the cadence `ours` has); ours: stage_tensors + write + load_tensors of a FLUX-like set."
@@ -315,7 +354,9 @@ def run_sender(args: argparse.Namespace) -> None:
     print_table(results, transport.protocol)
     report = {
         "environment": environment(transport.protocol),
-        "config": {k: getattr(args, k) for k in ("sizes_mib", "iterations", "warmup", "max_seconds", "torch_threads")},
+        "config": {
+            k: getattr(args, k) for k in ("sizes_mib", "iterations", "blocks", "warmup", "max_seconds", "torch_threads")
+        },
         "results": results,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -328,9 +369,16 @@ def run_sender(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64], help="payload sizes in MiB")
-    parser.add_argument("--iterations", type=int, default=10, help="measured runs per path and size (max)")
+    parser.add_argument(
+        "--iterations", type=int, default=10, help="measured runs per path and size over all blocks (max)"
+    )
+    parser.add_argument(
+        "--blocks", type=int, default=5, help="alternating baseline/measured blocks per size, in one process lifetime"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured runs per path and size")
-    parser.add_argument("--max-seconds", type=float, default=20.0, help="time bound per measurement loop")
+    parser.add_argument(
+        "--max-seconds", type=float, default=20.0, help="time bound per path and size, shared by the blocks"
+    )
     parser.add_argument("--hostname", default="127.0.0.1", help="like --disagg-p2p-hostname")
     parser.add_argument("--ib-device", default=None, help="like --disagg-ib-device; omit for TCP")
     parser.add_argument(
@@ -343,8 +391,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender", help=argparse.SUPPRESS)
     parser.add_argument("--receiver-pool-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.iterations < 1 or args.warmup < 0 or args.max_seconds <= 0 or args.torch_threads < 1:
-        parser.error("--iterations and --torch-threads must be >= 1, --warmup >= 0 and --max-seconds > 0")
+    if args.iterations < 1 or args.blocks < 1 or args.warmup < 0 or args.max_seconds <= 0 or args.torch_threads < 1:
+        parser.error("--iterations, --blocks and --torch-threads must be >= 1, --warmup >= 0 and --max-seconds > 0")
     return args
 
 

@@ -69,46 +69,67 @@ def _head(front_port: int, result_port: int, work_ports: list[int]) -> None:
                 front.send_multipart([client, body])
 
 
-def measure(requests: int = 200, max_seconds: float = 30.0) -> dict[str, float]:
-    """Median and p90 seconds of one request's 12 messages, over at most `requests` in `max_seconds`."""
-    n_ports = 2 + 1 + max(ROUTE)
-    base = free_port_block(n_ports)
-    front_port, result_port, *work_ports = range(base, base + n_ports)
-    spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=_worker, args=(p, result_port), daemon=True) for p in work_ports]
-    procs.append(spawn.Process(target=_head, args=(front_port, result_port, work_ports), daemon=True))
-    for p in procs:
-        p.start()
-    ctx = zmq.Context()
-    client = ctx.socket(zmq.DEALER)
-    client.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
-    client.setsockopt(zmq.LINGER, 0)
-    client.connect(f"tcp://127.0.0.1:{front_port}")
-    samples: list[float] = []
-    try:
+class Floor:
+    """The five forwarding processes and a client, up for the `with` block; `block(n)` measures n
+    requests now, so a caller can alternate floor blocks with its own in one process lifetime."""
+
+    def __init__(self) -> None:
+        n_ports = 2 + 1 + max(ROUTE)
+        base = free_port_block(n_ports)
+        self.front_port, result_port, *work_ports = range(base, base + n_ports)
+        spawn = mp.get_context("spawn")
+        self.procs = [spawn.Process(target=_worker, args=(p, result_port), daemon=True) for p in work_ports]
+        self.procs.append(spawn.Process(target=_head, args=(self.front_port, result_port, work_ports), daemon=True))
+        self.ctx = zmq.Context()
+        self.client = self.ctx.socket(zmq.DEALER)
+
+    def __enter__(self) -> Floor:
+        for p in self.procs:
+            p.start()
+        self.client.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+        self.client.setsockopt(zmq.LINGER, 0)
+        self.client.connect(f"tcp://127.0.0.1:{self.front_port}")
         for _ in range(20):  # connect and warm up
-            client.send(MESSAGE)
-            client.recv()
+            self.client.send(MESSAGE)
+            self.client.recv()
+        return self
+
+    def block(self, requests: int, max_seconds: float = 30.0) -> list[float]:
+        """Seconds of each request's 12 messages, at most `requests` in `max_seconds`."""
+        samples: list[float] = []
         deadline = time.monotonic() + max_seconds
         while len(samples) < requests and time.monotonic() < deadline:
             t0 = time.perf_counter()
-            client.send(MESSAGE)
-            client.recv()
+            self.client.send(MESSAGE)
+            self.client.recv()
             samples.append(time.perf_counter() - t0)
-        client.send(b"stop")
-    finally:
-        client.close()
-        ctx.term()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    samples.sort()
+        return samples
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.client.send(b"stop")
+        finally:
+            self.client.close()
+            self.ctx.term()
+            for p in self.procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    samples = sorted(samples)
     return {
         "messages": 2 + 2 * len(ROUTE),
         "floor_ms": statistics.median(samples) * 1e3,
         "floor_p90_ms": samples[int(0.9 * (len(samples) - 1))] * 1e3,
     }
+
+
+def measure(requests: int = 200, max_seconds: float = 30.0) -> dict[str, float]:
+    """Median and p90 seconds of one request's 12 messages, over at most `requests` in `max_seconds`."""
+    with Floor() as floor:
+        return summary(floor.block(requests, max_seconds))
 
 
 def main() -> int:

@@ -1,7 +1,8 @@
 """Names and numbers every object the operator writes agrees on, in one place.
 
 Ports follow the design's convention (triptych.ports): the head's frontend is its scheduler
-port and its result sockets sit at +1..+3; each worker pod binds its work socket on WORKER_PORT.
+port and its result sockets sit at +1..+5 (encoder, denoiser, decoder, prompt_encoder, image_encoder:
+triptych.ports.result_port); each worker pod binds its work socket on WORKER_PORT.
 """
 
 from __future__ import annotations

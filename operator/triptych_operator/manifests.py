@@ -646,8 +646,10 @@ def worker_network_policy(pipeline: PipelineSpec) -> Manifest:
 
 
 def head_network_policy(pipeline: PipelineSpec) -> Manifest:
-    """The head accepts its result ports from the pipeline's workers only; its HTTP port from anyone
-    (clients, the Ingress controller, the metrics API server's scrape). The frontend port is loopback."""
+    """The head accepts its result ports from the pipeline's workers only, one per role the pipeline
+    has (scheduler port +1..+5: encoder, denoiser, decoder, prompt_encoder, image_encoder); its HTTP
+    port from anyone (clients, the Ingress controller, the metrics API server's scrape). The frontend
+    port is loopback."""
     result_ports = [{"protocol": "TCP", "port": result_port(HEAD_SCHEDULER_PORT, role)} for role in pipeline.roles]
     return {
         "apiVersion": "networking.k8s.io/v1",

@@ -121,3 +121,26 @@ def test_a_broken_anchor_is_caught(tmp_path: Path) -> None:
     assert anchors(page) == {"title", "real-one"}
     page.write_text("See [x](#missing) and `[y](#in-code)`.\n")
     assert links(page) == ["#missing"]
+
+
+def _network_policy_texts() -> dict[str, str]:
+    """Where the docs say which ports the head's NetworkPolicy opens to the workers."""
+    security = (REPO / "docs/security.md").read_text()
+    section = security.split("### NetworkPolicies", 1)[1].split("\n## ", 1)[0]
+    operator = (REPO / "docs/operator.md").read_text()
+    (row,) = [line for line in operator.splitlines() if line.startswith("| NetworkPolicy | `P-head` |")]
+    return {"docs/security.md NetworkPolicies": section, "docs/operator.md P-head row": row}
+
+
+def test_the_network_policy_text_names_every_result_port() -> None:
+    """The head's NetworkPolicy opens the result port of each of the pipeline's roles (scheduler port
+    +1..+5, triptych.ports); the text that describes it names every one with its role."""
+    from triptych.ports import DEFAULT_SCHEDULER_PORT, result_port
+    from triptych.roles import ROLE_SPECS
+
+    assert len(ROLE_SPECS) == 5
+    for where, text in _network_policy_texts().items():
+        flat = " ".join(text.split())
+        for role in ROLE_SPECS:
+            port = result_port(DEFAULT_SCHEDULER_PORT, role)
+            assert f"{port} {role.value}" in flat, f"{where} does not name the result port {port} ({role.value})"
