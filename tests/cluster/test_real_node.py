@@ -618,37 +618,7 @@ def test_deleting_a_busy_denoiser_pod_loses_no_request(
     np.testing.assert_array_equal(got, stock_image(tiny_models["tiny-flux"], LONG_IMAGE))
 
 
-def test_helm_uninstall_removes_every_chart_object(real_node: KubeCluster, chart: str) -> None:
-    chart_objects = real_node.helm("get", "manifest", RELEASE, "-n", SYSTEM).stdout
-    real_node.kubectl("-n", chart, "delete", "dp", "--all", "--timeout=90s", timeout=120)
-    t0 = time.monotonic()
-    real_node.helm("uninstall", RELEASE, "-n", SYSTEM, "--wait", "--timeout=120s", timeout=150)
-    print(f"helm uninstall in {time.monotonic() - t0:.1f} s")
-    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "APIService", "Namespace"}
-    for obj in filter(None, yaml.safe_load_all(chart_objects)):
-        meta = obj["metadata"]
-        where = [] if obj["kind"] in cluster_scoped else ["-n", meta.get("namespace", SYSTEM)]
-        left = real_node.kubectl("get", obj["kind"], meta["name"], *where, "--ignore-not-found", "-o", "name")
-        assert left.stdout == "", f"{obj['kind']}/{meta['name']} survived helm uninstall"
-    poll(lambda: not real_node.kubectl("get", "pods", "-n", SYSTEM, "-o", "name").stdout.strip()
-         and not real_node.kubectl("get", "pods", "-n", chart, "-o", "name").stdout.strip(),
-         timeout=90, what="every pod of the chart and the pipelines gone")  # fmt: skip
-
-
-def test_node_down_leaves_nothing_behind(real_node: KubeCluster) -> None:
-    env = json.loads(real_node.settings["_env"])
-    poll(lambda: real_node.settings["NODE_NAME"] in real_node.kubectl("get", "nodes").stdout, what="the real node")
-    preexisting = set((Path(real_node.settings["NODE_DIR"]) / "preexisting").read_text().split())
-    t0 = time.monotonic()
-    down = subprocess.run(
-        ["bash", str(CLUSTER_SRC / "down.sh"), "--purge"], env=env, capture_output=True, text=True, timeout=180
-    )
-    assert down.returncode == 0, down.stdout + down.stderr
-    print(f"cluster with a real node down in {time.monotonic() - t0:.1f} s:\n{down.stdout}")
-    assert _host_leftovers(real_node.settings) == []
-    assert not Path(real_node.state_dir).exists()
-    for path in ("/run/netns", "/usr/libexec/kubernetes"):  # the machine as the node found it
-        assert path in preexisting or not Path(path).exists(), f"{path} was made by the node and left behind"
+# The tests below need the chart and the node: they run before the uninstall and the teardown.
 
 
 def _shared_results(ns: str, folder: Path) -> str:
@@ -748,3 +718,36 @@ def test_two_heads_roll_on_a_cr_edit_under_load_and_a_deleted_head_loses_no_vide
     finally:
         real_node.kubectl("delete", "-f", "-", "--ignore-not-found", input=_shared_results(chart, folder), check=False)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_helm_uninstall_removes_every_chart_object(real_node: KubeCluster, chart: str) -> None:
+    chart_objects = real_node.helm("get", "manifest", RELEASE, "-n", SYSTEM).stdout
+    real_node.kubectl("-n", chart, "delete", "dp", "--all", "--timeout=90s", timeout=120)
+    t0 = time.monotonic()
+    real_node.helm("uninstall", RELEASE, "-n", SYSTEM, "--wait", "--timeout=120s", timeout=150)
+    print(f"helm uninstall in {time.monotonic() - t0:.1f} s")
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "APIService", "Namespace"}
+    for obj in filter(None, yaml.safe_load_all(chart_objects)):
+        meta = obj["metadata"]
+        where = [] if obj["kind"] in cluster_scoped else ["-n", meta.get("namespace", SYSTEM)]
+        left = real_node.kubectl("get", obj["kind"], meta["name"], *where, "--ignore-not-found", "-o", "name")
+        assert left.stdout == "", f"{obj['kind']}/{meta['name']} survived helm uninstall"
+    poll(lambda: not real_node.kubectl("get", "pods", "-n", SYSTEM, "-o", "name").stdout.strip()
+         and not real_node.kubectl("get", "pods", "-n", chart, "-o", "name").stdout.strip(),
+         timeout=90, what="every pod of the chart and the pipelines gone")  # fmt: skip
+
+
+def test_node_down_leaves_nothing_behind(real_node: KubeCluster) -> None:
+    env = json.loads(real_node.settings["_env"])
+    poll(lambda: real_node.settings["NODE_NAME"] in real_node.kubectl("get", "nodes").stdout, what="the real node")
+    preexisting = set((Path(real_node.settings["NODE_DIR"]) / "preexisting").read_text().split())
+    t0 = time.monotonic()
+    down = subprocess.run(
+        ["bash", str(CLUSTER_SRC / "down.sh"), "--purge"], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert down.returncode == 0, down.stdout + down.stderr
+    print(f"cluster with a real node down in {time.monotonic() - t0:.1f} s:\n{down.stdout}")
+    assert _host_leftovers(real_node.settings) == []
+    assert not Path(real_node.state_dir).exists()
+    for path in ("/run/netns", "/usr/libexec/kubernetes"):  # the machine as the node found it
+        assert path in preexisting or not Path(path).exists(), f"{path} was made by the node and left behind"
