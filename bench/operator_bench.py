@@ -379,7 +379,7 @@ def main() -> int:
         print("| who | does what | objects | half done | all done |")
         for stage in result[key]["stages"]:
             print(f"| {stage['who']} | {stage['what']} | {stage['count']} | {stage['median_s']} | {stage['last_s']} |")
-    print(f"wrote {out.relative_to(ROOT)} (and the operator's log beside it)")
+    print(f"wrote {out} (and the operator's log beside it)")
     return 0
 
 

@@ -40,13 +40,15 @@ OVERRIDES: dict[str, frozenset[Role]] = {
     **dict.fromkeys(
         (
             "--disagg-dispatch-policy",
-            "--disagg-heartbeat-timeout",
-            "--disagg-discovery-interval",
             "--disagg-max-retries",
             "--disagg-no-instance-wait",
         ),
         SERVER,
     ),
+    # the head's bound on a silent worker, and a worker's on a silent head (it releases that head's work)
+    "--disagg-heartbeat-timeout": SERVER | WORKERS,
+    # the head re-reads its worker lists, a worker its list of heads (dns://, file://)
+    "--disagg-discovery-interval": SERVER | WORKERS,
     "--disagg-drain-timeout": EVERY,  # every process drains on SIGTERM (run_monolithic passes it too)
     "--batching-mode": SERVER,  # the head groups requests; workers only take the group size
     "--batching-delay-ms": SERVER,

@@ -252,3 +252,34 @@ def test_served_model_name_is_a_name_requests_may_use() -> None:
     from triptych.model_source import model_names
 
     assert model_names("/models/flux", "/models/flux", "my-flux")[0] == "my-flux"
+
+
+def test_no_role_is_refused_a_flag_its_own_code_reads() -> None:
+    # The table must not refuse a flag the worker or head code reads (a worker's heartbeat timeout on
+    # its heads, its discovery interval): scan `args.<flag>` in each side's sources.
+    import re
+    from pathlib import Path
+
+    from triptych.config import ServeArgs
+    from triptych.flag_roles import roles_taking
+    from triptych.roles import WORKER_ROLES, Role
+    from triptych.serve_help import flag
+
+    repo = Path(__file__).resolve().parents[2]
+    fields = set(ServeArgs.__dataclass_fields__)
+
+    def read_by(*folders: str) -> set[str]:
+        found: set[str] = set()
+        for folder in folders:
+            for path in (repo / folder).rglob("*.py"):
+                found |= set(re.findall(r"\bargs\.([a-z_]+)", path.read_text()))
+        return found & fields
+
+    worker = read_by("worker/triptych_worker")
+    refused = [a for a in worker if not any(r in roles_taking(flag(a)) for r in WORKER_ROLES)]
+    assert not refused, f"workers read {refused} but the table gives them to no worker role"
+    head = read_by("head/triptych_head")
+    refused = [
+        a for a in head if Role.SERVER not in roles_taking(flag(a)) and Role.MONOLITHIC not in roles_taking(flag(a))
+    ]
+    assert not refused, f"the head reads {refused} but the table gives them to no head"
