@@ -22,6 +22,7 @@ import stat
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -107,29 +108,32 @@ class DirectoryObjects:
         except OSError as exc:
             raise StoreError(f"--output-path {self.root}: cannot write there ({exc}); give a writable folder") from None
 
-    def put_bytes(self, name: str, data: bytes, content_type: str) -> None:
-        path = self._path(name)
+    @staticmethod
+    @contextmanager
+    def _written_beside(path: Path, data: bytes) -> Iterator[Path]:
+        """`data` in a temporary file beside `path` (same folder, so a rename or link is atomic), removed after."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
             tmp.write_bytes(data)
-            os.replace(tmp, path)  # atomic: another head reads the old file or the new one, never half
+            yield tmp
         finally:
             tmp.unlink(missing_ok=True)
 
+    def put_bytes(self, name: str, data: bytes, content_type: str) -> None:
+        path = self._path(name)
+        with self._written_beside(path, data) as tmp:
+            os.replace(tmp, path)  # atomic: another head reads the old file or the new one, never half
+
     def create(self, name: str, data: bytes, content_type: str) -> bool:
         path = self._path(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            tmp.write_bytes(data)
-            os.link(tmp, path)  # atomic and exclusive, on NFS too: fails when the name exists
-        except FileExistsError:
-            return False
-        except OSError:  # no hard links here (SMB shares): exclusive still, the content lands just after
-            return self._create_exclusive(path, data)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with self._written_beside(path, data) as tmp:
+            try:
+                os.link(tmp, path)  # atomic and exclusive, on NFS too: fails when the name exists
+            except FileExistsError:
+                return False
+            except OSError:  # no hard links here (SMB shares): exclusive still, the content lands just after
+                return self._create_exclusive(path, data)
         return True
 
     @staticmethod
