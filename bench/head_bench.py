@@ -28,6 +28,13 @@ Prints, side by side in one run:
   same bytes between this process and a receiver (bench/transfer_bench.py's pair), in --blocks
   alternating blocks (raw, ours, raw, ours, ...) while the deployment is up, as a throughput
   ratio per block and its median (target >= 90%).
+- with --load-ahead-mib N: back-to-back requests (--load-ahead-concurrency of them in flight, so the
+  next one's inputs wait at the denoiser and decoder while the current one computes) of N MiB per
+  hop, the denoiser computing --load-ahead-step-ms per request, on two deployments up side by side:
+  receivers that copy inputs out of their slots ahead of compute (--disagg-load-ahead 1, the default)
+  and ones whose computing thread copies them (0, before), in --blocks alternating blocks; medians
+  of the receivers' stage time (inputs loaded + compute + outputs staged), request latency and
+  throughput.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import zmq_floor  # noqa: E402
 
 from triptych.params import GenerationParams  # noqa: E402
 from triptych.protocol import RequestEvent, RequestResult, Submit, decode, encode  # noqa: E402
+from triptych.roles import Role  # noqa: E402
 from triptych_dev.localdeploy import local_deployment  # noqa: E402
 from triptych_dev.tiny_models import write_tiny_models  # noqa: E402
 
@@ -348,6 +356,67 @@ def transfer_comparison(flux: Path, mib: int, n: int, blocks: int) -> dict[str, 
     }
 
 
+def load_ahead_comparison(
+    flux: Path, mib: int, step_ms: float, concurrency: int, n: int, blocks: int
+) -> dict[str, Any]:
+    """Receivers loading inputs ahead of compute (--disagg-load-ahead 1) against loading them on the
+    computing thread (0): two deployments up at once, alternating blocks of n requests in all, each
+    block `concurrency` requests in flight (so one waits at each receiver while another computes)."""
+    per_block = max(concurrency, -(-n // blocks))
+    receivers = (Role.DENOISER, Role.DECODER)
+    figures: dict[int, dict[str, list[float]]] = {a: {"stage": [], "latency": [], "rps": []} for a in (1, 0)}
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        deps = {}
+        for ahead in (1, 0):
+            flags = ("--disagg-load-ahead", str(ahead))
+            role_flags = {role: flags for role in receivers}
+            role_flags[Role.DENOISER] = (*flags, "--step-seconds", str(step_ms / 1e3))
+            workdir = Path(tmp) / f"ahead-{ahead}"
+            deps[ahead] = stack.enter_context(
+                local_deployment(
+                    flux, workdir, worker_flags=("--device", "cpu"), role_flags=role_flags, null_payload_bytes=mib << 20
+                )
+            )
+
+        async def block(front: Frontend, tag: str) -> tuple[list[RequestResult], float, list[float]]:
+            started = time.perf_counter()
+            latencies: list[float] = []
+
+            async def one(i: int) -> RequestResult:
+                t0 = time.perf_counter()
+                result = await front.request(f"{tag}-{i}")
+                latencies.append(time.perf_counter() - t0)
+                return result
+
+            results: list[RequestResult] = []
+            for first in range(0, per_block, concurrency):  # waves of `concurrency` back-to-back requests
+                results += await asyncio.gather(*(one(i) for i in range(first, min(first + concurrency, per_block))))
+            return results, per_block / (time.perf_counter() - started), latencies
+
+        async def run() -> None:
+            fronts = {a: Frontend(f"tcp://127.0.0.1:{dep.scheduler_port}") for a, dep in deps.items()}
+            for a, front in fronts.items():
+                await block(front, f"warmup-{a}")
+            for b in range(blocks):
+                for a in (1, 0) if b % 2 == 0 else (0, 1):
+                    results, rps, latencies = await block(fronts[a], f"ahead-{a}-{b}")
+                    stages = [sum(r.timings[f"worker_{role.value}"] for role in receivers) for r in results]
+                    figures[a]["stage"] += stages
+                    figures[a]["latency"] += latencies
+                    figures[a]["rps"].append(rps)
+            for front in fronts.values():
+                front.reader.cancel()
+
+        asyncio.run(run())
+    out: dict[str, Any] = {"load_ahead_bytes": mib << 20, "load_ahead_step_ms": step_ms}
+    for a, name in ((1, "load_ahead"), (0, "load_inline")):
+        out[f"{name}_receiver_stages_ms"] = statistics.median(figures[a]["stage"]) * 1e3
+        out[f"{name}_latency_ms"] = statistics.median(figures[a]["latency"]) * 1e3
+        out[f"{name}_rps"] = statistics.median(figures[a]["rps"])
+    out["load_ahead_rps_gain"] = out["load_ahead_rps"] / out["load_inline_rps"]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=400)
@@ -355,6 +424,10 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--payload-bytes", type=int, default=64 * 1024)
     p.add_argument("--transfer-mib", type=int, default=32, help="payload for the hand-off comparison (0: skip)")
+    p.add_argument("--load-ahead-mib", type=int, default=32, help="payload for the load-ahead comparison (0: skip)")
+    p.add_argument("--load-ahead-step-ms", type=float, default=40.0, help="the denoiser's compute per request there")
+    p.add_argument("--load-ahead-concurrency", type=int, default=3)
+    p.add_argument("--load-ahead-requests", type=int, default=60)
     p.add_argument("--auth-blocks", type=int, default=8, help="alternating blocks for authentication on/off (0: skip)")
     p.add_argument("--auth-block-requests", type=int, default=100)
     p.add_argument(
@@ -427,6 +500,24 @@ def main() -> int:
         )
         blocks = " ".join(f"{100 * r:.0f}%" for r in t["handoff_vs_raw_per_block"])
         print(f"  ... hand-off per block  {blocks}")
+    if args.load_ahead_mib:
+        la = load_ahead_comparison(
+            flux, args.load_ahead_mib, args.load_ahead_step_ms, args.load_ahead_concurrency,
+            args.load_ahead_requests, args.blocks,
+        )  # fmt: skip
+        result.update(la)
+        print(
+            f"receivers loading inputs ahead of compute (--disagg-load-ahead 1) vs on the computing thread (0): "
+            f"{args.load_ahead_mib} MiB per hop, denoiser compute {args.load_ahead_step_ms:g} ms, "
+            f"{args.load_ahead_concurrency} requests in flight, {args.blocks} alternating blocks; medians"
+        )
+        for name, key, unit in (
+            ("denoiser+decoder stages", "receiver_stages_ms", "ms"),
+            ("request latency", "latency_ms", "ms"),
+            ("throughput", "rps", "req/s"),
+        ):
+            ahead, inline = la[f"load_ahead_{key}"], la[f"load_inline_{key}"]
+            print(f"  {name:23} {ahead:8.2f} {unit} ahead, {inline:.2f} {unit} inline ({ahead / inline:.2f}x)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     return 0

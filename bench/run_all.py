@@ -11,6 +11,7 @@ HERE = Path(__file__).resolve().parent
 for script in (
     "transfer_bench.py",
     "head_bench.py",
+    "tracing_bench.py",
     "pipeline_bench.py",
     "scaling_bench.py",
     "heads_bench.py",

@@ -9,7 +9,8 @@ the same (one head and its workers serve one model, so the model is the same alr
 - num_inference_steps and guidance_scale (the schedule, FLUX's guidance embedding, CFG's mix);
 - negative prompt present or not (with CFG: whether the uncond branch runs on a given text);
 - max_sequence_length (the text embeddings' length);
-- num_outputs (rows per request: a batch is a whole number of requests of the same width).
+- num_outputs (rows per request: a batch is a whole number of requests of the same width);
+- the step cache, its knob resolved (the denoiser applies one cache hook to the whole batch).
 
 What may differ: prompt, negative prompt text and seed. Each request's initial noise is made from
 its own seed alone (LatentPreparationStage runs per request), so it is what it would be alone.
@@ -38,4 +39,5 @@ def batch_key(params: GenerationParams, request_id: str = "") -> tuple[Any, ...]
         p.negative_prompt is not None,
         p.max_sequence_length,
         p.num_outputs,
+        p.resolved_step_cache,
     )

@@ -107,6 +107,7 @@ class ServeArgs:
     disagg_ib_device: str | None = None
     disagg_transfer_pool_size: int = DEFAULT_POOL_SIZE
     disagg_transfer_listen_any: bool = False
+    disagg_load_ahead: int = 1  # worker: batches of inputs copied out of their slots while one computes
     disagg_full_pipeline: bool = False  # a denoiser that runs every stage (a head with only --denoiser-urls)
     encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES
     disagg_timeout: float = DEFAULT_TIMEOUT_S
@@ -137,7 +138,7 @@ class ServeArgs:
     disagg_drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     api_keys_file: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_queued_requests: int | None = None  # None: sized to the worker pools (triptych_head.admission)
+    max_queued_requests: int | None = None  # None: no cap, deadlines decide (triptych_head.admission)
     simulate: bool = False
     simulate_seconds: float | None = None
     simulate_seconds_per_unit: float | None = None
@@ -148,6 +149,7 @@ class ServeArgs:
     batching_max_size: int = 1  # head: most requests per group; worker: most requests per batched forward
     batching_delay_ms: float = 30.0  # head: longest a request waits for its group to fill
     enable_batching_metrics: bool = False  # head: batch size, wait and fill histograms on /metrics
+    otlp_endpoint: str = ""  # head and workers: an OTLP/HTTP collector for traces ("": off; triptych.tracing)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> ServeArgs:
@@ -236,6 +238,11 @@ class ServeArgs:
             raise ConfigError(
                 f"--disagg-transfer-pool-size {self.disagg_transfer_pool_size} is below 1 MiB; use e.g. 256MiB"
             )
+        if self.disagg_load_ahead < 0:
+            raise ConfigError(
+                f"--disagg-load-ahead {self.disagg_load_ahead} must be >= 0 "
+                "(0: the computing thread copies its own inputs)"
+            )
         if self.disagg_transfer_listen_any and not role.is_worker:
             raise ConfigError(f"--disagg-transfer-listen-any is for worker roles, not --disagg-role {role.value}")
         if self.disagg_timeout <= 0:
@@ -312,6 +319,13 @@ class ServeArgs:
         elif self.results_s3_endpoint or self.results_presign:
             which = "--results-s3-endpoint" if self.results_s3_endpoint else "--results-presign"
             raise ConfigError(f"{which} only applies with --results-store s3://BUCKET/PREFIX")
+        if self.otlp_endpoint:
+            parts = urlsplit(self.otlp_endpoint)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigError(
+                    f"--otlp-endpoint {self.otlp_endpoint!r} is not http(s)://HOST:PORT, an OTLP/HTTP collector "
+                    "(traces go to its /v1/traces)"
+                )
         if self.results_s3_endpoint is not None:
             parts = urlsplit(self.results_s3_endpoint)
             if parts.scheme not in ("http", "https") or not parts.netloc or parts.path.strip("/") or parts.query:
@@ -480,6 +494,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--disagg-transfer-listen-any", action="store_true",
       help="worker: let Mooncake's handshake and data ports listen on every address of the host (its own "
            "behaviour), not only --disagg-p2p-hostname; whoever reaches them can read and write the pool")  # fmt: skip
+    a("--disagg-load-ahead", type=int, default=d.disagg_load_ahead,
+      help="image_encoder, denoiser, decoder: copy the inputs of up to N next batches out of their receive slots while "
+           "the current one computes, on a thread (and CUDA stream) of their own (default 1; 0: the "
+           "computing thread copies its own)")  # fmt: skip
     a("--disagg-full-pipeline", action="store_true",
       help="denoiser: load and run the whole pipeline (encode, denoise, decode) and return pixels to a "
            "head started with only --denoiser-urls; no tensor moves between workers: no Mooncake engine")  # fmt: skip
@@ -529,8 +547,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--max-request-bytes", type=parse_size, default=d.max_request_bytes,
       help="head/monolithic: largest HTTP request body, bytes or 16MiB; larger get 413 (default 16MiB)")  # fmt: skip
     a("--max-queued-requests", type=int, default=None, metavar="N",
-      help="head/monolithic: requests accepted beyond what the workers can run at once; more get 429 with "
-           "Retry-After (default: twice the ready workers' slots, at least 8)")  # fmt: skip
+      help="head/monolithic: a hard cap on requests accepted beyond what the workers can run at once; more get "
+           "429 with Retry-After (default: no cap, a request is refused only when it would miss its deadline; "
+           "monolithic: 8)")  # fmt: skip
     a("--reference-url-networks", default=d.reference_url_networks, metavar="CIDR;CIDR",
       help="image encoder/monolithic: private networks an edit's image URL may reach; public addresses always "
            "may, every other address (loopback, link-local, private) is refused (default: none)")  # fmt: skip
@@ -546,6 +565,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
            "full, at this delay, or when the worker has no more free slots (default 30)")  # fmt: skip
     a("--enable-batching-metrics", action="store_true",
       help="head: export batch sizes, batching waits and fill ratios per role (histograms) on /metrics")  # fmt: skip
+    a("--otlp-endpoint", default=d.otlp_endpoint, metavar="URL",
+      help="head and workers: export OpenTelemetry traces of requests over OTLP/HTTP to this collector "
+           "(http://HOST:4318; spans go to URL/v1/traces); without it OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+           "OTEL_EXPORTER_OTLP_ENDPOINT, else off")  # fmt: skip
     a("--simulate", action="store_true",
       help="worker: load no model; each stage sleeps a modelled time and emits the tensors --model-path's family "
            "would (shapes from its configs), through the real pool and Mooncake transfers")  # fmt: skip

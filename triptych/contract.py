@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from triptych import step_cache
+
 IMAGES = "/v1/images/generations"
 EDITS = "/v1/images/edits"
 VIDEOS = "/v1/videos"
@@ -35,6 +37,8 @@ MAX_SIDE = 4096  # a guard against requests no deployment should attempt; the fa
 MAX_SEED = 2**63 - 1
 MAX_TEXT = 20_000
 MAX_FRAMES = 1025
+MIN_DEADLINE_S = 0.001
+MAX_DEADLINE_S = 366 * 86400  # any deadline is capped at the request timeout; this only keeps it a sane number
 
 
 class ParamError(ValueError):
@@ -63,6 +67,8 @@ class ModelTraits(Protocol):
     def negative_prompt(self) -> bool: ...  # takes a negative prompt (classifier-free guidance)
     @property
     def edits(self) -> bool: ...  # takes a reference image
+    @property
+    def step_cache_modes(self) -> tuple[str, ...]: ...  # the step cache modes (triptych.step_cache) it serves
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,9 @@ class Limits:
             unsupported=other.unsupported or self.unsupported,
             message=other.message or self.message,
             step_message=other.step_message or self.step_message,
+            choices=tuple(c for c in self.choices if c in other.choices)
+            if self.choices is not None and other.choices is not None
+            else other.choices or self.choices,
         )
         if merged.step and merged.minimum is not None and merged.maximum is not None:
             # Whole steps at both ends, so a form's min/step (HTML counts steps from min) stays valid.
@@ -116,8 +125,11 @@ class Limits:
             if value is None or value == "":
                 return None
             return self.unsupported.format(field=name, value=value, pipeline=pipeline, kind=kind)
+        if isinstance(value, str) and self.choices is not None and value not in self.choices:
+            # The HTTP models take the contract's choices (schemas.py); a family may take fewer.
+            return f"{name} {value!r} is not available for {pipeline}: choose one of {', '.join(self.choices)}"
         if isinstance(value, bool) or not isinstance(value, int | float):
-            return None  # strings and choices are the HTTP models' (schemas.py); the workers get them checked
+            return None  # other strings are the HTTP models' (schemas.py)
         lo, hi = self.minimum, self.maximum
         s, o = self.step, self.offset
         below = above = value
@@ -207,7 +219,8 @@ class Contract:
         return Contract((*(p for p in self.params if p.name != param.name), param))
 
     def check(self, values: Mapping[str, Any], traits: ModelTraits | None) -> None:
-        """Raise ParamError, naming the parameter, for the first value the served model cannot take.
+        """Raise ParamError, naming the parameter, for the first value the served model cannot take
+        (then for a step cache knob the request's mode does not take).
 
         `values` are keyed by field: GenerationParams' fields, and the head's own parameters by name.
         """
@@ -218,6 +231,9 @@ class Contract:
                     why = limits.check(name, values[name], traits)
                     if why is not None:
                         raise ParamError(p.name, why)
+        knob = step_cache.check_knobs(values)
+        if knob is not None:
+            raise ParamError(*knob)
 
     def describe(self, endpoint: str, traits: ModelTraits | None) -> dict[str, dict[str, Any]]:
         """The parameters `endpoint` takes with the served model's limits, as JSON (the playground's form)."""
@@ -335,6 +351,16 @@ CONTRACT = Contract(
             form=True,
         ),
         RequestParam(
+            "deadline_seconds",
+            float,
+            "Seconds from now by which the result is wanted (omitted, or later than the request timeout: the "
+            "timeout); a request the head estimates would miss it gets 429 deadline_unachievable at once",
+            ALL,
+            limits=Limits(minimum=MIN_DEADLINE_S, maximum=MAX_DEADLINE_S),
+            fields=(),
+            cli="--deadline",
+        ),
+        RequestParam(
             "n",
             int,
             "How many images to make",
@@ -400,6 +426,36 @@ CONTRACT = Contract(
             frozenset(),
             default=512,
             limits=Limits(minimum=1, maximum=512),
+        ),
+        RequestParam(
+            "step_cache",
+            str,
+            "Reuse work of earlier denoising steps (faster, not the same pixels as none): "
+            + "; ".join(f"{m.name} {m.doc}" for m in step_cache.MODES.values())
+            + " (docs/serving.md#step-caching)",
+            ALL,
+            default=step_cache.NONE,
+            limits=Limits(choices=step_cache.CHOICES),
+            family=lambda t: Limits(choices=(step_cache.NONE, *t.step_cache_modes)),
+            cli="--step-cache",
+        ),
+        RequestParam(
+            step_cache.THRESHOLD,
+            float,
+            "step_cache first_block: the relative change of the first block's output below which the other "
+            "blocks are skipped (omitted: 0.05; higher skips more)",
+            ALL,
+            limits=Limits(minimum=step_cache.MIN_THRESHOLD, maximum=step_cache.MAX_THRESHOLD),
+            cli="--step-cache-threshold",
+        ),
+        RequestParam(
+            step_cache.INTERVAL,
+            int,
+            "step_cache pyramid_attention_broadcast and taylorseer: compute in full once every N calls or steps "
+            "(omitted: 2 and 5; higher skips more)",
+            ALL,
+            limits=Limits(minimum=step_cache.MIN_INTERVAL, maximum=step_cache.MAX_INTERVAL),
+            cli="--step-cache-interval",
         ),
         RequestParam("quality", str, COMPATIBILITY, IMAGE_ENDPOINTS, fields=(), accepted_only=True),
         RequestParam("style", str, COMPATIBILITY, frozenset({IMAGES}), fields=(), accepted_only=True),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from triptych.roles import FULL_PIPELINE_ROLE, ROLE_SPECS, WORKER_ROLES, Role
+from triptych.roles import FULL_PIPELINE_ROLE, RECEIVING_ROLES, ROLE_SPECS, WORKER_ROLES, Role
 from triptych.serve_help import GENERAL, GROUP_OF, flag
 
 EVERY: frozenset[Role] = frozenset(Role)
@@ -29,6 +29,7 @@ GROUP_ROLES: dict[str, frozenset[Role]] = {
     "parallelism": WORKERS,
     "transfer": WORKERS,
     "control plane security": SERVER | WORKERS,  # monolithic mode has no control plane
+    "tracing": SERVER | WORKERS,  # a trace follows a request's hops; monolithic mode has none
 }
 
 # Flags whose takers differ from their group's. Each line says why.
@@ -58,6 +59,7 @@ OVERRIDES: dict[str, frozenset[Role]] = {
     "--encoder-cache-bytes": frozenset(r for r in WORKER_ROLES if r.runs_affinity(Role.PROMPT_ENCODER))
     | {FULL_PIPELINE_ROLE},
     "--disagg-full-pipeline": frozenset({FULL_PIPELINE_ROLE}),
+    "--disagg-load-ahead": frozenset(RECEIVING_ROLES),  # the roles that take tensors through receive slots
     # who opens an edit's image URL: the head's API checks it, the image-encoding stages open it
     "--reference-url-networks": HEADS
     | {r for r in WORKER_ROLES if r.runs_affinity(Role.IMAGE_ENCODER)}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from triptych.step_cache import NONE, StepCache, resolved
+
 
 class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt: str
@@ -24,7 +26,16 @@ class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # there), or an http(s) URL the image encoder fetches. Requests without one are text-to-image/video.
     image: bytes | None = None
     image_url: str | None = None
+    # Step caching (triptych/step_cache.py): the denoiser applies the mode's diffusers hook for this request only.
+    step_cache: str = NONE
+    step_cache_threshold: float | None = None
+    step_cache_interval: int | None = None
 
     @property
     def has_reference(self) -> bool:
         return self.image is not None or self.image_url is not None
+
+    @property
+    def resolved_step_cache(self) -> StepCache:
+        """The request's step cache, its knob's default filled in (what the denoiser applies)."""
+        return resolved(self.step_cache, self.step_cache_threshold, self.step_cache_interval)

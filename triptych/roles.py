@@ -88,6 +88,9 @@ class RoleSpec:
     """One of the split encoders (prompt_encoder, image_encoder), which replace the combined encoder."""
     also_runs: frozenset[Role] = frozenset()
     """Other roles' stages a process of this role runs as well."""
+    receives_from: Role | None = None
+    """The role whose outputs are this role's inputs (through its receive slots); None: a first role,
+    given Work. The image encoder receives the prompt encoder's on an edit's split route."""
 
 
 ROLE_SPECS: dict[Role, RoleSpec] = {
@@ -113,6 +116,7 @@ ROLE_SPECS: dict[Role, RoleSpec] = {
         crd_field="imageEncoder",
         needs_reference=True,
         split_encoder=True,
+        receives_from=Role.PROMPT_ENCODER,
     ),
     Role.DENOISER: RoleSpec(
         result_port_offset=2,
@@ -126,6 +130,7 @@ ROLE_SPECS: dict[Role, RoleSpec] = {
         },
         operator_degrees=("tp", "sp", "ulysses", "ring", "cfg"),
         crd_field="denoiser",
+        receives_from=Role.ENCODER,  # the encoder's outputs (the split encoders' accumulated ones)
         drain_seconds=900,
         simulate_seconds=(0.02, 0.25),
         prior_seconds_per_unit=0.2,
@@ -136,6 +141,7 @@ ROLE_SPECS: dict[Role, RoleSpec] = {
         stage_states="DECODER",
         parallel_flags={"sp": "decoder_sp"},
         crd_field="decoder",
+        receives_from=Role.DENOISER,
         simulate_seconds=(0.01, 0.05),
         prior_seconds_per_unit=0.05,
     ),
@@ -143,6 +149,9 @@ ROLE_SPECS: dict[Role, RoleSpec] = {
 
 WORKER_ROLES: tuple[Role, ...] = tuple(sorted(ROLE_SPECS, key=lambda role: ROLE_SPECS[role].route_order))
 """Every worker role, in the order a request visits them."""
+
+RECEIVING_ROLES: tuple[Role, ...] = tuple(r for r in WORKER_ROLES if ROLE_SPECS[r].receives_from is not None)
+"""The roles that take tensors through receive slots: every worker role that is not a first one."""
 
 COMBINED_ROLES: tuple[Role, ...] = tuple(r for r in WORKER_ROLES if not ROLE_SPECS[r].split_encoder)
 """The three-role topology: encoder, denoiser, decoder."""

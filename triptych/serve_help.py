@@ -77,12 +77,19 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "transfer": (
         "worker-to-worker tensors (Mooncake)",
-        ("--disagg-p2p-hostname", "--disagg-ib-device", "--disagg-transfer-pool-size", "--disagg-transfer-listen-any"),
+        (
+            "--disagg-p2p-hostname",
+            "--disagg-ib-device",
+            "--disagg-transfer-pool-size",
+            "--disagg-transfer-listen-any",
+            "--disagg-load-ahead",
+        ),
     ),
     "control plane security": (
         "head and workers",
         ("--disagg-keys-dir", "--disagg-insecure"),
     ),
+    "tracing": ("head and workers: OpenTelemetry traces of requests (docs/serving.md)", ("--otlp-endpoint",)),
 }
 GROUP_OF = {flag: title for title, (_, flags) in GROUPS.items() for flag in flags}
 

@@ -22,6 +22,7 @@ from triptych.protocol import Cancel, ProtocolError, RequestEvent, RequestResult
 from triptych.protocol.tensors import PIXELS
 from triptych.roles import Role
 from triptych_head.state import REJECTED, RequestState
+from triptych_head.timeline import server_timing
 
 ProgressCallback = Callable[[int, int, bytes], None]  # (step, total steps, a preview PNG or b"")
 
@@ -34,6 +35,7 @@ EventCallback = Callable[[RequestEvent], None]
 class GenerationOutput:
     pixels: np.ndarray  # uint8 [num_outputs, frames, height, width, 3]
     timings: dict[str, float] = field(default_factory=dict)
+    server_timing: str = ""  # where its time went (timeline.py), for the answer's Server-Timing header
 
 
 class GenerationFailed(Exception):
@@ -129,7 +131,8 @@ class FrontendClient:
                 continue
             if isinstance(msg, RequestResult):
                 try:
-                    future.set_result(GenerationOutput(pixels_from_frames(msg.tensors, frames), dict(msg.timings)))
+                    pixels = pixels_from_frames(msg.tensors, frames)
+                    future.set_result(GenerationOutput(pixels, dict(msg.timings), msg.server_timing))
                 except ValueError as exc:
                     future.set_exception(GenerationFailed(f"bad result from the decoder: {exc}", 502))
             elif isinstance(msg, RequestEvent):
@@ -162,8 +165,9 @@ RUNNING = RequestState.DENOISING_RUNNING.value
 class LocalBackend:
     """Monolithic mode: every stage in this process, one request at a time on the device."""
 
-    def __init__(self, pipeline: InProcessPipeline):
+    def __init__(self, pipeline: InProcessPipeline, after_request: Callable[[], None] | None = None):
         self._pipeline = pipeline
+        self._after_request = after_request  # e.g. copy the pipeline's step cache counts to /metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
         self._cancelled: set[str] = set()
 
@@ -191,6 +195,8 @@ class LocalBackend:
                 return self._pipeline.generate(params, progress, preview_every if on_event else 0)
             finally:
                 self._cancelled.discard(request_id)
+                if self._after_request is not None:
+                    self._after_request()
 
         started = loop.time()
         try:
@@ -205,7 +211,8 @@ class LocalBackend:
         except Exception as exc:
             log.exception("request %s failed", request_id)
             raise GenerationFailed(f"{type(exc).__name__}: {exc}") from None
-        return GenerationOutput(pixels=pixels, timings={"total": loop.time() - started})
+        total = loop.time() - started
+        return GenerationOutput(pixels=pixels, timings={"total": total}, server_timing=server_timing({}, total))
 
     async def cancel(self, request_id: str) -> None:
         self._cancelled.add(request_id)

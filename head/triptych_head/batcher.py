@@ -93,7 +93,9 @@ class GroupBatcher:
             return []
         by_key: dict[tuple[Any, ...], list[RequestRecord]] = {}
         for rec in queued:
-            by_key.setdefault(batch_key(rec.params, rec.wire_id), []).append(rec)
+            # Continuations (migration.py) batch only with continuations of the same step.
+            step = rec.staged.continues_at if rec.staged else None
+            by_key.setdefault((step, *batch_key(rec.params, rec.wire_id)), []).append(rec)
         groups: list[list[RequestRecord]] = []
         for members in by_key.values():
             for start in range(0, len(members), limit):

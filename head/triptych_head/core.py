@@ -48,7 +48,8 @@ from triptych.protocol import (
     decode,
 )
 from triptych.roles import WORKER_ROLES, Role, is_full_pipeline, route_for
-from triptych_head import transfers, upkeep
+from triptych.tracing import Tracing
+from triptych_head import migration, transfers, upkeep
 from triptych_head.admission import AdmissionControl
 from triptych_head.batcher import BatchingMetrics
 from triptych_head.instances import WorkerInstance
@@ -90,8 +91,10 @@ class HeadCore:
         transport: Transport,
         metrics: HeadMetrics | None = None,
         clock: Clock = time.monotonic,
+        tracing: Tracing | None = None,
     ):
         self.args = args
+        self.tracing = tracing  # None: requests are not traced (--otlp-endpoint; triptych.tracing)
         self.metrics = metrics or HeadMetrics()
         self.transport = transport
         self.clock = clock
@@ -183,6 +186,12 @@ class HeadCore:
         """Give every queue's waiting requests to instances that can take them now."""
         self.dispatcher.dispatch_all()
 
+    def hand_off(self, request_id: str) -> bool:
+        """Ask the denoiser running the request to hand it to another at its next step boundary
+        (migration.py); False when it is not denoising now."""
+        rec = self.requests.get(request_id)
+        return rec is not None and migration.ask_hand_off(self, rec, "asked")
+
     def shut_down(self, seconds: float) -> None:
         """Stop taking requests; in-flight ones have `seconds` to finish, then fail (503) and free
         their worker slots (see drained). A second call can only bring the deadline forward."""
@@ -243,10 +252,35 @@ class HeadCore:
             created=now,
             hop_started=now,
         )
+        if self.tracing is not None:
+            self._start_trace(rec)
         self.requests[rid] = rec
         self.attempts[rec.wire_id] = rec
         self.load.last_params = msg.params
         self.dispatcher.enter_hop(rec)
+
+    def _start_trace(self, rec: RequestRecord) -> None:
+        """The request's root span; its context goes to the workers with each hop (Work, TransferReady)."""
+        assert self.tracing is not None
+        try:
+            route = ",".join(role.value for role in rec.route)
+            attributes = {"triptych.request_id": rec.request_id, "triptych.route": route}
+            rec.trace = self.tracing.start_request("request", time.time_ns(), attributes)
+            rec.traceparent = self.tracing.traceparent(rec.trace)
+        except Exception:  # tracing is an observer: it never fails a request
+            log.exception("tracing request %s", rec.request_id)
+
+    def _end_trace(self, rec: RequestRecord, state: RequestState, error: str | None) -> None:
+        """A span per part of the request's timeline (each queue, stage and transfer) under its root."""
+        assert self.tracing is not None
+        try:
+            now_ns = time.time_ns()
+            spans = rec.timeline.spans(self.clock(), now_ns)
+            failure = None if state is RequestState.DONE else f"{state.value}: {error or ''}"
+            self.tracing.end_request(rec.trace, spans, now_ns, failure)
+        except Exception:
+            log.exception("tracing request %s", rec.request_id)
+        rec.trace = None
 
     def event(self, rec: RequestRecord, step: int = 0, total: int = 0, preview: bytes = b"") -> None:
         """A watched request's state change or step, to its client."""
@@ -277,6 +311,7 @@ class HeadCore:
             msg.max_batch,
             msg.others_busy,
         )
+        inst.adopt_standing(msg.standing_slots)
         inst.held, inst.peak_held = msg.held, msg.peak_held
         self._check_topology(inst, msg)
         self._check_model(inst, msg)
@@ -293,7 +328,7 @@ class HeadCore:
     def _check_topology(self, inst: WorkerInstance, msg: Heartbeat) -> None:
         """A full-pipeline worker behind a role-pool head, or a role worker behind a full-pipeline head,
         would return the wrong thing: it gets no work, and the head says why once."""
-        inst.full_pipeline, inst.encoder_cache = msg.full_pipeline, msg.encoder_cache
+        inst.full_pipeline, inst.encoder_cache, inst.step_cache = msg.full_pipeline, msg.encoder_cache, msg.step_cache
         wrong = msg.full_pipeline != self.full_pipeline
         if wrong and not inst.wrong_topology:
             worker = "runs the whole pipeline (--disagg-full-pipeline)" if msg.full_pipeline else "runs its role only"
@@ -413,6 +448,8 @@ class HeadCore:
             self._release(rec)
         self.requests.pop(rec.request_id, None)
         self.attempts.pop(rec.wire_id, None)
+        if rec.trace is not None and self.tracing is not None:
+            self._end_trace(rec, state, error)
         self.metrics.requests.labels(state.value).inc()
         if state is RequestState.DONE:
             self.metrics.request_seconds.observe(self.clock() - rec.created)

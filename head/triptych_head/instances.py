@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from triptych.protocol import EncoderCacheStats
+from triptych.protocol import EncoderCacheStats, StepCacheStats
 from triptych.roles import Role
+from triptych.standing import room_for_standing
 
 
 @dataclass
@@ -44,6 +45,7 @@ class WorkerInstance:
     wrong_topology: bool = False
     wrong_model: bool = False  # its package is not the head's (another fingerprint): it never gets work
     encoder_cache: EncoderCacheStats | None = None  # its prompt-embedding cache, as of its last heartbeat
+    step_cache: tuple[StepCacheStats, ...] = ()  # its step caches per mode, as of its last heartbeat
     via: str = ""  # the endpoint its heartbeats reach this head by (echoed in pings)
     # Scheduling slots it holds for other heads (it serves several); a WorkRefused counts it full
     # until its next heartbeat.
@@ -82,7 +84,14 @@ class WorkerInstance:
 
     def should_make_standing(self, nbytes: int) -> bool:
         """Keep a new slot as standing while that still leaves room to stage outputs and one more slot."""
-        return len(self.standing) < self.capacity and self.pool_bytes >= (len(self.standing) + 2) * nbytes
+        return room_for_standing(len(self.standing), self.capacity, self.pool_bytes, nbytes)
+
+    def adopt_standing(self, slots: tuple[tuple[int, int], ...]) -> None:
+        """The standing slots its heartbeat lists that this head does not know yet (reserved at its
+        start-up, or anew for this head): idle, this head's to assign. At most its capacity in all."""
+        for addr, nbytes in slots:
+            if addr not in self.standing and len(self.standing) < self.capacity:
+                self.standing[addr] = StandingSlot(nbytes)
 
     def on_heartbeat(
         self,

@@ -13,7 +13,7 @@ from typing import Any
 from triptych.config import ServeArgs
 from triptych.families import read_model_info, read_rules
 from triptych.params import GenerationParams
-from triptych_head.admission import AdmissionControl
+from triptych_head.admission import MIN_QUEUED, AdmissionControl
 from triptych_head.api.app import create_app
 from triptych_head.api.auth import APIKeyError, APIKeys
 from triptych_head.api.context import HeadContext
@@ -66,7 +66,7 @@ def _http_guards(args: ServeArgs) -> dict[str, Any] | None:
     except APIKeyError as exc:
         print(f"triptych: error: {exc}", file=sys.stderr)
         return None
-    return {"api_keys": keys, "max_request_bytes": args.max_request_bytes}
+    return {"api_keys": keys, "max_request_bytes": args.max_request_bytes, "request_timeout_s": args.disagg_timeout}
 
 
 def _readiness(server: DiffusionServer, loop: threading.Thread) -> Callable[[], bool]:
@@ -117,6 +117,10 @@ def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
     return 0
 
 
+def _monolithic_queue(args: ServeArgs) -> int:
+    return MIN_QUEUED if args.max_queued_requests is None else args.max_queued_requests
+
+
 def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
     # The one place the head reaches into the worker package: monolithic mode runs the stages in-process.
     from triptych_worker.pipeline import load_role_pipeline
@@ -128,14 +132,21 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
     model = read_model_info(args.model_path, names)
     pipeline = load_role_pipeline(args.model_path, args.disagg_role, args.resolved_device)
     metrics = HeadMetrics()
+
+    def relay_step_cache() -> None:  # what a denoiser's heartbeats carry in disaggregated mode
+        for stats in pipeline.step_cache.stats() if pipeline.step_cache is not None else ():
+            for field, gauge in metrics.step_cache.items():
+                gauge.labels(args.disagg_role.value, "local", stats.mode).set(getattr(stats, field))
+
     ctx = HeadContext(
-        backend=LocalBackend(pipeline),
+        backend=LocalBackend(pipeline, after_request=relay_step_cache),
         model=model,
         output_path=Path(args.output_path),
         registry=metrics.registry,
         health=lambda: {"mode": "monolithic"},
         drain_seconds=args.disagg_drain_timeout,
-        admission=AdmissionControl(args.max_queued_requests, metrics, worker_slots=1),  # one request at a time
+        # One request at a time, and no work model to estimate deadlines with: a cap in requests by default.
+        admission=AdmissionControl(_monolithic_queue(args), metrics, worker_slots=1),
         **guards,
         **results,
     )

@@ -109,7 +109,7 @@ class Membership:
         """Forget an instance discovery dropped (once nothing of a request is left on it)."""
         self._instances[inst.role].pop(inst.url, None)
         self._transport.close(inst.url)
-        self._forget_metrics(inst.role, inst.url)
+        self._forget_metrics(inst)
         log.info("%s instance removed: %s", inst.role.value, inst.url)
 
     def ping_all(self) -> None:
@@ -159,14 +159,24 @@ class Membership:
                 if inst.encoder_cache is not None:
                     for field, gauge in self._metrics.encoder_cache.items():
                         gauge.labels(role.value, url).set(getattr(inst.encoder_cache, field))
+                for stats in inst.step_cache:
+                    for field, gauge in self._metrics.step_cache.items():
+                        gauge.labels(role.value, url, stats.mode).set(getattr(stats, field))
 
-    def _forget_metrics(self, role: Role, url: str) -> None:
+    def _forget_metrics(self, inst: WorkerInstance) -> None:
+        role, url = inst.role, inst.url
         gauges = (self._metrics.instance_up, self._metrics.free_slots, self._metrics.free_pool_bytes)
         for gauge in (*gauges, *self._metrics.encoder_cache.values()):
             try:
                 gauge.remove(role.value, url)
             except KeyError:
                 pass
+        for stats in inst.step_cache:
+            for gauge in self._metrics.step_cache.values():
+                try:
+                    gauge.remove(role.value, url, stats.mode)
+                except KeyError:
+                    pass
 
     def snapshot(self) -> dict[str, list[dict[str, Any]]]:
         """For /health: every instance with its liveness and load."""

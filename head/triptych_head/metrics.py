@@ -65,6 +65,21 @@ class HeadMetrics:
             ["role", "cause"],
             registry=r,
         )
+        self.migrations = Counter(
+            "triptych_migrations",
+            "Denoising requests handed to another denoiser at a step boundary (reason: drain, asked)",
+            ["reason"],
+            registry=r,
+        )
+        self.migration_bytes = Counter(
+            "triptych_migration_bytes", "Bytes of denoising state staged by migrations", registry=r
+        )
+        self.migration_seconds = Histogram(
+            "triptych_migration_seconds",
+            "From a migration's state staged to the next denoiser told to resume it (slot, push, write)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.refused_work = Counter(
             "triptych_refused_work",
             "Work a worker refused because other heads' requests held its slots (replicated heads); each went "
@@ -105,7 +120,7 @@ class HeadMetrics:
         # Admission control (admission.py): the bound, its parts, and what it refused.
         self.admission_max_in_flight = Gauge(
             "triptych_admission_max_in_flight_requests",
-            "Requests the head takes at once (worker slots + --max-queued-requests); more get 429",
+            "Requests the head takes at once (worker slots + --max-queued-requests; +Inf without the flag)",
             registry=r,
         )
         self.admission_in_flight = Gauge(
@@ -122,6 +137,22 @@ class HeadMetrics:
         self.rejected_overloaded = Counter(
             "triptych_rejected_overloaded_requests",
             "Requests refused with 429: the pipeline was at capacity",
+            registry=r,
+        )
+        self.rejected_deadline = Counter(
+            "triptych_rejected_deadline_requests",
+            "Requests refused with 429: their estimated completion was beyond their deadline",
+            registry=r,
+        )
+        self.admission_wait = Gauge(
+            "triptych_admission_wait_seconds",
+            "How long a new request would wait behind the work ahead of it (the largest role's backlog)",
+            registry=r,
+        )
+        self.admission_estimate = Histogram(
+            "triptych_admission_estimate_seconds",
+            "The estimated completion accepted requests were told (queue wait + their own work)",
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.dropped_messages = Counter(
@@ -146,6 +177,18 @@ class HeadMetrics:
         self.encoder_cache = {
             field: Gauge(f"triptych_encoder_cache_{field}", text, ["role", "instance"], registry=r)
             for field, text in cache.items()
+        }
+
+        # Each denoiser's step caches (triptych/step_cache.py) per mode, relayed from its heartbeats like the above.
+        step = {
+            "requests": "Requests (or batches of them) the worker denoised with the step cache mode, since it started",
+            "computed": "Attention computations the worker's transformer ran with the mode, since it started",
+            "skipped": "Attention computations the mode skipped (reused or predicted; a skipped block counts its "
+            "attentions), since it started",
+        }
+        self.step_cache = {
+            field: Gauge(f"triptych_step_cache_{field}", text, ["role", "instance", "mode"], registry=r)
+            for field, text in step.items()
         }
 
     def observe_stage(self, role: str, elapsed: float, worker_seconds: float) -> None:

@@ -92,8 +92,9 @@ class Dispatcher:
         room = max((i.batch_room for i in instances), default=0)
         now = self._core.clock()
         for members in batcher.ready_groups(queued, room, now):
-            nbytes = members[0].staged.nbytes if members[0].staged else 0  # compatible: the same for all
-            inst = self._policies[role](instances, functools.partial(self._can_take, nbytes=nbytes))
+            staged = members[0].staged  # compatible: the same size for all
+            nbytes, avoid = (staged.nbytes, staged.sender) if staged else (0, "")
+            inst = self._policies[role](instances, functools.partial(self._can_take, nbytes=nbytes, avoid=avoid))
             if inst is None:
                 break
             group = Group(inst, members[: inst.batch_room])
@@ -109,8 +110,9 @@ class Dispatcher:
             queue.clear()
             queue.extend(remaining)
 
-    def _can_take(self, inst: WorkerInstance, nbytes: int) -> bool:
-        return self._membership.ready(inst) and inst.can_take(nbytes)
+    def _can_take(self, inst: WorkerInstance, nbytes: int, avoid: str = "") -> bool:
+        """Ready with room; never `avoid`, the sender (a continuation goes to another denoiser)."""
+        return inst.url != avoid and self._membership.ready(inst) and inst.can_take(nbytes)
 
     def _send_work(self, inst: WorkerInstance, work: list[Work]) -> bool:
         """A group's first-role work as one message (a single request as plain Work)."""
@@ -145,11 +147,12 @@ class Dispatcher:
         nbytes = rec.staged.nbytes if rec.staged else 0
         if rec.staged and self._too_large(role, rec, nbytes):
             return True
+        avoid = rec.staged.sender if rec.staged else ""
         if group is None:
-            eligible = functools.partial(self._can_take, nbytes=nbytes)
+            eligible = functools.partial(self._can_take, nbytes=nbytes, avoid=avoid)
             inst = self._policies[role](self._membership.instances(role), eligible)
         else:
-            inst = group.instance if self._can_take(group.instance, nbytes) else None
+            inst = group.instance if self._can_take(group.instance, nbytes, avoid) else None
         if inst is None:
             return False
         started = core.clock()  # before the send, so the hop's time contains all the instance's work
@@ -169,7 +172,9 @@ class Dispatcher:
             alloc = TransferAlloc(wire_id, inst.url, nbytes, standing=standing, head_id=core.head_id)
             sent = self._membership.send(inst.url, alloc)
         else:
-            work = Work(wire_id, inst.url, rec.wire_params(), rec.watch, rec.preview_every, core.head_id)
+            work = Work(
+                wire_id, inst.url, rec.wire_params(), rec.watch, rec.preview_every, core.head_id, rec.traceparent
+            )
             if group is not None:
                 group.work.append(work)  # sent with the rest of the group (_send_work)
                 sent = True
@@ -186,4 +191,5 @@ class Dispatcher:
             rec.move(ROLE_STATES[role][1])
             core.event(rec)
         core.metrics.queue_seconds.labels(role.value).observe(waited)
+        rec.timeline.add(f"queue-{role.value}", started - waited, started)
         return True

@@ -24,6 +24,7 @@ from triptych.protocol import encode
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message
+from triptych.tracing import start_tracing, traces_url
 from triptych_head import upkeep
 from triptych_head.core import HeadCore
 from triptych_head.links import WorkerLinks
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 PING_INTERVAL_S = 0.5
 SHUTDOWN_LINGER_MS = 1000  # how long the last messages to workers may take to leave after a drain
 POLL_MS = 50
+HEAD_SERVICE = "triptych-head"  # its spans' service.name (a worker's: triptych-<role>)
 READ_LIMIT = 1000  # messages taken from one socket per loop turn, so no socket starves the others
 
 
@@ -77,7 +79,8 @@ class DiffusionServer:
         # head reaches workers' work sockets as the only client they accept.
         self.security: ControlPlane = control_plane(args, self._ctx, "head")
         self._transport = _SocketTransport(WorkerLinks(self._ctx, self.security))
-        self.core = HeadCore(args, self._transport, metrics)
+        self._tracing = start_tracing(traces_url(args.otlp_endpoint), HEAD_SERVICE)
+        self.core = HeadCore(args, self._transport, metrics, tracing=self._tracing)
         roles = self.core.membership.roles()
         self._directories = {
             role: EndpointDirectory(args.urls_for(role), args.disagg_discovery_interval) for role in roles
@@ -147,6 +150,8 @@ class DiffusionServer:
         for sock, _ in self._sockets:
             sock.close(linger=0)
         self.security.close()
+        if self._tracing is not None:
+            self._tracing.shutdown()  # the spans still buffered
 
     # --- loop -------------------------------------------------------------------------------
 

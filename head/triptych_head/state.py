@@ -6,7 +6,8 @@ With split encoders a request passes the ENCODER_* states once per encoder hop. 
 whose worker is lost is retried: any non-terminal state -> PENDING, as a new attempt. A
 full-pipeline pool's request has one hop: PENDING -> DENOISING_WAITING -> DENOISING_RUNNING -> DONE.
 A first hop's Work that a worker refuses (it serves several heads and is full) goes from RUNNING
-back to WAITING.
+back to WAITING, and so does a denoising request handed off to another denoiser at a step
+boundary (migration.py): DENOISING_RUNNING -> DENOISING_WAITING at the same hop.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import msgspec
 
 from triptych.params import GenerationParams
 from triptych.roles import ROLE_SPECS, Role, is_full_pipeline
+from triptych_head.timeline import Timeline
 
 
 class RequestState(enum.StrEnum):
@@ -102,6 +104,7 @@ class StagedPayload:
     manifest: list[dict[str, Any]]
     meta: dict[str, Any]
     staged_at: float = field(default_factory=time.monotonic)
+    continues_at: int | None = None  # a denoising continuation: the step the next denoiser starts at
 
 
 @dataclass
@@ -127,6 +130,12 @@ class RequestRecord:
     created: float = field(default_factory=time.monotonic)
     hop_started: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
+    timeline: Timeline = field(default_factory=Timeline)  # its parts, for Server-Timing and its trace
+    trace: Any = None  # its root span when the head traces requests (triptych.tracing)
+    traceparent: str = ""  # that span's W3C traceparent, carried to the workers in Work and TransferReady
+    hand_off_from: str | None = None  # the denoiser last asked to hand it off (migration.py)
+    hand_off_reason: str = ""  # why: "drain", or "asked"
+    migrations: int = 0  # how many times its denoising moved to another denoiser
     attempt: int = 0  # how many times it was restarted after losing a worker
     retries: int = 0  # restarts plus hops given to another receiver after losing one
 
@@ -173,6 +182,7 @@ class RequestRecord:
         self.staged = None
         self.slot_addr = 0
         self.push_in_flight = False
+        self.hand_off_from = None
 
     def remaining_roles(self) -> list[Role]:
         """The roles whose hop this request has not finished: the current one and those after it."""

@@ -26,8 +26,10 @@ from triptych.protocol import (
     TransferStaged,
     WorkRefused,
 )
+from triptych_head import migration
 from triptych_head.instances import StandingSlot, WorkerInstance
 from triptych_head.state import ROLE_STATES, RequestRecord, RequestState, StagedPayload
+from triptych_head.timeline import server_timing
 
 if TYPE_CHECKING:
     from triptych_head.core import HeadCore
@@ -43,6 +45,9 @@ def on_staged(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
     _, running, done = ROLE_STATES[rec.role]
     if rec.state is not running or rec.instance != inst.url:
         core.membership.send(inst.url, CancelWork(rec.wire_id, inst.url, core.head_id))
+        return
+    if msg.continues_at is not None:  # stopped at a step boundary: another denoiser runs the rest
+        migration.on_continuation(core, rec, inst, msg)
         return
     if rec.hop + 1 >= len(rec.route):
         raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
@@ -128,9 +133,12 @@ def on_pushed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
         rec.preview_every,
         *rec.batch,
         core.head_id,
+        rec.traceparent,
     )
     started = core.clock()  # before the send, so the hop's time contains all the receiver's work
     sent = core.membership.send(rec.instance, ready)
+    if staged.continues_at is not None:
+        core.metrics.migration_seconds.observe(started - staged.staged_at)
     dest = _record_transfer(core, rec, inst, staged, msg)  # after the send: the receiver need not wait for it
     if not sent:
         core.unreachable(rec.instance, f"{dest} {rec.instance} became unreachable before its input was ready", rec)
@@ -147,9 +155,10 @@ def on_result(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Res
     stage = _time_stage(core, rec, msg.seconds, msg.batch_size)
     if core.batch_metrics is not None:
         core.batch_metrics.observe_ran(inst.role.value, msg.batch_size, msg.batch_leader)
-    rec.timings["total"] = core.clock() - rec.created
+    total = rec.timings["total"] = core.clock() - rec.created
     rec.move(RequestState.DONE)
-    core.transport.reply(rec.client, RequestResult(rec.request_id, msg.tensors, rec.timings), frames)
+    timing = server_timing(rec.timeline.durations(), total)
+    core.transport.reply(rec.client, RequestResult(rec.request_id, msg.tensors, rec.timings, timing), frames)
     core.metrics.observe_stage(*stage)
     core.finish(rec, RequestState.DONE)
 
@@ -198,6 +207,7 @@ def _record_transfer(
     core.metrics.handoff_seconds.labels(src, dest).observe(handoff)
     rec.timings[f"transfer_{src}_{dest}"] = msg.seconds
     rec.timings[f"handoff_{src}_{dest}"] = handoff
+    rec.timeline.add(f"transfer-{src}-{dest}", rec.hop_started, core.clock())  # from the receiver's dispatch
     return dest
 
 
@@ -210,8 +220,10 @@ def _time_stage(
     observe once the request's next message is out. A request that ran in a batch of B costs
     the device a B-th of the batch's time: that share is its device time and its estimate."""
     role = rec.role.value
-    elapsed = core.clock() - rec.hop_started
+    now = core.clock()
+    elapsed = now - rec.hop_started
     rec.timings[role] = elapsed
+    rec.timeline.add(role, rec.hop_started, now, worker_seconds)
     rec.timings[f"worker_{role}"] = worker_seconds
     share = worker_seconds / max(batch_size, 1)
     core.workload.observe(rec.role, rec.params, share)

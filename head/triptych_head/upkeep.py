@@ -1,5 +1,5 @@
 """The head's periodic upkeep (twice a second): pings, lost and leaving workers, timeouts, roles
-with no instance, and the load it publishes (the autoscaling signal and the admission bound)."""
+with no instance, and the load it publishes (the autoscaling signal and admission's figures)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from triptych.params import GenerationParams
 from triptych.roles import Role
+from triptych_head import migration
 from triptych_head.admission import retry_after_seconds
+from triptych_head.deadline import LoadFigures, RoleFigures
 from triptych_head.pipeline_view import build_view
 from triptych_head.state import ROLE_STATES, RequestRecord, RequestState
 
@@ -42,6 +44,7 @@ def tick(core: HeadCore, now: float) -> None:
             f"{inst.role.value} {inst.url} stopped responding (no heartbeat for {membership.heartbeat_timeout:g}s)",
         )
     _remove_idle_leavers(core)
+    migration.drain_by_migration(core)  # draining denoisers hand their requests to ready ones
     for rec in [r for r in core.requests.values() if now >= r.deadline]:
         core.finish(rec, RequestState.TIMED_OUT, _timeout_reason(core, rec), status_code=504)
     _fail_roles_without_instances(core, now)
@@ -94,7 +97,8 @@ def _fail_roles_without_instances(core: HeadCore, now: float) -> None:
 
 def publish_load(core: HeadCore, now: float) -> None:
     """Per-role queued, running and estimated pending device-seconds (the autoscaling signal), and
-    the admission bound: the ready workers' slots and how long a refused client should wait."""
+    what admission needs: the load figures a new request's estimate starts from, the ready workers'
+    slots and how long a refused client should wait."""
     roles, workload, load, metrics = core.load.roles, core.workload, core.load, core.metrics
     queued = dict.fromkeys(roles, 0)
     running = dict.fromkeys(roles, 0)
@@ -113,6 +117,7 @@ def publish_load(core: HeadCore, now: float) -> None:
             per_request[role] += workload.estimate(role, rec.params)
             visiting[role] += 1
     slots, retry_after = 0, 1
+    figures: dict[Role, RoleFigures] = {}
     for role in roles:
         metrics.role_queued.labels(role.value).set(queued[role])
         metrics.role_running.labels(role.value).set(running[role])
@@ -120,12 +125,13 @@ def publish_load(core: HeadCore, now: float) -> None:
         metrics.role_seconds_per_unit.labels(role.value).set(workload.seconds_per_unit(role))
         ready, role_slots = core.membership.ready_capacity(role)
         slots += role_slots
+        figures[role] = RoleFigures(pending[role], ready, workload.seconds_per_unit(role), workload.calibrated(role))
         if visiting[role]:
             load.typical_seconds[role] = per_request[role] / visiting[role]
         elif load.last_params is not None:  # idle: what the latest request would cost, at today's rates
             load.typical_seconds[role] = workload.estimate(role, load.last_params)
         retry_after = max(retry_after, retry_after_seconds(load.typical_seconds.get(role, 0.0), ready))
-    core.admission.update(slots, retry_after)
+    core.admission.update(slots, retry_after, LoadFigures(figures, frozenset(core.requests)))
     core.pipeline_view = build_view(core.membership.snapshot(), queued, running, core.requests.values(), now)
 
 

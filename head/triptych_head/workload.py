@@ -51,6 +51,10 @@ class WorkEstimator:
     def seconds_per_unit(self, role: Role) -> float:
         return self._per_unit.get(role, 0.0)
 
+    def calibrated(self, role: Role) -> bool:
+        """Whether a worker has reported `role`'s stage time yet (False: the prior)."""
+        return role in self._observed
+
     def estimate(self, role: Role, params: GenerationParams) -> float:
         """Device-seconds `role` needs for a request with these parameters."""
         return work_units(role, params) * self.seconds_per_unit(role)

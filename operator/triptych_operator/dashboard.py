@@ -64,7 +64,8 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         (
             Panel(
                 "Requests in flight",
-                "Requests the head holds, and its admission bound: beyond it requests get 429.",
+                "Requests the head holds, and the cap --max-queued-requests sets when given (none by default: "
+                "requests are refused only when they would miss their deadline).",
                 (
                     (per("triptych_active_requests", PIPELINE), "{{app_kubernetes_io_instance}} in flight"),
                     (per("triptych_admission_in_flight_requests", PIPELINE), "{{app_kubernetes_io_instance}} admitted"),
@@ -76,10 +77,12 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ),
             Panel(
                 "Finished requests",
-                "Requests per second by final state, and those refused with 429 (pipeline at capacity).",
+                "Requests per second by final state, and those refused with 429: they would have missed their "
+                "deadline, or the pipeline was at --max-queued-requests.",
                 (
                     (rate("triptych_requests_total", "state"), "{{state}}"),
-                    (rate("triptych_rejected_overloaded_requests_total", PIPELINE), "refused (429)"),
+                    (rate("triptych_rejected_deadline_requests_total", PIPELINE), "refused: deadline (429)"),
+                    (rate("triptych_rejected_overloaded_requests_total", PIPELINE), "refused: cap (429)"),
                 ),
                 unit="reqps",
             ),

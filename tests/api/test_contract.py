@@ -17,14 +17,16 @@ from prometheus_client import CollectorRegistry
 from tests.api.test_http_api import ScriptedBackend
 from triptych.client_cli import add_client_commands, request_body
 from triptych.contract import ALL, CONTRACT, EDITS, IMAGES, VIDEOS, Contract, Limits, ParamError, RequestParam
-from triptych.families import ModelInfo
+from triptych.families import ModelInfo, read_model_info
+from triptych.families.wan import WanRules
 from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext
 from triptych_head.api.playground import STATIC
 
 FLUX = ModelInfo("tiny-flux", "FluxPipeline", "image", 4, 3.5, size_multiple=8, max_steps=50, negative_prompt=False)
 KONTEXT = dataclasses.replace(FLUX, id="tiny-kontext", pipeline_class="FluxKontextPipeline", edits=True)
-WAN = ModelInfo("tiny-wan", "WanPipeline", "video", 4, 5.0, size_multiple=16, max_steps=1000, frame_step=4)
+WAN = ModelInfo("tiny-wan", "WanPipeline", "video", 4, 5.0, size_multiple=16, max_steps=1000, frame_step=4,
+                step_cache_modes=WanRules.step_cache_modes)  # fmt: skip
 
 # The new parameter: clients may now ask for fewer prompt tokens, at most 256 on image models.
 EXPOSED = dataclasses.replace(
@@ -122,6 +124,25 @@ def test_the_playground_s_form_contract_carries_the_family_s_limits() -> None:
     assert "num_frames" not in wan[IMAGES] and "n" not in wan[VIDEOS]
 
 
+def test_a_step_cache_request_reaches_the_stages_and_the_form_offers_the_family_s_modes(tiny_models) -> None:
+    backend = ScriptedBackend()
+    with client(FLUX, backend=backend) as c:
+        cache = {"step_cache": "first_block", "step_cache_threshold": 0.2}
+        r = c.post(IMAGES, json={"prompt": "x", "size": "32x32", **cache})
+        assert r.status_code == 200, r.text
+        r = c.post(IMAGES, json={"prompt": "x", "size": "32x32"})
+        assert r.status_code == 200, r.text
+        assert c.get("/v1/contract").json()["endpoints"][IMAGES]["step_cache"]["choices"] == [
+            "none", "first_block", "pyramid_attention_broadcast", "taylorseer"
+        ]  # fmt: skip
+    cached, plain = backend.calls
+    assert (cached.step_cache, cached.step_cache_threshold, plain.step_cache) == ("first_block", 0.2, "none")
+    assert read_model_info(tiny_models["tiny-wan"]).step_cache_modes == ("first_block", "pyramid_attention_broadcast")
+    with client(WAN) as c:
+        wan = c.get("/v1/contract").json()["endpoints"][VIDEOS]["step_cache"]
+    assert wan["choices"] == ["none", "first_block", "pyramid_attention_broadcast"] and wan["default"] == "none"
+
+
 def test_the_playground_s_fields_are_parameters_the_contract_shows_in_forms() -> None:
     html = (STATIC / "index.html").read_text()
     fields = set(re.findall(r'data-param="([a-z_]+)"', html))
@@ -137,8 +158,19 @@ def test_the_playground_s_fields_are_parameters_the_contract_shows_in_forms() ->
         (FLUX, IMAGES, {"num_inference_steps": 51}, "num_inference_steps", "num_inference_steps 51 must be between"),
         (FLUX, IMAGES, {"negative_prompt": "blurry"}, "negative_prompt", "negative_prompt is not supported"),
         (WAN, VIDEOS, {"num_frames": 6}, "num_frames", "num_frames 6 is invalid: WanPipeline needs 1 + a multiple"),
+        (FLUX, IMAGES, {"step_cache": "teacache"}, "step_cache", "step_cache: Input should be 'none', 'first_block'"),
+        (WAN, VIDEOS, {"step_cache": "taylorseer"}, "step_cache",
+         "step_cache 'taylorseer' is not available for WanPipeline: choose one of none, first_block, pyramid"),
+        (FLUX, IMAGES, {"step_cache": "first_block", "step_cache_threshold": 1.5}, "step_cache_threshold",
+         "less than or equal to 1"),
+        (FLUX, IMAGES, {"step_cache": "taylorseer", "step_cache_interval": 1}, "step_cache_interval",
+         "greater than or equal to 2"),
+        (FLUX, IMAGES, {"step_cache": "taylorseer", "step_cache_threshold": 0.1}, "step_cache_threshold",
+         "step_cache_threshold applies to step_cache first_block only, not taylorseer"),
+        (FLUX, IMAGES, {"step_cache_interval": 3}, "step_cache_interval",
+         "step_cache_interval applies to step_cache pyramid_attention_broadcast, taylorseer only, not none"),
     ],
-)
+)  # fmt: skip
 def test_a_value_the_family_refuses_is_a_400_naming_the_parameter(model, path, body, param, message) -> None:
     backend = ScriptedBackend()
     with client(model, backend=backend) as c:

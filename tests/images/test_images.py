@@ -262,5 +262,7 @@ def test_a_rebuild_with_nothing_changed_takes_seconds(built: dict[str, str]) -> 
     start = time.monotonic()
     out = images_sh(*built)
     assert out.returncode == 0, out.stderr
-    assert time.monotonic() - start < 30
+    took = time.monotonic() - start
+    # Hashing the sources and a few `podman image inspect`s take seconds; rebuilding any image, minutes.
+    assert took < 30, f"images.sh took {took:.0f}s with nothing to rebuild"
     assert all(f"{tag} is up to date" in out.stdout for tag in built.values()), out.stdout

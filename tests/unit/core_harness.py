@@ -21,6 +21,7 @@ from triptych.config import ServeArgs
 from triptych.protocol import (
     CancelWork,
     Failed,
+    HandOff,
     Heartbeat,
     Ping,
     RequestEvent,
@@ -112,6 +113,9 @@ class SimWorker:
     kept: set[int] = field(default_factory=set)  # standing slots: kept for the head, which assigns them
     content: dict[int, str] = field(default_factory=dict)  # slot -> whose bytes were written into it last
     peak_computing: int = 0
+    # HandOff received: the request's stages stop at their next step boundary (all at once, here)
+    # and stage a continuation; the test decides when it arrives (`deliver` keeps a link's order).
+    handing_off: set[str] = field(default_factory=set)
 
     def held(self) -> set[str]:
         """Requests holding one of its scheduling slots (computing, outputs staged, a slot reserved)."""
@@ -312,6 +316,8 @@ class Harness:
         elif isinstance(msg, CancelWork):
             if w.owner.get(msg.request_id, msg.head_id) == msg.head_id:
                 w.drop(msg.request_id)
+        elif isinstance(msg, HandOff):
+            w.handing_off.add(msg.request_id)
         else:
             raise AssertionError(f"{w.url} got an unexpected {msg.TYPE}")
 
@@ -320,7 +326,11 @@ class Harness:
         rec = core.attempts.get(rid)
         last = rec is not None and rec.last_hop and rec.role is w.role
         w.computing.discard(rid)
-        if last:
+        if rid in w.handing_off:  # stopped before step 1 of its loop: another denoiser runs the rest
+            w.handing_off.discard(rid)
+            w.staged.add(rid)
+            self.said(w, TransferStaged(rid, w.url, NBYTES, [], {"resume": {"step": 1}}, 0.01, continues_at=1))
+        elif last:
             self.said(w, WorkerResult(rid, w.url, [], 0.01))
         else:
             w.staged.add(rid)

@@ -41,12 +41,17 @@ class ScriptedWorker:
         self.got: list[object] = []
         self.pings: list[Ping] = []
         self.draining = False  # what its heartbeats report
+        self.standing_slots: tuple[tuple[int, int], ...] = ()  # and the standing slots they list
 
     def send(self, msg: object) -> None:
         self.results.send_multipart(encode(msg))
 
     def heartbeat(self, instance: str) -> Heartbeat:
-        return Heartbeat(instance, self.role.value, SESSION, 1 << 20, 1 << 20, 2, "m", draining=self.draining)
+        standing = sum(nbytes for _, nbytes in self.standing_slots)
+        return Heartbeat(
+            instance, self.role.value, SESSION, 1 << 20, (1 << 20) - standing, 2, "m", draining=self.draining,
+            standing_bytes=standing, standing_slots=self.standing_slots,
+        )  # fmt: skip
 
     def pump(self, seconds: float = 0.05) -> None:
         deadline = time.monotonic() + seconds

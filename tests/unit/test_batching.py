@@ -50,10 +50,18 @@ def test_prompt_negative_text_and_seed_may_differ_within_a_batch():
         {"negative_prompt": "blurry"},
         {"max_sequence_length": 256},
         {"num_outputs": 2},
+        {"step_cache": "first_block"},
     ],
 )
 def test_what_changes_shapes_or_math_makes_requests_incompatible(change: dict):
     assert batch_key(BASE) != batch_key(msgspec.structs.replace(BASE, **change))
+
+
+def test_requests_batch_only_with_the_same_step_cache_mode_and_knob():
+    pab = msgspec.structs.replace(BASE, step_cache="pyramid_attention_broadcast")
+    assert batch_key(pab) == batch_key(msgspec.structs.replace(pab, step_cache_interval=2))  # its default, spelt out
+    assert batch_key(pab) != batch_key(msgspec.structs.replace(pab, step_cache_interval=3))
+    assert batch_key(pab) != batch_key(msgspec.structs.replace(pab, step_cache="taylorseer", step_cache_interval=2))
 
 
 def test_edits_are_never_batched():

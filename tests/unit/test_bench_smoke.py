@@ -32,10 +32,11 @@ SMOKE: dict[str, tuple[str, str]] = {
     ),
     "head_bench.py": (
         "--requests 20 --sequential 10 --concurrency 4 --transfer-mib 1 --auth-blocks 2 --auth-block-requests 5 "
-        "--blocks 2 --json {tmp}/h.json",
+        "--load-ahead-mib 1 --load-ahead-requests 4 --load-ahead-concurrency 2 --blocks 2 --json {tmp}/h.json",
         "overhead / floor",
     ),
     "zmq_floor.py": ("--requests 20", "raw ZMQ messages"),
+    "tracing_bench.py": ("--blocks 2 --block-requests 5 --json {tmp}/tr.json", "on / off"),
     "scaling_bench.py": (
         "--denoisers 1,2 --stage-seconds 0.05 --warmup 0.3 --window 1 --json {tmp}/s.json",
         "of linear",
@@ -58,6 +59,10 @@ SMOKE: dict[str, tuple[str, str]] = {
         "2 ranks cfg",
     ),
     "preview_bench.py": ("--repeats 2 --models {models}", "tiny-wan"),
+    "step_cache_bench.py": (
+        "--models tiny-flux,tiny-wan --size 64x64 --frames 5 --steps 2 --rounds 1 --json {tmp}/sc.json",
+        "pyramid_attention_broadcast",
+    ),
     "random_wan.py": ("--out {tmp}/random-wan --num-layers 1 --dtype bfloat16", "random-wan"),
 }
 CLUSTER_SMOKE = {"operator_bench.py": ("--pipelines 2 --steady 1 --json {tmp}/o.json", "pipelines")}

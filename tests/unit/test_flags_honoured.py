@@ -46,6 +46,7 @@ SAMPLE: dict[str, Any] = {
     "--disagg-transfer-pool-size": 2 * MIB,
     "--disagg-transfer-listen-any": True,
     "--disagg-full-pipeline": True,
+    "--disagg-load-ahead": 0,
     "--encoder-cache-bytes": 1,
     "--disagg-timeout": 5.0,
     "--disagg-dispatch-policy": "max_free_slots",
@@ -86,6 +87,7 @@ SAMPLE: dict[str, Any] = {
     "--simulate-seconds-per-unit": 1.0,
     "--disagg-keys-dir": "/keys-dir",
     "--disagg-insecure": True,
+    "--otlp-endpoint": "http://collector:4318",
 }
 
 # flag -> the test that exercises its effect in a role that takes it (not only its parsing).
@@ -111,6 +113,8 @@ TESTED: dict[str, str] = {
     "--disagg-transfer-listen-any": "tests/transfer/test_bind_shim.py::"
     "test_a_worker_given_listen_any_leaves_mooncake_on_every_address",
     "--disagg-full-pipeline": "tests/e2e/test_full_pipeline.py::test_a_worker_of_the_other_topology_gets_no_work",
+    "--disagg-load-ahead": "tests/unit/test_worker_runtime.py::"
+    "test_the_next_requests_inputs_leave_their_slot_while_the_current_one_computes",
     "--encoder-cache-bytes": "tests/worker/test_encoder_cache.py::"
     "test_an_entry_larger_than_the_bound_or_a_zero_bound_keeps_nothing",
     "--disagg-timeout": "tests/e2e/test_null_pipeline.py::"
@@ -166,6 +170,8 @@ TESTED: dict[str, str] = {
     "--disagg-keys-dir": "tests/unit/test_security.py::test_serve_exits_with_one_line_when_the_keys_cannot_be_read",
     "--disagg-insecure": "tests/unit/test_security.py::"
     "test_a_non_loopback_control_plane_without_keys_is_refused_naming_both_flags",
+    "--otlp-endpoint": "tests/e2e/test_tracing.py::"
+    "test_a_request_s_trace_has_a_span_per_hop_from_the_head_and_every_worker",
 }
 
 # Flags taken by some role with no test of their effect yet. Each says why.

@@ -16,17 +16,21 @@ import pytest
 from tests.unit.core_harness import PARAMS, Harness, SimWorker, SlotViolation
 from triptych.params import GenerationParams
 from triptych.protocol import (
+    HandOff,
     RequestEvent,
     RequestResult,
     Submit,
+    TransferAlloc,
     TransferAllocated,
     TransferPush,
+    TransferReady,
     TransferStaged,
     Work,
     encode,
 )
 from triptych.roles import Role
 from triptych_head.state import RequestState
+from triptych_head.timeline import parse_server_timing
 
 THREE_ROLES = {Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1}
 
@@ -292,3 +296,87 @@ def test_a_watched_request_s_events_name_each_hop_s_own_role_split_encoders_incl
     assert ("ENCODER_RUNNING", "prompt_encoder") in roles and ("ENCODER_RUNNING", "image_encoder") in roles
     assert ("DENOISING_RUNNING", "denoiser") in roles and ("DECODER_RUNNING", "decoder") in roles
     assert all(role == "" for state, role in roles if state in ("PENDING", "DONE"))
+
+
+def test_server_timing_names_each_queue_stage_and_transfer_and_its_parts_fit_in_the_total() -> None:
+    h = Harness(THREE_ROLES)
+    h.submit("r")
+    while h.pending:
+        h.clock.now += 0.1  # each message takes 100 ms to be handled, and each reply as long
+        h.deliver()
+        h.clock.now += 0.1
+        h.answer()
+    (result,) = h.endings()["r"]
+    parts = parse_server_timing(result.server_timing)
+    assert list(parts) == [
+        "queue-encoder", "encoder",
+        "queue-denoiser", "transfer-encoder-denoiser", "denoiser",
+        "queue-decoder", "transfer-denoiser-decoder", "decoder", "total",
+    ]  # fmt: skip
+    assert parts["total"] == pytest.approx(1400.0)  # seven messages each way
+    assert parts["encoder"] == pytest.approx(10.0)  # what the worker reported, not the 200 ms the head saw
+    assert parts["transfer-encoder-denoiser"] == pytest.approx(400.0)  # alloc and push, each way
+    assert all(ms >= 0 for ms in parts.values())
+    assert sum(ms for name, ms in parts.items() if name != "total") <= parts["total"]
+
+
+def _to_denoiser(h: Harness, rid: str) -> str:
+    """Walk `rid` to its denoiser's TransferReady (not yet delivered); returns that denoiser."""
+    while not any(isinstance(m, TransferReady) and h.workers[u].role is Role.DENOISER for u, m in h.pending):
+        h.deliver()
+        h.answer()
+    return next(u for u, m in h.pending if isinstance(m, TransferReady))
+
+
+def test_a_handed_off_request_continues_on_another_denoiser_at_the_same_hop_then_decodes() -> None:
+    h = Harness({Role.ENCODER: 1, Role.DENOISER: 2, Role.DECODER: 1})
+    h.submit("r")
+    first = _to_denoiser(h, "r")
+    assert h.core.hand_off("r")
+    h.collect()
+    assert [type(m) for u, m in h.pending] == [TransferReady, HandOff] and h.pending[1][0] == first
+    h.workers[first].handing_off.add("r")  # the HandOff reached it while its loop ran
+    h.pending.pop(1)
+    h.deliver()
+    h.answer()  # the continuation, staged by the first denoiser
+    rec = h.core.requests["r"]
+    assert rec.state is RequestState.DENOISING_WAITING and rec.hop == rec.route.index(Role.DENOISER)
+    assert rec.staged is not None and rec.staged.continues_at == 1 and rec.staged.meta == {"resume": {"step": 1}}
+    [(receiver, alloc)] = h.pending
+    assert isinstance(alloc, TransferAlloc) and receiver != first, "never back to the denoiser that handed it off"
+    while "r" not in h.endings():
+        h.deliver()
+        h.answer()
+    assert [type(m) for m in h.endings()["r"]] == [RequestResult]
+    assert h.core.metrics.migrations.labels("asked")._value.get() == 1
+    h.check_idle()
+
+
+def test_a_continuation_waits_rather_than_return_to_the_denoiser_it_left() -> None:
+    h = Harness({Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1})
+    h.submit("r")
+    only = _to_denoiser(h, "r")
+    h.workers[only].handing_off.add("r")
+    h.deliver()
+    h.answer()
+    h.tick()
+    assert h.core.requests["r"].state is RequestState.DENOISING_WAITING
+    assert not h.pending  # nothing was sent: the one denoiser is the sender
+
+
+def test_a_draining_denoiser_is_asked_to_hand_off_only_while_a_peer_has_room() -> None:
+    h = Harness({Role.ENCODER: 1, Role.DENOISER: 2, Role.DECODER: 1})
+    h.submit("r")
+    first = _to_denoiser(h, "r")
+    h.deliver()  # the denoiser runs it; its output report is not read yet
+    peer = next(u for u, w in h.workers.items() if w.role is Role.DENOISER and u != first)
+    h.core.membership.find(peer).draining = True  # type: ignore[union-attr]
+    h.core.membership.find(first).draining = True  # type: ignore[union-attr]
+    from triptych_head import migration
+
+    migration.drain_by_migration(h.core)
+    assert not any(isinstance(m, HandOff) for _, m in h.transport.outbox)  # no peer ready: it finishes there
+    h.core.membership.find(peer).draining = False  # type: ignore[union-attr]
+    migration.drain_by_migration(h.core)
+    migration.drain_by_migration(h.core)  # asked once
+    assert [(u, type(m)) for u, m in h.transport.outbox if isinstance(m, HandOff)] == [(first, HandOff)]

@@ -15,6 +15,8 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.source_ast import parse
+
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = {
     "triptych": ROOT / "triptych",
@@ -77,7 +79,7 @@ def imports_in(source: str, name: str, is_package: bool, path: str) -> list[Impo
             found.extend(Import(path, enclosing, module, child.lineno) for module in modules)  # type: ignore[attr-defined]
             visit(child, enclosing)
 
-    visit(ast.parse(source, path), "<module>")
+    visit(parse(source, path), "<module>")
     return found
 
 

@@ -119,7 +119,7 @@ def test_bool_is_not_an_int():
 
 
 def test_every_message_type_round_trips_and_checks_nested_fields():
-    assert len(message_types()) == 20  # every message class registered, each under its own type name
+    assert len(message_types()) == 21  # every message class registered, each under its own type name
     bad_manifest = {"v": PROTOCOL_VERSION, "type": "transfer_staged", "request_id": "r", "instance": "i",
                     "nbytes": 1, "manifest": [{"name": "x"}, "not-a-map"], "meta": {}, "seconds": 0.0}  # fmt: skip
     with pytest.raises(ProtocolError, match=r"'manifest\[1\]'"):  # the field and the item in it

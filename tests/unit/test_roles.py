@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.source_ast import parse
 from triptych.config import ROLE_PARALLEL_FLAGS, SIMULATE_DEFAULTS, URL_FLAGS, ServeArgs, add_serve_flags
 from triptych.ports import RESULT_PORT_OFFSET, result_port
 from triptych.roles import COMBINED_ROLES, ROLE_SPECS, SPLIT_ROLES, WORKER_ROLES, Role, route_for
@@ -119,7 +120,7 @@ def test_the_checks_catch_a_hand_mapping_of_states_to_roles() -> None:
         "    if state.startswith('ENCODER'):\n        return 'encoder'\n"
         "    if state == 'DENOISING_RUNNING':\n        return 'denoiser'\n"
     )
-    assert _role_lists(ast.parse(as_dict)) and _state_to_role_chains(ast.parse(as_chain))
+    assert _role_lists(parse(as_dict)) and _state_to_role_chains(parse(as_chain))
 
 
 def _offenders(folder: str, finder: Callable[[ast.AST], list[tuple[int, list[str]]]]) -> list[str]:
@@ -128,7 +129,7 @@ def _offenders(folder: str, finder: Callable[[ast.AST], list[tuple[int, list[str
     for path in sorted((ROOT / folder).rglob("*.py")):
         if path == ROOT / "triptych" / "roles.py" or "tiny_models" in path.parts:
             continue
-        for line, names in finder(ast.parse(path.read_text(), str(path))):
+        for line, names in finder(parse(path.read_text(), str(path))):
             offenders.append(f"{path.relative_to(ROOT)}:{line}: {names}")
     return offenders
 

@@ -96,6 +96,27 @@ def test_a_standing_slot_is_reused_without_transfer_alloc_once_its_holder_has_lo
     assert not any(isinstance(m, TransferAlloc) for m in den.got), "a fitting standing slot needs no transfer_alloc"
 
 
+def test_standing_slots_a_receiver_reserved_at_start_up_are_used_from_the_first_request(head):
+    """Its heartbeat lists them: the first hop to it goes straight to a push into the smallest that
+    fits, with no transfer_alloc; a payload larger than every one of them takes the alloc path."""
+    client, w = head
+    enc, den = w[Role.ENCODER], w[Role.DENOISER]
+    den.standing_slots = ((4096, 1024), (8192, 512))
+    den.send(den.heartbeat(den.pings[-1].instance))
+    den.pump(0.3)
+    _run_to_push(client, w, "a")  # 8 bytes: both fit, the smaller is taken
+    push = enc.wait_for(TransferPush)
+    assert push.request_id == "a" and push.dest_addr == 8192
+    assert not any(isinstance(m, TransferAlloc) for m in den.got), "a start-up slot needs no transfer_alloc"
+
+    client.send_multipart(encode(Submit("big", PARAMS)))
+    work = next(m for m in iter(lambda: enc.wait_for(Work), None) if m.request_id == "big")
+    manifest = [{"name": "x", "dtype": "uint8", "shape": [2000], "offset": 0}]
+    enc.send(TransferStaged("big", work.instance, 2000, manifest, {}, 0.0))
+    alloc = den.wait_for(TransferAlloc)
+    assert alloc.request_id == "big" and alloc.nbytes == 2000
+
+
 def test_a_push_that_gave_up_with_its_write_pending_keeps_the_receive_slot(head):
     client, w = head
     enc, den = w[Role.ENCODER], w[Role.DENOISER]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ from triptych.cli import build_parser
 from triptych.config import ConfigError, ServeArgs
 from triptych.params import GenerationParams
 from triptych.roles import Role
+from triptych_worker import simulated
 from triptych_worker.simulated import DEFAULT_COSTS, SimulatedPipeline, StageCost, work_units
 from triptych_worker.stages import StageBatch
 
@@ -74,21 +74,38 @@ def test_simulation_and_drain_flags_survive_to_argv() -> None:
     assert "--simulate" not in serve_args().to_argv()
 
 
-def test_a_simulated_denoiser_takes_its_modelled_time_reports_every_step_and_emits_latents(tiny_models) -> None:
+class VirtualClock:
+    """Stands in for the time module of simulated.py: a sleep advances the clock at once, so the
+    modelled time is exact whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.now += seconds
+
+
+def test_a_simulated_denoiser_takes_its_modelled_time_reports_every_step_and_emits_latents(
+    tiny_models, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pipeline = SimulatedPipeline.from_args(
         serve_args("--simulate", "--simulate-seconds", "0.3", "--simulate-seconds-per-unit", "0",
                    model=str(tiny_models["tiny-flux"]))
     )  # fmt: skip
-    steps: list[tuple[int, int]] = []
+    clock = VirtualClock()
+    monkeypatch.setattr(simulated, "time", clock)
+    steps: list[tuple[int, int, float]] = []
     batch = StageBatch(GenerationParams("x", 64, 32, num_inference_steps=3, num_outputs=2))
-    batch.on_progress = lambda step, total, latents=None: steps.append((step, total))
-    started = time.monotonic()
+    batch.on_progress = lambda step, total, latents=None: steps.append((step, total, clock.now))
     pipeline.run(batch)
-    elapsed = time.monotonic() - started
-    # The modelled 0.3 s once per call: not per step or per output (3 x 2 x 0.3 = 1.8 s); the bound
-    # leaves a loaded machine 1.2 s of slack.
-    assert 0.3 <= elapsed < 1.5
-    assert steps == [(1, 3), (2, 3), (3, 3)]
+    # The modelled 0.3 s once per call, not per step or per output (3 x 2 x 0.3 = 1.8 s), each step
+    # reported at its own end.
+    assert clock.now == pytest.approx(0.3)
+    assert steps == [(1, 3, pytest.approx(0.1)), (2, 3, pytest.approx(0.2)), (3, 3, pytest.approx(0.3))]
     (latents,) = batch.tensors.values()
     assert isinstance(latents, np.ndarray) and latents.dtype == np.float32
     assert latents.shape == (2, (64 // 8) * (32 // 8), 16)  # tiny-flux: 2x2-packed latents of 4 channels

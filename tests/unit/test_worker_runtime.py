@@ -6,7 +6,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
+import pytest
 import torch
 import zmq
 
@@ -24,6 +28,7 @@ from triptych.protocol import (
     TransferAllocated,
     TransferPush,
     TransferPushed,
+    TransferReady,
     TransferStaged,
     Work,
     decode,
@@ -67,21 +72,50 @@ def make_worker() -> Worker:
     return Worker(args, pipeline=NullPipeline(Role.DENOISER, 1024))  # type: ignore[arg-type]
 
 
+def test_standing_slots_are_reserved_at_start_up_for_a_default_request_and_listed_in_heartbeats():
+    worker = make_worker()  # a null denoiser: 1024 bytes in per request
+    try:
+        beat = worker._heartbeat()
+        capacity = beat.capacity
+        assert [nbytes for _, nbytes in beat.standing_slots] == [1024] * capacity
+        assert len({addr for addr, _ in beat.standing_slots}) == capacity
+        assert beat.standing_bytes == 1024 * capacity == beat.pool_bytes - beat.free_bytes
+    finally:
+        worker.transport.close()
+
+
+def test_no_start_up_slot_is_larger_than_the_pool_leaves_room_for(tmp_path):
+    """A pool that cannot keep a slot and still stage outputs and take one more reserves none."""
+    argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://127.0.0.1:1",
+            "--device", "cpu", "--disagg-transfer-pool-size", "4MiB"]  # fmt: skip
+    args = ServeArgs.from_namespace(build_parser().parse_args(argv))
+    worker = Worker(args, pipeline=NullPipeline(Role.DENOISER, 3 << 20))  # type: ignore[arg-type]
+    try:
+        assert worker._heartbeat().standing_slots == () and worker.pool.free_bytes == worker.pool.pool_bytes
+    finally:
+        worker.transport.close()
+
+
 def test_kept_slot_survives_its_request_and_is_dropped_when_the_head_changes():
     worker = make_worker()
     link = RecordingLink()
+    startup = worker.pool.pool_bytes - worker.pool.free_bytes  # the start-up slots
     try:
         worker._on_message(link, ping("head-1"))  # type: ignore[arg-type]
         worker._allocate(link, TransferAlloc("r1", "w", 1 << 20, standing=True))  # type: ignore[arg-type]
         allocated = link.sent[-1]
         assert isinstance(allocated, TransferAllocated) and allocated.standing
         worker._on_message(link, _encoded(CancelWork("r1", "w")))  # type: ignore[arg-type]
-        assert worker.pool.free_bytes == worker.pool.pool_bytes - (1 << 20), "a standing slot outlives its request"
+        assert worker.pool.free_bytes == worker.pool.pool_bytes - startup - (1 << 20), (
+            "a standing slot outlives its request"
+        )
         worker._on_message(link, ping("head-1"))  # type: ignore[arg-type]
-        assert worker.pool.free_bytes < worker.pool.pool_bytes
+        assert worker.pool.free_bytes < worker.pool.pool_bytes - startup
         worker._on_message(link, ping("head-2"))  # type: ignore[arg-type]  # a restarted head never heard of it
-        assert worker.pool.free_bytes == worker.pool.pool_bytes
-        assert worker._heartbeat().standing_bytes == 0
+        # Everything the old head knew is dropped; the new head gets fresh start-up slots only.
+        assert worker.pool.free_bytes == worker.pool.pool_bytes - startup
+        assert worker._heartbeat().standing_bytes == startup
+        assert allocated.addr not in {addr for addr, _ in worker._heartbeat().standing_slots}
     finally:
         worker.transport.close()
 
@@ -89,6 +123,7 @@ def test_kept_slot_survives_its_request_and_is_dropped_when_the_head_changes():
 def test_a_new_head_gets_a_fully_free_pool_and_hears_which_requests_were_dropped():
     worker = make_worker()
     link = RecordingLink()
+    startup = worker.pool.pool_bytes - worker.pool.free_bytes  # the start-up slots, reserved anew for head-2
     try:
         worker._on_message(link, _encoded(Ping("w", head_id="head-1")))  # type: ignore[arg-type]
         worker._allocate(link, TransferAlloc("reserved", "w", 4096))  # type: ignore[arg-type]
@@ -98,17 +133,18 @@ def test_a_new_head_gets_a_fully_free_pool_and_hears_which_requests_were_dropped
             worker._staged["staged"] = staged
         queued_input = worker.pool.allocate(4096, owner="queued")
         worker._enqueue(Job("queued", GenerationParams("x", 8, 8), (queued_input, [], {})))
-        assert worker.pool.free_bytes < worker.pool.pool_bytes
+        assert worker.pool.free_bytes < worker.pool.pool_bytes - startup
 
         link.sent.clear()
         worker._on_message(link, _encoded(Ping("w", head_id="head-2")))  # type: ignore[arg-type]
 
-        assert worker.pool.free_bytes == worker.pool.pool_bytes
+        assert worker.pool.free_bytes == worker.pool.pool_bytes - startup
         failed = sorted(m.request_id for m in link.sent if isinstance(m, Failed))
         assert failed == ["kept", "queued", "reserved", "staged"]
         beat = link.sent[-1]
-        assert isinstance(beat, Heartbeat) and beat.head_id == "head-2" and beat.free_bytes == beat.pool_bytes
-        assert not worker._queue and not worker._outstanding and beat.standing_bytes == 0
+        assert isinstance(beat, Heartbeat) and beat.head_id == "head-2"
+        assert beat.free_bytes + beat.standing_bytes == beat.pool_bytes and beat.standing_bytes == startup
+        assert not worker._queue and not worker._outstanding
     finally:
         worker.transport.close()
 
@@ -160,6 +196,7 @@ class GatedPipeline:
     def __init__(self) -> None:
         self.gates: dict[str, threading.Event] = {}
         self.runs: list[tuple[str, str]] = []  # (request id, thread name), in the order jobs started
+        self.inputs: list[dict[str, torch.Tensor]] = []  # each job's incoming tensors, in that order
         self.running = 0
         self.max_running = 0
 
@@ -169,6 +206,7 @@ class GatedPipeline:
     def run(self, batch: object) -> object:
         rid = batch.params.prompt  # type: ignore[attr-defined]
         self.runs.append((rid, threading.current_thread().name))
+        self.inputs.append(dict(batch.tensors))  # type: ignore[attr-defined]
         self.running += 1
         self.max_running = max(self.max_running, self.running)
         try:
@@ -179,13 +217,30 @@ class GatedPipeline:
         return batch
 
 
-def test_a_computing_worker_keeps_answering_and_runs_queued_work_in_order_one_at_a_time():
-    """Real sockets: while one job runs, the other thread leads (answers pings and allocations);
-    work that arrives meanwhile runs after it, in order, never two at once."""
+@dataclass
+class ServedWorker:
+    """A worker serving on real sockets in this process, gated stages, and the head's two ends of them."""
+
+    worker: Worker
+    pipeline: GatedPipeline
+    work: zmq.Socket  # the head's PUSH to the worker's work socket
+    results: zmq.Socket  # the head's denoiser result port
+
+    def next_message(self, kind: type) -> object:
+        """The next message of `kind` the worker sends the head (others skipped)."""
+        while True:
+            msg, _ = decode(self.results.recv_multipart())  # zmq.Again after 10 s fails the test
+            if isinstance(msg, kind):
+                return msg
+
+
+@contextmanager
+def served_worker(*flags: str) -> Iterator[ServedWorker]:
+    """A denoiser with GatedPipeline stages serving until the block ends (every gate opened then)."""
     base = free_port_block(8)
     argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--device", "cpu",
             "--disagg-server-addr", f"tcp://127.0.0.1:{base}", "--scheduler-port", str(base + 6),
-            "--disagg-transfer-pool-size", "4MiB"]  # fmt: skip
+            "--disagg-transfer-pool-size", "4MiB", *flags]  # fmt: skip
     args = ServeArgs.from_namespace(build_parser().parse_args(argv))
     pipeline = GatedPipeline()
     worker = Worker(args, pipeline=pipeline)  # type: ignore[arg-type]
@@ -198,15 +253,24 @@ def test_a_computing_worker_keeps_answering_and_runs_queued_work_in_order_one_at
     work.connect(f"tcp://127.0.0.1:{base + 6}")
     serving = threading.Thread(target=worker.serve, daemon=True)
     serving.start()
-
-    def next_message(kind: type) -> object:
-        while True:
-            msg, _ = decode(results.recv_multipart())  # zmq.Again after 10 s fails the test
-            if isinstance(msg, kind):
-                return msg
-
-    params = {"width": 16, "height": 16, "num_inference_steps": 1}
     try:
+        yield ServedWorker(worker, pipeline, work, results)
+    finally:
+        for gate in pipeline.gates.values():
+            gate.set()
+        worker.stop()
+        serving.join(timeout=10)
+        work.close()
+        results.close()
+    assert not serving.is_alive()
+
+
+def test_a_computing_worker_keeps_answering_and_runs_queued_work_in_order_one_at_a_time():
+    """Real sockets: while one job runs, the other thread leads (answers pings and allocations);
+    work that arrives meanwhile runs after it, in order, never two at once."""
+    params = {"width": 16, "height": 16, "num_inference_steps": 1}
+    with served_worker() as w:
+        pipeline, work = w.pipeline, w.work
         for rid in ("r1", "r2", "r3"):
             pipeline.gates[rid] = threading.Event()
         work.send_multipart(encode(Work("r1", "w", {**params, "prompt": "r1"})))
@@ -216,28 +280,20 @@ def test_a_computing_worker_keeps_answering_and_runs_queued_work_in_order_one_at
         assert [r for r, _ in pipeline.runs] == ["r1"]
         # r1 blocks its thread; the other one leads: pings and allocations are answered at once.
         work.send_multipart(encode(Ping("w", "head-1")))
-        assert isinstance(next_message(Heartbeat), Heartbeat)
+        assert isinstance(w.next_message(Heartbeat), Heartbeat)
         work.send_multipart(encode(TransferAlloc("r9", "w", 4096)))
-        assert next_message(TransferAllocated).request_id == "r9"  # type: ignore[attr-defined]
+        assert w.next_message(TransferAllocated).request_id == "r9"  # type: ignore[attr-defined]
         work.send_multipart(encode(Work("r2", "w", {**params, "prompt": "r2"})))
         work.send_multipart(encode(Work("r3", "w", {**params, "prompt": "r3"})))
         time.sleep(0.2)
         assert [r for r, _ in pipeline.runs] == ["r1"], "queued work must wait for the running job"
         for rid in ("r1", "r2", "r3"):
             pipeline.gates[rid].set()
-            assert next_message(TransferStaged).request_id == rid  # type: ignore[attr-defined]
+            assert w.next_message(TransferStaged).request_id == rid  # type: ignore[attr-defined]
         assert [r for r, _ in pipeline.runs] == ["r1", "r2", "r3"]
         assert pipeline.max_running == 1
         # The thread that finished r1 ran the queue; the one that led meanwhile never computed.
         assert len({thread for _, thread in pipeline.runs}) == 1
-    finally:
-        for gate in pipeline.gates.values():
-            gate.set()
-        worker.stop()
-        serving.join(timeout=10)
-        work.close()
-        results.close()
-    assert not serving.is_alive()
 
 
 # --- drain (SIGTERM) ---------------------------------------------------------------------------
@@ -346,3 +402,46 @@ def test_an_acknowledgement_to_a_worker_that_is_not_draining_changes_nothing():
         assert worker._drain is None and not worker._heartbeat().draining
     finally:
         worker.transport.close()
+
+
+@pytest.mark.parametrize("load_ahead", [1, 0])
+def test_the_next_requests_inputs_leave_their_slot_while_the_current_one_computes(load_ahead):
+    """Real sockets, --disagg-load-ahead: with 1, r2's inputs are copied out (its slot freed for the
+    next transfer) while r1 still computes; with 0, only once r1 is done. Either way r2 gets its
+    bytes exactly."""
+    with served_worker("--disagg-load-ahead", str(load_ahead)) as w:
+        worker, pipeline = w.worker, w.pipeline
+
+        def deliver(rid: str, value: int) -> None:
+            """What a sender and the head do: a slot, the bytes written into it, transfer_ready."""
+            w.work.send_multipart(encode(TransferAlloc(rid, "w", 1 << 20)))
+            allocated = w.next_message(TransferAllocated)
+            assert allocated.request_id == rid  # type: ignore[attr-defined]
+            offset = allocated.addr - worker.pool.base_addr  # type: ignore[attr-defined]
+            worker.pool.buffer[offset : offset + 4096] = value  # the sender's Mooncake write, in place
+            manifest = [{"name": "x", "dtype": "uint8", "shape": [4096], "offset": 0}]
+            params = {"width": 16, "height": 16, "num_inference_steps": 1, "prompt": rid}
+            w.work.send_multipart(encode(TransferReady(rid, "w", params, manifest, {})))  # type: ignore[arg-type]
+
+        pipeline.gates.update(r1=threading.Event(), r2=threading.Event())
+        deliver("r1", 1)
+        deadline = time.monotonic() + 10
+        while not pipeline.runs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [r for r, _ in pipeline.runs] == ["r1"]
+        deliver("r2", 2)  # queued behind r1, which computes until its gate opens
+        held = worker.pool.pool_bytes - (1 << 20)  # r2's slot taken, r1's freed when r1 started
+        deadline = time.monotonic() + 10
+        while worker.pool.free_bytes == held and load_ahead and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # without load-ahead nothing should change meanwhile
+        if load_ahead:
+            assert worker.pool.free_bytes == worker.pool.pool_bytes, "r2's slot is freed while r1 computes"
+        else:
+            assert worker.pool.free_bytes == held, "without load-ahead r2's slot is held until r1 is done"
+        assert [r for r, _ in pipeline.runs] == ["r1"]
+        for rid in ("r1", "r2"):
+            pipeline.gates[rid].set()
+            assert w.next_message(TransferStaged).request_id == rid  # type: ignore[attr-defined]
+        assert [bytes(t["x"][:2].numpy()) for t in pipeline.inputs] == [b"\x01\x01", b"\x02\x02"]
+        assert all(t["x"].shape == (4096,) and t["x"].unique().numel() == 1 for t in pipeline.inputs)

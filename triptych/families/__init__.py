@@ -20,6 +20,7 @@ from triptych.families.flux import FluxRules
 from triptych.families.package import ModelPackage
 from triptych.families.rules import FamilyRules
 from triptych.families.wan import WanRules
+from triptych.step_cache import MODES
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ModelInfo:
     max_steps: int = 1000  # the scheduler's timesteps
     frame_step: int = 1  # videos have 1 + k * frame_step frames
     negative_prompt: bool = True  # takes a negative prompt (classifier-free guidance)
+    step_cache_modes: tuple[str, ...] = tuple(MODES)  # the step cache modes it serves (triptych.step_cache)
     aliases: tuple[str, ...] = ()  # other ids a request may name it by (--model-path as given, hub id, ...)
 
     @property
@@ -92,6 +94,7 @@ def read_model_info(model_path: str | Path, names: Sequence[str] = ()) -> ModelI
         max_steps=rules.max_steps,
         frame_step=rules.frame_step,
         negative_prompt=rules.negative_prompt,
+        step_cache_modes=rules.step_cache_modes,
     )
 
 

@@ -11,6 +11,7 @@ from triptych.families.package import ModelPackage
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import PIXELS, TensorSpec
 from triptych.roles import Role
+from triptych.step_cache import MODES
 
 
 class FamilyRules(abc.ABC):
@@ -34,6 +35,8 @@ class FamilyRules(abc.ABC):
     """Videos have 1 + k * frame_step frames (the VAE's temporal compression); 0: images."""
     negative_prompt: bool = True
     """Whether requests may carry a negative prompt (classifier-free guidance)."""
+    step_cache_modes: tuple[str, ...] = tuple(MODES)
+    """The step cache modes (triptych.step_cache) whose diffusers hooks apply to its transformer."""
 
     def __init__(self, package: ModelPackage):
         self.package = package

@@ -16,6 +16,8 @@ def uses_cfg(params: GenerationParams) -> bool:
 
 class WanRules(FamilyRules):
     kind = "video"
+    # TaylorSeer's default patterns ("^blocks.*attn") match no Wan attention (attn1, attn2): it would skip nothing.
+    step_cache_modes = ("first_block", "pyramid_attention_broadcast")
 
     def __init__(self, package: ModelPackage):
         super().__init__(package)

@@ -37,8 +37,8 @@ from triptych.protocol.codec import Message
 __all__ = [
     "Submit", "Cancel", "RequestEvent", "RequestResult",
     "Ping", "Work", "WorkBatch", "TransferAlloc", "TransferPush", "TransferReady", "CancelWork",
-    "Heartbeat", "EncoderCacheStats", "Progress", "TransferStaged", "TransferAllocated",
-    "TransferRefused", "WorkRefused", "TransferPushed", "Result", "Failed", "HEAD_TO_WORKER",
+    "Heartbeat", "EncoderCacheStats", "StepCacheStats", "Progress", "TransferStaged", "TransferAllocated",
+    "TransferRefused", "WorkRefused", "HandOff", "TransferPushed", "Result", "Failed", "HEAD_TO_WORKER",
 ]  # fmt: skip
 
 # Checked by the decoder, so a handler never sees a negative size or address, a duration no clock
@@ -92,6 +92,7 @@ class RequestResult(Message, tag="result", frozen=True):
     request_id: str
     tensors: list[dict[str, Any]]
     timings: dict[str, float]
+    server_timing: str = ""  # where its time went, as the answer's Server-Timing header (triptych_head.timeline)
 
 
 # --- head -> worker -----------------------------------------------------------------------
@@ -117,6 +118,7 @@ class Work(Message, tag="work", frozen=True):
     progress: bool = False  # report every denoising step (someone watches the request)
     preview_every: Count = 0  # with progress: a preview PNG every k steps (0: none)
     head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
+    traceparent: str = ""  # the request's trace (W3C Trace Context) when the head traces it (triptych.tracing)
 
 
 class WorkBatch(Message, tag="work_batch", frozen=True):
@@ -159,6 +161,7 @@ class TransferReady(Message, tag="transfer_ready", frozen=True):
     batch_id: str = ""
     batch_size: Count = 1
     head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
+    traceparent: str = ""  # as Work's
 
 
 class CancelWork(Message, tag="cancel_work", frozen=True):
@@ -169,8 +172,18 @@ class CancelWork(Message, tag="cancel_work", frozen=True):
     head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
 
 
+class HandOff(Message, tag="hand_off", frozen=True):
+    """Stop the request's denoising at its next step boundary and stage its state for another
+    denoiser (TransferStaged with `continues_at`; docs/design.md "Migration"). A worker that cannot
+    (a request past its last step, a multi-rank denoiser) carries on as if never asked."""
+
+    request_id: str
+    instance: str
+    head_id: str = ""
+
+
 # What a worker acts on.
-HEAD_TO_WORKER = (Ping, Work, WorkBatch, TransferAlloc, TransferPush, TransferReady, CancelWork)
+HEAD_TO_WORKER = (Ping, Work, WorkBatch, TransferAlloc, TransferPush, TransferReady, CancelWork, HandOff)
 
 # --- worker -> head -----------------------------------------------------------------------
 
@@ -183,6 +196,15 @@ class EncoderCacheStats(msgspec.Struct, frozen=True):
     evictions: Count = 0
     bytes: Count = 0  # held now
     capacity_bytes: Count = 0
+
+
+class StepCacheStats(msgspec.Struct, frozen=True):
+    """A denoiser's requests with one step cache mode since it started (triptych/step_cache.py), for /metrics."""
+
+    mode: str
+    requests: Count = 0  # requests, or batches of them, the mode's hook was attached for
+    computed: Count = 0  # attention computations the transformer ran with it
+    skipped: Count = 0  # attention computations it skipped (reused or predicted)
 
 
 class Heartbeat(Message, tag="heartbeat", frozen=True):
@@ -207,7 +229,11 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     held: Count = 0  # requests holding one of its scheduling slots now, for every head
     peak_held: Count = 0  # the most it has held at once since it started (never above its capacity)
     encoder_cache: EncoderCacheStats | None = None  # None: this worker encodes no prompts
+    step_cache: tuple[StepCacheStats, ...] = ()  # per step cache mode its denoising used
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 1  # its --batching-max-size: the largest group it runs at once
+    # Its standing receive slots, (address, bytes) each: the head assigns the ones it does not know yet
+    # (reserved at the worker's start-up) without a transfer_alloc.
+    standing_slots: tuple[tuple[Count, Count], ...] = ()
 
 
 class Progress(Message, tag="progress", frozen=True):
@@ -229,6 +255,9 @@ class TransferStaged(Message, tag="transfer_staged", frozen=True):
     seconds: Seconds
     batch_size: Count = 1  # how many requests ran in the same batched forward as this one
     batch_leader: bool = True  # the first of them: the head counts each batch once
+    # A continuation: the denoising stopped before this step, and another denoiser runs the rest
+    # (docs/design.md "Migration"); None: the role's finished outputs, for the next role.
+    continues_at: Count | None = None
 
 
 class TransferAllocated(Message, tag="transfer_allocated", frozen=True):

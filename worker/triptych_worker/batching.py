@@ -58,7 +58,7 @@ def split(merged: StageBatch, batches: Sequence[StageBatch], shared: frozenset[s
             name: tensor if name in shared else cast("torch.Tensor", tensor)[start : start + n].clone()
             for name, tensor in merged.tensors.items()
         }
-        batch.meta.update(merged.meta)
+        batch.meta = dict(merged.meta)  # compatible requests share their meta (a continuation's RESUME too)
         start += n
 
 
@@ -92,6 +92,8 @@ def run_merged(
     dropped: dict[int, Exception] = {}
     merged = merge(batches, shared)
     merged.on_progress = fan_out_progress(batches, dropped)
+    # A group hands off together (a drain asks for every request); each member stages its own rows.
+    merged.hand_off = lambda: any(b.should_hand_off() for b in batches)
     try:
         run(merged)
     except EveryRequestDropped as exc:

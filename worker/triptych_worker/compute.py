@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from triptych.protocol import Failed, Progress, Result, TransferStaged, tensors_to_frames
 from triptych.reference import BadReference
+from triptych.tracing import Attributes
 from triptych_worker.heads import HeadLinks
 from triptych_worker.job_groups import Job
 from triptych_worker.preview import should_preview
+from triptych_worker.resume import RESUME
 from triptych_worker.stages import PIXELS, StageBatch
-from triptych_worker.transfer import Allocation, PayloadTooLarge, load_tensors, stage_tensors
+from triptych_worker.transfer import Allocation, PayloadTooLarge, stage_tensors
 
 if TYPE_CHECKING:
     from triptych_worker.runtime import Worker
@@ -35,7 +37,7 @@ class RequestCancelled(Exception):
 def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
     """Run a group of compatible jobs as one batch (a single job alone); a failure or a cancel
     fails only its own request, the others carry on."""
-    started = time.perf_counter()
+    started, started_ns = time.perf_counter(), time.time_ns()
     if len(jobs) > 1:
         log.info("running %d requests as one batch: %s", len(jobs), ", ".join(job.request_id for job in jobs))
     prepared: list[tuple[Job, StageBatch]] = []
@@ -51,6 +53,7 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
         together = len(prepared) if _batches_forward(worker, len(prepared)) else 1
         # Reported together once all are staged, so that the head sees the batch arrive as one.
         reports: list[tuple[Result | TransferStaged, list[Any]]] = []
+        traced: list[tuple[Job, float]] = []  # each job's stage seconds, for its span
         for (job, batch), error in zip(prepared, outcomes, strict=True):
             with _fails_alone(worker, link, job):
                 if error is not None:
@@ -59,13 +62,18 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
                 report = _deliver(worker, job, batch, started, together, leader)
                 if report is not None:
                     reports.append(report)
+                    traced.append((job, report[0].seconds))
         with worker._lock:  # settled before the head hears: work it sends next finds the slots free
             worker._outstanding.difference_update(job.request_id for job in jobs)
         for msg, frames in reports:
             link.send(msg, frames)
+        if worker.tracing is not None:  # after the reports: off the request's path
+            for job, seconds in traced:
+                _trace_stages(worker, job, started_ns, seconds, together)
     finally:
         with worker._lock:
             worker._outstanding.difference_update(job.request_id for job in jobs)
+            worker._handing_off.difference_update(job.request_id for job in jobs)
 
 
 @contextlib.contextmanager
@@ -113,17 +121,12 @@ def _run_stages(worker: Worker, batches: list[StageBatch]) -> list[Exception | N
 
 
 def _prepare(worker: Worker, link: HeadLinks, job: Job) -> StageBatch:
-    """The job's StageBatch: its incoming tensors loaded (its slot freed) and its progress reporting."""
+    """The job's StageBatch: its incoming tensors loaded (its slot freed; usually done ahead, by the
+    worker's input loader) and its progress reporting."""
     batch = StageBatch(params=job.params)
     if job.incoming is not None:
-        alloc, manifest, meta = job.incoming
-        batch.tensors = load_tensors(worker.pool, alloc, manifest, worker.device)
-        batch.meta = dict(meta)
-        with worker._lock:
-            standing = worker._standing.get(alloc.addr) is alloc
-        if not standing:  # the slot is free as soon as its bytes are copied out
-            worker.pool.free(alloc)
-            worker._space_freed(link)
+        batch.tensors = worker.inputs.take(job, link)
+        batch.meta = dict(job.incoming[2])
 
     def progress(step: int, total: int, latents: Any = None) -> None:
         if worker._is_cancelled(job.request_id):
@@ -133,7 +136,21 @@ def _prepare(worker: Worker, link: HeadLinks, job: Job) -> StageBatch:
             link.send(Progress(job.request_id, worker.instance, step, total, preview))
 
     batch.on_progress = progress
+    if worker.hands_off:
+        batch.hand_off = lambda: worker.handing_off(job.request_id)
     return batch
+
+
+def _trace_stages(worker: Worker, job: Job, started_ns: int, seconds: float, batch_size: int) -> None:
+    """The span of the job's stages (as reported to the head) in the head's trace of the request."""
+    if worker.tracing is None or not job.traceparent:  # the head does not trace this request
+        return
+    attributes: Attributes = {"triptych.request_id": job.request_id, "triptych.batch_size": batch_size}
+    try:
+        end_ns = started_ns + round(seconds * 1e9)
+        worker.tracing.record(job.traceparent, worker.role.value, started_ns, end_ns, attributes)
+    except Exception:  # tracing is an observer: it never fails a request
+        log.exception("tracing request %s", job.request_id)
 
 
 def _deliver(
@@ -157,9 +174,12 @@ def _deliver(
             return None
         worker._staged[job.request_id] = allocation
     seconds = time.perf_counter() - started
+    resume = batch.meta.get(RESUME)  # stopped at a step boundary: another denoiser continues it
+    continues_at = None if resume is None else int(resume["step"])
     return TransferStaged(
-        job.request_id, worker.instance, allocation.nbytes, manifest, batch.meta, seconds, batch_size, leader
-    ), []
+        job.request_id, worker.instance, allocation.nbytes, manifest, batch.meta, seconds, batch_size, leader,
+        continues_at,
+    ), []  # fmt: skip
 
 
 def _preview(worker: Worker, job: Job, step: int, latents: Any) -> bytes:

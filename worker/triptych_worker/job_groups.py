@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from triptych.batching import batch_key
 from triptych.params import GenerationParams
+from triptych_worker.resume import RESUME
 
 if TYPE_CHECKING:
     from triptych_worker.transfer import Allocation
@@ -30,11 +31,15 @@ class Job:
     preview_every: int = 0  # with progress: a preview PNG of the latents every k steps
     group: str = ""  # the batch the head dispatched it in ("" or group_size 1: none)
     group_size: int = 1
+    traceparent: str = ""  # the head's trace of the request (triptych.tracing): its stages get a span there
     queued_at: float = field(default_factory=time.monotonic)
 
     @property
     def key(self) -> tuple[Any, ...]:
-        return (self.incoming is None, *batch_key(self.params, self.request_id))
+        # Continuations batch only with continuations of the same step (resume.py).
+        resume = None if self.incoming is None else self.incoming[2].get(RESUME)
+        step = None if resume is None else resume["step"]
+        return (self.incoming is None, step, *batch_key(self.params, self.request_id))
 
 
 def take_group(queue: deque[Job], max_size: int, assembly_cutoff: float) -> list[Job]:

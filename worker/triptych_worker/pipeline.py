@@ -25,7 +25,9 @@ from triptych_worker.adapters import FamilyAdapter, adapter_for
 from triptych_worker.batching import run_merged, split
 from triptych_worker.encoder_cache import EncoderCache
 from triptych_worker.preview import LatentPreviewer, find_projection, should_preview
+from triptych_worker.resume import RESUME
 from triptych_worker.stages import PIXELS, PipelineStage, StageBatch
+from triptych_worker.step_cache import StepCaching
 
 if TYPE_CHECKING:
     import numpy as np
@@ -121,25 +123,37 @@ class ImageEncodingStage(AdapterStage):
 
 # The denoiser makes the noise from the request's seed and its own schedule, whichever encoders ran
 # before it: the encoders hand on embeddings only, the same in the three- and four-role topologies.
+# A continuation (another denoiser's state at a step boundary, resume.py) brings its latents and
+# its schedule's meta with it: both stages leave it as it came.
 class LatentPreparationStage(AdapterStage):
     role_affinity: ClassVar[Role] = Role.DENOISER
 
     def run(self, batch: StageBatch) -> None:
-        self.adapter.prepare_latents(batch)
+        if RESUME not in batch.meta:
+            self.adapter.prepare_latents(batch)
 
 
 class TimestepPreparationStage(AdapterStage):
     role_affinity: ClassVar[Role] = Role.DENOISER
 
     def run(self, batch: StageBatch) -> None:
-        self.adapter.prepare_timesteps(batch)
+        if RESUME not in batch.meta:
+            self.adapter.prepare_timesteps(batch)
 
 
 class DenoisingStage(BatchedAdapterStage):
+    """The denoising loop, with the request's step cache hook on the transformer (step_cache.py): a
+    merged batch runs here once, with the one mode its requests share (triptych.batching)."""
+
     role_affinity: ClassVar[Role] = Role.DENOISER
 
+    def __init__(self, adapter: FamilyAdapter):
+        super().__init__(adapter)
+        self.step_cache = StepCaching(adapter)
+
     def run(self, batch: StageBatch) -> None:
-        self.adapter.denoise(batch)
+        with self.step_cache.applied(batch.params):
+            self.adapter.denoise(batch)
 
 
 class DecodingStage(BatchedAdapterStage):
@@ -174,6 +188,18 @@ class RolePipeline:
     def encoder_cache(self) -> EncoderCache | None:
         """The prompt-embedding cache of this role's text encoding, if it encodes prompts and keeps one."""
         return next((s.cache for s in self.stages if isinstance(s, TextEncodingStage) and s.cache is not None), None)
+
+    @property
+    def step_cache(self) -> StepCaching | None:
+        """The step caches of this role's denoising, if it denoises."""
+        return next((s.step_cache for s in self.stages if isinstance(s, DenoisingStage)), None)
+
+    @property
+    def hands_off(self) -> bool:
+        """Whether its denoising can stop at a step boundary and continue on another denoiser
+        (resume.py): it denoises and hands on latents (a full pipeline decodes them itself)."""
+        kinds = {type(stage) for stage in self.stages}
+        return DenoisingStage in kinds and DecodingStage not in kinds
 
     @property
     def stage_names(self) -> list[str]:

@@ -37,9 +37,11 @@ from triptych.protocol import (
     CancelWork,
     EncoderCacheStats,
     Failed,
+    HandOff,
     Heartbeat,
     Ping,
     ProtocolError,
+    StepCacheStats,
     TransferAlloc,
     TransferAllocated,
     TransferPush,
@@ -53,9 +55,11 @@ from triptych.protocol import (
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message
-from triptych_worker import compute, drain, pushes
+from triptych.tracing import start_tracing, traces_url
+from triptych_worker import compute, drain, pushes, standing
 from triptych_worker.drain import Drain
 from triptych_worker.heads import HeadBook, HeadLinks
+from triptych_worker.inputs import InputLoader
 from triptych_worker.job_groups import Job, take_group
 from triptych_worker.preview import LatentPreviewer
 from triptych_worker.pushes import Push
@@ -114,6 +118,8 @@ class Worker:
             log.info("%s: %s", self.role.value, pipeline.describe())
         self.pipeline = pipeline
         self.model_fingerprint = package_fingerprint(args.model_path)  # the head compares it with its own
+        # None without --otlp-endpoint: no span is recorded and the OpenTelemetry SDK is never imported.
+        self.tracing = start_tracing(traces_url(args.otlp_endpoint), f"triptych-{self.role.value}")
         make_previewer = getattr(pipeline, "previewer", None)  # only real stages hold latents to preview
         self.previewer: LatentPreviewer | None = make_previewer() if make_previewer is not None else None
         # A full-pipeline worker (--disagg-full-pipeline) runs every stage and returns pixels, like a
@@ -152,11 +158,29 @@ class Worker:
         self._owes_heartbeat = False  # a refusal is pending: report freed pool space right away
         self._peak_held = 0  # the most requests held at once (heartbeats report it)
         self._cancelled: OrderedDict[str, None] = OrderedDict()
+        # Requests the head asked to hand over to another denoiser at their next step boundary (HandOff).
+        self._handing_off: set[str] = set()
+        # Only a denoiser that hands on latents can stop between steps and continue elsewhere (resume.py).
+        self.hands_off = not self.full_pipeline and bool(getattr(pipeline, "hands_off", False))
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._drain_requested = threading.Event()  # set by the SIGTERM handler; the leader starts the drain
         self._drain: Drain | None = None  # leader only
         self._started = time.monotonic()
+        # Standing receive slots reserved now, before the first request, for the one head (standing.py).
+        self._startup_slot_bytes = 0
+        if not self.full_pipeline and self.heads.single:
+            self._startup_slot_bytes = standing.slot_size(pipeline, args.model_path, self.role)
+        self._reserve_standing()
+        # Copies queued jobs' inputs out of their receive slots while a job computes (inputs.py).
+        self.inputs = InputLoader(
+            self.pool,
+            self.device,
+            ahead=args.disagg_load_ahead * args.batching_max_size,
+            release=self._release_slot,
+            cancelled=self._is_cancelled,
+            make_link=lambda: HeadLinks(self.ctx, self.heads, self.security),
+        )
 
     # --- threads ---------------------------------------------------------------------------
 
@@ -170,6 +194,7 @@ class Worker:
         threads = [threading.Thread(target=self._thread_main, name=f"worker-{i}", daemon=True) for i in range(THREADS)]
         for t in threads:
             t.start()
+        self.inputs.start()
         log.info(
             "%s ready: work %s, results to %s, %s, control plane %s",
             self.role.value, self.work_endpoint, ", ".join(self.heads.endpoints()) or "(no head found yet)",
@@ -184,6 +209,7 @@ class Worker:
             self._stop.set()
             for t in threads:
                 t.join(timeout=5)
+            self.inputs.stop()
             self._work.close()
             self.heads.close()
             self.transport.close()
@@ -305,11 +331,13 @@ class Worker:
             model=self.args.model_path,
             model_fingerprint=self.model_fingerprint,
             standing_bytes=self.pool.reserved_bytes(list(self._standing.values())),
+            standing_slots=tuple((alloc.addr, alloc.nbytes) for alloc in list(self._standing.values())),
             draining=self._drain_requested.is_set(),
             head_id=head_id,
             max_batch=self.args.batching_max_size,
             full_pipeline=self.full_pipeline,
             encoder_cache=self._encoder_cache_stats(),
+            step_cache=self._step_cache_stats(),
             via=endpoint,
             others_busy=self._busy_for_others(head_id),
             held=len(self._held_requests()),
@@ -340,6 +368,10 @@ class Worker:
     def _encoder_cache_stats(self) -> EncoderCacheStats | None:
         cache = getattr(self.pipeline, "encoder_cache", None)  # only model pipelines that encode prompts have one
         return None if cache is None else cache.stats()
+
+    def _step_cache_stats(self) -> tuple[StepCacheStats, ...]:
+        caching = getattr(self.pipeline, "step_cache", None)  # only model pipelines that denoise have one
+        return () if caching is None else caching.stats()
 
     def _on_message(self, link: HeadLinks, parts: list[Any]) -> None:
         try:
@@ -380,6 +412,8 @@ class Worker:
         elif isinstance(msg, CancelWork):
             self._cancel(msg.request_id)
             self._space_freed(link)
+        elif isinstance(msg, HandOff):
+            self._hand_off(msg.request_id)
 
     def _on_ping(self, link: HeadLinks, msg: Ping) -> None:
         replaced = self.heads.on_ping(msg.head_id, msg.via, msg.instance)
@@ -422,7 +456,8 @@ class Worker:
             self._note_held()
         group = accepted[0].request_id if len(accepted) > 1 else ""
         self._enqueue(*(
-            Job(w.request_id, w.params, None, w.progress, w.preview_every, group, len(accepted) if group else 1)
+            Job(w.request_id, w.params, None, w.progress, w.preview_every, group, len(accepted) if group else 1,
+                traceparent=w.traceparent)
             for w in accepted
         ))  # fmt: skip
 
@@ -486,6 +521,8 @@ class Worker:
             self.pool.free(alloc)
         for request_id in mine:
             self._cancel(request_id, free=request_id not in writing)
+        if single:
+            self._reserve_standing()  # the new head's, reported in the heartbeat that answers its ping
         if dropped_slots or mine:
             log.info("%s: dropped %d standing receive slots and %d requests", why, len(dropped_slots), len(mine))
         return sorted(mine)
@@ -513,10 +550,33 @@ class Worker:
             link.send(Failed(msg.request_id, self.instance, "transfer_ready for a slot this worker does not hold"))
             return
         incoming = (alloc, msg.manifest, msg.meta)
-        self._enqueue(
-            Job(msg.request_id, msg.params, incoming, msg.progress, msg.preview_every, msg.batch_id, msg.batch_size)
-        )
+        job = Job(
+            msg.request_id, msg.params, incoming, msg.progress, msg.preview_every, msg.batch_id, msg.batch_size,
+            traceparent=msg.traceparent,
+        )  # fmt: skip
+        self._enqueue(job)
+        self.inputs.submit(job)
         self._note_held()
+
+    def _reserve_standing(self) -> None:
+        """Reserve this receiver's start-up standing slots (again, after a head change dropped them)."""
+        with self._lock:
+            held = len(self._standing)
+        capacity = self.args.worker_capacity * self.args.batching_max_size
+        slots = standing.reserve(self.pool, self._startup_slot_bytes, capacity, held, owner=STANDING)
+        with self._lock:
+            self._standing.update((alloc.addr, alloc) for alloc in slots)
+        if slots:
+            log.info("reserved %d standing receive slots of %d bytes", len(slots), self._startup_slot_bytes)
+
+    def _release_slot(self, alloc: Allocation, link: HeadLinks) -> None:
+        """A job's inputs are copied out of `alloc`: free it (a standing slot stays, idle) and tell the
+        head at once if it waits for room."""
+        with self._lock:
+            standing = self._standing.get(alloc.addr) is alloc
+        if not standing:
+            self.pool.free(alloc)
+            self._space_freed(link)
 
     def _cancel(self, request_id: str, free: bool = True) -> None:
         with self._lock:
@@ -528,6 +588,17 @@ class Worker:
             self._outstanding.discard(request_id)
         if free:
             self.pool.free_owner(request_id)
+
+    def _hand_off(self, request_id: str) -> None:
+        """The head asks for the request's state at its next step boundary (docs/design.md "Migration");
+        a worker that cannot stop between steps finishes it as if never asked."""
+        with self._lock:
+            if self.hands_off and request_id in self._outstanding:
+                self._handing_off.add(request_id)
+
+    def handing_off(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._handing_off
 
     def _is_cancelled(self, request_id: str) -> bool:
         with self._lock:
@@ -556,4 +627,6 @@ def run_worker(args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | Par
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if worker.tracing is not None:
+            worker.tracing.shutdown()  # the spans still buffered
     return 0

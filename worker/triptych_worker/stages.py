@@ -29,10 +29,20 @@ class StageBatch:
     tensors: dict[str, Array] = field(default_factory=dict)  # torch tensors; numpy arrays in simulated workers
     meta: dict[str, Any] = field(default_factory=dict)
     on_progress: ProgressCallback | None = None
+    hand_off: Callable[[], bool] | None = None
+    """Whether the denoising loop should stop at this step boundary and hand its state on
+    (triptych_worker.resume; docs/design.md "Migration"); None: never."""
 
     def report_progress(self, step: int, total: int, latents: Any = None) -> None:
         if self.on_progress is not None:
             self.on_progress(step, total, latents)
+
+    def should_hand_off(self) -> bool:
+        """Asked to hand off, and able to: a step cache's hook keeps state of its own (the residuals or
+        attentions it reuses) that does not travel, so a cached request finishes where it is."""
+        if self.hand_off is None or self.params.resolved_step_cache.on:
+            return False
+        return self.hand_off()
 
 
 PIXELS = WIRE_PIXELS

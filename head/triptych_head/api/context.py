@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel
 
@@ -18,12 +19,15 @@ from triptych.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, 
 from triptych.contract import CONTRACT, VIDEOS, Contract, ParamError
 from triptych.families import ModelInfo
 from triptych.params import GenerationParams
-from triptych_head.admission import AdmissionControl, Overloaded
+from triptych_head.admission import AdmissionControl, DeadlineUnachievable, Overloaded
 from triptych_head.api.auth import APIKeys
+from triptych_head.api.deadlines import FIELD as DEADLINE_FIELD
+from triptych_head.api.deadlines import Deadline, requested_deadline
 from triptych_head.api.errors import APIError
 from triptych_head.api.reference import Reference
 from triptych_head.api.schemas import parse_size
 from triptych_head.backend import Backend, GenerationFailed
+from triptych_head.deadline import Estimate
 from triptych_head.idempotency import Idempotency
 from triptych_head.objects import DirectoryObjects, ObjectStore
 from triptych_head.results import ResultStore, Retention
@@ -65,6 +69,8 @@ class HeadContext:
     head_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     # How long a request waits for another run of its Idempotency-Key before a 409: the request timeout.
     idempotency_wait_s: float = DEFAULT_TIMEOUT_S
+    # A request's deadline when it gives none, and the latest it may give (--disagg-timeout).
+    request_timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         objects = self.results_store or DirectoryObjects(self.output_path)
@@ -131,23 +137,50 @@ class HeadContext:
             raise APIError(400, str(exc)) from None
         return params
 
-    def admit(self, request_id: str, bounded: bool = True) -> None:
-        """Count a new request in flight, or refuse it (429 with Retry-After) when the pipeline is at
-        capacity (admission.py). Call it right before generate(), or when a video job is created.
-        `bounded=False`: count it whatever the load (a job accepted once already, by a head that died)."""
-        if self.admission is not None and bounded:
+    def admit(
+        self, request_id: str, params: GenerationParams, deadline: Deadline | None = None, bounded: bool = True
+    ) -> Estimate | None:
+        """Count a new request in flight, or refuse it with a 429 and Retry-After: when it would miss
+        its deadline (None: the request timeout), or when the pipeline is at --max-queued-requests
+        (admission.py). Its estimated completion, None where there is none (monolithic mode). Call it
+        right before generate(), or when a video job is created. `bounded=False`: count it whatever the
+        load (a job accepted once already, by a head that died)."""
+        estimate = None
+        if self.admission is not None:
+            deadline = deadline or Deadline(self.request_timeout_s, None)
             try:
-                self.admission.check(len(self.active))
+                estimate = self.admission.admit(request_id, params, deadline.seconds, len(self.active), bounded)
             except Overloaded as exc:
                 raise APIError(
                     429, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after_s)}
                 ) from None
+            except DeadlineUnachievable as exc:
+                raise APIError(
+                    429,
+                    str(exc),
+                    deadline.param,
+                    code="deadline_unachievable",
+                    headers={"Retry-After": str(exc.retry_after_s)},
+                    details={
+                        "estimate_seconds": round(exc.estimate.seconds, 3),
+                        "deadline_seconds": deadline.seconds,
+                        "wait_seconds": round(exc.estimate.wait_s, 3),
+                        "work_seconds": round(exc.estimate.work_s, 3),
+                    },
+                ) from None
         self.active.add(request_id)
         self._count_in_flight()
+        return estimate
+
+    def deadline(self, request: Request, values: dict[str, Any]) -> Deadline:
+        """The request's deadline (deadlines.py): its body field or header, or the request timeout."""
+        return requested_deadline(request, values.get(DEADLINE_FIELD), self.request_timeout_s)
 
     def release(self, request_id: str) -> None:
         """The request was answered (or its job ended): it no longer counts against the bound."""
         self.active.discard(request_id)
+        if self.admission is not None:
+            self.admission.release(request_id)
         self._count_in_flight()
 
     def _count_in_flight(self) -> None:
@@ -165,7 +198,7 @@ class HeadContext:
     ) -> Any:
         request_id = request_id or new_request_id()
         if request_id not in self.active:
-            self.admit(request_id)
+            self.admit(request_id, params)
         try:
             return await self.backend.generate(request_id, params, on_event, preview_every=preview_every)
         except GenerationFailed as exc:

@@ -1,4 +1,5 @@
-"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}."""
+"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}, and for some errors more
+fields beside them (a deadline_unachievable 429's estimate_seconds and deadline_seconds)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,20 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        details: dict[str, Any] | None = None,
     ):
         super().__init__(message)
         self.status_code, self.message, self.param, self.code = status_code, message, param, code
         self.headers = headers
+        self.details = details  # more fields of the error object, for a client to act on (a 429's estimate)
 
 
-def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    status_code: int, message: str, param: str | None = None, code: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     kind = "invalid_request_error" if 400 <= status_code < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code, **(details or {})}}
 
 
 async def send_json(send: Send, status_code: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
@@ -43,7 +49,7 @@ async def send_json(send: Send, status_code: int, body: dict[str, Any], headers:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        body = error_body(exc.status_code, exc.message, exc.param, exc.code)
+        body = error_body(exc.status_code, exc.message, exc.param, exc.code, exc.details)
         return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from triptych_head.api.auth import bearer_token
 from triptych_head.api.context import HeadContext
+from triptych_head.api.deadlines import FIELD as DEADLINE_FIELD
 from triptych_head.api.errors import APIError
 from triptych_head.api.reference import Reference
 from triptych_head.idempotency import MAX_KEY_LENGTH, InProgress, KeyReused, valid_key
@@ -39,9 +40,11 @@ def idempotency_key(request: Request) -> str | None:
 
 
 def fingerprint(endpoint: str, values: dict[str, Any], reference: Reference | None = None) -> str:
-    """What makes two requests the same request: the endpoint, the body's fields, the reference image."""
+    """What makes two requests the same request: the endpoint, the body's fields, the reference image
+    (not the deadline: a retry has less time left, and is still the same request)."""
     digest = hashlib.sha256(endpoint.encode())
-    digest.update(json.dumps(values, sort_keys=True, default=str).encode())
+    same = {k: v for k, v in values.items() if k != DEADLINE_FIELD}
+    digest.update(json.dumps(same, sort_keys=True, default=str).encode())
     if reference is not None:
         digest.update(reference.data or (reference.url or "").encode())
     return digest.hexdigest()

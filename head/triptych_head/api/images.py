@@ -20,17 +20,21 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from triptych.contract import EDITS, IMAGES
 from triptych.params import GenerationParams
 from triptych_head.api.context import HeadContext, new_request_id
+from triptych_head.api.deadlines import with_estimate
 from triptych_head.api.errors import APIError
 from triptych_head.api.idempotent import HEADER, answer_once, fingerprint, idempotency_key
 from triptych_head.api.progress import ProgressFeed, SSEMessage, error_message, sse_response
 from triptych_head.api.reference import Reference, edit_form_schema, read_edit_form
 from triptych_head.api.schemas import ImageData, ImageGenerationResponse, RequestBody, RequestModels
 from triptych_head.backend import GenerationOutput
+from triptych_head.deadline import Estimate
 from triptych_head.media import png_bytes
+from triptych_head.timeline import SERVER_TIMING
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +43,12 @@ def image_routes(models: RequestModels) -> APIRouter:
     """The two image endpoints, taking the request models of the head's contract."""
     router = APIRouter(tags=["images"])
 
-    async def create_images(
-        body: RequestBody, request: Request
-    ) -> ImageGenerationResponse | StreamingResponse | Response:
+    async def create_images(body: RequestBody, request: Request, response: Response) -> BaseModel | Response:
         ctx: HeadContext = request.app.state.ctx
         ctx.refuse_if_draining()
-        return await _images(ctx, IMAGES, body, ctx.params_for(IMAGES, body), request)
+        return await _images(ctx, IMAGES, body, ctx.params_for(IMAGES, body), request, response)
 
-    async def edit_images(request: Request) -> ImageGenerationResponse | StreamingResponse | Response:
+    async def edit_images(request: Request, response: Response) -> BaseModel | Response:
         """Multipart: `image` (a file, or an http(s) URL as text), `prompt`, and optionally the other
         fields of the form's schema (`size` defaults to the reference's size)."""
         ctx: HeadContext = request.app.state.ctx
@@ -56,7 +58,7 @@ def image_routes(models: RequestModels) -> APIRouter:
                 400, f"model {ctx.model.id!r} makes images from text only; use POST /v1/images/generations", "image"
             )
         body, reference = await read_edit_form(request, models.edits)
-        return await _images(ctx, EDITS, body, ctx.params_for(EDITS, body, reference), request, reference)
+        return await _images(ctx, EDITS, body, ctx.params_for(EDITS, body, reference), request, response, reference)
 
     create_images.__annotations__["body"] = models.images  # FastAPI reads the body's model from the signature
     router.post(IMAGES, response_model=ImageGenerationResponse)(create_images)
@@ -72,28 +74,46 @@ async def _images(
     body: RequestBody,
     params: GenerationParams,
     request: Request,
+    response: Response,
     reference: Reference | None = None,
-) -> ImageGenerationResponse | StreamingResponse | Response:
+) -> BaseModel | Response:
+    """The answer carries the run's Server-Timing header (timeline.py) and the admission's estimate
+    (deadlines.py); a replayed one carries neither."""
     values = body.model_dump()
     if values["preview_every"] and not values["stream"]:
         raise APIError(400, "preview_every needs stream: true (previews arrive as Server-Sent Events)", "preview_every")
     key = idempotency_key(request)
+    deadline = ctx.deadline(request, values)
     if values["stream"]:
         if key is not None:
             raise APIError(400, f"{HEADER} applies to plain requests, not to stream: true", HEADER)
         request_id = new_request_id("img")
-        ctx.admit(request_id)
-        return _stream(ctx, values, params, request_id, request)
+        estimate = ctx.admit(request_id, params, deadline)
+        return with_estimate(_stream(ctx, values, params, request_id, request), _seconds(estimate))
+
+    admitted: list[Estimate | None] = []  # the run's estimate (none when the key's answer is replayed)
+
+    timing: dict[str, str] = {}
 
     async def run() -> ImageGenerationResponse:
         request_id = new_request_id("img")
-        ctx.admit(request_id)
+        admitted.append(ctx.admit(request_id, params, deadline))
         output = await _generate_while_connected(ctx, params, request_id, request)
+        if output.server_timing:
+            timing[SERVER_TIMING] = output.server_timing
         return await _response(ctx, values, output, request_id, request)
 
     if key is None:
-        return await run()
-    return await answer_once(ctx, request, key, fingerprint(endpoint, values, reference), run)
+        answer: ImageGenerationResponse | Response = await run()
+    else:
+        answer = await answer_once(ctx, request, key, fingerprint(endpoint, values, reference), run)
+    out = with_estimate(answer, _seconds(admitted[0]) if admitted else None)
+    (out.headers if isinstance(out, Response) else response.headers).update(timing)
+    return out
+
+
+def _seconds(estimate: Estimate | None) -> float | None:
+    return None if estimate is None else estimate.seconds
 
 
 async def _response(

@@ -136,6 +136,11 @@ class VideoJob(BaseModel):
     restarts: int = Field(
         0, description="Times another head took the job over after its head died, and ran it again from the start"
     )
+    estimated_completion_seconds: float | None = Field(
+        None,
+        description="Seconds from its creation the head estimated, when it accepted the job, that it would take "
+        "to complete: the work ahead of it and its own (none in monolithic mode)",
+    )
 
 
 class ModelCard(BaseModel):

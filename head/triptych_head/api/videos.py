@@ -24,11 +24,13 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
+from pydantic import BaseModel
 
 from triptych.contract import VIDEOS
 from triptych.params import GenerationParams
 from triptych.protocol import RequestEvent
 from triptych_head.api.context import HeadContext, new_request_id
+from triptych_head.api.deadlines import Deadline, with_estimate
 from triptych_head.api.errors import APIError
 from triptych_head.api.files import object_response
 from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
@@ -38,6 +40,7 @@ from triptych_head.media import load_frames, png_zip, save_frames, write_mp4
 from triptych_head.objects import ObjectMissing
 from triptych_head.results import JOB_LEASE_S, TERMINAL, ResultStore, StoredJob
 from triptych_head.state import RequestState
+from triptych_head.timeline import SERVER_TIMING
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["videos"])  # all but POST /v1/videos, which video_routes adds
@@ -59,6 +62,7 @@ class JobEntry:
     params: GenerationParams | None = None  # on the head that runs it: what it runs (saved for a take-over)
     preview_every: int = 0
     handed_over: bool = False  # this head shut down while the job ran: it is left to another head
+    server_timing: str = ""  # where a completed run's time went (timeline.py), on the head that ran it
 
     @property
     def request_id(self) -> str:
@@ -336,7 +340,7 @@ def video_routes(models: RequestModels) -> APIRouter:
     """The video endpoints, POST /v1/videos taking the request model of the head's contract."""
     routes = APIRouter(tags=["videos"])
 
-    async def create_video(body: RequestBody, request: Request) -> VideoJob | Response:
+    async def create_video(body: RequestBody, request: Request) -> BaseModel | Response:
         return await _create_video(body, request)
 
     create_video.__annotations__["body"] = models.videos  # FastAPI reads the body's model from the signature
@@ -345,21 +349,31 @@ def video_routes(models: RequestModels) -> APIRouter:
     return routes
 
 
-async def _create_video(body: RequestBody, request: Request) -> VideoJob | Response:
+async def _create_video(body: RequestBody, request: Request) -> BaseModel | Response:
     """A new job; with an Idempotency-Key, one job per key (a retry answers the job made first)."""
     ctx: HeadContext = request.app.state.ctx
     ctx.refuse_if_draining()
     params = ctx.params_for(VIDEOS, body)
     values = body.model_dump()
+    deadline = ctx.deadline(request, values)
     key = idempotency_key(request)
+    made: list[VideoJob] = []  # the job this request made (none when the key's answer is replayed)
+
+    async def new_job() -> VideoJob:
+        made.append(await _new_job(ctx, params, values, request, deadline))
+        return made[0]
+
     if key is None:
-        return await _new_job(ctx, params, values, request)
-    return await answer_once(
-        ctx, request, key, fingerprint(VIDEOS, values), lambda: _new_job(ctx, params, values, request)
-    )
+        answer: VideoJob | Response = await new_job()
+    else:
+        answer = await answer_once(ctx, request, key, fingerprint(VIDEOS, values), new_job)
+    seconds = made[0].estimated_completion_seconds if made else None
+    return with_estimate(answer, seconds)
 
 
-async def _new_job(ctx: HeadContext, params: GenerationParams, values: dict[str, Any], request: Request) -> VideoJob:
+async def _new_job(
+    ctx: HeadContext, params: GenerationParams, values: dict[str, Any], request: Request, deadline: Deadline
+) -> VideoJob:
     job = VideoJob(
         id=new_request_id("video"),
         model=ctx.model.id,
@@ -373,7 +387,8 @@ async def _new_job(ctx: HeadContext, params: GenerationParams, values: dict[str,
     )
     entry = JobEntry(job, feed=ProgressFeed(job.id, HISTORY_LINGER_S), made_here=True, params=params)
     entry.preview_every = values["preview_every"]
-    ctx.admit(job.id)  # counted from now until the job ends: 429 here, never a job failed later
+    estimate = ctx.admit(job.id, params, deadline)  # counted from now until the job ends: 429 here, never later
+    job.estimated_completion_seconds = None if estimate is None else round(estimate.seconds, 3)
     jobs = _jobs(request)
     try:
         await jobs.add(entry)
@@ -389,7 +404,7 @@ def start_job(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry) -> None:
     without the admission bound for a take-over: it was accepted once already)."""
     assert entry.params is not None
     if entry.request_id not in ctx.active:
-        ctx.admit(entry.request_id, bounded=False)
+        ctx.admit(entry.request_id, entry.params, bounded=False)
     entry.task = asyncio.create_task(_run(ctx, jobs, entry, entry.params, entry.preview_every))
 
 
@@ -413,6 +428,7 @@ async def _run(
     try:
         output = await ctx.generate(params, entry.request_id, on_event, preview_every)
         await asyncio.to_thread(_store_content, ctx.results, job.id, output.pixels[0], job.fps)
+        entry.server_timing = output.server_timing
         job.status, job.state, job.progress = "completed", RequestState.DONE.value, 100
     except asyncio.CancelledError:
         if not entry.handed_over:  # a client's DELETE; a shutdown leaves the job to another head
@@ -459,8 +475,16 @@ async def list_videos(request: Request) -> list[VideoJob]:
 
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob)
-async def get_video(video_id: str, request: Request) -> VideoJob:
-    return (await _jobs(request).get(video_id)).job
+async def get_video(video_id: str, request: Request, response: Response) -> VideoJob:
+    """The job; a completed one, asked of the head that ran it, with its run's Server-Timing header."""
+    entry = await _jobs(request).get(video_id)
+    _add_server_timing(entry, response)
+    return entry.job
+
+
+def _add_server_timing(entry: JobEntry, response: Response) -> None:
+    if entry.server_timing and entry.job.status == "completed":
+        response.headers[SERVER_TIMING] = entry.server_timing
 
 
 @router.get("/v1/videos/{video_id}/events", response_model=None)
@@ -486,12 +510,15 @@ async def get_video_content(video_id: str, request: Request, variant: Literal["v
         except ObjectMissing:
             raise APIError(404, f"the frames of video {video_id} were removed") from None
         data = await asyncio.to_thread(lambda: png_zip(load_frames(io.BytesIO(raw))))
-        return Response(
+        answer = Response(
             data,
             media_type="application/zip",
             headers={"Content-Disposition": f"attachment; filename={video_id}-frames.zip"},
         )
-    return await object_response(results, results.video_name(video_id), "video/mp4", f"{video_id}.mp4")
+    else:
+        answer = await object_response(results, results.video_name(video_id), "video/mp4", f"{video_id}.mp4")
+    _add_server_timing(entry, answer)
+    return answer
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoJob)

@@ -120,7 +120,10 @@ def _pod_fields(who: str) -> tuple[Field, ...]:
     )
     args = f"More `triptych serve` flags for the {who}, after the operator's; checked as the process checks them."
     if who == "head":
-        args += " They also set the HTTP limits: `--max-request-bytes` (default 16MiB), `--max-queued-requests`."
+        args += (
+            " They also set the HTTP limits: `--max-request-bytes` (default 16MiB), `--max-queued-requests` (a hard"
+            " cap; by default none: a request is refused only when it would miss its deadline)."
+        )
     env_var = Field(
         "", "free", "A core/v1 EnvVar.", fields=(Field("name", "string", required=True),), doc_type="EnvVar"
     )

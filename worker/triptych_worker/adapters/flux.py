@@ -25,6 +25,7 @@ import numpy as np
 
 from triptych.families.flux import KONTEXT, FluxRules
 from triptych.params import GenerationParams
+from triptych_worker import resume
 from triptych_worker.adapters.base import FamilyAdapter, pixels_uint8
 from triptych_worker.preview import as_numpy
 from triptych_worker.stages import PIXELS
@@ -148,8 +149,13 @@ class FluxAdapter(FamilyAdapter[FluxRules]):
         if meta["guidance"] is not None:
             guidance = torch.full([1], meta["guidance"], device=latents.device, dtype=torch.float32)
             guidance = guidance.expand(latents.shape[0])
-        scheduler.set_begin_index(0)
-        for i, step_t in enumerate(timesteps):
+        first = resume.start(scheduler, batch, t)
+        for i in range(first, len(timesteps)):
+            if batch.should_hand_off():
+                resume.suspend(scheduler, batch, i, latents)
+                return
+            step_t = timesteps[i]
+            self.pipe._current_timestep = step_t  # as the stock loop: what a step cache hook reads (step_cache.py)
             timestep = step_t.expand(latents.shape[0]).to(latents.dtype)
             with transformer.cache_context("cond"):
                 noise_pred = transformer(
@@ -165,6 +171,7 @@ class FluxAdapter(FamilyAdapter[FluxRules]):
                 )[0][:, : latents.size(1)]
             latents = scheduler.step(noise_pred, step_t, latents, return_dict=False)[0]
             batch.report_progress(i + 1, len(timesteps), latents)
+        self.pipe._current_timestep = None
         batch.tensors = {"latents": latents}
 
     def latent_grid(self, latents: Any, params: GenerationParams) -> np.ndarray:

@@ -22,6 +22,7 @@ import numpy as np
 from triptych.families.wan import FPS, WanRules
 from triptych.families.wan import uses_cfg as _uses_cfg
 from triptych.params import GenerationParams
+from triptych_worker import resume
 from triptych_worker.adapters.base import FamilyAdapter, pixels_uint8
 from triptych_worker.preview import as_numpy
 from triptych_worker.stages import PIXELS
@@ -100,8 +101,13 @@ class WanAdapter(FamilyAdapter[WanRules]):
         prompt_embeds = t["prompt_embeds"].to(dtype)
         negative_embeds = t["negative_prompt_embeds"].to(dtype) if _uses_cfg(p) else None
         latents = t["latents"]
-        scheduler.set_begin_index(0)
-        for i, step_t in enumerate(timesteps):
+        first = resume.start(scheduler, batch, t)
+        for i in range(first, len(timesteps)):
+            if batch.should_hand_off():
+                resume.suspend(scheduler, batch, i, latents)
+                return
+            step_t = timesteps[i]
+            self.pipe._current_timestep = step_t  # as the stock loop: what a step cache hook reads (step_cache.py)
             model_input = latents.to(dtype)
             timestep = step_t.expand(latents.shape[0])
             cache = {"step_index": i, "sigma": float(scheduler.sigmas[i]), "num_inference_steps": len(timesteps)}
@@ -114,6 +120,7 @@ class WanAdapter(FamilyAdapter[WanRules]):
                 noise_pred = uncond[0] + p.guidance_scale * (noise_pred - uncond[0])
             latents = scheduler.step(noise_pred, step_t, latents, return_dict=False)[0]
             batch.report_progress(i + 1, len(timesteps), latents)
+        self.pipe._current_timestep = None
         batch.tensors = {"latents": latents}
 
     def _predict(

@@ -122,7 +122,14 @@ def check_request(
     adapter: FamilyAdapter, family: str, params: GenerationParams, degrees: Parallelism, role: Role = Role.DENOISER
 ) -> None:
     """Raise ValueError naming the field when the request's tokens (rows, for the decoder) do not split over
-    the sp ranks."""
+    the sp ranks, or when it asks a multi-device denoiser for a step cache."""
+    if role is Role.DENOISER and params.resolved_step_cache.on:
+        # Each rank would decide on its own shard or branch what to skip: the ranks would diverge.
+        raise ValueError(
+            f"step_cache: {params.step_cache} runs on one-device denoisers only, not this one of "
+            f"{degrees.tp * degrees.sp * degrees.cfg} ranks; leave step_cache out (none) or serve from a "
+            "--num-gpus 1 denoiser"
+        )
     if role is Role.DECODER:
         latents = next(spec for spec in adapter.output_specs(Role.DENOISER, params) if spec.name == "latents")
         rows = latents.shape[3]  # [n, C, T', H', W']

@@ -1,0 +1,62 @@
+"""A request's deadline as the client gives it, and the estimate an accepted request is told.
+
+The deadline is seconds from the request's arrival: the body's `deadline_seconds` (the request
+contract) or the `X-Deadline-Seconds` header (for clients that cannot add a body field); with both,
+the earlier counts. Without either it is the request timeout (--disagg-timeout), and neither can be
+later than it: the head gives no request more time than that. admission.py decides with it.
+
+An accepted request's estimate (seconds until it completes, from its arrival) comes back in the
+`X-Estimated-Completion-Seconds` response header (images, edits, the POST of a video job) and in
+the video job's `estimated_completion_seconds`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from triptych_head.api.errors import APIError
+
+FIELD = "deadline_seconds"
+HEADER = "X-Deadline-Seconds"
+ESTIMATE_HEADER = "X-Estimated-Completion-Seconds"
+
+
+@dataclass(frozen=True)
+class Deadline:
+    seconds: float  # from the request's arrival
+    param: str | None  # the field or header it came from (a 429 names it); None: the request timeout
+
+
+def requested_deadline(request: Request, body_value: float | None, timeout_s: float) -> Deadline:
+    """The request's deadline; 400 naming the header for one that is not a positive number of seconds
+    (the body field's limits are the contract's, checked with the rest of the body)."""
+    given: list[Deadline] = []
+    if body_value is not None:
+        given.append(Deadline(body_value, FIELD))
+    raw = request.headers.get(HEADER)
+    if raw is not None:
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise APIError(400, f"{HEADER} {raw[:80]!r} must be a positive number of seconds, e.g. 30", HEADER)
+        given.append(Deadline(seconds, HEADER))
+    earliest = min(given, key=lambda d: d.seconds, default=Deadline(timeout_s, None))
+    return Deadline(min(earliest.seconds, timeout_s), earliest.param)
+
+
+def with_estimate(answer: BaseModel | Response, seconds: float | None) -> BaseModel | Response:
+    """`answer` carrying the estimate header (unchanged without an estimate: monolithic mode, a replay)."""
+    if seconds is None:
+        return answer
+    value = f"{seconds:.3f}"
+    if isinstance(answer, Response):
+        answer.headers[ESTIMATE_HEADER] = value
+        return answer
+    return JSONResponse(answer.model_dump(mode="json"), headers={ESTIMATE_HEADER: value})

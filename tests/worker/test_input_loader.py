@@ -1,0 +1,131 @@
+"""The input loader (triptych_worker.inputs): queued jobs' inputs are copied out of their receive
+slots on a thread of its own, at most `ahead` jobs ahead of the compute thread, byte for byte; a
+job wanted before the loader reached it is loaded by the caller; a cancelled job is dropped."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from triptych.params import GenerationParams
+from triptych_worker.inputs import InputLoader
+from triptych_worker.job_groups import Job
+from triptych_worker.transfer import Allocation, TransferPool, stage_tensors
+
+WAIT_S = 10.0  # generous: a loaded machine; a loader that never loads fails at this bound
+
+
+class NoLink:
+    """The loader thread's link to the heads; these tests read what was released instead."""
+
+    def close(self) -> None:
+        pass
+
+
+class Loader:
+    """An InputLoader over a real numpy pool, recording which slots it gave back and from which thread."""
+
+    def __init__(self, ahead: int) -> None:
+        self.pool = TransferPool(1 << 20, "denoiser", memory="numpy")
+        self.released: list[tuple[Allocation, str]] = []
+        self.cancelled: set[str] = set()
+        self.loader = InputLoader(
+            self.pool,
+            None,
+            ahead,
+            release=self._release,
+            cancelled=lambda rid: rid in self.cancelled,
+            make_link=NoLink,  # type: ignore[arg-type]
+        )
+
+    def _release(self, alloc: Allocation, link: Any) -> None:
+        self.pool.free(alloc)
+        self.released.append((alloc, threading.current_thread().name))
+
+    def job(self, rid: str, value: int) -> Job:
+        staged = stage_tensors(self.pool, {"x": np.full(1000, value, dtype=np.uint8)}, owner=rid)
+        assert staged is not None
+        job = Job(rid, GenerationParams(prompt=rid, width=16, height=16), (staged.allocation, staged.manifest, {}))
+        self.loader.submit(job)
+        return job
+
+    def released_ids(self) -> list[str]:
+        return [alloc.owner for alloc, _ in self.released]
+
+
+@contextmanager
+def running(ahead: int) -> Iterator[Loader]:
+    harness = Loader(ahead)
+    harness.loader.start()
+    try:
+        yield harness
+    finally:
+        harness.loader.stop()
+
+
+def wait_for(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {WAIT_S}s"
+        time.sleep(0.005)
+
+
+def test_inputs_are_copied_out_ahead_and_their_slots_freed_before_the_compute_thread_asks():
+    with running(ahead=1) as h:
+        first, second = h.job("r1", 1), h.job("r2", 2)
+        wait_for(lambda: h.released_ids() == ["r1"], "r1's slot given back by the loader")
+        time.sleep(0.2)
+        assert h.released_ids() == ["r1"], "the loader stays at most one job ahead of the compute thread"
+        assert h.released[0][1] == "input-loader"
+        tensors = h.loader.take(first, None)  # type: ignore[arg-type]
+        assert np.array_equal(tensors["x"], np.full(1000, 1, dtype=np.uint8))
+        wait_for(lambda: h.released_ids() == ["r1", "r2"], "r2 loaded once r1 was taken")
+        assert np.array_equal(h.loader.take(second, None)["x"], np.full(1000, 2, dtype=np.uint8))  # type: ignore[arg-type]
+        assert h.pool.free_bytes == h.pool.pool_bytes
+
+
+def test_a_job_taken_before_the_loader_reached_it_is_loaded_by_the_caller():
+    with running(ahead=1) as h:
+        first, second = h.job("r1", 1), h.job("r2", 2)
+        wait_for(lambda: h.released_ids() == ["r1"], "r1 loaded ahead")
+        # A batch assembled out of order: r2 first. The loader holds r1; the caller loads r2 itself.
+        assert np.array_equal(h.loader.take(second, None)["x"], np.full(1000, 2, dtype=np.uint8))  # type: ignore[arg-type]
+        assert h.released[-1] == (second.incoming[0], threading.current_thread().name)  # type: ignore[index]
+        assert np.array_equal(h.loader.take(first, None)["x"], np.full(1000, 1, dtype=np.uint8))  # type: ignore[arg-type]
+
+
+def test_a_cancelled_job_no_longer_counts_as_ahead():
+    with running(ahead=1) as h:
+        h.job("r1", 1)
+        second = h.job("r2", 2)
+        wait_for(lambda: h.released_ids() == ["r1"], "r1 loaded ahead")
+        h.cancelled.add("r1")  # the head cancelled it: never taken
+        wait_for(lambda: h.released_ids() == ["r1", "r2"], "r2 loaded once cancelled r1 was dropped")
+        assert np.array_equal(h.loader.take(second, None)["x"], np.full(1000, 2, dtype=np.uint8))  # type: ignore[arg-type]
+
+
+def test_a_load_that_fails_fails_when_taken_and_the_slot_is_given_back():
+    with running(ahead=2) as h:
+        job = h.job("r1", 1)
+        alloc, manifest, meta = job.incoming  # type: ignore[misc]
+        job.incoming = (alloc, [{**manifest[0], "offset": alloc.nbytes}], meta)  # outside its allocation
+        bad = Job("r1", job.params, job.incoming)
+        h.loader.submit(bad)
+        wait_for(lambda: "r1" in h.released_ids(), "the bad job's slot given back")
+        with pytest.raises(ValueError, match="does not fit"):
+            h.loader.take(bad, None)  # type: ignore[arg-type]
+
+
+def test_without_load_ahead_the_compute_thread_copies_its_own_inputs():
+    with running(ahead=0) as h:
+        job = h.job("r1", 7)
+        time.sleep(0.2)
+        assert h.released == [], "nothing is loaded before the compute thread asks"
+        assert np.array_equal(h.loader.take(job, None)["x"], np.full(1000, 7, dtype=np.uint8))  # type: ignore[arg-type]
+        assert h.released[0][1] == threading.current_thread().name

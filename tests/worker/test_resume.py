@@ -1,0 +1,171 @@
+"""A request stopped at a step boundary and continued by another denoiser gives the same pixels,
+byte for byte, as one that never stopped (worker/triptych_worker/resume.py; docs/design.md "Migration").
+
+Every denoiser here is its own loaded pipeline (as a separate process would be), and every hand-off
+goes over the wire (tensors as raw bytes, meta through msgpack), so nothing but what a
+continuation carries can reach the next denoiser.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from tests.worker.test_role_pipelines import FLUX, WAN, over_the_wire
+from triptych.params import GenerationParams
+from triptych.roles import Role
+from triptych_worker.batching import run_merged
+from triptych_worker.pipeline import RolePipeline, load_role_pipeline
+from triptych_worker.resume import RESUME, CannotResume, capture
+from triptych_worker.stages import PIXELS, StageBatch
+
+STEPS = 6
+CASES = {
+    "flux": ("tiny-flux", msgspec.structs.replace(FLUX, num_inference_steps=STEPS, guidance_scale=3.5)),
+    "flux-kontext-edit": ("tiny-flux-kontext", msgspec.structs.replace(FLUX, num_inference_steps=STEPS)),
+    "wan-unipc-cfg": (
+        "tiny-wan",
+        msgspec.structs.replace(WAN, num_inference_steps=STEPS, guidance_scale=4.0, negative_prompt="blurry"),
+    ),
+}
+DENOISERS = 3  # continuations alternate among them
+
+
+@pytest.fixture(scope="module")
+def pipelines(tiny_models: dict[str, Path]) -> dict[tuple[str, Role], RolePipeline]:
+    out: dict[tuple[str, Role], RolePipeline] = {}
+    for name in ("tiny-flux", "tiny-flux-kontext", "tiny-wan"):
+        out[name, Role.ENCODER] = load_role_pipeline(str(tiny_models[name]), Role.ENCODER)
+        out[name, Role.DECODER] = load_role_pipeline(str(tiny_models[name]), Role.DECODER)
+        for i in range(DENOISERS):
+            out[name, f"denoiser-{i}"] = load_role_pipeline(str(tiny_models[name]), Role.DENOISER)  # type: ignore[index]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_image() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 56), (200, 30, 90)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _params(case: str, reference_image: bytes) -> tuple[str, GenerationParams]:
+    name, params = CASES[case]
+    if name == "tiny-flux-kontext":
+        params = msgspec.structs.replace(params, image=reference_image)
+    return name, params
+
+
+def denoise_moving(pipelines, name: str, batch: StageBatch, stops: list[int]) -> StageBatch:
+    """Denoise `batch`, handing it to the next denoiser at each step of `stops` (in order)."""
+    pending = list(stops)
+    reached = [0]
+
+    def progress(step: int, total: int, latents=None) -> None:
+        reached[0] = step
+
+    hop = 0
+    while True:
+        denoiser = pipelines[name, f"denoiser-{hop % DENOISERS}"]
+        batch.on_progress = progress
+        batch.hand_off = lambda: bool(pending) and reached[0] == pending[0]
+        batch = denoiser.run(batch)
+        if RESUME not in batch.meta:
+            return batch
+        assert batch.meta[RESUME]["step"] == pending.pop(0)
+        batch = over_the_wire(batch)
+        hop += 1
+
+
+_ENCODED: dict[tuple[str, GenerationParams], StageBatch] = {}
+
+
+def encoded(pipelines, name: str, params: GenerationParams) -> StageBatch:
+    """The encoder's outputs over the wire (encoded once per request: a Kontext reference is slow)."""
+    if (name, params) not in _ENCODED:
+        _ENCODED[name, params] = pipelines[name, Role.ENCODER].run(StageBatch(params))
+    return over_the_wire(_ENCODED[name, params])
+
+
+def generate(pipelines, name: str, params: GenerationParams, stops: list[int]) -> torch.Tensor:
+    batch = encoded(pipelines, name, params)
+    batch = denoise_moving(pipelines, name, batch, stops)
+    assert not stops or RESUME not in batch.meta
+    return pipelines[name, Role.DECODER].run(over_the_wire(batch)).tensors[PIXELS]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_request_moved_once_or_three_times_gives_the_pixels_of_one_that_never_moved(
+    pipelines, reference_image, case: str
+) -> None:
+    name, params = _params(case, reference_image)
+    unmoved = generate(pipelines, name, params, [])
+    for stops in ([1], [3], [STEPS - 1], [1, 2, 5], [2, 3, 4]):
+        assert torch.equal(generate(pipelines, name, params, stops), unmoved), stops
+
+
+def test_a_continuation_carries_its_inputs_latents_and_the_multistep_history(pipelines, reference_image) -> None:
+    name, params = _params("wan-unipc-cfg", reference_image)
+    batch = encoded(pipelines, name, params)
+    steps: list[int] = []
+    batch.on_progress = lambda step, total, latents=None: steps.append(step)
+    batch.hand_off = lambda: len(steps) == 3
+    batch = pipelines[name, "denoiser-0"].run(batch)
+    assert steps == [1, 2, 3]
+    assert set(batch.tensors) == {
+        "prompt_embeds", "negative_prompt_embeds", "latents",
+        "scheduler.model_outputs.0", "scheduler.model_outputs.1", "scheduler.last_sample",
+    }  # fmt: skip
+    state = batch.meta[RESUME]
+    assert state["step"] == 3 and state["scheduler"]["class"] == "UniPCMultistepScheduler"
+    assert state["scheduler"]["lower_order_nums"] == 2
+    msgspec.msgpack.encode(batch.meta)  # meta crosses the head as msgpack
+
+
+def test_a_handed_off_group_continues_as_a_group_with_the_pixels_of_requests_run_alone(pipelines) -> None:
+    """A batched forward (two requests of two outputs each) stopped at step 2 and continued batched."""
+    name, params = "tiny-flux", msgspec.structs.replace(CASES["flux"][1], num_outputs=2)
+    prompts = ("a cat sitting on a red chair", "a lighthouse at dusk")
+    requests = [msgspec.structs.replace(params, prompt=p, seed=s) for p, s in zip(prompts, (5, 6), strict=True)]
+    alone = [generate(pipelines, name, request, []) for request in requests]
+    batches = [encoded(pipelines, name, request) for request in requests]
+    reached = [0]
+    for hop, stop in enumerate((2, -1)):
+        denoiser = pipelines[name, f"denoiser-{hop}"]
+        for b in batches:
+            b.on_progress = lambda step, total, latents=None: reached.__setitem__(0, step)
+            b.hand_off = functools.partial(lambda at: reached[0] == at, stop)
+        with torch.no_grad():
+            for stage in denoiser.stages:
+                assert all(e is None for e in stage.run_many(batches))
+        if stop > 0:
+            assert all(b.meta[RESUME]["step"] == stop for b in batches)
+        batches = [over_the_wire(b) for b in batches]
+    for b, expected in zip(batches, alone, strict=True):
+        assert RESUME not in b.meta
+        assert torch.equal(pipelines[name, Role.DECODER].run(b).tensors[PIXELS], expected)
+
+
+def test_an_unknown_scheduler_is_refused_by_name() -> None:
+    from diffusers import DDIMScheduler
+
+    scheduler = DDIMScheduler()
+    scheduler.set_timesteps(4)
+    with pytest.raises(CannotResume, match="DDIMScheduler"):
+        capture(scheduler, 1)
+
+
+def test_run_merged_hands_off_when_any_member_is_asked() -> None:
+    seen: list[bool] = []
+    a, b = StageBatch(FLUX), StageBatch(FLUX)
+    b.hand_off = lambda: True
+    run_merged([a, b], frozenset(), lambda merged: seen.append(merged.should_hand_off()))
+    assert seen == [True]

@@ -1,0 +1,63 @@
+"""triptych.tracing's exporter: the OpenTelemetry SDK, a BatchSpanProcessor and the OTLP/HTTP
+(protobuf) span exporter. Imported only by a process given an OTLP endpoint."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from triptych.tracing import Attributes
+
+log = logging.getLogger(__name__)
+
+EXPORT_TIMEOUT_S = 5.0  # one export's bound: an unreachable collector delays a process's exit at most this
+
+
+class OtlpTracing:
+    def __init__(self, url: str, service: str):
+        # Its own provider, not the global one: nothing else in the process is traced through it.
+        self._provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        exporter = OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S)
+        self._provider.add_span_processor(BatchSpanProcessor(exporter))
+        self._tracer = self._provider.get_tracer("triptych")
+        self._propagator = TraceContextTextMapPropagator()
+        log.info("tracing: spans of %s go to %s (OTLP/HTTP)", service, url)
+
+    def start_request(self, name: str, start_ns: int, attributes: Attributes) -> Any:
+        return self._tracer.start_span(name, start_time=start_ns, attributes=attributes)
+
+    def traceparent(self, root: Any) -> str:
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier, context=trace.set_span_in_context(root))
+        return carrier.get("traceparent", "")
+
+    def end_request(
+        self, root: Any, parts: Sequence[tuple[str, int, int, Attributes]], end_ns: int, error: str | None
+    ) -> None:
+        context = trace.set_span_in_context(root)
+        for name, start_ns, part_end_ns, attributes in parts:
+            span = self._tracer.start_span(name, context=context, start_time=start_ns, attributes=attributes)
+            span.end(end_time=part_end_ns)
+        if error is not None:
+            root.set_status(Status(StatusCode.ERROR, error))
+        root.end(end_time=end_ns)
+
+    def record(self, traceparent: str, name: str, start_ns: int, end_ns: int, attributes: Attributes) -> None:
+        try:
+            context = self._propagator.extract({"traceparent": traceparent})
+        except Exception:  # a peer's malformed value: this span starts its own trace
+            context = None
+        span = self._tracer.start_span(name, context=context, start_time=start_ns, attributes=attributes)
+        span.end(end_time=end_ns)
+
+    def shutdown(self) -> None:
+        self._provider.shutdown()

@@ -1,0 +1,206 @@
+"""Loading a job's incoming tensors out of its receive slot, ahead of the compute thread.
+
+The receiver copies a request's inputs out of the slot the sender wrote (transfer flow step 6).
+Done by the thread that computes, that copy sits between two requests; done here, by a loader
+thread of its own (and on its own CUDA stream), it overlaps the request computing now, so the next
+request's inputs are ready when the current one ends, and its slot is free for the next transfer
+sooner. The loader takes jobs in arrival order and stays at most `ahead` jobs ahead of the compute
+thread (--disagg-load-ahead; 0: the compute thread loads its own inputs). A job the compute
+thread wants before the loader reached it (a batch assembled out of order) is loaded there at
+once; a cancelled job's inputs are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from triptych_worker.transfer import TransferPool, load_tensors
+
+if TYPE_CHECKING:
+    from triptych_worker.heads import HeadLinks
+    from triptych_worker.job_groups import Job
+    from triptych_worker.transfer import Allocation
+
+log = logging.getLogger(__name__)
+
+PRUNE_S = 0.1  # how often a loader waiting for the compute thread looks for cancelled jobs to drop
+
+
+@dataclass
+class _Load:
+    """One job's inputs on their way out of its slot."""
+
+    job: Job
+    started: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    tensors: dict[str, Any] | None = None
+    error: BaseException | None = None
+
+
+class InputLoader:
+    """Copies queued jobs' inputs out of their slots on its own thread; see the module docstring.
+
+    `release(alloc, link)`: called once a job's bytes are copied out (or given up), to give its slot
+    back (a standing slot stays) and tell the head about the freed space through the calling thread's
+    `link` (the loader's own from `make_link()`). `cancelled(request_id)`: whether the head cancelled
+    it. All methods are thread-safe.
+    """
+
+    def __init__(
+        self,
+        pool: TransferPool,
+        device: str | None,
+        ahead: int,
+        release: Callable[[Allocation, HeadLinks], None],
+        cancelled: Callable[[str], bool],
+        make_link: Callable[[], HeadLinks],
+    ) -> None:
+        self.pool = pool
+        self.device = device
+        self.ahead = ahead
+        self._release = release
+        self._cancelled = cancelled
+        self._make_link = make_link
+        self._cond = threading.Condition()
+        self._pending: deque[_Load] = deque()  # submitted, not started, in arrival order
+        self._loads: dict[str, _Load] = {}  # every submitted job not yet taken, by request id
+        self._ready = 0  # loads done and not yet taken
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.ahead > 0:
+            self._thread = threading.Thread(target=self._run, name="input-loader", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`'s inputs for loading ahead (no-op without a loader thread or inputs)."""
+        if self._thread is None or job.incoming is None:
+            return
+        with self._cond:
+            load = _Load(job)
+            self._loads[job.request_id] = load
+            self._pending.append(load)
+            self._cond.notify_all()
+
+    def take(self, job: Job, link: HeadLinks) -> dict[str, Any]:
+        """`job`'s input tensors (its slot given back): loaded ahead, waited for, or loaded now
+        (by the calling thread, which reports freed space through its `link`)."""
+        assert job.incoming is not None, "only a job with incoming tensors has inputs to take"
+        with self._cond:
+            load = self._loads.get(job.request_id)
+            if load is not None and load.job is not job:
+                load = None  # a stale entry of an earlier attempt
+            if load is not None:
+                del self._loads[job.request_id]
+                if not load.started:  # not reached yet: load it here, now
+                    self._pending.remove(load)
+                    load = None
+                elif load.done.is_set():
+                    self._ready -= 1
+                    self._cond.notify_all()
+        if load is None:
+            return self._load(job, link, stream=None)
+        load.done.wait()
+        if load.error is not None:
+            raise load.error
+        assert load.tensors is not None
+        return load.tensors
+
+    # --- the loader thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        link = self._make_link()
+        try:
+            stream = self._make_stream()
+            while True:
+                load = self._next()
+                if load is None:
+                    return
+                try:
+                    load.tensors = self._load(load.job, link, stream)
+                except BaseException as exc:  # the compute thread fails the request with it
+                    load.error = exc
+                with self._cond:
+                    if self._loads.get(load.job.request_id) is load:
+                        self._ready += 1
+                    load.done.set()
+                    self._cond.notify_all()
+        except BaseException:
+            log.exception("the input loader failed; inputs are loaded by the compute thread from now on")
+            with self._cond:
+                self._thread = None
+                for load in self._pending:
+                    self._loads.pop(load.job.request_id, None)
+                self._pending.clear()
+        finally:
+            link.close()
+
+    def _next(self) -> _Load | None:
+        """The next job to load, once the loader is fewer than `ahead` loads ahead (None: stopped)."""
+        with self._cond:
+            while not self._stopped:
+                self._drop_cancelled()
+                if self._pending and self._ready < self.ahead:
+                    load = self._pending.popleft()
+                    load.started = True
+                    return load
+                self._cond.wait(PRUNE_S)
+            return None
+
+    def _drop_cancelled(self) -> None:
+        """Forget cancelled jobs (caller holds the lock): a loaded one no longer counts as ahead,
+        a pending one is never loaded (the cancel freed its slot)."""
+        for request_id, load in list(self._loads.items()):
+            if not self._cancelled(request_id):
+                continue
+            del self._loads[request_id]
+            if not load.started:
+                self._pending.remove(load)
+            elif load.done.is_set():
+                self._ready -= 1
+
+    def _load(self, job: Job, link: HeadLinks, stream: Any) -> dict[str, Any]:
+        """Copy the job's tensors out of its slot (on `stream`, a CUDA stream, or None: the calling
+        thread's current stream), then give the slot back."""
+        assert job.incoming is not None
+        alloc, manifest, _meta = job.incoming
+        try:
+            if stream is None:
+                return load_tensors(self.pool, alloc, manifest, self.device)
+            return self._load_on_stream(alloc, manifest, stream)
+        finally:
+            self._release(alloc, link)
+
+    def _make_stream(self) -> Any:
+        """A CUDA stream of the loader's own, so its copies overlap the compute stream's kernels."""
+        if self.device is None or not str(self.device).startswith("cuda"):
+            return None
+        import torch
+
+        return torch.cuda.Stream(torch.device(self.device))
+
+    def _load_on_stream(self, alloc: Allocation, manifest: list[Any], stream: Any) -> dict[str, Any]:
+        import torch
+
+        target = torch.device(self.device)  # type: ignore[arg-type]
+        with torch.cuda.stream(stream):
+            tensors = load_tensors(self.pool, alloc, manifest, target)  # synchronizes the loader's stream
+        compute = torch.cuda.default_stream(target)
+        for tensor in tensors.values():
+            # Allocated on the loader's stream, used and freed on the compute stream: the caching
+            # allocator must not hand its memory to the loader again before the compute stream is done.
+            tensor.record_stream(compute)
+        return tensors

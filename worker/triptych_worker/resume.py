@@ -1,0 +1,139 @@
+"""A denoising loop's state at a step boundary, so that another denoiser continues it
+(docs/design.md, "Migration").
+
+At the boundary before step `step`, a request's denoising state is its latents, the inputs the
+loop reads (embeddings, ids, an edit's reference latents), the schedule and the scheduler's
+state. The receiver rebuilds the schedule itself, exactly as the first denoiser did (set_timesteps
+from the request and its meta), so what travels is only what the steps changed: the step index
+and, for a multistep scheduler, its history. Tensors go through Mooncake with the inputs
+(`scheduler.*`), scalars in meta under RESUME. Each known scheduler class is captured explicitly;
+any other is refused, naming it, rather than resumed into different pixels.
+
+torch is imported inside functions so that the module loads without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from triptych_worker.stages import StageBatch
+
+RESUME = "resume"
+"""The meta key of a continuation: {"step": the next step to run, "scheduler": its scalars}."""
+TENSOR_PREFIX = "scheduler."
+"""Names of the scheduler's history tensors among a continuation's tensors."""
+
+
+class CannotResume(ValueError):
+    """The scheduler's state cannot be captured or restored exactly."""
+
+
+def _flow_match_capture(scheduler: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    if scheduler.config.get("stochastic_sampling"):
+        raise CannotResume("FlowMatchEulerDiscreteScheduler with stochastic_sampling draws noise at every step")
+    return {}, {}
+
+
+def _flow_match_restore(scheduler: Any, scalars: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Nothing but the step index (set by the caller): sigmas depend on the schedule alone."""
+
+
+def _unipc_capture(scheduler: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    if scheduler.config.get("solver_p") is not None:
+        raise CannotResume("UniPCMultistepScheduler with a solver_p scheduler (its state is not captured)")
+    tensors = {f"{TENSOR_PREFIX}model_outputs.{i}": t for i, t in enumerate(scheduler.model_outputs) if t is not None}
+    if scheduler.last_sample is not None:
+        tensors[f"{TENSOR_PREFIX}last_sample"] = scheduler.last_sample
+    scalars = {
+        "model_outputs": [t is not None for t in scheduler.model_outputs],
+        "timestep_list": [None if t is None else int(t) for t in scheduler.timestep_list],
+        "lower_order_nums": int(scheduler.lower_order_nums),
+        "this_order": getattr(scheduler, "this_order", None),  # set by the first step
+    }
+    return scalars, tensors
+
+
+def _unipc_restore(scheduler: Any, scalars: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    import torch
+
+    timesteps = scheduler.timesteps
+    held = scalars["model_outputs"]
+    scheduler.model_outputs = [tensors[f"{TENSOR_PREFIX}model_outputs.{i}"] if h else None for i, h in enumerate(held)]
+    # The loop passes 0-d tensors of scheduler.timesteps to step(), which keeps them here.
+    scheduler.timestep_list = [
+        None if t is None else torch.tensor(t, dtype=timesteps.dtype, device=timesteps.device)
+        for t in scalars["timestep_list"]
+    ]
+    scheduler.last_sample = tensors.get(f"{TENSOR_PREFIX}last_sample")
+    scheduler.lower_order_nums = scalars["lower_order_nums"]
+    if scalars["this_order"] is not None:
+        scheduler.this_order = scalars["this_order"]
+
+
+Capture = Callable[[Any], tuple[dict[str, Any], dict[str, "torch.Tensor"]]]
+Restore = Callable[[Any, dict[str, Any], dict[str, "torch.Tensor"]], None]
+
+SCHEDULERS: dict[str, tuple[Capture, Restore]] = {
+    "FlowMatchEulerDiscreteScheduler": (_flow_match_capture, _flow_match_restore),
+    "UniPCMultistepScheduler": (_unipc_capture, _unipc_restore),
+}
+"""Scheduler class name -> how to capture and restore what its steps change."""
+
+
+def _handlers(scheduler: Any) -> tuple[Capture, Restore]:
+    name = type(scheduler).__name__
+    if name not in SCHEDULERS:
+        known = ", ".join(sorted(SCHEDULERS))
+        raise CannotResume(f"{name}: its state at a step boundary is not known to Triptych (known: {known})")
+    return SCHEDULERS[name]
+
+
+def capture(scheduler: Any, step: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The scheduler's state before step `step` (0-based): (meta under RESUME, history tensors)."""
+    scalars, tensors = _handlers(scheduler)[0](scheduler)
+    timestep = float(scheduler.timesteps[step])
+    resume = {
+        "step": step,
+        "scheduler": {"class": type(scheduler).__name__, "begin_index": 0, "timestep": timestep, **scalars},
+    }
+    return resume, tensors
+
+
+def restore(scheduler: Any, resume: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
+    """Put `resume` (and the history in `tensors`) into `scheduler`, whose schedule set_timesteps has
+    rebuilt as the capturing denoiser's was; returns the step to run next."""
+    scalars, step = resume["scheduler"], int(resume["step"])
+    if scalars["class"] != type(scheduler).__name__:
+        raise CannotResume(f"the request was captured from a {scalars['class']}, this denoiser runs a "
+                           f"{type(scheduler).__name__}; run every denoiser from the same model package")  # fmt: skip
+    if float(scheduler.timesteps[step]) != scalars["timestep"]:
+        raise CannotResume(f"step {step}: this denoiser's schedule differs from the one the request was captured "
+                           "with; run every denoiser from the same model package")  # fmt: skip
+    _handlers(scheduler)[1](scheduler, scalars, tensors)
+    scheduler.set_begin_index(scalars["begin_index"])
+    scheduler._step_index = step  # step() initialises it only when None
+    return step
+
+
+def start(scheduler: Any, batch: StageBatch, tensors: dict[str, torch.Tensor]) -> int:
+    """Where a denoising loop starts: step 0 of a fresh schedule, or where a continuation stopped
+    (its scheduler restored from `tensors`, the batch's inputs on the device). The batch is no
+    continuation any more: its outputs are the next role's, unless it is suspended again."""
+    resume = batch.meta.pop(RESUME, None)
+    if resume is None:
+        scheduler.set_begin_index(0)
+        return 0
+    return restore(scheduler, resume, tensors)
+
+
+def suspend(scheduler: Any, batch: StageBatch, step: int, latents: torch.Tensor) -> None:
+    """Stop the loop before step `step`: the batch's outputs become a continuation, its inputs
+    (without the history it came with), the latents now and the scheduler's state."""
+    resume, history = capture(scheduler, step)
+    inputs = {name: t for name, t in batch.tensors.items() if not name.startswith(TENSOR_PREFIX)}
+    batch.tensors = {**inputs, "latents": latents, **history}
+    batch.meta[RESUME] = resume
