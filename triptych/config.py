@@ -258,6 +258,7 @@ class ServeArgs:
         if self.results_max_age <= 0:
             raise ConfigError(f"--results-max-age {self.results_max_age} must be > 0 seconds")
         self._validate_results_store()
+        self._validate_otlp_endpoint()
         if self.num_gpus < 1 or self.base_gpu_id < 0:
             raise ConfigError("--num-gpus must be >= 1 and --base-gpu-id >= 0")
         if self.worker_capacity < 1:
@@ -300,6 +301,15 @@ class ServeArgs:
                 f"--disagg-full-pipeline does not support {what} yet; run one GPU per full-pipeline worker"
             )
 
+    def _validate_otlp_endpoint(self) -> None:
+        if self.otlp_endpoint:
+            parts = urlsplit(self.otlp_endpoint)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigError(
+                    f"--otlp-endpoint {self.otlp_endpoint!r} is not http(s)://HOST:PORT, an OTLP/HTTP collector "
+                    "(traces go to its /v1/traces)"
+                )
+
     def _validate_results_store(self) -> None:
         given = [f for f in ("results_store", "results_s3_endpoint", "results_presign") if getattr(self, f)]
         if given and self.disagg_role.is_worker:
@@ -319,13 +329,6 @@ class ServeArgs:
         elif self.results_s3_endpoint or self.results_presign:
             which = "--results-s3-endpoint" if self.results_s3_endpoint else "--results-presign"
             raise ConfigError(f"{which} only applies with --results-store s3://BUCKET/PREFIX")
-        if self.otlp_endpoint:
-            parts = urlsplit(self.otlp_endpoint)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ConfigError(
-                    f"--otlp-endpoint {self.otlp_endpoint!r} is not http(s)://HOST:PORT, an OTLP/HTTP collector "
-                    "(traces go to its /v1/traces)"
-                )
         if self.results_s3_endpoint is not None:
             parts = urlsplit(self.results_s3_endpoint)
             if parts.scheme not in ("http", "https") or not parts.netloc or parts.path.strip("/") or parts.query:

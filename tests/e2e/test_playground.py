@@ -110,6 +110,21 @@ def test_the_page_and_its_files_need_no_key_but_the_api_does(flux: LocalDeployme
     assert httpx.get(flux.http + "/static/../v1/pipeline", timeout=30).status_code in (401, 404)
 
 
+def assert_timeline(page, roles: list[str]) -> None:
+    """The result panel shows the request's timeline from its Server-Timing: each role's stage, its
+    transfers, and the total, the parts adding up to at most the total."""
+    page.wait_for_selector("#timeline:not([hidden]) .part[data-name=total]")
+    parts = page.eval_on_selector_all(
+        "#timeline .part", "rows => rows.map(r => [r.dataset.name, Number(r.dataset.ms)])"
+    )
+    names = [name for name, _ in parts]
+    assert [n for n in names if n in roles] == roles, names
+    assert any(n.startswith("transfer-") for n in names), names
+    assert names[-1] == "total", names
+    total = parts[-1][1]
+    assert 0 < sum(ms for _, ms in parts[:-1]) <= total + 0.01 * len(parts), parts
+
+
 def test_an_image_generated_in_the_page_is_the_api_s_image(browser, flux: LocalDeployment):
     page = new_page(browser, DESKTOP)
     page.goto(flux.http + "/")
@@ -130,6 +145,7 @@ def test_an_image_generated_in_the_page_is_the_api_s_image(browser, flux: LocalD
     assert shown == base64.b64decode(r.json()["data"][0]["b64_json"])
     assert Image.open(io.BytesIO(shown)).size == (64, 48)
     assert page.eval_on_selector_all("#history li", "items => items.length") == 1
+    assert_timeline(page, ["encoder", "denoiser", "decoder"])
     page.wait_for_function("document.querySelectorAll('.role .instance').length === 4")
     assert instance_counts(page) == {"encoder": 1, "denoiser": 2, "decoder": 1}
     assert page.eval_on_selector_all(".instance", "rows => rows.map(r => r.dataset.state)") == ["ready"] * 4
@@ -231,6 +247,7 @@ def test_a_video_shows_progress_and_previews_before_its_result_and_moves_through
     chip_roles = [order.index(role) for role, _ in seen["chips"]]
     assert chip_roles == sorted(chip_roles), seen["chips"]
     assert page.evaluate("document.querySelector('#result-video').duration") > 0
+    assert_timeline(page, order)
     assert instance_counts(page) == {"encoder": 1, "denoiser": 1, "decoder": 1}
     screenshot(page, "playground-video.png")
     page.close()

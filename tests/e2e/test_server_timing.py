@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.e2e.harness import deployment
+from triptych.client import TriptychClient
 from triptych.roles import Role
 from triptych_head.timeline import parse_server_timing
 
@@ -59,6 +60,9 @@ def test_an_image_answer_and_its_idempotent_first_run_carry_the_header(tiny_mode
             check_consistent(r.headers.get("server-timing"))
             first = c.post("/v1/images/generations", json=body, headers={"Idempotency-Key": "k1"})
             check_consistent(first.headers.get("server-timing"))
+            streamed = list(TriptychClient(dep.http, timeout=30).stream_images(body))  # headers went out first:
+            assert streamed[-1].event == "completed", streamed[-1]  # its completed event carries the value
+            check_consistent(streamed[-1].data["server_timing"])
             replay = c.post("/v1/images/generations", json=body, headers={"Idempotency-Key": "k1"})
             assert replay.headers.get("idempotent-replayed") == "true"
             assert "server-timing" not in replay.headers  # no run: nothing was timed

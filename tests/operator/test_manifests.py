@@ -198,6 +198,22 @@ def test_head_results_live_on_the_claim_the_cr_names_with_its_retention() -> Non
     assert (args.results_max_age, args.results_max_bytes) == (3600, 2 << 30)
 
 
+def test_tracing_reaches_the_head_and_every_worker_and_is_off_by_default() -> None:
+    url = "http://otel-collector.observability:4318"
+    made = children(minimal_spec(tracing={"otlpEndpoint": url}))
+    for name in ("head", *(role.value for role in ROLES)):
+        assert parse_serve(container(made[("Deployment", f"wan-t2v-{name}")])).otlp_endpoint == url, name
+    for name in ("head", *(role.value for role in ROLES)):
+        assert "--otlp-endpoint" not in container(children()[("Deployment", f"wan-t2v-{name}")])["args"], name
+
+
+@pytest.mark.parametrize("url", ["otel:4318", "grpc://otel:4317", "http://"])
+def test_a_collector_that_is_not_an_http_url_is_refused_naming_the_field(url: str) -> None:
+    with pytest.raises(SpecError) as err:
+        pipeline(minimal_spec(tracing={"otlpEndpoint": url}))
+    assert err.value.field == "spec.tracing.otlpEndpoint" and url in str(err.value), err.value
+
+
 def test_head_results_default_to_an_empty_dir() -> None:
     assert _outputs_volume(minimal_spec()) == {"name": "outputs", "emptyDir": {}}
 

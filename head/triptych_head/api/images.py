@@ -155,7 +155,8 @@ def _stream(
         try:
             output = await ctx.generate(params, request_id, feed.on_event, values["preview_every"])
             answer = await _response(ctx, values, output, request_id, request)
-            feed.publish(SSEMessage("completed", {"id": request_id, **answer.model_dump()}))
+            done = {"id": request_id, **answer.model_dump(), "server_timing": output.server_timing}
+            feed.publish(SSEMessage("completed", done))  # the header's value: headers went out first
         except APIError as exc:
             feed.publish(error_message(request_id, exc.message, exc.code, exc.status_code))
         except asyncio.CancelledError:

@@ -2,7 +2,8 @@
 // Server-Sent Events (read with fetch, so the API key travels as a header), this browser's history
 // in localStorage, and the pipeline view from GET /v1/pipeline. The form follows the request
 // contract (GET /v1/contract): each field named by its data-param takes the served model's limits,
-// and a parameter the contract shows in forms that the page has no field for gets one.
+// and a parameter the contract shows in forms that the page has no field for gets one. A finished
+// request's timeline comes from its Server-Timing (the header, or a stream's completed event).
 
 const $ = (id) => document.getElementById(id);
 const HISTORY_KEY = "triptych.history";
@@ -131,6 +132,7 @@ function resetOutput() {
   $("result-image").hidden = true;
   $("result-video").hidden = true;
   $("caption").textContent = "";
+  renderTimeline("");
 }
 
 function showEvent({ event, data }) {
@@ -184,6 +186,7 @@ async function generateImage(body, image) {
   const src = `data:image/png;base64,${final.data.data[0].b64_json}`;
   $("result-image").src = src;
   $("result-image").hidden = false;
+  renderTimeline(final.data.server_timing ?? "");
   return { id: final.data.id, src };
 }
 
@@ -194,7 +197,9 @@ async function generateVideo(body) {
   mine.add(job.id);
   const final = await follow(await api(`/v1/videos/${job.id}/events`));
   if (final.event === "error") throw new Error(final.data.error.message);
-  const blob = await (await api(`/v1/videos/${job.id}/content`)).blob();
+  const content = await api(`/v1/videos/${job.id}/content`);
+  renderTimeline(content.headers.get("Server-Timing") ?? "");
+  const blob = await content.blob();
   $("result-video").src = URL.createObjectURL(blob);
   $("result-video").hidden = false;
   return { id: job.id };
@@ -223,6 +228,48 @@ async function onSubmit(event) {
   } finally {
     $("generate").disabled = false;
   }
+}
+
+// A Server-Timing value ("queue-encoder;dur=0.2, encoder;dur=51.3, ..., total;dur=80.1") to
+// [{name, ms}], total last.
+function timingParts(header) {
+  const parts = [];
+  for (const entry of header.split(",")) {
+    const [name, ...params] = entry.trim().split(";");
+    const dur = params.map((p) => p.trim().split("=")).find(([key]) => key === "dur");
+    if (name && dur) parts.push({ name, ms: Number(dur[1]) });
+  }
+  return parts;
+}
+
+// The request's timeline: its parts in the order they happened (they never overlap), each a bar
+// placed after the ones before it on the scale of the total; the gaps are the head's own time.
+function renderTimeline(header) {
+  const parts = timingParts(header);
+  const total = parts.find((p) => p.name === "total")?.ms ?? 0;
+  $("timeline").hidden = !total;
+  if (!total) return $("timeline").replaceChildren();
+  let at = 0;
+  $("timeline").replaceChildren(
+    ...parts.map(({ name, ms }) => {
+      const row = document.createElement("div");
+      row.className = "part";
+      row.dataset.name = name;
+      row.dataset.ms = String(ms);
+      const label = document.createElement("span");
+      label.textContent = `${name} ${ms.toFixed(1)} ms`;
+      const track = document.createElement("span");
+      track.className = "track";
+      const bar = document.createElement("span");
+      bar.className = name === "total" ? "bar total" : name.startsWith("queue-") || name.startsWith("transfer-") ? "bar wait" : "bar";
+      bar.style.marginLeft = `${name === "total" ? 0 : (100 * at) / total}%`;
+      bar.style.width = `${Math.max((100 * ms) / total, 0.5)}%`;
+      if (name !== "total") at += ms;
+      track.append(bar);
+      row.append(label, track);
+      return row;
+    }),
+  );
 }
 
 function history() {

@@ -414,6 +414,24 @@ def _transfer() -> Field:
 TRANSFER = _transfer()
 
 
+def _tracing() -> Field:
+    endpoint = (
+        "OTLP/HTTP collector, `http(s)://HOST:PORT` (e.g. an OpenTelemetry Collector's "
+        "`http://otel-collector.observability:4318`), given to the head and every worker as `--otlp-endpoint`: "
+        "one trace per request, a span per hop (docs/serving.md). Unset: tracing off, at no cost."
+    )
+    return Field(
+        "tracing",
+        "object",
+        "OpenTelemetry traces of requests.",
+        default={},
+        fields=(Field("otlpEndpoint", "string", endpoint, min_length=1),),
+    )
+
+
+TRACING = _tracing()
+
+
 def _ingress() -> Field:
     return Field(
         "ingress",
@@ -652,7 +670,7 @@ SPEC = Field(
     "object",
     "Desired state of a disaggregated diffusion pipeline.",
     required=True,
-    fields=(MODEL, *(role_field(role) for role in PIPELINE_ROLES), FULL_PIPELINE, TRANSFER, HEAD, IMAGES),
+    fields=(MODEL, *(role_field(role) for role in PIPELINE_ROLES), FULL_PIPELINE, TRANSFER, TRACING, HEAD, IMAGES),
     rules=(
         excludes(
             "fullPipeline",

@@ -163,6 +163,11 @@ class TransferSpec:
 
 
 @dataclass(frozen=True)
+class TracingSpec:
+    otlp_endpoint: str | None
+
+
+@dataclass(frozen=True)
 class IngressSpec:
     enabled: bool
     host: str | None
@@ -258,6 +263,7 @@ class PipelineSpec:
     # The pools in route order (rules.py); with spec.fullPipeline one denoiser pool whose workers run every stage.
     roles: Mapping[Role, PoolSpec] = dataclasses.field(metadata=derived(*ROLE_POOL_FIELDS, "fullPipeline"))
     transfer: TransferSpec
+    tracing: TracingSpec
     head: HeadSpec
     worker_image: str = dataclasses.field(metadata=derived("images.worker"))
     head_image: str = dataclasses.field(metadata=derived("images.head"))

@@ -4,9 +4,9 @@ The declaration's own checks (types, bounds, enums, required fields, CEL rules) 
 parser (model.parse). What CEL cannot express is checked here only, once: which pools a pipeline
 runs, parallel degrees against the GPU count (triptych.parallelism), Service names that fit, model
 paths that stay on their volume, the head's port against its scheduler ports, the results bucket
-as the head's flags check it, and several heads only with results they all share. Each pod's argv is
-checked as `triptych serve` parses it in serve_args. A bad field raises SpecError naming it, which
-the operator reports as a Degraded condition.
+and the trace collector as the processes' flags check them, and several heads only with results
+they all share. Each pod's argv is checked as `triptych serve` parses it in serve_args. A bad
+field raises SpecError naming it, which the operator reports as a Degraded condition.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def parse_pipeline(
     _check_head_port(values["head"]["port"])
     _check_results_store(values["head"]["results"]["s3"], values["model"]["path"] or values["model"]["hubId"])
     _check_head_replicas(values["head"])
+    _check_otlp_endpoint(values["tracing"]["otlpEndpoint"], values["model"]["path"] or values["model"]["hubId"])
     images = values["images"] or {}
     return build(
         PipelineSpec,
@@ -156,6 +157,16 @@ def _check_results_store(s3: Mapping[str, Any] | None, model_path: str) -> None:
     except ConfigError as exc:
         flag = next((f for f in S3_FIELD_OF_FLAG if str(exc).startswith(f)), "--results-store")
         raise SpecError(f"spec.head.results.s3.{S3_FIELD_OF_FLAG[flag]}", str(exc)) from None
+
+
+def _check_otlp_endpoint(endpoint: str | None, model_path: str) -> None:
+    """The collector's URL as every process will check its --otlp-endpoint."""
+    if endpoint is None:
+        return
+    try:
+        ServeArgs(model_path=model_path, disagg_role=Role.SERVER, otlp_endpoint=endpoint)._validate_otlp_endpoint()
+    except ConfigError as exc:
+        raise SpecError("spec.tracing.otlpEndpoint", str(exc)) from None
 
 
 def _check_head_replicas(head: Mapping[str, Any]) -> None:
