@@ -24,6 +24,7 @@ from typing import Any
 from triptych import __version__
 from triptych.client_cli import CLIENT_COMMANDS, add_client_commands, run_client_command
 from triptych.config import ConfigError, ServeArgs, add_serve_flags
+from triptych.reference_flags import reference_only_refusal
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -79,6 +80,10 @@ def build_parser(plugins: Sequence[AddCommands] = ()) -> argparse.ArgumentParser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"] and (refusal := reference_only_refusal(argv[1:])) is not None:
+        print(f"triptych: error: {refusal}", file=sys.stderr)  # a flag of the reference design only
+        return 2
     parser = build_parser(plugin_commands())
     ns = parser.parse_args(argv)
     if ns.command == "serve":

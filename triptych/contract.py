@@ -64,6 +64,10 @@ class ModelTraits(Protocol):
     @property
     def frame_step(self) -> int: ...  # videos have 1 + k * frame_step frames
     @property
+    def max_side(self) -> int: ...  # the widest and tallest it makes, in pixels (e.g. its positional table)
+    @property
+    def max_frames(self) -> int: ...  # the most frames a video may have
+    @property
     def negative_prompt(self) -> bool: ...  # takes a negative prompt (classifier-free guidance)
     @property
     def edits(self) -> bool: ...  # takes a reference image
@@ -255,8 +259,9 @@ def _sides(t: ModelTraits) -> Limits:
     m = t.size_multiple
     return Limits(
         minimum=m,
+        maximum=t.max_side,
         step=m,
-        message="{field} {value} is out of range: this model needs {minimum}..{maximum} pixels",
+        message="{field} {value} is out of range: this model makes {minimum}..{maximum} pixels",
         step_message="{field} {value} is not a multiple of {step}, which this model needs "
         "(VAE downsampling x transformer patch); try {below}",
     )
@@ -269,7 +274,7 @@ def _frames(t: ModelTraits) -> Limits:
         "{field} {value} is invalid: {pipeline} needs 1 + a multiple of {step} frames, at most {maximum} "
         "(e.g. {below} or {above})"
     )
-    return Limits(step=t.frame_step, offset=1, message=text, step_message=text)
+    return Limits(maximum=t.max_frames, step=t.frame_step, offset=1, message=text, step_message=text)
 
 
 NO_CFG = (

@@ -199,3 +199,17 @@ def test_limits_narrowed_by_a_step_start_and_end_on_whole_steps() -> None:
     frames = Limits(minimum=1, maximum=1025).narrowed(Limits(step=4, offset=1))
     assert (frames.minimum, frames.maximum) == (1, 1025)
     assert frames.check("num_frames", 9) is None and frames.check("num_frames", 8) is not None
+
+
+def test_a_size_past_the_transformer_s_positional_table_is_a_400_at_the_door(tiny_models) -> None:
+    """Wan's rotary table has rope_max_seq_len positions per axis: a larger latent would fail in the
+    denoiser's first step (a shape error), so the head refuses it naming the field and the bound."""
+    info = read_model_info(tiny_models["tiny-wan"])
+    assert (info.max_side, info.max_frames) == (128 * 2 * 4, (128 - 1) * 4 + 1)  # positions x patch x VAE
+    with client(info) as c:
+        r = c.post(VIDEOS, json={"prompt": "x", "size": "1040x480", "num_frames": 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "size", r.text
+        assert "1040" in r.json()["error"]["message"] and "1024" in r.json()["error"]["message"], r.text
+        r = c.post(VIDEOS, json={"prompt": "x", "size": "32x32", "num_frames": 513})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "num_frames", r.text
+        assert c.post(VIDEOS, json={"prompt": "x", "size": "1024x480", "num_frames": 509}).status_code == 200

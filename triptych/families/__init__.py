@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from triptych.contract import MAX_FRAMES, MAX_SIDE
 from triptych.families.flux import FluxRules
 from triptych.families.package import ModelPackage
 from triptych.families.rules import FamilyRules
@@ -54,6 +55,8 @@ class ModelInfo:
     size_multiple: int = 16  # width and height must be multiples of it
     max_steps: int = 1000  # the scheduler's timesteps
     frame_step: int = 1  # videos have 1 + k * frame_step frames
+    max_side: int = MAX_SIDE  # the widest and tallest output in pixels
+    max_frames: int = MAX_FRAMES  # the most frames of a video
     negative_prompt: bool = True  # takes a negative prompt (classifier-free guidance)
     step_cache_modes: tuple[str, ...] = tuple(MODES)  # the step cache modes it serves (triptych.step_cache)
     aliases: tuple[str, ...] = ()  # other ids a request may name it by (--model-path as given, hub id, ...)
@@ -93,6 +96,8 @@ def read_model_info(model_path: str | Path, names: Sequence[str] = ()) -> ModelI
         size_multiple=rules.size_multiple,
         max_steps=rules.max_steps,
         frame_step=rules.frame_step,
+        max_side=rules.max_side,
+        max_frames=rules.max_frames,
         negative_prompt=rules.negative_prompt,
         step_cache_modes=rules.step_cache_modes,
     )

@@ -6,7 +6,7 @@ import abc
 
 import msgspec
 
-from triptych.contract import CONTRACT
+from triptych.contract import CONTRACT, MAX_FRAMES, MAX_SIDE
 from triptych.families.package import ModelPackage
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import PIXELS, TensorSpec
@@ -33,6 +33,10 @@ class FamilyRules(abc.ABC):
     """The most denoising steps the scheduler has timesteps for."""
     frame_step: int = 0
     """Videos have 1 + k * frame_step frames (the VAE's temporal compression); 0: images."""
+    max_side: int = MAX_SIDE
+    """The widest and tallest output in pixels (a transformer's positional table bounds it)."""
+    max_frames: int = MAX_FRAMES
+    """The most frames of a video."""
     negative_prompt: bool = True
     """Whether requests may carry a negative prompt (classifier-free guidance)."""
     step_cache_modes: tuple[str, ...] = tuple(MODES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from triptych.contract import MAX_FRAMES, MAX_SIDE
 from triptych.families.package import ModelPackage, lcm
 from triptych.families.rules import FamilyRules
 from triptych.params import GenerationParams
@@ -37,6 +38,11 @@ class WanRules(FamilyRules):
         # check_inputs wants multiples of 16; patchification wants whole patches of latent pixels.
         self.size_multiple = lcm(16, lcm(self.scale_spatial * patch[1], self.scale_spatial * patch[2]))
         self.max_steps = int(package.config("scheduler").get("num_train_timesteps", 1000))
+        # WanRotaryPosEmbed has positions for rope_max_seq_len patches along each axis: a larger latent
+        # fails in the denoiser's first step, so the head refuses it at the door instead.
+        rope = int(transformer.get("rope_max_seq_len", 1024))
+        self.max_side = min(MAX_SIDE, rope * min(patch[1], patch[2]) * self.scale_spatial)
+        self.max_frames = min(MAX_FRAMES, (rope * patch[0] - 1) * self.scale_temporal + 1)
         self.text_dim = int(package.config("text_encoder")["d_model"])  # UMT5
 
     def text_outputs(self, params: GenerationParams) -> list[TensorSpec]:

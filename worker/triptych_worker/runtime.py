@@ -71,6 +71,7 @@ from triptych_worker.transfer import (
     NoTransport,
     PayloadTooLarge,
     TransferPool,
+    check_rdma_device,
 )
 from triptych_worker.transfer.listeners import check_mooncake_listeners, confine_mooncake_listeners
 
@@ -100,6 +101,8 @@ class Worker:
         self.ctx.setsockopt(zmq.IPV6, 1)  # pod IPs may be IPv6; IPv4 keeps working
         # Before the model loads: unreadable keys fail in a second, not after minutes.
         self.security: ControlPlane = control_plane(args, self.ctx, "worker")
+        if not args.disagg_full_pipeline:
+            check_rdma_device(args.disagg_ib_device)  # a NIC this host lacks: Mooncake would use TCP silently
         if pipeline is None and args.simulate:
             pipeline = SimulatedPipeline.from_args(args)
         simulated = isinstance(pipeline, SimulatedPipeline)

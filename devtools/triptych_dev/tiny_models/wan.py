@@ -37,7 +37,7 @@ def build_wan() -> DiffusionPipeline:
         num_layers=2,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
+        rope_max_seq_len=128,  # patches per axis: up to 1024 px (x2 patch, x4 VAE), 832x480 included
     )
     torch.manual_seed(2)
     vae = AutoencoderKLWan(

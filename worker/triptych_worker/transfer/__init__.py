@@ -7,7 +7,7 @@ tensors out of its slot (load_tensors) and frees it.
 """
 
 from .allocator import ALIGNMENT
-from .engine import MooncakeTransport, NoTransport, PendingWrite
+from .engine import MooncakeTransport, NoTransport, PendingWrite, check_rdma_device
 from .errors import MooncakeNotInstalled, PayloadTooLarge, TransferError, TransferStalled
 from .pool import Allocation, MemoryRegistrar, TransferPool
 from .tensors import StagedTensors, check_manifest, layout, load_tensors, stage_tensors
@@ -26,6 +26,7 @@ __all__ = [
     "TransferPool",
     "TransferStalled",
     "check_manifest",
+    "check_rdma_device",
     "layout",
     "load_tensors",
     "stage_tensors",

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+from triptych.config import ConfigError
 
 from .errors import MooncakeNotInstalled, TransferError, TransferStalled
 from .listeners import mooncake_port_range
@@ -32,6 +35,23 @@ def _import_transfer_engine() -> Any:
     except ImportError as exc:
         raise MooncakeNotInstalled(str(exc)) from exc
     return TransferEngine
+
+
+RDMA_DEVICES = Path("/sys/class/infiniband")
+"""Where the kernel lists this host's RDMA devices (what `ibv_devices` prints)."""
+
+
+def check_rdma_device(name: str | None, devices: Path = RDMA_DEVICES) -> None:
+    """--disagg-ib-device must name an RDMA device of this host: given one it lacks, Mooncake finds no
+    NIC and moves tensors over TCP without a word. ConfigError naming the flag and the devices."""
+    if name is None:
+        return
+    have = sorted(p.name for p in devices.iterdir()) if devices.is_dir() else []
+    if name not in have:
+        raise ConfigError(
+            f"--disagg-ib-device {name}: this host has no RDMA device of that name (ibv_devices lists "
+            f"{', '.join(have) or 'none'}); name one of them, or omit the flag to move tensors over TCP"
+        )
 
 
 class MooncakeTransport:
