@@ -7,6 +7,7 @@ import os
 import sys
 from typing import NoReturn
 
+from triptych import startup
 from triptych.config import ConfigError, ServeArgs
 from triptych.model_source import ModelSourceError, model_names, resolve_model_path
 from triptych.reference import allow_url_networks, parse_networks
@@ -28,6 +29,7 @@ EXTRA_OF_PACKAGE = {
 
 
 def serve(args: ServeArgs) -> int:
+    startup.mark("started")
     configure_logging(args)
     try:
         given = args.model_path

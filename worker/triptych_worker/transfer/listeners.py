@@ -20,6 +20,7 @@ import socket
 import sys
 from pathlib import Path
 
+from triptych import startup
 from triptych.config import ConfigError, ServeArgs
 from triptych.ports import MOONCAKE_PORT_RANGE
 
@@ -106,6 +107,7 @@ def confine_mooncake_listeners(args: ServeArgs) -> None:
             f"point {SHIM_ENV} at it, or give {OPT_OUT}"
         )
     env = {**os.environ, **shim_environment(shim, address, ports)}
+    env[startup.REEXEC_ENV] = f"{startup.since_process_start():.3f}"  # the new image's start-up line counts this one
     if ipaddress.ip_address(address).version == 6:
         env.setdefault("MC_USE_IPV6", "1")  # Mooncake's handshake socket is IPv4 otherwise (and cannot take it)
     sys.stdout.flush()
