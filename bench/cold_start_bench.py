@@ -231,8 +231,8 @@ def main() -> int:
                     else:
                         phases = cold_role(dep, Role(kind), body)
                     runs[kind].append(phases)
-                    print(f"  round {i + 1} {kind:15s} ready {phases['ready']:7.2f} s  served {phases['served']:7.2f} s",
-                          flush=True)  # fmt: skip
+                    ready, served = phases["ready"], phases["served"]
+                    print(f"  round {i + 1} {kind:15s} ready {ready:7.2f} s  served {served:7.2f} s", flush=True)
     report(kinds, runs, shares)
     result = {
         "model": str(model), "rounds": args.rounds, "request": body, "omp_threads": args.omp_threads,

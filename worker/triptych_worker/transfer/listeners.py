@@ -95,7 +95,6 @@ def confine_mooncake_listeners(args: ServeArgs) -> None:
                 f"the bind shim {shim} confines to {os.environ.get(ADDRESS_ENV)} ports {os.environ.get(PORTS_ENV)}, "
                 f"not --disagg-p2p-hostname {address} ports {ports}; unset {ADDRESS_ENV}/{PORTS_ENV}"
             )
-        log.info("Mooncake listeners confined to %s (ports %s) by %s", address, ports, shim)
         return
     preload = os.environ.get("LD_PRELOAD", "")
     if str(shim) in preload.split(":"):
@@ -126,6 +125,8 @@ def check_mooncake_listeners(args: ServeArgs) -> None:
             f"Mooncake listens on {', '.join(f'{a}:{p}' for a, p in wide)} despite the bind shim "
             f"{bind_shim_path()}; give {OPT_OUT} to accept that"
         )
+    log.info("Mooncake listeners confined to %s (ports %d-%d) by %s", os.environ.get(ADDRESS_ENV), low, high,
+             bind_shim_path().resolve())  # fmt: skip
 
 
 def listening_sockets(pid: int) -> set[tuple[str, int]]:
