@@ -3,16 +3,16 @@
     python bench/cold_start_bench.py [--model tiny-flux] [--rounds 3] [--split-encoders]
                                      [--full-size [--full-size-dir DIR]] [--json PATH]
 
-Each round starts, one at a time and alternating, a monolithic `triptych serve` and a cold worker of
-each role as real processes (ordinary processes: no preloaded interpreter), on the same model:
+Each round starts, one at a time, a monolithic `triptych serve` and a cold worker of each role as
+real processes (ordinary processes: no preloaded interpreter), on the same model:
 
-- monolithic: from its process start until /health answers (ready), then one request; served is
-  when its answer is complete.
-- a role: a disaggregated deployment (head and one warm worker per role) runs throughout; the
-  role's warm worker is killed, and once the head has given it up, a cold one is started on the
-  same port. Ready is when the head's /health lists it ready (its first heartbeat); then the same
-  request, through the head and the warm other roles; served is when its answer is complete. The
-  cold worker is the warm one of the next round.
+- monolithic, with nothing else of the benchmark running: from its process start until /health
+  answers (ready), then one request; served is when its answer is complete.
+- each role in turn: a disaggregated deployment (head and one warm worker per role, which have
+  served one request) runs for the rest of the round; the role's warm worker is killed, and once
+  the head has given it up, a cold one is started on the same port. Ready is when the head's
+  /health lists it ready (its first heartbeat); then the same request, through the head and the
+  warm other roles; served is when its answer is complete.
 
 So "served" counts one request end to end on both sides (every stage in the monolithic process;
 through the head and the other roles for a role). The phases inside each process are its own
@@ -165,6 +165,11 @@ def cold_role(dep: LocalDeployment, role: Role, body: dict[str, Any]) -> dict[st
     return phases_from(cold.log, t0, ready, served)
 
 
+def record(runs: dict[str, list[dict[str, float]]], i: int, kind: str, phases: dict[str, float]) -> None:
+    runs[kind].append(phases)
+    print(f"  round {i + 1} {kind:15s} ready {phases['ready']:7.2f} s  served {phases['served']:7.2f} s", flush=True)
+
+
 def durations(phases: dict[str, float]) -> dict[str, float]:
     """Each phase reached, as the time since the previous one (the first: since the process start)."""
     out, before = {}, 0.0
@@ -217,22 +222,17 @@ def main() -> int:
           f"OMP_NUM_THREADS={args.omp_threads}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        with local_deployment(
-            model, workdir / "disagg", counts=dict.fromkeys(roles, 1),
-            head_flags=("--disagg-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)),
-            worker_flags=("--device", "cpu"), ready_timeout=READY_LIMIT_S,
-        ) as dep:  # fmt: skip
-            serve_one(dep.http, body)  # the warm roles have served once
-            for i in range(args.rounds):
-                order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]  # each kind first in some round
-                for kind in order:
-                    if kind == MONOLITHIC:
-                        phases = cold_monolithic(model, workdir, body, i)
-                    else:
-                        phases = cold_role(dep, Role(kind), body)
-                    runs[kind].append(phases)
-                    ready, served = phases["ready"], phases["served"]
-                    print(f"  round {i + 1} {kind:15s} ready {ready:7.2f} s  served {served:7.2f} s", flush=True)
+        for i in range(args.rounds):
+            # Monolithic first, with nothing else of ours running; then the roles, each with the others warm.
+            record(runs, i, MONOLITHIC, cold_monolithic(model, workdir, body, i))
+            with local_deployment(
+                model, workdir / f"disagg-{i}", counts=dict.fromkeys(roles, 1),
+                head_flags=("--disagg-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)),
+                worker_flags=("--device", "cpu"), ready_timeout=READY_LIMIT_S,
+            ) as dep:  # fmt: skip
+                serve_one(dep.http, body)  # the warm roles have served once
+                for role in roles[i % len(roles) :] + roles[: i % len(roles)]:  # each role first in some round
+                    record(runs, i, role.value, cold_role(dep, role, body))
     report(kinds, runs, shares)
     result = {
         "model": str(model), "rounds": args.rounds, "request": body, "omp_threads": args.omp_threads,
