@@ -64,6 +64,9 @@ class StartupClock:
     def mark(self, phase: str) -> None:
         if phase not in PHASES:
             raise ValueError(f"unknown start-up phase {phase!r}; one of {', '.join(PHASES)}")
+        with self._lock:
+            if phase in self._phases:
+                return  # marked on every ping, say: no /proc read after the first
         now = since_process_start()
         with self._lock:
             self._phases.setdefault(phase, now)
@@ -90,10 +93,11 @@ def mark(phase: str) -> None:
 
 def done(phase: str) -> None:
     """Mark the last phase and log the start-up line (once per process)."""
+    if _logged.is_set():
+        return
     CLOCK.mark(phase)
-    if not _logged.is_set():
-        _logged.set()
-        log.info("%s", CLOCK.line())
+    _logged.set()
+    log.info("%s", CLOCK.line())
 
 
 def parse_line(text: str) -> dict[str, float] | None:
