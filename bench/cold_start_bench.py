@@ -10,8 +10,9 @@ real processes (ordinary processes: no preloaded interpreter), on the same model
   answers (ready), then one request; served is when its answer is complete.
 - each role in turn: a disaggregated deployment (head and one warm worker per role, which have
   served one request) runs for the rest of the round; the role's warm worker is killed, and once
-  the head has given it up, a cold one is started on the same port. Ready is when the head's
-  /health lists it ready (its first heartbeat); then the same request, through the head and the
+  the head has given it up, a cold one is started on the same port. Ready is when its log has
+  its start-up line (its first heartbeat went to the head; polling the head's /health instead
+  would take CPU from the process being timed); then the same request, through the head and the
   warm other roles; served is when its answer is complete.
 
 So "served" counts one request end to end on both sides (every stage in the monolithic process;
@@ -158,7 +159,10 @@ def cold_role(dep: LocalDeployment, role: Role, body: dict[str, Any]) -> dict[st
     t0 = time.monotonic()
     cold = dep.start_worker(role)
     alive = lambda: cold.popen.poll() is None  # noqa: E731
-    wait_for(f"cold {role.value}", lambda: role_count(dep, role, "ready") == 1, alive, cold.log)
+    # Its own start-up line says it has sent its first heartbeat: read from its log, as polling the
+    # head's /health this often would take CPU from the process being timed.
+    wait_for(f"cold {role.value}", lambda: "registered" in (startup.parse_line(cold.log.read_text()) or {}),
+             alive, cold.log)  # fmt: skip
     ready = time.monotonic()
     serve_one(dep.http, body)
     served = time.monotonic()
