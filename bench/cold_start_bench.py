@@ -23,7 +23,9 @@ the process started. Prints, per process kind, the median of each phase's durati
 ready and to served, the ratio of served to monolithic's, and the share of the package's weight
 bytes it loads (and its weight-load time against monolithic's).
 
-`--model` is a tiny package's name or a package directory. `--full-size` uses a random-weight
+`--model` is a tiny package's name or a package directory; `--split-encoders` (a FLUX.1 Kontext
+package) times prompt_encoder and image_encoder instead of encoder, with the same text-to-image
+request (the image encoder's stage passes it through). `--full-size` uses a random-weight
 package of the Wan2.1-T2V-1.3B shape in bfloat16 (bench/random_wan.py: real-size transformer and
 VAE, a 4096-wide 2-layer text encoder), written once to `--full-size-dir` (minutes on a CPU,
 about 4 GB). Every process runs with OMP_NUM_THREADS=1 (`--omp-threads`), as pipeline_bench does.
