@@ -7,6 +7,7 @@ import os
 import sys
 from typing import NoReturn
 
+from triptych import startup
 from triptych.config import ConfigError, ServeArgs
 from triptych.model_source import ModelSourceError, model_names, resolve_model_path
 from triptych.reference import allow_url_networks, parse_networks
@@ -28,6 +29,7 @@ EXTRA_OF_PACKAGE = {
 
 
 def serve(args: ServeArgs) -> int:
+    startup.mark("started")
     configure_logging(args)
     try:
         given = args.model_path
@@ -59,6 +61,11 @@ def _serve_role(args: ServeArgs, names: list[str]) -> int:
         from triptych_head.main import run_monolithic
 
         return run_monolithic(args, names)
+    from triptych_worker.transfer.listeners import confine_mooncake_listeners
+
+    if not args.disagg_full_pipeline:  # a full-pipeline worker starts no Mooncake engine
+        # Before the worker's imports: re-executing under the bind shim repeats only what came before.
+        confine_mooncake_listeners(args)
     from triptych_worker.runtime import run_worker
 
     _exit_at_once(run_worker(args))

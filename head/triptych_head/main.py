@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from triptych import startup
 from triptych.config import ServeArgs
 from triptych.families import read_model_info, read_rules
 from triptych.params import GenerationParams
@@ -131,6 +132,7 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
         return 2
     model = read_model_info(args.model_path, names)
     pipeline = load_role_pipeline(args.model_path, args.disagg_role, args.resolved_device)
+    startup.mark("loaded")
     metrics = HeadMetrics()
 
     def relay_step_cache() -> None:  # what a denoiser's heartbeats carry in disaggregated mode

@@ -23,6 +23,7 @@ from types import FrameType
 
 import uvicorn
 
+from triptych import startup
 from triptych_head.api.context import HeadContext
 from triptych_head.server import DiffusionServer
 
@@ -52,6 +53,7 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        startup.done("listening")
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:

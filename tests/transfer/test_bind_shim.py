@@ -149,3 +149,34 @@ def test_a_worker_without_its_shim_refuses_to_start_and_says_what_to_do(tiny_mod
     message = out.stderr.strip().splitlines()[-1]
     assert message.startswith("triptych: error: Mooncake would listen on every address"), out.stderr
     assert str(missing) in message and "make setup" in message and "--disagg-transfer-listen-any" in message
+
+
+# Runs `triptych serve` with os.execve replaced: prints what the first image had imported when it
+# re-executed, and the start-up time it handed to the new image, instead of re-executing.
+AT_REEXEC = """
+import json, os, sys
+from triptych.startup import REEXEC_ENV
+def execve(path, argv, env):
+    print(json.dumps({"modules": sorted(sys.modules), "argv": argv, "reexec": env[REEXEC_ENV]}), flush=True)
+    os._exit(0)
+os.execve = execve
+from triptych.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_worker_reexecutes_under_the_shim_before_its_own_imports(tiny_models, shim):
+    """The first image of a worker process is thrown away: it imports only what deciding to re-execute needs."""
+    argv = worker_argv(tiny_models["tiny-flux"])
+    out = subprocess.run(
+        [sys.executable, "-c", AT_REEXEC, *argv[3:]],  # argv[3:]: after `python -m triptych`
+        env={**os.environ, SHIM_ENV: str(shim)}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    first_image = json.loads(out.stdout)
+    assert first_image["argv"][-len(argv) + 3 :] == argv[3:]
+    assert float(first_image["reexec"]) > 0
+    imported = set(first_image["modules"])
+    assert "triptych_worker.transfer.listeners" in imported
+    too_early = imported & {"triptych_worker.runtime", "torch", "diffusers", "zmq"}
+    assert not too_early, f"imported before re-executing (done again after): {sorted(too_early)}"

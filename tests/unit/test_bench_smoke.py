@@ -63,6 +63,7 @@ SMOKE: dict[str, tuple[str, str]] = {
         "--models tiny-flux,tiny-wan --size 64x64 --frames 5 --steps 2 --rounds 1 --json {tmp}/sc.json",
         "pyramid_attention_broadcast",
     ),
+    "cold_start_bench.py": ("--model {models}/tiny-flux --rounds 1 --json {tmp}/cs.json", "served/mono"),
     "random_wan.py": ("--out {tmp}/random-wan --num-layers 1 --dtype bfloat16", "random-wan"),
 }
 CLUSTER_SMOKE = {"operator_bench.py": ("--pipelines 2 --steady 1 --json {tmp}/o.json", "pipelines")}

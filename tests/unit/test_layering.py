@@ -33,6 +33,10 @@ ALLOWED_CORE_IMPORTS = {
         "`triptych serve --disagg-role server|monolithic` starts the head; imported only then, so the "
         "worker image's other roles and the operator image never load it"
     ),
+    ("triptych/launch.py", "_serve_role", "triptych_worker.transfer.listeners"): (
+        "a worker re-executes under the bind shim before the worker's own imports (torch, the model), "
+        "so that the first image of the process does as little as it can"
+    ),
     ("triptych/launch.py", "_serve_role", "triptych_worker.runtime"): (
         "`triptych serve --disagg-role <worker role>` starts the worker; imported only then, so the "
         "head image (no torch) never loads it"

@@ -276,6 +276,25 @@ class RolePipeline:
         return outcomes
 
 
+def role_stages(role: Role, family: str) -> list[type[AdapterStage]]:
+    """The stage classes `role` runs, in pipeline order; ValueError when it runs none of them."""
+    stage_classes = [stage for stage in STAGES if role.runs_affinity(stage.role_affinity)]
+    if not stage_classes:
+        raise ValueError(
+            f"--disagg-role {role.value}: the {family} pipeline has no stages for this role; "
+            f"use one of monolithic, {', '.join(r.value for r in WORKER_ROLES)}"
+        )
+    return stage_classes
+
+
+def role_components(adapter: FamilyAdapter, stage_classes: list[type[AdapterStage]]) -> set[str]:
+    """The diffusers components those stages run for the adapter's package: what the role loads."""
+    components: set[str] = set()
+    for stage in stage_classes:
+        components |= adapter.components_for(stage.__name__)
+    return components
+
+
 def load_role_pipeline(model_path: str, role: Role, device: str = "cpu", encoder_cache_bytes: int = 0) -> RolePipeline:
     """Build `role`'s stages for the diffusers package at `model_path`, loading only their weights;
     its text encoding keeps up to `encoder_cache_bytes` of prompt embeddings (0: no cache).
@@ -284,16 +303,8 @@ def load_role_pipeline(model_path: str, role: Role, device: str = "cpu", encoder
     """
     role = Role(role)
     family, adapter = adapter_for(model_path, device)
-    stage_classes = [stage for stage in STAGES if role.runs_affinity(stage.role_affinity)]
-    if not stage_classes:
-        raise ValueError(
-            f"--disagg-role {role.value}: the {family} pipeline has no stages for this role; "
-            f"use one of monolithic, {', '.join(r.value for r in WORKER_ROLES)}"
-        )
-    components: set[str] = set()
-    for stage in stage_classes:
-        components |= adapter.components_for(stage.__name__)
-    adapter.load(components)
+    stage_classes = role_stages(role, family)
+    adapter.load(role_components(adapter, stage_classes))
     cache = EncoderCache(encoder_cache_bytes) if encoder_cache_bytes else None
     stages: list[PipelineStage] = [
         TextEncodingStage(adapter, cache) if s is TextEncodingStage else s(adapter) for s in stage_classes

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from triptych import startup
 from triptych.config import ConfigError, ServeArgs
 from triptych.families.package import package_fingerprint
 from triptych.ports import tcp_url
@@ -120,6 +121,7 @@ class Worker:
             )
             log.info("%s: %s", self.role.value, pipeline.describe())
         self.pipeline = pipeline
+        startup.mark("loaded")
         self.model_fingerprint = package_fingerprint(args.model_path)  # the head compares it with its own
         # None without --otlp-endpoint: no span is recorded and the OpenTelemetry SDK is never imported.
         self.tracing = start_tracing(traces_url(args.otlp_endpoint), f"triptych-{self.role.value}")
@@ -142,6 +144,7 @@ class Worker:
                 transport=self.transport,
                 memory="numpy" if simulated else "torch",
             )
+            startup.mark("transfer")
         # The heads it serves (--disagg-server-addr: one address, or several / dns:// / file:// for
         # replicated heads) and whose request is whose (heads.py).
         self.heads = HeadBook(args.disagg_server_addr or "", self.role, args.disagg_discovery_interval, time.monotonic)
@@ -198,6 +201,7 @@ class Worker:
         for t in threads:
             t.start()
         self.inputs.start()
+        startup.mark("listening")
         log.info(
             "%s ready: work %s, results to %s, %s, control plane %s",
             self.role.value, self.work_endpoint, ", ".join(self.heads.endpoints()) or "(no head found yet)",
@@ -436,6 +440,7 @@ class Worker:
             link.broadcast(self._heartbeat)  # which endpoint is this head's: its next ping says (via)
         else:
             link.send_to(endpoint, self._heartbeat(endpoint, msg.head_id))
+        startup.done("registered")  # the first heartbeat: a head can dispatch to this worker from now on
 
     def _foreign(self, msg: Any) -> bool:
         """A message about a request another head owns here (a worker serving several heads)."""

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from triptych import startup
 from triptych.contract import ENDPOINTS
 from triptych_head.api.context import RETRY_AFTER_S, HeadContext
 from triptych_head.api.schemas import ModelCard, ModelList
@@ -44,6 +45,7 @@ async def health(request: Request) -> dict[str, Any]:
         "model": ctx.model.id,
         "draining": ctx.draining,
         "admission": ctx.admission_health(),
+        "startup": startup.CLOCK.phases(),  # seconds since the process started, per phase (triptych.startup)
         **ctx.health(),
     }
 

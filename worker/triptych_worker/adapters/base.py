@@ -7,6 +7,7 @@ import abc
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
+from triptych import startup
 from triptych.families import FamilyRules, ModelPackage
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import TensorSpec
@@ -88,6 +89,7 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
         return {name: cast("torch.Tensor", tensor).to(self.device) for name, tensor in batch.tensors.items()}
 
     def _load_stock(self, pipeline_class: Any, components: set[str]) -> Any:
+        startup.mark("imported")  # torch, diffusers and the family's pipeline module came with `pipeline_class`
         skipped = {name: None for name in self.package.components if name not in components}
         pipe = pipeline_class.from_pretrained(self.package.path, **skipped)
         pipe.set_progress_bar_config(disable=True)

@@ -20,6 +20,7 @@ import socket
 import sys
 from pathlib import Path
 
+from triptych import startup
 from triptych.config import ConfigError, ServeArgs
 from triptych.ports import MOONCAKE_PORT_RANGE
 
@@ -94,7 +95,6 @@ def confine_mooncake_listeners(args: ServeArgs) -> None:
                 f"the bind shim {shim} confines to {os.environ.get(ADDRESS_ENV)} ports {os.environ.get(PORTS_ENV)}, "
                 f"not --disagg-p2p-hostname {address} ports {ports}; unset {ADDRESS_ENV}/{PORTS_ENV}"
             )
-        log.info("Mooncake listeners confined to %s (ports %s) by %s", address, ports, shim)
         return
     preload = os.environ.get("LD_PRELOAD", "")
     if str(shim) in preload.split(":"):
@@ -106,6 +106,7 @@ def confine_mooncake_listeners(args: ServeArgs) -> None:
             f"point {SHIM_ENV} at it, or give {OPT_OUT}"
         )
     env = {**os.environ, **shim_environment(shim, address, ports)}
+    env[startup.REEXEC_ENV] = f"{startup.since_process_start():.3f}"  # the new image's start-up line counts this one
     if ipaddress.ip_address(address).version == 6:
         env.setdefault("MC_USE_IPV6", "1")  # Mooncake's handshake socket is IPv4 otherwise (and cannot take it)
     sys.stdout.flush()
@@ -124,6 +125,8 @@ def check_mooncake_listeners(args: ServeArgs) -> None:
             f"Mooncake listens on {', '.join(f'{a}:{p}' for a, p in wide)} despite the bind shim "
             f"{bind_shim_path()}; give {OPT_OUT} to accept that"
         )
+    log.info("Mooncake listeners confined to %s (ports %d-%d) by %s", os.environ.get(ADDRESS_ENV), low, high,
+             bind_shim_path().resolve())  # fmt: skip
 
 
 def listening_sockets(pid: int) -> set[tuple[str, int]]:
