@@ -541,13 +541,21 @@ class Worker:
         return busy and self.pool.free_bytes - nbytes < nbytes
 
     def _ready(self, link: HeadLinks, msg: TransferReady) -> None:
+        """Run the stages on an input in a slot; `in_place`: on the continuation this worker staged
+        itself (a suspended request resuming here: its state never left the pool)."""
         self.heads.own(msg.request_id, msg.head_id)
         with self._lock:
-            alloc = self._slots.pop(msg.request_id, None)
-            if msg.slot_addr:
-                alloc = self._standing.get(msg.slot_addr)
+            if msg.in_place:
+                alloc = self._staged.pop(msg.request_id, None)
+                if alloc is not None:
+                    self._outstanding.add(msg.request_id)
+            else:
+                alloc = self._slots.pop(msg.request_id, None)
+                if msg.slot_addr:
+                    alloc = self._standing.get(msg.slot_addr)
         if alloc is None:
-            link.send(Failed(msg.request_id, self.instance, "transfer_ready for a slot this worker does not hold"))
+            what = "a continuation this worker has not staged" if msg.in_place else "a slot this worker does not hold"
+            link.send(Failed(msg.request_id, self.instance, f"transfer_ready for {what}"))
             return
         incoming = (alloc, msg.manifest, msg.meta)
         job = Job(
