@@ -9,11 +9,15 @@ rises while it waits, so after (2 - its priority + 1) x aging seconds of waiting
 every request that has just arrived: none starves.
 
 Preemption (--disagg-preemption on, no dynamic batching). When a request waits for a denoiser and
-no ready denoiser has a free slot, the head asks the running denoise of the lowest level (the
-effective level it was dispatched at) below the waiting request's to hand off at its next step
-boundary (HandOff; migration.py). One victim per waiting request: hand-offs already asked for
-count against the waiting requests, highest first. A request in a batch, or already moving, is
-never a victim.
+no ready denoiser has a free slot, the head asks a running denoise of a lower priority to hand off
+at its next step boundary (HandOff; migration.py): of those whose level when dispatched (their
+effective level then, aging included) is below the waiting request's effective level, the lowest.
+Both must hold: requests of one priority never suspend each other (no time slicing among equals),
+an aged request never suspends one of a higher priority (it goes first when a slot frees), and a
+request dispatched at an aged level is not suspended by newer requests it outranked then; so a
+low request waits at most until (2 - 0 + 1) aging periods have passed and then the requests
+already running finish. One victim per waiting request: hand-offs already asked for count against
+the waiting requests, highest first. A request in a batch, or already moving, is never a victim.
 
 Suspension. The denoiser stages the request's state (TransferStaged with `continues_at`) and keeps
 it in its pool; the head frees that scheduling slot at once and queues the request again at its own
@@ -95,17 +99,19 @@ def preempt(core: HeadCore) -> list[RequestRecord]:
     now, aging = core.clock(), core.args.disagg_priority_aging
     running = [r for r in core.requests.values() if r.role is Role.DENOISER and r.instance in ready]
     pending = sum(1 for r in running if r.hand_off_reason == PREEMPT and r.hand_off_from == r.instance)
-    # The lowest level first; among equals the latest dispatched (the least progress held up).
-    victims = sorted((r for r in running if suspendable(core, r)), key=lambda r: (r.held_level, -r.hop_started))
+    # The lowest level first; among equals the earliest dispatched, which its worker (running its jobs
+    # in order) is computing now, rather than one queued behind it there.
+    victims = sorted((r for r in running if suspendable(core, r)), key=lambda r: (r.held_level, r.hop_started))
     asked: list[RequestRecord] = []
     for rec in waiting:
         if pending:  # a suspension asked for earlier frees a slot for this one
             pending -= 1
             continue
         level = effective_level(rec, now, aging)
-        if not victims or victims[0].held_level >= level:
-            break  # the queue is in decreasing level: nobody behind outranks a running request either
-        victim = victims.pop(0)
+        victim = next((v for v in victims if v.priority < rec.priority and v.held_level < level), None)
+        if victim is None:
+            continue  # a request behind it of a higher priority (and a lower level) may still have one
+        victims.remove(victim)
         if migration.ask_hand_off(core, victim, PREEMPT):
             log.info("request %s (level %d) waits for a denoiser: suspending %s (level %d) on %s",
                      rec.request_id, level, victim.request_id, victim.held_level, victim.instance)  # fmt: skip

@@ -187,12 +187,13 @@ class Dispatcher:
             return False
         started = core.clock()  # before the send, so the hop's time contains all the instance's work
         waited = started - rec.hop_started
+        level = preemption.effective_level(rec, started, core.args.disagg_priority_aging)  # its place on the worker
         if rec.staged and migration.resumes_in_place(rec, inst):
             # Resume where it stopped: its state is in this denoiser's pool already; nothing moves.
             staged = rec.staged
             ready = TransferReady(
                 wire_id, inst.url, rec.wire_params(), staged.manifest, staged.meta, 0, rec.watch, rec.preview_every,
-                *rec.batch, core.head_id, rec.traceparent, in_place=True,
+                *rec.batch, core.head_id, rec.traceparent, in_place=True, priority=level,
             )  # fmt: skip
             sent = self._membership.send(inst.url, ready)
             if sent:
@@ -213,7 +214,7 @@ class Dispatcher:
             sent = self._membership.send(inst.url, alloc)
         else:
             work = Work(
-                wire_id, inst.url, rec.wire_params(), rec.watch, rec.preview_every, core.head_id, rec.traceparent
+                wire_id, inst.url, rec.wire_params(), rec.watch, rec.preview_every, core.head_id, rec.traceparent, level
             )
             if group is not None:
                 group.work.append(work)  # sent with the rest of the group (_send_work)

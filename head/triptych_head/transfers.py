@@ -134,6 +134,7 @@ def on_pushed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
         *rec.batch,
         core.head_id,
         rec.traceparent,
+        priority=rec.held_level,  # the level it was given its receiver at (queues.py)
     )
     started = core.clock()  # before the send, so the hop's time contains all the receiver's work
     sent = core.membership.send(rec.instance, ready)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.unit.core_harness import Harness
-from triptych.protocol import HandOff, RequestEvent, RequestResult, TransferReady
+from triptych.protocol import HandOff, RequestEvent, RequestResult, TransferReady, Work
 from triptych.roles import Role
 from triptych_head.state import RequestState
 
@@ -199,18 +199,59 @@ def test_aging_raises_a_waiting_request_one_level_per_aging_period_so_none_starv
     assert [r.request_id for r in h.core.dispatcher.waiting(Role.DENOISER)] == ["fresh-high", "old", "new-high"]
 
 
-def test_an_aged_request_suspends_a_running_high_one_and_is_not_suspended_by_a_new_high_one() -> None:
+def test_an_aged_request_goes_first_when_a_slot_frees_and_then_no_newer_high_one_suspends_it() -> None:
     h = harness("--disagg-priority-aging", "10")
     h.submit("busy", priority=HIGH)
     settle(h)
     h.submit("old", priority=LOW)
-    assert not hand_offs(settle(h))
-    h.clock.advance(30)  # old has waited three aging periods: level 3, above busy's 2
+    settle(h)
+    h.clock.advance(30)  # old has waited three aging periods: level 3, above any newly arrived high
     h.tick()
-    assert hand_offs(settle(h)) == ["busy"]
-    assert computing(h, denoisers(h)[0]) == "old" and h.core.requests["old"].held_level == LOW + 3
+    assert not hand_offs(settle(h)), "an aged request waits for a higher priority's denoise to finish"
     h.submit("new", priority=HIGH)
-    assert not hand_offs(settle(h))
+    settle(h)
+    h.finish("busy")
+    settle(h)
+    assert computing(h, denoisers(h)[0]) == "old" and h.core.requests["old"].held_level == LOW + 3
+    h.tick()
+    assert not hand_offs(settle(h)), "dispatched at level 3, it is not suspended for a high request at level 2"
+    assert h.state("new") is RequestState.DENOISING_WAITING
+
+
+def test_requests_of_one_priority_never_suspend_each_other_however_long_they_wait() -> None:
+    h = harness("--disagg-priority-aging", "1")
+    h.submit("first", priority=LOW)
+    settle(h)
+    h.submit("second", priority=LOW)
+    settle(h)
+    h.clock.advance(4)
     h.tick()
     assert not hand_offs(settle(h))
-    assert h.state("new") is RequestState.DENOISING_WAITING
+
+
+def test_a_worker_runs_its_queued_jobs_highest_priority_first_oldest_first_within_a_level() -> None:
+    from collections import deque
+
+    from triptych.params import GenerationParams
+    from triptych_worker.job_groups import Job, enqueue, take_group
+
+    queue: deque[Job] = deque()
+    params = GenerationParams(prompt="x", width=16, height=16)
+    for rid, level in (("low", LOW), ("normal-1", NORMAL), ("high", HIGH), ("normal-2", NORMAL)):
+        enqueue(queue, Job(rid, params, priority=level))
+    assert [take_group(queue, 1, 0.0)[0].request_id for _ in range(4)] == ["high", "normal-1", "normal-2", "low"]
+
+
+def test_work_and_transfer_ready_carry_the_level_the_request_was_dispatched_at() -> None:
+    h = harness()
+    h.submit("busy", priority=HIGH)
+    settle(h)
+    h.submit("urgent", priority=HIGH)
+    h.submit("low", priority=LOW)
+    sent = settle(h)
+    works = {m.request_id: m.priority for _, m in sent if isinstance(m, Work)}
+    assert works == {"urgent": HIGH, "low": LOW}
+    h.finish("busy")
+    sent = settle(h)
+    [ready] = [m for _, m in sent if isinstance(m, TransferReady) and m.request_id == "urgent"]
+    assert ready.priority == HIGH

@@ -123,6 +123,7 @@ class Work(Message, tag="work", frozen=True):
     preview_every: Count = 0  # with progress: a preview PNG every k steps (0: none)
     head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
     traceparent: str = ""  # the request's trace (W3C Trace Context) when the head traces it (triptych.tracing)
+    priority: Count = 1  # its effective priority level when dispatched: a worker runs its queued jobs highest first
 
 
 class WorkBatch(Message, tag="work_batch", frozen=True):
@@ -169,6 +170,7 @@ class TransferReady(Message, tag="transfer_ready", frozen=True):
     # The input is the continuation this worker itself staged for the request (a suspended request
     # resuming where it stopped): nothing was written, no slot was reserved.
     in_place: bool = False
+    priority: Count = 1  # as Work's
 
 
 class CancelWork(Message, tag="cancel_work", frozen=True):

@@ -60,7 +60,7 @@ from triptych_worker import compute, drain, pushes, standing
 from triptych_worker.drain import Drain
 from triptych_worker.heads import HeadBook, HeadLinks
 from triptych_worker.inputs import InputLoader
-from triptych_worker.job_groups import Job, take_group
+from triptych_worker.job_groups import Job, enqueue, take_group
 from triptych_worker.preview import LatentPreviewer
 from triptych_worker.pushes import Push
 from triptych_worker.simulated import SimulatedPipeline
@@ -298,7 +298,7 @@ class Worker:
         with self._lock:
             for job in jobs:
                 self._outstanding.add(job.request_id)
-                self._queue.append(job)
+                enqueue(self._queue, job)
 
     def stop(self) -> None:
         self._stop.set()
@@ -457,7 +457,7 @@ class Worker:
         group = accepted[0].request_id if len(accepted) > 1 else ""
         self._enqueue(*(
             Job(w.request_id, w.params, None, w.progress, w.preview_every, group, len(accepted) if group else 1,
-                traceparent=w.traceparent)
+                traceparent=w.traceparent, priority=w.priority)
             for w in accepted
         ))  # fmt: skip
 
@@ -560,7 +560,7 @@ class Worker:
         incoming = (alloc, msg.manifest, msg.meta)
         job = Job(
             msg.request_id, msg.params, incoming, msg.progress, msg.preview_every, msg.batch_id, msg.batch_size,
-            traceparent=msg.traceparent,
+            traceparent=msg.traceparent, priority=msg.priority,
         )  # fmt: skip
         self._enqueue(job)
         self.inputs.submit(job)
