@@ -31,7 +31,7 @@ import numpy as np
 from triptych.config import SIMULATE_DEFAULTS, ServeArgs
 from triptych.families import family_of, read_rules
 from triptych.params import GenerationParams
-from triptych.protocol.tensors import TensorSpec
+from triptych.protocol.tensors import Array, TensorSpec
 from triptych.roles import Role
 from triptych_worker.resume import RESUME
 from triptych_worker.stages import StageBatch
@@ -110,7 +110,7 @@ class SimulatedPipeline:
         p = batch.params
         started, total = time.monotonic(), self.duration(p)
         specs = self.shapes.output_specs(self.role, p)
-        outputs = {spec.name: np.zeros(spec.shape, dtype=np.dtype(spec.dtype)) for spec in specs}
+        outputs: dict[str, Array] = {spec.name: np.zeros(spec.shape, dtype=np.dtype(spec.dtype)) for spec in specs}
         if self.role is Role.DENOISER:
             steps = p.num_inference_steps
             first = int(batch.meta.pop(RESUME, {}).get("step", 0))  # a continuation: the steps it has left
