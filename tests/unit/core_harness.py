@@ -336,9 +336,11 @@ class Harness:
             if w.owner.get(msg.request_id, msg.head_id) == msg.head_id:
                 w.drop(msg.request_id)
         elif isinstance(msg, HandOff):
-            w.handing_off.add(msg.request_id)
-            if w.hold and msg.request_id in w.computing:  # its loop reaches the next step boundary
-                self._finish_stage(w, msg.request_id)
+            if not w.hold:
+                w.handing_off.add(msg.request_id)
+            elif msg.request_id in w.computing:  # its loop reaches the next step boundary
+                w.handing_off.add(msg.request_id)
+                self._finish_stage(w, msg.request_id)  # (one that ended before is not asked: as a worker)
         else:
             raise AssertionError(f"{w.url} got an unexpected {msg.TYPE}")
 
