@@ -255,3 +255,15 @@ def test_work_and_transfer_ready_carry_the_level_the_request_was_dispatched_at()
     sent = settle(h)
     [ready] = [m for _, m in sent if isinstance(m, TransferReady) and m.request_id == "urgent"]
     assert ready.priority == HIGH
+
+
+def test_the_pipeline_view_shows_each_request_s_priority_and_whether_it_is_suspended() -> None:
+    h = harness()
+    h.submit("video", priority=LOW)
+    settle(h)
+    h.submit("image", priority=HIGH)
+    settle(h)
+    h.tick()
+    listed = {r["id"]: r for r in h.core.pipeline_view["requests"]}
+    assert (listed["video"]["priority"], listed["video"]["suspended"]) == ("low", True)
+    assert (listed["image"]["priority"], listed["image"]["suspended"]) == ("high", False)
