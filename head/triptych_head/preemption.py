@@ -92,12 +92,13 @@ def preempt(core: HeadCore) -> list[RequestRecord]:
     if not enabled(core) or Role.DENOISER not in core.dispatcher.queues:
         return []
     membership = core.membership
-    ready = {i.url for i in membership.instances(Role.DENOISER) if membership.ready(i)}
+    ready = [i for i in membership.instances(Role.DENOISER) if membership.ready(i)]
+    if not ready or any(i.free_slots > 0 for i in ready) or not core.dispatcher.queues[Role.DENOISER]:
+        return []  # checked first: cheap, and most of the time a slot is free or nothing waits
     waiting = core.dispatcher.waiting(Role.DENOISER)
-    if not waiting or not ready or any(membership.find(url).free_slots > 0 for url in ready):  # type: ignore[union-attr]
-        return []
+    ready_urls = {i.url for i in ready}
     now, aging = core.clock(), core.args.disagg_priority_aging
-    running = [r for r in core.requests.values() if r.role is Role.DENOISER and r.instance in ready]
+    running = [r for r in core.requests.values() if r.role is Role.DENOISER and r.instance in ready_urls]
     pending = sum(1 for r in running if r.hand_off_reason == PREEMPT and r.hand_off_from == r.instance)
     # The lowest level first; among equals the earliest dispatched, which its worker (running its jobs
     # in order) is computing now, rather than one queued behind it there.
@@ -107,6 +108,8 @@ def preempt(core: HeadCore) -> list[RequestRecord]:
         if pending:  # a suspension asked for earlier frees a slot for this one
             pending -= 1
             continue
+        if not victims:
+            break
         level = effective_level(rec, now, aging)
         victim = next((v for v in victims if v.priority < rec.priority and v.held_level < level), None)
         if victim is None:
