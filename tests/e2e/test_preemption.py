@@ -25,7 +25,9 @@ from triptych.roles import Role
 
 pytestmark = pytest.mark.slow
 
-STEPS = 300  # a step of this video is ~0.02-0.1 s by load: the image arrives well before the first video ends
+# A step of this video is ~0.01-0.5 s by load: the image arrives (about a second after the first video's
+# second step) well before that video ends.
+STEPS = 500  # the contract's most
 VIDEO = {"prompt": "waves on a beach", "negative_prompt": "blurry", "size": "96x64", "num_frames": 9, "seed": 99,
          "num_inference_steps": STEPS, "guidance_scale": 5.0, "fps": 8, "priority": "low"}  # fmt: skip
 IMAGE = {"prompt": "a lighthouse", "size": "64x48", "seed": 3, "num_inference_steps": 4, "priority": "high"}
@@ -64,6 +66,12 @@ def _video_steps(c: httpx.Client, timeout: float = 120) -> tuple[str, float]:
     raise AssertionError("no video started denoising")
 
 
+def _timed_video(c: httpx.Client) -> tuple[np.ndarray, float]:
+    """The video's frames, and when (monotonic, within a poll of 0.1 s) it completed."""
+    frames = http_video(c, VIDEO)
+    return frames, time.monotonic()
+
+
 def _streamed_image(http: str) -> dict[str, Any]:
     """POST the image with stream: true; when (monotonic) it started waiting for a denoiser and
     started denoising, and when it completed."""
@@ -88,20 +96,16 @@ def test_a_high_image_behind_running_low_videos_starts_within_a_step_and_the_vid
     model = tiny_models["tiny-wan"]
     with deployment(model, tmp_path, role_flags=ONE_DENOISER_SLOT) as dep, dep.client(600) as c:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            videos = [pool.submit(http_video, c, VIDEO) for _ in range(2)]
-            first, step_s = _video_steps(c)
+            videos = [pool.submit(_timed_video, c) for _ in range(2)]
+            _, step_s = _video_steps(c)
             image = pool.submit(_streamed_image, dep.http).result(timeout=300)
-            done = {job["id"]: job for job in c.get("/v1/videos").json()}
-            frames = [v.result(timeout=600) for v in videos]
-            ended = time.monotonic()
+            frames, ended = zip(*(v.result(timeout=600) for v in videos), strict=True)
         assert "completed" in image, image
         waited = image["DENOISING_RUNNING"] - image["DENOISING_WAITING"]
+        print(f"video step {step_s * 1e3:.1f} ms; the image waited {waited * 1e3:.1f} ms for the denoiser")
         # A step of the video, then the hand-off's messages: well under a second on a loaded host.
-        assert waited < 3 * step_s + 1.0, (
-            f"the image waited {waited:.2f}s for the denoiser; a video step is {step_s:.3f}s"
-        )
-        assert done[first]["status"] == "in_progress", "the image finished while the video it preempted still ran"
-        assert ended - image["completed"] > 10 * step_s
+        assert waited < 3 * step_s + 1.0, f"the image waited {waited:.2f}s for a denoiser; a video step: {step_s:.3f}s"
+        assert image["completed"] < min(ended), "the image finished after a video it arrived behind"
         for got in frames:
             assert np.array_equal(got.reshape(stock.shape), stock), "a suspended video's pixels differ from stock"
         assert _metric(c, "triptych_suspensions_total") >= 1
