@@ -15,6 +15,7 @@ for script in (
     "pipeline_bench.py",
     "scaling_bench.py",
     "heads_bench.py",
+    "preemption_bench.py",
     "rollout_bench.py",
 ):
     print(f"\n=== {script}", flush=True)

@@ -116,6 +116,8 @@ class ServeArgs:
     disagg_max_retries: int = 2
     disagg_discovery_interval: float = 5.0
     disagg_no_instance_wait: float = 120.0
+    disagg_preemption: str = "on"  # a waiting higher-priority request suspends a lower one's denoising
+    disagg_priority_aging: float = 30.0  # seconds of waiting that raise a request's priority one level
     results_max_age: float = DEFAULT_RESULTS_MAX_AGE_S
     results_max_bytes: int = DEFAULT_RESULTS_MAX_BYTES
     results_store: str | None = None  # s3://BUCKET/PREFIX; None: the --output-path folder
@@ -255,6 +257,11 @@ class ServeArgs:
             raise ConfigError(f"--disagg-max-retries {self.disagg_max_retries} must be >= 0 (0: never retry)")
         if self.disagg_no_instance_wait <= 0:
             raise ConfigError(f"--disagg-no-instance-wait {self.disagg_no_instance_wait} must be > 0 seconds")
+        if not self.disagg_priority_aging > 0:
+            raise ConfigError(
+                f"--disagg-priority-aging {self.disagg_priority_aging} must be > 0 seconds (the wait that raises a "
+                "request one priority level, so that none waits forever)"
+            )
         if self.results_max_age <= 0:
             raise ConfigError(f"--results-max-age {self.results_max_age} must be > 0 seconds")
         self._validate_results_store()
@@ -517,6 +524,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
       help="head: times a request is restarted on other instances after losing a worker (default 2)")  # fmt: skip
     a("--disagg-no-instance-wait", type=float, default=d.disagg_no_instance_wait,
       help="head: seconds a request waits while its role has no ready instance, then fails (default 120)")  # fmt: skip
+    a("--disagg-preemption", choices=("on", "off"), default=d.disagg_preemption,
+      help="head: when every denoiser is busy, suspend the lowest-priority running denoise at its next step for a "
+           "waiting request of higher priority, and resume it later on any denoiser (default on)")  # fmt: skip
+    a("--disagg-priority-aging", type=float, default=d.disagg_priority_aging,
+      help="head: seconds of waiting that raise a request's priority by one level, so that no request "
+           "waits forever behind higher ones (default 30)")  # fmt: skip
     a("--master-port", type=int, default=None, help="worker: torch.distributed master port (multi-GPU roles)")
     a("--output-path", default=d.output_path,
       help="head/monolithic: where finished images (URL responses) and video jobs are kept; mount a "

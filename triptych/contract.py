@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from triptych import step_cache
+from triptych import priority, step_cache
 
 IMAGES = "/v1/images/generations"
 EDITS = "/v1/images/edits"
@@ -364,6 +364,17 @@ CONTRACT = Contract(
             limits=Limits(minimum=MIN_DEADLINE_S, maximum=MAX_DEADLINE_S),
             fields=(),
             cli="--deadline",
+        ),
+        RequestParam(
+            priority.FIELD,
+            str,
+            "How urgent: low, normal or high. Higher levels are dispatched first and may suspend a lower one's "
+            "denoising at a step boundary; an API key may cap the level (docs/serving.md#priority-and-preemption)",
+            ALL,
+            default=priority.DEFAULT,
+            limits=Limits(choices=priority.LEVELS),
+            fields=(),
+            cli="--priority",
         ),
         RequestParam(
             "n",

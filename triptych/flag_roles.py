@@ -43,6 +43,8 @@ OVERRIDES: dict[str, frozenset[Role]] = {
             "--disagg-dispatch-policy",
             "--disagg-max-retries",
             "--disagg-no-instance-wait",
+            "--disagg-preemption",
+            "--disagg-priority-aging",
         ),
         SERVER,
     ),

@@ -34,6 +34,8 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
             "--disagg-discovery-interval",
             "--disagg-max-retries",
             "--disagg-no-instance-wait",
+            "--disagg-preemption",
+            "--disagg-priority-aging",
             "--output-path",
             "--results-max-age",
             "--results-max-bytes",

@@ -1,7 +1,9 @@
 """How the HTTP API reaches the pipeline: the DiffusionServer's frontend, or in-process (monolithic).
 
 Both backends take a request id and GenerationParams, report events (state changes, denoising
-progress) through a callback, and return the decoded pixels or raise GenerationFailed.
+progress) through a callback, and return the decoded pixels or raise GenerationFailed. A request's
+priority level (triptych.priority) orders the DiffusionServer's queues; monolithic mode runs one
+request at a time in arrival order and ignores it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from triptych.params import GenerationParams
+from triptych.priority import DEFAULT_LEVEL
 from triptych.protocol import Cancel, ProtocolError, RequestEvent, RequestResult, Submit, TensorSpec, decode, encode
 from triptych.protocol.tensors import PIXELS
 from triptych.roles import Role
@@ -53,6 +56,7 @@ class Backend(Protocol):
         params: GenerationParams,
         on_event: EventCallback | None = None,
         preview_every: int = 0,
+        priority: int = DEFAULT_LEVEL,
     ) -> GenerationOutput: ...
     async def cancel(self, request_id: str) -> None: ...
     async def close(self) -> None: ...
@@ -94,6 +98,7 @@ class FrontendClient:
         params: GenerationParams,
         on_event: EventCallback | None = None,
         preview_every: int = 0,
+        priority: int = DEFAULT_LEVEL,
     ) -> GenerationOutput:
         assert self._sock is not None, "start() first"
         if request_id in self._pending:
@@ -101,7 +106,8 @@ class FrontendClient:
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, on_event)
         try:
-            submit = Submit(request_id, params, watch=on_event is not None, preview_every=preview_every)
+            watch = on_event is not None
+            submit = Submit(request_id, params, watch=watch, preview_every=preview_every, priority=priority)
             await self._sock.send_multipart(encode(submit))
             return await future
         except asyncio.CancelledError:
@@ -180,6 +186,7 @@ class LocalBackend:
         params: GenerationParams,
         on_event: EventCallback | None = None,
         preview_every: int = 0,
+        priority: int = DEFAULT_LEVEL,
     ) -> GenerationOutput:
         loop = asyncio.get_running_loop()
 

@@ -251,6 +251,8 @@ class HeadCore:
             preview_every=msg.preview_every if msg.watch else 0,
             created=now,
             hop_started=now,
+            priority=msg.priority,
+            held_level=msg.priority,
         )
         if self.tracing is not None:
             self._start_trace(rec)
@@ -282,11 +284,16 @@ class HeadCore:
             log.exception("tracing request %s", rec.request_id)
         rec.trace = None
 
-    def event(self, rec: RequestRecord, step: int = 0, total: int = 0, preview: bytes = b"") -> None:
-        """A watched request's state change or step, to its client."""
+    def event(
+        self, rec: RequestRecord, step: int = 0, total: int = 0, preview: bytes = b"", preemption: str = ""
+    ) -> None:
+        """A watched request's state change or step, to its client; `preemption`: "suspended" or
+        "resumed" (preemption.py)."""
         if rec.watch:
             role = rec.role.value if rec.state.hop_role_known else ""
-            event = RequestEvent(rec.request_id, rec.state.value, step, total, preview=preview, role=role)
+            event = RequestEvent(
+                rec.request_id, rec.state.value, step, total, preview=preview, role=role, preemption=preemption
+            )
             self.transport.reply(rec.client, event)
 
     # --- workers ----------------------------------------------------------------------------

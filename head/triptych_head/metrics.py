@@ -67,7 +67,7 @@ class HeadMetrics:
         )
         self.migrations = Counter(
             "triptych_migrations",
-            "Denoising requests handed to another denoiser at a step boundary (reason: drain, asked)",
+            "Denoising requests handed to another denoiser at a step boundary (reason: drain, asked, preempt)",
             ["reason"],
             registry=r,
         )
@@ -76,8 +76,31 @@ class HeadMetrics:
         )
         self.migration_seconds = Histogram(
             "triptych_migration_seconds",
-            "From a migration's state staged to the next denoiser told to resume it (slot, push, write)",
+            "From a migration's state staged (a suspended request's: from its dispatch to the next denoiser) to that "
+            "denoiser told to resume it (slot, push, write)",
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        # Preemption (preemption.py): suspensions, how long suspended requests waited, where they resumed.
+        self.suspensions = Counter(
+            "triptych_suspensions",
+            "Denoising requests suspended at a step boundary for a waiting request of higher priority",
+            registry=r,
+        )
+        self.suspension_bytes = Counter(
+            "triptych_suspension_bytes", "Bytes of denoising state suspensions kept in the denoisers' pools", registry=r
+        )
+        self.suspended_seconds = Histogram(
+            "triptych_suspended_seconds",
+            "From a suspended request's state staged to its denoising resumed",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.resumptions = Counter(
+            "triptych_resumptions",
+            "Suspended requests resumed (where: same, in place on the denoiser holding their state, nothing "
+            "moved; other, moved there by a migration, also counted in triptych_migrations reason preempt)",
+            ["where"],
             registry=r,
         )
         self.refused_work = Counter(

@@ -6,6 +6,9 @@ TransferStaged with `continues_at`: a continuation. The request goes back to DEN
 the same hop (its route position does not advance) and takes the normal transfer flow to another
 denoiser, never the one it left, which resumes the loop at that step.
 
+A request suspended for a higher priority (preemption.py) is handed off the same way, with reason
+"preempt"; it may resume anywhere, the denoiser it left included (in place, nothing moves).
+
 A draining denoiser's requests are moved this way while another denoiser has a free slot for
 them, so a drain takes about one step and a transfer whatever the requests' length; without
 room elsewhere they finish where they are, as before.
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from triptych.protocol import HandOff, TransferStaged
 from triptych.roles import Role
+from triptych_head import preemption
 from triptych_head.instances import WorkerInstance
 from triptych_head.state import RequestRecord, RequestState, StagedPayload
 
@@ -72,11 +76,29 @@ def drain_by_migration(core: HeadCore) -> None:
 
 def on_continuation(core: HeadCore, rec: RequestRecord, sender: WorkerInstance, msg: TransferStaged) -> None:
     """A denoiser staged `rec`'s state before step `msg.continues_at`: back to DENOISING_WAITING at
-    the same hop, its staged state waiting for another denoiser (queues.py never picks the sender)."""
+    the same hop, its staged state waiting for another denoiser (queues.py never picks the sender),
+    or, suspended for a higher priority, for any denoiser, the sender included (preemption.py)."""
     rec.staged = StagedPayload(sender.url, msg.nbytes, msg.manifest, msg.meta, core.clock(), msg.continues_at)
     rec.instance = None
-    rec.migrations += 1
-    core.metrics.migrations.labels(rec.hand_off_reason or "asked").inc()
-    core.metrics.migration_bytes.inc(msg.nbytes)
-    log.info("request %s: %s handed it off before step %s", rec.request_id, sender.url, msg.continues_at)
+    reason, rec.hand_off_from, rec.hand_off_reason = rec.hand_off_reason or "asked", None, ""
+    log.info("request %s: %s handed it off before step %s (%s)", rec.request_id, sender.url, msg.continues_at, reason)
+    if reason == preemption.PREEMPT:
+        preemption.suspended(core, rec, sender, msg.nbytes)  # counted as a migration only if it resumes elsewhere
+    else:
+        rec.migrations += 1
+        core.metrics.migrations.labels(reason).inc()
+        core.metrics.migration_bytes.inc(msg.nbytes)
     core.dispatcher.enter_hop(rec, ahead=True)
+
+
+def sender_to_avoid(rec: RequestRecord) -> str:
+    """The denoiser a staged continuation must not go back to: the one it left ("" for a suspended
+    request, which may resume where its state is, and for any other staged output)."""
+    if rec.staged is None or rec.staged.continues_at is None or rec.suspended_at is not None:
+        return ""
+    return rec.staged.sender
+
+
+def resumes_in_place(rec: RequestRecord, inst: WorkerInstance) -> bool:
+    """`inst` holds `rec`'s suspended state itself: it resumes it without a transfer."""
+    return rec.suspended_at is not None and rec.staged is not None and rec.staged.sender == inst.url

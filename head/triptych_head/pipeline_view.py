@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from triptych import priority
 from triptych.roles import Role
 from triptych_head.state import RequestRecord
 
@@ -28,6 +29,8 @@ def request_view(rec: RequestRecord, now: float) -> dict[str, Any]:
         "total_steps": rec.total_steps,
         "age_s": round(now - rec.created, 3),
         "attempt": rec.attempt,
+        "priority": priority.name(rec.priority),
+        "suspended": rec.suspended_at is not None,  # its denoising stopped for a higher priority (preemption.py)
     }
 
 

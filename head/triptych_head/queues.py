@@ -2,9 +2,12 @@
 
 A request waits in its current role's queue until the role's policy (dispatch.py) finds an
 instance that can take it; with --batching-mode dynamic, compatible requests leave together
-(batcher.py). A request with staged outputs is given a receiver: a free standing receive slot
-that fits (the fast path: TransferPush at once), else TransferAlloc; a request at its first
-role gets Work.
+(batcher.py). Each queue is kept in decreasing priority level, first come first served within a
+level, and served in that order (preemption.py, which also suspends a running denoise for a
+waiting one of higher priority). A request with staged outputs is given a receiver: a free
+standing receive slot that fits (the fast path: TransferPush at once), else TransferAlloc; a
+suspended request whose own denoiser has a slot again resumes there (TransferReady in_place); a
+request at its first role gets Work.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from triptych.protocol import TransferAlloc, TransferPush, Work, WorkBatch
+from triptych.protocol import TransferAlloc, TransferPush, TransferReady, Work, WorkBatch
 from triptych.roles import Role
+from triptych_head import migration, preemption
 from triptych_head.batcher import Group, GroupBatcher
 from triptych_head.dispatch import make_policy
 from triptych_head.instances import WorkerInstance
@@ -39,21 +43,41 @@ class Dispatcher:
             self.batcher = GroupBatcher(args.batching_max_size, args.batching_delay_ms / 1000, core.batch_metrics)
 
     def enter_hop(self, rec: RequestRecord, ahead: bool = False) -> None:
-        """Queue `rec` for its current role; `ahead`: before the others (a retry was accepted earlier)."""
+        """Queue `rec` for its current role; `ahead`: before the others of its level (a retry was
+        accepted earlier, a continuation was running)."""
         rec.move(ROLE_STATES[rec.role][0])
         rec.hop_started = self._core.clock()
         self._core.event(rec)
-        queue = self.queues[rec.role]
-        if ahead:
-            queue.appendleft(rec.request_id)
-        else:
-            queue.append(rec.request_id)
-        if len(queue) == 1:  # nothing waited ahead of it: dispatched now rather than at the end of the loop turn
+        self._put(rec, ahead)
+        if len(self.queues[rec.role]) == 1:  # nothing waited ahead of it: dispatched now, not at the loop turn's end
             self.dispatch_queue(rec.role)
+        if rec.instance is None and rec.role is Role.DENOISER:
+            preemption.preempt(self._core)  # it waits: a lower priority's denoise may make room
 
     def requeue(self, rec: RequestRecord) -> None:
-        """Back to the front of its role's queue: its receiver refused or was lost; its sender still holds it."""
-        self.queues[rec.role].appendleft(rec.request_id)
+        """Back to the front of its level in its role's queue: its receiver refused or was lost; its
+        sender still holds it."""
+        self._put(rec, ahead=True)
+
+    def _put(self, rec: RequestRecord, ahead: bool) -> None:
+        level = self._level(rec.request_id)
+        preemption.place(self.queues[rec.role], rec.request_id, level, self._level, ahead)
+
+    def _level(self, rid: str) -> int:
+        """The effective priority level of a queued request (a stale entry's is its last; it is skipped anyway)."""
+        rec = self._core.requests.get(rid)
+        if rec is None:
+            return 0
+        return preemption.effective_level(rec, self._core.clock(), self._core.args.disagg_priority_aging)
+
+    def reorder(self) -> None:
+        """Re-sort every queue by level as the waits have grown (aging; upkeep calls it)."""
+        for queue in self.queues.values():
+            preemption.reorder(queue, self._level)
+
+    def waiting(self, role: Role) -> list[RequestRecord]:
+        """The requests waiting in `role`'s queue, in the order they are served."""
+        return [rec for rid in self.queues[role] if (rec := self._queued(role, rid)) is not None]
 
     def dispatch_all(self) -> None:
         for role in self.queues:
@@ -110,9 +134,12 @@ class Dispatcher:
             queue.clear()
             queue.extend(remaining)
 
-    def _can_take(self, inst: WorkerInstance, nbytes: int, avoid: str = "") -> bool:
-        """Ready with room; never `avoid`, the sender (a continuation goes to another denoiser)."""
-        return inst.url != avoid and self._membership.ready(inst) and inst.can_take(nbytes)
+    def _can_take(self, inst: WorkerInstance, nbytes: int, avoid: str = "", here: str = "") -> bool:
+        """Ready with room; never `avoid`, the sender (a continuation goes to another denoiser). `here`
+        holds the request's suspended state: it needs a free slot only, no room in its pool."""
+        if inst.url == avoid or not self._membership.ready(inst):
+            return False
+        return inst.free_slots > 0 if inst.url == here else inst.can_take(nbytes)
 
     def _send_work(self, inst: WorkerInstance, work: list[Work]) -> bool:
         """A group's first-role work as one message (a single request as plain Work)."""
@@ -147,17 +174,31 @@ class Dispatcher:
         nbytes = rec.staged.nbytes if rec.staged else 0
         if rec.staged and self._too_large(role, rec, nbytes):
             return True
-        avoid = rec.staged.sender if rec.staged else ""
-        if group is None:
-            eligible = functools.partial(self._can_take, nbytes=nbytes, avoid=avoid)
-            inst = self._policies[role](self._membership.instances(role), eligible)
+        avoid = migration.sender_to_avoid(rec) if rec.staged else ""
+        here = rec.staged.sender if rec.staged and rec.suspended_at is not None else ""
+        eligible = functools.partial(self._can_take, nbytes=nbytes, avoid=avoid, here=here)
+        if group is not None:
+            inst = group.instance if eligible(group.instance) else None
+        elif here and (own := self._membership.find(here)) is not None and eligible(own):
+            inst = own  # a suspended request resumes where its state is when that denoiser has a slot
         else:
-            inst = group.instance if self._can_take(group.instance, nbytes, avoid) else None
+            inst = self._policies[role](self._membership.instances(role), eligible)
         if inst is None:
             return False
         started = core.clock()  # before the send, so the hop's time contains all the instance's work
         waited = started - rec.hop_started
-        if rec.staged and inst.session and (addr := inst.free_standing_slot(nbytes)) is not None:
+        level = preemption.effective_level(rec, started, core.args.disagg_priority_aging)  # its place on the worker
+        if rec.staged and migration.resumes_in_place(rec, inst):
+            # Resume where it stopped: its state is in this denoiser's pool already; nothing moves.
+            staged = rec.staged
+            ready = TransferReady(
+                wire_id, inst.url, rec.wire_params(), staged.manifest, staged.meta, 0, rec.watch, rec.preview_every,
+                *rec.batch, core.head_id, rec.traceparent, in_place=True, priority=level,
+            )  # fmt: skip
+            sent = self._membership.send(inst.url, ready)
+            if sent:
+                rec.staged = None  # moved to RUNNING below, as a first hop's Work is
+        elif rec.staged and inst.session and (addr := inst.free_standing_slot(nbytes)) is not None:
             # Transfer flow step 2, fast path: a standing slot fits, so no transfer_alloc round trip.
             sender = rec.staged.sender
             push = TransferPush(wire_id, sender, dest_session=inst.session, dest_addr=addr, head_id=core.head_id)
@@ -173,7 +214,7 @@ class Dispatcher:
             sent = self._membership.send(inst.url, alloc)
         else:
             work = Work(
-                wire_id, inst.url, rec.wire_params(), rec.watch, rec.preview_every, core.head_id, rec.traceparent
+                wire_id, inst.url, rec.wire_params(), rec.watch, rec.preview_every, core.head_id, rec.traceparent, level
             )
             if group is not None:
                 group.work.append(work)  # sent with the rest of the group (_send_work)
@@ -186,10 +227,12 @@ class Dispatcher:
         inst.inflight.add(wire_id)
         inst.dispatched_total += 1
         rec.instance = inst.url
+        preemption.note_dispatch(rec, waited, started, core.args.disagg_priority_aging)
         rec.hop_started = started
         if not rec.staged:
             rec.move(ROLE_STATES[role][1])
             core.event(rec)
+            preemption.resumed(core, rec)  # a suspended request resuming in place (a no-op for any other)
         core.metrics.queue_seconds.labels(role.value).observe(waited)
         rec.timeline.add(f"queue-{role.value}", started - waited, started)
         return True

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from triptych.params import GenerationParams
+from triptych.priority import DEFAULT_LEVEL
 from triptych.roles import ROLE_SPECS, Role, is_full_pipeline
 from triptych_head.timeline import Timeline
 
@@ -134,8 +135,13 @@ class RequestRecord:
     trace: Any = None  # its root span when the head traces requests (triptych.tracing)
     traceparent: str = ""  # that span's W3C traceparent, carried to the workers in Work and TransferReady
     hand_off_from: str | None = None  # the denoiser last asked to hand it off (migration.py)
-    hand_off_reason: str = ""  # why: "drain", or "asked"
+    hand_off_reason: str = ""  # why: "drain", "asked", or "preempt" (preemption.py)
     migrations: int = 0  # how many times its denoising moved to another denoiser
+    priority: int = DEFAULT_LEVEL  # triptych.priority's level, as submitted (0 low, 1 normal, 2 high)
+    waited_s: float = 0.0  # seconds it waited in queues before its current hop's dispatch (aging, preemption.py)
+    held_level: int = DEFAULT_LEVEL  # its effective level at its current hop's dispatch (what preemption compares)
+    suspended_at: float | None = None  # its denoising was suspended for a higher priority then and has not resumed
+    suspensions: int = 0  # how many times its denoising was suspended
     attempt: int = 0  # how many times it was restarted after losing a worker
     retries: int = 0  # restarts plus hops given to another receiver after losing one
 
@@ -183,6 +189,7 @@ class RequestRecord:
         self.slot_addr = 0
         self.push_in_flight = False
         self.hand_off_from = None
+        self.suspended_at = None
 
     def remaining_roles(self) -> list[Role]:
         """The roles whose hop this request has not finished: the current one and those after it."""

@@ -26,7 +26,7 @@ from triptych.protocol import (
     TransferStaged,
     WorkRefused,
 )
-from triptych_head import migration
+from triptych_head import migration, preemption
 from triptych_head.instances import StandingSlot, WorkerInstance
 from triptych_head.state import ROLE_STATES, RequestRecord, RequestState, StagedPayload
 from triptych_head.timeline import server_timing
@@ -134,16 +134,18 @@ def on_pushed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
         *rec.batch,
         core.head_id,
         rec.traceparent,
+        priority=rec.held_level,  # the level it was given its receiver at (queues.py)
     )
     started = core.clock()  # before the send, so the hop's time contains all the receiver's work
     sent = core.membership.send(rec.instance, ready)
-    if staged.continues_at is not None:
+    if staged.continues_at is not None and rec.suspended_at is None:
         core.metrics.migration_seconds.observe(started - staged.staged_at)
     dest = _record_transfer(core, rec, inst, staged, msg)  # after the send: the receiver need not wait for it
     if not sent:
         core.unreachable(rec.instance, f"{dest} {rec.instance} became unreachable before its input was ready", rec)
         return
     rec.move(ROLE_STATES[rec.role][1])
+    preemption.resumed(core, rec, moved_bytes=msg.nbytes)  # a suspended request moved to another denoiser
     rec.hop_started = started
     core.event(rec)
 

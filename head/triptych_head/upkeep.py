@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from triptych.params import GenerationParams
 from triptych.roles import Role
-from triptych_head import migration
+from triptych_head import migration, preemption
 from triptych_head.admission import retry_after_seconds
 from triptych_head.deadline import LoadFigures, RoleFigures
 from triptych_head.pipeline_view import build_view
@@ -45,6 +45,8 @@ def tick(core: HeadCore, now: float) -> None:
         )
     _remove_idle_leavers(core)
     migration.drain_by_migration(core)  # draining denoisers hand their requests to ready ones
+    core.dispatcher.reorder()  # waits grew: aged requests move up their queues
+    preemption.preempt(core)  # and may now outrank a running denoise
     for rec in [r for r in core.requests.values() if now >= r.deadline]:
         core.finish(rec, RequestState.TIMED_OUT, _timeout_reason(core, rec), status_code=504)
     _fail_roles_without_instances(core, now)

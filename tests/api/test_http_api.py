@@ -36,6 +36,7 @@ class ScriptedBackend:
         self.fail: GenerationFailed | None = None
         self.step_delay = 0.0
         self.cancelled: list[str] = []
+        self.priorities: list[int] = []  # each call's priority level, as the DiffusionServer would get it
 
     async def start(self) -> None:
         pass
@@ -46,8 +47,9 @@ class ScriptedBackend:
     async def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
 
-    async def generate(self, request_id, params, on_event=None, preview_every=0):
+    async def generate(self, request_id, params, on_event=None, preview_every=0, priority=1):
         self.calls.append(params)
+        self.priorities.append(priority)
         for step in range(1, params.num_inference_steps + 1):
             await asyncio.sleep(self.step_delay)
             if on_event:

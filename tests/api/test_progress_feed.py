@@ -100,6 +100,15 @@ def test_events_name_the_role_the_head_says_a_request_is_at():
     assert message_of("r", RequestEvent("r", "DENOISING_RUNNING", step=3, total_steps=8)).event == "step"
 
 
+def test_a_suspension_and_a_resumption_are_events_of_their_own_with_the_state_and_role():
+    suspended = RequestEvent("r", "DENOISING_WAITING", role="denoiser", preemption="suspended")
+    resumed = RequestEvent("r", "DENOISING_RUNNING", role="denoiser", preemption="resumed")
+    assert (message_of("r", suspended).event, message_of("r", suspended).data) == (
+        "suspended", {"id": "r", "state": "DENOISING_WAITING", "role": "denoiser"},
+    )  # fmt: skip
+    assert message_of("r", resumed).event == "resumed"
+
+
 def test_a_subscriber_holds_at_most_its_byte_bound_of_previews_but_always_the_newest_message():
     async def run() -> list[tuple[str, dict]]:
         feed = ProgressFeed("r3")

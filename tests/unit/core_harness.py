@@ -116,27 +116,32 @@ class SimWorker:
     # HandOff received: the request's stages stop at their next step boundary (all at once, here)
     # and stage a continuation; the test decides when it arrives (`deliver` keeps a link's order).
     handing_off: set[str] = field(default_factory=set)
+    capacity: int = CAPACITY
+    # Its stages run until the test ends them (Harness.finish) or a HandOff stops them at their next
+    # step; otherwise a stage ends as soon as it starts.
+    hold: bool = False
 
     def held(self) -> set[str]:
         """Requests holding one of its scheduling slots (computing, outputs staged, a slot reserved)."""
         return self.computing | self.staged | set(self.reserved.values())
 
     def heartbeat(self, head_id: str = "") -> Heartbeat:
-        others = sum(1 for r in self.held() if self.owner.get(r) != head_id)
+        # Slots held for other heads; a worker serving one head (head_id "") reports none, as runtime does.
+        others = sum(1 for r in self.held() if self.owner.get(r) != head_id) if head_id else 0
         return Heartbeat(
-            self.url, self.role.value, self.session, POOL_BYTES, POOL_BYTES, CAPACITY, "m",
+            self.url, self.role.value, self.session, POOL_BYTES, POOL_BYTES, self.capacity, "m",
             head_id=head_id, others_busy=others, held=len(self.held()), model_fingerprint=self.fingerprint,
         )  # fmt: skip
 
     def start(self, rid: str) -> None:
         self.computing.add(rid)
         self.peak_computing = max(self.peak_computing, len(self.computing))
-        if len(self.computing) > CAPACITY:
-            raise SlotViolation(f"{self.url} computes {sorted(self.computing)}: more than its {CAPACITY} slots")
+        if len(self.computing) > self.capacity:
+            raise SlotViolation(f"{self.url} computes {sorted(self.computing)}: more than its {self.capacity} slots")
 
     def check_capacity(self) -> None:
-        if len(self.held()) > CAPACITY:
-            raise SlotViolation(f"{self.url} holds {sorted(self.held())}: more than its {CAPACITY} slots")
+        if len(self.held()) > self.capacity:
+            raise SlotViolation(f"{self.url} holds {sorted(self.held())}: more than its {self.capacity} slots")
 
     def drop(self, rid: str) -> None:
         self.computing.discard(rid)
@@ -150,7 +155,16 @@ class Harness:
     """HeadCores (one, or several replicated heads) over simulated workers; `deliver` hands a
     worker one head's message, `answer` hands that head the worker's reply."""
 
-    def __init__(self, counts: dict[Role, int], flags: Sequence[str] = (), heads: int = 1):
+    def __init__(
+        self,
+        counts: dict[Role, int],
+        flags: Sequence[str] = (),
+        heads: int = 1,
+        capacity: dict[Role, int] | None = None,
+        hold: frozenset[Role] = frozenset(),
+    ):
+        """`capacity`: slots of each role's workers (default CAPACITY); `hold`: roles whose stages run
+        until Harness.finish or a HandOff."""
         self.clock = FakeClock()
         self.workers: dict[str, SimWorker] = {}
         argv = ["serve", "--model-path", "m", "--disagg-role", "server", *flags]
@@ -159,7 +173,8 @@ class Harness:
             urls = [f"tcp://127.0.0.1:{next(port)}" for _ in range(n)]
             argv += [f"{role.flag_prefix}urls", ";".join(urls)]
             for url in urls:
-                self.workers[url] = SimWorker(role, url, session=f"session-{url[-5:]}")
+                slots = (capacity or {}).get(role, CAPACITY)
+                self.workers[url] = SimWorker(role, url, f"session-{url[-5:]}", capacity=slots, hold=role in hold)
         self.args = ServeArgs.from_namespace(build_parser().parse_args(argv))
         self.transports = [RecordingTransport() for _ in range(heads)]
         self.cores = [HeadCore(self.args, t, clock=self.clock) for t in self.transports]
@@ -214,10 +229,13 @@ class Harness:
                 for addr in [a for a, r in w.content.items() if r == rid]:
                     del w.content[addr]
 
-    def submit(self, rid: str, client: bytes = b"client", head: int = 0, **params: Any) -> None:
+    def submit(
+        self, rid: str, client: bytes = b"client", head: int = 0, priority: int = 1, watch: bool = False,
+        **params: Any,
+    ) -> None:  # fmt: skip
         from triptych.params import GenerationParams
 
-        submit = Submit(rid, GenerationParams(**{**PARAMS, **params}))
+        submit = Submit(rid, GenerationParams(**{**PARAMS, **params}), watch=watch, priority=priority)
         self.cores[head].on_frontend(client, encode(submit))
         self.collect()
 
@@ -298,7 +316,8 @@ class Harness:
                 self.said(w, WorkRefused(msg.request_id, w.url, "every slot taken"))
                 return
             w.start(msg.request_id)
-            self._finish_stage(w, msg.request_id)
+            if not w.hold:
+                self._finish_stage(w, msg.request_id)
         elif isinstance(msg, TransferAlloc):
             if self._full(w):
                 self.said(w, TransferRefused(msg.request_id, w.url, "every slot taken", fatal=False))
@@ -317,7 +336,11 @@ class Harness:
             if w.owner.get(msg.request_id, msg.head_id) == msg.head_id:
                 w.drop(msg.request_id)
         elif isinstance(msg, HandOff):
-            w.handing_off.add(msg.request_id)
+            if not w.hold:
+                w.handing_off.add(msg.request_id)
+            elif msg.request_id in w.computing:  # its loop reaches the next step boundary
+                w.handing_off.add(msg.request_id)
+                self._finish_stage(w, msg.request_id)  # (one that ended before is not asked: as a worker)
         else:
             raise AssertionError(f"{w.url} got an unexpected {msg.TYPE}")
 
@@ -356,6 +379,14 @@ class Harness:
         """The receiver loads its input: the bytes in the slot must be this request's (unless the
         head has ended it meanwhile: its CancelWork follows, and nothing it computes is used)."""
         rid = ready.request_id
+        if ready.in_place:  # its own continuation, still staged here: nothing was written
+            if rid not in w.staged:
+                raise SlotViolation(f"{w.url} told to resume {rid} in place, but it holds no continuation of it")
+            w.staged.discard(rid)
+            w.start(rid)
+            if not w.hold:
+                self._finish_stage(w, rid)
+            return
         addr = ready.slot_addr or next((a for a, h in w.reserved.items() if h == rid), None)
         live = rid in self.core_of(ready.head_id).attempts
         if live and (addr is None or w.content.get(addr) != rid):
@@ -367,6 +398,12 @@ class Harness:
             if w.content.get(addr) == rid:
                 w.content.pop(addr)
         w.start(rid)
+        if not w.hold:
+            self._finish_stage(w, rid)
+
+    def finish(self, rid: str) -> None:
+        """The held stage computing `rid` ends (its outputs staged, or its pixels returned)."""
+        w = next(w for w in self.workers.values() if rid in w.computing)
         self._finish_stage(w, rid)
 
     # --- what the tests assert ----------------------------------------------------------------

@@ -45,6 +45,7 @@ SMOKE: dict[str, tuple[str, str]] = {
         "--heads 1,2 --denoisers 2 --stage-seconds 0.05 --warmup 0.3 --window 1 --json {tmp}/hs.json",
         "2 heads:",
     ),
+    "preemption_bench.py": ("--window 4 --json {tmp}/pr.json", "short-class p99 off/on"),
     "rollout_bench.py": ("--interval 0.1 --settle 0.5 --json {tmp}/r.json", "RollingUpdate"),
     "pipeline_bench.py": (
         "--size 64x64 --steps 2 --requests 2 --omp-threads 1 --json {tmp}/p.json",

@@ -54,6 +54,8 @@ SAMPLE: dict[str, Any] = {
     "--disagg-discovery-interval": 1.0,
     "--disagg-max-retries": 0,
     "--disagg-no-instance-wait": 1.0,
+    "--disagg-preemption": "off",
+    "--disagg-priority-aging": 5.0,
     "--master-port": 29600,
     "--output-path": "elsewhere",
     "--results-max-age": 1.0,
@@ -126,6 +128,10 @@ TESTED: dict[str, str] = {
     "test_a_request_out_of_retries_fails_naming_the_lost_worker",
     "--disagg-no-instance-wait": "tests/unit/test_server_membership.py::"
     "test_requests_fail_when_their_role_has_had_no_ready_instance_for_the_wait",
+    "--disagg-preemption": "tests/unit/test_preemption.py::"
+    "test_with_preemption_off_a_high_request_waits_for_the_low_one_to_finish",
+    "--disagg-priority-aging": "tests/unit/test_preemption.py::"
+    "test_aging_raises_a_waiting_request_one_level_per_aging_period_so_none_starves",
     "--master-port": "tests/unit/test_design_rules.py::test_the_master_port_defaults_to_the_work_port_plus_50",
     "--output-path": "tests/s3/test_shared_results.py::test_a_directory_the_head_cannot_write_stops_it_at_start_up",
     "--results-max-age": "tests/api/test_results.py::"

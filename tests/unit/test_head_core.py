@@ -131,14 +131,30 @@ def test_the_core_refuses_new_requests_once_shutting_down_and_fails_the_rest_at_
 
 
 def _run_schedule(
-    seed: int, counts: dict[Role, int], flags: tuple[str, ...] = (), heads: int = 1, kill_head: bool = False
+    seed: int,
+    counts: dict[Role, int],
+    flags: tuple[str, ...] = (),
+    heads: int = 1,
+    kill_head: bool = False,
+    priorities: bool = False,
 ) -> Harness:
     """Requests (through each head in turn), worker answers in random order, refusals, failures,
     cancels, worker deaths and (`kill_head`) the death of the last head, bounded in steps; the
-    invariants are checked after every step, then everything must end."""
+    invariants are checked after every step, then everything must end. `priorities`: requests of
+    random priorities, denoisers of one slot whose stages run until a random step ends them (or a
+    HandOff suspends them), so that requests are suspended and resumed throughout."""
     rnd = random.Random(seed)
-    h = Harness(counts, flags, heads=heads)
-    n_requests = 6 * heads
+    held = {"capacity": {Role.DENOISER: 1}, "hold": frozenset({Role.DENOISER})} if priorities else {}
+    h = Harness(counts, flags, heads=heads, **held)  # type: ignore[arg-type]
+
+    def finish_one() -> bool:
+        computing = sorted(rid for w in h.workers.values() if w.alive for rid in w.computing)
+        if not computing:
+            return False
+        h.finish(rnd.choice(computing))
+        return True
+
+    n_requests = (10 if priorities else 6) * heads
     submitted = 0
     kill_at = rnd.randrange(10, 120) if kill_head else -1  # a step while requests are in flight
     for step in range(600 * heads):
@@ -147,8 +163,10 @@ def _run_schedule(
             h.kill_head(heads - 1)
         choice = rnd.random()
         if submitted < n_requests and choice < 0.15:
-            h.submit(f"r{submitted}", head=submitted % heads)
+            h.submit(f"r{submitted}", head=submitted % heads, priority=rnd.randrange(3) if priorities else 1)
             submitted += 1
+        elif priorities and choice < 0.16 and finish_one():
+            pass
         elif h.pending and choice < 0.55:
             i = rnd.randrange(len(h.pending))
             roll = rnd.random()
@@ -178,6 +196,8 @@ def _run_schedule(
             h.deliver()
         elif h.answers:
             h.answer()
+        elif finish_one():
+            pass
         elif _active(h) or any(c.held_slots for c in h.live_cores()):
             h.clock.advance(h.args.disagg_heartbeat_timeout + 0.5)
             h.tick()
@@ -186,8 +206,8 @@ def _run_schedule(
     for i in range(submitted, n_requests):
         if h.cores[i % heads].head_id not in h.dead:
             h.submit(f"r{i}", head=i % heads)  # the ones the schedule never sent: refused or run
-    while h.pending or h.answers:
-        h.deliver() if h.pending else h.answer()
+    while h.pending or h.answers or finish_one():
+        h.deliver() if h.pending else h.answer() if h.answers else None
         h.check_ledger()
     for _ in range(50):  # what is left ends by timing out
         if not _active(h) and not any(c.held_slots for c in h.live_cores()):
@@ -220,6 +240,26 @@ def test_random_schedules_never_share_a_slot_oversubscribe_a_worker_or_leak(seed
     assert sorted(endings) == [f"r{i}" for i in range(6)], endings
     assert all(len(e) == 1 for e in endings.values()), {k: v for k, v in endings.items() if len(v) != 1}
     assert all(w.peak_computing <= 2 for w in h.workers.values())
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_schedules_with_priorities_suspend_and_resume_and_keep_the_same_invariants(seed: int) -> None:
+    h = _run_schedule(seed, {Role.ENCODER: 2, Role.DENOISER: 2, Role.DECODER: 1}, priorities=True)
+    h.check_idle()
+    endings = h.endings()
+    assert sorted(endings) == sorted(f"r{i}" for i in range(10)), endings
+    assert all(len(e) == 1 for e in endings.values()), {k: v for k, v in endings.items() if len(v) != 1}
+    assert all(w.peak_computing <= 1 for w in h.workers.values() if w.role is Role.DENOISER)
+
+
+def test_random_schedules_with_priorities_do_suspend_requests() -> None:
+    suspended = sum(
+        _run_schedule(
+            seed, {Role.ENCODER: 2, Role.DENOISER: 2, Role.DECODER: 1}, priorities=True
+        ).core.metrics.suspensions._value.get()
+        for seed in range(30)
+    )
+    assert suspended >= 5, "the schedules above would test nothing of preemption"
 
 
 @pytest.mark.parametrize("seed", range(10))

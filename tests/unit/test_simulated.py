@@ -14,6 +14,7 @@ from triptych.config import ConfigError, ServeArgs
 from triptych.params import GenerationParams
 from triptych.roles import Role
 from triptych_worker import simulated
+from triptych_worker.resume import RESUME
 from triptych_worker.simulated import DEFAULT_COSTS, SimulatedPipeline, StageCost, work_units
 from triptych_worker.stages import StageBatch
 
@@ -109,6 +110,31 @@ def test_a_simulated_denoiser_takes_its_modelled_time_reports_every_step_and_emi
     (latents,) = batch.tensors.values()
     assert isinstance(latents, np.ndarray) and latents.dtype == np.float32
     assert latents.shape == (2, (64 // 8) * (32 // 8), 16)  # tiny-flux: 2x2-packed latents of 4 channels
+
+
+def test_a_simulated_denoiser_stops_at_a_step_boundary_when_asked_and_a_continuation_takes_the_rest(
+    tiny_models, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipeline = SimulatedPipeline.from_args(
+        serve_args("--simulate", "--simulate-seconds", "0.4", "--simulate-seconds-per-unit", "0",
+                   model=str(tiny_models["tiny-flux"]))
+    )  # fmt: skip
+    assert pipeline.hands_off
+    clock = VirtualClock()
+    monkeypatch.setattr(simulated, "time", clock)
+    steps: list[int] = []
+    params = GenerationParams("x", 64, 32, num_inference_steps=4)
+    batch = StageBatch(params, tensors={"prompt_embeds": np.ones(3, np.float32)})
+    batch.on_progress = lambda step, total, latents=None: steps.append(step)
+    batch.hand_off = lambda: len(steps) == 1  # asked during its first step: it stops before the second
+    pipeline.run(batch)
+    assert steps == [1] and batch.meta[RESUME] == {"step": 1}
+    assert set(batch.tensors) == {"prompt_embeds", "latents"}, "its inputs and latents travel on"
+    resumed = StageBatch(params, tensors=batch.tensors, meta=dict(batch.meta))
+    resumed.on_progress = batch.on_progress
+    pipeline.run(resumed)
+    assert steps == [1, 2, 3, 4] and clock.now == pytest.approx(0.4), "the steps left, in their modelled time"
+    assert RESUME not in resumed.meta
 
 
 def test_a_simulated_worker_process_never_imports_torch(tiny_models) -> None:

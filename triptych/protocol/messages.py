@@ -67,6 +67,7 @@ class Submit(Message, tag="submit", frozen=True):
     params: GenerationParams
     watch: bool = False
     preview_every: Count = 0
+    priority: Count = 1  # triptych.priority's level (0 low, 1 normal, 2 high), the API key's ceiling checked
 
 
 class Cancel(Message, tag="cancel", frozen=True):
@@ -84,6 +85,9 @@ class RequestEvent(Message, tag="event", frozen=True):
     status_code: int = 0
     preview: PreviewPNG = b""  # a PNG of the current latents, every preview_every steps
     role: str = ""  # the role of the hop the request is at ("": before or after its hops)
+    # "suspended": its denoising stopped at a step boundary for a higher-priority request (its state
+    # kept in a denoiser's pool); "resumed": it runs again from that step ("": any other event)
+    preemption: str = ""
 
 
 class RequestResult(Message, tag="result", frozen=True):
@@ -119,6 +123,7 @@ class Work(Message, tag="work", frozen=True):
     preview_every: Count = 0  # with progress: a preview PNG every k steps (0: none)
     head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
     traceparent: str = ""  # the request's trace (W3C Trace Context) when the head traces it (triptych.tracing)
+    priority: Count = 1  # its effective priority level when dispatched: a worker runs its queued jobs highest first
 
 
 class WorkBatch(Message, tag="work_batch", frozen=True):
@@ -162,6 +167,10 @@ class TransferReady(Message, tag="transfer_ready", frozen=True):
     batch_size: Count = 1
     head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
     traceparent: str = ""  # as Work's
+    # The input is the continuation this worker itself staged for the request (a suspended request
+    # resuming where it stopped): nothing was written, no slot was reserved.
+    in_place: bool = False
+    priority: Count = 1  # as Work's
 
 
 class CancelWork(Message, tag="cancel_work", frozen=True):

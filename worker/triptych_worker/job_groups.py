@@ -1,6 +1,7 @@
 """A worker's queued jobs and which of them run together as one batch.
 
-Without batching (--batching-max-size 1) the next job is the oldest one. With it, the oldest job
+The queue is kept in decreasing priority level (as the head dispatched each job), oldest first
+within a level. Without batching (--batching-max-size 1) the next job is the first one. With it, the oldest job
 that is ready leads a group of up to --batching-max-size jobs: a group the head dispatched together
 (same `group` id) once all its members have arrived, or once its oldest member has waited past the
 assembly cut-off (a member cancelled or retried elsewhere never arrives); an untagged job with the
@@ -32,6 +33,7 @@ class Job:
     group: str = ""  # the batch the head dispatched it in ("" or group_size 1: none)
     group_size: int = 1
     traceparent: str = ""  # the head's trace of the request (triptych.tracing): its stages get a span there
+    priority: int = 1  # its priority level as the head dispatched it: the queue runs higher levels first
     queued_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -40,6 +42,15 @@ class Job:
         resume = None if self.incoming is None else self.incoming[2].get(RESUME)
         step = None if resume is None else resume["step"]
         return (self.incoming is None, step, *batch_key(self.params, self.request_id))
+
+
+def enqueue(queue: deque[Job], job: Job) -> None:
+    """Queue `job` after every job of its priority level or higher, before the lower ones (so that a
+    request the head suspended others for runs next on this worker)."""
+    i = len(queue)
+    while i > 0 and queue[i - 1].priority < job.priority:
+        i -= 1
+    queue.insert(i, job)
 
 
 def take_group(queue: deque[Job], max_size: int, assembly_cutoff: float) -> list[Job]:

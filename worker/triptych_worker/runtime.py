@@ -61,7 +61,7 @@ from triptych_worker import compute, drain, pushes, standing
 from triptych_worker.drain import Drain
 from triptych_worker.heads import HeadBook, HeadLinks
 from triptych_worker.inputs import InputLoader
-from triptych_worker.job_groups import Job, take_group
+from triptych_worker.job_groups import Job, enqueue, take_group
 from triptych_worker.preview import LatentPreviewer
 from triptych_worker.pushes import Push
 from triptych_worker.simulated import SimulatedPipeline
@@ -305,7 +305,7 @@ class Worker:
         with self._lock:
             for job in jobs:
                 self._outstanding.add(job.request_id)
-                self._queue.append(job)
+                enqueue(self._queue, job)
 
     def stop(self) -> None:
         self._stop.set()
@@ -465,7 +465,7 @@ class Worker:
         group = accepted[0].request_id if len(accepted) > 1 else ""
         self._enqueue(*(
             Job(w.request_id, w.params, None, w.progress, w.preview_every, group, len(accepted) if group else 1,
-                traceparent=w.traceparent)
+                traceparent=w.traceparent, priority=w.priority)
             for w in accepted
         ))  # fmt: skip
 
@@ -549,18 +549,26 @@ class Worker:
         return busy and self.pool.free_bytes - nbytes < nbytes
 
     def _ready(self, link: HeadLinks, msg: TransferReady) -> None:
+        """Run the stages on an input in a slot; `in_place`: on the continuation this worker staged
+        itself (a suspended request resuming here: its state never left the pool)."""
         self.heads.own(msg.request_id, msg.head_id)
         with self._lock:
-            alloc = self._slots.pop(msg.request_id, None)
-            if msg.slot_addr:
-                alloc = self._standing.get(msg.slot_addr)
+            if msg.in_place:
+                alloc = self._staged.pop(msg.request_id, None)
+                if alloc is not None:
+                    self._outstanding.add(msg.request_id)
+            else:
+                alloc = self._slots.pop(msg.request_id, None)
+                if msg.slot_addr:
+                    alloc = self._standing.get(msg.slot_addr)
         if alloc is None:
-            link.send(Failed(msg.request_id, self.instance, "transfer_ready for a slot this worker does not hold"))
+            what = "a continuation this worker has not staged" if msg.in_place else "a slot this worker does not hold"
+            link.send(Failed(msg.request_id, self.instance, f"transfer_ready for {what}"))
             return
         incoming = (alloc, msg.manifest, msg.meta)
         job = Job(
             msg.request_id, msg.params, incoming, msg.progress, msg.preview_every, msg.batch_id, msg.batch_size,
-            traceparent=msg.traceparent,
+            traceparent=msg.traceparent, priority=msg.priority,
         )  # fmt: skip
         self._enqueue(job)
         self.inputs.submit(job)

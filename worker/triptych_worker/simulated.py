@@ -12,6 +12,9 @@ Cost model, per request: seconds + seconds_per_unit x units, where a unit is
 - denoiser: one step over one megapixel-frame (num_outputs x num_frames x width x height / 2**20
   x num_inference_steps); progress is reported after each step, as the real loop does;
 - decoder: one megapixel-frame (num_outputs x num_frames x width x height / 2**20).
+A simulated denoiser stops at a step boundary when the head asks (HandOff: migration and
+preemption), staging its inputs and zero latents with the step to continue at, and a continuation
+resumes from that step, taking only the remaining steps' time.
 The defaults (triptych.config.SIMULATE_DEFAULTS, which the flags' help shows) are coarse figures
 for a FLUX.1-dev-class model on one modern GPU; --simulate-seconds and --simulate-seconds-per-unit
 override them for the worker's role.
@@ -28,8 +31,9 @@ import numpy as np
 from triptych.config import SIMULATE_DEFAULTS, ServeArgs
 from triptych.families import family_of, read_rules
 from triptych.params import GenerationParams
-from triptych.protocol.tensors import TensorSpec
+from triptych.protocol.tensors import Array, TensorSpec
 from triptych.roles import Role
+from triptych_worker.resume import RESUME
 from triptych_worker.stages import StageBatch
 
 MEGAPIXEL = 1 << 20
@@ -97,16 +101,27 @@ class SimulatedPipeline:
     def duration(self, params: GenerationParams) -> float:
         return self.cost.duration(self.role, params)
 
+    @property
+    def hands_off(self) -> bool:
+        """A simulated denoiser can stop between steps and continue elsewhere, as the real one."""
+        return self.role is Role.DENOISER
+
     def run(self, batch: StageBatch) -> StageBatch:
         p = batch.params
         started, total = time.monotonic(), self.duration(p)
+        specs = self.shapes.output_specs(self.role, p)
+        outputs: dict[str, Array] = {spec.name: np.zeros(spec.shape, dtype=np.dtype(spec.dtype)) for spec in specs}
         if self.role is Role.DENOISER:
             steps = p.num_inference_steps
-            for step in range(1, steps + 1):  # sleep to each step's end, so the steps add up to the total
-                time.sleep(max(0.0, started + total * step / steps - time.monotonic()))
+            first = int(batch.meta.pop(RESUME, {}).get("step", 0))  # a continuation: the steps it has left
+            for step in range(first + 1, steps + 1):  # sleep to each step's end, so the steps add up to the total
+                if batch.should_hand_off():
+                    batch.meta[RESUME] = {"step": step - 1}
+                    batch.tensors = {**batch.tensors, **outputs}  # its inputs and (zero) latents travel on
+                    return batch
+                time.sleep(max(0.0, started + total * (step - first) / steps - time.monotonic()))
                 batch.report_progress(step, steps)  # raises when the head cancelled the request
         elif total > 0:
             time.sleep(total)
-        specs = self.shapes.output_specs(self.role, p)
-        batch.tensors = {spec.name: np.zeros(spec.shape, dtype=np.dtype(spec.dtype)) for spec in specs}
+        batch.tensors = outputs
         return batch

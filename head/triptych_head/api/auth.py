@@ -1,10 +1,17 @@
 """API keys: `Authorization: Bearer KEY` on every route but the probes and the metrics scrape.
 
 Keys come from a file (--api-keys-file; on Kubernetes a Secret mounted into the head): one key per
-line, blank lines and `#` comments ignored. The file is re-read when it changes (checked at most
-once a second, on a request), so rotating keys is editing the file or the Secret: add the new key,
-move clients over, remove the old one; no restart. A file that cannot be read any more keeps the
-keys last read (a failed re-read must not open the API); one that lists no key locks everyone out.
+line, blank lines and `#` comments ignored. A key may be followed, after whitespace, by
+`max_priority=LEVEL` (low, normal or high): the highest `priority` its requests may ask for
+(priorities.py); a key without it may ask for normal at most, so a file of bare keys means what it
+did before priorities existed. The file is re-read when it changes (checked at most once a second,
+on a request), so rotating keys is editing the file or the Secret: add the new key, move clients
+over, remove the old one; no restart. A file that cannot be read or parsed any more keeps the keys
+last read (a failed re-read must not open the API); one that lists no key locks everyone out.
+
+    sk-batch-tenant                      # normal at most
+    sk-interactive  max_priority=high    # may ask for high
+    sk-backfill     max_priority=low     # low only
 
 A presented key is compared with every configured key with hmac.compare_digest, all of them each
 time, so neither which key matched nor how much of one did shows in the timing.
@@ -22,10 +29,12 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from triptych import priority
 from triptych_head.api.errors import error_body, send_json
 
 log = logging.getLogger(__name__)
@@ -35,17 +44,41 @@ OPEN_PREFIXES = ("/static/",)
 RECHECK_S = 1.0
 
 
+MAX_PRIORITY = "max_priority"
+DEFAULT_CEILING = priority.NORMAL  # a key that names no ceiling: what every request was before priorities
+
+
 class APIKeyError(ValueError):
     """The keys file cannot be used at start-up; the message names the flag and the file."""
 
 
-def parse_keys(text: str) -> list[str]:
+@dataclass(frozen=True)
+class APIKey:
+    key: str
+    max_priority: str = DEFAULT_CEILING  # the highest priority its requests may ask for
+
+
+def parse_entries(text: str) -> list[APIKey]:
+    """The keys of a keys file and their options; ValueError naming the line for an unknown option or level."""
     keys = []
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         key = line.split("#", 1)[0].strip()
+        options: dict[str, str] = {}
+        while len(parts := key.rsplit(None, 1)) == 2 and "=" in parts[1]:  # NAME=VALUE words after the key
+            key = parts[0]
+            name, _, value = parts[1].partition("=")
+            if name != MAX_PRIORITY:
+                raise ValueError(f"line {number}: unknown option {name!r} (the one option is {MAX_PRIORITY}=LEVEL)")
+            if value not in priority.LEVELS:
+                raise ValueError(f"line {number}: {MAX_PRIORITY}={value!r} is not one of {', '.join(priority.LEVELS)}")
+            options[name] = value
         if key:
-            keys.append(key)
+            keys.append(APIKey(key, options.get(MAX_PRIORITY, DEFAULT_CEILING)))
     return keys
+
+
+def parse_keys(text: str) -> list[str]:
+    return [entry.key for entry in parse_entries(text)]
 
 
 class APIKeys:
@@ -60,6 +93,8 @@ class APIKeys:
             self._keys = self._read()
         except OSError as exc:
             raise APIKeyError(f"--api-keys-file {self.path}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise APIKeyError(f"--api-keys-file {self.path}, {exc}") from None
         if not self._keys:
             raise APIKeyError(f"--api-keys-file {self.path} lists no key (one per line; # starts a comment)")
 
@@ -67,8 +102,8 @@ class APIKeys:
         st = os.stat(self.path)  # follows the symlinks a mounted Secret swaps on update
         return st.st_ino, st.st_mtime_ns, st.st_size
 
-    def _read(self) -> list[bytes]:
-        return [k.encode() for k in parse_keys(self.path.read_text(encoding="utf-8", errors="replace"))]
+    def _read(self) -> list[tuple[bytes, APIKey]]:
+        return [(k.key.encode(), k) for k in parse_entries(self.path.read_text(encoding="utf-8", errors="replace"))]
 
     def _refresh(self) -> None:
         now = time.monotonic()
@@ -81,7 +116,7 @@ class APIKeys:
                 if stamp == self._stamp:
                     return
                 keys = self._read()
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 log.error("cannot re-read --api-keys-file %s (%s); keeping the keys read before", self.path, exc)
                 return
             self._stamp, self._keys = stamp, keys
@@ -91,11 +126,16 @@ class APIKeys:
 
     def valid(self, presented: bytes) -> bool:
         """Whether `presented` is one of the keys (constant time in which key and how much matched)."""
+        return self.match(presented) is not None
+
+    def match(self, presented: bytes) -> APIKey | None:
+        """The key `presented` is, with its options, or None; every key is compared, all the way."""
         self._refresh()
-        match = False
-        for key in self._keys:
-            match |= hmac.compare_digest(presented, key)
-        return match
+        found = None
+        for key, entry in self._keys:
+            equal = hmac.compare_digest(presented, key)
+            found = entry if equal else found
+        return found
 
 
 def bearer_token(scope: Scope) -> bytes | None:
@@ -121,7 +161,9 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope)
-        if token is not None and self.keys.valid(token):
+        entry = self.keys.match(token) if token is not None else None
+        if entry is not None:
+            scope.setdefault("state", {})[MAX_PRIORITY] = entry.max_priority  # request.state.max_priority
             await self.app(scope, receive, send)
             return
         message = (

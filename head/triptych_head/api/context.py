@@ -19,11 +19,14 @@ from triptych.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, 
 from triptych.contract import CONTRACT, VIDEOS, Contract, ParamError
 from triptych.families import ModelInfo
 from triptych.params import GenerationParams
+from triptych.priority import DEFAULT_LEVEL
+from triptych.priority import FIELD as PRIORITY_FIELD
 from triptych_head.admission import AdmissionControl, DeadlineUnachievable, Overloaded
 from triptych_head.api.auth import APIKeys
 from triptych_head.api.deadlines import FIELD as DEADLINE_FIELD
 from triptych_head.api.deadlines import Deadline, requested_deadline
 from triptych_head.api.errors import APIError
+from triptych_head.api.priorities import requested_priority
 from triptych_head.api.reference import Reference
 from triptych_head.api.schemas import parse_size
 from triptych_head.backend import Backend, GenerationFailed
@@ -176,6 +179,10 @@ class HeadContext:
         """The request's deadline (deadlines.py): its body field or header, or the request timeout."""
         return requested_deadline(request, values.get(DEADLINE_FIELD), self.request_timeout_s)
 
+    def priority(self, request: Request, values: dict[str, Any]) -> int:
+        """The request's priority level (priorities.py): its body field within its API key's ceiling."""
+        return requested_priority(request, values.get(PRIORITY_FIELD))
+
     def release(self, request_id: str) -> None:
         """The request was answered (or its job ended): it no longer counts against the bound."""
         self.active.discard(request_id)
@@ -194,13 +201,20 @@ class HeadContext:
         return self.admission.snapshot(len(self.active))
 
     async def generate(
-        self, params: GenerationParams, request_id: str | None = None, on_event: Any = None, preview_every: int = 0
+        self,
+        params: GenerationParams,
+        request_id: str | None = None,
+        on_event: Any = None,
+        preview_every: int = 0,
+        priority: int = DEFAULT_LEVEL,
     ) -> Any:
         request_id = request_id or new_request_id()
         if request_id not in self.active:
             self.admit(request_id, params)
         try:
-            return await self.backend.generate(request_id, params, on_event, preview_every=preview_every)
+            return await self.backend.generate(
+                request_id, params, on_event, preview_every=preview_every, priority=priority
+            )
         except GenerationFailed as exc:
             if self.drain_expired and exc.state == RequestState.CANCELLED:  # the shutdown cancelled it, not the client
                 raise APIError(

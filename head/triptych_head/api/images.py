@@ -84,12 +84,13 @@ async def _images(
         raise APIError(400, "preview_every needs stream: true (previews arrive as Server-Sent Events)", "preview_every")
     key = idempotency_key(request)
     deadline = ctx.deadline(request, values)
+    level = ctx.priority(request, values)
     if values["stream"]:
         if key is not None:
             raise APIError(400, f"{HEADER} applies to plain requests, not to stream: true", HEADER)
         request_id = new_request_id("img")
         estimate = ctx.admit(request_id, params, deadline)
-        return with_estimate(_stream(ctx, values, params, request_id, request), _seconds(estimate))
+        return with_estimate(_stream(ctx, values, params, request_id, request, level), _seconds(estimate))
 
     admitted: list[Estimate | None] = []  # the run's estimate (none when the key's answer is replayed)
 
@@ -98,7 +99,7 @@ async def _images(
     async def run() -> ImageGenerationResponse:
         request_id = new_request_id("img")
         admitted.append(ctx.admit(request_id, params, deadline))
-        output = await _generate_while_connected(ctx, params, request_id, request)
+        output = await _generate_while_connected(ctx, params, request_id, request, level)
         if output.server_timing:
             timing[SERVER_TIMING] = output.server_timing
         return await _response(ctx, values, output, request_id, request)
@@ -144,7 +145,12 @@ async def _image_url(ctx: HeadContext, name: str, request: Request) -> str:
 
 
 def _stream(
-    ctx: HeadContext, values: dict[str, Any], params: GenerationParams, request_id: str, request: Request
+    ctx: HeadContext,
+    values: dict[str, Any],
+    params: GenerationParams,
+    request_id: str,
+    request: Request,
+    level: int,
 ) -> StreamingResponse:
     """Run the request in its own task and answer with its progress feed. The task never waits for
     the client; a client that disconnects cancels the request."""
@@ -153,7 +159,7 @@ def _stream(
 
     async def run() -> None:
         try:
-            output = await ctx.generate(params, request_id, feed.on_event, values["preview_every"])
+            output = await ctx.generate(params, request_id, feed.on_event, values["preview_every"], level)
             answer = await _response(ctx, values, output, request_id, request)
             done = {"id": request_id, **answer.model_dump(), "server_timing": output.server_timing}
             feed.publish(SSEMessage("completed", done))  # the header's value: headers went out first
@@ -183,10 +189,10 @@ def _stream(
 
 
 async def _generate_while_connected(
-    ctx: HeadContext, params: GenerationParams, request_id: str, request: Request
+    ctx: HeadContext, params: GenerationParams, request_id: str, request: Request, level: int
 ) -> GenerationOutput:
     """ctx.generate, cancelled (Cancel to the DiffusionServer) as soon as the client disconnects."""
-    generation = asyncio.ensure_future(ctx.generate(params, request_id))
+    generation = asyncio.ensure_future(ctx.generate(params, request_id, priority=level))
     gone = asyncio.ensure_future(_client_gone(request))
     try:
         await asyncio.wait((generation, gone), return_when=asyncio.FIRST_COMPLETED)

@@ -15,6 +15,8 @@ stream's POST is its only subscriber: its history goes with the end).
 
     event: state      data: {"id", "state", "role"}
     event: step       data: {"id", "state", "role", "step", "total_steps", "preview"?: base64 PNG}
+    event: suspended  data: {"id", "state", "role"}   its denoising stopped for a higher priority
+    event: resumed    data: {"id", "state", "role"}   and runs again (docs/serving.md#priority-and-preemption)
     event: dropped    data: {"id", "dropped"}
     event: completed  data: the result (images: {"id", "created", "data"}; videos: the job)
     event: error      data: {"id", "error": {"message", "code", ...}}
@@ -67,6 +69,8 @@ class SSEMessage:
 def message_of(request_id: str, event: RequestEvent) -> SSEMessage:
     """One backend event as the SSE message clients see."""
     data: dict[str, Any] = {"id": request_id, "state": event.state, "role": role_of(event)}
+    if event.preemption:
+        return SSEMessage(event.preemption, data)
     if not event.total_steps:
         return SSEMessage("state", data)
     data.update(step=event.step, total_steps=event.total_steps)

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from triptych.contract import VIDEOS
 from triptych.params import GenerationParams
+from triptych.priority import DEFAULT_LEVEL
 from triptych.protocol import RequestEvent
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.deadlines import Deadline, with_estimate
@@ -61,6 +62,7 @@ class JobEntry:
     save_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves land in the order they were asked for
     params: GenerationParams | None = None  # on the head that runs it: what it runs (saved for a take-over)
     preview_every: int = 0
+    priority: int = DEFAULT_LEVEL  # its priority level (triptych.priority), its API key's ceiling checked
     handed_over: bool = False  # this head shut down while the job ran: it is left to another head
     server_timing: str = ""  # where a completed run's time went (timeline.py), on the head that ran it
 
@@ -74,7 +76,8 @@ class JobEntry:
         """What another head needs to run this job again (results.StoredJob.run)."""
         if self.params is None:
             return None
-        return {"params": json.loads(msgspec.json.encode(self.params)), "preview_every": self.preview_every}
+        params = json.loads(msgspec.json.encode(self.params))
+        return {"params": params, "preview_every": self.preview_every, "priority": self.priority}
 
     @property
     def running_here(self) -> bool:
@@ -218,6 +221,7 @@ class VideoJobs:
         job.restarts, job.step, job.progress, job.error = attempt, 0, 0, None
         job.status, job.state = "queued", RequestState.PENDING.value
         entry = JobEntry(job, made_here=True, params=params, preview_every=int(run.get("preview_every", 0)))
+        entry.priority = int(run.get("priority", DEFAULT_LEVEL))  # a job saved before priorities: normal
         entry.feed = ProgressFeed(job.id, HISTORY_LINGER_S)
         self._jobs[job.id] = entry
         self._jobs.move_to_end(job.id)
@@ -356,11 +360,12 @@ async def _create_video(body: RequestBody, request: Request) -> BaseModel | Resp
     params = ctx.params_for(VIDEOS, body)
     values = body.model_dump()
     deadline = ctx.deadline(request, values)
+    level = ctx.priority(request, values)
     key = idempotency_key(request)
     made: list[VideoJob] = []  # the job this request made (none when the key's answer is replayed)
 
     async def new_job() -> VideoJob:
-        made.append(await _new_job(ctx, params, values, request, deadline))
+        made.append(await _new_job(ctx, params, values, request, deadline, level))
         return made[0]
 
     if key is None:
@@ -372,7 +377,12 @@ async def _create_video(body: RequestBody, request: Request) -> BaseModel | Resp
 
 
 async def _new_job(
-    ctx: HeadContext, params: GenerationParams, values: dict[str, Any], request: Request, deadline: Deadline
+    ctx: HeadContext,
+    params: GenerationParams,
+    values: dict[str, Any],
+    request: Request,
+    deadline: Deadline,
+    level: int,
 ) -> VideoJob:
     job = VideoJob(
         id=new_request_id("video"),
@@ -386,7 +396,7 @@ async def _new_job(
         total_steps=params.num_inference_steps,
     )
     entry = JobEntry(job, feed=ProgressFeed(job.id, HISTORY_LINGER_S), made_here=True, params=params)
-    entry.preview_every = values["preview_every"]
+    entry.preview_every, entry.priority = values["preview_every"], level
     estimate = ctx.admit(job.id, params, deadline)  # counted from now until the job ends: 429 here, never later
     job.estimated_completion_seconds = None if estimate is None else round(estimate.seconds, 3)
     jobs = _jobs(request)
@@ -426,7 +436,7 @@ async def _run(
             jobs.save_soon(entry)
 
     try:
-        output = await ctx.generate(params, entry.request_id, on_event, preview_every)
+        output = await ctx.generate(params, entry.request_id, on_event, preview_every, entry.priority)
         await asyncio.to_thread(_store_content, ctx.results, job.id, output.pixels[0], job.fps)
         entry.server_timing = output.server_timing
         job.status, job.state, job.progress = "completed", RequestState.DONE.value, 100
