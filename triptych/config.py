@@ -39,6 +39,8 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
 DEVICES = ("cuda", "cpu")
 # --encoder-cache-bytes: prompt embeddings kept for repeated prompts (a FLUX.1 prompt: 512 x 4096 bf16, 4 MiB).
 DEFAULT_ENCODER_CACHE_BYTES = 256 * MIB
+# --lora-cache-bytes: LoRA adapters a denoiser keeps loaded (a FLUX.1 rank-16 adapter: about 80 MiB in bf16).
+DEFAULT_LORA_CACHE_BYTES = 2048 * MIB
 
 # Worker-URL flags of the head, by the role they list (the role descriptor's, triptych.roles).
 URL_FLAGS: dict[Role, str] = {role: role.url_attr for role in WORKER_ROLES}
@@ -150,6 +152,9 @@ class ServeArgs:
     batching_delay_ms: float = 30.0  # head: longest a request waits for its group to fill
     enable_batching_metrics: bool = False  # head: batch size, wait and fill histograms on /metrics
     otlp_endpoint: str = ""  # head and workers: an OTLP/HTTP collector for traces ("": off; triptych.tracing)
+    lora: list[str] = field(default_factory=list)  # NAME=SOURCE adapters requests may name (triptych.lora)
+    lora_catalog: str | None = None  # a file of NAME=SOURCE lines, re-read when it changes
+    lora_cache_bytes: int = DEFAULT_LORA_CACHE_BYTES  # denoiser: adapters kept loaded, least recently used dropped
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> ServeArgs:
@@ -267,6 +272,7 @@ class ServeArgs:
         if self.encoder_cache_bytes < 0:
             raise ConfigError(f"--encoder-cache-bytes {self.encoder_cache_bytes} must be >= 0 (0: no cache)")
         self._validate_full_pipeline()
+        self._validate_lora()
         self._validate_http_limits()
         self._validate_batching()
         self._validate_reference_urls()
@@ -299,6 +305,20 @@ class ServeArgs:
             raise ConfigError(
                 f"--disagg-full-pipeline does not support {what} yet; run one GPU per full-pipeline worker"
             )
+
+    def _validate_lora(self) -> None:
+        from triptych.lora import parse_entries, read_catalog_file
+
+        try:
+            parse_entries(self.lora)
+            if self.lora_catalog is not None:
+                read_catalog_file(self.lora_catalog)
+        except OSError as exc:
+            raise ConfigError(f"--lora-catalog {self.lora_catalog}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.lora_cache_bytes < 1:
+            raise ConfigError(f"--lora-cache-bytes {self.lora_cache_bytes} must be > 0; use e.g. 2GiB")
 
     def _validate_results_store(self) -> None:
         given = [f for f in ("results_store", "results_s3_endpoint", "results_presign") if getattr(self, f)]
@@ -569,6 +589,16 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
       help="head and workers: export OpenTelemetry traces of requests over OTLP/HTTP to this collector "
            "(http://HOST:4318; spans go to URL/v1/traces); without it OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
            "OTEL_EXPORTER_OTLP_ENDPOINT, else off")  # fmt: skip
+    a("--lora", action="extend", type=parse_urls, default=[], metavar="NAME=SOURCE",
+      help="head, denoiser, monolithic: a LoRA adapter requests may name (`loras`), repeatable (or "
+           "';'-separated); SOURCE: a folder with pytorch_lora_weights.safetensors, a .safetensors file or a hub "
+           "id (HF_TOKEN)")  # fmt: skip
+    a("--lora-catalog", default=None, metavar="PATH",
+      help="head, denoiser, monolithic: a file of NAME=SOURCE lines (# comments), re-read when it changes, so "
+           "adding a line adds an adapter without a restart; its names win over --lora's")  # fmt: skip
+    a("--lora-cache-bytes", type=parse_size, default=d.lora_cache_bytes,
+      help="denoiser, monolithic: bytes of LoRA adapters kept loaded, least recently used unloaded first "
+           "(default 2GiB)")  # fmt: skip
     a("--simulate", action="store_true",
       help="worker: load no model; each stage sleeps a modelled time and emits the tensors --model-path's family "
            "would (shapes from its configs), through the real pool and Mooncake transfers")  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from triptych.lora import LoraWeight
 from triptych.step_cache import NONE, StepCache, resolved
 
 
@@ -30,6 +31,9 @@ class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step_cache: str = NONE
     step_cache_threshold: float | None = None
     step_cache_interval: int | None = None
+    # LoRA adapters (triptych/lora.py), in the order the request names them: the denoiser activates
+    # them with these weights for this request only.
+    loras: tuple[LoraWeight, ...] = ()
 
     @property
     def has_reference(self) -> bool:
