@@ -313,6 +313,7 @@ class HeadCore:
         )
         inst.adopt_standing(msg.standing_slots)
         inst.held, inst.peak_held = msg.held, msg.peak_held
+        inst.loras = frozenset(msg.loras)
         self._check_topology(inst, msg)
         self._check_model(inst, msg)
 

@@ -201,6 +201,7 @@ class Membership:
                     "full_pipeline": i.full_pipeline,
                     "wrong_topology": i.wrong_topology,
                     "wrong_model": i.wrong_model,
+                    "loras": sorted(i.loras),
                 }
                 for i in by_url.values()
             ]

@@ -53,6 +53,11 @@ class LoraAdapters:
         with self._lock:
             return tuple(self._held)
 
+    def sizes(self) -> dict[str, int]:
+        """Bytes of each adapter loaded now."""
+        with self._lock:
+            return dict(self._held)
+
     def held_bytes(self) -> int:
         with self._lock:
             return sum(self._held.values())

@@ -6,6 +6,7 @@ FastAPI's OpenAPI schema follows from them.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,6 +45,17 @@ class RequestBody(BaseModel):
                 v.encode("utf-8")
             except UnicodeEncodeError:
                 raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+        return v
+
+    @field_validator("loras", mode="before", check_fields=False)
+    @classmethod
+    def _loras_from_text(cls, v: object) -> object:
+        # An edit's multipart form carries text fields only: there, `loras` is the JSON array as text.
+        if isinstance(v, str):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError:
+                raise ValueError('must be a JSON array such as [{"name": "ink", "weight": 0.8}]') from None
         return v
 
     @field_validator("size", check_fields=False)
