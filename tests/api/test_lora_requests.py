@@ -4,6 +4,7 @@ denoiser holding a request's adapters, and the batch key that keeps adapter sets
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import msgspec
@@ -55,11 +56,14 @@ def test_a_line_added_to_the_catalog_file_is_an_adapter_without_a_restart(tmp_pa
     ],
 )
 def test_bad_lora_flags_are_refused_at_start_up_naming_the_flag(flags: list[str], message: str) -> None:
-    with pytest.raises(ConfigError, match=f"^{message}"):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
         ServeArgs(model_path="m", lora=flags).validate()
-    with pytest.raises(ConfigError, match="^--lora-catalog /nonexistent/loras.txt: No such file"):
+
+
+def test_an_unreadable_catalog_and_lora_flags_on_a_role_that_applies_none_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^--lora-catalog /nonexistent/loras\.txt: No such file"):
         ServeArgs(model_path="m", lora_catalog="/nonexistent/loras.txt").validate()
-    with pytest.raises(ConfigError, match="^--lora is for .*denoiser.*, not encoder$"):
+    with pytest.raises(ConfigError, match=r"^--lora is for .*denoiser.*, not encoder$"):
         ServeArgs(
             model_path="m", lora=["ink=/x"], disagg_role=Role.ENCODER, disagg_server_addr="tcp://127.0.0.1:1"
         ).validate()
