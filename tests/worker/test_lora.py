@@ -5,6 +5,7 @@ only its own request while the base model stays as it was."""
 
 from __future__ import annotations
 
+import inspect
 import io
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,8 +52,10 @@ def stock(model: Path, params: GenerationParams, sources: Mapping[str, Path]) ->
     if p.num_frames > 1:
         frames = pipe(**common, negative_prompt=p.negative_prompt, num_frames=p.num_frames, output_type="np").frames
         return (frames * 255).round().astype(np.uint8)
+    if "max_area" in inspect.signature(pipe.__call__).parameters:  # Kontext: the size asked for is the size made
+        common.update(max_area=p.width * p.height)
     if p.image is not None:
-        common.update(image=Image.open(io.BytesIO(p.image)).convert("RGB"), max_area=p.width * p.height)
+        common.update(image=Image.open(io.BytesIO(p.image)).convert("RGB"))
     images = pipe(**common, num_images_per_prompt=p.num_outputs, output_type="pil").images
     return np.stack([np.array(image) for image in images])[:, None]
 
