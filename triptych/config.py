@@ -272,13 +272,13 @@ class ServeArgs:
         if self.encoder_cache_bytes < 0:
             raise ConfigError(f"--encoder-cache-bytes {self.encoder_cache_bytes} must be >= 0 (0: no cache)")
         self._validate_full_pipeline()
-        self._validate_lora()
         self._validate_http_limits()
         self._validate_batching()
         self._validate_reference_urls()
         self._validate_simulation()
         self._validate_control_security()
         self._validate_flags_taken()
+        self._validate_lora()  # after: a role that applies no adapter is told so, not about the file
         try:
             self.parallelism()
         except ParallelismError as exc:
