@@ -94,6 +94,7 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         disagg_keys_dir=KEYS_MOUNT,
         batching_max_size=spec.batch_max_size,
         disagg_full_pipeline=pipeline.full_pipeline,
+        lora=list(pipeline.model.loras) if role is Role.DENOISER else [],  # the head checks, denoisers apply
         **parallel,  # type: ignore[arg-type]
     )
 
@@ -136,6 +137,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         results_max_bytes=pipeline.head.results.max_bytes,
         api_keys_file=API_KEYS_FILE if pipeline.head.api_keys_secret else None,
         disagg_keys_dir=KEYS_MOUNT,
+        lora=list(pipeline.model.loras),
         **head_batching(pipeline),
         **head_results_store(pipeline),
         **urls,  # type: ignore[arg-type]

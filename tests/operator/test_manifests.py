@@ -322,6 +322,20 @@ def test_hub_model_gets_token_and_cache_instead_of_a_volume() -> None:
     assert parse_serve(c).model_path == "black-forest-labs/FLUX.1-dev"
 
 
+def test_lora_adapters_become_lora_flags_of_the_head_and_the_denoisers_only() -> None:
+    loras = ["ink=/models/loras/ink", "paper=org/paper-lora"]
+    spec = minimal_spec()
+    spec["model"]["loras"] = loras
+    objs = children(spec)
+    assert parse_serve(container(objs[("Deployment", "wan-t2v-head")])).lora == loras
+    assert parse_serve(container(objs[("Deployment", "wan-t2v-denoiser")])).lora == loras
+    for role in ("encoder", "decoder"):
+        assert parse_serve(container(objs[("Deployment", f"wan-t2v-{role}")])).lora == []
+    spec["model"]["loras"] = ["no-source"]
+    with pytest.raises(SpecError, match="--lora 'no-source' is not NAME=SOURCE"):
+        render(pipeline(spec))
+
+
 def test_multus_network_annotation_lands_on_worker_pods() -> None:
     spec = minimal_spec(transfer={"mode": "rdma", "ibDevice": "mlx5_0", "networkAnnotation": "rdma-net"})
     meta = children(spec)[("Deployment", "wan-t2v-encoder")]["spec"]["template"]["metadata"]
