@@ -278,7 +278,7 @@ class ServeArgs:
         self._validate_simulation()
         self._validate_control_security()
         self._validate_flags_taken()
-        self._validate_lora()  # after: a role that applies no adapter is told so, not about the file
+        self._validate_lora()
         try:
             self.parallelism()
         except ParallelismError as exc:
@@ -307,16 +307,14 @@ class ServeArgs:
             )
 
     def _validate_lora(self) -> None:
-        from triptych.lora import parse_entries, read_catalog_file
+        from triptych.lora import parse_entries
 
         try:
-            parse_entries(self.lora)
-            if self.lora_catalog is not None:
-                read_catalog_file(self.lora_catalog)
-        except OSError as exc:
-            raise ConfigError(f"--lora-catalog {self.lora_catalog}: {exc.strerror or exc}") from None
+            parse_entries(self.lora)  # the --lora-catalog file is the process's to read (and re-read): not here
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.lora_catalog is not None and not self.lora_catalog.strip():
+            raise ConfigError("--lora-catalog is empty: give the path of a file of NAME=SOURCE lines")
         if self.lora_cache_bytes < 1:
             raise ConfigError(f"--lora-cache-bytes {self.lora_cache_bytes} must be > 0; use e.g. 2GiB")
 

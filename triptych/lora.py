@@ -16,6 +16,7 @@ a .safetensors file, or a hub id (downloaded on first use, with HF_TOKEN for a g
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -23,6 +24,8 @@ import threading
 from collections.abc import Iterable, Mapping
 
 import msgspec
+
+log = logging.getLogger(__name__)
 
 FIELD = "loras"
 MAX_ADAPTERS = 4  # per request: each active adapter adds a low-rank product to every layer it targets
@@ -90,7 +93,8 @@ def read_catalog_file(path: str) -> dict[str, str]:
 
 class LoraCatalog:
     """The adapters a process may load: its --lora flags and its --lora-catalog file, re-read when
-    the file changes (a file that cannot be read or parsed keeps the last good entries)."""
+    the file changes (a file that cannot be read or parsed keeps the last good entries; missing at
+    start-up, it is an empty catalogue until it appears: a mounted ConfigMap may come later)."""
 
     def __init__(self, entries: Mapping[str, str] | None = None, path: str | None = None):
         self._flags = dict(entries or {})
@@ -98,9 +102,7 @@ class LoraCatalog:
         self._stamp: tuple[int, int] | None = None
         self._from_file: dict[str, str] = {}
         self._lock = threading.Lock()
-        if path is not None:
-            self._from_file = read_catalog_file(path)  # unreadable at start-up: fail loudly
-            self._stamp = _stamp(path)
+        self._refresh()  # a file missing or malformed now is an empty catalogue until it changes
 
     @classmethod
     def from_flags(cls, lora: Iterable[str], lora_catalog: str | None) -> LoraCatalog:
@@ -113,11 +115,13 @@ class LoraCatalog:
             stamp = _stamp(self._path)
             if stamp is None or stamp == self._stamp:
                 return
+            self._stamp = stamp
             try:
                 self._from_file = read_catalog_file(self._path)
-            except (OSError, ValueError):
-                return  # half-written or removed: keep what was read last, look again next time
-            self._stamp = stamp
+            except (OSError, ValueError) as exc:  # half-written or removed: keep what was read last
+                log.warning(
+                    "LoRA catalogue %s not read (%s); keeping %d adapters", self._path, exc, len(self._from_file)
+                )
 
     def entries(self) -> dict[str, str]:
         """Name -> source, the file's entries over the flags' (the file is the one that changes)."""

@@ -60,9 +60,16 @@ def test_bad_lora_flags_are_refused_at_start_up_naming_the_flag(flags: list[str]
         ServeArgs(model_path="m", lora=flags).validate()
 
 
-def test_an_unreadable_catalog_and_lora_flags_on_a_role_that_applies_none_are_refused() -> None:
-    with pytest.raises(ConfigError, match=r"^--lora-catalog /nonexistent/loras\.txt: No such file"):
-        ServeArgs(model_path="m", lora_catalog="/nonexistent/loras.txt").validate()
+def test_a_catalog_file_missing_at_start_up_is_empty_until_it_appears(tmp_path: Path) -> None:
+    path = tmp_path / "loras.txt"
+    ServeArgs(model_path="m", lora_catalog=str(path)).validate()  # a mounted ConfigMap may come later
+    catalog = LoraCatalog.from_flags([], str(path))
+    assert catalog.entries() == {}
+    path.write_text("ink=/models/ink\n")
+    assert catalog.entries() == {"ink": "/models/ink"}
+
+
+def test_lora_flags_on_a_role_that_applies_no_adapter_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"^--lora is for .*denoiser.*, not encoder$"):
         ServeArgs(
             model_path="m", lora=["ink=/x"], disagg_role=Role.ENCODER, disagg_server_addr="tcp://127.0.0.1:1"
