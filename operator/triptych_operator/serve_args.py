@@ -19,6 +19,7 @@ from triptych_operator.constants import (
     HEAD_SCHEDULER_PORT,
     HEADS_SERVICE,
     KEYS_MOUNT,
+    LORA_CATALOG_FILE,
     OUTPUT_MOUNT,
     PIPELINE_ROLES,
     WORKER_MASTER_PORT,
@@ -94,7 +95,8 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         disagg_keys_dir=KEYS_MOUNT,
         batching_max_size=spec.batch_max_size,
         disagg_full_pipeline=pipeline.full_pipeline,
-        lora=list(pipeline.model.loras) if role is Role.DENOISER else [],  # the head checks, denoisers apply
+        # The head checks the names requests give, the denoisers load them: the same catalogue file.
+        lora_catalog=LORA_CATALOG_FILE if pipeline.model.loras and role is Role.DENOISER else None,
         **parallel,  # type: ignore[arg-type]
     )
 
@@ -137,7 +139,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         results_max_bytes=pipeline.head.results.max_bytes,
         api_keys_file=API_KEYS_FILE if pipeline.head.api_keys_secret else None,
         disagg_keys_dir=KEYS_MOUNT,
-        lora=list(pipeline.model.loras),
+        lora_catalog=LORA_CATALOG_FILE if pipeline.model.loras else None,
         **head_batching(pipeline),
         **head_results_store(pipeline),
         **urls,  # type: ignore[arg-type]

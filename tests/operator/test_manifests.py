@@ -322,17 +322,34 @@ def test_hub_model_gets_token_and_cache_instead_of_a_volume() -> None:
     assert parse_serve(c).model_path == "black-forest-labs/FLUX.1-dev"
 
 
-def test_lora_adapters_become_lora_flags_of_the_head_and_the_denoisers_only() -> None:
-    loras = ["ink=/models/loras/ink", "paper=org/paper-lora"]
+def test_lora_adapters_are_a_catalogue_configmap_the_head_and_the_denoisers_read() -> None:
     spec = minimal_spec()
-    spec["model"]["loras"] = loras
+    spec["model"]["loras"] = ["ink=/models/loras/ink", "paper=org/paper-lora"]
     objs = children(spec)
-    assert parse_serve(container(objs[("Deployment", "wan-t2v-head")])).lora == loras
-    assert parse_serve(container(objs[("Deployment", "wan-t2v-denoiser")])).lora == loras
+    assert objs[("ConfigMap", "wan-t2v-loras")]["data"] == {
+        "catalog.txt": "ink=/models/loras/ink\npaper=org/paper-lora\n"
+    }
+    for name in ("head", "denoiser"):
+        c = container(objs[("Deployment", f"wan-t2v-{name}")])
+        assert parse_serve(c).lora_catalog == "/etc/triptych/loras/catalog.txt"
+        assert {"name": "loras", "mountPath": "/etc/triptych/loras", "readOnly": True} in c["volumeMounts"]
     for role in ("encoder", "decoder"):
-        assert parse_serve(container(objs[("Deployment", f"wan-t2v-{role}")])).lora == []
+        assert parse_serve(container(objs[("Deployment", f"wan-t2v-{role}")])).lora_catalog is None
+
+    # Another adapter changes the ConfigMap only: no pod template changes, so no pod restarts.
+    spec["model"]["loras"] = [*spec["model"]["loras"], "wool=/models/loras/wool"]
+    more = children(spec)
+    assert more[("ConfigMap", "wan-t2v-loras")] != objs[("ConfigMap", "wan-t2v-loras")]
+    for name in ("head", "encoder", "denoiser", "decoder"):
+        key = ("Deployment", f"wan-t2v-{name}")
+        assert more[key]["spec"]["template"] == objs[key]["spec"]["template"], name
+
+
+def test_a_pipeline_without_adapters_has_no_catalogue_and_a_bad_entry_renders_nothing() -> None:
+    assert ("ConfigMap", "wan-t2v-loras") in {(r.kind, r.name) for r in render(pipeline(minimal_spec())).delete}
+    spec = minimal_spec()
     spec["model"]["loras"] = ["no-source"]
-    with pytest.raises(SpecError, match="--lora 'no-source' is not NAME=SOURCE"):
+    with pytest.raises(SpecError, match=r"^spec\.model\.loras: 'no-source' is not NAME=SOURCE"):
         render(pipeline(spec))
 
 

@@ -357,8 +357,9 @@ def _model() -> Field:
     loras = (
         "LoRA adapters requests may name (`loras`, docs/serving.md), as `NAME=SOURCE`: SOURCE a folder or "
         f"`.safetensors` file in the pod (the model volume is at `{MODEL_MOUNT}`) or a hub id (with a hub model, "
-        "downloaded with its token). Becomes `--lora NAME=SOURCE` on the head and the denoisers; changing the "
-        "list rolls them (each drains first)."
+        "downloaded with its token). Written to a ConfigMap `<name>-loras` that the head and the denoisers mount "
+        "and read as `--lora-catalog`: an added adapter reaches them without a restart (within the kubelet's "
+        "sync period)."
     )
     token = (
         Field("name", "string", "Secret with the hub token, exposed as `HF_TOKEN`.", required=True),
