@@ -157,20 +157,28 @@ def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None, keys_
     return children
 
 
-def _model_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest], list[Manifest]]:
-    """(volumes, mounts, env) that give a container the model; a hub model needs a cache and a token."""
+def _model_volume(
+    pipeline: PipelineSpec, downloads: bool = False
+) -> tuple[list[Manifest], list[Manifest], list[Manifest]]:
+    """(volumes, mounts, env) that give a container the model; a hub model needs a cache and a token,
+    as does a denoiser of a model on a volume (`downloads`) that may fetch hub-id LoRA adapters."""
     model = pipeline.model
-    if model.uses_volume:
+    if model.uses_volume and not downloads:
         if model.pvc_claim_name:
             source: Manifest = {"persistentVolumeClaim": {"claimName": model.pvc_claim_name, "readOnly": True}}
         else:
             source = {"hostPath": {"path": model.host_path, "type": "Directory"}}
         return [{"name": "model", **source}], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}], []
+    volumes: list[Manifest] = [{"name": "hf-cache", "emptyDir": {}}]
+    mounts: list[Manifest] = [{"name": "hf-cache", "mountPath": HF_CACHE_MOUNT}]
+    if model.uses_volume:  # and downloads: the model from its volume, adapters from the hub into the cache
+        model_volumes, model_mounts, _ = _model_volume(pipeline)
+        volumes, mounts = [*model_volumes, *volumes], [*model_mounts, *mounts]
     env: list[Manifest] = [{"name": "HF_HOME", "value": f"{HF_CACHE_MOUNT}/huggingface"}]
     if model.token_secret_name:
         ref = {"name": model.token_secret_name, "key": model.token_secret_key}
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
-    return [{"name": "hf-cache", "emptyDir": {}}], [{"name": "hf-cache", "mountPath": HF_CACHE_MOUNT}], env
+    return volumes, mounts, env
 
 
 def lora_catalog(pipeline: PipelineSpec) -> Manifest | None:
@@ -285,7 +293,9 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
     """The Deployment of one worker role: GPU-pinned, or a CPU role (gpusPerReplica 0) that asks for no GPU."""
     spec = pipeline.roles[role]
     transfer = pipeline.transfer
-    volumes, mounts, model_env = _model_volume(pipeline)
+    # A denoiser loads the adapters: hub ids among them download into a cache, with the model's token.
+    hub_adapters = role is Role.DENOISER and any(not e.partition("=")[2].startswith("/") for e in pipeline.model.loras)
+    volumes, mounts, model_env = _model_volume(pipeline, downloads=hub_adapters)
     keys_volume, keys_mount = _keys_volume(pipeline, "worker")
     if role is Role.DENOISER:  # the role that loads adapters
         lora_volumes, lora_mounts = lora_catalog_volume(pipeline)

@@ -345,6 +345,17 @@ def test_lora_adapters_are_a_catalogue_configmap_the_head_and_the_denoisers_read
         assert more[key]["spec"]["template"] == objs[key]["spec"]["template"], name
 
 
+def test_a_denoiser_downloads_hub_adapters_into_a_cache_with_the_model_s_token() -> None:
+    spec = minimal_spec()
+    spec["model"].update(loras=["paper=org/paper-lora"], tokenSecretRef={"name": "hf"})
+    objs = children(spec)
+    denoiser, encoder = (container(objs[("Deployment", f"wan-t2v-{n}")]) for n in ("denoiser", "encoder"))
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    assert token in denoiser["env"] and {"name": "hf-cache", "mountPath": "/cache"} in denoiser["volumeMounts"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in denoiser["volumeMounts"]
+    assert token not in encoder["env"] and all(m["name"] != "hf-cache" for m in encoder["volumeMounts"])
+
+
 def test_a_pipeline_without_adapters_has_no_catalogue_and_a_bad_entry_renders_nothing() -> None:
     assert ("ConfigMap", "wan-t2v-loras") in {(r.kind, r.name) for r in render(pipeline(minimal_spec())).delete}
     spec = minimal_spec()

@@ -355,9 +355,10 @@ def _model() -> Field:
         "`--model-path <hubId>`; downloads go to an `emptyDir` at `/cache` (`HF_HOME=/cache/huggingface`)."
     )
     loras = (
-        "LoRA adapters requests may name (`loras`, docs/serving.md), as `NAME=SOURCE`: SOURCE a folder or "
-        f"`.safetensors` file in the pod (the model volume is at `{MODEL_MOUNT}`) or a hub id (with a hub model, "
-        "downloaded with its token). Written to a ConfigMap `<name>-loras` that the head and the denoisers mount "
+        "LoRA adapters requests may name (`loras`, docs/serving.md), as `NAME=SOURCE`: SOURCE an absolute path "
+        f"of a folder or `.safetensors` file in the pod (the model volume is at `{MODEL_MOUNT}`) or a hub id, which "
+        "the denoisers download on first use into an `emptyDir` at `/cache`, with `tokenSecretRef`'s token. "
+        "Written to a ConfigMap `<name>-loras` that the head and the denoisers mount "
         "and read as `--lora-catalog`: an added adapter reaches them without a restart (within the kubelet's "
         "sync period)."
     )
