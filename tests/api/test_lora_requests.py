@@ -144,3 +144,20 @@ def test_requests_batch_only_with_the_same_adapters_and_weights() -> None:
     assert batch_key(plain) != batch_key(ink)
     assert batch_key(ink) == batch_key(msgspec.structs.replace(ink, prompt="y", seed=9))
     assert batch_key(ink) != batch_key(msgspec.structs.replace(ink, loras=(LoraWeight("ink", 0.5),)))
+
+
+def test_adapters_no_ready_denoiser_holds_add_their_loads_to_the_denoiser_s_estimate() -> None:
+    from triptych_head.deadline import LoadFigures, RoleFigures, own_work
+    from triptych_head.workload import LORA_LOAD_PRIOR_S, WorkEstimator
+
+    plain = GenerationParams("x", 1000, 1000, num_inference_steps=10)
+    two = msgspec.structs.replace(plain, loras=(LoraWeight("ink"), LoraWeight("paper")))
+    roles = {role: RoleFigures(0.0, 1, 0.1, calibrated=True) for role in (Role.ENCODER, Role.DENOISER, Role.DECODER)}
+    held_ink = LoadFigures(roles, frozenset(), held_loras=frozenset({"ink"}), lora_load_s=3.0)
+    assert own_work(held_ink, two)[Role.DENOISER] == pytest.approx(own_work(held_ink, plain)[Role.DENOISER] + 3.0)
+    assert own_work(held_ink, two)[Role.DECODER] == own_work(held_ink, plain)[Role.DECODER]
+    estimator = WorkEstimator()
+    base = estimator.estimate(Role.DENOISER, plain)
+    assert estimator.estimate(Role.DENOISER, two, loads=2) == pytest.approx(base + 2 * LORA_LOAD_PRIOR_S)
+    estimator.observe_lora_load(0.25)  # a denoiser's heartbeat: its loads took 0.25 s each
+    assert estimator.estimate(Role.DENOISER, two, loads=2) == pytest.approx(base + 0.5)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -48,10 +49,15 @@ class LoraAdapters:
         self._lock = threading.Lock()  # heartbeats read the names from another thread
         self.loads = 0
         self.evictions = 0
+        self._load_seconds = 0.0  # over every load: the head's estimate of a load's cost (heartbeats)
 
     def held(self) -> tuple[str, ...]:
         with self._lock:
             return tuple(self._held)
+
+    def mean_load_seconds(self) -> float:
+        """How long a load took here on average (0 before the first)."""
+        return self._load_seconds / self.loads if self.loads else 0.0
 
     def sizes(self) -> dict[str, int]:
         """Bytes of each adapter loaded now."""
@@ -97,6 +103,7 @@ class LoraAdapters:
         if source.startswith(("/", ".")) and not os.path.exists(source):  # a path, not a hub id: no download
             raise BadAdapter(f"{FIELD}: adapter {name!r}: {source} does not exist on this denoiser")
         pipe = self.adapter.pipe
+        started = time.perf_counter()
         shapes, linears = _base_shapes(pipe.transformer), _base_linears(pipe.transformer)
         failure: Exception | None = None
         try:
@@ -124,6 +131,7 @@ class LoraAdapters:
         with self._lock:
             self._held[name] = nbytes
         self.loads += 1
+        self._load_seconds += time.perf_counter() - started
         log.info("loaded LoRA adapter %s from %s (%d bytes)", name, source, nbytes)
 
     def _evict(self, keep: set[str]) -> None:

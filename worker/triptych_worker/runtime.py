@@ -345,6 +345,7 @@ class Worker:
             encoder_cache=self._encoder_cache_stats(),
             step_cache=self._step_cache_stats(),
             loras=self._loras_held(),
+            lora_load_s=self._lora_load_seconds(),
             via=endpoint,
             others_busy=self._busy_for_others(head_id),
             held=len(self._held_requests()),
@@ -383,6 +384,10 @@ class Worker:
     def _loras_held(self) -> tuple[str, ...]:
         loras = getattr(self.pipeline, "loras", None)  # only model pipelines that denoise hold adapters
         return () if loras is None else loras.held()
+
+    def _lora_load_seconds(self) -> float:
+        loras = getattr(self.pipeline, "loras", None)
+        return 0.0 if loras is None else loras.mean_load_seconds()
 
     def _on_message(self, link: HeadLinks, parts: list[Any]) -> None:
         try:
