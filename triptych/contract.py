@@ -468,6 +468,7 @@ CONTRACT = Contract(
             "the deployment's catalogue names them (docs/serving.md#lora-adapters)",
             ALL,
             limits=Limits(max_length=lora.MAX_ADAPTERS),
+            cli="--lora",
         ),
         RequestParam("quality", str, COMPATIBILITY, IMAGE_ENDPOINTS, fields=(), accepted_only=True),
         RequestParam("style", str, COMPATIBILITY, frozenset({IMAGES}), fields=(), accepted_only=True),

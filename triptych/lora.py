@@ -62,6 +62,17 @@ def check_request(loras: Iterable[LoraWeight]) -> str | None:
     return None
 
 
+def choice_option(text: str) -> dict[str, object]:
+    """`triptych generate --lora NAME[=WEIGHT]`: one adapter of a request's `loras`."""
+    name, sep, weight = text.partition("=")
+    if not sep:
+        return {"name": name}
+    try:
+        return {"name": name, "weight": float(weight)}
+    except ValueError:
+        raise ValueError(f"--lora {text!r}: the weight after '=' must be a number, e.g. {name}=0.8") from None
+
+
 def parse_entry(text: str, where: str = "--lora") -> tuple[str, str]:
     """(name, source) of a NAME=SOURCE entry; ValueError naming `where` when it is malformed."""
     name, sep, source = text.partition("=")

@@ -4,6 +4,7 @@ denoiser holding a request's adapters, and the batch key that keeps adapter sets
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -161,3 +162,20 @@ def test_adapters_no_ready_denoiser_holds_add_their_loads_to_the_denoiser_s_esti
     assert estimator.estimate(Role.DENOISER, two, loads=2) == pytest.approx(base + 2 * LORA_LOAD_PRIOR_S)
     estimator.observe_lora_load(0.25)  # a denoiser's heartbeat: its loads took 0.25 s each
     assert estimator.estimate(Role.DENOISER, two, loads=2) == pytest.approx(base + 0.5)
+
+
+def test_the_cli_takes_adapters_as_repeated_lora_options_and_an_edit_sends_them_as_a_json_field() -> None:
+    import argparse
+
+    from triptych.client import Reference
+    from triptych.client_cli import add_client_commands, request_body
+
+    parser = argparse.ArgumentParser()
+    add_client_commands(parser.add_subparsers(dest="command"))
+    ns = parser.parse_args(["generate", "waves", "-o", "out", "--lora", "ink=0.8", "--lora", "paper"])
+    body = request_body(ns)
+    assert body == {"prompt": "waves", "loras": [{"name": "ink", "weight": 0.8}, {"name": "paper"}]}
+    form = Reference(data=b"png", name="ref.png").form(body)["data"]
+    assert json.loads(form["loras"]) == body["loras"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "waves", "-o", "out", "--lora", "ink=heavy"])
