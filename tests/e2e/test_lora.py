@@ -197,3 +197,23 @@ def test_requests_go_to_the_denoiser_holding_their_adapters_and_the_other_loads_
         final = dispatched(c)
         assert final[other] > after[other], f"the holder took every request: {final}"
         assert wait_until_held(c, 2)[other] == ["flux-ink"]
+
+
+def test_batching_groups_only_requests_with_the_same_adapters(tiny_models, tiny_loras, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.e2e.test_batching import HEAD_FLAGS, assert_close, batched_concurrently
+
+    flags = ("--lora", f"flux-ink={tiny_loras['flux-ink']}")
+    base = {**IMAGE, "size": "64x48", "n": 1}
+    requests = [
+        {**base, "prompt": f"a lighthouse number {i}", "seed": 10 + i, **({"loras": CASES["one"]} if i % 2 else {})}
+        for i in range(4)
+    ]  # fmt: skip
+    with deployment(
+        tiny_models["tiny-flux"], tmp_path, head_flags=(*HEAD_FLAGS, *flags), worker_flags=("--batching-max-size", "4"),
+        role_flags={Role.DENOISER: flags},
+    ) as dep, dep.client(300) as c:  # fmt: skip
+        batched, deltas = batched_concurrently(dep, c, requests)
+        sent, ran = deltas("denoiser", "count")
+        assert sent >= 2 and ran >= 2, "requests with and without the adapter left or ran as one batch"
+        for request, image in zip(requests, batched, strict=True):  # mixed, half would carry the other's adapter
+            assert_close(image, pixels_of(c.post("/v1/images/generations", json=request))[0, 0])
