@@ -146,3 +146,17 @@ def test_a_bad_adapter_fails_only_its_request_and_leaves_the_model_as_it_was(
         pixels(flux, with_loras(IMAGE, (name, 1.0)))
     assert np.array_equal(pixels(flux, IMAGE), stock(tiny_models["tiny-flux"], IMAGE, tiny_loras))
     assert np.array_equal(pixels(flux, with_loras(IMAGE, ("flux-ink", 0.8))), held)
+
+
+def test_an_adapter_s_text_encoder_tensors_are_not_applied_its_transformer_s_are(flux, tiny_models, tiny_loras) -> None:  # type: ignore[no-untyped-def]
+    # flux-ink-te is flux-ink plus text-encoder factors.
+    assert np.array_equal(
+        pixels(flux, with_loras(IMAGE, ("flux-ink-te", 0.8))), pixels(flux, with_loras(IMAGE, ("flux-ink", 0.8)))
+    )
+    denoiser = load_role_pipeline(str(tiny_models["tiny-flux"]), Role.DENOISER, "cpu", 0, catalog(tiny_loras), GIB)
+    for name in ("flux-ink", "flux-ink-te"):  # a denoiser has no text encoder: stock loading would fail on them
+        with denoiser.loras.applied(with_loras(IMAGE, (name, 1.0))):
+            pass
+    weights = dict(denoiser.adapter.pipe.transformer.named_parameters())
+    ink = {n: p for n, p in weights.items() if ".flux-ink." in n}
+    assert ink and all(torch.equal(p, weights[n.replace(".flux-ink.", ".flux-ink-te.")]) for n, p in ink.items())

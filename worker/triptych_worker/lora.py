@@ -11,7 +11,9 @@ a denoiser): `pipe.load_lora_weights(source, adapter_name=name)` once per adapte
 `pipe.set_adapters(names, adapter_weights=weights)` and `enable_lora()`, and `disable_lora()` after
 it, so a request without adapters runs the base weights: peft's layers skip every adapter while
 disabled. The pixels are the stock pipeline's after the same `load_lora_weights` / `set_adapters`
-calls (tests/e2e/test_lora.py). Adapters only the text encoders would take are not applied here.
+calls (tests/e2e/test_lora.py). An adapter's text-encoder tensors are not applied, on a denoiser (it
+has no text encoder) or in monolithic mode (the text encoders run before the adapters are enabled):
+its pixels are the stock pipeline's with its transformer tensors only.
 
 An adapter the catalogue does not hold, a missing file, one whose tensors fit no layer of this
 transformer, or a set larger than the cache fails that request only, with BadAdapter (a 400 naming
@@ -50,6 +52,11 @@ class LoraAdapters:
         self.loads = 0
         self.evictions = 0
         self._load_seconds = 0.0  # over every load: the head's estimate of a load's cost (heartbeats)
+        if adapter.pipe is not None and getattr(adapter.pipe, "text_encoder", "none declared") is None:
+            # A denoiser holds no text encoder (the encoder ran it, without adapters): the stock
+            # load_lora_weights would fail on an adapter's text-encoder tensors after loading its
+            # transformer's. They have nowhere to go here, so that step loads nothing.
+            adapter.pipe.load_lora_into_text_encoder = _no_text_encoder
 
     def held(self) -> tuple[str, ...]:
         with self._lock:
@@ -183,6 +190,10 @@ class LoraAdapters:
                 self.adapter.pipe.delete_adapters(name)
             except Exception:
                 log.exception("removing what a failed load of LoRA adapter %s left", name)
+
+
+def _no_text_encoder(*args: Any, **kwargs: Any) -> None:
+    """load_lora_into_text_encoder on a pipeline without text encoders."""
 
 
 def _base_shapes(transformer: Any) -> dict[str, tuple[int, ...]]:

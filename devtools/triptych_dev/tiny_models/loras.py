@@ -8,6 +8,7 @@ written by the pipeline class's own `save_lora_weights`, so stock `load_lora_wei
     flux-ink    tiny-flux (and tiny-flux-kontext: the same transformer): the attentions' projections, rank 4
     flux-paper  tiny-flux: the feed-forward and single blocks' MLP layers, rank 2
     wan-ink     tiny-wan: the attentions' projections, rank 4
+    flux-ink-te flux-ink's transformer factors and factors for tiny-flux's CLIP text encoder
     flux-misfit tiny-flux's attention layers with factors one input wider than the layers: diffusers would
                 widen the base layers to fit it (as for FLUX Control LoRAs), which a per-request adapter may not
 """
@@ -34,6 +35,7 @@ class LoraRecipe:
     rank: int
     seed: int
     misfit: bool = False  # factors one input wider than the layers they adapt
+    text_encoder: bool = False  # also factors for the CLIP text encoder's query and value projections
 
 
 ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
@@ -42,6 +44,8 @@ RECIPES: dict[str, LoraRecipe] = {
     "flux-paper": LoraRecipe("tiny-flux", ("ff.net.0.proj", "ff.net.2", "proj_mlp", "proj_out"), rank=2, seed=102),
     "wan-ink": LoraRecipe("tiny-wan", ATTENTION, rank=4, seed=103),
     "flux-misfit": LoraRecipe("tiny-flux", ATTENTION, rank=4, seed=104, misfit=True),
+    # flux-ink's transformer factors (the same seed) plus text-encoder ones: the denoiser applies the former only.
+    "flux-ink-te": LoraRecipe("tiny-flux", ATTENTION, rank=4, seed=101, text_encoder=True),
 }
 
 
@@ -75,6 +79,7 @@ def write_tiny_loras(out_dir: str | Path, packages: dict[str, Path]) -> Path:
 def _write_adapter(folder: Path, recipe: LoraRecipe, package: Path) -> None:
     import diffusers
     import torch
+    import transformers
 
     from triptych.families.package import ModelPackage
 
@@ -92,8 +97,16 @@ def _write_adapter(folder: Path, recipe: LoraRecipe, package: Path) -> None:
         layers[f"{name}.lora_A.weight"] = down
         layers[f"{name}.lora_B.weight"] = up
     assert layers, f"no layer of {package.name}'s transformer matches {recipe.targets}"
+    text: dict[str, torch.Tensor] = {}
+    if recipe.text_encoder:
+        encoder = getattr(transformers, index["text_encoder"][1]).from_pretrained(package / "text_encoder")
+        for name, module in encoder.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.endswith(("q_proj", "v_proj")):
+                text[f"{name}.lora_A.weight"] = torch.randn(recipe.rank, module.in_features, generator=generator)
+                text[f"{name}.lora_B.weight"] = torch.randn(module.out_features, recipe.rank, generator=generator)
     folder.mkdir(parents=True)
-    pipeline_class.save_lora_weights(folder, transformer_lora_layers=layers, weight_name=WEIGHTS)
+    extra = {"text_encoder_lora_layers": text} if text else {}
+    pipeline_class.save_lora_weights(folder, transformer_lora_layers=layers, weight_name=WEIGHTS, **extra)
 
 
 def _stamp() -> str:
