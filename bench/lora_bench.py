@@ -37,8 +37,8 @@ CASES = ("none", "held", "switch")
 
 
 def bench(opts: argparse.Namespace) -> dict[str, Any]:
-    from triptych.lora import LoraCatalog, LoraWeight
-    from triptych.params import GenerationParams
+    from triptych.lora import LoraCatalog
+    from triptych.params import GenerationParams, LoraWeight
     from triptych.roles import Role
     from triptych_dev.tiny_models import write_tiny_models
     from triptych_dev.tiny_models.loras import write_tiny_loras

@@ -22,8 +22,7 @@ import os
 import re
 import threading
 from collections.abc import Iterable, Mapping
-
-import msgspec
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +32,14 @@ MIN_WEIGHT, MAX_WEIGHT = -8.0, 8.0  # a LoRA's scale; beyond a few either way th
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # it becomes a peft adapter name: no dots
 
 
-class LoraWeight(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One adapter a request names, and the scale it applies it with."""
+class NamedAdapter(Protocol):
+    """One adapter a request names (triptych.params.LoraWeight: a msgspec Struct; this module stays
+    standard-library only, as the contract, the CLI and the operator import it)."""
 
-    name: str
-    weight: float = 1.0
+    @property
+    def name(self) -> str: ...
+    @property
+    def weight(self) -> float: ...
 
 
 class BadAdapter(ValueError):
@@ -46,7 +48,7 @@ class BadAdapter(ValueError):
     param = FIELD
 
 
-def check_request(loras: Iterable[LoraWeight]) -> str | None:
+def check_request(loras: Iterable[NamedAdapter]) -> str | None:
     """Why a request's adapters are refused whatever the catalogue holds (count, duplicates,
     weights), or None."""
     chosen = list(loras)
@@ -142,7 +144,7 @@ class LoraCatalog:
     def source(self, name: str) -> str | None:
         return self.entries().get(name)
 
-    def check(self, loras: Iterable[LoraWeight]) -> None:
+    def check(self, loras: Iterable[NamedAdapter]) -> None:
         """Raise BadAdapter naming the first adapter the catalogue does not hold."""
         known = self.entries()
         for i, lora in enumerate(loras):

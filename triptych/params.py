@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import msgspec
 
-from triptych.lora import LoraWeight
 from triptych.step_cache import NONE, StepCache, resolved
+
+
+class LoraWeight(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One LoRA adapter a request names (triptych/lora.py), and the scale it applies it with."""
+
+    name: str
+    weight: float = 1.0
 
 
 class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

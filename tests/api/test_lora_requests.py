@@ -18,8 +18,8 @@ from triptych.batching import batch_key
 from triptych.config import ConfigError, ServeArgs
 from triptych.contract import EDITS, IMAGES
 from triptych.families import ModelInfo
-from triptych.lora import LoraCatalog, LoraWeight
-from triptych.params import GenerationParams
+from triptych.lora import LoraCatalog
+from triptych.params import GenerationParams, LoraWeight
 from triptych.roles import Role
 from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext

@@ -26,8 +26,7 @@ from PIL import Image
 from tests.e2e.harness import deployment
 from tests.worker.test_lora import stock
 from tests.worker.test_role_pipelines import reference_png
-from triptych.lora import LoraWeight
-from triptych.params import GenerationParams
+from triptych.params import GenerationParams, LoraWeight
 from triptych.roles import Role
 from triptych_dev.localdeploy import LocalDeployment, local_monolithic
 

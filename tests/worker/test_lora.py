@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.worker.test_role_pipelines import reference_png
-from triptych.lora import BadAdapter, LoraCatalog, LoraWeight
-from triptych.params import GenerationParams
+from triptych.lora import BadAdapter, LoraCatalog
+from triptych.params import GenerationParams, LoraWeight
 from triptych.roles import Role
 from triptych_worker.pipeline import RolePipeline, load_role_pipeline
 from triptych_worker.stages import PIXELS, StageBatch
