@@ -10,7 +10,8 @@ the same (one head and its workers serve one model, so the model is the same alr
 - negative prompt present or not (with CFG: whether the uncond branch runs on a given text);
 - max_sequence_length (the text embeddings' length);
 - num_outputs (rows per request: a batch is a whole number of requests of the same width);
-- the step cache, its knob resolved (the denoiser applies one cache hook to the whole batch).
+- the step cache, its knob resolved (the denoiser applies one cache hook to the whole batch);
+- the LoRA adapters, with their weights and order (the denoiser activates one set for the whole batch).
 
 What may differ: prompt, negative prompt text and seed. Each request's initial noise is made from
 its own seed alone (LatentPreparationStage runs per request), so it is what it would be alone.
@@ -40,4 +41,5 @@ def batch_key(params: GenerationParams, request_id: str = "") -> tuple[Any, ...]
         p.max_sequence_length,
         p.num_outputs,
         p.resolved_step_cache,
+        p.loras,
     )

@@ -85,7 +85,7 @@ class Reference:
 
 
 def _form_text(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, bool) else str(value)
+    return json.dumps(value) if isinstance(value, bool | list | dict) else str(value)
 
 
 def _pngs(response: httpx.Response) -> list[bytes]:

@@ -48,9 +48,20 @@ def add_request_options(parser: argparse.ArgumentParser, endpoint: str, contract
         kind: dict[str, Any] = (
             {"action": argparse.BooleanOptionalAction} if param.type is bool else {"type": param.type}
         )
+        if param.type is list:  # the LoRA adapters: one option per adapter, NAME or NAME=WEIGHT
+            kind = {"action": "append", "type": _lora_choice, "metavar": "NAME[=WEIGHT]"}
         parser.add_argument(param.cli, dest=param.name, help="; ".join(n for n in notes if n), **kind)
         names.append(param.name)
     parser.set_defaults(request_params=tuple(names))
+
+
+def _lora_choice(text: str) -> dict[str, object]:
+    from triptych.lora import choice_option
+
+    try:
+        return choice_option(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_client_commands(sub: Any, contract: Contract = CONTRACT) -> None:

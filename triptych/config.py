@@ -39,6 +39,8 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
 DEVICES = ("cuda", "cpu")
 # --encoder-cache-bytes: prompt embeddings kept for repeated prompts (a FLUX.1 prompt: 512 x 4096 bf16, 4 MiB).
 DEFAULT_ENCODER_CACHE_BYTES = 256 * MIB
+# --lora-cache-bytes: LoRA adapters a denoiser keeps loaded (a FLUX.1 rank-16 adapter: about 80 MiB in bf16).
+DEFAULT_LORA_CACHE_BYTES = 2048 * MIB
 
 # Worker-URL flags of the head, by the role they list (the role descriptor's, triptych.roles).
 URL_FLAGS: dict[Role, str] = {role: role.url_attr for role in WORKER_ROLES}
@@ -152,6 +154,9 @@ class ServeArgs:
     batching_delay_ms: float = 30.0  # head: longest a request waits for its group to fill
     enable_batching_metrics: bool = False  # head: batch size, wait and fill histograms on /metrics
     otlp_endpoint: str = ""  # head and workers: an OTLP/HTTP collector for traces ("": off; triptych.tracing)
+    lora: list[str] = field(default_factory=list)  # NAME=SOURCE adapters requests may name (triptych.lora)
+    lora_catalog: str | None = None  # a file of NAME=SOURCE lines, re-read when it changes
+    lora_cache_bytes: int = DEFAULT_LORA_CACHE_BYTES  # denoiser: adapters kept loaded, least recently used dropped
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> ServeArgs:
@@ -281,6 +286,7 @@ class ServeArgs:
         self._validate_simulation()
         self._validate_control_security()
         self._validate_flags_taken()
+        self._validate_lora()
         try:
             self.parallelism()
         except ParallelismError as exc:
@@ -316,6 +322,18 @@ class ServeArgs:
                     f"--otlp-endpoint {self.otlp_endpoint!r} is not http(s)://HOST:PORT, an OTLP/HTTP collector "
                     "(traces go to its /v1/traces)"
                 )
+
+    def _validate_lora(self) -> None:
+        from triptych.lora import parse_entries
+
+        try:
+            parse_entries(self.lora)  # the --lora-catalog file is the process's to read (and re-read): not here
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.lora_catalog is not None and not self.lora_catalog.strip():
+            raise ConfigError("--lora-catalog is empty: give the path of a file of NAME=SOURCE lines")
+        if self.lora_cache_bytes < 1:
+            raise ConfigError(f"--lora-cache-bytes {self.lora_cache_bytes} must be > 0; use e.g. 2GiB")
 
     def _validate_results_store(self) -> None:
         given = [f for f in ("results_store", "results_s3_endpoint", "results_presign") if getattr(self, f)]
@@ -585,6 +603,16 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
       help="head and workers: export OpenTelemetry traces of requests over OTLP/HTTP to this collector "
            "(http://HOST:4318; spans go to URL/v1/traces); without it OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
            "OTEL_EXPORTER_OTLP_ENDPOINT, else off")  # fmt: skip
+    a("--lora", action="extend", type=parse_urls, default=[], metavar="NAME=SOURCE",
+      help="head, denoiser, monolithic: a LoRA adapter requests may name (`loras`), repeatable (or "
+           "';'-separated); SOURCE: a folder with pytorch_lora_weights.safetensors, a .safetensors file or a hub "
+           "id (HF_TOKEN)")  # fmt: skip
+    a("--lora-catalog", default=None, metavar="PATH",
+      help="head, denoiser, monolithic: a file of NAME=SOURCE lines (# comments), re-read when it changes, so "
+           "adding a line adds an adapter without a restart; its names win over --lora's")  # fmt: skip
+    a("--lora-cache-bytes", type=parse_size, default=d.lora_cache_bytes,
+      help="denoiser, monolithic: bytes of LoRA adapters kept loaded, least recently used unloaded first "
+           "(default 2GiB)")  # fmt: skip
     a("--simulate", action="store_true",
       help="worker: load no model; each stage sleeps a modelled time and emits the tensors --model-path's family "
            "would (shapes from its configs), through the real pool and Mooncake transfers")  # fmt: skip

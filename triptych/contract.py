@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from triptych import priority, step_cache
+from triptych import lora, priority, step_cache
 
 IMAGES = "/v1/images/generations"
 EDITS = "/v1/images/edits"
@@ -175,7 +175,7 @@ class RequestParam:
     """One request parameter, declared once."""
 
     name: str
-    type: type  # str, int, float or bool
+    type: type  # str, int, float or bool; list: a list of LoRA adapters (schemas.py builds its items)
     doc: str
     endpoints: frozenset[str]
     default: Any = None  # None: optional; the server (or the model) chooses
@@ -238,6 +238,9 @@ class Contract:
         knob = step_cache.check_knobs(values)
         if knob is not None:
             raise ParamError(*knob)
+        why = lora.check_request(values.get(lora.FIELD) or ())
+        if why is not None:
+            raise ParamError(lora.FIELD, why)
 
     def describe(self, endpoint: str, traits: ModelTraits | None) -> dict[str, dict[str, Any]]:
         """The parameters `endpoint` takes with the served model's limits, as JSON (the playground's form)."""
@@ -472,6 +475,16 @@ CONTRACT = Contract(
             ALL,
             limits=Limits(minimum=step_cache.MIN_INTERVAL, maximum=step_cache.MAX_INTERVAL),
             cli="--step-cache-interval",
+        ),
+        RequestParam(
+            lora.FIELD,
+            list,
+            f"LoRA adapters of this deployment to apply, at most {lora.MAX_ADAPTERS}, each "
+            f'{{"name": NAME, "weight": W}} (weight {lora.MIN_WEIGHT:g}..{lora.MAX_WEIGHT:g}, default 1); '
+            "the deployment's catalogue names them (docs/serving.md#lora-adapters)",
+            ALL,
+            limits=Limits(max_length=lora.MAX_ADAPTERS),
+            cli="--lora",
         ),
         RequestParam("quality", str, COMPATIBILITY, IMAGE_ENDPOINTS, fields=(), accepted_only=True),
         RequestParam("style", str, COMPATIBILITY, frozenset({IMAGES}), fields=(), accepted_only=True),

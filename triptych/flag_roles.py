@@ -29,6 +29,7 @@ GROUP_ROLES: dict[str, frozenset[Role]] = {
     "parallelism": WORKERS,
     "transfer": WORKERS,
     "control plane security": SERVER | WORKERS,  # monolithic mode has no control plane
+    "lora": HEADS | {Role.DENOISER},  # the head checks names; denoisers (and monolithic mode) apply adapters
     "tracing": SERVER | WORKERS,  # a trace follows a request's hops; monolithic mode has none
 }
 
@@ -66,6 +67,7 @@ OVERRIDES: dict[str, frozenset[Role]] = {
     "--reference-url-networks": HEADS
     | {r for r in WORKER_ROLES if r.runs_affinity(Role.IMAGE_ENCODER)}
     | {FULL_PIPELINE_ROLE},
+    "--lora-cache-bytes": frozenset({Role.DENOISER, Role.MONOLITHIC}),  # the processes that hold adapters
     # monolithic mode runs on the device --device and --base-gpu-id name (ServeArgs.resolved_device)
     "--base-gpu-id": WORKERS | {Role.MONOLITHIC},
     # a role's own degree: that role only

@@ -11,6 +11,13 @@ import msgspec
 from triptych.step_cache import NONE, StepCache, resolved
 
 
+class LoraWeight(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One LoRA adapter a request names (triptych/lora.py), and the scale it applies it with."""
+
+    name: str
+    weight: float = 1.0
+
+
 class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt: str
     width: int
@@ -30,6 +37,9 @@ class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step_cache: str = NONE
     step_cache_threshold: float | None = None
     step_cache_interval: int | None = None
+    # LoRA adapters (triptych/lora.py), in the order the request names them: the denoiser activates
+    # them with these weights for this request only.
+    loras: tuple[LoraWeight, ...] = ()
 
     @property
     def has_reference(self) -> bool:

@@ -91,6 +91,10 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
         "head and workers",
         ("--disagg-keys-dir", "--disagg-insecure"),
     ),
+    "lora": (
+        "LoRA adapters: the head checks the names requests give, denoisers load and apply them (docs/serving.md)",
+        ("--lora", "--lora-catalog", "--lora-cache-bytes"),
+    ),
     "tracing": ("head and workers: OpenTelemetry traces of requests (docs/serving.md)", ("--otlp-endpoint",)),
 }
 GROUP_OF = {flag: title for title, (_, flags) in GROUPS.items() for flag in flags}

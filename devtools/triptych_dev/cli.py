@@ -31,12 +31,15 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
 
 def run_models_tiny(ns: argparse.Namespace) -> int:
     from triptych_dev.tiny_models import write_tiny_models
+    from triptych_dev.tiny_models.loras import write_tiny_loras
 
     try:
         paths = write_tiny_models(ns.out, families=ns.family)
     except ValueError as exc:
         print(f"triptych: error: {exc}", file=sys.stderr)
         return 2
+    if ns.family is None:  # every package: their LoRA adapters too
+        paths.append(write_tiny_loras(ns.out, {path.name: path for path in paths}))
     for path in paths:
         print(path)
     return 0

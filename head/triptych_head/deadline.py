@@ -17,6 +17,7 @@ tick last counted. The roles drain their backlogs side by side, each on other re
 request waits behind the largest one, not their sum; then its own stages run one after the other.
 A role with no ready instance counts as one (requests wait for instances: --disagg-no-instance-wait).
 
+A request naming LoRA adapters no ready denoiser holds adds their loads to the denoiser's own work.
 The estimate is as good as the work model: before a role's first measured request it uses the
 priors (PRIOR_SECONDS_PER_UNIT, `calibrated` False), and it ignores a request's fixed costs
 (transfers, start-up of a stage). It only refuses a request whose estimate exceeds its deadline.
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 from triptych.params import GenerationParams
 from triptych.roles import Role, route_for
-from triptych_head.workload import work_units
+from triptych_head.workload import lora_loads, work_units
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class LoadFigures:
 
     roles: Mapping[Role, RoleFigures] = field(default_factory=dict)
     counted: frozenset[str] = frozenset()  # ids of the requests pending_s includes
+    held_loras: frozenset[str] = frozenset()  # the LoRA adapters some ready denoiser holds
+    lora_load_s: float = 0.0  # one adapter load on a denoiser (workload.WorkEstimator.lora_load_s)
 
     def wait_s(self, role: Role, unseen_s: float = 0.0) -> float:
         figures = self.roles.get(role)
@@ -77,8 +80,12 @@ def route(figures: LoadFigures, params: GenerationParams) -> list[Role]:
 
 
 def own_work(figures: LoadFigures, params: GenerationParams) -> dict[Role, float]:
-    """Device-seconds the request needs from each role of its route."""
-    return {role: work_units(role, params) * figures.roles[role].seconds_per_unit for role in route(figures, params)}
+    """Device-seconds the request needs from each role of its route (the denoiser's with the loads of
+    the LoRA adapters it names that no ready denoiser holds)."""
+    work = {role: work_units(role, params) * figures.roles[role].seconds_per_unit for role in route(figures, params)}
+    if Role.DENOISER in work:
+        work[Role.DENOISER] += lora_loads(params, figures.held_loras) * figures.lora_load_s
+    return work
 
 
 def estimate(figures: LoadFigures, work: Mapping[Role, float], unseen_s: Mapping[Role, float]) -> Estimate:

@@ -42,6 +42,18 @@ def dispatch_max_free_slots(instances: Sequence[WorkerInstance], eligible: Eligi
     return max(candidates, key=lambda w: (w.free_slots, -w.dispatched_total))
 
 
+def dispatch_lora_affinity(
+    policy: Policy, instances: Sequence[WorkerInstance], eligible: Eligible, loras: frozenset[str]
+) -> WorkerInstance | None:
+    """A request naming LoRA adapters: the least loaded eligible instance that holds them all already,
+    else the least loaded eligible one, which loads them (a load costs seconds; a request already held
+    costs nothing more). Without adapters: `policy`."""
+    if not loras:
+        return policy(instances, eligible)
+    holders = [w for w in instances if w.holds(loras)]
+    return dispatch_max_free_slots(holders, eligible) or dispatch_max_free_slots(instances, eligible)
+
+
 def make_policy(name: str) -> Policy:
     if name == "round_robin":
         return RoundRobin()

@@ -46,6 +46,7 @@ class WorkerInstance:
     wrong_model: bool = False  # its package is not the head's (another fingerprint): it never gets work
     encoder_cache: EncoderCacheStats | None = None  # its prompt-embedding cache, as of its last heartbeat
     step_cache: tuple[StepCacheStats, ...] = ()  # its step caches per mode, as of its last heartbeat
+    loras: frozenset[str] = frozenset()  # the LoRA adapters it holds loaded, as of its last heartbeat
     via: str = ""  # the endpoint its heartbeats reach this head by (echoed in pings)
     # Scheduling slots it holds for other heads (it serves several); a WorkRefused counts it full
     # until its next heartbeat.
@@ -70,6 +71,10 @@ class WorkerInstance:
     def batch_room(self) -> int:
         """The largest group it can take now: its free slots, at most one batch of its own size."""
         return min(self.free_slots, self.max_batch)
+
+    def holds(self, loras: frozenset[str]) -> bool:
+        """Whether it holds every one of these LoRA adapters loaded (a request naming them skips the loads)."""
+        return loras <= self.loras
 
     def can_take(self, nbytes: int = 0) -> bool:
         """A free scheduling slot and, for a transfer, no recent refusal for this size."""

@@ -13,6 +13,7 @@ from typing import Any
 from triptych import startup
 from triptych.config import ServeArgs
 from triptych.families import read_model_info, read_rules
+from triptych.lora import LoraCatalog
 from triptych.params import GenerationParams
 from triptych_head.admission import MIN_QUEUED, AdmissionControl
 from triptych_head.api.app import create_app
@@ -98,6 +99,7 @@ def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
     ctx = HeadContext(
         backend=FrontendClient(server.frontend_endpoint),
         model=model,
+        lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
         output_path=Path(args.output_path),
         registry=metrics.registry,
         health=lambda: {"mode": "disaggregated", "topology": server.topology, "workers": server.registry.snapshot()},
@@ -131,7 +133,14 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
     if guards is None or results is None:
         return 2
     model = read_model_info(args.model_path, names)
-    pipeline = load_role_pipeline(args.model_path, args.disagg_role, args.resolved_device)
+    catalog = LoraCatalog.from_flags(args.lora, args.lora_catalog)
+    pipeline = load_role_pipeline(
+        args.model_path,
+        args.disagg_role,
+        args.resolved_device,
+        lora_catalog=catalog,
+        lora_cache_bytes=args.lora_cache_bytes,
+    )
     startup.mark("loaded")
     metrics = HeadMetrics()
 
@@ -143,6 +152,7 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
     ctx = HeadContext(
         backend=LocalBackend(pipeline, after_request=relay_step_cache),
         model=model,
+        lora_catalog=catalog,
         output_path=Path(args.output_path),
         registry=metrics.registry,
         health=lambda: {"mode": "monolithic"},

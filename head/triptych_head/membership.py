@@ -145,6 +145,10 @@ class Membership:
         ready = [i for i in self.instances(role) if self.ready(i)]
         return len(ready), sum(i.capacity for i in ready)
 
+    def held_loras(self, role: Role) -> frozenset[str]:
+        """The LoRA adapters some ready instance of `role` holds loaded (their heartbeats' word)."""
+        return frozenset(name for i in self.instances(role) if self.ready(i) for name in i.loras)
+
     def publish_metrics(self) -> None:
         now = self._clock()
         for role, by_url in self._instances.items():
@@ -201,6 +205,7 @@ class Membership:
                     "full_pipeline": i.full_pipeline,
                     "wrong_topology": i.wrong_topology,
                     "wrong_model": i.wrong_model,
+                    "loras": sorted(i.loras),
                 }
                 for i in by_url.values()
             ]

@@ -21,7 +21,7 @@ from triptych.protocol import TransferAlloc, TransferPush, TransferReady, Work, 
 from triptych.roles import Role
 from triptych_head import migration, preemption
 from triptych_head.batcher import Group, GroupBatcher
-from triptych_head.dispatch import make_policy
+from triptych_head.dispatch import Eligible, dispatch_lora_affinity, make_policy
 from triptych_head.instances import WorkerInstance
 from triptych_head.state import ROLE_STATES, RequestRecord, RequestState
 
@@ -118,7 +118,8 @@ class Dispatcher:
         for members in batcher.ready_groups(queued, room, now):
             staged = members[0].staged  # compatible: the same size for all
             nbytes, avoid = (staged.nbytes, staged.sender) if staged else (0, "")
-            inst = self._policies[role](instances, functools.partial(self._can_take, nbytes=nbytes, avoid=avoid))
+            eligible = functools.partial(self._can_take, nbytes=nbytes, avoid=avoid)
+            inst = self._choose(role, members[0], instances, eligible)
             if inst is None:
                 break
             group = Group(inst, members[: inst.batch_room])
@@ -133,6 +134,15 @@ class Dispatcher:
             remaining = [rid for rid in queue if rid not in gone]
             queue.clear()
             queue.extend(remaining)
+
+    def _choose(
+        self, role: Role, rec: RequestRecord, instances: Sequence[WorkerInstance], eligible: Eligible
+    ) -> WorkerInstance | None:
+        """The role's policy; for the denoising role, a request's LoRA adapters first (dispatch.py)."""
+        if role is Role.DENOISER and rec.params.loras:
+            loras = frozenset(lora.name for lora in rec.params.loras)
+            return dispatch_lora_affinity(self._policies[role], instances, eligible, loras)
+        return self._policies[role](instances, eligible)
 
     def _can_take(self, inst: WorkerInstance, nbytes: int, avoid: str = "", here: str = "") -> bool:
         """Ready with room; never `avoid`, the sender (a continuation goes to another denoiser). `here`
@@ -182,7 +192,7 @@ class Dispatcher:
         elif here and (own := self._membership.find(here)) is not None and eligible(own):
             inst = own  # a suspended request resumes where its state is when that denoiser has a slot
         else:
-            inst = self._policies[role](self._membership.instances(role), eligible)
+            inst = self._choose(role, rec, self._membership.instances(role), eligible)
         if inst is None:
             return False
         started = core.clock()  # before the send, so the hop's time contains all the instance's work

@@ -14,6 +14,7 @@ from triptych_head.admission import retry_after_seconds
 from triptych_head.deadline import LoadFigures, RoleFigures
 from triptych_head.pipeline_view import build_view
 from triptych_head.state import ROLE_STATES, RequestRecord, RequestState
+from triptych_head.workload import lora_loads
 
 if TYPE_CHECKING:
     from triptych_head.core import HeadCore
@@ -107,6 +108,7 @@ def publish_load(core: HeadCore, now: float) -> None:
     pending = dict.fromkeys(roles, 0.0)
     per_request = dict.fromkeys(roles, 0.0)  # full estimates, for the Retry-After
     visiting = dict.fromkeys(roles, 0)
+    held = core.membership.held_loras(Role.DENOISER)  # a request naming others costs their loads too
     for rec in core.requests.values():
         if rec.instance is None:
             queued[rec.role] += 1
@@ -115,7 +117,7 @@ def publish_load(core: HeadCore, now: float) -> None:
         computing = rec.state is ROLE_STATES[rec.role][1]
         for role in rec.remaining_roles():
             running_for = now - rec.hop_started if computing and role is rec.role else None
-            pending[role] += workload.remaining(role, rec.params, running_for)
+            pending[role] += workload.remaining(role, rec.params, running_for, lora_loads(rec.params, held))
             per_request[role] += workload.estimate(role, rec.params)
             visiting[role] += 1
     slots, retry_after = 0, 1
@@ -133,7 +135,9 @@ def publish_load(core: HeadCore, now: float) -> None:
         elif load.last_params is not None:  # idle: what the latest request would cost, at today's rates
             load.typical_seconds[role] = workload.estimate(role, load.last_params)
         retry_after = max(retry_after, retry_after_seconds(load.typical_seconds.get(role, 0.0), ready))
-    core.admission.update(slots, retry_after, LoadFigures(figures, frozenset(core.requests)))
+    core.admission.update(
+        slots, retry_after, LoadFigures(figures, frozenset(core.requests), held, workload.lora_load_s)
+    )
     core.pipeline_view = build_view(core.membership.snapshot(), queued, running, core.requests.values(), now)
 
 

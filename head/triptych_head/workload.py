@@ -10,6 +10,10 @@ The estimate is `units(role, params) x seconds_per_unit(role)`:
 - decoder: outputs x megapixels x frames (one VAE decode of every frame);
 - encoders: outputs (one prompt or reference image, whatever the size).
 
+A request naming LoRA adapters that no ready denoiser holds adds, to the denoiser's estimate, one
+adapter load per such adapter (the denoiser it goes to loads them): `lora_load_s` each, a prior
+until the denoisers' heartbeats report how long their loads took.
+
 `seconds_per_unit` starts at a prior (PRIOR_SECONDS_PER_UNIT); the first stage time a worker
 reports for the role replaces it, and later ones (the workers' own seconds, not queueing) move an
 exponentially weighted mean, so after a few requests it is this deployment's own hardware and model. A request
@@ -29,6 +33,14 @@ MIN_REMAINING_FRACTION = 0.1
 # Device-seconds per unit before anything was observed: orders of magnitude of a mid-size DiT
 # (FLUX-class, one H100) so that the first requests already move the signal the right way.
 PRIOR_SECONDS_PER_UNIT: dict[Role, float] = {role: spec.prior_seconds_per_unit for role, spec in ROLE_SPECS.items()}
+# Seconds a denoiser takes to load one LoRA adapter before any reported it: a FLUX.1 adapter (tens of
+# MiB) read from local disk and wrapped into the transformer's layers, copied to the GPU.
+LORA_LOAD_PRIOR_S = 2.0
+
+
+def lora_loads(params: GenerationParams, held: frozenset[str]) -> int:
+    """The adapters a request names that no ready denoiser holds (`held`): the loads it will cost."""
+    return len({lora.name for lora in params.loras} - held)
 
 
 def work_units(role: Role, params: GenerationParams) -> float:
@@ -47,6 +59,7 @@ class WorkEstimator:
     def __init__(self, prior: dict[Role, float] | None = None):
         self._per_unit = dict(PRIOR_SECONDS_PER_UNIT if prior is None else prior)
         self._observed: set[Role] = set()
+        self.lora_load_s = LORA_LOAD_PRIOR_S  # one adapter load on a denoiser (observe_lora_load)
 
     def seconds_per_unit(self, role: Role) -> float:
         return self._per_unit.get(role, 0.0)
@@ -55,13 +68,15 @@ class WorkEstimator:
         """Whether a worker has reported `role`'s stage time yet (False: the prior)."""
         return role in self._observed
 
-    def estimate(self, role: Role, params: GenerationParams) -> float:
-        """Device-seconds `role` needs for a request with these parameters."""
-        return work_units(role, params) * self.seconds_per_unit(role)
+    def estimate(self, role: Role, params: GenerationParams, loads: int = 0) -> float:
+        """Device-seconds `role` needs for a request with these parameters; `loads`: LoRA adapters the
+        denoiser must load for it first (lora_loads)."""
+        extra = loads * self.lora_load_s if role is Role.DENOISER else 0.0
+        return work_units(role, params) * self.seconds_per_unit(role) + extra
 
-    def remaining(self, role: Role, params: GenerationParams, running_for: float | None) -> float:
+    def remaining(self, role: Role, params: GenerationParams, running_for: float | None, loads: int = 0) -> float:
         """What is left of the estimate; `running_for` is how long it has run on a worker (None: not started)."""
-        total = self.estimate(role, params)
+        total = self.estimate(role, params, loads)
         if running_for is None:
             return total
         return max(total - running_for, total * MIN_REMAINING_FRACTION)
@@ -76,3 +91,8 @@ class WorkEstimator:
             sample = (1 - SMOOTHING) * self._per_unit[role] + SMOOTHING * sample
         self._per_unit[role] = sample
         self._observed.add(role)
+
+    def observe_lora_load(self, seconds: float) -> None:
+        """A denoiser's heartbeat: its adapter loads took `seconds` each on average (0: none yet)."""
+        if seconds > 0:
+            self.lora_load_s = seconds

@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import kopf
 
+from triptych.lora import parse_entries
 from triptych.ports import MOONCAKE_PORT_RANGE, result_port
 from triptych.roles import Role
 from triptych.security import Side, key_files
@@ -32,6 +33,9 @@ from triptych_operator.constants import (
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
     LABEL_NAME,
+    LORA_CATALOG_FILE,
+    LORA_CATALOG_MOUNT,
+    LORA_COMPONENT,
     MANAGER,
     MODEL_MOUNT,
     MULTUS_NETWORKS_ANNOTATION,
@@ -47,7 +51,7 @@ from triptych_operator.constants import (
 )
 from triptych_operator.serve_args import SERVE_COMMAND, head_argv, object_name, worker_argv
 from triptych_operator.spec.declaration import HEAD_UNROUTE_S, S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
-from triptych_operator.spec.model import PipelineSpec
+from triptych_operator.spec.model import PipelineSpec, SpecError
 
 Manifest = dict[str, Any]
 
@@ -136,6 +140,11 @@ def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None, keys_
     else:
         children.apply.append(pdb)
     children.apply += [api_service(pipeline), worker_network_policy(pipeline), head_network_policy(pipeline)]
+    catalog = lora_catalog(pipeline)
+    if catalog is None:
+        children.delete.append(ObjectRef("v1", "ConfigMap", object_name(pipeline.name, LORA_COMPONENT)))
+    else:
+        children.apply.append(catalog)
     ingress = head_ingress(pipeline)
     if ingress is None:
         children.delete.append(ObjectRef("networking.k8s.io/v1", "Ingress", object_name(pipeline.name, API_COMPONENT)))
@@ -148,20 +157,57 @@ def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None, keys_
     return children
 
 
-def _model_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest], list[Manifest]]:
-    """(volumes, mounts, env) that give a container the model; a hub model needs a cache and a token."""
+def _model_volume(
+    pipeline: PipelineSpec, downloads: bool = False
+) -> tuple[list[Manifest], list[Manifest], list[Manifest]]:
+    """(volumes, mounts, env) that give a container the model; a hub model needs a cache and a token,
+    as does a denoiser of a model on a volume (`downloads`) that may fetch hub-id LoRA adapters."""
     model = pipeline.model
-    if model.uses_volume:
+    if model.uses_volume and not downloads:
         if model.pvc_claim_name:
             source: Manifest = {"persistentVolumeClaim": {"claimName": model.pvc_claim_name, "readOnly": True}}
         else:
             source = {"hostPath": {"path": model.host_path, "type": "Directory"}}
         return [{"name": "model", **source}], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}], []
+    volumes: list[Manifest] = [{"name": "hf-cache", "emptyDir": {}}]
+    mounts: list[Manifest] = [{"name": "hf-cache", "mountPath": HF_CACHE_MOUNT}]
+    if model.uses_volume:  # and downloads: the model from its volume, adapters from the hub into the cache
+        model_volumes, model_mounts, _ = _model_volume(pipeline)
+        volumes, mounts = [*model_volumes, *volumes], [*model_mounts, *mounts]
     env: list[Manifest] = [{"name": "HF_HOME", "value": f"{HF_CACHE_MOUNT}/huggingface"}]
     if model.token_secret_name:
         ref = {"name": model.token_secret_name, "key": model.token_secret_key}
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
-    return [{"name": "hf-cache", "emptyDir": {}}], [{"name": "hf-cache", "mountPath": HF_CACHE_MOUNT}], env
+    return volumes, mounts, env
+
+
+def lora_catalog(pipeline: PipelineSpec) -> Manifest | None:
+    """spec.model.loras as the ConfigMap the head and the denoisers read their --lora-catalog from;
+    None without adapters. SpecError naming the field for an entry the processes would not take."""
+    loras = pipeline.model.loras
+    if not loras:
+        return None
+    try:
+        parse_entries(loras, "spec.model.loras:")
+    except ValueError as exc:
+        raise SpecError("spec.model.loras", str(exc).removeprefix("spec.model.loras: ")) from None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(pipeline, LORA_COMPONENT, object_name(pipeline.name, LORA_COMPONENT)),
+        "data": {LORA_CATALOG_FILE.rsplit("/", 1)[1]: "".join(f"{entry}\n" for entry in loras)},
+    }
+
+
+def lora_catalog_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest]]:
+    """(volumes, mounts) of the adapters' catalogue, mounted whole (no subPath) so that an edit of
+    spec.model.loras reaches the file within the kubelet's sync period, and no pod restarts."""
+    if not pipeline.model.loras:
+        return [], []
+    source = {"name": object_name(pipeline.name, LORA_COMPONENT)}
+    return [{"name": "loras", "configMap": source}], [
+        {"name": "loras", "mountPath": LORA_CATALOG_MOUNT, "readOnly": True}
+    ]
 
 
 def keys_secret_name(pipeline: PipelineSpec) -> str:
@@ -247,8 +293,13 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
     """The Deployment of one worker role: GPU-pinned, or a CPU role (gpusPerReplica 0) that asks for no GPU."""
     spec = pipeline.roles[role]
     transfer = pipeline.transfer
-    volumes, mounts, model_env = _model_volume(pipeline)
+    # A denoiser loads the adapters: hub ids among them download into a cache, with the model's token.
+    hub_adapters = role is Role.DENOISER and any(not e.partition("=")[2].startswith("/") for e in pipeline.model.loras)
+    volumes, mounts, model_env = _model_volume(pipeline, downloads=hub_adapters)
     keys_volume, keys_mount = _keys_volume(pipeline, "worker")
+    if role is Role.DENOISER:  # the role that loads adapters
+        lora_volumes, lora_mounts = lora_catalog_volume(pipeline)
+        volumes, mounts = [*volumes, *lora_volumes], [*mounts, *lora_mounts]
     extended = {GPU_RESOURCE: spec.gpus_per_replica} if spec.gpus_per_replica else {}
     moves_tensors = not pipeline.full_pipeline  # a full-pipeline worker runs no Mooncake: no NIC, no pinned pool
     if transfer.rdma and moves_tensors:
@@ -465,6 +516,8 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
     volumes, mounts, model_env = _model_volume(pipeline)
     keys_volume, keys_mount = _keys_volume(pipeline, "head")
     api_key_volumes, api_key_mounts = head_api_keys_volume(pipeline)
+    lora_volumes, lora_mounts = lora_catalog_volume(pipeline)
+    volumes, mounts = [*volumes, *lora_volumes], [*mounts, *lora_mounts]
     container: Manifest = {
         "name": HEAD_COMPONENT,
         "image": pipeline.head_image,

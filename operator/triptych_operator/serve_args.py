@@ -19,6 +19,7 @@ from triptych_operator.constants import (
     HEAD_SCHEDULER_PORT,
     HEADS_SERVICE,
     KEYS_MOUNT,
+    LORA_CATALOG_FILE,
     OUTPUT_MOUNT,
     PIPELINE_ROLES,
     WORKER_MASTER_PORT,
@@ -95,6 +96,8 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         batching_max_size=spec.batch_max_size,
         disagg_full_pipeline=pipeline.full_pipeline,
         otlp_endpoint=pipeline.tracing.otlp_endpoint or "",
+        # The head checks the names requests give, the denoisers load them: the same catalogue file.
+        lora_catalog=LORA_CATALOG_FILE if pipeline.model.loras and role is Role.DENOISER else None,
         **parallel,  # type: ignore[arg-type]
     )
 
@@ -138,6 +141,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         api_keys_file=API_KEYS_FILE if pipeline.head.api_keys_secret else None,
         disagg_keys_dir=KEYS_MOUNT,
         otlp_endpoint=pipeline.tracing.otlp_endpoint or "",
+        lora_catalog=LORA_CATALOG_FILE if pipeline.model.loras else None,
         **head_batching(pipeline),
         **head_results_store(pipeline),
         **urls,  # type: ignore[arg-type]

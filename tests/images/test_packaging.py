@@ -28,7 +28,7 @@ from triptych_dev.localdeploy import local_deployment, wait_until_ready
 REPO = Path(__file__).resolve().parents[2]
 EXTRAS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 
-WORKER_ONLY = ("torch", "diffusers", "transformers", "accelerate", "safetensors", "mooncake", "triton")
+WORKER_ONLY = ("torch", "diffusers", "transformers", "accelerate", "safetensors", "peft", "mooncake", "triton")
 OPERATOR_ONLY = ("kopf", "kubernetes", "aiohttp")
 HEAD_ONLY = ("fastapi", "uvicorn", "numpy", "PIL", "av", "prometheus_client", "msgspec")
 # In both the head and the operator image: the operator generates each pipeline's CURVE keys.

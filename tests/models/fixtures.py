@@ -16,3 +16,12 @@ def tiny_models() -> dict[str, Path]:
     from triptych_dev.tiny_models import write_tiny_models
 
     return {path.name: path for path in write_tiny_models(MODELS_DIR)}
+
+
+@pytest.fixture(scope="session")
+def tiny_loras(tiny_models: dict[str, Path]) -> dict[str, Path]:
+    """Tiny LoRA adapter name ("flux-ink", "flux-paper", "wan-ink", "flux-misfit") -> its folder."""
+    from triptych_dev.tiny_models.loras import RECIPES, write_tiny_loras
+
+    folder = write_tiny_loras(MODELS_DIR, tiny_models)
+    return {name: folder / name for name in RECIPES}

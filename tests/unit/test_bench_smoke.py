@@ -66,6 +66,7 @@ SMOKE: dict[str, tuple[str, str]] = {
     ),
     "cold_start_bench.py": ("--model {models}/tiny-flux --rounds 1 --json {tmp}/cs.json", "served/mono"),
     "random_wan.py": ("--out {tmp}/random-wan --num-layers 1 --dtype bfloat16", "random-wan"),
+    "lora_bench.py": ("--models {models} --size 32x32 --steps 2 --rounds 1 --json {tmp}/lora.json", "switch cost"),
 }
 CLUSTER_SMOKE = {"operator_bench.py": ("--pipelines 2 --steady 1 --json {tmp}/o.json", "pipelines")}
 # bench/ scripts that are no benchmark of their own: run_all.py runs the others at full size (`make bench`).

@@ -90,10 +90,17 @@ SAMPLE: dict[str, Any] = {
     "--disagg-keys-dir": "/keys-dir",
     "--disagg-insecure": True,
     "--otlp-endpoint": "http://collector:4318",
+    "--lora": ["ink=/adapters/ink"],
+    "--lora-catalog": "/adapters/catalog.txt",
+    "--lora-cache-bytes": 1,
 }
 
 # flag -> the test that exercises its effect in a role that takes it (not only its parsing).
 TESTED: dict[str, str] = {
+    "--lora": "tests/e2e/test_lora.py::test_adapters_equal_stock_disaggregated_and_monolithic",
+    "--lora-catalog": "tests/e2e/test_lora.py::test_an_adapter_added_to_the_catalog_file_is_served_without_a_restart",
+    "--lora-cache-bytes": "tests/worker/test_lora.py::"
+    "test_the_cache_unloads_the_least_recently_used_adapter_when_its_bytes_run_out",
     "--model-path": "tests/unit/test_model_source.py::test_serve_exits_with_one_line_for_a_bad_model_path",
     "--served-model-name": "tests/unit/test_flags_honoured.py::test_served_model_name_is_a_name_requests_may_use",
     "--disagg-role": "tests/unit/test_simulated.py::test_a_simulated_worker_process_never_imports_torch",

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from triptych.lora import BadAdapter
 from triptych.protocol import Failed, Progress, Result, TransferStaged, tensors_to_frames
 from triptych.reference import BadReference
 from triptych.tracing import Attributes
@@ -87,7 +88,7 @@ def _fails_alone(worker: Worker, link: HeadLinks, job: Job) -> Iterator[None]:
     except PayloadTooLarge as exc:
         worker.pool.free_owner(job.request_id)
         link.send(Failed(job.request_id, worker.instance, str(exc), status_code=413))
-    except BadReference as exc:  # the client's reference image (a URL the image encoder fetched)
+    except (BadReference, BadAdapter) as exc:  # the client's reference image (a URL fetched), or LoRA adapter
         worker.pool.free_owner(job.request_id)
         link.send(Failed(job.request_id, worker.instance, str(exc), status_code=400))
         worker._space_freed(link)

@@ -18,12 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
+from triptych.lora import LoraCatalog
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import Array
 from triptych.roles import WORKER_ROLES, Role
 from triptych_worker.adapters import FamilyAdapter, adapter_for
 from triptych_worker.batching import run_merged, split
 from triptych_worker.encoder_cache import EncoderCache
+from triptych_worker.lora import LoraAdapters
 from triptych_worker.preview import LatentPreviewer, find_projection, should_preview
 from triptych_worker.resume import RESUME
 from triptych_worker.stages import PIXELS, PipelineStage, StageBatch
@@ -142,17 +144,19 @@ class TimestepPreparationStage(AdapterStage):
 
 
 class DenoisingStage(BatchedAdapterStage):
-    """The denoising loop, with the request's step cache hook on the transformer (step_cache.py): a
-    merged batch runs here once, with the one mode its requests share (triptych.batching)."""
+    """The denoising loop, with the request's LoRA adapters active (lora.py) and its step cache hook
+    on the transformer (step_cache.py): a merged batch runs here once, with the one adapter set and
+    the one mode its requests share (triptych.batching)."""
 
     role_affinity: ClassVar[Role] = Role.DENOISER
 
-    def __init__(self, adapter: FamilyAdapter):
+    def __init__(self, adapter: FamilyAdapter, loras: LoraAdapters | None = None):
         super().__init__(adapter)
         self.step_cache = StepCaching(adapter)
+        self.loras = loras or LoraAdapters(adapter, LoraCatalog(), 0)
 
     def run(self, batch: StageBatch) -> None:
-        with self.step_cache.applied(batch.params):
+        with self.loras.applied(batch.params), self.step_cache.applied(batch.params):
             self.adapter.denoise(batch)
 
 
@@ -193,6 +197,11 @@ class RolePipeline:
     def step_cache(self) -> StepCaching | None:
         """The step caches of this role's denoising, if it denoises."""
         return next((s.step_cache for s in self.stages if isinstance(s, DenoisingStage)), None)
+
+    @property
+    def loras(self) -> LoraAdapters | None:
+        """The LoRA adapters of this role's denoising, if it denoises."""
+        return next((s.loras for s in self.stages if isinstance(s, DenoisingStage)), None)
 
     @property
     def hands_off(self) -> bool:
@@ -295,9 +304,17 @@ def role_components(adapter: FamilyAdapter, stage_classes: list[type[AdapterStag
     return components
 
 
-def load_role_pipeline(model_path: str, role: Role, device: str = "cpu", encoder_cache_bytes: int = 0) -> RolePipeline:
+def load_role_pipeline(
+    model_path: str,
+    role: Role,
+    device: str = "cpu",
+    encoder_cache_bytes: int = 0,
+    lora_catalog: LoraCatalog | None = None,
+    lora_cache_bytes: int = 0,
+) -> RolePipeline:
     """Build `role`'s stages for the diffusers package at `model_path`, loading only their weights;
-    its text encoding keeps up to `encoder_cache_bytes` of prompt embeddings (0: no cache).
+    its text encoding keeps up to `encoder_cache_bytes` of prompt embeddings (0: no cache), its
+    denoising loads the adapters of `lora_catalog` requests name, up to `lora_cache_bytes` of them.
 
     Raises ValueError for an unsupported pipeline class or a role this family has no stages for.
     """
@@ -306,7 +323,13 @@ def load_role_pipeline(model_path: str, role: Role, device: str = "cpu", encoder
     stage_classes = role_stages(role, family)
     adapter.load(role_components(adapter, stage_classes))
     cache = EncoderCache(encoder_cache_bytes) if encoder_cache_bytes else None
-    stages: list[PipelineStage] = [
-        TextEncodingStage(adapter, cache) if s is TextEncodingStage else s(adapter) for s in stage_classes
-    ]
+    loras = LoraAdapters(adapter, lora_catalog or LoraCatalog(), lora_cache_bytes)
+    stages: list[PipelineStage] = []
+    for s in stage_classes:
+        if s is TextEncodingStage:
+            stages.append(TextEncodingStage(adapter, cache))
+        elif s is DenoisingStage:
+            stages.append(DenoisingStage(adapter, loras))
+        else:
+            stages.append(s(adapter))
     return RolePipeline(family=family, role=role, stages=stages, adapter=adapter)

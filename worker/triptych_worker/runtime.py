@@ -32,6 +32,7 @@ import zmq
 from triptych import startup
 from triptych.config import ConfigError, ServeArgs
 from triptych.families.package import package_fingerprint
+from triptych.lora import LoraCatalog
 from triptych.ports import tcp_url
 from triptych.protocol import (
     HEAD_TO_WORKER,
@@ -117,7 +118,12 @@ class Worker:
             from triptych_worker.pipeline import load_role_pipeline
 
             pipeline = load_role_pipeline(
-                args.model_path, args.stage_role, args.resolved_device, encoder_cache_bytes=args.encoder_cache_bytes
+                args.model_path,
+                args.stage_role,
+                args.resolved_device,
+                encoder_cache_bytes=args.encoder_cache_bytes,
+                lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
+                lora_cache_bytes=args.lora_cache_bytes,
             )
             log.info("%s: %s", self.role.value, pipeline.describe())
         self.pipeline = pipeline
@@ -345,6 +351,8 @@ class Worker:
             full_pipeline=self.full_pipeline,
             encoder_cache=self._encoder_cache_stats(),
             step_cache=self._step_cache_stats(),
+            loras=self._loras_held(),
+            lora_load_s=self._lora_load_seconds(),
             via=endpoint,
             others_busy=self._busy_for_others(head_id),
             held=len(self._held_requests()),
@@ -379,6 +387,14 @@ class Worker:
     def _step_cache_stats(self) -> tuple[StepCacheStats, ...]:
         caching = getattr(self.pipeline, "step_cache", None)  # only model pipelines that denoise have one
         return () if caching is None else caching.stats()
+
+    def _loras_held(self) -> tuple[str, ...]:
+        loras = getattr(self.pipeline, "loras", None)  # only model pipelines that denoise hold adapters
+        return () if loras is None else loras.held()
+
+    def _lora_load_seconds(self) -> float:
+        loras = getattr(self.pipeline, "loras", None)
+        return 0.0 if loras is None else loras.mean_load_seconds()
 
     def _on_message(self, link: HeadLinks, parts: list[Any]) -> None:
         try:

@@ -66,6 +66,10 @@ app.kubernetes.io/component: operator
   resources: [poddisruptionbudgets]
   # The heads' budget while there are several; deleted when one head is left.
   verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [configmaps]
+  # spec.model.loras as the head's and denoisers' adapter catalogue; deleted when the list is emptied.
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   # Who may reach the workers' and head's control and transfer ports.

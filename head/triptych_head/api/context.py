@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from triptych.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TIMEOUT_S
 from triptych.contract import CONTRACT, VIDEOS, Contract, ParamError
 from triptych.families import ModelInfo
+from triptych.lora import BadAdapter, LoraCatalog
 from triptych.params import GenerationParams
 from triptych.priority import DEFAULT_LEVEL
 from triptych.priority import FIELD as PRIORITY_FIELD
@@ -50,6 +51,8 @@ class HeadContext:
     registry: CollectorRegistry
     # The parameters requests may carry, their limits narrowed by `model`'s family: checked once, here.
     contract: Contract = CONTRACT
+    # The LoRA adapters requests may name (--lora, --lora-catalog): checked here, loaded by the denoisers.
+    lora_catalog: LoraCatalog = field(default_factory=LoraCatalog)
     # Checks beyond the contract's (none in `triptych serve`); raise ParamError naming the parameter.
     validate: Validator | None = None
     health: Callable[[], dict[str, Any]] = field(default=lambda: {})
@@ -128,13 +131,15 @@ class HeadContext:
                 fields[param.sets[0]] = values[param.name]
         if reference is not None:
             fields.update(image=reference.data, image_url=reference.url)
-        params = GenerationParams(**fields)
+        params = msgspec.convert(fields, GenerationParams)  # the request's LoRA adapters become LoraWeight
         own = {p.name: values[p.name] for p in taken if p.fields == ()}  # what the head alone uses (fps, ...)
         try:
             self.contract.check({**own, **msgspec.structs.asdict(params)}, self.model)
+            if params.loras:
+                self.lora_catalog.check(params.loras)
             if self.validate is not None:
                 self.validate(params)
-        except ParamError as exc:
+        except (ParamError, BadAdapter) as exc:
             raise APIError(400, str(exc), exc.param) from None
         except ValueError as exc:  # a check beyond the contract that names no parameter
             raise APIError(400, str(exc)) from None

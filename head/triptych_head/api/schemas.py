@@ -6,12 +6,14 @@ FastAPI's OpenAPI schema follows from them.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
+from triptych import lora
 from triptych.contract import CONTRACT, EDITS, IMAGES, MAX_SIDE, MIN_SIDE, VIDEOS, Contract, RequestParam
 from triptych_head.state import RequestState
 
@@ -45,6 +47,17 @@ class RequestBody(BaseModel):
                 raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
         return v
 
+    @field_validator("loras", mode="before", check_fields=False)
+    @classmethod
+    def _loras_from_text(cls, v: object) -> object:
+        # An edit's multipart form carries text fields only: there, `loras` is the JSON array as text.
+        if isinstance(v, str):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError:
+                raise ValueError('must be a JSON array such as [{"name": "ink", "weight": 0.8}]') from None
+        return v
+
     @field_validator("size", check_fields=False)
     @classmethod
     def _size(cls, v: str | None) -> str | None:
@@ -53,11 +66,22 @@ class RequestBody(BaseModel):
         return v
 
 
+class LoraChoice(BaseModel):
+    """One LoRA adapter a request names (triptych.lora)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, description="An adapter of the deployment's catalogue")
+    weight: float = Field(1.0, ge=lora.MIN_WEIGHT, le=lora.MAX_WEIGHT, description="Its scale (1: as trained)")
+
+
 def _field(param: RequestParam, endpoint: str) -> tuple[Any, Any]:
     """The pydantic annotation and Field of `param` on `endpoint`, with the contract's own limits
     (the served family's narrower ones are checked at the door: context.HeadContext.params_for)."""
     lim = param.limits
     annotation: Any = Literal[lim.choices] if lim.choices else param.type
+    if param.type is list:
+        annotation = list[LoraChoice]
     default: Any = ... if param.required else param.default_for(endpoint)
     if param.name == "image":
         default = None  # an edit's URL; the file part arrives beside the form's text fields (reference.py)

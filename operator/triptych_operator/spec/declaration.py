@@ -354,6 +354,14 @@ def _model() -> Field:
         "Hub repository id (e.g. `black-forest-labs/FLUX.1-dev`), for clusters that reach a hub. Becomes "
         "`--model-path <hubId>`; downloads go to an `emptyDir` at `/cache` (`HF_HOME=/cache/huggingface`)."
     )
+    loras = (
+        "LoRA adapters requests may name (`loras`, docs/serving.md), as `NAME=SOURCE`: SOURCE an absolute path "
+        f"of a folder or `.safetensors` file in the pod (the model volume is at `{MODEL_MOUNT}`) or a hub id, which "
+        "the denoisers download on first use into an `emptyDir` at `/cache`, with `tokenSecretRef`'s token. "
+        "Written to a ConfigMap `<name>-loras` that the head and the denoisers mount "
+        "and read as `--lora-catalog`: an added adapter reaches them without a restart (within the kubelet's "
+        "sync period)."
+    )
     token = (
         Field("name", "string", "Secret with the hub token, exposed as `HF_TOKEN`.", required=True),
         Field("key", "string", "Key in that Secret.", default=DEFAULT_TOKEN_KEY),
@@ -368,6 +376,7 @@ def _model() -> Field:
             _model_volume(),
             Field("hubId", "string", hub_id),
             Field("tokenSecretRef", "object", "Secret holding the hub token (exposed as HF_TOKEN).", fields=token),
+            Field("loras", "array", loras, items=Field("", "string", min_length=3, doc_type="string")),
         ),
         rules=(
             exactly_one("path", "hubId", "set exactly one of path or hubId"),

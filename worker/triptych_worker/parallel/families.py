@@ -122,13 +122,19 @@ def check_request(
     adapter: FamilyAdapter, family: str, params: GenerationParams, degrees: Parallelism, role: Role = Role.DENOISER
 ) -> None:
     """Raise ValueError naming the field when the request's tokens (rows, for the decoder) do not split over
-    the sp ranks, or when it asks a multi-device denoiser for a step cache."""
+    the sp ranks, or when it asks a multi-device denoiser for a step cache or LoRA adapters."""
     if role is Role.DENOISER and params.resolved_step_cache.on:
         # Each rank would decide on its own shard or branch what to skip: the ranks would diverge.
         raise ValueError(
             f"step_cache: {params.step_cache} runs on one-device denoisers only, not this one of "
             f"{degrees.tp * degrees.sp * degrees.cfg} ranks; leave step_cache out (none) or serve from a "
             "--num-gpus 1 denoiser"
+        )
+    if role is Role.DENOISER and params.loras:
+        # Ranks hold shards of the transformer (TP) or run it apart; LoRA is applied on one device only.
+        raise ValueError(
+            f"loras: LoRA adapters run on one-device denoisers only, not this one of "
+            f"{degrees.tp * degrees.sp * degrees.cfg} ranks; leave loras out or serve from a --num-gpus 1 denoiser"
         )
     if role is Role.DECODER:
         latents = next(spec for spec in adapter.output_specs(Role.DENOISER, params) if spec.name == "latents")

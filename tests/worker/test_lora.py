@@ -1,0 +1,162 @@
+"""The denoiser's LoRA adapters (worker/triptych_worker/lora.py), in-process on the tiny models: the
+stock pipeline's pixels after the same load_lora_weights / set_adapters calls, each adapter loaded
+once, the least recently used unloaded when the cache's bytes run out, and a bad adapter failing
+only its own request while the base model stays as it was."""
+
+from __future__ import annotations
+
+import inspect
+import io
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from tests.worker.test_role_pipelines import reference_png
+from triptych.lora import BadAdapter, LoraCatalog
+from triptych.params import GenerationParams, LoraWeight
+from triptych.roles import Role
+from triptych_worker.pipeline import RolePipeline, load_role_pipeline
+from triptych_worker.stages import PIXELS, StageBatch
+
+IMAGE = GenerationParams("a lighthouse", width=32, height=32, num_inference_steps=3, seed=3)
+VIDEO = GenerationParams("waves", width=32, height=32, num_frames=5, num_inference_steps=3, seed=5,
+                         guidance_scale=5.0, negative_prompt="blurry")  # fmt: skip
+EDIT = GenerationParams("make it a watercolor", width=32, height=32, num_inference_steps=2, seed=7,
+                        guidance_scale=2.5, image=reference_png())  # fmt: skip
+GIB = 1 << 30
+
+
+def with_loras(params: GenerationParams, *loras: tuple[str, float]) -> GenerationParams:
+    return msgspec.structs.replace(params, loras=tuple(LoraWeight(name, weight) for name, weight in loras))
+
+
+def stock(model: Path, params: GenerationParams, sources: Mapping[str, Path]) -> np.ndarray:
+    """The stock pipeline's pixels [n, frames, H, W, 3] after `pipe.load_lora_weights(source, adapter_name=name)`
+    for each adapter the request names and `pipe.set_adapters(names, adapter_weights=weights)`."""
+    from diffusers import DiffusionPipeline
+    from PIL import Image
+
+    pipe = DiffusionPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    for lora in params.loras:
+        pipe.load_lora_weights(str(sources[lora.name]), adapter_name=lora.name)
+    if params.loras:
+        pipe.set_adapters([lora.name for lora in params.loras], adapter_weights=[lora.weight for lora in params.loras])
+    p = params
+    common = {"prompt": p.prompt, "width": p.width, "height": p.height, "num_inference_steps": p.num_inference_steps,
+              "guidance_scale": p.guidance_scale, "generator": torch.Generator("cpu").manual_seed(p.seed)}  # fmt: skip
+    if p.num_frames > 1:
+        frames = pipe(**common, negative_prompt=p.negative_prompt, num_frames=p.num_frames, output_type="np").frames
+        return (frames * 255).round().astype(np.uint8)
+    if "max_area" in inspect.signature(pipe.__call__).parameters:  # Kontext: the size asked for is the size made
+        common.update(max_area=p.width * p.height)
+    if p.image is not None:
+        common.update(image=Image.open(io.BytesIO(p.image)).convert("RGB"))
+    images = pipe(**common, num_images_per_prompt=p.num_outputs, output_type="pil").images
+    return np.stack([np.array(image) for image in images])[:, None]
+
+
+def pixels(pipeline: RolePipeline, params: GenerationParams) -> np.ndarray:
+    return pipeline.run(StageBatch(params)).tensors[PIXELS].numpy()
+
+
+def catalog(tiny_loras: Mapping[str, Path]) -> LoraCatalog:
+    missing = tiny_loras["flux-ink"].parent / "no-such-adapter"
+    return LoraCatalog({**{name: str(path) for name, path in tiny_loras.items()}, "gone": str(missing)})
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_models, tiny_loras) -> RolePipeline:  # type: ignore[no-untyped-def]
+    return load_role_pipeline(str(tiny_models["tiny-flux"]), Role.MONOLITHIC, "cpu", 0, catalog(tiny_loras), GIB)
+
+
+@pytest.mark.parametrize(
+    "loras", [(("flux-ink", 0.8),), (("flux-ink", 0.8), ("flux-paper", 1.3))], ids=["one", "two-with-weights"]
+)
+def test_adapters_with_weights_equal_stock_and_a_request_without_them_the_base_model(
+    flux, tiny_models, tiny_loras, loras
+) -> None:  # type: ignore[no-untyped-def]
+    base = pixels(flux, IMAGE)
+    adapted = pixels(flux, with_loras(IMAGE, *loras))
+    assert np.array_equal(adapted, stock(tiny_models["tiny-flux"], with_loras(IMAGE, *loras), tiny_loras))
+    assert not np.array_equal(adapted, base), "the adapters changed nothing: the test proves nothing"
+    assert np.array_equal(pixels(flux, IMAGE), stock(tiny_models["tiny-flux"], IMAGE, tiny_loras))
+
+
+def test_a_wan_video_and_a_kontext_edit_with_an_adapter_equal_stock(tiny_models, tiny_loras) -> None:
+    cases = (("tiny-wan", VIDEO, "wan-ink"), ("tiny-flux-kontext", EDIT, "flux-ink"))
+    for package, params, adapter in cases:
+        model = tiny_models[package]
+        pipeline = load_role_pipeline(str(model), Role.MONOLITHIC, "cpu", 0, catalog(tiny_loras), GIB)
+        request = with_loras(params, (adapter, 0.7))
+        adapted = pixels(pipeline, request)
+        assert np.array_equal(adapted.reshape(-1), stock(model, request, tiny_loras).reshape(-1)), package
+        assert not np.array_equal(adapted, pixels(pipeline, params)), package
+
+
+def test_an_adapter_is_loaded_once_and_held_while_it_fits(flux) -> None:  # type: ignore[no-untyped-def]
+    loads = flux.loras.loads
+    pixels(flux, with_loras(IMAGE, ("flux-ink", 1.0)))
+    pixels(flux, with_loras(IMAGE, ("flux-ink", 0.5)))
+    assert "flux-ink" in flux.loras.held()
+    assert flux.loras.loads - loads <= 1
+
+
+def test_the_cache_unloads_the_least_recently_used_adapter_when_its_bytes_run_out(tiny_models, tiny_loras) -> None:
+    roomy = load_role_pipeline(str(tiny_models["tiny-flux"]), Role.DENOISER, "cpu", 0, catalog(tiny_loras), GIB)
+    for name in ("flux-ink", "flux-paper"):  # loaded and activated: nothing needs to run
+        with roomy.loras.applied(with_loras(IMAGE, (name, 1.0))):
+            pass
+    sizes = roomy.loras.sizes()
+    assert set(sizes) == {"flux-ink", "flux-paper"} and all(sizes.values())
+
+    # Room for the larger of the two, not for both.
+    tight = load_role_pipeline(
+        str(tiny_models["tiny-flux"]), Role.DENOISER, "cpu", 0, catalog(tiny_loras), max(sizes.values())
+    )
+    for name in ("flux-ink", "flux-paper", "flux-ink"):
+        with tight.loras.applied(with_loras(IMAGE, (name, 1.0))):
+            pass
+        assert tight.loras.held() == (name,)
+    assert (tight.loras.loads, tight.loras.evictions) == (3, 2)
+    with pytest.raises(BadAdapter, match=r"^loras: adapters flux-ink, flux-paper need \d+ bytes together"):
+        with tight.loras.applied(with_loras(IMAGE, ("flux-ink", 1.0), ("flux-paper", 1.0))):
+            pass
+    assert tight.loras.held() == ()
+
+
+BAD = {
+    "unknown": r"^loras: adapter 'unknown' is not in this denoiser's catalogue",
+    "gone": r"^loras: adapter 'gone': .*no-such-adapter does not exist on this denoiser",
+    "wan-ink": r"^loras: adapter 'wan-ink' .* cannot be loaded into this model's transformer: NoMatchingPeft",
+    "flux-misfit": r"^loras: adapter 'flux-misfit' .* would change the base model's own layers",
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_a_bad_adapter_fails_only_its_request_and_leaves_the_model_as_it_was(
+    flux, tiny_models, tiny_loras, name
+) -> None:  # type: ignore[no-untyped-def]
+    held = pixels(flux, with_loras(IMAGE, ("flux-ink", 0.8)))
+    with pytest.raises(BadAdapter, match=BAD[name]):
+        pixels(flux, with_loras(IMAGE, (name, 1.0)))
+    assert np.array_equal(pixels(flux, IMAGE), stock(tiny_models["tiny-flux"], IMAGE, tiny_loras))
+    assert np.array_equal(pixels(flux, with_loras(IMAGE, ("flux-ink", 0.8))), held)
+
+
+def test_an_adapter_s_text_encoder_tensors_are_not_applied_its_transformer_s_are(flux, tiny_models, tiny_loras) -> None:  # type: ignore[no-untyped-def]
+    # flux-ink-te is flux-ink plus text-encoder factors.
+    assert np.array_equal(
+        pixels(flux, with_loras(IMAGE, ("flux-ink-te", 0.8))), pixels(flux, with_loras(IMAGE, ("flux-ink", 0.8)))
+    )
+    denoiser = load_role_pipeline(str(tiny_models["tiny-flux"]), Role.DENOISER, "cpu", 0, catalog(tiny_loras), GIB)
+    for name in ("flux-ink", "flux-ink-te"):  # a denoiser has no text encoder: stock loading would fail on them
+        with denoiser.loras.applied(with_loras(IMAGE, (name, 1.0))):
+            pass
+    weights = dict(denoiser.adapter.pipe.transformer.named_parameters())
+    ink = {n: p for n, p in weights.items() if ".flux-ink." in n}
+    assert ink and all(torch.equal(p, weights[n.replace(".flux-ink.", ".flux-ink-te.")]) for n, p in ink.items())

@@ -1,0 +1,227 @@
+"""A request's LoRA adapters on the denoiser: loaded on first use, kept in a cache bounded in bytes,
+activated with the request's weights for its denoising only.
+
+    adapters = LoraAdapters(adapter, catalog, capacity_bytes)
+    with adapters.applied(batch.params):  # load what is missing, set_adapters(names, weights) ... disable_lora()
+        adapter.denoise(batch)
+    adapters.held()                       # the names loaded now, least recently used first (heartbeats)
+
+The calls are the stock pipeline's own, on the role's pipeline (which holds the transformer only on
+a denoiser): `pipe.load_lora_weights(source, adapter_name=name)` once per adapter, then per request
+`pipe.set_adapters(names, adapter_weights=weights)` and `enable_lora()`, and `disable_lora()` after
+it, so a request without adapters runs the base weights: peft's layers skip every adapter while
+disabled. The pixels are the stock pipeline's after the same `load_lora_weights` / `set_adapters`
+calls (tests/e2e/test_lora.py). An adapter's text-encoder tensors are not applied, on a denoiser (it
+has no text encoder) or in monolithic mode (the text encoders run before the adapters are enabled):
+its pixels are the stock pipeline's with its transformer tensors only.
+
+An adapter the catalogue does not hold, a missing file, one whose tensors fit no layer of this
+transformer, or a set larger than the cache fails that request only, with BadAdapter (a 400 naming
+`loras`); the worker keeps serving, its other adapters as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from triptych.lora import FIELD, BadAdapter, LoraCatalog
+from triptych.params import GenerationParams
+
+if TYPE_CHECKING:
+    from triptych_worker.adapters.base import FamilyAdapter
+
+log = logging.getLogger(__name__)
+
+
+class LoraAdapters:
+    """The LoRA adapters loaded into one denoiser's transformer, least recently used first."""
+
+    def __init__(self, adapter: FamilyAdapter, catalog: LoraCatalog, capacity_bytes: int):
+        self.adapter = adapter
+        self.catalog = catalog
+        self.capacity_bytes = capacity_bytes
+        self._held: OrderedDict[str, int] = OrderedDict()  # name -> bytes of its tensors
+        self._lock = threading.Lock()  # heartbeats read the names from another thread
+        self.loads = 0
+        self.evictions = 0
+        self._load_seconds = 0.0  # over every load: the head's estimate of a load's cost (heartbeats)
+        if adapter.pipe is not None and getattr(adapter.pipe, "text_encoder", "none declared") is None:
+            # A denoiser holds no text encoder (the encoder ran it, without adapters): the stock
+            # load_lora_weights would fail on an adapter's text-encoder tensors after loading its
+            # transformer's. They have nowhere to go here, so that step loads nothing.
+            adapter.pipe.load_lora_into_text_encoder = _no_text_encoder
+
+    def held(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._held)
+
+    def mean_load_seconds(self) -> float:
+        """How long a load took here on average (0 before the first)."""
+        return self._load_seconds / self.loads if self.loads else 0.0
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes of each adapter loaded now."""
+        with self._lock:
+            return dict(self._held)
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(self._held.values())
+
+    @contextmanager
+    def applied(self, params: GenerationParams) -> Iterator[None]:
+        """The request's adapters active with its weights while the block runs; nothing when it names none."""
+        if not params.loras:
+            yield
+            return
+        names = [lora.name for lora in params.loras]
+        pipe = self.adapter.pipe
+        try:
+            self._ensure(names)
+            pipe.set_adapters(names, adapter_weights=[lora.weight for lora in params.loras])
+            pipe.enable_lora()
+            yield
+        finally:
+            if self.held():  # a load activates its adapter too: whatever happened, the next request starts clean
+                pipe.disable_lora()
+
+    def _ensure(self, names: Sequence[str]) -> None:
+        """Load the adapters of `names` not loaded yet, then unload the least recently used others
+        until the cache fits its bytes."""
+        for name in names:
+            with self._lock:
+                if name in self._held:
+                    self._held.move_to_end(name)
+                    continue
+            self._load(name)
+        self._evict(keep=set(names))
+
+    def _load(self, name: str) -> None:
+        source = self.catalog.source(name)
+        if source is None:
+            raise BadAdapter(f"{FIELD}: adapter {name!r} is not in this denoiser's catalogue (--lora, --lora-catalog)")
+        if source.startswith(("/", ".")) and not os.path.exists(source):  # a path, not a hub id: no download
+            raise BadAdapter(f"{FIELD}: adapter {name!r}: {source} does not exist on this denoiser")
+        pipe = self.adapter.pipe
+        started = time.perf_counter()
+        shapes, linears = _base_shapes(pipe.transformer), _base_linears(pipe.transformer)
+        failure: Exception | None = None
+        try:
+            pipe.load_lora_weights(source, adapter_name=name)
+        except Exception as exc:
+            failure = exc
+        if _base_shapes(pipe.transformer) != shapes or getattr(pipe.transformer, "_transformer_norm_layers", None):
+            # diffusers widened base layers to fit it (FLUX Control LoRAs) or overwrote norm weights: that
+            # changes the model for every request, so undo it (which unloads every adapter) and refuse it.
+            self._reset(linears)
+            raise BadAdapter(
+                f"{FIELD}: adapter {name!r} ({source}) does not fit this model's transformer: it would change the "
+                "base model's own layers (wider inputs or norm weights), which a per-request adapter may not"
+            ) from failure
+        if failure is not None:
+            self._drop_partial(name)
+            raise BadAdapter(
+                f"{FIELD}: adapter {name!r} ({source}) cannot be loaded into this model's transformer: "
+                f"{type(failure).__name__}: {_first_line(failure)}"
+            ) from failure
+        nbytes = _adapter_bytes(pipe.transformer, name)
+        if nbytes == 0:  # its tensors named no layer of this transformer (another family's adapter)
+            self._drop_partial(name)
+            raise BadAdapter(f"{FIELD}: adapter {name!r} ({source}) has no tensors for this model's transformer")
+        with self._lock:
+            self._held[name] = nbytes
+        self.loads += 1
+        self._load_seconds += time.perf_counter() - started
+        log.info("loaded LoRA adapter %s from %s (%d bytes)", name, source, nbytes)
+
+    def _evict(self, keep: set[str]) -> None:
+        with self._lock:
+            order = list(self._held)
+        for name in order:
+            if self.held_bytes() <= self.capacity_bytes:
+                return
+            if name not in keep:
+                self._unload(name)
+                self.evictions += 1
+        if self.held_bytes() > self.capacity_bytes:
+            with self._lock:
+                needed = sum(self._held.get(name, 0) for name in keep)
+            for name in keep:
+                self._unload(name)
+            raise BadAdapter(
+                f"{FIELD}: adapters {', '.join(sorted(keep))} need {needed} bytes together, more than this "
+                f"denoiser's --lora-cache-bytes {self.capacity_bytes}"
+            )
+
+    def _unload(self, name: str) -> None:
+        with self._lock:
+            held = self._held.pop(name, None)
+        if held is not None:
+            self.adapter.pipe.delete_adapters(name)
+            log.info("unloaded LoRA adapter %s (%d bytes)", name, held)
+
+    def _reset(self, linears: dict[str, Any]) -> None:
+        """Unload every adapter (norm weights one overwrote come back) and put back the transformer's
+        own linear layers where diffusers replaced them with wider ones (`linears`: from before)."""
+        pipe = self.adapter.pipe
+        pipe.unload_lora_weights()
+        transformer = pipe.transformer
+        for path, linear in linears.items():
+            parent, _, child = path.rpartition(".")
+            owner = transformer.get_submodule(parent) if parent else transformer
+            if getattr(owner, child) is not linear:
+                setattr(owner, child, linear)
+        with self._lock:
+            self.evictions += len(self._held)
+            self._held.clear()
+
+    def _drop_partial(self, name: str) -> None:
+        """Whatever a failed load left of adapter `name` in the transformer."""
+        transformer = self.adapter.pipe.transformer
+        if name in (getattr(transformer, "peft_config", None) or {}):
+            try:
+                self.adapter.pipe.delete_adapters(name)
+            except Exception:
+                log.exception("removing what a failed load of LoRA adapter %s left", name)
+
+
+def _no_text_encoder(*args: Any, **kwargs: Any) -> None:
+    """load_lora_into_text_encoder on a pipeline without text encoders."""
+
+
+def _base_shapes(transformer: Any) -> dict[str, tuple[int, ...]]:
+    """The shapes of the transformer's own parameters (not the adapters'; peft moves an adapted layer's
+    own under `base_layer`)."""
+    return {
+        n.replace(".base_layer.", "."): tuple(p.shape) for n, p in transformer.named_parameters() if ".lora_" not in n
+    }
+
+
+def _base_linears(transformer: Any) -> dict[str, Any]:
+    """The transformer's own linear layers by path (under the peft layer that wraps an adapted one)."""
+    import torch
+
+    out = {}
+    for path, module in transformer.named_modules():
+        base = getattr(module, "base_layer", module)
+        if isinstance(base, torch.nn.Linear) and ".base_layer" not in path and ".lora_" not in path:
+            out[path] = base
+    return out
+
+
+def _adapter_bytes(transformer: Any, name: str) -> int:
+    """Bytes of adapter `name`'s tensors in `transformer` (peft names them ...lora_A.<name>.weight)."""
+    marker = f".{name}."
+    return sum(p.numel() * p.element_size() for n, p in transformer.named_parameters() if marker in n)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else ""
