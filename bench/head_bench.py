@@ -72,8 +72,11 @@ PARAMS = GenerationParams("bench", width=16, height=16, num_inference_steps=1)
 
 
 class Frontend:
+    """A DEALER on the head's frontend: submits requests and awaits each one's result."""
+
     def __init__(self, endpoint: str):
         self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
         self.endpoint = endpoint
         self.waiting: dict[str, asyncio.Future[RequestResult]] = {}
@@ -90,14 +93,19 @@ class Frontend:
             elif isinstance(msg, RequestEvent) and msg.error:
                 fut.set_exception(RuntimeError(msg.error))
 
-    async def request(self, rid: str) -> RequestResult:
+    async def request(self, rid: str, params: GenerationParams = PARAMS, priority: int = 1) -> RequestResult:
+        """`priority`: triptych.priority's level (1, normal, by default)."""
         fut = asyncio.get_running_loop().create_future()
         self.waiting[rid] = fut
-        await self.sock.send_multipart(encode(Submit(rid, PARAMS)))
+        await self.sock.send_multipart(encode(Submit(rid, params, priority=priority)))
         try:
             return await fut
         finally:
             self.waiting.pop(rid, None)
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.sock.close()
 
 
 def sequential_samples(endpoint: str, n: int) -> tuple[list[float], list[float], list[float]]:

@@ -41,15 +41,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import zmq
-import zmq.asyncio
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from head_bench import Frontend  # noqa: E402
+
 from triptych.params import GenerationParams  # noqa: E402
 from triptych.priority import HIGH, LOW, level  # noqa: E402
-from triptych.protocol import RequestEvent, RequestResult, Submit, decode, encode  # noqa: E402
 from triptych.roles import Role  # noqa: E402
 from triptych_dev.localdeploy import LocalDeployment, local_deployment  # noqa: E402
 from triptych_dev.tiny_models import write_tiny_models  # noqa: E402
@@ -85,41 +84,6 @@ def arrivals(args: argparse.Namespace, seconds_per_unit: float) -> list[Arrival]
         if t >= args.window:
             return out
         out.append(Arrival(t, "image" if rng.random() < args.image_share else "video"))
-
-
-class Frontend:
-    """A DEALER on the head's frontend: submits with a priority, awaits each result."""
-
-    def __init__(self, endpoint: str):
-        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.waiting: dict[str, asyncio.Future[None]] = {}
-        self.reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        while True:
-            msg, _ = decode(await self.sock.recv_multipart())
-            fut = self.waiting.get(msg.request_id)
-            if fut is None or fut.done():
-                continue
-            if isinstance(msg, RequestResult):
-                fut.set_result(None)
-            elif isinstance(msg, RequestEvent) and msg.error:
-                fut.set_exception(RuntimeError(msg.error))
-
-    async def request(self, rid: str, params: GenerationParams, priority: int) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiting[rid] = fut
-        await self.sock.send_multipart(encode(Submit(rid, params, priority=priority)))
-        try:
-            await fut
-        finally:
-            self.waiting.pop(rid, None)
-
-    def close(self) -> None:
-        self.reader.cancel()
-        self.sock.close()
 
 
 def metric(text: str, name: str, label: str = "") -> float:

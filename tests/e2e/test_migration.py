@@ -14,10 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from tests.e2e.harness import deployment
-from tests.e2e.test_pixels import http_video
+from tests.e2e.test_pixels import http_video, stock_video
 from triptych.roles import Role
 from triptych_dev.localdeploy import Proc
 
@@ -34,17 +33,7 @@ VIDEO = {"prompt": "waves on a beach", "negative_prompt": "blurry", "size": "96x
 @pytest.fixture(scope="module")
 def stock(tiny_models: dict[str, Path]) -> np.ndarray:
     """What stock diffusers makes of VIDEO, which a disaggregated run matches byte for byte (test_pixels)."""
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(tiny_models["tiny-wan"])
-    pipe.set_progress_bar_config(disable=True)
-    w, h = map(int, VIDEO["size"].split("x"))  # type: ignore[attr-defined]
-    out = pipe(
-        VIDEO["prompt"], negative_prompt=VIDEO["negative_prompt"], width=w, height=h, num_frames=VIDEO["num_frames"],
-        num_inference_steps=STEPS, guidance_scale=VIDEO["guidance_scale"],
-        generator=torch.Generator("cpu").manual_seed(VIDEO["seed"]), output_type="np",
-    )  # fmt: skip
-    return (out.frames[0] * 255).round().astype(np.uint8)
+    return stock_video(tiny_models["tiny-wan"], request=VIDEO)
 
 
 def _denoising_on(c, video: concurrent.futures.Future, other_than: str | None = None, timeout: float = 120) -> str:

@@ -15,11 +15,10 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from tests.e2e.harness import deployment
 from tests.e2e.test_migration import _metric
-from tests.e2e.test_pixels import http_video
+from tests.e2e.test_pixels import http_video, stock_video
 from triptych.client import iter_sse
 from triptych.roles import Role
 
@@ -37,17 +36,7 @@ ONE_DENOISER_SLOT = {Role.DENOISER: ("--worker-capacity", "1")}
 @pytest.fixture(scope="module")
 def stock(tiny_models: dict[str, Path]) -> np.ndarray:
     """What stock diffusers makes of VIDEO (both videos are the same request)."""
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(tiny_models["tiny-wan"])
-    pipe.set_progress_bar_config(disable=True)
-    w, h = map(int, VIDEO["size"].split("x"))  # type: ignore[attr-defined]
-    out = pipe(
-        VIDEO["prompt"], negative_prompt=VIDEO["negative_prompt"], width=w, height=h, num_frames=VIDEO["num_frames"],
-        num_inference_steps=STEPS, guidance_scale=VIDEO["guidance_scale"],
-        generator=torch.Generator("cpu").manual_seed(VIDEO["seed"]), output_type="np",
-    )  # fmt: skip
-    return (out.frames[0] * 255).round().astype(np.uint8)
+    return stock_video(tiny_models["tiny-wan"], request=VIDEO)
 
 
 def _video_steps(c: httpx.Client, timeout: float = 120) -> tuple[str, float]:
