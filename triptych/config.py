@@ -39,7 +39,8 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
 DEVICES = ("cuda", "cpu")
 # --encoder-cache-bytes: prompt embeddings kept for repeated prompts (a FLUX.1 prompt: 512 x 4096 bf16, 4 MiB).
 DEFAULT_ENCODER_CACHE_BYTES = 256 * MIB
-# --lora-cache-bytes: LoRA adapters a denoiser keeps loaded (a FLUX.1 rank-16 adapter: about 80 MiB in bf16).
+# --lora-cache-bytes: LoRA adapters a denoiser (an encoder: their text-encoder parts) keeps loaded
+# (a FLUX.1 rank-16 adapter: about 80 MiB in bf16).
 DEFAULT_LORA_CACHE_BYTES = 2048 * MIB
 
 # Worker-URL flags of the head, by the role they list (the role descriptor's, triptych.roles).
@@ -156,7 +157,7 @@ class ServeArgs:
     otlp_endpoint: str = ""  # head and workers: an OTLP/HTTP collector for traces ("": off; triptych.tracing)
     lora: list[str] = field(default_factory=list)  # NAME=SOURCE adapters requests may name (triptych.lora)
     lora_catalog: str | None = None  # a file of NAME=SOURCE lines, re-read when it changes
-    lora_cache_bytes: int = DEFAULT_LORA_CACHE_BYTES  # denoiser: adapters kept loaded, least recently used dropped
+    lora_cache_bytes: int = DEFAULT_LORA_CACHE_BYTES  # denoiser, encoders: adapters kept loaded, LRU dropped
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> ServeArgs:
@@ -604,14 +605,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
            "(http://HOST:4318; spans go to URL/v1/traces); without it OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
            "OTEL_EXPORTER_OTLP_ENDPOINT, else off")  # fmt: skip
     a("--lora", action="extend", type=parse_urls, default=[], metavar="NAME=SOURCE",
-      help="head, denoiser, monolithic: a LoRA adapter requests may name (`loras`), repeatable (or "
+      help="head, denoiser, encoders, monolithic: a LoRA adapter requests may name (`loras`), repeatable (or "
            "';'-separated); SOURCE: a folder with pytorch_lora_weights.safetensors, a .safetensors file or a hub "
            "id (HF_TOKEN)")  # fmt: skip
     a("--lora-catalog", default=None, metavar="PATH",
-      help="head, denoiser, monolithic: a file of NAME=SOURCE lines (# comments), re-read when it changes, so "
-           "adding a line adds an adapter without a restart; its names win over --lora's")  # fmt: skip
+      help="head, denoiser, encoders, monolithic: a file of NAME=SOURCE lines (# comments), re-read when it "
+           "changes, so adding a line adds an adapter without a restart; its names win over --lora's")  # fmt: skip
     a("--lora-cache-bytes", type=parse_size, default=d.lora_cache_bytes,
-      help="denoiser, monolithic: bytes of LoRA adapters kept loaded, least recently used unloaded first "
+      help="denoiser, encoders, monolithic: bytes of LoRA adapters kept loaded, least recently used unloaded first "
            "(default 2GiB)")  # fmt: skip
     a("--simulate", action="store_true",
       help="worker: load no model; each stage sleeps a modelled time and emits the tensors --model-path's family "

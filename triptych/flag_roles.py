@@ -19,6 +19,9 @@ EVERY: frozenset[Role] = frozenset(Role)
 WORKERS: frozenset[Role] = frozenset(WORKER_ROLES)
 SERVER = frozenset({Role.SERVER})
 HEADS = frozenset({Role.SERVER, Role.MONOLITHIC})  # the processes that serve HTTP
+# The worker roles that load LoRA adapters: the denoiser (transformer part) and those that encode
+# prompts (text-encoder part); the operator mounts the catalogue on these (operator serve_args).
+LORA_WORKERS = frozenset({Role.DENOISER} | {r for r in WORKER_ROLES if r.runs_affinity(Role.PROMPT_ENCODER)})
 
 # Who takes the flags of each `--help` group, unless OVERRIDES says otherwise for one flag.
 GROUP_ROLES: dict[str, frozenset[Role]] = {
@@ -29,7 +32,7 @@ GROUP_ROLES: dict[str, frozenset[Role]] = {
     "parallelism": WORKERS,
     "transfer": WORKERS,
     "control plane security": SERVER | WORKERS,  # monolithic mode has no control plane
-    "lora": HEADS | {Role.DENOISER},  # the head checks names; denoisers (and monolithic mode) apply adapters
+    "lora": HEADS | LORA_WORKERS,  # the head checks names; denoisers, prompt encoders, monolithic mode apply them
     "tracing": SERVER | WORKERS,  # a trace follows a request's hops; monolithic mode has none
 }
 
@@ -67,7 +70,7 @@ OVERRIDES: dict[str, frozenset[Role]] = {
     "--reference-url-networks": HEADS
     | {r for r in WORKER_ROLES if r.runs_affinity(Role.IMAGE_ENCODER)}
     | {FULL_PIPELINE_ROLE},
-    "--lora-cache-bytes": frozenset({Role.DENOISER, Role.MONOLITHIC}),  # the processes that hold adapters
+    "--lora-cache-bytes": LORA_WORKERS | {Role.MONOLITHIC},  # the processes that hold adapters
     # monolithic mode runs on the device --device and --base-gpu-id name (ServeArgs.resolved_device)
     "--base-gpu-id": WORKERS | {Role.MONOLITHIC},
     # a role's own degree: that role only

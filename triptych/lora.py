@@ -2,11 +2,11 @@
 
 A deployment declares its adapters by name; a request names up to MAX_ADAPTERS of them, each with
 a weight (`loras: [{"name": "ink", "weight": 0.8}]`). The head checks the names against its
-catalogue at its door; the denoiser loads an adapter the first time a request names it, keeps it
-in a cache bounded in bytes, and activates a request's set for its denoising only
-(triptych_worker/lora.py).
+catalogue at its door; the denoiser loads an adapter the first time a request names it (the
+prompt encoder its text-encoder part, if it has one), keeps it in a cache bounded in bytes, and
+activates a request's set for its denoising (its text encoding) only (triptych_worker/lora.py).
 
-    --lora NAME=SOURCE      repeatable, on the head and the denoisers (and monolithic mode)
+    --lora NAME=SOURCE      repeatable, on the head, the denoisers and the encoders (and monolithic mode)
     --lora-catalog PATH     a file of NAME=SOURCE lines (# comments), re-read when it changes:
                             adding a line adds an adapter without a restart
 

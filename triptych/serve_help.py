@@ -92,7 +92,8 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("--disagg-keys-dir", "--disagg-insecure"),
     ),
     "lora": (
-        "LoRA adapters: the head checks the names requests give, denoisers load and apply them (docs/serving.md)",
+        "LoRA adapters: the head checks the names requests give, denoisers and prompt encoders load and apply them "
+        "(docs/serving.md)",
         ("--lora", "--lora-catalog", "--lora-cache-bytes"),
     ),
     "tracing": ("head and workers: OpenTelemetry traces of requests (docs/serving.md)", ("--otlp-endpoint",)),

@@ -62,8 +62,8 @@ API_KEYS_MOUNT: Final = "/etc/triptych/api-keys"
 API_KEYS_FILE: Final = f"{API_KEYS_MOUNT}/keys"
 # The pipeline's control-plane key set (Secret "<name>-control-keys"), read-only: --disagg-keys-dir.
 KEYS_MOUNT: Final = "/etc/triptych/keys"
-# spec.model.loras as the --lora-catalog file of the head and the denoisers: a ConfigMap mounted whole (no
-# subPath), so an edit reaches the file and the processes re-read it without a restart.
+# spec.model.loras as the --lora-catalog file of the head, the denoisers and the prompt encoders: a
+# ConfigMap mounted whole (no subPath), so an edit reaches the file and the processes re-read it without a restart.
 LORA_COMPONENT: Final = "loras"
 LORA_CATALOG_MOUNT: Final = "/etc/triptych/loras"
 LORA_CATALOG_FILE: Final = f"{LORA_CATALOG_MOUNT}/catalog.txt"

@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import kopf
 
+from triptych.flag_roles import LORA_WORKERS
 from triptych.lora import parse_entries
 from triptych.ports import MOONCAKE_PORT_RANGE, result_port
 from triptych.roles import Role
@@ -182,7 +183,7 @@ def _model_volume(
 
 
 def lora_catalog(pipeline: PipelineSpec) -> Manifest | None:
-    """spec.model.loras as the ConfigMap the head and the denoisers read their --lora-catalog from;
+    """spec.model.loras as the ConfigMap the head, the denoisers and the prompt encoders read their --lora-catalog from;
     None without adapters. SpecError naming the field for an entry the processes would not take."""
     loras = pipeline.model.loras
     if not loras:
@@ -293,11 +294,11 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
     """The Deployment of one worker role: GPU-pinned, or a CPU role (gpusPerReplica 0) that asks for no GPU."""
     spec = pipeline.roles[role]
     transfer = pipeline.transfer
-    # A denoiser loads the adapters: hub ids among them download into a cache, with the model's token.
-    hub_adapters = role is Role.DENOISER and any(not e.partition("=")[2].startswith("/") for e in pipeline.model.loras)
+    # Denoisers and prompt encoders load the adapters: hub ids among them download into a cache, with the model's token.
+    hub_adapters = role in LORA_WORKERS and any(not e.partition("=")[2].startswith("/") for e in pipeline.model.loras)
     volumes, mounts, model_env = _model_volume(pipeline, downloads=hub_adapters)
     keys_volume, keys_mount = _keys_volume(pipeline, "worker")
-    if role is Role.DENOISER:  # the role that loads adapters
+    if role in LORA_WORKERS:  # the roles that load adapters
         lora_volumes, lora_mounts = lora_catalog_volume(pipeline)
         volumes, mounts = [*volumes, *lora_volumes], [*mounts, *lora_mounts]
     extended = {GPU_RESOURCE: spec.gpus_per_replica} if spec.gpus_per_replica else {}

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, add_serve_flags, flag
+from triptych.flag_roles import LORA_WORKERS
 from triptych.roles import Role
 from triptych_operator.constants import (
     API_KEYS_FILE,
@@ -96,8 +97,8 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         batching_max_size=spec.batch_max_size,
         disagg_full_pipeline=pipeline.full_pipeline,
         otlp_endpoint=pipeline.tracing.otlp_endpoint or "",
-        # The head checks the names requests give, the denoisers load them: the same catalogue file.
-        lora_catalog=LORA_CATALOG_FILE if pipeline.model.loras and role is Role.DENOISER else None,
+        # The head checks the names requests give, the denoisers and prompt encoders load them: one catalogue file.
+        lora_catalog=LORA_CATALOG_FILE if pipeline.model.loras and role in LORA_WORKERS else None,
         **parallel,  # type: ignore[arg-type]
     )
 

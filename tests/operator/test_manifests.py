@@ -338,19 +338,19 @@ def test_hub_model_gets_token_and_cache_instead_of_a_volume() -> None:
     assert parse_serve(c).model_path == "black-forest-labs/FLUX.1-dev"
 
 
-def test_lora_adapters_are_a_catalogue_configmap_the_head_and_the_denoisers_read() -> None:
+def test_lora_adapters_are_a_catalogue_configmap_the_head_the_denoisers_and_the_encoders_read() -> None:
     spec = minimal_spec()
     spec["model"]["loras"] = ["ink=/models/loras/ink", "paper=org/paper-lora"]
     objs = children(spec)
     assert objs[("ConfigMap", "wan-t2v-loras")]["data"] == {
         "catalog.txt": "ink=/models/loras/ink\npaper=org/paper-lora\n"
     }
-    for name in ("head", "denoiser"):
+    for name in ("head", "encoder", "denoiser"):  # the encoder applies adapters' text-encoder parts
         c = container(objs[("Deployment", f"wan-t2v-{name}")])
         assert parse_serve(c).lora_catalog == "/etc/triptych/loras/catalog.txt"
         assert {"name": "loras", "mountPath": "/etc/triptych/loras", "readOnly": True} in c["volumeMounts"]
-    for role in ("encoder", "decoder"):
-        assert parse_serve(container(objs[("Deployment", f"wan-t2v-{role}")])).lora_catalog is None
+    decoder = container(objs[("Deployment", "wan-t2v-decoder")])
+    assert parse_serve(decoder).lora_catalog is None and all(m["name"] != "loras" for m in decoder["volumeMounts"])
 
     # Another adapter changes the ConfigMap only: no pod template changes, so no pod restarts.
     spec["model"]["loras"] = [*spec["model"]["loras"], "wool=/models/loras/wool"]
@@ -361,15 +361,17 @@ def test_lora_adapters_are_a_catalogue_configmap_the_head_and_the_denoisers_read
         assert more[key]["spec"]["template"] == objs[key]["spec"]["template"], name
 
 
-def test_a_denoiser_downloads_hub_adapters_into_a_cache_with_the_model_s_token() -> None:
+def test_denoisers_and_encoders_download_hub_adapters_into_a_cache_with_the_model_s_token() -> None:
     spec = minimal_spec()
     spec["model"].update(loras=["paper=org/paper-lora"], tokenSecretRef={"name": "hf"})
     objs = children(spec)
-    denoiser, encoder = (container(objs[("Deployment", f"wan-t2v-{n}")]) for n in ("denoiser", "encoder"))
     token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
-    assert token in denoiser["env"] and {"name": "hf-cache", "mountPath": "/cache"} in denoiser["volumeMounts"]
-    assert {"name": "model", "mountPath": "/models", "readOnly": True} in denoiser["volumeMounts"]
-    assert token not in encoder["env"] and all(m["name"] != "hf-cache" for m in encoder["volumeMounts"])
+    for name in ("denoiser", "encoder"):
+        c = container(objs[("Deployment", f"wan-t2v-{name}")])
+        assert token in c["env"] and {"name": "hf-cache", "mountPath": "/cache"} in c["volumeMounts"], name
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"], name
+    decoder = container(objs[("Deployment", "wan-t2v-decoder")])
+    assert token not in decoder["env"] and all(m["name"] != "hf-cache" for m in decoder["volumeMounts"])
 
 
 def test_a_pipeline_without_adapters_has_no_catalogue_and_a_bad_entry_renders_nothing() -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker.test_role_pipelines import reference_png
+from tests.worker.test_role_pipelines import over_the_wire, reference_png
 from triptych.lora import BadAdapter, LoraCatalog
 from triptych.params import GenerationParams, LoraWeight
 from triptych.roles import Role
@@ -148,15 +148,73 @@ def test_a_bad_adapter_fails_only_its_request_and_leaves_the_model_as_it_was(
     assert np.array_equal(pixels(flux, with_loras(IMAGE, ("flux-ink", 0.8))), held)
 
 
-def test_an_adapter_s_text_encoder_tensors_are_not_applied_its_transformer_s_are(flux, tiny_models, tiny_loras) -> None:  # type: ignore[no-untyped-def]
-    # flux-ink-te is flux-ink plus text-encoder factors.
-    assert np.array_equal(
-        pixels(flux, with_loras(IMAGE, ("flux-ink-te", 0.8))), pixels(flux, with_loras(IMAGE, ("flux-ink", 0.8)))
-    )
+def split_roles(tiny_models, tiny_loras, cache_bytes: int = 0) -> dict[Role, RolePipeline]:  # type: ignore[no-untyped-def]
+    """A disaggregated tiny FLUX.1 in-process: encoder, denoiser and decoder, each with the catalogue."""
+    model = str(tiny_models["tiny-flux"])
+    return {
+        role: load_role_pipeline(model, role, "cpu", cache_bytes, catalog(tiny_loras), GIB)
+        for role in (Role.ENCODER, Role.DENOISER, Role.DECODER)
+    }
+
+
+def run_roles(roles: Mapping[Role, RolePipeline], params: GenerationParams) -> np.ndarray:
+    batch = StageBatch(params)
+    for i, pipeline in enumerate(roles.values()):
+        batch = pipeline.run(over_the_wire(batch) if i else batch)
+    return batch.tensors[PIXELS].numpy()
+
+
+def test_an_adapter_s_text_encoder_part_is_applied_monolithic_and_disaggregated(flux, tiny_models, tiny_loras) -> None:  # type: ignore[no-untyped-def]
+    # flux-ink-te is flux-ink plus factors for the CLIP text encoder: stock applies both parts.
+    request = with_loras(IMAGE, ("flux-ink-te", 0.8))
+    expected = stock(tiny_models["tiny-flux"], request, tiny_loras)
+    transformer_only = stock(tiny_models["tiny-flux"], with_loras(IMAGE, ("flux-ink", 0.8)), tiny_loras)
+    assert not np.array_equal(expected, transformer_only), "the text-encoder part changed nothing: proves nothing"
+    assert np.array_equal(pixels(flux, request), expected), "monolithic"
+    roles = split_roles(tiny_models, tiny_loras)
+    assert np.array_equal(run_roles(roles, request), expected), "encoder, denoiser, decoder"
+    mixed = with_loras(IMAGE, ("flux-ink-te", 0.8), ("flux-paper", 1.3))
+    assert np.array_equal(run_roles(roles, mixed), stock(tiny_models["tiny-flux"], mixed, tiny_loras))
+    assert np.array_equal(run_roles(roles, IMAGE), stock(tiny_models["tiny-flux"], IMAGE, tiny_loras))
+
+
+def test_the_encoder_loads_text_encoder_parts_only_and_adapters_without_one_cost_it_nothing(  # type: ignore[no-untyped-def]
+    tiny_models, tiny_loras
+) -> None:
+    encoder = load_role_pipeline(str(tiny_models["tiny-flux"]), Role.ENCODER, "cpu", 0, catalog(tiny_loras), GIB)
+    for name in ("flux-ink", "flux-ink-te", "flux-ink"):
+        with encoder.loras.applied(with_loras(IMAGE, (name, 1.0))):
+            pass
+    assert encoder.loras.held() == ("flux-ink-te",) and encoder.loras.loads == 1
+    text_encoder = encoder.adapter.pipe.text_encoder
+    assert any(".flux-ink-te." in n for n, _ in text_encoder.named_parameters())
+    assert not any(".flux-ink." in n for n, _ in text_encoder.named_parameters())
+    # The denoiser loads the transformer part only: flux-ink-te's transformer factors are flux-ink's.
     denoiser = load_role_pipeline(str(tiny_models["tiny-flux"]), Role.DENOISER, "cpu", 0, catalog(tiny_loras), GIB)
-    for name in ("flux-ink", "flux-ink-te"):  # a denoiser has no text encoder: stock loading would fail on them
+    for name in ("flux-ink", "flux-ink-te"):
         with denoiser.loras.applied(with_loras(IMAGE, (name, 1.0))):
             pass
     weights = dict(denoiser.adapter.pipe.transformer.named_parameters())
     ink = {n: p for n, p in weights.items() if ".flux-ink." in n}
     assert ink and all(torch.equal(p, weights[n.replace(".flux-ink.", ".flux-ink-te.")]) for n, p in ink.items())
+
+
+def test_the_prompt_cache_never_serves_an_adapter_s_embedding_to_another_adapter_set(tiny_models, tiny_loras) -> None:  # type: ignore[no-untyped-def]
+    roles = split_roles(tiny_models, tiny_loras, cache_bytes=GIB)
+    requests = {"te": with_loras(IMAGE, ("flux-ink-te", 0.8)), "plain": IMAGE,
+                "te-weaker": with_loras(IMAGE, ("flux-ink-te", 0.4))}  # fmt: skip
+    expected = {case: stock(tiny_models["tiny-flux"], request, tiny_loras) for case, request in requests.items()}
+    for _ in range(2):  # the second round from the cache
+        for case, request in requests.items():
+            assert np.array_equal(run_roles(roles, request), expected[case]), case
+    assert roles[Role.ENCODER].encoder_cache is not None and len(roles[Role.ENCODER].encoder_cache) == 3
+
+
+def test_a_bad_adapter_on_the_encoder_is_a_bad_adapter_naming_the_field(tiny_models, tiny_loras) -> None:  # type: ignore[no-untyped-def]
+    encoder = load_role_pipeline(str(tiny_models["tiny-flux"]), Role.ENCODER, "cpu", 0, catalog(tiny_loras), GIB)
+    for name, message in (("unknown", "not in this encoder's catalogue"), ("gone", "does not exist on this encoder")):
+        with pytest.raises(BadAdapter, match=rf"^loras: adapter '{name}'.*{message}"):
+            encoder.run(StageBatch(with_loras(IMAGE, (name, 1.0))))
+    for name in ("wan-ink", "flux-misfit"):  # nothing for a text encoder: the denoiser judges them
+        encoder.run(StageBatch(with_loras(IMAGE, (name, 1.0))))
+    assert encoder.loras.held() == ()

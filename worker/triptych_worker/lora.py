@@ -1,23 +1,26 @@
-"""A request's LoRA adapters on the denoiser: loaded on first use, kept in a cache bounded in bytes,
-activated with the request's weights for its denoising only.
+"""A request's LoRA adapters on the denoiser and the prompt encoder: loaded on first use, kept in a cache
+bounded in bytes, activated with the request's weights for its denoising or its text encoding only.
 
     adapters = LoraAdapters(adapter, catalog, capacity_bytes)
-    with adapters.applied(batch.params):  # load what is missing, set_adapters(names, weights) ... disable_lora()
-        adapter.denoise(batch)
+    with adapters.applied(batch.params) as applied:  # load what is missing, set_adapters(names, weights) ...
+        adapter.denoise(batch)  # ... disable_lora(); `applied`: the request's adapters that reach a text encoder here
     adapters.held()                       # the names loaded now, least recently used first (heartbeats)
 
-The calls are the stock pipeline's own, on the role's pipeline (which holds the transformer only on
-a denoiser): `pipe.load_lora_weights(source, adapter_name=name)` once per adapter, then per request
-`pipe.set_adapters(names, adapter_weights=weights)` and `enable_lora()`, and `disable_lora()` after
-it, so a request without adapters runs the base weights: peft's layers skip every adapter while
-disabled. The pixels are the stock pipeline's after the same `load_lora_weights` / `set_adapters`
-calls (tests/e2e/test_lora.py). An adapter's text-encoder tensors are not applied, on a denoiser (it
-has no text encoder) or in monolithic mode (the text encoders run before the adapters are enabled):
-its pixels are the stock pipeline's with its transformer tensors only.
+The calls are the stock pipeline's own, on the role's pipeline: `pipe.load_lora_weights(source,
+adapter_name=name)` once per adapter, then per request `pipe.set_adapters(names, adapter_weights=weights)`
+and `enable_lora()`, and `disable_lora()` after it, so a request without adapters runs the base
+weights: peft's layers skip every adapter while disabled. A denoiser's pipeline holds the transformer
+only, so an adapter's text-encoder tensors are not loaded there; a prompt encoder's holds the text
+encoders only, so it loads an adapter's text-encoder tensors only (the stock loader's own
+`lora_state_dict` and `load_lora_into_text_encoder`, the two steps `load_lora_weights` takes for them),
+and an adapter without any costs it nothing: it is remembered as such and never loaded there. Monolithic
+mode and a full-pipeline denoiser hold both and load both parts, one cache for both stages. The pixels
+are the stock pipeline's after the same `load_lora_weights` / `set_adapters` calls
+(tests/e2e/test_lora.py).
 
 An adapter the catalogue does not hold, a missing file, one whose tensors fit no layer of this
-transformer, or a set larger than the cache fails that request only, with BadAdapter (a 400 naming
-`loras`); the worker keeps serving, its other adapters as they were.
+transformer (or of these text encoders), or a set larger than the cache fails that request only, with
+BadAdapter (a 400 naming `loras`); the worker keeps serving, its other adapters as they were.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from triptych.lora import FIELD, BadAdapter, LoraCatalog
-from triptych.params import GenerationParams
+from triptych.params import GenerationParams, LoraWeight
 
 if TYPE_CHECKING:
     from triptych_worker.adapters.base import FamilyAdapter
@@ -41,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 class LoraAdapters:
-    """The LoRA adapters loaded into one denoiser's transformer, least recently used first."""
+    """The LoRA adapters loaded into one role's transformer and/or text encoders, least recently used first."""
 
     def __init__(self, adapter: FamilyAdapter, catalog: LoraCatalog, capacity_bytes: int):
         self.adapter = adapter
@@ -52,11 +55,26 @@ class LoraAdapters:
         self.loads = 0
         self.evictions = 0
         self._load_seconds = 0.0  # over every load: the head's estimate of a load's cost (heartbeats)
-        if adapter.pipe is not None and getattr(adapter.pipe, "text_encoder", "none declared") is None:
-            # A denoiser holds no text encoder (the encoder ran it, without adapters): the stock
-            # load_lora_weights would fail on an adapter's text-encoder tensors after loading its
-            # transformer's. They have nowhere to go here, so that step loads nothing.
-            adapter.pipe.load_lora_into_text_encoder = _no_text_encoder
+        self._in_text_encoders: set[str] = set()  # the held adapters with tensors in a text encoder
+        self._no_part_here: dict[str, str] = {}  # name -> source: adapters with nothing for this encoder
+        pipe = adapter.pipe
+        self.has_transformer = getattr(pipe, "transformer", None) is not None
+        # The text encoders the pipeline's LoRA loader knows (FLUX.1: text_encoder, not T5; Wan: none).
+        self.text_encoders = [
+            c for c in getattr(pipe, "_lora_loadable_modules", ()) if "text_encoder" in c and getattr(pipe, c, None)
+        ]
+        self.place = "denoiser" if self.has_transformer else "encoder"
+        if pipe is not None and getattr(pipe, "text_encoder", "none declared") is None:
+            # A denoiser holds no text encoder (the encoder ran it): the stock load_lora_weights would
+            # fail on an adapter's text-encoder tensors after loading its transformer's. They have
+            # nowhere to go here, so that step loads nothing.
+            pipe.load_lora_into_text_encoder = _no_text_encoder
+
+    @property
+    def inert(self) -> bool:
+        """Whether no adapter can reach this pipeline (a decoder, or a prompt encoder whose text encoders
+        the family's LoRA loader does not know, as Wan's): its requests load nothing."""
+        return self.adapter.pipe is None or not (self.has_transformer or self.text_encoders)
 
     def held(self) -> tuple[str, ...]:
         with self._lock:
@@ -76,18 +94,20 @@ class LoraAdapters:
             return sum(self._held.values())
 
     @contextmanager
-    def applied(self, params: GenerationParams) -> Iterator[None]:
-        """The request's adapters active with its weights while the block runs; nothing when it names none."""
-        if not params.loras:
-            yield
+    def applied(self, params: GenerationParams) -> Iterator[tuple[LoraWeight, ...]]:
+        """The request's adapters active with its weights while the block runs; nothing when it names none.
+        It yields those of them whose tensors reach a text encoder here (what a prompt embedding depends on)."""
+        if not params.loras or self.inert:
+            yield ()
             return
-        names = [lora.name for lora in params.loras]
         pipe = self.adapter.pipe
         try:
-            self._ensure(names)
-            pipe.set_adapters(names, adapter_weights=[lora.weight for lora in params.loras])
-            pipe.enable_lora()
-            yield
+            self._ensure([lora.name for lora in params.loras])
+            loras = [lora for lora in params.loras if lora.name not in self._no_part_here]
+            if loras:
+                pipe.set_adapters([lora.name for lora in loras], adapter_weights=[lora.weight for lora in loras])
+                pipe.enable_lora()
+            yield tuple(lora for lora in loras if lora.name in self._in_text_encoders)
         finally:
             if self.held():  # a load activates its adapter too: whatever happened, the next request starts clean
                 pipe.disable_lora()
@@ -100,17 +120,34 @@ class LoraAdapters:
                 if name in self._held:
                     self._held.move_to_end(name)
                     continue
+            if name in self._no_part_here and self._no_part_here[name] == self.catalog.source(name):
+                continue
+            self._no_part_here.pop(name, None)  # its catalogue entry changed: look at the new one
             self._load(name)
-        self._evict(keep=set(names))
+        self._evict(keep={name for name in names if name in self.held()})
 
     def _load(self, name: str) -> None:
         source = self.catalog.source(name)
         if source is None:
-            raise BadAdapter(f"{FIELD}: adapter {name!r} is not in this denoiser's catalogue (--lora, --lora-catalog)")
+            raise BadAdapter(
+                f"{FIELD}: adapter {name!r} is not in this {self.place}'s catalogue (--lora, --lora-catalog)"
+            )
         if source.startswith(("/", ".")) and not os.path.exists(source):  # a path, not a hub id: no download
-            raise BadAdapter(f"{FIELD}: adapter {name!r}: {source} does not exist on this denoiser")
-        pipe = self.adapter.pipe
+            raise BadAdapter(f"{FIELD}: adapter {name!r}: {source} does not exist on this {self.place}")
         started = time.perf_counter()
+        if self.has_transformer:
+            self._load_with_transformer(name, source)
+        else:
+            self._load_into_text_encoders(name, source)
+        if name in self._no_part_here:
+            return
+        self.loads += 1
+        self._load_seconds += time.perf_counter() - started
+        log.info("loaded LoRA adapter %s from %s (%d bytes)", name, source, self._held[name])
+
+    def _load_with_transformer(self, name: str, source: str) -> None:
+        """The stock load_lora_weights: the transformer's part, and the text encoders' where the pipeline holds them."""
+        pipe = self.adapter.pipe
         shapes, linears = _base_shapes(pipe.transformer), _base_linears(pipe.transformer)
         failure: Exception | None = None
         try:
@@ -131,15 +168,49 @@ class LoraAdapters:
                 f"{FIELD}: adapter {name!r} ({source}) cannot be loaded into this model's transformer: "
                 f"{type(failure).__name__}: {_first_line(failure)}"
             ) from failure
-        nbytes = _adapter_bytes(pipe.transformer, name)
-        if nbytes == 0:  # its tensors named no layer of this transformer (another family's adapter)
+        if _adapter_bytes(pipe.transformer, name) == 0:  # its tensors named no layer of it (another family's adapter)
             self._drop_partial(name)
             raise BadAdapter(f"{FIELD}: adapter {name!r} ({source}) has no tensors for this model's transformer")
+        self._hold(name)
+
+    def _load_into_text_encoders(self, name: str, source: str) -> None:
+        """A prompt encoder's load: the two steps of the stock load_lora_weights that read the file and load
+        its text-encoder tensors; an adapter with none is remembered and costs nothing more."""
+        pipe = self.adapter.pipe
+        try:
+            state_dict, alphas, metadata = pipe.lora_state_dict(source, return_alphas=True, return_lora_metadata=True)
+            prefixes = tuple(f"{c}." for c in self.text_encoders)
+            if not any(key.startswith(prefixes) for key in state_dict):
+                self._no_part_here[name] = source
+                log.info("LoRA adapter %s (%s) has no text-encoder tensors: nothing to load here", name, source)
+                return
+            for component in self.text_encoders:
+                pipe.load_lora_into_text_encoder(
+                    state_dict, network_alphas=alphas, text_encoder=getattr(pipe, component), prefix=component,
+                    lora_scale=pipe.lora_scale, adapter_name=name, metadata=metadata, _pipeline=pipe,
+                )  # fmt: skip
+        except Exception as exc:
+            self._drop_partial(name)
+            raise BadAdapter(
+                f"{FIELD}: adapter {name!r} ({source}) cannot be loaded into this model's text encoder: "
+                f"{type(exc).__name__}: {_first_line(exc)}"
+            ) from exc
+        if not self._bytes_in(self.text_encoders, name):
+            self._drop_partial(name)
+            raise BadAdapter(f"{FIELD}: adapter {name!r} ({source}) has no tensors for this model's text encoder")
+        self._hold(name)
+
+    def _hold(self, name: str) -> None:
+        """Count a loaded adapter's bytes, over every part of the pipeline it reached."""
+        if self._bytes_in(self.text_encoders, name):
+            self._in_text_encoders.add(name)
+        nbytes = self._bytes_in(["transformer", *self.text_encoders], name)
         with self._lock:
             self._held[name] = nbytes
-        self.loads += 1
-        self._load_seconds += time.perf_counter() - started
-        log.info("loaded LoRA adapter %s from %s (%d bytes)", name, source, nbytes)
+
+    def _bytes_in(self, components: Sequence[str], name: str) -> int:
+        pipe = self.adapter.pipe
+        return sum(_adapter_bytes(getattr(pipe, c), name) for c in components if getattr(pipe, c, None) is not None)
 
     def _evict(self, keep: set[str]) -> None:
         with self._lock:
@@ -157,12 +228,13 @@ class LoraAdapters:
                 self._unload(name)
             raise BadAdapter(
                 f"{FIELD}: adapters {', '.join(sorted(keep))} need {needed} bytes together, more than this "
-                f"denoiser's --lora-cache-bytes {self.capacity_bytes}"
+                f"{self.place}'s --lora-cache-bytes {self.capacity_bytes}"
             )
 
     def _unload(self, name: str) -> None:
         with self._lock:
             held = self._held.pop(name, None)
+        self._in_text_encoders.discard(name)
         if held is not None:
             self.adapter.pipe.delete_adapters(name)
             log.info("unloaded LoRA adapter %s (%d bytes)", name, held)
@@ -181,11 +253,13 @@ class LoraAdapters:
         with self._lock:
             self.evictions += len(self._held)
             self._held.clear()
+        self._in_text_encoders.clear()
 
     def _drop_partial(self, name: str) -> None:
-        """Whatever a failed load left of adapter `name` in the transformer."""
-        transformer = self.adapter.pipe.transformer
-        if name in (getattr(transformer, "peft_config", None) or {}):
+        """Whatever a failed load left of adapter `name` in the transformer or the text encoders."""
+        pipe = self.adapter.pipe
+        parts = [getattr(pipe, c, None) for c in ("transformer", *self.text_encoders)]
+        if any(name in (getattr(part, "peft_config", None) or {}) for part in parts):
             try:
                 self.adapter.pipe.delete_adapters(name)
             except Exception:

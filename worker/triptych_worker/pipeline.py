@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from triptych.lora import LoraCatalog
-from triptych.params import GenerationParams
+from triptych.params import GenerationParams, LoraWeight
 from triptych.protocol.tensors import Array
 from triptych.roles import WORKER_ROLES, Role
 from triptych_worker.adapters import FamilyAdapter, adapter_for
@@ -76,20 +76,28 @@ class InputValidationStage(AdapterStage):
 
 
 class TextEncodingStage(BatchedAdapterStage):
-    """The text encoders, over a batch's prompts as one forward; a prompt `cache` holds
-    (encoder_cache.py) skips them and gets the same tensors (copies) the encoders would."""
+    """The text encoders, over a batch's prompts as one forward, with the text-encoder part of the
+    request's LoRA adapters active (lora.py: a merged batch shares its adapters, triptych.batching); a
+    prompt `cache` holds (encoder_cache.py) skips them and gets the same tensors (copies) the encoders
+    would. Its key names the adapters applied, so an embedding is never reused across adapter sets."""
 
     role_affinity: ClassVar[Role] = Role.PROMPT_ENCODER
 
-    def __init__(self, adapter: FamilyAdapter, cache: EncoderCache | None = None):
+    def __init__(self, adapter: FamilyAdapter, cache: EncoderCache | None = None, loras: LoraAdapters | None = None):
         super().__init__(adapter)
         self.cache = cache
+        self.loras = loras or LoraAdapters(adapter, LoraCatalog(), 0)
 
     def run(self, batch: StageBatch) -> None:
         self.run_batched([batch])
 
     def run_batched(self, batches: list[StageBatch]) -> list[Exception | None]:
-        misses = [b for b in batches if not self._from_cache(b)]
+        with self.loras.applied(batches[0].params) as applied:
+            self._encode(batches, applied)
+        return [None] * len(batches)
+
+    def _encode(self, batches: list[StageBatch], applied: tuple[LoraWeight, ...]) -> None:
+        misses = [b for b in batches if not self._from_cache(b, applied)]
         if misses:
             # The prompts differ (a merged batch has one): the adapter encodes the list of them.
             tensors: dict[str, Array] = {**self.adapter.encode_texts([b.params for b in misses])}
@@ -99,15 +107,15 @@ class TextEncodingStage(BatchedAdapterStage):
                 batch.tensors.update(own.tensors)
                 if self.cache is not None:
                     self.cache.put(
-                        self._key(batch.params), {n: cast("torch.Tensor", t) for n, t in own.tensors.items()}
+                        self._key(batch.params, applied), {n: cast("torch.Tensor", t) for n, t in own.tensors.items()}
                     )
-        return [None] * len(batches)
 
-    def _key(self, params: GenerationParams) -> tuple[Any, ...]:
-        return (self.adapter.package.path, *self.adapter.text_encoding_key(params))
+    def _key(self, params: GenerationParams, applied: tuple[LoraWeight, ...]) -> tuple[Any, ...]:
+        adapters = tuple((lora.name, self.loras.catalog.source(lora.name), lora.weight) for lora in applied)
+        return (self.adapter.package.path, adapters, *self.adapter.text_encoding_key(params))
 
-    def _from_cache(self, batch: StageBatch) -> bool:
-        cached = None if self.cache is None else self.cache.get(self._key(batch.params))
+    def _from_cache(self, batch: StageBatch, applied: tuple[LoraWeight, ...]) -> bool:
+        cached = None if self.cache is None else self.cache.get(self._key(batch.params, applied))
         if cached is not None:
             batch.tensors.update(cached)
         return cached is not None
@@ -200,8 +208,8 @@ class RolePipeline:
 
     @property
     def loras(self) -> LoraAdapters | None:
-        """The LoRA adapters of this role's denoising, if it denoises."""
-        return next((s.loras for s in self.stages if isinstance(s, DenoisingStage)), None)
+        """The LoRA adapters of this role's denoising or text encoding (one cache where it runs both)."""
+        return next((s.loras for s in self.stages if isinstance(s, (DenoisingStage, TextEncodingStage))), None)
 
     @property
     def hands_off(self) -> bool:
@@ -314,7 +322,8 @@ def load_role_pipeline(
 ) -> RolePipeline:
     """Build `role`'s stages for the diffusers package at `model_path`, loading only their weights;
     its text encoding keeps up to `encoder_cache_bytes` of prompt embeddings (0: no cache), its
-    denoising loads the adapters of `lora_catalog` requests name, up to `lora_cache_bytes` of them.
+    text encoding and denoising load the adapters of `lora_catalog` requests name, up to
+    `lora_cache_bytes` of them (one cache for both where the role runs both).
 
     Raises ValueError for an unsupported pipeline class or a role this family has no stages for.
     """
@@ -327,7 +336,7 @@ def load_role_pipeline(
     stages: list[PipelineStage] = []
     for s in stage_classes:
         if s is TextEncodingStage:
-            stages.append(TextEncodingStage(adapter, cache))
+            stages.append(TextEncodingStage(adapter, cache, loras))
         elif s is DenoisingStage:
             stages.append(DenoisingStage(adapter, loras))
         else:
