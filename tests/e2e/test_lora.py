@@ -1,9 +1,10 @@
 """LoRA adapters per request, real processes on CPU: the stock pipeline's pixels after the same
-`load_lora_weights` / `set_adapters` calls, byte for byte, disaggregated and monolithic; bad adapters
+`load_lora_weights` / `set_adapters` calls, byte for byte, disaggregated and monolithic, an adapter's
+text-encoder part included (the encoder applies it; its prompt cache keeps adapter sets apart); bad adapters
 a 400 naming `loras` with every process still serving; an adapter added to the catalogue file served
 without a restart; and two denoisers: a request goes to the one holding its adapters while it has room.
 
-The disaggregated head and denoiser read their adapters from a --lora-catalog file, monolithic mode
+The disaggregated head, encoder and denoiser read their adapters from a --lora-catalog file, monolithic mode
 from --lora flags. Tiny FLUX.1 Kontext serves text-to-image and edits alike.
 """
 
@@ -41,8 +42,10 @@ CASES: dict[str, list[dict[str, Any]]] = {
     "none": [],
     "one": [{"name": "flux-ink", "weight": 0.8}],
     "two": [{"name": "flux-ink", "weight": 0.8}, {"name": "flux-paper", "weight": 1.3}],
+    # transformer and CLIP text-encoder factors; the prompt of "none" before it: the cache must not serve it
+    "text encoder": [{"name": "flux-ink-te", "weight": 0.8}],
 }
-SERVED = ("flux-ink", "flux-paper", "wan-ink", "flux-misfit")
+SERVED = ("flux-ink", "flux-paper", "flux-ink-te", "wan-ink", "flux-misfit")
 
 
 def params_of(request: dict[str, Any], loras: list[dict[str, Any]], image: bytes | None = None) -> GenerationParams:
@@ -87,7 +90,7 @@ def catalog_file(tiny_loras, tmp_path_factory) -> Path:  # type: ignore[no-untyp
 def disaggregated(tiny_models, catalog_file, tmp_path_factory) -> Iterator[LocalDeployment]:  # type: ignore[no-untyped-def]
     flags = ("--lora-catalog", str(catalog_file))
     model, tmp = tiny_models["tiny-flux-kontext"], tmp_path_factory.mktemp("disagg")
-    with deployment(model, tmp, head_flags=flags, role_flags={Role.DENOISER: flags}) as dep:
+    with deployment(model, tmp, head_flags=flags, role_flags={Role.ENCODER: flags, Role.DENOISER: flags}) as dep:
         yield dep
 
 
@@ -112,6 +115,7 @@ def test_adapters_equal_stock_disaggregated_and_monolithic(disaggregated, tiny_m
         assert np.array_equal(disagg[case], reference), f"{case}: disaggregated pixels differ from stock"
         assert np.array_equal(mono[case], reference), f"{case}: monolithic pixels differ from stock"
     assert not np.array_equal(disagg["one"], disagg["none"]) and not np.array_equal(disagg["two"], disagg["one"])
+    assert not np.array_equal(disagg["text encoder"], disagg["one"]), "the text-encoder part changed nothing"
 
 
 BAD = {
