@@ -71,10 +71,19 @@ def test_a_catalog_file_missing_at_start_up_is_empty_until_it_appears(tmp_path: 
 
 
 def test_lora_flags_on_a_role_that_applies_no_adapter_are_refused() -> None:
-    with pytest.raises(ConfigError, match=r"^--lora is for .*denoiser.*, not encoder$"):
+    with pytest.raises(ConfigError, match=r"^--lora is for .*encoder.*denoiser.*, not decoder$"):
         ServeArgs(
-            model_path="m", lora=["ink=/x"], disagg_role=Role.ENCODER, disagg_server_addr="tcp://127.0.0.1:1"
+            model_path="m", lora=["ink=/x"], disagg_role=Role.DECODER, disagg_server_addr="tcp://127.0.0.1:1"
         ).validate()
+
+
+@pytest.mark.parametrize("role", [Role.ENCODER, Role.PROMPT_ENCODER, Role.DENOISER])
+def test_the_roles_that_apply_adapters_take_the_lora_flags(role: Role) -> None:
+    # encoders apply an adapter's text-encoder part, denoisers its transformer part
+    ServeArgs(
+        model_path="m", lora=["ink=/x"], lora_catalog="/c", lora_cache_bytes=1, disagg_role=role,
+        disagg_server_addr="tcp://127.0.0.1:1",
+    ).validate()  # fmt: skip
 
 
 def test_a_request_s_adapters_reach_the_stages_in_order_with_their_weights() -> None:
@@ -179,3 +188,14 @@ def test_the_cli_takes_adapters_as_repeated_lora_options_and_an_edit_sends_them_
     assert json.loads(form["loras"]) == body["loras"]
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "waves", "-o", "out", "--lora", "ink=heavy"])
+
+
+def test_only_denoisers_heartbeats_set_the_adapter_load_estimate() -> None:
+    from tests.unit.core_harness import Harness
+    from triptych.protocol import encode
+
+    harness = Harness({Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1})
+    for w in harness.workers.values():  # an encoder loads text-encoder parts: not what a denoiser's load costs
+        seconds = 0.25 if w.role is Role.DENOISER else 9.0
+        harness.core.on_worker(w.role, encode(msgspec.structs.replace(w.heartbeat(), lora_load_s=seconds)))
+    assert harness.core.workload.lora_load_s == 0.25
