@@ -199,6 +199,22 @@ def test_the_encoder_loads_text_encoder_parts_only_and_adapters_without_one_cost
     assert ink and all(torch.equal(p, weights[n.replace(".flux-ink.", ".flux-ink-te.")]) for n, p in ink.items())
 
 
+def test_the_encoder_s_cache_unloads_the_least_recently_used_text_encoder_part(tiny_models, tiny_loras) -> None:  # type: ignore[no-untyped-def]
+    entries = {"te-a": str(tiny_loras["flux-ink-te"]), "te-b": str(tiny_loras["flux-ink-te"])}
+    model = str(tiny_models["tiny-flux"])
+    roomy = load_role_pipeline(model, Role.PROMPT_ENCODER, "cpu", 0, LoraCatalog(entries), GIB)
+    with roomy.loras.applied(with_loras(IMAGE, ("te-a", 1.0))):
+        pass
+    one = roomy.loras.sizes()["te-a"]
+    tight = load_role_pipeline(model, Role.PROMPT_ENCODER, "cpu", 0, LoraCatalog(entries), one)
+    for name in ("te-a", "te-b", "te-a"):
+        with tight.loras.applied(with_loras(IMAGE, (name, 1.0))):
+            pass
+        assert tight.loras.held() == (name,)
+    assert (tight.loras.loads, tight.loras.evictions) == (3, 2)
+    assert not any(".te-b." in n for n, _ in tight.adapter.pipe.text_encoder.named_parameters())
+
+
 def test_the_prompt_cache_never_serves_an_adapter_s_embedding_to_another_adapter_set(tiny_models, tiny_loras) -> None:  # type: ignore[no-untyped-def]
     roles = split_roles(tiny_models, tiny_loras, cache_bytes=GIB)
     requests = {"te": with_loras(IMAGE, ("flux-ink-te", 0.8)), "plain": IMAGE,
