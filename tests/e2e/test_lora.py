@@ -178,7 +178,8 @@ def test_requests_go_to_the_denoiser_holding_their_adapters_and_the_other_loads_
     flags = ("--lora", f"flux-ink={tiny_loras['flux-ink']}")
     one_at_a_time = (*flags, "--worker-capacity", "1")
     with deployment(
-        tiny_models["tiny-flux"], tmp_path, denoisers=2, head_flags=flags, role_flags={Role.DENOISER: one_at_a_time}
+        tiny_models["tiny-flux"], tmp_path, denoisers=2, head_flags=flags,
+        role_flags={Role.ENCODER: flags, Role.DENOISER: one_at_a_time},
     ) as dep, dep.client(300) as c:  # fmt: skip
         ink = CASES["one"][:1]
         pixels_of(generate(c, ink))
@@ -213,7 +214,7 @@ def test_batching_groups_only_requests_with_the_same_adapters(tiny_models, tiny_
     ]  # fmt: skip
     with deployment(
         tiny_models["tiny-flux"], tmp_path, head_flags=(*HEAD_FLAGS, *flags), worker_flags=("--batching-max-size", "4"),
-        role_flags={Role.DENOISER: flags},
+        role_flags={Role.ENCODER: flags, Role.DENOISER: flags},
     ) as dep, dep.client(300) as c:  # fmt: skip
         batched, deltas = batched_concurrently(dep, c, requests)
         sent, ran = deltas("denoiser", "count")

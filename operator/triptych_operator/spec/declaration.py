@@ -357,8 +357,8 @@ def _model() -> Field:
     loras = (
         "LoRA adapters requests may name (`loras`, docs/serving.md), as `NAME=SOURCE`: SOURCE an absolute path "
         f"of a folder or `.safetensors` file in the pod (the model volume is at `{MODEL_MOUNT}`) or a hub id, which "
-        "the denoisers download on first use into an `emptyDir` at `/cache`, with `tokenSecretRef`'s token. "
-        "Written to a ConfigMap `<name>-loras` that the head and the denoisers mount "
+        "the denoisers and encoders download on first use into an `emptyDir` at `/cache`, with `tokenSecretRef`'s "
+        "token. Written to a ConfigMap `<name>-loras` that the head, the encoders and the denoisers mount "
         "and read as `--lora-catalog`: an added adapter reaches them without a restart (within the kubelet's "
         "sync period)."
     )

@@ -68,7 +68,7 @@ class ModelSpec:
     hub_id: str | None = dataclasses.field(metadata=bound("hubId"))
     token_secret_name: str | None = dataclasses.field(metadata=bound("tokenSecretRef.name"))
     token_secret_key: str = dataclasses.field(metadata=bound("tokenSecretRef.key"))
-    loras: Sequence[str] = ()  # NAME=SOURCE: --lora on the head and the denoisers
+    loras: Sequence[str] = ()  # NAME=SOURCE: --lora-catalog of the head, the encoders and the denoisers
 
     @property
     def model_path(self) -> str:
