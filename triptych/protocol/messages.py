@@ -239,7 +239,7 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     peak_held: Count = 0  # the most it has held at once since it started (never above its capacity)
     encoder_cache: EncoderCacheStats | None = None  # None: this worker encodes no prompts
     step_cache: tuple[StepCacheStats, ...] = ()  # per step cache mode its denoising used
-    loras: tuple[str, ...] = ()  # the LoRA adapters its denoising holds loaded (the head routes by them)
+    loras: tuple[str, ...] = ()  # the LoRA adapters it holds loaded (the head routes denoising by them)
     lora_load_s: Seconds = 0.0  # the mean seconds its adapter loads took (0: none yet); the head's estimate
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 1  # its --batching-max-size: the largest group it runs at once
     # Its standing receive slots, (address, bytes) each: the head assigns the ones it does not know yet

@@ -389,7 +389,7 @@ class Worker:
         return () if caching is None else caching.stats()
 
     def _loras_held(self) -> tuple[str, ...]:
-        loras = getattr(self.pipeline, "loras", None)  # only model pipelines that denoise hold adapters
+        loras = getattr(self.pipeline, "loras", None)  # model pipelines that encode prompts or denoise hold adapters
         return () if loras is None else loras.held()
 
     def _lora_load_seconds(self) -> float:
