@@ -63,6 +63,7 @@ CHILD_KINDS: dict[tuple[str, str], tuple[str, str, str, str]] = {
     ("networking.k8s.io/v1", "Ingress"): ("networking.k8s.io", "v1", "ingresses", "ingress_index"),
     ("networking.k8s.io/v1", "NetworkPolicy"): ("networking.k8s.io", "v1", "networkpolicies", "networkpolicy_index"),
     ("policy/v1", "PodDisruptionBudget"): ("policy", "v1", "poddisruptionbudgets", "pdb_index"),
+    ("v1", "ConfigMap"): ("", "v1", "configmaps", "configmap_index"),  # spec.model.loras, the adapter catalogue
 }
 # What kopf keeps on the pipeline with the storages `configure` sets (its handler-progress keys
 # appear only while a handler is retried).

@@ -85,7 +85,7 @@ def wait_phase(cluster: KubeCluster, namespace: str, name: str, phase: str, time
 
 def children(cluster: KubeCluster, namespace: str, name: str) -> dict[str, dict[str, Any]]:
     """kind/name -> object for everything labelled as this pipeline's."""
-    kinds = "deployments,services,hpa,ingresses,poddisruptionbudgets"
+    kinds = "deployments,services,hpa,ingresses,poddisruptionbudgets,configmaps"
     listing = get(cluster, namespace, kinds, "-l", f"app.kubernetes.io/instance={name}")
     return {f"{o['kind']}/{o['metadata']['name']}": o for o in (listing or {}).get("items", [])}
 
@@ -360,6 +360,29 @@ def test_optional_children_follow_the_spec(crd: KubeCluster, kube_namespace: str
         lambda: not {"HorizontalPodAutoscaler/opt-denoiser", "Ingress/opt-api"} & set(children(crd, ns, "opt")),
         what="the HPA and the Ingress to be removed",
     )
+
+
+def test_lora_adapters_become_a_catalogue_configmap_that_an_edit_changes_and_emptying_removes(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    ns = kube_namespace
+    model = {"path": "tiny-flux", "volume": {"hostPath": {"path": "/var/lib/triptych/models"}}}
+    apply(crd, ns, pipeline_manifest("lora", model={**model, "loras": ["ink=/models/loras/ink"]}))
+    catalogue = poll(lambda: children(crd, ns, "lora").get("ConfigMap/lora-loras"), what="the catalogue ConfigMap")
+    assert list(catalogue["data"].values()) == ["ink=/models/loras/ink\n"], catalogue["data"]
+    denoiser = poll(lambda: children(crd, ns, "lora").get("Deployment/lora-denoiser"), what="the denoiser")
+    generation = denoiser["metadata"]["generation"]
+    apply(crd, ns, pipeline_manifest("lora", model={**model, "loras": ["ink=/models/loras/ink", "paper=/m/p"]}))
+    poll(
+        lambda: (
+            "paper=/m/p" in "".join(children(crd, ns, "lora").get("ConfigMap/lora-loras", {}).get("data", {}).values())
+        ),
+        what="the added adapter in the catalogue",
+    )
+    # An added adapter reaches the pods through the mounted file: their template is unchanged.
+    assert children(crd, ns, "lora")["Deployment/lora-denoiser"]["metadata"]["generation"] == generation
+    apply(crd, ns, pipeline_manifest("lora", model=model))
+    poll(lambda: "ConfigMap/lora-loras" not in children(crd, ns, "lora"), what="the catalogue to be removed")
 
 
 def test_deleting_the_pipeline_removes_everything(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:
