@@ -56,8 +56,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first: dict[str, Any] = dict(exc.errors()[0]) if exc.errors() else {"loc": (), "msg": "invalid request"}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        param = loc[0] if loc else None  # the request's field; the message names the part within it
+        message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
         if first.get("type") == "json_invalid":
             message = f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
         return JSONResponse(error_body(400, message, param), 400)
