@@ -28,6 +28,7 @@ DEFAULT_TIMEOUT_S = 600.0
 # HEAD_SHUTDOWN_OVERHEAD_S more to answer the last clients and save video jobs.
 DEFAULT_DRAIN_TIMEOUT_S = 600.0
 HEAD_SHUTDOWN_OVERHEAD_S = 15.0
+DEFAULT_PRIORITY_AGING_S = 30.0  # --disagg-priority-aging: a wait this long raises a request one level
 DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
 DEFAULT_RESULTS_MAX_BYTES = 5 << 30
 S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -119,8 +120,9 @@ class ServeArgs:
     disagg_max_retries: int = 2
     disagg_discovery_interval: float = 5.0
     disagg_no_instance_wait: float = 120.0
+    disagg_migration: str = "on"  # a draining denoiser's running requests move to peers at a step boundary
     disagg_preemption: str = "on"  # a waiting higher-priority request suspends a lower one's denoising
-    disagg_priority_aging: float = 30.0  # seconds of waiting that raise a request's priority one level
+    disagg_priority_aging: float = DEFAULT_PRIORITY_AGING_S  # a wait this long raises a request's priority one level
     results_max_age: float = DEFAULT_RESULTS_MAX_AGE_S
     results_max_bytes: int = DEFAULT_RESULTS_MAX_BYTES
     results_store: str | None = None  # s3://BUCKET/PREFIX; None: the --output-path folder
@@ -543,6 +545,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
       help="head: times a request is restarted on other instances after losing a worker (default 2)")  # fmt: skip
     a("--disagg-no-instance-wait", type=float, default=d.disagg_no_instance_wait,
       help="head: seconds a request waits while its role has no ready instance, then fails (default 120)")  # fmt: skip
+    a("--disagg-migration", choices=("on", "off"), default=d.disagg_migration,
+      help="head: move a draining denoiser's running requests to denoisers with room at their next step, so a "
+           "drain takes about one step and a transfer (default on); off: they finish where they are")  # fmt: skip
     a("--disagg-preemption", choices=("on", "off"), default=d.disagg_preemption,
       help="head: when every denoiser is busy, suspend the lowest-priority running denoise at its next step for a "
            "waiting request of higher priority, and resume it later on any denoiser (default on)")  # fmt: skip

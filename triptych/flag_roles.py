@@ -47,6 +47,7 @@ OVERRIDES: dict[str, frozenset[Role]] = {
             "--disagg-dispatch-policy",
             "--disagg-max-retries",
             "--disagg-no-instance-wait",
+            "--disagg-migration",
             "--disagg-preemption",
             "--disagg-priority-aging",
         ),

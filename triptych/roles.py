@@ -131,7 +131,9 @@ ROLE_SPECS: dict[Role, RoleSpec] = {
         operator_degrees=("tp", "sp", "ulysses", "ring", "cfg"),
         crd_field="denoiser",
         receives_from=Role.ENCODER,  # the encoder's outputs (the split encoders' accumulated ones)
-        drain_seconds=900,
+        # A drain hands running requests to peers at a step boundary (docs/design.md "Migration"): about a
+        # step and a transfer while a peer has room; this bounds the wait for one (node drains, autoscalers).
+        drain_seconds=300,
         simulate_seconds=(0.02, 0.25),
         prior_seconds_per_unit=0.2,
     ),

@@ -34,6 +34,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
             "--disagg-discovery-interval",
             "--disagg-max-retries",
             "--disagg-no-instance-wait",
+            "--disagg-migration",
             "--disagg-preemption",
             "--disagg-priority-aging",
             "--output-path",

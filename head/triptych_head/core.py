@@ -169,12 +169,15 @@ class HeadCore:
             self.metrics.dropped_messages.inc()
             log.warning("dropped %s: not a worker message", msg.TYPE)
             return
+        busy = bool(inst.inflight)
         try:
             handler(self, rec, inst, msg, frames)
         except Exception as exc:  # a bug or a misbehaving worker fails one request, never the loop
             log.exception("handling %s for %s", msg.TYPE, rec.wire_id)
             if self.attempts.get(rec.wire_id) is rec:
                 self.finish(rec, RequestState.FAILED, f"internal error handling {msg.TYPE} from {inst.url}: {exc}")
+        if inst.draining and busy and not inst.inflight:
+            self.membership.ping(inst)  # its last request left it: acknowledge the drain now, not at the next tick
 
     def tick(self, discovered: Mapping[Role, Sequence[str]]) -> None:
         """Periodic upkeep (twice a second): membership as discovery lists it now, pings, lost
@@ -304,7 +307,8 @@ class HeadCore:
             # It still serves a previous head; once our ping reaches it, it drops that head's work
             # and says so in its next heartbeat. Until then nothing is dispatched to it.
             return
-        if msg.draining and not inst.draining:
+        newly_draining = msg.draining and not inst.draining
+        if newly_draining:
             log.info("%s %s is draining: no new work goes to it", inst.role.value, inst.url)
         inst.on_heartbeat(
             self.clock(),
@@ -325,6 +329,8 @@ class HeadCore:
             self.workload.observe_lora_load(msg.lora_load_s)
         self._check_topology(inst, msg)
         self._check_model(inst, msg)
+        if newly_draining:
+            migration.drain_by_migration(self)  # its running requests move now, not at the next tick
 
     def _on_late(self, inst: WorkerInstance, msg: Any) -> None:
         """A message of an attempt that ended: free what the worker still holds for it."""

@@ -114,10 +114,13 @@ class Membership:
 
     def ping_all(self) -> None:
         for inst in self.all():
-            # A draining worker exits once acknowledged and idle, so acknowledge only when nothing is
-            # on its way to it (a push into one of its standing slots, say): all that went before is there.
-            ack = inst.draining and not inst.inflight
-            self.send(inst.url, Ping(instance=inst.url, head_id=self.head_id, drain_acknowledged=ack, via=inst.via))
+            self.ping(inst)
+
+    def ping(self, inst: WorkerInstance) -> None:
+        # A draining worker exits once acknowledged and idle, so acknowledge only when nothing is
+        # on its way to it (a push into one of its standing slots, say): all that went before is there.
+        ack = inst.draining and not inst.inflight
+        self.send(inst.url, Ping(instance=inst.url, head_id=self.head_id, drain_acknowledged=ack, via=inst.via))
 
     def send(self, url: str, msg: Any) -> bool:
         """To a worker, counted; False when it is not connected."""

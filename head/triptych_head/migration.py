@@ -58,8 +58,8 @@ def ask_hand_off(core: HeadCore, rec: RequestRecord, reason: str) -> bool:
 
 def drain_by_migration(core: HeadCore) -> None:
     """Ask draining denoisers to hand their requests off, as many as other ready denoisers have
-    free slots for (the rest finish where they are)."""
-    if core.full_pipeline:
+    free slots for (the rest finish where they are); with --disagg-migration off, none is asked."""
+    if core.full_pipeline or core.args.disagg_migration == "off":
         return
     instances = core.membership.instances(Role.DENOISER)
     draining = {i.url for i in instances if i.draining and core.membership.alive(i)}

@@ -135,6 +135,8 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         port=pipeline.head.port,
         disagg_timeout=float(pipeline.head.timeout_seconds),
         disagg_dispatch_policy=pipeline.head.dispatch_policy,
+        disagg_priority_aging=float(pipeline.head.priority_aging_seconds),
+        disagg_preemption="on" if pipeline.head.preemption else "off",
         output_path=OUTPUT_MOUNT,
         disagg_drain_timeout=float(pipeline.head.drain_timeout_seconds),
         results_max_age=float(pipeline.head.results.max_age_seconds),

@@ -71,6 +71,16 @@ def test_head_args_list_workers_by_dns_discovery() -> None:
     assert (args.disagg_dispatch_policy, args.disagg_timeout, args.host) == ("max_free_slots", 900.0, "0.0.0.0")
 
 
+def test_head_priority_scheduling_comes_from_the_spec() -> None:
+    default = parse_serve(container(children(minimal_spec())[("Deployment", "wan-t2v-head")]))
+    assert (default.disagg_priority_aging, default.disagg_preemption) == (30.0, "on")
+    spec = minimal_spec(head={"priority": {"agingSeconds": 12, "preemption": False}})
+    args = parse_serve(container(children(spec)[("Deployment", "wan-t2v-head")]))
+    assert (args.disagg_priority_aging, args.disagg_preemption) == (12.0, "off")
+    with pytest.raises(SpecError, match=r"spec\.head\.priority\.agingSeconds"):
+        children(minimal_spec(head={"priority": {"agingSeconds": 0}}))
+
+
 def test_workers_are_pinned_to_gpus_and_rdma() -> None:
     denoiser = container(children()[("Deployment", "wan-t2v-denoiser")])
     assert denoiser["resources"]["limits"] == {GPU_RESOURCE: 4, "rdma/ib": 1}
@@ -294,7 +304,7 @@ def test_the_deprecated_queue_depth_fields_are_accepted_and_ignored() -> None:
     assert hpa["spec"]["metrics"][0]["object"]["metric"]["name"] == "triptych_pending_work_seconds"
 
 
-@pytest.mark.parametrize(("role", "grace"), [("encoder", 120), ("denoiser", 900), ("decoder", 120)])
+@pytest.mark.parametrize(("role", "grace"), [("encoder", 120), ("denoiser", 300), ("decoder", 120)])
 def test_each_role_drains_within_its_grace_period(role: str, grace: int) -> None:
     deployment = children(minimal_spec())[("Deployment", f"wan-t2v-{role}")]
     pod = deployment["spec"]["template"]["spec"]

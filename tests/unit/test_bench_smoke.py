@@ -46,6 +46,7 @@ SMOKE: dict[str, tuple[str, str]] = {
         "2 heads:",
     ),
     "preemption_bench.py": ("--window 4 --json {tmp}/pr.json", "short-class p99 off/on"),
+    "drain_bench.py": ("--video-seconds 3 --steps 15 --after 0.5 --repeats 1 --json {tmp}/d.json", "drain off/on"),
     "rollout_bench.py": ("--interval 0.1 --settle 0.5 --json {tmp}/r.json", "RollingUpdate"),
     "pipeline_bench.py": (
         "--size 64x64 --steps 2 --requests 2 --omp-threads 1 --json {tmp}/p.json",

@@ -54,6 +54,7 @@ SAMPLE: dict[str, Any] = {
     "--disagg-discovery-interval": 1.0,
     "--disagg-max-retries": 0,
     "--disagg-no-instance-wait": 1.0,
+    "--disagg-migration": "off",
     "--disagg-preemption": "off",
     "--disagg-priority-aging": 5.0,
     "--master-port": 29600,
@@ -135,6 +136,8 @@ TESTED: dict[str, str] = {
     "test_a_request_out_of_retries_fails_naming_the_lost_worker",
     "--disagg-no-instance-wait": "tests/unit/test_server_membership.py::"
     "test_requests_fail_when_their_role_has_had_no_ready_instance_for_the_wait",
+    "--disagg-migration": "tests/unit/test_head_core.py::"
+    "test_with_migration_off_a_draining_denoiser_finishes_its_requests_in_place",
     "--disagg-preemption": "tests/unit/test_preemption.py::"
     "test_with_preemption_off_a_high_request_waits_for_the_low_one_to_finish",
     "--disagg-priority-aging": "tests/unit/test_preemption.py::"

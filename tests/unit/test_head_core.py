@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from tests.unit.core_harness import PARAMS, Harness, SimWorker, SlotViolation
 from triptych.params import GenerationParams
 from triptych.protocol import (
     HandOff,
+    Ping,
     RequestEvent,
     RequestResult,
     Submit,
@@ -420,3 +422,39 @@ def test_a_draining_denoiser_is_asked_to_hand_off_only_while_a_peer_has_room() -
     migration.drain_by_migration(h.core)
     migration.drain_by_migration(h.core)  # asked once
     assert [(u, type(m)) for u, m in h.transport.outbox if isinstance(m, HandOff)] == [(first, HandOff)]
+
+
+def test_a_denoiser_that_starts_draining_is_asked_to_hand_off_at_once_and_acknowledged_once_empty() -> None:
+    h = Harness({Role.ENCODER: 1, Role.DENOISER: 2, Role.DECODER: 1})
+    h.submit("r")
+    first = _to_denoiser(h, "r")
+    h.deliver()
+    sent: list[tuple[str, object]] = []
+    send = h.transport.send
+    h.transport.send = lambda url, msg: sent.append((url, msg)) or send(url, msg)  # type: ignore[method-assign]
+    beat = msgspec.structs.replace(h.workers[first].heartbeat(), draining=True)
+    h.core.on_worker(Role.DENOISER, encode(beat))  # no tick: the draining heartbeat alone
+    assert [(u, type(m)) for u, m in sent] == [(first, HandOff)]
+    for _ in range(50):
+        if not h.core.membership.find(first).inflight:  # type: ignore[union-attr]
+            break
+        if h.pending:
+            h.deliver()
+        if h.answers:
+            h.answer()
+    # The message that took its last request off it was answered by an acknowledging ping, before any tick.
+    assert any(isinstance(m, Ping) and m.drain_acknowledged for u, m in sent if u == first)
+
+
+def test_with_migration_off_a_draining_denoiser_finishes_its_requests_in_place() -> None:
+    h = Harness({Role.ENCODER: 1, Role.DENOISER: 2, Role.DECODER: 1}, ("--disagg-migration", "off"))
+    h.submit("r")
+    first = _to_denoiser(h, "r")
+    h.deliver()
+    h.core.membership.find(first).draining = True  # type: ignore[union-attr]
+    from triptych_head import migration
+
+    migration.drain_by_migration(h.core)
+    h.tick()
+    assert not any(isinstance(m, HandOff) for _, m in h.transport.outbox)  # the peer has room, but none is asked
+    assert h.core.requests["r"].instance == first

@@ -12,6 +12,7 @@ import dataclasses
 
 from triptych.config import (
     DEFAULT_POOL_SIZE,
+    DEFAULT_PRIORITY_AGING_S,
     DEFAULT_RESULTS_MAX_AGE_S,
     DEFAULT_RESULTS_MAX_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -273,7 +274,10 @@ def role_field(role: Role) -> Field:
     )
     drain = (
         f"The pods' `terminationGracePeriodSeconds`; the worker gets `--disagg-drain-timeout` {DRAIN_MARGIN_S} s "
-        "less to finish and push what it holds after SIGTERM, then exits 0."
+        "less to finish and push what it holds after SIGTERM, then exits 0. A draining denoiser hands each running "
+        "request to another denoiser with room at its next step boundary (docs/design.md), so it drains in about a "
+        "step and a transfer while its peers have room; this bounds the wait for room. What a worker still holds "
+        "at the end is run again on another instance."
     )
     drain_defaults = ", ".join(
         f"`{seconds}` {'/'.join(r.value for r in PIPELINE_ROLES if DEFAULT_DRAIN_SECONDS[r] == seconds)}"
@@ -579,6 +583,27 @@ def _head_batching() -> Field:
     )
 
 
+def _head_priority() -> Field:
+    aging = (
+        "`--disagg-priority-aging`: each wait this long raises a waiting request's priority one level, which "
+        "bounds how long a low-priority request can be passed over (docs/design.md)."
+    )
+    preemption = (
+        "`--disagg-preemption`: a request waiting for a denoiser with none free has a lower-priority running "
+        "denoise suspended at its next step boundary, and resumed after (docs/design.md); not while dynamic "
+        "batching is on (a role's `batching.maxSize` above 1)."
+    )
+    return Field(
+        "priority",
+        "object",
+        "How the head orders requests by their `priority` (per-key ceilings: `apiKeysSecret`, docs/security.md).",
+        fields=(
+            Field("agingSeconds", "integer", aging, default=int(DEFAULT_PRIORITY_AGING_S), minimum=1),
+            Field("preemption", "boolean", preemption, default=True),
+        ),
+    )
+
+
 def _head() -> Field:
     replicas = (
         "Head pods. Every worker serves every head (a headless Service `<name>-heads`), so clients may reach any "
@@ -618,6 +643,7 @@ def _head() -> Field:
             ),
             _ingress(),
             _head_batching(),
+            _head_priority(),
             Field("dispatchPolicy", "string", policy, enum=DISPATCH_POLICIES, default=DISPATCH_POLICIES[0]),
             Field("timeoutSeconds", "integer", "`--disagg-timeout`.", default=int(DEFAULT_TIMEOUT_S), minimum=1),
             Field("drainSeconds", "integer", drain, default=DEFAULT_HEAD_DRAIN_SECONDS, minimum=MIN_HEAD_DRAIN_SECONDS),

@@ -239,6 +239,9 @@ class HeadSpec:
     env: Sequence[Mapping[str, Any]]
     # How long a group may wait to fill (--batching-delay-ms).
     batch_delay_ms: int = dataclasses.field(metadata=bound("batching.delayMs"))
+    # Priority scheduling (--disagg-priority-aging, --disagg-preemption).
+    priority_aging_seconds: int = dataclasses.field(metadata=bound("priority.agingSeconds"))
+    preemption: bool = dataclasses.field(metadata=bound("priority.preemption"))
 
     @property
     def replicas(self) -> int:

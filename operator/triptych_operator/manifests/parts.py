@@ -1,0 +1,180 @@
+"""What every child's manifest is made of: labels and metadata, probes, pod security, resources, and
+the volumes more than one kind of pod mounts (the model, the control-plane keys, the LoRA catalogue)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from triptych.lora import parse_entries
+from triptych.security import Side, key_files
+from triptych_operator.constants import (
+    APP_NAME,
+    HF_CACHE_MOUNT,
+    KEYS_COMPONENT,
+    KEYS_FINGERPRINT_ANNOTATION,
+    KEYS_MOUNT,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LORA_CATALOG_FILE,
+    LORA_CATALOG_MOUNT,
+    LORA_COMPONENT,
+    MANAGER,
+    MODEL_MOUNT,
+    RUN_AS_USER,
+)
+from triptych_operator.serve_args import object_name
+from triptych_operator.spec.model import PipelineSpec, SpecError
+
+Manifest = dict[str, Any]
+
+# Model loading takes minutes; the startup probe allows this long before liveness applies.
+STARTUP_GRACE_S = 1800
+# A rollout is reported stuck only after the startup grace has run out, not while a model loads.
+PROGRESS_DEADLINE_S = STARTUP_GRACE_S + 600
+PROBE_PERIOD_S = 10
+KEYS_VOLUME = "control-keys"
+KEYS_FILE_MODE = 0o440  # owner root, group the pod's fsGroup (the process): nobody else reads the secret keys
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """An object the operator may have created earlier and that must not exist now."""
+
+    api_version: str
+    kind: str
+    name: str
+
+
+@dataclass
+class Children:
+    """What to apply for a pipeline, and which optional objects to remove (e.g. a disabled HPA)."""
+
+    apply: list[Manifest] = field(default_factory=list)
+    delete: list[ObjectRef] = field(default_factory=list)
+
+
+def labels(pipeline: PipelineSpec, component: str) -> dict[str, str]:
+    """Common labels; also the (immutable) Deployment selectors, so they never include anything that changes."""
+    return {
+        LABEL_NAME: APP_NAME,
+        LABEL_INSTANCE: pipeline.name,
+        LABEL_COMPONENT: component,
+        LABEL_MANAGED_BY: MANAGER,
+    }
+
+
+def object_metadata(pipeline: PipelineSpec, component: str, name: str | None = None) -> dict[str, Any]:
+    return {
+        "name": name or object_name(pipeline.name, component),
+        "namespace": pipeline.namespace,
+        "labels": labels(pipeline, component),
+    }
+
+
+def model_volume_mounts(
+    pipeline: PipelineSpec, downloads: bool = False
+) -> tuple[list[Manifest], list[Manifest], list[Manifest]]:
+    """(volumes, mounts, env) that give a container the model; a hub model needs a cache and a token,
+    as does a denoiser of a model on a volume (`downloads`) that may fetch hub-id LoRA adapters."""
+    model = pipeline.model
+    if model.uses_volume and not downloads:
+        if model.pvc_claim_name:
+            source: Manifest = {"persistentVolumeClaim": {"claimName": model.pvc_claim_name, "readOnly": True}}
+        else:
+            source = {"hostPath": {"path": model.host_path, "type": "Directory"}}
+        return [{"name": "model", **source}], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}], []
+    volumes: list[Manifest] = [{"name": "hf-cache", "emptyDir": {}}]
+    mounts: list[Manifest] = [{"name": "hf-cache", "mountPath": HF_CACHE_MOUNT}]
+    if model.uses_volume:  # and downloads: the model from its volume, adapters from the hub into the cache
+        model_volumes, model_mounts, _ = model_volume_mounts(pipeline)
+        volumes, mounts = [*model_volumes, *volumes], [*model_mounts, *mounts]
+    env: list[Manifest] = [{"name": "HF_HOME", "value": f"{HF_CACHE_MOUNT}/huggingface"}]
+    if model.token_secret_name:
+        ref = {"name": model.token_secret_name, "key": model.token_secret_key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    return volumes, mounts, env
+
+
+def lora_catalog(pipeline: PipelineSpec) -> Manifest | None:
+    """spec.model.loras as the ConfigMap the head, the denoisers and the prompt encoders read their --lora-catalog from;
+    None without adapters. SpecError naming the field for an entry the processes would not take."""
+    loras = pipeline.model.loras
+    if not loras:
+        return None
+    try:
+        parse_entries(loras, "spec.model.loras:")
+    except ValueError as exc:
+        raise SpecError("spec.model.loras", str(exc).removeprefix("spec.model.loras: ")) from None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_metadata(pipeline, LORA_COMPONENT, object_name(pipeline.name, LORA_COMPONENT)),
+        "data": {LORA_CATALOG_FILE.rsplit("/", 1)[1]: "".join(f"{entry}\n" for entry in loras)},
+    }
+
+
+def lora_catalog_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest]]:
+    """(volumes, mounts) of the adapters' catalogue, mounted whole (no subPath) so that an edit of
+    spec.model.loras reaches the file within the kubelet's sync period, and no pod restarts."""
+    if not pipeline.model.loras:
+        return [], []
+    source = {"name": object_name(pipeline.name, LORA_COMPONENT)}
+    return [{"name": "loras", "configMap": source}], [
+        {"name": "loras", "mountPath": LORA_CATALOG_MOUNT, "readOnly": True}
+    ]
+
+
+def keys_secret_name(pipeline: PipelineSpec) -> str:
+    return object_name(pipeline.name, KEYS_COMPONENT)
+
+
+def control_keys_secret(pipeline: PipelineSpec, files: Mapping[str, str]) -> Manifest:
+    """The pipeline's control-plane key set (triptych.security.new_key_set). Created once and never
+    rewritten: deleting it is how keys are rotated (the operator makes new ones and rolls every pod)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": object_metadata(pipeline, KEYS_COMPONENT, keys_secret_name(pipeline)),
+        "type": "Opaque",
+        "stringData": dict(files),
+    }
+
+
+def control_keys_volume(pipeline: PipelineSpec, side: Side) -> tuple[Manifest, Manifest]:
+    """(volume, mount) of the key files one side needs: its own pair and the other side's public key.
+    A worker never holds the head's secret key, nor the head a worker's."""
+    items = [{"key": name, "path": name} for name in key_files(side)]
+    secret = {"secretName": keys_secret_name(pipeline), "defaultMode": KEYS_FILE_MODE, "items": items}
+    return {"name": KEYS_VOLUME, "secret": secret}, {"name": KEYS_VOLUME, "mountPath": KEYS_MOUNT, "readOnly": True}
+
+
+def template_annotations(keys_fingerprint: str) -> dict[str, str]:
+    return {KEYS_FINGERPRINT_ANNOTATION: keys_fingerprint} if keys_fingerprint else {}
+
+
+def standard_probes(check: Manifest) -> dict[str, Manifest]:
+    """Startup (long: the model loads), readiness and liveness, all with the same check."""
+    probe = {**check, "periodSeconds": PROBE_PERIOD_S}
+    return {
+        "startupProbe": {**probe, "failureThreshold": STARTUP_GRACE_S // PROBE_PERIOD_S},
+        "readinessProbe": {**probe, "failureThreshold": 3},
+        "livenessProbe": {**probe, "failureThreshold": 6},
+    }
+
+
+def pod_security() -> Manifest:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER}
+
+
+def container_resources(user: Mapping[str, Any], extended: Mapping[str, int]) -> Manifest:
+    """User requests/limits plus the extended resources the role needs (the operator's counts win)."""
+    limits = {**(user.get("limits") or {}), **{k: v for k, v in extended.items()}}
+    out: Manifest = {"limits": limits} if limits else {}
+    requests = {k: v for k, v in (user.get("requests") or {}).items() if k not in extended}
+    if requests:
+        out["requests"] = requests
+    return out
