@@ -49,7 +49,6 @@ OVERRIDES: dict[str, frozenset[Role]] = {
             "--disagg-no-instance-wait",
             "--disagg-migration",
             "--disagg-preemption",
-            "--disagg-priority-aging",
         ),
         SERVER,
     ),

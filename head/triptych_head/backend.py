@@ -2,8 +2,8 @@
 
 Both backends take a request id and GenerationParams, report events (state changes, denoising
 progress) through a callback, and return the decoded pixels or raise GenerationFailed. A request's
-priority level (triptych.priority) orders the DiffusionServer's queues; monolithic mode runs one
-request at a time in arrival order and ignores it.
+priority level (triptych.priority) orders the DiffusionServer's queues, and monolithic mode's one
+queue (local_queue.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,11 +18,13 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from triptych.config import DEFAULT_PRIORITY_AGING_S
 from triptych.params import GenerationParams
 from triptych.priority import DEFAULT_LEVEL
 from triptych.protocol import Cancel, ProtocolError, RequestEvent, RequestResult, Submit, TensorSpec, decode, encode
 from triptych.protocol.tensors import PIXELS
 from triptych.roles import Role
+from triptych_head.local_queue import PriorityRunner
 from triptych_head.state import REJECTED, RequestState
 from triptych_head.timeline import server_timing
 
@@ -171,10 +172,15 @@ RUNNING = RequestState.DENOISING_RUNNING.value
 class LocalBackend:
     """Monolithic mode: every stage in this process, one request at a time on the device."""
 
-    def __init__(self, pipeline: InProcessPipeline, after_request: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        pipeline: InProcessPipeline,
+        after_request: Callable[[], None] | None = None,
+        aging_s: float = DEFAULT_PRIORITY_AGING_S,
+    ):
         self._pipeline = pipeline
         self._after_request = after_request  # e.g. copy the pipeline's step cache counts to /metrics
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
+        self._runner = PriorityRunner(aging_s)  # highest priority first, aged as the head's queues are
         self._cancelled: set[str] = set()
 
     async def start(self) -> None:
@@ -206,10 +212,12 @@ class LocalBackend:
                     self._after_request()
 
         started = loop.time()
+        queued = self._runner.submit(run, priority)
         try:
-            pixels = await loop.run_in_executor(self._executor, run)
-        except asyncio.CancelledError:  # the client went away: stop at the next step (progress raises)
-            self._cancelled.add(request_id)
+            pixels = await asyncio.wrap_future(queued)
+        except asyncio.CancelledError:  # the client went away: never run it, or stop at its next step
+            if not queued.cancel():  # it runs: progress raises at its next step
+                self._cancelled.add(request_id)
             raise
         except GenerationFailed:
             raise
@@ -225,4 +233,4 @@ class LocalBackend:
         self._cancelled.add(request_id)
 
     async def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._runner.shutdown()

@@ -150,7 +150,7 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
                 gauge.labels(args.disagg_role.value, "local", stats.mode).set(getattr(stats, field))
 
     ctx = HeadContext(
-        backend=LocalBackend(pipeline, after_request=relay_step_cache),
+        backend=LocalBackend(pipeline, after_request=relay_step_cache, aging_s=args.disagg_priority_aging),
         model=model,
         lora_catalog=catalog,
         output_path=Path(args.output_path),
