@@ -15,7 +15,7 @@ from triptych.ports import result_endpoint
 from triptych.roles import Role
 from triptych_operator.constants import HEAD_SCHEDULER_PORT
 from triptych_operator.manifests import ObjectRef, render
-from triptych_operator.spec.declaration import HEAD_UNROUTE_S
+from triptych_operator.spec.head_fields import HEAD_UNROUTE_S
 from triptych_operator.spec.model import SpecError
 
 S3 = {"url": "s3://triptych-results/wan", "credentialsSecret": {"name": "results-s3"}}

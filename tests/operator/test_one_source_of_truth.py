@@ -14,14 +14,13 @@ from triptych_operator.constants import HEAD_HTTP_PORT, PIPELINE_ROLES, crd_fiel
 from triptych_operator.fields import Field, docs_table
 from triptych_operator.spec.declaration import (
     DEFAULT_DRAIN_SECONDS,
-    DEFAULT_HEAD_DRAIN_SECONDS,
     DEFAULT_SCALE_DOWN_STABILIZATION_S,
     DEFAULT_TARGET_WORK_SECONDS,
     DEPRECATED_AUTOSCALING_FIELDS,
     MIN_DRAIN_SECONDS,
-    MIN_HEAD_DRAIN_SECONDS,
     SPEC,
 )
+from triptych_operator.spec.head_fields import DEFAULT_HEAD_DRAIN_SECONDS, MIN_HEAD_DRAIN_SECONDS
 from triptych_operator.spec.rules import parse_pipeline
 
 CRD_FILE = REPO / "crds" / "diffusionpipelines.yaml"

@@ -27,7 +27,7 @@ from triptych_operator.manifests.parts import (
     template_annotations,
 )
 from triptych_operator.serve_args import SERVE_COMMAND, object_name
-from triptych_operator.spec.declaration import HEAD_UNROUTE_S, S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
+from triptych_operator.spec.head_fields import HEAD_UNROUTE_S, S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
 from triptych_operator.spec.model import PipelineSpec
 
 API_COMPONENT = "api"  # the head's public HTTP Service; the scheduler ports stay on the internal one

@@ -29,13 +29,15 @@ from triptych_operator.spec.declaration import (
     DEPRECATED_AUTOSCALING_FIELDS,
     DRAIN_MARGIN_S,
     FULL_PIPELINE,
+    ROLE_POOL_FIELDS,
+    SPEC,
+    role_field,
+)
+from triptych_operator.spec.head_fields import (
     HEAD_DRAIN_MARGIN_S,
     HEAD_UNROUTE_S,
-    ROLE_POOL_FIELDS,
     SHARED_RESULTS_HEADS,
-    SPEC,
     UNSHARED_RESULTS_HEADS,
-    role_field,
 )
 
 T = TypeVar("T")

@@ -1,0 +1,49 @@
+"""Fields every pod-owning section declares the same way (a role pool, the head): its resources,
+placement, extra flags and env; and the drain margin both kinds of pod keep before their kill."""
+
+from __future__ import annotations
+
+from triptych_operator.fields import Field
+
+# The worker's own deadline is this much earlier than its drainSeconds, so it exits before the kubelet's SIGKILL.
+DRAIN_MARGIN_S = 15
+
+
+def resources_field(who: str) -> Field:
+    return Field(
+        "resources",
+        "object",
+        "Requests/limits (CPU, memory, ...) of each pod. The operator sets `nvidia.com/gpu` (and the RDMA "
+        "resource) itself; its counts win."
+        if who == "role"
+        else "Requests/limits (CPU, memory, ...) of the head pod.",
+        fields=(Field("requests", "quantity-map"), Field("limits", "quantity-map")),
+        doc_type="`requests`/`limits`: map of quantities",
+        doc_row=True,
+    )
+
+
+def pod_fields(who: str) -> tuple[Field, ...]:
+    """nodeSelector, tolerations, extraArgs, env: the same for the roles and the head."""
+    tolerations = "Pod tolerations" + (
+        ", added to the default toleration for `nvidia.com/gpu:NoSchedule` (a CPU role has only these)."
+        if who == "role"
+        else "."
+    )
+    args = f"More `triptych serve` flags for the {who}, after the operator's; checked as the process checks them."
+    if who == "head":
+        args += (
+            " They also set the HTTP limits: `--max-request-bytes` (default 16MiB), `--max-queued-requests` (a hard"
+            " cap; by default none: a request is refused only when it would miss its deadline)."
+        )
+    env_var = Field(
+        "", "free", "A core/v1 EnvVar.", fields=(Field("name", "string", required=True),), doc_type="EnvVar"
+    )
+    return (
+        Field("nodeSelector", "string-map", "Pod node selector."),
+        Field(
+            "tolerations", "array", tolerations, items=Field("", "free", "A core/v1 Toleration.", doc_type="Toleration")
+        ),
+        Field("extraArgs", "array", args, items=Field("", "string", doc_type="string")),
+        Field("env", "array", "More container environment variables.", items=env_var),
+    )
