@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,8 @@ def client(model: ModelInfo, contract: Contract = CONTRACT, backend: ScriptedBac
     ctx = HeadContext(
         backend=backend or ScriptedBackend(),
         model=model,
-        output_path=Path("/nonexistent"),
+        # Its own folder: a video job left in a shared one would be taken over (run again) by the next head.
+        output_path=Path(tempfile.mkdtemp(prefix="triptych-contract-")),
         registry=CollectorRegistry(),
         contract=contract,
     )

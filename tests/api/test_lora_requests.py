@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -31,8 +32,8 @@ FLUX = ModelInfo("tiny-flux", "FluxKontextPipeline", "image", 4, 3.5, size_multi
 
 def client(catalog: LoraCatalog, backend: ScriptedBackend) -> TestClient:
     ctx = HeadContext(
-        backend=backend, model=FLUX, output_path=Path("/nonexistent"), registry=CollectorRegistry(),
-        lora_catalog=catalog,
+        backend=backend, model=FLUX, registry=CollectorRegistry(), lora_catalog=catalog,
+        output_path=Path(tempfile.mkdtemp(prefix="triptych-lora-api-")),  # a folder no other head takes jobs from
     )  # fmt: skip
     return TestClient(create_app(ctx))
 

@@ -15,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -66,7 +67,8 @@ def head(
     store: ObjectStore, backend: ScriptedBackend | None = None, retention: Retention | None = None, presign: int = 0
 ) -> Iterator[TestClient]:
     ctx = HeadContext(
-        backend=backend or ScriptedBackend(), model=MODEL, output_path=Path("/nonexistent"),
+        backend=backend or ScriptedBackend(), model=MODEL,
+        output_path=Path(tempfile.mkdtemp(prefix="triptych-s3-head-")),  # unused beside the store, but its own
         registry=CollectorRegistry(), validate=validate, retention=retention or Retention(),
         results_store=open_store(store), results_presign_s=presign,
     )  # fmt: skip
