@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,9 @@ def client(model: ModelInfo, contract: Contract = CONTRACT, backend: ScriptedBac
     ctx = HeadContext(
         backend=backend or ScriptedBackend(),
         model=model,
-        output_path=Path("/nonexistent"),
+        # A fresh folder: as root, "/nonexistent" was created, and a video job another run left there
+        # was taken over by the next head made on it (one more backend call).
+        output_path=Path(tempfile.mkdtemp(prefix="triptych-contract-")),
         registry=CollectorRegistry(),
         contract=contract,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -31,8 +32,10 @@ FLUX = ModelInfo("tiny-flux", "FluxKontextPipeline", "image", 4, 3.5, size_multi
 
 def client(catalog: LoraCatalog, backend: ScriptedBackend) -> TestClient:
     ctx = HeadContext(
-        backend=backend, model=FLUX, output_path=Path("/nonexistent"), registry=CollectorRegistry(),
-        lora_catalog=catalog,
+        # A fresh folder: as root, "/nonexistent" was created, and a video job another run left there
+        # was taken over by the next head made on it (one more backend call).
+        backend=backend, model=FLUX, output_path=Path(tempfile.mkdtemp(prefix="triptych-lora-")),
+        registry=CollectorRegistry(), lora_catalog=catalog,
     )  # fmt: skip
     return TestClient(create_app(ctx))
 
