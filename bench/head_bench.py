@@ -19,7 +19,8 @@ Prints, side by side in one run:
 - the same sequential measurement with every thread of every process (head, workers, this
   client) pinned to one CPU: no message then wakes a thread on another CPU (on a small VM such
   a wake-up costs more than handling the message);
-- throughput in requests/second at --concurrency (frontend and HTTP);
+- throughput in requests/second at --concurrency, frontend and HTTP in --blocks alternating blocks
+  (HTTP from a lean keep-alive client, http_load.py), their ratio and the head's CPU per request;
 - the cost of the authenticated control plane: a deployment with CURVE keys (the default, measured
   above) and one without, both up side by side, measured in alternating blocks of sequential
   requests (--auth-blocks, 0: skip);
@@ -52,7 +53,6 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import zmq
 import zmq.asyncio
@@ -60,6 +60,7 @@ import zmq.asyncio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import http_load  # noqa: E402
 import zmq_floor  # noqa: E402
 
 from triptych.params import GenerationParams  # noqa: E402
@@ -150,12 +151,12 @@ def sequential(endpoint: str, n: int) -> dict[str, float]:
     return summarize(*sequential_samples(endpoint, n))
 
 
-async def throughput_frontend(front: Frontend, n: int, concurrency: int) -> float:
+async def throughput_frontend(front: Frontend, n: int, concurrency: int, tag: str = "tp") -> float:
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
         async with sem:
-            await front.request(f"tp-{i}")
+            await front.request(f"{tag}-{i}")
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(n)))
@@ -163,17 +164,38 @@ async def throughput_frontend(front: Frontend, n: int, concurrency: int) -> floa
 
 
 async def throughput_http(base: str, n: int, concurrency: int) -> float:
-    sem = asyncio.Semaphore(concurrency)
+    """Through the HTTP API, from keep-alive connections of a lean client (http_load.py: httpx costs
+    the client about as much CPU per request as the head, which on a small machine would measure it)."""
     body = {"prompt": "bench", "size": "16x16", "num_inference_steps": 1, "seed": 0}
-    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+    request = http_load.post_json("/v1/images/generations", base.removeprefix("http://"), body)
+    return await http_load.closed_loop(base, request, n, concurrency)
 
-        async def one() -> None:
-            async with sem:
-                (await client.post("/v1/images/generations", json=body)).raise_for_status()
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(n)))
-        return n / (time.perf_counter() - t0)
+async def throughput(dep, front: Frontend, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Frontend and HTTP requests/second at --concurrency in alternating blocks (frontend, HTTP, ...)
+    of --requests each in all, so the host's drift falls on both; the head's CPU per request of each."""
+    per_block = max(args.concurrency, -(-args.requests // args.blocks))
+    await throughput_http(dep.http, args.concurrency, args.concurrency)  # warm up (connections, first requests)
+    rps: dict[str, list[float]] = {"frontend": [], "http": []}
+    head_cpu: dict[str, float] = {"frontend": 0.0, "http": 0.0}
+    for b in range(args.blocks):
+        for path in ("frontend", "http") if b % 2 == 0 else ("http", "frontend"):
+            before = cpu_seconds(dep)["server"]
+            if path == "frontend":
+                rps[path].append(await throughput_frontend(front, per_block, args.concurrency, f"tp-{b}"))
+            else:
+                rps[path].append(await throughput_http(dep.http, per_block, args.concurrency))
+            head_cpu[path] += cpu_seconds(dep)["server"] - before
+    ratios = [h / f for h, f in zip(rps["http"], rps["frontend"], strict=True)]
+    return {
+        "frontend_rps": statistics.median(rps["frontend"]),
+        "http_rps": statistics.median(rps["http"]),
+        "http_over_frontend": statistics.median(ratios),
+        "http_over_frontend_per_block": ratios,
+        "throughput_requests_per_block": per_block,
+        "head_cpu_ms_per_request_frontend": head_cpu["frontend"] / (per_block * args.blocks) * 1e3,
+        "head_cpu_ms_per_request_http": head_cpu["http"] / (per_block * args.blocks) * 1e3,
+    }
 
 
 def cpu_seconds(dep) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -243,8 +265,7 @@ async def measure(dep, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
             one_cpu = sequential(front.endpoint, args.sequential)
             out["one_cpu_latency_ms"] = one_cpu["latency_ms"]
             out["one_cpu_control_overhead_ms"] = one_cpu["control_overhead_ms"]
-    out["frontend_rps"] = await throughput_frontend(front, args.requests, args.concurrency)
-    out["http_rps"] = await throughput_http(dep.http, args.requests, args.concurrency)
+    out.update(await throughput(dep, front, args))
     front.reader.cancel()
     return out
 
@@ -483,8 +504,13 @@ def main() -> int:
         f"{k.removeprefix('cpu_ms_per_request_')} {v:.2f}" for k, v in result.items() if k.startswith("cpu_ms")
     )
     print(f"  CPU per request (ms)    {cpu}")
-    print(f"  throughput, frontend    {result['frontend_rps']:8.1f} req/s at concurrency {args.concurrency}")
-    print(f"  throughput, HTTP        {result['http_rps']:8.1f} req/s at concurrency {args.concurrency}")
+    print(f"  throughput, frontend    {result['frontend_rps']:8.1f} req/s at concurrency {args.concurrency}   "
+          f"(head CPU {result['head_cpu_ms_per_request_frontend']:.2f} ms/request)")  # fmt: skip
+    print(f"  throughput, HTTP        {result['http_rps']:8.1f} req/s at concurrency {args.concurrency}   "
+          f"(head CPU {result['head_cpu_ms_per_request_http']:.2f} ms/request)")  # fmt: skip
+    per_block = " ".join(f"{r:.2f}" for r in result["http_over_frontend_per_block"])
+    print(f"  HTTP / frontend         {result['http_over_frontend']:8.2f}x  median of {args.blocks} alternating "
+          f"blocks of {result['throughput_requests_per_block']} requests: {per_block}")  # fmt: skip
     if args.auth_blocks:
         a = auth_comparison(flux, args.payload_bytes, args.auth_blocks, args.auth_block_requests)
         result.update(a)

@@ -33,6 +33,7 @@ IMAGE_ENDPOINTS = frozenset({IMAGES, EDITS})
 ALL = frozenset(ENDPOINTS)
 
 MIN_SIDE = 16
+NARROWED_CACHE = 64  # served models whose limits Contract keeps (a head has one; tests make many)
 MAX_SIDE = 4096  # a guard against requests no deployment should attempt; the family narrows it
 MAX_SEED = 2**63 - 1
 MAX_TEXT = 20_000
@@ -136,6 +137,9 @@ class Limits:
             return None  # other strings are the HTTP models' (schemas.py)
         lo, hi = self.minimum, self.maximum
         s, o = self.step, self.offset
+        in_range = (lo is None or value >= lo) and (hi is None or value <= hi)  # False for nan
+        if in_range and not (s and (value - o) % s):
+            return None  # taken: the message's words are worked out only for a value refused
         below = above = value
         if s:
             below = o + math.floor((value - o) / s) * s
@@ -145,7 +149,6 @@ class Limits:
             "field": name, "value": value, "minimum": _num(lo), "maximum": _num(hi), "step": s,
             "below": _num(below), "above": _num(above), "pipeline": pipeline, "kind": kind,
         }  # fmt: skip
-        in_range = (lo is None or value >= lo) and (hi is None or value <= hi)  # False for nan
         if not in_range:
             if lo == hi:
                 default = "{field} {value} must be {minimum}"
@@ -205,6 +208,10 @@ class RequestParam:
 @dataclass(frozen=True)
 class Contract:
     params: tuple[RequestParam, ...]
+    # Each parameter's limits per served model, worked out once: a head checks every request against them.
+    _narrowed: dict[Any, tuple[tuple[RequestParam, Limits], ...]] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
 
     def __iter__(self) -> Iterator[RequestParam]:
         return iter(self.params)
@@ -228,8 +235,7 @@ class Contract:
 
         `values` are keyed by field: GenerationParams' fields, and the head's own parameters by name.
         """
-        for p in self.params:
-            limits = p.limits_for(traits)
+        for p, limits in self._limits(traits):
             for name in p.sets or (p.name,):
                 if name in values and values[name] is not None:
                     why = limits.check(name, values[name], traits)
@@ -241,6 +247,18 @@ class Contract:
         why = lora.check_request(values.get(lora.FIELD) or ())
         if why is not None:
             raise ParamError(lora.FIELD, why)
+
+    def _limits(self, traits: ModelTraits | None) -> tuple[tuple[RequestParam, Limits], ...]:
+        """Every parameter with its limits for `traits` (cached for hashable traits, such as ModelInfo)."""
+        try:
+            cached = self._narrowed.get(traits)
+        except TypeError:  # unhashable traits: worked out each time
+            return tuple((p, p.limits_for(traits)) for p in self.params)
+        if cached is None:
+            if len(self._narrowed) >= NARROWED_CACHE:
+                self._narrowed.clear()
+            cached = self._narrowed[traits] = tuple((p, p.limits_for(traits)) for p in self.params)
+        return cached
 
     def describe(self, endpoint: str, traits: ModelTraits | None) -> dict[str, dict[str, Any]]:
         """The parameters `endpoint` takes with the served model's limits, as JSON (the playground's form)."""

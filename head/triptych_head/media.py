@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -47,14 +48,37 @@ def save_frames(frames: np.ndarray, path: Path) -> None:
     np.save(path, np.ascontiguousarray(frames, dtype=np.uint8), allow_pickle=False)
 
 
-def load_frames(path: Path | BinaryIO) -> np.ndarray:
-    return np.load(path, allow_pickle=False)
+def load_frames(path: Path | BinaryIO, mmap: bool = False) -> np.ndarray:
+    """The saved frames; `mmap` (a path only): mapped from the file, read as they are used."""
+    return np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
 
 
-def png_zip(frames: np.ndarray) -> bytes:
-    """uint8 [F, H, W, 3] as a ZIP of lossless PNGs named frame-00000.png, ..."""
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
+class _Pending:
+    """The write-only, unseekable file a streamed ZipFile writes into (it then writes data
+    descriptors, not a header rewritten in place); taken out piece by piece."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> bytes:
+        out, self.parts = b"".join(self.parts), []
+        return out
+
+
+def png_zip_chunks(frames: np.ndarray) -> Iterator[bytes]:
+    """uint8 [F, H, W, 3] as a ZIP of lossless PNGs named frame-00000.png, ..., in pieces as each frame
+    is encoded: one frame's PNG held at a time (blocking: iterate it in a thread). `frames` may be a
+    memory map of the stored frames."""
+    out = _Pending()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:  # type: ignore[call-overload]
         for i, frame in enumerate(frames):
-            zf.writestr(f"frame-{i:05d}.png", png_bytes(frame))
-    return buf.getvalue()
+            zf.writestr(f"frame-{i:05d}.png", png_bytes(np.asarray(frame)))
+            yield out.take()
+    yield out.take()  # the central directory

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.telemetry import TelemetryConfig
 
 from triptych import __version__
 from triptych_head.api import files, images, system, videos
@@ -21,6 +22,7 @@ from triptych_head.results import JOB_LEASE_RENEW_S
 
 log = logging.getLogger(__name__)
 
+NO_FASTAPI_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 JOB_SAVE_GRACE_S = 5.0  # at shutdown, how long finished video jobs may take to write their files
 
 
@@ -41,7 +43,9 @@ def create_app(ctx: HeadContext) -> FastAPI:
             await jobs.shutdown(JOB_SAVE_GRACE_S)
             await ctx.backend.close()
 
-    app = FastAPI(title="Triptych", version=__version__, lifespan=lifespan)
+    # FastAPI's own OpenTelemetry (spans and metrics per HTTP request) stays off: the head's traces are
+    # tracing.py's, and its check of the global providers would cost every request.
+    app = FastAPI(title="Triptych", version=__version__, lifespan=lifespan, telemetry=NO_FASTAPI_TELEMETRY)
     app.state.ctx = ctx
     app.state.video_jobs = jobs
     install_error_handlers(app)

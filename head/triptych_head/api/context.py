@@ -124,11 +124,12 @@ class HeadContext:
             "height": height,
             "num_inference_steps": self.model.default_steps,
             "guidance_scale": self.model.default_guidance,
-            "seed": secrets.randbelow(2**31),
         }
         for param in taken:  # a parameter that sets one GenerationParams field reaches the stages as it is
             if len(param.sets) == 1 and param.sets[0] in GENERATION_FIELDS and values[param.name] is not None:
                 fields[param.sets[0]] = values[param.name]
+        if "seed" not in fields:  # drawn only when the request gives none (a system call per draw)
+            fields["seed"] = secrets.randbelow(2**31)
         if reference is not None:
             fields.update(image=reference.data, image_url=reference.url)
         params = msgspec.convert(fields, GenerationParams)  # the request's LoRA adapters become LoraWeight

@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel
+from starlette.concurrency import iterate_in_threadpool
 
 from triptych.contract import VIDEOS
 from triptych.params import GenerationParams
@@ -37,7 +38,7 @@ from triptych_head.api.files import object_response
 from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
 from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message, sse_response
 from triptych_head.api.schemas import RequestBody, RequestModels, VideoJob
-from triptych_head.media import load_frames, png_zip, save_frames, write_mp4
+from triptych_head.media import load_frames, png_zip_chunks, save_frames, write_mp4
 from triptych_head.objects import ObjectMissing
 from triptych_head.results import JOB_LEASE_S, TERMINAL, ResultStore, StoredJob
 from triptych_head.state import RequestState
@@ -514,21 +515,34 @@ async def get_video_content(video_id: str, request: Request, variant: Literal["v
     if entry.job.status != "completed":
         raise APIError(409, f"video {video_id} is {entry.job.status}; content is ready when status is completed")
     results: ResultStore = request.app.state.ctx.results
+    answer: Response
     if variant == "frames":
-        try:
-            raw = await asyncio.to_thread(results.objects.get_bytes, results.frames_name(video_id))
-        except ObjectMissing:
-            raise APIError(404, f"the frames of video {video_id} were removed") from None
-        data = await asyncio.to_thread(lambda: png_zip(load_frames(io.BytesIO(raw))))
-        answer = Response(
-            data,
-            media_type="application/zip",
-            headers={"Content-Disposition": f"attachment; filename={video_id}-frames.zip"},
-        )
+        answer = await _frames_zip(results, video_id)
     else:
         answer = await object_response(results, results.video_name(video_id), "video/mp4", f"{video_id}.mp4")
     _add_server_timing(entry, answer)
     return answer
+
+
+async def _frames_zip(results: ResultStore, video_id: str) -> StreamingResponse:
+    """The exact frames as a ZIP of PNGs, streamed as each frame is encoded: the head holds one PNG
+    at a time and the frames (mapped from a local file; read whole from a remote store)."""
+    name = results.frames_name(video_id)
+    path = results.objects.local_path(name)
+    try:
+        if path is not None:
+            frames = await asyncio.to_thread(load_frames, path, True)
+        else:
+            raw = await asyncio.to_thread(results.objects.get_bytes, name)
+            frames = await asyncio.to_thread(load_frames, io.BytesIO(raw))
+            del raw
+    except (ObjectMissing, FileNotFoundError):
+        raise APIError(404, f"the frames of video {video_id} were removed") from None
+    return StreamingResponse(
+        iterate_in_threadpool(png_zip_chunks(frames)),
+        media_type="application/zip",
+        headers={"Content-Disposition": f"attachment; filename={video_id}-frames.zip"},
+    )
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoJob)

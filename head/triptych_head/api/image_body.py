@@ -1,0 +1,74 @@
+"""The body of a plain image answer ({"created", "data": [{"b64_json"}, ...]}): small ones whole, large ones
+streamed.
+
+A large b64_json answer is written as it is encoded: one image's PNG at a time (in a thread), its
+base64 in chunks of B64_CHUNK bytes, so the head holds the decoded pixels, one PNG and one chunk,
+never the PNGs, their base64 and the JSON of it all at once (about four times the body; for
+the contract's largest answer, 8 images of 4096x4096, that was about 1.9 GB). The bytes are the
+same JSON the response model would give. A small answer (most of them) is encoded on the event
+loop and sent whole: a thread hand-off and a chunked stream cost more than encoding a few KiB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import numpy as np
+from fastapi import Response
+from fastapi.responses import StreamingResponse
+
+from triptych_head.api.schemas import ImageData, ImageGenerationResponse
+from triptych_head.media import png_bytes
+
+INLINE_PIXELS = 64 << 10  # pixel bytes (all images) encoded on the event loop: under ~1 ms of PNG encoding
+STREAM_PIXELS = 4 << 20  # pixel bytes above which a b64_json answer is streamed rather than built whole
+B64_CHUNK = 3 * (256 << 10)  # PNG bytes per base64 chunk: a multiple of 3, so the chunks concatenate
+
+
+def images_of(pixels: np.ndarray) -> list[np.ndarray]:
+    """Each output's first frame, uint8 [H, W, 3]."""
+    return [img[0] for img in pixels]
+
+
+async def encode_pngs(pixels: np.ndarray) -> list[bytes]:
+    """Every output as PNG: on the loop when small, else in a thread."""
+    if pixels.nbytes <= INLINE_PIXELS:
+        return [png_bytes(img) for img in images_of(pixels)]
+    return await asyncio.to_thread(lambda: [png_bytes(img) for img in images_of(pixels)])
+
+
+def streams(values: dict[str, Any], pixels: np.ndarray) -> bool:
+    """Whether the answer is streamed: base64 images large enough for it to matter."""
+    return values["response_format"] == "b64_json" and pixels.nbytes > STREAM_PIXELS
+
+
+def whole(answer: ImageGenerationResponse, headers: dict[str, str]) -> Response:
+    """The answer as one body: the response model's JSON."""
+    return Response(answer.model_dump_json(), media_type="application/json", headers=headers)
+
+
+def streamed(pixels: np.ndarray, headers: dict[str, str]) -> StreamingResponse:
+    """The b64_json answer written as each image is encoded (see the module's docstring)."""
+    return StreamingResponse(b64_body(images_of(pixels), int(time.time())), media_type="application/json",
+                             headers=headers)  # fmt: skip
+
+
+async def b64_body(images: Iterable[np.ndarray], created: int) -> AsyncIterator[bytes]:
+    """The JSON of ImageGenerationResponse(created, [ImageData(b64_json=...), ...]), in pieces."""
+    yield b'{"created":%d,"data":[' % created
+    for i, image in enumerate(images):
+        png = await asyncio.to_thread(png_bytes, image)
+        yield b'{"b64_json":"' if i == 0 else b',{"b64_json":"'
+        for start in range(0, len(png), B64_CHUNK):
+            yield base64.b64encode(png[start : start + B64_CHUNK])
+        del png
+        yield b'","url":null}'
+    yield b"]}"
+
+
+def b64_data(pngs: list[bytes]) -> list[ImageData]:
+    return [ImageData(b64_json=base64.b64encode(png).decode()) for png in pngs]

@@ -1,0 +1,145 @@
+"""Large answers stream: a b64_json image answer is written as it is encoded (api/image_body.py), so the
+head never holds the PNGs, their base64 and the JSON of them at once; small ones are sent whole.
+
+The app is driven through ASGI directly, its body counted and dropped as it is sent, so the memory
+traced is the head's own (a test client would hold the whole body itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+from prometheus_client import CollectorRegistry
+
+from triptych.families import ModelInfo
+from triptych_head.api import image_body
+from triptych_head.api.app import create_app
+from triptych_head.api.context import HeadContext
+from triptych_head.backend import GenerationOutput
+
+
+class FixedPixels:
+    """Answers every request with the same pixels, made before the measurement starts."""
+
+    def __init__(self, pixels: np.ndarray) -> None:
+        self.pixels = pixels
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def cancel(self, request_id: str) -> None:
+        pass
+
+    async def generate(self, request_id, params, on_event=None, preview_every=0, priority=1):  # type: ignore[no-untyped-def]
+        return GenerationOutput(pixels=self.pixels, server_timing="total;dur=1")
+
+
+def noise(n: int, side: int) -> np.ndarray:
+    """Pixels PNG cannot compress: the PNGs are about as large as the pixels."""
+    return np.random.default_rng(0).integers(0, 256, (n, 1, side, side, 3), dtype=np.uint8)
+
+
+async def post(app: Any, body: dict[str, Any], keep: bool) -> tuple[int, dict[str, str], int, bytes]:
+    """One POST /v1/images/generations through ASGI: status, headers, body size, and the body if `keep`."""
+    raw = json.dumps(body).encode()
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/v1/images/generations", "raw_path": b"/v1/images/generations", "query_string": b"",
+        "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": {}, "app": app,
+        "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
+                    (b"content-length", str(len(raw)).encode())],
+    }  # fmt: skip
+    answered = asyncio.Event()
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await answered.wait()
+        return {"type": "http.disconnect"}
+
+    status, headers, size, kept = 0, {}, 0, []
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status, headers, size
+        if message["type"] == "http.response.start":
+            status = message["status"]
+            headers = {k.decode(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            size += len(message.get("body", b""))
+            if keep:
+                kept.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                answered.set()
+
+    await app(scope, receive, send)
+    return status, headers, size, b"".join(kept)
+
+
+def make_app(tmp_path: Path, pixels: np.ndarray) -> Any:
+    model = ModelInfo("tiny", "FluxPipeline", "image", 4, 3.5, max_side=4096)
+    return create_app(HeadContext(FixedPixels(pixels), model, tmp_path, CollectorRegistry()))
+
+
+REQUEST = {"prompt": "noise", "size": "1024x1024", "n": 2, "response_format": "b64_json", "seed": 1}
+
+
+def test_a_large_b64_answer_is_streamed_and_is_the_json_the_model_would_give(tmp_path):
+    pixels = noise(2, 1024)
+    assert pixels.nbytes > image_body.STREAM_PIXELS
+    status, headers, _, body = asyncio.run(post(make_app(tmp_path, pixels), REQUEST, keep=True))
+    assert status == 200, body[:500]
+    assert "content-length" not in headers  # streamed (chunked on the wire)
+    assert headers["server-timing"] == "total;dur=1"
+    answer = json.loads(body)
+    assert set(answer) == {"created", "data"} and len(answer["data"]) == 2
+    for i, item in enumerate(answer["data"]):
+        assert item["url"] is None
+        decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
+        assert np.array_equal(decoded, pixels[i, 0])
+
+
+def test_a_small_answer_is_sent_whole(tmp_path):
+    pixels = noise(1, 16)
+    small = {**REQUEST, "size": "16x16", "n": 1}
+    status, headers, size, body = asyncio.run(post(make_app(tmp_path, pixels), small, keep=True))
+    assert status == 200
+    assert headers["content-length"] == str(size) == str(len(body))
+    decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(json.loads(body)["data"][0]["b64_json"]))))
+    assert np.array_equal(decoded, pixels[0, 0])
+
+
+def test_the_head_holds_less_than_the_body_once_while_answering_a_large_b64_request(tmp_path):
+    """Peak memory traced while answering (the pixels were made before) is under the body's size:
+    one PNG and one chunk of base64 at a time. Building it whole held the PNGs, their base64 and
+    the JSON at once: about 2.7 times the body."""
+    pixels = noise(2, 1024)
+    app = make_app(tmp_path, pixels)
+
+    async def measured() -> tuple[int, int]:
+        await post(app, {**REQUEST, "size": "16x16"}, keep=False)  # warm up: imports, caches, the routes
+        tracemalloc.start()
+        try:
+            status, _, size, _ = await post(app, REQUEST, keep=False)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert status == 200
+        return size, peak
+
+    size, peak = asyncio.run(measured())
+    assert size > pixels.nbytes  # base64 of incompressible PNGs: about 4/3 of the pixels
+    assert peak < size, f"peak {peak / 2**20:.1f} MiB traced for a {size / 2**20:.1f} MiB body"
