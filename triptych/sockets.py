@@ -36,6 +36,22 @@ def send_message(sock: zmq.Socket[Any], msg: Message, frames: Sequence[Any] = ()
         sock.send_multipart(parts, flags=flags, copy=False)
 
 
+def recv_message(sock: zmq.Socket[Any], flags: int = 0, copied: int = 1) -> list[Any]:
+    """One message's parts: the first `copied` (a control message's header, a ROUTER's client id too)
+    as bytes, the rest (tensor frames) as zero-copy buffers. Raises zmq.Again as a receive does.
+
+    A zero-copy receive builds a zmq.Frame per part, which costs more than copying a header of a
+    few hundred bytes (on the path of every message at every end); only tensor frames are worth it.
+    """
+    parts: list[Any] = [sock.recv(flags)]
+    while sock.get(zmq.RCVMORE):
+        if len(parts) < copied:
+            parts.append(sock.recv(flags))
+        else:
+            parts.append(sock.recv(flags, copy=False).buffer)
+    return parts
+
+
 def has_queued_message(sock: zmq.Socket[Any]) -> bool:
     """Whether a receive would return at once: ends a drain loop without the zmq.Again a
     non-blocking receive on an empty socket raises (an exception costs more than asking)."""

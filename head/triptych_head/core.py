@@ -466,7 +466,7 @@ class HeadCore:
         self.attempts.pop(rec.wire_id, None)
         if rec.trace is not None and self.tracing is not None:
             self._end_trace(rec, state, error)
-        self.metrics.requests.labels(state.value).inc()
+        self.metrics.child(self.metrics.requests, state.value).inc()
         if state is RequestState.DONE:
             self.metrics.request_seconds.observe(self.clock() - rec.created)
             return

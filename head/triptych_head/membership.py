@@ -126,7 +126,7 @@ class Membership:
         """To a worker, counted; False when it is not connected."""
         if not self._transport.send(url, msg):
             return False
-        self._metrics.worker_messages.labels(msg.TYPE).inc()
+        self._metrics.child(self._metrics.worker_messages, msg.TYPE).inc()
         return True
 
     def lost(self) -> list[WorkerInstance]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -10,6 +12,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class HeadMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter("triptych_requests", "Requests by final state", ["state"], registry=r)
         self.request_seconds = Histogram(
@@ -214,7 +217,17 @@ class HeadMetrics:
             for field, text in step.items()
         }
 
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, kept: prometheus_client's lookup costs microseconds, and the
+        request path asks for the same few children at every message. Only for label sets that are
+        never removed (roles, message types, states; not the per-instance gauges membership forgets)."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def observe_stage(self, role: str, elapsed: float, worker_seconds: float) -> None:
         """One request's hop through `role`: the head-seen time and the worker's own time."""
-        self.stage_seconds.labels(role).observe(elapsed)
-        self.worker_seconds.labels(role).inc(worker_seconds)
+        self.child(self.stage_seconds, role).observe(elapsed)
+        self.child(self.worker_seconds, role).inc(worker_seconds)

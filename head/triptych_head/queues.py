@@ -243,6 +243,6 @@ class Dispatcher:
             rec.move(ROLE_STATES[role][1])
             core.event(rec)
             preemption.resumed(core, rec)  # a suspended request resuming in place (a no-op for any other)
-        core.metrics.queue_seconds.labels(role.value).observe(waited)
+        core.metrics.child(core.metrics.queue_seconds, role.value).observe(waited)
         rec.timeline.add(f"queue-{role.value}", started - waited, started)
         return True

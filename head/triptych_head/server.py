@@ -23,7 +23,7 @@ from triptych.ports import frontend_port, result_port, tcp_url
 from triptych.protocol import encode
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
-from triptych.sockets import has_queued_message
+from triptych.sockets import has_queued_message, recv_message
 from triptych.tracing import start_tracing, traces_url
 from triptych_head import upkeep
 from triptych_head.core import HeadCore
@@ -189,16 +189,16 @@ class DiffusionServer:
     def _read(self, sock: zmq.Socket, role: Role | None) -> None:
         """Hand up to READ_LIMIT queued messages of one socket to the core."""
         for _ in range(READ_LIMIT):
-            try:
-                parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            try:  # the frontend's parts are [client id, header, *frames], a result socket's [header, *frames]
+                parts = recv_message(sock, zmq.NOBLOCK, copied=2 if role is None else 1)
             except zmq.Again:
                 return
             try:
                 if role is None:
                     if len(parts) >= 2:
-                        self.core.on_frontend(parts[0].bytes, [p.buffer for p in parts[1:]])
+                        self.core.on_frontend(parts[0], parts[1:])
                 else:
-                    self.core.on_worker(role, [p.buffer for p in parts])
+                    self.core.on_worker(role, parts)
             except Exception:  # the loop serves every other request; never let one message end it
                 log.exception("unhandled error on the %s socket; message dropped", role.value if role else "frontend")
             if not has_queued_message(sock):

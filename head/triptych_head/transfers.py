@@ -203,10 +203,10 @@ def _record_transfer(
     receiver = core.membership.find(rec.instance or "")
     dest = receiver.role.value if receiver else "?"
     src = sender.role.value
-    core.metrics.transfer_bytes.labels(src, dest).inc(msg.nbytes)
-    core.metrics.transfer_seconds.labels(src, dest).observe(msg.seconds)
+    core.metrics.child(core.metrics.transfer_bytes, src, dest).inc(msg.nbytes)
+    core.metrics.child(core.metrics.transfer_seconds, src, dest).observe(msg.seconds)
     handoff = core.clock() - staged.staged_at  # reserve a slot, push, write, report
-    core.metrics.handoff_seconds.labels(src, dest).observe(handoff)
+    core.metrics.child(core.metrics.handoff_seconds, src, dest).observe(handoff)
     rec.timings[f"transfer_{src}_{dest}"] = msg.seconds
     rec.timings[f"handoff_{src}_{dest}"] = handoff
     rec.timeline.add(f"transfer-{src}-{dest}", rec.hop_started, core.clock())  # from the receiver's dispatch

@@ -5,9 +5,11 @@ Done by the thread that computes, that copy sits between two requests; done here
 thread of its own (and on its own CUDA stream), it overlaps the request computing now, so the next
 request's inputs are ready when the current one ends, and its slot is free for the next transfer
 sooner. The loader takes jobs in arrival order and stays at most `ahead` jobs ahead of the compute
-thread (--disagg-load-ahead; 0: the compute thread loads its own inputs). A job the compute
-thread wants before the loader reached it (a batch assembled out of order) is loaded there at
-once; a cancelled job's inputs are dropped.
+thread (--disagg-load-ahead; 0: the compute thread loads its own inputs). Only a job that waits
+behind others is submitted here (runtime.py): one that computes at once is loaded by its computing
+thread, since the loader could not be ahead of it and waking it would only add a thread hop to
+the request's path. A job the compute thread wants before the loader reached it (a batch assembled
+out of order) is loaded there at once; a cancelled job's inputs are dropped.
 """
 
 from __future__ import annotations

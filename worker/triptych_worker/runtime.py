@@ -56,7 +56,7 @@ from triptych.protocol import (
 )
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
-from triptych.sockets import has_queued_message
+from triptych.sockets import has_queued_message, recv_message
 from triptych.tracing import start_tracing, traces_url
 from triptych_worker import compute, drain, pushes, standing
 from triptych_worker.drain import Drain
@@ -279,12 +279,15 @@ class Worker:
         return []
 
     def _receive(self, work: zmq.Socket[Any]) -> list[Any] | None:
-        """The next head message, waiting up to IDLE_POLL_MS for one unless writes are under way."""
+        """The next head message, waiting up to IDLE_POLL_MS for one unless writes are under way
+        (then only one already queued: the leader asks at every poll of its writes, and asking
+        costs less than the zmq.Again an empty non-blocking receive raises)."""
+        if self._pushes and not has_queued_message(work):
+            return None
         try:
-            parts = work.recv_multipart(flags=zmq.NOBLOCK if self._pushes else 0, copy=False)
+            return recv_message(work, zmq.NOBLOCK if self._pushes else 0)
         except zmq.Again:
             return None
-        return [p.buffer for p in parts]
 
     def _take_jobs(self) -> list[Job]:
         """The next group of queued jobs (one job without batching), claimed for this thread, if no
@@ -586,8 +589,13 @@ class Worker:
             msg.request_id, msg.params, incoming, msg.progress, msg.preview_every, msg.batch_id, msg.batch_size,
             traceparent=msg.traceparent, priority=msg.priority,
         )  # fmt: skip
+        with self._lock:
+            waits = self._computing or bool(self._queue)
         self._enqueue(job)
-        self.inputs.submit(job)
+        if waits:  # the loader copies its inputs while the jobs ahead of it compute
+            self.inputs.submit(job)
+        # else it computes now, on this thread, which loads its inputs itself: handing them to the
+        # loader would only put a wake-up of another thread (and a wait for it) on the request's path.
         self._note_held()
 
     def _reserve_standing(self) -> None:
