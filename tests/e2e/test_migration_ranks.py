@@ -50,6 +50,7 @@ def test_sigterm_to_a_two_rank_denoiser_mid_video_moves_it_to_a_one_rank_peer_wi
             frames = video.result(timeout=600)
             code, seconds = drained.result(timeout=120)
             total = time.monotonic() - first_seen
+            print(f"the 2-rank denoiser drained in {seconds:.2f}s; the video took {total:.2f}s from its first step")
             assert np.array_equal(frames.reshape(stock.shape), stock), "pixels differ from a video that never moved"
             assert code == 0
             # A step and a transfer (and the process's exit), not the rest of the video on two ranks.
