@@ -16,7 +16,10 @@ needing more GPUs than there are are skipped). Prints, per configuration: the ti
 denoising step (per decode for decoders) and its ratio to the same role's 1-rank baseline of the
 same run, the share of rank time spent in collectives, the time rank 0 takes to hand a job's
 inputs to the other ranks, and the largest difference of the output (latents; pixels for
-decoders) from that baseline. Writes bench/results/parallel_bench.json (--json PATH elsewhere).
+decoders) from that baseline. Denoiser jobs are asked before every step whether to hand off, as a
+worker's are (on several ranks: one broadcast more per step); "2 ranks ulysses no hand-off" runs
+without, so that its ratio to "2 ranks ulysses" is that broadcast's cost. Writes
+bench/results/parallel_bench.json (--json PATH elsewhere).
 """
 
 from __future__ import annotations
@@ -47,9 +50,13 @@ CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "2 ranks ulysses": ("denoiser", ("--num-gpus", "2", "--denoiser-ulysses", "2")),
     "4 ranks ulysses2 x ring2": ("denoiser", ("--num-gpus", "4", "--denoiser-ulysses", "2", "--denoiser-ring", "2")),
     "2 ranks tp": ("denoiser", ("--num-gpus", "2", "--denoiser-tp", "2")),
+    "2 ranks ulysses no hand-off": ("denoiser", ("--num-gpus", "2", "--denoiser-ulysses", "2")),
     "decoder 1 rank": ("decoder", ()),
     "decoder 2 ranks sp": ("decoder", ("--num-gpus", "2", "--decoder-sp", "2")),
 }
+# A denoiser's jobs are asked before every step whether to hand off (as the worker asks them; on several
+# ranks one more broadcast per step, parallel/handoff.py); these run without it, to show that broadcast's cost.
+NO_HAND_OFF = {"2 ranks ulysses no hand-off"}
 OUTPUT = {"denoiser": "latents", "decoder": "pixels"}
 # The bench transformer: Wan's layout at a size a CPU steps through in about a second.
 BENCH_TRANSFORMER = {"num_attention_heads": 8, "attention_head_dim": 32, "ffn_dim": 1024, "num_layers": 4}
@@ -116,6 +123,8 @@ def child(opts: argparse.Namespace) -> None:
         if line.strip() != "run":
             break
         batch = StageBatch(params, dict(encoded.tensors), dict(encoded.meta))
+        if getattr(pipeline, "hands_off", False) and not opts.no_hand_off:
+            batch.hand_off = lambda: False  # as compute._prepare: asked before every step, never stopping
         started = time.perf_counter()
         out = pipeline.run(batch)
         if opts.device.startswith("cuda"):
@@ -157,6 +166,7 @@ def main() -> None:
     parser.add_argument("--role", default="denoiser", help=argparse.SUPPRESS)
     parser.add_argument("--master-port", type=int, default=29731, help=f"first of {len(CONFIGS)} rendezvous ports")
     parser.add_argument("--latents", help=argparse.SUPPRESS)
+    parser.add_argument("--no-hand-off", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=RESULTS / "parallel_bench.json", help="where to write the results")
     parser.add_argument(
         "--configs",
@@ -190,7 +200,8 @@ def main() -> None:
                "--device", opts.device,
                "--steps", str(opts.steps), "--size", opts.size, "--frames", str(opts.frames),
                "--master-port", str(opts.master_port + i),
-               "--latents", str(RESULTS / f"parallel-output-{i}.npy")]  # fmt: skip
+               "--latents", str(RESULTS / f"parallel-output-{i}.npy"),
+               *(["--no-hand-off"] if name in NO_HAND_OFF else [])]  # fmt: skip
         # One OpenMP thread per rank, as one core each: idle OpenMP threads spinning on a shared core
         # would measure the machine, not the parallelism.
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

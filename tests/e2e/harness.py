@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from triptych.roles import Role
-from triptych_dev.localdeploy import LocalDeployment, local_deployment
+from triptych_dev.localdeploy import Device, LocalDeployment, local_deployment
 
 CPU = ("--device", "cpu")
 
@@ -30,13 +30,15 @@ def deployment(
     host: str = "127.0.0.1",
     full_pipeline: bool = False,
     heads: int = 1,
+    devices: Mapping[Role, Sequence[Sequence[Device]]] | None = None,
 ) -> Iterator[LocalDeployment]:
     """`simulate`: model-free workers (`--simulate`; timing per role through role_flags). `spare`: ports
     the head lists for workers started later with `dep.start_worker(role)` (`dep.stop_worker` drains one).
     `discovery_files`: the head reads file:// worker lists, which start_worker and unlist_worker rewrite.
     `host`: the address every process binds and is reached on (loopback by default).
     `full_pipeline`: `denoisers` full-pipeline workers only (the other counts are ignored).
-    `heads`: replicated heads sharing the workers (`dep.head_urls`)."""
+    `heads`: replicated heads sharing the workers (`dep.head_urls`).
+    `devices`: per role, each instance's devices (["cpu", "cpu"]: two CPU ranks; localdeploy.device_flags)."""
     counts = {Role.ENCODER: encoders, Role.DENOISER: denoisers, Role.DECODER: decoders}
     if full_pipeline:
         counts = {Role.DENOISER: denoisers}
@@ -44,6 +46,6 @@ def deployment(
     with local_deployment(
         model, tmp, counts, head_flags=head_flags, worker_flags=flags, role_flags=role_flags,
         null_payload_bytes=null_payload, head_first=head_first, spare=spare, discovery_files=discovery_files,
-        host=host, full_pipeline=full_pipeline, heads=heads,
+        host=host, full_pipeline=full_pipeline, heads=heads, devices=devices,
     ) as dep:  # fmt: skip
         yield dep

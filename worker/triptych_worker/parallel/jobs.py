@@ -3,11 +3,17 @@
 The header is decoded into typed structs (GenerationParams is checked field by field), never
 unpickled: torch.distributed's object collectives pickle, so they are not used. A one-element
 step flag follows every denoising step, so that a request the head cancels stops on every rank
-at the same step instead of leaving followers waiting in a collective.
+at the same step instead of leaving followers waiting in a collective. For a job that may be
+handed off (docs/design.md "Migration") the flag also carries rank 0's answer to the question the
+loop asks before the next step, whether to stop there and hand the state on (StepBoundary): only
+rank 0 hears the head's HandOff, and every rank must stop at the same boundary. A continuation
+(resume.py) travels as any job: its resume meta in the header, its latents and scheduler history
+among the tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -22,6 +28,8 @@ if TYPE_CHECKING:
     from triptych_worker.parallel.mesh import RankMesh
 
 MAX_HEADER_BYTES = 16 << 20
+GO_ON, STOP, HAND_OFF = 0, 1, 2
+"""A step flag: carry on; stop (the head cancelled the request); hand off before the next step."""
 
 
 class TensorEntry(msgspec.Struct, frozen=True):
@@ -34,6 +42,7 @@ class JobHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     params: GenerationParams
     meta: dict[str, Any]
     tensors: list[TensorEntry]
+    hands_off: bool = False  # rank 0 may stop the loop at a step boundary: every rank asks it before each step
 
 
 class StopFollowing(Exception):
@@ -53,7 +62,7 @@ def send_job(mesh: RankMesh, batch: StageBatch) -> None:
 
     tensors = {name: torch.as_tensor(t).to(mesh.device) for name, t in batch.tensors.items()}
     entries = [TensorEntry(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()]
-    header = msgspec.msgpack.encode(JobHeader(batch.params, batch.meta, entries))
+    header = msgspec.msgpack.encode(JobHeader(batch.params, batch.meta, entries, batch.hand_off is not None))
     _broadcast(mesh, torch.tensor([len(header)], dtype=torch.int64, device=mesh.device))
     _broadcast(mesh, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(mesh.device))
     for tensor in tensors.values():
@@ -76,12 +85,42 @@ def receive_job(mesh: RankMesh) -> StageBatch:
             raise ValueError(f"tensor {entry.name}: dtype {entry.dtype!r} does not travel between ranks")
         dtype = getattr(torch, WIRE_DTYPES[entry.dtype])
         tensors[entry.name] = _broadcast(mesh, torch.empty(entry.shape, dtype=dtype, device=mesh.device))
-    return StageBatch(params=header.params, tensors=dict(tensors), meta=dict(header.meta))
+    batch = StageBatch(params=header.params, tensors=dict(tensors), meta=dict(header.meta))
+    if header.hands_off:
+        batch.hand_off = StepBoundary(mesh)
+    return batch
 
 
-def step_flag(mesh: RankMesh, stop: bool = False) -> bool:
-    """After each step: rank 0 says whether to stop; every rank returns what rank 0 said."""
+def step_flag(mesh: RankMesh, flag: int = GO_ON) -> int:
+    """After each step: rank 0 says GO_ON, STOP or HAND_OFF; every rank returns what rank 0 said."""
     import torch
 
-    flag = torch.tensor([1 if stop else 0], dtype=torch.int64, device=mesh.device)
-    return bool(_broadcast(mesh, flag).item())
+    return int(_broadcast(mesh, torch.tensor([flag], dtype=torch.int64, device=mesh.device)).item())
+
+
+class StepBoundary:
+    """A job's `hand_off` on every rank: "stop before this step and hand the state on?", answered by
+    rank 0's worker (`ask`; None on the other ranks) and the same on every rank.
+
+    Rank 0 asks its worker right after each step's progress report and sends the answer in that
+    step's flag (`carry`), which the loop uses at its next question, so asking costs no broadcast
+    beyond the step flag; a question no step flag answered (before a job's first step) takes a
+    broadcast of its own, on every rank alike."""
+
+    def __init__(self, mesh: RankMesh, ask: Callable[[], bool] | None = None):
+        self.mesh = mesh
+        self.ask = ask
+        self.carried: bool | None = None  # the last step flag's answer, not yet used
+
+    def decide(self) -> int:
+        """Rank 0, for the step flag it is about to send: HAND_OFF if its worker says so."""
+        return HAND_OFF if self.ask is not None and self.ask() else GO_ON
+
+    def carry(self, flag: int) -> None:
+        self.carried = flag == HAND_OFF
+
+    def __call__(self) -> bool:
+        answer, self.carried = self.carried, None
+        if answer is None:
+            answer = step_flag(self.mesh, self.decide()) == HAND_OFF
+        return answer

@@ -6,7 +6,8 @@
 Rank 0 starts one follower process per other device (`python -m triptych_worker.parallel.follower`
 with the same flags), all ranks load the role's stages and rendezvous on `--master-port`, and
 each job rank 0 runs is broadcast to the followers first. The worker keeps one work socket, one
-set of slots and one Mooncake pool: the followers talk to rank 0 only.
+set of slots and one Mooncake pool: the followers talk to rank 0 only. A denoiser's job stops at a
+step boundary on every rank when the head hands it off (handoff.py); rank 0 stages the state.
 
 A rank that dies takes the instance down: rank 0 watches its followers and exits (status 3)
 when one exits, or when rank 0 itself fails inside a job (the ranks are then out of step), so
@@ -17,6 +18,7 @@ rank 0 (the kernel's parent-death signal) or on a broken collective.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -32,9 +34,11 @@ from triptych.parallelism import Parallelism
 from triptych_worker.adapters import adapter_for
 from triptych_worker.parallel import families
 from triptych_worker.parallel.apply import WorkCounter, parallelize, parameter_bytes
-from triptych_worker.parallel.jobs import StopFollowing, receive_job, send_job, step_flag
+from triptych_worker.parallel.handoff import states_agree
+from triptych_worker.parallel.jobs import GO_ON, STOP, StepBoundary, StopFollowing, receive_job, send_job, step_flag
 from triptych_worker.parallel.layout import RankLayout
 from triptych_worker.parallel.mesh import RankMesh
+from triptych_worker.resume import RESUME, CannotResume
 from triptych_worker.stages import ProgressCallback, StageBatch
 
 if TYPE_CHECKING:
@@ -86,6 +90,11 @@ class Rank:
         self.mesh.comm.reset()
         return self.pipeline.run(batch)
 
+    def stopped_states_agree(self, batch: StageBatch) -> list[str]:
+        """After a job (every rank): if its loop stopped at a step boundary, the state tensors the
+        ranks hold different bytes of (handoff.states_agree); empty otherwise."""
+        return states_agree(self.mesh, batch) if RESUME in batch.meta else []
+
     def gather_counters(self) -> list[tuple[int, float, int]]:
         """(work, seconds in collectives, parameter bytes held) of every rank, gathered at rank 0 after a job."""
         import torch
@@ -111,11 +120,17 @@ class ParallelPipeline:
         started = time.perf_counter()
         send_job(self.rank.mesh, batch)
         self.last_fanout_s = time.perf_counter() - started
-        steps = LeadingSteps(self.rank.mesh, batch.on_progress)
+        boundary = None
+        if batch.hand_off is not None:  # after send_job: the followers ask before each step too
+            batch.hand_off = boundary = StepBoundary(self.rank.mesh, batch.hand_off)
+        steps = LeadingSteps(self.rank.mesh, batch.on_progress, boundary)
         batch.on_progress = steps
         started = time.perf_counter()
         try:
             self.rank.run(batch)
+        except CannotResume:  # every rank failed the same capture (at a boundary) or restore (at the start)
+            self.rank.gather_counters()
+            raise
         except BaseException:
             if not steps.stopped:  # the followers are somewhere inside the job: no way back into step
                 log.critical("rank 0 failed inside a job; the ranks are out of step, stopping this instance")
@@ -123,7 +138,12 @@ class ParallelPipeline:
             self.rank.gather_counters()  # the followers stopped at the same step and gather next
             raise
         elapsed = time.perf_counter() - started
+        differ = self.rank.stopped_states_agree(batch)
         self.last_counters = self.rank.gather_counters()
+        if differ:  # staging rank 0's copy would continue from a part of the state, into other pixels
+            what = _describe(self.rank.degrees)
+            raise CannotResume(f"the ranks hold different {', '.join(differ)} at the step boundary; "
+                               f"this parallelism ({what}) cannot hand a request off")  # fmt: skip
         log.info(
             "parallel job (%s): inputs to the followers in %.4fs, ran in %.3fs; %s work per rank %s; "
             "seconds in collectives per rank %s; parameter bytes per rank %s",
@@ -133,13 +153,20 @@ class ParallelPipeline:
         )  # fmt: skip
         return batch
 
+    @property
+    def hands_off(self) -> bool:
+        """Whether the role's denoising can stop at a step boundary and continue elsewhere: as one rank's."""
+        return self.rank.pipeline.hands_off
+
 
 class LeadingSteps:
-    """Rank 0's progress callback: the worker's own (which raises to cancel), then the step flag to the followers."""
+    """Rank 0's progress callback: the worker's own (which raises to cancel), then the step flag to
+    the followers, with the answer to the next step's hand-off question when the job may hand off."""
 
-    def __init__(self, mesh: RankMesh, report: ProgressCallback | None):
+    def __init__(self, mesh: RankMesh, report: ProgressCallback | None, boundary: StepBoundary | None = None):
         self.mesh = mesh
         self.report = report
+        self.boundary = boundary
         self.stopped = False
 
     def __call__(self, step: int, total: int, latents: Any = None) -> None:
@@ -148,9 +175,22 @@ class LeadingSteps:
                 self.report(step, total, latents)
         except BaseException:
             self.stopped = True
-            step_flag(self.mesh, stop=True)
+            step_flag(self.mesh, STOP)
             raise
-        step_flag(self.mesh, stop=False)
+        _carry(self.boundary, step_flag(self.mesh, self.boundary.decide() if self.boundary else GO_ON))
+
+
+def _carry(boundary: StepBoundary | None, flag: int) -> None:
+    if boundary is not None:
+        boundary.carry(flag)
+
+
+def _follow_step(mesh: RankMesh, boundary: StepBoundary | None, step: int, total: int, latents: Any = None) -> None:
+    """A follower's progress callback: rank 0's step flag (stop now, or the next hand-off answer)."""
+    flag = step_flag(mesh)
+    if flag == STOP:
+        raise StopFollowing
+    _carry(boundary, flag)
 
 
 def _exit_instance() -> None:
@@ -203,15 +243,13 @@ def follow(args: ServeArgs, rank_index: int) -> None:
     rank = Rank.start(args, rank_index)
     mesh = rank.mesh
 
-    def on_progress(step: int, total: int, latents: Any = None) -> None:
-        if step_flag(mesh):
-            raise StopFollowing
-
     while True:
         batch = receive_job(mesh)
-        batch.on_progress = on_progress
+        boundary = batch.hand_off if isinstance(batch.hand_off, StepBoundary) else None
+        batch.on_progress = functools.partial(_follow_step, mesh, boundary)
         try:
             rank.run(batch)
-        except StopFollowing:
+        except (StopFollowing, CannotResume):  # cancelled; or a state that cannot be captured or restored
             pass
+        rank.stopped_states_agree(batch)  # rank 0 fails the request if the states differ
         rank.gather_counters()

@@ -1,0 +1,186 @@
+"""A multi-rank denoiser (two CPU ranks, gloo) stops at a step boundary on every rank, hands on the
+whole state from rank 0, and continues a continuation on every rank: the pixels are those of a
+request that never moved, byte for byte (worker/triptych_worker/parallel/handoff.py; docs/design.md
+"Migration").
+
+Rank 0 runs in this process (ParallelPipeline, as `triptych serve --num-gpus 2` does) with one
+real follower process; every hand-off goes over the wire (tests.worker.test_resume), between the
+two-rank denoiser and one-rank ones, in both directions.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.worker.test_resume import CASES, STEPS, encoded
+from tests.worker.test_role_pipelines import over_the_wire
+from triptych.cli import build_parser
+from triptych.config import ServeArgs
+from triptych.roles import Role
+from triptych_dev.localdeploy import free_port_block
+from triptych_worker.parallel.handoff import fingerprint
+from triptych_worker.parallel.ranks import ParallelPipeline, Rank
+from triptych_worker.pipeline import RolePipeline, load_role_pipeline
+from triptych_worker.resume import RESUME, CannotResume
+from triptych_worker.stages import PIXELS, StageBatch
+
+# (package, request case of test_resume, the denoiser's parallel flags, whether two ranks make one
+# rank's bytes: TP's all-reduce sums in another order, so its pixels are within a level of one rank's
+# (docs/parallelism.md) and its moves are checked among two-rank denoisers only)
+TWO_RANKS = {
+    "flux-ulysses2": ("tiny-flux", "flux", ("--num-gpus", "2"), True),  # Ulysses derived from the heads
+    "wan-unipc-cfg2": ("tiny-wan", "wan-unipc-cfg", ("--num-gpus", "2", "--cfg-parallel-size", "2"), True),
+    "wan-unipc-ulysses2": ("tiny-wan", "wan-unipc-cfg", ("--num-gpus", "2", "--denoiser-ulysses", "2"), True),
+    "wan-unipc-tp2": ("tiny-wan", "wan-unipc-cfg", ("--num-gpus", "2", "--denoiser-tp", "2"), False),
+}
+# Which denoiser each hop runs on ("2": the two-rank one, "1": a one-rank one), and the steps it stops before.
+ROUTES = [
+    (("2", "2"), [3]),  # once, back onto the two ranks
+    (("2", "1"), [STEPS - 1]),  # two ranks to one
+    (("1", "2"), [1]),  # one rank to two
+    (("2", "1", "2", "1"), [1, 3, 5]),  # three moves, both directions
+    (("2", "2", "2", "2"), [1, 2, 4]),  # three moves, two ranks each time
+]
+
+
+def start_two_ranks(model: Path, flags: tuple[str, ...]) -> tuple[ParallelPipeline, subprocess.Popen[bytes]]:
+    """Rank 0 here and its follower process, as `start_ranks` starts them (without its watchdog,
+    which would end this process when the fixture stops the follower)."""
+    argv = ["serve", "--model-path", str(model), "--disagg-role", "denoiser", "--device", "cpu",
+            "--disagg-server-addr", "tcp://127.0.0.1:1", "--master-port", str(free_port_block(1)), *flags]  # fmt: skip
+    args = ServeArgs.from_namespace(build_parser().parse_args(argv))
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    argv = [sys.executable, "-m", "triptych_worker.parallel.follower", "1", *args.to_argv()]
+    follower = subprocess.Popen(argv, env=env)
+    try:
+        return ParallelPipeline(Rank.start(args, 0), [follower]), follower
+    except BaseException:
+        follower.kill()
+        raise
+
+
+@pytest.fixture(scope="module", params=sorted(TWO_RANKS))
+def setup(request, tiny_models) -> Iterator[tuple[str, bool, dict[str, object]]]:  # type: ignore[no-untyped-def]
+    name, case, flags, exact = TWO_RANKS[request.param]
+    model = tiny_models[name]
+    pipelines: dict[str, object] = {
+        "encoder": load_role_pipeline(str(model), Role.ENCODER),
+        "decoder": load_role_pipeline(str(model), Role.DECODER),
+        "1": load_role_pipeline(str(model), Role.DENOISER),
+    }
+    ranks, follower = start_two_ranks(model, flags)
+    pipelines["2"] = ranks
+    try:
+        yield case, exact, pipelines
+    finally:
+        ranks.rank.mesh.close()
+        follower.kill()
+        follower.wait(30)
+
+
+def generate(pipelines, case: str, route: tuple[str, ...], stops: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Denoise on each denoiser of `route` in turn, stopping before each step of `stops`, then decode."""
+    name, params = CASES[case]
+    encoder: RolePipeline = pipelines["encoder"]
+    batch = encoded({(name, Role.ENCODER): encoder}, name, params)
+    pending, reached = list(stops), [0]
+
+    def progress(step: int, total: int, latents=None) -> None:  # type: ignore[no-untyped-def]
+        reached[0] = step
+
+    for hop, where in enumerate(route):
+        batch.on_progress = progress
+        batch.hand_off = lambda: bool(pending) and reached[0] == pending[0]
+        with torch.no_grad():
+            batch = pipelines[where].run(batch)
+        if hop < len(route) - 1:
+            assert batch.meta[RESUME]["step"] == pending.pop(0), (route, stops)
+        batch = over_the_wire(batch)
+    assert RESUME not in batch.meta and not pending
+    return pipelines["decoder"].run(batch).tensors[PIXELS]
+
+
+def test_a_request_moved_to_from_and_between_two_rank_denoisers_gives_the_unmoved_pixels(setup) -> None:  # type: ignore[no-untyped-def]
+    case, exact, pipelines = setup
+    unmoved = generate(pipelines, case, ("2",), [])
+    if exact:
+        assert torch.equal(generate(pipelines, case, ("1",), []), unmoved), "two ranks differ from one, unmoved"
+    for route, stops in ROUTES:
+        if exact or "1" not in route:
+            assert torch.equal(generate(pipelines, case, route, stops), unmoved), (route, stops)
+
+
+def test_every_rank_stops_at_the_same_boundary_and_rank_zero_stages_the_whole_state(setup) -> None:  # type: ignore[no-untyped-def]
+    """The state rank 0 hands on is a one-rank denoiser's at that boundary (tensor for tensor where
+    two ranks make one rank's bytes), and the ranks are in step for the next job."""
+    case, exact, pipelines = setup
+    name, params = CASES[case]
+    states = {}
+    for where in ("1", "2"):
+        batch = encoded({(name, Role.ENCODER): pipelines["encoder"]}, name, params)
+        steps: list[int] = []
+        batch.on_progress = lambda step, total, latents=None: steps.append(step)  # noqa: B023
+        batch.hand_off = lambda: len(steps) == 3  # noqa: B023
+        with torch.no_grad():
+            states[where] = pipelines[where].run(batch)
+        assert steps == [1, 2, 3]
+    one, two = states["1"], states["2"]
+    assert two.meta[RESUME] == one.meta[RESUME] and two.meta[RESUME]["step"] == 3
+    assert set(two.tensors) == set(one.tensors)
+    for tensor in one.tensors:
+        if exact:
+            assert torch.equal(two.tensors[tensor], one.tensors[tensor]), tensor
+        else:
+            torch.testing.assert_close(two.tensors[tensor], one.tensors[tensor], msg=tensor)
+    counters = pipelines["2"].last_counters
+    assert len(counters) == 2 and counters[0][0] == counters[1][0] > 0, counters  # both ranks did 3 steps' work
+
+
+def test_a_fingerprint_tells_any_changed_bit_apart() -> None:
+    a = torch.linspace(-1, 1, 1000)
+    assert torch.equal(fingerprint(a), fingerprint(a.clone()))
+    for i in (0, 499, 999):
+        b = a.clone()
+        b[i] = torch.nextafter(b[i], torch.tensor(2.0))
+        assert not torch.equal(fingerprint(a), fingerprint(b)), i
+    assert not torch.equal(fingerprint(a), fingerprint(a.flip(0)))  # same values elsewhere: a shard's swap
+    assert not torch.equal(fingerprint(a), fingerprint(a[:500]))  # a shard
+    assert not torch.equal(fingerprint(torch.zeros(3)), fingerprint(-torch.zeros(3)))
+    assert fingerprint(a.to(torch.bfloat16)).shape == (3,)
+
+
+def test_a_job_handed_off_before_its_first_step_is_a_continuation_at_step_zero(setup) -> None:  # type: ignore[no-untyped-def]
+    """Handed off before its first step (the HandOff came as the job started): a continuation at step 0."""
+    case, _, pipelines = setup
+    name, params = CASES[case]
+    batch: StageBatch = encoded({(name, Role.ENCODER): pipelines["encoder"]}, name, params)
+    batch.on_progress = lambda step, total, latents=None: None
+    batch.hand_off = lambda: True  # before the first step
+    with torch.no_grad():
+        batch = pipelines["2"].run(batch)
+    assert batch.meta[RESUME]["step"] == 0 and "latents" in batch.tensors
+    over_the_wire(batch)
+
+
+def test_a_continuation_that_cannot_be_restored_fails_alone_and_the_ranks_stay_in_step(setup) -> None:  # type: ignore[no-untyped-def]
+    """Every rank refuses the same restore (CannotResume) before its first step: the request fails,
+    the instance stays, and the next job runs on both ranks."""
+    case, _, pipelines = setup
+    name, params = CASES[case]
+    batch: StageBatch = encoded({(name, Role.ENCODER): pipelines["encoder"]}, name, params)
+    steps: list[int] = []
+    batch.on_progress = lambda step, total, latents=None: steps.append(step)
+    batch.hand_off = lambda: len(steps) == 2
+    with torch.no_grad():
+        batch = over_the_wire(pipelines["2"].run(batch))
+    batch.meta[RESUME]["scheduler"]["class"] = "DDIMScheduler"
+    with pytest.raises(CannotResume, match="DDIMScheduler"), torch.no_grad():
+        pipelines["2"].run(batch)
+    assert torch.equal(generate(pipelines, case, ("2",), []), generate(pipelines, case, ("2", "2"), [2]))
