@@ -17,6 +17,7 @@ from triptych.protocol import Failed, Progress, Result, TransferStaged, tensors_
 from triptych.reference import BadReference
 from triptych.tracing import Attributes
 from triptych_worker.heads import HeadLinks
+from triptych_worker.inputs import Inputs, SlotGone
 from triptych_worker.job_groups import Job
 from triptych_worker.preview import should_preview
 from triptych_worker.resume import RESUME
@@ -42,13 +43,14 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
     if len(jobs) > 1:
         log.info("running %d requests as one batch: %s", len(jobs), ", ".join(job.request_id for job in jobs))
     prepared: list[tuple[Job, StageBatch]] = []
+    inputs: list[Inputs] = []  # the jobs' inputs; those in place hold their slots until released below
     try:
         for job in jobs:
             with _fails_alone(worker, link, job):
                 if worker._is_cancelled(job.request_id):
                     worker.pool.free_owner(job.request_id)
                     continue
-                prepared.append((job, _prepare(worker, link, job)))
+                prepared.append((job, _prepare(worker, link, job, inputs)))
         outcomes = _run_stages(worker, [batch for _, batch in prepared])
         ran = [(job, batch) for (job, batch), error in zip(prepared, outcomes, strict=True) if error is None]
         together = len(prepared) if _batches_forward(worker, len(prepared)) else 1
@@ -64,6 +66,9 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
                 if report is not None:
                     reports.append(report)
                     traced.append((job, report[0].seconds))
+        # The stages are done and their outputs staged (copies): the input slots are free to take
+        # the next transfers, before the head hears of it.
+        _release_inputs(worker, link, inputs)
         with worker._lock:  # settled before the head hears: work it sends next finds the slots free
             worker._outstanding.difference_update(job.request_id for job in jobs)
         for msg, frames in reports:
@@ -72,6 +77,7 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
             for job, seconds in traced:
                 _trace_stages(worker, job, started_ns, seconds, together)
     finally:
+        _release_inputs(worker, link, inputs)  # on a bug too: no slot stays held
         with worker._lock:
             worker._outstanding.difference_update(job.request_id for job in jobs)
             worker._handing_off.difference_update(job.request_id for job in jobs)
@@ -82,7 +88,7 @@ def _fails_alone(worker: Worker, link: HeadLinks, job: Job) -> Iterator[None]:
     """Whatever goes wrong inside fails `job`'s request only, with the status its cause calls for."""
     try:
         yield
-    except RequestCancelled:
+    except (RequestCancelled, SlotGone):
         worker.pool.free_owner(job.request_id)
         worker._space_freed(link)
     except PayloadTooLarge as exc:
@@ -121,20 +127,32 @@ def _run_stages(worker: Worker, batches: list[StageBatch]) -> list[Exception | N
     return outcomes
 
 
-def _prepare(worker: Worker, link: HeadLinks, job: Job) -> StageBatch:
-    """The job's StageBatch: its incoming tensors loaded (its slot freed; usually done ahead, by the
-    worker's input loader) and its progress reporting."""
+def _release_inputs(worker: Worker, link: HeadLinks, inputs: list[Inputs]) -> None:
+    """Give back the slots that inputs used in place hold (each once)."""
+    while inputs:
+        worker.inputs.release(inputs.pop(), link)
+
+
+def _prepare(worker: Worker, link: HeadLinks, job: Job, inputs: list[Inputs]) -> StageBatch:
+    """The job's StageBatch: its incoming tensors, views on its slot (held until the group's stages
+    are done) or copies (its slot freed; usually loaded ahead, by the worker's input loader), added
+    to `inputs`; and its progress reporting."""
     batch = StageBatch(params=job.params)
+    held = False
     if job.incoming is not None:
-        batch.tensors = worker.inputs.take(job, link)
+        taken = worker.inputs.take(job, link)
+        inputs.append(taken)
+        batch.tensors = dict(taken.tensors)
         batch.meta = dict(job.incoming[2])
+        held = taken.held is not None
 
     def progress(step: int, total: int, latents: Any = None) -> None:
         if worker._is_cancelled(job.request_id):
             raise RequestCancelled(job.request_id)
         if job.progress:
             preview = _preview(worker, job, step, latents)
-            link.send(Progress(job.request_id, worker.instance, step, total, preview))
+            # inputs_held: the head must not give its standing slot to another transfer yet.
+            link.send(Progress(job.request_id, worker.instance, step, total, preview, inputs_held=held))
 
     batch.on_progress = progress
     if worker.hands_off:
