@@ -520,3 +520,34 @@ def test_inputs_used_in_place_hold_their_slot_until_the_stage_is_done_also_on_ca
             else:
                 until(lambda before=before: pool.free_bytes == before, "r2's slot given back once its stage stopped")  # type: ignore[misc]
             assert pipeline.seen[rid] == bytes([value]) * 4096
+
+
+def test_outputs_that_need_the_room_of_the_input_slot_in_use_get_it():
+    """A pool that fits one 3 MiB input or one 3 MiB output, not both: the stage that used its input
+    in place gives the slot back to stage its outputs (copying any that still view it) instead of
+    waiting for room it holds itself."""
+    argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://127.0.0.1:1",
+            "--device", "cpu", "--disagg-transfer-pool-size", "4MiB"]  # fmt: skip
+    args = ServeArgs.from_namespace(build_parser().parse_args(argv))
+    nbytes = 3 << 20
+    worker = Worker(args, pipeline=NullPipeline(Role.DENOISER, nbytes))  # type: ignore[arg-type]
+    try:
+        assert worker.inputs.in_place
+        slot = worker.pool.allocate(nbytes, "r1")
+        assert slot is not None
+        manifest = [{"name": "x", "dtype": "uint8", "shape": [nbytes], "offset": 0}]
+        params = GenerationParams("r1", width=16, height=16, num_inference_steps=1)
+        link = RecordingLink()
+        running = threading.Thread(
+            target=compute.compute, args=(worker, link, [Job("r1", params, (slot, manifest, {}))])
+        )
+        running.start()
+        running.join(timeout=10)
+        if running.is_alive():
+            worker._stop.set()  # ends the wait for room, so that the failure is reported, not hung
+            running.join(timeout=5)
+            pytest.fail("the outputs waited for the room their own input slot held")
+        assert isinstance(link.sent[-1], TransferStaged) and link.sent[-1].nbytes == nbytes
+        assert worker.pool.free_bytes == worker.pool.pool_bytes - nbytes, "only the staged outputs remain"
+    finally:
+        worker.transport.close()

@@ -190,3 +190,15 @@ def test_a_continuation_is_copied_even_in_place():
         inputs = h.loader.take(continuation, None)  # type: ignore[arg-type]
         assert inputs.held is None and not np.shares_memory(inputs.tensors["x"], h.pool.buffer)
         assert h.released_ids() == ["r1"]
+
+
+def test_detaching_copies_the_outputs_that_view_the_slot_and_gives_it_back():
+    with running(ahead=1, in_place=True) as h:
+        job = h.job("r1", 9)
+        inputs = h.loader.take(job, None)  # type: ignore[arg-type]
+        own = np.zeros(4, dtype=np.uint8)
+        outputs = h.loader.detach(inputs, {"x": inputs.tensors["x"], "own": own}, None)  # type: ignore[arg-type]
+        assert not np.shares_memory(outputs["x"], h.pool.buffer), "an output passed on from the slot is copied"
+        assert np.array_equal(outputs["x"], np.full(1000, 9, dtype=np.uint8))
+        assert outputs["own"] is own, "the others are kept as they are"
+        assert h.released_ids() == ["r1"] and h.pool.free_bytes == h.pool.pool_bytes

@@ -43,7 +43,7 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
     if len(jobs) > 1:
         log.info("running %d requests as one batch: %s", len(jobs), ", ".join(job.request_id for job in jobs))
     prepared: list[tuple[Job, StageBatch]] = []
-    inputs: list[Inputs] = []  # the jobs' inputs; those in place hold their slots until released below
+    inputs: dict[str, Inputs] = {}  # the jobs' inputs; those in place hold their slots until released below
     try:
         for job in jobs:
             with _fails_alone(worker, link, job):
@@ -62,7 +62,7 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
                 if error is not None:
                     raise error
                 leader = together == 1 or job is ran[0][0]
-                report = _deliver(worker, job, batch, started, together, leader)
+                report = _deliver(worker, link, job, batch, started, together, leader, inputs)
                 if report is not None:
                     reports.append(report)
                     traced.append((job, report[0].seconds))
@@ -127,13 +127,13 @@ def _run_stages(worker: Worker, batches: list[StageBatch]) -> list[Exception | N
     return outcomes
 
 
-def _release_inputs(worker: Worker, link: HeadLinks, inputs: list[Inputs]) -> None:
+def _release_inputs(worker: Worker, link: HeadLinks, inputs: dict[str, Inputs]) -> None:
     """Give back the slots that inputs used in place hold (each once)."""
     while inputs:
-        worker.inputs.release(inputs.pop(), link)
+        worker.inputs.release(inputs.popitem()[1], link)
 
 
-def _prepare(worker: Worker, link: HeadLinks, job: Job, inputs: list[Inputs]) -> StageBatch:
+def _prepare(worker: Worker, link: HeadLinks, job: Job, inputs: dict[str, Inputs]) -> StageBatch:
     """The job's StageBatch: its incoming tensors, views on its slot (held until the group's stages
     are done) or copies (its slot freed; usually loaded ahead, by the worker's input loader), added
     to `inputs`; and its progress reporting."""
@@ -141,7 +141,7 @@ def _prepare(worker: Worker, link: HeadLinks, job: Job, inputs: list[Inputs]) ->
     held = False
     if job.incoming is not None:
         taken = worker.inputs.take(job, link)
-        inputs.append(taken)
+        inputs[job.request_id] = taken
         batch.tensors = dict(taken.tensors)
         batch.meta = dict(job.incoming[2])
         held = taken.held is not None
@@ -173,7 +173,14 @@ def _trace_stages(worker: Worker, job: Job, started_ns: int, seconds: float, bat
 
 
 def _deliver(
-    worker: Worker, job: Job, batch: StageBatch, started: float, batch_size: int, leader: bool
+    worker: Worker,
+    link: HeadLinks,
+    job: Job,
+    batch: StageBatch,
+    started: float,
+    batch_size: int,
+    leader: bool,
+    inputs: dict[str, Inputs],
 ) -> tuple[Result | TransferStaged, list[Any]] | None:
     """The job's outputs, ready to go on: pixels for the head (decoder), else staged for the next
     role; the report to send the head (None: cancelled meanwhile, nothing to report)."""
@@ -183,7 +190,7 @@ def _deliver(
         specs, frames = tensors_to_frames({PIXELS: batch.tensors[PIXELS]})
         seconds = time.perf_counter() - started
         return Result(job.request_id, worker.instance, specs, seconds, batch_size, leader), frames
-    staged = _stage(worker, job.request_id, batch)
+    staged = _stage(worker, link, job.request_id, batch, inputs)
     if staged is None:
         return None  # cancelled while waiting for room
     allocation, manifest = staged
@@ -213,12 +220,23 @@ def _preview(worker: Worker, job: Job, step: int, latents: Any) -> bytes:
         return b""
 
 
-def _stage(worker: Worker, request_id: str, batch: StageBatch) -> tuple[Allocation, list[dict[str, Any]]] | None:
-    """Copy outputs into the pool, waiting while it is full (back-pressure on this sender)."""
+def _stage(
+    worker: Worker, link: HeadLinks, request_id: str, batch: StageBatch, inputs: dict[str, Inputs]
+) -> tuple[Allocation, list[dict[str, Any]]] | None:
+    """Copy outputs into the pool, waiting while it is full (back-pressure on this sender).
+
+    A full pool while this job still holds its input slot (inputs in place) may be full of that
+    very slot: the outputs that still view it are copied out and the slot is given back first, so
+    a pool that held input and output one after the other never waits on itself.
+    """
     while True:
         staged = stage_tensors(worker.pool, batch.tensors, owner=request_id)
         if staged is not None:
             return staged.allocation, staged.manifest
+        held = inputs.get(request_id)
+        if held is not None and held.held is not None:
+            batch.tensors = worker.inputs.detach(inputs.pop(request_id), batch.tensors, link)
+            continue
         if worker._is_cancelled(request_id) or worker._stop.is_set():
             return None
         time.sleep(STAGING_RETRY_S)

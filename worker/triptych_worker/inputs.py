@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from triptych_worker.resume import RESUME
 from triptych_worker.transfer import TransferPool, load_tensors, view_tensors
 
@@ -159,6 +161,18 @@ class InputLoader:
             self.pool.unhold(inputs.held)
             self._release(inputs.held, link)
 
+    def detach(self, inputs: Inputs, tensors: dict[str, Any], link: HeadLinks) -> dict[str, Any]:
+        """`tensors` with every one that views `inputs`' held slot replaced by a copy, and the slot
+        released: for outputs that must outlive it (their staging waits for the room it takes)."""
+        out = dict(tensors)
+        if inputs.held is not None:
+            start, end = inputs.held.addr, inputs.held.addr + inputs.held.nbytes
+            for name, tensor in tensors.items():
+                if start <= _address(tensor) < end:
+                    out[name] = tensor.copy() if isinstance(tensor, np.ndarray) else tensor.clone()
+        self.release(inputs, link)
+        return out
+
     def _view(self, job: Job, link: HeadLinks) -> Inputs:
         assert job.incoming is not None
         alloc, manifest, _meta = job.incoming
@@ -257,3 +271,8 @@ class InputLoader:
             # allocator must not hand its memory to the loader again before the compute stream is done.
             tensor.record_stream(compute)
         return tensors
+
+
+def _address(tensor: Any) -> int:
+    """Where a torch tensor's or numpy array's first element sits in memory."""
+    return int(tensor.ctypes.data) if isinstance(tensor, np.ndarray) else int(tensor.data_ptr())
