@@ -6,8 +6,11 @@ stdout) and, for each payload size, measures side by side:
   memcpy   torch copy of N bytes into a preallocated CPU buffer (the floor)
   raw      TransferEngine.transfer_sync_write of N bytes from a registered buffer to the peer
   write    MooncakeTransport.write of the same bytes (our wrapper; should match raw)
-  ours     stage_tensors (copy into the pool) + MooncakeTransport.write + load_tensors on the
-           receiver, for a FLUX-like tensor set of about N bytes
+  ours     what the workers run, for a FLUX-like tensor set of about N bytes: stage_tensors (one
+           copy into the pool, as compute.py stages a role's outputs) + MooncakeTransport.write +
+           on the receiver the worker's InputLoader taking the inputs in place (views on the slot,
+           held) and releasing the slot after the stage, as a CPU worker does (inputs.py). The
+           copy a GPU receiver makes instead (load_tensors) is timed too, outside the total.
 
 The runs alternate in --blocks blocks in this one process lifetime: each block takes the baselines
 (memcpy, raw back to back), then the measured paths (raw and write interleaved run by run, then
@@ -39,6 +42,9 @@ from typing import IO, Any
 
 import torch
 
+from triptych.params import GenerationParams
+from triptych_worker.inputs import InputLoader
+from triptych_worker.job_groups import Job
 from triptych_worker.transfer import Allocation, MooncakeTransport, TransferPool, layout, load_tensors, stage_tensors
 
 MIB = 1024 * 1024
@@ -84,10 +90,23 @@ def timed_loop(fn: Callable[[], float | None], iterations: int, warmup: int, max
 # -- receiver process ---------------------------------------------------------------------------
 
 
+class _NoLink:
+    """The receiver reports freed space to no head."""
+
+    def close(self) -> None:
+        pass
+
+
 def run_receiver(args: argparse.Namespace) -> None:
-    """Own a pool and one slot; answer 'slot' (reallocate) and 'load' (time load_tensors) commands."""
+    """Own a pool and one slot; answer 'slot' (reallocate) and 'load' (time the worker's input path)."""
     transport = MooncakeTransport(args.hostname, args.ib_device)
     pool = TransferPool(args.receiver_pool_bytes, "bench-receiver", transport)
+    # The worker's input loader as a CPU worker runs it: inputs in place, the slot held until released.
+    # The slot stays allocated across runs, as a standing slot does (the release frees nothing).
+    inputs = InputLoader(pool, "cpu", 0, release=lambda alloc, link: None, cancelled=lambda rid: False,
+                         make_link=_NoLink, in_place=True)  # type: ignore[arg-type]  # fmt: skip
+    params = GenerationParams("bench", 64, 64)
+    link: Any = None  # the release above reports to no head
     slot: Allocation | None = None
     print(json.dumps({"session": transport.session_id}), flush=True)
     for line in sys.stdin:
@@ -100,9 +119,16 @@ def run_receiver(args: argparse.Namespace) -> None:
             reply: dict[str, Any] = {"addr": slot.addr, "nbytes": slot.nbytes}
         elif command["op"] == "load":
             assert slot is not None
+            job = Job("bench", params, (slot, command["manifest"], {}))
             t0 = time.perf_counter()
-            tensors = load_tensors(pool, slot, command["manifest"], "cpu")
-            reply = {"load_s": time.perf_counter() - t0, "count": len(tensors)}
+            taken = inputs.take(job, link)  # the stage would run here, on these views
+            inputs.release(taken, link)
+            t1 = time.perf_counter()
+            assert taken.held is slot, "the inputs were used in place"
+            copied = load_tensors(pool, slot, command["manifest"], "cpu")  # a GPU worker's copy (to "cpu" here)
+            t2 = time.perf_counter()
+            assert copied.keys() == taken.tensors.keys()
+            reply = {"load_s": t1 - t0, "copy_s": t2 - t1, "count": len(taken.tensors)}
         elif command["op"] == "ping":
             reply = {}
         else:
@@ -216,8 +242,9 @@ def bench_size(
         transport.write(peer.session, staged.allocation.addr, ours_dest, staged.nbytes)
         t2 = time.perf_counter()
         pool.free(staged.allocation)
-        load_s = float(peer.ask({"op": "load", "manifest": staged.manifest})["load_s"])
-        phase.update(stage=t1 - t0, write=t2 - t1, load=load_s)
+        loaded = peer.ask({"op": "load", "manifest": staged.manifest})
+        load_s = float(loaded["load_s"])
+        phase.update(stage=t1 - t0, write=t2 - t1, load=load_s, copy=float(loaded["copy_s"]))
         return (t2 - t0) + load_s
 
     # Warm-up runs once, before the first block, for every path.
@@ -226,7 +253,7 @@ def bench_size(
             fn()
     paths = ("memcpy", "raw_b2b", "raw", "write", "ours")
     samples: dict[str, list[float]] = {k: [] for k in paths}
-    phases: dict[str, list[float]] = {"stage": [], "write": [], "load": []}
+    phases: dict[str, list[float]] = {"stage": [], "write": [], "load": [], "copy": []}
     per_block_rates: list[dict[str, float]] = []
     loop = {"iterations": per_block, "warmup": 0, "max_seconds": args.max_seconds / blocks}
 
@@ -290,7 +317,7 @@ def bench_size(
 def print_table(results: list[dict[str, Any]], protocol: str) -> None:
     header = (
         f"{'size':>8} {'memcpy':>8} {'raw b2b':>8} {'raw':>8} {'write':>8} {'ours':>8} "
-        f"{'ours/raw':>9} {'raw/memcpy':>11} {'write/raw':>10}   ours phases stage/write/load ms"
+        f"{'ours/raw':>9} {'raw/memcpy':>11} {'write/raw':>10}   ours phases stage/write/load (copy) ms"
     )
     print(f"\nMooncake {protocol} transfer: median MB/s (MB = 1e6 bytes) and ratios")
     print(header)
@@ -301,7 +328,7 @@ def print_table(results: list[dict[str, Any]], protocol: str) -> None:
             f"{r['bytes'] / MIB:>5.0f}MiB {r['memcpy_mb_s']:>8.0f} {r['raw_back_to_back_mb_s']:>8.0f} "
             f"{r['raw_mooncake_mb_s']:>8.0f} {r['write_mb_s']:>8.0f} {r['ours_mb_s']:>8.0f} {r['ours_over_raw']:>9.1%} "
             f"{r['raw_over_memcpy']:>11.1%} {r['write_over_raw']:>10.1%}   "
-            f"{p['stage']:.2f} / {p['write']:.2f} / {p['load']:.2f}"
+            f"{p['stage']:.2f} / {p['write']:.2f} / {p['load']:.3f} ({p['copy']:.2f})"
         )
     for r in results:
         blocks = " ".join(
@@ -314,7 +341,9 @@ def print_table(results: list[dict[str, Any]], protocol: str) -> None:
         "and write interleaved run by run, then ours, all in this one process lifetime.\n"
         "memcpy: torch copy into a preallocated buffer; raw b2b: transfer_sync_write back to back;\n"
         "raw / write: transfer_sync_write / MooncakeTransport.write, each after a receiver round trip\n"
-        "(the cadence `ours` has); ours: stage_tensors + write + load_tensors of a FLUX-like set."
+        "(the cadence `ours` has); ours: stage_tensors + write + the worker's InputLoader taking the\n"
+        "inputs in place and releasing the slot, of a FLUX-like set; (copy): load_tensors of the same\n"
+        "slot, what a GPU worker does instead (not in ours)."
     )
 
 

@@ -39,6 +39,7 @@ from triptych.protocol import (
     CancelWork,
     Failed,
     Heartbeat,
+    Progress,
     ProtocolError,
     RequestEvent,
     Submit,
@@ -161,7 +162,7 @@ class HeadCore:
         if rec is None:
             self._on_late(inst, msg)
             return
-        if rec.slot_addr and inst.url == rec.instance and rec.state is ROLE_STATES[rec.role][1]:
+        if rec.slot_addr and inst.url == rec.instance and rec.state is ROLE_STATES[rec.role][1] and not held(msg):
             free_standing(inst, rec.wire_id, rec.slot_addr)  # it reports, so it has loaded the slot
             rec.slot_addr = 0
         handler = transfers.HANDLERS.get(type(msg))
@@ -473,6 +474,11 @@ class HeadCore:
         log.info("request %s %s: %s", rec.request_id, state.value, error)
         ended = RequestEvent(rec.request_id, state.value, error=error, status_code=status_code)
         self.transport.reply(rec.client, ended)
+
+
+def held(msg: Any) -> bool:
+    """A report during a stage that uses its inputs in place: its standing slot is still busy."""
+    return isinstance(msg, Progress) and msg.inputs_held
 
 
 def free_standing(inst: WorkerInstance, wire_id: str, addr: int) -> None:

@@ -164,3 +164,38 @@ def test_concurrent_allocate_and_free_never_overlap_or_leak() -> None:
     assert problems == []
     assert pool.free_bytes == 64 * KIB
     assert pool.largest_free_block == 64 * KIB
+
+
+# --- holding a slot whose bytes are in use (inputs used in place) ------------------------------
+
+
+def test_a_held_allocation_outlives_a_free_until_it_is_unheld() -> None:
+    pool = TransferPool(4096, "denoiser", memory="numpy")
+    alloc = pool.allocate(4096, "req-1")
+    assert alloc is not None and pool.hold(alloc)
+    assert pool.free(alloc), "the free is accepted"
+    assert not pool.free(alloc), "a second free is stale"
+    assert pool.free_bytes == 0 and pool.allocate(256, "req-2") is None, "but the bytes stay in use"
+    assert pool.unhold(alloc), "released once unheld"
+    assert pool.free_bytes == 4096 and not pool.held(alloc)
+
+
+def test_free_owner_of_a_held_allocation_takes_effect_at_unhold_and_stays_idempotent() -> None:
+    pool = TransferPool(8192, "denoiser", memory="numpy")
+    held, other = pool.allocate(4096, "req-1"), pool.allocate(1024, "req-1")
+    assert held is not None and other is not None and pool.hold(held)
+    assert pool.free_owner("req-1") == 2
+    assert pool.free_bytes == 4096, "the held slot stays; the other is freed now"
+    assert pool.free_owner("req-1") == 0
+    assert pool.unhold(held) and pool.free_bytes == 8192
+
+
+def test_unholding_without_a_free_keeps_the_allocation_and_a_freed_one_cannot_be_held() -> None:
+    pool = TransferPool(4096, "denoiser", memory="numpy")
+    alloc = pool.allocate(1024, "req-1")
+    assert alloc is not None and pool.hold(alloc)
+    assert not pool.hold(alloc), "held once"
+    assert not pool.unhold(alloc), "nothing freed it meanwhile: still live"
+    assert pool.free_bytes == 4096 - 1024
+    assert pool.free(alloc) and pool.free_bytes == 4096
+    assert not pool.hold(alloc), "released: it must not be viewed"

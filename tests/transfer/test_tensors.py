@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from triptych_worker.transfer import ALIGNMENT, PayloadTooLarge, TransferPool, load_tensors, stage_tensors
+from triptych_worker.transfer import (
+    ALIGNMENT,
+    PayloadTooLarge,
+    TransferPool,
+    load_tensors,
+    stage_tensors,
+    view_tensors,
+)
 
 MIB = 1024 * 1024
 
@@ -36,8 +43,18 @@ def round_trip(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     staged = stage_tensors(pool, tensors, "req-1")
     assert staged is not None
     out = load_tensors(pool, staged.allocation, staged.manifest, "cpu")
+    # The same bytes used in place (what a CPU receiver does): views of the right dtype and shape.
+    views = view_tensors(pool, staged.allocation, staged.manifest, torch_tensors=True)
+    assert views.keys() == out.keys()
+    for name, view in views.items():
+        assert same_bytes(view, out[name]), name
+        assert view.numel() == 0 or in_pool(pool, view), f"{name} is a view on the slot, not a copy"
     assert pool.free(staged.allocation)
     return out
+
+
+def in_pool(pool: TransferPool, tensor: torch.Tensor) -> bool:
+    return pool.base_addr <= tensor.data_ptr() < pool.base_addr + pool.pool_bytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool])
@@ -215,3 +232,64 @@ def test_numpy_staging_and_loading_never_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# --- inputs used in place (view_tensors) ------------------------------------------------------
+
+
+def test_views_see_the_slot_and_nothing_is_copied() -> None:
+    pool = TransferPool(MIB, "denoiser")
+    original = random_bits((4, 64), torch.bfloat16, seed=5)
+    staged = stage_tensors(pool, {"latents": original, "flag": torch.tensor(True)}, "req-1")
+    assert staged is not None
+    views = view_tensors(pool, staged.allocation, staged.manifest, torch_tensors=True)
+    slot = pool.view(staged.allocation)
+    assert views["latents"].data_ptr() == staged.allocation.addr  # the first tensor starts the slot
+    assert views["flag"].dtype == torch.bool and views["flag"].shape == () and bool(views["flag"])
+    slot[:2] = torch.tensor([0x80, 0x3F], dtype=torch.uint8)  # bf16 1.0, little-endian
+    assert views["latents"][0, 0].item() == 1.0, "a view reads the slot as it is now"
+
+
+def test_numpy_views_are_read_only_and_bfloat16_needs_torch() -> None:
+    pool = TransferPool(MIB, "decoder", memory="numpy")
+    original = np.arange(12, dtype=np.float32).reshape(3, 4)
+    staged = stage_tensors(pool, {"x": original}, "req-1")
+    assert staged is not None
+    views = view_tensors(pool, staged.allocation, staged.manifest, torch_tensors=False)
+    assert np.array_equal(views["x"], original) and views["x"].dtype == np.float32
+    assert np.shares_memory(views["x"], pool.buffer)
+    with pytest.raises(ValueError, match="read-only"):
+        views["x"][0, 0] = 1.0
+    bf16 = [{"name": "b", "dtype": "bfloat16", "shape": [2], "offset": 0}]
+    with pytest.raises(ValueError, match="load it as torch"):
+        view_tensors(pool, staged.allocation, bf16, torch_tensors=False)
+
+
+def test_views_reject_a_manifest_that_overruns_the_allocation() -> None:
+    pool = TransferPool(MIB, "denoiser")
+    alloc = pool.allocate(1000, "req-1")
+    assert alloc is not None
+    with pytest.raises(ValueError, match=r"'x'.*does not fit"):
+        view_tensors(pool, alloc, [{"name": "x", "dtype": "float32", "shape": [300], "offset": 0}], torch_tensors=True)
+    with pytest.raises(ValueError, match="'y' at offset 2 is not aligned for float32"):
+        view_tensors(pool, alloc, [{"name": "y", "dtype": "float32", "shape": [3], "offset": 2}], torch_tensors=True)
+
+
+def test_staging_a_strided_tensor_copies_once_into_the_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No contiguous() first: a strided tensor is copied straight into the slot, once."""
+    base = random_bits((64, 48), torch.float32, seed=6)
+    strided = base.t()[::2]
+    calls: list[str] = []
+    real = torch.Tensor.contiguous
+
+    def counting(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append("contiguous")
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", counting)
+    pool = TransferPool(MIB, "encoder")
+    staged = stage_tensors(pool, {"x": strided}, "req-1")
+    monkeypatch.undo()
+    assert staged is not None and calls == []
+    out = load_tensors(pool, staged.allocation, staged.manifest, "cpu")
+    assert same_bytes(out["x"], strided)

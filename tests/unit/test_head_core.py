@@ -19,6 +19,7 @@ from triptych.params import GenerationParams
 from triptych.protocol import (
     HandOff,
     Ping,
+    Progress,
     RequestEvent,
     RequestResult,
     Submit,
@@ -458,3 +459,28 @@ def test_with_migration_off_a_draining_denoiser_finishes_its_requests_in_place()
     h.tick()
     assert not any(isinstance(m, HandOff) for _, m in h.transport.outbox)  # the peer has room, but none is asked
     assert h.core.requests["r"].instance == first
+
+
+@pytest.mark.parametrize("inputs_held", [True, False])
+def test_a_standing_slot_stays_taken_while_the_stage_uses_its_inputs_in_place(inputs_held: bool) -> None:
+    """A receiver that uses its inputs in place (views on the slot) reports its steps with
+    inputs_held: its standing slot goes to no other transfer before the stage's last report.
+    One that copied its inputs out has given the slot back by its first report."""
+    h = Harness(THREE_ROLES, hold=frozenset({Role.DENOISER}))
+    denoiser = next(w for w in h.workers.values() if w.role is Role.DENOISER)
+    h.submit("a")
+    for _ in range(20):  # the encoder stage, the kept slot's allocation, the push, transfer_ready
+        if denoiser.computing:
+            break
+        if h.pending:
+            h.deliver()
+        elif h.answers:
+            h.answer()
+    (wire_id,) = denoiser.computing
+    inst = h.core.membership.find(denoiser.url)
+    assert inst is not None and [s.holder for s in inst.standing.values()] == [wire_id]
+    h.core.on_worker(Role.DENOISER, encode(Progress(wire_id, denoiser.url, 1, 4, inputs_held=inputs_held)))
+    assert [s.holder for s in inst.standing.values()] == [wire_id if inputs_held else None]
+    h.finish(wire_id)
+    h.answer()  # its last report (transfer_staged): the slot is free either way
+    assert [s.holder for s in inst.standing.values()] == [None]

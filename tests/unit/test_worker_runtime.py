@@ -235,14 +235,14 @@ class ServedWorker:
 
 
 @contextmanager
-def served_worker(*flags: str) -> Iterator[ServedWorker]:
+def served_worker(*flags: str, pipeline: GatedPipeline | None = None) -> Iterator[ServedWorker]:
     """A denoiser with GatedPipeline stages serving until the block ends (every gate opened then)."""
     base = free_port_block(8)
     argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--device", "cpu",
             "--disagg-server-addr", f"tcp://127.0.0.1:{base}", "--scheduler-port", str(base + 6),
             "--disagg-transfer-pool-size", "4MiB", *flags]  # fmt: skip
     args = ServeArgs.from_namespace(build_parser().parse_args(argv))
-    pipeline = GatedPipeline()
+    pipeline = pipeline or GatedPipeline()
     worker = Worker(args, pipeline=pipeline)  # type: ignore[arg-type]
     ctx = zmq.Context.instance()
     results = ctx.socket(zmq.PULL)
@@ -445,3 +445,109 @@ def test_the_next_requests_inputs_leave_their_slot_while_the_current_one_compute
             assert w.next_message(TransferStaged).request_id == rid  # type: ignore[attr-defined]
         assert [bytes(t["x"][:2].numpy()) for t in pipeline.inputs] == [b"\x01\x01", b"\x02\x02"]
         assert all(t["x"].shape == (4096,) and t["x"].unique().numel() == 1 for t in pipeline.inputs)
+
+
+class InPlaceGatedPipeline(GatedPipeline):
+    """GatedPipeline stages that use their inputs in place (views on the receive slot): each reports
+    a step, reads its input while its gate is closed, and fails when its prompt is in `fail`."""
+
+    reads_inputs_in_place = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail: set[str] = set()
+        self.seen: dict[str, bytes] = {}  # each job's input bytes, read after its gate opened
+
+    def run(self, batch: object) -> object:
+        rid = batch.params.prompt  # type: ignore[attr-defined]
+        x = batch.tensors["x"]  # type: ignore[attr-defined]
+        self.inputs.append(dict(batch.tensors))  # type: ignore[attr-defined]  # before the step the test waits for
+        batch.report_progress(1, 1)  # type: ignore[attr-defined]
+        assert self.gates[rid].wait(30), f"gate of {rid} never opened"
+        self.seen[rid] = bytes(x.numpy())  # still the sender's bytes: the slot is held until the stage ends
+        if rid in self.fail:
+            raise RuntimeError(f"{rid} fails on purpose")
+        batch.tensors = {"latents": torch.zeros(16, dtype=torch.uint8)}  # type: ignore[attr-defined]
+        return batch
+
+
+def test_inputs_used_in_place_hold_their_slot_until_the_stage_is_done_also_on_cancel_and_failure():
+    """Real sockets, a CPU denoiser whose stages use their inputs in place: each job's slot stays
+    allocated while its stage runs (a cancel meanwhile frees it when the stage stops), and is free
+    before the head hears the stage ended; its Progress tells the head the slot is still busy."""
+    pipeline = InPlaceGatedPipeline()
+    with served_worker(pipeline=pipeline) as w:
+        worker, pool = w.worker, w.worker.pool
+        assert worker.inputs.in_place
+
+        def deliver(rid: str, value: int) -> None:
+            w.work.send_multipart(encode(TransferAlloc(rid, "w", 1 << 20)))
+            allocated = w.next_message(TransferAllocated)
+            offset = allocated.addr - pool.base_addr  # type: ignore[attr-defined]
+            pool.buffer[offset : offset + 4096] = value  # the sender's Mooncake write, in place
+            manifest = [{"name": "x", "dtype": "uint8", "shape": [4096], "offset": 0}]
+            params = {"width": 16, "height": 16, "num_inference_steps": 1, "prompt": rid}
+            w.work.send_multipart(encode(TransferReady(rid, "w", params, manifest, {}, progress=True)))  # type: ignore[arg-type]
+
+        def until(condition: object, what: str) -> None:
+            deadline = time.monotonic() + 10
+            while not condition():  # type: ignore[operator]
+                assert time.monotonic() < deadline, what
+                time.sleep(0.01)
+
+        staged = 256  # each finished job's outputs (16 bytes, aligned) wait in the pool for their push
+        for rid, value, ending in (("r1", 1, "done"), ("r2", 2, "cancelled"), ("r3", 3, "failed")):
+            pipeline.gates[rid] = threading.Event()
+            if ending == "failed":
+                pipeline.fail.add(rid)
+            before = pool.free_bytes
+            deliver(rid, value)
+            assert w.next_message(Progress).inputs_held  # type: ignore[attr-defined]
+            view = pipeline.inputs[-1]["x"]
+            assert pool.base_addr <= view.data_ptr() < pool.base_addr + pool.pool_bytes, "a view, not a copy"
+            if ending == "cancelled":
+                w.work.send_multipart(encode(CancelWork(rid, "w")))
+                until(lambda rid=rid: worker._is_cancelled(rid), "the cancel reached the worker")  # type: ignore[misc]
+            time.sleep(0.1)
+            assert pool.free_bytes == before - (1 << 20), f"{rid}'s slot is held while its stage runs"
+            pipeline.gates[rid].set()
+            if ending == "done":
+                w.next_message(TransferStaged)
+                assert pool.free_bytes == before - staged, "the slot was given back before the head heard"
+            elif ending == "failed":
+                assert "fails on purpose" in w.next_message(Failed).error  # type: ignore[attr-defined]
+                until(lambda before=before: pool.free_bytes == before, "r3's slot given back after its failure")  # type: ignore[misc]
+            else:
+                until(lambda before=before: pool.free_bytes == before, "r2's slot given back once its stage stopped")  # type: ignore[misc]
+            assert pipeline.seen[rid] == bytes([value]) * 4096
+
+
+def test_outputs_that_need_the_room_of_the_input_slot_in_use_get_it():
+    """A pool that fits one 3 MiB input or one 3 MiB output, not both: the stage that used its input
+    in place gives the slot back to stage its outputs (copying any that still view it) instead of
+    waiting for room it holds itself."""
+    argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://127.0.0.1:1",
+            "--device", "cpu", "--disagg-transfer-pool-size", "4MiB"]  # fmt: skip
+    args = ServeArgs.from_namespace(build_parser().parse_args(argv))
+    nbytes = 3 << 20
+    worker = Worker(args, pipeline=NullPipeline(Role.DENOISER, nbytes))  # type: ignore[arg-type]
+    try:
+        assert worker.inputs.in_place
+        slot = worker.pool.allocate(nbytes, "r1")
+        assert slot is not None
+        manifest = [{"name": "x", "dtype": "uint8", "shape": [nbytes], "offset": 0}]
+        params = GenerationParams("r1", width=16, height=16, num_inference_steps=1)
+        link = RecordingLink()
+        running = threading.Thread(
+            target=compute.compute, args=(worker, link, [Job("r1", params, (slot, manifest, {}))])
+        )
+        running.start()
+        running.join(timeout=10)
+        if running.is_alive():
+            worker._stop.set()  # ends the wait for room, so that the failure is reported, not hung
+            running.join(timeout=5)
+            pytest.fail("the outputs waited for the room their own input slot held")
+        assert isinstance(link.sent[-1], TransferStaged) and link.sent[-1].nbytes == nbytes
+        assert worker.pool.free_bytes == worker.pool.pool_bytes - nbytes, "only the staged outputs remain"
+    finally:
+        worker.transport.close()

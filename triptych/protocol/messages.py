@@ -253,6 +253,8 @@ class Progress(Message, tag="progress", frozen=True):
     step: Count
     total: Count
     preview: PreviewPNG = b""  # a PNG of the current latents when this step is a preview step
+    # The stage uses its inputs in place: its receive slot is busy until the stage's last report.
+    inputs_held: bool = False
 
 
 class TransferStaged(Message, tag="transfer_staged", frozen=True):

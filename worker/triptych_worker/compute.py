@@ -17,6 +17,7 @@ from triptych.protocol import Failed, Progress, Result, TransferStaged, tensors_
 from triptych.reference import BadReference
 from triptych.tracing import Attributes
 from triptych_worker.heads import HeadLinks
+from triptych_worker.inputs import Inputs, SlotGone
 from triptych_worker.job_groups import Job
 from triptych_worker.preview import should_preview
 from triptych_worker.resume import RESUME
@@ -42,13 +43,14 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
     if len(jobs) > 1:
         log.info("running %d requests as one batch: %s", len(jobs), ", ".join(job.request_id for job in jobs))
     prepared: list[tuple[Job, StageBatch]] = []
+    inputs: dict[str, Inputs] = {}  # the jobs' inputs; those in place hold their slots until released below
     try:
         for job in jobs:
             with _fails_alone(worker, link, job):
                 if worker._is_cancelled(job.request_id):
                     worker.pool.free_owner(job.request_id)
                     continue
-                prepared.append((job, _prepare(worker, link, job)))
+                prepared.append((job, _prepare(worker, link, job, inputs)))
         outcomes = _run_stages(worker, [batch for _, batch in prepared])
         ran = [(job, batch) for (job, batch), error in zip(prepared, outcomes, strict=True) if error is None]
         together = len(prepared) if _batches_forward(worker, len(prepared)) else 1
@@ -60,10 +62,13 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
                 if error is not None:
                     raise error
                 leader = together == 1 or job is ran[0][0]
-                report = _deliver(worker, job, batch, started, together, leader)
+                report = _deliver(worker, link, job, batch, started, together, leader, inputs)
                 if report is not None:
                     reports.append(report)
                     traced.append((job, report[0].seconds))
+        # The stages are done and their outputs staged (copies): the input slots are free to take
+        # the next transfers, before the head hears of it.
+        _release_inputs(worker, link, inputs)
         with worker._lock:  # settled before the head hears: work it sends next finds the slots free
             worker._outstanding.difference_update(job.request_id for job in jobs)
         for msg, frames in reports:
@@ -72,6 +77,7 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
             for job, seconds in traced:
                 _trace_stages(worker, job, started_ns, seconds, together)
     finally:
+        _release_inputs(worker, link, inputs)  # on a bug too: no slot stays held
         with worker._lock:
             worker._outstanding.difference_update(job.request_id for job in jobs)
             worker._handing_off.difference_update(job.request_id for job in jobs)
@@ -82,7 +88,7 @@ def _fails_alone(worker: Worker, link: HeadLinks, job: Job) -> Iterator[None]:
     """Whatever goes wrong inside fails `job`'s request only, with the status its cause calls for."""
     try:
         yield
-    except RequestCancelled:
+    except (RequestCancelled, SlotGone):
         worker.pool.free_owner(job.request_id)
         worker._space_freed(link)
     except PayloadTooLarge as exc:
@@ -121,20 +127,32 @@ def _run_stages(worker: Worker, batches: list[StageBatch]) -> list[Exception | N
     return outcomes
 
 
-def _prepare(worker: Worker, link: HeadLinks, job: Job) -> StageBatch:
-    """The job's StageBatch: its incoming tensors loaded (its slot freed; usually done ahead, by the
-    worker's input loader) and its progress reporting."""
+def _release_inputs(worker: Worker, link: HeadLinks, inputs: dict[str, Inputs]) -> None:
+    """Give back the slots that inputs used in place hold (each once)."""
+    while inputs:
+        worker.inputs.release(inputs.popitem()[1], link)
+
+
+def _prepare(worker: Worker, link: HeadLinks, job: Job, inputs: dict[str, Inputs]) -> StageBatch:
+    """The job's StageBatch: its incoming tensors, views on its slot (held until the group's stages
+    are done) or copies (its slot freed; usually loaded ahead, by the worker's input loader), added
+    to `inputs`; and its progress reporting."""
     batch = StageBatch(params=job.params)
+    held = False
     if job.incoming is not None:
-        batch.tensors = worker.inputs.take(job, link)
+        taken = worker.inputs.take(job, link)
+        inputs[job.request_id] = taken
+        batch.tensors = dict(taken.tensors)
         batch.meta = dict(job.incoming[2])
+        held = taken.held is not None
 
     def progress(step: int, total: int, latents: Any = None) -> None:
         if worker._is_cancelled(job.request_id):
             raise RequestCancelled(job.request_id)
         if job.progress:
             preview = _preview(worker, job, step, latents)
-            link.send(Progress(job.request_id, worker.instance, step, total, preview))
+            # inputs_held: the head must not give its standing slot to another transfer yet.
+            link.send(Progress(job.request_id, worker.instance, step, total, preview, inputs_held=held))
 
     batch.on_progress = progress
     if worker.hands_off:
@@ -155,7 +173,14 @@ def _trace_stages(worker: Worker, job: Job, started_ns: int, seconds: float, bat
 
 
 def _deliver(
-    worker: Worker, job: Job, batch: StageBatch, started: float, batch_size: int, leader: bool
+    worker: Worker,
+    link: HeadLinks,
+    job: Job,
+    batch: StageBatch,
+    started: float,
+    batch_size: int,
+    leader: bool,
+    inputs: dict[str, Inputs],
 ) -> tuple[Result | TransferStaged, list[Any]] | None:
     """The job's outputs, ready to go on: pixels for the head (decoder), else staged for the next
     role; the report to send the head (None: cancelled meanwhile, nothing to report)."""
@@ -165,7 +190,7 @@ def _deliver(
         specs, frames = tensors_to_frames({PIXELS: batch.tensors[PIXELS]})
         seconds = time.perf_counter() - started
         return Result(job.request_id, worker.instance, specs, seconds, batch_size, leader), frames
-    staged = _stage(worker, job.request_id, batch)
+    staged = _stage(worker, link, job.request_id, batch, inputs)
     if staged is None:
         return None  # cancelled while waiting for room
     allocation, manifest = staged
@@ -195,12 +220,23 @@ def _preview(worker: Worker, job: Job, step: int, latents: Any) -> bytes:
         return b""
 
 
-def _stage(worker: Worker, request_id: str, batch: StageBatch) -> tuple[Allocation, list[dict[str, Any]]] | None:
-    """Copy outputs into the pool, waiting while it is full (back-pressure on this sender)."""
+def _stage(
+    worker: Worker, link: HeadLinks, request_id: str, batch: StageBatch, inputs: dict[str, Inputs]
+) -> tuple[Allocation, list[dict[str, Any]]] | None:
+    """Copy outputs into the pool, waiting while it is full (back-pressure on this sender).
+
+    A full pool while this job still holds its input slot (inputs in place) may be full of that
+    very slot: the outputs that still view it are copied out and the slot is given back first, so
+    a pool that held input and output one after the other never waits on itself.
+    """
     while True:
         staged = stage_tensors(worker.pool, batch.tensors, owner=request_id)
         if staged is not None:
             return staged.allocation, staged.manifest
+        held = inputs.get(request_id)
+        if held is not None and held.held is not None:
+            batch.tensors = worker.inputs.detach(inputs.pop(request_id), batch.tensors, link)
+            continue
         if worker._is_cancelled(request_id) or worker._stop.is_set():
             return None
         time.sleep(STAGING_RETRY_S)

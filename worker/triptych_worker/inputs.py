@@ -10,6 +10,14 @@ behind others is submitted here (runtime.py): one that computes at once is loade
 thread, since the loader could not be ahead of it and waking it would only add a thread hop to
 the request's path. A job the compute thread wants before the loader reached it (a batch assembled
 out of order) is loaded there at once; a cancelled job's inputs are dropped.
+
+Where the stage allows (`in_place`: the pipeline reads its inputs without writing them, on the CPU),
+there is no copy at all: the compute thread takes the job's inputs as views on its slot
+(view_tensors), holds the slot in the pool (TransferPool.hold: a cancel or a head change frees it
+only once released) and gives it back with release() when the job's stages are done and its outputs
+staged. A continuation (a suspended request resuming) is copied all the same: the scheduler state it
+restores may outlive the stage. Holding the slot for the whole stage means it takes the next
+transfer only then; see docs/transfer.md "Inputs in place".
 """
 
 from __future__ import annotations
@@ -21,7 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from triptych_worker.transfer import TransferPool, load_tensors
+import numpy as np
+
+from triptych_worker.resume import RESUME
+from triptych_worker.transfer import TransferPool, load_tensors, view_tensors
 
 if TYPE_CHECKING:
     from triptych_worker.heads import HeadLinks
@@ -33,6 +44,19 @@ log = logging.getLogger(__name__)
 PRUNE_S = 0.1  # how often a loader waiting for the compute thread looks for cancelled jobs to drop
 
 
+class SlotGone(Exception):
+    """The job's slot was freed (its request cancelled) before its inputs could be viewed."""
+
+
+@dataclass
+class Inputs:
+    """A job's input tensors. `held`: the slot they are views on, held until release() (None: they
+    are copies, and the slot was given back when they were made)."""
+
+    tensors: dict[str, Any]
+    held: Allocation | None = None
+
+
 @dataclass
 class _Load:
     """One job's inputs on their way out of its slot."""
@@ -40,7 +64,7 @@ class _Load:
     job: Job
     started: bool = False
     done: threading.Event = field(default_factory=threading.Event)
-    tensors: dict[str, Any] | None = None
+    tensors: Inputs | None = None
     error: BaseException | None = None
 
 
@@ -50,7 +74,8 @@ class InputLoader:
     `release(alloc, link)`: called once a job's bytes are copied out (or given up), to give its slot
     back (a standing slot stays) and tell the head about the freed space through the calling thread's
     `link` (the loader's own from `make_link()`). `cancelled(request_id)`: whether the head cancelled
-    it. All methods are thread-safe.
+    it. `in_place`: inputs are views on their slot where the job allows (module docstring). All
+    methods are thread-safe.
     """
 
     def __init__(
@@ -61,8 +86,10 @@ class InputLoader:
         release: Callable[[Allocation, HeadLinks], None],
         cancelled: Callable[[str], bool],
         make_link: Callable[[], HeadLinks],
+        in_place: bool = False,
     ) -> None:
         self.pool = pool
+        self.in_place = in_place
         self.device = device
         self.ahead = ahead
         self._release = release
@@ -88,8 +115,9 @@ class InputLoader:
             self._thread.join(timeout=5)
 
     def submit(self, job: Job) -> None:
-        """Queue `job`'s inputs for loading ahead (no-op without a loader thread or inputs)."""
-        if self._thread is None or job.incoming is None:
+        """Queue `job`'s inputs for loading ahead (no-op without a loader thread or inputs, or for
+        inputs used in place: views cost nothing to make)."""
+        if self._thread is None or job.incoming is None or self.views(job):
             return
         with self._cond:
             load = _Load(job)
@@ -97,10 +125,17 @@ class InputLoader:
             self._pending.append(load)
             self._cond.notify_all()
 
-    def take(self, job: Job, link: HeadLinks) -> dict[str, Any]:
-        """`job`'s input tensors (its slot given back): loaded ahead, waited for, or loaded now
-        (by the calling thread, which reports freed space through its `link`)."""
+    def views(self, job: Job) -> bool:
+        """Whether `job`'s inputs are used in place (views on its slot) rather than copied out."""
+        return self.in_place and job.incoming is not None and RESUME not in job.incoming[2]
+
+    def take(self, job: Job, link: HeadLinks) -> Inputs:
+        """`job`'s input tensors: views on its slot, held until release(); or copies (the slot given
+        back) loaded ahead, waited for, or loaded now (by the calling thread, which reports freed
+        space through its `link`)."""
         assert job.incoming is not None, "only a job with incoming tensors has inputs to take"
+        if self.views(job):
+            return self._view(job, link)
         with self._cond:
             load = self._loads.get(job.request_id)
             if load is not None and load.job is not job:
@@ -120,6 +155,38 @@ class InputLoader:
             raise load.error
         assert load.tensors is not None
         return load.tensors
+
+    def release(self, inputs: Inputs, link: HeadLinks) -> None:
+        """The stages that used `inputs` are done (and their outputs staged): give a held slot back
+        (a free that came meanwhile, a cancel, takes effect now). No-op for copies."""
+        if inputs.held is not None:
+            self.pool.unhold(inputs.held)
+            self._release(inputs.held, link)
+
+    def detach(self, inputs: Inputs, tensors: dict[str, Any], link: HeadLinks) -> dict[str, Any]:
+        """`tensors` with every one that views `inputs`' held slot replaced by a copy, and the slot
+        released: for outputs that must outlive it (their staging waits for the room it takes)."""
+        out = dict(tensors)
+        if inputs.held is not None:
+            start, end = inputs.held.addr, inputs.held.addr + inputs.held.nbytes
+            for name, tensor in tensors.items():
+                if start <= _address(tensor) < end:
+                    out[name] = tensor.copy() if isinstance(tensor, np.ndarray) else tensor.clone()
+        self.release(inputs, link)
+        return out
+
+    def _view(self, job: Job, link: HeadLinks) -> Inputs:
+        assert job.incoming is not None
+        alloc, manifest, _meta = job.incoming
+        if not self.pool.hold(alloc):
+            raise SlotGone(f"request {job.request_id}: its receive slot was freed before its inputs were used")
+        inputs = Inputs({}, held=alloc)
+        try:
+            inputs.tensors = view_tensors(self.pool, alloc, manifest, torch_tensors=self.device is not None)
+        except BaseException:
+            self.release(inputs, link)
+            raise
+        return inputs
 
     # --- the loader thread -------------------------------------------------------------------
 
@@ -174,15 +241,15 @@ class InputLoader:
             elif load.done.is_set():
                 self._ready -= 1
 
-    def _load(self, job: Job, link: HeadLinks, stream: Any) -> dict[str, Any]:
+    def _load(self, job: Job, link: HeadLinks, stream: Any) -> Inputs:
         """Copy the job's tensors out of its slot (on `stream`, a CUDA stream, or None: the calling
         thread's current stream), then give the slot back."""
         assert job.incoming is not None
         alloc, manifest, _meta = job.incoming
         try:
             if stream is None:
-                return load_tensors(self.pool, alloc, manifest, self.device)
-            return self._load_on_stream(alloc, manifest, stream)
+                return Inputs(load_tensors(self.pool, alloc, manifest, self.device))
+            return Inputs(self._load_on_stream(alloc, manifest, stream))
         finally:
             self._release(alloc, link)
 
@@ -206,3 +273,8 @@ class InputLoader:
             # allocator must not hand its memory to the loader again before the compute stream is done.
             tensor.record_stream(compute)
         return tensors
+
+
+def _address(tensor: Any) -> int:
+    """Where a torch tensor's or numpy array's first element sits in memory."""
+    return int(tensor.ctypes.data) if isinstance(tensor, np.ndarray) else int(tensor.data_ptr())

@@ -211,6 +211,11 @@ class RolePipeline:
         """The LoRA adapters of this role's denoising or text encoding (one cache where it runs both)."""
         return next((s.loras for s in self.stages if isinstance(s, (DenoisingStage, TextEncodingStage))), None)
 
+    # Its stages read their inputs and never write them (new tensors out of every step, a stage that
+    # passes an input on hands the same tensor, staged before the slot goes back), so on the CPU the
+    # worker hands them views on the receive slot instead of copies (inputs.py).
+    reads_inputs_in_place: ClassVar[bool] = True
+
     @property
     def hands_off(self) -> bool:
         """Whether its denoising can stop at a step boundary and continue on another denoiser

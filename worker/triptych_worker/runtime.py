@@ -192,7 +192,14 @@ class Worker:
             release=self._release_slot,
             cancelled=self._is_cancelled,
             make_link=lambda: HeadLinks(self.ctx, self.heads, self.security),
+            in_place=self._inputs_in_place(),
         )
+
+    def _inputs_in_place(self) -> bool:
+        """Inputs as views on their receive slot (no copy) where the stages allow: a pipeline that
+        never writes its inputs, on the CPU (a GPU copies them to the device as before)."""
+        on_cpu = self.device is None or self.device.split(":")[0] == "cpu"
+        return on_cpu and bool(getattr(self.pipeline, "reads_inputs_in_place", False))
 
     # --- threads ---------------------------------------------------------------------------
 
@@ -610,8 +617,8 @@ class Worker:
             log.info("reserved %d standing receive slots of %d bytes", len(slots), self._startup_slot_bytes)
 
     def _release_slot(self, alloc: Allocation, link: HeadLinks) -> None:
-        """A job's inputs are copied out of `alloc`: free it (a standing slot stays, idle) and tell the
-        head at once if it waits for room."""
+        """A job's inputs are copied out of `alloc`, or its stages that used them in place are done:
+        free it (a standing slot stays, idle) and tell the head at once if it waits for room."""
         with self._lock:
             standing = self._standing.get(alloc.addr) is alloc
         if not standing:

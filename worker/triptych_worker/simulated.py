@@ -101,6 +101,9 @@ class SimulatedPipeline:
     def duration(self, params: GenerationParams) -> float:
         return self.cost.duration(self.role, params)
 
+    # Its inputs are read-only views on the receive slot (inputs.py): it never writes them.
+    reads_inputs_in_place = True
+
     @property
     def hands_off(self) -> bool:
         """A simulated denoiser can stop between steps and continue elsewhere, as the real one."""

@@ -3,14 +3,15 @@
 Flow: the sender stages its output tensors into its pool (stage_tensors), the head reserves a
 slot in the receiver's pool and tells the sender the receiver's session and slot address, the
 sender writes the staged bytes there (MooncakeTransport.submit_write), and the receiver loads the
-tensors out of its slot (load_tensors) and frees it.
+tensors out of its slot (load_tensors) and frees it, or uses them in place (view_tensors, the slot
+held until the stage is done: TransferPool.hold).
 """
 
 from .allocator import ALIGNMENT
 from .engine import MooncakeTransport, NoTransport, PendingWrite, check_rdma_device
 from .errors import MooncakeNotInstalled, PayloadTooLarge, TransferError, TransferStalled
 from .pool import Allocation, MemoryRegistrar, TransferPool
-from .tensors import StagedTensors, check_manifest, layout, load_tensors, stage_tensors
+from .tensors import StagedTensors, check_manifest, layout, load_tensors, stage_tensors, view_tensors
 
 __all__ = [
     "ALIGNMENT",
@@ -30,4 +31,5 @@ __all__ = [
     "layout",
     "load_tensors",
     "stage_tensors",
+    "view_tensors",
 ]

@@ -75,6 +75,7 @@ class TransferPool:
         self._lock = threading.Lock()
         self._live: dict[int, Allocation] = {}
         self._owners: dict[str, set[int]] = {}
+        self._held: dict[int, bool] = {}  # offsets with views in use -> freed meanwhile (release on unhold)
         if transport is not None:
             transport.register(self.base_addr, pool_bytes)
 
@@ -114,20 +115,51 @@ class TransferPool:
             return allocation
 
     def free(self, allocation: Allocation) -> bool:
-        """Release `allocation`; False (and no change) if it was already released, e.g. by free_owner."""
+        """Release `allocation`; False (and no change) if it was already released, e.g. by free_owner.
+
+        A held allocation (hold()) is released when it is unheld, not now: True all the same.
+        """
         with self._lock:
-            if self._live.get(allocation.offset) is not allocation:
+            if self._live.get(allocation.offset) is not allocation or self._held.get(allocation.offset, False):
+                return False  # released already, or to be released at unhold()
+            self._release_or_defer(allocation)
+            return True
+
+    def free_owner(self, owner: str) -> int:
+        """Release everything `owner` holds (failure or cancel cleanup); returns how many. Idempotent.
+
+        Held allocations among them are released when unheld (counted here all the same).
+        """
+        with self._lock:
+            offsets = [o for o in self._owners.get(owner, ()) if not self._held.get(o, False)]
+            for offset in offsets:
+                self._release_or_defer(self._live[offset])
+            return len(offsets)
+
+    def hold(self, allocation: Allocation) -> bool:
+        """Keep `allocation` live while tensors viewing it are in use: a free or free_owner meanwhile
+        (a cancel, a head change) takes effect at unhold(). False, and nothing held, if it is already
+        released (the caller must not view it)."""
+        with self._lock:
+            if self._live.get(allocation.offset) is not allocation or allocation.offset in self._held:
+                return False
+            self._held[allocation.offset] = False
+            return True
+
+    def unhold(self, allocation: Allocation) -> bool:
+        """The views on `allocation` are no longer used; True if a free that came meanwhile released it now."""
+        with self._lock:
+            if self._live.get(allocation.offset) is not allocation or allocation.offset not in self._held:
+                return False
+            if not self._held.pop(allocation.offset):
                 return False
             self._release(allocation)
             return True
 
-    def free_owner(self, owner: str) -> int:
-        """Release everything `owner` holds (failure or cancel cleanup); returns how many. Idempotent."""
+    def held(self, allocation: Allocation) -> bool:
+        """Whether views on `allocation` are in use (hold() without unhold() yet)."""
         with self._lock:
-            offsets = list(self._owners.get(owner, ()))
-            for offset in offsets:
-                self._release(self._live[offset])
-            return len(offsets)
+            return self._live.get(allocation.offset) is allocation and allocation.offset in self._held
 
     def view(self, allocation: Allocation) -> torch.Tensor | np.ndarray:
         """The allocation's bytes as a uint8 tensor (or numpy array, as the buffer is) sharing the pool's memory."""
@@ -137,6 +169,12 @@ class TransferPool:
                 f"this pool of {self.pool_bytes} bytes"
             )
         return self.buffer[allocation.offset : allocation.offset + allocation.nbytes]
+
+    def _release_or_defer(self, allocation: Allocation) -> None:
+        if allocation.offset in self._held:
+            self._held[allocation.offset] = True  # released by unhold()
+        else:
+            self._release(allocation)
 
     def _release(self, allocation: Allocation) -> None:
         del self._live[allocation.offset]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from triptych.protocol.tensors import WIRE_DTYPES, Array, TensorSpec, wire_dtype
+from triptych.protocol.tensors import ITEMSIZE, WIRE_DTYPES, Array, TensorSpec, wire_dtype
 
 from .allocator import ALIGNMENT, align_up
 from .pool import Allocation, TransferPool
@@ -74,22 +74,23 @@ def stage_tensors(pool: TransferPool, tensors: dict[str, Array], owner: str) -> 
     PayloadTooLarge when it never could, and ValueError for a dtype or shape that cannot travel.
     """
     manifest, total = layout(tensors)
-    check_manifest(manifest, total)
+    specs = check_manifest(manifest, total)
     allocation = pool.allocate(total, owner)
     if allocation is None:
         return None
     try:
         slot = pool.view(allocation)
         devices: set[torch.device] = set()
-        for raw, tensor in zip(manifest, tensors.values(), strict=True):
+        for spec, tensor in zip(specs, tensors.values(), strict=True):
             if isinstance(tensor, np.ndarray):
-                flat = np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)
-                _as_numpy(slot)[raw["offset"] : raw["offset"] + flat.size] = flat
+                # One copy, strided or not, straight into the slot (no ascontiguousarray first).
+                _numpy_view(_as_numpy(slot), spec)[...] = tensor
                 continue
-            src = _as_bytes(tensor)
-            if src.is_cuda:
-                devices.add(src.device)
-            _as_torch(slot)[raw["offset"] : raw["offset"] + src.numel()].copy_(src, non_blocking=src.is_cuda)
+            if tensor.is_cuda:
+                devices.add(tensor.device)
+            # One copy into the slot, whatever the layout: a typed view of the slot is the copy's
+            # destination (no contiguous() first, which would copy a strided tensor twice).
+            _torch_view(_as_torch(slot), spec).copy_(tensor.detach(), non_blocking=tensor.is_cuda)
         if devices:
             import torch
 
@@ -131,6 +132,50 @@ def load_tensors(
     return out
 
 
+def view_tensors(
+    pool: TransferPool, allocation: Allocation, manifest: list[Any], torch_tensors: bool
+) -> dict[str, Any]:
+    """The tensors `manifest` describes as views on the slot's bytes: no copy, no new memory.
+
+    They are valid only while `allocation` is live: the caller frees it once it no longer uses
+    them (and nothing it produced aliases them). torch tensors (`torch_tensors`) on the CPU, or
+    read-only numpy arrays (a write raises; bfloat16 raises ValueError, as in load_tensors).
+    stage_tensors aligns every offset to 256 bytes, so every dtype's view is aligned; an offset that
+    is not a multiple of its dtype's size raises ValueError naming the tensor, as does a manifest
+    that does not fit the allocation.
+    """
+    specs = check_manifest(manifest, allocation.nbytes)
+    for spec in specs:
+        if spec.offset % ITEMSIZE[spec.dtype]:  # stage_tensors never does this; a foreign manifest might
+            raise ValueError(f"tensor {spec.name!r} at offset {spec.offset} is not aligned for {spec.dtype}")
+    slot = pool.view(allocation)
+    if torch_tensors:
+        torch_slot = _as_torch(slot)
+        return {spec.name: _torch_view(torch_slot, spec) for spec in specs}
+    numpy_slot = _as_numpy(slot)
+    out: dict[str, Any] = {}
+    for spec in specs:
+        if spec.dtype == "bfloat16":
+            raise ValueError(f"tensor {spec.name!r} is bfloat16, which numpy cannot hold; load it as torch")
+        array = _numpy_view(numpy_slot, spec)
+        array.flags.writeable = False
+        out[spec.name] = array
+    return out
+
+
+def _torch_view(slot: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The bytes `spec` places in `slot`, as a tensor of its dtype and shape over the same memory."""
+    import torch
+
+    raw = slot[spec.offset : spec.offset + spec.nbytes]
+    return raw.view(getattr(torch, WIRE_DTYPES[spec.dtype])).view(spec.shape)
+
+
+def _numpy_view(slot: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """As _torch_view, for a numpy slot (no bfloat16 in numpy)."""
+    return slot[spec.offset : spec.offset + spec.nbytes].view(np.dtype(spec.dtype)).reshape(spec.shape)
+
+
 def _load_numpy(slot: np.ndarray, specs: list[TensorSpec]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for spec in specs:
@@ -140,13 +185,6 @@ def _load_numpy(slot: np.ndarray, specs: list[TensorSpec]) -> dict[str, Any]:
         array.reshape(-1).view(np.uint8)[:] = slot[spec.offset : spec.offset + spec.nbytes]
         out[spec.name] = array
     return out
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat contiguous uint8 tensor on its own device."""
-    import torch
-
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _as_numpy(slot: torch.Tensor | np.ndarray) -> np.ndarray:
