@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from head_bench import Frontend  # noqa: E402
-from preemption_bench import metric, units  # noqa: E402
+from preemption_bench import metric, simulated_roles, units  # noqa: E402
 
 from triptych.params import GenerationParams  # noqa: E402
 from triptych.roles import Role  # noqa: E402
@@ -104,13 +104,7 @@ def main() -> int:
     video = GenerationParams(prompt="video", width=64, height=64, num_frames=9, num_inference_steps=args.steps)
     seconds_per_unit = args.video_seconds / units(video)
     (wan,) = write_tiny_models(ROOT / ".models", families=["tiny-wan"])
-    edges = ("--simulate-seconds", "0.005", "--simulate-seconds-per-unit", "0")
-    role_flags = {
-        Role.ENCODER: edges,
-        Role.DECODER: edges,
-        Role.DENOISER: ("--simulate-seconds", "0", "--simulate-seconds-per-unit", str(seconds_per_unit),
-                        "--worker-capacity", "1"),
-    }  # fmt: skip
+    role_flags = simulated_roles(seconds_per_unit, edge_seconds=0.005, edge_capacity=2)
     counts = {Role.ENCODER: 1, Role.DENOISER: 2, Role.DECODER: 1}
     step_ms = args.video_seconds / args.steps * 1e3
     print(

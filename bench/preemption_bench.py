@@ -152,6 +152,16 @@ def replay(dep: LocalDeployment, schedule: list[Arrival], args: argparse.Namespa
     return row
 
 
+def simulated_roles(seconds_per_unit: float, edge_seconds: float, edge_capacity: int) -> dict[Role, tuple[str, ...]]:
+    """Flags of simulated workers: encoder and decoder take `edge_seconds` a request, with
+    `edge_capacity` slots; denoisers of one slot take `seconds_per_unit` x the request's work."""
+    edges = ("--simulate-seconds", str(edge_seconds), "--simulate-seconds-per-unit", "0",
+             "--worker-capacity", str(edge_capacity))  # fmt: skip
+    denoiser = ("--simulate-seconds", "0", "--simulate-seconds-per-unit", str(seconds_per_unit),
+                "--worker-capacity", "1")  # fmt: skip
+    return {Role.ENCODER: edges, Role.DECODER: edges, Role.DENOISER: denoiser}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--denoisers", type=int, default=2)
@@ -172,14 +182,7 @@ def main() -> int:
     schedule = arrivals(args, seconds_per_unit)
     # Room on the encoder and decoder for every request: an encoded request's outputs hold an encoder
     # slot until a denoiser takes them, and the benchmark is about the denoisers.
-    edges = ("--simulate-seconds", str(args.edge_seconds), "--simulate-seconds-per-unit", "0",
-             "--worker-capacity", "32")  # fmt: skip
-    role_flags = {
-        Role.ENCODER: edges,
-        Role.DECODER: edges,
-        Role.DENOISER: ("--simulate-seconds", "0", "--simulate-seconds-per-unit", str(seconds_per_unit),
-                        "--worker-capacity", "1"),
-    }  # fmt: skip
+    role_flags = simulated_roles(seconds_per_unit, args.edge_seconds, edge_capacity=32)
     counts = {Role.ENCODER: 1, Role.DENOISER: args.denoisers, Role.DECODER: 1}
     print(
         f"{len(schedule)} arrivals in {args.window:g}s ({sum(a.kind == 'image' for a in schedule)} images of "
