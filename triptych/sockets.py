@@ -69,5 +69,5 @@ def wait_for_message(sock: zmq.Socket[Any], timeout_s: float) -> bool:
     """
     if has_queued_message(sock):
         return True
-    readable, _, _ = select.select([sock.get(zmq.FD)], [], [], timeout_s)
+    readable, _, _ = select.select([int(sock.get(zmq.FD))], [], [], timeout_s)
     return bool(readable) and has_queued_message(sock)

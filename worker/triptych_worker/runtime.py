@@ -263,8 +263,8 @@ class Worker:
                     break
             pushes.check_pushes(self, link)
             if self._pushes and not received:
-                # Sleep until the youngest write's next poll (it is polled most often), or until a head
-                # message arrives: no core is held while the transport's threads copy the bytes.
+                # Sleep until the youngest write's next poll (it is polled most often; at once in its
+                # first 50 us), or until a head message arrives: the transport's threads get the core.
                 wait_for_message(work, min(p.write.poll_interval() for p in self._pushes))
             if self._drain_requested.is_set() and self._drain is None:
                 drain.start_drain(self)

@@ -14,10 +14,12 @@ from .listeners import mooncake_port_range
 
 # How a write is waited for (PendingWrite.poll_interval). transfer_sync_write spins a core for the
 # whole write, which on a host with few cores starves the transport threads doing the work (and
-# every other process). Instead: sleep between polls, never spin or yield (a spin, even 200 us of
-# it, took a core from the processes the write and the next hops need, and a sched_yield hardly
-# leaves it), for a fraction of the time already spent (at most ~5% added to a long write), at
-# least POLL_MIN_S (the kernel's timer slack adds ~50 us to it) and at most POLL_MAX_S.
+# every other process). Instead: poll without pausing for SPIN_S only (a 64 KiB loopback write
+# can end within it; a longer spin, 200 us before, took a core from the processes the write and
+# the next hops need), then sleep between polls, never yield (a sched_yield hardly leaves the core),
+# for a fraction of the time already spent (at most ~5% added to a long write), at least POLL_MIN_S
+# (the kernel's timer slack adds ~50 us to it) and at most POLL_MAX_S.
+SPIN_S = 50e-6
 POLL_MIN_S = 20e-6
 POLL_FRACTION = 0.05
 POLL_MAX_S = 1e-3
@@ -196,12 +198,16 @@ class PendingWrite:
         return time.perf_counter() - self.started
 
     def poll_interval(self) -> float:
-        """How long to leave the core before the next poll, given this write's age."""
-        return min(POLL_MAX_S, max(POLL_MIN_S, self.elapsed() * POLL_FRACTION))
+        """How long to leave the core before the next poll, given this write's age (0: poll again at once)."""
+        elapsed = self.elapsed()
+        if elapsed < SPIN_S:
+            return 0.0
+        return min(POLL_MAX_S, max(POLL_MIN_S, elapsed * POLL_FRACTION))
 
     def pause(self) -> None:
-        """Sleep until the next poll (`poll_interval`)."""
-        time.sleep(self.poll_interval())
+        """Sleep until the next poll (`poll_interval`), if it is not due at once."""
+        if (interval := self.poll_interval()) > 0:
+            time.sleep(interval)
 
     def wait(self) -> None:
         """Block until `done()`; raises as it does."""
