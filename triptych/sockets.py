@@ -65,7 +65,8 @@ def wait_for_message(sock: zmq.Socket[Any], timeout_s: float) -> bool:
 
     Sleeps in select() on the socket's ZMQ_FD, which becomes readable when the socket's state may
     have changed; reading ZMQ_EVENTS first (has_queued_message) re-arms it, so a message arriving
-    after that check wakes the wait at once.
+    after that check wakes the wait at once. Other state changes (a peer connecting) signal it too:
+    then it returns False before `timeout_s`, and the caller polls again as after a timeout.
     """
     if has_queued_message(sock):
         return True
