@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,3 +57,18 @@ def has_queued_message(sock: zmq.Socket[Any]) -> bool:
     """Whether a receive would return at once: ends a drain loop without the zmq.Again a
     non-blocking receive on an empty socket raises (an exception costs more than asking)."""
     return bool(int(sock.get(zmq.EVENTS)) & zmq.POLLIN)
+
+
+def wait_for_message(sock: zmq.Socket[Any], timeout_s: float) -> bool:
+    """Block until a message is queued on `sock` or `timeout_s` has passed (sub-millisecond: a
+    zmq poll counts whole milliseconds); True if one is queued.
+
+    Sleeps in select() on the socket's ZMQ_FD, which becomes readable when the socket's state may
+    have changed; reading ZMQ_EVENTS first (has_queued_message) re-arms it, so a message arriving
+    after that check wakes the wait at once. Other state changes (a peer connecting) signal it too:
+    then it returns False before `timeout_s`, and the caller polls again as after a timeout.
+    """
+    if has_queued_message(sock):
+        return True
+    readable, _, _ = select.select([int(sock.get(zmq.FD))], [], [], timeout_s)
+    return bool(readable) and has_queued_message(sock)

@@ -1,15 +1,18 @@
 """triptych.sockets.connect: a connect attempt that gets no answer is given up and retried within
-seconds, as for a Service whose ClusterIP kube-proxy had not programmed when the first SYN left."""
+seconds, as for a Service whose ClusterIP kube-proxy had not programmed when the first SYN left.
+triptych.sockets.wait_for_message: a worker's leader sleeps in it between polls of its writes, so a
+message arriving during the wait must end it at once, and an idle socket must not hold it longer."""
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from triptych.sockets import CONNECT_TIMEOUT_MS, connect
+from triptych.sockets import CONNECT_TIMEOUT_MS, connect, recv_message, wait_for_message
 
 
 def test_a_connect_attempt_without_an_answer_is_retried_within_seconds():
@@ -49,3 +52,36 @@ def test_a_connect_attempt_without_an_answer_is_retried_within_seconds():
         ctx.term()
         for s in (*fillers, blackhole):
             s.close()
+
+
+def test_wait_for_message_ends_when_a_message_arrives_and_times_out_without_one():
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock in (pull, push):
+        sock.setsockopt(zmq.LINGER, 0)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        t0 = time.monotonic()
+        assert not wait_for_message(pull, 0.05), "nothing was sent"
+        assert time.monotonic() - t0 < 2.0, "an idle wait outlasted its 50 ms timeout by far"
+        for i in range(3):  # each wait re-arms the socket's FD: a later message wakes a later wait
+            sender = threading.Timer(0.05, push.send, args=(b"work %d" % i,))
+            sender.start()
+            t0 = time.monotonic()
+            wakes = 0  # a wait may also end early, on another state change (the peer connecting)
+            while not wait_for_message(pull, 10.0) and wakes < 100:
+                wakes += 1
+            took = time.monotonic() - t0
+            sender.join()
+            assert took < 5.0, f"message {i} ended a 10 s wait only after {took:.1f} s"
+            assert recv_message(pull, zmq.NOBLOCK) == [b"work %d" % i]
+        push.send(b"queued")
+        deadline = time.monotonic() + 5
+        while not wait_for_message(pull, 0.01):  # one already queued returns at once
+            assert time.monotonic() < deadline, "a queued message was never seen"
+        assert wait_for_message(pull, 0.0)
+    finally:
+        pull.close()
+        push.close()
+        ctx.term()

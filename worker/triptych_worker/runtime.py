@@ -56,7 +56,7 @@ from triptych.protocol import (
 )
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
-from triptych.sockets import has_queued_message, recv_message
+from triptych.sockets import has_queued_message, recv_message, wait_for_message
 from triptych.tracing import start_tracing, traces_url
 from triptych_worker import compute, drain, pushes, standing
 from triptych_worker.drain import Drain
@@ -270,9 +270,9 @@ class Worker:
                     break
             pushes.check_pushes(self, link)
             if self._pushes and not received:
-                # Pace by the youngest write, the one polled most often; a message arriving meanwhile
-                # waits at most POLL_MAX_S (1 ms), and only behind writes already longer than that.
-                min(self._pushes, key=lambda p: p.write.elapsed()).write.pause()
+                # Sleep until the youngest write's next poll (it is polled most often; at once in its
+                # first 50 us), or until a head message arrives: the transport's threads get the core.
+                wait_for_message(work, min(p.write.poll_interval() for p in self._pushes))
             if self._drain_requested.is_set() and self._drain is None:
                 drain.start_drain(self)
             if self.instance and time.monotonic() >= self._next_beat:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -13,14 +12,15 @@ from triptych.config import ConfigError
 from .errors import MooncakeNotInstalled, TransferError, TransferStalled
 from .listeners import mooncake_port_range
 
-# How a write is waited for (PendingWrite.pause). transfer_sync_write spins a core for the
+# How a write is waited for (PendingWrite.poll_interval). transfer_sync_write spins a core for the
 # whole write, which on a host with few cores starves the transport threads doing the work (and
-# every other process). Instead: poll without pausing while the write is young (small and RDMA
-# writes end within microseconds), then poll yielding the core to anything runnable, and once
-# the write is long, sleep a small fraction of the time already spent between polls (at most
-# ~5% added).
-SPIN_S = 200e-6
-YIELD_S = 2e-3
+# every other process). Instead: poll without pausing for SPIN_S only (a 64 KiB loopback write
+# can end within it; a longer spin, 200 us before, took a core from the processes the write and
+# the next hops need), then sleep between polls, never yield (a sched_yield hardly leaves the core),
+# for a fraction of the time already spent (at most ~5% added to a long write), at least POLL_MIN_S
+# (the kernel's timer slack adds ~50 us to it) and at most POLL_MAX_S.
+SPIN_S = 50e-6
+POLL_MIN_S = 20e-6
 POLL_FRACTION = 0.05
 POLL_MAX_S = 1e-3
 WRITE_TIMEOUT_S = 120.0
@@ -197,13 +197,17 @@ class PendingWrite:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
-    def pause(self) -> None:
-        """Leave the core before the next poll for as long as this write's age warrants."""
+    def poll_interval(self) -> float:
+        """How long to leave the core before the next poll, given this write's age (0: poll again at once)."""
         elapsed = self.elapsed()
-        if elapsed > YIELD_S:
-            time.sleep(min(POLL_MAX_S, elapsed * POLL_FRACTION))
-        elif elapsed > SPIN_S:
-            os.sched_yield()
+        if elapsed < SPIN_S:
+            return 0.0
+        return min(POLL_MAX_S, max(POLL_MIN_S, elapsed * POLL_FRACTION))
+
+    def pause(self) -> None:
+        """Sleep until the next poll (`poll_interval`), if it is not due at once."""
+        if (interval := self.poll_interval()) > 0:
+            time.sleep(interval)
 
     def wait(self) -> None:
         """Block until `done()`; raises as it does."""
