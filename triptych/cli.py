@@ -23,8 +23,9 @@ from typing import Any
 
 from triptych import __version__
 from triptych.client_cli import CLIENT_COMMANDS, add_client_commands, run_client_command
-from triptych.config import ConfigError, ServeArgs, add_serve_flags
+from triptych.config import ConfigError, ServeArgs
 from triptych.reference_flags import reference_only_refusal
+from triptych.serve_flags import add_serve_flags
 
 
 class OneLineParser(argparse.ArgumentParser):

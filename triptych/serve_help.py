@@ -1,6 +1,6 @@
 """How `triptych serve --help` reads: the flags grouped by who uses them, every default shown.
 
-The flags themselves stay declared in one place (config.add_serve_flags); this only says which
+The flags themselves stay declared in one place (serve_flags.add_serve_flags); this only says which
 group each one is listed under. A flag not named here is listed under "model and process".
 """
 

@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from triptych.cli import OneLineParser
-from triptych.config import ConfigError, ServeArgs, add_serve_flags
+from triptych.config import ConfigError, ServeArgs
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import TensorSpec
 from triptych.roles import Role
+from triptych.serve_flags import add_serve_flags
 from triptych_worker.simulated import SimulatedPipeline, StageCost
 from triptych_worker.stages import StageBatch
 

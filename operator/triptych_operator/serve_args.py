@@ -12,9 +12,10 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, add_serve_flags, flag
+from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, flag
 from triptych.flag_roles import LORA_WORKERS
 from triptych.roles import Role
+from triptych.serve_flags import add_serve_flags
 from triptych_operator.constants import (
     API_KEYS_FILE,
     HEAD_SCHEDULER_PORT,

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from triptych.config import MIB, ConfigError, ServeArgs, add_serve_flags
+from triptych.config import MIB, ConfigError, ServeArgs
 from triptych.flag_roles import roles_taking
 from triptych.roles import WORKER_ROLES, Role
+from triptych.serve_flags import add_serve_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests.source_ast import parse
-from triptych.config import ROLE_PARALLEL_FLAGS, SIMULATE_DEFAULTS, URL_FLAGS, ServeArgs, add_serve_flags
+from triptych.config import ROLE_PARALLEL_FLAGS, SIMULATE_DEFAULTS, URL_FLAGS, ServeArgs
 from triptych.ports import RESULT_PORT_OFFSET, result_port
 from triptych.roles import COMBINED_ROLES, ROLE_SPECS, SPLIT_ROLES, WORKER_ROLES, Role, route_for
+from triptych.serve_flags import add_serve_flags
 from triptych_dev.localdeploy import ROLES as LOCAL_ROLES
 from triptych_head.state import ROLE_STATES, RequestState
 from triptych_head.workload import PRIOR_SECONDS_PER_UNIT
