@@ -1,4 +1,4 @@
-"""ServeArgs: the values of `triptych serve`'s flags, their defaults and their validation (the flags: serve_flags.py)."""
+"""ServeArgs: the values of `triptych serve`'s flags, their defaults and validation (the flags: serve_flags.py)."""
 
 from __future__ import annotations
 

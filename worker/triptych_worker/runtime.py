@@ -37,13 +37,11 @@ from triptych.ports import tcp_url
 from triptych.protocol import (
     HEAD_TO_WORKER,
     CancelWork,
-    EncoderCacheStats,
     Failed,
     HandOff,
     Heartbeat,
     Ping,
     ProtocolError,
-    StepCacheStats,
     TransferAlloc,
     TransferAllocated,
     TransferPush,
@@ -58,7 +56,7 @@ from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message, recv_message, wait_for_message
 from triptych.tracing import start_tracing, traces_url
-from triptych_worker import compute, drain, pushes, standing
+from triptych_worker import compute, drain, heartbeat, pushes, standing
 from triptych_worker.drain import Drain
 from triptych_worker.heads import HeadBook, HeadLinks
 from triptych_worker.inputs import InputLoader
@@ -92,7 +90,6 @@ CANCELLED_MEMORY = 10_000  # how many cancelled request ids are remembered
 
 BATCH_ASSEMBLY_S = 0.5  # how long a group the head dispatched together waits for its last members
 STANDING = "standing-slot"  # pool owner of standing receive slots
-UNMAPPED = "?"  # a heartbeat's head_id before that endpoint's head is known: no head takes it as its own
 
 
 class Worker:
@@ -340,46 +337,13 @@ class Worker:
 
     def _heartbeat(self, endpoint: str = "", head_id: str = "") -> Heartbeat:
         """This worker's state for the head at `endpoint` (`head_id` there, "" when not known yet)."""
-        instance = self.heads.instance_for(head_id) or self.instance
-        if not self.heads.single and not head_id:
-            head_id = UNMAPPED  # no head dispatches to it before its ping has told which endpoint it is
-        return Heartbeat(
-            instance=instance,
-            role=self.role.value,
-            session=self.transport.session_id,
-            # A full-pipeline worker's token pool takes no transfer: it reports none.
-            pool_bytes=0 if self.full_pipeline else self.pool.pool_bytes,
-            free_bytes=0 if self.full_pipeline else self.pool.free_bytes,
-            capacity=self.args.worker_capacity * self.args.batching_max_size,  # that many batches
-            model=self.args.model_path,
-            model_fingerprint=self.model_fingerprint,
-            standing_bytes=self.pool.reserved_bytes(list(self._standing.values())),
-            standing_slots=tuple((alloc.addr, alloc.nbytes) for alloc in list(self._standing.values())),
-            draining=self._drain_requested.is_set(),
-            head_id=head_id,
-            max_batch=self.args.batching_max_size,
-            full_pipeline=self.full_pipeline,
-            encoder_cache=self._encoder_cache_stats(),
-            step_cache=self._step_cache_stats(),
-            loras=self._loras_held(),
-            lora_load_s=self._lora_load_seconds(),
-            via=endpoint,
-            others_busy=self._busy_for_others(head_id),
-            held=len(self._held_requests()),
-            peak_held=self._peak_held,
-        )
+        return heartbeat.state(self, endpoint, head_id)
 
     def _held_requests(self) -> set[str]:
         """The requests holding one of this worker's scheduling slots (the head's view of its load)."""
         with self._lock:
             held = self._outstanding | set(self._staged) | set(self._slots)
         return held | {push.request_id for push in self._pushes}
-
-    def _busy_for_others(self, head_id: str) -> int:
-        """Slots held for heads other than `head_id` (0 for a worker serving one head)."""
-        if self.heads.single:
-            return 0
-        return sum(1 for r in self._held_requests() if self.heads.owner(r) != head_id)
 
     def _note_held(self) -> None:
         """Keep the peak of held requests (heartbeats report it: the capacity check, seen from here)."""
@@ -389,22 +353,6 @@ class Worker:
         """A worker serving several heads refuses work beyond its capacity: it, not any one head, knows it."""
         capacity = self.args.worker_capacity * self.args.batching_max_size
         return not self.heads.single and len(self._held_requests()) >= capacity
-
-    def _encoder_cache_stats(self) -> EncoderCacheStats | None:
-        cache = getattr(self.pipeline, "encoder_cache", None)  # only model pipelines that encode prompts have one
-        return None if cache is None else cache.stats()
-
-    def _step_cache_stats(self) -> tuple[StepCacheStats, ...]:
-        caching = getattr(self.pipeline, "step_cache", None)  # only model pipelines that denoise have one
-        return () if caching is None else caching.stats()
-
-    def _loras_held(self) -> tuple[str, ...]:
-        loras = getattr(self.pipeline, "loras", None)  # model pipelines that encode prompts or denoise hold adapters
-        return () if loras is None else loras.held()
-
-    def _lora_load_seconds(self) -> float:
-        loras = getattr(self.pipeline, "loras", None)
-        return 0.0 if loras is None else loras.mean_load_seconds()
 
     def _on_message(self, link: HeadLinks, parts: list[Any]) -> None:
         try:
