@@ -85,19 +85,22 @@ def started(script: str, env: dict[str, str], cwd: Path, log: Path) -> Iterator[
     try:
         yield proc
     finally:
-        _stop_group(proc.pid)
+        _stop_group(proc)
 
 
-def _stop_group(pgid: int) -> None:
+def _stop_group(leader: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the group (each `triptych serve` drains), SIGKILL what outlives the grace. The leader
+    is reaped as it exits: a zombie still counts as a member of its group."""
     for sig, grace in ((signal.SIGTERM, 60.0), (signal.SIGKILL, 10.0)):
         try:
-            os.killpg(pgid, sig)
+            os.killpg(leader.pid, sig)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
+            leader.poll()
             try:
-                os.killpg(pgid, 0)
+                os.killpg(leader.pid, 0)
             except ProcessLookupError:
                 return
             time.sleep(0.2)
