@@ -16,6 +16,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from triptych_head.preemption import aged
+
 
 @dataclass
 class _Entry:
@@ -63,7 +65,7 @@ class PriorityRunner:
             self._cond.notify()
 
     def _effective(self, entry: _Entry, now: float) -> int:
-        return entry.level + int(max(now - entry.queued_at, 0.0) / self._aging_s)
+        return aged(entry.level, max(now - entry.queued_at, 0.0), self._aging_s)
 
     def _next(self) -> _Entry | None:
         with self._cond:

@@ -49,9 +49,14 @@ PREEMPT = "preempt"  # the hand-off reason of a suspension
 SUSPENDED, RESUMED = "suspended", "resumed"  # RequestEvent.preemption
 
 
+def aged(priority: int, waited_s: float, aging_s: float) -> int:
+    """A priority level raised one level per `aging_s` seconds waited (monolithic mode's queue too)."""
+    return priority + int(waited_s / aging_s)
+
+
 def effective_level(rec: RequestRecord, now: float, aging_s: float) -> int:
     """`rec`'s priority raised one level per `aging_s` seconds waited (its current wait included)."""
-    return rec.priority + int((rec.waited_s + max(now - rec.hop_started, 0.0)) / aging_s)
+    return aged(rec.priority, rec.waited_s + max(now - rec.hop_started, 0.0), aging_s)
 
 
 def place(queue: deque[str], rid: str, level: int, level_of: Callable[[str], int], ahead: bool = False) -> None:
