@@ -7,6 +7,8 @@
 # the node dir that did not exist before node-up.sh. Exits non-zero, naming it, if anything is left.
 #   bash tests/cluster/node-down.sh            # keeps $NODE_DIR (certs, logs)
 #   bash tests/cluster/node-down.sh --purge    # ... and removes it
+#   bash tests/cluster/node-down.sh --reclaim  # a node whose state dir is gone (a killed run): undo what it
+#                                              # left on the host, its node IP included, then remove the dir
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 source "$CLUSTER_SRC/lib.sh"
@@ -15,7 +17,21 @@ SCRIPT=node-down PIDS=$NODE_DIR/pids OWNED_BY=$NODE_DIR
 SOCK=$NODE_DIR/containerd/containerd.sock
 KUBECTL=("$BIN_DIR/kubectl" --kubeconfig "$KUBECONFIG_PATH" --request-timeout=10s)
 CTR=(ctr --address "$SOCK" -n k8s.io)
-[ -d "$NODE_DIR" ] || { log "no real node in $CLUSTER_DIR"; exit 0; }
+purge=false reclaim=false
+for arg in "$@"; do
+  case $arg in
+    --purge) purge=true ;;
+    --reclaim) purge=true reclaim=true ;;
+    *) echo "node-down: unknown argument '$arg' (use --purge or --reclaim)" >&2; exit 2 ;;
+  esac
+done
+if [ ! -d "$NODE_DIR" ]; then
+  $reclaim || { log "no real node in $CLUSTER_DIR"; exit 0; }
+  mkdir -p "$NODE_DIR/logs"
+  # No record of where the node IP went: wherever node-up.sh puts it.
+  if ip link show triptych-node >/dev/null 2>&1; then echo dummy >"$NODE_DIR/node-ip-device"
+  elif ip -o addr show dev lo | grep -w "inet $NODE_IP/32" >/dev/null; then echo lo >"$NODE_DIR/node-ip-device"; fi
+fi
 exec 8>/run/triptych-real-node.lock
 flock -w 60 8 || { echo "node-down: node-up.sh/node-down.sh of another shell holds /run/triptych-real-node.lock" >&2; exit 1; }
 t_start=$SECONDS
@@ -148,5 +164,5 @@ if [ ${#left[@]} -gt 0 ]; then
   printf 'node-down: left behind: %s\n' "${left[@]}" >&2
   exit 1
 fi
-if [ "${1:-}" = "--purge" ]; then rm -rf "$NODE_DIR"; fi
+if $purge; then rm -rf "$NODE_DIR"; fi
 log "node $NODE_NAME stopped and cleaned up in $((SECONDS - t_start)) s"

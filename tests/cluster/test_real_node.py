@@ -94,6 +94,27 @@ def _host_leftovers(settings: dict[str, str]) -> list[str]:
     return found
 
 
+def _reclaim_dead_node(settings: dict[str, str], env: dict[str, str]) -> None:
+    """Fail if another real node runs on this host; undo what a dead one left (a killed run on a reused
+    machine: its node IP, chains, paths), then check that node-down.sh left nothing."""
+    before = _host_leftovers(settings)
+    live = [item for item in before if item.startswith("process ")]
+    owner = Path("/run/triptych-real-node.owner")
+    other = owner.read_text().strip() if owner.exists() else ""
+    assert not live, f"another real node runs on this host: {live}"
+    assert not other or other == settings["CLUSTER_DIR"] or not Path(other).exists(), (
+        f"the real node of {other} is still set up on this host: "
+        f"TRIPTYCH_CLUSTER_DIR={other} bash tests/cluster/node-down.sh"
+    )
+    if not before:
+        return
+    done = subprocess.run(
+        ["bash", str(CLUSTER_SRC / "node-down.sh"), "--reclaim"], env=env, capture_output=True, text=True, timeout=180
+    )
+    after = _host_leftovers(settings)
+    assert after == [], f"a dead node's state {before} could not be undone ({done.stderr[-2000:]}): {after} is left"
+
+
 def _get_json(url: str) -> dict | None:
     """GET url without any proxy; None while nothing answers (kube-proxy syncs a new Service within ~1 s)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -165,8 +186,7 @@ def real_node() -> Iterator[KubeCluster]:
     ]
     if missing:
         pytest.fail(f"missing {missing}: run `make setup`", pytrace=False)
-    before = _host_leftovers(settings)
-    assert before == [], f"the host already has a real node's state (another cluster's node?): {before}"
+    _reclaim_dead_node(settings, env)
     _run(["bash", str(REPO / "scripts" / "images.sh"), *IMAGES], env, timeout=2400)
     subprocess.run(["bash", str(CLUSTER_SRC / "down.sh"), "--purge"], env=env, capture_output=True, timeout=180)
     cluster = KubeCluster(

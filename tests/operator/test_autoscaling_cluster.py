@@ -7,7 +7,7 @@ says where it is with the `triptych.ai/head-metrics-url` annotation, the documen
 metrics API server also runs here, as `triptych-metrics-api`, with the ServiceAccount, RBAC,
 APIServices and Service the Helm chart renders; the Service has no selector and an EndpointSlice
 points the aggregator at the server. The aggregator only routes to addresses an Endpoint may hold
-(not loopback), so the server listens on 192.0.2.250 (TEST-NET-1) put on this machine for the test.
+(not loopback), so the server listens on 192.0.2.251 (TEST-NET-1) put on this machine for the test.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from triptych_operator.metrics_api.source import KubePipelineReader, head_metric
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 CHART = REPO / "charts" / "triptych"
-METRICS_IP = "192.0.2.250"
+METRICS_IP = "192.0.2.251"
 METRICS_DEVICE = "trp-metrics"
 CUSTOM_METRICS = "/apis/custom.metrics.k8s.io/v1beta2"
 APISERVICES = ("v1beta2.custom.metrics.k8s.io", "v1beta1.custom.metrics.k8s.io")
@@ -57,7 +57,7 @@ def _ip(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def metrics_address() -> Iterator[str]:
-    """192.0.2.250 on this machine: on a dummy interface, or (no dummy driver) as a /32 on lo."""
+    """192.0.2.251 on this machine: on a dummy interface, or (no dummy driver) as a /32 on lo."""
     if METRICS_IP in _ip("-o", "addr", "show").stdout:
         yield METRICS_IP  # left by someone else: use it, leave it
         return
