@@ -37,7 +37,7 @@ from triptych.protocol import (
 from triptych.roles import Role
 from triptych_dev.localdeploy import free_port_block
 from triptych_dev.null_pipeline import NullPipeline
-from triptych_worker import compute, drain, pushes
+from triptych_worker import compute, drain, pushes, slots
 from triptych_worker.runtime import Job, Worker
 from triptych_worker.transfer import MooncakeTransport, TransferPool
 
@@ -102,7 +102,7 @@ def test_kept_slot_survives_its_request_and_is_dropped_when_the_head_changes():
     startup = worker.pool.pool_bytes - worker.pool.free_bytes  # the start-up slots
     try:
         worker._on_message(link, ping("head-1"))  # type: ignore[arg-type]
-        worker._allocate(link, TransferAlloc("r1", "w", 1 << 20, standing=True))  # type: ignore[arg-type]
+        slots.allocate(worker, link, TransferAlloc("r1", "w", 1 << 20, standing=True))  # type: ignore[arg-type]
         allocated = link.sent[-1]
         assert isinstance(allocated, TransferAllocated) and allocated.standing
         worker._on_message(link, _encoded(CancelWork("r1", "w")))  # type: ignore[arg-type]
@@ -126,8 +126,8 @@ def test_a_new_head_gets_a_fully_free_pool_and_hears_which_requests_were_dropped
     startup = worker.pool.pool_bytes - worker.pool.free_bytes  # the start-up slots, reserved anew for head-2
     try:
         worker._on_message(link, _encoded(Ping("w", head_id="head-1")))  # type: ignore[arg-type]
-        worker._allocate(link, TransferAlloc("reserved", "w", 4096))  # type: ignore[arg-type]
-        worker._allocate(link, TransferAlloc("kept", "w", 4096, standing=True))  # type: ignore[arg-type]
+        slots.allocate(worker, link, TransferAlloc("reserved", "w", 4096))  # type: ignore[arg-type]
+        slots.allocate(worker, link, TransferAlloc("kept", "w", 4096, standing=True))  # type: ignore[arg-type]
         staged = worker.pool.allocate(4096, owner="staged")  # an output waiting for its transfer_push
         with worker._lock:
             worker._staged["staged"] = staged

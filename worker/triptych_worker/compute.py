@@ -16,6 +16,7 @@ from triptych.lora import BadAdapter
 from triptych.protocol import Failed, Progress, Result, TransferStaged, tensors_to_frames
 from triptych.reference import BadReference
 from triptych.tracing import Attributes
+from triptych_worker import slots
 from triptych_worker.heads import HeadLinks
 from triptych_worker.inputs import Inputs, SlotGone
 from triptych_worker.job_groups import Job
@@ -90,19 +91,19 @@ def _fails_alone(worker: Worker, link: HeadLinks, job: Job) -> Iterator[None]:
         yield
     except (RequestCancelled, SlotGone):
         worker.pool.free_owner(job.request_id)
-        worker._space_freed(link)
+        slots.space_freed(worker, link)
     except PayloadTooLarge as exc:
         worker.pool.free_owner(job.request_id)
         link.send(Failed(job.request_id, worker.instance, str(exc), status_code=413))
     except (BadReference, BadAdapter) as exc:  # the client's reference image (a URL fetched), or LoRA adapter
         worker.pool.free_owner(job.request_id)
         link.send(Failed(job.request_id, worker.instance, str(exc), status_code=400))
-        worker._space_freed(link)
+        slots.space_freed(worker, link)
     except Exception as exc:  # any stage error fails only this request
         log.exception("request %s failed", job.request_id, exc_info=exc)
         worker.pool.free_owner(job.request_id)
         link.send(Failed(job.request_id, worker.instance, f"{type(exc).__name__}: {exc}"))
-        worker._space_freed(link)
+        slots.space_freed(worker, link)
 
 
 def _batches_forward(worker: Worker, n: int) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from triptych.protocol import Failed, TransferPush, TransferPushed
+from triptych_worker import slots
 from triptych_worker.heads import HeadLinks
 from triptych_worker.transfer import Allocation, PendingWrite, TransferError, TransferStalled
 
@@ -67,4 +68,4 @@ def _end_push(
 ) -> None:
     link.send(report)
     worker.pool.free(staged)
-    worker._space_freed(link)
+    slots.space_freed(worker, link)

@@ -13,8 +13,9 @@ Batching (--batching-max-size N > 1): the computing thread takes up to N compati
 group the head dispatched together (WorkBatch, or TransferReady tagged with a batch id) waits up to
 BATCH_ASSEMBLY_S for all its members. Each request still loads, stages and reports its own tensors.
 
-Where the rest lives: the heads it serves and the links to them (heads.py), running jobs
-(compute.py), the Mooncake writes under way (pushes.py), and the drain on SIGTERM (drain.py).
+Where the rest lives: the heads it serves and the links to them (heads.py), the receive slots
+inputs arrive in (slots.py), running jobs (compute.py), the Mooncake writes under way (pushes.py),
+and the drain on SIGTERM (drain.py).
 """
 
 from __future__ import annotations
@@ -43,10 +44,8 @@ from triptych.protocol import (
     Ping,
     ProtocolError,
     TransferAlloc,
-    TransferAllocated,
     TransferPush,
     TransferReady,
-    TransferRefused,
     Work,
     WorkBatch,
     WorkRefused,
@@ -56,7 +55,7 @@ from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message, recv_message, wait_for_message
 from triptych.tracing import start_tracing, traces_url
-from triptych_worker import compute, drain, heartbeat, pushes, standing
+from triptych_worker import compute, drain, heartbeat, pushes, slots, standing
 from triptych_worker.drain import Drain
 from triptych_worker.heads import HeadBook, HeadLinks
 from triptych_worker.inputs import InputLoader
@@ -69,7 +68,6 @@ from triptych_worker.transfer import (
     Allocation,
     MooncakeTransport,
     NoTransport,
-    PayloadTooLarge,
     TransferPool,
     check_rdma_device,
 )
@@ -89,7 +87,6 @@ CANCELLED_MEMORY = 10_000  # how many cancelled request ids are remembered
 
 
 BATCH_ASSEMBLY_S = 0.5  # how long a group the head dispatched together waits for its last members
-STANDING = "standing-slot"  # pool owner of standing receive slots
 
 
 class Worker:
@@ -180,13 +177,13 @@ class Worker:
         self._startup_slot_bytes = 0
         if not self.full_pipeline and self.heads.single:
             self._startup_slot_bytes = standing.slot_size(pipeline, args.model_path, self.role)
-        self._reserve_standing()
+        slots.reserve_standing(self)
         # Copies queued jobs' inputs out of their receive slots while a job computes (inputs.py).
         self.inputs = InputLoader(
             self.pool,
             self.device,
             ahead=args.disagg_load_ahead * args.batching_max_size,
-            release=self._release_slot,
+            release=lambda alloc, link: slots.release_slot(self, alloc, link),
             cancelled=self._is_cancelled,
             make_link=lambda: HeadLinks(self.ctx, self.heads, self.security),
             in_place=self._inputs_in_place(),
@@ -385,14 +382,14 @@ class Worker:
         elif isinstance(msg, WorkBatch) and msg.items:
             self._take_work(link, msg.items, msg.head_id)
         elif isinstance(msg, TransferAlloc):
-            self._allocate(link, msg)
+            slots.allocate(self, link, msg)
         elif isinstance(msg, TransferPush):
             pushes.start_push(self, link, msg)
         elif isinstance(msg, TransferReady):
-            self._ready(link, msg)
+            slots.ready(self, link, msg)
         elif isinstance(msg, CancelWork):
             self._cancel(msg.request_id)
-            self._space_freed(link)
+            slots.space_freed(self, link)
         elif isinstance(msg, HandOff):
             self._hand_off(msg.request_id)
 
@@ -443,48 +440,6 @@ class Worker:
             for w in accepted
         ))  # fmt: skip
 
-    def _allocate(self, link: HeadLinks, msg: TransferAlloc) -> None:
-        self.heads.own(msg.request_id, msg.head_id)
-        if self._full():
-            self._refuse(link, msg.request_id, "every scheduling slot is taken")
-            return
-        if self._must_keep_room_for_outputs(msg.nbytes):
-            self._refuse(link, msg.request_id, "keeping room to stage accepted work")
-            return
-        # Standing slots only for a worker serving one head: the head assigns them without asking, and
-        # two heads could assign one slot, or fill more slots than the worker has.
-        standing = msg.standing and self.heads.single
-        try:
-            # A standing slot belongs to the worker, not the request: cancelling the request keeps it.
-            alloc = self.pool.allocate(msg.nbytes, owner=STANDING if standing else msg.request_id)
-        except PayloadTooLarge as exc:
-            link.send(TransferRefused(msg.request_id, self.instance, str(exc), fatal=True))
-            return
-        if alloc is None:
-            self._refuse(link, msg.request_id, "transfer pool full")
-            return
-        with self._lock:
-            self._slots[msg.request_id] = alloc
-            self._outstanding.add(msg.request_id)
-            if standing:
-                self._standing[alloc.addr] = alloc
-        self._note_held()
-        link.send(TransferAllocated(msg.request_id, self.instance, self.transport.session_id, alloc.addr, standing))
-
-    def _refuse(self, link: HeadLinks, request_id: str, reason: str) -> None:
-        """Back-pressure: no slot now; the head retries after the heartbeat that reports freed space."""
-        with self._lock:
-            self._owes_heartbeat = True
-        link.send(TransferRefused(request_id, self.instance, reason, fatal=False))
-        link.broadcast(self._heartbeat)
-
-    def _space_freed(self, link: HeadLinks) -> None:
-        """Tell the head at once that pool space came back, if it is waiting for that (after a refusal)."""
-        with self._lock:
-            owed, self._owes_heartbeat = self._owes_heartbeat, False
-        if owed:
-            link.broadcast(self._heartbeat)
-
     def _release_head(self, head_id: str, why: str) -> list[str]:
         """Give back to the pool everything held for `head_id` (a head that was replaced or went
         silent): its standing slots (a worker serving one head), reserved slots, staged outputs and
@@ -504,74 +459,10 @@ class Worker:
         for request_id in mine:
             self._cancel(request_id, free=request_id not in writing)
         if single:
-            self._reserve_standing()  # the new head's, reported in the heartbeat that answers its ping
+            slots.reserve_standing(self)  # the new head's, reported in the heartbeat that answers its ping
         if dropped_slots or mine:
             log.info("%s: dropped %d standing receive slots and %d requests", why, len(dropped_slots), len(mine))
         return sorted(mine)
-
-    def _must_keep_room_for_outputs(self, nbytes: int) -> bool:
-        """Refuse an input slot that would leave no room to stage the outputs of work already accepted.
-
-        Otherwise a tight pool deadlocks: the running request cannot stage its output while the
-        space it needs holds the input of the request queued behind it. Outputs are assumed no
-        larger than inputs (latents in, latents out); the decoder's outputs bypass the pool.
-        """
-        if self.role is Role.DECODER or nbytes > self.pool.pool_bytes:
-            return False  # too large ever is reported by allocate() as fatal
-        with self._lock:
-            busy = bool(self._outstanding)
-        return busy and self.pool.free_bytes - nbytes < nbytes
-
-    def _ready(self, link: HeadLinks, msg: TransferReady) -> None:
-        """Run the stages on an input in a slot; `in_place`: on the continuation this worker staged
-        itself (a suspended request resuming here: its state never left the pool)."""
-        self.heads.own(msg.request_id, msg.head_id)
-        with self._lock:
-            if msg.in_place:
-                alloc = self._staged.pop(msg.request_id, None)
-                if alloc is not None:
-                    self._outstanding.add(msg.request_id)
-            else:
-                alloc = self._slots.pop(msg.request_id, None)
-                if msg.slot_addr:
-                    alloc = self._standing.get(msg.slot_addr)
-        if alloc is None:
-            what = "a continuation this worker has not staged" if msg.in_place else "a slot this worker does not hold"
-            link.send(Failed(msg.request_id, self.instance, f"transfer_ready for {what}"))
-            return
-        incoming = (alloc, msg.manifest, msg.meta)
-        job = Job(
-            msg.request_id, msg.params, incoming, msg.progress, msg.preview_every, msg.batch_id, msg.batch_size,
-            traceparent=msg.traceparent, priority=msg.priority,
-        )  # fmt: skip
-        with self._lock:
-            waits = self._computing or bool(self._queue)
-        self._enqueue(job)
-        if waits:  # the loader copies its inputs while the jobs ahead of it compute
-            self.inputs.submit(job)
-        # else it computes now, on this thread, which loads its inputs itself: handing them to the
-        # loader would only put a wake-up of another thread (and a wait for it) on the request's path.
-        self._note_held()
-
-    def _reserve_standing(self) -> None:
-        """Reserve this receiver's start-up standing slots (again, after a head change dropped them)."""
-        with self._lock:
-            held = len(self._standing)
-        capacity = self.args.worker_capacity * self.args.batching_max_size
-        slots = standing.reserve(self.pool, self._startup_slot_bytes, capacity, held, owner=STANDING)
-        with self._lock:
-            self._standing.update((alloc.addr, alloc) for alloc in slots)
-        if slots:
-            log.info("reserved %d standing receive slots of %d bytes", len(slots), self._startup_slot_bytes)
-
-    def _release_slot(self, alloc: Allocation, link: HeadLinks) -> None:
-        """A job's inputs are copied out of `alloc`, or its stages that used them in place are done:
-        free it (a standing slot stays, idle) and tell the head at once if it waits for room."""
-        with self._lock:
-            standing = self._standing.get(alloc.addr) is alloc
-        if not standing:
-            self.pool.free(alloc)
-            self._space_freed(link)
 
     def _cancel(self, request_id: str, free: bool = True) -> None:
         with self._lock:
