@@ -64,7 +64,8 @@ class Backend(Protocol):
 
 
 def pixels_from_frames(specs: list[dict[str, Any]], frames: list[Any]) -> np.ndarray:
-    """The PIXELS tensor of a result, as numpy (the head needs no torch)."""
+    """The PIXELS tensor of a result, as numpy (the head needs no torch): a view on its
+    frame (the message is the head's alone, and the view keeps it alive), not a copy."""
     for raw, frame in zip(specs, frames, strict=False):
         spec = TensorSpec.from_wire(raw)
         if spec.name != PIXELS:
@@ -74,7 +75,7 @@ def pixels_from_frames(specs: list[dict[str, Any]], frames: list[Any]) -> np.nda
         buf = memoryview(frame)
         if buf.nbytes != spec.nbytes:
             raise ValueError(f"pixels frame has {buf.nbytes} bytes, expected {spec.nbytes}")
-        return np.frombuffer(buf, dtype=np.uint8).reshape(spec.shape).copy()
+        return np.frombuffer(buf, dtype=np.uint8).reshape(spec.shape)
     raise ValueError("result carries no pixels tensor")
 
 
