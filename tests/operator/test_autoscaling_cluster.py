@@ -76,6 +76,11 @@ def metrics_address() -> Iterator[str]:
         _ip(*added)
 
 
+def _available(apiservice: dict[str, Any]) -> bool:
+    conditions = (apiservice.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Available" and c.get("status") == "True" for c in conditions)
+
+
 def render_chart(cluster: KubeCluster, release: str, namespace: str) -> list[dict[str, Any]]:
     out = cluster.helm("template", release, str(CHART), "--namespace", namespace, "--set", "metricsApi.cacheSeconds=2")
     return [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -153,8 +158,12 @@ def custom_metrics_api(
     outside_namespace = [d for d in objects if d["metadata"].get("namespace", "kube-system") == "kube-system"]
     for existing in APISERVICES:
         other = get(cluster, "default", "apiservice", existing)
-        if other and (other["spec"].get("service") or {}).get("namespace") != ns:
+        if not other or (other["spec"].get("service") or {}).get("namespace") == ns:
+            continue
+        if _available(other):  # another session's live server: never take it over
             pytest.fail(f"APIService {existing} is already served by {other['spec'].get('service')}", pytrace=False)
+        # Left by a run killed before its teardown (a reused machine): nothing answers behind it.
+        cluster.kubectl("delete", "apiservice", existing, "--ignore-not-found")
     port = free_port_block(1)
     endpoint_slice = {
         "apiVersion": "discovery.k8s.io/v1",
