@@ -6,11 +6,14 @@ stdout) and, for each payload size, measures side by side:
   memcpy   torch copy of N bytes into a preallocated CPU buffer (the floor)
   raw      TransferEngine.transfer_sync_write of N bytes from a registered buffer to the peer
   write    MooncakeTransport.write of the same bytes (our wrapper; should match raw)
-  ours     what the workers run, for a FLUX-like tensor set of about N bytes: stage_tensors (one
-           copy into the pool, as compute.py stages a role's outputs) + MooncakeTransport.write +
-           on the receiver the worker's InputLoader taking the inputs in place (views on the slot,
-           held) and releasing the slot after the stage, as a CPU worker does (inputs.py). The
-           copy a GPU receiver makes instead (load_tensors) is timed too, outside the total.
+  ours     what the workers run, for a FLUX-like tensor set of about N bytes: the outputs sent
+           where they are (stage_in_place: CPU tensors registered with the TCP transport, one write
+           per tensor, as compute.py and pushes.py do) + on the receiver the worker's InputLoader
+           taking the inputs in place (views on the slot, held) and releasing the slot after the
+           stage, as a CPU worker does (inputs.py). The copy a GPU receiver makes instead
+           (load_tensors) is timed too, outside the total.
+  pooled   the same with the outputs copied into the pool first (stage_tensors: one copy, what RDMA
+           and GPU outputs still do, and what every output did before 2026-12-03).
 
 The runs alternate in --blocks blocks in this one process lifetime: each block takes the baselines
 (memcpy, raw back to back), then the measured paths (raw and write interleaved run by run, then
@@ -45,7 +48,16 @@ import torch
 from triptych.params import GenerationParams
 from triptych_worker.inputs import InputLoader
 from triptych_worker.job_groups import Job
-from triptych_worker.transfer import Allocation, MooncakeTransport, TransferPool, layout, load_tensors, stage_tensors
+from triptych_worker.transfer import (
+    Allocation,
+    InPlaceTensors,
+    MooncakeTransport,
+    TransferPool,
+    layout,
+    load_tensors,
+    stage_in_place,
+    stage_tensors,
+)
 
 MIB = 1024 * 1024
 MB = 1e6
@@ -234,24 +246,38 @@ def bench_size(
     ours_dest = peer.ask({"op": "slot", "nbytes": staged_extent})["addr"]
     phase: dict[str, float] = {}
 
-    def ours() -> float:
+    def send(in_place: bool) -> float:
+        """What compute.py and pushes.py do with a role's outputs: sent where they are (TCP, CPU
+        tensors: stage_in_place) or copied into the pool (stage_tensors, as over RDMA), written into
+        the receiver's slot, then loaded there by the worker's InputLoader."""
         t0 = time.perf_counter()
-        staged = stage_tensors(pool, tensors, "ours")
+        staged = stage_in_place(transport, tensors) if in_place else stage_tensors(pool, tensors, "ours")
         t1 = time.perf_counter()
-        assert staged is not None
-        transport.write(peer.session, staged.allocation.addr, ours_dest, staged.nbytes)
-        t2 = time.perf_counter()
-        pool.free(staged.allocation)
+        assert staged is not None, "in place: the bench's tensors are CPU and contiguous"
+        if isinstance(staged, InPlaceTensors):
+            staged.submit_write(peer.session, ours_dest).wait()
+            t2 = time.perf_counter()
+            staged.release()
+        else:
+            transport.write(peer.session, staged.allocation.addr, ours_dest, staged.nbytes)
+            t2 = time.perf_counter()
+            pool.free(staged.allocation)
         loaded = peer.ask({"op": "load", "manifest": staged.manifest})
         load_s = float(loaded["load_s"])
         phase.update(stage=t1 - t0, write=t2 - t1, load=load_s, copy=float(loaded["copy_s"]))
         return (t2 - t0) + load_s
 
+    def ours() -> float:
+        return send(in_place=True)
+
+    def pooled() -> float:
+        return send(in_place=False)
+
     # Warm-up runs once, before the first block, for every path.
-    for fn in (memcpy_once, raw_once, raw_then_wrapper, ours):
+    for fn in (memcpy_once, raw_once, raw_then_wrapper, ours, pooled):
         for _ in range(args.warmup):
             fn()
-    paths = ("memcpy", "raw_b2b", "raw", "write", "ours")
+    paths = ("memcpy", "raw_b2b", "raw", "write", "ours", "pooled")
     samples: dict[str, list[float]] = {k: [] for k in paths}
     phases: dict[str, list[float]] = {"stage": [], "write": [], "load": [], "copy": []}
     per_block_rates: list[dict[str, float]] = []
@@ -273,9 +299,10 @@ def bench_size(
             block["ours"].append(total)
             for k in phases:
                 phases[k].append(phase[k])
+        block["pooled"] = timed_loop(pooled, **loop)
         for k in paths:
             samples[k] += block[k]
-        rates = {k: mb_s(ours_bytes if k == "ours" else nbytes, block[k]) for k in paths}
+        rates = {k: mb_s(ours_bytes if k in ("ours", "pooled") else nbytes, block[k]) for k in paths}
         per_block_rates.append(rates)
     pool.free(src)
 
@@ -286,6 +313,7 @@ def bench_size(
     write_rate, ours_rate = mb_s(nbytes, samples["write"]), mb_s(ours_bytes, samples["ours"])
     per_block = {
         "ours_over_raw": ratios("ours", "raw"),
+        "pooled_over_raw": ratios("pooled", "raw"),
         "raw_over_memcpy": ratios("raw", "memcpy"),
         "write_over_raw": ratios("write", "raw"),
     }
@@ -300,12 +328,14 @@ def bench_size(
             "raw": len(samples["raw"]),
             "write": len(samples["write"]),
             "ours": len(samples["ours"]),
+            "pooled": len(samples["pooled"]),
         },
         "memcpy_mb_s": memcpy_rate,
         "raw_back_to_back_mb_s": mb_s(nbytes, samples["raw_b2b"]),
         "raw_mooncake_mb_s": raw_rate,
         "write_mb_s": write_rate,
         "ours_mb_s": ours_rate,
+        "pooled_mb_s": mb_s(ours_bytes, samples["pooled"]),
         "ours_phase_ms": {k: statistics.median(v) * 1e3 for k, v in phases.items()},
         # Ratios: the median over blocks of each block's ratio (a block's baseline and measured runs
         # are minutes apart at most), and each block's own.
@@ -317,7 +347,8 @@ def bench_size(
 def print_table(results: list[dict[str, Any]], protocol: str) -> None:
     header = (
         f"{'size':>8} {'memcpy':>8} {'raw b2b':>8} {'raw':>8} {'write':>8} {'ours':>8} "
-        f"{'ours/raw':>9} {'raw/memcpy':>11} {'write/raw':>10}   ours phases stage/write/load (copy) ms"
+        f"{'ours/raw':>9} {'pooled/raw':>11} {'raw/memcpy':>11} {'write/raw':>10}   "
+        "ours phases stage/write/load (copy) ms"
     )
     print(f"\nMooncake {protocol} transfer: median MB/s (MB = 1e6 bytes) and ratios")
     print(header)
@@ -327,7 +358,7 @@ def print_table(results: list[dict[str, Any]], protocol: str) -> None:
         print(
             f"{r['bytes'] / MIB:>5.0f}MiB {r['memcpy_mb_s']:>8.0f} {r['raw_back_to_back_mb_s']:>8.0f} "
             f"{r['raw_mooncake_mb_s']:>8.0f} {r['write_mb_s']:>8.0f} {r['ours_mb_s']:>8.0f} {r['ours_over_raw']:>9.1%} "
-            f"{r['raw_over_memcpy']:>11.1%} {r['write_over_raw']:>10.1%}   "
+            f"{r['pooled_over_raw']:>11.1%} {r['raw_over_memcpy']:>11.1%} {r['write_over_raw']:>10.1%}   "
             f"{p['stage']:.2f} / {p['write']:.2f} / {p['load']:.3f} ({p['copy']:.2f})"
         )
     for r in results:
@@ -338,12 +369,13 @@ def print_table(results: list[dict[str, Any]], protocol: str) -> None:
         print(f"{r['bytes'] / MIB:>5.0f}MiB write/raw and ours/raw per block ({r['blocks']} blocks): {blocks}")
     print(
         "ratios are medians of the per-block ratios; each block: memcpy and raw b2b (baselines), then raw\n"
-        "and write interleaved run by run, then ours, all in this one process lifetime.\n"
+        "and write interleaved run by run, then ours, then pooled, all in this one process lifetime.\n"
         "memcpy: torch copy into a preallocated buffer; raw b2b: transfer_sync_write back to back;\n"
         "raw / write: transfer_sync_write / MooncakeTransport.write, each after a receiver round trip\n"
-        "(the cadence `ours` has); ours: stage_tensors + write + the worker's InputLoader taking the\n"
-        "inputs in place and releasing the slot, of a FLUX-like set; (copy): load_tensors of the same\n"
-        "slot, what a GPU worker does instead (not in ours)."
+        "(the cadence `ours` has); ours: the outputs sent in place (stage_in_place, one write per\n"
+        "tensor) + the worker's InputLoader taking the inputs in place and releasing the slot, of a\n"
+        "FLUX-like set; pooled: the same with the copy into the pool (stage_tensors) that RDMA and GPU\n"
+        "outputs still make; (copy): load_tensors of the same slot, what a GPU worker does instead."
     )
 
 

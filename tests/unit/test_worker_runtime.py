@@ -39,7 +39,7 @@ from triptych_dev.localdeploy import free_port_block
 from triptych_dev.null_pipeline import NullPipeline
 from triptych_worker import compute, drain, pushes, slots
 from triptych_worker.runtime import Job, Worker
-from triptych_worker.transfer import MooncakeTransport, TransferPool
+from triptych_worker.transfer import InPlaceTensors, MooncakeTransport, StagedTensors, TransferPool, stage_in_place
 
 
 class RecordingLink:
@@ -130,7 +130,7 @@ def test_a_new_head_gets_a_fully_free_pool_and_hears_which_requests_were_dropped
         slots.allocate(worker, link, TransferAlloc("kept", "w", 4096, standing=True))  # type: ignore[arg-type]
         staged = worker.pool.allocate(4096, owner="staged")  # an output waiting for its transfer_push
         with worker._lock:
-            worker._staged["staged"] = staged
+            worker._staged["staged"] = StagedTensors(staged, [])
         queued_input = worker.pool.allocate(4096, owner="queued")
         worker._enqueue(Job("queued", GenerationParams("x", 8, 8), (queued_input, [], {})))
         assert worker.pool.free_bytes < worker.pool.pool_bytes - startup
@@ -145,6 +145,29 @@ def test_a_new_head_gets_a_fully_free_pool_and_hears_which_requests_were_dropped
         assert isinstance(beat, Heartbeat) and beat.head_id == "head-2"
         assert beat.free_bytes + beat.standing_bytes == beat.pool_bytes and beat.standing_bytes == startup
         assert not worker._queue and not worker._outstanding
+    finally:
+        worker.transport.close()
+
+
+def test_outputs_sent_in_place_are_let_go_when_their_request_is_cancelled_or_its_head_replaced():
+    """Outputs waiting for their push where they are (no pool bytes): a cancel, or a new head that
+    knows nothing of them, unregisters them, so their memory is the allocator's again."""
+    worker = make_worker()
+    link = RecordingLink()
+    try:
+        worker._on_message(link, _encoded(Ping("w", head_id="head-1")))  # type: ignore[arg-type]
+        free = worker.pool.free_bytes
+        staged = {rid: stage_in_place(worker.transport, {"latents": torch.randn(4096)}) for rid in ("a", "b")}
+        with worker._lock:
+            for rid, outputs in staged.items():
+                assert outputs is not None
+                worker._staged[rid] = outputs
+        assert worker.pool.free_bytes == free
+        worker._cancel("a")
+        assert staged["a"].released and not staged["b"].released  # type: ignore[union-attr]
+        worker._on_message(link, _encoded(Ping("w", head_id="head-2")))  # type: ignore[arg-type]
+        assert staged["b"].released and not worker._staged  # type: ignore[union-attr]
+        assert sorted(m.request_id for m in link.sent if isinstance(m, Failed)) == ["b"]
     finally:
         worker.transport.close()
 
@@ -495,7 +518,8 @@ def test_inputs_used_in_place_hold_their_slot_until_the_stage_is_done_also_on_ca
                 assert time.monotonic() < deadline, what
                 time.sleep(0.01)
 
-        staged = 256  # each finished job's outputs (16 bytes, aligned) wait in the pool for their push
+        # Each finished job's outputs (a new CPU tensor) wait for their push where they are: sent in
+        # place, they take nothing from the pool (transfer/in_place.py).
         for rid, value, ending in (("r1", 1, "done"), ("r2", 2, "cancelled"), ("r3", 3, "failed")):
             pipeline.gates[rid] = threading.Event()
             if ending == "failed":
@@ -513,7 +537,8 @@ def test_inputs_used_in_place_hold_their_slot_until_the_stage_is_done_also_on_ca
             pipeline.gates[rid].set()
             if ending == "done":
                 w.next_message(TransferStaged)
-                assert pool.free_bytes == before - staged, "the slot was given back before the head heard"
+                assert pool.free_bytes == before, "the slot was given back before the head heard"
+                assert isinstance(worker._staged[rid], InPlaceTensors)
             elif ending == "failed":
                 assert "fails on purpose" in w.next_message(Failed).error  # type: ignore[attr-defined]
                 until(lambda before=before: pool.free_bytes == before, "r3's slot given back after its failure")  # type: ignore[misc]
@@ -531,6 +556,8 @@ def test_outputs_that_need_the_room_of_the_input_slot_in_use_get_it():
     args = ServeArgs.from_namespace(build_parser().parse_args(argv))
     nbytes = 3 << 20
     worker = Worker(args, pipeline=NullPipeline(Role.DENOISER, nbytes))  # type: ignore[arg-type]
+    # Outputs copied into the pool, as over RDMA (on TCP they would go in place, needing no room at all).
+    worker.transport.sends_in_place = False
     try:
         assert worker.inputs.in_place
         slot = worker.pool.allocate(nbytes, "r1")

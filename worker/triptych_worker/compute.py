@@ -23,7 +23,7 @@ from triptych_worker.job_groups import Job
 from triptych_worker.preview import should_preview
 from triptych_worker.resume import RESUME
 from triptych_worker.stages import PIXELS, StageBatch
-from triptych_worker.transfer import Allocation, PayloadTooLarge, stage_tensors
+from triptych_worker.transfer import InPlaceTensors, PayloadTooLarge, StagedTensors, stage_in_place, stage_tensors
 
 if TYPE_CHECKING:
     from triptych_worker.runtime import Worker
@@ -191,20 +191,27 @@ def _deliver(
         specs, frames = tensors_to_frames({PIXELS: batch.tensors[PIXELS]})
         seconds = time.perf_counter() - started
         return Result(job.request_id, worker.instance, specs, seconds, batch_size, leader), frames
-    staged = _stage(worker, link, job.request_id, batch, inputs)
+    resume = batch.meta.get(RESUME)  # stopped at a step boundary: another denoiser continues it
+    # Outputs go from their own memory where they can (in_place.py); a continuation always goes into
+    # the pool, where it can also resume on this worker (TransferReady in_place uses it as the slot).
+    staged: StagedTensors | InPlaceTensors | None = None
+    if resume is None:
+        staged = stage_in_place(worker.transport, batch.tensors)
+    if staged is None:
+        staged = _stage(worker, link, job.request_id, batch, inputs)
     if staged is None:
         return None  # cancelled while waiting for room
-    allocation, manifest = staged
     with worker._lock:
-        if job.request_id in worker._cancelled:
-            worker.pool.free(allocation)
-            return None
-        worker._staged[job.request_id] = allocation
+        cancelled = job.request_id in worker._cancelled
+        if not cancelled:
+            worker._staged[job.request_id] = staged
+    if cancelled:
+        worker.free_staged(staged)
+        return None
     seconds = time.perf_counter() - started
-    resume = batch.meta.get(RESUME)  # stopped at a step boundary: another denoiser continues it
     continues_at = None if resume is None else int(resume["step"])
     return TransferStaged(
-        job.request_id, worker.instance, allocation.nbytes, manifest, batch.meta, seconds, batch_size, leader,
+        job.request_id, worker.instance, staged.nbytes, staged.manifest, batch.meta, seconds, batch_size, leader,
         continues_at,
     ), []  # fmt: skip
 
@@ -223,7 +230,7 @@ def _preview(worker: Worker, job: Job, step: int, latents: Any) -> bytes:
 
 def _stage(
     worker: Worker, link: HeadLinks, request_id: str, batch: StageBatch, inputs: dict[str, Inputs]
-) -> tuple[Allocation, list[dict[str, Any]]] | None:
+) -> StagedTensors | None:
     """Copy outputs into the pool, waiting while it is full (back-pressure on this sender).
 
     A full pool while this job still holds its input slot (inputs in place) may be full of that
@@ -233,7 +240,7 @@ def _stage(
     while True:
         staged = stage_tensors(worker.pool, batch.tensors, owner=request_id)
         if staged is not None:
-            return staged.allocation, staged.manifest
+            return staged
         held = inputs.get(request_id)
         if held is not None and held.held is not None:
             batch.tensors = worker.inputs.detach(inputs.pop(request_id), batch.tensors, link)

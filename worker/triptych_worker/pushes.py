@@ -1,5 +1,5 @@
 """The Mooncake writes a worker's leader has under way: start one per TransferPush, report each
-when it ends, and give its staged bytes back to the pool."""
+when it ends, and give back what its staged outputs held (pool bytes, or an in-place registration)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from triptych.protocol import Failed, TransferPush, TransferPushed
 from triptych_worker import slots
 from triptych_worker.heads import HeadLinks
-from triptych_worker.transfer import Allocation, PendingWrite, TransferError, TransferStalled
+from triptych_worker.transfer import InPlaceTensors, PendingWrite, StagedTensors, TransferError, TransferStalled
 
 if TYPE_CHECKING:
     from triptych_worker.runtime import Worker
@@ -23,7 +23,7 @@ class Push:
     """A staged output on its way to a receiver: the Mooncake write under way out of it."""
 
     request_id: str
-    staged: Allocation
+    staged: StagedTensors | InPlaceTensors
     write: PendingWrite
 
 
@@ -34,9 +34,15 @@ def start_push(worker: Worker, link: HeadLinks, msg: TransferPush) -> None:
         link.send(Failed(msg.request_id, worker.instance, "transfer_push for a request with nothing staged"))
         return
     try:
-        write = worker.transport.submit_write(msg.dest_session, staged.addr, msg.dest_addr, staged.nbytes)
+        if isinstance(staged, InPlaceTensors):
+            write = staged.submit_write(msg.dest_session, msg.dest_addr)
+        else:
+            write = worker.transport.submit_write(
+                msg.dest_session, staged.allocation.addr, msg.dest_addr, staged.nbytes
+            )
     except Exception as exc:
-        _end_push(worker, link, msg.request_id, staged, _push_failed(worker, msg.request_id, exc))
+        # Tensors sent in place may have had a first range submitted: treated as a stalled write.
+        _end_push(worker, link, msg.request_id, staged, _push_failed(worker, msg.request_id, exc), maybe_read=True)
         return
     worker._pushes.append(Push(msg.request_id, staged, write))
 
@@ -64,8 +70,20 @@ def _push_failed(worker: Worker, request_id: str, exc: Exception) -> Failed:
 
 
 def _end_push(
-    worker: Worker, link: HeadLinks, request_id: str, staged: Allocation, report: Failed | TransferPushed
+    worker: Worker,
+    link: HeadLinks,
+    request_id: str,
+    staged: StagedTensors | InPlaceTensors,
+    report: Failed | TransferPushed,
+    maybe_read: bool = False,
 ) -> None:
     link.send(report)
-    worker.pool.free(staged)
+    still_read = maybe_read or (isinstance(report, Failed) and report.write_pending)
+    if still_read and isinstance(staged, InPlaceTensors):
+        # The engine may still read these tensors: never free memory under it (a stall is rare; this
+        # holds its bytes until the worker exits).
+        log.warning("request %s: keeping %d bytes of outputs the engine may still read", request_id, staged.nbytes)
+        worker._unfinished_sends.append(staged)
+    else:
+        worker.free_staged(staged)
     slots.space_freed(worker, link)

@@ -66,8 +66,10 @@ from triptych_worker.simulated import SimulatedPipeline
 from triptych_worker.transfer import (
     ALIGNMENT,
     Allocation,
+    InPlaceTensors,
     MooncakeTransport,
     NoTransport,
+    StagedTensors,
     TransferPool,
     check_rdma_device,
 )
@@ -157,7 +159,8 @@ class Worker:
         self._queue: deque[Job] = deque()  # accepted work waiting for the computing thread
         self._computing = False  # a thread is running a job
         self._crashed: BaseException | None = None
-        self._staged: dict[str, Allocation] = {}  # outputs waiting for their transfer_push
+        self._staged: dict[str, StagedTensors | InPlaceTensors] = {}  # outputs waiting for their transfer_push
+        self._unfinished_sends: list[InPlaceTensors] = []  # outputs a failed write may still read (pushes.py)
         self._slots: dict[str, Allocation] = {}
         self._standing: dict[int, Allocation] = {}  # standing receive slots the head assigns by address
         self._outstanding: set[str] = set()  # accepted requests whose stages have not finished
@@ -469,11 +472,20 @@ class Worker:
             self._cancelled[request_id] = None
             while len(self._cancelled) > CANCELLED_MEMORY:
                 self._cancelled.popitem(last=False)
-            self._staged.pop(request_id, None)
+            staged = self._staged.pop(request_id, None)
             self._slots.pop(request_id, None)
             self._outstanding.discard(request_id)
+        if staged is not None:
+            self.free_staged(staged)
         if free:
             self.pool.free_owner(request_id)
+
+    def free_staged(self, staged: StagedTensors | InPlaceTensors) -> None:
+        """Give back what staged outputs hold: their pool bytes, or their tensors' registration."""
+        if isinstance(staged, InPlaceTensors):
+            staged.release()
+        else:
+            self.pool.free(staged.allocation)
 
     def _hand_off(self, request_id: str) -> None:
         """The head asks for the request's state at its next step boundary (docs/design.md "Migration");

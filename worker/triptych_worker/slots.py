@@ -14,7 +14,7 @@ from triptych.roles import Role
 from triptych_worker import standing
 from triptych_worker.heads import HeadLinks
 from triptych_worker.job_groups import Job
-from triptych_worker.transfer import Allocation, PayloadTooLarge
+from triptych_worker.transfer import Allocation, PayloadTooLarge, StagedTensors
 
 if TYPE_CHECKING:
     from triptych_worker.runtime import Worker
@@ -91,8 +91,9 @@ def ready(worker: Worker, link: HeadLinks, msg: TransferReady) -> None:
     itself (a suspended request resuming here: its state never left the pool)."""
     worker.heads.own(msg.request_id, msg.head_id)
     with worker._lock:
-        if msg.in_place:
-            alloc = worker._staged.pop(msg.request_id, None)
+        if msg.in_place:  # a continuation is always staged in the pool (compute.py)
+            staged = worker._staged.pop(msg.request_id, None)
+            alloc = staged.allocation if isinstance(staged, StagedTensors) else None
             if alloc is not None:
                 worker._outstanding.add(msg.request_id)
         else:

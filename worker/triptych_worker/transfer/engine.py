@@ -66,6 +66,9 @@ class MooncakeTransport:
         engine_cls = _import_transfer_engine()
         self.hostname = hostname
         self.protocol = "tcp" if ib_device is None else "rdma"
+        # Whether outputs may be sent from their own memory (in_place.py): registering is a table entry
+        # on TCP (~2 us), where RDMA pins the pages of every registration (there: the pool, one copy).
+        self.sends_in_place = self.protocol == "tcp"
         self.ib_device = ib_device
         self._engine: Any = engine_cls()
         rc = self._engine.initialize(hostname, "P2PHANDSHAKE", self.protocol, ib_device or "")
@@ -112,22 +115,44 @@ class MooncakeTransport:
         before calling the engine if the local range is not registered. The local range must stay
         untouched until the returned write is done.
         """
+        return self.submit_writes(dest_session, [(local_addr, dest_addr, nbytes)])
+
+    def submit_writes(self, dest_session: str, ranges: list[tuple[int, int, int]]) -> PendingWrite:
+        """Start writing each `(local_addr, dest_addr, nbytes)` range into peer `dest_session`, as one
+        write (done when every range is): the pieces of one payload that are not one local range
+        (outputs sent in place, in_place.py). Raises as `submit_write`."""
         self._check_open()
-        if nbytes < 0:
-            raise ValueError(f"cannot write {nbytes} bytes")
+        if any(nbytes < 0 for _, _, nbytes in ranges):
+            raise ValueError(f"cannot write {[n for _, _, n in ranges]} bytes")
         started = time.perf_counter()  # the engine's submit is part of the write (tens of microseconds)
-        what = f"Mooncake {self.protocol} write of {nbytes} bytes to peer {dest_session} at 0x{dest_addr:x}"
-        if nbytes == 0:
-            return PendingWrite(self._engine, 0, what, started)
-        if not self._is_registered(local_addr, nbytes):
-            raise TransferError(
-                f"local range 0x{local_addr:x}+{nbytes} is not inside memory registered with this transport; "
-                "stage the payload in the TransferPool first"
-            )
-        batch = self._engine.transfer_submit_write(dest_session, local_addr, dest_addr, nbytes)
-        if not batch:
-            raise TransferError(f"{what} could not start; {_PEER_HINT}")
-        return PendingWrite(self._engine, batch, what, started)
+        total = sum(nbytes for _, _, nbytes in ranges)
+        first = ranges[0][1] if ranges else 0
+        what = f"Mooncake {self.protocol} write of {total} bytes to peer {dest_session} at 0x{first:x}"
+        for local_addr, _, nbytes in ranges:
+            if nbytes and not self._is_registered(local_addr, nbytes):
+                raise TransferError(
+                    f"local range 0x{local_addr:x}+{nbytes} is not inside memory registered with this transport; "
+                    "stage the payload in the TransferPool first"
+                )
+        batches = []
+        for local_addr, dest_addr, nbytes in ranges:
+            if not nbytes:
+                continue
+            batch = self._engine.transfer_submit_write(dest_session, local_addr, dest_addr, nbytes)
+            if not batch:
+                # Ranges already under way still write (into the peer's slot, which the head keeps
+                # out of use after a failure); the caller keeps their memory until they could be done.
+                raise TransferError(f"{what} could not start; {_PEER_HINT}")
+            batches.append(batch)
+        return PendingWrite(self._engine, batches, what, started)
+
+    def unregister(self, ptr: int) -> None:
+        """Forget memory registered at `ptr` (a range `register` took); peers can no longer address it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._regions = [(start, size) for start, size in self._regions if start != ptr]
+        self._engine.unregister_memory(ptr)
 
     def close(self) -> None:
         """Unregister all memory and drop the engine. Idempotent."""
@@ -162,11 +187,10 @@ class PendingWrite:
     status is read until then only.
     """
 
-    def __init__(self, engine: Any, batch: int, what: str, started: float) -> None:
+    def __init__(self, engine: Any, batches: list[int], what: str, started: float) -> None:
         self._engine = engine
-        self._batch = batch
+        self._batches = list(batches)  # those not reported done yet
         self._what = what
-        self._finished = batch == 0  # an empty write has nothing to wait for
         self._failed: TransferError | None = None
         self.started = started  # perf_counter() when the write was submitted
 
@@ -179,15 +203,16 @@ class PendingWrite:
         """
         if self._failed is not None:
             raise self._failed
-        if self._finished:
+        while self._batches:
+            status = self._engine.transfer_check_status(self._batches[0])
+            if status == _PENDING:
+                break
+            if status != _DONE:
+                self._failed = TransferError(f"{self._what} failed (status {status}); {_PEER_HINT}")
+                raise self._failed
+            self._batches.pop(0)
+        if not self._batches:
             return True
-        status = self._engine.transfer_check_status(self._batch)
-        if status == _DONE:
-            self._finished = True
-            return True
-        if status != _PENDING:
-            self._failed = TransferError(f"{self._what} failed (status {status}); {_PEER_HINT}")
-            raise self._failed
         if self.elapsed() > WRITE_TIMEOUT_S:
             raise TransferStalled(
                 f"{self._what} did not finish in {WRITE_TIMEOUT_S:g}s; the peer may be stalled or its network congested"
@@ -220,6 +245,8 @@ class NoTransport:
     tensors (only pixels to the head, over ZMQ), so no Mooncake engine starts and no memory is registered."""
 
     session_id = ""  # heartbeats name no transfer session: the head never reserves a slot on it
+
+    sends_in_place = False
 
     def submit_write(self, dest_session: str, local_addr: int, dest_addr: int, nbytes: int) -> PendingWrite:
         raise TransferError("a full-pipeline worker writes no tensors to other workers")
