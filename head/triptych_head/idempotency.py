@@ -20,18 +20,28 @@ A request whose key has
 - a different request body (fingerprint) under the same key: KeyReused.
 
 The records go with the results, by the same retention (results.py).
+
+An answer is bytes, or, when large (a b64_json image answer of megabytes), the chunks of a body
+streamed as it is encoded: those are written to the store's staging folder chunk by chunk and
+stored as a file, and an answer stored larger than STREAM_BYTES is streamed back out of the store
+(first run and replays alike), so the head never holds a large answer whole.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import logging
+import os
 import random
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from triptych_head.objects import ObjectMissing, ObjectStore
 
@@ -41,6 +51,10 @@ FOLDER = "idempotency"
 LEASE_S = 30.0  # a running attempt whose head has not renewed its record for this long lost its head
 POLL_S = 0.2  # how often a request waiting on another head's run re-reads its record
 MAX_KEY_LENGTH = 255
+STREAM_BYTES = 4 << 20  # a stored answer larger than this is streamed out of the store, not read whole
+
+Body = bytes | AsyncIterator[bytes]  # what a run answers: whole, or in chunks as it is encoded
+Answer = bytes | Iterator[bytes]  # what the caller sends: whole, or streamed out of the store
 
 
 class KeyReused(Exception):
@@ -87,8 +101,8 @@ class Idempotency:
         return f"{FOLDER}/{digest}.{n}.response"
 
     async def once(
-        self, scope: str, key: str, fingerprint: str, run: Callable[[], Awaitable[bytes]], wait_s: float
-    ) -> tuple[bytes, bool]:
+        self, scope: str, key: str, fingerprint: str, run: Callable[[], Awaitable[Body]], wait_s: float
+    ) -> tuple[Answer, bool]:
         """(the answer, whether it is a replay of an earlier run). `run` is awaited at most once, and
         only when this head won the key's next attempt; its exception (the run failed) propagates
         and a later retry runs again."""
@@ -100,7 +114,7 @@ class Idempotency:
                 raise KeyReused(key)
             if attempt is not None and attempt.state == "done":
                 try:
-                    return await asyncio.to_thread(self.objects.get_bytes, self._response(digest, n)), True
+                    return await asyncio.to_thread(self._read, self._response(digest, n)), True
                 except ObjectMissing:  # removed by retention between the two reads: run it again
                     attempt = None
             if attempt is not None and attempt.live(time.time()):
@@ -115,12 +129,15 @@ class Idempotency:
                 return await self._hold(digest, nxt, mine, run), False
             await asyncio.sleep(random.uniform(0.5, 1.5) * self.poll_s)  # another head won it (or we both withdrew)
 
-    async def _hold(self, digest: str, n: int, mine: Attempt, run: Callable[[], Awaitable[bytes]]) -> bytes:
+    async def _hold(self, digest: str, n: int, mine: Attempt, run: Callable[[], Awaitable[Body]]) -> Answer:
         """Run attempt n, renewing its lease, then record its answer (or its failure)."""
         ended = asyncio.Event()
         renewal = asyncio.create_task(self._renew(digest, n, mine, ended))
+        spooled: Path | None = None
         try:
             answer = await run()
+            if not isinstance(answer, bytes):
+                spooled = await self._spool(answer)  # an encoder failing mid-way fails the run
         except BaseException:
             ended.set()
             await asyncio.shield(renewal)  # its write in flight lands before ours, never after
@@ -129,10 +146,41 @@ class Idempotency:
             raise
         ended.set()
         await renewal
-        await asyncio.to_thread(self.objects.put_bytes, self._response(digest, n), answer, "application/json")
+        name = self._response(digest, n)
+        if isinstance(answer, bytes):
+            await asyncio.to_thread(self.objects.put_bytes, name, answer, "application/json")
+        else:
+            assert spooled is not None
+            await asyncio.to_thread(self.objects.put_file, name, spooled, "application/json")  # consumes it
         mine.state = "done"  # after the answer: a head that reads `done` finds it
         await self._save(digest, n, mine)
-        return answer
+        return answer if isinstance(answer, bytes) else await asyncio.to_thread(self._read, name)
+
+    async def _spool(self, chunks: AsyncIterator[bytes]) -> Path:
+        """The chunks, written one at a time to a file in the store's staging folder (for put_file)."""
+        self.objects.staging.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f"answer-{uuid.uuid4().hex}-", dir=self.objects.staging)
+        path = Path(name)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in chunks:
+                    await asyncio.to_thread(f.write, chunk)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return path
+
+    def _read(self, name: str) -> Answer:
+        """A stored answer: whole when small, else streamed out of the store (its first chunk read
+        here, so that an answer removed meanwhile raises ObjectMissing now, not mid-response)."""
+        stored = self.objects.stat(name)
+        if stored is None:
+            raise ObjectMissing(name)
+        if stored.size <= STREAM_BYTES:
+            return self.objects.get_bytes(name)
+        chunks = self.objects.stream(name)
+        first = next(chunks, b"")
+        return itertools.chain([first], chunks)
 
     async def _renew(self, digest: str, n: int, mine: Attempt, ended: asyncio.Event) -> None:
         """Rewrite the record every third of a lease until the run ends. Not cancelled: a write cut

@@ -50,15 +50,19 @@ def noise(n: int, side: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 256, (n, 1, side, side, 3), dtype=np.uint8)
 
 
-async def post(app: Any, body: dict[str, Any], keep: bool) -> tuple[int, dict[str, str], int, bytes]:
-    """One POST /v1/images/generations through ASGI: status, headers, body size, and the body if `keep`."""
+async def post(
+    app: Any, body: dict[str, Any], keep: bool, key: str | None = None
+) -> tuple[int, dict[str, str], int, bytes]:
+    """One POST /v1/images/generations through ASGI (with an Idempotency-Key `key`): status, headers,
+    body size, and the body if `keep`."""
     raw = json.dumps(body).encode()
+    extra = [] if key is None else [(b"idempotency-key", key.encode())]
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
         "path": "/v1/images/generations", "raw_path": b"/v1/images/generations", "query_string": b"",
         "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": {}, "app": app,
         "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
-                    (b"content-length", str(len(raw)).encode())],
+                    (b"content-length", str(len(raw)).encode()), *extra],
     }  # fmt: skip
     answered = asyncio.Event()
     delivered = False
@@ -143,3 +147,38 @@ def test_the_head_holds_less_than_the_body_once_while_answering_a_large_b64_requ
     size, peak = asyncio.run(measured())
     assert size > pixels.nbytes  # base64 of incompressible PNGs: about 4/3 of the pixels
     assert peak < size, f"peak {peak / 2**20:.1f} MiB traced for a {size / 2**20:.1f} MiB body"
+
+
+def test_an_idempotent_large_answer_is_stored_and_replayed_without_being_held_whole(tmp_path):
+    """With an Idempotency-Key the large answer is written to the store as it is encoded and sent
+    out of it, the first time and on a replay: byte for byte the same body, and the head's peak
+    memory (traced) stays under the body's size both times."""
+    pixels = noise(2, 1024)
+    app = make_app(tmp_path, pixels)
+
+    async def measured(keep: bool) -> tuple[int, dict[str, str], int, bytes, int]:
+        tracemalloc.start()
+        try:
+            status, headers, size, body = await post(app, REQUEST, keep=keep, key="large-1")
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        return status, headers, size, body, peak
+
+    async def both() -> list[tuple[int, dict[str, str], int, bytes, int]]:
+        await post(app, {**REQUEST, "size": "16x16"}, keep=False, key="warm-up")  # imports, caches, the routes
+        runs = [await measured(keep=False), await measured(keep=False)]
+        runs.append(await measured(keep=True))  # a second replay, kept to check its bytes
+        return runs
+
+    first, replay, kept = asyncio.run(both())
+    for status, headers, size, _, peak in (first, replay):
+        assert status == 200 and "content-length" not in headers  # streamed
+        assert peak < size, f"peak {peak / 2**20:.1f} MiB traced for a {size / 2**20:.1f} MiB body"
+    assert "idempotent-replayed" not in first[1] and replay[1]["idempotent-replayed"] == "true"
+    assert first[2] == replay[2] == kept[2] > pixels.nbytes
+    answer = json.loads(kept[3])
+    for i, item in enumerate(answer["data"]):
+        decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
+        assert np.array_equal(decoded, pixels[i, 0])
+    assert not list((tmp_path / ".staging").glob("answer-*")), "the spooled answer was stored, not left behind"

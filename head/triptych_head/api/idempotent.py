@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from triptych_head.api.auth import bearer_token
@@ -18,7 +19,7 @@ from triptych_head.api.context import HeadContext
 from triptych_head.api.deadlines import FIELD as DEADLINE_FIELD
 from triptych_head.api.errors import APIError
 from triptych_head.api.reference import Reference
-from triptych_head.idempotency import MAX_KEY_LENGTH, InProgress, KeyReused, valid_key
+from triptych_head.idempotency import MAX_KEY_LENGTH, Body, InProgress, KeyReused, valid_key
 
 HEADER = "Idempotency-Key"
 REPLAYED = "Idempotent-Replayed"
@@ -51,12 +52,15 @@ def fingerprint(endpoint: str, values: dict[str, Any], reference: Reference | No
 
 
 async def answer_once(
-    ctx: HeadContext, request: Request, key: str, fingerprint: str, run: Callable[[], Awaitable[BaseModel]]
+    ctx: HeadContext, request: Request, key: str, fingerprint: str, run: Callable[[], Awaitable[BaseModel | Body]]
 ) -> Response:
-    """Run the request unless its key ran (or runs) already; answer the key's one run either way."""
+    """Run the request unless its key ran (or runs) already; answer the key's one run either way.
+    `run` answers a response model, or the JSON body itself (bytes, or chunks as they are encoded:
+    a large one is stored and sent back without ever being held whole)."""
 
-    async def encoded() -> bytes:
-        return (await run()).model_dump_json().encode()
+    async def encoded() -> Body:
+        answer = await run()
+        return answer.model_dump_json().encode() if isinstance(answer, BaseModel) else answer
 
     scope = hashlib.sha256(bearer_token(request.scope) or b"").hexdigest()  # a tenant's keys are its own
     try:
@@ -78,4 +82,7 @@ async def answer_once(
         ) from None
     if replayed:
         ctx.idempotent_replays.inc()
-    return Response(body, media_type="application/json", headers={REPLAYED: "true"} if replayed else None)
+    headers = {REPLAYED: "true"} if replayed else None
+    if isinstance(body, bytes):
+        return Response(body, media_type="application/json", headers=headers)
+    return StreamingResponse(body, media_type="application/json", headers=headers)  # read from the store

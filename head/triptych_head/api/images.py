@@ -33,6 +33,7 @@ from triptych_head.api.reference import Reference, edit_form_schema, read_edit_f
 from triptych_head.api.schemas import ImageData, ImageGenerationResponse, RequestBody, RequestModels
 from triptych_head.backend import GenerationOutput
 from triptych_head.deadline import Estimate
+from triptych_head.idempotency import Body
 from triptych_head.timeline import SERVER_TIMING
 
 log = logging.getLogger(__name__)
@@ -111,8 +112,11 @@ async def _images(
             return image_body.streamed(output.pixels, headers)
         return image_body.whole(await _response(ctx, values, output, request_id, request), headers)
 
-    async def answered() -> ImageGenerationResponse:
-        return await _response(ctx, values, *await run(), request)
+    async def answered() -> Body:
+        output, request_id = await run()
+        if image_body.streams(values, output.pixels):  # stored and sent as it is encoded, never whole
+            return image_body.b64_body(image_body.images_of(output.pixels), int(time.time()))
+        return (await _response(ctx, values, output, request_id, request)).model_dump_json().encode()
 
     answer = await answer_once(ctx, request, key, fingerprint(endpoint, values, reference), answered)
     out = with_estimate(answer, _seconds(admitted[0]) if admitted else None)
