@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from triptych.flag_roles import first_unused, refusal
+from triptych.liveness import HEARTBEAT_INTERVAL_S, MIN_HEARTBEAT_TIMEOUT_S
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
 from triptych.ports import (
     DEFAULT_HTTP_PORT,
@@ -257,8 +258,12 @@ class ServeArgs:
             raise ConfigError(f"--disagg-transfer-listen-any is for worker roles, not --disagg-role {role.value}")
         if self.disagg_timeout <= 0:
             raise ConfigError(f"--disagg-timeout {self.disagg_timeout} must be > 0 seconds")
-        if self.disagg_heartbeat_timeout <= 0:
-            raise ConfigError(f"--disagg-heartbeat-timeout {self.disagg_heartbeat_timeout} must be > 0 seconds")
+        if not self.disagg_heartbeat_timeout >= MIN_HEARTBEAT_TIMEOUT_S:  # NaN too
+            raise ConfigError(
+                f"--disagg-heartbeat-timeout {self.disagg_heartbeat_timeout:g} is below twice the workers' "
+                f"{HEARTBEAT_INTERVAL_S:g} s heartbeat interval, so a worker whose heartbeat is a little late "
+                f"would count as lost: use at least {MIN_HEARTBEAT_TIMEOUT_S:g}"
+            )
         if self.disagg_discovery_interval <= 0:
             raise ConfigError(f"--disagg-discovery-interval {self.disagg_discovery_interval} must be > 0 seconds")
         if self.disagg_max_retries < 0:
@@ -398,6 +403,12 @@ class ServeArgs:
                      if getattr(self, f) != getattr(ServeArgs, f)]  # fmt: skip
         if head_only and self.disagg_role is not Role.SERVER:
             raise ConfigError(f"{flag(head_only[0])} is for the head (--disagg-role server), not {self.disagg_role}")
+        if self.batching_max_size > 1 and self.disagg_role is Role.SERVER and self.batching_mode != "dynamic":
+            raise ConfigError(
+                f"--batching-max-size {self.batching_max_size} on --disagg-role server does nothing without "
+                "--batching-mode dynamic (the head groups requests only then): add --batching-mode dynamic, or "
+                "drop it and give --batching-max-size to the workers only"
+            )
         if self.batching_max_size > 1 and self.disagg_role is Role.MONOLITHIC:
             raise ConfigError("--batching-max-size is for --disagg-role server and its workers; monolithic mode "
                               "runs one request at a time")  # fmt: skip
@@ -453,6 +464,22 @@ class ServeArgs:
                         f"{url} is listed for both {seen[url].value} and {role.value}; each worker has one role"
                     )
                 seen[url] = role
+                self._check_workers_reach_results(role, url)
+
+    def _check_workers_reach_results(self, role: Role, url: str) -> None:
+        """A worker reports (heartbeats, results) to the head's result sockets, which bind --host: a
+        worker on another host never reaches a loopback --host, so its instance would never come up.
+        Only a tcp:// endpoint names its host; dns:// and file:// lists may resolve anywhere."""
+        if not url.startswith("tcp://") or not is_loopback(self.host):
+            return
+        host, _ = parse_tcp_endpoint(url)
+        if is_loopback(host):
+            return
+        raise ConfigError(
+            f"{flag(URL_FLAGS[role])} {url} is on another host, but --host {self.host} binds the head's result "
+            f"sockets to loopback, which that {role.value} cannot reach (its heartbeats never arrive): pass "
+            "--host with an address the workers reach (or 0.0.0.0), with --disagg-keys-dir DIR"
+        )
 
     @staticmethod
     def _validate_role_pools(given: list[Role]) -> None:

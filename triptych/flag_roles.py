@@ -71,7 +71,9 @@ OVERRIDES: dict[str, frozenset[Role]] = {
     | {r for r in WORKER_ROLES if r.runs_affinity(Role.IMAGE_ENCODER)}
     | {FULL_PIPELINE_ROLE},
     "--lora-cache-bytes": LORA_WORKERS | {Role.MONOLITHIC},  # the processes that hold adapters
-    # monolithic mode runs on the device --device and --base-gpu-id name (ServeArgs.resolved_device)
+    # monolithic mode runs on the device --device and --base-gpu-id name (ServeArgs.resolved_device);
+    # the disaggregated head runs no model stage and never reads either
+    "--device": WORKERS | {Role.MONOLITHIC},
     "--base-gpu-id": WORKERS | {Role.MONOLITHIC},
     # a role's own degree: that role only
     **{flag(attr): frozenset({role}) for role, spec in ROLE_SPECS.items() for attr in spec.parallel_flags.values()},
@@ -84,11 +86,13 @@ INERT: dict[str, tuple[Any, ...]] = {
     **{flag(a): (None, 1) for spec in ROLE_SPECS.values() for a in spec.parallel_flags.values()},
 }
 
-# What to use instead, where a role is refused a flag for a reason the role name alone does not say.
+# What to use instead, where a role is refused a flag for a reason the role name alone does not say:
+# by (role, --help group), or by (role, flag) for one flag of a group the role otherwise takes.
 INSTEAD: dict[tuple[Role, str], str] = {
     (Role.MONOLITHIC, "parallelism"): (
         "monolithic mode runs on one device; run the roles disaggregated (--disagg-role denoiser ...) for multi-device"
     ),
+    (Role.SERVER, "--device"): "the head runs no model and uses no device; give --device to its workers",
 }
 
 
@@ -111,7 +115,7 @@ def who(roles: frozenset[Role]) -> str:
 def refusal(name: str, role: Role) -> str:
     """The one line refusing `name` to `role`."""
     line = f"{name} is for {who(roles_taking(name))}, not {role.value}"
-    hint = INSTEAD.get((role, GROUP_OF.get(name, GENERAL)))
+    hint = INSTEAD.get((role, name)) or INSTEAD.get((role, GROUP_OF.get(name, GENERAL)))
     return f"{line}: {hint}" if hint else line
 
 

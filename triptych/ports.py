@@ -16,6 +16,9 @@ DEFAULT_HTTP_PORT = 30000
 
 RESULT_PORT_OFFSET: dict[Role, int] = {role: spec.result_port_offset for role, spec in ROLE_SPECS.items()}
 MAX_RESULT_PORT_OFFSET = max(RESULT_PORT_OFFSET.values())
+# A multi-device worker's ranks meet on loopback at --master-port, by default its work port
+# (--scheduler-port) + this (docs/design.md, "Port convention"; triptych_worker.parallel.ranks).
+DEFAULT_MASTER_PORT_OFFSET = 50
 
 
 # Mooncake takes its handshake and TCP data ports from this range (its defaults, which the worker

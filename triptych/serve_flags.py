@@ -19,6 +19,8 @@ from triptych.config import (
     parse_size,
     parse_urls,
 )
+from triptych.liveness import HEARTBEAT_INTERVAL_S, MIN_HEARTBEAT_TIMEOUT_S
+from triptych.ports import DEFAULT_MASTER_PORT_OFFSET
 from triptych.roles import Role
 from triptych.serve_help import flag, grouped_adder
 
@@ -51,7 +53,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
             default=[],
             help=f"head: {role.value} endpoints, ';'-separated: tcp://HOST:PORT dns://NAME:PORT file:///PATH",
         )
-    a("--host", default=d.host, help="head: HTTP and result-socket bind address")
+    a("--host", default=d.host,
+      help="head: HTTP and result-socket bind address; workers on other hosts report to the result sockets, "
+           "so give an address they reach (or 0.0.0.0, with --disagg-keys-dir)")  # fmt: skip
     a("--port", type=int, default=d.port, help="head/monolithic: HTTP port")
     a("--disagg-p2p-hostname", default=d.disagg_p2p_hostname, help="worker: address peers reach it on (pod IP)")
     a("--disagg-ib-device", default=None, help="worker: RDMA device (e.g. mlx5_0); TCP transport when unset")
@@ -73,7 +77,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--disagg-timeout", type=float, default=d.disagg_timeout, help="head: seconds before a request times out")
     a("--disagg-dispatch-policy", choices=DISPATCH_POLICIES, default=d.disagg_dispatch_policy)
     a("--disagg-heartbeat-timeout", type=float, default=d.disagg_heartbeat_timeout,
-      help="head: seconds without a heartbeat before a worker counts as gone and its requests are retried")  # fmt: skip
+      help="head: seconds without a heartbeat before a worker counts as gone and its requests are retried; "
+           f"at least {MIN_HEARTBEAT_TIMEOUT_S:g} (twice the workers' {HEARTBEAT_INTERVAL_S:g} s heartbeat interval); "
+           "worker: seconds without a ping before it releases a head's work")  # fmt: skip
     a("--disagg-discovery-interval", type=float, default=d.disagg_discovery_interval,
       help="head: seconds between re-reads of dns:// and file:// worker lists (default 5)")  # fmt: skip
     a("--disagg-max-retries", type=int, default=d.disagg_max_retries,
@@ -89,7 +95,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--disagg-priority-aging", type=float, default=d.disagg_priority_aging,
       help="head: seconds of waiting that raise a request's priority by one level, so that no request "
            "waits forever behind higher ones (default 30)")  # fmt: skip
-    a("--master-port", type=int, default=None, help="worker: torch.distributed master port (multi-GPU roles)")
+    a("--master-port", type=int, default=None,
+      help="worker: the port on loopback where a multi-GPU worker's ranks meet (torch.distributed) "
+           f"(default: its --scheduler-port + {DEFAULT_MASTER_PORT_OFFSET})")  # fmt: skip
     a("--output-path", default=d.output_path,
       help="head/monolithic: where finished images (URL responses) and video jobs are kept; mount a "
            "persistent volume here for them to survive a restart")  # fmt: skip

@@ -173,8 +173,8 @@ def launch_pool(
     image_encoder_gpus for image edits) replace the combined encoder. The other keyword arguments
     are `triptych serve` flags by ServeArgs name, each given to the processes that take it
     (route_flags: `disagg_dispatch_policy` to the head, `disagg_transfer_pool_size` to every worker,
-    `denoiser_sp=4` to the denoisers, `device` to all); `head_flags` go to the head only,
-    `worker_flags` to every worker (`simulate=True`).
+    `denoiser_sp=4` to the denoisers, `device` to every worker: the head runs no model); `head_flags`
+    go to the head only, `worker_flags` to every worker (`simulate=True`).
     `full_pipeline=True`: a full-pipeline pool instead, denoisers only (denoiser_devices), each running
     every stage (--disagg-full-pipeline) and returning pixels to a head with only --denoiser-urls.
     Logs and keys go to `workdir` (a temporary directory, removed on exit, when not given).

@@ -18,11 +18,11 @@ import pytest
 from tests.e2e.harness import deployment
 from tests.e2e.test_null_pipeline import assert_all_capacity_released, image, metric
 from triptych.config import HEAD_SHUTDOWN_OVERHEAD_S
+from triptych.liveness import HEARTBEAT_INTERVAL_S
 from triptych.roles import Role
 from triptych_dev.localdeploy import LocalDeployment, wait_until_ready
 from triptych_head.main import READY_WITHOUT_WORKERS_S
 from triptych_head.results import JOB_LEASE_S
-from triptych_worker.runtime import HEARTBEAT_INTERVAL_S
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def wait_for(predicate, timeout: float, what: str):  # type: ignore[no-untyped-d
 
 def test_sigterm_with_a_request_stuck_waiting_exits_0_within_the_drain_bound(flux, tmp_path):
     # The decoder's only worker is gone: a request waits for it, and would for --disagg-timeout (600 s).
-    flags = ("--disagg-drain-timeout", "2", "--disagg-heartbeat-timeout", "1")
+    flags = ("--disagg-drain-timeout", "2", "--disagg-heartbeat-timeout", "2")
     with deployment(flux, tmp_path, null_payload=4096, head_flags=flags) as dep, dep.client(timeout=60) as c:
         dep.workers(Role.DECODER)[0].kill()
         wait_for(lambda: not c.get("/health").json()["workers"]["decoder"][0]["alive"], 10, "decoder seen gone")

@@ -247,6 +247,24 @@ def test_several_instances_per_role_as_written(shell_env, tmp_path):
         }, listed
 
 
+def test_the_several_instances_head_without_host_is_refused_in_one_line_saying_what_to_give(shell_env, tmp_path):
+    """As the reference types it (no --host, no keys): its result sockets would bind 127.0.0.1, which
+    the workers on other hosts never reach. Run as written, not on loopback: the refusal is at start-up."""
+    head = command(blocks()["instances serve"], "# 2 encoders").replace(
+        "    --host 0.0.0.0 --disagg-keys-dir keys \\\n", ""
+    )
+    assert "--host" not in head and "--disagg-keys-dir" not in head and "tcp://192.0.2.1:35000" in head, head
+    out = subprocess.run(["bash", "-c", head], cwd=tmp_path, env=shell_env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(
+        "triptych: error: --encoder-urls tcp://192.0.2.1:35000 is on another host, but --host 127.0.0.1"
+    ), lines[0]
+    assert "pass --host" in lines[0] and "--disagg-keys-dir" in lines[0], lines[0]
+
+
 @pytest.mark.parametrize(
     ("index", "flag"),
     [(0, "--srt-encoder-url"), (1, "--srt-encoder-url"), (2, "--tokenizer-path")],

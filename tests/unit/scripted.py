@@ -90,7 +90,11 @@ def scripted_head(
     argv = ["serve", "--model-path", "m", "--disagg-role", "server", "--scheduler-port", str(sched), *flags]
     for role, ws in workers.items():
         argv += [f"--{role.value}-urls", ";".join(w.url for w in ws)]
-    server = DiffusionServer(ServeArgs.from_namespace(build_parser().parse_args(argv)), ctx=ctx)
+    try:
+        server = DiffusionServer(ServeArgs.from_namespace(build_parser().parse_args(argv)), ctx=ctx)
+    except BaseException:  # refused flags: close the workers' sockets, or the context's collection blocks
+        ctx.destroy(linger=0)
+        raise
     loop = threading.Thread(target=server.run, daemon=True)
     loop.start()
     client = ctx.socket(zmq.DEALER)

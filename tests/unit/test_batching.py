@@ -26,8 +26,8 @@ def parse(*argv: str) -> ServeArgs:
     return ServeArgs.from_namespace(build_parser().parse_args(["serve", "--model-path", "m", *argv]))
 
 
-HEAD = ("--disagg-role", "server", "--encoder-urls", "tcp://a:1", "--denoiser-urls", "tcp://b:1",
-        "--decoder-urls", "tcp://c:1")  # fmt: skip
+HEAD = ("--disagg-role", "server", "--encoder-urls", "tcp://127.0.0.1:1", "--denoiser-urls", "tcp://127.0.0.2:1",
+        "--decoder-urls", "tcp://127.0.0.3:1")  # fmt: skip
 
 
 # --- the compatibility rule -----------------------------------------------------------------
@@ -152,11 +152,23 @@ def test_batching_flags_parse_for_the_head_and_the_worker():
         (("--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--batching-mode", "dynamic"),
          "--batching-mode is for the head"),
         (("--batching-max-size", "4"), "monolithic mode runs one request at a time"),
+        ((*HEAD, "--batching-max-size", "4"),
+         "--batching-max-size 4 on --disagg-role server does nothing without --batching-mode dynamic"),
+        ((*HEAD, "--batching-mode", "off", "--batching-max-size", "2"), "add --batching-mode dynamic, or drop it"),
     ],
 )  # fmt: skip
 def test_bad_batching_flags_are_refused_naming_the_flag(argv: tuple[str, ...], message: str):
     with pytest.raises(ConfigError, match=message):
         parse(*argv)
+
+
+def test_the_heads_group_size_is_taken_with_dynamic_batching_and_a_workers_without():
+    """The head groups requests only in dynamic mode, so its --batching-max-size needs it; a worker's
+    is its batched forward's size, whatever the head's mode."""
+    assert parse(*HEAD, "--batching-mode", "dynamic", "--batching-max-size", "4").batching_max_size == 4
+    assert parse(*HEAD, "--batching-max-size", "1").batching_max_size == 1  # one per group: nothing to ignore
+    worker = ("--disagg-role", "decoder", "--disagg-server-addr", "tcp://h:1", "--batching-max-size", "4")
+    assert parse(*worker).batching_max_size == 4
 
 
 def test_an_unknown_batching_mode_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]):

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from triptych.cli import build_parser
 from triptych.config import ConfigError, ServeArgs
+from triptych.liveness import HEARTBEAT_INTERVAL_S
 from triptych.parallelism import ParallelismError, resolve_parallelism
 from triptych.ports import result_endpoint, result_port
 from triptych.roles import Role
@@ -35,16 +39,22 @@ def test_port_convention():
 
 
 def test_urls_are_semicolon_separated_and_pool_size_takes_units():
-    a = parse("--model-path", "m", "--disagg-role", "server", "--encoder-urls", "tcp://a:1;tcp://b:1",
-              "--denoiser-urls", "tcp://c:1", "--decoder-urls", "dns://dec.ns.svc:1")  # fmt: skip
-    assert a.encoder_urls == ["tcp://a:1", "tcp://b:1"] and a.decoder_urls == ["dns://dec.ns.svc:1"]
+    a = parse("--model-path", "m", "--disagg-role", "server", "--encoder-urls", "tcp://127.0.0.1:1;tcp://127.0.0.2:1",
+              "--denoiser-urls", "tcp://127.0.0.3:1", "--decoder-urls", "dns://dec.ns.svc:1")  # fmt: skip
+    assert a.encoder_urls == ["tcp://127.0.0.1:1", "tcp://127.0.0.2:1"] and a.decoder_urls == ["dns://dec.ns.svc:1"]
     worker = ("--model-path", "m", "--disagg-role", "decoder", "--disagg-server-addr", "tcp://h:1")
     assert parse(*worker, "--disagg-transfer-pool-size", "1GiB").disagg_transfer_pool_size == 1 << 30
 
 
 def test_a_head_with_only_denoiser_urls_is_a_full_pipeline_pool_and_its_workers_say_so():
-    head = parse("--model-path", "m", "--disagg-role", "server", "--denoiser-urls", "tcp://a:1;tcp://b:1")
-    assert head.denoiser_urls == ["tcp://a:1", "tcp://b:1"] and not head.encoder_urls and not head.decoder_urls
+    head = parse(
+        "--model-path", "m", "--disagg-role", "server", "--denoiser-urls", "tcp://127.0.0.1:1;tcp://127.0.0.2:1"
+    )
+    assert (
+        head.denoiser_urls == ["tcp://127.0.0.1:1", "tcp://127.0.0.2:1"]
+        and not head.encoder_urls
+        and not head.decoder_urls
+    )
     worker = parse("--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1",
                    "--disagg-full-pipeline", "--encoder-cache-bytes", "64MiB")  # fmt: skip
     assert worker.stage_role is Role.MONOLITHIC and worker.encoder_cache_bytes == 64 << 20
@@ -57,9 +67,9 @@ def test_a_head_with_only_denoiser_urls_is_a_full_pipeline_pool_and_its_workers_
     ("argv", "flag"),
     [
         (["--disagg-role", "encoder"], "--disagg-server-addr"),
-        (["--disagg-role", "server", "--encoder-urls", "tcp://a:1"], "--denoiser-urls"),
+        (["--disagg-role", "server", "--encoder-urls", "tcp://127.0.0.1:1"], "--denoiser-urls"),
         (["--disagg-role", "encoder", "--disagg-server-addr", "http://x"], "--disagg-server-addr"),
-        (["--disagg-role", "decoder", "--disagg-server-addr", "tcp://h:1", "--encoder-urls", "tcp://a:1"],
+        (["--disagg-role", "decoder", "--disagg-server-addr", "tcp://h:1", "--encoder-urls", "tcp://127.0.0.1:1"],
          "--encoder-urls"),
         (["--disagg-timeout", "0"], "--disagg-timeout"),
         (["--results-max-age", "0"], "--results-max-age"),
@@ -83,7 +93,7 @@ def test_a_head_with_only_denoiser_urls_is_a_full_pipeline_pool_and_its_workers_
          "--disagg-full-pipeline is for --disagg-role denoiser"),
         (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--disagg-full-pipeline", "--simulate"],
          "--disagg-full-pipeline does not support --simulate"),
-        (["--disagg-role", "server", "--denoiser-urls", "tcp://a:1", "--encoder-urls", "tcp://b:1"],
+        (["--disagg-role", "server", "--denoiser-urls", "tcp://127.0.0.1:1", "--encoder-urls", "tcp://127.0.0.2:1"],
          "or only --denoiser-urls for a full-pipeline pool"),
     ],
 )  # fmt: skip
@@ -144,3 +154,117 @@ def test_http_guard_flags_take_sizes_and_belong_to_the_head() -> None:
         parse("--model-path", "m", "--max-request-bytes", "10")
     with pytest.raises(ConfigError, match="--max-queued-requests -1 must be >= 0"):
         parse("--model-path", "m", "--max-queued-requests", "-1")
+
+
+# --- a head whose workers could never reach it --------------------------------------------------------------
+
+LOOPBACK_URLS = {  # one per worker-URL flag: a denoiser/decoder pair and the encoders
+    "--encoder-urls": "tcp://127.0.0.1:19000",
+    "--denoiser-urls": "tcp://127.0.0.1:19001",
+    "--decoder-urls": "tcp://127.0.0.1:19002",
+}
+SPLIT_ENCODERS = {"--prompt-encoder-urls": "tcp://127.0.0.1:19003", "--image-encoder-urls": "tcp://127.0.0.1:19004"}
+
+
+def head_argv(urls: dict[str, str], *flags: str) -> list[str]:
+    return ["--model-path", "m", "--disagg-role", "server", *(a for kv in urls.items() for a in kv), *flags]
+
+
+@pytest.mark.parametrize("flag", [*LOOPBACK_URLS, *SPLIT_ENCODERS])
+def test_a_loopback_head_with_a_worker_on_another_host_is_refused_naming_the_flag_and_host(flag):
+    """The result sockets bind --host: a worker on another host would never heartbeat to a loopback one."""
+    split = flag in SPLIT_ENCODERS
+    urls = {**LOOPBACK_URLS, **SPLIT_ENCODERS} if split else dict(LOOPBACK_URLS)
+    if split:
+        del urls["--encoder-urls"]
+    remote = "tcp://192.0.2.7:35000"
+    urls[flag] = f"{urls[flag]};{remote}"
+    with pytest.raises(ConfigError) as refused:
+        parse(*head_argv(urls))
+    message = str(refused.value)
+    assert message.startswith(f"{flag} {remote} is on another host, but --host 127.0.0.1 binds"), message
+    assert "pass --host with an address the workers reach (or 0.0.0.0), with --disagg-keys-dir" in message
+    # Given a --host its workers reach, the same lists are taken.
+    parse(*head_argv(urls, "--host", "0.0.0.0", "--disagg-keys-dir", "keys"))
+    parse(*head_argv(urls, "--host", "192.0.2.10", "--disagg-insecure"))
+
+
+@pytest.mark.parametrize(
+    "url", ["tcp://workers.example:35000", "tcp://[2001:db8::1]:35000", "tcp://10.0.0.1:35000"]
+)  # fmt: skip
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.9"])
+def test_every_loopback_host_is_refused_a_remote_name_or_address(host, url):
+    with pytest.raises(ConfigError, match=re.escape(f"--encoder-urls {url} is on another host, but --host {host}")):
+        parse(*head_argv({**LOOPBACK_URLS, "--encoder-urls": url}, "--host", host))
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["tcp://127.0.0.5:35000", "tcp://localhost:35000", "tcp://[::1]:35000", "dns://encoders.ns.svc:35000",
+     "file:///etc/triptych/encoders"],
+)  # fmt: skip
+def test_loopback_workers_and_discovered_lists_keep_working_with_the_default_host(url):
+    """Loopback workers reach a loopback head; dns:// and file:// lists are known only at run time."""
+    assert parse(*head_argv({**LOOPBACK_URLS, "--encoder-urls": url})).encoder_urls == [url]
+
+
+REFERENCE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference-commands.md"
+
+
+def reference_block(name: str) -> str:
+    match = re.search(
+        rf"<!-- reference-block: {re.escape(name)} -->\n```bash\n(.*?)```", REFERENCE_PAGE.read_text(), re.S
+    )
+    assert match, f"no block {name!r} in {REFERENCE_PAGE}"
+    return match[1]
+
+
+def serve_argv(command: str) -> list[str]:
+    """The arguments after `triptych serve` of one shell command (continuations joined, `&` dropped)."""
+    words = shlex.split(command.replace("\\\n", " "), comments=True)
+    assert words[:2] == ["triptych", "serve"] and words[-1] == "&", words
+    return words[2:-1]
+
+
+def test_the_reference_pages_several_instances_head_validates_and_as_the_reference_types_it_is_refused():
+    """docs/reference-commands.md gives the reference's head with --host 0.0.0.0 and keys added, and
+    says the reference's own command (no --host) is refused with one line naming --host
+    (tests/e2e/test_reference_commands.py runs both)."""
+    block = reference_block("instances serve")
+    head = next(chunk for chunk in block.split("\n\n") if "triptych serve" in chunk)
+    argv = serve_argv(head[head.index("triptych serve") :])
+    assert parse(*argv).host == "0.0.0.0"
+    as_typed = serve_argv(
+        head[head.index("triptych serve") :].replace("    --host 0.0.0.0 --disagg-keys-dir keys \\\n", "")
+    )
+    assert "--host" not in as_typed and "--disagg-keys-dir" not in as_typed
+    with pytest.raises(ConfigError, match=re.escape("--encoder-urls tcp://192.0.2.1:35000 is on another host")):
+        parse(*as_typed)
+
+
+# --- heartbeats ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["server", "denoiser"])
+@pytest.mark.parametrize("timeout", ["0.5", "1", "1.99", "nan"])
+def test_a_heartbeat_timeout_under_two_heartbeat_intervals_is_refused(role, timeout):
+    """Workers heartbeat every HEARTBEAT_INTERVAL_S; a shorter timeout would lose healthy ones."""
+    argv = ["--model-path", "m", "--disagg-role", role, "--disagg-heartbeat-timeout", timeout]
+    argv += (
+        ["--disagg-server-addr", "tcp://h:1"] if role != "server" else [a for kv in LOOPBACK_URLS.items() for a in kv]
+    )
+    with pytest.raises(ConfigError) as refused:
+        parse(*argv)
+    assert str(refused.value) == (
+        f"--disagg-heartbeat-timeout {float(timeout):g} is below twice the workers' {HEARTBEAT_INTERVAL_S:g} s "
+        f"heartbeat interval, so a worker whose heartbeat is a little late would count as lost: use at least "
+        f"{2 * HEARTBEAT_INTERVAL_S:g}"
+    )
+    argv[argv.index(timeout)] = str(2 * HEARTBEAT_INTERVAL_S)
+    assert parse(*argv).disagg_heartbeat_timeout == 2 * HEARTBEAT_INTERVAL_S
+
+
+def test_the_heartbeat_interval_is_the_one_workers_use():
+    from triptych_worker import runtime
+
+    assert runtime.HEARTBEAT_INTERVAL_S is HEARTBEAT_INTERVAL_S

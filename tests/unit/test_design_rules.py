@@ -27,10 +27,10 @@ def test_role_flags_win_over_the_generic_tp_size_and_sp_degree() -> None:
 
 
 def test_encoder_urls_exclude_the_split_encoders() -> None:
-    head = ("--disagg-role", "server", "--denoiser-urls", "tcp://d:1", "--decoder-urls", "tcp://x:1")
+    head = ("--disagg-role", "server", "--denoiser-urls", "tcp://127.0.0.4:1", "--decoder-urls", "tcp://127.0.0.5:1")
     with pytest.raises(ConfigError, match="either --encoder-urls or --prompt-encoder-urls"):
-        serve_args(*head, "--encoder-urls", "tcp://e:1", "--prompt-encoder-urls", "tcp://p:1")
-    serve_args(*head, "--prompt-encoder-urls", "tcp://p:1")  # either one alone is a topology
+        serve_args(*head, "--encoder-urls", "tcp://127.0.0.6:1", "--prompt-encoder-urls", "tcp://127.0.0.7:1")
+    serve_args(*head, "--prompt-encoder-urls", "tcp://127.0.0.7:1")  # either one alone is a topology
 
 
 def test_the_master_port_defaults_to_the_work_port_plus_50() -> None:

@@ -51,7 +51,7 @@ SAMPLE: dict[str, Any] = {
     "--encoder-cache-bytes": 1,
     "--disagg-timeout": 5.0,
     "--disagg-dispatch-policy": "max_free_slots",
-    "--disagg-heartbeat-timeout": 1.0,
+    "--disagg-heartbeat-timeout": 3.0,
     "--disagg-discovery-interval": 1.0,
     "--disagg-max-retries": 0,
     "--disagg-no-instance-wait": 1.0,
@@ -253,6 +253,13 @@ def test_every_role_takes_its_base_flags() -> None:
         (Role.SERVER, {"disagg_transfer_pool_size": 2 * MIB}, "--disagg-transfer-pool-size is for worker roles"),
         (Role.ENCODER, {"decoder_sp": 2}, "--decoder-sp is for decoder, not encoder"),
         (Role.MONOLITHIC, {"disagg_dispatch_policy": "max_free_slots"}, "is for the head (--disagg-role server)"),
+        (
+            Role.SERVER,
+            {"device": "cpu"},
+            "--device is for monolithic, encoder, prompt_encoder, image_encoder, "
+            "denoiser, decoder, not server: the head runs no model and uses no device; give --device to its workers",
+        ),
+        (Role.SERVER, {"device": "cuda"}, "--device is for monolithic,"),
     ],
 )
 def test_the_refusal_is_one_line_naming_flag_role_and_what_to_use(role: Role, given: dict[str, Any], says: str) -> None:

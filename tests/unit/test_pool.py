@@ -119,7 +119,8 @@ def test_each_flag_reaches_only_the_processes_that_take_it() -> None:
         "disagg_transfer_pool_size": "64MiB", "device": "cpu", "batching_mode": "dynamic",
         "encoder_cache_bytes": "1MiB",
     })  # fmt: skip
-    assert routed.head == {"disagg_dispatch_policy": "max_free_slots", "device": "cpu", "batching_mode": "dynamic"}
+    # device is the workers' alone: the head runs no model, and refuses it (triptych.flag_roles)
+    assert routed.head == {"disagg_dispatch_policy": "max_free_slots", "batching_mode": "dynamic"}
     # batching_mode is the head's alone: a worker refuses it (triptych.flag_roles)
     assert routed.workers == {"cfg_parallel_size": 2, "disagg_transfer_pool_size": "64MiB", "device": "cpu"}
     # the prompt cache: only the roles that encode prompts (a full-pipeline denoiser among them)

@@ -6,6 +6,7 @@ import argparse
 import re
 
 from triptych.cli import build_parser
+from triptych.roles import Role
 from triptych.serve_help import GROUP_OF, GROUPS
 
 
@@ -34,6 +35,20 @@ def test_every_grouped_flag_exists_and_every_optional_flag_shows_its_default():
     for action in parser._actions:
         if action.option_strings and not action.required and action.dest != "help":
             assert "default" in formatter._expand_help(action), action.option_strings
+
+
+def test_the_master_port_help_gives_the_default_the_workers_use():
+    """--master-port unset is the work port + DEFAULT_MASTER_PORT_OFFSET (triptych_worker.parallel.ranks), not none."""
+    from triptych.config import ServeArgs
+    from triptych.ports import DEFAULT_MASTER_PORT_OFFSET
+    from triptych_worker.parallel.ranks import master_port
+
+    parser = serve_parser()
+    action = next(a for a in parser._actions if "--master-port" in a.option_strings)
+    text = parser._get_formatter()._expand_help(action)
+    assert f"(default: its --scheduler-port + {DEFAULT_MASTER_PORT_OFFSET})" in text and "none" not in text, text
+    worker = ServeArgs(model_path="m", disagg_role=Role.DENOISER, scheduler_port=19001)
+    assert master_port(worker) == 19001 + DEFAULT_MASTER_PORT_OFFSET
 
 
 def test_version():

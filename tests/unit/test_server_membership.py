@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from tests.unit.scripted import PARAMS, SESSION, ScriptedWorker, scripted_head
+from triptych.liveness import MIN_HEARTBEAT_TIMEOUT_S
 from triptych.params import GenerationParams
 from triptych.protocol import (
     Failed,
@@ -26,7 +27,7 @@ from triptych.protocol import (
 from triptych.roles import Role
 from triptych_head.workload import work_units
 
-FAST_LOSS = ("--disagg-heartbeat-timeout", "1")
+FAST_LOSS = ("--disagg-heartbeat-timeout", f"{MIN_HEARTBEAT_TIMEOUT_S:g}")  # the shortest it takes
 MANIFEST = [{"name": "x", "dtype": "uint8", "shape": [8], "offset": 0}]
 
 
@@ -174,7 +175,7 @@ def test_requests_fail_when_their_role_has_had_no_ready_instance_for_the_wait():
     flags = (*FAST_LOSS, "--disagg-no-instance-wait", "1")
     with scripted_head(flags=flags) as (_, client, w):
         den, dec = w[Role.DENOISER][0], w[Role.DECODER][0]
-        pump_all([den, dec], 1.5)  # the encoder is silent: lost after 1 s
+        pump_all([den, dec], MIN_HEARTBEAT_TIMEOUT_S + 0.5)  # the encoder is silent: lost after the timeout
         client.send_multipart(encode(Submit("r1", GenerationParams(**PARAMS))))
         started = time.monotonic()
         # It fails within the 1 s wait plus an upkeep tick (0.5 s); a head that did not apply the wait

@@ -33,6 +33,7 @@ import zmq
 from triptych import startup
 from triptych.config import ConfigError, ServeArgs
 from triptych.families.package import package_fingerprint
+from triptych.liveness import HEARTBEAT_INTERVAL_S
 from triptych.lora import LoraCatalog
 from triptych.ports import tcp_url
 from triptych.protocol import (
@@ -81,7 +82,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL_S = 1.0
 IDLE_POLL_MS = 100  # how long the leader waits for a message when no write is under way
 DRAIN_LIMIT = 1000  # messages handled per wake-up before the leader looks at its writes again
 THREADS = 2  # one leads while the other computes

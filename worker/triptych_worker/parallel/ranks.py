@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from triptych.config import ServeArgs
 from triptych.parallelism import Parallelism
+from triptych.ports import DEFAULT_MASTER_PORT_OFFSET
 from triptych_worker.adapters import adapter_for
 from triptych_worker.parallel import families
 from triptych_worker.parallel.apply import WorkCounter, parallelize, parameter_bytes
@@ -48,10 +49,10 @@ log = logging.getLogger(__name__)
 
 RANK_DIED_EXIT = 3
 WATCH_INTERVAL_S = 0.2
-DEFAULT_MASTER_PORT_OFFSET = 50  # docs/design.md, "Port convention": --master-port = work port + 50 when unset
 
 
 def master_port(args: ServeArgs) -> int:
+    """Where the ranks meet: --master-port, else the work port + DEFAULT_MASTER_PORT_OFFSET (triptych.ports)."""
     return args.master_port if args.master_port is not None else args.scheduler_port + DEFAULT_MASTER_PORT_OFFSET
 
 
