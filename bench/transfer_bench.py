@@ -251,7 +251,9 @@ def bench_size(
         tensors: stage_in_place) or copied into the pool (stage_tensors, as over RDMA), written into
         the receiver's slot, then loaded there by the worker's InputLoader."""
         t0 = time.perf_counter()
-        staged = stage_in_place(transport, tensors) if in_place else stage_tensors(pool, tensors, "ours")
+        staged = (
+            stage_in_place(transport, tensors, pool.pool_bytes) if in_place else stage_tensors(pool, tensors, "ours")
+        )
         t1 = time.perf_counter()
         assert staged is not None, "in place: the bench's tensors are CPU and contiguous"
         if isinstance(staged, InPlaceTensors):

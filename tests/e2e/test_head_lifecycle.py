@@ -131,8 +131,13 @@ def test_a_head_restart_under_traffic_loses_no_accepted_request(flux, tmp_path):
 
 
 def pools_free(health: dict) -> bool:  # type: ignore[type-arg]
+    """Every worker holds nothing: no pool bytes beyond its standing slots, and no request in any of
+    its scheduling slots (outputs sent in place hold a slot, not pool bytes)."""
     workers = [w for ws in health["workers"].values() for w in ws]
-    return all(w["alive"] and w["free_bytes"] + w["standing_bytes"] == w["pool_bytes"] for w in workers)
+    return all(
+        w["alive"] and w["free_bytes"] + w["standing_bytes"] == w["pool_bytes"] and w["free_slots"] == w["capacity"]
+        for w in workers
+    )
 
 
 def test_after_a_head_is_killed_its_successor_finds_every_pool_free_within_one_heartbeat(flux, tmp_path):
@@ -142,7 +147,7 @@ def test_after_a_head_is_killed_its_successor_finds_every_pool_free_within_one_h
         with dep.client(timeout=60) as c, concurrent.futures.ThreadPoolExecutor(6) as pool:
             for _ in range(6):
                 pool.submit(image, c, num_inference_steps=200)
-            wait_for(lambda: not pools_free(c.get("/health").json()), 10, "pool bytes held for head A")
+            wait_for(lambda: not pools_free(c.get("/health").json()), 10, "pool bytes or slots held for head A")
             dep.head.kill()
         dep.start_head()
         wait_until_ready(dep, 3, 60)

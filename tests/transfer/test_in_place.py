@@ -27,6 +27,7 @@ except ImportError:
     )
 
 MIB = 1024 * 1024
+POOL = 16 * MIB  # a sender pool with room for every output set here
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def send(sender: MooncakeTransport, staged, receiver_pool: TransferPool, receive
 def test_the_receiver_gets_the_bytes_and_manifest_a_pool_staging_gives(peers) -> None:
     sender, pool, receiver, receiver_pool = peers
     tensors = outputs(0)
-    in_place = stage_in_place(sender, tensors)
+    in_place = stage_in_place(sender, tensors, POOL)
     assert in_place is not None
     copied = stage_tensors(pool, tensors, "r")
     assert copied is not None
@@ -79,7 +80,7 @@ def test_the_receiver_gets_the_bytes_and_manifest_a_pool_staging_gives(peers) ->
 def test_numpy_outputs_of_simulated_stages_go_in_place_too(peers) -> None:
     sender, _, receiver, receiver_pool = peers
     arrays = {"latents": np.arange(4096, dtype=np.float32).reshape(64, 64), "mask": np.ones(7, np.bool_)}
-    in_place = stage_in_place(sender, arrays)
+    in_place = stage_in_place(sender, arrays, POOL)
     assert in_place is not None
     got = send(sender, in_place, receiver_pool, receiver)
     assert np.array_equal(got["latents"].numpy(), arrays["latents"]) and bool(got["mask"].all())
@@ -89,29 +90,31 @@ def test_numpy_outputs_of_simulated_stages_go_in_place_too(peers) -> None:
 def test_what_cannot_go_in_place_is_left_to_the_pool_copy(peers) -> None:
     sender, pool, _, _ = peers
     strided = {"latents": torch.randn(32, 64).t()}
-    assert stage_in_place(sender, strided) is None
+    assert stage_in_place(sender, strided, POOL) is None
     # A view on the pool: an input passed through, whose slot is freed after the stage.
     staged = stage_tensors(pool, {"x": torch.randn(256)}, "input")
     assert staged is not None
     on_pool = view_tensors(pool, staged.allocation, staged.manifest, torch_tensors=True)
-    assert stage_in_place(sender, {"embeds": torch.randn(128), **on_pool}) is None
+    assert stage_in_place(sender, {"embeds": torch.randn(128), **on_pool}, POOL) is None
     # A tensor another request is sending (a shared cache entry) until that one is released.
     shared = outputs(1)
-    first = stage_in_place(sender, shared)
+    first = stage_in_place(sender, shared, POOL)
     assert first is not None
-    assert stage_in_place(sender, shared) is None
+    assert stage_in_place(sender, shared, POOL) is None
     first.release()
-    again = stage_in_place(sender, shared)
+    again = stage_in_place(sender, shared, POOL)
     assert again is not None
     again.release()
+    # Outputs larger than the sender's pool: the pool copy refuses them, naming the flag (as over RDMA).
+    assert stage_in_place(sender, outputs(4), pool_bytes=1024) is None
     # A transport that pins memory per registration (RDMA) copies into its pool.
     sender.sends_in_place = False
-    assert stage_in_place(sender, outputs(2)) is None
+    assert stage_in_place(sender, outputs(2), POOL) is None
 
 
 def test_a_released_send_can_no_longer_be_written_and_holds_nothing(peers) -> None:
     sender, _, receiver, receiver_pool = peers
-    in_place = stage_in_place(sender, outputs(3))
+    in_place = stage_in_place(sender, outputs(3), POOL)
     assert in_place is not None
     in_place.release()
     in_place.release()  # idempotent

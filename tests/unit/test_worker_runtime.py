@@ -157,7 +157,10 @@ def test_outputs_sent_in_place_are_let_go_when_their_request_is_cancelled_or_its
     try:
         worker._on_message(link, _encoded(Ping("w", head_id="head-1")))  # type: ignore[arg-type]
         free = worker.pool.free_bytes
-        staged = {rid: stage_in_place(worker.transport, {"latents": torch.randn(4096)}) for rid in ("a", "b")}
+        staged = {
+            rid: stage_in_place(worker.transport, {"latents": torch.randn(4096)}, worker.pool.pool_bytes)
+            for rid in ("a", "b")
+        }
         with worker._lock:
             for rid, outputs in staged.items():
                 assert outputs is not None

@@ -196,7 +196,7 @@ def _deliver(
     # the pool, where it can also resume on this worker (TransferReady in_place uses it as the slot).
     staged: StagedTensors | InPlaceTensors | None = None
     if resume is None:
-        staged = stage_in_place(worker.transport, batch.tensors)
+        staged = stage_in_place(worker.transport, batch.tensors, worker.pool.pool_bytes)
     if staged is None:
         staged = _stage(worker, link, job.request_id, batch, inputs)
     if staged is None:

@@ -65,8 +65,12 @@ class InPlaceTensors:
         self.tensors = []
 
 
-def stage_in_place(transport: object, tensors: dict[str, Array]) -> InPlaceTensors | None:
-    """`tensors` registered for sending as they are, or None where they must be copied into the pool."""
+def stage_in_place(transport: object, tensors: dict[str, Array], pool_bytes: int) -> InPlaceTensors | None:
+    """`tensors` registered for sending as they are, or None where they must be copied into the pool.
+
+    Outputs larger than the sender's pool (`pool_bytes`) are not sent in place either: the pool
+    copy then refuses them naming --disagg-transfer-pool-size, as it would over RDMA, so a pool
+    too small for a role's outputs fails the same way on every transport."""
     if not isinstance(transport, MooncakeTransport) or not transport.sends_in_place:
         return None
     ranges = []
@@ -76,6 +80,8 @@ def stage_in_place(transport: object, tensors: dict[str, Array]) -> InPlaceTenso
             return None
         ranges.append(where)
     manifest, total = layout(tensors)
+    if total > pool_bytes:
+        return None
     placed = [(addr, int(spec["offset"]), nbytes) for (addr, nbytes), spec in zip(ranges, manifest, strict=True)]
     registered: list[int] = []
     try:
