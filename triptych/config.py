@@ -409,6 +409,14 @@ class ServeArgs:
                 "--batching-mode dynamic (the head groups requests only then): add --batching-mode dynamic, or "
                 "drop it and give --batching-max-size to the workers only"
             )
+        grouping = [
+            f for f in ("batching_delay_ms", "enable_batching_metrics") if getattr(self, f) != getattr(ServeArgs, f)
+        ]
+        if grouping and self.disagg_role is Role.SERVER and self.batching_mode != "dynamic":
+            raise ConfigError(
+                f"{flag(grouping[0])} on --disagg-role server does nothing without --batching-mode dynamic (the head "
+                "forms no groups to wait for or measure): add --batching-mode dynamic, or drop it"
+            )
         if self.batching_max_size > 1 and self.disagg_role is Role.MONOLITHIC:
             raise ConfigError("--batching-max-size is for --disagg-role server and its workers; monolithic mode "
                               "runs one request at a time")  # fmt: skip

@@ -155,6 +155,10 @@ def test_batching_flags_parse_for_the_head_and_the_worker():
         ((*HEAD, "--batching-max-size", "4"),
          "--batching-max-size 4 on --disagg-role server does nothing without --batching-mode dynamic"),
         ((*HEAD, "--batching-mode", "off", "--batching-max-size", "2"), "add --batching-mode dynamic, or drop it"),
+        ((*HEAD, "--batching-delay-ms", "50"),
+         "--batching-delay-ms on --disagg-role server does nothing without --batching-mode dynamic"),
+        ((*HEAD, "--enable-batching-metrics"),
+         "--enable-batching-metrics on --disagg-role server does nothing without --batching-mode dynamic"),
     ],
 )  # fmt: skip
 def test_bad_batching_flags_are_refused_naming_the_flag(argv: tuple[str, ...], message: str):
