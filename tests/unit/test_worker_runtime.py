@@ -175,6 +175,29 @@ def test_outputs_sent_in_place_are_let_go_when_their_request_is_cancelled_or_its
         worker.transport.close()
 
 
+def test_a_resume_in_place_for_outputs_sent_in_place_fails_and_leaves_them_staged():
+    """TransferReady in_place names a continuation staged in the pool; outputs sent in place are not
+    a slot to run on: the request fails, and they stay staged (registered, held) for their push or
+    cancel to release, never dropped with their registration in place."""
+    worker = make_worker()
+    link = RecordingLink()
+    try:
+        outputs = stage_in_place(worker.transport, {"latents": torch.randn(4096)}, worker.pool.pool_bytes)
+        assert outputs is not None
+        with worker._lock:
+            worker._staged["r"] = outputs
+        ready = TransferReady("r", "w", GenerationParams("x", 8, 8), outputs.manifest, {}, in_place=True)
+        slots.ready(worker, link, ready)  # type: ignore[arg-type]
+        assert [m.error for m in link.sent if isinstance(m, Failed)] == [
+            "transfer_ready for a continuation this worker has not staged"
+        ]
+        assert worker._staged["r"] is outputs and not outputs.released
+        worker._cancel("r")
+        assert outputs.released
+    finally:
+        worker.transport.close()
+
+
 def _encoded(msg: object) -> list[bytes]:
     return encode(msg)
 

@@ -91,10 +91,12 @@ def ready(worker: Worker, link: HeadLinks, msg: TransferReady) -> None:
     itself (a suspended request resuming here: its state never left the pool)."""
     worker.heads.own(msg.request_id, msg.head_id)
     with worker._lock:
-        if msg.in_place:  # a continuation is always staged in the pool (compute.py)
-            staged = worker._staged.pop(msg.request_id, None)
+        if msg.in_place:  # a continuation is always staged in the pool (compute.py); outputs sent in
+            # place are not a slot: they stay staged, for their push or their cancel to release
+            staged = worker._staged.get(msg.request_id)
             alloc = staged.allocation if isinstance(staged, StagedTensors) else None
             if alloc is not None:
+                del worker._staged[msg.request_id]
                 worker._outstanding.add(msg.request_id)
         else:
             alloc = worker._slots.pop(msg.request_id, None)
