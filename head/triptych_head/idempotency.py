@@ -38,7 +38,6 @@ import os
 import random
 import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -133,11 +132,10 @@ class Idempotency:
         """Run attempt n, renewing its lease, then record its answer (or its failure)."""
         ended = asyncio.Event()
         renewal = asyncio.create_task(self._renew(digest, n, mine, ended))
-        spooled: Path | None = None
         try:
             answer = await run()
-            if not isinstance(answer, bytes):
-                spooled = await self._spool(answer)  # an encoder failing mid-way fails the run
+            # A streamed body goes to a file first: an encoder failing mid-way fails the run.
+            payload = answer if isinstance(answer, bytes) else await self._spool(answer)
         except BaseException:
             ended.set()
             await asyncio.shield(renewal)  # its write in flight lands before ours, never after
@@ -147,19 +145,18 @@ class Idempotency:
         ended.set()
         await renewal
         name = self._response(digest, n)
-        if isinstance(answer, bytes):
-            await asyncio.to_thread(self.objects.put_bytes, name, answer, "application/json")
+        if isinstance(payload, bytes):
+            await asyncio.to_thread(self.objects.put_bytes, name, payload, "application/json")
         else:
-            assert spooled is not None
-            await asyncio.to_thread(self.objects.put_file, name, spooled, "application/json")  # consumes it
+            await asyncio.to_thread(self.objects.put_file, name, payload, "application/json")  # consumes it
         mine.state = "done"  # after the answer: a head that reads `done` finds it
         await self._save(digest, n, mine)
-        return answer if isinstance(answer, bytes) else await asyncio.to_thread(self._read, name)
+        return payload if isinstance(payload, bytes) else await asyncio.to_thread(self._read, name)
 
     async def _spool(self, chunks: AsyncIterator[bytes]) -> Path:
         """The chunks, written one at a time to a file in the store's staging folder (for put_file)."""
         self.objects.staging.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f"answer-{uuid.uuid4().hex}-", dir=self.objects.staging)
+        fd, name = tempfile.mkstemp(prefix="answer-", dir=self.objects.staging)
         path = Path(name)
         try:
             with os.fdopen(fd, "wb") as f:
