@@ -403,7 +403,21 @@ class ServeArgs:
                      if getattr(self, f) != getattr(ServeArgs, f)]  # fmt: skip
         if head_only and self.disagg_role is not Role.SERVER:
             raise ConfigError(f"{flag(head_only[0])} is for the head (--disagg-role server), not {self.disagg_role}")
-        if self.batching_max_size > 1 and self.disagg_role is Role.SERVER and self.batching_mode != "dynamic":
+        if self.disagg_role is Role.SERVER and self.batching_mode != "dynamic":  # the head forms no groups
+            self._refuse_grouping_flags()
+        if self.batching_max_size > 1 and self.disagg_role is Role.MONOLITHIC:
+            raise ConfigError("--batching-max-size is for --disagg-role server and its workers; monolithic mode "
+                              "runs one request at a time")  # fmt: skip
+        if self.batching_max_size > 1 and self.num_gpus > 1 and self.disagg_role.is_worker:
+            raise ConfigError(
+                f"--batching-max-size {self.batching_max_size} with --num-gpus {self.num_gpus}: a multi-GPU worker "
+                "runs one request at a time; use --batching-max-size 1"
+            )
+
+    def _refuse_grouping_flags(self) -> None:
+        """A head without --batching-mode dynamic forms no groups: the flags that size, wait for or
+        measure them would do nothing there."""
+        if self.batching_max_size > 1:
             raise ConfigError(
                 f"--batching-max-size {self.batching_max_size} on --disagg-role server does nothing without "
                 "--batching-mode dynamic (the head groups requests only then): add --batching-mode dynamic, or "
@@ -412,18 +426,10 @@ class ServeArgs:
         grouping = [
             f for f in ("batching_delay_ms", "enable_batching_metrics") if getattr(self, f) != getattr(ServeArgs, f)
         ]
-        if grouping and self.disagg_role is Role.SERVER and self.batching_mode != "dynamic":
+        if grouping:
             raise ConfigError(
                 f"{flag(grouping[0])} on --disagg-role server does nothing without --batching-mode dynamic (the head "
                 "forms no groups to wait for or measure): add --batching-mode dynamic, or drop it"
-            )
-        if self.batching_max_size > 1 and self.disagg_role is Role.MONOLITHIC:
-            raise ConfigError("--batching-max-size is for --disagg-role server and its workers; monolithic mode "
-                              "runs one request at a time")  # fmt: skip
-        if self.batching_max_size > 1 and self.num_gpus > 1 and self.disagg_role.is_worker:
-            raise ConfigError(
-                f"--batching-max-size {self.batching_max_size} with --num-gpus {self.num_gpus}: a multi-GPU worker "
-                "runs one request at a time; use --batching-max-size 1"
             )
 
     def _validate_simulation(self) -> None:
