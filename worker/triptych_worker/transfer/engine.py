@@ -246,8 +246,6 @@ class NoTransport:
 
     session_id = ""  # heartbeats name no transfer session: the head never reserves a slot on it
 
-    sends_in_place = False
-
     def submit_write(self, dest_session: str, local_addr: int, dest_addr: int, nbytes: int) -> PendingWrite:
         raise TransferError("a full-pipeline worker writes no tensors to other workers")
 
