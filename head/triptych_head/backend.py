@@ -1,4 +1,4 @@
-"""How the HTTP API reaches the pipeline: the DiffusionServer's frontend, or in-process (monolithic).
+"""How the HTTP API reaches the pipeline: the DiffusionServer in its process, or the stages in it (monolithic).
 
 Both backends take a request id and GenerationParams, report events (state changes, denoising
 progress) through a callback, and return the decoded pixels or raise GenerationFailed. A request's
@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-import zmq
-import zmq.asyncio
 
 from triptych.config import DEFAULT_PRIORITY_AGING_S
 from triptych.params import GenerationParams
 from triptych.priority import DEFAULT_LEVEL
-from triptych.protocol import Cancel, ProtocolError, RequestEvent, RequestResult, Submit, TensorSpec, decode, encode
+from triptych.protocol import Cancel, RequestEvent, RequestResult, Submit, TensorSpec
 from triptych.protocol.tensors import PIXELS
 from triptych.roles import Role
+from triptych_head.local_channel import LocalChannel
 from triptych_head.local_queue import PriorityRunner
 from triptych_head.state import REJECTED, RequestState
 from triptych_head.timeline import server_timing
@@ -79,20 +78,18 @@ def pixels_from_frames(specs: list[dict[str, Any]], frames: list[Any]) -> np.nda
     raise ValueError("result carries no pixels tensor")
 
 
-class FrontendClient:
-    """A DEALER on the DiffusionServer's frontend ROUTER, multiplexing concurrent requests."""
+class LocalClient:
+    """The head's own API on its DiffusionServer's in-process channel (local_channel.py),
+    multiplexing concurrent requests: typed messages each way, no socket and no encoding."""
 
-    def __init__(self, endpoint: str):
-        self.endpoint = endpoint
-        self._sock: zmq.asyncio.Socket | None = None
+    def __init__(self, channel: LocalChannel):
+        self._channel = channel
         self._pending: dict[str, tuple[asyncio.Future[GenerationOutput], EventCallback | None]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
-        self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(self.endpoint)
-        self._reader = asyncio.create_task(self._read())
+        self._loop = asyncio.get_running_loop()
+        self._channel.connect(self._from_server)
 
     async def generate(
         self,
@@ -102,15 +99,14 @@ class FrontendClient:
         preview_every: int = 0,
         priority: int = DEFAULT_LEVEL,
     ) -> GenerationOutput:
-        assert self._sock is not None, "start() first"
+        assert self._loop is not None, "start() first"
         if request_id in self._pending:
             raise GenerationFailed(f"request id {request_id!r} is already active", 409, REJECTED)
-        future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[GenerationOutput] = self._loop.create_future()
         self._pending[request_id] = (future, on_event)
         try:
             watch = on_event is not None
-            submit = Submit(request_id, params, watch=watch, preview_every=preview_every, priority=priority)
-            await self._sock.send_multipart(encode(submit))
+            self._channel.put(Submit(request_id, params, watch=watch, preview_every=preview_every, priority=priority))
             return await future
         except asyncio.CancelledError:
             await self.cancel(request_id)
@@ -119,41 +115,37 @@ class FrontendClient:
             self._pending.pop(request_id, None)
 
     async def cancel(self, request_id: str) -> None:
-        if self._sock is not None:
-            await self._sock.send_multipart(encode(Cancel(request_id)))
+        self._channel.put(Cancel(request_id))
 
-    async def _read(self) -> None:
-        assert self._sock is not None
-        while True:
-            parts = await self._sock.recv_multipart(copy=False)
+    def _from_server(self, msg: Any, frames: Sequence[Any]) -> None:
+        """On the server's thread: the answer goes to this client's loop."""
+        try:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._answer, msg, frames)
+        except RuntimeError:  # the loop has closed: the API is gone, nobody waits for it
+            pass
+
+    def _answer(self, msg: Any, frames: Sequence[Any]) -> None:
+        entry = self._pending.get(msg.request_id)
+        if entry is None:
+            return
+        future, on_event = entry
+        if future.done():
+            return
+        if isinstance(msg, RequestResult):
             try:
-                msg, frames = decode([p.buffer for p in parts])
-            except ProtocolError as exc:
-                log.error("undecodable reply from the DiffusionServer: %s", exc)
-                continue
-            entry = self._pending.get(msg.request_id)
-            if entry is None:
-                continue
-            future, on_event = entry
-            if future.done():
-                continue
-            if isinstance(msg, RequestResult):
-                try:
-                    pixels = pixels_from_frames(msg.tensors, frames)
-                    future.set_result(GenerationOutput(pixels, dict(msg.timings), msg.server_timing))
-                except ValueError as exc:
-                    future.set_exception(GenerationFailed(f"bad result from the decoder: {exc}", 502))
-            elif isinstance(msg, RequestEvent):
-                if msg.error is not None:
-                    future.set_exception(GenerationFailed(msg.error, msg.status_code or 500, msg.state))
-                elif on_event is not None:
-                    on_event(msg)
+                pixels = pixels_from_frames(msg.tensors, list(frames))
+                future.set_result(GenerationOutput(pixels, dict(msg.timings), msg.server_timing))
+            except ValueError as exc:
+                future.set_exception(GenerationFailed(f"bad result from the decoder: {exc}", 502))
+        elif isinstance(msg, RequestEvent):
+            if msg.error is not None:
+                future.set_exception(GenerationFailed(msg.error, msg.status_code or 500, msg.state))
+            elif on_event is not None:
+                on_event(msg)
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        if self._sock is not None:
-            self._sock.close()
+        self._channel.connect(lambda msg, frames: None)
 
 
 class InProcessPipeline(Protocol):

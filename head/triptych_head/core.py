@@ -129,6 +129,11 @@ class HeadCore:
         except ProtocolError as exc:
             self._reject(client, exc.request_id or "", str(exc), 400)
             return
+        self.on_client(client, msg)
+
+    def on_client(self, client: bytes, msg: Any) -> None:
+        """A decoded message from an API client: over the frontend socket, or from the head's own API
+        (local_channel.py), which hands it over as it built it."""
         if isinstance(msg, Submit):
             self._submit(client, msg)
         elif isinstance(msg, Cancel):

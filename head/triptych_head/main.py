@@ -19,7 +19,7 @@ from triptych_head.admission import MIN_QUEUED, AdmissionControl
 from triptych_head.api.app import create_app
 from triptych_head.api.auth import APIKeyError, APIKeys
 from triptych_head.api.context import HeadContext
-from triptych_head.backend import FrontendClient, LocalBackend
+from triptych_head.backend import LocalBackend, LocalClient
 from triptych_head.metrics import HeadMetrics
 from triptych_head.objects import StoreError, open_object_store
 from triptych_head.results import Retention
@@ -97,7 +97,7 @@ def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
     loop = threading.Thread(target=server.run, name="diffusion-server", daemon=True)
     loop.start()
     ctx = HeadContext(
-        backend=FrontendClient(server.frontend_endpoint),
+        backend=LocalClient(server.local),
         model=model,
         lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
         output_path=Path(args.output_path),

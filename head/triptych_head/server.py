@@ -1,7 +1,8 @@
 """DiffusionServer: the head's sockets, loop and timers around its decision core (core.py).
 
-One thread owns every socket. The frontend ROUTER takes API clients' messages (in-process
-only), one PULL per role takes its workers' results and heartbeats, and one PUSH per worker
+One thread owns every socket. The head's own HTTP API hands its messages over in-process
+(local_channel.py); the frontend ROUTER takes those of API clients in other processes (on
+loopback only: the bench, tests), one PULL per role takes its workers' results and heartbeats, and one PUSH per worker
 (links.py) carries the core's decisions to it. Each loop turn hands what arrived to the core,
 runs its upkeep every PING_INTERVAL_S with the worker lists discovery (discovery.py) resolves,
 and lets it dispatch; what the core decides leaves through this module's Transport.
@@ -28,6 +29,7 @@ from triptych.tracing import start_tracing, traces_url
 from triptych_head import upkeep
 from triptych_head.core import HeadCore
 from triptych_head.links import WorkerLinks
+from triptych_head.local_channel import LOCAL_CLIENT, LocalChannel
 from triptych_head.membership import Membership
 from triptych_head.metrics import HeadMetrics
 
@@ -41,10 +43,12 @@ READ_LIMIT = 1000  # messages taken from one socket per loop turn, so no socket 
 
 
 class _SocketTransport:
-    """The core's Transport on this server's sockets: worker links and the frontend ROUTER."""
+    """The core's Transport on this server's sockets: worker links, the frontend ROUTER, and the
+    in-process channel of the head's own API."""
 
-    def __init__(self, links: WorkerLinks):
+    def __init__(self, links: WorkerLinks, local: LocalChannel):
         self.links = links
+        self.local = local
         self.frontend: zmq.Socket | None = None
 
     def open(self, url: str) -> str | None:
@@ -57,6 +61,9 @@ class _SocketTransport:
         return self.links.send(url, msg)
 
     def reply(self, client: bytes, msg: Any, frames: Sequence[Any] = ()) -> None:
+        if client == LOCAL_CLIENT:
+            self.local.reply(msg, frames)
+            return
         assert self.frontend is not None
         try:
             # Zero-copy only pays for large frames (pixels); small control messages are cheaper copied.
@@ -78,7 +85,8 @@ class DiffusionServer:
         # Before any socket: with keys, result sockets let in only the pipeline's workers, and the
         # head reaches workers' work sockets as the only client they accept.
         self.security: ControlPlane = control_plane(args, self._ctx, "head")
-        self._transport = _SocketTransport(WorkerLinks(self._ctx, self.security))
+        self.local = LocalChannel()  # the head's own API (connect a LocalClient to it)
+        self._transport = _SocketTransport(WorkerLinks(self._ctx, self.security), self.local)
         self._tracing = start_tracing(traces_url(args.otlp_endpoint), HEAD_SERVICE)
         self.core = HeadCore(args, self._transport, metrics, tracing=self._tracing)
         roles = self.core.membership.roles()
@@ -92,7 +100,7 @@ class DiffusionServer:
         self._shutdown_requests: list[float] = []  # drain() calls from other threads, for the loop to apply
         self._sockets: list[tuple[zmq.Socket, Role | None]] = []
         self.frontend_endpoint = f"tcp://127.0.0.1:{frontend_port(args.scheduler_port)}"
-        self._transport.frontend = self._bind(zmq.ROUTER, self.frontend_endpoint, None)  # in-process clients only
+        self._transport.frontend = self._bind(zmq.ROUTER, self.frontend_endpoint, None)  # loopback clients only
         for role in roles:
             self._bind(zmq.PULL, tcp_url(args.host, result_port(args.scheduler_port, role)), role)
         log.info(
@@ -149,6 +157,7 @@ class DiffusionServer:
             directory.close()
         for sock, _ in self._sockets:
             sock.close(linger=0)
+        self.local.close()
         self.security.close()
         if self._tracing is not None:
             self._tracing.shutdown()  # the spans still buffered
@@ -160,6 +169,7 @@ class DiffusionServer:
         poller = zmq.Poller()
         for sock, _ in self._sockets:
             poller.register(sock, zmq.POLLIN)
+        poller.register(self.local.fd, zmq.POLLIN)
         next_tick = 0.0
         # A group waiting for --batching-delay-ms leaves on time, not at the next idle wake-up.
         batcher = self.core.dispatcher.batcher
@@ -169,6 +179,8 @@ class DiffusionServer:
             while not self._stop.is_set():
                 ready = dict(poller.poll(poll_ms))
                 self._apply_shutdown()  # before reading: a request that arrives after drain() is refused
+                if self.local.fd in ready:
+                    self._read_local()
                 for sock, role in self._sockets:
                     if sock in ready:
                         self._read(sock, role)
@@ -203,6 +215,14 @@ class DiffusionServer:
                 log.exception("unhandled error on the %s socket; message dropped", role.value if role else "frontend")
             if not has_queued_message(sock):
                 return
+
+    def _read_local(self) -> None:
+        """Hand up to READ_LIMIT messages of the head's own API to the core."""
+        for msg in self.local.take(READ_LIMIT):
+            try:
+                self.core.on_client(LOCAL_CLIENT, msg)
+            except Exception:  # as for a socket's message: one bad message never ends the loop
+                log.exception("unhandled error on the API's channel; message dropped")
 
     def stop(self) -> None:
         self._stop.set()

@@ -17,7 +17,19 @@ import zmq
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
 from triptych.ports import result_port
-from triptych.protocol import Heartbeat, Ping, decode, encode
+from triptych.protocol import (
+    Heartbeat,
+    Ping,
+    Result,
+    TransferAlloc,
+    TransferAllocated,
+    TransferPush,
+    TransferPushed,
+    TransferReady,
+    TransferStaged,
+    decode,
+    encode,
+)
 from triptych.roles import Role
 from triptych_dev.localdeploy import deployment_ports
 from triptych_head.server import DiffusionServer
@@ -43,8 +55,8 @@ class ScriptedWorker:
         self.draining = False  # what its heartbeats report
         self.standing_slots: tuple[tuple[int, int], ...] = ()  # and the standing slots they list
 
-    def send(self, msg: object) -> None:
-        self.results.send_multipart(encode(msg))
+    def send(self, msg: object, frames: Sequence[object] = ()) -> None:
+        self.results.send_multipart(encode(msg, frames))
 
     def heartbeat(self, instance: str) -> Heartbeat:
         standing = sum(nbytes for _, nbytes in self.standing_slots)
@@ -111,3 +123,22 @@ def scripted_head(
         server.stop()
         loop.join(5)
         ctx.destroy(linger=0)
+
+
+def finish_request(w: dict[Role, ScriptedWorker], rid: str, pixels: tuple[list[dict], list[object]] = ([], [])) -> None:
+    """Drive request `rid`, whose Work the encoder has, to the decoder's result (`pixels`: its
+    tensor specs and frames, tensors_to_frames), playing each worker's part of the transfer flow."""
+    manifest = [{"name": "x", "dtype": "uint8", "shape": [8], "offset": 0}]
+    for sender, receiver in ((Role.ENCODER, Role.DENOISER), (Role.DENOISER, Role.DECODER)):
+        src, dst = w[sender], w[receiver]
+        src.send(TransferStaged(rid, src.url, 8, manifest, {}, 0.0))
+        alloc = dst.wait_for(TransferAlloc)
+        dst.got.remove(alloc)
+        dst.send(TransferAllocated(rid, alloc.instance, SESSION, 4096))
+        push = src.wait_for(TransferPush)
+        src.got.remove(push)
+        src.send(TransferPushed(rid, push.instance, 8, 0.0))
+        ready = dst.wait_for(TransferReady)
+        dst.got.remove(ready)
+    specs, frames = pixels
+    w[Role.DECODER].send(Result(rid, w[Role.DECODER].url, specs, 0.0), frames)

@@ -14,20 +14,14 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from tests.unit.scripted import PARAMS, ROLES, SESSION, ScriptedWorker
+from tests.unit.scripted import PARAMS, ROLES, ScriptedWorker, finish_request
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
 from triptych.protocol import (
     CancelWork,
     RequestEvent,
     RequestResult,
-    Result,
     Submit,
-    TransferAlloc,
-    TransferAllocated,
-    TransferPush,
-    TransferPushed,
-    TransferReady,
     TransferStaged,
     Work,
     decode,
@@ -101,7 +95,7 @@ def test_a_drain_ends_as_soon_as_the_requests_in_flight_are_done(served):
     w[Role.ENCODER].got.clear()
     assert server.requests["r"].instance == work.instance
     started = time.monotonic()
-    _finish_request(server, client, w)
+    finish_request(w, "r")
     assert isinstance(reply(client), RequestResult)
     loop.join(drain_s / 4)
     # Finishing the request and ending the loop take a fraction of a second (a few on a loaded
@@ -109,20 +103,3 @@ def test_a_drain_ends_as_soon_as_the_requests_in_flight_are_done(served):
     took = time.monotonic() - started
     assert not loop.is_alive(), f"the loop still ran {took:.1f}s after the last request in flight began to finish"
     assert took < drain_s / 4, f"finishing the last request and ending the loop took {took:.1f}s"
-
-
-def _finish_request(server: DiffusionServer, client: zmq.Socket, w: dict[Role, ScriptedWorker]) -> None:
-    """Drive request "r" from the encoder to the decoder's result with the scripted workers."""
-    manifest = [{"name": "x", "dtype": "uint8", "shape": [8], "offset": 0}]
-    for sender, receiver in ((Role.ENCODER, Role.DENOISER), (Role.DENOISER, Role.DECODER)):
-        src, dst = w[sender], w[receiver]
-        src.send(TransferStaged("r", src.url, 8, manifest, {}, 0.0))
-        alloc = dst.wait_for(TransferAlloc)
-        dst.got.remove(alloc)
-        dst.send(TransferAllocated("r", alloc.instance, SESSION, 4096))
-        push = src.wait_for(TransferPush)
-        src.got.remove(push)
-        src.send(TransferPushed("r", push.instance, 8, 0.0))
-        ready = dst.wait_for(TransferReady)
-        dst.got.remove(ready)
-    w[Role.DECODER].send(Result("r", w[Role.DECODER].url, [], 0.0))

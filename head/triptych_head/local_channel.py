@@ -1,0 +1,64 @@
+"""How the head's HTTP API reaches the DiffusionServer in its own process: a queue each way, no socket.
+
+The API's event loop and the server's thread share the process, so a request needs neither a
+socket nor an encoding to cross: the API puts the typed message (Submit, Cancel) on a queue and
+wakes the server's poll through an eventfd it polls beside its sockets; the server hands each
+answer (RequestEvent, RequestResult and its pixel frames) to the API's loop with
+call_soon_threadsafe. Measured against the frontend ROUTER over loopback TCP this replaced
+(docs/benchmarks.md, "HTTP"): no encode/decode, no ZMQ I/O thread, no asyncio socket bookkeeping.
+
+The server's frontend ROUTER stays for clients in other processes (bench/head_bench.py, tests);
+the core tells the two apart only by the client id it replies to (LOCAL_CLIENT here).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+LOCAL_CLIENT = b"\x00local"  # no ZMQ ROUTER id starts with a zero byte followed by letters: they are 5 bytes
+
+Deliver = Callable[[Any, Sequence[Any]], None]  # (message, frames), called on the server's thread
+
+
+class LocalChannel:
+    """Messages from the API to the server (put, on any thread; take, on the server's thread) and
+    answers back (deliver, on the server's thread, to the callback the API connected)."""
+
+    def __init__(self) -> None:
+        self._inbox: deque[Any] = deque()
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # readable while the inbox may hold messages
+        self._deliver: Deliver | None = None
+
+    def connect(self, deliver: Deliver) -> None:
+        """The API's receiver of answers; it must not block (it schedules work on the API's loop)."""
+        self._deliver = deliver
+
+    def put(self, msg: Any) -> None:
+        """A message for the server; wakes its poll."""
+        self._inbox.append(msg)
+        os.eventfd_write(self.fd, 1)
+
+    def take(self, limit: int) -> list[Any]:
+        """Up to `limit` queued messages, oldest first (the server's thread, when `fd` is readable).
+        The wake-up is consumed first, so a message put meanwhile wakes the next poll."""
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+        taken: list[Any] = []
+        while self._inbox and len(taken) < limit:
+            taken.append(self._inbox.popleft())
+        if self._inbox:  # more than `limit`: poll again at once for the rest
+            os.eventfd_write(self.fd, 1)
+        return taken
+
+    def reply(self, msg: Any, frames: Sequence[Any] = ()) -> None:
+        """An answer for the API (the server's thread); dropped when no API is connected."""
+        if self._deliver is not None:
+            self._deliver(msg, frames)
+
+    def close(self) -> None:
+        os.close(self.fd)
