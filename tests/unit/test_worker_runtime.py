@@ -39,7 +39,15 @@ from triptych_dev.localdeploy import free_port_block
 from triptych_dev.null_pipeline import NullPipeline
 from triptych_worker import compute, drain, pushes, slots
 from triptych_worker.runtime import Job, Worker
-from triptych_worker.transfer import InPlaceTensors, MooncakeTransport, StagedTensors, TransferPool, stage_in_place
+from triptych_worker.transfer import (
+    InPlaceTensors,
+    MooncakeTransport,
+    StagedTensors,
+    TransferError,
+    TransferPool,
+    TransferStalled,
+    stage_in_place,
+)
 
 
 class RecordingLink:
@@ -194,6 +202,66 @@ def test_a_resume_in_place_for_outputs_sent_in_place_fails_and_leaves_them_stage
         assert worker._staged["r"] is outputs and not outputs.released
         worker._cancel("r")
         assert outputs.released
+    finally:
+        worker.transport.close()
+
+
+class _EndedWrite:
+    """A Mooncake write as check_pushes sees it once it has ended with `error`."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def done(self) -> bool:
+        raise self.error
+
+    def elapsed(self) -> float:
+        return 1.0
+
+
+@pytest.mark.parametrize(
+    ("error", "kept"),
+    [(TransferStalled("did not finish in 120s"), True), (TransferError("the peer refused it"), False)],
+    ids=["stalled: may still read", "failed: read no more"],
+)
+def test_outputs_sent_in_place_are_kept_while_a_failed_write_may_still_read_them(error, kept):
+    """A stalled write may go on reading the tensors it was given: they stay registered and held
+    (_unfinished_sends) rather than freed under the engine; a write that failed outright lets them go.
+    The head hears which it was (write_pending keeps the receiver's slot out of use)."""
+    worker = make_worker()
+    link = RecordingLink()
+    try:
+        outputs = stage_in_place(worker.transport, {"latents": torch.randn(4096)}, worker.pool.pool_bytes)
+        assert outputs is not None
+        worker._pushes.append(pushes.Push("r", outputs, _EndedWrite(error)))  # type: ignore[arg-type]
+        pushes.check_pushes(worker, link)  # type: ignore[arg-type]
+        (failed,) = [m for m in link.sent if isinstance(m, Failed)]
+        assert failed.request_id == "r" and failed.write_pending is kept and str(error) in failed.error
+        assert outputs.released is not kept
+        assert (outputs in worker._unfinished_sends) is kept
+        assert not worker._pushes
+    finally:
+        worker.transport.close()
+
+
+def test_outputs_sent_in_place_whose_write_could_not_start_are_kept(monkeypatch):
+    """A write of several ranges can fail after its first range was submitted: treated as stalled."""
+    worker = make_worker()
+    link = RecordingLink()
+    try:
+        outputs = stage_in_place(worker.transport, {"latents": torch.randn(4096)}, worker.pool.pool_bytes)
+        assert outputs is not None
+        with worker._lock:
+            worker._staged["r"] = outputs
+
+        def refused(session: str, addr: int) -> None:
+            raise TransferError("Mooncake tcp write of 16384 bytes could not start")
+
+        monkeypatch.setattr(outputs, "submit_write", refused)
+        pushes.start_push(worker, link, TransferPush("r", "w", dest_session="127.0.0.1:1", dest_addr=4096))  # type: ignore[arg-type]
+        (failed,) = [m for m in link.sent if isinstance(m, Failed)]
+        assert failed.request_id == "r" and "could not start" in failed.error
+        assert not outputs.released and worker._unfinished_sends == [outputs] and "r" not in worker._staged
     finally:
         worker.transport.close()
 
