@@ -9,7 +9,9 @@ with one line naming the flag.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import io
 import json
 import os
 import random
@@ -24,11 +26,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from PIL import Image
 from prometheus_client import CollectorRegistry
 
 from tests.api.test_http_api import ScriptedBackend, validate, wait_for
+from tests.api.test_large_bodies import noise
 from tests.api.test_takeover import _orphan
 from tests.e2e.harness import deployment
 from tests.s3.seaweedfs import S3Server
@@ -36,6 +41,7 @@ from triptych.families import ModelInfo
 from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext
 from triptych_head.api.schemas import VideoJob
+from triptych_head.backend import GenerationOutput
 from triptych_head.objects import DirectoryObjects, ObjectStore, S3Location, S3Objects
 from triptych_head.results import ResultStore, Retention
 
@@ -224,6 +230,39 @@ def test_an_idempotency_key_retried_through_either_head_runs_once(shared_store):
     assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
     assert len({r.content for r in answers}) == 1
     assert len(backends[0].calls) + len(backends[1].calls) == 1
+
+
+class NoisePixels(ScriptedBackend):
+    """Pixels PNG cannot compress (tests/api/test_large_bodies.py), so the stored answer is as large."""
+
+    async def generate(self, request_id, params, on_event=None, preview_every=0, priority=1):  # type: ignore[no-untyped-def]
+        self.calls.append(params)
+        return GenerationOutput(pixels=noise(params.num_outputs, params.width))
+
+
+def test_a_large_idempotent_answer_is_stored_as_it_is_encoded_and_replayed_by_the_other_head(shared_store):
+    """An answer over the stream size (two 1024x1024 images of noise: 6 MiB of pixels, a ~8 MiB body)
+    with an Idempotency-Key is spooled into the store (a file put; on S3 an upload) and streamed out
+    of it; the other head replays the same bytes out of the store without running it, and no spooled
+    file is left behind."""
+    backends = [NoisePixels(), NoisePixels()]
+    body = {"prompt": "a cat", "size": "1024x1024", "n": 2, "response_format": "b64_json", "seed": 3}
+    headers = {"Idempotency-Key": f"large-{uuid.uuid4().hex}"}
+    store_a, store_b = open_store(shared_store), open_store(shared_store)
+    with head(store_a, backends[0]) as a, head(store_b, backends[1]) as b:
+        first = a.post("/v1/images/generations", json=body, headers=headers)
+        replay = b.post("/v1/images/generations", json=body, headers=headers)
+    assert first.status_code == replay.status_code == 200, (first.text[:300], replay.text[:300])
+    assert "content-length" not in first.headers and "content-length" not in replay.headers  # streamed
+    assert replay.headers["idempotent-replayed"] == "true" and "idempotent-replayed" not in first.headers
+    assert first.content == replay.content and len(first.content) > 6 << 20
+    assert len(backends[0].calls) + len(backends[1].calls) == 1
+    expected = noise(2, 1024)
+    for i, item in enumerate(json.loads(replay.content)["data"]):
+        decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
+        assert np.array_equal(decoded, expected[i, 0])
+    for store in (shared_store, store_a, store_b):
+        assert not list(store.staging.glob("answer-*")), "a spooled answer was left in the staging folder"
 
 
 # --- bad stores stop the head at start-up --------------------------------------------------------
