@@ -123,3 +123,26 @@ def test_a_released_send_can_no_longer_be_written_and_holds_nothing(peers) -> No
     assert slot is not None
     with pytest.raises(TransferError, match="not inside memory registered"):
         in_place.submit_write(receiver.session_id, slot.addr)
+
+
+def test_writes_to_a_peer_that_recent_writes_measured_expect_their_end_and_land(peers) -> None:
+    """After one write of a rate-worthy size, the next to the same peer knows when it should end
+    (transfer/waiting.py: it spins around that end instead of sleeping past it); the bytes land
+    either way."""
+    sender, pool, receiver, receiver_pool = peers
+    for i in range(3):
+        tensors = {"latents": torch.randn(MIB // 4, generator=torch.Generator().manual_seed(i))}  # 1 MiB
+        staged = stage_tensors(pool, tensors, f"r{i}")
+        assert staged is not None
+        slot = receiver_pool.allocate(staged.nbytes, f"r{i}")
+        assert slot is not None
+        pending = sender.submit_write(receiver.session_id, staged.allocation.addr, slot.addr, staged.nbytes)
+        if i == 0:
+            assert pending.expected_s is None, "nothing was measured to this peer yet"
+        else:
+            assert pending.expected_s is not None and 0 < pending.expected_s < 5.0
+        pending.wait()
+        got = view_tensors(receiver_pool, slot, staged.manifest, torch_tensors=True)
+        assert torch.equal(got["latents"], tensors["latents"])
+        pool.free(staged.allocation)
+        receiver_pool.free(slot)

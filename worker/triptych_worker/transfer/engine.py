@@ -11,18 +11,9 @@ from triptych.config import ConfigError
 
 from .errors import MooncakeNotInstalled, TransferError, TransferStalled
 from .listeners import mooncake_port_range
+from .waiting import WriteRates, poll_interval
 
-# How a write is waited for (PendingWrite.poll_interval). transfer_sync_write spins a core for the
-# whole write, which on a host with few cores starves the transport threads doing the work (and
-# every other process). Instead: poll without pausing for SPIN_S only (a 64 KiB loopback write
-# can end within it; a longer spin, 200 us before, took a core from the processes the write and
-# the next hops need), then sleep between polls, never yield (a sched_yield hardly leaves the core),
-# for a fraction of the time already spent (at most ~5% added to a long write), at least POLL_MIN_S
-# (the kernel's timer slack adds ~50 us to it) and at most POLL_MAX_S.
-SPIN_S = 50e-6
-POLL_MIN_S = 20e-6
-POLL_FRACTION = 0.05
-POLL_MAX_S = 1e-3
+# How a write is waited for: waiting.py.
 WRITE_TIMEOUT_S = 120.0
 _PENDING, _DONE = 0, 1
 _PEER_HINT = "the peer may be gone or the address outside its transfer pool"
@@ -83,6 +74,7 @@ class MooncakeTransport:
         self._regions: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._rates = WriteRates()  # when a write should end, from recent ones to the same peer
 
     @property
     def engine(self) -> Any:
@@ -144,7 +136,7 @@ class MooncakeTransport:
                 # out of use after a failure); the caller keeps their memory until they could be done.
                 raise TransferError(f"{what} could not start; {_PEER_HINT}")
             batches.append(batch)
-        return PendingWrite(self._engine, batches, what, started)
+        return PendingWrite(self._engine, batches, what, started, total, dest_session, self._rates)
 
     def unregister(self, ptr: int) -> None:
         """Forget memory registered at `ptr` (a range `register` took); peers can no longer address it."""
@@ -187,12 +179,23 @@ class PendingWrite:
     status is read until then only.
     """
 
-    def __init__(self, engine: Any, batches: list[int], what: str, started: float) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        batches: list[int],
+        what: str,
+        started: float,
+        nbytes: int = 0,
+        peer: str = "",
+        rates: WriteRates | None = None,
+    ) -> None:
         self._engine = engine
         self._batches = list(batches)  # those not reported done yet
         self._what = what
         self._failed: TransferError | None = None
         self.started = started  # perf_counter() when the write was submitted
+        self._nbytes, self._peer, self._rates = nbytes, peer, rates
+        self._expected = rates.expected_s(peer, nbytes) if rates is not None else None
 
     def done(self) -> bool:
         """True once the bytes are in the peer's memory; False while the write is under way.
@@ -212,6 +215,9 @@ class PendingWrite:
                 raise self._failed
             self._batches.pop(0)
         if not self._batches:
+            if self._rates is not None:
+                self._rates.observe(self._peer, self._nbytes, self.elapsed())
+                self._rates = None  # observed once
             return True
         if self.elapsed() > WRITE_TIMEOUT_S:
             raise TransferStalled(
@@ -222,12 +228,14 @@ class PendingWrite:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
+    @property
+    def expected_s(self) -> float | None:
+        """How long this write should take, from recent writes to its peer (waiting.py); None: unknown."""
+        return self._expected
+
     def poll_interval(self) -> float:
         """How long to leave the core before the next poll, given this write's age (0: poll again at once)."""
-        elapsed = self.elapsed()
-        if elapsed < SPIN_S:
-            return 0.0
-        return min(POLL_MAX_S, max(POLL_MIN_S, elapsed * POLL_FRACTION))
+        return poll_interval(self.elapsed(), self._expected)
 
     def pause(self) -> None:
         """Sleep until the next poll (`poll_interval`), if it is not due at once."""
