@@ -22,6 +22,11 @@ from triptych_head.backend import GenerationFailed, LocalClient
 from triptych_head.local_channel import LocalChannel
 
 
+async def started(client: LocalClient) -> LocalClient:
+    await client.start()  # connects it to its loop, as the HTTP server's startup does
+    return client
+
+
 def _readable(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
@@ -77,8 +82,7 @@ def test_the_apis_request_gets_its_pixels_from_the_decoder_through_the_channel()
         w = {role: ws[0] for role, ws in workers.items()}
 
         async def main() -> np.ndarray:
-            client = LocalClient(server.local)
-            await client.start()
+            client = await started(LocalClient(server.local))
             generation = asyncio.ensure_future(client.generate("r", GenerationParams(**PARAMS)))
             await asyncio.to_thread(w[Role.ENCODER].wait_for, Work)
             await asyncio.to_thread(finish_request, w, "r", tensors_to_frames({"pixels": pixels}))
@@ -96,8 +100,7 @@ def test_a_refusal_reaches_the_api_as_its_status() -> None:
     with scripted_head() as (server, _, _workers):
 
         async def main() -> None:
-            client = LocalClient(server.local)
-            await client.start()
+            client = await started(LocalClient(server.local))
             server.drain(30)
             with pytest.raises(GenerationFailed) as refused:
                 await asyncio.wait_for(client.generate("late", GenerationParams(**PARAMS)), 10)
@@ -111,8 +114,7 @@ def test_an_api_request_whose_client_went_away_is_cancelled_on_the_workers() -> 
         encoder = workers[Role.ENCODER][0]
 
         async def main() -> None:
-            client = LocalClient(server.local)
-            await client.start()
+            client = await started(LocalClient(server.local))
             generation = asyncio.ensure_future(client.generate("gone", GenerationParams(**PARAMS)))
             await asyncio.to_thread(encoder.wait_for, Work)
             generation.cancel()  # what the HTTP handler does when its client disconnects
@@ -129,8 +131,7 @@ def test_an_answer_after_the_apis_loop_closed_is_dropped_not_raised() -> None:
     try:
 
         async def main() -> LocalClient:
-            client = LocalClient(channel)
-            await client.start()
+            client = await started(LocalClient(channel))
             return client
 
         asyncio.run(main())  # the loop is closed now, as when the HTTP server has stopped
@@ -145,8 +146,7 @@ def test_a_submit_is_handed_over_as_built() -> None:
     try:
 
         async def main() -> None:
-            client = LocalClient(channel)
-            await client.start()
+            client = await started(LocalClient(channel))
             params = GenerationParams(**PARAMS)
             generation = asyncio.ensure_future(client.generate("r", params, priority=2))
             await asyncio.sleep(0)

@@ -190,10 +190,7 @@ def test_a_resume_in_place_for_outputs_sent_in_place_fails_and_leaves_them_stage
     worker = make_worker()
     link = RecordingLink()
     try:
-        outputs = stage_in_place(worker.transport, {"latents": torch.randn(4096)}, worker.pool.pool_bytes)
-        assert outputs is not None
-        with worker._lock:
-            worker._staged["r"] = outputs
+        outputs = in_place_outputs(worker, staged_as="r")
         ready = TransferReady("r", "w", GenerationParams("x", 8, 8), outputs.manifest, {}, in_place=True)
         slots.ready(worker, link, ready)  # type: ignore[arg-type]
         assert [m.error for m in link.sent if isinstance(m, Failed)] == [
@@ -231,8 +228,7 @@ def test_outputs_sent_in_place_are_kept_while_a_failed_write_may_still_read_them
     worker = make_worker()
     link = RecordingLink()
     try:
-        outputs = stage_in_place(worker.transport, {"latents": torch.randn(4096)}, worker.pool.pool_bytes)
-        assert outputs is not None
+        outputs = in_place_outputs(worker)
         worker._pushes.append(pushes.Push("r", outputs, _EndedWrite(error)))  # type: ignore[arg-type]
         pushes.check_pushes(worker, link)  # type: ignore[arg-type]
         (failed,) = [m for m in link.sent if isinstance(m, Failed)]
@@ -249,10 +245,7 @@ def test_outputs_sent_in_place_whose_write_could_not_start_are_kept(monkeypatch)
     worker = make_worker()
     link = RecordingLink()
     try:
-        outputs = stage_in_place(worker.transport, {"latents": torch.randn(4096)}, worker.pool.pool_bytes)
-        assert outputs is not None
-        with worker._lock:
-            worker._staged["r"] = outputs
+        outputs = in_place_outputs(worker, staged_as="r")
 
         def refused(session: str, addr: int) -> None:
             raise TransferError("Mooncake tcp write of 16384 bytes could not start")
@@ -264,6 +257,17 @@ def test_outputs_sent_in_place_whose_write_could_not_start_are_kept(monkeypatch)
         assert not outputs.released and worker._unfinished_sends == [outputs] and "r" not in worker._staged
     finally:
         worker.transport.close()
+
+
+def in_place_outputs(worker: Worker, staged_as: str | None = None) -> InPlaceTensors:
+    """A latents tensor registered to be sent where it is, as compute.py stages a CPU stage's outputs
+    (held as request `staged_as`'s staged outputs when given)."""
+    outputs = stage_in_place(worker.transport, {"latents": torch.randn(4096)}, worker.pool.pool_bytes)
+    assert outputs is not None
+    if staged_as is not None:
+        with worker._lock:
+            worker._staged[staged_as] = outputs
+    return outputs
 
 
 def _encoded(msg: object) -> list[bytes]:
