@@ -22,7 +22,7 @@ from triptych.priority import DEFAULT_LEVEL
 from triptych.protocol import Cancel, RequestEvent, RequestResult, Submit, TensorSpec
 from triptych.protocol.tensors import PIXELS
 from triptych.roles import Role
-from triptych_head.local_channel import LocalChannel
+from triptych_head.local_channel import ChannelClosed, LocalChannel
 from triptych_head.local_queue import PriorityRunner
 from triptych_head.state import REJECTED, RequestState
 from triptych_head.timeline import server_timing
@@ -89,7 +89,7 @@ class LocalClient:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._channel.connect(self._from_server)
+        self._channel.connect(self._from_server, self._server_stopped)
 
     async def generate(
         self,
@@ -102,11 +102,15 @@ class LocalClient:
         assert self._loop is not None, "start() first"
         if request_id in self._pending:
             raise GenerationFailed(f"request id {request_id!r} is already active", 409, REJECTED)
+        watch = on_event is not None
+        submit = Submit(request_id, params, watch=watch, preview_every=preview_every, priority=priority)
         future: asyncio.Future[GenerationOutput] = self._loop.create_future()
         self._pending[request_id] = (future, on_event)
         try:
-            watch = on_event is not None
-            self._channel.put(Submit(request_id, params, watch=watch, preview_every=preview_every, priority=priority))
+            try:
+                self._channel.put(submit)
+            except ChannelClosed as exc:
+                raise GenerationFailed(f"{exc}; retry on another head", 503) from None
             return await future
         except asyncio.CancelledError:
             await self.cancel(request_id)
@@ -115,15 +119,30 @@ class LocalClient:
             self._pending.pop(request_id, None)
 
     async def cancel(self, request_id: str) -> None:
-        self._channel.put(Cancel(request_id))
+        try:
+            self._channel.put(Cancel(request_id))
+        except ChannelClosed:
+            pass  # nothing runs any more
 
     def _from_server(self, msg: Any, frames: Sequence[Any]) -> None:
         """On the server's thread: the answer goes to this client's loop."""
+        self._to_loop(self._answer, msg, frames)
+
+    def _server_stopped(self) -> None:
+        """On the server's thread, once its loop has ended: what it held is never answered."""
+        self._to_loop(self._fail_pending)
+
+    def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
         try:
             assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._answer, msg, frames)
+            self._loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:  # the loop has closed: the API is gone, nobody waits for it
             pass
+
+    def _fail_pending(self) -> None:
+        for future, _ in self._pending.values():
+            if not future.done():
+                future.set_exception(GenerationFailed("the head's DiffusionServer stopped; retry on another head", 503))
 
     def _answer(self, msg: Any, frames: Sequence[Any]) -> None:
         entry = self._pending.get(msg.request_id)
@@ -145,7 +164,7 @@ class LocalClient:
                 on_event(msg)
 
     async def close(self) -> None:
-        self._channel.connect(lambda msg, frames: None)
+        self._channel.connect(lambda msg, frames: None)  # answers after this are nobody's
 
 
 class InProcessPipeline(Protocol):

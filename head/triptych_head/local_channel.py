@@ -14,6 +14,7 @@ the core tells the two apart only by the client id it replies to (LOCAL_CLIENT h
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,23 +24,34 @@ LOCAL_CLIENT = b"\x00local"  # no ZMQ ROUTER id starts with a zero byte followed
 Deliver = Callable[[Any, Sequence[Any]], None]  # (message, frames), called on the server's thread
 
 
+class ChannelClosed(RuntimeError):
+    """The DiffusionServer's loop has ended: nothing put on its channel will be read."""
+
+
 class LocalChannel:
     """Messages from the API to the server (put, on any thread; take, on the server's thread) and
-    answers back (deliver, on the server's thread, to the callback the API connected)."""
+    answers back (deliver, on the server's thread, to the callbacks the API connected)."""
 
     def __init__(self) -> None:
         self._inbox: deque[Any] = deque()
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # readable while the inbox may hold messages
         self._deliver: Deliver | None = None
+        self._on_close: Callable[[], None] | None = None
+        self._lock = threading.Lock()  # a put never writes to the fd once close() has released it
+        self._closed = False
 
-    def connect(self, deliver: Deliver) -> None:
-        """The API's receiver of answers; it must not block (it schedules work on the API's loop)."""
-        self._deliver = deliver
+    def connect(self, deliver: Deliver, on_close: Callable[[], None] | None = None) -> None:
+        """The API's receiver of answers, and what to call once the server's loop has ended (the
+        requests it held will not be answered); neither may block (they schedule work on the API's loop)."""
+        self._deliver, self._on_close = deliver, on_close
 
     def put(self, msg: Any) -> None:
-        """A message for the server; wakes its poll."""
-        self._inbox.append(msg)
-        os.eventfd_write(self.fd, 1)
+        """A message for the server; wakes its poll. ChannelClosed once its loop has ended."""
+        with self._lock:
+            if self._closed:
+                raise ChannelClosed("the head's DiffusionServer has stopped")
+            self._inbox.append(msg)
+            os.eventfd_write(self.fd, 1)
 
     def take(self, limit: int) -> list[Any]:
         """Up to `limit` queued messages, oldest first (the server's thread, when `fd` is readable).
@@ -61,4 +73,12 @@ class LocalChannel:
             self._deliver(msg, frames)
 
     def close(self) -> None:
-        os.close(self.fd)
+        """The server's loop has ended (its last answers are out): refuse puts, tell the API. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self.fd)
+            self._inbox.clear()
+        if self._on_close is not None:
+            self._on_close()

@@ -19,7 +19,7 @@ from triptych.params import GenerationParams
 from triptych.protocol import CancelWork, RequestEvent, Submit, Work, tensors_to_frames
 from triptych.roles import Role
 from triptych_head.backend import GenerationFailed, LocalClient
-from triptych_head.local_channel import LocalChannel
+from triptych_head.local_channel import ChannelClosed, LocalChannel
 
 
 async def started(client: LocalClient) -> LocalClient:
@@ -159,3 +159,34 @@ def test_a_submit_is_handed_over_as_built() -> None:
         asyncio.run(main())
     finally:
         channel.close()
+
+
+def test_a_closed_channel_refuses_puts_and_tells_the_api_once() -> None:
+    channel = LocalChannel()
+    closed: list[bool] = []
+    channel.connect(lambda msg, frames: None, lambda: closed.append(True))
+    channel.put("queued")
+    channel.close()
+    channel.close()  # idempotent: the fd is released once, the API told once
+    assert closed == [True]
+    with pytest.raises(ChannelClosed):
+        channel.put("late")  # never written to a released fd (its number may be another file's by now)
+
+
+def test_requests_of_a_server_whose_loop_ended_fail_with_503_not_hang() -> None:
+    with scripted_head() as (server, _, workers):
+
+        async def main() -> None:
+            client = await started(LocalClient(server.local))
+            held = asyncio.ensure_future(client.generate("held", GenerationParams(**PARAMS)))
+            await asyncio.to_thread(workers[Role.ENCODER][0].wait_for, Work)
+            server.stop()  # the loop ends with the request in flight, as if it had crashed
+            with pytest.raises(GenerationFailed) as failed:
+                await asyncio.wait_for(held, 10)
+            assert failed.value.status_code == 503 and "stopped" in str(failed.value)
+            with pytest.raises(GenerationFailed) as refused:  # a new request is refused at once
+                await asyncio.wait_for(client.generate("new", GenerationParams(**PARAMS)), 10)
+            assert refused.value.status_code == 503
+            await client.cancel("held")  # nothing to cancel any more: no error
+
+        asyncio.run(main())
