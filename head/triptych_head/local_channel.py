@@ -19,7 +19,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-LOCAL_CLIENT = b"\x00local"  # no ZMQ ROUTER id starts with a zero byte followed by letters: they are 5 bytes
+# Replies to this client id go to the channel, never to the frontend ROUTER, whose messages from a peer
+# that names itself so (ZMQ lets a peer choose its routing id) the server drops.
+LOCAL_CLIENT = b"\x00local"
 
 Deliver = Callable[[Any, Sequence[Any]], None]  # (message, frames), called on the server's thread
 

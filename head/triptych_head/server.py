@@ -2,8 +2,8 @@
 
 One thread owns every socket. The head's own HTTP API hands its messages over in-process
 (local_channel.py); the frontend ROUTER takes those of API clients in other processes (on
-loopback only: the bench, tests), one PULL per role takes its workers' results and heartbeats, and one PUSH per worker
-(links.py) carries the core's decisions to it. Each loop turn hands what arrived to the core,
+loopback only: the bench, tests); one PULL per role takes its workers' results and heartbeats,
+and one PUSH per worker (links.py) carries the core's decisions to it. Each loop turn hands what arrived to the core,
 runs its upkeep every PING_INTERVAL_S with the worker lists discovery (discovery.py) resolves,
 and lets it dispatch; what the core decides leaves through this module's Transport.
 """
@@ -207,7 +207,7 @@ class DiffusionServer:
                 return
             try:
                 if role is None:
-                    if len(parts) >= 2:
+                    if len(parts) >= 2 and parts[0] != LOCAL_CLIENT:  # that id is the head's own API's
                         self.core.on_frontend(parts[0], parts[1:])
                 else:
                     self.core.on_worker(role, parts)

@@ -10,16 +10,18 @@ from __future__ import annotations
 import asyncio
 import select
 import threading
+import time
 
 import numpy as np
 import pytest
+import zmq
 
 from tests.unit.scripted import PARAMS, finish_request, scripted_head
 from triptych.params import GenerationParams
-from triptych.protocol import CancelWork, RequestEvent, Submit, Work, tensors_to_frames
+from triptych.protocol import CancelWork, RequestEvent, Submit, Work, encode, tensors_to_frames
 from triptych.roles import Role
 from triptych_head.backend import GenerationFailed, LocalClient
-from triptych_head.local_channel import ChannelClosed, LocalChannel
+from triptych_head.local_channel import LOCAL_CLIENT, ChannelClosed, LocalChannel
 
 
 async def started(client: LocalClient) -> LocalClient:
@@ -190,3 +192,24 @@ def test_requests_of_a_server_whose_loop_ended_fail_with_503_not_hang() -> None:
             await client.cancel("held")  # nothing to cancel any more: no error
 
         asyncio.run(main())
+
+
+def test_a_frontend_peer_naming_itself_as_the_local_client_is_not_heard() -> None:
+    """ZMQ lets a peer choose its routing id; answers to the local client's id go to the channel, so
+    a frontend peer claiming it could only lose its own: its messages are dropped instead."""
+    with scripted_head() as (server, frontend, _workers):
+        impostor = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            impostor.setsockopt(zmq.ROUTING_ID, LOCAL_CLIENT)
+            impostor.setsockopt(zmq.LINGER, 0)
+            impostor.connect(server.frontend_endpoint)
+            impostor.send_multipart(encode(Submit("spoof", GenerationParams(**PARAMS))))
+            frontend.send_multipart(encode(Submit("honest", GenerationParams(**PARAMS))))  # sent after it
+            deadline = time.monotonic() + 10
+            while "honest" not in server.requests:
+                assert time.monotonic() < deadline, "the honest request never arrived"
+                time.sleep(0.01)
+            time.sleep(0.3)  # and a while more, should the impostor's connection have been the slower
+            assert "spoof" not in server.requests
+        finally:
+            impostor.close()
