@@ -3,9 +3,10 @@
 One thread owns every socket. The head's own HTTP API hands its messages over in-process
 (local_channel.py); the frontend ROUTER takes those of API clients in other processes (on
 loopback only: the bench, tests); one PULL per role takes its workers' results and heartbeats,
-and one PUSH per worker (links.py) carries the core's decisions to it. Each loop turn hands what arrived to the core,
-runs its upkeep every PING_INTERVAL_S with the worker lists discovery (discovery.py) resolves,
-and lets it dispatch; what the core decides leaves through this module's Transport.
+and one PUSH per worker (links.py) carries the core's decisions to it. Each loop turn hands what
+arrived to the core, runs its upkeep every PING_INTERVAL_S with the worker lists discovery
+(discovery.py) resolves, and lets it dispatch; what the core decides leaves through this
+module's Transport.
 """
 
 from __future__ import annotations
