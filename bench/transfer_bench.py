@@ -55,6 +55,7 @@ from triptych_worker.transfer import (
     TransferPool,
     layout,
     load_tensors,
+    precise_sleeps,
     stage_in_place,
     stage_tensors,
 )
@@ -462,6 +463,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.torch_threads)
+    precise_sleeps()  # as a worker's threads sleep (triptych_worker.transfer.waiting)
     if args.role == "receiver":
         run_receiver(args)
     else:

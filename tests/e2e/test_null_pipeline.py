@@ -10,6 +10,7 @@ import base64
 import concurrent.futures
 import re
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -22,6 +23,7 @@ from triptych.protocol.codec import PROTOCOL_VERSION
 from triptych.roles import Role
 from triptych.security import ControlPlane, Side, load_keys
 from triptych_dev.localdeploy import LocalDeployment
+from triptych_worker.transfer.waiting import TIMER_SLACK_NS
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +53,11 @@ def test_image_request_flows_through_all_roles(flux, tmp_path):
         assert r.status_code == 200, r.text
         assert base64.b64decode(r.json()["data"][0]["b64_json"]).startswith(b"\x89PNG")
         assert metric(c, "triptych_transfer_bytes_total") >= 2 * 4096
+        # Workers sleep precisely between the polls of their writes (transfer/waiting.py).
+        workers = [p for p in dep.procs if p.role is not Role.SERVER]
+        assert len(workers) == 3
+        for p in workers:
+            assert Path(f"/proc/{p.popen.pid}/timerslack_ns").read_text().strip() == str(TIMER_SLACK_NS), p.role
 
 
 def test_workers_started_before_the_head_join_without_restarts(flux, tmp_path):

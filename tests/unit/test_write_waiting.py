@@ -5,6 +5,9 @@ Pure policy here; tests/transfer/test_mooncake.py has real engines' writes waite
 
 from __future__ import annotations
 
+import ctypes
+import threading
+
 import pytest
 
 from triptych_worker.transfer.waiting import (
@@ -14,9 +17,11 @@ from triptych_worker.transfer.waiting import (
     POLL_MIN_S,
     RATE_MIN_BYTES,
     SPIN_S,
+    TIMER_SLACK_NS,
     WAKE_EARLY_S,
     WriteRates,
     poll_interval,
+    precise_sleeps,
 )
 
 MIB = 1 << 20
@@ -71,3 +76,25 @@ def test_rates_are_per_peer_for_large_writes_only_and_follow_recent_writes():
     for _ in range(30):  # the link got twice as slow: the estimate follows within a few writes
         rates.observe("a", MIB, 2e-3)
     assert rates.expected_s("a", MIB) == pytest.approx(2e-3, rel=0.01)
+
+
+def _timer_slack_ns() -> int:
+    return int(ctypes.CDLL(None).prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK: this thread's
+
+
+def test_precise_sleeps_sets_the_slack_of_the_thread_and_of_threads_it_starts_later():
+    seen: dict[str, object] = {}
+
+    def run() -> None:  # in a thread of its own, so the test's thread keeps the kernel's slack
+        seen["ok"] = precise_sleeps()
+        seen["own"] = _timer_slack_ns()
+        child = threading.Thread(target=lambda: seen.update(child=_timer_slack_ns()))
+        child.start()
+        child.join()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen["ok"] is True
+    assert seen["own"] == TIMER_SLACK_NS and seen["child"] == TIMER_SLACK_NS
+    assert _timer_slack_ns() != TIMER_SLACK_NS, "the thread that started it keeps its own slack"

@@ -73,6 +73,7 @@ from triptych_worker.transfer import (
     StagedTensors,
     TransferPool,
     check_rdma_device,
+    precise_sleeps,
 )
 from triptych_worker.transfer.listeners import check_mooncake_listeners, confine_mooncake_listeners
 
@@ -511,6 +512,7 @@ def run_worker(args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | Par
     """
     if not args.disagg_full_pipeline:  # a full-pipeline worker starts no Mooncake engine
         confine_mooncake_listeners(args)
+    precise_sleeps()  # before any thread starts: the polls of writes and sockets wake when they asked
     worker = Worker(args, pipeline)
     try:
         if not args.disagg_full_pipeline:

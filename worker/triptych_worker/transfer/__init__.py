@@ -14,6 +14,7 @@ from .errors import MooncakeNotInstalled, PayloadTooLarge, TransferError, Transf
 from .in_place import InPlaceTensors, stage_in_place
 from .pool import Allocation, MemoryRegistrar, TransferPool
 from .tensors import StagedTensors, check_manifest, layout, load_tensors, stage_tensors, view_tensors
+from .waiting import precise_sleeps
 
 __all__ = [
     "ALIGNMENT",
@@ -33,6 +34,7 @@ __all__ = [
     "check_rdma_device",
     "layout",
     "load_tensors",
+    "precise_sleeps",
     "stage_in_place",
     "stage_tensors",
     "view_tensors",

@@ -6,8 +6,10 @@ write waits"):
 
 - poll without pausing for SPIN_S only: a 64 KiB loopback write or an RDMA write can end within it;
 - then sleep between polls for a fraction of the time already spent (at most ~5% added to a long
-  write), at least POLL_MIN_S (the kernel's timer slack adds ~50 us to it) and at most POLL_MAX_S.
-  Never sched_yield: it hardly leaves the core;
+  write), at least POLL_MIN_S and at most POLL_MAX_S. Never sched_yield: it hardly leaves the core.
+  A worker's threads sleep with a timer slack of TIMER_SLACK_NS (`precise_sleeps`): Linux's default
+  lets every sleep end up to 50 us late, which made a 20 us sleep last ~70 and a small write's end
+  be seen ~50 us after it came;
 - a write large enough to have a steady rate (at least RATE_MIN_BYTES) to a peer that recent writes
   measured (WriteRates: its bytes at that peer's recent seconds per byte) is also polled without
   pausing for at most END_SPIN_S from shortly before its expected end, the sleeps before shortened
@@ -17,6 +19,12 @@ write waits"):
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import sys
+
+log = logging.getLogger(__name__)
+
 SPIN_S = 50e-6
 POLL_MIN_S = 20e-6
 POLL_FRACTION = 0.05
@@ -25,6 +33,24 @@ RATE_MIN_BYTES = 256 << 10  # smaller writes are mostly latency: no rate to expe
 WAKE_EARLY_S = 80e-6  # a sleep ends up to ~50 us late (timer slack): spin from this long before the expected end
 END_SPIN_S = 150e-6  # at most this long polled without pause around the expected end
 RATE_WEIGHT = 0.25  # of each new write in the estimate (an exponentially weighted mean)
+TIMER_SLACK_NS = 1000  # how late a sleep of a worker's threads may end (Linux's default: 50 us)
+_PR_SET_TIMERSLACK = 29  # prctl(2)
+
+
+def precise_sleeps() -> bool:
+    """Let this thread's sleeps end at most TIMER_SLACK_NS late, and those of every thread it starts
+    from now on (they inherit it, as a child process does): call before a worker starts its threads.
+    False where it cannot (not Linux, or prctl refused); the sleeps then keep the kernel's slack."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ok = libc.prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(TIMER_SLACK_NS), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        ok = False
+    if not ok:
+        log.warning("could not set the timer slack: a write's end may be seen up to 50 us late")
+    return ok
 
 
 class WriteRates:
