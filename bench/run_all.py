@@ -12,6 +12,7 @@ for script in (
     "transfer_bench.py",
     "head_bench.py",
     "tracing_bench.py",
+    "media_bench.py",
     "pipeline_bench.py",
     "scaling_bench.py",
     "heads_bench.py",

@@ -1,15 +1,52 @@
-"""Encoding decoded pixels into the files clients receive: PNG images and MP4 videos."""
+"""Encoding decoded pixels into the files clients receive: PNG images and MP4 videos, on the head's
+pool of encoding threads (MediaPool)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import zipfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 from PIL import Image
+
+from triptych.cpus import usable_cpus
+
+T = TypeVar("T")
+
+
+class MediaPool:
+    """Where the head's CPU-bound encodes run (the PNGs of all but small answers, MP4s, ZIPs of PNGs):
+    one thread per CPU the head may use (triptych.cpus), so that a burst of large answers queues
+    here instead of running as many encodes as asyncio's default executor has threads (host CPUs
+    + 4), which in a container with a CPU limit throttles the event loop and the DiffusionServer's
+    loop with them (docs/benchmarks.md, "Media encoding"). PIL and libx264 encode without holding
+    the GIL. Blocking I/O (the result store) stays on the default executor: it never waits behind
+    an encode. Threads start on first use."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads if threads is not None else usable_cpus()
+        if self.threads < 1:
+            raise ValueError(f"a media pool needs at least 1 thread, got {self.threads}")
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="media")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def iterate(self, items: Iterator[T]) -> AsyncIterator[T]:
+        """Each item of a blocking iterator (e.g. png_zip_chunks), produced on the pool."""
+        end = object()
+        while (item := await self.run(next, items, end)) is not end:
+            yield item  # type: ignore[misc]  # not `end`
+
+    def close(self) -> None:
+        """Queued encodes are dropped; running ones finish in their threads."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def png_bytes(image: np.ndarray) -> bytes:
@@ -19,8 +56,9 @@ def png_bytes(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def write_mp4(frames: np.ndarray, path: Path, fps: int) -> Path:
-    """uint8 [F, H, W, 3] frames as an H.264 MP4 (odd sizes are padded by one pixel).
+def write_mp4(frames: np.ndarray, path: Path, fps: int, threads: int) -> Path:
+    """uint8 [F, H, W, 3] frames as an H.264 MP4 (odd sizes are padded by one pixel), libx264 on
+    `threads` threads (its default is 1.5 per host CPU, whatever the container's limit).
 
     PyAV (FFmpeg's libraries, libx264 included in its wheels) rather than an ffmpeg binary: the
     head image stays small (imageio-ffmpeg's static binary alone is ~170 MB).
@@ -36,7 +74,8 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int) -> Path:
         stream = container.add_stream("libx264", rate=fps)
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "18"}  # visually lossless; the exact frames are kept beside the MP4
+        # crf 18: visually lossless; the exact frames are kept beside the MP4
+        stream.options = {"crf": "18", "threads": str(threads)}
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
         container.mux(stream.encode())  # flush the encoder

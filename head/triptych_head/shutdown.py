@@ -134,4 +134,7 @@ def serve_http(app: object, ctx: HeadContext, host: str, port: int, log_level: s
         access_log=False,
         timeout_graceful_shutdown=int(FLUSH_S),
     )
-    DrainingServer(config, ctx, drain, hurry).run()
+    try:
+        DrainingServer(config, ctx, drain, hurry).run()
+    finally:
+        ctx.media.close()  # an encode no answer waits for any more does not hold up the exit

@@ -33,6 +33,7 @@ from triptych_head.api.schemas import parse_size
 from triptych_head.backend import Backend, GenerationFailed
 from triptych_head.deadline import Estimate
 from triptych_head.idempotency import Idempotency
+from triptych_head.media import MediaPool
 from triptych_head.objects import DirectoryObjects, ObjectStore
 from triptych_head.results import ResultStore, Retention
 from triptych_head.state import RequestState
@@ -77,6 +78,8 @@ class HeadContext:
     idempotency_wait_s: float = DEFAULT_TIMEOUT_S
     # A request's deadline when it gives none, and the latest it may give (--disagg-timeout).
     request_timeout_s: float = DEFAULT_TIMEOUT_S
+    # The PNG, MP4 and ZIP encodes of answers: one thread per CPU this head may use (media.py).
+    media: MediaPool = field(default_factory=MediaPool)
 
     def __post_init__(self) -> None:
         objects = self.results_store or DirectoryObjects(self.output_path)

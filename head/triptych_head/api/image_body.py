@@ -1,7 +1,8 @@
 """The body of a plain image answer ({"created", "data": [{"b64_json"}, ...]}): small ones whole, large ones
 streamed.
 
-A large b64_json answer is written as it is encoded: one image's PNG at a time (in a thread), its
+A large b64_json answer is written as it is encoded: one image's PNG at a time (on the head's
+MediaPool), its
 base64 in chunks of B64_CHUNK bytes, so the head holds the decoded pixels, one PNG and one chunk,
 never the PNGs, their base64 and the JSON of it all at once (about four times the body; for
 the contract's largest answer, 8 images of 4096x4096, that was about 1.9 GB). The bytes are the
@@ -22,7 +23,7 @@ from fastapi import Response
 from fastapi.responses import StreamingResponse
 
 from triptych_head.api.schemas import ImageData, ImageGenerationResponse
-from triptych_head.media import png_bytes
+from triptych_head.media import MediaPool, png_bytes
 
 INLINE_PIXELS = 64 << 10  # pixel bytes (all images) encoded on the event loop: under ~1 ms of PNG encoding
 STREAM_PIXELS = 4 << 20  # pixel bytes above which a b64_json answer is streamed rather than built whole
@@ -34,11 +35,12 @@ def images_of(pixels: np.ndarray) -> list[np.ndarray]:
     return [img[0] for img in pixels]
 
 
-async def encode_pngs(pixels: np.ndarray) -> list[bytes]:
-    """Every output as PNG: on the loop when small, else in a thread."""
+async def encode_pngs(pixels: np.ndarray, media: MediaPool) -> list[bytes]:
+    """Every output as PNG: on the loop when small, else on the media pool (one encode per image,
+    so an answer of several images uses as many of its threads as are free)."""
     if pixels.nbytes <= INLINE_PIXELS:
         return [png_bytes(img) for img in images_of(pixels)]
-    return await asyncio.to_thread(lambda: [png_bytes(img) for img in images_of(pixels)])
+    return list(await asyncio.gather(*(media.run(png_bytes, img) for img in images_of(pixels))))
 
 
 def streams(values: dict[str, Any], pixels: np.ndarray) -> bool:
@@ -51,17 +53,17 @@ def whole(answer: ImageGenerationResponse, headers: dict[str, str]) -> Response:
     return Response(answer.model_dump_json(), media_type="application/json", headers=headers)
 
 
-def streamed(pixels: np.ndarray, headers: dict[str, str]) -> StreamingResponse:
+def streamed(pixels: np.ndarray, media: MediaPool, headers: dict[str, str]) -> StreamingResponse:
     """The b64_json answer written as each image is encoded (see the module's docstring)."""
-    return StreamingResponse(b64_body(images_of(pixels), int(time.time())), media_type="application/json",
+    return StreamingResponse(b64_body(images_of(pixels), int(time.time()), media), media_type="application/json",
                              headers=headers)  # fmt: skip
 
 
-async def b64_body(images: Iterable[np.ndarray], created: int) -> AsyncIterator[bytes]:
+async def b64_body(images: Iterable[np.ndarray], created: int, media: MediaPool) -> AsyncIterator[bytes]:
     """The JSON of ImageGenerationResponse(created, [ImageData(b64_json=...), ...]), in pieces."""
     yield b'{"created":%d,"data":[' % created
     for i, image in enumerate(images):
-        png = await asyncio.to_thread(png_bytes, image)
+        png = await media.run(png_bytes, image)
         yield b'{"b64_json":"' if i == 0 else b',{"b64_json":"'
         for start in range(0, len(png), B64_CHUNK):
             yield base64.b64encode(png[start : start + B64_CHUNK])

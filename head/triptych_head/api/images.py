@@ -109,13 +109,13 @@ async def _images(
         seconds = _seconds(admitted[0])
         headers = {**timing, ESTIMATE_HEADER: f"{seconds:.3f}"} if seconds is not None else timing
         if image_body.streams(values, output.pixels):
-            return image_body.streamed(output.pixels, headers)
+            return image_body.streamed(output.pixels, ctx.media, headers)
         return image_body.whole(await _response(ctx, values, output, request_id, request), headers)
 
     async def answered() -> Body:
         output, request_id = await run()
         if image_body.streams(values, output.pixels):  # stored and sent as it is encoded, never whole
-            return image_body.b64_body(image_body.images_of(output.pixels), int(time.time()))
+            return image_body.b64_body(image_body.images_of(output.pixels), int(time.time()), ctx.media)
         return (await _response(ctx, values, output, request_id, request)).model_dump_json().encode()
 
     answer = await answer_once(ctx, request, key, fingerprint(endpoint, values, reference), answered)
@@ -132,7 +132,7 @@ async def _response(
     ctx: HeadContext, values: dict[str, Any], output: GenerationOutput, request_id: str, request: Request
 ) -> ImageGenerationResponse:
     """The answer: PNGs inline (b64_json) or written to the result store (url), which every head serves."""
-    pngs = await image_body.encode_pngs(output.pixels)
+    pngs = await image_body.encode_pngs(output.pixels, ctx.media)
     if values["response_format"] == "b64_json":
         data = image_body.b64_data(pngs)
     else:

@@ -25,7 +25,6 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel
-from starlette.concurrency import iterate_in_threadpool
 
 from triptych.contract import VIDEOS
 from triptych.params import GenerationParams
@@ -38,7 +37,7 @@ from triptych_head.api.files import object_response
 from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
 from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message, sse_response
 from triptych_head.api.schemas import RequestBody, RequestModels, VideoJob
-from triptych_head.media import load_frames, png_zip_chunks, save_frames, write_mp4
+from triptych_head.media import MediaPool, load_frames, png_zip_chunks, save_frames, write_mp4
 from triptych_head.objects import ObjectMissing
 from triptych_head.results import JOB_LEASE_S, TERMINAL, ResultStore, StoredJob
 from triptych_head.state import RequestState
@@ -438,7 +437,7 @@ async def _run(
 
     try:
         output = await ctx.generate(params, entry.request_id, on_event, preview_every, entry.priority)
-        await asyncio.to_thread(_store_content, ctx.results, job.id, output.pixels[0], job.fps)
+        await ctx.media.run(_store_content, ctx.results, job.id, output.pixels[0], job.fps, ctx.media.threads)
         entry.server_timing = output.server_timing
         job.status, job.state, job.progress = "completed", RequestState.DONE.value, 100
     except asyncio.CancelledError:
@@ -465,13 +464,14 @@ async def _run(
             await jobs.save_async(entry)
 
 
-def _store_content(results: ResultStore, job_id: str, frames: Any, fps: int) -> None:
-    """The MP4 and the exact frames, made in the store's staging folder and then stored whole."""
+def _store_content(results: ResultStore, job_id: str, frames: Any, fps: int, threads: int) -> None:
+    """The MP4 (libx264 on `threads` threads) and the exact frames, made in the store's staging folder
+    and then stored whole (on the media pool: the encode is most of it)."""
     results.objects.staging.mkdir(parents=True, exist_ok=True)
     stem = results.objects.staging / f"{job_id}-{uuid.uuid4().hex}"
     mp4, npy = stem.with_suffix(".mp4"), stem.with_suffix(".npy")
     try:
-        write_mp4(frames, mp4, fps)
+        write_mp4(frames, mp4, fps, threads)
         save_frames(frames, npy)
         results.objects.put_file(results.video_name(job_id), mp4, "video/mp4")
         results.objects.put_file(results.frames_name(job_id), npy, "application/octet-stream")
@@ -514,17 +514,18 @@ async def get_video_content(video_id: str, request: Request, variant: Literal["v
     entry = await _jobs(request).get(video_id)
     if entry.job.status != "completed":
         raise APIError(409, f"video {video_id} is {entry.job.status}; content is ready when status is completed")
-    results: ResultStore = request.app.state.ctx.results
+    ctx: HeadContext = request.app.state.ctx
+    results = ctx.results
     answer: Response
     if variant == "frames":
-        answer = await _frames_zip(results, video_id)
+        answer = await _frames_zip(results, ctx.media, video_id)
     else:
         answer = await object_response(results, results.video_name(video_id), "video/mp4", f"{video_id}.mp4")
     _add_server_timing(entry, answer)
     return answer
 
 
-async def _frames_zip(results: ResultStore, video_id: str) -> StreamingResponse:
+async def _frames_zip(results: ResultStore, media: MediaPool, video_id: str) -> StreamingResponse:
     """The exact frames as a ZIP of PNGs, streamed as each frame is encoded: the head holds one PNG
     at a time and the frames (mapped from a local file; read whole from a remote store)."""
     name = results.frames_name(video_id)
@@ -539,7 +540,7 @@ async def _frames_zip(results: ResultStore, video_id: str) -> StreamingResponse:
     except (ObjectMissing, FileNotFoundError):
         raise APIError(404, f"the frames of video {video_id} were removed") from None
     return StreamingResponse(
-        iterate_in_threadpool(png_zip_chunks(frames)),
+        media.iterate(png_zip_chunks(frames)),
         media_type="application/zip",
         headers={"Content-Disposition": f"attachment; filename={video_id}-frames.zip"},
     )
