@@ -59,11 +59,14 @@ def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[Path]:
         mounts = [(root, "/"), (root / "cpu", "/")]
     dirs: list[Path] = []
     for mount, path in mounts:
-        here = mount / path.lstrip("/")
+        parts = [p for p in path.split("/") if p]
+        if ".." in parts:  # a cgroup outside this namespace's view: only the mount's root is ours to read
+            parts = []
+        here = mount.joinpath(*parts)
         while True:
             if here.is_dir():
                 dirs.append(here)
-            if here == mount:
+            if here == mount or here == here.parent:
                 break
             here = here.parent
     return dirs

@@ -75,6 +75,12 @@ def test_a_hybrid_host_reads_v2_under_unified_and_v1_beside_it(tmp_path):
     assert usable_cpus(root, own) == 1
 
 
+def test_a_cgroup_outside_the_namespaces_view_reads_only_the_root(tmp_path):
+    root = tree(tmp_path / "cg", {"cpu.max": "200000 100000", "x/cpu.max": "50000 100000"})
+    own = proc_cgroup(tmp_path, "0::/../../x\n")
+    assert cpu_quota(root, own) == 2.0
+
+
 @pytest.mark.parametrize(
     "files",
     [
