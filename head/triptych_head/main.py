@@ -126,6 +126,7 @@ def _monolithic_queue(args: ServeArgs) -> int:
 
 def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
     # The one place the head reaches into the worker package: monolithic mode runs the stages in-process.
+    from triptych_worker.cpu_threads import fit_torch_threads
     from triptych_worker.pipeline import load_role_pipeline
 
     guards = _http_guards(args)
@@ -134,6 +135,7 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
         return 2
     model = read_model_info(args.model_path, names)
     catalog = LoraCatalog.from_flags(args.lora, args.lora_catalog)
+    fit_torch_threads()  # before the model loads: torch's CPU threads within the pod's CPU limit
     pipeline = load_role_pipeline(
         args.model_path,
         args.disagg_role,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 import zipfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,10 +14,12 @@ from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 from PIL import Image
+from prometheus_client import CollectorRegistry, Histogram
 
 from triptych.cpus import usable_cpus
 
 T = TypeVar("T")
+MEDIA_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class MediaPool:
@@ -28,15 +31,38 @@ class MediaPool:
     the GIL. Blocking I/O (the result store) stays on the default executor: it never waits behind
     an encode. Threads start on first use."""
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, registry: CollectorRegistry | None = None):
         self.threads = threads if threads is not None else usable_cpus()
         if self.threads < 1:
             raise ValueError(f"a media pool needs at least 1 thread, got {self.threads}")
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="media")
+        # /metrics: a wait that grows says the head needs more CPUs (or heads) for its answers.
+        self._waited = Histogram(
+            "triptych_media_wait_seconds",
+            "How long an encode of an answer waited for a thread of the head's media pool",
+            buckets=MEDIA_BUCKETS,
+            registry=registry,
+        )
+        self._took = Histogram(
+            "triptych_media_encode_seconds",
+            "Seconds each encode (a PNG; an MP4 and its frames, stored; a ZIP's next frame) took on its thread",
+            buckets=MEDIA_BUCKETS,
+            registry=registry,
+        )
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the pool."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        queued = time.perf_counter()
+
+        def timed() -> T:
+            started = time.perf_counter()
+            self._waited.observe(started - queued)
+            try:
+                return fn(*args)
+            finally:
+                self._took.observe(time.perf_counter() - started)
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, timed)
 
     async def iterate(self, items: Iterator[T]) -> AsyncIterator[T]:
         """Each item of a blocking iterator (e.g. png_zip_chunks), produced on the pool."""

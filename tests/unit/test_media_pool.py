@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from PIL import Image
+from prometheus_client import CollectorRegistry
 
 from triptych.cpus import usable_cpus
 from triptych_head.api import image_body
@@ -21,8 +22,8 @@ from triptych_head.media import MediaPool, png_bytes, png_zip_chunks
 class CountingPool(MediaPool):
     """A MediaPool that records how many of its jobs ran at once, and on which threads."""
 
-    def __init__(self, threads: int):
-        super().__init__(threads)
+    def __init__(self, threads: int, registry: CollectorRegistry | None = None):
+        super().__init__(threads, registry)
         self._lock = threading.Lock()
         self.running = 0
         self.most = 0
@@ -65,7 +66,8 @@ def test_by_default_as_wide_as_the_cpus_the_head_may_use():
 
 
 def test_encodes_queue_for_its_threads_and_each_image_comes_back_in_order():
-    pool = CountingPool(2)
+    registry = CollectorRegistry()
+    pool = CountingPool(2, registry)
     pixels = np.stack([noise(128, 128, seed)[None] for seed in range(6)])  # [6, 1, H, W, 3]: over INLINE_PIXELS
     assert pixels.nbytes > image_body.INLINE_PIXELS
     try:
@@ -73,6 +75,10 @@ def test_encodes_queue_for_its_threads_and_each_image_comes_back_in_order():
     finally:
         pool.close()
     assert pool.jobs == 6 and pool.most == 2, "six encodes, never more at once than the pool's two threads"
+    # /metrics: each encode's wait for a thread (two waited one round of 20 ms, two waited two) and run.
+    assert registry.get_sample_value("triptych_media_encode_seconds_count") == 6
+    assert registry.get_sample_value("triptych_media_wait_seconds_count") == 6
+    assert registry.get_sample_value("triptych_media_wait_seconds_sum") >= 0.1  # >= 2 x 20 ms + 2 x 40 ms
     assert all(name.startswith("media") for name in pool.thread_names)
     for png, image in zip(pngs, pixels, strict=True):
         assert np.array_equal(decoded(png), image[0])

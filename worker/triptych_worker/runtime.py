@@ -112,8 +112,10 @@ class Worker:
 
             pipeline = start_ranks(args)  # rank 0 of N; the other ranks follow it (one instance to the head)
         if pipeline is None:
+            from triptych_worker.cpu_threads import fit_torch_threads
             from triptych_worker.pipeline import load_role_pipeline
 
+            fit_torch_threads()  # before the model loads: torch's CPU threads within the pod's CPU limit
             pipeline = load_role_pipeline(
                 args.model_path,
                 args.stage_role,

@@ -79,9 +79,10 @@ class HeadContext:
     # A request's deadline when it gives none, and the latest it may give (--disagg-timeout).
     request_timeout_s: float = DEFAULT_TIMEOUT_S
     # The PNG, MP4 and ZIP encodes of answers: one thread per CPU this head may use (media.py).
-    media: MediaPool = field(default_factory=MediaPool)
+    media: MediaPool = field(init=False)
 
     def __post_init__(self) -> None:
+        self.media = MediaPool(registry=self.registry)
         objects = self.results_store or DirectoryObjects(self.output_path)
         self.results = ResultStore(objects, self.retention, self.results_presign_s)
         self.idempotency = Idempotency(objects, self.head_id)

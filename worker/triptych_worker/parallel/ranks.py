@@ -74,8 +74,10 @@ class Rank:
     @classmethod
     def start(cls, args: ServeArgs, rank: int) -> Rank:
         """Check the degrees against the family, load the stages, join the other ranks, split the model."""
+        from triptych_worker.cpu_threads import fit_torch_threads
         from triptych_worker.pipeline import load_role_pipeline
 
+        fit_torch_threads()  # each rank process's own torch, within the pod's CPU limit
         family, adapter = adapter_for(args.model_path)
         degrees = families.check_degrees(args, family, adapter)
         device = rank_device(args, rank)
