@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,11 +40,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "head")]
 
+from cgroup_quota import limited_to  # noqa: E402
+
 from triptych.cpus import cpu_quota, usable_cpus  # noqa: E402
 from triptych_head.media import MediaPool, png_bytes, write_mp4  # noqa: E402
 
 DEFAULT_JSON = ROOT / "bench" / "results" / "media.json"
-CGROUP = Path("/sys/fs/cgroup")
 
 
 def photo_like(h: int, w: int, seed: int = 0) -> np.ndarray:
@@ -113,29 +115,6 @@ async def burst(run: Run | None, images: list[np.ndarray]) -> dict[str, float]:
             "lag_max_ms": lags[-1] * 1e3}  # fmt: skip
 
 
-def enter_quota(cpus: float) -> Path:
-    """Move this process into a new cgroup limited to `cpus` CPUs (v2, else v1); its path."""
-    name = f"triptych-media-bench-{os.getpid()}"
-    quota, period = int(cpus * 100_000), 100_000
-    if (CGROUP / "cgroup.controllers").exists():  # v2
-        group = CGROUP / name
-        group.mkdir()
-        (group / "cpu.max").write_text(f"{quota} {period}")
-    else:
-        group = CGROUP / "cpu" / name
-        group.mkdir()
-        (group / "cpu.cfs_period_us").write_text(str(period))
-        (group / "cpu.cfs_quota_us").write_text(str(quota))
-    (group / "cgroup.procs").write_text(str(os.getpid()))
-    return group
-
-
-def leave_quota(group: Path) -> None:
-    """Back into the parent cgroup, and the bench's cgroup removed."""
-    (group.parent / "cgroup.procs").write_text(str(os.getpid()))
-    group.rmdir()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -153,15 +132,13 @@ def main() -> None:
         parser.error(f"--sizes takes comma-separated pixel sizes, e.g. 512,1024; got {args.sizes!r}")
     if min(args.burst, args.burst_size, args.frames, *args.sizes) < 1 or args.quota_cpus < 0:
         parser.error("--burst, --burst-size, --frames and --sizes must be >= 1, --quota-cpus >= 0")
-    try:
-        group = enter_quota(args.quota_cpus) if args.quota_cpus else None
-    except OSError as exc:
-        parser.error(f"--quota-cpus needs root and a writable cgroup hierarchy under {CGROUP}: {exc}")
-    try:
+    with ExitStack() as stack:
+        try:
+            quota = limited_to(args.quota_cpus, "triptych-media-bench") if args.quota_cpus else None
+            group = stack.enter_context(quota) if quota is not None else None
+        except OSError as exc:
+            parser.error(f"--quota-cpus: {exc}")
         measure(args, group)
-    finally:
-        if group is not None:
-            leave_quota(group)
 
 
 def measure(args: argparse.Namespace, group: Path | None) -> None:

@@ -13,6 +13,7 @@ for script in (
     "head_bench.py",
     "tracing_bench.py",
     "media_bench.py",
+    "torch_threads_bench.py",
     "pipeline_bench.py",
     "scaling_bench.py",
     "heads_bench.py",
