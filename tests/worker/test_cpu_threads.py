@@ -17,12 +17,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def threads_after(start: int, quota: str, omp: str | None = None) -> int:
-    """torch's thread count after fit_torch_threads(quota), from `start` threads."""
+def threads_after(start: int, quota: str, omp: str | None = None, processes: int = 1) -> int:
+    """torch's thread count after fit_torch_threads(quota, processes), from `start` threads."""
     code = (
         f"import torch; torch.set_num_threads({start})\n"
         "from triptych_worker.cpu_threads import fit_torch_threads\n"
-        f"print(fit_torch_threads({quota}), torch.get_num_threads())\n"
+        f"print(fit_torch_threads({quota}, {processes}), torch.get_num_threads())\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = os.pathsep.join(str(ROOT / d) for d in ("", "worker", "head"))
@@ -38,6 +38,11 @@ def threads_after(start: int, quota: str, omp: str | None = None) -> int:
 @pytest.mark.parametrize(("start", "quota", "expected"), [(4, "1.5", 2), (4, "0.25", 1), (4, "3.0", 3)])
 def test_a_quota_below_the_thread_count_lowers_it_to_the_quota_rounded_up(start, quota, expected):
     assert threads_after(start, quota) == expected
+
+
+@pytest.mark.parametrize(("quota", "processes", "expected"), [("4.0", 2, 2), ("3.0", 2, 2), ("1.0", 4, 1)])
+def test_processes_sharing_a_quota_each_take_their_share_rounded_up(quota, processes, expected):
+    assert threads_after(8, quota, processes=processes) == expected
 
 
 def test_never_raised_by_a_larger_quota():

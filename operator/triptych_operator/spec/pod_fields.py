@@ -15,7 +15,8 @@ def resources_field(who: str) -> Field:
         "object",
         "Requests/limits (CPU, memory, ...) of each pod. The operator sets `nvidia.com/gpu` (and the RDMA "
         "resource) itself; its counts win. A CPU limit also caps the workers' torch CPU threads (one per CPU "
-        "of the limit, rounded up, where torch would start one per host core), unless `OMP_NUM_THREADS` is set."
+        "of the limit, rounded up and shared by a replica's rank processes, where torch would start one per host "
+        "core), unless `OMP_NUM_THREADS` is set."
         if who == "role"
         else "Requests/limits (CPU, memory, ...) of the head pod. Its CPU limit sets how many answers the head "
         "encodes at once (one thread per CPU; a 1024x1024 PNG is about 150 ms of CPU: docs/results.md).",

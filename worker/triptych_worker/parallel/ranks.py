@@ -77,7 +77,7 @@ class Rank:
         from triptych_worker.cpu_threads import fit_torch_threads
         from triptych_worker.pipeline import load_role_pipeline
 
-        fit_torch_threads()  # each rank process's own torch, within the pod's CPU limit
+        fit_torch_threads(processes=args.num_gpus)  # the pod's CPU limit, shared by its rank processes
         family, adapter = adapter_for(args.model_path)
         degrees = families.check_degrees(args, family, adapter)
         device = rank_device(args, rank)
