@@ -155,6 +155,9 @@ build_image() {
       exit 1
     }
   drop_replaced "$old" "$tag"
+  # The steps --layers cached for the replaced image are left untagged; only ours (they carry the base's
+  # label) are pruned, and only those no tagged image uses.
+  podman image prune --force --filter "label=$LABEL" >/dev/null 2>&1 || true
   echo "images: built $tag in $((SECONDS - start)) s"
 }
 

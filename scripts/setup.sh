@@ -42,12 +42,33 @@ if ! command -v chromium >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
 fi
 
+# What earlier runs left in /tmp on a reused machine (a test folder before it was removed after use; pip's
+# pip-unpack-* copies of wheels, see below): only ours, and only older than two hours, so no live run's.
+leftovers=$(find /tmp -maxdepth 1 -mmin +120 \( -name 'triptych-contract-*' -o -name 'triptych-lora-api-*' \
+  -o -name 'triptych-s3-head-*' -o -name 'pip-unpack-*' \) 2>/dev/null || true)
+if [ -n "$leftovers" ]; then
+  echo "setup: removing $(du -csh $leftovers 2>/dev/null | tail -1 | cut -f1) that earlier runs left in /tmp"
+  rm -rf $leftovers
+fi
+
+# A full first install takes ~40 GB (the venv 6, the real node's containerd 14, the images 9, Go's caches 10);
+# say so before a step fails half-way with "No space left on device".
+free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+if [ "$free_gb" -lt 10 ]; then
+  echo "setup: warning: only ${free_gb} GB free on $(df -P . | awk 'NR == 2 {print $6}'); a first install needs ~40 GB" >&2
+fi
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 key=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ ! -f "$STAMPS/venv-$key" ] || ! "$VENV/bin/python" -c "import triptych, triptych_dev, mooncake, diffusers" 2>/dev/null; then
   echo "setup: installing the project into $VENV (torch is large; pip's cache keeps later runs fast)"
-  "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q -c constraints.txt -e '.[test]'
+  # pip's temporary folder of its own, removed after: pip leaves a pip-unpack-* copy of every wheel (~3 GB
+  # here) in TMPDIR, which on a reused machine filled /tmp over a few fresh installs.
+  pip_tmp="$PWD/$STAMPS/pip-tmp"
+  rm -rf "$pip_tmp"; mkdir -p "$pip_tmp"
+  TMPDIR="$pip_tmp" "$VENV/bin/pip" install -q --upgrade pip
+  TMPDIR="$pip_tmp" "$VENV/bin/pip" install -q -c constraints.txt -e '.[test]'
+  rm -rf "$pip_tmp"
   rm -f "$STAMPS"/venv-*; touch "$STAMPS/venv-$key"
 fi
 

@@ -6,9 +6,11 @@ door's validation with the family's limits, the CLI and the playground's form co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,16 +42,22 @@ EXPOSED = dataclasses.replace(
 WITH_PARAM = CONTRACT.with_param(EXPOSED)
 
 
-def client(model: ModelInfo, contract: Contract = CONTRACT, backend: ScriptedBackend | None = None) -> TestClient:
-    ctx = HeadContext(
-        backend=backend or ScriptedBackend(),
-        model=model,
-        # Its own folder: a video job left in a shared one would be taken over (run again) by the next head.
-        output_path=Path(tempfile.mkdtemp(prefix="triptych-contract-")),
-        registry=CollectorRegistry(),
-        contract=contract,
-    )
-    return TestClient(create_app(ctx))
+@contextlib.contextmanager
+def client(
+    model: ModelInfo, contract: Contract = CONTRACT, backend: ScriptedBackend | None = None
+) -> Iterator[TestClient]:
+    # Its own folder, removed after: a video job left in a shared one would be taken over (run again) by the
+    # next head, and one test's video is 750 MB of frames.
+    with tempfile.TemporaryDirectory(prefix="triptych-contract-") as folder:
+        ctx = HeadContext(
+            backend=backend or ScriptedBackend(),
+            model=model,
+            output_path=Path(folder),
+            registry=CollectorRegistry(),
+            contract=contract,
+        )
+        with TestClient(create_app(ctx)) as c:
+            yield c
 
 
 def body_schema(schema: dict, path: str) -> dict:

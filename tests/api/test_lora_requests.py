@@ -4,9 +4,11 @@ denoiser holding a request's adapters, and the batch key that keeps adapter sets
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -30,12 +32,14 @@ from triptych_head.instances import WorkerInstance
 FLUX = ModelInfo("tiny-flux", "FluxKontextPipeline", "image", 4, 3.5, size_multiple=8, max_steps=50, edits=True)
 
 
-def client(catalog: LoraCatalog, backend: ScriptedBackend) -> TestClient:
-    ctx = HeadContext(
-        backend=backend, model=FLUX, registry=CollectorRegistry(), lora_catalog=catalog,
-        output_path=Path(tempfile.mkdtemp(prefix="triptych-lora-api-")),  # a folder no other head takes jobs from
-    )  # fmt: skip
-    return TestClient(create_app(ctx))
+@contextlib.contextmanager
+def client(catalog: LoraCatalog, backend: ScriptedBackend) -> Iterator[TestClient]:
+    with tempfile.TemporaryDirectory(prefix="triptych-lora-api-") as folder:  # no other head takes jobs from it
+        ctx = HeadContext(
+            backend=backend, model=FLUX, registry=CollectorRegistry(), lora_catalog=catalog, output_path=Path(folder)
+        )
+        with TestClient(create_app(ctx)) as c:
+            yield c
 
 
 def test_a_line_added_to_the_catalog_file_is_an_adapter_without_a_restart(tmp_path: Path) -> None:

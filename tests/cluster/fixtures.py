@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+import yaml
 
 CLUSTER_SRC = Path(__file__).resolve().parent
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -94,6 +95,21 @@ class KubeCluster:
     def apply(self, manifest: str, namespace: str | None = None):
         ns = ["-n", namespace] if namespace else []
         return self.kubectl("apply", *ns, "-f", "-", input=manifest)
+
+    def apply_crd(self, path: Path, timeout: float = 60) -> None:
+        """Apply a CRD and wait until the API server serves it (condition Established).
+
+        Polled here rather than with `kubectl wait`: right after the apply the CRD can have no
+        status.conditions yet, and kubectl wait then exits with an accessor error instead of waiting.
+        """
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+        name = yaml.safe_load(path.read_text())["metadata"]["name"]
+        query = '{.status.conditions[?(@.type=="Established")].status}'
+        deadline = time.monotonic() + timeout
+        while self.kubectl("get", "crd", name, "-o", f"jsonpath={query}", check=False).stdout.strip() != "True":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CRD {name} not Established after {timeout:.0f} s")
+            time.sleep(0.2)
 
     def helm(self, *args: str, check: bool = True, timeout: float = 120):
         return run([str(Path(self.bin_dir) / "helm"), *args], env=self.env, check=check, timeout=timeout)

@@ -231,10 +231,7 @@ def custom_metrics_api(
 @pytest.fixture
 def operator(kube_cluster: KubeCluster, kube_namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
     """The operator in this process, watching the test namespace, with this branch's CRD."""
-    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/diffusionpipelines.triptych.ai", "--timeout=60s", timeout=70
-    )
+    kube_cluster.apply_crd(CRD)
     monkeypatch.setenv("KUBECONFIG", kube_cluster.kubeconfig)
     args = ["run", "--standalone", "--namespace", kube_namespace, "-m", "triptych_operator.handlers"]
     with KopfRunner(args, timeout=60) as runner:

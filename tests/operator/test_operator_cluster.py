@@ -33,10 +33,7 @@ COMPONENTS = ("encoder", "denoiser", "decoder", "head")
 
 @pytest.fixture(scope="module")
 def crd(kube_cluster: KubeCluster) -> KubeCluster:
-    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/diffusionpipelines.triptych.ai", "--timeout=60s", timeout=70
-    )
+    kube_cluster.apply_crd(CRD)
     return kube_cluster
 
 

@@ -44,7 +44,7 @@ class Replica:
 
 @pytest.fixture
 def release(kube_cluster: KubeCluster, kube_namespace: str) -> Iterator[str]:
-    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    kube_cluster.apply_crd(CRD)
     release = f"r{kube_namespace[-6:]}"
     flags = ["--set", f"watchNamespaces={{{kube_namespace}}}", "--set", "metricsApi.enabled=false"]
     flags += ["--set", "replicas=2", "--set", f"peeringLifetimeSeconds={LIFETIME_S}"]

@@ -79,7 +79,7 @@ class Operator:
 
 @pytest.fixture
 def counted_operator(kube_cluster: KubeCluster, kube_namespace: str, tmp_path: Path) -> Iterator[Operator]:
-    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    kube_cluster.apply_crd(CRD)
     operator = Operator(kube_cluster, kube_namespace, tmp_path)
     try:
         operator.start()

@@ -72,14 +72,14 @@ def open_store(store: ObjectStore) -> ObjectStore:
 def head(
     store: ObjectStore, backend: ScriptedBackend | None = None, retention: Retention | None = None, presign: int = 0
 ) -> Iterator[TestClient]:
-    ctx = HeadContext(
-        backend=backend or ScriptedBackend(), model=MODEL,
-        output_path=Path(tempfile.mkdtemp(prefix="triptych-s3-head-")),  # unused beside the store, but its own
-        registry=CollectorRegistry(), validate=validate, retention=retention or Retention(),
-        results_store=open_store(store), results_presign_s=presign,
-    )  # fmt: skip
-    with TestClient(create_app(ctx)) as client:
-        yield client
+    with tempfile.TemporaryDirectory(prefix="triptych-s3-head-") as folder:  # unused beside the store, but its own
+        ctx = HeadContext(
+            backend=backend or ScriptedBackend(), model=MODEL, output_path=Path(folder),
+            registry=CollectorRegistry(), validate=validate, retention=retention or Retention(),
+            results_store=open_store(store), results_presign_s=presign,
+        )  # fmt: skip
+        with TestClient(create_app(ctx)) as client:
+            yield client
 
 
 def test_a_video_job_made_through_one_head_is_followed_and_fetched_through_the_other(shared_store):
