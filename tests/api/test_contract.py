@@ -9,15 +9,14 @@ import argparse
 import contextlib
 import dataclasses
 import re
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from tests.api.test_http_api import ScriptedBackend
+from tests.folders import head_folder
 from triptych.client_cli import add_client_commands, request_body
 from triptych.contract import ALL, CONTRACT, EDITS, IMAGES, VIDEOS, Contract, Limits, ParamError, RequestParam
 from triptych.families import ModelInfo, read_model_info
@@ -46,13 +45,11 @@ WITH_PARAM = CONTRACT.with_param(EXPOSED)
 def client(
     model: ModelInfo, contract: Contract = CONTRACT, backend: ScriptedBackend | None = None
 ) -> Iterator[TestClient]:
-    # Its own folder, removed after: a video job left in a shared one would be taken over (run again) by the
-    # next head, and one test's video is 750 MB of frames.
-    with tempfile.TemporaryDirectory(prefix="triptych-contract-") as folder:
+    with head_folder("triptych-contract-") as folder:  # one test's video is 750 MB of frames
         ctx = HeadContext(
             backend=backend or ScriptedBackend(),
             model=model,
-            output_path=Path(folder),
+            output_path=folder,
             registry=CollectorRegistry(),
             contract=contract,
         )

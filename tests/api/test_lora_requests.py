@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from tests.api.test_http_api import ScriptedBackend
+from tests.folders import head_folder
 from triptych.batching import batch_key
 from triptych.config import ConfigError, ServeArgs
 from triptych.contract import EDITS, IMAGES
@@ -34,9 +34,9 @@ FLUX = ModelInfo("tiny-flux", "FluxKontextPipeline", "image", 4, 3.5, size_multi
 
 @contextlib.contextmanager
 def client(catalog: LoraCatalog, backend: ScriptedBackend) -> Iterator[TestClient]:
-    with tempfile.TemporaryDirectory(prefix="triptych-lora-api-") as folder:  # no other head takes jobs from it
+    with head_folder("triptych-lora-api-") as folder:
         ctx = HeadContext(
-            backend=backend, model=FLUX, registry=CollectorRegistry(), lora_catalog=catalog, output_path=Path(folder)
+            backend=backend, model=FLUX, registry=CollectorRegistry(), lora_catalog=catalog, output_path=folder
         )
         with TestClient(create_app(ctx)) as c:
             yield c

@@ -96,20 +96,30 @@ class KubeCluster:
         ns = ["-n", namespace] if namespace else []
         return self.kubectl("apply", *ns, "-f", "-", input=manifest)
 
-    def apply_crd(self, path: Path, timeout: float = 60) -> None:
-        """Apply a CRD and wait until the API server serves it (condition Established).
+    def wait_condition(self, ref: str, condition: str, namespace: str | None = None, timeout: float = 60) -> None:
+        """Wait until `ref` (kind/name) reports `condition` True; TimeoutError after `timeout` seconds.
 
-        Polled here rather than with `kubectl wait`: right after the apply the CRD can have no
-        status.conditions yet, and kubectl wait then exits with an accessor error instead of waiting.
+        Polled here rather than with `kubectl wait`: an object created a moment ago can have no
+        status.conditions yet, and kubectl wait then exits at once with an accessor error instead of
+        waiting (seen in CI for a CRD right after its apply).
         """
+        ns = ["-n", namespace] if namespace else []
+        query = f'{{.status.conditions[?(@.type=="{condition}")].status}}'
+        deadline = time.monotonic() + timeout
+        while True:
+            out = self.kubectl(*ns, "get", ref, "-o", f"jsonpath={query}", check=False)
+            if out.stdout.strip() == "True":
+                return
+            if time.monotonic() > deadline:
+                last = out.stdout.strip() or out.stderr.strip() or "no such condition yet"
+                raise TimeoutError(f"{ref} not {condition} after {timeout:.0f} s (last: {last})")
+            time.sleep(0.5)
+
+    def apply_crd(self, path: Path, timeout: float = 60) -> None:
+        """Apply a CRD and wait until the API server serves it (condition Established)."""
         self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
         name = yaml.safe_load(path.read_text())["metadata"]["name"]
-        query = '{.status.conditions[?(@.type=="Established")].status}'
-        deadline = time.monotonic() + timeout
-        while self.kubectl("get", "crd", name, "-o", f"jsonpath={query}", check=False).stdout.strip() != "True":
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"CRD {name} not Established after {timeout:.0f} s")
-            time.sleep(0.2)
+        self.wait_condition(f"crd/{name}", "Established", timeout=timeout)
 
     def helm(self, *args: str, check: bool = True, timeout: float = 120):
         return run([str(Path(self.bin_dir) / "helm"), *args], env=self.env, check=check, timeout=timeout)

@@ -106,9 +106,7 @@ def test_aggregation_layer_is_configured(kube_cluster: KubeCluster) -> None:
 def test_gpu_deployment_is_scheduled_on_a_gpu_node(kube_cluster: KubeCluster, kube_namespace: str) -> None:
     ns = kube_namespace
     kube_cluster.apply(deployment("gpu-worker", replicas=2, gpus=2), ns)
-    kube_cluster.kubectl(
-        "wait", "-n", ns, "--for=condition=Available", "deployment/gpu-worker", "--timeout=60s", timeout=70
-    )
+    kube_cluster.wait_condition("deployment/gpu-worker", "Available", ns)
     running = poll(
         lambda: [
             p
@@ -226,9 +224,7 @@ def test_garbage_collector_deletes_dependents(kube_cluster: KubeCluster, kube_na
     )
     # A Deployment owns ReplicaSets, which own Pods.
     kube_cluster.apply(deployment("gc-web", replicas=1), ns)
-    kube_cluster.kubectl(
-        "wait", "-n", ns, "--for=condition=Available", "deployment/gc-web", "--timeout=60s", timeout=70
-    )
+    kube_cluster.wait_condition("deployment/gc-web", "Available", ns)
     assert pods(kube_cluster, ns, "app=gc-web")
 
     kube_cluster.kubectl("delete", "configmap", "owner", "-n", ns, "--wait=false")

@@ -275,7 +275,7 @@ def test_the_head_image_runs_on_the_real_node_behind_kube_proxy_and_coredns(
     try:
         t0 = time.monotonic()
         real_node.apply(_head_manifest(node_models["tiny-flux"].parent).replace("{ns}", ns), ns)
-        real_node.kubectl("-n", ns, "wait", "--for=condition=Ready", "pod/head", "--timeout=90s", timeout=100)
+        real_node.wait_condition("pod/head", "Ready", ns, timeout=90)
         print(f"head pod Ready in {time.monotonic() - t0:.1f} s")
         pod = real_node.kubectl_json("-n", ns, "get", "pod", "head")
         assert pod["spec"]["nodeName"] == real_node.settings["NODE_NAME"]
@@ -448,8 +448,7 @@ def test_the_readme_on_kubernetes_commands_work_as_written(real_node: KubeCluste
         for line in commands:
             out = sh(line)
         assert out.split("\n")[0].split() == ["NAME", "PHASE", "ENCODER", "DENOISER", "DECODER", "AGE"]
-        real_node.kubectl("-n", SYSTEM, "wait", "--for=condition=Available", f"deployment/{RELEASE}", "--timeout=180s",
-                          timeout=200)  # fmt: skip
+        real_node.wait_condition(f"deployment/{RELEASE}", "Available", SYSTEM, timeout=180)
         operator = real_node.kubectl_json("-n", SYSTEM, "get", "pods", "-l", "app.kubernetes.io/name=triptych")
         assert {p["spec"]["nodeName"] for p in operator["items"]} == {real_node.settings["NODE_NAME"]}
 

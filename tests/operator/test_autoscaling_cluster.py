@@ -211,9 +211,7 @@ def custom_metrics_api(
         poll(healthy, timeout=30, what="triptych-metrics-api to serve")
         cluster.apply("\n---\n".join(json.dumps(d) for d in service_and_slice))
         cluster.apply("\n---\n".join(json.dumps(d) for d in apiservices))
-        cluster.kubectl(
-            "wait", "--for=condition=Available", f"apiservice/{APISERVICES[0]}", "--timeout=60s", timeout=70
-        )
+        cluster.wait_condition(f"apiservice/{APISERVICES[0]}", "Available")
         yield
     finally:
         if proc is not None:

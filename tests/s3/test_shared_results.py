@@ -17,7 +17,6 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -36,6 +35,7 @@ from tests.api.test_http_api import ScriptedBackend, validate, wait_for
 from tests.api.test_large_bodies import noise
 from tests.api.test_takeover import _orphan
 from tests.e2e.harness import deployment
+from tests.folders import head_folder
 from tests.s3.seaweedfs import S3Server
 from triptych.families import ModelInfo
 from triptych_head.api.app import create_app
@@ -72,9 +72,9 @@ def open_store(store: ObjectStore) -> ObjectStore:
 def head(
     store: ObjectStore, backend: ScriptedBackend | None = None, retention: Retention | None = None, presign: int = 0
 ) -> Iterator[TestClient]:
-    with tempfile.TemporaryDirectory(prefix="triptych-s3-head-") as folder:  # unused beside the store, but its own
+    with head_folder("triptych-s3-head-") as folder:  # unused beside the store, but its own
         ctx = HeadContext(
-            backend=backend or ScriptedBackend(), model=MODEL, output_path=Path(folder),
+            backend=backend or ScriptedBackend(), model=MODEL, output_path=folder,
             registry=CollectorRegistry(), validate=validate, retention=retention or Retention(),
             results_store=open_store(store), results_presign_s=presign,
         )  # fmt: skip
