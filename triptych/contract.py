@@ -123,15 +123,22 @@ class Limits:
             )
         return merged
 
+    @property
+    def refuses(self) -> bool:
+        """Whether check() can refuse a value (lengths are the HTTP models', schemas.py)."""
+        bounds = (self.unsupported, self.choices, self.minimum, self.maximum, self.step)
+        return any(b is not None for b in bounds)
+
     def check(self, name: str, value: Any, traits: ModelTraits | None = None) -> str | None:
         """Why `value` (of the field `name`) is refused, or None when it is taken."""
-        pipeline, kind = (traits.pipeline_class, traits.kind) if traits is not None else ("this model", "image")
         if self.unsupported is not None:
             if value is None or value == "":
                 return None
+            pipeline, kind = _words(traits)
             return self.unsupported.format(field=name, value=value, pipeline=pipeline, kind=kind)
         if isinstance(value, str) and self.choices is not None and value not in self.choices:
             # The HTTP models take the contract's choices (schemas.py); a family may take fewer.
+            pipeline = _words(traits)[0]
             return f"{name} {value!r} is not available for {pipeline}: choose one of {', '.join(self.choices)}"
         if isinstance(value, bool) or not isinstance(value, int | float):
             return None  # other strings are the HTTP models' (schemas.py)
@@ -140,6 +147,7 @@ class Limits:
         in_range = (lo is None or value >= lo) and (hi is None or value <= hi)  # False for nan
         if in_range and not (s and (value - o) % s):
             return None  # taken: the message's words are worked out only for a value refused
+        pipeline, kind = _words(traits)
         below = above = value
         if s:
             below = o + math.floor((value - o) / s) * s
@@ -166,11 +174,17 @@ class Limits:
         return None
 
 
+def _words(traits: ModelTraits | None) -> tuple[str, str]:
+    """The pipeline and kind a message names."""
+    return (traits.pipeline_class, traits.kind) if traits is not None else ("this model", "image")
+
+
 def _num(v: float | None) -> float | int | None:
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
 FamilyLimits = Callable[[ModelTraits], Limits]
+Check = tuple[str, str, Limits]  # a parameter's name, a field it sets, and the limits of its values
 
 
 @dataclass(frozen=True)
@@ -209,9 +223,8 @@ class RequestParam:
 class Contract:
     params: tuple[RequestParam, ...]
     # Each parameter's limits per served model, worked out once: a head checks every request against them.
-    _narrowed: dict[Any, tuple[tuple[RequestParam, Limits], ...]] = field(
-        default_factory=dict, compare=False, hash=False, repr=False
-    )
+    _narrowed: dict[Any, tuple[Check, ...]] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _taken: dict[str, tuple[RequestParam, ...]] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __iter__(self) -> Iterator[RequestParam]:
         return iter(self.params)
@@ -223,7 +236,10 @@ class Contract:
         raise KeyError(name)
 
     def taken_by(self, endpoint: str) -> tuple[RequestParam, ...]:
-        return tuple(p for p in self.params if endpoint in p.endpoints)
+        taken = self._taken.get(endpoint)
+        if taken is None:
+            taken = self._taken[endpoint] = tuple(p for p in self.params if endpoint in p.endpoints)
+        return taken
 
     def with_param(self, param: RequestParam) -> Contract:
         """This contract with `param` added, or replacing the one of its name."""
@@ -235,12 +251,12 @@ class Contract:
 
         `values` are keyed by field: GenerationParams' fields, and the head's own parameters by name.
         """
-        for p, limits in self._limits(traits):
-            for name in p.sets or (p.name,):
-                if name in values and values[name] is not None:
-                    why = limits.check(name, values[name], traits)
-                    if why is not None:
-                        raise ParamError(p.name, why)
+        for param, name, limits in self._checks(traits):
+            value = values.get(name)
+            if value is not None:
+                why = limits.check(name, value, traits)
+                if why is not None:
+                    raise ParamError(param, why)
         knob = step_cache.check_knobs(values)
         if knob is not None:
             raise ParamError(*knob)
@@ -248,17 +264,22 @@ class Contract:
         if why is not None:
             raise ParamError(lora.FIELD, why)
 
-    def _limits(self, traits: ModelTraits | None) -> tuple[tuple[RequestParam, Limits], ...]:
-        """Every parameter with its limits for `traits` (cached for hashable traits, such as ModelInfo)."""
+    def _checks(self, traits: ModelTraits | None) -> tuple[Check, ...]:
+        """What check() looks at for `traits`: each field a parameter sets (its name for the head's
+        own), with limits that can refuse a value. Cached for hashable traits, such as ModelInfo."""
         try:
             cached = self._narrowed.get(traits)
         except TypeError:  # unhashable traits: worked out each time
-            return tuple((p, p.limits_for(traits)) for p in self.params)
+            return self._work_out_checks(traits)
         if cached is None:
             if len(self._narrowed) >= NARROWED_CACHE:
                 self._narrowed.clear()
-            cached = self._narrowed[traits] = tuple((p, p.limits_for(traits)) for p in self.params)
+            cached = self._narrowed[traits] = self._work_out_checks(traits)
         return cached
+
+    def _work_out_checks(self, traits: ModelTraits | None) -> tuple[Check, ...]:
+        narrowed = ((p, p.limits_for(traits)) for p in self.params)
+        return tuple((p.name, name, lim) for p, lim in narrowed if lim.refuses for name in p.sets or (p.name,))
 
     def describe(self, endpoint: str, traits: ModelTraits | None) -> dict[str, dict[str, Any]]:
         """The parameters `endpoint` takes with the served model's limits, as JSON (the playground's form)."""

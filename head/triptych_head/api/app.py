@@ -14,6 +14,7 @@ from triptych import __version__
 from triptych_head.api import files, images, system, videos
 from triptych_head.api.auth import APIKeyMiddleware
 from triptych_head.api.context import HeadContext
+from triptych_head.api.direct import DirectRoutes
 from triptych_head.api.errors import install_error_handlers
 from triptych_head.api.limits import BodyLimitMiddleware
 from triptych_head.api.playground import install_playground
@@ -49,11 +50,13 @@ def create_app(ctx: HeadContext) -> FastAPI:
     app.state.ctx = ctx
     app.state.video_jobs = jobs
     install_error_handlers(app)
-    # The last added runs first: the key is checked before a byte of the body is read.
+    models = RequestModels.build(ctx.contract)  # the request models of the contract this head serves
+    # The last added runs first: the key is checked before a byte of the body is read, and the
+    # generation endpoints' JSON bodies are served inside both, before FastAPI's own layers.
+    app.add_middleware(DirectRoutes, routes={**images.direct_routes(models), **videos.direct_routes(models)})
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
     if ctx.api_keys is not None:
         app.add_middleware(APIKeyMiddleware, keys=ctx.api_keys)
-    models = RequestModels.build(ctx.contract)  # the request models of the contract this head serves
     app.include_router(images.image_routes(models))
     app.include_router(videos.video_routes(models))
     app.include_router(system.router)

@@ -13,7 +13,6 @@ from typing import Any
 import msgspec
 from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter
-from pydantic import BaseModel
 
 from triptych.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TIMEOUT_S
 from triptych.contract import CONTRACT, VIDEOS, Contract, ParamError
@@ -80,6 +79,7 @@ class HeadContext:
     request_timeout_s: float = DEFAULT_TIMEOUT_S
     # The PNG, MP4 and ZIP encodes of answers: one thread per CPU this head may use (media.py).
     media: MediaPool = field(init=False)
+    _endpoints: dict[str, Any] = field(default_factory=dict, init=False, repr=False)  # _taken_by's
 
     def __post_init__(self) -> None:
         self.media = MediaPool(registry=self.registry)
@@ -102,11 +102,11 @@ class HeadContext:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
-    def params_for(self, endpoint: str, body: BaseModel, reference: Reference | None = None) -> GenerationParams:
-        """The request's GenerationParams, with the model's defaults filled in, checked against the
-        contract with the model family's limits: the one validation a request gets. APIError (400,
-        naming the parameter) for a value the model cannot take."""
-        values = body.model_dump()
+    def params_for(self, endpoint: str, values: dict[str, Any], reference: Reference | None = None) -> GenerationParams:
+        """The request's GenerationParams from its body's values (the endpoint's model, dumped), with
+        the model's defaults filled in, checked against the contract with the model family's limits:
+        the one validation a request gets. APIError (400, naming the parameter) for a value the model
+        cannot take."""
         if values["model"] is not None and values["model"] not in self.model.names:
             raise APIError(
                 404,
@@ -122,22 +122,22 @@ class HeadContext:
             raise APIError(400, "size: required", "size")
         if endpoint == VIDEOS and self.model.kind != "video":
             raise APIError(400, f"model {self.model.id!r} generates images; use POST /v1/images/generations", "model")
-        taken = self.contract.taken_by(endpoint)
+        passed, head_own = self._taken_by(endpoint)
         fields: dict[str, Any] = {
             "width": width,
             "height": height,
             "num_inference_steps": self.model.default_steps,
             "guidance_scale": self.model.default_guidance,
         }
-        for param in taken:  # a parameter that sets one GenerationParams field reaches the stages as it is
-            if len(param.sets) == 1 and param.sets[0] in GENERATION_FIELDS and values[param.name] is not None:
-                fields[param.sets[0]] = values[param.name]
+        for name, to in passed:
+            if values[name] is not None:
+                fields[to] = values[name]
         if "seed" not in fields:  # drawn only when the request gives none (a system call per draw)
             fields["seed"] = secrets.randbelow(2**31)
         if reference is not None:
             fields.update(image=reference.data, image_url=reference.url)
         params = msgspec.convert(fields, GenerationParams)  # the request's LoRA adapters become LoraWeight
-        own = {p.name: values[p.name] for p in taken if p.fields == ()}  # what the head alone uses (fps, ...)
+        own = {name: values[name] for name in head_own}
         try:
             self.contract.check({**own, **msgspec.structs.asdict(params)}, self.model)
             if params.loras:
@@ -149,6 +149,16 @@ class HeadContext:
         except ValueError as exc:  # a check beyond the contract that names no parameter
             raise APIError(400, str(exc)) from None
         return params
+
+    def _taken_by(self, endpoint: str) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+        """What `endpoint` takes, worked out once: the parameters that set one GenerationParams field
+        and reach the stages as they are (name, field), and those the head alone uses (fps, ...)."""
+        taken = self._endpoints.get(endpoint)
+        if taken is None:
+            params = self.contract.taken_by(endpoint)
+            passed = tuple((p.name, p.sets[0]) for p in params if len(p.sets) == 1 and p.sets[0] in GENERATION_FIELDS)
+            taken = self._endpoints[endpoint] = (passed, tuple(p.name for p in params if p.fields == ()))
+        return taken
 
     def admit(
         self, request_id: str, params: GenerationParams, deadline: Deadline | None = None, bounded: bool = True

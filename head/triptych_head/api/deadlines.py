@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import overload
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
@@ -51,6 +52,10 @@ def requested_deadline(request: Request, body_value: float | None, timeout_s: fl
     return Deadline(min(earliest.seconds, timeout_s), earliest.param)
 
 
+@overload
+def with_estimate(answer: Response, seconds: float | None) -> Response: ...
+@overload
+def with_estimate(answer: BaseModel | Response, seconds: float | None) -> BaseModel | Response: ...
 def with_estimate(answer: BaseModel | Response, seconds: float | None) -> BaseModel | Response:
     """`answer` carrying the estimate header (unchanged without an estimate: monolithic mode, a replay)."""
     if seconds is None:

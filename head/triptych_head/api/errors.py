@@ -12,6 +12,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
+# pydantic's error types for a body that is missing or not an object (FastAPI's and its own words differ)
+NOT_AN_OBJECT = frozenset({"missing", "model_type", "model_attributes_type", "dict_type"})
+
 
 class APIError(Exception):
     def __init__(
@@ -58,8 +61,13 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None  # the request's field; the message names the part within it
         message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
-        if first.get("type") == "json_invalid":
-            message = f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+        if first.get("type") == "json_invalid":  # its location is a character of the body, not a field
+            where = f" (at character {loc[0]})" if loc else ""
+            message = f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}{where}"
+            param = None
+        elif tuple(first.get("loc", ())) == ("body",) and first.get("type") in NOT_AN_OBJECT:  # the body itself
+            given = "has no body" if first.get("type") == "missing" else "body is not a JSON object"
+            message = f'the request {given}: send a JSON object of its parameters, such as {{"prompt": "a red fox"}}'
         return JSONResponse(error_body(400, message, param), 400)
 
     @app.exception_handler(StarletteHTTPException)

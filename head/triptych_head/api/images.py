@@ -19,13 +19,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
 
 from triptych.contract import EDITS, IMAGES
 from triptych.params import GenerationParams
 from triptych_head.api import image_body
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.deadlines import ESTIMATE_HEADER, with_estimate
+from triptych_head.api.direct import DirectRoute
 from triptych_head.api.errors import APIError
 from triptych_head.api.idempotent import HEADER, answer_once, fingerprint, idempotency_key
 from triptych_head.api.progress import ProgressFeed, SSEMessage, error_message, sse_response
@@ -40,15 +40,14 @@ log = logging.getLogger(__name__)
 
 
 def image_routes(models: RequestModels) -> APIRouter:
-    """The two image endpoints, taking the request models of the head's contract."""
+    """The two image endpoints, taking the request models of the head's contract. A JSON body of
+    POST /v1/images/generations is served by `direct_routes`, in front of FastAPI's router."""
     router = APIRouter(tags=["images"])
 
-    async def create_images(body: RequestBody, request: Request, response: Response) -> BaseModel | Response:
-        ctx: HeadContext = request.app.state.ctx
-        ctx.refuse_if_draining()
-        return await _images(ctx, IMAGES, body, ctx.params_for(IMAGES, body), request, response)
+    async def declared_create_images(body: RequestBody, request: Request) -> Response:
+        return await create_images(body, request)
 
-    async def edit_images(request: Request, response: Response) -> BaseModel | Response:
+    async def edit_images(request: Request) -> Response:
         """Multipart: `image` (a file, or an http(s) URL as text), `prompt`, and optionally the other
         fields of the form's schema (`size` defaults to the reference's size)."""
         ctx: HeadContext = request.app.state.ctx
@@ -58,28 +57,38 @@ def image_routes(models: RequestModels) -> APIRouter:
                 400, f"model {ctx.model.id!r} makes images from text only; use POST /v1/images/generations", "image"
             )
         body, reference = await read_edit_form(request, models.edits)
-        return await _images(ctx, EDITS, body, ctx.params_for(EDITS, body, reference), request, response, reference)
+        values = body.model_dump()
+        return await _images(ctx, EDITS, values, ctx.params_for(EDITS, values, reference), request, reference)
 
-    create_images.__annotations__["body"] = models.images  # FastAPI reads the body's model from the signature
-    router.post(IMAGES, response_model=ImageGenerationResponse)(create_images)
+    declared_create_images.__annotations__["body"] = models.images  # FastAPI reads the body's model from here
+    router.post(IMAGES, response_model=ImageGenerationResponse, name="create_images")(declared_create_images)
     router.post(EDITS, response_model=ImageGenerationResponse, openapi_extra=edit_form_schema(models.edits))(
         edit_images
     )
     return router
 
 
+def direct_routes(models: RequestModels) -> dict[tuple[str, str], DirectRoute]:
+    return {("POST", IMAGES): DirectRoute(models.images, create_images)}
+
+
+async def create_images(body: RequestBody, request: Request) -> Response:
+    ctx: HeadContext = request.app.state.ctx
+    ctx.refuse_if_draining()
+    values = body.model_dump()
+    return await _images(ctx, IMAGES, values, ctx.params_for(IMAGES, values), request)
+
+
 async def _images(
     ctx: HeadContext,
     endpoint: str,
-    body: RequestBody,
+    values: dict[str, Any],
     params: GenerationParams,
     request: Request,
-    response: Response,
     reference: Reference | None = None,
-) -> BaseModel | Response:
+) -> Response:
     """The answer carries the run's Server-Timing header (timeline.py) and the admission's estimate
-    (deadlines.py); a replayed one carries neither."""
-    values = body.model_dump()
+    (deadlines.py); a replayed one carries neither. `values`: the body's, dumped."""
     if values["preview_every"] and not values["stream"]:
         raise APIError(400, "preview_every needs stream: true (previews arrive as Server-Sent Events)", "preview_every")
     key = idempotency_key(request)
@@ -119,9 +128,8 @@ async def _images(
         return (await _response(ctx, values, output, request_id, request)).model_dump_json().encode()
 
     answer = await answer_once(ctx, request, key, fingerprint(endpoint, values, reference), answered)
-    out = with_estimate(answer, _seconds(admitted[0]) if admitted else None)
-    (out.headers if isinstance(out, Response) else response.headers).update(timing)
-    return out
+    answer.headers.update(timing)
+    return with_estimate(answer, _seconds(admitted[0]) if admitted else None)
 
 
 def _seconds(estimate: Estimate | None) -> float | None:

@@ -32,6 +32,7 @@ from triptych.priority import DEFAULT_LEVEL
 from triptych.protocol import RequestEvent
 from triptych_head.api.context import HeadContext, new_request_id
 from triptych_head.api.deadlines import Deadline, with_estimate
+from triptych_head.api.direct import DirectRoute
 from triptych_head.api.errors import APIError
 from triptych_head.api.files import object_response
 from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
@@ -341,24 +342,29 @@ def _jobs(request: Request) -> VideoJobs:
 
 
 def video_routes(models: RequestModels) -> APIRouter:
-    """The video endpoints, POST /v1/videos taking the request model of the head's contract."""
+    """The video endpoints, POST /v1/videos taking the request model of the head's contract. Its
+    JSON body is served by `direct_routes`, in front of FastAPI's router."""
     routes = APIRouter(tags=["videos"])
 
-    async def create_video(body: RequestBody, request: Request) -> BaseModel | Response:
-        return await _create_video(body, request)
+    async def declared_create_video(body: RequestBody, request: Request) -> BaseModel | Response:
+        return await create_video(body, request)
 
-    create_video.__annotations__["body"] = models.videos  # FastAPI reads the body's model from the signature
-    routes.post(VIDEOS, response_model=VideoJob)(create_video)
+    declared_create_video.__annotations__["body"] = models.videos  # FastAPI reads the body's model from here
+    routes.post(VIDEOS, response_model=VideoJob, name="create_video")(declared_create_video)
     routes.include_router(router)
     return routes
 
 
-async def _create_video(body: RequestBody, request: Request) -> BaseModel | Response:
+def direct_routes(models: RequestModels) -> dict[tuple[str, str], DirectRoute]:
+    return {("POST", VIDEOS): DirectRoute(models.videos, create_video)}
+
+
+async def create_video(body: RequestBody, request: Request) -> BaseModel | Response:
     """A new job; with an Idempotency-Key, one job per key (a retry answers the job made first)."""
     ctx: HeadContext = request.app.state.ctx
     ctx.refuse_if_draining()
-    params = ctx.params_for(VIDEOS, body)
     values = body.model_dump()
+    params = ctx.params_for(VIDEOS, values)
     deadline = ctx.deadline(request, values)
     level = ctx.priority(request, values)
     key = idempotency_key(request)
