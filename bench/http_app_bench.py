@@ -33,9 +33,10 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from triptych.families import ModelInfo
+from triptych_dev import asgi_call
+from triptych_dev.asgi_call import FixedPixels
 from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext
-from triptych_head.backend import GenerationOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,60 +44,13 @@ PATHS = {"direct": b"application/json", "declared": b"application/vnd.triptych+j
 WARMUP = 200
 
 
-class InstantBackend:
-    """Answers every request at once with a black image (a head's backend: triptych_head.backend)."""
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    async def cancel(self, request_id: str) -> None:
-        pass
-
-    async def generate(self, request_id: str, params: Any, on_event: Any = None, preview_every: int = 0,
-                       priority: int = 1) -> GenerationOutput:  # fmt: skip
-        pixels = np.zeros((params.num_outputs, 1, params.height, params.width, 3), np.uint8)
-        return GenerationOutput(pixels=pixels, server_timing="denoiser;dur=1.0")
-
-
-def scope(body: bytes, content_type: bytes) -> dict[str, Any]:
-    headers = [(b"host", b"head"), (b"content-type", content_type), (b"content-length", str(len(body)).encode())]
-    return {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": "/v1/images/generations", "raw_path": b"/v1/images/generations", "query_string": b"",
-        "root_path": "", "headers": headers, "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000),
-    }  # fmt: skip
-
-
-async def one(app: Any, request_scope: dict[str, Any], body: bytes) -> None:
-    """One request through ASGI: its body, then (as a server does once it is read) nothing until a disconnect."""
-    sent: list[dict[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # the client stays; the handler cancels this watcher when it answers
-        raise AssertionError("unreachable")
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app(dict(request_scope), receive, send)
-    if sent[0]["status"] != 200:
-        raise RuntimeError(f"HTTP {sent[0]['status']}: {b''.join(m.get('body', b'') for m in sent[1:])[:300]!r}")
-
-
 async def block(app: Any, path: str, body: bytes, n: int) -> float:
     """CPU microseconds per request over `n` requests of `path`."""
-    request_scope = scope(body, PATHS[path])
     start = time.process_time()
     for _ in range(n):
-        await one(app, request_scope, body)
+        answer = await asgi_call.post(app, body, content_type=PATHS[path])
+        if answer.status != 200:
+            raise RuntimeError(f"{path} route: HTTP {answer.status}")
     return (time.process_time() - start) / n * 1e6
 
 
@@ -104,7 +58,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     body = json.dumps({"prompt": "bench", "size": args.size, "num_inference_steps": 1, "seed": 0}).encode()
     with tempfile.TemporaryDirectory(prefix="triptych-http-app-") as folder:
         model = ModelInfo("tiny-flux", "FluxPipeline", "image", 4, 3.5)
-        ctx = HeadContext(backend=InstantBackend(), model=model, output_path=Path(folder), registry=CollectorRegistry())
+        width, height = (int(side) for side in args.size.split("x"))
+        backend = FixedPixels(np.zeros((1, 1, height, width, 3), np.uint8))
+        ctx = HeadContext(backend=backend, model=model, output_path=Path(folder), registry=CollectorRegistry())
         app = create_app(ctx)  # its lifespan (the backend's start, the result sweeper) is not needed here
         for path in PATHS:
             await block(app, path, body, WARMUP)

@@ -20,29 +20,11 @@ from PIL import Image
 from prometheus_client import CollectorRegistry
 
 from triptych.families import ModelInfo
+from triptych_dev import asgi_call
+from triptych_dev.asgi_call import FixedPixels
 from triptych_head.api import image_body
 from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext
-from triptych_head.backend import GenerationOutput
-
-
-class FixedPixels:
-    """Answers every request with the same pixels, made before the measurement starts."""
-
-    def __init__(self, pixels: np.ndarray) -> None:
-        self.pixels = pixels
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    async def cancel(self, request_id: str) -> None:
-        pass
-
-    async def generate(self, request_id, params, on_event=None, preview_every=0, priority=1):  # type: ignore[no-untyped-def]
-        return GenerationOutput(pixels=self.pixels, server_timing="total;dur=1")
 
 
 def noise(n: int, side: int) -> np.ndarray:
@@ -55,42 +37,8 @@ async def post(
 ) -> tuple[int, dict[str, str], int, bytes]:
     """One POST /v1/images/generations through ASGI (with an Idempotency-Key `key`): status, headers,
     body size, and the body if `keep`."""
-    raw = json.dumps(body).encode()
-    extra = [] if key is None else [(b"idempotency-key", key.encode())]
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": "/v1/images/generations", "raw_path": b"/v1/images/generations", "query_string": b"",
-        "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": {}, "app": app,
-        "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
-                    (b"content-length", str(len(raw)).encode()), *extra],
-    }  # fmt: skip
-    answered = asyncio.Event()
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await answered.wait()
-        return {"type": "http.disconnect"}
-
-    status, headers, size, kept = 0, {}, 0, []
-
-    async def send(message: dict[str, Any]) -> None:
-        nonlocal status, headers, size
-        if message["type"] == "http.response.start":
-            status = message["status"]
-            headers = {k.decode(): v.decode() for k, v in message["headers"]}
-        elif message["type"] == "http.response.body":
-            size += len(message.get("body", b""))
-            if keep:
-                kept.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                answered.set()
-
-    await app(scope, receive, send)
-    return status, headers, size, b"".join(kept)
+    answer = await asgi_call.post(app, body, keep, [] if key is None else [(b"idempotency-key", key.encode())])
+    return answer.status, answer.headers, answer.size, answer.body
 
 
 def make_app(tmp_path: Path, pixels: np.ndarray) -> Any:
