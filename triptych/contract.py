@@ -147,6 +147,8 @@ class Limits:
         in_range = (lo is None or value >= lo) and (hi is None or value <= hi)  # False for nan
         if in_range and not (s and (value - o) % s):
             return None  # taken: the message's words are worked out only for a value refused
+        if not math.isfinite(value):  # nan or infinity: no nearest valid value to suggest
+            return f"{name} {value} must be a finite number"
         pipeline, kind = _words(traits)
         below = above = value
         if s:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import re
 from collections.abc import Iterator
 
@@ -198,6 +199,17 @@ def test_errors_carry_the_parameter_not_a_guess_from_their_text() -> None:
     with pytest.raises(ParamError) as refused:
         CONTRACT.with_param(toy).check({"toy": -1, "width": 32}, WAN)
     assert refused.value.param == "toy" and str(refused.value) == "toy -1 must be at least 0"
+
+
+@pytest.mark.parametrize("model", [FLUX, KONTEXT, WAN], ids=lambda m: m.id)
+def test_the_check_skips_only_limits_that_refuse_nothing(model: ModelInfo) -> None:
+    """Contract.check looks only at limits that can refuse (worked out once per model): every limits
+    it skips takes any value, and every one it keeps refuses one."""
+    probes = [-1e9, -1, 0, 1, 3.5, 7, 1e9, math.nan, "", "x", "zz-not-a-choice", True]
+    for param in CONTRACT:
+        limits = param.limits_for(model)
+        refused = [v for v in probes if limits.check(param.name, v, model) is not None]
+        assert bool(refused) == limits.refuses, (param.name, limits, refused)
 
 
 def test_limits_narrowed_by_a_step_start_and_end_on_whole_steps() -> None:
