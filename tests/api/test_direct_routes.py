@@ -36,6 +36,9 @@ BODIES = [
     b'"fox"',
     b"",
 ]
+# Bodies no JSON parser takes (deeper than json.loads goes, not UTF-8): a 400 about the body on both
+# paths, in words of their own (FastAPI's: "There was an error parsing the body").
+UNPARSEABLE = [b"[" * 5000 + b"]" * 5000, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", b"\xff\xfe"]
 
 
 def client(model: ModelInfo, folder: Path) -> TestClient:
@@ -77,6 +80,16 @@ def test_an_image_request_is_answered_alike_on_either_path(raw: bytes, tmp_path:
         error = answer["error"]  # type: ignore[index]
         assert status == 400 or (status == 404 and error["param"] == "model")
         assert error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("raw", UNPARSEABLE, ids=["deep", "deep-field", "not-utf-8"])
+def test_a_body_no_parser_takes_is_a_400_about_the_body_on_either_path(raw: bytes, tmp_path: Path) -> None:
+    with client(FLUX, tmp_path) as c:
+        for ct in (*DIRECT, DECLARED):
+            status, answer = post(c, "/v1/images/generations", raw, ct)
+            error = answer["error"]  # type: ignore[index]
+            assert status == 400 and error["param"] is None and "body" in error["message"], (ct, answer)
+        assert post(c, "/v1/images/generations", BODIES[0], DIRECT[0])[0] == 200  # and the head serves on
 
 
 def test_a_json_body_takes_the_direct_route_and_another_content_type_fastapi_s(

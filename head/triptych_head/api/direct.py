@@ -72,6 +72,10 @@ def _body(model: type[BaseModel], raw: bytes) -> BaseModel:
     except json.JSONDecodeError as exc:
         error = {"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error", "input": {}}
         raise RequestValidationError([{**error, "ctx": {"error": exc.msg}}]) from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8 text, or nested deeper than the parser goes
+        why = "it is nested too deeply" if isinstance(exc, RecursionError) else f"it is not UTF-8 text ({exc})"
+        error = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": {}}
+        raise RequestValidationError([{**error, "ctx": {"error": why}}]) from None
     try:
         return model.model_validate(value)
     except ValidationError as exc:
