@@ -63,8 +63,10 @@ def _body(model: type[BaseModel], raw: bytes) -> BaseModel:
     only FastAPI's way reports as the field's."""
     try:
         return model.model_validate_json(raw)
-    except ValidationError:
-        pass
+    except ValidationError as exc:
+        if _too_deep(exc):  # refused here: json.loads would recurse (and a RecursionError unsettles CPython 3.11)
+            error = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": {}}
+            raise RequestValidationError([{**error, "ctx": {"error": "it is nested too deeply"}}]) from None
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
@@ -81,6 +83,12 @@ def _body(model: type[BaseModel], raw: bytes) -> BaseModel:
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+
+
+def _too_deep(exc: ValidationError) -> bool:
+    """pydantic's JSON parser refused the body for its nesting (deeper than ~200 levels)."""
+    errors = exc.errors(include_url=False)
+    return bool(errors) and errors[0]["type"] == "json_invalid" and "recursion" in str(errors[0].get("ctx", ""))
 
 
 def _json(scope: Scope) -> bool:
