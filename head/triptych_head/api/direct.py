@@ -65,24 +65,27 @@ def _body(model: type[BaseModel], raw: bytes) -> BaseModel:
         return model.model_validate_json(raw)
     except ValidationError as exc:
         if _too_deep(exc):  # refused here: json.loads would recurse (and a RecursionError unsettles CPython 3.11)
-            error = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": {}}
-            raise RequestValidationError([{**error, "ctx": {"error": "it is nested too deeply"}}]) from None
+            raise _invalid_json(("body",), "it is nested too deeply") from None
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:
-        error = {"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error", "input": {}}
-        raise RequestValidationError([{**error, "ctx": {"error": exc.msg}}]) from None
+        raise _invalid_json(("body", exc.pos), exc.msg) from None
     except (ValueError, RecursionError) as exc:  # not UTF-8 text, or nested deeper than the parser goes
         why = "it is nested too deeply" if isinstance(exc, RecursionError) else f"it is not UTF-8 text ({exc})"
-        error = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": {}}
-        raise RequestValidationError([{**error, "ctx": {"error": why}}]) from None
+        raise _invalid_json(("body",), why) from None
     try:
         return model.model_validate(value)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+
+
+def _invalid_json(loc: tuple[str | int, ...], why: str) -> RequestValidationError:
+    """The error FastAPI raises for a body json.loads refuses (errors.py words it)."""
+    error: dict[str, Any] = {"type": "json_invalid", "loc": loc, "msg": "JSON decode error", "input": {}}
+    return RequestValidationError([{**error, "ctx": {"error": why}}])
 
 
 def _too_deep(exc: ValidationError) -> bool:
