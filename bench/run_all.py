@@ -11,6 +11,7 @@ HERE = Path(__file__).resolve().parent
 for script in (
     "transfer_bench.py",
     "head_bench.py",
+    "hop_bench.py",
     "http_app_bench.py",
     "tracing_bench.py",
     "media_bench.py",

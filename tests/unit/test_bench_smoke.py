@@ -36,6 +36,7 @@ SMOKE: dict[str, tuple[str, str]] = {
         "overhead / floor",
     ),
     "zmq_floor.py": ("--requests 20", "raw ZMQ messages"),
+    "hop_bench.py": ("--requests 20 --blocks 2 --json {tmp}/hop.json", "wire per message / floor per message"),
     "http_app_bench.py": ("--requests 20 --blocks 2 --json {tmp}/ha.json", "direct / declared"),
     "tracing_bench.py": ("--blocks 2 --block-requests 5 --json {tmp}/tr.json", "on / off"),
     "torch_threads_bench.py": ("--size 32 --steps 1 --runs 1 --threads 2 --json {tmp}/tt.json", "x fitted"),
