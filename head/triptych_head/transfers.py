@@ -140,7 +140,10 @@ def on_pushed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
     sent = core.membership.send(rec.instance, ready)
     if staged.continues_at is not None and rec.suspended_at is None:
         core.metrics.migration_seconds.observe(started - staged.staged_at)
-    dest = _record_transfer(core, rec, inst, staged, msg)  # after the send: the receiver need not wait for it
+    # After the send (the receiver need not wait for it), but ending where the next hop begins: the
+    # send itself can take milliseconds (the loop's thread losing the GIL to the API's), and the two
+    # parts must not overlap (their sum is at most the total; timeline.py).
+    dest = _record_transfer(core, rec, inst, staged, msg, ended=started)
     if not sent:
         core.unreachable(rec.instance, f"{dest} {rec.instance} became unreachable before its input was ready", rec)
         return
@@ -197,19 +200,20 @@ HANDLERS: dict[type, Callable[..., None]] = {
 
 
 def _record_transfer(
-    core: HeadCore, rec: RequestRecord, sender: WorkerInstance, staged: StagedPayload, msg: TransferPushed
+    core: HeadCore, rec: RequestRecord, sender: WorkerInstance, staged: StagedPayload, msg: TransferPushed, ended: float
 ) -> str:
-    """Metrics and timings of a finished hand-off; returns the receiving role's name."""
+    """Metrics and timings of a hand-off that ended at `ended` (the head's clock when it heard of the
+    write); returns the receiving role's name."""
     receiver = core.membership.find(rec.instance or "")
     dest = receiver.role.value if receiver else "?"
     src = sender.role.value
     core.metrics.child(core.metrics.transfer_bytes, src, dest).inc(msg.nbytes)
     core.metrics.child(core.metrics.transfer_seconds, src, dest).observe(msg.seconds)
-    handoff = core.clock() - staged.staged_at  # reserve a slot, push, write, report
+    handoff = ended - staged.staged_at  # reserve a slot, push, write, report
     core.metrics.child(core.metrics.handoff_seconds, src, dest).observe(handoff)
     rec.timings[f"transfer_{src}_{dest}"] = msg.seconds
     rec.timings[f"handoff_{src}_{dest}"] = handoff
-    rec.timeline.add(f"transfer-{src}-{dest}", rec.hop_started, core.clock())  # from the receiver's dispatch
+    rec.timeline.add(f"transfer-{src}-{dest}", rec.hop_started, ended)  # from the receiver's dispatch
     return dest
 
 
