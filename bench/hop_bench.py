@@ -18,8 +18,8 @@ is one of:
 Prints each gap's median, the sums per request by kind against the floor's median (per message:
 its send, wire and receive together), and what decoding one control header costs with warm caches
 and after 32 MiB went through them, which is how a message finds them after a process slept.
-Results go to --json (default bench/results/hops.json). The trace adds well under a microsecond
-per event.
+Results go to --json (default bench/results/hops.json). The trace adds about 1.4 µs per event
+(triptych_dev.hops), some 60 µs over a request's 46 events: the gaps include it, the floor does not.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ process, each appending (perf_counter_ns, event, message type, request id) to a 
 returned the parts a later "dec" decoded). perf_counter is CLOCK_MONOTONIC, one clock for every
 process of a host, so the events of a request line up across processes. The processes of a
 deployment get it through `site_dir()` on their PYTHONPATH with TRIPTYCH_HOP_TRACE set; nothing in
-triptych itself knows of it. A few hundred nanoseconds per event.
+triptych itself knows of it. About 1.4 µs per event in a tight loop (an encode: 0.45 µs plain, 1.86
+µs traced), so some 60 µs over a request's 46 events, spread over its five processes.
 
 `hops(directory, roles, clients)` lines up the events of each request and names every gap between
 two consecutive ones: the sender's encode and send, the wire (ZMQ's I/O threads, TCP, the wake-up
