@@ -25,6 +25,7 @@ Results go to --json (default bench/results/hops.json). The trace adds about 1.4
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -34,6 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import zmq
@@ -98,36 +100,28 @@ def main() -> int:
     clients: dict[str, tuple[int, int]] = {}
     timings: list[dict[str, float]] = []
     floor_samples: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         trace = Path(tmp) / "trace"
         trace.mkdir()
-        saved = dict(os.environ)
-        # Only the deployment's processes are traced (not this one, nor the floor's).
-        os.environ[hops.ENV] = str(trace)
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hops.site_dir()), saved.get("PYTHONPATH")]))
-        try:
-            deployment = local_deployment(
-                flux, Path(tmp), worker_flags=("--device", "cpu"), null_payload_bytes=PAYLOAD_BYTES
+        # Only the deployment's processes are traced (not this one, nor the floor's). A process stopped
+        # with events still buffered loses them: its last requests drop off the common path.
+        site = os.pathsep.join(filter(None, [str(hops.site_dir()), os.environ.get("PYTHONPATH")]))
+        with mock.patch.dict(os.environ, {hops.ENV: str(trace), "PYTHONPATH": site}):
+            dep = stack.enter_context(
+                local_deployment(flux, Path(tmp), worker_flags=("--device", "cpu"), null_payload_bytes=PAYLOAD_BYTES)
             )
-            dep = deployment.__enter__()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        try:
-            roles = {proc.popen.pid: proc.role.value for proc in dep.procs}
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVTIMEO, 30_000)
-            sock.connect(f"tcp://127.0.0.1:{dep.scheduler_port}")
-            traced_block(sock, 30, -30, {}, [])  # warm up
-            with zmq_floor.Floor() as floor:
-                for b in range(args.blocks):
-                    floor_samples += floor.block(per_block)
-                    traced_block(sock, per_block, b * per_block, clients, timings)
-            sock.close()
-        finally:
-            # A process stopped with events still buffered loses them: its last requests drop off the path.
-            deployment.__exit__(None, None, None)
+        roles = {proc.popen.pid: proc.role.value for proc in dep.procs}
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        stack.callback(sock.close)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 30_000)
+        sock.connect(f"tcp://127.0.0.1:{dep.scheduler_port}")
+        traced_block(sock, 30, -30, {}, [])  # warm up
+        with zmq_floor.Floor() as floor:
+            for b in range(args.blocks):
+                floor_samples += floor.block(per_block)
+                traced_block(sock, per_block, b * per_block, clients, timings)
+        stack.close()  # the deployment stops before its events are read
         segments = hops.hops(trace, roles, clients)
     if not segments:
         raise RuntimeError("no request's events were traced")
