@@ -48,7 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -109,9 +109,21 @@ class Frontend:
         self.sock.close()
 
 
+def sequential_requests(sock: zmq.Socket[Any], rids: Iterable[str]) -> Iterator[tuple[str, int, int, RequestResult]]:
+    """Each of `rids` in turn from a blocking DEALER, so the client adds no event-loop latency: its id,
+    the client's clock (ns) at its send and at its answer, and its result."""
+    for rid in rids:
+        t0 = time.perf_counter_ns()
+        sock.send_multipart(encode(Submit(rid, PARAMS)))
+        result, _ = decode(sock.recv_multipart())
+        t1 = time.perf_counter_ns()
+        if not isinstance(result, RequestResult):
+            raise RuntimeError(f"request {rid} failed: {result}")
+        yield rid, t0, t1, result
+
+
 def sequential_samples(endpoint: str, n: int) -> tuple[list[float], list[float], list[float]]:
-    """Latency, Mooncake write and worker stage seconds of n requests, one at a time from a blocking
-    DEALER, so the client adds no event-loop latency."""
+    """Latency, Mooncake write and worker stage seconds of n requests, one at a time."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -119,13 +131,8 @@ def sequential_samples(endpoint: str, n: int) -> tuple[list[float], list[float],
     sock.connect(endpoint)
     latencies, writes, stages = [], [], []
     try:
-        for i in range(n):
-            t0 = time.perf_counter()
-            sock.send_multipart(encode(Submit(f"seq-{i}", PARAMS)))
-            result, _ = decode(sock.recv_multipart())
-            latencies.append(time.perf_counter() - t0)
-            if not isinstance(result, RequestResult):
-                raise RuntimeError(f"request seq-{i} failed: {result}")
+        for _, t0, t1, result in sequential_requests(sock, (f"seq-{i}" for i in range(n))):
+            latencies.append((t1 - t0) / 1e9)
             writes.append(sum(v for k, v in result.timings.items() if k.startswith("transfer_")))
             stages.append(sum(v for k, v in result.timings.items() if k.startswith("worker_")))
     finally:

@@ -43,9 +43,9 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zmq_floor
-from head_bench import PARAMS, ROOT
+from head_bench import PARAMS, ROOT, sequential_requests
 
-from triptych.protocol import RequestResult, Submit, TransferReady, decode, encode
+from triptych.protocol import TransferReady, decode, encode
 from triptych_dev import hops
 from triptych_dev.localdeploy import local_deployment
 from triptych_dev.tiny_models import write_tiny_models
@@ -58,14 +58,8 @@ def traced_block(
     sock: zmq.Socket[Any], n: int, start: int, clients: dict[str, tuple[int, int]], timings: list[dict[str, float]]
 ) -> None:
     """n sequential requests; their client-side times into `clients`, their reported timings into `timings`."""
-    for i in range(start, start + n):
-        rid = f"hop-{i}"
-        t0 = time.perf_counter_ns()
-        sock.send_multipart(encode(Submit(rid, PARAMS)))
-        result, _ = decode(sock.recv_multipart())
-        clients[rid] = (t0, time.perf_counter_ns())
-        if not isinstance(result, RequestResult):
-            raise RuntimeError(f"request {rid} failed: {result}")
+    for rid, t0, t1, result in sequential_requests(sock, (f"hop-{i}" for i in range(start, start + n))):
+        clients[rid] = (t0, t1)
         timings.append(dict(result.timings))
 
 

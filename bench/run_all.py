@@ -12,6 +12,7 @@ for script in (
     "transfer_bench.py",
     "head_bench.py",
     "hop_bench.py",
+    "core_bench.py",
     "http_app_bench.py",
     "tracing_bench.py",
     "media_bench.py",

@@ -6,6 +6,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from triptych_head.loop_metrics import LoopCounter, LoopHistogram
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -14,11 +16,11 @@ class HeadMetrics:
         self.registry = registry or CollectorRegistry()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
-        self.requests = Counter("triptych_requests", "Requests by final state", ["state"], registry=r)
-        self.request_seconds = Histogram(
+        self.requests = LoopCounter("triptych_requests", "Requests by final state", ["state"], registry=r)
+        self.request_seconds = LoopHistogram(
             "triptych_request_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r
         )
-        self.stage_seconds = Histogram(
+        self.stage_seconds = LoopHistogram(
             "triptych_stage_seconds",
             "Time a request spends in a role, from dispatch to its output being staged",
             ["role"],
@@ -27,13 +29,13 @@ class HeadMetrics:
         )
         # Device time (the Grafana dashboard's device-seconds): what workers report spending on each
         # request's stages, never queueing; a replica with G GPUs spends G GPU-seconds per second of it.
-        self.worker_seconds = Counter(
+        self.worker_seconds = LoopCounter(
             "triptych_worker_seconds",
             "Seconds workers spent running requests' stages (load inputs, run, stage outputs), as they report them",
             ["role"],
             registry=r,
         )
-        self.queue_seconds = Histogram(
+        self.queue_seconds = LoopHistogram(
             "triptych_queue_seconds", "Time waiting for a free instance", ["role"], buckets=LATENCY_BUCKETS, registry=r
         )
         # Per-role load, the autoscaling signal (docs/autoscaling.md); workload.py has the estimate.
@@ -126,17 +128,17 @@ class HeadMetrics:
         self.instance_up = Gauge(
             "triptych_instance_up", "1 when the instance heartbeats", ["role", "instance"], registry=r
         )
-        self.transfer_bytes = Counter(
+        self.transfer_bytes = LoopCounter(
             "triptych_transfer_bytes", "Bytes moved worker-to-worker", ["source", "destination"], registry=r
         )
-        self.transfer_seconds = Histogram(
+        self.transfer_seconds = LoopHistogram(
             "triptych_transfer_seconds",
             "Mooncake write time reported by the sender",
             ["source", "destination"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.handoff_seconds = Histogram(
+        self.handoff_seconds = LoopHistogram(
             "triptych_handoff_seconds",
             "From a sender's output being staged to its receiver being told it is ready (slot, push, write)",
             ["source", "destination"],
@@ -184,7 +186,7 @@ class HeadMetrics:
         self.dropped_messages = Counter(
             "triptych_dropped_messages", "Worker messages that could not be decoded or matched", registry=r
         )
-        self.worker_messages = Counter(
+        self.worker_messages = LoopCounter(
             "triptych_worker_messages_sent",
             "Messages the head sent to workers, by type (work, transfer_alloc, transfer_push, transfer_ready, "
             "ping, cancel_work); a full-pipeline pool gets no transfer_*",

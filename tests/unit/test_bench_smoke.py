@@ -36,6 +36,7 @@ SMOKE: dict[str, tuple[str, str]] = {
         "overhead / floor",
     ),
     "zmq_floor.py": ("--requests 20", "raw ZMQ messages"),
+    "core_bench.py": ("--requests 40 --blocks 2 --json {tmp}/c.json", "loop / prometheus_client"),
     "hop_bench.py": ("--requests 20 --blocks 2 --json {tmp}/hop.json", "wire per message / floor per message"),
     "http_app_bench.py": ("--requests 20 --blocks 2 --json {tmp}/ha.json", "direct / declared"),
     "tracing_bench.py": ("--blocks 2 --block-requests 5 --json {tmp}/tr.json", "on / off"),
