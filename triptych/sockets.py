@@ -72,3 +72,48 @@ def wait_for_message(sock: zmq.Socket[Any], timeout_s: float) -> bool:
         return True
     readable, _, _ = select.select([int(sock.get(zmq.FD))], [], [], timeout_s)
     return bool(readable) and has_queued_message(sock)
+
+
+class SocketSet:
+    """Waits on several ZMQ sockets and plain file descriptors at once, asking a socket whether it
+    has a message only when it may: its descriptor fired, or the caller used it since.
+
+    zmq_poll (zmq.Poller) asks every socket for ZMQ_EVENTS before it sleeps and again after it
+    wakes, and each ask is a poll() and a getpid() system call in libzmq (its mailbox's fork
+    check): ~20 system calls a wait over the head's five sockets, most of them on a message's path
+    (docs/benchmarks.md, "The head's wait"). A ZMQ socket's ZMQ_FD becomes readable when the socket's
+    state may have changed, and asking for ZMQ_EVENTS consumes that signal; so a socket that was
+    asked and said "nothing queued" needs no asking until its descriptor fires again, unless a
+    send or receive on it (which may consume the signal too) came in between: the caller says so
+    with `recheck`. Plain descriptors (an eventfd) are level-triggered and returned as they fire.
+    """
+
+    def __init__(self) -> None:
+        self._poll = select.poll()
+        self._by_fd: dict[int, Any] = {}
+        self._recheck: set[zmq.Socket[Any]] = set()
+
+    def add_socket(self, sock: zmq.Socket[Any]) -> None:
+        fd = int(sock.get(zmq.FD))
+        self._poll.register(fd, select.POLLIN)
+        self._by_fd[fd] = sock
+        self._recheck.add(sock)  # never asked yet
+
+    def add_fd(self, fd: int) -> None:
+        self._poll.register(fd, select.POLLIN)
+        self._by_fd[fd] = fd
+
+    def recheck(self, sock: zmq.Socket[Any]) -> None:
+        """`sock` was used (a send, or a receive that left messages queued): ask it at the next wait."""
+        self._recheck.add(sock)
+
+    def wait(self, timeout_s: float) -> set[Any]:
+        """The sockets with a message queued and the descriptors readable, waiting up to `timeout_s`
+        for one (not at all if one is ready at once)."""
+        ready = {sock for sock in self._recheck if has_queued_message(sock)}
+        self._recheck.clear()
+        for fd, _ in self._poll.poll(0 if ready else max(0, round(timeout_s * 1000))):
+            key = self._by_fd[fd]
+            if key not in ready and (isinstance(key, int) or has_queued_message(key)):
+                ready.add(key)
+        return ready

@@ -25,7 +25,7 @@ from triptych.ports import frontend_port, result_port, tcp_url
 from triptych.protocol import encode
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
-from triptych.sockets import has_queued_message, recv_message
+from triptych.sockets import SocketSet, has_queued_message, recv_message
 from triptych.tracing import start_tracing, traces_url
 from triptych_head import upkeep
 from triptych_head.core import HeadCore
@@ -51,6 +51,7 @@ class _SocketTransport:
         self.links = links
         self.local = local
         self.frontend: zmq.Socket | None = None
+        self.replied = False  # sent on the frontend since the loop last looked (its wait must ask it again)
 
     def open(self, url: str) -> str | None:
         return self.links.open(url)
@@ -66,6 +67,7 @@ class _SocketTransport:
             self.local.reply(msg, frames)
             return
         assert self.frontend is not None
+        self.replied = True
         try:
             # Zero-copy only pays for large frames (pixels); small control messages are cheaper copied.
             self.frontend.send_multipart([client, *encode(msg, frames)], flags=zmq.NOBLOCK, copy=not frames)
@@ -167,24 +169,26 @@ class DiffusionServer:
 
     def run(self) -> None:
         """Serve until stop() or a finished drain; call from the thread that owns this server."""
-        poller = zmq.Poller()
+        waiting = SocketSet()
         for sock, _ in self._sockets:
-            poller.register(sock, zmq.POLLIN)
-        poller.register(self.local.fd, zmq.POLLIN)
+            waiting.add_socket(sock)
+        waiting.add_fd(self.local.fd)
+        frontend = self._transport.frontend
+        assert frontend is not None
         next_tick = 0.0
         # A group waiting for --batching-delay-ms leaves on time, not at the next idle wake-up.
         batcher = self.core.dispatcher.batcher
         delay_ms = batcher.delay_s * 1000 if batcher is not None else 0.0
-        poll_ms = min(POLL_MS, max(1, int(delay_ms))) if delay_ms > 0 else POLL_MS
+        poll_s = min(POLL_MS, max(1, int(delay_ms))) / 1000 if delay_ms > 0 else POLL_MS / 1000
         try:
             while not self._stop.is_set():
-                ready = dict(poller.poll(poll_ms))
+                ready = waiting.wait(poll_s)
                 self._apply_shutdown()  # before reading: a request that arrives after drain() is refused
                 if self.local.fd in ready:
                     self._read_local()
                 for sock, role in self._sockets:
-                    if sock in ready:
-                        self._read(sock, role)
+                    if sock in ready and self._read(sock, role):
+                        waiting.recheck(sock)  # left messages queued: its descriptor may not fire for them
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + PING_INTERVAL_S
@@ -193,19 +197,22 @@ class DiffusionServer:
                     except Exception:  # e.g. an unusable address from discovery: log it, keep serving
                         log.exception("periodic upkeep failed")
                 self.core.dispatch()
+                if self._transport.replied:  # a send on the frontend may have taken its descriptor's signal
+                    self._transport.replied = False
+                    waiting.recheck(frontend)
                 if self._draining and self.core.drained():
                     break
         finally:
             # Lingering lets the CancelWork messages of a drain reach the workers before the sockets go.
             self._close(SHUTDOWN_LINGER_MS if self._draining else 0)
 
-    def _read(self, sock: zmq.Socket, role: Role | None) -> None:
-        """Hand up to READ_LIMIT queued messages of one socket to the core."""
+    def _read(self, sock: zmq.Socket, role: Role | None) -> bool:
+        """Hand up to READ_LIMIT queued messages of one socket to the core; True if it has more."""
         for _ in range(READ_LIMIT):
             try:  # the frontend's parts are [client id, header, *frames], a result socket's [header, *frames]
                 parts = recv_message(sock, zmq.NOBLOCK, copied=2 if role is None else 1)
             except zmq.Again:
-                return
+                return False
             try:
                 if role is None:
                     if len(parts) >= 2 and parts[0] != LOCAL_CLIENT:  # that id is the head's own API's
@@ -215,7 +222,8 @@ class DiffusionServer:
             except Exception:  # the loop serves every other request; never let one message end it
                 log.exception("unhandled error on the %s socket; message dropped", role.value if role else "frontend")
             if not has_queued_message(sock):
-                return
+                return False
+        return True
 
     def _read_local(self) -> None:
         """Hand up to READ_LIMIT messages of the head's own API to the core."""

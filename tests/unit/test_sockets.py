@@ -1,18 +1,24 @@
 """triptych.sockets.connect: a connect attempt that gets no answer is given up and retried within
 seconds, as for a Service whose ClusterIP kube-proxy had not programmed when the first SYN left.
 triptych.sockets.wait_for_message: a worker's leader sleeps in it between polls of its writes, so a
-message arriving during the wait must end it at once, and an idle socket must not hold it longer."""
+message arriving during the wait must end it at once, and an idle socket must not hold it longer.
+triptych.sockets.SocketSet: the head's loop waits on its sockets and its API's eventfd with it; it
+must report every socket with a message and every readable descriptor, asking only the sockets
+that may have one."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
+from unittest import mock
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from triptych.sockets import CONNECT_TIMEOUT_MS, connect, recv_message, wait_for_message
+from triptych import sockets
+from triptych.sockets import CONNECT_TIMEOUT_MS, SocketSet, connect, recv_message, wait_for_message
 
 
 def test_a_connect_attempt_without_an_answer_is_retried_within_seconds():
@@ -84,4 +90,76 @@ def test_wait_for_message_ends_when_a_message_arrives_and_times_out_without_one(
     finally:
         pull.close()
         push.close()
+        ctx.term()
+
+
+def test_a_socket_set_reports_what_is_queued_asks_only_sockets_that_may_have_a_message_and_wakes_on_arrival():
+    ctx = zmq.Context()
+    pulls = [ctx.socket(zmq.PULL) for _ in range(4)]
+    pushes = [ctx.socket(zmq.PUSH) for _ in range(4)]
+    efd = os.eventfd(0, os.EFD_NONBLOCK)
+    asked: list[zmq.Socket] = []
+    real = sockets.has_queued_message
+
+    def counted(sock: zmq.Socket) -> bool:
+        asked.append(sock)
+        return real(sock)
+
+    try:
+        for pull, push in zip(pulls, pushes, strict=True):
+            for sock in (pull, push):
+                sock.setsockopt(zmq.LINGER, 0)
+            push.connect(f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}")
+        waiting = SocketSet()
+        for pull in pulls:
+            waiting.add_socket(pull)
+        waiting.add_fd(efd)
+        for pull, push in zip(pulls, pushes, strict=True):  # connected and handshaken: a probe goes through
+            push.send(b"probe")
+            assert pull.poll(5000) and pull.recv() == b"probe"
+        deadline, quiet = time.monotonic() + 5, 0
+        while quiet < 3:  # what the connects signalled is asked once and done with
+            quiet = 0 if waiting.wait(0.01) else quiet + 1
+            assert time.monotonic() < deadline
+        with mock.patch.object(sockets, "has_queued_message", counted):
+            t0 = time.monotonic()
+            assert waiting.wait(0.05) == set(), "nothing was sent"
+            assert time.monotonic() - t0 < 2.0
+            assert asked == [], "an idle wait asked sockets whose descriptors never fired"
+            pushes[1].send(b"a")
+            pushes[3].send(b"b")
+            os.eventfd_write(efd, 1)
+            seen: set[object] = set()
+            while seen != {pulls[1], pulls[3], efd}:
+                seen |= waiting.wait(5.0)
+                assert time.monotonic() - t0 < 5.0, f"only {seen} reported"
+            assert set(asked) <= {pulls[1], pulls[3]}, "asked a socket whose descriptor did not fire"
+            os.eventfd_read(efd)
+            assert recv_message(pulls[1], zmq.NOBLOCK) == [b"a"]
+            assert recv_message(pulls[3], zmq.NOBLOCK) == [b"b"]
+            sender = threading.Timer(0.05, pushes[2].send, args=(b"c",))  # arrives during the wait
+            sender.start()
+            t0 = time.monotonic()
+            seen = set()
+            while pulls[2] not in seen:
+                seen |= waiting.wait(10.0)
+                assert time.monotonic() - t0 < 5.0, "a message arriving during a 10 s wait did not end it"
+            sender.join()
+            assert recv_message(pulls[2], zmq.NOBLOCK) == [b"c"]
+            # A socket read only in part (the head stops at READ_LIMIT) may not signal again for what is
+            # left: recheck() has the next wait ask it, and it is reported at once.
+            for i in range(3):
+                pushes[0].send(b"%d" % i)
+            got: list[list[bytes]] = []
+            t0 = time.monotonic()
+            while len(got) < 3:  # one message a turn, as if READ_LIMIT were 1
+                assert time.monotonic() - t0 < 2.0, f"a rechecked socket with messages queued was slept on: {got}"
+                if pulls[0] in waiting.wait(5.0):
+                    got.append(recv_message(pulls[0], zmq.NOBLOCK))
+                    waiting.recheck(pulls[0])
+            assert got == [[b"0"], [b"1"], [b"2"]]
+    finally:
+        os.close(efd)
+        for sock in (*pulls, *pushes):
+            sock.close()
         ctx.term()
