@@ -9,7 +9,7 @@ request. Blocks alternate between the core as it is, whose per-request counters 
 are loop_metrics.py's, and the same core with those metrics as prometheus_client's Counter and
 Histogram (what they were before): the ratio per block pair and its median.
 
-    python bench/core_bench.py [--requests 3000] [--blocks 6]
+    python bench/core_bench.py [--requests 3600] [--blocks 12]
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ class MetricSets:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=3000, help="requests per variant, over all blocks")
-    p.add_argument("--blocks", type=int, default=6, help="alternating blocks of each variant")
+    p.add_argument("--requests", type=int, default=3600, help="requests per variant, over all blocks")
+    p.add_argument("--blocks", type=int, default=12, help="alternating blocks of each variant")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "core.json")
     args = p.parse_args()
     if args.blocks < 1 or args.requests < args.blocks:
