@@ -81,11 +81,12 @@ class SocketSet:
     zmq_poll (zmq.Poller) asks every socket for ZMQ_EVENTS before it sleeps and again after it
     wakes, and each ask is a poll() and a getpid() system call in libzmq (its mailbox's fork
     check): ~20 system calls a wait over the head's five sockets, most of them on a message's path
-    (docs/benchmarks.md, "The head's wait"). A ZMQ socket's ZMQ_FD becomes readable when the socket's
-    state may have changed, and asking for ZMQ_EVENTS consumes that signal; so a socket that was
-    asked and said "nothing queued" needs no asking until its descriptor fires again, unless a
-    send or receive on it (which may consume the signal too) came in between: the caller says so
-    with `recheck`. Plain descriptors (an eventfd) are level-triggered and returned as they fire.
+    (docs/benchmarks.md, "The head's wait and its metrics"). A ZMQ socket's ZMQ_FD becomes
+    readable when the socket's state may have changed, and asking for ZMQ_EVENTS consumes that
+    signal; so a socket that was asked and said "nothing queued" needs no asking until its
+    descriptor fires again, unless a send or receive on it (which may consume the signal too) came
+    in between: the caller says so with `recheck`. Plain descriptors (an eventfd) are
+    level-triggered and returned as they fire.
     """
 
     def __init__(self) -> None:

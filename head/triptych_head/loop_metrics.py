@@ -2,12 +2,12 @@
 
 prometheus_client guards every value with a lock and walks a histogram's buckets in Python: 1-3 µs
 an update, and the loop thread makes ~25 of them per request (the stage, queue, transfer and
-request times, the messages sent): ~20% of the decision core's time per request (measured
-with the core's test harness, docs/benchmarks.md). These keep a child's numbers in a list that the
-one thread writing them adds to, and hand them to the same registry when /metrics is read (on the
-API's thread). A scrape copies each child's numbers at once, so it sees whole updates; between a
-histogram's bucket and its sum it may see one observation in the first and not yet in the second,
-as prometheus_client's own histograms may.
+request times, the messages sent). Plain numbers take the decision core from 111 to 96 µs per
+request (bench/core_bench.py; docs/benchmarks.md, "The head's wait and its metrics"). Each child
+keeps its numbers in a list that the one thread writing them adds to, and the family hands them to
+the same registry when /metrics is read (on the API's thread). A scrape copies each child's numbers
+at once, so it sees whole updates; between a histogram's bucket and its sum it may see one
+observation in the first and not yet in the second, as prometheus_client's own histograms may.
 
 Only for metrics that one thread alone updates: two writers could lose increments. The exposition
 is prometheus_client's for the same metric (names, `_total`, `le` labels), less the optional
