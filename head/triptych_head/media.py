@@ -137,13 +137,20 @@ class _Pending:
         return out
 
 
-def png_zip_chunks(frames: np.ndarray) -> Iterator[bytes]:
+ZIP_EPOCH = 315532800  # 1980-01-01 UTC: the earliest time a ZIP entry can carry
+
+
+def png_zip_chunks(frames: np.ndarray, made_at: int = ZIP_EPOCH) -> Iterator[bytes]:
     """uint8 [F, H, W, 3] as a ZIP of lossless PNGs named frame-00000.png, ..., in pieces as each frame
     is encoded: one frame's PNG held at a time (blocking: iterate it in a thread). `frames` may be a
-    memory map of the stored frames."""
+    memory map of the stored frames. Every entry is dated `made_at` (unix seconds, UTC), not the time of
+    zipping, so the same frames give the same bytes on every fetch, through any head."""
+    stamp = time.gmtime(max(made_at, ZIP_EPOCH))[:6]
     out = _Pending()
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:  # type: ignore[call-overload]
         for i, frame in enumerate(frames):
-            zf.writestr(f"frame-{i:05d}.png", png_bytes(np.asarray(frame)))
+            entry = zipfile.ZipInfo(f"frame-{i:05d}.png", date_time=stamp)
+            entry.external_attr = 0o600 << 16  # what a named writestr gives: owner may read and write
+            zf.writestr(entry, png_bytes(np.asarray(frame)))
             yield out.take()
     yield out.take()  # the central directory

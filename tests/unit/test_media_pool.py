@@ -7,6 +7,7 @@ import asyncio
 import io
 import threading
 import time
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -127,6 +128,19 @@ def test_iterate_yields_a_blocking_iterators_items_in_order_from_the_pool():
         pool.close()
     assert got == list(png_zip_chunks(frames))
     assert seen_threads and all(name.startswith("media") for name in seen_threads)
+
+
+def test_a_frames_zip_is_dated_by_the_job_not_by_when_it_is_fetched(monkeypatch):
+    frames = np.stack([noise(16, 8, seed) for seed in range(3)])
+    made_at = 1_780_000_000  # 2026-05-28 20:26:40 UTC
+    first = b"".join(png_zip_chunks(frames, made_at))
+    monkeypatch.setattr(time, "time", lambda: made_at + 3600.0)  # fetched an hour later, elsewhere
+    assert b"".join(png_zip_chunks(frames, made_at)) == first
+    with zipfile.ZipFile(io.BytesIO(first)) as zf:
+        infos = zf.infolist()
+        assert [i.filename for i in infos] == ["frame-00000.png", "frame-00001.png", "frame-00002.png"]
+        assert {i.date_time for i in infos} == {(2026, 5, 28, 20, 26, 40)}
+        assert all(np.array_equal(decoded(zf.read(i)), frame) for i, frame in zip(infos, frames, strict=True))
 
 
 def test_png_bytes_round_trip():

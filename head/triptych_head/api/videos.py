@@ -524,16 +524,16 @@ async def get_video_content(video_id: str, request: Request, variant: Literal["v
     results = ctx.results
     answer: Response
     if variant == "frames":
-        answer = await _frames_zip(results, ctx.media, video_id)
+        answer = await _frames_zip(results, ctx.media, video_id, entry.job.completed_at or entry.job.created_at)
     else:
         answer = await object_response(results, results.video_name(video_id), "video/mp4", f"{video_id}.mp4")
     _add_server_timing(entry, answer)
     return answer
 
 
-async def _frames_zip(results: ResultStore, media: MediaPool, video_id: str) -> StreamingResponse:
-    """The exact frames as a ZIP of PNGs, streamed as each frame is encoded: the head holds one PNG
-    at a time and the frames (mapped from a local file; read whole from a remote store)."""
+async def _frames_zip(results: ResultStore, media: MediaPool, video_id: str, made_at: int) -> StreamingResponse:
+    """The exact frames as a ZIP of PNGs dated `made_at`, streamed as each frame is encoded: the head
+    holds one PNG at a time and the frames (mapped from a local file; read whole from a remote store)."""
     name = results.frames_name(video_id)
     path = results.objects.local_path(name)
     try:
@@ -546,7 +546,7 @@ async def _frames_zip(results: ResultStore, media: MediaPool, video_id: str) -> 
     except (ObjectMissing, FileNotFoundError):
         raise APIError(404, f"the frames of video {video_id} were removed") from None
     return StreamingResponse(
-        media.iterate(png_zip_chunks(frames)),
+        media.iterate(png_zip_chunks(frames, made_at)),
         media_type="application/zip",
         headers={"Content-Disposition": f"attachment; filename={video_id}-frames.zip"},
     )
