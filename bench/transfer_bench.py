@@ -16,10 +16,12 @@ stdout) and, for each payload size, measures side by side:
            and GPU outputs still do, and what every output did before 2026-12-03).
 
 The runs alternate in --blocks blocks in this one process lifetime: each block takes the baselines
-(memcpy, raw back to back), then the measured paths (raw and write interleaved run by run, then
-ours), so the host's drift falls on baseline and measured alike. Figures are medians over at most
---iterations runs per path (split over the blocks, each path's loops bounded by --max-seconds in
-all); each ratio is also computed per block, and the table gives the median of those.
+(memcpy, raw back to back), then the measured paths in rounds, each round one run of raw, write,
+ours and pooled in an order that rotates round by round, so the host's drift (large on a small
+shared VM: raw alone varies 1.6-2.8 GB/s between runs at 1 MiB) falls on baseline and measured
+alike. Figures are medians over at most --iterations runs per path (split over the blocks, each
+block's loops bounded by --max-seconds in all); each ratio is also computed per block, and the
+table gives the median of those.
 Results print as a table and are written as JSON to --json (default bench/results/transfer.json).
 
     .venv/bin/python bench/transfer_bench.py --sizes-mib 1 16 64 --iterations 10 --blocks 5
@@ -204,8 +206,8 @@ def bench_size(
     nbytes: int, args: argparse.Namespace, transport: MooncakeTransport, pool: TransferPool, peer: ReceiverProcess
 ) -> dict[str, Any]:
     """Alternating blocks (--blocks) in one process lifetime: each block takes the baselines (memcpy,
-    raw back to back) and then the measured paths (raw and our write interleaved per run, then
-    stage + write + load), so drift of the shared host falls on both; ratios per block and medians."""
+    raw back to back) and then the measured paths in rounds (one run of each per round, the order
+    rotating), so drift of the shared host falls on all alike; ratios per block and medians."""
     blocks = args.blocks
     per_block = max(1, -(-args.iterations // blocks))  # --iterations over all blocks, rounded up
     src_cpu = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
@@ -225,21 +227,19 @@ def bench_size(
         if rc != 0:
             raise RuntimeError(f"raw transfer_sync_write returned {rc}")
 
-    pair: dict[str, float] = {}
-
-    def raw_then_wrapper() -> float:
-        # Same cadence as `ours` (one receiver round trip before each write, which lets the peer's
-        # engine threads go idle) and interleaved run by run, so both see the same load on shared cores.
+    def raw_run() -> float:
+        # One receiver round trip before each write, as `ours` has (it lets the peer's engine threads
+        # go idle), then the write alone is timed.
         peer.ask({"op": "ping"})
         t0 = time.perf_counter()
         raw_once()
-        t1 = time.perf_counter()
+        return time.perf_counter() - t0
+
+    def write_run() -> float:
         peer.ask({"op": "ping"})
-        t2 = time.perf_counter()
+        t0 = time.perf_counter()
         transport.write(peer.session, src.addr, raw_dest, nbytes)
-        t3 = time.perf_counter()
-        pair.update(raw=t1 - t0, write=t3 - t2)
-        return t3 - t0
+        return time.perf_counter() - t0
 
     tensors = flux_like_tensors(nbytes)
     ours_bytes = payload_bytes(tensors)
@@ -271,18 +271,36 @@ def bench_size(
         return (t2 - t0) + load_s
 
     def ours() -> float:
-        return send(in_place=True)
+        total = send(in_place=True)
+        for k in phases:
+            phases[k].append(phase[k])
+        return total
 
     def pooled() -> float:
         return send(in_place=False)
 
+    measured: dict[str, Callable[[], float]] = {"raw": raw_run, "write": write_run, "ours": ours, "pooled": pooled}
+    rounds = 0
+
+    def one_round() -> float:
+        """Each measured path once, in an order that rotates round by round: every path sees the same
+        moment of the shared host, and none is always first after the baselines or last."""
+        nonlocal rounds
+        names = list(measured)
+        shift = rounds % len(names)
+        rounds += 1
+        for name in names[shift:] + names[:shift]:
+            block[name].append(measured[name]())
+        return 0.0
+
     # Warm-up runs once, before the first block, for every path.
-    for fn in (memcpy_once, raw_once, raw_then_wrapper, ours, pooled):
+    phases: dict[str, list[float]] = {"stage": [], "write": [], "load": [], "copy": []}
+    for fn in (memcpy_once, raw_once, raw_run, write_run, ours, pooled):
         for _ in range(args.warmup):
             fn()
+    phases = {k: [] for k in phases}  # the warm-up's are not reported
     paths = ("memcpy", "raw_b2b", "raw", "write", "ours", "pooled")
     samples: dict[str, list[float]] = {k: [] for k in paths}
-    phases: dict[str, list[float]] = {"stage": [], "write": [], "load": [], "copy": []}
     per_block_rates: list[dict[str, float]] = []
     loop = {"iterations": per_block, "warmup": 0, "max_seconds": args.max_seconds / blocks}
 
@@ -294,15 +312,7 @@ def bench_size(
         # baselines
         block["memcpy"] = timed_loop(memcpy_once, **loop)
         block["raw_b2b"] = timed_loop(raw_once, **loop)
-        # measured (raw interleaved run by run with our write)
-        for _ in timed_loop(raw_then_wrapper, **loop):
-            block["raw"].append(pair["raw"])
-            block["write"].append(pair["write"])
-        for total in timed_loop(ours, **loop):
-            block["ours"].append(total)
-            for k in phases:
-                phases[k].append(phase[k])
-        block["pooled"] = timed_loop(pooled, **loop)
+        timed_loop(one_round, **loop)  # the measured paths, round by round
         for k in paths:
             samples[k] += block[k]
         rates = {k: mb_s(ours_bytes if k in ("ours", "pooled") else nbytes, block[k]) for k in paths}
@@ -371,8 +381,8 @@ def print_table(results: list[dict[str, Any]], protocol: str) -> None:
         )
         print(f"{r['bytes'] / MIB:>5.0f}MiB write/raw and ours/raw per block ({r['blocks']} blocks): {blocks}")
     print(
-        "ratios are medians of the per-block ratios; each block: memcpy and raw b2b (baselines), then raw\n"
-        "and write interleaved run by run, then ours, then pooled, all in this one process lifetime.\n"
+        "ratios are medians of the per-block ratios; each block: memcpy and raw b2b (baselines), then\n"
+        "rounds of raw, write, ours and pooled (one run each, order rotating), in this one process lifetime.\n"
         "memcpy: torch copy into a preallocated buffer; raw b2b: transfer_sync_write back to back;\n"
         "raw / write: transfer_sync_write / MooncakeTransport.write, each after a receiver round trip\n"
         "(the cadence `ours` has); ours: the outputs sent in place (stage_in_place, one write per\n"
