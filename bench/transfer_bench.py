@@ -30,6 +30,7 @@ Results print as a table and are written as JSON to --json (default bench/result
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -282,9 +283,9 @@ def bench_size(
     measured: dict[str, Callable[[], float]] = {"raw": raw_run, "write": write_run, "ours": ours, "pooled": pooled}
     rounds = 0
 
-    def one_round() -> float:
-        """Each measured path once, in an order that rotates round by round: every path sees the same
-        moment of the shared host, and none is always first after the baselines or last."""
+    def one_round(block: dict[str, list[float]]) -> float:
+        """Each measured path once into `block`, in an order that rotates round by round: every path
+        sees the same moment of the shared host, and none is always first after the baselines or last."""
         nonlocal rounds
         names = list(measured)
         shift = rounds % len(names)
@@ -298,7 +299,8 @@ def bench_size(
     for fn in (memcpy_once, raw_once, raw_run, write_run, ours, pooled):
         for _ in range(args.warmup):
             fn()
-    phases = {k: [] for k in phases}  # the warm-up's are not reported
+    for runs in phases.values():
+        runs.clear()  # the warm-up's are not reported
     paths = ("memcpy", "raw_b2b", "raw", "write", "ours", "pooled")
     samples: dict[str, list[float]] = {k: [] for k in paths}
     per_block_rates: list[dict[str, float]] = []
@@ -312,7 +314,7 @@ def bench_size(
         # baselines
         block["memcpy"] = timed_loop(memcpy_once, **loop)
         block["raw_b2b"] = timed_loop(raw_once, **loop)
-        timed_loop(one_round, **loop)  # the measured paths, round by round
+        timed_loop(functools.partial(one_round, block), **loop)  # the measured paths, round by round
         for k in paths:
             samples[k] += block[k]
         rates = {k: mb_s(ours_bytes if k in ("ours", "pooled") else nbytes, block[k]) for k in paths}
