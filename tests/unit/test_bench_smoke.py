@@ -36,6 +36,8 @@ SMOKE: dict[str, tuple[str, str]] = {
         "overhead / floor",
     ),
     "zmq_floor.py": ("--requests 20", "raw ZMQ messages"),
+    "ab_bench.py": ("--blocks 2 --requests 5 --warmup 2 --json {tmp}/ab.json", "B / A"),
+    "head_pinning_bench.py": ("--blocks 1 --requests 5 --warmup 5 --json {tmp}/hp.json", "same / free"),
     "core_bench.py": ("--requests 40 --blocks 2 --json {tmp}/c.json", "loop / prometheus_client"),
     "hop_bench.py": ("--requests 20 --blocks 2 --json {tmp}/hop.json", "wire per message / floor per message"),
     "http_app_bench.py": ("--requests 20 --blocks 2 --json {tmp}/ha.json", "direct / declared"),
