@@ -278,7 +278,10 @@ def bench_size(
         return total
 
     def pooled() -> float:
-        return send(in_place=False)
+        total = send(in_place=False)
+        for k in pooled_phases:
+            pooled_phases[k].append(phase[k])
+        return total
 
     measured: dict[str, Callable[[], float]] = {"raw": raw_run, "write": write_run, "ours": ours, "pooled": pooled}
     rounds = 0
@@ -296,10 +299,11 @@ def bench_size(
 
     # Warm-up runs once, before the first block, for every path.
     phases: dict[str, list[float]] = {"stage": [], "write": [], "load": [], "copy": []}
+    pooled_phases: dict[str, list[float]] = {"stage": [], "write": [], "load": []}
     for fn in (memcpy_once, raw_once, raw_run, write_run, ours, pooled):
         for _ in range(args.warmup):
             fn()
-    for runs in phases.values():
+    for runs in (*phases.values(), *pooled_phases.values()):
         runs.clear()  # the warm-up's are not reported
     paths = ("memcpy", "raw_b2b", "raw", "write", "ours", "pooled")
     samples: dict[str, list[float]] = {k: [] for k in paths}
@@ -352,6 +356,7 @@ def bench_size(
         "ours_mb_s": ours_rate,
         "pooled_mb_s": mb_s(ours_bytes, samples["pooled"]),
         "ours_phase_ms": {k: statistics.median(v) * 1e3 for k, v in phases.items()},
+        "pooled_phase_ms": {k: statistics.median(v) * 1e3 for k, v in pooled_phases.items()},
         # Ratios: the median over blocks of each block's ratio (a block's baseline and measured runs
         # are minutes apart at most), and each block's own.
         **{k: statistics.median(v) for k, v in per_block.items()},
@@ -382,6 +387,11 @@ def print_table(results: list[dict[str, Any]], protocol: str) -> None:
             for a, b in zip(r["per_block"]["write_over_raw"], r["per_block"]["ours_over_raw"], strict=True)
         )
         print(f"{r['bytes'] / MIB:>5.0f}MiB write/raw and ours/raw per block ({r['blocks']} blocks): {blocks}")
+        p = r["pooled_phase_ms"]
+        print(
+            f"{r['bytes'] / MIB:>5.0f}MiB pooled phases stage/write/load {p['stage']:.2f} / {p['write']:.2f} / "
+            f"{p['load']:.3f} ms (the stage: the copy into the pool; the write: one range)"
+        )
     print(
         "ratios are medians of the per-block ratios; each block: memcpy and raw b2b (baselines), then\n"
         "rounds of raw, write, ours and pooled (one run each, order rotating), in this one process lifetime.\n"
