@@ -49,14 +49,14 @@ def git(*args: str) -> str:
 
 
 @contextmanager
-def checkout(rev: str, workdir: Path) -> Iterator[tuple[Path, str]]:
-    """The tree of `rev` (WORKING_TREE: this one, as it is) and a label naming it."""
+def checkout(rev: str, tree: Path) -> Iterator[tuple[Path, str]]:
+    """The tree of `rev`, checked out at `tree` (WORKING_TREE: this one, as it is), and a label naming it."""
     if rev == WORKING_TREE:
         dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
         yield ROOT, f"working tree ({git('rev-parse', '--short', 'HEAD')}{dirty})"
         return
-    commit = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
-    tree = workdir / f"tree-{commit[:12]}"
+    commit = resolve(rev)
+    git("worktree", "prune")  # registrations of worktrees an interrupted run left behind
     git("worktree", "add", "--detach", str(tree), commit)
     try:
         for path in BUILT:
@@ -65,6 +65,16 @@ def checkout(rev: str, workdir: Path) -> Iterator[tuple[Path, str]]:
         yield tree, f"{rev} ({commit[:7]})"
     finally:
         git("worktree", "remove", "--force", str(tree))
+
+
+def resolve(rev: str) -> str:
+    """The commit `rev` names; ValueError saying so when it names none."""
+    try:
+        return git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    except subprocess.CalledProcessError:
+        raise ValueError(
+            f"{rev!r} names no commit of {ROOT} (give a branch, tag, sha or HEAD~N; '.' for the working tree)"
+        ) from None
 
 
 def python_path(tree: Path) -> str:
@@ -88,7 +98,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         labels, endpoints = {}, {}
         inherited = os.environ.get("PYTHONPATH")
         for side, rev in (("a", args.base), ("b", args.compare)):
-            tree, labels[side] = stack.enter_context(checkout(rev, Path(tmp)))
+            tree, labels[side] = stack.enter_context(checkout(rev, Path(tmp) / f"tree-{side}"))
             os.environ["PYTHONPATH"] = python_path(tree)  # what local_deployment's processes inherit
             try:
                 dep = stack.enter_context(
@@ -136,6 +146,12 @@ def main() -> int:
     args = p.parse_args()
     if args.blocks < 1 or args.requests < 1:
         p.error("--blocks and --requests must be >= 1")
+    for flag, rev in (("--base", args.base), ("--compare", args.compare)):
+        if rev != WORKING_TREE:
+            try:
+                resolve(rev)
+            except ValueError as exc:
+                p.error(f"{flag}: {exc}")
     try:
         result = compare(args)
     except subprocess.CalledProcessError as exc:
