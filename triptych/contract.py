@@ -450,7 +450,8 @@ CONTRACT = Contract(
         RequestParam(
             "image",
             str,
-            "The reference image: a file part, or an http(s) URL the image encoder fetches",
+            "The reference image: a file part, or an http(s) URL (the image encoder fetches it; the head does "
+            "when no size is given, to keep the reference's size)",
             frozenset({EDITS}),
             required=True,
             limits=Limits(max_length=4096),

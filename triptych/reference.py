@@ -171,7 +171,7 @@ def fetch_reference(
     opener = urllib.request.build_opener(
         urllib.request.ProxyHandler({}), _VettedHTTP(allowed), _VettedHTTPS(allowed), _HTTPOnlyRedirects
     )
-    request = urllib.request.Request(url, headers={"User-Agent": "triptych-image-encoder"})
+    request = urllib.request.Request(url, headers={"User-Agent": "triptych"})
     try:
         with opener.open(request, timeout=timeout) as response:
             data: bytes = response.read(max_bytes + 1)

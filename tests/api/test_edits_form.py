@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import http.server
 import io
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from tests.api.test_http_api import ScriptedBackend, validate
 from triptych.families import ModelInfo
+from triptych.reference import allow_url_networks, parse_networks
 from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext
 
@@ -22,11 +26,14 @@ def png(width: int = 40, height: int = 36) -> bytes:
     return out.getvalue()
 
 
-def client_for(backend: ScriptedBackend, tmp_path: Path, edits: bool = True) -> TestClient:
+def client_for(
+    backend: ScriptedBackend, tmp_path: Path, edits: bool = True, max_request_bytes: int = 16 << 20
+) -> TestClient:
     model = ModelInfo("kontext", "FluxKontextPipeline", "image", 4, 3.5, edits=edits, size_multiple=16)
     ctx = HeadContext(
-        backend=backend, model=model, output_path=tmp_path, registry=CollectorRegistry(), validate=validate
-    )
+        backend=backend, model=model, output_path=tmp_path, registry=CollectorRegistry(), validate=validate,
+        max_request_bytes=max_request_bytes,
+    )  # fmt: skip
     return TestClient(create_app(ctx))
 
 
@@ -49,14 +56,75 @@ def test_an_upload_is_inlined_and_its_size_cropped_to_the_model_multiple(backend
     assert (params.width, params.height, params.seed, params.num_outputs) == (32, 32, 3, 2)
 
 
-def test_a_url_reference_is_passed_on_unfetched_and_needs_a_size(backend, tmp_path) -> None:
+def test_a_url_reference_with_a_size_is_passed_on_unfetched(backend, tmp_path) -> None:
     with client_for(backend, tmp_path) as c:
         ok = post(c, files={}, image="https://example.com/r.png", size="64x48")
-        no_size = post(c, files={}, image="https://example.com/r.png")
         not_http = post(c, files={}, image="file:///etc/passwd", size="64x48")
     assert ok.status_code == 200 and backend.calls[0].image_url == "https://example.com/r.png"
-    assert no_size.status_code == 400 and no_size.json()["error"]["param"] == "size"
+    assert backend.calls[0].image is None and (backend.calls[0].width, backend.calls[0].height) == (64, 48)
     assert not_http.status_code == 400 and not_http.json()["error"]["param"] == "image"
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """/r.png: a 40x36 PNG; /big.png: one of 3 MiB; anything else 404. Counts the GETs."""
+
+    gets: list[str] = []
+
+    def do_GET(self) -> None:
+        self.gets.append(self.path)
+        body = {"/r.png": png(), "/big.png": b"\x89PNG" + bytes(3 << 20)}.get(self.path, b"")
+        try:
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # /big.png's reader stops at its limit, as it means to (see tests/unit/test_reference.py)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def images() -> Iterator[str]:
+    """An image server on loopback, which the URL policy lets the head reach for the test only."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Images.gets = []
+    allow_url_networks(parse_networks("127.0.0.0/8"))
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        allow_url_networks([])
+        server.shutdown()
+
+
+def test_a_url_reference_without_a_size_is_fetched_by_the_head_and_keeps_its_size(backend, tmp_path, images) -> None:
+    """The output keeps the reference's size, so the head needs it before any worker runs: it fetches
+    the URL (the image encoder's guards), inlines the bytes as an upload, and crops the size."""
+    with client_for(backend, tmp_path) as c:
+        r = post(c, files={}, image=f"{images}/r.png", seed="3")
+    assert r.status_code == 200, r.text
+    (params,) = backend.calls
+    assert params.image == png() and params.image_url is None  # inlined: the image encoder fetches nothing
+    assert (params.width, params.height) == (32, 32)
+    assert _Images.gets == ["/r.png"]
+
+
+def test_a_url_the_head_cannot_use_is_a_400_naming_image(backend, tmp_path, images) -> None:
+    ctx_limit = 1 << 20  # the head fetches no more than it takes as an upload
+    with client_for(backend, tmp_path, max_request_bytes=ctx_limit) as c:
+        missing = post(c, files={}, image=f"{images}/missing.png")
+        too_big = post(c, files={}, image=f"{images}/big.png")
+    allow_url_networks([])
+    with client_for(backend, tmp_path) as c:
+        private = post(c, files={}, image=f"{images}/r.png")  # loopback, not listed: refused before connecting
+    for r, says in ((missing, "answered 404"), (too_big, f"larger than {ctx_limit} bytes"), (private, "not a public")):
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "image" and says in error["message"], error
+        assert "with one, the image encoder does" in error["message"]
+    assert backend.calls == [] and _Images.gets == ["/missing.png", "/big.png"]
 
 
 @pytest.mark.parametrize(

@@ -128,7 +128,7 @@ class _Files(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_url_reference_is_fetched_by_the_image_encoder(four_roles, expected) -> None:
+def test_a_url_reference_is_fetched_by_the_image_encoder_or_without_a_size_by_the_head(four_roles, expected) -> None:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_port}"
@@ -141,10 +141,13 @@ def test_a_url_reference_is_fetched_by_the_image_encoder(four_roles, expected) -
             assert local.status_code == 400 and local.json()["error"]["param"] == "image"
             metadata = edit(c, files={}, image="http://169.254.169.254/latest/meta-data/ref.png")
             assert metadata.status_code == 400 and "not a public address" in metadata.text
-            no_size = edit(c, files={}, image=f"{base}/ref.png", size=None)
+            # Without a size the output keeps the reference's: the head fetches it to learn it and
+            # inlines it, and the edit is the one an upload of the same file without a size gets.
+            no_size = pixels_of(edit(c, files={}, image=f"{base}/ref.png", size=None))
+            uploaded = pixels_of(edit(c, size=None))
     finally:
         server.shutdown()
-    assert no_size.status_code == 400 and no_size.json()["error"]["param"] == "size"
+    assert no_size.shape[2:4] == (56, 40) and np.array_equal(no_size, uploaded)
 
 
 def test_without_a_size_the_output_keeps_the_reference_size_cropped_to_the_model_multiple(four_roles) -> None:

@@ -47,7 +47,7 @@ def fingerprint(endpoint: str, values: dict[str, Any], reference: Reference | No
     same = {k: v for k, v in values.items() if k != DEADLINE_FIELD}
     digest.update(json.dumps(same, sort_keys=True, default=str).encode())
     if reference is not None:
-        digest.update(reference.data or (reference.url or "").encode())
+        digest.update(reference.identity)
     return digest.hexdigest()
 
 

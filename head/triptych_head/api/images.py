@@ -56,7 +56,7 @@ def image_routes(models: RequestModels) -> APIRouter:
             raise APIError(
                 400, f"model {ctx.model.id!r} makes images from text only; use POST /v1/images/generations", "image"
             )
-        body, reference = await read_edit_form(request, models.edits)
+        body, reference = await read_edit_form(request, models.edits, ctx.max_request_bytes)
         values = body.model_dump()
         return await _images(ctx, EDITS, values, ctx.params_for(EDITS, values, reference), request, reference)
 

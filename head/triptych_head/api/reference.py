@@ -1,8 +1,12 @@
 """The reference image of a POST /v1/images/edits: read from the multipart form, checked, inlined.
 
 An uploaded file is decoded once here (so a bad image is a 400 before any worker sees it) and
-travels in the request as its encoded bytes; workers need no shared disk. A URL is only checked
-to be http(s): the image encoder fetches it (size limit and timeout there, triptych.reference).
+travels in the request as its encoded bytes; workers need no shared disk. A URL with a `size` is
+only checked to be http(s): the image encoder fetches it. A URL without one is fetched here, since
+the output keeps the reference's size and the head must know it before any worker runs: with the
+image encoder's guards (public addresses or --reference-url-networks, redirects checked, a timeout;
+triptych.reference), at most what the head takes as an upload (--max-request-bytes), and then
+travels inlined, as an upload does.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from triptych.reference import BadReference, check_reference_url, open_reference
+from triptych.reference import MAX_REFERENCE_BYTES, BadReference, check_reference_url, fetch_reference, open_reference
 from triptych_head.api.errors import APIError
 from triptych_head.api.schemas import RequestBody
 
@@ -28,16 +32,24 @@ FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 
 @dataclass(frozen=True)
 class Reference:
-    """An edit's reference: inlined bytes (with the size read from them) or a URL."""
+    """An edit's reference: inlined bytes (with the size read from them), or a URL the image encoder
+    fetches."""
 
     data: bytes | None = None
-    url: str | None = None
-    size: tuple[int, int] | None = None  # (width, height) of an uploaded image
+    url: str | None = None  # fetched by the image encoder
+    size: tuple[int, int] | None = None  # (width, height) of inlined bytes
+    fetched_from: str | None = None  # the URL the head fetched `data` from
+
+    @property
+    def identity(self) -> bytes:
+        """What makes two requests' references the same: the URL the client gave, or the bytes it uploaded."""
+        url = self.fetched_from or self.url
+        return url.encode() if url is not None else self.data or b""
 
     def default_size(self, multiple: int) -> tuple[int, int]:
         """The output size when the client gives none: the reference's, cropped to the model's multiple."""
-        if self.size is None:
-            raise APIError(400, "size: required with an image URL (the head does not fetch it)", "size")
+        if self.size is None:  # read_edit_form fetches a URL given without a size
+            raise APIError(400, "size: required with an image URL the image encoder fetches", "size")
         width, height = (side // multiple * multiple for side in self.size)
         if not width or not height:
             raise APIError(
@@ -60,9 +72,9 @@ def edit_form_schema(model: type[RequestBody]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
 
 
-async def read_edit_form(request: Request, model: type[RequestBody]) -> tuple[RequestBody, Reference]:
-    """The request's fields (as `model`) and its reference image; APIError (400, naming the field)
-    for anything wrong."""
+async def read_edit_form(request: Request, model: type[RequestBody], max_bytes: int) -> tuple[RequestBody, Reference]:
+    """The request's fields (as `model`) and its reference image, a URL without a size fetched (at
+    most `max_bytes`); APIError (400, naming the field) for anything wrong."""
     if not request.headers.get("content-type", "").startswith(FORM_TYPES):
         raise APIError(400, "POST /v1/images/edits takes multipart/form-data (an `image` file and text fields)")
     try:
@@ -96,14 +108,28 @@ async def read_edit_form(request: Request, model: type[RequestBody]) -> tuple[Re
     if url is None:
         raise APIError(400, "image: required (a file, or an http(s) URL)", "image")
     try:
-        return body, Reference(url=check_reference_url(url))
+        url = check_reference_url(url)
     except BadReference as exc:
         raise APIError(400, str(exc), "image") from None
+    if getattr(body, "size", None) is not None:
+        return body, Reference(url=url)
+    return body, await asyncio.to_thread(_fetched, url, min(max_bytes, MAX_REFERENCE_BYTES))
 
 
-def _inline(data: bytes) -> Reference:
+def _fetched(url: str, max_bytes: int) -> Reference:
+    """The reference at `url`, fetched and inlined: the request gives no size, so the output keeps its own."""
+    try:
+        data = fetch_reference(url, "image", max_bytes)
+    except BadReference as exc:
+        raise APIError(
+            400, f"{exc} (without a size the head fetches the reference; with one, the image encoder does)", "image"
+        ) from None
+    return _inline(data, fetched_from=url)
+
+
+def _inline(data: bytes, fetched_from: str | None = None) -> Reference:
     try:
         image = open_reference(data)
     except BadReference as exc:
         raise APIError(400, str(exc), "image") from None
-    return Reference(data=data, size=image.size)
+    return Reference(data=data, size=image.size, fetched_from=fetched_from)
