@@ -84,16 +84,20 @@ def python_path(tree: Path) -> str:
 KEYS = ("latency_ms", "overhead_ms")
 
 
-def overhead_ms(latencies: list[float], writes: list[float], stages: list[float]) -> dict[str, float]:
-    return {
-        "latency_ms": statistics.median(latencies) * 1e3,
-        "overhead_ms": statistics.median(x - w - s for x, w, s in zip(latencies, writes, stages, strict=True)) * 1e3,
-    }
+def per_request_overheads(latencies: list[float], writes: list[float], stages: list[float]) -> list[float]:
+    """Each request's control overhead, ms: its latency less the writes and stages the workers report."""
+    return [(x - w - s) * 1e3 for x, w, s in zip(latencies, writes, stages, strict=True)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     (flux,) = write_tiny_models(ROOT / ".models", families=["tiny-flux"])
     blocks: dict[str, list[dict[str, float]]] = {"a": [], "b": []}
+    every: dict[str, list[float]] = {"a": [], "b": []}  # each request's overhead, every block
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         labels, endpoints = {}, {}
         inherited = os.environ.get("PYTHONPATH")
@@ -120,7 +124,12 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.blocks):
             # A B, B A, A B, ...: neither side always runs first after the other.
             for side in ("a", "b") if i % 2 == 0 else ("b", "a"):
-                blocks[side].append(overhead_ms(*head_bench.sequential_samples(endpoints[side], args.requests)))
+                latencies, writes, stages = head_bench.sequential_samples(endpoints[side], args.requests)
+                overheads = per_request_overheads(latencies, writes, stages)
+                every[side] += overheads
+                blocks[side].append(
+                    {"latency_ms": statistics.median(latencies) * 1e3, "overhead_ms": statistics.median(overheads)}
+                )
     ratios = [b["overhead_ms"] / a["overhead_ms"] for a, b in zip(blocks["a"], blocks["b"], strict=True)]
     return {
         "a": labels["a"],
@@ -131,6 +140,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         **{f"{side}_{key}": statistics.median(b[key] for b in blocks[side]) for side in "ab" for key in KEYS},
         "b_over_a": statistics.median(ratios),
         "b_over_a_per_block": ratios,
+        **{f"{side}_overhead_p{q}_ms": percentile(every[side], q / 100) for side in "ab" for q in (90, 99)},
     }
 
 
@@ -171,6 +181,9 @@ def main() -> int:
         f"B / A {result['b_over_a']:.2f} (median of the blocks' ratios)"
     )
     print(f"  latency           A {result['a_latency_ms']:.3f} ms, B {result['b_latency_ms']:.3f} ms")
+    for q in (90, 99):
+        a, b = result[f"a_overhead_p{q}_ms"], result[f"b_overhead_p{q}_ms"]
+        print(f"  overhead p{q}      A {a:.3f} ms, B {b:.3f} ms (every request of every block)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     return 0
