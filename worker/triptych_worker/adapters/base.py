@@ -83,6 +83,12 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
             return set()
         return {name for name, value in self.pipe.components.items() if value is not None}
 
+    def move_to(self, device: str) -> None:
+        """Move the loaded components to `device` and run every stage there from now on."""
+        self.device = device
+        if self.pipe is not None:
+            self.pipe.to(device)
+
     def on_device(self, batch: StageBatch) -> dict[str, torch.Tensor]:
         """The batch's tensors on this role's device (the transfer layer may land them elsewhere)."""
         # A model worker's transfer layer loads torch tensors (numpy arrays are for simulated workers).

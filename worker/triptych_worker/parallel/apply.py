@@ -3,7 +3,8 @@
     work = parallelize(pipeline, mesh)   # every rank, after loading its stages and joining the mesh
 
 Denoiser: sequence-parallel attention (counting this rank's attention work even with sp 1), the
-sequence shards (sp > 1), the heads' and MLP's shards (tp > 1), a guidance branch per CFG rank.
+sequence shards (sp > 1), the heads' and MLP's shards (tp > 1; such a rank was loaded on the CPU and
+only now moves to its device, shards only), a guidance branch per CFG rank.
 Decoder: the VAE decode by bands of rows (`--decoder-sp`). `families.check_degrees` has already
 refused what the family cannot run.
 """
@@ -45,6 +46,8 @@ def parallelize(pipeline: RolePipeline, mesh: RankMesh) -> WorkCounter:
     use_sequence_parallel(pipe.transformer, attention)  # with sp 1 it only counts this rank's attention work
     if degrees.tp > 1:
         shard_transformer(pipe.transformer, pipeline.family, mesh)
+    if pipeline.adapter.device != mesh.device:  # loaded on the CPU (a TP rank, Rank.start): now its shards go
+        pipeline.adapter.move_to(mesh.device)
     if degrees.sp > 1:
         families.shard_sequence(pipe.transformer, pipeline.family, mesh, attention)
     if degrees.cfg > 1:

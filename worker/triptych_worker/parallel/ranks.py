@@ -81,7 +81,9 @@ class Rank:
         family, adapter = adapter_for(args.model_path)
         degrees = families.check_degrees(args, family, adapter)
         device = rank_device(args, rank)
-        pipeline = load_role_pipeline(args.model_path, args.disagg_role, device)
+        # A TP rank loads on the CPU and moves only its shards to its device (parallelize): loaded
+        # there, every rank's device would have to hold the whole transformer first.
+        pipeline = load_role_pipeline(args.model_path, args.disagg_role, "cpu" if degrees.tp > 1 else device)
         mesh = RankMesh.join(rank, degrees, device, master_port(args))
         return cls(pipeline, mesh, parallelize(pipeline, mesh), family)
 
