@@ -1,17 +1,20 @@
 """API keys: `Authorization: Bearer KEY` on every route but the probes and the metrics scrape.
 
 Keys come from a file (--api-keys-file; on Kubernetes a Secret mounted into the head): one key per
-line, blank lines and `#` comments ignored. A key may be followed, after whitespace, by
+line, blank lines and `#` comments ignored. A key may be followed, after whitespace, by options:
 `max_priority=LEVEL` (low, normal or high): the highest `priority` its requests may ask for
 (priorities.py); a key without it may ask for normal at most, so a file of bare keys means what it
-did before priorities existed. The file is re-read when it changes (checked at most once a second,
-on a request), so rotating keys is editing the file or the Secret: add the new key, move clients
-over, remove the old one; no restart. A file that cannot be read or parsed any more keeps the keys
-last read (a failed re-read must not open the API); one that lists no key locks everyone out.
+did before priorities existed. `max_in_flight=N`: at most N of its generation requests at once on
+this head (key_limits.py); a key without it is not limited. The file is re-read when it changes
+(checked at most once a second, on a request), so rotating keys is editing the file or the Secret:
+add the new key, move clients over, remove the old one; no restart. A file that cannot be read or
+parsed any more keeps the keys last read (a failed re-read must not open the API); one that lists
+no key locks everyone out.
 
     sk-batch-tenant                      # normal at most
     sk-interactive  max_priority=high    # may ask for high
     sk-backfill     max_priority=low     # low only
+    sk-small-tenant max_in_flight=4      # 4 generation requests at once, the 5th gets 429
 
 A presented key is compared with every configured key with hmac.compare_digest, all of them each
 time, so neither which key matched nor how much of one did shows in the timing.
@@ -24,6 +27,7 @@ files (`/`, `/static/...`): the page asks for the key and sends it with its API 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -36,6 +40,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from triptych import priority
 from triptych_head.api.errors import error_body, send_json
+from triptych_head.api.key_limits import KEY_LIMIT, KeyLimit
+from triptych_head.api.key_limits import OPTION as IN_FLIGHT_OPTION
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +62,12 @@ class APIKeyError(ValueError):
 class APIKey:
     key: str
     max_priority: str = DEFAULT_CEILING  # the highest priority its requests may ask for
+    limit: KeyLimit | None = None  # its generation requests in flight at most (max_in_flight=N)
 
 
 def parse_entries(text: str) -> list[APIKey]:
-    """The keys of a keys file and their options; ValueError naming the line for an unknown option or level."""
+    """The keys of a keys file and their options; ValueError naming the line for an unknown option or
+    a bad value."""
     keys = []
     for number, line in enumerate(text.splitlines(), 1):
         key = line.split("#", 1)[0].strip()
@@ -67,14 +75,31 @@ def parse_entries(text: str) -> list[APIKey]:
         while len(parts := key.rsplit(None, 1)) == 2 and "=" in parts[1]:  # NAME=VALUE words after the key
             key = parts[0]
             name, _, value = parts[1].partition("=")
-            if name != MAX_PRIORITY:
-                raise ValueError(f"line {number}: unknown option {name!r} (the one option is {MAX_PRIORITY}=LEVEL)")
-            if value not in priority.LEVELS:
-                raise ValueError(f"line {number}: {MAX_PRIORITY}={value!r} is not one of {', '.join(priority.LEVELS)}")
-            options[name] = value
+            options[name] = _checked_option(number, name, value)
         if key:
-            keys.append(APIKey(key, options.get(MAX_PRIORITY, DEFAULT_CEILING)))
+            in_flight = options.get(IN_FLIGHT_OPTION)
+            limit = None if in_flight is None else KeyLimit(_key_id(key), int(in_flight))
+            keys.append(APIKey(key, options.get(MAX_PRIORITY, DEFAULT_CEILING), limit))
     return keys
+
+
+def _checked_option(number: int, name: str, value: str) -> str:
+    if name == MAX_PRIORITY:
+        if value not in priority.LEVELS:
+            raise ValueError(f"line {number}: {MAX_PRIORITY}={value!r} is not one of {', '.join(priority.LEVELS)}")
+    elif name == IN_FLIGHT_OPTION:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"line {number}: {IN_FLIGHT_OPTION}={value!r} must be a whole number >= 1")
+    else:
+        raise ValueError(
+            f"line {number}: unknown option {name!r} (the options are {MAX_PRIORITY}=LEVEL and {IN_FLIGHT_OPTION}=N)"
+        )
+    return value
+
+
+def _key_id(key: str) -> str:
+    """What names a key in the head's counts: a digest (the key itself is compared, never kept twice)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def parse_keys(text: str) -> list[str]:
@@ -163,7 +188,10 @@ class APIKeyMiddleware:
         token = bearer_token(scope)
         entry = self.keys.match(token) if token is not None else None
         if entry is not None:
-            scope.setdefault("state", {})[MAX_PRIORITY] = entry.max_priority  # request.state.max_priority
+            state = scope.setdefault("state", {})
+            state[MAX_PRIORITY] = entry.max_priority  # request.state.max_priority
+            if entry.limit is not None:
+                state[KEY_LIMIT] = entry.limit  # request.state.key_limit (key_limits.py)
             await self.app(scope, receive, send)
             return
         message = (

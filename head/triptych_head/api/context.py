@@ -26,6 +26,7 @@ from triptych_head.api.auth import APIKeys
 from triptych_head.api.deadlines import FIELD as DEADLINE_FIELD
 from triptych_head.api.deadlines import Deadline, requested_deadline
 from triptych_head.api.errors import APIError
+from triptych_head.api.key_limits import KeyLimit, KeyLimits
 from triptych_head.api.priorities import requested_priority
 from triptych_head.api.reference import Reference
 from triptych_head.api.schemas import parse_size
@@ -86,6 +87,7 @@ class HeadContext:
         objects = self.results_store or DirectoryObjects(self.output_path)
         self.results = ResultStore(objects, self.retention, self.results_presign_s)
         self.idempotency = Idempotency(objects, self.head_id)
+        self.key_limits = KeyLimits(self.registry)
         self.idempotent_replays = Counter(
             "triptych_idempotent_replays",
             "Requests answered with an earlier run's result of their Idempotency-Key",
@@ -161,13 +163,34 @@ class HeadContext:
         return taken
 
     def admit(
-        self, request_id: str, params: GenerationParams, deadline: Deadline | None = None, bounded: bool = True
+        self,
+        request_id: str,
+        params: GenerationParams,
+        deadline: Deadline | None = None,
+        bounded: bool = True,
+        key: KeyLimit | None = None,
     ) -> Estimate | None:
-        """Count a new request in flight, or refuse it with a 429 and Retry-After: when it would miss
-        its deadline (None: the request timeout), or when the pipeline is at --max-queued-requests
-        (admission.py). Its estimated completion, None where there is none (monolithic mode). Call it
-        right before generate(), or when a video job is created. `bounded=False`: count it whatever the
-        load (a job accepted once already, by a head that died)."""
+        """Count a new request in flight, or refuse it with a 429 and Retry-After: when its API key has
+        its `key` limit in flight (key_limits.py), when it would miss its deadline (None: the request
+        timeout), or when the pipeline is at --max-queued-requests (admission.py). Its estimated
+        completion, None where there is none (monolithic mode). Call it right before generate(), or
+        when a video job is created. `bounded=False`: count it whatever the load (a job accepted once
+        already, by a head that died)."""
+        retry_after_s = self.admission.limit.retry_after_s if self.admission is not None else RETRY_AFTER_S
+        self.key_limits.admit(request_id, key, retry_after_s)
+        try:
+            estimate = self._admit(request_id, params, deadline, bounded)
+        except BaseException:
+            self.key_limits.release(request_id)
+            raise
+        self.active.add(request_id)
+        self._count_in_flight()
+        return estimate
+
+    def _admit(
+        self, request_id: str, params: GenerationParams, deadline: Deadline | None, bounded: bool
+    ) -> Estimate | None:
+        """The pipeline's admission (admission.py) of the request, its refusals as a 429 APIError."""
         estimate = None
         if self.admission is not None:
             deadline = deadline or Deadline(self.request_timeout_s, None)
@@ -191,8 +214,6 @@ class HeadContext:
                         "work_seconds": round(exc.estimate.work_s, 3),
                     },
                 ) from None
-        self.active.add(request_id)
-        self._count_in_flight()
         return estimate
 
     def deadline(self, request: Request, values: dict[str, Any]) -> Deadline:
@@ -206,6 +227,7 @@ class HeadContext:
     def release(self, request_id: str) -> None:
         """The request was answered (or its job ended): it no longer counts against the bound."""
         self.active.discard(request_id)
+        self.key_limits.release(request_id)
         if self.admission is not None:
             self.admission.release(request_id)
         self._count_in_flight()

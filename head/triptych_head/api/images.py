@@ -28,6 +28,7 @@ from triptych_head.api.deadlines import ESTIMATE_HEADER, with_estimate
 from triptych_head.api.direct import DirectRoute
 from triptych_head.api.errors import APIError
 from triptych_head.api.idempotent import HEADER, answer_once, fingerprint, idempotency_key
+from triptych_head.api.key_limits import key_limit
 from triptych_head.api.progress import ProgressFeed, SSEMessage, error_message, sse_response
 from triptych_head.api.reference import Reference, edit_form_schema, read_edit_form
 from triptych_head.api.schemas import ImageData, ImageGenerationResponse, RequestBody, RequestModels
@@ -98,7 +99,7 @@ async def _images(
         if key is not None:
             raise APIError(400, f"{HEADER} applies to plain requests, not to stream: true", HEADER)
         request_id = new_request_id("img")
-        estimate = ctx.admit(request_id, params, deadline)
+        estimate = ctx.admit(request_id, params, deadline, key=key_limit(request))
         return with_estimate(_stream(ctx, values, params, request_id, request, level), _seconds(estimate))
 
     admitted: list[Estimate | None] = []  # the run's estimate (none when the key's answer is replayed)
@@ -107,7 +108,7 @@ async def _images(
 
     async def run() -> tuple[GenerationOutput, str]:
         request_id = new_request_id("img")
-        admitted.append(ctx.admit(request_id, params, deadline))
+        admitted.append(ctx.admit(request_id, params, deadline, key=key_limit(request)))
         output = await _generate_while_connected(ctx, params, request_id, request, level)
         if output.server_timing:
             timing[SERVER_TIMING] = output.server_timing

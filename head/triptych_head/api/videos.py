@@ -36,6 +36,7 @@ from triptych_head.api.direct import DirectRoute
 from triptych_head.api.errors import APIError
 from triptych_head.api.files import object_response
 from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
+from triptych_head.api.key_limits import key_limit
 from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message, sse_response
 from triptych_head.api.schemas import RequestBody, RequestModels, VideoJob
 from triptych_head.media import MediaPool, load_frames, png_zip_chunks, save_frames, write_mp4
@@ -403,7 +404,8 @@ async def _new_job(
     )
     entry = JobEntry(job, feed=ProgressFeed(job.id, HISTORY_LINGER_S), made_here=True, params=params)
     entry.preview_every, entry.priority = values["preview_every"], level
-    estimate = ctx.admit(job.id, params, deadline)  # counted from now until the job ends: 429 here, never later
+    # counted from now until the job ends: 429 here, never later
+    estimate = ctx.admit(job.id, params, deadline, key=key_limit(request))
     job.estimated_completion_seconds = None if estimate is None else round(estimate.seconds, 3)
     jobs = _jobs(request)
     try:
