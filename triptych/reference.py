@@ -13,6 +13,7 @@ import http.client
 import io
 import ipaddress
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
 MAX_REFERENCE_SIDE = 8192
 MAX_REFERENCE_PIXELS = 8192 * 8192 // 2  # 32 megapixels; FLUX.1 Kontext resizes references to about one
 MAX_REFERENCE_BYTES = 16 << 20
-URL_TIMEOUT_S = 20.0
+URL_TIMEOUT_S = 20.0  # a whole fetch, connection to last byte
+READ_STALL_S = 5.0  # the longest a connection or a read may wait for the server (within URL_TIMEOUT_S)
+READ_CHUNK = 256 << 10
 FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 
 
@@ -161,7 +164,7 @@ def fetch_reference(
     timeout: float = URL_TIMEOUT_S,
     networks: list[Network] | None = None,
 ) -> bytes:
-    """GET an http(s) reference, at most `max_bytes` within `timeout` seconds a read, else BadReference.
+    """GET an http(s) reference, at most `max_bytes` within `timeout` seconds in all, else BadReference.
 
     Only public addresses, and the non-public `networks` (default: the process's
     --reference-url-networks), are connected to, redirects included; no proxy is used.
@@ -172,16 +175,41 @@ def fetch_reference(
         urllib.request.ProxyHandler({}), _VettedHTTP(allowed), _VettedHTTPS(allowed), _HTTPOnlyRedirects
     )
     request = urllib.request.Request(url, headers={"User-Agent": "triptych"})
+    deadline = time.monotonic() + timeout
     try:
-        with opener.open(request, timeout=timeout) as response:
-            data: bytes = response.read(max_bytes + 1)
+        # Each socket operation (connect, every read) waits at most READ_STALL_S, and the whole
+        # fetch at most `timeout`: a server trickling bytes cannot hold the process past it.
+        with opener.open(request, timeout=min(timeout, READ_STALL_S)) as response:
+            data = _read_until(response, max_bytes, deadline)
     except urllib.error.HTTPError as exc:
         raise BadReference(f"{field}: GET {url[:200]} answered {exc.code}") from None
+    except _TooSlow:
+        raise BadReference(f"{field}: GET {url[:200]} took longer than {timeout:g}s") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise BadReference(f"{field}: GET {url[:200]} failed: {getattr(exc, 'reason', exc)}") from None
     if len(data) > max_bytes:
         raise BadReference(f"{field}: {url[:200]} is larger than {max_bytes} bytes")
     return data
+
+
+class _TooSlow(Exception):
+    pass
+
+
+def _read_until(response: Any, max_bytes: int, deadline: float) -> bytes:
+    """The body, at most max_bytes + 1 of it (one more says it is too large), read chunk by chunk
+    as it arrives until the deadline (_TooSlow after it)."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= max_bytes:
+        if time.monotonic() > deadline:
+            raise _TooSlow
+        chunk = response.read1(min(READ_CHUNK, max_bytes + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def reference_image(image: bytes | None, image_url: str | None, field: str = "image") -> Image.Image:

@@ -47,6 +47,17 @@ class _Server(http.server.BaseHTTPRequestHandler):
             self.send_header("Location", "http://[::1]:9/x.png")
             self.end_headers()
             return
+        if self.path == "/trickle":  # a byte every 0.1 s, never stalling long enough for a read to time out
+            self.send_response(200)
+            self.end_headers()
+            try:
+                for _ in range(100):  # bounded: 10 s at most
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up, as its test means it to
+            return
         if self.path == "/ftp":
             self.send_response(302)
             self.send_header("Location", "ftp://example.com/x.png")
@@ -86,6 +97,10 @@ def test_urls_are_fetched_within_their_limits(base: str) -> None:
         fetch_reference(f"{base}/ok", max_bytes=10, networks=LOOPBACK)
     with pytest.raises(BadReference, match="failed"):
         fetch_reference(f"{base}/slow", timeout=0.5, networks=LOOPBACK)
+    started = time.monotonic()
+    with pytest.raises(BadReference, match=r"/trickle took longer than 1s"):
+        fetch_reference(f"{base}/trickle", timeout=1.0, networks=LOOPBACK)  # every read gets a byte in time
+    assert time.monotonic() - started < 5.0, "the whole fetch is bounded, not each read"
     with pytest.raises(BadReference, match="not an http"):
         fetch_reference(f"{base}/ftp", networks=LOOPBACK)
     with pytest.raises(BadReference, match="not an http"):
