@@ -84,16 +84,6 @@ def python_path(tree: Path) -> str:
 KEYS = ("latency_ms", "overhead_ms")
 
 
-def per_request_overheads(latencies: list[float], writes: list[float], stages: list[float]) -> list[float]:
-    """Each request's control overhead, ms: its latency less the writes and stages the workers report."""
-    return [(x - w - s) * 1e3 for x, w, s in zip(latencies, writes, stages, strict=True)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     (flux,) = write_tiny_models(ROOT / ".models", families=["tiny-flux"])
     blocks: dict[str, list[dict[str, float]]] = {"a": [], "b": []}
@@ -125,7 +115,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             # A B, B A, A B, ...: neither side always runs first after the other.
             for side in ("a", "b") if i % 2 == 0 else ("b", "a"):
                 latencies, writes, stages = head_bench.sequential_samples(endpoints[side], args.requests)
-                overheads = per_request_overheads(latencies, writes, stages)
+                overheads = [o * 1e3 for o in head_bench.per_request_overheads(latencies, writes, stages)]
                 every[side] += overheads
                 blocks[side].append(
                     {"latency_ms": statistics.median(latencies) * 1e3, "overhead_ms": statistics.median(overheads)}
@@ -140,7 +130,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         **{f"{side}_{key}": statistics.median(b[key] for b in blocks[side]) for side in "ab" for key in KEYS},
         "b_over_a": statistics.median(ratios),
         "b_over_a_per_block": ratios,
-        **{f"{side}_overhead_p{q}_ms": percentile(every[side], q / 100) for side in "ab" for q in (90, 99)},
+        **{f"{side}_overhead_p{q}_ms": head_bench.percentile(every[side], q / 100) for side in "ab" for q in (90, 99)},
     }
 
 

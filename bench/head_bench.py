@@ -140,18 +140,28 @@ def sequential_samples(endpoint: str, n: int) -> tuple[list[float], list[float],
     return latencies, writes, stages
 
 
+def per_request_overheads(latencies: list[float], writes: list[float], stages: list[float]) -> list[float]:
+    """Each request's control overhead, seconds: its latency less the writes and stages its workers report."""
+    return [x - w - s for x, w, s in zip(latencies, writes, stages, strict=True)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The value at fraction `q` (0..1) of `values` in order (the nearest rank below)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def summarize(latencies: list[float], writes: list[float], stages: list[float]) -> dict[str, float]:
-    n = len(latencies)
     lat, wr, st = statistics.median(latencies), statistics.median(writes), statistics.median(stages)
-    per_request = sorted(x - w - s for x, w, s in zip(latencies, writes, stages, strict=True))
-    p50, p99 = per_request[n // 2], per_request[int(0.99 * n)]
+    per_request = per_request_overheads(latencies, writes, stages)
+    p50, p90, p99 = (percentile(per_request, q) for q in (0.5, 0.9, 0.99))
     return {
         "latency_ms": lat * 1e3,
         "mooncake_write_ms": wr * 1e3,
         "worker_stages_ms": st * 1e3,
         "control_overhead_ms": (lat - wr - st) * 1e3,
         "control_overhead_p50_ms": p50 * 1e3,
-        "control_overhead_p90_ms": per_request[int(0.9 * n)] * 1e3,
+        "control_overhead_p90_ms": p90 * 1e3,
         "control_overhead_p99_ms": p99 * 1e3,
         "control_overhead_p99_over_p50": p99 / p50 if p50 > 0 else float("nan"),
     }

@@ -47,6 +47,13 @@ def threads(pid: int) -> dict[int, tuple[str, int]]:
     return out
 
 
+def set_affinity(tid: int, cpus: set[int]) -> None:
+    try:
+        os.sched_setaffinity(tid, cpus)
+    except ProcessLookupError:
+        pass  # the thread ended meanwhile
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=5, help="rounds of the three settings")
@@ -76,11 +83,11 @@ def main() -> int:
 
         def pin(setting: str) -> None:
             for tid in threads(head):
-                os.sched_setaffinity(tid, cpus)
+                set_affinity(tid, set(cpus))
             if setting != "free":
-                os.sched_setaffinity(loop, {cpus[0]})
+                set_affinity(loop, {cpus[0]})
                 for tid in io:
-                    os.sched_setaffinity(tid, {cpus[0] if setting == "same" else cpus[1]})
+                    set_affinity(tid, {cpus[0] if setting == "same" else cpus[1]})
 
         try:
             for _ in range(args.blocks):
@@ -88,7 +95,7 @@ def main() -> int:
                     pin(setting)
                     lat, writes, stages = head_bench.sequential_samples(endpoint, args.requests)
                     overhead[setting].append(
-                        statistics.median(x - w - s for x, w, s in zip(lat, writes, stages, strict=True)) * 1e3
+                        statistics.median(head_bench.per_request_overheads(lat, writes, stages)) * 1e3
                     )
         finally:
             pin("free")
