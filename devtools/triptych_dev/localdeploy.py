@@ -60,11 +60,20 @@ def free_port_block(n: int) -> int:
     port picked there can be taken between this check and the process binding it.
     """
     low, high = 20000, max(20000, _ephemeral_port_start() - n)
+    now = time.monotonic()
     for _ in range(200):
         base = random.randint(low, high)
-        if all(_port_free(base + i) for i in range(n)):
+        block = range(base, base + n)
+        if not any(now - _handed_out.get(p, -HELD_FOR) < HELD_FOR for p in block) and all(map(_port_free, block)):
+            _handed_out.update(dict.fromkeys(block, now))
             return base
     raise RuntimeError("no free port block on 127.0.0.1")
+
+
+# Ports handed out but not yet bound look free too: a block is not handed out again for this long
+# (e.g. a worker's --master-port picked after the deployment's block, before its workers bind).
+HELD_FOR = 300.0
+_handed_out: dict[int, float] = {}
 
 
 @dataclass
@@ -209,17 +218,20 @@ def _spawn(
 HEAD_PORTS = 1 + MAX_RESULT_PORT_OFFSET  # scheduler_port .. +5: the frontend and every role's result port
 
 
-def deployment_ports(counts: dict[Role, int]) -> tuple[int, int, dict[Role, list[int]]]:
-    """Distinct free ports for one deployment: the head's block, its HTTP port, one per worker.
+def deployment_ports(counts: dict[Role, int], heads: int = 1) -> tuple[list[tuple[int, int]], dict[Role, list[int]]]:
+    """Distinct free ports for one deployment: per head its block (scheduler_port .. +5) and its
+    HTTP port, and one port per worker.
 
     Taken from one contiguous free block: ports picked one by one can coincide, since nothing
-    binds them until the processes start.
+    binds them until the processes start (a second head's block once landed on the first's).
     """
     n_workers = sum(counts.values())
-    base = free_port_block(HEAD_PORTS + 1 + n_workers)
-    next_port = iter(range(base + HEAD_PORTS + 1, base + HEAD_PORTS + 1 + n_workers))
+    per_head = HEAD_PORTS + 1
+    base = free_port_block(per_head * heads + n_workers)
+    head_ports = [(base + i * per_head, base + i * per_head + HEAD_PORTS) for i in range(heads)]
+    next_port = iter(range(base + per_head * heads, base + per_head * heads + n_workers))
     workers = {role: [next(next_port) for _ in range(n)] for role, n in counts.items()}
-    return base, base + HEAD_PORTS, workers
+    return head_ports, workers
 
 
 def check_devices(devices: Sequence[Device]) -> bool:
@@ -293,7 +305,8 @@ def local_deployment(
     roles = [role for role in WORKER_ROLES if role in counts or role in spare]
     worker_url_scheme = worker_url_scheme or f"tcp://{host}"
     workdir.mkdir(parents=True, exist_ok=True)
-    sched, http, ports = deployment_ports({role: counts.get(role, 0) + spare.get(role, 0) for role in roles})
+    head_ports, ports = deployment_ports({role: counts.get(role, 0) + spare.get(role, 0) for role in roles}, heads)
+    sched, http = head_ports[0]
     spare_ports = {role: ports[role][counts.get(role, 0) :] for role in roles}
     ports = {role: ports[role][: counts.get(role, 0)] for role in roles}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -303,7 +316,6 @@ def local_deployment(
         if null_payload_bytes is not None
         else [py, "-m", "triptych", "serve"]
     )
-    head_ports = [(sched, http)] + [(free_port_block(6), free_port_block(1)) for _ in range(heads - 1)]
     server_addr = ";".join(f"tcp://{host}:{s}" for s, _ in head_ports)
     dep = LocalDeployment(
         http=f"http://{host}:{http}", scheduler_port=sched, spare=spare_ports, env=env, workdir=workdir,

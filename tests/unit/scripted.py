@@ -97,7 +97,7 @@ def scripted_head(
     DEALER on its frontend; yields once every worker heartbeats."""
     ctx = zmq.Context()
     counts = counts or dict.fromkeys(ROLES, 1)
-    sched, _, ports = deployment_ports(counts)
+    [(sched, _)], ports = deployment_ports(counts)
     workers = {role: [ScriptedWorker(ctx, role, sched, p) for p in ports[role]] for role in ROLES}
     argv = ["serve", "--model-path", "m", "--disagg-role", "server", "--scheduler-port", str(sched), *flags]
     for role, ws in workers.items():

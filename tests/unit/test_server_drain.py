@@ -35,7 +35,7 @@ from triptych_head.server import DiffusionServer
 @pytest.fixture
 def served() -> Iterator[tuple[DiffusionServer, threading.Thread, zmq.Socket, dict[Role, ScriptedWorker]]]:
     ctx = zmq.Context()
-    sched, _, ports = deployment_ports(dict.fromkeys(ROLES, 1))
+    [(sched, _)], ports = deployment_ports(dict.fromkeys(ROLES, 1))
     workers = {role: ScriptedWorker(ctx, role, sched, ports[role][0]) for role in ROLES}
     argv = ["serve", "--model-path", "m", "--disagg-role", "server", "--scheduler-port", str(sched)]
     for role, w in workers.items():
