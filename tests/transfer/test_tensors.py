@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from triptych.protocol.tensors import TensorSpec
 from triptych_worker.transfer import (
     ALIGNMENT,
     PayloadTooLarge,
@@ -293,3 +294,27 @@ def test_staging_a_strided_tensor_copies_once_into_the_slot(monkeypatch: pytest.
     assert staged is not None and calls == []
     out = load_tensors(pool, staged.allocation, staged.manifest, "cpu")
     assert same_bytes(out["x"], strided)
+
+
+def test_views_deep_in_the_pool_are_contiguous_tensors_of_their_dtype_and_shape() -> None:
+    """Views are windows on the pool's typed buffer: right address, strides and bytes for every
+    dtype, in a slot that does not start the pool, zero-size and zero-dim included."""
+    pool = TransferPool(MIB, "denoiser")
+    assert pool.allocate(1000, "someone-else") is not None  # the slot below starts past it
+    tensors = {
+        "bf16": random_bits((1, 3, 5), torch.bfloat16, seed=7),
+        "f64": random_bits((2, 1, 3), torch.float64, seed=8),
+        "i8": random_bits((7,), torch.int8, seed=9),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(3, dtype=torch.int32),
+    }
+    staged = stage_tensors(pool, tensors, "req-1")
+    assert staged is not None and staged.allocation.offset > 0
+    views = view_tensors(pool, staged.allocation, staged.manifest, torch_tensors=True)
+    for spec in staged.manifest:
+        assert TensorSpec.from_wire(spec).to_wire() == spec  # layout writes what TensorSpec reads
+        view, original = views[spec["name"]], tensors[spec["name"]]
+        assert view.is_contiguous() and view.stride() == original.contiguous().stride(), spec
+        assert same_bytes(view, original), spec
+        if view.numel():
+            assert view.data_ptr() == staged.allocation.addr + spec["offset"], spec

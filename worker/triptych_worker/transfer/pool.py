@@ -76,6 +76,7 @@ class TransferPool:
         self._live: dict[int, Allocation] = {}
         self._owners: dict[str, set[int]] = {}
         self._held: dict[int, bool] = {}  # offsets with views in use -> freed meanwhile (release on unhold)
+        self._typed: dict[Any, Any] = {}  # torch dtype -> the buffer viewed as it (typed_buffer)
         if transport is not None:
             transport.register(self.base_addr, pool_bytes)
 
@@ -169,6 +170,18 @@ class TransferPool:
                 f"this pool of {self.pool_bytes} bytes"
             )
         return self.buffer[allocation.offset : allocation.offset + allocation.nbytes]
+
+    def typed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole torch buffer as `dtype` elements (cached per dtype; the views a receiver makes
+        of its inputs are strided windows on it, one op each). Every allocation starts 256-aligned,
+        so a tensor placed at an offset aligned for its dtype starts on an element."""
+        typed: torch.Tensor | None = self._typed.get(dtype)
+        if typed is None:
+            buffer = self.buffer
+            assert not isinstance(buffer, np.ndarray), "typed buffers are for a torch pool"
+            itemsize = dtype.itemsize
+            typed = self._typed[dtype] = buffer[: self.pool_bytes // itemsize * itemsize].view(dtype)
+        return typed
 
     def _release_or_defer(self, allocation: Allocation) -> None:
         if allocation.offset in self._held:
