@@ -1,6 +1,7 @@
-"""An API key's `max_in_flight=N` (head/triptych_head/api/key_limits.py): at most N of its generation
-requests at once on the head, the next a 429 `key_concurrency_limit` with Retry-After that never
-reaches the pipeline; other keys unaffected; the count freed as requests end. In-process over HTTP
+"""An API key's `max_in_flight=N` and `max_per_minute=N` (head/triptych_head/api/key_limits.py): at
+most N of its generation requests at once on the head, the next a 429 `key_concurrency_limit`; at
+most N admitted a minute (a burst of N, then one every 60/N s), the next a 429 `key_rate_limit`;
+each with Retry-After, never reaching the pipeline; other keys unaffected. In-process over HTTP
 with a scripted backend whose video jobs stay in flight while they run."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from triptych.families import ModelInfo
 from triptych_head.api.app import create_app
 from triptych_head.api.auth import APIKeyError, APIKeys, parse_entries
 from triptych_head.api.context import HeadContext
-from triptych_head.api.key_limits import KeyLimit
+from triptych_head.api.errors import APIError
+from triptych_head.api.key_limits import KeyLimit, KeyLimits
 
 KEYS = "sk-small max_in_flight=2\nsk-big max_priority=high max_in_flight=50\nsk-open\n"
 VIDEO = {"prompt": "x", "size": "32x32", "num_inference_steps": 4, "num_frames": 1}
@@ -32,12 +34,75 @@ def test_a_keys_file_line_may_limit_its_key_in_flight() -> None:
     assert "sk-small" not in small.limit.key_id and small.limit.key_id != big.limit.key_id  # a digest names it
 
 
+def test_a_keys_file_line_may_limit_its_key_per_minute() -> None:
+    trial, both, counted = parse_entries(
+        "sk-trial max_per_minute=10\nsk-both max_in_flight=3 max_per_minute=60\nsk-c max_in_flight=1"
+    )
+    assert trial.limit is not None and (trial.limit.max_in_flight, trial.limit.max_per_minute) == (None, 10)
+    assert both.limit is not None and (both.limit.max_in_flight, both.limit.max_per_minute) == (3, 60)
+    assert counted.limit is not None and counted.limit.max_per_minute is None
+
+
+@pytest.mark.parametrize("option", ["max_in_flight", "max_per_minute"])
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
-def test_a_limit_that_is_not_a_whole_number_stops_the_head_naming_the_line(tmp_path: Path, value: str) -> None:
+def test_a_limit_that_is_not_a_whole_number_stops_the_head_naming_the_line(
+    tmp_path: Path, option: str, value: str
+) -> None:
     path = tmp_path / "keys"
-    path.write_text(f"sk-a\nsk-b max_in_flight={value}\n")
-    with pytest.raises(APIKeyError, match=rf"--api-keys-file .*line 2: max_in_flight='{value}' must be a whole"):
+    path.write_text(f"sk-a\nsk-b {option}={value}\n")
+    with pytest.raises(APIKeyError, match=rf"--api-keys-file .*line 2: {option}='{value}' must be a whole"):
         APIKeys(path)
+
+
+def test_an_unknown_option_is_named_with_the_options_there_are(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("sk-a max_per_hour=5\n")
+    with pytest.raises(
+        APIKeyError, match=r"line 1: unknown option 'max_per_hour'.*max_in_flight=N and max_per_minute=N"
+    ):
+        APIKeys(path)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_key_s_tokens_come_in_a_burst_then_refill_at_its_rate_and_a_refused_request_takes_none() -> None:
+    clock = Clock()
+    limits = KeyLimits(CollectorRegistry(), clock)
+    limit, other = KeyLimit("k", max_per_minute=3), KeyLimit("o", max_per_minute=3)
+    for i in range(3):  # the burst
+        limits.admit(f"r{i}", limit, 5)
+        limits.admitted(f"r{i}")
+    with pytest.raises(APIError) as refused:
+        limits.admit("r3", limit, 5)
+    assert refused.value.status_code == 429 and refused.value.code == "key_rate_limit"
+    assert refused.value.headers == {"Retry-After": "20"}  # one token every 20 s
+    assert "max_per_minute=3" in refused.value.message
+    limits.admit("o0", other, 5)  # another key has its own tokens
+    clock.now += 19.0
+    with pytest.raises(APIError) as still:
+        limits.admit("r3", limit, 5)
+    assert still.value.headers == {"Retry-After": "1"}
+    clock.now += 1.0
+    limits.admit("r3", limit, 5)  # one token came back
+    limits.release("r3")  # refused further on (overload, a deadline): its token is given back
+    limits.admit("r4", limit, 5)
+    limits.admitted("r4")
+    limits.release("r4")  # answered: the token stays spent
+    with pytest.raises(APIError):
+        limits.admit("r5", limit, 5)
+    clock.now += 3600  # a long idle time refills to the burst, no more
+    for i in range(3):
+        limits.admit(f"s{i}", limit, 5)
+        limits.admitted(f"s{i}")
+    with pytest.raises(APIError):
+        limits.admit("s3", limit, 5)
+    assert limits.rejected_rate._value.get() == 4
 
 
 def client_for(tmp_path: Path, backend: ScriptedBackend) -> Any:
@@ -82,3 +147,27 @@ def test_a_key_at_its_limit_gets_a_429_until_one_of_its_requests_ends(tmp_path: 
         assert again.status_code == 200, again.text  # the ended job's place is free
         metrics = client.get("/metrics").text
     assert "triptych_rejected_key_limit_requests_total 2.0" in metrics
+
+
+def test_a_key_over_its_rate_gets_a_429_with_retry_after_and_other_keys_go_on(tmp_path: Path) -> None:
+    backend = ScriptedBackend()
+    (tmp_path / "keys").write_text("sk-trial max_per_minute=2\nsk-open\n")
+    model = ModelInfo("tiny", "WanPipeline", "video", 4, 3.5)
+    ctx = HeadContext(backend, model, tmp_path, CollectorRegistry(), api_keys=APIKeys(tmp_path / "keys"))
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(ctx)) as client:
+
+        def post(key: str) -> Any:
+            return client.post("/v1/images/generations", json=IMAGE, headers={"Authorization": f"Bearer {key}"})
+
+        assert [post("sk-trial").status_code for _ in range(2)] == [200, 200]  # answered: not in flight any more
+        refused = post("sk-trial")
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "key_rate_limit" and "max_per_minute=2" in error["message"], error
+        assert 1 <= int(refused.headers["Retry-After"]) <= 30
+        assert len(backend.calls) == 2, "a refused request never reaches the pipeline"
+        assert post("sk-open").status_code == 200
+        metrics = client.get("/metrics").text
+    assert "triptych_rejected_key_rate_requests_total 1.0" in metrics

@@ -5,7 +5,8 @@ line, blank lines and `#` comments ignored. A key may be followed, after whitesp
 `max_priority=LEVEL` (low, normal or high): the highest `priority` its requests may ask for
 (priorities.py); a key without it may ask for normal at most, so a file of bare keys means what it
 did before priorities existed. `max_in_flight=N`: at most N of its generation requests at once on
-this head (key_limits.py); a key without it is not limited. The file is re-read when it changes
+this head; `max_per_minute=N`: at most N admitted per minute on this head, in bursts of up to N
+(key_limits.py); a key without them is not limited. The file is re-read when it changes
 (checked at most once a second, on a request), so rotating keys is editing the file or the Secret:
 add the new key, move clients over, remove the old one; no restart. A file that cannot be read or
 parsed any more keeps the keys last read (a failed re-read must not open the API); one that lists
@@ -15,6 +16,7 @@ no key locks everyone out.
     sk-interactive  max_priority=high    # may ask for high
     sk-backfill     max_priority=low     # low only
     sk-small-tenant max_in_flight=4      # 4 generation requests at once, the 5th gets 429
+    sk-trial max_per_minute=10           # 10 a minute (a burst of 10, then one every 6 s)
 
 A presented key is compared with every configured key with hmac.compare_digest, all of them each
 time, so neither which key matched nor how much of one did shows in the timing.
@@ -40,7 +42,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from triptych import priority
 from triptych_head.api.errors import error_body, send_json
-from triptych_head.api.key_limits import KEY_LIMIT, KeyLimit
+from triptych_head.api.key_limits import KEY_LIMIT, RATE_OPTION, KeyLimit
 from triptych_head.api.key_limits import OPTION as IN_FLIGHT_OPTION
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class APIKeyError(ValueError):
 class APIKey:
     key: str
     max_priority: str = DEFAULT_CEILING  # the highest priority its requests may ask for
-    limit: KeyLimit | None = None  # its generation requests in flight at most (max_in_flight=N)
+    limit: KeyLimit | None = None  # max_in_flight=N, max_per_minute=N
 
 
 def parse_entries(text: str) -> list[APIKey]:
@@ -77,8 +79,10 @@ def parse_entries(text: str) -> list[APIKey]:
             name, _, value = parts[1].partition("=")
             options[name] = _checked_option(number, name, value)
         if key:
-            in_flight = options.get(IN_FLIGHT_OPTION)
-            limit = None if in_flight is None else KeyLimit(_key_id(key), int(in_flight))
+            in_flight, per_minute = options.get(IN_FLIGHT_OPTION), options.get(RATE_OPTION)
+            limit = None
+            if in_flight is not None or per_minute is not None:
+                limit = KeyLimit(_key_id(key), _count(in_flight), _count(per_minute))
             keys.append(APIKey(key, options.get(MAX_PRIORITY, DEFAULT_CEILING), limit))
     return keys
 
@@ -87,14 +91,19 @@ def _checked_option(number: int, name: str, value: str) -> str:
     if name == MAX_PRIORITY:
         if value not in priority.LEVELS:
             raise ValueError(f"line {number}: {MAX_PRIORITY}={value!r} is not one of {', '.join(priority.LEVELS)}")
-    elif name == IN_FLIGHT_OPTION:
+    elif name in (IN_FLIGHT_OPTION, RATE_OPTION):
         if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"line {number}: {IN_FLIGHT_OPTION}={value!r} must be a whole number >= 1")
+            raise ValueError(f"line {number}: {name}={value!r} must be a whole number >= 1")
     else:
         raise ValueError(
-            f"line {number}: unknown option {name!r} (the options are {MAX_PRIORITY}=LEVEL and {IN_FLIGHT_OPTION}=N)"
+            f"line {number}: unknown option {name!r} (the options are {MAX_PRIORITY}=LEVEL, "
+            f"{IN_FLIGHT_OPTION}=N and {RATE_OPTION}=N)"
         )
     return value
+
+
+def _count(value: str | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def _key_id(key: str) -> str:

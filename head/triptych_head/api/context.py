@@ -171,8 +171,9 @@ class HeadContext:
         key: KeyLimit | None = None,
     ) -> Estimate | None:
         """Count a new request in flight, or refuse it with a 429 and Retry-After: when its API key has
-        its `key` limit in flight (key_limits.py), when it would miss its deadline (None: the request
-        timeout), or when the pipeline is at --max-queued-requests (admission.py). Its estimated
+        its `key` limit in flight or has used its requests per minute (key_limits.py), when it would
+        miss its deadline (None: the request timeout), or when the pipeline is at
+        --max-queued-requests (admission.py). Its estimated
         completion, None where there is none (monolithic mode). Call it right before generate(), or
         when a video job is created. `bounded=False`: count it whatever the load (a job accepted once
         already, by a head that died)."""
@@ -181,8 +182,9 @@ class HeadContext:
         try:
             estimate = self._admit(request_id, params, deadline, bounded)
         except BaseException:
-            self.key_limits.release(request_id)
+            self.key_limits.release(request_id)  # gives back the token it took
             raise
+        self.key_limits.admitted(request_id)
         self.active.add(request_id)
         self._count_in_flight()
         return estimate

@@ -1,18 +1,28 @@
-"""Generation requests in flight per API key: a tenant's share of the head.
+"""Per-API-key limits: a tenant's share of the head.
 
-A key of --api-keys-file may carry `max_in_flight=N` (auth.py): at most N of its generation requests
-run on this head at once, counted as the head's admission counts them (context.py: a synchronous or
-streamed image from its POST to its answer, a video job from its POST until it ends). One more gets
-429 `key_concurrency_limit`, naming the key's limit, with Retry-After, before any worker sees it; so
-one tenant's burst queues at its own door instead of in front of every other tenant's requests. A
-key without the option, and an open API (no --api-keys-file), is not counted.
+A key of --api-keys-file may carry (auth.py):
+- `max_in_flight=N`: at most N of its generation requests run on this head at once, counted as the
+  head's admission counts them (context.py: a synchronous or streamed image from its POST to its
+  answer, a video job from its POST until it ends). One more gets 429 `key_concurrency_limit`,
+  naming the key's limit, with Retry-After.
+- `max_per_minute=N`: at most N generation requests admitted per minute, as a token bucket of N
+  refilled at N/60 per second (a burst of N, then one every 60/N s). One more gets 429
+  `key_rate_limit` with the seconds until the next token as Retry-After. A request the head refuses
+  for another reason (the key's in-flight limit, overload, a deadline it would miss) takes no token.
+
+Either way the refusal comes before any worker sees the request, so one tenant's burst queues at
+its own door instead of in front of every other tenant's requests. A key without the options, and
+an open API (no --api-keys-file), is not counted.
 
 Each head counts its own requests: behind N heads (a Service spreading a key's requests), a key may
-have up to N times its limit in flight.
+have up to N times its limits.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -22,14 +32,16 @@ from triptych_head.api.errors import APIError
 
 KEY_LIMIT = "key_limit"  # request.state: the KeyLimit of the key the request carries (auth.py sets it)
 OPTION = "max_in_flight"
+RATE_OPTION = "max_per_minute"
 
 
 @dataclass(frozen=True)
 class KeyLimit:
-    """A key's limit: `key_id` names the key (a digest, never the key itself)."""
+    """A key's limits (None: not limited that way); `key_id` names the key (a digest, never the key itself)."""
 
     key_id: str
-    max_in_flight: int
+    max_in_flight: int | None = None
+    max_per_minute: int | None = None
 
 
 def key_limit(request: Request) -> KeyLimit | None:
@@ -38,23 +50,32 @@ def key_limit(request: Request) -> KeyLimit | None:
 
 
 class KeyLimits:
-    """How many requests each limited key has in flight on this head; used from the API's event loop only."""
+    """Each limited key's requests in flight and request tokens on this head; used from the API's event loop only."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic) -> None:
         self._in_flight: dict[str, int] = {}  # key id -> its requests counted now
         self._owner: dict[str, str] = {}  # request id -> the key id it counts against
+        self._tokens: dict[str, tuple[float, float]] = {}  # key id -> (tokens, when counted); absent: full
+        self._took: dict[str, str] = {}  # request id -> the key id whose token it took (until it is admitted)
+        self._clock = clock
         self.rejected = Counter(
             "triptych_rejected_key_limit_requests",
             f"Requests refused with 429 because their API key had {OPTION} requests in flight",
             registry=registry,
         )
+        self.rejected_rate = Counter(
+            "triptych_rejected_key_rate_requests",
+            f"Requests refused with 429 because their API key had used its {RATE_OPTION} requests",
+            registry=registry,
+        )
 
     def admit(self, request_id: str, limit: KeyLimit | None, retry_after_s: int) -> None:
-        """Count `request_id` against its key, or refuse it (APIError 429) at the key's limit."""
+        """Count `request_id` against its key, or refuse it (APIError 429) at one of the key's limits.
+        `retry_after_s`: the Retry-After of a refusal for requests in flight."""
         if limit is None:
             return
         count = self._in_flight.get(limit.key_id, 0)
-        if count >= limit.max_in_flight:
+        if limit.max_in_flight is not None and count >= limit.max_in_flight:
             self.rejected.inc()
             raise APIError(
                 429,
@@ -63,11 +84,22 @@ class KeyLimits:
                 code="key_concurrency_limit",
                 headers={"Retry-After": str(retry_after_s)},
             )
+        if limit.max_per_minute is not None:
+            self._take_token(request_id, limit.key_id, limit.max_per_minute)
         self._in_flight[limit.key_id] = count + 1
         self._owner[request_id] = limit.key_id
 
+    def admitted(self, request_id: str) -> None:
+        """The head admitted `request_id` further: its token is spent for good."""
+        self._took.pop(request_id, None)
+
     def release(self, request_id: str) -> None:
-        """`request_id` ended (or was never admitted further): it no longer counts against its key."""
+        """`request_id` ended (or was never admitted further, then its token is given back): it no
+        longer counts against its key."""
+        key_id = self._took.pop(request_id, None)
+        if key_id is not None and key_id in self._tokens:
+            tokens, at = self._tokens[key_id]
+            self._tokens[key_id] = (tokens + 1, at)  # refused after the key's check: not the key's doing
         key_id = self._owner.pop(request_id, None)
         if key_id is None:
             return
@@ -79,3 +111,21 @@ class KeyLimits:
 
     def in_flight(self, key_id: str) -> int:
         return self._in_flight.get(key_id, 0)
+
+    def _take_token(self, request_id: str, key_id: str, per_minute: int) -> None:
+        now = self._clock()
+        tokens, at = self._tokens.get(key_id, (float(per_minute), now))
+        tokens = min(float(per_minute), tokens + (now - at) * per_minute / 60.0)
+        if tokens < 1.0:
+            self._tokens[key_id] = (tokens, now)
+            self.rejected_rate.inc()
+            wait_s = max(1, math.ceil((1.0 - tokens) * 60.0 / per_minute - 1e-9))  # not 2 for 1.0000000001
+            raise APIError(
+                429,
+                f"this API key has used its {per_minute} requests per minute ({RATE_OPTION}={per_minute} in "
+                f"--api-keys-file); retry in {wait_s} s, or ask for a key allowed more",
+                code="key_rate_limit",
+                headers={"Retry-After": str(wait_s)},
+            )
+        self._tokens[key_id] = (tokens - 1.0, now)
+        self._took[request_id] = key_id
