@@ -6,7 +6,19 @@
     job = client.create_video({"prompt": "waves", "num_frames": 33})
     for event in client.video_events(job["id"]): ...
 
-It speaks HTTP only (no ZMQ, no access to workers), so it works against any head it can reach.
+It speaks HTTP only (no ZMQ, no access to workers), so it works against any head it can reach:
+one URL (a Service or an Ingress in front of several heads) or several heads' URLs, tried in turn.
+
+Retries (`retries`, 3 by default; 0: none): a head can die or restart under a request. Every
+generation POST that is not streamed carries an `Idempotency-Key` (a new UUID per call, or the
+caller's `idempotency_key`), so the head side runs it once however often it is sent
+(docs/results.md), and the client sends it again when the connection broke or could not be made,
+when a proxy answered 502, 503 or 504 (its head went away), and on 429 or 409 with a Retry-After
+(overloaded, a key's limit, the first attempt still running) after waiting that long, at most
+MAX_RETRY_AFTER_S. A connection failure moves on to the next URL at once; the other retries wait
+a growing backoff. GETs retry the same way (they change nothing); a streamed request is sent again
+only when no head took it (it cannot carry a key, so a stream cut midway is an error); a read
+that timed out is never retried (`timeout` is the caller's bound).
 """
 
 from __future__ import annotations
@@ -14,7 +26,9 @@ from __future__ import annotations
 import base64
 import json
 import mimetypes
-from collections.abc import Iterable, Iterator
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,60 +106,143 @@ def _pngs(response: httpx.Response) -> list[bytes]:
     return [base64.b64decode(item["b64_json"]) for item in response.json()["data"]]
 
 
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+RETRY_STATUSES = frozenset({502, 503, 504})  # a proxy whose head went away (or is restarting)
+WAIT_STATUSES = frozenset({409, 429})  # retried only with a Retry-After: in progress, overloaded, a key's limit
+MAX_RETRY_AFTER_S = 60.0  # a longer Retry-After is the caller's decision: the error is raised instead
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0)  # before the 1st, 2nd, ... retry of the same URL (then the last)
+
+
 class TriptychClient:
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        retries: int = 3,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        urls = [u.strip().rstrip("/") for u in ([url] if isinstance(url, str) else url) for u in u.split(",")]
+        self.urls = [u for u in urls if u]
+        if not self.urls:
+            raise ClientError("url: give the head's HTTP URL (several, comma-separated, are tried in turn)")
+        if retries < 0:
+            raise ClientError(f"retries: {retries} must be >= 0")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self.retries = retries
+        self.http = httpx.Client(headers=headers, timeout=timeout)
+        self._next = 0  # the URL the next request goes to first (the last one that answered)
+        self._sleep = sleep
+
+    @property
+    def url(self) -> str:
+        """The URL requests go to now."""
+        return self.urls[self._next]
 
     def close(self) -> None:
         self.http.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise ClientError(f"cannot reach {self.url}: {exc}") from None
-        if response.status_code >= 400:
-            raise ClientError(f"{response.status_code}: {_error_text(response)}")
-        return response
+    def _request(self, method: str, path: str, idempotent: bool = True, **kwargs: Any) -> httpx.Response:
+        """One API call, retried as the module docstring says; `idempotent=False`: a POST that may
+        only be sent again when no head took it."""
+        failures: list[str] = []
+        for attempt in range(self.retries + 1):
+            url = self.url
+            try:
+                response = self.http.request(method, url + path, **kwargs)
+            except httpx.HTTPError as exc:
+                failures.append(f"{url}: {exc or type(exc).__name__}")
+                if not (_retryable(exc, idempotent) and attempt < self.retries):
+                    raise ClientError(_unreached(failures)) from None
+                self._failover(attempt)
+                continue
+            if response.status_code < 400:
+                return response
+            wait = _wait_for(response) if attempt < self.retries else None
+            if wait is None:
+                raise ClientError(f"{response.status_code}: {_error_text(response)}")
+            failures.append(f"{url}: {response.status_code} {_error_text(response)}")
+            if response.status_code in RETRY_STATUSES:
+                self._failover(attempt, wait)
+            else:
+                self._sleep(wait)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _events(self, method: str, path: str, **kwargs: Any) -> Iterator[Event]:
-        try:
-            with self.http.stream(method, path, **kwargs) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    raise ClientError(f"{response.status_code}: {_error_text(response)}")
-                yield from iter_sse(response.iter_lines())
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never connected: nothing was lost
-            raise ClientError(f"cannot reach {self.url}: {exc}") from None
-        except httpx.HTTPError as exc:
-            raise ClientError(f"lost the connection to {self.url}: {exc}") from None
+    def _failover(self, attempt: int, wait: float | None = None) -> None:
+        """On to the next URL: at once the first time round the list, after a backoff after that."""
+        self._next = (self._next + 1) % len(self.urls)
+        round_trip = (attempt + 1) // len(self.urls)
+        if wait or round_trip:
+            self._sleep(wait or BACKOFF_S[min(round_trip, len(BACKOFF_S)) - 1])
 
-    def generate_images(self, body: dict[str, Any]) -> list[bytes]:
+    def _generation(self, path: str, idempotency_key: str | None, **kwargs: Any) -> httpx.Response:
+        """A generation POST, with an Idempotency-Key when it may be retried."""
+        if self.retries or idempotency_key:
+            key = idempotency_key or str(uuid.uuid4())
+            kwargs["headers"] = {**kwargs.get("headers", {}), IDEMPOTENCY_HEADER: key}
+            return self._request("POST", path, **kwargs)
+        return self._request("POST", path, idempotent=False, **kwargs)
+
+    def _events(self, method: str, path: str, resumable: bool = False, **kwargs: Any) -> Iterator[Event]:
+        """The Server-Sent Events of `path`; `resumable` (a GET of a job's events, which any head
+        serves from the start): a connection lost midway is opened again, on the next URL."""
+        failures: list[str] = []
+        attempt = 0
+        while True:
+            url = self.url
+            try:
+                with self.http.stream(method, url + path, **kwargs) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise ClientError(f"{response.status_code}: {_error_text(response)}")
+                    for event in iter_sse(response.iter_lines()):
+                        yield event
+                        if event.event in ("completed", "error"):
+                            return
+                if not resumable or attempt >= self.retries:
+                    return  # the caller sees the stream end without a result
+                failures.append(f"{url}: the stream ended before the job did (its head stopped?)")
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never connected: nothing was lost
+                failures.append(f"{url}: {exc or type(exc).__name__}")
+                if attempt >= self.retries:
+                    raise ClientError(_unreached(failures)) from None
+            except httpx.HTTPError as exc:
+                failures.append(f"{url}: {exc or type(exc).__name__}")
+                if not resumable or isinstance(exc, httpx.ReadTimeout) or attempt >= self.retries:
+                    raise ClientError(f"lost the connection to {url}: {exc}") from None
+            self._failover(attempt)
+            attempt += 1
+
+    def generate_images(self, body: dict[str, Any], idempotency_key: str | None = None) -> list[bytes]:
         """The PNGs of POST /v1/images/generations."""
-        return _pngs(self._request("POST", "/v1/images/generations", json={**body, "response_format": "b64_json"}))
+        return _pngs(
+            self._generation("/v1/images/generations", idempotency_key, json={**body, "response_format": "b64_json"})
+        )
 
     def stream_images(self, body: dict[str, Any]) -> Iterator[Event]:
         """POST /v1/images/generations with stream: its progress events, the last `completed` or `error`."""
         return self._events("POST", "/v1/images/generations", json={**body, "stream": True})
 
-    def edit_images(self, body: dict[str, Any], image: Reference) -> list[bytes]:
+    def edit_images(self, body: dict[str, Any], image: Reference, idempotency_key: str | None = None) -> list[bytes]:
         """The PNGs of POST /v1/images/edits: `body` (prompt, size, seed, ...) applied to `image`."""
-        return _pngs(self._request("POST", "/v1/images/edits", **image.form({**body, "response_format": "b64_json"})))
+        return _pngs(
+            self._generation("/v1/images/edits", idempotency_key, **image.form({**body, "response_format": "b64_json"}))
+        )
 
     def stream_edits(self, body: dict[str, Any], image: Reference) -> Iterator[Event]:
         """POST /v1/images/edits with stream: its progress events, the last `completed` or `error`."""
         return self._events("POST", "/v1/images/edits", **image.form({**body, "stream": True}))
 
-    def create_video(self, body: dict[str, Any]) -> dict[str, Any]:
-        return dict(self._request("POST", "/v1/videos", json=body).json())
+    def create_video(self, body: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
+        """POST /v1/videos: the job (a retry of it gets the same job id)."""
+        return dict(self._generation("/v1/videos", idempotency_key, json=body).json())
 
     def video(self, video_id: str) -> dict[str, Any]:
         return dict(self._request("GET", f"/v1/videos/{video_id}").json())
 
     def video_events(self, video_id: str) -> Iterator[Event]:
-        return self._events("GET", f"/v1/videos/{video_id}/events")
+        """The job's progress events until it ends; a lost connection is opened again (from any head)."""
+        return self._events("GET", f"/v1/videos/{video_id}/events", resumable=True)
 
     def cancel_video(self, video_id: str) -> dict[str, Any]:
         return dict(self._request("DELETE", f"/v1/videos/{video_id}").json())
@@ -158,3 +255,36 @@ class TriptychClient:
 
     def pipeline(self) -> dict[str, Any]:
         return dict(self._request("GET", "/v1/pipeline").json())
+
+
+def _retryable(exc: httpx.HTTPError, idempotent: bool) -> bool:
+    """Whether a request that failed with `exc` may be sent again: it never reached a head, or it
+    carries an Idempotency-Key (or changes nothing) and did not merely run past the caller's timeout."""
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return True
+    return idempotent and isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException)
+
+
+def _wait_for(response: httpx.Response) -> float | None:
+    """How long to wait before sending `response`'s request again; None: do not send it again."""
+    if response.status_code in RETRY_STATUSES:
+        return _retry_after(response) or 0.0
+    if response.status_code in WAIT_STATUSES:
+        return _retry_after(response)
+    return None
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The response's Retry-After in seconds (a number), if it has one of at most MAX_RETRY_AFTER_S."""
+    try:
+        seconds = float(response.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds <= MAX_RETRY_AFTER_S else None
+
+
+def _unreached(failures: list[str]) -> str:
+    """One line for the failed attempts: each distinct failure once, in order, and how many there were."""
+    distinct = list(dict.fromkeys(failures))
+    tried = f" ({len(failures)} attempts)" if len(failures) > 1 else ""
+    return f"cannot reach {'; '.join(distinct)}{tried}"

@@ -64,11 +64,28 @@ def _lora_choice(text: str) -> dict[str, object]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _retries(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return int(text)
+
+
 def add_client_commands(sub: Any, contract: Contract = CONTRACT) -> None:
     """The client subcommands, on `triptych`'s subparsers; their request options come from `contract`."""
     connection = argparse.ArgumentParser(add_help=False)
-    connection.add_argument("--url", default=os.environ.get("TRIPTYCH_URL", DEFAULT_URL), help="the head's HTTP URL")
+    connection.add_argument(
+        "--url",
+        default=os.environ.get("TRIPTYCH_URL", DEFAULT_URL),
+        help="the head's HTTP URL (a Service or Ingress), or several heads' URLs, comma-separated, tried in turn",
+    )
     connection.add_argument("--api-key", default=os.environ.get("TRIPTYCH_API_KEY"), help="Bearer key, if required")
+    connection.add_argument(
+        "--retries",
+        type=_retries,
+        default=3,
+        metavar="N",
+        help="send a request again up to N times when its head went away or asked to wait (default 3; 0: never)",
+    )
     reference = argparse.ArgumentParser(add_help=False)
     reference.add_argument("image", help="the reference image: a file, or an http(s) URL the server fetches")
     request = argparse.ArgumentParser(add_help=False)
@@ -91,7 +108,7 @@ def run_client_command(ns: argparse.Namespace) -> int:
     from triptych.client import ClientError, Reference, TriptychClient
 
     console = Console(stderr=True)
-    client = TriptychClient(ns.url, ns.api_key)
+    client = TriptychClient(ns.url, ns.api_key, retries=ns.retries)
     try:
         if ns.command == "generate":
             return _images(client.stream_images(request_body(ns)), ns, console)

@@ -72,7 +72,7 @@ def test_a_video_streams_every_state_and_step_in_order_with_previews_and_ends_wi
     assert_progress_in_order(events, steps=6, preview_every=2, preview_size=(64 // VAE_SCALE, 64 // VAE_SCALE))
     final = events[-1].data
     assert final["id"] == job["id"] and final["status"] == "completed"
-    assert client.http.get(final["content_url"]).content[4:8] == b"ftyp"  # an MP4
+    assert client.http.get(client.url + final["content_url"]).content[4:8] == b"ftyp"  # an MP4
     # Asked again just after it ended: the same story at once, from the feed's history (kept a minute).
     again = list(client.video_events(job["id"]))
     assert [(e.event, e.data.get("step")) for e in again] == [(e.event, e.data.get("step")) for e in events]

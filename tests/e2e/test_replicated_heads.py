@@ -114,6 +114,33 @@ def test_a_killed_head_loses_only_its_own_requests_and_its_slots_are_freed_withi
     assert all(w["free_bytes"] == w["pool_bytes"] for w in workers if w["pool_bytes"]), workers
 
 
+def test_the_client_sends_a_killed_head_s_image_request_to_the_other_head_and_it_runs_once(tiny_models, tmp_path):
+    """TriptychClient with both heads' URLs (as `triptych ... --url A,B`): its request's head dies
+    under it, so it sends the request again, same Idempotency-Key, to the other head, which waits
+    out the dead head's lease and runs it: the pixels of the same request never interrupted."""
+    from triptych.client import TriptychClient
+    from triptych_head.idempotency import LEASE_S
+
+    model = tiny_models["tiny-flux"]
+    body = {**BODY, "num_inference_steps": 40, "seed": 11}  # long enough to be killed under
+    with deployment(model, tmp_path, heads=2, head_flags=HEARTBEAT, worker_flags=HEARTBEAT) as dep:
+        a, b = dep.head_urls
+        head_b = next(p for p in dep.procs if p.url == b)
+        client = TriptychClient([b, a], timeout=LEASE_S + 120)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(client.generate_images, body)
+            deadline = time.monotonic() + 60
+            while not any(w["held"] for w in workers_seen_by(a)) and time.monotonic() < deadline:
+                time.sleep(0.02)  # until the workers hold b's request
+            head_b.kill()  # SIGKILL under the request
+            (png,) = answer.result(timeout=LEASE_S + 150)
+        assert client.url == a, "the client moved on to the head that answered"
+        again = httpx.post(f"{a}/v1/images/generations", json=body, timeout=300)
+        assert again.status_code == 200, again.text
+    got = np.array(Image.open(io.BytesIO(png)))
+    assert np.array_equal(got, np.array(Image.open(io.BytesIO(base64.b64decode(again.json()["data"][0]["b64_json"])))))
+
+
 def test_a_video_job_of_a_killed_head_is_run_to_completion_by_the_other_and_its_events_resume(tiny_models, tmp_path):
     from triptych_head.results import JOB_LEASE_S
 

@@ -1,0 +1,190 @@
+"""TriptychClient's retries (triptych/client.py): a generation POST carries an Idempotency-Key and is
+sent again, with the same key, when its connection broke, when a proxy answered 502/503/504, and
+after a 429/409's Retry-After; a connection refused moves on to the next URL; a request that timed
+out, a 4xx without Retry-After and a stream cut midway are not sent again. Against real HTTP servers
+on loopback that answer from a script (one action per request)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from triptych.client import ClientError, TriptychClient
+
+PNG = b"\x89PNG pretend"
+IMAGES = {"data": [{"b64_json": base64.b64encode(PNG).decode()}]}
+
+
+class Script:
+    def __init__(self, actions: list[Any]) -> None:
+        self.actions = list(actions)
+        self.seen: list[dict[str, Any]] = []  # each request: method, path, headers
+
+
+@contextmanager
+def server(*actions: Any) -> Iterator[tuple[str, Script]]:
+    """An HTTP server answering its i-th request with actions[i]: "drop" (close without an answer),
+    "hang" (answer nothing for 2 s), (status, headers, body) or a body for 200."""
+    script = Script(list(actions))
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _answer(self) -> None:
+            length = int(self.headers.get("Content-Length", 0))
+            self.rfile.read(length)
+            script.seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers)})
+            action = script.actions.pop(0) if script.actions else (500, {}, {"error": {"message": "script ran out"}})
+            if action == "drop":
+                self.connection.shutdown(socket.SHUT_RDWR)
+                self.close_connection = True
+                return
+            if action == "hang":
+                threading.Event().wait(2)
+                return
+            status, headers, body = action if isinstance(action, tuple) else (200, {}, action)
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _answer
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", script
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once it is closed
+
+
+def client(urls: Any, **kwargs: Any) -> tuple[TriptychClient, list[float]]:
+    slept: list[float] = []
+    return TriptychClient(urls, retries=kwargs.pop("retries", 3), sleep=slept.append, **kwargs), slept
+
+
+def keys(script: Script) -> list[str | None]:
+    return [seen["headers"].get("Idempotency-Key") for seen in script.seen]
+
+
+def test_a_connection_broken_under_a_request_is_sent_again_with_the_same_key() -> None:
+    with server("drop", IMAGES) as (url, script):
+        c, slept = client(url)
+        assert c.generate_images({"prompt": "x"}) == [PNG]
+    assert len(script.seen) == 2 and keys(script)[0] is not None and keys(script)[0] == keys(script)[1]
+    assert slept == [0.5]  # one URL: the same one again after a backoff
+
+
+def test_a_refused_connection_moves_on_to_the_next_url_at_once_and_stays_there() -> None:
+    with server(IMAGES, IMAGES) as (url, script):
+        c, slept = client([closed_port(), url])
+        assert c.generate_images({"prompt": "x"}) == [PNG]
+        assert c.url == url
+        assert c.generate_images({"prompt": "y"}) == [PNG]  # straight to the URL that answered
+    assert slept == [] and len(script.seen) == 2
+    assert keys(script)[0] != keys(script)[1], "every call has a key of its own"
+
+
+def test_a_proxy_whose_head_went_away_and_a_retry_after_are_waited_for() -> None:
+    overloaded = (429, {"Retry-After": "2"}, {"error": {"message": "overloaded"}})
+    in_progress = (409, {"Retry-After": "1"}, {"error": {"message": "idempotency_key_in_progress"}})
+    with server((503, {}, b"no endpoints"), overloaded, in_progress, IMAGES) as (url, script):
+        c, slept = client(url)
+        assert c.create_video({"prompt": "x"}) == IMAGES
+    assert slept == [0.5, 2.0, 1.0] and len(set(keys(script))) == 1 and len(script.seen) == 4
+
+
+def test_the_caller_s_key_is_the_one_sent() -> None:
+    with server("drop", IMAGES) as (url, script):
+        c, _ = client(url)
+        c.generate_images({"prompt": "x"}, idempotency_key="order-17")
+    assert keys(script) == ["order-17", "order-17"]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        (400, {}, {"error": {"message": "size: 7x7 is not a multiple of 16"}}),
+        (429, {}, {"error": {"message": "no Retry-After"}}),
+        (429, {"Retry-After": "3600"}, {"error": {"message": "an hour"}}),
+    ],
+)
+def test_an_error_without_a_usable_retry_after_is_raised_at_once(answer: Any) -> None:
+    with server(answer, IMAGES) as (url, script):
+        c, slept = client(url)
+        with pytest.raises(ClientError, match=f"^{answer[0]}: {answer[2]['error']['message']}"):
+            c.generate_images({"prompt": "x"})
+    assert len(script.seen) == 1 and slept == []
+
+
+def test_retries_are_bounded_and_the_error_names_every_attempt() -> None:
+    with server("drop", "drop", "drop", IMAGES) as (url, script):
+        c, slept = client([url, closed_port()], retries=2)
+        with pytest.raises(ClientError, match=r"^cannot reach .*Connect.* \(3 attempts\)$") as error:
+            c.generate_images({"prompt": "x"})
+    assert len(script.seen) == 2 and slept == [0.5]
+    assert url in str(error.value)
+
+
+def test_a_request_that_timed_out_is_not_sent_again() -> None:
+    with server("hang", IMAGES) as (url, script):
+        c, _ = client(url, timeout=0.5)
+        with pytest.raises(ClientError, match="cannot reach"):
+            c.generate_images({"prompt": "x"})
+    assert len(script.seen) == 1
+
+
+def test_no_retries_means_no_key_and_one_try() -> None:
+    with server("drop", IMAGES) as (url, script):
+        c, _ = client(url, retries=0)
+        with pytest.raises(ClientError):
+            c.generate_images({"prompt": "x"})
+    assert keys(script) == [None]
+
+
+def test_a_stream_is_sent_again_only_when_no_head_took_it() -> None:
+    sse = b'event: completed\ndata: {"data": []}\n\n'
+    with server((200, {"Content-Type": "text/event-stream"}, sse), "drop") as (url, script):
+        c, _ = client([closed_port(), url])
+        assert [e.event for e in c.stream_images({"prompt": "x"})] == ["completed"]  # refused, then the next URL
+        with pytest.raises(ClientError, match="lost the connection"):
+            list(c.stream_images({"prompt": "y"}))  # taken, then cut: no key, so not sent again
+    assert len(script.seen) == 2 and keys(script) == [None, None]
+
+
+def test_a_job_s_events_cut_midway_are_followed_again_from_another_head() -> None:
+    step = b'event: step\ndata: {"step": 1, "total_steps": 2}\n\n'
+    done = b'event: completed\ndata: {"id": "vid_1"}\n\n'
+    with server((200, {"Content-Type": "text/event-stream"}, step)) as (first, _):
+        with server((200, {"Content-Type": "text/event-stream"}, step + done)) as (second, script):
+            c, _ = client([first, second])
+            events = [e.event for e in c.video_events("vid_1")]
+    assert events == ["step", "step", "completed"]  # the first stream ended without the job's end
+    assert script.seen[0]["path"] == "/v1/videos/vid_1/events"
+
+
+def test_bad_settings_are_named() -> None:
+    with pytest.raises(ClientError, match="url: give the head's HTTP URL"):
+        TriptychClient(" , ")
+    with pytest.raises(ClientError, match="retries: -1 must be >= 0"):
+        TriptychClient("http://127.0.0.1:1", retries=-1)
