@@ -77,12 +77,11 @@ class KeyLimits:
         count = self._in_flight.get(limit.key_id, 0)
         if limit.max_in_flight is not None and count >= limit.max_in_flight:
             self.rejected.inc()
-            raise APIError(
-                429,
-                f"this API key has {count} requests in flight, its limit ({OPTION}={limit.max_in_flight} in "
-                f"--api-keys-file); retry when one of them has ended, or ask for a key allowed more",
-                code="key_concurrency_limit",
-                headers={"Retry-After": str(retry_after_s)},
+            raise _refusal(
+                f"has {count} requests in flight, its limit ({OPTION}={limit.max_in_flight} in --api-keys-file); "
+                "retry when one of them has ended",
+                "key_concurrency_limit",
+                retry_after_s,
             )
         if limit.max_per_minute is not None:
             self._take_token(request_id, limit.key_id, limit.max_per_minute)
@@ -120,12 +119,21 @@ class KeyLimits:
             self._tokens[key_id] = (tokens, now)
             self.rejected_rate.inc()
             wait_s = max(1, math.ceil((1.0 - tokens) * 60.0 / per_minute - 1e-9))  # not 2 for 1.0000000001
-            raise APIError(
-                429,
-                f"this API key has used its {per_minute} requests per minute ({RATE_OPTION}={per_minute} in "
-                f"--api-keys-file); retry in {wait_s} s, or ask for a key allowed more",
-                code="key_rate_limit",
-                headers={"Retry-After": str(wait_s)},
+            raise _refusal(
+                f"has used its {per_minute} requests per minute ({RATE_OPTION}={per_minute} in --api-keys-file); "
+                f"retry in {wait_s} s",
+                "key_rate_limit",
+                wait_s,
             )
         self._tokens[key_id] = (tokens - 1.0, now)
         self._took[request_id] = key_id
+
+
+def _refusal(what: str, code: str, retry_after_s: int) -> APIError:
+    """A 429 for a key at one of its limits: `what` the key did, `code` which limit."""
+    return APIError(
+        429,
+        f"this API key {what}, or ask for a key allowed more",
+        code=code,
+        headers={"Retry-After": str(retry_after_s)},
+    )
