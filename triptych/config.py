@@ -156,6 +156,7 @@ class ServeArgs:
     batching_mode: str = "off"  # head: "dynamic" groups compatible queued requests (triptych.batching)
     batching_max_size: int = 1  # head: most requests per group; worker: most requests per batched forward
     batching_delay_ms: float = 30.0  # head: longest a request waits for its group to fill
+    batching_role_delay_ms: str = ""  # head: ROLE=MS,... instead of batching_delay_ms for those roles
     enable_batching_metrics: bool = False  # head: batch size, wait and fill histograms on /metrics
     otlp_endpoint: str = ""  # head and workers: an OTLP/HTTP collector for traces ("": off; triptych.tracing)
     lora: list[str] = field(default_factory=list)  # NAME=SOURCE adapters requests may name (triptych.lora)
@@ -399,12 +400,13 @@ class ServeArgs:
             raise ConfigError(f"--batching-max-size {self.batching_max_size} must be >= 1 (1: no batching)")
         if not self.batching_delay_ms >= 0:  # NaN too
             raise ConfigError(f"--batching-delay-ms {self.batching_delay_ms} must be >= 0 milliseconds")
-        head_only = [f for f in ("batching_mode", "batching_delay_ms", "enable_batching_metrics")
-                     if getattr(self, f) != getattr(ServeArgs, f)]  # fmt: skip
+        head_only = [f for f in ("batching_mode", "batching_delay_ms", "batching_role_delay_ms",
+                                 "enable_batching_metrics") if getattr(self, f) != getattr(ServeArgs, f)]  # fmt: skip
         if head_only and self.disagg_role is not Role.SERVER:
             raise ConfigError(f"{flag(head_only[0])} is for the head (--disagg-role server), not {self.disagg_role}")
         if self.disagg_role is Role.SERVER and self.batching_mode != "dynamic":  # the head forms no groups
             self._refuse_grouping_flags()
+        self.role_batching_delays_ms()  # raises naming the entry
         if self.batching_max_size > 1 and self.disagg_role is Role.MONOLITHIC:
             raise ConfigError("--batching-max-size is for --disagg-role server and its workers; monolithic mode "
                               "runs one request at a time")  # fmt: skip
@@ -413,6 +415,29 @@ class ServeArgs:
                 f"--batching-max-size {self.batching_max_size} with --num-gpus {self.num_gpus}: a multi-GPU worker "
                 "runs one request at a time; use --batching-max-size 1"
             )
+
+    def role_batching_delays_ms(self) -> dict[Role, float]:
+        """--batching-role-delay-ms as {role: milliseconds}; ConfigError naming a bad entry."""
+        delays: dict[Role, float] = {}
+        what = f"--batching-role-delay-ms {self.batching_role_delay_ms!r}"
+        for entry in filter(None, (e.strip() for e in self.batching_role_delay_ms.split(","))):
+            name, sep, value = entry.partition("=")
+            roles = {r.value: r for r in WORKER_ROLES}
+            role = roles.get(name.strip())
+            if not sep or role is None:
+                raise ConfigError(
+                    f"{what}: {entry!r} is not ROLE=MS with ROLE one of {', '.join(roles)} (e.g. encoder=5,denoiser=50)"
+                )
+            try:
+                ms = float(value)
+            except ValueError:
+                ms = float("nan")
+            if not 0 <= ms < float("inf"):
+                raise ConfigError(f"{what}: {role.value}={value.strip()!r} must be a number of milliseconds >= 0")
+            if role in delays:
+                raise ConfigError(f"{what}: {role.value} is given twice")
+            delays[role] = ms
+        return delays
 
     def _refuse_grouping_flags(self) -> None:
         """A head without --batching-mode dynamic forms no groups: the flags that size, wait for or
@@ -424,7 +449,9 @@ class ServeArgs:
                 "drop it and give --batching-max-size to the workers only"
             )
         grouping = [
-            f for f in ("batching_delay_ms", "enable_batching_metrics") if getattr(self, f) != getattr(ServeArgs, f)
+            f
+            for f in ("batching_delay_ms", "batching_role_delay_ms", "enable_batching_metrics")
+            if getattr(self, f) != getattr(ServeArgs, f)
         ]
         if grouping:
             raise ConfigError(

@@ -59,6 +59,7 @@ OVERRIDES: dict[str, frozenset[Role]] = {
     "--disagg-drain-timeout": EVERY,  # every process drains on SIGTERM (run_monolithic passes it too)
     "--batching-mode": SERVER,  # the head groups requests; workers only take the group size
     "--batching-delay-ms": SERVER,
+    "--batching-role-delay-ms": SERVER,
     "--enable-batching-metrics": SERVER,
     # the roles that run text encoding (a full-pipeline denoiser encodes prompts itself); monolithic
     # loads its pipeline without a prompt cache (run_monolithic)

@@ -146,6 +146,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--batching-delay-ms", type=float, default=d.batching_delay_ms, metavar="MS",
       help="head --batching-mode dynamic: longest a request waits for its group to fill; a group leaves when "
            "full, at this delay, or when the worker has no more free slots (default 30)")  # fmt: skip
+    a("--batching-role-delay-ms", default=d.batching_role_delay_ms, metavar="ROLE=MS[,ROLE=MS]",
+      help="head --batching-mode dynamic: a role's own --batching-delay-ms, e.g. encoder=5,denoiser=50 (a short "
+           "stage waits less, a long one can wait more); the roles not named use --batching-delay-ms")  # fmt: skip
     a("--enable-batching-metrics", action="store_true",
       help="head: export batch sizes, batching waits and fill ratios per role (histograms) on /metrics")  # fmt: skip
     a("--otlp-endpoint", default=d.otlp_endpoint, metavar="URL",

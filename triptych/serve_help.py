@@ -51,7 +51,13 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "batching": (
         "the head groups compatible requests, each worker runs a group as one batched forward",
-        ("--batching-mode", "--batching-max-size", "--batching-delay-ms", "--enable-batching-metrics"),
+        (
+            "--batching-mode",
+            "--batching-max-size",
+            "--batching-delay-ms",
+            "--batching-role-delay-ms",
+            "--enable-batching-metrics",
+        ),
     ),
     "worker": (
         "encoder, denoiser and decoder processes",

@@ -2,11 +2,12 @@
 
 A role's queue is split into groups of compatible requests (triptych.batching.batch_key), in queue
 order, each at most --batching-max-size. A group leaves for one worker instance when it is full,
-when its oldest request has waited --batching-delay-ms, or when it already fills the room of the
-roomiest ready instance (its free slots, at most its own --batching-max-size, which it heartbeats:
-waiting longer could not make the group larger). The server sends a group for
-the first role as one WorkBatch, and tags a later role's transfers with the group's id and size so
-that the receiver runs them together (protocol/messages.py).
+when its oldest request has waited --batching-delay-ms (or the role's own from
+--batching-role-delay-ms), or when it already fills the room of the roomiest ready instance (its
+free slots, at most its own --batching-max-size, which it heartbeats: waiting longer could not make
+the group larger). The server sends a group for the first role as one WorkBatch, and tags a later
+role's transfers with the group's id and size so that the receiver runs them together
+(protocol/messages.py).
 
 With --enable-batching-metrics, /metrics has per role: the sizes of the groups the head sent
 (triptych_batch_size), how long their oldest request waited for the group to form
@@ -17,7 +18,7 @@ request's output: a group may run split when a worker's own --batching-max-size 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from triptych.batching import batch_key
 from triptych.protocol import Work
+from triptych.roles import Role
 from triptych_head.instances import WorkerInstance
 from triptych_head.state import RequestRecord
 
@@ -81,13 +83,33 @@ class Group:
 
 
 class GroupBatcher:
-    def __init__(self, max_size: int, delay_s: float, metrics: BatchingMetrics | None = None):
+    def __init__(
+        self,
+        max_size: int,
+        delay_s: float,
+        metrics: BatchingMetrics | None = None,
+        role_delays_s: Mapping[Role, float] | None = None,
+    ):
         self.max_size = max_size
-        self.delay_s = delay_s
+        self.delay_s = delay_s  # every role's, but those in role_delays_s (--batching-role-delay-ms)
+        self.role_delays_s = dict(role_delays_s or {})
         self.metrics = metrics
 
-    def ready_groups(self, queued: Iterable[RequestRecord], room: int, now: float) -> list[list[RequestRecord]]:
-        """The groups that may leave now, oldest first; `room`: the largest group a ready instance takes now."""
+    def delay_for(self, role: Role) -> float:
+        """How long `role`'s oldest queued request may wait for its group to fill."""
+        return self.role_delays_s.get(role, self.delay_s)
+
+    @property
+    def shortest_delay_s(self) -> float:
+        """The shortest wait of any role: how often the head's loop must look at least."""
+        return min([self.delay_s, *self.role_delays_s.values()])
+
+    def ready_groups(
+        self, queued: Iterable[RequestRecord], room: int, now: float, delay_s: float | None = None
+    ) -> list[list[RequestRecord]]:
+        """The groups that may leave now, oldest first; `room`: the largest group a ready instance takes
+        now; `delay_s`: the role's wait (delay_for), else every role's."""
+        delay_s = self.delay_s if delay_s is None else delay_s
         limit = min(self.max_size, room)
         if limit <= 0:
             return []
@@ -100,7 +122,7 @@ class GroupBatcher:
         for members in by_key.values():
             for start in range(0, len(members), limit):
                 chunk = members[start : start + limit]
-                if len(chunk) >= limit or now - chunk[0].hop_started >= self.delay_s:
+                if len(chunk) >= limit or now - chunk[0].hop_started >= delay_s:
                     groups.append(chunk)
         groups.sort(key=lambda chunk: chunk[0].hop_started)
         return groups

@@ -40,7 +40,12 @@ class Dispatcher:
         self._policies = {role: make_policy(args.disagg_dispatch_policy) for role in roles}
         self.batcher: GroupBatcher | None = None
         if args.batching_mode == "dynamic":
-            self.batcher = GroupBatcher(args.batching_max_size, args.batching_delay_ms / 1000, core.batch_metrics)
+            self.batcher = GroupBatcher(
+                args.batching_max_size,
+                args.batching_delay_ms / 1000,
+                core.batch_metrics,
+                {role: ms / 1000 for role, ms in args.role_batching_delays_ms().items()},
+            )
 
     def enter_hop(self, rec: RequestRecord, ahead: bool = False) -> None:
         """Queue `rec` for its current role; `ahead`: before the others of its level (a retry was
@@ -115,7 +120,7 @@ class Dispatcher:
         instances = [i for i in self._membership.instances(role) if self._membership.ready(i)]
         room = max((i.batch_room for i in instances), default=0)
         now = self._core.clock()
-        for members in batcher.ready_groups(queued, room, now):
+        for members in batcher.ready_groups(queued, room, now, batcher.delay_for(role)):
             staged = members[0].staged  # compatible: the same size for all
             nbytes, avoid = (staged.nbytes, staged.sender) if staged else (0, "")
             eligible = functools.partial(self._can_take, nbytes=nbytes, avoid=avoid)

@@ -178,7 +178,7 @@ class DiffusionServer:
         next_tick = 0.0
         # A group waiting for --batching-delay-ms leaves on time, not at the next idle wake-up.
         batcher = self.core.dispatcher.batcher
-        delay_ms = batcher.delay_s * 1000 if batcher is not None else 0.0
+        delay_ms = batcher.shortest_delay_s * 1000 if batcher is not None else 0.0
         poll_s = min(POLL_MS, max(1, int(delay_ms))) / 1000 if delay_ms > 0 else POLL_MS / 1000
         try:
             while not self._stop.is_set():

@@ -110,10 +110,12 @@ def head_batching(pipeline: PipelineSpec) -> dict[str, Any]:
     largest = max(spec.batch_max_size for spec in pipeline.roles.values())
     if largest <= 1:
         return {}
+    own = [(role, spec.batch_delay_ms) for role, spec in pipeline.roles.items() if spec.batch_delay_ms is not None]
     return {
         "batching_mode": "dynamic",
         "batching_max_size": largest,
         "batching_delay_ms": float(pipeline.head.batch_delay_ms),
+        "batching_role_delay_ms": ",".join(f"{role.value}={ms}" for role, ms in own),
         "enable_batching_metrics": True,
     }
 

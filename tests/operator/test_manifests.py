@@ -581,6 +581,18 @@ def test_batching_renders_each_roles_size_to_its_workers_and_dynamic_grouping_to
     head = parse_serve(container(kids[("Deployment", "wan-t2v-head")]))
     assert (head.batching_mode, head.batching_max_size, head.batching_delay_ms) == ("dynamic", 8, 20.0)
     assert head.enable_batching_metrics
+    assert head.role_batching_delays_ms() == {}
+
+
+def test_a_roles_own_batching_delay_reaches_the_head_for_that_role_only() -> None:
+    spec = minimal_spec(
+        encoder={"batching": {"maxSize": 4, "delayMs": 2}}, denoiser={"batching": {"maxSize": 8, "delayMs": 120}}
+    )
+    head = parse_serve(container(children(spec)[("Deployment", "wan-t2v-head")]))
+    assert head.role_batching_delays_ms() == {Role.ENCODER: 2.0, Role.DENOISER: 120.0}
+    assert head.batching_delay_ms == 30.0  # the decoder's, and every role's without one
+    with pytest.raises(SpecError, match="delayMs"):
+        pipeline(minimal_spec(decoder={"batching": {"maxSize": 2, "delayMs": -1}}))
 
 
 def test_without_batching_the_head_and_workers_get_no_batching_flags() -> None:

@@ -120,6 +120,7 @@ class SimWorker:
     # Its stages run until the test ends them (Harness.finish) or a HandOff stops them at their next
     # step; otherwise a stage ends as soon as it starts.
     hold: bool = False
+    max_batch: int = 1  # its --batching-max-size, which it heartbeats
 
     def held(self) -> set[str]:
         """Requests holding one of its scheduling slots (computing, outputs staged, a slot reserved)."""
@@ -131,6 +132,7 @@ class SimWorker:
         return Heartbeat(
             self.url, self.role.value, self.session, POOL_BYTES, POOL_BYTES, self.capacity, "m",
             head_id=head_id, others_busy=others, held=len(self.held()), model_fingerprint=self.fingerprint,
+            max_batch=self.max_batch,
         )  # fmt: skip
 
     def start(self, rid: str) -> None:

@@ -90,6 +90,15 @@ def test_a_group_leaves_when_full_or_at_the_delay_and_never_mixes_incompatible_r
     assert [[r.request_id for r in g] for g in groups] == [["a0", "a1", "a2", "a3"], ["b0"], ["a4"], ["c0"]]
 
 
+def test_a_role_s_own_delay_replaces_every_role_s():
+    batcher = GroupBatcher(max_size=4, delay_s=0.05, role_delays_s={Role.DENOISER: 2.0, Role.ENCODER: 0.0})
+    assert (batcher.delay_for(Role.DENOISER), batcher.delay_for(Role.DECODER), batcher.shortest_delay_s) == (2, 0.05, 0)
+    queued = [record("a0", BASE, 10.0)]
+    assert batcher.ready_groups(queued, room=4, now=10.1, delay_s=batcher.delay_for(Role.DENOISER)) == []
+    assert len(batcher.ready_groups(queued, room=4, now=10.1, delay_s=batcher.delay_for(Role.DECODER))) == 1
+    assert len(batcher.ready_groups(queued, room=4, now=10.0, delay_s=batcher.delay_for(Role.ENCODER))) == 1
+
+
 def test_a_group_is_bounded_by_the_roomiest_instance_and_then_counts_as_full():
     batcher = GroupBatcher(max_size=4, delay_s=10.0)
     queued = [record(f"a{i}", BASE, 10.0) for i in range(3)]
@@ -139,6 +148,9 @@ def test_batching_flags_parse_for_the_head_and_the_worker():
                  "--enable-batching-metrics")  # fmt: skip
     assert (head.batching_mode, head.batching_max_size, head.batching_delay_ms) == ("dynamic", 28, 30.0)
     assert head.enable_batching_metrics
+    roles = parse(*HEAD, "--batching-mode", "dynamic", "--batching-role-delay-ms", " encoder=5, denoiser=80.5,")
+    assert roles.role_batching_delays_ms() == {Role.ENCODER: 5.0, Role.DENOISER: 80.5}
+    assert parse(*HEAD).role_batching_delays_ms() == {}
     worker = parse("--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--batching-max-size", "4")
     assert worker.batching_max_size == 4 and worker.batching_mode == "off"
 
@@ -157,6 +169,20 @@ def test_batching_flags_parse_for_the_head_and_the_worker():
         ((*HEAD, "--batching-mode", "off", "--batching-max-size", "2"), "add --batching-mode dynamic, or drop it"),
         ((*HEAD, "--batching-delay-ms", "50"),
          "--batching-delay-ms on --disagg-role server does nothing without --batching-mode dynamic"),
+        ((*HEAD, "--batching-mode", "dynamic", "--batching-role-delay-ms", "vae=5"),
+         r"--batching-role-delay-ms 'vae=5': 'vae=5' is not ROLE=MS with ROLE one of encoder, prompt_encoder, "
+         "image_encoder, denoiser, decoder"),
+        ((*HEAD, "--batching-mode", "dynamic", "--batching-role-delay-ms", "encoder"), "'encoder' is not ROLE=MS"),
+        ((*HEAD, "--batching-mode", "dynamic", "--batching-role-delay-ms", "encoder=-1"),
+         r"encoder='-1' must be a number of milliseconds >= 0"),
+        ((*HEAD, "--batching-mode", "dynamic", "--batching-role-delay-ms", "decoder=soon"),
+         r"decoder='soon' must be a number of milliseconds >= 0"),
+        ((*HEAD, "--batching-mode", "dynamic", "--batching-role-delay-ms", "decoder=1,decoder=2"),
+         "decoder is given twice"),
+        ((*HEAD, "--batching-role-delay-ms", "decoder=5"),
+         "--batching-role-delay-ms on --disagg-role server does nothing without --batching-mode dynamic"),
+        (("--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--batching-role-delay-ms", "denoiser=5"),
+         "--batching-role-delay-ms is for the head"),
         ((*HEAD, "--enable-batching-metrics"),
          "--enable-batching-metrics on --disagg-role server does nothing without --batching-mode dynamic"),
     ],

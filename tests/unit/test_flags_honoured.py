@@ -85,6 +85,7 @@ SAMPLE: dict[str, Any] = {
     "--batching-mode": "dynamic",
     "--batching-max-size": 2,
     "--batching-delay-ms": 5.0,
+    "--batching-role-delay-ms": "encoder=5,denoiser=50",
     "--enable-batching-metrics": True,
     "--simulate": True,
     "--simulate-seconds": 1.0,
@@ -178,6 +179,7 @@ TESTED: dict[str, str] = {
     "--batching-mode": "tests/unit/test_head_core.py::test_random_schedules_with_batching_keep_the_same_invariants",
     "--batching-max-size": "tests/e2e/test_batching.py::test_a_full_pipeline_worker_batches_through_the_same_stages",
     "--batching-delay-ms": "tests/unit/test_head_core.py::test_random_schedules_with_batching_keep_the_same_invariants",
+    "--batching-role-delay-ms": "tests/unit/test_head_core.py::test_a_role_s_own_batching_delay_holds_its_groups_only",
     "--simulate": "tests/unit/test_simulated.py::"
     "test_a_simulated_denoiser_takes_its_modelled_time_reports_every_step_and_emits_latents",
     "--simulate-seconds": "tests/unit/test_simulated.py::"

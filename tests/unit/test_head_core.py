@@ -273,6 +273,31 @@ def test_random_schedules_with_batching_keep_the_same_invariants(seed: int) -> N
     assert all(len(e) == 1 for e in h.endings().values())
 
 
+def test_a_role_s_own_batching_delay_holds_its_groups_only() -> None:
+    """--batching-role-delay-ms encoder=1000 with --batching-delay-ms 0: requests wait a second for
+    an encoder group to fill, then leave together; the denoiser's groups, at every role's 0 ms, at once."""
+    flags = ("--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "0",
+             "--batching-role-delay-ms", "encoder=1000")  # fmt: skip
+    h = Harness(THREE_ROLES, flags, capacity={Role.ENCODER: 8, Role.DENOISER: 8, Role.DECODER: 8})
+    for w in h.workers.values():
+        w.max_batch = 4
+    h.tick()
+    h.submit("a")
+    h.submit("b")
+    h.clock.advance(0.9)
+    h.core.dispatch()
+    h.collect()
+    assert h.pending == [], "the encoder's group waits for its own delay"
+    h.clock.advance(0.1)
+    h.core.dispatch()
+    h.collect()
+    assert _kinds(h) == [("encoder", "WorkBatch")] and len(h.pending[0][1].items) == 2
+    h.deliver()
+    h.answer()
+    h.answer()  # both staged: the denoiser's group leaves with no wait
+    assert sorted(_kinds(h)) == [("denoiser", "TransferAlloc")] * 2
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_two_heads_over_shared_workers_never_oversubscribe_one_or_share_a_slot_and_every_request_ends(
     seed: int,

@@ -37,7 +37,7 @@ from triptych_operator.fields import (
     required_when,
     required_when_equal,
 )
-from triptych_operator.spec.head_fields import HEAD
+from triptych_operator.spec.head_fields import HEAD, MAX_BATCH_DELAY_MS
 from triptych_operator.spec.pod_fields import DRAIN_MARGIN_S, pod_fields, resources_field
 
 TRANSFER_MODES = ("tcp", "rdma")
@@ -174,12 +174,27 @@ def _role_batching() -> Field:
         "batched forward runs (1: each request alone); each worker holds that many times its capacity. Above 1 on "
         "any role, the head runs `--batching-mode dynamic` (docs/batching.md). Not with `gpusPerReplica` above 1."
     )
+    delay = (
+        "The longest a request waits at the head for a group of this role to fill (the head's "
+        "`--batching-role-delay-ms ROLE=MS`): a short stage waits less, a long one can wait more. Unset: "
+        "`spec.head.batching.delayMs`. Used only when `maxSize` is above 1."
+    )
     return Field(
         "batching",
         "object",
         "Batched forwards: the most compatible requests a worker of the role runs as one "
         "(--batching-max-size); above 1 the head groups requests for it (spec.head.batching).",
-        fields=(Field("maxSize", "integer", max_size, default=1, minimum=1, maximum=MAX_BATCH_SIZE),),
+        fields=(
+            Field("maxSize", "integer", max_size, default=1, minimum=1, maximum=MAX_BATCH_SIZE),
+            Field(
+                "delayMs",
+                "integer",
+                delay,
+                minimum=0,
+                maximum=MAX_BATCH_DELAY_MS,
+                doc_default="`spec.head.batching.delayMs`",
+            ),
+        ),
     )
 
 

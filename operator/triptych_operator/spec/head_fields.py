@@ -171,9 +171,9 @@ def _api_keys_secret() -> Field:
 
 def _head_batching() -> Field:
     delay = (
-        "`--batching-delay-ms`: the longest a request waits for its group to fill, for every role (the head has "
-        "one queue timer; each role's group size is its own `batching.maxSize`, which its workers heartbeat to the "
-        "head)."
+        "`--batching-delay-ms`: the longest a request waits for its group to fill, for every role without a "
+        "`batching.delayMs` of its own (each role's group size is its own `batching.maxSize`, which its workers "
+        "heartbeat to the head)."
     )
     return Field(
         "batching",

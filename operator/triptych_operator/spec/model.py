@@ -124,6 +124,8 @@ class PoolSpec:
     max_surge: int | None = dataclasses.field(metadata=bound("rollout.maxSurge"))
     # Most compatible requests a worker runs as one batched forward (--batching-max-size; 1: none).
     batch_max_size: int = dataclasses.field(metadata=bound("batching.maxSize"))
+    # How long the head lets this role's groups fill (--batching-role-delay-ms); None: the head's delayMs.
+    batch_delay_ms: int | None = dataclasses.field(metadata=bound("batching.delayMs"))
 
     def rolling_update(self) -> dict[str, int]:
         """maxUnavailable/maxSurge of the role's Deployment. Defaults never take a serving role to zero:
