@@ -146,6 +146,8 @@ class ServeArgs:
     disagg_drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     api_keys_file: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    ssl_certfile: str | None = None  # head/monolithic: serve HTTPS with this PEM certificate (chain) ...
+    ssl_keyfile: str | None = None  # ... and this PEM private key
     max_queued_requests: int | None = None  # None: no cap, deadlines decide (triptych_head.admission)
     simulate: bool = False
     simulate_seconds: float | None = None
@@ -392,6 +394,32 @@ class ServeArgs:
             raise ConfigError(f"--max-request-bytes {self.max_request_bytes} is below 1KiB; use e.g. 16MiB")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError(f"--max-queued-requests {self.max_queued_requests} must be >= 0")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        """--ssl-certfile and --ssl-keyfile: both or neither, and a certificate the key belongs to."""
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            given, missing = (
+                ("--ssl-certfile", "--ssl-keyfile") if self.ssl_keyfile is None else ("--ssl-keyfile", "--ssl-certfile")
+            )
+            raise ConfigError(f"{given} needs {missing} too (the certificate and its private key, PEM files)")
+        if self.ssl_certfile is None or self.ssl_keyfile is None:
+            return
+        import ssl
+
+        for name, path in (("--ssl-certfile", self.ssl_certfile), ("--ssl-keyfile", self.ssl_keyfile)):
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as exc:
+                raise ConfigError(f"{name} {path}: {exc.strerror or exc}") from None
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ConfigError(
+                f"--ssl-certfile {self.ssl_certfile} and --ssl-keyfile {self.ssl_keyfile} do not load as a PEM "
+                f"certificate and its private key ({exc}); an encrypted key is not supported"
+            ) from None
 
     def _validate_batching(self) -> None:
         if self.batching_mode not in BATCHING_MODES:

@@ -129,6 +129,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
            "re-read when the file changes; /health, /ready and /metrics stay open")  # fmt: skip
     a("--max-request-bytes", type=parse_size, default=d.max_request_bytes,
       help="head/monolithic: largest HTTP request body, bytes or 16MiB; larger get 413 (default 16MiB)")  # fmt: skip
+    a("--ssl-certfile", default=None, metavar="PATH",
+      help="head/monolithic: serve the HTTP API over TLS (HTTPS) with this PEM certificate, its chain after it; "
+           "with --ssl-keyfile (default: plain HTTP, for TLS terminated in front of the head)")  # fmt: skip
+    a("--ssl-keyfile", default=None, metavar="PATH",
+      help="head/monolithic: the PEM private key of --ssl-certfile (not encrypted)")  # fmt: skip
     a("--max-queued-requests", type=int, default=None, metavar="N",
       help="head/monolithic: a hard cap on requests accepted beyond what the workers can run at once; more get "
            "429 with Retry-After (default: no cap, a request is refused only when it would miss its deadline; "

@@ -113,7 +113,7 @@ def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
     )
     drain, hurry = disaggregated_drain(server, loop)
     try:
-        serve_http(create_app(ctx), ctx, args.host, args.port, args.log_level, drain, hurry)
+        serve_http(create_app(ctx), ctx, args, drain, hurry)
     finally:
         server.stop()
         loop.join(timeout=5)
@@ -165,5 +165,5 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
         **results,
     )
     drain, hurry = in_process_drain(ctx)
-    serve_http(create_app(ctx), ctx, args.host, args.port, args.log_level, drain, hurry)
+    serve_http(create_app(ctx), ctx, args, drain, hurry)
     return 0

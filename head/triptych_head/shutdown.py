@@ -24,6 +24,7 @@ from types import FrameType
 import uvicorn
 
 from triptych import startup
+from triptych.config import ServeArgs
 from triptych_head.api.context import HeadContext
 from triptych_head.server import DiffusionServer
 
@@ -123,16 +124,17 @@ async def _until_idle(ctx: HeadContext, hurry: asyncio.Event) -> None:
         await asyncio.sleep(0.05)
 
 
-def serve_http(app: object, ctx: HeadContext, host: str, port: int, log_level: str, drain: Drain,
-               hurry: Callable[[], None]) -> None:  # fmt: skip
-    """Run the HTTP API until a signal has drained it."""
+def serve_http(app: object, ctx: HeadContext, args: ServeArgs, drain: Drain, hurry: Callable[[], None]) -> None:
+    """Run the HTTP API (HTTPS with --ssl-certfile/--ssl-keyfile) until a signal has drained it."""
     config = uvicorn.Config(
         app,  # type: ignore[arg-type]
-        host=host,
-        port=port,
-        log_level=log_level,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
         access_log=False,
         timeout_graceful_shutdown=int(FLUSH_S),
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
     )
     try:
         DrainingServer(config, ctx, drain, hurry).run()

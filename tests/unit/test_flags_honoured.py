@@ -81,6 +81,8 @@ SAMPLE: dict[str, Any] = {
     "--api-keys-file": "/keys",
     "--max-request-bytes": 2048,
     "--max-queued-requests": 3,
+    "--ssl-certfile": "/tls/head.crt",
+    "--ssl-keyfile": "/tls/head.key",
     "--reference-url-networks": "10.0.0.0/8",
     "--batching-mode": "dynamic",
     "--batching-max-size": 2,
@@ -174,6 +176,8 @@ TESTED: dict[str, str] = {
     "--max-request-bytes": "tests/e2e/test_http_guards.py::test_a_declared_oversized_body_is_refused_before_it_is_sent",
     "--max-queued-requests": "tests/e2e/test_http_guards.py::"
     "test_beyond_the_bound_requests_get_429_with_retry_after_from_observed_stage_times",
+    "--ssl-certfile": "tests/e2e/test_https.py::test_the_api_is_served_over_https_and_plain_http_is_not_answered",
+    "--ssl-keyfile": "tests/e2e/test_https.py::test_the_api_is_served_over_https_and_plain_http_is_not_answered",
     "--reference-url-networks": "tests/unit/test_reference.py::"
     "test_urls_reach_public_addresses_and_the_listed_networks_only",
     "--batching-mode": "tests/unit/test_head_core.py::test_random_schedules_with_batching_keep_the_same_invariants",
