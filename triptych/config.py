@@ -448,9 +448,9 @@ class ServeArgs:
         """--batching-role-delay-ms as {role: milliseconds}; ConfigError naming a bad entry."""
         delays: dict[Role, float] = {}
         what = f"--batching-role-delay-ms {self.batching_role_delay_ms!r}"
+        roles = {r.value: r for r in WORKER_ROLES}
         for entry in filter(None, (e.strip() for e in self.batching_role_delay_ms.split(","))):
             name, sep, value = entry.partition("=")
-            roles = {r.value: r for r in WORKER_ROLES}
             role = roles.get(name.strip())
             if not sep or role is None:
                 raise ConfigError(

@@ -173,10 +173,9 @@ class HeadContext:
         """Count a new request in flight, or refuse it with a 429 and Retry-After: when its API key has
         its `key` limit in flight or has used its requests per minute (key_limits.py), when it would
         miss its deadline (None: the request timeout), or when the pipeline is at
-        --max-queued-requests (admission.py). Its estimated
-        completion, None where there is none (monolithic mode). Call it right before generate(), or
-        when a video job is created. `bounded=False`: count it whatever the load (a job accepted once
-        already, by a head that died)."""
+        --max-queued-requests (admission.py). Its estimated completion, None where there is none
+        (monolithic mode). Call it right before generate(), or when a video job is created.
+        `bounded=False`: count it whatever the load (a job accepted once already, by a head that died)."""
         retry_after_s = self.admission.limit.retry_after_s if self.admission is not None else RETRY_AFTER_S
         self.key_limits.admit(request_id, key, retry_after_s)
         try:
