@@ -45,8 +45,8 @@ def stock(model: Path, seeds: list[int]) -> dict[int, np.ndarray]:
     return out
 
 
-def generate(url: str, seed: int) -> np.ndarray:
-    r = httpx.post(f"{url}/v1/images/generations", json={**BODY, "seed": seed}, timeout=300)
+def generate(url: str, seed: int, **fields) -> np.ndarray:
+    r = httpx.post(f"{url}/v1/images/generations", json={**BODY, "seed": seed, **fields}, timeout=300)
     assert r.status_code == 200, r.text
     return np.array(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
 
@@ -67,6 +67,18 @@ def wait_until_all_free(url: str, seconds: float) -> list[dict]:
         if time.monotonic() > deadline:
             return workers
         time.sleep(0.2)
+
+
+def wait_until_denoising(url: str, seconds: float) -> bool:
+    """Whether the head at `url` dispatched a request to a denoiser and not yet to a decoder, within
+    `seconds` (its own dispatch counts: immediate, unlike the workers' once-a-second heartbeats)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        roles = httpx.get(f"{url}/health", timeout=5).json()["workers"]
+        if sum(w["dispatched"] for w in roles["denoiser"]) and not sum(w["dispatched"] for w in roles["decoder"]):
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def test_two_heads_share_the_workers_each_request_gets_stock_pixels_and_no_worker_exceeds_capacity(
@@ -97,10 +109,8 @@ def test_a_killed_head_loses_only_its_own_requests_and_its_slots_are_freed_withi
         head_b = next(p for p in dep.procs if p.url == b)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             on_a = [pool.submit(generate, a, s) for s in range(4)]
-            on_b = [pool.submit(generate, b, s) for s in range(4, 8)]
-            deadline = time.monotonic() + 60
-            while not any(w["held"] for w in workers_seen_by(a)) and time.monotonic() < deadline:
-                time.sleep(0.05)  # until the workers hold something: b's requests are in flight
+            on_b = [pool.submit(generate, b, s, num_inference_steps=500) for s in range(4, 8)]  # ~2 s each
+            assert wait_until_denoising(b, 60), "b never dispatched a request to a denoiser"
             head_b.kill()  # SIGKILL: no drain, nothing said to the workers
             results_a = [f.result() for f in on_a]
             lost_b = [f.exception(timeout=300) for f in on_b]
@@ -108,7 +118,7 @@ def test_a_killed_head_loses_only_its_own_requests_and_its_slots_are_freed_withi
         after = generate(a, 100)  # every slot is usable again
     expected = stock(model, [*range(4), 100])
     assert all(np.array_equal(results_a[s], expected[s]) for s in range(4)), "a's requests must complete, unchanged"
-    assert all(isinstance(e, httpx.HTTPError) for e in lost_b if e is not None)
+    assert all(isinstance(e, httpx.HTTPError) for e in lost_b), f"b's requests died with it: {lost_b}"
     assert np.array_equal(after, expected[100])
     assert all(w["held"] == 0 and w["others_busy"] == 0 for w in workers), workers
     assert all(w["free_bytes"] == w["pool_bytes"] for w in workers if w["pool_bytes"]), workers
@@ -122,17 +132,15 @@ def test_the_client_sends_a_killed_head_s_image_request_to_the_other_head_and_it
     from triptych_head.idempotency import LEASE_S
 
     model = tiny_models["tiny-flux"]
-    body = {**BODY, "num_inference_steps": 40, "seed": 11}  # long enough to be killed under
+    body = {**BODY, "num_inference_steps": 500, "seed": 11}  # about 2 s of denoising to be killed under
     with deployment(model, tmp_path, heads=2, head_flags=HEARTBEAT, worker_flags=HEARTBEAT) as dep:
         a, b = dep.head_urls
         head_b = next(p for p in dep.procs if p.url == b)
         client = TriptychClient([b, a], timeout=LEASE_S + 120)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(client.generate_images, body)
-            deadline = time.monotonic() + 60
-            while not any(w["held"] for w in workers_seen_by(a)) and time.monotonic() < deadline:
-                time.sleep(0.02)  # until the workers hold b's request
-            head_b.kill()  # SIGKILL under the request
+            assert wait_until_denoising(b, 60), "b never dispatched the request to a denoiser"
+            head_b.kill()  # SIGKILL under the request, while it denoises
             (png,) = answer.result(timeout=LEASE_S + 150)
         assert client.url == a, "the client moved on to the head that answered"
         again = httpx.post(f"{a}/v1/images/generations", json=body, timeout=300)
