@@ -27,6 +27,7 @@ from triptych import startup
 from triptych.config import ServeArgs
 from triptych_head.api.context import HeadContext
 from triptych_head.server import DiffusionServer
+from triptych_head.tls import CertificateReloader
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,15 @@ class DrainingServer(uvicorn.Server):
         self._hurry = hurry
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
+        self._reloading: asyncio.Task[None] | None = None  # the HTTPS certificate's (tls.py)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        config = self.config
+        if config.ssl is not None and config.ssl_certfile and config.ssl_keyfile:
+            reloader = CertificateReloader(config.ssl, str(config.ssl_certfile), str(config.ssl_keyfile))
+            self._reloading = self._loop.create_task(reloader.run())
         startup.done("listening")
 
     @contextlib.contextmanager
@@ -125,7 +131,8 @@ async def _until_idle(ctx: HeadContext, hurry: asyncio.Event) -> None:
 
 
 def serve_http(app: object, ctx: HeadContext, args: ServeArgs, drain: Drain, hurry: Callable[[], None]) -> None:
-    """Run the HTTP API (HTTPS with --ssl-certfile/--ssl-keyfile) until a signal has drained it."""
+    """Run the HTTP API (HTTPS with --ssl-certfile/--ssl-keyfile, reloaded when they change) until a
+    signal has drained it."""
     config = uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=args.host,

@@ -1,7 +1,8 @@
 """The HTTP API over TLS (--ssl-certfile / --ssl-keyfile): a real monolithic tiny-FLUX head serving
 HTTPS with a self-signed certificate. A client trusting that certificate gets the same PNG over
 HTTPS as the CLI does (`triptych generate`, trusting it through SSL_CERT_FILE); plain HTTP on the
-port gets no answer, and a client that does not trust the certificate is refused."""
+port gets no answer, and a client that does not trust the certificate is refused. A renewed pair
+swapped into the files is served to new connections without a restart."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ from triptych_dev.localdeploy import free_port_block
 pytestmark = pytest.mark.slow
 
 IMAGE = {"prompt": "a lighthouse", "size": "32x32", "seed": 4, "num_inference_steps": 2}
+
+
+def der(cert: Path) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(cert.read_text())
 
 
 def test_the_api_is_served_over_https_and_plain_http_is_not_answered(tiny_models, tmp_path: Path) -> None:
@@ -61,6 +66,16 @@ def test_the_api_is_served_over_https_and_plain_http_is_not_answered(tiny_models
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)  # no plain-HTTP answer on a TLS port
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx.get(f"{url}/health", timeout=5)  # the system's CAs do not vouch for it
+
+        renewed, renewed_key = self_signed(tmp_path / "renewed")
+        os.replace(renewed_key, key)  # as a renewal would: the files swapped under the running head
+        os.replace(renewed, cert)
+        deadline = time.monotonic() + 60
+        while ssl.PEM_cert_to_DER_cert(ssl.get_server_certificate(("127.0.0.1", port), timeout=5)) != der(cert):
+            assert time.monotonic() < deadline, "the head never served the renewed certificate"
+            time.sleep(0.5)
+        again = httpx.get(f"{url}/health", verify=ssl.create_default_context(cafile=str(cert)), timeout=5)
+        assert again.status_code == 200, "a client trusting the renewed certificate is served"
     finally:
         head.terminate()
         head.wait(timeout=60)
