@@ -90,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "serve":
         try:
             args = ServeArgs.from_namespace(ns)
+            args.check_files()
         except ConfigError as exc:
             print(f"triptych: error: {exc}", file=sys.stderr)
             return 2

@@ -394,15 +394,19 @@ class ServeArgs:
             raise ConfigError(f"--max-request-bytes {self.max_request_bytes} is below 1KiB; use e.g. 16MiB")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError(f"--max-queued-requests {self.max_queued_requests} must be >= 0")
-        self._check_tls()
-
-    def _check_tls(self) -> None:
-        """--ssl-certfile and --ssl-keyfile: both or neither, and a certificate the key belongs to."""
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             given, missing = (
                 ("--ssl-certfile", "--ssl-keyfile") if self.ssl_keyfile is None else ("--ssl-keyfile", "--ssl-certfile")
             )
             raise ConfigError(f"{given} needs {missing} too (the certificate and its private key, PEM files)")
+
+    def check_files(self) -> None:
+        """What validate() cannot check where the flags are written (the operator builds them for files
+        a pod mounts): ConfigError unless they are there as this process starts."""
+        self._check_tls_files()
+
+    def _check_tls_files(self) -> None:
+        """--ssl-certfile and --ssl-keyfile: readable, and a certificate the key belongs to."""
         if self.ssl_certfile is None or self.ssl_keyfile is None:
             return
         import ssl

@@ -60,6 +60,11 @@ OUTPUT_MOUNT: Final = "/var/lib/triptych/outputs"
 # so a Secret update reaches the file and the head re-reads it).
 API_KEYS_MOUNT: Final = "/etc/triptych/api-keys"
 API_KEYS_FILE: Final = f"{API_KEYS_MOUNT}/keys"
+# head.tls: the kubernetes.io/tls Secret's tls.crt and tls.key, mounted whole (a renewal reaches the
+# files and the head reloads them) and passed as --ssl-certfile / --ssl-keyfile.
+HEAD_TLS_MOUNT: Final = "/etc/triptych/tls"
+HEAD_TLS_CERT_FILE: Final = f"{HEAD_TLS_MOUNT}/tls.crt"
+HEAD_TLS_KEY_FILE: Final = f"{HEAD_TLS_MOUNT}/tls.key"
 # The pipeline's control-plane key set (Secret "<name>-control-keys"), read-only: --disagg-keys-dir.
 KEYS_MOUNT: Final = "/etc/triptych/keys"
 # spec.model.loras as the --lora-catalog file of the head, the denoisers and the prompt encoders: a

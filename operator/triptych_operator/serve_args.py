@@ -19,6 +19,8 @@ from triptych.serve_flags import add_serve_flags
 from triptych_operator.constants import (
     API_KEYS_FILE,
     HEAD_SCHEDULER_PORT,
+    HEAD_TLS_CERT_FILE,
+    HEAD_TLS_KEY_FILE,
     HEADS_SERVICE,
     KEYS_MOUNT,
     LORA_CATALOG_FILE,
@@ -145,6 +147,8 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         results_max_age=float(pipeline.head.results.max_age_seconds),
         results_max_bytes=pipeline.head.results.max_bytes,
         api_keys_file=API_KEYS_FILE if pipeline.head.api_keys_secret else None,
+        ssl_certfile=HEAD_TLS_CERT_FILE if pipeline.head.tls_secret_name else None,
+        ssl_keyfile=HEAD_TLS_KEY_FILE if pipeline.head.tls_secret_name else None,
         disagg_keys_dir=KEYS_MOUNT,
         otlp_endpoint=pipeline.tracing.otlp_endpoint or "",
         lora_catalog=LORA_CATALOG_FILE if pipeline.model.loras else None,

@@ -12,6 +12,7 @@ node's own logs are saved under outputs/real-node/<test>/.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import tempfile
 import time
@@ -42,6 +44,7 @@ from tests.cluster.fixtures import (
     running_processes,
 )
 from tests.e2e.test_pixels import http_image, http_video, stock_image, stock_video
+from tests.operator.tls import make_ca, make_cert
 from tests.setup_check import missing
 from triptych_dev.rollout import ServiceLoad
 
@@ -526,12 +529,20 @@ def _pipeline(
 
 
 @pytest.fixture(scope="module")
-def chart(real_node: KubeCluster) -> Iterator[str]:
-    """`helm install` of the chart with the local images; the namespace for pipelines."""
+def heads_ca(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The CA of HTTPS heads' certificates: (cert, key); the chart's metrics API is given it."""
+    return make_ca(tmp_path_factory.mktemp("heads-ca"), "heads-ca")
+
+
+@pytest.fixture(scope="module")
+def chart(real_node: KubeCluster, heads_ca: tuple[Path, Path]) -> Iterator[str]:
+    """`helm install` of the chart with the local images (and the heads' CA); the namespace for pipelines."""
     ns = "real-node-e2e"
     t0 = time.monotonic()
+    ca = f"metricsApi.headsCABundle={base64.b64encode(heads_ca[0].read_bytes()).decode()}"
     real_node.helm("install", RELEASE, str(REPO / "charts" / "triptych"), "-n", SYSTEM, "--create-namespace",
-                   "-f", str(_chart_values(real_node)), "--wait", "--timeout=180s", timeout=200)  # fmt: skip
+                   "-f", str(_chart_values(real_node)), "--set", ca, "--wait", "--timeout=180s",
+                   timeout=200)  # fmt: skip
     print(f"helm install (operator and metrics API Ready) in {time.monotonic() - t0:.1f} s")
     real_node.kubectl("create", "namespace", ns)
     try:
@@ -571,6 +582,46 @@ def test_a_wan_video_job_completes_with_frames_equal_to_stock_diffusers(
         frames = http_video(wan.http)
         print(f"video job through the head's Service in {time.monotonic() - t0:.1f} s")
     np.testing.assert_array_equal(frames, stock_video(node_models["tiny-wan"]))
+
+
+def test_a_head_with_tls_serves_https_is_probed_over_it_and_its_metrics_are_read_over_it(
+    real_node: KubeCluster, chart: str, heads_ca: tuple[Path, Path], node_models: dict[str, Path],
+    tiny_models: dict[str, Path], tmp_path: Path,
+) -> None:  # fmt: skip
+    """spec.head.tls: the head serves HTTPS with the Secret's pair (Ready: its probes are HTTPS), a client
+    trusting the CA gets stock pixels through the api Service, plain HTTP gets nothing, and the metrics
+    API (given the CA by the chart) reads the head's metrics over HTTPS, verified."""
+    name, ns = "secure", chart
+    names = f"DNS:{name}-api.{ns}.svc,DNS:{name}-head.{ns}.svc"
+    cert, key = make_cert(tmp_path, "head", heads_ca, cn=f"{name}-api", san=names, usage="serverAuth")
+    real_node.kubectl("-n", ns, "create", "secret", "tls", f"{name}-head-tls", f"--cert={cert}", f"--key={key}")
+    dp = json.loads(_pipeline_manifest(name, node_models["tiny-flux"]))
+    dp["spec"]["head"]["tls"] = {"secretName": f"{name}-head-tls"}
+    try:
+        with _pipeline(real_node, ns, name, node_models["tiny-flux"], json.dumps(dp)) as pipeline:
+            api = real_node.kubectl_json("-n", ns, "get", "service", f"{name}-api")["spec"]
+            assert api["ports"][0]["name"] == "https" and api["ports"][0]["appProtocol"] == "https"
+            url = f"https://{api['clusterIP']}:{api['ports'][0]['port']}"
+            trusted = ssl.create_default_context(cafile=str(heads_ca[0]))
+
+            def by_service_name(request: httpx.Request) -> None:  # checked against the name its certificate carries
+                request.extensions["sni_hostname"] = f"{name}-api.{ns}.svc"
+
+            hooks = {"request": [by_service_name]}
+            with httpx.Client(base_url=url, timeout=600, trust_env=False, verify=trusted, event_hooks=hooks) as https:
+                np.testing.assert_array_equal(http_image(https), stock_image(tiny_models["tiny-flux"]))
+            with pytest.raises(httpx.HTTPError):
+                pipeline.http.get("/health", timeout=10)  # the fixture's plain-HTTP client: nothing answers
+            path = f"/apis/custom.metrics.k8s.io/v1beta2/namespaces/{ns}/deployments.apps/{name}-denoiser/" \
+                "triptych_pending_work_seconds"  # fmt: skip
+
+            def read_over_https() -> bool:
+                proc = real_node.kubectl("get", "--raw", path, check=False)
+                return proc.returncode == 0 and len(json.loads(proc.stdout)["items"]) == 1
+
+            poll(read_over_https, timeout=60, interval=2, what="the metrics API reading the HTTPS head's metrics")
+    finally:
+        real_node.kubectl("-n", ns, "delete", "secret", f"{name}-head-tls", "--ignore-not-found", check=False)
 
 
 def _role_pods(cluster: KubeCluster, pipeline: Pipeline, role: str) -> list[dict]:

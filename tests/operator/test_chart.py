@@ -150,6 +150,26 @@ def test_the_chart_starts_the_metrics_api_with_flags_it_accepts(helm_bin: Path) 
     assert args.tls_cert_file.startswith(container["volumeMounts"][0]["mountPath"])
 
 
+def test_the_heads_ca_reaches_the_metrics_api_as_the_file_its_flag_names(helm_bin: Path) -> None:
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    objs = by_kind_name(render(helm_bin, f"metricsApi.headsCABundle={base64.b64encode(pem.encode()).decode()}"))
+    assert objs[("ConfigMap", f"{METRICS}-heads-ca")]["data"] == {"ca.crt": pem}
+    pod = objs[("Deployment", METRICS)]["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    args = metrics_api_parser().parse_args(container["args"])
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "heads-ca")
+    assert args.head_ca_file == f"{mount['mountPath']}/ca.crt"
+    assert {"name": "heads-ca", "configMap": {"name": f"{METRICS}-heads-ca"}} in pod["volumes"]
+    default = by_kind_name(render(helm_bin))  # unset: no CA, the flag not given (HTTPS heads scraped unverified)
+    assert (
+        metrics_api_parser()
+        .parse_args(default[("Deployment", METRICS)]["spec"]["template"]["spec"]["containers"][0]["args"])
+        .head_ca_file
+        is None
+    )
+    assert ("ConfigMap", f"{METRICS}-heads-ca") not in default
+
+
 def test_metrics_api_rbac_follows_the_extension_apiserver_convention(helm_bin: Path) -> None:
     objs = by_kind_name(render(helm_bin))
     sa = {"kind": "ServiceAccount", "name": METRICS, "namespace": "ops"}

@@ -49,11 +49,34 @@ def test_a_monitor_renders_only_where_the_prometheus_operator_crds_exist(helm_bi
 def test_the_service_monitor_scrapes_each_head_once_through_its_workers_service(helm_bin: Path) -> None:
     """A head has two Services with its labels (<pipeline>-head, <pipeline>-api); only the first is kept."""
     docs = render(helm_bin, "monitoring.serviceMonitor.enabled=true", api_versions=[PROMETHEUS_OPERATOR])
-    [endpoint] = by_kind_name(docs)[("ServiceMonitor", "rel-triptych-heads")]["spec"]["endpoints"]
-    [keep] = endpoint["relabelings"]
-    assert keep["action"] == "keep" and keep["sourceLabels"] == ["__meta_kubernetes_service_name"]
-    assert re.fullmatch(keep["regex"], "wan-head") and not re.fullmatch(keep["regex"], "wan-head-api")
-    assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+    endpoints = by_kind_name(docs)[("ServiceMonitor", "rel-triptych-heads")]["spec"]["endpoints"]
+    assert [e["port"] for e in endpoints] == ["http", "https"]  # a head has one of them (head.tls: https)
+    for endpoint in endpoints:
+        [keep] = endpoint["relabelings"]
+        assert keep["action"] == "keep" and keep["sourceLabels"] == ["__meta_kubernetes_service_name"]
+        assert re.fullmatch(keep["regex"], "wan-head") and not re.fullmatch(keep["regex"], "wan-head-api")
+        assert endpoint["path"] == "/metrics"
+
+
+@pytest.mark.parametrize("value", sorted(MONITORS))
+def test_heads_serving_https_are_scraped_over_it_with_the_tls_config_given(helm_bin: Path, value: str) -> None:
+    kind, key = MONITORS[value], "podMetricsEndpoints" if value == "podMonitor" else "endpoints"
+    default = by_kind_name(render(helm_bin, f"monitoring.{value}.enabled=true", api_versions=[PROMETHEUS_OPERATOR]))
+    [https] = [e for e in default[(kind, "rel-triptych-heads")]["spec"][key] if e["port"] == "https"]
+    assert https["scheme"] == "https" and https["tlsConfig"] == {"insecureSkipVerify": True}
+    [http] = [e for e in default[(kind, "rel-triptych-heads")]["spec"][key] if e["port"] == "http"]
+    assert "scheme" not in http and "tlsConfig" not in http
+    verified = by_kind_name(
+        render(
+            helm_bin,
+            f"monitoring.{value}.enabled=true",
+            "monitoring.headsTLSConfig.insecureSkipVerify=false",
+            "monitoring.headsTLSConfig.serverName=flux-head.ml.svc",
+            api_versions=[PROMETHEUS_OPERATOR],
+        )
+    )
+    [https] = [e for e in verified[(kind, "rel-triptych-heads")]["spec"][key] if e["port"] == "https"]
+    assert https["tlsConfig"] == {"insecureSkipVerify": False, "serverName": "flux-head.ml.svc"}
 
 
 def test_both_monitors_at_once_are_refused_naming_the_values(helm_bin: Path) -> None:

@@ -12,7 +12,7 @@ from triptych.cli import build_parser
 from triptych.config import HEAD_SHUTDOWN_OVERHEAD_S, ServeArgs
 from triptych.ports import MOONCAKE_PORT_RANGE
 from triptych.roles import Role
-from triptych_operator.constants import GPU_RESOURCE, HEAD_SCHEDULER_PORT, WORKER_PORT
+from triptych_operator.constants import GPU_RESOURCE, HEAD_HTTP_PORT, HEAD_SCHEDULER_PORT, WORKER_PORT
 from triptych_operator.manifests import Manifest, render
 from triptych_operator.spec.model import SpecError
 
@@ -446,6 +446,41 @@ def test_without_api_keys_the_head_mounts_no_secret_and_gets_no_keys_flag() -> N
     deployment = children()[("Deployment", "wan-t2v-head")]
     assert parse_serve(container(deployment)).api_keys_file is None
     assert all(v["name"] != "api-keys" for v in deployment["spec"]["template"]["spec"]["volumes"])
+
+
+def test_head_tls_serves_https_from_the_secret_and_everything_that_reaches_the_api_speaks_it() -> None:
+    head = {"tls": {"secretName": "wan-head-tls"}, "ingress": {"enabled": True, "host": "wan.example.com"}}
+    objs = children(minimal_spec(head=head))
+    deployment = objs[("Deployment", "wan-t2v-head")]
+    c = container(deployment)
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+    assert volume["secret"]["secretName"] == "wan-head-tls"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "tls")
+    assert mount["readOnly"] is True and "subPath" not in mount  # a renewal reaches the files; the head reloads
+    args = parse_serve(c)
+    assert (args.ssl_certfile, args.ssl_keyfile) == (f"{mount['mountPath']}/tls.crt", f"{mount['mountPath']}/tls.key")
+    assert {"name": "https", "containerPort": HEAD_HTTP_PORT, "protocol": "TCP"} in c["ports"]
+    assert all(p["name"] != "http" for p in c["ports"])
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS" and c[probe]["httpGet"]["port"] == "https", probe
+    https = {"name": "https", "port": HEAD_HTTP_PORT, "targetPort": "https", "protocol": "TCP", "appProtocol": "https"}
+    assert objs[("Service", "wan-t2v-api")]["spec"]["ports"] == [https]
+    assert https in objs[("Service", "wan-t2v-head")]["spec"]["ports"]
+    assert all(p["name"] != "https" for p in objs[("Service", "wan-t2v-heads")]["spec"]["ports"])
+    ingress = objs[("Ingress", "wan-t2v-api")]
+    assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] == {"name": "https"}
+    assert ingress["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/backend-protocol": "HTTPS"}
+
+
+def test_without_head_tls_the_api_is_http_and_nothing_mentions_tls() -> None:
+    objs = children(minimal_spec(head={"ingress": {"enabled": True, "host": "wan.example.com"}}))
+    c = container(objs[("Deployment", "wan-t2v-head")])
+    assert parse_serve(c).ssl_certfile is None and all(m["name"] != "tls" for m in c["volumeMounts"])
+    assert "scheme" not in c["readinessProbe"]["httpGet"]
+    assert objs[("Service", "wan-t2v-api")]["spec"]["ports"] == [
+        {"name": "http", "port": HEAD_HTTP_PORT, "targetPort": "http", "protocol": "TCP"}
+    ]
+    assert "annotations" not in objs[("Ingress", "wan-t2v-api")]["metadata"]
 
 
 # --- control-plane keys and NetworkPolicies -------------------------------------------------

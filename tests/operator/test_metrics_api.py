@@ -25,7 +25,13 @@ from triptych_operator.metrics_api.auth import Authorizer, RequestHeaderConfig
 from triptych_operator.metrics_api.main import server_tls
 from triptych_operator.metrics_api.prometheus import add, parse_role_gauges
 from triptych_operator.metrics_api.server import build_app, quantity
-from triptych_operator.metrics_api.source import HeadMetricsSource, http_fetcher, ready_addresses, split_deployment_name
+from triptych_operator.metrics_api.source import (
+    HeadMetricsSource,
+    heads_tls,
+    http_fetcher,
+    ready_addresses,
+    split_deployment_name,
+)
 
 HEAD_PAGE = """\
 # HELP triptych_role_pending_work_seconds Estimated device-seconds of queued and running work
@@ -101,11 +107,13 @@ class FakeReader:
         return self.endpoints.get(service, [])
 
 
-def pipeline(name: str, url: str | None = None, port: int | None = None) -> dict[str, Any]:
+def pipeline(name: str, url: str | None = None, port: int | None = None, tls: bool = False) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "namespace": "ml"}
     if url:
         meta["annotations"] = {HEAD_METRICS_URL_ANNOTATION: url}
     spec: dict[str, Any] = {"head": {"port": port}} if port else {}
+    if tls:
+        spec["head"]["tls"] = {"secretName": f"{name}-head-tls"}
     return {"metadata": meta, "spec": spec}
 
 
@@ -117,7 +125,8 @@ class Heads:
         self.hits = 0
         self.servers: list[http.server.ThreadingHTTPServer] = []
 
-    def start(self, page: str) -> int:
+    def start(self, page: str, tls: ssl.SSLContext | None = None) -> int:
+        """A head serving `page` at /metrics, over HTTPS with `tls`; its port."""
         heads = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -134,6 +143,8 @@ class Heads:
                 pass
 
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is not None:
+            server.socket = tls.wrap_socket(server.socket, server_side=True)
         port = server.server_address[1]
         self.pages[port] = page
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -203,6 +214,38 @@ def test_an_unreachable_head_makes_the_metric_absent_and_is_logged_once(
         asyncio.run(run())
     warnings = [r for r in caplog.records if "cannot read its head's metrics" in r.getMessage()]
     assert len(warnings) == 1 and "ml/flux" in warnings[0].getMessage()
+
+
+def test_heads_serving_https_are_scraped_over_it_and_checked_against_the_ca_and_their_service_name(
+    heads: Heads, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ca = make_ca(tmp_path, "heads-ca")
+    tls = {}
+    for name, san in (("flux", "DNS:flux-head.ml.svc"), ("other", "DNS:other-head.elsewhere.svc")):
+        cert, key = make_cert(tmp_path, name, ca, cn=name, san=san, usage="serverAuth")
+        tls[name] = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls[name].load_cert_chain(cert, key)
+    good, wrong_name = heads.start(HEAD_PAGE, tls["flux"]), heads.start(HEAD_PAGE, tls["other"])
+    reader = FakeReader(
+        {"flux": pipeline("flux", port=good, tls=True), "impostor": pipeline("impostor", port=wrong_name, tls=True),
+         "plain": pipeline("plain", port=good)},
+        {"flux-head": ["127.0.0.1"], "impostor-head": ["127.0.0.1"], "plain-head": ["127.0.0.1"]},
+    )  # fmt: skip
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            verified = HeadMetricsSource(reader, http_fetcher(session, 5.0, heads_tls(str(ca[0]))))
+            flux = await _values(verified, "flux")
+            assert flux["denoiser"]["triptych_pending_work_seconds"] == 42.5
+            assert await _values(verified, "impostor") is None, "a certificate for another name is refused"
+            assert await _values(verified, "plain") is None, "plain HTTP to a HTTPS head gets nothing"
+            unverified = HeadMetricsSource(reader, http_fetcher(session, 5.0))
+            assert (await _values(unverified, "impostor"))["denoiser"]["triptych_pending_work_seconds"] == 42.5
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(run())
+    refused = [r.getMessage() for r in caplog.records if "ml/impostor" in r.getMessage()]
+    assert len(refused) == 1 and "certificate" in refused[0].lower(), refused
 
 
 def test_a_pipeline_without_a_ready_head_has_no_metrics() -> None:

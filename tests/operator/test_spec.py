@@ -139,6 +139,9 @@ def test_head_drain_and_results_fields_are_checked_naming_the_field(head: dict, 
 
 def test_api_keys_secret_needs_a_name_and_its_key_defaults_to_keys() -> None:
     assert error_for(minimal_spec(head={"apiKeysSecret": {"key": "k"}})).field == "spec.head.apiKeysSecret.name"
+    assert error_for(minimal_spec(head={"tls": {}})).field == "spec.head.tls.secretName"
+    assert error_for(minimal_spec(head={"tls": {"secretName": ""}})).field == "spec.head.tls.secretName"
+    assert pipeline(minimal_spec(head={"tls": {"secretName": "t"}})).head.tls_secret_name == "t"
     ref = pipeline(minimal_spec(head={"apiKeysSecret": {"name": "dp-keys"}})).head.api_keys_secret
     assert ref is not None and (ref.name, ref.key) == ("dp-keys", "keys")
     assert pipeline(minimal_spec()).head.api_keys_secret is None

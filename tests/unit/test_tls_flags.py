@@ -1,8 +1,12 @@
-"""--ssl-certfile / --ssl-keyfile: both or neither, readable, and a certificate with its own key;
-each refusal one line naming the flag (triptych/config.py). Only the processes serving HTTP take them."""
+"""--ssl-certfile / --ssl-keyfile: both or neither (checked with the other flags, also where the
+operator writes them), readable and a certificate with its own key (checked as the process starts:
+`triptych serve` refuses in one line naming the flag, triptych/config.py). Only the processes serving
+HTTP take them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,10 @@ from triptych.config import ConfigError, ServeArgs
 
 
 def parse(*argv: str) -> ServeArgs:
-    return ServeArgs.from_namespace(build_parser().parse_args(["serve", "--model-path", "m", *argv]))
+    """As `triptych serve` takes them: parsed, validated, then the files checked."""
+    args = ServeArgs.from_namespace(build_parser().parse_args(["serve", "--model-path", "m", *argv]))
+    args.check_files()
+    return args
 
 
 def test_a_certificate_and_its_key_are_taken(tmp_path: Path) -> None:
@@ -49,3 +56,17 @@ def test_a_worker_does_not_take_them(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--ssl-certfile"):
         parse("--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--ssl-certfile", str(cert),
               "--ssl-keyfile", str(key))  # fmt: skip
+
+
+def test_the_files_are_checked_as_the_process_starts_not_where_the_flags_are_written(tmp_path: Path) -> None:
+    argv = ["serve", "--model-path", "m", "--ssl-certfile", "/etc/triptych/tls/tls.crt",
+            "--ssl-keyfile", "/etc/triptych/tls/tls.key"]  # fmt: skip
+    args = ServeArgs.from_namespace(build_parser().parse_args(argv))  # as the operator checks a head's args
+    assert args.ssl_certfile == "/etc/triptych/tls/tls.crt"
+    with pytest.raises(ConfigError, match=r"--ssl-certfile /etc/triptych/tls/tls.crt: No such file"):
+        args.check_files()
+    run = subprocess.run([sys.executable, "-m", "triptych", *argv], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "triptych: error: --ssl-certfile /etc/triptych/tls/tls.crt: No such file or directory"
+    ]

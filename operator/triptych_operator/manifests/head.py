@@ -10,6 +10,7 @@ from triptych_operator.constants import (
     API_KEYS_MOUNT,
     HEAD_COMPONENT,
     HEAD_SCHEDULER_PORT,
+    HEAD_TLS_MOUNT,
     HEADS_SERVICE,
     OUTPUT_MOUNT,
 )
@@ -35,6 +36,23 @@ HEAD_HEALTH_PATH = "/health"  # the head API's liveness route (head/triptych_hea
 HEAD_READY_PATH = "/ready"  # its readiness route: 503 from the moment it drains (SIGTERM)
 HEAD_READY_PERIOD_S = 2
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+# ingress-nginx's way of being told its backend speaks HTTPS (head.tls); other controllers read the
+# Service port's appProtocol.
+NGINX_BACKEND_PROTOCOL = "nginx.ingress.kubernetes.io/backend-protocol"
+
+
+def api_port_name(pipeline: PipelineSpec) -> str:
+    """The name of the heads' HTTP API port: `https` when they serve HTTPS (head.tls), else `http`."""
+    return "https" if pipeline.head.tls_secret_name else "http"
+
+
+def _api_service_port(pipeline: PipelineSpec) -> Manifest:
+    """The API port as a Service exposes it (appProtocol https for controllers that read it)."""
+    name = api_port_name(pipeline)
+    port: Manifest = {"name": name, "port": pipeline.head.port, "targetPort": name, "protocol": "TCP"}
+    if pipeline.head.tls_secret_name:
+        port["appProtocol"] = "https"
+    return port
 
 
 def _result_port_name(role: Role) -> str:
@@ -47,7 +65,7 @@ def _result_port_name(role: Role) -> str:
 def _head_ports(pipeline: PipelineSpec) -> list[Manifest]:
     """HTTP and the result ports workers push to. The frontend (the scheduler port itself) is the
     head's in-process socket on loopback; workers only derive the result ports from its number."""
-    ports = [{"name": "http", "containerPort": pipeline.head.port}]
+    ports = [{"name": api_port_name(pipeline), "containerPort": pipeline.head.port}]
     ports += [
         {"name": _result_port_name(role), "containerPort": result_port(HEAD_SCHEDULER_PORT, role)}
         for role in pipeline.roles
@@ -55,12 +73,15 @@ def _head_ports(pipeline: PipelineSpec) -> list[Manifest]:
     return [{**p, "protocol": "TCP"} for p in ports]
 
 
-def _headstandard_probes() -> dict[str, Manifest]:
+def _headstandard_probes(pipeline: PipelineSpec) -> dict[str, Manifest]:
     """Liveness (and startup) on /health, which stays 200 while the head drains so it is not killed
-    mid-drain; readiness on /ready, which fails at once on SIGTERM so the api Service drops it."""
-    probes = standard_probes({"httpGet": {"path": HEAD_HEALTH_PATH, "port": "http"}})
+    mid-drain; readiness on /ready, which fails at once on SIGTERM so the api Service drops it. Over
+    HTTPS with head.tls (the kubelet does not verify the certificate)."""
+    scheme = {"scheme": "HTTPS"} if pipeline.head.tls_secret_name else {}
+    port = api_port_name(pipeline)
+    probes = standard_probes({"httpGet": {"path": HEAD_HEALTH_PATH, "port": port, **scheme}})
     probes["readinessProbe"] = {
-        "httpGet": {"path": HEAD_READY_PATH, "port": "http"},
+        "httpGet": {"path": HEAD_READY_PATH, "port": port, **scheme},
         "periodSeconds": HEAD_READY_PERIOD_S,
         "timeoutSeconds": HEAD_READY_PERIOD_S,
         "failureThreshold": 2,  # out of the api Service within 4 s; one slow answer is not enough
@@ -107,6 +128,17 @@ def head_apicontrol_keys_volume(pipeline: PipelineSpec) -> tuple[list[Manifest],
     return [volume], [{"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True}]
 
 
+def head_tls_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest]]:
+    """(volumes, mounts) of head.tls: the Secret's tls.crt and tls.key where --ssl-certfile/--ssl-keyfile
+    name them, mounted whole (never subPath) so a renewal reaches the files and the head reloads them."""
+    name = pipeline.head.tls_secret_name
+    if name is None:
+        return [], []
+    items = [{"key": key, "path": key} for key in ("tls.crt", "tls.key")]
+    volume = {"name": "tls", "secret": {"secretName": name, "items": items, "defaultMode": 0o440}}
+    return [volume], [{"name": "tls", "mountPath": HEAD_TLS_MOUNT, "readOnly": True}]
+
+
 def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: str = "") -> Manifest:
     """The GPU-less head: HTTP API plus the scheduler frontend and result sockets."""
     head = pipeline.head
@@ -114,7 +146,8 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
     keys_volume, keys_mount = control_keys_volume(pipeline, "head")
     api_key_volumes, api_key_mounts = head_apicontrol_keys_volume(pipeline)
     lora_volumes, lora_mounts = lora_catalog_volume(pipeline)
-    volumes, mounts = [*volumes, *lora_volumes], [*mounts, *lora_mounts]
+    tls_volumes, tls_mounts = head_tls_volume(pipeline)
+    volumes, mounts = [*volumes, *lora_volumes, *tls_volumes], [*mounts, *lora_mounts, *tls_mounts]
     container: Manifest = {
         "name": HEAD_COMPONENT,
         "image": pipeline.head_image,
@@ -125,7 +158,7 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
         "resources": container_resources(head.resources, {}),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [*mounts, {"name": "outputs", "mountPath": OUTPUT_MOUNT}, keys_mount, *api_key_mounts],
-        **_headstandard_probes(),
+        **_headstandard_probes(pipeline),
         # Deleted, it keeps serving while every Service and proxy stops routing to it; SIGTERM (the
         # drain: new requests get a 503) comes after, when none should arrive. Part of the grace period.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(HEAD_UNROUTE_S)]}}},
@@ -185,7 +218,9 @@ def head_service(pipeline: PipelineSpec) -> Manifest:
     heads at its endpoints and the chart's ServiceMonitor scrapes them through it. The result ports
     stay so that workers started with an earlier operator's `tcp://<name>-head` keep reporting while
     they roll onto `<name>-heads`."""
-    ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]} for p in _head_ports(pipeline)]
+    api = api_port_name(pipeline)
+    results = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+               for p in _head_ports(pipeline) if p["name"] != api]  # fmt: skip
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -196,7 +231,7 @@ def head_service(pipeline: PipelineSpec) -> Manifest:
             # A draining head (not ready by design) still holds work whose metrics count, and which
             # workers must reach to report; readiness governs only the public api Service.
             "publishNotReadyAddresses": True,
-            "ports": [{**p, "protocol": "TCP"} for p in ports],
+            "ports": [_api_service_port(pipeline), *results],
         },
     }
 
@@ -206,7 +241,7 @@ def heads_service(pipeline: PipelineSpec) -> Manifest:
     worker's `--disagg-server-addr dns://<name>-heads...:5555` serves (it derives the result ports from
     5555). Not-ready heads are listed too: a draining head must still get the reports of the work it
     is finishing, and a new head must be found before it can be ready."""
-    ports = [p for p in _head_ports(pipeline) if p["name"] != "http"]
+    ports = [p for p in _head_ports(pipeline) if p["name"] != api_port_name(pipeline)]
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -253,7 +288,7 @@ def api_service(pipeline: PipelineSpec) -> Manifest:
         "spec": {
             "type": pipeline.head.service_type,
             "selector": labels(pipeline, HEAD_COMPONENT),
-            "ports": [{"name": "http", "port": pipeline.head.port, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [_api_service_port(pipeline)],
         },
     }
 
@@ -263,7 +298,7 @@ def head_ingress(pipeline: PipelineSpec) -> Manifest | None:
     if not ingress.enabled:
         return None
     name = object_name(pipeline.name, API_COMPONENT)
-    backend = {"service": {"name": name, "port": {"name": "http"}}}
+    backend = {"service": {"name": name, "port": {"name": api_port_name(pipeline)}}}
     spec: Manifest = {
         "rules": [{"host": ingress.host, "http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": backend}]}}]
     }
@@ -271,9 +306,7 @@ def head_ingress(pipeline: PipelineSpec) -> Manifest | None:
         spec["ingressClassName"] = ingress.class_name
     if ingress.tls_secret_name:
         spec["tls"] = [{"hosts": [ingress.host], "secretName": ingress.tls_secret_name}]
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "Ingress",
-        "metadata": object_metadata(pipeline, HEAD_COMPONENT, name),
-        "spec": spec,
-    }
+    metadata = object_metadata(pipeline, HEAD_COMPONENT, name)
+    if pipeline.head.tls_secret_name:  # the heads speak HTTPS: so must the controller, to them
+        metadata["annotations"] = {NGINX_BACKEND_PROTOCOL: "HTTPS"}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": metadata, "spec": spec}

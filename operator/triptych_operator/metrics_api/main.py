@@ -28,6 +28,7 @@ from triptych_operator.metrics_api.source import (
     DEFAULT_SCRAPE_TIMEOUT_S,
     HeadMetricsSource,
     KubePipelineReader,
+    heads_tls,
     http_fetcher,
 )
 
@@ -52,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_SCRAPE_TIMEOUT_S,
         help=f"seconds to wait for a head's /metrics (default {DEFAULT_SCRAPE_TIMEOUT_S})",
+    )
+    parser.add_argument(
+        "--head-ca-file",
+        default=None,
+        help="PEM CA that signs the certificates of heads serving HTTPS (spec.head.tls); each must name "
+        "<pipeline>-head.<namespace>.svc. Unset: HTTPS heads are scraped without verifying them",
     )
     parser.add_argument("--kubeconfig", default=None, help="default: in-cluster service account, else $KUBECONFIG")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -81,10 +88,12 @@ async def serve(args: argparse.Namespace) -> None:
     kube = api_client(args.kubeconfig)
     auth_config = await asyncio.to_thread(read_request_header_config, kube)
     tls = server_tls(args.tls_cert_file, args.tls_private_key_file, auth_config.client_ca_pem)
+    heads = heads_tls(args.head_ca_file)
+    if heads is None:
+        log.info("--head-ca-file unset: heads serving HTTPS are scraped without verifying their certificates")
     async with aiohttp.ClientSession() as session:
-        source = HeadMetricsSource(
-            KubePipelineReader(kube), http_fetcher(session, args.scrape_timeout), cache_seconds=args.cache_seconds
-        )
+        fetch = http_fetcher(session, args.scrape_timeout, heads)
+        source = HeadMetricsSource(KubePipelineReader(kube), fetch, cache_seconds=args.cache_seconds)
         app = build_app(source, Authorizer(kube_review(kube)), auth_config)
         runner = web.AppRunner(app, access_log=log if args.verbose else None)
         await runner.setup()

@@ -5,12 +5,17 @@ ready endpoints of its `<pipeline>-head` Service (EndpointSlices), or at the URL
 `triptych.ai/head-metrics-url` annotation. Values are summed over the heads. When a head cannot
 be scraped the metrics are absent (the HPA then holds its replica count) and this is logged once
 until it recovers.
+
+Heads of a pipeline with `spec.head.tls` serve HTTPS and are scraped over it: with --head-ca-file
+their certificate is verified against that CA and the name `<pipeline>-head.<namespace>.svc`
+(they are reached by pod address); without it the scrape is encrypted but not verified.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -50,7 +55,8 @@ class PipelineReader(Protocol):
         ...
 
 
-Fetch = Callable[[str], Awaitable[str]]
+# GET a /metrics page: (url, the name a HTTPS head's certificate must carry or None for the URL's host).
+Fetch = Callable[[str, str | None], Awaitable[str]]
 
 
 def split_deployment_name(name: str) -> tuple[str, str] | None:
@@ -63,16 +69,32 @@ def split_deployment_name(name: str) -> tuple[str, str] | None:
     return None
 
 
+def _head_spec(pipeline: Mapping[str, Any]) -> Mapping[str, Any]:
+    return (pipeline.get("spec") or {}).get("head") or {}
+
+
 def head_metrics_urls(pipeline: Mapping[str, Any], reader: PipelineReader) -> list[str]:
-    """The /metrics URLs of a pipeline's heads: the annotation's, else its head Service's ready endpoints."""
+    """The /metrics URLs of a pipeline's heads: the annotation's, else its head Service's ready endpoints
+    (https:// when the heads serve HTTPS, spec.head.tls)."""
     meta = pipeline["metadata"]
     override = (meta.get("annotations") or {}).get(HEAD_METRICS_URL_ANNOTATION)
     if override:
         return [url.strip() for url in override.split(",") if url.strip()]
-    port = ((pipeline.get("spec") or {}).get("head") or {}).get("port", HEAD_HTTP_PORT)
+    head = _head_spec(pipeline)
+    scheme = "https" if head.get("tls") else "http"
     service = object_name(meta["name"], HEAD_COMPONENT)
     hosts = reader.ready_addresses(meta["namespace"], service)
-    return [f"http://{f'[{h}]' if ':' in h else h}:{port}{METRICS_PATH}" for h in hosts]
+    port = head.get("port", HEAD_HTTP_PORT)
+    return [f"{scheme}://{f'[{h}]' if ':' in h else h}:{port}{METRICS_PATH}" for h in hosts]
+
+
+def head_server_name(pipeline: Mapping[str, Any]) -> str | None:
+    """The name a HTTPS head's certificate is checked against when it is reached by pod address: its
+    internal Service's (`<pipeline>-head.<namespace>.svc`); None for the annotation's URLs (their host)."""
+    meta = pipeline["metadata"]
+    if (meta.get("annotations") or {}).get(HEAD_METRICS_URL_ANNOTATION) or not _head_spec(pipeline).get("tls"):
+        return None
+    return f"{object_name(meta['name'], HEAD_COMPONENT)}.{meta['namespace']}.svc"
 
 
 @dataclass
@@ -135,7 +157,8 @@ class HeadMetricsSource:
             urls = await asyncio.to_thread(head_metrics_urls, pipeline, self.reader)
             if not urls:
                 raise LookupError(f"no ready head endpoint for {object_name(name, HEAD_COMPONENT)}")
-            pages = await asyncio.gather(*(self.fetch(url) for url in urls))
+            server_name = head_server_name(pipeline)
+            pages = await asyncio.gather(*(self.fetch(url, server_name) for url in urls))
         except Exception as exc:  # any failure means "no metric": the HPA holds rather than acts on a guess
             self._report_failure((namespace, name), f"{type(exc).__name__}: {exc}")
             return None
@@ -157,12 +180,26 @@ class HeadMetricsSource:
         self._failing[key] = reason
 
 
-def http_fetcher(session: aiohttp.ClientSession, timeout_s: float = DEFAULT_SCRAPE_TIMEOUT_S) -> Fetch:
-    """GET a /metrics page; a non-2xx answer or a timeout raises."""
+def heads_tls(ca_file: str | None) -> ssl.SSLContext | None:
+    """How HTTPS heads are checked: against the CA in `ca_file` (PEM); None: not at all (encrypted only)."""
+    return None if ca_file is None else ssl.create_default_context(cafile=ca_file)
+
+
+def http_fetcher(
+    session: aiohttp.ClientSession, timeout_s: float = DEFAULT_SCRAPE_TIMEOUT_S, tls: ssl.SSLContext | None = None
+) -> Fetch:
+    """GET a /metrics page; a non-2xx answer, a timeout or (with `tls`) a certificate that its CA did
+    not sign for the server name raises."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def fetch(url: str) -> str:
-        async with session.get(url, timeout=timeout) as resp:
+    async def fetch(url: str, server_name: str | None) -> str:
+        if not url.startswith("https:"):
+            checks: dict[str, Any] = {}
+        elif tls is None:
+            checks = {"ssl": False}
+        else:
+            checks = {"ssl": tls, "server_hostname": server_name}
+        async with session.get(url, timeout=timeout, **checks) as resp:
             resp.raise_for_status()
             return await resp.text()
 

@@ -61,6 +61,22 @@ def _ingress() -> Field:
     )
 
 
+def _tls() -> Field:
+    secret = (
+        "A `kubernetes.io/tls` Secret in the pipeline's namespace (`tls.crt`, `tls.key`; e.g. cert-manager's), "
+        "mounted read-only at `/etc/triptych/tls` and passed as `--ssl-certfile` / `--ssl-keyfile`: the heads "
+        "serve HTTPS on `port` (the Services' port is then named `https`, with `appProtocol: https`; probes use "
+        "HTTPS). A renewed certificate is picked up without a restart. Its names should cover what clients and "
+        "the metrics API use: the `<name>-api` Service or Ingress host, and `<name>-head.<namespace>.svc`."
+    )
+    return Field(
+        "tls",
+        "object",
+        "HTTPS on the heads themselves (--ssl-certfile/--ssl-keyfile); unset: HTTP (TLS may end at the Ingress).",
+        fields=(Field("secretName", "string", secret, min_length=1, required=True),),
+    )
+
+
 def _s3() -> Field:
     url = (
         "`--results-store`: `s3://BUCKET/PREFIX` of an S3-compatible bucket every head reads and writes (checked as "
@@ -251,6 +267,7 @@ def _head() -> Field:
             Field("drainSeconds", "integer", drain, default=DEFAULT_HEAD_DRAIN_SECONDS, minimum=MIN_HEAD_DRAIN_SECONDS),
             _results(),
             _api_keys_secret(),
+            _tls(),
             Field("port", "integer", port, default=HEAD_HTTP_PORT, minimum=1, maximum=65535),
             resources_field("head"),
             *pod_fields("head"),

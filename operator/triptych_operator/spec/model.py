@@ -235,6 +235,8 @@ class HeadSpec:
     results: ResultsSpec
     # The HTTP API's keys (--api-keys-file): one per line in this Secret key; None: the API is open.
     api_keys_secret: SecretKeyRef | None
+    # A kubernetes.io/tls Secret: the heads serve HTTPS with it (--ssl-certfile/--ssl-keyfile); None: HTTP.
+    tls_secret_name: str | None = dataclasses.field(metadata=bound("tls.secretName"))
     port: int
     resources: Mapping[str, Any]
     node_selector: Mapping[str, str]
