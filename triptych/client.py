@@ -10,15 +10,16 @@ It speaks HTTP only (no ZMQ, no access to workers), so it works against any head
 one URL (a Service or an Ingress in front of several heads) or several heads' URLs, tried in turn.
 
 Retries (`retries`, 3 by default; 0: none): a head can die or restart under a request. Every
-generation POST that is not streamed carries an `Idempotency-Key` (a new UUID per call, or the
+generation POST, streamed or not, carries an `Idempotency-Key` (a new UUID per call, or the
 caller's `idempotency_key`), so the head side runs it once however often it is sent
 (docs/results.md), and the client sends it again when the connection broke or could not be made,
 when a proxy answered 502, 503 or 504 (its head went away), and on 429 or 409 with a Retry-After
 (overloaded, a key's limit, the first attempt still running) after waiting that long, at most
 MAX_RETRY_AFTER_S. A connection failure moves on to the next URL at once; the other retries wait
-a growing backoff. GETs retry the same way (they change nothing); a streamed request is sent again
-only when no head took it (it cannot carry a key, so a stream cut midway is an error); a read
-that timed out is never retried (`timeout` is the caller's bound).
+a growing backoff. GETs retry the same way (they change nothing). A stream cut before its last
+event is sent again too: a job's events from the start, a streamed image request under its key
+(its progress again from the run that takes it over, or only its `completed` event when it had
+finished). A read that timed out is never retried (`timeout` is the caller's bound).
 """
 
 from __future__ import annotations
@@ -175,33 +176,49 @@ class TriptychClient:
         if wait or round_trip:
             self._sleep(wait or BACKOFF_S[min(round_trip, len(BACKOFF_S)) - 1])
 
+    def _keyed(self, idempotency_key: str | None, kwargs: dict[str, Any]) -> bool:
+        """Give a generation POST its Idempotency-Key when it may be sent again (or the caller named
+        one); whether it has one."""
+        if not (self.retries or idempotency_key):
+            return False
+        key = idempotency_key or str(uuid.uuid4())
+        kwargs["headers"] = {**kwargs.get("headers", {}), IDEMPOTENCY_HEADER: key}
+        return True
+
     def _generation(self, path: str, idempotency_key: str | None, **kwargs: Any) -> httpx.Response:
         """A generation POST, with an Idempotency-Key when it may be retried."""
-        if self.retries or idempotency_key:
-            key = idempotency_key or str(uuid.uuid4())
-            kwargs["headers"] = {**kwargs.get("headers", {}), IDEMPOTENCY_HEADER: key}
-            return self._request("POST", path, **kwargs)
-        return self._request("POST", path, idempotent=False, **kwargs)
+        return self._request("POST", path, idempotent=self._keyed(idempotency_key, kwargs), **kwargs)
+
+    def _streamed_generation(self, path: str, idempotency_key: str | None, **kwargs: Any) -> Iterator[Event]:
+        """A generation POST with stream: true; with a key, a cut stream is sent again (under it)."""
+        return self._events("POST", path, resumable=self._keyed(idempotency_key, kwargs), **kwargs)
 
     def _events(self, method: str, path: str, resumable: bool = False, **kwargs: Any) -> Iterator[Event]:
         """The Server-Sent Events of `path`; `resumable` (a GET of a job's events, which any head
-        serves from the start): a connection lost midway is opened again, on the next URL."""
+        serves from the start, or a streamed POST under an Idempotency-Key): a connection lost
+        midway is opened again, on the next URL, as are a proxy's 502-504 and a 409/429 with a
+        Retry-After."""
         failures: list[str] = []
         attempt = 0
         while True:
             url = self.url
+            wait: float | None = None
             try:
                 with self.http.stream(method, url + path, **kwargs) as response:
                     if response.status_code >= 400:
                         response.read()
-                        raise ClientError(f"{response.status_code}: {_error_text(response)}")
-                    for event in iter_sse(response.iter_lines()):
-                        yield event
-                        if event.event in ("completed", "error"):
-                            return
-                if not resumable or attempt >= self.retries:
-                    return  # the caller sees the stream end without a result
-                failures.append(f"{url}: the stream ended before the job did (its head stopped?)")
+                        wait = _wait_for(response) if resumable and attempt < self.retries else None
+                        if wait is None:
+                            raise ClientError(f"{response.status_code}: {_error_text(response)}")
+                        failures.append(f"{url}: {response.status_code} {_error_text(response)}")
+                    else:
+                        for event in iter_sse(response.iter_lines()):
+                            yield event
+                            if event.event in ("completed", "error"):
+                                return
+                        if not resumable or attempt >= self.retries:
+                            return  # the caller sees the stream end without a result
+                        failures.append(f"{url}: the stream ended before its result (its head stopped?)")
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never connected: nothing was lost
                 failures.append(f"{url}: {exc or type(exc).__name__}")
                 if attempt >= self.retries:
@@ -210,7 +227,10 @@ class TriptychClient:
                 failures.append(f"{url}: {exc or type(exc).__name__}")
                 if not resumable or isinstance(exc, httpx.ReadTimeout) or attempt >= self.retries:
                     raise ClientError(f"lost the connection to {url}: {exc}") from None
-            self._failover(attempt)
+            if wait is not None and response.status_code in WAIT_STATUSES:
+                self._sleep(wait)  # the same head may answer: it is overloaded, or the run still goes
+            else:
+                self._failover(attempt, wait)
             attempt += 1
 
     def generate_images(self, body: dict[str, Any], idempotency_key: str | None = None) -> list[bytes]:
@@ -219,9 +239,9 @@ class TriptychClient:
             self._generation("/v1/images/generations", idempotency_key, json={**body, "response_format": "b64_json"})
         )
 
-    def stream_images(self, body: dict[str, Any]) -> Iterator[Event]:
+    def stream_images(self, body: dict[str, Any], idempotency_key: str | None = None) -> Iterator[Event]:
         """POST /v1/images/generations with stream: its progress events, the last `completed` or `error`."""
-        return self._events("POST", "/v1/images/generations", json={**body, "stream": True})
+        return self._streamed_generation("/v1/images/generations", idempotency_key, json={**body, "stream": True})
 
     def edit_images(self, body: dict[str, Any], image: Reference, idempotency_key: str | None = None) -> list[bytes]:
         """The PNGs of POST /v1/images/edits: `body` (prompt, size, seed, ...) applied to `image`."""
@@ -229,9 +249,11 @@ class TriptychClient:
             self._generation("/v1/images/edits", idempotency_key, **image.form({**body, "response_format": "b64_json"}))
         )
 
-    def stream_edits(self, body: dict[str, Any], image: Reference) -> Iterator[Event]:
+    def stream_edits(
+        self, body: dict[str, Any], image: Reference, idempotency_key: str | None = None
+    ) -> Iterator[Event]:
         """POST /v1/images/edits with stream: its progress events, the last `completed` or `error`."""
-        return self._events("POST", "/v1/images/edits", **image.form({**body, "stream": True}))
+        return self._streamed_generation("/v1/images/edits", idempotency_key, **image.form({**body, "stream": True}))
 
     def create_video(self, body: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
         """POST /v1/videos: the job (a retry of it gets the same job id)."""

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import pytest
 
 from tests.api.test_http_api import ScriptedBackend, make_client
+from tests.api.test_progress_api import events
+from triptych.client import iter_sse
 from triptych_head.backend import GenerationFailed
 
 IMAGE = {"prompt": "a cat", "size": "32x32"}
@@ -79,13 +82,78 @@ def test_the_key_with_another_body_is_a_422_naming_the_header(tmp_path):
     assert error["param"] == "Idempotency-Key" and error["code"] == "idempotency_key_reused"
 
 
-@pytest.mark.parametrize(("key", "body"), [("has space", IMAGE), ("x" * 256, IMAGE), ("ok", {**IMAGE, "stream": True})])
-def test_a_key_that_cannot_be_one_or_a_streamed_request_is_a_400_naming_the_header(tmp_path, key, body):
+@pytest.mark.parametrize("key", ["has space", "x" * 256])
+def test_a_key_that_cannot_be_one_is_a_400_naming_the_header(tmp_path, key):
     backend = ScriptedBackend()
     with make_client(backend, tmp_path, kind="image") as c:
-        r = c.post("/v1/images/generations", json=body, headers=_key(key))
-    assert r.status_code == 400 and r.json()["error"]["param"] == "Idempotency-Key", r.text
+        r = c.post("/v1/images/generations", json=IMAGE, headers=_key(key))
+        s = c.post("/v1/images/generations", json={**IMAGE, "stream": True}, headers=_key(key))
+    for answer in (r, s):
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "Idempotency-Key", answer.text
     assert backend.calls == []
+
+
+STREAMED = {**IMAGE, "num_inference_steps": 3, "stream": True}
+
+
+def test_a_streamed_request_s_retry_gets_its_completed_event_alone_without_a_second_run(tmp_path):
+    backend = ScriptedBackend()
+    with make_client(backend, tmp_path, kind="image") as c:
+        first = events(c, "POST", "/v1/images/generations", json=STREAMED, headers=_key("s-1"))
+        with c.stream("POST", "/v1/images/generations", json=STREAMED, headers=_key("s-1")) as r:
+            assert r.headers["Idempotent-Replayed"] == "true" and r.headers["content-type"].startswith("text/event")
+            again = list(iter_sse(r.iter_lines()))
+        assert "triptych_idempotent_replays_total 1.0" in c.get("/metrics").text
+        plain = c.post("/v1/images/generations", json=IMAGE, headers=_key("s-1"))  # not the same request
+    assert [e.event for e in first] == ["step", "step", "step", "completed"]
+    assert [(e.event, e.data) for e in again] == [("completed", first[-1].data)]  # its id and images too
+    assert len(backend.calls) == 1
+    assert plain.status_code == 422 and plain.json()["error"]["code"] == "idempotency_key_reused", plain.text
+
+
+def test_a_streamed_run_that_failed_is_run_again_and_one_refused_is_an_http_error(tmp_path):
+    backend = ScriptedBackend()
+    backend.fail = GenerationFailed("the decoder died", 503)
+    with make_client(backend, tmp_path, kind="image") as c:
+        failed = events(c, "POST", "/v1/images/generations", json=STREAMED, headers=_key("s-2"))
+        backend.fail = None
+        ok = events(c, "POST", "/v1/images/generations", json=STREAMED, headers=_key("s-2"))
+        c.app.state.ctx.draining = True  # type: ignore[attr-defined]
+        refused = c.post("/v1/images/generations", json=STREAMED, headers=_key("s-3"))
+        assert c.get("/health").json()["admission"]["in_flight"] == 0
+    assert failed[-1].event == "error" and failed[-1].data["error"]["status"] == 503
+    assert [e.event for e in ok][-1] == "completed" and len(backend.calls) == 2
+    assert refused.status_code == 503 and refused.headers["content-type"].startswith("application/json")
+
+
+def test_streamed_retries_at_once_through_two_heads_make_one_run_and_each_ends_completed(tmp_path):
+    backends = [ScriptedBackend(), ScriptedBackend()]
+    for b in backends:
+        b.step_delay = 0.1
+    with make_client(backends[0], tmp_path, kind="image") as a, make_client(backends[1], tmp_path, kind="image") as b:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda c: events(c, "POST", "/v1/images/generations", json=STREAMED,
+                                                 headers=_key("s-once")), [a, b, a, b]))  # fmt: skip
+    assert len(backends[0].calls) + len(backends[1].calls) == 1
+    assert {e[-1].event for e in got} == {"completed"}
+    assert len({str(e[-1].data) for e in got}) == 1, "every stream ends with the one run's answer"
+    assert sorted(len(e) for e in got) == [1, 1, 1, 4]  # the run's steps, and three replays
+
+
+def test_a_streamed_run_whose_client_went_away_is_cancelled_and_run_again_by_the_retry(tmp_path):
+    backend = ScriptedBackend()
+    backend.step_delay = 0.2
+    body = {**STREAMED, "num_inference_steps": 20}
+    with make_client(backend, tmp_path, kind="image") as c:
+        with c.stream("POST", "/v1/images/generations", json=body, headers=_key("s-4")) as r:
+            first = next(iter_sse(r.iter_lines()))  # one step, then the client hangs up
+        deadline = time.monotonic() + 10
+        while c.get("/health").json()["admission"]["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        backend.step_delay = 0.0
+        again = events(c, "POST", "/v1/images/generations", json=body, headers=_key("s-4"))
+    assert first.event == "step"
+    assert again[-1].event == "completed" and len(backend.calls) == 2
 
 
 def test_a_run_still_going_after_the_wait_is_a_409_to_retry(tmp_path):

@@ -149,6 +149,41 @@ def test_the_client_sends_a_killed_head_s_image_request_to_the_other_head_and_it
     assert np.array_equal(got, np.array(Image.open(io.BytesIO(base64.b64decode(again.json()["data"][0]["b64_json"])))))
 
 
+def test_the_cli_s_streamed_request_whose_head_is_killed_is_finished_by_the_other_head(tiny_models, tmp_path):
+    """`triptych generate --url B,A` streams its progress under an Idempotency-Key: B dies while the
+    request denoises, the CLI sends it again under the key to A, which waits out B's lease and runs it
+    once; the PNG is the pixels of the same request never interrupted."""
+    import subprocess
+    import sys
+
+    from triptych_head.idempotency import LEASE_S
+
+    model = tiny_models["tiny-flux"]
+    body = {**BODY, "num_inference_steps": 500, "seed": 12}
+    with deployment(model, tmp_path, heads=2, head_flags=HEARTBEAT, worker_flags=HEARTBEAT) as dep:
+        a, b = dep.head_urls
+        head_b = next(p for p in dep.procs if p.url == b)
+        out = tmp_path / "cli.png"
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "triptych", "generate", body["prompt"], "-o", str(out), "--url", f"{b},{a}",
+             "--size", body["size"], "--seed", "12", "--steps", "500"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            assert wait_until_denoising(b, 60), "b never dispatched the request to a denoiser"
+            head_b.kill()  # SIGKILL under the streamed request
+            output, _ = cli.communicate(timeout=LEASE_S + 150)
+        finally:
+            cli.kill()
+        assert cli.returncode == 0, output[-3000:]
+        again = httpx.post(f"{a}/v1/images/generations", json=body, timeout=300)
+        assert again.status_code == 200, again.text
+        a_ran = sum(w["dispatched"] for w in workers_seen_by(a) if w["url"])
+    got = np.array(Image.open(out))
+    assert np.array_equal(got, np.array(Image.open(io.BytesIO(base64.b64decode(again.json()["data"][0]["b64_json"])))))
+    assert a_ran == 2 * 3, "a ran the CLI's request once (and `again` once): encoder, denoiser, decoder each"
+
+
 def test_a_video_job_of_a_killed_head_is_run_to_completion_by_the_other_and_its_events_resume(tiny_models, tmp_path):
     from triptych_head.results import JOB_LEASE_S
 

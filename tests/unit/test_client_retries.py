@@ -1,7 +1,7 @@
 """TriptychClient's retries (triptych/client.py): a generation POST carries an Idempotency-Key and is
 sent again, with the same key, when its connection broke, when a proxy answered 502/503/504, and
 after a 429/409's Retry-After; a connection refused moves on to the next URL; a request that timed
-out, a 4xx without Retry-After and a stream cut midway are not sent again. Against real HTTP servers
+out and a 4xx without Retry-After are not sent again; a stream cut midway is, under its key. Against real HTTP servers
 on loopback that answer from a script (one action per request)."""
 
 from __future__ import annotations
@@ -162,14 +162,34 @@ def test_no_retries_means_no_key_and_one_try() -> None:
     assert keys(script) == [None]
 
 
-def test_a_stream_is_sent_again_only_when_no_head_took_it() -> None:
-    sse = b'event: completed\ndata: {"data": []}\n\n'
-    with server((200, {"Content-Type": "text/event-stream"}, sse), "drop") as (url, script):
-        c, _ = client([closed_port(), url])
-        assert [e.event for e in c.stream_images({"prompt": "x"})] == ["completed"]  # refused, then the next URL
+SSE = {"Content-Type": "text/event-stream"}
+STEP = b'event: step\ndata: {"step": 1, "total_steps": 2}\n\n'
+COMPLETED = b'event: completed\ndata: {"data": []}\n\n'
+
+
+def test_a_streamed_request_cut_midway_is_sent_again_under_its_key_to_the_next_head() -> None:
+    with server((200, SSE, STEP)) as (first, cut), server((200, SSE, STEP + COMPLETED)) as (second, script):
+        c, slept = client([first, second])
+        events = [e.event for e in c.stream_images({"prompt": "x"})]
+    assert events == ["step", "step", "completed"]  # the progress again, from the run that took it over
+    assert keys(cut)[0] is not None and keys(cut) == keys(script), "the same key on both heads"
+    assert slept == [] and script.seen[0]["path"] == "/v1/images/generations"
+
+
+def test_a_streamed_request_whose_run_still_goes_waits_its_retry_after_and_asks_the_same_head() -> None:
+    in_progress = (409, {"Retry-After": "3"}, {"error": {"message": "still running"}})
+    with server(in_progress, (200, SSE, COMPLETED)) as (url, script):
+        c, slept = client([url, closed_port()])
+        assert [e.event for e in c.stream_images({"prompt": "x"}, idempotency_key="k-9")] == ["completed"]
+    assert slept == [3.0] and keys(script) == ["k-9", "k-9"]
+
+
+def test_without_retries_a_stream_has_no_key_and_one_try() -> None:
+    with server("drop") as (url, script):
+        c, _ = client([url, closed_port()], retries=0)
         with pytest.raises(ClientError, match="lost the connection"):
-            list(c.stream_images({"prompt": "y"}))  # taken, then cut: no key, so not sent again
-    assert len(script.seen) == 2 and keys(script) == [None, None]
+            list(c.stream_images({"prompt": "x"}))
+    assert keys(script) == [None]
 
 
 def test_a_job_s_events_cut_midway_are_followed_again_from_another_head() -> None:

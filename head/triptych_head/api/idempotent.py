@@ -1,10 +1,12 @@
 """The Idempotency-Key header on POST /v1/images/generations, /v1/images/edits and /v1/videos
 (idempotency.py has the rules): a retry with the same key and body answers what the first run
 answered (with `Idempotent-Replayed: true`), whichever head it reaches, and never starts a second
-run while one is going."""
+run while one is going. A streamed image request's answer is its `completed` event: a replay is
+that one event."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Awaitable, Callable
@@ -19,7 +21,7 @@ from triptych_head.api.context import HeadContext
 from triptych_head.api.deadlines import FIELD as DEADLINE_FIELD
 from triptych_head.api.errors import APIError
 from triptych_head.api.reference import Reference
-from triptych_head.idempotency import MAX_KEY_LENGTH, Body, InProgress, KeyReused, valid_key
+from triptych_head.idempotency import MAX_KEY_LENGTH, Answer, Body, InProgress, KeyReused, valid_key
 
 HEADER = "Idempotency-Key"
 REPLAYED = "Idempotent-Replayed"
@@ -62,27 +64,80 @@ async def answer_once(
         answer = await run()
         return answer.model_dump_json().encode() if isinstance(answer, BaseModel) else answer
 
-    scope = hashlib.sha256(bearer_token(request.scope) or b"").hexdigest()  # a tenant's keys are its own
     try:
-        body, replayed = await ctx.idempotency.once(scope, key, fingerprint, encoded, ctx.idempotency_wait_s)
-    except KeyReused:
-        raise APIError(
-            422,
-            f"{HEADER} {key!r} was used for a different request; use a new key for a new request",
-            HEADER,
-            code="idempotency_key_reused",
-        ) from None
-    except InProgress:
-        raise APIError(
-            409,
-            f"the request with {HEADER} {key!r} is still running (on this head or another); retry to get its answer",
-            HEADER,
-            code="idempotency_key_in_progress",
-            headers={"Retry-After": "5"},
-        ) from None
+        body, replayed = await ctx.idempotency.once(_scope(request), key, fingerprint, encoded, ctx.idempotency_wait_s)
+    except (KeyReused, InProgress) as exc:
+        raise _key_error(key, exc) from None
     if replayed:
         ctx.idempotent_replays.inc()
     headers = {REPLAYED: "true"} if replayed else None
     if isinstance(body, bytes):
         return Response(body, media_type="application/json", headers=headers)
     return StreamingResponse(body, media_type="application/json", headers=headers)  # read from the store
+
+
+Run = asyncio.Task[tuple[Answer, bool]]
+
+
+async def stream_once(
+    ctx: HeadContext,
+    request: Request,
+    key: str,
+    fingerprint: str,
+    run: Callable[[Callable[[], None]], Awaitable[bytes]],
+) -> tuple[Run, bytes | None]:
+    """A streamed request (`stream: true`) under its key: answered before its response starts, so a
+    key reused, still running elsewhere, or a run refused before it started (admission) is an HTTP
+    error like a plain request's. `run(started)` is awaited only when this head runs the key's
+    attempt, calls `started()` once it is under way, and returns the `completed` event's data (what
+    a replay answers). Returns (the key's run, None) when this head runs it: the caller streams its
+    progress, and the run's task ends with its answer; (the ended run, the earlier answer) when the
+    key ran before."""
+    loop = asyncio.get_running_loop()
+    started: asyncio.Future[None] = loop.create_future()
+
+    def mark_started() -> None:
+        if not started.done():
+            started.set_result(None)
+
+    async def attempt() -> bytes:
+        return await run(mark_started)
+
+    task: Run = asyncio.ensure_future(
+        ctx.idempotency.once(_scope(request), key, fingerprint, attempt, ctx.idempotency_wait_s)
+    )
+    try:
+        either: set[asyncio.Future[Any]] = {task, started}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if started.done():
+        return task, None
+    try:
+        body, _ = task.result()  # an ended task that never started a run here: a replay, or an error
+    except (KeyReused, InProgress) as exc:
+        raise _key_error(key, exc) from None
+    ctx.idempotent_replays.inc()
+    return task, body if isinstance(body, bytes) else b"".join(body)
+
+
+def _scope(request: Request) -> str:
+    return hashlib.sha256(bearer_token(request.scope) or b"").hexdigest()  # a tenant's keys are its own
+
+
+def _key_error(key: str, exc: KeyReused | InProgress) -> APIError:
+    if isinstance(exc, KeyReused):
+        return APIError(
+            422,
+            f"{HEADER} {key!r} was used for a different request; use a new key for a new request",
+            HEADER,
+            code="idempotency_key_reused",
+        )
+    return APIError(
+        409,
+        f"the request with {HEADER} {key!r} is still running (on this head or another); retry to get its answer",
+        HEADER,
+        code="idempotency_key_in_progress",
+        headers={"Retry-After": "5"},
+    )
