@@ -4,38 +4,33 @@ Both are synchronous and answer alike.
 
 The client waits on the connection for its pixels, so a client that goes away no longer wants
 them: the request is cancelled (its stages stop at their next step, its worker slots free).
-With `stream: true` the answer is Server-Sent Events (progress.py): the request's states, every
-denoising step (with a preview every `preview_every` steps), then `completed` carrying what the
-plain answer would hold, or `error`.
+With `stream: true` the answer is Server-Sent Events (image_stream.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import StreamingResponse
 
 from triptych.contract import EDITS, IMAGES
 from triptych.params import GenerationParams
 from triptych_head.api import image_body
 from triptych_head.api.context import HeadContext, new_request_id
-from triptych_head.api.deadlines import ESTIMATE_HEADER, Deadline, with_estimate
+from triptych_head.api.deadlines import ESTIMATE_HEADER, with_estimate
 from triptych_head.api.direct import DirectRoute
 from triptych_head.api.errors import APIError
-from triptych_head.api.idempotent import REPLAYED, answer_once, fingerprint, idempotency_key, stream_once
+from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
+from triptych_head.api.image_stream import ImageStream
 from triptych_head.api.key_limits import key_limit
-from triptych_head.api.progress import ProgressFeed, SSEMessage, error_message, sse_response
 from triptych_head.api.reference import Reference, edit_form_schema, read_edit_form
 from triptych_head.api.schemas import ImageData, ImageGenerationResponse, RequestBody, RequestModels
 from triptych_head.backend import GenerationOutput
 from triptych_head.deadline import Estimate
-from triptych_head.idempotency import Answer, Body
+from triptych_head.idempotency import Body
 from triptych_head.timeline import SERVER_TIMING
 
 log = logging.getLogger(__name__)
@@ -97,12 +92,14 @@ async def _images(
     deadline = ctx.deadline(request, values)
     level = ctx.priority(request, values)
     if values["stream"]:
-        request_id = new_request_id("img")
+
+        async def respond(output: GenerationOutput, request_id: str) -> ImageGenerationResponse:
+            return await _response(ctx, values, output, request_id, request)
+
+        stream = ImageStream(ctx, params, request, level, values["preview_every"], respond)
         if key is not None:
-            keyed = _KeyedStream(ctx, values, params, request_id, request, level, deadline)
-            return await keyed.respond(key, fingerprint(endpoint, values, reference))
-        estimate = ctx.admit(request_id, params, deadline, key=key_limit(request))
-        return with_estimate(_stream(ctx, values, params, request_id, request, level), _seconds(estimate))
+            return await stream.under_key(key, fingerprint(endpoint, values, reference), deadline)
+        return stream.admitted(deadline)
 
     admitted: list[Estimate | None] = []  # the run's estimate (none when the key's answer is replayed)
 
@@ -164,127 +161,6 @@ async def _image_url(ctx: HeadContext, name: str, request: Request) -> str:
         if url is not None:
             return url
     return str(request.url_for("get_file", kind="images", name=name))
-
-
-def _stream(
-    ctx: HeadContext,
-    values: dict[str, Any],
-    params: GenerationParams,
-    request_id: str,
-    request: Request,
-    level: int,
-) -> StreamingResponse:
-    """Run the request in its own task and answer with its progress feed. The task never waits for
-    the client; a client that disconnects cancels the request."""
-    feed = ProgressFeed(request_id)
-
-    async def run() -> dict[str, Any]:
-        try:
-            return await _streamed_answer(ctx, values, params, request_id, request, level, feed)
-        finally:
-            ctx.release(request_id)  # admitted by the caller; released here even if generation never started
-
-    return _progress_response(feed, asyncio.ensure_future(run()))
-
-
-async def _streamed_answer(
-    ctx: HeadContext,
-    values: dict[str, Any],
-    params: GenerationParams,
-    request_id: str,
-    request: Request,
-    level: int,
-    feed: ProgressFeed,
-) -> dict[str, Any]:
-    """Generate with `feed` getting the progress events; the `completed` event's data."""
-    output = await ctx.generate(params, request_id, feed.on_event, values["preview_every"], level)
-    answer = await _response(ctx, values, output, request_id, request)
-    return {"id": request_id, **answer.model_dump(), "server_timing": output.server_timing}  # headers went out first
-
-
-def _progress_response(
-    feed: ProgressFeed, answer: asyncio.Future[dict[str, Any]], headers: dict[str, str] | None = None
-) -> StreamingResponse:
-    """The feed's events as SSE, then `completed` with what `answer` ends with, or `error`. The
-    answer never waits for the client; a client that goes away cancels it."""
-    sub = feed.subscribe()
-    request_id = feed.request_id
-
-    def publish(done: asyncio.Future[dict[str, Any]]) -> None:
-        if done.cancelled():
-            feed.publish(error_message(request_id, "cancelled", "cancelled", 499))
-        elif isinstance(exc := done.exception(), APIError):
-            feed.publish(error_message(request_id, exc.message, exc.code, exc.status_code))
-        elif exc is not None:  # the stream must still end, with the error
-            log.error("streamed image request %s failed", request_id, exc_info=exc)
-            feed.publish(error_message(request_id, f"{type(exc).__name__}: {exc}", "internal_error", 500))
-        else:
-            feed.publish(SSEMessage("completed", done.result()))
-
-    answer.add_done_callback(publish)
-
-    async def stream() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in sub.messages(request_id):
-                yield chunk
-        finally:  # the stream ended, or the client went away before the result
-            feed.unsubscribe(sub)
-            if not answer.done():
-                answer.cancel()
-
-    response = sse_response(stream())
-    response.headers.update(headers or {})
-    return response
-
-
-class _KeyedStream:
-    """A streamed request with an Idempotency-Key: the key's one run streams its progress here, or a
-    retry gets the earlier run's `completed` event alone (Idempotent-Replayed: true)."""
-
-    def __init__(
-        self,
-        ctx: HeadContext,
-        values: dict[str, Any],
-        params: GenerationParams,
-        request_id: str,
-        request: Request,
-        level: int,
-        deadline: Deadline,
-    ) -> None:
-        self.ctx, self.values, self.params, self.request_id = ctx, values, params, request_id
-        self.request, self.level, self.deadline = request, level, deadline
-        self.feed = ProgressFeed(request_id)
-        self.estimate: Estimate | None = None
-
-    async def run(self, started: Callable[[], None]) -> bytes:
-        """The key's attempt on this head: admitted (refused: an HTTP error), then generated."""
-        ctx = self.ctx
-        self.estimate = ctx.admit(self.request_id, self.params, self.deadline, key=key_limit(self.request))
-        try:
-            started()
-            done = await _streamed_answer(
-                ctx, self.values, self.params, self.request_id, self.request, self.level, self.feed
-            )
-            return json.dumps(done, separators=(",", ":")).encode()
-        finally:
-            ctx.release(self.request_id)
-
-    async def respond(self, key: str, fingerprint: str) -> Response:
-        task, earlier = await stream_once(self.ctx, self.request, key, fingerprint, self.run)
-        if earlier is not None:
-            done = json.loads(earlier)
-            replay = ProgressFeed(done.get("id", self.request_id))
-            answered: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-            answered.set_result(done)
-            return _progress_response(replay, answered, {REPLAYED: "true"})
-        answer = asyncio.ensure_future(_data_of(task))
-        return with_estimate(_progress_response(self.feed, answer), _seconds(self.estimate))
-
-
-async def _data_of(run: asyncio.Task[tuple[Answer, bool]]) -> dict[str, Any]:
-    """The `completed` data the key's run on this head answers (cancelled with it)."""
-    body, _ = await run
-    return dict(json.loads(body if isinstance(body, bytes) else b"".join(body)))
 
 
 async def _generate_while_connected(
