@@ -10,7 +10,7 @@ oldest first, once they are older than --results-max-age or the total passes --r
 A running job's files are never removed: the head running it holds a lease on it (`lease_until`
 in its JSON, renewed every JOB_LEASE_RENEW_S), and `videos/<job id>.running` lists it while it
 runs. A job still running whose lease has run out lost its head: another head takes it over and
-runs it again from the start (videos.py), or marks it failed when it cannot. Every head serves
+runs it again from the start (api/video_jobs.py), or marks it failed when it cannot. Every head serves
 every result: a job another head made is read from its JSON, as that head last wrote it.
 """
 

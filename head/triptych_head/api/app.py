@@ -19,6 +19,7 @@ from triptych_head.api.errors import install_error_handlers
 from triptych_head.api.limits import BodyLimitMiddleware
 from triptych_head.api.playground import install_playground
 from triptych_head.api.schemas import RequestModels
+from triptych_head.api.video_jobs import VideoJobs
 from triptych_head.results import JOB_LEASE_RENEW_S
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ JOB_SAVE_GRACE_S = 5.0  # at shutdown, how long finished video jobs may take to 
 
 
 def create_app(ctx: HeadContext) -> FastAPI:
-    jobs = videos.VideoJobs(ctx.results, lambda entry: videos.start_job(ctx, jobs, entry), ctx.registry)
+    jobs = VideoJobs(ctx.results, lambda entry: videos.start_job(ctx, jobs, entry), ctx.registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -65,7 +66,7 @@ def create_app(ctx: HeadContext) -> FastAPI:
     return app
 
 
-async def _apply_retention(ctx: HeadContext, jobs: videos.VideoJobs) -> None:
+async def _apply_retention(ctx: HeadContext, jobs: VideoJobs) -> None:
     """Remove results past --results-max-age / --results-max-bytes, at start and periodically."""
     while True:
         try:
@@ -76,7 +77,7 @@ async def _apply_retention(ctx: HeadContext, jobs: videos.VideoJobs) -> None:
         await asyncio.sleep(ctx.results.retention.sweep_interval_s)
 
 
-async def _renew_leases(jobs: videos.VideoJobs) -> None:
+async def _renew_leases(jobs: VideoJobs) -> None:
     """Keep the jobs this head runs its own in the shared store (results.JOB_LEASE_S), and take over
     those whose heads died (from start-up on)."""
     while True:

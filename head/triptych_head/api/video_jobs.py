@@ -1,0 +1,318 @@
+"""The head's video jobs: each job's entry (its record, its progress feed, whether this head runs it),
+remembered up to MAX_JOBS, saved in the result store every head shares, with a lease renewed while
+this head runs it; a job whose head stopped renewing its lease is taken over and run again from the
+start by the head that finds it (docs/results.md). The routes are videos.py's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter
+
+from triptych.params import GenerationParams
+from triptych.priority import DEFAULT_LEVEL
+from triptych_head.api.errors import APIError
+from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message
+from triptych_head.api.schemas import VideoJob
+from triptych_head.results import JOB_LEASE_S, TERMINAL, ResultStore, StoredJob
+from triptych_head.state import RequestState
+
+log = logging.getLogger(__name__)
+
+MAX_JOBS = 1000  # remembered jobs; the oldest finished ones are forgotten first
+RESTARTED = "the head restarted while this job was running; submit it again"
+JOB_ID = re.compile(r"video_[A-Za-z0-9_-]{1,64}")  # new_request_id("video") makes video_<32 hex>
+FOREIGN_POLL_S = 1.0  # how often the events of a job another head runs re-read its status
+SHUT_DOWN = "the head shut down while this job was running; submit it again"
+
+
+@dataclass
+class JobEntry:
+    job: VideoJob
+    task: asyncio.Task[None] | None = None  # set on the head that runs the job, once it starts
+    made_here: bool = False  # this head runs (or ran) the job: its memory is the truth, the store follows
+    feed: ProgressFeed | None = None  # made for a running job, or when someone asks for a finished one's events
+    save_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves land in the order they were asked for
+    params: GenerationParams | None = None  # on the head that runs it: what it runs (saved for a take-over)
+    preview_every: int = 0
+    priority: int = DEFAULT_LEVEL  # its priority level (triptych.priority), its API key's ceiling checked
+    handed_over: bool = False  # this head shut down while the job ran: it is left to another head
+    server_timing: str = ""  # where a completed run's time went (timeline.py), on the head that ran it
+
+    @property
+    def request_id(self) -> str:
+        """The id its run goes by on the workers: a run again after a take-over gets its own (the dead
+        head's run of the job may still be held there until the workers notice that head is gone)."""
+        return self.job.id if not self.job.restarts else f"{self.job.id}_r{self.job.restarts}"
+
+    def run_record(self) -> dict[str, Any] | None:
+        """What another head needs to run this job again (results.StoredJob.run)."""
+        if self.params is None:
+            return None
+        params = json.loads(msgspec.json.encode(self.params))
+        return {"params": params, "preview_every": self.preview_every, "priority": self.priority}
+
+    @property
+    def running_here(self) -> bool:
+        return self.made_here and self.job.status not in TERMINAL and not self.handed_over
+
+    def progress_feed(self) -> ProgressFeed:
+        if self.feed is None:
+            self.feed = ProgressFeed(self.job.id, HISTORY_LINGER_S)
+            if self.job.status in TERMINAL:
+                self.feed.publish(final_message(self.job))
+        return self.feed
+
+
+def final_message(job: VideoJob) -> SSEMessage:
+    """How a job ended, as its last progress event."""
+    if job.status == "completed":
+        return SSEMessage("completed", {**job.model_dump(), "content_url": f"/v1/videos/{job.id}/content"})
+    error = job.error or {}
+    status = 499 if job.status == "cancelled" else 500
+    return error_message(job.id, error.get("message") or job.status, error.get("code") or job.status, status)
+
+
+def fail_orphan(job: VideoJob, message: str = RESTARTED, code: str = "head_restarted") -> None:
+    job.status, job.state = "failed", RequestState.FAILED.value
+    job.error = {"message": message, "code": code}
+    job.completed_at = job.completed_at or int(time.time())
+
+
+Starter = Callable[["JobEntry"], None]
+
+
+class VideoJobs:
+    """The video jobs this head runs or has seen; every job's JSON in the result store, which all
+    heads share, is the truth for a job this head does not run (its status as its head last wrote it).
+
+    A job whose head died (its lease ran out) is taken over by the first head that notices (each
+    looks every JOB_LEASE_RENEW_S, and whenever a client asks for it) and wins the job's next
+    attempt (`videos/<id>.adopt-<n>`, created once): that head runs it again from the start, same
+    parameters and seed, so the same pixels; `restarts` counts the take-overs."""
+
+    def __init__(
+        self, store: ResultStore | None = None, start: Starter | None = None, registry: CollectorRegistry | None = None
+    ) -> None:
+        self._jobs: OrderedDict[str, JobEntry] = OrderedDict()
+        self.store = store
+        self.start = start  # runs a job on this head (set by the app: it needs the backend)
+        self._pending: set[asyncio.Future[None]] = set()  # background saves (save_soon)
+        self.takeovers = Counter(
+            "triptych_video_job_takeovers",
+            "Video jobs this head took over from a head that died or shut down, and ran again from the start",
+            registry=registry,
+        )
+
+    def restore(self) -> None:
+        """Take back the saved jobs that ended. A running one stays its head's, or, when its head
+        died, is taken over by take_over_orphans (the app runs it at start)."""
+        if self.store is None:
+            return
+        for stored in self.store.load_stored_jobs()[-MAX_JOBS:]:
+            job = stored.job
+            if job.status not in TERMINAL:
+                continue  # another head's (or an orphan's): read from the store whenever asked for
+            elif job.status == "completed" and not self.store.has(self.store.video_name(job.id)):
+                continue  # its content is gone (removed by hand): forget it
+            self._jobs[job.id] = JobEntry(job)
+
+    def _lease(self) -> float:
+        return time.time() + JOB_LEASE_S
+
+    def save(self, entry: JobEntry) -> None:
+        """Save now (blocking): at shutdown."""
+        if self.store is None:
+            return
+        try:
+            self.store.save_job(entry.job, self._lease() if entry.running_here else None, entry.run_record())
+        except Exception:  # a full or unreachable store: the job still runs, other heads just see it late
+            log.exception("could not save video job %s", entry.job.id)
+
+    async def save_async(self, entry: JobEntry) -> None:
+        """Save the job as it is when its turn comes: the last save asked for is the last written."""
+        if self.store is None:
+            return
+        async with entry.save_lock:
+            job = entry.job.model_copy()
+            lease = self._lease() if entry.running_here else None
+            try:
+                await asyncio.to_thread(self.store.save_job, job, lease, entry.run_record())
+            except Exception:
+                log.exception("could not save video job %s", job.id)
+
+    def save_soon(self, entry: JobEntry) -> None:
+        """Save in the background (its state changed): other heads see it within a write."""
+        task = asyncio.ensure_future(self.save_async(entry))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def renew_leases(self) -> None:
+        """Re-save the jobs this head runs, so no other head takes them for orphans."""
+        for entry in list(self._jobs.values()):
+            if entry.running_here:
+                await self.save_async(entry)
+
+    async def add(self, entry: JobEntry) -> None:
+        if len(self._jobs) >= MAX_JOBS:
+            finished = [k for k, e in self._jobs.items() if e.job.status in TERMINAL]
+            if not finished:
+                raise APIError(429, f"{MAX_JOBS} video jobs are in flight; retry later", code="too_many_jobs")
+            self._jobs.pop(finished[0])
+        self._jobs[entry.job.id] = entry
+        await self.save_async(entry)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.mark_running, entry.job.id)
+
+    async def take_over_orphans(self) -> None:
+        """Run again the jobs whose heads died (they are listed as running, their leases ran out)."""
+        if self.store is None:
+            return
+        for job_id in await asyncio.to_thread(self.store.running_jobs):
+            entry = self._jobs.get(job_id)
+            if entry is not None and entry.running_here:
+                continue
+            stored = await asyncio.to_thread(self.store.load_job, job_id)
+            if stored is not None and stored.orphaned(time.time()):
+                await self.take_over(stored)
+
+    async def take_over(self, stored: StoredJob) -> JobEntry | None:
+        """Run an orphaned job here, if this head wins its next attempt: the entry. None when another
+        head won it, or when it cannot run again (saved by a head that kept no parameters): then it
+        is marked failed, as the stored job shows."""
+        assert self.store is not None
+        job, run = stored.job, stored.run
+        if self.start is None or run is None:
+            fail_orphan(job)
+            await asyncio.to_thread(self.store.save_job, job)
+            return None
+        attempt = job.restarts + 1
+        claim = f"{self.store.job_name(job.id).removesuffix('.json')}.adopt-{attempt}"
+        if not await asyncio.to_thread(self.store.objects.create, claim, b"", "application/octet-stream"):
+            return None  # another head takes it over: its next save shows it
+        params = msgspec.json.decode(json.dumps(run["params"]), type=GenerationParams)
+        job.restarts, job.step, job.progress, job.error = attempt, 0, 0, None
+        job.status, job.state = "queued", RequestState.PENDING.value
+        entry = JobEntry(job, made_here=True, params=params, preview_every=int(run.get("preview_every", 0)))
+        entry.priority = int(run.get("priority", DEFAULT_LEVEL))  # a job saved before priorities: normal
+        entry.feed = ProgressFeed(job.id, HISTORY_LINGER_S)
+        self._jobs[job.id] = entry
+        self._jobs.move_to_end(job.id)
+        await self.save_async(entry)
+        log.warning("video job %s lost its head: running it again here from the start (restart %d)", job.id, attempt)
+        self.takeovers.inc()
+        self.start(entry)
+        return entry
+
+    async def get(self, job_id: str) -> JobEntry:
+        """The job, wherever it runs: the jobs this head runs from memory (the ones it ran too, once the
+        store shows they were not removed), every other from the store."""
+        entry = self._jobs.get(job_id)
+        if entry is None and not JOB_ID.fullmatch(job_id):  # never one of ours: the store is not asked
+            raise APIError(404, f"no video job {job_id[:200]!r}", "video_id")
+        if (entry is not None and entry.running_here) or self.store is None:
+            if entry is None:
+                raise APIError(404, f"no video job {job_id!r}", "video_id")
+            return entry
+        try:
+            stored = await asyncio.to_thread(self.store.load_job, job_id)
+        except Exception as exc:  # the shared store did not answer: say so, not a bare 500
+            log.warning("reading video job %s from the result store failed: %s", job_id, exc)
+            raise APIError(
+                503,
+                f"the result store did not answer for video {job_id}; retry",
+                code="store_unavailable",
+                headers={"Retry-After": "1"},
+            ) from None
+        if stored is None:  # never made, or removed (by retention or DELETE on any head)
+            self._jobs.pop(job_id, None)
+            raise APIError(404, f"no video job {job_id!r}", "video_id")
+        if entry is not None and entry.made_here:
+            return entry  # this head ran it: its memory is ahead of the store until its last save lands
+        if stored.orphaned(time.time()):  # its head died without saying so: this head may take it over
+            adopted = await self.take_over(stored)
+            if adopted is not None:
+                return adopted
+        if entry is None:
+            entry = JobEntry(stored.job)
+            if stored.job.status in TERMINAL:
+                self._remember(entry)
+        elif stored.job.status != entry.job.status and stored.job.status in TERMINAL and entry.feed is not None:
+            entry.feed.publish(final_message(stored.job))
+        entry.job = stored.job
+        return entry
+
+    def _remember(self, entry: JobEntry) -> None:
+        if len(self._jobs) >= MAX_JOBS:
+            finished = [k for k, e in self._jobs.items() if e.job.status in TERMINAL]
+            if not finished:
+                return
+            self._jobs.pop(finished[0])
+        self._jobs[entry.job.id] = entry
+
+    def all(self) -> list[VideoJob]:
+        return [e.job for e in self._jobs.values()]
+
+    def running(self) -> list[str]:
+        return [k for k, e in self._jobs.items() if e.job.status not in TERMINAL]
+
+    def remove(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    def forget_removed(self, keys: list[str]) -> None:
+        """Retention removed these results' files: a finished job among them is gone."""
+        for key in keys:
+            entry = self._jobs.get(key)
+            if entry is not None and entry.job.status in TERMINAL:
+                self._jobs.pop(key)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Let jobs finish saving for up to `grace_s`. Any still running is handed over: saved as
+        running, without a lease, so another head (or this one's successor, at its start) takes it
+        over and runs it again. Without a store to leave it in, it fails."""
+        tasks = [e.task for e in self._jobs.values() if e.task is not None and not e.task.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
+        for entry in self._jobs.values():
+            if entry.job.status in TERMINAL or entry.task is None:
+                continue
+            entry.handed_over = self.store is not None and entry.params is not None
+            entry.task.cancel()
+            await asyncio.gather(entry.task, return_exceptions=True)
+            if not entry.handed_over:
+                fail_orphan(entry.job, SHUT_DOWN, "head_shut_down")
+                entry.job.completed_at = int(time.time())
+            await self.save_async(entry)
+
+
+async def foreign_events(jobs: VideoJobs, entry: JobEntry) -> AsyncIterator[bytes]:
+    """The events of a job another head runs, as its saved status changes (state changes and, at each
+    lease renewal, its step), until it ends."""
+    job_id, last = entry.job.id, None
+    while True:
+        job = entry.job
+        seen = (job.state, job.step)
+        if job.status in TERMINAL:
+            yield final_message(job).encoded
+            return
+        if seen != last:
+            data: dict[str, Any] = {"id": job_id, "state": job.state, "role": None}
+            if job.total_steps:
+                data.update(step=job.step, total_steps=job.total_steps)
+            yield SSEMessage("step" if job.total_steps else "state", data).encoded
+            last = seen
+        await asyncio.sleep(FOREIGN_POLL_S)
+        try:
+            entry = await jobs.get(job_id)
+        except APIError as exc:
+            yield error_message(job_id, exc.message, exc.code, exc.status_code).encoded
+            return
