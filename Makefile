@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODELS ?= .models
 
-.PHONY: setup test test-fast lint demo models bench bench-smoke gpu-check images crd dashboard cluster-up cluster-down clean
+.PHONY: setup test test-fast lint demo models bench bench-smoke gpu-check images crd dashboard alerts cluster-up cluster-down clean
 
 setup:
 	@bash scripts/setup.sh
@@ -48,6 +48,11 @@ crd:
 # (operator/triptych_operator/dashboard.py); a test fails when it is stale.
 dashboard:
 	PYTHONPATH=.:operator $(PY) -m triptych_operator.dashboard --write
+
+# The chart's alerting rules (charts/triptych/alerts/triptych.rules.yaml) from their declaration
+# (operator/triptych_operator/alerts.py); a test fails when it is stale.
+alerts:
+	PYTHONPATH=.:operator $(PY) -m triptych_operator.alerts --write
 
 # The operator, head and worker images (scripts/images.sh; IMAGES="head operator" for some).
 images:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the local Kubernetes toolchain from the Go module proxy (no container engine, no release downloads):
-# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok and helm.
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok and helm; and promtool, which
+# the alerting rules' tests run (its own cache key: PROMTOOL_BIN_DIR).
 #
 # Binaries are cached outside the clone in ${TRIPTYCH_K8S_CACHE:-~/.cache/triptych/k8s}/<version-key>/bin
 # and a binary is rebuilt only when it is missing, so a second run takes well under a second.
@@ -11,6 +12,7 @@ source "$CLUSTER_SRC/lib.sh"
 SCRIPT="k8s toolchain"
 
 if [ "${1:-}" = "--print-bin-dir" ]; then echo "$BIN_DIR"; exit 0; fi
+if [ "${1:-}" = "--print-promtool" ]; then echo "$PROMTOOL_BIN_DIR/promtool"; exit 0; fi
 
 # build_binary <name> <output file>: how each one is built (build_missing in lib.sh calls it for the missing ones).
 build_binary() {
@@ -32,6 +34,9 @@ build_binary() {
         helm_ldflags+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$cg_minor"
       done
       go_build helm "$out" helm.sh/helm/v3/cmd/helm "$helm_ldflags" ;;
+    promtool)
+      log "building promtool $PROMETHEUS_VERSION (first time, ~5 min on 2 idle cores)"
+      go_build promtool "$out" github.com/prometheus/prometheus/cmd/promtool ;;
     kube-apiserver)
       log "building kube-apiserver $K8S_VERSION (first time, ~3.5 min)"
       go_build k8s "$out" "k8s.io/kubernetes/cmd/$b" "$(k8s_version_ldflags)" ;;
@@ -43,3 +48,4 @@ build_binary() {
 
 build_missing "$BIN_DIR" "$K8S_CACHE/.build.lock" "Go >= 1.26 for kwok $KWOK_VERSION" \
   etcd kwok helm kube-apiserver kube-controller-manager kube-scheduler kubectl
+build_missing "$PROMTOOL_BIN_DIR" "$K8S_CACHE/.build.lock" "Go >= 1.26 for promtool $PROMETHEUS_VERSION" promtool
