@@ -119,7 +119,7 @@ async def stream_once(
     except (KeyReused, InProgress) as exc:
         raise _key_error(key, exc) from None
     ctx.idempotent_replays.inc()
-    return task, body if isinstance(body, bytes) else b"".join(body)
+    return task, body if isinstance(body, bytes) else await asyncio.to_thread(b"".join, body)  # read from the store
 
 
 def _scope(request: Request) -> str:
