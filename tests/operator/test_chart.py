@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import subprocess
 import tomllib
@@ -48,6 +49,37 @@ def render(helm_bin: Path, *sets: str, api_versions: Sequence[str] = ()) -> list
 
 def operator_deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-triptych")
+
+
+def _undeclared(values: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """The keys of `values` the schema does not declare (a free map, with no `properties`, declares any)."""
+    if not isinstance(values, dict) or "properties" not in schema:
+        return []
+    missing = [f"{path}.{k}".lstrip(".") for k in values if k not in schema["properties"]]
+    return missing + [
+        m
+        for k, v in values.items()
+        if k in schema["properties"]
+        for m in _undeclared(v, schema["properties"][k], f"{path}.{k}")
+    ]
+
+
+def test_the_values_schema_declares_every_value_and_refuses_typos_and_wrong_types(helm_bin: Path) -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert _undeclared(yaml.safe_load((CHART / "values.yaml").read_text()), schema) == []
+    assert _undeclared({"monitoring": {"podMonitr": {}}}, schema) == ["monitoring.podMonitr"]  # the walk can fail
+    for value, words in (
+        ("monitoring.podMonitr.enabled=true", "at '/monitoring': additional properties 'podMonitr' not allowed"),
+        ("replicas=two", "at '/replicas': got string, want integer"),
+        (
+            "image.pullPolicy=Sometimes",
+            "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'",
+        ),
+        ("metricsApi.port=70000", "at '/metricsApi/port'"),
+        ("monitoring.podMonitor.interval=soon", "at '/monitoring/podMonitor/interval'"),
+    ):
+        with pytest.raises(AssertionError, match=re.escape(words)):
+            render(helm_bin, value)
 
 
 def test_values_default_images_are_the_operators_defaults() -> None:
