@@ -169,6 +169,42 @@ def test_an_image_generated_in_the_page_is_the_api_s_image(browser, flux: LocalD
     phone.close()
 
 
+def test_an_image_request_that_got_no_answer_is_sent_again_under_its_key(browser, flux: LocalDeployment):
+    """The page's first POST has its connection reset and the second gets a proxy's 503 (both made by
+    Playwright in the browser's network: stand-ins for a head that died under the request and for an
+    Ingress with no head behind it); the page sends it again with the same Idempotency-Key, and what
+    the real head answers the third is the API's image."""
+    page = new_page(browser, DESKTOP)
+    keys: list[str | None] = []
+
+    def head_dies_then_proxy_has_none(route) -> None:
+        keys.append(route.request.headers.get("idempotency-key"))
+        if len(keys) == 1:
+            route.abort("connectionreset")
+        elif len(keys) == 2:
+            route.fulfill(status=503, content_type="application/json", body='{"error": {"message": "no endpoints"}}')
+        else:
+            route.continue_()
+
+    page.route("**/v1/images/generations", head_dies_then_proxy_has_none)
+    page.goto(flux.http + "/")
+    page.fill("#apikey", KEY)
+    page.dispatch_event("#apikey", "change")
+    page.wait_for_function("document.querySelector('#model').textContent.includes('tiny-flux')")
+    fill_request(page, "a lighthouse after the storm", 64, 48, 4, 12, 1)
+    page.click("#generate")
+    page.wait_for_selector("#result-image:not([hidden])", timeout=120_000)
+    shown = base64.b64decode(page.get_attribute("#result-image", "src").removeprefix("data:image/png;base64,"))
+    page.close()
+    assert len(keys) == 3 and keys[0] and len(set(keys)) == 1, keys
+    body = {"prompt": "a lighthouse after the storm", "size": "64x48", "num_inference_steps": 4, "seed": 12}
+    r = httpx.post(
+        f"{flux.http}/v1/images/generations", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    assert shown == base64.b64decode(r.json()["data"][0]["b64_json"])
+
+
 def test_an_edit_of_an_uploaded_reference_is_the_api_s_edit(browser, kontext: LocalDeployment):
     page = new_page(browser, DESKTOP)
     page.goto(kontext.http + "/")

@@ -21,9 +21,21 @@ function headers(extra = {}) {
   return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
 }
 
+// An answer of the API that is an error: its status, message and Retry-After (seconds, or null).
+class APIError extends Error {
+  constructor(status, message, retryAfter) {
+    super(message);
+    this.status = status;
+    this.retryAfter = retryAfter;
+  }
+}
+
 async function api(path, options = {}) {
   const response = await fetch(path, { ...options, headers: headers(options.headers) });
-  if (!response.ok) throw new Error(await errorText(response));
+  if (!response.ok) {
+    const retryAfter = Number.parseFloat(response.headers.get("Retry-After") ?? "");
+    throw new APIError(response.status, await errorText(response), Number.isFinite(retryAfter) ? retryAfter : null);
+  }
   return response;
 }
 
@@ -152,12 +164,38 @@ function showEvent({ event, data }) {
   }
 }
 
+class StreamCut extends Error {}
+
 async function follow(response) {
   for await (const message of sse(response)) {
     showEvent(message);
     if (message.event === "completed" || message.event === "error") return message;
   }
-  throw new Error("the progress stream ended without a result");
+  throw new StreamCut("the progress stream ended without a result");
+}
+
+// Retries of an image request (as the Python client's): it goes under an Idempotency-Key, so the
+// heads run it once however often it arrives, and is sent again, same key, when no answer came (a
+// head that died under it, a rollout: fetch's TypeError), its stream was cut, a proxy answered
+// 502-504, or a 409/429 said when (at most 60 s).
+const RETRIES = 3;
+const BACKOFF_MS = [500, 1000, 2000];
+
+function idempotencyKey() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16)); // randomUUID needs a secure context; this does not
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+function retryWait(error, attempt) {
+  if (attempt >= RETRIES) return null;
+  if (error instanceof APIError) {
+    if ([502, 503, 504].includes(error.status)) return (error.retryAfter ?? 0) * 1000 || BACKOFF_MS[attempt];
+    if ([409, 429].includes(error.status) && error.retryAfter !== null && error.retryAfter <= 60) {
+      return error.retryAfter * 1000;
+    }
+    return null;
+  }
+  return error instanceof TypeError || error instanceof StreamCut ? BACKOFF_MS[attempt] : null;
 }
 
 // The chosen reference image, when the model takes one (edits); null: a generation from text.
@@ -179,9 +217,24 @@ function imageRequest(body, image) {
   return ["/v1/images/edits", { method: "POST", body: form }];
 }
 
+async function sendImageRequest(body, image) {
+  const key = idempotencyKey();
+  for (let attempt = 0; ; attempt++) {
+    const [path, options] = imageRequest(body, image);
+    options.headers = { ...(options.headers ?? {}), "Idempotency-Key": key };
+    try {
+      return await follow(await api(path, options));
+    } catch (err) {
+      const wait = retryWait(err, attempt);
+      if (wait === null) throw err;
+      $("caption").textContent = `sending it again (${err.message})`;
+      await new Promise((resolve) => setTimeout(resolve, wait));
+    }
+  }
+}
+
 async function generateImage(body, image) {
-  const response = await api(...imageRequest(body, image));
-  const final = await follow(response);
+  const final = await sendImageRequest(body, image);
   if (final.event === "error") throw new Error(final.data.error.message);
   const src = `data:image/png;base64,${final.data.data[0].b64_json}`;
   $("result-image").src = src;
