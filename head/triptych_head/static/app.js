@@ -189,11 +189,9 @@ function idempotencyKey() {
 function retryWait(error, attempt) {
   if (attempt >= RETRIES) return null;
   if (error instanceof APIError) {
-    if ([502, 503, 504].includes(error.status)) return (error.retryAfter ?? 0) * 1000 || BACKOFF_MS[attempt];
-    if ([409, 429].includes(error.status) && error.retryAfter !== null && error.retryAfter <= 60) {
-      return error.retryAfter * 1000;
-    }
-    return null;
+    const said = error.retryAfter !== null && error.retryAfter <= 60 ? error.retryAfter * 1000 : null;
+    if ([502, 503, 504].includes(error.status)) return said || BACKOFF_MS[attempt];
+    return [409, 429].includes(error.status) ? said : null;
   }
   return error instanceof TypeError || error instanceof StreamCut ? BACKOFF_MS[attempt] : null;
 }
