@@ -36,3 +36,10 @@ def self_signed(folder: Path, name: str = "head", host: str = "127.0.0.1") -> tu
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return cert_path, key_path
+
+
+def der(cert: Path) -> bytes:
+    """A PEM certificate file's DER bytes (what a TLS peer presents)."""
+    import ssl
+
+    return ssl.PEM_cert_to_DER_cert(cert.read_text())

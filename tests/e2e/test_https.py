@@ -17,16 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.certs import self_signed
+from tests.certs import der, self_signed
 from triptych_dev.localdeploy import free_port_block
 
 pytestmark = pytest.mark.slow
 
 IMAGE = {"prompt": "a lighthouse", "size": "32x32", "seed": 4, "num_inference_steps": 2}
-
-
-def der(cert: Path) -> bytes:
-    return ssl.PEM_cert_to_DER_cert(cert.read_text())
 
 
 def test_the_api_is_served_over_https_and_plain_http_is_not_answered(tiny_models, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.certs import self_signed
+from tests.certs import der, self_signed
 from triptych_head.tls import CertificateReloader
 
 
@@ -25,10 +25,6 @@ def install(cert: Path, key: Path, folder: Path) -> tuple[Path, Path]:
         shutil.copy(src, folder / f".{name}.new")
         os.replace(folder / f".{name}.new", folder / name)
     return folder / "tls.crt", folder / "tls.key"
-
-
-def der(cert: Path) -> bytes:
-    return ssl.PEM_cert_to_DER_cert(cert.read_text())
 
 
 async def presented(port: int) -> bytes:

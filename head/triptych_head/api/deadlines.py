@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from triptych_head.api.errors import APIError
+from triptych_head.deadline import Estimate
 
 FIELD = "deadline_seconds"
 HEADER = "X-Deadline-Seconds"
@@ -50,6 +51,11 @@ def requested_deadline(request: Request, body_value: float | None, timeout_s: fl
         given.append(Deadline(seconds, HEADER))
     earliest = min(given, key=lambda d: d.seconds, default=Deadline(timeout_s, None))
     return Deadline(min(earliest.seconds, timeout_s), earliest.param)
+
+
+def estimate_seconds(estimate: Estimate | None) -> float | None:
+    """What an admission's estimate says for the header (None without one)."""
+    return None if estimate is None else estimate.seconds
 
 
 @overload

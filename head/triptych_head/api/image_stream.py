@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from triptych.params import GenerationParams
 from triptych_head.api.context import HeadContext, new_request_id
-from triptych_head.api.deadlines import Deadline, with_estimate
+from triptych_head.api.deadlines import Deadline, estimate_seconds, with_estimate
 from triptych_head.api.errors import APIError
 from triptych_head.api.idempotent import REPLAYED, stream_once
 from triptych_head.api.key_limits import key_limit
@@ -55,16 +55,9 @@ class ImageStream:
 
     def admitted(self, deadline: Deadline) -> Response:
         """Admit it (refused: an HTTP error) and stream its run."""
-        ctx = self.ctx
-        estimate = ctx.admit(self.request_id, self.params, deadline, key=key_limit(self.request))
-
-        async def run() -> Completed:
-            try:
-                return await self._completed()
-            finally:
-                ctx.release(self.request_id)  # released here even if generation never started
-
-        return with_estimate(progress_response(self.feed, asyncio.ensure_future(run())), _seconds(estimate))
+        estimate = self._admit(deadline)
+        answer = asyncio.ensure_future(self._released())
+        return with_estimate(progress_response(self.feed, answer), estimate_seconds(estimate))
 
     async def under_key(self, key: str, fingerprint: str, deadline: Deadline) -> Response:
         """The key's one run streamed here, or the earlier run's `completed` event alone; a key
@@ -72,13 +65,9 @@ class ImageStream:
         estimates: list[Estimate | None] = []
 
         async def run(started: Callable[[], None]) -> bytes:
-            ctx = self.ctx
-            estimates.append(ctx.admit(self.request_id, self.params, deadline, key=key_limit(self.request)))
-            try:
-                started()
-                return json.dumps(await self._completed(), separators=(",", ":")).encode()
-            finally:
-                ctx.release(self.request_id)
+            estimates.append(self._admit(deadline))
+            started()
+            return json.dumps(await self._released(), separators=(",", ":")).encode()
 
         task, earlier = await stream_once(self.ctx, self.request, key, fingerprint, run)
         if earlier is not None:
@@ -87,7 +76,20 @@ class ImageStream:
             replayed.set_result(done)
             return progress_response(ProgressFeed(done.get("id", self.request_id)), replayed, {REPLAYED: "true"})
         answer = asyncio.ensure_future(_completed_of(task))
-        return with_estimate(progress_response(self.feed, answer), _seconds(estimates[0] if estimates else None))
+        return with_estimate(
+            progress_response(self.feed, answer), estimate_seconds(estimates[0] if estimates else None)
+        )
+
+    def _admit(self, deadline: Deadline) -> Estimate | None:
+        """Count it in (APIError when refused: overloaded, past its deadline, over its key's limits)."""
+        return self.ctx.admit(self.request_id, self.params, deadline, key=key_limit(self.request))
+
+    async def _released(self) -> Completed:
+        """The admitted request's run, released when it ends however it ends (even before it started)."""
+        try:
+            return await self._completed()
+        finally:
+            self.ctx.release(self.request_id)
 
     async def _completed(self) -> Completed:
         """Generate with the feed getting the progress events; the `completed` event's data."""
@@ -136,7 +138,3 @@ async def _completed_of(run: asyncio.Task[tuple[Answer, bool]]) -> Completed:
     """The `completed` data the key's run on this head answers (cancelled with it)."""
     body, _ = await run
     return dict(json.loads(body if isinstance(body, bytes) else b"".join(body)))
-
-
-def _seconds(estimate: Estimate | None) -> float | None:
-    return None if estimate is None else estimate.seconds

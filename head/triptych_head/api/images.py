@@ -20,7 +20,7 @@ from triptych.contract import EDITS, IMAGES
 from triptych.params import GenerationParams
 from triptych_head.api import image_body
 from triptych_head.api.context import HeadContext, new_request_id
-from triptych_head.api.deadlines import ESTIMATE_HEADER, with_estimate
+from triptych_head.api.deadlines import ESTIMATE_HEADER, estimate_seconds, with_estimate
 from triptych_head.api.direct import DirectRoute
 from triptych_head.api.errors import APIError
 from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
@@ -115,7 +115,7 @@ async def _images(
 
     if key is None:  # the common path: answered as a Response, large base64 bodies streamed (image_body.py)
         output, request_id = await run()
-        seconds = _seconds(admitted[0])
+        seconds = estimate_seconds(admitted[0])
         headers = {**timing, ESTIMATE_HEADER: f"{seconds:.3f}"} if seconds is not None else timing
         if image_body.streams(values, output.pixels):
             return image_body.streamed(output.pixels, ctx.media, headers)
@@ -129,11 +129,7 @@ async def _images(
 
     answer = await answer_once(ctx, request, key, fingerprint(endpoint, values, reference), answered)
     answer.headers.update(timing)
-    return with_estimate(answer, _seconds(admitted[0]) if admitted else None)
-
-
-def _seconds(estimate: Estimate | None) -> float | None:
-    return None if estimate is None else estimate.seconds
+    return with_estimate(answer, estimate_seconds(admitted[0]) if admitted else None)
 
 
 async def _response(
