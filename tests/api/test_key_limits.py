@@ -56,10 +56,9 @@ def test_a_limit_that_is_not_a_whole_number_stops_the_head_naming_the_line(
 
 def test_an_unknown_option_is_named_with_the_options_there_are(tmp_path: Path) -> None:
     path = tmp_path / "keys"
-    path.write_text("sk-a max_per_hour=5\n")
-    with pytest.raises(
-        APIKeyError, match=r"line 1: unknown option 'max_per_hour'.*max_in_flight=N and max_per_minute=N"
-    ):
+    path.write_text("sk-a max_per_week=5\n")
+    options = r"max_in_flight=N, max_per_minute=N, max_per_hour=N, max_per_day=N, max_per_month=N"
+    with pytest.raises(APIKeyError, match=rf"line 1: unknown option 'max_per_week'.*{options}"):
         APIKeys(path)
 
 

@@ -39,7 +39,9 @@ from tests.folders import head_folder
 from tests.s3.seaweedfs import S3Server
 from triptych.families import ModelInfo
 from triptych_head.api.app import create_app
+from triptych_head.api.auth import APIKeys, parse_entries
 from triptych_head.api.context import HeadContext
+from triptych_head.api.key_quotas import PERIODS
 from triptych_head.api.schemas import VideoJob
 from triptych_head.backend import GenerationOutput
 from triptych_head.objects import DirectoryObjects, ObjectStore, S3Location, S3Objects
@@ -70,13 +72,18 @@ def open_store(store: ObjectStore) -> ObjectStore:
 
 @contextmanager
 def head(
-    store: ObjectStore, backend: ScriptedBackend | None = None, retention: Retention | None = None, presign: int = 0
+    store: ObjectStore,
+    backend: ScriptedBackend | None = None,
+    retention: Retention | None = None,
+    presign: int = 0,
+    api_keys: Path | None = None,
 ) -> Iterator[TestClient]:
     with head_folder("triptych-s3-head-") as folder:  # unused beside the store, but its own
         ctx = HeadContext(
             backend=backend or ScriptedBackend(), model=MODEL, output_path=folder,
             registry=CollectorRegistry(), validate=validate, retention=retention or Retention(),
             results_store=open_store(store), results_presign_s=presign,
+            api_keys=APIKeys(api_keys) if api_keys else None,
         )  # fmt: skip
         with TestClient(create_app(ctx)) as client:
             yield client
@@ -230,6 +237,42 @@ def test_an_idempotency_key_retried_through_either_head_runs_once(shared_store):
     assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
     assert len({r.content for r in answers}) == 1
     assert len(backends[0].calls) + len(backends[1].calls) == 1
+
+
+def test_a_key_s_monthly_quota_is_counted_by_every_head_together_and_outlives_them(shared_store, tmp_path):
+    """`max_per_month=3` behind two heads: 3 admitted in all, whichever head takes them; the 4th is a
+    429 naming the quota with the seconds until the month ends; a head started later refuses at once."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-metered max_per_month=3\nsk-open\n")
+    (metered,) = [e.limit for e in parse_entries(keys.read_text()) if e.limit]
+    month = PERIODS["month"]
+
+    def post(client: TestClient, key: str = "sk-metered") -> httpx.Response:
+        return client.post("/v1/images/generations", json=IMAGE, headers={"Authorization": f"Bearer {key}"})
+
+    def sees(client: TestClient, used: int) -> None:
+        ledger = client.app.state.ctx.key_limits.quotas  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 15
+        while ledger.used(month, metered.key_id) < used:
+            assert time.monotonic() < deadline, f"the head never read the other's counts ({used})"
+            time.sleep(0.05)
+
+    with head(shared_store, api_keys=keys) as a, head(shared_store, api_keys=keys) as b:
+        assert [post(a).status_code for _ in range(2)] == [200, 200]
+        sees(b, 2)  # a wrote its counts, b read them (each every SYNC_S)
+        assert post(b).status_code == 200
+        refused = post(b)
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "key_quota_exceeded" and "max_per_month=3" in error["message"], error
+        _, ends = month.bounds(time.time())
+        assert abs(int(refused.headers["Retry-After"]) - (ends - time.time())) < 30
+        sees(a, 3)
+        assert post(a).status_code == 429
+        assert post(a, "sk-open").status_code == 200  # other keys go on
+        assert 'triptych_rejected_key_quota_requests_total{period="month"} 1.0' in b.get("/metrics").text
+    with head(shared_store, api_keys=keys) as c:  # started after both stopped: their counts stand
+        assert post(c).status_code == 429
 
 
 class NoisePixels(ScriptedBackend):

@@ -16,6 +16,7 @@ from triptych_head.api.auth import APIKeyMiddleware
 from triptych_head.api.context import HeadContext
 from triptych_head.api.direct import DirectRoutes
 from triptych_head.api.errors import install_error_handlers
+from triptych_head.api.key_quotas import SYNC_S
 from triptych_head.api.limits import BodyLimitMiddleware
 from triptych_head.api.playground import install_playground
 from triptych_head.api.schemas import RequestModels
@@ -34,14 +35,18 @@ def create_app(ctx: HeadContext) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(jobs.restore)
+        await _sync_quotas_once(ctx)  # the other heads' counts are known before a request is admitted
         await ctx.backend.start()
         sweeper = asyncio.create_task(_apply_retention(ctx, jobs))
         leases = asyncio.create_task(_renew_leases(jobs))
+        quotas = asyncio.create_task(_sync_quotas(ctx))
         try:
             yield
         finally:
             sweeper.cancel()
             leases.cancel()
+            quotas.cancel()
+            await _sync_quotas_once(ctx)  # what this head admitted since its last sync counts for the others
             await jobs.shutdown(JOB_SAVE_GRACE_S)
             await ctx.backend.close()
 
@@ -75,6 +80,22 @@ async def _apply_retention(ctx: HeadContext, jobs: VideoJobs) -> None:
         except Exception:  # a full or read-only disk must not stop the head serving
             log.exception("applying result retention failed")
         await asyncio.sleep(ctx.results.retention.sweep_interval_s)
+
+
+async def _sync_quotas(ctx: HeadContext) -> None:
+    """Share the API keys' quota counts with the other heads every SYNC_S (key_quotas.py)."""
+    while True:
+        await asyncio.sleep(SYNC_S)
+        await _sync_quotas_once(ctx)
+
+
+async def _sync_quotas_once(ctx: HeadContext) -> None:
+    ledger = ctx.key_limits.quotas
+    if ctx.api_keys is None or ledger is None:
+        return  # an open API counts no key
+    periods = ctx.api_keys.quota_periods()
+    if periods or ledger.pending():
+        await asyncio.to_thread(ledger.sync, periods)
 
 
 async def _renew_leases(jobs: VideoJobs) -> None:

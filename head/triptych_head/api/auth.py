@@ -6,7 +6,9 @@ line, blank lines and `#` comments ignored. A key may be followed, after whitesp
 (priorities.py); a key without it may ask for normal at most, so a file of bare keys means what it
 did before priorities existed. `max_in_flight=N`: at most N of its generation requests at once on
 this head; `max_per_minute=N`: at most N admitted per minute on this head, in bursts of up to N
-(key_limits.py); a key without them is not limited. The file is re-read when it changes
+(key_limits.py); `max_per_hour=N`, `max_per_day=N`, `max_per_month=N`: at most N admitted in the UTC
+hour, day or month by all the pipeline's heads together (key_quotas.py); a key without them is not
+limited. The file is re-read when it changes
 (checked at most once a second, on a request), so rotating keys is editing the file or the Secret:
 add the new key, move clients over, remove the old one; no restart. A file that cannot be read or
 parsed any more keeps the keys last read (a failed re-read must not open the API); one that lists
@@ -17,6 +19,7 @@ no key locks everyone out.
     sk-backfill     max_priority=low     # low only
     sk-small-tenant max_in_flight=4      # 4 generation requests at once, the 5th gets 429
     sk-trial max_per_minute=10           # 10 a minute (a burst of 10, then one every 6 s)
+    sk-metered max_per_day=1000          # 1000 a UTC day, counted by every head
 
 A presented key is compared with every configured key with hmac.compare_digest, all of them each
 time, so neither which key matched nor how much of one did shows in the timing.
@@ -44,6 +47,7 @@ from triptych import priority
 from triptych_head.api.errors import error_body, send_json
 from triptych_head.api.key_limits import KEY_LIMIT, RATE_OPTION, KeyLimit
 from triptych_head.api.key_limits import OPTION as IN_FLIGHT_OPTION
+from triptych_head.api.key_quotas import OPTIONS as QUOTA_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ class APIKeyError(ValueError):
 class APIKey:
     key: str
     max_priority: str = DEFAULT_CEILING  # the highest priority its requests may ask for
-    limit: KeyLimit | None = None  # max_in_flight=N, max_per_minute=N
+    limit: KeyLimit | None = None  # max_in_flight=N, max_per_minute=N, max_per_hour=N, ...
 
 
 def parse_entries(text: str) -> list[APIKey]:
@@ -80,9 +84,10 @@ def parse_entries(text: str) -> list[APIKey]:
             options[name] = _checked_option(number, name, value)
         if key:
             in_flight, per_minute = options.get(IN_FLIGHT_OPTION), options.get(RATE_OPTION)
+            quotas = tuple((period.name, int(options[o])) for o, period in QUOTA_OPTIONS.items() if o in options)
             limit = None
-            if in_flight is not None or per_minute is not None:
-                limit = KeyLimit(_key_id(key), _count(in_flight), _count(per_minute))
+            if in_flight is not None or per_minute is not None or quotas:
+                limit = KeyLimit(_key_id(key), _count(in_flight), _count(per_minute), quotas)
             keys.append(APIKey(key, options.get(MAX_PRIORITY, DEFAULT_CEILING), limit))
     return keys
 
@@ -91,14 +96,12 @@ def _checked_option(number: int, name: str, value: str) -> str:
     if name == MAX_PRIORITY:
         if value not in priority.LEVELS:
             raise ValueError(f"line {number}: {MAX_PRIORITY}={value!r} is not one of {', '.join(priority.LEVELS)}")
-    elif name in (IN_FLIGHT_OPTION, RATE_OPTION):
-        if not value.isdigit() or int(value) < 1:
+    elif name in (IN_FLIGHT_OPTION, RATE_OPTION, *QUOTA_OPTIONS):
+        if not (value.isascii() and value.isdigit()) or int(value) < 1:
             raise ValueError(f"line {number}: {name}={value!r} must be a whole number >= 1")
     else:
-        raise ValueError(
-            f"line {number}: unknown option {name!r} (the options are {MAX_PRIORITY}=LEVEL, "
-            f"{IN_FLIGHT_OPTION}=N and {RATE_OPTION}=N)"
-        )
+        counts = ", ".join(f"{option}=N" for option in (IN_FLIGHT_OPTION, RATE_OPTION, *QUOTA_OPTIONS))
+        raise ValueError(f"line {number}: unknown option {name!r} (the options are {MAX_PRIORITY}=LEVEL, {counts})")
     return value
 
 
@@ -157,6 +160,11 @@ class APIKeys:
             log.info("--api-keys-file %s changed: %d keys", self.path, len(keys))
             if not keys:
                 log.warning("--api-keys-file %s lists no key: every API request is refused", self.path)
+
+    def quota_periods(self) -> frozenset[str]:
+        """The periods (hour, day, month) some key's quotas count in: those the heads keep in sync."""
+        self._refresh()
+        return frozenset(name for _, entry in self._keys if entry.limit for name, _ in entry.limit.quotas)
 
     def valid(self, presented: bytes) -> bool:
         """Whether `presented` is one of the keys (constant time in which key and how much matched)."""

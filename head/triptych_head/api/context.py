@@ -27,6 +27,7 @@ from triptych_head.api.deadlines import FIELD as DEADLINE_FIELD
 from triptych_head.api.deadlines import Deadline, requested_deadline
 from triptych_head.api.errors import APIError
 from triptych_head.api.key_limits import KeyLimit, KeyLimits
+from triptych_head.api.key_quotas import QuotaLedger
 from triptych_head.api.priorities import requested_priority
 from triptych_head.api.reference import Reference
 from triptych_head.api.schemas import parse_size
@@ -87,7 +88,8 @@ class HeadContext:
         objects = self.results_store or DirectoryObjects(self.output_path)
         self.results = ResultStore(objects, self.retention, self.results_presign_s)
         self.idempotency = Idempotency(objects, self.head_id)
-        self.key_limits = KeyLimits(self.registry)
+        # A key's quotas of an hour, day or month are the pipeline's: counted in the store every head shares.
+        self.key_limits = KeyLimits(self.registry, quotas=QuotaLedger(objects, self.head_id, self.registry))
         self.idempotent_replays = Counter(
             "triptych_idempotent_replays",
             "Requests answered with an earlier run's result of their Idempotency-Key",
@@ -171,7 +173,7 @@ class HeadContext:
         key: KeyLimit | None = None,
     ) -> Estimate | None:
         """Count a new request in flight, or refuse it with a 429 and Retry-After: when its API key has
-        its `key` limit in flight or has used its requests per minute (key_limits.py), when it would
+        its `key` limit in flight or has used its requests per minute or its quota (key_limits.py), when it would
         miss its deadline (None: the request timeout), or when the pipeline is at
         --max-queued-requests (admission.py). Its estimated completion, None where there is none
         (monolithic mode). Call it right before generate(), or when a video job is created.

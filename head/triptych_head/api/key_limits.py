@@ -10,12 +10,16 @@ A key of --api-keys-file may carry (auth.py):
   `key_rate_limit` with the seconds until the next token as Retry-After. A request the head refuses
   for another reason (the key's in-flight limit, overload, a deadline it would miss) takes no token.
 
+- `max_per_hour=N`, `max_per_day=N`, `max_per_month=N`: at most N admitted in the UTC hour, day or
+  calendar month, counted by every head together in the shared result store (key_quotas.py). One
+  more gets 429 `key_quota_exceeded` with the seconds until the period ends as Retry-After.
+
 Either way the refusal comes before any worker sees the request, so one tenant's burst queues at
 its own door instead of in front of every other tenant's requests. A key without the options, and
 an open API (no --api-keys-file), is not counted.
 
-Each head counts its own requests: behind N heads (a Service spreading a key's requests), a key may
-have up to N times its limits.
+In flight and per minute, each head counts its own requests: behind N heads (a Service spreading a
+key's requests), a key may have up to N times those limits. The quotas are the pipeline's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter
 
 from triptych_head.api.errors import APIError
+from triptych_head.api.key_quotas import QuotaExceeded, QuotaLedger
 
 KEY_LIMIT = "key_limit"  # request.state: the KeyLimit of the key the request carries (auth.py sets it)
 OPTION = "max_in_flight"
@@ -42,6 +47,7 @@ class KeyLimit:
     key_id: str
     max_in_flight: int | None = None
     max_per_minute: int | None = None
+    quotas: tuple[tuple[str, int], ...] = ()  # (period name, N): max_per_hour=N, ... (key_quotas.py)
 
 
 def key_limit(request: Request) -> KeyLimit | None:
@@ -52,7 +58,13 @@ def key_limit(request: Request) -> KeyLimit | None:
 class KeyLimits:
     """Each limited key's requests in flight and request tokens on this head; used from the API's event loop only."""
 
-    def __init__(self, registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.monotonic,
+        quotas: QuotaLedger | None = None,
+    ) -> None:
+        self.quotas = quotas  # where the quotas are counted; None: a key's quotas are not applied (tests of the rest)
         self._in_flight: dict[str, int] = {}  # key id -> its requests counted now
         self._owner: dict[str, str] = {}  # request id -> the key id it counts against
         self._tokens: dict[str, tuple[float, float]] = {}  # key id -> (tokens, when counted); absent: full
@@ -83,14 +95,24 @@ class KeyLimits:
                 "key_concurrency_limit",
                 retry_after_s,
             )
+        ledger = self.quotas if limit.quotas else None
+        if ledger is not None:
+            try:
+                ledger.check(limit.key_id, limit.quotas)
+            except QuotaExceeded as exc:
+                raise _refusal(str(exc), "key_quota_exceeded", exc.retry_after_s) from None
         if limit.max_per_minute is not None:
             self._take_token(request_id, limit.key_id, limit.max_per_minute)
+        if ledger is not None:
+            ledger.take(request_id, limit.key_id, limit.quotas)
         self._in_flight[limit.key_id] = count + 1
         self._owner[request_id] = limit.key_id
 
     def admitted(self, request_id: str) -> None:
-        """The head admitted `request_id` further: its token is spent for good."""
+        """The head admitted `request_id` further: its token and its quotas' counts are spent for good."""
         self._took.pop(request_id, None)
+        if self.quotas is not None:
+            self.quotas.spent(request_id)
 
     def release(self, request_id: str) -> None:
         """`request_id` ended (or was never admitted further, then its token is given back): it no
@@ -99,6 +121,8 @@ class KeyLimits:
         if key_id is not None and key_id in self._tokens:
             tokens, at = self._tokens[key_id]
             self._tokens[key_id] = (tokens + 1, at)  # refused after the key's check: not the key's doing
+        if self.quotas is not None:
+            self.quotas.give_back(request_id)  # likewise its quotas' counts (nothing once admitted)
         key_id = self._owner.pop(request_id, None)
         if key_id is None:
             return
