@@ -275,6 +275,19 @@ def test_a_key_s_monthly_quota_is_counted_by_every_head_together_and_outlives_th
         assert post(c).status_code == 429
 
 
+def test_what_a_head_admitted_just_before_it_stopped_counts_for_the_heads_after_it(shared_store, tmp_path, monkeypatch):
+    """The periodic sync never runs (an hour apart): the head's counts reach the store as it stops."""
+    monkeypatch.setattr("triptych_head.api.app.SYNC_S", 3600.0)
+    keys = tmp_path / "keys"
+    keys.write_text("sk-metered max_per_month=1\n")
+    headers = {"Authorization": "Bearer sk-metered"}
+    with head(shared_store, api_keys=keys) as a:
+        assert a.post("/v1/images/generations", json=IMAGE, headers=headers).status_code == 200
+    with head(shared_store, api_keys=keys) as c:
+        refused = c.post("/v1/images/generations", json=IMAGE, headers=headers)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "key_quota_exceeded", refused.text
+
+
 class NoisePixels(ScriptedBackend):
     """Pixels PNG cannot compress (tests/api/test_large_bodies.py), so the stored answer is as large."""
 
