@@ -340,6 +340,33 @@ def test_ingress_routes_to_the_api_service_with_tls() -> None:
     assert ing["tls"] == [{"hosts": ["wan.example.com"], "secretName": "t"}]
 
 
+def test_the_ingress_lets_requests_through_as_the_heads_take_them_and_the_spec_s_annotations_win() -> None:
+    """ingress-nginx would refuse a body over 1 MiB (an edit's upload) and cut an answer after 60 s."""
+    ingress = {"enabled": True, "host": "wan.example.com"}
+    annotations = children(minimal_spec(head={"ingress": ingress}))[("Ingress", "wan-t2v-api")]["metadata"][
+        "annotations"
+    ]
+    nginx = "nginx.ingress.kubernetes.io/"
+    assert annotations == {
+        nginx + "proxy-body-size": "16m",  # --max-request-bytes' default
+        nginx + "proxy-read-timeout": "660",  # timeoutSeconds' default (600) and a minute
+        nginx + "proxy-send-timeout": "660",
+        nginx + "proxy-buffering": "off",
+    }
+    head = {
+        "timeoutSeconds": 1800,
+        "extraArgs": ["--max-request-bytes", "64MiB"],
+        "ingress": {
+            **ingress,
+            "annotations": {"cert-manager.io/cluster-issuer": "letsencrypt", nginx + "proxy-buffering": "on"},
+        },
+    }
+    annotations = children(minimal_spec(head=head))[("Ingress", "wan-t2v-api")]["metadata"]["annotations"]
+    assert annotations[nginx + "proxy-body-size"] == "64m" and annotations[nginx + "proxy-read-timeout"] == "1860"
+    assert annotations["cert-manager.io/cluster-issuer"] == "letsencrypt"
+    assert annotations[nginx + "proxy-buffering"] == "on"  # the spec's own win
+
+
 def test_hub_model_gets_token_and_cache_instead_of_a_volume() -> None:
     objs = children(example("flux-t2i.yaml")["spec"])
     c = container(objs[("Deployment", "wan-t2v-encoder")])
@@ -469,7 +496,7 @@ def test_head_tls_serves_https_from_the_secret_and_everything_that_reaches_the_a
     assert all(p["name"] != "https" for p in objs[("Service", "wan-t2v-heads")]["spec"]["ports"])
     ingress = objs[("Ingress", "wan-t2v-api")]
     assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] == {"name": "https"}
-    assert ingress["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/backend-protocol": "HTTPS"}
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/backend-protocol"] == "HTTPS"
 
 
 def test_without_head_tls_the_api_is_http_and_nothing_mentions_tls() -> None:
@@ -480,7 +507,10 @@ def test_without_head_tls_the_api_is_http_and_nothing_mentions_tls() -> None:
     assert objs[("Service", "wan-t2v-api")]["spec"]["ports"] == [
         {"name": "http", "port": HEAD_HTTP_PORT, "targetPort": "http", "protocol": "TCP"}
     ]
-    assert "annotations" not in objs[("Ingress", "wan-t2v-api")]["metadata"]
+    assert (
+        "nginx.ingress.kubernetes.io/backend-protocol"
+        not in objs[("Ingress", "wan-t2v-api")]["metadata"]["annotations"]
+    )
 
 
 # --- control-plane keys and NetworkPolicies -------------------------------------------------

@@ -340,7 +340,8 @@ def test_children_deleted_or_edited_by_hand_are_restored(
 def test_optional_children_follow_the_spec(crd: KubeCluster, kube_namespace: str, operator: KopfRunner) -> None:
     ns = kube_namespace
     auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetWorkSecondsPerReplica": 30}
-    ingress = {"enabled": True, "host": "opt.example.com", "className": "nginx"}
+    issuer = {"cert-manager.io/cluster-issuer": "letsencrypt"}
+    ingress = {"enabled": True, "host": "opt.example.com", "className": "nginx", "annotations": issuer}
     apply(crd, ns, pipeline_manifest("opt", denoiser={"autoscaling": auto}, head={"ingress": ingress}))
     objs = poll(
         lambda: (lambda o: o if {"HorizontalPodAutoscaler/opt-denoiser", "Ingress/opt-api"} <= set(o) else None)(
@@ -350,6 +351,9 @@ def test_optional_children_follow_the_spec(crd: KubeCluster, kube_namespace: str
     )
     assert objs["HorizontalPodAutoscaler/opt-denoiser"]["spec"]["maxReplicas"] == 3
     assert objs["Ingress/opt-api"]["spec"]["rules"][0]["host"] == "opt.example.com"
+    annotations = objs["Ingress/opt-api"]["metadata"]["annotations"]
+    assert annotations["cert-manager.io/cluster-issuer"] == "letsencrypt"
+    assert annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"] == "660"
 
     off = {"spec": {"denoiser": {"autoscaling": {"enabled": False}}, "head": {"ingress": {"enabled": False}}}}
     crd.kubectl("patch", "dp", "opt", "-n", ns, "--type=merge", "-p", json.dumps(off))

@@ -210,3 +210,9 @@ def test_batching_defaults_to_none_and_the_spec_heads_delay() -> None:
     p = pipeline(minimal_spec(encoder={"batching": {}}))
     assert {spec.batch_max_size for spec in p.roles.values()} == {1}
     assert p.head.batch_delay_ms == 30
+
+
+def test_an_ingress_annotation_that_is_not_a_string_is_rejected_naming_it() -> None:
+    head = {"ingress": {"enabled": True, "host": "a.example.com", "annotations": {"x/timeout": 30}}}
+    err = error_for(minimal_spec(head=head))
+    assert err.field.startswith("spec.head.ingress.annotations"), err

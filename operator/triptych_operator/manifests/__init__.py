@@ -70,7 +70,7 @@ def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None, keys_
         children.delete.append(ObjectRef("v1", "ConfigMap", object_name(pipeline.name, LORA_COMPONENT)))
     else:
         children.apply.append(catalog)
-    ingress = head_ingress(pipeline)
+    ingress = head_ingress(pipeline, head_args)
     if ingress is None:
         children.delete.append(ObjectRef("networking.k8s.io/v1", "Ingress", object_name(pipeline.name, API_COMPONENT)))
     else:

@@ -3,6 +3,10 @@ reach it by, the public API Service and Ingress, and the disruption budget of se
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
+from triptych.config import MIB, ServeArgs
 from triptych.ports import result_port
 from triptych.roles import Role
 from triptych_operator.constants import (
@@ -27,7 +31,7 @@ from triptych_operator.manifests.parts import (
     standard_probes,
     template_annotations,
 )
-from triptych_operator.serve_args import SERVE_COMMAND, object_name
+from triptych_operator.serve_args import SERVE_COMMAND, check_argv, object_name
 from triptych_operator.spec.head_fields import HEAD_UNROUTE_S, S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
 from triptych_operator.spec.model import PipelineSpec
 
@@ -38,7 +42,11 @@ HEAD_READY_PERIOD_S = 2
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 # ingress-nginx's way of being told its backend speaks HTTPS (head.tls); other controllers read the
 # Service port's appProtocol.
-NGINX_BACKEND_PROTOCOL = "nginx.ingress.kubernetes.io/backend-protocol"
+NGINX = "nginx.ingress.kubernetes.io/"
+NGINX_BACKEND_PROTOCOL = NGINX + "backend-protocol"
+# An answer may take the whole request timeout; the controller waits this much longer, so the head's own
+# 504 (naming the timeout) reaches the client rather than the controller's.
+INGRESS_TIMEOUT_MARGIN_S = 60
 
 
 def api_port_name(pipeline: PipelineSpec) -> str:
@@ -293,7 +301,8 @@ def api_service(pipeline: PipelineSpec) -> Manifest:
     }
 
 
-def head_ingress(pipeline: PipelineSpec) -> Manifest | None:
+def head_ingress(pipeline: PipelineSpec, head_args: Sequence[str]) -> Manifest | None:
+    """The Ingress to the API Service; `head_args`: the heads' argv (their request size and timeout)."""
     ingress = pipeline.head.ingress
     if not ingress.enabled:
         return None
@@ -307,6 +316,22 @@ def head_ingress(pipeline: PipelineSpec) -> Manifest | None:
     if ingress.tls_secret_name:
         spec["tls"] = [{"hosts": [ingress.host], "secretName": ingress.tls_secret_name}]
     metadata = object_metadata(pipeline, HEAD_COMPONENT, name)
-    if pipeline.head.tls_secret_name:  # the heads speak HTTPS: so must the controller, to them
-        metadata["annotations"] = {NGINX_BACKEND_PROTOCOL: "HTTPS"}
+    metadata["annotations"] = {
+        **_nginx_annotations(pipeline, check_argv(head_args, where="spec.head")),
+        **ingress.annotations,
+    }
     return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": metadata, "spec": spec}
+
+
+def _nginx_annotations(pipeline: PipelineSpec, args: ServeArgs) -> dict[str, str]:
+    """ingress-nginx's settings that let a request through as the heads take it (its defaults would
+    refuse a body over 1 MiB and cut an answer after 60 s); other controllers ignore them."""
+    annotations = {
+        NGINX + "proxy-body-size": f"{math.ceil(args.max_request_bytes / MIB)}m",
+        NGINX + "proxy-read-timeout": str(math.ceil(args.disagg_timeout) + INGRESS_TIMEOUT_MARGIN_S),
+        NGINX + "proxy-send-timeout": str(math.ceil(args.disagg_timeout) + INGRESS_TIMEOUT_MARGIN_S),
+        NGINX + "proxy-buffering": "off",  # progress events (SSE) reach the client as the head sends them
+    }
+    if pipeline.head.tls_secret_name:  # the heads speak HTTPS: so must the controller, to them
+        annotations[NGINX_BACKEND_PROTOCOL] = "HTTPS"
+    return annotations

@@ -46,6 +46,15 @@ MIN_HEAD_DRAIN_SECONDS = 2 * HEAD_DRAIN_MARGIN_S
 HEAD_UNROUTE_S = 5
 
 
+_INGRESS_ANNOTATIONS = (
+    "The Ingress's annotations: your controller's settings (cert-manager's issuer, a rewrite, an allow-list, "
+    "another controller's timeouts). They go over the operator's own for ingress-nginx, which let a request "
+    "through as the heads would take it: `proxy-body-size` of `--max-request-bytes`, `proxy-read-timeout` and "
+    "`proxy-send-timeout` of `timeoutSeconds` plus a minute, `proxy-buffering: off` (progress events arrive as "
+    "they are sent), and `backend-protocol: HTTPS` with `tls`."
+)
+
+
 def _ingress() -> Field:
     return Field(
         "ingress",
@@ -56,6 +65,7 @@ def _ingress() -> Field:
             Field("host", "string", "Host name; required when enabled."),
             Field("className", "string", "The Ingress's `ingressClassName`."),
             Field("tls", "object", "TLS.", fields=(Field("secretName", "string", "TLS Secret for `host`."),)),
+            Field("annotations", "string-map", _INGRESS_ANNOTATIONS),
         ),
         rules=(required_when("host", "enabled", "host is required when enabled"),),
     )

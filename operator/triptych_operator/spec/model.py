@@ -178,6 +178,7 @@ class IngressSpec:
     host: str | None
     class_name: str | None
     tls_secret_name: str | None = dataclasses.field(metadata=bound("tls.secretName"))
+    annotations: Mapping[str, str]  # over the operator's own (manifests/head.py)
 
 
 @dataclass(frozen=True)
