@@ -6,6 +6,7 @@ stock output_type="pil"; videos are (frames * 255).round().astype(uint8) of stoc
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from triptych.families import read_rules
+from triptych.families.flux import KONTEXT_RESOLUTIONS
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import frames_to_tensors, tensors_to_frames
 from triptych.roles import WORKER_ROLES, Role
@@ -125,6 +127,35 @@ def test_simulated_workers_emit_exactly_the_names_dtypes_and_shapes_the_stages_p
         produced = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in batch.tensors.items()]
         declared = [(s.name, s.dtype, s.shape) for s in pipeline.adapter.output_specs(role, params)]
         assert sorted(produced) == sorted(declared), role
+
+
+def png(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    pixels = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("size", [(48, 32), (24, 80), (40, 40), (200, 30)])
+def test_a_simulated_image_encoder_emits_the_reference_latents_the_loaded_one_makes(role_pipelines, size) -> None:
+    """An edit's reference is encoded at the Kontext resolution nearest its aspect ratio: the
+    simulated image encoder declares those latents' shapes from the image's header alone."""
+    params = msgspec.structs.replace(FLUX, num_outputs=2, image=png(*size))
+    batch = role_pipelines["tiny-flux-kontext", Role.PROMPT_ENCODER].run(StageBatch(params))
+    pipeline = role_pipelines["tiny-flux-kontext", Role.IMAGE_ENCODER]
+    batch = pipeline.run(over_the_wire(batch))
+    assert {"image_latents", "image_ids"} <= set(batch.tensors)
+    produced = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in batch.tensors.items()]
+    declared = [(s.name, s.dtype, s.shape) for s in pipeline.adapter.output_specs(Role.IMAGE_ENCODER, params)]
+    assert sorted(produced) == sorted(declared)
+
+
+def test_the_kontext_resolutions_are_diffusers_own() -> None:
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+    assert list(KONTEXT_RESOLUTIONS) == [tuple(r) for r in PREFERRED_KONTEXT_RESOLUTIONS]
 
 
 def test_flux_tensors_between_roles(role_pipelines) -> None:

@@ -8,6 +8,13 @@ from triptych.params import GenerationParams
 from triptych.protocol.tensors import TensorSpec
 
 KONTEXT = "FluxKontextPipeline"
+# FluxKontextPipeline's PREFERRED_KONTEXT_RESOLUTIONS (width, height): a reference is encoded at the one
+# nearest its aspect ratio. Copied so the head and simulated workers need no diffusers (a test holds it equal).
+KONTEXT_RESOLUTIONS = (
+    (672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184), (944, 1104),
+    (1024, 1024),
+    (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752), (1456, 720), (1504, 688), (1568, 672),
+)  # fmt: skip
 
 
 class FluxRules(FamilyRules):
@@ -38,5 +45,47 @@ class FluxRules(FamilyRules):
             TensorSpec("text_ids", "float32", (length, 3)),
         ]
 
+    def image_outputs(self, params: GenerationParams) -> list[TensorSpec]:
+        """Kontext's encoded reference: image_latents [n, S', 4C] and image_ids [S', 3]."""
+        if not self.takes_reference:
+            return []
+        width, height = self.reference_area(params)
+        sequence = (height // self.size_multiple) * (width // self.size_multiple)
+        return [
+            TensorSpec("image_latents", "float32", (params.num_outputs, sequence, self.latent_channels * 4)),
+            TensorSpec("image_ids", "float32", (sequence, 3)),
+        ]
+
+    def reference_area(self, params: GenerationParams) -> tuple[int, int]:
+        """The (width, height) the request's reference is encoded at. A reference given by URL is not
+        fetched here: the output's aspect ratio stands in for its own."""
+        return self.encode_area(
+            *(_image_size(params.image) if params.image is not None else (params.width, params.height))
+        )
+
+    def encode_area(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) a reference of `width` x `height` is encoded at, as FluxKontextPipeline
+        picks it: the Kontext resolution nearest its aspect ratio (its sides rounded down to whole
+        patches first), rounded down to whole patches."""
+        multiple = self.size_multiple
+        width, height = max(width - width % multiple, 1), max(height - height % multiple, 1)
+        aspect = width / height
+        _, width, height = min((abs(aspect - w / h), w, h) for w, h in KONTEXT_RESOLUTIONS)
+        return width // multiple * multiple, height // multiple * multiple
+
     def latent_spec(self, params: GenerationParams) -> TensorSpec:
         return TensorSpec("latents", "float32", (params.num_outputs, self._sequence(params), self.latent_channels * 4))
+
+
+def _image_size(data: bytes) -> tuple[int, int]:
+    """An image's (width, height) from its header (nothing decoded); (1, 1) for bytes PIL cannot read,
+    which the loaded image encoder refuses anyway."""
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except Exception:
+        return 1, 1

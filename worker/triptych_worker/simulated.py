@@ -8,7 +8,8 @@ arrays. That keeps one worker to a few tens of MB, so one small machine can run 
 against one head (bench/scaling_bench.py).
 
 Cost model, per request: seconds + seconds_per_unit x units, where a unit is
-- encoder: one output (num_outputs; text encoding does not depend on the image size);
+- encoder: one output (num_outputs; text encoding does not depend on the image size; an image
+  encoder's reference latents are shaped as the family encodes the reference: FluxRules.image_outputs);
 - denoiser: one step over one megapixel-frame (num_outputs x num_frames x width x height / 2**20
   x num_inference_steps); progress is reported after each step, as the real loop does;
 - decoder: one megapixel-frame (num_outputs x num_frames x width x height / 2**20).

@@ -73,16 +73,12 @@ class FluxAdapter(FamilyAdapter[FluxRules]):
 
     def encode_image(self, batch: StageBatch) -> None:
         import torch
-        from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
         from triptych.reference import reference_image
 
-        p, pipe, multiple = batch.params, self.pipe, self.rules.size_multiple
+        p, pipe = batch.params, self.pipe
         image = reference_image(p.image, p.image_url)
-        height, width = pipe.image_processor.get_default_height_width(image)
-        aspect = width / height
-        _, width, height = min((abs(aspect - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
-        width, height = width // multiple * multiple, height // multiple * multiple
+        width, height = self.rules.encode_area(*image.size)
         pixels = pipe.image_processor.preprocess(pipe.image_processor.resize(image, height, width), height, width)
         dtype = batch.tensors["prompt_embeds"].dtype if "prompt_embeds" in batch.tensors else torch.float32
         pixels = pixels.to(device=self.device, dtype=dtype)
