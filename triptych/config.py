@@ -442,11 +442,6 @@ class ServeArgs:
         if self.batching_max_size > 1 and self.disagg_role is Role.MONOLITHIC:
             raise ConfigError("--batching-max-size is for --disagg-role server and its workers; monolithic mode "
                               "runs one request at a time")  # fmt: skip
-        if self.batching_max_size > 1 and self.num_gpus > 1 and self.disagg_role.is_worker:
-            raise ConfigError(
-                f"--batching-max-size {self.batching_max_size} with --num-gpus {self.num_gpus}: a multi-GPU worker "
-                "runs one request at a time; use --batching-max-size 1"
-            )
 
     def role_batching_delays_ms(self) -> dict[Role, float]:
         """--batching-role-delay-ms as {role: milliseconds}; ConfigError naming a bad entry."""

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.harness import deployment
 from triptych.client import Event, TriptychClient
+from triptych.roles import Role
 from triptych_dev.localdeploy import LocalDeployment
 
 pytestmark = pytest.mark.slow
@@ -192,5 +193,23 @@ def test_a_full_pipeline_worker_batches_through_the_same_stages(tiny_models: dic
         batched = concurrently(dep, requests)
         ran = histograms(c, "triptych_worker_batch_size")
         assert ran["denoiser"]["sum"] == 8 and ran["denoiser"]["count"] <= 2, ran
+        for request, image in zip(requests, batched, strict=True):
+            assert_close(image, generate(c, request))
+
+
+def test_a_two_rank_denoiser_runs_a_group_as_one_batched_forward_on_both_ranks(
+    tiny_models: dict[str, Path], tmp_path: Path
+):
+    """`--num-gpus 2` (two CPU ranks, Ulysses derived from the heads) with `--batching-max-size 4`:
+    four concurrent requests run on the denoiser in at most two batches, pixels within the tolerance
+    of each alone."""
+    requests = [{**BASE, "prompt": f"a lantern {i}", "seed": 90 + i} for i in range(4)]
+    with deployment(
+        tiny_models["tiny-flux"], tmp_path, head_flags=HEAD_FLAGS, worker_flags=("--batching-max-size", "4"),
+        devices={Role.DENOISER: [["cpu", "cpu"]]},
+    ) as dep, dep.client() as c:  # fmt: skip
+        batched, deltas = batched_concurrently(dep, c, requests)
+        sent, ran = deltas("denoiser", "count")
+        assert deltas("denoiser", "sum") == (4, 4) and ran <= 2, (sent, ran)
         for request, image in zip(requests, batched, strict=True):
             assert_close(image, generate(c, request))

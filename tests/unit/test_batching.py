@@ -152,6 +152,9 @@ def test_batching_flags_parse_for_the_head_and_the_worker():
     assert roles.role_batching_delays_ms() == {Role.ENCODER: 5.0, Role.DENOISER: 80.5}
     assert parse(*HEAD).role_batching_delays_ms() == {}
     worker = parse("--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--batching-max-size", "4")
+    ranks = parse("--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--batching-max-size", "4",
+                  "--num-gpus", "2")  # fmt: skip
+    assert ranks.batching_max_size == 4  # a multi-device worker batches on every rank (parallel/ranks.py)
     assert worker.batching_max_size == 4 and worker.batching_mode == "off"
 
 

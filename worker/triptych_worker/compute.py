@@ -107,8 +107,8 @@ def _fails_alone(worker: Worker, link: HeadLinks, job: Job) -> Iterator[None]:
 
 
 def _batches_forward(worker: Worker, n: int) -> bool:
-    """Whether `n` requests run as one batched forward here (simulated and multi-GPU stages run
-    them one at a time)."""
+    """Whether `n` requests run as one batched forward here (simulated stages run them one at a
+    time; a multi-device worker's ranks batch, parallel/ranks.py)."""
     return n > 1 and hasattr(worker.pipeline, "run_many")
 
 

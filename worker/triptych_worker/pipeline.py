@@ -52,12 +52,19 @@ class BatchedAdapterStage(AdapterStage):
     """A stage that runs several compatible requests as one forward (`run_batched`).
 
     Should the batched forward fail (an out-of-memory, say), each request runs again alone, so
-    that one bad request fails only itself; its progress then restarts from step 1.
+    that one bad request fails only itself; its progress then restarts from step 1. Not on a rank of
+    a multi-device role (`retry_alone` off): a failure there may be one rank's alone, and a rank
+    running requests alone while the others wait in the batch's collectives would never meet them
+    again, so the failure goes up and takes the instance down (parallel/ranks.py).
     """
+
+    retry_alone = True
 
     def run_many(self, batches: list[StageBatch]) -> list[Exception | None]:
         if len(batches) == 1:
             return super().run_many(batches)
+        if not self.retry_alone:
+            return self.run_batched(batches)
         try:
             return self.run_batched(batches)
         except Exception:

@@ -9,7 +9,7 @@ its shards after the last block, CFG parallel gathers both branches, TP all-redu
 row-parallel layer), so the ranks hold the same bytes. `states_agree` checks that they do, with a
 fingerprint per tensor gathered from every rank, so that a parallelism that one day keeps a shard
 in the loop fails the request naming it instead of staging a part as the whole. A continuation
-comes back as any job does (jobs.send_job broadcasts its resume meta, latents and history) and
+comes back as any job does (jobs.send_jobs broadcasts its resume meta, latents and history) and
 every rank restores it.
 """
 

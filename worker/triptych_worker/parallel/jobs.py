@@ -1,5 +1,9 @@
 """Rank 0 hands each job to the other ranks: a msgspec header, then the tensors, by broadcast.
 
+A job is one request, or a group of compatible ones the worker runs as one batched forward
+(triptych_worker.batching): the header lists each request's params, meta and tensors, and every
+rank runs the group as rank 0 does, request for request.
+
 The header is decoded into typed structs (GenerationParams is checked field by field), never
 unpickled: torch.distributed's object collectives pickle, so they are not used. A one-element
 step flag follows every denoising step, so that a request the head cancels stops on every rank
@@ -45,6 +49,10 @@ class JobHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hands_off: bool = False  # rank 0 may stop the loop at a step boundary: every rank asks it before each step
 
 
+class JobsHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    jobs: list[JobHeader]  # one request, or a group run as one batched forward
+
+
 class StopFollowing(Exception):
     """Rank 0 stopped the job this rank is following (the head cancelled it)."""
 
@@ -56,21 +64,26 @@ def _broadcast(mesh: RankMesh, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def send_job(mesh: RankMesh, batch: StageBatch) -> None:
-    """Rank 0: give every rank this job's params, meta and input tensors."""
+def send_jobs(mesh: RankMesh, batches: list[StageBatch]) -> None:
+    """Rank 0: give every rank these requests' params, meta and input tensors (one request, or a group)."""
     import torch
 
-    tensors = {name: torch.as_tensor(t).to(mesh.device) for name, t in batch.tensors.items()}
-    entries = [TensorEntry(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()]
-    header = msgspec.msgpack.encode(JobHeader(batch.params, batch.meta, entries, batch.hand_off is not None))
+    jobs: list[JobHeader] = []
+    inputs: list[torch.Tensor] = []
+    for batch in batches:
+        tensors = {name: torch.as_tensor(t).to(mesh.device) for name, t in batch.tensors.items()}
+        entries = [TensorEntry(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()]
+        jobs.append(JobHeader(batch.params, batch.meta, entries, batch.hand_off is not None))
+        inputs += tensors.values()
+    header = msgspec.msgpack.encode(JobsHeader(jobs))
     _broadcast(mesh, torch.tensor([len(header)], dtype=torch.int64, device=mesh.device))
     _broadcast(mesh, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(mesh.device))
-    for tensor in tensors.values():
+    for tensor in inputs:
         _broadcast(mesh, tensor.contiguous())
 
 
-def receive_job(mesh: RankMesh) -> StageBatch:
-    """Other ranks: wait for rank 0's next job and return it as a batch on this rank's device."""
+def receive_jobs(mesh: RankMesh) -> list[StageBatch]:
+    """Other ranks: wait for rank 0's next job and return its requests as batches on this rank's device."""
     import torch
 
     size = _broadcast(mesh, torch.zeros(1, dtype=torch.int64, device=mesh.device))
@@ -78,17 +91,20 @@ def receive_job(mesh: RankMesh) -> StageBatch:
     if not 0 < length <= MAX_HEADER_BYTES:
         raise ValueError(f"job header of {length} bytes from rank 0 (at most {MAX_HEADER_BYTES})")
     raw = _broadcast(mesh, torch.empty(length, dtype=torch.uint8, device=mesh.device))
-    header = msgspec.msgpack.decode(raw.cpu().numpy().tobytes(), type=JobHeader)
-    tensors = {}
-    for entry in header.tensors:
-        if entry.dtype not in WIRE_DTYPES:
-            raise ValueError(f"tensor {entry.name}: dtype {entry.dtype!r} does not travel between ranks")
-        dtype = getattr(torch, WIRE_DTYPES[entry.dtype])
-        tensors[entry.name] = _broadcast(mesh, torch.empty(entry.shape, dtype=dtype, device=mesh.device))
-    batch = StageBatch(params=header.params, tensors=dict(tensors), meta=dict(header.meta))
-    if header.hands_off:
-        batch.hand_off = StepBoundary(mesh)
-    return batch
+    header = msgspec.msgpack.decode(raw.cpu().numpy().tobytes(), type=JobsHeader)
+    batches = []
+    for job in header.jobs:
+        tensors = {}
+        for entry in job.tensors:
+            if entry.dtype not in WIRE_DTYPES:
+                raise ValueError(f"tensor {entry.name}: dtype {entry.dtype!r} does not travel between ranks")
+            dtype = getattr(torch, WIRE_DTYPES[entry.dtype])
+            tensors[entry.name] = _broadcast(mesh, torch.empty(entry.shape, dtype=dtype, device=mesh.device))
+        batch = StageBatch(params=job.params, tensors=dict(tensors), meta=dict(job.meta))
+        if job.hands_off:
+            batch.hand_off = StepBoundary(mesh)
+        batches.append(batch)
+    return batches
 
 
 def step_flag(mesh: RankMesh, flag: int = GO_ON) -> int:

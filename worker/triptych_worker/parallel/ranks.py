@@ -2,12 +2,16 @@
 
     pipeline = start_ranks(args)    # rank 0, inside `triptych serve --num-gpus N`
     pipeline.run(batch)             # every rank runs the job; rank 0 returns its outputs
+    pipeline.run_many(batches)      # compatible requests as one batched forward, on every rank
 
 Rank 0 starts one follower process per other device (`python -m triptych_worker.parallel.follower`
 with the same flags), all ranks load the role's stages and rendezvous on `--master-port`, and
 each job rank 0 runs is broadcast to the followers first. The worker keeps one work socket, one
 set of slots and one Mooncake pool: the followers talk to rank 0 only. A denoiser's job stops at a
 step boundary on every rank when the head hands it off (handoff.py); rank 0 stages the state.
+A group of compatible requests (--batching-max-size) is one job: every rank runs it as one batched
+forward, each request with its own step flags, so one cancelled or handed off stops on every rank
+at the same step while the others run on (triptych_worker.batching).
 
 A rank that dies takes the instance down: rank 0 watches its followers and exits (status 3)
 when one exits, or when rank 0 itself fails inside a job (the ranks are then out of step), so
@@ -36,7 +40,7 @@ from triptych_worker.adapters import adapter_for
 from triptych_worker.parallel import families
 from triptych_worker.parallel.apply import WorkCounter, parallelize, parameter_bytes
 from triptych_worker.parallel.handoff import states_agree
-from triptych_worker.parallel.jobs import GO_ON, STOP, StepBoundary, StopFollowing, receive_job, send_job, step_flag
+from triptych_worker.parallel.jobs import GO_ON, STOP, StepBoundary, StopFollowing, receive_jobs, send_jobs, step_flag
 from triptych_worker.parallel.layout import RankLayout
 from triptych_worker.parallel.mesh import RankMesh
 from triptych_worker.resume import RESUME, CannotResume
@@ -75,7 +79,7 @@ class Rank:
     def start(cls, args: ServeArgs, rank: int) -> Rank:
         """Check the degrees against the family, load the stages, join the other ranks, split the model."""
         from triptych_worker.cpu_threads import fit_torch_threads
-        from triptych_worker.pipeline import load_role_pipeline
+        from triptych_worker.pipeline import BatchedAdapterStage, load_role_pipeline
 
         fit_torch_threads(processes=args.num_gpus)  # the pod's CPU limit, shared by its rank processes
         family, adapter = adapter_for(args.model_path)
@@ -84,6 +88,9 @@ class Rank:
         # A TP rank loads on the CPU and moves only its shards to its device (parallelize): loaded
         # there, every rank's device would have to hold the whole transformer first.
         pipeline = load_role_pipeline(args.model_path, args.disagg_role, "cpu" if degrees.tp > 1 else device)
+        for stage in pipeline.stages:  # a failed batched forward is not run again alone on one rank
+            if isinstance(stage, BatchedAdapterStage):
+                stage.retry_alone = False
         mesh = RankMesh.join(rank, degrees, device, master_port(args))
         return cls(pipeline, mesh, parallelize(pipeline, mesh), family)
 
@@ -94,6 +101,10 @@ class Rank:
     def run(self, batch: StageBatch) -> StageBatch:
         self.mesh.comm.reset()
         return self.pipeline.run(batch)
+
+    def run_many(self, batches: list[StageBatch]) -> list[Exception | None]:
+        self.mesh.comm.reset()
+        return self.pipeline.run_many(batches)
 
     def stopped_states_agree(self, batch: StageBatch) -> list[str]:
         """After a job (every rank): if its loop stopped at a step boundary, the state tensors the
@@ -120,16 +131,8 @@ class ParallelPipeline:
         self.last_fanout_s = 0.0  # what handing the job's inputs to the followers added to this hop
 
     def run(self, batch: StageBatch) -> StageBatch:
-        adapter = self.rank.pipeline.adapter
-        families.check_request(adapter, self.rank.family, batch.params, self.rank.degrees, self.rank.pipeline.role)
-        started = time.perf_counter()
-        send_job(self.rank.mesh, batch)
-        self.last_fanout_s = time.perf_counter() - started
-        boundary = None
-        if batch.hand_off is not None:  # after send_job: the followers ask before each step too
-            batch.hand_off = boundary = StepBoundary(self.rank.mesh, batch.hand_off)
-        steps = LeadingSteps(self.rank.mesh, batch.on_progress, boundary)
-        batch.on_progress = steps
+        self._check(batch)
+        (steps,) = self._lead([batch])
         started = time.perf_counter()
         try:
             self.rank.run(batch)
@@ -142,21 +145,81 @@ class ParallelPipeline:
                 _exit_instance()
             self.rank.gather_counters()  # the followers stopped at the same step and gather next
             raise
+        (error,) = self._finish([batch], started)
+        if error is not None:
+            raise error
+        return batch
+
+    def run_many(self, batches: list[StageBatch]) -> list[Exception | None]:
+        """Compatible requests (triptych.batching) as one job: every rank runs them as one batched
+        forward. Per request, the exception it failed with or None. A failure that may have left the
+        ranks out of step (anything but a cancel or a state that cannot be restored) stops the instance."""
+        outcomes: list[Exception | None] = [None] * len(batches)
+        for i, batch in enumerate(batches):
+            try:
+                self._check(batch)
+            except Exception as exc:  # refused before any rank saw it
+                outcomes[i] = exc
+        group = [i for i, error in enumerate(outcomes) if error is None]
+        if not group:
+            return outcomes
+        members = [batches[i] for i in group]
+        steps = self._lead(members)
+        started = time.perf_counter()
+        try:
+            ran = self.rank.run_many(members)
+        except BaseException:
+            log.critical("rank 0 failed inside a batched job; the ranks are out of step, stopping this instance")
+            _exit_instance()
+            raise
+        for error, leading in zip(ran, steps, strict=True):
+            if error is not None and not isinstance(error, CannotResume) and not leading.stopped:
+                log.critical("rank 0 failed a request of a batched job (%s); the ranks may be out of step, "
+                             "stopping this instance", error)  # fmt: skip
+                _exit_instance()
+        for i, error, differ in zip(group, ran, self._finish(members, started), strict=True):
+            outcomes[i] = error or differ
+        return outcomes
+
+    def _check(self, batch: StageBatch) -> None:
+        adapter = self.rank.pipeline.adapter
+        families.check_request(adapter, self.rank.family, batch.params, self.rank.degrees, self.rank.pipeline.role)
+
+    def _lead(self, batches: list[StageBatch]) -> list[LeadingSteps]:
+        """Send the job to the followers, then lead each request's steps: its progress (and its
+        hand-off answers) go to the followers in its step flags."""
+        started = time.perf_counter()
+        send_jobs(self.rank.mesh, batches)
+        self.last_fanout_s = time.perf_counter() - started
+        steps = []
+        for batch in batches:
+            boundary = None
+            if batch.hand_off is not None:  # after send_jobs: the followers ask before each step too
+                batch.hand_off = boundary = StepBoundary(self.rank.mesh, batch.hand_off)
+            batch.on_progress = LeadingSteps(self.rank.mesh, batch.on_progress, boundary)
+            steps.append(batch.on_progress)
+        return steps
+
+    def _finish(self, batches: list[StageBatch], started: float) -> list[CannotResume | None]:
+        """After a job that ran to its end on every rank: per request, CannotResume when its loop
+        stopped with state the ranks hold different bytes of (staging rank 0's copy would continue
+        from a part of the state, into other pixels); then the ranks' counters."""
         elapsed = time.perf_counter() - started
-        differ = self.rank.stopped_states_agree(batch)
+        differs = [self.rank.stopped_states_agree(batch) for batch in batches]
         self.last_counters = self.rank.gather_counters()
-        if differ:  # staging rank 0's copy would continue from a part of the state, into other pixels
-            what = _describe(self.rank.degrees)
-            raise CannotResume(f"the ranks hold different {', '.join(differ)} at the step boundary; "
-                               f"this parallelism ({what}) cannot hand a request off")  # fmt: skip
         log.info(
-            "parallel job (%s): inputs to the followers in %.4fs, ran in %.3fs; %s work per rank %s; "
+            "parallel job (%s, %d requests): inputs to the followers in %.4fs, ran in %.3fs; %s work per rank %s; "
             "seconds in collectives per rank %s; parameter bytes per rank %s",
-            _describe(self.rank.degrees), self.last_fanout_s, elapsed, self.rank.work.kind,
+            _describe(self.rank.degrees), len(batches), self.last_fanout_s, elapsed, self.rank.work.kind,
             [w for w, _, _ in self.last_counters], [round(s, 4) for _, s, _ in self.last_counters],
             [b for _, _, b in self.last_counters],
         )  # fmt: skip
-        return batch
+        what = _describe(self.rank.degrees)
+        return [
+            CannotResume(f"the ranks hold different {', '.join(differ)} at the step boundary; "
+                         f"this parallelism ({what}) cannot hand a request off") if differ else None
+            for differ in differs
+        ]  # fmt: skip
 
     @property
     def hands_off(self) -> bool:
@@ -249,12 +312,17 @@ def follow(args: ServeArgs, rank_index: int) -> None:
     mesh = rank.mesh
 
     while True:
-        batch = receive_job(mesh)
-        boundary = batch.hand_off if isinstance(batch.hand_off, StepBoundary) else None
-        batch.on_progress = functools.partial(_follow_step, mesh, boundary)
-        try:
-            rank.run(batch)
-        except (StopFollowing, CannotResume):  # cancelled; or a state that cannot be captured or restored
-            pass
-        rank.stopped_states_agree(batch)  # rank 0 fails the request if the states differ
+        batches = receive_jobs(mesh)
+        for batch in batches:
+            boundary = batch.hand_off if isinstance(batch.hand_off, StepBoundary) else None
+            batch.on_progress = functools.partial(_follow_step, mesh, boundary)
+        if len(batches) > 1:
+            rank.run_many(batches)  # each request's cancel or failed restore is its own outcome, as on rank 0
+        else:
+            try:
+                rank.run(batches[0])
+            except (StopFollowing, CannotResume):  # cancelled; or a state that cannot be captured or restored
+                pass
+        for batch in batches:
+            rank.stopped_states_agree(batch)  # rank 0 fails a request whose states differ
         rank.gather_counters()
