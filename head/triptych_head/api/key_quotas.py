@@ -178,6 +178,7 @@ class QuotaLedger:
         try:
             self._publish(current)
             self._others = {period_id: self._read_others(period_id) for period_id in current}
+            self._read = {name: read for name, read in self._read.items() if _period_of(name) in current}
             if now - self._swept >= SWEEP_S:
                 self._sweep({period.bounds(now)[0] for period in PERIODS.values()})
                 self._swept = now
@@ -228,13 +229,18 @@ class QuotaLedger:
 
     def _sweep(self, current: set[str]) -> None:
         for obj in list(self._objects.list(f"{FOLDER}/")):
-            if obj.name.removeprefix(f"{FOLDER}/").split(".", 1)[0] not in current:
+            if _period_of(obj.name) not in current:
                 self._objects.delete(obj.name)
                 self._read.pop(obj.name, None)
 
     @staticmethod
     def _name(period_id: str, head_id: str) -> str:
         return f"{FOLDER}/{period_id}.{head_id}.json"
+
+
+def _period_of(name: str) -> str:
+    """The period id of a counts object's name (quotas/<period>.<head id>.json)."""
+    return name.removeprefix(f"{FOLDER}/").split(".", 1)[0]
 
 
 def _counts(name: str, data: bytes) -> dict[str, int]:
