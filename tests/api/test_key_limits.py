@@ -43,8 +43,8 @@ def test_a_keys_file_line_may_limit_its_key_per_minute() -> None:
     assert counted.limit is not None and counted.limit.max_per_minute is None
 
 
-@pytest.mark.parametrize("option", ["max_in_flight", "max_per_minute"])
-@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
+@pytest.mark.parametrize("option", ["max_in_flight", "max_per_minute", "max_per_hour", "max_per_day", "max_per_month"])
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "", "²"])
 def test_a_limit_that_is_not_a_whole_number_stops_the_head_naming_the_line(
     tmp_path: Path, option: str, value: str
 ) -> None:
