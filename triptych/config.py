@@ -319,11 +319,8 @@ class ServeArgs:
                 f"--disagg-full-pipeline is for --disagg-role {FULL_PIPELINE_ROLE} (a full-pipeline pool), "
                 f"not {self.disagg_role}"
             )
-        if self.num_gpus > 1 or self.simulate:
-            what = f"--num-gpus {self.num_gpus}" if self.num_gpus > 1 else "--simulate"
-            raise ConfigError(
-                f"--disagg-full-pipeline does not support {what} yet; run one GPU per full-pipeline worker"
-            )
+        if self.simulate:
+            raise ConfigError("--disagg-full-pipeline does not support --simulate; simulate the role pools instead")
 
     def _validate_otlp_endpoint(self) -> None:
         if self.otlp_endpoint:

@@ -99,6 +99,33 @@ def test_a_pool_of_two_full_pipeline_workers_returns_stock_diffusers_pixels_with
     assert np.array_equal(first.reshape(mono.shape), mono), "pixels differ from monolithic mode's pipeline"
 
 
+@pytest.mark.parametrize(
+    ("package", "fetch", "stock", "flags"),
+    [
+        ("tiny-flux", http_image, stock_image, ()),  # Ulysses 2, derived from the heads
+        ("tiny-wan", http_video, stock_video, ("--cfg-parallel-size", "2")),
+    ],
+    ids=["flux-ulysses2", "wan-cfg2"],
+)
+def test_a_full_pipeline_worker_on_two_ranks_returns_stock_diffusers_pixels(
+    tiny_models, tmp_path, package, fetch, stock, flags
+):
+    """`--num-gpus 2 --disagg-full-pipeline`: rank 0 encodes and decodes, both ranks denoise; degrees
+    whose two ranks make one rank's bytes give stock diffusers' pixels."""
+    model = tiny_models[package]
+    with deployment(
+        model, tmp_path, denoisers=1, full_pipeline=True, role_flags={Role.DENOISER: flags},
+        devices={Role.DENOISER: [["cpu", "cpu"]]},
+    ) as dep, dep.client(timeout=300) as c:  # fmt: skip
+        pixels = fetch(c)
+        sent = messages_sent(dep.http)
+        assert sent.get("work") == 1 and all(sent.get(kind, 0) == 0 for kind in TRANSFER_MESSAGES), sent
+        log = (dep.workdir / "denoiser-0.log").read_text(errors="replace")
+    reference = stock(model)
+    assert np.array_equal(pixels.reshape(reference.shape), reference), "pixels differ from stock diffusers"
+    assert "full pipeline on 2 ranks" in log
+
+
 @pytest.fixture(scope="module")
 def flux_pool(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
     with deployment(tiny_models["tiny-flux"], tmp_path_factory.mktemp("flux"), denoisers=2, full_pipeline=True) as d:

@@ -72,12 +72,22 @@ def test_autoscaling_a_full_pipeline_pool_adds_an_hpa_on_its_pending_work() -> N
     [
         ({"fullPipeline": {}, "denoiser": {}}, "spec.fullPipeline", "declare a full-pipeline pool or role pools"),
         ({"fullPipeline": {}, "encoder": {}}, "spec.fullPipeline", "not both"),
-        ({"fullPipeline": {"gpusPerReplica": 2}}, "spec.fullPipeline.gpusPerReplica", "between 0 and 1"),
-        ({"fullPipeline": {"extraArgs": ["--num-gpus", "2"]}}, "spec.fullPipeline", "--disagg-full-pipeline does not"),
+        ({"fullPipeline": {"extraArgs": ["--simulate"]}}, "spec.fullPipeline", "--disagg-full-pipeline does not"),
+        ({"fullPipeline": {"gpusPerReplica": 2, "parallelism": {"tp": 3}}}, "spec.fullPipeline.parallelism", "2"),
     ],
-    ids=["with-denoiser", "with-encoder", "two-gpus", "extra-args-two-gpus"],
+    ids=["with-denoiser", "with-encoder", "simulated", "degrees-beyond-the-gpus"],
 )
-def test_a_full_pipeline_pool_beside_role_pools_or_on_several_gpus_is_rejected(sections, field, message) -> None:
+def test_a_full_pipeline_pool_beside_role_pools_or_that_cannot_start_is_rejected(sections, field, message) -> None:
     with pytest.raises(SpecError) as info:
         render(pipeline(minimal_spec(**sections)))  # argv are checked as the process would check them
     assert info.value.field == field and message in str(info.value)
+
+
+def test_a_full_pipeline_pool_on_several_gpus_denoises_on_all_of_them() -> None:
+    """gpusPerReplica 2: two GPUs per pod and `--num-gpus 2` with the denoiser's degrees (encode and
+    decode run on the first GPU, parallel/full.py)."""
+    applied, _ = rendered(minimal_spec(fullPipeline={"gpusPerReplica": 2, "parallelism": {"cfg": 2}}))
+    worker = container(applied[("Deployment", "wan-t2v-denoiser")])
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2
+    args = parse_serve(worker)
+    assert args.disagg_full_pipeline and args.num_gpus == 2 and args.cfg_parallel_size == 2

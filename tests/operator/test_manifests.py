@@ -666,8 +666,7 @@ def test_without_batching_the_head_and_workers_get_no_batching_flags() -> None:
             assert not any(arg.startswith("--batching") for arg in container(obj)["args"]), obj["metadata"]["name"]
 
 
-def test_batching_on_a_multi_gpu_role_is_refused_naming_the_role() -> None:
-    with pytest.raises(SpecError) as info:
-        render(pipeline(minimal_spec(denoiser={"gpusPerReplica": 2, "batching": {"maxSize": 4}})))
-    assert info.value.field == "spec.denoiser"
-    assert "--batching-max-size 4 with --num-gpus 2" in str(info.value)
+def test_batching_on_a_multi_gpu_role_batches_on_every_rank() -> None:
+    objs = children(minimal_spec(denoiser={"gpusPerReplica": 2, "batching": {"maxSize": 4}}))
+    args = parse_serve(container(objs[("Deployment", "wan-t2v-denoiser")]))
+    assert (args.num_gpus, args.batching_max_size) == (2, 4)  # a group is one batched forward on both ranks

@@ -715,12 +715,19 @@ def test_api_server_rejects_a_full_pipeline_pool_beside_a_role_pool(
     assert "spec.fullPipeline: declare a full-pipeline pool or role pools" in info.value.stderr
 
 
-def test_api_server_rejects_a_full_pipeline_pool_on_several_gpus(crd: KubeCluster, kube_namespace: str) -> None:
+def test_api_server_checks_a_full_pipeline_pool_s_degrees_against_its_gpus(
+    crd: KubeCluster, kube_namespace: str
+) -> None:
     cr = full_pipeline_manifest("two-gpus")
-    cr["spec"]["fullPipeline"]["gpusPerReplica"] = 2
+    cr["spec"]["fullPipeline"].update(gpusPerReplica=2, parallelism={"cfg": 4})
     with pytest.raises(CommandError) as info:
         apply(crd, kube_namespace, cr)
-    assert "spec.fullPipeline.gpusPerReplica" in info.value.stderr
+    assert "spec.fullPipeline: Invalid value" in info.value.stderr
+    assert "parallelism: tp x sp x cfg must equal gpusPerReplica" in info.value.stderr
+    cr["spec"]["fullPipeline"]["parallelism"] = {"cfg": 2}
+    apply(crd, kube_namespace, cr)  # two GPUs a pod, denoising on both (CFG parallel)
+    stored = crd.kubectl("get", "dp", "two-gpus", "-n", kube_namespace, "-o", "json").stdout
+    assert json.loads(stored)["spec"]["fullPipeline"]["gpusPerReplica"] == 2
 
 
 def test_a_full_pipeline_pipeline_becomes_one_worker_pool_behind_a_head_with_only_denoiser_urls(

@@ -78,8 +78,11 @@ from triptych_worker.transfer import (
 from triptych_worker.transfer.listeners import check_mooncake_listeners, confine_mooncake_listeners
 
 if TYPE_CHECKING:
+    from triptych_worker.parallel.full import FullPipelineRanks
     from triptych_worker.parallel.ranks import ParallelPipeline
     from triptych_worker.pipeline import RolePipeline
+
+    Stages = RolePipeline | SimulatedPipeline | ParallelPipeline | FullPipelineRanks  # what a worker runs
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +96,7 @@ BATCH_ASSEMBLY_S = 0.5  # how long a group the head dispatched together waits fo
 
 
 class Worker:
-    def __init__(self, args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | ParallelPipeline | None = None):
+    def __init__(self, args: ServeArgs, pipeline: Stages | None = None):
         self.args = args
         self.role = args.disagg_role
         self.ctx: zmq.Context[Any] = zmq.Context.instance()
@@ -107,7 +110,11 @@ class Worker:
         simulated = isinstance(pipeline, SimulatedPipeline)
         # Simulated stages hold numpy arrays, so the worker never imports torch (None: numpy inputs).
         self.device: str | None = None if simulated else args.resolved_device
-        if pipeline is None and args.num_gpus > 1:
+        if pipeline is None and args.num_gpus > 1 and args.disagg_full_pipeline:
+            from triptych_worker.parallel.full import start_full_pipeline_ranks
+
+            pipeline = start_full_pipeline_ranks(args)  # encode and decode on rank 0, denoise on every rank
+        elif pipeline is None and args.num_gpus > 1:
             from triptych_worker.parallel.ranks import start_ranks
 
             pipeline = start_ranks(args)  # rank 0 of N; the other ranks follow it (one instance to the head)
@@ -506,7 +513,7 @@ class Worker:
             return request_id in self._cancelled
 
 
-def run_worker(args: ServeArgs, pipeline: RolePipeline | SimulatedPipeline | ParallelPipeline | None = None) -> int:
+def run_worker(args: ServeArgs, pipeline: Stages | None = None) -> int:
     """Serve until drained (SIGTERM, exit 0), interrupted (Ctrl-C) or stopped; the worker entry point.
 
     First re-executes the process under the bind shim unless it runs under it already, so that

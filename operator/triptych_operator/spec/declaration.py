@@ -172,7 +172,8 @@ def _role_batching() -> Field:
     max_size = (
         "The workers' `--batching-max-size`: the most compatible requests (same size, steps, guidance, ...) one "
         "batched forward runs (1: each request alone); each worker holds that many times its capacity. Above 1 on "
-        "any role, the head runs `--batching-mode dynamic` (docs/batching.md). Not with `gpusPerReplica` above 1."
+        "any role, the head runs `--batching-mode dynamic` (docs/batching.md). With `gpusPerReplica` above 1, every "
+        "rank runs the group."
     )
     delay = (
         "The longest a request waits at the head for a group of this role to fill (the head's "
@@ -410,14 +411,15 @@ IMAGES = Field(
 def full_pipeline_field() -> Field:
     """spec.fullPipeline: one pool whose workers each run the whole pipeline (--disagg-full-pipeline).
 
-    A denoiser pool's fields (its pods are denoiser-role workers, its objects <name>-denoiser) without
-    parallelism: a full-pipeline worker runs on one device."""
+    A denoiser pool's fields (its pods are denoiser-role workers, its objects <name>-denoiser): with
+    several GPUs a worker denoises on all of them (the denoiser's parallel degrees) and encodes and
+    decodes on the first."""
     pool = role_field(FULL_PIPELINE_ROLE)
     gpus = dataclasses.replace(
         pool.field("gpusPerReplica"),
-        description="`1` (one GPU, `--device cuda`) or `0` (CPU, `--device cpu`); a full-pipeline worker runs on "
-        "one device.",
-        maximum=1,
+        description="`nvidia.com/gpu` limit of each pod and its `--num-gpus`, with `--device cuda`: the denoising "
+        "runs on every GPU (as `parallelism` splits it), the text encoders and the VAE on the first. `0`: CPU "
+        "(`--device cpu`).",
     )
     return dataclasses.replace(
         pool,
@@ -425,8 +427,7 @@ def full_pipeline_field() -> Field:
         description="A full-pipeline pool instead of role pools: each worker pod loads the whole pipeline "
         "(encode, denoise, decode) and returns pixels to the head; no tensor moves between pods (no Mooncake). "
         "Exclusive with encoder, promptEncoder, imageEncoder, denoiser and decoder.",
-        fields=tuple(gpus if f.name == "gpusPerReplica" else f for f in pool.fields if f.name != "parallelism"),
-        rules=(),
+        fields=tuple(gpus if f.name == "gpusPerReplica" else f for f in pool.fields),
     )
 
 

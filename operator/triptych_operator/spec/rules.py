@@ -86,16 +86,12 @@ def _role_pools(name: str, values: Mapping[str, Any]) -> dict[Role, PoolSpec]:
 
 
 def _full_pipeline_pool(name: str, pool: Mapping[str, Any]) -> dict[Role, PoolSpec]:
-    """spec.fullPipeline: one pool of workers that each run on one device, so no parallel degree."""
+    """spec.fullPipeline: one pool of workers that each run every stage, denoising on all their GPUs."""
     _check_object_name(name, FULL_PIPELINE_ROLE, "fullPipeline")
+    where = "spec.fullPipeline"
+    parallelism, given = _parallelism(pool["parallelism"] or {}, max(pool["gpusPerReplica"], 1), where)
     spec = build(
-        PoolSpec,
-        FULL_PIPELINE,
-        pool,
-        "spec.fullPipeline",
-        role=FULL_PIPELINE_ROLE,
-        parallelism=Parallelism(),
-        explicit_degrees={},
+        PoolSpec, FULL_PIPELINE, pool, where, role=FULL_PIPELINE_ROLE, parallelism=parallelism, explicit_degrees=given
     )
     return {FULL_PIPELINE_ROLE: spec}
 

@@ -131,7 +131,7 @@ class ParallelPipeline:
         self.last_fanout_s = 0.0  # what handing the job's inputs to the followers added to this hop
 
     def run(self, batch: StageBatch) -> StageBatch:
-        self._check(batch)
+        self.check(batch)
         (steps,) = self._lead([batch])
         started = time.perf_counter()
         try:
@@ -157,7 +157,7 @@ class ParallelPipeline:
         outcomes: list[Exception | None] = [None] * len(batches)
         for i, batch in enumerate(batches):
             try:
-                self._check(batch)
+                self.check(batch)
             except Exception as exc:  # refused before any rank saw it
                 outcomes[i] = exc
         group = [i for i, error in enumerate(outcomes) if error is None]
@@ -181,7 +181,8 @@ class ParallelPipeline:
             outcomes[i] = error or differ
         return outcomes
 
-    def _check(self, batch: StageBatch) -> None:
+    def check(self, batch: StageBatch) -> None:
+        """Raise ValueError naming the field when these ranks cannot run the request (parallel/families.py)."""
         adapter = self.rank.pipeline.adapter
         families.check_request(adapter, self.rank.family, batch.params, self.rank.degrees, self.rank.pipeline.role)
 

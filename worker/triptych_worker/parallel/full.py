@@ -1,0 +1,100 @@
+"""A full-pipeline worker over N devices: rank 0 encodes and decodes, every rank denoises.
+
+A full-pipeline worker (--disagg-full-pipeline) runs every stage of a request. With --num-gpus N
+its denoising is a multi-device denoiser's (ranks.py: the transformer split by the parallel degrees
+over N rank processes), while the text (and reference) encoders and the VAE decode run on rank 0
+alone, on its device: the followers load the transformer only, and a request's embeddings reach
+them with its job, as a denoiser's inputs do. The stages are the disaggregated roles' (encoder,
+denoiser, decoder), so the pixels are a one-device full-pipeline worker's where the degrees give
+one rank's bytes (docs/parallelism.md).
+
+    pipeline = start_full_pipeline_ranks(args)   # rank 0, inside `triptych serve --num-gpus N --disagg-full-pipeline`
+    pipeline.run(batch)                          # encode here, denoise on every rank, decode here
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from triptych.config import ServeArgs
+from triptych.lora import LoraCatalog
+from triptych.roles import Role
+from triptych_worker.parallel.ranks import ParallelPipeline, rank_device, start_ranks
+from triptych_worker.stages import StageBatch
+
+if TYPE_CHECKING:
+    from triptych_worker.encoder_cache import EncoderCache
+    from triptych_worker.lora import LoraAdapters
+    from triptych_worker.pipeline import RolePipeline
+
+log = logging.getLogger(__name__)
+
+
+class FullPipelineRanks:
+    """What a full-pipeline worker with several devices runs: its encoder and decoder stages on rank
+    0, its denoiser stages on every rank."""
+
+    hands_off = False  # a full-pipeline worker hands on pixels, never a denoising state
+
+    def __init__(self, encode: RolePipeline, denoise: ParallelPipeline, decode: RolePipeline):
+        self.encode, self.denoise, self.decode = encode, denoise, decode
+
+    def run(self, batch: StageBatch) -> StageBatch:
+        self.denoise.check(batch)  # before encoding: what the ranks cannot run is refused first
+        self.encode.run(batch)
+        self.denoise.run(batch)
+        return self.decode.run(batch)
+
+    def run_many(self, batches: list[StageBatch]) -> list[Exception | None]:
+        """Compatible requests through the three parts, each as one batched forward; a request that
+        fails in one part leaves the group there (per request, the exception or None)."""
+        outcomes: list[Exception | None] = [None] * len(batches)
+        for i, batch in enumerate(batches):
+            try:
+                self.denoise.check(batch)
+            except Exception as exc:
+                outcomes[i] = exc
+        for part in (self.encode, self.denoise, self.decode):
+            live = [i for i, error in enumerate(outcomes) if error is None]
+            if not live:
+                break
+            for i, error in zip(live, part.run_many([batches[i] for i in live]), strict=True):
+                outcomes[i] = error
+        return outcomes
+
+    @property
+    def encoder_cache(self) -> EncoderCache | None:
+        return self.encode.encoder_cache
+
+    @property
+    def loras(self) -> LoraAdapters | None:
+        return self.encode.loras  # a multi-device denoiser takes no adapters (parallel/families.py)
+
+    def describe(self) -> str:
+        ranks = self.denoise.rank.mesh.world_size
+        return (
+            f"full pipeline on {ranks} ranks: encode and decode on rank 0 ({self.encode.describe()}; "
+            f"{self.decode.describe()}), denoise on every rank"
+        )
+
+
+def start_full_pipeline_ranks(args: ServeArgs) -> FullPipelineRanks:
+    """Rank 0: start the denoising ranks (the followers load the denoiser's stages only), then load
+    the encoder's and decoder's stages here, on rank 0's device."""
+    from triptych_worker.pipeline import load_role_pipeline
+
+    denoise = start_ranks(args)
+    device = rank_device(args, 0)
+    encode = load_role_pipeline(
+        args.model_path,
+        Role.ENCODER,
+        device,
+        encoder_cache_bytes=args.encoder_cache_bytes,
+        lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
+        lora_cache_bytes=args.lora_cache_bytes,
+    )
+    decode = load_role_pipeline(args.model_path, Role.DECODER, device)
+    pipeline = FullPipelineRanks(encode, denoise, decode)
+    log.info("%s", pipeline.describe())
+    return pipeline
