@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from triptych_worker.encoder_cache import EncoderCache
     from triptych_worker.lora import LoraAdapters
     from triptych_worker.pipeline import RolePipeline
+    from triptych_worker.preview import LatentPreviewer
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class FullPipelineRanks:
     @property
     def loras(self) -> LoraAdapters | None:
         return self.encode.loras  # a multi-device denoiser takes no adapters (parallel/families.py)
+
+    def previewer(self) -> LatentPreviewer | None:
+        return self.denoise.previewer()
 
     def describe(self) -> str:
         ranks = self.denoise.rank.mesh.world_size

@@ -48,6 +48,7 @@ from triptych_worker.stages import ProgressCallback, StageBatch
 
 if TYPE_CHECKING:
     from triptych_worker.pipeline import RolePipeline
+    from triptych_worker.preview import LatentPreviewer
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,11 @@ class ParallelPipeline:
     def hands_off(self) -> bool:
         """Whether the role's denoising can stop at a step boundary and continue elsewhere: as one rank's."""
         return self.rank.pipeline.hands_off
+
+    def previewer(self) -> LatentPreviewer | None:
+        """Previews as one rank's: rank 0 holds the whole latents after each step (the shards are
+        joined, the branches gathered, inside the step)."""
+        return self.rank.pipeline.previewer()
 
 
 class LeadingSteps:
