@@ -112,7 +112,12 @@ class MooncakeTransport:
     def submit_writes(self, dest_session: str, ranges: list[tuple[int, int, int]]) -> PendingWrite:
         """Start writing each `(local_addr, dest_addr, nbytes)` range into peer `dest_session`, as one
         write (done when every range is): the pieces of one payload that are not one local range
-        (outputs sent in place, in_place.py). Raises as `submit_write`."""
+        (outputs sent in place, in_place.py). Raises as `submit_write`.
+
+        One engine batch per range: Mooncake's batch_transfer_async_write submits several ranges at
+        once, but transfer_check_status reports its first task only, so that batch would read done
+        while its other ranges are still being written (measured: a 7-byte range first, a 32 MiB one
+        second, "done" with the second not landed)."""
         self._check_open()
         if any(nbytes < 0 for _, _, nbytes in ranges):
             raise ValueError(f"cannot write {[n for _, _, n in ranges]} bytes")
