@@ -197,16 +197,17 @@ def test_a_full_pipeline_worker_batches_through_the_same_stages(tiny_models: dic
             assert_close(image, generate(c, request))
 
 
+@pytest.mark.parametrize("full_pipeline", [False, True], ids=["denoiser", "full-pipeline"])
 def test_a_two_rank_denoiser_runs_a_group_as_one_batched_forward_on_both_ranks(
-    tiny_models: dict[str, Path], tmp_path: Path
+    tiny_models: dict[str, Path], tmp_path: Path, full_pipeline: bool
 ):
     """`--num-gpus 2` (two CPU ranks, Ulysses derived from the heads) with `--batching-max-size 4`:
-    four concurrent requests run on the denoiser in at most two batches, pixels within the tolerance
-    of each alone."""
+    four concurrent requests run on the denoiser (a role, or a full-pipeline worker that encodes and
+    decodes on rank 0) in at most two batches, pixels within the tolerance of each alone."""
     requests = [{**BASE, "prompt": f"a lantern {i}", "seed": 90 + i} for i in range(4)]
     with deployment(
         tiny_models["tiny-flux"], tmp_path, head_flags=HEAD_FLAGS, worker_flags=("--batching-max-size", "4"),
-        devices={Role.DENOISER: [["cpu", "cpu"]]},
+        devices={Role.DENOISER: [["cpu", "cpu"]]}, denoisers=1, full_pipeline=full_pipeline,
     ) as dep, dep.client() as c:  # fmt: skip
         batched, deltas = batched_concurrently(dep, c, requests)
         sent, ran = deltas("denoiser", "count")
