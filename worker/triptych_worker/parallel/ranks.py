@@ -198,8 +198,9 @@ class ParallelPipeline:
             boundary = None
             if batch.hand_off is not None:  # after send_jobs: the followers ask before each step too
                 batch.hand_off = boundary = StepBoundary(self.rank.mesh, batch.hand_off)
-            batch.on_progress = LeadingSteps(self.rank.mesh, batch.on_progress, boundary)
-            steps.append(batch.on_progress)
+            leading = LeadingSteps(self.rank.mesh, batch.on_progress, boundary)
+            batch.on_progress = leading
+            steps.append(leading)
         return steps
 
     def _finish(self, batches: list[StageBatch], started: float) -> list[CannotResume | None]:
