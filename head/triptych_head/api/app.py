@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 NO_FASTAPI_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 JOB_SAVE_GRACE_S = 5.0  # at shutdown, how long finished video jobs may take to write their files
+QUOTA_STOP_SYNC_S = 5.0  # at shutdown, how long the last write of the key quotas' counts may take
 
 
 def create_app(ctx: HeadContext) -> FastAPI:
@@ -46,7 +48,10 @@ def create_app(ctx: HeadContext) -> FastAPI:
             sweeper.cancel()
             leases.cancel()
             quotas.cancel()
-            await _sync_quotas_once(ctx)  # what this head admitted since its last sync counts for the others
+            # What this head admitted since its last sync counts for the others; a store that does not
+            # answer must not hold the head's exit past its grace period.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_sync_quotas_once(ctx), QUOTA_STOP_SYNC_S)
             await jobs.shutdown(JOB_SAVE_GRACE_S)
             await ctx.backend.close()
 
