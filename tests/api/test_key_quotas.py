@@ -206,3 +206,29 @@ def test_an_object_that_is_not_counts_is_ignored(tmp_path: Path, caplog: pytest.
     with caplog.at_level(logging.WARNING):
         a.sync({"day"})
     assert a.used(PERIODS["day"], "k") == 2 and "junk.json is not a map of counts" in caplog.text
+
+
+def test_a_key_reads_its_own_limits_and_what_it_used_at_v1_usage(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from tests.api.test_http_api import ScriptedBackend
+    from triptych.families import ModelInfo
+    from triptych_head.api.app import create_app
+    from triptych_head.api.context import HeadContext
+
+    (tmp_path / "keys").write_text("sk-metered max_in_flight=3 max_per_minute=10 max_per_day=5\nsk-open\n")
+    model = ModelInfo("tiny", "WanPipeline", "video", 4, 3.5)
+    ctx = HeadContext(ScriptedBackend(), model, tmp_path, CollectorRegistry(), api_keys=APIKeys(tmp_path / "keys"))
+    image = {"prompt": "x", "size": "32x32", "num_inference_steps": 1}
+    with TestClient(create_app(ctx)) as client:
+        metered, other = ({"Authorization": f"Bearer {key}"} for key in ("sk-metered", "sk-open"))
+        for _ in range(2):
+            assert client.post("/v1/images/generations", json=image, headers=metered).status_code == 200
+        usage = client.get("/v1/usage", headers=metered).json()
+        assert usage["limited"] and usage["in_flight"] == {"limit": 3, "used": 0}  # both answered
+        assert usage["per_minute"] == {"limit": 10, "remaining": 8}
+        (day,) = usage["quotas"]
+        assert (day["period"], day["limit"], day["used"]) == ("day", 5, 2)
+        assert 0 < day["resets_in_seconds"] <= 86400 and day["resets_at"] % 86400 == 0  # midnight UTC
+        assert client.get("/v1/usage", headers=other).json() == {"object": "usage", "limited": False}
+        assert client.get("/v1/usage").status_code == 401  # a key's own usage, to its holder only

@@ -28,12 +28,13 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter
 
 from triptych_head.api.errors import APIError
-from triptych_head.api.key_quotas import QuotaExceeded, QuotaLedger
+from triptych_head.api.key_quotas import PERIODS, QuotaExceeded, QuotaLedger
 
 KEY_LIMIT = "key_limit"  # request.state: the KeyLimit of the key the request carries (auth.py sets it)
 OPTION = "max_in_flight"
@@ -134,6 +135,26 @@ class KeyLimits:
 
     def in_flight(self, key_id: str) -> int:
         return self._in_flight.get(key_id, 0)
+
+    def usage(self, limit: KeyLimit | None) -> dict[str, Any]:
+        """What the key may still do (GET /v1/usage): each of its limits with what it used. The
+        requests in flight and the minute's tokens are this head's; the quotas are the pipeline's, as
+        this head last synced them."""
+        if limit is None:
+            return {"object": "usage", "limited": False}
+        out: dict[str, Any] = {"object": "usage", "limited": True}
+        if limit.max_in_flight is not None:
+            out["in_flight"] = {"limit": limit.max_in_flight, "used": self.in_flight(limit.key_id)}
+        if limit.max_per_minute is not None:
+            out["per_minute"] = {"limit": limit.max_per_minute, "remaining": int(self._tokens_now(limit))}
+        if limit.quotas and self.quotas is not None:
+            out["quotas"] = [self.quotas.usage(PERIODS[name], limit.key_id, quota) for name, quota in limit.quotas]
+        return out
+
+    def _tokens_now(self, limit: KeyLimit) -> float:
+        per_minute = float(limit.max_per_minute or 0)
+        tokens, at = self._tokens.get(limit.key_id, (per_minute, self._clock()))
+        return min(per_minute, tokens + (self._clock() - at) * per_minute / 60.0)
 
     def _take_token(self, request_id: str, key_id: str, per_minute: int) -> None:
         now = self._clock()

@@ -125,6 +125,18 @@ class QuotaLedger:
         period_id, _ = period.bounds(self._clock())
         return self._own.get(period_id, {}).get(key_id, 0) + self._others.get(period_id, {}).get(key_id, 0)
 
+    def usage(self, period: Period, key_id: str, quota: int) -> dict[str, object]:
+        """One quota as GET /v1/usage shows it: the period, its limit, what the key used and when it ends."""
+        now = self._clock()
+        _, ends = period.bounds(now)
+        return {
+            "period": period.name,
+            "limit": quota,
+            "used": self.used(period, key_id),
+            "resets_at": int(ends),
+            "resets_in_seconds": max(0, math.ceil(ends - now)),
+        }
+
     def check(self, key_id: str, quotas: Collection[tuple[str, int]]) -> None:
         """Raise QuotaExceeded at the first quota the key has used; counts nothing."""
         now = self._clock()

@@ -1,4 +1,4 @@
-"""/v1/models, /health, /metrics (results are served by files.py)."""
+"""/v1/models, /v1/contract, /v1/usage, /health, /v1/pipeline, /ready, /metrics (results are served by files.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from triptych import startup
 from triptych.contract import ENDPOINTS
 from triptych_head.api.context import RETRY_AFTER_S, HeadContext
+from triptych_head.api.key_limits import key_limit
 from triptych_head.api.schemas import ModelCard, ModelList
 
 router = APIRouter(tags=["system"])
@@ -34,6 +35,14 @@ async def contract(request: Request) -> dict[str, Any]:
     ctx: HeadContext = request.app.state.ctx
     endpoints = {path: ctx.contract.describe(path, ctx.model) for path in ENDPOINTS}
     return {"model": ctx.model.id, "kind": ctx.model.kind, "edits": ctx.model.edits, "endpoints": endpoints}
+
+
+@router.get("/v1/usage")
+async def usage(request: Request) -> dict[str, Any]:
+    """The calling API key's limits and what it used of each (key_limits.py): requests in flight and
+    tokens of the minute on this head, quotas of the hour, day or month across the pipeline."""
+    ctx: HeadContext = request.app.state.ctx
+    return ctx.key_limits.usage(key_limit(request))
 
 
 @router.get("/health")
