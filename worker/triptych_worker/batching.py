@@ -100,3 +100,24 @@ def run_merged(
         return [exc.errors.get(i) for i in range(len(batches))]
     split(merged, batches, shared)
     return [dropped.get(i) for i in range(len(batches))]
+
+
+Outcomes = list[Exception | None]  # per request: the exception it failed with, or None
+
+
+def run_in_turn(
+    parts: Sequence[Callable[[list[StageBatch]], Sequence[Exception | None]]],
+    batches: Sequence[StageBatch],
+    outcomes: Outcomes | None = None,
+) -> Outcomes:
+    """Run each part (a `run_many`: stages, or a role's pipeline) over the requests still live, in
+    order: a request that fails in one part (its outcome an exception; given ones count) leaves the
+    group there while the others carry on."""
+    outcomes = list(outcomes) if outcomes is not None else [None] * len(batches)
+    for run_many in parts:
+        live = [i for i, error in enumerate(outcomes) if error is None]
+        if not live:
+            break
+        for i, error in zip(live, run_many([batches[i] for i in live]), strict=True):
+            outcomes[i] = error
+    return outcomes

@@ -23,7 +23,7 @@ from triptych.params import GenerationParams, LoraWeight
 from triptych.protocol.tensors import Array
 from triptych.roles import WORKER_ROLES, Role
 from triptych_worker.adapters import FamilyAdapter, adapter_for
-from triptych_worker.batching import run_merged, split
+from triptych_worker.batching import run_in_turn, run_merged, split
 from triptych_worker.encoder_cache import EncoderCache
 from triptych_worker.lora import LoraAdapters
 from triptych_worker.preview import LatentPreviewer, find_projection, should_preview
@@ -294,15 +294,8 @@ class RolePipeline:
         with or None; a request that fails leaves the batch, the others carry on."""
         import torch
 
-        outcomes: list[Exception | None] = [None] * len(batches)
         with torch.no_grad():
-            for stage in self.stages:
-                live = [i for i, error in enumerate(outcomes) if error is None]
-                if not live:
-                    break
-                for i, error in zip(live, stage.run_many([batches[i] for i in live]), strict=True):
-                    outcomes[i] = error
-        return outcomes
+            return run_in_turn([stage.run_many for stage in self.stages], batches)
 
 
 def role_stages(role: Role, family: str) -> list[type[AdapterStage]]:

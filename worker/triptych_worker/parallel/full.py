@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from triptych.config import ServeArgs
 from triptych.lora import LoraCatalog
 from triptych.roles import Role
+from triptych_worker.batching import run_in_turn
 from triptych_worker.parallel.ranks import ParallelPipeline, rank_device, start_ranks
 from triptych_worker.stages import StageBatch
 
@@ -50,19 +51,8 @@ class FullPipelineRanks:
     def run_many(self, batches: list[StageBatch]) -> list[Exception | None]:
         """Compatible requests through the three parts, each as one batched forward; a request that
         fails in one part leaves the group there (per request, the exception or None)."""
-        outcomes: list[Exception | None] = [None] * len(batches)
-        for i, batch in enumerate(batches):
-            try:
-                self.denoise.check(batch)
-            except Exception as exc:
-                outcomes[i] = exc
-        for part in (self.encode, self.denoise, self.decode):
-            live = [i for i, error in enumerate(outcomes) if error is None]
-            if not live:
-                break
-            for i, error in zip(live, part.run_many([batches[i] for i in live]), strict=True):
-                outcomes[i] = error
-        return outcomes
+        refused = self.denoise.refusals(batches)  # before encoding: what the ranks cannot run is refused first
+        return run_in_turn([self.encode.run_many, self.denoise.run_many, self.decode.run_many], batches, refused)
 
     @property
     def encoder_cache(self) -> EncoderCache | None:

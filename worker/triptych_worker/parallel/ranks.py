@@ -155,12 +155,7 @@ class ParallelPipeline:
         """Compatible requests (triptych.batching) as one job: every rank runs them as one batched
         forward. Per request, the exception it failed with or None. A failure that may have left the
         ranks out of step (anything but a cancel or a state that cannot be restored) stops the instance."""
-        outcomes: list[Exception | None] = [None] * len(batches)
-        for i, batch in enumerate(batches):
-            try:
-                self.check(batch)
-            except Exception as exc:  # refused before any rank saw it
-                outcomes[i] = exc
+        outcomes = self.refusals(batches)  # refused before any rank sees them
         group = [i for i, error in enumerate(outcomes) if error is None]
         if not group:
             return outcomes
@@ -186,6 +181,18 @@ class ParallelPipeline:
         """Raise ValueError naming the field when these ranks cannot run the request (parallel/families.py)."""
         adapter = self.rank.pipeline.adapter
         families.check_request(adapter, self.rank.family, batch.params, self.rank.degrees, self.rank.pipeline.role)
+
+    def refusals(self, batches: list[StageBatch]) -> list[Exception | None]:
+        """Per request, the error `check` refuses it with, or None."""
+        refused: list[Exception | None] = []
+        for batch in batches:
+            try:
+                self.check(batch)
+            except Exception as exc:  # a check that fails in another way refuses the request too
+                refused.append(exc)
+            else:
+                refused.append(None)
+        return refused
 
     def _lead(self, batches: list[StageBatch]) -> list[LeadingSteps]:
         """Send the job to the followers, then lead each request's steps: its progress (and its
