@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from triptych_head.api.auth import APIKeys, parse_entries
 from triptych_head.api.errors import APIError
 from triptych_head.api.key_limits import KeyLimit, KeyLimits
 from triptych_head.api.key_quotas import FOLDER, PERIODS, SWEEP_S, QuotaExceeded, QuotaLedger
-from triptych_head.objects import DirectoryObjects
+from triptych_head.objects import DirectoryObjects, StoredObject
 
 DAY = (("day", 3),)
 
@@ -232,3 +234,29 @@ def test_a_key_reads_its_own_limits_and_what_it_used_at_v1_usage(tmp_path: Path)
         assert 0 < day["resets_in_seconds"] <= 86400 and day["resets_at"] % 86400 == 0  # midnight UTC
         assert client.get("/v1/usage", headers=other).json() == {"object": "usage", "limited": False}
         assert client.get("/v1/usage").status_code == 401  # a key's own usage, to its holder only
+
+
+class WholeSecondStore(DirectoryObjects):
+    """A store that reports one whole-second mtime for every object, as S3 may for two writes in a second."""
+
+    def __init__(self, root: Path, mtime: float) -> None:
+        super().__init__(root)
+        self.mtime = mtime
+
+    def list(self, prefix: str) -> Iterator[StoredObject]:
+        for obj in super().list(prefix):
+            yield StoredObject(obj.name, obj.size, self.mtime)
+
+
+def test_a_rewrite_with_the_same_size_and_second_is_still_read(tmp_path: Path) -> None:
+    clock = Clock(at("2026-12-05T10:00:00"))
+    (a,) = ledgers(tmp_path, clock, "head-a")
+    b = QuotaLedger(WholeSecondStore(tmp_path, float(int(time.time()))), "head-b", CollectorRegistry(), clock)
+    admit(a, "r1")
+    a.sync({"day"})
+    b.sync({"day"})
+    assert b.used(PERIODS["day"], "k") == 1
+    admit(a, "r2")  # {"k": 2}: the same size as {"k": 1}, and (here) the same mtime
+    a.sync({"day"})
+    b.sync({"day"})
+    assert b.used(PERIODS["day"], "k") == 2

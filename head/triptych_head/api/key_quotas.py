@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 FOLDER = "quotas"
 SYNC_S = 2.0  # how often a head writes its counts and reads the others'
 SWEEP_S = 3600.0  # how often a head removes the objects of ended periods
+# Another head's counts are read again at every sync until their object is this old: a rewrite within
+# the same second can keep its mtime and size (S3 reports whole seconds), so only a settled object
+# (a stopped head's, mostly) is taken from the cache.
+SETTLED_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -230,7 +234,8 @@ class QuotaLedger:
             if obj.name == mine or not obj.name.endswith(".json"):
                 continue
             cached = self._read.get(obj.name)
-            if cached is not None and cached[:2] == (obj.mtime, obj.size):
+            settled = obj.mtime < time.time() - SETTLED_S  # a store's mtime may be whole seconds (S3)
+            if cached is not None and cached[:2] == (obj.mtime, obj.size) and settled:
                 counts = cached[2]
             else:
                 counts = _counts(obj.name, self._objects.get_bytes(obj.name))
