@@ -91,7 +91,10 @@ async def _sync_quotas(ctx: HeadContext) -> None:
     """Share the API keys' quota counts with the other heads every SYNC_S (key_quotas.py)."""
     while True:
         await asyncio.sleep(SYNC_S)
-        await _sync_quotas_once(ctx)
+        try:
+            await _sync_quotas_once(ctx)
+        except Exception:  # the store's own errors are the ledger's to log; anything else must not end the task
+            log.exception("syncing the API keys' quota counts failed")
 
 
 async def _sync_quotas_once(ctx: HeadContext) -> None:

@@ -146,20 +146,20 @@ class KeyLimits:
         if limit.max_in_flight is not None:
             out["in_flight"] = {"limit": limit.max_in_flight, "used": self.in_flight(limit.key_id)}
         if limit.max_per_minute is not None:
-            out["per_minute"] = {"limit": limit.max_per_minute, "remaining": int(self._tokens_now(limit))}
+            tokens = self._refilled(limit.key_id, limit.max_per_minute, self._clock())
+            out["per_minute"] = {"limit": limit.max_per_minute, "remaining": int(tokens)}
         if limit.quotas and self.quotas is not None:
             out["quotas"] = [self.quotas.usage(PERIODS[name], limit.key_id, quota) for name, quota in limit.quotas]
         return out
 
-    def _tokens_now(self, limit: KeyLimit) -> float:
-        per_minute = float(limit.max_per_minute or 0)
-        tokens, at = self._tokens.get(limit.key_id, (per_minute, self._clock()))
-        return min(per_minute, tokens + (self._clock() - at) * per_minute / 60.0)
+    def _refilled(self, key_id: str, per_minute: int, now: float) -> float:
+        """The key's tokens at `now`: its bucket refilled at per_minute/60 a second, up to per_minute."""
+        tokens, at = self._tokens.get(key_id, (float(per_minute), now))
+        return min(float(per_minute), tokens + (now - at) * per_minute / 60.0)
 
     def _take_token(self, request_id: str, key_id: str, per_minute: int) -> None:
         now = self._clock()
-        tokens, at = self._tokens.get(key_id, (float(per_minute), now))
-        tokens = min(float(per_minute), tokens + (now - at) * per_minute / 60.0)
+        tokens = self._refilled(key_id, per_minute, now)
         if tokens < 1.0:
             self._tokens[key_id] = (tokens, now)
             self.rejected_rate.inc()
