@@ -47,7 +47,7 @@ for image in "$@"; do
   if [ "$(node_config "$image")" = "sha256:$id" ]; then echo "node-import: $image up to date"; continue; fi
   t0=$SECONDS
   layout=$(mktemp -d -p "$NODE_DIR" image.XXXXXX)
-  trap 'rm -rf "$layout" "$layout.sent"' EXIT
+  trap 'rm -rf "$layout" "$layout.sent" "$layout.err"' EXIT
   mkdir -p "$layout/blobs/sha256"
   for digest in $("${CTR[@]}" content ls -q); do
     [ -f "$BLOBS/${digest#sha256:}" ] && ln -s "$BLOBS/${digest#sha256:}" "$layout/blobs/sha256/${digest#sha256:}"
@@ -57,8 +57,16 @@ for image in "$@"; do
   (cd "$layout" && find blobs -type f) >"$layout.sent"
   sent=$(wc -l <"$layout.sent")
   bytes=$( (cd "$layout" && xargs -r du -cb <"$layout.sent" | awk 'END {printf "%d", $1}'))
-  tar -C "$layout" -c oci-layout index.json -T "$layout.sent" | "${CTR[@]}" images import - >/dev/null
-  rm -rf "$layout" "$layout.sent"
+  # containerd's GC can remove a snapshot while an unpack is about to build on it (seen once: "parent
+  # snapshot ... does not exist" on the worker, the run after another had replaced its images); a
+  # second import finds it missing and unpacks that layer again from the content store.
+  if ! tar -C "$layout" -c oci-layout index.json -T "$layout.sent" |
+    "${CTR[@]}" images import - >/dev/null 2>"$layout.err"; then
+    echo "node-import: importing $image failed ($(tail -n 1 "$layout.err")); importing it once more" >&2
+    sleep 2
+    tar -C "$layout" -c oci-layout index.json -T "$layout.sent" | "${CTR[@]}" images import - >/dev/null
+  fi
+  rm -rf "$layout" "$layout.sent" "$layout.err"
   trap - EXIT
   echo "node-import: imported $image in $((SECONDS - t0)) s (sent $sent blobs, $bytes bytes; skopeo $((t1 - t0)) s, import and unpack $((SECONDS - t1)) s)"
   imported=1
