@@ -165,11 +165,11 @@ def worker_argv(pipeline: PipelineSpec, role: Role) -> list[str]:
     return argv
 
 
-def head_argv(pipeline: PipelineSpec) -> list[str]:
-    """Container args for the head (after `triptych serve`); raises SpecError if they would not start."""
+def head_argv(pipeline: PipelineSpec) -> tuple[list[str], ServeArgs]:
+    """Container args for the head (after `triptych serve`), and what the head makes of them (extraArgs
+    included); raises SpecError if they would not start."""
     argv = head_serve_args(pipeline).to_argv() + list(pipeline.head.extra_args)
-    check_argv(argv, where="spec.head")
-    return argv
+    return argv, check_argv(argv, where="spec.head")
 
 
 class _RaisingParser(argparse.ArgumentParser):

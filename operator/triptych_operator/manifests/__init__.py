@@ -40,7 +40,7 @@ def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None, keys_
     new keys roll every pod.
     """
     argvs = {role: worker_argv(pipeline, role) for role in pipeline.roles}
-    head_args = head_argv(pipeline)
+    head_args, head_flags = head_argv(pipeline)
     children = Children()
     for role in PIPELINE_ROLES:
         if role not in pipeline.roles:  # the other encoder shape: remove its pool if it was declared before
@@ -70,7 +70,7 @@ def render(pipeline: PipelineSpec, owner: Mapping[str, Any] | None = None, keys_
         children.delete.append(ObjectRef("v1", "ConfigMap", object_name(pipeline.name, LORA_COMPONENT)))
     else:
         children.apply.append(catalog)
-    ingress = head_ingress(pipeline, head_args)
+    ingress = head_ingress(pipeline, head_flags)
     if ingress is None:
         children.delete.append(ObjectRef("networking.k8s.io/v1", "Ingress", object_name(pipeline.name, API_COMPONENT)))
     else:

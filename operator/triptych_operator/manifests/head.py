@@ -4,7 +4,6 @@ reach it by, the public API Service and Ingress, and the disruption budget of se
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 from triptych.config import MIB, ServeArgs
 from triptych.ports import result_port
@@ -31,7 +30,7 @@ from triptych_operator.manifests.parts import (
     standard_probes,
     template_annotations,
 )
-from triptych_operator.serve_args import SERVE_COMMAND, check_argv, object_name
+from triptych_operator.serve_args import SERVE_COMMAND, object_name
 from triptych_operator.spec.head_fields import HEAD_UNROUTE_S, S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
 from triptych_operator.spec.model import PipelineSpec
 
@@ -301,8 +300,8 @@ def api_service(pipeline: PipelineSpec) -> Manifest:
     }
 
 
-def head_ingress(pipeline: PipelineSpec, head_args: Sequence[str]) -> Manifest | None:
-    """The Ingress to the API Service; `head_args`: the heads' argv (their request size and timeout)."""
+def head_ingress(pipeline: PipelineSpec, head_flags: ServeArgs) -> Manifest | None:
+    """The Ingress to the API Service; `head_flags`: the heads' flags (their request size and timeout)."""
     ingress = pipeline.head.ingress
     if not ingress.enabled:
         return None
@@ -317,7 +316,7 @@ def head_ingress(pipeline: PipelineSpec, head_args: Sequence[str]) -> Manifest |
         spec["tls"] = [{"hosts": [ingress.host], "secretName": ingress.tls_secret_name}]
     metadata = object_metadata(pipeline, HEAD_COMPONENT, name)
     metadata["annotations"] = {
-        **_nginx_annotations(pipeline, check_argv(head_args, where="spec.head")),
+        **_nginx_annotations(pipeline, head_flags),
         **ingress.annotations,
     }
     return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": metadata, "spec": spec}
