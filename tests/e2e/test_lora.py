@@ -45,7 +45,7 @@ CASES: dict[str, list[dict[str, Any]]] = {
     # transformer and CLIP text-encoder factors; the prompt of "none" before it: the cache must not serve it
     "text encoder": [{"name": "flux-ink-te", "weight": 0.8}],
 }
-SERVED = ("flux-ink", "flux-paper", "flux-ink-te", "wan-ink", "flux-misfit")
+SERVED = ("flux-ink", "flux-paper", "flux-ink-te", "wan-ink", "flux-misfit", "flux-out")
 
 
 def params_of(request: dict[str, Any], loras: list[dict[str, Any]], image: bytes | None = None) -> GenerationParams:
@@ -221,3 +221,29 @@ def test_batching_groups_only_requests_with_the_same_adapters(tiny_models, tiny_
         assert sent >= 2 and ran >= 2, "requests with and without the adapter left or ran as one batch"
         for request, image in zip(requests, batched, strict=True):  # mixed, half would carry the other's adapter
             assert_close(image, pixels_of(c.post("/v1/images/generations", json=request))[0, 0])
+
+
+def test_a_two_rank_full_pipeline_worker_applies_adapters_as_stock_and_a_bad_one_leaves_it_serving(  # type: ignore[no-untyped-def]
+    tiny_models, tiny_loras, catalog_file, expected, tmp_path
+) -> None:
+    """`--num-gpus 2 --disagg-full-pipeline` (Ulysses 2): an adapter's transformer part loads on both
+    ranks (flux-out's on the transformer's own proj_out, where the sequence shards are joined), its
+    text-encoder part on rank 0's encoder; the pixels are stock diffusers'. An adapter that does not
+    load is a 400 naming `loras`, and the ranks go on in step."""
+    model, flags = tiny_models["tiny-flux-kontext"], ("--lora-catalog", str(catalog_file))
+    mixed = [{"name": "flux-ink-te", "weight": 0.8}, {"name": "flux-out", "weight": 1.3}]
+    with deployment(
+        model, tmp_path, denoisers=1, full_pipeline=True, head_flags=flags,
+        role_flags={Role.DENOISER: flags}, devices={Role.DENOISER: [["cpu", "cpu"]]},
+    ) as dep, dep.client(timeout=300) as c:  # fmt: skip
+        got = pixels_of(generate(c, mixed))
+        for case in ("two", "none"):
+            assert np.array_equal(pixels_of(generate(c, CASES[case])), expected[case]), case
+        for name in ("flux-misfit", "gone"):  # fails on both ranks; at rank 0's encoder, before them
+            bad = generate(c, [{"name": name, "weight": 1.0}])
+            assert bad.status_code == 400, bad.text
+            assert f"loras: adapter '{name}'" in bad.json()["error"]["message"], bad.text
+        assert np.array_equal(pixels_of(generate(c, CASES["one"])), expected["one"])
+        log = (dep.workdir / "denoiser-0.log").read_text(errors="replace")
+    assert "full pipeline on 2 ranks" in log
+    assert np.array_equal(got, stock(model, params_of(IMAGE, mixed), tiny_loras)), "pixels differ from stock"

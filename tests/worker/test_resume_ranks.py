@@ -50,14 +50,17 @@ ROUTES = [
 ]
 
 
-def start_two_ranks(model: Path, flags: tuple[str, ...]) -> tuple[ParallelPipeline, subprocess.Popen[bytes]]:
+def start_two_ranks(
+    model: Path, flags: tuple[str, ...], rank0_flags: tuple[str, ...] = ()
+) -> tuple[ParallelPipeline, subprocess.Popen[bytes]]:
     """Rank 0 here and its follower process, as `start_ranks` starts them (without its watchdog,
-    which would end this process when the fixture stops the follower)."""
+    which would end this process when the fixture stops the follower); `rank0_flags`: rank 0's alone."""
     argv = ["serve", "--model-path", str(model), "--disagg-role", "denoiser", "--device", "cpu",
             "--disagg-server-addr", "tcp://127.0.0.1:1", "--master-port", str(free_port_block(1)), *flags]  # fmt: skip
-    args = ServeArgs.from_namespace(build_parser().parse_args(argv))
+    args = ServeArgs.from_namespace(build_parser().parse_args([*argv, *rank0_flags]))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    argv = [sys.executable, "-m", "triptych_worker.parallel.follower", "1", *args.to_argv()]
+    follower_args = ServeArgs.from_namespace(build_parser().parse_args(argv))
+    argv = [sys.executable, "-m", "triptych_worker.parallel.follower", "1", *follower_args.to_argv()]
     follower = subprocess.Popen(argv, env=env)
     try:
         return ParallelPipeline(Rank.start(args, 0), [follower]), follower

@@ -21,6 +21,11 @@ are the stock pipeline's after the same `load_lora_weights` / `set_adapters` cal
 An adapter the catalogue does not hold, a missing file, one whose tensors fit no layer of this
 transformer (or of these text encoders), or a set larger than the cache fails that request only, with
 BadAdapter (a 400 naming `loras`); the worker keeps serving, its other adapters as they were.
+
+On a multi-device denoiser every rank holds its own copy of the adapters (parallel/ranks.py): each
+job's adapter sources come pinned from rank 0 (`pinned`), and the ranks agree that every one of them
+loaded before any denoises (`agree`), so a load that fails on one rank fails the request on all of
+them at the same point and they stay in step.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +62,8 @@ class LoraAdapters:
         self._load_seconds = 0.0  # over every load: the head's estimate of a load's cost (heartbeats)
         self._in_text_encoders: set[str] = set()  # the held adapters with tensors in a text encoder
         self._no_part_here: dict[str, str] = {}  # name -> source: adapters with nothing for this encoder
+        # A multi-device denoiser's ranks: given whether this rank's loads succeeded, whether every rank's did.
+        self.agree: Callable[[bool], bool] | None = None
         pipe = adapter.pipe
         self.has_transformer = getattr(pipe, "transformer", None) is not None
         # The text encoders the pipeline's LoRA loader knows (FLUX.1: text_encoder, not T5; Wan: none).
@@ -102,7 +109,7 @@ class LoraAdapters:
             return
         pipe = self.adapter.pipe
         try:
-            self._ensure([lora.name for lora in params.loras])
+            self._ensure_together([lora.name for lora in params.loras])
             loras = [lora for lora in params.loras if lora.name not in self._no_part_here]
             if loras:
                 pipe.set_adapters([lora.name for lora in loras], adapter_weights=[lora.weight for lora in loras])
@@ -111,6 +118,38 @@ class LoraAdapters:
         finally:
             if self.held():  # a load activates its adapter too: whatever happened, the next request starts clean
                 pipe.disable_lora()
+
+    def sources(self, params: GenerationParams) -> dict[str, str]:
+        """The catalogue's source of each adapter the request names (those it holds)."""
+        found = {lora.name: self.catalog.source(lora.name) for lora in params.loras}
+        return {name: source for name, source in found.items() if source is not None}
+
+    @contextmanager
+    def pinned(self, sources: Mapping[str, str]) -> Iterator[None]:
+        """Adapter names resolve to `sources` alone while the block runs (a multi-device denoiser's job:
+        every rank loads what rank 0's catalogue said as it sent the job)."""
+        catalog, self.catalog = self.catalog, LoraCatalog(sources)
+        try:
+            yield
+        finally:
+            self.catalog = catalog
+
+    def _ensure_together(self, names: Sequence[str]) -> None:
+        """`_ensure`, then, on a multi-device denoiser, every rank's word that its loads succeeded: a
+        failure on any rank fails the request on every rank here, before it denoises."""
+        if self.agree is None:
+            self._ensure(names)
+            return
+        try:
+            self._ensure(names)
+        except Exception:
+            self.agree(False)
+            raise
+        if not self.agree(True):
+            raise BadAdapter(
+                f"{FIELD}: adapters {', '.join(names)} could not be loaded on every rank of this {self.place} "
+                "(another rank's log names the failure)"
+            )
 
     def _ensure(self, names: Sequence[str]) -> None:
         """Load the adapters of `names` not loaded yet, then unload the least recently used others

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from triptych.lora import LoraCatalog
+from triptych.lora import BadAdapter, LoraCatalog
 from triptych.params import GenerationParams, LoraWeight
 from triptych.protocol.tensors import Array
 from triptych.roles import WORKER_ROLES, Role
@@ -55,7 +55,9 @@ class BatchedAdapterStage(AdapterStage):
     that one bad request fails only itself; its progress then restarts from step 1. Not on a rank of
     a multi-device role (`retry_alone` off): a failure there may be one rank's alone, and a rank
     running requests alone while the others wait in the batch's collectives would never meet them
-    again, so the failure goes up and takes the instance down (parallel/ranks.py).
+    again, so the failure goes up and takes the instance down (parallel/ranks.py). Adapters that do
+    not load (BadAdapter: on a rank, every rank agrees on it first) fail every request of the group,
+    which shares them, and are not retried.
     """
 
     retry_alone = True
@@ -63,11 +65,13 @@ class BatchedAdapterStage(AdapterStage):
     def run_many(self, batches: list[StageBatch]) -> list[Exception | None]:
         if len(batches) == 1:
             return super().run_many(batches)
-        if not self.retry_alone:
-            return self.run_batched(batches)
         try:
             return self.run_batched(batches)
+        except BadAdapter as exc:  # the group shares its adapters: alone, each would fail the same way
+            return [exc] * len(batches)
         except Exception:
+            if not self.retry_alone:
+                raise
             log.exception("batched %s over %d requests failed; running them one by one", self.name, len(batches))
             return super().run_many(batches)
 

@@ -11,6 +11,13 @@ with `current_timestep_callback=lambda: pipe.current_timestep` where the hook ne
 adapters' loops set `pipe._current_timestep` as the stock loops do, so the hook sees the same
 timesteps and the pixels are the stock pipeline's with that hook (tests/e2e/test_step_cache.py).
 
+On a multi-device denoiser every rank attaches the same hook to its copy of the transformer. The
+interval modes decide by the step alone, so the ranks skip the same computations; first_block
+decides by how much the first block's output changed, which a sequence-parallel rank sees for its
+shard of the tokens only: there `first_block_change` (parallel/apply.py) gives every rank the whole
+sequence's figure, so they all skip, or all compute, the same steps. A CFG-parallel rank runs one
+guidance branch, with the cache context the stock loop gives it, except for SHARED_BY_BRANCHES.
+
 Skips are counted the same way for every mode, by what did not run: each attention module's query
 projection counts its calls, and a transformer forward would have called each once. A skipped
 block (first_block) counts its attentions, a reused or predicted attention (pyramid attention
@@ -20,7 +27,7 @@ broadcast, taylorseer) counts itself.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +36,17 @@ from triptych.protocol import StepCacheStats
 from triptych.step_cache import StepCache
 
 if TYPE_CHECKING:
+    import torch
+
     from triptych_worker.adapters.base import FamilyAdapter
+
+SHARED_BY_BRANCHES = ("pyramid_attention_broadcast",)
+"""Modes whose diffusers hook keeps one state per module, not one per cache context: on one device a
+step's guidance branches share it (the uncond pass may reuse the cond pass's attention), which
+CFG-parallel ranks, one branch each, cannot reproduce (parallel/families.check_request)."""
+
+ResidualChange = Callable[["torch.Tensor", "torch.Tensor"], float]
+"""(this step's first-block residual, the last computed step's) -> their relative mean absolute difference."""
 
 
 def hook_config(cache: StepCache, current_timestep: Any) -> Any:
@@ -54,6 +71,7 @@ class StepCaching:
         self.adapter = adapter
         self._counts: dict[str, list[int]] = {}  # mode -> [requests, computed, skipped]
         self._lock = threading.Lock()  # heartbeats read the counts from another thread
+        self.first_block_change: ResidualChange | None = None  # set on a multi-device denoiser's ranks
 
     @contextmanager
     def applied(self, params: GenerationParams) -> Iterator[None]:
@@ -67,6 +85,8 @@ class StepCaching:
         config = hook_config(cache, lambda: pipe.current_timestep)
         counter = _AttentionCounter(transformer)
         transformer.enable_cache(config)
+        if cache.mode == "first_block" and self.first_block_change is not None:
+            _decide_first_block_by(transformer, self.first_block_change)
         try:
             yield
         finally:
@@ -88,6 +108,28 @@ class StepCaching:
                 StepCacheStats(mode, requests, computed, skipped)
                 for mode, (requests, computed, skipped) in sorted(self._counts.items())
             )
+
+
+def _decide_first_block_by(transformer: Any, change: ResidualChange) -> None:
+    """Make the first-block cache's head hook decide with `change` (what its own decision computes, the
+    relative mean absolute difference of the first block's residuals, over every rank's tokens)."""
+    from diffusers.hooks.first_block_cache import FBCHeadBlockHook
+
+    hooks = [
+        hook
+        for module in transformer.modules()
+        for hook in getattr(getattr(module, "_diffusers_hook", None), "hooks", {}).values()
+        if isinstance(hook, FBCHeadBlockHook)
+    ]
+    if len(hooks) != 1:
+        raise RuntimeError(f"step_cache: first_block: found {len(hooks)} head-block hooks in the transformer, not 1")
+    (hook,) = hooks
+
+    def should_compute_remaining_blocks(residual: torch.Tensor) -> bool:
+        previous = hook.state_manager.get_state().head_block_residual
+        return previous is None or change(residual, previous) > hook.threshold
+
+    hook._should_compute_remaining_blocks = should_compute_remaining_blocks
 
 
 class _AttentionCounter:

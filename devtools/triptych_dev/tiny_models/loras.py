@@ -11,6 +11,8 @@ written by the pipeline class's own `save_lora_weights`, so stock `load_lora_wei
     flux-ink-te flux-ink's transformer factors and factors for tiny-flux's CLIP text encoder
     flux-misfit tiny-flux's attention layers with factors one input wider than the layers: diffusers would
                 widen the base layers to fit it (as for FLUX Control LoRAs), which a per-request adapter may not
+    flux-out    tiny-flux's own output projection (the transformer's top-level proj_out), rank 2
+    wan-out     tiny-wan's own output projection, rank 2
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class LoraRecipe:
     seed: int
     misfit: bool = False  # factors one input wider than the layers they adapt
     text_encoder: bool = False  # also factors for the CLIP text encoder's query and value projections
+    top_level: bool = False  # the targets are the transformer's own layers (whole names), not its blocks'
 
 
 ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
@@ -46,6 +49,9 @@ RECIPES: dict[str, LoraRecipe] = {
     "flux-misfit": LoraRecipe("tiny-flux", ATTENTION, rank=4, seed=104, misfit=True),
     # flux-ink's transformer factors (the same seed) plus text-encoder ones: the denoiser applies the former only.
     "flux-ink-te": LoraRecipe("tiny-flux", ATTENTION, rank=4, seed=101, text_encoder=True),
+    # Where a sequence-parallel denoiser joins its ranks' shards (worker/triptych_worker/parallel/families.py).
+    "flux-out": LoraRecipe("tiny-flux", ("proj_out",), rank=2, seed=105, top_level=True),
+    "wan-out": LoraRecipe("tiny-wan", ("proj_out",), rank=2, seed=106, top_level=True),
 }
 
 
@@ -89,7 +95,8 @@ def _write_adapter(folder: Path, recipe: LoraRecipe, package: Path) -> None:
     generator = torch.Generator("cpu").manual_seed(recipe.seed)
     layers: dict[str, torch.Tensor] = {}
     for name, module in transformer.named_modules():
-        if not isinstance(module, torch.nn.Linear) or not any(name.endswith("." + t) for t in recipe.targets):
+        targeted = name in recipe.targets if recipe.top_level else any(name.endswith("." + t) for t in recipe.targets)
+        if not isinstance(module, torch.nn.Linear) or not targeted:
             continue
         fan_in = module.in_features + (1 if recipe.misfit else 0)
         down = torch.randn(recipe.rank, fan_in, generator=generator) * SCALE / fan_in**0.5

@@ -4,13 +4,16 @@
 
 Denoiser: sequence-parallel attention (counting this rank's attention work even with sp 1), the
 sequence shards (sp > 1), the heads' and MLP's shards (tp > 1; such a rank was loaded on the CPU and
-only now moves to its device, shards only), a guidance branch per CFG rank.
+only now moves to its device, shards only), a guidance branch per CFG rank; every rank loads a
+request's LoRA adapters and the ranks agree that all did (lora.py), and a first-block step cache
+decides on the whole sequence (step_cache.py).
 Decoder: the VAE decode by bands of rows (`--decoder-sp`). `families.check_degrees` has already
 refused what the family cannot run.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,7 +55,35 @@ def parallelize(pipeline: RolePipeline, mesh: RankMesh) -> WorkCounter:
         families.shard_sequence(pipe.transformer, pipeline.family, mesh, attention)
     if degrees.cfg > 1:
         pipeline.adapter.run_branches = CfgBranches(mesh)
+    if pipeline.loras is not None:
+        pipeline.loras.agree = functools.partial(every_rank_agrees, mesh)
+    if pipeline.step_cache is not None and (degrees.sp > 1 or degrees.tp > 1):
+        pipeline.step_cache.first_block_change = functools.partial(residual_change, mesh)
     return attention
+
+
+def every_rank_agrees(mesh: RankMesh, ok: bool) -> bool:
+    """Whether every rank says ok (a collective: every rank calls it at the same point of a job)."""
+    import torch
+
+    failed = mesh.all_reduce_sum(torch.tensor([0 if ok else 1], dtype=torch.int64, device=mesh.device), None)
+    return int(failed.item()) == 0
+
+
+def residual_change(mesh: RankMesh, residual: torch.Tensor, previous: torch.Tensor) -> float:
+    """The first-block cache's figure, mean |residual - previous| / mean |previous|, over the whole
+    sequence: a sequence-parallel rank holds a shard of the tokens (equal shards, so the sums' ratio
+    is the means'); TP ranks hold the same residual, and summing over them too keeps the ratio and
+    gives every rank the very same number, so they decide alike."""
+    import torch
+
+    sums = torch.stack(
+        [torch.sum((residual - previous).abs(), dtype=torch.float64), torch.sum(previous.abs(), dtype=torch.float64)]
+    )
+    for degree, group in ((mesh.degrees.sp, mesh.sp_group), (mesh.degrees.tp, mesh.tp_group)):
+        if degree > 1:
+            sums = mesh.all_reduce_sum(sums, group)
+    return float(sums[0] / sums[1])
 
 
 def parameter_bytes(pipeline: RolePipeline) -> int:

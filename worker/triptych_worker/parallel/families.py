@@ -23,10 +23,12 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from triptych.config import ROLE_PARALLEL_FLAGS, ConfigError, ServeArgs, flag
+from triptych.families import wan
 from triptych.parallelism import Parallelism
 from triptych.params import GenerationParams
 from triptych.roles import Role
 from triptych_worker.adapters import FamilyAdapter
+from triptych_worker.step_cache import SHARED_BY_BRANCHES
 
 if TYPE_CHECKING:
     import torch
@@ -122,19 +124,22 @@ def check_request(
     adapter: FamilyAdapter, family: str, params: GenerationParams, degrees: Parallelism, role: Role = Role.DENOISER
 ) -> None:
     """Raise ValueError naming the field when the request's tokens (rows, for the decoder) do not split over
-    the sp ranks, or when it asks a multi-device denoiser for a step cache or LoRA adapters."""
-    if role is Role.DENOISER and params.resolved_step_cache.on:
-        # Each rank would decide on its own shard or branch what to skip: the ranks would diverge.
+    the sp ranks, when it asks a tensor-parallel denoiser for LoRA adapters, or a CFG-parallel one for a
+    step cache that one device shares between the guidance branches."""
+    cache = params.resolved_step_cache.mode
+    if role is Role.DENOISER and degrees.cfg > 1 and cache in SHARED_BY_BRANCHES and wan.uses_cfg(params):
         raise ValueError(
-            f"step_cache: {params.step_cache} runs on one-device denoisers only, not this one of "
-            f"{degrees.tp * degrees.sp * degrees.cfg} ranks; leave step_cache out (none) or serve from a "
-            "--num-gpus 1 denoiser"
+            f"step_cache: {cache} keeps one cache for both guidance branches on one device (the uncond pass "
+            f"reuses what the cond pass cached), which CFG-parallel ranks (--cfg-parallel-size {degrees.cfg}), "
+            "one branch each, cannot give; choose first_block (a cache per branch, as on one device) or none, "
+            "or serve from a denoiser without --cfg-parallel-size"
         )
-    if role is Role.DENOISER and params.loras:
-        # Ranks hold shards of the transformer (TP) or run it apart; LoRA is applied on one device only.
+    if role is Role.DENOISER and params.loras and degrees.tp > 1:
+        # TP ranks hold shards of the very layers an adapter changes: its factors would need the same cuts.
         raise ValueError(
-            f"loras: LoRA adapters run on one-device denoisers only, not this one of "
-            f"{degrees.tp * degrees.sp * degrees.cfg} ranks; leave loras out or serve from a --num-gpus 1 denoiser"
+            f"loras: LoRA adapters do not run on a tensor-parallel denoiser (--denoiser-tp {degrees.tp}: its "
+            "ranks hold shards of the layers an adapter changes); leave loras out or serve from a denoiser "
+            "without --denoiser-tp"
         )
     if role is Role.DECODER:
         latents = next(spec for spec in adapter.output_specs(Role.DENOISER, params) if spec.name == "latents")
@@ -175,4 +180,14 @@ def shard_sequence(transformer: Any, family: str, mesh: RankMesh, attention: Seq
             return args, kwargs
 
         transformer.register_forward_pre_hook(cut_inputs, with_kwargs=True)
-    transformer.proj_out.register_forward_hook(join)
+    hooked = [transformer.proj_out, transformer.proj_out.register_forward_hook(join)]
+
+    def follow_proj_out(module: Any, args: Any) -> None:
+        # A LoRA adapter on proj_out wraps it in a peft layer that adds the adapter's product of the
+        # (shard) input to its base layer's output, and unloading one may unwrap it: the join belongs
+        # on whatever transformer.proj_out is now, never on a wrapped base layer.
+        if transformer.proj_out is not hooked[0]:
+            hooked[1].remove()
+            hooked[:] = [transformer.proj_out, transformer.proj_out.register_forward_hook(join)]
+
+    transformer.register_forward_pre_hook(follow_proj_out)

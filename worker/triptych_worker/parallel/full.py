@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from triptych_worker.lora import LoraAdapters
     from triptych_worker.pipeline import RolePipeline
     from triptych_worker.preview import LatentPreviewer
+    from triptych_worker.step_cache import StepCaching
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,13 @@ class FullPipelineRanks:
 
     @property
     def loras(self) -> LoraAdapters | None:
-        return self.encode.loras  # a multi-device denoiser takes no adapters (parallel/families.py)
+        """The denoising ranks' adapters (an adapter's transformer part, the costly one to load), which the
+        heartbeats report; rank 0's encoding holds the text-encoder parts apart."""
+        return self.denoise.loras
+
+    @property
+    def step_cache(self) -> StepCaching | None:
+        return self.denoise.step_cache
 
     def previewer(self) -> LatentPreviewer | None:
         return self.denoise.previewer()

@@ -12,7 +12,9 @@ handed off (docs/design.md "Migration") the flag also carries rank 0's answer to
 loop asks before the next step, whether to stop there and hand the state on (StepBoundary): only
 rank 0 hears the head's HandOff, and every rank must stop at the same boundary. A continuation
 (resume.py) travels as any job: its resume meta in the header, its latents and scheduler history
-among the tensors.
+among the tensors. The job also names the source of every LoRA adapter its requests use, as rank 0's
+catalogue gave it when it sent the job: every rank loads those, whatever its own reading of a
+catalogue file that changes meanwhile.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class JobHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class JobsHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     jobs: list[JobHeader]  # one request, or a group run as one batched forward
+    lora_sources: dict[str, str] = {}  # adapter name -> its source, from rank 0's catalogue
 
 
 class StopFollowing(Exception):
@@ -64,8 +67,9 @@ def _broadcast(mesh: RankMesh, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def send_jobs(mesh: RankMesh, batches: list[StageBatch]) -> None:
-    """Rank 0: give every rank these requests' params, meta and input tensors (one request, or a group)."""
+def send_jobs(mesh: RankMesh, batches: list[StageBatch], lora_sources: dict[str, str] | None = None) -> None:
+    """Rank 0: give every rank these requests' params, meta and input tensors (one request, or a group),
+    and the sources of the LoRA adapters they use."""
     import torch
 
     jobs: list[JobHeader] = []
@@ -75,15 +79,16 @@ def send_jobs(mesh: RankMesh, batches: list[StageBatch]) -> None:
         entries = [TensorEntry(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()]
         jobs.append(JobHeader(batch.params, batch.meta, entries, batch.hand_off is not None))
         inputs += tensors.values()
-    header = msgspec.msgpack.encode(JobsHeader(jobs))
+    header = msgspec.msgpack.encode(JobsHeader(jobs, dict(lora_sources or {})))
     _broadcast(mesh, torch.tensor([len(header)], dtype=torch.int64, device=mesh.device))
     _broadcast(mesh, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(mesh.device))
     for tensor in inputs:
         _broadcast(mesh, tensor.contiguous())
 
 
-def receive_jobs(mesh: RankMesh) -> list[StageBatch]:
-    """Other ranks: wait for rank 0's next job and return its requests as batches on this rank's device."""
+def receive_jobs(mesh: RankMesh) -> tuple[list[StageBatch], dict[str, str]]:
+    """Other ranks: wait for rank 0's next job; return its requests as batches on this rank's device,
+    and its LoRA adapters' sources."""
     import torch
 
     size = _broadcast(mesh, torch.zeros(1, dtype=torch.int64, device=mesh.device))
@@ -104,7 +109,7 @@ def receive_jobs(mesh: RankMesh) -> list[StageBatch]:
         if job.hands_off:
             batch.hand_off = StepBoundary(mesh)
         batches.append(batch)
-    return batches
+    return batches, header.lora_sources
 
 
 def step_flag(mesh: RankMesh, flag: int = GO_ON) -> int:

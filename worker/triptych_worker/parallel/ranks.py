@@ -13,6 +13,11 @@ A group of compatible requests (--batching-max-size) is one job: every rank runs
 forward, each request with its own step flags, so one cancelled or handed off stops on every rank
 at the same step while the others run on (triptych_worker.batching).
 
+A request's LoRA adapters load on every rank, from the sources rank 0's catalogue gave as it sent the
+job; a load that fails on any rank fails the request on every rank before it denoises (lora.py), one
+of the failures (with a cancel and a state that cannot be restored) after which the ranks are still
+in step.
+
 A rank that dies takes the instance down: rank 0 watches its followers and exits (status 3)
 when one exits, or when rank 0 itself fails inside a job (the ranks are then out of step), so
 the head stops hearing its heartbeats and retries what it held elsewhere; followers die with
@@ -30,10 +35,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from triptych.config import ServeArgs
+from triptych.lora import BadAdapter, LoraCatalog
 from triptych.parallelism import Parallelism
 from triptych.ports import DEFAULT_MASTER_PORT_OFFSET
 from triptych_worker.adapters import adapter_for
@@ -47,13 +55,18 @@ from triptych_worker.resume import RESUME, CannotResume
 from triptych_worker.stages import ProgressCallback, StageBatch
 
 if TYPE_CHECKING:
+    from triptych_worker.lora import LoraAdapters
     from triptych_worker.pipeline import RolePipeline
     from triptych_worker.preview import LatentPreviewer
+    from triptych_worker.step_cache import StepCaching
 
 log = logging.getLogger(__name__)
 
 RANK_DIED_EXIT = 3
 WATCH_INTERVAL_S = 0.2
+IN_STEP_FAILURES = (CannotResume, BadAdapter)
+"""What every rank raises together, at the same point of a job (a state that cannot be captured or
+restored; adapters that did not load on every rank): the ranks are still in step after it."""
 
 
 def master_port(args: ServeArgs) -> int:
@@ -88,7 +101,13 @@ class Rank:
         device = rank_device(args, rank)
         # A TP rank loads on the CPU and moves only its shards to its device (parallelize): loaded
         # there, every rank's device would have to hold the whole transformer first.
-        pipeline = load_role_pipeline(args.model_path, args.disagg_role, "cpu" if degrees.tp > 1 else device)
+        pipeline = load_role_pipeline(
+            args.model_path,
+            args.disagg_role,
+            "cpu" if degrees.tp > 1 else device,
+            lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
+            lora_cache_bytes=args.lora_cache_bytes,
+        )
         for stage in pipeline.stages:  # a failed batched forward is not run again alone on one rank
             if isinstance(stage, BatchedAdapterStage):
                 stage.retry_alone = False
@@ -99,13 +118,29 @@ class Rank:
     def degrees(self) -> Parallelism:
         return self.mesh.degrees
 
-    def run(self, batch: StageBatch) -> StageBatch:
+    def run(self, batch: StageBatch, lora_sources: dict[str, str]) -> StageBatch:
         self.mesh.comm.reset()
-        return self.pipeline.run(batch)
+        with self._pinned(lora_sources):
+            return self.pipeline.run(batch)
 
-    def run_many(self, batches: list[StageBatch]) -> list[Exception | None]:
+    def run_many(self, batches: list[StageBatch], lora_sources: dict[str, str]) -> list[Exception | None]:
         self.mesh.comm.reset()
-        return self.pipeline.run_many(batches)
+        with self._pinned(lora_sources):
+            return self.pipeline.run_many(batches)
+
+    def lora_sources(self, batches: list[StageBatch]) -> dict[str, str]:
+        """Rank 0: the sources its catalogue gives now for the adapters these requests use."""
+        loras = self.pipeline.loras
+        return {} if loras is None else {k: v for batch in batches for k, v in loras.sources(batch.params).items()}
+
+    @contextmanager
+    def _pinned(self, lora_sources: dict[str, str]) -> Iterator[None]:
+        loras = self.pipeline.loras
+        if loras is None:
+            yield
+            return
+        with loras.pinned(lora_sources):
+            yield
 
     def stopped_states_agree(self, batch: StageBatch) -> list[str]:
         """After a job (every rank): if its loop stopped at a step boundary, the state tensors the
@@ -133,11 +168,12 @@ class ParallelPipeline:
 
     def run(self, batch: StageBatch) -> StageBatch:
         self.check(batch)
-        (steps,) = self._lead([batch])
+        sources = self.rank.lora_sources([batch])
+        (steps,) = self._lead([batch], sources)
         started = time.perf_counter()
         try:
-            self.rank.run(batch)
-        except CannotResume:  # every rank failed the same capture (at a boundary) or restore (at the start)
+            self.rank.run(batch, sources)
+        except IN_STEP_FAILURES:  # every rank failed at the same point
             self.rank.gather_counters()
             raise
         except BaseException:
@@ -160,16 +196,17 @@ class ParallelPipeline:
         if not group:
             return outcomes
         members = [batches[i] for i in group]
-        steps = self._lead(members)
+        sources = self.rank.lora_sources(members)
+        steps = self._lead(members, sources)
         started = time.perf_counter()
         try:
-            ran = self.rank.run_many(members)
+            ran = self.rank.run_many(members, sources)
         except BaseException:
             log.critical("rank 0 failed inside a batched job; the ranks are out of step, stopping this instance")
             _exit_instance()
             raise
         for error, leading in zip(ran, steps, strict=True):
-            if error is not None and not isinstance(error, CannotResume) and not leading.stopped:
+            if error is not None and not isinstance(error, IN_STEP_FAILURES) and not leading.stopped:
                 log.critical("rank 0 failed a request of a batched job (%s); the ranks may be out of step, "
                              "stopping this instance", error)  # fmt: skip
                 _exit_instance()
@@ -194,11 +231,11 @@ class ParallelPipeline:
                 refused.append(None)
         return refused
 
-    def _lead(self, batches: list[StageBatch]) -> list[LeadingSteps]:
+    def _lead(self, batches: list[StageBatch], lora_sources: dict[str, str]) -> list[LeadingSteps]:
         """Send the job to the followers, then lead each request's steps: its progress (and its
         hand-off answers) go to the followers in its step flags."""
         started = time.perf_counter()
-        send_jobs(self.rank.mesh, batches)
+        send_jobs(self.rank.mesh, batches, lora_sources)
         self.last_fanout_s = time.perf_counter() - started
         steps = []
         for batch in batches:
@@ -240,6 +277,16 @@ class ParallelPipeline:
         """Previews as one rank's: rank 0 holds the whole latents after each step (the shards are
         joined, the branches gathered, inside the step)."""
         return self.rank.pipeline.previewer()
+
+    @property
+    def loras(self) -> LoraAdapters | None:
+        """Rank 0's adapters (every rank holds the same ones): what the heartbeats report."""
+        return self.rank.pipeline.loras
+
+    @property
+    def step_cache(self) -> StepCaching | None:
+        """Rank 0's step-cache counts: what the heartbeats report."""
+        return self.rank.pipeline.step_cache
 
 
 class LeadingSteps:
@@ -327,17 +374,18 @@ def follow(args: ServeArgs, rank_index: int) -> None:
     mesh = rank.mesh
 
     while True:
-        batches = receive_jobs(mesh)
+        batches, lora_sources = receive_jobs(mesh)
         for batch in batches:
             boundary = batch.hand_off if isinstance(batch.hand_off, StepBoundary) else None
             batch.on_progress = functools.partial(_follow_step, mesh, boundary)
         if len(batches) > 1:
-            rank.run_many(batches)  # each request's cancel or failed restore is its own outcome, as on rank 0
+            rank.run_many(batches, lora_sources)  # each request's failure is its own outcome, as on rank 0
         else:
             try:
-                rank.run(batches[0])
-            except (StopFollowing, CannotResume):  # cancelled; or a state that cannot be captured or restored
-                pass
+                rank.run(batches[0], lora_sources)
+            except (StopFollowing, *IN_STEP_FAILURES):  # cancelled, or failed on every rank at one point
+                rank.gather_counters()  # as rank 0 does after a job that did not run to its end
+                continue
         for batch in batches:
             rank.stopped_states_agree(batch)  # rank 0 fails a request whose states differ
         rank.gather_counters()
