@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.worker.test_resume import CASES, encoded
-from tests.worker.test_resume_ranks import start_two_ranks
+from tests.worker.test_resume_ranks import two_ranks
 from triptych.roles import Role
 from triptych_worker.pipeline import load_role_pipeline
 from triptych_worker.resume import RESUME
@@ -43,14 +43,8 @@ def setup(request, tiny_models) -> Iterator[tuple[str, dict[str, object]]]:  # t
         "encoder": load_role_pipeline(str(model), Role.ENCODER),
         "1": load_role_pipeline(str(model), Role.DENOISER),
     }
-    ranks, follower = start_two_ranks(model, flags)
-    pipelines["2"] = ranks
-    try:
+    with two_ranks(model, flags) as pipelines["2"]:
         yield case, pipelines
-    finally:
-        ranks.rank.mesh.close()
-        follower.kill()
-        follower.wait(30)
 
 
 def group(pipelines, case: str, size: int = GROUP) -> list[StageBatch]:  # type: ignore[no-untyped-def]

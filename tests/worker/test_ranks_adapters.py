@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.worker.test_resume import CASES, encoded
-from tests.worker.test_resume_ranks import start_two_ranks
+from tests.worker.test_resume_ranks import two_ranks
 from tests.worker.test_role_pipelines import over_the_wire
 from triptych.families import read_rules
 from triptych.families.wan import uses_cfg
@@ -67,14 +67,8 @@ def setup(request, tiny_models, tiny_loras) -> Iterator[tuple[str, str, dict[str
         "encoder": load_role_pipeline(str(model), Role.ENCODER),
         "1": load_role_pipeline(str(model), Role.DENOISER, "cpu", 0, LoraCatalog(entries), GIB),
     }
-    ranks, follower = start_two_ranks(model, flags, rank0_flags=lora_flags)  # the follower has no catalogue
-    pipelines["2"] = ranks
-    try:
+    with two_ranks(model, flags, rank0_flags=lora_flags) as pipelines["2"]:  # the follower has no catalogue
         yield name, case, pipelines
-    finally:
-        ranks.rank.mesh.close()
-        follower.kill()
-        follower.wait(30)
 
 
 def latents(pipelines: dict[str, Any], case: str, where: str, **changes: Any) -> torch.Tensor:

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,9 +51,8 @@ ROUTES = [
 ]
 
 
-def start_two_ranks(
-    model: Path, flags: tuple[str, ...], rank0_flags: tuple[str, ...] = ()
-) -> tuple[ParallelPipeline, subprocess.Popen[bytes]]:
+@contextmanager
+def two_ranks(model: Path, flags: tuple[str, ...], rank0_flags: tuple[str, ...] = ()) -> Iterator[ParallelPipeline]:
     """Rank 0 here and its follower process, as `start_ranks` starts them (without its watchdog,
     which would end this process when the fixture stops the follower); `rank0_flags`: rank 0's alone."""
     argv = ["serve", "--model-path", str(model), "--disagg-role", "denoiser", "--device", "cpu",
@@ -62,11 +62,15 @@ def start_two_ranks(
     follower_args = ServeArgs.from_namespace(build_parser().parse_args(argv))
     argv = [sys.executable, "-m", "triptych_worker.parallel.follower", "1", *follower_args.to_argv()]
     follower = subprocess.Popen(argv, env=env)
+    ranks = None
     try:
-        return ParallelPipeline(Rank.start(args, 0), [follower]), follower
-    except BaseException:
+        ranks = ParallelPipeline(Rank.start(args, 0), [follower])
+        yield ranks
+    finally:
+        if ranks is not None:
+            ranks.rank.mesh.close()
         follower.kill()
-        raise
+        follower.wait(30)
 
 
 @pytest.fixture(scope="module", params=sorted(TWO_RANKS))
@@ -78,14 +82,8 @@ def setup(request, tiny_models) -> Iterator[tuple[str, bool, dict[str, object]]]
         "decoder": load_role_pipeline(str(model), Role.DECODER),
         "1": load_role_pipeline(str(model), Role.DENOISER),
     }
-    ranks, follower = start_two_ranks(model, flags)
-    pipelines["2"] = ranks
-    try:
+    with two_ranks(model, flags) as pipelines["2"]:
         yield case, exact, pipelines
-    finally:
-        ranks.rank.mesh.close()
-        follower.kill()
-        follower.wait(30)
 
 
 def generate(pipelines, case: str, route: tuple[str, ...], stops: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
