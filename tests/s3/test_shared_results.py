@@ -288,6 +288,37 @@ def test_what_a_head_admitted_just_before_it_stopped_counts_for_the_heads_after_
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "key_quota_exceeded", refused.text
 
 
+def test_a_key_s_requests_per_minute_are_counted_by_every_head_together(shared_store, tmp_path):
+    """`max_per_minute=2` behind two heads: what one head admitted is taken from the other's bucket
+    once they have synced (every SYNC_S), so the key gets 2 a minute in all, not 2 on each head."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-rated max_per_minute=2\n")
+    (rated,) = [e.limit for e in parse_entries(keys.read_text()) if e.limit]
+
+    def post(client: TestClient) -> httpx.Response:
+        return client.post("/v1/images/generations", json=IMAGE, headers={"Authorization": "Bearer sk-rated"})
+
+    def heard(client: TestClient, remaining: int) -> None:
+        limits = client.app.state.ctx.key_limits  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 15
+        while limits.usage(rated)["per_minute"]["remaining"] > remaining:
+            assert time.monotonic() < deadline, f"the head never heard the other's admissions ({remaining})"
+            time.sleep(0.05)
+
+    with head(shared_store, api_keys=keys) as a, head(shared_store, api_keys=keys) as b:
+        assert post(a).status_code == 200
+        heard(b, 1)  # a's admission taken from b's bucket (a token refills in 30 s: well after)
+        assert post(b).status_code == 200
+        refused = post(b)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "key_rate_limit", refused.text
+        heard(a, 0)
+        assert post(a).status_code == 429
+    # As each head stopped it wrote its counts: nothing in flight, the 2 it admitted in all.
+    bodies = [json.loads(shared_store.get_bytes(obj.name)) for obj in shared_store.list("live-counts/")]
+    assert len(bodies) == 2 and all(body["in_flight"] == {} for body in bodies), bodies
+    assert sum(n for body in bodies for n in body["admitted"].values()) == 2, bodies
+
+
 class NoisePixels(ScriptedBackend):
     """Pixels PNG cannot compress (tests/api/test_large_bodies.py), so the stored answer is as large."""
 

@@ -51,7 +51,7 @@ def create_app(ctx: HeadContext) -> FastAPI:
             # What this head admitted since its last sync counts for the others; a store that does not
             # answer must not hold the head's exit past its grace period.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(_sync_quotas_once(ctx), QUOTA_STOP_SYNC_S)
+                await asyncio.wait_for(_sync_quotas_once(ctx, stopping=True), QUOTA_STOP_SYNC_S)
             await jobs.shutdown(JOB_SAVE_GRACE_S)
             await ctx.backend.close()
 
@@ -88,7 +88,7 @@ async def _apply_retention(ctx: HeadContext, jobs: VideoJobs) -> None:
 
 
 async def _sync_quotas(ctx: HeadContext) -> None:
-    """Share the API keys' quota counts with the other heads every SYNC_S (key_quotas.py)."""
+    """Share the API keys' counts with the other heads every SYNC_S (key_quotas.py, key_sharing.py)."""
     while True:
         await asyncio.sleep(SYNC_S)
         try:
@@ -97,13 +97,20 @@ async def _sync_quotas(ctx: HeadContext) -> None:
             log.exception("syncing the API keys' quota counts failed")
 
 
-async def _sync_quotas_once(ctx: HeadContext) -> None:
-    ledger = ctx.key_limits.quotas
-    if ctx.api_keys is None or ledger is None:
+async def _sync_quotas_once(ctx: HeadContext, stopping: bool = False) -> None:
+    """One exchange of the API keys' counts with the other heads; `stopping`: this head's last, after
+    which it holds no request in flight."""
+    limits, keys = ctx.key_limits, ctx.api_keys
+    if keys is None:
         return  # an open API counts no key
-    periods = ctx.api_keys.quota_periods()
-    if periods or ledger.pending():
+    ledger = limits.quotas
+    periods = keys.quota_periods()
+    if ledger is not None and (periods or ledger.pending()):
         await asyncio.to_thread(ledger.sync, periods)
+    if limits.live is not None and (keys.shared_limits() or any(limits.counts())):
+        in_flight, admitted = limits.counts()
+        peers = await asyncio.to_thread(limits.live.exchange, {} if stopping else in_flight, admitted)
+        limits.heard(peers, keys.rates())
 
 
 async def _renew_leases(jobs: VideoJobs) -> None:

@@ -166,6 +166,16 @@ class APIKeys:
         self._refresh()
         return frozenset(name for _, entry in self._keys if entry.limit for name, _ in entry.limit.quotas)
 
+    def rates(self) -> dict[str, int]:
+        """Key id -> max_per_minute, of the keys limited per minute."""
+        self._refresh()
+        return {e.limit.key_id: e.limit.max_per_minute for _, e in self._keys if e.limit and e.limit.max_per_minute}
+
+    def shared_limits(self) -> bool:
+        """Whether some key has a limit in flight or per minute: those the heads share every sync."""
+        self._refresh()
+        return any(e.limit and (e.limit.max_in_flight or e.limit.max_per_minute) for _, e in self._keys)
+
     def valid(self, presented: bytes) -> bool:
         """Whether `presented` is one of the keys (constant time in which key and how much matched)."""
         return self.match(presented) is not None

@@ -28,6 +28,7 @@ from triptych_head.api.deadlines import Deadline, requested_deadline
 from triptych_head.api.errors import APIError
 from triptych_head.api.key_limits import KeyLimit, KeyLimits
 from triptych_head.api.key_quotas import QuotaLedger
+from triptych_head.api.key_sharing import LiveCounts
 from triptych_head.api.priorities import requested_priority
 from triptych_head.api.reference import Reference
 from triptych_head.api.schemas import parse_size
@@ -88,8 +89,10 @@ class HeadContext:
         objects = self.results_store or DirectoryObjects(self.output_path)
         self.results = ResultStore(objects, self.retention, self.results_presign_s)
         self.idempotency = Idempotency(objects, self.head_id)
-        # A key's quotas of an hour, day or month are the pipeline's: counted in the store every head shares.
-        self.key_limits = KeyLimits(self.registry, quotas=QuotaLedger(objects, self.head_id, self.registry))
+        # A key's limits are the pipeline's: every head's counts meet in the store the heads share.
+        quotas = QuotaLedger(objects, self.head_id, self.registry)
+        live = LiveCounts(objects, self.head_id, quotas.sync_errors)
+        self.key_limits = KeyLimits(self.registry, quotas=quotas, live=live)
         self.idempotent_replays = Counter(
             "triptych_idempotent_replays",
             "Requests answered with an earlier run's result of their Idempotency-Key",

@@ -1,8 +1,8 @@
-"""Per-API-key limits: a tenant's share of the head.
+"""Per-API-key limits: a tenant's share of the pipeline.
 
 A key of --api-keys-file may carry (auth.py):
-- `max_in_flight=N`: at most N of its generation requests run on this head at once, counted as the
-  head's admission counts them (context.py: a synchronous or streamed image from its POST to its
+- `max_in_flight=N`: at most N of its generation requests run at once, counted as a head's
+  admission counts them (context.py: a synchronous or streamed image from its POST to its
   answer, a video job from its POST until it ends). One more gets 429 `key_concurrency_limit`,
   naming the key's limit, with Retry-After.
 - `max_per_minute=N`: at most N generation requests admitted per minute, as a token bucket of N
@@ -18,8 +18,10 @@ Either way the refusal comes before any worker sees the request, so one tenant's
 its own door instead of in front of every other tenant's requests. A key without the options, and
 an open API (no --api-keys-file), is not counted.
 
-In flight and per minute, each head counts its own requests: behind N heads (a Service spreading a
-key's requests), a key may have up to N times those limits. The quotas are the pipeline's.
+Every limit is the pipeline's, held by all its heads together: each head counts its own requests
+and learns the others' through the result store they share, every couple of seconds (in flight and
+per minute: key_sharing.py; the quotas: key_quotas.py). A burst reaching several heads within one
+such exchange can pass a limit by what the other heads admitted meanwhile.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from triptych_head.api.errors import APIError
 from triptych_head.api.key_quotas import PERIODS, QuotaExceeded, QuotaLedger
+from triptych_head.api.key_sharing import LiveCounts, PeerCounts
 
 KEY_LIMIT = "key_limit"  # request.state: the KeyLimit of the key the request carries (auth.py sets it)
 OPTION = "max_in_flight"
@@ -57,16 +60,21 @@ def key_limit(request: Request) -> KeyLimit | None:
 
 
 class KeyLimits:
-    """Each limited key's requests in flight and request tokens on this head; used from the API's event loop only."""
+    """Each limited key's requests in flight and request tokens on this head, and what the other heads
+    hold of them as last heard (`live`); used from the API's event loop only."""
 
     def __init__(
         self,
         registry: CollectorRegistry,
         clock: Callable[[], float] = time.monotonic,
         quotas: QuotaLedger | None = None,
+        live: LiveCounts | None = None,
     ) -> None:
         self.quotas = quotas  # where the quotas are counted; None: a key's quotas are not applied (tests of the rest)
-        self._in_flight: dict[str, int] = {}  # key id -> its requests counted now
+        self.live = live  # how the heads share the rest; None: this head's own counts alone (tests of the rest)
+        self._in_flight: dict[str, int] = {}  # key id -> its requests counted now (this head's)
+        self._peers = PeerCounts()  # the other heads' requests in flight, as last heard
+        self._admitted: dict[str, int] = {}  # key id -> the requests this head admitted with a token, since it started
         self._owner: dict[str, str] = {}  # request id -> the key id it counts against
         self._tokens: dict[str, tuple[float, float]] = {}  # key id -> (tokens, when counted); absent: full
         self._took: dict[str, str] = {}  # request id -> the key id whose token it took (until it is admitted)
@@ -87,7 +95,8 @@ class KeyLimits:
         `retry_after_s`: the Retry-After of a refusal for requests in flight."""
         if limit is None:
             return
-        count = self._in_flight.get(limit.key_id, 0)
+        own = self._in_flight.get(limit.key_id, 0)
+        count = own + self._peers.in_flight.get(limit.key_id, 0)
         if limit.max_in_flight is not None and count >= limit.max_in_flight:
             self.rejected.inc()
             raise _refusal(
@@ -106,12 +115,14 @@ class KeyLimits:
             self._take_token(request_id, limit.key_id, limit.max_per_minute)
         if ledger is not None:
             ledger.take(request_id, limit.key_id, limit.quotas)
-        self._in_flight[limit.key_id] = count + 1
+        self._in_flight[limit.key_id] = own + 1
         self._owner[request_id] = limit.key_id
 
     def admitted(self, request_id: str) -> None:
         """The head admitted `request_id` further: its token and its quotas' counts are spent for good."""
-        self._took.pop(request_id, None)
+        key_id = self._took.pop(request_id, None)
+        if key_id is not None:
+            self._admitted[key_id] = self._admitted.get(key_id, 0) + 1
         if self.quotas is not None:
             self.quotas.spent(request_id)
 
@@ -134,12 +145,28 @@ class KeyLimits:
             del self._in_flight[key_id]
 
     def in_flight(self, key_id: str) -> int:
-        return self._in_flight.get(key_id, 0)
+        """The key's requests in flight on every head: this one's, and the others' as last heard."""
+        return self._in_flight.get(key_id, 0) + self._peers.in_flight.get(key_id, 0)
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """What this head shares with the others (key_sharing.py): its requests in flight per key, and
+        the requests it admitted with a token per key since it started."""
+        return dict(self._in_flight), dict(self._admitted)
+
+    def heard(self, peers: PeerCounts, per_minute: dict[str, int]) -> None:
+        """The other heads' counts, just read: their requests in flight count from now on, and what
+        they admitted since the last exchange is taken from this head's bucket of each key
+        (`per_minute`: key id -> its max_per_minute), down to at most a minute's worth owed."""
+        self._peers = peers
+        now = self._clock()
+        for key_id, n in peers.admitted.items():
+            rate = per_minute.get(key_id)
+            if rate:
+                self._tokens[key_id] = (max(-float(rate), self._refilled(key_id, rate, now) - n), now)
 
     def usage(self, limit: KeyLimit | None) -> dict[str, Any]:
-        """What the key may still do (GET /v1/usage): each of its limits with what it used. The
-        requests in flight and the minute's tokens are this head's; the quotas are the pipeline's, as
-        this head last synced them."""
+        """What the key may still do (GET /v1/usage): each of its limits with what it used, over every
+        head as this one last heard from the others."""
         if limit is None:
             return {"object": "usage", "limited": False}
         out: dict[str, Any] = {"object": "usage", "limited": True}
@@ -147,7 +174,7 @@ class KeyLimits:
             out["in_flight"] = {"limit": limit.max_in_flight, "used": self.in_flight(limit.key_id)}
         if limit.max_per_minute is not None:
             tokens = self._refilled(limit.key_id, limit.max_per_minute, self._clock())
-            out["per_minute"] = {"limit": limit.max_per_minute, "remaining": int(tokens)}
+            out["per_minute"] = {"limit": limit.max_per_minute, "remaining": max(0, int(tokens))}
         if limit.quotas and self.quotas is not None:
             out["quotas"] = [self.quotas.usage(PERIODS[name], limit.key_id, quota) for name, quota in limit.quotas]
         return out

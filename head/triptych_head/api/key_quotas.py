@@ -120,7 +120,7 @@ class QuotaLedger:
         )
         self.sync_errors = Counter(
             "triptych_key_quota_sync_errors",
-            "Times a head could not write its quota counts to the shared store or read the other heads'",
+            "Times a head could not share its API keys' counts (quotas, in flight, per minute) through the store",
             registry=registry,
         )
 
