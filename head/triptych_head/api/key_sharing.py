@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
-from triptych_head.objects import ObjectStore
+from triptych_head.objects import ObjectMissing, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +111,15 @@ class LiveCounts:
 
     def _read_peers(self, now: float) -> PeerCounts:
         peers = PeerCounts()
-        for obj in list(self._objects.list(PREFIX)):
-            if obj.name == self._name or not obj.name.endswith(".json"):
+        listed = [obj for obj in self._objects.list(PREFIX) if obj.name != self._name and obj.name.endswith(".json")]
+        for gone in set(self._admitted_seen) - {obj.name for obj in listed}:
+            del self._admitted_seen[gone]
+        for obj in listed:
+            try:
+                data = self._objects.get_bytes(obj.name)
+            except ObjectMissing:  # swept since it was listed
                 continue
-            started, in_flight, admitted = _counts(obj.name, self._objects.get_bytes(obj.name))
+            started, in_flight, admitted = _counts(obj.name, data)
             if now - obj.mtime <= LIVE_S:
                 for key_id, n in in_flight.items():
                     peers.in_flight[key_id] = peers.in_flight.get(key_id, 0) + n
