@@ -148,6 +148,22 @@ def test_pipeline_failure_is_reported_with_its_status(client, backend):
     assert "stopped responding" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ("denoiser tcp://127.0.0.1:7: loras: adapter 'ink' (/a) has no tensors for this model's transformer", "loras"),
+        ("denoiser tcp://127.0.0.1:7: size/num_frames: the request makes 9 tokens, which do not split", "size"),
+        ("step_cache: pyramid_attention_broadcast keeps one cache for both guidance branches", "step_cache"),
+        ("encoder tcp://127.0.0.1:7: the text encoder ran out of memory", None),
+    ],
+)
+def test_a_worker_s_refusal_names_the_field_it_leads_with(client, backend, message, param):
+    backend.fail = GenerationFailed(message, 400)
+    r = client.post("/v1/images/generations", json={"prompt": "cat", "size": "32x32"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == param
+
+
 def wait_for(client, job_id, status, timeout=10):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -134,6 +134,7 @@ def test_bad_adapters_are_a_400_naming_the_field_and_every_process_keeps_serving
             r = generate(c, loras)
             assert r.status_code == 400, (case, r.text)
             assert message in r.json()["error"]["message"], (case, r.json())
+            assert r.json()["error"]["param"] == "loras", (case, r.json())
         assert np.array_equal(pixels_of(generate(c, CASES["one"])), expected["one"])
         assert np.array_equal(pixels_of(generate(c, [])), expected["none"])
     assert all(proc.popen.poll() is None for proc in disaggregated.procs), "a process died"
@@ -243,6 +244,7 @@ def test_a_two_rank_full_pipeline_worker_applies_adapters_as_stock_and_a_bad_one
             bad = generate(c, [{"name": name, "weight": 1.0}])
             assert bad.status_code == 400, bad.text
             assert f"loras: adapter '{name}'" in bad.json()["error"]["message"], bad.text
+            assert bad.json()["error"]["param"] == "loras", bad.text
         assert np.array_equal(pixels_of(generate(c, CASES["one"])), expected["one"])
         log = (dep.workdir / "denoiser-0.log").read_text(errors="replace")
     assert "full pipeline on 2 ranks" in log

@@ -274,9 +274,23 @@ class HeadContext:
                 ) from None
             status = exc.status_code if exc.status_code >= 400 else 500
             headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 and self.draining else None
-            raise APIError(status, str(exc), code=exc.state.lower(), headers=headers) from None
+            param = refused_field(str(exc)) if status == 400 else None
+            raise APIError(status, str(exc), param=param, code=exc.state.lower(), headers=headers) from None
         finally:
             self.release(request_id)
+
+
+def refused_field(message: str) -> str | None:
+    """The request field a worker's refusal names, as its message leads with it after the worker's
+    own prefix ("denoiser tcp://...: loras: adapter 'x' ..." -> "loras"; "size/num_frames: ..." -> "size")."""
+    for part in message.split(": ")[:3]:
+        name = part.split("/", 1)[0]
+        if name in FIELDS:
+            return name
+    return None
+
+
+FIELDS = frozenset(p.name for p in CONTRACT)
 
 
 def new_request_id(prefix: str = "req") -> str:
