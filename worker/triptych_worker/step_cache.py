@@ -85,9 +85,9 @@ class StepCaching:
         config = hook_config(cache, lambda: pipe.current_timestep)
         counter = _AttentionCounter(transformer)
         transformer.enable_cache(config)
-        if cache.mode == "first_block" and self.first_block_change is not None:
-            _decide_first_block_by(transformer, self.first_block_change)
         try:
+            if cache.mode == "first_block" and self.first_block_change is not None:
+                _decide_first_block_by(transformer, self.first_block_change)
             yield
         finally:
             transformer.disable_cache()
