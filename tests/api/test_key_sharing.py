@@ -46,7 +46,8 @@ class Head:
 
     def sync(self, rates: dict[str, int] | None = None) -> None:
         """What the head's periodic sync does (app.py): its counts out, the others' in."""
-        self.limits.heard(self.live.exchange(*self.limits.counts()), rates or {"k": 3})
+        rates = rates or {"k": 3}
+        self.limits.heard(self.live.exchange(self.limits.counts(rates)), rates)
 
 
 @pytest.fixture
@@ -143,6 +144,26 @@ def test_a_restarted_head_s_counts_are_a_new_baseline_not_a_burst(
     again.admit(PER_MINUTE)
     again.sync(), b.sync()
     assert b.limits.usage(PER_MINUTE)["per_minute"]["remaining"] == 2
+
+
+def test_a_head_that_starts_takes_its_buckets_from_the_others_not_full(
+    tmp_path: Path, heads: tuple[Head, Head], wall: Clock
+) -> None:
+    """A restart or a scale-out must not hand every key a fresh burst: a new head's bucket of a key
+    starts where the emptiest of the others' stands, refilled for the time since they wrote it."""
+    a, b = heads
+    for _ in range(3):
+        a.admit(PER_MINUTE)
+    a.sync()  # a's bucket: empty, as written
+    wall.now += 10  # half a token's refill since
+    late = Head(tmp_path, "head-c", wall)
+    late.sync()
+    assert late.limits.usage(PER_MINUTE)["per_minute"]["remaining"] == 0
+    assert refusal(late, PER_MINUTE).code == "key_rate_limit"
+    late.clock.now += 10  # the other half: one token
+    late.admit(PER_MINUTE)
+    b.sync()  # b had its first exchange before a admitted: its bucket is its own (then a's 3 are taken)
+    assert b.limits.usage(PER_MINUTE)["per_minute"]["remaining"] == 0
 
 
 class FailingObjects(DirectoryObjects):

@@ -107,10 +107,12 @@ async def _sync_quotas_once(ctx: HeadContext, stopping: bool = False) -> None:
     periods = keys.quota_periods()
     if ledger is not None and (periods or ledger.pending()):
         await asyncio.to_thread(ledger.sync, periods)
-    if limits.live is not None and (keys.shared_limits() or any(limits.counts())):
-        in_flight, admitted = limits.counts()
-        peers = await asyncio.to_thread(limits.live.exchange, {} if stopping else in_flight, admitted)
-        limits.heard(peers, keys.rates())
+    rates = keys.rates()
+    counts = limits.counts(rates)
+    if limits.live is not None and (keys.shared_limits() or counts.any()):
+        if stopping:
+            counts.in_flight = {}
+        limits.heard(await asyncio.to_thread(limits.live.exchange, counts), rates)
 
 
 async def _renew_leases(jobs: VideoJobs) -> None:

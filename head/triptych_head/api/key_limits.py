@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from triptych_head.api.errors import APIError
 from triptych_head.api.key_quotas import PERIODS, QuotaExceeded, QuotaLedger
-from triptych_head.api.key_sharing import LiveCounts, PeerCounts
+from triptych_head.api.key_sharing import HeadCounts, LiveCounts, PeerCounts
 
 KEY_LIMIT = "key_limit"  # request.state: the KeyLimit of the key the request carries (auth.py sets it)
 OPTION = "max_in_flight"
@@ -148,17 +148,28 @@ class KeyLimits:
         """The key's requests in flight on every head: this one's, and the others' as last heard."""
         return self._in_flight.get(key_id, 0) + self._peers.in_flight.get(key_id, 0)
 
-    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
-        """What this head shares with the others (key_sharing.py): its requests in flight per key, and
-        the requests it admitted with a token per key since it started."""
-        return dict(self._in_flight), dict(self._admitted)
+    def counts(self, per_minute: dict[str, int]) -> HeadCounts:
+        """What this head shares with the others (key_sharing.py): its requests in flight per key, the
+        requests it admitted with a token per key since it started, and its buckets that are not full
+        (`per_minute`: key id -> its max_per_minute)."""
+        now = self._clock()
+        levels = {key_id: self._refilled(key_id, rate, now) for key_id, rate in per_minute.items()}
+        tokens = {key_id: x for key_id, x in levels.items() if x < per_minute[key_id]}
+        return HeadCounts(dict(self._in_flight), dict(self._admitted), tokens)
 
     def heard(self, peers: PeerCounts, per_minute: dict[str, int]) -> None:
         """The other heads' counts, just read: their requests in flight count from now on, and what
         they admitted since the last exchange is taken from this head's bucket of each key
-        (`per_minute`: key id -> its max_per_minute), down to at most a minute's worth owed."""
+        (`per_minute`: key id -> its max_per_minute), down to at most a minute's worth owed. At this
+        head's first exchange its buckets start no fuller than the emptiest of the others'."""
         self._peers = peers
         now = self._clock()
+        for key_id, levels in peers.tokens.items():
+            rate = per_minute.get(key_id)
+            if rate:
+                theirs = min(x + age * rate / 60.0 for x, age in levels)
+                if theirs < self._refilled(key_id, rate, now):
+                    self._tokens[key_id] = (max(-float(rate), theirs), now)
         for key_id, n in peers.admitted.items():
             rate = per_minute.get(key_id)
             if rate:

@@ -3,15 +3,18 @@
 Each head writes what it holds now to the result store the heads share (objects.py: the
 ReadWriteMany folder or the S3 bucket), one object per head:
 
-    live-counts/<head id>.json    {"started": <when this head began counting>,
+    live-counts/<head id>.json    {"started": <when this head began counting>, "written": <when>,
                                    "in_flight": {"<key id>": n, ...},   its requests in flight now
-                                   "admitted": {"<key id>": n, ...}}    admitted since it started
+                                   "admitted": {"<key id>": n, ...},    admitted since it started
+                                   "tokens": {"<key id>": x, ...}}      its buckets not full, as written
 
 at every sync (key_quotas.SYNC_S) where that changed, and every REFRESH_S anyway, and reads the
 others'. A key's requests in flight are this head's plus those the other heads had at their last
 write (an object not rewritten for LIVE_S is a head gone without its last write: its requests
 ended with it); the requests the other heads admitted since this one last read their counts are
-taken from this head's token bucket of the key (key_limits.py). So the heads together hold a key
+taken from this head's token bucket of the key (key_limits.py), and a head that starts (a restart,
+a scale-out) begins each key's bucket where the fullest-drained other head's stands, not full. So
+the heads together hold a key
 to its limits, up to what the others admitted since this head last read their counts: behind N
 heads, a burst arriving on all of them within one sync can pass a limit by that much, never by N
 times the limit for long.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -43,12 +47,27 @@ SWEEP_S = 3600.0  # objects older than this are removed (by whichever head sweep
 
 
 @dataclass
-class PeerCounts:
-    """What the other heads hold, by key id: their requests in flight now, and the requests they
-    admitted since the previous exchange."""
+class HeadCounts:
+    """What this head holds, by key id: its requests in flight, the requests it admitted with a token
+    since it started, and the tokens of its buckets that are not full."""
 
     in_flight: dict[str, int] = field(default_factory=dict)
     admitted: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, float] = field(default_factory=dict)
+
+    def any(self) -> bool:
+        return bool(self.in_flight or self.admitted)
+
+
+@dataclass
+class PeerCounts:
+    """What the other heads hold, by key id: their requests in flight now, the requests they admitted
+    since the previous exchange, and, at this head's first exchange only, their buckets that are not
+    full: (tokens, seconds since written) per head."""
+
+    in_flight: dict[str, int] = field(default_factory=dict)
+    admitted: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
 
 class LiveCounts:
@@ -63,21 +82,22 @@ class LiveCounts:
         self._errors = errors
         self._started = clock()
         self._lock = threading.Lock()
-        self._written: tuple[dict[str, int], dict[str, int]] | None = None
+        self._written: HeadCounts | None = None
         self._written_at = 0.0
         self._admitted_seen: dict[str, tuple[float, dict[str, int]]] = {}  # object -> (its started, admitted)
         self._peers = PeerCounts()
         self._read_at = 0.0  # when the peers' in-flight counts were read
         self._swept = 0.0
         self._failing = False
+        self._first = True  # no exchange succeeded yet: the others' buckets are this head's start
 
-    def exchange(self, in_flight: dict[str, int], admitted: dict[str, int]) -> PeerCounts:
+    def exchange(self, counts: HeadCounts) -> PeerCounts:
         """Write this head's counts (when they changed, or every REFRESH_S), read the other heads':
         their requests in flight, and what they admitted since the last exchange."""
         with self._lock:
             now = self._clock()
             try:
-                self._write(now, in_flight, admitted)
+                self._write(now, counts)
                 fresh = self._read_peers(now)
                 if now - self._swept >= SWEEP_S:
                     self._sweep(now)
@@ -99,13 +119,18 @@ class LiveCounts:
                 log.info("key limits: counts in flight and per minute shared with %s again", self._objects.description)
             self._failing = False
             self._peers, self._read_at = PeerCounts(fresh.in_flight), now
+            if not self._first:
+                fresh.tokens = {}
+            self._first = False
             return fresh
 
-    def _write(self, now: float, in_flight: dict[str, int], admitted: dict[str, int]) -> None:
-        counts = ({k: n for k, n in in_flight.items() if n}, dict(admitted))
+    def _write(self, now: float, counts: HeadCounts) -> None:
+        tokens = {k: round(x, 3) for k, x in counts.tokens.items()}
+        counts = HeadCounts({k: n for k, n in counts.in_flight.items() if n}, dict(counts.admitted), tokens)
         if counts == self._written and now - self._written_at < REFRESH_S:
             return
-        data = {"started": self._started, "in_flight": counts[0], "admitted": counts[1]}
+        data = {"started": self._started, "written": now, "in_flight": counts.in_flight,
+                "admitted": counts.admitted, "tokens": counts.tokens}  # fmt: skip
         self._objects.put_bytes(self._name, json.dumps(data, separators=(",", ":")).encode(), "application/json")
         self._written, self._written_at = counts, now
 
@@ -119,10 +144,13 @@ class LiveCounts:
                 data = self._objects.get_bytes(obj.name)
             except ObjectMissing:  # swept since it was listed
                 continue
-            started, in_flight, admitted = _counts(obj.name, data)
+            started, written, counts = _counts(obj.name, data)
+            in_flight, admitted = counts.in_flight, counts.admitted
             if now - obj.mtime <= LIVE_S:
                 for key_id, n in in_flight.items():
                     peers.in_flight[key_id] = peers.in_flight.get(key_id, 0) + n
+                for key_id, x in counts.tokens.items():
+                    peers.tokens.setdefault(key_id, []).append((x, max(0.0, now - written)))
             seen_started, seen = self._admitted_seen.get(obj.name, (None, None))
             if seen is not None and seen_started == started:  # first read of a head (or of its restart): a baseline
                 for key_id, n in admitted.items():
@@ -138,17 +166,23 @@ class LiveCounts:
                 self._admitted_seen.pop(obj.name, None)
 
 
-def _counts(name: str, data: bytes) -> tuple[float, dict[str, int], dict[str, int]]:
-    """(started, in flight, admitted) of an object; one that is not that shape is logged and counts nothing."""
+def _counts(name: str, data: bytes) -> tuple[float, float, HeadCounts]:
+    """(started, written, counts) of an object; one that is not that shape is logged and counts nothing."""
     try:
         body = json.loads(data)
-        started, in_flight, admitted = body["started"], body["in_flight"], body["admitted"]
-        if isinstance(started, int | float) and all(_is_counts(c) for c in (in_flight, admitted)):
-            return float(started), {str(k): n for k, n in in_flight.items()}, {str(k): n for k, n in admitted.items()}
-    except (ValueError, KeyError, TypeError):
+        started, written = body["started"], body["written"]
+        in_flight, admitted, tokens = body["in_flight"], body["admitted"], body["tokens"]
+        numbers = (started, written, *tokens.values())
+        if all(_is_number(x) for x in numbers) and all(_is_counts(c) for c in (in_flight, admitted)):
+            return float(started), float(written), HeadCounts(in_flight, admitted, tokens)
+    except (ValueError, KeyError, TypeError, AttributeError):
         pass
     log.warning("key limits: %s is not a head's counts; ignored", name)
-    return 0.0, {}, {}
+    return 0.0, 0.0, HeadCounts()
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _is_counts(counts: object) -> bool:
