@@ -43,6 +43,14 @@ def test_a_streamed_image_that_fails_ends_with_the_error(backend, tmp_path):
     assert got[-1].data["error"] == {"message": "the denoiser ran out of memory", "code": "failed", "status": 503}
 
 
+def test_a_streamed_image_a_worker_refuses_ends_with_the_error_naming_the_field(backend, tmp_path):
+    backend.fail = GenerationFailed("denoiser tcp://127.0.0.1:7: loras: adapter 'ink' does not exist", 400)
+    with make_client(backend, tmp_path, kind="image") as c:
+        got = events(c, "POST", "/v1/images/generations", json={"prompt": "cat", "size": "32x32", "stream": True})
+    assert got[-1].event == "error"
+    assert got[-1].data["error"]["param"] == "loras" and got[-1].data["error"]["status"] == 400
+
+
 def test_a_video_s_events_end_with_the_job_and_a_finished_job_answers_at_once(backend, tmp_path, monkeypatch):
     monkeypatch.setattr(videos, "HISTORY_LINGER_S", 1.0)
     backend.step_delay = 0.05

@@ -111,7 +111,7 @@ def progress_response(
         if done.cancelled():
             feed.publish(error_message(request_id, "cancelled", "cancelled", 499))
         elif isinstance(exc := done.exception(), APIError):
-            feed.publish(error_message(request_id, exc.message, exc.code, exc.status_code))
+            feed.publish(error_message(request_id, exc.message, exc.code, exc.status_code, exc.param))
         elif exc is not None:  # the stream must still end, with the error
             log.error("streamed image request %s failed", request_id, exc_info=exc)
             feed.publish(error_message(request_id, f"{type(exc).__name__}: {exc}", "internal_error", 500))

@@ -19,7 +19,7 @@ stream's POST is its only subscriber: its history goes with the end).
     event: resumed    data: {"id", "state", "role"}   and runs again (docs/serving.md#priority-and-preemption)
     event: dropped    data: {"id", "dropped"}
     event: completed  data: the result (images: {"id", "created", "data"}; videos: the job)
-    event: error      data: {"id", "error": {"message", "code", ...}}
+    event: error      data: {"id", "error": {"message", "code", "status", "param"?}}
 """
 
 from __future__ import annotations
@@ -79,8 +79,10 @@ def message_of(request_id: str, event: RequestEvent) -> SSEMessage:
     return SSEMessage("step", data)
 
 
-def error_message(request_id: str, message: str, code: str | None, status: int) -> SSEMessage:
-    return SSEMessage("error", {"id": request_id, "error": {"message": message, "code": code, "status": status}})
+def error_message(request_id: str, message: str, code: str | None, status: int, param: str | None = None) -> SSEMessage:
+    """The error event; `param`, when given: the request field the error names (as in an error body)."""
+    error = {"message": message, "code": code, "status": status, **({"param": param} if param else {})}
+    return SSEMessage("error", {"id": request_id, "error": error})
 
 
 class Subscriber:

@@ -314,5 +314,5 @@ async def foreign_events(jobs: VideoJobs, entry: JobEntry) -> AsyncIterator[byte
         try:
             entry = await jobs.get(job_id)
         except APIError as exc:
-            yield error_message(job_id, exc.message, exc.code, exc.status_code).encoded
+            yield error_message(job_id, exc.message, exc.code, exc.status_code, exc.param).encoded
             return
