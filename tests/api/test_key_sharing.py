@@ -208,15 +208,18 @@ def test_a_store_outage_keeps_what_was_heard_for_a_while_then_this_head_s_own_co
 
 
 def test_an_object_that_is_not_a_head_s_counts_is_ignored_and_old_ones_are_swept(
-    tmp_path: Path, heads: tuple[Head, Head], wall: Clock
+    tmp_path: Path, heads: tuple[Head, Head], wall: Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
     a, b = heads
     objects = DirectoryObjects(tmp_path)
     objects.put_bytes(f"{PREFIX}head-x.json", b'{"started": 1, "in_flight": {"k": -4}, "admitted": {}}', "x")
     objects.put_bytes(f"{PREFIX}head-y.json", b"not json", "x")
     a.admit(IN_FLIGHT)
-    a.sync(), b.sync()
+    with caplog.at_level(logging.WARNING):
+        a.sync(), b.sync(), b.sync()
     assert b.limits.in_flight("k") == 1
+    warned = [r.message for r in caplog.records if "head-y" in r.message]
+    assert len(warned) == 2 and "is not a head's counts" in warned[0], warned  # once per head, not per sync
     old = time.time() - SWEEP_S - 10
     os.utime(objects.local_path(f"{PREFIX}head-x.json"), (old, old))  # type: ignore[arg-type]
     wall.now += SWEEP_S

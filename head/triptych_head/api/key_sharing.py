@@ -90,6 +90,7 @@ class LiveCounts:
         self._swept = 0.0
         self._failing = False
         self._first = True  # no exchange succeeded yet: the others' buckets are this head's start
+        self._unreadable: set[str] = set()  # objects not in a head's counts' shape (logged once each)
 
     def exchange(self, counts: HeadCounts) -> PeerCounts:
         """Write this head's counts (when they changed, or every REFRESH_S), read the other heads':
@@ -144,7 +145,14 @@ class LiveCounts:
                 data = self._objects.get_bytes(obj.name)
             except ObjectMissing:  # swept since it was listed
                 continue
-            started, written, counts = _counts(obj.name, data)
+            parsed = _counts(data)
+            if parsed is None:
+                if obj.name not in self._unreadable:
+                    log.warning("key limits: %s is not a head's counts; ignored", obj.name)
+                self._unreadable.add(obj.name)
+                continue
+            self._unreadable.discard(obj.name)
+            started, written, counts = parsed
             in_flight, admitted = counts.in_flight, counts.admitted
             if now - obj.mtime <= LIVE_S:
                 for key_id, n in in_flight.items():
@@ -166,8 +174,8 @@ class LiveCounts:
                 self._admitted_seen.pop(obj.name, None)
 
 
-def _counts(name: str, data: bytes) -> tuple[float, float, HeadCounts]:
-    """(started, written, counts) of an object; one that is not that shape is logged and counts nothing."""
+def _counts(data: bytes) -> tuple[float, float, HeadCounts] | None:
+    """(started, written, counts) of an object; None for one that is not that shape."""
     try:
         body = json.loads(data)
         started, written = body["started"], body["written"]
@@ -177,8 +185,7 @@ def _counts(name: str, data: bytes) -> tuple[float, float, HeadCounts]:
             return float(started), float(written), HeadCounts(in_flight, admitted, tokens)
     except (ValueError, KeyError, TypeError, AttributeError):
         pass
-    log.warning("key limits: %s is not a head's counts; ignored", name)
-    return 0.0, 0.0, HeadCounts()
+    return None
 
 
 def _is_number(x: object) -> bool:
