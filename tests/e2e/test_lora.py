@@ -249,3 +249,29 @@ def test_a_two_rank_full_pipeline_worker_applies_adapters_as_stock_and_a_bad_one
         log = (dep.workdir / "denoiser-0.log").read_text(errors="replace")
     assert "full pipeline on 2 ranks" in log
     assert np.array_equal(got, stock(model, params_of(IMAGE, mixed), tiny_loras)), "pixels differ from stock"
+
+
+TP_PIXEL_TOLERANCE = 1  # uint8 levels, as without adapters (tests/e2e/test_parallel_ranks.py)
+
+
+def test_a_tensor_parallel_denoiser_applies_its_shards_of_the_adapters_as_stock(  # type: ignore[no-untyped-def]
+    tiny_models, catalog_file, expected, tmp_path
+) -> None:
+    """`--num-gpus 2 --denoiser-tp 2`: each rank loads its cut of every adapter's factors (column- and
+    row-parallel layers, FLUX's packed single-block proj_out, the unsharded top-level proj_out); the pixels
+    are stock diffusers' within the TP tolerance, and an adapter that does not load is a 400 naming `loras`."""
+    model, flags = tiny_models["tiny-flux-kontext"], ("--lora-catalog", str(catalog_file))
+    tp = (*flags, "--denoiser-tp", "2")
+    with deployment(
+        model, tmp_path, head_flags=flags, role_flags={Role.ENCODER: flags, Role.DENOISER: tp},
+        devices={Role.DENOISER: [["cpu", "cpu"]]},
+    ) as dep, dep.client(timeout=300) as c:  # fmt: skip
+        for case in ("two", "text encoder", "none"):
+            diff = np.abs(pixels_of(generate(c, CASES[case])).astype(np.int16) - expected[case].astype(np.int16))
+            assert diff.max() <= TP_PIXEL_TOLERANCE, (case, diff.max())
+        bad = generate(c, [{"name": "flux-misfit", "weight": 1.0}])
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "loras", bad.text
+        out = pixels_of(generate(c, [{"name": "flux-out", "weight": 1.3}, *CASES["one"]]))
+        assert not np.array_equal(out, expected["one"])  # flux-out changed them: it was applied
+        log = (dep.workdir / "denoiser-0.log").read_text(errors="replace")
+    assert "parameter bytes per rank" in log

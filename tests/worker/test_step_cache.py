@@ -52,14 +52,9 @@ def test_skips_are_counted_per_mode_and_none_counts_nothing(mono) -> None:  # ty
     assert (stats.requests - old.requests, stats.computed - old.computed, stats.skipped - old.skipped) == (1, 5, 3)
 
 
-def test_multi_device_denoisers_take_step_caches_and_a_tensor_parallel_one_refuses_adapters(mono) -> None:  # type: ignore[no-untyped-def]
-    """Every degree takes a step cache (tests/worker/test_ranks_adapters.py runs them); LoRA adapters
-    are refused by TP alone, whose ranks hold shards of the layers an adapter changes."""
+def test_every_multi_device_denoiser_takes_step_caches_and_adapters(mono) -> None:  # type: ignore[no-untyped-def]
+    """Every degree takes a step cache and LoRA adapters (tests/worker/test_ranks_adapters.py runs them;
+    TP ranks load their shards of an adapter)."""
+    with_adapter = msgspec.structs.replace(FIRST_BLOCK, loras=(LoraWeight("flux-ink", 1.0),))
     for degrees in (Parallelism(sp=2, ulysses=2), Parallelism(cfg=2), Parallelism(tp=2)):
-        check_request(mono.adapter, "flux", FIRST_BLOCK, degrees)
-    with_adapter = msgspec.structs.replace(REQUEST, loras=(LoraWeight("flux-ink", 1.0),))
-    check_request(mono.adapter, "flux", with_adapter, Parallelism(sp=2, ulysses=2))
-    with pytest.raises(
-        ValueError, match=r"^loras: LoRA adapters do not run on a tensor-parallel denoiser \(--denoiser-tp 2"
-    ):
-        check_request(mono.adapter, "flux", with_adapter, Parallelism(tp=2))
+        check_request(mono.adapter, "flux", with_adapter, degrees)

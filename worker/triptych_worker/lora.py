@@ -22,7 +22,8 @@ An adapter the catalogue does not hold, a missing file, one whose tensors fit no
 transformer (or of these text encoders), or a set larger than the cache fails that request only, with
 BadAdapter (a 400 naming `loras`); the worker keeps serving, its other adapters as they were.
 
-On a multi-device denoiser every rank holds its own copy of the adapters (parallel/ranks.py): each
+On a multi-device denoiser every rank holds its own copy of the adapters (parallel/ranks.py; a TP rank
+its shards of them, parallel/tensor.py): each
 job's adapter sources come pinned from rank 0 (`pinned`), and the ranks agree that every one of them
 loaded before any denoises (`agree`), so a load that fails on one rank fails the request on all of
 them at the same point and they stay in step.

@@ -5,8 +5,8 @@
 Denoiser: sequence-parallel attention (counting this rank's attention work even with sp 1), the
 sequence shards (sp > 1), the heads' and MLP's shards (tp > 1; such a rank was loaded on the CPU and
 only now moves to its device, shards only), a guidance branch per CFG rank; every rank loads a
-request's LoRA adapters and the ranks agree that all did (lora.py), and a first-block step cache
-decides on the whole sequence (step_cache.py).
+request's LoRA adapters (a TP rank its shards of them) and the ranks agree that all did (lora.py),
+and a first-block step cache decides on the whole sequence (step_cache.py).
 Decoder: the VAE decode by bands of rows (`--decoder-sp`). `families.check_degrees` has already
 refused what the family cannot run.
 """
@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Protocol
 from triptych.roles import Role
 from triptych_worker.parallel import families
 from triptych_worker.parallel.attention import SequenceParallelAttention, use_sequence_parallel
-from triptych_worker.parallel.tensor import shard_transformer
+from triptych_worker.parallel.outermost import OutermostHooks
+from triptych_worker.parallel.tensor import shard_lora_loads, shard_transformer
 from triptych_worker.parallel.vae import RowParallelDecoder
 
 if TYPE_CHECKING:
@@ -47,12 +48,15 @@ def parallelize(pipeline: RolePipeline, mesh: RankMesh) -> WorkCounter:
     degrees = mesh.degrees
     attention = SequenceParallelAttention(mesh)
     use_sequence_parallel(pipe.transformer, attention)  # with sp 1 it only counts this rank's attention work
+    hooks = OutermostHooks(pipe.transformer)
     if degrees.tp > 1:
-        shard_transformer(pipe.transformer, pipeline.family, mesh)
+        shard_transformer(pipe.transformer, pipeline.family, mesh, hooks)
+        if pipeline.loras is not None:
+            shard_lora_loads(pipe)
     if pipeline.adapter.device != mesh.device:  # loaded on the CPU (a TP rank, Rank.start): now its shards go
         pipeline.adapter.move_to(mesh.device)
     if degrees.sp > 1:
-        families.shard_sequence(pipe.transformer, pipeline.family, mesh, attention)
+        families.shard_sequence(pipe.transformer, pipeline.family, mesh, attention, hooks)
     if degrees.cfg > 1:
         pipeline.adapter.run_branches = CfgBranches(mesh)
     if pipeline.loras is not None:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from triptych_worker.parallel.attention import SequenceParallelAttention
     from triptych_worker.parallel.mesh import RankMesh
+    from triptych_worker.parallel.outermost import OutermostHooks
 
 
 GENERIC_FLAGS = {"tp": "--tp-size", "sp": "--sp-degree", "cfg": "--cfg-parallel-size"}
@@ -124,8 +125,8 @@ def check_request(
     adapter: FamilyAdapter, family: str, params: GenerationParams, degrees: Parallelism, role: Role = Role.DENOISER
 ) -> None:
     """Raise ValueError naming the field when the request's tokens (rows, for the decoder) do not split over
-    the sp ranks, when it asks a tensor-parallel denoiser for LoRA adapters, or a CFG-parallel one for a
-    step cache that one device shares between the guidance branches."""
+    the sp ranks, or when it asks a CFG-parallel denoiser for a step cache that one device shares between
+    the guidance branches."""
     cache = params.resolved_step_cache.mode
     if role is Role.DENOISER and degrees.cfg > 1 and cache in SHARED_BY_BRANCHES and wan.uses_cfg(params):
         raise ValueError(
@@ -133,13 +134,6 @@ def check_request(
             f"reuses what the cond pass cached), which CFG-parallel ranks (--cfg-parallel-size {degrees.cfg}), "
             "one branch each, cannot give; choose first_block (a cache per branch, as on one device) or none, "
             "or serve from a denoiser without --cfg-parallel-size"
-        )
-    if role is Role.DENOISER and params.loras and degrees.tp > 1:
-        # TP ranks hold shards of the very layers an adapter changes: its factors would need the same cuts.
-        raise ValueError(
-            f"loras: LoRA adapters do not run on a tensor-parallel denoiser (--denoiser-tp {degrees.tp}: its "
-            "ranks hold shards of the layers an adapter changes); leave loras out or serve from a denoiser "
-            "without --denoiser-tp"
         )
     if role is Role.DECODER:
         latents = next(spec for spec in adapter.output_specs(Role.DENOISER, params) if spec.name == "latents")
@@ -158,7 +152,9 @@ def check_request(
             )
 
 
-def shard_sequence(transformer: Any, family: str, mesh: RankMesh, attention: SequenceParallelAttention) -> None:
+def shard_sequence(
+    transformer: Any, family: str, mesh: RankMesh, attention: SequenceParallelAttention, hooks: OutermostHooks
+) -> None:
     """Cut the token sequence into this rank's shard before the blocks and join the shards after them."""
     sp, shard = mesh.degrees.sp, mesh.layout.shard(mesh.rank)
 
@@ -180,14 +176,4 @@ def shard_sequence(transformer: Any, family: str, mesh: RankMesh, attention: Seq
             return args, kwargs
 
         transformer.register_forward_pre_hook(cut_inputs, with_kwargs=True)
-    hooked = [transformer.proj_out, transformer.proj_out.register_forward_hook(join)]
-
-    def follow_proj_out(module: Any, args: Any) -> None:
-        # A LoRA adapter on proj_out wraps it in a peft layer that adds the adapter's product of the
-        # (shard) input to its base layer's output, and unloading one may unwrap it: the join belongs
-        # on whatever transformer.proj_out is now, never on a wrapped base layer.
-        if transformer.proj_out is not hooked[0]:
-            hooked[1].remove()
-            hooked[:] = [transformer.proj_out, transformer.proj_out.register_forward_hook(join)]
-
-    transformer.register_forward_pre_hook(follow_proj_out)
+    hooks.add("proj_out", join)  # on a peft layer wrapping proj_out, once an adapter targets it
