@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triptych_worker.parallel.tensor import TpCut, keep_shard, shard_lora_factors
+from triptych_worker.parallel.tensor import COLWISE, PACKED_ROWWISE, ROWWISE, TpCut, keep_shard, shard_lora_factors
 
 TP = 2
 
@@ -29,7 +29,7 @@ class Layers(torch.nn.Module):
         self.norm = torch.nn.Linear(5, 5)
 
 
-CUTS = {"to_q": dict(rows=True), "to_out.0": dict(rows=False, blocks=(6,)), "proj_out": dict(rows=False, blocks=(4, 6))}
+CUTS = {"to_q": (COLWISE, ()), "to_out.0": (ROWWISE, (6,)), "proj_out": (PACKED_ROWWISE, (4, 6))}
 
 
 def adapter(whole: Layers, rank: int = 3, bias: bool = False) -> dict[str, torch.Tensor]:
@@ -62,8 +62,8 @@ def test_each_rank_s_cut_of_the_layers_and_the_adapter_put_together_is_the_whole
     parts: dict[str, list[torch.Tensor]] = {path: [] for path in CUTS}
     for index in range(TP):
         ranks = Layers()
-        for path, how in CUTS.items():
-            keep_shard(ranks.get_submodule(path), TpCut(TP, index, **how))  # type: ignore[arg-type]
+        for path, (style, blocks) in CUTS.items():
+            keep_shard(ranks.get_submodule(path), TpCut(TP, index, style, blocks))
         cut_factors = shard_lora_factors(factors, ranks)
         assert torch.equal(cut_factors["transformer.norm.lora_A.weight"], factors["transformer.norm.lora_A.weight"])
         for path in CUTS:
@@ -78,7 +78,7 @@ def test_each_rank_s_cut_of_the_layers_and_the_adapter_put_together_is_the_whole
 
 def test_factors_under_the_older_names_are_cut_too_and_alphas_are_left_alone() -> None:
     whole, ranks = Layers(), Layers()
-    keep_shard(ranks.to_q, TpCut(TP, 1, rows=True))
+    keep_shard(ranks.to_q, TpCut(TP, 1, COLWISE))
     factors = {
         "transformer.to_q.lora_down.weight": torch.randn(2, 8),
         "transformer.to_q.lora_up.weight": torch.randn(6, 2),
@@ -95,7 +95,7 @@ def test_factors_under_the_older_names_are_cut_too_and_alphas_are_left_alone() -
 
 def test_a_dora_adapter_on_a_sharded_layer_is_refused_naming_its_tensor() -> None:
     ranks = Layers()
-    keep_shard(ranks.to_out[0], TpCut(TP, 0, rows=False, blocks=(6,)))
+    keep_shard(ranks.to_out[0], TpCut(TP, 0, ROWWISE, (6,)))
     factors = {**adapter(Layers()), "transformer.to_out.0.lora_magnitude_vector": torch.ones(5)}
     with pytest.raises(ValueError, match=r"^transformer\.to_out\.0\.lora_magnitude_vector: a DoRA adapter"):
         shard_lora_factors(factors, ranks)

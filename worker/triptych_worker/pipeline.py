@@ -14,7 +14,7 @@ the keys), so roles may run in different processes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -328,18 +328,20 @@ def load_role_pipeline(
     encoder_cache_bytes: int = 0,
     lora_catalog: LoraCatalog | None = None,
     lora_cache_bytes: int = 0,
+    given: Mapping[str, Any] | None = None,
 ) -> RolePipeline:
     """Build `role`'s stages for the diffusers package at `model_path`, loading only their weights;
     its text encoding keeps up to `encoder_cache_bytes` of prompt embeddings (0: no cache), its
     text encoding and denoising load the adapters of `lora_catalog` requests name, up to
-    `lora_cache_bytes` of them (one cache for both where the role runs both).
+    `lora_cache_bytes` of them (one cache for both where the role runs both). Components in `given` are
+    used as they are (a TP rank's transformer, loaded cut).
 
     Raises ValueError for an unsupported pipeline class or a role this family has no stages for.
     """
     role = Role(role)
     family, adapter = adapter_for(model_path, device)
     stage_classes = role_stages(role, family)
-    adapter.load(role_components(adapter, stage_classes))
+    adapter.load(role_components(adapter, stage_classes), given)
     cache = EncoderCache(encoder_cache_bytes) if encoder_cache_bytes else None
     loras = LoraAdapters(adapter, lora_catalog or LoraCatalog(), lora_cache_bytes)
     stages: list[PipelineStage] = []

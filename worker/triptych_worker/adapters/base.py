@@ -4,7 +4,7 @@ triptych.families', which the head reads without this package)."""
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 from triptych import startup
@@ -69,8 +69,9 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
         return self.rules.output_specs(role, params)
 
     @abc.abstractmethod
-    def load(self, components: set[str]) -> None:
-        """Load the stock pipeline with only `components`; the rest are passed as None."""
+    def load(self, components: set[str], given: Mapping[str, Any] | None = None) -> None:
+        """Load the stock pipeline with only `components`; the rest are passed as None, those in `given`
+        as given (loaded already: a TP rank's transformer, cut)."""
 
     @abc.abstractmethod
     def latent_grid(self, latents: Any, params: GenerationParams) -> np.ndarray:
@@ -83,21 +84,15 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
             return set()
         return {name for name, value in self.pipe.components.items() if value is not None}
 
-    def move_to(self, device: str) -> None:
-        """Move the loaded components to `device` and run every stage there from now on."""
-        self.device = device
-        if self.pipe is not None:
-            self.pipe.to(device)
-
     def on_device(self, batch: StageBatch) -> dict[str, torch.Tensor]:
         """The batch's tensors on this role's device (the transfer layer may land them elsewhere)."""
         # A model worker's transfer layer loads torch tensors (numpy arrays are for simulated workers).
         return {name: cast("torch.Tensor", tensor).to(self.device) for name, tensor in batch.tensors.items()}
 
-    def _load_stock(self, pipeline_class: Any, components: set[str]) -> Any:
+    def _load_stock(self, pipeline_class: Any, components: set[str], given: Mapping[str, Any] | None) -> Any:
         startup.mark("imported")  # torch, diffusers and the family's pipeline module came with `pipeline_class`
         skipped = {name: None for name in self.package.components if name not in components}
-        pipe = pipeline_class.from_pretrained(self.package.path, **skipped)
+        pipe = pipeline_class.from_pretrained(self.package.path, **skipped, **(given or {}))
         pipe.set_progress_bar_config(disable=True)
         return pipe.to(self.device)
 

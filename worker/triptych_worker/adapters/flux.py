@@ -18,7 +18,7 @@ torch and diffusers are imported inside methods so the head can validate without
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -48,11 +48,11 @@ class FluxAdapter(FamilyAdapter[FluxRules]):
         "DecodingStage": frozenset({"vae"}),
     }
 
-    def load(self, components: set[str]) -> None:
+    def load(self, components: set[str], given: Mapping[str, Any] | None = None) -> None:
         import diffusers
         from diffusers.image_processor import VaeImageProcessor
 
-        self.pipe = self._load_stock(getattr(diffusers, self.package.class_name), components)
+        self.pipe = self._load_stock(getattr(diffusers, self.package.class_name), components, given)
         # Without its VAE the stock pipeline falls back to a factor of 8; the package may differ.
         self.pipe.vae_scale_factor = self.rules.vae_scale_factor
         self.pipe.image_processor = VaeImageProcessor(vae_scale_factor=self.rules.vae_scale_factor * 2)

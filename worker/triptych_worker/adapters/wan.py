@@ -14,7 +14,7 @@ torch and diffusers are imported inside methods so the head can validate without
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
@@ -41,10 +41,10 @@ class WanAdapter(FamilyAdapter[WanRules]):
         "DecodingStage": frozenset({"vae"}),
     }
 
-    def load(self, components: set[str]) -> None:
+    def load(self, components: set[str], given: Mapping[str, Any] | None = None) -> None:
         from diffusers import WanPipeline
 
-        self.pipe = self._load_stock(WanPipeline, components)
+        self.pipe = self._load_stock(WanPipeline, components, given)
         self.pipe.vae_scale_factor_spatial = self.rules.scale_spatial
         self.pipe.vae_scale_factor_temporal = self.rules.scale_temporal
 

@@ -3,8 +3,8 @@
     work = parallelize(pipeline, mesh)   # every rank, after loading its stages and joining the mesh
 
 Denoiser: sequence-parallel attention (counting this rank's attention work even with sp 1), the
-sequence shards (sp > 1), the heads' and MLP's shards (tp > 1; such a rank was loaded on the CPU and
-only now moves to its device, shards only), a guidance branch per CFG rank; every rank loads a
+sequence shards (sp > 1), the heads' and MLP's shards (tp > 1; such a rank read only its cut of the
+transformer, tp_load.py), a guidance branch per CFG rank; every rank loads a
 request's LoRA adapters (a TP rank its shards of them) and the ranks agree that all did (lora.py),
 and a first-block step cache decides on the whole sequence (step_cache.py).
 Decoder: the VAE decode by bands of rows (`--decoder-sp`). `families.check_degrees` has already
@@ -53,8 +53,6 @@ def parallelize(pipeline: RolePipeline, mesh: RankMesh) -> WorkCounter:
         shard_transformer(pipe.transformer, pipeline.family, mesh, hooks)
         if pipeline.loras is not None:
             shard_lora_loads(pipe)
-    if pipeline.adapter.device != mesh.device:  # loaded on the CPU (a TP rank, Rank.start): now its shards go
-        pipeline.adapter.move_to(mesh.device)
     if degrees.sp > 1:
         families.shard_sequence(pipe.transformer, pipeline.family, mesh, attention, hooks)
     if degrees.cfg > 1:

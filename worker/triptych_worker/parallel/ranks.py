@@ -51,6 +51,7 @@ from triptych_worker.parallel.handoff import states_agree
 from triptych_worker.parallel.jobs import GO_ON, STOP, StepBoundary, StopFollowing, receive_jobs, send_jobs, step_flag
 from triptych_worker.parallel.layout import RankLayout
 from triptych_worker.parallel.mesh import RankMesh
+from triptych_worker.parallel.tp_load import load_transformer_cut
 from triptych_worker.resume import RESUME, CannotResume
 from triptych_worker.stages import ProgressCallback, StageBatch
 
@@ -99,14 +100,18 @@ class Rank:
         family, adapter = adapter_for(args.model_path)
         degrees = families.check_degrees(args, family, adapter)
         device = rank_device(args, rank)
-        # A TP rank loads on the CPU and moves only its shards to its device (parallelize): loaded
-        # there, every rank's device would have to hold the whole transformer first.
+        # A TP rank reads only its cut of the transformer, straight onto its device (tp_load.py).
+        given: dict[str, Any] = {}
+        if degrees.tp > 1:
+            tp_index = RankLayout(degrees).tp_index(rank)
+            given["transformer"] = load_transformer_cut(adapter.package, family, degrees.tp, tp_index, device)
         pipeline = load_role_pipeline(
             args.model_path,
             args.disagg_role,
-            "cpu" if degrees.tp > 1 else device,
+            device,
             lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
             lora_cache_bytes=args.lora_cache_bytes,
+            given=given,
         )
         for stage in pipeline.stages:  # a failed batched forward is not run again alone on one rank
             if isinstance(stage, BatchedAdapterStage):

@@ -58,77 +58,145 @@ def tp_plan(transformer: Any, family: str) -> dict[str, str]:
     return plan
 
 
-def shard_transformer(transformer: Any, family: str, mesh: RankMesh, hooks: OutermostHooks) -> int:
-    """Keep this rank's shard of every planned module and make it compute its part; returns how many."""
-    tp, index = mesh.degrees.tp, mesh.layout.tp_index(mesh.rank)
+def plan_cuts(transformer: Any, family: str, tp: int, index: int) -> dict[str, TpCut]:
+    """This rank's cut of every planned module of the transformer, by module path."""
     plan = tp_plan(transformer, family)
-    count = 0
+    cuts = {}
     for name, module in transformer.named_modules():
         style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if style is None:
             continue
-        if style == NORM_ACROSS_HEADS:
-            _shard_norm(module, tp, index, mesh)
-        elif style == COLWISE:
-            keep_shard(module, TpCut(tp, index, rows=True))
-        else:
-            blocks = tuple(getattr(module, "_tp_packed_row_blocks", [module.in_features]))
-            keep_shard(module, TpCut(tp, index, rows=False, blocks=blocks))
+        cut = getattr(module, "_tp_cut", None)  # loaded cut already: planned on the whole module
+        if cut is None:
+            blocks = getattr(module, "_tp_packed_row_blocks", [getattr(module, "in_features", 0)])
+            cut = TpCut(tp, index, style, () if style in ROWS else tuple(blocks))
+        elif (cut.tp, cut.index) != (tp, index):
+            raise ValueError(f"{name}: loaded as TP rank {cut.index} of {cut.tp}, run as rank {index} of {tp}")
+        cuts[name] = cut
+    return cuts
+
+
+def shard_transformer(transformer: Any, family: str, mesh: RankMesh, hooks: OutermostHooks) -> int:
+    """Make every planned module compute this rank's part (cutting its weights first unless the transformer
+    was loaded cut, tp_load.py); returns how many."""
+    tp, index = mesh.degrees.tp, mesh.layout.tp_index(mesh.rank)
+    cuts = plan_cuts(transformer, family, tp, index)
+    for name, cut in cuts.items():
+        module = transformer.get_submodule(name)
+        if getattr(module, "_tp_cut", None) is None:
+            keep_shard(module, cut)
+        if cut.style == NORM_ACROSS_HEADS:
+            _norm_across_ranks(module, mesh)
+        elif not cut.rows:  # its partial product; the group's sum and the bias come from _sum_partials
+            module.forward = MethodType(_partial_product, module)
             hooks.add(name, functools.partial(_sum_partials, mesh, module))
-        count += 1
     for module in transformer.modules():
         if hasattr(module, "heads") and hasattr(module, "processor"):
             module.heads //= tp  # the processors unflatten into this rank's heads
-    return count
+    return len(cuts)
+
+
+ROWS = (COLWISE, NORM_ACROSS_HEADS)  # styles that keep a block of output features (a norm's: its weight's)
 
 
 @dataclass(frozen=True)
 class TpCut:
-    """This rank's part of a Linear: a block of its output rows (column-parallel) or of the input columns
-    of each of its input blocks (row-parallel), and the same cut of an adapter's factor of it."""
+    """This rank's part of a planned module: a block of its output rows (column-parallel, a norm across
+    heads) or of the input columns of each of its input blocks (row-parallel), and the same cut of an
+    adapter's factor of it. It cuts tensors and safetensors slices alike (what it indexes is read)."""
 
     tp: int
     index: int
-    rows: bool
-    blocks: tuple[int, ...] = ()
+    style: str
+    blocks: tuple[int, ...] = ()  # a row-parallel layer's input blocks (FLUX's packed proj_out: two)
 
-    def weight(self, weight: torch.Tensor) -> torch.Tensor:
-        return _block(weight, 0, self.tp, self.index) if self.rows else self.columns(weight)
+    @property
+    def rows(self) -> bool:
+        return self.style in ROWS
 
-    def columns(self, x: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        return torch.cat([_block(part, 1, self.tp, self.index) for part in torch.split(x, list(self.blocks), dim=1)], 1)
+    def tensor(self, name: str, x: Any) -> torch.Tensor:
+        """The module's tensor `name` ("weight", "bias") for this rank: a row-parallel layer's bias whole."""
+        if self.rows:
+            return self._rows(x)
+        return self._columns(x) if name == "weight" else _owned(x[:], x)
 
     def factor(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
         """An adapter's `kind` tensor ("A", "B" or "B.bias") for this rank."""
         if self.rows:  # the output rows: B's (and its bias); A reads the whole input
-            return tensor if kind == "A" else _block(tensor, 0, self.tp, self.index)
+            return tensor if kind == "A" else self._rows(tensor)
         if kind == "A":  # the input columns
-            return self.columns(tensor)
+            return self._columns(tensor)
         if kind == "B.bias" and self.index:  # added once: the group sums the ranks' outputs
             return tensor.new_zeros(tensor.shape)
         return tensor
 
+    def columns(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's features of an input `x` [..., in_features] of a row-parallel layer."""
+        import torch
 
-def _block(x: torch.Tensor, dim: int, tp: int, index: int) -> torch.Tensor:
-    return x.chunk(tp, dim=dim)[index].clone()  # a copy: the full tensor is freed with the old parameter
+        return torch.cat([x[..., start:end] for start, end in self._column_ranges()], dim=-1)
+
+    def _rows(self, x: Any) -> torch.Tensor:
+        start, end = _range(_shape(x)[0], self.tp, self.index)
+        return _owned(x[start:end], x)
+
+    def _columns(self, x: Any) -> torch.Tensor:
+        import torch
+
+        pieces = [x[:, start:end] for start, end in self._column_ranges()]
+        return _owned(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1), x)
+
+    def _column_ranges(self) -> list[tuple[int, int]]:
+        ranges, offset = [], 0
+        for width in self.blocks:
+            start, end = _range(width, self.tp, self.index)
+            ranges.append((offset + start, offset + end))
+            offset += width
+        return ranges
 
 
-def keep_shard(linear: Any, cut: TpCut) -> None:
-    """Replace the Linear's weight by this rank's cut of it (column-parallel: and of its bias). A row-parallel
-    one computes its partial product only: `_sum_partials` all-reduces it and adds the bias."""
+def _range(n: int, tp: int, index: int) -> tuple[int, int]:
+    """Rank `index`'s block of `n` features, as torch.chunk cuts them (the degrees divide them)."""
+    size = -(-n // tp)
+    return min(n, index * size), min(n, (index + 1) * size)
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.get_shape()) if hasattr(x, "get_shape") else tuple(x.shape)  # a safetensors slice, a tensor
+
+
+def _owned(part: torch.Tensor, source: Any) -> torch.Tensor:
+    """`part` in memory of its own: a cut of a tensor is a view that would keep the whole alive (a read from a
+    file is already a new tensor)."""
     import torch
+
+    if isinstance(source, torch.Tensor):
+        return part.clone(memory_format=torch.contiguous_format)
+    return part.contiguous()
+
+
+def keep_shard(module: Any, cut: TpCut) -> None:
+    """Replace the module's weight (and bias) in memory by this rank's cut of them."""
+    for name, tensor in list(module.named_parameters(recurse=False)):
+        set_cut_tensor(module, cut, name, cut.tensor(name, tensor.data))
+
+
+def set_cut_tensor(module: Any, cut: TpCut, name: str, tensor: torch.Tensor) -> None:
+    """Give the planned module its cut tensor `name`; a Linear's feature counts follow its weight's shape,
+    as peft reads them to size an adapter's layers (and shard_lora_factors cuts the factors by `_tp_cut`)."""
+    import torch
+
+    module._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
+    module._tp_cut = cut
+    if name == "weight" and hasattr(module, "in_features"):
+        module.out_features, module.in_features = tensor.shape
+
+
+def _partial_product(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """A row-parallel Linear's forward: its input features' share of the product, without the bias."""
     import torch.nn.functional as F
 
-    linear.weight = torch.nn.Parameter(cut.weight(linear.weight.data), requires_grad=False)
-    linear.out_features, linear.in_features = linear.weight.shape
-    linear._tp_cut = cut  # what an adapter's factors of this layer keep (shard_lora_factors)
-    if cut.rows:
-        if linear.bias is not None:
-            linear.bias = torch.nn.Parameter(_block(linear.bias.data, 0, cut.tp, cut.index), requires_grad=False)
-        return
-    linear.forward = MethodType(lambda module, x: F.linear(x, module.weight), linear)
+    return F.linear(x, module.weight)
 
 
 def _sum_partials(mesh: RankMesh, linear: Any, module: Any, args: Any, partial: torch.Tensor) -> torch.Tensor:
@@ -190,13 +258,12 @@ def _cut_of(transformer: Any, path: str, key: str) -> TpCut | None:
     return getattr(getattr(module, "base_layer", module), "_tp_cut", None)
 
 
-def _shard_norm(norm: Any, tp: int, index: int, mesh: RankMesh) -> None:
-    """RMS over every head's features, with this rank's heads: the squares' sum is all-reduced."""
+def _norm_across_ranks(norm: Any, mesh: RankMesh) -> None:
+    """RMS over every head's features, with this rank's heads (its weight already cut): the squares' sum is
+    all-reduced."""
     import torch
 
     full = norm.normalized_shape[-1]
-    if norm.weight is not None:
-        norm.weight = torch.nn.Parameter(_block(norm.weight.data, 0, tp, index), requires_grad=False)
 
     def forward(module: Any, x: torch.Tensor) -> torch.Tensor:
         squares = mesh.all_reduce_sum(x.float().pow(2).sum(-1, keepdim=True), mesh.tp_group)
