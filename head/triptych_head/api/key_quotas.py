@@ -37,6 +37,7 @@ from datetime import UTC, datetime, timedelta
 
 from prometheus_client import CollectorRegistry, Counter
 
+from triptych_head.api.store_sync import SyncHealth
 from triptych_head.objects import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,6 @@ class QuotaLedger:
         self._read: dict[str, tuple[float, int, dict[str, int]]] = {}  # object name -> (mtime, size, counts)
         self._taken: dict[str, list[tuple[str, str]]] = {}  # request id -> the (period id, key id) it counts in
         self._swept = 0.0
-        self._failing = False
         self.rejected = Counter(
             "triptych_rejected_key_quota_requests",
             "Requests refused with 429 because their API key had used its quota of an hour, day or month",
@@ -123,6 +123,7 @@ class QuotaLedger:
             "Times a head could not share its API keys' counts (quotas, in flight, per minute) through the store",
             registry=registry,
         )
+        self._health = SyncHealth(self.sync_errors, "key quotas", "sync the counts")
 
     def used(self, period: Period, key_id: str) -> int:
         """The key's admissions in the current `period`: this head's and the others' as last read."""
@@ -199,18 +200,9 @@ class QuotaLedger:
                 self._sweep({period.bounds(now)[0] for period in PERIODS.values()})
                 self._swept = now
         except Exception as exc:
-            self.sync_errors.inc()
-            if not self._failing:
-                log.warning(
-                    "key quotas: cannot sync the counts with %s (%s); going on with those known",
-                    self._objects.description,
-                    exc,
-                )
-            self._failing = True
+            self._health.failed(exc, self._objects.description)
             return
-        if self._failing:
-            log.info("key quotas: the counts are synced with %s again", self._objects.description)
-        self._failing = False
+        self._health.succeeded(self._objects.description)
 
     def _publish(self, current: set[str]) -> None:
         with self._lock:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
+from triptych_head.api.store_sync import SyncHealth
 from triptych_head.objects import ObjectMissing, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class LiveCounts:
         self._objects = objects
         self._name = f"{PREFIX}{head_id}.json"
         self._clock = clock
-        self._errors = errors
+        self._health = SyncHealth(errors, "key limits", "share the counts in flight and per minute")
         self._started = clock()
         self._lock = threading.Lock()
         self._written: HeadCounts | None = None
@@ -88,7 +89,6 @@ class LiveCounts:
         self._peers = PeerCounts()
         self._read_at = 0.0  # when the peers' in-flight counts were read
         self._swept = 0.0
-        self._failing = False
         self._first = True  # no exchange succeeded yet: the others' buckets are this head's start
         self._unreadable: set[str] = set()  # objects not in a head's counts' shape (logged once each)
 
@@ -104,21 +104,11 @@ class LiveCounts:
                     self._sweep(now)
                     self._swept = now
             except Exception as exc:
-                self._errors.inc()
-                if not self._failing:
-                    log.warning(
-                        "key limits: cannot share the counts in flight and per minute with %s (%s); going on "
-                        "with those known",
-                        self._objects.description,
-                        exc,
-                    )
-                self._failing = True
+                self._health.failed(exc, self._objects.description)
                 if now - self._read_at > LIVE_S:  # what the others had in flight is too old to count
                     self._peers = PeerCounts()
                 return PeerCounts(dict(self._peers.in_flight))
-            if self._failing:
-                log.info("key limits: counts in flight and per minute shared with %s again", self._objects.description)
-            self._failing = False
+            self._health.succeeded(self._objects.description)
             self._peers, self._read_at = PeerCounts(fresh.in_flight), now
             if not self._first:
                 fresh.tokens = {}
