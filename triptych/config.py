@@ -39,6 +39,8 @@ BATCHING_MODES = ("off", "dynamic")  # dynamic: the head groups compatible reque
 # --max-request-bytes: room for a prompt and, once edits land, an uploaded image or two.
 DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
 DEVICES = ("cuda", "cpu")
+# --dtype: what a worker's model computes in; auto: bfloat16 on a GPU, float32 on the CPU.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --encoder-cache-bytes: prompt embeddings kept for repeated prompts (a FLUX.1 prompt: 512 x 4096 bf16, 4 MiB).
 DEFAULT_ENCODER_CACHE_BYTES = 256 * MIB
 # --lora-cache-bytes: LoRA adapters a denoiser (an encoder: their text-encoder parts) keeps loaded
@@ -132,6 +134,7 @@ class ServeArgs:
     master_port: int | None = None
     output_path: str = "outputs"
     device: str | None = None
+    dtype: str = "auto"  # model workers and monolithic: the dtype their model loads and computes in
     tp_size: int | None = None
     sp_degree: int | None = None
     cfg_parallel_size: int | None = None
@@ -193,6 +196,13 @@ class ServeArgs:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
         return f"cuda:{self.base_gpu_id}" if device == "cuda" else device
+
+    def compute_dtype(self, device: str) -> str:
+        """The dtype the model loads in on `device` (--dtype; auto: bfloat16 on a GPU, float32 on the CPU,
+        where the pixels are held to the stock float32 pipeline's)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device.startswith("cuda") else "float32"
 
     @property
     def stage_role(self) -> Role:
@@ -298,6 +308,8 @@ class ServeArgs:
         self._validate_control_security()
         self._validate_flags_taken()
         self._validate_lora()
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         try:
             self.parallelism()
         except ParallelismError as exc:

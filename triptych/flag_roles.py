@@ -75,6 +75,7 @@ OVERRIDES: dict[str, frozenset[Role]] = {
     # monolithic mode runs on the device --device and --base-gpu-id name (ServeArgs.resolved_device);
     # the disaggregated head runs no model stage and never reads either
     "--device": WORKERS | {Role.MONOLITHIC},
+    "--dtype": WORKERS | {Role.MONOLITHIC},
     "--base-gpu-id": WORKERS | {Role.MONOLITHIC},
     # a role's own degree: that role only
     **{flag(attr): frozenset({role}) for role, spec in ROLE_SPECS.items() for attr in spec.parallel_flags.values()},

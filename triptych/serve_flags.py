@@ -12,6 +12,7 @@ from triptych.config import (
     BATCHING_MODES,
     DEVICES,
     DISPATCH_POLICIES,
+    DTYPES,
     ROLE_PARALLEL_ATTRS,
     SIMULATE_DEFAULTS,
     URL_FLAGS,
@@ -116,6 +117,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
       help="head: hand out image URLs and video content as presigned URLs of --results-store valid this long, "
            "so the bytes skip the head; 0 proxies them through the head (default 0)")  # fmt: skip
     a("--device", choices=DEVICES, default=None, help="default: cuda when available, else cpu")
+    a("--dtype", choices=DTYPES, default=d.dtype,
+      help="model workers, monolithic: the dtype the model loads and computes in; auto: bfloat16 on a GPU, "
+           "float32 on the CPU. Roles may differ (a receiver casts its inputs to its own), e.g. a float32 "
+           "decoder")  # fmt: skip
     for attr in ("tp_size", "sp_degree", "cfg_parallel_size", *ROLE_PARALLEL_ATTRS):
         a(flag(attr), type=int, default=None)
     a("--worker-capacity", type=int, default=d.worker_capacity,

@@ -142,6 +142,7 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
         args.resolved_device,
         lora_catalog=catalog,
         lora_cache_bytes=args.lora_cache_bytes,
+        dtype=args.compute_dtype(args.resolved_device),
     )
     startup.mark("loaded")
     metrics = HeadMetrics()

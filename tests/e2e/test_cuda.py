@@ -1,7 +1,8 @@
 """On a CUDA GPU: the pixel tests of test_pixels.py with every process on the GPU, and the ranks on NCCL.
 
 Skipped without CUDA; `scripts/gpu-check.sh` (`make gpu-check`) runs them on a GPU machine.
-The reference is stock diffusers on the same GPU (its noise from a CPU generator, as ours).
+The reference is stock diffusers on the same GPU (its noise from a CPU generator, as ours), in
+bfloat16 as `--dtype auto` loads the workers there.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def test_disaggregated_equals_monolithic_equals_stock_diffusers_on_cuda(tiny_mod
     with deployment(model, tmp_path / "disagg", worker_flags=CUDA) as dep, dep.client(timeout=300) as c:
         disagg = fetch(c)
     mono = monolithic(model, tmp_path, fetch, device="cuda")
-    reference = stock(model, device="cuda")
+    reference = stock(model, device="cuda", dtype="bfloat16")  # --dtype auto on a GPU
     assert np.array_equal(disagg, mono), "disaggregated pixels differ from monolithic on CUDA"
     assert np.array_equal(disagg.reshape(reference.shape), reference), "pixels differ from stock diffusers on CUDA"
 

@@ -28,11 +28,11 @@ VIDEO = {"prompt": "waves on a beach", "negative_prompt": "blurry", "size": "48x
          "num_inference_steps": 3, "guidance_scale": 5.0, "fps": 8}  # fmt: skip
 
 
-def stock_image(model: Path, request: dict = IMAGE, device: str = "cpu") -> np.ndarray:
+def stock_image(model: Path, request: dict = IMAGE, device: str = "cpu", dtype: str = "float32") -> np.ndarray:
     """What stock diffusers' own __call__ makes of an images request (IMAGE's fields, all given)."""
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model).to(device)
+    pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=getattr(torch, dtype)).to(device)
     w, h = map(int, request["size"].split("x"))
     out = pipe(
         request["prompt"], width=w, height=h, num_inference_steps=request["num_inference_steps"],
@@ -42,11 +42,11 @@ def stock_image(model: Path, request: dict = IMAGE, device: str = "cpu") -> np.n
     return np.stack([np.array(img) for img in out.images])
 
 
-def stock_video(model: Path, device: str = "cpu", request: dict = VIDEO) -> np.ndarray:
+def stock_video(model: Path, device: str = "cpu", request: dict = VIDEO, dtype: str = "float32") -> np.ndarray:
     """What stock diffusers' own __call__ makes of a videos request (VIDEO's fields, all given)."""
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model).to(device)
+    pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=getattr(torch, dtype)).to(device)
     pipe.set_progress_bar_config(disable=True)
     w, h = map(int, request["size"].split("x"))
     out = pipe(

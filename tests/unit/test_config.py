@@ -143,6 +143,14 @@ def test_base_gpu_id_picks_the_cuda_device():
     assert parse("--model-path", "m", "--device", "cpu", "--base-gpu-id", "3").resolved_device == "cpu"
 
 
+def test_dtype_auto_is_bfloat16_on_a_gpu_and_float32_on_the_cpu() -> None:
+    args = parse("--model-path", "m")
+    assert (args.compute_dtype("cuda:1"), args.compute_dtype("cpu")) == ("bfloat16", "float32")
+    assert parse("--model-path", "m", "--dtype", "float16").compute_dtype("cpu") == "float16"
+    with pytest.raises(ConfigError, match=r"^--dtype 'int8' is not one of auto, float32, bfloat16, float16"):
+        ServeArgs.from_kwargs(model_path="m", dtype="int8").validate()
+
+
 def test_http_guard_flags_take_sizes_and_belong_to_the_head() -> None:
     a = parse("--model-path", "m", "--max-request-bytes", "4MiB", "--max-queued-requests", "0")
     assert (a.max_request_bytes, a.max_queued_requests, a.api_keys_file) == (4 << 20, 0, None)

@@ -66,6 +66,7 @@ SAMPLE: dict[str, Any] = {
     "--results-s3-endpoint": "http://s3:8333",
     "--results-presign": 60,
     "--device": "cpu",
+    "--dtype": "bfloat16",
     "--tp-size": 2,
     "--sp-degree": 2,
     "--cfg-parallel-size": 2,
@@ -157,6 +158,8 @@ TESTED: dict[str, str] = {
     "--results-presign": "tests/s3/test_shared_results.py::"
     "test_presigned_urls_let_clients_fetch_images_and_videos_from_the_bucket_itself",
     "--device": "tests/unit/test_config.py::test_base_gpu_id_picks_the_cuda_device",
+    "--dtype": "tests/worker/test_dtypes.py::"
+    "test_bfloat16_roles_over_the_wire_equal_monolithic_and_the_stock_bfloat16_pipeline",
     "--tp-size": "tests/unit/test_design_rules.py::test_role_flags_win_over_the_generic_tp_size_and_sp_degree",
     "--sp-degree": "tests/unit/test_design_rules.py::test_role_flags_win_over_the_generic_tp_size_and_sp_degree",
     "--cfg-parallel-size": "tests/unit/test_parallel_degrees.py::test_a_combination_the_family_runs_is_accepted",

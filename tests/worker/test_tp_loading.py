@@ -32,20 +32,28 @@ from triptych_worker.pipeline import load_role_pipeline
 TP = 2
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("package", ["tiny-flux", "tiny-wan"])
-def test_a_rank_s_transformer_read_cut_is_the_whole_one_cut_and_its_pipeline_uses_it(tiny_models, package) -> None:  # type: ignore[no-untyped-def]
+def test_a_rank_s_transformer_read_cut_is_the_whole_one_cut_and_its_pipeline_uses_it(  # type: ignore[no-untyped-def]
+    tiny_models, package, dtype
+) -> None:
+    """In bfloat16 too: Wan keeps some modules in float32 (`_keep_in_fp32_modules`), as from_pretrained does."""
     family = package.removeprefix("tiny-")
     _, shard = tp_shard_bytes(tiny_models[package], family, TP)
     for index in range(TP):
-        cut = load_transformer_cut(ModelPackage.read(tiny_models[package]), family, TP, index, "cpu")
-        whole = load_role_pipeline(tiny_models[package], Role.DENOISER).adapter.pipe.transformer
+        cut = load_transformer_cut(ModelPackage.read(tiny_models[package]), family, TP, index, "cpu", dtype)
+        whole = load_role_pipeline(tiny_models[package], Role.DENOISER, dtype=dtype).adapter.pipe.transformer
         for name, how in plan_cuts(whole, family, TP, index).items():
             keep_shard(whole.get_submodule(name), how)
         read, expected = cut.state_dict(), whole.state_dict()
         assert read.keys() == expected.keys()
-        assert all(torch.equal(read[key], expected[key]) for key in read), index
-        assert sum(p.numel() * p.element_size() for p in cut.parameters()) == shard
-    pipeline = load_role_pipeline(tiny_models[package], Role.DENOISER, given={"transformer": cut})
+        assert all(read[key].dtype == expected[key].dtype and torch.equal(read[key], expected[key]) for key in read)
+        assert {str(t.dtype) for t in read.values()} >= {f"torch.{dtype}"}
+        buffers = dict(whole.named_buffers())
+        assert all(torch.equal(b, buffers[n]) and b.dtype == buffers[n].dtype for n, b in cut.named_buffers())
+        if dtype == "float32":
+            assert sum(p.numel() * p.element_size() for p in cut.parameters()) == shard
+    pipeline = load_role_pipeline(tiny_models[package], Role.DENOISER, given={"transformer": cut}, dtype=dtype)
     assert pipeline.adapter.pipe.transformer is cut
 
 

@@ -37,23 +37,23 @@ class FluxRules(FamilyRules):
     def _sequence(self, params: GenerationParams) -> int:
         return (params.height // self.size_multiple) * (params.width // self.size_multiple)
 
-    def text_outputs(self, params: GenerationParams) -> list[TensorSpec]:
+    def text_outputs(self, params: GenerationParams, dtype: str = "float32") -> list[TensorSpec]:
         n, length = params.num_outputs, params.max_sequence_length
         return [
-            TensorSpec("prompt_embeds", "float32", (n, length, self.text_dim)),
-            TensorSpec("pooled_prompt_embeds", "float32", (n, self.pooled_dim)),
-            TensorSpec("text_ids", "float32", (length, 3)),
+            TensorSpec("prompt_embeds", dtype, (n, length, self.text_dim)),
+            TensorSpec("pooled_prompt_embeds", dtype, (n, self.pooled_dim)),
+            TensorSpec("text_ids", dtype, (length, 3)),
         ]
 
-    def image_outputs(self, params: GenerationParams) -> list[TensorSpec]:
+    def image_outputs(self, params: GenerationParams, dtype: str = "float32") -> list[TensorSpec]:
         """Kontext's encoded reference: image_latents [n, S', 4C] and image_ids [S', 3]."""
         if not self.takes_reference:
             return []
         width, height = self.reference_area(params)
         sequence = (height // self.size_multiple) * (width // self.size_multiple)
         return [
-            TensorSpec("image_latents", "float32", (params.num_outputs, sequence, self.latent_channels * 4)),
-            TensorSpec("image_ids", "float32", (sequence, 3)),
+            TensorSpec("image_latents", dtype, (params.num_outputs, sequence, self.latent_channels * 4)),
+            TensorSpec("image_ids", dtype, (sequence, 3)),
         ]
 
     def reference_area(self, params: GenerationParams) -> tuple[int, int]:
@@ -73,8 +73,9 @@ class FluxRules(FamilyRules):
         _, width, height = min((abs(aspect - w / h), w, h) for w, h in KONTEXT_RESOLUTIONS)
         return width // multiple * multiple, height // multiple * multiple
 
-    def latent_spec(self, params: GenerationParams) -> TensorSpec:
-        return TensorSpec("latents", "float32", (params.num_outputs, self._sequence(params), self.latent_channels * 4))
+    def latent_spec(self, params: GenerationParams, dtype: str = "float32") -> TensorSpec:
+        """In the model's dtype: FluxPipeline makes its noise in the prompt embeddings' (the text encoder's)."""
+        return TensorSpec("latents", dtype, (params.num_outputs, self._sequence(params), self.latent_channels * 4))
 
 
 def _image_size(data: bytes) -> tuple[int, int]:

@@ -59,30 +59,37 @@ class FamilyRules(abc.ABC):
         CONTRACT.check(msgspec.structs.asdict(params), self)
 
     @abc.abstractmethod
-    def text_outputs(self, params: GenerationParams) -> list[TensorSpec]:
+    def text_outputs(self, params: GenerationParams, dtype: str = "float32") -> list[TensorSpec]:
         """What the prompt encoder hands on."""
 
-    def image_outputs(self, params: GenerationParams) -> list[TensorSpec]:
+    def image_outputs(self, params: GenerationParams, dtype: str = "float32") -> list[TensorSpec]:
         """What the image encoder hands on for a request with a reference image (none by default)."""
         return []
 
     @abc.abstractmethod
-    def latent_spec(self, params: GenerationParams) -> TensorSpec:
+    def latent_spec(self, params: GenerationParams, dtype: str = "float32") -> TensorSpec:
         """The latents the denoiser makes from the seed and hands the decoder."""
 
-    def output_specs(self, role: Role, params: GenerationParams) -> list[TensorSpec]:
-        """The tensors `role`'s stages hand on for `params`, by name, dtype and shape.
+    def handed_on(self, params: GenerationParams, dtype: str = "float32") -> dict[str, TensorSpec]:
+        """Every tensor a model role hands another for `params`, by name, when it computes in `dtype`."""
+        image = self.image_outputs(params, dtype) if params.has_reference else []
+        specs = (*self.text_outputs(params, dtype), *image, self.latent_spec(params, dtype))
+        return {spec.name: spec for spec in specs}
 
-        What simulated workers emit (`triptych serve --simulate`); tests hold it to what the loaded
-        stages produce. Every tensor is float32 (packages load without a torch_dtype), pixels uint8.
-        An encoder's outputs accumulate: the image encoder passes the prompt encoder's on.
+    def output_specs(self, role: Role, params: GenerationParams, dtype: str = "float32") -> list[TensorSpec]:
+        """The tensors `role`'s stages hand on for `params`, by name, dtype and shape, when the role's model
+        computes in `dtype` (--dtype): floating tensors in the dtype the stock pipeline makes them in.
+
+        What simulated workers emit (`triptych serve --simulate`, float32: numpy has no bfloat16); tests
+        hold it to what the loaded stages produce. Pixels are uint8. An encoder's outputs accumulate: the
+        image encoder passes the prompt encoder's on.
         """
         p = params
         if role is Role.DECODER:
             return [TensorSpec(PIXELS, "uint8", (p.num_outputs, p.num_frames, p.height, p.width, 3))]
         if role is Role.DENOISER:
-            return [self.latent_spec(p)]
+            return [self.latent_spec(p, dtype)]
         if not role.is_worker:
             raise ValueError(f"role {role.value} hands on no tensors")
-        image = self.image_outputs(p) if p.has_reference and role.runs_affinity(Role.IMAGE_ENCODER) else []
-        return [*self.text_outputs(p), *image]
+        image = self.image_outputs(p, dtype) if p.has_reference and role.runs_affinity(Role.IMAGE_ENCODER) else []
+        return [*self.text_outputs(p, dtype), *image]

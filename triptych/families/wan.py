@@ -45,14 +45,16 @@ class WanRules(FamilyRules):
         self.max_frames = min(MAX_FRAMES, (rope * patch[0] - 1) * self.scale_temporal + 1)
         self.text_dim = int(package.config("text_encoder")["d_model"])  # UMT5
 
-    def text_outputs(self, params: GenerationParams) -> list[TensorSpec]:
+    def text_outputs(self, params: GenerationParams, dtype: str = "float32") -> list[TensorSpec]:
         embeds = (params.num_outputs, params.max_sequence_length, self.text_dim)
         return [
-            TensorSpec("prompt_embeds", "float32", embeds),
-            *([TensorSpec("negative_prompt_embeds", "float32", embeds)] if uses_cfg(params) else []),
+            TensorSpec("prompt_embeds", dtype, embeds),
+            *([TensorSpec("negative_prompt_embeds", dtype, embeds)] if uses_cfg(params) else []),
         ]
 
-    def latent_spec(self, params: GenerationParams) -> TensorSpec:
+    def latent_spec(self, params: GenerationParams, dtype: str = "float32") -> TensorSpec:
+        """float32 whatever the model's dtype: WanPipeline makes and steps its latents in float32 (the
+        transformer gets a cast of them, the VAE another)."""
         p, s = params, self.scale_spatial
         frames = (p.num_frames - 1) // self.scale_temporal + 1
         return TensorSpec(

@@ -252,9 +252,10 @@ class RolePipeline:
         return sum(p.numel() for module in modules for p in module.parameters())
 
     def describe(self) -> str:
-        """One log line: the stages, the components loaded and their parameters."""
+        """One log line: the stages, the components loaded, their parameters and the dtype they compute in."""
         components = ",".join(sorted(self.loaded_components)) or "none"
-        return f"stages {','.join(self.stage_names)}; loaded {components} ({self.parameter_count} parameters)"
+        loaded = f"loaded {components} ({self.parameter_count} parameters)"
+        return f"stages {','.join(self.stage_names)}; {loaded} in {self.adapter.dtype}"
 
     def validate(self, params: GenerationParams) -> None:
         """Raise ValueError naming the field when this model cannot serve `params`."""
@@ -329,17 +330,18 @@ def load_role_pipeline(
     lora_catalog: LoraCatalog | None = None,
     lora_cache_bytes: int = 0,
     given: Mapping[str, Any] | None = None,
+    dtype: str = "float32",
 ) -> RolePipeline:
     """Build `role`'s stages for the diffusers package at `model_path`, loading only their weights;
     its text encoding keeps up to `encoder_cache_bytes` of prompt embeddings (0: no cache), its
     text encoding and denoising load the adapters of `lora_catalog` requests name, up to
     `lora_cache_bytes` of them (one cache for both where the role runs both). Components in `given` are
-    used as they are (a TP rank's transformer, loaded cut).
+    used as they are (a TP rank's transformer, loaded cut); the rest load in `dtype` (--dtype).
 
     Raises ValueError for an unsupported pipeline class or a role this family has no stages for.
     """
     role = Role(role)
-    family, adapter = adapter_for(model_path, device)
+    family, adapter = adapter_for(model_path, device, dtype)
     stage_classes = role_stages(role, family)
     adapter.load(role_components(adapter, stage_classes), given)
     cache = EncoderCache(encoder_cache_bytes) if encoder_cache_bytes else None

@@ -130,6 +130,7 @@ class Worker:
                 encoder_cache_bytes=args.encoder_cache_bytes,
                 lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
                 lora_cache_bytes=args.lora_cache_bytes,
+                dtype=args.compute_dtype(args.resolved_device),
             )
             log.info("%s: %s", self.role.value, pipeline.describe())
         self.pipeline = pipeline

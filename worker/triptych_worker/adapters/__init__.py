@@ -16,14 +16,14 @@ ADAPTERS: dict[str, type[FamilyAdapter]] = {"flux": FluxAdapter, "flux-kontext":
 assert {f.name for f in FAMILIES.values()} == set(ADAPTERS), "every family in the table needs an adapter"
 
 
-def adapter_for(model_path: str, device: str = "cpu") -> tuple[str, FamilyAdapter]:
-    """The family name and a (weightless) adapter for the package at `model_path`.
+def adapter_for(model_path: str, device: str = "cpu", dtype: str = "float32") -> tuple[str, FamilyAdapter]:
+    """The family name and a (weightless) adapter for the package at `model_path`, loading in `dtype`.
 
     Raises ValueError naming the pipeline class and the supported ones when it is unknown.
     """
     package = ModelPackage.read(model_path)
     family = family_of(package)
-    return family.name, ADAPTERS[family.name](family.rules(package), device)
+    return family.name, ADAPTERS[family.name](family.rules(package), device, dtype)
 
 
 __all__ = ["ADAPTERS", "FamilyAdapter", "adapter_for"]

@@ -42,9 +42,10 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
     """Tensors without a row per output (positional ids of the shape): a batch holds one for all its
     requests (triptych_worker.batching); every other tensor a stage hands on is [num_outputs, ...]."""
 
-    def __init__(self, rules: RulesT, device: str = "cpu"):
+    def __init__(self, rules: RulesT, device: str = "cpu", dtype: str = "float32"):
         self.rules = rules
         self.device = device
+        self.dtype = dtype  # what the components load in (--dtype); a receiver's inputs are cast to it
         self.pipe: Any = None
         # How one denoising step runs its guidance branches (cond, uncond): here in turn; a
         # CFG-parallel denoiser runs each on its own rank (triptych_worker.parallel).
@@ -65,8 +66,8 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
         self.rules.validate(params)
 
     def output_specs(self, role: Role, params: GenerationParams) -> list[TensorSpec]:
-        """The tensors `role`'s stages hand on (FamilyRules.output_specs)."""
-        return self.rules.output_specs(role, params)
+        """The tensors `role`'s stages hand on, in this adapter's dtype (FamilyRules.output_specs)."""
+        return self.rules.output_specs(role, params, self.dtype)
 
     @abc.abstractmethod
     def load(self, components: set[str], given: Mapping[str, Any] | None = None) -> None:
@@ -85,14 +86,30 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
         return {name for name, value in self.pipe.components.items() if value is not None}
 
     def on_device(self, batch: StageBatch) -> dict[str, torch.Tensor]:
-        """The batch's tensors on this role's device (the transfer layer may land them elsewhere)."""
+        """The batch's tensors on this role's device, each floating one in the dtype this role's model makes
+        it in (`FamilyRules.handed_on`): a sender loaded in another --dtype hands it in its own."""
+        import torch
+
         # A model worker's transfer layer loads torch tensors (numpy arrays are for simulated workers).
-        return {name: cast("torch.Tensor", tensor).to(self.device) for name, tensor in batch.tensors.items()}
+        made_here = self.rules.handed_on(batch.params, self.dtype)
+        out = {}
+        for name, tensor in batch.tensors.items():
+            t = cast("torch.Tensor", tensor)
+            spec = made_here.get(name)
+            if spec is not None and t.is_floating_point() and str(t.dtype) != f"torch.{spec.dtype}":
+                out[name] = t.to(self.device, getattr(torch, spec.dtype))
+            else:
+                out[name] = t.to(self.device)
+        return out
 
     def _load_stock(self, pipeline_class: Any, components: set[str], given: Mapping[str, Any] | None) -> Any:
+        import torch
+
         startup.mark("imported")  # torch, diffusers and the family's pipeline module came with `pipeline_class`
         skipped = {name: None for name in self.package.components if name not in components}
-        pipe = pipeline_class.from_pretrained(self.package.path, **skipped, **(given or {}))
+        pipe = pipeline_class.from_pretrained(
+            self.package.path, torch_dtype=getattr(torch, self.dtype), **skipped, **(given or {})
+        )
         pipe.set_progress_bar_config(disable=True)
         return pipe.to(self.device)
 

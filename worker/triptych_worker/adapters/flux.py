@@ -178,7 +178,9 @@ class FluxAdapter(FamilyAdapter[FluxRules]):
 
     def decode(self, batch: StageBatch) -> None:
         p, vae = batch.params, self.pipe.vae
-        latents = self.pipe._unpack_latents(batch.tensors["latents"], p.height, p.width, self.rules.vae_scale_factor)
+        latents = self.pipe._unpack_latents(
+            self.on_device(batch)["latents"], p.height, p.width, self.rules.vae_scale_factor
+        )
         latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
         image = vae.decode(latents.to(vae.device), return_dict=False)[0]
         images = self.pipe.image_processor.postprocess(image, output_type="np")  # [n, H, W, 3] in [0, 1]

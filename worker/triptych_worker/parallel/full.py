@@ -94,8 +94,9 @@ def start_full_pipeline_ranks(args: ServeArgs) -> FullPipelineRanks:
         encoder_cache_bytes=args.encoder_cache_bytes,
         lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
         lora_cache_bytes=args.lora_cache_bytes,
+        dtype=args.compute_dtype(device),
     )
-    decode = load_role_pipeline(args.model_path, Role.DECODER, device)
+    decode = load_role_pipeline(args.model_path, Role.DECODER, device, dtype=args.compute_dtype(device))
     pipeline = FullPipelineRanks(encode, denoise, decode)
     log.info("%s", pipeline.describe())
     return pipeline

@@ -101,10 +101,11 @@ class Rank:
         degrees = families.check_degrees(args, family, adapter)
         device = rank_device(args, rank)
         # A TP rank reads only its cut of the transformer, straight onto its device (tp_load.py).
+        dtype = args.compute_dtype(device)
         given: dict[str, Any] = {}
         if degrees.tp > 1:
             tp_index = RankLayout(degrees).tp_index(rank)
-            given["transformer"] = load_transformer_cut(adapter.package, family, degrees.tp, tp_index, device)
+            given["transformer"] = load_transformer_cut(adapter.package, family, degrees.tp, tp_index, device, dtype)
         pipeline = load_role_pipeline(
             args.model_path,
             args.disagg_role,
@@ -112,6 +113,7 @@ class Rank:
             lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
             lora_cache_bytes=args.lora_cache_bytes,
             given=given,
+            dtype=dtype,
         )
         for stage in pipeline.stages:  # a failed batched forward is not run again alone on one rank
             if isinstance(stage, BatchedAdapterStage):
