@@ -95,6 +95,7 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         disagg_transfer_pool_size=pipeline.transfer.pool_size,
         master_port=WORKER_MASTER_PORT if spec.gpus_per_replica > 1 else None,
         device=spec.device,
+        dtype=spec.dtype,
         disagg_drain_timeout=float(spec.drain_timeout_seconds),
         disagg_keys_dir=KEYS_MOUNT,
         batching_max_size=spec.batch_max_size,

@@ -113,6 +113,15 @@ def test_a_cpu_role_requests_and_tolerates_no_gpu_and_runs_on_cpu() -> None:
     assert parse_serve(gpu_pod["containers"][0]).device == "cuda"
 
 
+def test_each_role_computes_in_its_own_dtype_auto_by_default() -> None:
+    made = children(minimal_spec(denoiser={"dtype": "bfloat16"}, decoder={"dtype": "float32"}))
+    dtypes = {role: parse_serve(container(made[("Deployment", f"wan-t2v-{role.value}")])).dtype for role in ROLES}
+    assert dtypes == {Role.ENCODER: "auto", Role.DENOISER: "bfloat16", Role.DECODER: "float32"}
+    with pytest.raises(SpecError) as err:
+        pipeline(minimal_spec(decoder={"dtype": "fp8"}))
+    assert err.value.field == "spec.decoder.dtype" and "fp8" in str(err.value), err.value
+
+
 def test_a_cpu_role_keeps_the_users_own_tolerations() -> None:
     user = {"key": "dedicated", "operator": "Equal", "value": "ci", "effect": "NoSchedule"}
     pod = children(minimal_spec(decoder={"gpusPerReplica": 0, "tolerations": [user]}))[

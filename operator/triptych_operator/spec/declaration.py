@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from triptych.config import (
-    DEFAULT_POOL_SIZE,
-)
+from triptych.config import DEFAULT_POOL_SIZE, DTYPES
 from triptych.roles import FULL_PIPELINE_ROLE, Role
 from triptych_operator.constants import (
     DEFAULT_RDMA_RESOURCE,
@@ -212,6 +210,13 @@ def _role_rules(role: Role) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
+_DTYPE = (
+    "The workers' `--dtype`: what the role's model loads and computes in. `auto`: bfloat16 on GPUs, float32 on "
+    "CPU (`gpusPerReplica: 0`). Roles may differ; a receiver casts its inputs to its own (e.g. a float32 decoder "
+    "under a bfloat16 pipeline, Wan's recipe; docs/serving.md)."
+)
+
+
 def role_field(role: Role) -> Field:
     """spec.<role>: one worker pool."""
     replicas = "Worker pods. Ignored while `autoscaling.enabled`. 0 parks the role (the pipeline cannot serve)."
@@ -250,6 +255,7 @@ def role_field(role: Role) -> Field:
             _autoscaling(),
             _rollout(),
             _role_batching(),
+            Field("dtype", "string", _DTYPE, enum=DTYPES, default="auto"),
             Field(
                 "drainSeconds",
                 "integer",

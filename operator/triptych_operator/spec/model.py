@@ -126,6 +126,8 @@ class PoolSpec:
     batch_max_size: int = dataclasses.field(metadata=bound("batching.maxSize"))
     # How long the head lets this role's groups fill (--batching-role-delay-ms); None: the head's delayMs.
     batch_delay_ms: int | None = dataclasses.field(metadata=bound("batching.delayMs"))
+    # What the role's model computes in (--dtype): auto, float32, bfloat16, float16.
+    dtype: str
 
     def rolling_update(self) -> dict[str, int]:
         """maxUnavailable/maxSurge of the role's Deployment. Defaults never take a serving role to zero:
