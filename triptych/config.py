@@ -502,6 +502,11 @@ class ServeArgs:
             raise ConfigError(f"--simulate is for worker roles ({workers}), not {self.disagg_role}")
         if timing and not self.simulate:
             raise ConfigError(f"{flag(timing[0])} only applies with --simulate")
+        if self.simulate and self.dtype not in ("auto", "float32"):
+            raise ConfigError(
+                f"--dtype {self.dtype} does nothing with --simulate: a simulated worker loads no model and emits "
+                "float32 tensors; leave --dtype out"
+            )
         for name in timing:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{flag(name)} {getattr(self, name)} must be >= 0 seconds")

@@ -149,6 +149,9 @@ def test_dtype_auto_is_bfloat16_on_a_gpu_and_float32_on_the_cpu() -> None:
     assert parse("--model-path", "m", "--dtype", "float16").compute_dtype("cpu") == "float16"
     with pytest.raises(ConfigError, match=r"^--dtype 'int8' is not one of auto, float32, bfloat16, float16"):
         ServeArgs.from_kwargs(model_path="m", dtype="int8").validate()
+    worker = ("--model-path", "m", "--disagg-role", "decoder", "--disagg-server-addr", "tcp://h:1", "--simulate")
+    with pytest.raises(ConfigError, match=r"^--dtype bfloat16 does nothing with --simulate"):
+        parse(*worker, "--dtype", "bfloat16")
 
 
 def test_http_guard_flags_take_sizes_and_belong_to_the_head() -> None:
