@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,7 +26,7 @@ from triptych.roles import Role
 from triptych_head.local_channel import ChannelClosed, LocalChannel
 from triptych_head.local_queue import PriorityRunner
 from triptych_head.state import REJECTED, RequestState
-from triptych_head.timeline import server_timing
+from triptych_head.timeline import DEVICE_SECONDS, server_timing
 
 ProgressCallback = Callable[[int, int, bytes], None]  # (step, total steps, a preview PNG or b"")
 
@@ -215,10 +216,14 @@ class LocalBackend:
                 event = RequestEvent(request_id, RUNNING, step, total, preview=preview, role=Role.DENOISER.value)
                 loop.call_soon_threadsafe(on_event, event)
 
+        ran = [0.0]  # seconds the pipeline ran it (on its one device): its device-seconds
+
         def run() -> np.ndarray:
+            began = time.perf_counter()
             try:
                 return self._pipeline.generate(params, progress, preview_every if on_event else 0)
             finally:
+                ran[0] = time.perf_counter() - began
                 self._cancelled.discard(request_id)
                 if self._after_request is not None:
                     self._after_request()
@@ -239,7 +244,8 @@ class LocalBackend:
             log.exception("request %s failed", request_id)
             raise GenerationFailed(f"{type(exc).__name__}: {exc}") from None
         total = loop.time() - started
-        return GenerationOutput(pixels=pixels, timings={"total": total}, server_timing=server_timing({}, total))
+        timings = {"total": total, DEVICE_SECONDS: ran[0]}
+        return GenerationOutput(pixels=pixels, timings=timings, server_timing=server_timing({}, total))
 
     async def cancel(self, request_id: str) -> None:
         self._cancelled.add(request_id)

@@ -131,6 +131,7 @@ class RequestRecord:
     created: float = field(default_factory=time.monotonic)
     hop_started: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
+    device_seconds: float = 0.0  # its stages' time times their instances' devices, hop by hop (transfers.py)
     timeline: Timeline = field(default_factory=Timeline)  # its parts, for Server-Timing and its trace
     trace: Any = None  # its root span when the head traces requests (triptych.tracing)
     traceparent: str = ""  # that span's W3C traceparent, carried to the workers in Work and TransferReady

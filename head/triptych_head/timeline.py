@@ -17,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SERVER_TIMING = "Server-Timing"  # the header's name
+# A finished request's timings entry: its stages' seconds times the devices they ran on, every hop that
+# ran for it counted (one run again after a worker failed too): what API keys' device-second quotas count.
+DEVICE_SECONDS = "device_seconds"
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from triptych.protocol import (
 from triptych_head import migration, preemption
 from triptych_head.instances import StandingSlot, WorkerInstance
 from triptych_head.state import ROLE_STATES, RequestRecord, RequestState, StagedPayload
-from triptych_head.timeline import server_timing
+from triptych_head.timeline import DEVICE_SECONDS, server_timing
 
 if TYPE_CHECKING:
     from triptych_head.core import HeadCore
@@ -46,6 +46,7 @@ def on_staged(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
     if rec.state is not running or rec.instance != inst.url:
         core.membership.send(inst.url, CancelWork(rec.wire_id, inst.url, core.head_id))
         return
+    _count_devices(rec, inst, msg.seconds, msg.batch_size)
     if msg.continues_at is not None:  # stopped at a step boundary: another denoiser runs the rest
         migration.on_continuation(core, rec, inst, msg)
         return
@@ -158,6 +159,8 @@ def on_result(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Res
     if not rec.last_hop or rec.state is not ROLE_STATES[rec.role][1] or rec.instance != inst.url:
         return
     stage = _time_stage(core, rec, msg.seconds, msg.batch_size)
+    _count_devices(rec, inst, msg.seconds, msg.batch_size)
+    rec.timings[DEVICE_SECONDS] = rec.device_seconds
     if core.batch_metrics is not None:
         core.batch_metrics.observe_ran(inst.role.value, msg.batch_size, msg.batch_leader)
     total = rec.timings["total"] = core.clock() - rec.created
@@ -215,6 +218,12 @@ def _record_transfer(
     rec.timings[f"handoff_{src}_{dest}"] = handoff
     rec.timeline.add(f"transfer-{src}-{dest}", rec.hop_started, ended)  # from the receiver's dispatch
     return dest
+
+
+def _count_devices(rec: RequestRecord, inst: WorkerInstance, worker_seconds: float, batch_size: int) -> None:
+    """Add the hop's device-seconds to the request's: its share of the stage's time (a B-th of a batch's),
+    on each of the instance's devices. A hop stopped at a step boundary counts what it ran."""
+    rec.device_seconds += worker_seconds / max(batch_size, 1) * inst.devices
 
 
 def _time_stage(

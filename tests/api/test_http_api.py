@@ -37,6 +37,7 @@ class ScriptedBackend:
         self.step_delay = 0.0
         self.cancelled: list[str] = []
         self.priorities: list[int] = []  # each call's priority level, as the DiffusionServer would get it
+        self.device_seconds = 0.0  # what each request reports it used (timeline.DEVICE_SECONDS)
 
     async def start(self) -> None:
         pass
@@ -60,7 +61,7 @@ class ScriptedBackend:
         y = np.arange(params.height, dtype=np.uint8)[:, None, None]
         frame = np.broadcast_to(y, (params.height, params.width, 3))
         pixels = np.broadcast_to(frame, (params.num_outputs, params.num_frames, *frame.shape)).copy()
-        return GenerationOutput(pixels=pixels)
+        return GenerationOutput(pixels=pixels, timings={"device_seconds": self.device_seconds})
 
 
 def validate(params: GenerationParams) -> None:

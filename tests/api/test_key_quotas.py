@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from triptych_head.api.auth import APIKeys, parse_entries
 from triptych_head.api.errors import APIError
 from triptych_head.api.key_limits import KeyLimit, KeyLimits
-from triptych_head.api.key_quotas import FOLDER, PERIODS, SWEEP_S, QuotaExceeded, QuotaLedger
+from triptych_head.api.key_quotas import DEVICE_TIME, FOLDER, PERIODS, SWEEP_S, QuotaExceeded, QuotaLedger
 from triptych_head.objects import DirectoryObjects, StoredObject
 
 DAY = (("day", 3),)
@@ -260,3 +260,64 @@ def test_a_rewrite_with_the_same_size_and_second_is_still_read(tmp_path: Path) -
     a.sync({"day"})
     b.sync({"day"})
     assert b.used(PERIODS["day"], "k") == 2
+
+
+def test_a_keys_file_line_may_give_its_key_quotas_of_device_seconds(tmp_path: Path) -> None:
+    (gpu,) = parse_entries("sk-gpu max_device_seconds_per_month=360000 max_device_seconds_per_hour=600\n")
+    assert gpu.limit is not None and dict(gpu.limit.device_quotas) == {"month": 360000, "hour": 600}
+    assert gpu.limit.quotas == ()
+    with pytest.raises(ValueError, match=r"max_device_seconds_per_day='1.5' must be a whole number >= 1"):
+        parse_entries("sk-gpu max_device_seconds_per_day=1.5\n")
+    (tmp_path / "keys").write_text("sk-gpu max_device_seconds_per_day=60 max_per_hour=9\n")
+    keys = APIKeys(tmp_path / "keys")
+    assert (keys.device_quota_periods(), keys.quota_periods()) == ({"day"}, {"hour"})
+
+
+def test_heads_count_a_key_s_device_seconds_together_and_refuse_once_it_has_used_them(tmp_path: Path) -> None:
+    clock = Clock(at("2026-12-05T22:00:00"))
+    a, b = (QuotaLedger(DirectoryObjects(tmp_path), h, CollectorRegistry(), clock, DEVICE_TIME) for h in "ab")
+    quota = (("day", 60),)
+    a.add("k", ["day"], 45_000)  # 45 device-seconds, in milliseconds
+    a.sync({"day"})
+    b.sync({"day"})
+    b.check("k", quota)  # 45 of 60
+    b.add("k", ["day"], 15_500)  # the request that crosses the quota ran to its end
+    with pytest.raises(QuotaExceeded, match=r"used its 60 device-seconds this day .*max_device_seconds_per_day=60"):
+        b.check("k", quota)
+    assert b.usage(PERIODS["day"], "k", 60)["used"] == 60.5
+    b.sync({"day"})
+    a.sync({"day"})
+    with pytest.raises(QuotaExceeded):
+        a.check("k", quota)
+    assert json.loads((tmp_path / DEVICE_TIME.folder / "day-2026-12-05.b.json").read_bytes()) == {"k": 15_500}
+    assert not (tmp_path / FOLDER).exists()  # the requests' ledger is apart: nothing counted there
+
+
+def test_a_key_s_finished_requests_use_its_device_seconds_and_the_next_one_gets_a_429(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from tests.api.test_http_api import ScriptedBackend
+    from triptych.families import ModelInfo
+    from triptych_head.api.app import create_app
+    from triptych_head.api.context import HeadContext
+    from triptych_head.backend import GenerationFailed
+
+    (tmp_path / "keys").write_text("sk-gpu max_device_seconds_per_day=2\nsk-other max_device_seconds_per_day=2\n")
+    model = ModelInfo("tiny", "WanPipeline", "video", 4, 3.5)
+    backend = ScriptedBackend()
+    ctx = HeadContext(backend, model, tmp_path, CollectorRegistry(), api_keys=APIKeys(tmp_path / "keys"))
+    image = {"prompt": "x", "size": "32x32", "num_inference_steps": 1}
+    gpu, other = ({"Authorization": f"Bearer {key}"} for key in ("sk-gpu", "sk-other"))
+    with TestClient(create_app(ctx)) as client:
+        backend.device_seconds = 1.5
+        for _ in range(2):  # 1.5, then 3.0 of 2: the second crosses the quota and still finishes
+            assert client.post("/v1/images/generations", json=image, headers=gpu).status_code == 200
+        refused = client.post("/v1/images/generations", json=image, headers=gpu)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "key_quota_exceeded"
+        assert "max_device_seconds_per_day=2" in refused.json()["error"]["message"]
+        assert 0 < int(refused.headers["Retry-After"]) <= 86400
+        (day,) = client.get("/v1/usage", headers=gpu).json()["device_seconds"]
+        assert (day["period"], day["limit"], day["used"]) == ("day", 2, 3.0)
+        backend.fail = GenerationFailed("boom", 500)  # a failed request uses none of the key's
+        assert client.post("/v1/images/generations", json=image, headers=other).status_code == 500
+        assert client.get("/v1/usage", headers=other).json()["device_seconds"][0]["used"] == 0

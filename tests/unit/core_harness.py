@@ -121,6 +121,7 @@ class SimWorker:
     # step; otherwise a stage ends as soon as it starts.
     hold: bool = False
     max_batch: int = 1  # its --batching-max-size, which it heartbeats
+    devices: int = 1  # its --num-gpus, which it heartbeats
 
     def held(self) -> set[str]:
         """Requests holding one of its scheduling slots (computing, outputs staged, a slot reserved)."""
@@ -132,7 +133,7 @@ class SimWorker:
         return Heartbeat(
             self.url, self.role.value, self.session, POOL_BYTES, POOL_BYTES, self.capacity, "m",
             head_id=head_id, others_busy=others, held=len(self.held()), model_fingerprint=self.fingerprint,
-            max_batch=self.max_batch,
+            max_batch=self.max_batch, devices=self.devices,
         )  # fmt: skip
 
     def start(self, rid: str) -> None:

@@ -33,7 +33,7 @@ from triptych.protocol import (
 )
 from triptych.roles import Role
 from triptych_head.state import RequestState
-from triptych_head.timeline import parse_server_timing
+from triptych_head.timeline import DEVICE_SECONDS, parse_server_timing
 
 THREE_ROLES = {Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1}
 
@@ -386,6 +386,20 @@ def test_server_timing_names_each_queue_stage_and_transfer_and_its_parts_fit_in_
     assert parts["transfer-encoder-denoiser"] == pytest.approx(400.0)  # alloc and push, each way
     assert all(ms >= 0 for ms in parts.values())
     assert sum(ms for name, ms in parts.items() if name != "total") <= parts["total"]
+
+
+def test_a_result_s_device_seconds_are_each_stage_s_share_times_its_instance_s_devices() -> None:
+    """What API keys' device-second quotas count (timeline.DEVICE_SECONDS): every stage reports 10 ms
+    here; the denoiser runs on 4 devices."""
+    h = Harness(THREE_ROLES)
+    next(w for w in h.workers.values() if w.role is Role.DENOISER).devices = 4
+    h.tick()  # its heartbeat says so
+    h.submit("r")
+    while h.pending:
+        h.deliver()
+        h.answer()
+    (result,) = h.endings()["r"]
+    assert result.timings[DEVICE_SECONDS] == pytest.approx(0.01 + 0.04 + 0.01)
 
 
 def test_server_timing_parts_fit_in_the_total_when_sending_takes_time() -> None:

@@ -36,6 +36,7 @@ def state(worker: Worker, endpoint: str = "", head_id: str = "") -> Heartbeat:
         draining=worker.draining,
         head_id=head_id,
         max_batch=worker.args.batching_max_size,
+        devices=worker.args.num_gpus,
         full_pipeline=worker.full_pipeline,
         encoder_cache=_encoder_cache(worker),
         step_cache=_step_cache(worker),

@@ -103,10 +103,9 @@ async def _sync_quotas_once(ctx: HeadContext, stopping: bool = False) -> None:
     limits, keys = ctx.key_limits, ctx.api_keys
     if keys is None:
         return  # an open API counts no key
-    ledger = limits.quotas
-    periods = keys.quota_periods()
-    if ledger is not None and (periods or ledger.pending()):
-        await asyncio.to_thread(ledger.sync, periods)
+    for ledger, periods in ((limits.quotas, keys.quota_periods()), (limits.device_quotas, keys.device_quota_periods())):
+        if ledger is not None and (periods or ledger.pending()):
+            await asyncio.to_thread(ledger.sync, periods)
     rates = keys.rates()
     counts = limits.counts(rates)
     if limits.live is not None and (keys.shared_limits() or counts.any()):

@@ -7,12 +7,13 @@ line, blank lines and `#` comments ignored. A key may be followed, after whitesp
 did before priorities existed. `max_in_flight=N`: at most N of its generation requests at once on
 this head; `max_per_minute=N`: at most N admitted per minute on this head, in bursts of up to N
 (key_limits.py); `max_per_hour=N`, `max_per_day=N`, `max_per_month=N`: at most N admitted in the UTC
-hour, day or month by all the pipeline's heads together (key_quotas.py); a key without them is not
-limited. The file is re-read when it changes
-(checked at most once a second, on a request), so rotating keys is editing the file or the Secret:
-add the new key, move clients over, remove the old one; no restart. A file that cannot be read or
-parsed any more keeps the keys last read (a failed re-read must not open the API); one that lists
-no key locks everyone out.
+hour, day or month by all the pipeline's heads together (key_quotas.py);
+`max_device_seconds_per_hour=N` (day, month): the same for the device-seconds its finished requests
+used (their stages' seconds times the devices they ran on); a key without them is not limited. The
+file is re-read when it changes (checked at most once a second, on a request), so rotating keys is
+editing the file or the Secret: add the new key, move clients over, remove the old one; no
+restart. A file that cannot be read or parsed any more keeps the keys last read (a failed re-read
+must not open the API); one that lists no key locks everyone out.
 
     sk-batch-tenant                      # normal at most
     sk-interactive  max_priority=high    # may ask for high
@@ -20,6 +21,7 @@ no key locks everyone out.
     sk-small-tenant max_in_flight=4      # 4 generation requests at once, the 5th gets 429
     sk-trial max_per_minute=10           # 10 a minute (a burst of 10, then one every 6 s)
     sk-metered max_per_day=1000          # 1000 a UTC day, counted by every head
+    sk-gpu-budget max_device_seconds_per_month=360000   # 100 device-hours a month, by every head
 
 A presented key is compared with every configured key with hmac.compare_digest, all of them each
 time, so neither which key matched nor how much of one did shows in the timing.
@@ -47,6 +49,7 @@ from triptych import priority
 from triptych_head.api.errors import error_body, send_json
 from triptych_head.api.key_limits import KEY_LIMIT, RATE_OPTION, KeyLimit
 from triptych_head.api.key_limits import OPTION as IN_FLIGHT_OPTION
+from triptych_head.api.key_quotas import DEVICE_OPTIONS
 from triptych_head.api.key_quotas import OPTIONS as QUOTA_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,7 @@ RECHECK_S = 1.0
 
 
 MAX_PRIORITY = "max_priority"
+COUNTED = (IN_FLIGHT_OPTION, RATE_OPTION, *QUOTA_OPTIONS, *DEVICE_OPTIONS)  # the options that take a count N
 DEFAULT_CEILING = priority.NORMAL  # a key that names no ceiling: what every request was before priorities
 
 
@@ -85,9 +89,10 @@ def parse_entries(text: str) -> list[APIKey]:
         if key:
             in_flight, per_minute = options.get(IN_FLIGHT_OPTION), options.get(RATE_OPTION)
             quotas = tuple((period.name, int(options[o])) for o, period in QUOTA_OPTIONS.items() if o in options)
+            device = tuple((period.name, int(options[o])) for o, period in DEVICE_OPTIONS.items() if o in options)
             limit = None
-            if in_flight is not None or per_minute is not None or quotas:
-                limit = KeyLimit(_key_id(key), _count(in_flight), _count(per_minute), quotas)
+            if in_flight is not None or per_minute is not None or quotas or device:
+                limit = KeyLimit(_key_id(key), _count(in_flight), _count(per_minute), quotas, device)
             keys.append(APIKey(key, options.get(MAX_PRIORITY, DEFAULT_CEILING), limit))
     return keys
 
@@ -96,11 +101,11 @@ def _checked_option(number: int, name: str, value: str) -> str:
     if name == MAX_PRIORITY:
         if value not in priority.LEVELS:
             raise ValueError(f"line {number}: {MAX_PRIORITY}={value!r} is not one of {', '.join(priority.LEVELS)}")
-    elif name in (IN_FLIGHT_OPTION, RATE_OPTION, *QUOTA_OPTIONS):
+    elif name in COUNTED:
         if not (value.isascii() and value.isdigit()) or int(value) < 1:
             raise ValueError(f"line {number}: {name}={value!r} must be a whole number >= 1")
     else:
-        counts = ", ".join(f"{option}=N" for option in (IN_FLIGHT_OPTION, RATE_OPTION, *QUOTA_OPTIONS))
+        counts = ", ".join(f"{option}=N" for option in COUNTED)
         raise ValueError(f"line {number}: unknown option {name!r} (the options are {MAX_PRIORITY}=LEVEL, {counts})")
     return value
 
@@ -162,9 +167,14 @@ class APIKeys:
                 log.warning("--api-keys-file %s lists no key: every API request is refused", self.path)
 
     def quota_periods(self) -> frozenset[str]:
-        """The periods (hour, day, month) some key's quotas count in: those the heads keep in sync."""
+        """The periods (hour, day, month) some key's quotas of requests count in: those the heads keep in sync."""
         self._refresh()
         return frozenset(name for _, entry in self._keys if entry.limit for name, _ in entry.limit.quotas)
+
+    def device_quota_periods(self) -> frozenset[str]:
+        """The periods some key's quotas of device-seconds count in."""
+        self._refresh()
+        return frozenset(name for _, entry in self._keys if entry.limit for name, _ in entry.limit.device_quotas)
 
     def rates(self) -> dict[str, int]:
         """Key id -> max_per_minute, of the keys limited per minute."""

@@ -27,7 +27,7 @@ from triptych_head.api.deadlines import FIELD as DEADLINE_FIELD
 from triptych_head.api.deadlines import Deadline, requested_deadline
 from triptych_head.api.errors import APIError
 from triptych_head.api.key_limits import KeyLimit, KeyLimits
-from triptych_head.api.key_quotas import QuotaLedger
+from triptych_head.api.key_quotas import DEVICE_TIME, QuotaLedger
 from triptych_head.api.key_sharing import LiveCounts
 from triptych_head.api.priorities import requested_priority
 from triptych_head.api.reference import Reference
@@ -39,6 +39,7 @@ from triptych_head.media import MediaPool
 from triptych_head.objects import DirectoryObjects, ObjectStore
 from triptych_head.results import ResultStore, Retention
 from triptych_head.state import RequestState
+from triptych_head.timeline import DEVICE_SECONDS
 
 Validator = Callable[[GenerationParams], None]
 GENERATION_FIELDS = frozenset(GenerationParams.__struct_fields__)
@@ -91,8 +92,9 @@ class HeadContext:
         self.idempotency = Idempotency(objects, self.head_id)
         # A key's limits are the pipeline's: every head's counts meet in the store the heads share.
         quotas = QuotaLedger(objects, self.head_id, self.registry)
+        device = QuotaLedger(objects, self.head_id, self.registry, meter=DEVICE_TIME, errors=quotas.sync_errors)
         live = LiveCounts(objects, self.head_id, quotas.sync_errors)
-        self.key_limits = KeyLimits(self.registry, quotas=quotas, live=live)
+        self.key_limits = KeyLimits(self.registry, quotas=quotas, live=live, device_quotas=device)
         self.idempotent_replays = Counter(
             "triptych_idempotent_replays",
             "Requests answered with an earlier run's result of their Idempotency-Key",
@@ -260,9 +262,11 @@ class HeadContext:
         if request_id not in self.active:
             self.admit(request_id, params)
         try:
-            return await self.backend.generate(
+            output = await self.backend.generate(
                 request_id, params, on_event, preview_every=preview_every, priority=priority
             )
+            self.key_limits.charge(request_id, output.timings.get(DEVICE_SECONDS, 0.0))
+            return output
         except GenerationFailed as exc:
             if self.drain_expired and exc.state == RequestState.CANCELLED:  # the shutdown cancelled it, not the client
                 raise APIError(

@@ -13,6 +13,9 @@ A key of --api-keys-file may carry (auth.py):
 - `max_per_hour=N`, `max_per_day=N`, `max_per_month=N`: at most N admitted in the UTC hour, day or
   calendar month, counted by every head together in the shared result store (key_quotas.py). One
   more gets 429 `key_quota_exceeded` with the seconds until the period ends as Retry-After.
+- `max_device_seconds_per_hour=N` (day, month): the same for the device-seconds the key's finished
+  requests used (`charge`, as each ends), so the request that crosses the quota finishes and the
+  next one gets the 429.
 
 Either way the refusal comes before any worker sees the request, so one tenant's burst queues at
 its own door instead of in front of every other tenant's requests. A key without the options, and
@@ -52,6 +55,7 @@ class KeyLimit:
     max_in_flight: int | None = None
     max_per_minute: int | None = None
     quotas: tuple[tuple[str, int], ...] = ()  # (period name, N): max_per_hour=N, ... (key_quotas.py)
+    device_quotas: tuple[tuple[str, int], ...] = ()  # (period name, N): max_device_seconds_per_hour=N, ...
 
 
 def key_limit(request: Request) -> KeyLimit | None:
@@ -69,8 +73,11 @@ class KeyLimits:
         clock: Callable[[], float] = time.monotonic,
         quotas: QuotaLedger | None = None,
         live: LiveCounts | None = None,
+        device_quotas: QuotaLedger | None = None,
     ) -> None:
         self.quotas = quotas  # where the quotas are counted; None: a key's quotas are not applied (tests of the rest)
+        self.device_quotas = device_quotas  # where device-seconds are counted (the DEVICE_TIME meter)
+        self._metered: dict[str, tuple[str, tuple[str, ...]]] = {}  # request id -> (key id, device quota periods)
         self.live = live  # how the heads share the rest; None: this head's own counts alone (tests of the rest)
         self._in_flight: dict[str, int] = {}  # key id -> its requests counted now (this head's)
         self._peers = PeerCounts()  # the other heads' requests in flight, as last heard
@@ -106,17 +113,29 @@ class KeyLimits:
                 retry_after_s,
             )
         ledger = self.quotas if limit.quotas else None
-        if ledger is not None:
-            try:
+        device = self.device_quotas if limit.device_quotas else None
+        try:
+            if ledger is not None:
                 ledger.check(limit.key_id, limit.quotas)
-            except QuotaExceeded as exc:
-                raise _refusal(str(exc), "key_quota_exceeded", exc.retry_after_s) from None
+            if device is not None:
+                device.check(limit.key_id, limit.device_quotas)
+        except QuotaExceeded as exc:
+            raise _refusal(str(exc), "key_quota_exceeded", exc.retry_after_s) from None
         if limit.max_per_minute is not None:
             self._take_token(request_id, limit.key_id, limit.max_per_minute)
         if ledger is not None:
             ledger.take(request_id, limit.key_id, limit.quotas)
         self._in_flight[limit.key_id] = own + 1
         self._owner[request_id] = limit.key_id
+        if device is not None:
+            self._metered[request_id] = (limit.key_id, tuple(name for name, _ in limit.device_quotas))
+
+    def charge(self, request_id: str, device_seconds: float) -> None:
+        """`request_id` finished having used `device_seconds`: its key's device-second quotas count them."""
+        metered = self._metered.get(request_id)
+        if metered is not None and self.device_quotas is not None:
+            key_id, periods = metered
+            self.device_quotas.add(key_id, periods, round(device_seconds * self.device_quotas.meter.scale))
 
     def admitted(self, request_id: str) -> None:
         """The head admitted `request_id` further: its token and its quotas' counts are spent for good."""
@@ -135,6 +154,7 @@ class KeyLimits:
             self._tokens[key_id] = (tokens + 1, at)  # refused after the key's check: not the key's doing
         if self.quotas is not None:
             self.quotas.give_back(request_id)  # likewise its quotas' counts (nothing once admitted)
+        self._metered.pop(request_id, None)
         key_id = self._owner.pop(request_id, None)
         if key_id is None:
             return
@@ -188,6 +208,9 @@ class KeyLimits:
             out["per_minute"] = {"limit": limit.max_per_minute, "remaining": max(0, int(tokens))}
         if limit.quotas and self.quotas is not None:
             out["quotas"] = [self.quotas.usage(PERIODS[name], limit.key_id, quota) for name, quota in limit.quotas]
+        if limit.device_quotas and self.device_quotas is not None:
+            device = self.device_quotas
+            out["device_seconds"] = [device.usage(PERIODS[n], limit.key_id, quota) for n, quota in limit.device_quotas]
         return out
 
     def _refilled(self, key_id: str, per_minute: int, now: float) -> float:

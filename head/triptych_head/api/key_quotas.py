@@ -4,6 +4,11 @@ A key of --api-keys-file may carry `max_per_hour=N`, `max_per_day=N` and `max_pe
 (auth.py): at most N of its generation requests admitted in the current UTC hour, day or calendar
 month by all of the pipeline's heads together, restarts included. One more gets 429
 `key_quota_exceeded`, naming the option, with Retry-After: the seconds until the period ends.
+`max_device_seconds_per_hour=N` (day, month) do the same for the device-seconds its finished
+requests used (their stages' seconds times the devices they ran on, timeline.DEVICE_SECONDS): a
+second ledger of the same kind (`Meter` DEVICE_TIME, counting milliseconds under device-quotas/),
+charged as each request finishes, so the request that crosses a quota runs to its end and the next
+one is refused.
 
 The counts live in the result store the heads share (objects.py: a ReadWriteMany folder or an S3
 bucket), one object per head and period:
@@ -57,10 +62,6 @@ class Period:
 
     name: str
 
-    @property
-    def option(self) -> str:
-        return f"max_per_{self.name}"
-
     def bounds(self, now: float) -> tuple[str, float]:
         """The id of the period `now` (seconds since the epoch) falls in, and when that period ends."""
         at = datetime.fromtimestamp(now, UTC)
@@ -76,23 +77,45 @@ class Period:
 
 
 PERIODS = {p.name: p for p in (Period("hour"), Period("day"), Period("month"))}
-OPTIONS = {p.option: p for p in PERIODS.values()}  # max_per_hour -> the hour, ...
+
+
+@dataclass(frozen=True)
+class Meter:
+    """What a ledger counts, in whole units: a quota of N is N x `scale` of them."""
+
+    noun: str  # as a refusal names the quota: "its 1000 requests this day"
+    folder: str  # where the heads' counts live in the shared store
+    option_prefix: str  # the --api-keys-file options: <prefix><period>=N
+    scale: int  # units counted per unit of a quota
+    metric: str  # the refusals' counter
+
+    def options(self) -> dict[str, Period]:
+        return {f"{self.option_prefix}{p.name}": p for p in PERIODS.values()}
+
+
+REQUESTS = Meter("requests", FOLDER, "max_per_", 1, "triptych_rejected_key_quota_requests")
+DEVICE_TIME = Meter("device-seconds", "device-quotas", "max_device_seconds_per_", 1000,
+                    "triptych_rejected_key_device_quota_requests")  # fmt: skip
+OPTIONS = REQUESTS.options()  # max_per_hour -> the hour, ...
+DEVICE_OPTIONS = DEVICE_TIME.options()  # max_device_seconds_per_hour -> the hour, ...
 
 
 class QuotaExceeded(Exception):
     """A key has used its quota of a period; `retry_after_s`: until the period ends."""
 
-    def __init__(self, period: Period, quota: int, retry_after_s: int) -> None:
+    def __init__(self, period: Period, quota: int, retry_after_s: int, meter: Meter = REQUESTS) -> None:
+        option = f"{meter.option_prefix}{period.name}"
         super().__init__(
-            f"has used its {quota} requests this {period.name} (UTC; {period.option}={quota} in --api-keys-file, "
+            f"has used its {quota} {meter.noun} this {period.name} (UTC; {option}={quota} in --api-keys-file, "
             f"counted by every head); retry in {retry_after_s} s, when the {period.name} ends"
         )
         self.retry_after_s = retry_after_s
 
 
 class QuotaLedger:
-    """This head's admissions per key and period, and the other heads' as last read from the store.
-    check/take/spent/give_back run on the API's event loop; sync (store I/O) in a thread."""
+    """This head's counts per key and period (admissions, or device-milliseconds: `meter`), and the other
+    heads' as last read from the store. check/take/add/spent/give_back run on the API's event loop; sync
+    (store I/O) in a thread. `errors`: the store failures' counter, when another ledger made it."""
 
     def __init__(
         self,
@@ -100,7 +123,10 @@ class QuotaLedger:
         head_id: str,
         registry: CollectorRegistry,
         clock: Callable[[], float] = time.time,
+        meter: Meter = REQUESTS,
+        errors: Counter | None = None,
     ) -> None:
+        self.meter = meter
         self._objects = objects
         self._head_id = head_id
         self._clock = clock
@@ -113,20 +139,22 @@ class QuotaLedger:
         self._taken: dict[str, list[tuple[str, str]]] = {}  # request id -> the (period id, key id) it counts in
         self._swept = 0.0
         self.rejected = Counter(
-            "triptych_rejected_key_quota_requests",
-            "Requests refused with 429 because their API key had used its quota of an hour, day or month",
+            meter.metric,
+            f"Requests refused with 429 because their API key had used its quota of {meter.noun} of an hour, day "
+            "or month",
             ["period"],
             registry=registry,
         )
-        self.sync_errors = Counter(
+        self.sync_errors = errors or Counter(
             "triptych_key_quota_sync_errors",
             "Times a head could not share its API keys' counts (quotas, in flight, per minute) through the store",
             registry=registry,
         )
-        self._health = SyncHealth(self.sync_errors, "key quotas", "sync the counts")
+        self._health = SyncHealth(self.sync_errors, f"key quotas of {meter.noun}", "sync the counts")
 
     def used(self, period: Period, key_id: str) -> int:
-        """The key's admissions in the current `period`: this head's and the others' as last read."""
+        """The key's count in the current `period` (in the meter's units): this head's and the others' as
+        last read."""
         period_id, _ = period.bounds(self._clock())
         return self._own.get(period_id, {}).get(key_id, 0) + self._others.get(period_id, {}).get(key_id, 0)
 
@@ -134,10 +162,11 @@ class QuotaLedger:
         """One quota as GET /v1/usage shows it: the period, its limit, what the key used and when it ends."""
         now = self._clock()
         _, ends = period.bounds(now)
+        used = self.used(period, key_id)
         return {
             "period": period.name,
             "limit": quota,
-            "used": self.used(period, key_id),
+            "used": used if self.meter.scale == 1 else round(used / self.meter.scale, 3),
             "resets_at": int(ends),
             "resets_in_seconds": max(0, math.ceil(ends - now)),
         }
@@ -147,10 +176,10 @@ class QuotaLedger:
         now = self._clock()
         for name, quota in quotas:
             period = PERIODS[name]
-            if self.used(period, key_id) >= quota:
+            if self.used(period, key_id) >= quota * self.meter.scale:
                 self.rejected.labels(name).inc()
                 _, ends = period.bounds(now)
-                raise QuotaExceeded(period, quota, max(1, math.ceil(ends - now)))
+                raise QuotaExceeded(period, quota, max(1, math.ceil(ends - now)), self.meter)
 
     def take(self, request_id: str, key_id: str, quotas: Collection[tuple[str, int]]) -> None:
         """Count `request_id` in each of its key's periods (after every check passed)."""
@@ -164,6 +193,19 @@ class QuotaLedger:
                 self._dirty.add(period_id)
                 counted.append((period_id, key_id))
         self._taken[request_id] = counted
+
+    def add(self, key_id: str, period_names: Collection[str], units: int) -> None:
+        """Count `units` more for the key in the current period of each of `period_names` (device time, as a
+        request finishes: it is not given back)."""
+        if units <= 0:
+            return
+        now = self._clock()
+        with self._lock:
+            for name in period_names:
+                period_id, _ = PERIODS[name].bounds(now)
+                counts = self._own.setdefault(period_id, {})
+                counts[key_id] = counts.get(key_id, 0) + units
+                self._dirty.add(period_id)
 
     def spent(self, request_id: str) -> None:
         """The request was admitted: its counts stay."""
@@ -195,7 +237,7 @@ class QuotaLedger:
         try:
             self._publish(current)
             self._others = {period_id: self._read_others(period_id) for period_id in current}
-            self._read = {name: read for name, read in self._read.items() if _period_of(name) in current}
+            self._read = {name: read for name, read in self._read.items() if self._period_of(name) in current}
             if now - self._swept >= SWEEP_S:
                 self._sweep({period.bounds(now)[0] for period in PERIODS.values()})
                 self._swept = now
@@ -222,7 +264,7 @@ class QuotaLedger:
     def _read_others(self, period_id: str) -> dict[str, int]:
         total: dict[str, int] = {}
         mine = self._name(period_id, self._head_id)
-        for obj in self._objects.list(f"{FOLDER}/{period_id}."):
+        for obj in self._objects.list(f"{self.meter.folder}/{period_id}."):
             if obj.name == mine or not obj.name.endswith(".json"):
                 continue
             cached = self._read.get(obj.name)
@@ -237,19 +279,17 @@ class QuotaLedger:
         return total
 
     def _sweep(self, current: set[str]) -> None:
-        for obj in list(self._objects.list(f"{FOLDER}/")):
-            if _period_of(obj.name) not in current:
+        for obj in list(self._objects.list(f"{self.meter.folder}/")):
+            if self._period_of(obj.name) not in current:
                 self._objects.delete(obj.name)
                 self._read.pop(obj.name, None)
 
-    @staticmethod
-    def _name(period_id: str, head_id: str) -> str:
-        return f"{FOLDER}/{period_id}.{head_id}.json"
+    def _name(self, period_id: str, head_id: str) -> str:
+        return f"{self.meter.folder}/{period_id}.{head_id}.json"
 
-
-def _period_of(name: str) -> str:
-    """The period id of a counts object's name (quotas/<period>.<head id>.json)."""
-    return name.removeprefix(f"{FOLDER}/").split(".", 1)[0]
+    def _period_of(self, name: str) -> str:
+        """The period id of a counts object's name (quotas/<period>.<head id>.json)."""
+        return name.removeprefix(f"{self.meter.folder}/").split(".", 1)[0]
 
 
 def _counts(name: str, data: bytes) -> dict[str, int]:
