@@ -75,8 +75,8 @@ def http_video(client, request: dict = VIDEO) -> np.ndarray:
     return np.stack([np.array(Image.open(io.BytesIO(z.read(n)))) for n in sorted(z.namelist())])
 
 
-def monolithic(model: Path, tmp: Path, fetch, device: str = "cpu"):  # type: ignore[no-untyped-def]
-    with local_monolithic(model, tmp / "mono", flags=("--device", device)) as dep, dep.client(300) as c:
+def monolithic(model: Path, tmp: Path, fetch, device: str = "cpu", flags: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+    with local_monolithic(model, tmp / "mono", flags=("--device", device, *flags)) as dep, dep.client(300) as c:
         return fetch(c)
 
 
@@ -96,6 +96,24 @@ def test_disaggregated_equals_monolithic_equals_stock_diffusers(tiny_models, tmp
     assert disagg.dtype == np.uint8 and disagg.shape == mono.shape
     assert np.array_equal(disagg, mono), "disaggregated pixels differ from monolithic"
     assert np.array_equal(disagg.reshape(reference.shape), reference), "pixels differ from stock diffusers"
+
+
+def test_bfloat16_workers_equal_bfloat16_monolithic_and_stock_diffusers_with_a_float32_decoder_too(
+    tiny_models, tmp_path
+):
+    """`--dtype` through `triptych serve`: every worker and monolithic mode in bfloat16 give the stock bfloat16
+    pipeline's pixels; a float32 decoder under bfloat16 roles (Wan's recipe) gives other pixels, still an image."""
+    model, bf16 = tiny_models["tiny-flux"], ("--dtype", "bfloat16")
+    with deployment(model, tmp_path / "disagg", worker_flags=bf16) as dep, dep.client(timeout=300) as c:
+        disagg = http_image(c)
+        log = dep.workers(Role.DENOISER)[0].log.read_text(errors="replace")
+    assert "in bfloat16" in log  # what the worker says it loaded
+    assert np.array_equal(disagg, monolithic(model, tmp_path, http_image, flags=bf16)), "differ from monolithic"
+    assert np.array_equal(disagg, stock_image(model, dtype="bfloat16")), "differ from stock diffusers in bfloat16"
+    assert not np.array_equal(disagg, stock_image(model)), "bfloat16 made the float32 pixels: proves nothing"
+    mixed = {Role.DECODER: ("--dtype", "float32")}
+    with deployment(model, tmp_path / "mixed", worker_flags=bf16, role_flags=mixed) as dep, dep.client(300) as c:
+        assert http_image(c).shape == disagg.shape
 
 
 def encoder_cache_counts(client, at_least: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
