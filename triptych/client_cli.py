@@ -250,7 +250,7 @@ def _status(client: TriptychClient, console: Console) -> int:
     topology = "  full pipeline" if view.get("topology") == "full_pipeline" else ""
     draining = "  (draining)" if view.get("draining") else ""
     table = Table(title=f"{client.url}  model {view['model']}{topology}{draining}")
-    for column in ("role", "instance", "state", "free slots", "queued", "running", "dispatched"):
+    for column in ("role", "instance", "state", "devices", "free slots", "queued", "running", "dispatched"):
         table.add_column(
             column,
             justify="right" if column in ("queued", "running", "dispatched") else "left",
@@ -260,14 +260,20 @@ def _status(client: TriptychClient, console: Console) -> int:
         instances = info["instances"] or [None]
         for i, inst in enumerate(instances):
             first = i == 0
-            cells = [role if first else "", "-", "none", "-"] if inst is None else [
-                role if first else "", inst["url"], instance_state(inst), f"{inst['free_slots']}/{inst['capacity']}"
+            cells = [role if first else "", "-", "none", "-", "-"] if inst is None else [
+                role if first else "", inst["url"], instance_state(inst), instance_devices(inst),
+                f"{inst['free_slots']}/{inst['capacity']}",
             ]  # fmt: skip
             counts = [str(info["queued"]), str(info["running"])] if first else ["", ""]
             table.add_row(*cells, *counts, "-" if inst is None else str(inst["dispatched"]))
     console.print(table)
     console.print(f"{len(view['requests'])} requests in flight", highlight=False)
     return 0
+
+
+def instance_devices(inst: dict[str, Any]) -> str:
+    """How many devices it runs on and in what dtype ("2 bfloat16"; a simulated worker: its count alone)."""
+    return f"{inst.get('devices', 1)} {inst.get('dtype', '')}".strip()
 
 
 def instance_state(inst: dict[str, Any]) -> str:

@@ -331,7 +331,7 @@ class HeadCore:
         inst.adopt_standing(msg.standing_slots)
         inst.held, inst.peak_held = msg.held, msg.peak_held
         inst.loras = frozenset(msg.loras)
-        inst.devices = msg.devices
+        inst.devices, inst.dtype = msg.devices, msg.dtype
         if inst.role is Role.DENOISER:  # the denoiser's loads are what its work estimate counts; an encoder's are not
             self.workload.observe_lora_load(msg.lora_load_s)
         self._check_topology(inst, msg)

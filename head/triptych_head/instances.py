@@ -41,6 +41,7 @@ class WorkerInstance:
     suspect: bool = False
     max_batch: int = 1  # the most requests it runs as one batch (its --batching-max-size)
     devices: int = 1  # the devices its stages run on (its --num-gpus): what a second of its stages costs
+    dtype: str = ""  # what its model computes in (its --dtype); "" for a simulated worker
     full_pipeline: bool = False  # it runs every stage and returns pixels (--disagg-full-pipeline)
     # It runs the whole pipeline and the head routes through role pools, or the reverse: it never gets work.
     wrong_topology: bool = False

@@ -209,6 +209,8 @@ class Membership:
                     "wrong_topology": i.wrong_topology,
                     "wrong_model": i.wrong_model,
                     "loras": sorted(i.loras),
+                    "devices": i.devices,
+                    "dtype": i.dtype,
                 }
                 for i in by_url.values()
             ]

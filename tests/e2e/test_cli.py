@@ -100,6 +100,7 @@ def test_status_prints_each_role_s_instances_and_free_slots(wan: LocalDeployment
     assert sorted(url for row in rows for url in workers if f" {url} " in row) == sorted(workers), done.stdout
     assert all("ready" in row and "2/2" in row for row in rows), done.stdout
     assert [row.split("│")[1].strip() for row in rows] == ["encoder", "denoiser", "", "decoder"]
+    assert all(row.split("│")[4].strip() == "1 float32" for row in rows), done.stdout  # devices, dtype
 
 
 def test_video_shows_its_progress_and_writes_the_mp4(wan: LocalDeployment, tmp_path: Path):

@@ -273,5 +273,7 @@ def test_a_tensor_parallel_denoiser_applies_its_shards_of_the_adapters_as_stock(
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "loras", bad.text
         out = pixels_of(generate(c, [{"name": "flux-out", "weight": 1.3}, *CASES["one"]]))
         assert not np.array_equal(out, expected["one"])  # flux-out changed them: it was applied
+        (denoiser,) = c.get("/health").json()["workers"]["denoiser"]
+        assert denoiser["devices"] == 2  # a second of its stages is two devices' (device-second quotas)
         log = (dep.workdir / "denoiser-0.log").read_text(errors="replace")
     assert "parameter bytes per rank" in log

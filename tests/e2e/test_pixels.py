@@ -114,6 +114,9 @@ def test_bfloat16_workers_equal_bfloat16_monolithic_and_stock_diffusers_with_a_f
     mixed = {Role.DECODER: ("--dtype", "float32")}
     with deployment(model, tmp_path / "mixed", worker_flags=bf16, role_flags=mixed) as dep, dep.client(300) as c:
         assert http_image(c).shape == disagg.shape
+        workers = c.get("/health").json()["workers"]  # what each says it computes in
+    dtypes = {role: [(i["devices"], i["dtype"]) for i in instances] for role, instances in workers.items()}
+    assert dtypes == {"encoder": [(1, "bfloat16")], "denoiser": [(1, "bfloat16")], "decoder": [(1, "float32")]}
 
 
 def encoder_cache_counts(client, at_least: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]

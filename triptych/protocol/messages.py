@@ -243,6 +243,7 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     lora_load_s: Seconds = 0.0  # the mean seconds its adapter loads took (0: none yet); the head's estimate
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 1  # its --batching-max-size: the largest group it runs at once
     devices: Annotated[int, msgspec.Meta(ge=1)] = 1  # its --num-gpus: a request's device-seconds are stage x this
+    dtype: str = ""  # what its model computes in (--dtype resolved); "" for a simulated worker
     # Its standing receive slots, (address, bytes) each: the head assigns the ones it does not know yet
     # (reserved at the worker's start-up) without a transfer_alloc.
     standing_slots: tuple[tuple[Count, Count], ...] = ()
