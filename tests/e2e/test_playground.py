@@ -149,6 +149,8 @@ def test_an_image_generated_in_the_page_is_the_api_s_image(browser, flux: LocalD
     page.wait_for_function("document.querySelectorAll('.role .instance').length === 4")
     assert instance_counts(page) == {"encoder": 1, "denoiser": 2, "decoder": 1}
     assert page.eval_on_selector_all(".instance", "rows => rows.map(r => r.dataset.state)") == ["ready"] * 4
+    urls = page.eval_on_selector_all(".instance .url", "spans => spans.map(s => s.textContent)")
+    assert all(text.endswith(" · ready · 1 float32") for text in urls), urls  # its devices and dtype
     image = screenshot(page, "playground-image.png")
     assert image.width == DESKTOP["width"] and image.height >= 600
 

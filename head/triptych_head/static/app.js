@@ -394,7 +394,9 @@ function renderPipeline(view) {
         row.dataset.state = instanceState(inst);
         const url = document.createElement("span");
         url.className = "url";
-        url.textContent = `${inst.url} · ${row.dataset.state}`;
+        // What it runs on: "2 bfloat16" (a simulated worker reports no dtype).
+        const devices = `${inst.devices ?? 1} ${inst.dtype ?? ""}`.trim();
+        url.textContent = `${inst.url} · ${row.dataset.state} · ${devices}`;
         const slots = document.createElement("span");
         slots.title = `${inst.free_slots} of ${inst.capacity} slots free`;
         for (let i = 0; i < inst.capacity; i++) {
