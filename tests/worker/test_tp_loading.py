@@ -121,7 +121,8 @@ def test_a_rank_holds_about_one_tensor_in_host_memory_while_it_loads(bfloat16_fl
     with safe_open(str(bfloat16_flux / "transformer/diffusion_pytorch_model.safetensors"), "pt") as f:
         largest = max(math.prod(f.get_slice(key).get_shape()) for key in f.keys()) * 4  # as float32
     whole, cut = probe("whole", bfloat16_flux), probe("cut", bfloat16_flux)
-    assert whole["peak"] >= whole["bytes"] > 300e6, whole  # the stock load: every float32 parameter at once
+    # The stock load holds every float32 parameter at once (the sampling may miss the last few pages).
+    assert whole["peak"] >= 0.9 * whole["bytes"] and whole["bytes"] > 300e6, whole
     # Its cut on the device; in host memory a tensor's bfloat16 read and its float32 cast at a time.
     assert cut["peak"] <= 2 * largest + (8 << 20), (cut, largest)
     assert cut["bytes"] < 0.7 * whole["bytes"]
