@@ -37,7 +37,7 @@ def state(worker: Worker, endpoint: str = "", head_id: str = "") -> Heartbeat:
         head_id=head_id,
         max_batch=worker.args.batching_max_size,
         devices=worker.args.num_gpus,
-        dtype="" if worker.args.simulate else worker.args.compute_dtype(worker.args.resolved_device),
+        dtype=worker.dtype,
         full_pipeline=worker.full_pipeline,
         encoder_cache=_encoder_cache(worker),
         step_cache=_step_cache(worker),

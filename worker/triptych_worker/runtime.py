@@ -110,6 +110,8 @@ class Worker:
         simulated = isinstance(pipeline, SimulatedPipeline)
         # Simulated stages hold numpy arrays, so the worker never imports torch (None: numpy inputs).
         self.device: str | None = None if simulated else args.resolved_device
+        # What its model computes in (--dtype), as its heartbeats say; "" when it loads no model.
+        self.dtype = "" if self.device is None else args.compute_dtype(self.device)
         if pipeline is None and args.num_gpus > 1 and args.disagg_full_pipeline:
             from triptych_worker.parallel.full import start_full_pipeline_ranks
 
@@ -130,7 +132,7 @@ class Worker:
                 encoder_cache_bytes=args.encoder_cache_bytes,
                 lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
                 lora_cache_bytes=args.lora_cache_bytes,
-                dtype=args.compute_dtype(args.resolved_device),
+                dtype=self.dtype,
             )
             log.info("%s: %s", self.role.value, pipeline.describe())
         self.pipeline = pipeline
