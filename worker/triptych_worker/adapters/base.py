@@ -45,7 +45,7 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
     def __init__(self, rules: RulesT, device: str = "cpu", dtype: str = "float32"):
         self.rules = rules
         self.device = device
-        self.dtype = dtype  # what the components load in (--dtype); a receiver's inputs are cast to it
+        self.dtype = dtype  # what the components load in (--dtype); inputs are cast to what it would make them in
         self.pipe: Any = None
         # How one denoising step runs its guidance branches (cond, uncond): here in turn; a
         # CFG-parallel denoiser runs each on its own rank (triptych_worker.parallel).
@@ -96,10 +96,8 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
         for name, tensor in batch.tensors.items():
             t = cast("torch.Tensor", tensor)
             spec = made_here.get(name)
-            if spec is not None and t.is_floating_point() and str(t.dtype) != f"torch.{spec.dtype}":
-                out[name] = t.to(self.device, getattr(torch, spec.dtype))
-            else:
-                out[name] = t.to(self.device)
+            dtype = getattr(torch, spec.dtype) if spec is not None and t.is_floating_point() else t.dtype
+            out[name] = t.to(self.device, dtype)
         return out
 
     def _load_stock(self, pipeline_class: Any, components: set[str], given: Mapping[str, Any] | None) -> Any:
