@@ -52,7 +52,8 @@ class Retention:
 @dataclass(frozen=True)
 class StoredJob:
     """A video job as its JSON says, with the lease of the head running it (None once it ended) and
-    what another head needs to run it again (`run`: its GenerationParams, preview_every and priority level)."""
+    what another head needs to run it again (`run`: its GenerationParams, preview_every, priority level and
+    the id of its API key when that key has limits)."""
 
     job: VideoJob
     lease_until: float | None = None

@@ -165,10 +165,10 @@ def test_a_worker_s_refusal_names_the_field_it_leads_with(client, backend, messa
     assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == param
 
 
-def wait_for(client, job_id, status, timeout=10):
+def wait_for(client, job_id, status, timeout=10, headers=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        job = client.get(f"/v1/videos/{job_id}").json()
+        job = client.get(f"/v1/videos/{job_id}", headers=headers).json()
         if job["status"] == status:
             return job
         time.sleep(0.02)

@@ -95,3 +95,41 @@ def test_of_two_heads_that_find_one_orphan_at_once_exactly_one_runs_it(tmp_path)
         t.join(60)
     assert len(done) == 10 and set(done) == {1}, done
     assert len(backends[0].calls) + len(backends[1].calls) == 5  # each job ran again exactly once
+
+
+def test_a_job_taken_over_counts_against_its_key_and_is_charged_its_device_seconds(tmp_path):
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from tests.api.test_http_api import validate
+    from triptych.families import ModelInfo
+    from triptych_head.api.app import create_app
+    from triptych_head.api.auth import APIKeys
+    from triptych_head.api.context import HeadContext
+
+    (tmp_path / "keys").write_text("sk-gpu max_device_seconds_per_day=1\n")
+    gpu = {"Authorization": "Bearer sk-gpu"}
+
+    def head(backend: ScriptedBackend) -> TestClient:
+        model = ModelInfo("tiny", "WanPipeline", "video", 4, 3.5)
+        ctx = HeadContext(backend, model, tmp_path, CollectorRegistry(), validate=validate,
+                          api_keys=APIKeys(tmp_path / "keys"))  # fmt: skip
+        return TestClient(create_app(ctx))
+
+    slow = ScriptedBackend()
+    slow.step_delay = 1.0
+    with head(slow) as first:
+        job_id = first.post("/v1/videos", json={**VIDEO, "num_inference_steps": 100}, headers=gpu).json()["id"]
+    saved = ResultStore(tmp_path).load_job(job_id)
+    assert saved is not None and saved.run is not None and len(saved.run["key_id"]) == 16  # a digest, not the key
+    assert "sk-gpu" not in (tmp_path / "videos" / f"{job_id}.json").read_text()
+
+    fresh = ScriptedBackend()
+    fresh.device_seconds = 1.5  # past the key's quota: the take-over still runs (its key was admitted once)
+    with head(fresh) as second:
+        job = wait_for(second, job_id, "completed", headers=gpu)
+        assert job["restarts"] == 1
+        (day,) = second.get("/v1/usage", headers=gpu).json()["device_seconds"]
+        assert (day["period"], day["limit"], day["used"]) == ("day", 1, 1.5)
+        refused = second.post("/v1/videos", json=VIDEO, headers=gpu)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "key_quota_exceeded"

@@ -181,6 +181,11 @@ class APIKeys:
         self._refresh()
         return {e.limit.key_id: e.limit.max_per_minute for _, e in self._keys if e.limit and e.limit.max_per_minute}
 
+    def limit_of(self, key_id: str) -> KeyLimit | None:
+        """The limits the key named `key_id` has now; None when it has none, or is no longer listed."""
+        self._refresh()
+        return next((e.limit for _, e in self._keys if e.limit and e.limit.key_id == key_id), None)
+
     def shared_limits(self) -> bool:
         """Whether some key has a limit in flight or per minute: those the heads share every sync."""
         self._refresh()

@@ -182,9 +182,13 @@ class HeadContext:
         miss its deadline (None: the request timeout), or when the pipeline is at
         --max-queued-requests (admission.py). Its estimated completion, None where there is none
         (monolithic mode). Call it right before generate(), or when a video job is created.
-        `bounded=False`: count it whatever the load (a job accepted once already, by a head that died)."""
+        `bounded=False`: count it whatever the load and its key's limits (a job accepted once already, by
+        a head that died)."""
         retry_after_s = self.admission.limit.retry_after_s if self.admission is not None else RETRY_AFTER_S
-        self.key_limits.admit(request_id, key, retry_after_s)
+        if bounded:
+            self.key_limits.admit(request_id, key, retry_after_s)
+        else:
+            self.key_limits.adopt(request_id, key)
         try:
             estimate = self._admit(request_id, params, deadline, bounded)
         except BaseException:

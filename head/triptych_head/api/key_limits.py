@@ -125,9 +125,19 @@ class KeyLimits:
             self._take_token(request_id, limit.key_id, limit.max_per_minute)
         if ledger is not None:
             ledger.take(request_id, limit.key_id, limit.quotas)
-        self._in_flight[limit.key_id] = own + 1
+        self._count(request_id, limit)
+
+    def adopt(self, request_id: str, limit: KeyLimit | None) -> None:
+        """Count `request_id`, a request its key was admitted for once already (a video job taken over
+        from a head that died), against its key without checking the key's limits: in flight until it
+        ends, and its device-seconds charged when it finishes (its quotas of requests counted it once)."""
+        if limit is not None:
+            self._count(request_id, limit)
+
+    def _count(self, request_id: str, limit: KeyLimit) -> None:
+        self._in_flight[limit.key_id] = self._in_flight.get(limit.key_id, 0) + 1
         self._owner[request_id] = limit.key_id
-        if device is not None:
+        if limit.device_quotas and self.device_quotas is not None:
             self._metered[request_id] = (limit.key_id, tuple(name for name, _ in limit.device_quotas))
 
     def charge(self, request_id: str, device_seconds: float) -> None:

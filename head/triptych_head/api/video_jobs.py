@@ -47,6 +47,7 @@ class JobEntry:
     priority: int = DEFAULT_LEVEL  # its priority level (triptych.priority), its API key's ceiling checked
     handed_over: bool = False  # this head shut down while the job ran: it is left to another head
     server_timing: str = ""  # where a completed run's time went (timeline.py), on the head that ran it
+    key_id: str | None = None  # the API key it counts against (a digest, auth.py), when that key has limits
 
     @property
     def request_id(self) -> str:
@@ -59,7 +60,8 @@ class JobEntry:
         if self.params is None:
             return None
         params = json.loads(msgspec.json.encode(self.params))
-        return {"params": params, "preview_every": self.preview_every, "priority": self.priority}
+        record = {"params": params, "preview_every": self.preview_every, "priority": self.priority}
+        return record if self.key_id is None else {**record, "key_id": self.key_id}
 
     @property
     def running_here(self) -> bool:
@@ -204,6 +206,7 @@ class VideoJobs:
         job.status, job.state = "queued", RequestState.PENDING.value
         entry = JobEntry(job, made_here=True, params=params, preview_every=int(run.get("preview_every", 0)))
         entry.priority = int(run.get("priority", DEFAULT_LEVEL))  # a job saved before priorities: normal
+        entry.key_id = run.get("key_id")  # its key's device-seconds are charged for the run again
         entry.feed = ProgressFeed(job.id, HISTORY_LINGER_S)
         self._jobs[job.id] = entry
         self._jobs.move_to_end(job.id)

@@ -108,8 +108,10 @@ async def _new_job(
     )
     entry = JobEntry(job, feed=ProgressFeed(job.id, HISTORY_LINGER_S), made_here=True, params=params)
     entry.preview_every, entry.priority = values["preview_every"], level
+    limit = key_limit(request)
+    entry.key_id = limit.key_id if limit is not None else None
     # counted from now until the job ends: 429 here, never later
-    estimate = ctx.admit(job.id, params, deadline, key=key_limit(request))
+    estimate = ctx.admit(job.id, params, deadline, key=limit)
     job.estimated_completion_seconds = None if estimate is None else round(estimate.seconds, 3)
     jobs = _jobs(request)
     try:
@@ -123,10 +125,12 @@ async def _new_job(
 
 def start_job(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry) -> None:
     """Run the job on this head: one it was given, or one it took over (counted in flight either way,
-    without the admission bound for a take-over: it was accepted once already)."""
+    without the admission bound or its key's limits for a take-over: it was accepted once already; its
+    key, if it still has limits, is charged the run's device-seconds)."""
     assert entry.params is not None
     if entry.request_id not in ctx.active:
-        ctx.admit(entry.request_id, entry.params, bounded=False)
+        key = ctx.api_keys.limit_of(entry.key_id) if ctx.api_keys is not None and entry.key_id else None
+        ctx.admit(entry.request_id, entry.params, bounded=False, key=key)
     entry.task = asyncio.create_task(_run(ctx, jobs, entry, entry.params, entry.preview_every))
 
 
