@@ -676,3 +676,16 @@ def test_outputs_that_need_the_room_of_the_input_slot_in_use_get_it():
         assert worker.pool.free_bytes == worker.pool.pool_bytes - nbytes, "only the staged outputs remain"
     finally:
         worker.transport.close()
+
+
+def test_standing_slots_are_sized_for_inputs_in_the_receiver_s_dtype(tiny_models):
+    from triptych.families import read_rules
+    from triptych_worker import standing
+
+    flux, wan = str(tiny_models["tiny-flux"]), str(tiny_models["tiny-wan"])
+    wide, narrow = (standing.slot_size(None, flux, Role.DENOISER, dtype) for dtype in ("float32", "bfloat16"))
+    params = standing.default_params("image")
+    embeds = sum(spec.nbytes for spec in read_rules(flux).output_specs(Role.ENCODER, params, "float32"))
+    assert wide >= embeds and narrow < wide and narrow >= embeds // 2  # FLUX hands on the model's dtype
+    # Wan hands its latents on in float32 whatever the model computes in: the decoder's slot stays
+    assert standing.slot_size(None, wan, Role.DECODER, "bfloat16") == standing.slot_size(None, wan, Role.DECODER)

@@ -192,7 +192,7 @@ class Worker:
         # Standing receive slots reserved now, before the first request, for the one head (standing.py).
         self._startup_slot_bytes = 0
         if not self.full_pipeline and self.heads.single:
-            self._startup_slot_bytes = standing.slot_size(pipeline, args.model_path, self.role)
+            self._startup_slot_bytes = standing.slot_size(pipeline, args.model_path, self.role, self.dtype or "float32")
         slots.reserve_standing(self)
         # Copies queued jobs' inputs out of their receive slots while a job computes (inputs.py).
         self.inputs = InputLoader(

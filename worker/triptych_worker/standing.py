@@ -34,19 +34,23 @@ def default_params(kind: str, default_steps: int = 4, default_guidance: float = 
     )
 
 
-def default_input_bytes(shapes: Any, role: Role, params: GenerationParams) -> int:
-    """The slot bytes a request with `params` needs at `role`: its upstream's outputs, laid out as
-    staged (each tensor at an aligned offset)."""
+def default_input_bytes(shapes: Any, role: Role, params: GenerationParams, dtype: str | None = None) -> int:
+    """The slot bytes a request with `params` needs at `role`: its upstream's outputs (in `dtype`
+    where the upstream computes in it; None: shapes that know one dtype only), laid out as staged
+    (each tensor at an aligned offset)."""
     upstream = role.spec.receives_from
     assert upstream is not None, f"{role.value} receives no tensors"
+    specs = shapes.output_specs(upstream, params) if dtype is None else shapes.output_specs(upstream, params, dtype)
     end = 0
-    for spec in shapes.output_specs(upstream, params):
+    for spec in specs:
         end = align_up(end, ALIGNMENT) + spec.nbytes
     return end
 
 
-def slot_size(pipeline: Any, model_path: str, role: Role) -> int:
-    """The size of this receiver's start-up slots (0: it reserves none)."""
+def slot_size(pipeline: Any, model_path: str, role: Role, dtype: str = "float32") -> int:
+    """The size of this receiver's start-up slots (0: it reserves none). The upstream is taken to
+    compute in this receiver's `dtype`, as the roles of a pipeline usually do: inputs from an
+    upstream in a wider dtype do not fit and take the transfer_alloc path."""
     if role.spec.receives_from is None:
         return 0
     shapes = getattr(pipeline, "shapes", None)  # simulated stages: the family's rules or a fixed payload
@@ -60,7 +64,8 @@ def slot_size(pipeline: Any, model_path: str, role: Role) -> int:
     else:
         family = family_of(rules.package)
         params = default_params(family.kind, family.default_steps, family.default_guidance)
-        shapes = shapes or rules
+        if shapes is None:
+            return default_input_bytes(rules, role, params, dtype)
     return default_input_bytes(shapes, role, params)
 
 
