@@ -32,7 +32,7 @@ def stock_image(model: Path, request: dict = IMAGE, device: str = "cpu", dtype: 
     """What stock diffusers' own __call__ makes of an images request (IMAGE's fields, all given)."""
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=getattr(torch, dtype)).to(device)
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=getattr(torch, dtype)).to(device)
     w, h = map(int, request["size"].split("x"))
     out = pipe(
         request["prompt"], width=w, height=h, num_inference_steps=request["num_inference_steps"],
@@ -46,7 +46,7 @@ def stock_video(model: Path, device: str = "cpu", request: dict = VIDEO, dtype: 
     """What stock diffusers' own __call__ makes of a videos request (VIDEO's fields, all given)."""
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=getattr(torch, dtype)).to(device)
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=getattr(torch, dtype)).to(device)
     pipe.set_progress_bar_config(disable=True)
     w, h = map(int, request["size"].split("x"))
     out = pipe(

@@ -1,4 +1,4 @@
-"""`--dtype`: a role's model loads and computes in bfloat16 as the stock pipeline does with `torch_dtype`.
+"""`--dtype`: a role's model loads and computes in bfloat16 as the stock pipeline does with `dtype`.
 
 Roles loaded in bfloat16 and split over the wire give the stock bfloat16 pipeline's pixels byte for
 byte, as monolithic mode does, handing on what the family's specs declare (FLUX: everything in
@@ -51,7 +51,7 @@ def test_bfloat16_roles_over_the_wire_equal_monolithic_and_the_stock_bfloat16_pi
     pipelines, tiny_models, case: str
 ) -> None:  # type: ignore[no-untyped-def]
     name, params = CASES[case]
-    stock = stock_run(DiffusionPipeline.from_pretrained(tiny_models[name], torch_dtype=torch.bfloat16), name, params)
+    stock = stock_run(DiffusionPipeline.from_pretrained(tiny_models[name], dtype=torch.bfloat16), name, params)
     handed = split(pipelines, name, params, (BF16, BF16, BF16))
     assert torch.equal(handed[-1].tensors[PIXELS], stock), "bfloat16 roles differ from the stock bfloat16 pipeline"
     assert torch.equal(pipelines[name, Role.MONOLITHIC, BF16].run(StageBatch(params)).tensors[PIXELS], stock)
@@ -65,10 +65,10 @@ def test_bfloat16_roles_over_the_wire_equal_monolithic_and_the_stock_bfloat16_pi
 
 
 def test_a_float32_decoder_after_bfloat16_roles_is_wan_s_stock_recipe(pipelines, tiny_models) -> None:  # type: ignore[no-untyped-def]
-    """WanPipeline.from_pretrained(torch_dtype=bfloat16, vae=<the VAE in float32>), the model card's recipe."""
+    """WanPipeline.from_pretrained(dtype=bfloat16, vae=<the VAE in float32>), the model card's recipe."""
     name, params = CASES["wan-cfg-negative-prompt"]
-    vae = AutoencoderKLWan.from_pretrained(tiny_models[name] / "vae", torch_dtype=torch.float32)
-    pipe = DiffusionPipeline.from_pretrained(tiny_models[name], vae=vae, torch_dtype=torch.bfloat16)
+    vae = AutoencoderKLWan.from_pretrained(tiny_models[name] / "vae", dtype=torch.float32)
+    pipe = DiffusionPipeline.from_pretrained(tiny_models[name], vae=vae, dtype=torch.bfloat16)
     stock = stock_run(pipe, name, params)
     pixels = split(pipelines, name, params, (BF16, BF16, "float32"))[-1].tensors[PIXELS]
     assert torch.equal(pixels, stock)

@@ -106,7 +106,7 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
         startup.mark("imported")  # torch, diffusers and the family's pipeline module came with `pipeline_class`
         skipped = {name: None for name in self.package.components if name not in components}
         pipe = pipeline_class.from_pretrained(
-            self.package.path, torch_dtype=getattr(torch, self.dtype), **skipped, **(given or {})
+            self.package.path, dtype=getattr(torch, self.dtype), **skipped, **(given or {})
         )
         pipe.set_progress_bar_config(disable=True)
         return pipe.to(self.device)

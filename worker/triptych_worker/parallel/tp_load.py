@@ -5,7 +5,7 @@
 The transformer is built from its config without storage (accelerate's empty weights: parameters on
 torch's `meta` device, buffers real), then every tensor of its weight files is read through a
 safetensors slice: a planned module's (tensor.py's `plan_cuts`) only this rank's rows or columns of
-it, anything else whole, each cast as `from_pretrained(torch_dtype=...)` casts it (to `dtype`, or
+it, anything else whole, each cast as `from_pretrained(dtype=...)` casts it (to `dtype`, or
 float32 in the modules the model class keeps in float32) and placed on the device. No rank ever
 holds the whole transformer, in host or device memory; host memory holds one tensor's cut at a
 time. `shard_transformer` then finds the modules cut (`_tp_cut`) and only makes them compute their
