@@ -7,7 +7,8 @@
 #   4. the multi-device benchmark (bench/parallel_bench.py: denoiser CFG/Ulysses/Ring/TP and decoder --decoder-sp
 #      rows against 1 rank of the same run; on one GPU only the 1-rank rows run, the others need a GPU per rank),
 #   5. the batching benchmark: images/s vs batch size 1/2/4/8, tiny FLUX at 64x64 and 256x256 (bench/batching_bench.py).
-# Needs ~30 GB of GPU memory (the monolithic and the disaggregated deployment hold the float32 model side by side).
+# Needs about 10 GB of GPU memory (the monolithic and the disaggregated deployment hold the model side by side, in
+# bfloat16: --dtype auto on a GPU).
 # Writes bench/results/gpu-check/report.json (and each step's log beside it); exits non-zero when a step failed.
 #   make gpu-check            or            bash scripts/gpu-check.sh
 set -uo pipefail
