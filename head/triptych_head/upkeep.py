@@ -71,12 +71,15 @@ def _remove_idle_leavers(core: HeadCore) -> None:
 
 
 def _fail_roles_without_instances(core: HeadCore, now: float) -> None:
-    """Fail the requests waiting for a role that has had no ready instance for --disagg-no-instance-wait."""
+    """Fail the requests waiting for a role that has had no ready instance for --disagg-no-instance-wait
+    while requests waited for it: counted from when one first waited with none ready, so a role that
+    had none for an hour (parked, or scaled to zero while idle) does not fail the request that wakes it."""
     wait = core.args.disagg_no_instance_wait
     membership, since_by_role = core.membership, core.load.no_instance_since
     for role, queue in core.dispatcher.queues.items():
         instances = membership.instances(role)
-        if any(membership.ready(i) for i in instances):
+        waiting = [rec for rid in queue if (rec := core.requests.get(rid)) is not None and _waits_for(rec, role)]
+        if not waiting or any(membership.ready(i) for i in instances):
             since_by_role.pop(role, None)
             continue
         since = since_by_role.setdefault(role, now)
@@ -92,10 +95,12 @@ def _fail_roles_without_instances(core: HeadCore, now: float) -> None:
             reason += f" ({wrong} started {flag} --disagg-full-pipeline, which this head's URL flags do not match)"
         if other := sum(1 for i in alive if i.wrong_model):
             reason += f" ({other} serve another model than this head's --model-path)"
-        for rid in list(queue):
-            rec = core.requests.get(rid)
-            if rec is not None and rec.role is role and rec.instance is None:
-                core.finish(rec, RequestState.FAILED, reason, status_code=503)
+        for rec in waiting:
+            core.finish(rec, RequestState.FAILED, reason, status_code=503)
+
+
+def _waits_for(rec: RequestRecord, role: Role) -> bool:
+    return rec.role is role and rec.instance is None
 
 
 def publish_load(core: HeadCore, now: float) -> None:

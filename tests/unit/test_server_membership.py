@@ -209,3 +209,23 @@ def test_pending_work_counts_every_role_a_request_still_needs():
         assert sample("triptych_role_ready_instances", Role.DENOISER) == 1
         denoise = work_units(Role.DENOISER, params) * sample("triptych_role_seconds_per_work_unit", Role.DENOISER)
         assert sample("triptych_role_pending_work_seconds", Role.DENOISER) == 3 * denoise
+
+
+def test_the_wait_for_an_instance_counts_from_when_a_request_waits_not_from_when_the_role_lost_its_last():
+    flags = (*FAST_LOSS, "--disagg-no-instance-wait", "2")
+    with scripted_head(flags=flags) as (_, client, w):
+        den, dec = w[Role.DENOISER][0], w[Role.DECODER][0]
+        # The encoder is silent: lost after the heartbeat timeout, then idle without one for longer than the wait
+        # (a role parked, or scaled to zero while no request needed it).
+        pump_all([den, dec], MIN_HEARTBEAT_TIMEOUT_S + 3.5)
+        client.send_multipart(encode(Submit("r1", GenerationParams(**PARAMS))))
+        started = time.monotonic()
+        while time.monotonic() - started < 1.2:  # well inside its own 2 s: a new instance may still come up
+            assert not client.poll(0), f"failed {time.monotonic() - started:.1f}s after it was submitted"
+            pump_all([den, dec], 0.05)
+        bound = 10
+        while not client.poll(0):
+            assert time.monotonic() - started < bound, f"the request still waited after {bound}s"
+            pump_all([den, dec], 0.05)
+        failed = client_event(client)
+        assert failed.state == "FAILED" and "--disagg-no-instance-wait" in failed.error, failed.error
