@@ -26,7 +26,7 @@ from typing import Any, cast
 import kopf
 
 from triptych.security import new_key_set, public_fingerprint
-from triptych_operator import drift, kube
+from triptych_operator import drift, kube, wake
 from triptych_operator.constants import (
     DEFAULT_HEAD_IMAGE,
     DEFAULT_WORKER_IMAGE,
@@ -44,7 +44,7 @@ from triptych_operator.manifests import control_keys_secret, render
 from triptych_operator.pipeline_state import PipelineKey, PipelineState, PipelineStates
 from triptych_operator.spec.model import PipelineSpec, SpecError
 from triptych_operator.spec.rules import parse_pipeline
-from triptych_operator.status import PHASE_READY, compute_status, pipeline_components
+from triptych_operator.status import PHASE_READY, components_scaling_to_zero, compute_status, pipeline_components
 
 OWNED = {LABEL_MANAGED_BY: MANAGER}
 CHILD_FILTER: dict[str, Any] = {**OWNED, LABEL_INSTANCE: kopf.PRESENT}
@@ -96,6 +96,20 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.lifetime = PEERING_LIFETIME_S
     settings.peering.stealth = True  # keep-alives are not worth a log line each
     memo.pipelines = PipelineStates()
+
+
+@kopf.on.startup()
+async def start_waking(memo: kopf.Memo, **_: Any) -> None:
+    """The roles that scale to zero: taken down when idle, up when a request needs them (wake.py)."""
+    memo.waking = asyncio.create_task(wake.run(memo.pipelines), name="scale to zero")
+
+
+@kopf.on.cleanup()
+async def stop_waking(memo: kopf.Memo, **_: Any) -> None:
+    task = getattr(memo, "waking", None)
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 @kopf.on.login()
@@ -425,6 +439,7 @@ async def _write_status(pipeline: dict[str, Any], state: PipelineState, indexes:
         previous_conditions=old.get("conditions") or [],
         now=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         components=pipeline_components(state.spec),
+        scaling_to_zero=components_scaling_to_zero(state.spec),
     )
     if status == old:
         state.status = status

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import datetime
 import enum
 import functools
 import json
@@ -24,11 +25,13 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
+import urllib3
 from kubernetes import client, config
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError
+from kubernetes.utils import quantity
 
-from triptych_operator.constants import GROUP, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
+from triptych_operator.constants import GROUP, KIND, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
 
 API_CONCURRENCY = 16  # requests in flight at once
 _lock = threading.Lock()
@@ -165,6 +168,63 @@ def patch_pipeline_status(name: str, namespace: str, status: Mapping[str, Any]) 
         if exc.status != 404:
             raise
         # Deleted while we reconciled: nothing to report on.
+
+
+def deployment_replicas(name: str, namespace: str) -> int | None:
+    """The replicas a Deployment's scale subresource asks for; None when there is no such Deployment."""
+    api = client.AppsV1Api(dynamic_client().client)
+    try:
+        spec = api.read_namespaced_deployment_scale(name, namespace).spec
+        return int(spec.replicas or 0) if spec is not None else 0
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def scale_deployment(name: str, namespace: str, replicas: int, manager: str) -> None:
+    """Set a Deployment's replicas through its scale subresource, as the HPA does (`manager` names the writer)."""
+    api = client.AppsV1Api(dynamic_client().client)
+    api.patch_namespaced_deployment_scale(name, namespace, {"spec": {"replicas": replicas}}, field_manager=manager)
+
+
+def deployment_metric(name: str, namespace: str, metric: str) -> float | None:
+    """The custom metrics API's value of `metric` describing Deployment `name` (what an HPA's Object
+    metric reads); None when the API has none for it now (no server, no head to scrape). A refusal
+    (401, 403: the operator's RBAC lacks the metric) raises: that is a setup to fix, not a quiet signal."""
+    path = f"/apis/custom.metrics.k8s.io/v1beta2/namespaces/{namespace}/deployments.apps/{name}/{metric}"
+    try:
+        response = dynamic_client().request("get", path, serialize=False, _request_timeout=10)
+        items = json.loads(response.data).get("items") or []
+    except DynamicApiError as exc:
+        if exc.status in (401, 403):
+            raise
+        return None
+    except (ValueError, OSError, urllib3.exceptions.HTTPError):
+        return None
+    if not items:
+        return None
+    return float(quantity.parse_quantity(items[0]["value"]))
+
+
+def pipeline_event(name: str, namespace: str, uid: str, reason: str, message: str) -> None:
+    """A Normal Event on a pipeline (what `kubectl describe` lists), from outside a kopf handler."""
+    now = datetime.datetime.now(datetime.UTC)
+    pipeline = client.V1ObjectReference(
+        api_version=f"{GROUP}/{VERSION}", kind=KIND, name=name, namespace=namespace, uid=uid
+    )
+    event = client.CoreV1Event(
+        metadata=client.V1ObjectMeta(generate_name=f"{name}.", namespace=namespace),
+        involved_object=pipeline,
+        reason=reason,
+        message=message[:1024],
+        type="Normal",
+        source=client.V1EventSource(component=MANAGER),
+        first_timestamp=now,
+        last_timestamp=now,
+        count=1,
+    )
+    client.CoreV1Api(dynamic_client().client).create_namespaced_event(namespace, event)
 
 
 def _server_message(exc: DynamicApiError) -> str:

@@ -131,6 +131,14 @@ def head_results_store(pipeline: PipelineSpec) -> dict[str, Any]:
     return {"results_store": s3.url, "results_s3_endpoint": s3.endpoint, "results_presign": s3.presign_seconds}
 
 
+def head_wake_wait(pipeline: PipelineSpec) -> dict[str, Any]:
+    """A role that scales to zero needs a pod's start to wake (scheduling, the image, the model): its
+    requests wait for an instance as long as they may live (--disagg-timeout), not the default two minutes."""
+    if any(spec.autoscaling.scales_to_zero for spec in pipeline.roles.values()):
+        return {"disagg_no_instance_wait": float(pipeline.head.timeout_seconds)}
+    return {}
+
+
 def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
     urls = {URL_FLAGS[role]: [worker_discovery_url(pipeline, role)] for role in pipeline.roles}
     return ServeArgs(
@@ -155,6 +163,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         lora_catalog=LORA_CATALOG_FILE if pipeline.model.loras else None,
         **head_batching(pipeline),
         **head_results_store(pipeline),
+        **head_wake_wait(pipeline),
         **urls,  # type: ignore[arg-type]
     )
 

@@ -8,7 +8,7 @@ plus the head. Reasons are CamelCase and messages say what to look at or change.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -106,11 +106,14 @@ def component_health(
     pods: Sequence[Mapping[str, Any]] = (),
     *,
     spec_error: bool = False,
+    scales_to_zero: bool = False,
 ) -> ComponentHealth:
     """Read one Deployment (and its pods, for why they are not ready).
 
-    Ready only when the current generation's pods are all updated and ready. Pods that cannot be
-    scheduled or whose containers cannot start make the component stuck: waiting will not help.
+    Ready only when the current generation's pods are all updated and ready, or, for a role that
+    scales to zero (`scales_to_zero`), when it has none while idle: the first request wakes it. Pods
+    that cannot be scheduled or whose containers cannot start make the component stuck: waiting
+    will not help.
     """
     if deployment is None:
         if spec_error:
@@ -134,6 +137,9 @@ def component_health(
             f"app.kubernetes.io/component={component}` for unschedulable pods (GPUs, RDMA) or crashing containers"
         )
         return ComponentHealth(component, ready, desired, False, True, "RolloutStuck", msg)
+    if desired == 0 and scales_to_zero:
+        msg = f"{name} is scaled to 0 while idle; the first request for it wakes it (autoscaling.minReplicas 0)"
+        return ComponentHealth(component, 0, 0, True, False, "IdleAtZero", msg)
     if desired == 0:
         msg = f"{name} is scaled to 0; the pipeline cannot serve until it has at least one replica"
         return ComponentHealth(component, 0, 0, False, False, "ScaledToZero", msg)
@@ -150,6 +156,13 @@ def component_health(
 
 def _make(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def components_scaling_to_zero(spec: PipelineSpec | None) -> frozenset[str]:
+    """The roles (as components) whose autoscaling takes them to zero pods while idle."""
+    if spec is None:
+        return frozenset()
+    return frozenset(crd_field(role) for role, pool in spec.roles.items() if pool.autoscaling.scales_to_zero)
 
 
 def pipeline_components(spec: PipelineSpec | None) -> tuple[str, ...]:
@@ -170,17 +183,26 @@ def compute_status(
     previous_conditions: Sequence[Mapping[str, Any]] = (),
     now: str,
     components: Sequence[str] = DEFAULT_COMPONENTS,
+    scaling_to_zero: Collection[str] = frozenset(),
 ) -> dict[str, Any]:
     """The full status for a pipeline at `generation`, given its Deployments (and pods) by component.
 
     `spec_error` is the validation message when the spec cannot be deployed; objects from the last
     valid spec keep running and are still reported. `apply_error` is the API server refusing a
     child (admission, quota). `now` stamps conditions that changed. `components`: the pipeline's
-    (its declared roles and the head; pipeline_components).
+    (its declared roles and the head; pipeline_components); `scaling_to_zero`: those of them that
+    may have no pod while idle (components_scaling_to_zero).
     """
     pods = pods or {}
     health = [
-        component_health(c, deployments.get(c), pods.get(c, ()), spec_error=spec_error is not None) for c in components
+        component_health(
+            c,
+            deployments.get(c),
+            pods.get(c, ()),
+            spec_error=spec_error is not None,
+            scales_to_zero=c in scaling_to_zero,
+        )
+        for c in components
     ]
     not_ready = [h for h in health if not h.is_ready]
     stuck = [h for h in health if h.stuck]

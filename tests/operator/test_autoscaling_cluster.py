@@ -31,7 +31,7 @@ from kopf.testing import KopfRunner
 
 from tests.cluster.fixtures import KubeCluster, poll
 from tests.operator.helpers import REPO
-from tests.operator.test_operator_cluster import CRD, apply, get, pipeline_manifest
+from tests.operator.test_operator_cluster import CRD, apply, condition, get, pipeline_manifest
 from triptych.roles import Role
 from triptych_dev.localdeploy import free_port_block, local_deployment
 from triptych_operator.constants import HEAD_METRICS_URL_ANNOTATION
@@ -132,9 +132,16 @@ def replicas(cluster: KubeCluster, namespace: str, name: str) -> int:
     return int((dep.get("spec") or {}).get("replicas") or 0)
 
 
+def managed_fields(cluster: KubeCluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The Deployment's managedFields (kubectl leaves them out of its output unless asked)."""
+    dep = get(cluster, namespace, "deployment", name, "--show-managed-fields") or {}
+    fields = dep["metadata"].get("managedFields")
+    assert fields, f"deployment {name} shows no managedFields"  # else the checks below would pass for nothing
+    return list(fields)
+
+
 def operator_owns_replicas(cluster: KubeCluster, namespace: str, name: str) -> bool:
-    dep = get(cluster, namespace, "deployment", name) or {}
-    for entry in dep["metadata"].get("managedFields") or []:
+    for entry in managed_fields(cluster, namespace, name):
         if entry.get("manager") == "triptych-operator" and "f:replicas" in json.dumps(entry.get("fieldsV1", {})):
             return True
     return False
@@ -326,6 +333,82 @@ def test_a_heads_pending_work_drives_the_real_hpa_up_and_back_down(
         what="the HPA to scale the denoiser back down after the load stopped",
     )
     assert not operator_owns_replicas(cluster, ns, "auto-denoiser")
+
+
+def event_reasons(cluster: KubeCluster, namespace: str, pipeline: str) -> list[str]:
+    events = get(cluster, namespace, "events", "--field-selector", f"involvedObject.name={pipeline}") or {}
+    return [e["reason"] for e in events.get("items", [])]
+
+
+def test_a_role_that_scales_to_zero_sleeps_while_idle_and_wakes_for_pending_work(
+    kube_cluster: KubeCluster,
+    kube_namespace: str,
+    custom_metrics_api: None,
+    operator: KopfRunner,
+    busy_head: str,
+) -> None:
+    """autoscaling.minReplicas 0: the operator takes the idle denoiser to 0 (the HPA stands aside at 0),
+    back up when the head reports work for it, and to 0 again once the work is done; the pipeline
+    stays Ready at 0. The head's own workers are local processes here: what is shown is the signal
+    (head -> metrics API -> operator) moving the Deployment, not pods starting."""
+    cluster, ns = kube_cluster, kube_namespace
+    autoscaling = {
+        "enabled": True,
+        "minReplicas": 0,
+        "maxReplicas": MAX_REPLICAS,
+        "targetWorkSecondsPerReplica": TARGET_WORK_SECONDS,
+        "scaleDownStabilizationSeconds": 5,
+    }
+    cr = pipeline_manifest("zero", denoiser={"autoscaling": autoscaling})
+    cr["metadata"]["annotations"] = {HEAD_METRICS_URL_ANNOTATION: f"{busy_head}/metrics"}
+    apply(cluster, ns, cr)
+    hpa = poll(lambda: get(cluster, ns, "hpa", "zero-denoiser"), what="the operator's HPA")
+    assert hpa["spec"]["minReplicas"] == 1
+    head = get(cluster, ns, "deployment", "zero-head") or {}
+    args = head["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--disagg-no-instance-wait") + 1] == "600.0"  # requests wait for a pod to start
+
+    poll(lambda: replicas(cluster, ns, "zero-denoiser") == 0, timeout=90, interval=1, what="the idle denoiser at 0")
+    # (a scale to 0 leaves no managedFields entry: the Scale object omits a zero count; its Event names the step)
+    assert not operator_owns_replicas(cluster, ns, "zero-denoiser")  # its applies still leave replicas alone
+    ready = poll(
+        lambda: (lambda c: c if c.get("reason") == "IdleAtZero" else None)(
+            condition(get(cluster, ns, "dp", "zero"), "DenoiserReady")
+        ),
+        timeout=30,
+        what="the status to say the denoiser sleeps",
+    )
+    assert ready["status"] == "True"
+    poll(lambda: "ScaledToZero" in event_reasons(cluster, ns, "zero"), timeout=30, what="the ScaledToZero event")
+
+    stop = threading.Event()
+    deadline = time.monotonic() + 120  # the load stops by itself even if the test fails
+    done: list[int] = []
+    clients = [threading.Thread(target=load, args=(busy_head, stop, done, deadline)) for _ in range(CLIENTS)]
+    for client in clients:
+        client.start()
+    try:
+        woken = poll(
+            lambda: (lambda n: n if n > 0 else None)(replicas(cluster, ns, "zero-denoiser")),
+            timeout=60,
+            interval=1,
+            what="pending work to wake the denoiser",
+        )
+        assert 1 <= woken <= MAX_REPLICAS
+        poll(
+            lambda: "ScaledFromZero" in event_reasons(cluster, ns, "zero"), timeout=30, what="the ScaledFromZero event"
+        )
+    finally:
+        stop.set()
+        for client in clients:
+            client.join(timeout=70)
+    assert done, "no request completed under load"
+    poll(
+        lambda: replicas(cluster, ns, "zero-denoiser") == 0,
+        timeout=120,
+        interval=1,
+        what="the denoiser back at 0 once its work was done",
+    )
 
 
 def status_replicas(cluster: KubeCluster, namespace: str, name: str) -> int | None:

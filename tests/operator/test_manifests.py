@@ -300,6 +300,18 @@ def test_autoscaling_adds_an_hpa_on_the_roles_pending_work_and_leaves_replicas_t
     assert objs[("Deployment", "wan-t2v-encoder")]["spec"]["replicas"] == 1
 
 
+def test_a_role_that_scales_to_zero_gets_an_hpa_from_one_and_a_head_that_waits_for_it_to_wake() -> None:
+    auto = {"enabled": True, "minReplicas": 0, "maxReplicas": 4}
+    objs = children(minimal_spec(denoiser={"autoscaling": auto}))
+    # An HPA cannot go below 1 (without an alpha feature gate): 0 and back are the operator's steps (wake.py).
+    assert objs[("HorizontalPodAutoscaler", "wan-t2v-denoiser")]["spec"]["minReplicas"] == 1
+    assert "replicas" not in objs[("Deployment", "wan-t2v-denoiser")]["spec"]
+    head = parse_serve(container(objs[("Deployment", "wan-t2v-head")]))
+    assert head.disagg_no_instance_wait == head.disagg_timeout == 600  # a request waits for a pod as long as it lives
+    plain = parse_serve(container(children(minimal_spec())[("Deployment", "wan-t2v-head")]))
+    assert plain.disagg_no_instance_wait == ServeArgs.disagg_no_instance_wait  # the default, where nothing sleeps
+
+
 def test_scale_down_stabilization_comes_from_the_cr() -> None:
     auto = {"enabled": True, "maxReplicas": 4, "scaleDownStabilizationSeconds": 30}
     hpa = children(minimal_spec(decoder={"autoscaling": auto}))[("HorizontalPodAutoscaler", "wan-t2v-decoder")]

@@ -569,8 +569,11 @@ def test_the_charts_rbac_is_all_the_operator_needs(crd: KubeCluster, kube_namesp
         env = {**crd.env, "KUBECONFIG": str(kubeconfig)}
         proc = subprocess.Popen(operator_command(ns, port), env=env, stdout=log, stderr=subprocess.STDOUT)
         poll(lambda: _healthz(port), timeout=60, what="the operator's liveness endpoint")
-        apply(crd, ns, pipeline_manifest("rbac"))
+        # Its denoiser scales to zero: the operator reads its scale and asks for its metric (none here) too.
+        sleepy = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2}}
+        apply(crd, ns, pipeline_manifest("rbac", denoiser=sleepy))
         wait_phase(crd, ns, "rbac", "Ready")
+        poll(lambda: "no triptych_pending_work_seconds" in log_text(log), what="the scale-to-zero pass to ask for it")
         crd.kubectl("delete", "deployment/rbac-decoder", "-n", ns, "--wait=false")
         poll(lambda: "Deployment/rbac-decoder" in children(crd, ns, "rbac"), what="the decoder to be restored")
         wait_phase(crd, ns, "rbac", "Ready")
@@ -583,6 +586,11 @@ def test_the_charts_rbac_is_all_the_operator_needs(crd: KubeCluster, kube_namesp
     output = log.read()
     # kopf logs a refused request as APIForbiddenError('... is forbidden: User ...').
     assert "forbidden" not in output.lower(), output[-3000:]
+
+
+def log_text(log: Any) -> str:
+    log.flush()
+    return Path(log.name).read_text(errors="replace")
 
 
 def operator_command(namespace: str, port: int) -> list[str]:

@@ -102,6 +102,19 @@ def test_scaled_to_zero_says_the_pipeline_cannot_serve() -> None:
     assert "cannot serve" in c["message"]
 
 
+def test_a_role_that_scales_to_zero_is_ready_at_zero_while_idle() -> None:
+    deps = all_ready()
+    deps["decoder"] = deployment("p-decoder", desired=0, ready=0)
+    status = compute_status(1, deps, now=NOW, scaling_to_zero={"decoder"})
+    c = cond(status, "DecoderReady")
+    assert (c["status"], c["reason"]) == ("True", "IdleAtZero") and "the first request" in c["message"]
+    assert status["phase"] == "Ready" and status["decoder"]["ready"] == "0/0"
+    deps["decoder"] = deployment("p-decoder", desired=1, ready=0)  # woken: waiting for its pod like any role
+    assert cond(compute_status(1, deps, now=NOW, scaling_to_zero={"decoder"}), "DecoderReady")["reason"] == (
+        "WaitingForPods"
+    )
+
+
 def test_transition_time_changes_only_when_status_flips() -> None:
     first = compute_status(1, all_ready(), now=NOW)
     again = compute_status(1, all_ready(), previous_conditions=first["conditions"], now=LATER)

@@ -47,6 +47,14 @@ app.kubernetes.io/component: operator
   resources: [deployments]
   # Server-side apply creates and patches; nothing is deleted (garbage collection does that).
   verbs: [get, list, watch, create, patch]
+- apiGroups: [apps]
+  resources: [deployments/scale]
+  # Roles that scale to zero (autoscaling.minReplicas 0): taken to 0 when idle, back up when needed.
+  verbs: [get, patch]
+- apiGroups: [custom.metrics.k8s.io]
+  resources: [deployments.apps/triptych_pending_work_seconds]
+  # The signal of those roles, read as their HPA reads it.
+  verbs: [get]
 - apiGroups: [""]
   resources: [services]
   verbs: [get, list, watch, create, patch]

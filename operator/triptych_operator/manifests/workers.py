@@ -190,7 +190,7 @@ def worker_hpa(pipeline: PipelineSpec, role: Role) -> Manifest | None:
         "metadata": object_metadata(pipeline, crd_field(role), object_name(pipeline.name, role.dns_name)),
         "spec": {
             "scaleTargetRef": deployment,
-            "minReplicas": auto.min_replicas,
+            "minReplicas": max(auto.min_replicas, 1),  # 0 is the operator's to make (wake.py), not the HPA's
             "maxReplicas": auto.max_replicas,
             "metrics": [
                 {

@@ -104,7 +104,15 @@ def _autoscaling() -> Field:
                 "Create an `autoscaling/v2` HPA for the role (docs/autoscaling.md).",
                 default=False,
             ),
-            Field("minReplicas", "integer", "HPA lower bound; must be <= `maxReplicas`.", default=1, minimum=1),
+            Field(
+                "minReplicas",
+                "integer",
+                "HPA lower bound; must be <= `maxReplicas`. 0: the role scales to zero after "
+                "`scaleDownStabilizationSeconds` without pending work, and back up as soon as a request needs it "
+                "(the operator makes both steps; docs/autoscaling.md#scale-to-zero).",
+                default=1,
+                minimum=0,
+            ),
             Field("maxReplicas", "integer", "HPA upper bound; required when enabled.", minimum=1),
             Field(
                 "targetWorkSecondsPerReplica",

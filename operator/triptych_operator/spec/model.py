@@ -97,6 +97,11 @@ class Autoscaling:
     target_work_seconds_per_replica: int
     scale_down_stabilization_seconds: int
 
+    @property
+    def scales_to_zero(self) -> bool:
+        """minReplicas 0: idle, the role has no pod (wake.py), and the HPA keeps it at 1 or more while it has work."""
+        return self.enabled and self.min_replicas == 0
+
 
 @dataclass(frozen=True)
 class PoolSpec:

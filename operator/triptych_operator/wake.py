@@ -1,0 +1,140 @@
+"""Scale to zero: a role whose `autoscaling.minReplicas` is 0 has no pod while it has no work, and
+gets one (or more) as soon as a request needs it.
+
+An HPA does not go below one replica (minReplicas 0 needs an alpha feature gate), but it stands
+aside while its target has none ("ScalingDisabled") and takes over again once it has one. So the
+operator makes the two steps the HPA cannot, as KEDA does, from the HPA's own signal (the role's
+`triptych_pending_work_seconds`, read through the custom metrics API):
+
+- **to zero**: the role's pending work has been 0 for `scaleDownStabilizationSeconds`: its
+  Deployment's scale is set to 0 (its pods drain as on any scale-down);
+- **from zero**: pending work while it has no pod: ceil(work / `targetWorkSecondsPerReplica`) pods,
+  within [1, `maxReplicas`]; the HPA goes on from there.
+
+Every WAKE_INTERVAL_S, for each such role of the pipelines this operator reconciles, two reads (the
+Deployment's scale and the metric) and, when it decides, one write and an Event on the pipeline;
+nothing for the other pipelines. Without the metric (no metrics server, no head answering) nothing
+changes: a role is never taken to zero on a missing signal. The head lets requests wait for a role
+at zero as long as they may live (serve_args.head_wake_wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from triptych_operator import kube
+from triptych_operator.constants import PENDING_WORK_METRIC, crd_field
+from triptych_operator.pipeline_state import PipelineStates
+from triptych_operator.serve_args import object_name
+from triptych_operator.spec.model import Autoscaling
+
+log = logging.getLogger(__name__)
+
+WAKE_INTERVAL_S = 5.0
+SCALER = "triptych-operator-scale-to-zero"  # the field manager of the replicas it sets (never the HPA's)
+
+
+@dataclass(frozen=True)
+class Role:
+    """A role that scales to zero, of one pipeline."""
+
+    namespace: str
+    pipeline: str
+    uid: str  # the pipeline's, for its Events
+    component: str  # the role's CRD field (denoiser, prompt_encoder, ...)
+    deployment: str
+    autoscaling: Autoscaling
+
+
+def roles_to_watch(states: PipelineStates) -> Iterator[Role]:
+    """The roles that scale to zero in the pipelines with a valid spec this process reconciled."""
+    for (namespace, name), state in list(states.by_key.items()):
+        if state.spec is None or state.parsed_for is None:
+            continue
+        for role, pool in state.spec.roles.items():
+            if pool.autoscaling.scales_to_zero:
+                deployment = object_name(name, role.dns_name)
+                yield Role(namespace, name, state.parsed_for[0], crd_field(role), deployment, pool.autoscaling)
+
+
+def decide(replicas: int, pending_s: float, idle_s: float, auto: Autoscaling) -> int | None:
+    """The replicas to set now, or None to leave them (to the HPA, while the role has pods and work)."""
+    if pending_s > 0:
+        if replicas > 0:
+            return None
+        wanted = math.ceil(pending_s / auto.target_work_seconds_per_replica)
+        return max(1, min(wanted, auto.max_replicas or 1))
+    if replicas > 0 and idle_s >= auto.scale_down_stabilization_seconds:
+        return 0
+    return None
+
+
+class Waker:
+    """Takes the roles that scale to zero down when idle and up when needed, one pass at a time."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._busy: dict[tuple[str, str], float] = {}  # (namespace, deployment) -> when it last had work
+        self._silent: set[tuple[str, str]] = set()  # those without a metric, logged once until it comes back
+
+    async def one_pass(self, states: PipelineStates) -> None:
+        seen = set()
+        for role in roles_to_watch(states):
+            key = (role.namespace, role.deployment)
+            seen.add(key)
+            await self._check(role, key)
+        for gone in set(self._busy) - seen:
+            del self._busy[gone]
+        self._silent &= seen
+
+    async def _check(self, role: Role, key: tuple[str, str]) -> None:
+        replicas = await kube.run(kube.deployment_replicas, role.deployment, role.namespace)
+        if replicas is None:
+            return  # not created yet
+        pending = await kube.run(kube.deployment_metric, role.deployment, role.namespace, PENDING_WORK_METRIC)
+        now = self._clock()
+        if pending is None:
+            if key not in self._silent:
+                self._silent.add(key)
+                log.warning(
+                    "%s/%s: no %s from the custom metrics API; its replicas stay %d until there is",
+                    role.namespace, role.deployment, PENDING_WORK_METRIC, replicas,
+                )  # fmt: skip
+            return
+        self._silent.discard(key)
+        last_busy = self._busy.setdefault(key, now)  # first seen: idle from now on, not since ever
+        if pending > 0:
+            self._busy[key] = last_busy = now
+        wanted = decide(replicas, pending, now - last_busy, role.autoscaling)
+        if wanted is None or wanted == replicas:
+            return
+        await kube.run(kube.scale_deployment, role.deployment, role.namespace, wanted, SCALER)
+        if wanted:
+            reason = "ScaledFromZero"
+            message = f"{role.component}: {pending:g} s of work pending, no pod; {role.deployment} scaled to {wanted}"
+        else:
+            reason = "ScaledToZero"
+            message = (
+                f"{role.component}: no work for {role.autoscaling.scale_down_stabilization_seconds} s "
+                f"(scaleDownStabilizationSeconds); {role.deployment} scaled to 0 until a request needs it"
+            )
+        log.info("%s/%s: %s", role.namespace, role.pipeline, message)
+        await kube.run(kube.pipeline_event, role.pipeline, role.namespace, role.uid, reason, message)
+
+
+async def run(states: PipelineStates, interval_s: float = WAKE_INTERVAL_S) -> None:
+    """Pass over the roles that scale to zero every `interval_s`, until cancelled."""
+    waker = Waker()
+    while True:
+        try:
+            await waker.one_pass(states)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # an API error: the next pass tries again
+            log.exception("scale to zero: a pass failed; the next one is in %g s", interval_s)
+        await asyncio.sleep(interval_s)
