@@ -306,6 +306,8 @@ async def reconcile(
                     state.rendered_for = rendered_for
                 assert state.children is not None
                 await _apply_children(pipeline, state, indexes, trigger=trigger, logger=logger)
+                if trigger == "pipeline":  # a spec change may leave a role asleep that no longer scales to zero
+                    await wake.wake_left_asleep(state.spec, key[0], _live(indexes, "deployment_index", key))
                 state.apply_error = None
             except kube.ApplyError as exc:
                 state.apply_error = str(exc)

@@ -188,6 +188,13 @@ def scale_deployment(name: str, namespace: str, replicas: int, manager: str) -> 
     api.patch_namespaced_deployment_scale(name, namespace, {"spec": {"replicas": replicas}}, field_manager=manager)
 
 
+def annotate_deployment(name: str, namespace: str, annotations: Mapping[str, str | None], manager: str) -> None:
+    """Set (or, with None, remove) annotations of a Deployment with a merge patch as `manager`."""
+    api = client.AppsV1Api(dynamic_client().client)
+    body = {"metadata": {"annotations": dict(annotations)}}
+    api.patch_namespaced_deployment(name, namespace, body, field_manager=manager)
+
+
 def deployment_metric(name: str, namespace: str, metric: str) -> float | None:
     """The custom metrics API's value of `metric` describing Deployment `name` (what an HPA's Object
     metric reads); None when the API has none for it now (no server, no head to scrape). A refusal

@@ -16,27 +16,35 @@ Deployment's scale and the metric) and, when it decides, one write and an Event 
 nothing for the other pipelines. Without the metric (no metrics server, no head answering) nothing
 changes: a role is never taken to zero on a missing signal. The head lets requests wait for a role
 at zero as long as they may live (serve_args.head_wake_wait).
+
+A Deployment put to sleep carries the ASLEEP annotation until it wakes, so that a role whose
+`minReplicas` is raised (or whose autoscaling is turned off) while it sleeps is woken by the
+pipeline's reconcile (`left_asleep`): its HPA, which never goes below 1, would otherwise stand aside
+at 0 for good.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from triptych_operator import kube
-from triptych_operator.constants import PENDING_WORK_METRIC, crd_field
+from triptych_operator.constants import GROUP, PENDING_WORK_METRIC, crd_field
 from triptych_operator.pipeline_state import PipelineStates
 from triptych_operator.serve_args import object_name
-from triptych_operator.spec.model import Autoscaling
+from triptych_operator.spec.model import Autoscaling, PipelineSpec
 
 log = logging.getLogger(__name__)
 
 WAKE_INTERVAL_S = 5.0
 SCALER = "triptych-operator-scale-to-zero"  # the field manager of the replicas it sets (never the HPA's)
+ASLEEP = f"{GROUP}/asleep"  # on a Deployment this operator took to zero: since when (UTC)
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,7 @@ class Waker:
         wanted = decide(replicas, pending, now - last_busy, role.autoscaling)
         if wanted is None or wanted == replicas:
             return
-        await kube.run(kube.scale_deployment, role.deployment, role.namespace, wanted, SCALER)
+        await _scale(role.deployment, role.namespace, wanted)
         if wanted:
             reason = "ScaledFromZero"
             message = f"{role.component}: {pending:g} s of work pending, no pod; {role.deployment} scaled to {wanted}"
@@ -125,6 +133,42 @@ class Waker:
             )
         log.info("%s/%s: %s", role.namespace, role.pipeline, message)
         await kube.run(kube.pipeline_event, role.pipeline, role.namespace, role.uid, reason, message)
+
+
+async def _scale(deployment: str, namespace: str, replicas: int) -> None:
+    """Set the replicas; marked ASLEEP at 0 (before the scale: a crash in between leaves a mark, not
+    an unmarked Deployment at 0), unmarked once woken."""
+    if replicas == 0:
+        since = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        await kube.run(kube.annotate_deployment, deployment, namespace, {ASLEEP: since}, SCALER)
+    await kube.run(kube.scale_deployment, deployment, namespace, replicas, SCALER)
+    if replicas:
+        await kube.run(kube.annotate_deployment, deployment, namespace, {ASLEEP: None}, SCALER)
+
+
+def left_asleep(spec: PipelineSpec, deployments: Iterable[Mapping[str, Any]]) -> list[tuple[str, int | None]]:
+    """The Deployments this operator put to sleep whose role no longer scales to zero, with the replicas
+    to wake each to (None: the role is no longer autoscaled, so its apply sets them)."""
+    by_name = {d["metadata"]["name"]: d for d in deployments}
+    found = []
+    for role, pool in spec.roles.items():
+        name = object_name(spec.name, role.dns_name)
+        live = by_name.get(name)
+        if live is None or pool.autoscaling.scales_to_zero or ASLEEP not in (live["metadata"].get("annotations") or {}):
+            continue
+        asleep = int((live.get("spec") or {}).get("replicas") or 0) == 0
+        found.append((name, max(1, pool.autoscaling.min_replicas) if pool.autoscaling.enabled and asleep else None))
+    return found
+
+
+async def wake_left_asleep(spec: PipelineSpec, namespace: str, deployments: Iterable[Mapping[str, Any]]) -> None:
+    """Wake (or just unmark) what `left_asleep` finds; called by the pipeline's reconcile."""
+    for name, replicas in left_asleep(spec, deployments):
+        if replicas is None:
+            await kube.run(kube.annotate_deployment, name, namespace, {ASLEEP: None}, SCALER)
+        else:
+            log.info("%s/%s no longer scales to zero: woken with %d replicas", namespace, name, replicas)
+            await _scale(name, namespace, replicas)
 
 
 async def run(states: PipelineStates, interval_s: float = WAKE_INTERVAL_S) -> None:

@@ -36,6 +36,7 @@ from triptych.roles import Role
 from triptych_dev.localdeploy import free_port_block, local_deployment
 from triptych_operator.constants import HEAD_METRICS_URL_ANNOTATION
 from triptych_operator.metrics_api.source import KubePipelineReader, head_metrics_urls
+from triptych_operator.wake import ASLEEP
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -335,6 +336,10 @@ def test_a_heads_pending_work_drives_the_real_hpa_up_and_back_down(
     assert not operator_owns_replicas(cluster, ns, "auto-denoiser")
 
 
+def annotations(cluster: KubeCluster, namespace: str, name: str) -> dict[str, str]:
+    return dict(((get(cluster, namespace, "deployment", name) or {}).get("metadata") or {}).get("annotations") or {})
+
+
 def event_reasons(cluster: KubeCluster, namespace: str, pipeline: str) -> list[str]:
     events = get(cluster, namespace, "events", "--field-selector", f"involvedObject.name={pipeline}") or {}
     return [e["reason"] for e in events.get("items", [])]
@@ -409,6 +414,13 @@ def test_a_role_that_scales_to_zero_sleeps_while_idle_and_wakes_for_pending_work
         interval=1,
         what="the denoiser back at 0 once its work was done",
     )
+    assert ASLEEP in annotations(cluster, ns, "zero-denoiser")
+
+    # minReplicas raised while it sleeps: its HPA would stand aside at 0 for good, so the reconcile wakes it.
+    cr["spec"]["denoiser"]["autoscaling"]["minReplicas"] = 2
+    apply(cluster, ns, cr)
+    poll(lambda: replicas(cluster, ns, "zero-denoiser") >= 2, timeout=60, interval=1, what="the raised minimum")
+    poll(lambda: ASLEEP not in annotations(cluster, ns, "zero-denoiser"), timeout=30, what="the asleep mark to go")
 
 
 def status_replicas(cluster: KubeCluster, namespace: str, name: str) -> int | None:

@@ -30,3 +30,21 @@ def test_a_role_goes_to_zero_only_after_the_stabilization_window_without_work() 
     assert decide(2, 0, 299, AUTO) is None
     assert decide(2, 0, 300, AUTO) == 0
     assert decide(0, 0, 10_000, AUTO) is None  # asleep already
+
+
+def test_a_deployment_left_asleep_by_a_role_that_no_longer_scales_to_zero_is_woken() -> None:
+    from tests.operator.helpers import minimal_spec, pipeline
+    from triptych_operator.wake import ASLEEP, left_asleep
+
+    def live(name: str, replicas: int, asleep: bool = True) -> dict:
+        annotations = {ASLEEP: "2026-12-05T17:00:00Z"} if asleep else {}
+        return {"metadata": {"name": name, "annotations": annotations}, "spec": {"replicas": replicas}}
+
+    raised = pipeline(minimal_spec(denoiser={"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 4}}))
+    assert left_asleep(raised, [live("wan-t2v-denoiser", 0)]) == [("wan-t2v-denoiser", 2)]
+    assert left_asleep(raised, [live("wan-t2v-denoiser", 0, asleep=False)]) == []  # scaled to 0 by someone else
+    assert left_asleep(raised, [live("wan-t2v-denoiser", 3)]) == [("wan-t2v-denoiser", None)]  # awake: unmark only
+    still = pipeline(minimal_spec(denoiser={"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 4}}))
+    assert left_asleep(still, [live("wan-t2v-denoiser", 0)]) == []  # the wake loop's
+    fixed = pipeline(minimal_spec())  # autoscaling off: its apply sets the replicas, the mark just goes
+    assert left_asleep(fixed, [live("wan-t2v-denoiser", 0)]) == [("wan-t2v-denoiser", None)]
