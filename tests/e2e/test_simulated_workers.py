@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -85,3 +87,23 @@ def test_receivers_reserve_standing_slots_at_start_up_so_no_hop_waits_for_an_all
             body = {"prompt": "x", "size": "1536x1536", "num_inference_steps": 1}
             assert c.post("/v1/images/generations", json=body).status_code == 200
             assert sent(c, "transfer_alloc") >= 1, "larger latents than a default request's need an allocation"
+
+
+def test_a_request_for_a_role_without_workers_waits_for_one_to_start_as_scale_from_zero_needs(tiny_models, tmp_path):
+    """A pool at zero (scaled to zero while idle, autoscaling.md#scale-to-zero): the first request
+    waits for a worker to come up, however long the role has had none, and is served by it."""
+    flux = tiny_models["tiny-flux"]
+    wait = ("--disagg-no-instance-wait", "4")
+    with deployment(flux, tmp_path, simulate=True, role_flags=FAST, denoisers=0, spare={Role.DENOISER: 1},
+                    head_flags=wait) as dep:  # fmt: skip
+        with dep.client(timeout=60) as c:
+            time.sleep(5)  # the role has had no instance for longer than the wait, with nothing waiting for it
+            body = {"prompt": "x", "size": "64x32", "num_inference_steps": 2, "seed": 1}
+            answers: list[httpx.Response] = []
+            asking = threading.Thread(target=lambda: answers.append(c.post("/v1/images/generations", json=body)))
+            asking.start()
+            time.sleep(1.5)
+            assert not answers, f"answered before any denoiser existed: {answers[0].text}"
+            woken = dep.start_worker(Role.DENOISER)  # what the operator's wake-up starts, as a pod
+            asking.join(60)
+            assert answers and answers[0].status_code == 200, answers[0].text if answers else woken.tail()
