@@ -48,7 +48,7 @@ ASLEEP = f"{GROUP}/asleep"  # on a Deployment this operator took to zero: since 
 
 
 @dataclass(frozen=True)
-class Role:
+class SleepyRole:
     """A role that scales to zero, of one pipeline."""
 
     namespace: str
@@ -59,7 +59,7 @@ class Role:
     autoscaling: Autoscaling
 
 
-def roles_to_watch(states: PipelineStates) -> Iterator[Role]:
+def roles_to_watch(states: PipelineStates) -> Iterator[SleepyRole]:
     """The roles that scale to zero in the pipelines with a valid spec this process reconciled."""
     for (namespace, name), state in list(states.by_key.items()):
         if state.spec is None or state.parsed_for is None:
@@ -67,7 +67,7 @@ def roles_to_watch(states: PipelineStates) -> Iterator[Role]:
         for role, pool in state.spec.roles.items():
             if pool.autoscaling.scales_to_zero:
                 deployment = object_name(name, role.dns_name)
-                yield Role(namespace, name, state.parsed_for[0], crd_field(role), deployment, pool.autoscaling)
+                yield SleepyRole(namespace, name, state.parsed_for[0], crd_field(role), deployment, pool.autoscaling)
 
 
 def decide(replicas: int, pending_s: float, idle_s: float, auto: Autoscaling) -> int | None:
@@ -95,12 +95,17 @@ class Waker:
         for role in roles_to_watch(states):
             key = (role.namespace, role.deployment)
             seen.add(key)
-            await self._check(role, key)
+            try:
+                await self._check(role, key)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # an API error: this role's next check is in the next pass, the others go on
+                log.exception("scale to zero: checking %s/%s failed", role.namespace, role.deployment)
         for gone in set(self._busy) - seen:
             del self._busy[gone]
         self._silent &= seen
 
-    async def _check(self, role: Role, key: tuple[str, str]) -> None:
+    async def _check(self, role: SleepyRole, key: tuple[str, str]) -> None:
         replicas = await kube.run(kube.deployment_replicas, role.deployment, role.namespace)
         if replicas is None:
             return  # not created yet
