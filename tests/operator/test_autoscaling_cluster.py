@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,43 @@ def load(url: str, stop: threading.Event, counts: list[int], deadline: float) ->
         while not stop.is_set() and time.monotonic() < deadline:
             if client.post("/v1/images/generations", json=body).status_code == 200:
                 counts.append(1)
+
+
+@contextmanager
+def under_load(url: str, seconds: float) -> Iterator[list[int]]:
+    """CLIENTS clients sending requests to the head at `url` until the block ends (or `seconds` pass:
+    the load stops by itself even if the test fails); yields the list of completed requests."""
+    stop = threading.Event()
+    deadline = time.monotonic() + seconds
+    done: list[int] = []
+    clients = [threading.Thread(target=load, args=(url, stop, done, deadline)) for _ in range(CLIENTS)]
+    for client in clients:
+        client.start()
+    try:
+        yield done
+    finally:
+        stop.set()
+        for client in clients:
+            client.join(timeout=70)
+
+
+def autoscaled_pipeline(
+    cluster: KubeCluster, namespace: str, name: str, head_url: str, min_replicas: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A pipeline whose denoiser the HPA scales (5 s stabilization), its heads' metrics read from the
+    local head at `head_url`; (its manifest, its denoiser's HPA as the operator made it)."""
+    autoscaling = {
+        "enabled": True,
+        "minReplicas": min_replicas,
+        "maxReplicas": MAX_REPLICAS,
+        "targetWorkSecondsPerReplica": TARGET_WORK_SECONDS,
+        "scaleDownStabilizationSeconds": 5,
+    }
+    cr = pipeline_manifest(name, denoiser={"autoscaling": autoscaling})
+    cr["metadata"]["annotations"] = {HEAD_METRICS_URL_ANNOTATION: f"{head_url}/metrics"}
+    apply(cluster, namespace, cr)
+    hpa = poll(lambda: get(cluster, namespace, "hpa", f"{name}-denoiser"), what="the operator's HPA")
+    return cr, hpa
 
 
 def replicas(cluster: KubeCluster, namespace: str, name: str) -> int:
@@ -266,28 +304,12 @@ def test_a_heads_pending_work_drives_the_real_hpa_up_and_back_down(
     busy_head: str,
 ) -> None:
     cluster, ns = kube_cluster, kube_namespace
-    autoscaling = {
-        "enabled": True,
-        "minReplicas": 1,
-        "maxReplicas": MAX_REPLICAS,
-        "targetWorkSecondsPerReplica": TARGET_WORK_SECONDS,
-        "scaleDownStabilizationSeconds": 5,
-    }
-    cr = pipeline_manifest("auto", denoiser={"autoscaling": autoscaling})
-    cr["metadata"]["annotations"] = {HEAD_METRICS_URL_ANNOTATION: f"{busy_head}/metrics"}
-    apply(cluster, ns, cr)
-    hpa = poll(lambda: get(cluster, ns, "hpa", "auto-denoiser"), what="the operator's HPA")
+    _, hpa = autoscaled_pipeline(cluster, ns, "auto", busy_head, min_replicas=1)
     target = hpa["spec"]["metrics"][0]["object"]["target"]
     assert target == {"type": "AverageValue", "averageValue": str(TARGET_WORK_SECONDS)}, "the CRD lacks the field?"
     poll(lambda: replicas(cluster, ns, "auto-denoiser") == 1, what="the denoiser Deployment")
 
-    stop = threading.Event()
-    deadline = time.monotonic() + 150  # the load stops by itself even if the test fails
-    done: list[int] = []
-    clients = [threading.Thread(target=load, args=(busy_head, stop, done, deadline)) for _ in range(CLIENTS)]
-    for client in clients:
-        client.start()
-    try:
+    with under_load(busy_head, 150) as done:
         path = f"{CUSTOM_METRICS}/namespaces/{ns}/deployments.apps/auto-denoiser/triptych_pending_work_seconds"
 
         def pending_work() -> dict[str, Any] | None:
@@ -321,10 +343,6 @@ def test_a_heads_pending_work_drives_the_real_hpa_up_and_back_down(
         )
         assert replicas(cluster, ns, "auto-denoiser") >= scaled
         assert not operator_owns_replicas(cluster, ns, "auto-denoiser")
-    finally:
-        stop.set()
-        for client in clients:
-            client.join(timeout=70)
     assert done, "no request completed under load"
 
     poll(
@@ -357,17 +375,7 @@ def test_a_role_that_scales_to_zero_sleeps_while_idle_and_wakes_for_pending_work
     stays Ready at 0. The head's own workers are local processes here: what is shown is the signal
     (head -> metrics API -> operator) moving the Deployment, not pods starting."""
     cluster, ns = kube_cluster, kube_namespace
-    autoscaling = {
-        "enabled": True,
-        "minReplicas": 0,
-        "maxReplicas": MAX_REPLICAS,
-        "targetWorkSecondsPerReplica": TARGET_WORK_SECONDS,
-        "scaleDownStabilizationSeconds": 5,
-    }
-    cr = pipeline_manifest("zero", denoiser={"autoscaling": autoscaling})
-    cr["metadata"]["annotations"] = {HEAD_METRICS_URL_ANNOTATION: f"{busy_head}/metrics"}
-    apply(cluster, ns, cr)
-    hpa = poll(lambda: get(cluster, ns, "hpa", "zero-denoiser"), what="the operator's HPA")
+    cr, hpa = autoscaled_pipeline(cluster, ns, "zero", busy_head, min_replicas=0)
     assert hpa["spec"]["minReplicas"] == 1
     head = get(cluster, ns, "deployment", "zero-head") or {}
     args = head["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -386,13 +394,7 @@ def test_a_role_that_scales_to_zero_sleeps_while_idle_and_wakes_for_pending_work
     assert ready["status"] == "True"
     poll(lambda: "ScaledToZero" in event_reasons(cluster, ns, "zero"), timeout=30, what="the ScaledToZero event")
 
-    stop = threading.Event()
-    deadline = time.monotonic() + 120  # the load stops by itself even if the test fails
-    done: list[int] = []
-    clients = [threading.Thread(target=load, args=(busy_head, stop, done, deadline)) for _ in range(CLIENTS)]
-    for client in clients:
-        client.start()
-    try:
+    with under_load(busy_head, 120) as done:
         woken = poll(
             lambda: (lambda n: n if n > 0 else None)(replicas(cluster, ns, "zero-denoiser")),
             timeout=60,
@@ -403,10 +405,6 @@ def test_a_role_that_scales_to_zero_sleeps_while_idle_and_wakes_for_pending_work
         poll(
             lambda: "ScaledFromZero" in event_reasons(cluster, ns, "zero"), timeout=30, what="the ScaledFromZero event"
         )
-    finally:
-        stop.set()
-        for client in clients:
-            client.join(timeout=70)
     assert done, "no request completed under load"
     poll(
         lambda: replicas(cluster, ns, "zero-denoiser") == 0,
