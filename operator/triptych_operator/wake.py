@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kubernetes.client import ApiException
+
 from triptych_operator import kube
 from triptych_operator.constants import GROUP, PENDING_WORK_METRIC, crd_field
 from triptych_operator.pipeline_state import PipelineStates
@@ -167,13 +169,17 @@ def left_asleep(spec: PipelineSpec, deployments: Iterable[Mapping[str, Any]]) ->
 
 
 async def wake_left_asleep(spec: PipelineSpec, namespace: str, deployments: Iterable[Mapping[str, Any]]) -> None:
-    """Wake (or just unmark) what `left_asleep` finds; called by the pipeline's reconcile."""
+    """Wake (or just unmark) what `left_asleep` finds; called by the pipeline's reconcile, which an API
+    error here does not stop (the pipeline's next reconcile tries again: the mark stays until done)."""
     for name, replicas in left_asleep(spec, deployments):
-        if replicas is None:
-            await kube.run(kube.annotate_deployment, name, namespace, {ASLEEP: None}, SCALER)
-        else:
-            log.info("%s/%s no longer scales to zero: woken with %d replicas", namespace, name, replicas)
-            await _scale(name, namespace, replicas)
+        try:
+            if replicas is None:
+                await kube.run(kube.annotate_deployment, name, namespace, {ASLEEP: None}, SCALER)
+            else:
+                log.info("%s/%s no longer scales to zero: woken with %d replicas", namespace, name, replicas)
+                await _scale(name, namespace, replicas)
+        except ApiException as exc:
+            log.warning("%s/%s: could not wake it (%s); the next reconcile tries again", namespace, name, exc.reason)
 
 
 async def run(states: PipelineStates, interval_s: float = WAKE_INTERVAL_S) -> None:
