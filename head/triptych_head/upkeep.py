@@ -4,7 +4,7 @@ with no instance, and the load it publishes (the autoscaling signal and admissio
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from triptych.params import GenerationParams
@@ -78,8 +78,8 @@ def _fail_roles_without_instances(core: HeadCore, now: float) -> None:
     membership, since_by_role = core.membership, core.load.no_instance_since
     for role, queue in core.dispatcher.queues.items():
         instances = membership.instances(role)
-        waiting = [rec for rid in queue if (rec := core.requests.get(rid)) is not None and _waits_for(rec, role)]
-        if not waiting or any(membership.ready(i) for i in instances):
+        waiting = [] if any(membership.ready(i) for i in instances) else _waiting_for(core, role, queue)
+        if not waiting:
             since_by_role.pop(role, None)
             continue
         since = since_by_role.setdefault(role, now)
@@ -99,8 +99,10 @@ def _fail_roles_without_instances(core: HeadCore, now: float) -> None:
             core.finish(rec, RequestState.FAILED, reason, status_code=503)
 
 
-def _waits_for(rec: RequestRecord, role: Role) -> bool:
-    return rec.role is role and rec.instance is None
+def _waiting_for(core: HeadCore, role: Role, queue: Iterable[str]) -> list[RequestRecord]:
+    """The requests of `queue` that wait for an instance of `role`."""
+    records = (core.requests.get(rid) for rid in queue)
+    return [rec for rec in records if rec is not None and rec.role is role and rec.instance is None]
 
 
 def publish_load(core: HeadCore, now: float) -> None:
