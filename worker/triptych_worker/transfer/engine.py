@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,8 @@ from .waiting import WriteRates, poll_interval
 WRITE_TIMEOUT_S = 120.0
 _PENDING, _DONE = 0, 1
 _PEER_HINT = "the peer may be gone or the address outside its transfer pool"
+
+log = logging.getLogger(__name__)
 
 
 def _import_transfer_engine() -> Any:
@@ -45,6 +48,47 @@ def check_rdma_device(name: str | None, devices: Path = RDMA_DEVICES) -> None:
         )
 
 
+START_ATTEMPTS = 3
+_PORT_TAKEN = "Address already in use"
+
+
+def _start_engine(engine_cls: Any, hostname: str, protocol: str, ib_device: str | None) -> Any:
+    """A started Mooncake engine; raises TransferError naming the flags to check.
+
+    Mooncake's TCP transport picks its data port by binding a test socket in MC_MIN_RPC_PORT..
+    MC_MAX_RPC_PORT, closes it, then binds its listener there: another process of the host can take
+    the port in between (workers sharing a host's network, not a pod's), and initialize() raises
+    "bind: Address already in use". A fresh engine picks another port, so that is tried again, up to
+    START_ATTEMPTS engines. Mooncake cannot close the failed engine's handshake listener: it stays,
+    idle, on this worker's address in the range (no peer is ever told its port).
+    """
+    nic = f" on --disagg-ib-device {ib_device}" if ib_device else ""
+    where = f"Mooncake {protocol} engine failed to start{nic} at --disagg-p2p-hostname {hostname}"
+    attempt = 1
+    while True:
+        engine = engine_cls()
+        try:
+            rc = engine.initialize(hostname, "P2PHANDSHAKE", protocol, ib_device or "")
+        except RuntimeError as exc:
+            if _PORT_TAKEN not in str(exc):
+                raise TransferError(f"{where}: {exc}") from exc
+            if attempt == START_ATTEMPTS:
+                low, high = mooncake_port_range()
+                raise TransferError(
+                    f"{where}: another process took the port it chose, {START_ATTEMPTS} times ({exc}); free "
+                    f"ports in {low}-{high} (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT) or widen that range"
+                ) from exc
+            log.warning("%s (%s, attempt %d of %d): starting another engine", where, exc, attempt, START_ATTEMPTS)
+            attempt += 1
+            continue
+        if rc != 0:
+            raise TransferError(
+                f"{where} (return code {rc}); check that the address belongs to this host"
+                + (" and the device name matches `ibv_devices`" if ib_device else "")
+            )
+        return engine
+
+
 class MooncakeTransport:
     """Writes local registered memory into a peer's registered memory (one-sided, synchronous).
 
@@ -61,15 +105,7 @@ class MooncakeTransport:
         # on TCP (~2 us), where RDMA pins the pages of every registration (there: the pool, one copy).
         self.sends_in_place = self.protocol == "tcp"
         self.ib_device = ib_device
-        self._engine: Any = engine_cls()
-        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", self.protocol, ib_device or "")
-        if rc != 0:
-            nic = f" on --disagg-ib-device {ib_device}" if ib_device else ""
-            raise TransferError(
-                f"Mooncake {self.protocol} engine failed to start{nic} at --disagg-p2p-hostname {hostname} "
-                f"(return code {rc}); check that the address belongs to this host"
-                + (" and the device name matches `ibv_devices`" if ib_device else "")
-            )
+        self._engine: Any = _start_engine(engine_cls, hostname, self.protocol, ib_device)
         self.session_id: str = f"{hostname}:{self._engine.get_rpc_port()}"
         self._regions: list[tuple[int, int]] = []
         self._lock = threading.Lock()
