@@ -48,7 +48,7 @@ from tests.operator.test_operator_cluster import (  # noqa: E402
     operator_command,
     service_account_kubeconfig,
 )
-from triptych_operator.constants import MANAGER  # noqa: E402
+from triptych_operator.constants import API_TIME_FORMAT, MANAGER  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 CHART = ROOT / "charts" / "triptych"
@@ -127,7 +127,7 @@ def _epoch(stamp: str | None) -> float | None:
     """An API timestamp (RFC 3339, UTC, second resolution) as seconds since the epoch."""
     if not stamp:
         return None
-    return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+    return datetime.datetime.strptime(stamp, API_TIME_FORMAT).replace(tzinfo=datetime.UTC).timestamp()
 
 
 def _condition_time(obj: dict[str, Any], type_: str) -> float | None:

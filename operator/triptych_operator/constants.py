@@ -18,6 +18,8 @@ KIND: Final = "DiffusionPipeline"
 PLURAL: Final = "diffusionpipelines"
 SINGULAR: Final = "diffusionpipeline"
 SHORT_NAMES: Final = ("dp", "dpipe")
+# How the Kubernetes API writes a time (metav1.Time, RFC 3339 in UTC to the second): status, marks, metrics.
+API_TIME_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
 
 # The roles a DiffusionPipeline runs as worker pools, in the order requests flow through them.
 # Every role a DiffusionPipeline may declare a pool for (its CR field is the role descriptor's

@@ -28,6 +28,7 @@ import kopf
 from triptych.security import new_key_set, public_fingerprint
 from triptych_operator import drift, kube, wake
 from triptych_operator.constants import (
+    API_TIME_FORMAT,
     DEFAULT_HEAD_IMAGE,
     DEFAULT_WORKER_IMAGE,
     GROUP,
@@ -439,7 +440,7 @@ async def _write_status(pipeline: dict[str, Any], state: PipelineState, indexes:
         spec_error=state.spec_error,
         apply_error=state.apply_error,
         previous_conditions=old.get("conditions") or [],
-        now=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        now=datetime.datetime.now(datetime.UTC).strftime(API_TIME_FORMAT),
         components=pipeline_components(state.spec),
         scaling_to_zero=components_scaling_to_zero(state.spec),
     )

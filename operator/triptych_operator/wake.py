@@ -37,7 +37,7 @@ from typing import Any
 from kubernetes.client import ApiException
 
 from triptych_operator import kube
-from triptych_operator.constants import GROUP, PENDING_WORK_METRIC, crd_field
+from triptych_operator.constants import API_TIME_FORMAT, GROUP, PENDING_WORK_METRIC, crd_field
 from triptych_operator.pipeline_state import PipelineStates
 from triptych_operator.serve_args import object_name
 from triptych_operator.spec.model import Autoscaling, PipelineSpec
@@ -146,7 +146,7 @@ async def _scale(deployment: str, namespace: str, replicas: int) -> None:
     """Set the replicas; marked ASLEEP at 0 (before the scale: a crash in between leaves a mark, not
     an unmarked Deployment at 0), unmarked once woken."""
     if replicas == 0:
-        since = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        since = datetime.datetime.now(datetime.UTC).strftime(API_TIME_FORMAT)
         await kube.run(kube.annotate_deployment, deployment, namespace, {ASLEEP: since}, SCALER)
     await kube.run(kube.scale_deployment, deployment, namespace, replicas, SCALER)
     if replicas:

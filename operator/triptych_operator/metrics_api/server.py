@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from triptych_operator.constants import CUSTOM_METRICS_GROUP
+from triptych_operator.constants import API_TIME_FORMAT, CUSTOM_METRICS_GROUP
 from triptych_operator.metrics_api.auth import Authorizer, RequestHeaderConfig, authenticate, resource_attributes
 from triptych_operator.metrics_api.prometheus import HEAD_GAUGES
 from triptych_operator.metrics_api.source import HeadMetricsSource, split_deployment_name
@@ -80,7 +80,7 @@ def resource_list(version: str) -> dict[str, Any]:
 
 def metric_value(version: str, namespace: str, name: str, metric: str, value: float, at: float) -> dict[str, Any]:
     described = {"kind": "Deployment", "namespace": namespace, "name": name, "apiVersion": "apps/v1"}
-    stamp = datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = datetime.datetime.fromtimestamp(at, datetime.UTC).strftime(API_TIME_FORMAT)
     if version == "v1beta1":
         return {"describedObject": described, "metricName": metric, "timestamp": stamp, "value": quantity(value)}
     return {"describedObject": described, "metric": {"name": metric}, "timestamp": stamp, "value": quantity(value)}
