@@ -16,9 +16,10 @@ Prints, side by side in one run:
   sockets) sent between 5 processes that only forward them (bench/zmq_floor.py), in --blocks
   blocks alternating with the head's (floor, head, floor, head, ...) in this one process
   lifetime; the overhead / floor ratio per block pair and its median (target: <= 1.5x);
-- the same sequential measurement with every thread of every process (head, workers, this
-  client) pinned to one CPU: no message then wakes a thread on another CPU (on a small VM such
-  a wake-up costs more than handling the message);
+- the same sequential measurement and the floor with every thread of every process (head,
+  workers, the floor's, this client) pinned to one CPU: no message then wakes a thread on another
+  CPU (on a small VM such a wake-up costs more than handling the message, the floor's most), and
+  their ratio, which is then the per-message work alone;
 - throughput in requests/second at --concurrency, frontend and HTTP in --blocks alternating blocks
   (HTTP from a lean keep-alive client, http_load.py), their ratio and the head's CPU per request;
 - the cost of the authenticated control plane: a deployment with CURVE keys (the default, measured
@@ -251,6 +252,28 @@ def on_one_cpu(pids: list[int]) -> Iterator[bool]:
         set_all(cpus)
 
 
+def on_one_cpu_figures(endpoint: str, pids: list[int], floor: zmq_floor.Floor, n: int) -> dict[str, float]:
+    """The sequential overhead and the floor with every thread of both (and of this client) on one CPU.
+
+    On a small VM the placement the scheduler picks by itself costs the floor more than the head: a
+    wake-up on another (often idle) vCPU costs more than the floor's handling of the message. Once
+    pinned, nothing wakes across CPUs and the ratio shows the per-message work alone. Empty with one CPU.
+    """
+    with on_one_cpu([*pids, *(p.pid for p in floor.procs if p.pid is not None)]) as pinned:
+        if not pinned:
+            return {}
+        floor.block(20)  # settle on the new placement
+        floor_ms = zmq_floor.summary(floor.block(n))["floor_ms"]
+        sequential(endpoint, 20)
+        ours = sequential(endpoint, n)
+    return {
+        "one_cpu_latency_ms": ours["latency_ms"],
+        "one_cpu_control_overhead_ms": ours["control_overhead_ms"],
+        "one_cpu_zmq_floor_ms": floor_ms,
+        "one_cpu_overhead_over_floor": ours["control_overhead_ms"] / floor_ms,
+    }
+
+
 async def measure(dep, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     front = Frontend(f"tcp://127.0.0.1:{dep.scheduler_port}")
     await front.request("warmup")
@@ -272,6 +295,7 @@ async def measure(dep, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
             for acc, xs in zip(runs, block, strict=True):
                 acc += xs
             ratios.append(summarize(*block)["control_overhead_ms"] / zmq_floor.summary(floor_block)["floor_ms"])
+        one_cpu = on_one_cpu_figures(front.endpoint, [p.popen.pid for p in dep.procs], floor, args.sequential)
     out: dict[str, Any] = dict(summarize(*runs))
     for role, used in cpu_used.items():
         out[f"cpu_ms_per_request_{role}"] = used / len(runs[0]) * 1e3
@@ -280,12 +304,7 @@ async def measure(dep, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     out["zmq_floor_p99_ms"] = floor_summary["floor_p99_ms"]
     out["overhead_over_floor_per_block"] = ratios
     out["overhead_over_floor"] = statistics.median(ratios)
-    with on_one_cpu([p.popen.pid for p in dep.procs]) as pinned:
-        if pinned:
-            sequential(front.endpoint, 20)  # settle on the new placement
-            one_cpu = sequential(front.endpoint, args.sequential)
-            out["one_cpu_latency_ms"] = one_cpu["latency_ms"]
-            out["one_cpu_control_overhead_ms"] = one_cpu["control_overhead_ms"]
+    out.update(one_cpu)
     out.update(await throughput(dep, front, args))
     front.reader.cancel()
     return out
@@ -516,7 +535,8 @@ def main() -> int:
     if "one_cpu_control_overhead_ms" in result:
         print(
             f"  ... all on one CPU      {result['one_cpu_control_overhead_ms']:8.2f} ms   (every process's threads "
-            f"pinned to one CPU: no cross-CPU wake-ups; latency {result['one_cpu_latency_ms']:.2f} ms)"
+            f"pinned to one CPU: no cross-CPU wake-ups; latency {result['one_cpu_latency_ms']:.2f} ms; the floor "
+            f"pinned the same {result['one_cpu_zmq_floor_ms']:.2f} ms: {result['one_cpu_overhead_over_floor']:.2f}x)"
         )
     print(
         f"  raw ZMQ floor           {result['zmq_floor_ms']:8.2f} ms   (the same {result['zmq_floor_messages']} "
