@@ -219,6 +219,11 @@ async def throughput(dep, front: Frontend, args) -> dict[str, Any]:  # type: ign
     }
 
 
+def process_cpu_seconds(pids: Iterable[int | None]) -> float:
+    """CPU time (user + system) these processes have used so far, together."""
+    return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids if pid is not None)
+
+
 def cpu_seconds(dep) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """CPU time (user + system) each process of the deployment has used so far, by role."""
     out: dict[str, float] = {}
@@ -284,9 +289,12 @@ async def measure(dep, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     floor_samples: list[float] = []
     ratios: list[float] = []
     cpu_used = dict.fromkeys(cpu_seconds(dep), 0.0)
+    floor_cpu = 0.0
     with zmq_floor.Floor() as floor:
         for _ in range(args.blocks):
+            floor_before = process_cpu_seconds(p.pid for p in floor.procs)
             floor_block = floor.block(per_block)
+            floor_cpu += process_cpu_seconds(p.pid for p in floor.procs) - floor_before
             before = cpu_seconds(dep)
             block = sequential_samples(front.endpoint, per_block)
             for role, used in cpu_seconds(dep).items():
@@ -299,6 +307,7 @@ async def measure(dep, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     out: dict[str, Any] = dict(summarize(*runs))
     for role, used in cpu_used.items():
         out[f"cpu_ms_per_request_{role}"] = used / len(runs[0]) * 1e3
+    out["zmq_floor_cpu_ms_per_request"] = floor_cpu / len(floor_samples) * 1e3
     floor_summary = zmq_floor.summary(floor_samples)
     out["zmq_floor_ms"], out["zmq_floor_messages"] = floor_summary["floor_ms"], floor_summary["messages"]
     out["zmq_floor_p99_ms"] = floor_summary["floor_p99_ms"]
@@ -548,7 +557,7 @@ def main() -> int:
     cpu = ", ".join(
         f"{k.removeprefix('cpu_ms_per_request_')} {v:.2f}" for k, v in result.items() if k.startswith("cpu_ms")
     )
-    print(f"  CPU per request (ms)    {cpu}")
+    print(f"  CPU per request (ms)    {cpu}; the floor's 5 processes {result['zmq_floor_cpu_ms_per_request']:.2f}")
     print(f"  throughput, frontend    {result['frontend_rps']:8.1f} req/s at concurrency {args.concurrency}   "
           f"(head CPU {result['head_cpu_ms_per_request_frontend']:.2f} ms/request)")  # fmt: skip
     print(f"  throughput, HTTP        {result['http_rps']:8.1f} req/s at concurrency {args.concurrency}   "
