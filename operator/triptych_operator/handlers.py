@@ -70,6 +70,7 @@ CHILD_KINDS: dict[tuple[str, str], tuple[str, str, str, str]] = {
 # appear only while a handler is retried).
 KOPF_ANNOTATIONS = frozenset({f"{GROUP}/kopf-managed", f"{GROUP}/last-handled-configuration"})
 POD_INDEX = "pod_index"
+DEPLOYMENT_INDEX = CHILD_KINDS[("apps/v1", "Deployment")][3]
 # (what an apply did, whether the reconcile was for a child changed by someone else) -> Event reason
 CHANGE_REASONS = {
     (kube.ApplyResult.CREATED, False): "Created",
@@ -100,9 +101,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 
 @kopf.on.startup()
-async def start_waking(memo: kopf.Memo, **_: Any) -> None:
-    """The roles that scale to zero: taken down when idle, up when a request needs them (wake.py)."""
-    memo.waking = asyncio.create_task(wake.run(memo.pipelines), name="scale to zero")
+async def start_waking(memo: kopf.Memo, **indexes: Any) -> None:
+    """The roles that scale to zero: taken down when idle, up when a request needs them (wake.py).
+
+    kopf hands a startup handler its indexes too: live views, which the loop reads on every pass."""
+    memo.waking = asyncio.create_task(wake.run(memo.pipelines, indexes[DEPLOYMENT_INDEX]), name="scale to zero")
 
 
 @kopf.on.cleanup()
@@ -308,7 +311,7 @@ async def reconcile(
                 assert state.children is not None
                 await _apply_children(pipeline, state, indexes, trigger=trigger, logger=logger)
                 if trigger == "pipeline":  # a spec change may leave a role asleep that no longer scales to zero
-                    await wake.wake_left_asleep(state.spec, key[0], _live(indexes, "deployment_index", key))
+                    await wake.wake_left_asleep(state.spec, key[0], _live(indexes, DEPLOYMENT_INDEX, key))
                 state.apply_error = None
             except kube.ApplyError as exc:
                 state.apply_error = str(exc)
@@ -427,7 +430,7 @@ async def _write_status(pipeline: dict[str, Any], state: PipelineState, indexes:
     """Compute the status from the watched Deployments and pods; patch it (and announce changes) if it changed."""
     meta = pipeline["metadata"]
     key = (meta["namespace"], meta["name"])
-    deployments = {d["metadata"]["labels"].get(LABEL_COMPONENT): d for d in _live(indexes, "deployment_index", key)}
+    deployments = {d["metadata"]["labels"].get(LABEL_COMPONENT): d for d in _live(indexes, DEPLOYMENT_INDEX, key)}
     pods: dict[str, list[dict[str, Any]]] = {}
     for pod in _live(indexes, POD_INDEX, key):
         pods.setdefault(pod["metadata"]["labels"].get(LABEL_COMPONENT), []).append(pod)

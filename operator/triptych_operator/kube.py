@@ -170,18 +170,6 @@ def patch_pipeline_status(name: str, namespace: str, status: Mapping[str, Any]) 
         # Deleted while we reconciled: nothing to report on.
 
 
-def deployment_replicas(name: str, namespace: str) -> int | None:
-    """The replicas a Deployment's scale subresource asks for; None when there is no such Deployment."""
-    api = client.AppsV1Api(dynamic_client().client)
-    try:
-        spec = api.read_namespaced_deployment_scale(name, namespace).spec
-        return int(spec.replicas or 0) if spec is not None else 0
-    except client.ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-
-
 def scale_deployment(name: str, namespace: str, replicas: int, manager: str) -> None:
     """Set a Deployment's replicas through its scale subresource, as the HPA does (`manager` names the writer)."""
     api = client.AppsV1Api(dynamic_client().client)

@@ -11,10 +11,11 @@ operator makes the two steps the HPA cannot, as KEDA does, from the HPA's own si
 - **from zero**: pending work while it has no pod: ceil(work / `targetWorkSecondsPerReplica`) pods,
   within [1, `maxReplicas`]; the HPA goes on from there.
 
-Every WAKE_INTERVAL_S, for each such role of the pipelines this operator reconciles, two reads (the
-Deployment's scale and the metric) and, when it decides, one write and an Event on the pipeline;
-nothing for the other pipelines. Without the metric (no metrics server, no head answering) nothing
-changes: a role is never taken to zero on a missing signal. The head lets requests wait for a role
+Every WAKE_INTERVAL_S, for each such role of the pipelines this operator reconciles, one read (the
+metric; the Deployment's replicas come from the operator's watch, its kopf index) and, when it
+decides, one write and an Event on the pipeline; nothing for the other pipelines. Without the
+metric (no metrics server, no head answering) nothing changes: a role is never taken to zero on a
+missing signal. The head lets requests wait for a role
 at zero as long as they may live (serve_args.head_wake_wait).
 
 A Deployment put to sleep carries the ASLEEP annotation until it wakes, so that a role whose
@@ -45,6 +46,8 @@ from triptych_operator.spec.model import Autoscaling, PipelineSpec
 log = logging.getLogger(__name__)
 
 WAKE_INTERVAL_S = 5.0
+# The kopf index of the operator's Deployments: (namespace, pipeline) -> the Deployments' bodies.
+DeploymentIndex = Mapping[tuple[str, str], Iterable[Mapping[str, Any]]]
 SCALER = "triptych-operator-scale-to-zero"  # the field manager of the replicas it sets (never the HPA's)
 ASLEEP = f"{GROUP}/asleep"  # on a Deployment this operator took to zero: since when (UTC)
 
@@ -92,13 +95,14 @@ class Waker:
         self._busy: dict[tuple[str, str], float] = {}  # (namespace, deployment) -> when it last had work
         self._silent: set[tuple[str, str]] = set()  # those without a metric, logged once until it comes back
 
-    async def one_pass(self, states: PipelineStates) -> None:
+    async def one_pass(self, states: PipelineStates, deployments: DeploymentIndex) -> None:
+        """`deployments`: the operator's kopf index of Deployments, by (namespace, pipeline)."""
         seen = set()
         for role in roles_to_watch(states):
             key = (role.namespace, role.deployment)
             seen.add(key)
             try:
-                await self._check(role, key)
+                await self._check(role, key, live_replicas(deployments, role))
             except asyncio.CancelledError:
                 raise
             except Exception:  # an API error: this role's next check is in the next pass, the others go on
@@ -107,10 +111,9 @@ class Waker:
             del self._busy[gone]
         self._silent &= seen
 
-    async def _check(self, role: SleepyRole, key: tuple[str, str]) -> None:
-        replicas = await kube.run(kube.deployment_replicas, role.deployment, role.namespace)
+    async def _check(self, role: SleepyRole, key: tuple[str, str], replicas: int | None) -> None:
         if replicas is None:
-            return  # not created yet
+            return  # not created yet (or not seen by the watch yet)
         pending = await kube.run(kube.deployment_metric, role.deployment, role.namespace, PENDING_WORK_METRIC)
         now = self._clock()
         if pending is None:
@@ -140,6 +143,16 @@ class Waker:
             )
         log.info("%s/%s: %s", role.namespace, role.pipeline, message)
         await kube.run(kube.pipeline_event, role.pipeline, role.namespace, role.uid, reason, message)
+
+
+def live_replicas(deployments: DeploymentIndex, role: SleepyRole) -> int | None:
+    """The replicas the role's Deployment asks for, as the watch last saw it; None when it has not
+    seen one (not created yet). The HPA and this loop set them through the scale subresource, which
+    writes the Deployment's spec.replicas: the watch sees each change."""
+    for deployment in deployments.get((role.namespace, role.pipeline)) or ():
+        if deployment["metadata"]["name"] == role.deployment:
+            return int((deployment.get("spec") or {}).get("replicas", 1))  # the API's default when unset
+    return None
 
 
 async def _scale(deployment: str, namespace: str, replicas: int) -> None:
@@ -182,12 +195,13 @@ async def wake_left_asleep(spec: PipelineSpec, namespace: str, deployments: Iter
             log.warning("%s/%s: could not wake it (%s); the next reconcile tries again", namespace, name, exc.reason)
 
 
-async def run(states: PipelineStates, interval_s: float = WAKE_INTERVAL_S) -> None:
-    """Pass over the roles that scale to zero every `interval_s`, until cancelled."""
+async def run(states: PipelineStates, deployments: DeploymentIndex, interval_s: float = WAKE_INTERVAL_S) -> None:
+    """Pass over the roles that scale to zero every `interval_s`, until cancelled; `deployments` is
+    the operator's live kopf index of its Deployments (handlers.start_waking passes it)."""
     waker = Waker()
     while True:
         try:
-            await waker.one_pass(states)
+            await waker.one_pass(states, deployments)
         except asyncio.CancelledError:
             raise
         except Exception:  # an API error: the next pass tries again

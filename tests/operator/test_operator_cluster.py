@@ -569,7 +569,7 @@ def test_the_charts_rbac_is_all_the_operator_needs(crd: KubeCluster, kube_namesp
         env = {**crd.env, "KUBECONFIG": str(kubeconfig)}
         proc = subprocess.Popen(operator_command(ns, port), env=env, stdout=log, stderr=subprocess.STDOUT)
         poll(lambda: _healthz(port), timeout=60, what="the operator's liveness endpoint")
-        # Its denoiser scales to zero: the operator reads its scale and asks for its metric (none here) too.
+        # Its denoiser scales to zero: the operator asks for its metric (none here) too.
         sleepy = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2}}
         apply(crd, ns, pipeline_manifest("rbac", denoiser=sleepy))
         wait_phase(crd, ns, "rbac", "Ready")

@@ -4,6 +4,9 @@ tests/operator/test_autoscaling_cluster.py."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 from triptych_operator.spec.model import Autoscaling
 from triptych_operator.wake import decide
 
@@ -48,3 +51,50 @@ def test_a_deployment_left_asleep_by_a_role_that_no_longer_scales_to_zero_is_wok
     assert left_asleep(still, [live("wan-t2v-denoiser", 0)]) == []  # the wake loop's
     fixed = pipeline(minimal_spec())  # autoscaling off: its apply sets the replicas, the mark just goes
     assert left_asleep(fixed, [live("wan-t2v-denoiser", 0)]) == [("wan-t2v-denoiser", None)]
+
+
+def test_a_pass_reads_the_replicas_from_the_watch_and_the_work_from_the_metric(monkeypatch: Any) -> None:
+    """One pass over a sleeping denoiser with work and an idle one: the replicas come from the kopf
+    index (no read of the scale), the work from the metric; the first is woken, the second left."""
+    from tests.operator.helpers import NAMESPACE, minimal_spec, pipeline
+    from triptych_operator import kube, wake
+    from triptych_operator.pipeline_state import PipelineStates
+
+    states = PipelineStates()
+    index: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    work = {"busy-denoiser": 90.0, "idle-denoiser": 0.0}
+    for name in work:
+        state = states.get((NAMESPACE, name.split("-")[0]))
+        sleepy = {
+            "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 4, "targetWorkSecondsPerReplica": 60}
+        }
+        state.spec = pipeline(minimal_spec(denoiser=sleepy), name=name.split("-")[0])
+        state.parsed_for = ("uid", 1)
+        index[(NAMESPACE, name.split("-")[0])] = [{"metadata": {"name": name}, "spec": {"replicas": 0}}]
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(kube, "deployment_metric", lambda name, namespace, metric: work[name])
+    monkeypatch.setattr(
+        kube, "scale_deployment", lambda name, ns, replicas, manager: calls.append(("scale", name, str(replicas)))
+    )
+    monkeypatch.setattr(
+        kube, "annotate_deployment", lambda name, ns, annotations, manager: calls.append(("annotate", name))
+    )
+    monkeypatch.setattr(kube, "pipeline_event", lambda name, ns, uid, reason, message: calls.append(("event", reason)))
+
+    asyncio.run(wake.Waker().one_pass(states, index))
+    assert calls == [("scale", "busy-denoiser", "2"), ("annotate", "busy-denoiser"), ("event", "ScaledFromZero")]
+
+    del index[(NAMESPACE, "busy")]  # not seen by the watch (yet): left alone
+    calls.clear()
+    asyncio.run(wake.Waker().one_pass(states, index))
+    assert calls == []
+
+
+def test_the_replicas_are_the_deployment_s_as_the_watch_saw_it() -> None:
+    from triptych_operator.wake import SleepyRole, live_replicas
+
+    role = SleepyRole("ml", "p", "uid", "denoiser", "p-denoiser", AUTO)
+    assert live_replicas({}, role) is None
+    assert live_replicas({("ml", "p"): [{"metadata": {"name": "p-decoder"}, "spec": {"replicas": 2}}]}, role) is None
+    assert live_replicas({("ml", "p"): [{"metadata": {"name": "p-denoiser"}, "spec": {"replicas": 3}}]}, role) == 3
+    assert live_replicas({("ml", "p"): [{"metadata": {"name": "p-denoiser"}, "spec": {}}]}, role) == 1  # API default

@@ -49,8 +49,9 @@ app.kubernetes.io/component: operator
   verbs: [get, list, watch, create, patch]
 - apiGroups: [apps]
   resources: [deployments/scale]
-  # Roles that scale to zero (autoscaling.minReplicas 0): taken to 0 when idle, back up when needed.
-  verbs: [get, patch]
+  # Roles that scale to zero (autoscaling.minReplicas 0): taken to 0 when idle, back up when needed
+  # (their replicas are read from the Deployments' watch).
+  verbs: [patch]
 - apiGroups: [custom.metrics.k8s.io]
   resources: [deployments.apps/triptych_pending_work_seconds]
   # The signal of those roles, read as their HPA reads it.
