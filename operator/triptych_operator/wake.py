@@ -15,8 +15,8 @@ Every WAKE_INTERVAL_S, for each such role of the pipelines this operator reconci
 metric; the Deployment's replicas come from the operator's watch, its kopf index) and, when it
 decides, one write and an Event on the pipeline; nothing for the other pipelines. Without the
 metric (no metrics server, no head answering) nothing changes: a role is never taken to zero on a
-missing signal. The head lets requests wait for a role
-at zero as long as they may live (serve_args.head_wake_wait).
+missing signal. The head lets requests wait for a role at zero as long as they may live
+(serve_args.head_wake_wait).
 
 A Deployment put to sleep carries the ASLEEP annotation until it wakes, so that a role whose
 `minReplicas` is raised (or whose autoscaling is turned off) while it sleeps is woken by the
