@@ -46,6 +46,9 @@ from triptych_operator.spec.model import Autoscaling, PipelineSpec
 log = logging.getLogger(__name__)
 
 WAKE_INTERVAL_S = 5.0
+# How long the watch may still show the replicas a scale of this loop changed: meanwhile nothing is
+# decided on that stale figure (no second scale, no second Event), as a controller's expectations.
+WATCH_LAG_S = 30.0
 # The kopf index of the operator's Deployments: (namespace, pipeline) -> the Deployments' bodies.
 DeploymentIndex = Mapping[tuple[str, str], Iterable[Mapping[str, Any]]]
 SCALER = "triptych-operator-scale-to-zero"  # the field manager of the replicas it sets (never the HPA's)
@@ -94,6 +97,7 @@ class Waker:
         self._clock = clock
         self._busy: dict[tuple[str, str], float] = {}  # (namespace, deployment) -> when it last had work
         self._silent: set[tuple[str, str]] = set()  # those without a metric, logged once until it comes back
+        self._scaled: dict[tuple[str, str], tuple[int, float]] = {}  # -> (the replicas it changed, when)
 
     async def one_pass(self, states: PipelineStates, deployments: DeploymentIndex) -> None:
         """`deployments`: the operator's kopf index of Deployments, by (namespace, pipeline)."""
@@ -109,11 +113,15 @@ class Waker:
                 log.exception("scale to zero: checking %s/%s failed", role.namespace, role.deployment)
         for gone in set(self._busy) - seen:
             del self._busy[gone]
+        for gone in set(self._scaled) - seen:
+            del self._scaled[gone]
         self._silent &= seen
 
     async def _check(self, role: SleepyRole, key: tuple[str, str], replicas: int | None) -> None:
         if replicas is None:
             return  # not created yet (or not seen by the watch yet)
+        if self._stale(key, replicas):
+            return
         pending = await kube.run(kube.deployment_metric, role.deployment, role.namespace, PENDING_WORK_METRIC)
         now = self._clock()
         if pending is None:
@@ -132,6 +140,7 @@ class Waker:
         if wanted is None or wanted == replicas:
             return
         await _scale(role.deployment, role.namespace, wanted)
+        self._scaled[key] = (replicas, self._clock())
         if wanted:
             reason = "ScaledFromZero"
             message = f"{role.component}: {pending:g} s of work pending, no pod; {role.deployment} scaled to {wanted}"
@@ -143,6 +152,18 @@ class Waker:
             )
         log.info("%s/%s: %s", role.namespace, role.pipeline, message)
         await kube.run(kube.pipeline_event, role.pipeline, role.namespace, role.uid, reason, message)
+
+    def _stale(self, key: tuple[str, str], replicas: int) -> bool:
+        """Whether the watch still shows the replicas this loop's last scale of `key` changed (for up
+        to WATCH_LAG_S): a decision on them would repeat that scale."""
+        scaled = self._scaled.get(key)
+        if scaled is None:
+            return False
+        before, at = scaled
+        if replicas == before and self._clock() - at < WATCH_LAG_S:
+            return True
+        del self._scaled[key]
+        return False
 
 
 def live_replicas(deployments: DeploymentIndex, role: SleepyRole) -> int | None:

@@ -90,6 +90,39 @@ def test_a_pass_reads_the_replicas_from_the_watch_and_the_work_from_the_metric(m
     assert calls == []
 
 
+def test_a_scale_the_watch_has_not_shown_yet_is_not_made_again(monkeypatch: Any) -> None:
+    """The kopf index may lag a scale of the loop: while it still shows the replicas the scale
+    changed (up to WATCH_LAG_S), nothing is decided on them, so no second scale and no second Event."""
+    from tests.operator.helpers import NAMESPACE, minimal_spec, pipeline
+    from triptych_operator import kube, wake
+    from triptych_operator.pipeline_state import PipelineStates
+
+    states = PipelineStates()
+    state = states.get((NAMESPACE, "p"))
+    sleepy = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 4}}
+    state.spec, state.parsed_for = pipeline(minimal_spec(denoiser=sleepy), name="p"), ("uid", 1)
+    index = {(NAMESPACE, "p"): [{"metadata": {"name": "p-denoiser"}, "spec": {"replicas": 0}}]}
+    scales: list[int] = []
+    monkeypatch.setattr(kube, "deployment_metric", lambda name, namespace, metric: 30.0)
+    monkeypatch.setattr(kube, "scale_deployment", lambda name, ns, replicas, manager: scales.append(replicas))
+    monkeypatch.setattr(kube, "annotate_deployment", lambda *args: None)
+    monkeypatch.setattr(kube, "pipeline_event", lambda *args: None)
+    now = [1000.0]
+    waker = wake.Waker(clock=lambda: now[0])
+
+    asyncio.run(waker.one_pass(states, index))
+    assert scales == [1]
+    now[0] += wake.WAKE_INTERVAL_S  # the watch still shows 0
+    asyncio.run(waker.one_pass(states, index))
+    assert scales == [1]
+    now[0] += wake.WATCH_LAG_S  # never shown: decided again
+    asyncio.run(waker.one_pass(states, index))
+    assert scales == [1, 1]
+    index[(NAMESPACE, "p")][0]["spec"]["replicas"] = 1  # shown: the role has its pod, the HPA's from here
+    asyncio.run(waker.one_pass(states, index))
+    assert scales == [1, 1]
+
+
 def test_the_replicas_are_the_deployment_s_as_the_watch_saw_it() -> None:
     from triptych_operator.wake import SleepyRole, live_replicas
 
