@@ -221,15 +221,19 @@ async def throughput(dep, front: Frontend, args) -> dict[str, Any]:  # type: ign
 
 def process_cpu_seconds(pids: Iterable[int | None]) -> float:
     """CPU time (user + system) these processes have used so far, together."""
-    return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids if pid is not None)
+    total = 0.0
+    for pid in pids:
+        if pid is not None:
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def cpu_seconds(dep) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """CPU time (user + system) each process of the deployment has used so far, by role."""
     out: dict[str, float] = {}
     for p in dep.procs:
-        t = psutil.Process(p.popen.pid).cpu_times()
-        out[p.role.value] = out.get(p.role.value, 0.0) + t.user + t.system
+        out[p.role.value] = out.get(p.role.value, 0.0) + process_cpu_seconds([p.popen.pid])
     return out
 
 

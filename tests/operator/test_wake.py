@@ -5,8 +5,12 @@ tests/operator/test_autoscaling_cluster.py."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
+from tests.operator.helpers import NAMESPACE, minimal_spec, pipeline
+from triptych_operator import kube, wake
+from triptych_operator.pipeline_state import PipelineStates
 from triptych_operator.spec.model import Autoscaling
 from triptych_operator.wake import decide
 
@@ -36,7 +40,6 @@ def test_a_role_goes_to_zero_only_after_the_stabilization_window_without_work() 
 
 
 def test_a_deployment_left_asleep_by_a_role_that_no_longer_scales_to_zero_is_woken() -> None:
-    from tests.operator.helpers import minimal_spec, pipeline
     from triptych_operator.wake import ASLEEP, left_asleep
 
     def live(name: str, replicas: int, asleep: bool = True) -> dict:
@@ -53,33 +56,35 @@ def test_a_deployment_left_asleep_by_a_role_that_no_longer_scales_to_zero_is_wok
     assert left_asleep(fixed, [live("wan-t2v-denoiser", 0)]) == [("wan-t2v-denoiser", None)]
 
 
+def sleepy_pipelines(*names: str) -> tuple[PipelineStates, dict[tuple[str, str], list[dict[str, Any]]]]:
+    """Pipelines whose denoiser scales to zero (as reconciled), and the kopf index of their Deployments,
+    each denoiser at 0 replicas."""
+    states = PipelineStates()
+    index = {}
+    sleepy = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 4, "targetWorkSecondsPerReplica": 60}}
+    for name in names:
+        state = states.get((NAMESPACE, name))
+        state.spec, state.parsed_for = pipeline(minimal_spec(denoiser=sleepy), name=name), ("uid", 1)
+        index[(NAMESPACE, name)] = [{"metadata": {"name": f"{name}-denoiser"}, "spec": {"replicas": 0}}]
+    return states, index
+
+
+def stub_api(monkeypatch: Any, work: Callable[[str], float]) -> list[tuple[str, ...]]:
+    """The API calls the loop makes, stubbed (the real ones: test_autoscaling_cluster.py): the metric
+    is `work(deployment)`; the writes are recorded in the list returned."""
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(kube, "deployment_metric", lambda name, namespace, metric: work(name))
+    monkeypatch.setattr(kube, "scale_deployment", lambda name, ns, n, manager: calls.append(("scale", name, str(n))))
+    monkeypatch.setattr(kube, "annotate_deployment", lambda name, ns, notes, manager: calls.append(("annotate", name)))
+    monkeypatch.setattr(kube, "pipeline_event", lambda name, ns, uid, reason, text: calls.append(("event", reason)))
+    return calls
+
+
 def test_a_pass_reads_the_replicas_from_the_watch_and_the_work_from_the_metric(monkeypatch: Any) -> None:
     """One pass over a sleeping denoiser with work and an idle one: the replicas come from the kopf
     index (no read of the scale), the work from the metric; the first is woken, the second left."""
-    from tests.operator.helpers import NAMESPACE, minimal_spec, pipeline
-    from triptych_operator import kube, wake
-    from triptych_operator.pipeline_state import PipelineStates
-
-    states = PipelineStates()
-    index: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    work = {"busy-denoiser": 90.0, "idle-denoiser": 0.0}
-    for name in work:
-        state = states.get((NAMESPACE, name.split("-")[0]))
-        sleepy = {
-            "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 4, "targetWorkSecondsPerReplica": 60}
-        }
-        state.spec = pipeline(minimal_spec(denoiser=sleepy), name=name.split("-")[0])
-        state.parsed_for = ("uid", 1)
-        index[(NAMESPACE, name.split("-")[0])] = [{"metadata": {"name": name}, "spec": {"replicas": 0}}]
-    calls: list[tuple[str, ...]] = []
-    monkeypatch.setattr(kube, "deployment_metric", lambda name, namespace, metric: work[name])
-    monkeypatch.setattr(
-        kube, "scale_deployment", lambda name, ns, replicas, manager: calls.append(("scale", name, str(replicas)))
-    )
-    monkeypatch.setattr(
-        kube, "annotate_deployment", lambda name, ns, annotations, manager: calls.append(("annotate", name))
-    )
-    monkeypatch.setattr(kube, "pipeline_event", lambda name, ns, uid, reason, message: calls.append(("event", reason)))
+    states, index = sleepy_pipelines("busy", "idle")
+    calls = stub_api(monkeypatch, {"busy-denoiser": 90.0, "idle-denoiser": 0.0}.__getitem__)
 
     asyncio.run(wake.Waker().one_pass(states, index))
     assert calls == [("scale", "busy-denoiser", "2"), ("annotate", "busy-denoiser"), ("event", "ScaledFromZero")]
@@ -93,34 +98,25 @@ def test_a_pass_reads_the_replicas_from_the_watch_and_the_work_from_the_metric(m
 def test_a_scale_the_watch_has_not_shown_yet_is_not_made_again(monkeypatch: Any) -> None:
     """The kopf index may lag a scale of the loop: while it still shows the replicas the scale
     changed (up to WATCH_LAG_S), nothing is decided on them, so no second scale and no second Event."""
-    from tests.operator.helpers import NAMESPACE, minimal_spec, pipeline
-    from triptych_operator import kube, wake
-    from triptych_operator.pipeline_state import PipelineStates
-
-    states = PipelineStates()
-    state = states.get((NAMESPACE, "p"))
-    sleepy = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 4}}
-    state.spec, state.parsed_for = pipeline(minimal_spec(denoiser=sleepy), name="p"), ("uid", 1)
-    index = {(NAMESPACE, "p"): [{"metadata": {"name": "p-denoiser"}, "spec": {"replicas": 0}}]}
-    scales: list[int] = []
-    monkeypatch.setattr(kube, "deployment_metric", lambda name, namespace, metric: 30.0)
-    monkeypatch.setattr(kube, "scale_deployment", lambda name, ns, replicas, manager: scales.append(replicas))
-    monkeypatch.setattr(kube, "annotate_deployment", lambda *args: None)
-    monkeypatch.setattr(kube, "pipeline_event", lambda *args: None)
+    states, index = sleepy_pipelines("p")
+    calls = stub_api(monkeypatch, lambda name: 30.0)
     now = [1000.0]
     waker = wake.Waker(clock=lambda: now[0])
 
+    def scales() -> list[str]:
+        return [call[2] for call in calls if call[0] == "scale"]
+
     asyncio.run(waker.one_pass(states, index))
-    assert scales == [1]
+    assert scales() == ["1"]
     now[0] += wake.WAKE_INTERVAL_S  # the watch still shows 0
     asyncio.run(waker.one_pass(states, index))
-    assert scales == [1]
+    assert scales() == ["1"]
     now[0] += wake.WATCH_LAG_S  # never shown: decided again
     asyncio.run(waker.one_pass(states, index))
-    assert scales == [1, 1]
+    assert scales() == ["1", "1"]
     index[(NAMESPACE, "p")][0]["spec"]["replicas"] = 1  # shown: the role has its pod, the HPA's from here
     asyncio.run(waker.one_pass(states, index))
-    assert scales == [1, 1]
+    assert scales() == ["1", "1"]
 
 
 def test_the_replicas_are_the_deployment_s_as_the_watch_saw_it() -> None:

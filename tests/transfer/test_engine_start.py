@@ -68,7 +68,7 @@ def start(fault: Path, times: int) -> tuple[dict[str, object], str]:
 def test_an_engine_whose_port_was_taken_starts_on_another_and_moves_bytes(fault: Path) -> None:
     result, stderr = start(fault, times=1)
     assert result["same"] is True
-    assert "Address already in use" in stderr  # the fault happened: Mooncake's own log of the failed listener
+    assert "Address already in use" in stderr  # the fault happened (Mooncake's error, as the warning quotes it)
     assert "attempt 1 of 3): starting another engine" in stderr
 
 
