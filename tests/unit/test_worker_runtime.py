@@ -417,6 +417,47 @@ def test_a_computing_worker_keeps_answering_and_runs_queued_work_in_order_one_at
         assert len({thread for _, thread in pipeline.runs}) == 1
 
 
+@pytest.mark.parametrize("resume", [1, {}, {"step": "3"}, {"step": -1}, [2]])
+def test_a_malformed_continuation_fails_its_own_request_on_a_batching_worker(resume):
+    """Real sockets, --batching-max-size 2: a transfer_ready whose meta names a continuation without
+    a step (another worker's message, passed on by the head) fails that request, naming the field;
+    the worker goes on, the requests queued beside it run, and its slot is freed."""
+    params = {"width": 16, "height": 16, "num_inference_steps": 1}
+    manifest = [{"name": "x", "dtype": "uint8", "shape": [16], "offset": 0}]
+    with served_worker("--batching-max-size", "2") as w:
+        pipeline, work = w.pipeline, w.work
+        for rid in ("r1", "bad", "r3"):
+            pipeline.gates[rid] = threading.Event()
+        work.send_multipart(encode(Work("r1", "w", {**params, "prompt": "r1"})))
+        deadline = time.monotonic() + 10
+        while not pipeline.runs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for rid, meta in (("bad", {"resume": resume}), ("r3", {})):  # queued behind r1
+            work.send_multipart(encode(TransferAlloc(rid, "w", 4096)))
+            assert w.next_message(TransferAllocated).request_id == rid  # type: ignore[attr-defined]
+            ready = TransferReady(rid, "w", {**params, "prompt": rid}, manifest, meta)  # type: ignore[arg-type]
+            work.send_multipart(encode(ready))
+        pipeline.gates["r1"].set()
+        pipeline.gates["r3"].set()
+        reports: dict[str, object] = {}
+        while len(reports) < 3:
+            msg, _ = decode(w.results.recv_multipart())
+            if isinstance(msg, (TransferStaged, Failed)):
+                reports[msg.request_id] = msg
+        failed = reports["bad"]
+        assert isinstance(failed, Failed) and "meta.resume" in failed.error and "'step'" in failed.error
+        assert isinstance(reports["r1"], TransferStaged) and isinstance(reports["r3"], TransferStaged)
+        assert [r for r, _ in pipeline.runs] == ["r1", "r3"]
+        deadline = time.monotonic() + 10
+        while w.worker.pool.free_bytes != w.worker.pool.pool_bytes - w.worker.pool.reserved_bytes(
+            list(w.worker._standing.values())
+        ):
+            assert time.monotonic() < deadline, "the failed request's slot was never freed"
+            time.sleep(0.01)
+        work.send_multipart(encode(Ping("w", "head-1")))
+        assert isinstance(w.next_message(Heartbeat), Heartbeat)  # still serving
+
+
 # --- drain (SIGTERM) ---------------------------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ from triptych_worker.heads import HeadLinks
 from triptych_worker.inputs import Inputs, SlotGone
 from triptych_worker.job_groups import Job
 from triptych_worker.preview import should_preview
-from triptych_worker.resume import RESUME
+from triptych_worker.resume import RESUME, check_continuation
 from triptych_worker.stages import PIXELS, StageBatch
 from triptych_worker.transfer import InPlaceTensors, PayloadTooLarge, StagedTensors, stage_in_place, stage_tensors
 
@@ -146,6 +146,7 @@ def _prepare(worker: Worker, link: HeadLinks, job: Job, inputs: dict[str, Inputs
         batch.tensors = dict(taken.tensors)
         batch.meta = dict(job.incoming[2])
         held = taken.held is not None
+        check_continuation(batch.meta)
 
     def progress(step: int, total: int, latents: Any = None) -> None:
         if worker._is_cancelled(job.request_id):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from triptych.batching import batch_key
 from triptych.params import GenerationParams
-from triptych_worker.resume import RESUME
+from triptych_worker.resume import step_of
 
 if TYPE_CHECKING:
     from triptych_worker.transfer import Allocation
@@ -39,8 +39,7 @@ class Job:
     @property
     def key(self) -> tuple[Any, ...]:
         # Continuations batch only with continuations of the same step (resume.py).
-        resume = None if self.incoming is None else self.incoming[2].get(RESUME)
-        step = None if resume is None else resume["step"]
+        step = None if self.incoming is None else step_of(self.incoming[2])
         return (self.incoming is None, step, *batch_key(self.params, self.request_id))
 
 

@@ -32,6 +32,26 @@ class CannotResume(ValueError):
     """The scheduler's state cannot be captured or restored exactly."""
 
 
+def step_of(meta: dict[str, Any]) -> int | None:
+    """The step a continuation's meta resumes at (None: not a continuation; -1: a malformed one,
+    which `check_continuation` fails). Never raises: the queue groups jobs by it before any of them runs."""
+    resume = meta.get(RESUME)
+    if resume is None:
+        return None
+    step = resume.get("step") if isinstance(resume, dict) else None
+    return step if type(step) is int and step >= 0 else -1
+
+
+def check_continuation(meta: dict[str, Any]) -> None:
+    """Refuse a continuation whose meta does not say where it resumes (another worker's message:
+    it fails its own request, naming what is wrong, and nothing else)."""
+    if step_of(meta) == -1:
+        raise CannotResume(
+            f"meta.{RESUME} must be a map with a non-negative integer 'step', got {meta[RESUME]!r:.200}; "
+            "the sending denoiser's continuation is malformed"
+        )
+
+
 def _flow_match_capture(scheduler: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if scheduler.config.get("stochastic_sampling"):
         raise CannotResume("FlowMatchEulerDiscreteScheduler with stochastic_sampling draws noise at every step")
