@@ -49,6 +49,7 @@ from triptych.protocol import (
     decode,
 )
 from triptych.roles import WORKER_ROLES, Role, is_full_pipeline, route_for
+from triptych.step_cache import MODES as STEP_CACHE_MODES
 from triptych.tracing import Tracing
 from triptych_head import migration, transfers, upkeep
 from triptych_head.admission import AdmissionControl
@@ -57,7 +58,7 @@ from triptych_head.instances import WorkerInstance
 from triptych_head.membership import Clock, Membership, Transport
 from triptych_head.metrics import HeadMetrics
 from triptych_head.queues import Dispatcher
-from triptych_head.state import REJECTED, ROLE_STATES, RequestRecord, RequestState
+from triptych_head.state import REJECTED, RESERVED_IN_IDS, ROLE_STATES, RequestRecord, RequestState
 from triptych_head.workload import WorkEstimator
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,11 @@ class HeadCore:
         if isinstance(msg, Heartbeat):
             self._on_heartbeat(inst, msg)
             return
+        handler = transfers.HANDLERS.get(type(msg))
+        if handler is None:  # a message of the head's side, or the frontend's: it changes nothing
+            self.metrics.dropped_messages.inc()
+            log.warning("dropped %s from %s: not a worker message", msg.TYPE, inst.url)
+            return
         rec = self.attempts.get(msg.request_id)
         if rec is None:
             self._on_late(inst, msg)
@@ -170,11 +176,6 @@ class HeadCore:
         if rec.slot_addr and inst.url == rec.instance and rec.state is ROLE_STATES[rec.role][1] and not held(msg):
             free_standing(inst, rec.wire_id, rec.slot_addr)  # it reports, so it has loaded the slot
             rec.slot_addr = 0
-        handler = transfers.HANDLERS.get(type(msg))
-        if handler is None:
-            self.metrics.dropped_messages.inc()
-            log.warning("dropped %s: not a worker message", msg.TYPE)
-            return
         busy = bool(inst.inflight)
         try:
             handler(self, rec, inst, msg, frames)
@@ -239,6 +240,10 @@ class HeadCore:
             return
         if self.drain_deadline is not None:
             self._reject(client, rid, SHUTTING_DOWN, 503)
+            return
+        if RESERVED_IN_IDS in rid:
+            error = f"request_id {rid!r:.100} must not contain {RESERVED_IN_IDS!r} (the head's retry ids do)"
+            self._reject(client, rid, error, 400)
             return
         if rid in self.requests:
             # The original request is untouched: only the duplicate's sender hears about it.
@@ -333,7 +338,9 @@ class HeadCore:
         inst.loras = frozenset(msg.loras)
         inst.devices, inst.dtype = msg.devices, msg.dtype
         if inst.role is Role.DENOISER:  # the denoiser's loads are what its work estimate counts; an encoder's are not
-            self.workload.observe_lora_load(msg.lora_load_s)
+            # No load of its took longer than this head has known its process: a figure beyond that
+            # (a bug, a forged heartbeat) would otherwise refuse every request naming an adapter.
+            self.workload.observe_lora_load(min(msg.lora_load_s, inst.heard_for(self.clock())))
         self._check_topology(inst, msg)
         self._check_model(inst, msg)
         if newly_draining:
@@ -351,7 +358,10 @@ class HeadCore:
     def _check_topology(self, inst: WorkerInstance, msg: Heartbeat) -> None:
         """A full-pipeline worker behind a role-pool head, or a role worker behind a full-pipeline head,
         would return the wrong thing: it gets no work, and the head says why once."""
-        inst.full_pipeline, inst.encoder_cache, inst.step_cache = msg.full_pipeline, msg.encoder_cache, msg.step_cache
+        inst.full_pipeline, inst.encoder_cache = msg.full_pipeline, msg.encoder_cache
+        # Modes this head knows, once each: each is a labelled series in /metrics, which a name per
+        # heartbeat (a bug, a forged message) would grow without end.
+        inst.step_cache = tuple({s.mode: s for s in msg.step_cache if s.mode in STEP_CACHE_MODES}.values())
         wrong = msg.full_pipeline != self.full_pipeline
         if wrong and not inst.wrong_topology:
             worker = "runs the whole pipeline (--disagg-full-pipeline)" if msg.full_pipeline else "runs its role only"

@@ -29,6 +29,7 @@ class WorkerInstance:
     standing_bytes: int = 0
     model: str = ""
     last_heartbeat: float | None = None
+    session_since: float | None = None  # when this head first heard its current session (process)
     # Set when it refused an allocation for lack of room; cleared by its next heartbeat, which the
     # worker sends whenever it frees pool space (and once a second), so the head retries then.
     refused_bytes: int | None = None
@@ -94,11 +95,23 @@ class WorkerInstance:
         return room_for_standing(len(self.standing), self.capacity, self.pool_bytes, nbytes)
 
     def adopt_standing(self, slots: tuple[tuple[int, int], ...]) -> None:
-        """The standing slots its heartbeat lists that this head does not know yet (reserved at its
-        start-up, or anew for this head): idle, this head's to assign. At most its capacity in all."""
-        for addr, nbytes in slots:
-            if addr not in self.standing and len(self.standing) < self.capacity:
+        """Its standing slots as its heartbeat lists them: the ones this head does not know yet (reserved
+        at its start-up, or anew for this head) become idle and this head's to assign, at most its
+        capacity in all; an idle one it no longer lists is forgotten (a held one stays until its
+        request lets it go; the worker lists it again if it kept it), so the table is never more
+        than what the worker holds."""
+        listed = dict(slots)
+        for addr in [a for a, slot in self.standing.items() if slot.holder is None and a not in listed]:
+            del self.standing[addr]
+        for addr, nbytes in listed.items():
+            if len(self.standing) >= self.capacity:
+                break
+            if addr not in self.standing:
                 self.standing[addr] = StandingSlot(nbytes)
+
+    def heard_for(self, now: float) -> float:
+        """Seconds since this head first heard its current process (0 before any heartbeat)."""
+        return 0.0 if self.session_since is None else now - self.session_since
 
     def on_heartbeat(
         self,
@@ -115,6 +128,7 @@ class WorkerInstance:
     ) -> None:
         if session != self.session:
             self.standing.clear()  # a new process behind the same address: its slots are new too
+            self.session_since = now
         self.draining = draining
         self.suspect = False
         self.capacity, self.session, self.pool_bytes, self.model = capacity, session, pool_bytes, model

@@ -50,6 +50,7 @@ class RequestState(enum.StrEnum):
         return self is not RequestState.PENDING and not self.terminal
 
 
+RESERVED_IN_IDS = "~"  # a retry's wire id is "<request id>~retry<N>": no request id may contain it
 REJECTED = "REJECTED"  # the state a reply to a request the head refused to take carries (not a request state)
 
 TERMINAL = frozenset({RequestState.DONE, RequestState.FAILED, RequestState.TIMED_OUT, RequestState.CANCELLED})
@@ -149,7 +150,7 @@ class RequestRecord:
     @property
     def wire_id(self) -> str:
         """The id workers know this attempt by: a late message of an earlier attempt never matches it."""
-        return self.request_id if self.attempt == 0 else f"{self.request_id}~retry{self.attempt}"
+        return self.request_id if self.attempt == 0 else f"{self.request_id}{RESERVED_IN_IDS}retry{self.attempt}"
 
     @property
     def role(self) -> Role:

@@ -46,13 +46,14 @@ def on_staged(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
     if rec.state is not running or rec.instance != inst.url:
         core.membership.send(inst.url, CancelWork(rec.wire_id, inst.url, core.head_id))
         return
-    _count_devices(rec, inst, msg.seconds, msg.batch_size)
+    seconds = _worker_seconds(core, rec, msg.seconds)
+    _count_devices(rec, inst, seconds, msg.batch_size)
     if msg.continues_at is not None:  # stopped at a step boundary: another denoiser runs the rest
         migration.on_continuation(core, rec, inst, msg)
         return
     if rec.hop + 1 >= len(rec.route):
         raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
-    stage = _time_stage(core, rec, msg.seconds, msg.batch_size)
+    stage = _time_stage(core, rec, seconds, msg.batch_size)
     if core.batch_metrics is not None:
         core.batch_metrics.observe_ran(inst.role.value, msg.batch_size, msg.batch_leader)
     rec.move(done)
@@ -158,8 +159,9 @@ def on_result(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Res
     """Pixels from the route's last hop: the decoder, or a full-pipeline worker."""
     if not rec.last_hop or rec.state is not ROLE_STATES[rec.role][1] or rec.instance != inst.url:
         return
-    stage = _time_stage(core, rec, msg.seconds, msg.batch_size)
-    _count_devices(rec, inst, msg.seconds, msg.batch_size)
+    seconds = _worker_seconds(core, rec, msg.seconds)
+    stage = _time_stage(core, rec, seconds, msg.batch_size)
+    _count_devices(rec, inst, seconds, msg.batch_size)
     rec.timings[DEVICE_SECONDS] = rec.device_seconds
     if core.batch_metrics is not None:
         core.batch_metrics.observe_ran(inst.role.value, msg.batch_size, msg.batch_leader)
@@ -218,6 +220,14 @@ def _record_transfer(
     rec.timings[f"handoff_{src}_{dest}"] = handoff
     rec.timeline.add(f"transfer-{src}-{dest}", rec.hop_started, ended)  # from the receiver's dispatch
     return dest
+
+
+def _worker_seconds(core: HeadCore, rec: RequestRecord, reported: float) -> float:
+    """The seconds a worker reports for its hop, at most the time since the head dispatched it: no
+    stage takes longer than that, and one figure beyond it (a bug, a forged message) would otherwise
+    set the work estimate that admission refuses requests by, the device-seconds a key is charged,
+    and timings whose parts exceed their total."""
+    return min(reported, max(core.clock() - rec.hop_started, 0.0))
 
 
 def _count_devices(rec: RequestRecord, inst: WorkerInstance, worker_seconds: float, batch_size: int) -> None:

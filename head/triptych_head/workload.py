@@ -16,7 +16,9 @@ until the denoisers' heartbeats report how long their loads took.
 
 `seconds_per_unit` starts at a prior (PRIOR_SECONDS_PER_UNIT); the first stage time a worker
 reports for the role replaces it, and later ones (the workers' own seconds, not queueing) move an
-exponentially weighted mean, so after a few requests it is this deployment's own hardware and model. A request
+exponentially weighted mean, so after a few requests it is this deployment's own hardware and model
+(a report counts at most the time the head saw pass since it dispatched the hop: one figure beyond
+that would set what admission refuses requests by, and none would come to correct it). A request
 running now counts its estimate minus the time it has run (at least a tenth of it: a stage that
 overruns its estimate is still work).
 """

@@ -200,7 +200,24 @@ def test_only_denoisers_heartbeats_set_the_adapter_load_estimate() -> None:
     from triptych.protocol import encode
 
     harness = Harness({Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1})
+    harness.clock.advance(10)  # the workers were heard 10 s ago
     for w in harness.workers.values():  # an encoder loads text-encoder parts: not what a denoiser's load costs
         seconds = 0.25 if w.role is Role.DENOISER else 9.0
         harness.core.on_worker(w.role, encode(msgspec.structs.replace(w.heartbeat(), lora_load_s=seconds)))
     assert harness.core.workload.lora_load_s == 0.25
+
+
+def test_an_adapter_load_longer_than_the_head_has_known_the_denoiser_counts_as_that_long() -> None:
+    """One heartbeat saying a week (a bug, a forged message) used to refuse every request naming an
+    adapter no denoiser held, for good: later heartbeats report the same mean or none."""
+    from tests.unit.core_harness import Harness
+    from triptych.protocol import encode
+
+    harness = Harness({Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1})
+    denoiser = next(w for w in harness.workers.values() if w.role is Role.DENOISER)
+    week = encode(msgspec.structs.replace(denoiser.heartbeat(), lora_load_s=7 * 24 * 3600.0))
+    harness.core.on_worker(Role.DENOISER, week)
+    assert harness.core.workload.lora_load_s == 2.0  # heard just now: no load of its can be counted yet
+    harness.clock.advance(5)
+    harness.core.on_worker(Role.DENOISER, week)
+    assert harness.core.workload.lora_load_s == 5.0

@@ -180,3 +180,19 @@ def test_a_worker_reexecutes_under_the_shim_before_its_own_imports(tiny_models, 
     assert "triptych_worker.transfer.listeners" in imported
     too_early = imported & {"triptych_worker.runtime", "torch", "diffusers", "zmq"}
     assert not too_early, f"imported before re-executing (done again after): {sorted(too_early)}"
+
+
+@pytest.mark.parametrize(("low", "high"), [(43800, 43999), (900, 2000), (17000, 15000), (16000, 70000)])
+def test_a_port_range_mooncake_would_refuse_is_refused_naming_it(monkeypatch, low, high):
+    """Mooncake falls back to its default range, without a word, on a range it refuses (ephemeral
+    ports included): the shim and the listener check would then look where it does not listen."""
+    from triptych.config import ConfigError
+    from triptych_worker.transfer.listeners import mooncake_port_range
+
+    monkeypatch.setenv("MC_MIN_RPC_PORT", str(low))
+    monkeypatch.setenv("MC_MAX_RPC_PORT", str(high))
+    with pytest.raises(ConfigError, match=rf"MC_MIN_RPC_PORT '{low}' / MC_MAX_RPC_PORT '{high}': Mooncake refuses"):
+        mooncake_port_range()
+    monkeypatch.setenv("MC_MIN_RPC_PORT", "20000")
+    monkeypatch.setenv("MC_MAX_RPC_PORT", "20100")
+    assert mooncake_port_range() == (20000, 20100)

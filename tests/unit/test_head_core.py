@@ -17,11 +17,13 @@ import pytest
 from tests.unit.core_harness import PARAMS, Harness, SimWorker, SlotViolation
 from triptych.params import GenerationParams
 from triptych.protocol import (
+    CancelWork,
     HandOff,
     Ping,
     Progress,
     RequestEvent,
     RequestResult,
+    StepCacheStats,
     Submit,
     TransferAlloc,
     TransferAllocated,
@@ -397,9 +399,31 @@ def test_a_result_s_device_seconds_are_each_stage_s_share_times_its_instance_s_d
     h.submit("r")
     while h.pending:
         h.deliver()
+        h.clock.now += 0.1  # each stage's 10 ms fits in the time the head saw pass
         h.answer()
     (result,) = h.endings()["r"]
     assert result.timings[DEVICE_SECONDS] == pytest.approx(0.01 + 0.04 + 0.01)
+
+
+def test_a_stage_time_beyond_what_the_head_saw_pass_is_taken_as_that_time() -> None:
+    """A worker cannot have run a hop for longer than the head has seen pass since it dispatched it:
+    a report beyond that (a week, once) is cut to it before it calibrates the work estimate that
+    admission refuses requests by, or counts as device-seconds against the request's API key."""
+    h = Harness(THREE_ROLES)
+    h.submit("r")
+    h.deliver()  # the encoder's work
+    h.clock.now += 0.5
+    role, staged, url, head = h.answers[0]
+    h.answers[0] = (role, msgspec.structs.replace(staged, seconds=7 * 24 * 3600.0), url, head)
+    h.answer()
+    while h.pending:
+        h.deliver()
+        h.clock.now += 0.1
+        h.answer()
+    (result,) = h.endings()["r"]
+    assert result.timings["worker_encoder"] == pytest.approx(0.5)
+    assert result.timings[DEVICE_SECONDS] == pytest.approx(0.5 + 0.01 + 0.01)
+    assert h.core.workload.seconds_per_unit(Role.ENCODER) == pytest.approx(0.5)
 
 
 def test_server_timing_parts_fit_in_the_total_when_sending_takes_time() -> None:
@@ -544,3 +568,50 @@ def test_a_standing_slot_stays_taken_while_the_stage_uses_its_inputs_in_place(in
     h.finish(wire_id)
     h.answer()  # its last report (transfer_staged): the slot is free either way
     assert [s.holder for s in inst.standing.values()] == [None]
+
+
+def test_a_head_side_message_on_a_result_socket_is_dropped_and_changes_nothing() -> None:
+    """A worker (or a key holder speaking for one) sending a message of the head's side: counted as
+    dropped; it used to free the request's standing slot first (a cancel_work), or raise (a ping)."""
+    h = Harness(THREE_ROLES, hold=frozenset({Role.DENOISER}))
+    denoiser = next(w for w in h.workers.values() if w.role is Role.DENOISER)
+    h.submit("a")
+    for _ in range(20):
+        if denoiser.computing:
+            break
+        if h.pending:
+            h.deliver()
+        elif h.answers:
+            h.answer()
+    (wire_id,) = denoiser.computing
+    inst = h.core.membership.find(denoiser.url)
+    assert inst is not None and [s.holder for s in inst.standing.values()] == [wire_id]
+    dropped = h.core.metrics.registry.get_sample_value("triptych_dropped_messages_total") or 0.0
+    h.core.on_worker(Role.DENOISER, encode(CancelWork(wire_id, denoiser.url, h.core.head_id)))
+    h.core.on_worker(Role.DENOISER, encode(Ping(denoiser.url, h.core.head_id)))
+    assert [s.holder for s in inst.standing.values()] == [wire_id]
+    assert h.core.metrics.registry.get_sample_value("triptych_dropped_messages_total") == dropped + 2
+
+
+def test_a_request_id_with_the_retry_mark_is_refused() -> None:
+    """A retry's wire id is "<id>~retry<N>": a client's "a~retry1" would take over a's retry's messages."""
+    h = Harness(THREE_ROLES)
+    h.submit("a~retry1")
+    (refused,) = h.endings()["a~retry1"]
+    assert refused.status_code == 400 and "must not contain '~'" in (refused.error or "")
+    assert not h.core.requests
+
+
+def test_a_heartbeat_s_step_cache_modes_are_the_known_ones_once_each() -> None:
+    """Each mode is a labelled series in /metrics: unknown names (a heartbeat naming thousands of new
+    ones grew the head by 170 MB in 40 heartbeats and its /metrics to 22 MB) are not kept."""
+    h = Harness(THREE_ROLES)
+    denoiser = next(w for w in h.workers.values() if w.role is Role.DENOISER)
+    modes = (*(StepCacheStats(f"x{i}", 1, 1, 1) for i in range(2000)), StepCacheStats("first_block", 1, 2, 3))
+    beat = msgspec.structs.replace(denoiser.heartbeat(), step_cache=(*modes, StepCacheStats("first_block", 2, 4, 6)))
+    h.core.on_worker(Role.DENOISER, encode(beat))
+    h.core.tick(h.discovered())
+    inst = h.core.membership.find(denoiser.url)
+    assert inst is not None and inst.step_cache == (StepCacheStats("first_block", 2, 4, 6),)
+    series = [m for m in h.core.metrics.registry.collect() if m.name.startswith("triptych_step_cache")]
+    assert {s.labels["mode"] for m in series for s in m.samples} == {"first_block"}

@@ -13,7 +13,6 @@ from triptych.protocol import (
     Cancel,
     CancelWork,
     Failed,
-    Heartbeat,
     Progress,
     Submit,
     TransferAlloc,
@@ -76,6 +75,7 @@ def test_a_standing_slot_is_reused_without_transfer_alloc_once_its_holder_has_lo
     assert alloc.standing, "the head should ask the receiver to keep its first slot"
     den.got.remove(alloc)
     den.send(TransferAllocated("a", alloc.instance, SESSION, 8192, standing=True))
+    den.standing_slots = ((8192, alloc.nbytes),)  # as a worker keeping it does, its heartbeats list it
     push = enc.wait_for(TransferPush)
     enc.got.remove(push)
     enc.send(TransferPushed("a", push.instance, 8, 0.01))
@@ -90,7 +90,7 @@ def test_a_standing_slot_is_reused_without_transfer_alloc_once_its_holder_has_lo
     den.send(TransferRefused("b", second.instance, "transfer pool full", fatal=False))
 
     den.send(Progress("a", ready.instance, 1, 4))  # "a" reports, so it has loaded its slot
-    den.send(Heartbeat(ready.instance, "denoiser", SESSION, 1 << 20, 1 << 20, 2, "m"))
+    den.send(den.heartbeat(ready.instance))
     push_b = enc.wait_for(TransferPush)
     assert push_b.request_id == "b" and push_b.dest_addr == 8192
     assert not any(isinstance(m, TransferAlloc) for m in den.got), "a fitting standing slot needs no transfer_alloc"

@@ -64,3 +64,22 @@ def test_max_free_slots_picks_the_emptiest():
     ws = instances(1, 3, 2)
     assert dispatch_max_free_slots(ws, lambda w: True).url == "tcp://w1:1"
     assert dispatch_max_free_slots(ws, lambda w: w.url != "tcp://w1:1").url == "tcp://w2:1"
+
+
+def test_the_standing_slots_a_head_keeps_are_never_more_than_the_worker_lists_and_its_holders():
+    """A heartbeat claiming any capacity used to add every slot it listed to a table that only grew
+    (one forged heartbeat: a million slots, scanned at every dispatch). Now an idle slot the worker
+    no longer lists is forgotten; one a request holds stays until it lets it go."""
+    w = WorkerInstance(url="tcp://w:1", role=Role.DENOISER)
+    listed = tuple((0x1000 + i * 0x100, 256) for i in range(5000))
+    w.on_heartbeat(0.0, 1 << 62, "s1", 1 << 20, 1 << 20, "m")
+    w.adopt_standing(listed)
+    assert len(w.standing) == 5000
+    w.standing[0x1000].holder = "r1"  # a request took one
+    w.on_heartbeat(1.0, 2, "s1", 1 << 20, 1 << 20, "m")  # the worker's own next heartbeat
+    w.adopt_standing(((0x9000, 512),))
+    assert {addr: s.holder for addr, s in w.standing.items()} == {0x1000: "r1", 0x9000: None}
+    w.standing[0x1000].holder = None  # r1 is done with it, and the worker does not list it
+    w.adopt_standing(((0x9000, 512), (0xA000, 512), (0xB000, 512)))
+    assert sorted(w.standing) == [0x9000, 0xA000]  # at most its capacity
+    assert w.heard_for(3.0) == 3.0

@@ -32,6 +32,7 @@ PORTS_ENV = "TRIPTYCH_BIND_PORTS"  # read by the shim: MIN-MAX, the binds it may
 SHIM_NAME = "libtriptych_bind.so"
 WILDCARDS = ("0.0.0.0", "::")
 OPT_OUT = "--disagg-transfer-listen-any"
+EPHEMERAL_PORTS = (32768, 60999)  # what Mooncake refuses in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (config.cpp)
 
 
 def mooncake_port_range() -> tuple[int, int]:
@@ -42,13 +43,24 @@ def mooncake_port_range() -> tuple[int, int]:
     """
     os.environ.setdefault("MC_MIN_RPC_PORT", str(MOONCAKE_PORT_RANGE[0]))
     os.environ.setdefault("MC_MAX_RPC_PORT", str(MOONCAKE_PORT_RANGE[1]))
+    given = f"MC_MIN_RPC_PORT {os.environ['MC_MIN_RPC_PORT']!r} / MC_MAX_RPC_PORT {os.environ['MC_MAX_RPC_PORT']!r}"
     try:
-        return int(os.environ["MC_MIN_RPC_PORT"]), int(os.environ["MC_MAX_RPC_PORT"])
+        low, high = int(os.environ["MC_MIN_RPC_PORT"]), int(os.environ["MC_MAX_RPC_PORT"])
     except ValueError:
+        raise ConfigError(f"{given} must be port numbers") from None
+    # Mooncake takes another range, its default, without a word when it refuses this one: its
+    # listeners would then be where neither the bind shim nor the check below looks.
+    if not (_mooncake_takes(low) and _mooncake_takes(high) and low <= high):
         raise ConfigError(
-            f"MC_MIN_RPC_PORT {os.environ['MC_MIN_RPC_PORT']!r} / MC_MAX_RPC_PORT {os.environ['MC_MAX_RPC_PORT']!r} "
-            "must be port numbers"
-        ) from None
+            f"{given}: Mooncake refuses the range (each end in 1024-65535 and outside the ephemeral "
+            f"{EPHEMERAL_PORTS[0]}-{EPHEMERAL_PORTS[1]}, MIN <= MAX) and would listen on "
+            f"{MOONCAKE_PORT_RANGE[0]}-{MOONCAKE_PORT_RANGE[1]} instead; choose a range it takes"
+        )
+    return low, high
+
+
+def _mooncake_takes(port: int) -> bool:
+    return 1024 <= port <= 65535 and not EPHEMERAL_PORTS[0] <= port <= EPHEMERAL_PORTS[1]
 
 
 def bind_shim_path() -> Path:
