@@ -127,8 +127,17 @@ class TriptychClient:
         self.urls = [u for u in urls if u]
         if not self.urls:
             raise ClientError("url: give the head's HTTP URL (several, comma-separated, are tried in turn)")
+        for u in self.urls:
+            try:
+                parsed = httpx.URL(u)
+            except httpx.InvalidURL as exc:
+                raise ClientError(f"url {u!r}: {exc}") from None
+            if parsed.scheme not in ("http", "https") or not parsed.host:
+                raise ClientError(f"url {u!r}: give the head's http:// or https:// URL, e.g. http://127.0.0.1:30000")
         if retries < 0:
             raise ClientError(f"retries: {retries} must be >= 0")
+        if api_key and not api_key.isascii():
+            raise ClientError("api key: an API key is ASCII text (an HTTP header carries it); check the key given")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.retries = retries
         self.http = httpx.Client(headers=headers, timeout=timeout)

@@ -14,6 +14,7 @@ is a live bar, elsewhere one line per event. Ctrl-C during `video` cancels the j
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,8 @@ def add_request_options(parser: argparse.ArgumentParser, endpoint: str, contract
         kind: dict[str, Any] = (
             {"action": argparse.BooleanOptionalAction} if param.type is bool else {"type": param.type}
         )
+        if param.type is float:  # JSON has no NaN or infinity: refused here, not by the encoder mid-request
+            kind = {"type": _finite}
         if param.type is list:  # the LoRA adapters: one option per adapter, NAME or NAME=WEIGHT
             kind = {"action": "append", "type": _lora_choice, "metavar": "NAME[=WEIGHT]"}
         parser.add_argument(param.cli, dest=param.name, help="; ".join(n for n in notes if n), **kind)
@@ -62,6 +65,16 @@ def _lora_choice(text: str) -> dict[str, object]:
         return choice_option(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def _retries(text: str) -> int:
@@ -108,7 +121,12 @@ def run_client_command(ns: argparse.Namespace) -> int:
     from triptych.client import ClientError, Reference, TriptychClient
 
     console = Console(stderr=True)
-    client = TriptychClient(ns.url, ns.api_key, retries=ns.retries)
+    try:
+        if ns.command in COMMAND_ENDPOINTS:
+            _check_output(ns.output)  # before the server does the work that would be lost
+        client = TriptychClient(ns.url, ns.api_key, retries=ns.retries)
+    except ClientError as exc:
+        return print_error(console, str(exc))
     try:
         if ns.command == "generate":
             return _images(client.stream_images(request_body(ns)), ns, console)
@@ -139,6 +157,19 @@ def request_body(ns: argparse.Namespace) -> dict[str, Any]:
     """The request's JSON body: the prompt and the request options given (add_request_options)."""
     given = {name: getattr(ns, name) for name in ns.request_params}
     return {"prompt": ns.prompt, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _check_output(output: Path) -> None:
+    """`-o` names a file this command can write: its folder exists, and it is not a folder itself."""
+    from triptych.client import ClientError
+
+    if output.is_dir():
+        raise ClientError(f"-o {output}: is a folder; give the file to write")
+    folder = output.parent
+    if not folder.is_dir():
+        raise ClientError(f"-o {output}: its folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ClientError(f"-o {output}: cannot write in {folder}")
 
 
 def output_paths(output: Path, n: int) -> list[Path]:

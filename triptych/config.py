@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -29,6 +30,8 @@ DEFAULT_TIMEOUT_S = 600.0
 # HEAD_SHUTDOWN_OVERHEAD_S more to answer the last clients and save video jobs.
 DEFAULT_DRAIN_TIMEOUT_S = 600.0
 HEAD_SHUTDOWN_OVERHEAD_S = 15.0
+MAX_NUMBER = 1e9  # any number flag: ~31 years of seconds, below what a thread's wait takes (threading.TIMEOUT_MAX)
+MIN_DISCOVERY_INTERVAL_S = 0.05  # --disagg-discovery-interval: each pass resolves every worker list
 DEFAULT_PRIORITY_AGING_S = 30.0  # --disagg-priority-aging: a wait this long raises a request one level
 DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
 DEFAULT_RESULTS_MAX_BYTES = 5 << 30
@@ -224,6 +227,7 @@ class ServeArgs:
 
     def validate(self) -> None:
         """Raise ConfigError for a missing or contradictory flag, naming it and the fix."""
+        self._validate_numbers()
         role = self.disagg_role
         if self.served_model_name is not None:
             if role.is_worker:
@@ -258,6 +262,7 @@ class ServeArgs:
                 f"--scheduler-port {self.scheduler_port} leaves no room for the result ports "
                 f"(+1..+{MAX_RESULT_PORT_OFFSET})"
             )
+        self._validate_port_clashes()
         if self.disagg_transfer_pool_size < MIB:
             raise ConfigError(
                 f"--disagg-transfer-pool-size {self.disagg_transfer_pool_size} is below 1 MiB; use e.g. 256MiB"
@@ -277,8 +282,11 @@ class ServeArgs:
                 f"{HEARTBEAT_INTERVAL_S:g} s heartbeat interval, so a worker whose heartbeat is a little late "
                 f"would count as lost: use at least {MIN_HEARTBEAT_TIMEOUT_S:g}"
             )
-        if self.disagg_discovery_interval <= 0:
-            raise ConfigError(f"--disagg-discovery-interval {self.disagg_discovery_interval} must be > 0 seconds")
+        if self.disagg_discovery_interval < MIN_DISCOVERY_INTERVAL_S:
+            raise ConfigError(
+                f"--disagg-discovery-interval {self.disagg_discovery_interval} must be at least "
+                f"{MIN_DISCOVERY_INTERVAL_S:g} seconds (each pass resolves every worker list's names)"
+            )
         if self.disagg_max_retries < 0:
             raise ConfigError(f"--disagg-max-retries {self.disagg_max_retries} must be >= 0 (0: never retry)")
         if self.disagg_no_instance_wait <= 0:
@@ -530,6 +538,28 @@ class ServeArgs:
             "--disagg-keys-dir DIR (`triptych keys generate DIR` writes one) or, on a trusted network, "
             "--disagg-insecure"
         )
+
+    def _validate_numbers(self) -> None:
+        """Every number flag is finite and below MAX_NUMBER: NaN passes every `x <= 0` check below and
+        then never times out, or times out at once; infinity overflows the clocks' waits."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= MAX_NUMBER):
+                raise ConfigError(f"{flag(f.name)} {value} must be a finite number (at most {MAX_NUMBER:g})")
+
+    def _validate_port_clashes(self) -> None:
+        """Two sockets of this process on one port: the second bind would fail after the model loaded."""
+        if self.disagg_role is Role.SERVER:
+            taken = range(self.scheduler_port, self.scheduler_port + MAX_RESULT_PORT_OFFSET + 1)
+            if self.port in taken:
+                raise ConfigError(
+                    f"--port {self.port} is one of the head's control ports (--scheduler-port {self.scheduler_port} "
+                    f"and its result ports +1..+{MAX_RESULT_PORT_OFFSET}); give the HTTP API another port"
+                )
+        if self.master_port is not None and self.master_port == self.scheduler_port:
+            raise ConfigError(
+                f"--master-port {self.master_port} is also --scheduler-port (this worker's work port); give another"
+            )
 
     def _validate_head_urls(self, given: list[Role]) -> None:
         if not is_full_pipeline(set(given)):  # only denoisers: a full-pipeline pool (--disagg-full-pipeline)

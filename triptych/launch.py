@@ -9,6 +9,7 @@ from typing import NoReturn
 
 from triptych import startup
 from triptych.config import ConfigError, ServeArgs
+from triptych.families.package import PackageError
 from triptych.model_source import ModelSourceError, model_names, resolve_model_path
 from triptych.reference import allow_url_networks, parse_networks
 from triptych.roles import Role
@@ -38,6 +39,9 @@ def serve(args: ServeArgs) -> int:
         return _serve_role(args, model_names(given, args.model_path, args.served_model_name))
     except (ModelSourceError, ConfigError) as exc:  # e.g. unreadable --disagg-keys-dir, found at start-up
         print(f"triptych: error: {exc}", file=sys.stderr)
+        return 2
+    except PackageError as exc:  # a package that is not one: its index, a config, the weights
+        print(f"triptych: error: --model-path {given}: {exc}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
         extra = EXTRA_OF_PACKAGE.get((exc.name or "").partition(".")[0])

@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from triptych.config import ServeArgs
+from triptych.config import ConfigError, ServeArgs
 from triptych.discovery import EndpointDirectory
 from triptych.ports import frontend_port, result_port, tcp_url
 from triptych.protocol import encode
@@ -150,7 +150,10 @@ class DiffusionServer:
         except zmq.ZMQError as exc:
             sock.close()
             self._close(0)
-            raise OSError(f"cannot bind {endpoint}: {exc} (is another head using --scheduler-port?)") from None
+            raise ConfigError(
+                f"--scheduler-port {self.args.scheduler_port}: cannot bind {endpoint}: {exc} (the head's frontend and "
+                f"its result ports +1..+5 must be free on --host; is another head using them?)"
+            ) from None
         self._sockets.append((sock, role))
         return sock
 

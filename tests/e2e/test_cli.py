@@ -206,3 +206,30 @@ def test_edit_of_a_bad_image_file_or_field_is_a_one_line_error(kontext: LocalDep
     steps = triptych("edit", str(reference), "x", "-o", str(out), "--steps", "0", "--url", kontext.http)
     assert steps.returncode == 1 and steps.stderr.startswith("triptych: error: 400: num_inference_steps: ")
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["status", "--url", ""], "url: give the head's HTTP URL"),
+        (["status", "--url", "http://[::1"], "url 'http://[::1'"),
+        (["status", "--url", "127.0.0.1:30000"], "url '127.0.0.1:30000': give the head's http:// or https:// URL"),
+        (["status", "--api-key", "ключ"], "api key: an API key is ASCII text"),
+        (["generate", "x", "-o", "{tmp}/no/o.png"], "-o {tmp}/no/o.png: its folder {tmp}/no does not exist"),
+        (["generate", "x", "-o", "{tmp}"], "-o {tmp}: is a folder"),
+    ],
+)
+def test_a_bad_connection_or_output_is_a_one_line_error_before_any_request(tmp_path, argv, says):
+    """These ended in tracebacks; a bad -o only after the server had done the work (and it was lost).
+    No head runs here: each is refused before anything is sent."""
+    proc = triptych(*(a.format(tmp=tmp_path) for a in argv), timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"triptych: error: {says.format(tmp=tmp_path)}"), line
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_non_finite_number_option_is_refused_by_the_command_line(tmp_path, value):
+    proc = triptych("generate", "x", "-o", str(tmp_path / "o.png"), "--guidance", value, timeout=60)
+    assert proc.returncode == 2 and f"{value!r} is not a finite number" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -95,6 +95,22 @@ def test_a_head_with_only_denoiser_urls_is_a_full_pipeline_pool_and_its_workers_
          "--disagg-full-pipeline does not support --simulate"),
         (["--disagg-role", "server", "--denoiser-urls", "tcp://127.0.0.1:1", "--encoder-urls", "tcp://127.0.0.2:1"],
          "or only --denoiser-urls for a full-pipeline pool"),
+        # NaN passed every `<= 0` check (a request deadline that never came, results deleted at once, a
+        # discovery loop resolving names 285,000 times a second); infinity overflowed the drain's wait.
+        (["--disagg-timeout", "nan"], "--disagg-timeout nan must be a finite number"),
+        (["--disagg-no-instance-wait", "nan"], "--disagg-no-instance-wait nan must be a finite number"),
+        (["--results-max-age", "nan"], "--results-max-age nan must be a finite number"),
+        (["--disagg-discovery-interval", "nan"], "--disagg-discovery-interval nan must be a finite number"),
+        (["--disagg-drain-timeout", "inf"], "--disagg-drain-timeout inf must be a finite number"),
+        (["--disagg-drain-timeout", "1e12"], "--disagg-drain-timeout 1000000000000.0 must be a finite number"),
+        (["--batching-delay-ms=-inf"], "--batching-delay-ms -inf must be a finite number"),
+        (["--disagg-discovery-interval", "1e-9"], "--disagg-discovery-interval 1e-09 must be at least 0.05"),
+        # Two sockets of one process on one port: found only when the second bound, after the model loaded.
+        (["--disagg-role", "server", "--scheduler-port", "19655", "--port", "19658", "--encoder-urls",
+          "tcp://127.0.0.1:1", "--denoiser-urls", "tcp://127.0.0.1:2", "--decoder-urls", "tcp://127.0.0.1:3"],
+         "--port 19658 is one of the head's control ports"),
+        (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--scheduler-port", "19001",
+          "--num-gpus", "2", "--master-port", "19001"], "--master-port 19001 is also --scheduler-port"),
     ],
 )  # fmt: skip
 def test_contradictory_flags_name_the_flag(argv, flag):
@@ -266,11 +282,13 @@ def test_a_heartbeat_timeout_under_two_heartbeat_intervals_is_refused(role, time
     )
     with pytest.raises(ConfigError) as refused:
         parse(*argv)
-    assert str(refused.value) == (
+    below = (
         f"--disagg-heartbeat-timeout {float(timeout):g} is below twice the workers' {HEARTBEAT_INTERVAL_S:g} s "
         f"heartbeat interval, so a worker whose heartbeat is a little late would count as lost: use at least "
         f"{2 * HEARTBEAT_INTERVAL_S:g}"
     )
+    not_a_number = "--disagg-heartbeat-timeout nan must be a finite number (at most 1e+09)"
+    assert str(refused.value) == (not_a_number if timeout == "nan" else below)
     argv[argv.index(timeout)] = str(2 * HEARTBEAT_INTERVAL_S)
     assert parse(*argv).disagg_heartbeat_timeout == 2 * HEARTBEAT_INTERVAL_S
 

@@ -96,3 +96,80 @@ def test_served_model_name_is_for_the_head_only():
         args("--served-model-name", "wan", "--disagg-role", "encoder", "--disagg-server-addr", "tcp://h:1")
     with pytest.raises(ConfigError, match="--served-model-name is empty"):
         args("--served-model-name", " ")
+
+
+def _broken_package(tmp_path, package, how: str):
+    """A copy of a tiny package broken one way: its index, a component's config, or its weights."""
+    import shutil
+
+    copy = tmp_path / how
+    shutil.copytree(package, copy)
+    if how == "index":
+        (copy / "model_index.json").write_text('{"_class_name": ')
+    elif how == "class":
+        (copy / "model_index.json").write_text(json.dumps({"_class_name": "NoSuchPipeline"}))
+    elif how == "config":
+        (copy / "transformer" / "config.json").write_text("{")
+    else:  # weights: the transformer's safetensors cut short
+        (weights,) = (copy / "transformer").glob("*.safetensors")
+        weights.write_bytes(weights.read_bytes()[:100])
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("how", "role", "says"),
+    [
+        ("index", "monolithic", "model_index.json: not valid JSON"),
+        ("class", "server", "pipeline 'NoSuchPipeline' is not supported"),
+        ("config", "monolithic", "transformer/config.json: not valid JSON"),
+        ("weights", "denoiser", "transformer/diffusion_pytorch_model.safetensors"),
+    ],
+)
+def test_serve_exits_with_one_line_naming_the_file_for_a_broken_package(tiny_models, tmp_path, how, role, says):
+    """A package that cannot be read or loaded ended in a traceback in every role, a bad config.json
+    in one naming no file; now one line, the file and why, exit 2."""
+    model = _broken_package(tmp_path, tiny_models["tiny-flux"], how)
+    argv = ["--model-path", str(model), "--disagg-role", role]
+    if role == "server":
+        argv += [f"--{r}-urls=tcp://127.0.0.1:{p}" for r, p in (("encoder", 1), ("denoiser", 2), ("decoder", 3))]
+    else:
+        argv += ["--device", "cpu"]
+    if role not in ("server", "monolithic"):
+        argv += ["--disagg-server-addr", "tcp://127.0.0.1:1", "--disagg-transfer-listen-any"]
+    proc = subprocess.run([sys.executable, "-m", "triptych", "serve", *argv], capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert last.startswith(f"triptych: error: --model-path {model}: ") and says in last, last
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("role", ["server", "denoiser"])
+def test_serve_exits_with_one_line_naming_the_flag_when_its_port_is_taken(tiny_models, role):
+    """A head's or a worker's port held by another process ended in a ZMQ traceback."""
+    import socket
+
+    from triptych_dev.localdeploy import free_port_block
+
+    port = free_port_block(8)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    try:
+        argv = ["--model-path", str(tiny_models["tiny-flux"]), "--disagg-role", role, "--scheduler-port", str(port)]
+        if role == "server":
+            argv += ["--port", str(port + 7)]
+            argv += [f"--{r}-urls=tcp://127.0.0.1:{p}" for r, p in (("encoder", 1), ("denoiser", 2), ("decoder", 3))]
+        else:
+            argv += ["--device", "cpu", "--simulate", "--disagg-server-addr", "tcp://127.0.0.1:1",
+                     "--disagg-transfer-listen-any"]  # fmt: skip
+        proc = subprocess.run([sys.executable, "-m", "triptych", "serve", *argv], capture_output=True, text=True,
+                              timeout=180)  # fmt: skip
+    finally:
+        holder.close()
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("triptych: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"triptych: error: --scheduler-port {port}: cannot bind tcp://127.0.0.1:{port}"
+    ), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

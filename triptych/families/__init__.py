@@ -18,7 +18,7 @@ from typing import Literal
 
 from triptych.contract import MAX_FRAMES, MAX_SIDE
 from triptych.families.flux import FluxRules
-from triptych.families.package import ModelPackage
+from triptych.families.package import ModelPackage, PackageError
 from triptych.families.rules import FamilyRules
 from triptych.families.wan import WanRules
 from triptych.step_cache import MODES
@@ -71,7 +71,7 @@ def family_of(package: ModelPackage) -> ModelFamily:
     """The package's family; ValueError naming the pipeline and the supported ones."""
     family = FAMILIES.get(package.class_name)
     if family is None:
-        raise ValueError(
+        raise PackageError(
             f"model path {package.path}: pipeline {package.class_name!r} is not supported; "
             f"supported: {', '.join(sorted(FAMILIES))}"
         )

@@ -10,6 +10,10 @@ from pathlib import Path
 from typing import Any
 
 
+class PackageError(ValueError):
+    """The package at --model-path cannot be read or loaded; the message names the file and why."""
+
+
 @dataclass(frozen=True)
 class ModelPackage:
     """A diffusers package on disk, read through its JSON files only."""
@@ -25,11 +29,11 @@ class ModelPackage:
         try:
             index = json.loads(index_file.read_text())
         except FileNotFoundError:
-            raise ValueError(f"model path {path}: no model_index.json (is it a diffusers package?)") from None
+            raise PackageError(f"model path {path}: no model_index.json (is it a diffusers package?)") from None
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{index_file}: not valid JSON ({exc})") from None
+            raise PackageError(f"{index_file}: not valid JSON ({exc})") from None
         if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
-            raise ValueError(f"{index_file}: no '_class_name'; not a diffusers model index")
+            raise PackageError(f"{index_file}: no '_class_name'; not a diffusers model index")
         return cls(path=path, index=index)
 
     @property
@@ -62,8 +66,14 @@ class ModelPackage:
         folder = self.path / component
         for name in ("config.json", "scheduler_config.json"):
             if (folder / name).is_file():
-                return dict(json.loads((folder / name).read_text()))
-        raise ValueError(f"model path {self.path}: component {component!r} has no config.json")
+                try:
+                    config = json.loads((folder / name).read_text())
+                except json.JSONDecodeError as exc:
+                    raise PackageError(f"{folder / name}: not valid JSON ({exc})") from None
+                if not isinstance(config, dict):
+                    raise PackageError(f"{folder / name}: not a JSON object")
+                return config
+        raise PackageError(f"model path {self.path}: component {component!r} has no config.json")
 
 
 def package_fingerprint(model_path: str | Path) -> str:

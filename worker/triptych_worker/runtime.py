@@ -219,7 +219,14 @@ class Worker:
         self._work.setsockopt(zmq.LINGER, 0)
         self.security.server(self._work)  # with keys: only the head's key may connect and send
         self._work.setsockopt(zmq.RCVTIMEO, IDLE_POLL_MS)  # a blocking receive returns to look at stop and heartbeats
-        self._work.bind(self.work_endpoint)
+        try:
+            self._work.bind(self.work_endpoint)
+        except zmq.ZMQError as exc:
+            self._work.close()
+            raise ConfigError(
+                f"--scheduler-port {self.args.scheduler_port}: cannot bind {self.work_endpoint}: {exc} "
+                "(this worker's work port; is another process using it?)"
+            ) from None
         threads = [threading.Thread(target=self._thread_main, name=f"worker-{i}", daemon=True) for i in range(THREADS)]
         for t in threads:
             t.start()

@@ -8,7 +8,9 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 from triptych import startup
+from triptych.config import ConfigError
 from triptych.families import FamilyRules, ModelPackage
+from triptych.families.package import PackageError
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import TensorSpec
 from triptych.roles import Role
@@ -104,10 +106,16 @@ class FamilyAdapter(abc.ABC, Generic[RulesT]):
         import torch
 
         startup.mark("imported")  # torch, diffusers and the family's pipeline module came with `pipeline_class`
+        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device cuda: torch finds no CUDA device on this host ({torch.__version__}); "
+                              "use --device cpu, or run where a GPU and its driver are")  # fmt: skip
         skipped = {name: None for name in self.package.components if name not in components}
-        pipe = pipeline_class.from_pretrained(
-            self.package.path, dtype=getattr(torch, self.dtype), **skipped, **(given or {})
-        )
+        try:
+            pipe = pipeline_class.from_pretrained(
+                self.package.path, dtype=getattr(torch, self.dtype), **skipped, **(given or {})
+            )
+        except (OSError, ValueError, RuntimeError) as exc:  # truncated weights, a bad config
+            raise PackageError(f"loading {', '.join(sorted(components))} failed: {type(exc).__name__}: {exc}") from exc
         pipe.set_progress_bar_config(disable=True)
         return pipe.to(self.device)
 
