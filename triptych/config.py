@@ -7,13 +7,14 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from triptych.flag_roles import first_unused, refusal
 from triptych.liveness import HEARTBEAT_INTERVAL_S, MIN_HEARTBEAT_TIMEOUT_S
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
 from triptych.ports import (
     DEFAULT_HTTP_PORT,
+    DEFAULT_MASTER_PORT_OFFSET,
     DEFAULT_SCHEDULER_PORT,
     MAX_RESULT_PORT_OFFSET,
     is_loopback,
@@ -61,6 +62,14 @@ SIMULATE_DEFAULTS: dict[Role, tuple[float, float]] = {role: spec.simulate_second
 # Per-role parallelism flags: role -> {degree: attribute}.
 ROLE_PARALLEL_FLAGS: dict[Role, dict[str, str]] = {role: spec.parallel_flags for role, spec in ROLE_SPECS.items()}
 ROLE_PARALLEL_ATTRS: tuple[str, ...] = tuple(attr for flags in ROLE_PARALLEL_FLAGS.values() for attr in flags.values())
+
+
+def url_port_ok(parts: SplitResult) -> bool:
+    """Whether a URL's port, if it has one, is a TCP port (urlsplit raises on reading a bad one)."""
+    try:
+        return parts.port is None or parts.port > 0
+    except ValueError:
+        return False
 
 
 class ConfigError(ValueError):
@@ -247,6 +256,13 @@ class ServeArgs:
                 raise ConfigError(f"--disagg-server-addr: {exc}") from None
             if not specs:
                 raise ConfigError("--disagg-server-addr is empty: give tcp://HEAD:SCHEDULER_PORT")
+            for spec in specs:  # a worker reports on the head's result port for its role: up to +5
+                port = urlsplit(spec).port if spec.startswith("tcp://") else None
+                if port is not None and port + MAX_RESULT_PORT_OFFSET > 65535:
+                    raise ConfigError(
+                        f"--disagg-server-addr {spec}: a head's --scheduler-port leaves room for its result ports "
+                        f"(+1..+{MAX_RESULT_PORT_OFFSET}), so it is at most {65535 - MAX_RESULT_PORT_OFFSET}"
+                    )
         given_urls = [r for r in URL_FLAGS if self.urls_for(r)]
         if role is Role.SERVER:
             self._validate_head_urls(given_urls)
@@ -345,7 +361,7 @@ class ServeArgs:
     def _validate_otlp_endpoint(self) -> None:
         if self.otlp_endpoint:
             parts = urlsplit(self.otlp_endpoint)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
+            if parts.scheme not in ("http", "https") or not parts.netloc or not url_port_ok(parts):
                 raise ConfigError(
                     f"--otlp-endpoint {self.otlp_endpoint!r} is not http(s)://HOST:PORT, an OTLP/HTTP collector "
                     "(traces go to its /v1/traces)"
@@ -384,7 +400,10 @@ class ServeArgs:
             raise ConfigError(f"{which} only applies with --results-store s3://BUCKET/PREFIX")
         if self.results_s3_endpoint is not None:
             parts = urlsplit(self.results_s3_endpoint)
-            if parts.scheme not in ("http", "https") or not parts.netloc or parts.path.strip("/") or parts.query:
+            if (
+                parts.scheme not in ("http", "https") or not parts.netloc or parts.path.strip("/") or parts.query
+                or not url_port_ok(parts)
+            ):  # fmt: skip
                 raise ConfigError(
                     f"--results-s3-endpoint {self.results_s3_endpoint!r} is not http(s)://HOST[:PORT] "
                     "(the bucket goes in --results-store)"
@@ -556,6 +575,12 @@ class ServeArgs:
                     f"--port {self.port} is one of the head's control ports (--scheduler-port {self.scheduler_port} "
                     f"and its result ports +1..+{MAX_RESULT_PORT_OFFSET}); give the HTTP API another port"
                 )
+        derived = self.scheduler_port + DEFAULT_MASTER_PORT_OFFSET
+        if self.disagg_role.is_worker and self.num_gpus > 1 and self.master_port is None and derived > 65535:
+            raise ConfigError(
+                f"--scheduler-port {self.scheduler_port}: the ranks meet on it + {DEFAULT_MASTER_PORT_OFFSET} "
+                f"({derived}), not a TCP port; give --master-port"
+            )
         if self.master_port is not None and self.master_port == self.scheduler_port:
             raise ConfigError(
                 f"--master-port {self.master_port} is also --scheduler-port (this worker's work port); give another"

@@ -57,10 +57,22 @@ def traces_url(endpoint: str, environ: Mapping[str, str] = os.environ) -> str:
     if endpoint:
         return endpoint.rstrip("/") + TRACES_PATH
     if environ.get(TRACES_ENV):
-        return environ[TRACES_ENV]
+        return _checked(TRACES_ENV, environ[TRACES_ENV])
     if environ.get(ENDPOINT_ENV):
-        return environ[ENDPOINT_ENV].rstrip("/") + TRACES_PATH
+        return _checked(ENDPOINT_ENV, environ[ENDPOINT_ENV]).rstrip("/") + TRACES_PATH
     return ""
+
+
+def _checked(variable: str, url: str) -> str:
+    """An endpoint from the environment, refused at start-up as --otlp-endpoint is (not at every export)."""
+    from urllib.parse import urlsplit
+
+    from triptych.config import ConfigError, url_port_ok
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc or not url_port_ok(parts):
+        raise ConfigError(f"{variable} {url!r} is not an http(s)://HOST:PORT URL of an OTLP/HTTP collector")
+    return url
 
 
 def start_tracing(url: str, service: str) -> Tracing | None:

@@ -111,6 +111,12 @@ def test_a_head_with_only_denoiser_urls_is_a_full_pipeline_pool_and_its_workers_
          "--port 19658 is one of the head's control ports"),
         (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--scheduler-port", "19001",
           "--num-gpus", "2", "--master-port", "19001"], "--master-port 19001 is also --scheduler-port"),
+        (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:65534"], "so it is at most 65530"),
+        (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--scheduler-port", "65500",
+          "--num-gpus", "2"], r"the ranks meet on it \+ 50 \(65550\), not a TCP port; give --master-port"),
+        (["--results-store", "s3://bucket1/p", "--results-s3-endpoint", "http://s3:99999"],
+         "--results-s3-endpoint 'http://s3:99999' is not"),
+        (["--otlp-endpoint", "http://c:abc"], "--otlp-endpoint 'http://c:abc' is not"),
     ],
 )  # fmt: skip
 def test_contradictory_flags_name_the_flag(argv, flag):

@@ -5,10 +5,12 @@ OTLP/HTTP, is tests/e2e/test_tracing.py's."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
 
+import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -93,3 +95,13 @@ def test_a_malformed_traceparent_from_a_peer_starts_a_new_trace() -> None:
     assert [s.parent is None for s in spans] == [True, True, True, False]
     assert f"{spans[-1].context.trace_id:032x}" == good.split("-")[1]
     tracing.shutdown()
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])
+@pytest.mark.parametrize("url", ["garbage-not-a-url", "http://c:abc", "http://c:99999", "ftp://c:4318"])
+def test_an_endpoint_from_the_environment_is_checked_as_the_flag_is(variable, url):
+    """It was taken as given and every export failed later, naming no variable."""
+    from triptych.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{variable} '{re.escape(url)}' is not an http"):
+        traces_url("", {variable: url})
