@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from triptych.cli import OneLineParser
@@ -38,6 +39,11 @@ def run_models_tiny(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"triptych: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # --out is a file, or cannot be written
+        print(
+            f"triptych: error: --out {ns.out}: cannot write the packages there ({exc.strerror or exc})", file=sys.stderr
+        )
+        return 2
     if ns.family is None:  # every package: their LoRA adapters too
         paths.append(write_tiny_loras(ns.out, {path.name: path for path in paths}))
     for path in paths:
@@ -48,6 +54,15 @@ def run_models_tiny(ns: argparse.Namespace) -> int:
 def run_demo(ns: argparse.Namespace) -> int:
     from triptych_dev.demo import run
 
+    for option, folder in (("--models", ns.models), ("--out", ns.out)):
+        try:  # before any model is written or process started
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(
+                f"triptych: error: {option} {folder}: not a folder this command can write ({exc.strerror or exc})",
+                file=sys.stderr,
+            )
+            return 2
     return run(ns.models, ns.out)
 
 

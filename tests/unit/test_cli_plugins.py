@@ -63,3 +63,22 @@ def test_a_plugin_that_fails_to_import_something_else_is_an_error(
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="a_dependency_nobody_installed"):
         cli.plugin_commands([entry_point("broken_triptych_plugin:add_commands")])
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["models", "tiny", "--family", "tiny-flux", "--out", "{file}"], "--out {file}: cannot write the packages"),
+        (["demo", "--out", "{file}"], "--out {file}: not a folder this command can write"),
+        (["demo", "--models", "{file}"], "--models {file}: not a folder this command can write"),
+    ],
+)
+def test_a_folder_option_that_is_a_file_is_a_one_line_error(
+    declared_plugins: None, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    """These ended in FileExistsError tracebacks (the demo's before any process started)."""
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    assert cli.main([a.format(file=file) for a in argv]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"triptych: error: {says.format(file=file)}"), line
