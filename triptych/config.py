@@ -314,6 +314,8 @@ class ServeArgs:
             )
         if self.results_max_age <= 0:
             raise ConfigError(f"--results-max-age {self.results_max_age} must be > 0 seconds")
+        if not self.output_path.strip():
+            raise ConfigError("--output-path is empty: give the folder the head keeps URL images and videos in")
         self._validate_results_store()
         self._validate_otlp_endpoint()
         if self.num_gpus < 1 or self.base_gpu_id < 0:

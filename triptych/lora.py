@@ -149,10 +149,11 @@ class LoraCatalog:
         known = self.entries()
         for i, lora in enumerate(loras):
             if lora.name not in known:
-                choices = ", ".join(sorted(known)) or "none: declare them with --lora NAME=SOURCE"
-                raise BadAdapter(
-                    f"{FIELD}[{i}].name {lora.name!r} is not an adapter of this deployment; choose one of {choices}"
-                )
+                choices = (
+                    f"choose one of {', '.join(sorted(known))}" if known
+                    else "it serves none (its operator declares them with --lora NAME=SOURCE)"
+                )  # fmt: skip
+                raise BadAdapter(f"{FIELD}[{i}].name {lora.name!r} is not an adapter of this deployment; {choices}")
 
     def __bool__(self) -> bool:
         return bool(self._flags) or self._path is not None

@@ -80,8 +80,13 @@ def new_key_set() -> dict[str, str]:
 def generate_keys(keys_dir: str | os.PathLike[str]) -> list[Path]:
     """Write a head and a worker key pair into `keys_dir` (created 0700 if missing); refuses to overwrite.
     Secret files are created 0600, never readable by others even for a moment."""
+    if not str(keys_dir).strip():
+        raise ConfigError("DIR is empty: give the folder to write the keys into")
     directory = Path(keys_dir)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{directory}: not a folder the keys can be written into ({exc.strerror or exc})") from None
     files = new_key_set()
     existing = [name for name in files if (directory / name).exists()]
     if existing:

@@ -117,6 +117,7 @@ def test_a_head_with_only_denoiser_urls_is_a_full_pipeline_pool_and_its_workers_
         (["--results-store", "s3://bucket1/p", "--results-s3-endpoint", "http://s3:99999"],
          "--results-s3-endpoint 'http://s3:99999' is not"),
         (["--otlp-endpoint", "http://c:abc"], "--otlp-endpoint 'http://c:abc' is not"),
+        (["--output-path", " "], "--output-path is empty"),
     ],
 )  # fmt: skip
 def test_contradictory_flags_name_the_flag(argv, flag):

@@ -54,6 +54,17 @@ def test_keys_generate_never_overwrites_a_key_set(tmp_path, capsys):
     assert (tmp_path / "head.key_secret").read_text() == before
 
 
+@pytest.mark.parametrize(("target", "says"), [("", "DIR is empty"), ("{file}", "{file}: not a folder the keys")])
+def test_keys_generate_refuses_an_empty_or_file_target_in_one_line(tmp_path, capsys, target, says):
+    """An empty DIR wrote the keys into the current folder; a file ended in "[Errno 17] File exists"."""
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    assert main(["keys", "generate", target.format(file=file)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"triptych: error: {says.format(file=file)}"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_missing_key_files_are_named(tmp_path):
     main(["keys", "generate", str(tmp_path)])
     (tmp_path / "head.key").unlink()  # the worker needs the head's public key
