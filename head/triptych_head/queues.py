@@ -216,7 +216,9 @@ class Dispatcher:
         elif rec.staged and inst.session and (addr := inst.free_standing_slot(nbytes)) is not None:
             # Transfer flow step 2, fast path: a standing slot fits, so no transfer_alloc round trip.
             sender = rec.staged.sender
-            push = TransferPush(wire_id, sender, dest_session=inst.session, dest_addr=addr, head_id=core.head_id)
+            push = TransferPush(
+                wire_id, sender, inst.session, addr, core.head_id, slot_bytes=inst.standing[addr].nbytes
+            )
             if not self._membership.send(sender, push):
                 core.sender_unreachable(rec)
                 return True

@@ -79,7 +79,8 @@ def on_allocated(
     if msg.standing:
         inst.standing[msg.addr] = StandingSlot(rec.staged.nbytes, holder=rec.wire_id)
         rec.slot_addr = msg.addr
-    push = TransferPush(rec.wire_id, rec.staged.sender, msg.session, msg.addr, core.head_id)
+    # The receiver allocated the staged size (transfer_alloc): the sender writes no more than that.
+    push = TransferPush(rec.wire_id, rec.staged.sender, msg.session, msg.addr, core.head_id, rec.staged.nbytes)
     if not core.membership.send(rec.staged.sender, push):
         core.sender_unreachable(rec)
         return

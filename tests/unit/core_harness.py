@@ -369,6 +369,8 @@ class Harness:
         receiver = next(w for w in self.workers.values() if w.session == push.dest_session)
         if rid not in sender.staged:
             raise SlotViolation(f"{sender.url} was told to push {rid}, whose outputs it does not hold")
+        if push.slot_bytes < NBYTES:  # every push names its slot's size, which holds the outputs
+            raise SlotViolation(f"{rid} pushed into a slot of {push.slot_bytes} bytes, not its {NBYTES}")
         addr = push.dest_addr
         if receiver.alive:
             if addr not in receiver.kept and receiver.reserved.get(addr) != rid:

@@ -270,6 +270,25 @@ def in_place_outputs(worker: Worker, staged_as: str | None = None) -> InPlaceTen
     return outputs
 
 
+def test_a_push_into_a_slot_smaller_than_the_outputs_fails_without_writing():
+    """The head names the receiver's slot size: outputs that do not fit (a head's bug, a forged size)
+    would overwrite what lies past the slot in the receiver's pool. The push fails its request and
+    frees the outputs; no write starts."""
+    worker = make_worker()
+    link = RecordingLink()
+    try:
+        outputs = in_place_outputs(worker, staged_as="r")
+        push = TransferPush("r", "w", worker.transport.session_id, worker.pool.base_addr, slot_bytes=outputs.nbytes - 1)
+        pushes.start_push(worker, link, push)  # type: ignore[arg-type]
+        (failed,) = link.sent
+        assert isinstance(failed, Failed) and failed.error == (
+            f"transfer_push: {outputs.nbytes} bytes staged do not fit the receiver's slot of {outputs.nbytes - 1}"
+        )
+        assert not worker._pushes and "r" not in worker._staged and outputs.released
+    finally:
+        worker.transport.close()
+
+
 def _encoded(msg: object) -> list[bytes]:
     return encode(msg)
 

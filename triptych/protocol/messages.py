@@ -148,6 +148,8 @@ class TransferPush(Message, tag="transfer_push", frozen=True):
     dest_session: str
     dest_addr: Count
     head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
+    # The receiver's slot at dest_addr holds this many bytes: a sender never writes more (0: not said).
+    slot_bytes: Count = 0
 
 
 class TransferReady(Message, tag="transfer_ready", frozen=True):

@@ -33,6 +33,10 @@ def start_push(worker: Worker, link: HeadLinks, msg: TransferPush) -> None:
     if staged is None:
         link.send(Failed(msg.request_id, worker.instance, "transfer_push for a request with nothing staged"))
         return
+    if msg.slot_bytes and staged.nbytes > msg.slot_bytes:  # it would overwrite what lies past the slot
+        error = f"transfer_push: {staged.nbytes} bytes staged do not fit the receiver's slot of {msg.slot_bytes}"
+        _end_push(worker, link, msg.request_id, staged, Failed(msg.request_id, worker.instance, error))
+        return
     try:
         if isinstance(staged, InPlaceTensors):
             write = staged.submit_write(msg.dest_session, msg.dest_addr)
