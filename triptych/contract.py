@@ -37,6 +37,7 @@ NARROWED_CACHE = 64  # served models whose limits Contract keeps (a head has one
 MAX_SIDE = 4096  # a guard against requests no deployment should attempt; the family narrows it
 MAX_SEED = 2**63 - 1
 MAX_TEXT = 20_000
+MAX_NAME = 256  # model, user, quality, style: names, not text (a client's 5 MB one is refused, not echoed)
 MAX_FRAMES = 1025
 MIN_DEADLINE_S = 0.001
 MAX_DEADLINE_S = 366 * 86400  # any deadline is capped at the request timeout; this only keeps it a sane number
@@ -82,7 +83,8 @@ class Limits:
     `offset + k * step`. `unsupported`: the reason the family takes no value at all.
 
     Messages are templates over: field, value, minimum, maximum, step, below and above (the valid
-    values nearest `value`), pipeline and kind.
+    values nearest `value`, within minimum..maximum), nearest (those of them other than `value`,
+    "A or B"), pipeline and kind.
     """
 
     minimum: float | None = None
@@ -154,10 +156,12 @@ class Limits:
         if s:
             below = o + math.floor((value - o) / s) * s
             above = below if below == value else below + s
-            below = max(below, lo) if lo is not None else below
+        # Suggestions a client can send: within the limits (narrowed() made both ends whole steps).
+        below, above = _within(below, lo, hi), _within(above, lo, hi)
+        nearest = " or ".join(str(_num(v)) for v in dict.fromkeys((below, above)) if v != value)
         words = {
             "field": name, "value": value, "minimum": _num(lo), "maximum": _num(hi), "step": s,
-            "below": _num(below), "above": _num(above), "pipeline": pipeline, "kind": kind,
+            "below": _num(below), "above": _num(above), "nearest": nearest, "pipeline": pipeline, "kind": kind,
         }  # fmt: skip
         if not in_range:
             if lo == hi:
@@ -179,6 +183,10 @@ class Limits:
 def _words(traits: ModelTraits | None) -> tuple[str, str]:
     """The pipeline and kind a message names."""
     return (traits.pipeline_class, traits.kind) if traits is not None else ("this model", "image")
+
+
+def _within(v: float, lo: float | None, hi: float | None) -> float:
+    return min(max(v, lo if lo is not None else v), hi if hi is not None else v)
 
 
 def _num(v: float | None) -> float | int | None:
@@ -316,7 +324,7 @@ def _frames(t: ModelTraits) -> Limits:
         return Limits(minimum=1, maximum=1, message="{field} {value} must be 1: {pipeline} makes images")
     text = (
         "{field} {value} is invalid: {pipeline} needs 1 + a multiple of {step} frames, at most {maximum} "
-        "(e.g. {below} or {above})"
+        "(e.g. {nearest})"
     )
     return Limits(maximum=t.max_frames, step=t.frame_step, offset=1, message=text, step_message=text)
 
@@ -326,11 +334,19 @@ NO_CFG = (
     "not classifier-free guidance; leave negative_prompt empty"
 )
 COMPATIBILITY = "Accepted for OpenAI client compatibility; changes nothing"
+NAMED = Limits(max_length=MAX_NAME)
 TEXT_ONLY = "image: {pipeline} makes {kind}s from text only; it takes no image"
 
 CONTRACT = Contract(
     (
-        RequestParam("model", str, "Served model id (optional; there is one per deployment)", ALL, fields=()),
+        RequestParam(
+            "model",
+            str,
+            "Served model id (optional; there is one per deployment)",
+            ALL,
+            limits=NAMED,
+            fields=(),
+        ),
         RequestParam(
             "prompt",
             str,
@@ -528,9 +544,9 @@ CONTRACT = Contract(
             limits=Limits(max_length=lora.MAX_ADAPTERS),
             cli="--lora",
         ),
-        RequestParam("quality", str, COMPATIBILITY, IMAGE_ENDPOINTS, fields=(), accepted_only=True),
-        RequestParam("style", str, COMPATIBILITY, frozenset({IMAGES}), fields=(), accepted_only=True),
-        RequestParam("user", str, COMPATIBILITY, ALL, fields=(), accepted_only=True),
+        RequestParam("quality", str, COMPATIBILITY, IMAGE_ENDPOINTS, limits=NAMED, fields=(), accepted_only=True),
+        RequestParam("style", str, COMPATIBILITY, frozenset({IMAGES}), limits=NAMED, fields=(), accepted_only=True),
+        RequestParam("user", str, COMPATIBILITY, ALL, limits=NAMED, fields=(), accepted_only=True),
     )
 )
 """The request contract Triptych serves."""

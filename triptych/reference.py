@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
 MAX_REFERENCE_SIDE = 8192
-MAX_REFERENCE_PIXELS = 8192 * 8192 // 2  # 32 megapixels; FLUX.1 Kontext resizes references to about one
+MAX_REFERENCE_PIXELS = 8192 * 8192 // 2  # 8192x4096; FLUX.1 Kontext resizes references to about a megapixel
 MAX_REFERENCE_BYTES = 16 << 20
 URL_TIMEOUT_S = 20.0  # a whole fetch, connection to last byte
 READ_STALL_S = 5.0  # the longest a connection or a read may wait for the server (within URL_TIMEOUT_S)
@@ -118,7 +118,9 @@ def open_reference(data: bytes, field: str = "image") -> Image.Image:
         raise BadReference(f"{field}: the file is empty")
     try:
         image = Image.open(io.BytesIO(data), formats=FORMATS)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except UnidentifiedImageError:  # its message is "cannot identify image file <_io.BytesIO object at 0x...>"
+        raise BadReference(f"{field}: not an image this server reads ({', '.join(FORMATS)})") from None
+    except (OSError, ValueError, SyntaxError) as exc:
         raise BadReference(f"{field}: not an image this server reads ({', '.join(FORMATS)}): {exc}") from None
     except Image.DecompressionBombError:
         raise BadReference(f"{field}: the image declares more pixels than allowed (a decompression bomb?)") from None
@@ -128,7 +130,7 @@ def open_reference(data: bytes, field: str = "image") -> Image.Image:
     if width > MAX_REFERENCE_SIDE or height > MAX_REFERENCE_SIDE or width * height > MAX_REFERENCE_PIXELS:
         raise BadReference(
             f"{field}: the image is {width}x{height}; at most {MAX_REFERENCE_SIDE} pixels a side and "
-            f"{MAX_REFERENCE_PIXELS // 1_000_000} megapixels"
+            f"{MAX_REFERENCE_PIXELS} pixels in all ({MAX_REFERENCE_SIDE}x{MAX_REFERENCE_PIXELS // MAX_REFERENCE_SIDE})"
         )
     try:
         image.load()

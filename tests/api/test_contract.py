@@ -220,6 +220,13 @@ def test_limits_narrowed_by_a_step_start_and_end_on_whole_steps() -> None:
     assert frames.check("num_frames", 9) is None and frames.check("num_frames", 8) is not None
 
 
+@pytest.mark.parametrize(("frames", "nearest"), [(6, "5 or 9"), (0, "1"), (510, "509"), (513, "509"), (1025, "509")])
+def test_a_refused_frame_count_suggests_only_counts_the_model_takes(frames: int, nearest: str) -> None:
+    wan = dataclasses.replace(WAN, max_frames=509)
+    why = CONTRACT["num_frames"].limits_for(wan).check("num_frames", frames, wan)
+    assert why is not None and why.endswith(f"at most 509 (e.g. {nearest})"), why
+
+
 def test_a_size_past_the_transformer_s_positional_table_is_a_400_at_the_door(tiny_models) -> None:
     """Wan's rotary table has rope_max_seq_len positions per axis: a larger latent would fail in the
     denoiser's first step (a shape error), so the head refuses it naming the field and the bound."""

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import io
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlencode
 
 import pytest
 from fastapi.testclient import TestClient
@@ -16,6 +20,8 @@ from prometheus_client import CollectorRegistry
 from tests.api.test_http_api import ScriptedBackend, validate
 from triptych.families import ModelInfo
 from triptych.reference import allow_url_networks, parse_networks
+from triptych_dev import asgi_call
+from triptych_head.api import reference as edit_reference
 from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext
 
@@ -26,15 +32,24 @@ def png(width: int = 40, height: int = 36) -> bytes:
     return out.getvalue()
 
 
-def client_for(
-    backend: ScriptedBackend, tmp_path: Path, edits: bool = True, max_request_bytes: int = 16 << 20
-) -> TestClient:
-    model = ModelInfo("kontext", "FluxKontextPipeline", "image", 4, 3.5, edits=edits, size_multiple=16)
-    ctx = HeadContext(
+def head_context(
+    backend: ScriptedBackend, tmp_path: Path, edits: bool = True, max_request_bytes: int = 16 << 20,
+    max_side: int = 4096,
+) -> HeadContext:  # fmt: skip
+    model = ModelInfo(
+        "kontext", "FluxKontextPipeline", "image", 4, 3.5, edits=edits, size_multiple=16, max_side=max_side
+    )
+    return HeadContext(
         backend=backend, model=model, output_path=tmp_path, registry=CollectorRegistry(), validate=validate,
         max_request_bytes=max_request_bytes,
     )  # fmt: skip
-    return TestClient(create_app(ctx))
+
+
+def client_for(
+    backend: ScriptedBackend, tmp_path: Path, edits: bool = True, max_request_bytes: int = 16 << 20,
+    max_side: int = 4096,
+) -> TestClient:  # fmt: skip
+    return TestClient(create_app(head_context(backend, tmp_path, edits, max_request_bytes, max_side)))
 
 
 @pytest.fixture
@@ -154,3 +169,117 @@ def test_json_bodies_and_text_only_models_are_refused(backend, tmp_path) -> None
     with client_for(backend, tmp_path, edits=False) as c:
         r = post(c)
     assert r.status_code == 400 and r.json()["error"]["param"] == "image"
+
+
+class _Trickle(http.server.BaseHTTPRequestHandler):
+    """Answers 200 and trickles four bytes (no image) over TRICKLE_S, as a slow or hostile host may;
+    counts the GETs it serves at once."""
+
+    lock = threading.Lock()
+    active = 0
+    most = 0
+
+    def do_GET(self) -> None:
+        with self.lock:
+            _Trickle.active += 1
+            _Trickle.most = max(_Trickle.most, _Trickle.active)
+        try:
+            self.send_response(200)
+            self.end_headers()
+            for _ in range(4):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(TRICKLE_S / 4)
+        finally:
+            with self.lock:
+                _Trickle.active -= 1
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+TRICKLE_S = 1.0
+
+
+@pytest.fixture
+def trickle() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Trickle.active = _Trickle.most = 0
+    allow_url_networks(parse_networks("127.0.0.0/8"))
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        allow_url_networks([])
+        server.shutdown()
+
+
+def test_slow_reference_fetches_run_on_their_own_threads_and_hold_up_no_other_work(backend, tmp_path, trickle) -> None:
+    """Size-less edits' URLs are fetched on the head's few fetch threads: while they trickle, work
+    on asyncio's default executor (another request's Idempotency-Key lookup, url answer, video job
+    save) runs at once, and at most FETCH_THREADS fetches run together (the rest wait their turn)."""
+    form = urlencode({"prompt": "night", "image": f"{trickle}/slow.png"}).encode()
+    app = create_app(head_context(backend, tmp_path))
+    threads = edit_reference.FETCH_THREADS
+
+    async def edits_and_other_work() -> tuple[float, list[asgi_call.Answer]]:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(2))  # a small machine's few
+        form_type = b"application/x-www-form-urlencoded"
+        edits = [
+            asyncio.create_task(asgi_call.post(app, form, content_type=form_type, path="/v1/images/edits"))
+            for _ in range(threads + 2)
+        ]
+        while _Trickle.active < 2:
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        await asyncio.to_thread(time.monotonic)
+        return time.monotonic() - started, await asyncio.gather(*edits)
+
+    waited, answers = asyncio.run(edits_and_other_work())
+    assert waited < TRICKLE_S / 2, f"work on the default executor waited {waited:.2f}s behind the fetches"
+    assert [a.status for a in answers] == [400] * (threads + 2)  # four bytes are no image
+    assert _Trickle.most == threads
+    assert backend.calls == []
+
+
+def test_a_deeply_nested_loras_field_is_a_400_naming_loras(backend, tmp_path) -> None:
+    with client_for(backend, tmp_path) as c:
+        r = post(c, loras="[" * 5000 + "]" * 5000)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "loras"
+
+
+def test_the_form_s_content_type_is_read_whatever_its_case(backend, tmp_path) -> None:
+    body = b'--x\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nnight\r\n'
+    body += b'--x\r\nContent-Disposition: form-data; name="image"; filename="r.png"\r\n'
+    body += b"Content-Type: image/png\r\n\r\n" + png() + b"\r\n--x--\r\n"
+    with client_for(backend, tmp_path) as c:
+        r = c.post("/v1/images/edits", content=body, headers={"Content-Type": "Multipart/Form-Data; boundary=x"})
+    assert r.status_code == 200, r.text
+    assert backend.calls[0].image == png()
+
+
+def test_a_file_that_is_no_image_is_refused_without_python_s_words_for_it(backend, tmp_path) -> None:
+    with client_for(backend, tmp_path) as c:
+        r = post(c, files={"image": ("r.png", b"GIF89a-not-really", "image/gif")})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "image", error
+    assert error["message"].startswith("image: not an image this server reads"), error
+    assert "BytesIO" not in error["message"] and " at 0x" not in error["message"], error
+
+
+@pytest.mark.parametrize(("width", "height"), [(15, 40), (40, 8), (80, 40), (16, 96)])
+def test_a_reference_of_a_size_the_model_cannot_make_and_no_size_is_a_400_naming_image(
+    backend, tmp_path, width, height
+) -> None:
+    """Without `size` the output keeps the reference's size: one the model cannot make (16..64
+    pixels a side here) is the image's fault, told so with its real size and what to do."""
+    with client_for(backend, tmp_path, max_side=64) as c:
+        refused = post(c, files={"image": ("r.png", png(width, height), "image/png")})
+        sized = post(c, files={"image": ("r.png", png(width, height), "image/png")}, size="32x32")
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "image", error
+    assert f"the reference is {width}x{height}" in error["message"] and "16..64" in error["message"], error
+    assert "give a size" in error["message"], error
+    assert sized.status_code == 200, sized.text
+    assert len(backend.calls) == 1

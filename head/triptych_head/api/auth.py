@@ -215,6 +215,10 @@ def bearer_token(scope: Scope) -> bytes | None:
     return None
 
 
+def _has_authorization(scope: Scope) -> bool:
+    return any(name == b"authorization" for name, _ in scope.get("headers", ()))
+
+
 class APIKeyMiddleware:
     """401 (OpenAI-style body, `WWW-Authenticate: Bearer`) unless the request carries a valid key."""
 
@@ -236,8 +240,11 @@ class APIKeyMiddleware:
                 state[KEY_LIMIT] = entry.limit  # request.state.key_limit (key_limits.py)
             await self.app(scope, receive, send)
             return
-        message = (
-            "missing API key: send 'Authorization: Bearer YOUR_KEY'" if token is None else "incorrect API key provided"
-        )
+        if token is not None:
+            message = "incorrect API key provided"
+        elif _has_authorization(scope):  # a tab, another scheme, no key: telling it to add one would mislead
+            message = "malformed Authorization header: it must be 'Bearer YOUR_KEY' (one space between)"
+        else:
+            message = "missing API key: send 'Authorization: Bearer YOUR_KEY'"
         body = error_body(401, message, code="invalid_api_key")
         await send_json(send, 401, body, {"www-authenticate": "Bearer"})

@@ -119,14 +119,14 @@ class HeadContext:
         if values["model"] is not None and values["model"] not in self.model.names:
             raise APIError(
                 404,
-                f"model {values['model']!r} is not served here; this deployment serves {self.model.id!r} "
+                f"model {values['model'][:200]!r} is not served here; this deployment serves {self.model.id!r} "
                 f"(also named {', '.join(repr(n) for n in self.model.names[1:]) or 'nothing else'})",
                 "model",
             )
         if values["size"] is not None:
             width, height = parse_size(values["size"])
         elif reference is not None:
-            width, height = reference.default_size(self.model.size_multiple)
+            width, height = reference.default_size(self.contract["size"].limits_for(self.model))
         else:
             raise APIError(400, "size: required", "size")
         if endpoint == VIDEOS and self.model.kind != "video":

@@ -13,6 +13,7 @@ key and body limit middlewares: a key is checked, and the body bounded, as for e
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,9 +61,10 @@ def _body(model: type[BaseModel], raw: bytes) -> BaseModel:
     """The body, validated straight from its bytes. One that is refused is worked out again as
     FastAPI works out its bodies (json.loads, then the model), so its error reads the same on
     either path: the JSON parsers differ in their words, and on a lone surrogate ("\ud800"), which
-    only FastAPI's way reports as the field's. Two exceptions, each a 400 about the body: one nested
+    only FastAPI's way reports as the field's. Some exceptions, each a 400 about the body: one nested
     deeper than pydantic's parser goes (~200 levels) is refused here, never given to json.loads,
-    and one that is not UTF-8 is worded here (FastAPI's: "There was an error parsing the body")."""
+    and one that is not UTF-8, or holds a number of more digits than Python converts, is worded
+    here (FastAPI's: "There was an error parsing the body")."""
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
@@ -74,9 +76,14 @@ def _body(model: type[BaseModel], raw: bytes) -> BaseModel:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise _invalid_json(("body", exc.pos), exc.msg) from None
-    except (ValueError, RecursionError) as exc:  # not UTF-8 text, or nested deeper than the parser goes
-        why = "it is nested too deeply" if isinstance(exc, RecursionError) else f"it is not UTF-8 text ({exc})"
-        raise _invalid_json(("body",), why) from None
+    except UnicodeDecodeError as exc:
+        raise _invalid_json(("body",), f"it is not UTF-8 text ({exc})") from None
+    except RecursionError:  # nested deeper than the parser goes
+        raise _invalid_json(("body",), "it is nested too deeply") from None
+    except ValueError:  # the one other ValueError of json.loads: an integer of too many digits to convert
+        raise _invalid_json(
+            ("body",), f"a number has too many digits (at most {sys.get_int_max_str_digits()})"
+        ) from None
     try:
         return model.model_validate(value)
     except ValidationError as exc:

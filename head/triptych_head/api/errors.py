@@ -14,6 +14,9 @@ from starlette.types import Send
 
 # pydantic's error types for a body that is missing or not an object (FastAPI's and its own words differ)
 NOT_AN_OBJECT = frozenset({"missing", "model_type", "model_attributes_type", "dict_type"})
+# Where FastAPI found a parameter: the first part of an error's location, not the parameter's name
+LOCATIONS = frozenset({"body", "query", "path", "header", "cookie"})
+JSON_TYPE = "application/json"
 
 
 class APIError(Exception):
@@ -56,9 +59,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first: dict[str, Any] = dict(exc.errors()[0]) if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in first.get("loc", ())]
+        if loc and loc[0] in LOCATIONS:  # ("query", "variant") is about the parameter `variant`
+            loc = loc[1:]
         param = loc[0] if loc else None  # the request's field; the message names the part within it
         message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
         if first.get("type") == "json_invalid":  # its location is a character of the body, not a field
@@ -68,9 +73,19 @@ def install_error_handlers(app: FastAPI) -> None:
         elif tuple(first.get("loc", ())) == ("body",) and first.get("type") in NOT_AN_OBJECT:  # the body itself
             given = "has no body" if first.get("type") == "missing" else "body is not a JSON object"
             message = f'the request {given}: send a JSON object of its parameters, such as {{"prompt": "a red fox"}}'
+            content_type = request.headers.get("content-type", JSON_TYPE).split(";", 1)[0].strip().lower()
+            if first.get("type") != "missing" and not _json_type(content_type):  # FastAPI read no JSON from it
+                message = (
+                    f"the request body is {content_type or 'of no type'}, not JSON: send Content-Type: {JSON_TYPE}"
+                )
         return JSONResponse(error_body(400, message, param), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = getattr(exc, "code", None)  # e.g. the body limit's request_too_large (limits.py)
         return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), exc.status_code, exc.headers)
+
+
+def _json_type(content_type: str) -> bool:
+    """A media type FastAPI reads a body of as JSON: application/json or application/*+json."""
+    return content_type == JSON_TYPE or (content_type.startswith("application/") and content_type.endswith("+json"))

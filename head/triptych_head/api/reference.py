@@ -6,12 +6,15 @@ only checked to be http(s): the image encoder fetches it. A URL without one is f
 the output keeps the reference's size and the head must know it before any worker runs: with the
 image encoder's guards (public addresses or --reference-url-networks, redirects checked, a timeout;
 triptych.reference), at most what the head takes as an upload (--max-request-bytes), and then
-travels inlined, as an upload does.
+travels inlined, as an upload does. Those fetches run on their own few threads (FETCH_THREADS):
+a URL that trickles its bytes holds one for up to 20 s, and on asyncio's default executor it would
+hold up every other request's work there (Idempotency-Key lookups, url answers, video job saves).
 """
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
+from triptych.contract import Limits
 from triptych.reference import MAX_REFERENCE_BYTES, BadReference, check_reference_url, fetch_reference, open_reference
 from triptych_head.api.errors import APIError
 from triptych_head.api.schemas import RequestBody
@@ -28,6 +32,9 @@ FILE_FIELDS = ("image", "image[]")
 MAX_FORM_FIELDS = 32
 # multipart for uploads; a URL reference may also come url-encoded (no file part to carry)
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+# Head-side fetches of size-less edits' URLs: more wait their turn, never on the default executor.
+FETCH_THREADS = 4
+_FETCHES = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="reference-fetch")
 
 
 @dataclass(frozen=True)
@@ -46,15 +53,21 @@ class Reference:
         url = self.fetched_from or self.url
         return url.encode() if url is not None else self.data or b""
 
-    def default_size(self, multiple: int) -> tuple[int, int]:
-        """The output size when the client gives none: the reference's, cropped to the model's multiple."""
+    def default_size(self, sides: Limits) -> tuple[int, int]:
+        """The output size when the client gives none: the reference's, cropped to the model's
+        multiple (`sides`: the served model's limits of a side). APIError naming `image` when the
+        model cannot make that size: the client sent no size to blame."""
         if self.size is None:  # read_edit_form fetches a URL given without a size
             raise APIError(400, "size: required with an image URL the image encoder fetches", "size")
+        multiple = sides.step or 1
         width, height = (side // multiple * multiple for side in self.size)
-        if not width or not height:
+        lo, hi = int(sides.minimum or multiple), int(sides.maximum or max(width, height))
+        if not (lo <= width <= hi and lo <= height <= hi):
             raise APIError(
                 400,
-                f"image: {self.size[0]}x{self.size[1]} is smaller than {multiple} pixels a side; give a size",
+                f"image: the reference is {self.size[0]}x{self.size[1]}; without a size the output keeps its "
+                f"size (cropped to a multiple of {multiple}), and this model makes {lo}..{hi} pixels a side: "
+                "give a size (WIDTHxHEIGHT)",
                 "image",
             )
         return width, height
@@ -75,7 +88,7 @@ def edit_form_schema(model: type[RequestBody]) -> dict[str, Any]:
 async def read_edit_form(request: Request, model: type[RequestBody], max_bytes: int) -> tuple[RequestBody, Reference]:
     """The request's fields (as `model`) and its reference image, a URL without a size fetched (at
     most `max_bytes`); APIError (400, naming the field) for anything wrong."""
-    if not request.headers.get("content-type", "").startswith(FORM_TYPES):
+    if not request.headers.get("content-type", "").lower().startswith(FORM_TYPES):  # media types ignore case
         raise APIError(400, "POST /v1/images/edits takes multipart/form-data (an `image` file and text fields)")
     try:
         form = await request.form(max_files=len(FILE_FIELDS) + 1, max_fields=MAX_FORM_FIELDS)
@@ -95,8 +108,8 @@ async def read_edit_form(request: Request, model: type[RequestBody], max_bytes: 
             raise APIError(400, f"{repeated[0]}: given more than once", repeated[0])
         try:
             body = model.model_validate(fields)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from None
+        except ValidationError as exc:  # located in the body, as FastAPI locates a JSON body's errors
+            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
         url = fields.get("image")
         if files and url is not None:
             raise APIError(400, "image: give a file or a URL, not both", "image")
@@ -113,7 +126,8 @@ async def read_edit_form(request: Request, model: type[RequestBody], max_bytes: 
         raise APIError(400, str(exc), "image") from None
     if getattr(body, "size", None) is not None:
         return body, Reference(url=url)
-    return body, await asyncio.to_thread(_fetched, url, min(max_bytes, MAX_REFERENCE_BYTES))
+    fetched = asyncio.get_running_loop().run_in_executor(_FETCHES, _fetched, url, min(max_bytes, MAX_REFERENCE_BYTES))
+    return body, await fetched
 
 
 def _fetched(url: str, max_bytes: int) -> Reference:

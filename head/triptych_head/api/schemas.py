@@ -6,18 +6,18 @@ FastAPI's OpenAPI schema follows from them.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from triptych import lora
 from triptych.contract import CONTRACT, EDITS, IMAGES, MAX_SIDE, MIN_SIDE, VIDEOS, Contract, RequestParam
 from triptych_head.state import RequestState
 
-SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+SIZE_RE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")  # ASCII: \d also takes fullwidth and Arabic-Indic digits
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -51,19 +51,23 @@ class RequestBody(BaseModel):
     @classmethod
     def _loras_from_text(cls, v: object) -> object:
         # An edit's multipart form carries text fields only: there, `loras` is the JSON array as text.
+        # pydantic's parser, not json.loads: it refuses deep nesting with a ValueError, where json.loads
+        # recurses into a RecursionError (a 500, and it unsettles CPython 3.11; direct.py). TypeError:
+        # text it cannot encode (a lone surrogate).
         if isinstance(v, str):
             try:
-                return json.loads(v)
-            except json.JSONDecodeError:
+                return pydantic_core.from_json(v)
+            except (ValueError, TypeError):
                 raise ValueError('must be a JSON array such as [{"name": "ink", "weight": 0.8}]') from None
         return v
 
     @field_validator("size", check_fields=False)
     @classmethod
     def _size(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_size(v)
-        return v
+        if v is None:
+            return None
+        width, height = parse_size(v)
+        return f"{width}x{height}"  # as a video job stores and answers it: "0032x0032" is "32x32"
 
 
 class LoraChoice(BaseModel):
@@ -72,7 +76,9 @@ class LoraChoice(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=64, description="An adapter of the deployment's catalogue")
-    weight: float = Field(1.0, ge=lora.MIN_WEIGHT, le=lora.MAX_WEIGHT, description="Its scale (1: as trained)")
+    weight: float = Field(
+        1.0, ge=lora.MIN_WEIGHT, le=lora.MAX_WEIGHT, allow_inf_nan=False, description="Its scale (1: as trained)"
+    )
 
 
 def _field(param: RequestParam, endpoint: str) -> tuple[Any, Any]:
@@ -93,6 +99,8 @@ def _field(param: RequestParam, endpoint: str) -> tuple[Any, Any]:
         "le": lim.maximum if numeric else None,
         "min_length": lim.min_length,
         "max_length": lim.max_length,
+        # nan is no more "over the maximum" than under it: pydantic says it is not a finite number
+        "allow_inf_nan": False if param.type is float else None,
     }
     return annotation, Field(default, description=param.doc, **{k: v for k, v in bounds.items() if v is not None})
 
