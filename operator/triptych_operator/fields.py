@@ -13,7 +13,6 @@ is CEL only (`cel_only`), and its description says which Python code is the full
 
 from __future__ import annotations
 
-import argparse
 import copy
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -33,7 +32,9 @@ class _Missing:
 
 
 MISSING: Any = _Missing()
-SIZE_PATTERN = "^[0-9]+([KMGT]i?B?)?$"
+# A size of at least 1 byte: a count, or one with a unit as Kubernetes (256Mi) or triptych (256MiB, 256M)
+# writes it. The parser reads exactly what this admits (fields._read_size), so the CRD and it agree.
+SIZE_PATTERN = "^0*[1-9][0-9]*([KMGT]i?B?)?$"
 
 
 class FieldError(ValueError):
@@ -134,6 +135,22 @@ def all_one_unless_positive(
     return Rule(f"self.{count} > 0 || !has(self.{obj}) || ({ones})", message, check, reason)
 
 
+def not_above_limit(name: str, limit: int, message: str) -> Rule:
+    """`name` (which has a default) is at most `limit`; the error names `name`."""
+    return Rule(f"self.{name} <= {limit}", message, lambda o: name if o[name] > limit else None)
+
+
+def each_at_most(obj: str, limits: Mapping[str, int], message: str) -> Rule:
+    """Each of `limits` set inside the object `obj` is at most its limit; the error names the first above."""
+    bounds = " && ".join(f"self.{obj}.?{n}.orValue({limit}) <= {limit}" for n, limit in limits.items())
+
+    def check(o: Mapping[str, Any]) -> str | None:
+        inner = o.get(obj) or {}
+        return next((f"{obj}.{n}" for n, limit in limits.items() if (inner.get(n) or 0) > limit), None)
+
+    return Rule(f"!has(self.{obj}) || ({bounds})", message, check)
+
+
 def not_both_zero(a: str, b: str, message: str) -> Rule:
     """`a` and `b` (both optional) are not both set to 0."""
     return Rule(
@@ -177,6 +194,7 @@ class Field:
     minimum: int | None = None
     maximum: int | None = None
     min_length: int | None = None
+    pattern: str | None = None  # anchored (^...$); RE2 on the API server, re.ASCII in the parser
     enum: tuple[str, ...] | None = None
     required: bool = False
     fields: tuple[Field, ...] = ()
@@ -218,6 +236,8 @@ def schema(field: Field) -> Schema:
         out["maximum"] = field.maximum
     if field.min_length is not None:
         out["minLength"] = field.min_length
+    if field.pattern is not None:
+        out["pattern"] = field.pattern
     if field.fields:
         out["properties"] = {f.name: schema(f) for f in field.fields}
         required = [f.name for f in field.fields if f.required]
@@ -238,7 +258,7 @@ def schema(field: Field) -> Schema:
 def _size_rule(name: str) -> Schema:
     return {
         "rule": f"type(self) == string ? self.matches('{SIZE_PATTERN}') : self >= 1",
-        "message": f"{name} is a byte count or a size such as 256MiB or 1GiB",
+        "message": f"{name} is a byte count of at least 1 or a size such as 256Mi, 256MiB or 1GiB",
     }
 
 
@@ -267,6 +287,8 @@ def _read_integer(field: Field, value: Any, where: str) -> int:
     low, high = field.minimum, field.maximum
     if (low is not None and value < low) or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"<= {high}" if low is None else f"between {low} and {high}"
+        if low is not None and low == high:
+            bound = str(low)
         raise FieldError(where, f"is {value}; it must be {bound}")
     return value
 
@@ -278,6 +300,9 @@ def _read_string(field: Field, value: Any, where: str) -> str:
         raise FieldError(where, f"must be a string, not {value!r}")
     if field.min_length is not None and len(value) < field.min_length:
         raise FieldError(where, "must not be empty")
+    # fullmatch: Python's `$` would also match before a final newline, RE2's does not.
+    if field.pattern is not None and not re.fullmatch(field.pattern, value, re.ASCII):
+        raise FieldError(where, f"is {value!r}; it must match {field.pattern}")
     return value
 
 
@@ -306,11 +331,17 @@ def _read_array(field: Field, value: Any, where: str) -> list[Any]:
 
 
 def _read_size(field: Field, value: Any, where: str) -> int:
-    """Bytes. parse_size is the full check (the CRD's pattern only checks the shape)."""
-    try:
-        return value if isinstance(value, int) and not isinstance(value, bool) else parse_size(str(value))
-    except argparse.ArgumentTypeError as exc:
-        raise FieldError(where, str(exc)) from None
+    """Bytes, at least 1: what the CRD's rule admits (an integer >= 1, a string SIZE_PATTERN matches), read by
+    triptych's own parse_size, which spells Kubernetes' `256Mi` as `256MiB`."""
+    if isinstance(value, str) and re.fullmatch(SIZE_PATTERN, value):
+        return parse_size(value + "B" if value.endswith("i") else value)  # reads every string the pattern admits
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise FieldError(where, f"must be a byte count or a size such as 256Mi or 1GiB, not {value!r}")
+    if isinstance(value, str):
+        raise FieldError(where, f"{value!r} is not a size of at least 1 byte (e.g. 268435456, 256Mi, 256MiB, 1GiB)")
+    if value < 1:
+        raise FieldError(where, f"is {value}; it must be at least 1 byte")
+    return value
 
 
 def _read_mapping(field: Field, value: Any, where: str) -> dict[str, Any]:

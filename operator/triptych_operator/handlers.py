@@ -41,9 +41,10 @@ from triptych_operator.constants import (
     VERSION,
     WORKER_IMAGE_ENV,
 )
+from triptych_operator.fields import FieldError
 from triptych_operator.manifests import control_keys_secret, render
 from triptych_operator.pipeline_state import PipelineKey, PipelineState, PipelineStates
-from triptych_operator.spec.model import PipelineSpec, SpecError
+from triptych_operator.spec.model import PipelineSpec
 from triptych_operator.spec.rules import parse_pipeline
 from triptych_operator.status import PHASE_READY, components_scaling_to_zero, compute_status, pipeline_components
 
@@ -269,20 +270,33 @@ def _parse(pipeline: Mapping[str, Any]) -> PipelineSpec:
     )
 
 
-def _validate(pipeline: Mapping[str, Any], state: PipelineState) -> None:
-    """Parse and render once per (uid, generation); an invalid spec creates nothing, not even keys."""
+def _validate(pipeline: Mapping[str, Any], state: PipelineState, *, logger: kopf.Logger) -> None:
+    """Parse and render once per (uid, generation); an invalid spec creates nothing, not even keys.
+
+    The outcome is recorded with its generation only once it is known: a check that fails in an
+    unexpected way is an Invalid spec too (the operator's bug, logged with its traceback), never a
+    pipeline left without objects and without a word in its status."""
     meta = pipeline["metadata"]
     parsed_for = (str(meta.get("uid")), int(meta.get("generation") or 0))
     if state.parsed_for == parsed_for:
         return
-    state.parsed_for, state.spec, state.spec_error, state.deletions = parsed_for, None, None, []
+    spec: PipelineSpec | None = None
+    error: str | None = None
+    deletions: list[Any] = []
     try:
-        spec = _parse(pipeline)
-        state.deletions = render(spec).delete
-        state.spec = spec
-    except SpecError as exc:
+        parsed = _parse(pipeline)
+        deletions = render(parsed).delete
+        spec = parsed
+    except FieldError as exc:  # SpecError, or a declaration check's own: both name the field
         # Nothing is applied: the objects of the last valid spec keep running untouched.
-        state.spec_error = str(exc)
+        error = str(exc)
+    except Exception as exc:  # any failure of a check must reach the status, not kopf's retries
+        logger.exception("checking the spec of %s/%s failed", meta.get("namespace"), meta.get("name"))
+        error = (
+            f"spec: the operator failed to check this spec ({type(exc).__name__}: {exc}), so nothing was applied; "
+            "this is an operator bug, and the operator's log has its traceback"
+        )
+    state.parsed_for, state.spec, state.spec_error, state.deletions = parsed_for, spec, error, deletions
 
 
 async def reconcile(
@@ -296,7 +310,7 @@ async def reconcile(
     key = (meta["namespace"], meta["name"])
     state = states.get(key)
     async with state.lock:
-        _validate(pipeline, state)
+        _validate(pipeline, state, logger=logger)
         if state.spec is not None:
             try:
                 if trigger == "pipeline" or state.keys_fingerprint is None:

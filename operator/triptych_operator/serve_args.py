@@ -2,14 +2,15 @@
 
 Every argv is checked the way the process will check it: parsed by the same flag definitions
 (`add_serve_flags`) and validated by `ServeArgs.validate`, extraArgs included. A CR whose pods
-would exit on start-up is reported instead of deployed.
+would exit on start-up is reported instead of deployed, and so is one whose extraArgs change a
+flag the operator sets (owned_flags).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, flag
@@ -30,6 +31,7 @@ from triptych_operator.constants import (
     WORKER_PORT,
     crd_field,
 )
+from triptych_operator.owned_flags import HEAD_SOURCES, refusal, worker_sources
 from triptych_operator.spec.model import PipelineSpec, SpecError
 
 CLUSTER_DOMAIN = "cluster.local"
@@ -170,16 +172,19 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
 
 def worker_argv(pipeline: PipelineSpec, role: Role) -> list[str]:
     """Container args for a worker of `role` (after `triptych serve`); raises SpecError if they would not start."""
-    argv = worker_serve_args(pipeline, role).to_argv() + list(pipeline.roles[role].extra_args)
-    check_argv(argv, where="spec.fullPipeline" if pipeline.full_pipeline else f"spec.{crd_field(role)}")
-    return argv
+    where = "spec.fullPipeline" if pipeline.full_pipeline else f"spec.{crd_field(role)}"
+    own, extra = worker_serve_args(pipeline, role).to_argv(), list(pipeline.roles[role].extra_args)
+    check_extra_args(own, extra, worker_sources(role, where), where=where)
+    check_argv(own + extra, where=where)
+    return own + extra
 
 
 def head_argv(pipeline: PipelineSpec) -> tuple[list[str], ServeArgs]:
     """Container args for the head (after `triptych serve`), and what the head makes of them (extraArgs
     included); raises SpecError if they would not start."""
-    argv = head_serve_args(pipeline).to_argv() + list(pipeline.head.extra_args)
-    return argv, check_argv(argv, where="spec.head")
+    own, extra = head_serve_args(pipeline).to_argv(), list(pipeline.head.extra_args)
+    check_extra_args(own, extra, HEAD_SOURCES, where="spec.head")
+    return own + extra, check_argv(own + extra, where="spec.head")
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -195,6 +200,22 @@ def _serve_parser() -> _RaisingParser:
     parser = _RaisingParser(prog="triptych serve", add_help=False)
     add_serve_flags(parser)
     return parser
+
+
+def check_extra_args(own: Sequence[str], extra: Sequence[str], sources: Mapping[str, str], *, where: str) -> None:
+    """SpecError naming `where`.extraArgs if `extra`, after the operator's `own` flags, changes one whose
+    `sources` say the spec sets it. Compared as parsed, so `--flag=V` and abbreviations count too, and
+    repeating the operator's own value changes nothing."""
+    if not extra:
+        return
+    try:
+        before = vars(_serve_parser().parse_args(list(own)))
+        after = vars(_serve_parser().parse_args([*own, *extra]))
+    except ConfigError:
+        return  # check_argv reports what does not parse, naming the flag
+    for attr, source in sources.items():
+        if after.get(attr) != before.get(attr):
+            raise SpecError(f"{where}.extraArgs", refusal(attr, source))
 
 
 def check_argv(argv: Sequence[str], *, where: str) -> ServeArgs:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -14,6 +15,8 @@ from triptych.ports import MOONCAKE_PORT_RANGE
 from triptych.roles import Role
 from triptych_operator.constants import GPU_RESOURCE, HEAD_HTTP_PORT, HEAD_SCHEDULER_PORT, WORKER_PORT
 from triptych_operator.manifests import Manifest, render
+from triptych_operator.manifests.head import head_ingress
+from triptych_operator.serve_args import head_argv
 from triptych_operator.spec.model import SpecError
 
 ROLES = (Role.ENCODER, Role.DENOISER, Role.DECODER)
@@ -691,3 +694,58 @@ def test_batching_on_a_multi_gpu_role_batches_on_every_rank() -> None:
     objs = children(minimal_spec(denoiser={"gpusPerReplica": 2, "batching": {"maxSize": 4}}))
     args = parse_serve(container(objs[("Deployment", "wan-t2v-denoiser")]))
     assert (args.num_gpus, args.batching_max_size) == (2, 4)  # a group is one batched forward on both ranks
+
+
+@pytest.mark.parametrize(
+    ("section", "extra", "flag", "source"),
+    [
+        ("denoiser", ["--disagg-role", "decoder"], "--disagg-role", "the field it is declared in"),
+        ("denoiser", ["--scheduler-port", "1234"], "--scheduler-port", "the heads discover workers"),
+        ("denoiser", ["--num-gpus", "4"], "--num-gpus", "spec.denoiser.gpusPerReplica"),
+        ("denoiser", ["--device=cpu"], "--device", "spec.denoiser.gpusPerReplica"),
+        ("denoiser", ["--disagg-server-addr", "tcp://10.0.0.1:5555"], "--disagg-server-addr", "headless Service"),
+        ("denoiser", ["--base-gpu-id", "3"], "--base-gpu-id", "spec.denoiser.gpusPerReplica"),
+        ("denoiser", ["--denoiser-ulysses", "1"], "--denoiser-ulysses", "spec.denoiser.parallelism.ulysses"),
+        ("decoder", ["--disagg-drain-timeout", "1e12"], "--disagg-drain-timeout", "spec.decoder.drainSeconds"),
+        ("encoder", ["--disagg-ib-device", "mlx5_0"], "--disagg-ib-device", "spec.transfer.ibDevice"),
+        ("fullPipeline", ["--dtype", "float16"], "--dtype", "spec.fullPipeline.dtype"),
+        ("head", ["--port", "8080"], "--port", "spec.head.port"),
+        ("head", ["--scheduler-port", "6000"], "--scheduler-port", "workers report to this port"),
+        ("head", ["--disagg-timeout", "nan"], "--disagg-timeout", "spec.head.timeoutSeconds"),
+        ("head", ["--encoder-urls", "tcp://1.2.3.4:5"], "--encoder-urls", "worker pools"),
+        ("head", ["--api-keys-file", "/keys"], "--api-keys-file", "spec.head.apiKeysSecret"),
+    ],
+)
+def test_extra_args_may_not_change_a_flag_the_operator_sets_and_the_refusal_names_its_field(
+    section: str, extra: list[str], flag: str, source: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        render(pipeline(minimal_spec(**{section: {"extraArgs": extra}})))
+    assert info.value.field == f"spec.{section}.extraArgs"
+    assert str(info.value).startswith(f"spec.{section}.extraArgs: {flag} ")
+    assert source in str(info.value)
+
+
+def test_extra_args_may_set_flags_the_operator_leaves_alone_or_repeat_its_value() -> None:
+    head = {"extraArgs": ["--disagg-no-instance-wait", "30", "--max-request-bytes", "64MiB"]}  # docs/autoscaling.md
+    decoder = {"extraArgs": ["--disagg-transfer-listen-any", "--device", "cuda", "--num-gpus", "1"]}
+    objs = children(minimal_spec(head=head, decoder=decoder))
+    assert parse_serve(container(objs[("Deployment", "wan-t2v-head")])).disagg_no_instance_wait == 30
+    assert parse_serve(container(objs[("Deployment", "wan-t2v-decoder")])).disagg_transfer_listen_any
+
+
+def test_a_non_finite_head_timeout_is_refused_naming_the_field_not_a_traceback() -> None:
+    p = pipeline(minimal_spec(head={"ingress": {"enabled": True, "host": "wan.example.com"}}))
+    _, flags = head_argv(p)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(SpecError) as info:
+            head_ingress(p, dataclasses.replace(flags, disagg_timeout=bad))
+        assert info.value.field == "spec.head.timeoutSeconds"
+
+
+def test_a_duplicate_adapter_is_named_once_with_its_field() -> None:
+    spec = minimal_spec()
+    spec["model"]["loras"] = ["a=/x", "a=/y"]
+    with pytest.raises(SpecError) as info:
+        render(pipeline(spec))
+    assert str(info.value) == "spec.model.loras: adapter 'a' is declared twice"

@@ -412,6 +412,13 @@ def test_deleting_the_pipeline_removes_everything(crd: KubeCluster, kube_namespa
         ({"transfer": {"poolSize": "lots"}}, "poolSize is a byte count"),
         ({"denoiser": {"gpusPerReplica": 0, "parallelism": {"tp": 2}}}, "gpusPerReplica 0 runs the role on CPU"),
         ({"decoder": {"gpusPerReplica": -1}}, "spec.decoder.gpusPerReplica"),
+        ({"encoder": {"gpusPerReplica": 2}}, "an encoder runs on one device"),
+        ({"decoder": {"gpusPerReplica": 2, "parallelism": {"tp": 2}}}, "the decoder splits its work by sp only"),
+        ({"denoiser": {"gpusPerReplica": 4, "parallelism": {"cfg": 4}}}, "at most 2 guidance branches"),
+        ({"transfer": {"poolSize": "0"}}, "poolSize is a byte count"),
+        ({"transfer": {"mode": "rdma", "ibDevice": ""}}, "spec.transfer.ibDevice"),
+        ({"model": {"hubId": "not a hub id!!"}}, "spec.model.hubId"),
+        ({"head": {"drainSeconds": 10**6}}, "spec.head.drainSeconds"),
     ],
     ids=[
         "negative-replicas",
@@ -423,6 +430,13 @@ def test_deleting_the_pipeline_removes_everything(crd: KubeCluster, kube_namespa
         "bad-pool",
         "cpu-role-with-tp",
         "negative-gpus",
+        "encoder-gpus",
+        "decoder-tp",
+        "cfg-above-2",
+        "zero-pool",
+        "empty-ib-device",
+        "bad-hub-id",
+        "endless-drain",
     ],
 )
 def test_api_server_rejects_invalid_pipelines(
@@ -439,6 +453,14 @@ def test_api_server_accepts_cpu_roles(crd: KubeCluster, kube_namespace: str) -> 
     stored = get(crd, kube_namespace, "diffusionpipeline", "cpu")
     assert stored is not None
     assert stored["spec"]["encoder"]["gpusPerReplica"] == 0 and stored["spec"]["decoder"]["gpusPerReplica"] == 1
+
+
+def test_api_server_accepts_kubernetes_sizes_and_hub_ids(crd: KubeCluster, kube_namespace: str) -> None:
+    model = {"hubId": "black-forest-labs/FLUX.1-dev"}
+    head = {"results": {"maxBytes": "1Gi"}}
+    apply(crd, kube_namespace, pipeline_manifest("sizes", model=model, transfer={"poolSize": "256Mi"}, head=head))
+    stored = get(crd, kube_namespace, "diffusionpipeline", "sizes")
+    assert stored is not None and stored["spec"]["transfer"]["poolSize"] == "256Mi"
 
 
 def test_api_server_rejects_names_too_long_for_service_names(crd: KubeCluster, kube_namespace: str) -> None:

@@ -216,3 +216,122 @@ def test_an_ingress_annotation_that_is_not_a_string_is_rejected_naming_it() -> N
     head = {"ingress": {"enabled": True, "host": "a.example.com", "annotations": {"x/timeout": 30}}}
     err = error_for(minimal_spec(head=head))
     assert err.field.startswith("spec.head.ingress.annotations"), err
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"transfer": {"mode": "rdma", "ibDevice": ""}}, "spec.transfer.ibDevice"),
+        ({"head": {"ingress": {"enabled": True, "host": ""}}}, "spec.head.ingress.host"),
+    ],
+    ids=["rdma-ib-device", "ingress-host"],
+)
+def test_an_empty_string_is_not_a_required_value(section: dict, field: str) -> None:
+    err = error_for(minimal_spec(**section))
+    assert err.field == field
+    assert "must not be empty" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("model", "field"),
+    [
+        ({"hubId": ""}, "spec.model.hubId"),
+        ({"hubId": "org/x", "tokenSecretRef": {"name": ""}}, "spec.model.tokenSecretRef.name"),
+    ],
+    ids=["hub-id", "token-secret"],
+)
+def test_an_empty_model_source_or_token_secret_is_refused(model: dict, field: str) -> None:
+    err = error_for({"model": model})
+    assert err.field == field
+    assert "must not be empty" in str(err)
+
+
+@pytest.mark.parametrize("hub_id", ["not a hub id!!", "org", "/x", "org/x/y", "org/x\n", "ørg/x"])
+def test_a_hub_id_that_triptych_serve_would_not_take_is_refused(hub_id: str) -> None:
+    err = error_for({"model": {"hubId": hub_id}})
+    assert err.field == "spec.model.hubId"
+    assert repr(hub_id) in str(err)
+
+
+@pytest.mark.parametrize("hub_id", ["black-forest-labs/FLUX.1-dev", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "a/b_c"])
+def test_hub_ids_like_org_name_are_taken(hub_id: str) -> None:
+    assert pipeline({"model": {"hubId": hub_id}}).model.model_path == hub_id
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "message"),
+    [
+        ({"encoder": {"gpusPerReplica": 2}}, "spec.encoder.gpusPerReplica", "an encoder runs on one device"),
+        (
+            {"promptEncoder": {"gpusPerReplica": 2, "parallelism": {"cfg": 2}}},
+            "spec.promptEncoder.gpusPerReplica",
+            "an encoder runs on one device",
+        ),
+        (
+            {"promptEncoder": {}, "imageEncoder": {"gpusPerReplica": 2, "parallelism": {"sp": 2}}},
+            "spec.imageEncoder.gpusPerReplica",
+            "an encoder runs on one device",
+        ),
+        (
+            {"decoder": {"gpusPerReplica": 2, "parallelism": {"tp": 2}}},
+            "spec.decoder.parallelism.tp",
+            "the decoder splits its work by sp only",
+        ),
+        (
+            {"decoder": {"gpusPerReplica": 2, "parallelism": {"cfg": 2}}},
+            "spec.decoder.parallelism.cfg",
+            "the decoder splits its work by sp only",
+        ),
+        (
+            {"denoiser": {"gpusPerReplica": 8, "parallelism": {"cfg": 4}}},
+            "spec.denoiser.parallelism.cfg",
+            "at most 2 guidance branches",
+        ),
+        (
+            {"fullPipeline": {"gpusPerReplica": 4, "parallelism": {"cfg": 4}}},
+            "spec.fullPipeline.parallelism.cfg",
+            "at most 2 guidance branches",
+        ),
+    ],
+    ids=["encoder-gpus", "prompt-encoder-cfg", "image-encoder-sp", "decoder-tp", "decoder-cfg", "cfg-4", "full-cfg-4"],
+)
+def test_layouts_every_worker_refuses_whatever_the_family_are_refused_naming_the_field(
+    section: dict, field: str, message: str
+) -> None:
+    err = error_for(minimal_spec(**section))
+    assert err.field == field
+    assert message in str(err)
+
+
+def test_the_layouts_workers_run_are_still_taken() -> None:
+    p = pipeline(
+        minimal_spec(
+            encoder={"gpusPerReplica": 1},
+            denoiser={"gpusPerReplica": 4, "parallelism": {"cfg": 2}},
+            decoder={"gpusPerReplica": 2, "parallelism": {"sp": 2, "tp": 1}},
+        )
+    )
+    assert p.roles[Role.DENOISER].parallelism.cfg == 2
+    assert p.roles[Role.DECODER].parallelism.sp == 2
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [("256Mi", 256 << 20), ("1Gi", 1 << 30), ("256MiB", 256 << 20), ("512M", 512 << 20), ("2097152", 2 << 20)],
+)
+def test_sizes_are_read_as_kubernetes_and_triptych_write_them(size: str, expected: int) -> None:
+    assert pipeline(minimal_spec(transfer={"poolSize": size})).transfer.pool_size == expected
+    assert pipeline(minimal_spec(head={"results": {"maxBytes": size}})).head.results.max_bytes == expected
+
+
+@pytest.mark.parametrize("size", ["0", "0Mi", "000", 0, -5, "-5", "256 MiB", "256mib", "1.5Gi", True, 1.5])
+def test_a_size_below_one_byte_or_of_another_shape_is_refused_as_the_crd_refuses_it(size: object) -> None:
+    assert error_for(minimal_spec(head={"results": {"maxBytes": size}})).field == "spec.head.results.maxBytes"
+    assert error_for(minimal_spec(transfer={"poolSize": size})).field == "spec.transfer.poolSize"
+
+
+@pytest.mark.parametrize("section", [{"head": {"drainSeconds": 10**10}}, {"denoiser": {"drainSeconds": 10**10}}])
+def test_drain_seconds_have_a_maximum(section: dict) -> None:
+    err = error_for(minimal_spec(**section))
+    assert err.field.endswith(".drainSeconds")
+    assert "86400" in str(err)

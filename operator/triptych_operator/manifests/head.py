@@ -32,7 +32,7 @@ from triptych_operator.manifests.parts import (
 )
 from triptych_operator.serve_args import SERVE_COMMAND, object_name
 from triptych_operator.spec.head_fields import HEAD_UNROUTE_S, S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
-from triptych_operator.spec.model import PipelineSpec
+from triptych_operator.spec.model import PipelineSpec, SpecError
 
 API_COMPONENT = "api"  # the head's public HTTP Service; the scheduler ports stay on the internal one
 HEAD_HEALTH_PATH = "/health"  # the head API's liveness route (head/triptych_head/api/system.py)
@@ -327,10 +327,18 @@ def _nginx_annotations(pipeline: PipelineSpec, args: ServeArgs) -> dict[str, str
     refuse a body over 1 MiB and cut an answer after 60 s); other controllers ignore them."""
     annotations = {
         NGINX + "proxy-body-size": f"{math.ceil(args.max_request_bytes / MIB)}m",
-        NGINX + "proxy-read-timeout": str(math.ceil(args.disagg_timeout) + INGRESS_TIMEOUT_MARGIN_S),
-        NGINX + "proxy-send-timeout": str(math.ceil(args.disagg_timeout) + INGRESS_TIMEOUT_MARGIN_S),
+        NGINX + "proxy-read-timeout": _ingress_timeout(args.disagg_timeout),
+        NGINX + "proxy-send-timeout": _ingress_timeout(args.disagg_timeout),
         NGINX + "proxy-buffering": "off",  # progress events (SSE) reach the client as the head sends them
     }
     if pipeline.head.tls_secret_name:  # the heads speak HTTPS: so must the controller, to them
         annotations[NGINX_BACKEND_PROTOCOL] = "HTTPS"
     return annotations
+
+
+def _ingress_timeout(seconds: float) -> str:
+    """The heads' --disagg-timeout plus a margin, in whole seconds. A non-finite one (which math.ceil cannot
+    round) is refused naming the field, should it ever get past the argv checks."""
+    if not math.isfinite(seconds):
+        raise SpecError("spec.head.timeoutSeconds", f"--disagg-timeout {seconds} is not a finite number of seconds")
+    return str(math.ceil(seconds) + INGRESS_TIMEOUT_MARGIN_S)

@@ -105,10 +105,11 @@ def lora_catalog(pipeline: PipelineSpec) -> Manifest | None:
     loras = pipeline.model.loras
     if not loras:
         return None
+    where = "spec.model.loras"
     try:
-        parse_entries(loras, "spec.model.loras:")
-    except ValueError as exc:
-        raise SpecError("spec.model.loras", str(exc).removeprefix("spec.model.loras: ")) from None
+        parse_entries(loras, where)
+    except ValueError as exc:  # "<where> 'entry' ..." or "<where>: ...": the SpecError names the field once
+        raise SpecError(where, str(exc).removeprefix(where).lstrip(": ")) from None
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

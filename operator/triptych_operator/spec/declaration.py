@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from triptych.config import DEFAULT_POOL_SIZE, DTYPES
+from triptych.model_source import HUB_ID
 from triptych.roles import FULL_PIPELINE_ROLE, Role
 from triptych_operator.constants import (
     DEFAULT_RDMA_RESOURCE,
@@ -27,16 +28,18 @@ from triptych_operator.fields import (
     all_one_unless_positive,
     bounded_match,
     cel_only,
+    each_at_most,
     exactly_one,
     excludes,
     needs,
     not_above,
+    not_above_limit,
     not_both_zero,
     required_when,
     required_when_equal,
 )
 from triptych_operator.spec.head_fields import HEAD, MAX_BATCH_DELAY_MS
-from triptych_operator.spec.pod_fields import DRAIN_MARGIN_S, pod_fields, resources_field
+from triptych_operator.spec.pod_fields import DRAIN_MARGIN_S, MAX_DRAIN_SECONDS, pod_fields, resources_field
 
 TRANSFER_MODES = ("tcp", "rdma")
 PARALLEL_DEGREES = ("tp", "sp", "ulysses", "ring", "cfg")
@@ -215,7 +218,34 @@ def _role_rules(role: Role) -> tuple[Rule, ...]:
     if forbidden:
         only = f"parallelism: {' and '.join(forbidden)} apply to the denoiser only"
         rules.append(absent_within("parallelism", forbidden, only))
-    return tuple(rules)
+    return (*rules, *_layout_rules(role))
+
+
+def _layout_rules(role: Role) -> tuple[Rule, ...]:
+    """What every worker of the role refuses whatever the model's family, so it cannot wait for the package
+    (the worker's own check: triptych_worker/parallel/families.py `check_degrees`, before it reads the family)."""
+    if role is Role.DECODER:
+        return (
+            each_at_most(
+                "parallelism",
+                {"tp": 1, "cfg": 1},
+                "parallelism: the decoder splits its work by sp only (--decoder-sp); leave tp and cfg unset",
+            ),
+        )
+    if role is Role.DENOISER:
+        return (
+            each_at_most(
+                "parallelism", {"cfg": 2}, "parallelism: a step has at most 2 guidance branches; use cfg 1 or 2"
+            ),
+        )
+    return (
+        not_above_limit(
+            "gpusPerReplica",
+            1,
+            "gpusPerReplica: an encoder runs on one device (only the denoiser and the decoder split their work over "
+            "several GPUs); use 1 (or 0 for CPU) and more replicas",
+        ),
+    )
 
 
 _DTYPE = (
@@ -270,6 +300,7 @@ def role_field(role: Role) -> Field:
                 drain,
                 default=DEFAULT_DRAIN_SECONDS[role],
                 minimum=MIN_DRAIN_SECONDS,
+                maximum=MAX_DRAIN_SECONDS,
                 doc_default=drain_defaults,
             ),
         ),
@@ -317,7 +348,8 @@ def _model() -> Field:
     )
     hub_id = (
         "Hub repository id (e.g. `black-forest-labs/FLUX.1-dev`), for clusters that reach a hub. Becomes "
-        "`--model-path <hubId>`; downloads go to an `emptyDir` at `/cache` (`HF_HOME=/cache/huggingface`)."
+        "`--model-path <hubId>`; downloads go to an `emptyDir` at `/cache` (`HF_HOME=/cache/huggingface`). "
+        "`org/name` of letters, digits, `_`, `.` and `-`, as `triptych serve` takes it (`triptych.model_source`)."
     )
     loras = (
         "LoRA adapters requests may name (`loras`, docs/serving.md), as `NAME=SOURCE`: SOURCE an absolute path "
@@ -328,7 +360,7 @@ def _model() -> Field:
         "sync period)."
     )
     token = (
-        Field("name", "string", "Secret with the hub token, exposed as `HF_TOKEN`.", required=True),
+        Field("name", "string", "Secret with the hub token, exposed as `HF_TOKEN`.", min_length=1, required=True),
         Field("key", "string", "Key in that Secret.", default=DEFAULT_TOKEN_KEY),
     )
     return Field(
@@ -339,7 +371,7 @@ def _model() -> Field:
         fields=(
             Field("path", "string", path),
             _model_volume(),
-            Field("hubId", "string", hub_id),
+            Field("hubId", "string", hub_id, min_length=1, pattern=HUB_ID.pattern),
             Field("tokenSecretRef", "object", "Secret holding the hub token (exposed as HF_TOKEN).", fields=token),
             Field("loras", "array", loras, items=Field("", "string", min_length=3, doc_type="string")),
         ),
@@ -364,7 +396,9 @@ def _transfer() -> Field:
         "Mooncake would fall back to TCP)."
     )
     network = "Value of `k8s.v1.cni.cncf.io/networks` on worker pods (Multus secondary network for RoCE)."
-    pool = "Transfer pool per worker (`--disagg-transfer-pool-size`): bytes, or `256MiB`, `1GiB`; at least 1 MiB."
+    pool = (
+        "Transfer pool per worker (`--disagg-transfer-pool-size`): bytes, or `256Mi`, `256MiB`, `1GiB`; at least 1 MiB."
+    )
     pool_default = f"`{DEFAULT_POOL_SIZE}` ({DEFAULT_POOL_SIZE >> 20} MiB)"
     return Field(
         "transfer",
@@ -377,7 +411,7 @@ def _transfer() -> Field:
             Field(
                 "rdmaResourceCount", "integer", "How many of `rdmaResourceName` per worker pod.", default=1, minimum=1
             ),
-            Field("ibDevice", "string", ib_device),
+            Field("ibDevice", "string", ib_device, min_length=1),
             Field("networkAnnotation", "string", network),
             Field("poolSize", "size", pool, default=DEFAULT_POOL_SIZE, doc_default=pool_default),
         ),

@@ -22,7 +22,7 @@ from triptych_operator.fields import (
     excludes,
     required_when,
 )
-from triptych_operator.spec.pod_fields import DRAIN_MARGIN_S, pod_fields, resources_field
+from triptych_operator.spec.pod_fields import DRAIN_MARGIN_S, MAX_DRAIN_SECONDS, pod_fields, resources_field
 
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 DEFAULT_API_KEYS_KEY = "keys"
@@ -62,7 +62,7 @@ def _ingress() -> Field:
         "Optional Ingress to the head's HTTP API.",
         fields=(
             Field("enabled", "boolean", "Create an Ingress to `<name>-api`.", default=False),
-            Field("host", "string", "Host name; required when enabled."),
+            Field("host", "string", "Host name; required when enabled.", min_length=1),
             Field("className", "string", "The Ingress's `ingressClassName`."),
             Field("tls", "object", "TLS.", fields=(Field("secretName", "string", "TLS Secret for `host`."),)),
             Field("annotations", "string-map", _INGRESS_ANNOTATIONS),
@@ -275,7 +275,14 @@ def _head() -> Field:
             _head_priority(),
             Field("dispatchPolicy", "string", policy, enum=DISPATCH_POLICIES, default=DISPATCH_POLICIES[0]),
             Field("timeoutSeconds", "integer", "`--disagg-timeout`.", default=int(DEFAULT_TIMEOUT_S), minimum=1),
-            Field("drainSeconds", "integer", drain, default=DEFAULT_HEAD_DRAIN_SECONDS, minimum=MIN_HEAD_DRAIN_SECONDS),
+            Field(
+                "drainSeconds",
+                "integer",
+                drain,
+                default=DEFAULT_HEAD_DRAIN_SECONDS,
+                minimum=MIN_HEAD_DRAIN_SECONDS,
+                maximum=MAX_DRAIN_SECONDS,
+            ),
             _results(),
             _api_keys_secret(),
             _tls(),

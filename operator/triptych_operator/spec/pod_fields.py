@@ -7,6 +7,8 @@ from triptych_operator.fields import Field
 
 # The worker's own deadline is this much earlier than its drainSeconds, so it exits before the kubelet's SIGKILL.
 DRAIN_MARGIN_S = 15
+# A day: far beyond any drain, and far below what a process can wait for (threading.TIMEOUT_MAX).
+MAX_DRAIN_SECONDS = 86_400
 
 
 def resources_field(who: str) -> Field:
@@ -33,7 +35,11 @@ def pod_fields(who: str) -> tuple[Field, ...]:
         if who == "role"
         else "."
     )
-    args = f"More `triptych serve` flags for the {who}, after the operator's; checked as the process checks them."
+    owned = "`--num-gpus`, `--device`, `--dtype`" if who == "role" else "`--port`, `--disagg-timeout`"
+    args = (
+        f"More `triptych serve` flags for the {who}, after the operator's; checked as the process checks them. A "
+        f"flag the operator sets (e.g. {owned}) is refused, naming the field that sets it."
+    )
     if who == "head":
         args += (
             " They also set the HTTP limits: `--max-request-bytes` (default 16MiB), `--max-queued-requests` (a hard"
