@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import io
 import threading
@@ -100,18 +101,24 @@ class _Images(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def images() -> Iterator[str]:
-    """An image server on loopback, which the URL policy lets the head reach for the test only."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+@contextlib.contextmanager
+def loopback_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """An HTTP server on loopback, which the URL policy lets the head reach for the test only."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    _Images.gets = []
     allow_url_networks(parse_networks("127.0.0.0/8"))
     try:
         yield f"http://127.0.0.1:{server.server_port}"
     finally:
         allow_url_networks([])
         server.shutdown()
+
+
+@pytest.fixture
+def images() -> Iterator[str]:
+    _Images.gets = []
+    with loopback_server(_Images) as url:
+        yield url
 
 
 def test_a_url_reference_without_a_size_is_fetched_by_the_head_and_keeps_its_size(backend, tmp_path, images) -> None:
@@ -203,15 +210,9 @@ TRICKLE_S = 1.0
 
 @pytest.fixture
 def trickle() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     _Trickle.active = _Trickle.most = 0
-    allow_url_networks(parse_networks("127.0.0.0/8"))
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        allow_url_networks([])
-        server.shutdown()
+    with loopback_server(_Trickle) as url:
+        yield url
 
 
 def test_slow_reference_fetches_run_on_their_own_threads_and_hold_up_no_other_work(backend, tmp_path, trickle) -> None:

@@ -10,6 +10,7 @@ every request ends exactly once.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import msgspec
 import pytest
@@ -545,11 +546,9 @@ def test_with_migration_off_a_draining_denoiser_finishes_its_requests_in_place()
     assert h.core.requests["r"].instance == first
 
 
-@pytest.mark.parametrize("inputs_held", [True, False])
-def test_a_standing_slot_stays_taken_while_the_stage_uses_its_inputs_in_place(inputs_held: bool) -> None:
-    """A receiver that uses its inputs in place (views on the slot) reports its steps with
-    inputs_held: its standing slot goes to no other transfer before the stage's last report.
-    One that copied its inputs out has given the slot back by its first report."""
+def computing_on_a_standing_slot() -> tuple[Harness, SimWorker, str, Any]:
+    """Request "a" computing on the (held) denoiser, its input in the denoiser's standing slot:
+    (harness, the denoiser, a's wire id, the head's instance of it)."""
     h = Harness(THREE_ROLES, hold=frozenset({Role.DENOISER}))
     denoiser = next(w for w in h.workers.values() if w.role is Role.DENOISER)
     h.submit("a")
@@ -563,6 +562,15 @@ def test_a_standing_slot_stays_taken_while_the_stage_uses_its_inputs_in_place(in
     (wire_id,) = denoiser.computing
     inst = h.core.membership.find(denoiser.url)
     assert inst is not None and [s.holder for s in inst.standing.values()] == [wire_id]
+    return h, denoiser, wire_id, inst
+
+
+@pytest.mark.parametrize("inputs_held", [True, False])
+def test_a_standing_slot_stays_taken_while_the_stage_uses_its_inputs_in_place(inputs_held: bool) -> None:
+    """A receiver that uses its inputs in place (views on the slot) reports its steps with
+    inputs_held: its standing slot goes to no other transfer before the stage's last report.
+    One that copied its inputs out has given the slot back by its first report."""
+    h, denoiser, wire_id, inst = computing_on_a_standing_slot()
     h.core.on_worker(Role.DENOISER, encode(Progress(wire_id, denoiser.url, 1, 4, inputs_held=inputs_held)))
     assert [s.holder for s in inst.standing.values()] == [wire_id if inputs_held else None]
     h.finish(wire_id)
@@ -573,19 +581,7 @@ def test_a_standing_slot_stays_taken_while_the_stage_uses_its_inputs_in_place(in
 def test_a_head_side_message_on_a_result_socket_is_dropped_and_changes_nothing() -> None:
     """A worker (or a key holder speaking for one) sending a message of the head's side: counted as
     dropped; it used to free the request's standing slot first (a cancel_work), or raise (a ping)."""
-    h = Harness(THREE_ROLES, hold=frozenset({Role.DENOISER}))
-    denoiser = next(w for w in h.workers.values() if w.role is Role.DENOISER)
-    h.submit("a")
-    for _ in range(20):
-        if denoiser.computing:
-            break
-        if h.pending:
-            h.deliver()
-        elif h.answers:
-            h.answer()
-    (wire_id,) = denoiser.computing
-    inst = h.core.membership.find(denoiser.url)
-    assert inst is not None and [s.holder for s in inst.standing.values()] == [wire_id]
+    h, denoiser, wire_id, inst = computing_on_a_standing_slot()
     dropped = h.core.metrics.registry.get_sample_value("triptych_dropped_messages_total") or 0.0
     h.core.on_worker(Role.DENOISER, encode(CancelWork(wire_id, denoiser.url, h.core.head_id)))
     h.core.on_worker(Role.DENOISER, encode(Ping(denoiser.url, h.core.head_id)))

@@ -366,6 +366,13 @@ class ServedWorker:
     work: zmq.Socket  # the head's PUSH to the worker's work socket
     results: zmq.Socket  # the head's denoiser result port
 
+    def start_first(self, rid: str, params: dict[str, object]) -> None:
+        """Send `rid`'s Work and return once its (gated) stage runs, holding its thread."""
+        self.work.send_multipart(encode(Work(rid, "w", {**params, "prompt": rid})))  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while not self.pipeline.runs and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def next_message(self, kind: type) -> object:
         """The next message of `kind` the worker sends the head (others skipped)."""
         while True:
@@ -413,10 +420,7 @@ def test_a_computing_worker_keeps_answering_and_runs_queued_work_in_order_one_at
         pipeline, work = w.pipeline, w.work
         for rid in ("r1", "r2", "r3"):
             pipeline.gates[rid] = threading.Event()
-        work.send_multipart(encode(Work("r1", "w", {**params, "prompt": "r1"})))
-        deadline = time.monotonic() + 10
-        while not pipeline.runs and time.monotonic() < deadline:
-            time.sleep(0.01)
+        w.start_first("r1", params)
         assert [r for r, _ in pipeline.runs] == ["r1"]
         # r1 blocks its thread; the other one leads: pings and allocations are answered at once.
         work.send_multipart(encode(Ping("w", "head-1")))
@@ -447,10 +451,7 @@ def test_a_malformed_continuation_fails_its_own_request_on_a_batching_worker(res
         pipeline, work = w.pipeline, w.work
         for rid in ("r1", "bad", "r3"):
             pipeline.gates[rid] = threading.Event()
-        work.send_multipart(encode(Work("r1", "w", {**params, "prompt": "r1"})))
-        deadline = time.monotonic() + 10
-        while not pipeline.runs and time.monotonic() < deadline:
-            time.sleep(0.01)
+        w.start_first("r1", params)
         for rid, meta in (("bad", {"resume": resume}), ("r3", {})):  # queued behind r1
             work.send_multipart(encode(TransferAlloc(rid, "w", 4096)))
             assert w.next_message(TransferAllocated).request_id == rid  # type: ignore[attr-defined]
