@@ -163,7 +163,7 @@ def test_batching_flags_parse_for_the_head_and_the_worker():
     [
         ((*HEAD, "--batching-max-size", "0"), "--batching-max-size 0 must be >= 1"),
         ((*HEAD, "--batching-delay-ms", "-1"), "--batching-delay-ms -1.0 must be >= 0"),
-        ((*HEAD, "--batching-delay-ms", "nan"), "--batching-delay-ms nan must be >= 0"),
+        ((*HEAD, "--batching-delay-ms", "nan"), "--batching-delay-ms nan must be a finite number"),
         (("--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--batching-mode", "dynamic"),
          "--batching-mode is for the head"),
         (("--batching-max-size", "4"), "monolithic mode runs one request at a time"),
