@@ -112,7 +112,7 @@ GROUP_OF = {flag: title for title, (_, flags) in GROUPS.items() for flag in flag
 
 def default_note(default: Any) -> str:
     """The default as help shows it (argparse fills in %(default)s)."""
-    if default is None or default == []:
+    if default is None or default == [] or default == "":
         return "default: none"
     if default is False:
         return "default: off"

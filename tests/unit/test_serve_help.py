@@ -34,7 +34,9 @@ def test_every_grouped_flag_exists_and_every_optional_flag_shows_its_default():
     formatter = parser._get_formatter()
     for action in parser._actions:
         if action.option_strings and not action.required and action.dest != "help":
-            assert "default" in formatter._expand_help(action), action.option_strings
+            shown = formatter._expand_help(action)
+            assert "default" in shown, action.option_strings
+            assert "(default: )" not in shown, action.option_strings  # an empty string reads as nothing
 
 
 def test_the_master_port_help_gives_the_default_the_workers_use():
