@@ -65,12 +65,10 @@ def traces_url(endpoint: str, environ: Mapping[str, str] = os.environ) -> str:
 
 def _checked(variable: str, url: str) -> str:
     """An endpoint from the environment, refused at start-up as --otlp-endpoint is (not at every export)."""
-    from urllib.parse import urlsplit
+    from triptych.config import ConfigError
+    from triptych.config_checks import http_endpoint
 
-    from triptych.config import ConfigError, url_port_ok
-
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc or not url_port_ok(parts):
+    if http_endpoint(url) is None:
         raise ConfigError(f"{variable} {url!r} is not an http(s)://HOST:PORT URL of an OTLP/HTTP collector")
     return url
 

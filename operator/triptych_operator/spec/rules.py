@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from triptych.config import ConfigError, ServeArgs
+from triptych.config_checks import check_otlp_endpoint, check_results_store
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
 from triptych.roles import FULL_PIPELINE_ROLE, Role
 from triptych_operator.constants import (
@@ -149,7 +150,7 @@ def _check_results_store(s3: Mapping[str, Any] | None, model_path: str) -> None:
         results_presign=s3["presignSeconds"],
     )
     try:
-        args._validate_results_store()  # the flags' own check, not the whole argv's (that one names only spec.head)
+        check_results_store(args)  # the flags' own check, not the whole argv's (that one names only spec.head)
     except ConfigError as exc:
         flag = next((f for f in S3_FIELD_OF_FLAG if str(exc).startswith(f)), "--results-store")
         raise SpecError(f"spec.head.results.s3.{S3_FIELD_OF_FLAG[flag]}", str(exc)) from None
@@ -160,7 +161,7 @@ def _check_otlp_endpoint(endpoint: str | None, model_path: str) -> None:
     if endpoint is None:
         return
     try:
-        ServeArgs(model_path=model_path, disagg_role=Role.SERVER, otlp_endpoint=endpoint)._validate_otlp_endpoint()
+        check_otlp_endpoint(ServeArgs(model_path=model_path, disagg_role=Role.SERVER, otlp_endpoint=endpoint))
     except ConfigError as exc:
         raise SpecError("spec.tracing.otlpEndpoint", str(exc)) from None
 
