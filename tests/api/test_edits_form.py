@@ -284,3 +284,50 @@ def test_a_reference_of_a_size_the_model_cannot_make_and_no_size_is_a_400_naming
     assert "give a size" in error["message"], error
     assert sized.status_code == 200, sized.text
     assert len(backend.calls) == 1
+
+
+def form_with_prompt(prompt: bytes) -> bytes:
+    """A multipart edit whose `prompt` part carries these exact bytes, and an image."""
+    body = b'--x\r\nContent-Disposition: form-data; name="prompt"\r\n\r\n' + prompt + b"\r\n"
+    body += b'--x\r\nContent-Disposition: form-data; name="image"; filename="r.png"\r\n'
+    return body + b"Content-Type: image/png\r\n\r\n" + png() + b"\r\n--x--\r\n"
+
+
+@pytest.mark.parametrize("prompt", [b"caf\xe9", b"night \xff\xfe", b"\xe7\x8c"])  # latin-1, stray bytes, cut short
+def test_a_text_field_that_is_not_utf8_is_a_400_naming_it_not_read_as_latin1(backend, tmp_path, prompt) -> None:
+    """Starlette reads a text part it cannot decode as latin-1, silently; the head refuses it."""
+    with client_for(backend, tmp_path) as c:
+        r = c.post("/v1/images/edits", content=form_with_prompt(prompt),
+                   headers={"Content-Type": "multipart/form-data; boundary=x"})  # fmt: skip
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "prompt" and error["message"].startswith("prompt: "), error
+    assert "UTF-8" in error["message"], error
+    assert backend.calls == []
+
+
+def test_a_text_field_of_non_ascii_utf8_is_taken_as_it_is(backend, tmp_path) -> None:
+    with client_for(backend, tmp_path) as c:
+        raw = c.post("/v1/images/edits", content=form_with_prompt("café 猫".encode()),
+                     headers={"Content-Type": "multipart/form-data; boundary=x"})  # fmt: skip
+        client_made = post(c, prompt="café 猫")  # the test client's own multipart encoding
+    assert raw.status_code == 200, raw.text
+    assert client_made.status_code == 200, client_made.text
+    assert [p.prompt for p in backend.calls] == ["café 猫", "café 猫"]
+
+
+@pytest.mark.parametrize("prompt", [b"caf%E9", b"caf\xe9"])  # an escaped and a raw latin-1 byte
+def test_a_url_encoded_text_field_that_is_not_utf8_is_a_400_naming_it(backend, tmp_path, prompt) -> None:
+    """Starlette reads a url-encoded field's bytes as latin-1 and a bad %-escape as U+FFFD, silently:
+    the head refuses both, and reads UTF-8, escaped or raw (as `curl -d` sends it), as it is."""
+    body = b"image=https%3A%2F%2Fexample.com%2Fr.png&size=64x48&prompt="
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    with client_for(backend, tmp_path) as c:
+        bad = c.post("/v1/images/edits", content=body + prompt, headers=form)
+        escaped = c.post("/v1/images/edits", content=body + b"caf%C3%A9+%E7%8C%AB", headers=form)
+        raw = c.post("/v1/images/edits", content=body + "café 猫".encode(), headers=form)
+    assert bad.status_code == 400, bad.text
+    error = bad.json()["error"]
+    assert error["param"] == "prompt" and "UTF-8" in error["message"], error
+    assert escaped.status_code == 200 and raw.status_code == 200, (escaped.text, raw.text)
+    assert [p.prompt for p in backend.calls] == ["café 猫", "café 猫"]

@@ -25,6 +25,8 @@ from triptych_dev.asgi_call import FixedPixels
 from triptych_head.api import image_body
 from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext
+from triptych_head.api.schemas import ImageGenerationResponse
+from triptych_head.media import png_bytes
 
 
 def noise(n: int, side: int) -> np.ndarray:
@@ -130,3 +132,104 @@ def test_an_idempotent_large_answer_is_stored_and_replayed_without_being_held_wh
         decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
         assert np.array_equal(decoded, pixels[i, 0])
     assert not list((tmp_path / ".staging").glob("answer-*")), "the spooled answer was stored, not left behind"
+
+
+async def post_sse(app: Any, body: dict[str, Any], keep: bool, key: str | None = None) -> tuple[Any, list[int]]:
+    """One streamed POST (`stream: true`): the answer, and the size of each body message the app sent."""
+    pieces: list[int] = []
+
+    async def counted(scope: Any, receive: Any, send: Any) -> None:
+        async def sending(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                pieces.append(len(message.get("body", b"")))
+            await send(message)
+
+        await app(scope, receive, sending)
+
+    headers = [] if key is None else [(b"idempotency-key", key.encode())]
+    return await asgi_call.post(counted, {**body, "stream": True}, keep, headers), pieces
+
+
+def completed_data(body: bytes) -> bytes:
+    """The `data:` of the stream's one `completed` event, as sent."""
+    events = [e for e in body.split(b"\n\n") if e.startswith(b"event: completed\n")]
+    assert len(events) == 1, body[:300]
+    return events[0].removeprefix(b"event: completed\ndata: ")
+
+
+def expected_completed(data: bytes, pixels: np.ndarray) -> bytes:
+    """What the `completed` event carried when it was built whole: the plain answer's model with the
+    request's id first and its Server-Timing last, as one JSON line."""
+    got = json.loads(data)
+    pngs = [png_bytes(img[0]) for img in pixels]
+    answer = ImageGenerationResponse(created=got["created"], data=image_body.b64_data(pngs))
+    whole = {"id": got["id"], **answer.model_dump(), "server_timing": "total;dur=1"}
+    return json.dumps(whole, separators=(",", ":")).encode()
+
+
+def test_a_large_streamed_answer_s_completed_event_is_sent_in_pieces_and_is_the_event_it_was(tmp_path):
+    """The `completed` event of a large b64_json stream is written as the plain answer is (one PNG
+    and one chunk of base64 at a time): the same bytes as the event built whole, in several body
+    messages, and the head's peak memory (traced) under the body's size. Built whole it held the
+    PNGs, their base64, the dict, its JSON and the encoded event: one message, about 3x the body."""
+    pixels = noise(2, 1024)
+    app = make_app(tmp_path, pixels)
+
+    async def measured() -> tuple[Any, list[int], int, Any]:
+        await post_sse(app, {**REQUEST, "size": "16x16"}, keep=False)  # warm up: imports, caches, the routes
+        tracemalloc.start()
+        try:
+            answer, pieces = await post_sse(app, REQUEST, keep=False)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        kept, _ = await post_sse(app, REQUEST, keep=True)
+        return answer, pieces, peak, kept
+
+    answer, pieces, peak, kept = asyncio.run(measured())
+    assert answer.status == 200 and answer.headers["content-type"].startswith("text/event-stream")
+    assert answer.size > pixels.nbytes  # base64 of incompressible PNGs: about 4/3 of the pixels
+    assert max(pieces) <= 2 * image_body.B64_CHUNK, f"a {max(pieces) / 2**20:.1f} MiB piece: built whole"
+    assert len([p for p in pieces if p]) >= 2 * 3, pieces  # each ~3 MiB PNG's base64 in 1 MiB pieces
+    assert peak < answer.size, f"peak {peak / 2**20:.1f} MiB traced for a {answer.size / 2**20:.1f} MiB body"
+    data = completed_data(kept.body)
+    assert data == expected_completed(data, pixels)
+    assert json.loads(data)["id"].startswith("img_")
+
+
+def test_a_small_streamed_answer_s_completed_event_is_the_event_it_was(tmp_path):
+    pixels = noise(1, 16)
+    answer, _ = asyncio.run(post_sse(make_app(tmp_path, pixels), {**REQUEST, "size": "16x16", "n": 1}, keep=True))
+    assert answer.status == 200
+    data = completed_data(answer.body)
+    assert data == expected_completed(data, pixels)
+
+
+def test_an_idempotent_large_streamed_answer_is_stored_and_replayed_in_pieces(tmp_path):
+    """Under an Idempotency-Key the `completed` event is stored as it is encoded and sent out of the
+    store in pieces, the first time and on a replay (that event alone): the same bytes both times."""
+    pixels = noise(2, 1024)
+    app = make_app(tmp_path, pixels)
+
+    async def measured(keep: bool) -> tuple[Any, list[int], int]:
+        tracemalloc.start()
+        try:
+            answer, pieces = await post_sse(app, REQUEST, keep=keep, key="large-sse")
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        return answer, pieces, peak
+
+    async def runs() -> list[tuple[Any, list[int], int]]:
+        await post_sse(app, {**REQUEST, "size": "16x16"}, keep=False, key="warm-up")  # imports, caches, the routes
+        return [await measured(keep=True), await measured(keep=False)]
+
+    (first, first_pieces, _), (replay, replay_pieces, replay_peak) = asyncio.run(runs())
+    assert first.status == replay.status == 200
+    assert "idempotent-replayed" not in first.headers and replay.headers["idempotent-replayed"] == "true"
+    for pieces in (first_pieces, replay_pieces):
+        assert max(pieces) <= 2 * image_body.B64_CHUNK and len([p for p in pieces if p]) >= 3, pieces
+    assert replay_peak < replay.size, f"peak {replay_peak / 2**20:.1f} MiB for a {replay.size / 2**20:.1f} MiB body"
+    data = completed_data(first.body)
+    assert data == expected_completed(data, pixels)
+    assert replay.size == len(b"event: completed\ndata: " + data + b"\n\n")

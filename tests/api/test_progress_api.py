@@ -9,6 +9,7 @@ import pytest
 
 from tests.api.test_http_api import ScriptedBackend, make_client
 from triptych.client import iter_sse
+from triptych.protocol import RequestEvent
 from triptych_head.api import videos
 from triptych_head.backend import GenerationFailed
 
@@ -86,3 +87,22 @@ def test_the_playground_is_served_at_the_root_with_its_files(backend, tmp_path):
         assert '<script type="module" src="/static/app.js">' in page.text
         assert c.get("/static/app.js").headers["content-type"].startswith("text/javascript")
         assert c.get("/static/nope.js").status_code == 404
+
+
+class PreviewBurst(ScriptedBackend):
+    """Reports all its steps, each with a preview, in one go (no await between them): faster than any
+    client can read them."""
+
+    async def generate(self, request_id, params, on_event=None, preview_every=0, priority=1):  # type: ignore[no-untyped-def]
+        for step in range(1, 51):
+            on_event(RequestEvent(request_id, "DENOISING_RUNNING", step, 50, preview=bytes(20_000), role="denoiser"))
+        return await super().generate(request_id, params, None, preview_every, priority)
+
+
+def test_previews_faster_than_the_client_reads_leave_it_the_newest_and_the_result(tmp_path):
+    body = {"prompt": "cat", "size": "32x32", "seed": 1, "stream": True, "preview_every": 1}
+    with make_client(PreviewBurst(), tmp_path, kind="image") as c:
+        got = events(c, "POST", "/v1/images/generations", json=body)
+    assert [e.data["step"] for e in got if e.event == "step"] == list(range(1, 51))
+    assert [e.data["step"] for e in got if e.event == "step" and "preview" in e.data] == [50]
+    assert got[-1].event == "completed" and len(got[-1].data["data"]) == 1

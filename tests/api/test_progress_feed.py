@@ -131,3 +131,65 @@ def test_an_image_stream_s_history_goes_with_its_end():
         return await read_all(feed, feed.subscribe())
 
     assert [e for e, _ in asyncio.run(run())] == ["completed"]
+
+
+def preview_steps(got: list[tuple[str, dict]]) -> list[int]:
+    return [d["step"] for e, d in got if e == "step" and "preview" in d]
+
+
+def test_a_subscriber_that_never_reads_holds_only_the_newest_preview_and_still_gets_the_end():
+    """Previews have a bound of their own: a queued step whose preview a newer one replaced keeps its
+    step but loses its image. Under the queue's byte bound alone a stalled client held ~30 of these
+    (4 MiB), and a late subscriber the history's 1 MiB of them."""
+
+    async def run() -> tuple[list, list, Subscriber]:
+        feed = ProgressFeed("r5", linger_s=0.2)
+        sub = feed.subscribe()
+        for step in range(1, 201):  # ~133 KB each as base64
+            feed.on_event(RequestEvent("r5", "DENOISING_RUNNING", step, 200, preview=bytes(100_000), role="denoiser"))
+            assert sub.queued_bytes < 2 * 140_000 and sub.queued <= QUEUE_LIMIT
+        late = feed.subscribe()
+        feed.publish(SSEMessage("completed", {"id": "r5"}))
+        return await read_all(feed, sub), await read_all(feed, late), sub
+
+    got, late, sub = asyncio.run(run())
+    assert got[0] == ("dropped", {"id": "r5", "dropped": 201 - QUEUE_LIMIT})  # the steps the queue's bound lost
+    assert [d["step"] for e, d in got if e == "step"] == list(range(202 - QUEUE_LIMIT, 201))
+    assert preview_steps(got) == [200] and preview_steps(late) == [200]  # only the newest image
+    assert got[-1] == late[-1] == ("completed", {"id": "r5"})
+    assert sub.previews_dropped == 199  # each replaced by the next while queued
+
+
+def test_a_slow_reader_gets_every_step_the_newest_preview_each_time_and_the_end():
+    """A reader slower than the previews arrive: its queue never holds two previews, it sees every
+    step in order (none lost: it falls under 64 behind), and the result arrives."""
+
+    async def run() -> tuple[list, int]:
+        feed = ProgressFeed("r6")
+        sub = feed.subscribe()
+        most = 0
+
+        async def produce() -> None:
+            nonlocal most
+            for step in range(1, 61):
+                feed.on_event(RequestEvent("r6", "DENOISING_RUNNING", step, 60, preview=bytes(50_000), role="denoiser"))
+                most = max(most, sub.queued_bytes)
+                await asyncio.sleep(0)  # the loop turns: the reader may take one message
+            feed.publish(SSEMessage("completed", {"id": "r6"}))
+
+        async def consume() -> list[bytes]:
+            out = []
+            async for chunk in sub.messages("r6"):
+                out.append(chunk)
+                for _ in range(3):  # slower than the producer: three turns of the loop per message
+                    await asyncio.sleep(0)
+            return out
+
+        _, chunks = await asyncio.gather(produce(), consume())
+        return parse(chunks), most
+
+    got, most = asyncio.run(run())
+    assert [d["step"] for e, d in got if e == "step"] == list(range(1, 61))
+    assert len(preview_steps(got)) < 30 and preview_steps(got)[-1] == 60
+    assert most < 2 * 70_000, most  # one preview (~67 KB as base64) and the steps' few hundred bytes each
+    assert got[-1] == ("completed", {"id": "r6"})

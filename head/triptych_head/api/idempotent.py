@@ -84,15 +84,16 @@ async def stream_once(
     request: Request,
     key: str,
     fingerprint: str,
-    run: Callable[[Callable[[], None]], Awaitable[bytes]],
-) -> tuple[Run, bytes | None]:
+    run: Callable[[Callable[[], None]], Awaitable[Body]],
+) -> tuple[Run, Answer | None]:
     """A streamed request (`stream: true`) under its key: answered before its response starts, so a
     key reused, still running elsewhere, or a run refused before it started (admission) is an HTTP
     error like a plain request's. `run(started)` is awaited only when this head runs the key's
     attempt, calls `started()` once it is under way, and returns the `completed` event's data (what
-    a replay answers). Returns (the key's run, None) when this head runs it: the caller streams its
-    progress, and the run's task ends with its answer; (the ended run, the earlier answer) when the
-    key ran before."""
+    a replay answers: whole, or in pieces as they are encoded, stored without being held whole).
+    Returns (the key's run, None) when this head runs it: the caller streams its progress, and the
+    run's task ends with its answer; (the ended run, the earlier answer) when the key ran before
+    (whole, or a large one streamed out of the store)."""
     loop = asyncio.get_running_loop()
     started: asyncio.Future[None] = loop.create_future()
 
@@ -100,7 +101,7 @@ async def stream_once(
         if not started.done():
             started.set_result(None)
 
-    async def attempt() -> bytes:
+    async def attempt() -> Body:
         return await run(mark_started)
 
     task: Run = asyncio.ensure_future(
@@ -119,7 +120,7 @@ async def stream_once(
     except (KeyReused, InProgress) as exc:
         raise _key_error(key, exc) from None
     ctx.idempotent_replays.inc()
-    return task, body if isinstance(body, bytes) else await asyncio.to_thread(b"".join, body)  # read from the store
+    return task, body
 
 
 def _scope(request: Request) -> str:

@@ -1,5 +1,6 @@
 """The body of a plain image answer ({"created", "data": [{"b64_json"}, ...]}): small ones whole, large ones
-streamed.
+streamed; a streamed request's `completed` event (image_stream.py) carries the same JSON, with its id
+and Server-Timing around it, and is written the same way.
 
 A large b64_json answer is written as it is encoded: one image's PNG at a time (on the head's
 MediaPool), its
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -59,9 +61,17 @@ def streamed(pixels: np.ndarray, media: MediaPool, headers: dict[str, str]) -> S
                              headers=headers)  # fmt: skip
 
 
-async def b64_body(images: Iterable[np.ndarray], created: int, media: MediaPool) -> AsyncIterator[bytes]:
-    """The JSON of ImageGenerationResponse(created, [ImageData(b64_json=...), ...]), in pieces."""
-    yield b'{"created":%d,"data":[' % created
+async def b64_body(
+    images: Iterable[np.ndarray],
+    created: int,
+    media: MediaPool,
+    first: dict[str, Any] | None = None,
+    last: dict[str, Any] | None = None,
+) -> AsyncIterator[bytes]:
+    """The JSON of ImageGenerationResponse(created, [ImageData(b64_json=...), ...]), in pieces; `first`
+    and `last`: fields before and after the model's (a streamed request's `completed` event: its id
+    and its Server-Timing), as json.dumps writes them."""
+    yield b"{" + (_inside(first) + b"," if first else b"") + b'"created":%d,"data":[' % created
     for i, image in enumerate(images):
         png = await media.run(png_bytes, image)
         yield b'{"b64_json":"' if i == 0 else b',{"b64_json":"'
@@ -69,7 +79,12 @@ async def b64_body(images: Iterable[np.ndarray], created: int, media: MediaPool)
             yield base64.b64encode(png[start : start + B64_CHUNK])
         del png
         yield b'","url":null}'
-    yield b"]}"
+    yield b"]" + (b"," + _inside(last) if last else b"") + b"}"
+
+
+def _inside(fields: dict[str, Any]) -> bytes:
+    """`fields` as the inside of a JSON object."""
+    return json.dumps(fields, separators=(",", ":")).encode()[1:-1]
 
 
 def b64_data(pngs: list[bytes]) -> list[ImageData]:

@@ -1,6 +1,8 @@
 """POST /v1/images/generations and /v1/images/edits with `stream: true`: the request's progress as
 Server-Sent Events (progress.py), every state and denoising step (a preview every `preview_every`
-steps), then `completed` carrying what the plain answer would hold, or `error`.
+steps), then `completed` carrying what the plain answer would hold, or `error`. A large b64_json
+`completed` is written as the plain answer is (image_body.py): one PNG and one chunk of its base64
+at a time, never the event whole.
 
 The request runs in its own task, which never waits for the client; a client that goes away
 cancels it. Under an Idempotency-Key (idempotent.py) the key's one run streams here, and a retry of
@@ -12,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
+from starlette.concurrency import iterate_in_threadpool
 
 from triptych.params import GenerationParams
 from triptych_head.api.context import HeadContext, new_request_id
@@ -25,15 +27,16 @@ from triptych_head.api.deadlines import Deadline, estimate_seconds, with_estimat
 from triptych_head.api.errors import APIError
 from triptych_head.api.idempotent import REPLAYED, stream_once
 from triptych_head.api.key_limits import key_limit
-from triptych_head.api.progress import ProgressFeed, SSEMessage, error_message, sse_response
+from triptych_head.api.progress import ProgressFeed, SSEMessage, StreamedMessage, error_message, sse_response
 from triptych_head.backend import GenerationOutput
 from triptych_head.deadline import Estimate
-from triptych_head.idempotency import Answer
+from triptych_head.idempotency import Answer, Body
 
 log = logging.getLogger(__name__)
 
-Respond = Callable[[GenerationOutput, str], Awaitable[BaseModel]]  # the plain answer of an output and request id
-Completed = dict[str, Any]  # the `completed` event's data
+# The `completed` event's data: whole, or its JSON in pieces as it is encoded (a large b64_json answer).
+Completed = dict[str, Any] | AsyncIterator[bytes]
+Respond = Callable[[GenerationOutput, str], Awaitable[Completed]]  # the `completed` of an output and request id
 
 
 class ImageStream:
@@ -64,17 +67,19 @@ class ImageStream:
         reused, still running after the wait, or a run refused before it started: an HTTP error."""
         estimates: list[Estimate | None] = []
 
-        async def run(started: Callable[[], None]) -> bytes:
+        async def run(started: Callable[[], None]) -> Body:
             estimates.append(self._admit(deadline))
             started()
-            return json.dumps(await self._released(), separators=(",", ":")).encode()
+            done = await self._released()  # in pieces: stored as they are encoded, never whole
+            return json.dumps(done, separators=(",", ":")).encode() if isinstance(done, dict) else done
 
         task, earlier = await stream_once(self.ctx, self.request, key, fingerprint, run)
         if earlier is not None:
-            done = json.loads(earlier)
+            done = _completed_in(earlier)
             replayed: asyncio.Future[Completed] = asyncio.get_running_loop().create_future()
             replayed.set_result(done)
-            return progress_response(ProgressFeed(done.get("id", self.request_id)), replayed, {REPLAYED: "true"})
+            request_id = done.get("id", self.request_id) if isinstance(done, dict) else self.request_id
+            return progress_response(ProgressFeed(request_id), replayed, {REPLAYED: "true"})
         answer = asyncio.ensure_future(_completed_of(task))
         return with_estimate(
             progress_response(self.feed, answer), estimate_seconds(estimates[0] if estimates else None)
@@ -95,8 +100,7 @@ class ImageStream:
         """Generate with the feed getting the progress events; the `completed` event's data."""
         ctx, request_id = self.ctx, self.request_id
         output = await ctx.generate(self.params, request_id, self.feed.on_event, self.preview_every, self.level)
-        answer = await self.respond(output, request_id)
-        return {"id": request_id, **answer.model_dump(), "server_timing": output.server_timing}  # headers went first
+        return await self.respond(output, request_id)
 
 
 def progress_response(
@@ -115,8 +119,10 @@ def progress_response(
         elif exc is not None:  # the stream must still end, with the error
             log.error("streamed image request %s failed", request_id, exc_info=exc)
             feed.publish(error_message(request_id, f"{type(exc).__name__}: {exc}", "internal_error", 500))
-        else:
-            feed.publish(SSEMessage("completed", done.result()))
+        elif isinstance(data := done.result(), dict):
+            feed.publish(SSEMessage("completed", data))
+        else:  # a large b64_json answer: its pieces encoded as they are sent
+            feed.publish(StreamedMessage("completed", data))
 
     answer.add_done_callback(publish)
 
@@ -137,4 +143,16 @@ def progress_response(
 async def _completed_of(run: asyncio.Task[tuple[Answer, bool]]) -> Completed:
     """The `completed` data the key's run on this head answers (cancelled with it)."""
     body, _ = await run
-    return dict(json.loads(body if isinstance(body, bytes) else b"".join(body)))
+    return _completed_in(body)
+
+
+def _completed_in(stored: Answer) -> Completed:
+    """A key's stored `completed` data: read, or (a large one) streamed out of the store as it is sent."""
+    if isinstance(stored, bytes):
+        return dict(json.loads(stored))
+    return _pieces_of(stored)
+
+
+async def _pieces_of(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    async for chunk in iterate_in_threadpool(chunks):  # blocking reads of the store, off the loop
+        yield chunk

@@ -24,7 +24,7 @@ from triptych_head.api.deadlines import ESTIMATE_HEADER, estimate_seconds, with_
 from triptych_head.api.direct import DirectRoute
 from triptych_head.api.errors import APIError
 from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
-from triptych_head.api.image_stream import ImageStream
+from triptych_head.api.image_stream import Completed, ImageStream
 from triptych_head.api.key_limits import key_limit
 from triptych_head.api.reference import Reference, edit_form_schema, read_edit_form
 from triptych_head.api.schemas import ImageData, ImageGenerationResponse, RequestBody, RequestModels
@@ -93,8 +93,15 @@ async def _images(
     level = ctx.priority(request, values)
     if values["stream"]:
 
-        async def respond(output: GenerationOutput, request_id: str) -> ImageGenerationResponse:
-            return await _response(ctx, values, output, request_id, request)
+        async def respond(output: GenerationOutput, request_id: str) -> Completed:
+            """The `completed` event's data: the plain answer's, with the request's id first and its
+            Server-Timing last (the headers went first); a large b64_json one in pieces, as a plain one."""
+            first, last = {"id": request_id}, {"server_timing": output.server_timing}
+            if image_body.streams(values, output.pixels):
+                images = image_body.images_of(output.pixels)
+                return image_body.b64_body(images, int(time.time()), ctx.media, first, last)
+            answer = await _response(ctx, values, output, request_id, request)
+            return {**first, **answer.model_dump(), **last}
 
         stream = ImageStream(ctx, params, request, level, values["preview_every"], respond)
         if key is not None:

@@ -5,7 +5,9 @@ Each request that someone may watch has a ProgressFeed. The backend reports its 
 loop; the feed turns each into one SSE message and offers it to every subscriber's bounded
 queue, which never waits. A subscriber that does not keep up (a stalled connection) loses its
 oldest messages (beyond 64 of them or 4 MiB) and is told how many (`dropped`); its last message,
-how the request ended, always arrives. So a slow client costs the request nothing, and the head a
+how the request ended, always arrives. Previews have a bound of their own: a queue holds only the
+newest, so a step still waiting there when a newer preview arrives is sent without its image (a
+stalled client held 4 MiB of them, ~30). So a slow client costs the request nothing, and the head a
 bounded buffer. The feed keeps the running request's recent history alike (64 messages, 1 MiB):
 a subscriber joining late (a video's events asked for after the POST, a reloaded page) gets it
 first, as if it had been there from the start, or told how many it missed. A video job's history
@@ -18,7 +20,8 @@ stream's POST is its only subscriber: its history goes with the end).
     event: suspended  data: {"id", "state", "role"}   its denoising stopped for a higher priority
     event: resumed    data: {"id", "state", "role"}   and runs again (docs/serving.md#priority-and-preemption)
     event: dropped    data: {"id", "dropped"}
-    event: completed  data: the result (images: {"id", "created", "data"}; videos: the job)
+    event: completed  data: the result (images: {"id", "created", "data", "server_timing"}; videos: the job)
+                      a large b64_json image's written in pieces as it is encoded (StreamedMessage)
     event: error      data: {"id", "error": {"message", "code", "status", "param"?}}
 """
 
@@ -43,6 +46,7 @@ HISTORY_BYTES = 1 << 20  # what a running request's feed keeps for subscribers j
 HISTORY_LINGER_S = 60.0  # and for how long after the end
 KEEPALIVE_S = 15.0  # a comment line while nothing happens, so proxies keep the connection open
 TERMINAL_EVENTS = ("completed", "error")
+PREVIEW = "preview"  # a step's image: only the newest one waits in a queue
 
 
 def role_of(event: RequestEvent) -> str | None:
@@ -65,6 +69,37 @@ class SSEMessage:
     def terminal(self) -> bool:
         return self.event in TERMINAL_EVENTS
 
+    @property
+    def previewed(self) -> bool:
+        return self.event == "step" and PREVIEW in self.data
+
+    @functools.cached_property
+    def without_preview(self) -> SSEMessage:
+        """The step without its image, once a newer preview replaced it in a queue (made once for all)."""
+        return SSEMessage(self.event, {k: v for k, v in self.data.items() if k != PREVIEW})
+
+
+class StreamedMessage:
+    """A terminal message whose data, one line of JSON, is written in pieces as they are made (a large
+    image's `completed`: image_body.py), never held whole. It can be sent once: only a feed with one
+    subscriber (an image stream's) publishes one."""
+
+    terminal = True
+    previewed = False
+    encoded = b""  # what it adds to a queue's bytes: nothing yet
+
+    def __init__(self, event: str, data: AsyncIterator[bytes]) -> None:
+        self.event, self.data = event, data
+
+    async def pieces(self) -> AsyncIterator[bytes]:
+        yield f"event: {self.event}\ndata: ".encode()
+        async for piece in self.data:
+            yield piece
+        yield b"\n\n"
+
+
+Message = SSEMessage | StreamedMessage
+
 
 def message_of(request_id: str, event: RequestEvent) -> SSEMessage:
     """One backend event as the SSE message clients see."""
@@ -86,22 +121,54 @@ def error_message(request_id: str, message: str, code: str | None, status: int, 
 
 
 class Subscriber:
-    """One client's bounded queue of messages: offering never blocks, the oldest go first when full."""
+    """One client's bounded queue of messages: offering never blocks, the oldest go first when full,
+    and only the newest preview image waits (an older step still queued keeps its step, not its image)."""
 
     def __init__(self, limit: int = QUEUE_LIMIT, max_bytes: int = QUEUE_BYTES) -> None:
-        self._queue: deque[SSEMessage] = deque()
+        self._queue: deque[Message] = deque()
         self._limit, self._max_bytes = limit, max_bytes
         self._bytes = 0
+        self._previewed: Message | None = None  # the one queued message carrying a preview
         self._wake = asyncio.Event()
         self.dropped = 0  # lost since the client last read
+        self.previews_dropped = 0  # images replaced by a newer one before the client read them
 
-    def offer(self, msg: SSEMessage) -> None:
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    def offer(self, msg: Message) -> None:
+        if msg.previewed:
+            self._drop_preview()
+            self._previewed = msg
         self._queue.append(msg)
         self._bytes += len(msg.encoded)
         while len(self._queue) > 1 and (len(self._queue) > self._limit or self._bytes > self._max_bytes):
-            self._bytes -= len(self._queue.popleft().encoded)
+            self._taken(self._queue.popleft())
             self.dropped += 1
         self._wake.set()
+
+    def _drop_preview(self) -> None:
+        """The queued preview (if the client has not read it yet) loses its image to a newer one."""
+        old, self._previewed = self._previewed, None
+        if not isinstance(old, SSEMessage):
+            return
+        for i, queued in enumerate(self._queue):  # at most `limit` of them
+            if queued is old:
+                self._queue[i] = old.without_preview
+                self._bytes -= len(old.encoded) - len(old.without_preview.encoded)
+                self.previews_dropped += 1
+                return
+
+    def _taken(self, msg: Message) -> None:
+        """`msg` left the queue (read, or dropped)."""
+        self._bytes -= len(msg.encoded)
+        if msg is self._previewed:
+            self._previewed = None
 
     def replay(self, history: Subscriber) -> None:
         """Start with what `history` holds (and the count it lost), as if subscribed all along."""
@@ -123,8 +190,12 @@ class Subscriber:
                 dropped, self.dropped = self.dropped, 0
                 yield SSEMessage("dropped", {"id": request_id, "dropped": dropped}).encoded
             msg = self._queue.popleft()
-            self._bytes -= len(msg.encoded)
-            yield msg.encoded
+            self._taken(msg)
+            if isinstance(msg, StreamedMessage):
+                async for piece in msg.pieces():
+                    yield piece
+            else:
+                yield msg.encoded
             if msg.terminal:
                 return
 
@@ -139,13 +210,13 @@ class ProgressFeed:
         self.linger_s = linger_s
         self.subscribers: set[Subscriber] = set()
         self.history = Subscriber(QUEUE_LIMIT, HISTORY_BYTES)  # never read: what a late subscriber missed
-        self.final: SSEMessage | None = None
+        self.final: Message | None = None
 
     def on_event(self, event: RequestEvent) -> None:
         """The backend's callback (runs on the event loop; never waits)."""
         self.publish(message_of(self.request_id, event))
 
-    def publish(self, msg: SSEMessage) -> None:
+    def publish(self, msg: Message) -> None:
         if self.final is not None:
             return
         if msg.terminal:

@@ -9,19 +9,27 @@ triptych.reference), at most what the head takes as an upload (--max-request-byt
 travels inlined, as an upload does. Those fetches run on their own few threads (FETCH_THREADS):
 a URL that trickles its bytes holds one for up to 20 s, and on asyncio's default executor it would
 hold up every other request's work there (Idempotency-Key lookups, url answers, video job saves).
+
+Text fields are UTF-8 (a multipart form may name another charset in its Content-Type): a field
+whose bytes are not is a 400 naming it. Starlette alone would read them as latin-1, silently, and
+the request would run with a prompt the client never wrote.
 """
 
 from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
-from starlette.datastructures import UploadFile
+from python_multipart.multipart import parse_options_header
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import FormParser, MultiPartParser
 
 from triptych.contract import Limits
 from triptych.reference import MAX_REFERENCE_BYTES, BadReference, check_reference_url, fetch_reference, open_reference
@@ -91,7 +99,9 @@ async def read_edit_form(request: Request, model: type[RequestBody], max_bytes: 
     if not request.headers.get("content-type", "").lower().startswith(FORM_TYPES):  # media types ignore case
         raise APIError(400, "POST /v1/images/edits takes multipart/form-data (an `image` file and text fields)")
     try:
-        form = await request.form(max_files=len(FILE_FIELDS) + 1, max_fields=MAX_FORM_FIELDS)
+        form = await _read_form(request)
+    except NotText as exc:
+        raise APIError(400, str(exc), exc.field) from None
     except Exception as exc:  # starlette's MultiPartException and the parser's own errors
         raise APIError(400, f"the multipart body cannot be read: {exc}") from None
     try:
@@ -128,6 +138,63 @@ async def read_edit_form(request: Request, model: type[RequestBody], max_bytes: 
         return body, Reference(url=url)
     fetched = asyncio.get_running_loop().run_in_executor(_FETCHES, _fetched, url, min(max_bytes, MAX_REFERENCE_BYTES))
     return body, await fetched
+
+
+class NotText(ValueError):
+    """A text field whose bytes are not text in the form's charset."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field[:64]}: {message}")
+        self.field = field
+
+
+def _text(field: str, data: bytes | bytearray, charset: str) -> None:
+    """NotText unless `data` decodes in `charset` (what starlette would read as latin-1 instead)."""
+    try:
+        data.decode(charset)
+    except UnicodeDecodeError as exc:
+        at = exc.start
+        name = "UTF-8" if charset == "utf-8" else f"{charset} (the form's charset)"
+        shown = f"{bytes(data[:40])!r}{'...' if len(data) > 40 else ''}"
+        raise NotText(
+            field, f"must be {name} text, and {shown} is not (byte 0x{data[at]:02x} at offset {at}); send it as UTF-8"
+        ) from None
+
+
+class _TextMultiPart(MultiPartParser):
+    """Starlette's multipart parser, a text part that is not text in the form's charset (UTF-8 unless
+    its Content-Type names another) refused rather than read as latin-1."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            _text(part.field_name, part.data, self._charset)
+        super().on_part_end()
+
+
+class _TextUrlEncoded(FormParser):
+    """Starlette's url-encoded form parser, which reads a field's bytes as latin-1 and its %-escapes as
+    UTF-8 with replacement characters: here the field's bytes, %-escaped or raw (as `curl -d` sends
+    them), are read as UTF-8, and refused when they are not UTF-8 text."""
+
+    def on_field_end(self) -> None:
+        raw = unquote_to_bytes(bytes(self._field_value).replace(b"+", b" "))
+        super().on_field_end()
+        field = self._items[-1][0]
+        _text(field, raw, "utf-8")
+        self._items[-1] = (field, raw.decode())
+
+
+async def _read_form(request: Request) -> FormData:
+    """The form (its content type checked by the caller), its text fields checked to be text (NotText)."""
+    content_type, _ = parse_options_header(request.headers.get("content-type"))
+    async with aclosing(request.stream()) as stream:
+        parser: MultiPartParser | FormParser
+        if content_type == b"multipart/form-data":
+            parser = _TextMultiPart(request.headers, stream, max_files=len(FILE_FIELDS) + 1, max_fields=MAX_FORM_FIELDS)
+        else:
+            parser = _TextUrlEncoded(request.headers, stream, max_fields=MAX_FORM_FIELDS)
+        return await parser.parse()
 
 
 def _fetched(url: str, max_bytes: int) -> Reference:
