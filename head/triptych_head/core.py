@@ -31,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from triptych.config import ServeArgs
 from triptych.families.package import package_fingerprint
 from triptych.params import GenerationParams
@@ -38,6 +40,7 @@ from triptych.protocol import (
     Cancel,
     CancelWork,
     Failed,
+    HeaderTooLarge,
     Heartbeat,
     Progress,
     ProtocolError,
@@ -58,7 +61,7 @@ from triptych_head.instances import WorkerInstance
 from triptych_head.membership import Clock, Membership, Transport
 from triptych_head.metrics import HeadMetrics
 from triptych_head.queues import Dispatcher
-from triptych_head.state import REJECTED, RESERVED_IN_IDS, ROLE_STATES, RequestRecord, RequestState
+from triptych_head.state import REJECTED, RESERVED_IN_IDS, ROLE_STATES, RequestRecord, RequestState, StagedPayload
 from triptych_head.workload import WorkEstimator
 
 log = logging.getLogger(__name__)
@@ -468,6 +471,27 @@ class HeadCore:
             if url == rec.instance and rec.slot_addr and inst is not None:
                 free_standing(inst, wire_id, rec.slot_addr)
             self.membership.send(url, CancelWork(wire_id, url, self.head_id))
+
+    def message_too_large(self, rec: RequestRecord, exc: HeaderTooLarge, outputs: StagedPayload | None = None) -> None:
+        """A message for `rec` came out over the control header limit (codec.HeaderTooLarge) and was
+        not sent: its worker would have dropped it unread, and the request waited for its timeout.
+        It fails now, alone, naming what made it too large: the request's parameters (413: the
+        client's to shorten), or the manifest/meta of the `outputs` a sender staged for the next
+        role (500). What it holds is released as for any failure. Only on this path are the parts
+        encoded again, to measure them."""
+        params = len(msgspec.msgpack.encode(rec.wire_params()))
+        if outputs is None:
+            why = f"the request's parameters are too large ({params} bytes: its prompts, or an inlined reference image)"
+            self.finish(rec, RequestState.FAILED, f"{exc}: {why}", status_code=413)
+            return
+        manifest, meta = len(msgspec.msgpack.encode(outputs.manifest)), len(msgspec.msgpack.encode(outputs.meta))
+        sender = self.membership.find(outputs.sender)
+        source = f"the {sender.role.value}'s" if sender is not None else "its sender's"
+        sizes = f"manifest {manifest} bytes, meta {meta} bytes, the request's parameters {params} bytes"
+        if params > manifest + meta:
+            self.finish(rec, RequestState.FAILED, f"{exc}: the request's parameters are too large ({sizes})", 413)
+        else:
+            self.finish(rec, RequestState.FAILED, f"{exc}: {source} outputs manifest/meta is too large ({sizes})")
 
     def finish(self, rec: RequestRecord, state: RequestState, error: str | None = None, status_code: int = 500) -> None:
         """End a request: release what it holds on every worker, tell its client, forget it."""

@@ -123,7 +123,8 @@ class Membership:
         self.send(inst.url, Ping(instance=inst.url, head_id=self.head_id, drain_acknowledged=ack, via=inst.via))
 
     def send(self, url: str, msg: Any) -> bool:
-        """To a worker, counted; False when it is not connected."""
+        """To a worker, counted; False when it is not connected. A message over the control header
+        limit is not sent: codec.HeaderTooLarge (the caller fails its request: HeadCore.message_too_large)."""
         if not self._transport.send(url, msg):
             return False
         self._metrics.child(self._metrics.worker_messages, msg.TYPE).inc()

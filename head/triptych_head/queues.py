@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from triptych.protocol import TransferAlloc, TransferPush, TransferReady, Work, WorkBatch
+from triptych.protocol import HeaderTooLarge, TransferAlloc, TransferPush, TransferReady, Work, WorkBatch
 from triptych.roles import Role
 from triptych_head import migration, preemption
 from triptych_head.batcher import Group, GroupBatcher
@@ -157,12 +157,38 @@ class Dispatcher:
         return inst.free_slots > 0 if inst.url == here else inst.can_take(nbytes)
 
     def _send_work(self, inst: WorkerInstance, work: list[Work]) -> bool:
-        """A group's first-role work as one message (a single request as plain Work)."""
-        msg: Work | WorkBatch = work[0] if len(work) == 1 else WorkBatch(inst.url, work, self._core.head_id)
-        if self._membership.send(inst.url, msg):
+        """A group's first-role work as one message (a single request as plain Work). A group over the
+        control header limit goes as one Work each (its members run apart), and a request whose own
+        Work is over it fails alone (_send)."""
+        if len(work) == 1:
+            rec = self._core.attempts[work[0].request_id]  # dispatched just now
+            sent = self._send(rec, inst.url, work[0])
+            if sent is None:
+                return True
+        else:
+            try:
+                sent = self._membership.send(inst.url, WorkBatch(inst.url, work, self._core.head_id))
+            except HeaderTooLarge:
+                return all(self._send_alone(inst, item) for item in work)
+        if sent:
             return True
         self._core.instance_lost(inst, "disconnected", f"{inst.role.value} {inst.url} is not connected")
         return False
+
+    def _send_alone(self, inst: WorkerInstance, work: Work) -> bool:
+        """One member of a group that went apart: its own Work, as a request in no batch."""
+        self._core.attempts[work.request_id].batch = ("", 1)
+        return self._send_work(inst, [work])
+
+    def _send(self, rec: RequestRecord, url: str, msg: Work | TransferReady) -> bool | None:
+        """membership.send for a message carrying the request's parameters (and a TransferReady, the
+        manifest/meta of its staged outputs); None when it came out over the control header limit and
+        the request failed instead: its worker would have dropped it unread (HeadCore.message_too_large)."""
+        try:
+            return self._membership.send(url, msg)
+        except HeaderTooLarge as exc:
+            self._core.message_too_large(rec, exc, rec.staged)
+            return None
 
     def _too_large(self, role: Role, rec: RequestRecord, nbytes: int) -> bool:
         """Fail a request whose staged payload fits no known instance's transfer pool."""
@@ -210,7 +236,9 @@ class Dispatcher:
                 wire_id, inst.url, rec.wire_params(), staged.manifest, staged.meta, 0, rec.watch, rec.preview_every,
                 *rec.batch, core.head_id, rec.traceparent, in_place=True, priority=level,
             )  # fmt: skip
-            sent = self._membership.send(inst.url, ready)
+            sent = self._send(rec, inst.url, ready)
+            if sent is None:
+                return True  # failed: too large to send
             if sent:
                 rec.staged = None  # moved to RUNNING below, as a first hop's Work is
         elif rec.staged and inst.session and (addr := inst.free_standing_slot(nbytes)) is not None:
@@ -237,7 +265,9 @@ class Dispatcher:
                 group.work.append(work)  # sent with the rest of the group (_send_work)
                 sent = True
             else:
-                sent = self._membership.send(inst.url, work)
+                sent = self._send(rec, inst.url, work)
+                if sent is None:
+                    return True  # failed: too large to send
         if not sent:  # not connected any more: treat it as gone until it heartbeats again
             core.instance_lost(inst, "disconnected", f"{role.value} {inst.url} is not connected")
             return False

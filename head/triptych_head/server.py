@@ -22,7 +22,7 @@ import zmq
 from triptych.config import ConfigError, ServeArgs
 from triptych.discovery import EndpointDirectory
 from triptych.ports import frontend_port, result_port, tcp_url
-from triptych.protocol import encode
+from triptych.protocol import HeaderTooLarge, RequestEvent, encode
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import SocketSet, has_queued_message, recv_message
@@ -33,6 +33,7 @@ from triptych_head.links import WorkerLinks
 from triptych_head.local_channel import LOCAL_CLIENT, LocalChannel
 from triptych_head.membership import Membership
 from triptych_head.metrics import HeadMetrics
+from triptych_head.state import REJECTED, TERMINAL, RequestState
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ SHUTDOWN_LINGER_MS = 1000  # how long the last messages to workers may take to l
 POLL_MS = 50
 HEAD_SERVICE = "triptych-head"  # its spans' service.name (a worker's: triptych-<role>)
 READ_LIMIT = 1000  # messages taken from one socket per loop turn, so no socket starves the others
+_FINAL = {state.value for state in TERMINAL} | {REJECTED}  # the states of an event that ends its request
 
 
 class _SocketTransport:
@@ -69,8 +71,17 @@ class _SocketTransport:
         assert self.frontend is not None
         self.replied = True
         try:
+            parts = encode(msg, frames)
+        except HeaderTooLarge as exc:  # the client would drop it unread
+            if isinstance(msg, RequestEvent) and msg.state not in _FINAL:
+                log.error("frontend client %r: %s; dropped", client, exc)
+                return
+            log.error("frontend client %r: %s; sent a failure in its place", client, exc)
+            failed = RequestEvent(exc.request_id or "", RequestState.FAILED.value, error=str(exc), status_code=500)
+            parts = encode(failed)
+        try:
             # Zero-copy only pays for large frames (pixels); small control messages are cheaper copied.
-            self.frontend.send_multipart([client, *encode(msg, frames)], flags=zmq.NOBLOCK, copy=not frames)
+            self.frontend.send_multipart([client, *parts], flags=zmq.NOBLOCK, copy=not frames)
         except zmq.Again:
             log.warning("frontend client %r is not reading; dropped %s", client, msg.TYPE)
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from triptych.protocol import (
     CancelWork,
     Failed,
+    HeaderTooLarge,
     Progress,
     RequestResult,
     Result,
@@ -140,7 +141,11 @@ def on_pushed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
         priority=rec.held_level,  # the level it was given its receiver at (queues.py)
     )
     started = core.clock()  # before the send, so the hop's time contains all the receiver's work
-    sent = core.membership.send(rec.instance, ready)
+    try:
+        sent = core.membership.send(rec.instance, ready)
+    except HeaderTooLarge as exc:  # the receiver would drop it unread: the request fails now, not at its timeout
+        core.message_too_large(rec, exc, staged)
+        return
     if staged.continues_at is not None and rec.suspended_at is None:
         core.metrics.migration_seconds.observe(started - staged.staged_at)
     # After the send (the receiver need not wait for it), but ending where the next hop begins: the

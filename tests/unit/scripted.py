@@ -20,6 +20,7 @@ from triptych.ports import result_port
 from triptych.protocol import (
     Heartbeat,
     Ping,
+    ProtocolError,
     Result,
     TransferAlloc,
     TransferAllocated,
@@ -52,6 +53,8 @@ class ScriptedWorker:
         self.results.connect(f"tcp://127.0.0.1:{result_port(scheduler_port, role)}")
         self.got: list[object] = []
         self.pings: list[Ping] = []
+        self.unreadable: list[str] = []  # why each message it could not decode was dropped, as a worker drops it
+        self.max_batch = 1  # its --batching-max-size, which its heartbeats report
         self.draining = False  # what its heartbeats report
         self.standing_slots: tuple[tuple[int, int], ...] = ()  # and the standing slots they list
 
@@ -62,14 +65,18 @@ class ScriptedWorker:
         standing = sum(nbytes for _, nbytes in self.standing_slots)
         return Heartbeat(
             instance, self.role.value, SESSION, 1 << 20, (1 << 20) - standing, 2, "m", draining=self.draining,
-            standing_bytes=standing, standing_slots=self.standing_slots,
+            standing_bytes=standing, standing_slots=self.standing_slots, max_batch=self.max_batch,
         )  # fmt: skip
 
     def pump(self, seconds: float = 0.05) -> None:
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             if self.work.poll(int(left * 1000) + 1):
-                msg, _ = decode(self.work.recv_multipart())
+                try:
+                    msg, _ = decode(self.work.recv_multipart())
+                except ProtocolError as exc:
+                    self.unreadable.append(str(exc))
+                    continue
                 if isinstance(msg, Ping):
                     self.pings.append(msg)
                     self.send(self.heartbeat(msg.instance))
@@ -86,7 +93,9 @@ class ScriptedWorker:
             self.pump()
             for other in others:
                 other.pump(0.0)
-        raise AssertionError(f"{self.role.value} never got {kind.__name__}; got {self.got}")
+        raise AssertionError(
+            f"{self.role.value} never got {kind.__name__}; got {self.got}, unreadable {self.unreadable}"
+        )
 
 
 @contextmanager

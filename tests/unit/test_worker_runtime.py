@@ -4,12 +4,14 @@ and the leader/follower threads over real ZMQ sockets."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -34,6 +36,7 @@ from triptych.protocol import (
     decode,
     encode,
 )
+from triptych.protocol.codec import MAX_HEADER_BYTES
 from triptych.roles import Role
 from triptych_dev.localdeploy import free_port_block
 from triptych_dev.null_pipeline import NullPipeline
@@ -476,6 +479,45 @@ def test_a_malformed_continuation_fails_its_own_request_on_a_batching_worker(res
             time.sleep(0.01)
         work.send_multipart(encode(Ping("w", "head-1")))
         assert isinstance(w.next_message(Heartbeat), Heartbeat)  # still serving
+
+
+class LargeMetaPipeline(GatedPipeline):
+    """Outputs whose meta, for a request named "big", is as large as the control header limit."""
+
+    def run(self, batch: object) -> object:
+        super().run(batch)
+        if batch.params.prompt == "big":  # type: ignore[attr-defined]
+            batch.meta["blob"] = "m" * MAX_HEADER_BYTES  # type: ignore[attr-defined]
+        return batch
+
+
+def test_outputs_whose_report_is_over_the_header_limit_fail_their_request_and_the_worker_goes_on():
+    """Real sockets: a transfer_staged over the limit (the head would drop it unread, and the request
+    wait for its timeout) is not sent; the request fails at once naming its size and the meta's, its
+    outputs are freed when the head cancels it, and the next request runs as usual."""
+    params = {"width": 16, "height": 16, "num_inference_steps": 1}
+    with served_worker(pipeline=LargeMetaPipeline()) as w:
+        pool = w.worker.pool
+        idle = pool.free_bytes
+        for rid in ("big", "next"):
+            w.pipeline.gates[rid] = threading.Event()
+            w.pipeline.gates[rid].set()
+        w.work.send_multipart(encode(Work("big", "w", {**params, "prompt": "big"})))  # type: ignore[arg-type]
+        failed = w.next_message(Failed)  # nothing over the limit came first: decode would have refused it
+        assert isinstance(failed, Failed) and failed.request_id == "big" and failed.status_code == 500
+        assert failed.error.startswith("transfer_staged for request big is ")
+        assert f"over the {MAX_HEADER_BYTES}-byte (1 MiB) control header limit" in failed.error
+        meta = len(msgspec.msgpack.encode({"blob": "m" * MAX_HEADER_BYTES}))
+        assert re.search(rf"outputs manifest/meta is too large \(manifest \d+ bytes, meta {meta} bytes\)", failed.error)
+        w.work.send_multipart(encode(CancelWork("big", "w")))  # what the head does for a failed request
+        deadline = time.monotonic() + 10
+        while "big" in w.worker._staged or pool.free_bytes != idle:
+            assert time.monotonic() < deadline, "the failed request's outputs were never freed"
+            time.sleep(0.01)
+
+        w.work.send_multipart(encode(Work("next", "w", {**params, "prompt": "next"})))  # type: ignore[arg-type]
+        staged = w.next_message(TransferStaged)
+        assert staged.request_id == "next"  # type: ignore[attr-defined]
 
 
 # --- drain (SIGTERM) ---------------------------------------------------------------------------

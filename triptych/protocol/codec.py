@@ -8,6 +8,10 @@ checks the type of every field on the way (in C: a control message costs a few m
 at each end, on the path of every request), so a garbage frame becomes a ProtocolError, never
 an arbitrary object. msgspec builds only the classes in `messages.py` and plain maps, lists and
 scalars: nothing on the wire can name code to run.
+
+A header is at most MAX_HEADER_BYTES at both ends: `decode` refuses a longer one, and `encode` raises
+HeaderTooLarge rather than build one, so an over-long message fails its request where it is made
+(naming its size) instead of being dropped unread at the other end.
 """
 
 from __future__ import annotations
@@ -31,6 +35,21 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, request_id: str | None = None):
         super().__init__(message)
         self.request_id = request_id
+
+
+class HeaderTooLarge(ProtocolError):
+    """A message `encode` refused to build: its header is over MAX_HEADER_BYTES, so its peer would
+    drop it unread (decode). `message_type`, `nbytes`: which message, how long its header was."""
+
+    def __init__(self, message_type: str, nbytes: int, request_id: str | None = None):
+        what = f"{message_type} for request {request_id}" if request_id else message_type
+        super().__init__(
+            f"{what} is {nbytes} bytes, over the {MAX_HEADER_BYTES}-byte ({MAX_HEADER_BYTES >> 20} MiB) "
+            "control header limit",
+            request_id,
+        )
+        self.message_type = message_type
+        self.nbytes = nbytes
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -58,8 +77,12 @@ def _decoder() -> msgspec.msgpack.Decoder[Any]:
 
 
 def encode(msg: Message, frames: typing.Sequence[Any] = ()) -> list[Any]:
-    """[header, *frames] ready for `socket.send_multipart`."""
-    return [_encoder.encode(msg), *frames]
+    """[header, *frames] ready for `socket.send_multipart`; HeaderTooLarge for a header that `decode`
+    would refuse (one length check on the bytes already encoded: nothing more on the common path)."""
+    header = _encoder.encode(msg)
+    if len(header) > MAX_HEADER_BYTES:
+        raise HeaderTooLarge(msg.TYPE, len(header), getattr(msg, "request_id", None))
+    return [header, *frames]
 
 
 def decode(parts: typing.Sequence[Any]) -> tuple[Any, list[Any]]:

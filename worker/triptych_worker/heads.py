@@ -28,6 +28,7 @@ import zmq
 from triptych.config import parse_urls
 from triptych.discovery import DYNAMIC, EndpointDirectory
 from triptych.ports import result_endpoint
+from triptych.protocol import Failed, HeaderTooLarge, TransferStaged
 from triptych.roles import Role
 from triptych.security import ControlPlane
 from triptych.sockets import connect, send_message
@@ -220,7 +221,11 @@ class HeadLinks:
             return
         if not self._book.single:
             msg = msgspec.structs.replace(msg, instance=self._book.instance_for(self._book.owner(request_id)))
-        send_message(sock, msg, frames)
+        try:
+            send_message(sock, msg, frames)
+        except HeaderTooLarge as exc:  # the head would drop it unread, and the request wait for its timeout
+            log.error("request %s: %s; it fails instead", request_id, exc)
+            send_message(sock, too_large(msg, exc))
 
     def send_to(self, endpoint: str | None, msg: Any) -> None:
         """To the head at `endpoint` (nothing when it is not known)."""
@@ -238,3 +243,19 @@ class HeadLinks:
         for sock in self._sockets.values():
             sock.close()
         self._sockets.clear()
+
+
+ERROR_KEPT = 4096  # characters of a too-large Failed's own error that the one sent in its place keeps
+
+
+def too_large(msg: Any, exc: HeaderTooLarge) -> Failed:
+    """What a worker reports instead of a report over the control header limit: its request fails
+    at once, saying why (the head's on_failed names this worker and frees what the request holds,
+    staged outputs included)."""
+    why, status_code = str(exc), 500
+    if isinstance(msg, TransferStaged):
+        manifest, meta = len(msgspec.msgpack.encode(msg.manifest)), len(msgspec.msgpack.encode(msg.meta))
+        why += f": its outputs manifest/meta is too large (manifest {manifest} bytes, meta {meta} bytes)"
+    elif isinstance(msg, Failed):  # an error message too long to send: its beginning
+        why, status_code = f"{why}; the error began: {msg.error[:ERROR_KEPT]}", msg.status_code
+    return Failed(msg.request_id, msg.instance, why, status_code)

@@ -1,0 +1,210 @@
+"""A control message over the header limit (codec.MAX_HEADER_BYTES, which every receiver refuses to
+decode) is never sent: the head fails the one request it belongs to at once, naming what was too
+large and by how much, releases what the request held, and serves the next request as usual.
+
+Before, the head sent it anyway; the worker dropped it unread (it cannot even learn the request id
+from a header it refuses), and the request waited for its whole --disagg-timeout.
+
+Scripted workers over real ZMQ sockets (tests/unit/scripted.py): a scripted worker records a message
+it cannot decode, as a real worker drops one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import msgspec
+import pytest
+import zmq
+
+from tests.unit.scripted import PARAMS, SESSION, ScriptedWorker, finish_request, scripted_head
+from triptych.protocol import (
+    CancelWork,
+    Failed,
+    HeaderTooLarge,
+    ProtocolError,
+    RequestEvent,
+    RequestResult,
+    Submit,
+    TransferAlloc,
+    TransferAllocated,
+    TransferPush,
+    TransferPushed,
+    TransferStaged,
+    Work,
+    WorkBatch,
+    decode,
+    encode,
+)
+from triptych.protocol.codec import MAX_HEADER_BYTES
+from triptych.roles import Role
+
+TIMEOUT_S = 60  # --disagg-timeout: a request that waits for it fails these tests long before
+MANIFEST = [{"name": "x", "dtype": "uint8", "shape": [8], "offset": 0}]
+
+
+@pytest.fixture
+def head():
+    with scripted_head(flags=["--disagg-timeout", str(TIMEOUT_S)]) as (server, client, workers):
+        yield server, client, {role: ws[0] for role, ws in workers.items()}
+
+
+def answer(client: zmq.Socket, rid: str, workers: Sequence[ScriptedWorker], seconds: float = 10.0) -> object:
+    """The message that ends `rid` for its client (a RequestResult or a final RequestEvent); the
+    workers answer pings meanwhile. Fails the test after `seconds`, well before --disagg-timeout."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if client.poll(20):
+            msg, _ = decode(client.recv_multipart())
+            if msg.request_id == rid and (isinstance(msg, RequestResult) or msg.state in ("FAILED", "TIMED_OUT")):
+                return msg
+        for w in workers:
+            w.pump(0.01)
+    raise AssertionError(f"{rid} had no answer within {seconds:g}s (its timeout is {TIMEOUT_S}s)")
+
+
+def test_a_transfer_ready_over_the_limit_fails_its_request_at_once_and_the_next_request_runs(head):
+    """The encoder's outputs carry a meta of nearly the whole limit: its transfer_staged fits, the
+    transfer_ready the head builds from it (the request's parameters added) does not."""
+    server, client, w = head
+    enc, den, dec = w[Role.ENCODER], w[Role.DENOISER], w[Role.DECODER]
+    everyone = list(w.values())
+    client.send_multipart(encode(Submit("big", PARAMS)))
+    work = enc.wait_for(Work)
+    enc.got.clear()
+    meta = {"blob": "m" * (MAX_HEADER_BYTES - 300)}
+    staged = TransferStaged("big", work.instance, 8, MANIFEST, meta, 0.0)
+    assert len(encode(staged)[0]) <= MAX_HEADER_BYTES  # the head can read it
+    enc.send(staged)
+    alloc = den.wait_for(TransferAlloc)
+    den.got.clear()
+    den.send(TransferAllocated("big", alloc.instance, SESSION, 4096))
+    push = enc.wait_for(TransferPush)
+    enc.got.clear()
+    started = time.monotonic()
+    enc.send(TransferPushed("big", push.instance, 8, 0.01))
+
+    failed = answer(client, "big", everyone)
+    took = time.monotonic() - started
+    assert isinstance(failed, RequestEvent) and failed.state == "FAILED" and failed.status_code == 500
+    error = failed.error or ""
+    assert error.startswith("transfer_ready for request big is "), error
+    size = int(error.removeprefix("transfer_ready for request big is ").split()[0])
+    assert size > MAX_HEADER_BYTES
+    assert f"over the {MAX_HEADER_BYTES}-byte (1 MiB) control header limit" in error
+    assert (
+        "the encoder's outputs manifest/meta is too large" in error
+        and f"meta {len(msgspec.msgpack.encode(meta))} bytes" in error
+    )
+    assert took < 5, f"the failure took {took:.1f}s"
+    # Never sent; the receiver's slot is released as for any failed request.
+    assert den.wait_for(CancelWork).request_id == "big"
+    assert den.unreadable == []
+    assert "big" not in server.requests
+    den.got.clear()
+
+    client.send_multipart(encode(Submit("next", PARAMS)))
+    assert enc.wait_for(Work, others=[den, dec]).request_id == "next"
+    enc.got.clear()
+    finish_request(w, "next")
+    assert isinstance(answer(client, "next", everyone), RequestResult)
+    assert not server.requests
+
+
+def test_work_over_the_limit_fails_its_request_at_once_as_too_large_and_the_next_request_runs(head):
+    """A prompt that fits the client's submit (the head reads it) but not the Work the head builds
+    from it (its own fields added): 413, the parameters named."""
+    server, client, w = head
+    enc = w[Role.ENCODER]
+    everyone = list(w.values())
+    base = len(encode(Submit("big", {**PARAMS, "prompt": ""}))[0])
+    submit = Submit("big", {**PARAMS, "prompt": "p" * (MAX_HEADER_BYTES - base - 8)})  # type: ignore[arg-type]
+    assert len(encode(submit)[0]) <= MAX_HEADER_BYTES
+    started = time.monotonic()
+    client.send_multipart(encode(submit))
+
+    failed = answer(client, "big", everyone)
+    assert time.monotonic() - started < 5
+    assert isinstance(failed, RequestEvent) and failed.state == "FAILED" and failed.status_code == 413
+    error = failed.error or ""
+    assert (
+        error.startswith("work for request big is ") and "over the 1048576-byte (1 MiB) control header limit" in error
+    )
+    assert "the request's parameters are too large" in error
+    assert enc.unreadable == [] and not any(isinstance(m, Work) for m in enc.got)
+    assert "big" not in server.requests
+
+    client.send_multipart(encode(Submit("next", PARAMS)))
+    assert enc.wait_for(Work).request_id == "next"
+    enc.got.clear()
+    finish_request(w, "next")
+    assert isinstance(answer(client, "next", everyone), RequestResult)
+
+
+def test_a_group_over_the_limit_together_goes_as_one_work_each_and_both_run():
+    """--batching-mode dynamic: two requests that fit a Work each but not one WorkBatch together
+    run apart, neither failed nor left waiting."""
+    flags = ["--disagg-timeout", str(TIMEOUT_S), "--batching-mode", "dynamic", "--batching-max-size", "2",
+             "--batching-delay-ms", "2000"]  # fmt: skip
+    with scripted_head(flags=flags) as (server, client, workers):
+        w = {role: ws[0] for role, ws in workers.items()}
+        enc = w[Role.ENCODER]
+        enc.max_batch = 2
+        enc.send(enc.heartbeat(enc.pings[-1].instance))
+        deadline = time.monotonic() + 5
+        while server.registry.instances(Role.ENCODER)[0].max_batch != 2:
+            assert time.monotonic() < deadline, "the encoder's batch size never reached the head"
+            enc.pump(0.02)
+        params = {**PARAMS, "prompt": "p" * (MAX_HEADER_BYTES * 6 // 10)}  # one fits in a Work, two do not
+        for rid in ("a", "b"):
+            client.send_multipart(encode(Submit(rid, params)))  # type: ignore[arg-type]
+        deadline = time.monotonic() + 5
+        while len([m for m in enc.got if isinstance(m, (Work, WorkBatch))]) < 2:
+            assert time.monotonic() < deadline, f"the encoder got {enc.got}, unreadable {enc.unreadable}"
+            enc.pump(0.05)
+        assert enc.unreadable == []
+        assert sorted(m.request_id for m in enc.got if isinstance(m, Work)) == ["a", "b"]
+        enc.got.clear()
+        for rid in ("a", "b"):
+            finish_request(w, rid)
+            assert isinstance(answer(client, rid, list(w.values())), RequestResult)
+
+
+def test_an_answer_to_the_client_over_the_limit_is_replaced_by_a_failure_it_can_read(head):
+    """A worker's error text of nearly the whole limit: the head's failure event (the worker named
+    before it) would be over it, so the client hears a short failure instead of one it cannot decode."""
+    server, client, w = head
+    enc = w[Role.ENCODER]
+    client.send_multipart(encode(Submit("r", PARAMS)))
+    work = enc.wait_for(Work)
+    room = (
+        MAX_HEADER_BYTES - len(encode(Failed("r", work.instance, ""))[0]) - 4
+    )  # a longer string's length takes 4 more
+    enc.send(Failed("r", work.instance, "e" * room))  # the longest error that fits
+    failed = answer(client, "r", list(w.values()))
+    assert isinstance(failed, RequestEvent) and failed.state == "FAILED" and failed.status_code == 500
+    assert (failed.error or "").startswith("event for request r is ")
+    assert "control header limit" in (failed.error or "")
+    assert "r" not in server.requests
+
+
+def test_encode_refuses_exactly_the_headers_decode_would_refuse():
+    """The longest header that decodes encodes; one byte more raises HeaderTooLarge (a ProtocolError)
+    naming the message, its request, its size and the limit, and nothing is built."""
+    room = MAX_HEADER_BYTES - len(encode(Failed("r", "w", ""))[0]) - 4  # a long string: 4 more bytes
+    longest = encode(Failed("r", "w", "e" * room))
+    assert len(longest[0]) == MAX_HEADER_BYTES
+    assert decode(longest)[0].error == "e" * room
+    with pytest.raises(HeaderTooLarge) as refused:
+        encode(Failed("r", "w", "e" * (room + 1)))
+    assert isinstance(refused.value, ProtocolError)
+    assert (refused.value.message_type, refused.value.nbytes, refused.value.request_id) == (
+        "failed",
+        MAX_HEADER_BYTES + 1,
+        "r",
+    )
+    assert str(refused.value) == (
+        f"failed for request r is {MAX_HEADER_BYTES + 1} bytes, over the {MAX_HEADER_BYTES}-byte (1 MiB) "
+        "control header limit"
+    )
