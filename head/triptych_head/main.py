@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from triptych import startup
-from triptych.config import ServeArgs
+from triptych.config import ConfigError, ServeArgs
 from triptych.families import read_model_info, read_rules
 from triptych.lora import LoraCatalog
 from triptych.params import GenerationParams
@@ -135,6 +135,8 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
         return 2
     model = read_model_info(args.model_path, names)
     catalog = LoraCatalog.from_flags(args.lora, args.lora_catalog)
+    if (problem := catalog.check_sources("monolithic process")) is not None:  # before the model loads
+        raise ConfigError(problem)
     fit_torch_threads()  # before the model loads: torch's CPU threads within the pod's CPU limit
     pipeline = load_role_pipeline(
         args.model_path,

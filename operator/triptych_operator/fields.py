@@ -17,6 +17,7 @@ import copy
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal, localcontext
 from typing import Any
 
 from triptych.config import parse_size
@@ -35,6 +36,13 @@ MISSING: Any = _Missing()
 # A size of at least 1 byte: a count, or one with a unit as Kubernetes (256Mi) or triptych (256MiB, 256M)
 # writes it. The parser reads exactly what this admits (fields._read_size), so the CRD and it agree.
 SIZE_PATTERN = "^0*[1-9][0-9]*([KMGT]i?B?)?$"
+# A resource quantity (requests, limits) as a pod takes it: k8s.io/apimachinery resource.Quantity's grammar
+# (a number, then a binary suffix Ki..Ei, a decimal one n, u, m, k..E, or an integer exponent e3),
+# without the '-': a pod's quantities may not be negative. The API server checks a string with it (the
+# CRD's `pattern`), the parser every value (_read_quantity_map); a JSON integer is a quantity too.
+QUANTITY_PATTERN = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+QUANTITY_EXAMPLES = "e.g. 500m, 2, 1.5Gi, 128Mi or 1e3"
+_DECIMAL_EXPONENT = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
 
 
 class FieldError(ValueError):
@@ -227,7 +235,8 @@ def schema(field: Field) -> Schema:
     if field.type == "string-map":
         out["additionalProperties"] = {"type": "string"}
     if field.type == "quantity-map":
-        out["additionalProperties"] = {"x-kubernetes-int-or-string": True}
+        # `pattern` applies to a string, `minimum` to an integer (as controller-gen writes resource.Quantity)
+        out["additionalProperties"] = {"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN, "minimum": 0}
     if field.enum is not None:
         out["enum"] = list(field.enum)
     if field.minimum is not None:
@@ -344,6 +353,40 @@ def _read_size(field: Field, value: Any, where: str) -> int:
     return value
 
 
+def quantity_value(quantity: int | str) -> Decimal:
+    """The number a quantity QUANTITY_PATTERN admits stands for (`1.5Gi` -> 1610612736, `500m` -> 0.5), exactly."""
+    if isinstance(quantity, int):
+        return Decimal(quantity)
+    match = re.fullmatch(r"\+?([0-9.]+)(.*)", quantity)
+    assert match is not None and re.fullmatch(QUANTITY_PATTERN, quantity, re.ASCII), quantity
+    number, suffix = match.groups()
+    if suffix.endswith("i"):  # Ki .. Ei
+        with localcontext() as ctx:
+            ctx.prec = len(number) + 20  # exact: a power of two of at most 19 digits times the number
+            return Decimal(number) * 2 ** (10 * "KMGTPE".index(suffix[0]) + 10)
+    if suffix in _DECIMAL_EXPONENT:  # n, u, m, k .. E (exa), or none
+        return Decimal(f"{number}e{_DECIMAL_EXPONENT[suffix]}")
+    return Decimal(f"{number}e{int(suffix[1:])}")  # e3, E-2: a power of ten
+
+
+def _read_quantity_map(field: Field, value: Any, where: str) -> dict[str, Any]:
+    """Resource name -> quantity: a non-negative integer, or a string QUANTITY_PATTERN admits (what a pod's
+    requests and limits take; the API server would refuse the child Deployment with anything else)."""
+    out = _read_mapping(field, value, where)
+    for name, quantity in out.items():
+        if isinstance(quantity, bool) or not isinstance(quantity, int | str):
+            raise FieldError(
+                f"{where}.{name}",
+                f"is {quantity!r}; write a quantity as a string ({QUANTITY_EXAMPLES}) or a whole number",
+            )
+        if isinstance(quantity, int) and quantity < 0:
+            raise FieldError(f"{where}.{name}", f"is {quantity}; a quantity may not be negative")
+        if isinstance(quantity, str) and not re.fullmatch(QUANTITY_PATTERN, quantity, re.ASCII):
+            why = "a quantity may not be negative" if quantity.startswith("-") else "it is not a Kubernetes quantity"
+            raise FieldError(f"{where}.{name}", f"is {quantity!r}; {why} ({QUANTITY_EXAMPLES})")
+    return out
+
+
 def _read_mapping(field: Field, value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise FieldError(where, f"must be an object, not {type(value).__name__}")
@@ -364,7 +407,7 @@ _READERS: dict[str, Callable[[Field, Any, str], Any]] = {
     "size": _read_size,
     "free": _read_mapping,
     "string-map": _read_mapping,
-    "quantity-map": _read_mapping,
+    "quantity-map": _read_quantity_map,
 }
 
 

@@ -74,6 +74,8 @@ def spec_field_of_flag(container: str, flag_name: str) -> str | None:
         return None
     if flag_name == "--num-gpus":
         return f"spec.{crd_field(role)}.gpusPerReplica"
+    if flag_name == "--lora-catalog":  # an adapter path without weights refuses a start (triptych.lora)
+        return "spec.model.loras"
     for degree, attr in (*ROLE_PARALLEL_FLAGS.get(role, {}).items(), *GENERIC_PARALLEL_FLAGS.items()):
         if flag(attr) == flag_name:
             return f"spec.{crd_field(role)}.parallelism.{degree}"

@@ -14,7 +14,7 @@ import base64
 import io
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -78,12 +78,22 @@ def run_cases(client: Any) -> dict[str, np.ndarray]:
     return out
 
 
+def write_catalog(path: Path, tiny_loras: Mapping[str, Path]) -> Path:
+    lines = [f"{name}={tiny_loras[name]}" for name in SERVED]
+    path.write_text("\n".join(["# the adapters of this deployment", *lines, ""]))
+    return path
+
+
+def add_a_missing_adapter(catalog: Path) -> None:
+    """`gone`, whose path does not exist: in the catalogue at start-up it would refuse the encoders' and
+    denoisers' start (tests/unit/test_lora_sources.py); added to the catalogue they re-read, it is kept
+    (and logged), and fails only the requests naming it."""
+    catalog.write_text(catalog.read_text() + "gone=/nonexistent/adapter\n")
+
+
 @pytest.fixture(scope="module")
 def catalog_file(tiny_loras, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
-    path = tmp_path_factory.mktemp("catalog") / "loras.txt"
-    lines = [f"{name}={tiny_loras[name]}" for name in SERVED]
-    path.write_text("\n".join(["# the adapters of this deployment", *lines, "gone=/nonexistent/adapter", ""]))
-    return path
+    return write_catalog(tmp_path_factory.mktemp("catalog") / "loras.txt", tiny_loras)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +101,7 @@ def disaggregated(tiny_models, catalog_file, tmp_path_factory) -> Iterator[Local
     flags = ("--lora-catalog", str(catalog_file))
     model, tmp = tiny_models["tiny-flux-kontext"], tmp_path_factory.mktemp("disagg")
     with deployment(model, tmp, head_flags=flags, role_flags={Role.ENCODER: flags, Role.DENOISER: flags}) as dep:
+        add_a_missing_adapter(catalog_file)
         yield dep
 
 
@@ -138,6 +149,8 @@ def test_bad_adapters_are_a_400_naming_the_field_and_every_process_keeps_serving
         assert np.array_equal(pixels_of(generate(c, CASES["one"])), expected["one"])
         assert np.array_equal(pixels_of(generate(c, [])), expected["none"])
     assert all(proc.popen.poll() is None for proc in disaggregated.procs), "a process died"
+    (denoiser,) = disaggregated.workers(Role.DENOISER)  # the re-read catalogue's bad entry, said in its log
+    assert "gone=/nonexistent/adapter: /nonexistent/adapter does not exist on this denoiser" in denoiser.log.read_text()
 
 
 def test_an_adapter_added_to_the_catalog_file_is_served_without_a_restart(  # type: ignore[no-untyped-def]
@@ -225,18 +238,20 @@ def test_batching_groups_only_requests_with_the_same_adapters(tiny_models, tiny_
 
 
 def test_a_two_rank_full_pipeline_worker_applies_adapters_as_stock_and_a_bad_one_leaves_it_serving(  # type: ignore[no-untyped-def]
-    tiny_models, tiny_loras, catalog_file, expected, tmp_path
+    tiny_models, tiny_loras, expected, tmp_path
 ) -> None:
     """`--num-gpus 2 --disagg-full-pipeline` (Ulysses 2): an adapter's transformer part loads on both
     ranks (flux-out's on the transformer's own proj_out, where the sequence shards are joined), its
     text-encoder part on rank 0's encoder; the pixels are stock diffusers'. An adapter that does not
     load is a 400 naming `loras`, and the ranks go on in step."""
-    model, flags = tiny_models["tiny-flux-kontext"], ("--lora-catalog", str(catalog_file))
+    catalog = write_catalog(tmp_path / "loras.txt", tiny_loras)
+    model, flags = tiny_models["tiny-flux-kontext"], ("--lora-catalog", str(catalog))
     mixed = [{"name": "flux-ink-te", "weight": 0.8}, {"name": "flux-out", "weight": 1.3}]
     with deployment(
         model, tmp_path, denoisers=1, full_pipeline=True, head_flags=flags,
         role_flags={Role.DENOISER: flags}, devices={Role.DENOISER: [["cpu", "cpu"]]},
     ) as dep, dep.client(timeout=300) as c:  # fmt: skip
+        add_a_missing_adapter(catalog)
         got = pixels_of(generate(c, mixed))
         for case in ("two", "none"):
             assert np.array_equal(pixels_of(generate(c, CASES[case])), expected[case]), case
@@ -255,12 +270,13 @@ TP_PIXEL_TOLERANCE = 1  # uint8 levels, as without adapters (tests/e2e/test_para
 
 
 def test_a_tensor_parallel_denoiser_applies_its_shards_of_the_adapters_as_stock(  # type: ignore[no-untyped-def]
-    tiny_models, catalog_file, expected, tmp_path
+    tiny_models, tiny_loras, expected, tmp_path
 ) -> None:
     """`--num-gpus 2 --denoiser-tp 2`: each rank loads its cut of every adapter's factors (column- and
     row-parallel layers, FLUX's packed single-block proj_out, the unsharded top-level proj_out); the pixels
     are stock diffusers' within the TP tolerance, and an adapter that does not load is a 400 naming `loras`."""
-    model, flags = tiny_models["tiny-flux-kontext"], ("--lora-catalog", str(catalog_file))
+    catalog = write_catalog(tmp_path / "loras.txt", tiny_loras)
+    model, flags = tiny_models["tiny-flux-kontext"], ("--lora-catalog", str(catalog))
     tp = (*flags, "--denoiser-tp", "2")
     with deployment(
         model, tmp_path, head_flags=flags, role_flags={Role.ENCODER: flags, Role.DENOISER: tp},

@@ -419,6 +419,8 @@ def test_deleting_the_pipeline_removes_everything(crd: KubeCluster, kube_namespa
         ({"transfer": {"mode": "rdma", "ibDevice": ""}}, "spec.transfer.ibDevice"),
         ({"model": {"hubId": "not a hub id!!"}}, "spec.model.hubId"),
         ({"head": {"drainSeconds": 10**6}}, "spec.head.drainSeconds"),
+        ({"denoiser": {"resources": {"limits": {"cpu": "lots"}}}}, "spec.denoiser.resources.limits.cpu"),
+        ({"head": {"resources": {"requests": {"memory": -1}}}}, "spec.head.resources.requests.memory"),
     ],
     ids=[
         "negative-replicas",
@@ -437,6 +439,8 @@ def test_deleting_the_pipeline_removes_everything(crd: KubeCluster, kube_namespa
         "empty-ib-device",
         "bad-hub-id",
         "endless-drain",
+        "bad-quantity",
+        "negative-quantity",
     ],
 )
 def test_api_server_rejects_invalid_pipelines(
@@ -457,10 +461,12 @@ def test_api_server_accepts_cpu_roles(crd: KubeCluster, kube_namespace: str) -> 
 
 def test_api_server_accepts_kubernetes_sizes_and_hub_ids(crd: KubeCluster, kube_namespace: str) -> None:
     model = {"hubId": "black-forest-labs/FLUX.1-dev"}
-    head = {"results": {"maxBytes": "1Gi"}}
+    quantities = {"requests": {"cpu": "500m", "memory": "1.5Gi", "ephemeral-storage": "1e9"}, "limits": {"cpu": 2}}
+    head = {"results": {"maxBytes": "1Gi"}, "resources": quantities}
     apply(crd, kube_namespace, pipeline_manifest("sizes", model=model, transfer={"poolSize": "256Mi"}, head=head))
     stored = get(crd, kube_namespace, "diffusionpipeline", "sizes")
     assert stored is not None and stored["spec"]["transfer"]["poolSize"] == "256Mi"
+    assert stored["spec"]["head"]["resources"] == quantities
 
 
 def test_api_server_rejects_names_too_long_for_service_names(crd: KubeCluster, kube_namespace: str) -> None:

@@ -189,6 +189,24 @@ def test_a_worker_that_refuses_its_parallelism_is_degraded_naming_the_cr_field()
     assert degraded["message"].endswith("(set by spec.denoiser.parallelism.cfg)")
 
 
+def test_a_worker_whose_adapter_path_holds_nothing_is_degraded_naming_spec_model_loras() -> None:
+    deps = all_ready()
+    deps["denoiser"] = deployment("p-denoiser", ready=0)
+    refusal = (
+        "triptych: error: --lora-catalog /etc/triptych/loras/loras.txt: ink=/models/ink: /models/ink does not exist "
+        "on this denoiser (give a folder holding pytorch_lora_weights.safetensors, a .safetensors file or a hub id "
+        "such as owner/name, or remove the entry)\n"
+    )  # what triptych.lora.LoraCatalog.check_sources makes the process say (tests/unit/test_lora_sources.py)
+    waiting = {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed container"}
+    last = {"terminated": {"exitCode": 2, "reason": "Error", "message": refusal}}
+    crashing = pod("p-denoiser-z", containerStatuses=[{"name": "denoiser", "state": {"waiting": waiting},
+                                                       "lastState": last}])  # fmt: skip
+    degraded = cond(compute_status(1, deps, {"denoiser": [crashing]}, now=NOW), "Degraded")
+    exits = "it exits with: --lora-catalog /etc/triptych/loras/loras.txt: ink=/models/ink: /models/ink does not"
+    assert exits in degraded["message"]
+    assert degraded["message"].endswith("(set by spec.model.loras)")
+
+
 def test_a_pod_still_starting_is_just_waiting() -> None:
     deps = all_ready()
     deps["encoder"] = deployment("p-encoder", ready=0)

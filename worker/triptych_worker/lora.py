@@ -18,9 +18,11 @@ mode and a full-pipeline denoiser hold both and load both parts, one cache for b
 are the stock pipeline's after the same `load_lora_weights` / `set_adapters` calls
 (tests/e2e/test_lora.py).
 
-An adapter the catalogue does not hold, a missing file, one whose tensors fit no layer of this
-transformer (or of these text encoders), or a set larger than the cache fails that request only, with
-BadAdapter (a 400 naming `loras`); the worker keeps serving, its other adapters as they were.
+An adapter the catalogue does not hold, a missing file (or one without adapter weights: a path the
+process checked at start-up, triptych.lora.LoraCatalog.check_sources, may be gone or changed since, or
+have come with a re-read catalogue), one whose tensors fit no layer of this transformer (or of these
+text encoders), or a set larger than the cache fails that request only, with BadAdapter (a 400 naming
+`loras`); the worker keeps serving, its other adapters as they were.
 
 On a multi-device denoiser every rank holds its own copy of the adapters (parallel/ranks.py; a TP rank
 its shards of them, parallel/tensor.py): each
@@ -32,7 +34,6 @@ them at the same point and they stay in step.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -40,7 +41,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from triptych.lora import FIELD, BadAdapter, LoraCatalog
+from triptych.lora import FIELD, BadAdapter, LoraCatalog, source_problem
 from triptych.params import GenerationParams, LoraWeight
 
 if TYPE_CHECKING:
@@ -172,8 +173,9 @@ class LoraAdapters:
             raise BadAdapter(
                 f"{FIELD}: adapter {name!r} is not in this {self.place}'s catalogue (--lora, --lora-catalog)"
             )
-        if source.startswith(("/", ".")) and not os.path.exists(source):  # a path, not a hub id: no download
-            raise BadAdapter(f"{FIELD}: adapter {name!r}: {source} does not exist on this {self.place}")
+        problem = source_problem(source)  # a path without adapter weights (a hub id is downloaded: not here)
+        if problem is not None:
+            raise BadAdapter(f"{FIELD}: adapter {name!r}: {problem} on this {self.place}")
         started = time.perf_counter()
         if self.has_transformer:
             self._load_with_transformer(name, source)

@@ -33,6 +33,7 @@ import zmq
 from triptych import startup
 from triptych.config import ConfigError, ServeArgs
 from triptych.families.package import package_fingerprint
+from triptych.flag_roles import LORA_WORKERS
 from triptych.liveness import HEARTBEAT_INTERVAL_S
 from triptych.lora import LoraCatalog
 from triptych.ports import tcp_url
@@ -105,6 +106,11 @@ class Worker:
         self.security: ControlPlane = control_plane(args, self.ctx, "worker")
         if not args.disagg_full_pipeline:
             check_rdma_device(args.disagg_ib_device)  # a NIC this host lacks: Mooncake would use TCP silently
+        # Before the model loads too: an adapter path without weights (--lora, --lora-catalog) refuses the
+        # start, rather than fail every request naming it. The head checks names only; a decoder loads none.
+        lora_catalog = LoraCatalog.from_flags(args.lora, args.lora_catalog)
+        if self.role in LORA_WORKERS and (problem := lora_catalog.check_sources(self.role.value)) is not None:
+            raise ConfigError(problem)
         if pipeline is None and args.simulate:
             pipeline = SimulatedPipeline.from_args(args)
         simulated = isinstance(pipeline, SimulatedPipeline)
@@ -130,7 +136,7 @@ class Worker:
                 args.stage_role,
                 args.resolved_device,
                 encoder_cache_bytes=args.encoder_cache_bytes,
-                lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
+                lora_catalog=lora_catalog,
                 lora_cache_bytes=args.lora_cache_bytes,
                 dtype=self.dtype,
             )

@@ -357,7 +357,9 @@ def _model() -> Field:
         "the denoisers and encoders download on first use into an `emptyDir` at `/cache`, with `tokenSecretRef`'s "
         "token. Written to a ConfigMap `<name>-loras` that the head, the encoders and the denoisers mount "
         "and read as `--lora-catalog`: an added adapter reaches them without a restart (within the kubelet's "
-        "sync period)."
+        "sync period). A path without adapter weights in the pod keeps a denoiser or encoder pod from starting "
+        "(its termination message says which entry and why); added while they run, it fails only the requests "
+        "naming it."
     )
     token = (
         Field("name", "string", "Secret with the hub token, exposed as `HF_TOKEN`.", min_length=1, required=True),

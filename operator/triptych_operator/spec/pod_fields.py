@@ -11,6 +11,13 @@ DRAIN_MARGIN_S = 15
 MAX_DRAIN_SECONDS = 86_400
 
 
+# What a quantity may be, as the API server and the operator check it (fields.QUANTITY_PATTERN).
+QUANTITIES = (
+    " Each value is a Kubernetes quantity, not negative (`500m`, `2`, `1.5Gi`, `128Mi`, `1e3`; the API server "
+    "refuses another), and each request at most its limit (or the pipeline is Invalid, its status naming the field)."
+)
+
+
 def resources_field(who: str) -> Field:
     return Field(
         "resources",
@@ -18,10 +25,10 @@ def resources_field(who: str) -> Field:
         "Requests/limits (CPU, memory, ...) of each pod. The operator sets `nvidia.com/gpu` (and the RDMA "
         "resource) itself; its counts win. A CPU limit also caps the workers' torch CPU threads (one per CPU "
         "of the limit, rounded up and shared by a replica's rank processes, where torch would start one per host "
-        "core), unless `OMP_NUM_THREADS` is set."
+        "core), unless `OMP_NUM_THREADS` is set." + QUANTITIES
         if who == "role"
         else "Requests/limits (CPU, memory, ...) of the head pod. Its CPU limit sets how many answers the head "
-        "encodes at once (one thread per CPU; a 1024x1024 PNG is about 150 ms of CPU: docs/results.md).",
+        "encodes at once (one thread per CPU; a 1024x1024 PNG is about 150 ms of CPU: docs/results.md)." + QUANTITIES,
         fields=(Field("requests", "quantity-map"), Field("limits", "quantity-map")),
         doc_type="`requests`/`limits`: map of quantities",
         doc_row=True,
