@@ -321,6 +321,13 @@ class HeadCore:
             # It still serves a previous head; once our ping reaches it, it drops that head's work
             # and says so in its next heartbeat. Until then nothing is dispatched to it.
             return
+        restarted = inst.last_heartbeat is not None and bool(inst.session) and msg.session != inst.session
+        if restarted and self.holds_anything(inst.url):
+            # A new process behind the same address (restarted before the previous one's heartbeats
+            # were missed for long enough): what the previous one held went with it. Without this its
+            # requests waited for --disagg-timeout, holding the new process's slots all along.
+            reason = f"{inst.role.value} {inst.url} restarted (transfer session {inst.session} is now {msg.session})"
+            self.instance_lost(inst, "session_mismatch", reason)
         newly_draining = msg.draining and not inst.draining
         if newly_draining:
             log.info("%s %s is draining: no new work goes to it", inst.role.value, inst.url)

@@ -66,7 +66,7 @@ class HeadMetrics:
         self.retries = Counter(
             "triptych_retries",
             "Requests restarted on another instance after losing one (cause: heartbeat_lost, disconnected, "
-            "left_discovery, transfer_failed)",
+            "left_discovery, transfer_failed, session_mismatch)",
             ["role", "cause"],
             registry=r,
         )
