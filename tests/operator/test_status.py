@@ -169,6 +169,14 @@ def test_a_crash_looping_container_names_the_pod_and_container() -> None:
     assert "pod p-head-y container head is CrashLoopBackOff: back-off" in head["message"]
 
 
+def crash_looping_denoiser(refusal: str) -> dict[str, Any]:
+    """A denoiser pod in CrashLoopBackOff whose last run exited 2 saying `refusal`."""
+    waiting = {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed container"}
+    last = {"terminated": {"exitCode": 2, "reason": "Error", "message": refusal}}
+    return pod("p-denoiser-z", containerStatuses=[{"name": "denoiser", "state": {"waiting": waiting},
+                                                   "lastState": last}])  # fmt: skip
+
+
 def test_a_worker_that_refuses_its_parallelism_is_degraded_naming_the_cr_field() -> None:
     deps = all_ready()
     deps["denoiser"] = deployment("p-denoiser", ready=0)
@@ -177,10 +185,7 @@ def test_a_worker_that_refuses_its_parallelism_is_degraded_naming_the_cr_field()
         "triptych: error: --cfg-parallel-size 2: flux uses embedded guidance (one transformer pass per step), "
         "there are no two guidance branches to split; use --denoiser-ulysses/--denoiser-ring instead\n"
     )
-    waiting = {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed container"}
-    last = {"terminated": {"exitCode": 2, "reason": "Error", "message": refusal}}
-    crashing = pod("p-denoiser-z", containerStatuses=[{"name": "denoiser", "state": {"waiting": waiting},
-                                                       "lastState": last}])  # fmt: skip
+    crashing = crash_looping_denoiser(refusal)
     status = compute_status(1, deps, {"denoiser": [crashing]}, now=NOW)
     assert status["phase"] == "Degraded"
     degraded = cond(status, "Degraded")
@@ -197,10 +202,7 @@ def test_a_worker_whose_adapter_path_holds_nothing_is_degraded_naming_spec_model
         "on this denoiser (give a folder holding pytorch_lora_weights.safetensors, a .safetensors file or a hub id "
         "such as owner/name, or remove the entry)\n"
     )  # what triptych.lora.LoraCatalog.check_sources makes the process say (tests/unit/test_lora_sources.py)
-    waiting = {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed container"}
-    last = {"terminated": {"exitCode": 2, "reason": "Error", "message": refusal}}
-    crashing = pod("p-denoiser-z", containerStatuses=[{"name": "denoiser", "state": {"waiting": waiting},
-                                                       "lastState": last}])  # fmt: skip
+    crashing = crash_looping_denoiser(refusal)
     degraded = cond(compute_status(1, deps, {"denoiser": [crashing]}, now=NOW), "Degraded")
     exits = "it exits with: --lora-catalog /etc/triptych/loras/loras.txt: ink=/models/ink: /models/ink does not"
     assert exits in degraded["message"]
