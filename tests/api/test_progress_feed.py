@@ -7,7 +7,15 @@ import asyncio
 import json
 
 from triptych.protocol import RequestEvent
-from triptych_head.api.progress import QUEUE_LIMIT, ProgressFeed, SSEMessage, Subscriber, message_of, role_of
+from triptych_head.api.progress import (
+    MAX_PREVIEWS,
+    QUEUE_LIMIT,
+    ProgressFeed,
+    SSEMessage,
+    Subscriber,
+    message_of,
+    role_of,
+)
 
 
 def parse(chunks: list[bytes]) -> list[tuple[str, dict]]:
@@ -137,17 +145,17 @@ def preview_steps(got: list[tuple[str, dict]]) -> list[int]:
     return [d["step"] for e, d in got if e == "step" and "preview" in d]
 
 
-def test_a_subscriber_that_never_reads_holds_only_the_newest_preview_and_still_gets_the_end():
-    """Previews have a bound of their own: a queued step whose preview a newer one replaced keeps its
+def test_a_subscriber_that_never_reads_holds_only_the_newest_previews_and_still_gets_the_end():
+    """Previews have a bound of their own: a queued step whose preview newer ones replaced keeps its
     step but loses its image. Under the queue's byte bound alone a stalled client held ~30 of these
-    (4 MiB), and a late subscriber the history's 1 MiB of them."""
+    (4 MiB); now MAX_PREVIEWS."""
 
     async def run() -> tuple[list, list, Subscriber]:
         feed = ProgressFeed("r5", linger_s=0.2)
         sub = feed.subscribe()
         for step in range(1, 201):  # ~133 KB each as base64
             feed.on_event(RequestEvent("r5", "DENOISING_RUNNING", step, 200, preview=bytes(100_000), role="denoiser"))
-            assert sub.queued_bytes < 2 * 140_000 and sub.queued <= QUEUE_LIMIT
+            assert sub.queued_bytes < (MAX_PREVIEWS + 1) * 140_000 and sub.queued <= QUEUE_LIMIT
         late = feed.subscribe()
         feed.publish(SSEMessage("completed", {"id": "r5"}))
         return await read_all(feed, sub), await read_all(feed, late), sub
@@ -155,14 +163,16 @@ def test_a_subscriber_that_never_reads_holds_only_the_newest_preview_and_still_g
     got, late, sub = asyncio.run(run())
     assert got[0] == ("dropped", {"id": "r5", "dropped": 201 - QUEUE_LIMIT})  # the steps the queue's bound lost
     assert [d["step"] for e, d in got if e == "step"] == list(range(202 - QUEUE_LIMIT, 201))
-    assert preview_steps(got) == [200] and preview_steps(late) == [200]  # only the newest image
+    assert preview_steps(got) == list(range(201 - MAX_PREVIEWS, 201))  # only the newest images
+    newest = preview_steps(late)  # the history's: its 1 MiB holds fewer of these
+    assert 0 < len(newest) <= MAX_PREVIEWS and newest == list(range(201 - len(newest), 201))
     assert got[-1] == late[-1] == ("completed", {"id": "r5"})
-    assert sub.previews_dropped == 199  # each replaced by the next while queued
+    assert sub.previews_dropped == 200 - MAX_PREVIEWS  # each replaced while queued
 
 
-def test_a_slow_reader_gets_every_step_the_newest_preview_each_time_and_the_end():
-    """A reader slower than the previews arrive: its queue never holds two previews, it sees every
-    step in order (none lost: it falls under 64 behind), and the result arrives."""
+def test_a_slow_reader_gets_every_step_the_newest_previews_and_the_end():
+    """A reader slower than the previews arrive: its queue never holds more than MAX_PREVIEWS previews,
+    it sees every step in order (none lost: it falls under 64 behind), and the result arrives."""
 
     async def run() -> tuple[list, int]:
         feed = ProgressFeed("r6")
@@ -190,6 +200,22 @@ def test_a_slow_reader_gets_every_step_the_newest_preview_each_time_and_the_end(
 
     got, most = asyncio.run(run())
     assert [d["step"] for e, d in got if e == "step"] == list(range(1, 61))
-    assert len(preview_steps(got)) < 30 and preview_steps(got)[-1] == 60
-    assert most < 2 * 70_000, most  # one preview (~67 KB as base64) and the steps' few hundred bytes each
+    assert len(preview_steps(got)) < 60 and preview_steps(got)[-MAX_PREVIEWS:] == list(range(61 - MAX_PREVIEWS, 61))
+    assert most < (MAX_PREVIEWS + 1) * 70_000, most  # previews (~67 KB as base64), the steps' few hundred bytes each
     assert got[-1] == ("completed", {"id": "r6"})
+
+
+def test_a_late_subscriber_gets_every_preview_of_a_short_run_from_the_history():
+    """A video's events asked for after its POST: a short job's previews are all in the history (up to
+    MAX_PREVIEWS of them), not only the newest, as docs/progress.md promises."""
+
+    async def run() -> list:
+        feed = ProgressFeed("r7", linger_s=0.2)
+        for step in range(1, 7):
+            preview = b"\x89PNG" if step % 2 == 0 else b""
+            feed.on_event(RequestEvent("r7", "DENOISING_RUNNING", step, 6, preview=preview, role="denoiser"))
+        late = feed.subscribe()
+        feed.publish(SSEMessage("completed", {"id": "r7"}))
+        return await read_all(feed, late)
+
+    assert preview_steps(asyncio.run(run())) == [2, 4, 6]

@@ -5,9 +5,9 @@ Each request that someone may watch has a ProgressFeed. The backend reports its 
 loop; the feed turns each into one SSE message and offers it to every subscriber's bounded
 queue, which never waits. A subscriber that does not keep up (a stalled connection) loses its
 oldest messages (beyond 64 of them or 4 MiB) and is told how many (`dropped`); its last message,
-how the request ended, always arrives. Previews have a bound of their own: a queue holds only the
-newest, so a step still waiting there when a newer preview arrives is sent without its image (a
-stalled client held 4 MiB of them, ~30). So a slow client costs the request nothing, and the head a
+how the request ended, always arrives. Previews have a bound of their own: a queue holds at most
+MAX_PREVIEWS unread, so the oldest step still waiting there when another preview arrives is sent
+without its image (a stalled client held 4 MiB of them, ~30). So a slow client costs the request nothing, and the head a
 bounded buffer. The feed keeps the running request's recent history alike (64 messages, 1 MiB):
 a subscriber joining late (a video's events asked for after the POST, a reloaded page) gets it
 first, as if it had been there from the start, or told how many it missed. A video job's history
@@ -46,7 +46,11 @@ HISTORY_BYTES = 1 << 20  # what a running request's feed keeps for subscribers j
 HISTORY_LINGER_S = 60.0  # and for how long after the end
 KEEPALIVE_S = 15.0  # a comment line while nothing happens, so proxies keep the connection open
 TERMINAL_EVENTS = ("completed", "error")
-PREVIEW = "preview"  # a step's image: only the newest one waits in a queue
+PREVIEW = "preview"  # a step's image
+# Preview images one queue (and the history) holds unread: beyond, the oldest loses its image (its step
+# stays). A client reading along gets every one; a late subscriber the last few; a stalled one holds
+# MAX_PREVIEWS images, not 4 MiB of them.
+MAX_PREVIEWS = 8
 
 
 def role_of(event: RequestEvent) -> str | None:
@@ -122,13 +126,13 @@ def error_message(request_id: str, message: str, code: str | None, status: int, 
 
 class Subscriber:
     """One client's bounded queue of messages: offering never blocks, the oldest go first when full,
-    and only the newest preview image waits (an older step still queued keeps its step, not its image)."""
+    and at most MAX_PREVIEWS preview images wait (an older step still queued keeps its step, not its image)."""
 
     def __init__(self, limit: int = QUEUE_LIMIT, max_bytes: int = QUEUE_BYTES) -> None:
         self._queue: deque[Message] = deque()
         self._limit, self._max_bytes = limit, max_bytes
         self._bytes = 0
-        self._previewed: Message | None = None  # the one queued message carrying a preview
+        self._previewed: deque[SSEMessage] = deque()  # the queued messages carrying a preview, in order
         self._wake = asyncio.Event()
         self.dropped = 0  # lost since the client last read
         self.previews_dropped = 0  # images replaced by a newer one before the client read them
@@ -142,9 +146,10 @@ class Subscriber:
         return self._bytes
 
     def offer(self, msg: Message) -> None:
-        if msg.previewed:
-            self._drop_preview()
-            self._previewed = msg
+        if isinstance(msg, SSEMessage) and msg.previewed:
+            if len(self._previewed) >= MAX_PREVIEWS:
+                self._drop_preview()
+            self._previewed.append(msg)
         self._queue.append(msg)
         self._bytes += len(msg.encoded)
         while len(self._queue) > 1 and (len(self._queue) > self._limit or self._bytes > self._max_bytes):
@@ -153,10 +158,8 @@ class Subscriber:
         self._wake.set()
 
     def _drop_preview(self) -> None:
-        """The queued preview (if the client has not read it yet) loses its image to a newer one."""
-        old, self._previewed = self._previewed, None
-        if not isinstance(old, SSEMessage):
-            return
+        """The oldest queued preview loses its image to a newer one."""
+        old = self._previewed.popleft()
         for i, queued in enumerate(self._queue):  # at most `limit` of them
             if queued is old:
                 self._queue[i] = old.without_preview
@@ -167,8 +170,8 @@ class Subscriber:
     def _taken(self, msg: Message) -> None:
         """`msg` left the queue (read, or dropped)."""
         self._bytes -= len(msg.encoded)
-        if msg is self._previewed:
-            self._previewed = None
+        if self._previewed and msg is self._previewed[0]:  # both leave in order
+            self._previewed.popleft()
 
     def replay(self, history: Subscriber) -> None:
         """Start with what `history` holds (and the count it lost), as if subscribed all along."""
