@@ -257,9 +257,12 @@ def check_capacity(args: ServeArgs) -> None:
 # Where results and traces go
 
 
-def check_results_store(args: ServeArgs) -> None:
+def check_output_path(args: ServeArgs) -> None:
     if not args.output_path.strip():
         raise ConfigError("--output-path is empty: give the folder the head keeps URL images and videos in")
+
+
+def check_results_store(args: ServeArgs) -> None:
     given = [f for f in ("results_store", "results_s3_endpoint", "results_presign") if getattr(args, f)]
     if given and args.disagg_role.is_worker:
         raise ConfigError(f"{flag(given[0])} is for the head (server or monolithic), not {args.disagg_role}")
@@ -436,6 +439,7 @@ CHECKS: tuple[Callable[[ServeArgs], None], ...] = (
     check_ports,
     check_transfer,
     check_time_limits,
+    check_output_path,
     check_results_store,
     check_otlp_endpoint,
     check_capacity,

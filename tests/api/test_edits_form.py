@@ -326,8 +326,9 @@ def test_a_url_encoded_text_field_that_is_not_utf8_is_a_400_naming_it(backend, t
         bad = c.post("/v1/images/edits", content=body + prompt, headers=form)
         escaped = c.post("/v1/images/edits", content=body + b"caf%C3%A9+%E7%8C%AB", headers=form)
         raw = c.post("/v1/images/edits", content=body + "café 猫".encode(), headers=form)
+        percent = c.post("/v1/images/edits", content=body + b"100%25+%2541", headers=form)  # decoded once
     assert bad.status_code == 400, bad.text
     error = bad.json()["error"]
     assert error["param"] == "prompt" and "UTF-8" in error["message"], error
-    assert escaped.status_code == 200 and raw.status_code == 200, (escaped.text, raw.text)
-    assert [p.prompt for p in backend.calls] == ["café 猫", "café 猫"]
+    assert [a.status_code for a in (escaped, raw, percent)] == [200] * 3, (escaped.text, raw.text, percent.text)
+    assert [p.prompt for p in backend.calls] == ["café 猫", "café 猫", "100% %41"]

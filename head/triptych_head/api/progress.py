@@ -89,7 +89,6 @@ class StreamedMessage:
     subscriber (an image stream's) publishes one."""
 
     terminal = True
-    previewed = False
     encoded = b""  # what it adds to a queue's bytes: nothing yet
 
     def __init__(self, event: str, data: AsyncIterator[bytes]) -> None:

@@ -179,6 +179,7 @@ class _TextUrlEncoded(FormParser):
 
     def on_field_end(self) -> None:
         raw = unquote_to_bytes(bytes(self._field_value).replace(b"+", b" "))
+        self._field_value = bytearray()  # decoded here once; the parent counts the field and reads its name
         super().on_field_end()
         field = self._items[-1][0]
         _text(field, raw, "utf-8")
