@@ -11,6 +11,7 @@ from triptych import startup
 from triptych.config import ConfigError, ServeArgs
 from triptych.families.package import PackageError
 from triptych.model_source import ModelSourceError, model_names, resolve_model_path
+from triptych.open_files import raise_open_files_limit
 from triptych.reference import allow_url_networks, parse_networks
 from triptych.roles import Role
 
@@ -32,6 +33,7 @@ EXTRA_OF_PACKAGE = {
 def serve(args: ServeArgs) -> int:
     startup.mark("started")
     configure_logging(args)
+    raise_open_files_limit()  # before any socket: a worker's ranks and the bind shim's re-execution inherit it
     try:
         given = args.model_path
         args.model_path = resolve_model_path(given)
