@@ -369,21 +369,27 @@ def quantity_value(quantity: int | str) -> Decimal:
     return Decimal(f"{number}e{int(suffix[1:])}")  # e3, E-2: a power of ten
 
 
+def key_path(where: str, key: str) -> str:
+    """The path of a map's entry: `where.cpu`, or `where["nvidia.com/gpu"]` for a key that would not read as one."""
+    return f"{where}.{key}" if re.fullmatch(r"[A-Za-z0-9_-]+", key) else f'{where}["{key}"]'
+
+
 def _read_quantity_map(field: Field, value: Any, where: str) -> dict[str, Any]:
     """Resource name -> quantity: a non-negative integer, or a string QUANTITY_PATTERN admits (what a pod's
     requests and limits take; the API server would refuse the child Deployment with anything else)."""
     out = _read_mapping(field, value, where)
     for name, quantity in out.items():
+        path = key_path(where, name)
         if isinstance(quantity, bool) or not isinstance(quantity, int | str):
             raise FieldError(
-                f"{where}.{name}",
+                path,
                 f"is {quantity!r}; write a quantity as a string ({QUANTITY_EXAMPLES}) or a whole number",
             )
         if isinstance(quantity, int) and quantity < 0:
-            raise FieldError(f"{where}.{name}", f"is {quantity}; a quantity may not be negative")
+            raise FieldError(path, f"is {quantity}; a quantity may not be negative")
         if isinstance(quantity, str) and not re.fullmatch(QUANTITY_PATTERN, quantity, re.ASCII):
             why = "a quantity may not be negative" if quantity.startswith("-") else "it is not a Kubernetes quantity"
-            raise FieldError(f"{where}.{name}", f"is {quantity!r}; {why} ({QUANTITY_EXAMPLES})")
+            raise FieldError(path, f"is {quantity!r}; {why} ({QUANTITY_EXAMPLES})")
     return out
 
 

@@ -14,16 +14,18 @@ import yaml
 from tests.operator.helpers import NAMESPACE, REPO, minimal_spec, pipeline
 from triptych.roles import Role
 from triptych_operator import handlers
-from triptych_operator.fields import QUANTITY_PATTERN, quantity_value, schema
+from triptych_operator.fields import QUANTITY_PATTERN, key_path, quantity_value, schema
 from triptych_operator.manifests import render
 from triptych_operator.pipeline_state import PipelineState
 from triptych_operator.spec.declaration import SPEC
 from triptych_operator.spec.model import SpecError
+from triptych_operator.spec.resources import check_resources
 from triptych_operator.spec.rules import parse_pipeline
 from triptych_operator.status import compute_status
 
 GOOD = ["500m", "2", 2, 0, "1.5Gi", "1e3", "128Mi", "+1", ".5", "5.", "1E", "3E2", "1e-3", "250u", "0"]
 BAD = ["lots", "-1", -1, "-500m", "1e1.5", "1.5.5", "", "1 Gi", "1gi", "1KB", "Gi", "e3", "0x10", 1.5, True, None]
+LOG = logging.getLogger("test")
 
 
 def error_for(spec: dict[str, Any]) -> SpecError:
@@ -133,3 +135,130 @@ def test_the_crd_refuses_what_the_parser_refuses() -> None:
         assert isinstance(quantity, int) or re.fullmatch(QUANTITY_PATTERN, quantity), quantity
     for quantity in BAD:
         assert not isinstance(quantity, str) or not re.fullmatch(QUANTITY_PATTERN, quantity), quantity
+
+
+# Extended resources and huge pages, as the API server checks a container's (ValidateResourceRequirements):
+# an extended resource (a domain outside kubernetes.io) is a whole number and never overcommitted, and so are
+# huge pages, in whole pages, beside a cpu or memory request or limit.
+FPGA = "example.com/fpga"
+RDMA = "rdma/ib"  # the default transfer.rdmaResourceName: the operator's own only in rdma mode
+FRACTIONS = ["500m", "0.5", "1.5", "1e-1", "1001m"]
+
+
+@pytest.mark.parametrize("quantity", FRACTIONS, ids=repr)
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"decoder": {"resources": {"limits": {FPGA: "{q}"}}}}, f'spec.decoder.resources.limits["{FPGA}"]'),
+        ({"head": {"resources": {"limits": {RDMA: "{q}"}}}}, f'spec.head.resources.limits["{RDMA}"]'),
+        # a CPU role: no GPU count of the operator's, so the spec's reaches the pod
+        (
+            {"encoder": {"gpusPerReplica": 0, "resources": {"limits": {"nvidia.com/gpu": "{q}"}}}},
+            'spec.encoder.resources.limits["nvidia.com/gpu"]',
+        ),
+        ({"fullPipeline": {"resources": {"limits": {RDMA: "{q}"}}}}, f'spec.fullPipeline.resources.limits["{RDMA}"]'),
+    ],
+    ids=["role", "head", "cpu-role-gpu", "full-pipeline"],
+)
+def test_a_fractional_extended_resource_is_refused_naming_the_field(
+    quantity: str, section: dict[str, Any], field: str
+) -> None:
+    spec = minimal_spec(**_with(section, quantity))
+    if "fullPipeline" in section:
+        spec.update(encoder=None, denoiser=None, decoder=None)
+    err = error_for(spec)
+    assert err.field == field, str(err)
+    assert str(err).startswith(f"{field}: is {quantity!r}, not a whole number;"), str(err)
+    assert "is an extended resource" in str(err) and "write a whole number" in str(err), str(err)
+
+
+@pytest.mark.parametrize(
+    ("name", "request_", "limit"),
+    [
+        (FPGA, "1", "2"),
+        (FPGA, 2, 1),
+        (FPGA, "1k", "1001"),
+        ("hugepages-2Mi", "4Mi", "2Mi"),
+        ("hugepages-2Mi", 0, "2Mi"),
+    ],
+)
+def test_overcommitted_extended_resources_or_huge_pages_are_refused(name: str, request_: object, limit: object) -> None:
+    resources = {"requests": {name: request_, "memory": "1Gi"}, "limits": {name: limit, "memory": "1Gi"}}
+    err = error_for(minimal_spec(decoder={"resources": resources}))
+    field = key_path("spec.decoder.resources.requests", name)
+    limit_field = key_path("spec.decoder.resources.limits", name)
+    assert err.field == field, str(err)
+    assert str(err).startswith(f"{field}: is {request_!r}, not its limit {limit!r} ({limit_field}); {name} may not be")
+    assert "request must equal its limit: write the same value, or only the limit" in str(err)
+
+
+@pytest.mark.parametrize("name", [FPGA, "hugepages-1Gi"])
+def test_an_extended_resource_or_huge_pages_requested_without_a_limit_are_refused(name: str) -> None:
+    err = error_for(minimal_spec(head={"resources": {"requests": {name: "2Gi", "cpu": 1}}}))
+    field = key_path("spec.head.resources.requests", name)
+    assert err.field == field, str(err)
+    assert str(err).startswith(f"{field}: is '2Gi' without a limit; {name} may not be overcommitted"), str(err)
+    assert f"set {key_path('spec.head.resources.limits', name)} to '2Gi', or write only the limit" in str(err)
+
+
+def test_whole_extended_resources_and_pages_at_their_limits_reach_the_pod_as_written() -> None:
+    resources = {
+        "requests": {FPGA: "1000m", "hugepages-2Mi": "4Mi", "memory": "1Gi"},
+        "limits": {FPGA: 1, "hugepages-2Mi": 4 * 2**20, "hugepages-1Gi": "2Gi", RDMA: "2e0"},
+    }
+    on_pod = deployment_resources(minimal_spec(decoder={"resources": resources}), "p-decoder")
+    assert on_pod == {"requests": resources["requests"], "limits": {**resources["limits"], "nvidia.com/gpu": 1}}
+    huge = {"limits": {FPGA: "1e999999999", "hugepages-2Mi": "1e999999999", "memory": 1}}  # read at once, no hang
+    check_resources(huge, "spec.head")
+
+
+def test_the_counts_the_operator_sets_itself_are_not_the_specs_to_check() -> None:
+    """A GPU role's nvidia.com/gpu, and the RDMA resource in rdma mode: the operator's counts win."""
+    resources = {"requests": {"nvidia.com/gpu": "500m", RDMA: 3}, "limits": {"nvidia.com/gpu": "1.5"}}
+    rdma = {"mode": "rdma", "ibDevice": "mlx5_0"}
+    spec = minimal_spec(transfer=rdma, denoiser={"gpusPerReplica": 2, "resources": resources})
+    assert deployment_resources(spec, "p-denoiser") == {"limits": {"nvidia.com/gpu": 2, RDMA: 1}}
+    err = error_for(minimal_spec(denoiser={"resources": resources}))  # tcp: rdma/ib is the spec's
+    assert err.field == f'spec.denoiser.resources.requests["{RDMA}"]', str(err)
+
+
+@pytest.mark.parametrize(
+    ("name", "quantity", "message"),
+    [
+        ("hugepages-2Mi", "3Mi", "is '3Mi', not a whole number of 2Mi pages: write a multiple of 2Mi"),
+        ("hugepages-1Gi", "1.5Gi", "is '1.5Gi', not a whole number of 1Gi pages: write a multiple of 1Gi"),
+        ("hugepages-2Mi", 1, "is 1, not a whole number of 2Mi pages"),
+        ("hugepages-big", "2Mi", "'hugepages-big' names no page size: write hugepages-<size>"),
+        ("hugepages-500m", "1", "'hugepages-500m' names no page size"),
+    ],
+)
+def test_huge_pages_are_whole_pages_of_the_size_their_name_gives(name: str, quantity: object, message: str) -> None:
+    err = error_for(minimal_spec(denoiser={"resources": {"limits": {name: quantity, "memory": "2Gi"}}}))
+    assert str(err).startswith(f"spec.denoiser.resources.limits.{name}: {message}"), str(err)
+
+
+def test_huge_pages_need_a_cpu_or_memory_request_or_limit() -> None:
+    err = error_for(minimal_spec(head={"resources": {"limits": {"hugepages-2Mi": "4Mi", FPGA: 1}}}))
+    assert err.field == "spec.head.resources"
+    assert "asks for hugepages-2Mi but for neither cpu nor memory" in str(err)
+    assert "must also request or limit cpu or memory: add e.g. limits.memory" in str(err)
+    taken = {"requests": {"cpu": "1"}, "limits": {"hugepages-2Mi": "4Mi"}}
+    assert deployment_resources(minimal_spec(head={"resources": taken}), "p-head") == taken
+
+
+def test_a_resource_name_with_a_domain_is_named_in_brackets_in_any_quantity_error() -> None:
+    err = error_for(minimal_spec(denoiser={"resources": {"limits": {"nvidia.com/gpu": "lots"}}}))
+    assert str(err).startswith("spec.denoiser.resources.limits[\"nvidia.com/gpu\"]: is 'lots'; it is not a"), str(err)
+
+
+def test_an_overcommitted_extended_resource_makes_the_pipeline_invalid_with_a_status_naming_the_field() -> None:
+    meta = {"name": "p", "namespace": NAMESPACE, "uid": "u1", "generation": 1}
+    resources = {"requests": {FPGA: 1}, "limits": {FPGA: 2}}
+    state = PipelineState()
+    handlers._validate({"metadata": meta, "spec": minimal_spec(decoder={"resources": resources})}, state, logger=LOG)
+    assert state.spec is None and state.spec_error is not None
+    status = compute_status(1, {}, spec_error=state.spec_error, now="2026-01-01T00:00:00Z")
+    assert status["phase"] == "Invalid"
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidSpec"
+    assert degraded["message"].startswith(f'spec.decoder.resources.requests["{FPGA}"]: is 1, not its limit 2'), degraded

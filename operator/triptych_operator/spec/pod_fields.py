@@ -11,10 +11,14 @@ DRAIN_MARGIN_S = 15
 MAX_DRAIN_SECONDS = 86_400
 
 
-# What a quantity may be, as the API server and the operator check it (fields.QUANTITY_PATTERN).
+# What a quantity may be, as the API server and the operator check it (fields.QUANTITY_PATTERN, spec/resources.py).
 QUANTITIES = (
     " Each value is a Kubernetes quantity, not negative (`500m`, `2`, `1.5Gi`, `128Mi`, `1e3`; the API server "
-    "refuses another), and each request at most its limit (or the pipeline is Invalid, its status naming the field)."
+    "refuses another), and each request at most its limit. An extended resource (a domain outside `kubernetes.io`, "
+    "e.g. `example.com/fpga`) is a whole number and is not overcommitted: a request needs a limit equal to it "
+    "(write only the limit: the request defaults to it). Huge pages (`hugepages-2Mi`) are whole pages, likewise "
+    "not overcommitted, beside a cpu or memory request or limit. Otherwise the pipeline is Invalid, its status "
+    "naming the field."
 )
 
 

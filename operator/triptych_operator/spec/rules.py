@@ -3,16 +3,17 @@
 The declaration's own checks (types, bounds, enums, required fields, CEL rules) run in the generic
 parser (model.parse). What CEL cannot express is checked here only, once: which pools a pipeline
 runs, parallel degrees against the GPU count (triptych.parallelism), Service names that fit, model
-paths that stay on their volume, each pod's resource requests within its limits, the head's port
-against its scheduler ports, the results bucket and the trace collector as the processes' flags
-check them, and several heads only with results they all share. Each pod's argv is checked as
-`triptych serve` parses it in serve_args. A bad field raises SpecError naming it, which the operator
-reports as a Degraded condition.
+paths that stay on their volume, each pod's resources as the API server checks a container's
+(spec/resources.py: requests within limits; extended resources and huge pages whole, never
+overcommitted), the head's port against its scheduler ports, the results bucket and the trace
+collector as the processes' flags check them, and several heads only with results they all share.
+Each pod's argv is checked as `triptych serve` parses it in serve_args. A bad field raises
+SpecError naming it, which the operator reports as a Degraded condition.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from triptych.config import ConfigError, ServeArgs
@@ -28,9 +29,10 @@ from triptych_operator.constants import (
     PIPELINE_ROLES,
     crd_field,
 )
-from triptych_operator.fields import quantity_value, read
+from triptych_operator.fields import read
 from triptych_operator.spec.declaration import FULL_PIPELINE, NAME_RULE, PARALLEL_DEGREES, SPEC, role_field
 from triptych_operator.spec.model import PipelineSpec, PoolSpec, SpecError, build, checked
+from triptych_operator.spec.resources import check_resources
 
 MAX_SERVICE_NAME = 63
 
@@ -51,7 +53,7 @@ def parse_pipeline(
     _check_model_path(values["model"]["path"])
     full = values["fullPipeline"]
     roles = _full_pipeline_pool(name, full) if full is not None else _role_pools(name, values)
-    _check_requests_within_limits(values["head"]["resources"], "spec.head")
+    check_resources(values["head"]["resources"], "spec.head")
     _check_head_port(values["head"]["port"])
     _check_results_store(values["head"]["results"]["s3"], values["model"]["path"] or values["model"]["hubId"])
     _check_head_replicas(values["head"])
@@ -84,7 +86,7 @@ def _role_pools(name: str, values: Mapping[str, Any]) -> dict[Role, PoolSpec]:
         raw = values[crd_field(role)]
         pool = raw if raw is not None else read(field, {}, where)
         _check_object_name(name, role, crd_field(role))
-        _check_requests_within_limits(pool["resources"], where, _owned(values))
+        check_resources(pool["resources"], where, _owned(pool, values["transfer"]))
         parallelism, given = _parallelism(pool["parallelism"] or {}, max(pool["gpusPerReplica"], 1), where)
         pools[role] = build(PoolSpec, field, pool, where, role=role, parallelism=parallelism, explicit_degrees=given)
     return pools
@@ -94,7 +96,7 @@ def _full_pipeline_pool(name: str, pool: Mapping[str, Any]) -> dict[Role, PoolSp
     """spec.fullPipeline: one pool of workers that each run every stage, denoising on all their GPUs."""
     _check_object_name(name, FULL_PIPELINE_ROLE, "fullPipeline")
     where = "spec.fullPipeline"
-    _check_requests_within_limits(pool["resources"], where, {GPU_RESOURCE})
+    check_resources(pool["resources"], where, _owned(pool))
     parallelism, given = _parallelism(pool["parallelism"] or {}, max(pool["gpusPerReplica"], 1), where)
     spec = build(
         PoolSpec, FULL_PIPELINE, pool, where, role=FULL_PIPELINE_ROLE, parallelism=parallelism, explicit_degrees=given
@@ -122,24 +124,14 @@ def _parallelism(raw: Mapping[str, Any], gpus: int, pool: str) -> tuple[Parallel
         raise SpecError(where, str(exc).removeprefix(f"{where}.")) from None
 
 
-def _check_requests_within_limits(resources: Mapping[str, Any] | None, where: str, owned: Collection[str] = ()) -> None:
-    """Each resource's request at most its limit, as the API server checks a pod (each quantity's own
-    grammar is the declaration's: fields.QUANTITY_PATTERN); `owned`: the names whose counts the operator
-    sets itself on a worker pod (the GPUs, the RDMA resource), whatever the spec says."""
-    requests, limits = (resources or {}).get("requests") or {}, (resources or {}).get("limits") or {}
-    for name, request in requests.items():
-        if name in limits and name not in owned:
-            if quantity_value(request) > quantity_value(limits[name]):
-                raise SpecError(
-                    f"{where}.resources.requests.{name}",
-                    f"is {request!r}, above its limit {limits[name]!r} ({where}.resources.limits.{name}); "
-                    "a pod's request may not exceed its limit: lower the request or raise the limit",
-                )
-
-
-def _owned(values: Mapping[str, Any]) -> set[str]:
-    """The resources whose counts the operator sets on a role pool's pods (manifests/workers.py)."""
-    return {GPU_RESOURCE, values["transfer"]["rdmaResourceName"]}
+def _owned(pool: Mapping[str, Any], transfer: Mapping[str, Any] | None = None) -> set[str]:
+    """The resources whose counts the operator sets on a pool's pods, whatever the spec says (manifests/workers.py):
+    the GPUs of a GPU pool, and the RDMA resource in rdma mode (`transfer`: None for a full pipeline, whose workers
+    move no tensors)."""
+    owned = {GPU_RESOURCE} if pool["gpusPerReplica"] else set()
+    if transfer is not None and transfer["mode"] == "rdma":
+        owned.add(transfer["rdmaResourceName"])
+    return owned
 
 
 def _check_model_path(path: str | None) -> None:
