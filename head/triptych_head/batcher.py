@@ -10,7 +10,9 @@ role's transfers with the group's id and size so that the receiver runs them tog
 (protocol/messages.py).
 
 With --enable-batching-metrics, /metrics has per role: the sizes of the groups the head sent
-(triptych_batch_size), how long their oldest request waited for the group to form
+(triptych_batch_size; a first role's group whose WorkBatch is over the control header limit goes
+as one Work each, so it counts as that many groups of one, and a request that failed on the way
+counts in none), how long their oldest request waited for the group to form
 (triptych_batch_wait_seconds), how full they left (triptych_batch_fill_ratio: size / max size) and
 the batches the workers ran (triptych_worker_batch_size, from what each worker reports with a
 request's output: a group may run split when a worker's own --batching-max-size is smaller).
@@ -39,7 +41,11 @@ class BatchingMetrics:
     def __init__(self, registry: CollectorRegistry):
         r = registry
         self.size = Histogram(
-            "triptych_batch_size", "Requests per group the head dispatched", ["role"], buckets=SIZE_BUCKETS, registry=r
+            "triptych_batch_size",
+            "Requests per group the head sent (a group over the control header limit goes as groups of one)",
+            ["role"],
+            buckets=SIZE_BUCKETS,
+            registry=r,
         )
         self.wait = Histogram(
             "triptych_batch_wait_seconds",
@@ -71,11 +77,17 @@ class BatchingMetrics:
 
 @dataclass
 class Group:
-    """Requests leaving together for one instance; `work` collects the first role's Work items."""
+    """Requests leaving together for one instance; `work` collects the first role's Work items;
+    `apart`: they left as one Work each instead (their WorkBatch was over the control header limit)."""
 
     instance: WorkerInstance
     members: list[RequestRecord]
     work: list[Work] = field(default_factory=list)
+    apart: bool = False
+    queued_since: list[float] = field(init=False)  # the members' hop_started: their dispatch restarts it
+
+    def __post_init__(self) -> None:
+        self.queued_since = [rec.hop_started for rec in self.members]
 
     @property
     def batch_id(self) -> str:
@@ -128,9 +140,19 @@ class GroupBatcher:
         return groups
 
     def observe_sent(self, role: str, group: Group, now: float) -> None:
+        """The group as it left: one group, or one group of one per member when it went apart. Of its
+        members, those its instance got: not one left queued, nor one that failed on the way (too large)."""
         if self.metrics is None:
             return
-        size = len(group.members)
-        self.metrics.size.labels(role).observe(size)
-        self.metrics.wait.labels(role).observe(max(0.0, now - group.members[0].hop_started))
-        self.metrics.fill.labels(role).observe(size / self.max_size)
+        sent = [
+            since
+            for rec, since in zip(group.members, group.queued_since, strict=True)
+            if rec.instance == group.instance.url and not rec.state.terminal
+        ]
+        for queued_since in [[since] for since in sent] if group.apart else [sent]:
+            size = len(queued_since)
+            if not size:
+                continue
+            self.metrics.size.labels(role).observe(size)
+            self.metrics.wait.labels(role).observe(max(0.0, now - min(queued_since)))
+            self.metrics.fill.labels(role).observe(size / self.max_size)

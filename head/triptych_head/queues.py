@@ -132,7 +132,7 @@ class Dispatcher:
                 rec.batch = (group.batch_id, len(group.members)) if len(group.members) > 1 else ("", 1)
                 if self._dispatch_one(role, rec.request_id, group):
                     gone.add(rec.request_id)
-            if group.work and not self._send_work(inst, group.work):
+            if group.work and not self._send_work(group):
                 break
             batcher.observe_sent(role.value, group, now)
         if gone:
@@ -156,29 +156,31 @@ class Dispatcher:
             return False
         return inst.free_slots > 0 if inst.url == here else inst.can_take(nbytes)
 
-    def _send_work(self, inst: WorkerInstance, work: list[Work]) -> bool:
+    def _send_work(self, group: Group) -> bool:
         """A group's first-role work as one message (a single request as plain Work). A group over the
-        control header limit goes as one Work each (its members run apart), and a request whose own
-        Work is over it fails alone (_send)."""
-        if len(work) == 1:
-            rec = self._core.attempts[work[0].request_id]  # dispatched just now
-            sent = self._send(rec, inst.url, work[0])
-            if sent is None:
-                return True
-        else:
+        control header limit goes as one Work each (`group.apart`: its members run apart), and a
+        request whose own Work is over it fails alone (_send). False when the instance is not connected."""
+        inst = group.instance
+        if len(group.work) > 1:
             try:
-                sent = self._membership.send(inst.url, WorkBatch(inst.url, work, self._core.head_id))
+                sent = self._membership.send(inst.url, WorkBatch(inst.url, group.work, self._core.head_id))
             except HeaderTooLarge:
-                return all(self._send_alone(inst, item) for item in work)
-        if sent:
-            return True
-        self._core.instance_lost(inst, "disconnected", f"{inst.role.value} {inst.url} is not connected")
-        return False
+                group.apart = True
+            else:
+                return sent or self._disconnected(inst)
+        return all(self._send_alone(inst, work) for work in group.work)
 
     def _send_alone(self, inst: WorkerInstance, work: Work) -> bool:
-        """One member of a group that went apart: its own Work, as a request in no batch."""
-        self._core.attempts[work.request_id].batch = ("", 1)
-        return self._send_work(inst, [work])
+        """One request's Work, as a request in no batch: a group of one, or a member of a group that
+        went apart. False when the instance is not connected."""
+        rec = self._core.attempts[work.request_id]  # dispatched just now
+        rec.batch = ("", 1)
+        sent = self._send(rec, inst.url, work)
+        return sent is not False or self._disconnected(inst)  # None: too large, it failed alone
+
+    def _disconnected(self, inst: WorkerInstance) -> bool:
+        self._core.instance_lost(inst, "disconnected", f"{inst.role.value} {inst.url} is not connected")
+        return False
 
     def _send(self, rec: RequestRecord, url: str, msg: Work | TransferReady) -> bool | None:
         """membership.send for a message carrying the request's parameters (and a TransferReady, the

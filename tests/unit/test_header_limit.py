@@ -12,7 +12,8 @@ it cannot decode, as a real worker drops one.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import msgspec
 import pytest
@@ -39,6 +40,7 @@ from triptych.protocol import (
 )
 from triptych.protocol.codec import MAX_HEADER_BYTES
 from triptych.roles import Role
+from triptych_head.server import DiffusionServer
 
 TIMEOUT_S = 60  # --disagg-timeout: a request that waits for it fails these tests long before
 MANIFEST = [{"name": "x", "dtype": "uint8", "shape": [8], "offset": 0}]
@@ -142,11 +144,14 @@ def test_work_over_the_limit_fails_its_request_at_once_as_too_large_and_the_next
     assert isinstance(answer(client, "next", everyone), RequestResult)
 
 
-def test_a_group_over_the_limit_together_goes_as_one_work_each_and_both_run():
-    """--batching-mode dynamic: two requests that fit a Work each but not one WorkBatch together
-    run apart, neither failed nor left waiting."""
+@contextmanager
+def group_of_two(
+    prompts: tuple[str, str], flags: Sequence[str] = ()
+) -> Iterator[tuple[DiffusionServer, zmq.Socket, dict[Role, ScriptedWorker]]]:
+    """--batching-mode dynamic, groups of 2: requests a and b, with these prompts (compatible, so
+    one group for the encoder), submitted."""
     flags = ["--disagg-timeout", str(TIMEOUT_S), "--batching-mode", "dynamic", "--batching-max-size", "2",
-             "--batching-delay-ms", "2000"]  # fmt: skip
+             "--batching-delay-ms", "2000", *flags]  # fmt: skip
     with scripted_head(flags=flags) as (server, client, workers):
         w = {role: ws[0] for role, ws in workers.items()}
         enc = w[Role.ENCODER]
@@ -156,19 +161,75 @@ def test_a_group_over_the_limit_together_goes_as_one_work_each_and_both_run():
         while server.registry.instances(Role.ENCODER)[0].max_batch != 2:
             assert time.monotonic() < deadline, "the encoder's batch size never reached the head"
             enc.pump(0.02)
-        params = {**PARAMS, "prompt": "p" * (MAX_HEADER_BYTES * 6 // 10)}  # one fits in a Work, two do not
-        for rid in ("a", "b"):
-            client.send_multipart(encode(Submit(rid, params)))  # type: ignore[arg-type]
-        deadline = time.monotonic() + 5
-        while len([m for m in enc.got if isinstance(m, (Work, WorkBatch))]) < 2:
-            assert time.monotonic() < deadline, f"the encoder got {enc.got}, unreadable {enc.unreadable}"
-            enc.pump(0.05)
+        for rid, prompt in zip(("a", "b"), prompts, strict=True):
+            client.send_multipart(encode(Submit(rid, {**PARAMS, "prompt": prompt})))  # type: ignore[arg-type]
+        yield server, client, w
+
+
+def work_got(enc: ScriptedWorker, count: int) -> list[Work | WorkBatch]:
+    """The first `count` Work or WorkBatch messages the encoder gets."""
+    deadline = time.monotonic() + 5
+    while len(got := [m for m in enc.got if isinstance(m, (Work, WorkBatch))]) < count:
+        assert time.monotonic() < deadline, f"the encoder got {enc.got}, unreadable {enc.unreadable}"
+        enc.pump(0.05)
+    return got
+
+
+FITS_ALONE = "p" * (MAX_HEADER_BYTES * 6 // 10)  # one fits in a Work, two do not
+
+
+def test_a_group_over_the_limit_together_goes_as_one_work_each_and_both_run():
+    """--batching-mode dynamic: two requests that fit a Work each but not one WorkBatch together
+    run apart, neither failed nor left waiting."""
+    with group_of_two((FITS_ALONE, FITS_ALONE)) as (_, client, w):
+        enc = w[Role.ENCODER]
+        work_got(enc, 2)
         assert enc.unreadable == []
         assert sorted(m.request_id for m in enc.got if isinstance(m, Work)) == ["a", "b"]
         enc.got.clear()
         for rid in ("a", "b"):
             finish_request(w, rid)
             assert isinstance(answer(client, rid, list(w.values())), RequestResult)
+
+
+def batch_sizes(server: DiffusionServer, role: Role, count: float) -> tuple[float | None, ...]:
+    """The head's batching histograms for `role` once `count` groups are in them (the loop observes
+    a group just after sending it): the groups, their requests, fill ratios, waits and seconds waited."""
+    sample = server.metrics.registry.get_sample_value
+    labels = {"role": role.value}
+    deadline = time.monotonic() + 5
+    while sample("triptych_batch_size_count", labels) != count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return (
+        sample("triptych_batch_size_count", labels),
+        sample("triptych_batch_size_sum", labels),
+        sample("triptych_batch_fill_ratio_sum", labels),
+        sample("triptych_batch_wait_seconds_count", labels),
+        sample("triptych_batch_wait_seconds_sum", labels),
+    )
+
+
+def test_a_group_that_went_apart_counts_as_groups_of_one_in_the_batching_metrics():
+    """What the head sent, not the group it formed: two Work messages are two groups of one, each
+    half full, each having waited since its own request was queued (not 0: its dispatch restarts
+    the hop's clock). Before, one group of two, its wait always 0."""
+    with group_of_two((FITS_ALONE, FITS_ALONE), ["--enable-batching-metrics"]) as (server, _, w):
+        assert [type(m) for m in work_got(w[Role.ENCODER], 2)] == [Work, Work]
+        groups, requests, fill, waits, waited = batch_sizes(server, Role.ENCODER, 2)
+        assert (groups, requests, fill, waits) == (2, 2, 1.0, 2)
+        assert waited is not None and waited > 0
+
+
+def test_a_member_that_fails_alone_after_its_group_went_apart_is_counted_in_no_group():
+    """b's own Work is over the limit too: it fails (413) and a is the one group of one sent."""
+    base = len(encode(Submit("b", {**PARAMS, "prompt": ""}))[0])  # type: ignore[arg-type]
+    too_large = "p" * (MAX_HEADER_BYTES - base - 8)  # b's submit fits, its Work does not
+    with group_of_two((FITS_ALONE, too_large), ["--enable-batching-metrics"]) as (server, client, w):
+        failed = answer(client, "b", list(w.values()))
+        assert isinstance(failed, RequestEvent) and failed.status_code == 413
+        assert [m.request_id for m in work_got(w[Role.ENCODER], 1)] == ["a"]
+        groups, requests, fill, waits, _ = batch_sizes(server, Role.ENCODER, 1)
+        assert (groups, requests, fill, waits) == (1, 1, 0.5, 1)
 
 
 def test_an_answer_to_the_client_over_the_limit_is_replaced_by_a_failure_it_can_read(head):
