@@ -18,6 +18,7 @@ start when a SOURCE that is a path on this machine (`is_path`) is missing or hol
 weights (`source_problem`); a hub id is not looked up. A catalogue file re-read later with such an
 entry keeps serving: the entry is logged as a warning and kept (its files may arrive after the
 line, and the file is re-read only when it changes), and a request naming it fails as before, a 400.
+A multi-device worker logs it on rank 0, the rank that resolves names (parallel/ranks.py).
 The head checks names only: its pod need not hold the adapters' files.
 """
 

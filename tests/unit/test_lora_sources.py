@@ -171,3 +171,48 @@ def test_a_deployment_with_local_adapter_paths_and_hub_ids_starts(tiny_models, t
         tiny_models["tiny-flux"], tmp_path / "dep", simulate=True, head_flags=flags, role_flags=roles
     ) as dep:
         assert all(p.popen.poll() is None for p in dep.procs)  # every worker heartbeats: all started
+
+
+@pytest.mark.parametrize("full_pipeline", [False, True], ids=["denoiser", "full-pipeline"])
+def test_a_multi_device_worker_s_rank_0_resolves_with_the_checked_catalogue_and_logs_a_re_read_bad_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, full_pipeline: bool
+) -> None:
+    """--num-gpus 2: rank 0 alone resolves adapter names (the followers load the sources its jobs
+    name, and never re-read their catalogue), with the catalogue the worker checked at start-up, so
+    an entry a re-read brings without adapter weights is logged on rank 0, once. Before, rank 0
+    resolved with a catalogue of its own that nothing had checked: the re-read logged nothing."""
+    from triptych.cli import build_parser
+    from triptych.config import ServeArgs
+    from triptych_dev.null_pipeline import NullPipeline
+    from triptych_worker.runtime import Worker
+
+    good = adapter_folder(tmp_path)
+    path = tmp_path / "loras.txt"
+    path.write_text(f"ink={good}\n")
+    given: list[LoraCatalog | None] = []
+
+    def start(args: ServeArgs, lora_catalog: LoraCatalog | None = None) -> NullPipeline:
+        given.append(lora_catalog)  # what rank 0's stages resolve adapter names with (parallel/ranks.py)
+        return NullPipeline(Role.DENOISER, 1024)
+
+    if full_pipeline:
+        monkeypatch.setattr("triptych_worker.parallel.full.start_full_pipeline_ranks", start)
+    else:
+        monkeypatch.setattr("triptych_worker.parallel.ranks.start_ranks", start)
+    argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://127.0.0.1:1",
+            "--device", "cpu", "--num-gpus", "2", "--disagg-transfer-pool-size", "4MiB", "--lora-catalog", str(path),
+            *(["--disagg-full-pipeline"] if full_pipeline else [])]  # fmt: skip
+    worker = Worker(ServeArgs.from_namespace(build_parser().parse_args(argv)))
+    try:
+        (catalog,) = given
+        assert catalog is not None
+        path.write_text(f"ink={good}\ngone=/nonexistent/adapter\n")
+        os.utime(path, ns=(1, 1))  # a new stamp even within the file system's time resolution
+        with caplog.at_level(logging.WARNING, logger="triptych.lora"):
+            assert catalog.source("gone") == "/nonexistent/adapter"  # as rank 0 resolves a request's adapters
+        (record,) = [r for r in caplog.records if "gone" in r.getMessage()]
+        assert record.getMessage().startswith(
+            f"--lora-catalog {path}: gone=/nonexistent/adapter: /nonexistent/adapter does not exist on this denoiser"
+        )
+    finally:
+        worker.transport.close()

@@ -24,6 +24,7 @@ from tests.worker.test_resume import CASES, STEPS, encoded
 from tests.worker.test_role_pipelines import over_the_wire
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
+from triptych.lora import LoraCatalog
 from triptych.roles import Role
 from triptych_dev.localdeploy import free_port_block
 from triptych_worker.parallel.handoff import fingerprint
@@ -52,9 +53,12 @@ ROUTES = [
 
 
 @contextmanager
-def two_ranks(model: Path, flags: tuple[str, ...], rank0_flags: tuple[str, ...] = ()) -> Iterator[ParallelPipeline]:
+def two_ranks(
+    model: Path, flags: tuple[str, ...], rank0_flags: tuple[str, ...] = (), lora_catalog: LoraCatalog | None = None
+) -> Iterator[ParallelPipeline]:
     """Rank 0 here and its follower process, as `start_ranks` starts them (without its watchdog,
-    which would end this process when the fixture stops the follower); `rank0_flags`: rank 0's alone."""
+    which would end this process when the fixture stops the follower); `rank0_flags`: rank 0's alone;
+    `lora_catalog`: rank 0's, as the worker gives it (else one from the flags)."""
     argv = ["serve", "--model-path", str(model), "--disagg-role", "denoiser", "--device", "cpu",
             "--disagg-server-addr", "tcp://127.0.0.1:1", "--master-port", str(free_port_block(1)), *flags]  # fmt: skip
     args = ServeArgs.from_namespace(build_parser().parse_args([*argv, *rank0_flags]))
@@ -64,7 +68,7 @@ def two_ranks(model: Path, flags: tuple[str, ...], rank0_flags: tuple[str, ...] 
     follower = subprocess.Popen(argv, env=env)
     ranks = None
     try:
-        ranks = ParallelPipeline(Rank.start(args, 0), [follower])
+        ranks = ParallelPipeline(Rank.start(args, 0, lora_catalog), [follower])
         yield ranks
     finally:
         if ranks is not None:

@@ -121,11 +121,13 @@ class Worker:
         if pipeline is None and args.num_gpus > 1 and args.disagg_full_pipeline:
             from triptych_worker.parallel.full import start_full_pipeline_ranks
 
-            pipeline = start_full_pipeline_ranks(args)  # encode and decode on rank 0, denoise on every rank
+            # Encode and decode on rank 0, denoise on every rank; rank 0 resolves adapters with the checked catalogue.
+            pipeline = start_full_pipeline_ranks(args, lora_catalog)
         elif pipeline is None and args.num_gpus > 1:
             from triptych_worker.parallel.ranks import start_ranks
 
-            pipeline = start_ranks(args)  # rank 0 of N; the other ranks follow it (one instance to the head)
+            # Rank 0 of N; the other ranks follow it (one instance to the head) and load the adapters it names.
+            pipeline = start_ranks(args, lora_catalog)
         if pipeline is None:
             from triptych_worker.cpu_threads import fit_torch_threads
             from triptych_worker.pipeline import load_role_pipeline

@@ -80,19 +80,22 @@ class FullPipelineRanks:
         )
 
 
-def start_full_pipeline_ranks(args: ServeArgs) -> FullPipelineRanks:
+def start_full_pipeline_ranks(args: ServeArgs, lora_catalog: LoraCatalog | None = None) -> FullPipelineRanks:
     """Rank 0: start the denoising ranks (the followers load the denoiser's stages only), then load
-    the encoder's and decoder's stages here, on rank 0's device."""
+    the encoder's and decoder's stages here, on rank 0's device. `lora_catalog`: the worker's,
+    checked at its start, which rank 0's encoding and denoising share (ranks.py)."""
     from triptych_worker.pipeline import load_role_pipeline
 
-    denoise = start_ranks(args)
+    if lora_catalog is None:
+        lora_catalog = LoraCatalog.from_flags(args.lora, args.lora_catalog)
+    denoise = start_ranks(args, lora_catalog)
     device = rank_device(args, 0)
     encode = load_role_pipeline(
         args.model_path,
         Role.ENCODER,
         device,
         encoder_cache_bytes=args.encoder_cache_bytes,
-        lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
+        lora_catalog=lora_catalog,
         lora_cache_bytes=args.lora_cache_bytes,
         dtype=args.compute_dtype(device),
     )

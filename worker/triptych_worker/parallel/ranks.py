@@ -16,7 +16,11 @@ at the same step while the others run on (triptych_worker.batching).
 A request's LoRA adapters load on every rank, from the sources rank 0's catalogue gave as it sent the
 job; a load that fails on any rank fails the request on every rank before it denoises (lora.py), one
 of the failures (with a cancel and a state that cannot be restored) after which the ranks are still
-in step.
+in step. Rank 0 alone resolves adapter names, so it alone re-reads the --lora-catalog file: its
+catalogue is the one the worker checked at start-up (runtime.py), and a re-read entry without
+adapter weights is logged there, once (triptych.lora). The followers never re-read theirs (a job
+pins rank 0's sources) and log nothing about it: every rank writes to the pod's one log, where a
+warning per rank would repeat it N times; a follower logs a load of its own that fails.
 
 A rank that dies takes the instance down: rank 0 watches its followers and exits (status 3)
 when one exits, or when rank 0 itself fails inside a job (the ranks are then out of step), so
@@ -91,8 +95,9 @@ class Rank:
     family: str
 
     @classmethod
-    def start(cls, args: ServeArgs, rank: int) -> Rank:
-        """Check the degrees against the family, load the stages, join the other ranks, split the model."""
+    def start(cls, args: ServeArgs, rank: int, lora_catalog: LoraCatalog | None = None) -> Rank:
+        """Check the degrees against the family, load the stages, join the other ranks, split the model.
+        `lora_catalog`: rank 0's, the one the worker checked (module docstring); else one from the flags."""
         from triptych_worker.cpu_threads import fit_torch_threads
         from triptych_worker.pipeline import BatchedAdapterStage, load_role_pipeline
 
@@ -110,7 +115,7 @@ class Rank:
             args.model_path,
             args.disagg_role,
             device,
-            lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog),
+            lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog) if lora_catalog is None else lora_catalog,
             lora_cache_bytes=args.lora_cache_bytes,
             given=given,
             dtype=dtype,
@@ -339,8 +344,9 @@ def _describe(d: Parallelism) -> str:
     return f"cfg {d.cfg} x ulysses {d.ulysses} x ring {d.ring} x tp {d.tp}"
 
 
-def start_ranks(args: ServeArgs) -> ParallelPipeline:
-    """Rank 0: start the followers, join them, and watch them for as long as this process lives."""
+def start_ranks(args: ServeArgs, lora_catalog: LoraCatalog | None = None) -> ParallelPipeline:
+    """Rank 0: start the followers, join them, and watch them for as long as this process lives.
+    `lora_catalog`: the worker's, checked at its start (module docstring)."""
     # Refuse what the family cannot run before any process starts.
     family, adapter = adapter_for(args.model_path)
     world = RankLayout(families.check_degrees(args, family, adapter)).world_size
@@ -349,7 +355,7 @@ def start_ranks(args: ServeArgs) -> ParallelPipeline:
     followers = [subprocess.Popen([*argv, str(rank), *args.to_argv()], env=env) for rank in range(1, world)]
     watchdog = threading.Thread(target=_watch, args=(followers,), name="rank-watchdog", daemon=True)
     watchdog.start()
-    rank = Rank.start(args, 0)
+    rank = Rank.start(args, 0, lora_catalog)
     log.info("%d ranks joined on port %d (%s)", world, master_port(args), _describe(rank.degrees))
     return ParallelPipeline(rank, followers)
 
