@@ -13,6 +13,7 @@ the container's or the node's configuration sets: nothing beyond what the deploy
 from __future__ import annotations
 
 import logging
+import os
 import resource
 
 log = logging.getLogger(__name__)
@@ -36,3 +37,17 @@ def raise_open_files_limit() -> int:
         return soft
     log.info("open-files limit raised from %d to %d (the hard limit)", soft, target)
     return target
+
+
+def open_files() -> int:
+    """How many descriptors this process has open (0 where /proc cannot say)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listing them
+    except OSError:
+        return 0
+
+
+def open_files_limit() -> int:
+    """This process's soft open-file limit; 0 for none."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 0 if soft == resource.RLIM_INFINITY else soft

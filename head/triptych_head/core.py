@@ -345,6 +345,7 @@ class HeadCore:
         )
         inst.adopt_standing(msg.standing_slots)
         inst.held, inst.peak_held = msg.held, msg.peak_held
+        inst.open_files, inst.open_files_limit = msg.open_files, msg.open_files_limit
         inst.loras = frozenset(msg.loras)
         inst.devices, inst.dtype = msg.devices, msg.dtype
         if inst.role is Role.DENOISER:  # the denoiser's loads are what its work estimate counts; an encoder's are not

@@ -56,6 +56,8 @@ class WorkerInstance:
     others_busy: int = 0
     held: int = 0  # requests holding one of its slots, for every head (its heartbeat's word)
     peak_held: int = 0  # the most it ever held at once (its heartbeat's word)
+    open_files: int = 0  # descriptors its process has open, and its soft limit (0: none or not reported)
+    open_files_limit: int = 0
 
     def alive(self, now: float, heartbeat_timeout: float) -> bool:
         return self.last_heartbeat is not None and now - self.last_heartbeat <= heartbeat_timeout

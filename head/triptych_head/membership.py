@@ -164,6 +164,8 @@ class Membership:
                 self._metrics.instance_up.labels(role.value, url).set(1 if up else 0)
                 self._metrics.free_slots.labels(role.value, url).set(inst.free_slots if up else 0)
                 self._metrics.free_pool_bytes.labels(role.value, url).set(inst.free_bytes if up else 0)
+                self._metrics.worker_open_files.labels(role.value, url).set(inst.open_files)
+                self._metrics.worker_open_files_limit.labels(role.value, url).set(inst.open_files_limit)
                 if inst.encoder_cache is not None:
                     for field, gauge in self._metrics.encoder_cache.items():
                         gauge.labels(role.value, url).set(getattr(inst.encoder_cache, field))
@@ -173,7 +175,13 @@ class Membership:
 
     def _forget_metrics(self, inst: WorkerInstance) -> None:
         role, url = inst.role, inst.url
-        gauges = (self._metrics.instance_up, self._metrics.free_slots, self._metrics.free_pool_bytes)
+        gauges = (
+            self._metrics.instance_up,
+            self._metrics.free_slots,
+            self._metrics.free_pool_bytes,
+            self._metrics.worker_open_files,
+            self._metrics.worker_open_files_limit,
+        )
         for gauge in (*gauges, *self._metrics.encoder_cache.values()):
             try:
                 gauge.remove(role.value, url)
@@ -202,6 +210,8 @@ class Membership:
                     "others_busy": i.others_busy,
                     "held": i.held,
                     "peak_held": i.peak_held,
+                    "open_files": i.open_files,
+                    "open_files_limit": i.open_files_limit,
                     "pool_bytes": i.pool_bytes,
                     "free_bytes": i.free_bytes,
                     "standing_bytes": i.standing_bytes,

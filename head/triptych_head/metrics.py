@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from triptych_head.loop_metrics import LoopCounter, LoopHistogram
 
@@ -13,7 +13,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 class HeadMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
+        if registry is None:  # the process's own: with its CPU, memory and descriptors (process_*)
+            registry = CollectorRegistry()
+            ProcessCollector(registry=registry)
+        self.registry = registry
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = LoopCounter("triptych_requests", "Requests by final state", ["state"], registry=r)
@@ -127,6 +130,19 @@ class HeadMetrics:
         )
         self.instance_up = Gauge(
             "triptych_instance_up", "1 when the instance heartbeats", ["role", "instance"], registry=r
+        )
+        self.worker_open_files = Gauge(
+            "triptych_worker_open_files",
+            "Descriptors the instance's process has open, as of its last heartbeat (Mooncake's TCP transport "
+            "keeps connections to peers that went away: alert as it nears triptych_worker_open_files_limit)",
+            ["role", "instance"],
+            registry=r,
+        )
+        self.worker_open_files_limit = Gauge(
+            "triptych_worker_open_files_limit",
+            "The instance's soft open-file limit (each process raises it to its hard limit at start-up); 0: none",
+            ["role", "instance"],
+            registry=r,
         )
         self.transfer_bytes = LoopCounter(
             "triptych_transfer_bytes", "Bytes moved worker-to-worker", ["source", "destination"], registry=r

@@ -100,6 +100,19 @@ ALERTS: tuple[Alert, ...] = (
         "disconnected, gone from discovery, a transfer failed). The requests still complete; the instances, or "
         "the network between them, are unhealthy.",
     ),
+    Alert(
+        "TriptychInstanceNearOpenFilesLimit",
+        f"max by ({ROLE}, instance) (triptych_worker_open_files)\n"
+        f"/\nmax by ({ROLE}, instance) (triptych_worker_open_files_limit > 0)\n"
+        "> 0.8",
+        "15m",
+        "warning",
+        f"{WHO}: {{{{ $labels.role }}}} instance {{{{ $labels.instance }}}} holds over 80% of its open-file limit",
+        "For 15 minutes the worker's process has held more than 80% of its open-file limit; at the limit its "
+        "transfers and connections fail. Mooncake's TCP transport keeps up to 4 connections to every peer that "
+        "went away, so a long-lived worker behind a pool that scales often keeps growing: restart its pod (it "
+        "drains first), or raise the container runtime's or node's hard limit on open files.",
+    ),
 )
 
 

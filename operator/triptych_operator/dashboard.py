@@ -186,6 +186,19 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 ((rate("triptych_retries_total", "role, cause"), "{{role}} {{cause}}"),),
                 unit="reqps",
             ),
+            Panel(
+                "Open files, share of the limit",
+                "Descriptors each worker holds against its open-file limit (from its heartbeats). Mooncake keeps "
+                "connections to peers that went away, so it can grow over a worker's life; the alert fires past 80%.",
+                (
+                    (
+                        f"{seen('triptych_worker_open_files', 'role, instance')} / "
+                        f"({seen('triptych_worker_open_files_limit', 'role, instance')} > 0)",
+                        "{{role}} {{instance}}",
+                    ),
+                ),
+                unit="percentunit",
+            ),
         ),
     ),
     (

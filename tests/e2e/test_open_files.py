@@ -4,15 +4,19 @@ a container runtime's soft 1024 would otherwise cap a head's clients and a worke
 from __future__ import annotations
 
 import logging
+import re
 import resource
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from tests.e2e.harness import deployment
 from triptych.open_files import UNLIMITED_TARGET, raise_open_files_limit
+from triptych.roles import Role
+from triptych_dev.localdeploy import Proc
 
 LOW = 256
 
@@ -28,6 +32,14 @@ def open_files_limits(pid: int) -> tuple[int, int]:
             soft, hard = line.split()[3:5]
             return _limit(soft), _limit(hard)
     raise AssertionError(f"no open-files line in /proc/{pid}/limits")
+
+
+def gauge(metrics: str, suffix: str, proc: Proc) -> float:
+    """triptych_worker_open_files[_`suffix`] of the worker `proc` in the head's /metrics `metrics` (0: none yet)."""
+    name = "triptych_worker_open_files" + (f"_{suffix}" if suffix else "")
+    labels = re.escape(f'{{instance="{proc.url}",role="{proc.role.value}"}}')
+    found = re.search(rf"^{name}{labels} (\S+)$", metrics, re.M)
+    return float(found[1]) if found else 0.0
 
 
 @contextmanager
@@ -57,7 +69,9 @@ def test_a_limit_raised_once_is_left_as_it_is_and_said_once(caplog):
     assert [m.partition(" (")[0] for m in caplog.messages] == [f"open-files limit raised from {LOW} to {raised}"]
 
 
-def test_the_head_of_a_deployment_started_under_a_low_soft_limit_raises_it_and_says_so(tiny_models, tmp_path):
+def test_a_deployment_started_under_a_low_soft_limit_raises_it_and_exports_each_workers_descriptors(
+    tiny_models, tmp_path
+):
     runner = resource.getrlimit(resource.RLIMIT_NOFILE)
     with low_soft_limit() as raised, deployment(tiny_models["tiny-flux"], tmp_path, null_payload=4096) as dep:
         resource.setrlimit(resource.RLIMIT_NOFILE, runner)  # all started: the test runner's own back
@@ -67,3 +81,19 @@ def test_the_head_of_a_deployment_started_under_a_low_soft_limit_raises_it_and_s
             assert open_files_limits(proc.popen.pid)[0] == raised, proc.role
         head_log = dep.head.log.read_text()
         assert f"open-files limit raised from {LOW} to {raised}" in head_log, head_log[-2000:]
+        # Each worker's descriptors and limit, from its heartbeats, on the head's /metrics and /health.
+        workers = [p for p in dep.procs if p.role is not Role.SERVER]
+        with dep.client(timeout=30) as c:
+            deadline = time.monotonic() + 10
+            while not all(gauge(text := c.get("/metrics").text, "limit", p) for p in workers):
+                assert time.monotonic() < deadline, text[-3000:]  # published at each tick of the head's upkeep
+                time.sleep(0.1)
+            health = c.get("/health").json()["workers"]
+        head_limit = re.search(r"^process_max_fds (\S+)$", text, re.M)  # the head's own, beside its process_open_fds
+        assert head_limit and float(head_limit[1]) == raised and re.search(r"^process_open_fds \d", text, re.M)
+        for proc in workers:
+            in_use, limit = gauge(text, "", proc), gauge(text, "limit", proc)
+            now = len(list(Path(f"/proc/{proc.popen.pid}/fd").iterdir()))
+            assert 10 <= in_use <= now + 10 and limit == raised, (proc.role, in_use, now, limit)
+            (entry,) = (w for w in health[proc.role.value] if w["url"] == proc.url)
+            assert entry["open_files_limit"] == raised and entry["open_files"] > 0, entry

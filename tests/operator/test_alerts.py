@@ -143,6 +143,23 @@ CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, list[dict[str, Any]
             ("20m", [expected("TriptychInstancesLostUnderRequests", role="denoiser", cause="heartbeat_lost")]),
         ],
     ),
+    "TriptychInstanceNearOpenFilesLimit": (
+        [
+            # a's descriptors grow towards its limit (as both heads hear it); b's stay low; c reports no limit
+            series("triptych_worker_open_files", "100+50x40", role="denoiser", instance="tcp://a:19000"),
+            series("triptych_worker_open_files", "100+50x40", head="h2", role="denoiser", instance="tcp://a:19000"),
+            series("triptych_worker_open_files_limit", "1024x40", role="denoiser", instance="tcp://a:19000"),
+            series("triptych_worker_open_files_limit", "1024x40", head="h2", role="denoiser", instance="tcp://a:19000"),
+            series("triptych_worker_open_files", "200x40", role="denoiser", instance="tcp://b:19000"),
+            series("triptych_worker_open_files_limit", "1024x40", role="denoiser", instance="tcp://b:19000"),
+            series("triptych_worker_open_files", "5000x40", role="decoder", instance="tcp://c:19000"),
+            series("triptych_worker_open_files_limit", "0x40", role="decoder", instance="tcp://c:19000"),
+        ],
+        [
+            ("20m", []),  # over 80% (819 of 1024) since minute 15: pending, not yet for 15 minutes
+            ("36m", [expected("TriptychInstanceNearOpenFilesLimit", role="denoiser", instance="tcp://a:19000")]),
+        ],
+    ),
 }
 
 

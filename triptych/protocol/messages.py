@@ -249,6 +249,10 @@ class Heartbeat(Message, tag="heartbeat", frozen=True):
     # Its standing receive slots, (address, bytes) each: the head assigns the ones it does not know yet
     # (reserved at the worker's start-up) without a transfer_alloc.
     standing_slots: tuple[tuple[Count, Count], ...] = ()
+    # Descriptors its process has open, and its soft limit (0: none, or not reported): Mooncake keeps
+    # connections to departed peers (docs/transfer.md), which the head exports to alert on.
+    open_files: Count = 0
+    open_files_limit: Count = 0
 
 
 class Progress(Message, tag="progress", frozen=True):

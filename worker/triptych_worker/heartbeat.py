@@ -1,12 +1,13 @@
 """What a worker tells each head in its heartbeats: who it is, its room (pool, slots, standing
-receive slots), whether it drains, and what it holds that routing prefers (cached prompts, step
-caches, LoRA adapters). The head schedules on nothing else (docs/design.md, "Membership and discovery").
-"""
+receive slots), whether it drains, what it holds that routing prefers (cached prompts, step
+caches, LoRA adapters), and its open descriptors against its limit (exported for alerting). The head
+schedules on nothing else (docs/design.md, "Membership and discovery")."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from triptych.open_files import open_files, open_files_limit
 from triptych.protocol import EncoderCacheStats, Heartbeat, StepCacheStats
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ def state(worker: Worker, endpoint: str = "", head_id: str = "") -> Heartbeat:
         others_busy=_busy_for_others(worker, head_id),
         held=len(worker._held_requests()),
         peak_held=worker._peak_held,
+        open_files=open_files(),
+        open_files_limit=open_files_limit(),
     )
 
 
