@@ -60,13 +60,19 @@ def test_a_kubernetes_quantity_is_taken_and_reaches_the_pod_as_written(quantity:
 def test_a_bad_quantity_is_refused_naming_the_field_the_value_and_what_to_write(
     quantity: object, section: dict[str, Any], field: str
 ) -> None:
-    spec = minimal_spec(**_with(section, quantity))
-    if "fullPipeline" in section:
-        spec.update(encoder=None, denoiser=None, decoder=None)
-    err = error_for(spec)
+    err = error_for(spec_with(section, quantity))
     assert err.field == field, str(err)
     assert str(err).startswith(f"{field}: is {quantity!r}"), str(err)
     assert "negative" in str(err) if str(quantity).startswith("-") else "500m" in str(err), str(err)
+
+
+def spec_with(section: dict[str, Any], quantity: object) -> dict[str, Any]:
+    """A minimal spec with `section` in it, its "{q}" placeholder replaced by `quantity` (a full
+    pipeline's section: the role pools left out)."""
+    spec = minimal_spec(**_with(section, quantity))
+    if "fullPipeline" in section:
+        spec.update(encoder=None, denoiser=None, decoder=None)
+    return spec
 
 
 def _with(section: dict[str, Any], quantity: object) -> dict[str, Any]:
@@ -163,10 +169,7 @@ FRACTIONS = ["500m", "0.5", "1.5", "1e-1", "1001m"]
 def test_a_fractional_extended_resource_is_refused_naming_the_field(
     quantity: str, section: dict[str, Any], field: str
 ) -> None:
-    spec = minimal_spec(**_with(section, quantity))
-    if "fullPipeline" in section:
-        spec.update(encoder=None, denoiser=None, decoder=None)
-    err = error_for(spec)
+    err = error_for(spec_with(section, quantity))
     assert err.field == field, str(err)
     assert str(err).startswith(f"{field}: is {quantity!r}, not a whole number;"), str(err)
     assert "is an extended resource" in str(err) and "write a whole number" in str(err), str(err)
