@@ -23,19 +23,21 @@ UNLIMITED_TARGET = 1 << 20
 
 
 def raise_open_files_limit() -> int:
-    """Raise this process's soft RLIMIT_NOFILE to its hard limit; return the soft limit it now has.
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (UNLIMITED_TARGET under none); return
+    the soft limit it now has (resource.RLIM_INFINITY: none, left as it is).
 
     A limit that cannot be raised (a sandbox that refuses setrlimit) is logged and kept."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = UNLIMITED_TARGET if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft >= target:
+    if soft == resource.RLIM_INFINITY or soft >= target:
         return soft
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (ValueError, OSError) as exc:
         log.warning("open-files limit kept at %d (could not raise it to %d: %s)", soft, target, exc)
         return soft
-    log.info("open-files limit raised from %d to %d (the hard limit)", soft, target)
+    why = "no hard limit" if hard == resource.RLIM_INFINITY else "its hard limit"
+    log.info("open-files limit raised from %d to %d (%s)", soft, target, why)
     return target
 
 
