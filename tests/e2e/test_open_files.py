@@ -97,3 +97,14 @@ def test_a_deployment_started_under_a_low_soft_limit_raises_it_and_exports_each_
             assert 10 <= in_use <= now + 10 and limit == raised, (proc.role, in_use, now, limit)
             (entry,) = (w for w in health[proc.role.value] if w["url"] == proc.url)
             assert entry["open_files_limit"] == raised and entry["open_files"] > 0, entry
+
+
+def test_no_soft_limit_is_left_as_it_is_and_under_no_hard_limit_the_soft_one_is_raised_to_a_bound(monkeypatch):
+    """What the kernel would answer, given through getrlimit: setrlimit may not lower an unlimited soft
+    limit, and raises a finite one to UNLIMITED_TARGET where there is no hard limit."""
+    inf, calls = resource.RLIM_INFINITY, []
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: calls.append(limits))
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (inf, inf))
+    assert raise_open_files_limit() == inf and calls == []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, inf))
+    assert raise_open_files_limit() == UNLIMITED_TARGET and calls == [(UNLIMITED_TARGET, inf)]
