@@ -225,6 +225,16 @@ def test_the_counts_the_operator_sets_itself_are_not_the_specs_to_check() -> Non
     assert err.field == f'spec.denoiser.resources.requests["{RDMA}"]', str(err)
 
 
+def test_an_rdma_resource_name_no_container_may_ask_for_is_refused_in_rdma_mode_only() -> None:
+    """In rdma mode every worker pod asks for transfer.rdmaResourceName: a bad name is the spec's error, not
+    the API server's refusal of the Deployments; in tcp mode nothing asks for it."""
+    bad = {"rdmaResourceName": "ib"}
+    err = error_for(minimal_spec(transfer={"mode": "rdma", "ibDevice": "mlx5_0", **bad}))
+    assert err.field == "spec.transfer.rdmaResourceName", str(err)
+    assert str(err).startswith("spec.transfer.rdmaResourceName: is 'ib', not a resource a container may ask"), str(err)
+    parse_pipeline("p", NAMESPACE, minimal_spec(transfer={"mode": "tcp", **bad}))
+
+
 @pytest.mark.parametrize(
     ("name", "quantity", "message"),
     [
@@ -265,3 +275,63 @@ def test_an_overcommitted_extended_resource_makes_the_pipeline_invalid_with_a_st
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "InvalidSpec"
     assert degraded["message"].startswith(f'spec.decoder.resources.requests["{FPGA}"]: is 1, not its limit 2'), degraded
+
+
+# Resource names, as the API server checks a container's (validateContainerResourceName): a standard one, or a
+# qualified domain/name; an extended one (outside kubernetes.io) not beginning with the quota prefix requests.
+NAMES = {
+    "cpu": 1,
+    "memory": "1Gi",
+    "ephemeral-storage": "10Gi",
+    "hugepages-2Mi": "2Mi",
+    "nvidia.com/gpu": 1,
+    RDMA: 1,
+    FPGA: 1,
+    "example.com/Big_FPGA.v2": 1,  # the name part (not the domain) may have capitals, '_' and '.'
+    "a" * 240 + ".com/x": 1,  # the longest domain an extended name may have: 253 less "requests."
+    "kubernetes.io/batch-cpu": "1k",  # Kubernetes' own domain: the API server checks only its form
+}
+
+
+@pytest.mark.parametrize(("name", "quantity"), NAMES.items(), ids=lambda v: str(v)[:30])
+def test_a_standard_or_a_qualified_resource_name_is_taken_and_reaches_the_pod(name: str, quantity: object) -> None:
+    resources = {"limits": {"memory": "1Gi", name: quantity}}
+    limits = deployment_resources(minimal_spec(decoder={"resources": resources}), "p-decoder")["limits"]
+    assert limits[name] == quantity
+
+
+NOT_A_CONTAINERS = "not a resource a container may ask for: write a standard name (cpu, memory, ephemeral-storage"
+NOT_A_NAME = "not a resource name: a domain/name has a lowercase DNS domain"
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("gpu", NOT_A_CONTAINERS),
+        ("pods", NOT_A_CONTAINERS),  # a ResourceQuota's, not a container's
+        ("requests.cpu", NOT_A_CONTAINERS),
+        ("hugepages-", NOT_A_CONTAINERS),
+        ("CPU", NOT_A_CONTAINERS),
+        ("nvidia.com/", NOT_A_NAME),
+        ("/gpu", NOT_A_NAME),
+        ("Nvidia.com/gpu", NOT_A_NAME),
+        ("nvidia_com/gpu", NOT_A_NAME),
+        ("nvidia.com/gpu/0", NOT_A_NAME),
+        ("nvidia.com/-gpu", NOT_A_NAME),
+        ("nvidia.com/" + "g" * 64, NOT_A_NAME),
+        ("a" * 241 + ".com/x", NOT_A_NAME),
+        ("requests.nvidia.com/gpu", "the requests. prefix makes it a ResourceQuota's name, not a container's: write "),
+    ],
+    ids=lambda v: v[:24],
+)
+@pytest.mark.parametrize("kind", ["limits", "requests"])
+def test_a_resource_name_the_api_server_would_refuse_is_refused_naming_the_field(
+    name: str, message: str, kind: str
+) -> None:
+    err = error_for(minimal_spec(head={"resources": {kind: {name: 1, "memory": "1Gi"}}}))
+    field = key_path(f"spec.head.resources.{kind}", name)
+    assert err.field == field, str(err)
+    assert str(err).startswith(f"{field}: is {name!r}"), str(err)
+    assert message in str(err), str(err)
+    what_to_write = ("or a device plugin's domain/name such as nvidia.com/gpu", "write nvidia.com/gpu")
+    assert str(err).endswith(what_to_write), str(err)

@@ -1,10 +1,14 @@
 """Each pod's requests and limits, checked as the API server checks a container's (ValidateResourceRequirements in
 kubernetes pkg/apis/core/validation), so that a bad one makes the pipeline Invalid naming its CR field rather than
 the API server refusing the child Deployment. Each quantity's grammar is the declaration's (fields.QUANTITY_PATTERN);
-here, each resource against its limit and the rules of its kind:
+here, each resource's name, and each resource against its limit and the rules of its kind:
 
-    any resource        its request at most its limit
-    extended resource   a name in a domain other than kubernetes.io (nvidia.com/gpu, rdma/ib): a whole number, and
+    any resource        a name a container may ask for (validateContainerResourceName): cpu, memory,
+                        ephemeral-storage, hugepages-<size>, or a domain/name: the domain a lowercase DNS name, the
+                        name at most 63 letters, digits, '-', '_' or '.' between a letter or digit at each end;
+                        and its request at most its limit
+    extended resource   a name in a domain other than kubernetes.io (nvidia.com/gpu, rdma/ib), not beginning with
+                        requests. (a ResourceQuota's names, requests.nvidia.com/gpu): a whole number, and
                         never overcommitted: its request equal to its limit, and none without one (a limit alone is
                         the request too)
     huge pages          hugepages-<page size>: a whole number of pages, never overcommitted either, and only beside
@@ -23,6 +27,16 @@ from triptych_operator.spec.model import SpecError
 
 HUGE_PAGES = "hugepages-"
 NATIVE_DOMAIN = "kubernetes.io/"  # a name without a domain is in it too
+STANDARD = frozenset({"cpu", "memory", "ephemeral-storage"})  # and HUGE_PAGES<size> (IsStandardContainerResourceName)
+QUOTA_PREFIX = "requests."  # a ResourceQuota's; the API server reads requests.<extended name> as one of them
+# A qualified name's parts (IsQualifiedName in k8s.io/apimachinery): the domain a DNS-1123 subdomain of at most
+# 253 characters, the name at most 63.
+DOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+WRITE_A_NAME = (
+    "write a standard name (cpu, memory, ephemeral-storage, hugepages-<size>) or a device plugin's domain/name "
+    "such as nvidia.com/gpu"
+)
 
 
 def check_resources(resources: Mapping[str, Any] | None, where: str, owned: Collection[str] = ()) -> None:
@@ -33,7 +47,9 @@ def check_resources(resources: Mapping[str, Any] | None, where: str, owned: Coll
     limits = {name: q for name, q in (given.get("limits") or {}).items() if name not in owned}
     for kind, quantities in (("limits", limits), ("requests", requests)):
         for name, quantity in quantities.items():
-            _check_quantity(name, quantity, key_path(f"{where}.resources.{kind}", name))
+            path = key_path(f"{where}.resources.{kind}", name)
+            check_resource_name(name, path)
+            _check_quantity(name, quantity, path)
     for name, request in requests.items():
         _check_against_limit(name, request, limits.get(name), where)
     _check_huge_pages_beside_cpu_or_memory(requests.keys() | limits.keys(), where)
@@ -49,6 +65,34 @@ def _never_overcommitted(name: str) -> str | None:
     if name.startswith(HUGE_PAGES):
         return "huge pages"
     return "an extended resource" if _extended(name) else None
+
+
+def check_resource_name(name: str, path: str) -> None:
+    """A name the API server takes for a container's resource (validateContainerResourceName)."""
+    if "/" not in name:  # in kubernetes.io: one of its standard names
+        if not (name in STANDARD or name.startswith(HUGE_PAGES)) or not _name_part(name):
+            raise SpecError(path, f"is {name!r}, not a resource a container may ask for: {WRITE_A_NAME}")
+        return
+    domain, _, local = name.partition("/")
+    # an extended name must still be a qualified name as requests.<name>, so its domain is that much shorter
+    longest_domain = 253 - len(QUOTA_PREFIX) if _extended(name) else 253
+    if not (len(domain) <= longest_domain and DOMAIN.fullmatch(domain) and _name_part(local)):
+        raise SpecError(
+            path,
+            f"is {name!r}, not a resource name: a domain/name has a lowercase DNS domain (letters, digits, '-' and "
+            "'.') and a name of at most 63 letters, digits, '-', '_' or '.' that begins and ends with a letter or "
+            f"digit; {WRITE_A_NAME}",
+        )
+    if _extended(name) and name.startswith(QUOTA_PREFIX):
+        raise SpecError(
+            path,
+            f"is {name!r}; the {QUOTA_PREFIX} prefix makes it a ResourceQuota's name, not a container's: "
+            f"write {name.removeprefix(QUOTA_PREFIX)}",
+        )
+
+
+def _name_part(name: str) -> bool:
+    return len(name) <= 63 and NAME.fullmatch(name) is not None
 
 
 def _whole(number: Decimal) -> bool:

@@ -32,7 +32,7 @@ from triptych_operator.constants import (
 from triptych_operator.fields import read
 from triptych_operator.spec.declaration import FULL_PIPELINE, NAME_RULE, PARALLEL_DEGREES, SPEC, role_field
 from triptych_operator.spec.model import PipelineSpec, PoolSpec, SpecError, build, checked
-from triptych_operator.spec.resources import check_resources
+from triptych_operator.spec.resources import check_resource_name, check_resources
 
 MAX_SERVICE_NAME = 63
 
@@ -53,6 +53,8 @@ def parse_pipeline(
     _check_model_path(values["model"]["path"])
     full = values["fullPipeline"]
     roles = _full_pipeline_pool(name, full) if full is not None else _role_pools(name, values)
+    if full is None and values["transfer"]["mode"] == "rdma":  # the resource every worker pod then asks for
+        check_resource_name(values["transfer"]["rdmaResourceName"], "spec.transfer.rdmaResourceName")
     check_resources(values["head"]["resources"], "spec.head")
     _check_head_port(values["head"]["port"])
     _check_results_store(values["head"]["results"]["s3"], values["model"]["path"] or values["model"]["hubId"])
