@@ -7,7 +7,7 @@ when its oldest request has waited --batching-delay-ms (or the role's own from
 free slots, at most its own --batching-max-size, which it heartbeats: waiting longer could not make
 the group larger). The server sends a group for the first role as one WorkBatch, and tags a later
 role's transfers with the group's id and size so that the receiver runs them together
-(protocol/messages.py).
+(protocol/messages.py; the size counts the members still on their way, state.BatchTag).
 
 With --enable-batching-metrics, /metrics has per role: the sizes of the groups the head sent
 (triptych_batch_size; a first role's group whose WorkBatch is over the control header limit goes

@@ -88,7 +88,7 @@ def enabled(core: HeadCore) -> bool:
 
 def suspendable(core: HeadCore, rec: RequestRecord) -> bool:
     """Denoising on a worker now, alone (not in a batch), and not asked to move already."""
-    return rec.batch[1] == 1 and migration.can_hand_off(core, rec)
+    return rec.wire_batch()[1] == 1 and migration.can_hand_off(core, rec)
 
 
 def preempt(core: HeadCore) -> list[RequestRecord]:

@@ -23,7 +23,7 @@ from triptych_head import migration, preemption
 from triptych_head.batcher import Group, GroupBatcher
 from triptych_head.dispatch import Eligible, dispatch_lora_affinity, make_policy
 from triptych_head.instances import WorkerInstance
-from triptych_head.state import ROLE_STATES, RequestRecord, RequestState
+from triptych_head.state import ROLE_STATES, BatchTag, RequestRecord, RequestState
 
 if TYPE_CHECKING:
     from triptych_head.core import HeadCore
@@ -51,6 +51,7 @@ class Dispatcher:
         """Queue `rec` for its current role; `ahead`: before the others of its level (a retry was
         accepted earlier, a continuation was running)."""
         rec.move(ROLE_STATES[rec.role][0])
+        rec.batch = None  # the group of its last hop, if any, runs without it
         rec.hop_started = self._core.clock()
         self._core.event(rec)
         self._put(rec, ahead)
@@ -62,6 +63,7 @@ class Dispatcher:
     def requeue(self, rec: RequestRecord) -> None:
         """Back to the front of its level in its role's queue: its receiver refused or was lost; its
         sender still holds it."""
+        rec.batch = None  # the rest of its group, if any, runs without it
         self._put(rec, ahead=True)
 
     def _put(self, rec: RequestRecord, ahead: bool) -> None:
@@ -128,10 +130,14 @@ class Dispatcher:
             if inst is None:
                 break
             group = Group(inst, members[: inst.batch_room])
+            tag = BatchTag(group.batch_id, group.members) if len(group.members) > 1 else None
             for rec in group.members:
-                rec.batch = (group.batch_id, len(group.members)) if len(group.members) > 1 else ("", 1)
+                rec.batch = tag  # before its dispatch: an in-place resume's TransferReady goes at once
                 if self._dispatch_one(role, rec.request_id, group):
                     gone.add(rec.request_id)
+            for rec in group.members:
+                if rec.instance != inst.url:
+                    rec.batch = None  # it stayed queued (or failed): the others do not wait for it
             if group.work and not self._send_work(group):
                 break
             batcher.observe_sent(role.value, group, now)
@@ -174,7 +180,7 @@ class Dispatcher:
         """One request's Work, as a request in no batch: a group of one, or a member of a group that
         went apart. False when the instance is not connected."""
         rec = self._core.attempts[work.request_id]  # dispatched just now
-        rec.batch = ("", 1)
+        rec.batch = None
         sent = self._send(rec, inst.url, work)
         return sent is not False or self._disconnected(inst)  # None: too large, it failed alone
 
@@ -236,7 +242,7 @@ class Dispatcher:
             staged = rec.staged
             ready = TransferReady(
                 wire_id, inst.url, rec.wire_params(), staged.manifest, staged.meta, 0, rec.watch, rec.preview_every,
-                *rec.batch, core.head_id, rec.traceparent, in_place=True, priority=level,
+                *rec.wire_batch(), core.head_id, rec.traceparent, in_place=True, priority=level,
             )  # fmt: skip
             sent = self._send(rec, inst.url, ready)
             if sent is None:

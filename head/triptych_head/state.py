@@ -109,6 +109,23 @@ class StagedPayload:
     continues_at: int | None = None  # a denoising continuation: the step the next denoiser starts at
 
 
+@dataclass(eq=False)
+class BatchTag:
+    """The group a later role's hop was dispatched in, to one instance, which runs its members as one
+    batch once `batch_size` of them have arrived (batcher.py). The size is counted as each member's
+    TransferReady goes out, not when the group formed: a member that stayed queued, was requeued or
+    ended meanwhile is not waited for, nor one the instance has already run (a member leaves the tag
+    when it enters its next hop, Dispatcher.enter_hop)."""
+
+    batch_id: str
+    members: list[RequestRecord]
+
+    def on_wire(self) -> tuple[str, int]:
+        """(batch_id, batch_size) for a member's message; ("", 1) when it is the only one left."""
+        size = sum(1 for m in self.members if m.batch is self and not m.state.terminal)
+        return (self.batch_id, size) if size > 1 else ("", 1)
+
+
 @dataclass
 class RequestRecord:
     """Everything the head knows about one in-flight request."""
@@ -127,7 +144,7 @@ class RequestRecord:
     instance: str | None = None  # the worker running (or receiving) the current hop
     staged: StagedPayload | None = None
     slot_addr: int = 0  # the receiver's standing slot this request's transfer uses (0: an allocated one)
-    batch: tuple[str, int] = ("", 1)  # the group (id, size) its current hop was dispatched in (batcher.py)
+    batch: BatchTag | None = None  # the group its current hop was dispatched in (batcher.py)
     push_in_flight: bool = False  # the sender was told to write into the receiver's slot and has not reported back
     created: float = field(default_factory=time.monotonic)
     hop_started: float = field(default_factory=time.monotonic)
@@ -163,6 +180,10 @@ class RequestRecord:
             return self.params
         return msgspec.structs.replace(self.params, image=None)
 
+    def wire_batch(self) -> tuple[str, int]:
+        """(batch_id, batch_size) for its current hop's TransferReady: ("", 1) in no group."""
+        return self.batch.on_wire() if self.batch is not None else ("", 1)
+
     @property
     def whole_pipeline(self) -> bool:
         """Its one hop runs every stage (a full-pipeline pool) and returns its pixels."""
@@ -190,6 +211,7 @@ class RequestRecord:
         self.staged = None
         self.slot_addr = 0
         self.push_in_flight = False
+        self.batch = None
         self.hand_off_from = None
         self.suspended_at = None
 

@@ -135,7 +135,7 @@ def on_pushed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
         rec.slot_addr,
         rec.watch,
         rec.preview_every,
-        *rec.batch,
+        *rec.wire_batch(),
         core.head_id,
         rec.traceparent,
         priority=rec.held_level,  # the level it was given its receiver at (queues.py)

@@ -126,6 +126,13 @@ def test_a_dispatched_group_waits_for_its_members_until_the_cutoff():
     assert [len(take_group(queue, 4, 0.0)), len(take_group(queue, 4, 0.0))] == [4, 1]  # the worker's own bound
 
 
+def test_a_later_member_s_smaller_size_runs_the_group_at_once():
+    """The head counts a group's size as each member's message leaves (state.BatchTag): one that
+    left after a member dropped out says fewer, and the group runs as soon as that many are here."""
+    queue = deque([job("g1", group="g1", size=3, at=5.0), job("g2", group="g1", size=2, at=5.0)])
+    assert [j.request_id for j in take_group(queue, 4, assembly_cutoff=4.0)] == ["g1", "g2"]
+
+
 def test_untagged_jobs_batch_with_compatible_ones_only():
     other = msgspec.structs.replace(BASE, num_inference_steps=2)
     queue = deque([job("a"), job("b", other), job("c"), job("d", other)])

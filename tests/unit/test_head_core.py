@@ -301,6 +301,64 @@ def test_a_role_s_own_batching_delay_holds_its_groups_only() -> None:
     assert sorted(_kinds(h)) == [("denoiser", "TransferAlloc")] * 2
 
 
+def _denoiser_group_of_two() -> Harness:
+    """--batching-mode dynamic, groups of 2: a and b ran as one encoder batch, and the head has just
+    sent the denoiser their two TransferAllocs, as one group (full: it leaves before its delay)."""
+    flags = ("--batching-mode", "dynamic", "--batching-max-size", "2", "--batching-delay-ms", "1000")
+    h = Harness(THREE_ROLES, flags, capacity={Role.ENCODER: 8, Role.DENOISER: 8, Role.DECODER: 8})
+    for w in h.workers.values():
+        w.max_batch = 2
+    h.tick()
+    h.submit("a")
+    h.submit("b")
+    h.core.dispatch()  # the loop turn's end
+    h.collect()
+    assert _kinds(h) == [("encoder", "WorkBatch")]
+    h.deliver()
+    h.answer()
+    h.answer()
+    assert _kinds(h) == [("denoiser", "TransferAlloc")] * 2
+    return h
+
+
+def _transfer_ready(h: Harness, rid: str) -> TransferReady:
+    """Run the flow, message by message, until the head sends `rid`'s TransferReady."""
+    for _ in range(100):
+        for _, msg in h.pending:
+            if isinstance(msg, TransferReady) and msg.request_id == rid:
+                return msg
+        if h.answers:
+            h.answer()
+        elif h.pending:
+            h.deliver()
+        else:
+            break
+    raise AssertionError(f"no TransferReady for {rid}: pending {_kinds(h)}")
+
+
+def test_a_later_role_s_group_is_tagged_with_the_members_that_go_together() -> None:
+    h = _denoiser_group_of_two()
+    sizes = {rid: (m.batch_id, m.batch_size) for rid in ("a", "b") if (m := _transfer_ready(h, rid))}
+    assert sizes == {"a": ("a", 2), "b": ("a", 2)}
+
+
+def test_a_group_member_refused_by_the_receiver_is_not_waited_for() -> None:
+    """The denoiser refuses a's slot (its pool is full): a waits in the queue again, and b's
+    TransferReady says it runs alone. Before, b said a group of two, and the denoiser waited its
+    assembly time (0.5 s) for an a that was not coming."""
+    h = _denoiser_group_of_two()
+    assert h.refuse_next_alloc()
+    ready = _transfer_ready(h, "b")
+    assert (ready.batch_id, ready.batch_size) == ("", 1)
+
+
+def test_a_group_member_cancelled_on_the_way_is_not_waited_for() -> None:
+    h = _denoiser_group_of_two()
+    h.cancel("a")
+    ready = _transfer_ready(h, "b")
+    assert (ready.batch_id, ready.batch_size) == ("", 1)
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_two_heads_over_shared_workers_never_oversubscribe_one_or_share_a_slot_and_every_request_ends(
     seed: int,
