@@ -87,6 +87,7 @@ def child(opts: argparse.Namespace) -> None:
 
     from triptych.cli import build_parser
     from triptych.config import ServeArgs
+    from triptych.lora import LoraCatalog
     from triptych.params import GenerationParams
     from triptych.roles import Role
     from triptych_worker.pipeline import load_role_pipeline
@@ -109,7 +110,8 @@ def child(opts: argparse.Namespace) -> None:
                 "--disagg-server-addr", head, "--master-port", str(opts.master_port), *flags]  # fmt: skip
         from triptych_worker.parallel.ranks import start_ranks
 
-        pipeline = start_ranks(ServeArgs.from_namespace(build_parser().parse_args(argv)))
+        args = ServeArgs.from_namespace(build_parser().parse_args(argv))
+        pipeline = start_ranks(args, LoraCatalog.from_flags(args.lora, args.lora_catalog))
         if opts.device == "cpu" and cores >= len(pipeline.followers) + 1:
             os.sched_setaffinity(0, {0})
             for i, follower in enumerate(pipeline.followers, start=1):

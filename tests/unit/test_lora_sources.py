@@ -189,9 +189,9 @@ def test_a_multi_device_worker_s_rank_0_resolves_with_the_checked_catalogue_and_
     good = adapter_folder(tmp_path)
     path = tmp_path / "loras.txt"
     path.write_text(f"ink={good}\n")
-    given: list[LoraCatalog | None] = []
+    given: list[LoraCatalog] = []
 
-    def start(args: ServeArgs, lora_catalog: LoraCatalog | None = None) -> NullPipeline:
+    def start(args: ServeArgs, lora_catalog: LoraCatalog) -> NullPipeline:
         given.append(lora_catalog)  # what rank 0's stages resolve adapter names with (parallel/ranks.py)
         return NullPipeline(Role.DENOISER, 1024)
 
@@ -205,7 +205,6 @@ def test_a_multi_device_worker_s_rank_0_resolves_with_the_checked_catalogue_and_
     worker = Worker(ServeArgs.from_namespace(build_parser().parse_args(argv)))
     try:
         (catalog,) = given
-        assert catalog is not None
         path.write_text(f"ink={good}\ngone=/nonexistent/adapter\n")
         os.utime(path, ns=(1, 1))  # a new stamp even within the file system's time resolution
         with caplog.at_level(logging.WARNING, logger="triptych.lora"):
@@ -216,3 +215,38 @@ def test_a_multi_device_worker_s_rank_0_resolves_with_the_checked_catalogue_and_
         )
     finally:
         worker.transport.close()
+
+
+def test_a_follower_rank_never_reads_the_catalogue_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower of a multi-device denoiser starts with an empty catalogue: each job pins the sources
+    rank 0 resolved, so it never reads --lora-catalog, and a file it cannot parse is logged by rank 0
+    alone, not once per rank. Before, every follower read the file and logged it too."""
+    from triptych.cli import build_parser
+    from triptych.config import ServeArgs
+    from triptych_worker.parallel import ranks
+
+    path = tmp_path / "loras.txt"
+    path.write_text("no equals sign here\n")
+    given: list[LoraCatalog] = []
+
+    class Started(Exception):
+        pass
+
+    def start(cls: type, args: ServeArgs, rank: int, lora_catalog: LoraCatalog) -> None:
+        given.append(lora_catalog)
+        raise Started  # the follower's model would load next
+
+    monkeypatch.setattr(ranks.Rank, "start", classmethod(start))
+    argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://127.0.0.1:1",
+            "--device", "cpu", "--num-gpus", "2", "--lora-catalog", str(path)]  # fmt: skip
+    args = ServeArgs.from_namespace(build_parser().parse_args(argv))
+    with caplog.at_level(logging.WARNING, logger="triptych.lora"), pytest.raises(Started):
+        ranks.follow(args, 1)
+    (catalog,) = given
+    assert not catalog and catalog.source("anything") is None
+    assert [r.getMessage() for r in caplog.records] == []
+    with caplog.at_level(logging.WARNING, logger="triptych.lora"):
+        LoraCatalog.from_flags(args.lora, args.lora_catalog)  # what the worker (rank 0) builds
+    assert [r.getMessage() for r in caplog.records if str(path) in r.getMessage()], "rank 0 logs it"

@@ -68,7 +68,8 @@ def two_ranks(
     follower = subprocess.Popen(argv, env=env)
     ranks = None
     try:
-        ranks = ParallelPipeline(Rank.start(args, 0, lora_catalog), [follower])
+        catalog = lora_catalog if lora_catalog is not None else LoraCatalog.from_flags(args.lora, args.lora_catalog)
+        ranks = ParallelPipeline(Rank.start(args, 0, catalog), [follower])
         yield ranks
     finally:
         if ranks is not None:

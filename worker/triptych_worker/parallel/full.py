@@ -8,8 +8,9 @@ them with its job, as a denoiser's inputs do. The stages are the disaggregated r
 denoiser, decoder), so the pixels are a one-device full-pipeline worker's where the degrees give
 one rank's bytes (docs/parallelism.md).
 
-    pipeline = start_full_pipeline_ranks(args)   # rank 0, inside `triptych serve --num-gpus N --disagg-full-pipeline`
-    pipeline.run(batch)                          # encode here, denoise on every rank, decode here
+    # rank 0, inside `triptych serve --num-gpus N --disagg-full-pipeline`:
+    pipeline = start_full_pipeline_ranks(args, catalog)
+    pipeline.run(batch)  # encode here, denoise on every rank, decode here
 """
 
 from __future__ import annotations
@@ -80,14 +81,12 @@ class FullPipelineRanks:
         )
 
 
-def start_full_pipeline_ranks(args: ServeArgs, lora_catalog: LoraCatalog | None = None) -> FullPipelineRanks:
+def start_full_pipeline_ranks(args: ServeArgs, lora_catalog: LoraCatalog) -> FullPipelineRanks:
     """Rank 0: start the denoising ranks (the followers load the denoiser's stages only), then load
     the encoder's and decoder's stages here, on rank 0's device. `lora_catalog`: the worker's,
     checked at its start, which rank 0's encoding and denoising share (ranks.py)."""
     from triptych_worker.pipeline import load_role_pipeline
 
-    if lora_catalog is None:
-        lora_catalog = LoraCatalog.from_flags(args.lora, args.lora_catalog)
     denoise = start_ranks(args, lora_catalog)
     device = rank_device(args, 0)
     encode = load_role_pipeline(

@@ -1,8 +1,8 @@
 """A multi-device role: rank 0 is the worker the head sees; ranks 1..N-1 are follower processes.
 
-    pipeline = start_ranks(args)    # rank 0, inside `triptych serve --num-gpus N`
-    pipeline.run(batch)             # every rank runs the job; rank 0 returns its outputs
-    pipeline.run_many(batches)      # compatible requests as one batched forward, on every rank
+    pipeline = start_ranks(args, catalog)  # rank 0, inside `triptych serve --num-gpus N`
+    pipeline.run(batch)                    # every rank runs the job; rank 0 returns its outputs
+    pipeline.run_many(batches)             # compatible requests as one batched forward, on every rank
 
 Rank 0 starts one follower process per other device (`python -m triptych_worker.parallel.follower`
 with the same flags), all ranks load the role's stages and rendezvous on `--master-port`, and
@@ -18,9 +18,10 @@ job; a load that fails on any rank fails the request on every rank before it den
 of the failures (with a cancel and a state that cannot be restored) after which the ranks are still
 in step. Rank 0 alone resolves adapter names, so it alone re-reads the --lora-catalog file: its
 catalogue is the one the worker checked at start-up (runtime.py), and a re-read entry without
-adapter weights is logged there, once (triptych.lora). The followers never re-read theirs (a job
-pins rank 0's sources) and log nothing about it: every rank writes to the pod's one log, where a
-warning per rank would repeat it N times; a follower logs a load of its own that fails.
+adapter weights is logged there, once (triptych.lora). A follower holds an empty catalogue (a job
+pins rank 0's sources) and never reads the file, so it logs nothing about it, not even a file it
+cannot parse: every rank writes to the pod's one log, where a warning per rank would repeat it N
+times; a follower logs a load of its own that fails.
 
 A rank that dies takes the instance down: rank 0 watches its followers and exits (status 3)
 when one exits, or when rank 0 itself fails inside a job (the ranks are then out of step), so
@@ -95,9 +96,9 @@ class Rank:
     family: str
 
     @classmethod
-    def start(cls, args: ServeArgs, rank: int, lora_catalog: LoraCatalog | None = None) -> Rank:
+    def start(cls, args: ServeArgs, rank: int, lora_catalog: LoraCatalog) -> Rank:
         """Check the degrees against the family, load the stages, join the other ranks, split the model.
-        `lora_catalog`: rank 0's, the one the worker checked (module docstring); else one from the flags."""
+        `lora_catalog`: rank 0's, the one the worker checked; a follower's, empty (module docstring)."""
         from triptych_worker.cpu_threads import fit_torch_threads
         from triptych_worker.pipeline import BatchedAdapterStage, load_role_pipeline
 
@@ -115,7 +116,7 @@ class Rank:
             args.model_path,
             args.disagg_role,
             device,
-            lora_catalog=LoraCatalog.from_flags(args.lora, args.lora_catalog) if lora_catalog is None else lora_catalog,
+            lora_catalog=lora_catalog,
             lora_cache_bytes=args.lora_cache_bytes,
             given=given,
             dtype=dtype,
@@ -344,7 +345,7 @@ def _describe(d: Parallelism) -> str:
     return f"cfg {d.cfg} x ulysses {d.ulysses} x ring {d.ring} x tp {d.tp}"
 
 
-def start_ranks(args: ServeArgs, lora_catalog: LoraCatalog | None = None) -> ParallelPipeline:
+def start_ranks(args: ServeArgs, lora_catalog: LoraCatalog) -> ParallelPipeline:
     """Rank 0: start the followers, join them, and watch them for as long as this process lives.
     `lora_catalog`: the worker's, checked at its start (module docstring)."""
     # Refuse what the family cannot run before any process starts.
@@ -383,7 +384,7 @@ def die_with_parent() -> None:
 
 def follow(args: ServeArgs, rank_index: int) -> None:
     """A follower: run every job rank 0 broadcasts until the process is killed or a collective breaks."""
-    rank = Rank.start(args, rank_index)
+    rank = Rank.start(args, rank_index, LoraCatalog())  # it resolves no name: each job pins rank 0's sources
     mesh = rank.mesh
 
     while True:
