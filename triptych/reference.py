@@ -137,7 +137,7 @@ def open_reference(data: bytes, field: str = "image") -> Image.Image:
         return image.convert("RGB")
     except Image.DecompressionBombError:
         raise BadReference(f"{field}: the image decodes to more pixels than allowed (a decompression bomb?)") from None
-    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+    except Exception as exc:  # Pillow's decoders raise what they meet (a TIFF's rational StripOffsets: TypeError)
         raise BadReference(f"{field}: the image is truncated or corrupt ({exc})") from None
 
 
@@ -145,9 +145,15 @@ def check_reference_url(url: str, field: str = "image") -> str:
     """An http(s) URL, or BadReference naming the field (nothing else is fetched: no file://, no ftp://)."""
     from urllib.parse import urlsplit
 
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname, parts.port  # .port: ValueError for one that is no number in 0..65535
+    except ValueError as exc:  # "http://[::1", a host that NFKC normalisation changes
+        raise BadReference(f"{field}: {url[:200]!r} is not a valid http(s) URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not host:
         raise BadReference(f"{field}: {url[:200]!r} is not an http(s) URL")
+    if any(c <= " " or c == "\x7f" for c in url):  # http.client refuses them (InvalidURL) when it connects
+        raise BadReference(f"{field}: {url[:200]!r} holds spaces or control characters; percent-encode them")
     return url
 
 
@@ -187,7 +193,7 @@ def fetch_reference(
         raise BadReference(f"{field}: GET {url[:200]} answered {exc.code}") from None
     except _TooSlow:
         raise BadReference(f"{field}: GET {url[:200]} took longer than {timeout:g}s") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         raise BadReference(f"{field}: GET {url[:200]} failed: {getattr(exc, 'reason', exc)}") from None
     if len(data) > max_bytes:
         raise BadReference(f"{field}: {url[:200]} is larger than {max_bytes} bytes")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import io
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from PIL import Image
 
-from triptych.reference import BadReference, fetch_reference, open_reference, parse_networks
+from triptych.reference import BadReference, check_reference_url, fetch_reference, open_reference, parse_networks
 
 
 def png(width: int = 12, height: int = 10) -> bytes:
@@ -36,6 +37,36 @@ def test_a_good_image_decodes_to_rgb() -> None:
 def test_bad_bytes_name_the_field(data: bytes, message: str) -> None:
     with pytest.raises(BadReference, match=rf"^reference: ({message})"):
         open_reference(data, "reference")
+
+
+def tiff_with_rational_strip_offsets() -> bytes:
+    """A 4x4 TIFF whose StripOffsets tag is typed RATIONAL: Pillow's decoder raises TypeError on it."""
+    out = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(out, format="TIFF")
+    data = bytearray(out.getvalue())
+    ifd = struct.unpack_from("<I", data, 4)[0]
+    for i in range(struct.unpack_from("<H", data, ifd)[0]):
+        entry = ifd + 2 + 12 * i
+        if struct.unpack_from("<H", data, entry)[0] == 273:  # StripOffsets
+            struct.pack_into("<H", data, entry + 2, 5)  # RATIONAL
+    return bytes(data)
+
+
+def test_an_image_pillow_fails_to_decode_in_any_way_is_a_bad_reference() -> None:
+    """Not only OSError and ValueError: an upload that made Pillow raise TypeError was a 500."""
+    with pytest.raises(BadReference, match=r"^image: the image is truncated or corrupt"):
+        open_reference(tiff_with_rational_strip_offsets())
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://[::1", "http://[zz]/", "http://a\u2100b/", "http://a:x/", "http://a:99999/", "http://a b/",
+     "http://a/\r\nX: y", "http://a\x00b/"],
+)  # fmt: skip
+def test_a_url_the_parser_or_http_client_would_refuse_is_a_bad_reference(url: str) -> None:
+    """Each was a 500 at the head (the parser's ValueError, or http.client's InvalidURL when fetched)."""
+    with pytest.raises(BadReference, match=r"^image: "):
+        check_reference_url(url)
 
 
 class _Server(http.server.BaseHTTPRequestHandler):

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -47,7 +47,11 @@ class DirectRoutes:
             return
         request = Request(scope, receive)
         try:
-            answer = await route.handler(_body(route.body, await request.body()), request)
+            raw = await request.body()
+        except ClientDisconnect:  # gone before its whole body came: nobody to answer, nothing went wrong here
+            return
+        try:
+            answer = await route.handler(_body(route.body, raw), request)
             response = answer if isinstance(answer, Response) else _json_response(answer)
         except Exception as exc:
             handle = _handler_for(scope["app"].exception_handlers, exc)

@@ -17,6 +17,7 @@ NOT_AN_OBJECT = frozenset({"missing", "model_type", "model_attributes_type", "di
 # Where FastAPI found a parameter: the first part of an error's location, not the parameter's name
 LOCATIONS = frozenset({"body", "query", "path", "header", "cookie"})
 JSON_TYPE = "application/json"
+ECHO = 200  # characters of a client's field name or media type an error message repeats
 
 
 class APIError(Exception):
@@ -61,7 +62,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first: dict[str, Any] = dict(exc.errors()[0]) if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in first.get("loc", ())]
+        # A part is the client's own text for an unknown field: echoed at most ECHO characters, never whole.
+        loc = [str(p)[:ECHO] for p in first.get("loc", ())]
         if loc and loc[0] in LOCATIONS:  # ("query", "variant") is about the parameter `variant`
             loc = loc[1:]
         param = loc[0] if loc else None  # the request's field; the message names the part within it
@@ -75,9 +77,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f'the request {given}: send a JSON object of its parameters, such as {{"prompt": "a red fox"}}'
             content_type = request.headers.get("content-type", JSON_TYPE).split(";", 1)[0].strip().lower()
             if first.get("type") != "missing" and not _json_type(content_type):  # FastAPI read no JSON from it
-                message = (
-                    f"the request body is {content_type or 'of no type'}, not JSON: send Content-Type: {JSON_TYPE}"
-                )
+                given = content_type[:ECHO] or "of no type"
+                message = f"the request body is {given}, not JSON: send Content-Type: {JSON_TYPE}"
         return JSONResponse(error_body(400, message, param), 400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -12,12 +12,14 @@ hold up every other request's work there (Idempotency-Key lookups, url answers, 
 
 Text fields are UTF-8 (a multipart form may name another charset in its Content-Type): a field
 whose bytes are not is a 400 naming it. Starlette alone would read them as latin-1, silently, and
-the request would run with a prompt the client never wrote.
+the request would run with a prompt the client never wrote; for a charset it does not know it would
+too, so such a charset (or one whose field names are not ASCII, as utf-16's) is a 400 naming Content-Type.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from starlette.formparsers import FormParser, MultiPartParser
 from triptych.contract import Limits
 from triptych.reference import MAX_REFERENCE_BYTES, BadReference, check_reference_url, fetch_reference, open_reference
 from triptych_head.api.errors import APIError
+from triptych_head.api.limits import RequestTooLarge
 from triptych_head.api.schemas import RequestBody
 
 FILE_FIELDS = ("image", "image[]")
@@ -98,10 +101,13 @@ async def read_edit_form(request: Request, model: type[RequestBody], max_bytes: 
     most `max_bytes`); APIError (400, naming the field) for anything wrong."""
     if not request.headers.get("content-type", "").lower().startswith(FORM_TYPES):  # media types ignore case
         raise APIError(400, "POST /v1/images/edits takes multipart/form-data (an `image` file and text fields)")
+    _check_charset(request.headers["content-type"])
     try:
         form = await _read_form(request)
     except NotText as exc:
         raise APIError(400, str(exc), exc.field) from None
+    except RequestTooLarge:  # a chunked body past --max-request-bytes: the 413 limits.py answers
+        raise
     except Exception as exc:  # starlette's MultiPartException and the parser's own errors
         raise APIError(400, f"the multipart body cannot be read: {exc}") from None
     try:
@@ -138,6 +144,27 @@ async def read_edit_form(request: Request, model: type[RequestBody], max_bytes: 
         return body, Reference(url=url)
     fetched = asyncio.get_running_loop().run_in_executor(_FETCHES, _fetched, url, min(max_bytes, MAX_REFERENCE_BYTES))
     return body, await fetched
+
+
+def _check_charset(content_type: str) -> None:
+    """APIError naming Content-Type for a form charset its fields cannot be read in: one Python does not
+    know (starlette would read the fields as latin-1 instead, silently), or one whose field names are not
+    ASCII (utf-16: every name would be garbled)."""
+    charset = parse_options_header(content_type)[1].get(b"charset")
+    if charset is None:
+        return
+    name = charset.decode("latin-1")
+    try:
+        readable = "name".encode(codecs.lookup(name).name) == b"name"
+    except LookupError:
+        readable = False
+    if not readable:
+        raise APIError(
+            400,
+            f"Content-Type: the form's charset {name[:40]!r} is not one its text fields can be read in; "
+            "send them as UTF-8 (charset=utf-8, or no charset)",
+            "Content-Type",
+        )
 
 
 class NotText(ValueError):

@@ -23,7 +23,7 @@ SIZE_RE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")  # ASCII: \d also takes ful
 def parse_size(size: str) -> tuple[int, int]:
     m = SIZE_RE.fullmatch(size)
     if not m:
-        raise ValueError(f"size {size!r} must be WIDTHxHEIGHT, e.g. 1024x1024")
+        raise ValueError(f"size {size[:80]!r} must be WIDTHxHEIGHT, e.g. 1024x1024")
     w, h = int(m.group(1)), int(m.group(2))
     if not (MIN_SIDE <= w <= MAX_SIDE and MIN_SIDE <= h <= MAX_SIDE):
         raise ValueError(f"size {size!r}: width and height must be between {MIN_SIDE} and {MAX_SIDE}")
