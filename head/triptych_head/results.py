@@ -53,11 +53,12 @@ class Retention:
 class StoredJob:
     """A video job as its JSON says, with the lease of the head running it (None once it ended) and
     what another head needs to run it again (`run`: its GenerationParams, preview_every, priority level and
-    the id of its API key when that key has limits)."""
+    the id of its API key when that key has limits), and `owner`: whose requests see it (api/ownership.py)."""
 
     job: VideoJob
     lease_until: float | None = None
     run: dict[str, Any] | None = None
+    owner: str | None = None
 
     def orphaned(self, now: float) -> bool:
         """Still running, but no head holds it: its head died (or it was saved without a lease)."""
@@ -104,11 +105,19 @@ class ResultStore:
     def running_name(job_id: str) -> str:
         return f"{VIDEOS}/{job_id}.running"
 
-    def save_job(self, job: VideoJob, lease_until: float | None = None, run: dict[str, Any] | None = None) -> None:
+    def save_job(
+        self,
+        job: VideoJob,
+        lease_until: float | None = None,
+        run: dict[str, Any] | None = None,
+        owner: str | None = None,
+    ) -> None:
         """Write the job's status atomically (a crash leaves the old or the new object, never half of one).
         `lease_until`: the job runs on this head until then at least (renewed while it runs). `run`:
-        what another head needs to run it again should this one die."""
+        what another head needs to run it again should this one die. `owner`: whose requests see it."""
         data = job.model_dump(mode="json")
+        if owner is not None:
+            data["owner"] = owner
         if lease_until is not None and job.status not in TERMINAL:
             data["lease_until"] = lease_until
         if run is not None and job.status not in TERMINAL:
@@ -140,6 +149,7 @@ class ResultStore:
             data = json.loads(raw)
             lease = data.pop("lease_until", None)
             run = data.pop("run", None)
+            owner = data.pop("owner", None)
             job = VideoJob.model_validate(data)
         except (ValueError, TypeError, AttributeError) as exc:
             log.warning("skipping unreadable video job %s: %s", job_id, exc)
@@ -147,8 +157,11 @@ class ResultStore:
         if job.id != job_id:  # its id names its files: never follow one elsewhere
             log.warning("skipping video job %s: it names itself %r", job_id, job.id)
             return None
+        if owner is not None and not isinstance(owner, str):
+            log.warning("skipping video job %s: its owner is not a string", job_id)
+            return None  # never shown to everyone for want of a readable owner
         return StoredJob(
-            job, float(lease) if isinstance(lease, int | float) else None, run if isinstance(run, dict) else None
+            job, float(lease) if isinstance(lease, int | float) else None, run if isinstance(run, dict) else None, owner
         )
 
     def load_stored_jobs(self) -> list[StoredJob]:

@@ -9,7 +9,9 @@ this head; `max_per_minute=N`: at most N admitted per minute on this head, in bu
 (key_limits.py); `max_per_hour=N`, `max_per_day=N`, `max_per_month=N`: at most N admitted in the UTC
 hour, day or month by all the pipeline's heads together (key_quotas.py);
 `max_device_seconds_per_hour=N` (day, month): the same for the device-seconds its finished requests
-used (their stages' seconds times the devices they ran on); a key without them is not limited. The
+used (their stages' seconds times the devices they ran on); a key without them is not limited.
+`tenant=NAME`: whose video jobs the key's requests see (a key sees only its tenant's, or, without
+the option, its own: ownership.py); give the old and the new key the same tenant when rotating. The
 file is re-read when it changes (checked at most once a second, on a request), so rotating keys is
 editing the file or the Secret: add the new key, move clients over, remove the old one; no
 restart. A file that cannot be read or parsed any more keeps the keys last read (a failed re-read
@@ -22,6 +24,7 @@ must not open the API); one that lists no key locks everyone out.
     sk-trial max_per_minute=10           # 10 a minute (a burst of 10, then one every 6 s)
     sk-metered max_per_day=1000          # 1000 a UTC day, counted by every head
     sk-gpu-budget max_device_seconds_per_month=360000   # 100 device-hours a month, by every head
+    sk-acme-2026-12 tenant=acme          # sees acme's video jobs, made with any key of acme's
 
 A presented key is compared with every configured key with hmac.compare_digest, all of them each
 time, so neither which key matched nor how much of one did shows in the timing.
@@ -51,6 +54,7 @@ from triptych_head.api.key_limits import KEY_LIMIT, RATE_OPTION, KeyLimit
 from triptych_head.api.key_limits import OPTION as IN_FLIGHT_OPTION
 from triptych_head.api.key_quotas import DEVICE_OPTIONS
 from triptych_head.api.key_quotas import OPTIONS as QUOTA_OPTIONS
+from triptych_head.api.ownership import OWNER, TENANT, check_tenant, owner_of_key
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,7 @@ class APIKey:
     key: str
     max_priority: str = DEFAULT_CEILING  # the highest priority its requests may ask for
     limit: KeyLimit | None = None  # max_in_flight=N, max_per_minute=N, max_per_hour=N, ...
+    owner: str = ""  # whose video jobs its requests see (ownership.py): its tenant=NAME, else the key's own
 
 
 def parse_entries(text: str) -> list[APIKey]:
@@ -93,7 +98,8 @@ def parse_entries(text: str) -> list[APIKey]:
             limit = None
             if in_flight is not None or per_minute is not None or quotas or device:
                 limit = KeyLimit(_key_id(key), _count(in_flight), _count(per_minute), quotas, device)
-            keys.append(APIKey(key, options.get(MAX_PRIORITY, DEFAULT_CEILING), limit))
+            owner = owner_of_key(_key_id(key), options.get(TENANT))
+            keys.append(APIKey(key, options.get(MAX_PRIORITY, DEFAULT_CEILING), limit, owner))
     return keys
 
 
@@ -101,12 +107,17 @@ def _checked_option(number: int, name: str, value: str) -> str:
     if name == MAX_PRIORITY:
         if value not in priority.LEVELS:
             raise ValueError(f"line {number}: {MAX_PRIORITY}={value!r} is not one of {', '.join(priority.LEVELS)}")
+    elif name == TENANT:
+        if (problem := check_tenant(value)) is not None:
+            raise ValueError(f"line {number}: {TENANT}={value[:80]!r} {problem}")
     elif name in COUNTED:
         if not (value.isascii() and value.isdigit()) or int(value) < 1:
             raise ValueError(f"line {number}: {name}={value!r} must be a whole number >= 1")
     else:
         counts = ", ".join(f"{option}=N" for option in COUNTED)
-        raise ValueError(f"line {number}: unknown option {name!r} (the options are {MAX_PRIORITY}=LEVEL, {counts})")
+        raise ValueError(
+            f"line {number}: unknown option {name!r} (the options are {MAX_PRIORITY}=LEVEL, {TENANT}=NAME, {counts})"
+        )
     return value
 
 
@@ -236,6 +247,7 @@ class APIKeyMiddleware:
         if entry is not None:
             state = scope.setdefault("state", {})
             state[MAX_PRIORITY] = entry.max_priority  # request.state.max_priority
+            state[OWNER] = entry.owner  # request.state.owner (ownership.py)
             if entry.limit is not None:
                 state[KEY_LIMIT] = entry.limit  # request.state.key_limit (key_limits.py)
             await self.app(scope, receive, send)

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter
 from triptych.params import GenerationParams
 from triptych.priority import DEFAULT_LEVEL
 from triptych_head.api.errors import APIError
+from triptych_head.api.ownership import may_see
 from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message
 from triptych_head.api.schemas import VideoJob
 from triptych_head.results import JOB_LEASE_S, TERMINAL, ResultStore, StoredJob
@@ -48,6 +49,7 @@ class JobEntry:
     handed_over: bool = False  # this head shut down while the job ran: it is left to another head
     server_timing: str = ""  # where a completed run's time went (timeline.py), on the head that ran it
     key_id: str | None = None  # the API key it counts against (a digest, auth.py), when that key has limits
+    owner: str | None = None  # whose requests see it (ownership.py); None: everyone's
 
     @property
     def request_id(self) -> str:
@@ -126,7 +128,7 @@ class VideoJobs:
                 continue  # another head's (or an orphan's): read from the store whenever asked for
             elif job.status == "completed" and not self.store.has(self.store.video_name(job.id)):
                 continue  # its content is gone (removed by hand): forget it
-            self._jobs[job.id] = JobEntry(job)
+            self._jobs[job.id] = JobEntry(job, owner=stored.owner)
 
     def _lease(self) -> float:
         return time.time() + JOB_LEASE_S
@@ -136,7 +138,8 @@ class VideoJobs:
         if self.store is None:
             return
         try:
-            self.store.save_job(entry.job, self._lease() if entry.running_here else None, entry.run_record())
+            lease = self._lease() if entry.running_here else None
+            self.store.save_job(entry.job, lease, entry.run_record(), entry.owner)
         except Exception:  # a full or unreachable store: the job still runs, other heads just see it late
             log.exception("could not save video job %s", entry.job.id)
 
@@ -148,7 +151,7 @@ class VideoJobs:
             job = entry.job.model_copy()
             lease = self._lease() if entry.running_here else None
             try:
-                await asyncio.to_thread(self.store.save_job, job, lease, entry.run_record())
+                await asyncio.to_thread(self.store.save_job, job, lease, entry.run_record(), entry.owner)
             except Exception:
                 log.exception("could not save video job %s", job.id)
 
@@ -195,7 +198,7 @@ class VideoJobs:
         job, run = stored.job, stored.run
         if self.start is None or run is None:
             fail_orphan(job)
-            await asyncio.to_thread(self.store.save_job, job)
+            await asyncio.to_thread(self.store.save_job, job, None, None, stored.owner)
             return None
         attempt = job.restarts + 1
         claim = f"{self.store.job_name(job.id).removesuffix('.json')}.adopt-{attempt}"
@@ -207,6 +210,7 @@ class VideoJobs:
         entry = JobEntry(job, made_here=True, params=params, preview_every=int(run.get("preview_every", 0)))
         entry.priority = int(run.get("priority", DEFAULT_LEVEL))  # a job saved before priorities: normal
         entry.key_id = run.get("key_id")  # its key's device-seconds are charged for the run again
+        entry.owner = stored.owner
         entry.feed = ProgressFeed(job.id, HISTORY_LINGER_S)
         self._jobs[job.id] = entry
         self._jobs.move_to_end(job.id)
@@ -216,9 +220,16 @@ class VideoJobs:
         self.start(entry)
         return entry
 
-    async def get(self, job_id: str) -> JobEntry:
+    async def get(self, job_id: str, owner: str | None = None) -> JobEntry:
         """The job, wherever it runs: the jobs this head runs from memory (the ones it ran too, once the
-        store shows they were not removed), every other from the store."""
+        store shows they were not removed), every other from the store. `owner`: the caller's
+        (ownership.py); another owner's job is a 404, as one that does not exist."""
+        entry = await self._get(job_id)
+        if not may_see(entry.owner, owner):
+            raise APIError(404, f"no video job {job_id!r}", "video_id")
+        return entry
+
+    async def _get(self, job_id: str) -> JobEntry:
         entry = self._jobs.get(job_id)
         if entry is None and not JOB_ID.fullmatch(job_id):  # never one of ours: the store is not asked
             raise APIError(404, f"no video job {job_id[:200]!r}", "video_id")
@@ -246,7 +257,7 @@ class VideoJobs:
             if adopted is not None:
                 return adopted
         if entry is None:
-            entry = JobEntry(stored.job)
+            entry = JobEntry(stored.job, owner=stored.owner)
             if stored.job.status in TERMINAL:
                 self._remember(entry)
         elif stored.job.status != entry.job.status and stored.job.status in TERMINAL and entry.feed is not None:
@@ -262,8 +273,9 @@ class VideoJobs:
             self._jobs.pop(finished[0])
         self._jobs[entry.job.id] = entry
 
-    def all(self) -> list[VideoJob]:
-        return [e.job for e in self._jobs.values()]
+    def all(self, owner: str | None = None) -> list[VideoJob]:
+        """The jobs this head remembers that `owner` sees (ownership.py; None: every job)."""
+        return [e.job for e in self._jobs.values() if may_see(e.owner, owner)]
 
     def running(self) -> list[str]:
         return [k for k, e in self._jobs.items() if e.job.status not in TERMINAL]

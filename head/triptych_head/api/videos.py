@@ -29,6 +29,7 @@ from triptych_head.api.errors import APIError
 from triptych_head.api.files import object_response
 from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
 from triptych_head.api.key_limits import key_limit
+from triptych_head.api.ownership import owner_of
 from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, sse_response
 from triptych_head.api.schemas import RequestBody, RequestModels, VideoJob
 from triptych_head.api.video_jobs import JobEntry, VideoJobs, final_message, foreign_events
@@ -110,6 +111,7 @@ async def _new_job(
     entry.preview_every, entry.priority = values["preview_every"], level
     limit = key_limit(request)
     entry.key_id = limit.key_id if limit is not None else None
+    entry.owner = owner_of(request)
     # counted from now until the job ends: 429 here, never later
     estimate = ctx.admit(job.id, params, deadline, key=limit)
     job.estimated_completion_seconds = None if estimate is None else round(estimate.seconds, 3)
@@ -198,13 +200,13 @@ def _store_content(results: ResultStore, job_id: str, frames: Any, fps: int, thr
 
 @router.get("/v1/videos", response_model=list[VideoJob])
 async def list_videos(request: Request) -> list[VideoJob]:
-    return _jobs(request).all()
+    return _jobs(request).all(owner_of(request))
 
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob)
 async def get_video(video_id: str, request: Request, response: Response) -> VideoJob:
     """The job; a completed one, asked of the head that ran it, with its run's Server-Timing header."""
-    entry = await _jobs(request).get(video_id)
+    entry = await _jobs(request).get(video_id, owner_of(request))
     _add_server_timing(entry, response)
     return entry.job
 
@@ -218,7 +220,7 @@ def _add_server_timing(entry: JobEntry, response: Response) -> None:
 async def video_events(video_id: str, request: Request) -> StreamingResponse:
     """The job's progress as Server-Sent Events, until it completes or fails."""
     jobs = _jobs(request)
-    entry = await jobs.get(video_id)
+    entry = await jobs.get(video_id, owner_of(request))
     if not entry.made_here and entry.job.status not in TERMINAL:  # another head runs it: follow its saved status
         return sse_response(foreign_events(jobs, entry))
     return entry.progress_feed().response()
@@ -227,7 +229,7 @@ async def video_events(video_id: str, request: Request) -> StreamingResponse:
 @router.get("/v1/videos/{video_id}/content", response_model=None)
 async def get_video_content(video_id: str, request: Request, variant: Literal["video", "frames"] = "video") -> Response:
     """The MP4 (variant=video), or the exact decoded frames as a ZIP of PNGs (variant=frames)."""
-    entry = await _jobs(request).get(video_id)
+    entry = await _jobs(request).get(video_id, owner_of(request))
     if entry.job.status != "completed":
         raise APIError(409, f"video {video_id} is {entry.job.status}; content is ready when status is completed")
     ctx: HeadContext = request.app.state.ctx
@@ -266,7 +268,7 @@ async def _frames_zip(results: ResultStore, media: MediaPool, video_id: str, mad
 async def delete_video(video_id: str, request: Request) -> VideoJob:
     """Cancel a running job; delete a finished one and its files."""
     jobs = _jobs(request)
-    entry = await jobs.get(video_id)
+    entry = await jobs.get(video_id, owner_of(request))
     if entry.job.status not in TERMINAL:
         if not entry.made_here or entry.task is None:
             raise APIError(
