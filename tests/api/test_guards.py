@@ -189,6 +189,8 @@ def test_the_request_timeout_is_the_default_deadline_and_the_latest_one(tmp_path
         ({}, {"X-Deadline-Seconds": "0"}, "X-Deadline-Seconds"),
         ({}, {"X-Deadline-Seconds": "nan"}, "X-Deadline-Seconds"),
         ({}, {"X-Deadline-Seconds": "tomorrow"}, "X-Deadline-Seconds"),
+        ({}, {"X-Deadline-Seconds": "1e-320"}, "X-Deadline-Seconds"),  # the body field's minimum holds here too
+        ({}, {"X-Deadline-Seconds": "1e300"}, "X-Deadline-Seconds"),  # and its maximum
     ],
 )
 def test_a_deadline_that_is_not_a_positive_number_is_a_400_naming_it(tmp_path: Path, body, headers, param) -> None:

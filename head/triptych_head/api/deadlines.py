@@ -20,6 +20,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from triptych.contract import MAX_DEADLINE_S, MIN_DEADLINE_S
 from triptych_head.api.errors import APIError
 from triptych_head.deadline import Estimate
 
@@ -35,8 +36,8 @@ class Deadline:
 
 
 def requested_deadline(request: Request, body_value: float | None, timeout_s: float) -> Deadline:
-    """The request's deadline; 400 naming the header for one that is not a positive number of seconds
-    (the body field's limits are the contract's, checked with the rest of the body)."""
+    """The request's deadline; 400 naming the header for one outside the body field's limits (the
+    contract's, checked with the rest of the body for the field)."""
     given: list[Deadline] = []
     if body_value is not None:
         given.append(Deadline(body_value, FIELD))
@@ -46,8 +47,13 @@ def requested_deadline(request: Request, body_value: float | None, timeout_s: fl
             seconds = float(raw)
         except ValueError:
             seconds = math.nan
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise APIError(400, f"{HEADER} {raw[:80]!r} must be a positive number of seconds, e.g. 30", HEADER)
+        if not (math.isfinite(seconds) and MIN_DEADLINE_S <= seconds <= MAX_DEADLINE_S):
+            raise APIError(
+                400,
+                f"{HEADER} {raw[:80]!r} must be a number of seconds from {MIN_DEADLINE_S:g} to "
+                f"{MAX_DEADLINE_S:g}, e.g. 30",
+                HEADER,
+            )
         given.append(Deadline(seconds, HEADER))
     earliest = min(given, key=lambda d: d.seconds, default=Deadline(timeout_s, None))
     return Deadline(min(earliest.seconds, timeout_s), earliest.param)
