@@ -120,3 +120,37 @@ def test_a_client_gone_before_its_json_body_ended_is_let_go_without_an_error(pat
     }  # fmt: skip
     asyncio.run(app(scope, receive, send))  # raised ClientDisconnect
     assert sent == [] and backend.calls == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("seed", True, "seed: must be a number, not true"),
+        ("num_inference_steps", False, "num_inference_steps: must be a number, not false"),
+        ("guidance_scale", True, "guidance_scale: must be a number, not true"),
+        ("stream", 1, "stream: must be true or false, not 1"),
+        ("stream", 0.0, "stream: must be true or false, not 0.0"),
+    ],
+)
+def test_a_json_boolean_is_no_number_and_a_number_no_boolean(
+    field: str, value: object, said: str, tmp_path: Path
+) -> None:
+    """pydantic's lax mode read `true` as 1 and `1` as true, running a request the client never wrote;
+    the message is ours alone (no "Value error, " in front)."""
+    with client(FLUX, tmp_path) as c:
+        r = c.post(IMAGES, json={**SMALL, field: value})
+        good = c.post(IMAGES, json={**SMALL, "seed": 3, "stream": False})
+    error = refusal(r)
+    assert (error["param"], error["message"]) == (field, said), error
+    assert good.status_code == 200, good.text
+
+
+def test_an_edit_form_s_text_is_still_read_as_the_field_s_type(tmp_path: Path) -> None:
+    backend = ScriptedBackend()
+    with client_for(backend, tmp_path) as c:
+        body = form_with_prompt(b"night").replace(
+            b"--x--", b'--x\r\nContent-Disposition: form-data; name="seed"\r\n\r\n5\r\n--x--'
+        )
+        r = c.post(EDITS, content=body, headers=FORM)
+    assert r.status_code == 200, r.text
+    assert [p.seed for p in backend.calls] == [5]

@@ -112,7 +112,7 @@ BAD = [
     ([{"name": "ink"}, {"name": "paper"}, {"name": "ink"}, {"name": "paper"}, {"name": "ink"}], "loras: List should"),
     ([{"name": "ink", "weight": 99}], "loras.0.weight: Input should be less than or equal to 8"),
     ([{"name": "ink", "scale": 1}], "loras.0.scale: Extra inputs are not permitted"),
-    ("ink", "loras: Value error, must be a JSON array such as"),
+    ("ink", "loras: must be a JSON array such as"),
 ]
 
 

@@ -67,7 +67,10 @@ def install_error_handlers(app: FastAPI) -> None:
         if loc and loc[0] in LOCATIONS:  # ("query", "variant") is about the parameter `variant`
             loc = loc[1:]
         param = loc[0] if loc else None  # the request's field; the message names the part within it
-        message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
+        said = first.get("msg")
+        if first.get("type") == "value_error" and "error" in first.get("ctx", {}):  # our words, without pydantic's
+            said = first["ctx"]["error"]  # "Value error, " in front
+        message = f"{'.'.join(loc)}: {said}" if loc else str(said)
         if first.get("type") == "json_invalid":  # its location is a character of the body, not a field
             where = f" (at character {loc[0]})" if loc else ""
             message = f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}{where}"

@@ -6,12 +6,13 @@ FastAPI's OpenAPI schema follows from them.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
 from triptych import lora
 from triptych.contract import CONTRACT, EDITS, IMAGES, MAX_SIDE, MIN_SIDE, VIDEOS, Contract, RequestParam
@@ -30,6 +31,13 @@ def parse_size(size: str) -> tuple[int, int]:
     return w, h
 
 
+@functools.cache
+def _kinds(model: type[BaseModel], name: str) -> frozenset[Any]:
+    """The types a field of `model` takes (int, float, bool, str, None, ...)."""
+    annotation = model.model_fields[name].annotation
+    return frozenset(get_args(annotation) or (annotation,))
+
+
 class RequestBody(BaseModel):
     """A request's JSON body (or an edit's form fields); each endpoint's model adds the contract's
     parameters it takes (request_model)."""
@@ -45,6 +53,18 @@ class RequestBody(BaseModel):
                 v.encode("utf-8")
             except UnicodeEncodeError:
                 raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+        return v
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_and_numbers_apart(cls, v: object, info: ValidationInfo) -> object:
+        # pydantic's lax mode reads a JSON true as 1 and a 0 or 1 as false or true; neither is what the
+        # client wrote. A form's text ("1", "true") is still read as the field's type.
+        kinds = _kinds(cls, str(info.field_name))
+        if isinstance(v, bool) and kinds & {int, float}:
+            raise ValueError(f"must be a number, not {str(v).lower()}")
+        if isinstance(v, int | float) and not isinstance(v, bool) and bool in kinds:
+            raise ValueError(f"must be true or false, not {v!r}")
         return v
 
     @field_validator("loras", mode="before", check_fields=False)
