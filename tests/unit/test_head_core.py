@@ -276,15 +276,21 @@ def test_random_schedules_with_batching_keep_the_same_invariants(seed: int) -> N
     assert all(len(e) == 1 for e in h.endings().values())
 
 
+def _batching(max_size: int, *flags: str) -> Harness:
+    """--batching-mode dynamic with groups of `max_size` over workers of 8 slots that heartbeat that
+    batch size, and `flags`."""
+    flags = ("--batching-mode", "dynamic", "--batching-max-size", str(max_size), *flags)
+    h = Harness(THREE_ROLES, flags, capacity={Role.ENCODER: 8, Role.DENOISER: 8, Role.DECODER: 8})
+    for w in h.workers.values():
+        w.max_batch = max_size
+    h.tick()
+    return h
+
+
 def test_a_role_s_own_batching_delay_holds_its_groups_only() -> None:
     """--batching-role-delay-ms encoder=1000 with --batching-delay-ms 0: requests wait a second for
     an encoder group to fill, then leave together; the denoiser's groups, at every role's 0 ms, at once."""
-    flags = ("--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "0",
-             "--batching-role-delay-ms", "encoder=1000")  # fmt: skip
-    h = Harness(THREE_ROLES, flags, capacity={Role.ENCODER: 8, Role.DENOISER: 8, Role.DECODER: 8})
-    for w in h.workers.values():
-        w.max_batch = 4
-    h.tick()
+    h = _batching(4, "--batching-delay-ms", "0", "--batching-role-delay-ms", "encoder=1000")
     h.submit("a")
     h.submit("b")
     h.clock.advance(0.9)
@@ -304,11 +310,7 @@ def test_a_role_s_own_batching_delay_holds_its_groups_only() -> None:
 def _denoiser_group_of_two() -> Harness:
     """--batching-mode dynamic, groups of 2: a and b ran as one encoder batch, and the head has just
     sent the denoiser their two TransferAllocs, as one group (full: it leaves before its delay)."""
-    flags = ("--batching-mode", "dynamic", "--batching-max-size", "2", "--batching-delay-ms", "1000")
-    h = Harness(THREE_ROLES, flags, capacity={Role.ENCODER: 8, Role.DENOISER: 8, Role.DECODER: 8})
-    for w in h.workers.values():
-        w.max_batch = 2
-    h.tick()
+    h = _batching(2, "--batching-delay-ms", "1000")
     h.submit("a")
     h.submit("b")
     h.core.dispatch()  # the loop turn's end
