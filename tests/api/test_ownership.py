@@ -7,6 +7,7 @@ In-process over HTTP with a scripted backend; two heads are two apps on one resu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from tests.api.test_http_api import ScriptedBackend, wait_for
 from triptych.families import ModelInfo
+from triptych.params import GenerationParams
 from triptych_head.api.app import create_app
 from triptych_head.api.auth import APIKeyError, APIKeys, parse_entries
 from triptych_head.api.context import HeadContext
@@ -120,3 +122,48 @@ def test_with_the_api_open_every_request_sees_every_job_and_its_jobs_stay_everyo
         assert listed(c, "anything") == [job_id]
     with head(tmp_path) as keyed:
         assert keyed.get(f"/v1/videos/{job_id}", headers=auth("sk-eve")).json()["status"] == "completed"
+
+
+@contextmanager
+def image_head(tmp_path: Path) -> Iterator[tuple[TestClient, HeadContext]]:
+    """A FLUX head with KEYS whose /v1/pipeline lists every request this head has in flight."""
+    (tmp_path / "keys").write_text(KEYS)
+    backend = ScriptedBackend()
+    model = ModelInfo("tiny", "FluxPipeline", "image", 4, 3.5)
+    ctx = HeadContext(backend, model, tmp_path, CollectorRegistry(), api_keys=APIKeys(tmp_path / "keys"))
+    ctx.pipeline_view = lambda: {"roles": {}, "requests": [{"id": rid} for rid in sorted(ctx.active)]}
+    with TestClient(create_app(ctx)) as client:
+        yield client, ctx
+
+
+def test_an_image_url_holds_a_random_part_beyond_its_request_id(tmp_path: Path) -> None:
+    """The request id shows (the owner's /v1/pipeline, logs); the URL is not made from it alone."""
+    with image_head(tmp_path) as (c, _):
+        body = {"prompt": "fox", "size": "16x16", "response_format": "url", "n": 2}
+        urls = [d["url"] for d in c.post("/v1/images/generations", json=body, headers=auth("sk-bob")).json()["data"]]
+        names = [url.rsplit("/", 1)[-1] for url in urls]
+        assert [re.fullmatch(r"img_[0-9a-f]{32}-(\d)-[0-9a-f]{32}\.png", n) is not None for n in names] == [True] * 2
+        assert len({n.split("-")[2] for n in names}) == 2  # each image its own secret
+        assert c.get(urls[0], headers=auth("sk-bob")).content.startswith(b"\x89PNG")
+
+
+def test_a_video_s_file_is_served_by_its_owner_s_content_route_alone(tmp_path: Path) -> None:
+    with head(tmp_path) as c:
+        job_id = c.post("/v1/videos", json=VIDEO, headers=auth("sk-bob")).json()["id"]
+        wait_for(c, job_id, "completed", headers=auth("sk-bob"))
+        assert c.get(f"/v1/files/videos/{job_id}.mp4", headers=auth("sk-eve")).status_code == 404
+        assert c.get(f"/v1/files/videos/{job_id}.mp4", headers=auth("sk-bob")).status_code == 404
+        assert c.get(f"/v1/videos/{job_id}/content", headers=auth("sk-bob")).status_code == 200
+
+
+def test_the_pipeline_view_lists_the_caller_s_own_requests(tmp_path: Path) -> None:
+    with image_head(tmp_path) as (c, ctx):
+        ctx.admit("img_bob", GenerationParams(prompt="x", width=16, height=16), owner=parse_entries(KEYS)[2].owner)
+        ctx.admit("img_acme", GenerationParams(prompt="x", width=16, height=16), owner=parse_entries(KEYS)[0].owner)
+
+        def seen(key: str) -> list[str]:
+            return [r["id"] for r in c.get("/v1/pipeline", headers=auth(key)).json()["requests"]]
+
+        assert seen("sk-bob") == ["img_bob"]
+        assert seen("sk-acme-new") == ["img_acme"]  # its tenant's
+        assert seen("sk-eve") == []

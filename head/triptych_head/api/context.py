@@ -72,6 +72,7 @@ class HeadContext:
     draining: bool = False  # SIGTERM: readiness fails and new requests are refused (shutdown.py)
     drain_expired: bool = False  # the drain time is over: what is still running is being cancelled
     active: set[str] = field(default_factory=set)  # request ids accepted and not answered yet
+    owners: dict[str, str] = field(default_factory=dict)  # of those, each one's owner, with API keys (ownership.py)
     admission: AdmissionControl | None = None  # None: no bound on requests in flight
     api_keys: APIKeys | None = None  # None: the API is open (no --api-keys-file)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -176,6 +177,7 @@ class HeadContext:
         deadline: Deadline | None = None,
         bounded: bool = True,
         key: KeyLimit | None = None,
+        owner: str | None = None,
     ) -> Estimate | None:
         """Count a new request in flight, or refuse it with a 429 and Retry-After: when its API key has
         its `key` limit in flight or has used its requests per minute or its quota (key_limits.py), when it would
@@ -183,7 +185,7 @@ class HeadContext:
         --max-queued-requests (admission.py). Its estimated completion, None where there is none
         (monolithic mode). Call it right before generate(), or when a video job is created.
         `bounded=False`: count it whatever the load and its key's limits (a job accepted once already, by
-        a head that died)."""
+        a head that died). `owner`: whose request it is (ownership.py), with API keys."""
         retry_after_s = self.admission.limit.retry_after_s if self.admission is not None else RETRY_AFTER_S
         if bounded:
             self.key_limits.admit(request_id, key, retry_after_s)
@@ -196,6 +198,8 @@ class HeadContext:
             raise
         self.key_limits.admitted(request_id)
         self.active.add(request_id)
+        if owner is not None:
+            self.owners[request_id] = owner
         self._count_in_flight()
         return estimate
 
@@ -239,6 +243,7 @@ class HeadContext:
     def release(self, request_id: str) -> None:
         """The request was answered (or its job ended): it no longer counts against the bound."""
         self.active.discard(request_id)
+        self.owners.pop(request_id, None)
         self.key_limits.release(request_id)
         if self.admission is not None:
             self.admission.release(request_id)

@@ -15,10 +15,10 @@ from starlette.concurrency import iterate_in_threadpool
 from triptych_head.api.context import HeadContext
 from triptych_head.api.errors import APIError
 from triptych_head.objects import ObjectMissing
-from triptych_head.results import IMAGES, VIDEOS, ResultStore
+from triptych_head.results import IMAGES, ResultStore
 
 router = APIRouter(tags=["system"])
-FILE_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}(\.[A-Za-z0-9]{1,10}){1,2}")  # img_<hex>-0.png, video_<hex>.mp4
+FILE_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}(\.[A-Za-z0-9]{1,10}){1,2}")  # img_<hex>-0-<random hex>.png
 
 
 async def object_response(results: ResultStore, name: str, media_type: str, filename: str | None = None) -> Response:
@@ -54,7 +54,7 @@ async def object_response(results: ResultStore, name: str, media_type: str, file
 @router.get("/v1/files/{kind}/{name}", name="get_file")
 async def get_file(kind: str, name: str, request: Request) -> Response:
     ctx: HeadContext = request.app.state.ctx
-    if kind not in (IMAGES, VIDEOS) or not FILE_NAME.fullmatch(name):
+    if kind != IMAGES or not FILE_NAME.fullmatch(name):  # a video's: GET /v1/videos/{id}/content (its owner's)
         raise APIError(404, f"no file {kind}/{name[:200]}")
     media_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
     return await object_response(ctx.results, f"{kind}/{name}", media_type)

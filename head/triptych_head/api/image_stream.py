@@ -27,6 +27,7 @@ from triptych_head.api.deadlines import Deadline, estimate_seconds, with_estimat
 from triptych_head.api.errors import APIError
 from triptych_head.api.idempotent import REPLAYED, stream_once
 from triptych_head.api.key_limits import key_limit
+from triptych_head.api.ownership import owner_of
 from triptych_head.api.progress import ProgressFeed, SSEMessage, StreamedMessage, error_message, sse_response
 from triptych_head.backend import GenerationOutput
 from triptych_head.deadline import Estimate
@@ -87,7 +88,8 @@ class ImageStream:
 
     def _admit(self, deadline: Deadline) -> Estimate | None:
         """Count it in (APIError when refused: overloaded, past its deadline, over its key's limits)."""
-        return self.ctx.admit(self.request_id, self.params, deadline, key=key_limit(self.request))
+        request = self.request
+        return self.ctx.admit(self.request_id, self.params, deadline, key=key_limit(request), owner=owner_of(request))
 
     async def _released(self) -> Completed:
         """The admitted request's run, released when it ends however it ends (even before it started)."""

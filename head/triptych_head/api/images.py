@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -26,6 +27,7 @@ from triptych_head.api.errors import APIError
 from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
 from triptych_head.api.image_stream import Completed, ImageStream
 from triptych_head.api.key_limits import key_limit
+from triptych_head.api.ownership import owner_of
 from triptych_head.api.reference import Reference, edit_form_schema, read_edit_form
 from triptych_head.api.schemas import ImageData, ImageGenerationResponse, RequestBody, RequestModels
 from triptych_head.backend import GenerationOutput
@@ -114,7 +116,7 @@ async def _images(
 
     async def run() -> tuple[GenerationOutput, str]:
         request_id = new_request_id("img")
-        admitted.append(ctx.admit(request_id, params, deadline, key=key_limit(request)))
+        admitted.append(ctx.admit(request_id, params, deadline, key=key_limit(request), owner=owner_of(request)))
         output = await _generate_while_connected(ctx, params, request_id, request, level)
         if output.server_timing:
             timing[SERVER_TIMING] = output.server_timing
@@ -149,7 +151,7 @@ async def _response(
     else:
         data = []
         for i, png in enumerate(pngs):
-            name = f"{request_id}-{i}.png"
+            name = f"{request_id}-{i}-{secrets.token_hex(16)}.png"  # its random part: the id shows (ownership.py)
             await asyncio.to_thread(ctx.results.objects.put_bytes, ctx.results.image_name(name), png, "image/png")
             data.append(ImageData(url=await _image_url(ctx, name, request)))
     return ImageGenerationResponse(created=int(time.time()), data=data)

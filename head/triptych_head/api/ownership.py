@@ -6,10 +6,12 @@ A job another owner made answers as a job that does not exist (404, never 403: i
 on every route that names one (its status, events, content and DELETE), and `GET /v1/videos` lists
 the caller's own. The owner is saved with the job in the result store every head shares, so every
 head, and a head that takes the job over, keeps it. A job with no owner (made while the API was
-open, or saved before owners were kept) is every key's, as it was then.
+open, or saved before owners were kept) is every key's, as it was then. `GET /v1/pipeline` lists
+the caller's own requests in flight (the pools' load, everyone's).
 
-The names of result files (`/v1/files/...`, a job's content URL once listed) are random: whoever
-holds one may fetch it, as with an object store's presigned URL.
+An image's `url` answer (`/v1/files/images/<name>`) is not checked per key: its name holds 128
+random bits besides the request id, so, like an object store's presigned URL, it reaches whoever
+was given it. A video's MP4 is served by its job's content route alone.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from triptych import startup
 from triptych.contract import ENDPOINTS
 from triptych_head.api.context import RETRY_AFTER_S, HeadContext
 from triptych_head.api.key_limits import key_limit
+from triptych_head.api.ownership import owner_of
 from triptych_head.api.schemas import ModelCard, ModelList
 
 router = APIRouter(tags=["system"])
@@ -62,9 +63,13 @@ async def health(request: Request) -> dict[str, Any]:
 @router.get("/v1/pipeline")
 async def pipeline(request: Request) -> dict[str, Any]:
     """Each role's instances (alive, draining, free slots), queue and running requests, and the
-    requests in flight with the role and instance each is at; refreshed twice a second."""
+    requests in flight with the role and instance each is at (with API keys, the caller's own);
+    refreshed twice a second."""
     ctx: HeadContext = request.app.state.ctx
-    return {"model": ctx.model.id, "kind": ctx.model.kind, "draining": ctx.draining, **ctx.pipeline_view()}
+    view = ctx.pipeline_view()
+    if (caller := owner_of(request)) is not None:  # with API keys: the caller's own requests (ownership.py)
+        view = {**view, "requests": [r for r in view["requests"] if ctx.owners.get(r["id"]) == caller]}
+    return {"model": ctx.model.id, "kind": ctx.model.kind, "draining": ctx.draining, **view}
 
 
 @router.get("/ready")

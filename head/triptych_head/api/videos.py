@@ -113,7 +113,7 @@ async def _new_job(
     entry.key_id = limit.key_id if limit is not None else None
     entry.owner = owner_of(request)
     # counted from now until the job ends: 429 here, never later
-    estimate = ctx.admit(job.id, params, deadline, key=limit)
+    estimate = ctx.admit(job.id, params, deadline, key=limit, owner=entry.owner)
     job.estimated_completion_seconds = None if estimate is None else round(estimate.seconds, 3)
     jobs = _jobs(request)
     try:
@@ -132,7 +132,7 @@ def start_job(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry) -> None:
     assert entry.params is not None
     if entry.request_id not in ctx.active:
         key = ctx.api_keys.limit_of(entry.key_id) if ctx.api_keys is not None and entry.key_id else None
-        ctx.admit(entry.request_id, entry.params, bounded=False, key=key)
+        ctx.admit(entry.request_id, entry.params, bounded=False, key=key, owner=entry.owner)
     entry.task = asyncio.create_task(_run(ctx, jobs, entry, entry.params, entry.preview_every))
 
 
