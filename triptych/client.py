@@ -132,12 +132,16 @@ class TriptychClient:
                 parsed = httpx.URL(u)
             except httpx.InvalidURL as exc:
                 raise ClientError(f"url {u!r}: {exc}") from None
-            if parsed.scheme not in ("http", "https") or not parsed.host:
+            port_ok = parsed.port is None or 0 < parsed.port <= 65535
+            if parsed.scheme not in ("http", "https") or not parsed.host or not port_ok:
                 raise ClientError(f"url {u!r}: give the head's http:// or https:// URL, e.g. http://127.0.0.1:30000")
         if retries < 0:
             raise ClientError(f"retries: {retries} must be >= 0")
-        if api_key and not api_key.isascii():
-            raise ClientError("api key: an API key is ASCII text (an HTTP header carries it); check the key given")
+        if api_key and not (api_key.isascii() and api_key.isprintable()):  # no line break in the header
+            raise ClientError(
+                "api key: an API key is ASCII text without line breaks or other control characters (an HTTP header "
+                "carries it); check the key given"
+            )
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.retries = retries
         self.http = httpx.Client(headers=headers, timeout=timeout)

@@ -77,9 +77,12 @@ def _finite(text: str) -> float:
     return value
 
 
+MAX_RETRIES = 100  # --retries: with the backoff's 4 s, several minutes of a head that does not come back
+
+
 def _retries(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    if not text.isdigit() or int(text) > MAX_RETRIES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to {MAX_RETRIES}")
     return int(text)
 
 

@@ -7,13 +7,10 @@ import argparse
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from triptych.parallelism import Parallelism, resolve_parallelism
-from triptych.ports import (
-    DEFAULT_HTTP_PORT,
-    DEFAULT_SCHEDULER_PORT,
-    parse_tcp_endpoint,
-)
+from triptych.ports import DEFAULT_HTTP_PORT, DEFAULT_SCHEDULER_PORT
 from triptych.roles import ROLE_SPECS, WORKER_ROLES, Role
 from triptych.serve_help import flag
 
@@ -26,6 +23,11 @@ DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_DRAIN_TIMEOUT_S = 600.0
 HEAD_SHUTDOWN_OVERHEAD_S = 15.0
 MAX_NUMBER = 1e9  # any number flag: ~31 years of seconds, below what a thread's wait takes (threading.TIMEOUT_MAX)
+MAX_SIZE = 1 << 50  # any size flag (SIZE_FIELDS): 1 PiB, more than any host's memory or a results cap needs
+# The flags in bytes (parse_size): bounded by MAX_SIZE, not MAX_NUMBER (their defaults pass 1e9 already).
+SIZE_FIELDS = frozenset(
+    {"disagg_transfer_pool_size", "encoder_cache_bytes", "results_max_bytes", "max_request_bytes", "lora_cache_bytes"}
+)
 MIN_DISCOVERY_INTERVAL_S = 0.05  # --disagg-discovery-interval: each pass resolves every worker list
 DEFAULT_PRIORITY_AGING_S = 30.0  # --disagg-priority-aging: a wait this long raises a request one level
 DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
@@ -82,14 +84,17 @@ def parse_endpoint_spec(url: str) -> None:
         if not url.removeprefix("file://").startswith("/"):
             raise ValueError(f"{url!r} is not a file:///ABSOLUTE/PATH")
         return
-    if url.startswith("dns://"):
-        url = "tcp://" + url.removeprefix("dns://")
-        try:
-            parse_tcp_endpoint(url)
-        except ValueError:
-            raise ValueError(f"{url.replace('tcp://', 'dns://', 1)!r} is not a dns://NAME:PORT endpoint") from None
-        return
-    parse_tcp_endpoint(url)
+    scheme = "dns" if url.startswith("dns://") else "tcp"
+    what = f"{url!r} is not a {scheme}://{'NAME' if scheme == 'dns' else 'HOST'}:PORT endpoint (PORT 1-65535)"
+    try:
+        parts = urlsplit("tcp://" + url.removeprefix("dns://") if scheme == "dns" else url)
+        port = parts.port  # ValueError: not a number, or above 65535
+    except ValueError:
+        raise ValueError(what) from None
+    # Nothing but the host and the port: a path or user would be dropped without a word, port 0 is no port.
+    extra = parts.path or parts.query or parts.fragment or parts.username is not None
+    if parts.scheme != "tcp" or not parts.hostname or not port or extra:
+        raise ValueError(what)
 
 
 @dataclass
@@ -230,10 +235,11 @@ class ServeArgs:
 
     def check_files(self) -> None:
         """What validate() cannot check where the flags are written (the operator builds them for files
-        a pod mounts): ConfigError unless they are there as this process starts."""
-        from triptych.config_checks import check_tls_files
+        a pod mounts, and hosts it does not see): ConfigError unless they are there as this process starts."""
+        from triptych.config_checks import check_pool_fits_memory, check_tls_files
 
         check_tls_files(self)
+        check_pool_fits_memory(self)
 
     def role_batching_delays_ms(self) -> dict[Role, float]:
         """--batching-role-delay-ms as {role: milliseconds}; ConfigError naming a bad entry."""
@@ -251,8 +257,11 @@ class ServeArgs:
                 ms = float(value)
             except ValueError:
                 ms = float("nan")
-            if not 0 <= ms < float("inf"):
-                raise ConfigError(f"{what}: {role.value}={value.strip()!r} must be a number of milliseconds >= 0")
+            if not 0 <= ms <= MAX_NUMBER:  # NaN too
+                raise ConfigError(
+                    f"{what}: {role.value}={value.strip()!r} must be a number of milliseconds >= 0 "
+                    f"(at most {MAX_NUMBER:g})"
+                )
             if role in delays:
                 raise ConfigError(f"{what}: {role.value} is given twice")
             delays[role] = ms

@@ -4,7 +4,10 @@ the flag, its value and the fix. ServeArgs.validate runs CHECKS in order (the va
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
+import os
+import re
 from collections.abc import Callable
 from urllib.parse import SplitResult, urlsplit
 
@@ -13,9 +16,11 @@ from triptych.config import (
     DTYPES,
     MAX_NUMBER,
     MAX_PRESIGN_S,
+    MAX_SIZE,
     MIB,
     MIN_DISCOVERY_INTERVAL_S,
     S3_BUCKET,
+    SIZE_FIELDS,
     URL_FLAGS,
     ConfigError,
     ServeArgs,
@@ -41,7 +46,7 @@ def url_port_ok(parts: SplitResult) -> bool:
 def http_endpoint(url: str) -> SplitResult | None:
     """`url` split, if it is http(s)://HOST[:PORT]... with a valid port; None if it is not."""
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc or not url_port_ok(parts):
+    if parts.scheme not in ("http", "https") or not parts.hostname or not url_port_ok(parts):
         return None
     return parts
 
@@ -50,12 +55,17 @@ def http_endpoint(url: str) -> SplitResult | None:
 
 
 def check_numbers(args: ServeArgs) -> None:
-    """Every number flag is finite and below MAX_NUMBER: NaN passes every `x <= 0` check below and
-    then never times out, or times out at once; infinity overflows the clocks' waits."""
+    """Every number flag is finite and below MAX_NUMBER (a size below MAX_SIZE): NaN passes every
+    `x <= 0` check below and then never times out, or times out at once; infinity overflows the
+    clocks' waits; a whole number past 64 bits fails the first heartbeat that carries it."""
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
         if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= MAX_NUMBER):
             raise ConfigError(f"{flag(f.name)} {value} must be a finite number (at most {MAX_NUMBER:g})")
+        if isinstance(value, int) and not isinstance(value, bool):
+            limit = f"{MAX_SIZE >> 50}PiB" if f.name in SIZE_FIELDS else f"{MAX_NUMBER:.0f}"
+            if abs(value) > (MAX_SIZE if f.name in SIZE_FIELDS else MAX_NUMBER):
+                raise ConfigError(f"{flag(f.name)} {value} is out of range (at most {limit})")
 
 
 def check_ports(args: ServeArgs) -> None:
@@ -92,6 +102,35 @@ def _check_port_clashes(args: ServeArgs) -> None:
         )
 
 
+# A host name (RFC 1123 labels, not all digits at the end: 192.0.2.300 is no name) or a Kubernetes
+# $(VAR) reference, which the kubelet replaces before the process starts (the operator's $(POD_IP)).
+HOST_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\.)*(?![0-9]+\.?$)"
+                       r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\.?")  # fmt: skip
+VAR_REFERENCE = re.compile(r"\$\([A-Za-z_][A-Za-z0-9_]*\)")
+
+
+def is_bind_address(host: str) -> bool:
+    """Whether `host` can name this machine's address: an IP address (IPv6 with or without brackets),
+    a host name or a $(VAR) reference."""
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+        return True
+    except ValueError:
+        return bool(HOST_NAME.fullmatch(host) or VAR_REFERENCE.fullmatch(host))
+
+
+def check_bind_addresses(args: ServeArgs) -> None:
+    """--host and --disagg-p2p-hostname are addresses this process binds: one that is not an address or
+    a name fails the bind only after the model loaded (an empty --host would bind every address)."""
+    for name in ("host", "disagg_p2p_hostname"):
+        value = getattr(args, name)
+        if not is_bind_address(value):
+            raise ConfigError(
+                f"{flag(name)} {value!r} is not an IP address or a host name; give e.g. 127.0.0.1, 0.0.0.0 or "
+                "the pod's IP"
+            )
+
+
 # Who talks to whom: the head's name, a worker's heads, the head's worker lists
 
 
@@ -120,6 +159,8 @@ def check_server_addr(args: ServeArgs) -> None:
         raise ConfigError(f"--disagg-server-addr: {exc}") from None
     if not specs:
         raise ConfigError("--disagg-server-addr is empty: give tcp://HEAD:SCHEDULER_PORT")
+    if twice := next((spec for i, spec in enumerate(specs) if spec in specs[:i]), None):
+        raise ConfigError(f"--disagg-server-addr: {twice} is listed twice; give each head once")
     for spec in specs:  # a worker reports on the head's result port for its role: up to +5
         port = urlsplit(spec).port if spec.startswith("tcp://") else None
         if port is not None and port + MAX_RESULT_PORT_OFFSET > 65535:
@@ -145,6 +186,8 @@ def check_worker_lists(args: ServeArgs) -> None:
                 parse_endpoint_spec(url)
             except ValueError as exc:
                 raise ConfigError(f"{flag(URL_FLAGS[role])}: {exc}") from None
+            if seen.get(url) is role:
+                raise ConfigError(f"{flag(URL_FLAGS[role])}: {url} is listed twice; give each worker once")
             if url in seen:
                 raise ConfigError(
                     f"{url} is listed for both {seen[url].value} and {role.value}; each worker has one role"
@@ -185,6 +228,10 @@ def _check_worker_reaches_results(args: ServeArgs, role: Role, url: str) -> None
 
 
 def check_control_security(args: ServeArgs) -> None:
+    if args.disagg_keys_dir is not None and not args.disagg_keys_dir.strip():  # not "no keys" by mistake
+        raise ConfigError(
+            "--disagg-keys-dir is empty: give the folder `triptych keys generate DIR` wrote, or leave the flag out"
+        )
     if args.disagg_keys_dir and args.disagg_insecure:
         raise ConfigError("give --disagg-keys-dir or --disagg-insecure, not both")
     address = args.control_bind_address()
@@ -322,6 +369,11 @@ def check_http_limits(args: ServeArgs) -> None:
     head_only = [f for f in ("api_keys_file", "max_queued_requests") if getattr(args, f) is not None]
     if head_only and args.disagg_role.is_worker:
         raise ConfigError(f"{flag(head_only[0])} is for the head (server or monolithic), not {args.disagg_role}")
+    if args.api_keys_file is not None and not args.api_keys_file.strip():  # the API would be open, unasked
+        raise ConfigError(
+            "--api-keys-file is empty: give the file of API keys (one per line), or leave the flag out for an "
+            "API without keys"
+        )
     if args.max_request_bytes < 1024:
         raise ConfigError(f"--max-request-bytes {args.max_request_bytes} is below 1KiB; use e.g. 16MiB")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
@@ -437,6 +489,7 @@ CHECKS: tuple[Callable[[ServeArgs], None], ...] = (
     check_server_addr,
     check_worker_lists,
     check_ports,
+    check_bind_addresses,
     check_transfer,
     check_time_limits,
     check_output_path,
@@ -477,3 +530,19 @@ def check_tls_files(args: ServeArgs) -> None:
             f"--ssl-certfile {args.ssl_certfile} and --ssl-keyfile {args.ssl_keyfile} do not load as a PEM "
             f"certificate and its private key ({exc}); an encrypted key is not supported"
         ) from None
+
+
+def check_pool_fits_memory(args: ServeArgs) -> None:
+    """--disagg-transfer-pool-size: no more than this host's memory, which the worker would fail to
+    allocate only after its model loaded."""
+    if not args.disagg_role.is_worker or args.disagg_full_pipeline:  # a full-pipeline worker has no pool
+        return
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX host that says
+        return
+    if 0 < memory < args.disagg_transfer_pool_size:
+        raise ConfigError(
+            f"--disagg-transfer-pool-size {args.disagg_transfer_pool_size} is more than this host's memory "
+            f"({memory} bytes); use e.g. 256MiB"
+        )

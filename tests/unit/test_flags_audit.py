@@ -1,0 +1,100 @@
+"""Bad `triptych serve` and client flag values found by an audit: each is refused at start-up in one
+line naming the flag and the value, where it used to pass and fail (or do something else) later."""
+
+from __future__ import annotations
+
+import pytest
+
+from triptych.cli import build_parser
+from triptych.client import ClientError, TriptychClient
+from triptych.config import MAX_SIZE, ConfigError, ServeArgs
+
+WORKER = ["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1"]
+HEAD = ["--disagg-role", "server", "--encoder-urls", "tcp://127.0.0.1:19001", "--denoiser-urls",
+        "tcp://127.0.0.1:19002", "--decoder-urls", "tcp://127.0.0.1:19003"]  # fmt: skip
+
+
+def parse(*argv: str) -> ServeArgs:
+    return ServeArgs.from_namespace(build_parser().parse_args(["serve", "--model-path", "m", *argv]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # A whole number past 64 bits stopped the worker at its first heartbeat (msgpack cannot encode it).
+        ([*WORKER, "--worker-capacity", "99999999999999999999999"],
+         "--worker-capacity 99999999999999999999999 is out of range"),
+        ([*WORKER, "--batching-max-size", "99999999999999999999999"], "--batching-max-size 99999999999999999999999"),
+        (["--results-max-bytes", "2000TiB"], r"--results-max-bytes 2199023255552000 is out of range \(at most 1PiB\)"),
+        # Port 0 passed (the worker reported to port 0 + its role's offset); a port out of range or a bad
+        # IPv6 address gave urllib's words without the value; a path or user was dropped without a word.
+        (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:0"],
+         "--disagg-server-addr: 'tcp://h:0' is not a tcp://HOST:PORT endpoint"),
+        (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:99999"], "'tcp://h:99999' is not a tcp://"),
+        (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://[::1:5555"], r"'tcp://\[::1:5555' is not"),
+        (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1/path"], "'tcp://h:1/path' is not"),
+        (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://user@h:1"], "'tcp://user@h:1' is not"),
+        ([*HEAD, "--decoder-urls", "dns://decoders:0"], "--decoder-urls: 'dns://decoders:0' is not a dns://NAME:PORT"),
+        (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1;tcp://h:1"],
+         "--disagg-server-addr: tcp://h:1 is listed twice"),
+        ([*HEAD, "--encoder-urls", "tcp://127.0.0.1:1;tcp://127.0.0.1:1"],
+         "--encoder-urls: tcp://127.0.0.1:1 is listed twice"),
+        # Monolithic mode loaded its model, then uvicorn failed to bind ("Name or service not known"); an
+        # empty --host bound every address.
+        (["--host", "bad host"], "--host 'bad host' is not an IP address or a host name"),
+        (["--host", "192.0.2.300"], "--host '192.0.2.300' is not"),
+        (["--host", ""], "--host '' is not"),
+        ([*WORKER, "--disagg-p2p-hostname", "tcp://127.0.0.1"], "--disagg-p2p-hostname 'tcp://127.0.0.1' is not"),
+        # An empty path meant "no keys": the API (or the control plane) ran open though a file was asked for.
+        (["--api-keys-file", ""], "--api-keys-file is empty"),
+        ([*WORKER, "--disagg-keys-dir", " "], "--disagg-keys-dir is empty"),
+        ([*HEAD, "--otlp-endpoint", "http://:4318"], "--otlp-endpoint 'http://:4318' is not"),
+        ([*HEAD, "--batching-mode", "dynamic", "--batching-role-delay-ms", "denoiser=1e300"],
+         r"denoiser='1e300' must be a number of milliseconds >= 0 \(at most 1e\+09\)"),
+    ],
+)  # fmt: skip
+def test_a_bad_value_is_refused_naming_the_flag_and_the_value(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(*argv)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*WORKER, "--disagg-p2p-hostname", "$(POD_IP)", "--disagg-keys-dir", "/keys"],  # as the operator writes it
+        [*WORKER, "--disagg-p2p-hostname", "worker-0.workers.ns.svc.cluster.local", "--disagg-insecure"],
+        ["--host", "::1"],
+        ["--host", "localhost"],
+        [*HEAD, "--host", "0.0.0.0", "--disagg-keys-dir", "/keys"],
+        ["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://[2001:db8::1]:5555;dns://heads.ns.svc:5555"],
+        ["--results-max-bytes", "1TiB"],
+    ],
+)
+def test_addresses_names_and_sizes_that_work_still_pass(argv: list[str]) -> None:
+    parse(*argv)
+
+
+def test_a_transfer_pool_larger_than_the_host_is_refused_as_the_worker_starts() -> None:
+    # numpy failed to allocate it with a traceback, after the model loaded.
+    args = parse(*WORKER, "--disagg-transfer-pool-size", str(MAX_SIZE))
+    with pytest.raises(ConfigError, match=f"--disagg-transfer-pool-size {MAX_SIZE} is more than this host's memory"):
+        args.check_files()
+
+
+def test_client_retries_are_bounded(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["status", "--retries", "99999999999999999999"])
+    assert exited.value.code == 2
+    assert "--retries: '99999999999999999999' is not a whole number from 0 to 100" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:0"])
+def test_client_url_with_a_port_out_of_range_is_refused_before_any_connection(url: str) -> None:
+    with pytest.raises(ClientError, match=f"url '{url}': give the head's http"):
+        TriptychClient(url)
+
+
+def test_client_api_key_with_a_line_break_is_refused_not_sent() -> None:
+    # httpx refused the header on sending, which read as "cannot reach" the head, retried.
+    with pytest.raises(ClientError, match="api key: an API key is ASCII text without line breaks"):
+        TriptychClient("http://127.0.0.1:1", api_key="key\n")
