@@ -236,9 +236,10 @@ class ServeArgs:
     def check_files(self) -> None:
         """What validate() cannot check where the flags are written (the operator builds them for files
         a pod mounts, and hosts it does not see): ConfigError unless they are there as this process starts."""
-        from triptych.config_checks import check_pool_fits_memory, check_tls_files
+        from triptych.config_checks import check_listed_files, check_pool_fits_memory, check_tls_files
 
         check_tls_files(self)
+        check_listed_files(self)
         check_pool_fits_memory(self)
 
     def role_batching_delays_ms(self) -> dict[Role, float]:

@@ -511,6 +511,20 @@ CHECKS: tuple[Callable[[ServeArgs], None], ...] = (
 # Checks of the files the flags name, as the process starts (not where the flags are written)
 
 
+def check_listed_files(args: ServeArgs) -> None:
+    """A file:// worker or head list and --lora-catalog may be missing at start-up (a ConfigMap mounted
+    later), but a folder there is never a list: the lists would stay empty without a word."""
+    named = [(flag(URL_FLAGS[role]), url) for role in URL_FLAGS for url in args.urls_for(role)]
+    if args.disagg_server_addr:
+        named += [("--disagg-server-addr", spec) for spec in parse_urls(args.disagg_server_addr)]
+    paths = [(name, url.removeprefix("file://")) for name, url in named if url.startswith("file://")]
+    if args.lora_catalog:
+        paths.append(("--lora-catalog", args.lora_catalog))
+    for name, path in paths:
+        if os.path.isdir(path):
+            raise ConfigError(f"{name} {path} is a folder; give the file in it that lists one entry per line")
+
+
 def check_tls_files(args: ServeArgs) -> None:
     """--ssl-certfile and --ssl-keyfile: readable, and a certificate the key belongs to."""
     if args.ssl_certfile is None or args.ssl_keyfile is None:

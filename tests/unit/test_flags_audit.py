@@ -3,6 +3,8 @@ line naming the flag and the value, where it used to pass and fail (or do someth
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from triptych.cli import build_parser
@@ -79,6 +81,26 @@ def test_a_transfer_pool_larger_than_the_host_is_refused_as_the_worker_starts() 
     args = parse(*WORKER, "--disagg-transfer-pool-size", str(MAX_SIZE))
     with pytest.raises(ConfigError, match=f"--disagg-transfer-pool-size {MAX_SIZE} is more than this host's memory"):
         args.check_files()
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--disagg-role", "server", "--encoder-urls", "file://DIR", "--denoiser-urls", "tcp://127.0.0.1:19002",
+          "--decoder-urls", "tcp://127.0.0.1:19003"], "--encoder-urls"),
+        (["--disagg-role", "denoiser", "--disagg-server-addr", "file://DIR"], "--disagg-server-addr"),
+        ([*WORKER, "--lora-catalog", "DIR"], "--lora-catalog"),
+    ],
+)  # fmt: skip
+def test_a_list_file_that_is_a_folder_is_refused_as_the_process_starts(
+    argv: list[str], flag: str, tmp_path: Path
+) -> None:
+    """A missing list file may come later (a mounted ConfigMap); a folder never lists anything."""
+    args = parse(*[a.replace("DIR", str(tmp_path)) for a in argv])
+    with pytest.raises(ConfigError, match=rf"^{flag} {tmp_path} is a folder"):
+        args.check_files()
+    missing = parse(*[a.replace("DIR", str(tmp_path / "later.txt")) for a in argv])
+    missing.check_files()  # not there yet: taken
 
 
 def test_client_retries_are_bounded(capsys: pytest.CaptureFixture[str]) -> None:
