@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from triptych.contract import ParamError
 from triptych.lora import BadAdapter
 from triptych.protocol import Failed, Progress, Result, TransferStaged, tensors_to_frames
 from triptych.reference import BadReference
@@ -95,7 +96,8 @@ def _fails_alone(worker: Worker, link: HeadLinks, job: Job) -> Iterator[None]:
     except PayloadTooLarge as exc:
         worker.pool.free_owner(job.request_id)
         link.send(Failed(job.request_id, worker.instance, str(exc), status_code=413))
-    except (BadReference, BadAdapter) as exc:  # the client's reference image (a URL fetched), or LoRA adapter
+    except (BadReference, BadAdapter, ParamError) as exc:  # the client's reference image (a URL fetched),
+        # LoRA adapter, or a parameter this model cannot serve
         worker.pool.free_owner(job.request_id)
         link.send(Failed(job.request_id, worker.instance, str(exc), status_code=400))
         slots.space_freed(worker, link)
@@ -147,6 +149,11 @@ def _prepare(worker: Worker, link: HeadLinks, job: Job, inputs: dict[str, Inputs
         batch.meta = dict(job.incoming[2])
         held = taken.held is not None
         check_continuation(batch.meta)
+    # The head checks parameters before it dispatches; a head that did not must not make this worker
+    # allocate or compute for hours what its model cannot serve (every role, not only the first).
+    validate = getattr(worker.pipeline, "validate", None)
+    if validate is not None:
+        validate(job.params)
 
     def progress(step: int, total: int, latents: Any = None) -> None:
         if worker._is_cancelled(job.request_id):

@@ -454,8 +454,12 @@ class Worker:
     def _take_work(self, link: HeadLinks, items: Sequence[Work], head_id: str) -> None:
         """Queue a first role's work (a group of it runs as one batch), refusing each request this
         worker has no slot for when it serves several heads."""
-        accepted = []
+        accepted: list[Work] = []
         for work in items:
+            if held := self._holds(work.request_id):  # the same Work twice, or twice in one batch
+                # A second run would overwrite the first one's staged outputs (never freed then).
+                link.send(Failed(work.request_id, self.instance, f"work for request {work.request_id}: {held}"))
+                continue
             self.heads.own(work.request_id, head_id)
             if self._full():
                 link.send(WorkRefused(work.request_id, self.instance, "every scheduling slot is taken"))
@@ -470,6 +474,17 @@ class Worker:
                 traceparent=w.traceparent, priority=w.priority)
             for w in accepted
         ))  # fmt: skip
+
+    def _holds(self, request_id: str) -> str:
+        """What this worker already holds for `request_id` ("": nothing): a Work for it is a duplicate."""
+        with self._lock:
+            if request_id in self._outstanding:
+                return "this worker already holds it (queued, running or with a receive slot)"
+            if request_id in self._staged:
+                return "this worker already holds its staged outputs"
+        if any(push.request_id == request_id for push in self._pushes):  # leader only, as is every Work
+            return "this worker is still pushing its outputs"
+        return ""
 
     def _release_head(self, head_id: str, why: str) -> list[str]:
         """Give back to the pool everything held for `head_id` (a head that was replaced or went

@@ -27,6 +27,18 @@ STANDING = "standing-slot"  # pool owner of standing receive slots
 def allocate(worker: Worker, link: HeadLinks, msg: TransferAlloc) -> None:
     """A slot for a request's inputs (TransferAllocated: where to write them), or a refusal."""
     worker.heads.own(msg.request_id, msg.head_id)
+    with worker._lock:
+        held = worker._slots.get(msg.request_id)
+        held_standing = held is not None and worker._standing.get(held.addr) is held
+    if held is not None:  # asked again (a retried hop): the slot it holds, never a second one left to leak
+        if held.nbytes < msg.nbytes:
+            error = (f"transfer_alloc of {msg.nbytes} bytes for request {msg.request_id}, which already holds "
+                     f"a {held.nbytes}-byte receive slot here")  # fmt: skip
+            link.send(Failed(msg.request_id, worker.instance, error))
+            return
+        session = worker.transport.session_id
+        link.send(TransferAllocated(msg.request_id, worker.instance, session, held.addr, held_standing))
+        return
     if worker._full():
         refuse(worker, link, msg.request_id, "every scheduling slot is taken")
         return
@@ -102,10 +114,11 @@ def ready(worker: Worker, link: HeadLinks, msg: TransferReady) -> None:
             alloc = worker._slots.pop(msg.request_id, None)
             if msg.slot_addr:
                 alloc = worker._standing.get(msg.slot_addr)
-    if alloc is None:
-        what = "a continuation this worker has not staged" if msg.in_place else "a slot this worker does not hold"
-        link.send(Failed(msg.request_id, worker.instance, f"transfer_ready for {what}"))
+        problem = _not_runnable(worker, msg, alloc)
+    if problem:
+        link.send(Failed(msg.request_id, worker.instance, f"transfer_ready for {problem}"))
         return
+    assert alloc is not None
     incoming = (alloc, msg.manifest, msg.meta)
     job = Job(
         msg.request_id, msg.params, incoming, msg.progress, msg.preview_every, msg.batch_id, msg.batch_size,
@@ -119,6 +132,24 @@ def ready(worker: Worker, link: HeadLinks, msg: TransferReady) -> None:
     # else it computes now, on this thread, which loads its inputs itself: handing them to the
     # loader would only put a wake-up of another thread (and a wait for it) on the request's path.
     worker._note_held()
+
+
+def _not_runnable(worker: Worker, msg: TransferReady, alloc: Allocation | None) -> str:
+    """Why `msg` cannot run on `alloc` ("": it can), as what follows "transfer_ready for"; caller holds the
+    worker's lock. A duplicate, or a standing slot whose inputs another queued request still waits on,
+    would run on bytes not its own."""
+    if alloc is None and msg.in_place:
+        return "a continuation this worker has not staged"
+    if alloc is None and msg.slot_addr:
+        return f"a slot this worker does not hold (slot_addr {msg.slot_addr:#x} is none of its standing slots)"
+    if alloc is None:
+        return "a slot this worker does not hold"
+    if msg.slot_addr and msg.request_id in worker._outstanding:
+        return f"request {msg.request_id}, which this worker already runs or queues"
+    for job in worker._queue:
+        if job.incoming is not None and job.incoming[0] is alloc and job.request_id not in worker._cancelled:
+            return f"slot_addr {msg.slot_addr:#x}, which still holds the inputs of request {job.request_id}"
+    return ""
 
 
 def reserve_standing(worker: Worker) -> None:
