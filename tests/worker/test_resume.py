@@ -8,8 +8,10 @@ continuation carries can reach the next denoiser.
 
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -20,7 +22,7 @@ from triptych.params import GenerationParams
 from triptych.roles import Role
 from triptych_worker.batching import run_merged
 from triptych_worker.pipeline import RolePipeline, load_role_pipeline
-from triptych_worker.resume import RESUME, CannotResume, capture
+from triptych_worker.resume import RESUME, CannotResume, capture, restore
 from triptych_worker.stages import PIXELS, StageBatch
 
 STEPS = 6
@@ -169,3 +171,44 @@ def test_run_merged_hands_off_when_any_member_is_asked() -> None:
     b.hand_off = lambda: True
     run_merged([a, b], frozenset(), lambda merged: seen.append(merged.should_hand_off()))
     assert seen == [True]
+
+
+def _broken(resume: dict[str, Any], change: str) -> dict[str, Any]:
+    out = copy.deepcopy(resume)
+    if change == "no scheduler":
+        del out["scheduler"]
+    elif change == "scheduler not a map":
+        out["scheduler"] = "x"
+    elif change == "no class":
+        del out["scheduler"]["class"]
+    elif change == "timestep not a number":
+        out["scheduler"]["timestep"] = "soon"
+    elif change == "step past the schedule":
+        out["step"] = 99
+    elif change == "history missing":  # UniPC's: what its restore reads besides the common keys
+        out["scheduler"].pop("model_outputs", None)
+        out["scheduler"].pop("lower_order_nums", None)
+    return out
+
+
+@pytest.mark.parametrize("name", ["FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler"])
+@pytest.mark.parametrize(
+    "change",
+    ["no scheduler", "scheduler not a map", "no class", "timestep not a number", "step past the schedule",
+     "history missing"],
+)  # fmt: skip
+def test_a_malformed_continuation_state_is_refused_naming_it(name: str, change: str) -> None:
+    """Another denoiser's message: a KeyError or IndexError before, now CannotResume (its request
+    fails with a message naming meta.resume); a well-formed one still restores."""
+    import diffusers
+
+    scheduler = getattr(diffusers, name)()
+    scheduler.set_timesteps(4)
+    resume, tensors = capture(scheduler, 1)
+    if name == "FlowMatchEulerDiscreteScheduler" and change == "history missing":
+        assert restore(scheduler, _broken(resume, change), tensors) == 1  # it keeps no history
+        return
+    with pytest.raises(CannotResume, match=r"meta\.resume\.(scheduler is malformed|step 99)"):
+        restore(scheduler, _broken(resume, change), tensors)
+    scheduler.set_timesteps(4)
+    assert restore(scheduler, resume, tensors) == 1

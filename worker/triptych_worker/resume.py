@@ -42,13 +42,15 @@ def step_of(meta: dict[str, Any]) -> int | None:
     return step if type(step) is int and step >= 0 else -1
 
 
+MALFORMED = "the sending denoiser's continuation is malformed"
+
+
 def check_continuation(meta: dict[str, Any]) -> None:
     """Refuse a continuation whose meta does not say where it resumes (another worker's message:
     it fails its own request, naming what is wrong, and nothing else)."""
     if step_of(meta) == -1:
         raise CannotResume(
-            f"meta.{RESUME} must be a map with a non-negative integer 'step', got {meta[RESUME]!r:.200}; "
-            "the sending denoiser's continuation is malformed"
+            f"meta.{RESUME} must be a map with a non-negative integer 'step', got {meta[RESUME]!r:.200}; {MALFORMED}"
         )
 
 
@@ -125,16 +127,27 @@ def capture(scheduler: Any, step: int) -> tuple[dict[str, Any], dict[str, torch.
 
 def restore(scheduler: Any, resume: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
     """Put `resume` (and the history in `tensors`) into `scheduler`, whose schedule set_timesteps has
-    rebuilt as the capturing denoiser's was; returns the step to run next."""
-    scalars, step = resume["scheduler"], int(resume["step"])
-    if scalars["class"] != type(scheduler).__name__:
-        raise CannotResume(f"the request was captured from a {scalars['class']}, this denoiser runs a "
+    rebuilt as the capturing denoiser's was; returns the step to run next. CannotResume, naming what
+    is wrong, for a state this scheduler cannot take: another class or schedule, or one malformed."""
+    try:
+        scalars, step = resume["scheduler"], int(resume["step"])
+        captured, timestep, begin = scalars["class"], float(scalars["timestep"]), int(scalars["begin_index"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CannotResume(f"meta.{RESUME}.scheduler is malformed ({exc!r:.200}); {MALFORMED}") from None
+    if captured != type(scheduler).__name__:
+        raise CannotResume(f"the request was captured from a {captured!s:.100}, this denoiser runs a "
                            f"{type(scheduler).__name__}; run every denoiser from the same model package")  # fmt: skip
-    if float(scheduler.timesteps[step]) != scalars["timestep"]:
+    if not 0 <= step < len(scheduler.timesteps):
+        raise CannotResume(f"meta.{RESUME}.step {step} is not a step of this {len(scheduler.timesteps)}-step "
+                           f"schedule; {MALFORMED}")  # fmt: skip
+    if float(scheduler.timesteps[step]) != timestep:
         raise CannotResume(f"step {step}: this denoiser's schedule differs from the one the request was captured "
                            "with; run every denoiser from the same model package")  # fmt: skip
-    _handlers(scheduler)[1](scheduler, scalars, tensors)
-    scheduler.set_begin_index(scalars["begin_index"])
+    try:
+        _handlers(scheduler)[1](scheduler, scalars, tensors)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise CannotResume(f"meta.{RESUME}.scheduler is malformed ({exc!r:.200}); {MALFORMED}") from None
+    scheduler.set_begin_index(begin)
     scheduler._step_index = step  # step() initialises it only when None
     return step
 
