@@ -124,6 +124,22 @@ def test_a_standing_slot_is_run_once_for_the_request_it_was_given_to():
         runs_to_completion(w, "next")
 
 
+def test_a_standing_slot_made_by_its_request_s_own_transfer_alloc_runs_it():
+    """The head's usual way to make a standing slot: a TransferAlloc asking for one, then the
+    request's TransferReady naming it. The duplicate check must not take the slot's own request,
+    which holds it since the alloc, for a request already queued (it did, failing every such hop)."""
+    with served_worker() as w:
+        w.work.send_multipart(encode(TransferAlloc("r", "w", 4096, standing=True)))
+        allocated = w.next_message(TransferAllocated)
+        assert allocated.standing  # type: ignore[attr-defined]
+        open_gates(w, "r")
+        ready = TransferReady("r", "w", {**PARAMS, "prompt": "r"}, MANIFEST, {}, slot_addr=allocated.addr)  # type: ignore[arg-type, attr-defined]
+        w.work.send_multipart(encode(ready))
+        (staged,) = reports(w, 1)
+        assert isinstance(staged, TransferStaged) and staged.request_id == "r", staged
+        runs_to_completion(w, "next")
+
+
 class FamilyCheckedPipeline(GatedPipeline):
     """GatedPipeline stages that serve what a FLUX package can, as a model's stages check it."""
 

@@ -102,6 +102,7 @@ def ready(worker: Worker, link: HeadLinks, msg: TransferReady) -> None:
     """Run the stages on an input in a slot; `in_place`: on the continuation this worker staged
     itself (a suspended request resuming here: its state never left the pool)."""
     worker.heads.own(msg.request_id, msg.head_id)
+    allocated = None  # the slot of its own TransferAlloc (standing or not)
     with worker._lock:
         if msg.in_place:  # a continuation is always staged in the pool (compute.py); outputs sent in
             # place are not a slot: they stay staged, for their push or their cancel to release
@@ -111,10 +112,9 @@ def ready(worker: Worker, link: HeadLinks, msg: TransferReady) -> None:
                 del worker._staged[msg.request_id]
                 worker._outstanding.add(msg.request_id)
         else:
-            alloc = worker._slots.pop(msg.request_id, None)
-            if msg.slot_addr:
-                alloc = worker._standing.get(msg.slot_addr)
-        problem = _not_runnable(worker, msg, alloc)
+            allocated = worker._slots.pop(msg.request_id, None)
+            alloc = worker._standing.get(msg.slot_addr) if msg.slot_addr else allocated
+        problem = _not_runnable(worker, msg, alloc, allocated=allocated is not None)
     if problem:
         link.send(Failed(msg.request_id, worker.instance, f"transfer_ready for {problem}"))
         return
@@ -134,17 +134,18 @@ def ready(worker: Worker, link: HeadLinks, msg: TransferReady) -> None:
     worker._note_held()
 
 
-def _not_runnable(worker: Worker, msg: TransferReady, alloc: Allocation | None) -> str:
+def _not_runnable(worker: Worker, msg: TransferReady, alloc: Allocation | None, allocated: bool) -> str:
     """Why `msg` cannot run on `alloc` ("": it can), as what follows "transfer_ready for"; caller holds the
     worker's lock. A duplicate, or a standing slot whose inputs another queued request still waits on,
-    would run on bytes not its own."""
+    would run on bytes not its own. `allocated`: the request held a slot of its own TransferAlloc (it
+    counts as outstanding since then, so only without one is outstanding a duplicate)."""
     if alloc is None and msg.in_place:
         return "a continuation this worker has not staged"
     if alloc is None and msg.slot_addr:
         return f"a slot this worker does not hold (slot_addr {msg.slot_addr:#x} is none of its standing slots)"
     if alloc is None:
         return "a slot this worker does not hold"
-    if msg.slot_addr and msg.request_id in worker._outstanding:
+    if msg.slot_addr and not allocated and msg.request_id in worker._outstanding:
         return f"request {msg.request_id}, which this worker already runs or queues"
     for job in worker._queue:
         if job.incoming is not None and job.incoming[0] is alloc and job.request_id not in worker._cancelled:
