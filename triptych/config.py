@@ -7,10 +7,9 @@ import argparse
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from triptych.parallelism import Parallelism, resolve_parallelism
-from triptych.ports import DEFAULT_HTTP_PORT, DEFAULT_SCHEDULER_PORT
+from triptych.ports import DEFAULT_HTTP_PORT, DEFAULT_SCHEDULER_PORT, parse_tcp_endpoint
 from triptych.roles import ROLE_SPECS, WORKER_ROLES, Role
 from triptych.serve_help import flag
 
@@ -84,17 +83,7 @@ def parse_endpoint_spec(url: str) -> None:
         if not url.removeprefix("file://").startswith("/"):
             raise ValueError(f"{url!r} is not a file:///ABSOLUTE/PATH")
         return
-    scheme = "dns" if url.startswith("dns://") else "tcp"
-    what = f"{url!r} is not a {scheme}://{'NAME' if scheme == 'dns' else 'HOST'}:PORT endpoint (PORT 1-65535)"
-    try:
-        parts = urlsplit("tcp://" + url.removeprefix("dns://") if scheme == "dns" else url)
-        port = parts.port  # ValueError: not a number, or above 65535
-    except ValueError:
-        raise ValueError(what) from None
-    # Nothing but the host and the port: a path or user would be dropped without a word, port 0 is no port.
-    extra = parts.path or parts.query or parts.fragment or parts.username is not None
-    if parts.scheme != "tcp" or not parts.hostname or not port or extra:
-        raise ValueError(what)
+    parse_tcp_endpoint(url, "dns" if url.startswith("dns://") else "tcp")
 
 
 @dataclass

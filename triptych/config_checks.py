@@ -162,8 +162,8 @@ def check_server_addr(args: ServeArgs) -> None:
     if twice := next((spec for i, spec in enumerate(specs) if spec in specs[:i]), None):
         raise ConfigError(f"--disagg-server-addr: {twice} is listed twice; give each head once")
     for spec in specs:  # a worker reports on the head's result port for its role: up to +5
-        port = urlsplit(spec).port if spec.startswith("tcp://") else None
-        if port is not None and port + MAX_RESULT_PORT_OFFSET > 65535:
+        port = parse_tcp_endpoint(spec)[1] if spec.startswith("tcp://") else 0
+        if port + MAX_RESULT_PORT_OFFSET > 65535:
             raise ConfigError(
                 f"--disagg-server-addr {spec}: a head's --scheduler-port leaves room for its result ports "
                 f"(+1..+{MAX_RESULT_PORT_OFFSET}), so it is at most {65535 - MAX_RESULT_PORT_OFFSET}"

@@ -16,7 +16,6 @@ import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from triptych.ports import parse_tcp_endpoint, tcp_url
 
@@ -61,10 +60,8 @@ def expand(spec: str, resolver: Resolver = resolve_addresses) -> list[str]:
         return read_endpoint_file(spec.removeprefix("file://"))
     if not spec.startswith("dns://"):
         return [spec]
-    parts = urlsplit(spec)
-    if not parts.hostname or parts.port is None:
-        raise ValueError(f"{spec!r} is not a dns://NAME:PORT endpoint")
-    return [tcp_url(address, parts.port) for address in resolver(parts.hostname)]
+    name, port = parse_tcp_endpoint(spec, "dns")
+    return [tcp_url(address, port) for address in resolver(name)]
 
 
 class EndpointDirectory:

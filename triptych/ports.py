@@ -40,12 +40,23 @@ def result_port(scheduler_port: int, role: Role) -> int:
         raise ValueError(f"role {role.value!r} has no result port; only worker roles report") from None
 
 
-def parse_tcp_endpoint(url: str) -> tuple[str, int]:
-    """Split 'tcp://host:port' into (host, port), with a message naming the bad value."""
-    parts = urlsplit(url)
-    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
-        raise ValueError(f"{url!r} is not a tcp://HOST:PORT endpoint")
-    return parts.hostname, parts.port
+def parse_tcp_endpoint(url: str, scheme: str = "tcp") -> tuple[str, int]:
+    """Split 'tcp://HOST:PORT' (or SCHEME://NAME:PORT) into (host, port); nothing else is taken: a
+    path, query or user part would be dropped without a word, and port 0 is no port."""
+    word = "NAME" if scheme == "dns" else "HOST"
+    what = f"{url!r} is not a {scheme}://{word}:PORT endpoint (PORT 1-65535)"
+    prefix = f"{scheme}://"
+    if not url.startswith(prefix):
+        raise ValueError(what)
+    try:
+        parts = urlsplit("tcp://" + url.removeprefix(prefix))
+        port = parts.port  # ValueError: not a number, or above 65535
+    except ValueError:
+        raise ValueError(what) from None
+    extra = parts.path or parts.query or parts.fragment or parts.username is not None
+    if not parts.hostname or not port or extra:
+        raise ValueError(what)
+    return parts.hostname, port
 
 
 def result_endpoint(server_addr: str, role: Role) -> str:

@@ -24,9 +24,29 @@ def test_localhost_resolves_through_the_real_resolver():
     assert resolve_addresses("no-such-host.invalid") == []
 
 
-def test_bad_dns_url_names_the_value():
-    with pytest.raises(ValueError, match="dns://nope"):
-        expand("dns://nope")
+@pytest.mark.parametrize("spec", ["dns://nope", "dns://dec.ns.svc:0", "dns://dec.ns.svc:19000/path", "dns://u@dec:1"])
+def test_bad_dns_url_names_the_value(spec: str):
+    with pytest.raises(ValueError, match=rf"{spec!r} is not a dns://NAME:PORT endpoint \(PORT 1-65535\)"):
+        expand(spec, lambda _: ["192.0.2.1"])
+
+
+def test_a_file_list_keeps_only_whole_tcp_endpoints(tmp_path, caplog):
+    """The list a tool rewrites at run time is held to what the flags take at start-up: an entry with
+    port 0, a path or a user part would dial the wrong place, so it is skipped, with a warning naming it."""
+    listed = tmp_path / "decoders"
+    listed.write_text(
+        "# decoders\n"
+        "tcp://192.0.2.1:19000\n"
+        "tcp://192.0.2.2:0\n"
+        "tcp://192.0.2.3:19000/extra  # a path\n"
+        "tcp://user@192.0.2.4:19000\n"
+        "dns://dec.ns.svc:19000\n"
+        "tcp://[2001:db8::1]:19000\n"
+    )
+    assert expand(f"file://{listed}") == ["tcp://192.0.2.1:19000", "tcp://[2001:db8::1]:19000"]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 4 and all("is not a tcp://HOST:PORT endpoint" in m for m in skipped)
+    assert expand(f"file://{tmp_path}/missing") == []
 
 
 def test_directory_follows_scaling_of_the_service():
