@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -27,6 +28,7 @@ from triptych.config import ServeArgs
 from triptych.lora import LoraCatalog
 from triptych.roles import Role
 from triptych_dev.localdeploy import free_port_block
+from triptych_worker.parallel.full import FullPipelineRanks
 from triptych_worker.parallel.handoff import fingerprint
 from triptych_worker.parallel.ranks import ParallelPipeline, Rank
 from triptych_worker.pipeline import RolePipeline, load_role_pipeline
@@ -147,6 +149,25 @@ def test_every_rank_stops_at_the_same_boundary_and_rank_zero_stages_the_whole_st
             torch.testing.assert_close(two.tensors[tensor], one.tensors[tensor], msg=tensor)
     counters = pipelines["2"].last_counters
     assert len(counters) == 2 and counters[0][0] == counters[1][0] > 0, counters  # both ranks did 3 steps' work
+
+
+@pytest.mark.parametrize(("field", "value"), [("width", 17), ("num_inference_steps", 0), ("num_outputs", 10**9)])
+def test_several_ranks_check_parameters_as_one_device_does(setup, field: str, value: int) -> None:  # type: ignore[no-untyped-def]
+    """A worker checks a request's parameters at every role before it allocates or computes
+    (compute._prepare): a multi-device denoiser, alone or as a full-pipeline worker's middle, refuses
+    what one device refuses, with its words, rather than leaving it to the head's check."""
+    case, _, pipelines = setup
+    params = msgspec.structs.replace(CASES[case][1], **{field: value})
+    with pytest.raises(ValueError) as one:
+        pipelines["1"].validate(params)
+    assert str(one.value).startswith(f"{field} {value}"), one.value
+    full = FullPipelineRanks(pipelines["encoder"], pipelines["2"], pipelines["decoder"])
+    for ranks in (pipelines["2"], full):
+        with pytest.raises(ValueError) as several:
+            ranks.validate(params)
+        assert str(several.value) == str(one.value)
+    for ranks in (pipelines["1"], pipelines["2"], full):
+        ranks.validate(CASES[case][1])  # what one device serves, several do
 
 
 def test_a_fingerprint_tells_any_changed_bit_apart() -> None:

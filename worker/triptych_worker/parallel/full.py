@@ -27,6 +27,7 @@ from triptych_worker.stages import StageBatch
 
 if TYPE_CHECKING:
     from triptych_worker.encoder_cache import EncoderCache
+    from triptych.params import GenerationParams
     from triptych_worker.lora import LoraAdapters
     from triptych_worker.pipeline import RolePipeline
     from triptych_worker.preview import LatentPreviewer
@@ -43,6 +44,10 @@ class FullPipelineRanks:
 
     def __init__(self, encode: RolePipeline, denoise: ParallelPipeline, decode: RolePipeline):
         self.encode, self.denoise, self.decode = encode, denoise, decode
+
+    def validate(self, params: GenerationParams) -> None:
+        """Raise ValueError naming the field when the model cannot serve `params` (one family: any part's check)."""
+        self.encode.validate(params)
 
     def run(self, batch: StageBatch) -> StageBatch:
         self.denoise.check(batch)  # before encoding: what the ranks cannot run is refused first

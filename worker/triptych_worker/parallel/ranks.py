@@ -61,6 +61,7 @@ from triptych_worker.resume import RESUME, CannotResume
 from triptych_worker.stages import ProgressCallback, StageBatch
 
 if TYPE_CHECKING:
+    from triptych.params import GenerationParams
     from triptych_worker.lora import LoraAdapters
     from triptych_worker.pipeline import RolePipeline
     from triptych_worker.preview import LatentPreviewer
@@ -226,6 +227,11 @@ class ParallelPipeline:
         for i, error, differ in zip(group, ran, self._finish(members, started), strict=True):
             outcomes[i] = error or differ
         return outcomes
+
+    def validate(self, params: GenerationParams) -> None:
+        """Raise ValueError naming the field when the model cannot serve `params` (rank 0's stages check
+        it as one device's do; what only the ranks' split refuses is `check`'s)."""
+        self.rank.pipeline.validate(params)
 
     def check(self, batch: StageBatch) -> None:
         """Raise ValueError naming the field when these ranks cannot run the request (parallel/families.py)."""
