@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
+import ipaddress
 import re
 from dataclasses import dataclass, field
 
@@ -63,6 +65,24 @@ class ConfigError(ValueError):
     """A flag value that cannot work; the message names the flag and what to do."""
 
 
+# A bind refused for its address (a name that does not resolve, an address not on this machine),
+# not for its port: ZeroMQ's ENODEV and EADDRNOTAVAIL.
+_ADDRESS_ERRNOS = frozenset({errno.ENODEV, errno.EADDRNOTAVAIL})
+
+
+def bind_error(
+    exc: Exception, endpoint: str, host: tuple[str, str], port: tuple[str, int], port_hint: str
+) -> ConfigError:
+    """What a failed bind of `endpoint` means, naming the flag at fault: `host` (its flag and value)
+    when the address is not this machine's, else `port` (its flag and value) with `port_hint`."""
+    if getattr(exc, "errno", None) in _ADDRESS_ERRNOS:  # zmq.ZMQError's, or an OSError's
+        return ConfigError(
+            f"{host[0]} {host[1]}: cannot bind {endpoint}: {exc} (give an address of this machine, a name "
+            "that resolves to one, or 0.0.0.0)"
+        )
+    return ConfigError(f"{port[0]} {port[1]}: cannot bind {endpoint}: {exc} ({port_hint})")
+
+
 def parse_size(text: str) -> int:
     """Bytes from '268435456', '256MiB', '1GiB', '512M'."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
@@ -70,6 +90,16 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 268435456, 256MiB, 1GiB)")
     scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
     return int(m.group(1)) * scale
+
+
+def parse_bind_address(text: str) -> str:
+    """--host and --disagg-p2p-hostname: an IPv6 address may come in brackets, as in a URL; it is kept
+    without them, as sockets, uvicorn and Mooncake take it (and tcp_url brackets it again)."""
+    inner = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    try:
+        return str(ipaddress.IPv6Address(inner))
+    except ValueError:
+        return text
 
 
 def parse_urls(text: str) -> list[str]:

@@ -17,6 +17,7 @@ from triptych.config import (
     SIMULATE_DEFAULTS,
     URL_FLAGS,
     ServeArgs,
+    parse_bind_address,
     parse_size,
     parse_urls,
 )
@@ -54,11 +55,16 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
             default=[],
             help=f"head: {role.value} endpoints, ';'-separated: tcp://HOST:PORT dns://NAME:PORT file:///PATH",
         )
-    a("--host", default=d.host,
+    a("--host", type=parse_bind_address, default=d.host,
       help="head: HTTP and result-socket bind address; workers on other hosts report to the result sockets, "
            "so give an address they reach (or 0.0.0.0, with --disagg-keys-dir)")  # fmt: skip
     a("--port", type=int, default=d.port, help="head/monolithic: HTTP port")
-    a("--disagg-p2p-hostname", default=d.disagg_p2p_hostname, help="worker: address peers reach it on (pod IP)")
+    a(
+        "--disagg-p2p-hostname",
+        type=parse_bind_address,
+        default=d.disagg_p2p_hostname,
+        help="worker: address peers reach it on (pod IP)",
+    )
     a("--disagg-ib-device", default=None, help="worker: RDMA device (e.g. mlx5_0); TCP transport when unset")
     a("--disagg-transfer-pool-size", type=parse_size, default=d.disagg_transfer_pool_size,
       help="worker: registered transfer pool, bytes or 256MiB/1GiB (default 256MiB)")  # fmt: skip

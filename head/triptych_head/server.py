@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from triptych.config import ConfigError, ServeArgs
+from triptych.config import ServeArgs, bind_error
 from triptych.discovery import EndpointDirectory
 from triptych.ports import frontend_port, result_port, tcp_url
 from triptych.protocol import HeaderTooLarge, RequestEvent, encode
@@ -161,9 +161,11 @@ class DiffusionServer:
         except zmq.ZMQError as exc:
             sock.close()
             self._close(0)
-            raise ConfigError(
-                f"--scheduler-port {self.args.scheduler_port}: cannot bind {endpoint}: {exc} (the head's frontend and "
-                f"its result ports +1..+5 must be free on --host; is another head using them?)"
+            port_hint = (
+                "the head's frontend and its result ports +1..+5 must be free on --host; is another head using them?"
+            )
+            raise bind_error(
+                exc, endpoint, ("--host", self.args.host), ("--scheduler-port", self.args.scheduler_port), port_hint
             ) from None
         self._sockets.append((sock, role))
         return sock

@@ -76,6 +76,21 @@ def test_addresses_names_and_sizes_that_work_still_pass(argv: list[str]) -> None
     parse(*argv)
 
 
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [("[::1]", "::1"), ("::1", "::1"), ("[2001:db8:0::1]", "2001:db8::1"), ("127.0.0.1", "127.0.0.1")],
+)
+def test_an_ipv6_address_in_brackets_is_kept_without_them(given: str, kept: str) -> None:
+    """Brackets, as in a URL, were kept: the worker bound tcp://[[::1]]:PORT and failed, after its model loaded."""
+    assert parse(*WORKER, "--disagg-p2p-hostname", given, "--disagg-insecure").disagg_p2p_hostname == kept
+    assert parse("--host", given).host == kept
+
+
+def test_a_name_in_brackets_is_refused_as_it_was() -> None:
+    with pytest.raises(ConfigError, match=r"--host '\[worker-0\]' is not an IP address or a host name"):
+        parse("--host", "[worker-0]")
+
+
 def test_a_transfer_pool_larger_than_the_host_is_refused_as_the_worker_starts() -> None:
     # numpy failed to allocate it with a traceback, after the model loaded.
     args = parse(*WORKER, "--disagg-transfer-pool-size", str(MAX_SIZE))

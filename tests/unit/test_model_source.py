@@ -173,3 +173,26 @@ def test_serve_exits_with_one_line_naming_the_flag_when_its_port_is_taken(tiny_m
         f"triptych: error: --scheduler-port {port}: cannot bind tcp://127.0.0.1:{port}"
     ), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("role", "address_flag"), [("server", "--host"), ("denoiser", "--disagg-p2p-hostname")])
+def test_serve_exits_in_one_line_naming_the_address_flag_for_another_host_s_address(tiny_models, role, address_flag):
+    """A head's --host or a worker's --disagg-p2p-hostname that names another host: the head's bind error
+    blamed --scheduler-port, and the worker loaded its model and then died with Mooncake's traceback."""
+    from triptych_dev.localdeploy import free_port_block
+
+    port = free_port_block(8)
+    argv = ["--model-path", str(tiny_models["tiny-flux"]), "--disagg-role", role, "--scheduler-port", str(port),
+            address_flag, "192.0.2.77", "--disagg-insecure"]  # fmt: skip
+    if role == "server":
+        argv += ["--port", str(port + 7)]
+        argv += [f"--{r}-urls=tcp://127.0.0.1:{p}" for r, p in (("encoder", 1), ("denoiser", 2), ("decoder", 3))]
+    else:
+        argv += ["--device", "cpu", "--simulate", "--disagg-server-addr", "tcp://127.0.0.1:1"]
+    proc = subprocess.run([sys.executable, "-m", "triptych", "serve", *argv], capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("triptych: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(f"triptych: error: {address_flag} 192.0.2.77"), errors
+    assert "cannot bind" in errors[0] or "is not an address of this host" in errors[0], errors
+    assert "Traceback" not in proc.stderr

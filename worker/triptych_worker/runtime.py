@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from triptych import startup
-from triptych.config import ConfigError, ServeArgs
+from triptych.config import ConfigError, ServeArgs, bind_error
 from triptych.families.package import package_fingerprint
 from triptych.flag_roles import LORA_WORKERS
 from triptych.liveness import HEARTBEAT_INTERVAL_S
@@ -76,7 +76,7 @@ from triptych_worker.transfer import (
     check_rdma_device,
     precise_sleeps,
 )
-from triptych_worker.transfer.listeners import check_mooncake_listeners, confine_mooncake_listeners
+from triptych_worker.transfer.listeners import check_local_address, check_mooncake_listeners, confine_mooncake_listeners
 
 if TYPE_CHECKING:
     from triptych_worker.parallel.full import FullPipelineRanks
@@ -106,6 +106,7 @@ class Worker:
         self.security: ControlPlane = control_plane(args, self.ctx, "worker")
         if not args.disagg_full_pipeline:
             check_rdma_device(args.disagg_ib_device)  # a NIC this host lacks: Mooncake would use TCP silently
+            check_local_address(args.disagg_p2p_hostname)  # Mooncake's engine starts only after the model loads
         # Before the model loads too: an adapter path without weights (--lora, --lora-catalog) refuses the
         # start, rather than fail every request naming it. The head checks names only; a decoder loads none.
         lora_catalog = LoraCatalog.from_flags(args.lora, args.lora_catalog)
@@ -231,9 +232,12 @@ class Worker:
             self._work.bind(self.work_endpoint)
         except zmq.ZMQError as exc:
             self._work.close()
-            raise ConfigError(
-                f"--scheduler-port {self.args.scheduler_port}: cannot bind {self.work_endpoint}: {exc} "
-                "(this worker's work port; is another process using it?)"
+            raise bind_error(
+                exc,
+                self.work_endpoint,
+                ("--disagg-p2p-hostname", self.args.disagg_p2p_hostname),
+                ("--scheduler-port", self.args.scheduler_port),
+                "this worker's work port; is another process using it?",
             ) from None
         threads = [threading.Thread(target=self._thread_main, name=f"worker-{i}", daemon=True) for i in range(THREADS)]
         for t in threads:

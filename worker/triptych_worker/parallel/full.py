@@ -26,8 +26,8 @@ from triptych_worker.parallel.ranks import ParallelPipeline, rank_device, start_
 from triptych_worker.stages import StageBatch
 
 if TYPE_CHECKING:
-    from triptych_worker.encoder_cache import EncoderCache
     from triptych.params import GenerationParams
+    from triptych_worker.encoder_cache import EncoderCache
     from triptych_worker.lora import LoraAdapters
     from triptych_worker.pipeline import RolePipeline
     from triptych_worker.preview import LatentPreviewer

@@ -87,6 +87,22 @@ def listen_address(hostname: str) -> str:
     return str(infos[0][4][0])
 
 
+def check_local_address(hostname: str) -> None:
+    """Raise ConfigError unless --disagg-p2p-hostname is an address of this host: Mooncake's engine,
+    started after the model loads, could not listen on it, and peers would write to another host."""
+    address = listen_address(hostname)
+    family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError as exc:
+            resolved = "" if address == hostname.strip("[]") else f" ({address})"
+            raise ConfigError(
+                f"--disagg-p2p-hostname {hostname}{resolved} is not an address of this host ({exc.strerror}): "
+                "give this host's address (in a pod, its IP, e.g. $(POD_IP)) or a name that resolves to it"
+            ) from None
+
+
 def confine_mooncake_listeners(args: ServeArgs) -> None:
     """Make sure Mooncake will listen on --disagg-p2p-hostname only; may re-execute this process.
 
