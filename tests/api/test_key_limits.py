@@ -170,3 +170,66 @@ def test_a_key_over_its_rate_gets_a_429_with_retry_after_and_other_keys_go_on(tm
         assert post("sk-open").status_code == 200
         metrics = client.get("/metrics").text
     assert "triptych_rejected_key_rate_requests_total 1.0" in metrics
+
+
+TENANT_KEYS = (
+    "sk-acme-old tenant=acme max_in_flight=1 max_per_minute=5  # rotating: both of acme's keys\n"
+    "sk-acme-new max_per_minute=5 max_in_flight=1 tenant=acme\n"
+    "sk-solo max_in_flight=1\n"
+)
+
+
+def test_a_tenant_s_keys_share_one_set_of_limits_under_its_name() -> None:
+    old, new, solo = parse_entries(TENANT_KEYS)
+    assert old.limit == new.limit and old.limit is not None and old.limit.key_id == "tenant:acme"
+    assert (
+        solo.limit is not None
+        and solo.limit.key_id not in ("tenant:acme", "key:")
+        and "sk-solo" not in solo.limit.key_id
+    )
+
+
+@pytest.mark.parametrize(
+    ("second", "says"),
+    [
+        ("sk-b tenant=acme", "line 1 gives max_in_flight=2, this line none"),  # a rotated key without them
+        ("sk-b tenant=acme max_in_flight=3", "line 1 gives max_in_flight=2, this line max_in_flight=3"),
+        ("sk-b tenant=acme max_in_flight=2 max_per_day=9", "this line max_in_flight=2 max_per_day=9"),
+    ],
+)
+def test_keys_of_one_tenant_that_give_different_limits_stop_the_head_naming_the_lines(
+    tmp_path: Path, second: str, says: str
+) -> None:
+    """A key rotated in without its tenant's limits would be a way around them; two different ones, a guess."""
+    path = tmp_path / "keys"
+    path.write_text(f"sk-a tenant=acme max_in_flight=2\n{second}\n")
+    with pytest.raises(APIKeyError, match=rf"line 2: tenant=acme's keys share the tenant's limits.*{says}"):
+        APIKeys(path)
+    path.write_text(f"sk-a tenant=acme max_in_flight=2\nsk-b tenant=other\n{second.replace('acme', 'third')}\n")
+    APIKeys(path)  # other tenants, and a tenant's one key, give what they like
+
+
+def test_a_tenant_at_its_limit_is_refused_whichever_of_its_keys_asks(tmp_path: Path) -> None:
+    """Limits were counted per key, so a tenant holding two keys while it rotates had twice its share."""
+    backend = ScriptedBackend()
+    backend.step_delay = 0.25  # a job stays in flight ~1 s
+    (tmp_path / "keys").write_text(TENANT_KEYS)
+    model = ModelInfo("tiny", "WanPipeline", "video", 4, 3.5)
+    ctx = HeadContext(backend, model, tmp_path, CollectorRegistry(), api_keys=APIKeys(tmp_path / "keys"))
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(ctx)) as client:
+
+        def post(key: str) -> Any:
+            return client.post("/v1/videos", json=VIDEO, headers={"Authorization": f"Bearer {key}"})
+
+        assert post("sk-acme-old").status_code == 200
+        refused = post("sk-acme-new")
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "key_concurrency_limit", error
+        assert error["message"].startswith("this API key's tenant 'acme' (its keys together) has 1 requests in flight")
+        assert post("sk-solo").status_code == 200  # another key's count is its own
+        usage = client.get("/v1/usage", headers={"Authorization": "Bearer sk-acme-new"}).json()
+        assert usage["in_flight"] == {"limit": 1, "used": 1}, usage  # the tenant's, seen from either key
+    assert len(backend.calls) == 2

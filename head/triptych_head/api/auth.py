@@ -11,7 +11,9 @@ hour, day or month by all the pipeline's heads together (key_quotas.py);
 `max_device_seconds_per_hour=N` (day, month): the same for the device-seconds its finished requests
 used (their stages' seconds times the devices they ran on); a key without them is not limited.
 `tenant=NAME`: whose video jobs the key's requests see (a key sees only its tenant's, or, without
-the option, its own: ownership.py); give the old and the new key the same tenant when rotating. The
+the option, its own: ownership.py), and whose limits they count against: a tenant's keys share one
+set (one count in flight, one bucket, one quota), so each of its lines must give the same limits;
+give the old and the new key the same tenant, and the same options, when rotating. The
 file is re-read when it changes (checked at most once a second, on a request), so rotating keys is
 editing the file or the Secret: add the new key, move clients over, remove the old one; no
 restart. A file that cannot be read or parsed any more keeps the keys last read (a failed re-read
@@ -24,7 +26,8 @@ must not open the API); one that lists no key locks everyone out.
     sk-trial max_per_minute=10           # 10 a minute (a burst of 10, then one every 6 s)
     sk-metered max_per_day=1000          # 1000 a UTC day, counted by every head
     sk-gpu-budget max_device_seconds_per_month=360000   # 100 device-hours a month, by every head
-    sk-acme-2026-12 tenant=acme          # sees acme's video jobs, made with any key of acme's
+    sk-acme-2026-12 tenant=acme max_in_flight=8   # acme's jobs and limits, shared by its keys
+    sk-acme-2027-01 tenant=acme max_in_flight=8   # rotating in: 8 in flight for both keys together
 
 A presented key is compared with every configured key with hmac.compare_digest, all of them each
 time, so neither which key matched nor how much of one did shows in the timing.
@@ -84,6 +87,7 @@ def parse_entries(text: str) -> list[APIKey]:
     """The keys of a keys file and their options; ValueError naming the line for an unknown option or
     a bad value."""
     keys = []
+    tenants: dict[str, tuple[int, dict[str, str]]] = {}  # tenant -> the first line naming it, and its limits
     for number, line in enumerate(text.splitlines(), 1):
         key = line.split("#", 1)[0].strip()
         options: dict[str, str] = {}
@@ -91,16 +95,37 @@ def parse_entries(text: str) -> list[APIKey]:
             key = parts[0]
             name, _, value = parts[1].partition("=")
             options[name] = _checked_option(number, name, value)
-        if key:
-            in_flight, per_minute = options.get(IN_FLIGHT_OPTION), options.get(RATE_OPTION)
-            quotas = tuple((period.name, int(options[o])) for o, period in QUOTA_OPTIONS.items() if o in options)
-            device = tuple((period.name, int(options[o])) for o, period in DEVICE_OPTIONS.items() if o in options)
-            limit = None
-            if in_flight is not None or per_minute is not None or quotas or device:
-                limit = KeyLimit(_key_id(key), _count(in_flight), _count(per_minute), quotas, device)
-            owner = owner_of_key(_key_id(key), options.get(TENANT))
-            keys.append(APIKey(key, options.get(MAX_PRIORITY, DEFAULT_CEILING), limit, owner))
+        if not key:
+            continue
+        tenant = options.get(TENANT)
+        owner = owner_of_key(_key_id(key), tenant)
+        counted = {name: int(value) for name, value in options.items() if name in COUNTED}
+        if tenant is not None:
+            first, limits = tenants.setdefault(tenant, (number, options))
+            _check_tenant_limits(tenant, (first, limits), (number, options))
+        limit = None
+        if counted:  # a tenant's keys share one set of counts, under the tenant's name
+            limit = KeyLimit(
+                owner if tenant is not None else _key_id(key),
+                counted.get(IN_FLIGHT_OPTION),
+                counted.get(RATE_OPTION),
+                tuple((period.name, counted[o]) for o, period in QUOTA_OPTIONS.items() if o in counted),
+                tuple((period.name, counted[o]) for o, period in DEVICE_OPTIONS.items() if o in counted),
+            )
+        keys.append(APIKey(key, options.get(MAX_PRIORITY, DEFAULT_CEILING), limit, owner))
     return keys
+
+
+def _check_tenant_limits(tenant: str, first: tuple[int, dict[str, str]], this: tuple[int, dict[str, str]]) -> None:
+    """A tenant's keys share its limits (one count of requests in flight, one bucket, one quota), so each of
+    its lines gives the same ones: a key rotated in without them would be a way around them."""
+    (first_line, first_options), (line, options) = first, this
+    theirs, mine = (" ".join(f"{n}={o[n]}" for n in COUNTED if n in o) or "none" for o in (first_options, options))
+    if theirs != mine:
+        raise ValueError(
+            f"line {line}: {TENANT}={tenant}'s keys share the tenant's limits, so each gives the same: line "
+            f"{first_line} gives {theirs}, this line {mine}"
+        )
 
 
 def _checked_option(number: int, name: str, value: str) -> str:
@@ -119,10 +144,6 @@ def _checked_option(number: int, name: str, value: str) -> str:
             f"line {number}: unknown option {name!r} (the options are {MAX_PRIORITY}=LEVEL, {TENANT}=NAME, {counts})"
         )
     return value
-
-
-def _count(value: str | None) -> int | None:
-    return None if value is None else int(value)
 
 
 def _key_id(key: str) -> str:

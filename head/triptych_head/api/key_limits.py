@@ -17,6 +17,10 @@ A key of --api-keys-file may carry (auth.py):
   requests used (`charge`, as each ends), so the request that crosses the quota finishes and the
   next one gets the 429.
 
+A key with `tenant=NAME` counts against its tenant (`key_id` `tenant:NAME`): the tenant's keys share
+one set of limits (auth.py refuses a file whose lines of one tenant give different ones), so
+rotating keys does not double a tenant's share, and a refusal names the tenant.
+
 Either way the refusal comes before any worker sees the request, so one tenant's burst queues at
 its own door instead of in front of every other tenant's requests. A key without the options, and
 an open API (no --api-keys-file), is not counted.
@@ -41,6 +45,7 @@ from prometheus_client import CollectorRegistry, Counter
 from triptych_head.api.errors import APIError
 from triptych_head.api.key_quotas import PERIODS, QuotaExceeded, QuotaLedger
 from triptych_head.api.key_sharing import HeadCounts, LiveCounts, PeerCounts
+from triptych_head.api.ownership import TENANT_OWNER
 
 KEY_LIMIT = "key_limit"  # request.state: the KeyLimit of the key the request carries (auth.py sets it)
 OPTION = "max_in_flight"
@@ -49,7 +54,8 @@ RATE_OPTION = "max_per_minute"
 
 @dataclass(frozen=True)
 class KeyLimit:
-    """A key's limits (None: not limited that way); `key_id` names the key (a digest, never the key itself)."""
+    """A key's limits (None: not limited that way); `key_id` names what is counted: the key (a digest, never
+    the key itself), or its tenant (`tenant:NAME`), whose keys share one set of limits."""
 
     key_id: str
     max_in_flight: int | None = None
@@ -107,7 +113,8 @@ class KeyLimits:
         if limit.max_in_flight is not None and count >= limit.max_in_flight:
             self.rejected.inc()
             raise _refusal(
-                f"has {count} requests in flight, its limit ({OPTION}={limit.max_in_flight} in --api-keys-file); "
+                limit,
+                f"{count} requests in flight, the limit ({OPTION}={limit.max_in_flight} in --api-keys-file); "
                 "retry when one of them has ended",
                 "key_concurrency_limit",
                 retry_after_s,
@@ -120,9 +127,9 @@ class KeyLimits:
             if device is not None:
                 device.check(limit.key_id, limit.device_quotas)
         except QuotaExceeded as exc:
-            raise _refusal(str(exc), "key_quota_exceeded", exc.retry_after_s) from None
+            raise _refusal(limit, str(exc), "key_quota_exceeded", exc.retry_after_s) from None
         if limit.max_per_minute is not None:
-            self._take_token(request_id, limit.key_id, limit.max_per_minute)
+            self._take_token(request_id, limit)
         if ledger is not None:
             ledger.take(request_id, limit.key_id, limit.quotas)
         self._count(request_id, limit)
@@ -228,7 +235,9 @@ class KeyLimits:
         tokens, at = self._tokens.get(key_id, (float(per_minute), now))
         return min(float(per_minute), tokens + (now - at) * per_minute / 60.0)
 
-    def _take_token(self, request_id: str, key_id: str, per_minute: int) -> None:
+    def _take_token(self, request_id: str, limit: KeyLimit) -> None:
+        key_id, per_minute = limit.key_id, limit.max_per_minute
+        assert per_minute is not None
         now = self._clock()
         tokens = self._refilled(key_id, per_minute, now)
         if tokens < 1.0:
@@ -236,7 +245,8 @@ class KeyLimits:
             self.rejected_rate.inc()
             wait_s = max(1, math.ceil((1.0 - tokens) * 60.0 / per_minute - 1e-9))  # not 2 for 1.0000000001
             raise _refusal(
-                f"has used its {per_minute} requests per minute ({RATE_OPTION}={per_minute} in --api-keys-file); "
+                limit,
+                f"used {per_minute} requests per minute ({RATE_OPTION}={per_minute} in --api-keys-file); "
                 f"retry in {wait_s} s",
                 "key_rate_limit",
                 wait_s,
@@ -245,11 +255,13 @@ class KeyLimits:
         self._took[request_id] = key_id
 
 
-def _refusal(what: str, code: str, retry_after_s: int) -> APIError:
-    """A 429 for a key at one of its limits: `what` the key did, `code` which limit."""
+def _refusal(limit: KeyLimit, what: str, code: str, retry_after_s: int) -> APIError:
+    """A 429 for a key (or its tenant) at one of its limits: `what` it has done, `code` which limit."""
+    holder = f"this API key's tenant {limit.key_id.removeprefix(TENANT_OWNER)!r} (its keys together)" if (
+        limit.key_id.startswith(TENANT_OWNER)) else "this API key"  # fmt: skip
     return APIError(
         429,
-        f"this API key {what}, or ask for a key allowed more",
+        f"{holder} has {what}, or ask for a key allowed more",
         code=code,
         headers={"Retry-After": str(retry_after_s)},
     )

@@ -106,7 +106,7 @@ class QuotaExceeded(Exception):
     def __init__(self, period: Period, quota: int, retry_after_s: int, meter: Meter = REQUESTS) -> None:
         option = f"{meter.option_prefix}{period.name}"
         super().__init__(
-            f"has used its {quota} {meter.noun} this {period.name} (UTC; {option}={quota} in --api-keys-file, "
+            f"used its {quota} {meter.noun} this {period.name} (UTC; {option}={quota} in --api-keys-file, "
             f"counted by every head); retry in {retry_after_s} s, when the {period.name} ends"
         )
         self.retry_after_s = retry_after_s

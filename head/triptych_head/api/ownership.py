@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 OWNER = "owner"  # request.state: whose jobs the request sees (auth.py sets it from the key)
 TENANT = "tenant"  # the keys file's option naming a key's tenant
+TENANT_OWNER = f"{TENANT}:"  # how a tenant's name starts as an owner (and as what its keys' limits count)
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -34,7 +35,7 @@ def check_tenant(name: str) -> str | None:
 
 def owner_of_key(key_id: str, tenant: str | None) -> str:
     """The owner a key's requests make their jobs for: its tenant, else the key itself (by its id)."""
-    return f"{TENANT}:{tenant}" if tenant is not None else f"key:{key_id}"
+    return f"{TENANT_OWNER}{tenant}" if tenant is not None else f"key:{key_id}"
 
 
 def owner_of(request: Request) -> str | None:
