@@ -179,7 +179,8 @@ def _api_keys_secret() -> Field:
     name = (
         "A Secret in the pipeline's namespace holding the HTTP API's keys, one per line (`#` comments allowed; "
         "after a key, `max_priority=LEVEL`, `max_in_flight=N`, `max_per_minute=N` and the quotas `max_per_hour=N`, "
-        "`max_per_day=N`, `max_per_month=N`, and `tenant=NAME`, whose video jobs the key sees: docs/security.md). "
+        "`max_per_day=N`, `max_per_month=N`, and `tenant=NAME`, whose video jobs the key sees and whose limits "
+        "it shares: docs/security.md). "
         "Mounted read-only at `/etc/triptych/api-keys` (a whole-volume mount, so Secret updates reach it) and "
         "passed as `--api-keys-file`; clients then send `Authorization: Bearer KEY`, while /health, /ready and "
         '/metrics stay open. Updating the Secret rotates keys without a restart (README, "HTTP API and '
