@@ -162,12 +162,35 @@ def check_server_addr(args: ServeArgs) -> None:
     if twice := next((spec for i, spec in enumerate(specs) if spec in specs[:i]), None):
         raise ConfigError(f"--disagg-server-addr: {twice} is listed twice; give each head once")
     for spec in specs:  # a worker reports on the head's result port for its role: up to +5
-        port = parse_tcp_endpoint(spec)[1] if spec.startswith("tcp://") else 0
+        if not spec.startswith("tcp://"):
+            continue
+        host, port = parse_tcp_endpoint(spec)
         if port + MAX_RESULT_PORT_OFFSET > 65535:
             raise ConfigError(
                 f"--disagg-server-addr {spec}: a head's --scheduler-port leaves room for its result ports "
                 f"(+1..+{MAX_RESULT_PORT_OFFSET}), so it is at most {65535 - MAX_RESULT_PORT_OFFSET}"
             )
+        _check_work_port_is_not_the_head_s(args, spec, host, port)
+
+
+def _check_work_port_is_not_the_head_s(args: ServeArgs, spec: str, host: str, port: int) -> None:
+    """A worker on its head's address binds its work port (--scheduler-port) where the head binds its
+    frontend and result ports: it would fail only at that bind, after its model loaded."""
+    if not _same_address(host, args.disagg_p2p_hostname):
+        return
+    if port <= args.scheduler_port <= port + MAX_RESULT_PORT_OFFSET:
+        raise ConfigError(
+            f"--scheduler-port {args.scheduler_port}: this worker's work port is one of its head's ports on the "
+            f"same address ({spec}: frontend {port}, result ports {port + 1}-{port + MAX_RESULT_PORT_OFFSET}); "
+            "give the worker a --scheduler-port of its own (e.g. 19000)"
+        )
+
+
+def _same_address(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b.strip("[]"))
+    except ValueError:
+        return a.lower() == b.lower()
 
 
 def check_worker_lists(args: ServeArgs) -> None:

@@ -196,7 +196,7 @@ def test_each_worker_reports_to_every_head_at_a_port_the_headless_service_has(ro
     addr = parse_serve(container(objs[("Deployment", f"wan-t2v-{role.value}")])).disagg_server_addr
     assert addr == f"dns://wan-t2v-heads.{NAMESPACE}.svc.cluster.local:{HEAD_SCHEDULER_PORT}"
     # As the worker reads it (triptych.discovery): one endpoint per head pod the name resolves to.
-    endpoints = expand(addr, resolver=lambda host: ["10.0.0.7", "10.0.1.9"])
+    endpoints = expand(addr, resolver=lambda host: ["198.18.0.7", "198.18.1.9"])
     ports = {p["port"] for p in objs[("Service", "wan-t2v-heads")]["spec"]["ports"]}
     for endpoint in endpoints:
         assert int(result_endpoint(endpoint, role).rsplit(":", 1)[1]) in ports

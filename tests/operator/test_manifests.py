@@ -703,7 +703,7 @@ def test_batching_on_a_multi_gpu_role_batches_on_every_rank() -> None:
         ("denoiser", ["--scheduler-port", "1234"], "--scheduler-port", "the heads discover workers"),
         ("denoiser", ["--num-gpus", "4"], "--num-gpus", "spec.denoiser.gpusPerReplica"),
         ("denoiser", ["--device=cpu"], "--device", "spec.denoiser.gpusPerReplica"),
-        ("denoiser", ["--disagg-server-addr", "tcp://10.0.0.1:5555"], "--disagg-server-addr", "headless Service"),
+        ("denoiser", ["--disagg-server-addr", "tcp://192.0.2.1:5555"], "--disagg-server-addr", "headless Service"),
         ("denoiser", ["--base-gpu-id", "3"], "--base-gpu-id", "spec.denoiser.gpusPerReplica"),
         ("denoiser", ["--denoiser-ulysses", "1"], "--denoiser-ulysses", "spec.denoiser.parallelism.ulysses"),
         ("decoder", ["--disagg-drain-timeout", "1e12"], "--disagg-drain-timeout", "spec.decoder.drainSeconds"),

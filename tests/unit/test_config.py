@@ -224,7 +224,7 @@ def test_a_loopback_head_with_a_worker_on_another_host_is_refused_naming_the_fla
 
 
 @pytest.mark.parametrize(
-    "url", ["tcp://workers.example:35000", "tcp://[2001:db8::1]:35000", "tcp://10.0.0.1:35000"]
+    "url", ["tcp://workers.example:35000", "tcp://[2001:db8::1]:35000", "tcp://192.0.2.1:35000"]
 )  # fmt: skip
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.9"])
 def test_every_loopback_host_is_refused_a_remote_name_or_address(host, url):

@@ -91,6 +91,54 @@ def test_a_name_in_brackets_is_refused_as_it_was() -> None:
         parse("--host", "[worker-0]")
 
 
+@pytest.mark.parametrize(
+    ("argv", "port"),
+    [
+        (["--disagg-server-addr", "tcp://127.0.0.1:5555"], 5555),  # the worker's default work port: the head's
+        (["--disagg-server-addr", "tcp://127.0.0.1:19000", "--scheduler-port", "19003"], 19003),  # a result port
+        (
+            [
+                "--disagg-server-addr",
+                "tcp://[::1]:19000",
+                "--disagg-p2p-hostname",
+                "[::1]",
+                "--scheduler-port",
+                "19000",
+            ],
+            19000,
+        ),
+        (
+            [
+                "--disagg-server-addr",
+                "dns://heads:7;tcp://localhost:19000",
+                "--disagg-p2p-hostname",
+                "LOCALHOST",
+                "--scheduler-port",
+                "19005",
+            ],
+            19005,
+        ),
+    ],
+)
+def test_a_worker_work_port_among_its_head_s_ports_on_its_address_is_refused(argv: list[str], port: int) -> None:
+    """It bound only after its model loaded, and failed there (`Address already in use`)."""
+    with pytest.raises(ConfigError, match=rf"--scheduler-port {port}: this worker's work port is one of its head's"):
+        parse("--disagg-role", "denoiser", *argv)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--disagg-server-addr", "tcp://127.0.0.1:5555", "--scheduler-port", "19000"],
+        ["--disagg-server-addr", "tcp://127.0.0.1:19000", "--scheduler-port", "19006"],  # past the result ports
+        ["--disagg-server-addr", "tcp://127.0.0.1:5555", "--disagg-p2p-hostname", "127.0.0.2"],  # another address
+        ["--disagg-server-addr", "tcp://192.0.2.1:5555", "--disagg-p2p-hostname", "192.0.2.2", "--disagg-insecure"],
+    ],
+)
+def test_a_worker_work_port_apart_from_its_head_s_passes(argv: list[str]) -> None:
+    parse("--disagg-role", "denoiser", *argv)
+
+
 def test_a_transfer_pool_larger_than_the_host_is_refused_as_the_worker_starts() -> None:
     # numpy failed to allocate it with a traceback, after the model loaded.
     args = parse(*WORKER, "--disagg-transfer-pool-size", str(MAX_SIZE))

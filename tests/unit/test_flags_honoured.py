@@ -218,7 +218,7 @@ def base(role: Role) -> dict[str, Any]:
     if role is Role.SERVER:
         return {"encoder_urls": ["tcp://127.0.0.1:1"], "denoiser_urls": ["tcp://127.0.0.1:2"],
                 "decoder_urls": ["tcp://127.0.0.1:3"]}  # fmt: skip
-    return {"disagg_server_addr": "tcp://127.0.0.1:5555"} if role.is_worker else {}
+    return {"disagg_server_addr": "tcp://127.0.0.1:6555"} if role.is_worker else {}
 
 
 def test_every_flag_has_a_sample_and_a_test_or_says_why_not() -> None:

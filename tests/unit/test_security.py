@@ -22,7 +22,7 @@ def parse(*argv: str) -> ServeArgs:
 
 
 def worker(*argv: str) -> ServeArgs:
-    return parse("--disagg-role", "encoder", "--disagg-server-addr", "tcp://127.0.0.1:5555", *argv)
+    return parse("--disagg-role", "encoder", "--disagg-server-addr", "tcp://127.0.0.1:6555", *argv)
 
 
 def head(*argv: str) -> ServeArgs:
@@ -100,7 +100,7 @@ def test_loopback_runs_without_keys_and_both_flags_at_once_are_refused():
 
 def test_serve_exits_with_one_line_when_the_keys_cannot_be_read(tmp_path, tiny_models):
     cmd = [sys.executable, "-m", "triptych", "serve", "--model-path", str(tiny_models["tiny-flux"]),
-           "--disagg-role", "encoder", "--simulate", "--disagg-server-addr", "tcp://127.0.0.1:5555",
+           "--disagg-role", "encoder", "--simulate", "--disagg-server-addr", "tcp://127.0.0.1:6555",
            "--disagg-keys-dir", str(tmp_path / "nowhere")]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2
