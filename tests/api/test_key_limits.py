@@ -48,18 +48,23 @@ def test_a_keys_file_line_may_limit_its_key_per_minute() -> None:
 def test_a_limit_that_is_not_a_whole_number_stops_the_head_naming_the_line(
     tmp_path: Path, option: str, value: str
 ) -> None:
-    path = tmp_path / "keys"
-    path.write_text(f"sk-a\nsk-b {option}={value}\n")
-    with pytest.raises(APIKeyError, match=rf"--api-keys-file .*line 2: {option}='{value}' must be a whole"):
-        APIKeys(path)
+    refused_keys(
+        tmp_path, f"sk-a\nsk-b {option}={value}\n", rf"--api-keys-file .*line 2: {option}='{value}' must be a whole"
+    )
 
 
 def test_an_unknown_option_is_named_with_the_options_there_are(tmp_path: Path) -> None:
-    path = tmp_path / "keys"
-    path.write_text("sk-a max_per_week=5\n")
     options = r"max_in_flight=N, max_per_minute=N, max_per_hour=N, max_per_day=N, max_per_month=N"
-    with pytest.raises(APIKeyError, match=rf"line 1: unknown option 'max_per_week'.*{options}"):
+    refused_keys(tmp_path, "sk-a max_per_week=5\n", rf"line 1: unknown option 'max_per_week'.*{options}")
+
+
+def refused_keys(tmp_path: Path, text: str, match: str) -> Path:
+    """A keys file holding `text`, which the head refuses at start-up with a message matching `match`."""
+    path = tmp_path / "keys"
+    path.write_text(text)
+    with pytest.raises(APIKeyError, match=match):
         APIKeys(path)
+    return path
 
 
 class Clock:
@@ -201,10 +206,8 @@ def test_keys_of_one_tenant_that_give_different_limits_stop_the_head_naming_the_
     tmp_path: Path, second: str, says: str
 ) -> None:
     """A key rotated in without its tenant's limits would be a way around them; two different ones, a guess."""
-    path = tmp_path / "keys"
-    path.write_text(f"sk-a tenant=acme max_in_flight=2\n{second}\n")
-    with pytest.raises(APIKeyError, match=rf"line 2: tenant=acme's keys share the tenant's limits.*{says}"):
-        APIKeys(path)
+    text = f"sk-a tenant=acme max_in_flight=2\n{second}\n"
+    path = refused_keys(tmp_path, text, rf"line 2: tenant=acme's keys share the tenant's limits.*{says}")
     path.write_text(f"sk-a tenant=acme max_in_flight=2\nsk-b tenant=other\n{second.replace('acme', 'third')}\n")
     APIKeys(path)  # other tenants, and a tenant's one key, give what they like
 
