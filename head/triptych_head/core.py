@@ -448,6 +448,7 @@ class HeadCore:
             self.dispatcher.requeue(rec)
             return
         log.info("request %s: %s; restarting it (retry %d)", rec.request_id, reason, rec.retries)
+        self.dispatcher.leave_group(rec)
         self._release(rec)
         del self.attempts[rec.wire_id]
         rec.restart()
@@ -510,6 +511,7 @@ class HeadCore:
                 if (inst := self.membership.find(url)) is not None:
                     inst.inflight.discard(rec.wire_id)
         else:
+            self.dispatcher.leave_group(rec)
             self._release(rec)
         self.requests.pop(rec.request_id, None)
         self.attempts.pop(rec.wire_id, None)

@@ -17,7 +17,15 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from triptych.protocol import HeaderTooLarge, TransferAlloc, TransferPush, TransferReady, Work, WorkBatch
+from triptych.protocol import (
+    BatchResized,
+    HeaderTooLarge,
+    TransferAlloc,
+    TransferPush,
+    TransferReady,
+    Work,
+    WorkBatch,
+)
 from triptych.roles import Role
 from triptych_head import migration, preemption
 from triptych_head.batcher import Group, GroupBatcher
@@ -63,8 +71,16 @@ class Dispatcher:
     def requeue(self, rec: RequestRecord) -> None:
         """Back to the front of its level in its role's queue: its receiver refused or was lost; its
         sender still holds it."""
-        rec.batch = None  # the rest of its group, if any, runs without it
+        self.leave_group(rec)  # the rest of its group, if any, runs without it
         self._put(rec, ahead=True)
+
+    def leave_group(self, rec: RequestRecord) -> None:
+        """`rec` will not reach the receiver its hop's group went to (it stays queued, is requeued,
+        restarted or ended): when a member's TransferReady already counted it, the receiver is told
+        the group's size now (BatchResized), rather than wait its assembly time for it."""
+        tag, rec.batch = rec.batch, None
+        if tag is not None and (size := tag.resized()) is not None:
+            self._membership.send(tag.instance, BatchResized(tag.batch_id, tag.instance, size, self._core.head_id))
 
     def _put(self, rec: RequestRecord, ahead: bool) -> None:
         level = self._level(rec.request_id)
@@ -130,14 +146,14 @@ class Dispatcher:
             if inst is None:
                 break
             group = Group(inst, members[: inst.batch_room])
-            tag = BatchTag(group.batch_id, group.members) if len(group.members) > 1 else None
+            tag = BatchTag(group.batch_id, group.members, inst.url) if len(group.members) > 1 else None
             for rec in group.members:
                 rec.batch = tag  # before its dispatch: an in-place resume's TransferReady goes at once
                 if self._dispatch_one(role, rec.request_id, group):
                     gone.add(rec.request_id)
             for rec in group.members:
                 if rec.instance != inst.url:
-                    rec.batch = None  # it stayed queued (or failed): the others do not wait for it
+                    self.leave_group(rec)  # it stayed queued (or failed): the others do not wait for it
             if group.work and not self._send_work(group):
                 break
             batcher.observe_sent(role.value, group, now)

@@ -119,11 +119,26 @@ class BatchTag:
 
     batch_id: str
     members: list[RequestRecord]
+    instance: str  # the receiver the group went to
+    announced: int = 0  # the largest size a member's TransferReady has carried (0: none went out)
 
     def on_wire(self) -> tuple[str, int]:
         """(batch_id, batch_size) for a member's message; ("", 1) when it is the only one left."""
-        size = sum(1 for m in self.members if m.batch is self and not m.state.terminal)
+        size = self._size()
+        self.announced = max(self.announced, size)
         return (self.batch_id, size) if size > 1 else ("", 1)
+
+    def resized(self) -> int | None:
+        """After a member left: the group's size now when a TransferReady already went out saying more (the
+        receiver would wait its assembly time for the member that left); else None."""
+        size = self._size()
+        if self.announced <= max(size, 1):
+            return None
+        self.announced = size
+        return size
+
+    def _size(self) -> int:
+        return sum(1 for m in self.members if m.batch is self and not m.state.terminal)
 
 
 @dataclass

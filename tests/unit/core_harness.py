@@ -19,6 +19,7 @@ from typing import Any
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
 from triptych.protocol import (
+    BatchResized,
     CancelWork,
     Failed,
     HandOff,
@@ -122,6 +123,7 @@ class SimWorker:
     hold: bool = False
     max_batch: int = 1  # its --batching-max-size, which it heartbeats
     devices: int = 1  # its --num-gpus, which it heartbeats
+    resized: list[BatchResized] = field(default_factory=list)  # the groups the head said lost members
 
     def held(self) -> set[str]:
         """Requests holding one of its scheduling slots (computing, outputs staged, a slot reserved)."""
@@ -338,6 +340,8 @@ class Harness:
         elif isinstance(msg, CancelWork):
             if w.owner.get(msg.request_id, msg.head_id) == msg.head_id:
                 w.drop(msg.request_id)
+        elif isinstance(msg, BatchResized):
+            w.resized.append(msg)  # its stages run each request as it loads: nothing waits for a group here
         elif isinstance(msg, HandOff):
             if not w.hold:
                 w.handing_off.add(msg.request_id)

@@ -17,7 +17,7 @@ from triptych.protocol import TransferReady, Work, WorkBatch, decode, encode
 from triptych.roles import Role
 from triptych_head.batcher import GroupBatcher
 from triptych_head.state import RequestRecord
-from triptych_worker.job_groups import Job, take_group
+from triptych_worker.job_groups import Job, resize_group, take_group
 
 BASE = GenerationParams("a cat", width=64, height=48, num_inference_steps=4, guidance_scale=3.5, seed=1)
 
@@ -131,6 +131,19 @@ def test_a_later_member_s_smaller_size_runs_the_group_at_once():
     left after a member dropped out says fewer, and the group runs as soon as that many are here."""
     queue = deque([job("g1", group="g1", size=3, at=5.0), job("g2", group="g1", size=2, at=5.0)])
     assert [j.request_id for j in take_group(queue, 4, assembly_cutoff=4.0)] == ["g1", "g2"]
+
+
+def test_a_group_the_head_resized_runs_with_the_members_it_has():
+    """BatchResized: the head lost a member after g1 and g2 said a group of three; the queued members
+    of that group alone, and only those of the head that says so, wait for fewer."""
+    queue = deque([job("g1", group="g1", size=3, at=5.0), job("g2", group="g1", size=3, at=5.0),
+                   job("h1", group="h1", size=2, at=5.0)])  # fmt: skip
+    resize_group(queue, "g1", 2, owned=lambda j: False)  # another head's group of that id
+    assert take_group(queue, 4, assembly_cutoff=4.0) == []  # still three
+    resize_group(queue, "g1", 2, owned=lambda j: True)
+    resize_group(queue, "g1", 5, owned=lambda j: True)  # never larger than a member said
+    assert [j.request_id for j in take_group(queue, 4, assembly_cutoff=4.0)] == ["g1", "g2"]
+    assert take_group(queue, 4, assembly_cutoff=4.0) == []  # h1's group is not touched
 
 
 def test_untagged_jobs_batch_with_compatible_ones_only():

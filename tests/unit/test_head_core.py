@@ -18,6 +18,7 @@ import pytest
 from tests.unit.core_harness import PARAMS, Harness, SimWorker, SlotViolation
 from triptych.params import GenerationParams
 from triptych.protocol import (
+    BatchResized,
     CancelWork,
     HandOff,
     Ping,
@@ -359,6 +360,40 @@ def test_a_group_member_cancelled_on_the_way_is_not_waited_for() -> None:
     h.cancel("a")
     ready = _transfer_ready(h, "b")
     assert (ready.batch_id, ready.batch_size) == ("", 1)
+
+
+@pytest.mark.parametrize("lost", ["cancelled", "failed", "retried", "requeued"])
+def test_a_group_member_lost_after_its_sibling_s_transfer_ready_resizes_the_group(lost: str) -> None:
+    """b's TransferReady went out saying a group of two; then a is lost on its way (the client cancels
+    it, its sender fails it, its sender is lost and it starts over, it waits for another receiver):
+    the denoiser is told the group is b alone now (BatchResized), where it waited its assembly time
+    (0.5 s) for an a that was not coming."""
+    h = _denoiser_group_of_two()
+    ready = _transfer_ready(h, "b")
+    assert (ready.batch_id, ready.batch_size) == ("a", 2)
+    a = h.core.requests["a"]
+    assert a.batch is not None and not _resized(h)
+    if lost == "cancelled":
+        h.cancel("a")
+    elif lost == "failed":
+        h.core.finish(a, RequestState.FAILED, "its sender failed it", 500)
+    elif lost == "retried":  # its sender is lost: it starts over
+        encoder = h.core.membership.find(next(u for u, w in h.workers.items() if w.role is Role.ENCODER))
+        assert encoder is not None
+        h.core.retry(a, encoder, "disconnected", "the encoder is lost", outputs_kept=False)
+    else:  # its receiver gave it up: it waits for another, its outputs kept
+        denoiser = h.core.membership.find(ready.instance)
+        assert denoiser is not None
+        h.core.retry(a, denoiser, "refused", "the denoiser gave it up")
+    h.collect()
+    assert _resized(h) == [(ready.instance, "a", 1)]
+    h.cancel("b")
+    h.collect()
+    assert len(_resized(h)) == 1, "b's own end resizes nothing: no TransferReady counts a member still to come"
+
+
+def _resized(h: Harness) -> list[tuple[str, str, int]]:
+    return [(url, m.batch_id, m.batch_size) for url, m in h.pending if isinstance(m, BatchResized)]
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -20,6 +20,7 @@ from triptych.cli import build_parser
 from triptych.config import ServeArgs
 from triptych.params import GenerationParams
 from triptych.protocol import (
+    BatchResized,
     CancelWork,
     Failed,
     Heartbeat,
@@ -479,6 +480,31 @@ def test_a_malformed_continuation_fails_its_own_request_on_a_batching_worker(res
             time.sleep(0.01)
         work.send_multipart(encode(Ping("w", "head-1")))
         assert isinstance(w.next_message(Heartbeat), Heartbeat)  # still serving
+
+
+def test_a_group_the_head_resized_runs_without_waiting_for_the_member_it_lost(monkeypatch):
+    """Real sockets, --batching-max-size 2: b arrives as one of a group of two; the head then says the
+    group is one (a was lost on its way: BatchResized), and b runs, where it waited the assembly time
+    (here made a minute: the test would end first) for a. Another head's resize changes nothing."""
+    monkeypatch.setattr("triptych_worker.runtime.BATCH_ASSEMBLY_S", 60.0)
+    params = {"width": 16, "height": 16, "num_inference_steps": 1, "prompt": "b"}
+    manifest = [{"name": "x", "dtype": "uint8", "shape": [16], "offset": 0}]
+    with served_worker("--batching-max-size", "2") as w:
+        w.pipeline.gates["b"] = threading.Event()
+        w.pipeline.gates["b"].set()
+        w.work.send_multipart(encode(TransferAlloc("b", "w", 4096)))
+        assert w.next_message(TransferAllocated).request_id == "b"  # type: ignore[attr-defined]
+        ready = TransferReady("b", "w", params, manifest, {}, batch_id="a", batch_size=2)  # type: ignore[arg-type]
+        w.work.send_multipart(encode(ready))
+        w.work.send_multipart(encode(BatchResized("other", "w", 1)))  # another group's
+        w.work.send_multipart(encode(Ping("w", "head-1")))
+        assert isinstance(w.next_message(Heartbeat), Heartbeat)  # every message above was handled
+        assert w.pipeline.runs == [], "b waits for the rest of its group"
+        resized = time.monotonic()
+        w.work.send_multipart(encode(BatchResized("a", "w", 1)))
+        staged = w.next_message(TransferStaged)
+        assert staged.request_id == "b" and [r for r, _ in w.pipeline.runs] == ["b"]  # type: ignore[attr-defined]
+        assert time.monotonic() - resized < 30, "b waited for the assembly time, not for the resize"
 
 
 class LargeMetaPipeline(GatedPipeline):

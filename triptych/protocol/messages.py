@@ -38,7 +38,8 @@ __all__ = [
     "Submit", "Cancel", "RequestEvent", "RequestResult",
     "Ping", "Work", "WorkBatch", "TransferAlloc", "TransferPush", "TransferReady", "CancelWork",
     "Heartbeat", "EncoderCacheStats", "StepCacheStats", "Progress", "TransferStaged", "TransferAllocated",
-    "TransferRefused", "WorkRefused", "HandOff", "TransferPushed", "Result", "Failed", "HEAD_TO_WORKER",
+    "TransferRefused", "WorkRefused", "HandOff", "BatchResized", "TransferPushed", "Result", "Failed",
+    "HEAD_TO_WORKER",
 ]  # fmt: skip
 
 # Checked by the decoder, so a handler never sees a negative size or address, a duration no clock
@@ -193,8 +194,19 @@ class HandOff(Message, tag="hand_off", frozen=True):
     head_id: str = ""
 
 
+class BatchResized(Message, tag="batch_resized", frozen=True):
+    """A group dispatched to this receiver lost a member (cancelled, failed, refused, retried) after
+    another member's TransferReady had counted it in `batch_size`: its members that are queued here
+    wait for `batch_size` of them now (1: none; they run as soon as they can)."""
+
+    batch_id: str
+    instance: str
+    batch_size: Count
+    head_id: str = ""
+
+
 # What a worker acts on.
-HEAD_TO_WORKER = (Ping, Work, WorkBatch, TransferAlloc, TransferPush, TransferReady, CancelWork, HandOff)
+HEAD_TO_WORKER = (Ping, Work, WorkBatch, TransferAlloc, TransferPush, TransferReady, CancelWork, HandOff, BatchResized)
 
 # --- worker -> head -----------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,14 @@ def enqueue(queue: deque[Job], job: Job) -> None:
     while i > 0 and queue[i - 1].priority < job.priority:
         i -= 1
     queue.insert(i, job)
+
+
+def resize_group(queue: deque[Job], group: str, size: int, owned: Callable[[Job], bool]) -> None:
+    """The head lost members of `group` after a TransferReady counted them: its queued members (those
+    `owned` by the head that says so) wait for `size` members at most (protocol BatchResized)."""
+    for job in queue:
+        if job.group == group and owned(job):
+            job.group_size = min(job.group_size, size)
 
 
 def take_group(queue: deque[Job], max_size: int, assembly_cutoff: float) -> list[Job]:

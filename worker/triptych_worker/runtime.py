@@ -39,6 +39,7 @@ from triptych.lora import LoraCatalog
 from triptych.ports import tcp_url
 from triptych.protocol import (
     HEAD_TO_WORKER,
+    BatchResized,
     CancelWork,
     Failed,
     HandOff,
@@ -61,7 +62,7 @@ from triptych_worker import compute, drain, heartbeat, pushes, slots, standing
 from triptych_worker.drain import Drain
 from triptych_worker.heads import HeadBook, HeadLinks
 from triptych_worker.inputs import InputLoader
-from triptych_worker.job_groups import Job, enqueue, take_group
+from triptych_worker.job_groups import Job, enqueue, resize_group, take_group
 from triptych_worker.preview import LatentPreviewer
 from triptych_worker.pushes import Push
 from triptych_worker.simulated import SimulatedPipeline
@@ -409,6 +410,9 @@ class Worker:
         if isinstance(msg, Ping):
             self._on_ping(link, msg)
             return
+        if isinstance(msg, BatchResized):  # about a group, not one request: its members are filtered by owner
+            self._resize_group(msg)
+            return
         if self._foreign(msg):
             log.warning("dropped %s for %s: another head owns that request here", msg.TYPE, msg.request_id)
             return
@@ -447,6 +451,13 @@ class Worker:
         else:
             link.send_to(endpoint, self._heartbeat(endpoint, msg.head_id))
         startup.done("registered")  # the first heartbeat: a head can dispatch to this worker from now on
+
+    def _resize_group(self, msg: BatchResized) -> None:
+        def owned(job: Job) -> bool:
+            return self.heads.single or self.heads.owner(job.request_id) == msg.head_id
+
+        with self._lock:
+            resize_group(self._queue, msg.batch_id, msg.batch_size, owned)
 
     def _foreign(self, msg: Any) -> bool:
         """A message about a request another head owns here (a worker serving several heads)."""
