@@ -20,6 +20,7 @@ from triptych_head.api.app import create_app
 from triptych_head.api.auth import APIKeyError, APIKeys
 from triptych_head.api.context import HeadContext
 from triptych_head.backend import LocalBackend, LocalClient
+from triptych_head.http_socket import bind_http
 from triptych_head.metrics import HeadMetrics
 from triptych_head.objects import StoreError, open_object_store
 from triptych_head.results import Retention
@@ -91,6 +92,7 @@ def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
     results = _results(args) if guards is not None else None
     if guards is None or results is None:
         return 2
+    http = bind_http(args)  # before the DiffusionServer binds its ports: a taken --port stops it here
     model = read_model_info(args.model_path, names)  # its family's limits: the API checks requests with them
     metrics = HeadMetrics()
     server = DiffusionServer(args, metrics)
@@ -113,7 +115,7 @@ def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
     )
     drain, hurry = disaggregated_drain(server, loop)
     try:
-        serve_http(create_app(ctx), ctx, args, drain, hurry)
+        serve_http(create_app(ctx), ctx, args, http, drain, hurry)
     finally:
         server.stop()
         loop.join(timeout=5)
@@ -137,6 +139,7 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
     catalog = LoraCatalog.from_flags(args.lora, args.lora_catalog)
     if (problem := catalog.check_sources("monolithic process")) is not None:  # before the model loads
         raise ConfigError(problem)
+    http = bind_http(args)  # before the model loads too: a taken --port stops it in a second, not minutes
     fit_torch_threads()  # before the model loads: torch's CPU threads within the pod's CPU limit
     pipeline = load_role_pipeline(
         args.model_path,
@@ -168,5 +171,5 @@ def run_monolithic(args: ServeArgs, names: Sequence[str] = ()) -> int:
         **results,
     )
     drain, hurry = in_process_drain(ctx)
-    serve_http(create_app(ctx), ctx, args, drain, hurry)
+    serve_http(create_app(ctx), ctx, args, http, drain, hurry)
     return 0

@@ -57,6 +57,9 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         config = self.config
+        scheme = "https" if config.ssl is not None else "http"
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        log.info("HTTP API on %s://%s:%d", scheme, host, config.port)  # uvicorn names no address for a socket given
         if config.ssl is not None and config.ssl_certfile and config.ssl_keyfile:
             reloader = CertificateReloader(config.ssl, str(config.ssl_certfile), str(config.ssl_keyfile))
             self._reloading = self._loop.create_task(reloader.run())
@@ -130,9 +133,11 @@ async def _until_idle(ctx: HeadContext, hurry: asyncio.Event) -> None:
         await asyncio.sleep(0.05)
 
 
-def serve_http(app: object, ctx: HeadContext, args: ServeArgs, drain: Drain, hurry: Callable[[], None]) -> None:
-    """Run the HTTP API (HTTPS with --ssl-certfile/--ssl-keyfile, reloaded when they change) until a
-    signal has drained it."""
+def serve_http(
+    app: object, ctx: HeadContext, args: ServeArgs, sock: socket.socket, drain: Drain, hurry: Callable[[], None]
+) -> None:
+    """Run the HTTP API on `sock` (http_socket.bind_http; HTTPS with --ssl-certfile/--ssl-keyfile,
+    reloaded when they change) until a signal has drained it."""
     config = uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=args.host,
@@ -144,6 +149,6 @@ def serve_http(app: object, ctx: HeadContext, args: ServeArgs, drain: Drain, hur
         ssl_keyfile=args.ssl_keyfile,
     )
     try:
-        DrainingServer(config, ctx, drain, hurry).run()
+        DrainingServer(config, ctx, drain, hurry).run(sockets=[sock])
     finally:
         ctx.media.close()  # an encode no answer waits for any more does not hold up the exit

@@ -196,3 +196,34 @@ def test_serve_exits_in_one_line_naming_the_address_flag_for_another_host_s_addr
     assert len(errors) == 1 and errors[0].startswith(f"triptych: error: {address_flag} 192.0.2.77"), errors
     assert "cannot bind" in errors[0] or "is not an address of this host" in errors[0], errors
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("role", ["server", "monolithic"])
+def test_a_taken_http_port_stops_the_head_in_one_line_before_a_model_loads(tiny_models, role):
+    """uvicorn found it only as it began serving: after a monolithic process had loaded its model, in a
+    log line of its own and exit code 3."""
+    import socket
+
+    from triptych_dev.localdeploy import free_port_block
+
+    port = free_port_block(8)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    try:
+        argv = ["--model-path", str(tiny_models["tiny-flux"]), "--disagg-role", role, "--port", str(port)]
+        if role == "server":
+            argv += ["--scheduler-port", str(port + 1)]
+            argv += [f"--{r}-urls=tcp://127.0.0.1:{p}" for r, p in (("encoder", 1), ("denoiser", 2), ("decoder", 3))]
+        else:
+            argv += ["--device", "cpu"]
+        proc = subprocess.run([sys.executable, "-m", "triptych", "serve", *argv], capture_output=True, text=True,
+                              timeout=180)  # fmt: skip
+    finally:
+        holder.close()
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("triptych: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"triptych: error: --port {port}: cannot bind 127.0.0.1:{port}: [Errno 98]"
+    ), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "stages " not in proc.stderr  # no model was loaded
