@@ -91,33 +91,17 @@ def test_a_name_in_brackets_is_refused_as_it_was() -> None:
         parse("--host", "[worker-0]")
 
 
+HEAD_ON_V6 = ["--disagg-server-addr", "tcp://[::1]:19000", "--disagg-p2p-hostname", "[::1]"]
+HEADS_BY_NAME = ["--disagg-server-addr", "dns://heads:7;tcp://localhost:19000", "--disagg-p2p-hostname", "LOCALHOST"]
+
+
 @pytest.mark.parametrize(
     ("argv", "port"),
     [
         (["--disagg-server-addr", "tcp://127.0.0.1:5555"], 5555),  # the worker's default work port: the head's
         (["--disagg-server-addr", "tcp://127.0.0.1:19000", "--scheduler-port", "19003"], 19003),  # a result port
-        (
-            [
-                "--disagg-server-addr",
-                "tcp://[::1]:19000",
-                "--disagg-p2p-hostname",
-                "[::1]",
-                "--scheduler-port",
-                "19000",
-            ],
-            19000,
-        ),
-        (
-            [
-                "--disagg-server-addr",
-                "dns://heads:7;tcp://localhost:19000",
-                "--disagg-p2p-hostname",
-                "LOCALHOST",
-                "--scheduler-port",
-                "19005",
-            ],
-            19005,
-        ),
+        ([*HEAD_ON_V6, "--scheduler-port", "19000"], 19000),
+        ([*HEADS_BY_NAME, "--scheduler-port", "19005"], 19005),
     ],
 )
 def test_a_worker_work_port_among_its_head_s_ports_on_its_address_is_refused(argv: list[str], port: int) -> None:
