@@ -96,6 +96,21 @@ def test_standing_slots_are_reserved_at_start_up_for_a_default_request_and_liste
         worker.transport.close()
 
 
+def test_a_transfer_engine_or_pool_that_cannot_start_stops_the_worker_in_one_line(monkeypatch):
+    """What Mooncake refuses once the model has loaded (its engine's start, the pool's registration: a
+    memlock limit under RDMA) is a ConfigError with Mooncake's words, printed as one line, not a traceback.
+    Mooncake is made to refuse here (the real engine starts on any local address)."""
+    import triptych_worker.runtime as runtime
+    from triptych.config import ConfigError
+
+    def refuses(*args: object, **kwargs: object) -> None:
+        raise TransferError("Mooncake could not register 4194304 bytes at 0x1000 (return code -1)")
+
+    monkeypatch.setattr(runtime, "TransferPool", refuses)
+    with pytest.raises(ConfigError, match=r"^Mooncake could not register 4194304 bytes"):
+        make_worker()
+
+
 def test_no_start_up_slot_is_larger_than_the_pool_leaves_room_for(tmp_path):
     """A pool that cannot keep a slot and still stage outputs and take one more reserves none."""
     argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://127.0.0.1:1",
