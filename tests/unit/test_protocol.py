@@ -94,6 +94,7 @@ def test_generation_parameters_are_checked_by_the_decoder(params, problem):
         ({"type": "transfer_push", "dest_session": "s", "dest_addr": -8}, "field 'dest_addr': expected int >= 0"),
         ({"type": "failed", "error": "e", "status_code": 200}, "field 'status_code': expected int >= 400"),
         ({"type": "transfer_pushed", "nbytes": 1, "seconds": -0.5}, "field 'seconds': expected float >= 0.0"),
+        ({"type": "batch_resized", "batch_id": "g", "batch_size": -1}, "field 'batch_size': expected int >= 0"),
     ],
 )
 def test_sizes_addresses_and_status_codes_are_range_checked(fields, problem):
@@ -119,7 +120,7 @@ def test_bool_is_not_an_int():
 
 
 def test_every_message_type_round_trips_and_checks_nested_fields():
-    assert len(message_types()) == 21  # every message class registered, each under its own type name
+    assert len(message_types()) == 22  # every message class registered, each under its own type name
     bad_manifest = {"v": PROTOCOL_VERSION, "type": "transfer_staged", "request_id": "r", "instance": "i",
                     "nbytes": 1, "manifest": [{"name": "x"}, "not-a-map"], "meta": {}, "seconds": 0.0}  # fmt: skip
     with pytest.raises(ProtocolError, match=r"'manifest\[1\]'"):  # the field and the item in it
