@@ -144,39 +144,52 @@ def test_serve_exits_with_one_line_naming_the_file_for_a_broken_package(tiny_mod
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("role", ["server", "denoiser"])
-def test_serve_exits_with_one_line_naming_the_flag_when_its_port_is_taken(tiny_models, role):
-    """A head's or a worker's port held by another process ended in a ZMQ traceback."""
+HEAD_URLS = [f"--{r}-urls=tcp://127.0.0.1:{p}" for r, p in (("encoder", 1), ("denoiser", 2), ("decoder", 3))]
+
+
+def serve_refused(argv: list[str], held_port: int | None = None) -> tuple[str, str]:
+    """`triptych serve ARGV` (with `held_port` taken by another socket meanwhile), which must stop at
+    start-up with exit code 2 and one error line, no traceback: (that line, its stderr)."""
     import socket
 
-    from triptych_dev.localdeploy import free_port_block
-
-    port = free_port_block(8)
     holder = socket.socket()
-    holder.bind(("127.0.0.1", port))
-    holder.listen()
+    if held_port is not None:
+        holder.bind(("127.0.0.1", held_port))
+        holder.listen()
     try:
-        argv = ["--model-path", str(tiny_models["tiny-flux"]), "--disagg-role", role, "--scheduler-port", str(port)]
-        if role == "server":
-            argv += ["--port", str(port + 7)]
-            argv += [f"--{r}-urls=tcp://127.0.0.1:{p}" for r, p in (("encoder", 1), ("denoiser", 2), ("decoder", 3))]
-        else:
-            argv += ["--device", "cpu", "--simulate", "--disagg-server-addr", "tcp://127.0.0.1:1",
-                     "--disagg-transfer-listen-any"]  # fmt: skip
         proc = subprocess.run([sys.executable, "-m", "triptych", "serve", *argv], capture_output=True, text=True,
                               timeout=180)  # fmt: skip
     finally:
         holder.close()
     errors = [line for line in proc.stderr.splitlines() if line.startswith("triptych: error:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(errors) == 1 and errors[0].startswith(
-        f"triptych: error: --scheduler-port {port}: cannot bind tcp://127.0.0.1:{port}"
-    ), proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return errors[0], proc.stderr
 
 
-@pytest.mark.parametrize(("role", "address_flag"), [("server", "--host"), ("denoiser", "--disagg-p2p-hostname")])
-def test_serve_exits_in_one_line_naming_the_address_flag_for_another_host_s_address(tiny_models, role, address_flag):
+@pytest.mark.parametrize("role", ["server", "denoiser"])
+def test_serve_exits_with_one_line_naming_the_flag_when_its_port_is_taken(tiny_models, role):
+    """A head's or a worker's port held by another process ended in a ZMQ traceback."""
+    from triptych_dev.localdeploy import free_port_block
+
+    port = free_port_block(8)
+    argv = ["--model-path", str(tiny_models["tiny-flux"]), "--disagg-role", role, "--scheduler-port", str(port)]
+    if role == "server":
+        argv += ["--port", str(port + 7), *HEAD_URLS]
+    else:
+        argv += ["--device", "cpu", "--simulate", "--disagg-server-addr", "tcp://127.0.0.1:1",
+                 "--disagg-transfer-listen-any"]  # fmt: skip
+    error, _ = serve_refused(argv, held_port=port)
+    assert error.startswith(f"triptych: error: --scheduler-port {port}: cannot bind tcp://127.0.0.1:{port}"), error
+
+
+@pytest.mark.parametrize(
+    ("role", "address_flag", "says"),
+    [("server", "--host", "cannot bind"), ("denoiser", "--disagg-p2p-hostname", "is not an address of this host")],
+)
+def test_serve_exits_in_one_line_naming_the_address_flag_for_another_host_s_address(
+    tiny_models, role, address_flag, says
+):
     """A head's --host or a worker's --disagg-p2p-hostname that names another host: the head's bind error
     blamed --scheduler-port, and the worker loaded its model and then died with Mooncake's traceback."""
     from triptych_dev.localdeploy import free_port_block
@@ -185,45 +198,22 @@ def test_serve_exits_in_one_line_naming_the_address_flag_for_another_host_s_addr
     argv = ["--model-path", str(tiny_models["tiny-flux"]), "--disagg-role", role, "--scheduler-port", str(port),
             address_flag, "192.0.2.77", "--disagg-insecure"]  # fmt: skip
     if role == "server":
-        argv += ["--port", str(port + 7)]
-        argv += [f"--{r}-urls=tcp://127.0.0.1:{p}" for r, p in (("encoder", 1), ("denoiser", 2), ("decoder", 3))]
+        argv += ["--port", str(port + 7), *HEAD_URLS]
     else:
         argv += ["--device", "cpu", "--simulate", "--disagg-server-addr", "tcp://127.0.0.1:1"]
-    proc = subprocess.run([sys.executable, "-m", "triptych", "serve", *argv], capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("triptych: error:")]
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(errors) == 1 and errors[0].startswith(f"triptych: error: {address_flag} 192.0.2.77"), errors
-    assert "cannot bind" in errors[0] or "is not an address of this host" in errors[0], errors
-    assert "Traceback" not in proc.stderr
+    error, _ = serve_refused(argv)
+    assert error.startswith(f"triptych: error: {address_flag} 192.0.2.77") and says in error, error
 
 
 @pytest.mark.parametrize("role", ["server", "monolithic"])
 def test_a_taken_http_port_stops_the_head_in_one_line_before_a_model_loads(tiny_models, role):
     """uvicorn found it only as it began serving: after a monolithic process had loaded its model, in a
     log line of its own and exit code 3."""
-    import socket
-
     from triptych_dev.localdeploy import free_port_block
 
     port = free_port_block(8)
-    holder = socket.socket()
-    holder.bind(("127.0.0.1", port))
-    holder.listen()
-    try:
-        argv = ["--model-path", str(tiny_models["tiny-flux"]), "--disagg-role", role, "--port", str(port)]
-        if role == "server":
-            argv += ["--scheduler-port", str(port + 1)]
-            argv += [f"--{r}-urls=tcp://127.0.0.1:{p}" for r, p in (("encoder", 1), ("denoiser", 2), ("decoder", 3))]
-        else:
-            argv += ["--device", "cpu"]
-        proc = subprocess.run([sys.executable, "-m", "triptych", "serve", *argv], capture_output=True, text=True,
-                              timeout=180)  # fmt: skip
-    finally:
-        holder.close()
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("triptych: error:")]
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(errors) == 1 and errors[0].startswith(
-        f"triptych: error: --port {port}: cannot bind 127.0.0.1:{port}: [Errno 98]"
-    ), proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "stages " not in proc.stderr  # no model was loaded
+    argv = ["--model-path", str(tiny_models["tiny-flux"]), "--disagg-role", role, "--port", str(port)]
+    argv += ["--scheduler-port", str(port + 1), *HEAD_URLS] if role == "server" else ["--device", "cpu"]
+    error, stderr = serve_refused(argv, held_port=port)
+    assert error.startswith(f"triptych: error: --port {port}: cannot bind 127.0.0.1:{port}: [Errno 98]"), error
+    assert "stages " not in stderr  # no model was loaded
