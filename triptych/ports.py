@@ -65,9 +65,14 @@ def result_endpoint(server_addr: str, role: Role) -> str:
     return tcp_url(host, result_port(port, role))
 
 
+def host_port(host: str, port: int) -> str:
+    """HOST:PORT, with an IPv6 address in brackets (pod IPs can be IPv6)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def tcp_url(host: str, port: int) -> str:
-    """tcp://HOST:PORT, with an IPv6 address in brackets (pod IPs can be IPv6)."""
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    """tcp://HOST:PORT, with an IPv6 address in brackets."""
+    return f"tcp://{host_port(host, port)}"
 
 
 def is_loopback(host: str) -> bool:

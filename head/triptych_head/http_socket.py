@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 
 from triptych.config import ConfigError, ServeArgs, bind_error
+from triptych.ports import host_port
 
 PORT_HINT = "another process (another head?) listens on it; give another --port"
 
@@ -22,7 +23,7 @@ def bind_http(args: ServeArgs) -> socket.socket:
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own: a restart binds at once
-    where = f"[{args.host}]:{args.port}" if family == socket.AF_INET6 else f"{args.host}:{args.port}"
+    where = host_port(args.host, args.port)
     try:
         sock.bind((args.host, args.port))
     except socket.gaierror as exc:

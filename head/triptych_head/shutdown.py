@@ -25,6 +25,7 @@ import uvicorn
 
 from triptych import startup
 from triptych.config import ServeArgs
+from triptych.ports import host_port
 from triptych_head.api.context import HeadContext
 from triptych_head.server import DiffusionServer
 from triptych_head.tls import CertificateReloader
@@ -58,8 +59,7 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         config = self.config
         scheme = "https" if config.ssl is not None else "http"
-        host = f"[{config.host}]" if ":" in config.host else config.host
-        log.info("HTTP API on %s://%s:%d", scheme, host, config.port)  # uvicorn names no address for a socket given
+        log.info("HTTP API on %s://%s", scheme, host_port(config.host, config.port))  # uvicorn names none for a socket
         if config.ssl is not None and config.ssl_certfile and config.ssl_keyfile:
             reloader = CertificateReloader(config.ssl, str(config.ssl_certfile), str(config.ssl_keyfile))
             self._reloading = self._loop.create_task(reloader.run())
