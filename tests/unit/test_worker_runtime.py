@@ -100,13 +100,13 @@ def test_a_transfer_engine_or_pool_that_cannot_start_stops_the_worker_in_one_lin
     """What Mooncake refuses once the model has loaded (its engine's start, the pool's registration: a
     memlock limit under RDMA) is a ConfigError with Mooncake's words, printed as one line, not a traceback.
     Mooncake is made to refuse here (the real engine starts on any local address)."""
-    import triptych_worker.runtime as runtime
+    import triptych_worker.transfer.start as start
     from triptych.config import ConfigError
 
     def refuses(*args: object, **kwargs: object) -> None:
         raise TransferError("Mooncake could not register 4194304 bytes at 0x1000 (return code -1)")
 
-    monkeypatch.setattr(runtime, "TransferPool", refuses)
+    monkeypatch.setattr(start, "TransferPool", refuses)
     with pytest.raises(ConfigError, match=r"^Mooncake could not register 4194304 bytes"):
         make_worker()
 

@@ -73,13 +73,12 @@ from triptych_worker.transfer import (
     MooncakeTransport,
     NoTransport,
     StagedTensors,
-    TransferError,
     TransferPool,
     check_rdma_device,
     precise_sleeps,
 )
 from triptych_worker.transfer.listeners import check_local_address, check_mooncake_listeners, confine_mooncake_listeners
-from triptych_worker.transfer.pool import PoolMemory
+from triptych_worker.transfer.start import start_transfer
 
 if TYPE_CHECKING:
     from triptych_worker.parallel.full import FullPipelineRanks
@@ -164,7 +163,7 @@ class Worker:
             self.transport = NoTransport()
             self.pool = TransferPool(ALIGNMENT, role=self.role.value, memory="numpy")
         else:
-            self.transport, self.pool = _start_transfer(args, "numpy" if simulated else "torch")
+            self.transport, self.pool = start_transfer(args, "numpy" if simulated else "torch")
             startup.mark("transfer")
         # The heads it serves (--disagg-server-addr: one address, or several / dns:// / file:// for
         # replicated heads) and whose request is whose (heads.py).
@@ -555,22 +554,6 @@ class Worker:
     def _is_cancelled(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._cancelled
-
-
-def _start_transfer(args: ServeArgs, memory: PoolMemory) -> tuple[MooncakeTransport, TransferPool]:
-    """The Mooncake engine and the registered pool; ConfigError with Mooncake's words (printed as one
-    line, not a traceback) when the engine will not start or the pool will not register (RDMA pins it:
-    the memlock limit)."""
-    try:
-        transport = MooncakeTransport(args.disagg_p2p_hostname, args.disagg_ib_device)
-    except TransferError as exc:
-        raise ConfigError(str(exc)) from None
-    try:
-        role = args.disagg_role.value
-        return transport, TransferPool(args.disagg_transfer_pool_size, role=role, transport=transport, memory=memory)
-    except TransferError as exc:
-        transport.close()
-        raise ConfigError(str(exc)) from None
 
 
 def run_worker(args: ServeArgs, pipeline: Stages | None = None) -> int:
