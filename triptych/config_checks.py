@@ -187,10 +187,19 @@ def _check_work_port_is_not_the_head_s(args: ServeArgs, spec: str, host: str, po
 
 
 def _same_address(a: str, b: str) -> bool:
+    """Whether two hosts name one address, without a DNS lookup (a check at parse time must not wait on
+    one): `localhost` is the loopback addresses, as it resolves everywhere (RFC 6761)."""
+    return bool(_addresses(a) & _addresses(b))
+
+
+def _addresses(host: str) -> set[str]:
+    host = host.strip("[]").lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return {"127.0.0.1", "::1"}
     try:
-        return ipaddress.ip_address(a) == ipaddress.ip_address(b.strip("[]"))
+        return {str(ipaddress.ip_address(host))}
     except ValueError:
-        return a.lower() == b.lower()
+        return {host}
 
 
 def check_worker_lists(args: ServeArgs) -> None:
