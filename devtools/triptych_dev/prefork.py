@@ -371,10 +371,22 @@ class _Server:
         env = request["env"]
         if not isinstance(env, dict):
             raise Declined("env must be an object")
-        differs = sorted(k for k in {*env, *self.base_env} - set(FREE_ENV) if env.get(k) != self.base_env.get(k))
+        differs = self._differs(env)
         if differs:
             raise Declined(f"its environment differs from the server's in {', '.join(differs[:5])}")
         return argv[2], argv[3:]
+
+    def _differs(self, env: dict[str, Any]) -> list[str]:
+        """The variables a request's environment gives otherwise than the server's. One the server set
+        itself (the launcher's shim settings, what importing PRELOAD set) every child gets anyway: a
+        request may leave it out or give the same value (the tests' process sets the same ones once
+        it starts a worker or imports torch's compiler in process)."""
+        own = {**self.import_env, **self.own_env}
+        return sorted(
+            k
+            for k in {*env, *self.base_env} - set(FREE_ENV)
+            if env.get(k) != self.base_env.get(k) and not (k in own and env.get(k) in (None, own[k]))
+        )
 
     def _become_child(self, request: dict[str, Any]) -> None:
         signal.set_wakeup_fd(-1)

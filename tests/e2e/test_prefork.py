@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from triptych import __version__
+from triptych.ports import MOONCAKE_PORT_RANGE
 from triptych_dev.localdeploy import free_port_block
 from triptych_dev.prefork import Launcher, PreforkedProcess
 from triptych_worker.transfer.listeners import listening_sockets
@@ -98,6 +99,24 @@ def test_what_a_child_could_not_be_is_declined(launcher: Launcher, tmp_path: Pat
     assert any(reason in why for why in launcher.declined), launcher.declined
     assert launcher.spawn([sys.executable, "-m", "json.tool"], tmp_path / "y.log", env()) is None
     assert any("only `python -m`" in why for why in launcher.declined), launcher.declined
+
+
+def test_a_request_giving_what_the_server_set_itself_is_forked(launcher: Launcher, tmp_path: Path):
+    # The tests' process sets these once it starts a worker in process or imports torch's compiler
+    # (the prefork server set the same for itself): its later requests must still fork.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    same = {
+        "MC_MIN_RPC_PORT": str(MOONCAKE_PORT_RANGE[0]),
+        "MC_MAX_RPC_PORT": str(MOONCAKE_PORT_RANGE[1]),
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir())),
+    }
+    forked = launcher.forked
+    assert spawn(launcher, ["--version"], tmp_path / "same.log", {**env(), **same}).wait(60) == 0
+    assert launcher.forked == forked + 1
+    other = {**env(), **same, "MC_MIN_RPC_PORT": str(MOONCAKE_PORT_RANGE[0] + 1)}
+    assert launcher.spawn([sys.executable, "-m", "triptych", "--version"], tmp_path / "other.log", other) is None
+    assert any("differs from the server's in MC_MIN_RPC_PORT" in why for why in launcher.declined), launcher.declined
 
 
 def test_a_client_gone_before_its_answer_leaves_the_server_serving(launcher: Launcher, tmp_path: Path):
