@@ -127,14 +127,15 @@ class TriptychClient:
         self.urls = [u for u in urls if u]
         if not self.urls:
             raise ClientError("url: give the head's HTTP URL (several, comma-separated, are tried in turn)")
+        hint = "give the head's http:// or https:// URL, e.g. http://127.0.0.1:30000 or http://[::1]:30000"
         for u in self.urls:
             try:
                 parsed = httpx.URL(u)
             except httpx.InvalidURL as exc:
-                raise ClientError(f"url {u!r}: {exc}") from None
+                raise ClientError(f"url {u!r}: {exc}; {hint}") from None
             port_ok = parsed.port is None or 0 < parsed.port <= 65535
             if parsed.scheme not in ("http", "https") or not parsed.host or not port_ok:
-                raise ClientError(f"url {u!r}: give the head's http:// or https:// URL, e.g. http://127.0.0.1:30000")
+                raise ClientError(f"url {u!r}: {hint}")
         if retries < 0:
             raise ClientError(f"retries: {retries} must be >= 0")
         if api_key and not (api_key.isascii() and api_key.isprintable()):  # no line break in the header

@@ -171,6 +171,12 @@ def test_client_url_with_a_port_out_of_range_is_refused_before_any_connection(ur
         TriptychClient(url)
 
 
+def test_client_url_that_does_not_parse_is_refused_with_the_form_to_give() -> None:
+    # httpx's own words only ("Invalid port: ':1'", for a bracket left open)
+    with pytest.raises(ClientError, match=r"url 'http://\[::1': Invalid port: ':1'; give the head's http"):
+        TriptychClient("http://[::1")
+
+
 def test_client_api_key_with_a_line_break_is_refused_not_sent() -> None:
     # httpx refused the header on sending, which read as "cannot reach" the head, retried.
     with pytest.raises(ClientError, match="api key: an API key is ASCII text without line breaks"):
