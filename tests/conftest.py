@@ -21,7 +21,21 @@ def preloaded_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Laun
         return
     with Launcher(tmp_path_factory.mktemp("prefork")) as launcher:
         localdeploy.use_prefork(launcher)
+        _launchers.append(launcher)
         try:
             yield launcher
         finally:
             localdeploy.use_prefork(None)
+
+
+_launchers: list[Launcher] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many workers were forked, and why any were not: a decline costs each worker ~5 s of CPU,
+    and a run where most are declined is slower without failing."""
+    for launcher in _launchers:
+        if launcher.forked or launcher.declined:
+            terminalreporter.write_line(f"prefork: {launcher.forked} processes forked")
+        for reason, count in sorted(launcher.declined.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"prefork: {count} declined: {reason}")
