@@ -187,19 +187,20 @@ def _check_work_port_is_not_the_head_s(args: ServeArgs, spec: str, host: str, po
 
 
 def _same_address(a: str, b: str) -> bool:
-    """Whether two hosts name one address, without a DNS lookup (a check at parse time must not wait on
-    one): `localhost` is the loopback addresses, as it resolves everywhere (RFC 6761)."""
-    return bool(_addresses(a) & _addresses(b))
+    """Whether two hosts surely name one address, without a DNS lookup (a check at parse time must not
+    wait on one): `localhost` is 127.0.0.1 (RFC 6761 makes it loopback everywhere; whether a socket
+    takes ::1 for it instead depends on the host, so that pair is left to the bind to find)."""
+    return _address(a) == _address(b)
 
 
-def _addresses(host: str) -> set[str]:
+def _address(host: str) -> str:
     host = host.strip("[]").lower().rstrip(".")
     if host == "localhost" or host.endswith(".localhost"):
-        return {"127.0.0.1", "::1"}
+        return "127.0.0.1"
     try:
-        return {str(ipaddress.ip_address(host))}
+        return str(ipaddress.ip_address(host))
     except ValueError:
-        return {host}
+        return host
 
 
 def check_worker_lists(args: ServeArgs) -> None:
