@@ -66,10 +66,13 @@ def iter_sse(lines: Iterable[str]) -> Iterator[Event]:
 
 
 def _error_text(response: httpx.Response) -> str:
+    """The error's message, and the request's id where the head gave one (its logs name the failure so)."""
+    request_id = response.headers.get("x-request-id")
+    named = f" (request {request_id[:100]})" if request_id else ""
     try:
-        return str(response.json()["error"]["message"])
+        return str(response.json()["error"]["message"]) + named
     except (ValueError, KeyError, TypeError):
-        return response.text[:500] or response.reason_phrase
+        return (response.text[:500] or response.reason_phrase) + named
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class ScriptedBackend:
 
     def __init__(self) -> None:
         self.calls: list[GenerationParams] = []
+        self.request_ids: list[str] = []  # the id each call was made under
         self.fail: GenerationFailed | None = None
         self.step_delay = 0.0
         self.cancelled: list[str] = []
@@ -50,6 +51,7 @@ class ScriptedBackend:
 
     async def generate(self, request_id, params, on_event=None, preview_every=0, priority=1):
         self.calls.append(params)
+        self.request_ids.append(request_id)
         self.priorities.append(priority)
         for step in range(1, params.num_inference_steps + 1):
             await asyncio.sleep(self.step_delay)

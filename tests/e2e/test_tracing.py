@@ -34,11 +34,13 @@ class Receiver:
                 attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
                 for scope_spans in resource_spans.scope_spans:
                     for span in scope_spans.spans:
+                        own = {a.key: a.value.string_value for a in span.attributes}
                         self.spans.append({
                             "service": attrs.get("service.name"), "name": span.name,
                             "trace": span.trace_id.hex(), "id": span.span_id.hex(),
                             "parent": span.parent_span_id.hex(),
                             "start": span.start_time_unix_nano, "end": span.end_time_unix_nano,
+                            "request_id": own.get("triptych.request_id"),
                         })  # fmt: skip
 
 
@@ -64,7 +66,8 @@ def test_a_request_s_trace_has_a_span_per_hop_from_the_head_and_every_worker(tin
             worker_flags=flags,
         ) as dep, dep.client(timeout=30) as c:  # fmt: skip
             body = {"prompt": "x", "size": "64x32", "num_inference_steps": 2, "seed": 1}
-            assert c.post("/v1/images/generations", json=body).status_code == 200
+            answer = c.post("/v1/images/generations", json=body)
+            assert answer.status_code == 200, answer.text
             wanted = {"triptych-head", "triptych-encoder", "triptych-denoiser", "triptych-decoder"}
             deadline = time.monotonic() + 20
             while {s["service"] for s in receiver.spans} != wanted or len(receiver.spans) < 1 + len(PARTS) + 3:
@@ -74,6 +77,7 @@ def test_a_request_s_trace_has_a_span_per_hop_from_the_head_and_every_worker(tin
     assert len({s["trace"] for s in spans}) == 1, spans  # one request, one trace
     (root,) = [s for s in spans if s["parent"] == ""]
     assert (root["service"], root["name"]) == ("triptych-head", "request")
+    assert root["request_id"] == answer.headers["x-request-id"]  # the answer names its trace's request
     head_hops = [s for s in spans if s["service"] == "triptych-head" and s is not root]
     assert sorted(s["name"] for s in head_hops) == sorted(PARTS)
     for role in ("encoder", "denoiser", "decoder"):

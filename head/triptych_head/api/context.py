@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -304,6 +305,20 @@ def refused_field(message: str) -> str | None:
 
 
 FIELDS = frozenset(p.name for p in CONTRACT)
+
+
+REQUEST_ID_HEADER = "X-Request-Id"  # an image answer's: the id the head's logs and traces know the request by
+
+
+@contextlib.contextmanager
+def errors_named(request_id: str) -> Iterator[None]:
+    """An APIError raised inside answers with the request's id (X-Request-Id): the head logs a
+    failure under it."""
+    try:
+        yield
+    except APIError as exc:
+        exc.headers = {**(exc.headers or {}), REQUEST_ID_HEADER: request_id}
+        raise
 
 
 def new_request_id(prefix: str = "req") -> str:

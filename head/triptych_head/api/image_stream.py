@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import iterate_in_threadpool
 
 from triptych.params import GenerationParams
-from triptych_head.api.context import HeadContext, new_request_id
+from triptych_head.api.context import REQUEST_ID_HEADER, HeadContext, errors_named, new_request_id
 from triptych_head.api.deadlines import Deadline, estimate_seconds, with_estimate
 from triptych_head.api.errors import APIError
 from triptych_head.api.idempotent import REPLAYED, stream_once
@@ -89,7 +89,10 @@ class ImageStream:
     def _admit(self, deadline: Deadline) -> Estimate | None:
         """Count it in (APIError when refused: overloaded, past its deadline, over its key's limits)."""
         request = self.request
-        return self.ctx.admit(self.request_id, self.params, deadline, key=key_limit(request), owner=owner_of(request))
+        with errors_named(self.request_id):
+            return self.ctx.admit(
+                self.request_id, self.params, deadline, key=key_limit(request), owner=owner_of(request)
+            )
 
     async def _released(self) -> Completed:
         """The admitted request's run, released when it ends however it ends (even before it started)."""
@@ -138,7 +141,7 @@ def progress_response(
                 answer.cancel()
 
     response = sse_response(stream())
-    response.headers.update(headers or {})
+    response.headers.update({REQUEST_ID_HEADER: request_id, **(headers or {})})
     return response
 
 

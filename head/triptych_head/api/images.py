@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request, Response
 from triptych.contract import EDITS, IMAGES
 from triptych.params import GenerationParams
 from triptych_head.api import image_body
-from triptych_head.api.context import HeadContext, new_request_id
+from triptych_head.api.context import REQUEST_ID_HEADER, HeadContext, errors_named, new_request_id
 from triptych_head.api.deadlines import ESTIMATE_HEADER, estimate_seconds, with_estimate
 from triptych_head.api.direct import DirectRoute
 from triptych_head.api.errors import APIError
@@ -86,8 +86,9 @@ async def _images(
     request: Request,
     reference: Reference | None = None,
 ) -> Response:
-    """The answer carries the run's Server-Timing header (timeline.py) and the admission's estimate
-    (deadlines.py); a replayed one carries neither. `values`: the body's, dumped."""
+    """The answer carries the request's id (X-Request-Id, also on an error once the id was given), the
+    run's Server-Timing header (timeline.py) and the admission's estimate (deadlines.py); a replayed
+    one carries none of them. `values`: the body's, dumped."""
     if values["preview_every"] and not values["stream"]:
         raise APIError(400, "preview_every needs stream: true (previews arrive as Server-Sent Events)", "preview_every")
     key = idempotency_key(request)
@@ -112,12 +113,14 @@ async def _images(
 
     admitted: list[Estimate | None] = []  # the run's estimate (none when the key's answer is replayed)
 
-    timing: dict[str, str] = {}
+    timing: dict[str, str] = {}  # the run's headers: its id, and where its time went
 
     async def run() -> tuple[GenerationOutput, str]:
         request_id = new_request_id("img")
-        admitted.append(ctx.admit(request_id, params, deadline, key=key_limit(request), owner=owner_of(request)))
-        output = await _generate_while_connected(ctx, params, request_id, request, level)
+        timing[REQUEST_ID_HEADER] = request_id
+        with errors_named(request_id):
+            admitted.append(ctx.admit(request_id, params, deadline, key=key_limit(request), owner=owner_of(request)))
+            output = await _generate_while_connected(ctx, params, request_id, request, level)
         if output.server_timing:
             timing[SERVER_TIMING] = output.server_timing
         return output, request_id
