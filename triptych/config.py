@@ -171,6 +171,7 @@ class ServeArgs:
     disagg_drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     api_keys_file: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    access_log: bool = False  # head/monolithic: a line per HTTP request (triptych_head.api.access_log)
     ssl_certfile: str | None = None  # head/monolithic: serve HTTPS with this PEM certificate (chain) ...
     ssl_keyfile: str | None = None  # ... and this PEM private key
     max_queued_requests: int | None = None  # None: no cap, deadlines decide (triptych_head.admission)

@@ -140,6 +140,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
            "re-read when the file changes; /health, /ready and /metrics stay open")  # fmt: skip
     a("--max-request-bytes", type=parse_size, default=d.max_request_bytes,
       help="head/monolithic: largest HTTP request body, bytes or 16MiB; larger get 413 (default 16MiB)")  # fmt: skip
+    a("--access-log", action="store_true",
+      help="head/monolithic: log a line per HTTP request as its answer ends: client, method and path, status, "
+           "seconds, the request's id and its key's owner (probes and scrapes only when they fail)")  # fmt: skip
     a("--ssl-certfile", default=None, metavar="PATH",
       help="head/monolithic: serve the HTTP API over TLS (HTTPS) with this PEM certificate, its chain after it; "
            "with --ssl-keyfile (default: plain HTTP, for TLS terminated in front of the head)")  # fmt: skip

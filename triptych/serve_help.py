@@ -45,6 +45,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
             "--results-presign",
             "--api-keys-file",
             "--max-request-bytes",
+            "--access-log",
             "--max-queued-requests",
             "--ssl-certfile",
             "--ssl-keyfile",

@@ -62,14 +62,19 @@ def _results(args: ServeArgs) -> dict[str, Any] | None:
 
 
 def _http_guards(args: ServeArgs) -> dict[str, Any] | None:
-    """HeadContext fields from the HTTP flags: API keys and the body limit. None (after saying why in
+    """HeadContext fields from the HTTP flags: API keys, the body limit, the access log. None (after saying why in
     one line) when the keys file cannot be used: the head must not start open by mistake."""
     try:
         keys = APIKeys(args.api_keys_file) if args.api_keys_file else None
     except APIKeyError as exc:
         print(f"triptych: error: {exc}", file=sys.stderr)
         return None
-    return {"api_keys": keys, "max_request_bytes": args.max_request_bytes, "request_timeout_s": args.disagg_timeout}
+    return {
+        "api_keys": keys,
+        "max_request_bytes": args.max_request_bytes,
+        "request_timeout_s": args.disagg_timeout,
+        "access_log": args.access_log,
+    }
 
 
 def _readiness(server: DiffusionServer, loop: threading.Thread) -> Callable[[], bool]:

@@ -139,3 +139,15 @@ def test_cluster_bench_runs_briefly(script, tmp_path, tiny_models, kube_cluster)
     flags, expected = CLUSTER_SMOKE[script]
     out = run_bench(script, flags, tmp_path, next(iter(tiny_models.values())).parent)
     assert expected in out, f"{script}: {expected!r} not in its output:\n{out[-4000:]}"
+
+
+# A benchmark's other comparison, run by a flag of its own: script -> (smoke flags, expected text).
+SECOND_ARMS = {"http_app_bench.py": ("--access-log --requests 20 --blocks 2 --json {tmp}/al.json", "on / off")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SECOND_ARMS))
+def test_bench_second_comparison_runs_briefly(script, tmp_path, tiny_models):
+    flags, expected = SECOND_ARMS[script]
+    out = run_bench(script, flags, tmp_path, next(iter(tiny_models.values())).parent)
+    assert expected in out, f"{script}: {expected!r} not in its output:\n{out[-4000:]}"

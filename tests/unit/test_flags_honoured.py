@@ -81,6 +81,7 @@ SAMPLE: dict[str, Any] = {
     "--disagg-drain-timeout": 1.0,
     "--api-keys-file": "/keys",
     "--max-request-bytes": 2048,
+    "--access-log": True,
     "--max-queued-requests": 3,
     "--ssl-certfile": "/tls/head.crt",
     "--ssl-keyfile": "/tls/head.key",
@@ -177,6 +178,7 @@ TESTED: dict[str, str] = {
     "test_a_drain_fails_what_is_left_at_the_deadline_releasing_its_slots_and_ends_the_loop",
     "--api-keys-file": "tests/api/test_guards.py::test_a_missing_or_keyless_file_stops_the_head_naming_the_flag",
     "--max-request-bytes": "tests/e2e/test_http_guards.py::test_a_declared_oversized_body_is_refused_before_it_is_sent",
+    "--access-log": "tests/e2e/test_access_log.py::test_a_head_with_access_log_logs_each_request_with_its_id",
     "--max-queued-requests": "tests/e2e/test_http_guards.py::"
     "test_beyond_the_bound_requests_get_429_with_retry_after_from_observed_stage_times",
     "--ssl-certfile": "tests/e2e/test_https.py::test_the_api_is_served_over_https_and_plain_http_is_not_answered",

@@ -13,6 +13,7 @@ from fastapi.telemetry import TelemetryConfig
 
 from triptych import __version__
 from triptych_head.api import files, images, system, videos
+from triptych_head.api.access_log import AccessLog
 from triptych_head.api.auth import APIKeyMiddleware
 from triptych_head.api.context import HeadContext
 from triptych_head.api.direct import DirectRoutes
@@ -68,6 +69,8 @@ def create_app(ctx: HeadContext) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
     if ctx.api_keys is not None:
         app.add_middleware(APIKeyMiddleware, keys=ctx.api_keys)
+    if ctx.access_log:  # outermost: it sees the answers of the key and body checks too
+        app.add_middleware(AccessLog)
     app.include_router(images.image_routes(models))
     app.include_router(videos.video_routes(models))
     app.include_router(system.router)

@@ -77,6 +77,7 @@ class HeadContext:
     admission: AdmissionControl | None = None  # None: no bound on requests in flight
     api_keys: APIKeys | None = None  # None: the API is open (no --api-keys-file)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    access_log: bool = False  # --access-log: a line per HTTP request (access_log.py)
     # Names this head in what it writes to the shared store (whose run a key or a video job is).
     head_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     # How long a request waits for another run of its Idempotency-Key before a 409: the request timeout.

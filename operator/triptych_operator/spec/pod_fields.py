@@ -54,7 +54,8 @@ def pod_fields(who: str) -> tuple[Field, ...]:
     if who == "head":
         args += (
             " They also set the HTTP limits: `--max-request-bytes` (default 16MiB), `--max-queued-requests` (a hard"
-            " cap; by default none: a request is refused only when it would miss its deadline)."
+            " cap; by default none: a request is refused only when it would miss its deadline); `--access-log` logs"
+            " a line per request."
         )
     env_var = Field(
         "", "free", "A core/v1 EnvVar.", fields=(Field("name", "string", required=True),), doc_type="EnvVar"

@@ -1,0 +1,85 @@
+"""--access-log: one line per HTTP request, as its answer ends, on the `triptych_head.access` logger.
+
+    127.0.0.1:50122 "POST /v1/images/generations" 200 0.231s id=img_5f0c... owner=tenant:acme
+
+The client's address, the method and the path as sent (still percent-encoded, without its query:
+a query may carry a presigned URL's signature), the status, the seconds from the request's arrival
+to its answer's last byte (a streamed answer's whole stream), the request's id where the head gave
+one (X-Request-Id) and whose it was where API keys are on (ownership.py: `tenant:NAME` or `key:ID`,
+never the key). A request that ends without an answer (the client left, the head stopped) logs
+status 0. Probes and scrapes (/health, /ready, /metrics) are logged only when they fail. Off by
+default: uvicorn's own access log stays off either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from urllib.parse import quote
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from triptych_head.api.context import REQUEST_ID_HEADER
+from triptych_head.api.ownership import OWNER
+
+log = logging.getLogger("triptych_head.access")
+
+QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
+_ID_HEADER = REQUEST_ID_HEADER.lower().encode()
+_SHOWN = 200  # characters of a path or request id a line repeats
+
+
+class AccessLog:
+    """The outermost middleware, so it sees the answers the key and body-limit checks give too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status, request_id = 0, "-"
+
+        async def answering(message: Message) -> None:
+            nonlocal status, request_id
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                for name, value in message.get("headers", ()):
+                    if name.lower() == _ID_HEADER:
+                        request_id = value.decode("latin-1")[:_SHOWN]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, answering)
+        except Exception:
+            status = status or 500  # what the server's error middleware answers
+            raise
+        finally:
+            path = scope.get("path", "")
+            if not (path in QUIET_PATHS and 200 <= status < 400):
+                log.info(
+                    '%s "%s %s" %d %.3fs id=%s owner=%s',
+                    _client(scope),
+                    scope.get("method", "-"),
+                    _shown_path(scope),
+                    status,
+                    time.perf_counter() - started,
+                    request_id,
+                    scope.get("state", {}).get(OWNER) or "-",
+                )
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "-"
+
+
+def _shown_path(scope: Scope) -> str:
+    """The path as the client sent it, percent-encoded: a decoded one could hold a line break or
+    quote, and one log line per request must stay one line."""
+    raw = scope.get("raw_path")
+    shown = raw.decode("latin-1") if isinstance(raw, bytes) else quote(scope.get("path", ""), safe="/")
+    shown = shown.split("?", 1)[0]
+    return quote(shown, safe="/%:@!$&'()*+,;=-._~")[:_SHOWN]

@@ -1,0 +1,91 @@
+"""--access-log: a line per HTTP request as its answer ends (head/triptych_head/api/access_log.py),
+the key's and body limit's refusals included; probes only when they fail; one line whatever the path."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from tests.api.test_http_api import ScriptedBackend
+from tests.api.test_request_ids import BODY, IMAGES, MODEL
+from triptych_head.api.app import create_app
+from triptych_head.api.auth import APIKeys
+from triptych_head.api.context import HeadContext
+
+LINE = re.compile(
+    r'(?P<client>\S+) "(?P<method>\S+) (?P<path>\S+)" (?P<status>\d+) (?P<s>[\d.]+)s '
+    r"id=(?P<id>\S+) owner=(?P<owner>\S+)"
+)
+
+
+def head(tmp_path: Path, access_log: bool = True, keys: str | None = None, max_bytes: int = 1 << 20) -> TestClient:
+    api_keys = None
+    if keys is not None:
+        (tmp_path / "keys").write_text(keys)
+        api_keys = APIKeys(tmp_path / "keys")
+    ctx = HeadContext(
+        ScriptedBackend(), MODEL, tmp_path, CollectorRegistry(), api_keys=api_keys, access_log=access_log,
+        max_request_bytes=max_bytes,
+    )  # fmt: skip
+    return TestClient(create_app(ctx))
+
+
+def lines(caplog: pytest.LogCaptureFixture) -> list[re.Match[str]]:
+    records = [r for r in caplog.records if r.name == "triptych_head.access"]
+    found = [LINE.fullmatch(r.getMessage()) for r in records]
+    assert all(found), [r.getMessage() for r in records]
+    return [m for m in found if m is not None]
+
+
+def test_each_request_is_one_line_with_its_status_seconds_and_id(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, "triptych_head.access")
+    with head(tmp_path) as c:
+        ok = c.post(IMAGES, json=BODY)
+        bad = c.post(IMAGES, json={**BODY, "size": "big"})
+        with c.stream("POST", IMAGES, json={**BODY, "stream": True}) as streamed:
+            streamed.read()
+        missing = c.get("/v1/no-such-route?token=secret")
+        c.get("/health")
+        c.get("/metrics")
+    logged = lines(caplog)
+    assert [(m["method"], m["path"], m["status"]) for m in logged] == [
+        ("POST", IMAGES, "200"),
+        ("POST", IMAGES, "400"),
+        ("POST", IMAGES, "200"),
+        ("GET", "/v1/no-such-route", "404"),  # the query is not logged: it may carry a signature
+    ], "probes and scrapes that answered are not logged"
+    assert logged[0]["id"] == ok.headers["x-request-id"] and logged[2]["id"] == streamed.headers["x-request-id"]
+    assert logged[1]["id"] == "-" and bad.status_code == 400 and missing.status_code == 404
+    assert all(m["owner"] == "-" and float(m["s"]) >= 0 for m in logged)
+
+
+def test_the_key_and_body_limit_refusals_are_logged_with_the_owner_never_the_key(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, "triptych_head.access")
+    with head(tmp_path, keys="sk-acme-1 tenant=acme\n", max_bytes=2048) as c:
+        assert c.post(IMAGES, json=BODY).status_code == 401
+        key = {"Authorization": "Bearer sk-acme-1"}
+        assert c.post(IMAGES, json={**BODY, "prompt": "x" * 4096}, headers=key).status_code == 413
+        assert c.post(IMAGES, json=BODY, headers=key).status_code == 200
+    logged = lines(caplog)
+    assert [(m["status"], m["owner"]) for m in logged] == [("401", "-"), ("413", "tenant:acme"), ("200", "tenant:acme")]
+    assert not any("sk-acme" in r.getMessage() for r in caplog.records)
+
+
+def test_a_path_with_a_line_break_or_quote_stays_one_line(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, "triptych_head.access")
+    with head(tmp_path) as c:
+        c.get('/v1/videos/x%0A127.0.0.1 "GET /forged" 200 0.001s id=- owner=-%22')
+    (line,) = lines(caplog)
+    assert "\n" not in line.string and '"' not in line["path"], line.string
+
+
+def test_off_by_default(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, "triptych_head.access")
+    with head(tmp_path, access_log=False) as c:
+        assert c.post(IMAGES, json=BODY).status_code == 200
+    assert lines(caplog) == []
