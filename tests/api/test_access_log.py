@@ -19,7 +19,7 @@ from triptych_head.api.context import HeadContext
 
 LINE = re.compile(
     r'(?P<client>\S+) "(?P<method>\S+) (?P<path>\S+)" (?P<status>\d+) (?P<s>[\d.]+)s '
-    r"id=(?P<id>\S+) owner=(?P<owner>\S+)"
+    r"id=(?P<id>\S+) owner=(?P<owner>\S+) ref=(?P<ref>\S+)"
 )
 
 
@@ -45,7 +45,7 @@ def lines(caplog: pytest.LogCaptureFixture) -> list[re.Match[str]]:
 def test_each_request_is_one_line_with_its_status_seconds_and_id(tmp_path: Path, caplog) -> None:
     caplog.set_level(logging.INFO, "triptych_head.access")
     with head(tmp_path) as c:
-        ok = c.post(IMAGES, json=BODY)
+        ok = c.post(IMAGES, json=BODY, headers={"X-Request-Id": 'ingress 7f3a\t"x"'})
         bad = c.post(IMAGES, json={**BODY, "size": "big"})
         with c.stream("POST", IMAGES, json={**BODY, "stream": True}) as streamed:
             streamed.read()
@@ -62,6 +62,7 @@ def test_each_request_is_one_line_with_its_status_seconds_and_id(tmp_path: Path,
     assert logged[0]["id"] == ok.headers["x-request-id"] and logged[2]["id"] == streamed.headers["x-request-id"]
     assert logged[1]["id"] == "-" and bad.status_code == 400 and missing.status_code == 404
     assert all(m["owner"] == "-" and float(m["s"]) >= 0 for m in logged)
+    assert logged[0]["ref"] == "ingress%207f3a%09%22x%22" and logged[1]["ref"] == "-"  # the one it came with
 
 
 def test_the_key_and_body_limit_refusals_are_logged_with_the_owner_never_the_key(tmp_path: Path, caplog) -> None:
