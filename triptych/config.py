@@ -168,6 +168,7 @@ class ServeArgs:
     decoder_sp: int | None = None
     worker_capacity: int = 2
     log_level: str = "info"
+    log_format: str = "text"  # every process: "json" writes a JSON object per line (triptych.log_format)
     disagg_drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     api_keys_file: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES

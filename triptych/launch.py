@@ -7,7 +7,7 @@ import os
 import sys
 from typing import NoReturn
 
-from triptych import startup
+from triptych import log_format, startup
 from triptych.config import ConfigError, ServeArgs
 from triptych.families.package import PackageError
 from triptych.model_source import ModelSourceError, model_names, resolve_model_path
@@ -16,11 +16,9 @@ from triptych.reference import allow_url_networks, parse_networks
 from triptych.roles import Role
 
 
-def configure_logging(args: ServeArgs) -> None:
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s [{args.disagg_role.value}] %(name)s: %(message)s",
-    )
+def configure_logging(args: ServeArgs, process: str | None = None) -> None:
+    """--log-level and --log-format on stderr; `process` names it in each line (default: its role)."""
+    log_format.configure(args.log_level, args.log_format, process or args.disagg_role.value)
 
 
 # What each install extra brings (pyproject.toml); a role started without its extra says which.

@@ -22,6 +22,7 @@ from triptych.config import (
     parse_urls,
 )
 from triptych.liveness import HEARTBEAT_INTERVAL_S, MIN_HEARTBEAT_TIMEOUT_S
+from triptych.log_format import FORMATS
 from triptych.ports import DEFAULT_MASTER_PORT_OFFSET
 from triptych.roles import Role
 from triptych.serve_help import flag, grouped_adder
@@ -132,6 +133,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--worker-capacity", type=int, default=d.worker_capacity,
       help="worker: requests it holds at once (one running, the rest prefetched)")  # fmt: skip
     a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
+    a("--log-format", default=d.log_format, choices=FORMATS,
+      help="how log lines are written to stderr: text, or json (one object per line: time, level, process, "
+           "logger, message, and structured fields such as the access log's http)")  # fmt: skip
     a("--disagg-drain-timeout", type=float, default=d.disagg_drain_timeout,
       help="head and worker: on SIGTERM, seconds to finish accepted work before exiting "
            "(the head fails what is left with a 503)")  # fmt: skip

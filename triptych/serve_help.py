@@ -20,7 +20,7 @@ def flag(attr: str) -> str:
 
 GENERAL = "model and process"
 GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
-    GENERAL: ("every process", ("--model-path", "--disagg-role", "--device", "--dtype", "--log-level")),
+    GENERAL: ("every process", ("--model-path", "--disagg-role", "--device", "--dtype", "--log-level", "--log-format")),
     "head": (
         "the GPU-less head (--disagg-role server) and, for the HTTP ones, monolithic mode",
         (

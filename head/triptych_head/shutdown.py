@@ -143,6 +143,7 @@ def serve_http(
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        log_config=None,  # its lines go through the process's own handler (triptych.log_format): one format
         access_log=False,
         timeout_graceful_shutdown=int(FLUSH_S),
         ssl_certfile=args.ssl_certfile,

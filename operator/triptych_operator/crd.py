@@ -28,7 +28,17 @@ from triptych_operator.constants import (
     crd_field,
 )
 from triptych_operator.fields import Field, docs_table, schema
-from triptych_operator.spec.declaration import HEAD, IMAGES, MODEL, NAME_RULE, SPEC, TRACING, TRANSFER, role_field
+from triptych_operator.spec.declaration import (
+    HEAD,
+    IMAGES,
+    LOGGING,
+    MODEL,
+    NAME_RULE,
+    SPEC,
+    TRACING,
+    TRANSFER,
+    role_field,
+)
 from triptych_operator.status import COMPONENTS
 
 Schema = dict[str, Any]
@@ -51,6 +61,7 @@ DOCS_TABLES: dict[str, Field] = {
     "spec.roles": role_field(PIPELINE_ROLES[1]),
     "spec.transfer": TRANSFER,
     "spec.tracing": TRACING,
+    "spec.logging": LOGGING,
     "spec.head": HEAD,
     "spec.images": IMAGES,
 }

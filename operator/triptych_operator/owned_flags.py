@@ -35,6 +35,7 @@ WORKER_SOURCES: dict[str, str] = {
     "batching_max_size": "{pool}.batching.maxSize",
     "disagg_full_pipeline": "spec.fullPipeline",
     "otlp_endpoint": "spec.tracing.otlpEndpoint",
+    "log_format": "spec.logging.format",
     "lora_catalog": "spec.model.loras",
     # Unset degrees are derived by the worker as the operator derived them, so every degree is the spec's.
     "tp_size": "{pool}.parallelism.tp",
@@ -64,6 +65,7 @@ HEAD_SOURCES: dict[str, str] = {
     "ssl_keyfile": "spec.head.tls.secretName",
     "disagg_keys_dir": KEYS,
     "otlp_endpoint": "spec.tracing.otlpEndpoint",
+    "log_format": "spec.logging.format",
     "lora_catalog": "spec.model.loras",
     "batching_mode": "spec.<role>.batching.maxSize",
     "batching_max_size": "spec.<role>.batching.maxSize",

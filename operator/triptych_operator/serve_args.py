@@ -105,6 +105,7 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         batching_max_size=spec.batch_max_size,
         disagg_full_pipeline=pipeline.full_pipeline,
         otlp_endpoint=pipeline.tracing.otlp_endpoint or "",
+        log_format=pipeline.logging.format,
         # The head checks the names requests give, the denoisers and prompt encoders load them: one catalogue file.
         lora_catalog=LORA_CATALOG_FILE if pipeline.model.loras and role in LORA_WORKERS else None,
         **parallel,  # type: ignore[arg-type]
@@ -164,6 +165,7 @@ def head_serve_args(pipeline: PipelineSpec) -> ServeArgs:
         ssl_keyfile=HEAD_TLS_KEY_FILE if pipeline.head.tls_secret_name else None,
         disagg_keys_dir=KEYS_MOUNT,
         otlp_endpoint=pipeline.tracing.otlp_endpoint or "",
+        log_format=pipeline.logging.format,
         lora_catalog=LORA_CATALOG_FILE if pipeline.model.loras else None,
         **head_batching(pipeline),
         **head_results_store(pipeline),

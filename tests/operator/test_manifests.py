@@ -229,6 +229,18 @@ def test_tracing_reaches_the_head_and_every_worker_and_is_off_by_default() -> No
         assert "--otlp-endpoint" not in container(children()[("Deployment", f"wan-t2v-{name}")])["args"], name
 
 
+def test_json_logs_reach_the_head_and_every_worker_text_is_the_default_and_extra_args_cannot_differ() -> None:
+    made = children(minimal_spec(logging={"format": "json"}))
+    for name in ("head", *(role.value for role in ROLES)):
+        assert parse_serve(container(made[("Deployment", f"wan-t2v-{name}")])).log_format == "json", name
+        assert parse_serve(container(children()[("Deployment", f"wan-t2v-{name}")])).log_format == "text", name
+    with pytest.raises(SpecError) as err:
+        pipeline(minimal_spec(logging={"format": "xml"}))
+    assert err.value.field == "spec.logging.format" and "xml" in str(err.value), err.value
+    with pytest.raises(SpecError, match=r"spec\.logging\.format"):
+        render(pipeline(minimal_spec(head={"extraArgs": ["--log-format", "json"]})))
+
+
 @pytest.mark.parametrize("url", ["otel:4318", "grpc://otel:4317", "http://"])
 def test_a_collector_that_is_not_an_http_url_is_refused_naming_the_field(url: str) -> None:
     with pytest.raises(SpecError) as err:

@@ -78,6 +78,7 @@ SAMPLE: dict[str, Any] = {
     "--decoder-sp": 2,
     "--worker-capacity": 3,
     "--log-level": "debug",
+    "--log-format": "json",
     "--disagg-drain-timeout": 1.0,
     "--api-keys-file": "/keys",
     "--max-request-bytes": 2048,
@@ -179,6 +180,7 @@ TESTED: dict[str, str] = {
     "--api-keys-file": "tests/api/test_guards.py::test_a_missing_or_keyless_file_stops_the_head_naming_the_flag",
     "--max-request-bytes": "tests/e2e/test_http_guards.py::test_a_declared_oversized_body_is_refused_before_it_is_sent",
     "--access-log": "tests/e2e/test_access_log.py::test_a_head_with_access_log_logs_each_request_with_its_id",
+    "--log-format": "tests/e2e/test_access_log.py::test_with_log_format_json_every_line_of_the_processes_is_an_object",
     "--max-queued-requests": "tests/e2e/test_http_guards.py::"
     "test_beyond_the_bound_requests_get_429_with_retry_after_from_observed_stage_times",
     "--ssl-certfile": "tests/e2e/test_https.py::test_the_api_is_served_over_https_and_plain_http_is_not_answered",

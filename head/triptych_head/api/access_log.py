@@ -10,7 +10,9 @@ never the key), and the X-Request-Id the request came with, if any (an ingress's
 ingress-nginx's `$req_id`: what ties its log line to this one). A request that ends without an
 answer (the client left, the head stopped) logs status 0. Probes and scrapes (/health, /ready,
 /metrics) are logged only when they fail. Off by default: uvicorn's own access log stays off
-either way. A line costs the head ~50 us of CPU (bench/http_app_bench.py --access-log).
+either way. A line costs the head ~50 us of CPU (bench/http_app_bench.py --access-log). With
+--log-format json the line's parts are also its `http` object (client, method, path, status,
+seconds, request_id, owner, ref).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from urllib.parse import quote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from triptych.log_format import FIELDS
 from triptych_head.api.context import REQUEST_ID_HEADER
 from triptych_head.api.ownership import OWNER
 
@@ -60,19 +63,16 @@ class AccessLog:
             status = status or 500  # what the server's error middleware answers
             raise
         finally:
-            path = scope.get("path", "")
-            if not (path in QUIET_PATHS and 200 <= status < 400):
-                log.info(
-                    '%s "%s %s" %d %.3fs id=%s owner=%s ref=%s',
-                    _client(scope),
-                    scope.get("method", "-"),
-                    _shown_path(scope),
-                    status,
-                    time.perf_counter() - started,
-                    request_id,
-                    scope.get("state", {}).get(OWNER) or "-",
-                    ref,
-                )
+            if not (scope.get("path", "") in QUIET_PATHS and 200 <= status < 400):
+                _write(scope, status, time.perf_counter() - started, request_id, ref)
+
+
+def _write(scope: Scope, status: int, seconds: float, request_id: str, ref: str) -> None:
+    """The line, and the same as fields for --log-format json (triptych.log_format)."""
+    line = (_client(scope), scope.get("method", "-"), _shown_path(scope), status, seconds, request_id,
+            scope.get("state", {}).get(OWNER) or "-", ref)  # fmt: skip
+    http = dict(zip(("client", "method", "path", "status", "seconds", "request_id", "owner", "ref"), line, strict=True))
+    log.info('%s "%s %s" %d %.3fs id=%s owner=%s ref=%s', *line, extra={FIELDS: {"http": http}})
 
 
 def _client(scope: Scope) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from triptych.config import DEFAULT_POOL_SIZE, DTYPES
+from triptych.log_format import FORMATS as LOG_FORMATS
 from triptych.model_source import HUB_ID
 from triptych.roles import FULL_PIPELINE_ROLE, Role
 from triptych_operator.constants import (
@@ -442,6 +443,25 @@ def _tracing() -> Field:
 TRACING = _tracing()
 
 
+def _logging() -> Field:
+    log_format = (
+        "How the head and every worker write their log lines, given to each as `--log-format`: `text`, or "
+        "`json` (one object per line: time, level, process, logger, message, and structured fields such as "
+        "the access log's `http`) for a log pipeline to read fields from (docs/serving.md). Mooncake's engine "
+        "writes its own lines in its own format either way."
+    )
+    return Field(
+        "logging",
+        "object",
+        "The processes' log lines.",
+        default={},
+        fields=(Field("format", "string", log_format, enum=LOG_FORMATS, default=LOG_FORMATS[0]),),
+    )
+
+
+LOGGING = _logging()
+
+
 IMAGES = Field(
     "images",
     "object",
@@ -489,7 +509,16 @@ SPEC = Field(
     "object",
     "Desired state of a disaggregated diffusion pipeline.",
     required=True,
-    fields=(MODEL, *(role_field(role) for role in PIPELINE_ROLES), FULL_PIPELINE, TRANSFER, TRACING, HEAD, IMAGES),
+    fields=(
+        MODEL,
+        *(role_field(role) for role in PIPELINE_ROLES),
+        FULL_PIPELINE,
+        TRANSFER,
+        TRACING,
+        LOGGING,
+        HEAD,
+        IMAGES,
+    ),
     rules=(
         excludes(
             "fullPipeline",

@@ -180,6 +180,11 @@ class TracingSpec:
 
 
 @dataclass(frozen=True)
+class LoggingSpec:
+    format: str
+
+
+@dataclass(frozen=True)
 class IngressSpec:
     enabled: bool
     host: str | None
@@ -282,6 +287,7 @@ class PipelineSpec:
     roles: Mapping[Role, PoolSpec] = dataclasses.field(metadata=derived(*ROLE_POOL_FIELDS, "fullPipeline"))
     transfer: TransferSpec
     tracing: TracingSpec
+    logging: LoggingSpec
     head: HeadSpec
     worker_image: str = dataclasses.field(metadata=derived("images.worker"))
     head_image: str = dataclasses.field(metadata=derived("images.head"))

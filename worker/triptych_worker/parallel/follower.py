@@ -5,12 +5,12 @@ Started by rank 0 (`triptych_worker.parallel.ranks.start_ranks`), never by hand.
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 
 from triptych.cli import build_parser
 from triptych.config import ServeArgs
+from triptych.launch import configure_logging
 from triptych_worker.parallel.ranks import die_with_parent, follow
 
 
@@ -21,10 +21,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank = int(argv[0])
     args = ServeArgs.from_namespace(build_parser().parse_args(["serve", *argv[1:]]))
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s [{args.disagg_role.value} rank {rank}] %(name)s: %(message)s",
-    )
+    configure_logging(args, f"{args.disagg_role.value} rank {rank}")
     follow(args, rank)
     return 0
 

@@ -1,0 +1,48 @@
+"""--log-format (triptych/log_format.py): a JSON object per line with the record's fields; text as before."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from triptych.log_format import FIELDS, JsonFormatter
+
+
+def record(message: str, *args: object, exc: bool = False, **extra: object) -> logging.LogRecord:
+    exc_info = None
+    if exc:
+        try:
+            raise ValueError("no such adapter")
+        except ValueError:
+            exc_info = sys.exc_info()
+    made = logging.LogRecord("triptych_head.core", logging.WARNING, __file__, 1, message, args, exc_info)
+    made.__dict__.update(extra)
+    made.created, made.msecs = 1796571612.279, 279.0
+    return made
+
+
+def test_a_record_is_one_json_object_on_one_line() -> None:
+    line = JsonFormatter("server").format(record("request %s failed:\nsecond line", "img_1"))
+    assert "\n" not in line
+    assert json.loads(line) == {
+        "time": "2026-12-06T15:40:12.279Z",
+        "level": "WARNING",
+        "process": "server",
+        "logger": "triptych_head.core",
+        "message": "request img_1 failed:\nsecond line",
+    }
+
+
+def test_an_exception_is_one_field_and_structured_fields_sit_beside_the_record_s_own() -> None:
+    fields = {FIELDS: {"http": {"status": 500, "path": "/v1/x"}, "message": "not this", "level": "not this"}}
+    parsed = json.loads(JsonFormatter("denoiser rank 1").format(record("boom", exc=True, **fields)))
+    assert parsed["exception"].startswith("Traceback") and "ValueError: no such adapter" in parsed["exception"]
+    assert parsed["http"] == {"status": 500, "path": "/v1/x"}
+    assert (parsed["message"], parsed["level"], parsed["process"]) == ("boom", "WARNING", "denoiser rank 1")
+
+
+def test_a_value_json_cannot_write_is_written_as_its_text() -> None:
+    parsed = json.loads(JsonFormatter("encoder").format(record("x", **{FIELDS: {"where": Path("/models/flux")}})))
+    assert parsed["where"] == "/models/flux"
