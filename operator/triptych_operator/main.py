@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import kopf
 
 from triptych import __version__
+from triptych.log_format import FORMATS as LOG_FORMATS
 
 WATCH_NAMESPACES_ENV = "TRIPTYCH_WATCH_NAMESPACES"
 LIVENESS_ENV = "TRIPTYCH_LIVENESS_ENDPOINT"
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: ${PEERING_LIFETIME_ENV} or {DEFAULT_PEERING_LIFETIME_S})",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=LOG_FORMATS[0],
+        help="text, or json: kopf's one object per line, with the resource a line is about under `object`",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
 
@@ -75,13 +82,20 @@ def watched_namespaces(flags: Sequence[str] | None, env: str | None) -> list[str
     return [ns.strip() for ns in (env or "").split(",") if ns.strip()]
 
 
+def configure_logging(args: argparse.Namespace) -> None:
+    """kopf's handler on the root logger: --verbose, --log-format (json: kopf's objects: message, timestamp,
+    severity, and the resource a line is about under `object`)."""
+    kopf_format = kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL
+    kopf.configure(verbose=args.verbose, log_format=kopf_format, log_refkey="object")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `triptych-operator` console script."""
     args = build_parser().parse_args(argv)
     namespaces = watched_namespaces(args.namespace, os.environ.get(WATCH_NAMESPACES_ENV))
     import triptych_operator.handlers  # registers the handlers
 
-    kopf.configure(verbose=args.verbose)
+    configure_logging(args)
     priority = 0
     if args.peering:
         # Two replicas of equal priority would both pause: random priorities practically never collide.

@@ -18,6 +18,7 @@ from tests.cluster.fixtures import cluster_settings
 from tests.operator.helpers import REPO
 from triptych_operator.constants import DEFAULT_HEAD_IMAGE, DEFAULT_WORKER_IMAGE, HEAD_IMAGE_ENV, WORKER_IMAGE_ENV
 from triptych_operator.main import LIVENESS_ENV, WATCH_NAMESPACES_ENV
+from triptych_operator.main import build_parser as operator_parser
 from triptych_operator.metrics_api.main import build_parser as metrics_api_parser
 from triptych_operator.metrics_api.prometheus import HEAD_GAUGES
 
@@ -180,6 +181,19 @@ def test_the_chart_starts_the_metrics_api_with_flags_it_accepts(helm_bin: Path) 
     args = metrics_api_parser().parse_args(container["args"])
     assert args.secure_port == container["ports"][0]["containerPort"]
     assert args.tls_cert_file.startswith(container["volumeMounts"][0]["mountPath"])
+
+
+def test_log_format_reaches_the_operator_and_the_metrics_api_as_flags_they_accept(helm_bin: Path) -> None:
+    for given, expected in (((), "text"), (("logFormat=json",), "json")):
+        objs = by_kind_name(render(helm_bin, *given))
+        operator = objs[("Deployment", "rel-triptych")]["spec"]["template"]["spec"]["containers"][0]
+        metrics = objs[("Deployment", METRICS)]["spec"]["template"]["spec"]["containers"][0]
+        assert operator_parser().parse_args(operator["args"]).log_format == expected
+        assert metrics_api_parser().parse_args(metrics["args"]).log_format == expected
+    verbose = by_kind_name(render(helm_bin, "verbose=true"))[("Deployment", "rel-triptych")]
+    assert operator_parser().parse_args(verbose["spec"]["template"]["spec"]["containers"][0]["args"]).verbose
+    with pytest.raises(AssertionError, match=re.escape("at '/logFormat': value must be one of 'text', 'json'")):
+        render(helm_bin, "logFormat=xml")
 
 
 def test_the_heads_ca_reaches_the_metrics_api_as_the_file_its_flag_names(helm_bin: Path) -> None:

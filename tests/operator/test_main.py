@@ -1,10 +1,19 @@
-"""The `triptych-operator` command: which namespaces it watches, and whether it peers."""
+"""The `triptych-operator` command: which namespaces it watches, whether it peers, how it logs."""
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
 
-from triptych_operator.main import PEERING_ENV, PEERING_LIFETIME_ENV, build_parser, watched_namespaces
+from triptych_operator.main import (
+    PEERING_ENV,
+    PEERING_LIFETIME_ENV,
+    build_parser,
+    configure_logging,
+    watched_namespaces,
+)
 
 
 def test_flags_win_over_the_environment() -> None:
@@ -32,3 +41,22 @@ def test_standalone_unless_a_peering_is_named(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(PEERING_LIFETIME_ENV, "15")
     args = build_parser().parse_args([])
     assert (args.peering, args.peering_lifetime, args.priority) == ("rel-triptych", 15, None)
+
+
+def test_log_format_json_makes_every_line_an_object_naming_the_resource(capsys: pytest.CaptureFixture[str]) -> None:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        configure_logging(build_parser().parse_args(["--log-format", "json"]))
+        logging.getLogger("kopf.objects").info(
+            "Handler 'create_fn' succeeded.", extra={"k8s_ref": {"kind": "DiffusionPipeline", "name": "wan-t2v"}}
+        )
+        line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+        assert line["message"] == "Handler 'create_fn' succeeded." and line["severity"] == "info"
+        assert line["object"] == {"kind": "DiffusionPipeline", "name": "wan-t2v"}
+        configure_logging(build_parser().parse_args([]))  # text: kopf's full format, as before
+        logging.getLogger("kopf.objects").info("plain")
+        assert capsys.readouterr().err.rstrip().endswith("plain")
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)

@@ -21,6 +21,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from triptych import log_format
+from triptych.log_format import FORMATS as LOG_FORMATS
 from triptych_operator.metrics_api.auth import AuthConfigError, Authorizer, kube_review, read_request_header_config
 from triptych_operator.metrics_api.server import build_app
 from triptych_operator.metrics_api.source import (
@@ -62,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--kubeconfig", default=None, help="default: in-cluster service account, else $KUBECONFIG")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--log-format", choices=LOG_FORMATS, default=LOG_FORMATS[0], help="text, or json: an object per line"
+    )
     return parser
 
 
@@ -111,9 +116,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `triptych-metrics-api` console script."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    log_format.configure("debug" if args.verbose else "info", args.log_format, "metrics-api")
     try:
         asyncio.run(serve(args))
     except AuthConfigError as exc:
