@@ -111,10 +111,16 @@ def test_every_bench_script_has_a_smoke_run():
     assert all((BENCH / name).exists() for name in listed)
 
 
+# A benchmark's other comparison, run by a flag of its own: (script, smoke flags, expected text).
+SECOND_ARMS = [("http_app_bench.py", "--access-log --requests 20 --blocks 2 --json {tmp}/al.json", "on / off")]
+RUNS = [pytest.param(script, *SMOKE[script], id=script) for script in sorted(SMOKE)] + [
+    pytest.param(script, flags, expected, id=f"{script} {flags.split()[0]}") for script, flags, expected in SECOND_ARMS
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(SMOKE))
-def test_bench_runs_briefly(script, tmp_path, tiny_models):
-    flags, expected = SMOKE[script]
+@pytest.mark.parametrize(("script", "flags", "expected"), RUNS)
+def test_bench_runs_briefly(script, flags, expected, tmp_path, tiny_models):
     out = run_bench(script, flags, tmp_path, next(iter(tiny_models.values())).parent)
     assert expected in out, f"{script}: {expected!r} not in its output:\n{out[-4000:]}"
 
@@ -137,17 +143,5 @@ def test_bench_cuda_part_runs_briefly(script, tmp_path, tiny_models):
 @pytest.mark.parametrize("script", sorted(CLUSTER_SMOKE))
 def test_cluster_bench_runs_briefly(script, tmp_path, tiny_models, kube_cluster):
     flags, expected = CLUSTER_SMOKE[script]
-    out = run_bench(script, flags, tmp_path, next(iter(tiny_models.values())).parent)
-    assert expected in out, f"{script}: {expected!r} not in its output:\n{out[-4000:]}"
-
-
-# A benchmark's other comparison, run by a flag of its own: script -> (smoke flags, expected text).
-SECOND_ARMS = {"http_app_bench.py": ("--access-log --requests 20 --blocks 2 --json {tmp}/al.json", "on / off")}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(SECOND_ARMS))
-def test_bench_second_comparison_runs_briefly(script, tmp_path, tiny_models):
-    flags, expected = SECOND_ARMS[script]
     out = run_bench(script, flags, tmp_path, next(iter(tiny_models.values())).parent)
     assert expected in out, f"{script}: {expected!r} not in its output:\n{out[-4000:]}"
