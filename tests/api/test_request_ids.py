@@ -1,6 +1,7 @@
 """An image answer names the request the head ran (X-Request-Id): the id its logs, its trace's root
 span and its failure are known by, also on an error once the id was given. Refused before that
-(a malformed body), or replayed from an earlier run (Idempotency-Key), an answer carries none."""
+(a malformed body), or replayed from an earlier run (Idempotency-Key), an answer carries none; a
+streamed replay names the run it replays, as its events do."""
 
 from __future__ import annotations
 
@@ -79,6 +80,19 @@ def test_a_replayed_answer_names_no_run(tmp_path: Path) -> None:
         replay = c.post(IMAGES, json=BODY, headers={"Idempotency-Key": "k1"})
     assert first.headers["x-request-id"] == backend.request_ids[0]
     assert replay.headers.get("idempotent-replayed") == "true" and "x-request-id" not in replay.headers
+
+
+def test_a_streamed_replay_names_the_run_it_replays(tmp_path: Path) -> None:
+    backend = ScriptedBackend()
+    streamed, key = {**BODY, "stream": True}, {"Idempotency-Key": "k2"}
+    with head(tmp_path, backend) as c:
+        with c.stream("POST", IMAGES, json=streamed, headers=key) as first:
+            first.read()
+        with c.stream("POST", IMAGES, json=streamed, headers=key) as replay:
+            events = replay.read().decode()
+    assert replay.headers.get("idempotent-replayed") == "true" and len(backend.request_ids) == 1
+    assert first.headers["x-request-id"] == replay.headers["x-request-id"] == backend.request_ids[0]
+    assert backend.request_ids[0] in events
 
 
 def test_the_client_s_error_names_the_request(monkeypatch: pytest.MonkeyPatch) -> None:

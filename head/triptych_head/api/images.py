@@ -88,7 +88,8 @@ async def _images(
 ) -> Response:
     """The answer carries the request's id (X-Request-Id, also on an error once the id was given), the
     run's Server-Timing header (timeline.py) and the admission's estimate (deadlines.py); a replayed
-    one carries none of them. `values`: the body's, dumped."""
+    one carries none of them, except a streamed replay's id (the run it replays: progress_response).
+    `values`: the body's, dumped."""
     if values["preview_every"] and not values["stream"]:
         raise APIError(400, "preview_every needs stream: true (previews arrive as Server-Sent Events)", "preview_every")
     key = idempotency_key(request)
