@@ -85,6 +85,19 @@ def test_a_path_with_a_line_break_or_quote_stays_one_line(tmp_path: Path, caplog
     assert "\n" not in line.string and '"' not in line["path"], line.string
 
 
+def test_the_lines_are_written_under_a_quieter_log_level_too(tmp_path: Path, caplog) -> None:
+    root, access = logging.getLogger(), logging.getLogger("triptych_head.access")
+    level = root.level
+    root.setLevel(logging.WARNING)  # --log-level warning: the flag still asks for the lines
+    access.setLevel(logging.NOTSET)
+    try:
+        with head(tmp_path) as c:
+            assert c.post(IMAGES, json=BODY).status_code == 200
+    finally:
+        root.setLevel(level)
+    assert [m["status"] for m in lines(caplog)] == ["200"]
+
+
 def test_off_by_default(tmp_path: Path, caplog) -> None:
     caplog.set_level(logging.INFO, "triptych_head.access")
     with head(tmp_path, access_log=False) as c:

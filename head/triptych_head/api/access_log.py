@@ -2,17 +2,17 @@
 
     127.0.0.1:50122 "POST /v1/images/generations" 200 0.231s id=img_5f0c... owner=tenant:acme ref=-
 
-The client's address, the method and the path as sent (still percent-encoded, without its query:
-a query may carry a presigned URL's signature), the status, the seconds from the request's arrival
-to its answer's last byte (a streamed answer's whole stream), the request's id where the head gave
-one (X-Request-Id), whose it was where API keys are on (ownership.py: `tenant:NAME` or `key:ID`,
-never the key), and the X-Request-Id the request came with, if any (an ingress's, e.g.
-ingress-nginx's `$req_id`: what ties its log line to this one). A request that ends without an
-answer (the client left, the head stopped) logs status 0. Probes and scrapes (/health, /ready,
-/metrics) are logged only when they fail. Off by default: uvicorn's own access log stays off
-either way. A line costs the head ~50 us of CPU (bench/http_app_bench.py --access-log). With
---log-format json the line's parts are also its `http` object (client, method, path, status,
-seconds, request_id, owner, ref).
+The client's address, the method and the path as sent (still percent-encoded, without its query: a
+query may carry a presigned URL's signature), the status, the seconds from the request's arrival to
+its answer's last byte (a streamed answer's whole stream), the request's id where the head gave one
+(X-Request-Id), whose it was where API keys are on (ownership.py: `tenant:NAME` or `key:ID`, never
+the key), and the X-Request-Id the request came with, if any (an ingress's, e.g. ingress-nginx's
+`$req_id`: what ties its log line to this one). A request that ends without an answer (the client
+left, the head stopped) logs status 0. Probes and scrapes (/health, /ready, /metrics) are logged
+only when they fail. Lines are INFO, written whatever --log-level. Off by default: uvicorn's own
+access log stays off either way. A line costs the head ~50 us of CPU (bench/http_app_bench.py
+--access-log). With --log-format json the line's parts are also its `http` object (client, method,
+path, status, seconds, request_id, owner, ref).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class AccessLog:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        log.setLevel(logging.INFO)  # asked for by its flag: written under --log-level warning too
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
