@@ -13,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
+from tests.api.test_direct_routes import WAN
 from tests.api.test_http_api import ScriptedBackend
 from triptych.client import ClientError, TriptychClient
 from triptych.families import ModelInfo
@@ -106,3 +107,17 @@ def test_the_client_s_error_names_the_request(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(ClientError) as failed:
         client.generate_images(BODY)
     assert str(failed.value) == f"503: denoiser tcp://127.0.0.1:7 stopped responding (request img_{'a' * 32})"
+
+
+def test_a_new_video_job_s_answer_names_it_and_its_replay_does_not(tmp_path: Path) -> None:
+    backend = ScriptedBackend()
+    ctx = HeadContext(backend, WAN, tmp_path, CollectorRegistry())
+    body = {"prompt": "waves", "size": "32x32", "num_frames": 5, "num_inference_steps": 2}
+    with TestClient(create_app(ctx)) as c:
+        made = c.post("/v1/videos", json=body, headers={"Idempotency-Key": "v1"})
+        replay = c.post("/v1/videos", json=body, headers={"Idempotency-Key": "v1"})
+        plain = c.post("/v1/videos", json=body)
+    assert made.status_code == 200, made.text
+    assert made.headers["x-request-id"] == made.json()["id"] and plain.headers["x-request-id"] == plain.json()["id"]
+    assert replay.json()["id"] == made.json()["id"] and "x-request-id" not in replay.headers
+

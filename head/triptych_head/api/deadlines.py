@@ -65,15 +65,20 @@ def estimate_seconds(estimate: Estimate | None) -> float | None:
 
 
 @overload
-def with_estimate(answer: Response, seconds: float | None) -> Response: ...
+def with_estimate(answer: Response, seconds: float | None, more: dict[str, str] | None = None) -> Response: ...
 @overload
-def with_estimate(answer: BaseModel | Response, seconds: float | None) -> BaseModel | Response: ...
-def with_estimate(answer: BaseModel | Response, seconds: float | None) -> BaseModel | Response:
-    """`answer` carrying the estimate header (unchanged without an estimate: monolithic mode, a replay)."""
-    if seconds is None:
+def with_estimate(
+    answer: BaseModel | Response, seconds: float | None, more: dict[str, str] | None = None
+) -> BaseModel | Response: ...
+def with_estimate(
+    answer: BaseModel | Response, seconds: float | None, more: dict[str, str] | None = None
+) -> BaseModel | Response:
+    """`answer` carrying the estimate header (none without an estimate: monolithic mode, a replay) and
+    the `more` headers given."""
+    headers = {**(more or {}), **({} if seconds is None else {ESTIMATE_HEADER: f"{seconds:.3f}"})}
+    if not headers:
         return answer
-    value = f"{seconds:.3f}"
     if isinstance(answer, Response):
-        answer.headers[ESTIMATE_HEADER] = value
+        answer.headers.update(headers)
         return answer
-    return JSONResponse(answer.model_dump(mode="json"), headers={ESTIMATE_HEADER: value})
+    return JSONResponse(answer.model_dump(mode="json"), headers=headers)

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from triptych.contract import VIDEOS
 from triptych.params import GenerationParams
 from triptych.protocol import RequestEvent
-from triptych_head.api.context import HeadContext, new_request_id
+from triptych_head.api.context import REQUEST_ID_HEADER, HeadContext, new_request_id
 from triptych_head.api.deadlines import Deadline, with_estimate
 from triptych_head.api.direct import DirectRoute
 from triptych_head.api.errors import APIError
@@ -84,8 +84,10 @@ async def create_video(body: RequestBody, request: Request) -> BaseModel | Respo
         answer: VideoJob | Response = await new_job()
     else:
         answer = await answer_once(ctx, request, key, fingerprint(VIDEOS, values), new_job)
-    seconds = made[0].estimated_completion_seconds if made else None
-    return with_estimate(answer, seconds)
+    if not made:  # the key's job, made by an earlier request: replayed as it was answered
+        return answer
+    # The job's id is its request's: the head's log lines about it and the access log name it so.
+    return with_estimate(answer, made[0].estimated_completion_seconds, {REQUEST_ID_HEADER: made[0].id})
 
 
 async def _new_job(
