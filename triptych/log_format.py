@@ -6,23 +6,29 @@ json: one object per line, for a log pipeline (Loki, Elasticsearch, Cloud Loggin
     {"time": "2026-12-06T15:20:12.279Z", "level": "INFO", "process": "server",
      "logger": "triptych_head.shutdown", "message": "HTTP API on http://..."}
 
-with `exception` (the traceback, one string) when the line carries one, and the record's structured
-fields beside them: a call passes `extra={FIELDS: {...}}` (the access log's `http` object). Every
-line of the process is one of these, uvicorn's included (it logs through the same handler).
-Mooncake's engine writes its own lines from C++, in its own format.
+with `exception` (the traceback, one string) when the line carries one, `request_id` when the line
+is about one request (the head's and the workers' lines name it among their arguments: the id the
+head gave it, as `X-Request-Id` says it), and the record's structured fields beside them: a call
+passes `extra={FIELDS: {...}}` (the access log's `http` object). Every line of the process is one of
+these, uvicorn's included (it logs through the same handler). Mooncake's engine writes its own
+lines from C++, in its own format.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 
 TEXT = "text"
 JSON = "json"
 FORMATS = (TEXT, JSON)
 FIELDS = "fields"  # a record's structured fields: log.info(..., extra={FIELDS: {"http": {...}}})
-_OWN = ("time", "level", "process", "logger", "message", "exception")
+_OWN = ("time", "level", "process", "logger", "message", "exception", "request_id")
+# A request's id as the head makes it (triptych_head.api.context.new_request_id): img_, video_ or req_
+# and 32 hex digits, distinct enough to be recognized among a line's arguments.
+REQUEST_ID = re.compile(r"(?:img|video|req)_[0-9a-f]{32}")
 
 
 class JsonFormatter(logging.Formatter):
@@ -45,10 +51,19 @@ class JsonFormatter(logging.Formatter):
             line["exception"] = self.formatException(record.exc_info)
         elif record.exc_text:
             line["exception"] = record.exc_text
+        if (request_id := _request_id(record.args)) is not None:
+            line["request_id"] = request_id
         fields = getattr(record, FIELDS, None)
         if isinstance(fields, dict):
             line.update((key, value) for key, value in fields.items() if key not in _OWN)
         return json.dumps(line, default=str, ensure_ascii=False)
+
+
+def _request_id(args: object) -> str | None:
+    """The first of a record's arguments that is a request's id."""
+    if isinstance(args, tuple):
+        return next((a for a in args if isinstance(a, str) and REQUEST_ID.fullmatch(a)), None)
+    return None
 
 
 def configure(level: str, log_format: str, process: str) -> None:

@@ -120,4 +120,3 @@ def test_a_new_video_job_s_answer_names_it_and_its_replay_does_not(tmp_path: Pat
     assert made.status_code == 200, made.text
     assert made.headers["x-request-id"] == made.json()["id"] and plain.headers["x-request-id"] == plain.json()["id"]
     assert replay.json()["id"] == made.json()["id"] and "x-request-id" not in replay.headers
-

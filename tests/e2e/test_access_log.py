@@ -58,6 +58,7 @@ def test_with_log_format_json_every_line_of_the_processes_is_an_object(tiny_mode
     assert {"time", "level", "process", "logger", "message"} <= set(head[0]) and head[0]["process"] == "server"
     (access,) = [line for line in head if "http" in line]
     assert access["http"]["request_id"] == answer.headers["x-request-id"] and access["http"]["status"] == 200
+    assert access["request_id"] == answer.headers["x-request-id"]  # what a log query filters a request's lines by
     assert any(line["logger"].startswith("uvicorn") for line in head), "uvicorn logs through the same handler"
     for role in (Role.ENCODER, Role.DENOISER, Role.DECODER):
         lines = [line for line in logs[role].splitlines() if not GLOG.match(line)]

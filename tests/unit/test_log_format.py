@@ -46,3 +46,14 @@ def test_an_exception_is_one_field_and_structured_fields_sit_beside_the_record_s
 def test_a_value_json_cannot_write_is_written_as_its_text() -> None:
     parsed = json.loads(JsonFormatter("encoder").format(record("x", **{FIELDS: {"where": Path("/models/flux")}})))
     assert parsed["where"] == "/models/flux"
+
+
+def test_a_line_about_one_request_names_it_as_a_field() -> None:
+    from triptych_head.api.context import new_request_id
+
+    ids = [new_request_id(prefix) for prefix in ("img", "video", "req")]
+    for request_id in ids:  # what the head makes is what the formatter recognizes
+        parsed = json.loads(JsonFormatter("server").format(record("request %s %s: %s", request_id, "FAILED", "boom")))
+        assert parsed["request_id"] == request_id and parsed["message"] == f"request {request_id} FAILED: boom"
+    for args in (("img_nothex",), ("an img_" + "a" * 32 + " inside a string",), (7,)):
+        assert "request_id" not in json.loads(JsonFormatter("server").format(record("x %s", *args)))
