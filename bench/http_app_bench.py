@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from triptych import log_format
 from triptych.families import ModelInfo
 from triptych_dev import asgi_call
 from triptych_dev.asgi_call import FixedPixels
@@ -97,9 +98,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _log_as_the_head_does(path: Path) -> None:
-    """INFO lines in the head's format (triptych.launch.configure_logging) to a file, as a pod's stderr."""
+    """INFO lines in the head's text format (triptych.log_format) to a file, as a pod's stderr."""
     handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [server] %(name)s: %(message)s"))
+    handler.setFormatter(log_format.formatter(log_format.TEXT, "server"))
     logging.getLogger().addHandler(handler)
     logging.getLogger().setLevel(logging.INFO)
 

@@ -70,8 +70,11 @@ def configure(level: str, log_format: str, process: str) -> None:
     """The root logger's one handler, on stderr: `process` names the process in every line ("server",
     "denoiser rank 1")."""
     handler = logging.StreamHandler()
-    if log_format == JSON:
-        handler.setFormatter(JsonFormatter(process))
-    else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{process}] %(name)s: %(message)s"))
+    handler.setFormatter(formatter(log_format, process))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
+def formatter(log_format: str, process: str) -> logging.Formatter:
+    if log_format == JSON:
+        return JsonFormatter(process)
+    return logging.Formatter(f"%(asctime)s %(levelname)s [{process}] %(name)s: %(message)s")
