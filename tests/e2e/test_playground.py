@@ -207,6 +207,34 @@ def test_an_image_request_that_got_no_answer_is_sent_again_under_its_key(browser
     assert shown == base64.b64decode(r.json()["data"][0]["b64_json"])
 
 
+def test_an_error_the_page_shows_names_the_request_it_is_about(browser, flux: LocalDeployment):
+    """A refusal the head answers with the request's id (X-Request-Id, made here by Playwright: a
+    stand-in for a worker's refusal of a request the head had given an id) shows it, so a user can
+    quote the id the head's logs and trace know the request by."""
+    page = new_page(browser, DESKTOP)
+    request_id = "img_" + "5f0c" * 8
+
+    def refused(route) -> None:
+        route.fulfill(
+            status=400,
+            content_type="application/json",
+            headers={"X-Request-Id": request_id},
+            body='{"error": {"message": "denoiser: loras: adapter ink has no tensors", "param": "loras"}}',
+        )
+
+    page.route("**/v1/images/generations", refused)
+    page.goto(flux.http + "/")
+    page.fill("#apikey", KEY)
+    page.dispatch_event("#apikey", "change")
+    page.wait_for_function("document.querySelector('#model').textContent.includes('tiny-flux')")
+    fill_request(page, "a lighthouse", 64, 48, 2, 1, 1)
+    page.click("#generate")
+    page.wait_for_selector("#error:not([hidden])", timeout=60_000)
+    shown = page.text_content("#error")
+    page.close()
+    assert shown == f"400: denoiser: loras: adapter ink has no tensors (request {request_id})", shown
+
+
 def test_an_edit_of_an_uploaded_reference_is_the_api_s_edit(browser, kontext: LocalDeployment):
     page = new_page(browser, DESKTOP)
     page.goto(kontext.http + "/")

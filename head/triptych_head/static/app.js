@@ -40,11 +40,12 @@ async function api(path, options = {}) {
 }
 
 async function errorText(response) {
+  const id = response.headers.get("X-Request-Id");
   try {
     const body = await response.json();
-    return `${response.status}: ${body.error?.message ?? JSON.stringify(body)}`;
+    return naming(`${response.status}: ${body.error?.message ?? JSON.stringify(body)}`, id);
   } catch {
-    return `${response.status} ${response.statusText}`;
+    return naming(`${response.status} ${response.statusText}`, id);
   }
 }
 
@@ -231,9 +232,14 @@ async function sendImageRequest(body, image) {
   }
 }
 
+// An error's words and the request they are about (the id the head's logs use: X-Request-Id).
+function naming(message, id) {
+  return id ? `${message} (request ${id})` : message;
+}
+
 async function generateImage(body, image) {
   const final = await sendImageRequest(body, image);
-  if (final.event === "error") throw new Error(final.data.error.message);
+  if (final.event === "error") throw new Error(naming(final.data.error.message, final.data.id));
   const src = `data:image/png;base64,${final.data.data[0].b64_json}`;
   $("result-image").src = src;
   $("result-image").hidden = false;
@@ -247,7 +253,7 @@ async function generateVideo(body) {
   ).json();
   mine.add(job.id);
   const final = await follow(await api(`/v1/videos/${job.id}/events`));
-  if (final.event === "error") throw new Error(final.data.error.message);
+  if (final.event === "error") throw new Error(naming(final.data.error.message, job.id));
   const content = await api(`/v1/videos/${job.id}/content`);
   renderTimeline(content.headers.get("Server-Timing") ?? "");
   const blob = await content.blob();
