@@ -150,6 +150,13 @@ def run_client_command(ns: argparse.Namespace) -> int:
 STATUS_WIDTH_OFF_TERMINAL = 1000
 
 
+def failure(final: Event) -> str:
+    """A stream's error event in words, naming the request (the id the head's logs use), as an HTTP
+    error's are (triptych.client)."""
+    request_id = final.data.get("id")
+    return final.data["error"]["message"] + (f" (request {request_id})" if request_id else "")
+
+
 def print_error(console: Console, message: str) -> int:
     """One line on stderr, however long (soft_wrap: rich would wrap it at the console's width); returns 1."""
     console.print(f"triptych: error: {message}", markup=False, highlight=False, soft_wrap=True)
@@ -186,7 +193,7 @@ def _images(events: Iterator[Event], ns: argparse.Namespace, console: Console) -
     with ProgressView(console, "image") as view:
         final = view.follow(events)
     if final.event != "completed":
-        return print_error(console, final.data["error"]["message"])
+        return print_error(console, failure(final))
     for path, item in zip(output_paths(ns.output, ns.n or 1), final.data["data"], strict=True):
         path.write_bytes(base64.b64decode(item["b64_json"]))
         console.print(f"wrote {path}", highlight=False)
@@ -204,7 +211,7 @@ def _video(client: TriptychClient, ns: argparse.Namespace, console: Console) -> 
         console.print(f"cancelled {job['id']} on the server ({ended['status']})", highlight=False)
         return INTERRUPTED
     if final.event != "completed":
-        return print_error(console, final.data["error"]["message"])
+        return print_error(console, failure(final))
     size = client.save_video(job["id"], ns.output)
     console.print(f"wrote {ns.output} ({size} bytes)", highlight=False)
     return 0

@@ -8,6 +8,7 @@ import base64
 import functools
 import http.server
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -205,6 +206,17 @@ def test_edit_of_a_bad_image_file_or_field_is_a_one_line_error(kontext: LocalDep
     reference.write_bytes(reference_png(40, 56))
     steps = triptych("edit", str(reference), "x", "-o", str(out), "--steps", "0", "--url", kontext.http)
     assert steps.returncode == 1 and steps.stderr.startswith("triptych: error: 400: num_inference_steps: ")
+    assert not out.exists()
+
+
+def test_a_request_that_fails_on_a_worker_is_a_one_line_error_naming_it(kontext: LocalDeployment, tmp_path: Path):
+    # With --size the image encoder fetches the URL (the head does not): its refusal of a private
+    # address comes back as the stream's error event, after the head gave the request its id.
+    out = tmp_path / "never.png"
+    refused = triptych("edit", "http://192.0.2.1/ref.png", "x", "-o", str(out), *EDIT_FLAGS, "--url", kontext.http)
+    last = refused.stderr.strip().splitlines()[-1]  # progress lines first (no terminal), then the error
+    assert refused.returncode == 1 and last.startswith("triptych: error: encoder ") and "192.0.2.1" in last, last
+    assert re.search(r" \(request img_[0-9a-f]{32}\)$", last), last
     assert not out.exists()
 
 
