@@ -88,6 +88,14 @@ def screenshot(page, name: str) -> Image.Image:
     return image
 
 
+def open_with_key(page, flux: LocalDeployment) -> None:
+    """The playground of the FLUX deployment, its API key typed in, once it has read the model."""
+    page.goto(flux.http + "/")
+    page.fill("#apikey", KEY)
+    page.dispatch_event("#apikey", "change")
+    page.wait_for_function("document.querySelector('#model').textContent.includes('tiny-flux')")
+
+
 def fill_request(page, prompt: str, width: int, height: int, steps: int, seed: int, preview_every: int) -> None:
     page.fill("#prompt", prompt)
     page.fill("#width", str(width))
@@ -127,10 +135,7 @@ def assert_timeline(page, roles: list[str]) -> None:
 
 def test_an_image_generated_in_the_page_is_the_api_s_image(browser, flux: LocalDeployment):
     page = new_page(browser, DESKTOP)
-    page.goto(flux.http + "/")
-    page.fill("#apikey", KEY)
-    page.dispatch_event("#apikey", "change")
-    page.wait_for_function("document.querySelector('#model').textContent.includes('tiny-flux')")
+    open_with_key(page, flux)
     assert page.locator("#reference").is_hidden()  # a text-only model takes no reference image
     fill_request(page, "a lighthouse at dusk", 64, 48, 4, 11, 1)
     page.click("#generate")
@@ -189,10 +194,7 @@ def test_an_image_request_that_got_no_answer_is_sent_again_under_its_key(browser
             route.continue_()
 
     page.route("**/v1/images/generations", head_dies_then_proxy_has_none)
-    page.goto(flux.http + "/")
-    page.fill("#apikey", KEY)
-    page.dispatch_event("#apikey", "change")
-    page.wait_for_function("document.querySelector('#model').textContent.includes('tiny-flux')")
+    open_with_key(page, flux)
     fill_request(page, "a lighthouse after the storm", 64, 48, 4, 12, 1)
     page.click("#generate")
     page.wait_for_selector("#result-image:not([hidden])", timeout=120_000)
@@ -223,10 +225,7 @@ def test_an_error_the_page_shows_names_the_request_it_is_about(browser, flux: Lo
         )
 
     page.route("**/v1/images/generations", refused)
-    page.goto(flux.http + "/")
-    page.fill("#apikey", KEY)
-    page.dispatch_event("#apikey", "change")
-    page.wait_for_function("document.querySelector('#model').textContent.includes('tiny-flux')")
+    open_with_key(page, flux)
     fill_request(page, "a lighthouse", 64, 48, 2, 1, 1)
     page.click("#generate")
     page.wait_for_selector("#error:not([hidden])", timeout=60_000)
