@@ -65,14 +65,20 @@ def iter_sse(lines: Iterable[str]) -> Iterator[Event]:
             data.append(line[5:].strip())
 
 
+def naming(message: str, request_id: str | None) -> str:
+    """An error's words and the request they are about, where the head gave it an id (its logs name
+    the failure so): an HTTP error's X-Request-Id, or a stream's error event's id."""
+    return f"{message} (request {request_id})" if request_id else message
+
+
 def _error_text(response: httpx.Response) -> str:
-    """The error's message, and the request's id where the head gave one (its logs name the failure so)."""
+    """The error's message, naming the request (X-Request-Id, at most 100 characters of it)."""
     request_id = response.headers.get("x-request-id")
-    named = f" (request {request_id[:100]})" if request_id else ""
+    request_id = request_id[:100] if request_id else None
     try:
-        return str(response.json()["error"]["message"]) + named
+        return naming(str(response.json()["error"]["message"]), request_id)
     except (ValueError, KeyError, TypeError):
-        return (response.text[:500] or response.reason_phrase) + named
+        return naming(response.text[:500] or response.reason_phrase, request_id)
 
 
 @dataclass(frozen=True)

@@ -153,8 +153,9 @@ STATUS_WIDTH_OFF_TERMINAL = 1000
 def failure(final: Event) -> str:
     """A stream's error event in words, naming the request (the id the head's logs use), as an HTTP
     error's are (triptych.client)."""
-    request_id = final.data.get("id")
-    return final.data["error"]["message"] + (f" (request {request_id})" if request_id else "")
+    from triptych.client import naming
+
+    return naming(final.data["error"]["message"], final.data.get("id"))
 
 
 def print_error(console: Console, message: str) -> int:
