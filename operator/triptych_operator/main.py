@@ -13,6 +13,8 @@ the others pause; when it stops they resume (at once after a clean exit, within
 from __future__ import annotations
 
 import argparse
+import copy
+import logging
 import os
 import random
 from collections.abc import Sequence
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 import kopf
 
 from triptych import __version__
+from triptych.log_format import FIELDS, JSON, JsonFormatter
 from triptych.log_format import FORMATS as LOG_FORMATS
 
 WATCH_NAMESPACES_ENV = "TRIPTYCH_WATCH_NAMESPACES"
@@ -69,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-format",
         choices=LOG_FORMATS,
         default=LOG_FORMATS[0],
-        help="text, or json: kopf's one object per line, with the resource a line is about under `object`",
+        help="text, or json: one object per line, as the pipeline's processes write them, with the resource "
+        "a line is about under `object`",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
@@ -83,10 +87,28 @@ def watched_namespaces(flags: Sequence[str] | None, env: str | None) -> list[str
 
 
 def configure_logging(args: argparse.Namespace) -> None:
-    """kopf's handler on the root logger: --verbose, --log-format (json: kopf's objects: message, timestamp,
-    severity, and the resource a line is about under `object`)."""
-    kopf_format = kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL
-    kopf.configure(verbose=args.verbose, log_format=kopf_format, log_refkey="object")
+    """kopf's handler on the root logger: --verbose, --log-format. json: the pipeline's own JSON lines
+    (time, level, process "operator", logger, message, exception), so one log pipeline reads every
+    component the same way, with the resource a kopf line is about under `object`."""
+    root = logging.getLogger()
+    before = set(root.handlers)
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.FULL)
+    if args.log_format == JSON:
+        for handler in root.handlers:
+            if handler not in before:  # kopf's own, which it replaces when configured again
+                handler.setFormatter(ObjectJsonFormatter("operator"))
+
+
+class ObjectJsonFormatter(JsonFormatter):
+    """A JSON line with the resource a kopf line is about (its `k8s_ref`: apiVersion, kind, name, uid,
+    namespace) under `object`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ref = getattr(record, "k8s_ref", None)
+        if isinstance(ref, dict):
+            record = copy.copy(record)
+            setattr(record, FIELDS, {**(getattr(record, FIELDS, None) or {}), "object": ref})
+        return super().format(record)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

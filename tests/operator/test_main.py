@@ -51,9 +51,14 @@ def test_log_format_json_makes_every_line_an_object_naming_the_resource(capsys: 
         logging.getLogger("kopf.objects").info(
             "Handler 'create_fn' succeeded.", extra={"k8s_ref": {"kind": "DiffusionPipeline", "name": "wan-t2v"}}
         )
-        line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
-        assert line["message"] == "Handler 'create_fn' succeeded." and line["severity"] == "info"
-        assert line["object"] == {"kind": "DiffusionPipeline", "name": "wan-t2v"}
+        logging.getLogger("triptych_operator.handlers").warning("no object")
+        objects, plain = (json.loads(line) for line in capsys.readouterr().err.strip().splitlines()[-2:])
+        # The pipeline's processes' fields (triptych.log_format), so one log pipeline reads every component.
+        assert objects["message"] == "Handler 'create_fn' succeeded."
+        assert (objects["level"], objects["process"], objects["logger"]) == ("INFO", "operator", "kopf.objects")
+        assert objects["object"] == {"kind": "DiffusionPipeline", "name": "wan-t2v"}
+        assert objects["time"].endswith("Z")
+        assert (plain["level"], plain["message"]) == ("WARNING", "no object") and "object" not in plain
         configure_logging(build_parser().parse_args([]))  # text: kopf's full format, as before
         logging.getLogger("kopf.objects").info("plain")
         assert capsys.readouterr().err.rstrip().endswith("plain")

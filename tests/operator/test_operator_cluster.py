@@ -595,7 +595,8 @@ def test_the_charts_rbac_is_all_the_operator_needs(crd: KubeCluster, kube_namesp
         kubeconfig = service_account_kubeconfig(crd, ns, f"{release}-triptych", tmp_path / "operator.kubeconfig")
         port = free_port()
         env = {**crd.env, "KUBECONFIG": str(kubeconfig)}
-        proc = subprocess.Popen(operator_command(ns, port), env=env, stdout=log, stderr=subprocess.STDOUT)
+        command = [*operator_command(ns, port), "--log-format", "json"]
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         poll(lambda: _healthz(port), timeout=60, what="the operator's liveness endpoint")
         # Its denoiser scales to zero: the operator asks for its metric (none here) too.
         sleepy = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2}}
@@ -614,6 +615,10 @@ def test_the_charts_rbac_is_all_the_operator_needs(crd: KubeCluster, kube_namesp
     output = log.read()
     # kopf logs a refused request as APIForbiddenError('... is forbidden: User ...').
     assert "forbidden" not in output.lower(), output[-3000:]
+    # --log-format json: every line is the pipeline's kind of object, kopf's about a resource naming it.
+    lines = [json.loads(line) for line in output.splitlines()]
+    assert all(line["process"] == "operator" and {"time", "level", "logger", "message"} <= set(line) for line in lines)
+    assert any(line.get("object", {}).get("name") == "rbac" for line in lines), output[-3000:]
 
 
 def log_text(log: Any) -> str:
