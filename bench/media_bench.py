@@ -43,7 +43,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "head")]
 from cgroup_quota import limited_to  # noqa: E402
 
 from triptych.cpus import cpu_quota, usable_cpus  # noqa: E402
-from triptych_head.media import MediaPool, png_bytes, write_mp4  # noqa: E402
+from triptych_head.media import ImageFormat, MediaPool, png_bytes, write_mp4  # noqa: E402
 
 DEFAULT_JSON = ROOT / "bench" / "results" / "media.json"
 
@@ -73,6 +73,12 @@ def encode_costs(sizes: list[int], frames: int, threads: int) -> list[dict[str, 
         image = photo_like(size, size)
         png = cpu_ms(partial(png_bytes, image), 3)
         rows.append(_row(f"PNG {size}x{size}", png, image, len(png_bytes(image))))
+    for form in (ImageFormat("jpeg"), ImageFormat("jpeg", 75), ImageFormat("webp"), ImageFormat("webp", 75)):
+        size = sizes[len(sizes) // 2]  # what an answer's output_format costs instead of the PNG
+        image = photo_like(size, size)
+        ms = cpu_ms(partial(form.encode, image), 3)
+        rows.append(_row(f"{form.name.upper()} quality {form.quality or 100} {size}x{size}", ms, image,
+                         len(form.encode(image))))  # fmt: skip
     clip = np.stack([photo_like(480, 832, seed) for seed in range(frames)])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "clip.mp4"
@@ -149,9 +155,9 @@ def measure(args: argparse.Namespace, group: Path | None) -> None:
     print(f"MediaPool {media.threads} threads, default executor {default_width}")
 
     costs = encode_costs(args.sizes, args.frames, media.threads)
-    print(f"\n{'answer':18s} {'CPU ms':>8s} {'memcpy ms':>10s} {'x memcpy':>9s} {'bytes':>10s} {'per CPU-second':>15s}")
+    print(f"\n{'answer':28s} {'CPU ms':>8s} {'memcpy ms':>10s} {'x memcpy':>9s} {'bytes':>10s} {'per CPU-second':>15s}")
     for r in costs:
-        print(f"{r['what']:18s} {r['cpu_ms']:8.1f} {r['memcpy_ms']:10.2f} {r['cpu_ms'] / r['memcpy_ms']:9.0f} "
+        print(f"{r['what']:28s} {r['cpu_ms']:8.1f} {r['memcpy_ms']:10.2f} {r['cpu_ms'] / r['memcpy_ms']:9.0f} "
               f"{r['bytes']:10d} {r['per_cpu_per_s']:15.1f}")  # fmt: skip
 
     images = [photo_like(args.burst_size, args.burst_size, seed) for seed in range(args.burst)]

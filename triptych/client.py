@@ -112,7 +112,7 @@ def _form_text(value: Any) -> str:
     return json.dumps(value) if isinstance(value, bool | list | dict) else str(value)
 
 
-def _pngs(response: httpx.Response) -> list[bytes]:
+def _image_files(response: httpx.Response) -> list[bytes]:
     return [base64.b64decode(item["b64_json"]) for item in response.json()["data"]]
 
 
@@ -257,8 +257,8 @@ class TriptychClient:
             attempt += 1
 
     def generate_images(self, body: dict[str, Any], idempotency_key: str | None = None) -> list[bytes]:
-        """The PNGs of POST /v1/images/generations."""
-        return _pngs(
+        """The images of POST /v1/images/generations: PNGs, or the body's output_format."""
+        return _image_files(
             self._generation("/v1/images/generations", idempotency_key, json={**body, "response_format": "b64_json"})
         )
 
@@ -267,8 +267,9 @@ class TriptychClient:
         return self._streamed_generation("/v1/images/generations", idempotency_key, json={**body, "stream": True})
 
     def edit_images(self, body: dict[str, Any], image: Reference, idempotency_key: str | None = None) -> list[bytes]:
-        """The PNGs of POST /v1/images/edits: `body` (prompt, size, seed, ...) applied to `image`."""
-        return _pngs(
+        """The images of POST /v1/images/edits (PNGs, or the body's output_format): `body` (prompt, size,
+        seed, ...) applied to `image`."""
+        return _image_files(
             self._generation("/v1/images/edits", idempotency_key, **image.form({**body, "response_format": "b64_json"}))
         )
 

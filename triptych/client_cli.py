@@ -34,7 +34,12 @@ INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
 
 
 COMMAND_ENDPOINTS = {"generate": IMAGES, "edit": EDITS, "video": VIDEOS}
-CLI_NOTES = {"n": "out.png becomes out-0.png, out-1.png, ..."}  # what the command itself does with a value
+# what the command itself does with a value
+CLI_NOTES = {
+    "n": "out.png becomes out-0.png, out-1.png, ...",
+    "output_format": "unless given, -o out.jpg or .jpeg asks for jpeg, -o out.webp for webp",
+}
+SUFFIX_FORMATS = {".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}  # -o's suffix: the output_format asked for
 
 
 def add_request_options(parser: argparse.ArgumentParser, endpoint: str, contract: Contract = CONTRACT) -> None:
@@ -132,9 +137,9 @@ def run_client_command(ns: argparse.Namespace) -> int:
         return print_error(console, str(exc))
     try:
         if ns.command == "generate":
-            return _images(client.stream_images(request_body(ns)), ns, console)
+            return _images(client.stream_images(image_request_body(ns)), ns, console)
         if ns.command == "edit":
-            return _images(client.stream_edits(request_body(ns), Reference.of(ns.image)), ns, console)
+            return _images(client.stream_edits(image_request_body(ns), Reference.of(ns.image)), ns, console)
         if ns.command == "video":
             return _video(client, ns, console)
         out = Console()
@@ -170,6 +175,14 @@ def request_body(ns: argparse.Namespace) -> dict[str, Any]:
     return {"prompt": ns.prompt, **{k: v for k, v in given.items() if v is not None}}
 
 
+def image_request_body(ns: argparse.Namespace) -> dict[str, Any]:
+    """request_body, asking for the format -o's suffix names when --output-format is not given."""
+    body = request_body(ns)
+    if "output_format" not in body and (named := SUFFIX_FORMATS.get(ns.output.suffix.lower())) is not None:
+        body["output_format"] = named
+    return body
+
+
 def _check_output(output: Path) -> None:
     """`-o` names a file this command can write: its folder exists, and it is not a folder itself."""
     from triptych.client import ClientError
@@ -188,7 +201,7 @@ def output_paths(output: Path, n: int) -> list[Path]:
 
 
 def _images(events: Iterator[Event], ns: argparse.Namespace, console: Console) -> int:
-    """Follow a streamed image request (generation or edit) and write its PNGs."""
+    """Follow a streamed image request (generation or edit) and write its images."""
     import base64
 
     with ProgressView(console, "image") as view:

@@ -41,6 +41,9 @@ MAX_NAME = 256  # model, user, quality, style: names, not text (a client's 5 MB 
 MAX_FRAMES = 1025
 MIN_DEADLINE_S = 0.001
 MAX_DEADLINE_S = 366 * 86400  # any deadline is capped at the request timeout; this only keeps it a sane number
+PNG = "png"
+IMAGE_FORMATS = (PNG, "jpeg", "webp")  # output_format: how an image answer's files are written
+DEFAULT_QUALITY = 100  # output_compression omitted, as OpenAI's API takes it
 
 
 class ParamError(ValueError):
@@ -449,11 +452,30 @@ CONTRACT = Contract(
         RequestParam(
             "response_format",
             str,
-            "b64_json: PNGs in the answer; url: links to them",
+            "b64_json: the images in the answer; url: links to them",
             IMAGE_ENDPOINTS,
             default="b64_json",
             limits=Limits(choices=("b64_json", "url")),
             fields=(),
+        ),
+        RequestParam(
+            "output_format",
+            str,
+            "How the images are written: png (lossless), jpeg or webp (smaller, at output_compression)",
+            IMAGE_ENDPOINTS,
+            default=PNG,
+            limits=Limits(choices=IMAGE_FORMATS),
+            fields=(),
+            cli="--output-format",
+        ),
+        RequestParam(
+            "output_compression",
+            int,
+            f"jpeg and webp: their quality, 0 (smallest) to 100 (best; omitted: {DEFAULT_QUALITY})",
+            IMAGE_ENDPOINTS,
+            limits=Limits(minimum=0, maximum=100),
+            fields=(),
+            cli="--output-compression",
         ),
         RequestParam(
             "stream",

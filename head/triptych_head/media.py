@@ -1,5 +1,5 @@
-"""Encoding decoded pixels into the files clients receive: PNG images and MP4 videos, on the head's
-pool of encoding threads (MediaPool)."""
+"""Encoding decoded pixels into the files clients receive: images (PNG, JPEG or WebP) and MP4 videos,
+on the head's pool of encoding threads (MediaPool)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import zipfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -16,6 +17,7 @@ import numpy as np
 from PIL import Image
 from prometheus_client import CollectorRegistry, Histogram
 
+from triptych.contract import DEFAULT_QUALITY, PNG
 from triptych.cpus import usable_cpus
 
 T = TypeVar("T")
@@ -80,6 +82,41 @@ def png_bytes(image: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(image, mode="RGB").save(buf, format="PNG")
     return buf.getvalue()
+
+
+FULL_COLOUR_QUALITY = 90  # a JPEG of this quality or more is not chroma subsampled
+
+
+@dataclass(frozen=True)
+class ImageFormat:
+    """How an image answer's files are written (the request's output_format and output_compression):
+    PNG, lossless and the default, or JPEG or WebP at a quality of 0-100 (lossy, however high)."""
+
+    name: str = PNG  # triptych.contract.IMAGE_FORMATS
+    quality: int | None = None  # jpeg, webp; None: DEFAULT_QUALITY
+
+    @property
+    def media_type(self) -> str:
+        return f"image/{self.name}"
+
+    @property
+    def suffix(self) -> str:
+        return ".jpg" if self.name == "jpeg" else f".{self.name}"
+
+    def encode(self, image: np.ndarray) -> bytes:
+        """One uint8 [H, W, 3] image in this format."""
+        if self.name == PNG:
+            return png_bytes(image)
+        buf = io.BytesIO()
+        quality = DEFAULT_QUALITY if self.quality is None else self.quality
+        # A high-quality JPEG keeps full-resolution colour (4:4:4): PIL's default 4:2:0 halves it, which
+        # on fine detail costs more than the quality buys (WebP's lossy mode is always 4:2:0).
+        full_colour = {"subsampling": 0} if self.name == "jpeg" and quality >= FULL_COLOUR_QUALITY else {}
+        Image.fromarray(image, mode="RGB").save(buf, format=self.name.upper(), quality=quality, **full_colour)
+        return buf.getvalue()
+
+
+PNG_FORMAT = ImageFormat()
 
 
 def write_mp4(frames: np.ndarray, path: Path, fps: int, threads: int) -> Path:

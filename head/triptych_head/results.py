@@ -1,6 +1,6 @@
 """Finished results in the store every head shares (objects.py), and for how long they are kept.
 
-    images/<request id>-<i>.png                    images served by URL (response_format url)
+    images/<request id>-<i>-<random>.png           images served by URL (response_format url; .jpg, .webp)
     videos/<job id>.json                           a video job's status, rewritten when it changes
     videos/<job id>.mp4, <job id>.frames.npy       its content
     idempotency/<digest>.<n>.json, .response       an Idempotency-Key's runs (idempotency.py)

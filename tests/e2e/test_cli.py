@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import functools
 import http.server
+import io
 import os
 import re
 import signal
@@ -18,7 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 
 from tests.e2e.harness import deployment
 from tests.worker.test_role_pipelines import reference_png
@@ -73,6 +76,25 @@ def test_generate_writes_the_png_the_api_returns(flux: LocalDeployment, tmp_path
                    timeout=120)  # fmt: skip
     assert out.read_bytes() == base64.b64decode(r.json()["data"][0]["b64_json"])
     assert "denoiser step 3/3" in done.stderr and f"wrote {out}" in done.stderr
+
+
+def test_generate_asks_for_the_format_of_its_output_file(flux: LocalDeployment, tmp_path: Path):
+    """-o out.jpg asks for a JPEG (--output-format and --output-compression say so outright): a real
+    head encodes the same pixels the PNG answer carries, lossily."""
+    env = {"TRIPTYCH_URL": flux.http, "TRIPTYCH_API_KEY": KEY}
+    args = ["--size", IMAGE["size"], "--seed", str(IMAGE["seed"]), "--steps", "3"]
+    jpeg, webp = tmp_path / "out.jpg", tmp_path / "small.webp"
+    assert (done := triptych("generate", IMAGE["prompt"], "-o", str(jpeg), *args, env=env)).returncode == 0, done.stderr
+    small = ("--output-format", "webp", "--output-compression", "20")
+    assert (done := triptych("generate", IMAGE["prompt"], "-o", str(webp), *args, *small, env=env)).returncode == 0
+    r = httpx.post(f"{flux.http}/v1/images/generations", json=IMAGE, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=120)  # fmt: skip
+    png = base64.b64decode(r.json()["data"][0]["b64_json"])
+    lossless = np.asarray(Image.open(io.BytesIO(png)), dtype=int)
+    assert jpeg.read_bytes().startswith(b"\xff\xd8\xff") and webp.read_bytes()[8:12] == b"WEBP"
+    pixels = np.asarray(Image.open(jpeg), dtype=int)
+    assert pixels.shape == lossless.shape and np.abs(pixels - lossless).mean() < 2  # of 255: quality 100
+    assert Image.open(webp).size == (64, 48) and webp.stat().st_size < len(png)
 
 
 def test_generate_n_writes_numbered_files_and_a_missing_key_is_a_one_line_error(flux: LocalDeployment, tmp_path):

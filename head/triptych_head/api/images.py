@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from triptych.contract import EDITS, IMAGES
+from triptych.contract import EDITS, IMAGES, PNG
 from triptych.params import GenerationParams
 from triptych_head.api import image_body
 from triptych_head.api.context import REQUEST_ID_HEADER, HeadContext, errors_named, new_request_id
@@ -33,6 +33,7 @@ from triptych_head.api.schemas import ImageData, ImageGenerationResponse, Reques
 from triptych_head.backend import GenerationOutput
 from triptych_head.deadline import Estimate
 from triptych_head.idempotency import Body
+from triptych_head.media import ImageFormat
 from triptych_head.timeline import SERVER_TIMING
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ async def _images(
     `values`: the body's, dumped."""
     if values["preview_every"] and not values["stream"]:
         raise APIError(400, "preview_every needs stream: true (previews arrive as Server-Sent Events)", "preview_every")
+    form = image_format(values)
     key = idempotency_key(request)
     deadline = ctx.deadline(request, values)
     level = ctx.priority(request, values)
@@ -103,8 +105,8 @@ async def _images(
             first, last = {"id": request_id}, {"server_timing": output.server_timing}
             if image_body.streams(values, output.pixels):
                 images = image_body.images_of(output.pixels)
-                return image_body.b64_body(images, int(time.time()), ctx.media, first, last)
-            answer = await _response(ctx, values, output, request_id, request)
+                return image_body.b64_body(images, int(time.time()), ctx.media, form, first, last)
+            answer = await _response(ctx, values, form, output, request_id, request)
             return {**first, **answer.model_dump(), **last}
 
         stream = ImageStream(ctx, params, request, level, values["preview_every"], respond)
@@ -131,42 +133,60 @@ async def _images(
         seconds = estimate_seconds(admitted[0])
         headers = {**timing, ESTIMATE_HEADER: f"{seconds:.3f}"} if seconds is not None else timing
         if image_body.streams(values, output.pixels):
-            return image_body.streamed(output.pixels, ctx.media, headers)
-        return image_body.whole(await _response(ctx, values, output, request_id, request), headers)
+            return image_body.streamed(output.pixels, ctx.media, form, headers)
+        return image_body.whole(await _response(ctx, values, form, output, request_id, request), headers)
 
     async def answered() -> Body:
         output, request_id = await run()
         if image_body.streams(values, output.pixels):  # stored and sent as it is encoded, never whole
-            return image_body.b64_body(image_body.images_of(output.pixels), int(time.time()), ctx.media)
-        return (await _response(ctx, values, output, request_id, request)).model_dump_json().encode()
+            return image_body.b64_body(image_body.images_of(output.pixels), int(time.time()), ctx.media, form)
+        return (await _response(ctx, values, form, output, request_id, request)).model_dump_json().encode()
 
     answer = await answer_once(ctx, request, key, fingerprint(endpoint, values, reference), answered)
     answer.headers.update(timing)
     return with_estimate(answer, estimate_seconds(admitted[0]) if admitted else None)
 
 
+def image_format(values: dict[str, Any]) -> ImageFormat:
+    """The request's output_format and output_compression; a compression for a PNG is a 400 (PNG is
+    lossless: it would change nothing, and the client likely meant another format)."""
+    name, quality = values["output_format"], values["output_compression"]
+    if name == PNG and quality is not None:
+        message = "output_compression applies to jpeg and webp; png is lossless: leave it out, or set output_format"
+        raise APIError(400, message, "output_compression")
+    return ImageFormat(name, quality)
+
+
 async def _response(
-    ctx: HeadContext, values: dict[str, Any], output: GenerationOutput, request_id: str, request: Request
+    ctx: HeadContext,
+    values: dict[str, Any],
+    form: ImageFormat,
+    output: GenerationOutput,
+    request_id: str,
+    request: Request,
 ) -> ImageGenerationResponse:
-    """The answer: PNGs inline (b64_json) or written to the result store (url), which every head serves."""
-    pngs = await image_body.encode_pngs(output.pixels, ctx.media)
+    """The answer: the images inline (b64_json) or written to the result store (url), which every head
+    serves."""
+    files = await image_body.encode_images(output.pixels, ctx.media, form)
     if values["response_format"] == "b64_json":
-        data = image_body.b64_data(pngs)
+        data = image_body.b64_data(files)
     else:
         data = []
-        for i, png in enumerate(pngs):
-            name = f"{request_id}-{i}-{secrets.token_hex(16)}.png"  # its random part: the id shows (ownership.py)
-            await asyncio.to_thread(ctx.results.objects.put_bytes, ctx.results.image_name(name), png, "image/png")
-            data.append(ImageData(url=await _image_url(ctx, name, request)))
+        for i, file in enumerate(files):
+            # its random part: the id shows (ownership.py)
+            name = f"{request_id}-{i}-{secrets.token_hex(16)}{form.suffix}"
+            stored = ctx.results.image_name(name)
+            await asyncio.to_thread(ctx.results.objects.put_bytes, stored, file, form.media_type)
+            data.append(ImageData(url=await _image_url(ctx, name, form, request)))
     return ImageGenerationResponse(created=int(time.time()), data=data)
 
 
-async def _image_url(ctx: HeadContext, name: str, request: Request) -> str:
+async def _image_url(ctx: HeadContext, name: str, form: ImageFormat, request: Request) -> str:
     """Where the client fetches the image: the store itself (--results-presign), or any head."""
-    if ctx.results.presign_s:
-        url = await asyncio.to_thread(
-            ctx.results.objects.presigned_url, ctx.results.image_name(name), ctx.results.presign_s, "image/png", None
-        )
+    results = ctx.results
+    if results.presign_s:
+        stored = results.image_name(name)
+        url = await asyncio.to_thread(results.objects.presigned_url, stored, results.presign_s, form.media_type, None)
         if url is not None:
             return url
     return str(request.url_for("get_file", kind="images", name=name))
