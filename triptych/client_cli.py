@@ -208,9 +208,11 @@ def _images(events: Iterator[Event], ns: argparse.Namespace, console: Console) -
         final = view.follow(events)
     if final.event != "completed":
         return print_error(console, failure(final))
+    seed = final.data.get("seed")  # the one the head drew when no --seed was given: --seed N makes it again
     for path, item in zip(output_paths(ns.output, ns.n or 1), final.data["data"], strict=True):
         path.write_bytes(base64.b64decode(item["b64_json"]))
-        console.print(f"wrote {path}", highlight=False)
+        said = f"wrote {path}" + (f" (seed {seed})" if seed is not None else "")
+        console.print(said, highlight=False, soft_wrap=True)  # one line, however long the path
     return 0
 
 

@@ -134,3 +134,18 @@ def test_a_high_quality_jpeg_keeps_full_resolution_colour() -> None:
     noise = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
     error = {q: np.abs(decoded(ImageFormat("jpeg", q).encode(noise)).astype(int) - noise).mean() for q in (None, 89)}
     assert FULL_COLOUR_QUALITY == 90 and error[None] < 1 and error[89] > 30, error
+
+
+def test_an_answer_says_its_seed_and_the_seed_makes_the_same_request_again(tmp_path: Path) -> None:
+    """A request without a seed gets the one the head drew, in its answer (and in a streamed answer's
+    `completed` event); sent back, it is the request the pipeline ran."""
+    backend = ScriptedBackend()
+    with TestClient(create_app(HeadContext(backend, MODEL, tmp_path, CollectorRegistry()))) as c:
+        drawn = c.post(IMAGES, json=BODY).json()["seed"]
+        again = c.post(IMAGES, json={**BODY, "seed": drawn}).json()["seed"]
+        with c.stream("POST", IMAGES, json={**BODY, "seed": 42, "stream": True}) as r:
+            events = r.read().decode()
+    assert isinstance(drawn, int) and again == drawn
+    assert backend.calls[0].seed == backend.calls[1].seed == drawn, "the same pipeline run"
+    (completed,) = [block for block in events.split("\n\n") if block.startswith("event: completed")]
+    assert json.loads(completed.split("data: ", 1)[1])["seed"] == 42 == backend.calls[2].seed

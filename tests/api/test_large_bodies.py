@@ -59,7 +59,8 @@ def test_a_large_b64_answer_is_streamed_and_is_the_json_the_model_would_give(tmp
     assert "content-length" not in headers  # streamed (chunked on the wire)
     assert headers["server-timing"] == "total;dur=1"
     answer = json.loads(body)
-    assert set(answer) == {"created", "data"} and len(answer["data"]) == 2
+    assert set(answer) == {"created", "data", "seed"} and len(answer["data"]) == 2
+    assert answer["seed"] == REQUEST["seed"]  # what makes the same pixels again
     for i, item in enumerate(answer["data"]):
         assert item["url"] is None
         decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
@@ -162,7 +163,7 @@ def expected_completed(data: bytes, pixels: np.ndarray) -> bytes:
     request's id first and its Server-Timing last, as one JSON line."""
     got = json.loads(data)
     pngs = [png_bytes(img[0]) for img in pixels]
-    answer = ImageGenerationResponse(created=got["created"], data=image_body.b64_data(pngs))
+    answer = ImageGenerationResponse(created=got["created"], data=image_body.b64_data(pngs), seed=REQUEST["seed"])
     whole = {"id": got["id"], **answer.model_dump(), "server_timing": "total;dur=1"}
     return json.dumps(whole, separators=(",", ":")).encode()
 

@@ -75,7 +75,7 @@ def test_generate_writes_the_png_the_api_returns(flux: LocalDeployment, tmp_path
     r = httpx.post(f"{flux.http}/v1/images/generations", json=IMAGE, headers={"Authorization": f"Bearer {KEY}"},
                    timeout=120)  # fmt: skip
     assert out.read_bytes() == base64.b64decode(r.json()["data"][0]["b64_json"])
-    assert "denoiser step 3/3" in done.stderr and f"wrote {out}" in done.stderr
+    assert "denoiser step 3/3" in done.stderr and f"wrote {out} (seed {IMAGE['seed']})" in done.stderr
 
 
 def test_generate_asks_for_the_format_of_its_output_file(flux: LocalDeployment, tmp_path: Path):
@@ -103,6 +103,13 @@ def test_generate_n_writes_numbered_files_and_a_missing_key_is_a_one_line_error(
                     "--url", flux.http, "--api-key", KEY)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert [p.name for p in sorted(tmp_path.glob("many-*.png"))] == ["many-0.png", "many-1.png"]
+    # No --seed: the head drew one, and the command says which, so that --seed makes the same images.
+    seeds = set(re.findall(r"wrote \S+many-[01]\.png \(seed (\d+)\)", done.stderr))
+    assert len(seeds) == 1, done.stderr
+    again = triptych("generate", "boats", "-o", str(tmp_path / "again.png"), "--n", "2", "--size", "32x32", "--steps",
+                     "2", "--seed", seeds.pop(), "--url", flux.http, "--api-key", KEY)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "again-1.png").read_bytes() == (tmp_path / "many-1.png").read_bytes()
     denied = triptych("generate", "boats", "-o", str(out), "--url", flux.http)
     assert denied.returncode == 1
     assert denied.stderr.strip() == "triptych: error: 401: missing API key: send 'Authorization: Bearer YOUR_KEY'"

@@ -318,6 +318,25 @@ def test_a_video_shows_progress_and_previews_before_its_result_and_moves_through
     page.close()
 
 
+def test_an_image_made_without_a_seed_is_remembered_with_the_seed_the_head_drew(browser, flux: LocalDeployment):
+    """The form's seed left empty, the head draws one and its answer says which: the history shows it,
+    and choosing the entry puts it back in the form, so the same image can be made again."""
+    page = new_page(browser, DESKTOP)
+    open_with_key(page, flux)
+    page.evaluate("localStorage.removeItem('triptych.history')")
+    fill_request(page, "a lighthouse at noon", 32, 32, 2, 0, 0)
+    page.fill("#seed", "")
+    page.click("#generate")
+    page.wait_for_selector("#result-image:not([hidden])", timeout=120_000)
+    seed = page.evaluate("JSON.parse(localStorage.getItem('triptych.history'))[0].seed")
+    assert isinstance(seed, int), seed
+    assert f"seed {seed} ·" in page.inner_text("#history li")
+    page.fill("#seed", "")
+    page.click("#history li")
+    assert page.input_value("#seed") == str(seed)
+    page.close()
+
+
 def test_history_survives_a_reload_and_can_be_cleared(browser, wan: LocalDeployment):
     page = new_page(browser, DESKTOP)
     page.goto(wan.http + "/")

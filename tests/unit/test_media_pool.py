@@ -99,14 +99,14 @@ def test_a_streamed_b64_answer_encodes_on_the_pool():
     images = [noise(64, 64, seed) for seed in range(3)]
 
     async def body() -> bytes:
-        return b"".join([piece async for piece in image_body.b64_body(images, 123, pool, PNG_FORMAT)])
+        return b"".join([piece async for piece in image_body.b64_body(images, 123, 7, pool, PNG_FORMAT)])
 
     try:
         raw = asyncio.run(body())
     finally:
         pool.close()
     assert pool.jobs == 3 and pool.most == 1
-    assert raw.startswith(b'{"created":123,"data":[{"b64_json":"')
+    assert raw.startswith(b'{"created":123,"data":[{"b64_json":"') and raw.endswith(b'],"seed":7}')
 
 
 def test_iterate_yields_a_blocking_iterators_items_in_order_from_the_pool():

@@ -1,4 +1,4 @@
-"""The body of a plain image answer ({"created", "data": [{"b64_json"}, ...]}): small ones whole, large ones
+"""The body of a plain image answer ({"created", "data": [{"b64_json"}, ...], "seed"}): small ones whole, large ones
 streamed, each image in the request's output_format (media.ImageFormat: PNG unless asked otherwise);
 a streamed request's `completed` event (image_stream.py) carries the same JSON, with its id and
 Server-Timing around it, and is written the same way.
@@ -55,21 +55,24 @@ def whole(answer: ImageGenerationResponse, headers: dict[str, str]) -> Response:
     return Response(answer.model_dump_json(), media_type="application/json", headers=headers)
 
 
-def streamed(pixels: np.ndarray, media: MediaPool, form: ImageFormat, headers: dict[str, str]) -> StreamingResponse:
+def streamed(
+    pixels: np.ndarray, seed: int, media: MediaPool, form: ImageFormat, headers: dict[str, str]
+) -> StreamingResponse:
     """The b64_json answer written as each image is encoded (see the module's docstring)."""
-    body = b64_body(images_of(pixels), int(time.time()), media, form)
+    body = b64_body(images_of(pixels), int(time.time()), seed, media, form)
     return StreamingResponse(body, media_type="application/json", headers=headers)
 
 
 async def b64_body(
     images: Iterable[np.ndarray],
     created: int,
+    seed: int,
     media: MediaPool,
     form: ImageFormat,
     first: dict[str, Any] | None = None,
     last: dict[str, Any] | None = None,
 ) -> AsyncIterator[bytes]:
-    """The JSON of ImageGenerationResponse(created, [ImageData(b64_json=...), ...]), in pieces; `first`
+    """The JSON of ImageGenerationResponse(created, [ImageData(b64_json=...), ...], seed), in pieces; `first`
     and `last`: fields before and after the model's (a streamed request's `completed` event: its id
     and its Server-Timing), as json.dumps writes them."""
     yield b"{" + (_inside(first) + b"," if first else b"") + b'"created":%d,"data":[' % created
@@ -80,7 +83,7 @@ async def b64_body(
             yield base64.b64encode(file[start : start + B64_CHUNK])
         del file
         yield b'","url":null}'
-    yield b"]" + (b"," + _inside(last) if last else b"") + b"}"
+    yield b'],"seed":%d' % seed + (b"," + _inside(last) if last else b"") + b"}"
 
 
 def _inside(fields: dict[str, Any]) -> bytes:

@@ -105,8 +105,8 @@ async def _images(
             first, last = {"id": request_id}, {"server_timing": output.server_timing}
             if image_body.streams(values, output.pixels):
                 images = image_body.images_of(output.pixels)
-                return image_body.b64_body(images, int(time.time()), ctx.media, form, first, last)
-            answer = await _response(ctx, values, form, output, request_id, request)
+                return image_body.b64_body(images, int(time.time()), params.seed, ctx.media, form, first, last)
+            answer = await _response(ctx, values, form, output, params.seed, request_id, request)
             return {**first, **answer.model_dump(), **last}
 
         stream = ImageStream(ctx, params, request, level, values["preview_every"], respond)
@@ -133,14 +133,15 @@ async def _images(
         seconds = estimate_seconds(admitted[0])
         headers = {**timing, ESTIMATE_HEADER: f"{seconds:.3f}"} if seconds is not None else timing
         if image_body.streams(values, output.pixels):
-            return image_body.streamed(output.pixels, ctx.media, form, headers)
-        return image_body.whole(await _response(ctx, values, form, output, request_id, request), headers)
+            return image_body.streamed(output.pixels, params.seed, ctx.media, form, headers)
+        return image_body.whole(await _response(ctx, values, form, output, params.seed, request_id, request), headers)
 
     async def answered() -> Body:
         output, request_id = await run()
         if image_body.streams(values, output.pixels):  # stored and sent as it is encoded, never whole
-            return image_body.b64_body(image_body.images_of(output.pixels), int(time.time()), ctx.media, form)
-        return (await _response(ctx, values, form, output, request_id, request)).model_dump_json().encode()
+            images = image_body.images_of(output.pixels)
+            return image_body.b64_body(images, int(time.time()), params.seed, ctx.media, form)
+        return (await _response(ctx, values, form, output, params.seed, request_id, request)).model_dump_json().encode()
 
     answer = await answer_once(ctx, request, key, fingerprint(endpoint, values, reference), answered)
     answer.headers.update(timing)
@@ -162,6 +163,7 @@ async def _response(
     values: dict[str, Any],
     form: ImageFormat,
     output: GenerationOutput,
+    seed: int,
     request_id: str,
     request: Request,
 ) -> ImageGenerationResponse:
@@ -178,7 +180,7 @@ async def _response(
             stored = ctx.results.image_name(name)
             await asyncio.to_thread(ctx.results.objects.put_bytes, stored, file, form.media_type)
             data.append(ImageData(url=await _image_url(ctx, name, form, request)))
-    return ImageGenerationResponse(created=int(time.time()), data=data)
+    return ImageGenerationResponse(created=int(time.time()), data=data, seed=seed)
 
 
 async def _image_url(ctx: HeadContext, name: str, form: ImageFormat, request: Request) -> str:

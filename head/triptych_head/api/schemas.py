@@ -164,6 +164,10 @@ class ImageData(BaseModel):
 class ImageGenerationResponse(BaseModel):
     created: int
     data: list[ImageData]
+    seed: int = Field(
+        description="The seed the images were made with: the request's, or the one the head drew when it gave "
+        "none; the same request with this seed makes the same pixels"
+    )
 
 
 VideoStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]

@@ -244,7 +244,7 @@ async function generateImage(body, image) {
   $("result-image").src = src;
   $("result-image").hidden = false;
   renderTimeline(final.data.server_timing ?? "");
-  return { id: final.data.id, src };
+  return { id: final.data.id, src, seed: final.data.seed };
 }
 
 async function generateVideo(body) {
@@ -259,7 +259,7 @@ async function generateVideo(body) {
   const blob = await content.blob();
   $("result-video").src = URL.createObjectURL(blob);
   $("result-video").hidden = false;
-  return { id: job.id };
+  return { id: job.id, seed: job.seed };
 }
 
 async function onSubmit(event) {
@@ -277,7 +277,8 @@ async function onSubmit(event) {
     $("role").textContent = "done";
     const seconds = ((performance.now() - started) / 1000).toFixed(1);
     $("caption").textContent = `${result.id} · ${seconds} s`;
-    remember({ ...body, id: result.id, kind: model.kind, src: result.src, edit: image?.name, seconds, at: Date.now() });
+    // The seed the head used (drawn when the form left it empty): "use again" makes the same pixels.
+    remember({ ...body, seed: result.seed ?? body.seed, id: result.id, kind: model.kind, src: result.src, edit: image?.name, seconds, at: Date.now() });
   } catch (err) {
     $("role").textContent = "failed";
     $("error").textContent = err.message;
