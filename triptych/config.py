@@ -176,6 +176,8 @@ class ServeArgs:
     ssl_certfile: str | None = None  # head/monolithic: serve HTTPS with this PEM certificate (chain) ...
     ssl_keyfile: str | None = None  # ... and this PEM private key
     max_queued_requests: int | None = None  # None: no cap, deadlines decide (triptych_head.admission)
+    webhook_url: str | None = None  # head/monolithic: where the ends of video jobs are POSTed (triptych_head.webhooks)
+    webhook_secret_file: str | None = None  # ... signed with this file's whsec_ key
     simulate: bool = False
     simulate_seconds: float | None = None
     simulate_seconds_per_unit: float | None = None

@@ -398,8 +398,34 @@ def check_full_pipeline(args: ServeArgs) -> None:
         raise ConfigError("--disagg-full-pipeline does not support --simulate; simulate the role pools instead")
 
 
+def check_webhook(args: ServeArgs) -> None:
+    """--webhook-url and --webhook-secret-file come together (an unsigned event could be anyone's), the
+    URL an absolute http(s) one. The secret's form is checked where it is read (triptych_head.webhooks)."""
+    if (args.webhook_url is None) != (args.webhook_secret_file is None):
+        given, missing = (
+            ("--webhook-url", "--webhook-secret-file")
+            if args.webhook_secret_file is None
+            else ("--webhook-secret-file", "--webhook-url")
+        )
+        raise ConfigError(f"{given} needs {missing} too (webhooks are always signed)")
+    if args.webhook_url is not None:
+        try:
+            parts = urlsplit(args.webhook_url)
+            usable = parts.scheme in ("http", "https") and bool(parts.hostname)
+        except ValueError:  # e.g. an unclosed [ of an IPv6 address
+            usable = False
+        if not usable:
+            raise ConfigError(
+                f"--webhook-url {args.webhook_url!r} is not an http(s) URL; give e.g. https://hooks.example.com/triptych"
+            )
+
+
 def check_http_limits(args: ServeArgs) -> None:
-    head_only = [f for f in ("api_keys_file", "max_queued_requests") if getattr(args, f) is not None]
+    head_only = [
+        f
+        for f in ("api_keys_file", "max_queued_requests", "webhook_url", "webhook_secret_file")
+        if getattr(args, f) is not None
+    ]
     if head_only and args.disagg_role.is_worker:
         raise ConfigError(f"{flag(head_only[0])} is for the head (server or monolithic), not {args.disagg_role}")
     if args.api_keys_file is not None and not args.api_keys_file.strip():  # the API would be open, unasked
@@ -411,6 +437,7 @@ def check_http_limits(args: ServeArgs) -> None:
         raise ConfigError(f"--max-request-bytes {args.max_request_bytes} is below 1KiB; use e.g. 16MiB")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ConfigError(f"--max-queued-requests {args.max_queued_requests} must be >= 0")
+    check_webhook(args)
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         given, missing = (
             ("--ssl-certfile", "--ssl-keyfile") if args.ssl_keyfile is None else ("--ssl-keyfile", "--ssl-certfile")

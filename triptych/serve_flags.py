@@ -147,6 +147,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--access-log", action="store_true",
       help="head/monolithic: log a line per HTTP request as its answer ends: client, method and path, status, "
            "seconds, the request's id and its key's owner (probes and scrapes only when they fail)")  # fmt: skip
+    a("--webhook-url", default=None, metavar="URL",
+      help="head/monolithic: POST each video job's end (video.completed, video.failed, video.cancelled) to this "
+           "http(s) URL, signed as Standard Webhooks sign (needs --webhook-secret-file); retried on no answer, "
+           "408, 429 and 5xx")  # fmt: skip
+    a("--webhook-secret-file", default=None, metavar="PATH",
+      help="head/monolithic: the file of --webhook-url's signing key, whsec_<base64 of 24+ random bytes>")  # fmt: skip
     a("--ssl-certfile", default=None, metavar="PATH",
       help="head/monolithic: serve the HTTP API over TLS (HTTPS) with this PEM certificate, its chain after it; "
            "with --ssl-keyfile (default: plain HTTP, for TLS terminated in front of the head)")  # fmt: skip

@@ -46,6 +46,8 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
             "--api-keys-file",
             "--max-request-bytes",
             "--access-log",
+            "--webhook-url",
+            "--webhook-secret-file",
             "--max-queued-requests",
             "--ssl-certfile",
             "--ssl-keyfile",

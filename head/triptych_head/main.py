@@ -26,6 +26,7 @@ from triptych_head.objects import StoreError, open_object_store
 from triptych_head.results import Retention
 from triptych_head.server import DiffusionServer
 from triptych_head.shutdown import disaggregated_drain, in_process_drain, serve_http
+from triptych_head.webhooks import WebhookConfigError, WebhookTarget
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,15 @@ def _results(args: ServeArgs) -> dict[str, Any] | None:
 
 
 def _http_guards(args: ServeArgs) -> dict[str, Any] | None:
-    """HeadContext fields from the HTTP flags: API keys, the body limit, the access log. None (after saying why in
-    one line) when the keys file cannot be used: the head must not start open by mistake."""
+    """HeadContext fields from the HTTP flags: API keys, the body limit, the access log, the webhook. None (after
+    saying why in one line) when the keys file or the webhook's secret cannot be used: the head must not start
+    open, or unsigned, by mistake."""
     try:
         keys = APIKeys(args.api_keys_file) if args.api_keys_file else None
-    except APIKeyError as exc:
+        webhook = None
+        if args.webhook_url is not None and args.webhook_secret_file is not None:  # both or neither (config_checks)
+            webhook = WebhookTarget.from_flags(args.webhook_url, args.webhook_secret_file)
+    except (APIKeyError, WebhookConfigError) as exc:
         print(f"triptych: error: {exc}", file=sys.stderr)
         return None
     return {
@@ -74,6 +79,7 @@ def _http_guards(args: ServeArgs) -> dict[str, Any] | None:
         "max_request_bytes": args.max_request_bytes,
         "request_timeout_s": args.disagg_timeout,
         "access_log": args.access_log,
+        "webhook": webhook,
     }
 
 

@@ -62,6 +62,9 @@ OUTPUT_MOUNT: Final = "/var/lib/triptych/outputs"
 # so a Secret update reaches the file and the head re-reads it).
 API_KEYS_MOUNT: Final = "/etc/triptych/api-keys"
 API_KEYS_FILE: Final = f"{API_KEYS_MOUNT}/keys"
+# head.webhook.secret: the Secret's key is mounted as this file, passed as --webhook-secret-file.
+WEBHOOK_MOUNT: Final = "/etc/triptych/webhook"
+WEBHOOK_SECRET_FILE: Final = f"{WEBHOOK_MOUNT}/secret"
 # head.tls: the kubernetes.io/tls Secret's tls.crt and tls.key, mounted whole (a renewal reaches the
 # files and the head reloads them) and passed as --ssl-certfile / --ssl-keyfile.
 HEAD_TLS_MOUNT: Final = "/etc/triptych/tls"

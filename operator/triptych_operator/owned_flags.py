@@ -61,6 +61,8 @@ HEAD_SOURCES: dict[str, str] = {
     "results_s3_endpoint": "spec.head.results.s3.endpoint",
     "results_presign": "spec.head.results.s3.presignSeconds",
     "api_keys_file": "spec.head.apiKeysSecret",
+    "webhook_url": "spec.head.webhook.url",
+    "webhook_secret_file": "spec.head.webhook.secret",
     "ssl_certfile": "spec.head.tls.secretName",
     "ssl_keyfile": "spec.head.tls.secretName",
     "disagg_keys_dir": KEYS,

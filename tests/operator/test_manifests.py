@@ -511,6 +511,36 @@ def test_without_api_keys_the_head_mounts_no_secret_and_gets_no_keys_flag() -> N
     assert all(v["name"] != "api-keys" for v in deployment["spec"]["template"]["spec"]["volumes"])
 
 
+def test_head_webhook_posts_to_the_cr_s_url_signed_with_the_secret_mounted_where_the_flag_points() -> None:
+    hook = {"url": "https://hooks.example.com/triptych", "secret": {"name": "wan-hook", "key": "signing"}}
+    deployment = children(minimal_spec(head={"webhook": hook}))[("Deployment", "wan-t2v-head")]
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "webhook")
+    assert volume["secret"]["secretName"] == "wan-hook" and volume["secret"]["items"] == [
+        {"key": "signing", "path": "secret"}
+    ]
+    mount = next(m for m in container(deployment)["volumeMounts"] if m["name"] == "webhook")
+    assert mount["readOnly"] is True and "subPath" not in mount
+    args = parse_serve(container(deployment))
+    assert (args.webhook_url, args.webhook_secret_file) == (hook["url"], f"{mount['mountPath']}/secret")
+    plain = children()[("Deployment", "wan-t2v-head")]  # none declared: no flags, no volume
+    assert parse_serve(container(plain)).webhook_url is None
+    assert all(v["name"] != "webhook" for v in plain["spec"]["template"]["spec"]["volumes"])
+
+
+@pytest.mark.parametrize(
+    ("hook", "field", "says"),
+    [
+        ({"url": "ftp://hooks.example.com/x", "secret": {"name": "s"}}, "spec.head", "is not an http(s) URL"),
+        ({"url": "https://hooks.example.com/x"}, "spec.head.webhook.secret", "required"),
+        ({"url": "https://hooks.example.com/x", "secret": {}}, "spec.head.webhook.secret.name", "required"),
+    ],
+)
+def test_a_webhook_that_cannot_work_is_refused_naming_its_field(hook: dict[str, Any], field: str, says: str) -> None:
+    with pytest.raises(SpecError) as info:
+        render(pipeline(minimal_spec(head={"webhook": hook})))
+    assert info.value.field.startswith(field) and says in str(info.value), str(info.value)
+
+
 def test_head_tls_serves_https_from_the_secret_and_everything_that_reaches_the_api_speaks_it() -> None:
     head = {"tls": {"secretName": "wan-head-tls"}, "ingress": {"enabled": True, "host": "wan.example.com"}}
     objs = children(minimal_spec(head=head))
@@ -726,6 +756,7 @@ def test_batching_on_a_multi_gpu_role_batches_on_every_rank() -> None:
         ("head", ["--disagg-timeout", "nan"], "--disagg-timeout", "spec.head.timeoutSeconds"),
         ("head", ["--encoder-urls", "tcp://1.2.3.4:5"], "--encoder-urls", "worker pools"),
         ("head", ["--api-keys-file", "/keys"], "--api-keys-file", "spec.head.apiKeysSecret"),
+        ("head", ["--webhook-url", "https://h.example/x"], "--webhook-url", "spec.head.webhook.url"),
     ],
 )
 def test_extra_args_may_not_change_a_flag_the_operator_sets_and_the_refusal_names_its_field(

@@ -83,6 +83,8 @@ SAMPLE: dict[str, Any] = {
     "--api-keys-file": "/keys",
     "--max-request-bytes": 2048,
     "--access-log": True,
+    "--webhook-url": "https://hooks.example.com/triptych",
+    "--webhook-secret-file": "/secrets/webhook",
     "--max-queued-requests": 3,
     "--ssl-certfile": "/tls/head.crt",
     "--ssl-keyfile": "/tls/head.key",
@@ -180,6 +182,8 @@ TESTED: dict[str, str] = {
     "--api-keys-file": "tests/api/test_guards.py::test_a_missing_or_keyless_file_stops_the_head_naming_the_flag",
     "--max-request-bytes": "tests/e2e/test_http_guards.py::test_a_declared_oversized_body_is_refused_before_it_is_sent",
     "--access-log": "tests/e2e/test_access_log.py::test_a_head_with_access_log_logs_each_request_with_its_id",
+    "--webhook-url": "tests/e2e/test_webhooks.py::test_a_head_posts_a_finished_video_job_signed_to_its_webhook",
+    "--webhook-secret-file": "tests/e2e/test_webhooks.py::test_a_head_posts_a_finished_video_job_signed_to_its_webhook",
     "--log-format": "tests/e2e/test_access_log.py::test_with_log_format_json_every_line_of_the_processes_is_an_object",
     "--max-queued-requests": "tests/e2e/test_http_guards.py::"
     "test_beyond_the_bound_requests_get_429_with_retry_after_from_observed_stage_times",

@@ -30,10 +30,12 @@ log = logging.getLogger(__name__)
 NO_FASTAPI_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 JOB_SAVE_GRACE_S = 5.0  # at shutdown, how long finished video jobs may take to write their files
 QUOTA_STOP_SYNC_S = 5.0  # at shutdown, how long the last write of the key quotas' counts may take
+WEBHOOK_GRACE_S = 5.0  # at shutdown, how long webhook deliveries under way may take (webhooks.py)
 
 
 def create_app(ctx: HeadContext) -> FastAPI:
-    jobs = VideoJobs(ctx.results, lambda entry: videos.start_job(ctx, jobs, entry), ctx.registry)
+    on_end = ctx.webhooks.job_ended if ctx.webhooks is not None else None
+    jobs = VideoJobs(ctx.results, lambda entry: videos.start_job(ctx, jobs, entry), ctx.registry, on_end)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -54,6 +56,8 @@ def create_app(ctx: HeadContext) -> FastAPI:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(_sync_quotas_once(ctx, stopping=True), QUOTA_STOP_SYNC_S)
             await jobs.shutdown(JOB_SAVE_GRACE_S)
+            if ctx.webhooks is not None:  # the ends of jobs this head's shutdown failed are sent too
+                await ctx.webhooks.close(WEBHOOK_GRACE_S)
             await ctx.backend.close()
 
     # FastAPI's own OpenTelemetry (spans and metrics per HTTP request) stays off: the head's traces are

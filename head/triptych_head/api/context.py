@@ -41,6 +41,7 @@ from triptych_head.objects import DirectoryObjects, ObjectStore
 from triptych_head.results import ResultStore, Retention
 from triptych_head.state import RequestState
 from triptych_head.timeline import DEVICE_SECONDS
+from triptych_head.webhooks import Webhooks, WebhookTarget
 
 Validator = Callable[[GenerationParams], None]
 GENERATION_FIELDS = frozenset(GenerationParams.__struct_fields__)
@@ -78,6 +79,7 @@ class HeadContext:
     api_keys: APIKeys | None = None  # None: the API is open (no --api-keys-file)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     access_log: bool = False  # --access-log: a line per HTTP request (access_log.py)
+    webhook: WebhookTarget | None = None  # --webhook-url: where the ends of video jobs are POSTed (webhooks.py)
     # Names this head in what it writes to the shared store (whose run a key or a video job is).
     head_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     # How long a request waits for another run of its Idempotency-Key before a 409: the request timeout.
@@ -90,6 +92,7 @@ class HeadContext:
 
     def __post_init__(self) -> None:
         self.media = MediaPool(registry=self.registry)
+        self.webhooks = Webhooks(self.webhook, self.registry) if self.webhook is not None else None
         objects = self.results_store or DirectoryObjects(self.output_path)
         self.results = ResultStore(objects, self.retention, self.results_presign_s)
         self.idempotency = Idempotency(objects, self.head_id)

@@ -93,6 +93,7 @@ def fail_orphan(job: VideoJob, message: str = RESTARTED, code: str = "head_resta
 
 
 Starter = Callable[["JobEntry"], None]
+Ended = Callable[[dict[str, Any]], None]  # told of each job this head ends, as the API shows it (webhooks.py)
 
 
 class VideoJobs:
@@ -105,11 +106,16 @@ class VideoJobs:
     parameters and seed, so the same pixels; `restarts` counts the take-overs."""
 
     def __init__(
-        self, store: ResultStore | None = None, start: Starter | None = None, registry: CollectorRegistry | None = None
+        self,
+        store: ResultStore | None = None,
+        start: Starter | None = None,
+        registry: CollectorRegistry | None = None,
+        on_end: Ended | None = None,
     ) -> None:
         self._jobs: OrderedDict[str, JobEntry] = OrderedDict()
         self.store = store
         self.start = start  # runs a job on this head (set by the app: it needs the backend)
+        self.on_end = on_end
         self._pending: set[asyncio.Future[None]] = set()  # background saves (save_soon)
         self.takeovers = Counter(
             "triptych_video_job_takeovers",
@@ -199,6 +205,7 @@ class VideoJobs:
         if self.start is None or run is None:
             fail_orphan(job)
             await asyncio.to_thread(self.store.save_job, job, None, None, stored.owner)
+            self.ended(job)
             return None
         attempt = job.restarts + 1
         claim = f"{self.store.job_name(job.id).removesuffix('.json')}.adopt-{attempt}"
@@ -306,7 +313,13 @@ class VideoJobs:
             if not entry.handed_over:
                 fail_orphan(entry.job, SHUT_DOWN, "head_shut_down")
                 entry.job.completed_at = int(time.time())
+                self.ended(entry.job)
             await self.save_async(entry)
+
+    def ended(self, job: VideoJob) -> None:
+        """This head ended the job (it completed, failed or was cancelled here): tell on_end."""
+        if self.on_end is not None:
+            self.on_end(job.model_dump())
 
 
 async def foreign_events(jobs: VideoJobs, entry: JobEntry) -> AsyncIterator[bytes]:

@@ -179,6 +179,7 @@ async def _run(
             job.completed_at = int(time.time())
             await jobs.save_async(entry)  # after its content: a head that reads `completed` finds the files
             feed.publish(final_message(job))
+            jobs.ended(job)
         elif entry.handed_over:  # saved running without a lease: the next head to look runs it again
             log.warning("video job %s left to another head: this head shut down before it finished", job.id)
             await jobs.save_async(entry)

@@ -16,6 +16,8 @@ from triptych_operator.constants import (
     HEAD_TLS_MOUNT,
     HEADS_SERVICE,
     OUTPUT_MOUNT,
+    WEBHOOK_MOUNT,
+    WEBHOOK_SECRET_FILE,
 )
 from triptych_operator.manifests.parts import (
     PROGRESS_DEADLINE_S,
@@ -135,6 +137,16 @@ def head_apicontrol_keys_volume(pipeline: PipelineSpec) -> tuple[list[Manifest],
     return [volume], [{"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True}]
 
 
+def head_webhook_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest]]:
+    """(volumes, mounts) of head.webhook.secret: its key as the file --webhook-secret-file names."""
+    webhook = pipeline.head.webhook
+    if webhook is None:
+        return [], []
+    items = [{"key": webhook.secret.key, "path": WEBHOOK_SECRET_FILE.rsplit("/", 1)[1]}]
+    volume = {"name": "webhook", "secret": {"secretName": webhook.secret.name, "items": items, "defaultMode": 0o440}}
+    return [volume], [{"name": "webhook", "mountPath": WEBHOOK_MOUNT, "readOnly": True}]
+
+
 def head_tls_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest]]:
     """(volumes, mounts) of head.tls: the Secret's tls.crt and tls.key where --ssl-certfile/--ssl-keyfile
     name them, mounted whole (never subPath) so a renewal reaches the files and the head reloads them."""
@@ -154,7 +166,9 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
     api_key_volumes, api_key_mounts = head_apicontrol_keys_volume(pipeline)
     lora_volumes, lora_mounts = lora_catalog_volume(pipeline)
     tls_volumes, tls_mounts = head_tls_volume(pipeline)
-    volumes, mounts = [*volumes, *lora_volumes, *tls_volumes], [*mounts, *lora_mounts, *tls_mounts]
+    hook_volumes, hook_mounts = head_webhook_volume(pipeline)
+    volumes = [*volumes, *lora_volumes, *tls_volumes, *hook_volumes]
+    mounts = [*mounts, *lora_mounts, *tls_mounts, *hook_mounts]
     container: Manifest = {
         "name": HEAD_COMPONENT,
         "image": pipeline.head_image,

@@ -26,6 +26,7 @@ from triptych_operator.spec.pod_fields import DRAIN_MARGIN_S, MAX_DRAIN_SECONDS,
 
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 DEFAULT_API_KEYS_KEY = "keys"
+DEFAULT_WEBHOOK_SECRET_KEY = "secret"
 # The env names the head's S3 client reads (--results-store), and so the default Secret keys.
 S3_ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
 S3_SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
@@ -197,6 +198,37 @@ def _api_keys_secret() -> Field:
     )
 
 
+def _webhook() -> Field:
+    url = (
+        "`--webhook-url`: the http(s) URL every head POSTs each video job's end to (`video.completed`, "
+        "`video.failed`, `video.cancelled`; retried on no answer, 408, 429 and 5xx). The heads reach it from "
+        "their pods: outside the cluster, through any egress the cluster allows."
+    )
+    secret = (
+        "A Secret in the pipeline's namespace whose key holds the signing secret, `whsec_<base64 of 24 or more "
+        "random bytes>` (Standard Webhooks), mounted read-only at `/etc/triptych/webhook` and passed as "
+        "`--webhook-secret-file`; a receiver checks each delivery's `webhook-signature` with it."
+    )
+    return Field(
+        "webhook",
+        "object",
+        "Signed webhooks for the ends of video jobs (--webhook-url, --webhook-secret-file); unset: none.",
+        fields=(
+            Field("url", "string", url, min_length=1, required=True),
+            Field(
+                "secret",
+                "object",
+                "The signing secret.",
+                required=True,
+                fields=(
+                    Field("name", "string", secret, min_length=1, required=True),
+                    Field("key", "string", "The Secret's key holding it.", default=DEFAULT_WEBHOOK_SECRET_KEY),
+                ),
+            ),
+        ),
+    )
+
+
 def _head_batching() -> Field:
     delay = (
         "`--batching-delay-ms`: the longest a request waits for its group to fill, for every role without a "
@@ -286,6 +318,7 @@ def _head() -> Field:
             ),
             _results(),
             _api_keys_secret(),
+            _webhook(),
             _tls(),
             Field("port", "integer", port, default=HEAD_HTTP_PORT, minimum=1, maximum=65535),
             resources_field("head"),

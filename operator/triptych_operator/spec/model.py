@@ -235,6 +235,14 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True)
+class WebhookSpec:
+    """Where the heads POST the ends of video jobs (--webhook-url), signed with the key in a Secret."""
+
+    url: str
+    secret: SecretKeyRef
+
+
+@dataclass(frozen=True)
 class HeadSpec:
     # As written; None: the default `replicas` resolves (it depends on the results store).
     requested_replicas: int | None = dataclasses.field(metadata=bound("replicas"))
@@ -248,6 +256,8 @@ class HeadSpec:
     results: ResultsSpec
     # The HTTP API's keys (--api-keys-file): one per line in this Secret key; None: the API is open.
     api_keys_secret: SecretKeyRef | None
+    # --webhook-url and --webhook-secret-file; None: no webhooks.
+    webhook: WebhookSpec | None
     # A kubernetes.io/tls Secret: the heads serve HTTPS with it (--ssl-certfile/--ssl-keyfile); None: HTTP.
     tls_secret_name: str | None = dataclasses.field(metadata=bound("tls.secretName"))
     port: int

@@ -1,0 +1,214 @@
+"""Webhooks: a video job's end (completed, failed or cancelled) POSTed to the deployment's endpoint
+(--webhook-url), signed as the Standard Webhooks specification signs (--webhook-secret-file), so that
+a client learns of it without polling GET /v1/videos/{id}.
+
+    POST <--webhook-url>
+    content-type: application/json
+    webhook-id: evt_<32 hex>                 the same on every attempt: a receiver drops repeats by it
+    webhook-timestamp: <unix seconds>        of this attempt
+    webhook-signature: v1,<base64 of HMAC-SHA256(key, "<webhook-id>.<webhook-timestamp>.<body>")>
+
+    {"id": "evt_...", "object": "event", "type": "video.completed", "created_at": 1765000000,
+     "data": <the job as GET /v1/videos/{id} answers it; "content_url" when it completed>}
+
+The key is the secret file's `whsec_<base64>` (the specification's form), decoded. The head that ended
+the job delivers it, off every request's path: a 2xx answer delivers it; no answer (a connection
+refused, DELIVERY_TIMEOUT_S without one), a 408, 429 or 5xx is tried again after each of RETRY_AFTER_S
+in turn (a 429's or 503's Retry-After when longer, up to MAX_WAIT_S); any other answer is the
+receiver's refusal, not tried again. Redirects are not followed. A head that stops waits up to
+the shutdown's grace for deliveries under way; what it has not delivered by then is logged, and is
+lost (the job's status stays in the result store, where GET /v1/videos/{id} reads it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+log = logging.getLogger(__name__)
+
+SECRET_PREFIX = "whsec_"
+MIN_KEY_BYTES = 24  # the specification's secrets are 24 to 64 random bytes
+RETRY_AFTER_S = (1.0, 5.0, 30.0, 120.0)  # the waits before attempts 2..5
+MAX_WAIT_S = 300.0  # the longest Retry-After honoured
+DELIVERY_TIMEOUT_S = 10.0  # one attempt's connect + answer
+RETRIED = frozenset({408, 429})  # besides 5xx: the receiver asks to be tried again
+OUTCOMES = ("delivered", "refused", "undelivered")
+EVENT_TYPES = {"completed": "video.completed", "failed": "video.failed", "cancelled": "video.cancelled"}
+
+
+class WebhookConfigError(ValueError):
+    """A --webhook-secret-file that cannot be used; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class WebhookTarget:
+    """Where events go and the key that signs them."""
+
+    url: str
+    key: bytes
+
+    @classmethod
+    def from_flags(cls, url: str, secret_file: str) -> WebhookTarget:
+        try:
+            text = Path(secret_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise WebhookConfigError(f"--webhook-secret-file {secret_file}: cannot read it ({exc})") from None
+        return cls(url, parse_secret(text, secret_file))
+
+
+def parse_secret(text: str, source: str) -> bytes:
+    """The key of a `whsec_<base64>` secret."""
+    how = f'write one as: echo "{SECRET_PREFIX}$(openssl rand -base64 32)" > FILE'
+    if not text.startswith(SECRET_PREFIX):
+        raise WebhookConfigError(f"--webhook-secret-file {source}: not a {SECRET_PREFIX}<base64> secret; {how}")
+    try:
+        key = base64.b64decode(text.removeprefix(SECRET_PREFIX), validate=True)
+    except (binascii.Error, ValueError):
+        message = f"--webhook-secret-file {source}: what follows {SECRET_PREFIX} is not base64; {how}"
+        raise WebhookConfigError(message) from None
+    if len(key) < MIN_KEY_BYTES:
+        raise WebhookConfigError(
+            f"--webhook-secret-file {source}: its key is {len(key)} bytes, under {MIN_KEY_BYTES}; {how}"
+        )
+    return key
+
+
+def signature(key: bytes, event_id: str, timestamp: int, body: bytes) -> str:
+    """The webhook-signature header's value for one attempt."""
+    signed = f"{event_id}.{timestamp}.".encode() + body
+    return "v1," + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+
+
+def event_of(job: dict[str, Any]) -> dict[str, Any] | None:
+    """The event of a job that ended (None for one that has not): `job` as GET /v1/videos/{id} answers."""
+    kind = EVENT_TYPES.get(job.get("status", ""))
+    if kind is None:
+        return None
+    data = {**job, "content_url": f"/v1/videos/{job['id']}/content"} if kind == "video.completed" else job
+    return {"id": f"evt_{uuid.uuid4().hex}", "object": "event", "type": kind, "created_at": int(time.time()),
+            "data": data}  # fmt: skip
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:  # a 3xx is the receiver's answer
+        return None
+
+
+class Webhooks:
+    """Delivers the events of the jobs this head ends, each in a task of its own on the head's loop."""
+
+    def __init__(
+        self,
+        target: WebhookTarget,
+        registry: CollectorRegistry | None = None,
+        retry_after_s: tuple[float, ...] = RETRY_AFTER_S,
+    ) -> None:
+        self.target = target
+        self.retry_after_s = retry_after_s
+        self._opener = urllib.request.build_opener(_NoRedirects)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.deliveries = Counter(
+            "triptych_webhook_deliveries",
+            "Webhook events by how they ended: delivered (a 2xx), refused (another 4xx or a redirect), "
+            "undelivered (no 2xx after every attempt, or the head stopped first)",
+            ["type", "outcome"],
+            registry=registry,
+        )
+        self.attempts = Counter(
+            "triptych_webhook_attempts", "Webhook POSTs made, first attempts and retries", registry=registry
+        )
+        self.pending = Gauge("triptych_webhooks_pending", "Webhook events not delivered yet", registry=registry)
+
+    def job_ended(self, job: dict[str, Any]) -> None:
+        """Deliver the event of a job that ended, in the background (on the running loop)."""
+        event = event_of(job)
+        if event is None:
+            return
+        task = asyncio.ensure_future(self._deliver(event))
+        self._tasks.add(task)
+        self.pending.inc()
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self.pending.dec()
+
+    async def _deliver(self, event: dict[str, Any]) -> None:
+        body = json.dumps(event, separators=(",", ":")).encode()
+        what = f"webhook {event['id']} ({event['type']} of {event['data']['id']})"
+        outcome = "undelivered"
+        try:
+            for attempt in range(len(self.retry_after_s) + 1):
+                status, retry_after = await asyncio.to_thread(self._post, event["id"], body)
+                if status is not None and 200 <= status < 300:
+                    outcome = "delivered"
+                    return
+                if status is not None and status < 500 and status not in RETRIED:
+                    outcome = "refused"
+                    log.warning("%s: %s answered %d; not sent again", what, self.target.url, status)
+                    return
+                if attempt == len(self.retry_after_s):
+                    break
+                wait = max(self.retry_after_s[attempt], min(retry_after or 0.0, MAX_WAIT_S))
+                answer = "no answer" if status is None else f"{status}"
+                log.info("%s: %s from %s; sending again in %.0f s", what, answer, self.target.url, wait)
+                await asyncio.sleep(wait)
+            log.warning("%s: %s did not take it after %d attempts", what, self.target.url, len(self.retry_after_s) + 1)
+        except asyncio.CancelledError:
+            log.warning("%s: not delivered, the head stopped", what)
+            raise
+        finally:
+            self.deliveries.labels(event["type"], outcome).inc()
+
+    def _post(self, event_id: str, body: bytes) -> tuple[int | None, float | None]:
+        """One attempt: the answer's status and Retry-After (None, None: no answer)."""
+        self.attempts.inc()
+        timestamp = int(time.time())
+        headers = {
+            "content-type": "application/json",
+            "user-agent": "triptych-webhooks",
+            "webhook-id": event_id,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": signature(self.target.key, event_id, timestamp, body),
+        }
+        request = urllib.request.Request(self.target.url, data=body, headers=headers, method="POST")
+        try:
+            with self._opener.open(request, timeout=DELIVERY_TIMEOUT_S) as answer:
+                answer.read(1 << 16)
+                return answer.status, None
+        except urllib.error.HTTPError as exc:
+            return exc.code, _seconds(exc.headers.get("retry-after"))
+        except (OSError, ValueError) as exc:  # refused, reset, timed out, a name that does not resolve
+            log.debug("webhook %s: %s", event_id, exc)
+            return None, None
+
+    async def close(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for deliveries under way, then stop the rest (logged as not delivered)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace_s)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _seconds(value: str | None) -> float | None:
+    """A Retry-After in seconds (its date form is not taken)."""
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None

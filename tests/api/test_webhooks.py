@@ -1,0 +1,179 @@
+"""Webhooks (--webhook-url): a video job's end reaches a real HTTP receiver, signed so that the
+specification's check passes; no answer, a 5xx or a 429 is tried again, another 4xx is not; a head
+that stops waits a little for deliveries under way; a secret or URL that cannot be used stops the
+head naming the flag."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from tests.api.test_direct_routes import WAN
+from tests.api.test_http_api import ScriptedBackend, wait_for
+from tests.webhook_receiver import verified, webhook_receiver
+from triptych.cli import build_parser
+from triptych.config import ConfigError, ServeArgs
+from triptych_head.api.app import create_app
+from triptych_head.api.context import HeadContext
+from triptych_head.backend import GenerationFailed
+from triptych_head.webhooks import WebhookConfigError, Webhooks, WebhookTarget, parse_secret
+
+KEY = bytes(range(32))
+SECRET = "whsec_" + base64.b64encode(KEY).decode()
+VIDEO = {"prompt": "sea", "size": "32x32", "num_frames": 5, "num_inference_steps": 2}
+FAST = (0.05, 0.05, 0.05)  # the waits between attempts, shortened
+
+
+def head(tmp_path: Path, url: str, backend: ScriptedBackend | None = None) -> tuple[TestClient, HeadContext]:
+    ctx = HeadContext(backend or ScriptedBackend(), WAN, tmp_path, CollectorRegistry(), webhook=WebhookTarget(url, KEY))
+    assert ctx.webhooks is not None
+    ctx.webhooks.retry_after_s = FAST
+    return TestClient(create_app(ctx)), ctx
+
+
+def sample(ctx: HeadContext, name: str, **labels: str) -> float | None:
+    return ctx.registry.get_sample_value(name, labels)
+
+
+def test_a_completed_job_is_posted_signed_with_the_job_as_the_api_shows_it(tmp_path: Path) -> None:
+    with webhook_receiver() as hooks:
+        client, ctx = head(tmp_path, hooks.url)
+        with client as c:
+            job = c.post("/v1/videos", json=VIDEO).json()
+            shown = wait_for(c, job["id"], "completed")
+            (delivery,) = hooks.wait(1)
+    assert verified(delivery, KEY), delivery.headers
+    assert not verified(delivery, bytes(32)), "another key does not verify it"
+    event = delivery.event
+    assert event["type"] == "video.completed" and event["object"] == "event"
+    assert event["id"] == delivery.headers["webhook-id"] and event["id"].startswith("evt_")
+    assert event["data"] == {**shown, "content_url": f"/v1/videos/{job['id']}/content"}
+    assert delivery.headers["content-type"] == "application/json"
+    assert sample(ctx, "triptych_webhook_deliveries_total", type="video.completed", outcome="delivered") == 1
+
+
+def test_a_cancelled_and_a_failed_job_are_posted_too(tmp_path: Path) -> None:
+    backend = ScriptedBackend()
+    backend.step_delay = 0.2
+    with webhook_receiver() as hooks:
+        client, _ = head(tmp_path, hooks.url, backend)
+        with client as c:
+            slow = c.post("/v1/videos", json={**VIDEO, "num_inference_steps": 50}).json()
+            assert c.delete(f"/v1/videos/{slow['id']}").json()["status"] == "cancelled"
+            hooks.wait(1)
+            backend.step_delay = 0
+            backend.fail = GenerationFailed("denoiser tcp://127.0.0.1:7 stopped responding", 503)
+            failed = c.post("/v1/videos", json=VIDEO).json()
+            wait_for(c, failed["id"], "failed")
+            events = [d.event for d in hooks.wait(2)]
+    assert [(e["type"], e["data"]["id"]) for e in events] == [
+        ("video.cancelled", slow["id"]),
+        ("video.failed", failed["id"]),
+    ]
+    assert "stopped responding" in events[1]["data"]["error"]["message"]
+
+
+def test_no_answer_a_5xx_and_a_429_are_tried_again_with_the_same_id_and_fresh_signatures(tmp_path: Path) -> None:
+    with webhook_receiver(answers=[503, 429, 500]) as hooks:
+        client, ctx = head(tmp_path, hooks.url)
+        with client as c:
+            job = c.post("/v1/videos", json=VIDEO).json()
+            wait_for(c, job["id"], "completed")
+            deliveries = hooks.wait(4)
+    assert len({d.headers["webhook-id"] for d in deliveries}) == 1  # one event: a receiver drops the repeats
+    assert all(verified(d, KEY) for d in deliveries)
+    assert sample(ctx, "triptych_webhook_attempts_total") == 4
+    assert sample(ctx, "triptych_webhook_deliveries_total", type="video.completed", outcome="delivered") == 1
+
+
+def test_a_receiver_s_refusal_is_not_sent_again(tmp_path: Path) -> None:
+    with webhook_receiver(answers=[400]) as hooks:
+        client, ctx = head(tmp_path, hooks.url)
+        with client as c:
+            job = c.post("/v1/videos", json=VIDEO).json()
+            wait_for(c, job["id"], "completed")
+            hooks.wait(1)
+            for _ in range(50):  # the outcome is counted once the attempt's answer is read
+                if sample(ctx, "triptych_webhook_deliveries_total", type="video.completed", outcome="refused"):
+                    break
+                time.sleep(0.02)
+    assert len(hooks.received) == 1
+    assert sample(ctx, "triptych_webhook_deliveries_total", type="video.completed", outcome="refused") == 1
+
+
+def test_a_receiver_that_never_answers_is_given_up_after_every_attempt_and_at_shutdown(tmp_path: Path) -> None:
+    """Nothing listens at the URL: every attempt fails; the last one counts it undelivered. A head
+    that stops while a delivery waits for its next attempt stops it (counted undelivered too)."""
+    with webhook_receiver() as hooks:
+        gone = hooks.url  # the receiver stops at the end of this block: nothing listens there after
+    registries = [CollectorRegistry(), CollectorRegistry()]
+    webhooks = Webhooks(WebhookTarget(gone, KEY), registries[0], retry_after_s=(0.01, 0.01))
+    slow = Webhooks(WebhookTarget(gone, KEY), registries[1], retry_after_s=(30.0,))
+    job = {"id": "video_1", "status": "failed", "error": {"message": "x", "code": "y"}}
+
+    async def run() -> None:
+        webhooks.job_ended(job)
+        slow.job_ended(job)
+        await asyncio.sleep(0.5)
+        await webhooks.close(5)
+        await slow.close(0.1)  # its next attempt is 30 s away: stopped
+
+    asyncio.run(run())
+    undelivered = {"type": "video.failed", "outcome": "undelivered"}
+    for registry in registries:
+        assert registry.get_sample_value("triptych_webhook_deliveries_total", undelivered) == 1
+        assert registry.get_sample_value("triptych_webhooks_pending") == 0
+    assert registries[0].get_sample_value("triptych_webhook_attempts_total") == 3
+    assert registries[1].get_sample_value("triptych_webhook_attempts_total") == 1
+
+
+def test_a_job_that_has_not_ended_sends_nothing() -> None:
+    registry = CollectorRegistry()
+    Webhooks(WebhookTarget("http://127.0.0.1:9/", KEY), registry).job_ended({"id": "video_1", "status": "in_progress"})
+    assert registry.get_sample_value("triptych_webhooks_pending") == 0
+    assert registry.get_sample_value("triptych_webhook_attempts_total") == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("hunter2", "not a whsec_<base64> secret"),
+        ("whsec_not base64!", "not base64"),
+        ("whsec_" + base64.b64encode(b"short").decode(), "5 bytes, under 24"),
+    ],
+)
+def test_a_secret_that_cannot_sign_is_refused_naming_the_flag(text: str, says: str) -> None:
+    with pytest.raises(WebhookConfigError, match="--webhook-secret-file") as caught:
+        parse_secret(text, "/etc/hook")
+    assert says in str(caught.value) and "openssl rand" in str(caught.value)
+
+
+def test_a_secret_file_is_read_whole_and_a_missing_one_is_named(tmp_path: Path) -> None:
+    (tmp_path / "secret").write_text(SECRET + "\n")
+    assert WebhookTarget.from_flags("https://h.example/x", str(tmp_path / "secret")).key == KEY
+    with pytest.raises(WebhookConfigError, match=r"--webhook-secret-file .*missing: cannot read it"):
+        WebhookTarget.from_flags("https://h.example/x", str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--webhook-url", "https://h.example/x"], "--webhook-url needs --webhook-secret-file too"),
+        (["--webhook-secret-file", "/s"], "--webhook-secret-file needs --webhook-url too"),
+        (["--webhook-url", "ftp://h.example/x", "--webhook-secret-file", "/s"], "is not an http(s) URL"),
+        (["--webhook-url", "https:///x", "--webhook-secret-file", "/s"], "is not an http(s) URL"),
+        (["--webhook-url", "http://[::1", "--webhook-secret-file", "/s"], "is not an http(s) URL"),
+        (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--webhook-url", "https://h.example/x",
+          "--webhook-secret-file", "/s"], "--webhook-url is for the head (server or monolithic), not denoiser"),
+    ],
+)  # fmt: skip
+def test_webhook_flags_that_do_not_go_together_stop_the_head(flags: list[str], says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ServeArgs.from_namespace(build_parser().parse_args(["serve", "--model-path", "m", *flags]))
+    assert says in str(caught.value)
