@@ -191,10 +191,15 @@ def _api_keys_secret() -> Field:
         "apiKeysSecret",
         "object",
         "API keys of the HTTP API (--api-keys-file); unset: the API is open.",
-        fields=(
-            Field("name", "string", name, min_length=1, required=True),
-            Field("key", "string", "The Secret's key holding the list.", default=DEFAULT_API_KEYS_KEY),
-        ),
+        fields=_secret_key_ref(name, "The Secret's key holding the list.", DEFAULT_API_KEYS_KEY),
+    )
+
+
+def _secret_key_ref(name: str, key: str, default_key: str) -> tuple[Field, ...]:
+    """The fields of a Secret and the key in it (`{name, key}`): `name` and `key` describe them."""
+    return (
+        Field("name", "string", name, min_length=1, required=True),
+        Field("key", "string", key, default=default_key),
     )
 
 
@@ -220,10 +225,7 @@ def _webhook() -> Field:
                 "object",
                 "The signing secret.",
                 required=True,
-                fields=(
-                    Field("name", "string", secret, min_length=1, required=True),
-                    Field("key", "string", "The Secret's key holding it.", default=DEFAULT_WEBHOOK_SECRET_KEY),
-                ),
+                fields=_secret_key_ref(secret, "The Secret's key holding it.", DEFAULT_WEBHOOK_SECRET_KEY),
             ),
         ),
     )
