@@ -4,6 +4,7 @@
     videos/<job id>.json                           a video job's status, rewritten when it changes
     videos/<job id>.mp4, <job id>.frames.npy       its content
     idempotency/<digest>.<n>.json, .response       an Idempotency-Key's runs (idempotency.py)
+    webhooks/<event id>.json                       a webhook event not delivered yet (webhook_outbox.py)
 
 Objects whose names agree up to the first dot are one result: retention removes them together,
 oldest first, once they are older than --results-max-age or the total passes --results-max-bytes.

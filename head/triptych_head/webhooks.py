@@ -15,9 +15,10 @@ The key is the secret file's `whsec_<base64>` (the specification's form), decode
 the job delivers it, off every request's path: a 2xx answer delivers it; no answer (a connection
 refused, DELIVERY_TIMEOUT_S without one), a 408, 429 or 5xx is tried again after each of RETRY_AFTER_S
 in turn (a 429's or 503's Retry-After when longer, up to MAX_WAIT_S); any other answer is the
-receiver's refusal, not tried again. Redirects are not followed. A head that stops waits up to
-the shutdown's grace for deliveries under way; what it has not delivered by then is logged, and is
-lost (the job's status stays in the result store, where GET /v1/videos/{id} reads it).
+receiver's refusal, not tried again. Redirects are not followed. Each event waits in the store every
+head shares until it is delivered, refused or given up (webhook_outbox.py): a head that stops waits up
+to the shutdown's grace for deliveries under way and hands the rest over, and another head delivers
+the events of a head that died, with the same id.
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from triptych_head.webhook_outbox import LEASE_S, Outbox, Pending
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,6 @@ RETRY_AFTER_S = (1.0, 5.0, 30.0, 120.0)  # the waits before attempts 2..5
 MAX_WAIT_S = 300.0  # the longest Retry-After honoured
 DELIVERY_TIMEOUT_S = 10.0  # one attempt's connect + answer
 RETRIED = frozenset({408, 429})  # besides 5xx: the receiver asks to be tried again
-OUTCOMES = ("delivered", "refused", "undelivered")
 EVENT_TYPES = {"completed": "video.completed", "failed": "video.failed", "cancelled": "video.cancelled"}
 
 
@@ -110,70 +113,96 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 
 
 class Webhooks:
-    """Delivers the events of the jobs this head ends, each in a task of its own on the head's loop."""
+    """Delivers the events of the jobs this head ends, and of those it adopts from heads that died
+    (webhook_outbox.py), each in a task of its own on the head's loop."""
 
     def __init__(
         self,
         target: WebhookTarget,
         registry: CollectorRegistry | None = None,
+        outbox: Outbox | None = None,
         retry_after_s: tuple[float, ...] = RETRY_AFTER_S,
     ) -> None:
         self.target = target
+        self.outbox = outbox  # None: events live in this head's memory only
         self.retry_after_s = retry_after_s
         self._opener = urllib.request.build_opener(_NoRedirects)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], Pending] = {}
         self.deliveries = Counter(
             "triptych_webhook_deliveries",
-            "Webhook events by how they ended: delivered (a 2xx), refused (another 4xx or a redirect), "
-            "undelivered (no 2xx after every attempt, or the head stopped first)",
+            "Webhook events by how they ended on this head: delivered (a 2xx), refused (another 4xx or a "
+            "redirect), undelivered (no 2xx after every attempt), handed_over (the head stopped first: "
+            "another head delivers it)",
             ["type", "outcome"],
             registry=registry,
         )
         self.attempts = Counter(
             "triptych_webhook_attempts", "Webhook POSTs made, first attempts and retries", registry=registry
         )
+        self.adopted = Counter(
+            "triptych_webhook_adoptions", "Webhook events this head took over from a head that died", registry=registry
+        )
         self.pending = Gauge("triptych_webhooks_pending", "Webhook events not delivered yet", registry=registry)
 
     def job_ended(self, job: dict[str, Any]) -> None:
         """Deliver the event of a job that ended, in the background (on the running loop)."""
         event = event_of(job)
-        if event is None:
-            return
-        task = asyncio.ensure_future(self._deliver(event))
-        self._tasks.add(task)
+        if event is not None:
+            self._start(Pending(event))
+
+    def _start(self, pending: Pending) -> None:
+        task = asyncio.ensure_future(self._deliver(pending))
+        self._tasks[task] = pending
         self.pending.inc()
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
+        self._tasks.pop(task, None)
         self.pending.dec()
 
-    async def _deliver(self, event: dict[str, Any]) -> None:
-        body = json.dumps(event, separators=(",", ":")).encode()
-        what = f"webhook {event['id']} ({event['type']} of {event['data']['id']})"
-        outcome = "undelivered"
+    async def _deliver(self, pending: Pending) -> None:
+        kind = pending.event["type"]
         try:
-            for attempt in range(len(self.retry_after_s) + 1):
-                status, retry_after = await asyncio.to_thread(self._post, event["id"], body)
-                if status is not None and 200 <= status < 300:
-                    outcome = "delivered"
-                    return
-                if status is not None and status < 500 and status not in RETRIED:
-                    outcome = "refused"
-                    log.warning("%s: %s answered %d; not sent again", what, self.target.url, status)
-                    return
-                if attempt == len(self.retry_after_s):
-                    break
-                wait = max(self.retry_after_s[attempt], min(retry_after or 0.0, MAX_WAIT_S))
-                answer = "no answer" if status is None else f"{status}"
-                log.info("%s: %s from %s; sending again in %.0f s", what, answer, self.target.url, wait)
-                await asyncio.sleep(wait)
-            log.warning("%s: %s did not take it after %d attempts", what, self.target.url, len(self.retry_after_s) + 1)
-        except asyncio.CancelledError:
-            log.warning("%s: not delivered, the head stopped", what)
+            outcome = await self._attempts(pending)
+        except asyncio.CancelledError:  # the head stops: close() hands the event over
+            self.deliveries.labels(kind, "handed_over" if self.outbox is not None else "undelivered").inc()
             raise
-        finally:
-            self.deliveries.labels(event["type"], outcome).inc()
+        self.deliveries.labels(kind, outcome).inc()
+        if self.outbox is not None:
+            await self._in_store(self.outbox.remove, pending.event_id)
+
+    async def _attempts(self, pending: Pending) -> str:
+        """Send until delivered, refused or out of attempts: which of the three."""
+        body = json.dumps(pending.event, separators=(",", ":")).encode()
+        what = f"webhook {pending.event_id} ({pending.event['type']} of {pending.event['data']['id']})"
+        await self._keep(pending, LEASE_S)  # in the store before the first attempt: a head that dies, another sends it
+        while True:
+            status, retry_after = await asyncio.to_thread(self._post, pending.event_id, body)
+            pending.attempts += 1
+            if status is not None and 200 <= status < 300:
+                return "delivered"
+            if status is not None and status < 500 and status not in RETRIED:
+                log.warning("%s: %s answered %d; not sent again", what, self.target.url, status)
+                return "refused"
+            if pending.attempts > len(self.retry_after_s):
+                log.warning("%s: %s did not take it after %d attempts", what, self.target.url, pending.attempts)
+                return "undelivered"
+            wait = max(self.retry_after_s[pending.attempts - 1], min(retry_after or 0.0, MAX_WAIT_S))
+            answer = "no answer" if status is None else f"{status}"
+            log.info("%s: %s from %s; sending again in %.0f s", what, answer, self.target.url, wait)
+            await self._keep(pending, wait + LEASE_S)
+            await asyncio.sleep(wait)
+
+    async def _keep(self, pending: Pending, lease_s: float) -> None:
+        if self.outbox is not None:
+            await self._in_store(self.outbox.save, pending, lease_s)
+
+    async def _in_store(self, fn: Callable[..., None], *args: Any) -> None:
+        """A write to the outbox; a store that fails costs the event its hand-over, not its delivery."""
+        try:
+            await asyncio.to_thread(fn, *args)
+        except Exception:
+            log.exception("webhook outbox: %s failed", getattr(fn, "__name__", fn))
 
     def _post(self, event_id: str, body: bytes) -> tuple[int | None, float | None]:
         """One attempt: the answer's status and Retry-After (None, None: no answer)."""
@@ -197,13 +226,34 @@ class Webhooks:
             log.debug("webhook %s: %s", event_id, exc)
             return None, None
 
+    async def adopt_orphans(self) -> None:
+        """Deliver the events of heads that died or handed them over (webhook_outbox.py)."""
+        if self.outbox is None:
+            return
+        mine = {p.event_id for p in self._tasks.values()}
+        for pending in await asyncio.to_thread(self.outbox.orphans, time.time()):
+            if pending.event_id in mine or not await asyncio.to_thread(self.outbox.claim, pending):
+                continue
+            log.warning("webhook %s: its head stopped before delivering it; delivering it here", pending.event_id)
+            self.adopted.inc()
+            self._start(pending)
+
     async def close(self, grace_s: float) -> None:
-        """Wait up to `grace_s` for deliveries under way, then stop the rest (logged as not delivered)."""
+        """Wait up to `grace_s` for deliveries under way, then stop the rest: handed over to the other
+        heads through the outbox (their leases end now), or, without one, lost (logged)."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=grace_s)
-        for task in list(self._tasks):
+        left = dict(self._tasks)
+        for task in left:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*left, return_exceptions=True)
+        for pending in left.values():
+            if self.outbox is not None:
+                await self._in_store(self.outbox.save, pending, 0.0)
+            else:
+                log.warning("webhook %s: not delivered, the head stopped", pending.event_id)
+        if left and self.outbox is not None:
+            log.warning("handed %d webhook events not yet delivered to the other heads", len(left))
 
 
 def _seconds(value: str | None) -> float | None:

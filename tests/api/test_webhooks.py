@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from triptych.config import ConfigError, ServeArgs
 from triptych_head.api.app import create_app
 from triptych_head.api.context import HeadContext
 from triptych_head.backend import GenerationFailed
+from triptych_head.objects import DirectoryObjects
+from triptych_head.webhook_outbox import Outbox
 from triptych_head.webhooks import WebhookConfigError, Webhooks, WebhookTarget, parse_secret
 
 KEY = bytes(range(32))
@@ -177,3 +180,102 @@ def test_webhook_flags_that_do_not_go_together_stop_the_head(flags: list[str], s
     with pytest.raises(ConfigError) as caught:
         ServeArgs.from_namespace(build_parser().parse_args(["serve", "--model-path", "m", *flags]))
     assert says in str(caught.value)
+
+
+# ---------------------------------------------------------------- the outbox: events outlive their head
+
+
+Head = tuple[Webhooks, CollectorRegistry]
+
+
+def heads(tmp_path: Path, url: str, retry_after_s: tuple[float, ...] = FAST) -> list[Head]:
+    """Two heads' webhooks on one shared store (a folder, as a ReadWriteMany volume gives them)."""
+    objects = DirectoryObjects(tmp_path / "store")
+    made = []
+    for head_id in ("head-a", "head-b"):
+        registry = CollectorRegistry()
+        made.append((Webhooks(WebhookTarget(url, KEY), registry, Outbox(objects, head_id), retry_after_s), registry))
+    return made
+
+
+def outbox_files(tmp_path: Path) -> list[str]:
+    folder = tmp_path / "store" / "webhooks"
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+JOB = {"id": "video_7", "status": "completed", "state": "DONE"}
+
+
+def test_a_delivered_event_leaves_nothing_in_the_store(tmp_path: Path) -> None:
+    with webhook_receiver() as hooks:
+        [(a, registry), _] = heads(tmp_path, hooks.url)
+
+        async def run() -> None:
+            a.job_ended(JOB)
+            await a.close(10)
+
+        asyncio.run(run())
+    assert len(hooks.received) == 1 and outbox_files(tmp_path) == []
+    assert registry.get_sample_value("triptych_webhook_deliveries_total", DELIVERED) == 1
+
+
+DELIVERED = {"type": "video.completed", "outcome": "delivered"}
+
+
+def test_a_head_that_stops_hands_its_events_to_another_which_sends_the_same_event(tmp_path: Path) -> None:
+    with webhook_receiver(answers=[503]) as hooks:
+        [(a, registry_a), (b, registry_b)] = heads(tmp_path, hooks.url, retry_after_s=(30.0,))
+
+        async def run() -> None:
+            a.job_ended(JOB)
+            await asyncio.to_thread(hooks.wait, 1)  # refused once: head A waits 30 s to send it again
+            await a.close(0.1)  # stops: the event is handed over, its lease ended
+            await b.adopt_orphans()
+            await b.close(10)
+
+        asyncio.run(run())
+    first, second = hooks.received
+    assert first.headers["webhook-id"] == second.headers["webhook-id"] and verified(second, KEY)
+    handed_over = {**DELIVERED, "outcome": "handed_over"}
+    assert registry_a.get_sample_value("triptych_webhook_deliveries_total", handed_over) == 1
+    assert registry_b.get_sample_value("triptych_webhook_deliveries_total", DELIVERED) == 1
+    assert registry_b.get_sample_value("triptych_webhook_adoptions_total") == 1
+    assert outbox_files(tmp_path) == []
+
+
+def test_an_event_whose_head_died_is_sent_by_one_other_head_once_its_lease_ran_out(tmp_path: Path) -> None:
+    """Head A dies between attempts (its tasks end, nothing is handed over): its record keeps its lease,
+    which no head takes before it runs out; then of two heads looking at once, one sends it."""
+    with webhook_receiver(answers=[503]) as hooks:
+        [(a, _), (b, registry_b)] = heads(tmp_path, hooks.url, retry_after_s=(30.0,))
+        objects = DirectoryObjects(tmp_path / "store")
+        c = Webhooks(WebhookTarget(hooks.url, KEY), CollectorRegistry(), Outbox(objects, "head-c"), FAST)
+
+        async def run() -> None:
+            a.job_ended(JOB)
+            await asyncio.to_thread(hooks.wait, 1)
+            for task in list(a._tasks):  # head A dies: no hand-over
+                task.cancel()
+            await asyncio.sleep(0.05)
+            await b.adopt_orphans()
+            assert registry_b.get_sample_value("triptych_webhooks_pending") == 0, "its lease is live: not taken"
+            [record] = [n for n in outbox_files(tmp_path) if n.endswith(".json")]
+            path = tmp_path / "store" / "webhooks" / record
+            path.write_text(json.dumps({**json.loads(path.read_text()), "lease_until": time.time() - 1}))  # ran out
+            await asyncio.gather(b.adopt_orphans(), c.adopt_orphans())
+            await asyncio.gather(b.close(10), c.close(10))
+
+        asyncio.run(run())
+    first, second = hooks.received
+    assert first.headers["webhook-id"] == second.headers["webhook-id"] and verified(second, KEY)
+    assert json.loads(second.body) == json.loads(first.body)  # the same event: only the attempt's signature differs
+    assert outbox_files(tmp_path) == []
+
+
+def test_a_record_the_head_cannot_read_is_left_and_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "store" / "webhooks").mkdir(parents=True)
+    (tmp_path / "store" / "webhooks" / "evt_x.json").write_text("{not json")
+    [(a, _), _] = heads(tmp_path, "http://127.0.0.1:9/")
+    asyncio.run(a.adopt_orphans())
+    assert "webhooks/evt_x.json is not a record this head reads" in caplog.text
+    assert outbox_files(tmp_path) == ["evt_x.json"]

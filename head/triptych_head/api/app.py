@@ -24,6 +24,8 @@ from triptych_head.api.playground import install_playground
 from triptych_head.api.schemas import RequestModels
 from triptych_head.api.video_jobs import VideoJobs
 from triptych_head.results import JOB_LEASE_RENEW_S
+from triptych_head.webhook_outbox import SCAN_S as OUTBOX_SCAN_S
+from triptych_head.webhooks import Webhooks
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +47,15 @@ def create_app(ctx: HeadContext) -> FastAPI:
         sweeper = asyncio.create_task(_apply_retention(ctx, jobs))
         leases = asyncio.create_task(_renew_leases(jobs))
         quotas = asyncio.create_task(_sync_quotas(ctx))
+        adoptions = asyncio.create_task(_adopt_webhooks(ctx.webhooks)) if ctx.webhooks is not None else None
         try:
             yield
         finally:
             sweeper.cancel()
             leases.cancel()
             quotas.cancel()
+            if adoptions is not None:
+                adoptions.cancel()
             # What this head admitted since its last sync counts for the others; a store that does not
             # answer must not hold the head's exit past its grace period.
             with contextlib.suppress(TimeoutError):
@@ -119,6 +124,16 @@ async def _sync_quotas_once(ctx: HeadContext, stopping: bool = False) -> None:
         if stopping:
             counts.in_flight = {}
         limits.heard(await asyncio.to_thread(limits.live.exchange, counts), rates)
+
+
+async def _adopt_webhooks(webhooks: Webhooks) -> None:
+    """Deliver the webhook events of heads that died or stopped (webhook_outbox.py), from start-up on."""
+    while True:
+        try:
+            await webhooks.adopt_orphans()
+        except Exception:
+            log.exception("looking for webhook events whose head stopped failed")
+        await asyncio.sleep(OUTBOX_SCAN_S)
 
 
 async def _renew_leases(jobs: VideoJobs) -> None:

@@ -41,6 +41,7 @@ from triptych_head.objects import DirectoryObjects, ObjectStore
 from triptych_head.results import ResultStore, Retention
 from triptych_head.state import RequestState
 from triptych_head.timeline import DEVICE_SECONDS
+from triptych_head.webhook_outbox import Outbox
 from triptych_head.webhooks import Webhooks, WebhookTarget
 
 Validator = Callable[[GenerationParams], None]
@@ -92,10 +93,12 @@ class HeadContext:
 
     def __post_init__(self) -> None:
         self.media = MediaPool(registry=self.registry)
-        self.webhooks = Webhooks(self.webhook, self.registry) if self.webhook is not None else None
         objects = self.results_store or DirectoryObjects(self.output_path)
         self.results = ResultStore(objects, self.retention, self.results_presign_s)
         self.idempotency = Idempotency(objects, self.head_id)
+        # Events wait in the store the heads share until delivered: another head sends a dead one's.
+        outbox = Outbox(objects, self.head_id)
+        self.webhooks = Webhooks(self.webhook, self.registry, outbox) if self.webhook is not None else None
         # A key's limits are the pipeline's: every head's counts meet in the store the heads share.
         quotas = QuotaLedger(objects, self.head_id, self.registry)
         device = QuotaLedger(objects, self.head_id, self.registry, meter=DEVICE_TIME, errors=quotas.sync_errors)

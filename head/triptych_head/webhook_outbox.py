@@ -1,0 +1,91 @@
+"""The webhook events not delivered yet, kept in the store every head shares (objects.py), so that an
+event whose head dies before delivering it is delivered by another (webhooks.py):
+
+    webhooks/<event id>.json           the event, its attempts so far, and the lease of the head delivering it
+    webhooks/<event id>.adopt-<n>      created once: the head that won the event's n-th adoption
+
+A head writes an event's record before its first attempt and renews the lease before each wait for the
+next; it removes the record once the event is delivered, refused or given up. A head that stops hands
+its events over (their leases end at once); one that dies leaves them until their leases run out.
+Every head looks for such orphans every OUTBOX_SCAN_S and adopts each it wins (the `.adopt-<n>`
+object, created once, decides), going on from the attempts already made, with the same event id: a
+receiver may see the event twice (the dead head's attempt may have landed), never a different one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from triptych_head.objects import ObjectMissing, ObjectStore
+
+log = logging.getLogger(__name__)
+
+FOLDER = "webhooks"
+LEASE_S = 30.0  # an event whose head has not renewed its lease for this long lost its head
+SCAN_S = LEASE_S / 3  # how often a head looks for events to adopt
+
+
+@dataclass
+class Pending:
+    """An event on its way: what is sent, how many attempts it had, and whose it is until when."""
+
+    event: dict[str, Any]
+    attempts: int = 0
+    adoptions: int = 0
+    lease_until: float = 0.0
+    head: str = ""
+    made: float = field(default_factory=time.time)
+
+    @property
+    def event_id(self) -> str:
+        return str(self.event["id"])
+
+
+class Outbox:
+    def __init__(self, objects: ObjectStore, head_id: str) -> None:
+        self.objects = objects
+        self.head_id = head_id
+
+    @staticmethod
+    def name(event_id: str) -> str:
+        return f"{FOLDER}/{event_id}.json"
+
+    def save(self, pending: Pending, lease_s: float = LEASE_S) -> None:
+        """Write the record, this head's for `lease_s` from now (0: handed over, adoptable at once)."""
+        pending.head = self.head_id
+        pending.lease_until = time.time() + lease_s if lease_s else 0.0
+        self.objects.put_bytes(self.name(pending.event_id), json.dumps(asdict(pending)).encode(), "application/json")
+
+    def remove(self, event_id: str) -> None:
+        """The record and its adoption markers."""
+        for obj in list(self.objects.list(f"{FOLDER}/{event_id}.")):
+            self.objects.delete(obj.name)
+
+    def orphans(self, now: float) -> list[Pending]:
+        """The events whose head stopped renewing their leases (or handed them over)."""
+        found = []
+        for obj in list(self.objects.list(f"{FOLDER}/")):
+            if not obj.name.endswith(".json"):
+                continue
+            try:
+                pending = Pending(**json.loads(self.objects.get_bytes(obj.name)))
+            except ObjectMissing:  # delivered meanwhile
+                continue
+            except (ValueError, TypeError):
+                log.warning("webhook outbox: %s is not a record this head reads; left as it is", obj.name)
+                continue
+            if pending.lease_until < now:
+                found.append(pending)
+        return found
+
+    def claim(self, pending: Pending) -> bool:
+        """Whether this head won the event's next adoption (at most one head does)."""
+        marker = f"{FOLDER}/{pending.event_id}.adopt-{pending.adoptions + 1}"
+        if not self.objects.create(marker, self.head_id.encode(), "text/plain"):
+            return False
+        pending.adoptions += 1
+        return True
