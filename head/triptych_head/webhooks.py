@@ -32,6 +32,7 @@ import json
 import logging
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable
@@ -124,6 +125,7 @@ class Webhooks:
         retry_after_s: tuple[float, ...] = RETRY_AFTER_S,
     ) -> None:
         self.target = target
+        self.shown = shown_url(target.url)  # in logs: a URL's query or user part may hold a token
         self.outbox = outbox  # None: events live in this head's memory only
         self.retry_after_s = retry_after_s
         self._opener = urllib.request.build_opener(_NoRedirects)
@@ -143,6 +145,7 @@ class Webhooks:
             "triptych_webhook_adoptions", "Webhook events this head took over from a head that died", registry=registry
         )
         self.pending = Gauge("triptych_webhooks_pending", "Webhook events not delivered yet", registry=registry)
+        log.info("webhooks: the ends of video jobs go to %s", self.shown)
 
     def job_ended(self, job: dict[str, Any]) -> None:
         """Deliver the event of a job that ended, in the background (on the running loop)."""
@@ -182,14 +185,14 @@ class Webhooks:
             if status is not None and 200 <= status < 300:
                 return "delivered"
             if status is not None and status < 500 and status not in RETRIED:
-                log.warning("%s: %s answered %d; not sent again", what, self.target.url, status)
+                log.warning("%s: %s answered %d; not sent again", what, self.shown, status)
                 return "refused"
             if pending.attempts > len(self.retry_after_s):
-                log.warning("%s: %s did not take it after %d attempts", what, self.target.url, pending.attempts)
+                log.warning("%s: %s did not take it after %d attempts", what, self.shown, pending.attempts)
                 return "undelivered"
             wait = max(self.retry_after_s[pending.attempts - 1], min(retry_after or 0.0, MAX_WAIT_S))
             answer = "no answer" if status is None else f"{status}"
-            log.info("%s: %s from %s; sending again in %.0f s", what, answer, self.target.url, wait)
+            log.info("%s: %s from %s; sending again in %.0f s", what, answer, self.shown, wait)
             await self._keep(pending, wait + LEASE_S)
             await asyncio.sleep(wait)
 
@@ -254,6 +257,15 @@ class Webhooks:
                 log.warning("webhook %s: not delivered, the head stopped", pending.event_id)
         if left and self.outbox is not None:
             log.warning("handed %d webhook events not yet delivered to the other heads", len(left))
+
+
+def shown_url(url: str) -> str:
+    """The URL as logs show it: scheme, host, port and path, without a user part or a query."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 def _seconds(value: str | None) -> float | None:

@@ -25,7 +25,7 @@ from triptych_head.api.context import HeadContext
 from triptych_head.backend import GenerationFailed
 from triptych_head.objects import DirectoryObjects
 from triptych_head.webhook_outbox import Outbox
-from triptych_head.webhooks import WebhookConfigError, Webhooks, WebhookTarget, parse_secret
+from triptych_head.webhooks import WebhookConfigError, Webhooks, WebhookTarget, parse_secret, shown_url
 
 KEY = bytes(range(32))
 SECRET = "whsec_" + base64.b64encode(KEY).decode()
@@ -279,3 +279,20 @@ def test_a_record_the_head_cannot_read_is_left_and_named(tmp_path: Path, caplog:
     asyncio.run(a.adopt_orphans())
     assert "webhooks/evt_x.json is not a record this head reads" in caplog.text
     assert outbox_files(tmp_path) == ["evt_x.json"]
+
+
+def test_logs_show_the_url_without_its_token(caplog: pytest.LogCaptureFixture) -> None:
+    """A webhook URL may carry its receiver's token (in its query or user part): no log line shows it."""
+    assert shown_url("https://bot:s3cret@hooks.example.com:8443/in?token=s3cret") == "https://hooks.example.com:8443/in"
+    assert shown_url("http://[::1]/x?k=s3cret") == "http://[::1]/x"
+    with webhook_receiver(answers=[400]) as hooks:
+        webhooks = Webhooks(WebhookTarget(hooks.url + "?token=s3cret", KEY), CollectorRegistry())
+
+        async def run() -> None:
+            webhooks.job_ended(JOB)
+            await webhooks.close(10)
+
+        with caplog.at_level("INFO", logger="triptych_head.webhooks"):
+            asyncio.run(run())
+    assert "answered 400; not sent again" in caplog.text and hooks.url in caplog.text
+    assert "s3cret" not in caplog.text
