@@ -3,12 +3,13 @@ or an S3 bucket on a real S3-compatible server (SeaweedFS, tests/s3/seaweedfs.py
 
 A video job made through head A is read through head B (its status as A last wrote it, then its
 content); a URL image made by A is fetched through B; retention run by either head removes a
-result for both and never a job another head is running; a bad store stops the head at start-up
-with one line naming the flag.
+result for both and never a job another head is running; a webhook event one head handed over is
+delivered by the other; a bad store stops the head at start-up with one line naming the flag.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import concurrent.futures
 import io
@@ -37,6 +38,7 @@ from tests.api.test_takeover import _orphan
 from tests.e2e.harness import deployment
 from tests.folders import head_folder
 from tests.s3.seaweedfs import S3Server
+from tests.webhook_receiver import verified, webhook_receiver
 from triptych.families import ModelInfo
 from triptych_head.api.app import create_app
 from triptych_head.api.auth import APIKeys, parse_entries
@@ -46,6 +48,8 @@ from triptych_head.api.schemas import VideoJob
 from triptych_head.backend import GenerationOutput
 from triptych_head.objects import DirectoryObjects, ObjectStore, S3Location, S3Objects
 from triptych_head.results import ResultStore, Retention
+from triptych_head.webhook_outbox import Outbox
+from triptych_head.webhooks import Webhooks, WebhookTarget
 
 VIDEO = {"prompt": "waves", "size": "32x16", "num_frames": 5, "num_inference_steps": 2}
 IMAGE = {"prompt": "a cat", "size": "32x32", "response_format": "url"}
@@ -429,3 +433,24 @@ def test_two_head_processes_serve_each_others_video_jobs(backend, tiny_models, t
         mp4_b = httpx.get(f"{b}/v1/videos/{job_id}/content", timeout=30)
         mp4_a = httpx.get(f"{a}/v1/videos/{job_id}/content", timeout=30)
         assert mp4_b.status_code == 200 and mp4_b.content == mp4_a.content and mp4_b.content[4:8] == b"ftyp"
+
+
+def test_a_webhook_event_one_head_handed_over_is_delivered_by_the_other(shared_store):
+    """Head A stops between attempts of a webhook: head B, on its own client of the same store, adopts
+    the event and delivers it with the same id."""
+    key = bytes(range(32))
+    with webhook_receiver(answers=[503]) as hooks:
+        a = Webhooks(WebhookTarget(hooks.url, key), CollectorRegistry(), Outbox(shared_store, "a"), (30.0,))
+        b = Webhooks(WebhookTarget(hooks.url, key), CollectorRegistry(), Outbox(open_store(shared_store), "b"))
+
+        async def run() -> None:
+            a.job_ended({"id": "video_1", "status": "completed", "state": "DONE"})
+            await asyncio.to_thread(hooks.wait, 1)
+            await a.close(0.1)
+            await b.adopt_orphans()
+            await b.close(30)
+
+        asyncio.run(run())
+    first, second = hooks.received
+    assert first.headers["webhook-id"] == second.headers["webhook-id"] and verified(second, key)
+    assert list(shared_store.list("webhooks/")) == []  # delivered: nothing left, the adoption's marker neither
