@@ -229,7 +229,8 @@ def _video(client: TriptychClient, ns: argparse.Namespace, console: Console) -> 
     if final.event != "completed":
         return print_error(console, failure(final))
     size = client.save_video(job["id"], ns.output)
-    console.print(f"wrote {ns.output} ({size} bytes)", highlight=False)
+    seed = f", seed {job['seed']}" if job.get("seed") is not None else ""  # --seed makes the same video again
+    console.print(f"wrote {ns.output} ({size} bytes{seed})", highlight=False, soft_wrap=True)
     return 0
 
 

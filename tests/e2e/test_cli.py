@@ -145,6 +145,7 @@ def test_video_shows_its_progress_and_writes_the_mp4(wan: LocalDeployment, tmp_p
     roles = [line.split()[0] for line in lines if line.endswith("_RUNNING")]
     assert roles == ["encoder", "denoiser", "decoder"]
     assert out.read_bytes()[4:8] == b"ftyp"
+    assert lines[-1] == f"wrote {out} ({out.stat().st_size} bytes, seed 3)"
 
 
 def test_ctrl_c_during_video_cancels_the_job_on_the_server_and_frees_its_slots(wan: LocalDeployment, tmp_path):
