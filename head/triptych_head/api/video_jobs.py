@@ -311,9 +311,8 @@ class VideoJobs:
             entry.task.cancel()
             await asyncio.gather(entry.task, return_exceptions=True)
             if not entry.handed_over:
-                fail_orphan(entry.job, SHUT_DOWN, "head_shut_down")
+                fail_orphan(entry.job, SHUT_DOWN, "head_shut_down")  # its run's end told on_end already
                 entry.job.completed_at = int(time.time())
-                self.ended(entry.job)
             await self.save_async(entry)
 
     def ended(self, job: VideoJob) -> None:
