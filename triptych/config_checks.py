@@ -398,16 +398,17 @@ def check_full_pipeline(args: ServeArgs) -> None:
         raise ConfigError("--disagg-full-pipeline does not support --simulate; simulate the role pools instead")
 
 
+def both_or_neither(args: ServeArgs, first: str, second: str, why: str) -> None:
+    """Two flags (ServeArgs fields) given together or not at all: one alone is refused, naming the other."""
+    if (getattr(args, first) is None) != (getattr(args, second) is None):
+        given, missing = (first, second) if getattr(args, second) is None else (second, first)
+        raise ConfigError(f"{flag(given)} needs {flag(missing)} too ({why})")
+
+
 def check_webhook(args: ServeArgs) -> None:
     """--webhook-url and --webhook-secret-file come together (an unsigned event could be anyone's), the
     URL an absolute http(s) one. The secret's form is checked where it is read (triptych_head.webhooks)."""
-    if (args.webhook_url is None) != (args.webhook_secret_file is None):
-        given, missing = (
-            ("--webhook-url", "--webhook-secret-file")
-            if args.webhook_secret_file is None
-            else ("--webhook-secret-file", "--webhook-url")
-        )
-        raise ConfigError(f"{given} needs {missing} too (webhooks are always signed)")
+    both_or_neither(args, "webhook_url", "webhook_secret_file", "webhooks are always signed")
     if args.webhook_url is not None:
         try:
             parts = urlsplit(args.webhook_url)
@@ -438,11 +439,7 @@ def check_http_limits(args: ServeArgs) -> None:
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ConfigError(f"--max-queued-requests {args.max_queued_requests} must be >= 0")
     check_webhook(args)
-    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
-        given, missing = (
-            ("--ssl-certfile", "--ssl-keyfile") if args.ssl_keyfile is None else ("--ssl-keyfile", "--ssl-certfile")
-        )
-        raise ConfigError(f"{given} needs {missing} too (the certificate and its private key, PEM files)")
+    both_or_neither(args, "ssl_certfile", "ssl_keyfile", "the certificate and its private key, PEM files")
 
 
 def check_batching(args: ServeArgs) -> None:
