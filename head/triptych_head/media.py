@@ -116,9 +116,6 @@ class ImageFormat:
         return buf.getvalue()
 
 
-PNG_FORMAT = ImageFormat()
-
-
 def write_mp4(frames: np.ndarray, path: Path, fps: int, threads: int) -> Path:
     """uint8 [F, H, W, 3] frames as an H.264 MP4 (odd sizes are padded by one pixel), libx264 on
     `threads` threads (its default is 1.5 per host CPU, whatever the container's limit).

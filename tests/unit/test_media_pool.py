@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from triptych.cpus import usable_cpus
 from triptych_head.api import image_body
-from triptych_head.media import PNG_FORMAT, MediaPool, png_bytes, png_zip_chunks
+from triptych_head.media import ImageFormat, MediaPool, png_bytes, png_zip_chunks
 
 
 class CountingPool(MediaPool):
@@ -72,7 +72,7 @@ def test_encodes_queue_for_its_threads_and_each_image_comes_back_in_order():
     pixels = np.stack([noise(128, 128, seed)[None] for seed in range(6)])  # [6, 1, H, W, 3]: over INLINE_PIXELS
     assert pixels.nbytes > image_body.INLINE_PIXELS
     try:
-        pngs = asyncio.run(image_body.encode_images(pixels, pool, PNG_FORMAT))
+        pngs = asyncio.run(image_body.encode_images(pixels, pool, ImageFormat()))
     finally:
         pool.close()
     assert pool.jobs == 6 and pool.most == 2, "six encodes, never more at once than the pool's two threads"
@@ -88,7 +88,7 @@ def test_encodes_queue_for_its_threads_and_each_image_comes_back_in_order():
 def test_a_small_answer_is_encoded_on_the_loop_without_the_pool():
     pool = CountingPool(1)
     try:
-        pngs = asyncio.run(image_body.encode_images(noise(16, 16)[None, None], pool, PNG_FORMAT))
+        pngs = asyncio.run(image_body.encode_images(noise(16, 16)[None, None], pool, ImageFormat()))
     finally:
         pool.close()
     assert pool.jobs == 0 and len(pngs) == 1
@@ -99,7 +99,7 @@ def test_a_streamed_b64_answer_encodes_on_the_pool():
     images = [noise(64, 64, seed) for seed in range(3)]
 
     async def body() -> bytes:
-        return b"".join([piece async for piece in image_body.b64_body(images, 123, 7, pool, PNG_FORMAT)])
+        return b"".join([piece async for piece in image_body.b64_body(images, 123, 7, pool, ImageFormat())])
 
     try:
         raw = asyncio.run(body())
