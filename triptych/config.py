@@ -1,5 +1,5 @@
 """ServeArgs: the values of `triptych serve`'s flags and their defaults (the flags: serve_flags.py;
-their checks: config_checks.py)."""
+their checks: the config_checks package)."""
 
 from __future__ import annotations
 
