@@ -6,8 +6,9 @@ TransferStaged with `continues_at`: a continuation. The request goes back to DEN
 the same hop (its route position does not advance) and takes the normal transfer flow to another
 denoiser, never the one it left, which resumes the loop at that step.
 
-A request suspended for a higher priority (preemption.py) is handed off the same way, with reason
-"preempt"; it may resume anywhere, the denoiser it left included (in place, nothing moves).
+A request suspended for a higher priority (preemption.py, which asks through this module) is handed
+off the same way, with reason "preempt"; it may resume anywhere, the denoiser it left included (in
+place, nothing moves).
 
 A draining denoiser's requests are moved this way while another denoiser has a free slot for
 them, so a drain takes about one step and a transfer whatever the requests' length; without
@@ -21,7 +22,6 @@ from typing import TYPE_CHECKING
 
 from triptych.protocol import HandOff, TransferStaged
 from triptych.roles import Role
-from triptych_head import preemption
 from triptych_head.instances import WorkerInstance
 from triptych_head.state import RequestRecord, RequestState, StagedPayload
 
@@ -74,21 +74,22 @@ def drain_by_migration(core: HeadCore) -> None:
             room -= 1
 
 
-def on_continuation(core: HeadCore, rec: RequestRecord, sender: WorkerInstance, msg: TransferStaged) -> None:
-    """A denoiser staged `rec`'s state before step `msg.continues_at`: back to DENOISING_WAITING at
-    the same hop, its staged state waiting for another denoiser (queues.py never picks the sender),
-    or, suspended for a higher priority, for any denoiser, the sender included (preemption.py)."""
+def left(core: HeadCore, rec: RequestRecord, sender: WorkerInstance, msg: TransferStaged) -> str:
+    """A denoiser staged `rec`'s state before step `msg.continues_at`: its staged state now waits for
+    another denoiser (queues.py never picks the sender) or, suspended for a higher priority, for any
+    denoiser, the sender included (preemption.py). Returns the reason the hand-off was asked for."""
     rec.staged = StagedPayload(sender.url, msg.nbytes, msg.manifest, msg.meta, core.clock(), msg.continues_at)
     rec.instance = None
     reason, rec.hand_off_from, rec.hand_off_reason = rec.hand_off_reason or "asked", None, ""
     log.info("request %s: %s handed it off before step %s (%s)", rec.request_id, sender.url, msg.continues_at, reason)
-    if reason == preemption.PREEMPT:
-        preemption.suspended(core, rec, sender, msg.nbytes)  # counted as a migration only if it resumes elsewhere
-    else:
-        rec.migrations += 1
-        core.metrics.migrations.labels(reason).inc()
-        core.metrics.migration_bytes.inc(msg.nbytes)
-    core.dispatcher.enter_hop(rec, ahead=True)
+    return reason
+
+
+def migrated(core: HeadCore, rec: RequestRecord, reason: str, nbytes: int) -> None:
+    """`rec`'s state moved to another denoiser (`nbytes` of it), for `reason`: counted."""
+    rec.migrations += 1
+    core.metrics.migrations.labels(reason).inc()
+    core.metrics.migration_bytes.inc(nbytes)
 
 
 def sender_to_avoid(rec: RequestRecord) -> str:

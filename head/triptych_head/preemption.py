@@ -148,9 +148,7 @@ def resumed(core: HeadCore, rec: RequestRecord, moved_bytes: int = 0) -> None:
     core.metrics.suspended_seconds.observe(now - rec.suspended_at)
     core.metrics.resumptions.labels("other" if moved_bytes else "same").inc()
     if moved_bytes:
-        rec.migrations += 1
-        core.metrics.migrations.labels(PREEMPT).inc()
-        core.metrics.migration_bytes.inc(moved_bytes)
+        migration.migrated(core, rec, PREEMPT, moved_bytes)
         core.metrics.migration_seconds.observe(now - rec.hop_started)
     rec.suspended_at = None
     core.event(rec, preemption=RESUMED)

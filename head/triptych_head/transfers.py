@@ -50,7 +50,7 @@ def on_staged(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
     seconds = _worker_seconds(core, rec, msg.seconds)
     _count_devices(rec, inst, seconds, msg.batch_size)
     if msg.continues_at is not None:  # stopped at a step boundary: another denoiser runs the rest
-        migration.on_continuation(core, rec, inst, msg)
+        _continuation(core, rec, inst, msg)
         return
     if rec.hop + 1 >= len(rec.route):
         raise RuntimeError(f"{inst.role.value} staged a transfer but is the last role of the route")
@@ -63,6 +63,17 @@ def on_staged(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
     rec.hop += 1
     core.dispatcher.enter_hop(rec)
     core.metrics.observe_stage(*stage)  # after the push went out: off the request's path
+
+
+def _continuation(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: TransferStaged) -> None:
+    """`rec` left `inst` at a step boundary: suspended for a higher priority (a migration only if it
+    resumes elsewhere), or moving to another denoiser; either way back to waiting at the same hop."""
+    reason = migration.left(core, rec, inst, msg)
+    if reason == preemption.PREEMPT:
+        preemption.suspended(core, rec, inst, msg.nbytes)
+    else:
+        migration.migrated(core, rec, reason, msg.nbytes)
+    core.dispatcher.enter_hop(rec, ahead=True)
 
 
 def on_allocated(
