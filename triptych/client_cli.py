@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from triptych.contract import CONTRACT, EDITS, IMAGES, VIDEOS, Contract
+from triptych.contract import CONTRACT, EDITS, IMAGES, PNG, VIDEOS, Contract
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -37,9 +37,11 @@ COMMAND_ENDPOINTS = {"generate": IMAGES, "edit": EDITS, "video": VIDEOS}
 # what the command itself does with a value
 CLI_NOTES = {
     "n": "out.png becomes out-0.png, out-1.png, ...",
-    "output_format": "unless given, -o out.jpg or .jpeg asks for jpeg, -o out.webp for webp",
+    "output_format": "unless given, -o's suffix says it (.png, .jpg or .jpeg, .webp); the two must agree",
 }
-SUFFIX_FORMATS = {".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}  # -o's suffix: the output_format asked for
+# -o's suffix: the output_format asked for (none: as --output-format says, else PNG)
+SUFFIX_FORMATS = {".png": PNG, ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+VIDEO_SUFFIX = ".mp4"  # a video job's content
 
 
 def add_request_options(parser: argparse.ArgumentParser, endpoint: str, contract: Contract = CONTRACT) -> None:
@@ -132,6 +134,7 @@ def run_client_command(ns: argparse.Namespace) -> int:
     try:
         if ns.command in COMMAND_ENDPOINTS:
             _check_output(ns.output)  # before the server does the work that would be lost
+            _check_suffix(ns)
         client = TriptychClient(ns.url, ns.api_key, retries=ns.retries)
     except ClientError as exc:
         return print_error(console, str(exc))
@@ -194,6 +197,32 @@ def _check_output(output: Path) -> None:
         raise ClientError(f"-o {output}: its folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise ClientError(f"-o {output}: cannot write in {folder}")
+
+
+def _check_suffix(ns: argparse.Namespace) -> None:
+    """`-o`'s suffix names what the answer is (a file named .png holding a JPEG misleads whatever opens
+    it): an image's format, agreeing with --output-format; a video's .mp4. No suffix is taken as is."""
+    from triptych.client import ClientError
+
+    suffix = ns.output.suffix.lower()
+    if not suffix:
+        return
+    if ns.command == "video":
+        if suffix != VIDEO_SUFFIX:
+            raise ClientError(f"-o {ns.output}: a video comes as MP4; give a {VIDEO_SUFFIX} file")
+        return
+    named = SUFFIX_FORMATS.get(suffix)
+    if named is None:
+        raise ClientError(
+            f"-o {ns.output}: {suffix} is not a format the head writes; give a {', '.join(SUFFIX_FORMATS)} file "
+            "(or --output-format and a name without a suffix)"
+        )
+    asked = getattr(ns, "output_format", None)
+    if asked is not None and asked != named:
+        raise ClientError(
+            f"-o {ns.output} names {named}, but --output-format asks for {asked}: give -o a "
+            f"{next(s for s, f in SUFFIX_FORMATS.items() if f == asked)} suffix, or leave --output-format out"
+        )
 
 
 def output_paths(output: Path, n: int) -> list[Path]:

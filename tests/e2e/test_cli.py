@@ -259,6 +259,10 @@ def test_a_request_that_fails_on_a_worker_is_a_one_line_error_naming_it(kontext:
         (["status", "--api-key", "ключ"], "api key: an API key is ASCII text"),
         (["generate", "x", "-o", "{tmp}/no/o.png"], "-o {tmp}/no/o.png: its folder {tmp}/no does not exist"),
         (["generate", "x", "-o", "{tmp}"], "-o {tmp}: is a folder"),
+        (["generate", "x", "-o", "{tmp}/o.gif"], "-o {tmp}/o.gif: .gif is not a format the head writes"),
+        (["generate", "x", "-o", "{tmp}/o.png", "--output-format", "jpeg"], "-o {tmp}/o.png names png, but "),
+        (["edit", "r.png", "x", "-o", "{tmp}/o.JPEG", "--output-format", "webp"], "-o {tmp}/o.JPEG names jpeg, but"),
+        (["video", "x", "-o", "{tmp}/o.png"], "-o {tmp}/o.png: a video comes as MP4; give a .mp4 file"),
     ],
 )
 def test_a_bad_connection_or_output_is_a_one_line_error_before_any_request(tmp_path, argv, says):
