@@ -46,6 +46,7 @@ class StoredObject:
     name: str
     size: int
     mtime: float  # seconds since the epoch: when it was last written
+    tag: str = ""  # changes whenever its content does (S3's ETag; a file's inode, mtime and size); "": unknown
 
 
 class ObjectStore(Protocol):
@@ -182,7 +183,8 @@ class DirectoryObjects:
                 st = path.stat()
             except OSError:  # removed meanwhile
                 continue
-            yield StoredObject(f"{folder_name}/{path.name}" if folder_name else path.name, st.st_size, st.st_mtime)
+            name = f"{folder_name}/{path.name}" if folder_name else path.name
+            yield StoredObject(name, st.st_size, st.st_mtime, f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}")
 
     def delete(self, name: str) -> None:
         try:
@@ -365,7 +367,7 @@ class S3Objects:
             if not name or name.rsplit("/", 1)[-1].startswith("."):
                 continue
             mtime = obj.last_modified.timestamp() if obj.last_modified else 0.0
-            yield StoredObject(name, obj.size or 0, mtime)
+            yield StoredObject(name, obj.size or 0, mtime, obj.etag or "")
 
     def delete(self, name: str) -> None:
         self.client.remove_object(self.location.bucket, self._key(name))  # S3: removing a missing key succeeds

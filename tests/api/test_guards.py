@@ -103,7 +103,7 @@ def test_a_video_job_over_the_bound_is_refused_at_its_post_and_never_created(tmp
         r = client.post("/v1/videos", json={"prompt": "x", "size": "32x32", "num_frames": 1})
         assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded"
         assert r.headers["Retry-After"].isdigit()
-        assert client.get("/v1/videos").json() == []
+        assert client.get("/v1/videos").json()["data"] == []
         assert client.get("/health").json()["admission"] == {
             "in_flight": 0, "max_in_flight": 0, "worker_slots": 0, "max_queued": 0, "retry_after_s": 5, "wait_s": {},
         }  # fmt: skip
@@ -207,7 +207,7 @@ def test_a_video_job_reports_its_estimate_in_its_status_and_a_late_one_is_never_
         body = {"prompt": "x", "size": "32x32", "num_frames": 1, "num_inference_steps": 2}
         r = client.post("/v1/videos", json={**body, "deadline_seconds": 1})
         assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_unachievable"
-        assert client.get("/v1/videos").json() == []
+        assert client.get("/v1/videos").json()["data"] == []
         r = client.post("/v1/videos", json=body)
         assert r.status_code == 200, r.text
         estimate = r.json()["estimated_completion_seconds"]

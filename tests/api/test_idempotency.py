@@ -69,7 +69,7 @@ def test_a_video_job_is_made_once_per_key(tmp_path):
         first = c.post("/v1/videos", json=body, headers=_key("video-1"))
         again = c.post("/v1/videos", json=body, headers=_key("video-1"))
         assert first.json()["id"] == again.json()["id"] and again.headers["Idempotent-Replayed"] == "true"
-        assert len(c.get("/v1/videos").json()) == 1
+        assert len(c.get("/v1/videos").json()["data"]) == 1
     assert len(backend.calls) == 1
 
 

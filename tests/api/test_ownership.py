@@ -59,7 +59,7 @@ def routes(client: TestClient, job_id: str, key: str) -> dict[str, Any]:
 
 
 def listed(client: TestClient, key: str) -> list[str]:
-    return [job["id"] for job in client.get("/v1/videos", headers=auth(key)).json()]
+    return [job["id"] for job in client.get("/v1/videos", headers=auth(key)).json()["data"]]
 
 
 def test_a_key_s_tenant_is_its_owner_and_a_key_without_one_owns_its_own() -> None:

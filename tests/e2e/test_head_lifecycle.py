@@ -220,4 +220,4 @@ def test_finished_results_survive_a_head_restart_and_a_running_job_is_run_again_
             time.sleep(0.2)
         assert job["status"] == "completed" and job["restarts"] == 1, job
         assert c.get(f"/v1/videos/{running['id']}/content").content[4:8] == b"ftyp"
-        assert {j["id"] for j in c.get("/v1/videos").json()} == {done["id"], running["id"]}
+        assert {j["id"] for j in c.get("/v1/videos").json()["data"]} == {done["id"], running["id"]}

@@ -43,7 +43,8 @@ def _video_steps(c: httpx.Client, timeout: float = 120) -> tuple[str, float]:
     """Once one video denoises, the seconds per step it takes (measured over about half a second)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        running = [j for j in c.get("/v1/videos").json() if j.get("step", 0) >= 2 and j["status"] == "in_progress"]
+        jobs = c.get("/v1/videos").json()["data"]
+        running = [j for j in jobs if j.get("step", 0) >= 2 and j["status"] == "in_progress"]
         if running:
             job_id = running[0]["id"]
             t0, s0 = time.monotonic(), running[0]["step"]

@@ -115,6 +115,27 @@ def test_a_video_job_made_through_one_head_is_followed_and_fetched_through_the_o
         assert "event: completed" in events and job_id in events
 
 
+def _listed(client: TestClient) -> dict[str, str]:
+    return {job["id"]: job["status"] for job in client.get("/v1/videos").json()["data"]}
+
+
+def test_every_head_lists_every_head_s_video_jobs_as_they_change(shared_store):
+    slow = ScriptedBackend()
+    slow.step_delay = 0.3
+    with head(shared_store, slow) as a, head(shared_store) as b:
+        assert _listed(b) == {}  # read once: the listing below must see the store change under it
+        running = a.post("/v1/videos", json={**VIDEO, "num_inference_steps": 8}).json()["id"]
+        quick = wait_for(b, b.post("/v1/videos", json=VIDEO).json()["id"], "completed", timeout=60)["id"]
+        assert _listed(a)[quick] == "completed" and _listed(b)[running] in ("queued", "in_progress")
+        wait_for(a, running, "completed", timeout=60)
+        deadline = time.monotonic() + 10
+        while _listed(b)[running] != "completed":  # B's listing reads the job's JSON again once it changed
+            assert time.monotonic() < deadline, _listed(b)
+            time.sleep(0.05)
+        assert a.delete(f"/v1/videos/{quick}").status_code == 200
+        assert _listed(a) == _listed(b) == {running: "completed"}
+
+
 def test_events_of_a_job_another_head_runs_end_with_its_completion(shared_store):
     slow = ScriptedBackend()
     slow.step_delay = 0.3

@@ -199,6 +199,16 @@ class VideoJob(BaseModel):
     )
 
 
+class VideoList(BaseModel):
+    """A page of video jobs, as OpenAI's list of videos: pass `last_id` as `after` for the next one."""
+
+    object: Literal["list"] = "list"
+    data: list[VideoJob]
+    first_id: str | None = Field(description="The first job's id on this page (none when it is empty)")
+    last_id: str | None = Field(description="The last job's id on this page: `after` for the next page")
+    has_more: bool = Field(description="Whether more jobs follow this page")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

@@ -24,6 +24,7 @@ from triptych_head.api.errors import APIError
 from triptych_head.api.ownership import may_see
 from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message
 from triptych_head.api.schemas import VideoJob
+from triptych_head.api.video_list import StoredJobIndex
 from triptych_head.results import JOB_LEASE_S, TERMINAL, ResultStore, StoredJob
 from triptych_head.state import RequestState
 
@@ -114,6 +115,7 @@ class VideoJobs:
     ) -> None:
         self._jobs: OrderedDict[str, JobEntry] = OrderedDict()
         self.store = store
+        self.index = StoredJobIndex(store) if store is not None else None  # every head's jobs, for listings
         self.start = start  # runs a job on this head (set by the app: it needs the backend)
         self.on_end = on_end
         self._pending: set[asyncio.Future[None]] = set()  # background saves (save_soon)
@@ -280,9 +282,24 @@ class VideoJobs:
             self._jobs.pop(finished[0])
         self._jobs[entry.job.id] = entry
 
-    def all(self, owner: str | None = None) -> list[VideoJob]:
-        """The jobs this head remembers that `owner` sees (ownership.py; None: every job)."""
-        return [e.job for e in self._jobs.values() if may_see(e.owner, owner)]
+    async def listed(self, owner: str | None = None) -> list[VideoJob]:
+        """Every job `owner` sees (ownership.py; None: every job), whichever head runs or ran it: the
+        store's, this head's own as it knows them (ahead of the store until its last save lands);
+        without a store, the jobs this head remembers."""
+        if self.index is None:
+            return [e.job for e in self._jobs.values() if may_see(e.owner, owner)]
+        try:
+            stored = await asyncio.to_thread(self.index.jobs)
+        except Exception as exc:  # the shared store did not answer: say so, not a bare 500
+            log.warning("listing video jobs in the result store failed: %s", exc)
+            raise APIError(
+                503, "the result store did not answer; retry", code="store_unavailable", headers={"Retry-After": "1"}
+            ) from None
+        jobs = {s.job.id: (s.job, s.owner) for s in stored}
+        for entry in self._jobs.values():  # removed from the store (DELETE, retention): gone, once it ended
+            if entry.made_here and (entry.job.id in jobs or entry.job.status not in TERMINAL):
+                jobs[entry.job.id] = (entry.job, entry.owner)
+        return [job for job, job_owner in jobs.values() if may_see(job_owner, owner)]
 
     def running(self) -> list[str]:
         return [k for k, e in self._jobs.items() if e.job.status not in TERMINAL]

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -31,8 +31,9 @@ from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_k
 from triptych_head.api.key_limits import key_limit
 from triptych_head.api.ownership import owner_of
 from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, sse_response
-from triptych_head.api.schemas import RequestBody, RequestModels, VideoJob
+from triptych_head.api.schemas import RequestBody, RequestModels, VideoJob, VideoList
 from triptych_head.api.video_jobs import JobEntry, VideoJobs, final_message, foreign_events
+from triptych_head.api.video_list import DEFAULT_LIMIT, MAX_LIMIT, Order, page
 from triptych_head.media import MediaPool, load_frames, png_zip_chunks, save_frames, write_mp4
 from triptych_head.objects import ObjectMissing
 from triptych_head.results import TERMINAL, ResultStore
@@ -201,9 +202,15 @@ def _store_content(results: ResultStore, job_id: str, frames: Any, fps: int, thr
         npy.unlink(missing_ok=True)
 
 
-@router.get("/v1/videos", response_model=list[VideoJob])
-async def list_videos(request: Request) -> list[VideoJob]:
-    return _jobs(request).all(owner_of(request))
+@router.get("/v1/videos", response_model=VideoList)
+async def list_videos(
+    request: Request,
+    limit: int = Query(DEFAULT_LIMIT, ge=0, le=MAX_LIMIT, description="How many jobs to answer"),
+    after: str | None = Query(None, description="The `last_id` of the page before: the jobs after that one"),
+    order: Order = Query("desc", description="By creation: `desc` (newest first) or `asc`"),
+) -> VideoList:
+    """A page of the video jobs the caller sees, every head's (video_list.py)."""
+    return page(await _jobs(request).listed(owner_of(request)), after, limit, order)
 
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob)
