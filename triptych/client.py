@@ -286,6 +286,18 @@ class TriptychClient:
     def video(self, video_id: str) -> dict[str, Any]:
         return dict(self._request("GET", f"/v1/videos/{video_id}").json())
 
+    def videos(self, order: str = "desc", page_size: int = 100) -> Iterator[dict[str, Any]]:
+        """Every video job this key sees, every head's, newest first (`order="asc"`: oldest first):
+        GET /v1/videos page by page, each page after the one before's last job."""
+        after: str | None = None
+        while True:
+            query = {"limit": page_size, "order": order, **({"after": after} if after else {})}
+            page = self._request("GET", "/v1/videos", params=query).json()
+            yield from page["data"]
+            if not page["has_more"] or not page["data"]:
+                return
+            after = page["last_id"]
+
     def video_events(self, video_id: str) -> Iterator[Event]:
         """The job's progress events until it ends; a lost connection is opened again (from any head)."""
         return self._events("GET", f"/v1/videos/{video_id}/events", resumable=True)

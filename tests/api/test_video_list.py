@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tests.api.test_http_api import ScriptedBackend, make_client, wait_for
+from triptych.client import TriptychClient
 from triptych_head.api.schemas import VideoJob
 from triptych_head.api.video_list import StoredJobIndex
 from triptych_head.results import ResultStore
@@ -84,6 +85,15 @@ def test_a_bad_query_is_a_400_naming_its_parameter(tmp_path, params, param):
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert len(error["message"]) < 400, error  # a long value is not echoed whole
+
+
+def test_the_python_client_follows_the_pages_to_every_job(tmp_path):
+    with make_client(ScriptedBackend(), tmp_path) as c:
+        ids = _made(c, 3)
+        client = TriptychClient("http://testserver", retries=0)
+        client.http = c  # the app itself behind the client's HTTP calls
+        assert [job["id"] for job in client.videos(page_size=1)] == _newest_first(c, ids)
+        assert [job["id"] for job in client.videos(order="asc", page_size=2)] == _newest_first(c, ids)[::-1]
 
 
 def test_a_deleted_job_leaves_the_list(tmp_path):
