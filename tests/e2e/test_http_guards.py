@@ -242,6 +242,8 @@ def fuzz_cases(schema: dict[str, Any]) -> list[tuple[str, str, bytes, str | None
         for path in (f"/v1/videos/{q}", f"/v1/videos/{q}/content", f"/v1/files/images/{q}", f"/v1/files/{q}/x"):
             cases.append(("get", path, b"", None))
         cases.append(("get", f"/v1/videos/x/content?variant={q}", b"", "variant"))
+        for param in ("limit", "after", "order"):  # the list of jobs: its query, one junk value at a time
+            cases.append(("get", f"/v1/videos?{param}={q}", b"", param))
         cases.append(("delete", f"/v1/videos/{q}", b"", None))
     return cases
 
