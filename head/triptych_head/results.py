@@ -116,6 +116,7 @@ class ResultStore:
         """Write the job's status atomically (a crash leaves the old or the new object, never half of one).
         `lease_until`: the job runs on this head until then at least (renewed while it runs). `run`:
         what another head needs to run it again should this one die. `owner`: whose requests see it."""
+        self.stamp_expiry(job)
         data = job.model_dump(mode="json")
         if owner is not None:
             data["owner"] = owner
@@ -126,6 +127,12 @@ class ResultStore:
         self.objects.put_bytes(self.job_name(job.id), json.dumps(data).encode(), "application/json")
         if job.status in TERMINAL:
             self.objects.delete(self.running_name(job.id))
+
+    def stamp_expiry(self, job: VideoJob) -> None:
+        """An ended job's `expires_at`: when retention removes it, its content with it, by age (a sweep
+        after a result's last write, which is its end); sooner when --results-max-bytes needs the room."""
+        if job.status in TERMINAL and job.completed_at is not None and job.expires_at is None:
+            job.expires_at = job.completed_at + int(self.retention.max_age_s)
 
     def mark_running(self, job_id: str) -> None:
         """List the job among those some head must run (heads look for orphans among them)."""

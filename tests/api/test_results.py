@@ -82,6 +82,20 @@ def test_the_app_applies_retention_periodically_and_forgets_removed_jobs(tmp_pat
         assert not list((tmp_path / "videos").iterdir())
 
 
+def test_an_ended_job_says_when_retention_removes_it_on_every_head(tmp_path):
+    slow = ScriptedBackend()
+    slow.step_delay = 0.2
+    day = Retention(max_age_s=86400, max_bytes=1 << 30)
+    with make_client(slow, tmp_path, retention=day) as c:
+        job_id = c.post("/v1/videos", json=VIDEO).json()["id"]
+        assert wait_for(c, job_id, "in_progress")["expires_at"] is None  # a running job's files stay
+        done = wait_for(c, job_id, "completed")
+        assert done["expires_at"] == done["completed_at"] + 86400
+    with make_client(ScriptedBackend(), tmp_path, retention=day) as c:  # the next head reads it from the store
+        assert c.get(f"/v1/videos/{job_id}").json()["expires_at"] == done["expires_at"]
+        assert c.get("/v1/videos").json()["data"][0]["expires_at"] == done["expires_at"]
+
+
 class SlowJobWrites(DirectoryObjects):
     """A store whose job JSON takes a while to land, as over a network."""
 

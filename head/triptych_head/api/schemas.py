@@ -184,6 +184,11 @@ class VideoJob(BaseModel):
     state: str = RequestState.PENDING.value
     created_at: int
     completed_at: int | None = None
+    expires_at: int | None = Field(
+        None,
+        description="When the ended job and its content are removed (--results-max-age after its end, within a "
+        "minute; sooner when --results-max-bytes needs the room)",
+    )
     size: str
     num_frames: int
     fps: int

@@ -156,6 +156,7 @@ class VideoJobs:
         if self.store is None:
             return
         async with entry.save_lock:
+            self.store.stamp_expiry(entry.job)  # this head's answers show it as the store's do
             job = entry.job.model_copy()
             lease = self._lease() if entry.running_here else None
             try:
