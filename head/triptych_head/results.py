@@ -172,21 +172,6 @@ class ResultStore:
             job, float(lease) if isinstance(lease, int | float) else None, run if isinstance(run, dict) else None, owner
         )
 
-    def load_stored_jobs(self) -> list[StoredJob]:
-        """Every saved job, oldest first; unreadable ones are skipped with a warning."""
-        jobs = []
-        for obj in self.objects.list(f"{VIDEOS}/"):
-            if not obj.name.endswith(".json"):
-                continue
-            job_id = obj.name.removeprefix(f"{VIDEOS}/").removesuffix(".json")
-            stored = self.load_job(job_id)
-            if stored is not None:
-                jobs.append(stored)
-        return sorted(jobs, key=lambda s: s.job.created_at)
-
-    def load_jobs(self) -> list[VideoJob]:
-        return [s.job for s in self.load_stored_jobs()]
-
     def has(self, name: str) -> bool:
         return self.objects.stat(name) is not None
 

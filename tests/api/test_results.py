@@ -69,7 +69,7 @@ def test_a_job_that_was_running_when_its_head_died_and_cannot_run_again_reports_
         assert job["status"] == "failed" and job["error"]["code"] == "head_restarted"
         assert "the head restarted while this job was running" in job["error"]["message"]
         assert c.get("/v1/videos/video_x/content").status_code == 409
-    assert ResultStore(tmp_path).load_jobs()[0].status == "failed"  # saved, so it says so after the next restart too
+    assert ResultStore(tmp_path).load_job("video_x").job.status == "failed"  # type: ignore[union-attr]  # saved, so it says so after the next restart too
 
 
 def test_the_app_applies_retention_periodically_and_forgets_removed_jobs(tmp_path):

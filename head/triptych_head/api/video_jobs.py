@@ -128,9 +128,9 @@ class VideoJobs:
     def restore(self) -> None:
         """Take back the saved jobs that ended. A running one stays its head's, or, when its head
         died, is taken over by take_over_orphans (the app runs it at start)."""
-        if self.store is None:
+        if self.store is None or self.index is None:
             return
-        for stored in self.store.load_stored_jobs()[-MAX_JOBS:]:
+        for stored in sorted(self.index.jobs(), key=lambda s: s.job.created_at)[-MAX_JOBS:]:
             job = stored.job
             if job.status not in TERMINAL:
                 continue  # another head's (or an orphan's): read from the store whenever asked for
