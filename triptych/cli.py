@@ -2,7 +2,7 @@
 
     triptych serve --model-path DIR --disagg-role {monolithic,encoder,...,server} [flags]
     triptych keys generate DIR
-    triptych generate "PROMPT" -o out.png | video "PROMPT" -o out.mp4 | status   (HTTP clients of a head)
+    triptych generate "PROMPT" -o out.png | video "PROMPT" -o out.mp4 | videos | status   (HTTP clients)
 
 The flags: docs/design.md, "`triptych serve` flags". `triptych.config.ServeArgs` holds their parsed, validated
 values and is what the head and workers receive. The operator builds worker arguments with

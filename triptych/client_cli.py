@@ -1,8 +1,9 @@
-"""`triptych generate / edit / video / status`: the HTTP client on the command line.
+"""`triptych generate / edit / video / videos / status`: the HTTP client on the command line.
 
     triptych generate "a lighthouse at dusk" -o out.png --size 512x512 --seed 1 --steps 20
     triptych edit photo.png "make it a watercolor" -o edited.png --seed 1   # or an http(s) URL
     triptych video "waves on a beach" -o out.mp4 --frames 33
+    triptych videos                                                           # the video jobs, newest first
     triptych status
 
 They talk to a head's HTTP API only: `--url` (or TRIPTYCH_URL, default http://127.0.0.1:30000) and
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
 
     from triptych.client import Event, TriptychClient
 
-CLIENT_COMMANDS = ("generate", "edit", "video", "status")
+CLIENT_COMMANDS = ("generate", "edit", "video", "videos", "status")
 DEFAULT_URL = "http://127.0.0.1:30000"
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
 
@@ -93,6 +95,15 @@ def _retries(text: str) -> int:
     return int(text)
 
 
+MAX_SHOWN = 100_000  # videos --limit: more than any store keeps
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) > MAX_SHOWN:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to {MAX_SHOWN}")
+    return int(text)
+
+
 def add_client_commands(sub: Any, contract: Contract = CONTRACT) -> None:
     """The client subcommands, on `triptych`'s subparsers; their request options come from `contract`."""
     connection = argparse.ArgumentParser(add_help=False)
@@ -123,6 +134,9 @@ def add_client_commands(sub: Any, contract: Contract = CONTRACT) -> None:
     for command, parser in (("generate", generate), ("edit", edit), ("video", video)):
         add_request_options(parser, COMMAND_ENDPOINTS[command], contract)
     sub.add_parser("status", parents=[connection], help="the head's pools: instances, free slots, queues")
+    videos = sub.add_parser("videos", parents=[connection], help="the video jobs this key sees, every head's")
+    videos.add_argument("--limit", type=_count, default=20, metavar="N", help="show N jobs (default 20; 0: all)")
+    videos.add_argument("--oldest-first", action="store_true", help="the oldest first (default: the newest)")
 
 
 def run_client_command(ns: argparse.Namespace) -> int:
@@ -146,9 +160,12 @@ def run_client_command(ns: argparse.Namespace) -> int:
         if ns.command == "video":
             return _video(client, ns, console)
         out = Console()
-        # Off a terminal (CI logs, pipes) rich would fit the table into 80 columns and cut every
+        # Off a terminal (CI logs, pipes) rich would fit a table into 80 columns and cut every
         # address to "tcp://127.0…": a log is read whole, so give the table the room it needs.
-        return _status(client, out if out.is_terminal else Console(width=STATUS_WIDTH_OFF_TERMINAL))
+        out = out if out.is_terminal else Console(width=STATUS_WIDTH_OFF_TERMINAL)
+        if ns.command == "videos":
+            return _videos(client, ns, out)
+        return _status(client, out)
     except ClientError as exc:
         return print_error(console, str(exc))
     finally:
@@ -356,6 +373,31 @@ def _status(client: TriptychClient, console: Console) -> int:
     console.print(table)
     console.print(f"{len(view['requests'])} requests in flight", highlight=False)
     return 0
+
+
+def _videos(client: TriptychClient, ns: argparse.Namespace, console: Console) -> int:
+    import itertools
+
+    from rich.table import Table
+
+    jobs = client.videos("asc" if ns.oldest_first else "desc", page_size=min(ns.limit or 100, 100))
+    shown = list(itertools.islice(jobs, ns.limit or None))
+    table = Table(title=f"{client.url}  video jobs")
+    for column in ("id", "status", "progress", "size", "frames", "created (UTC)", "expires (UTC)"):
+        right = column in ("progress", "frames")
+        table.add_column(column, no_wrap=column == "id", justify="right" if right else "left")
+    for job in shown:
+        table.add_row(
+            job["id"], job["status"], f"{job['progress']}%", job["size"], str(job["num_frames"]),
+            _utc(job["created_at"]), _utc(job.get("expires_at")),
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"{len(shown)} jobs shown", highlight=False)
+    return 0
+
+
+def _utc(seconds: int | None) -> str:
+    return "-" if seconds is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds))
 
 
 def instance_devices(inst: dict[str, Any]) -> str:

@@ -147,6 +147,12 @@ def test_video_shows_its_progress_and_writes_the_mp4(wan: LocalDeployment, tmp_p
     assert out.read_bytes()[4:8] == b"ftyp"
     assert lines[-1] == f"wrote {out} ({out.stat().st_size} bytes, seed 3)"
 
+    listed = triptych("videos", "--url", wan.http)  # the job, among the others this deployment ran
+    assert listed.returncode == 0, listed.stderr
+    (row,) = [line for line in listed.stdout.splitlines() if lines[0].split()[0] in line]
+    assert [cell.strip() for cell in row.split("│")[2:6]] == ["completed", "100%", "64x64", "5"], row
+    assert listed.stdout.strip().endswith("jobs shown")
+
 
 def test_ctrl_c_during_video_cancels_the_job_on_the_server_and_frees_its_slots(wan: LocalDeployment, tmp_path):
     proc = subprocess.Popen(
