@@ -44,6 +44,17 @@ MAX_DEADLINE_S = 366 * 86400  # any deadline is capped at the request timeout; t
 PNG = "png"
 IMAGE_FORMATS = (PNG, "jpeg", "webp")  # output_format: how an image answer's files are written
 DEFAULT_QUALITY = 100  # output_compression omitted, as OpenAI's API takes it
+# OpenAI's parameters this API does not take, and what to give instead: a client sending one is told so
+# (a 400 naming it), never served something other than it asked for.
+NOT_TAKEN = {
+    "seconds": "give num_frames: a video of num_frames frames at fps lasts num_frames / fps seconds (81 at 16: 5 s)",
+    "input_reference": "videos are made from text only here; for an image edit, POST /v1/images/edits",
+    "mask": "an edit changes the whole image as the prompt says (FLUX.1 Kontext); no mask is taken",
+    "input_fidelity": "leave it out: an edit keeps the reference as the model does",
+    "background": "leave it out: images are opaque",
+    "moderation": "leave it out: no moderation step runs here",
+    "partial_images": "for images during generation, give stream: true and preview_every",
+}
 
 
 class ParamError(ValueError):

@@ -108,6 +108,28 @@ def test_a_body_that_is_no_object_is_still_called_so(tmp_path: Path) -> None:
     assert "not a JSON object" in error["message"], error
 
 
+@pytest.mark.parametrize(
+    ("model", "path", "field", "says"),
+    [
+        (WAN, "/v1/videos", "seconds", "give num_frames"),
+        (WAN, "/v1/videos", "input_reference", "videos are made from text only"),
+        (FLUX, IMAGES, "background", "images are opaque"),
+        (FLUX, IMAGES, "partial_images", "give stream: true and preview_every"),
+    ],
+)
+def test_an_openai_parameter_not_taken_says_what_to_give_instead(model, path, field, says, tmp_path: Path) -> None:
+    with client(model, tmp_path) as c:
+        error = refusal(c.post(path, json={**SMALL, field: "4"}))
+    assert error["param"] == field and error["message"].startswith(f"{field}: not taken by this API; "), error
+    assert says in error["message"], error
+
+
+def test_an_unknown_field_is_still_called_unknown(tmp_path: Path) -> None:
+    with client(FLUX, tmp_path) as c:
+        error = refusal(c.post(IMAGES, json={**SMALL, "sedd": 3}))
+    assert error["param"] == "sedd" and "not permitted" in error["message"], error
+
+
 def test_an_unknown_model_is_echoed_short_and_names_are_bounded(tmp_path: Path) -> None:
     with client(FLUX, tmp_path) as c:
         huge = c.post(IMAGES, json={**SMALL, "model": "m" * 5_000_000})

@@ -170,6 +170,13 @@ def test_bad_forms_get_a_400_naming_the_field(backend, tmp_path, files, fields, 
     assert backend.calls == []
 
 
+def test_a_mask_is_refused_saying_an_edit_takes_none(backend, tmp_path) -> None:
+    with client_for(backend, tmp_path) as c:
+        r = post(c, files={"image": ("r.png", png(), "image/png"), "mask": ("m.png", png(), "image/png")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mask", r.text
+    assert "no mask is taken" in r.json()["error"]["message"] and backend.calls == []
+
+
 def test_json_bodies_and_text_only_models_are_refused(backend, tmp_path) -> None:
     with client_for(backend, tmp_path) as c:
         assert c.post("/v1/images/edits", json={"prompt": "x"}).status_code == 400

@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
+from triptych.contract import NOT_TAKEN
+
 # pydantic's error types for a body that is missing or not an object (FastAPI's and its own words differ)
 NOT_AN_OBJECT = frozenset({"missing", "model_type", "model_attributes_type", "dict_type"})
 # Where FastAPI found a parameter: the first part of an error's location, not the parameter's name
@@ -53,6 +55,11 @@ async def send_json(send: Send, status_code: int, body: dict[str, Any], headers:
     await send({"type": "http.response.body", "body": payload})
 
 
+def not_taken(field: str) -> str:
+    """Why an OpenAI parameter this API does not take (contract.NOT_TAKEN) is refused, and what to give."""
+    return f"not taken by this API; {NOT_TAKEN[field]}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -70,6 +77,8 @@ def install_error_handlers(app: FastAPI) -> None:
         said = first.get("msg")
         if first.get("type") == "value_error" and "error" in first.get("ctx", {}):  # our words, without pydantic's
             said = first["ctx"]["error"]  # "Value error, " in front
+        if first.get("type") == "extra_forbidden" and len(loc) == 1 and loc[0] in NOT_TAKEN:  # an OpenAI parameter
+            said = not_taken(loc[0])
         message = f"{'.'.join(loc)}: {said}" if loc else str(said)
         if first.get("type") == "json_invalid":  # its location is a character of the body, not a field
             where = f" (at character {loc[0]})" if loc else ""

@@ -33,9 +33,9 @@ from python_multipart.multipart import parse_options_header
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import FormParser, MultiPartParser
 
-from triptych.contract import Limits
+from triptych.contract import NOT_TAKEN, Limits
 from triptych.reference import MAX_REFERENCE_BYTES, BadReference, check_reference_url, fetch_reference, open_reference
-from triptych_head.api.errors import APIError
+from triptych_head.api.errors import APIError, not_taken
 from triptych_head.api.limits import RequestTooLarge
 from triptych_head.api.schemas import RequestBody
 
@@ -114,6 +114,8 @@ async def read_edit_form(request: Request, model: type[RequestBody], max_bytes: 
         files = [(k, v) for k, v in form.multi_items() if isinstance(v, UploadFile)]
         texts = [(k, v) for k, v in form.multi_items() if isinstance(v, str)]
         for name, _ in files:
+            if name in NOT_TAKEN:  # OpenAI's `mask`
+                raise APIError(400, f"{name}: {not_taken(name)}", name)
             if name not in FILE_FIELDS:
                 raise APIError(400, f"{name}: unexpected file field; upload the reference as `image`", name)
         if len(files) > 1:
