@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from triptych.contract import CONTRACT, EDITS, IMAGES, PNG, VIDEOS, Contract
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from rich.console import Console
 
@@ -87,21 +87,18 @@ def _finite(text: str) -> float:
 
 
 MAX_RETRIES = 100  # --retries: with the backoff's 4 s, several minutes of a head that does not come back
-
-
-def _retries(text: str) -> int:
-    if not text.isdigit() or int(text) > MAX_RETRIES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to {MAX_RETRIES}")
-    return int(text)
-
-
 MAX_SHOWN = 100_000  # videos --limit: more than any store keeps
 
 
-def _count(text: str) -> int:
-    if not text.isdigit() or int(text) > MAX_SHOWN:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to {MAX_SHOWN}")
-    return int(text)
+def _whole_number(maximum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from 0 to `maximum`, refused in words otherwise."""
+
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) > maximum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to {maximum}")
+        return int(text)
+
+    return parse
 
 
 def add_client_commands(sub: Any, contract: Contract = CONTRACT) -> None:
@@ -115,7 +112,7 @@ def add_client_commands(sub: Any, contract: Contract = CONTRACT) -> None:
     connection.add_argument("--api-key", default=os.environ.get("TRIPTYCH_API_KEY"), help="Bearer key, if required")
     connection.add_argument(
         "--retries",
-        type=_retries,
+        type=_whole_number(MAX_RETRIES),
         default=3,
         metavar="N",
         help="send a request again up to N times when its head went away or asked to wait (default 3; 0: never)",
@@ -135,7 +132,8 @@ def add_client_commands(sub: Any, contract: Contract = CONTRACT) -> None:
         add_request_options(parser, COMMAND_ENDPOINTS[command], contract)
     sub.add_parser("status", parents=[connection], help="the head's pools: instances, free slots, queues")
     videos = sub.add_parser("videos", parents=[connection], help="the video jobs this key sees, every head's")
-    videos.add_argument("--limit", type=_count, default=20, metavar="N", help="show N jobs (default 20; 0: all)")
+    shown = _whole_number(MAX_SHOWN)
+    videos.add_argument("--limit", type=shown, default=20, metavar="N", help="show N jobs (default 20; 0: all)")
     videos.add_argument("--oldest-first", action="store_true", help="the oldest first (default: the newest)")
 
 

@@ -39,8 +39,9 @@ class StoredJobIndex:
                 if not obj.name.endswith(JSON) or "." in job_id:  # its MP4, frames, markers
                     continue
                 known = self._read.get(job_id)
-                fresh = known is not None and obj.tag != "" and known[0] == obj.tag
-                read[job_id] = known if fresh and known is not None else (obj.tag, self.store.load_job(job_id))
+                if known is None or not obj.tag or known[0] != obj.tag:  # new, changed, or no tag to tell
+                    known = (obj.tag, self.store.load_job(job_id))
+                read[job_id] = known
             self._read = read  # a removed job is forgotten with its object
             return [job for _, job in read.values() if job is not None]
 
