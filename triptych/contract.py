@@ -47,7 +47,6 @@ DEFAULT_QUALITY = 100  # output_compression omitted, as OpenAI's API takes it
 # OpenAI's parameters this API does not take, and what to give instead: a client sending one is told so
 # (a 400 naming it), never served something other than it asked for.
 NOT_TAKEN = {
-    "seconds": "give num_frames: a video of num_frames frames at fps lasts num_frames / fps seconds (81 at 16: 5 s)",
     "input_reference": "videos are made from text only here; for an image edit, POST /v1/images/edits",
     "mask": "an edit changes the whole image as the prompt says (FLUX.1 Kontext); no mask is taken",
     "input_fidelity": "leave it out: an edit keeps the reference as the model does",
@@ -517,6 +516,17 @@ CONTRACT = Contract(
             family=_frames,
             cli="--frames",
             form=True,
+        ),
+        RequestParam(
+            "seconds",
+            float,
+            "How long the video lasts, as OpenAI's API takes it (a number, or its text as OpenAI's SDK sends it); "
+            "made into the num_frames nearest seconds x fps that the model takes (4 at 16 fps: 65); give it or "
+            "num_frames",
+            frozenset({VIDEOS}),
+            limits=Limits(minimum=0.001, maximum=MAX_FRAMES),  # the model narrows it through num_frames
+            fields=(),
+            cli="--seconds",
         ),
         RequestParam(
             "fps",

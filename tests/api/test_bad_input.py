@@ -111,7 +111,6 @@ def test_a_body_that_is_no_object_is_still_called_so(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("model", "path", "field", "says"),
     [
-        (WAN, "/v1/videos", "seconds", "give num_frames"),
         (WAN, "/v1/videos", "input_reference", "videos are made from text only"),
         (FLUX, IMAGES, "background", "images are opaque"),
         (FLUX, IMAGES, "partial_images", "give stream: true and preview_every"),

@@ -60,7 +60,7 @@ def client(
 
 def body_schema(schema: dict, path: str) -> dict:
     content = schema["paths"][path]["post"]["requestBody"]["content"]
-    if "multipart/form-data" in content:
+    if "application/json" not in content:  # an edit: a form only
         return content["multipart/form-data"]["schema"]
     ref = content["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
     return schema["components"]["schemas"][ref]

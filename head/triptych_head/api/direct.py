@@ -8,6 +8,9 @@ FastAPI documents (the route stays declared there, for the OpenAPI schema and fo
 another content type), the same handler, and an exception answered by the same handler the app
 installed for it (errors.py), so a client cannot tell the two paths apart. It sits inside the API
 key and body limit middlewares: a key is checked, and the body bounded, as for every route.
+
+An endpoint that also takes a form (POST /v1/videos: OpenAI's SDK posts it as multipart/form-data)
+names its reader (`form`, forms.py): a form body takes the same handler, read into the same model.
 """
 
 from __future__ import annotations
@@ -24,13 +27,29 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from triptych_head.api.forms import FORM_TYPES
+
 Handler = Callable[[Any, Request], Awaitable[BaseModel | Response]]
+Reader = Callable[[Request], Awaitable[BaseModel]]  # the request's body, read and validated
 
 
 @dataclass(frozen=True)
 class DirectRoute:
     body: type[BaseModel]  # the JSON body's model (the endpoint's, built from the request contract)
     handler: Handler  # (body, request) -> the answer: a Response, or a model sent as its JSON
+    form: Reader | None = None  # a form body's reader, where the endpoint takes forms too
+
+    def reader(self, scope: Scope) -> Reader | None:
+        """How this request's body is read here; None: FastAPI's route reads it (another JSON type)."""
+        content_type = _content_type(scope)
+        if content_type is None or content_type == b"application/json":
+            return self._json
+        if self.form is not None and content_type in FORMS:
+            return self.form
+        return None
+
+    async def _json(self, request: Request) -> BaseModel:
+        return _body(self.body, await request.body())
 
 
 class DirectRoutes:
@@ -42,16 +61,17 @@ class DirectRoutes:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self.routes.get((scope["method"], scope["path"])) if scope["type"] == "http" else None
-        if route is None or not _json(scope):
+        read = None if route is None else route.reader(scope)
+        if route is None or read is None:
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive)
         try:
-            raw = await request.body()
-        except ClientDisconnect:  # gone before its whole body came: nobody to answer, nothing went wrong here
-            return
-        try:
-            answer = await route.handler(_body(route.body, raw), request)
+            try:
+                body = await read(request)
+            except ClientDisconnect:  # gone before its whole body came: nobody to answer, nothing went wrong here
+                return
+            answer = await route.handler(body, request)
             response = answer if isinstance(answer, Response) else _json_response(answer)
         except Exception as exc:
             handle = _handler_for(scope["app"].exception_handlers, exc)
@@ -107,12 +127,16 @@ def _too_deep(exc: ValidationError) -> bool:
     return bool(errors) and errors[0]["type"] == "json_invalid" and "recursion" in str(errors[0].get("ctx", ""))
 
 
-def _json(scope: Scope) -> bool:
-    """A JSON body: Content-Type application/json (any parameters), or none given (FastAPI reads it as JSON too)."""
+FORMS = tuple(t.encode() for t in FORM_TYPES)
+
+
+def _content_type(scope: Scope) -> bytes | None:
+    """The body's media type, lower case without parameters; None when not given (FastAPI reads such a
+    body as JSON too)."""
     for name, value in scope["headers"]:
         if name == b"content-type":
-            return value.split(b";", 1)[0].strip().lower() == b"application/json"
-    return True
+            return value.split(b";", 1)[0].strip().lower()
+    return None
 
 
 def _json_response(answer: BaseModel) -> Response:

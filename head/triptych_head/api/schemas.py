@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, computed_field, create_model, field_validator
 
 from triptych import lora
 from triptych.contract import CONTRACT, EDITS, IMAGES, MAX_SIDE, MIN_SIDE, VIDEOS, Contract, RequestParam
@@ -201,6 +201,20 @@ class VideoJob(BaseModel):
         None,
         description="Seconds from its creation the head estimated, when it accepted the job, that it would take "
         "to complete: the work ahead of it and its own (none in monolithic mode)",
+    )
+
+    @computed_field(description="How long the video lasts, num_frames / fps, as text (as OpenAI's video object has it)")  # type: ignore[prop-decorator]
+    @property
+    def seconds(self) -> str:
+        return f"{self.num_frames / self.fps:g}"
+
+
+class DeletedVideo(VideoJob):
+    """The answer to DELETE /v1/videos/{id}: the job as it ended, and whether it is gone."""
+
+    deleted: bool = Field(
+        description="true: the job and its content are deleted (as OpenAI's answer says); false: it was running, "
+        "and is now cancelled (delete it again to remove it)"
     )
 
 

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from triptych.contract import VIDEOS
+from triptych.contract import VIDEOS, ParamError
 from triptych.params import GenerationParams
 from triptych.protocol import RequestEvent
 from triptych_head.api.context import REQUEST_ID_HEADER, HeadContext, new_request_id
@@ -27,12 +27,14 @@ from triptych_head.api.deadlines import Deadline, with_estimate
 from triptych_head.api.direct import DirectRoute
 from triptych_head.api.errors import APIError
 from triptych_head.api.files import object_response
+from triptych_head.api.forms import read_form
 from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
 from triptych_head.api.key_limits import key_limit
 from triptych_head.api.ownership import owner_of
 from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, sse_response
-from triptych_head.api.schemas import RequestBody, RequestModels, VideoJob, VideoList
+from triptych_head.api.schemas import DeletedVideo, RequestBody, RequestModels, VideoJob, VideoList
 from triptych_head.api.video_jobs import JobEntry, VideoJobs, final_message, foreign_events
+from triptych_head.api.video_length import with_frames
 from triptych_head.api.video_list import DEFAULT_LIMIT, MAX_LIMIT, Order, page
 from triptych_head.media import MediaPool, load_frames, png_zip_chunks, save_frames, write_mp4
 from triptych_head.objects import ObjectMissing
@@ -57,20 +59,33 @@ def video_routes(models: RequestModels) -> APIRouter:
         return await create_video(body, request)
 
     declared_create_video.__annotations__["body"] = models.videos  # FastAPI reads the body's model from here
-    routes.post(VIDEOS, response_model=VideoJob, name="create_video")(declared_create_video)
+    # The same fields as a form (OpenAI's SDK posts one), read in front of FastAPI's router (direct_routes).
+    form = {"schema": {"$ref": f"#/components/schemas/{models.videos.__name__}"}}
+    routes.post(
+        VIDEOS,
+        response_model=VideoJob,
+        name="create_video",
+        openapi_extra={"requestBody": {"content": {"multipart/form-data": form}}},
+    )(declared_create_video)
     routes.include_router(router)
     return routes
 
 
 def direct_routes(models: RequestModels) -> dict[tuple[str, str], DirectRoute]:
-    return {("POST", VIDEOS): DirectRoute(models.videos, create_video)}
+    async def video_form(request: Request) -> RequestBody:
+        return (await read_form(request, models.videos)).body
+
+    return {("POST", VIDEOS): DirectRoute(models.videos, create_video, form=video_form)}
 
 
 async def create_video(body: RequestBody, request: Request) -> BaseModel | Response:
     """A new job; with an Idempotency-Key, one job per key (a retry answers the job made first)."""
     ctx: HeadContext = request.app.state.ctx
     ctx.refuse_if_draining()
-    values = body.model_dump()
+    try:
+        values = with_frames(body.model_dump(), body.model_fields_set, ctx.model)
+    except ParamError as exc:
+        raise APIError(400, str(exc), exc.param) from None
     params = ctx.params_for(VIDEOS, values)
     deadline = ctx.deadline(request, values)
     level = ctx.priority(request, values)
@@ -274,8 +289,8 @@ async def _frames_zip(results: ResultStore, media: MediaPool, video_id: str, mad
     )
 
 
-@router.delete("/v1/videos/{video_id}", response_model=VideoJob)
-async def delete_video(video_id: str, request: Request) -> VideoJob:
+@router.delete("/v1/videos/{video_id}", response_model=DeletedVideo)
+async def delete_video(video_id: str, request: Request) -> DeletedVideo:
     """Cancel a running job; delete a finished one and its files."""
     jobs = _jobs(request)
     entry = await jobs.get(video_id, owner_of(request))
@@ -291,8 +306,8 @@ async def delete_video(video_id: str, request: Request) -> VideoJob:
             await entry.task
         except asyncio.CancelledError:
             pass
-        return entry.job
+        return DeletedVideo(**entry.job.model_dump(), deleted=False)
     if jobs.store is not None:
         await asyncio.to_thread(jobs.store.delete, video_id)
     jobs.remove(video_id)
-    return entry.job
+    return DeletedVideo(**entry.job.model_dump(), deleted=True)
