@@ -24,6 +24,7 @@ from triptych_worker.transfer import (
     MooncakeTransport,
     TransferError,
     TransferPool,
+    TransferStalled,
     stage_tensors,
 )
 
@@ -263,3 +264,70 @@ def _submit_and_poll(transport: MooncakeTransport) -> None:
         big.free(staged.allocation)
         receiver.close()
     assert report["latents"]["sha256"] == sha256(payload["latents"])
+
+
+class _OneRangeRefused:
+    """The real engine, but its `refuse`-th write submission is refused (returns no batch) or, with
+    `fail_status`, its first batch reads failed: a peer's refusal of one range of several, which a
+    loopback peer cannot be made to give at will. Everything else is the engine's own."""
+
+    def __init__(self, engine: Any, refuse: int | None = None, fail_first: bool = False) -> None:
+        self._engine, self._refuse, self._fail_first = engine, refuse, fail_first
+        self.submitted: list[int] = []
+
+    def transfer_submit_write(self, *args: Any) -> int:
+        if len(self.submitted) + 1 == self._refuse:
+            return 0
+        batch = int(self._engine.transfer_submit_write(*args))
+        self.submitted.append(batch)
+        return batch
+
+    def transfer_check_status(self, batch: int) -> int:
+        if self._fail_first and batch == self.submitted[0]:
+            return -1  # failed
+        if batch == self.submitted[-1]:
+            return 0  # the last range still under way
+        return int(self._engine.transfer_check_status(batch))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+@pytest.mark.parametrize("how", ["second range refused", "first range failed, second under way"])
+def test_a_write_of_several_ranges_whose_range_fails_while_another_may_write_is_a_stalled_write(
+    how: str,
+    sender: tuple[MooncakeTransport, TransferPool],
+    peer: tuple[MooncakeTransport, TransferPool],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A range under way still writes into the peer (and reads the local bytes) after another range of
+    the same write failed: the write is reported stalled (TransferStalled), so the worker keeps its
+    tensors and the head keeps the receiver's slot out of use, rather than failed and forgotten."""
+    transport, pool = sender
+    peer_transport, peer_pool = peer
+    src = pool.allocate(8192, "req-1")
+    assert src is not None
+    engine = _OneRangeRefused(transport.engine, refuse=2) if how.startswith("second") else None
+    engine = engine or _OneRangeRefused(transport.engine, fail_first=True)
+    monkeypatch.setattr(transport, "_engine", engine)
+    ranges = [(src.addr, peer_pool.base_addr, 4096), (src.addr + 4096, peer_pool.base_addr + 4096, 4096)]
+    with pytest.raises(TransferStalled, match="may still write") as stalled:
+        pending = transport.submit_writes(peer_transport.session_id, ranges)
+        pending.done()
+    assert len(engine.submitted) == 1 if how.startswith("second") else len(engine.submitted) == 2
+    assert "127.0.0.1" in str(stalled.value)
+
+
+def test_a_write_of_one_range_that_fails_is_failed_not_stalled(
+    sender: tuple[MooncakeTransport, TransferPool],
+    peer: tuple[MooncakeTransport, TransferPool],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    transport, pool = sender
+    peer_transport, peer_pool = peer
+    src = pool.allocate(4096, "req-1")
+    assert src is not None
+    monkeypatch.setattr(transport, "_engine", _OneRangeRefused(transport.engine, refuse=1))
+    with pytest.raises(TransferError, match="could not start") as refused:
+        transport.submit_writes(peer_transport.session_id, [(src.addr, peer_pool.base_addr, 4096)])
+    assert not isinstance(refused.value, TransferStalled)

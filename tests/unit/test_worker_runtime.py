@@ -278,6 +278,37 @@ def test_outputs_sent_in_place_whose_write_could_not_start_are_kept(monkeypatch)
         worker.transport.close()
 
 
+def test_a_queued_request_the_computing_thread_takes_at_once_leaves_no_load_behind(monkeypatch):
+    """A request that arrives while another computes is handed to the input loader before it is
+    queued: the computing thread may take it the moment it is queued (here, at once) and must find
+    its load there. Handed over after, the loader would copy a slot already freed, and count that
+    load ahead for ever (no more loading ahead, its tensors held)."""
+    worker = make_worker()
+    worker.inputs.in_place = False  # inputs copied out of their slot, as on a GPU worker
+    worker.inputs.start()
+    link = RecordingLink()
+    try:
+        slots.allocate(worker, link, TransferAlloc("r", "w", 1024))  # type: ignore[arg-type]
+        worker._computing = True  # a request ahead of it computes
+        taken = []
+        queue = worker._enqueue
+
+        def queued_then_taken(*jobs: Job) -> None:
+            queue(*jobs)
+            taken.append(worker.inputs.take(jobs[0], link))  # type: ignore[arg-type]
+
+        monkeypatch.setattr(worker, "_enqueue", queued_then_taken)
+        manifest = [{"name": "x", "dtype": "uint8", "shape": [1024], "offset": 0}]
+        slots.ready(worker, link, TransferReady("r", "w", GenerationParams("x", 16, 16), manifest, {}))  # type: ignore[arg-type]
+        time.sleep(0.3)  # the loader acts on whatever it was handed
+        assert len(taken) == 1 and taken[0].tensors["x"].shape == (1024,)
+        with worker.inputs._cond:
+            assert worker.inputs._ready == 0 and "r" not in worker.inputs._loads
+    finally:
+        worker.inputs.stop()
+        worker.transport.close()
+
+
 def in_place_outputs(worker: Worker, staged_as: str | None = None) -> InPlaceTensors:
     """A latents tensor registered to be sent where it is, as compute.py stages a CPU stage's outputs
     (held as request `staged_as`'s staged outputs when given)."""

@@ -126,11 +126,13 @@ def ready(worker: Worker, link: HeadLinks, msg: TransferReady) -> None:
     )  # fmt: skip
     with worker._lock:
         waits = worker._computing or bool(worker._queue)
-    worker._enqueue(job)
     if waits:  # the loader copies its inputs while the jobs ahead of it compute
+        # Handed to the loader before it is queued: once queued, the computing thread may take it at
+        # once, and a load submitted after that would copy a slot already freed and never be taken.
         worker.inputs.submit(job)
     # else it computes now, on this thread, which loads its inputs itself: handing them to the
     # loader would only put a wake-up of another thread (and a wait for it) on the request's path.
+    worker._enqueue(job)
     worker._note_held()
 
 

@@ -172,9 +172,13 @@ class MooncakeTransport:
             if not nbytes:
                 continue
             batch = self._engine.transfer_submit_write(dest_session, local_addr, dest_addr, nbytes)
+            if not batch and batches:
+                # Ranges already under way still write: a stalled write, so that the head keeps the
+                # peer's slot out of use and the caller keeps their memory.
+                raise TransferStalled(
+                    f"{what} could not start all its ranges, and {len(batches)} under way may still write; {_PEER_HINT}"
+                )
             if not batch:
-                # Ranges already under way still write (into the peer's slot, which the head keeps
-                # out of use after a failure); the caller keeps their memory until they could be done.
                 raise TransferError(f"{what} could not start; {_PEER_HINT}")
             batches.append(batch)
         return PendingWrite(self._engine, batches, what, started, total, dest_session, self._rates)
@@ -242,8 +246,8 @@ class PendingWrite:
         """True once the bytes are in the peer's memory; False while the write is under way.
 
         Raises TransferError if the write failed, and TransferStalled (a TransferError) once it
-        has been pending for WRITE_TIMEOUT_S, in which case the engine may still write into the
-        peer's range (and read the local one).
+        has been pending for WRITE_TIMEOUT_S, or when one of its ranges failed while others may be
+        under way: the engine may still write into the peer's range (and read the local one).
         """
         if self._failed is not None:
             raise self._failed
@@ -253,6 +257,11 @@ class PendingWrite:
                 break
             if status != _DONE:
                 self._failed = TransferError(f"{self._what} failed (status {status}); {_PEER_HINT}")
+                if len(self._batches) > 1:  # its later ranges may still be written: as a stalled write
+                    self._failed = TransferStalled(
+                        f"{self._what} failed (status {status}) with {len(self._batches) - 1} more of its ranges "
+                        f"not known to have ended, which may still write; {_PEER_HINT}"
+                    )
                 raise self._failed
             self._batches.pop(0)
         if not self._batches:
