@@ -55,6 +55,8 @@ MODEL_MOUNT: Final = "/models"
 HF_CACHE_MOUNT: Final = "/cache"
 SHM_MOUNT: Final = "/dev/shm"
 SHM_PER_RANK_GIB: Final = 2  # /dev/shm per rank of a multi-GPU role (NCCL's intra-node buffers, with room)
+# A worker's own IP (downward API), which its --disagg-p2p-hostname expands: a role's env may not set it.
+POD_IP_ENV: Final = "POD_IP"
 # A multi-GPU role's ranks share one pod: these keep NCCL's bootstrap and gloo on loopback.
 RANK_INTERFACE_ENV: Final = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 OUTPUT_MOUNT: Final = "/var/lib/triptych/outputs"

@@ -46,7 +46,13 @@ from triptych_operator.manifests import control_keys_secret, render
 from triptych_operator.pipeline_state import PipelineKey, PipelineState, PipelineStates
 from triptych_operator.spec.model import PipelineSpec
 from triptych_operator.spec.rules import parse_pipeline
-from triptych_operator.status import PHASE_READY, components_scaling_to_zero, compute_status, pipeline_components
+from triptych_operator.status import (
+    PHASE_READY,
+    components_scaling_to_zero,
+    compute_status,
+    pipeline_components,
+    status_patch,
+)
 
 OWNED = {LABEL_MANAGED_BY: MANAGER}
 CHILD_FILTER: dict[str, Any] = {**OWNED, LABEL_INSTANCE: kopf.PRESENT}
@@ -297,6 +303,8 @@ def _validate(pipeline: Mapping[str, Any], state: PipelineState, *, logger: kopf
             "this is an operator bug, and the operator's log has its traceback"
         )
     state.parsed_for, state.spec, state.spec_error, state.deletions = parsed_for, spec, error, deletions
+    if spec is not None:
+        state.last_valid_spec = spec
 
 
 async def reconcile(
@@ -329,7 +337,10 @@ async def reconcile(
                 state.apply_error = None
             except kube.ApplyError as exc:
                 state.apply_error = str(exc)
-            await _delete_unwanted(pipeline, state, indexes)
+            try:
+                await _delete_unwanted(pipeline, state, indexes)
+            except kube.ApplyError as exc:  # reported like a refused apply, not left to kopf's retries alone
+                state.apply_error = state.apply_error or str(exc)
         else:
             state.apply_error = None  # nothing was applied for this spec
         _status_soon(key, state, indexes, logger=logger)
@@ -465,7 +476,7 @@ async def _write_status(pipeline: dict[str, Any], state: PipelineState, indexes:
         state.status = status
         return
     _announce(pipeline, old, status)
-    await kube.run(kube.patch_pipeline_status, meta["name"], meta["namespace"], status)
+    await kube.run(kube.patch_pipeline_status, meta["name"], meta["namespace"], status_patch(status))
     state.status = status
 
 

@@ -34,6 +34,7 @@ from kubernetes.utils import quantity
 from triptych_operator.constants import GROUP, KIND, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
 
 API_CONCURRENCY = 16  # requests in flight at once
+HANDOVER_MANAGER = f"{MANAGER}-handover"  # holds a Deployment's replicas from the operator's last apply to its HPA
 _lock = threading.Lock()
 _clients: dict[str, DynamicClient] = {}
 _executor = ThreadPoolExecutor(API_CONCURRENCY, thread_name_prefix="kube")
@@ -108,6 +109,8 @@ def apply(obj: Mapping[str, Any], before: Mapping[str, Any] | None) -> tuple[App
     """Server-side apply `obj` as the operator's field manager; `before` is the live object the caller
     read (from its cache or `get_managed`). Returns whether anything changed, and the object now."""
     meta = obj["metadata"]
+    if obj["kind"] == "Deployment" and "replicas" not in obj["spec"] and before is not None:
+        _hand_over_replicas(obj, before)
     try:
         after = (
             dynamic_client()
@@ -128,6 +131,35 @@ def apply(obj: Mapping[str, Any], before: Mapping[str, Any] | None) -> tuple[App
     if before["metadata"].get("resourceVersion") != after["metadata"]["resourceVersion"]:
         return ApplyResult.UPDATED, after
     return ApplyResult.UNCHANGED, after
+
+
+def _hand_over_replicas(obj: Mapping[str, Any], before: Mapping[str, Any]) -> None:
+    """Keep a Deployment's live replicas through an apply that leaves them to its HPA (autoscaling turned on).
+
+    Server-side apply resets a field that the applier alone owned and no longer sets: the operator's
+    earlier applies own spec.replicas, so dropping it would take a busy role to 1 (the default) before
+    its HPA exists. Applying the live value first as HANDOVER_MANAGER makes that manager co-own it, so
+    the field stays (Kubernetes' documented hand-over to an HPA); the HPA's first scale takes it from
+    there. Not forced: a conflict means another manager (the HPA) owns a newer value, so nothing is
+    left for the operator to drop. One more request per apply of an autoscaled Deployment, which is rare.
+    """
+    replicas = (before.get("spec") or {}).get("replicas")
+    if replicas is None:
+        return
+    meta = obj["metadata"]
+    keep = {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": {"name": meta["name"]}}
+    keep["spec"] = {"replicas": replicas}
+    try:
+        dynamic_client().server_side_apply(
+            _resource(obj["apiVersion"], obj["kind"]),
+            body=keep,
+            name=meta["name"],
+            namespace=meta["namespace"],
+            field_manager=HANDOVER_MANAGER,
+        )
+    except DynamicApiError as exc:
+        if exc.status != 409:
+            raise ApplyError(f"{obj['kind']} {meta['name']}: {_server_message(exc)}") from exc
 
 
 def create_once(obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -151,16 +183,20 @@ def create_once(obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
 
 
 def delete(api_version: str, kind: str, name: str, namespace: str) -> bool:
-    """Delete an object the caller knows the operator manages; True when something was deleted."""
+    """Delete an object the caller knows the operator manages; True when something was deleted.
+    A refusal (403 without the RBAC, an admission webhook) raises ApplyError, which the status reports."""
     try:
         _resource(api_version, kind).delete(name=name, namespace=namespace)
     except NotFoundError:
         return False
+    except DynamicApiError as exc:
+        raise ApplyError(f"the deletion of {kind} {name}: {_server_message(exc)}") from exc
     return True
 
 
 def patch_pipeline_status(name: str, namespace: str, status: Mapping[str, Any]) -> None:
-    """Replace the pipeline's status fields (merge patch; lists such as conditions are replaced whole)."""
+    """Replace the pipeline's status fields (merge patch: lists such as conditions are replaced whole,
+    a field set to None is removed)."""
     api = client.CustomObjectsApi(dynamic_client().client)
     try:
         api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)})

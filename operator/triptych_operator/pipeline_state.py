@@ -28,6 +28,9 @@ class PipelineState:
     parsed_for: tuple[str, int] | None = None
     spec: PipelineSpec | None = None
     spec_error: str | None = None
+    # The last spec that was valid: its objects keep running through an invalid edit, and the wake
+    # loop keeps waking its roles that scale to zero.
+    last_valid_spec: PipelineSpec | None = None
     deletions: list[Any] = field(default_factory=list)
     # The key Secret's fingerprint: read when the pipeline changes or is found, not on child events.
     keys_fingerprint: str | None = None

@@ -27,6 +27,7 @@ from triptych_operator.constants import (
     LORA_CATALOG_FILE,
     OUTPUT_MOUNT,
     PIPELINE_ROLES,
+    POD_IP_ENV,
     WEBHOOK_SECRET_FILE,
     WORKER_MASTER_PORT,
     WORKER_PORT,
@@ -38,7 +39,7 @@ from triptych_operator.spec.model import PipelineSpec, SpecError
 CLUSTER_DOMAIN = "cluster.local"
 SERVE_COMMAND = ("triptych", "serve")
 # Expanded by the kubelet from the container's POD_IP env (downward API): peers reach the worker there.
-POD_IP_REF = "$(POD_IP)"
+POD_IP_REF = f"$({POD_IP_ENV})"
 # Degrees without a role-specific flag use the generic one, as ServeArgs.parallelism() reads them.
 GENERIC_PARALLEL_FLAGS = {"tp": "tp_size", "sp": "sp_degree", "cfg": "cfg_parallel_size"}
 

@@ -251,6 +251,12 @@ def compute_status(
     return status
 
 
+def status_patch(status: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch that makes the stored status `status`: a component it does not report (a role of
+    the encoder shape the pipeline left) is removed (None); left out, the merge would keep it forever."""
+    return {**dict.fromkeys((c for c in COMPONENTS if c not in status), None), **status}
+
+
 def _stamp(conditions: list[dict[str, Any]], previous: Sequence[Mapping[str, Any]], generation: int, now: str) -> None:
     """Keep lastTransitionTime when a condition's status did not flip, so it tells when it last changed."""
     before = {c.get("type"): c for c in previous}

@@ -68,11 +68,13 @@ class SleepyRole:
 
 
 def roles_to_watch(states: PipelineStates) -> Iterator[SleepyRole]:
-    """The roles that scale to zero in the pipelines with a valid spec this process reconciled."""
+    """The roles that scale to zero in the pipelines this process reconciled, as their last valid spec
+    declares them: an invalid edit leaves that spec's objects running, so they still wake for work."""
     for (namespace, name), state in list(states.by_key.items()):
-        if state.spec is None or state.parsed_for is None:
+        spec = state.last_valid_spec
+        if spec is None or state.parsed_for is None:
             continue
-        for role, pool in state.spec.roles.items():
+        for role, pool in spec.roles.items():
             if pool.autoscaling.scales_to_zero:
                 deployment = object_name(name, role.dns_name)
                 yield SleepyRole(namespace, name, state.parsed_for[0], crd_field(role), deployment, pool.autoscaling)

@@ -15,8 +15,10 @@ import pytest
 import yaml
 
 from tests.cluster.fixtures import cluster_settings
-from tests.operator.helpers import REPO
+from tests.operator.helpers import REPO, minimal_spec, pipeline
+from triptych_operator import manifests
 from triptych_operator.constants import DEFAULT_HEAD_IMAGE, DEFAULT_WORKER_IMAGE, HEAD_IMAGE_ENV, WORKER_IMAGE_ENV
+from triptych_operator.handlers import CHILD_KINDS
 from triptych_operator.main import LIVENESS_ENV, WATCH_NAMESPACES_ENV
 from triptych_operator.main import build_parser as operator_parser
 from triptych_operator.metrics_api.main import build_parser as metrics_api_parser
@@ -108,6 +110,23 @@ def test_cluster_wide_install_uses_a_cluster_role_without_wildcards(helm_bin: Pa
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
             assert "kopf.dev" not in rule["apiGroups"]  # standalone: no peering resources
+
+
+def test_the_operator_may_delete_exactly_the_kinds_it_deletes(helm_bin: Path) -> None:
+    """Least privilege: `delete` on every kind a reconcile may remove (a role's pool after a switch of
+    encoder shape, an optional child turned off), and on nothing else."""
+    shapes = (minimal_spec(), minimal_spec(promptEncoder={}, imageEncoder={}))
+    deleted = {ref for spec in shapes for ref in manifests.render(pipeline(spec)).delete}
+    kinds = {CHILD_KINDS[(ref.api_version, ref.kind)] for ref in deleted}
+    assert {(group, plural) for group, _, plural, _ in kinds} == {
+        (g, r)
+        for doc in render(helm_bin, "metricsApi.enabled=false")
+        if doc["kind"] == "ClusterRole" and doc["metadata"]["name"] == "rel-triptych"
+        for rule in doc["rules"]
+        if "delete" in rule["verbs"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+    }
 
 
 def test_namespaced_install_uses_a_role_per_namespace(helm_bin: Path) -> None:

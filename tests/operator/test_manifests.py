@@ -172,6 +172,42 @@ def test_the_users_interface_env_wins_over_the_rank_default() -> None:
     assert {"name": "GLOO_SOCKET_IFNAME", "value": "lo"} in c["env"]
 
 
+def test_the_users_env_replaces_the_operators_entry_of_the_same_name() -> None:
+    """Server-side apply refuses a container whose env names a variable twice; the user's entry wins."""
+    hub = {"hubId": "org/model", "tokenSecretRef": {"name": "hf"}}
+    mine = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "other", "key": "t"}}}]
+    mine.append({"name": "HF_HOME", "value": "/cache/hf"})
+    creds = {"url": "s3://bucket/x", "credentialsSecret": {"name": "results-s3"}}
+    head_env = [{"name": "AWS_ACCESS_KEY_ID", "value": "minio"}]
+    spec = minimal_spec(model=hub, decoder={"env": mine}, head={"env": head_env, "results": {"s3": creds}})
+    objs = children(spec)
+    for deployment, own in (("wan-t2v-decoder", mine), ("wan-t2v-head", head_env)):
+        env = container(objs[("Deployment", deployment)])["env"]
+        names = [e["name"] for e in env]
+        assert len(names) == len(set(names)), names
+        assert all(e in env for e in own)
+    head_env_names = {e["name"] for e in container(objs[("Deployment", "wan-t2v-head")])["env"]}
+    assert {"HF_HOME", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY"} <= head_env_names  # the operator's, not overridden
+
+
+@pytest.mark.parametrize(
+    ("section", "env", "message"),
+    [
+        (
+            "denoiser",
+            [{"name": "POD_IP", "value": "10.0.0.1"}],
+            "spec.denoiser.env[0].name: POD_IP is set by the operator",
+        ),
+        ("head", [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}], "spec.head.env[1].name: A is set twice"),
+    ],
+)
+def test_an_env_the_pod_cannot_take_is_refused_naming_the_entry(
+    section: str, env: list[dict[str, str]], message: str
+) -> None:
+    with pytest.raises(SpecError, match=re.escape(message)):
+        pipeline(minimal_spec(**{section: {"env": env}}))
+
+
 def test_worker_probes_check_the_work_port() -> None:
     c = container(children()[("Deployment", "wan-t2v-encoder")])
     assert c["ports"] == [{"name": "work", "containerPort": WORKER_PORT, "protocol": "TCP"}]
@@ -691,6 +727,29 @@ def test_a_rollout_never_takes_a_role_to_zero_by_default() -> None:
     }
     assert strategies["wan-t2v-encoder"] == {"maxUnavailable": 0, "maxSurge": 1}  # one pod: replaced by a surge pod
     assert strategies["wan-t2v-denoiser"] == {"maxUnavailable": 1, "maxSurge": 0}  # several: one at a time
+
+
+def test_an_autoscaled_role_that_may_idle_at_one_pod_rolls_by_surge() -> None:
+    def strategy(min_replicas: int) -> dict[str, int]:
+        auto = {"enabled": True, "minReplicas": min_replicas, "maxReplicas": 8}
+        spec = minimal_spec(denoiser={"replicas": 3, "autoscaling": auto})  # replicas: ignored while autoscaled
+        deployment = next(m for m in render(pipeline(spec)).apply if m["metadata"]["name"] == "wan-t2v-denoiser")
+        return dict(deployment["spec"]["strategy"]["rollingUpdate"])
+
+    assert strategy(0) == strategy(1) == {"maxUnavailable": 0, "maxSurge": 1}  # its only pod stays until replaced
+    assert strategy(2) == {"maxUnavailable": 1, "maxSurge": 0}
+
+
+def test_one_rollout_value_set_to_zero_makes_the_other_one() -> None:
+    def strategy(replicas: int, rollout: dict[str, int]) -> dict[str, int]:
+        spec = minimal_spec(decoder={"replicas": replicas, "rollout": rollout})
+        deployment = next(m for m in render(pipeline(spec)).apply if m["metadata"]["name"] == "wan-t2v-decoder")
+        return dict(deployment["spec"]["strategy"]["rollingUpdate"])
+
+    assert strategy(3, {"maxUnavailable": 0}) == {"maxUnavailable": 0, "maxSurge": 1}
+    assert strategy(1, {"maxSurge": 0}) == {"maxUnavailable": 1, "maxSurge": 0}
+    assert strategy(1, {"maxUnavailable": 0}) == {"maxUnavailable": 0, "maxSurge": 1}  # the defaults, unchanged
+    assert strategy(3, {"maxSurge": 0}) == {"maxUnavailable": 1, "maxSurge": 0}
 
 
 def test_a_roles_rollout_can_be_set_and_both_zero_is_rejected() -> None:

@@ -363,6 +363,25 @@ def test_optional_children_follow_the_spec(crd: KubeCluster, kube_namespace: str
     )
 
 
+def test_turning_on_autoscaling_keeps_the_replicas_that_run(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    """The operator stops setting replicas and the HPA takes over from the pods that run: server-side
+    apply must not reset them to 1 on the way (they were the operator's field alone)."""
+    ns = kube_namespace
+    apply(crd, ns, pipeline_manifest("grow"))  # two denoisers
+    wait_phase(crd, ns, "grow", "Ready")
+    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 4}
+    patch = {"spec": {"denoiser": {"autoscaling": auto}}}
+    crd.kubectl("patch", "dp", "grow", "-n", ns, "--type=merge", "-p", json.dumps(patch))
+    # The HPA is applied after the Deployment in the same reconcile; without a metric it scales nothing.
+    objs = poll(
+        lambda: (lambda o: o if "HorizontalPodAutoscaler/grow-denoiser" in o else None)(children(crd, ns, "grow")),
+        what="the denoiser's HPA",
+    )
+    assert objs["Deployment/grow-denoiser"]["spec"]["replicas"] == 2
+
+
 def test_lora_adapters_become_a_catalogue_configmap_that_an_edit_changes_and_emptying_removes(
     crd: KubeCluster, kube_namespace: str, operator: KopfRunner
 ) -> None:
@@ -605,6 +624,13 @@ def test_the_charts_rbac_is_all_the_operator_needs(crd: KubeCluster, kube_namesp
         poll(lambda: "no triptych_pending_work_seconds" in log_text(log), what="the scale-to-zero pass to ask for it")
         crd.kubectl("delete", "deployment/rbac-decoder", "-n", ns, "--wait=false")
         poll(lambda: "Deployment/rbac-decoder" in children(crd, ns, "rbac"), what="the decoder to be restored")
+        wait_phase(crd, ns, "rbac", "Ready")
+        # The other encoder shape: the combined encoder's Deployment and Service are deleted.
+        split = pipeline_manifest("rbac", denoiser=sleepy, promptEncoder={}, imageEncoder={"gpusPerReplica": 0})
+        del split["spec"]["encoder"]
+        apply(crd, ns, split)
+        encoder = {"Deployment/rbac-encoder", "Service/rbac-encoder"}
+        poll(lambda: not encoder & set(children(crd, ns, "rbac")), what="the combined encoder's pool to be deleted")
         wait_phase(crd, ns, "rbac", "Ready")
     finally:
         if proc is not None:

@@ -5,11 +5,12 @@ tests/operator/test_autoscaling_cluster.py."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from tests.operator.helpers import NAMESPACE, minimal_spec, pipeline
-from triptych_operator import kube, wake
+from triptych_operator import handlers, kube, wake
 from triptych_operator.pipeline_state import PipelineStates
 from triptych_operator.spec.model import Autoscaling
 from triptych_operator.wake import decide
@@ -64,7 +65,8 @@ def sleepy_pipelines(*names: str) -> tuple[PipelineStates, dict[tuple[str, str],
     sleepy = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 4, "targetWorkSecondsPerReplica": 60}}
     for name in names:
         state = states.get((NAMESPACE, name))
-        state.spec, state.parsed_for = pipeline(minimal_spec(denoiser=sleepy), name=name), ("uid", 1)
+        state.spec = state.last_valid_spec = pipeline(minimal_spec(denoiser=sleepy), name=name)
+        state.parsed_for = ("uid", 1)
         index[(NAMESPACE, name)] = [{"metadata": {"name": f"{name}-denoiser"}, "spec": {"replicas": 0}}]
     return states, index
 
@@ -127,3 +129,22 @@ def test_the_replicas_are_the_deployment_s_as_the_watch_saw_it() -> None:
     assert live_replicas({("ml", "p"): [{"metadata": {"name": "p-decoder"}, "spec": {"replicas": 2}}]}, role) is None
     assert live_replicas({("ml", "p"): [{"metadata": {"name": "p-denoiser"}, "spec": {"replicas": 3}}]}, role) == 3
     assert live_replicas({("ml", "p"): [{"metadata": {"name": "p-denoiser"}, "spec": {}}]}, role) == 1  # API default
+
+
+def test_a_sleeping_role_still_wakes_after_an_invalid_edit_of_its_pipeline(monkeypatch: Any) -> None:
+    """An invalid spec applies nothing: the last valid spec's objects keep running, and its role that
+    sleeps still wakes for pending work."""
+    sleepy = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 4, "targetWorkSecondsPerReplica": 60}}
+    meta = {"name": "p", "namespace": NAMESPACE, "uid": "u1", "generation": 1}
+    states = PipelineStates()
+    state = states.get((NAMESPACE, "p"))
+    log = logging.getLogger("test-wake")
+    handlers._validate({"metadata": meta, "spec": minimal_spec(denoiser=sleepy)}, state, logger=log)
+    typo = minimal_spec(denoiser=sleepy, transfer={"mode": "rdma", "ibDevice": ""})
+    handlers._validate({"metadata": {**meta, "generation": 2}, "spec": typo}, state, logger=log)
+    assert state.spec is None and state.spec_error is not None
+    calls = stub_api(monkeypatch, lambda name: 30.0)
+    index = {(NAMESPACE, "p"): [{"metadata": {"name": "p-denoiser"}, "spec": {"replicas": 0}}]}
+
+    asyncio.run(wake.Waker().one_pass(states, index))
+    assert ("scale", "p-denoiser", "1") in calls

@@ -45,8 +45,9 @@ app.kubernetes.io/component: operator
   verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
-  # Server-side apply creates and patches; nothing is deleted (garbage collection does that).
-  verbs: [get, list, watch, create, patch]
+  # Server-side apply creates and patches; a role's pool is deleted when the pipeline switches
+  # encoder shape (deleting the pipeline leaves the rest to garbage collection).
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [apps]
   resources: [deployments/scale]
   # Roles that scale to zero (autoscaling.minReplicas 0): taken to 0 when idle, back up when needed
@@ -58,7 +59,8 @@ app.kubernetes.io/component: operator
   verbs: [get]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, create, patch]
+  # A role's headless Service goes with its pool when the pipeline switches encoder shape.
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
   # Read only: why a component is not ready (unschedulable, crash-looping) goes into the status.

@@ -3,7 +3,7 @@ the volumes more than one kind of pod mounts (the model, the control-plane keys,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,15 @@ def object_metadata(pipeline: PipelineSpec, component: str, name: str | None = N
         "namespace": pipeline.namespace,
         "labels": labels(pipeline, component),
     }
+
+
+def merged_env(operator_env: Sequence[Manifest], user_env: Sequence[Mapping[str, Any]]) -> list[Manifest]:
+    """A container's env: the operator's entries, less those whose name the user's `env` sets, then the
+    user's. The user's value wins (a token from another Secret, a cache elsewhere), and no name appears
+    twice, which server-side apply refuses. Names the operator cannot give up are refused by the spec's
+    rules instead (POD_IP)."""
+    chosen = {e.get("name") for e in user_env}
+    return [*(e for e in operator_env if e["name"] not in chosen), *(dict(e) for e in user_env)]
 
 
 def model_volume_mounts(

@@ -3,15 +3,13 @@ heads discover its pods) and its HPA on the role's pending work."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
-
 from triptych.flag_roles import LORA_WORKERS
 from triptych.roles import Role
 from triptych_operator.constants import (
     GPU_RESOURCE,
     MULTUS_NETWORKS_ANNOTATION,
     PENDING_WORK_METRIC,
+    POD_IP_ENV,
     RANK_INTERFACE_ENV,
     SHM_MOUNT,
     SHM_PER_RANK_GIB,
@@ -26,6 +24,7 @@ from triptych_operator.manifests.parts import (
     control_keys_volume,
     labels,
     lora_catalog_volume,
+    merged_env,
     model_volume_mounts,
     object_metadata,
     pod_security,
@@ -46,13 +45,12 @@ def role_refs(pipeline: PipelineSpec, role: Role) -> list[ObjectRef]:
     ]
 
 
-def rank_env(ranks: int, user_env: Sequence[Mapping[str, Any]] = ()) -> list[Manifest]:
+def rank_env(ranks: int) -> list[Manifest]:
     """Env for a role of several ranks (one process per GPU, all in this pod): their collectives stay on
-    loopback, never on the pod or RDMA network; the user's own values for these names win."""
+    loopback, never on the pod or RDMA network (the user's own values for these names win: merged_env)."""
     if ranks <= 1:
         return []
-    chosen = {e.get("name") for e in user_env}
-    return [{"name": name, "value": "lo"} for name in RANK_INTERFACE_ENV if name not in chosen]
+    return [{"name": name, "value": "lo"} for name in RANK_INTERFACE_ENV]
 
 
 def shm_volume(ranks: int) -> Manifest:
@@ -83,11 +81,10 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
         "image": pipeline.image_for(role),
         "command": list(SERVE_COMMAND),
         "args": argv,
+        # POD_IP is the operator's alone (the spec's rules refuse it in a role's env); the rest the user may override.
         "env": [
-            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            *model_env,
-            *rank_env(spec.num_devices, spec.env),
-            *spec.env,
+            {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            *merged_env([*model_env, *rank_env(spec.num_devices)], spec.env),
         ],
         "ports": [{"name": "work", "containerPort": WORKER_PORT, "protocol": "TCP"}],
         "resources": container_resources(spec.resources, extended),

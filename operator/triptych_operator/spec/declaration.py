@@ -158,12 +158,16 @@ def _degree(name: str) -> Field:
 
 
 def _rollout() -> Field:
-    unavailable = "Pods that may be down at once during a rollout; default 1 with several replicas, 0 with one."
+    unavailable = (
+        "Pods that may be down at once during a rollout; default 1 with several replicas (an autoscaled role: "
+        "`minReplicas` > 1), 0 with one, and 1 when `maxSurge` is 0."
+    )
     surge = (
-        "Extra pods during a rollout (each needs its GPUs free); default 0 with several replicas, 1 with one. The "
-        "defaults never take a role to zero: several replicas are replaced one at a time, a single one by a surge "
-        "pod that is ready before the old one stops (until there is room for it, the old pod keeps serving and the "
-        "rollout waits)."
+        "Extra pods during a rollout (each needs its GPUs free); default 0 with several replicas, 1 with one, and "
+        "1 when `maxUnavailable` is 0. The defaults never take a role to zero: several replicas are replaced one "
+        "at a time, a single one (or an autoscaled role whose `minReplicas` is 0 or 1) by a surge pod that is "
+        "ready before the old one stops (until there is room for it, the old pod keeps serving and the rollout "
+        "waits)."
     )
     return Field(
         "rollout",

@@ -138,10 +138,16 @@ class PoolSpec:
         """maxUnavailable/maxSurge of the role's Deployment. Defaults never take a serving role to zero:
         with several replicas one is replaced at a time (no surge: a surge pod would wait for GPUs that are
         taken); a single replica is replaced by a surge pod that must be ready before the old one goes
-        (it needs room for one more pod; until there is, the old one keeps serving)."""
-        several = self.replicas > 1 or self.autoscaling.enabled
-        unavailable = self.max_unavailable if self.max_unavailable is not None else (1 if several else 0)
-        surge = self.max_surge if self.max_surge is not None else (0 if several else 1)
+        (it needs room for one more pod; until there is, the old one keeps serving). An autoscaled role
+        counts as several only when its minReplicas is: idle, it may run one pod. One value given as 0
+        makes the other 1 whatever the replicas (the API server refuses both 0)."""
+        auto = self.autoscaling
+        several = auto.min_replicas > 1 if auto.enabled else self.replicas > 1
+        unavailable, surge = self.max_unavailable, self.max_surge
+        if unavailable is None:
+            unavailable = 1 if several or surge == 0 else 0
+        if surge is None:
+            surge = 1 if not several or unavailable == 0 else 0
         return {"maxUnavailable": unavailable, "maxSurge": surge}
 
     @property

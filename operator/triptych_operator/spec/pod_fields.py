@@ -57,6 +57,17 @@ def pod_fields(who: str) -> tuple[Field, ...]:
             " cap; by default none: a request is refused only when it would miss its deadline); `--access-log` logs"
             " a line per request."
         )
+    operator_env = (
+        "`NCCL_SOCKET_IFNAME` and `GLOO_SOCKET_IFNAME` with several GPUs"
+        if who == "role"
+        else "`AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY` with `results.s3.credentialsSecret`"
+    )
+    env = (
+        "More container environment variables, each name once. A name the operator also sets takes the value "
+        f"given here instead: `HF_HOME` and `HF_TOKEN` with a hub model, {operator_env}."
+    )
+    if who == "role":
+        env += " `POD_IP` is the operator's (the address the worker announces to its peers) and is refused."
     env_var = Field(
         "", "free", "A core/v1 EnvVar.", fields=(Field("name", "string", required=True),), doc_type="EnvVar"
     )
@@ -66,5 +77,5 @@ def pod_fields(who: str) -> tuple[Field, ...]:
             "tolerations", "array", tolerations, items=Field("", "free", "A core/v1 Toleration.", doc_type="Toleration")
         ),
         Field("extraArgs", "array", args, items=Field("", "string", doc_type="string")),
-        Field("env", "array", "More container environment variables.", items=env_var),
+        Field("env", "array", env, items=env_var),
     )

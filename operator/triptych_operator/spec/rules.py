@@ -5,15 +5,16 @@ parser (model.parse). What CEL cannot express is checked here only, once: which 
 runs, parallel degrees against the GPU count (triptych.parallelism), Service names that fit, model
 paths that stay on their volume, each pod's resources as the API server checks a container's
 (spec/resources.py: requests within limits; extended resources and huge pages whole, never
-overcommitted), the head's port against its scheduler ports, the results bucket and the trace
-collector as the processes' flags check them, and several heads only with results they all share.
+overcommitted), each pod's env (a name once, never a worker's POD_IP), the head's port against its
+scheduler ports, the results bucket and the trace collector as the processes' flags check them, and
+several heads only with results they all share.
 Each pod's argv is checked as `triptych serve` parses it in serve_args. A bad field raises
 SpecError naming it, which the operator reports as a Degraded condition.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from triptych.config import ConfigError, ServeArgs
@@ -27,6 +28,7 @@ from triptych_operator.constants import (
     GPU_RESOURCE,
     HEAD_SCHEDULER_PORT,
     PIPELINE_ROLES,
+    POD_IP_ENV,
     crd_field,
 )
 from triptych_operator.fields import read
@@ -56,6 +58,7 @@ def parse_pipeline(
     if full is None and values["transfer"]["mode"] == "rdma":  # the resource every worker pod then asks for
         check_resource_name(values["transfer"]["rdmaResourceName"], "spec.transfer.rdmaResourceName")
     check_resources(values["head"]["resources"], "spec.head")
+    _check_env(values["head"]["env"], "spec.head")
     _check_head_port(values["head"]["port"])
     _check_results_store(values["head"]["results"]["s3"], values["model"]["path"] or values["model"]["hubId"])
     _check_head_replicas(values["head"])
@@ -89,6 +92,7 @@ def _role_pools(name: str, values: Mapping[str, Any]) -> dict[Role, PoolSpec]:
         pool = raw if raw is not None else read(field, {}, where)
         _check_object_name(name, role, crd_field(role))
         check_resources(pool["resources"], where, _owned(pool, values["transfer"]))
+        _check_env(pool["env"], where, worker=True)
         parallelism, given = _parallelism(pool["parallelism"] or {}, max(pool["gpusPerReplica"], 1), where)
         pools[role] = build(PoolSpec, field, pool, where, role=role, parallelism=parallelism, explicit_degrees=given)
     return pools
@@ -99,6 +103,7 @@ def _full_pipeline_pool(name: str, pool: Mapping[str, Any]) -> dict[Role, PoolSp
     _check_object_name(name, FULL_PIPELINE_ROLE, "fullPipeline")
     where = "spec.fullPipeline"
     check_resources(pool["resources"], where, _owned(pool))
+    _check_env(pool["env"], where, worker=True)
     parallelism, given = _parallelism(pool["parallelism"] or {}, max(pool["gpusPerReplica"], 1), where)
     spec = build(
         PoolSpec, FULL_PIPELINE, pool, where, role=FULL_PIPELINE_ROLE, parallelism=parallelism, explicit_degrees=given
@@ -134,6 +139,23 @@ def _owned(pool: Mapping[str, Any], transfer: Mapping[str, Any] | None = None) -
     if transfer is not None and transfer["mode"] == "rdma":
         owned.add(transfer["rdmaResourceName"])
     return owned
+
+
+def _check_env(env: Sequence[Mapping[str, Any]] | None, where: str, *, worker: bool = False) -> None:
+    """Each name once (server-side apply refuses a container's env with a duplicate), and never a
+    worker's POD_IP, which its --disagg-p2p-hostname needs. Other names the operator sets, the user's
+    value replaces (manifests.parts.merged_env)."""
+    seen: set[str] = set()
+    for i, var in enumerate(env or ()):
+        name = var["name"]
+        if worker and name == POD_IP_ENV:
+            raise SpecError(
+                f"{where}.env[{i}].name",
+                f"{name} is set by the operator (the pod's IP, which the worker announces to its peers); remove it",
+            )
+        if name in seen:
+            raise SpecError(f"{where}.env[{i}].name", f"{name} is set twice in {where}.env; keep one")
+        seen.add(name)
 
 
 def _check_model_path(path: str | None) -> None:
