@@ -76,6 +76,18 @@ def test_full_pool_returns_none_for_back_pressure() -> None:
     assert pool.allocate(4 * KIB, "r2") is not None
 
 
+def test_reserved_bytes_count_only_allocations_still_live() -> None:
+    """A heartbeat lists the standing slots, then asks what they reserve; the leader may free them in
+    between (a head replaced): those count for nothing, and the count never raises."""
+    pool = TransferPool(8 * KIB, "denoiser")
+    kept, freed = pool.allocate(1000, "s"), pool.allocate(2 * KIB, "s")
+    assert kept is not None and freed is not None
+    pool.free(freed)
+    again = pool.allocate(2 * KIB, "other")  # the same offset, another allocation
+    assert again is not None and again.offset == freed.offset
+    assert pool.reserved_bytes([kept, freed]) == pool.reserved_bytes([kept]) == ALIGNMENT * -(-1000 // ALIGNMENT)
+
+
 def test_payload_larger_than_pool_raises_with_the_flag_and_role() -> None:
     pool = TransferPool(8 * KIB, "denoiser")
     with pytest.raises(PayloadTooLarge) as info:

@@ -95,9 +95,10 @@ class TransferPool:
             return self._allocator.largest_free_block
 
     def reserved_bytes(self, allocations: list[Allocation]) -> int:
-        """Pool bytes the given live allocations take, alignment included."""
+        """Pool bytes those of the given allocations still live take, alignment included (one freed since
+        the caller listed it, by another thread, takes none)."""
         with self._lock:
-            return sum(self._allocator.reserved_size(a.offset) for a in allocations)
+            return sum(self._allocator.reserved_size(a.offset) for a in allocations if self._live.get(a.offset) is a)
 
     def allocate(self, nbytes: int, owner: str) -> Allocation | None:
         """Reserve `nbytes` for `owner`; None when no free block fits right now (back-pressure).
