@@ -111,3 +111,26 @@ def test_an_invalid_request_fails_alone_and_the_rest_run_batched(pipelines: dict
     assert isinstance(outcomes[0], ValueError) and "width" in str(outcomes[0])
     assert outcomes[1:] == [None, None]
     assert all(b.tensors[PIXELS].shape == (1, 1, 48, 64, 3) for b in batches[1:])
+
+
+def test_a_split_batch_gives_every_request_but_the_first_its_own_shared_tensors() -> None:
+    """A shared tensor (positional ids) is the first request's, maybe a view on its receive slot, which
+    is given back once its outputs are staged: another request's must not read that memory later."""
+    from triptych_worker.batching import merge, split
+
+    slot = torch.arange(12, dtype=torch.float32)  # stands for the first request's receive slot
+    batches = [
+        StageBatch(
+            FLUX,
+            {"latents": torch.full((1, 4), float(i)), "ids": slot[:6].view(2, 3) if i == 0 else slot[6:].view(2, 3)},
+        )
+        for i in range(3)
+    ]
+    merged = merge(batches, frozenset({"ids"}))
+    split(merged, batches, frozenset({"ids"}))
+    first_ids = batches[0].tensors["ids"]
+    assert first_ids.data_ptr() == slot.data_ptr()  # the first request keeps its own (its slot it detaches itself)
+    slot.fill_(-1.0)  # the slot given back and written by the next transfer
+    for i, batch in enumerate(batches[1:], start=1):
+        assert batch.tensors["ids"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], i
+        assert batch.tensors["latents"].tolist() == [[float(i)] * 4]

@@ -50,12 +50,18 @@ def merge(batches: Sequence[StageBatch], shared: frozenset[str]) -> StageBatch:
 
 
 def split(merged: StageBatch, batches: Sequence[StageBatch], shared: frozenset[str]) -> None:
-    """Give each request its rows of `merged`'s tensors (a copy, so none keeps the batch alive) and its meta."""
+    """Give each request its rows of `merged`'s tensors (a copy, so none keeps the batch alive) and its meta.
+
+    A shared tensor is the first request's, which may be a view on that request's receive slot (inputs
+    used in place): the slot is given back once the first request's outputs are staged, possibly before
+    another's are, so every other request gets a copy of its own (positional ids: small)."""
     start = 0
-    for batch in batches:
+    for i, batch in enumerate(batches):
         n = rows(batch)
         batch.tensors = {
-            name: tensor if name in shared else cast("torch.Tensor", tensor)[start : start + n].clone()
+            name: (tensor if i == 0 else cast("torch.Tensor", tensor).clone())
+            if name in shared
+            else cast("torch.Tensor", tensor)[start : start + n].clone()
             for name, tensor in merged.tensors.items()
         }
         batch.meta = dict(merged.meta)  # compatible requests share their meta (a continuation's RESUME too)
