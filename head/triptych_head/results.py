@@ -99,6 +99,10 @@ class ResultStore:
         return f"{VIDEOS}/{job_id}.frames.npy"
 
     @staticmethod
+    def thumbnail_name(job_id: str) -> str:
+        return f"{VIDEOS}/{job_id}.thumbnail.webp"
+
+    @staticmethod
     def job_name(job_id: str) -> str:
         return f"{VIDEOS}/{job_id}.json"
 

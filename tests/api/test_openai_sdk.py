@@ -71,6 +71,8 @@ def test_a_video_made_listed_downloaded_and_deleted_through_the_sdk(tmp_path: Pa
         assert done.progress == 100 and done.expires_at is not None and done.expires_at > done.created_at
         mp4 = client.videos.download_content(video.id).content
         assert mp4[4:8] == b"ftyp"
+        thumbnail = Image.open(io.BytesIO(client.videos.download_content(video.id, variant="thumbnail").content))
+        assert (thumbnail.format, thumbnail.size) == ("WEBP", (32, 16))
         other = client.videos.create(prompt="more waves", size="32x16", extra_body={**QUICK, "num_frames": 5})
         _completed(client, other.id)
         assert [v.id for v in client.videos.list(limit=1)] == [other.id, video.id]  # one page at a time, newest first
@@ -78,6 +80,7 @@ def test_a_video_made_listed_downloaded_and_deleted_through_the_sdk(tmp_path: Pa
         assert client.videos.delete(video.id).deleted is True
         with pytest.raises(openai.NotFoundError):
             client.videos.retrieve(video.id)
+    assert not list(tmp_path.rglob(f"{video.id}*")), "the job's JSON, MP4, frames and thumbnail all go with it"
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -30,7 +30,7 @@ def _file(path, nbytes: int, age_s: float) -> None:  # type: ignore[no-untyped-d
 
 def test_retention_removes_results_older_than_the_max_age_with_all_their_files(tmp_path):
     store = ResultStore(tmp_path, Retention(max_age_s=3600, max_bytes=1 << 30))
-    for suffix in (".mp4", ".frames.npy", ".json"):
+    for suffix in (".mp4", ".frames.npy", ".thumbnail.webp", ".json"):
         _file(tmp_path / "videos" / f"video_old{suffix}", 10, age_s=7200)
     _file(tmp_path / "videos" / "video_new.mp4", 10, age_s=60)
     _file(tmp_path / "images" / "img_old-0.png", 10, age_s=7200)

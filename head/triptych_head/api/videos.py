@@ -36,13 +36,14 @@ from triptych_head.api.schemas import DeletedVideo, RequestBody, RequestModels, 
 from triptych_head.api.video_jobs import JobEntry, VideoJobs, final_message, foreign_events
 from triptych_head.api.video_length import with_frames
 from triptych_head.api.video_list import DEFAULT_LIMIT, MAX_LIMIT, Order, page
-from triptych_head.media import MediaPool, load_frames, png_zip_chunks, save_frames, write_mp4
+from triptych_head.media import ImageFormat, MediaPool, load_frames, png_zip_chunks, save_frames, write_mp4
 from triptych_head.objects import ObjectMissing
 from triptych_head.results import TERMINAL, ResultStore
 from triptych_head.state import RequestState
 from triptych_head.timeline import SERVER_TIMING
 
 log = logging.getLogger(__name__)
+THUMBNAIL = ImageFormat("webp", quality=80)  # a video's first frame, as OpenAI's thumbnail variant is
 router = APIRouter(tags=["videos"])  # all but POST /v1/videos, which video_routes adds
 
 
@@ -202,8 +203,8 @@ async def _run(
 
 
 def _store_content(results: ResultStore, job_id: str, frames: Any, fps: int, threads: int) -> None:
-    """The MP4 (libx264 on `threads` threads) and the exact frames, made in the store's staging folder
-    and then stored whole (on the media pool: the encode is most of it)."""
+    """The MP4 (libx264 on `threads` threads), the exact frames and the first frame's thumbnail, made in
+    the store's staging folder and then stored whole (on the media pool: the encode is most of it)."""
     results.objects.staging.mkdir(parents=True, exist_ok=True)
     stem = results.objects.staging / f"{job_id}-{uuid.uuid4().hex}"
     mp4, npy = stem.with_suffix(".mp4"), stem.with_suffix(".npy")
@@ -212,6 +213,7 @@ def _store_content(results: ResultStore, job_id: str, frames: Any, fps: int, thr
         save_frames(frames, npy)
         results.objects.put_file(results.video_name(job_id), mp4, "video/mp4")
         results.objects.put_file(results.frames_name(job_id), npy, "application/octet-stream")
+        results.objects.put_bytes(results.thumbnail_name(job_id), THUMBNAIL.encode(frames[0]), THUMBNAIL.media_type)
     finally:
         mp4.unlink(missing_ok=True)
         npy.unlink(missing_ok=True)
@@ -252,8 +254,11 @@ async def video_events(video_id: str, request: Request) -> StreamingResponse:
 
 
 @router.get("/v1/videos/{video_id}/content", response_model=None)
-async def get_video_content(video_id: str, request: Request, variant: Literal["video", "frames"] = "video") -> Response:
-    """The MP4 (variant=video), or the exact decoded frames as a ZIP of PNGs (variant=frames)."""
+async def get_video_content(
+    video_id: str, request: Request, variant: Literal["video", "frames", "thumbnail"] = "video"
+) -> Response:
+    """The MP4 (variant=video), the exact decoded frames as a ZIP of PNGs (variant=frames), or the first
+    frame as a WebP image (variant=thumbnail, as OpenAI's API names it)."""
     entry = await _jobs(request).get(video_id, owner_of(request))
     if entry.job.status != "completed":
         raise APIError(409, f"video {video_id} is {entry.job.status}; content is ready when status is completed")
@@ -262,6 +267,10 @@ async def get_video_content(video_id: str, request: Request, variant: Literal["v
     answer: Response
     if variant == "frames":
         answer = await _frames_zip(results, ctx.media, video_id, entry.job.completed_at or entry.job.created_at)
+    elif variant == "thumbnail":
+        answer = await object_response(
+            results, results.thumbnail_name(video_id), THUMBNAIL.media_type, f"{video_id}{THUMBNAIL.suffix}"
+        )
     else:
         answer = await object_response(results, results.video_name(video_id), "video/mp4", f"{video_id}.mp4")
     _add_server_timing(entry, answer)
