@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from triptych_head.objects import ObjectMissing, ObjectStore
+from triptych_head.objects import CHUNK_BYTES, ObjectMissing, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +145,16 @@ class Idempotency:
         ended.set()
         await renewal
         name = self._response(digest, n)
-        if isinstance(payload, bytes):
-            await asyncio.to_thread(self.objects.put_bytes, name, payload, "application/json")
-        else:
-            await asyncio.to_thread(self.objects.put_file, name, payload, "application/json")  # consumes it
+        try:
+            if isinstance(payload, bytes):
+                await asyncio.to_thread(self.objects.put_bytes, name, payload, "application/json")
+            else:
+                await asyncio.to_thread(self.objects.put_file, name, payload, "application/json")  # consumes it
+        except Exception:  # the run happened: its answer still goes to its client; a retry may run it again
+            log.exception("could not save the answer of idempotency record %s.%d", digest, n)
+            mine.state = "failed"
+            await self._save(digest, n, mine)
+            return payload if isinstance(payload, bytes) else _consumed(payload)
         mine.state = "done"  # after the answer: a head that reads `done` finds it
         await self._save(digest, n, mine)
         return payload if isinstance(payload, bytes) else await asyncio.to_thread(self._read, name)
@@ -216,3 +222,13 @@ class Idempotency:
 
 def _encode(attempt: Attempt) -> bytes:
     return json.dumps(asdict(attempt)).encode()
+
+
+def _consumed(path: Path) -> Iterator[bytes]:
+    """A spooled answer's bytes, a chunk at a time, its file removed after (as put_file would have)."""
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(CHUNK_BYTES):
+                yield chunk
+    finally:
+        path.unlink(missing_ok=True)

@@ -4,7 +4,6 @@ proxied through this head (S3, the default), or a redirect to a presigned URL (S
 
 from __future__ import annotations
 
-import asyncio
 import mimetypes
 import re
 
@@ -14,6 +13,7 @@ from starlette.concurrency import iterate_in_threadpool
 
 from triptych_head.api.context import HeadContext
 from triptych_head.api.errors import APIError
+from triptych_head.api.store_calls import from_store
 from triptych_head.objects import ObjectMissing
 from triptych_head.results import IMAGES, ResultStore
 
@@ -24,11 +24,12 @@ FILE_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}(\.[A-Za-z0-9]{1,10}){1,2}")  # img
 async def object_response(results: ResultStore, name: str, media_type: str, filename: str | None = None) -> Response:
     """The object `name` as a response; APIError 404 when there is none (never made, or removed)."""
     store = results.objects
-    stat = await asyncio.to_thread(store.stat, name)
+    what = f"for {name[:200]}"
+    stat = await from_store(what, store.stat, name)
     if stat is None:
         raise APIError(404, f"no file {name[:200]}")
     if results.presign_s:
-        url = await asyncio.to_thread(store.presigned_url, name, results.presign_s, media_type, filename)
+        url = await from_store(what, store.presigned_url, name, results.presign_s, media_type, filename)
         if url is not None:
             return RedirectResponse(url, status_code=307)
     path = store.local_path(name)
@@ -36,7 +37,7 @@ async def object_response(results: ResultStore, name: str, media_type: str, file
         return FileResponse(path, media_type=media_type, filename=filename)
     chunks = store.stream(name)
     try:  # the first chunk here: an object removed since the stat is a 404, not a broken stream
-        first = await asyncio.to_thread(next, chunks, b"")
+        first = await from_store(what, next, chunks, b"")
     except ObjectMissing:
         raise APIError(404, f"no file {name[:200]}") from None
 

@@ -24,6 +24,7 @@ from triptych_head.api.errors import APIError
 from triptych_head.api.ownership import may_see
 from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message
 from triptych_head.api.schemas import VideoJob
+from triptych_head.api.store_calls import from_store
 from triptych_head.api.video_list import StoredJobIndex
 from triptych_head.results import JOB_LEASE_S, TERMINAL, ResultStore, StoredJob
 from triptych_head.state import RequestState
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MAX_JOBS = 1000  # remembered jobs; the oldest finished ones are forgotten first
 RESTARTED = "the head restarted while this job was running; submit it again"
+OCTETS = "application/octet-stream"
 JOB_ID = re.compile(r"video_[A-Za-z0-9_-]{1,64}")  # new_request_id("video") makes video_<32 hex>
 FOREIGN_POLL_S = 1.0  # how often the events of a job another head runs re-read its status
 SHUT_DOWN = "the head shut down while this job was running; submit it again"
@@ -184,8 +186,14 @@ class VideoJobs:
             self._jobs.pop(finished[0])
         self._jobs[entry.job.id] = entry
         await self.save_async(entry)
-        if self.store is not None:
-            await asyncio.to_thread(self.store.mark_running, entry.job.id)
+        if self.store is None:
+            return
+        try:
+            await from_store("for a new video job", self.store.mark_running, entry.job.id)
+        except APIError:  # not listed as running, no head would ever run it: it is not made at all
+            self._jobs.pop(entry.job.id, None)
+            await asyncio.to_thread(_forget, self.store, entry.job.id)
+            raise
 
     async def take_over_orphans(self) -> None:
         """Run again the jobs whose heads died (they are listed as running, their leases ran out)."""
@@ -207,12 +215,12 @@ class VideoJobs:
         job, run = stored.job, stored.run
         if self.start is None or run is None:
             fail_orphan(job)
-            await asyncio.to_thread(self.store.save_job, job, None, None, stored.owner)
+            await from_store(f"saving video {job.id}", self.store.save_job, job, None, None, stored.owner)
             self.ended(job)
             return None
         attempt = job.restarts + 1
         claim = f"{self.store.job_name(job.id).removesuffix('.json')}.adopt-{attempt}"
-        if not await asyncio.to_thread(self.store.objects.create, claim, b"", "application/octet-stream"):
+        if not await from_store(f"taking over video {job.id}", self.store.objects.create, claim, b"", OCTETS):
             return None  # another head takes it over: its next save shows it
         params = msgspec.json.decode(json.dumps(run["params"]), type=GenerationParams)
         job.restarts, job.step, job.progress, job.error = attempt, 0, 0, None
@@ -247,16 +255,7 @@ class VideoJobs:
             if entry is None:
                 raise APIError(404, f"no video job {job_id!r}", "video_id")
             return entry
-        try:
-            stored = await asyncio.to_thread(self.store.load_job, job_id)
-        except Exception as exc:  # the shared store did not answer: say so, not a bare 500
-            log.warning("reading video job %s from the result store failed: %s", job_id, exc)
-            raise APIError(
-                503,
-                f"the result store did not answer for video {job_id}; retry",
-                code="store_unavailable",
-                headers={"Retry-After": "1"},
-            ) from None
+        stored = await from_store(f"for video {job_id}", self.store.load_job, job_id)
         if stored is None:  # never made, or removed (by retention or DELETE on any head)
             self._jobs.pop(job_id, None)
             raise APIError(404, f"no video job {job_id!r}", "video_id")
@@ -289,13 +288,7 @@ class VideoJobs:
         without a store, the jobs this head remembers."""
         if self.index is None:
             return [e.job for e in self._jobs.values() if may_see(e.owner, owner)]
-        try:
-            stored = await asyncio.to_thread(self.index.jobs)
-        except Exception as exc:  # the shared store did not answer: say so, not a bare 500
-            log.warning("listing video jobs in the result store failed: %s", exc)
-            raise APIError(
-                503, "the result store did not answer; retry", code="store_unavailable", headers={"Retry-After": "1"}
-            ) from None
+        stored = await from_store("a listing of video jobs", self.index.jobs)
         jobs = {s.job.id: (s.job, s.owner) for s in stored}
         for entry in self._jobs.values():  # removed from the store (DELETE, retention): gone, once it ended
             if entry.made_here and (entry.job.id in jobs or entry.job.status not in TERMINAL):
@@ -361,3 +354,12 @@ async def foreign_events(jobs: VideoJobs, entry: JobEntry) -> AsyncIterator[byte
         except APIError as exc:
             yield error_message(job_id, exc.message, exc.code, exc.status_code, exc.param).encoded
             return
+
+
+def _forget(store: ResultStore, job_id: str) -> None:
+    """Remove what was saved of a job that was not made, if the store lets it (best effort: a JSON left
+    behind shows a queued job no head runs, until retention removes it)."""
+    try:
+        store.delete(job_id)
+    except Exception as exc:
+        log.warning("video job %s: its saved status could not be removed: %s", job_id, exc)

@@ -33,6 +33,7 @@ from triptych_head.api.key_limits import key_limit
 from triptych_head.api.ownership import owner_of
 from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, sse_response
 from triptych_head.api.schemas import DeletedVideo, RequestBody, RequestModels, VideoJob, VideoList
+from triptych_head.api.store_calls import from_store
 from triptych_head.api.video_jobs import JobEntry, VideoJobs, final_message, foreign_events
 from triptych_head.api.video_length import with_frames
 from triptych_head.api.video_list import DEFAULT_LIMIT, MAX_LIMIT, Order, page
@@ -191,15 +192,22 @@ async def _run(
         log.exception("video job %s failed", job.id)
         job.status, job.error = "failed", {"message": f"{type(exc).__name__}: {exc}", "code": "internal_error"}
     finally:
-        ctx.release(entry.request_id)  # also when it was cancelled before generating started
-        if job.status in TERMINAL:
-            job.completed_at = int(time.time())
-            await jobs.save_async(entry)  # after its content: a head that reads `completed` finds the files
-            feed.publish(final_message(job))
-            jobs.ended(job)
-        elif entry.handed_over:  # saved running without a lease: the next head to look runs it again
-            log.warning("video job %s left to another head: this head shut down before it finished", job.id)
-            await jobs.save_async(entry)
+        await _end_run(ctx, jobs, entry)
+
+
+async def _end_run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry) -> None:
+    """A run of the job ended on this head: its request is no longer counted in flight, and an ended job
+    is saved and told (its events, on_end); one handed over is saved for the next head to run."""
+    job = entry.job
+    ctx.release(entry.request_id)  # also when it was cancelled before generating started
+    if job.status in TERMINAL:
+        job.completed_at = int(time.time())
+        await jobs.save_async(entry)  # after its content: a head that reads `completed` finds the files
+        entry.progress_feed().publish(final_message(job))
+        jobs.ended(job)
+    elif entry.handed_over:  # saved running without a lease: the next head to look runs it again
+        log.warning("video job %s left to another head: this head shut down before it finished", job.id)
+        await jobs.save_async(entry)
 
 
 def _store_content(results: ResultStore, job_id: str, frames: Any, fps: int, threads: int) -> None:
@@ -284,9 +292,9 @@ async def _frames_zip(results: ResultStore, media: MediaPool, video_id: str, mad
     path = results.objects.local_path(name)
     try:
         if path is not None:
-            frames = await asyncio.to_thread(load_frames, path, True)
+            frames = await from_store(f"for the frames of video {video_id}", load_frames, path, True)
         else:
-            raw = await asyncio.to_thread(results.objects.get_bytes, name)
+            raw = await from_store(f"for the frames of video {video_id}", results.objects.get_bytes, name)
             frames = await asyncio.to_thread(load_frames, io.BytesIO(raw))
             del raw
     except (ObjectMissing, FileNotFoundError):
@@ -315,8 +323,12 @@ async def delete_video(video_id: str, request: Request) -> DeletedVideo:
             await entry.task
         except asyncio.CancelledError:
             pass
+        if entry.job.status not in TERMINAL:  # cancelled before its run began (a job just taken over), so
+            # the run never got to end itself: ended here, or it would show queued for ever
+            entry.job.status, entry.job.state = "cancelled", RequestState.CANCELLED.value
+            await _end_run(request.app.state.ctx, jobs, entry)
         return DeletedVideo(**entry.job.model_dump(), deleted=False)
     if jobs.store is not None:
-        await asyncio.to_thread(jobs.store.delete, video_id)
+        await from_store(f"deleting video {video_id}", jobs.store.delete, video_id)
     jobs.remove(video_id)
     return DeletedVideo(**entry.job.model_dump(), deleted=True)

@@ -1,0 +1,103 @@
+"""A result store that fails (an S3 error, a full disk) under the video endpoints: each request is a
+503 store_unavailable with Retry-After, naming what the store was asked, and leaves nothing behind
+that no head would ever end (a job listed queued for ever, a request counted in flight, an
+Idempotency-Key stuck running). A DELETE that takes over an orphaned job ends it, for good."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.api.test_http_api import ScriptedBackend, make_client, wait_for
+from tests.api.test_takeover import _orphan
+from triptych_head.api.video_jobs import VideoJobs
+from triptych_head.objects import DirectoryObjects
+from triptych_head.results import ResultStore
+
+VIDEO = {"prompt": "waves", "size": "32x16", "num_frames": 5, "num_inference_steps": 2, "seed": 7}
+
+
+def _failing(*args: Any, **kwargs: Any) -> Any:
+    raise OSError(5, "Input/output error")
+
+
+def _unavailable(r: Any, says: str) -> None:
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    error = r.json()["error"]
+    assert error["code"] == "store_unavailable" and says in error["message"], error
+
+
+def test_a_delete_that_takes_over_an_orphaned_job_cancels_it_for_good(tmp_path: Path, monkeypatch) -> None:
+    async def no_scan(self: VideoJobs) -> None:  # the DELETE, not the background scan, takes the job over
+        return None
+
+    monkeypatch.setattr(VideoJobs, "take_over_orphans", no_scan)
+    backend = ScriptedBackend()
+    with make_client(backend, tmp_path) as c:
+        _orphan(ResultStore(tmp_path), "video_orphan")
+        deleted = c.delete("/v1/videos/video_orphan").json()
+        assert (deleted["status"], deleted["deleted"]) == ("cancelled", False)
+        assert c.get("/v1/videos/video_orphan").json()["status"] == "cancelled"
+        assert not c.app.state.ctx.active  # not counted in flight
+        stored = ResultStore(tmp_path).load_job("video_orphan")
+        assert stored is not None and stored.job.status == "cancelled" and stored.lease_until is None
+        assert c.delete("/v1/videos/video_orphan").json()["deleted"] is True  # now it can go
+    assert backend.calls == []
+
+
+def test_a_new_job_the_store_cannot_list_as_running_is_a_503_and_is_not_made(tmp_path: Path, monkeypatch) -> None:
+    backend = ScriptedBackend()
+    with make_client(backend, tmp_path) as c:
+        with monkeypatch.context() as failing:
+            failing.setattr(ResultStore, "mark_running", _failing)
+            _unavailable(c.post("/v1/videos", json=VIDEO), "for a new video job")
+        assert c.get("/v1/videos").json()["data"] == [] and not c.app.state.ctx.active
+        assert not list(tmp_path.rglob("video_*")), "what was saved of it is removed"
+        job = c.post("/v1/videos", json=VIDEO).json()  # the store is back: a job as any
+        assert wait_for(c, job["id"], "completed")["status"] == "completed"
+    assert len(backend.calls) == 1
+
+
+def test_content_and_delete_answer_503_while_the_store_fails(tmp_path: Path, monkeypatch) -> None:
+    with make_client(ScriptedBackend(), tmp_path) as c:
+        job_id = c.post("/v1/videos", json=VIDEO).json()["id"]
+        wait_for(c, job_id, "completed")
+        with monkeypatch.context() as failing:
+            failing.setattr(DirectoryObjects, "stat", _failing)
+            _unavailable(c.get(f"/v1/videos/{job_id}/content"), f"for videos/{job_id}.mp4")
+        with monkeypatch.context() as failing:
+            failing.setattr(DirectoryObjects, "list", _failing)
+            _unavailable(c.delete(f"/v1/videos/{job_id}"), f"deleting video {job_id}")
+        assert c.delete(f"/v1/videos/{job_id}").json()["deleted"] is True  # the store is back
+
+
+def test_an_answer_the_store_cannot_keep_still_reaches_its_client_and_the_key_is_not_left_running(
+    tmp_path: Path, monkeypatch
+) -> None:
+    put_bytes = DirectoryObjects.put_bytes
+
+    def no_answers(self: DirectoryObjects, name: str, data: bytes, content_type: str) -> None:
+        if name.endswith(".response"):
+            raise OSError(28, "No space left on device")
+        put_bytes(self, name, data, content_type)
+
+    monkeypatch.setattr(DirectoryObjects, "put_bytes", no_answers)
+    key = {"Idempotency-Key": "k1"}
+    with TestClient(make_client(ScriptedBackend(), tmp_path).app) as c:
+        first = c.post("/v1/videos", json=VIDEO, headers=key)
+        assert first.status_code == 200 and first.json()["status"] == "queued", first.text
+        wait_for(c, first.json()["id"], "completed")
+        retried = c.post("/v1/videos", json=VIDEO, headers=key)  # the attempt is recorded failed: run again,
+        assert retried.status_code == 200, retried.text  # not a 409 until the attempt's lease runs out
+        assert retried.json()["id"] != first.json()["id"]
+
+
+@pytest.mark.parametrize("path", ["/v1/videos", "/v1/videos/video_x"])
+def test_a_store_that_cannot_be_read_is_a_503_for_the_listing_and_a_job(path: str, tmp_path: Path, monkeypatch) -> None:
+    with make_client(ScriptedBackend(), tmp_path) as c:
+        monkeypatch.setattr(DirectoryObjects, "list", _failing)
+        monkeypatch.setattr(DirectoryObjects, "get_bytes", _failing)
+        _unavailable(c.get(path), "a listing of video jobs" if path == "/v1/videos" else "for video video_x")
