@@ -73,6 +73,19 @@ def test_a_job_whose_lease_is_live_stays_its_head_s(tmp_path):
     assert backend.calls == []
 
 
+def test_a_draining_head_takes_over_no_orphan(tmp_path):
+    """A head that drains would only hand an adopted job over again (run again from the start by the
+    next head, and its drain held up): neither its scan nor a GET takes an orphan over."""
+    backend = ScriptedBackend()
+    with make_client(backend, tmp_path) as c:
+        c.app.state.ctx.draining = True
+        _orphan(ResultStore(tmp_path))
+        c.portal.call(c.app.state.video_jobs.take_over_orphans)  # type: ignore[union-attr]
+        job = c.get("/v1/videos/video_orphan").json()
+        assert job["status"] == "in_progress" and job["restarts"] == 0
+    assert backend.calls == []
+
+
 def test_of_two_heads_that_find_one_orphan_at_once_exactly_one_runs_it(tmp_path):
     for i in range(5):
         _orphan(ResultStore(tmp_path), f"video_orphan{i}")

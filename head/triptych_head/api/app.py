@@ -37,7 +37,9 @@ WEBHOOK_GRACE_S = 5.0  # at shutdown, how long webhook deliveries under way may 
 
 def create_app(ctx: HeadContext) -> FastAPI:
     on_end = ctx.webhooks.job_ended if ctx.webhooks is not None else None
-    jobs = VideoJobs(ctx.results, lambda entry: videos.start_job(ctx, jobs, entry), ctx.registry, on_end)
+    jobs = VideoJobs(
+        ctx.results, lambda entry: videos.start_job(ctx, jobs, entry), ctx.registry, on_end, lambda: not ctx.draining
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -114,8 +114,12 @@ class VideoJobs:
         start: Starter | None = None,
         registry: CollectorRegistry | None = None,
         on_end: Ended | None = None,
+        adopting: Callable[[], bool] = lambda: True,
     ) -> None:
         self._jobs: OrderedDict[str, JobEntry] = OrderedDict()
+        # Whether this head takes over orphaned jobs now: not while it drains, when each would only be
+        # run again from the start by the next head (and hold up the drain).
+        self.adopting = adopting
         self.store = store
         self.index = StoredJobIndex(store) if store is not None else None  # every head's jobs, for listings
         self.start = start  # runs a job on this head (set by the app: it needs the backend)
@@ -197,7 +201,7 @@ class VideoJobs:
 
     async def take_over_orphans(self) -> None:
         """Run again the jobs whose heads died (they are listed as running, their leases ran out)."""
-        if self.store is None:
+        if self.store is None or not self.adopting():
             return
         for job_id in await asyncio.to_thread(self.store.running_jobs):
             entry = self._jobs.get(job_id)
@@ -261,7 +265,7 @@ class VideoJobs:
             raise APIError(404, f"no video job {job_id!r}", "video_id")
         if entry is not None and entry.made_here:
             return entry  # this head ran it: its memory is ahead of the store until its last save lands
-        if stored.orphaned(time.time()):  # its head died without saying so: this head may take it over
+        if stored.orphaned(time.time()) and self.adopting():  # its head died: this head may take it over
             adopted = await self.take_over(stored)
             if adopted is not None:
                 return adopted
