@@ -1,10 +1,12 @@
 """A result store that fails (an S3 error, a full disk) under the video endpoints: each request is a
 503 store_unavailable with Retry-After, naming what the store was asked, and leaves nothing behind
 that no head would ever end (a job listed queued for ever, a request counted in flight, an
-Idempotency-Key stuck running). A DELETE that takes over an orphaned job ends it, for good."""
+Idempotency-Key stuck running). A DELETE that takes over an orphaned job ends it, for good; one that
+comes while a slow store still writes the job's last status removes it after that write, not before."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +103,21 @@ def test_a_store_that_cannot_be_read_is_a_503_for_the_listing_and_a_job(path: st
         monkeypatch.setattr(DirectoryObjects, "list", _failing)
         monkeypatch.setattr(DirectoryObjects, "get_bytes", _failing)
         _unavailable(c.get(path), "a listing of video jobs" if path == "/v1/videos" else "for video video_x")
+
+
+def test_a_delete_while_the_last_save_is_under_way_is_not_undone_by_it(tmp_path: Path, monkeypatch) -> None:
+    save_job = ResultStore.save_job
+
+    def slow_last_save(self: ResultStore, job: Any, *args: Any) -> None:
+        if job.status == "completed":
+            time.sleep(0.5)  # a slow store: the DELETE comes while this write is under way
+        save_job(self, job, *args)
+
+    monkeypatch.setattr(ResultStore, "save_job", slow_last_save)
+    with make_client(ScriptedBackend(), tmp_path) as c:
+        job_id = c.post("/v1/videos", json=VIDEO).json()["id"]
+        wait_for(c, job_id, "completed")  # this head answers from memory before the store has it
+        assert c.delete(f"/v1/videos/{job_id}").json()["deleted"] is True
+        time.sleep(0.7)
+        assert c.get(f"/v1/videos/{job_id}").status_code == 404
+    assert not list(tmp_path.rglob(f"{job_id}*"))

@@ -329,6 +329,7 @@ async def delete_video(video_id: str, request: Request) -> DeletedVideo:
             await _end_run(request.app.state.ctx, jobs, entry)
         return DeletedVideo(**entry.job.model_dump(), deleted=False)
     if jobs.store is not None:
-        await from_store(f"deleting video {video_id}", jobs.store.delete, video_id)
+        async with entry.save_lock:  # the run's last save, if still under way, lands first: never after
+            await from_store(f"deleting video {video_id}", jobs.store.delete, video_id)
     jobs.remove(video_id)
     return DeletedVideo(**entry.job.model_dump(), deleted=True)
