@@ -7,8 +7,10 @@ json: one object per line, for a log pipeline (Loki, Elasticsearch, Cloud Loggin
      "logger": "triptych_head.shutdown", "message": "HTTP API on http://..."}
 
 with `exception` (the traceback, one string) when the line carries one, `request_id` when the line
-is about one request (the head's and the workers' lines name it among their arguments: the id the
-head gave it, as `X-Request-Id` says it), and the record's structured fields beside them: a call
+is about one request (the id the head gave it, as `X-Request-Id` says it: named among the line's
+arguments, or else the request the code that logs it serves, `about()`: the head's handling of an
+image request and its video job's run, a worker's computing of one request), and the record's
+structured fields beside them: a call
 passes `extra={FIELDS: {...}}` (the access log's `http` object). Every line of the process is one of
 these, uvicorn's included (it logs through the same handler). Mooncake's engine writes its own
 lines from C++, in its own format.
@@ -16,10 +18,13 @@ lines from C++, in its own format.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 TEXT = "text"
 JSON = "json"
@@ -29,6 +34,19 @@ _OWN = ("time", "level", "process", "logger", "message", "exception", "request_i
 # A request's id as the head makes it (triptych_head.api.context.new_request_id): img_, video_ or req_
 # and 32 hex digits, distinct enough to be recognized among a line's arguments.
 REQUEST_ID = re.compile(r"(?:img|video|req)_[0-9a-f]{32}")
+# The request the running code serves: a task's own in the head (asyncio copies it into the tasks it
+# starts), a thread's own in a worker.
+_SERVING: ContextVar[str | None] = ContextVar("triptych_request_id", default=None)
+
+
+@contextlib.contextmanager
+def about(request_id: str | None) -> Iterator[None]:
+    """The lines logged inside are about `request_id` (None: about no one request, a batch)."""
+    token = _SERVING.set(request_id)
+    try:
+        yield
+    finally:
+        _SERVING.reset(token)
 
 
 class JsonFormatter(logging.Formatter):
@@ -51,7 +69,7 @@ class JsonFormatter(logging.Formatter):
             line["exception"] = self.formatException(record.exc_info)
         elif record.exc_text:
             line["exception"] = record.exc_text
-        if (request_id := _request_id(record.args)) is not None:
+        if (request_id := _request_id(record.args) or _SERVING.get()) is not None:
             line["request_id"] = request_id
         fields = getattr(record, FIELDS, None)
         if isinstance(fields, dict):

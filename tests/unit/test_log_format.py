@@ -57,3 +57,33 @@ def test_a_line_about_one_request_names_it_as_a_field() -> None:
         assert parsed["request_id"] == request_id and parsed["message"] == f"request {request_id} FAILED: boom"
     for args in (("img_nothex",), ("an img_" + "a" * 32 + " inside a string",), (7,)):
         assert "request_id" not in json.loads(JsonFormatter("server").format(record("x %s", *args)))
+
+
+def test_a_line_logged_while_serving_a_request_names_it_though_its_arguments_do_not() -> None:
+    import asyncio
+    import threading
+
+    from triptych.log_format import about
+
+    request_id = "img_" + "a" * 32
+    formatted = lambda: json.loads(JsonFormatter("server").format(record("stage failed")))  # noqa: E731
+    with about(request_id):
+        assert formatted()["request_id"] == request_id
+        with about(None):  # a batch of several: no one request's
+            assert "request_id" not in formatted()
+        other: list[dict[str, object]] = []
+        thread = threading.Thread(target=lambda: other.append(formatted()))  # another thread serves another
+        thread.start()
+        thread.join()
+        assert "request_id" not in other[0]
+    assert "request_id" not in formatted()
+
+    async def two_requests() -> list[object]:
+        async def serve(rid: str) -> object:
+            with about(rid):
+                await asyncio.sleep(0.01)  # the other task runs meanwhile
+                return formatted()["request_id"]
+
+        return list(await asyncio.gather(serve("video_" + "b" * 32), serve("video_" + "c" * 32)))
+
+    assert asyncio.run(two_requests()) == ["video_" + "b" * 32, "video_" + "c" * 32]

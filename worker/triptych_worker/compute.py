@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from triptych.contract import ParamError
+from triptych.log_format import about
 from triptych.lora import BadAdapter
 from triptych.protocol import Failed, Progress, Result, TransferStaged, tensors_to_frames
 from triptych.reference import BadReference
@@ -53,7 +54,8 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
                     worker.pool.free_owner(job.request_id)
                     continue
                 prepared.append((job, _prepare(worker, link, job, inputs)))
-        outcomes = _run_stages(worker, [batch for _, batch in prepared])
+        with about(jobs[0].request_id if len(jobs) == 1 else None):  # a batch's lines are no one request's
+            outcomes = _run_stages(worker, [batch for _, batch in prepared])
         ran = [(job, batch) for (job, batch), error in zip(prepared, outcomes, strict=True) if error is None]
         together = len(prepared) if _batches_forward(worker, len(prepared)) else 1
         # Reported together once all are staged, so that the head sees the batch arrive as one.
@@ -87,9 +89,11 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
 
 @contextlib.contextmanager
 def _fails_alone(worker: Worker, link: HeadLinks, job: Job) -> Iterator[None]:
-    """Whatever goes wrong inside fails `job`'s request only, with the status its cause calls for."""
+    """Whatever goes wrong inside fails `job`'s request only, with the status its cause calls for;
+    every line logged inside names it (log_format.about)."""
     try:
-        yield
+        with about(job.request_id):
+            yield
     except (RequestCancelled, SlotGone):
         worker.pool.free_owner(job.request_id)
         slots.space_freed(worker, link)

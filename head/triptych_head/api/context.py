@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter
 from triptych.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TIMEOUT_S
 from triptych.contract import CONTRACT, VIDEOS, Contract, ParamError
 from triptych.families import ModelInfo
+from triptych.log_format import about
 from triptych.lora import BadAdapter, LoraCatalog
 from triptych.params import GenerationParams
 from triptych.priority import DEFAULT_LEVEL
@@ -320,9 +321,10 @@ REQUEST_ID_HEADER = "X-Request-Id"  # an image answer's: the id the head's logs 
 @contextlib.contextmanager
 def errors_named(request_id: str) -> Iterator[None]:
     """An APIError raised inside answers with the request's id (X-Request-Id): the head logs a
-    failure under it."""
+    failure under it; so is every line logged inside (log_format.about)."""
     try:
-        yield
+        with about(request_id):
+            yield
     except APIError as exc:
         exc.headers = {**(exc.headers or {}), REQUEST_ID_HEADER: request_id}
         raise

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from triptych.contract import VIDEOS, ParamError
+from triptych.log_format import about
 from triptych.params import GenerationParams
 from triptych.protocol import RequestEvent
 from triptych_head.api.context import REQUEST_ID_HEADER, HeadContext, new_request_id
@@ -157,6 +158,13 @@ def start_job(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry) -> None:
 
 
 async def _run(
+    ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params: GenerationParams, preview_every: int
+) -> None:
+    with about(entry.request_id):  # every line the run logs names the job
+        await _run_job(ctx, jobs, entry, params, preview_every)
+
+
+async def _run_job(
     ctx: HeadContext, jobs: VideoJobs, entry: JobEntry, params: GenerationParams, preview_every: int
 ) -> None:
     job, feed = entry.job, entry.progress_feed()

@@ -167,7 +167,7 @@ class MooncakeTransport:
                     f"local range 0x{local_addr:x}+{nbytes} is not inside memory registered with this transport; "
                     "stage the payload in the TransferPool first"
                 )
-        batches = []
+        batches: list[int] = []
         for local_addr, dest_addr, nbytes in ranges:
             if not nbytes:
                 continue
