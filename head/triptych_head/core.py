@@ -407,8 +407,11 @@ class HeadCore:
         inst.last_heartbeat = None
         inst.inflight.clear()
         inst.standing.clear()
-        for rec in [r for r in self.requests.values() if inst.url in r.involved_instances()]:
-            self.retry(rec, inst, cause, reason)
+        for rec, wire_id in [(r, r.wire_id) for r in self.requests.values() if inst.url in r.involved_instances()]:
+            # Another worker found lost while an earlier request is retried (its re-dispatch failed) may
+            # have retried or ended this one already: only the attempt that still involves `inst` is retried.
+            if self.attempts.get(wire_id) is rec and inst.url in rec.involved_instances():
+                self.retry(rec, inst, cause, reason)
         for wire_id in [w for w, held in self.held_slots.items() if held.sender == inst.url]:
             self.release_held(wire_id)  # a sender that is gone writes nothing more
 

@@ -112,8 +112,12 @@ class Dispatcher:
             self._dispatch_groups(role, self.batcher)
             return
         queue = self.queues[role]
-        while queue and self._dispatch_one(role, queue[0]):
-            queue.popleft()
+        while queue:
+            rid = queue[0]
+            if not self._dispatch_one(role, rid):
+                break
+            # Its own entry, not the first now: a retry during its dispatch may have queued another ahead.
+            queue.remove(rid)
 
     def _queued(self, role: Role, rid: str) -> RequestRecord | None:
         """The request behind a queue entry, or None for a stale entry (ended, restarted elsewhere in
@@ -128,11 +132,11 @@ class Dispatcher:
         each to one instance; what an instance has no room for stays queued."""
         queue = self.queues[role]
         queued: list[RequestRecord] = []
-        gone: set[str] = set()  # stale entries, then the dispatched ones
+        gone: list[str] = []  # one per entry to drop: the stale ones, then one per dispatched request
         for rid in queue:
             rec = self._queued(role, rid)
             if rec is None:
-                gone.add(rid)
+                gone.append(rid)
             else:
                 queued.append(rec)
         instances = [i for i in self._membership.instances(role) if self._membership.ready(i)]
@@ -150,17 +154,17 @@ class Dispatcher:
             for rec in group.members:
                 rec.batch = tag  # before its dispatch: an in-place resume's TransferReady goes at once
                 if self._dispatch_one(role, rec.request_id, group):
-                    gone.add(rec.request_id)
+                    gone.append(rec.request_id)
             for rec in group.members:
                 if rec.instance != inst.url:
                     self.leave_group(rec)  # it stayed queued (or failed): the others do not wait for it
             if group.work and not self._send_work(group):
                 break
             batcher.observe_sent(role.value, group, now)
-        if gone:
-            remaining = [rid for rid in queue if rid not in gone]
-            queue.clear()
-            queue.extend(remaining)
+        # One entry each, not every entry of that id: a member whose Work found its instance gone was
+        # retried and queued again meanwhile, and that new entry stays.
+        for rid in gone:
+            queue.remove(rid)
 
     def _choose(
         self, role: Role, rec: RequestRecord, instances: Sequence[WorkerInstance], eligible: Eligible

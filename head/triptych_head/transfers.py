@@ -9,6 +9,7 @@ worker is told to drop what it holds).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,8 @@ from triptych_head.timeline import DEVICE_SECONDS, server_timing
 
 if TYPE_CHECKING:
     from triptych_head.core import HeadCore
+
+log = logging.getLogger(__name__)
 
 
 def on_progress(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Progress, frames: list[Any]) -> None:
@@ -87,6 +90,12 @@ def on_allocated(
         # message names (a restarted process behind the same address: its next heartbeat tells).
         reason = f"{inst.role.value} {inst.url} offered a slot in transfer session {msg.session!r}, not its own"
         core.instance_lost(inst, "session_mismatch", reason)
+        return
+    if rec.push_in_flight:
+        # Asked twice (declared lost, it was only slow, and was picked again): it answers with the slot
+        # it already holds, which the push under way writes into. A second push would find nothing
+        # staged, and its failure would free that slot under the first write.
+        log.debug("request %s: %s allocated again while its push is under way", rec.wire_id, inst.url)
         return
     if msg.standing:
         inst.standing[msg.addr] = StandingSlot(rec.staged.nbytes, holder=rec.wire_id)

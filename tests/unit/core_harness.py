@@ -324,6 +324,10 @@ class Harness:
             if not w.hold:
                 self._finish_stage(w, msg.request_id)
         elif isinstance(msg, TransferAlloc):
+            held = next((addr for addr, rid in w.reserved.items() if rid == msg.request_id), None)
+            if held is not None:  # asked again (a retried hop): the slot it holds, as slots.allocate answers
+                self.said(w, TransferAllocated(msg.request_id, w.url, w.session, held, standing=held in w.kept))
+                return
             if self._full(w):
                 self.said(w, TransferRefused(msg.request_id, w.url, "every slot taken", fatal=False))
                 return
