@@ -306,9 +306,13 @@ class TriptychClient:
         return dict(self._request("DELETE", f"/v1/videos/{video_id}").json())
 
     def save_video(self, video_id: str, path: Path) -> int:
-        """Write the job's MP4 to `path`; returns its size in bytes."""
-        content = self._request("GET", f"/v1/videos/{video_id}/content").content
-        path.write_bytes(content)
+        """Write the job's MP4 to `path` (whole or not at all); returns its size in bytes. A head that
+        presigns content (--results-presign) redirects to the bucket: followed (httpx sends the API key
+        to the head's origin only)."""
+        content = self._request("GET", f"/v1/videos/{video_id}/content", follow_redirects=True).content
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_bytes(content)
+        partial.replace(path)
         return len(content)
 
     def pipeline(self) -> dict[str, Any]:

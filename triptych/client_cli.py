@@ -166,6 +166,9 @@ def run_client_command(ns: argparse.Namespace) -> int:
         return _status(client, out)
     except ClientError as exc:
         return print_error(console, str(exc))
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (a video job is cancelled in _video)
+        console.print("interrupted", highlight=False)
+        return INTERRUPTED
     finally:
         client.close()
 
@@ -261,7 +264,15 @@ def _images(events: Iterator[Event], ns: argparse.Namespace, console: Console) -
 
 
 def _video(client: TriptychClient, ns: argparse.Namespace, console: Console) -> int:
-    job = client.create_video(request_body(ns))
+    try:
+        job = client.create_video(request_body(ns))
+    except KeyboardInterrupt:
+        console.print(
+            "interrupted before the head answered: if it made the job, `triptych videos` lists it and "
+            "DELETE /v1/videos/ID cancels it",
+            highlight=False,
+        )
+        return INTERRUPTED
     console.print(f"{job['id']} {job['status']}", highlight=False)
     try:
         with ProgressView(console, job["id"]) as view:

@@ -87,6 +87,21 @@ def test_the_playground_is_served_at_the_root_with_its_files(backend, tmp_path):
         assert '<script type="module" src="/static/app.js">' in page.text
         assert c.get("/static/app.js").headers["content-type"].startswith("text/javascript")
         assert c.get("/static/nope.js").status_code == 404
+    assert "connect-src 'self';" in page.headers["Content-Security-Policy"]  # its own origin only
+
+
+def test_with_presigned_content_the_page_may_fetch_and_play_from_the_bucket():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from triptych_head.api.playground import install_playground, origin_of
+
+    app = FastAPI()
+    install_playground(app, origin_of("http://seaweedfs.storage:8333/"))
+    policy = TestClient(app).get("/").headers["Content-Security-Policy"]
+    assert "connect-src 'self' http://seaweedfs.storage:8333;" in policy
+    assert "media-src 'self' blob: http://seaweedfs.storage:8333;" in policy
+    assert origin_of(None) is None and origin_of("not a url") is None
 
 
 class PreviewBurst(ScriptedBackend):

@@ -103,6 +103,8 @@ def test_a_video_job_made_through_one_head_is_followed_and_fetched_through_the_o
             assert time.monotonic() < deadline, f"head B never saw the job running: {seen.text}"
             time.sleep(0.05)
         assert b.get(f"/v1/videos/{job_id}/content").status_code == 409  # not ready: as A would say
+        refused = b.delete(f"/v1/videos/{job_id}")  # A alone can cancel it: a client retries, maybe reaching A
+        assert refused.status_code == 409 and refused.headers["retry-after"] == "1", refused.text
         done = wait_for(a, job_id, "completed", timeout=60)
         assert wait_for(b, job_id, "completed", timeout=60) == done
         mp4 = a.get(f"/v1/videos/{job_id}/content")

@@ -208,3 +208,49 @@ def test_bad_settings_are_named() -> None:
         TriptychClient(" , ")
     with pytest.raises(ClientError, match="retries: -1 must be >= 0"):
         TriptychClient("http://127.0.0.1:1", retries=-1)
+
+
+def test_a_video_whose_content_redirects_to_the_bucket_is_saved_from_there_and_whole(tmp_path) -> None:
+    """A head that presigns content (--results-presign) answers 307 to the bucket: the client follows
+    it (the API key stays with the head's origin) and writes the MP4, never the redirect's empty body."""
+    mp4 = b"\x00\x00\x00\x18ftypisom pretend"
+    with server(mp4) as (bucket, at_bucket):
+        moved = (307, {"Location": f"{bucket}/videos/video_x.mp4?X-Amz-Signature=abc"}, b"")
+        with server(moved) as (head, _):
+            client = TriptychClient(head, api_key="sk-secret")
+            out = tmp_path / "out.mp4"
+            assert client.save_video("video_x", out) == len(mp4)
+            client.close()
+    assert out.read_bytes() == mp4 and not list(tmp_path.glob(".*partial"))
+    (fetched,) = at_bucket.seen
+    assert fetched["path"] == "/videos/video_x.mp4?X-Amz-Signature=abc"
+    assert "Authorization" not in fetched["headers"]  # another origin: the key is not sent there
+
+
+def test_a_failed_download_leaves_no_file_under_the_name_asked(tmp_path) -> None:
+    with server((404, {}, {"error": {"message": "the frames were removed"}})) as (head, _):
+        client = TriptychClient(head)
+        with pytest.raises(ClientError, match="404"):
+            client.save_video("video_x", tmp_path / "out.mp4")
+        client.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_a_head_has_not_answered_is_one_line_and_exit_130(tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    with server("hang", "hang", "hang") as (head, script):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "triptych", "generate", "a fox", "-o", str(tmp_path / "fox.png"), "--url", head],
+            stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not script.seen and time.monotonic() < deadline:  # the request is with the "head"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err

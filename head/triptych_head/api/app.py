@@ -20,7 +20,7 @@ from triptych_head.api.direct import DirectRoutes
 from triptych_head.api.errors import install_error_handlers
 from triptych_head.api.key_quotas import SYNC_S
 from triptych_head.api.limits import BodyLimitMiddleware
-from triptych_head.api.playground import install_playground
+from triptych_head.api.playground import install_playground, origin_of
 from triptych_head.api.schemas import RequestModels
 from triptych_head.api.video_jobs import VideoJobs
 from triptych_head.results import JOB_LEASE_RENEW_S
@@ -86,7 +86,8 @@ def create_app(ctx: HeadContext) -> FastAPI:
     app.include_router(videos.video_routes(models))
     app.include_router(system.router)
     app.include_router(files.router)
-    install_playground(app)
+    presigned_from = getattr(ctx.results.objects, "endpoint", None) if ctx.results.presign_s else None
+    install_playground(app, origin_of(presigned_from))
     return app
 
 

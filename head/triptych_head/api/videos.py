@@ -325,6 +325,7 @@ async def delete_video(video_id: str, request: Request) -> DeletedVideo:
                 409,
                 f"video {video_id} runs on another head, which alone can cancel it: retry (the load balancer may "
                 "pick that head) or wait for it to end",
+                headers={"Retry-After": "1"},  # a client that retries on it (triptych's does) gets another head
             )
         entry.task.cancel()
         try:

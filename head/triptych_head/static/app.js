@@ -439,9 +439,12 @@ async function pollPipeline() {
   setTimeout(pollPipeline, PIPELINE_POLL_MS);
 }
 
-$("apikey").value = localStorage.getItem(API_KEY) ?? "";
+// The key is kept for this tab only (sessionStorage): a reload keeps it, closing the tab forgets it,
+// and no later user of this browser profile can read it back.
+localStorage.removeItem(API_KEY); // where earlier versions kept it
+$("apikey").value = sessionStorage.getItem(API_KEY) ?? "";
 $("apikey").addEventListener("change", () => {
-  localStorage.setItem(API_KEY, $("apikey").value.trim());
+  sessionStorage.setItem(API_KEY, $("apikey").value.trim());
   loadModel();
 });
 $("form").addEventListener("submit", onSubmit);
