@@ -56,11 +56,35 @@ def allow_url_networks(networks: Iterable[Network]) -> None:
     URL_NETWORKS[:] = list(networks)
 
 
+# IPv6 prefixes whose addresses carry an IPv4 address in their last 32 bits, which a translating
+# network (NAT64, SIIT) or an old tunnel would reach: such an address is judged by the IPv4 inside it.
+_EMBEDDING_IPV4 = tuple(
+    ipaddress.IPv6Network(n)
+    for n in ("64:ff9b::/96", "64:ff9b:1::/48", "::ffff:0:0:0/96", "::/96")  # NAT64, SIIT, IPv4-compatible
+)
+_SITE_LOCAL = ipaddress.IPv6Network("fec0::/10")  # deprecated, but private where still routed
+
+
 def _permitted(address: str, allowed: list[Network]) -> bool:
     ip = ipaddress.ip_address(address.partition("%")[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_global or any(ip in network for network in allowed)
+    if any(ip in network for network in allowed):
+        return True
+    return all(candidate.is_global for candidate in _judged_as(ip))
+
+
+def _judged_as(
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses `ip` is judged by: itself, and any IPv4 address it carries (mapped, 6to4, NAT64,
+    IPv4-compatible); a site-local IPv6 address is never public."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return [ip]
+    if ip in _SITE_LOCAL:
+        return [ipaddress.IPv4Address("0.0.0.0")]  # never global
+    inside = [ip.ipv4_mapped, ip.sixtofour]
+    if any(ip in network for network in _EMBEDDING_IPV4):
+        inside.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return [ip, *(v4 for v4 in inside if v4 is not None)]
 
 
 def _vetted_connection(

@@ -28,6 +28,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import http.client
 import json
 import logging
 import time
@@ -170,6 +171,9 @@ class Webhooks:
         except asyncio.CancelledError:  # the head stops: close() hands the event over
             self.deliveries.labels(kind, "handed_over" if self.outbox is not None else "undelivered").inc()
             raise
+        except Exception:  # a bug: the event ends here, counted, rather than being adopted and sent for ever
+            log.exception("webhook %s: delivering it failed", pending.event_id)
+            outcome = "undelivered"
         self.deliveries.labels(kind, outcome).inc()
         if self.outbox is not None:
             await self._in_store(self.outbox.remove, pending.event_id)
@@ -221,11 +225,16 @@ class Webhooks:
         request = urllib.request.Request(self.target.url, data=body, headers=headers, method="POST")
         try:
             with self._opener.open(request, timeout=DELIVERY_TIMEOUT_S) as answer:
-                answer.read(1 << 16)
+                try:
+                    answer.read(1 << 16)
+                except (OSError, ValueError, http.client.HTTPException) as exc:  # its status was said: it counts
+                    log.debug("webhook %s: the answer's body broke off: %s", event_id, exc)
                 return answer.status, None
         except urllib.error.HTTPError as exc:
             return exc.code, _seconds(exc.headers.get("retry-after"))
-        except (OSError, ValueError) as exc:  # refused, reset, timed out, a name that does not resolve
+        # refused, reset, timed out, a name that does not resolve; an answer that is not HTTP (a TLS port
+        # asked in the clear), a header line too long
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             log.debug("webhook %s: %s", event_id, exc)
             return None, None
 

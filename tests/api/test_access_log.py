@@ -85,6 +85,18 @@ def test_a_path_with_a_line_break_or_quote_stays_one_line(tmp_path: Path, caplog
     assert "\n" not in line.string and '"' not in line["path"], line.string
 
 
+def test_an_image_url_s_secret_part_is_not_logged(tmp_path: Path, caplog) -> None:
+    """Its random part lets whoever holds the URL fetch the image: a log reader must not learn it."""
+    caplog.set_level(logging.INFO, "triptych_head.access")
+    with head(tmp_path) as c:
+        url = c.post(IMAGES, json={**BODY, "response_format": "url"}).json()["data"][0]["url"]
+        assert c.get(url).status_code == 200
+    secret = url.rsplit("-", 1)[1].split(".")[0]
+    fetched = [m for m in lines(caplog) if m["method"] == "GET"]
+    assert [m["path"] for m in fetched] == [url.rsplit("-", 1)[0].removeprefix("http://testserver") + "-REDACTED.png"]
+    assert not any(secret in r.getMessage() for r in caplog.records)
+
+
 def test_the_lines_are_written_under_a_quieter_log_level_too(tmp_path: Path, caplog) -> None:
     root, access = logging.getLogger(), logging.getLogger("triptych_head.access")
     level = root.level

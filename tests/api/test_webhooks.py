@@ -8,7 +8,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -296,3 +300,57 @@ def test_logs_show_the_url_without_its_token(caplog: pytest.LogCaptureFixture) -
             asyncio.run(run())
     assert "answered 400; not sent again" in caplog.text and hooks.url in caplog.text
     assert "s3cret" not in caplog.text
+
+
+@contextmanager
+def raw_receiver(answer: bytes) -> Iterator[tuple[str, list[bytes]]]:
+    """A receiver on loopback that answers every request with `answer`, bytes as they are (an answer
+    that is not well-formed HTTP); the requests it read."""
+    got: list[bytes] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                    data += chunk
+                got.append(data)
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/hook", got
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "attempts", "outcome"),
+    [
+        # a 2xx whose chunked body breaks off: the receiver said it took the event
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 1, "delivered"),
+        (b"NOT HTTP\r\n\r\n", 1 + len(FAST), "undelivered"),  # a TLS port asked in the clear, say
+        (b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 1 + len(FAST), "undelivered"),
+    ],
+    ids=["broken 2xx body", "not HTTP", "header too long"],
+)
+def test_an_answer_that_is_not_well_formed_http_counts_as_its_status_or_as_none(
+    answer: bytes, attempts: int, outcome: str, tmp_path: Path
+) -> None:
+    """Not an error that escapes the delivery: the event was adopted and sent again for ever, uncounted."""
+    with raw_receiver(answer) as (url, got):
+        [(a, registry), _] = heads(tmp_path, url)
+
+        async def run() -> None:
+            a.job_ended(JOB)
+            await a.close(10)
+
+        asyncio.run(run())
+    assert len(got) == attempts and outbox_files(tmp_path) == []
+    assert registry.get_sample_value("triptych_webhook_deliveries_total", {**DELIVERED, "outcome": outcome}) == 1

@@ -12,7 +12,14 @@ from collections.abc import Iterator
 import pytest
 from PIL import Image
 
-from triptych.reference import BadReference, check_reference_url, fetch_reference, open_reference, parse_networks
+from triptych.reference import (
+    BadReference,
+    _permitted,
+    check_reference_url,
+    fetch_reference,
+    open_reference,
+    parse_networks,
+)
 
 
 def png(width: int = 12, height: int = 10) -> bytes:
@@ -150,6 +157,21 @@ def test_urls_reach_public_addresses_and_the_listed_networks_only(base: str) -> 
         assert str(refused.value).startswith("image: ") and "--reference-url-networks" in str(refused.value)
     with pytest.raises(BadReference, match=r"::1, not a public address"):
         fetch_reference(f"{base}/to-ipv6-loopback", networks=LOOPBACK)  # allowed server, refused redirect
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["64:ff9b::7f00:1", "64:ff9b:1::7f00:1", "::ffff:0:7f00:1", "::7f00:1", "2002:c000:201::1", "fec0::1"],
+    ids=["NAT64", "local NAT64", "SIIT", "IPv4-compatible", "6to4", "site-local"],
+)
+def test_an_ipv6_address_carrying_a_private_ipv4_one_is_not_public(address: str) -> None:
+    """IPv6 addresses that a translating network (NAT64 on an IPv6-only cluster) or a tunnel turns into
+    the IPv4 address in their last bits (here 127.0.0.1 and 192.0.2.1) are judged by that address."""
+    with pytest.raises(BadReference, match="not a public address"):
+        fetch_reference(f"http://[{address}]:9/x.png", timeout=2)
+    public = address.replace("7f00:1", "808:808").replace("c000:201", "808:808")
+    if public != address:  # the same prefix around a public IPv4 address is public
+        assert _permitted(public, [])
 
 
 def test_network_lists_name_the_bad_entry() -> None:

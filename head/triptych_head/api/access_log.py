@@ -18,6 +18,7 @@ path, status, seconds, request_id, owner, ref).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from urllib.parse import quote
 
@@ -32,6 +33,8 @@ log = logging.getLogger("triptych_head.access")
 QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
 _ID_HEADER = REQUEST_ID_HEADER.lower().encode()
 _SHOWN = 200  # characters of a path or request id a line repeats
+# An image URL's random part is what lets its holder fetch it (ownership.py): never written to the log.
+_IMAGE_SECRET = re.compile(r"(/v1/files/images/[^/]*-)[0-9A-Fa-f]{16,}(\.[A-Za-z0-9]+)?$")
 
 
 class AccessLog:
@@ -86,7 +89,7 @@ def _shown_path(scope: Scope) -> str:
     quote, and one log line per request must stay one line."""
     raw = scope.get("raw_path")
     shown = raw.decode("latin-1") if isinstance(raw, bytes) else quote(scope.get("path", ""), safe="/")
-    return _shown(shown.split("?", 1)[0])
+    return _shown(_IMAGE_SECRET.sub(r"\1REDACTED\2", shown.split("?", 1)[0]))
 
 
 def _shown(text: str) -> str:
