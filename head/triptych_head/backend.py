@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -194,7 +195,11 @@ class LocalBackend:
         self._pipeline = pipeline
         self._after_request = after_request  # e.g. copy the pipeline's step cache counts to /metrics
         self._runner = PriorityRunner(aging_s)  # highest priority first, aged as the head's queues are
+        # Requests submitted and not ended, and those of them cancelled (their next step stops them):
+        # a cancel of one that ended is not kept for ever. The lock: the run's end is on the runner's thread.
+        self._live: set[str] = set()
         self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
 
     async def start(self) -> None:
         pass
@@ -224,17 +229,21 @@ class LocalBackend:
                 return self._pipeline.generate(params, progress, preview_every if on_event else 0)
             finally:
                 ran[0] = time.perf_counter() - began
-                self._cancelled.discard(request_id)
+                self._ended(request_id)
                 if self._after_request is not None:
                     self._after_request()
 
         started = loop.time()
+        with self._lock:
+            self._live.add(request_id)
         queued = self._runner.submit(run, priority)
         try:
             pixels = await asyncio.wrap_future(queued)
         except asyncio.CancelledError:  # the client went away: never run it, or stop at its next step
-            if not queued.cancel():  # it runs: progress raises at its next step
-                self._cancelled.add(request_id)
+            if queued.cancel():  # it never ran
+                self._ended(request_id)
+            else:  # it runs: progress raises at its next step
+                await self.cancel(request_id)
             raise
         except GenerationFailed:
             raise
@@ -248,7 +257,14 @@ class LocalBackend:
         return GenerationOutput(pixels=pixels, timings=timings, server_timing=server_timing({}, total))
 
     async def cancel(self, request_id: str) -> None:
-        self._cancelled.add(request_id)
+        with self._lock:
+            if request_id in self._live:
+                self._cancelled.add(request_id)
+
+    def _ended(self, request_id: str) -> None:
+        with self._lock:
+            self._live.discard(request_id)
+            self._cancelled.discard(request_id)
 
     async def close(self) -> None:
         self._runner.shutdown()
