@@ -129,6 +129,31 @@ def test_the_cache_unloads_the_least_recently_used_adapter_when_its_bytes_run_ou
     assert tight.loras.held() == ()
 
 
+def test_an_adapter_whose_catalogue_entry_names_another_file_is_loaded_again_from_it(tiny_models, tiny_loras) -> None:
+    pipeline = load_role_pipeline(str(tiny_models["tiny-flux"]), Role.MONOLITHIC, "cpu", 0, catalog(tiny_loras), GIB)
+    request = with_loras(IMAGE, ("flux-ink", 0.8))
+    before = pixels(pipeline, request)
+    moved = {**tiny_loras, "flux-ink": tiny_loras["flux-paper"]}  # the operator pointed `ink` at a new file
+    pipeline.loras.catalog = LoraCatalog({name: str(path) for name, path in moved.items()})
+    after = pixels(pipeline, request)
+    assert np.array_equal(after, stock(tiny_models["tiny-flux"], request, moved))
+    assert not np.array_equal(after, before), "the two files make the same pixels: the test proves nothing"
+
+
+def test_a_request_whose_adapter_fails_to_load_leaves_the_cache_within_its_bytes(tiny_models, tiny_loras) -> None:
+    roomy = load_role_pipeline(str(tiny_models["tiny-flux"]), Role.DENOISER, "cpu", 0, catalog(tiny_loras), GIB)
+    for name in ("flux-ink", "flux-paper"):
+        with roomy.loras.applied(with_loras(IMAGE, (name, 1.0))):
+            pass
+    room = max(roomy.loras.sizes().values())
+    tight = load_role_pipeline(str(tiny_models["tiny-flux"]), Role.DENOISER, "cpu", 0, catalog(tiny_loras), room)
+    for name in ("flux-ink", "flux-paper", "flux-ink"):  # a fresh adapter paired with one that cannot load
+        with pytest.raises(BadAdapter, match="gone"):
+            with tight.loras.applied(with_loras(IMAGE, (name, 1.0), ("gone", 1.0))):
+                pass
+        assert tight.loras.held_bytes() <= room, tight.loras.sizes()
+
+
 BAD = {
     "unknown": r"^loras: adapter 'unknown' is not in this denoiser's catalogue",
     "gone": r"^loras: adapter 'gone': .*no-such-adapter does not exist on this denoiser",

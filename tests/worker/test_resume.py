@@ -22,7 +22,7 @@ from triptych.params import GenerationParams
 from triptych.roles import Role
 from triptych_worker.batching import run_merged
 from triptych_worker.pipeline import RolePipeline, load_role_pipeline
-from triptych_worker.resume import RESUME, CannotResume, capture, restore
+from triptych_worker.resume import RESUME, CannotResume, capture, restore, start
 from triptych_worker.stages import PIXELS, StageBatch
 
 STEPS = 6
@@ -212,3 +212,25 @@ def test_a_malformed_continuation_state_is_refused_naming_it(name: str, change: 
         restore(scheduler, _broken(resume, change), tensors)
     scheduler.set_timesteps(4)
     assert restore(scheduler, resume, tensors) == 1
+
+
+@pytest.mark.parametrize("history", [1, 3], ids=["shorter", "longer"])
+def test_a_multistep_history_of_another_solver_order_is_refused_and_leaves_the_scheduler_clean(history: int) -> None:
+    """A continuation from a UniPC of another solver_order (or forged) is refused before any of it is
+    set, and a fresh schedule starts as a new scheduler does: the next request steps through its whole
+    schedule (a short history kept there made every later step() raise IndexError)."""
+    import diffusers
+
+    sender = diffusers.UniPCMultistepScheduler(solver_order=history)
+    sender.set_timesteps(4)
+    resume, tensors = capture(sender, 1)
+    receiver = diffusers.UniPCMultistepScheduler(solver_order=2)
+    receiver.set_timesteps(4)
+    with pytest.raises(CannotResume, match=r"meta\.resume\.scheduler is malformed .*solver_order"):
+        restore(receiver, resume, tensors)
+    receiver.timestep_list = [receiver.timesteps[0]]  # even one a partial restore left: start() clears it
+    receiver.set_timesteps(4)
+    assert start(receiver, StageBatch(GenerationParams("x", 8, 8)), {}) == 0
+    sample = torch.zeros(1, 4, 2, 2)
+    for t in receiver.timesteps:  # the whole schedule steps: no IndexError
+        sample = receiver.step(torch.ones_like(sample), t, sample).prev_sample

@@ -58,6 +58,7 @@ class LoraAdapters:
         self.catalog = catalog
         self.capacity_bytes = capacity_bytes
         self._held: OrderedDict[str, int] = OrderedDict()  # name -> bytes of its tensors
+        self._loaded_from: dict[str, str] = {}  # name -> the catalogue's source it was loaded from
         self._lock = threading.Lock()  # heartbeats read the names from another thread
         self.loads = 0
         self.evictions = 0
@@ -154,17 +155,26 @@ class LoraAdapters:
             )
 
     def _ensure(self, names: Sequence[str]) -> None:
-        """Load the adapters of `names` not loaded yet, then unload the least recently used others
-        until the cache fits its bytes."""
-        for name in names:
-            with self._lock:
-                if name in self._held:
-                    self._held.move_to_end(name)
+        """Load the adapters of `names` not loaded yet (or loaded from a file their catalogue entry no
+        longer names), then unload the least recently used others until the cache fits its bytes. A
+        load that fails still leaves the cache within its bytes (what loaded before it counts)."""
+        try:
+            for name in names:
+                source = self.catalog.source(name)
+                with self._lock:
+                    held = name in self._held
+                    if held and self._loaded_from.get(name) == source:
+                        self._held.move_to_end(name)
+                        continue
+                if held:  # its catalogue entry names another file now: what is loaded is not that adapter
+                    self._unload(name)
+                if name in self._no_part_here and self._no_part_here[name] == source:
                     continue
-            if name in self._no_part_here and self._no_part_here[name] == self.catalog.source(name):
-                continue
-            self._no_part_here.pop(name, None)  # its catalogue entry changed: look at the new one
-            self._load(name)
+                self._no_part_here.pop(name, None)  # its catalogue entry changed: look at the new one
+                self._load(name)
+        except BaseException:
+            self._evict(keep=set())
+            raise
         self._evict(keep={name for name in names if name in self.held()})
 
     def _load(self, name: str) -> None:
@@ -183,6 +193,8 @@ class LoraAdapters:
             self._load_into_text_encoders(name, source)
         if name in self._no_part_here:
             return
+        with self._lock:
+            self._loaded_from[name] = source
         self.loads += 1
         self._load_seconds += time.perf_counter() - started
         log.info("loaded LoRA adapter %s from %s (%d bytes)", name, source, self._held[name])
@@ -276,6 +288,7 @@ class LoraAdapters:
     def _unload(self, name: str) -> None:
         with self._lock:
             held = self._held.pop(name, None)
+            self._loaded_from.pop(name, None)
         self._in_text_encoders.discard(name)
         if held is not None:
             self.adapter.pipe.delete_adapters(name)
@@ -295,6 +308,7 @@ class LoraAdapters:
         with self._lock:
             self.evictions += len(self._held)
             self._held.clear()
+            self._loaded_from.clear()
         self._in_text_encoders.clear()
 
     def _drop_partial(self, name: str) -> None:

@@ -80,20 +80,27 @@ def _unipc_capture(scheduler: Any) -> tuple[dict[str, Any], dict[str, torch.Tens
 
 
 def _unipc_restore(scheduler: Any, scalars: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Checked whole before any of it is set: a continuation refused leaves the scheduler as it was."""
     import torch
 
     timesteps = scheduler.timesteps
-    held = scalars["model_outputs"]
-    scheduler.model_outputs = [tensors[f"{TENSOR_PREFIX}model_outputs.{i}"] if h else None for i, h in enumerate(held)]
+    held, listed = scalars["model_outputs"], scalars["timestep_list"]
+    order = int(scheduler.config.solver_order)
+    if not (isinstance(held, list) and isinstance(listed, list) and len(held) == len(listed) == order):
+        raise ValueError(f"a history of {order} steps (this scheduler's solver_order) was expected")
+    model_outputs = [tensors[f"{TENSOR_PREFIX}model_outputs.{i}"] if h else None for i, h in enumerate(held)]
     # The loop passes 0-d tensors of scheduler.timesteps to step(), which keeps them here.
-    scheduler.timestep_list = [
-        None if t is None else torch.tensor(t, dtype=timesteps.dtype, device=timesteps.device)
-        for t in scalars["timestep_list"]
+    timestep_list = [
+        None if t is None else torch.tensor(t, dtype=timesteps.dtype, device=timesteps.device) for t in listed
     ]
+    lower_order_nums, this_order = int(scalars["lower_order_nums"]), scalars["this_order"]
+    if not 0 <= lower_order_nums <= order or not (this_order is None or 1 <= int(this_order) <= order):
+        raise ValueError(f"lower_order_nums {lower_order_nums} / this_order {this_order} past solver_order {order}")
+    scheduler.model_outputs, scheduler.timestep_list = model_outputs, timestep_list
     scheduler.last_sample = tensors.get(f"{TENSOR_PREFIX}last_sample")
-    scheduler.lower_order_nums = scalars["lower_order_nums"]
-    if scalars["this_order"] is not None:
-        scheduler.this_order = scalars["this_order"]
+    scheduler.lower_order_nums = lower_order_nums
+    if this_order is not None:
+        scheduler.this_order = int(this_order)
 
 
 Capture = Callable[[Any], tuple[dict[str, Any], dict[str, "torch.Tensor"]]]
@@ -159,6 +166,9 @@ def start(scheduler: Any, batch: StageBatch, tensors: dict[str, torch.Tensor]) -
     resume = batch.meta.pop(RESUME, None)
     if resume is None:
         scheduler.set_begin_index(0)
+        if hasattr(scheduler, "timestep_list"):  # UniPC: set_timesteps resets its history but this list,
+            # which a continuation restored here replaces: a fresh schedule starts as a new scheduler does
+            scheduler.timestep_list = [None] * scheduler.config.solver_order
         return 0
     return restore(scheduler, resume, tensors)
 
