@@ -393,8 +393,10 @@ async def _apply_children(
             if live is None:
                 if applied is not None and applied.desired == desired:
                     continue  # applied by us and not deleted since (that drops the record): the watch lags
-                # Not ours to know: someone else's object may hold the name (get_managed refuses it then).
-                live = await kube.run(kube.get_managed, manifest["apiVersion"], kind, name, meta["namespace"])
+                # Not ours to know: someone else's object, or another pipeline's, may hold the name.
+                live = await kube.run(
+                    kube.get_managed, manifest["apiVersion"], kind, name, meta["namespace"], meta["name"]
+                )
             if not drift.needs_apply(manifest, live, applied):
                 if live is not None:  # as it should be: remember this version, so its next look is free
                     state.applied[(kind, name)] = drift.record(manifest, live, desired)

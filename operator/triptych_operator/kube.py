@@ -31,7 +31,7 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError
 from kubernetes.utils import quantity
 
-from triptych_operator.constants import GROUP, KIND, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
+from triptych_operator.constants import GROUP, KIND, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
 
 API_CONCURRENCY = 16  # requests in flight at once
 HANDOVER_MANAGER = f"{MANAGER}-handover"  # holds a Deployment's replicas from the operator's last apply to its HPA
@@ -90,17 +90,27 @@ def _get(api_version: str, kind: str, name: str, namespace: str, *, cached: bool
         return None
 
 
-def get_managed(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-    """The live object, or None; ApplyError when one exists that the operator does not manage.
+def get_managed(api_version: str, kind: str, name: str, namespace: str, pipeline: str) -> dict[str, Any] | None:
+    """The live object, or None; ApplyError when one exists that the operator does not manage, or
+    manages for another pipeline than `pipeline`.
 
     Read from the API server's cache: a new pipeline asks this of every child, and the answer only
     decides whether a name is taken by someone else's object (and whether the apply creates).
     """
     live = _get(api_version, kind, name, namespace, cached=True)
-    if live is not None and (live["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGER:
+    labels = (live or {}).get("metadata", {}).get("labels") or {}
+    if live is not None and labels.get(LABEL_MANAGED_BY) != MANAGER:
         # Never take over someone else's object that happens to have the name we need.
         raise ApplyError(
             f"{kind} {name} already exists and is not managed by {MANAGER}; rename the pipeline or remove that object"
+        )
+    owner = labels.get(LABEL_INSTANCE)
+    if live is not None and owner != pipeline:
+        # Two names can render one object: svc's split prompt encoder and svc-prompt's combined encoder are
+        # both svc-prompt-encoder. The pipeline that has it keeps it; two applying it would fight over it.
+        raise ApplyError(
+            f"{kind} {name} already belongs to DiffusionPipeline {owner}: metadata.name {pipeline!r} renders the "
+            f"same name for one of its objects; rename this pipeline"
         )
     return live
 

@@ -235,6 +235,19 @@ def test_the_heads_ca_reaches_the_metrics_api_as_the_file_its_flag_names(helm_bi
     assert ("ConfigMap", f"{METRICS}-heads-ca") not in default
 
 
+@pytest.mark.parametrize(
+    "bundle",
+    ["-----BEGIN CERTIFICATE-----MIIB-----END CERTIFICATE-----", "not base64!", base64.b64encode(b"MIIB").decode()],
+    ids=["plain-pem", "not-base64", "base64-of-no-pem"],
+)
+def test_a_heads_ca_that_is_not_base64_pem_is_refused_naming_the_value(helm_bin: Path, bundle: str) -> None:
+    """A metrics API handed garbage as its --head-ca-file would crash-loop: refuse it at install instead."""
+    flags = ["template", "rel", str(CHART), "--set-string", f"metricsApi.headsCABundle={bundle}"]
+    proc = subprocess.run([str(helm_bin), *flags], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode != 0, proc.stdout
+    assert "metricsApi.headsCABundle must be the base64 of the heads' CA certificate in PEM" in proc.stderr
+
+
 def test_metrics_api_rbac_follows_the_extension_apiserver_convention(helm_bin: Path) -> None:
     objs = by_kind_name(render(helm_bin))
     sa = {"kind": "ServiceAccount", "name": METRICS, "namespace": "ops"}
@@ -273,22 +286,26 @@ def test_a_users_certificate_secret_comes_with_its_ca(helm_bin: Path) -> None:
     assert proc.returncode != 0 and "metricsApi.tls.caBundle" in proc.stderr
 
 
+def series_matcher(series_query: str) -> re.Pattern[str]:
+    """The metric names a prometheus-adapter rule's seriesQuery selects (`__name__=~"..."` or `__name__="..."`)."""
+    found = re.search(r'__name__(=~?)"([^"]+)"', series_query)
+    assert found is not None, series_query
+    return re.compile(found.group(2) if found.group(1) == "=~" else re.escape(found.group(2)))
+
+
 def test_prometheus_alternative_yields_the_same_metric_names(helm_bin: Path) -> None:
     sets = ("metricsApi.enabled=false", "monitoring.podMonitor.enabled=true",
             "metricsApi.prometheus.adapterRules.enabled=true")  # fmt: skip
     objs = by_kind_name(render(helm_bin, *sets, api_versions=[PROMETHEUS_OPERATOR]))
     monitor = objs[("PodMonitor", "rel-triptych-heads")]["spec"]
     assert monitor["selector"]["matchLabels"]["app.kubernetes.io/component"] == "head"
-    [relabel] = monitor["podMetricsEndpoints"][0]["metricRelabelings"]
-    assert relabel["targetLabel"] == "deployment" and relabel["replacement"] == "${1}-${2}"
-    [rule] = yaml.safe_load(objs[("ConfigMap", "rel-triptych-prometheus-adapter-rules")]["data"]["config.yaml"])[
-        "rules"
-    ]
-    assert rule["resources"]["overrides"]["deployment"] == {"group": "apps", "resource": "deployment"}
-    served = re.compile(rule["name"]["matches"])
-    series = re.compile(re.search(r'__name__=~"([^"]+)"', rule["seriesQuery"]).group(1))  # type: ignore[union-attr]
+    # The deployment label's values: test_chart_monitoring.py applies the relabelings.
+    assert {r["targetLabel"] for r in monitor["podMetricsEndpoints"][0]["metricRelabelings"]} == {"deployment"}
+    rules = yaml.safe_load(objs[("ConfigMap", "rel-triptych-prometheus-adapter-rules")]["data"]["config.yaml"])["rules"]
     for metric, gauge in HEAD_GAUGES.items():
-        assert series.fullmatch(gauge), gauge
+        [rule] = [r for r in rules if series_matcher(r["seriesQuery"]).fullmatch(gauge)]
+        assert rule["resources"]["overrides"]["deployment"] == {"group": "apps", "resource": "deployment"}
+        served = re.compile(rule["name"]["matches"])
         assert served.sub(rule["name"]["as"].replace("${1}", r"\1"), gauge) == metric
 
 

@@ -11,11 +11,15 @@ from typing import Any
 
 import promql_parser
 import pytest
+import yaml
 
-from tests.operator.test_chart import CHART, PROMETHEUS_OPERATOR, by_kind_name, helm_bin, render
+from tests.operator.helpers import minimal_spec, pipeline
+from tests.operator.test_chart import CHART, PROMETHEUS_OPERATOR, by_kind_name, helm_bin, render, series_matcher
 from triptych_head.metrics import HeadMetrics
+from triptych_operator import manifests
 from triptych_operator.dashboard import DASHBOARD_FILE, dashboard
 from triptych_operator.dashboard import render as render_dashboard
+from triptych_operator.metrics_api.prometheus import HEAD_GAUGES, SHARED_VIEW_METRICS
 
 __all__ = ["helm_bin"]  # the fixture, shared with test_chart.py
 
@@ -157,3 +161,87 @@ def test_what_every_head_reports_of_the_same_workers_is_not_summed_over_the_head
                    "triptych_transfer_pool_free_bytes"):  # fmt: skip
         (expr,) = [e for e in exprs if metric in e]
         assert expr.startswith("max by ("), expr
+
+
+def relabel(rules: list[dict[str, Any]], labels: dict[str, str]) -> dict[str, str]:
+    """`labels` after Prometheus's `replace` relabelings: the source labels' values joined by the separator,
+    the regex matched against the whole string, ${n} in the replacement the n-th group's text."""
+    out = dict(labels)
+    for rule in rules:
+        assert rule.get("action", "replace") == "replace", rule
+        value = rule.get("separator", ";").join(out.get(name, "") for name in rule["sourceLabels"])
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if match is None:
+            continue
+        groups = match.groups()
+
+        def group(ref: re.Match[str], groups: tuple[str | None, ...] = groups) -> str:
+            return groups[int(ref.group(1) or ref.group(2)) - 1] or ""
+
+        result = re.sub(r"\$\{(\d+)\}|\$(\d+)", group, rule.get("replacement", "$1"))
+        if result:
+            out[rule["targetLabel"]] = result
+        else:
+            out.pop(rule["targetLabel"], None)
+    return out
+
+
+def test_the_relabel_mimic_follows_prometheus() -> None:
+    rule = {"sourceLabels": ["a", "b"], "regex": "(.+);(.+)", "targetLabel": "t", "replacement": "${1}-${2}"}
+    assert relabel([rule], {"a": "x", "b": "y"})["t"] == "x-y"
+    assert "t" not in relabel([rule], {"a": "x"})  # "x;" does not match the whole regex: left alone
+    assert "t" not in relabel([{**rule, "regex": "(.)"}], {"a": "xy", "b": "z"})  # anchored, as Prometheus's
+
+
+@pytest.mark.parametrize("value", sorted(MONITORS))
+@pytest.mark.parametrize(
+    "spec",
+    [minimal_spec(), minimal_spec(promptEncoder={}, imageEncoder={})],
+    ids=["combined-encoder", "split-encoders"],
+)
+def test_per_role_series_are_labelled_with_the_roles_real_deployment_name(
+    helm_bin: Path, value: str, spec: dict[str, Any]
+) -> None:
+    """The adapter finds a Deployment by the `deployment` label: it must be the name the operator gives it."""
+    kind, key = MONITORS[value], "podMetricsEndpoints" if value == "podMonitor" else "endpoints"
+    monitor = by_kind_name(render(helm_bin, f"monitoring.{value}.enabled=true", api_versions=[PROMETHEUS_OPERATOR]))
+    flux = pipeline(spec, name="flux")
+    deployments = {m["metadata"]["name"] for m in manifests.render(flux).apply if m["kind"] == "Deployment"} - {
+        "flux-head"
+    }
+    for endpoint in monitor[(kind, "rel-triptych-heads")]["spec"][key]:
+        # What the head exports per role (label role=<Role.value>), with the pipeline's name copied on.
+        labelled = {
+            relabel(endpoint["metricRelabelings"], {"app_kubernetes_io_instance": "flux", "role": role.value})[
+                "deployment"
+            ]
+            for role in flux.roles
+        }
+        assert labelled == deployments
+        assert "deployment" not in relabel(endpoint["metricRelabelings"], {"app_kubernetes_io_instance": "flux"})
+
+
+def adapter_rules(helm_bin: Path) -> list[dict[str, Any]]:
+    sets = ("metricsApi.enabled=false", "metricsApi.prometheus.adapterRules.enabled=true")
+    config_map = by_kind_name(render(helm_bin, *sets))[("ConfigMap", "rel-triptych-prometheus-adapter-rules")]
+    rules: list[dict[str, Any]] = yaml.safe_load(config_map["data"]["config.yaml"])["rules"]
+    return rules
+
+
+def test_the_adapter_combines_each_metric_over_the_heads_as_the_metrics_api_does(helm_bin: Path) -> None:
+    """Every head sees the same workers (ready instances: the max), but counts only its own requests (summed)."""
+    rules = adapter_rules(helm_bin)
+    for metric, gauge in HEAD_GAUGES.items():
+        matching = [r for r in rules if series_matcher(r["seriesQuery"]).fullmatch(gauge)]
+        assert len(matching) == 1, f"{gauge} is in {len(matching)} rules"
+        # The adapter's template placeholders stand for a selector and labels: give it some, parse it.
+        query = (
+            matching[0]["metricsQuery"]
+            .replace("<<.Series>>", gauge)
+            .replace("<<.LabelMatchers>>", 'namespace="ml",deployment="flux-denoiser"')
+            .replace("<<.GroupBy>>", "deployment")
+        )
+        tree = promql_parser.parse(query)
+        assert isinstance(tree, promql_parser.AggregateExpr), query
+        assert str(tree.op) == ("max" if metric in SHARED_VIEW_METRICS else "sum"), query
+        assert metric_names(query) == {gauge}

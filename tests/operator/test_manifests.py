@@ -134,16 +134,33 @@ def test_a_cpu_role_keeps_the_users_own_tolerations() -> None:
     assert GPU_RESOURCE not in pod["containers"][0].get("resources", {}).get("limits", {})
 
 
-def test_worker_pod_has_ipc_lock_shm_pod_ip_and_model_volume() -> None:
+def test_worker_pod_has_shm_pod_ip_and_model_volume() -> None:
     pod = children()[("Deployment", "wan-t2v-decoder")]["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
     assert {"name": "shm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
     assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
     assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [minimal_spec(transfer={"mode": "rdma", "ibDevice": "mlx5_0"}), minimal_spec(fullPipeline={})],
+    ids=["rdma-roles", "full-pipeline"],
+)
+def test_heads_and_workers_run_without_capabilities_token_or_unfiltered_syscalls(spec: dict[str, Any]) -> None:
+    """Pod Security "restricted"'s pod and container settings; neither calls the Kubernetes API."""
+    deployments = [obj for key, obj in children(spec).items() if key[0] == "Deployment"]
+    assert len(deployments) > 1
+    for deployment in deployments:
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False, deployment["metadata"]["name"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in pod["containers"]:
+            assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
 def test_a_multi_gpu_role_gets_a_master_port_loopback_collectives_and_shm_for_its_ranks() -> None:

@@ -27,10 +27,10 @@ from triptych_operator.metrics_api.prometheus import add, parse_role_gauges
 from triptych_operator.metrics_api.server import build_app, quantity
 from triptych_operator.metrics_api.source import (
     HeadMetricsSource,
+    deployment_name_splits,
     heads_tls,
     http_fetcher,
     ready_addresses,
-    split_deployment_name,
 )
 
 HEAD_PAGE = """\
@@ -74,11 +74,15 @@ def test_quantities_are_kubernetes_quantities() -> None:
     assert [quantity(v) for v in (0, 3, 42.5, 0.0004, 1234.5678)] == ["0", "3", "42500m", "0", "1234568m"]
 
 
-def test_deployment_names_map_to_pipeline_and_role() -> None:
-    assert split_deployment_name("flux-denoiser") == ("flux", "denoiser")
-    assert split_deployment_name("my-flux-encoder") == ("my-flux", "encoder")
-    assert split_deployment_name("flux-head") is None
-    assert split_deployment_name("-decoder") is None
+def test_deployment_names_split_every_way_a_pipeline_and_role_render_them() -> None:
+    assert deployment_name_splits("flux-denoiser") == [("flux", "denoiser")]
+    assert deployment_name_splits("my-flux-encoder") == [("my-flux", "encoder")]
+    assert sorted(deployment_name_splits("svc-prompt-encoder")) == [
+        ("svc", "prompt_encoder"),
+        ("svc-prompt", "encoder"),
+    ]
+    assert deployment_name_splits("flux-head") == []
+    assert deployment_name_splits("-decoder") == []
 
 
 def test_only_ready_endpoints_are_heads() -> None:
@@ -101,17 +105,29 @@ class FakeReader:
         return self.pipelines.get(name)
 
     def list_pipelines(self, namespace: str) -> list[Mapping[str, Any]]:
+        if "unlistable" in self.pipelines:
+            raise ConnectionError("the API server did not answer")
         return list(self.pipelines.values())
 
     def ready_addresses(self, namespace: str, service: str) -> list[str]:
         return self.endpoints.get(service, [])
 
 
-def pipeline(name: str, url: str | None = None, port: int | None = None, tls: bool = False) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": "ml"}
+def pipeline(
+    name: str,
+    url: str | None = None,
+    port: int | None = None,
+    tls: bool = False,
+    *,
+    pools: tuple[str, ...] = (),
+    created: str = "2025-01-01T00:00:00Z",
+) -> dict[str, Any]:
+    """A stored DiffusionPipeline; `pools`: the role fields its spec declares (promptEncoder, ...)."""
+    meta: dict[str, Any] = {"name": name, "namespace": "ml", "creationTimestamp": created}
     if url:
         meta["annotations"] = {HEAD_METRICS_URL_ANNOTATION: url}
     spec: dict[str, Any] = {"head": {"port": port}} if port else {}
+    spec.update({field: {"replicas": 1} for field in pools})
     if tls:
         spec["head"]["tls"] = {"secretName": f"{name}-head-tls"}
     return {"metadata": meta, "spec": spec}
@@ -371,6 +387,78 @@ def test_v1beta1_and_a_list_over_all_deployments(api: Api) -> None:
         ("flux-denoiser", "triptych_queued_requests", "7")
     ]
     assert api.reviews[0]["resourceAttributes"]["verb"] == "list"
+
+
+SPLIT_HEAD_PAGE = """\
+triptych_role_pending_work_seconds{role="prompt_encoder"} 3.0
+triptych_role_pending_work_seconds{role="image_encoder"} 1.5
+triptych_role_pending_work_seconds{role="denoiser"} 40.0
+"""
+COMBINED_HEAD_PAGE = """\
+triptych_role_pending_work_seconds{role="encoder"} 2.0
+triptych_role_pending_work_seconds{role="denoiser"} 20.0
+"""
+
+
+def _pending_work(api: Api, deployment: str) -> tuple[int, Any]:
+    path = GROUP_PATH + f"/v1beta2/namespaces/ml/deployments.apps/{deployment}/triptych_pending_work_seconds"
+    return asyncio.run(api.get(path))
+
+
+def test_a_combined_encoder_of_a_pipeline_named_like_a_split_encoder_is_found(
+    pki: dict[str, Path], heads: Heads
+) -> None:
+    """`svc-prompt-encoder` is svc-prompt's combined encoder when no pipeline svc runs a prompt encoder."""
+    url = f"http://127.0.0.1:{heads.start(COMBINED_HEAD_PAGE)}/metrics"
+    api = Api(pki, FakeReader({"svc-prompt": pipeline("svc-prompt", url=url)}))
+    code, body = _pending_work(api, "svc-prompt-encoder")
+    assert code == 200, body
+    [item] = body["items"]
+    assert (item["describedObject"]["name"], item["value"]) == ("svc-prompt-encoder", "2")
+
+
+def test_of_two_pipelines_rendering_one_deployment_name_the_one_running_that_role_and_older_has_it(
+    pki: dict[str, Path], heads: Heads
+) -> None:
+    split = f"http://127.0.0.1:{heads.start(SPLIT_HEAD_PAGE)}/metrics"
+    combined = f"http://127.0.0.1:{heads.start(COMBINED_HEAD_PAGE)}/metrics"
+    svc = pipeline("svc", url=split, pools=("promptEncoder", "imageEncoder"), created="2025-01-01T00:00:00Z")
+    # A pipeline svc without split encoders does not run svc-prompt-encoder: svc-prompt's encoder is meant.
+    plain_svc = pipeline("svc", url=split, created="2025-01-01T00:00:00Z")
+    svc_prompt = pipeline("svc-prompt", url=combined, created="2025-01-02T00:00:00Z")
+    api = Api(pki, FakeReader({"svc": plain_svc, "svc-prompt": svc_prompt}))
+    code, body = _pending_work(api, "svc-prompt-encoder")
+    assert code == 200 and body["items"][0]["value"] == "2", body
+    # Both run it: the operator gave the name to the older pipeline (the newer one is Degraded).
+    api = Api(pki, FakeReader({"svc": svc, "svc-prompt": svc_prompt}))
+    code, body = _pending_work(api, "svc-prompt-encoder")
+    assert code == 200 and body["items"][0]["value"] == "3", body
+    older_combined = pipeline("svc-prompt", url=combined, created="2024-12-31T00:00:00Z")
+    api = Api(pki, FakeReader({"svc": svc, "svc-prompt": older_combined}))
+    code, body = _pending_work(api, "svc-prompt-encoder")
+    assert code == 200 and body["items"][0]["value"] == "2", body
+
+
+def test_a_list_names_split_encoders_by_their_deployments(pki: dict[str, Path], heads: Heads) -> None:
+    url = f"http://127.0.0.1:{heads.start(SPLIT_HEAD_PAGE)}/metrics"
+    api = Api(pki, FakeReader({"flux": pipeline("flux", url=url, pools=("promptEncoder", "imageEncoder"))}))
+    code, body = _pending_work(api, "*")
+    assert code == 200, body
+    assert sorted(i["describedObject"]["name"] for i in body["items"]) == [
+        "flux-denoiser",
+        "flux-image-encoder",
+        "flux-prompt-encoder",
+    ]
+    code, body = _pending_work(api, "flux-prompt-encoder")
+    assert code == 200 and body["items"][0]["value"] == "3", body
+
+
+def test_when_the_pipelines_cannot_be_listed_a_list_is_refused_with_a_503_status(pki: dict[str, Path]) -> None:
+    api = Api(pki, FakeReader({"unlistable": pipeline("unlistable")}))
+    code, body = _pending_work(api, "*")
+    assert code == 503, body
+    assert body["kind"] == "Status" and body["reason"] == "ServiceUnavailable", body
+    assert "cannot list the DiffusionPipelines of ml" in body["message"]
 
 
 def test_discovery_lists_the_metrics_per_deployment(api: Api) -> None:

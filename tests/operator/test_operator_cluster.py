@@ -179,7 +179,7 @@ def test_rdma_pipeline_pins_gpus_and_rdma_devices(crd: KubeCluster, kube_namespa
     )
     denoiser = container(deployments["Deployment/wan-denoiser"])
     assert denoiser["resources"]["limits"] == {"nvidia.com/gpu": "4", "rdma/ib": "1"}
-    assert denoiser["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert denoiser["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     args = denoiser["args"]
     for flag, value in [("--disagg-ib-device", "mlx5_0"), ("--num-gpus", "4"), ("--denoiser-ulysses", "2")]:
         assert args[args.index(flag) + 1] == value
@@ -550,6 +550,26 @@ def test_an_object_in_the_way_is_reported_not_taken_over(
     wait_phase(crd, ns, "clash", "Ready", timeout=120)  # the handler retries
     ours = get(crd, ns, "service", "clash-api")
     assert ours is not None and ours["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "triptych-operator"
+
+
+def test_a_pipeline_whose_object_name_another_pipeline_has_is_reported_not_fought_over(
+    crd: KubeCluster, kube_namespace: str, operator: KopfRunner
+) -> None:
+    """svc's split prompt encoder and svc-prompt's combined encoder are both Deployment svc-prompt-encoder."""
+    ns = kube_namespace
+    split = pipeline_manifest("svc", promptEncoder={"gpusPerReplica": 0}, imageEncoder={"gpusPerReplica": 0})
+    del split["spec"]["encoder"]
+    apply(crd, ns, split)
+    wait_phase(crd, ns, "svc", "Ready")
+    apply(crd, ns, pipeline_manifest("svc-prompt"))
+    degraded = condition(wait_phase(crd, ns, "svc-prompt", "Degraded"), "Degraded")
+    assert degraded["reason"] == "ApplyFailed"
+    assert (
+        "svc-prompt-encoder already belongs to DiffusionPipeline svc: metadata.name 'svc-prompt'" in degraded["message"]
+    )
+    theirs = get(crd, ns, "deployment", "svc-prompt-encoder")
+    assert theirs is not None and theirs["metadata"]["labels"]["app.kubernetes.io/instance"] == "svc"
+    assert [ref["name"] for ref in theirs["metadata"]["ownerReferences"]] == ["svc"]
 
 
 def test_helm_install_reconciles_the_example_and_uninstall_cleans_up(

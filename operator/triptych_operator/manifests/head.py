@@ -23,6 +23,7 @@ from triptych_operator.manifests.parts import (
     PROGRESS_DEADLINE_S,
     Manifest,
     container_resources,
+    container_security,
     control_keys_volume,
     labels,
     lora_catalog_volume,
@@ -178,7 +179,7 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
         "env": merged_env([*model_env, *head_results_env(pipeline)], head.env),
         "ports": _head_ports(pipeline),
         "resources": container_resources(head.resources, {}),
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": container_security(),
         "volumeMounts": [*mounts, {"name": "outputs", "mountPath": OUTPUT_MOUNT}, keys_mount, *api_key_mounts],
         **_headstandard_probes(pipeline),
         # Deleted, it keeps serving while every Service and proxy stops routing to it; SIGTERM (the
@@ -187,6 +188,7 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
     }
     pod_spec: Manifest = {
         "securityContext": pod_security(),
+        "automountServiceAccountToken": False,  # the head never calls the Kubernetes API (it finds workers by DNS)
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": head_termination_grace_seconds(pipeline),
         "containers": [container],

@@ -21,6 +21,7 @@ from triptych_operator.manifests.parts import (
     Manifest,
     ObjectRef,
     container_resources,
+    container_security,
     control_keys_volume,
     labels,
     lora_catalog_volume,
@@ -88,11 +89,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
         ],
         "ports": [{"name": "work", "containerPort": WORKER_PORT, "protocol": "TCP"}],
         "resources": container_resources(spec.resources, extended),
-        # Mooncake registers (pins) transfer buffers, which needs locked memory.
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            **({"capabilities": {"add": ["IPC_LOCK"]}} if moves_tensors else {}),
-        },
+        "securityContext": container_security(),
         # A refused start-up ends the log with one line naming the flag; the status shows it (and its CR field).
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [*mounts, {"name": "shm", "mountPath": SHM_MOUNT}, keys_mount],
@@ -105,6 +102,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
     tolerations = [*([gpu_toleration] if spec.gpus_per_replica else []), *spec.tolerations]
     pod_spec: Manifest = {
         "securityContext": pod_security(),
+        "automountServiceAccountToken": False,  # a worker never calls the Kubernetes API
         "enableServiceLinks": False,
         # SIGTERM starts the worker's drain (no new work, finish and push what it holds, exit 0); the
         # kubelet kills it this much later. A terminating pod leaves the headless Service's ready

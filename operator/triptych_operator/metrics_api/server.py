@@ -3,7 +3,8 @@
     GET /apis/custom.metrics.k8s.io/v1beta2/namespaces/NS/deployments.apps/NAME/METRIC
     GET /apis/custom.metrics.k8s.io/v1beta2/namespaces/NS/deployments.apps/*/METRIC
 
-return a MetricValueList (one item per Deployment). NAME is `<pipeline>-<role>`; METRIC one of
+return a MetricValueList (one item per Deployment). NAME is `<pipeline>-<role>` (source.deployment_role
+finds which pipeline's, when it splits two ways); METRIC one of
 prometheus.HEAD_GAUGES. `metricLabelSelector` is accepted and ignored: each metric has one
 series per Deployment. v1beta1 is served too (the HPA prefers v1beta2).
 """
@@ -20,8 +21,7 @@ from aiohttp import web
 from triptych_operator.constants import API_TIME_FORMAT, CUSTOM_METRICS_GROUP
 from triptych_operator.metrics_api.auth import Authorizer, RequestHeaderConfig, authenticate, resource_attributes
 from triptych_operator.metrics_api.prometheus import HEAD_GAUGES
-from triptych_operator.metrics_api.source import HeadMetricsSource, split_deployment_name
-from triptych_operator.serve_args import object_name
+from triptych_operator.metrics_api.source import HeadMetricsSource, role_deployment_name
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +151,16 @@ async def _metric(request: web.Request) -> web.Response:
     source = request.app[_source_key]
     targets: list[tuple[str, str | None]]
     if name == "*":
-        targets = [(p, None) for p in await source.pipelines(namespace)]
+        try:
+            targets = [(p, None) for p in await source.pipelines(namespace)]
+        except Exception as exc:  # the API server did not answer the list: say so, as for a failed review
+            log.warning("listing the DiffusionPipelines of %s failed: %s", namespace, exc)
+            return status(503, "ServiceUnavailable", f"cannot list the DiffusionPipelines of {namespace}: {exc}")
     else:
-        parsed = split_deployment_name(name)
-        if parsed is None:
+        owner = await source.deployment_role(namespace, name)
+        if owner is None:
             return status(404, "NotFound", f"deployments.apps/{name} is not a DiffusionPipeline role's Deployment")
-        targets = [(parsed[0], parsed[1])]
+        targets = [owner]
     items = []
     for pipeline, only_role in targets:
         found = await source.role_values(namespace, pipeline)
@@ -165,7 +169,7 @@ async def _metric(request: web.Request) -> web.Response:
         values, at = found
         for role, metrics in sorted(values.items()):
             if (only_role is None or role == only_role) and metric in metrics:
-                deployment = object_name(pipeline, role)
+                deployment = role_deployment_name(pipeline, role)
                 items.append(metric_value(version, namespace, deployment, metric, metrics[metric], at))
     if name != "*" and not items:
         return status(

@@ -1,6 +1,8 @@
 """Where the numbers come from: each pipeline's head(s), scraped on demand and cached briefly.
 
-A metric request names a Deployment `<pipeline>-<role>`; the pipeline's heads are found at the
+A metric request names a Deployment `<pipeline>-<role>`: of the ways to split its name (`svc-prompt-encoder`
+is svc's prompt encoder or svc-prompt's combined encoder), the pipeline that exists and runs that role
+is the one meant. The pipeline's heads are found at the
 ready endpoints of its `<pipeline>-head` Service (EndpointSlices), or at the URLs of the
 `triptych.ai/head-metrics-url` annotation. Values are summed over the heads. When a head cannot
 be scraped the metrics are absent (the HPA then holds its replica count) and this is logged once
@@ -34,6 +36,7 @@ from triptych_operator.constants import (
 )
 from triptych_operator.metrics_api.prometheus import RoleValues, add, parse_role_gauges
 from triptych_operator.serve_args import object_name
+from triptych_operator.spec.rules import pool_roles
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +62,21 @@ class PipelineReader(Protocol):
 Fetch = Callable[[str, str | None], Awaitable[str]]
 
 
-def split_deployment_name(name: str) -> tuple[str, str] | None:
-    """`flux-denoiser` -> (`flux`, `denoiser`), `flux-prompt-encoder` -> (`flux`, `prompt_encoder`): the
-    role as the head's metrics label it; None when it is no role's Deployment name."""
-    for role in sorted(PIPELINE_ROLES, key=lambda r: -len(r.dns_name)):  # prompt-encoder before encoder
+def deployment_name_splits(name: str) -> list[tuple[str, str]]:
+    """Every (pipeline, role) whose Deployment `name` may be, the role as the head's metrics label it:
+    `flux-denoiser` -> [(`flux`, `denoiser`)]; `svc-prompt-encoder` -> [(`svc`, `prompt_encoder`),
+    (`svc-prompt`, `encoder`)] (svc's split prompt encoder, or svc-prompt's combined encoder)."""
+    splits = []
+    for role in PIPELINE_ROLES:
         suffix = f"-{role.dns_name}"
         if name.endswith(suffix) and len(name) > len(suffix):
-            return name.removesuffix(suffix), role.value
-    return None
+            splits.append((name.removesuffix(suffix), role.value))
+    return splits
+
+
+def role_deployment_name(pipeline: str, role: str) -> str:
+    """The Deployment of a role the head's metrics label `prompt_encoder`: `<pipeline>-prompt-encoder`."""
+    return object_name(pipeline, role.replace("_", "-"))
 
 
 def _head_spec(pipeline: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -102,6 +112,8 @@ class _Entry:
     values: RoleValues | None
     at: float
     timestamp: float
+    roles: frozenset[str]  # the roles its spec runs pools for (labels: prompt_encoder); none when it is absent
+    created: str  # its metadata.creationTimestamp: of two pipelines rendering one name, the older has it
 
 
 class HeadMetricsSource:
@@ -125,6 +137,21 @@ class HeadMetricsSource:
 
     async def role_values(self, namespace: str, pipeline: str) -> tuple[RoleValues, float] | None:
         """(role -> metric -> value, unix time of the scrape), or None when the pipeline or its heads are not there."""
+        entry = await self._entry(namespace, pipeline)
+        return None if entry.values is None else (entry.values, entry.timestamp)
+
+    async def deployment_role(self, namespace: str, name: str) -> tuple[str, str] | None:
+        """The (pipeline, role label) whose Deployment `name` is: of its splits (deployment_name_splits), the
+        one whose pipeline exists and runs that role. Should two (`svc`'s split prompt encoder and
+        `svc-prompt`'s combined encoder) the older pipeline's: the operator refuses the name to the newer."""
+        owners = []
+        for pipeline, role in deployment_name_splits(name):
+            entry = await self._entry(namespace, pipeline)
+            if role in entry.roles:
+                owners.append((entry.created, pipeline, role))
+        return min(owners)[1:] if owners else None
+
+    async def _entry(self, namespace: str, pipeline: str) -> _Entry:
         key = (namespace, pipeline)
         if len(self._cache) > MAX_CACHED_PIPELINES:
             self._forget_stale()
@@ -132,9 +159,10 @@ class HeadMetricsSource:
         async with lock:  # one scrape per pipeline at a time; the others reuse its result
             entry = self._cache.get(key)
             if entry is None or self.clock() - entry.at >= self.cache_seconds:
-                entry = _Entry(await self._scrape(namespace, pipeline), self.clock(), time.time())
+                values, roles, created = await self._scrape(namespace, pipeline)
+                entry = _Entry(values, self.clock(), time.time(), roles, created)
                 self._cache[key] = entry
-        return None if entry.values is None else (entry.values, entry.timestamp)
+        return entry
 
     def _forget_stale(self) -> None:
         """Drop expired entries (deleted pipelines, names nobody asks about any more)."""
@@ -149,11 +177,16 @@ class HeadMetricsSource:
         listing = await asyncio.to_thread(self.reader.list_pipelines, namespace)
         return [p["metadata"]["name"] for p in listing]
 
-    async def _scrape(self, namespace: str, name: str) -> RoleValues | None:
+    async def _scrape(self, namespace: str, name: str) -> tuple[RoleValues | None, frozenset[str], str]:
+        """(its heads' values summed or None, the roles its spec runs, its creationTimestamp)."""
+        roles: frozenset[str] = frozenset()
+        created = ""
         try:
             pipeline = await asyncio.to_thread(self.reader.get_pipeline, namespace, name)
             if pipeline is None:
-                return None  # not a pipeline's Deployment: nothing to report, nothing to log
+                return None, roles, created  # not a pipeline's Deployment: nothing to report, nothing to log
+            roles = frozenset(role.value for role in pool_roles(pipeline.get("spec") or {}))
+            created = str(pipeline["metadata"].get("creationTimestamp") or "")
             urls = await asyncio.to_thread(head_metrics_urls, pipeline, self.reader)
             if not urls:
                 raise LookupError(f"no ready head endpoint for {object_name(name, HEAD_COMPONENT)}")
@@ -161,13 +194,13 @@ class HeadMetricsSource:
             pages = await asyncio.gather(*(self.fetch(url, server_name) for url in urls))
         except Exception as exc:  # any failure means "no metric": the HPA holds rather than acts on a guess
             self._report_failure((namespace, name), f"{type(exc).__name__}: {exc}")
-            return None
+            return None, roles, created
         if self._failing.pop((namespace, name), None) is not None:
             log.info("pipeline %s/%s: head metrics are back", namespace, name)
         total: RoleValues = {}
         for page in pages:
             add(total, parse_role_gauges(page))
-        return total
+        return total, roles, created
 
     def _report_failure(self, key: tuple[str, str], reason: str) -> None:
         """Log once per failure streak, not on every request of every HPA."""

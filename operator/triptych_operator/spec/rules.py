@@ -78,15 +78,23 @@ def parse_pipeline(
     )
 
 
-def _role_pools(name: str, values: Mapping[str, Any]) -> dict[Role, PoolSpec]:
-    """The declared pools, in route order; the denoiser and decoder are there declared or not, and a
-    pipeline that names no encoder gets the combined one."""
-    declared = [role for role in PIPELINE_ROLES if values[crd_field(role)] is not None]
+def pool_roles(spec: Mapping[str, Any]) -> list[Role]:
+    """The roles a spec runs a worker pool (a Deployment `<name>-<role.dns_name>`) for, in route order:
+    a full pipeline's one pool, else the declared ones, the denoiser and decoder declared or not, and the
+    combined encoder when the spec names no encoder. Reads a stored spec as well as a checked one."""
+    if spec.get("fullPipeline") is not None:
+        return [FULL_PIPELINE_ROLE]
+    declared = [role for role in PIPELINE_ROLES if spec.get(crd_field(role)) is not None]
     declared += [role for role in DEFAULT_ROLES if role.spec.crd_field and not role.spec.also_runs]
     if not any(role.runs_affinity(Role.PROMPT_ENCODER) for role in declared):
         declared.insert(0, Role.ENCODER)
+    return [role for role in PIPELINE_ROLES if role in declared]
+
+
+def _role_pools(name: str, values: Mapping[str, Any]) -> dict[Role, PoolSpec]:
+    """The declared pools, in route order (pool_roles)."""
     pools = {}
-    for role in (r for r in PIPELINE_ROLES if r in declared):
+    for role in pool_roles(values):
         field, where = role_field(role), f"spec.{crd_field(role)}"
         raw = values[crd_field(role)]
         pool = raw if raw is not None else read(field, {}, where)
