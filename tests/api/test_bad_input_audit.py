@@ -154,3 +154,55 @@ def test_an_edit_form_s_text_is_still_read_as_the_field_s_type(tmp_path: Path) -
         r = c.post(EDITS, content=body, headers=FORM)
     assert r.status_code == 200, r.text
     assert [p.seed for p in backend.calls] == [5]
+
+
+def _sent_until_closed(port: int, headers: bytes, limit_s: float = 10) -> tuple[bytes, bool]:
+    """A chunked POST whose body never ends, over a raw socket, for at most `limit_s` after the answer
+    came: (the answer's first bytes, whether the head closed the connection by then)."""
+    import socket
+    import time
+
+    chunk = b"4000\r\n" + b"x" * 0x4000 + b"\r\n"
+    pending, answer, deadline = chunk, b"", time.monotonic() + 30
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n" + headers + b"\r\n")  # fmt: skip
+        s.setblocking(False)
+        while time.monotonic() < deadline:
+            try:
+                got = s.recv(65536)
+                if not got:
+                    return answer, True
+                if not answer:
+                    deadline = time.monotonic() + limit_s  # the answer came: the head has this long to close
+                answer += got
+            except BlockingIOError:
+                pass
+            except ConnectionResetError:
+                return answer, True
+            try:
+                pending = pending[s.send(pending) :] or chunk  # whole chunks: the body stays well-formed
+            except BlockingIOError:
+                time.sleep(0.001)
+            except (BrokenPipeError, ConnectionResetError):
+                return answer, True
+    return answer, False
+
+
+@pytest.mark.parametrize("refused", ["401 no key", "413 chunked past the limit"])
+def test_a_refused_request_s_connection_is_closed_and_its_body_not_read_on(refused: str, tmp_path: Path) -> None:
+    """The answer says Connection: close and the head closes: left open, it read on whatever body the
+    client went on sending (gigabytes, on one connection, from a client without a key)."""
+    from tests.api.test_openai_sdk import serving
+    from triptych_head.api.auth import APIKeys
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-acme tenant=acme\n")
+    ctx = HeadContext(ScriptedBackend(), FLUX, tmp_path, CollectorRegistry(), api_keys=APIKeys(keys),
+                      max_request_bytes=64 << 10)  # fmt: skip
+    key = b"" if refused.startswith("401") else b"Authorization: Bearer sk-acme\r\n"
+    with serving(ctx) as port:
+        answer, closed = _sent_until_closed(port, key)
+    status = refused.split()[0].encode()
+    assert answer.startswith(b"HTTP/1.1 " + status) and b"connection: close" in answer.lower(), answer[:300]
+    assert closed, "the head still read the body 10 s after it answered"

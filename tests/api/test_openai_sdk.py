@@ -31,11 +31,8 @@ QUICK = {"num_inference_steps": 1}  # a field of this API beyond OpenAI's, as th
 
 
 @contextmanager
-def sdk(model: ModelInfo, folder: Path) -> Iterator[openai.OpenAI]:
-    """An OpenAI client of a head (scripted workers) that uvicorn serves on a loopback port."""
-    ctx = HeadContext(
-        backend=ScriptedBackend(), model=model, output_path=folder, registry=CollectorRegistry(), validate=validate
-    )
+def serving(ctx: HeadContext) -> Iterator[int]:
+    """The head of `ctx`, served by uvicorn on a loopback port (yielded) until the block ends."""
     config = uvicorn.Config(create_app(ctx), host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -44,14 +41,25 @@ def sdk(model: ModelInfo, folder: Path) -> Iterator[openai.OpenAI]:
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the head did not start"
         time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
     try:
-        yield client
+        yield server.servers[0].sockets[0].getsockname()[1]
     finally:
-        client.close()
         server.should_exit = True
         thread.join(30)
+
+
+@contextmanager
+def sdk(model: ModelInfo, folder: Path) -> Iterator[openai.OpenAI]:
+    """An OpenAI client of a head (scripted workers) that uvicorn serves on a loopback port."""
+    ctx = HeadContext(
+        backend=ScriptedBackend(), model=model, output_path=folder, registry=CollectorRegistry(), validate=validate
+    )
+    with serving(ctx) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+        try:
+            yield client
+        finally:
+            client.close()
 
 
 def _completed(client: openai.OpenAI, video_id: str) -> openai.types.Video:

@@ -121,3 +121,41 @@ def test_a_delete_while_the_last_save_is_under_way_is_not_undone_by_it(tmp_path:
         time.sleep(0.7)
         assert c.get(f"/v1/videos/{job_id}").status_code == 404
     assert not list(tmp_path.rglob(f"{job_id}*"))
+
+
+def test_events_of_a_job_another_head_runs_keep_alive_and_outlast_a_store_that_fails_once(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Followed through the store, the stream says `: keep-alive` while nothing changes (a proxy's idle
+    timeout would cut it), and one failed read of the store does not end it with an error: the job
+    has not ended. It ends with the job's own end."""
+    from triptych_head.api import video_jobs
+
+    monkeypatch.setattr(video_jobs, "KEEPALIVE_S", 0.3)
+    monkeypatch.setattr(video_jobs, "FOREIGN_POLL_S", 0.05)
+    store = ResultStore(tmp_path)
+    _orphan(store, "video_foreign", lease_until=time.time() + 300)  # another head, alive, runs it
+    load_job = ResultStore.load_job
+    failure = {"armed": False, "done": False}
+
+    def fails_once(self: ResultStore, job_id: str) -> Any:
+        if failure["armed"] and not failure["done"]:
+            failure["done"] = True
+            raise OSError(5, "Input/output error")
+        return load_job(self, job_id)
+
+    monkeypatch.setattr(ResultStore, "load_job", fails_once)
+    lines: list[str] = []
+    with make_client(ScriptedBackend(), tmp_path) as c:
+        with c.stream("GET", "/v1/videos/video_foreign/events") as events:
+            for line in events.iter_lines():
+                lines.append(line)
+                failure["armed"] = True  # the stream is under way: its next read of the store fails
+                if line.startswith(": keep-alive") and failure["done"]:  # past the failure: the other head ends it
+                    stored = load_job(store, "video_foreign")
+                    assert stored is not None
+                    job = stored.job
+                    job.status, job.state, job.completed_at = "completed", "DONE", int(time.time())
+                    store.save_job(job)
+    assert ": keep-alive" in lines and "event: completed" in lines, lines
+    assert "event: error" not in lines

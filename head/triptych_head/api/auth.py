@@ -280,4 +280,5 @@ class APIKeyMiddleware:
         else:
             message = "missing API key: send 'Authorization: Bearer YOUR_KEY'"
         body = error_body(401, message, code="invalid_api_key")
-        await send_json(send, 401, body, {"www-authenticate": "Bearer"})
+        # Closed after the answer: a body the client still sends is not read on (as a 413's is not).
+        await send_json(send, 401, body, {"www-authenticate": "Bearer", "connection": "close"})

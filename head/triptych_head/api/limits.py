@@ -22,7 +22,11 @@ class RequestTooLarge(StarletteHTTPException):
     code = TOO_LARGE
 
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body is larger than {limit} bytes (--max-request-bytes)")
+        # The connection closes after the answer: left open, the server would read on whatever the client
+        # still sends of the body (it resets the connection's idle timer with every packet).
+        super().__init__(
+            413, f"request body is larger than {limit} bytes (--max-request-bytes)", headers={"connection": "close"}
+        )
 
 
 class BodyLimitMiddleware:

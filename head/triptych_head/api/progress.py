@@ -45,6 +45,7 @@ QUEUE_BYTES = 4 << 20  # and bytes (previews are up to ~260 KB each as base64)
 HISTORY_BYTES = 1 << 20  # what a running request's feed keeps for subscribers joining late
 HISTORY_LINGER_S = 60.0  # and for how long after the end
 KEEPALIVE_S = 15.0  # a comment line while nothing happens, so proxies keep the connection open
+KEEPALIVE = b": keep-alive\n\n"
 TERMINAL_EVENTS = ("completed", "error")
 PREVIEW = "preview"  # a step's image
 # Preview images one queue (and the history) holds unread: beyond, the oldest loses its image (its step
@@ -186,7 +187,7 @@ class Subscriber:
                 try:
                     await asyncio.wait_for(self._wake.wait(), KEEPALIVE_S)
                 except TimeoutError:
-                    yield b": keep-alive\n\n"
+                    yield KEEPALIVE
                 continue
             if self.dropped:
                 dropped, self.dropped = self.dropped, 0

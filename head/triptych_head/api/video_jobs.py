@@ -22,7 +22,14 @@ from triptych.params import GenerationParams
 from triptych.priority import DEFAULT_LEVEL
 from triptych_head.api.errors import APIError
 from triptych_head.api.ownership import may_see
-from triptych_head.api.progress import HISTORY_LINGER_S, ProgressFeed, SSEMessage, error_message
+from triptych_head.api.progress import (
+    HISTORY_LINGER_S,
+    KEEPALIVE,
+    KEEPALIVE_S,
+    ProgressFeed,
+    SSEMessage,
+    error_message,
+)
 from triptych_head.api.schemas import VideoJob
 from triptych_head.api.store_calls import from_store
 from triptych_head.api.video_list import StoredJobIndex
@@ -338,8 +345,10 @@ class VideoJobs:
 
 async def foreign_events(jobs: VideoJobs, entry: JobEntry) -> AsyncIterator[bytes]:
     """The events of a job another head runs, as its saved status changes (state changes and, at each
-    lease renewal, its step), until it ends."""
-    job_id, last = entry.job.id, None
+    lease renewal, its step), until it ends; a keep-alive comment after KEEPALIVE_S without one, as a
+    job of this head's. A store that does not answer for a while is waited out (the job has not ended);
+    a job removed meanwhile ends the stream with its error."""
+    job_id, last, said = entry.job.id, None, time.monotonic()
     while True:
         job = entry.job
         seen = (job.state, job.step)
@@ -351,11 +360,16 @@ async def foreign_events(jobs: VideoJobs, entry: JobEntry) -> AsyncIterator[byte
             if job.total_steps:
                 data.update(step=job.step, total_steps=job.total_steps)
             yield SSEMessage("step" if job.total_steps else "state", data).encoded
-            last = seen
+            last, said = seen, time.monotonic()
+        elif time.monotonic() - said >= KEEPALIVE_S:
+            yield KEEPALIVE
+            said = time.monotonic()
         await asyncio.sleep(FOREIGN_POLL_S)
         try:
             entry = await jobs.get(job_id)
         except APIError as exc:
+            if exc.status_code >= 500:  # the store did not answer this time: the job goes on
+                continue
             yield error_message(job_id, exc.message, exc.code, exc.status_code, exc.param).encoded
             return
 
