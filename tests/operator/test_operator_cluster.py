@@ -56,6 +56,13 @@ def pipeline_manifest(name: str, **changes: Any) -> dict[str, Any]:
     return cr
 
 
+def without_combined_encoder(name: str, **changes: Any) -> dict[str, Any]:
+    """pipeline_manifest with its pools in `changes` (promptEncoder and imageEncoder), and no `encoder`."""
+    cr = pipeline_manifest(name, **changes)
+    del cr["spec"]["encoder"]
+    return cr
+
+
 def apply(cluster: KubeCluster, namespace: str, manifest: dict[str, Any]) -> None:
     cluster.apply(json.dumps(manifest), namespace=namespace)
 
@@ -127,8 +134,7 @@ def test_a_four_pool_pipeline_runs_split_encoders_behind_the_head(
 ) -> None:
     """promptEncoder + imageEncoder instead of encoder: five Deployments, the head lists both encoder Services."""
     ns = kube_namespace
-    cr = pipeline_manifest("kontext", promptEncoder={"replicas": 2}, imageEncoder={"gpusPerReplica": 0})
-    del cr["spec"]["encoder"]
+    cr = without_combined_encoder("kontext", promptEncoder={"replicas": 2}, imageEncoder={"gpusPerReplica": 0})
     apply(crd, ns, cr)
     ready = wait_phase(crd, ns, "kontext", "Ready")
     assert ready["status"]["promptEncoder"]["ready"] == "2/2" and ready["status"]["imageEncoder"]["ready"] == "1/1"
@@ -155,8 +161,7 @@ def test_api_server_rejects_both_encoder_shapes(crd: KubeCluster, kube_namespace
     with pytest.raises(CommandError) as info:
         apply(crd, kube_namespace, pipeline_manifest("both", promptEncoder={"replicas": 1}))
     assert "declare encoder (three roles) or promptEncoder and imageEncoder" in info.value.stderr
-    cr = pipeline_manifest("image-only", imageEncoder={"replicas": 1})
-    del cr["spec"]["encoder"]
+    cr = without_combined_encoder("image-only", imageEncoder={"replicas": 1})
     with pytest.raises(CommandError) as info:
         apply(crd, kube_namespace, cr)
     assert "spec.imageEncoder needs spec.promptEncoder" in info.value.stderr
@@ -557,8 +562,7 @@ def test_a_pipeline_whose_object_name_another_pipeline_has_is_reported_not_fough
 ) -> None:
     """svc's split prompt encoder and svc-prompt's combined encoder are both Deployment svc-prompt-encoder."""
     ns = kube_namespace
-    split = pipeline_manifest("svc", promptEncoder={"gpusPerReplica": 0}, imageEncoder={"gpusPerReplica": 0})
-    del split["spec"]["encoder"]
+    split = without_combined_encoder("svc", promptEncoder={"gpusPerReplica": 0}, imageEncoder={"gpusPerReplica": 0})
     apply(crd, ns, split)
     wait_phase(crd, ns, "svc", "Ready")
     apply(crd, ns, pipeline_manifest("svc-prompt"))
@@ -646,8 +650,7 @@ def test_the_charts_rbac_is_all_the_operator_needs(crd: KubeCluster, kube_namesp
         poll(lambda: "Deployment/rbac-decoder" in children(crd, ns, "rbac"), what="the decoder to be restored")
         wait_phase(crd, ns, "rbac", "Ready")
         # The other encoder shape: the combined encoder's Deployment and Service are deleted.
-        split = pipeline_manifest("rbac", denoiser=sleepy, promptEncoder={}, imageEncoder={"gpusPerReplica": 0})
-        del split["spec"]["encoder"]
+        split = without_combined_encoder("rbac", denoiser=sleepy, promptEncoder={}, imageEncoder={"gpusPerReplica": 0})
         apply(crd, ns, split)
         encoder = {"Deployment/rbac-encoder", "Service/rbac-encoder"}
         poll(lambda: not encoder & set(children(crd, ns, "rbac")), what="the combined encoder's pool to be deleted")
