@@ -551,3 +551,42 @@ def test_the_cache_forgets_expired_pipelines(monkeypatch: pytest.MonkeyPatch) ->
 
     source = asyncio.run(run())
     assert len(source._cache) <= 3
+
+
+def test_a_page_too_large_or_a_redirect_is_no_metric(heads: Heads, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A URL an annotation gives could lead anywhere: a redirect is not followed, and a page is read up
+    to MAX_PAGE_BYTES (this process serves every HPA: it must not be made to hold an endless answer)."""
+    from triptych_operator.metrics_api import source as source_module
+
+    good = heads.start(HEAD_PAGE)
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{good}/metrics")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    mover = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=mover.serve_forever, daemon=True).start()
+    reader = FakeReader({"moved": pipeline("moved", url=f"http://127.0.0.1:{mover.server_address[1]}/metrics")})
+    reader.pipelines["big"] = pipeline("big", url=f"http://127.0.0.1:{good}/metrics")
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            source = HeadMetricsSource(reader, http_fetcher(session, 5.0))
+            assert await source.role_values("ml", "moved") is None
+            monkeypatch.setattr(source_module, "MAX_PAGE_BYTES", len(HEAD_PAGE) - 1)
+            assert await source.role_values("ml", "big") is None
+            monkeypatch.setattr(source_module, "MAX_PAGE_BYTES", len(HEAD_PAGE))
+            source = HeadMetricsSource(reader, http_fetcher(session, 5.0))
+            assert await source.role_values("ml", "big") is not None  # at the limit: read
+
+    try:
+        asyncio.run(run())
+    finally:
+        mover.shutdown()
+        mover.server_close()

@@ -213,6 +213,9 @@ class HeadMetricsSource:
         self._failing[key] = reason
 
 
+MAX_PAGE_BYTES = 16 << 20  # a head's /metrics page is tens of KB with hundreds of workers
+
+
 def heads_tls(ca_file: str | None) -> ssl.SSLContext | None:
     """How HTTPS heads are checked: against the CA in `ca_file` (PEM); None: not at all (encrypted only)."""
     return None if ca_file is None else ssl.create_default_context(cafile=ca_file)
@@ -232,9 +235,17 @@ def http_fetcher(
             checks = {"ssl": False}
         else:
             checks = {"ssl": tls, "server_hostname": server_name}
-        async with session.get(url, timeout=timeout, **checks) as resp:
-            resp.raise_for_status()
-            return await resp.text()
+        # A head answers its own page: a redirect is not followed (a URL an annotation gives could lead
+        # anywhere), and the page is read up to MAX_PAGE_BYTES (this process's memory is every HPA's).
+        async with session.get(url, timeout=timeout, allow_redirects=False, **checks) as resp:
+            if resp.status != 200:
+                raise ValueError(f"{url} answered {resp.status}, not the metrics page")
+            page = bytearray()
+            async for chunk in resp.content.iter_chunked(1 << 16):
+                page += chunk
+                if len(page) > MAX_PAGE_BYTES:
+                    raise ValueError(f"{url}: a metrics page over {MAX_PAGE_BYTES} bytes")
+            return page.decode("utf-8", errors="replace")
 
     return fetch
 
