@@ -234,3 +234,28 @@ def test_a_multistep_history_of_another_solver_order_is_refused_and_leaves_the_s
     sample = torch.zeros(1, 4, 2, 2)
     for t in receiver.timesteps:  # the whole schedule steps: no IndexError
         sample = receiver.step(torch.ones_like(sample), t, sample).prev_sample
+
+
+def test_on_a_rank_a_group_whose_continuation_cannot_resume_fails_together_and_the_instance_lives() -> None:
+    """On a rank (retry_alone off) CannotResume is raised by every rank at the same point: the group's
+    requests fail with it, and nothing goes up to take the instance down; another failure still does."""
+    from triptych_worker.pipeline import BatchedAdapterStage
+
+    class Batched(BatchedAdapterStage):
+        name = "denoise"
+        retry_alone = False
+
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def run(self, batch: StageBatch) -> None:
+            raise self.error
+
+        def run_batched(self, batches: list[StageBatch]) -> list[Exception | None]:
+            raise self.error
+
+    group = [StageBatch(GenerationParams("a", 8, 8)), StageBatch(GenerationParams("b", 8, 8))]
+    refused = CannotResume("another schedule")
+    assert Batched(refused).run_many(group) == [refused, refused]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        Batched(RuntimeError("out of memory")).run_many(group)

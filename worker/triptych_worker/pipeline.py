@@ -27,7 +27,7 @@ from triptych_worker.batching import run_in_turn, run_merged, split
 from triptych_worker.encoder_cache import EncoderCache
 from triptych_worker.lora import LoraAdapters
 from triptych_worker.preview import LatentPreviewer, find_projection, should_preview
-from triptych_worker.resume import RESUME
+from triptych_worker.resume import RESUME, CannotResume
 from triptych_worker.stages import PIXELS, PipelineStage, StageBatch
 from triptych_worker.step_cache import StepCaching
 
@@ -57,7 +57,8 @@ class BatchedAdapterStage(AdapterStage):
     running requests alone while the others wait in the batch's collectives would never meet them
     again, so the failure goes up and takes the instance down (parallel/ranks.py). Adapters that do
     not load (BadAdapter: on a rank, every rank agrees on it first) fail every request of the group,
-    which shares them, and are not retried.
+    which shares them, and are not retried; so does, on a rank, a continuation that cannot be resumed
+    or a state that cannot be captured (CannotResume: every rank raises it at the same point).
     """
 
     retry_alone = True
@@ -69,11 +70,13 @@ class BatchedAdapterStage(AdapterStage):
             return self.run_batched(batches)
         except BadAdapter as exc:  # the group shares its adapters: alone, each would fail the same way
             return [exc] * len(batches)
-        except Exception:
-            if not self.retry_alone:
-                raise
-            log.exception("batched %s over %d requests failed; running them one by one", self.name, len(batches))
-            return super().run_many(batches)
+        except Exception as exc:
+            if self.retry_alone:
+                log.exception("batched %s over %d requests failed; running them one by one", self.name, len(batches))
+                return super().run_many(batches)
+            if isinstance(exc, CannotResume):  # raised by every rank at the same point: still in step, and
+                return [exc] * len(batches)  # the group, which cannot be split over them, fails together
+            raise
 
     def run_batched(self, batches: list[StageBatch]) -> list[Exception | None]:
         return run_merged(batches, self.adapter.shared_tensors, self.run)
