@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+from types import FrameType
 from typing import NoReturn
 
 from triptych import log_format, startup
@@ -30,6 +32,10 @@ EXTRA_OF_PACKAGE = {
 
 def serve(args: ServeArgs) -> int:
     startup.mark("started")
+    # Until the role serves (and installs its drain), SIGTERM stops the process at once: nothing was
+    # accepted yet. As a container's PID 1 a signal without a handler is ignored, so a pod deleted
+    # while its model loads would load on, then take work, until its grace period's SIGKILL.
+    signal.signal(signal.SIGTERM, _stop_while_starting)
     configure_logging(args)
     raise_open_files_limit()  # before any socket: a worker's ranks and the bind shim's re-execution inherit it
     try:
@@ -54,6 +60,11 @@ def serve(args: ServeArgs) -> int:
             file=sys.stderr,
         )
         return 2
+
+
+def _stop_while_starting(signum: int, frame: FrameType | None) -> None:
+    os.write(2, b"triptych: SIGTERM while starting: exiting before serving\n")  # async-signal-safe
+    os._exit(128 + signal.SIGTERM)
 
 
 def _serve_role(args: ServeArgs, names: list[str]) -> int:

@@ -50,3 +50,36 @@ def test_the_logged_line_parses_back_to_the_phases() -> None:
     log = f"2026-12-03 INFO [encoder] triptych.startup: {clock.line()}\nanother line"
     assert startup.parse_line(log) == pytest.approx(clock.phases(), abs=1e-3)
     assert startup.parse_line("no start-up here") is None
+
+
+def test_sigterm_while_a_role_starts_ends_the_process_at_once() -> None:
+    """A pod deleted while its model loads: `triptych serve` exits 143 with one line, before serving.
+    (As a container's PID 1, a SIGTERM without a handler would be ignored and the load go on.) The
+    role's start-up is a stand-in that never ends, as a long model load."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = (
+        "import sys, time\n"
+        "from triptych import launch\n"
+        "from triptych.cli import build_parser\n"
+        "from triptych.config import ServeArgs\n"
+        "def loading(args, names):\n"
+        "    print('loading', flush=True)\n"
+        "    time.sleep(60)\n"
+        "launch._serve_role, launch.model_names = loading, lambda *given: ['m']\n"
+        "launch.resolve_model_path = lambda given: given\n"
+        "argv = ['serve', '--model-path', '.', '--device', 'cpu']\n"
+        "args = ServeArgs.from_namespace(build_parser().parse_args(argv))\n"
+        "sys.exit(launch.serve(args))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "loading"
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
+    assert "triptych: SIGTERM while starting: exiting before serving" in err
+    assert time.monotonic() - started < 10
