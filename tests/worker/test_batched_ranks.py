@@ -127,3 +127,20 @@ def test_a_group_handed_off_stops_on_every_rank_at_one_boundary_with_one_rank_s_
         assert set(two.tensors) == set(one.tensors)
         for name in one.tensors:
             assert torch.equal(two.tensors[name], one.tensors[name]), name
+
+
+def test_a_job_whose_parameters_pass_what_the_ranks_take_is_refused_on_rank_0_before_any_broadcast() -> None:
+    """A group of edits whose inline reference images outgrow the ranks' job header fails those requests
+    on rank 0, with a message naming `image`, before a byte goes to the followers (which stay in step);
+    before, the followers refused the header and exited, and the instance with them."""
+    from types import SimpleNamespace
+
+    from triptych.params import GenerationParams
+    from triptych_worker.parallel.jobs import MAX_HEADER_BYTES, send_jobs
+    from triptych_worker.stages import StageBatch
+
+    mesh = SimpleNamespace(device="cpu")  # no process group: any broadcast would raise a RuntimeError
+    reference = GenerationParams("make it blue", 16, 16, image=b"\x89PNG" + bytes(MAX_HEADER_BYTES // 4))
+    group = [StageBatch(msgspec.structs.replace(reference, prompt=f"edit {i}")) for i in range(5)]
+    with pytest.raises(ValueError, match=r"^image: the 5 request\(s\) carry \d+ bytes of parameters"):
+        send_jobs(mesh, group)  # type: ignore[arg-type]

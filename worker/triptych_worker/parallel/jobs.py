@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 
     from triptych_worker.parallel.mesh import RankMesh
 
-MAX_HEADER_BYTES = 16 << 20
+# A job's parameters may carry a reference image inline (at most 16 MiB, triptych.reference): room for
+# a group of a few, beside the params; a header past it is refused on rank 0 before any rank sees it.
+MAX_HEADER_BYTES = 64 << 20
 GO_ON, STOP, HAND_OFF = 0, 1, 2
 """A step flag: carry on; stop (the head cancelled the request); hand off before the next step."""
 
@@ -80,6 +82,11 @@ def send_jobs(mesh: RankMesh, batches: list[StageBatch], lora_sources: dict[str,
         jobs.append(JobHeader(batch.params, batch.meta, entries, batch.hand_off is not None))
         inputs += tensors.values()
     header = msgspec.msgpack.encode(JobsHeader(jobs, dict(lora_sources or {})))
+    if len(header) > MAX_HEADER_BYTES:  # before any broadcast: the ranks stay in step, only these requests fail
+        raise ValueError(
+            f"image: the {len(batches)} request(s) carry {len(header)} bytes of parameters (reference images), "
+            f"more than the {MAX_HEADER_BYTES} that pass between this worker's ranks; send smaller references"
+        )
     _broadcast(mesh, torch.tensor([len(header)], dtype=torch.int64, device=mesh.device))
     _broadcast(mesh, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(mesh.device))
     for tensor in inputs:

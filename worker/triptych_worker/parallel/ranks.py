@@ -211,7 +211,10 @@ class ParallelPipeline:
             return outcomes
         members = [batches[i] for i in group]
         sources = self.rank.lora_sources(members)
-        steps = self._lead(members, sources)
+        try:
+            steps = self._lead(members, sources)
+        except ValueError as exc:  # refused before any rank saw the job (send_jobs): the group fails, in step
+            return [exc if error is None else error for error in outcomes]
         started = time.perf_counter()
         try:
             ran = self.rank.run_many(members, sources)
