@@ -16,20 +16,9 @@ from triptych.parallelism import ParallelismError
 from triptych.roles import FULL_PIPELINE_ROLE, WORKER_ROLES, Role
 from triptych.serve_help import flag
 
-# What only moving tensors uses, which a full-pipeline worker does not (no Mooncake engine, no pool)...
-TRANSFER_FLAGS = ("disagg_ib_device", "disagg_transfer_pool_size", "disagg_transfer_listen_any", "disagg_load_ahead")
-# ... and what only a full-pipeline denoiser uses among a denoiser's flags (it encodes prompts and references).
-FULL_PIPELINE_FLAGS = ("encoder_cache_bytes", "reference_url_networks")
-
 
 def check_full_pipeline(args: ServeArgs) -> None:
     if not args.disagg_full_pipeline:
-        given = [f for f in FULL_PIPELINE_FLAGS if _given(args, f)]
-        if given and args.disagg_role is FULL_PIPELINE_ROLE:
-            raise ConfigError(
-                f"{flag(given[0])} does nothing on a denoiser of split pools: only a --disagg-full-pipeline "
-                "denoiser encodes prompts and reference images; give it to the encoders, or drop it"
-            )
         return
     if args.disagg_role is not FULL_PIPELINE_ROLE:
         raise ConfigError(
@@ -38,12 +27,6 @@ def check_full_pipeline(args: ServeArgs) -> None:
         )
     if args.simulate:
         raise ConfigError("--disagg-full-pipeline does not support --simulate; simulate the role pools instead")
-    given = [f for f in TRANSFER_FLAGS if _given(args, f)]
-    if given:
-        raise ConfigError(
-            f"{flag(given[0])} does nothing with --disagg-full-pipeline: a full-pipeline worker moves no tensors "
-            "(no Mooncake engine, no transfer pool); drop it"
-        )
 
 
 def check_batching(args: ServeArgs) -> None:
@@ -141,8 +124,3 @@ def check_model_layout(args: ServeArgs) -> None:
         args.parallelism()
     except ParallelismError as exc:
         raise ConfigError(str(exc)) from None
-
-
-def _given(args: ServeArgs, name: str) -> bool:
-    """Whether the flag of field `name` was given a value other than its default."""
-    return bool(getattr(args, name) != getattr(ServeArgs, name))
