@@ -203,6 +203,7 @@ def test_a_refused_request_s_connection_is_closed_and_its_body_not_read_on(refus
     key = b"" if refused.startswith("401") else b"Authorization: Bearer sk-acme\r\n"
     with serving(ctx) as port:
         answer, closed = _sent_until_closed(port, key)
-    status = refused.split()[0].encode()
-    assert answer.startswith(b"HTTP/1.1 " + status) and b"connection: close" in answer.lower(), answer[:300]
     assert closed, "the head still read the body 10 s after it answered"
+    if answer:  # the reset of a connection closed on a body still coming may discard an answer not yet read
+        status = refused.split()[0].encode()
+        assert answer.startswith(b"HTTP/1.1 " + status) and b"connection: close" in answer.lower(), answer[:300]
