@@ -99,14 +99,20 @@ def test_the_apis_request_gets_its_pixels_from_the_decoder_through_the_channel()
 
 
 def test_a_refusal_reaches_the_api_as_its_status() -> None:
-    with scripted_head() as (server, _, _workers):
+    with scripted_head() as (server, _, workers):
+        encoder = workers[Role.ENCODER][0]
 
         async def main() -> None:
             client = await started(LocalClient(server.local))
+            # A request held on the encoder keeps the drain going: with nothing held the loop may
+            # end first, and the late request then meets a stopped server (also a 503, other words).
+            held = asyncio.ensure_future(client.generate("held", GenerationParams(**PARAMS)))
+            await asyncio.to_thread(encoder.wait_for, Work)
             server.drain(30)
             with pytest.raises(GenerationFailed) as refused:
                 await asyncio.wait_for(client.generate("late", GenerationParams(**PARAMS)), 10)
             assert refused.value.status_code == 503 and "shutting down" in str(refused.value)
+            held.cancel()
 
         asyncio.run(main())
 
