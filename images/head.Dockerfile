@@ -13,8 +13,9 @@ COPY pyproject.toml images/requirements.py /src/
 RUN python /src/requirements.py /src/pyproject.toml head >/requirements.txt
 
 FROM ${BASE_IMAGE} AS build
+# The index pip installs from: a build argument, which RUN sees, never an ENV kept in the image.
 ARG PIP_INDEX_URL=https://pypi.org/simple
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_INDEX_URL=${PIP_INDEX_URL} PATH=/opt/triptych/bin:$PATH
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/triptych/bin:$PATH
 WORKDIR /src
 COPY constraints.txt ./
 COPY --from=requirements /requirements.txt ./

@@ -36,8 +36,9 @@ FROM base
 # A passwd entry for the user: kopf (getpass.getuser) and torch look the uid up and fail without one.
 RUN groupadd --gid 10001 triptych \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin triptych
+# The index pip installs from: a build argument, which RUN sees, never an ENV kept in the image.
 ARG PIP_INDEX_URL=https://pypi.org/simple
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_INDEX_URL=${PIP_INDEX_URL} PATH=/opt/triptych/bin:$PATH
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/triptych/bin:$PATH
 WORKDIR /src
 COPY constraints.txt ./
 COPY --from=requirements /requirements.txt ./

@@ -132,6 +132,14 @@ def test_no_package_index_host_is_written_into_a_dockerfile(dockerfile: Path) ->
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_build_s_package_index_is_not_kept_in_the_image_s_environment(dockerfile: Path) -> None:
+    """A mirror's URL (often with its credentials) is a build argument, which RUN sees as a variable;
+    an ENV would keep it in the image's configuration, for every container and `inspect` to read."""
+    envs = [args for keyword, args in instructions(dockerfile) if keyword == "ENV" and "PIP_INDEX_URL" in args]
+    assert envs == [], f"{dockerfile.name}: ENV {envs[0]}"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_each_image_installs_its_own_extras_then_the_project_without_dependencies(dockerfile: Path) -> None:
     runs = [args for keyword, args in instructions(dockerfile) if keyword == "RUN"]
     listed = [shlex.split(r.split(">")[0]) for r in runs if "requirements.py" in r]

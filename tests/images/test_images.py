@@ -77,6 +77,13 @@ def test_the_image_runs_as_the_numeric_non_root_user(built: dict[str, str], name
     assert run(tag, "-g", entrypoint="id").strip() == str(RUN_AS_USER)
 
 
+@pytest.mark.parametrize("name", ["operator", "head", "worker"])
+def test_the_image_keeps_no_package_index_in_its_environment(built: dict[str, str], name: str) -> None:
+    """The build's index (scripts/images.sh passes this machine's) was a build argument only."""
+    env = podman("image", "inspect", "--format", "{{json .Config.Env}}", image(built, name)).stdout
+    assert "PIP_INDEX_URL" not in env, env
+
+
 def test_the_operator_entrypoints_answer_version_and_help(built: dict[str, str]) -> None:
     tag = image(built, "operator")
     assert run(tag, "--version").strip() == f"triptych-operator {__version__}"
