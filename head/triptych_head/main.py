@@ -118,6 +118,7 @@ def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
         health=lambda: {"mode": "disaggregated", "topology": server.topology, "workers": server.registry.snapshot()},
         pipeline_view=server.view,
         ready=_readiness(server, loop),
+        alive=loop.is_alive,
         drain_seconds=args.disagg_drain_timeout,
         admission=server.admission,
         head_id=server.core.head_id,  # the id its workers know it by names its runs in the shared store too

@@ -218,6 +218,9 @@ class DiffusionServer:
                     waiting.recheck(frontend)
                 if self._draining and self.core.drained():
                     break
+        except BaseException:
+            log.critical("the DiffusionServer loop stopped; this head serves nothing more", exc_info=True)
+            raise
         finally:
             # Lingering lets the CancelWork messages of a drain reach the workers before the sockets go.
             self._close(SHUTDOWN_LINGER_MS if self._draining else 0)

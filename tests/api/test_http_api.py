@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -213,6 +214,21 @@ def test_openapi_models_health_metrics(client):
     assert card["id"] == "tiny" and card["edits"] is False  # the playground shows no reference upload
     assert client.get("/health").json()["status"] == "ok"
     assert client.get("/metrics").status_code == 200
+
+
+def test_health_fails_once_the_backend_s_loop_stopped_unless_the_head_drains(backend, tmp_path):
+    """Liveness: a head whose DiffusionServer loop died serves nothing; the kubelet must restart it.
+    A draining head's loop ends on purpose: it stays alive until the drain is done."""
+    loop = threading.Thread(target=lambda: None)
+    loop.start()
+    loop.join()  # as a loop that raised
+    ctx = HeadContext(backend=backend, model=ModelInfo("tiny", "FluxPipeline", "image", 4, 3.5), output_path=tmp_path,
+                      registry=CollectorRegistry(), alive=loop.is_alive)  # fmt: skip
+    with TestClient(create_app(ctx)) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "stopped", r.text
+        ctx.draining = True
+        assert c.get("/health").status_code == 200
 
 
 def test_every_name_of_the_model_is_accepted_and_listed_and_another_is_a_404_naming_them(backend, tmp_path):

@@ -67,6 +67,7 @@ class HeadContext:
     # The pools and the requests in flight, for the playground's pipeline view (GET /v1/pipeline).
     pipeline_view: Callable[[], dict[str, Any]] = field(default=lambda: {"roles": {}, "requests": []})
     ready: Callable[[], bool] = field(default=lambda: True)  # the backend can take requests (its loop runs)
+    alive: Callable[[], bool] = field(default=lambda: True)  # the backend's loop still runs (liveness: /health)
     retention: Retention = field(default_factory=Retention)
     # Where results go (objects.py): None is a directory at output_path. Every head of a pipeline shares it.
     results_store: ObjectStore | None = None

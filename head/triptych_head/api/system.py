@@ -46,10 +46,14 @@ async def usage(request: Request) -> dict[str, Any]:
     return ctx.key_limits.usage(key_limit(request))
 
 
-@router.get("/health")
-async def health(request: Request) -> dict[str, Any]:
-    """Liveness: the process serves HTTP (it stays 200 while draining, so it is not killed mid-drain)."""
+@router.get("/health", response_model=None)
+async def health(request: Request) -> dict[str, Any] | JSONResponse:
+    """Liveness: the process serves HTTP and its DiffusionServer loop runs; it stays 200 while
+    draining, so it is not killed mid-drain. A loop that stopped otherwise (a bug) answers 503, so
+    that the kubelet restarts a head that can no longer serve anything."""
     ctx: HeadContext = request.app.state.ctx
+    if not ctx.draining and not ctx.alive():
+        return JSONResponse({"status": "stopped", "error": "the head's DiffusionServer loop stopped; restart it"}, 503)
     return {
         "status": "ok",
         "model": ctx.model.id,
