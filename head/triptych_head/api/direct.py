@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from triptych_head.api.forms import FORM_TYPES
+from triptych_head.api.forms import is_form, media_type
 
 Handler = Callable[[Any, Request], Awaitable[BaseModel | Response]]
 Reader = Callable[[Request], Awaitable[BaseModel]]  # the request's body, read and validated
@@ -42,9 +42,9 @@ class DirectRoute:
     def reader(self, scope: Scope) -> Reader | None:
         """How this request's body is read here; None: FastAPI's route reads it (another JSON type)."""
         content_type = _content_type(scope)
-        if content_type is None or content_type == b"application/json":
+        if content_type is None or content_type == "application/json":
             return self._json
-        if self.form is not None and content_type in FORMS:
+        if self.form is not None and is_form(content_type):
             return self.form
         return None
 
@@ -127,15 +127,11 @@ def _too_deep(exc: ValidationError) -> bool:
     return bool(errors) and errors[0]["type"] == "json_invalid" and "recursion" in str(errors[0].get("ctx", ""))
 
 
-FORMS = tuple(t.encode() for t in FORM_TYPES)
-
-
-def _content_type(scope: Scope) -> bytes | None:
-    """The body's media type, lower case without parameters; None when not given (FastAPI reads such a
-    body as JSON too)."""
+def _content_type(scope: Scope) -> str | None:
+    """The body's media type (forms.media_type); None when not given (FastAPI reads such a body as JSON too)."""
     for name, value in scope["headers"]:
         if name == b"content-type":
-            return value.split(b";", 1)[0].strip().lower()
+            return media_type(value.decode("latin-1"))
     return None
 
 

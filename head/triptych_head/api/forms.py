@@ -43,9 +43,14 @@ class Form:
     file: bytes | None = None  # the file part's bytes, when the endpoint takes one and it was given
 
 
+def media_type(content_type: str) -> str:
+    """A Content-Type's media type: lower case (media types ignore case), without its parameters."""
+    return content_type.split(";", 1)[0].strip().lower()
+
+
 def is_form(content_type: str) -> bool:
-    """Whether a Content-Type is a form's (media types ignore case)."""
-    return content_type.lower().startswith(FORM_TYPES)
+    """Whether a Content-Type is a form's."""
+    return media_type(content_type) in FORM_TYPES
 
 
 async def read_form(request: Request, model: type[RequestBody], file_field: str | None = None) -> Form:
