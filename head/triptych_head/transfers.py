@@ -82,6 +82,11 @@ def _continuation(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg:
 def on_allocated(
     core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: TransferAllocated, frames: list[Any]
 ) -> None:
+    if rec.instance == inst.url and rec.staged is None:
+        # The second answer of a receiver asked twice (below), read after the push into that slot
+        # landed: the request runs there now, on that input. A CancelWork would end its work.
+        log.debug("request %s: %s allocated again after its input arrived", rec.wire_id, inst.url)
+        return
     if not (rec.receiver_reserved and rec.instance == inst.url and rec.staged):
         core.membership.send(inst.url, CancelWork(rec.wire_id, inst.url, core.head_id))
         return

@@ -7,7 +7,7 @@ twice. Each request must still wait in its queue, be retried once per lost attem
 from __future__ import annotations
 
 from tests.unit.core_harness import Harness
-from triptych.protocol import RequestResult, TransferAlloc, TransferPush
+from triptych.protocol import CancelWork, RequestResult, TransferAlloc, TransferPush
 from triptych.roles import Role
 from triptych_head.state import RequestState
 
@@ -123,6 +123,34 @@ def test_a_slow_receiver_asked_twice_for_one_slot_gets_one_push() -> None:
     h.deliver()  # the second TransferAlloc: the same slot
     h.answer()
     assert [(u, type(m)) for u, m in h.pending] == [(encoder, TransferPush)]
+    _run_to_end(h)
+    assert _ended(h) == {"a": ["RESULT"]}
+    assert h.core.metrics.retries.labels("denoiser", "transfer_failed")._value.get() == 0
+    h.check_idle()
+
+
+def test_a_second_slot_answer_that_comes_after_the_push_landed_leaves_the_request_running() -> None:
+    """As above, but the receiver's second answer (the same slot) reaches the head only after the
+    push it answered landed and the request runs on the receiver: it is a duplicate, not a stale
+    attempt's. Before, the head told the receiver to cancel the request, which then never ended."""
+    h = Harness({Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1})
+    (encoder,), (denoiser,) = _urls(h, Role.ENCODER), _urls(h, Role.DENOISER)
+    h.submit("a")
+    h.deliver()
+    h.answer()
+    h.workers[denoiser].alive = False
+    h.clock.advance(h.args.disagg_heartbeat_timeout + 1)
+    h.tick()
+    h.workers[denoiser].alive = True
+    h.tick()  # it reads the first TransferAlloc and heartbeats: the head asks it again
+    h.answer()  # the first TransferAllocated: the push goes out
+    h.deliver()  # the second TransferAlloc, answered with the same slot (not read by the head yet)
+    assert [(u, type(m)) for u, m in h.pending] == [(encoder, TransferPush)]
+    h.deliver()  # the encoder writes
+    h.answer(1)  # its TransferPushed, before the denoiser's second answer: the denoiser gets its input
+    assert h.state("a") is RequestState.DENOISING_RUNNING
+    h.answer()  # the late second TransferAllocated
+    assert not [m for u, m in h.pending if isinstance(m, CancelWork)], h.pending
     _run_to_end(h)
     assert _ended(h) == {"a": ["RESULT"]}
     assert h.core.metrics.retries.labels("denoiser", "transfer_failed")._value.get() == 0
