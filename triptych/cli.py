@@ -94,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"triptych: error: {exc}", file=sys.stderr)
             return 2
+        from triptych.config_checks import secret_file_warnings
+
+        for warning in secret_file_warnings(args):
+            print(f"triptych: warning: {warning}", file=sys.stderr)
         from triptych.launch import serve
 
         return serve(args)

@@ -31,6 +31,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from triptych import private_files
 from triptych.config import ConfigError, ServeArgs
 
 Side = Literal["head", "worker"]
@@ -128,6 +129,8 @@ def load_keys(keys_dir: str | os.PathLike[str], side: Side) -> ControlKeys:
         ) from None
     if secret is None:
         raise ConfigError(f"--disagg-keys-dir {directory}: {own_secret} holds no secret key")
+    if (problem := private_files.problem(directory / own_secret, "--disagg-keys-dir:")) is not None:
+        raise ConfigError(problem)
     return ControlKeys(public=public, secret=secret, peer_public=peer_public)
 
 

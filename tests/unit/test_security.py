@@ -73,6 +73,38 @@ def test_missing_key_files_are_named(tmp_path):
     load_keys(tmp_path, "head")  # the head does not need its own public file
 
 
+@pytest.mark.parametrize("mode", [0o644, 0o606, 0o604])
+def test_a_secret_key_open_to_every_user_is_refused_naming_the_file_and_the_chmod(tmp_path, mode):
+    main(["keys", "generate", str(tmp_path)])
+    (tmp_path / "worker.key_secret").chmod(mode)
+    with pytest.raises(ConfigError) as refused:
+        load_keys(tmp_path, "worker")
+    assert f"worker.key_secret is open to every user of this host (mode {mode:04o})" in str(refused.value)
+    assert f"chmod 600 {tmp_path / 'worker.key_secret'}" in str(refused.value)
+    load_keys(tmp_path, "head")  # its own secret is still closed
+    (tmp_path / "worker.key_secret").chmod(0o440)  # as the operator's Secret volume mounts it
+    load_keys(tmp_path, "worker")
+
+
+def test_the_http_side_s_secret_files_open_to_every_user_are_named_in_a_warning(tmp_path):
+    """--api-keys-file, --webhook-secret-file and --ssl-keyfile are the operator's own: a warning names
+    each one every user may read, and the process goes on."""
+    keys = tmp_path / "api-keys"
+    keys.write_text("sk-one\n")
+    keys.chmod(0o644)
+    webhook = tmp_path / "whsec"
+    webhook.write_text("whsec_" + "a" * 32 + "\n")
+    webhook.chmod(0o600)
+    from triptych.config_checks import secret_file_warnings
+
+    args = head("--api-keys-file", str(keys), "--webhook-url", "http://192.0.2.9/hook", "--webhook-secret-file",
+                str(webhook))  # fmt: skip
+    (warning,) = secret_file_warnings(args)
+    assert warning.startswith(f"--api-keys-file {keys} is open to every user of this host (mode 0644)"), warning
+    keys.chmod(0o640)
+    assert secret_file_warnings(args) == []
+
+
 @pytest.mark.parametrize(
     ("build", "flag", "address"),
     [

@@ -18,7 +18,12 @@ from triptych.config_checks.addresses import (
     check_worker_lists,
     http_endpoint,
 )
-from triptych.config_checks.files import check_listed_files, check_pool_fits_memory, check_tls_files
+from triptych.config_checks.files import (
+    check_listed_files,
+    check_pool_fits_memory,
+    check_tls_files,
+    secret_file_warnings,
+)
 from triptych.config_checks.head import (
     check_http_limits,
     check_otlp_endpoint,
@@ -70,4 +75,5 @@ __all__ = [
     "check_results_store",
     "check_tls_files",
     "http_endpoint",
+    "secret_file_warnings",
 ]

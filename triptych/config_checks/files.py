@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from triptych import private_files
 from triptych.config import (
     URL_FLAGS,
     ConfigError,
@@ -63,3 +64,13 @@ def check_pool_fits_memory(args: ServeArgs) -> None:
             f"--disagg-transfer-pool-size {args.disagg_transfer_pool_size} is more than this host's memory "
             f"({memory} bytes); use e.g. 256MiB"
         )
+
+
+def secret_file_warnings(args: ServeArgs) -> list[str]:
+    """The HTTP side's secret files that every user of the host may read (triptych.private_files)."""
+    named = (
+        ("--api-keys-file", args.api_keys_file),
+        ("--webhook-secret-file", args.webhook_secret_file),
+        ("--ssl-keyfile", args.ssl_keyfile),
+    )
+    return [problem for name, path in named if path and (problem := private_files.problem(path, name)) is not None]
