@@ -62,10 +62,13 @@ class StopFollowing(Exception):
     """Rank 0 stopped the job this rank is following (the head cancelled it)."""
 
 
-def _broadcast(mesh: RankMesh, tensor: torch.Tensor) -> torch.Tensor:
+def _broadcast(mesh: RankMesh, tensor: torch.Tensor, idle: bool = False) -> torch.Tensor:
+    """Rank 0's `tensor` on every rank: in the world group, which gives up on a hung peer after
+    STEP_TIMEOUT; `idle`: the first broadcast of a job, which followers wait in between jobs, on the
+    default group (IDLE_TIMEOUT)."""
     import torch.distributed as dist
 
-    dist.broadcast(tensor, src=0)
+    dist.broadcast(tensor, src=0, group=None if idle else mesh.world_group)
     return tensor
 
 
@@ -87,7 +90,7 @@ def send_jobs(mesh: RankMesh, batches: list[StageBatch], lora_sources: dict[str,
             f"image: the {len(batches)} request(s) carry {len(header)} bytes of parameters (reference images), "
             f"more than the {MAX_HEADER_BYTES} that pass between this worker's ranks; send smaller references"
         )
-    _broadcast(mesh, torch.tensor([len(header)], dtype=torch.int64, device=mesh.device))
+    _broadcast(mesh, torch.tensor([len(header)], dtype=torch.int64, device=mesh.device), idle=True)
     _broadcast(mesh, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(mesh.device))
     for tensor in inputs:
         _broadcast(mesh, tensor.contiguous())
@@ -98,7 +101,7 @@ def receive_jobs(mesh: RankMesh) -> tuple[list[StageBatch], dict[str, str]]:
     and its LoRA adapters' sources."""
     import torch
 
-    size = _broadcast(mesh, torch.zeros(1, dtype=torch.int64, device=mesh.device))
+    size = _broadcast(mesh, torch.zeros(1, dtype=torch.int64, device=mesh.device), idle=True)
     length = int(size.item())
     if not 0 < length <= MAX_HEADER_BYTES:
         raise ValueError(f"job header of {length} bytes from rank 0 (at most {MAX_HEADER_BYTES})")

@@ -11,7 +11,7 @@ import datetime
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from triptych.parallelism import Parallelism
 from triptych_worker.parallel.layout import RankLayout
@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 
 # Idle followers wait for the next job in a broadcast on the default group, for as long as the
 # worker lives; dead peers are noticed by the rank watchdog (process exit) and by gloo/NCCL
-# connection errors, not by this timeout.
+# connection errors, not by this timeout. Nothing else uses the default group.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
-# A collective inside a job that waits this long has lost a peer that is still alive (hung).
+# A collective inside a job that waits this long has lost a peer that is still alive (hung): every
+# group a job uses has it, the world group included (RankMesh.world_group).
 STEP_TIMEOUT = datetime.timedelta(seconds=300)
 
 
@@ -49,6 +50,7 @@ class RankMesh:
     rank: int
     layout: RankLayout
     device: str
+    world_group: dist.ProcessGroup | None = None  # every rank, STEP_TIMEOUT: what a job's world-wide collectives use
     sp_group: dist.ProcessGroup | None = None
     ulysses_group: dist.ProcessGroup | None = None
     ring_group: dist.ProcessGroup | None = None
@@ -87,6 +89,8 @@ class RankMesh:
         )
         mesh = cls(rank=rank, layout=layout, device=device)
         # Every rank creates every group, in the same order (torch.distributed requires it).
+        world = dist.new_group(list(range(layout.world_size)), timeout=STEP_TIMEOUT)
+        mesh.world_group = cast("dist.ProcessGroup", world)  # every rank is a member
         for name, groups in (
             ("sp", layout.sp_groups()),
             ("ulysses", layout.ulysses_groups()),
@@ -112,25 +116,31 @@ class RankMesh:
 
     # --- collectives (timed) ---------------------------------------------------------------
 
+    def _in_job(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        """The group a job's collective runs in: None is every rank, the world group (never the
+        default group, whose timeout is the idle wait's)."""
+        return group if group is not None else self.world_group
+
     def all_gather_cat(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
-        """Concatenate every group member's `tensor` along `dim`, in group order."""
+        """Concatenate every group member's `tensor` along `dim`, in group order (None: every rank's)."""
         import torch
         import torch.distributed as dist
 
         started = time.perf_counter()
         tensor = tensor.contiguous()
+        group = self._in_job(group)
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, tensor, group=group)
         self.comm.seconds += time.perf_counter() - started
         return torch.cat(parts, dim=dim)
 
     def all_reduce_sum(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        """The sum of every group member's `tensor` (a new tensor)."""
+        """The sum of every group member's `tensor` (a new tensor; None: every rank's)."""
         import torch.distributed as dist
 
         started = time.perf_counter()
         total = tensor.contiguous().clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._in_job(group))
         self.comm.seconds += time.perf_counter() - started
         return total
 
@@ -142,7 +152,7 @@ class RankMesh:
         started = time.perf_counter()
         tensor = tensor.contiguous()
         out = torch.empty_like(tensor)
-        dist.all_to_all_single(out, tensor, group=group)
+        dist.all_to_all_single(out, tensor, group=self._in_job(group))
         self.comm.seconds += time.perf_counter() - started
         return out
 
@@ -178,9 +188,15 @@ class RankMesh:
         after = torch.zeros_like(first)
         requests = []
         if me > 0:
-            requests += [dist.isend(first.contiguous(), ranks[me - 1], tag=1), dist.irecv(before, ranks[me - 1], tag=2)]
+            requests += [
+                dist.isend(first.contiguous(), ranks[me - 1], group=self.world_group, tag=1),
+                dist.irecv(before, ranks[me - 1], group=self.world_group, tag=2),
+            ]
         if me < len(ranks) - 1:
-            requests += [dist.isend(last.contiguous(), ranks[me + 1], tag=2), dist.irecv(after, ranks[me + 1], tag=1)]
+            requests += [
+                dist.isend(last.contiguous(), ranks[me + 1], group=self.world_group, tag=2),
+                dist.irecv(after, ranks[me + 1], group=self.world_group, tag=1),
+            ]
         for request in requests:
             if request is not None:
                 request.wait()
