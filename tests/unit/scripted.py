@@ -151,3 +151,12 @@ def finish_request(w: dict[Role, ScriptedWorker], rid: str, pixels: tuple[list[d
         dst.got.remove(ready)
     specs, frames = pixels
     w[Role.DECODER].send(Result(rid, w[Role.DECODER].url, specs, 0.0), frames)
+
+
+def forgotten(server: DiffusionServer, request_id: str) -> bool:
+    """Whether the head's thread forgets the request within 5 s, as it does right after it answers
+    it or cancels it on the workers (the client or the worker may hear of that first)."""
+    deadline = time.monotonic() + 5
+    while request_id in server.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return request_id not in server.requests
