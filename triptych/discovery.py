@@ -25,21 +25,36 @@ Resolver = Callable[[str], list[str]]
 DYNAMIC = ("dns://", "file://")  # entries whose endpoints change: re-read every interval
 
 
+# The resolver's answers that a name has no address (a headless Service with no ready pod is one);
+# any other failure (EAI_AGAIN: the DNS server restarting or timing out) says nothing about the pods.
+NO_ADDRESS = frozenset(e for e in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)) if e is not None)
+
+
+class DiscoveryFailed(OSError):
+    """The endpoints could not be read this time (not: there are none); the last list stands."""
+
+
 def resolve_addresses(host: str) -> list[str]:
-    """All addresses `host` resolves to, sorted; [] when it does not resolve (yet)."""
+    """All addresses `host` resolves to, sorted; [] when it has none (yet). DiscoveryFailed when
+    the resolver could not say (a temporary failure)."""
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return []
+    except socket.gaierror as exc:
+        if exc.errno in NO_ADDRESS:
+            return []
+        raise DiscoveryFailed(f"resolving {host}: {exc.strerror or exc}") from None
     return sorted({str(info[4][0]) for info in infos})
 
 
 def read_endpoint_file(path: str) -> list[str]:
-    """The tcp:// endpoints listed in a file (one per line); [] when it is missing or unreadable."""
+    """The tcp:// endpoints listed in a file (one per line); [] when it is missing. DiscoveryFailed
+    when it is there but could not be read."""
     try:
         lines = Path(path).read_text().splitlines()
-    except OSError:
+    except FileNotFoundError:
         return []
+    except OSError as exc:
+        raise DiscoveryFailed(f"reading {path}: {exc.strerror or exc}") from None
     urls = []
     for line in lines:
         url = line.split("#", 1)[0].strip()
@@ -71,7 +86,12 @@ class EndpointDirectory:
         self._specs = list(specs)
         self._resolver = resolver
         self._interval = interval_s
-        self._urls = self._resolve()
+        try:
+            self._urls = self._resolve()
+        except DiscoveryFailed as exc:  # nothing known yet: none until a re-read succeeds
+            log.warning("discovery: %s; no endpoints of %s until it answers", exc, self._specs)
+            self._urls = []
+        self._failing = ""  # the last failure logged, so that one that lasts is logged once
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if any(s.startswith(DYNAMIC) for s in specs):
@@ -93,9 +113,15 @@ class EndpointDirectory:
         while not self._stop.wait(self._interval):
             try:
                 urls = self._resolve()
+            except DiscoveryFailed as exc:  # a DNS server restarting, a file being replaced: try again
+                if str(exc) != self._failing:
+                    log.warning("discovery: %s; keeping %s", exc, self._urls)
+                    self._failing = str(exc)
+                continue
             except Exception:  # the resolver failing in a way it should not: keep the last list, try again
                 log.exception("discovery: re-reading %s failed; keeping %s", self._specs, self._urls)
                 continue
+            self._failing = ""
             if urls != self._urls:
                 log.info("discovery: %s -> %s", self._specs, urls)
                 self._urls = urls

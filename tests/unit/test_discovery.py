@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
 
-from triptych.discovery import EndpointDirectory, expand, resolve_addresses
+from triptych.discovery import DiscoveryFailed, EndpointDirectory, expand, resolve_addresses
 
 
 def test_tcp_urls_pass_through_and_dns_urls_expand_to_each_address():
@@ -82,5 +83,62 @@ def test_a_resolver_error_keeps_the_last_list_and_the_directory_keeps_re_reading
         while len(directory.urls) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert directory.urls == ["tcp://192.0.2.1:19000", "tcp://192.0.2.3:19000"]
+    finally:
+        directory.close()
+
+
+def test_a_name_with_no_address_is_an_empty_list_and_a_resolver_that_cannot_say_is_a_failure(monkeypatch):
+    """NXDOMAIN (a headless Service without a ready pod) means no instances; EAI_AGAIN (the DNS server
+    restarting, a timeout) means nothing about them, and must not empty the list."""
+
+    def failing(errno: int):
+        def getaddrinfo(*_: object, **__: object) -> list:
+            raise socket.gaierror(errno, "as the resolver says")
+
+        return getaddrinfo
+
+    monkeypatch.setattr(socket, "getaddrinfo", failing(socket.EAI_NONAME))
+    assert resolve_addresses("dec.ns.svc") == []
+    monkeypatch.setattr(socket, "getaddrinfo", failing(socket.EAI_AGAIN))
+    with pytest.raises(DiscoveryFailed, match=r"resolving dec\.ns\.svc"):
+        resolve_addresses("dec.ns.svc")
+
+
+def test_a_temporary_dns_failure_keeps_the_last_list_logged_once(caplog):
+    answers: list = [["192.0.2.1", "192.0.2.2"], *[DiscoveryFailed("resolving enc.ns.svc: try again")] * 6]
+
+    def resolver(_: str) -> list[str]:
+        answer = answers.pop(0) if answers else ["192.0.2.1", "192.0.2.2"]
+        if isinstance(answer, Exception):
+            raise answer
+        return list(answer)
+
+    directory = EndpointDirectory(["dns://enc.ns.svc:19000"], interval_s=0.02, resolver=resolver)
+    try:
+        deadline = time.monotonic() + 5
+        while answers and time.monotonic() < deadline:
+            assert directory.urls == ["tcp://192.0.2.1:19000", "tcp://192.0.2.2:19000"]
+            time.sleep(0.005)
+        assert not answers
+    finally:
+        directory.close()
+    logged = [r.getMessage() for r in caplog.records if "try again" in r.getMessage()]
+    assert len(logged) == 1 and "keeping ['tcp://192.0.2.1:19000', 'tcp://192.0.2.2:19000']" in logged[0]
+
+
+def test_an_endpoint_file_that_cannot_be_read_keeps_the_last_list(tmp_path):
+    listed = tmp_path / "encoders"
+    listed.write_text("tcp://192.0.2.1:19000\n")
+    directory = EndpointDirectory([f"file://{listed}"], interval_s=0.02)
+    try:
+        listed.unlink()
+        listed.mkdir()  # there, but no list to read (an EISDIR, as an EIO would be)
+        time.sleep(0.2)
+        assert directory.urls == ["tcp://192.0.2.1:19000"]
+        listed.rmdir()  # gone: no instances
+        deadline = time.monotonic() + 5
+        while directory.urls and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert directory.urls == []
     finally:
         directory.close()
