@@ -391,6 +391,17 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
+def check_in_step(errors: list[Exception | None]) -> None:
+    """A follower's outcomes of a batched job, each request's its own (as on rank 0): one that failed
+    here other than by rank 0's stop or at the same point on every rank (IN_STEP_FAILURES) may have
+    left this rank out of step with rank 0, which would then wait in a collective this rank never
+    joins. It is raised: the follower ends, and rank 0's watchdog ends the instance at once, as rank 0
+    does after such a failure of its own."""
+    for error in errors:
+        if error is not None and not isinstance(error, (StopFollowing, *IN_STEP_FAILURES)):
+            raise error
+
+
 def follow(args: ServeArgs, rank_index: int) -> None:
     """A follower: run every job rank 0 broadcasts until the process is killed or a collective breaks."""
     rank = Rank.start(args, rank_index, LoraCatalog())  # it resolves no name: each job pins rank 0's sources
@@ -402,7 +413,7 @@ def follow(args: ServeArgs, rank_index: int) -> None:
             boundary = batch.hand_off if isinstance(batch.hand_off, StepBoundary) else None
             batch.on_progress = functools.partial(_follow_step, mesh, boundary)
         if len(batches) > 1:
-            rank.run_many(batches, lora_sources)  # each request's failure is its own outcome, as on rank 0
+            check_in_step(rank.run_many(batches, lora_sources))
         else:
             try:
                 rank.run(batches[0], lora_sources)
