@@ -263,6 +263,7 @@ class Dispatcher:
             ready = TransferReady(
                 wire_id, inst.url, rec.wire_params(), staged.manifest, staged.meta, 0, rec.watch, rec.preview_every,
                 *rec.wire_batch(), core.head_id, rec.traceparent, in_place=True, priority=level,
+                edit=rec.params.has_reference,
             )  # fmt: skip
             sent = self._send(rec, inst.url, ready)
             if sent is None:

@@ -164,6 +164,7 @@ def on_pushed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
         core.head_id,
         rec.traceparent,
         priority=rec.held_level,  # the level it was given its receiver at (queues.py)
+        edit=rec.params.has_reference,
     )
     started = core.clock()  # before the send, so the hop's time contains all the receiver's work
     try:

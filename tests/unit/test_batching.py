@@ -9,6 +9,7 @@ from collections import deque
 import msgspec
 import pytest
 
+from tests.unit.core_harness import Harness
 from triptych.batching import batch_key
 from triptych.cli import build_parser
 from triptych.config import ConfigError, ServeArgs
@@ -151,6 +152,25 @@ def test_untagged_jobs_batch_with_compatible_ones_only():
     queue = deque([job("a"), job("b", other), job("c"), job("d", other)])
     assert [j.request_id for j in take_group(queue, 4, 0.0)] == ["a", "c"]
     assert [j.request_id for j in take_group(queue, 4, 0.0)] == ["b", "d"]
+
+
+def test_an_edit_whose_reference_the_head_left_out_still_runs_in_no_batch():
+    """Past the encoders the head sends an edit's params without its reference (wire_params), so they
+    key like a plain request's: its TransferReady says it is an edit, and the worker batches it with
+    nothing. Before, a denoiser merged it with a plain request, and the merge dropped its reference's
+    tensors: the edit came back as text-to-image pixels."""
+    h = Harness({Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1})
+    h.submit("e", image=b"png")
+    while not any(isinstance(m, TransferReady) for _, m in h.pending):
+        h.deliver() if h.pending else h.answer()
+    ready = next(m for _, m in h.pending if isinstance(m, TransferReady))
+    assert ready.params.image is None and ready.edit
+    assert batch_key(ready.params) == batch_key(msgspec.structs.replace(ready.params, image=None))  # looks plain
+    incoming = (None, [], {})
+    queue = deque([Job("p", ready.params, incoming), Job("e", ready.params, incoming, edit=ready.edit),
+                   Job("q", ready.params, incoming)])  # fmt: skip
+    assert [j.request_id for j in take_group(queue, 4, 0.0)] == ["p", "q"]
+    assert [j.request_id for j in take_group(queue, 4, 0.0)] == ["e"]
 
 
 def test_a_wrongly_grouped_member_runs_apart():

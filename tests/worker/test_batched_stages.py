@@ -113,6 +113,17 @@ def test_an_invalid_request_fails_alone_and_the_rest_run_batched(pipelines: dict
     assert all(b.tensors[PIXELS].shape == (1, 1, 48, 64, 3) for b in batches[1:])
 
 
+def test_a_merge_of_requests_that_hand_on_different_tensors_is_refused() -> None:
+    """A backstop behind the keys: one request's tensors (an edit's reference) are never dropped by a merge."""
+    from triptych_worker.batching import merge
+
+    plain = StageBatch(FLUX, {"latents": torch.zeros(1, 4)})
+    edit = StageBatch(FLUX, {"latents": torch.zeros(1, 4), "image_latents": torch.zeros(1, 4)})
+    for batches in ([plain, edit], [edit, plain]):
+        with pytest.raises(ValueError, match="hand on different tensors \\(image_latents\\)"):
+            merge(batches, frozenset())
+
+
 def test_a_split_batch_gives_every_request_but_the_first_its_own_shared_tensors() -> None:
     """A shared tensor (positional ids) is the first request's, maybe a view on its receive slot, which
     is given back once its outputs are staged: another request's must not read that memory later."""

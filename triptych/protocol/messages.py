@@ -174,6 +174,9 @@ class TransferReady(Message, tag="transfer_ready", frozen=True):
     # resuming where it stopped): nothing was written, no slot was reserved.
     in_place: bool = False
     priority: Count = 1  # as Work's
+    # The request edits a reference image, which `params` no longer carries past the encoders: like
+    # every edit (triptych.batching) it runs in no batch with others.
+    edit: bool = False
 
 
 class CancelWork(Message, tag="cancel_work", frozen=True):

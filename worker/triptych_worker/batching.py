@@ -40,6 +40,10 @@ def merge(batches: Sequence[StageBatch], shared: frozenset[str]) -> StageBatch:
     import torch
 
     first = batches[0]
+    for batch in batches[1:]:  # what batch_key let through must not drop a request's tensors (its reference's)
+        if set(batch.tensors) != set(first.tensors):
+            different = sorted(set(batch.tensors) ^ set(first.tensors))
+            raise ValueError(f"the requests of a batch hand on different tensors ({', '.join(different)})")
     tensors: dict[str, Any] = {}
     for name, tensor in first.tensors.items():
         if name in shared:

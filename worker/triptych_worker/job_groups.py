@@ -35,12 +35,15 @@ class Job:
     group_size: int = 1
     traceparent: str = ""  # the head's trace of the request (triptych.tracing): its stages get a span there
     priority: int = 1  # its priority level as the head dispatched it: the queue runs higher levels first
+    edit: bool = False  # an edit whose reference the head left out of `params` (TransferReady.edit)
     queued_at: float = field(default_factory=time.monotonic)
 
     @property
     def key(self) -> tuple[Any, ...]:
         # Continuations batch only with continuations of the same step (resume.py).
         step = None if self.incoming is None else step_of(self.incoming[2])
+        if self.edit:  # as batch_key keys an edit whose params still carry the reference: its own
+            return (self.incoming is None, step, "edit", self.request_id)
         return (self.incoming is None, step, *batch_key(self.params, self.request_id))
 
 

@@ -122,7 +122,7 @@ def ready(worker: Worker, link: HeadLinks, msg: TransferReady) -> None:
     incoming = (alloc, msg.manifest, msg.meta)
     job = Job(
         msg.request_id, msg.params, incoming, msg.progress, msg.preview_every, msg.batch_id, msg.batch_size,
-        traceparent=msg.traceparent, priority=msg.priority,
+        traceparent=msg.traceparent, priority=msg.priority, edit=msg.edit,
     )  # fmt: skip
     with worker._lock:
         waits = worker._computing or bool(worker._queue)
