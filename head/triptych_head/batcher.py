@@ -119,14 +119,17 @@ class GroupBatcher:
     def ready_groups(
         self, queued: Iterable[RequestRecord], room: int, now: float, delay_s: float | None = None
     ) -> list[list[RequestRecord]]:
-        """The groups that may leave now, oldest first; `room`: the largest group a ready instance takes
-        now; `delay_s`: the role's wait (delay_for), else every role's."""
+        """The groups that may leave now, in queue order (`queued`'s: by priority level, then first
+        come first served) of each group's first member; `room`: the largest group a ready instance
+        takes now; `delay_s`: the role's wait (delay_for), else every role's."""
         delay_s = self.delay_s if delay_s is None else delay_s
         limit = min(self.max_size, room)
         if limit <= 0:
             return []
         by_key: dict[tuple[Any, ...], list[RequestRecord]] = {}
+        place: dict[str, int] = {}
         for rec in queued:
+            place[rec.wire_id] = len(place)
             # Continuations (migration.py) batch only with continuations of the same step.
             step = rec.staged.continues_at if rec.staged else None
             by_key.setdefault((step, *batch_key(rec.params, rec.wire_id)), []).append(rec)
@@ -136,7 +139,7 @@ class GroupBatcher:
                 chunk = members[start : start + limit]
                 if len(chunk) >= limit or now - chunk[0].hop_started >= delay_s:
                     groups.append(chunk)
-        groups.sort(key=lambda chunk: chunk[0].hop_started)
+        groups.sort(key=lambda chunk: place[chunk[0].wire_id])  # not by age: a higher level goes first
         return groups
 
     def observe_sent(self, role: str, group: Group, now: float) -> None:

@@ -83,12 +83,22 @@ def test_a_group_leaves_when_full_or_at_the_delay_and_never_mixes_incompatible_r
     batcher = GroupBatcher(max_size=4, delay_s=0.05)
     other = msgspec.structs.replace(BASE, width=48)
     fewer_steps = msgspec.structs.replace(BASE, num_inference_steps=2)
-    queued = [record(f"a{i}", BASE, 10.0 + i * 0.001) for i in range(5)]
-    queued += [record("b0", other, 10.0), record("c0", fewer_steps, 10.02)]
+    queued = [record("a0", BASE, 10.0), record("b0", other, 10.0)]  # in queue order: as they came
+    queued += [record(f"a{i}", BASE, 10.0 + i * 0.001) for i in range(1, 5)] + [record("c0", fewer_steps, 10.02)]
     groups = batcher.ready_groups(queued, room=8, now=10.01)  # before the delay: only the full group
     assert [[r.request_id for r in g] for g in groups] == [["a0", "a1", "a2", "a3"]]
-    groups = batcher.ready_groups(queued, room=8, now=10.1)  # past it: every group, oldest first
+    groups = batcher.ready_groups(queued, room=8, now=10.1)  # past it: every group, in queue order
     assert [[r.request_id for r in g] for g in groups] == [["a0", "a1", "a2", "a3"], ["b0"], ["a4"], ["c0"]]
+
+
+def test_groups_leave_in_queue_order_so_a_higher_level_goes_before_an_older_lower_one():
+    """The queue holds the higher level first (queues.py); a group of it leaves before an older group
+    of another key at a lower level. Before, groups left oldest first whatever their level."""
+    batcher = GroupBatcher(max_size=2, delay_s=0.0)
+    high = record("high", BASE, 10.5)
+    low = record("low", msgspec.structs.replace(BASE, width=32), 10.0)
+    groups = batcher.ready_groups([high, low], room=2, now=11.0)
+    assert [[r.request_id for r in g] for g in groups] == [["high"], ["low"]]
 
 
 def test_a_role_s_own_delay_replaces_every_role_s():
