@@ -110,6 +110,7 @@ class SimWorker:
     fingerprint: str = ""  # its model package's (heartbeats report it)
     computing: set[str] = field(default_factory=set)  # request ids whose stages it runs now
     staged: set[str] = field(default_factory=set)  # request ids whose outputs it holds for a push
+    continuations: set[str] = field(default_factory=set)  # of those, states at a step boundary: no slot held
     reserved: dict[int, str] = field(default_factory=dict)  # allocated receive slot -> the request it is for
     kept: set[int] = field(default_factory=set)  # standing slots: kept for the head, which assigns them
     content: dict[int, str] = field(default_factory=dict)  # slot -> whose bytes were written into it last
@@ -126,8 +127,9 @@ class SimWorker:
     resized: list[BatchResized] = field(default_factory=list)  # the groups the head said lost members
 
     def held(self) -> set[str]:
-        """Requests holding one of its scheduling slots (computing, outputs staged, a slot reserved)."""
-        return self.computing | self.staged | set(self.reserved.values())
+        """Requests holding one of its scheduling slots (computing, outputs staged, a slot reserved): a
+        suspended request's state holds none (runtime.Worker._held_requests)."""
+        return self.computing | (self.staged - self.continuations) | set(self.reserved.values())
 
     def heartbeat(self, head_id: str = "") -> Heartbeat:
         # Slots held for other heads; a worker serving one head (head_id "") reports none, as runtime does.
@@ -151,6 +153,7 @@ class SimWorker:
     def drop(self, rid: str) -> None:
         self.computing.discard(rid)
         self.staged.discard(rid)
+        self.continuations.discard(rid)
         for addr, holder in list(self.reserved.items()):
             if holder == rid:
                 del self.reserved[addr]
@@ -307,7 +310,7 @@ class Harness:
     # --- the workers' side of the protocol --------------------------------------------------
 
     def _full(self, w: SimWorker) -> bool:
-        return self.several and len(w.held()) >= CAPACITY
+        return self.several and len(w.held()) >= w.capacity  # its own --worker-capacity, as runtime.Worker._full
 
     def _handle(self, w: SimWorker, msg: Any) -> None:
         if isinstance(msg, WorkBatch):
@@ -363,6 +366,7 @@ class Harness:
         if rid in w.handing_off:  # stopped before step 1 of its loop: another denoiser runs the rest
             w.handing_off.discard(rid)
             w.staged.add(rid)
+            w.continuations.add(rid)
             self.said(w, TransferStaged(rid, w.url, NBYTES, [], {"resume": {"step": 1}}, 0.01, continues_at=1))
         elif last:
             self.said(w, WorkerResult(rid, w.url, [], 0.01))
@@ -386,6 +390,7 @@ class Harness:
                 raise SlotViolation(f"{rid}'s bytes written into {receiver.url} slot {addr:#x}, which holds {holder!r}")
             receiver.content[addr] = rid
         sender.staged.discard(rid)
+        sender.continuations.discard(rid)
         self.said(sender, TransferPushed(rid, sender.url, NBYTES, 0.001))
 
     def _load(self, w: SimWorker, ready: TransferReady) -> None:
@@ -396,6 +401,7 @@ class Harness:
             if rid not in w.staged:
                 raise SlotViolation(f"{w.url} told to resume {rid} in place, but it holds no continuation of it")
             w.staged.discard(rid)
+            w.continuations.discard(rid)
             w.start(rid)
             if not w.hold:
                 self._finish_stage(w, rid)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests.unit.core_harness import Harness
 from triptych.protocol import HandOff, RequestEvent, RequestResult, TransferReady, Work
 from triptych.roles import Role
@@ -17,12 +19,13 @@ from triptych_head.state import RequestState
 LOW, NORMAL, HIGH = 0, 1, 2
 
 
-def harness(*flags: str, denoisers: int = 1) -> Harness:
+def harness(*flags: str, denoisers: int = 1, heads: int = 1) -> Harness:
     """One encoder, `denoisers` denoisers of one slot each that hold their stages, one decoder (the
-    encoder and decoder with room for every request, so that all wait for the denoisers)."""
+    encoder and decoder with room for every request, so that all wait for the denoisers); `heads`:
+    replicated heads, whose workers each check their own capacity (runtime.Worker._full)."""
     counts = {Role.ENCODER: 1, Role.DENOISER: denoisers, Role.DECODER: 1}
     capacity = {Role.ENCODER: 16, Role.DENOISER: 1, Role.DECODER: 16}
-    return Harness(counts, flags, capacity=capacity, hold=frozenset({Role.DENOISER}))
+    return Harness(counts, flags, capacity=capacity, hold=frozenset({Role.DENOISER}), heads=heads)
 
 
 def settle(h: Harness, limit: int = 500) -> list[tuple[str, Any]]:
@@ -63,8 +66,11 @@ def preemption_events(h: Harness, client: bytes) -> list[str]:
     return [m.preemption for m in events if m.preemption]
 
 
-def test_a_high_request_suspends_the_low_denoise_takes_its_slot_and_the_low_one_resumes_in_place() -> None:
-    h = harness()
+@pytest.mark.parametrize("heads", [1, 2])
+def test_a_high_request_suspends_the_low_denoise_takes_its_slot_and_the_low_one_resumes_in_place(heads: int) -> None:
+    """With two heads too (every operator deployment): the worker does not count the suspended state
+    against its capacity. Before, it refused the high request there, and both waited until they timed out."""
+    h = harness(heads=heads)
     [denoiser] = denoisers(h)
     h.submit("video", client=b"v", priority=LOW, watch=True)
     settle(h)

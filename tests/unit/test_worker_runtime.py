@@ -32,6 +32,7 @@ from triptych.protocol import (
     TransferPush,
     TransferPushed,
     TransferReady,
+    TransferRefused,
     TransferStaged,
     Work,
     decode,
@@ -42,7 +43,9 @@ from triptych.roles import Role
 from triptych_dev.localdeploy import free_port_block
 from triptych_dev.null_pipeline import NullPipeline
 from triptych_worker import compute, drain, pushes, slots
+from triptych_worker.resume import RESUME
 from triptych_worker.runtime import Job, Worker
+from triptych_worker.stages import StageBatch
 from triptych_worker.transfer import (
     InPlaceTensors,
     MooncakeTransport,
@@ -77,11 +80,38 @@ def ping(head_id: str) -> list[bytes]:
     return encode(Ping("w", head_id=head_id))
 
 
-def make_worker() -> Worker:
-    argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://127.0.0.1:1",
-            "--device", "cpu", "--disagg-transfer-pool-size", "4MiB"]  # fmt: skip
+def make_worker(*flags: str, heads: str = "tcp://127.0.0.1:1") -> Worker:
+    argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", heads,
+            "--device", "cpu", "--disagg-transfer-pool-size", "4MiB", *flags]  # fmt: skip
     args = ServeArgs.from_namespace(build_parser().parse_args(argv))
     return Worker(args, pipeline=NullPipeline(Role.DENOISER, 1024))  # type: ignore[arg-type]
+
+
+def test_a_worker_serving_several_heads_takes_work_in_the_slot_a_suspended_request_left():
+    """Preemption on a worker several heads share (every operator deployment: its heads are a dns://
+    name): the head frees the suspended request's slot and sends the higher-priority one there. The
+    suspended state only waits in the pool; the worker must not count it. Before, it refused the new
+    request at its capacity, the head asked again after every heartbeat, and both requests timed out."""
+    worker = make_worker("--worker-capacity", "1", heads="dns://heads.ns.svc:5555")
+    try:
+        assert not worker.heads.single
+        link = RecordingLink()
+        job = Job("low", GenerationParams("p", width=16, height=16))
+        stopped = StageBatch(job.params, {"latents": torch.randn(64)}, {RESUME: {"step": 3}})
+        report = compute._deliver(worker, link, job, stopped, time.perf_counter(), 1, True, {})  # type: ignore[arg-type]
+        assert report is not None and report[0].continues_at == 3
+        slots.allocate(worker, link, TransferAlloc("high", "w", 1024, head_id="h"))  # type: ignore[arg-type]
+        assert isinstance(link.sent[-1], TransferAllocated), link.sent[-1]
+        # An output waiting for its push does hold its slot: the next request is refused.
+        finished = StageBatch(job.params, {"latents": torch.randn(64)}, {})
+        with worker._lock:
+            worker._slots.pop("high")
+        compute._deliver(worker, link, Job("done", job.params), finished, time.perf_counter(), 1, True, {})  # type: ignore[arg-type]
+        slots.allocate(worker, link, TransferAlloc("next", "w", 1024, head_id="h"))  # type: ignore[arg-type]
+        answer = [m for m in link.sent if not isinstance(m, Heartbeat)][-1]  # a refusal brings a heartbeat too
+        assert isinstance(answer, TransferRefused) and answer.request_id == "next", answer
+    finally:
+        worker.transport.close()
 
 
 def test_standing_slots_are_reserved_at_start_up_for_a_default_request_and_listed_in_heartbeats():

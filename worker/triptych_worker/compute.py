@@ -7,6 +7,7 @@ fails only its own request (`_fails_alone`); a cancelled request stops at its ne
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -213,6 +214,8 @@ def _deliver(
         staged = _stage(worker, link, job.request_id, batch, inputs)
     if staged is None:
         return None  # cancelled while waiting for room
+    if resume is not None and isinstance(staged, StagedTensors):
+        staged = dataclasses.replace(staged, continuation=True)
     with worker._lock:
         cancelled = job.request_id in worker._cancelled
         if not cancelled:

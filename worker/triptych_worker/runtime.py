@@ -368,9 +368,12 @@ class Worker:
         return heartbeat.state(self, endpoint, head_id)
 
     def _held_requests(self) -> set[str]:
-        """The requests holding one of this worker's scheduling slots (the head's view of its load)."""
+        """The requests holding one of this worker's scheduling slots (the head's view of its load). A
+        suspended request's state kept here holds none: nothing computes it, and the head gave its
+        slot to the request it made room for (StagedTensors.continuation)."""
         with self._lock:
-            held = self._outstanding | set(self._staged) | set(self._slots)
+            staged = {rid for rid, out in self._staged.items() if not getattr(out, "continuation", False)}
+            held = self._outstanding | staged | set(self._slots)
         return held | {push.request_id for push in self._pushes}
 
     def _note_held(self) -> None:

@@ -27,6 +27,9 @@ class StagedTensors:
 
     allocation: Allocation
     manifest: list[dict[str, Any]]
+    # A request's state at a step boundary (resume.py), which the head may leave here suspended: it
+    # holds no scheduling slot, as nothing computes it (the head freed the slot when it stopped).
+    continuation: bool = False
 
     @property
     def nbytes(self) -> int:
