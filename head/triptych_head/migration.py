@@ -32,9 +32,12 @@ log = logging.getLogger(__name__)
 
 
 def can_hand_off(core: HeadCore, rec: RequestRecord) -> bool:
-    """Whether `rec` is denoising on a worker now, with its inputs loaded there (not moving)."""
+    """Whether `rec` is denoising on a worker now, with its inputs loaded there (not moving), and
+    would stop when asked: a step cache's state does not travel, so its denoiser never hands a
+    cached request off (StageBatch.should_hand_off), and asking it would wait for nothing."""
     return (
         not core.full_pipeline  # a full-pipeline worker decodes its own latents: nothing to hand on
+        and not rec.params.resolved_step_cache.on
         and rec.role is Role.DENOISER
         and rec.state is RequestState.DENOISING_RUNNING
         and rec.instance is not None

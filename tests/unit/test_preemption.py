@@ -142,6 +142,18 @@ def test_the_lowest_priority_running_denoise_is_the_one_suspended() -> None:
     assert hand_offs(settle(h)) == ["low"]
 
 
+def test_a_step_cached_denoise_is_never_asked_to_suspend_so_a_plain_one_is() -> None:
+    """A step cache's state does not travel, so its denoiser never hands a cached request off: asking
+    it would leave the waiting request waiting for its whole run. Before, the cached one, of the lower
+    level, was asked, ignored the ask, and no other was asked."""
+    h = harness(denoisers=2)
+    h.submit("cached", priority=LOW, step_cache="first_block")
+    h.submit("plain", priority=NORMAL)
+    settle(h)
+    h.submit("high", priority=HIGH)
+    assert hand_offs(settle(h)) == ["plain"]
+
+
 def test_a_request_never_suspends_one_of_its_own_priority_or_higher() -> None:
     h = harness()
     h.submit("running", priority=NORMAL)
