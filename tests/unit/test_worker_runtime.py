@@ -114,6 +114,34 @@ def test_a_worker_serving_several_heads_takes_work_in_the_slot_a_suspended_reque
         worker.transport.close()
 
 
+def test_a_request_resumed_in_place_as_soon_as_its_continuation_is_reported_stays_outstanding():
+    """The head may answer a suspension at once, resuming the request where its state is (an in-place
+    TransferReady, handled on the leader thread) before the computing thread has finished its own
+    bookkeeping: the resumed job must stay outstanding. Before, it was dropped from the worker's held
+    requests, so a later HandOff was ignored and the heartbeats under-counted its load."""
+    worker = make_worker()  # a null denoiser, which hands off at step boundaries
+    params = GenerationParams("x", width=16, height=16, num_inference_steps=4)
+
+    class Link(RecordingLink):
+        def send(self, msg: object, frames: object = ()) -> None:
+            super().send(msg, frames)
+            if isinstance(msg, TransferStaged) and msg.continues_at is not None:  # the head answers at once
+                ready = TransferReady("r", "w", params, msg.manifest, msg.meta, 0, in_place=True)
+                slots.ready(worker, self, ready)  # type: ignore[arg-type]
+
+    try:
+        worker._enqueue(Job("r", params))
+        worker._queue.clear()  # taken by this thread, as the computing thread takes it
+        worker._hand_off("r")  # the head's HandOff (preempt)
+        compute.compute(worker, Link(), [Job("r", params)])  # type: ignore[arg-type]
+        assert [job.request_id for job in worker._queue] == ["r"]  # resumed in place
+        assert "r" in worker._held_requests() and worker._heartbeat().held == 1
+        worker._hand_off("r")
+        assert worker.handing_off("r"), "a HandOff for the resumed request is honoured"
+    finally:
+        worker.transport.close()
+
+
 def test_standing_slots_are_reserved_at_start_up_for_a_default_request_and_listed_in_heartbeats():
     worker = make_worker()  # a null denoiser: 1024 bytes in per request
     try:

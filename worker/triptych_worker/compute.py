@@ -48,6 +48,7 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
         log.info("running %d requests as one batch: %s", len(jobs), ", ".join(job.request_id for job in jobs))
     prepared: list[tuple[Job, StageBatch]] = []
     inputs: dict[str, Inputs] = {}  # the jobs' inputs; those in place hold their slots until released below
+    settled = False
     try:
         for job in jobs:
             with _fails_alone(worker, link, job):
@@ -74,18 +75,24 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
         # The stages are done and their outputs staged (copies): the input slots are free to take
         # the next transfers, before the head hears of it.
         _release_inputs(worker, link, inputs)
-        with worker._lock:  # settled before the head hears: work it sends next finds the slots free
-            worker._outstanding.difference_update(job.request_id for job in jobs)
-        for msg, frames in reports:
+        _settle(worker, jobs)  # before the head hears: work it sends next finds the slots free
+        settled = True  # and never after: what the head sends next (a suspended request resuming
+        for msg, frames in reports:  # here, in place) is outstanding again, and stays so
             link.send(msg, frames)
         if worker.tracing is not None:  # after the reports: off the request's path
             for job, seconds in traced:
                 _trace_stages(worker, job, started_ns, seconds, together)
     finally:
         _release_inputs(worker, link, inputs)  # on a bug too: no slot stays held
-        with worker._lock:
-            worker._outstanding.difference_update(job.request_id for job in jobs)
-            worker._handing_off.difference_update(job.request_id for job in jobs)
+        if not settled:
+            _settle(worker, jobs)
+
+
+def _settle(worker: Worker, jobs: list[Job]) -> None:
+    """The jobs hold no scheduling slot any more and are asked no hand-off."""
+    with worker._lock:
+        worker._outstanding.difference_update(job.request_id for job in jobs)
+        worker._handing_off.difference_update(job.request_id for job in jobs)
 
 
 @contextlib.contextmanager
