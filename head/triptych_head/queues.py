@@ -270,6 +270,7 @@ class Dispatcher:
                 return True  # failed: too large to send
             if sent:
                 rec.staged = None  # moved to RUNNING below, as a first hop's Work is
+                rec.hop_resumed = True
         elif rec.staged and inst.session and (addr := inst.free_standing_slot(nbytes)) is not None:
             # Transfer flow step 2, fast path: a standing slot fits, so no transfer_alloc round trip.
             sender = rec.staged.sender

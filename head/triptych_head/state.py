@@ -171,6 +171,7 @@ class RequestRecord:
     hand_off_from: str | None = None  # the denoiser last asked to hand it off (migration.py)
     hand_off_reason: str = ""  # why: "drain", "asked", or "preempt" (preemption.py)
     migrations: int = 0  # how many times its denoising moved to another denoiser
+    hop_resumed: bool = False  # its current hop runs a continuation: the rest of a loop, not a sample of its work
     priority: int = DEFAULT_LEVEL  # triptych.priority's level, as submitted (0 low, 1 normal, 2 high)
     waited_s: float = 0.0  # seconds it waited in queues before its current hop's dispatch (aging, preemption.py)
     held_level: int = DEFAULT_LEVEL  # its effective level at its current hop's dispatch (what preemption compares)
@@ -226,6 +227,7 @@ class RequestRecord:
         self.staged = None
         self.slot_addr = 0
         self.push_in_flight = False
+        self.hop_resumed = False
         self.batch = None
         self.hand_off_from = None
         self.suspended_at = None

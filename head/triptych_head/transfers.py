@@ -64,6 +64,7 @@ def on_staged(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
     rec.staged = StagedPayload(inst.url, msg.nbytes, msg.manifest, msg.meta, staged_at=core.clock())
     rec.instance = None
     rec.hop += 1
+    rec.hop_resumed = False
     core.dispatcher.enter_hop(rec)
     core.metrics.observe_stage(*stage)  # after the push went out: off the request's path
 
@@ -182,6 +183,7 @@ def on_pushed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
         core.unreachable(rec.instance, f"{dest} {rec.instance} became unreachable before its input was ready", rec)
         return
     rec.move(ROLE_STATES[rec.role][1])
+    rec.hop_resumed = staged.continues_at is not None
     preemption.resumed(core, rec, moved_bytes=msg.nbytes)  # a suspended request moved to another denoiser
     rec.hop_started = started
     core.event(rec)
@@ -283,5 +285,6 @@ def _time_stage(
     rec.timeline.add(role, rec.hop_started, now, worker_seconds)
     rec.timings[f"worker_{role}"] = worker_seconds
     share = worker_seconds / max(batch_size, 1)
-    core.workload.observe(rec.role, rec.params, share)
+    if not rec.hop_resumed:  # a resumed loop ran only its last steps: no measure of the request's work
+        core.workload.observe(rec.role, rec.params, share)
     return role, elapsed, share
