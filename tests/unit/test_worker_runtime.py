@@ -142,6 +142,39 @@ def test_a_request_resumed_in_place_as_soon_as_its_continuation_is_reported_stay
         worker.transport.close()
 
 
+def test_a_batch_whose_outputs_do_not_all_fit_the_pool_reports_those_staged_and_goes_on(monkeypatch):
+    """A batch's reports wait until every member is staged; a member that waits for room in the pool
+    must not wait on the others' unreported outputs, which only the head's pushes take away. Before,
+    the computing thread waited for ever (until the head's timeout), where the requests alone ran."""
+    monkeypatch.setattr(compute, "stage_in_place", lambda *_, **__: None)  # as over RDMA: into the pool
+    argv = ["serve", "--model-path", "m", "--disagg-role", "encoder", "--disagg-server-addr", "tcp://127.0.0.1:1",
+            "--device", "cpu", "--disagg-transfer-pool-size", "4MiB", "--batching-max-size", "2"]  # fmt: skip
+    worker = Worker(ServeArgs.from_namespace(build_parser().parse_args(argv)), NullPipeline(Role.ENCODER, 3 << 20))  # type: ignore[arg-type]
+    link = RecordingLink()
+    params = GenerationParams("x", width=16, height=16)
+    jobs = [Job("a", params, group="g", group_size=2), Job("b", params, group="g", group_size=2)]
+    with worker._lock:
+        worker._outstanding.update(["a", "b"])
+    thread = threading.Thread(target=compute.compute, args=(worker, link, jobs), daemon=True)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not any(isinstance(m, TransferStaged) for m in link.sent) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [m.request_id for m in link.sent if isinstance(m, TransferStaged)] == ["a"]
+        assert thread.is_alive()  # b waits for room
+        with worker._lock:
+            staged = worker._staged.pop("a")
+        worker.free_staged(staged)  # the head had a's outputs pushed: their room is back
+        thread.join(30)
+        assert not thread.is_alive()
+        assert [m.request_id for m in link.sent if isinstance(m, TransferStaged)] == ["a", "b"]
+    finally:
+        worker._stop.set()
+        thread.join(5)
+        worker.transport.close()
+
+
 def test_standing_slots_are_reserved_at_start_up_for_a_default_request_and_listed_in_heartbeats():
     worker = make_worker()  # a null denoiser: 1024 bytes in per request
     try:

@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from triptych.contract import ParamError
@@ -63,12 +63,22 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
         # Reported together once all are staged, so that the head sees the batch arrive as one.
         reports: list[tuple[Result | TransferStaged, list[Any]]] = []
         traced: list[tuple[Job, float]] = []  # each job's stage seconds, for its span
+
+        def report_staged() -> bool:
+            """The pool is full with members still to stage: those staged go to the head now, whose
+            pushes make the room (held back, they would wait for that room themselves)."""
+            for msg, frames in reports:
+                link.send(msg, frames)
+            sent = bool(reports)
+            reports.clear()
+            return sent
+
         for (job, batch), error in zip(prepared, outcomes, strict=True):
             with _fails_alone(worker, link, job):
                 if error is not None:
                     raise error
                 leader = together == 1 or job is ran[0][0]
-                report = _deliver(worker, link, job, batch, started, together, leader, inputs)
+                report = _deliver(worker, link, job, batch, started, together, leader, inputs, report_staged)
                 if report is not None:
                     reports.append(report)
                     traced.append((job, report[0].seconds))
@@ -202,6 +212,7 @@ def _deliver(
     batch_size: int,
     leader: bool,
     inputs: dict[str, Inputs],
+    pool_full: Callable[[], bool] = lambda: False,
 ) -> tuple[Result | TransferStaged, list[Any]] | None:
     """The job's outputs, ready to go on: pixels for the head (decoder), else staged for the next
     role; the report to send the head (None: cancelled meanwhile, nothing to report)."""
@@ -218,7 +229,7 @@ def _deliver(
     if resume is None:
         staged = stage_in_place(worker.transport, batch.tensors, worker.pool.pool_bytes)
     if staged is None:
-        staged = _stage(worker, link, job.request_id, batch, inputs)
+        staged = _stage(worker, link, job.request_id, batch, inputs, pool_full)
     if staged is None:
         return None  # cancelled while waiting for room
     if resume is not None and isinstance(staged, StagedTensors):
@@ -251,13 +262,19 @@ def _preview(worker: Worker, job: Job, step: int, latents: Any) -> bytes:
 
 
 def _stage(
-    worker: Worker, link: HeadLinks, request_id: str, batch: StageBatch, inputs: dict[str, Inputs]
+    worker: Worker,
+    link: HeadLinks,
+    request_id: str,
+    batch: StageBatch,
+    inputs: dict[str, Inputs],
+    pool_full: Callable[[], bool] = lambda: False,
 ) -> StagedTensors | None:
     """Copy outputs into the pool, waiting while it is full (back-pressure on this sender).
 
     A full pool while this job still holds its input slot (inputs in place) may be full of that
     very slot: the outputs that still view it are copied out and the slot is given back first, so
-    a pool that held input and output one after the other never waits on itself.
+    a pool that held input and output one after the other never waits on itself. Nor on the outputs
+    of its own batch: `pool_full` reports those staged so far (True if it did), so they can leave.
     """
     while True:
         staged = stage_tensors(worker.pool, batch.tensors, owner=request_id)
@@ -266,6 +283,8 @@ def _stage(
         held = inputs.get(request_id)
         if held is not None and held.held is not None:
             batch.tensors = worker.inputs.detach(inputs.pop(request_id), batch.tensors, link)
+            continue
+        if pool_full():
             continue
         if worker._is_cancelled(request_id) or worker._stop.is_set():
             return None
