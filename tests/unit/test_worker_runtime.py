@@ -175,6 +175,29 @@ def test_a_batch_whose_outputs_do_not_all_fit_the_pool_reports_those_staged_and_
         worker.transport.close()
 
 
+def test_simulated_stages_run_a_group_one_at_a_time_and_report_each_request_s_own_seconds():
+    """Stages without a batched forward (simulated, --simulate; NullPipeline) run a group's requests one
+    after the other, each reported alone (batch of 1): each reports its own time, not the group's so
+    far. Before, the last of four reported the four's, and device-seconds and the work estimate grew
+    with the group's size."""
+    argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://127.0.0.1:1",
+            "--device", "cpu", "--disagg-transfer-pool-size", "4MiB", "--batching-max-size", "4"]  # fmt: skip
+    pipeline = NullPipeline(Role.DENOISER, 1024, step_seconds=0.2)  # 0.2 s of denoising per request
+    worker = Worker(ServeArgs.from_namespace(build_parser().parse_args(argv)), pipeline=pipeline)  # type: ignore[arg-type]
+    link = RecordingLink()
+    params = GenerationParams("x", width=16, height=16, num_inference_steps=1)
+    try:
+        started = time.perf_counter()
+        compute.compute(worker, link, [Job(r, params, group="g", group_size=4) for r in "abcd"])  # type: ignore[arg-type]
+        group_s = time.perf_counter() - started
+        reports = [m for m in link.sent if isinstance(m, TransferStaged)]
+        assert [(m.request_id, m.batch_size, m.batch_leader) for m in reports] == [(r, 1, True) for r in "abcd"]
+        # about a quarter of the group's time each (by ratio: a loaded machine slows them all)
+        assert all(0.15 <= m.seconds < group_s / 2 for m in reports), ([round(m.seconds, 3) for m in reports], group_s)
+    finally:
+        worker.transport.close()
+
+
 def test_standing_slots_are_reserved_at_start_up_for_a_default_request_and_listed_in_heartbeats():
     worker = make_worker()  # a null denoiser: 1024 bytes in per request
     try:

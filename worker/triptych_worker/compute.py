@@ -57,7 +57,7 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
                     continue
                 prepared.append((job, _prepare(worker, link, job, inputs)))
         with about(jobs[0].request_id if len(jobs) == 1 else None):  # a batch's lines are no one request's
-            outcomes = _run_stages(worker, [batch for _, batch in prepared])
+            outcomes, own_seconds = _run_stages(worker, [batch for _, batch in prepared])
         ran = [(job, batch) for (job, batch), error in zip(prepared, outcomes, strict=True) if error is None]
         together = len(prepared) if _batches_forward(worker, len(prepared)) else 1
         # Reported together once all are staged, so that the head sees the batch arrive as one.
@@ -73,12 +73,14 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
             reports.clear()
             return sent
 
-        for (job, batch), error in zip(prepared, outcomes, strict=True):
+        for i, ((job, batch), error) in enumerate(zip(prepared, outcomes, strict=True)):
             with _fails_alone(worker, link, job):
                 if error is not None:
                     raise error
                 leader = together == 1 or job is ran[0][0]
-                report = _deliver(worker, link, job, batch, started, together, leader, inputs, report_staged)
+                # Run one at a time, a request's time is its own stages' (and its staging), not the group's.
+                since = time.perf_counter() - own_seconds[i] if own_seconds and len(prepared) > 1 else started
+                report = _deliver(worker, link, job, batch, since, together, leader, inputs, report_staged)
                 if report is not None:
                     reports.append(report)
                     traced.append((job, report[0].seconds))
@@ -136,20 +138,23 @@ def _batches_forward(worker: Worker, n: int) -> bool:
     return n > 1 and hasattr(worker.pipeline, "run_many")
 
 
-def _run_stages(worker: Worker, batches: list[StageBatch]) -> list[Exception | None]:
-    """This role's stages over the batches: one batched forward when the pipeline can (per
-    request, the exception it failed with or None)."""
+def _run_stages(worker: Worker, batches: list[StageBatch]) -> tuple[list[Exception | None], list[float]]:
+    """This role's stages over the batches: one batched forward when the pipeline can. Per request,
+    the exception it failed with or None; and, run one at a time (simulated stages), its own seconds."""
     if _batches_forward(worker, len(batches)):
-        return list(worker.pipeline.run_many(batches))  # type: ignore[union-attr]
+        return list(worker.pipeline.run_many(batches)), []  # type: ignore[union-attr]
     outcomes: list[Exception | None] = []
+    seconds: list[float] = []
     for batch in batches:
+        started = time.perf_counter()
         try:
             worker.pipeline.run(batch)
         except Exception as exc:
             outcomes.append(exc)
         else:
             outcomes.append(None)
-    return outcomes
+        seconds.append(time.perf_counter() - started)
+    return outcomes, seconds
 
 
 def _release_inputs(worker: Worker, link: HeadLinks, inputs: dict[str, Inputs]) -> None:
