@@ -50,7 +50,10 @@ def _video_steps(c: httpx.Client, timeout: float = 120) -> tuple[str, float]:
             t0, s0 = time.monotonic(), running[0]["step"]
             time.sleep(0.5)
             s1 = c.get(f"/v1/videos/{job_id}").json()["step"]
-            assert s1 > s0, "the video made no step in half a second"
+            while s1 <= s0 + 1 and time.monotonic() - t0 < 30:  # a loaded machine: wait for two steps
+                time.sleep(0.1)
+                s1 = c.get(f"/v1/videos/{job_id}").json()["step"]
+            assert s1 > s0, "the video made no step in 30 s"
             return job_id, (time.monotonic() - t0) / (s1 - s0)
         time.sleep(0.05)
     raise AssertionError("no video started denoising")
