@@ -48,7 +48,7 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
         log.info("running %d requests as one batch: %s", len(jobs), ", ".join(job.request_id for job in jobs))
     prepared: list[tuple[Job, StageBatch]] = []
     inputs: dict[str, Inputs] = {}  # the jobs' inputs; those in place hold their slots until released below
-    settled = False
+    settled_ids: set[str] = set()  # the jobs whose slot bookkeeping is done (each once: see _settle)
     try:
         for job in jobs:
             with _fails_alone(worker, link, job):
@@ -67,11 +67,15 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
         def report_staged() -> bool:
             """The pool is full with members still to stage: those staged go to the head now, whose
             pushes make the room (held back, they would wait for that room themselves)."""
+            if not reports:
+                return False
+            early = {msg.request_id for msg, _ in reports}
+            _settle(worker, early)  # as below, before the head hears
+            settled_ids.update(early)
             for msg, frames in reports:
                 link.send(msg, frames)
-            sent = bool(reports)
             reports.clear()
-            return sent
+            return True
 
         for i, ((job, batch), error) in enumerate(zip(prepared, outcomes, strict=True)):
             with _fails_alone(worker, link, job):
@@ -87,24 +91,26 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
         # The stages are done and their outputs staged (copies): the input slots are free to take
         # the next transfers, before the head hears of it.
         _release_inputs(worker, link, inputs)
-        _settle(worker, jobs)  # before the head hears: work it sends next finds the slots free
-        settled = True  # and never after: what the head sends next (a suspended request resuming
-        for msg, frames in reports:  # here, in place) is outstanding again, and stays so
+        rest = {job.request_id for job in jobs} - settled_ids
+        _settle(worker, rest)  # before the head hears: work it sends next finds the slots free
+        settled_ids.update(rest)
+        for msg, frames in reports:
             link.send(msg, frames)
         if worker.tracing is not None:  # after the reports: off the request's path
             for job, seconds in traced:
                 _trace_stages(worker, job, started_ns, seconds, together)
     finally:
         _release_inputs(worker, link, inputs)  # on a bug too: no slot stays held
-        if not settled:
-            _settle(worker, jobs)
+        _settle(worker, {job.request_id for job in jobs} - settled_ids)
 
 
-def _settle(worker: Worker, jobs: list[Job]) -> None:
-    """The jobs hold no scheduling slot any more and are asked no hand-off."""
+def _settle(worker: Worker, request_ids: set[str]) -> None:
+    """These requests hold no scheduling slot any more and are asked no hand-off. Done once per job,
+    before the head hears of its outputs, never after: what the head sends next (a suspended request
+    resuming here, in place) is outstanding again, and stays so."""
     with worker._lock:
-        worker._outstanding.difference_update(job.request_id for job in jobs)
-        worker._handing_off.difference_update(job.request_id for job in jobs)
+        worker._outstanding.difference_update(request_ids)
+        worker._handing_off.difference_update(request_ids)
 
 
 @contextlib.contextmanager
