@@ -1,8 +1,8 @@
 """A multi-rank denoiser (two CPU ranks, gloo) runs a group of compatible requests as one batched
 forward on every rank (worker/triptych_worker/parallel/ranks.py `run_many`): the latents are the
 one-rank group's byte for byte, a request cancelled inside the group stops on every rank while the
-others run on, a group handed off stops on every rank at one boundary, and the ranks stay in step
-for the next job.
+others run on, a group handed off stops on every rank at one boundary, a member handed off alone leaves
+the group there while the others run on, and the ranks stay in step for the next job.
 
 Rank 0 runs in this process with one real follower process (tests.worker.test_resume_ranks).
 """
@@ -127,6 +127,32 @@ def test_a_group_handed_off_stops_on_every_rank_at_one_boundary_with_one_rank_s_
         assert set(two.tensors) == set(one.tensors)
         for name in one.tensors:
             assert torch.equal(two.tensors[name], one.tensors[name]), name
+
+
+def test_a_member_asked_to_hand_off_stops_alone_on_every_rank_and_the_others_run_on(setup) -> None:  # type: ignore[no-untyped-def]
+    """A drain asks one request of a group: it stops before step 3 on every rank with one rank's state,
+    and the others run on from there on every rank, to the latents a one-rank group gives."""
+    case, pipelines = setup
+    done = {}
+    for where in ("1", "2"):
+        batches = group(pipelines, case)
+        steps: list[int] = []
+        batches[0].on_progress = lambda step, total, latents=None: steps.append(step)  # noqa: B023
+        batches[1].hand_off = lambda: len(steps) == 3  # noqa: B023
+        assert run_many(pipelines[where], batches) == [None] * GROUP
+        assert steps == list(range(1, CASES[case][1].num_inference_steps + 1))
+        assert [RESUME in b.meta for b in batches] == [False, True, False] and batches[1].meta[RESUME]["step"] == 3
+        done[where] = batches
+    for one, two in zip(done["1"], done["2"], strict=True):
+        assert set(two.tensors) == set(one.tensors)
+        for name in one.tensors:
+            assert torch.equal(two.tensors[name], one.tensors[name]), name
+    (alone,) = group(pipelines, case, 1)
+    (again,) = group(pipelines, case, 1)
+    with torch.no_grad():  # the ranks are still in step
+        pipelines["2"].run(alone)
+        pipelines["1"].run(again)
+    assert torch.equal(alone.tensors["latents"], again.tensors["latents"])
 
 
 def test_a_job_whose_parameters_pass_what_the_ranks_take_is_refused_on_rank_0_before_any_broadcast() -> None:

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 import torch
 
+from tests.e2e.test_batching import assert_close
 from tests.worker.test_role_pipelines import FLUX, WAN, over_the_wire
 from triptych.params import GenerationParams
 from triptych.roles import Role
@@ -165,12 +166,59 @@ def test_an_unknown_scheduler_is_refused_by_name() -> None:
         capture(scheduler, 1)
 
 
-def test_run_merged_hands_off_when_any_member_is_asked() -> None:
-    seen: list[bool] = []
-    a, b = StageBatch(FLUX), StageBatch(FLUX)
-    b.hand_off = lambda: True
-    run_merged([a, b], frozenset(), lambda merged: seen.append(merged.should_hand_off()))
-    assert seen == [True]
+@pytest.mark.parametrize("case", ["flux", "wan-unipc-cfg"])
+def test_a_member_asked_to_hand_off_leaves_its_group_and_the_others_run_on_in_place(pipelines, case: str) -> None:
+    """A group of three, the middle request asked at step 2 (a drain asks only as many as there is room
+    for elsewhere): it alone stops there, its continuation finishes on another denoiser, and the other
+    two run their remaining steps where they are; every request's pixels are those of it run alone, within
+    the tolerance of any batched forward (docs/batching.md)."""
+    name, params = CASES[case]
+    requests = [msgspec.structs.replace(params, prompt=f"{params.prompt} {i}", seed=params.seed + i) for i in range(3)]
+    alone = [generate(pipelines, name, request, []) for request in requests]
+    batches = [encoded(pipelines, name, request) for request in requests]
+    steps: list[int] = []
+    batches[0].on_progress = lambda step, total, latents=None: steps.append(step)
+    batches[1].hand_off = lambda: len(steps) == 2
+    with torch.no_grad():
+        for stage in pipelines[name, "denoiser-0"].stages:
+            assert all(e is None for e in stage.run_many(batches))
+    assert steps == list(range(1, STEPS + 1)), "the others ran every step, none twice"
+    assert batches[1].meta[RESUME]["step"] == 2
+    moved = denoise_moving(pipelines, name, over_the_wire(batches[1]), [])
+    for b, expected in zip((batches[0], moved, batches[2]), alone, strict=True):
+        assert RESUME not in b.meta
+        # a group's rows are within the batching tolerance of a request alone (docs/batching.md)
+        assert_close(pipelines[name, Role.DECODER].run(over_the_wire(b)).tensors[PIXELS].numpy(), expected.numpy())
+
+
+def test_run_merged_runs_on_the_members_not_asked_and_stops_when_every_one_is() -> None:
+    """Without a model: a fake loop of 4 steps over the merged rows that asks before every step."""
+    ran: list[tuple[int, int]] = []  # (rows, step) of every step run
+
+    def loop(merged: StageBatch) -> None:
+        first = merged.meta.pop(RESUME, {"step": 0})["step"]
+        for step in range(first, 4):
+            if merged.should_hand_off():
+                merged.meta[RESUME] = {"step": step}
+                return
+            ran.append((len(merged.tensors["x"]), step))
+            merged.report_progress(step + 1, 4)
+
+    def member(asked_at: int | None) -> StageBatch:
+        batch = StageBatch(FLUX, tensors={"x": torch.zeros(1)})
+        steps: list[int] = []
+        batch.on_progress = lambda step, total, latents=None: steps.append(step)
+        batch.hand_off = lambda: asked_at is not None and len(steps) >= asked_at
+        return batch
+
+    batches = [member(None), member(1), member(3)]
+    assert run_merged(batches, frozenset(), loop) == [None, None, None]
+    assert ran == [(3, 0), (2, 1), (2, 2), (1, 3)]
+    assert [b.meta.get(RESUME) for b in batches] == [None, {"step": 1}, {"step": 3}]
+    ran.clear()
+    every = [member(2), member(2)]
+    assert run_merged(every, frozenset(), loop) == [None, None]
+    assert ran == [(2, 0), (2, 1)] and [b.meta[RESUME] for b in every] == [{"step": 2}] * 2
 
 
 def _broken(resume: dict[str, Any], change: str) -> dict[str, Any]:

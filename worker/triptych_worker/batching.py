@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from triptych_worker.resume import RESUME
 from triptych_worker.stages import StageBatch
 
 if TYPE_CHECKING:
@@ -98,18 +99,43 @@ def run_merged(
     batches: Sequence[StageBatch], shared: frozenset[str], run: Callable[[StageBatch], None]
 ) -> list[Exception | None]:
     """Run `run` once over the merged requests and split its outputs back; per request, the exception
-    it dropped out with (None: it ran to the end)."""
-    dropped: dict[int, Exception] = {}
-    merged = merge(batches, shared)
-    merged.on_progress = fan_out_progress(batches, dropped)
-    # A group hands off together (a drain asks for every request); each member stages its own rows.
-    merged.hand_off = lambda: any(b.should_hand_off() for b in batches)
-    try:
-        run(merged)
-    except EveryRequestDropped as exc:
-        return [exc.errors.get(i) for i in range(len(batches))]
-    split(merged, batches, shared)
-    return [dropped.get(i) for i in range(len(batches))]
+    it dropped out with (None: it ran to the end, or stopped at a step boundary when asked).
+
+    A member asked to hand off (a drain, a preemption) stops the merged loop at that step boundary:
+    every member's rows of the state are split back as a continuation (resume.py), the asked members
+    keep theirs to be staged, and the others run on from that same state as one merged batch again,
+    so only the requests the head asked for move."""
+    outcomes: dict[int, Exception] = {}
+    live = list(range(len(batches)))
+    while live:
+        members = [batches[i] for i in live]
+        dropped: dict[int, Exception] = {}
+        asked: set[int] = set()
+        merged = merge(members, shared)
+        merged.on_progress = fan_out_progress(members, dropped)
+        merged.hand_off = _asking(members, dropped, asked)
+        try:
+            run(merged)
+        except EveryRequestDropped as exc:
+            outcomes.update((live[j], error) for j, error in exc.errors.items())
+            break
+        split(merged, members, shared)
+        outcomes.update((live[j], error) for j, error in dropped.items())
+        stopped = bool(asked) and RESUME in merged.meta  # at a boundary, for the asked members
+        live = [i for j, i in enumerate(live) if stopped and j not in asked and j not in dropped]
+    return [outcomes.get(i) for i in range(len(batches))]
+
+
+def _asking(members: Sequence[StageBatch], dropped: dict[int, Exception], asked: set[int]) -> Callable[[], bool]:
+    """The merged batch's `hand_off`: "stop before this step?", yes when any member still reporting is
+    asked, which join `asked`. Every member is asked at every boundary, in order (on a rank of a
+    multi-device role each answer may take a collective, so every rank asks the same questions)."""
+
+    def hand_off() -> bool:
+        asked.update(j for j, member in enumerate(members) if j not in dropped and member.should_hand_off())
+        return bool(asked)
+
+    return hand_off
 
 
 Outcomes = list[Exception | None]  # per request: the exception it failed with, or None
