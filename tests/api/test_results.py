@@ -145,3 +145,60 @@ def test_a_directory_store_creates_a_name_once_with_or_without_hard_links(tmp_pa
     assert not store.create("claims/a.json", b"second", "application/json")
     assert store.get_bytes("claims/a.json") == b"first"
     assert [o.name for o in store.list("claims/a.")] == ["claims/a.json"]  # no temporary file left in sight
+
+
+def _send(response, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:  # type: ignore[no-untyped-def]
+    """`response` sent through ASGI as a GET: (status, headers, body)."""
+    import asyncio
+
+    sent: list[dict] = []  # type: ignore[type-arg]
+
+    async def receive() -> dict:  # type: ignore[type-arg]
+        await asyncio.sleep(3600)  # no disconnect
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:  # type: ignore[type-arg]
+        sent.append(message)
+
+    raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    scope = {"type": "http", "method": "GET", "headers": raw, "http_version": "1.1"}
+    asyncio.run(response(scope, receive, send))
+    start = sent[0]
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, body
+
+
+def test_a_url_image_removed_by_retention_while_its_answer_is_sent_is_sent_whole_or_is_a_404(tmp_path, monkeypatch):
+    """Retention (this head's thread, or another head on the shared volume) may remove a result between
+    its GET's check and its body: the answer is then the whole file, or a 404; never a 500, nor a 200
+    whose body never comes."""
+    import asyncio
+
+    from triptych_head.api.errors import APIError
+    from triptych_head.api.files import object_response
+
+    results = ResultStore(tmp_path, Retention(max_age_s=3600, max_bytes=1 << 30))
+    name, data = "images/img_ab-0-cd.png", b"\x89PNG" + os.urandom(200_000)
+    _file(tmp_path / name, 0, age_s=0)
+    (tmp_path / name).write_bytes(data)
+    whole = asyncio.run(object_response(results, name, "image/png"))
+    ranged = asyncio.run(object_response(results, name, "image/png"))
+    (tmp_path / name).unlink()  # removed after the answers were made, before they are sent
+    status, headers, body = _send(whole)
+    assert (status, headers["content-length"], headers["content-type"]) == (200, str(len(data)), "image/png")
+    assert body == data
+    status, headers, body = _send(ranged, {"Range": "bytes=10-19"})
+    assert (status, body) == (206, data[10:20])
+
+    (tmp_path / name).write_bytes(data)
+    stat = results.objects.stat
+
+    def stat_then_removed(what: str):  # type: ignore[no-untyped-def]
+        found = stat(what)
+        (tmp_path / name).unlink()
+        return found
+
+    monkeypatch.setattr(results.objects, "stat", stat_then_removed)
+    with pytest.raises(APIError) as refused:
+        asyncio.run(object_response(results, name, "image/png"))
+    assert refused.value.status_code == 404

@@ -159,3 +159,16 @@ def test_events_of_a_job_another_head_runs_keep_alive_and_outlast_a_store_that_f
                     store.save_job(job)
     assert ": keep-alive" in lines and "event: completed" in lines, lines
     assert "event: error" not in lines
+
+
+def test_a_url_image_the_store_cannot_keep_is_a_503_naming_it(tmp_path: Path, monkeypatch) -> None:
+    """`response_format: url` writes the image to the store before answering: a store that fails then is
+    the same 503 store_unavailable as any other store call, in the plain answer and in the stream."""
+    body = {"prompt": "c", "size": "32x32", "response_format": "url"}
+    with make_client(ScriptedBackend(), tmp_path) as c:
+        with monkeypatch.context() as failing:
+            failing.setattr(DirectoryObjects, "put_bytes", _failing)
+            _unavailable(c.post("/v1/images/generations", json=body), "storing images/")
+            streamed = c.post("/v1/images/generations", json={**body, "stream": True}).text
+        assert '"code":"store_unavailable"' in streamed and "storing images/" in streamed, streamed
+        assert c.post("/v1/images/generations", json=body).json()["data"][0]["url"]  # the store is back

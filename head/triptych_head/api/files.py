@@ -4,8 +4,13 @@ proxied through this head (S3, the default), or a redirect to a presigned URL (S
 
 from __future__ import annotations
 
+import asyncio
 import mimetypes
+import os
 import re
+import weakref
+from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
@@ -34,7 +39,10 @@ async def object_response(results: ResultStore, name: str, media_type: str, file
             return RedirectResponse(url, status_code=307)
     path = store.local_path(name)
     if path is not None:
-        return FileResponse(path, media_type=media_type, filename=filename)
+        try:
+            return await OpenFileResponse.open(path, media_type=media_type, filename=filename)
+        except FileNotFoundError:  # removed since the stat (retention, here or on another head)
+            raise APIError(404, f"no file {name[:200]}") from None
     chunks = store.stream(name)
     try:  # the first chunk here: an object removed since the stat is a 404, not a broken stream
         first = await from_store(what, next, chunks, b"")
@@ -50,6 +58,36 @@ async def object_response(results: ResultStore, name: str, media_type: str, file
     if filename:
         headers["Content-Disposition"] = f"attachment; filename={filename}"
     return StreamingResponse(body(), media_type=media_type, headers=headers)
+
+
+class OpenFileResponse(FileResponse):
+    """A local file opened before any header is sent, and sent from that opening: retention removing
+    it meanwhile (this head's or another's) leaves the answer whole, since Linux keeps a removed file
+    readable while it is open (a FileResponse by path would find it gone and answer 500, or send its
+    200 and then no body). Ranges and HEAD work as FileResponse's, through /proc/self/fd."""
+
+    def __init__(self, fd: int, **kwargs: Any):
+        super().__init__(f"/proc/self/fd/{fd}", stat_result=os.fstat(fd), **kwargs)
+        self._close = weakref.finalize(self, os.close, fd)  # once: sent, failed, or never sent
+
+    @classmethod
+    async def open(cls, path: Path, **kwargs: Any) -> FileResponse:
+        """FileNotFoundError when there is no file at `path` now."""
+        if not os.path.isdir("/proc/self/fd"):  # not Linux: by path, as FileResponse sends it
+            await asyncio.to_thread(os.stat, path)
+            return FileResponse(path, **kwargs)
+        fd = await asyncio.to_thread(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return cls(fd, **kwargs)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._close()
 
 
 @router.get("/v1/files/{kind}/{name}", name="get_file")

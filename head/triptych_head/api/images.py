@@ -30,6 +30,7 @@ from triptych_head.api.key_limits import key_limit
 from triptych_head.api.ownership import owner_of
 from triptych_head.api.reference import Reference, edit_form_schema, read_edit_form
 from triptych_head.api.schemas import ImageData, ImageGenerationResponse, RequestBody, RequestModels
+from triptych_head.api.store_calls import from_store
 from triptych_head.backend import GenerationOutput
 from triptych_head.deadline import Estimate
 from triptych_head.idempotency import Body
@@ -178,7 +179,7 @@ async def _response(
             # its random part: the id shows (ownership.py)
             name = f"{request_id}-{i}-{secrets.token_hex(16)}{form.suffix}"
             stored = ctx.results.image_name(name)
-            await asyncio.to_thread(ctx.results.objects.put_bytes, stored, file, form.media_type)
+            await from_store(f"storing {stored}", ctx.results.objects.put_bytes, stored, file, form.media_type)
             data.append(ImageData(url=await _image_url(ctx, name, form, request)))
     return ImageGenerationResponse(created=int(time.time()), data=data, seed=seed)
 
@@ -188,7 +189,9 @@ async def _image_url(ctx: HeadContext, name: str, form: ImageFormat, request: Re
     results = ctx.results
     if results.presign_s:
         stored = results.image_name(name)
-        url = await asyncio.to_thread(results.objects.presigned_url, stored, results.presign_s, form.media_type, None)
+        url = await from_store(
+            f"for {stored}", results.objects.presigned_url, stored, results.presign_s, form.media_type, None
+        )
         if url is not None:
             return url
     return str(request.url_for("get_file", kind="images", name=name))
