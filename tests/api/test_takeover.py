@@ -146,3 +146,24 @@ def test_a_job_taken_over_counts_against_its_key_and_is_charged_its_device_secon
         assert (day["period"], day["limit"], day["used"]) == ("day", 1, 1.5)
         refused = second.post("/v1/videos", json=VIDEO, headers=gpu)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "key_quota_exceeded"
+
+
+def test_an_orphan_whose_saved_parameters_this_head_cannot_read_ends_failed_and_the_others_run(tmp_path):
+    """A job saved by another version of Triptych (a field this head does not know) cannot run here: it
+    ends failed, saying why, instead of being claimed and left in progress for ever; the scan goes on to
+    the next orphan."""
+    store = ResultStore(tmp_path)
+    params = _orphan(store, "video_plain")
+    _orphan(store, "video_newer")
+    saved = store.load_job("video_newer")
+    assert saved is not None and saved.run is not None
+    store.save_job(saved.job, time.time() - 1, {**saved.run, "params": {**saved.run["params"], "shift": 3.0}})
+    backend = ScriptedBackend()
+    with make_client(backend, tmp_path) as c:
+        c.portal.call(c.app.state.video_jobs.take_over_orphans)  # type: ignore[union-attr]
+        job = c.get("/v1/videos/video_newer").json()
+        assert job["status"] == "failed" and job["error"]["code"] == "unreadable_job", job
+        assert "shift" in job["error"]["message"] and "submit it again" in job["error"]["message"]
+        assert wait_for(c, "video_plain", "completed")["restarts"] == 1
+    assert backend.calls == [params]
+    assert store.load_job("video_newer").job.status == "failed"  # type: ignore[union-attr]

@@ -102,6 +102,19 @@ def fail_orphan(job: VideoJob, message: str = RESTARTED, code: str = "head_resta
     job.completed_at = job.completed_at or int(time.time())
 
 
+def _saved_params(run: dict[str, Any] | None) -> tuple[GenerationParams | None, str]:
+    """The parameters an orphaned job runs again with: (None, "") when its head kept none; (None, why)
+    when this head cannot read them (saved by another version of Triptych, or damaged): it cannot run it,
+    and must not claim it and leave it running for ever."""
+    if run is None:
+        return None, ""
+    try:
+        return msgspec.json.decode(json.dumps(run["params"]), type=GenerationParams), ""
+    except (KeyError, TypeError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        why = f"its head died and its saved parameters cannot be read by this head ({exc!s:.200}); submit it again"
+        return None, why
+
+
 Starter = Callable[["JobEntry"], None]
 Ended = Callable[[dict[str, Any]], None]  # told of each job this head ends, as the API shows it (webhooks.py)
 
@@ -224,16 +237,17 @@ class VideoJobs:
         is marked failed, as the stored job shows."""
         assert self.store is not None
         job, run = stored.job, stored.run
-        if self.start is None or run is None:
-            fail_orphan(job)
+        params, unreadable = _saved_params(run)
+        if self.start is None or params is None:
+            fail_orphan(job, *((unreadable, "unreadable_job") if unreadable else ()))
             await from_store(f"saving video {job.id}", self.store.save_job, job, None, None, stored.owner)
             self.ended(job)
             return None
+        assert run is not None
         attempt = job.restarts + 1
         claim = f"{self.store.job_name(job.id).removesuffix('.json')}.adopt-{attempt}"
         if not await from_store(f"taking over video {job.id}", self.store.objects.create, claim, b"", OCTETS):
             return None  # another head takes it over: its next save shows it
-        params = msgspec.json.decode(json.dumps(run["params"]), type=GenerationParams)
         job.restarts, job.step, job.progress, job.error = attempt, 0, 0, None
         job.status, job.state = "queued", RequestState.PENDING.value
         entry = JobEntry(job, made_here=True, params=params, preview_every=int(run.get("preview_every", 0)))
