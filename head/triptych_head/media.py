@@ -130,16 +130,19 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int, threads: int) -> Path:
         frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".part.mp4")
-    with av.open(str(tmp), mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.height, stream.width = frames.shape[1:3]
-        stream.pix_fmt = "yuv420p"
-        # crf 18: visually lossless; the exact frames are kept beside the MP4
-        stream.options = {"crf": "18", "threads": str(threads)}
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
-        container.mux(stream.encode())  # flush the encoder
-    tmp.replace(path)
+    try:
+        with av.open(str(tmp), mode="w", format="mp4") as container:
+            stream = container.add_stream("libx264", rate=fps)
+            stream.height, stream.width = frames.shape[1:3]
+            stream.pix_fmt = "yuv420p"
+            # crf 18: visually lossless; the exact frames are kept beside the MP4
+            stream.options = {"crf": "18", "threads": str(threads)}
+            for frame in frames:
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+            container.mux(stream.encode())  # flush the encoder
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)  # an encode that failed (a full disk) leaves no part behind
     return path
 
 

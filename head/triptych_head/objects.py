@@ -21,7 +21,7 @@ import shutil
 import stat
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -82,6 +82,10 @@ class ObjectStore(Protocol):
 
     def stream(self, name: str) -> Iterator[bytes]:
         """The object's bytes in chunks of CHUNK_BYTES (blocking: iterate it in a thread)."""
+
+    def remove_leftovers(self, before: float) -> int:
+        """Remove the local files that writes cut short left behind (a head killed mid-encode, a full
+        disk), last written before `before` (seconds since the epoch); the bytes removed."""
 
     def presigned_url(self, name: str, expires_s: int, content_type: str, filename: str | None) -> str | None:
         """A URL that fetches the object without the head for `expires_s`, or None where the store has none."""
@@ -194,6 +198,14 @@ class DirectoryObjects:
 
     def local_path(self, name: str) -> Path | None:
         return self._path(name)
+
+    def remove_leftovers(self, before: float) -> int:
+        """The staging folder's files, and beside the results the hidden temporary files of their writes."""
+        removed = _remove_files_before(self.staging, before, lambda name: True)
+        for folder in os.scandir(self.root):
+            if folder.is_dir(follow_symlinks=False) and not folder.name.startswith("."):
+                removed += _remove_files_before(Path(folder.path), before, _temporary)
+        return removed
 
     def stream(self, name: str) -> Iterator[bytes]:
         try:
@@ -375,6 +387,10 @@ class S3Objects:
     def local_path(self, name: str) -> Path | None:
         return None
 
+    def remove_leftovers(self, before: float) -> int:
+        """The local staging folder's files (an upload cut short leaves nothing in the bucket)."""
+        return _remove_files_before(self.staging, before, lambda name: True)
+
     def stream(self, name: str) -> Iterator[bytes]:
         response = self._get(name)
         try:
@@ -390,6 +406,30 @@ class S3Objects:
         return self.client.presigned_get_object(
             self.location.bucket, self._key(name), expires=timedelta(seconds=expires_s), response_headers=headers
         )
+
+
+def _temporary(name: str) -> bool:
+    """A write's temporary file beside its result (DirectoryObjects._written_beside, put_file)."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def _remove_files_before(folder: Path, before: float, chosen: Callable[[str], bool]) -> int:
+    """Remove the files of `folder` (not its subfolders) that `chosen` names, last written before `before`."""
+    removed = 0
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        try:
+            if chosen(entry.name) and entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
+                if st.st_mtime < before:
+                    os.unlink(entry.path)
+                    removed += st.st_size
+        except FileNotFoundError:  # removed meanwhile (another head's sweep, or its write ended)
+            continue
+    return removed
 
 
 def _last_words(exc: BaseException) -> str:

@@ -38,6 +38,7 @@ SWEEP_INTERVAL_MAX_S = 60.0  # retention runs at least this often, and ten times
 JOB_LEASE_S = 30.0  # a running job whose head has not renewed its lease for this long lost its head
 JOB_LEASE_RENEW_S = JOB_LEASE_S / 3
 TERMINAL = ("completed", "failed", "cancelled")
+LEFTOVER_AGE_S = 3600.0  # a staging or temporary file not written to for this long belongs to no write now
 
 
 @dataclass(frozen=True)
@@ -188,9 +189,13 @@ class ResultStore:
 
     def sweep(self, now: float | None = None, keep: Collection[str] = ()) -> list[str]:
         """Apply retention: remove results older than the max age, then the oldest until the total
-        fits the max bytes. Results named in `keep`, and jobs some head still runs, stay. Returns the
-        removed keys."""
+        fits the max bytes. Results named in `keep`, and jobs some head still runs, stay; so do the
+        files of writes under way, while what writes cut short left behind goes after LEFTOVER_AGE_S.
+        Returns the removed keys."""
         now = time.time() if now is None else now
+        leftovers = self.objects.remove_leftovers(now - LEFTOVER_AGE_S)
+        if leftovers:
+            log.info("retention removed %d bytes that writes cut short had left behind", leftovers)
         everything = self._results()
         total = sum(r.nbytes for r in everything)  # kept results take room too, they only cannot go
         removed = []

@@ -202,3 +202,39 @@ def test_a_url_image_removed_by_retention_while_its_answer_is_sent_is_sent_whole
     with pytest.raises(APIError) as refused:
         asyncio.run(object_response(results, name, "image/png"))
     assert refused.value.status_code == 404
+
+
+def test_an_encode_that_fails_midway_leaves_no_part_of_its_mp4(tmp_path, monkeypatch):
+    import av
+    import numpy as np
+
+    from triptych_head.media import write_mp4
+
+    made = av.VideoFrame.from_ndarray
+    calls = []
+
+    def full_disk_at_frame_50(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 50:
+            raise OSError(28, "No space left on device")
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(av.VideoFrame, "from_ndarray", full_disk_at_frame_50)
+    with pytest.raises(OSError, match="No space"):
+        write_mp4(np.zeros((60, 64, 64, 3), dtype=np.uint8), tmp_path / "v.mp4", 16, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_retention_removes_what_writes_cut_short_left_behind_once_an_hour_old(tmp_path):
+    """A head killed mid-encode leaves its staging files, and a write cut short its temporary file
+    beside the result: no result's, so never listed; retention removes them once nobody writes them."""
+    store = ResultStore(tmp_path, Retention(max_age_s=86400, max_bytes=1 << 30))
+    left = [tmp_path / ".staging" / "video_a-1.part.mp4", tmp_path / "images" / ".img_b-0.png.1f.tmp"]
+    live = [tmp_path / ".staging" / "video_c-2.npy", tmp_path / "videos" / ".video_d.json.2e.tmp"]
+    kept = [tmp_path / "images" / "img_e-0.png", tmp_path / "images" / ".img_f-0.png"]  # a result; not a .tmp
+    for path in left + kept:
+        _file(path, 1000, age_s=2 * 3600)
+    for path in live:
+        _file(path, 1000, age_s=60)  # a write under way
+    assert store.sweep() == []
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == sorted(live + kept)
