@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,15 +20,18 @@ from triptych.tracing import Attributes
 
 log = logging.getLogger(__name__)
 
-EXPORT_TIMEOUT_S = 5.0  # one export's bound: an unreachable collector delays a process's exit at most this
+EXPORT_TIMEOUT_S = 5.0  # one export's bound
+SHUTDOWN_S = 5.0  # an unreachable collector delays a process's exit at most this; the spans left are lost
 
 
 class OtlpTracing:
     def __init__(self, url: str, service: str):
         # Its own provider, not the global one: nothing else in the process is traced through it.
-        self._provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        # No shutdown at exit of its own (it would wait for the collector up to 30 s): `shutdown`'s, bounded.
+        self._provider = TracerProvider(resource=Resource.create({"service.name": service}), shutdown_on_exit=False)
+        self._url = url
         exporter = OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S)
-        self._provider.add_span_processor(BatchSpanProcessor(exporter))
+        self._provider.add_span_processor(BatchSpanProcessor(exporter, export_timeout_millis=EXPORT_TIMEOUT_S * 1000))
         self._tracer = self._provider.get_tracer("triptych")
         self._propagator = TraceContextTextMapPropagator()
         log.info("tracing: spans of %s go to %s (OTLP/HTTP)", service, url)
@@ -60,4 +64,10 @@ class OtlpTracing:
         span.end(end_time=end_ns)
 
     def shutdown(self) -> None:
-        self._provider.shutdown()
+        """Export the spans still buffered, for at most SHUTDOWN_S: a collector that does not answer must
+        not hold the process past its grace period (the kubelet's SIGKILL would lose more than spans)."""
+        exporting = threading.Thread(target=self._provider.shutdown, name="otlp-shutdown", daemon=True)
+        exporting.start()
+        exporting.join(SHUTDOWN_S)
+        if exporting.is_alive():
+            log.warning("tracing: %s took no spans within %.0f s; exiting without the last ones", self._url, SHUTDOWN_S)

@@ -105,3 +105,29 @@ def test_an_endpoint_from_the_environment_is_checked_as_the_flag_is(variable, ur
 
     with pytest.raises(ConfigError, match=f"{variable} '{re.escape(url)}' is not an http"):
         traces_url("", {variable: url})
+
+
+def test_a_collector_that_never_answers_holds_a_process_exit_for_at_most_the_shutdown_bound() -> None:
+    """The spans still buffered at exit are exported for at most SHUTDOWN_S (5 s), then dropped: a hung
+    collector must not keep a draining worker or head past its grace period (it took ~25 s before: 30 s
+    of the SDK's own shutdown, each batch's export waited out, and its exit hook after that)."""
+    code = """
+import socket, sys, threading, time
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(64)
+held = []
+threading.Thread(target=lambda: [held.append(server.accept()) for _ in iter(int, 1)], daemon=True).start()
+from triptych.tracing import start_tracing
+tracing = start_tracing(f"http://127.0.0.1:{server.getsockname()[1]}/v1/traces", "triptych-head")
+for i in range(3000):
+    root = tracing.start_request("request", time.time_ns(), {"triptych.request_id": f"r{i}"})
+    tracing.end_request(root, [("queue", time.time_ns(), time.time_ns(), {})] * 3, time.time_ns(), None)
+tracing.shutdown()
+"""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert "took no spans within 5 s" in done.stderr, done.stderr
+    assert took < 15, f"the process took {took:.1f} s to exit"
