@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -35,6 +36,7 @@ from triptych.protocol import (
     TransferRefused,
     TransferStaged,
     Work,
+    WorkRefused,
     decode,
     encode,
 )
@@ -978,3 +980,79 @@ def test_standing_slots_are_sized_for_inputs_in_the_receiver_s_dtype(tiny_models
     assert wide >= embeds and narrow < wide and narrow >= embeds // 2  # FLUX hands on the model's dtype
     # Wan hands its latents on in float32 whatever the model computes in: the decoder's slot stays
     assert standing.slot_size(None, wan, Role.DECODER, "bfloat16") == standing.slot_size(None, wan, Role.DECODER)
+
+
+def _latents_manifest(worker: Worker) -> bytes:
+    """A manifest of one 1 KiB `latents` tensor, as a sender lays it out."""
+    from triptych_worker.transfer import stage_tensors
+
+    staged = stage_tensors(worker.pool, {"latents": np.ones(256, np.float32)}, owner="layout")
+    assert staged is not None
+    worker.pool.free(staged.allocation)
+    return staged.manifest
+
+
+def test_a_hop_cancelled_here_and_dispatched_here_again_runs_and_reports():
+    """The head gave up on this receiver (heartbeats late), cancelled the slot it then answered late,
+    and once the receiver was back dispatched the same hop, the same id, here again: it runs, where the
+    memory of the cancel used to skip it without a word and the head waited its whole timeout."""
+    worker, link = make_worker(), RecordingLink()
+    try:
+        worker._on_message(link, ping("head-1"))
+        worker._on_message(link, _encoded(TransferAlloc("x", "w", 1024)))  # answered late: the head cancels it
+        worker._on_message(link, _encoded(CancelWork("x", "w")))
+        worker._on_message(link, _encoded(TransferAlloc("x", "w", 1024)))
+        assert isinstance(link.sent[-1], TransferAllocated), link.sent[-1]
+        params = GenerationParams("x", 16, 16, num_inference_steps=1)
+        worker._on_message(link, _encoded(TransferReady("x", "w", params, _latents_manifest(worker), {})))
+        link.sent.clear()
+        compute.compute(worker, link, worker._take_jobs())
+        reports = [m for m in link.sent if not isinstance(m, Heartbeat)]
+        assert [type(m) for m in reports] == [TransferStaged], reports
+    finally:
+        worker.transport.close()
+
+
+def test_work_dispatched_again_while_its_cancelled_run_still_stops_here_is_refused_for_the_head_to_retry():
+    worker, link = make_worker(), RecordingLink()
+    try:
+        worker._on_message(link, ping("head-1"))
+        params = GenerationParams("x", 16, 16, num_inference_steps=1)
+        worker._on_message(link, _encoded(Work("x", "w", params)))
+        worker._on_message(link, _encoded(CancelWork("x", "w")))  # the run is still queued
+        link.sent.clear()
+        worker._on_message(link, _encoded(Work("x", "w", params)))
+        (refused,) = [m for m in link.sent if not isinstance(m, Heartbeat)]
+        assert isinstance(refused, WorkRefused) and "still stopping" in refused.reason, refused
+        assert [job.request_id for job in worker._queue] == ["x"]  # the cancelled one, which compute skips
+        compute.compute(worker, link, worker._take_jobs())
+        assert worker._next_jobs() == []  # the computing thread is done with it
+        worker._on_message(link, _encoded(Work("x", "w", params)))  # gone now: the next one runs
+        link.sent.clear()
+        compute.compute(worker, link, worker._take_jobs())
+        assert [type(m) for m in link.sent if not isinstance(m, Heartbeat)] == [TransferStaged], link.sent
+    finally:
+        worker.transport.close()
+
+
+def test_a_request_readied_on_a_standing_slot_frees_the_slot_of_its_own_earlier_alloc():
+    """TransferAlloc(b) answered with a slot of its own, then b's inputs pushed into a standing slot
+    (the head lost this worker and found it again meanwhile): b's own slot is freed, not left in the
+    pool for ever."""
+    worker, link = make_worker(), RecordingLink()
+    try:
+        worker._on_message(link, ping("head-1"))
+        free = worker.pool.free_bytes
+        standing = next(iter(worker._standing.values()))
+        worker._on_message(link, _encoded(TransferAlloc("b", "w", 1024)))  # not a standing one
+        assert worker.pool.free_bytes < free
+        worker.pool.view(standing)[:1024] = np.ones(256, np.float32).view(np.uint8)  # the push, into the standing slot
+        params = GenerationParams("b", 16, 16, num_inference_steps=1)
+        worker._on_message(
+            link, _encoded(TransferReady("b", "w", params, _latents_manifest(worker), {}, standing.addr))
+        )
+        compute.compute(worker, link, worker._take_jobs())
+        worker.free_staged(worker._staged.pop("b"))  # its push ended
+        assert worker.pool.free_bytes == free
+    finally:
+        worker.transport.close()

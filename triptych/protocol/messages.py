@@ -314,8 +314,9 @@ class TransferRefused(Message, tag="transfer_refused", frozen=True):
 
 
 class WorkRefused(Message, tag="work_refused", frozen=True):
-    """A worker serving several heads has no scheduling slot free for this Work: the head gives it
-    to another instance (or to this one after its next heartbeat)."""
+    """A worker serving several heads has no scheduling slot free for this Work, or an earlier run of the
+    request that the head cancelled here is still stopping: the head gives it to another instance (or to
+    this one after its next heartbeat)."""
 
     request_id: str
     instance: str

@@ -93,6 +93,7 @@ IDLE_POLL_MS = 100  # how long the leader waits for a message when no write is u
 DRAIN_LIMIT = 1000  # messages handled per wake-up before the leader looks at its writes again
 THREADS = 2  # one leads while the other computes
 CANCELLED_MEMORY = 10_000  # how many cancelled request ids are remembered
+STILL_STOPPING = "an earlier run of this request, cancelled here, is still stopping"
 
 
 BATCH_ASSEMBLY_S = 0.5  # how long a group the head dispatched together waits for its last members
@@ -176,6 +177,7 @@ class Worker:
         self._next_beat = 0.0
         self._queue: deque[Job] = deque()  # accepted work waiting for the computing thread
         self._computing = False  # a thread is running a job
+        self._computing_ids: set[str] = set()  # the requests of the group it runs
         self._crashed: BaseException | None = None
         self._staged: dict[str, StagedTensors | InPlaceTensors] = {}  # outputs waiting for their transfer_push
         self._unfinished_sends: list[InPlaceTensors] = []  # outputs a failed write may still read (pushes.py)
@@ -328,14 +330,14 @@ class Worker:
             if self._computing:
                 return []
             jobs = self._group()
-            self._computing = bool(jobs)
+            self._computing, self._computing_ids = bool(jobs), {job.request_id for job in jobs}
             return jobs
 
     def _next_jobs(self) -> list[Job]:
         """After a group: the next one for the same thread, or [] when none is ready to compute."""
         with self._lock:
             jobs = self._group()
-            self._computing = bool(jobs)
+            self._computing, self._computing_ids = bool(jobs), {job.request_id for job in jobs}
             return jobs
 
     def _group(self) -> list[Job]:
@@ -419,11 +421,17 @@ class Worker:
         elif isinstance(msg, WorkBatch) and msg.items:
             self._take_work(link, msg.items, msg.head_id)
         elif isinstance(msg, TransferAlloc):
-            slots.allocate(self, link, msg)
+            if self._handed_again(msg.request_id):
+                slots.allocate(self, link, msg)
+            else:
+                slots.refuse(self, link, msg.request_id, STILL_STOPPING)
         elif isinstance(msg, TransferPush):
             pushes.start_push(self, link, msg)
         elif isinstance(msg, TransferReady):
-            slots.ready(self, link, msg)
+            if self._handed_again(msg.request_id):
+                slots.ready(self, link, msg)
+            else:
+                link.send(Failed(msg.request_id, self.instance, f"transfer_ready for {STILL_STOPPING}"))
         elif isinstance(msg, CancelWork):
             self._cancel(msg.request_id)
             slots.space_freed(self, link)
@@ -469,6 +477,9 @@ class Worker:
         worker has no slot for when it serves several heads."""
         accepted: list[Work] = []
         for work in items:
+            if not self._handed_again(work.request_id):
+                link.send(WorkRefused(work.request_id, self.instance, STILL_STOPPING))
+                continue
             if held := self._holds(work.request_id):  # the same Work twice, or twice in one batch
                 # A second run would overwrite the first one's staged outputs (never freed then).
                 link.send(Failed(work.request_id, self.instance, f"work for request {work.request_id}: {held}"))
@@ -522,6 +533,20 @@ class Worker:
         if dropped_slots or mine:
             log.info("%s: dropped %d standing receive slots and %d requests", why, len(dropped_slots), len(mine))
         return sorted(mine)
+
+    def _handed_again(self, request_id: str) -> bool:
+        """The head hands `request_id` to this worker: a cancel of it the head sent before is over (one
+        head's messages arrive in order), as when the head gave up on this worker, cancelled the slot it
+        answered late, and dispatched the same hop here again once the worker was back. False while a
+        run of it from before that cancel is still queued or computing here (two runs would share one
+        id): the caller refuses it, and the head tries again."""
+        with self._lock:
+            if request_id not in self._cancelled:
+                return True
+            if request_id in self._computing_ids or any(job.request_id == request_id for job in self._queue):
+                return False
+            del self._cancelled[request_id]
+            return True
 
     def _cancel(self, request_id: str, free: bool = True) -> None:
         with self._lock:

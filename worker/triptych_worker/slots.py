@@ -115,6 +115,14 @@ def ready(worker: Worker, link: HeadLinks, msg: TransferReady) -> None:
             allocated = worker._slots.pop(msg.request_id, None)
             alloc = worker._standing.get(msg.slot_addr) if msg.slot_addr else allocated
         problem = _not_runnable(worker, msg, alloc, allocated=allocated is not None)
+        # Its own slot, when its inputs came into another (a standing one, after the head lost and found
+        # this worker again) or it cannot run: no job will release it, so it is freed here.
+        unused = allocated if allocated is not None and (allocated is not alloc or problem) else None
+        if unused is not None and worker._standing.get(unused.addr) is unused:
+            unused = None  # a standing slot stays the worker's
+    if unused is not None:
+        worker.pool.free(unused)
+        space_freed(worker, link)
     if problem:
         link.send(Failed(msg.request_id, worker.instance, f"transfer_ready for {problem}"))
         return
