@@ -13,7 +13,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from triptych.config import ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, flag
+from triptych.config import DEFAULT_POOL_SIZE, ROLE_PARALLEL_FLAGS, URL_FLAGS, ConfigError, ServeArgs, flag
 from triptych.flag_roles import LORA_WORKERS
 from triptych.roles import Role
 from triptych.serve_flags import add_serve_flags
@@ -98,7 +98,8 @@ def worker_serve_args(pipeline: PipelineSpec, role: Role) -> ServeArgs:
         num_gpus=spec.num_devices,
         disagg_p2p_hostname=POD_IP_REF,
         disagg_ib_device=pipeline.transfer.ib_device if pipeline.transfer.rdma and not pipeline.full_pipeline else None,
-        disagg_transfer_pool_size=pipeline.transfer.pool_size,
+        # a full-pipeline worker moves no tensors: no pool to size (the worker refuses the flag)
+        disagg_transfer_pool_size=DEFAULT_POOL_SIZE if pipeline.full_pipeline else pipeline.transfer.pool_size,
         master_port=WORKER_MASTER_PORT if spec.gpus_per_replica > 1 else None,
         device=spec.device,
         dtype=spec.dtype,

@@ -10,6 +10,7 @@ import pytest
 
 from tests.operator.helpers import OWNER, minimal_spec, pipeline
 from tests.operator.test_manifests import container, parse_serve
+from triptych.config import DEFAULT_POOL_SIZE
 from triptych.roles import Role
 from triptych_operator.constants import GPU_RESOURCE, MULTUS_NETWORKS_ANNOTATION
 from triptych_operator.manifests import Manifest, render
@@ -40,13 +41,14 @@ def test_its_workers_run_the_whole_pipeline_and_the_head_lists_only_them() -> No
 
 
 def test_its_pods_take_no_rdma_device_or_network_since_nothing_moves_between_them() -> None:
-    rdma = {"mode": "rdma", "ibDevice": "mlx5_0", "networkAnnotation": "rdma-net"}
+    rdma = {"mode": "rdma", "ibDevice": "mlx5_0", "networkAnnotation": "rdma-net", "poolSize": "1GiB"}
     applied, _ = rendered(minimal_spec(fullPipeline={}, transfer=rdma))
     pod = applied[("Deployment", "wan-t2v-denoiser")]["spec"]["template"]
     worker = pod["spec"]["containers"][0]
     assert set(worker["resources"]["limits"]) == {GPU_RESOURCE}
     assert MULTUS_NETWORKS_ANNOTATION not in pod["metadata"].get("annotations", {})
     assert parse_serve(worker).disagg_ib_device is None
+    assert parse_serve(worker).disagg_transfer_pool_size == DEFAULT_POOL_SIZE  # no pool: the worker refuses a size
     roles, _ = rendered(minimal_spec(transfer=rdma))  # the same transfer settings on role pools: all applied
     role_worker = container(roles[("Deployment", "wan-t2v-denoiser")])
     assert "rdma/ib" in role_worker["resources"]["limits"]

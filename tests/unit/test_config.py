@@ -93,6 +93,13 @@ def test_a_head_with_only_denoiser_urls_is_a_full_pipeline_pool_and_its_workers_
          "--disagg-full-pipeline is for --disagg-role denoiser"),
         (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--disagg-full-pipeline", "--simulate"],
          "--disagg-full-pipeline does not support --simulate"),
+        # Accepted and ignored before: a full-pipeline worker moves no tensors.
+        *(
+            (["--disagg-role", "denoiser", "--disagg-server-addr", "tcp://h:1", "--disagg-full-pipeline", *given],
+             f"{given[0]} does nothing with --disagg-full-pipeline")
+            for given in (["--disagg-ib-device", "mlx5_0"], ["--disagg-transfer-pool-size", "4GiB"],
+                          ["--disagg-transfer-listen-any"], ["--disagg-load-ahead", "0"])
+        ),
         (["--disagg-role", "server", "--denoiser-urls", "tcp://127.0.0.1:1", "--encoder-urls", "tcp://127.0.0.2:1"],
          "or only --denoiser-urls for a full-pipeline pool"),
         # NaN passed every `<= 0` check (a request deadline that never came, results deleted at once, a

@@ -16,6 +16,9 @@ from triptych.parallelism import ParallelismError
 from triptych.roles import FULL_PIPELINE_ROLE, WORKER_ROLES, Role
 from triptych.serve_help import flag
 
+# What only moving tensors uses, which a full-pipeline worker does not (no Mooncake engine, no pool).
+TRANSFER_FLAGS = ("disagg_ib_device", "disagg_transfer_pool_size", "disagg_transfer_listen_any", "disagg_load_ahead")
+
 
 def check_full_pipeline(args: ServeArgs) -> None:
     if not args.disagg_full_pipeline:
@@ -27,6 +30,12 @@ def check_full_pipeline(args: ServeArgs) -> None:
         )
     if args.simulate:
         raise ConfigError("--disagg-full-pipeline does not support --simulate; simulate the role pools instead")
+    given = [name for name in TRANSFER_FLAGS if getattr(args, name) != getattr(ServeArgs, name)]
+    if given:
+        raise ConfigError(
+            f"{flag(given[0])} does nothing with --disagg-full-pipeline: a full-pipeline worker moves no tensors "
+            "(no Mooncake engine, no transfer pool); drop it"
+        )
 
 
 def check_batching(args: ServeArgs) -> None:
