@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -1054,5 +1055,70 @@ def test_a_request_readied_on_a_standing_slot_frees_the_slot_of_its_own_earlier_
         compute.compute(worker, link, worker._take_jobs())
         worker.free_staged(worker._staged.pop("b"))  # its push ended
         assert worker.pool.free_bytes == free
+    finally:
+        worker.transport.close()
+
+
+def test_a_member_of_a_batch_asked_to_hand_off_is_reported_at_its_step_not_after_the_group_s_last():
+    """Three requests denoised as one batch, the second asked to hand off after step 2: its state is
+    staged and reported right there, while the other two run their remaining steps as a batch of two
+    and report at their end (it used to wait for them, then run the same steps again elsewhere)."""
+    from triptych_worker.batching import run_merged
+
+    events: list[tuple[Any, ...]] = []
+    steps = 8
+
+    class BatchingNull(NullPipeline):
+        hands_off = True
+
+        def run_many(self, batches: list[StageBatch]) -> list[Exception | None]:
+            for batch in batches:
+                batch.tensors = {"latents": torch.zeros(batch.params.num_outputs, 4)}
+
+            def loop(merged: StageBatch) -> None:
+                first = merged.meta.pop(RESUME, {"step": 0})["step"]
+                latents = merged.tensors["latents"]
+                for i in range(first, steps):
+                    if merged.should_hand_off():
+                        merged.tensors, merged.meta[RESUME] = {"latents": latents}, {"step": i}
+                        return
+                    latents = latents + 1
+                    events.append(("step", i + 1, latents.shape[0]))
+                    merged.report_progress(i + 1, steps, latents)
+                merged.tensors = {"latents": latents}
+
+            return run_merged(batches, frozenset(), loop)
+
+    class Link(RecordingLink):
+        def send(self, msg: object, frames: object = ()) -> None:
+            super().send(msg, frames)
+            if isinstance(msg, TransferStaged):
+                events.append(("staged", msg.request_id, msg.continues_at))
+
+    worker = make_worker("--batching-max-size", "3")
+    worker.pipeline = BatchingNull(Role.DENOISER, 1024)  # type: ignore[assignment]
+    try:
+        jobs = [
+            Job(f"r{i}", GenerationParams(f"p{i}", 16, 16, num_inference_steps=steps), None, False) for i in range(3)
+        ]
+        with worker._lock:
+            worker._outstanding.update(job.request_id for job in jobs)
+        asked = worker.handing_off
+
+        def handing_off(request_id: str) -> bool:  # the head's HandOff for r1 arrives after step 2
+            if sum(1 for e in events if e[0] == "step") == 2:
+                worker._hand_off("r1")
+            return asked(request_id)
+
+        worker.handing_off = handing_off  # type: ignore[method-assign]
+        compute.compute(worker, Link(), jobs)
+        assert events == [
+            ("step", 1, 3), ("step", 2, 3),
+            ("staged", "r1", 2),
+            *(("step", i, 2) for i in range(3, steps + 1)),
+            ("staged", "r0", None), ("staged", "r2", None),
+        ], events  # fmt: skip
+        assert worker._staged["r1"].continuation  # type: ignore[union-attr]
+        assert worker._held_requests() == {"r0", "r2"}  # their outputs wait for their pushes; r1's state holds none
     finally:
         worker.transport.close()

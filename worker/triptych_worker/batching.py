@@ -103,8 +103,8 @@ def run_merged(
 
     A member asked to hand off (a drain, a preemption) stops the merged loop at that step boundary:
     every member's rows of the state are split back as a continuation (resume.py), the asked members
-    keep theirs to be staged, and the others run on from that same state as one merged batch again,
-    so only the requests the head asked for move."""
+    keep theirs, handed on at once through their `leave` while the group runs on, and the others run
+    on from that same state as one merged batch again, so only the requests the head asked for move."""
     outcomes: dict[int, Exception] = {}
     live = list(range(len(batches)))
     while live:
@@ -123,6 +123,10 @@ def run_merged(
         outcomes.update((live[j], error) for j, error in dropped.items())
         stopped = bool(asked) and RESUME in merged.meta  # at a boundary, for the asked members
         live = [i for j, i in enumerate(live) if stopped and j not in asked and j not in dropped]
+        if live:  # the asked members' states go now; the others' outputs at the group's end, as ever
+            for j in sorted(asked - dropped.keys()):
+                if (leave := members[j].leave) is not None:
+                    leave()
     return [outcomes.get(i) for i in range(len(batches))]
 
 

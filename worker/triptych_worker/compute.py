@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -56,13 +57,11 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
                     worker.pool.free_owner(job.request_id)
                     continue
                 prepared.append((job, _prepare(worker, link, job, inputs)))
-        with about(jobs[0].request_id if len(jobs) == 1 else None):  # a batch's lines are no one request's
-            outcomes, own_seconds = _run_stages(worker, [batch for _, batch in prepared])
-        ran = [(job, batch) for (job, batch), error in zip(prepared, outcomes, strict=True) if error is None]
         together = len(prepared) if _batches_forward(worker, len(prepared)) else 1
         # Reported together once all are staged, so that the head sees the batch arrive as one.
         reports: list[tuple[Result | TransferStaged, list[Any]]] = []
         traced: list[tuple[Job, float]] = []  # each job's stage seconds, for its span
+        left: set[str] = set()  # the jobs that left their group at a step boundary, reported then
 
         def report_staged() -> bool:
             """The pool is full with members still to stage: those staged go to the head now, whose
@@ -77,7 +76,34 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
             reports.clear()
             return True
 
+        def leave(job: Job, batch: StageBatch) -> None:
+            """`job` stopped at a step boundary (asked to hand off) while its group runs on: its state is
+            staged and reported now, and its input slot freed, as a job alone's would be at its end."""
+            left.add(job.request_id)
+            with _fails_alone(worker, link, job):
+                report = _deliver(worker, link, job, batch, started, together, False, inputs, report_staged)
+                if (held := inputs.pop(job.request_id, None)) is not None:
+                    worker.inputs.release(held, link)
+                _settle(worker, {job.request_id})
+                settled_ids.add(job.request_id)
+                if report is not None:
+                    link.send(*report)
+                    traced.append((job, report[0].seconds))
+
+        if together > 1:
+            for job, batch in prepared:
+                batch.leave = functools.partial(leave, job, batch)
+        with about(jobs[0].request_id if len(jobs) == 1 else None):  # a batch's lines are no one request's
+            outcomes, own_seconds = _run_stages(worker, [batch for _, batch in prepared])
+        ran = [
+            (job, batch)
+            for (job, batch), error in zip(prepared, outcomes, strict=True)
+            if error is None and job.request_id not in left
+        ]
+
         for i, ((job, batch), error) in enumerate(zip(prepared, outcomes, strict=True)):
+            if job.request_id in left:
+                continue
             with _fails_alone(worker, link, job):
                 if error is not None:
                     raise error

@@ -32,6 +32,10 @@ class StageBatch:
     hand_off: Callable[[], bool] | None = None
     """Whether the denoising loop should stop at this step boundary and hand its state on
     (triptych_worker.resume; docs/design.md "Migration"); None: never."""
+    leave: Callable[[], None] | None = None
+    """Called when this request stopped at a step boundary, its state in `tensors` and `meta`, while
+    the rest of its batched group runs on (batching.run_merged): its outputs can go now, not after the
+    group's last step. None: they go with the group's."""
 
     def report_progress(self, step: int, total: int, latents: Any = None) -> None:
         if self.on_progress is not None:

@@ -210,6 +210,8 @@ class ParallelPipeline:
         if not group:
             return outcomes
         members = [batches[i] for i in group]
+        for member in members:  # a member that stops early is staged after the ranks agree on its state
+            member.leave = None  # (_finish, every rank at once), with the group's others
         sources = self.rank.lora_sources(members)
         try:
             steps = self._lead(members, sources)
