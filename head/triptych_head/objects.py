@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
+log = logging.getLogger(__name__)
+
 CHUNK_BYTES = 1 << 20  # what a proxied download reads at a time
 CLAIM_STALE_S = 60.0  # S3Objects.create: a rival claim this much older than ours was left by a dead head
 
@@ -200,11 +202,12 @@ class DirectoryObjects:
         return self._path(name)
 
     def remove_leftovers(self, before: float) -> int:
-        """The staging folder's files, and beside the results the hidden temporary files of their writes."""
+        """The staging folder's files, and beside the objects (in the root and its folders) the hidden
+        temporary files of their writes. A folder this head may not read (a volume's lost+found) is passed."""
         removed = _remove_files_before(self.staging, before, lambda name: True)
-        for folder in os.scandir(self.root):
-            if folder.is_dir(follow_symlinks=False) and not folder.name.startswith("."):
-                removed += _remove_files_before(Path(folder.path), before, _temporary)
+        removed += _remove_files_before(self.root, before, _temporary)
+        for folder in _folders(self.root):
+            removed += _remove_files_before(folder, before, _temporary)
         return removed
 
     def stream(self, name: str) -> Iterator[bytes]:
@@ -413,12 +416,28 @@ def _temporary(name: str) -> bool:
     return name.startswith(".") and name.endswith(".tmp")
 
 
+def _folders(root: Path) -> list[Path]:
+    """The folders in `root` but its hidden ones (staging)."""
+    try:
+        return [
+            Path(e.path) for e in os.scandir(root) if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
+        ]
+    except OSError as exc:
+        log.warning("cannot look for leftover files in %s: %s", root, exc)
+        return []
+
+
 def _remove_files_before(folder: Path, before: float, chosen: Callable[[str], bool]) -> int:
     """Remove the files of `folder` (not its subfolders) that `chosen` names, last written before `before`."""
     removed = 0
     try:
         entries = list(os.scandir(folder))
     except FileNotFoundError:
+        return 0
+    except PermissionError:  # not this head's (a volume's lost+found)
+        return 0
+    except OSError as exc:  # never in the way of retention itself: said, and left
+        log.warning("cannot look for leftover files in %s: %s", folder, exc)
         return 0
     for entry in entries:
         try:
@@ -429,6 +448,8 @@ def _remove_files_before(folder: Path, before: float, chosen: Callable[[str], bo
                     removed += st.st_size
         except FileNotFoundError:  # removed meanwhile (another head's sweep, or its write ended)
             continue
+        except OSError as exc:  # another user's (a staging folder shared on the host), a stale NFS handle
+            log.warning("cannot remove leftover file %s: %s", entry.path, exc)
     return removed
 
 

@@ -193,9 +193,13 @@ class ResultStore:
         files of writes under way, while what writes cut short left behind goes after LEFTOVER_AGE_S.
         Returns the removed keys."""
         now = time.time() if now is None else now
-        leftovers = self.objects.remove_leftovers(now - LEFTOVER_AGE_S)
-        if leftovers:
-            log.info("retention removed %d bytes that writes cut short had left behind", leftovers)
+        try:
+            leftovers = self.objects.remove_leftovers(now - LEFTOVER_AGE_S)
+        except Exception:  # never in the way of the results' retention
+            log.exception("looking for files that writes cut short left behind")
+        else:
+            if leftovers:
+                log.info("retention removed %d bytes that writes cut short had left behind", leftovers)
         everything = self._results()
         total = sum(r.nbytes for r in everything)  # kept results take room too, they only cannot go
         removed = []

@@ -238,3 +238,32 @@ def test_retention_removes_what_writes_cut_short_left_behind_once_an_hour_old(tm
         _file(path, 1000, age_s=60)  # a write under way
     assert store.sweep() == []
     assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == sorted(live + kept)
+
+
+def test_retention_goes_on_past_a_folder_it_cannot_read_and_a_leftover_it_cannot_remove(tmp_path, monkeypatch):
+    """A volume mounted as the store's root holds a lost+found this head may not read; and a leftover
+    may be another user's: neither stops retention of the results (it used to stop every sweep)."""
+    import triptych_head.objects as objects
+
+    store = ResultStore(tmp_path, Retention(max_age_s=3600, max_bytes=1 << 30))
+    _file(tmp_path / "images" / "img_old-0.png", 10, age_s=7200)
+    _file(tmp_path / "images" / ".img_x-0.png.3a.tmp", 10, age_s=7200)
+    (tmp_path / "lost+found").mkdir()
+    scandir, unlink = os.scandir, os.unlink
+
+    def guarded_scandir(path):  # type: ignore[no-untyped-def]
+        if str(path).endswith("lost+found"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    def guarded_unlink(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(path).endswith(".tmp"):
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(objects.os, "scandir", guarded_scandir)
+    monkeypatch.setattr(objects.os, "unlink", guarded_unlink)
+    assert store.sweep() == ["img_old-0"]
+    monkeypatch.setattr(DirectoryObjects, "remove_leftovers", lambda self, before: 1 / 0)
+    _file(tmp_path / "images" / "img_older-0.png", 10, age_s=7200)
+    assert store.sweep() == ["img_older-0"]
