@@ -9,6 +9,7 @@ import threading
 import time
 
 import msgspec
+import pytest
 
 from tests.api.test_http_api import ScriptedBackend, make_client, wait_for
 from triptych.params import GenerationParams
@@ -148,7 +149,15 @@ def test_a_job_taken_over_counts_against_its_key_and_is_charged_its_device_secon
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "key_quota_exceeded"
 
 
-def test_an_orphan_whose_saved_parameters_this_head_cannot_read_ends_failed_and_the_others_run(tmp_path):
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"params": {"shift": 3.0}}, "shift"),
+        ({"priority": None}, "priority"),
+        ({"preview_every": "x"}, "preview_every"),
+    ],
+)
+def test_an_orphan_whose_saved_run_this_head_cannot_read_ends_failed_and_the_others_run(tmp_path, change, named):
     """A job saved by another version of Triptych (a field this head does not know) cannot run here: it
     ends failed, saying why, instead of being claimed and left in progress for ever; the scan goes on to
     the next orphan."""
@@ -157,13 +166,16 @@ def test_an_orphan_whose_saved_parameters_this_head_cannot_read_ends_failed_and_
     _orphan(store, "video_newer")
     saved = store.load_job("video_newer")
     assert saved is not None and saved.run is not None
-    store.save_job(saved.job, time.time() - 1, {**saved.run, "params": {**saved.run["params"], "shift": 3.0}})
+    run = {**saved.run, **change}
+    if "params" in change:
+        run["params"] = {**saved.run["params"], **change["params"]}
+    store.save_job(saved.job, time.time() - 1, run)
     backend = ScriptedBackend()
     with make_client(backend, tmp_path) as c:
         c.portal.call(c.app.state.video_jobs.take_over_orphans)  # type: ignore[union-attr]
         job = c.get("/v1/videos/video_newer").json()
         assert job["status"] == "failed" and job["error"]["code"] == "unreadable_job", job
-        assert "shift" in job["error"]["message"] and "submit it again" in job["error"]["message"]
+        assert named in job["error"]["message"] and "submit it again" in job["error"]["message"]
         assert wait_for(c, "video_plain", "completed")["restarts"] == 1
     assert backend.calls == [params]
     assert store.load_job("video_newer").job.status == "failed"  # type: ignore[union-attr]

@@ -13,13 +13,13 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from triptych.params import GenerationParams
-from triptych.priority import DEFAULT_LEVEL
+from triptych.priority import DEFAULT_LEVEL, LEVELS
 from triptych_head.api.errors import APIError
 from triptych_head.api.ownership import may_see
 from triptych_head.api.progress import (
@@ -102,16 +102,29 @@ def fail_orphan(job: VideoJob, message: str = RESTARTED, code: str = "head_resta
     job.completed_at = job.completed_at or int(time.time())
 
 
-def _saved_params(run: dict[str, Any] | None) -> tuple[GenerationParams | None, str]:
-    """The parameters an orphaned job runs again with: (None, "") when its head kept none; (None, why)
-    when this head cannot read them (saved by another version of Triptych, or damaged): it cannot run it,
+Level = Annotated[int, msgspec.Meta(ge=0, le=len(LEVELS) - 1)]
+Every = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class SavedRun(msgspec.Struct, forbid_unknown_fields=True):
+    """What a head saves of a job so that another runs it again (JobEntry.run_record)."""
+
+    params: GenerationParams
+    preview_every: Every = 0
+    priority: Level = DEFAULT_LEVEL  # a job saved before priorities: normal
+    key_id: str | None = None
+
+
+def _saved_run(run: dict[str, Any] | None) -> tuple[SavedRun | None, str]:
+    """How an orphaned job runs again: (None, "") when its head kept nothing of it; (None, why) when this
+    head cannot read what it kept (saved by another version of Triptych, or damaged): it cannot run it,
     and must not claim it and leave it running for ever."""
     if run is None:
         return None, ""
     try:
-        return msgspec.json.decode(json.dumps(run["params"]), type=GenerationParams), ""
-    except (KeyError, TypeError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        why = f"its head died and its saved parameters cannot be read by this head ({exc!s:.200}); submit it again"
+        return msgspec.json.decode(json.dumps(run), type=SavedRun), ""
+    except (TypeError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        why = f"its head died and what it saved to run it again cannot be read here ({exc!s:.200}); submit it again"
         return None, why
 
 
@@ -236,23 +249,22 @@ class VideoJobs:
         head won it, or when it cannot run again (saved by a head that kept no parameters): then it
         is marked failed, as the stored job shows."""
         assert self.store is not None
-        job, run = stored.job, stored.run
-        params, unreadable = _saved_params(run)
-        if self.start is None or params is None:
+        job = stored.job
+        run, unreadable = _saved_run(stored.run)
+        if self.start is None or run is None:
             fail_orphan(job, *((unreadable, "unreadable_job") if unreadable else ()))
             await from_store(f"saving video {job.id}", self.store.save_job, job, None, None, stored.owner)
             self.ended(job)
             return None
-        assert run is not None
         attempt = job.restarts + 1
         claim = f"{self.store.job_name(job.id).removesuffix('.json')}.adopt-{attempt}"
         if not await from_store(f"taking over video {job.id}", self.store.objects.create, claim, b"", OCTETS):
             return None  # another head takes it over: its next save shows it
         job.restarts, job.step, job.progress, job.error = attempt, 0, 0, None
         job.status, job.state = "queued", RequestState.PENDING.value
-        entry = JobEntry(job, made_here=True, params=params, preview_every=int(run.get("preview_every", 0)))
-        entry.priority = int(run.get("priority", DEFAULT_LEVEL))  # a job saved before priorities: normal
-        entry.key_id = run.get("key_id")  # its key's device-seconds are charged for the run again
+        entry = JobEntry(job, made_here=True, params=run.params, preview_every=run.preview_every)
+        entry.priority = run.priority
+        entry.key_id = run.key_id  # its key's device-seconds are charged for the run again
         entry.owner = stored.owner
         entry.feed = ProgressFeed(job.id, HISTORY_LINGER_S)
         self._jobs[job.id] = entry
