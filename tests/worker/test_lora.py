@@ -259,3 +259,42 @@ def test_a_bad_adapter_on_the_encoder_is_a_bad_adapter_naming_the_field(tiny_mod
     for name in ("wan-ink", "flux-misfit"):  # nothing for a text encoder: the denoiser judges them
         encoder.run(StageBatch(with_loras(IMAGE, (name, 1.0))))
     assert encoder.loras.held() == ()
+
+
+def test_the_prompt_cache_keys_an_embedding_on_the_file_it_was_made_with_when_the_catalogue_changes_meanwhile(
+    tiny_models, tiny_loras, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """The operator points `style` at a retrained file while a prompt is being encoded with the old one:
+    that embedding is kept under the old file's key, and the next request, with the new file, is encoded
+    anew (it used to be served the old file's embedding, for as long as the cache held it)."""
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_loras["flux-ink-te"]
+    retrained = tmp_path / "retrained"
+    retrained.mkdir()
+    weights = load_file(str(source / "pytorch_lora_weights.safetensors"))
+    weights = {k: -v if k.startswith("text_encoder") and "lora_B" in k else v for k, v in weights.items()}
+    save_file(weights, str(retrained / "pytorch_lora_weights.safetensors"), metadata={"format": "pt"})
+    listing = tmp_path / "catalog.txt"
+    listing.write_text(f"style={source}\n")
+    model = str(tiny_models["tiny-flux"])
+    encoder = load_role_pipeline(model, Role.ENCODER, "cpu", GIB, LoraCatalog(path=str(listing)), GIB)
+    request = with_loras(IMAGE, ("style", 1.0))
+    encode = encoder.adapter.encode_texts
+
+    def encode_while_the_catalogue_changes(params):  # type: ignore[no-untyped-def]
+        encoded = encode(params)
+        listing.write_text(f"style={retrained}\n")
+        return encoded
+
+    encoder.adapter.encode_texts = encode_while_the_catalogue_changes  # type: ignore[method-assign]
+    encoder.run(StageBatch(request))
+    encoder.adapter.encode_texts = encode  # type: ignore[method-assign]
+    second = encoder.run(StageBatch(request)).tensors
+    fresh = load_role_pipeline(model, Role.ENCODER, "cpu", 0, LoraCatalog({"style": str(retrained)}), GIB)
+    expected = fresh.run(StageBatch(request)).tensors
+    assert torch.equal(second["pooled_prompt_embeds"], expected["pooled_prompt_embeds"])
+    old = load_role_pipeline(model, Role.ENCODER, "cpu", 0, LoraCatalog({"style": str(source)}), GIB)
+    assert not torch.equal(
+        expected["pooled_prompt_embeds"], old.run(StageBatch(request)).tensors["pooled_prompt_embeds"]
+    )

@@ -13,6 +13,7 @@ the keys), so roles may run in different processes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -106,8 +107,13 @@ class TextEncodingStage(BatchedAdapterStage):
         self.run_batched([batch])
 
     def run_batched(self, batches: list[StageBatch]) -> list[Exception | None]:
-        with self.loras.applied(batches[0].params) as applied:
-            self._encode(batches, applied)
+        params = batches[0].params
+        # One reading of the catalogue for the whole encode: the adapter loaded and the cache's key name
+        # the same file even when the catalogue changes meanwhile (else embeddings made with the old
+        # file would be kept under the new file's key, and served for it).
+        with self.loras.pinned(self.loras.sources(params)) if params.loras else contextlib.nullcontext():
+            with self.loras.applied(params) as applied:
+                self._encode(batches, applied)
         return [None] * len(batches)
 
     def _encode(self, batches: list[StageBatch], applied: tuple[LoraWeight, ...]) -> None:
