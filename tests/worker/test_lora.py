@@ -298,3 +298,16 @@ def test_the_prompt_cache_keys_an_embedding_on_the_file_it_was_made_with_when_th
     assert not torch.equal(
         expected["pooled_prompt_embeds"], old.run(StageBatch(request)).tensors["pooled_prompt_embeds"]
     )
+
+
+def test_an_adapter_counts_its_own_tensors_whatever_its_name(tiny_models, tiny_loras) -> None:  # type: ignore[no-untyped-def]
+    """Names that are also parts of the model's own parameter names (`0`, `attn`) count the adapter's
+    bytes, not the blocks': counted as the model's size, such an adapter was refused after every
+    other one had been unloaded to make room for it."""
+    same = {name: str(tiny_loras["flux-ink"]) for name in ("ink", "0", "attn")}
+    denoiser = load_role_pipeline(str(tiny_models["tiny-flux"]), Role.DENOISER, "cpu", 0, LoraCatalog(same), GIB)
+    for name in same:
+        with denoiser.loras.applied(with_loras(IMAGE, (name, 1.0))):
+            pass
+    sizes = denoiser.loras.sizes()
+    assert sizes["0"] == sizes["attn"] == sizes["ink"] > 0, sizes

@@ -34,6 +34,7 @@ them at the same point and they stay in step.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -347,9 +348,11 @@ def _base_linears(transformer: Any) -> dict[str, Any]:
 
 
 def _adapter_bytes(transformer: Any, name: str) -> int:
-    """Bytes of adapter `name`'s tensors in `transformer` (peft names them ...lora_A.<name>.weight)."""
-    marker = f".{name}."
-    return sum(p.numel() * p.element_size() for n, p in transformer.named_parameters() if marker in n)
+    """Bytes of adapter `name`'s tensors in `transformer`: peft's own, named ...lora_A.<name>.weight (B,
+    embedding_A/B, DoRA's magnitude_vector alike). Not every name with `.<name>.` in it: an adapter
+    named `0` or `attn` would count the model's own blocks."""
+    own = re.compile(rf"\.lora_(?:A|B|embedding_A|embedding_B|magnitude_vector)\.{re.escape(name)}(?:\.|$)")
+    return sum(p.numel() * p.element_size() for n, p in transformer.named_parameters() if own.search(n))
 
 
 def _first_line(exc: Exception) -> str:
