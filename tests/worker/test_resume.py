@@ -236,6 +236,12 @@ def _broken(resume: dict[str, Any], change: str) -> dict[str, Any]:
     elif change == "history missing":  # UniPC's: what its restore reads besides the common keys
         out["scheduler"].pop("model_outputs", None)
         out["scheduler"].pop("lower_order_nums", None)
+    elif change == "begin index infinite":  # int(inf) raises OverflowError, which escaped as a 500
+        out["scheduler"]["begin_index"] = float("inf")
+    elif change == "begin index not 0":  # a continuation always begins its schedule at 0
+        out["scheduler"]["begin_index"] = 2
+    elif change == "history count infinite":
+        out["scheduler"]["lower_order_nums"] = float("inf")
     return out
 
 
@@ -243,7 +249,7 @@ def _broken(resume: dict[str, Any], change: str) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "change",
     ["no scheduler", "scheduler not a map", "no class", "timestep not a number", "step past the schedule",
-     "history missing"],
+     "history missing", "begin index infinite", "begin index not 0", "history count infinite"],
 )  # fmt: skip
 def test_a_malformed_continuation_state_is_refused_naming_it(name: str, change: str) -> None:
     """Another denoiser's message: a KeyError or IndexError before, now CannotResume (its request
@@ -253,10 +259,10 @@ def test_a_malformed_continuation_state_is_refused_naming_it(name: str, change: 
     scheduler = getattr(diffusers, name)()
     scheduler.set_timesteps(4)
     resume, tensors = capture(scheduler, 1)
-    if name == "FlowMatchEulerDiscreteScheduler" and change == "history missing":
+    if name == "FlowMatchEulerDiscreteScheduler" and change in ("history missing", "history count infinite"):
         assert restore(scheduler, _broken(resume, change), tensors) == 1  # it keeps no history
         return
-    with pytest.raises(CannotResume, match=r"meta\.resume\.(scheduler is malformed|step 99)"):
+    with pytest.raises(CannotResume, match=r"meta\.resume\.(scheduler is malformed|step 99|scheduler\.begin_index 2)"):
         restore(scheduler, _broken(resume, change), tensors)
     scheduler.set_timesteps(4)
     assert restore(scheduler, resume, tensors) == 1

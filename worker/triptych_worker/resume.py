@@ -139,8 +139,10 @@ def restore(scheduler: Any, resume: dict[str, Any], tensors: dict[str, torch.Ten
     try:
         scalars, step = resume["scheduler"], int(resume["step"])
         captured, timestep, begin = scalars["class"], float(scalars["timestep"]), int(scalars["begin_index"])
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(inf)
         raise CannotResume(f"meta.{RESUME}.scheduler is malformed ({exc!r:.200}); {MALFORMED}") from None
+    if begin != 0:  # capture writes 0: a schedule from its start
+        raise CannotResume(f"meta.{RESUME}.scheduler.begin_index {begin} is not 0; {MALFORMED}")
     if captured != type(scheduler).__name__:
         raise CannotResume(f"the request was captured from a {captured!s:.100}, this denoiser runs a "
                            f"{type(scheduler).__name__}; run every denoiser from the same model package")  # fmt: skip
@@ -152,7 +154,7 @@ def restore(scheduler: Any, resume: dict[str, Any], tensors: dict[str, torch.Ten
                            "with; run every denoiser from the same model package")  # fmt: skip
     try:
         _handlers(scheduler)[1](scheduler, scalars, tensors)
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
         raise CannotResume(f"meta.{RESUME}.scheduler is malformed ({exc!r:.200}); {MALFORMED}") from None
     scheduler.set_begin_index(begin)
     scheduler._step_index = step  # step() initialises it only when None
