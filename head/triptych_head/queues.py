@@ -260,11 +260,7 @@ class Dispatcher:
         if rec.staged and migration.resumes_in_place(rec, inst):
             # Resume where it stopped: its state is in this denoiser's pool already; nothing moves.
             staged = rec.staged
-            ready = TransferReady(
-                wire_id, inst.url, rec.wire_params(), staged.manifest, staged.meta, 0, rec.watch, rec.preview_every,
-                *rec.wire_batch(), core.head_id, rec.traceparent, in_place=True, priority=level,
-                edit=rec.params.has_reference,
-            )  # fmt: skip
+            ready = rec.transfer_ready(staged, inst.url, 0, core.head_id, level, in_place=True)
             sent = self._send(rec, inst.url, ready)
             if sent is None:
                 return True  # failed: too large to send

@@ -21,6 +21,7 @@ import msgspec
 
 from triptych.params import GenerationParams
 from triptych.priority import DEFAULT_LEVEL
+from triptych.protocol import TransferReady
 from triptych.roles import ROLE_SPECS, Role, is_full_pipeline
 from triptych_head.timeline import Timeline
 
@@ -199,6 +200,17 @@ class RequestRecord:
     def wire_batch(self) -> tuple[str, int]:
         """(batch_id, batch_size) for its current hop's TransferReady: ("", 1) in no group."""
         return self.batch.on_wire() if self.batch is not None else ("", 1)
+
+    def transfer_ready(
+        self, staged: StagedPayload, receiver: str, slot_addr: int, head_id: str, level: int, in_place: bool = False
+    ) -> TransferReady:
+        """Transfer flow step 6: `receiver` runs its stages on `staged`, landed at `slot_addr` (or, `in_place`,
+        on the continuation it staged itself), at priority `level`."""
+        return TransferReady(
+            self.wire_id, receiver, self.wire_params(), staged.manifest, staged.meta, slot_addr, self.watch,
+            self.preview_every, *self.wire_batch(), head_id, self.traceparent, in_place=in_place, priority=level,
+            edit=self.params.has_reference,
+        )  # fmt: skip
 
     @property
     def whole_pipeline(self) -> bool:

@@ -23,7 +23,6 @@ from triptych.protocol import (
     TransferAllocated,
     TransferPush,
     TransferPushed,
-    TransferReady,
     TransferRefused,
     TransferStaged,
     WorkRefused,
@@ -152,21 +151,8 @@ def on_pushed(core: HeadCore, rec: RequestRecord, inst: WorkerInstance, msg: Tra
     inst.inflight.discard(rec.wire_id)  # transfer flow step 5: the sender's scheduling slot is free again
     rec.push_in_flight = False
     rec.staged = None
-    ready = TransferReady(
-        rec.wire_id,
-        rec.instance,
-        rec.wire_params(),
-        staged.manifest,
-        staged.meta,
-        rec.slot_addr,
-        rec.watch,
-        rec.preview_every,
-        *rec.wire_batch(),
-        core.head_id,
-        rec.traceparent,
-        priority=rec.held_level,  # the level it was given its receiver at (queues.py)
-        edit=rec.params.has_reference,
-    )
+    # at the level it was given its receiver at (queues.py)
+    ready = rec.transfer_ready(staged, rec.instance, rec.slot_addr, core.head_id, rec.held_level)
     started = core.clock()  # before the send, so the hop's time contains all the receiver's work
     try:
         sent = core.membership.send(rec.instance, ready)

@@ -200,8 +200,8 @@ def test_a_multi_device_worker_s_rank_0_resolves_with_the_checked_catalogue_and_
     else:
         monkeypatch.setattr("triptych_worker.parallel.ranks.start_ranks", start)
     argv = ["serve", "--model-path", "m", "--disagg-role", "denoiser", "--disagg-server-addr", "tcp://127.0.0.1:1",
-            "--device", "cpu", "--num-gpus", "2", "--disagg-transfer-pool-size", "4MiB", "--lora-catalog", str(path),
-            *(["--disagg-full-pipeline"] if full_pipeline else [])]  # fmt: skip
+            "--device", "cpu", "--num-gpus", "2", "--lora-catalog", str(path),
+            *(["--disagg-full-pipeline"] if full_pipeline else ["--disagg-transfer-pool-size", "4MiB"])]  # fmt: skip
     worker = Worker(ServeArgs.from_namespace(build_parser().parse_args(argv)))
     try:
         (catalog,) = given
