@@ -67,7 +67,7 @@ class InProgress(Exception):
 @dataclass
 class Attempt:
     state: str  # running, done, failed
-    fingerprint: str
+    fingerprint: str  # "": not known yet (its record is being written)
     head: str
     lease_until: float
 
@@ -109,7 +109,7 @@ class Idempotency:
         deadline = time.monotonic() + wait_s
         while True:
             n, attempt = await asyncio.to_thread(self._latest, digest)
-            if attempt is not None and attempt.fingerprint != fingerprint:
+            if attempt is not None and attempt.fingerprint and attempt.fingerprint != fingerprint:
                 raise KeyReused(key)
             if attempt is not None and attempt.state == "done":
                 try:
@@ -204,20 +204,25 @@ class Idempotency:
             log.exception("could not save idempotency record %s.%d", digest, n)
 
     def _latest(self, digest: str) -> tuple[int, Attempt | None]:
-        """The key's last attempt: (n, its record), or (-1, None) when it has none."""
-        numbers = []
+        """The key's last attempt: (n, its record), or (-1, None) when it has none. A record that cannot
+        be read yet, written less than a lease ago, is one being written (a store without hard links
+        creates it empty, its content just after): a running attempt, whose request is not known yet."""
+        written: dict[int, float] = {}
         for obj in self.objects.list(f"{FOLDER}/{digest}."):
             number, _, suffix = obj.name.rsplit("/", 1)[-1].removeprefix(f"{digest}.").partition(".")
             if suffix == "json" and number.isdigit():
-                numbers.append(int(number))
-        for n in sorted(numbers, reverse=True):
-            try:
-                data = json.loads(self.objects.get_bytes(self._record(digest, n)))
-                return n, Attempt(**{k: data[k] for k in ("state", "fingerprint", "head", "lease_until")})
-            except (ObjectMissing, ValueError, KeyError, TypeError) as exc:
-                log.warning("skipping unreadable idempotency record %s.%d: %s", digest, n, exc)
-                return n, None  # its attempt number is taken all the same: the next run is n+1
-        return -1, None
+                written[int(number)] = obj.mtime
+        if not written:
+            return -1, None
+        n = max(written)
+        try:
+            data = json.loads(self.objects.get_bytes(self._record(digest, n)))
+            return n, Attempt(**{k: data[k] for k in ("state", "fingerprint", "head", "lease_until")})
+        except (ObjectMissing, ValueError, KeyError, TypeError) as exc:
+            if time.time() - written[n] < self.lease_s:
+                return n, Attempt("running", "", "", written[n] + self.lease_s)
+            log.warning("skipping unreadable idempotency record %s.%d: %s", digest, n, exc)
+            return n, None  # its attempt number is taken all the same: the next run is n+1
 
 
 def _encode(attempt: Attempt) -> bytes:

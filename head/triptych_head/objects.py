@@ -66,7 +66,8 @@ class ObjectStore(Protocol):
         was creating it at the same moment; the caller reads it, or tries again later."""
 
     def put_file(self, name: str, path: Path, content_type: str) -> None:
-        """Store the file at `path` (under `staging`) as `name`; the file is consumed."""
+        """Store the file at `path` (under `staging`) as `name`; the file is consumed once stored, and
+        left where it is when the store fails (the caller may still need its bytes)."""
 
     def get_bytes(self, name: str) -> bytes:
         """The object's bytes; ObjectMissing when there is none."""
@@ -160,9 +161,13 @@ class DirectoryObjects:
         try:
             shutil.move(path, tmp)  # a rename when staging is on the same filesystem
             os.replace(tmp, target)
+        except BaseException:
+            if tmp.exists() and not path.exists():
+                shutil.move(tmp, path)  # the bytes back where the caller has them
+            raise
         finally:
             tmp.unlink(missing_ok=True)
-            path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
 
     def get_bytes(self, name: str) -> bytes:
         try:
@@ -341,10 +346,8 @@ class S3Objects:
         return True
 
     def put_file(self, name: str, path: Path, content_type: str) -> None:
-        try:
-            self.client.fput_object(self.location.bucket, self._key(name), str(path), content_type)
-        finally:
-            path.unlink(missing_ok=True)
+        self.client.fput_object(self.location.bucket, self._key(name), str(path), content_type)
+        path.unlink(missing_ok=True)
 
     def _get(self, name: str):  # type: ignore[no-untyped-def]
         from minio.error import S3Error

@@ -53,3 +53,62 @@ def test_a_run_whose_head_died_is_run_again_as_the_next_attempt(tmp_path):
     assert asyncio.run(alive.once("tenant", "k", "fp", run, wait_s=5)) == (b"again", False)
     assert sorted(_records(store)) == [f"{FOLDER}/{digest}.0.json", f"{FOLDER}/{digest}.1.json"]
     assert asyncio.run(alive.once("tenant", "k", "fp", run, wait_s=5)) == (b"again", True)
+
+
+def test_on_a_store_without_hard_links_a_record_being_written_is_waited_for_not_run_again(tmp_path, monkeypatch):
+    """SMB shares (Azure Files) have no hard links: `create` makes the record empty, then writes it. A
+    head that reads it in between waits for it as a running attempt; it used to run the key again as
+    the next attempt, and its replays answered that second run."""
+    import errno
+    import os
+
+    real_fdopen = os.fdopen
+
+    def no_link(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    def slow_fdopen(fd, *args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.3)  # the write after the create: another round trip to the file server
+        return real_fdopen(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", no_link)
+    monkeypatch.setattr(os, "fdopen", slow_fdopen)
+    runs: list[str] = []
+
+    async def run_as(who: str) -> bytes:
+        runs.append(who)
+        await asyncio.sleep(0.5)
+        return f'{{"by":"{who}"}}'.encode()
+
+    a = Idempotency(DirectoryObjects(tmp_path), "head-a", poll_s=0.05)
+    b = Idempotency(DirectoryObjects(tmp_path), "head-b", poll_s=0.05)
+
+    async def both() -> tuple[tuple[bytes, bool], tuple[bytes, bool]]:
+        first = asyncio.create_task(a.once("tenant", "k", "fp", lambda: run_as("a"), wait_s=10))
+        await asyncio.sleep(0.1)  # the retry reaches head b while head a creates attempt 0
+        second = await b.once("tenant", "k", "fp", lambda: run_as("b"), wait_s=10)
+        return await first, second
+
+    (answer_a, replay_a), (answer_b, replay_b) = asyncio.run(both())
+    assert runs == ["a"] and answer_a == answer_b == b'{"by":"a"}' and (replay_a, replay_b) == (False, True)
+
+
+def test_a_large_answer_the_store_cannot_keep_still_reaches_its_client(tmp_path, monkeypatch):
+    """A streamed answer is spooled to a file and stored with put_file; a store that fails then kept the
+    file's bytes away from the client too (put_file removed it): the run's answer was lost."""
+
+    async def chunks():  # type: ignore[no-untyped-def]
+        for i in range(3):
+            yield bytes([i]) * (1 << 20)
+
+    async def run():  # type: ignore[no-untyped-def]
+        return chunks()
+
+    def failing_replace(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(5, "Input/output error")
+
+    store = DirectoryObjects(tmp_path)
+    monkeypatch.setattr("triptych_head.objects.os.replace", failing_replace)
+    answer, replayed = asyncio.run(Idempotency(store, "head-a").once("tenant", "k", "fp", run, wait_s=5))
+    assert not replayed and b"".join(answer) == b"".join(bytes([i]) * (1 << 20) for i in range(3))
+    assert not list(store.staging.iterdir()), "the spooled file goes once sent"
