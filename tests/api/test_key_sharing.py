@@ -237,3 +237,36 @@ def test_the_keys_say_whether_the_heads_share_counts_and_each_key_s_rate(tmp_pat
     assert keys.shared_limits() and list(keys.rates().values()) == [5]
     path.write_text("sk-c max_per_day=9\n")
     assert not APIKeys(path).shared_limits()  # nothing to share: no store traffic for it
+
+
+def test_admissions_read_in_an_exchange_that_failed_part_way_are_counted_by_the_next(
+    tmp_path: Path, wall: Clock
+) -> None:
+    """Head A reads B's counts (B took the key's whole minute), then fails to read C's: the next
+    exchange still takes B's admissions from A's bucket (the failed read used to move A's baseline of
+    B, so they were never counted and the key got twice its rate)."""
+
+    class Flaky(DirectoryObjects):
+        armed = False
+
+        def list(self, prefix: str) -> Iterator[StoredObject]:  # B's counts read before C's
+            return iter(sorted(super().list(prefix), key=lambda o: o.name))
+
+        def get_bytes(self, name: str) -> bytes:
+            if self.armed and name.endswith("head-c.json"):
+                self.armed = False
+                raise ConnectionError("S3 503 SlowDown")
+            return super().get_bytes(name)
+
+    flaky = Flaky(tmp_path)
+    a = Head(tmp_path, "head-a", wall, objects=flaky)
+    b, c = Head(tmp_path, "head-b", wall), Head(tmp_path, "head-c", wall)
+    for head in (a, b, c, a):
+        head.sync()  # every head has a baseline of the others
+    for _ in range(3):
+        b.admit(PER_MINUTE)
+    b.sync()
+    flaky.armed = True
+    a.sync()  # B's counts read, C's read fails
+    a.sync()
+    refusal(a, PER_MINUTE)

@@ -99,15 +99,19 @@ class LiveCounts:
             now = self._clock()
             try:
                 self._write(now, counts)
-                fresh = self._read_peers(now)
-                if now - self._swept >= SWEEP_S:
-                    self._sweep(now)
-                    self._swept = now
+                fresh, seen = self._read_peers(now)
             except Exception as exc:
                 self._health.failed(exc, self._objects.description)
                 if now - self._read_at > LIVE_S:  # what the others had in flight is too old to count
                     self._peers = PeerCounts()
                 return PeerCounts(dict(self._peers.in_flight))
+            self._admitted_seen = seen  # only a whole read moves the baselines: none of its admissions is lost
+            if now - self._swept >= SWEEP_S:
+                try:
+                    self._sweep(now)
+                    self._swept = now
+                except Exception as exc:  # a good read stands; the sweep is tried again next time
+                    log.warning("key limits: could not remove the counts of heads gone: %s", exc)
             self._health.succeeded(self._objects.description)
             self._peers, self._read_at = PeerCounts(fresh.in_flight), now
             if not self._first:
@@ -125,11 +129,11 @@ class LiveCounts:
         self._objects.put_bytes(self._name, json.dumps(data, separators=(",", ":")).encode(), "application/json")
         self._written, self._written_at = counts, now
 
-    def _read_peers(self, now: float) -> PeerCounts:
+    def _read_peers(self, now: float) -> tuple[PeerCounts, dict[str, tuple[float, dict[str, int]]]]:
+        """The other heads' counts, and the admissions seen of each (the baselines of the next read)."""
         peers = PeerCounts()
         listed = [obj for obj in self._objects.list(PREFIX) if obj.name != self._name and obj.name.endswith(".json")]
-        for gone in set(self._admitted_seen) - {obj.name for obj in listed}:
-            del self._admitted_seen[gone]
+        baselines = {obj.name: self._admitted_seen[obj.name] for obj in listed if obj.name in self._admitted_seen}
         for obj in listed:
             try:
                 data = self._objects.get_bytes(obj.name)
@@ -149,13 +153,13 @@ class LiveCounts:
                     peers.in_flight[key_id] = peers.in_flight.get(key_id, 0) + n
                 for key_id, x in counts.tokens.items():
                     peers.tokens.setdefault(key_id, []).append((x, max(0.0, now - written)))
-            seen_started, seen = self._admitted_seen.get(obj.name, (None, None))
+            seen_started, seen = baselines.get(obj.name, (None, None))
             if seen is not None and seen_started == started:  # first read of a head (or of its restart): a baseline
                 for key_id, n in admitted.items():
                     if n > seen.get(key_id, 0):
                         peers.admitted[key_id] = peers.admitted.get(key_id, 0) + n - seen.get(key_id, 0)
-            self._admitted_seen[obj.name] = (started, admitted)
-        return peers
+            baselines[obj.name] = (started, admitted)
+        return peers, baselines
 
     def _sweep(self, now: float) -> None:
         for obj in list(self._objects.list(PREFIX)):
