@@ -61,7 +61,8 @@ class Outbox:
         self.objects.put_bytes(self.name(pending.event_id), json.dumps(asdict(pending)).encode(), "application/json")
 
     def remove(self, event_id: str) -> None:
-        """The record and its adoption markers."""
+        """The record, then its adoption markers (a head that wins a marker after this finds no record)."""
+        self.objects.delete(self.name(event_id))
         for obj in list(self.objects.list(f"{FOLDER}/{event_id}.")):
             self.objects.delete(obj.name)
 
@@ -86,6 +87,16 @@ class Outbox:
         """Whether this head won the event's next adoption (at most one head does)."""
         marker = f"{FOLDER}/{pending.event_id}.adopt-{pending.adoptions + 1}"
         if not self.objects.create(marker, self.head_id.encode(), "text/plain"):
+            return False
+        # What this head read may be old: another head may have adopted the event since, delivered it
+        # and removed it with its markers, so that this marker could be made again. Only the record
+        # as it still is now, unadopted since, is this head's to deliver.
+        try:
+            now = Pending(**json.loads(self.objects.get_bytes(self.name(pending.event_id))))
+        except (ObjectMissing, ValueError, TypeError):
+            now = None
+        if now is None or now.adoptions != pending.adoptions:
+            self.objects.delete(marker)
             return False
         pending.adoptions += 1
         return True

@@ -354,3 +354,22 @@ def test_an_answer_that_is_not_well_formed_http_counts_as_its_status_or_as_none(
         asyncio.run(run())
     assert len(got) == attempts and outbox_files(tmp_path) == []
     assert registry.get_sample_value("triptych_webhook_deliveries_total", {**DELIVERED, "outcome": outcome}) == 1
+
+
+def test_an_event_another_head_adopted_and_delivered_since_this_head_read_it_is_not_sent_again(tmp_path: Path) -> None:
+    """C's scan reads a handed-over event; B adopts it, delivers it and removes it with its markers;
+    C, going on with what it read, must not win its adoption again (it did: the marker was gone)."""
+    import time
+
+    from triptych_head.webhook_outbox import Pending
+
+    store = DirectoryObjects(tmp_path)
+    a, b, c = (Outbox(DirectoryObjects(tmp_path), head) for head in ("head-a", "head-b", "head-c"))
+    a.save(Pending({"id": "evt_1", "type": "video.completed", "data": {"id": "video_1"}}), 0.0)  # handed over
+    read_by_c = c.orphans(time.time())
+    (pending,) = b.orphans(time.time())
+    assert b.claim(pending)
+    b.save(pending)
+    b.remove(pending.event_id)  # delivered
+    assert [c.claim(p) for p in read_by_c] == [False]
+    assert list(store.list("webhooks/")) == []
