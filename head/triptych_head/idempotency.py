@@ -125,8 +125,22 @@ class Idempotency:
             mine = Attempt("running", fingerprint, self.head_id, time.time() + self.lease_s)
             record = self._record(digest, nxt)
             if await asyncio.to_thread(self.objects.create, record, _encode(mine), "application/json"):
+                if nxt:
+                    await asyncio.to_thread(self._forget_before, digest, nxt)
                 return await self._hold(digest, nxt, mine, run), False
             await asyncio.sleep(random.uniform(0.5, 1.5) * self.poll_s)  # another head won it (or we both withdrew)
+
+    def _forget_before(self, digest: str, n: int) -> None:
+        """Remove the key's attempts before n, which ended (failed, or their heads died): only the last
+        is ever read, and a client retrying a failing request for days would otherwise keep them all
+        (retention ages a key by its newest record)."""
+        try:
+            for obj in list(self.objects.list(f"{FOLDER}/{digest}.")):
+                number = obj.name.rsplit("/", 1)[-1].removeprefix(f"{digest}.").split(".", 1)[0]
+                if number.isdigit() and int(number) < n:
+                    self.objects.delete(obj.name)
+        except Exception as exc:  # tidying only: the run goes on
+            log.warning("could not remove the earlier attempts of idempotency record %s: %s", digest, exc)
 
     async def _hold(self, digest: str, n: int, mine: Attempt, run: Callable[[], Awaitable[Body]]) -> Answer:
         """Run attempt n, renewing its lease, then record its answer (or its failure)."""

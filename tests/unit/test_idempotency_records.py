@@ -8,6 +8,8 @@ import asyncio
 import json
 import time
 
+import pytest
+
 from triptych_head.idempotency import FOLDER, Idempotency
 from triptych_head.objects import DirectoryObjects
 
@@ -51,8 +53,25 @@ def test_a_run_whose_head_died_is_run_again_as_the_next_attempt(tmp_path):
 
     alive = Idempotency(DirectoryObjects(tmp_path), "alive", lease_s=0.2)
     assert asyncio.run(alive.once("tenant", "k", "fp", run, wait_s=5)) == (b"again", False)
-    assert sorted(_records(store)) == [f"{FOLDER}/{digest}.0.json", f"{FOLDER}/{digest}.1.json"]
+    assert sorted(_records(store)) == [f"{FOLDER}/{digest}.1.json"]  # the dead head's attempt 0 is gone
     assert asyncio.run(alive.once("tenant", "k", "fp", run, wait_s=5)) == (b"again", True)
+
+
+def test_a_key_retried_through_failure_after_failure_keeps_only_its_last_attempt(tmp_path):
+    """Only the last attempt is ever read: a client retrying a failing request for days kept one record
+    per try, all of them, as retention ages a key by its newest record."""
+    store = DirectoryObjects(tmp_path)
+    heads = Idempotency(store, "head-a")
+
+    async def fails() -> bytes:
+        raise RuntimeError("the request failed")
+
+    for _ in range(5):
+        with pytest.raises(RuntimeError):
+            asyncio.run(heads.once("tenant", "k", "fp", fails, wait_s=5))
+    digest = heads.digest("tenant", "k")
+    assert [o.name for o in store.list(f"{FOLDER}/")] == [f"{FOLDER}/{digest}.4.json"]
+    assert _records(store)[f"{FOLDER}/{digest}.4.json"]["state"] == "failed"
 
 
 def test_on_a_store_without_hard_links_a_record_being_written_is_waited_for_not_run_again(tmp_path, monkeypatch):
