@@ -13,6 +13,7 @@ import http.client
 import io
 import ipaddress
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +29,7 @@ MAX_REFERENCE_BYTES = 16 << 20
 URL_TIMEOUT_S = 20.0  # a whole fetch, connection to last byte
 READ_STALL_S = 5.0  # the longest a connection or a read may wait for the server (within URL_TIMEOUT_S)
 READ_CHUNK = 256 << 10
+OVERRUN_S = 1.0  # past a fetch's time, its sockets are shut whatever it waits for (a slow read's own timeout first)
 FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 
 
@@ -87,8 +89,47 @@ def _judged_as(
     return [ip, *(v4 for v4 in inside if v4 is not None)]
 
 
+class _Watchdog:
+    """One fetch's sockets, shut down once its time is up (plus OVERRUN_S): whatever the server's pace
+    (a status line or headers a byte at a time, a redirect's endless body, which urllib reads whole
+    before it follows), the fetch ends then, its blocked read returning or failing at once."""
+
+    def __init__(self, seconds: float):
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds + OVERRUN_S, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def watch(self, sock: socket.socket) -> socket.socket:
+        with self._lock:
+            self._sockets.append(sock)
+            expired = self.expired
+        if expired:
+            sock.shutdown(socket.SHUT_RDWR)
+        return sock
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # closed already
+                pass
+
+
 def _vetted_connection(
-    allowed: list[Network], address: tuple[str, int], timeout: Any = None, source_address: Any = None
+    allowed: list[Network],
+    watchdog: _Watchdog,
+    address: tuple[str, int],
+    timeout: Any = None,
+    source_address: Any = None,
 ) -> socket.socket:
     """socket.create_connection to an address the URL policy permits, checked after resolution (so a
     name cannot point at an internal service) and connected to the very address that was checked."""
@@ -100,35 +141,37 @@ def _vetted_connection(
             f"{host} resolves to {refused[0]}, not a public address; "
             "the image encoder's --reference-url-networks lists the private networks it may fetch from"
         )
-    return socket.create_connection((resolved[0], port), timeout, source_address)
+    return watchdog.watch(socket.create_connection((resolved[0], port), timeout, source_address))
 
 
-def _connection_class(base: type[http.client.HTTPConnection], allowed: list[Network]) -> Any:
+def _connection_class(base: type[http.client.HTTPConnection], allowed: list[Network], watchdog: _Watchdog) -> Any:
     def make(host: str, **kwargs: Any) -> http.client.HTTPConnection:
         conn = base(host, **kwargs)
-        conn._create_connection = functools.partial(_vetted_connection, allowed)  # type: ignore[attr-defined]
+        conn._create_connection = functools.partial(_vetted_connection, allowed, watchdog)  # type: ignore[attr-defined]
         return conn
 
     return make
 
 
 class _VettedHTTP(urllib.request.HTTPHandler):
-    def __init__(self, allowed: list[Network]):
+    def __init__(self, allowed: list[Network], watchdog: _Watchdog):
         super().__init__()
         self._allowed = allowed
+        self._watchdog = watchdog
 
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_connection_class(http.client.HTTPConnection, self._allowed), req)
+        return self.do_open(_connection_class(http.client.HTTPConnection, self._allowed, self._watchdog), req)
 
 
 class _VettedHTTPS(urllib.request.HTTPSHandler):
-    def __init__(self, allowed: list[Network]):
+    def __init__(self, allowed: list[Network], watchdog: _Watchdog):
         super().__init__()
         self._allowed = allowed
+        self._watchdog = watchdog
 
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(
-            _connection_class(http.client.HTTPSConnection, self._allowed),
+            _connection_class(http.client.HTTPSConnection, self._allowed, self._watchdog),
             req,
             context=self._context,  # type: ignore[attr-defined]
         )
@@ -186,7 +229,9 @@ class _HTTPOnlyRedirects(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
         check_reference_url(newurl)
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        fp.close()  # its body is not read: urllib would read all of it, however long, before following
+        return new
 
 
 def fetch_reference(
@@ -203,22 +248,33 @@ def fetch_reference(
     """
     check_reference_url(url, field)
     allowed = URL_NETWORKS if networks is None else networks
+    watchdog = _Watchdog(timeout)
     opener = urllib.request.build_opener(
-        urllib.request.ProxyHandler({}), _VettedHTTP(allowed), _VettedHTTPS(allowed), _HTTPOnlyRedirects
+        urllib.request.ProxyHandler({}),
+        _VettedHTTP(allowed, watchdog),
+        _VettedHTTPS(allowed, watchdog),
+        _HTTPOnlyRedirects,
     )
     request = urllib.request.Request(url, headers={"User-Agent": "triptych"})
     deadline = time.monotonic() + timeout
+    too_slow = BadReference(f"{field}: GET {url[:200]} took longer than {timeout:g}s")
     try:
-        # Each socket operation (connect, every read) waits at most READ_STALL_S, and the whole
-        # fetch at most `timeout`: a server trickling bytes cannot hold the process past it.
+        # Each socket operation (connect, every read) waits at most READ_STALL_S, the body's reads stop
+        # at `timeout`, and the watchdog ends whatever else is still waiting just after it.
         with opener.open(request, timeout=min(timeout, READ_STALL_S)) as response:
             data = _read_until(response, max_bytes, deadline)
     except urllib.error.HTTPError as exc:
-        raise BadReference(f"{field}: GET {url[:200]} answered {exc.code}") from None
+        raise too_slow if watchdog.expired else BadReference(f"{field}: GET {url[:200]} answered {exc.code}") from None
     except _TooSlow:
-        raise BadReference(f"{field}: GET {url[:200]} took longer than {timeout:g}s") from None
+        raise too_slow from None
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
+        if watchdog.expired:
+            raise too_slow from None
         raise BadReference(f"{field}: GET {url[:200]} failed: {getattr(exc, 'reason', exc)}") from None
+    finally:
+        watchdog.stop()
+    if watchdog.expired:  # a read the shutdown ended reads as the body's end: what came is not all of it
+        raise too_slow
     if len(data) > max_bytes:
         raise BadReference(f"{field}: {url[:200]} is larger than {max_bytes} bytes")
     return data

@@ -96,6 +96,25 @@ class _Server(http.server.BaseHTTPRequestHandler):
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client gave up, as its test means it to
             return
+        if self.path == "/slow-headers":  # the status line, then a header a byte at a time (bounded: 10 s)
+            try:
+                self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                for _ in range(50):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            return
+        if self.path == "/endless-redirect":  # a 302 whose body never ends (bounded: 10 s, 64 KiB chunks)
+            try:
+                self.wfile.write(b"HTTP/1.1 302 Found\r\nLocation: /ok\r\nTransfer-Encoding: chunked\r\n\r\n")
+                ends = time.monotonic() + 10
+                while time.monotonic() < ends:
+                    self.wfile.write(b"10000\r\n" + b"x" * 0x10000 + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            return
         if self.path == "/ftp":
             self.send_response(302)
             self.send_header("Location", "ftp://example.com/x.png")
@@ -143,6 +162,19 @@ def test_urls_are_fetched_within_their_limits(base: str) -> None:
         fetch_reference(f"{base}/ftp", networks=LOOPBACK)
     with pytest.raises(BadReference, match="not an http"):
         fetch_reference("file:///etc/passwd")
+
+
+def test_a_server_s_pace_before_the_body_cannot_hold_a_fetch_past_its_time(base: str) -> None:
+    """Headers a byte at a time used to hold a fetch for as long as the server liked (each read got its
+    byte in time, and only the body's reads looked at the clock); a redirect's endless body was read
+    whole into memory before the redirect was followed."""
+    started = time.monotonic()
+    with pytest.raises(BadReference, match=r"/slow-headers took longer than 1s"):
+        fetch_reference(f"{base}/slow-headers", timeout=1.0, networks=LOOPBACK)
+    assert time.monotonic() - started < 5.0
+    started = time.monotonic()
+    assert fetch_reference(f"{base}/endless-redirect", timeout=5.0, networks=LOOPBACK) == png()
+    assert time.monotonic() - started < 3.0, "the redirect's body was not read"
 
 
 def test_urls_reach_public_addresses_and_the_listed_networks_only(base: str) -> None:
