@@ -226,6 +226,8 @@ class LocalBackend:
         def run() -> np.ndarray:
             began = time.perf_counter()
             try:
+                if request_id in self._cancelled:  # while it waited its turn (a drain's end cancels every one)
+                    raise GenerationFailed("cancelled by the client", 499, RequestState.CANCELLED)
                 return self._pipeline.generate(params, progress, preview_every if on_event else 0)
             finally:
                 ran[0] = time.perf_counter() - began

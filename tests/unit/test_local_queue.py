@@ -143,3 +143,48 @@ def test_monolithic_mode_runs_waiting_requests_by_priority_and_drops_one_whose_c
 
     asyncio.run(scenario())
     assert ran == ["first", "high", "low"]
+
+
+def test_monolithic_mode_fails_a_waiting_request_cancelled_before_its_turn_without_running_it() -> None:
+    """A drain's end cancels every request the head holds: one still waiting for the device used to run
+    its stages anyway (prompt and reference encoding, a URL fetch) once its turn came, past the drain."""
+    import asyncio
+
+    import numpy as np
+
+    from triptych.params import GenerationParams
+    from triptych_head.backend import GenerationFailed, LocalBackend
+
+    release = threading.Event()
+    ran: list[str] = []
+
+    class Recording:
+        step_cache = None
+
+        def validate(self, params: GenerationParams) -> None:
+            pass
+
+        def generate(self, params: GenerationParams, on_progress, preview_every: int = 0) -> np.ndarray:
+            ran.append(params.prompt)
+            if params.prompt == "first":
+                release.wait(10)
+            return np.zeros((1, 1, 1, 3), dtype=np.uint8)
+
+    async def scenario() -> None:
+        backend = LocalBackend(Recording(), aging_s=30)  # type: ignore[arg-type]
+        first = asyncio.create_task(backend.generate("first", GenerationParams(prompt="first", width=16, height=16)))
+        await asyncio.sleep(0.1)  # running, holding the device
+        waiting = asyncio.create_task(
+            backend.generate("waiting", GenerationParams(prompt="waiting", width=16, height=16))
+        )
+        await asyncio.sleep(0.1)
+        await backend.cancel("waiting")  # the drain's end
+        release.set()
+        await first
+        with pytest.raises(GenerationFailed) as failed:
+            await waiting
+        assert failed.value.status_code == 499
+        await backend.close()
+
+    asyncio.run(scenario())
+    assert ran == ["first"]
