@@ -179,7 +179,7 @@ class _VettedHTTPS(urllib.request.HTTPSHandler):
 
 def open_reference(data: bytes, field: str = "image") -> Image.Image:
     """Decode `data` fully into an RGB image, checking its size before a pixel is decoded."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not data:
         raise BadReference(f"{field}: the file is empty")
@@ -201,11 +201,28 @@ def open_reference(data: bytes, field: str = "image") -> Image.Image:
         )
     try:
         image.load()
-        return image.convert("RGB")
+        upright = ImageOps.exif_transpose(image)  # as every viewer shows it: a phone's portrait photo stands
+        return _eight_bits(upright, field).convert("RGB")
+    except BadReference:
+        raise
     except Image.DecompressionBombError:
         raise BadReference(f"{field}: the image decodes to more pixels than allowed (a decompression bomb?)") from None
     except Exception as exc:  # Pillow's decoders raise what they meet (a TIFF's rational StripOffsets: TypeError)
         raise BadReference(f"{field}: the image is truncated or corrupt ({exc})") from None
+
+
+def _eight_bits(image: Image.Image, field: str) -> Image.Image:
+    """16 and 32 bits a pixel of grey to 8 (their top byte): Pillow's convert("RGB") clips every value
+    above 255, turning a 16-bit image nearly white. A floating-point image has no range to scale from."""
+    if image.mode.startswith("I;16") or image.mode == "I":
+        import numpy as np
+        from PIL import Image
+
+        values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535) >> 8
+        return Image.fromarray(values.astype(np.uint8), "L")
+    if image.mode == "F":
+        raise BadReference(f"{field}: a floating-point image (mode F); send one of 8 or 16 bits a channel")
+    return image
 
 
 def check_reference_url(url: str, field: str = "image") -> str:

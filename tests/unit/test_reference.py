@@ -210,3 +210,32 @@ def test_network_lists_name_the_bad_entry() -> None:
     assert [str(n) for n in parse_networks("10.1.0.0/16; fd00::/8,")] == ["10.1.0.0/16", "fd00::/8"]
     with pytest.raises(ValueError, match=r"'10\.1\.0\.300/16' is not a network"):
         parse_networks("10.1.0.0/16;10.1.0.300/16")
+
+
+def test_a_16_bit_grey_image_keeps_its_tones_and_a_float_one_is_refused() -> None:
+    """Pillow's convert("RGB") clipped a 16-bit grey image's values at 255: a ramp came out nearly white."""
+    import numpy as np
+    from PIL import Image
+
+    ramp = (np.arange(256, dtype=np.uint16) * 257)[None, :].repeat(4, axis=0)  # 0..65535, black to white
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, format="PNG")  # uint16: mode I;16
+    decoded = np.asarray(open_reference(buf.getvalue()))
+    assert decoded.shape == (4, 256, 3)
+    assert list(decoded[0, :, 0]) == list(range(256))
+    buf = io.BytesIO()
+    Image.fromarray(np.full((4, 4), 0.5, dtype=np.float32)).save(buf, format="TIFF")  # mode F
+    with pytest.raises(BadReference, match=r"image: a floating-point image"):
+        open_reference(buf.getvalue())
+
+
+def test_a_photo_s_exif_orientation_is_applied() -> None:
+    """A phone's portrait photo is stored landscape with Orientation 6: used as stored, it lay on its side."""
+    from PIL import Image
+
+    stored = Image.new("RGB", (64, 32), (200, 30, 90))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    buf = io.BytesIO()
+    stored.save(buf, format="JPEG", exif=exif.tobytes())
+    assert open_reference(buf.getvalue()).size == (32, 64)
