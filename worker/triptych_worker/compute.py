@@ -80,6 +80,9 @@ def compute(worker: Worker, link: HeadLinks, jobs: list[Job]) -> None:
             """`job` stopped at a step boundary (asked to hand off) while its group runs on: its state is
             staged and reported now, and its input slot freed, as a job alone's would be at its end."""
             left.add(job.request_id)
+            batch.hand_off = lambda: (
+                True
+            )  # run again (its group's forward failed, each then runs alone): it stops at once
             with _fails_alone(worker, link, job):
                 report = _deliver(worker, link, job, batch, started, together, False, inputs, report_staged)
                 if (held := inputs.pop(job.request_id, None)) is not None:
