@@ -103,25 +103,31 @@ class _Watchdog:
         self._timer.start()
 
     def watch(self, sock: socket.socket) -> socket.socket:
+        """`sock`, its connection watched through a descriptor of the watchdog's own (HTTPS wraps `sock`
+        in TLS and detaches it; a shutdown through the duplicate still ends the connection)."""
+        own = sock.dup()
         with self._lock:
-            self._sockets.append(sock)
+            self._sockets.append(own)
             expired = self.expired
         if expired:
-            sock.shutdown(socket.SHUT_RDWR)
+            own.shutdown(socket.SHUT_RDWR)
         return sock
 
     def stop(self) -> None:
         self._timer.cancel()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            sock.close()
 
     def _expire(self) -> None:
         with self._lock:
             self.expired = True
-            sockets = list(self._sockets)
-        for sock in sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:  # closed already
-                pass
+            for sock in self._sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:  # the peer closed it already
+                    pass
 
 
 def _vetted_connection(
@@ -179,7 +185,7 @@ class _VettedHTTPS(urllib.request.HTTPSHandler):
 
 def open_reference(data: bytes, field: str = "image") -> Image.Image:
     """Decode `data` fully into an RGB image, checking its size before a pixel is decoded."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError
 
     if not data:
         raise BadReference(f"{field}: the file is empty")
@@ -201,14 +207,35 @@ def open_reference(data: bytes, field: str = "image") -> Image.Image:
         )
     try:
         image.load()
-        upright = ImageOps.exif_transpose(image)  # as every viewer shows it: a phone's portrait photo stands
-        return _eight_bits(upright, field).convert("RGB")
+        return _eight_bits(_upright(image), field).convert("RGB")
     except BadReference:
         raise
     except Image.DecompressionBombError:
         raise BadReference(f"{field}: the image decodes to more pixels than allowed (a decompression bomb?)") from None
     except Exception as exc:  # Pillow's decoders raise what they meet (a TIFF's rational StripOffsets: TypeError)
         raise BadReference(f"{field}: the image is truncated or corrupt ({exc})") from None
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """`image` as every viewer shows it, its EXIF orientation applied (a phone's portrait photo is stored
+    landscape). Only the pixels are turned: ImageOps.exif_transpose also rewrites the EXIF, which fails
+    on tags of the wrong type that every viewer opens."""
+    from PIL import ExifTags, Image
+
+    try:
+        orientation = int(image.getexif().get(ExifTags.Base.Orientation, 1))
+    except Exception:  # an EXIF block Pillow cannot read: taken as it is stored
+        return image
+    method = {
+        2: Image.Transpose.FLIP_LEFT_RIGHT,
+        3: Image.Transpose.ROTATE_180,
+        4: Image.Transpose.FLIP_TOP_BOTTOM,
+        5: Image.Transpose.TRANSPOSE,
+        6: Image.Transpose.ROTATE_270,
+        7: Image.Transpose.TRANSVERSE,
+        8: Image.Transpose.ROTATE_90,
+    }.get(orientation)
+    return image if method is None else image.transpose(method)
 
 
 def _eight_bits(image: Image.Image, field: str) -> Image.Image:

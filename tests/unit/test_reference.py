@@ -239,3 +239,53 @@ def test_a_photo_s_exif_orientation_is_applied() -> None:
     buf = io.BytesIO()
     stored.save(buf, format="JPEG", exif=exif.tobytes())
     assert open_reference(buf.getvalue()).size == (32, 64)
+
+
+def test_over_https_too_a_server_s_pace_cannot_hold_a_fetch_past_its_time(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """TLS wraps the connection's socket (detaching it): the watchdog must still end the connection."""
+    import socket
+    import ssl
+
+    from tests.certs import self_signed
+
+    cert, key = self_signed(tmp_path)
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:  # headers a byte every 0.2 s, bounded: 10 s
+        conn, _ = listener.accept()
+        try:
+            with server_tls.wrap_socket(conn, server_side=True) as tls:
+                tls.recv(65536)
+                tls.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                for _ in range(50):
+                    tls.sendall(b"x")
+                    time.sleep(0.2)
+        except OSError:
+            pass  # the client gave up, as the test means it to
+
+    threading.Thread(target=serve, daemon=True).start()
+    monkeypatch.setattr(ssl, "_create_default_https_context", lambda *a, **k: ssl.create_default_context(cafile=cert))
+    started = time.monotonic()
+    with pytest.raises(BadReference, match=r"took longer than 1s"):
+        fetch_reference(f"https://127.0.0.1:{listener.getsockname()[1]}/x.png", timeout=1.0, networks=LOOPBACK)
+    assert time.monotonic() - started < 5.0
+    listener.close()
+
+
+def test_a_photo_whose_exif_has_a_tag_of_the_wrong_type_still_opens_upright() -> None:
+    """XResolution written as UNDEFINED bytes (a writer's bug every viewer tolerates): Pillow's
+    exif_transpose, which rewrites the EXIF, refused such a photo as corrupt."""
+    import struct
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 4), (10, 200, 30)).save(buf, "JPEG")
+    jpeg = buf.getvalue()
+    entries = [(0x0112, 3, 1, 6), (0x011A, 7, 4, 0x48000000)]  # Orientation 6; XResolution as UNDEFINED[4]
+    ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *e) for e in entries) + struct.pack("<I", 0)
+    app1 = b"Exif\x00\x00II*\x00" + struct.pack("<I", 8) + ifd
+    data = jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + jpeg[2:]
+    assert open_reference(data).size == (4, 8)
