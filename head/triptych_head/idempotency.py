@@ -86,6 +86,7 @@ class Idempotency:
         self.head_id = head_id
         self.lease_s = lease_s
         self.poll_s = poll_s
+        self._tidying: set[asyncio.Future[None]] = set()  # earlier attempts being removed (held: not collected)
 
     @staticmethod
     def digest(scope: str, key: str) -> str:
@@ -125,10 +126,19 @@ class Idempotency:
             mine = Attempt("running", fingerprint, self.head_id, time.time() + self.lease_s)
             record = self._record(digest, nxt)
             if await asyncio.to_thread(self.objects.create, record, _encode(mine), "application/json"):
-                if nxt:
-                    await asyncio.to_thread(self._forget_before, digest, nxt)
+                if await asyncio.to_thread(self._superseded, digest, nxt):
+                    continue  # its number was free again only because a later attempt removed it
                 return await self._hold(digest, nxt, mine, run), False
             await asyncio.sleep(random.uniform(0.5, 1.5) * self.poll_s)  # another head won it (or we both withdrew)
+
+    def _superseded(self, digest: str, n: int) -> bool:
+        """Whether the key has an attempt after n, the one this head just won: the number n was free
+        again because that later attempt removed the ones before it (_forget_before), so n is not the
+        key's next attempt. Its record is withdrawn, and the head follows the later one."""
+        if self._latest(digest)[0] <= n:
+            return False
+        self.objects.delete(self._record(digest, n))
+        return True
 
     def _forget_before(self, digest: str, n: int) -> None:
         """Remove the key's attempts before n, which ended (failed, or their heads died): only the last
@@ -146,6 +156,10 @@ class Idempotency:
         """Run attempt n, renewing its lease, then record its answer (or its failure)."""
         ended = asyncio.Event()
         renewal = asyncio.create_task(self._renew(digest, n, mine, ended))
+        if n:  # beside the run, its lease renewed meanwhile: many old attempts take many round trips
+            tidying = asyncio.ensure_future(asyncio.to_thread(self._forget_before, digest, n))
+            self._tidying.add(tidying)
+            tidying.add_done_callback(self._tidying.discard)
         try:
             answer = await run()
             # A streamed body goes to a file first: an encoder failing mid-way fails the run.

@@ -131,3 +131,49 @@ def test_a_large_answer_the_store_cannot_keep_still_reaches_its_client(tmp_path,
     answer, replayed = asyncio.run(Idempotency(store, "head-a").once("tenant", "k", "fp", run, wait_s=5))
     assert not replayed and b"".join(answer) == b"".join(bytes([i]) * (1 << 20) for i in range(3))
     assert not list(store.staging.iterdir()), "the spooled file goes once sent"
+
+
+def test_an_attempt_number_freed_by_a_later_attempt_s_tidying_is_not_run_again(tmp_path):
+    """Head C reads the key's last attempt (0, failed) and goes to create attempt 1; meanwhile B wins 1,
+    which fails, and A wins 2, removes 0 and 1, and answers. C's create of 1 then succeeds (its name is
+    free again): C must see attempt 2 and replay it, not run the request a second time."""
+    import threading
+
+    gate, at_create = threading.Event(), threading.Event()
+
+    class SlowCreate(DirectoryObjects):  # C's store: its create is slow (a round trip, a busy thread pool)
+        def create(self, name: str, data: bytes, content_type: str) -> bool:
+            at_create.set()
+            gate.wait(10)
+            return super().create(name, data, content_type)
+
+    store = DirectoryObjects(tmp_path)
+    a, b = Idempotency(store, "A", lease_s=5, poll_s=0.05), Idempotency(store, "B", lease_s=5, poll_s=0.05)
+    c = Idempotency(SlowCreate(tmp_path), "C", lease_s=5, poll_s=0.05)
+    digest = a.digest("tenant", "k")
+    failed = {"state": "failed", "fingerprint": "fp", "head": "X", "lease_until": 0}
+    assert store.create(f"{FOLDER}/{digest}.0.json", json.dumps(failed).encode(), "application/json")
+    runs: list[str] = []
+
+    def run(who: str, ok: bool = True):  # type: ignore[no-untyped-def]
+        async def go() -> bytes:
+            runs.append(who)
+            if not ok:
+                raise RuntimeError("no capacity")
+            return f'{{"by":"{who}"}}'.encode()
+
+        return go
+
+    async def scenario() -> tuple[bytes, bool]:
+        from_c = asyncio.create_task(c.once("tenant", "k", "fp", run("C"), wait_s=5))
+        while not at_create.is_set():
+            await asyncio.sleep(0.01)
+        with pytest.raises(RuntimeError):
+            await b.once("tenant", "k", "fp", run("B", ok=False), wait_s=5)
+        assert await a.once("tenant", "k", "fp", run("A"), wait_s=5) == (b'{"by":"A"}', False)
+        await asyncio.sleep(0.2)  # A's tidying of attempts 0 and 1 ends
+        gate.set()
+        return await from_c
+
+    assert asyncio.run(scenario()) == (b'{"by":"A"}', True)
+    assert runs == ["B", "A"]
