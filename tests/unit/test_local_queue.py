@@ -4,9 +4,12 @@ effective priority first, first come first served within a level, aged as the he
 from __future__ import annotations
 
 import threading
+from typing import Any
 
+import numpy as np
 import pytest
 
+from triptych.params import GenerationParams
 from triptych.priority import HIGH, LOW, NORMAL, level
 from triptych_head.local_queue import PriorityRunner
 
@@ -30,6 +33,26 @@ def blocked(runner: PriorityRunner) -> threading.Event:
     runner.submit(hold, level(HIGH))
     assert started.wait(10)
     return release
+
+
+class Recording:
+    """Monolithic mode's pipeline, stood in for: it records the prompts it runs, in the order they start,
+    and the one named "first" holds the device until `release` is set."""
+
+    step_cache = None
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+        self.release = threading.Event()
+
+    def validate(self, params: GenerationParams) -> None:
+        pass
+
+    def generate(self, params: GenerationParams, on_progress: Any, preview_every: int = 0) -> np.ndarray:
+        self.ran.append(params.prompt)
+        if params.prompt == "first":
+            self.release.wait(10)
+        return np.zeros((1, 1, 1, 3), dtype=np.uint8)
 
 
 def test_waiting_requests_run_highest_priority_first_and_in_arrival_order_within_a_level() -> None:
@@ -101,28 +124,13 @@ def test_monolithic_mode_runs_waiting_requests_by_priority_and_drops_one_whose_c
     """LocalBackend, as monolithic mode builds it, over a stand-in pipeline that records its runs."""
     import asyncio
 
-    import numpy as np
-
     from triptych.params import GenerationParams
     from triptych_head.backend import LocalBackend
 
-    release = threading.Event()
-    ran: list[str] = []
-
-    class Recording:
-        step_cache = None
-
-        def validate(self, params: GenerationParams) -> None:
-            pass
-
-        def generate(self, params: GenerationParams, on_progress, preview_every: int = 0) -> np.ndarray:
-            if params.prompt == "first":
-                release.wait(10)
-            ran.append(params.prompt)
-            return np.zeros((1, 1, 1, 3), dtype=np.uint8)
+    pipeline = Recording()
 
     async def scenario() -> None:
-        backend = LocalBackend(Recording(), aging_s=30)  # type: ignore[arg-type]
+        backend = LocalBackend(pipeline, aging_s=30)  # type: ignore[arg-type]
 
         def request(prompt: str, priority: str) -> asyncio.Task:
             params = GenerationParams(prompt=prompt, width=16, height=16)
@@ -134,7 +142,7 @@ def test_monolithic_mode_runs_waiting_requests_by_priority_and_drops_one_whose_c
         await asyncio.sleep(0.1)
         left.cancel()  # its client went away while it waited
         await asyncio.sleep(0.1)  # the cancellation reaches the request's coroutine
-        release.set()
+        pipeline.release.set()
         await asyncio.gather(first, low, high)
         assert left.cancelled()
         await backend.cancel("first")  # a cancel that comes after its request ended is not kept
@@ -142,7 +150,7 @@ def test_monolithic_mode_runs_waiting_requests_by_priority_and_drops_one_whose_c
         await backend.close()
 
     asyncio.run(scenario())
-    assert ran == ["first", "high", "low"]
+    assert pipeline.ran == ["first", "high", "low"]
 
 
 def test_monolithic_mode_fails_a_waiting_request_cancelled_before_its_turn_without_running_it() -> None:
@@ -150,28 +158,13 @@ def test_monolithic_mode_fails_a_waiting_request_cancelled_before_its_turn_witho
     its stages anyway (prompt and reference encoding, a URL fetch) once its turn came, past the drain."""
     import asyncio
 
-    import numpy as np
-
     from triptych.params import GenerationParams
     from triptych_head.backend import GenerationFailed, LocalBackend
 
-    release = threading.Event()
-    ran: list[str] = []
-
-    class Recording:
-        step_cache = None
-
-        def validate(self, params: GenerationParams) -> None:
-            pass
-
-        def generate(self, params: GenerationParams, on_progress, preview_every: int = 0) -> np.ndarray:
-            ran.append(params.prompt)
-            if params.prompt == "first":
-                release.wait(10)
-            return np.zeros((1, 1, 1, 3), dtype=np.uint8)
+    pipeline = Recording()
 
     async def scenario() -> None:
-        backend = LocalBackend(Recording(), aging_s=30)  # type: ignore[arg-type]
+        backend = LocalBackend(pipeline, aging_s=30)  # type: ignore[arg-type]
         first = asyncio.create_task(backend.generate("first", GenerationParams(prompt="first", width=16, height=16)))
         await asyncio.sleep(0.1)  # running, holding the device
         waiting = asyncio.create_task(
@@ -179,7 +172,7 @@ def test_monolithic_mode_fails_a_waiting_request_cancelled_before_its_turn_witho
         )
         await asyncio.sleep(0.1)
         await backend.cancel("waiting")  # the drain's end
-        release.set()
+        pipeline.release.set()
         await first
         with pytest.raises(GenerationFailed) as failed:
             await waiting
@@ -187,4 +180,4 @@ def test_monolithic_mode_fails_a_waiting_request_cancelled_before_its_turn_witho
         await backend.close()
 
     asyncio.run(scenario())
-    assert ran == ["first"]
+    assert pipeline.ran == ["first"]
