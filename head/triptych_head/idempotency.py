@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from triptych_head.objects import CHUNK_BYTES, ObjectMissing, ObjectStore
+from triptych_head.objects import CHUNK_BYTES, ObjectMissing, ObjectStore, StoredObject
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +145,8 @@ class Idempotency:
         is ever read, and a client retrying a failing request for days would otherwise keep them all
         (retention ages a key by its newest record)."""
         try:
-            for obj in list(self.objects.list(f"{FOLDER}/{digest}.")):
-                number = obj.name.rsplit("/", 1)[-1].removeprefix(f"{digest}.").split(".", 1)[0]
-                if number.isdigit() and int(number) < n:
+            for number, _, obj in list(self._attempts(digest)):
+                if number < n:
                     self.objects.delete(obj.name)
         except Exception as exc:  # tidying only: the run goes on
             log.warning("could not remove the earlier attempts of idempotency record %s: %s", digest, exc)
@@ -231,15 +230,18 @@ class Idempotency:
         except Exception:  # the run's own answer still goes to its client; a retry may run it again
             log.exception("could not save idempotency record %s.%d", digest, n)
 
+    def _attempts(self, digest: str) -> Iterator[tuple[int, str, StoredObject]]:
+        """The key's attempts' objects: (attempt number, suffix: json or response, the object)."""
+        for obj in self.objects.list(f"{FOLDER}/{digest}."):
+            number, _, suffix = obj.name.rsplit("/", 1)[-1].removeprefix(f"{digest}.").partition(".")
+            if number.isdigit():
+                yield int(number), suffix, obj
+
     def _latest(self, digest: str) -> tuple[int, Attempt | None]:
         """The key's last attempt: (n, its record), or (-1, None) when it has none. A record that cannot
         be read yet, written less than a lease ago, is one being written (a store without hard links
         creates it empty, its content just after): a running attempt, whose request is not known yet."""
-        written: dict[int, float] = {}
-        for obj in self.objects.list(f"{FOLDER}/{digest}."):
-            number, _, suffix = obj.name.rsplit("/", 1)[-1].removeprefix(f"{digest}.").partition(".")
-            if suffix == "json" and number.isdigit():
-                written[int(number)] = obj.mtime
+        written = {number: obj.mtime for number, suffix, obj in self._attempts(digest) if suffix == "json"}
         if not written:
             return -1, None
         n = max(written)

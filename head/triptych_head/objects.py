@@ -435,9 +435,7 @@ def _remove_files_before(folder: Path, before: float, chosen: Callable[[str], bo
     removed = 0
     try:
         entries = list(os.scandir(folder))
-    except FileNotFoundError:
-        return 0
-    except PermissionError:  # not this head's (a volume's lost+found)
+    except (FileNotFoundError, PermissionError):  # none, or not this head's (a volume's lost+found)
         return 0
     except OSError as exc:  # never in the way of retention itself: said, and left
         log.warning("cannot look for leftover files in %s: %s", folder, exc)
