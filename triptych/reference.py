@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -150,34 +150,35 @@ def _vetted_connection(
     return watchdog.watch(socket.create_connection((resolved[0], port), timeout, source_address))
 
 
-def _connection_class(base: type[http.client.HTTPConnection], allowed: list[Network], watchdog: _Watchdog) -> Any:
+Connect = Callable[..., socket.socket]
+
+
+def _connection_class(base: type[http.client.HTTPConnection], connect: Connect) -> Any:
     def make(host: str, **kwargs: Any) -> http.client.HTTPConnection:
         conn = base(host, **kwargs)
-        conn._create_connection = functools.partial(_vetted_connection, allowed, watchdog)  # type: ignore[attr-defined]
+        conn._create_connection = connect  # type: ignore[attr-defined]
         return conn
 
     return make
 
 
 class _VettedHTTP(urllib.request.HTTPHandler):
-    def __init__(self, allowed: list[Network], watchdog: _Watchdog):
+    def __init__(self, connect: Connect):
         super().__init__()
-        self._allowed = allowed
-        self._watchdog = watchdog
+        self._connect = connect
 
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_connection_class(http.client.HTTPConnection, self._allowed, self._watchdog), req)
+        return self.do_open(_connection_class(http.client.HTTPConnection, self._connect), req)
 
 
 class _VettedHTTPS(urllib.request.HTTPSHandler):
-    def __init__(self, allowed: list[Network], watchdog: _Watchdog):
+    def __init__(self, connect: Connect):
         super().__init__()
-        self._allowed = allowed
-        self._watchdog = watchdog
+        self._connect = connect
 
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(
-            _connection_class(http.client.HTTPSConnection, self._allowed, self._watchdog),
+            _connection_class(http.client.HTTPSConnection, self._connect),
             req,
             context=self._context,  # type: ignore[attr-defined]
         )
@@ -293,11 +294,9 @@ def fetch_reference(
     check_reference_url(url, field)
     allowed = URL_NETWORKS if networks is None else networks
     watchdog = _Watchdog(timeout)
+    connect = functools.partial(_vetted_connection, allowed, watchdog)
     opener = urllib.request.build_opener(
-        urllib.request.ProxyHandler({}),
-        _VettedHTTP(allowed, watchdog),
-        _VettedHTTPS(allowed, watchdog),
-        _HTTPOnlyRedirects,
+        urllib.request.ProxyHandler({}), _VettedHTTP(connect), _VettedHTTPS(connect), _HTTPOnlyRedirects
     )
     request = urllib.request.Request(url, headers={"User-Agent": "triptych"})
     deadline = time.monotonic() + timeout
