@@ -107,21 +107,24 @@ class LoraAdapters:
     @contextmanager
     def applied(self, params: GenerationParams) -> Iterator[tuple[LoraWeight, ...]]:
         """The request's adapters active with its weights while the block runs; nothing when it names none.
-        It yields those of them whose tensors reach a text encoder here (what a prompt embedding depends on)."""
+        It yields those of them whose tensors reach a text encoder here (what a prompt embedding depends on).
+        The catalogue is read once for the whole block: what is loaded and what the block reads of
+        `catalog` (the prompt cache's key) name the same files even when the catalogue changes meanwhile."""
         if not params.loras or self.inert:
             yield ()
             return
         pipe = self.adapter.pipe
-        try:
-            self._ensure_together([lora.name for lora in params.loras])
-            loras = [lora for lora in params.loras if lora.name not in self._no_part_here]
-            if loras:
-                pipe.set_adapters([lora.name for lora in loras], adapter_weights=[lora.weight for lora in loras])
-                pipe.enable_lora()
-            yield tuple(lora for lora in loras if lora.name in self._in_text_encoders)
-        finally:
-            if self.held():  # a load activates its adapter too: whatever happened, the next request starts clean
-                pipe.disable_lora()
+        with self.pinned(self.sources(params)):
+            try:
+                self._ensure_together([lora.name for lora in params.loras])
+                loras = [lora for lora in params.loras if lora.name not in self._no_part_here]
+                if loras:
+                    pipe.set_adapters([lora.name for lora in loras], adapter_weights=[lora.weight for lora in loras])
+                    pipe.enable_lora()
+                yield tuple(lora for lora in loras if lora.name in self._in_text_encoders)
+            finally:
+                if self.held():  # a load activates its adapter too: whatever happened, the next request starts clean
+                    pipe.disable_lora()
 
     def sources(self, params: GenerationParams) -> dict[str, str]:
         """The catalogue's source of each adapter the request names (those it holds)."""

@@ -13,7 +13,6 @@ the keys), so roles may run in different processes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -107,13 +106,10 @@ class TextEncodingStage(BatchedAdapterStage):
         self.run_batched([batch])
 
     def run_batched(self, batches: list[StageBatch]) -> list[Exception | None]:
-        params = batches[0].params
-        # One reading of the catalogue for the whole encode: the adapter loaded and the cache's key name
-        # the same file even when the catalogue changes meanwhile (else embeddings made with the old
-        # file would be kept under the new file's key, and served for it).
-        with self.loras.pinned(self.loras.sources(params)) if params.loras else contextlib.nullcontext():
-            with self.loras.applied(params) as applied:
-                self._encode(batches, applied)
+        # The cache's key names the files `applied` loaded (one reading of the catalogue): embeddings made
+        # with an adapter's old file are never kept under its new file's key.
+        with self.loras.applied(batches[0].params) as applied:
+            self._encode(batches, applied)
         return [None] * len(batches)
 
     def _encode(self, batches: list[StageBatch], applied: tuple[LoraWeight, ...]) -> None:
