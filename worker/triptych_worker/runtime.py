@@ -25,7 +25,6 @@ import signal
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -51,14 +50,13 @@ from triptych.protocol import (
     TransferReady,
     Work,
     WorkBatch,
-    WorkRefused,
     decode,
 )
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message, recv_message, wait_for_message
 from triptych.tracing import start_tracing, traces_url
-from triptych_worker import compute, drain, heartbeat, pushes, slots, standing
+from triptych_worker import compute, drain, heartbeat, intake, pushes, slots, standing
 from triptych_worker.drain import Drain
 from triptych_worker.heads import HeadBook, HeadLinks
 from triptych_worker.inputs import InputLoader
@@ -93,7 +91,6 @@ IDLE_POLL_MS = 100  # how long the leader waits for a message when no write is u
 DRAIN_LIMIT = 1000  # messages handled per wake-up before the leader looks at its writes again
 THREADS = 2  # one leads while the other computes
 CANCELLED_MEMORY = 10_000  # how many cancelled request ids are remembered
-STILL_STOPPING = "an earlier run of this request, cancelled here, is still stopping"
 
 
 BATCH_ASSEMBLY_S = 0.5  # how long a group the head dispatched together waits for its last members
@@ -417,21 +414,21 @@ class Worker:
             log.warning("dropped %s for %s: another head owns that request here", msg.TYPE, msg.request_id)
             return
         if isinstance(msg, Work):
-            self._take_work(link, [msg], msg.head_id)
+            intake.take_work(self, link, [msg], msg.head_id)
         elif isinstance(msg, WorkBatch) and msg.items:
-            self._take_work(link, msg.items, msg.head_id)
+            intake.take_work(self, link, msg.items, msg.head_id)
         elif isinstance(msg, TransferAlloc):
-            if self._handed_again(msg.request_id):
+            if intake.handed_again(self, msg.request_id):
                 slots.allocate(self, link, msg)
             else:
-                slots.refuse(self, link, msg.request_id, STILL_STOPPING)
+                slots.refuse(self, link, msg.request_id, intake.STILL_STOPPING)
         elif isinstance(msg, TransferPush):
             pushes.start_push(self, link, msg)
         elif isinstance(msg, TransferReady):
-            if self._handed_again(msg.request_id):
+            if intake.handed_again(self, msg.request_id):
                 slots.ready(self, link, msg)
             else:
-                link.send(Failed(msg.request_id, self.instance, f"transfer_ready for {STILL_STOPPING}"))
+                link.send(Failed(msg.request_id, self.instance, f"transfer_ready for {intake.STILL_STOPPING}"))
         elif isinstance(msg, CancelWork):
             self._cancel(msg.request_id)
             slots.space_freed(self, link)
@@ -472,44 +469,6 @@ class Worker:
         owner = self.heads.owner(msg.request_id)
         return bool(owner) and owner != msg.head_id
 
-    def _take_work(self, link: HeadLinks, items: Sequence[Work], head_id: str) -> None:
-        """Queue a first role's work (a group of it runs as one batch), refusing each request this
-        worker has no slot for when it serves several heads."""
-        accepted: list[Work] = []
-        for work in items:
-            if not self._handed_again(work.request_id):
-                link.send(WorkRefused(work.request_id, self.instance, STILL_STOPPING))
-                continue
-            if held := self._holds(work.request_id):  # the same Work twice, or twice in one batch
-                # A second run would overwrite the first one's staged outputs (never freed then).
-                link.send(Failed(work.request_id, self.instance, f"work for request {work.request_id}: {held}"))
-                continue
-            self.heads.own(work.request_id, head_id)
-            if self._full():
-                link.send(WorkRefused(work.request_id, self.instance, "every scheduling slot is taken"))
-                continue
-            accepted.append(work)
-            with self._lock:
-                self._outstanding.add(work.request_id)  # counted at once: the next Work sees it
-            self._note_held()
-        group = accepted[0].request_id if len(accepted) > 1 else ""
-        self._enqueue(*(
-            Job(w.request_id, w.params, None, w.progress, w.preview_every, group, len(accepted) if group else 1,
-                traceparent=w.traceparent, priority=w.priority)
-            for w in accepted
-        ))  # fmt: skip
-
-    def _holds(self, request_id: str) -> str:
-        """What this worker already holds for `request_id` ("": nothing): a Work for it is a duplicate."""
-        with self._lock:
-            if request_id in self._outstanding:
-                return "this worker already holds it (queued, running or with a receive slot)"
-            if request_id in self._staged:
-                return "this worker already holds its staged outputs"
-        if any(push.request_id == request_id for push in self._pushes):  # leader only, as is every Work
-            return "this worker is still pushing its outputs"
-        return ""
-
     def _release_head(self, head_id: str, why: str) -> list[str]:
         """Give back to the pool everything held for `head_id` (a head that was replaced or went
         silent): its standing slots (a worker serving one head), reserved slots, staged outputs and
@@ -533,20 +492,6 @@ class Worker:
         if dropped_slots or mine:
             log.info("%s: dropped %d standing receive slots and %d requests", why, len(dropped_slots), len(mine))
         return sorted(mine)
-
-    def _handed_again(self, request_id: str) -> bool:
-        """The head hands `request_id` to this worker: a cancel of it the head sent before is over (one
-        head's messages arrive in order), as when the head gave up on this worker, cancelled the slot it
-        answered late, and dispatched the same hop here again once the worker was back. False while a
-        run of it from before that cancel is still queued or computing here (two runs would share one
-        id): the caller refuses it, and the head tries again."""
-        with self._lock:
-            if request_id not in self._cancelled:
-                return True
-            if request_id in self._computing_ids or any(job.request_id == request_id for job in self._queue):
-                return False
-            del self._cancelled[request_id]
-            return True
 
     def _cancel(self, request_id: str, free: bool = True) -> None:
         with self._lock:
