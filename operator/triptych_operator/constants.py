@@ -82,6 +82,8 @@ LORA_CATALOG_FILE: Final = f"{LORA_CATALOG_MOUNT}/catalog.txt"
 KEYS_COMPONENT: Final = "control-keys"
 # Pod-template annotation with the keys' public fingerprint: new keys (a deleted Secret) roll every pod.
 KEYS_FINGERPRINT_ANNOTATION: Final = "triptych.ai/control-keys"
+# On every child: the digest of the manifest last applied (drift.stamp), so a removed field is seen.
+MANIFEST_ANNOTATION: Final = "triptych.ai/manifest"
 RUN_AS_USER: Final = 10001  # the numeric uid the images declare with USER
 
 # Default images; the chart overrides them through the operator's environment.

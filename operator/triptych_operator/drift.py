@@ -8,10 +8,14 @@ projection of the server's answer. Later, the child needs an apply only when the
 (a new spec) or its projection changed (someone edited a field the operator owns). A status update,
 a controller's annotation or a field the operator never sets changes neither, so they cost nothing.
 
+Every manifest carries its own digest as an annotation (`stamp`), so a field the new manifest no
+longer sets (a removed nodeSelector, an Ingress's TLS) still makes the projection differ: a server-side
+apply of the new manifest is what removes it.
+
 Without a record (the operator restarted), a child whose projection equals the manifest exactly is
-taken as applied; one that differs, even only by server normalization, is applied once and
-recorded. So a restart re-applies at most what normalization hides, and catches edits made while
-the operator was down.
+taken as applied; one that differs, even only by server normalization or by the digest of an older
+manifest, is applied once and recorded. So a restart re-applies at most what normalization hides,
+and catches spec and hand edits made while the operator was down.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from triptych_operator.constants import MANIFEST_ANNOTATION
 
 
 def projection(desired: Any, live: Any) -> Any:
@@ -38,6 +44,15 @@ def projection(desired: Any, live: Any) -> Any:
 
 def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def stamp(manifest: dict[str, Any]) -> dict[str, Any]:
+    """`manifest` with its digest in an annotation (in place): the live object tells which manifest
+    was applied last, also to an operator that has no record of it."""
+    annotations = manifest["metadata"].setdefault("annotations", {})
+    annotations.pop(MANIFEST_ANNOTATION, None)
+    annotations[MANIFEST_ANNOTATION] = digest(manifest)[:32]
+    return manifest
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,6 @@ def needs_apply(desired: Mapping[str, Any], live: Mapping[str, Any] | None, appl
     """True when the child is missing, its manifest changed, or a field the operator sets was edited."""
     if live is None:
         return True
-    if applied is not None and applied.desired == digest(desired):
-        return digest(projection(desired, live)) != applied.live
+    if applied is not None:  # the manifest changed since the record: applied, whatever the live object holds
+        return applied.desired != digest(desired) or digest(projection(desired, live)) != applied.live
     return projection(desired, live) != desired

@@ -328,6 +328,8 @@ async def reconcile(
                 rendered_for = (*state.parsed_for, state.keys_fingerprint)  # type: ignore[misc]
                 if state.rendered_for != rendered_for:
                     state.children = render(state.spec, owner=pipeline, keys_fingerprint=state.keys_fingerprint)
+                    for manifest in state.children.apply:
+                        drift.stamp(manifest)
                     state.digests = {(m["kind"], m["metadata"]["name"]): drift.digest(m) for m in state.children.apply}
                     state.rendered_for = rendered_for
                 assert state.children is not None
@@ -338,9 +340,10 @@ async def reconcile(
             except kube.ApplyError as exc:
                 state.apply_error = str(exc)
             try:
-                await _delete_unwanted(pipeline, state, indexes)
+                if state.apply_error is None:  # a refused apply keeps the old shape's pools: they still serve
+                    await _delete_unwanted(pipeline, state, indexes)
             except kube.ApplyError as exc:  # reported like a refused apply, not left to kopf's retries alone
-                state.apply_error = state.apply_error or str(exc)
+                state.apply_error = str(exc)
         else:
             state.apply_error = None  # nothing was applied for this spec
         _status_soon(key, state, indexes, logger=logger)
@@ -353,6 +356,7 @@ def _ensure_control_keys(pipeline: dict[str, Any], spec: PipelineSpec, *, logger
     secret = control_keys_secret(spec, new_key_set())
     kopf.append_owner_reference(secret, owner=kopf.Body(cast(kopf.RawBody, pipeline)))
     live, created = kube.create_once(secret)
+    _check_keys_owner(pipeline, live)
     files = {name: base64.b64decode(value).decode() for name, value in (live.get("data") or {}).items()}
     fingerprint = public_fingerprint(files)
     if created:
@@ -360,6 +364,19 @@ def _ensure_control_keys(pipeline: dict[str, Any], spec: PipelineSpec, *, logger
         _post(pipeline, "Normal", reason="KeysCreated", message=message)
         logger.info("%s", message)
     return fingerprint
+
+
+def _check_keys_owner(pipeline: dict[str, Any], secret: Mapping[str, Any]) -> None:
+    """ApplyError for a key Secret of an earlier pipeline of this name (deleted, then created again
+    before the garbage collector came): its pods would mount a Secret about to be deleted, and new
+    pods then fail to start. The reconcile is retried; once the collector has removed it, new keys."""
+    uid = pipeline["metadata"].get("uid")
+    owners = [ref for ref in secret["metadata"].get("ownerReferences") or [] if ref.get("kind") == pipeline.get("kind")]
+    if uid and owners and all(ref.get("uid") != uid for ref in owners):
+        raise kube.ApplyError(
+            f"Secret {secret['metadata']['name']} belongs to an earlier DiffusionPipeline of this name "
+            f"(uid {owners[0].get('uid')}), deleted; waiting for the garbage collector to remove it"
+        )
 
 
 def _live_child(indexes: Indexes, key: PipelineKey, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
@@ -471,8 +488,9 @@ async def _write_status(pipeline: dict[str, Any], state: PipelineState, indexes:
         apply_error=state.apply_error,
         previous_conditions=old.get("conditions") or [],
         now=datetime.datetime.now(datetime.UTC).strftime(API_TIME_FORMAT),
-        components=pipeline_components(state.spec),
-        scaling_to_zero=components_scaling_to_zero(state.spec),
+        # While the spec is invalid, the objects of the last valid one run on: their roles are reported.
+        components=pipeline_components(state.spec or state.last_valid_spec),
+        scaling_to_zero=components_scaling_to_zero(state.spec or state.last_valid_spec),
     )
     if status == old:
         state.status = status

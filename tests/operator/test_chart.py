@@ -80,6 +80,7 @@ def test_the_values_schema_declares_every_value_and_refuses_typos_and_wrong_type
         ),
         ("metricsApi.port=70000", "at '/metricsApi/port'"),
         ("monitoring.podMonitor.interval=soon", "at '/monitoring/podMonitor/interval'"),
+        ("examplePipeline.name=demo.v2", "at '/examplePipeline/name'"),  # the operator refuses it: Invalid
     ):
         with pytest.raises(AssertionError, match=re.escape(words)):
             render(helm_bin, value)

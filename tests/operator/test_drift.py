@@ -6,7 +6,7 @@ import copy
 from typing import Any
 
 from tests.operator.helpers import OWNER, pipeline
-from triptych_operator.drift import digest, needs_apply, projection, record, unchanged
+from triptych_operator.drift import digest, needs_apply, projection, record, stamp, unchanged
 from triptych_operator.manifests import render
 
 
@@ -89,3 +89,21 @@ def test_the_version_last_recorded_needs_no_comparison_and_any_other_does() -> N
     changed_spec["spec"]["template"]["spec"]["containers"][0]["args"].append("--verbose")
     assert not unchanged(applied, digest(changed_spec), live)
     assert not unchanged(None, digest(desired), live) and not unchanged(applied, digest(desired), None)
+
+
+def test_a_field_the_new_manifest_no_longer_sets_needs_an_apply_with_or_without_a_record() -> None:
+    """Removing a head's nodeSelector (or an Ingress's TLS) left it on the live object for good: the
+    projection of the live object onto the new manifest, which lacks the field, equalled the manifest."""
+    old = stamp(deployment())
+    old["spec"]["template"]["spec"]["nodeSelector"] = {"pool": "cpu"}
+    old = stamp(old)
+    live = as_served(old)
+    live["metadata"]["annotations"].update(old["metadata"]["annotations"])
+    new = stamp(deployment())
+    assert "nodeSelector" not in new["spec"]["template"]["spec"]
+    assert needs_apply(new, live, record(old, live))  # the operator applied the old manifest
+    assert needs_apply(new, live, None)  # an operator started since: the live object's stamp is the old one's
+    again = as_served(new)
+    again["metadata"]["annotations"].update(new["metadata"]["annotations"])
+    assert not needs_apply(new, again, None)  # the new manifest applied: nothing more to do
+    assert stamp(copy.deepcopy(new)) == new  # stamping twice changes nothing

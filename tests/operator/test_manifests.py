@@ -486,6 +486,14 @@ def test_lora_adapters_are_a_catalogue_configmap_the_head_the_denoisers_and_the_
     for name in ("head", "encoder", "denoiser", "decoder"):
         key = ("Deployment", f"wan-t2v-{name}")
         assert more[key]["spec"]["template"] == objs[key]["spec"]["template"], name
+    # So does the first hub id among adapters that were all paths: the download cache is always there.
+    spec["model"]["loras"] = ["ink=/models/loras/ink"]
+    paths_only = children(spec)
+    spec["model"]["loras"] = ["ink=/models/loras/ink", "paper=org/paper-lora"]
+    with_hub = children(spec)
+    for name in ("head", "encoder", "denoiser", "decoder"):
+        key = ("Deployment", f"wan-t2v-{name}")
+        assert with_hub[key]["spec"]["template"] == paths_only[key]["spec"]["template"], name
 
 
 def test_denoisers_and_encoders_download_hub_adapters_into_a_cache_with_the_model_s_token() -> None:

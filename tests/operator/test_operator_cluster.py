@@ -360,6 +360,18 @@ def test_optional_children_follow_the_spec(crd: KubeCluster, kube_namespace: str
     assert annotations["cert-manager.io/cluster-issuer"] == "letsencrypt"
     assert annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"] == "660"
 
+    # Fields the spec no longer sets leave the live object (they stayed for good before).
+    fewer = {"spec": {"head": {"ingress": {"className": None, "annotations": None}}}}
+    crd.kubectl("patch", "dp", "opt", "-n", ns, "--type=merge", "-p", json.dumps(fewer))
+
+    def without_them() -> bool:
+        ingress = children(crd, ns, "opt")["Ingress/opt-api"]
+        return "ingressClassName" not in ingress["spec"] and "cert-manager.io/cluster-issuer" not in (
+            ingress["metadata"].get("annotations") or {}
+        )
+
+    poll(without_them, what="the Ingress to lose its class and the issuer annotation")
+
     off = {"spec": {"denoiser": {"autoscaling": {"enabled": False}}, "head": {"ingress": {"enabled": False}}}}
     crd.kubectl("patch", "dp", "opt", "-n", ns, "--type=merge", "-p", json.dumps(off))
     poll(

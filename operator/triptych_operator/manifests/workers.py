@@ -66,9 +66,9 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
     """The Deployment of one worker role: GPU-pinned, or a CPU role (gpusPerReplica 0) that asks for no GPU."""
     spec = pipeline.roles[role]
     transfer = pipeline.transfer
-    # Denoisers and prompt encoders load the adapters: hub ids among them download into a cache, with the model's token.
-    hub_adapters = role in LORA_WORKERS and any(not e.partition("=")[2].startswith("/") for e in pipeline.model.loras)
-    volumes, mounts, model_env = model_volume_mounts(pipeline, downloads=hub_adapters)
+    # Denoisers and prompt encoders load the adapters: hub ids among them download into a cache, with the
+    # model's token. They always have the cache, so an adapter added to the catalogue rolls no pod.
+    volumes, mounts, model_env = model_volume_mounts(pipeline, downloads=role in LORA_WORKERS)
     keys_volume, keys_mount = control_keys_volume(pipeline, "worker")
     if role in LORA_WORKERS:  # the roles that load adapters
         lora_volumes, lora_mounts = lora_catalog_volume(pipeline)
