@@ -208,7 +208,7 @@ def open_reference(data: bytes, field: str = "image") -> Image.Image:
         )
     try:
         image.load()
-        return _eight_bits(_upright(image), field).convert("RGB")
+        return _eight_bits(_upright(image), _grey_bits(image), field).convert("RGB")  # bits: tags are not turned
     except BadReference:
         raise
     except Image.DecompressionBombError:
@@ -239,18 +239,37 @@ def _upright(image: Image.Image) -> Image.Image:
     return image if method is None else image.transpose(method)
 
 
-def _eight_bits(image: Image.Image, field: str) -> Image.Image:
-    """16 and 32 bits a pixel of grey to 8 (their top byte): Pillow's convert("RGB") clips every value
-    above 255, turning a 16-bit image nearly white. A floating-point image has no range to scale from."""
+def _eight_bits(image: Image.Image, bits: int, field: str) -> Image.Image:
+    """16 and 32 bits a pixel of grey (`bits` of value) to 8, their top ones: Pillow's convert("RGB")
+    clips every value above 255, turning such an image nearly white. A floating-point image has no
+    range to scale from."""
     if image.mode.startswith("I;16") or image.mode == "I":
         import numpy as np
         from PIL import Image
 
-        values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535) >> 8
+        values = np.clip(np.asarray(image, dtype=np.int64), 0, (1 << bits) - 1) >> (bits - 8)
         return Image.fromarray(values.astype(np.uint8), "L")
     if image.mode == "F":
         raise BadReference(f"{field}: a floating-point image (mode F); send one of 8 or 16 bits a channel")
     return image
+
+
+def _grey_bits(image: Image.Image) -> int:
+    """How many bits of value a grey pixel of mode I or I;16 holds: a TIFF says (BitsPerSample, 32 for
+    the 32-bit grey a scanner or microscope writes, less the sign's); Pillow opens a 16-bit PNG as I
+    or I;16."""
+    tags = getattr(image, "tag_v2", None)
+    if tags is None:
+        return 16
+    declared, sample_format = (_first(tags.get(tag)) for tag in (258, 339))  # BitsPerSample, SampleFormat
+    if not isinstance(declared, int) or not 8 < declared <= 32:
+        return 16
+    return declared - 1 if sample_format == 2 else declared  # signed: its top bit is the sign's
+
+
+def _first(value: object) -> object:
+    """A TIFF tag's value: one, or one per sample (the first)."""
+    return value[0] if isinstance(value, tuple) and value else value
 
 
 def check_reference_url(url: str, field: str = "image") -> str:

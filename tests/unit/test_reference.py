@@ -223,6 +223,11 @@ def test_a_16_bit_grey_image_keeps_its_tones_and_a_float_one_is_refused() -> Non
     decoded = np.asarray(open_reference(buf.getvalue()))
     assert decoded.shape == (4, 256, 3)
     assert list(decoded[0, :, 0]) == list(range(256))
+    deep = (np.arange(256, dtype=np.int64) << 23)[None, :].repeat(4, axis=0).astype(np.int32)  # 0..2^31-1
+    buf = io.BytesIO()
+    Image.fromarray(deep).save(buf, format="TIFF")  # 32-bit signed grey: mode I, all but black clipped white before
+    decoded = np.asarray(open_reference(buf.getvalue()))
+    assert list(decoded[0, :, 0]) == list(range(256))
     buf = io.BytesIO()
     Image.fromarray(np.full((4, 4), 0.5, dtype=np.float32)).save(buf, format="TIFF")  # mode F
     with pytest.raises(BadReference, match=r"image: a floating-point image"):

@@ -62,6 +62,32 @@ def run_many(pipeline, batches: list[StageBatch]) -> list[Exception | None]:  # 
         return list(pipeline.run_many(batches))
 
 
+def counted_group(pipelines, case: str) -> tuple[list[StageBatch], list[int]]:  # type: ignore[no-untyped-def]
+    """A group, and the steps its first request reports as they run."""
+    batches = group(pipelines, case)
+    steps: list[int] = []
+    batches[0].on_progress = lambda step, total, latents=None: steps.append(step)
+    return batches, steps
+
+
+def assert_same_tensors(one_rank: list[StageBatch], two_ranks: list[StageBatch]) -> None:
+    """Every request of the two-rank group holds the one-rank group's tensors, byte for byte."""
+    for one, two in zip(one_rank, two_ranks, strict=True):
+        assert set(two.tensors) == set(one.tensors)
+        for name in one.tensors:
+            assert torch.equal(two.tensors[name], one.tensors[name]), name
+
+
+def assert_ranks_in_step(pipelines, case: str) -> None:  # type: ignore[no-untyped-def]
+    """The ranks are in step: the next job, a single request, runs as one rank's."""
+    (alone,) = group(pipelines, case, 1)
+    (again,) = group(pipelines, case, 1)
+    with torch.no_grad():
+        pipelines["2"].run(alone)
+        pipelines["1"].run(again)
+    assert torch.equal(alone.tensors["latents"], again.tensors["latents"])
+
+
 def test_a_group_on_two_ranks_is_one_batched_forward_and_the_one_rank_group_byte_for_byte(setup) -> None:  # type: ignore[no-untyped-def]
     case, pipelines = setup
     one, two = group(pipelines, case), group(pipelines, case)
@@ -100,12 +126,7 @@ def test_a_request_cancelled_inside_a_group_stops_on_every_rank_and_the_others_r
         batch.on_progress = cancel_at_2
     assert all(isinstance(error, Cancelled) for error in run_many(pipelines["2"], every))  # the group stops
 
-    (alone,) = group(pipelines, case, 1)
-    (again,) = group(pipelines, case, 1)
-    with torch.no_grad():  # the ranks are in step: the next job, a single request, runs as one rank's
-        pipelines["2"].run(alone)
-        pipelines["1"].run(again)
-    assert torch.equal(alone.tensors["latents"], again.tensors["latents"])
+    assert_ranks_in_step(pipelines, case)
 
 
 def test_a_group_handed_off_stops_on_every_rank_at_one_boundary_with_one_rank_s_state(setup) -> None:  # type: ignore[no-untyped-def]
@@ -114,9 +135,7 @@ def test_a_group_handed_off_stops_on_every_rank_at_one_boundary_with_one_rank_s_
     case, pipelines = setup
     stopped = {}
     for where in ("1", "2"):
-        batches = group(pipelines, case)
-        steps: list[int] = []
-        batches[0].on_progress = lambda step, total, latents=None: steps.append(step)  # noqa: B023
+        batches, steps = counted_group(pipelines, case)
         for batch in batches:
             batch.hand_off = lambda: len(steps) == 3  # noqa: B023
         assert run_many(pipelines[where], batches) == [None] * GROUP
@@ -124,9 +143,7 @@ def test_a_group_handed_off_stops_on_every_rank_at_one_boundary_with_one_rank_s_
         stopped[where] = batches
     for one, two in zip(stopped["1"], stopped["2"], strict=True):
         assert two.meta[RESUME] == one.meta[RESUME] and two.meta[RESUME]["step"] == 3
-        assert set(two.tensors) == set(one.tensors)
-        for name in one.tensors:
-            assert torch.equal(two.tensors[name], one.tensors[name]), name
+    assert_same_tensors(stopped["1"], stopped["2"])
 
 
 def test_a_member_asked_to_hand_off_stops_alone_on_every_rank_and_the_others_run_on(setup) -> None:  # type: ignore[no-untyped-def]
@@ -135,24 +152,14 @@ def test_a_member_asked_to_hand_off_stops_alone_on_every_rank_and_the_others_run
     case, pipelines = setup
     done = {}
     for where in ("1", "2"):
-        batches = group(pipelines, case)
-        steps: list[int] = []
-        batches[0].on_progress = lambda step, total, latents=None: steps.append(step)  # noqa: B023
+        batches, steps = counted_group(pipelines, case)
         batches[1].hand_off = lambda: len(steps) == 3  # noqa: B023
         assert run_many(pipelines[where], batches) == [None] * GROUP
         assert steps == list(range(1, CASES[case][1].num_inference_steps + 1))
         assert [RESUME in b.meta for b in batches] == [False, True, False] and batches[1].meta[RESUME]["step"] == 3
         done[where] = batches
-    for one, two in zip(done["1"], done["2"], strict=True):
-        assert set(two.tensors) == set(one.tensors)
-        for name in one.tensors:
-            assert torch.equal(two.tensors[name], one.tensors[name]), name
-    (alone,) = group(pipelines, case, 1)
-    (again,) = group(pipelines, case, 1)
-    with torch.no_grad():  # the ranks are still in step
-        pipelines["2"].run(alone)
-        pipelines["1"].run(again)
-    assert torch.equal(alone.tensors["latents"], again.tensors["latents"])
+    assert_same_tensors(done["1"], done["2"])
+    assert_ranks_in_step(pipelines, case)
 
 
 def test_a_job_whose_parameters_pass_what_the_ranks_take_is_refused_on_rank_0_before_any_broadcast() -> None:
