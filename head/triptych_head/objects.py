@@ -15,6 +15,7 @@ Names are relative paths such as `videos/<job id>.json`; a name never starts wit
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
@@ -26,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from time import monotonic
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -33,6 +35,9 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # what a proxied download reads at a time
 CLAIM_STALE_S = 60.0  # S3Objects.create: a rival claim this much older than ours was left by a dead head
+# S3Objects.create's own bounds, so that a slow contender is never taken for a dead one: from its claim
+# to the object's PUT at most a third of that, and the PUT itself within CLAIM_PUT_S, never retried.
+CLAIM_PUT_S = 15.0
 
 
 class ObjectMissing(KeyError):
@@ -178,8 +183,8 @@ class DirectoryObjects:
     def stat(self, name: str) -> StoredObject | None:
         try:
             st = self._path(name).stat()
-        except (OSError, ValueError, ObjectMissing):  # ValueError: a name the filesystem cannot hold (NUL)
-            return None
+        except (FileNotFoundError, NotADirectoryError, ValueError, ObjectMissing):  # ValueError: a NUL in it
+            return None  # (any other OSError, a stale NFS handle, raises: it is no answer to "is it there?")
         return StoredObject(name, st.st_size, st.st_mtime) if stat.S_ISREG(st.st_mode) else None
 
     def list(self, prefix: str) -> Iterator[StoredObject]:
@@ -272,15 +277,21 @@ class S3Objects:
             retries=urllib3.Retry(total=2, backoff_factor=0.2, status_forcelist=(500, 502, 503, 504)),
             maxsize=16,
         )
-        self.client = Minio(
-            url.netloc,
-            access_key=env["AWS_ACCESS_KEY_ID"],
-            secret_key=env["AWS_SECRET_ACCESS_KEY"],
-            session_token=env.get("AWS_SESSION_TOKEN") or None,
-            secure=url.scheme == "https",
-            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
-            http_client=http,
-        )
+
+        def client(http: urllib3.PoolManager) -> Minio:
+            return Minio(
+                url.netloc,
+                access_key=env["AWS_ACCESS_KEY_ID"],
+                secret_key=env["AWS_SECRET_ACCESS_KEY"],
+                session_token=env.get("AWS_SESSION_TOKEN") or None,
+                secure=url.scheme == "https",
+                region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
+                http_client=http,
+            )
+
+        self.client = client(http)
+        once = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5, read=CLAIM_PUT_S - 5), retries=False, maxsize=4)
+        self._once = client(once)  # create's winning PUT: done or failed within CLAIM_PUT_S
 
     def _key(self, name: str) -> str:
         return self.location.prefix + name
@@ -321,8 +332,6 @@ class S3Objects:
             retries.setLevel(level)
 
     def put_bytes(self, name: str, data: bytes, content_type: str) -> None:
-        import io
-
         self.client.put_object(self.location.bucket, self._key(name), io.BytesIO(data), len(data), content_type)
 
     def create(self, name: str, data: bytes, content_type: str) -> bool:
@@ -330,19 +339,28 @@ class S3Objects:
         its own beside the name, then lists the claims, and only one that sees its claim alone writes
         the object. Two that see each other both withdraw (their callers try again later). At most one
         wins because S3 lists are strongly consistent: of two contenders, the later to write its claim
-        lists the earlier's (a winner's claim stays, and goes with the object's result). A claim
-        CLAIM_STALE_S older than ours (by the server's clock) is a contender that died mid-way."""
+        lists the earlier's, or, once the winner removed its claim, the object it wrote first. A claim
+        CLAIM_STALE_S older than ours (by the server's clock) is a contender that died mid-way; a live
+        one is never that slow: it withdraws when its own checks took a third of that, and its PUT of
+        the object ends, done or failed, within CLAIM_PUT_S (a PUT retried after a timeout could land
+        after a rival took the claim for a dead one's)."""
         if self.stat(name) is not None:
             return False
+        started = monotonic()
         mine = f"{name}.claim-{uuid.uuid4().hex}"
         self.put_bytes(mine, b"", "application/octet-stream")
         claims = {obj.name: obj.mtime for obj in self.list(f"{name}.claim-")}
         written = claims.get(mine, 0.0)
         rivals = [n for n, mtime in claims.items() if n != mine and written - mtime < CLAIM_STALE_S]
-        if mine not in claims or rivals or self.stat(name) is not None:
+        slow = monotonic() - started > CLAIM_STALE_S / 3
+        if mine not in claims or rivals or slow or self.stat(name) is not None:
             self.delete(mine)
             return False
-        self.put_bytes(name, data, content_type)
+        self._once.put_object(self.location.bucket, self._key(name), io.BytesIO(data), len(data), content_type)
+        try:  # a contender that lists no claim from now on sees the object when it checks
+            self.delete(mine)
+        except Exception as exc:  # the object is written: won; the claim is ignored once stale
+            log.warning("cannot remove the claim %s (%s); it stays beside the object", mine, exc)
         return True
 
     def put_file(self, name: str, path: Path, content_type: str) -> None:

@@ -147,6 +147,25 @@ def test_a_directory_store_creates_a_name_once_with_or_without_hard_links(tmp_pa
     assert [o.name for o in store.list("claims/a.")] == ["claims/a.json"]  # no temporary file left in sight
 
 
+def test_a_directory_store_s_stat_says_missing_only_for_a_missing_file(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """A stale NFS handle (EIO, ESTALE) read as "no such object" made an idempotent replay run the
+    request again and remove the first run's answer."""
+    import errno
+    from pathlib import Path
+
+    store = DirectoryObjects(tmp_path)
+    store.put_bytes("idempotency/a.json", b"{}", "application/json")
+    assert store.stat("idempotency/b.json") is None and store.stat("idempotency/a.json/x") is None
+    assert store.stat("idempotency/a.json") is not None
+
+    def stale(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ESTALE, "Stale file handle")
+
+    monkeypatch.setattr(Path, "stat", stale)
+    with pytest.raises(OSError, match="Stale file handle"):
+        store.stat("idempotency/a.json")
+
+
 def _send(response, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:  # type: ignore[no-untyped-def]
     """`response` sent through ASGI as a GET: (status, headers, body)."""
     import asyncio

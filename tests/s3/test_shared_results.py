@@ -248,7 +248,28 @@ def test_create_lets_exactly_one_of_many_contenders_write_a_name(shared_store):
             won = list(pool.map(_contend, stores, [name] * len(stores), range(len(stores)), [barrier] * len(stores)))
         assert sum(won) == 1, won
         assert stores[0].get_bytes(name) == str(won.index(True)).encode()  # the winner's, never overwritten
+        assert list(stores[0].list(f"{name}.claim-")) == []  # no claim left behind, the winner's included
         assert not stores[1].create(name, b"late", "application/json")
+
+
+def test_a_contender_slower_than_a_third_of_the_stale_age_withdraws(s3_server, s3_bucket, monkeypatch):  # type: ignore[no-untyped-def]
+    """A contender whose claim took long to check (a stalled connection, retried) wrote the object after
+    a rival had taken its claim for a dead head's: both won. It withdraws now, and leaves no claim."""
+    import triptych_head.objects as objects
+
+    store = S3Objects(S3Location.parse(f"s3://{s3_bucket}/slow-{uuid.uuid4().hex}"), s3_server.endpoint)
+    now = [1000.0]
+
+    def slow_clock() -> float:
+        now[0] += objects.CLAIM_STALE_S / 2  # from the claim to the checks' end: half the stale age
+        return now[0]
+
+    monkeypatch.setattr(objects, "monotonic", slow_clock)
+    assert not store.create("claims/slow.json", b"late", "application/json")
+    assert store.stat("claims/slow.json") is None and list(store.list("claims/slow.json.claim-")) == []
+    monkeypatch.undo()
+    assert store.create("claims/slow.json", b"on time", "application/json")
+    assert store.get_bytes("claims/slow.json") == b"on time"
 
 
 def test_an_idempotency_key_retried_through_either_head_runs_once(shared_store):
