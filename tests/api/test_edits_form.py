@@ -72,6 +72,21 @@ def test_an_upload_is_inlined_and_its_size_cropped_to_the_model_multiple(backend
     assert (params.width, params.height, params.seed, params.num_outputs) == (32, 32, 3, 2)
 
 
+def test_an_upload_over_the_reference_limit_is_a_413_naming_image_before_any_work(backend, tmp_path) -> None:
+    """A --max-request-bytes above 16 MiB let a larger reference through to a control message it
+    could not fit in, after the prompt encoder had run."""
+    from triptych.reference import MAX_REFERENCE_BYTES
+
+    big = png() + bytes(MAX_REFERENCE_BYTES)  # a PNG reads to its end chunk; the rest is never looked at
+    with client_for(backend, tmp_path, max_request_bytes=64 << 20) as c:
+        r = post(c, files={"image": ("r.png", big, "image/png")})
+        ok = post(c, files={"image": ("r.png", png() + bytes(MAX_REFERENCE_BYTES - len(png())), "image/png")})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "image", r.text
+    assert r.json()["error"]["message"].startswith(f"image: the file is {len(big)} bytes, over the 16 MiB")
+    assert ok.status_code == 200, ok.text
+    assert len(backend.calls) == 1
+
+
 def test_a_url_reference_with_a_size_is_passed_on_unfetched(backend, tmp_path) -> None:
     with client_for(backend, tmp_path) as c:
         ok = post(c, files={}, image="https://example.com/r.png", size="64x48")

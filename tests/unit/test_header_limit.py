@@ -94,7 +94,7 @@ def test_a_transfer_ready_over_the_limit_fails_its_request_at_once_and_the_next_
     assert error.startswith("transfer_ready for request big is "), error
     size = int(error.removeprefix("transfer_ready for request big is ").split()[0])
     assert size > MAX_HEADER_BYTES
-    assert f"over the {MAX_HEADER_BYTES}-byte (1 MiB) control header limit" in error
+    assert f"over the {MAX_HEADER_BYTES}-byte ({MAX_HEADER_BYTES >> 20} MiB) control header limit" in error
     assert (
         "the encoder's outputs manifest/meta is too large" in error
         and f"meta {len(msgspec.msgpack.encode(meta))} bytes" in error
@@ -131,7 +131,8 @@ def test_work_over_the_limit_fails_its_request_at_once_as_too_large_and_the_next
     assert isinstance(failed, RequestEvent) and failed.state == "FAILED" and failed.status_code == 413
     error = failed.error or ""
     assert (
-        error.startswith("work for request big is ") and "over the 1048576-byte (1 MiB) control header limit" in error
+        error.startswith("work for request big is ")
+        and f"over the {MAX_HEADER_BYTES}-byte ({MAX_HEADER_BYTES >> 20} MiB) control header limit" in error
     )
     assert "the request's parameters are too large" in error
     assert enc.unreadable == [] and not any(isinstance(m, Work) for m in enc.got)
@@ -266,6 +267,38 @@ def test_encode_refuses_exactly_the_headers_decode_would_refuse():
         "r",
     )
     assert str(refused.value) == (
-        f"failed for request r is {MAX_HEADER_BYTES + 1} bytes, over the {MAX_HEADER_BYTES}-byte (1 MiB) "
-        "control header limit"
+        f"failed for request r is {MAX_HEADER_BYTES + 1} bytes, over the {MAX_HEADER_BYTES}-byte "
+        f"({MAX_HEADER_BYTES >> 20} MiB) control header limit"
     )
+
+
+def test_a_reference_of_the_largest_size_allowed_passes_every_hop_of_the_split_route() -> None:
+    """An upload over 1 MiB (an ordinary photo) failed 413 once the prompt encoder had run: the image
+    encoder's TransferReady, the reference inlined, was over the old 1 MiB header limit."""
+    from tests.unit.core_harness import PARAMS as CORE_PARAMS
+    from tests.unit.core_harness import Harness
+    from triptych.params import GenerationParams
+    from triptych.reference import MAX_REFERENCE_BYTES
+
+    h = Harness({Role.PROMPT_ENCODER: 1, Role.IMAGE_ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1})
+    sent: list[str] = []
+
+    def encoding(send):  # type: ignore[no-untyped-def]
+        def encoded(url: str, msg: object) -> bool:  # as the ZMQ transport does: HeaderTooLarge past the limit
+            encode(msg)  # type: ignore[arg-type]
+            sent.append(type(msg).__name__)
+            return bool(send(url, msg))
+
+        return encoded
+
+    for transport in h.transports:
+        transport.send = encoding(transport.send)  # type: ignore[method-assign]
+    image = b"\x89PNG" + bytes(MAX_REFERENCE_BYTES - 4)
+    h.core.on_client(b"client", Submit("edit", GenerationParams(**CORE_PARAMS, image=image), watch=True))
+    h.collect()
+    while h.pending or h.answers:
+        h.deliver() if h.pending else h.answer()
+    states = [m.state for _, m in h.transport.replies if isinstance(m, RequestEvent)]
+    assert "FAILED" not in states and any(isinstance(m, RequestResult) for _, m in h.transport.replies), states
+    assert "TransferReady" in sent and "Work" in sent
+    h.check_idle()

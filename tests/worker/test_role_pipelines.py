@@ -156,6 +156,20 @@ def test_a_simulated_image_encoder_emits_the_reference_latents_the_loaded_one_ma
     assert sorted(produced) == sorted(declared)
 
 
+def test_an_image_encoder_encodes_in_its_own_dtype_whatever_the_prompt_encoder_s(role_pipelines, tiny_models) -> None:
+    """A bfloat16 prompt encoder (a GPU pool) before a float32 image encoder (a CPU pool): the image
+    encoder took its dtype from the prompt embeddings, and every edit failed in its own VAE."""
+    params = msgspec.structs.replace(FLUX, image=png(48, 32))
+    prompt_bf16 = load_role_pipeline(str(tiny_models["tiny-flux-kontext"]), Role.PROMPT_ENCODER, dtype="bfloat16")
+    float32 = role_pipelines["tiny-flux-kontext", Role.PROMPT_ENCODER].run(StageBatch(params))
+    mixed = prompt_bf16.run(StageBatch(params))
+    assert mixed.tensors["prompt_embeds"].dtype == torch.bfloat16
+    image_encoder = role_pipelines["tiny-flux-kontext", Role.IMAGE_ENCODER]
+    alike, unlike = image_encoder.run(over_the_wire(float32)), image_encoder.run(over_the_wire(mixed))
+    for name in ("image_latents", "image_ids"):  # what it makes of the reference alone, in float32 both times
+        assert unlike.tensors[name].dtype == torch.float32 and torch.equal(unlike.tensors[name], alike.tensors[name])
+
+
 def test_the_kontext_resolutions_are_diffusers_own() -> None:
     from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 

@@ -25,7 +25,9 @@ from typing import Any
 import msgspec
 
 PROTOCOL_VERSION = 1
-MAX_HEADER_BYTES = 1 << 20
+# An edit's reference image travels inlined in its Work / TransferReady (at most 16 MiB,
+# triptych.reference.MAX_REFERENCE_BYTES), with room for its prompts and the rest.
+MAX_HEADER_BYTES = 20 << 20
 _TOO_DEEP = "header nests maps or lists too deeply"
 
 

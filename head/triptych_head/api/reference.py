@@ -115,6 +115,11 @@ def _fetched(url: str, max_bytes: int) -> Reference:
 
 
 def _inline(data: bytes, fetched_from: str | None = None) -> Reference:
+    if len(data) > MAX_REFERENCE_BYTES:  # an upload under a --max-request-bytes set higher: refused before any work
+        raise APIError(
+            413, f"image: the file is {len(data)} bytes, over the {MAX_REFERENCE_BYTES >> 20} MiB a reference may be; "
+            "send a smaller one (it is resized to about a megapixel anyway)", "image",
+        )  # fmt: skip
     try:
         image = open_reference(data)
     except BadReference as exc:

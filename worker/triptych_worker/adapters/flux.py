@@ -80,7 +80,9 @@ class FluxAdapter(FamilyAdapter[FluxRules]):
         image = reference_image(p.image, p.image_url)
         width, height = self.rules.encode_area(*image.size)
         pixels = pipe.image_processor.preprocess(pipe.image_processor.resize(image, height, width), height, width)
-        dtype = batch.tensors["prompt_embeds"].dtype if "prompt_embeds" in batch.tensors else torch.float32
+        # Its own VAE's dtype (the stock call takes the prompt's, the same in one process): a split image
+        # encoder's prompt embeddings come from a prompt encoder that may run in another --dtype.
+        dtype = pipe.vae.dtype
         pixels = pixels.to(device=self.device, dtype=dtype)
         latents = pipe._encode_vae_image(image=pixels, generator=None)  # argmax: no randomness
         latents = torch.cat([latents] * p.num_outputs, dim=0)
