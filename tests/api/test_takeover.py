@@ -87,6 +87,66 @@ def test_a_draining_head_takes_over_no_orphan(tmp_path):
     assert backend.calls == []
 
 
+def _handed_over_at_the_drain(store: ResultStore, job_id: str) -> None:
+    """Wait for a draining head's hand-over of `job_id`: saved running, without a lease."""
+    deadline = time.monotonic() + 10
+    while not ((s := store.load_job(job_id)) and s.lease_until is None and s.job.status == "in_progress"):
+        assert time.monotonic() < deadline, "the draining head never handed the job over"
+        time.sleep(0.05)
+
+
+def _shows_restarts(client, job_id: str, restarts: int) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 10
+    while (shown := client.get(f"/v1/videos/{job_id}").json()["restarts"]) != restarts:
+        assert time.monotonic() < deadline, f"the job shows {shown} restarts, not {restarts}"
+        time.sleep(0.05)
+
+
+def _draining_head_running(tmp_path):  # type: ignore[no-untyped-def]
+    """A head whose drain ends while it runs a video job: its DiffusionServer fails it with a 503."""
+    from triptych_head.backend import GenerationFailed
+
+    backend = ScriptedBackend()
+    backend.step_delay = 0.05
+    backend.fail = GenerationFailed("the head shut down before this request finished; retry it", 503)
+    return backend
+
+
+def test_a_job_handed_over_at_the_drain_is_not_saved_again_at_the_head_s_exit(tmp_path):
+    """The head's exit saved its stale copy (running, restarts 0) over the record of the head that had
+    taken the job over and completed it: it showed in_progress everywhere, for good."""
+    store = ResultStore(tmp_path)
+    with make_client(_draining_head_running(tmp_path), tmp_path) as a:
+        job_id = a.post("/v1/videos", json={**VIDEO, "num_inference_steps": 10}).json()["id"]
+        a.app.state.ctx.draining = True
+        _handed_over_at_the_drain(store, job_id)
+        with make_client(ScriptedBackend(), tmp_path) as b:
+            assert wait_for(b, job_id, "completed")["restarts"] == 1
+    saved = store.load_job(job_id)  # head A has exited
+    assert saved is not None and saved.job.status == "completed" and saved.job.restarts == 1
+
+
+def test_a_delete_through_the_head_that_handed_a_job_over_is_a_409_and_the_job_ends_once(tmp_path):
+    """A DELETE on the draining head cancelled, there, a job another head ran: one job, two ends
+    (cancelled and completed), two webhook events."""
+    store, ends = ResultStore(tmp_path), []
+    with make_client(_draining_head_running(tmp_path), tmp_path) as a:
+        a.app.state.video_jobs.on_end = lambda job: ends.append(("a", job["status"]))
+        job_id = a.post("/v1/videos", json={**VIDEO, "num_inference_steps": 10}).json()["id"]
+        a.app.state.ctx.draining = True
+        _handed_over_at_the_drain(store, job_id)
+        slow = ScriptedBackend()
+        slow.step_delay = 0.2
+        with make_client(slow, tmp_path) as b:
+            b.app.state.video_jobs.on_end = lambda job: ends.append(("b", job["status"]))
+            _shows_restarts(b, job_id, 1)  # b takes it over
+            refused = a.delete(f"/v1/videos/{job_id}")
+            assert refused.status_code == 409 and "runs on another head" in refused.json()["error"]["message"]
+            _shows_restarts(a, job_id, 1)  # a reads the store (b's save of its take-over), not its own copy
+            wait_for(b, job_id, "completed")
+    assert ends == [("b", "completed")]
+
+
 def test_of_two_heads_that_find_one_orphan_at_once_exactly_one_runs_it(tmp_path):
     for i in range(5):
         _orphan(ResultStore(tmp_path), f"video_orphan{i}")

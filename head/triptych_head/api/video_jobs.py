@@ -256,6 +256,8 @@ class VideoJobs:
             await from_store(f"saving video {job.id}", self.store.save_job, job, None, None, stored.owner)
             self.ended(job)
             return None
+        if not self.adopting():  # the drain began since the scan looked (it would hand the job over again)
+            return None
         attempt = job.restarts + 1
         claim = f"{self.store.job_name(job.id).removesuffix('.json')}.adopt-{attempt}"
         if not await from_store(f"taking over video {job.id}", self.store.objects.create, claim, b"", OCTETS):
@@ -296,7 +298,7 @@ class VideoJobs:
         if stored is None:  # never made, or removed (by retention or DELETE on any head)
             self._jobs.pop(job_id, None)
             raise APIError(404, f"no video job {job_id!r}", "video_id")
-        if entry is not None and entry.made_here:
+        if entry is not None and entry.made_here and not entry.handed_over:
             return entry  # this head ran it: its memory is ahead of the store until its last save lands
         if stored.orphaned(time.time()) and self.adopting():  # its head died: this head may take it over
             adopted = await self.take_over(stored)
@@ -353,8 +355,8 @@ class VideoJobs:
         if tasks:
             await asyncio.wait(tasks, timeout=grace_s)
         for entry in self._jobs.values():
-            if entry.job.status in TERMINAL or entry.task is None:
-                continue
+            if entry.job.status in TERMINAL or entry.task is None or entry.handed_over:
+                continue  # handed over already (at the drain's end): another head may have it, and saved it since
             entry.handed_over = self.store is not None and entry.params is not None
             entry.task.cancel()
             await asyncio.gather(entry.task, return_exceptions=True)

@@ -320,7 +320,7 @@ async def delete_video(video_id: str, request: Request) -> DeletedVideo:
     jobs = _jobs(request)
     entry = await jobs.get(video_id, owner_of(request))
     if entry.job.status not in TERMINAL:
-        if not entry.made_here or entry.task is None:
+        if not entry.running_here or entry.task is None:  # another head's, or handed over to one at a drain
             raise APIError(
                 409,
                 f"video {video_id} runs on another head, which alone can cancel it: retry (the load balancer may "
