@@ -215,6 +215,10 @@ class HeadCore:
         else:
             self.drain_deadline = min(self.drain_deadline, deadline)
 
+    def drain_expired(self) -> bool:
+        """Shutting down, and the drain's time is over."""
+        return self.drain_deadline is not None and self.clock() >= self.drain_deadline
+
     def drained(self) -> bool:
         """While shutting down: past the deadline fail what is left (releasing its slots); True once
         no request and no receive slot is held any more."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -112,6 +112,7 @@ class DiffusionServer:
         self._draining = False
         self._shutdown_lock = threading.Lock()
         self._shutdown_requests: list[float] = []  # drain() calls from other threads, for the loop to apply
+        self._held: Callable[[], bool] = lambda: False  # hold_while
         self._sockets: list[tuple[zmq.Socket, Role | None]] = []
         self.frontend_endpoint = f"tcp://127.0.0.1:{frontend_port(args.scheduler_port)}"
         self._transport.frontend = self._bind(zmq.ROUTER, self.frontend_endpoint, None)  # loopback clients only
@@ -216,8 +217,8 @@ class DiffusionServer:
                 if self._transport.replied:  # a send on the frontend may have taken its descriptor's signal
                     self._transport.replied = False
                     waiting.recheck(frontend)
-                if self._draining and self.core.drained():
-                    break
+                if self._draining and self.core.drained() and (not self._held() or self.core.drain_expired()):
+                    break  # nothing held on a worker, nor an HTTP request let in that may still submit
         except BaseException:
             log.critical("the DiffusionServer loop stopped; this head serves nothing more", exc_info=True)
             raise
@@ -254,6 +255,11 @@ class DiffusionServer:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def hold_while(self, busy: Callable[[], bool]) -> None:
+        """A drain also waits, until its deadline, while `busy()` (the HTTP API's requests let in
+        before their admission: they may still submit, and hear the core's 503)."""
+        self._held = busy
 
     def drain(self, seconds: float) -> None:
         """Stop taking requests; in-flight ones have `seconds` to finish, then fail (503) and free

@@ -3,7 +3,9 @@
 1. At once: /ready answers 503 (the Service stops sending it traffic) and new generation
    requests get 503 with Retry-After.
 2. Accepted requests have --disagg-drain-timeout seconds to finish; whatever is left then fails with a
-   503 saying so, and every worker slot it held is released (DiffusionServer.drain).
+   503 saying so, and every worker slot it held is released (DiffusionServer.drain). Requests let in
+   but not yet admitted (waiting on another run of their Idempotency-Key, fetching a reference) are
+   waited for as well: they end with their replay, or the core's 503 when they submit.
 3. The HTTP server lets the last responses go out, video jobs are saved, and the process exits 0.
 
 A second signal brings the deadline forward to now. However its requests are stuck, the head is
@@ -129,7 +131,7 @@ def in_process_drain(ctx: HeadContext) -> tuple[Drain, Callable[[], None]]:
 
 
 async def _until_idle(ctx: HeadContext, hurry: asyncio.Event) -> None:
-    while ctx.active and not hurry.is_set():
+    while (ctx.active or ctx.at_door) and not hurry.is_set():
         await asyncio.sleep(0.05)
 
 

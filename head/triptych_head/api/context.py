@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import time
@@ -77,6 +78,9 @@ class HeadContext:
     draining: bool = False  # SIGTERM: readiness fails and new requests are refused (shutdown.py)
     drain_expired: bool = False  # the drain time is over: what is still running is being cancelled
     active: set[str] = field(default_factory=set)  # request ids accepted and not answered yet
+    # The HTTP requests for new work let in (before their admission: waiting on another run of their
+    # Idempotency-Key, fetching a reference) and not answered yet: the drain waits for them too.
+    at_door: set[asyncio.Task[Any]] = field(default_factory=set)
     owners: dict[str, str] = field(default_factory=dict)  # of those, each one's owner, with API keys (ownership.py)
     admission: AdmissionControl | None = None  # None: no bound on requests in flight
     api_keys: APIKeys | None = None  # None: the API is open (no --api-keys-file)
@@ -113,7 +117,8 @@ class HeadContext:
         )
 
     def refuse_if_draining(self) -> None:
-        """New work goes to another head: 503 with Retry-After while this one drains."""
+        """New work goes to another head: 503 with Retry-After while this one drains. A request let
+        in counts among those the drain waits for (`at_door`) until its HTTP exchange ends."""
         if self.draining:
             raise APIError(
                 503,
@@ -121,6 +126,10 @@ class HeadContext:
                 code="shutting_down",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+        task = asyncio.current_task()
+        if task is not None and task not in self.at_door:
+            self.at_door.add(task)
+            task.add_done_callback(self.at_door.discard)
 
     def params_for(self, endpoint: str, values: dict[str, Any], reference: Reference | None = None) -> GenerationParams:
         """The request's GenerationParams from its body's values (the endpoint's model, dumped), with
