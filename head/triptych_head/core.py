@@ -215,6 +215,11 @@ class HeadCore:
         else:
             self.drain_deadline = min(self.drain_deadline, deadline)
 
+    @property
+    def encodes_images(self) -> bool:
+        """Some pool of this deployment encodes reference images: a full pipeline, an encoder or an image encoder."""
+        return self.full_pipeline or any(role.runs_affinity(Role.IMAGE_ENCODER) for role in self.roles)
+
     def drain_expired(self) -> bool:
         """Shutting down, and the drain's time is over."""
         return self.drain_deadline is not None and self.clock() >= self.drain_deadline
@@ -256,8 +261,7 @@ class HeadCore:
             # The original request is untouched: only the duplicate's sender hears about it.
             self._reject(client, rid, f"request id {rid!r} is already active", 409)
             return
-        encodes_images = self.full_pipeline or any(role.runs_affinity(Role.IMAGE_ENCODER) for role in self.roles)
-        if msg.params.has_reference and not encodes_images:
+        if msg.params.has_reference and not self.encodes_images:
             error = "image: this deployment encodes no reference images (its head has no --image-encoder-urls)"
             self._reject(client, rid, error, 400)
             return

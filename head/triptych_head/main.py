@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -12,7 +13,7 @@ from typing import Any
 
 from triptych import startup
 from triptych.config import ConfigError, ServeArgs
-from triptych.families import read_model_info, read_rules
+from triptych.families import ModelInfo, read_model_info, read_rules
 from triptych.lora import LoraCatalog
 from triptych.params import GenerationParams
 from triptych_head.admission import MIN_QUEUED, AdmissionControl
@@ -98,6 +99,15 @@ def _readiness(server: DiffusionServer, loop: threading.Thread) -> Callable[[], 
     return ready
 
 
+def served_model(model: ModelInfo, encodes_images: bool) -> ModelInfo:
+    """The model as this deployment serves it: without edits when no pool encodes reference images
+    (/v1/models, the contract and the playground say so; an edit is a 400 at the door)."""
+    if model.edits and not encodes_images:
+        log.info("no pool encodes reference images (no --encoder-urls or --image-encoder-urls): edits are off")
+        return dataclasses.replace(model, edits=False)
+    return model
+
+
 def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
     guards = _http_guards(args)
     results = _results(args) if guards is not None else None
@@ -107,6 +117,7 @@ def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
     model = read_model_info(args.model_path, names)  # its family's limits: the API checks requests with them
     metrics = HeadMetrics()
     server = DiffusionServer(args, metrics)
+    model = served_model(model, server.core.encodes_images)
     loop = threading.Thread(target=server.run, name="diffusion-server", daemon=True)
     loop.start()
     ctx = HeadContext(

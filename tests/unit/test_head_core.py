@@ -710,3 +710,18 @@ def test_a_heartbeat_s_step_cache_modes_are_the_known_ones_once_each() -> None:
     assert inst is not None and inst.step_cache == (StepCacheStats("first_block", 2, 4, 6),)
     series = [m for m in h.core.metrics.registry.collect() if m.name.startswith("triptych_step_cache")]
     assert {s.labels["mode"] for m in series for s in m.samples} == {"first_block"}
+
+
+def test_a_deployment_without_a_pool_that_encodes_references_serves_its_model_without_edits() -> None:
+    """A FLUX.1 Kontext head with a prompt encoder and no image encoder advertised edits (/v1/models,
+    the contract, the playground's upload) and refused every one."""
+    from triptych.families import ModelInfo
+    from triptych_head.main import served_model
+
+    kontext = ModelInfo("kontext", "FluxKontextPipeline", "image", 4, 3.5, edits=True)
+    text_only = Harness({Role.PROMPT_ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1}).core
+    split = Harness({Role.PROMPT_ENCODER: 1, Role.IMAGE_ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1}).core
+    combined = Harness({Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1}).core
+    assert not text_only.encodes_images and split.encodes_images and combined.encodes_images
+    assert not served_model(kontext, text_only.encodes_images).edits
+    assert served_model(kontext, split.encodes_images) is kontext

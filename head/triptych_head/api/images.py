@@ -55,7 +55,11 @@ def image_routes(models: RequestModels) -> APIRouter:
         ctx.refuse_if_draining()
         if not ctx.model.edits:
             raise APIError(
-                400, f"model {ctx.model.id!r} makes images from text only; use POST /v1/images/generations", "image"
+                400,
+                f"model {ctx.model.id!r} takes no reference image here (a text-to-image model, or no pool of "
+                "this deployment encodes references: --encoder-urls or --image-encoder-urls); "
+                "use POST /v1/images/generations",
+                "image",
             )
         body, reference = await read_edit_form(request, models.edits, ctx.max_request_bytes)
         values = body.model_dump()
