@@ -26,7 +26,7 @@ from triptych.protocol import (
     Work,
     WorkBatch,
 )
-from triptych.roles import Role
+from triptych.roles import ROLE_SPECS, Role
 from triptych_head import migration, preemption
 from triptych_head.batcher import Group, GroupBatcher
 from triptych_head.dispatch import Eligible, dispatch_lora_affinity, make_policy
@@ -107,17 +107,32 @@ class Dispatcher:
             self.dispatch_queue(role)
 
     def dispatch_queue(self, role: Role) -> None:
-        """Dispatch `role`'s queue in order until its first request finds no instance."""
+        """Dispatch `role`'s queue in order until its first request finds no instance, passing over
+        the requests parked there (`parked`)."""
+        absent = self.absent_roles()
         if self.batcher is not None:
-            self._dispatch_groups(role, self.batcher)
+            self._dispatch_groups(role, self.batcher, absent)
             return
         queue = self.queues[role]
-        while queue:
-            rid = queue[0]
+        passed = 0  # the parked entries at the queue's front
+        while len(queue) > passed:
+            rid = queue[passed]
+            if (rec := self._queued(role, rid)) is not None and parked(rec, absent):
+                passed += 1
+                continue
             if not self._dispatch_one(role, rid):
                 break
             # Its own entry, not the first now: a retry during its dispatch may have queued another ahead.
             queue.remove(rid)
+
+    def absent_roles(self) -> frozenset[Role]:
+        """The roles only some requests visit (the image encoder: edits) with no ready instance now
+        (none registered, or all draining or silent). A role every request needs parks nobody: they
+        would all wait for it anyway."""
+        ready, instances = self._membership.ready, self._membership.instances
+        return frozenset(
+            r for r in self.queues if ROLE_SPECS[r].needs_reference and not any(ready(i) for i in instances(r))
+        )
 
     def _queued(self, role: Role, rid: str) -> RequestRecord | None:
         """The request behind a queue entry, or None for a stale entry (ended, restarted elsewhere in
@@ -127,9 +142,9 @@ class Dispatcher:
             return None
         return rec
 
-    def _dispatch_groups(self, role: Role, batcher: GroupBatcher) -> None:
+    def _dispatch_groups(self, role: Role, batcher: GroupBatcher, absent: frozenset[Role]) -> None:
         """--batching-mode dynamic: send the groups of `role`'s queue that are ready (batcher.py),
-        each to one instance; what an instance has no room for stays queued."""
+        each to one instance; what an instance has no room for stays queued, as do parked requests."""
         queue = self.queues[role]
         queued: list[RequestRecord] = []
         gone: list[str] = []  # one per entry to drop: the stale ones, then one per dispatched request
@@ -137,7 +152,7 @@ class Dispatcher:
             rec = self._queued(role, rid)
             if rec is None:
                 gone.append(rid)
-            else:
+            elif not parked(rec, absent):
                 queued.append(rec)
         instances = [i for i in self._membership.instances(role) if self._membership.ready(i)]
         room = max((i.batch_room for i in instances), default=0)
@@ -309,3 +324,13 @@ class Dispatcher:
         core.metrics.child(core.metrics.queue_seconds, role.value).observe(waited)
         rec.timeline.add(f"queue-{role.value}", started - waited, started)
         return True
+
+
+def parked(rec: RequestRecord, absent: frozenset[Role]) -> bool:
+    """A request that has not started its route and whose later roles include one with no ready
+    instance that only some requests visit (`absent`: Dispatcher.absent_roles) waits where it is,
+    passed over by the rest: started, its outputs would hold this role's slot until that pool came
+    back, ahead of requests that do not need it (text-to-image behind edits while no image encoder
+    runs). The absent role's pending work still counts it, so an autoscaler wakes that pool, and
+    --disagg-no-instance-wait fails it as if it waited there."""
+    return bool(absent) and rec.staged is None and any(role in absent for role in rec.remaining_roles()[1:])

@@ -8,11 +8,12 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from triptych.params import GenerationParams
-from triptych.roles import Role
+from triptych.roles import ROLE_SPECS, Role
 from triptych_head import migration, preemption
 from triptych_head.admission import retry_after_seconds
 from triptych_head.deadline import LoadFigures, RoleFigures
 from triptych_head.pipeline_view import build_view
+from triptych_head.queues import parked
 from triptych_head.state import ROLE_STATES, RequestRecord, RequestState
 from triptych_head.workload import lora_loads
 
@@ -100,9 +101,16 @@ def _fail_roles_without_instances(core: HeadCore, now: float) -> None:
 
 
 def _waiting_for(core: HeadCore, role: Role, queue: Iterable[str]) -> list[RequestRecord]:
-    """The requests of `queue` that wait for an instance of `role`."""
+    """The requests of `queue` that wait for an instance of `role`, and those parked earlier in their
+    routes for want of one (queues.parked)."""
     records = (core.requests.get(rid) for rid in queue)
-    return [rec for rec in records if rec is not None and rec.role is role and rec.instance is None]
+    waiting = [rec for rec in records if rec is not None and rec.role is role and rec.instance is None]
+    if not ROLE_SPECS[role].needs_reference:  # only such a role parks requests (queues.parked)
+        return waiting
+    absent = frozenset((role,))
+    return waiting + [
+        rec for rec in core.requests.values() if rec.role is not role and rec.instance is None and parked(rec, absent)
+    ]
 
 
 def publish_load(core: HeadCore, now: float) -> None:

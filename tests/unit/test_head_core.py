@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from tests.unit.core_harness import PARAMS, Harness, SimWorker, SlotViolation
+from tests.unit.core_harness import CAPACITY, PARAMS, Harness, SimWorker, SlotViolation
 from triptych.params import GenerationParams
 from triptych.protocol import (
     BatchResized,
@@ -725,3 +725,33 @@ def test_a_deployment_without_a_pool_that_encodes_references_serves_its_model_wi
     assert not text_only.encodes_images and split.encodes_images and combined.encodes_images
     assert not served_model(kontext, text_only.encodes_images).edits
     assert served_model(kontext, split.encodes_images) is kontext
+
+
+def test_edits_wait_for_an_absent_image_encoder_without_holding_the_prompt_encoder_from_text_to_image() -> None:
+    """Split encoders with the image encoder pool down (crashed, scaled to zero): edits ran on the
+    prompt encoder and their staged outputs held its slots, so text-to-image requests, which never
+    visit the image encoder, waited until --disagg-no-instance-wait failed the edits."""
+    h = Harness({Role.PROMPT_ENCODER: 1, Role.IMAGE_ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1})
+    (image_encoder,) = [w for w in h.workers.values() if w.role is Role.IMAGE_ENCODER]
+    image_encoder.alive = False
+    h.clock.advance(h.args.disagg_heartbeat_timeout + 1)
+    h.tick()
+    for i in range(CAPACITY + 1):
+        h.submit(f"edit{i}", image=b"\x89PNG")
+    h.submit("t2i")
+    h.core.dispatch()  # the DiffusionServer's loop turn
+    h.collect()
+    (prompt_encoder,) = h.core.membership.instances(Role.PROMPT_ENCODER)
+    assert prompt_encoder.inflight == {"t2i"}  # the edits wait; the text-to-image request runs at once
+    assert all(h.state(f"edit{i}") == RequestState.ENCODER_WAITING for i in range(CAPACITY + 1))
+    while h.pending or h.answers:
+        h.deliver() if h.pending else h.answer()
+    (done,) = h.endings()["t2i"]
+    assert isinstance(done, RequestResult)
+    h.tick()  # the image encoder's wait is counted from here: the edits wait for it
+    h.clock.advance(h.args.disagg_no_instance_wait + 1)
+    h.tick()
+    for i in range(CAPACITY + 1):
+        (ended,) = h.endings()[f"edit{i}"]
+        assert ended.status_code == 503 and "no image_encoder instance" in (ended.error or ""), ended
+    h.check_idle()
