@@ -247,7 +247,10 @@ def _eight_bits(image: Image.Image, bits: int, field: str) -> Image.Image:
         import numpy as np
         from PIL import Image
 
-        values = np.clip(np.asarray(image, dtype=np.int64), 0, (1 << bits) - 1) >> (bits - 8)
+        values = np.asarray(image)
+        if bits == 32 and values.dtype == np.int32:  # unsigned 32 bits, which Pillow reads into a signed mode
+            values = values.view(np.uint32)
+        values = np.clip(values.astype(np.int64), 0, (1 << bits) - 1) >> (bits - 8)
         return Image.fromarray(values.astype(np.uint8), "L")
     if image.mode == "F":
         raise BadReference(f"{field}: a floating-point image (mode F); send one of 8 or 16 bits a channel")

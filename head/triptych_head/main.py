@@ -136,8 +136,7 @@ def run_head(args: ServeArgs, names: Sequence[str] = ()) -> int:
         **guards,
         **results,
     )
-    server.hold_while(lambda: bool(ctx.at_door))
-    drain, hurry = disaggregated_drain(server, loop)
+    drain, hurry = disaggregated_drain(server, loop, ctx)
     try:
         serve_http(create_app(ctx), ctx, args, http, drain, hurry)
     finally:

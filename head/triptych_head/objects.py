@@ -352,9 +352,8 @@ class S3Objects:
         claims = {obj.name: obj.mtime for obj in self.list(f"{name}.claim-")}
         written = claims.get(mine, 0.0)
         rivals = [n for n, mtime in claims.items() if n != mine and written - mtime < CLAIM_STALE_S]
-        slow = monotonic() - started > CLAIM_STALE_S / 3
-        if mine not in claims or rivals or slow or self.stat(name) is not None:
-            self.delete(mine)
+        if mine not in claims or rivals or self.stat(name) is not None or monotonic() - started > CLAIM_STALE_S / 3:
+            self.delete(mine)  # the time last: a slow answer to any of those checks is as late as a slow list
             return False
         self._once.put_object(self.location.bucket, self._key(name), io.BytesIO(data), len(data), content_type)
         try:  # a contender that lists no claim from now on sees the object when it checks

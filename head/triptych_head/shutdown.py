@@ -104,8 +104,12 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def disaggregated_drain(server: DiffusionServer, loop_thread: threading.Thread) -> tuple[Drain, Callable[[], None]]:
-    """Drain for the DiffusionServer: it fails what is left at the deadline, then its loop ends."""
+def disaggregated_drain(
+    server: DiffusionServer, loop_thread: threading.Thread, ctx: HeadContext
+) -> tuple[Drain, Callable[[], None]]:
+    """Drain for the DiffusionServer: it fails what is left at the deadline, then its loop ends; until
+    then it also waits for the HTTP requests let in and not yet admitted (they may still submit)."""
+    server.hold_while(lambda: bool(ctx.at_door))
 
     async def drain(seconds: float) -> None:
         server.drain(seconds)

@@ -339,11 +339,10 @@ async def reconcile(
                 state.apply_error = None
             except kube.ApplyError as exc:
                 state.apply_error = str(exc)
-            try:
-                if state.apply_error is None:  # a refused apply keeps the old shape's pools: they still serve
-                    await _delete_unwanted(pipeline, state, indexes)
+            try:  # after a refused apply the old shape's pools stay: they serve until the new shape is applied
+                await _delete_unwanted(pipeline, state, indexes, keep_pools=state.apply_error is not None)
             except kube.ApplyError as exc:  # reported like a refused apply, not left to kopf's retries alone
-                state.apply_error = str(exc)
+                state.apply_error = state.apply_error or str(exc)
         else:
             state.apply_error = None  # nothing was applied for this spec
         _status_soon(key, state, indexes, logger=logger)
@@ -364,6 +363,9 @@ def _ensure_control_keys(pipeline: dict[str, Any], spec: PipelineSpec, *, logger
         _post(pipeline, "Normal", reason="KeysCreated", message=message)
         logger.info("%s", message)
     return fingerprint
+
+
+POOL_KINDS = frozenset({"Deployment", "Service"})  # what a role's pool is made of
 
 
 def _check_keys_owner(pipeline: dict[str, Any], secret: Mapping[str, Any]) -> None:
@@ -429,12 +431,17 @@ async def _apply_children(
             _post(pipeline, "Normal", reason=reason, message=f"{CHANGE_MESSAGES[reason]}: {', '.join(children)}")
 
 
-async def _delete_unwanted(pipeline: dict[str, Any], state: PipelineState, indexes: Indexes) -> None:
+async def _delete_unwanted(
+    pipeline: dict[str, Any], state: PipelineState, indexes: Indexes, keep_pools: bool = False
+) -> None:
     """Remove optional children the spec no longer asks for (a disabled HPA or Ingress, the heads' budget
-    when one head is left)."""
+    when one head is left, the pools of an encoder shape left behind). `keep_pools`: not the pools'
+    Deployments and Services (the new shape's were not all applied)."""
     meta = pipeline["metadata"]
     key = (meta["namespace"], meta["name"])
     for ref in state.deletions:
+        if keep_pools and ref.kind in POOL_KINDS:
+            continue
         if _live_child(indexes, key, ref.api_version, ref.kind, ref.name) is None:
             continue  # the index holds only objects we manage: absent means nothing to delete
         state.applied.pop((ref.kind, ref.name), None)

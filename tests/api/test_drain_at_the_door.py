@@ -107,8 +107,7 @@ def _serve(folder: str, port: int) -> None:
     model = ModelInfo("tiny", "FluxPipeline", "image", 4, 3.5)
     ctx = HeadContext(backend=LocalClient(server.local), model=model, output_path=Path(folder),
                       registry=server.metrics.registry, drain_seconds=60)  # fmt: skip
-    server.hold_while(lambda: bool(ctx.at_door))
-    drain, hurry = disaggregated_drain(server, loop)
+    drain, hurry = disaggregated_drain(server, loop, ctx)
     serve_http(create_app(ctx), ctx, args, sock, drain, hurry)
     server.stop()
     loop.join(5)

@@ -93,6 +93,8 @@ def test_a_refused_apply_of_a_new_shape_keeps_the_old_shape_s_pools(monkeypatch:
     indexes: dict[str, Any] = {index: {} for *_, index in handlers.CHILD_KINDS.values()}
     indexes[handlers.DEPLOYMENT_INDEX] = {(NAMESPACE, "p"): [encoder]}
     indexes[handlers.CHILD_KINDS[("v1", "Service")][3]] = {(NAMESPACE, "p"): [encoder]}
+    autoscaler = {"metadata": {"name": "p-denoiser", "namespace": NAMESPACE}}  # autoscaling was turned off
+    indexes[handlers.CHILD_KINDS[("autoscaling/v2", "HorizontalPodAutoscaler")][3]] = {(NAMESPACE, "p"): [autoscaler]}
     states = PipelineStates()
     states.get((NAMESPACE, "p")).keys_fingerprint = "fp"
 
@@ -100,7 +102,7 @@ def test_a_refused_apply_of_a_new_shape_keeps_the_old_shape_s_pools(monkeypatch:
         return await handlers.reconcile(four_pool_pipeline(), states, indexes, trigger="child-modified", logger=LOG)
 
     assert asyncio.run(reconcile()) == "Deployment p-prompt-encoder already belongs to DiffusionPipeline p-prompt"
-    assert deleted == []
+    assert deleted == ["HorizontalPodAutoscaler p-denoiser"]  # the rest goes: it would fight the replicas applied
 
 
 def test_while_the_spec_is_invalid_the_status_reports_the_roles_that_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -212,6 +212,21 @@ def test_network_lists_name_the_bad_entry() -> None:
         parse_networks("10.1.0.0/16;10.1.0.300/16")
 
 
+def _sample_format(tiff: bytes, value: int) -> bytes:
+    """A little-endian TIFF with its first directory's SampleFormat (tag 339) set to `value` (Pillow
+    writes a 32-bit grey image as signed whatever it is told)."""
+    import struct
+
+    data = bytearray(tiff)
+    directory = struct.unpack_from("<I", data, 4)[0]
+    for i in range(struct.unpack_from("<H", data, directory)[0]):
+        entry = directory + 2 + 12 * i
+        if struct.unpack_from("<H", data, entry)[0] == 339:
+            struct.pack_into("<H", data, entry + 8, value)
+            return bytes(data)
+    raise AssertionError("no SampleFormat tag")
+
+
 def test_a_16_bit_grey_image_keeps_its_tones_and_a_float_one_is_refused() -> None:
     """Pillow's convert("RGB") clipped a 16-bit grey image's values at 255: a ramp came out nearly white."""
     import numpy as np
@@ -228,6 +243,11 @@ def test_a_16_bit_grey_image_keeps_its_tones_and_a_float_one_is_refused() -> Non
     Image.fromarray(deep).save(buf, format="TIFF")  # 32-bit signed grey: mode I, all but black clipped white before
     decoded = np.asarray(open_reference(buf.getvalue()))
     assert list(decoded[0, :, 0]) == list(range(256))
+    unsigned = (np.arange(256, dtype=np.uint64) << 24).astype(np.uint32)[None, :].repeat(4, axis=0)
+    buf = io.BytesIO()
+    Image.fromarray(unsigned.view(np.int32)).save(buf, format="TIFF")
+    decoded = np.asarray(open_reference(_sample_format(buf.getvalue(), 1)))  # unsigned, as a scanner writes
+    assert list(decoded[0, :, 0]) == list(range(256))  # the brighter half read black before
     buf = io.BytesIO()
     Image.fromarray(np.full((4, 4), 0.5, dtype=np.float32)).save(buf, format="TIFF")  # mode F
     with pytest.raises(BadReference, match=r"image: a floating-point image"):

@@ -162,18 +162,25 @@ def test_a_member_asked_to_hand_off_stops_alone_on_every_rank_and_the_others_run
     assert_ranks_in_step(pipelines, case)
 
 
-def test_a_job_whose_parameters_pass_what_the_ranks_take_is_refused_on_rank_0_before_any_broadcast() -> None:
+def test_a_job_whose_parameters_pass_what_the_ranks_take_is_refused_on_rank_0_before_any_broadcast(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A group of edits whose inline reference images outgrow the ranks' job header fails those requests
     on rank 0, with a message naming `image`, before a byte goes to the followers (which stay in step);
-    before, the followers refused the header and exited, and the instance with them."""
+    before, the followers refused the header and exited, and the instance with them. (The limit made
+    small here: at its size, 1 GiB, a group of fifty 16 MiB references.)"""
     from types import SimpleNamespace
 
     from triptych.params import GenerationParams
-    from triptych_worker.parallel.jobs import MAX_HEADER_BYTES, send_jobs
+    from triptych.protocol.codec import MAX_HEADER_BYTES as CONTROL_HEADER_BYTES
+    from triptych_worker.parallel import jobs
     from triptych_worker.stages import StageBatch
 
+    assert jobs.MAX_HEADER_BYTES >= 50 * CONTROL_HEADER_BYTES  # a group of requests each at the control limit
+    monkeypatch.setattr(jobs, "MAX_HEADER_BYTES", 1 << 20)
+    send_jobs = jobs.send_jobs
     mesh = SimpleNamespace(device="cpu")  # no process group: any broadcast would raise a RuntimeError
-    reference = GenerationParams("make it blue", 16, 16, image=b"\x89PNG" + bytes(MAX_HEADER_BYTES // 4))
+    reference = GenerationParams("make it blue", 16, 16, image=b"\x89PNG" + bytes(jobs.MAX_HEADER_BYTES // 4))
     group = [StageBatch(msgspec.structs.replace(reference, prompt=f"edit {i}")) for i in range(5)]
     with pytest.raises(ValueError, match=r"^image: the 5 request\(s\) carry \d+ bytes of parameters"):
         send_jobs(mesh, group)  # type: ignore[arg-type]

@@ -330,7 +330,7 @@ class VideoJobs:
         stored = await from_store("a listing of video jobs", self.index.jobs)
         jobs = {s.job.id: (s.job, s.owner) for s in stored}
         for entry in self._jobs.values():  # removed from the store (DELETE, retention): gone, once it ended
-            if entry.made_here and (entry.job.id in jobs or entry.job.status not in TERMINAL):
+            if entry.made_here and not entry.handed_over and (entry.job.id in jobs or entry.job.status not in TERMINAL):
                 jobs[entry.job.id] = (entry.job, entry.owner)
         return [job for job, job_owner in jobs.values() if may_see(job_owner, owner)]
 

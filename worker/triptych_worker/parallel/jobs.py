@@ -33,9 +33,11 @@ if TYPE_CHECKING:
 
     from triptych_worker.parallel.mesh import RankMesh
 
-# A job's parameters may carry a reference image inline (at most 16 MiB, triptych.reference): room for
-# a group of a few, beside the params; a header past it is refused on rank 0 before any rank sees it.
-MAX_HEADER_BYTES = 64 << 20
+# A job's parameters may carry a reference image inline (at most 16 MiB, triptych.reference; each
+# request's came in one control header, codec.MAX_HEADER_BYTES): room for a group of 50 such, which
+# the worker holds in memory anyway. A header past it is refused on rank 0 before any rank sees it;
+# for a follower, a longer length is a garbled one.
+MAX_HEADER_BYTES = 1 << 30
 GO_ON, STOP, HAND_OFF = 0, 1, 2
 """A step flag: carry on; stop (the head cancelled the request); hand off before the next step."""
 
