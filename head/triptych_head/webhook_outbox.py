@@ -3,6 +3,7 @@ event whose head dies before delivering it is delivered by another (webhooks.py)
 
     webhooks/<event id>.json           the event, its attempts so far, and the lease of the head delivering it
     webhooks/<event id>.adopt-<n>      created once: the head that won the event's n-th adoption
+                                       (.r2, .r3, ...: a later claim of it, the winner having died first; claims.py)
 
 A head writes an event's record before its first attempt and renews the lease before each wait for the
 next; it removes the record once the event is delivered, refused or given up. A head that stops hands
@@ -20,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from triptych_head import claims
 from triptych_head.objects import ObjectMissing, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -85,8 +87,9 @@ class Outbox:
 
     def claim(self, pending: Pending) -> bool:
         """Whether this head won the event's next adoption (at most one head does)."""
-        marker = f"{FOLDER}/{pending.event_id}.adopt-{pending.adoptions + 1}"
-        if not self.objects.create(marker, self.head_id.encode(), "text/plain"):
+        base = f"{FOLDER}/{pending.event_id}.adopt-{pending.adoptions + 1}"
+        marker = claims.claim(self.objects, base, self.head_id.encode())
+        if marker is None:
             return False
         # What this head read may be old: another head may have adopted the event since, delivered it
         # and removed it with its markers, so that this marker could be made again. Only the record

@@ -239,3 +239,45 @@ def test_an_orphan_whose_saved_run_this_head_cannot_read_ends_failed_and_the_oth
         assert wait_for(c, "video_plain", "completed")["restarts"] == 1
     assert backend.calls == [params]
     assert store.load_job("video_newer").job.status == "failed"  # type: ignore[union-attr]
+
+
+def test_a_head_whose_lease_lapsed_stops_its_run_once_another_head_took_the_job_over(tmp_path, monkeypatch):
+    """The store out of reach longer than a lease: another head adopted the job, and the first, never
+    told, ran on; its next save overwrote the adopter's record and both heads ended the job."""
+    import asyncio
+
+    import triptych_head.api.video_jobs as video_jobs
+    from triptych_head.objects import DirectoryObjects
+
+    monkeypatch.setattr(video_jobs, "JOB_LEASE_S", 1.0)
+    started: list[str] = []
+
+    async def scenario() -> None:
+        first = video_jobs.VideoJobs(ResultStore(DirectoryObjects(tmp_path)), start=lambda entry: None)
+        other = video_jobs.VideoJobs(ResultStore(DirectoryObjects(tmp_path)), start=lambda e: started.append(e.job.id))
+        params = GenerationParams(prompt="waves", width=32, height=16, num_frames=5, num_inference_steps=4, seed=7)
+        job = VideoJob(id="video_live", model="tiny", status="in_progress", created_at=int(time.time()),
+                       size="32x16", num_frames=5, fps=16, seed=7)  # fmt: skip
+        entry = video_jobs.JobEntry(job, made_here=True, params=params)
+        entry.task = asyncio.create_task(asyncio.sleep(60))  # its run
+        await first.add(entry)
+        put = first.store.objects.put_bytes
+
+        def unreachable(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise OSError("the store does not answer")
+
+        first.store.objects.put_bytes = unreachable  # type: ignore[method-assign]
+        await asyncio.sleep(1.5)  # its renewals fail past its lease
+        await first.renew_leases()
+        first.store.objects.put_bytes = put  # type: ignore[method-assign]
+        await other.take_over_orphans()
+        assert started == ["video_live"]
+        await first.renew_leases()  # finds the job taken over: stops its run, writes nothing
+        await asyncio.sleep(0)
+        assert entry.taken and entry.task.cancelled() and not entry.running_here
+        entry.job.status = "completed"
+        await first.save_async(entry)
+        saved = first.store.load_job("video_live")
+        assert saved is not None and saved.job.restarts == 1 and saved.job.status != "completed"
+
+    asyncio.run(scenario())

@@ -142,13 +142,13 @@ async def _adopt_webhooks(webhooks: Webhooks) -> None:
 async def _renew_leases(jobs: VideoJobs) -> None:
     """Keep the jobs this head runs its own in the shared store (results.JOB_LEASE_S), and take over
     those whose heads died (from start-up on)."""
-    while True:
+    while True:  # its own leases first: after a store outage, a head renews before it adopts others' jobs
+        try:
+            await jobs.renew_leases()
+        except Exception:
+            log.exception("renewing video job leases failed")
         try:
             await jobs.take_over_orphans()
         except Exception:
             log.exception("looking for video jobs whose head died failed")
         await asyncio.sleep(JOB_LEASE_RENEW_S)
-        try:
-            await jobs.renew_leases()
-        except Exception:
-            log.exception("renewing video job leases failed")

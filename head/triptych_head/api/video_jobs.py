@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from triptych.params import GenerationParams
 from triptych.priority import DEFAULT_LEVEL, LEVELS
+from triptych_head import claims
 from triptych_head.api.errors import APIError
 from triptych_head.api.ownership import may_see
 from triptych_head.api.progress import (
@@ -37,6 +38,8 @@ from triptych_head.results import JOB_LEASE_S, TERMINAL, ResultStore, StoredJob
 from triptych_head.state import RequestState
 
 log = logging.getLogger(__name__)
+
+LEASE_MARGIN_S = JOB_LEASE_S / 3  # JobEntry.leased_until: held surely until this long before its end
 
 MAX_JOBS = 1000  # remembered jobs; the oldest finished ones are forgotten first
 RESTARTED = "the head restarted while this job was running; submit it again"
@@ -57,6 +60,10 @@ class JobEntry:
     preview_every: int = 0
     priority: int = DEFAULT_LEVEL  # its priority level (triptych.priority), its API key's ceiling checked
     handed_over: bool = False  # this head shut down while the job ran: it is left to another head
+    # Another head took the job over while this one ran it (its lease lapsed: the store was out of reach
+    # longer than a lease): this head stops its run, and saves and tells nothing more of it.
+    taken: bool = False
+    leased_until: float = 0.0  # the lease of this head's last save that landed (time.time())
     server_timing: str = ""  # where a completed run's time went (timeline.py), on the head that ran it
     key_id: str | None = None  # the API key it counts against (a digest, auth.py), when that key has limits
     owner: str | None = None  # whose requests see it (ownership.py); None: everyone's
@@ -195,13 +202,41 @@ class VideoJobs:
         if self.store is None:
             return
         async with entry.save_lock:
+            if entry.taken or (entry.made_here and not entry.handed_over and await self._taken_over(entry)):
+                return
             self.store.stamp_expiry(entry.job)  # this head's answers show it as the store's do
             job = entry.job.model_copy()
             lease = self._lease() if entry.running_here else None
             try:
                 await asyncio.to_thread(self.store.save_job, job, lease, entry.run_record(), entry.owner)
+                entry.leased_until = max(entry.leased_until, lease or 0.0)
             except Exception:
                 log.exception("could not save video job %s", job.id)
+
+    async def _taken_over(self, entry: JobEntry) -> bool:
+        """Whether another head took over the job this head runs: possible only once this head's lease
+        may have lapsed (LEASE_MARGIN_S before its end, for clocks and slow writes), so only then is
+        the store read. Such a job is that head's from now on: this head's run is stopped, and it
+        saves and tells nothing more."""
+        assert self.store is not None
+        if time.time() < entry.leased_until - LEASE_MARGIN_S:
+            return False
+        try:
+            stored = await asyncio.to_thread(self.store.load_job, entry.job.id)
+        except Exception:  # unknown: this head's save goes on (it fails too, most likely)
+            return False
+        if stored is None or stored.job.restarts <= entry.job.restarts:
+            return False
+        log.warning(
+            "video job %s: another head took it over (restart %d) while this head's lease had lapsed; "
+            "this head stops its run",
+            entry.job.id,
+            stored.job.restarts,
+        )
+        entry.taken = entry.handed_over = True
+        if entry.task is not None and entry.task is not asyncio.current_task():
+            entry.task.cancel()
+        return True
 
     def save_soon(self, entry: JobEntry) -> None:
         """Save in the background (its state changed): other heads see it within a write."""
@@ -259,8 +294,8 @@ class VideoJobs:
         if not self.adopting():  # the drain began since the scan looked (it would hand the job over again)
             return None
         attempt = job.restarts + 1
-        claim = f"{self.store.job_name(job.id).removesuffix('.json')}.adopt-{attempt}"
-        if not await from_store(f"taking over video {job.id}", self.store.objects.create, claim, b"", OCTETS):
+        marker = f"{self.store.job_name(job.id).removesuffix('.json')}.adopt-{attempt}"
+        if await from_store(f"taking over video {job.id}", claims.claim, self.store.objects, marker, b"") is None:
             return None  # another head takes it over: its next save shows it
         job.restarts, job.step, job.progress, job.error = attempt, 0, 0, None
         job.status, job.state = "queued", RequestState.PENDING.value

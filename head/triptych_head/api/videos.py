@@ -208,9 +208,13 @@ async def _end_run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry) -> None:
     is saved and told (its events, on_end); one handed over is saved for the next head to run."""
     job = entry.job
     ctx.release(entry.request_id)  # also when it was cancelled before generating started
+    if entry.taken:  # another head runs it now (this head's lease had lapsed): its end is that head's to tell
+        return
     if job.status in TERMINAL:
         job.completed_at = int(time.time())
         await jobs.save_async(entry)  # after its content: a head that reads `completed` finds the files
+        if entry.taken:  # found out by that save
+            return
         entry.progress_feed().publish(final_message(job))
         jobs.ended(job)
     elif entry.handed_over:  # saved running without a lease: the next head to look runs it again

@@ -1,0 +1,36 @@
+"""Who takes over an orphan's next attempt (a video job or a webhook event whose head is gone): the
+one head that creates its marker, `<base>` (`videos/<id>.adopt-<n>`, `webhooks/<id>.adopt-<n>`).
+
+The winner then saves the orphan's record as its own (the attempt counted), and every other head
+sees it is taken. A winner that dies before that save, or whose next read of the store fails, would
+leave the marker standing for ever, and the orphan with it: nobody else could win attempt n. So a
+marker older than STALE_S, while the record still shows the attempt untaken, is superseded: the
+next claim is `<base>.r2`, then `.r3`, each won by one head alone (ObjectStore.create).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from triptych_head.objects import ObjectStore
+
+STALE_S = 60.0  # a winner saves its record at once; this long without it, it died first
+
+
+def claim(objects: ObjectStore, base: str, data: bytes, now: float | None = None) -> str | None:
+    """The marker this head won for the attempt `base` names, or None (another head holds a live
+    claim, or won the race for the next one). Call it only while the record shows the attempt untaken."""
+    pattern = re.compile(re.escape(base) + r"(?:\.r(\d+))?")
+    taken = [
+        (int(m.group(1) or 1), obj.mtime)
+        for obj in objects.list(base)
+        if (m := pattern.fullmatch(obj.name)) is not None
+    ]
+    if not taken:
+        return base if objects.create(base, data, "text/plain") else None
+    latest, written = max(taken)
+    if (time.time() if now is None else now) - written < STALE_S:
+        return None  # its winner is saving the record now
+    marker = f"{base}.r{latest + 1}"
+    return marker if objects.create(marker, data, "text/plain") else None

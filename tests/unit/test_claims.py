@@ -1,0 +1,67 @@
+"""An orphan's next attempt is won by one head (claims.claim), and a winner that died before saving the
+orphan as its own does not keep it for ever: its marker, once stale, is superseded by the next claim."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import time
+from pathlib import Path
+
+from tests.api.test_takeover import _orphan
+from triptych_head import claims
+from triptych_head.api.video_jobs import VideoJobs
+from triptych_head.objects import DirectoryObjects
+from triptych_head.results import ResultStore
+from triptych_head.webhook_outbox import Outbox, Pending
+
+BASE = "videos/video_1.adopt-1"
+
+
+def _age(store: DirectoryObjects, name: str, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(store.root / name, (then, then))
+
+
+def test_one_claimant_wins_a_live_claim_holds_and_a_stale_one_is_superseded_by_one_claimant(tmp_path: Path) -> None:
+    store = DirectoryObjects(tmp_path)
+    assert claims.claim(store, BASE, b"a") == BASE
+    assert claims.claim(store, BASE, b"b") is None  # its winner is saving the record
+    _age(store, BASE, claims.STALE_S + 1)  # ... or died before it did
+    heads = [DirectoryObjects(tmp_path) for _ in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(len(heads)) as pool:
+        won = list(pool.map(lambda s: claims.claim(s, BASE, b"x"), heads))
+    assert sorted(won, key=lambda m: m is None) == [f"{BASE}.r2"] + [None] * 5, won
+    assert claims.claim(store, BASE, b"c") is None  # .r2 is live
+    _age(store, f"{BASE}.r2", claims.STALE_S + 1)
+    assert claims.claim(store, BASE, b"d") == f"{BASE}.r3"
+    assert claims.claim(store, "videos/video_1.adopt-2", b"e") == "videos/video_1.adopt-2"  # another attempt
+
+
+def test_a_video_job_whose_adopter_died_before_saving_is_taken_over_once_its_claim_is_stale(tmp_path: Path) -> None:
+    """The head that won videos/<id>.adopt-1 died before its save: every head lost that claim, and the
+    job showed in_progress until retention removed it."""
+    store = ResultStore(DirectoryObjects(tmp_path))
+    _orphan(store)
+    assert store.objects.create("videos/video_orphan.adopt-1", b"", "text/plain")  # the dead winner's
+    started: list[object] = []
+    jobs = VideoJobs(ResultStore(DirectoryObjects(tmp_path)), start=started.append)
+    asyncio.run(jobs.take_over_orphans())
+    assert started == []  # a winner may still be saving
+    _age(store.objects, "videos/video_orphan.adopt-1", claims.STALE_S + 1)
+    asyncio.run(jobs.take_over_orphans())
+    assert len(started) == 1
+    saved = store.load_job("video_orphan")
+    assert saved is not None and saved.job.restarts == 1
+
+
+def test_a_webhook_event_whose_adopter_failed_after_its_claim_is_adopted_once_stale(tmp_path: Path) -> None:
+    """A store error right after winning the marker left it standing: the event was never delivered."""
+    root = DirectoryObjects(tmp_path)
+    Outbox(root, "head-a").save(Pending({"id": "evt_1", "type": "video.completed", "data": {}}), 0.0)  # handed over
+    c = Outbox(DirectoryObjects(tmp_path), "head-c")
+    assert root.create("webhooks/evt_1.adopt-1", b"head-b", "text/plain")  # head-b won, then its read failed
+    assert [c.claim(p) for p in c.orphans(time.time())] == [False]
+    _age(root, "webhooks/evt_1.adopt-1", claims.STALE_S + 1)
+    assert [c.claim(p) for p in c.orphans(time.time())] == [True]
