@@ -5,21 +5,30 @@ The winner then saves the orphan's record as its own (the attempt counted), and 
 sees it is taken. A winner that dies before that save, or whose next read of the store fails, would
 leave the marker standing for ever, and the orphan with it: nobody else could win attempt n. So a
 marker older than STALE_S, while the record still shows the attempt untaken, is superseded: the
-next claim is `<base>.r2`, then `.r3`, each won by one head alone (ObjectStore.create).
+next claim is `<base>.r2`, then `.r3`, each won by one head alone (ObjectStore.create). A stale
+winner may be alive, only cut off from the store: the k-th claim's winner counts its attempt k - 1
+further (a video job's `restarts`), so that the earlier one, reading the record, finds itself
+fenced off (video_jobs.VideoJobs._taken_over) rather than running the same attempt alongside.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from typing import NamedTuple
 
 from triptych_head.objects import ObjectStore
 
-STALE_S = 60.0  # a winner saves its record at once; this long without it, it died first
+STALE_S = 60.0  # a winner saves its record at once; this long without it, it died first (or is cut off)
 
 
-def claim(objects: ObjectStore, base: str, data: bytes, now: float | None = None) -> str | None:
-    """The marker this head won for the attempt `base` names, or None (another head holds a live
+class Claim(NamedTuple):
+    name: str  # the marker won
+    ordinal: int  # 1 for `base`, k for `base.rk`: how many claims of this attempt there were
+
+
+def claim(objects: ObjectStore, base: str, data: bytes, now: float | None = None) -> Claim | None:
+    """The claim this head won for the attempt `base` names, or None (another head holds a live
     claim, or won the race for the next one). Call it only while the record shows the attempt untaken."""
     pattern = re.compile(re.escape(base) + r"(?:\.r(\d+))?")
     taken = [
@@ -28,9 +37,9 @@ def claim(objects: ObjectStore, base: str, data: bytes, now: float | None = None
         if (m := pattern.fullmatch(obj.name)) is not None
     ]
     if not taken:
-        return base if objects.create(base, data, "text/plain") else None
+        return Claim(base, 1) if objects.create(base, data, "text/plain") else None
     latest, written = max(taken)
     if (time.time() if now is None else now) - written < STALE_S:
         return None  # its winner is saving the record now
     marker = f"{base}.r{latest + 1}"
-    return marker if objects.create(marker, data, "text/plain") else None
+    return Claim(marker, latest + 1) if objects.create(marker, data, "text/plain") else None

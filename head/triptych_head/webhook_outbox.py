@@ -88,8 +88,8 @@ class Outbox:
     def claim(self, pending: Pending) -> bool:
         """Whether this head won the event's next adoption (at most one head does)."""
         base = f"{FOLDER}/{pending.event_id}.adopt-{pending.adoptions + 1}"
-        marker = claims.claim(self.objects, base, self.head_id.encode())
-        if marker is None:
+        won = claims.claim(self.objects, base, self.head_id.encode())
+        if won is None:
             return False
         # What this head read may be old: another head may have adopted the event since, delivered it
         # and removed it with its markers, so that this marker could be made again. Only the record
@@ -99,7 +99,7 @@ class Outbox:
         except (ObjectMissing, ValueError, TypeError):
             now = None
         if now is None or now.adoptions != pending.adoptions:
-            self.objects.delete(marker)
+            self.objects.delete(won.name)
             return False
-        pending.adoptions += 1
+        pending.adoptions += won.ordinal  # past a superseded claim's (claims.py)
         return True

@@ -260,6 +260,7 @@ def test_a_head_whose_lease_lapsed_stops_its_run_once_another_head_took_the_job_
                        size="32x16", num_frames=5, fps=16, seed=7)  # fmt: skip
         entry = video_jobs.JobEntry(job, made_here=True, params=params)
         entry.task = asyncio.create_task(asyncio.sleep(60))  # its run
+        follower = entry.progress_feed().subscribe()  # a client following its events on this head
         await first.add(entry)
         put = first.store.objects.put_bytes
 
@@ -275,6 +276,11 @@ def test_a_head_whose_lease_lapsed_stops_its_run_once_another_head_took_the_job_
         await first.renew_leases()  # finds the job taken over: stops its run, writes nothing
         await asyncio.sleep(0)
         assert entry.taken and entry.task.cancelled() and not entry.running_here
+
+        async def followed() -> list[bytes]:
+            return [chunk async for chunk in follower.messages("video_live")]
+
+        assert await asyncio.wait_for(followed(), 5) == []  # its stream ends (it reconnects), with no end event
         entry.job.status = "completed"
         await first.save_async(entry)
         saved = first.store.load_job("video_live")

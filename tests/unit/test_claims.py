@@ -26,17 +26,17 @@ def _age(store: DirectoryObjects, name: str, seconds: float) -> None:
 
 def test_one_claimant_wins_a_live_claim_holds_and_a_stale_one_is_superseded_by_one_claimant(tmp_path: Path) -> None:
     store = DirectoryObjects(tmp_path)
-    assert claims.claim(store, BASE, b"a") == BASE
+    assert claims.claim(store, BASE, b"a") == (BASE, 1)
     assert claims.claim(store, BASE, b"b") is None  # its winner is saving the record
     _age(store, BASE, claims.STALE_S + 1)  # ... or died before it did
     heads = [DirectoryObjects(tmp_path) for _ in range(6)]
     with concurrent.futures.ThreadPoolExecutor(len(heads)) as pool:
         won = list(pool.map(lambda s: claims.claim(s, BASE, b"x"), heads))
-    assert sorted(won, key=lambda m: m is None) == [f"{BASE}.r2"] + [None] * 5, won
+    assert sorted(won, key=lambda m: m is None) == [(f"{BASE}.r2", 2)] + [None] * 5, won
     assert claims.claim(store, BASE, b"c") is None  # .r2 is live
     _age(store, f"{BASE}.r2", claims.STALE_S + 1)
-    assert claims.claim(store, BASE, b"d") == f"{BASE}.r3"
-    assert claims.claim(store, "videos/video_1.adopt-2", b"e") == "videos/video_1.adopt-2"  # another attempt
+    assert claims.claim(store, BASE, b"d") == (f"{BASE}.r3", 3)
+    assert claims.claim(store, "videos/video_1.adopt-2", b"e") == ("videos/video_1.adopt-2", 1)  # another attempt
 
 
 def test_a_video_job_whose_adopter_died_before_saving_is_taken_over_once_its_claim_is_stale(tmp_path: Path) -> None:
@@ -53,7 +53,29 @@ def test_a_video_job_whose_adopter_died_before_saving_is_taken_over_once_its_cla
     asyncio.run(jobs.take_over_orphans())
     assert len(started) == 1
     saved = store.load_job("video_orphan")
-    assert saved is not None and saved.job.restarts == 1
+    assert saved is not None and saved.job.restarts == 2  # past the first claim's, should its winner live on
+
+
+def test_a_head_that_cannot_save_its_take_over_does_not_run_the_job(tmp_path: Path) -> None:
+    """Its save failed (the store out of its reach), and it ran the job anyway: a later claim, once its
+    marker was stale, ran the same attempt too, and neither head could tell."""
+    store = ResultStore(DirectoryObjects(tmp_path))
+    _orphan(store)
+    cut_off: list[object] = []
+    head = VideoJobs(ResultStore(DirectoryObjects(tmp_path)), start=cut_off.append)
+
+    def unreachable(*args: object, **kwargs: object) -> None:
+        raise OSError("the store does not answer")
+
+    head.store.objects.put_bytes = unreachable  # type: ignore[assignment,union-attr]
+    asyncio.run(head.take_over_orphans())
+    assert cut_off == [] and "video_orphan" not in head._jobs
+    _age(store.objects, "videos/video_orphan.adopt-1", claims.STALE_S + 1)  # type: ignore[arg-type]
+    started: list[object] = []
+    other = VideoJobs(ResultStore(DirectoryObjects(tmp_path)), start=started.append)
+    asyncio.run(other.take_over_orphans())
+    saved = store.load_job("video_orphan")
+    assert len(started) == 1 and saved is not None and saved.job.restarts == 2
 
 
 def test_a_webhook_event_whose_adopter_failed_after_its_claim_is_adopted_once_stale(tmp_path: Path) -> None:

@@ -103,6 +103,9 @@ class StreamedMessage:
 
 
 Message = SSEMessage | StreamedMessage
+# Ends a subscriber's stream without an event (ProgressFeed.close): the job moved to another head,
+# and the client, its stream broken, reconnects to follow it there (any head follows it through the store).
+CLOSE = SSEMessage("close", {})
 
 
 def message_of(request_id: str, event: RequestEvent) -> SSEMessage:
@@ -194,6 +197,8 @@ class Subscriber:
                 yield SSEMessage("dropped", {"id": request_id, "dropped": dropped}).encoded
             msg = self._queue.popleft()
             self._taken(msg)
+            if msg is CLOSE:
+                return
             if isinstance(msg, StreamedMessage):
                 async for piece in msg.pieces():
                     yield piece
@@ -244,6 +249,12 @@ class ProgressFeed:
 
     def _forget_history(self) -> None:
         self.history = Subscriber()
+
+    def close(self) -> None:
+        """End every subscriber's stream now, without an end event (the job is another head's now)."""
+        for sub in self.subscribers:
+            sub.offer(CLOSE)
+        self.subscribers.clear()
 
     def subscribe(self) -> Subscriber:
         sub = Subscriber()

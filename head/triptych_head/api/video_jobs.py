@@ -234,6 +234,8 @@ class VideoJobs:
             stored.job.restarts,
         )
         entry.taken = entry.handed_over = True
+        if entry.feed is not None:
+            entry.feed.close()  # its followers reconnect, and follow it through the store
         if entry.task is not None and entry.task is not asyncio.current_task():
             entry.task.cancel()
         return True
@@ -295,8 +297,10 @@ class VideoJobs:
             return None
         attempt = job.restarts + 1
         marker = f"{self.store.job_name(job.id).removesuffix('.json')}.adopt-{attempt}"
-        if await from_store(f"taking over video {job.id}", claims.claim, self.store.objects, marker, b"") is None:
+        won = await from_store(f"taking over video {job.id}", claims.claim, self.store.objects, marker, b"")
+        if won is None:
             return None  # another head takes it over: its next save shows it
+        attempt += won.ordinal - 1  # past a stale claim's winner, which may live on: its next save fences it
         job.restarts, job.step, job.progress, job.error = attempt, 0, 0, None
         job.status, job.state = "queued", RequestState.PENDING.value
         entry = JobEntry(job, made_here=True, params=run.params, preview_every=run.preview_every)
@@ -306,7 +310,14 @@ class VideoJobs:
         entry.feed = ProgressFeed(job.id, HISTORY_LINGER_S)
         self._jobs[job.id] = entry
         self._jobs.move_to_end(job.id)
-        await self.save_async(entry)
+        lease = self._lease()
+        try:  # it runs here only once the store shows it this head's (else a later claim runs it, once stale)
+            saved = (job.model_copy(), lease, entry.run_record(), entry.owner)
+            await from_store(f"taking over video {job.id}", self.store.save_job, *saved)
+        except APIError:
+            self._jobs.pop(job.id, None)
+            return None
+        entry.leased_until = lease
         log.warning("video job %s lost its head: running it again here from the start (restart %d)", job.id, attempt)
         self.takeovers.inc()
         self.start(entry)

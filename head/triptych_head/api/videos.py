@@ -220,6 +220,7 @@ async def _end_run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry) -> None:
     elif entry.handed_over:  # saved running without a lease: the next head to look runs it again
         log.warning("video job %s left to another head: this head shut down before it finished", job.id)
         await jobs.save_async(entry)
+        entry.progress_feed().close()  # its followers reconnect, to a head that follows it through the store
 
 
 def _store_content(results: ResultStore, job_id: str, frames: Any, fps: int, threads: int) -> None:
@@ -268,7 +269,7 @@ async def video_events(video_id: str, request: Request) -> StreamingResponse:
     """The job's progress as Server-Sent Events, until it completes or fails."""
     jobs = _jobs(request)
     entry = await jobs.get(video_id, owner_of(request))
-    if not entry.made_here and entry.job.status not in TERMINAL:  # another head runs it: follow its saved status
+    if not entry.running_here and entry.job.status not in TERMINAL:  # another head runs it: follow its saved status
         return sse_response(foreign_events(jobs, entry))
     return entry.progress_feed().response()
 
