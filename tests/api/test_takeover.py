@@ -273,6 +273,11 @@ def test_a_head_whose_lease_lapsed_stops_its_run_once_another_head_took_the_job_
         first.store.objects.put_bytes = put  # type: ignore[method-assign]
         await other.take_over_orphans()
         assert started == ["video_live"]
+        load = first.store.load_job
+        first.store.load_job = unreachable  # type: ignore[method-assign]
+        await first.renew_leases()  # it cannot tell whether the job is still its own: it writes nothing
+        assert load("video_live").job.restarts == 1 and not entry.taken  # type: ignore[union-attr]
+        first.store.load_job = load  # type: ignore[method-assign]
         await first.renew_leases()  # finds the job taken over: stops its run, writes nothing
         await asyncio.sleep(0)
         assert entry.taken and entry.task.cancelled() and not entry.running_here

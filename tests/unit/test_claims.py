@@ -87,3 +87,20 @@ def test_a_webhook_event_whose_adopter_failed_after_its_claim_is_adopted_once_st
     assert [c.claim(p) for p in c.orphans(time.time())] == [False]
     _age(root, "webhooks/evt_1.adopt-1", claims.STALE_S + 1)
     assert [c.claim(p) for p in c.orphans(time.time())] == [True]
+
+
+def test_a_stale_claim_whose_winner_saved_meanwhile_is_not_run_again(tmp_path: Path) -> None:
+    """The first winner was only slow: its save landed after this head read the job as orphaned. The
+    superseding claim's winner looks again and leaves the job to it."""
+    store = ResultStore(DirectoryObjects(tmp_path))
+    _orphan(store)
+    orphaned = store.load_job("video_orphan")
+    assert orphaned is not None and orphaned.orphaned(time.time())
+    assert store.objects.create("videos/video_orphan.adopt-1", b"", "text/plain")
+    _age(store.objects, "videos/video_orphan.adopt-1", claims.STALE_S + 1)
+    slow_winner = orphaned.job.model_copy(update={"restarts": 1})
+    store.save_job(slow_winner, time.time() + 30, orphaned.run)  # its save lands now
+    started: list[object] = []
+    jobs = VideoJobs(ResultStore(DirectoryObjects(tmp_path)), start=started.append)
+    assert asyncio.run(jobs.take_over(orphaned)) is None
+    assert started == [] and store.load_job("video_orphan").job.restarts == 1  # type: ignore[union-attr]

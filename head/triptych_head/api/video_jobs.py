@@ -86,6 +86,13 @@ class JobEntry:
     def running_here(self) -> bool:
         return self.made_here and self.job.status not in TERMINAL and not self.handed_over
 
+    def close_feed(self) -> None:
+        """The job moved to another head: its followers here reconnect (and follow it through the
+        store); a later one gets a new feed (the job's end, once the store shows it)."""
+        if self.feed is not None:
+            self.feed.close()
+            self.feed = None
+
     def progress_feed(self) -> ProgressFeed:
         if self.feed is None:
             self.feed = ProgressFeed(self.job.id, HISTORY_LINGER_S)
@@ -202,7 +209,7 @@ class VideoJobs:
         if self.store is None:
             return
         async with entry.save_lock:
-            if entry.taken or (entry.made_here and not entry.handed_over and await self._taken_over(entry)):
+            if entry.taken or (entry.made_here and not entry.handed_over and not await self._still_ours(entry)):
                 return
             self.store.stamp_expiry(entry.job)  # this head's answers show it as the store's do
             job = entry.job.model_copy()
@@ -213,20 +220,25 @@ class VideoJobs:
             except Exception:
                 log.exception("could not save video job %s", job.id)
 
-    async def _taken_over(self, entry: JobEntry) -> bool:
-        """Whether another head took over the job this head runs: possible only once this head's lease
-        may have lapsed (LEASE_MARGIN_S before its end, for clocks and slow writes), so only then is
-        the store read. Such a job is that head's from now on: this head's run is stopped, and it
-        saves and tells nothing more."""
+    async def _still_ours(self, entry: JobEntry) -> bool:
+        """Whether this head may save the job it runs. Another head can have taken it over only once
+        this head's lease may have lapsed (LEASE_MARGIN_S before its end, for clocks and slow
+        writes), so only then is the store read first; a read that fails skips this save (the next
+        one reads again), since writing blind could overwrite the other head's record. A job taken
+        over is that head's from now on: this head's run is stopped, and it saves and tells nothing
+        more (`entry.taken`)."""
         assert self.store is not None
-        if time.time() < entry.leased_until - LEASE_MARGIN_S:
-            return False
+        if not entry.leased_until or time.time() < entry.leased_until - LEASE_MARGIN_S:
+            return True  # (never leased: a new job, which no other head can know yet)
         try:
             stored = await asyncio.to_thread(self.store.load_job, entry.job.id)
-        except Exception:  # unknown: this head's save goes on (it fails too, most likely)
+        except Exception as exc:
+            log.warning(
+                "video job %s: not saved, its record unreadable (%s); the next save tries again", entry.job.id, exc
+            )
             return False
         if stored is None or stored.job.restarts <= entry.job.restarts:
-            return False
+            return True
         log.warning(
             "video job %s: another head took it over (restart %d) while this head's lease had lapsed; "
             "this head stops its run",
@@ -234,11 +246,10 @@ class VideoJobs:
             stored.job.restarts,
         )
         entry.taken = entry.handed_over = True
-        if entry.feed is not None:
-            entry.feed.close()  # its followers reconnect, and follow it through the store
+        entry.close_feed()
         if entry.task is not None and entry.task is not asyncio.current_task():
             entry.task.cancel()
-        return True
+        return False
 
     def save_soon(self, entry: JobEntry) -> None:
         """Save in the background (its state changed): other heads see it within a write."""
@@ -300,28 +311,37 @@ class VideoJobs:
         won = await from_store(f"taking over video {job.id}", claims.claim, self.store.objects, marker, b"")
         if won is None:
             return None  # another head takes it over: its next save shows it
+        if won.ordinal > 1 and not await self._still_orphaned(job.id, attempt):
+            return None  # the stale claim's winner saved it meanwhile: it runs there
         attempt += won.ordinal - 1  # past a stale claim's winner, which may live on: its next save fences it
+        job = job.model_copy()  # the stored job stays as the store has it until this head's save lands
         job.restarts, job.step, job.progress, job.error = attempt, 0, 0, None
         job.status, job.state = "queued", RequestState.PENDING.value
         entry = JobEntry(job, made_here=True, params=run.params, preview_every=run.preview_every)
         entry.priority = run.priority
         entry.key_id = run.key_id  # its key's device-seconds are charged for the run again
         entry.owner = stored.owner
-        entry.feed = ProgressFeed(job.id, HISTORY_LINGER_S)
-        self._jobs[job.id] = entry
-        self._jobs.move_to_end(job.id)
         lease = self._lease()
         try:  # it runs here only once the store shows it this head's (else a later claim runs it, once stale)
             saved = (job.model_copy(), lease, entry.run_record(), entry.owner)
             await from_store(f"taking over video {job.id}", self.store.save_job, *saved)
         except APIError:
-            self._jobs.pop(job.id, None)
             return None
         entry.leased_until = lease
+        entry.feed = ProgressFeed(job.id, HISTORY_LINGER_S)
+        self._jobs[job.id] = entry
+        self._jobs.move_to_end(job.id)
         log.warning("video job %s lost its head: running it again here from the start (restart %d)", job.id, attempt)
         self.takeovers.inc()
         self.start(entry)
         return entry
+
+    async def _still_orphaned(self, job_id: str, attempt: int) -> bool:
+        """After superseding a stale claim of `attempt`: the job still waits for it (the earlier
+        winner, only slow, may have saved it as its own since this head read it)."""
+        assert self.store is not None
+        stored = await from_store(f"taking over video {job_id}", self.store.load_job, job_id)
+        return stored is not None and stored.job.restarts < attempt and stored.orphaned(time.time())
 
     async def get(self, job_id: str, owner: str | None = None) -> JobEntry:
         """The job, wherever it runs: the jobs this head runs from memory (the ones it ran too, once the

@@ -220,7 +220,7 @@ async def _end_run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry) -> None:
     elif entry.handed_over:  # saved running without a lease: the next head to look runs it again
         log.warning("video job %s left to another head: this head shut down before it finished", job.id)
         await jobs.save_async(entry)
-        entry.progress_feed().close()  # its followers reconnect, to a head that follows it through the store
+        entry.close_feed()  # its followers reconnect, to a head that follows it through the store
 
 
 def _store_content(results: ResultStore, job_id: str, frames: Any, fps: int, threads: int) -> None:
