@@ -8,7 +8,7 @@ marker older than STALE_S, while the record still shows the attempt untaken, is 
 next claim is `<base>.r2`, then `.r3`, each won by one head alone (ObjectStore.create). A stale
 winner may be alive, only cut off from the store: the k-th claim's winner counts its attempt k - 1
 further (a video job's `restarts`), so that the earlier one, reading the record, finds itself
-fenced off (video_jobs.VideoJobs._taken_over) rather than running the same attempt alongside.
+fenced off (video_jobs.VideoJobs._still_ours) rather than running the same attempt alongside.
 """
 
 from __future__ import annotations

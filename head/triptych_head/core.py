@@ -229,7 +229,7 @@ class HeadCore:
         no request and no receive slot is held any more."""
         if self.drain_deadline is None:
             return False
-        if self.clock() >= self.drain_deadline:
+        if self.drain_expired():
             reason = (
                 f"the head shut down before this request finished (it had {self.drain_seconds:g}s to drain, "
                 "--disagg-drain-timeout); its worker slots were released; retry it"

@@ -365,9 +365,6 @@ def _ensure_control_keys(pipeline: dict[str, Any], spec: PipelineSpec, *, logger
     return fingerprint
 
 
-POOL_KINDS = frozenset({"Deployment", "Service"})  # what a role's pool is made of
-
-
 def _check_keys_owner(pipeline: dict[str, Any], secret: Mapping[str, Any]) -> None:
     """ApplyError for a key Secret of an earlier pipeline of this name (deleted, then created again
     before the garbage collector came): its pods would mount a Secret about to be deleted, and new
@@ -429,6 +426,9 @@ async def _apply_children(
     finally:
         for reason, children in changed.items():
             _post(pipeline, "Normal", reason=reason, message=f"{CHANGE_MESSAGES[reason]}: {', '.join(children)}")
+
+
+POOL_KINDS = frozenset({"Deployment", "Service"})  # what a role's pool is made of
 
 
 async def _delete_unwanted(

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,14 +21,11 @@ from pathlib import Path
 
 import httpx
 
+from triptych_dev.localdeploy import free_port_block
+
 KEY = "k-drain"
+PORTS = 8  # HTTP, the scheduler's six, the worker's
 ANSWER = {"created": 1, "data": [{"b64_json": "AAAA"}]}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _record(folder: Path) -> tuple[Path, Path]:
@@ -44,7 +40,7 @@ def test_a_request_waiting_on_another_head_s_run_when_sigterm_comes_gets_its_ans
     record.parent.mkdir(parents=True)
     lease = time.time() + 300  # another head runs the key now, and renews its lease
     record.write_text(json.dumps({"state": "running", "fingerprint": "", "head": "other", "lease_until": lease}))
-    port = _free_port()
+    port = free_port_block(PORTS)
     head = subprocess.Popen(
         [sys.executable, __file__, str(tmp_path), str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
@@ -84,7 +80,8 @@ def test_a_request_waiting_on_another_head_s_run_when_sigterm_comes_gets_its_ans
 
 def _serve(folder: str, port: int) -> None:
     """The head as `triptych serve --disagg-role server` builds it (head/triptych_head/main.py), with a
-    worker address nobody answers on."""
+    worker address nobody answers on: HTTP on `port`, the scheduler's ports from `port` + 1 (six of
+    them), the worker on the last of the block of PORTS."""
     from triptych.cli import build_parser
     from triptych.config import ServeArgs
     from triptych.families import ModelInfo
@@ -96,8 +93,8 @@ def _serve(folder: str, port: int) -> None:
     from triptych_head.server import DiffusionServer
     from triptych_head.shutdown import disaggregated_drain, serve_http
 
-    argv = ["serve", "--model-path", "m", "--disagg-role", "server", "--scheduler-port", str(_free_port()),
-            "--denoiser-urls", f"tcp://127.0.0.1:{_free_port()}", "--port", str(port), "--output-path", folder,
+    argv = ["serve", "--model-path", "m", "--disagg-role", "server", "--scheduler-port", str(port + 1),
+            "--denoiser-urls", f"tcp://127.0.0.1:{port + PORTS - 1}", "--port", str(port), "--output-path", folder,
             "--disagg-drain-timeout", "60"]  # fmt: skip
     args = ServeArgs.from_namespace(build_parser().parse_args(argv))
     sock = bind_http(args)

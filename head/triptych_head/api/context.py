@@ -116,9 +116,10 @@ class HeadContext:
             registry=self.registry,
         )
 
-    def refuse_if_draining(self) -> None:
-        """New work goes to another head: 503 with Retry-After while this one drains. A request let
-        in counts among those the drain waits for (`at_door`) until its HTTP exchange ends."""
+    def let_in(self) -> None:
+        """A request for new work at the door: while this head drains it goes to another (503 with
+        Retry-After); let in, it counts among those the drain waits for (`at_door`) until its HTTP
+        exchange ends."""
         if self.draining:
             raise APIError(
                 503,

@@ -52,7 +52,7 @@ def image_routes(models: RequestModels) -> APIRouter:
         """Multipart: `image` (a file, or an http(s) URL as text), `prompt`, and optionally the other
         fields of the form's schema (`size` defaults to the reference's size)."""
         ctx: HeadContext = request.app.state.ctx
-        ctx.refuse_if_draining()
+        ctx.let_in()
         if not ctx.model.edits:
             raise APIError(
                 400,
@@ -79,7 +79,7 @@ def direct_routes(models: RequestModels) -> dict[tuple[str, str], DirectRoute]:
 
 async def create_images(body: RequestBody, request: Request) -> Response:
     ctx: HeadContext = request.app.state.ctx
-    ctx.refuse_if_draining()
+    ctx.let_in()
     values = body.model_dump()
     return await _images(ctx, IMAGES, values, ctx.params_for(IMAGES, values), request)
 

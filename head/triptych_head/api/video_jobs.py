@@ -43,7 +43,6 @@ LEASE_MARGIN_S = JOB_LEASE_S / 3  # JobEntry.leased_until: held surely until thi
 
 MAX_JOBS = 1000  # remembered jobs; the oldest finished ones are forgotten first
 RESTARTED = "the head restarted while this job was running; submit it again"
-OCTETS = "application/octet-stream"
 JOB_ID = re.compile(r"video_[A-Za-z0-9_-]{1,64}")  # new_request_id("video") makes video_<32 hex>
 FOREIGN_POLL_S = 1.0  # how often the events of a job another head runs re-read its status
 SHUT_DOWN = "the head shut down while this job was running; submit it again"
@@ -323,8 +322,8 @@ class VideoJobs:
         entry.owner = stored.owner
         lease = self._lease()
         try:  # it runs here only once the store shows it this head's (else a later claim runs it, once stale)
-            saved = (job.model_copy(), lease, entry.run_record(), entry.owner)
-            await from_store(f"taking over video {job.id}", self.store.save_job, *saved)
+            record = (lease, entry.run_record(), entry.owner)
+            await from_store(f"taking over video {job.id}", self.store.save_job, job, *record)
         except APIError:
             return None
         entry.leased_until = lease

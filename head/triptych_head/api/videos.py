@@ -84,7 +84,7 @@ def direct_routes(models: RequestModels) -> dict[tuple[str, str], DirectRoute]:
 async def create_video(body: RequestBody, request: Request) -> BaseModel | Response:
     """A new job; with an Idempotency-Key, one job per key (a retry answers the job made first)."""
     ctx: HeadContext = request.app.state.ctx
-    ctx.refuse_if_draining()
+    ctx.let_in()
     try:
         values = with_frames(body.model_dump(), body.model_fields_set, ctx.model)
     except ParamError as exc:
