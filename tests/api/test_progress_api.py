@@ -87,7 +87,15 @@ def test_the_playground_is_served_at_the_root_with_its_files(backend, tmp_path):
         assert '<script type="module" src="/static/app.js">' in page.text
         assert c.get("/static/app.js").headers["content-type"].startswith("text/javascript")
         assert c.get("/static/nope.js").status_code == 404
-    assert "connect-src 'self';" in page.headers["Content-Security-Policy"]  # its own origin only
+        files = [c.get(f"/static/{name}") for name in ("app.js", "style.css")]
+        index = c.get("/static/index.html", follow_redirects=False)
+    policy = page.headers["Content-Security-Policy"]
+    assert "connect-src 'self';" in policy  # its own origin only
+    assert "frame-ancestors 'none'" in policy and page.headers["X-Frame-Options"] == "DENY"  # no site frames it
+    for file in files:  # the page's files under the page's policy, asked for again after an upgrade
+        assert file.status_code == 200
+        assert file.headers["Content-Security-Policy"] == policy and file.headers["Cache-Control"] == "no-cache"
+    assert index.status_code == 308 and index.headers["location"] == "/"  # the page is served at / only
 
 
 def test_with_presigned_content_the_page_may_fetch_and_play_from_the_bucket():

@@ -348,3 +348,52 @@ def test_history_survives_a_reload_and_can_be_cleared(browser, wan: LocalDeploym
     page.click("#clear-history")
     assert page.eval_on_selector_all("#history li", "items => items.length") == 0
     page.close()
+
+
+def test_a_video_whose_stream_ends_early_is_followed_again_and_its_last_bytes_are_given_back(
+    browser, wan: LocalDeployment
+):
+    """The first events stream of each job ends after one event without a result (made by Playwright:
+    what a head's stream does when the job moves to another head, a drain or a take-over); the page
+    follows the job again and shows its video. The content answers without Server-Timing (as an object
+    store's, after --results-presign redirects there): the timeline comes from the job. A second video
+    gives back the first one's bytes (its blob: URL no longer loads)."""
+    page = new_page(browser, DESKTOP)
+    followed: list[str] = []
+
+    def first_stream_ends_early(route) -> None:
+        followed.append(route.request.url)
+        if followed.count(route.request.url) == 1:
+            route.fulfill(
+                status=200, content_type="text/event-stream", body='event: state\ndata: {"state": "queued"}\n\n'
+            )
+        else:
+            route.continue_()
+
+    def content_from_the_bucket(route) -> None:
+        answer = route.fetch()
+        headers = {k: v for k, v in answer.headers.items() if k.lower() != "server-timing"}
+        route.fulfill(response=answer, headers=headers)
+
+    page.route("**/v1/videos/*/events", first_stream_ends_early)
+    page.route("**/v1/videos/*/content", content_from_the_bucket)
+    page.goto(wan.http + "/")
+    page.wait_for_function("document.body.dataset.kind === 'video'")
+    fill_request(page, "waves at night", 64, 64, 3, 7, 0)
+    page.fill("#frames", "5")
+    page.click("#generate")
+    page.wait_for_selector("#result-video:not([hidden])", timeout=120_000)
+    assert page.text_content("#role") == "done"
+    assert_timeline(page, ["encoder", "denoiser", "decoder"])
+    first = page.get_attribute("#result-video", "src")
+    assert first and first.startswith("blob:"), first
+    assert page.evaluate("url => fetch(url).then(r => r.ok)", first)
+
+    page.fill("#seed", "8")
+    page.click("#generate")
+    video = "document.querySelector('#result-video').src"
+    page.wait_for_function(f"{video}.startsWith('blob:') && {video} !== {first!r}", timeout=120_000)
+    gone = page.evaluate("url => fetch(url).then(() => false, () => true)", first)
+    page.close()
+    assert len(followed) == 4 and len(set(followed)) == 2, followed  # each job's stream, twice
+    assert gone, "the first video's blob: URL still loads"

@@ -144,6 +144,9 @@ function resetOutput() {
   $("preview").hidden = true;
   $("result-image").hidden = true;
   $("result-video").hidden = true;
+  const video = $("result-video").src;
+  if (video.startsWith("blob:")) URL.revokeObjectURL(video); // the last video's bytes, held until now
+  $("result-video").removeAttribute("src");
   $("caption").textContent = "";
   renderTimeline("");
 }
@@ -216,20 +219,28 @@ function imageRequest(body, image) {
   return ["/v1/images/edits", { method: "POST", body: form }];
 }
 
-async function sendImageRequest(body, image) {
-  const key = idempotencyKey();
+// The final event of a stream that `open` starts, opened again (retryWait) when it was cut before one.
+async function followRetrying(open, again) {
   for (let attempt = 0; ; attempt++) {
-    const [path, options] = imageRequest(body, image);
-    options.headers = { ...(options.headers ?? {}), "Idempotency-Key": key };
     try {
-      return await follow(await api(path, options));
+      return await follow(await open());
     } catch (err) {
       const wait = retryWait(err, attempt);
       if (wait === null) throw err;
-      $("caption").textContent = `sending it again (${err.message})`;
+      $("caption").textContent = `${again} (${err.message})`;
       await new Promise((resolve) => setTimeout(resolve, wait));
     }
   }
+}
+
+function sendImageRequest(body, image) {
+  const key = idempotencyKey();
+  const send = () => {
+    const [path, options] = imageRequest(body, image);
+    options.headers = { ...(options.headers ?? {}), "Idempotency-Key": key };
+    return api(path, options);
+  };
+  return followRetrying(send, "sending it again");
 }
 
 // An error's words and the request they are about (the id the head's logs use: X-Request-Id).
@@ -252,10 +263,16 @@ async function generateVideo(body) {
     await api("/v1/videos", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })
   ).json();
   mine.add(job.id);
-  const final = await follow(await api(`/v1/videos/${job.id}/events`));
+  // A job's stream ends without a result when the job moves to another head (a drain, a take-over)
+  // or the connection is cut: the job runs on, so its events are followed again (any head serves them).
+  const events = () => api(`/v1/videos/${job.id}/events`);
+  const final = await followRetrying(events, "following it again");
   if (final.event === "error") throw new Error(naming(final.data.error.message, job.id));
+  // The timeline from the job itself: its content may be a redirect to the object store, whose
+  // answer carries no Server-Timing.
+  const done = await api(`/v1/videos/${job.id}`);
+  renderTimeline(done.headers.get("Server-Timing") ?? "");
   const content = await api(`/v1/videos/${job.id}/content`);
-  renderTimeline(content.headers.get("Server-Timing") ?? "");
   const blob = await content.blob();
   $("result-video").src = URL.createObjectURL(blob);
   $("result-video").hidden = false;
