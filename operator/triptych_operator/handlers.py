@@ -42,6 +42,7 @@ from triptych_operator.constants import (
     WORKER_IMAGE_ENV,
 )
 from triptych_operator.fields import FieldError
+from triptych_operator.leading import Leadership
 from triptych_operator.manifests import control_keys_secret, render
 from triptych_operator.pipeline_state import PipelineKey, PipelineState, PipelineStates
 from triptych_operator.spec.model import PipelineSpec
@@ -61,6 +62,8 @@ STATUS_DELAY_S = 1.0  # status changes within this long go out as one patch
 STATUS_RETRY_S = 10
 # With peering (main.py --peering): how long a silent replica counts as alive (kopf's keep-alive lifetime).
 PEERING_LIFETIME_S = 60
+# This replica among its peers (main.py sets it with --peering): whether the scale-to-zero loop acts.
+LEADERSHIP = Leadership()
 
 # The watched kinds, by the (apiVersion, kind) of the manifests, and the kopf index holding each.
 CHILD_KINDS: dict[tuple[str, str], tuple[str, str, str, str]] = {
@@ -112,7 +115,9 @@ async def start_waking(memo: kopf.Memo, **indexes: Any) -> None:
     """The roles that scale to zero: taken down when idle, up when a request needs them (wake.py).
 
     kopf hands a startup handler its indexes too: live views, which the loop reads on every pass."""
-    memo.waking = asyncio.create_task(wake.run(memo.pipelines, indexes[DEPLOYMENT_INDEX]), name="scale to zero")
+    memo.waking = asyncio.create_task(
+        wake.run(memo.pipelines, indexes[DEPLOYMENT_INDEX], LEADERSHIP), name="scale to zero"
+    )
 
 
 @kopf.on.cleanup()

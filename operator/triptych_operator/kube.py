@@ -34,6 +34,7 @@ from kubernetes.utils import quantity
 from triptych_operator.constants import GROUP, KIND, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
 
 API_CONCURRENCY = 16  # requests in flight at once
+PEERING_GROUP, PEERING_VERSION = "kopf.dev", "v1"  # kopf's peering objects, as the chart creates them
 HANDOVER_MANAGER = f"{MANAGER}-handover"  # holds a Deployment's replicas from the operator's last apply to its HPA
 _lock = threading.Lock()
 _clients: dict[str, DynamicClient] = {}
@@ -227,6 +228,23 @@ def annotate_deployment(name: str, namespace: str, annotations: Mapping[str, str
     api = client.AppsV1Api(dynamic_client().client)
     body = {"metadata": {"annotations": dict(annotations)}}
     api.patch_namespaced_deployment(name, namespace, body, field_manager=manager)
+
+
+def peering_status(name: str, namespace: str | None) -> dict[str, Any] | None:
+    """The status of kopf's peering object `name` (its peers: identity -> priority, lifetime, lastseen):
+    the ClusterKopfPeering with `namespace` None, else that namespace's KopfPeering; None when absent."""
+    api = client.CustomObjectsApi(dynamic_client().client)
+    body: Any
+    try:
+        if namespace is None:
+            body = api.get_cluster_custom_object(PEERING_GROUP, PEERING_VERSION, "clusterkopfpeerings", name)
+        else:
+            body = api.get_namespaced_custom_object(PEERING_GROUP, PEERING_VERSION, namespace, "kopfpeerings", name)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return dict(body.get("status") or {})
 
 
 def deployment_metric(name: str, namespace: str, metric: str) -> float | None:

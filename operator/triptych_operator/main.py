@@ -17,6 +17,8 @@ import copy
 import logging
 import os
 import random
+import secrets
+import socket
 from collections.abc import Sequence
 
 import kopf
@@ -24,12 +26,14 @@ import kopf
 from triptych import __version__
 from triptych.log_format import FIELDS, JSON, JsonFormatter
 from triptych.log_format import FORMATS as LOG_FORMATS
+from triptych_operator.leading import Leadership
 
 WATCH_NAMESPACES_ENV = "TRIPTYCH_WATCH_NAMESPACES"
 LIVENESS_ENV = "TRIPTYCH_LIVENESS_ENDPOINT"
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 PEERING_ENV = "TRIPTYCH_PEERING"
 PEERING_LIFETIME_ENV = "TRIPTYCH_PEERING_LIFETIME"
+POD_ID_ENV = "POD_ID"  # kopf's name for it: the pod's name, this replica's name among its peers
 # kopf's default: a replica that stops without saying so is taken for dead this long after its last keep-alive.
 DEFAULT_PEERING_LIFETIME_S = 60
 
@@ -79,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def own_identity() -> str:
+    """This replica's name among its peers (kopf's peering object): its pod's name ($POD_ID, as kopf
+    reads it), else host and process, and a random tail so that a restarted process is a new peer."""
+    pod = os.environ.get(POD_ID_ENV)
+    if pod:
+        return pod
+    return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
+
+
 def watched_namespaces(flags: Sequence[str] | None, env: str | None) -> list[str]:
     """Namespaces from the flags, else from the comma-separated env value; empty means cluster-wide."""
     if flags:
@@ -119,14 +132,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_logging(args)
     priority = 0
+    identity = own_identity()
     if args.peering:
         # Two replicas of equal priority would both pause: random priorities practically never collide.
         priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
         triptych_operator.handlers.PEERING_LIFETIME_S = args.peering_lifetime
+        triptych_operator.handlers.LEADERSHIP = Leadership(args.peering, identity, priority, clusterwide=not namespaces)
     kopf.run(
         standalone=not args.peering,
         peering_name=args.peering,
         priority=priority,
+        identity=identity,  # type: ignore[arg-type]  # kopf's Identity: a NewType of str, not exported
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=args.liveness or None,

@@ -13,7 +13,9 @@ operator makes the two steps the HPA cannot, as KEDA does, from the HPA's own si
 
 Every WAKE_INTERVAL_S, for each such role of the pipelines this operator reconciles, one read (the
 metric; the Deployment's replicas come from the operator's watch, its kopf index) and, when it
-decides, one write and an Event on the pipeline; nothing for the other pipelines. Without the
+decides, one write and an Event on the pipeline; nothing for the other pipelines. With several
+operator replicas only the one kopf lets work passes (leading.py): the others' watches are paused,
+so what they saw is stale. Without the
 metric (no metrics server, no head answering) nothing changes: a role is never taken to zero on a
 missing signal. The head lets requests wait for a role at zero as long as they may live
 (serve_args.head_wake_wait).
@@ -39,6 +41,7 @@ from kubernetes.client import ApiException
 
 from triptych_operator import kube
 from triptych_operator.constants import API_TIME_FORMAT, GROUP, PENDING_WORK_METRIC, crd_field
+from triptych_operator.leading import Leadership
 from triptych_operator.pipeline_state import PipelineStates
 from triptych_operator.serve_args import object_name
 from triptych_operator.spec.model import Autoscaling, PipelineSpec
@@ -101,10 +104,21 @@ class Waker:
         self._silent: set[tuple[str, str]] = set()  # those without a metric, logged once until it comes back
         self._scaled: dict[tuple[str, str], tuple[int, float]] = {}  # -> (the replicas it changed, when)
 
-    async def one_pass(self, states: PipelineStates, deployments: DeploymentIndex) -> None:
-        """`deployments`: the operator's kopf index of Deployments, by (namespace, pipeline)."""
+    async def one_pass(
+        self, states: PipelineStates, deployments: DeploymentIndex, leadership: Leadership | None = None
+    ) -> None:
+        """`deployments`: the operator's kopf index of Deployments, by (namespace, pipeline);
+        `leadership`: whether this replica acts on a namespace (leading.py; None: standalone). A role
+        it does not act on now is forgotten (when it last had work, what it scaled): a replica that
+        leads again later starts afresh, not from what it saw before another replica took over."""
         seen = set()
+        leading: dict[str, bool] = {}  # per namespace, read once a pass
         for role in roles_to_watch(states):
+            if leadership is not None:
+                if role.namespace not in leading:
+                    leading[role.namespace] = await leadership.leads(role.namespace)
+                if not leading[role.namespace]:
+                    continue
             key = (role.namespace, role.deployment)
             seen.add(key)
             try:
@@ -218,13 +232,19 @@ async def wake_left_asleep(spec: PipelineSpec, namespace: str, deployments: Iter
             log.warning("%s/%s: could not wake it (%s); the next reconcile tries again", namespace, name, exc.reason)
 
 
-async def run(states: PipelineStates, deployments: DeploymentIndex, interval_s: float = WAKE_INTERVAL_S) -> None:
+async def run(
+    states: PipelineStates,
+    deployments: DeploymentIndex,
+    leadership: Leadership | None = None,
+    interval_s: float = WAKE_INTERVAL_S,
+) -> None:
     """Pass over the roles that scale to zero every `interval_s`, until cancelled; `deployments` is
-    the operator's live kopf index of its Deployments (handlers.start_waking passes it)."""
+    the operator's live kopf index of its Deployments (handlers.start_waking passes it), `leadership`
+    whether this replica is the one that acts (leading.py)."""
     waker = Waker()
     while True:
         try:
-            await waker.one_pass(states, deployments)
+            await waker.one_pass(states, deployments, leadership)
         except asyncio.CancelledError:
             raise
         except Exception:  # an API error: the next pass tries again

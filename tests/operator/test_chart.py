@@ -19,7 +19,7 @@ from tests.operator.helpers import REPO, minimal_spec, pipeline
 from triptych_operator import manifests
 from triptych_operator.constants import DEFAULT_HEAD_IMAGE, DEFAULT_WORKER_IMAGE, HEAD_IMAGE_ENV, WORKER_IMAGE_ENV
 from triptych_operator.handlers import CHILD_KINDS
-from triptych_operator.main import LIVENESS_ENV, WATCH_NAMESPACES_ENV
+from triptych_operator.main import LIVENESS_ENV, PEERING_ENV, PEERING_LIFETIME_ENV, POD_ID_ENV, WATCH_NAMESPACES_ENV
 from triptych_operator.main import build_parser as operator_parser
 from triptych_operator.metrics_api.main import build_parser as metrics_api_parser
 from triptych_operator.metrics_api.prometheus import HEAD_GAUGES
@@ -156,6 +156,12 @@ def test_the_operator_env_the_chart_sets_is_the_env_the_operator_reads(helm_bin:
     deployment = operator_deployment(render(helm_bin))
     env = {e["name"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env == {WATCH_NAMESPACES_ENV, LIVENESS_ENV, WORKER_IMAGE_ENV, HEAD_IMAGE_ENV}
+    peered = operator_deployment(render(helm_bin, "replicas=2"))
+    env = {e["name"] for e in peered["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env == {WATCH_NAMESPACES_ENV, LIVENESS_ENV, WORKER_IMAGE_ENV, HEAD_IMAGE_ENV, PEERING_ENV} | {
+        PEERING_LIFETIME_ENV,
+        POD_ID_ENV,
+    }
 
 
 # ---------------------------------------------------------------- the custom metrics API
@@ -315,8 +321,12 @@ def test_replicas_above_one_peer_through_kopf_with_only_the_peering_rights_they_
     deployment = operator_deployment(docs)
     assert deployment["spec"]["replicas"] == 2
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
-    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e.get("value") or e["valueFrom"]
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env["TRIPTYCH_PEERING"] == "rel-triptych" and env["TRIPTYCH_PEERING_LIFETIME"] == "60"
+    assert env[POD_ID_ENV] == {"fieldRef": {"fieldPath": "metadata.name"}}  # its peer name: the pod's
     peerings = sorted((d["kind"], d["metadata"]["namespace"]) for d in docs if d["apiVersion"] == "kopf.dev/v1")
     assert peerings == [("KopfPeering", "a"), ("KopfPeering", "b")]
     for role in (d for d in docs if d["kind"] == "Role"):

@@ -125,3 +125,62 @@ def test_the_standby_takes_over_within_the_lifetime_and_applies_an_edit_once(
             if replica.proc.poll() is None:
                 replica.proc.terminate()
                 replica.proc.wait(timeout=30)
+
+
+def test_a_replica_that_loses_the_lead_stops_scaling_to_zero(
+    kube_cluster: KubeCluster, kube_namespace: str, release: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kopf pauses a replica's watches and handlers when one of a higher priority appears, but not the
+    operator's own scale-to-zero loop: that loop reads the peering object itself (leading.py). The first
+    replica leads and checks its sleepy role; once a second of a higher priority is up, the first stands
+    by, and the second, which resumes and reconciles the pipeline, leads. The rule applied to the live
+    peering object (read with the operator's own credentials) says the same."""
+    from triptych_operator import kube
+    from triptych_operator.leading import leads
+
+    cluster, ns = kube_cluster, kube_namespace
+    peering = f"{release}-triptych"
+    kubeconfig = service_account_kubeconfig(cluster, ns, peering, tmp_path / "kc")
+    replicas: list[Replica] = []
+
+    def start(name: str, priority: int) -> Replica:
+        port = free_port()
+        cmd = operator_command(ns, port)
+        cmd += ["--peering", peering, "--priority", str(priority), "--peering-lifetime", str(LIFETIME_S)]
+        env = {**cluster.env, "KUBECONFIG": str(kubeconfig), "POD_ID": name}  # POD_ID: its peer name, as in a pod
+        log = tmp_path / f"{name}.log"
+        replica = Replica(
+            name, subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT), log, port
+        )
+        replicas.append(replica)
+        poll(lambda: _healthz(port), timeout=60, what=f"{name}'s liveness endpoint")
+        return replica
+
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+
+    def peers() -> dict:
+        return kube.peering_status(peering, ns) or {}
+
+    leading_line = f"scale to zero in {ns}: this replica leads"
+    standing_line = f"scale to zero in {ns}: another replica leads; standing by"
+    try:
+        first = start("first", priority=100)
+        sleepy = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2}}
+        apply(cluster, ns, pipeline_manifest("lead", denoiser=sleepy))
+        wait_phase(cluster, ns, "lead", "Ready")
+        poll(lambda: leading_line in first.log(), timeout=30, what="the first replica's loop to lead")
+        assert leads(peers(), "first", 100)
+
+        second = start("second", priority=200)
+        poll(lambda: "second" in peers(), timeout=30, what="the second replica in the peering object")
+        poll(lambda: standing_line in first.log(), timeout=30, what="the first replica's loop to stand by")
+        poll(lambda: leading_line in second.log(), timeout=60, what="the second replica's loop to lead")
+        assert not leads(peers(), "first", 100) and leads(peers(), "second", 200)
+        assert "Pausing operations" in first.log()  # kopf paused it too: the two agree
+        said = first.log()
+        assert said.count(standing_line) == 1 and said.index(standing_line) > said.index(leading_line), said[-3000:]
+    finally:
+        for replica in replicas:
+            if replica.proc.poll() is None:
+                replica.proc.terminate()
+                replica.proc.wait(timeout=30)
