@@ -36,7 +36,7 @@ from tests.operator.test_operator_cluster import CRD, apply, condition, get, pip
 from triptych.roles import Role
 from triptych_dev.localdeploy import free_port_block, local_deployment
 from triptych_operator.constants import HEAD_METRICS_URL_ANNOTATION
-from triptych_operator.metrics_api.source import KubePipelineReader, head_metrics_urls
+from triptych_operator.metrics_api.source import HeadEndpoint, KubePipelineReader, head_metrics_urls
 from triptych_operator.wake import ASLEEP
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -430,7 +430,7 @@ def parse_quantity(text: str) -> float:
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
-def test_without_the_annotation_the_heads_are_the_head_services_ready_endpoints(
+def test_without_the_annotation_the_heads_are_the_head_services_endpoints_those_serving_required(
     kube_cluster: KubeCluster, kube_namespace: str
 ) -> None:
     """The default discovery, through the real API: EndpointSlices of <pipeline>-head, ready ones only."""
@@ -445,6 +445,8 @@ def test_without_the_annotation_the_heads_are_the_head_services_ready_endpoints(
         "endpoints": [
             {"addresses": ["192.0.2.10"], "conditions": {"ready": True}},
             {"addresses": ["192.0.2.11"], "conditions": {"ready": False}},  # e.g. terminating
+            # As with publishNotReadyAddresses (the head Service): ready whatever the pod, serving its readiness.
+            {"addresses": ["192.0.2.12"], "conditions": {"ready": True, "serving": False}},
         ],
         "ports": [{"name": "http", "port": 30000, "protocol": "TCP"}],
     }
@@ -455,5 +457,9 @@ def test_without_the_annotation_the_heads_are_the_head_services_ready_endpoints(
     kube_cluster.apply("\n---\n".join(json.dumps(s) for s in (slice_, other)))
     reader = KubePipelineReader(config.new_client_from_config(config_file=kube_cluster.kubeconfig))
     pipeline = {"metadata": {"name": "flux", "namespace": ns}, "spec": {"head": {"port": 31000}}}
-    assert head_metrics_urls(pipeline, reader) == ["http://192.0.2.10:31000/metrics"]
+    assert head_metrics_urls(pipeline, reader) == [
+        HeadEndpoint("http://192.0.2.10:31000/metrics", required=True),
+        HeadEndpoint("http://192.0.2.11:31000/metrics", required=False),
+        HeadEndpoint("http://192.0.2.12:31000/metrics", required=False),
+    ]
     assert reader.get_pipeline(ns, "no-such-pipeline") is None

@@ -26,11 +26,16 @@ from triptych_operator.metrics_api.main import server_tls
 from triptych_operator.metrics_api.prometheus import add, parse_role_gauges
 from triptych_operator.metrics_api.server import build_app, quantity
 from triptych_operator.metrics_api.source import (
+    MAX_HEAD_URLS,
+    MAX_KEPT_BYTES,
+    MAX_LINE_BYTES,
+    HeadEndpoint,
     HeadMetricsSource,
+    RoleLines,
     deployment_name_splits,
+    head_endpoints,
     heads_tls,
     http_fetcher,
-    ready_addresses,
 )
 
 HEAD_PAGE = """\
@@ -85,17 +90,35 @@ def test_deployment_names_split_every_way_a_pipeline_and_role_render_them() -> N
     assert deployment_name_splits("-decoder") == []
 
 
-def test_only_ready_endpoints_are_heads() -> None:
+def test_heads_that_serve_are_required_and_the_others_read_if_they_answer() -> None:
+    """The head Service publishes heads that are not ready (a draining head's work counts), so their
+    `ready` says true whatever the pod's state: `serving` is the pod's readiness."""
     slices = [
-        {"endpoints": [{"addresses": ["198.19.0.5"], "conditions": {"ready": True}}]},
-        {"endpoints": [{"addresses": ["198.19.0.6"], "conditions": {"ready": False}}, {"addresses": ["198.19.0.7"]}]},
+        {"endpoints": [{"addresses": ["198.19.0.5"], "conditions": {"ready": True, "serving": True}}]},
+        {
+            "endpoints": [
+                {"addresses": ["198.19.0.6"], "conditions": {"ready": True, "serving": False}},  # starting, draining
+                {"addresses": ["198.19.0.7"]},  # unknown: serving, as the API documents
+                {"addresses": ["198.19.0.8"], "conditions": {"ready": False}},  # no serving condition: ready's
+                {"addresses": ["198.19.0.9"], "conditions": {"ready": False, "serving": True, "terminating": True}},
+            ]
+        },
         {"endpoints": None},
+        {"endpoints": [{"addresses": ["198.19.0.6"], "conditions": {"serving": True}}]},  # in two slices: serving
     ]
-    assert ready_addresses(slices) == ["198.19.0.5", "198.19.0.7"]
+    assert head_endpoints(slices) == [
+        HeadEndpoint("198.19.0.5", True),
+        HeadEndpoint("198.19.0.6", True),
+        HeadEndpoint("198.19.0.7", True),
+        HeadEndpoint("198.19.0.8", False),
+        HeadEndpoint("198.19.0.9", False),
+    ]
 
 
 class FakeReader:
-    def __init__(self, pipelines: dict[str, dict[str, Any]], endpoints: dict[str, list[str]] | None = None) -> None:
+    def __init__(
+        self, pipelines: dict[str, dict[str, Any]], endpoints: dict[str, list[str | HeadEndpoint]] | None = None
+    ) -> None:
         self.pipelines = pipelines
         self.endpoints = endpoints or {}
         self.gets = 0
@@ -109,8 +132,9 @@ class FakeReader:
             raise ConnectionError("the API server did not answer")
         return list(self.pipelines.values())
 
-    def ready_addresses(self, namespace: str, service: str) -> list[str]:
-        return self.endpoints.get(service, [])
+    def head_endpoints(self, namespace: str, service: str) -> list[HeadEndpoint]:
+        """`endpoints`' addresses: a plain one serves."""
+        return [e if isinstance(e, HeadEndpoint) else HeadEndpoint(e) for e in self.endpoints.get(service, [])]
 
 
 def pipeline(
@@ -262,6 +286,113 @@ def test_heads_serving_https_are_scraped_over_it_and_checked_against_the_ca_and_
         asyncio.run(run())
     refused = [r.getMessage() for r in caplog.records if "ml/impostor" in r.getMessage()]
     assert len(refused) == 1 and "certificate" in refused[0].lower(), refused
+
+
+def test_a_head_that_is_not_serving_counts_when_it_answers_and_is_skipped_when_it_does_not(heads: Heads) -> None:
+    """One head serves; another (127.0.0.2, same port) is published but not serving: nothing listens
+    there (a head that never started), then it answers (a draining head, whose work counts). A head
+    that serves and does not answer still makes the metric absent."""
+    port = heads.start(HEAD_PAGE)
+    published = ["127.0.0.1", HeadEndpoint("127.0.0.2", required=False)]
+    reader = FakeReader({"flux": pipeline("flux", port=port)}, {"flux-head": published})
+    reader.pipelines["down"] = pipeline("down", port=port)
+    reader.endpoints["down-head"] = [HeadEndpoint("127.0.0.2", required=True)]
+    reader.pipelines["starting"] = pipeline("starting", port=port)
+    reader.endpoints["starting-head"] = [HeadEndpoint("127.0.0.2", required=False)]
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            source = HeadMetricsSource(reader, http_fetcher(session, 2.0), cache_seconds=0)
+            flux = await _values(source, "flux")
+            assert flux is not None and flux["denoiser"]["triptych_pending_work_seconds"] == 42.5
+            assert await _values(source, "down") is None  # a serving head that does not answer: absent
+            assert await _values(source, "starting") is None  # no head answered at all: absent, not zero
+            draining = http.server.ThreadingHTTPServer(("127.0.0.2", port), _page_handler(HEAD_PAGE))
+            threading.Thread(target=draining.serve_forever, daemon=True).start()
+            try:
+                both = await _values(source, "flux")
+                assert both["denoiser"]["triptych_pending_work_seconds"] == 85.0  # the draining head's work too
+            finally:
+                draining.shutdown()
+                draining.server_close()
+
+    asyncio.run(run())
+
+
+def _page_handler(page: str) -> type[http.server.BaseHTTPRequestHandler]:
+    """A head answering `page`, encoded once (what it costs is not the reader's)."""
+    body = page.encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+def test_only_a_page_s_role_lines_are_kept_as_it_is_read() -> None:
+    """A page of 15 MiB of short lines (under the page cap) costs the process little: only its
+    triptych_role_ lines are kept as the chunks arrive, whatever the chunking."""
+    import tracemalloc
+
+    filler = "ab\n" * (5 << 19)  # 7.5 MiB each side
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _page_handler(filler + HEAD_PAGE + filler))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    reader = FakeReader({"flux": pipeline("flux", url=f"http://127.0.0.1:{port}/metrics")})
+
+    async def run() -> Any:
+        async with aiohttp.ClientSession() as session:
+            return await _values(HeadMetricsSource(reader, http_fetcher(session, 30.0)), "flux")
+
+    tracemalloc.start()
+    try:
+        values = asyncio.run(run())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        server.shutdown()
+        server.server_close()
+    assert values["denoiser"]["triptych_pending_work_seconds"] == 42.5
+    assert peak < 8 << 20, f"reading the page peaked at {peak >> 20} MiB"
+
+    role = b'triptych_role_queued_requests{role="denoiser"} 3\n'
+    for size in (1, 2, 7, 64):
+        lines = RoleLines("u")
+        page = b"x" * 9000 + b"\n# HELP\n" + role + b"triptych_rolex 1\n" + role[:-1]  # the last without \n
+        for i in range(0, len(page), size):
+            lines.feed(page[i : i + size])
+        assert lines.text() == (role + role).decode(), size  # not the long line, the comment, triptych_rolex
+
+
+def test_a_page_whose_role_lines_are_too_long_or_too_many_is_refused() -> None:
+    long_line = RoleLines("http://h/metrics")
+    with pytest.raises(ValueError, match=f"line over {MAX_LINE_BYTES} bytes"):
+        long_line.feed(b"triptych_role_x{" + b"a" * MAX_LINE_BYTES + b"}\n")
+    many = RoleLines("http://h/metrics")
+    with pytest.raises(ValueError, match=f"over {MAX_KEPT_BYTES} bytes of triptych_role_ lines"):
+        for _ in range(MAX_KEPT_BYTES // 20 + 1):
+            many.feed(b"triptych_role_x 1.0\n")
+
+
+def test_an_annotation_naming_too_many_heads_is_refused_naming_it(caplog: pytest.LogCaptureFixture) -> None:
+    urls = ", ".join(f"http://127.0.0.1:{1000 + i}/metrics" for i in range(MAX_HEAD_URLS + 1))
+    reader = FakeReader({"flux": pipeline("flux", url=urls)})
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            assert await HeadMetricsSource(reader, http_fetcher(session)).role_values("ml", "flux") is None
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(run())
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert f"names {MAX_HEAD_URLS + 1} URLs; at most {MAX_HEAD_URLS}" in said, said
 
 
 def test_a_pipeline_without_a_ready_head_has_no_metrics() -> None:

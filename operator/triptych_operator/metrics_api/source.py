@@ -3,10 +3,14 @@
 A metric request names a Deployment `<pipeline>-<role>`: of the ways to split its name (`svc-prompt-encoder`
 is svc's prompt encoder or svc-prompt's combined encoder), the pipeline that exists and runs that role
 is the one meant. The pipeline's heads are found at the
-ready endpoints of its `<pipeline>-head` Service (EndpointSlices), or at the URLs of the
-`triptych.ai/head-metrics-url` annotation. Values are summed over the heads. When a head cannot
-be scraped the metrics are absent (the HPA then holds its replica count) and this is logged once
-until it recovers.
+endpoints of its `<pipeline>-head` Service (EndpointSlices), or at the URLs of the
+`triptych.ai/head-metrics-url` annotation (at most MAX_HEAD_URLS). Values are summed over the heads.
+When a head that serves cannot be scraped the metrics are absent (the HPA then holds its replica
+count) and this is logged once until it recovers. The Service publishes heads that are not ready
+too (a draining head still holds work that counts): their EndpointSlice entries say `ready` whatever
+the pod's state, and `serving` is the pod's readiness. A head that is not serving (draining,
+starting, crash-looping) counts when it answers and is skipped when it does not, so one head that
+never started does not blind the HPA to the others.
 
 Heads of a pipeline with `spec.head.tls` serve HTTPS and are scraped over it: with --head-ca-file
 their certificate is verified against that CA and the name `<pipeline>-head.<namespace>.svc`
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -46,6 +51,15 @@ METRICS_PATH = "/metrics"
 MAX_CACHED_PIPELINES = 1000
 
 
+@dataclass(frozen=True)
+class HeadEndpoint:
+    """Where one head's /metrics page is; `required`: a head that serves (its page must be read for
+    the pipeline's values), else one that may not answer (draining, starting): read if it does."""
+
+    address: str
+    required: bool = True
+
+
 class PipelineReader(Protocol):
     """The API reads the metrics server needs (a fake in unit tests, kubernetes client in production)."""
 
@@ -53,8 +67,8 @@ class PipelineReader(Protocol):
 
     def list_pipelines(self, namespace: str) -> list[Mapping[str, Any]]: ...
 
-    def ready_addresses(self, namespace: str, service: str) -> list[str]:
-        """Addresses of the ready endpoints of `service` (its EndpointSlices)."""
+    def head_endpoints(self, namespace: str, service: str) -> list[HeadEndpoint]:
+        """The endpoints of `service` (its EndpointSlices): each address and whether it serves."""
         ...
 
 
@@ -83,19 +97,27 @@ def _head_spec(pipeline: Mapping[str, Any]) -> Mapping[str, Any]:
     return (pipeline.get("spec") or {}).get("head") or {}
 
 
-def head_metrics_urls(pipeline: Mapping[str, Any], reader: PipelineReader) -> list[str]:
-    """The /metrics URLs of a pipeline's heads: the annotation's, else its head Service's ready endpoints
-    (https:// when the heads serve HTTPS, spec.head.tls)."""
+def head_metrics_urls(pipeline: Mapping[str, Any], reader: PipelineReader) -> list[HeadEndpoint]:
+    """The /metrics URLs of a pipeline's heads (as HeadEndpoint addresses): the annotation's (each
+    required), else its head Service's endpoints (https:// when the heads serve HTTPS, spec.head.tls)."""
     meta = pipeline["metadata"]
     override = (meta.get("annotations") or {}).get(HEAD_METRICS_URL_ANNOTATION)
     if override:
-        return [url.strip() for url in override.split(",") if url.strip()]
+        urls = [url.strip() for url in override.split(",") if url.strip()]
+        if len(urls) > MAX_HEAD_URLS:
+            named = f"annotation {HEAD_METRICS_URL_ANNOTATION} names {len(urls)} URLs"
+            raise ValueError(f"{named}; at most {MAX_HEAD_URLS} heads are read: name fewer")
+        return [HeadEndpoint(url) for url in urls]
     head = _head_spec(pipeline)
     scheme = "https" if head.get("tls") else "http"
     service = object_name(meta["name"], HEAD_COMPONENT)
-    hosts = reader.ready_addresses(meta["namespace"], service)
     port = head.get("port", HEAD_HTTP_PORT)
-    return [f"{scheme}://{f'[{h}]' if ':' in h else h}:{port}{METRICS_PATH}" for h in hosts]
+    return [
+        HeadEndpoint(
+            f"{scheme}://{f'[{h.address}]' if ':' in h.address else h.address}:{port}{METRICS_PATH}", h.required
+        )
+        for h in reader.head_endpoints(meta["namespace"], service)
+    ]
 
 
 def head_server_name(pipeline: Mapping[str, Any]) -> str | None:
@@ -187,11 +209,14 @@ class HeadMetricsSource:
                 return None, roles, created  # not a pipeline's Deployment: nothing to report, nothing to log
             roles = frozenset(role.value for role in pool_roles(pipeline.get("spec") or {}))
             created = str(pipeline["metadata"].get("creationTimestamp") or "")
-            urls = await asyncio.to_thread(head_metrics_urls, pipeline, self.reader)
-            if not urls:
-                raise LookupError(f"no ready head endpoint for {object_name(name, HEAD_COMPONENT)}")
+            heads = await asyncio.to_thread(head_metrics_urls, pipeline, self.reader)
+            if not heads:
+                raise LookupError(f"no head endpoint for {object_name(name, HEAD_COMPONENT)}")
             server_name = head_server_name(pipeline)
-            pages = await asyncio.gather(*(self.fetch(url, server_name) for url in urls))
+            read = await asyncio.gather(*(self._page(head, server_name) for head in heads))
+            pages = [page for page in read if page is not None]
+            if not pages:
+                raise LookupError(f"no head of {object_name(name, HEAD_COMPONENT)} answered (none is serving)")
         except Exception as exc:  # any failure means "no metric": the HPA holds rather than acts on a guess
             self._report_failure((namespace, name), f"{type(exc).__name__}: {exc}")
             return None, roles, created
@@ -201,6 +226,16 @@ class HeadMetricsSource:
         for page in pages:
             add(total, parse_role_gauges(page))
         return total, roles, created
+
+    async def _page(self, head: HeadEndpoint, server_name: str | None) -> str | None:
+        """A head's page; None for one that is not serving and did not answer (a required one raises)."""
+        try:
+            return await self.fetch(head.address, server_name)
+        except Exception as exc:
+            if head.required:
+                raise
+            log.debug("%s is not serving and did not answer (%s): skipped", head.address, exc)
+            return None
 
     def _report_failure(self, key: tuple[str, str], reason: str) -> None:
         """Log once per failure streak, not on every request of every HPA."""
@@ -214,6 +249,13 @@ class HeadMetricsSource:
 
 
 MAX_PAGE_BYTES = 16 << 20  # a head's /metrics page is tens of KB with hundreds of workers
+# What a page may hold: only its per-role gauges are kept as it is read (this process's memory is
+# every HPA's: a page of short lines would be hundreds of MiB as strings), each line at most
+# MAX_LINE_BYTES, and at most MAX_KEPT_BYTES of them (a head has a few lines per role).
+ROLE_LINE_PREFIX = b"triptych_role_"
+MAX_LINE_BYTES = 4096
+MAX_KEPT_BYTES = 256 << 10
+MAX_HEAD_URLS = 64  # URLs the annotation may name: the heads of one pipeline, each read at once
 
 
 def heads_tls(ca_file: str | None) -> ssl.SSLContext | None:
@@ -240,14 +282,61 @@ def http_fetcher(
         async with session.get(url, timeout=timeout, allow_redirects=False, **checks) as resp:
             if resp.status != 200:
                 raise ValueError(f"{url} answered {resp.status}, not the metrics page")
-            page = bytearray()
+            lines = RoleLines(url)
             async for chunk in resp.content.iter_chunked(1 << 16):
-                page += chunk
-                if len(page) > MAX_PAGE_BYTES:
-                    raise ValueError(f"{url}: a metrics page over {MAX_PAGE_BYTES} bytes")
-            return page.decode("utf-8", errors="replace")
+                lines.feed(chunk)
+            return lines.text()
 
     return fetch
+
+
+class RoleLines:
+    """The per-role gauge lines of a /metrics page, kept as it arrives (everything else is dropped
+    chunk by chunk, the lines found by a regular expression in C): the page's bytes, each kept line
+    and all kept lines are bounded (ValueError past one)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.read = 0
+        self.kept = bytearray()
+        self._carry = b""  # the start of a line the next chunk ends
+        self._skipping = False  # the line being read is too long to carry and not one to keep
+
+    def feed(self, chunk: bytes) -> None:
+        self.read += len(chunk)
+        if self.read > MAX_PAGE_BYTES:
+            raise ValueError(f"{self.url}: a metrics page over {MAX_PAGE_BYTES} bytes")
+        if self._skipping:
+            end = chunk.find(b"\n")
+            if end < 0:
+                return
+            chunk, self._skipping = chunk[end + 1 :], False
+        data = self._carry + chunk
+        last = data.rfind(b"\n")
+        self._keep(data[: last + 1])
+        self._carry = data[last + 1 :]
+        if len(self._carry) > MAX_LINE_BYTES:
+            self._too_long(self._carry)
+            self._carry, self._skipping = b"", True
+
+    def text(self) -> str:
+        self._keep(self._carry + b"\n")  # the last line, without its newline
+        self._carry = b""
+        return self.kept.decode("utf-8", errors="replace")
+
+    def _keep(self, lines: bytes) -> None:
+        for line in _ROLE_LINE.findall(lines):
+            self._too_long(line)
+            self.kept += line + b"\n"
+        if len(self.kept) > MAX_KEPT_BYTES:
+            raise ValueError(f"{self.url}: over {MAX_KEPT_BYTES} bytes of triptych_role_ lines")
+
+    def _too_long(self, line: bytes) -> None:
+        if len(line) > MAX_LINE_BYTES and line.startswith(ROLE_LINE_PREFIX):
+            raise ValueError(f"{self.url}: a triptych_role_ line over {MAX_LINE_BYTES} bytes")
+
+
+_ROLE_LINE = re.compile(rb"^" + re.escape(ROLE_LINE_PREFIX) + rb"[^\n]*", re.MULTILINE)
 
 
 class KubePipelineReader:
@@ -273,21 +362,26 @@ class KubePipelineReader:
         listing: Any = self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
         return list(listing.get("items") or [])
 
-    def ready_addresses(self, namespace: str, service: str) -> list[str]:
+    def head_endpoints(self, namespace: str, service: str) -> list[HeadEndpoint]:
         slices = self.discovery.list_namespaced_endpoint_slice(
             namespace, label_selector=f"kubernetes.io/service-name={service}"
         )
-        return ready_addresses(slice_.to_dict() for slice_ in slices.items)
+        return head_endpoints(slice_.to_dict() for slice_ in slices.items)
 
 
-def ready_addresses(slices: Any) -> list[str]:
-    """Addresses of ready endpoints across EndpointSlices (dicts in the client's snake_case), deduplicated."""
-    seen: dict[str, None] = {}
+def head_endpoints(slices: Any) -> list[HeadEndpoint]:
+    """The endpoints across EndpointSlices (dicts in the client's snake_case), deduplicated: each
+    required when it serves. `serving` is the pod's readiness even where the Service publishes pods
+    that are not ready (whose `ready` then says true); without it, `ready`; unknown counts as serving,
+    as the API documents. A terminating head is not required (it is draining)."""
+    seen: dict[str, bool] = {}
     for slice_ in slices:
         for endpoint in slice_.get("endpoints") or []:
-            ready = (endpoint.get("conditions") or {}).get("ready")
-            if ready is False:  # unknown (None) counts as ready, as the API documents
-                continue
+            conditions = endpoint.get("conditions") or {}
+            serving = conditions.get("serving")
+            if serving is None:
+                serving = conditions.get("ready")
+            required = serving is not False and conditions.get("terminating") is not True
             for address in endpoint.get("addresses") or []:
-                seen[address] = None
-    return list(seen)
+                seen[address] = seen.get(address, False) or required
+    return [HeadEndpoint(address, required) for address, required in seen.items()]
