@@ -124,6 +124,11 @@ def test_a_head_with_only_denoiser_urls_is_a_full_pipeline_pool_and_its_workers_
         (["--results-store", "s3://bucket1/p", "--results-s3-endpoint", "http://s3:99999"],
          "--results-s3-endpoint 'http://s3:99999' is not"),
         (["--otlp-endpoint", "http://c:abc"], "--otlp-endpoint 'http://c:abc' is not"),
+        # An unclosed [IPv6] host made urlsplit raise ValueError: a traceback, not a line naming the flag.
+        (["--otlp-endpoint", "http://["], re.escape("--otlp-endpoint 'http://[' is not http(s)://HOST:PORT")),
+        (["--results-store", "s3://bucket1/p", "--results-s3-endpoint", "http://[::1"],
+         re.escape("--results-s3-endpoint 'http://[::1' is not http(s)://HOST[:PORT]")),
+        (["--results-store", "s3://[x/p"], re.escape("--results-store 's3://[x/p' is not s3://BUCKET/PREFIX")),
         (["--output-path", " "], "--output-path is empty"),
     ],
 )  # fmt: skip
@@ -142,6 +147,35 @@ def test_cli_exits_nonzero_with_one_line():
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("triptych: error:"), proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "line"),
+    [
+        (["--otlp-endpoint", "http://["], {}, "--otlp-endpoint 'http://[' is not http(s)://HOST:PORT"),
+        (["--results-store", "s3://[x/p"], {}, "--results-store 's3://[x/p' is not s3://BUCKET/PREFIX"),
+        # The variable is read as the head starts (as 'ftp://x' is): a ValueError traceback before, rc 1.
+        (["--disagg-role", "server", "--encoder-urls", "tcp://127.0.0.1:1", "--denoiser-urls", "tcp://127.0.0.1:2",
+          "--decoder-urls", "tcp://127.0.0.1:3", "--port", "{port}", "--output-path", "{tmp}"],
+         {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://["},
+         "OTEL_EXPORTER_OTLP_ENDPOINT 'http://[' is not an http(s)://HOST:PORT URL"),
+    ],
+)  # fmt: skip
+def test_a_bracketed_url_is_one_line_not_a_traceback(argv, env, line, tmp_path):
+    import os
+    import socket
+
+    with socket.socket() as probe:  # the head binds --port before it reads the variable
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{port}", str(port)) for a in argv]
+    proc = subprocess.run(
+        [sys.executable, "-m", "triptych", "serve", "--model-path", ".models/tiny-flux", *argv],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("triptych: error:")]
+    assert errors and line in errors[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_to_argv_round_trips():

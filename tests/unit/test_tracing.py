@@ -98,7 +98,7 @@ def test_a_malformed_traceparent_from_a_peer_starts_a_new_trace() -> None:
 
 
 @pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])
-@pytest.mark.parametrize("url", ["garbage-not-a-url", "http://c:abc", "http://c:99999", "ftp://c:4318"])
+@pytest.mark.parametrize("url", ["garbage-not-a-url", "http://c:abc", "http://c:99999", "ftp://c:4318", "http://["])
 def test_an_endpoint_from_the_environment_is_checked_as_the_flag_is(variable, url):
     """It was taken as given and every export failed later, naming no variable."""
     from triptych.config import ConfigError

@@ -28,9 +28,14 @@ def url_port_ok(parts: SplitResult) -> bool:
 
 
 def http_endpoint(url: str) -> SplitResult | None:
-    """`url` split, if it is http(s)://HOST[:PORT]... with a valid port; None if it is not."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or not url_port_ok(parts):
+    """`url` split, if it is http(s)://HOST[:PORT]... with a valid port; None if it is not (urlsplit
+    raises on an unclosed or bad [IPv6] host: 'http://[')."""
+    try:
+        parts = urlsplit(url)
+        hostname = parts.hostname
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not hostname or not url_port_ok(parts):
         return None
     return parts
 

@@ -34,12 +34,16 @@ def check_results_store(args: ServeArgs) -> None:
     if given and args.disagg_role.is_worker:
         raise ConfigError(f"{flag(given[0])} is for the head (server or monolithic), not {args.disagg_role}")
     if args.results_store is not None:
-        parts = urlsplit(args.results_store)
+        not_s3 = ConfigError(
+            f"--results-store {args.results_store!r} is not s3://BUCKET/PREFIX (for a shared folder, "
+            "mount it and give --output-path instead)"
+        )
+        try:
+            parts = urlsplit(args.results_store)
+        except ValueError:  # an unclosed or bad [IPv6] host: 's3://[x/p'
+            raise not_s3 from None
         if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
-            raise ConfigError(
-                f"--results-store {args.results_store!r} is not s3://BUCKET/PREFIX (for a shared folder, "
-                "mount it and give --output-path instead)"
-            )
+            raise not_s3
         if not S3_BUCKET.fullmatch(parts.netloc):
             raise ConfigError(
                 f"--results-store {args.results_store!r}: {parts.netloc!r} is not an S3 bucket name "
