@@ -19,7 +19,9 @@ MAX_RETRY_AFTER_S. A connection failure moves on to the next URL at once; the ot
 a growing backoff. GETs retry the same way (they change nothing). A stream cut before its last
 event is sent again too: a job's events from the start, a streamed image request under its key
 (its progress again from the run that takes it over, or only its `completed` event when it had
-finished). A read that timed out is never retried (`timeout` is the caller's bound).
+finished), as is a streamed request whose `error` event has status 502-504. `retries` counts failures
+in a row: a reconnection that brings an event not seen before starts the count again. A read that
+timed out is never retried (`timeout` is the caller's bound).
 """
 
 from __future__ import annotations
@@ -219,9 +221,15 @@ class TriptychClient:
     def _events(self, method: str, path: str, resumable: bool = False, **kwargs: Any) -> Iterator[Event]:
         """The Server-Sent Events of `path`; `resumable` (a GET of a job's events, which any head
         serves from the start, or a streamed POST under an Idempotency-Key): a connection lost
-        midway is opened again, on the next URL, as are a proxy's 502-504 and a 409/429 with a
-        Retry-After."""
+        midway is opened again, on the next URL, as are a proxy's 502-504, a 409/429 with a
+        Retry-After, and an `error` event of status 502-504 (the head stopped under the request, or
+        a worker's result was bad: the key's next attempt runs it again). `retries` bounds the
+        failures in a row: a connection that brought an event not seen before (a new state or step)
+        starts the count again, so a long job followed across several head restarts is not given up
+        on. Out of retries, a resumable stream raises ClientError naming every failure; a stream that
+        is not resumable just ends, and the caller sees it end without a result."""
         failures: list[str] = []
+        seen: set[tuple[Any, ...]] = set()  # what the connections so far brought (_progress_mark)
         attempt = 0
         while True:
             url = self.url
@@ -236,12 +244,25 @@ class TriptychClient:
                         failures.append(f"{url}: {response.status_code} {_error_text(response)}")
                     else:
                         for event in iter_sse(response.iter_lines()):
+                            mark = _progress_mark(event)
+                            if mark not in seen:
+                                seen.add(mark)
+                                attempt = 0  # this connection brought news: a fresh count of failures
+                                failures.clear()
+                            if event.event == "error" and resumable and attempt < self.retries:
+                                status = (event.data.get("error") or {}).get("status")
+                                if status in RETRY_STATUSES:
+                                    failures.append(f"{url}: {status} {_event_error_text(event)}")
+                                    break
                             yield event
                             if event.event in ("completed", "error"):
                                 return
-                        if not resumable or attempt >= self.retries:
-                            return  # the caller sees the stream end without a result
-                        failures.append(f"{url}: the stream ended before its result (its head stopped?)")
+                        else:
+                            if not resumable:
+                                return  # the caller sees the stream end without a result
+                            failures.append(f"{url}: the stream ended before its result (its head stopped?)")
+                            if attempt >= self.retries:
+                                raise ClientError(_unreached(failures, "the progress stream ended without a result:"))
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never connected: nothing was lost
                 failures.append(f"{url}: {exc or type(exc).__name__}")
                 if attempt >= self.retries:
@@ -345,8 +366,22 @@ def _retry_after(response: httpx.Response) -> float | None:
     return seconds if 0 <= seconds <= MAX_RETRY_AFTER_S else None
 
 
-def _unreached(failures: list[str]) -> str:
+def _unreached(failures: list[str], what: str = "cannot reach") -> str:
     """One line for the failed attempts: each distinct failure once, in order, and how many there were."""
     distinct = list(dict.fromkeys(failures))
     tried = f" ({len(failures)} attempts)" if len(failures) > 1 else ""
-    return f"cannot reach {'; '.join(distinct)}{tried}"
+    return f"{what} {'; '.join(distinct)}{tried}"
+
+
+def _progress_mark(event: Event) -> tuple[Any, ...]:
+    """Where an event says the request is: its kind, state, role and step (not its request id, which
+    a rerun under the same key changes, nor its preview). A connection whose events are all marks seen
+    before (a replay from the start, a rerun that got no further) brought no news."""
+    data = event.data
+    return (event.event, data.get("state"), data.get("role"), data.get("step"))
+
+
+def _event_error_text(event: Event) -> str:
+    """An error event's message, naming its request as an error answer does."""
+    error = event.data.get("error") or {}
+    return naming(str(error.get("message") or "error"), event.data.get("id"))

@@ -203,6 +203,65 @@ def test_a_job_s_events_cut_midway_are_followed_again_from_another_head() -> Non
     assert script.seen[0]["path"] == "/v1/videos/vid_1/events"
 
 
+def step(n: int, total: int = 10) -> bytes:
+    return (
+        f'event: step\ndata: {{"id": "vid_1", "state": "denoising", "step": {n}, "total_steps": {total}}}\n\n'.encode()
+    )
+
+
+def test_a_long_job_followed_across_more_cuts_than_retries_is_followed_to_its_end() -> None:
+    """Each connection brings new steps, then is cut (a rolling update draining head after head): the
+    retries bound failures in a row, not the cuts of a job's whole life."""
+    cuts = [(200, SSE, b"".join(step(n) for n in range(1, k + 1))) for k in (2, 4, 6, 8)]
+    last = (200, SSE, b"".join(step(n) for n in range(1, 11)) + COMPLETED)
+    with server(*cuts, last) as (url, script):
+        c, _ = client([url], retries=3)
+        events = list(c.video_events("vid_1"))
+    assert events[-1].event == "completed" and len(script.seen) == 5
+    assert max(e.data.get("step") or 0 for e in events) == 10
+
+
+def test_a_job_whose_streams_bring_nothing_new_is_given_up_on_with_every_failure_named() -> None:
+    """A connection that replays what was seen, then is cut, is a failure; out of retries the caller
+    gets a ClientError naming them, not an iterator that just ends."""
+    replay = (200, SSE, step(1) + step(2))
+    with server(replay, replay, replay, replay, replay) as (url, script):
+        c, _ = client([url], retries=3)
+        seen = []
+        with pytest.raises(
+            ClientError, match=r"the progress stream ended without a result: .*ended before its result.*"
+        ):
+            for event in c.video_events("vid_1"):
+                seen.append(event)
+    assert len(script.seen) == 4  # the first try and 3 retries: the replays brought nothing new
+    assert [e.data["step"] for e in seen][:2] == [1, 2]
+
+
+def test_a_streamed_request_whose_head_stopped_under_it_is_sent_again_under_its_key() -> None:
+    """A 503 error event (the head shut down before the run finished, a bad result from a worker: the
+    key's failed attempt runs again) is retried like the same answer without streaming, on the next
+    head; an error event of another status is the request's end."""
+    stopped = (
+        b'event: error\ndata: {"id": "img_1", "error": {"message": "the head shut down; retry it", "status": 503}}\n\n'
+    )
+    with server((200, SSE, STEP + stopped)) as (first, cut), server((200, SSE, STEP + COMPLETED)) as (second, again):
+        c, _ = client([first, second])
+        events = [e.event for e in c.stream_images({"prompt": "x"})]
+    assert events == ["step", "step", "completed"]  # the 503 is not the caller's: it was retried
+    assert keys(cut)[0] is not None and keys(cut) == keys(again)
+
+    refused = b'event: error\ndata: {"id": "img_2", "error": {"message": "loras: no such adapter", "status": 400}}\n\n'
+    with server((200, SSE, refused)) as (url, script):
+        c, _ = client([url, closed_port()])
+        events = list(c.stream_images({"prompt": "x"}))
+    assert [e.event for e in events] == ["error"] and len(script.seen) == 1
+
+    with server(*[(200, SSE, stopped)] * 4) as (url, script):
+        c, _ = client([url], retries=3)
+        events = list(c.stream_images({"prompt": "x"}))
+    assert [e.event for e in events] == ["error"] and len(script.seen) == 4  # out of retries: the caller's
+
+
 def test_bad_settings_are_named() -> None:
     with pytest.raises(ClientError, match="url: give the head's HTTP URL"):
         TriptychClient(" , ")
