@@ -6,6 +6,8 @@ with a scripted backend whose video jobs stay in flight while they run."""
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,51 @@ def test_a_limit_that_is_not_a_whole_number_stops_the_head_naming_the_line(
     refused_keys(
         tmp_path, f"sk-a\nsk-b {option}={value}\n", rf"--api-keys-file .*line 2: {option}='{value}' must be a whole"
     )
+
+
+@pytest.mark.parametrize("option", ["max_in_flight", "max_per_minute", "max_per_day", "max_device_seconds_per_hour"])
+def test_a_limit_beyond_the_largest_count_stops_the_head_naming_the_line(tmp_path: Path, option: str) -> None:
+    """400 digits passed as a whole number >= 1, then float() of it raised OverflowError: a traceback at
+    start-up, and after a live edit a 500 for the key's requests and its GET /v1/usage."""
+    huge = "1" + "0" * 399
+    shown = re.escape(f"{option}='{huge[:40]}'... (400 characters) must be a whole number from 1 to 1000000000")
+    refused_keys(tmp_path, f"sk-a\nsk-b {option}={huge}\n", rf"^--api-keys-file .*, line 2: {shown}$")
+    refused_keys(
+        tmp_path, f"sk-b {option}=1000000001\n", rf"line 1: {option}='1000000001' must be a whole number from 1"
+    )
+    (big,) = parse_entries(f"sk-b {option}=1000000000\n")  # the largest is taken
+    limit = big.limit
+    assert limit is not None
+    counts = (
+        limit.max_in_flight,
+        limit.max_per_minute,
+        *dict(limit.quotas).values(),
+        *dict(limit.device_quotas).values(),
+    )
+    assert 1_000_000_000 in counts
+
+
+def test_a_live_edit_to_a_limit_beyond_the_largest_count_keeps_the_keys_read_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("triptych_head.api.auth.RECHECK_S", 0.0)
+    backend = ScriptedBackend()
+    path = tmp_path / "keys"
+    path.write_text("sk-trial max_per_minute=2\n")
+    model = ModelInfo("tiny", "WanPipeline", "video", 4, 3.5)
+    ctx = HeadContext(backend, model, tmp_path, CollectorRegistry(), api_keys=APIKeys(path))
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(ctx)) as client:
+        edited = tmp_path / "keys.new"
+        edited.write_text("sk-trial max_per_minute=" + "9" * 400 + "\n")
+        os.replace(edited, path)  # as a Secret update swaps the file
+        auth = {"Authorization": "Bearer sk-trial"}
+        answers = [client.post("/v1/images/generations", json=IMAGE, headers=auth) for _ in range(3)]
+        assert [r.status_code for r in answers] == [200, 200, 429], [r.text for r in answers]  # still 2 a minute
+        usage = client.get("/v1/usage", headers=auth)
+        assert usage.status_code == 200 and usage.json()["per_minute"]["limit"] == 2, usage.text
+    assert "cannot re-read --api-keys-file" in caplog.text and "must be a whole number from 1 to" in caplog.text
 
 
 def test_an_unknown_option_is_named_with_the_options_there_are(tmp_path: Path) -> None:

@@ -266,7 +266,7 @@ def test_a_keys_file_line_may_give_its_key_quotas_of_device_seconds(tmp_path: Pa
     (gpu,) = parse_entries("sk-gpu max_device_seconds_per_month=360000 max_device_seconds_per_hour=600\n")
     assert gpu.limit is not None and dict(gpu.limit.device_quotas) == {"month": 360000, "hour": 600}
     assert gpu.limit.quotas == ()
-    with pytest.raises(ValueError, match=r"max_device_seconds_per_day='1.5' must be a whole number >= 1"):
+    with pytest.raises(ValueError, match=r"max_device_seconds_per_day='1.5' must be a whole number from 1 to"):
         parse_entries("sk-gpu max_device_seconds_per_day=1.5\n")
     (tmp_path / "keys").write_text("sk-gpu max_device_seconds_per_day=60 max_per_hour=9\n")
     keys = APIKeys(tmp_path / "keys")

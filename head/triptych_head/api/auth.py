@@ -52,6 +52,7 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from triptych import priority
+from triptych.config import MAX_NUMBER
 from triptych_head.api.errors import error_body, send_json
 from triptych_head.api.key_limits import KEY_LIMIT, RATE_OPTION, KeyLimit
 from triptych_head.api.key_limits import OPTION as IN_FLIGHT_OPTION
@@ -68,6 +69,8 @@ RECHECK_S = 1.0
 
 MAX_PRIORITY = "max_priority"
 COUNTED = (IN_FLIGHT_OPTION, RATE_OPTION, *QUOTA_OPTIONS, *DEVICE_OPTIONS)  # the options that take a count N
+# A count's largest value, as a number flag's (MAX_NUMBER): 400 digits overflowed the bucket's float.
+MAX_COUNT = int(MAX_NUMBER)
 DEFAULT_CEILING = priority.NORMAL  # a key that names no ceiling: what every request was before priorities
 
 
@@ -136,8 +139,13 @@ def _checked_option(number: int, name: str, value: str) -> str:
         if (problem := check_tenant(value)) is not None:
             raise ValueError(f"line {number}: {TENANT}={value[:80]!r} {problem}")
     elif name in COUNTED:
-        if not (value.isascii() and value.isdigit()) or int(value) < 1:
-            raise ValueError(f"line {number}: {name}={value!r} must be a whole number >= 1")
+        # The length first: int() of thousands of digits raises (sys.int_info's limit) or takes long.
+        digits = value.lstrip("0")
+        whole = value.isascii() and value.isdigit() and len(digits) <= len(str(MAX_COUNT))
+        if not whole or not 1 <= int(digits or "0") <= MAX_COUNT:
+            shown = repr(value) if len(value) <= 80 else f"{value[:40]!r}... ({len(value)} characters)"
+            raise ValueError(f"line {number}: {name}={shown} must be a whole number from 1 to {MAX_COUNT}")
+        return digits  # 007 is 7 (int() of 5000 zeros and a 7 would raise)
     else:
         counts = ", ".join(f"{option}=N" for option in COUNTED)
         raise ValueError(
