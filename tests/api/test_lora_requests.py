@@ -127,6 +127,25 @@ def test_bad_adapters_are_a_400_naming_the_field(loras: object, message: str) ->
     assert backend.calls == []
 
 
+@pytest.mark.parametrize("weight", [False, True])
+def test_a_json_boolean_weight_is_a_400_not_a_weight_of_0_or_1(weight: bool) -> None:
+    """pydantic's lax mode read `"weight": false` as 0.0: a request the client never wrote ran (as `"n":
+    true` is refused, RequestBody._booleans_and_numbers_apart). An edit form's `loras` text too."""
+    backend = ScriptedBackend()
+    said = f"loras.0.weight: must be a number, not {str(weight).lower()}"
+    with client(LoraCatalog({"ink": "/models/ink"}), backend) as c:
+        r = c.post(IMAGES, json={"prompt": "x", "size": "16x16", "loras": [{"name": "ink", "weight": weight}]})
+        form = {"prompt": "x", "size": "32x32", "loras": json.dumps([{"name": "ink", "weight": weight}])}
+        edit = c.post(EDITS, data=form, files={"image": ("r.png", _png(), "image/png")})
+        good = c.post(IMAGES, json={"prompt": "x", "size": "16x16", "loras": [{"name": "ink", "weight": 0}]})
+    for answer in (r, edit):
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert (error["param"], error["message"]) == ("loras", said), error
+    assert good.status_code == 200, good.text  # a number 0 is still a weight
+    assert [call.loras for call in backend.calls] == [(LoraWeight("ink", 0.0),)]
+
+
 def _png() -> bytes:
     from tests.worker.test_role_pipelines import reference_png
 

@@ -100,6 +100,14 @@ class LoraChoice(BaseModel):
         1.0, ge=lora.MIN_WEIGHT, le=lora.MAX_WEIGHT, allow_inf_nan=False, description="Its scale (1: as trained)"
     )
 
+    @field_validator("weight", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, v: object) -> object:
+        # As RequestBody's numbers: lax mode read a JSON false as weight 0.0, true as 1.0.
+        if isinstance(v, bool):
+            raise ValueError(f"must be a number, not {str(v).lower()}")
+        return v
+
 
 def _field(param: RequestParam, endpoint: str) -> tuple[Any, Any]:
     """The pydantic annotation and Field of `param` on `endpoint`, with the contract's own limits
