@@ -6,14 +6,17 @@ start by the head that finds it (docs/results.md). The routes are videos.py's.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
@@ -45,6 +48,10 @@ MAX_JOBS = 1000  # remembered jobs; the oldest finished ones are forgotten first
 RESTARTED = "the head restarted while this job was running; submit it again"
 JOB_ID = re.compile(r"video_[A-Za-z0-9_-]{1,64}")  # new_request_id("video") makes video_<32 hex>
 FOREIGN_POLL_S = 1.0  # how often the events of a job another head runs re-read its status
+# Threads of their own for the store calls that keep this head's jobs its own (lease renewals and
+# saves): reads for followers of other heads' jobs, on the default pool, never queue ahead of them.
+LEASE_IO_THREADS = 4
+T = TypeVar("T")
 SHUT_DOWN = "the head shut down while this job was running; submit it again"
 
 
@@ -171,6 +178,11 @@ class VideoJobs:
         self.start = start  # runs a job on this head (set by the app: it needs the backend)
         self.on_end = on_end
         self._pending: set[asyncio.Future[None]] = set()  # background saves (save_soon)
+        self._lease_io = ThreadPoolExecutor(LEASE_IO_THREADS, thread_name_prefix="video-leases")
+        # Followers of other heads' jobs share one read of each job's record per FOREIGN_POLL_S (latest).
+        self._followers: dict[str, int] = {}
+        self._reading: dict[str, asyncio.Future[JobEntry]] = {}
+        self._read: dict[str, tuple[float, JobEntry]] = {}  # job -> (when read, what)
         self.takeovers = Counter(
             "triptych_video_job_takeovers",
             "Video jobs this head took over from a head that died or shut down, and ran again from the start",
@@ -214,7 +226,7 @@ class VideoJobs:
             job = entry.job.model_copy()
             lease = self._lease() if entry.running_here else None
             try:
-                await asyncio.to_thread(self.store.save_job, job, lease, entry.run_record(), entry.owner)
+                await self._own_io(self.store.save_job, job, lease, entry.run_record(), entry.owner)
                 entry.leased_until = max(entry.leased_until, lease or 0.0)
             except Exception:
                 log.exception("could not save video job %s", job.id)
@@ -230,7 +242,7 @@ class VideoJobs:
         if not entry.leased_until or time.time() < entry.leased_until - LEASE_MARGIN_S:
             return True  # (never leased: a new job, which no other head can know yet)
         try:
-            stored = await asyncio.to_thread(self.store.load_job, entry.job.id)
+            stored = await self._own_io(self.store.load_job, entry.job.id)
         except Exception as exc:
             log.warning(
                 "video job %s: not saved, its record unreadable (%s); the next save tries again", entry.job.id, exc
@@ -249,6 +261,40 @@ class VideoJobs:
         if entry.task is not None and entry.task is not asyncio.current_task():
             entry.task.cancel()
         return False
+
+    async def _own_io(self, call: Callable[..., T], *args: Any) -> T:
+        """`call(*args)` on the threads of this head's own jobs' records (LEASE_IO_THREADS)."""
+        return await asyncio.get_running_loop().run_in_executor(self._lease_io, functools.partial(call, *args))
+
+    @contextlib.contextmanager
+    def following(self, job_id: str) -> Iterator[None]:
+        """One more follower of `job_id`'s events through the store (`latest`); its last shared read
+        is forgotten when no one follows any more."""
+        self._followers[job_id] = self._followers.get(job_id, 0) + 1
+        try:
+            yield
+        finally:
+            self._followers[job_id] -= 1
+            if not self._followers[job_id]:
+                del self._followers[job_id]
+                self._read.pop(job_id, None)
+
+    async def latest(self, job_id: str) -> JobEntry:
+        """The job as `get` finds it, read from the store at most once per FOREIGN_POLL_S however many
+        follow it: a read under way is shared, and its answer reused until it is that old (so a
+        thousand followers of one job cost the store, and this head's threads, one read a second)."""
+        read = self._read.get(job_id)
+        if read is not None and time.monotonic() - read[0] < FOREIGN_POLL_S:
+            return read[1]
+        pending = self._reading.get(job_id)
+        if pending is None:
+            pending = asyncio.ensure_future(self._get(job_id))
+            self._reading[job_id] = pending
+            pending.add_done_callback(lambda _: self._reading.pop(job_id, None))
+        entry = await asyncio.shield(pending)  # a follower that leaves does not cancel the others' read
+        if job_id in self._followers:
+            self._read[job_id] = (time.monotonic(), entry)
+        return entry
 
     def save_soon(self, entry: JobEntry) -> None:
         """Save in the background (its state changed): other heads see it within a write."""
@@ -429,6 +475,9 @@ class VideoJobs:
                 fail_orphan(entry.job, SHUT_DOWN, "head_shut_down")  # its run's end told on_end already
                 entry.job.completed_at = int(time.time())
             await self.save_async(entry)
+        if self._pending:  # saves asked for earlier land before their threads go
+            await asyncio.wait(list(self._pending), timeout=grace_s)
+        self._lease_io.shutdown(wait=False)
 
     def ended(self, job: VideoJob) -> None:
         """This head ended the job (it completed, failed or was cancelled here): tell on_end."""
@@ -441,6 +490,13 @@ async def foreign_events(jobs: VideoJobs, entry: JobEntry) -> AsyncIterator[byte
     lease renewal, its step), until it ends; a keep-alive comment after KEEPALIVE_S without one, as a
     job of this head's. A store that does not answer for a while is waited out (the job has not ended);
     a job removed meanwhile ends the stream with its error."""
+    job_id = entry.job.id
+    with jobs.following(job_id):
+        async for message in _followed(jobs, entry):
+            yield message
+
+
+async def _followed(jobs: VideoJobs, entry: JobEntry) -> AsyncIterator[bytes]:
     job_id, last, said = entry.job.id, None, time.monotonic()
     while True:
         job = entry.job
@@ -459,7 +515,7 @@ async def foreign_events(jobs: VideoJobs, entry: JobEntry) -> AsyncIterator[byte
             said = time.monotonic()
         await asyncio.sleep(FOREIGN_POLL_S)
         try:
-            entry = await jobs.get(job_id)
+            entry = await jobs.latest(job_id)
         except APIError as exc:
             if exc.status_code >= 500:  # the store did not answer this time: the job goes on
                 continue
