@@ -7,10 +7,12 @@ ratio B / A is taken per block and its median reported.
 
 Each side is a git revision checked out into a temporary worktree (`--base`, default HEAD), or
 this working tree as it is (`--compare`, the default), and runs through PYTHONPATH: head and
-workers import that tree's triptych. The harness (this script, head_bench's sequential requests,
-triptych_dev.localdeploy) is this tree's, so a revision must take the flags it passes. The
-workers run head_bench's zero-compute stages with --payload-bytes per hop; the overhead is the
-latency less the Mooncake writes and the stages the workers report.
+workers import that tree's triptych (PYTHONSAFEPATH keeps `python -m`'s working directory, this
+tree when run from its root, off their sys.path, where it would come ahead of PYTHONPATH). The
+harness (this script, head_bench's sequential requests, triptych_dev.localdeploy) is this tree's,
+so a revision must take the flags it passes. The workers run head_bench's zero-compute stages with
+--payload-bytes per hop; the overhead is the latency less the Mooncake writes and the stages the
+workers report.
 
     .venv/bin/python bench/ab_bench.py --base HEAD~1                   # this tree vs its parent's
     .venv/bin/python bench/ab_bench.py --base main --compare my-branch --blocks 8 --requests 200
@@ -81,6 +83,28 @@ def python_path(tree: Path) -> str:
     return os.pathsep.join(str(tree / d) if d else str(tree) for d in PACKAGE_DIRS)
 
 
+def side_environment(tree: Path) -> dict[str, str]:
+    """The variables a side's deployment runs with: `tree`'s packages on PYTHONPATH, and PYTHONSAFEPATH,
+    without which `python -m` (how local_deployment starts each process) puts the working directory
+    first on sys.path, and a revision's head and workers, run from this tree's root, import its triptych."""
+    return {"PYTHONPATH": python_path(tree), "PYTHONSAFEPATH": "1"}
+
+
+@contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """os.environ with `variables` set (what processes started meanwhile inherit), as it was after."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 KEYS = ("latency_ms", "overhead_ms")
 
 
@@ -90,11 +114,9 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     every: dict[str, list[float]] = {"a": [], "b": []}  # each request's overhead, every block
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         labels, endpoints = {}, {}
-        inherited = os.environ.get("PYTHONPATH")
         for side, rev in (("a", args.base), ("b", args.compare)):
             tree, labels[side] = stack.enter_context(checkout(rev, Path(tmp) / f"tree-{side}"))
-            os.environ["PYTHONPATH"] = python_path(tree)  # what local_deployment's processes inherit
-            try:
+            with environment(side_environment(tree)):  # what local_deployment's processes inherit
                 dep = stack.enter_context(
                     local_deployment(
                         flux,
@@ -103,11 +125,6 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                         null_payload_bytes=args.payload_bytes,
                     )
                 )
-            finally:
-                if inherited is None:
-                    os.environ.pop("PYTHONPATH", None)
-                else:
-                    os.environ["PYTHONPATH"] = inherited
             endpoints[side] = f"tcp://127.0.0.1:{dep.scheduler_port}"
         for endpoint in endpoints.values():
             head_bench.sequential_samples(endpoint, args.warmup)

@@ -13,9 +13,9 @@ Prints, side by side in one run:
   dispatch, messages and thread hand-offs (target: < 2 ms), as medians, and the 50th, 90th and
   99th percentiles of each request's own overhead and p99 / p50 (target: <= 3x);
 - the floor under that overhead: the same 12 messages (sizes, frames, CURVE on the head <-> worker
-  sockets) sent between 5 processes that only forward them (bench/zmq_floor.py), in --blocks
-  blocks alternating with the head's (floor, head, floor, head, ...) in this one process
-  lifetime; the overhead / floor ratio per block pair and its median (target: <= 1.5x);
+  sockets) sent between this client and 4 processes that only forward them (bench/zmq_floor.py),
+  in --blocks blocks alternating with the head's (floor, head, floor, head, ...) in this one
+  process lifetime; the overhead / floor ratio per block pair and its median (target: <= 1.5x);
 - the same sequential measurement and the floor with every thread of every process (head,
   workers, the floor's, this client) pinned to one CPU: no message then wakes a thread on another
   CPU (on a small VM such a wake-up costs more than handling the message, the floor's most), and
@@ -70,7 +70,7 @@ from triptych.roles import Role  # noqa: E402
 from triptych_dev.localdeploy import local_deployment  # noqa: E402
 from triptych_dev.tiny_models import write_tiny_models  # noqa: E402
 
-PARAMS = GenerationParams("bench", width=16, height=16, num_inference_steps=1)
+PARAMS = zmq_floor.PARAMS  # what every request asks for: the floor's messages are sized from it
 
 
 class Frontend:
@@ -294,7 +294,7 @@ async def measure(dep, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     ratios: list[float] = []
     cpu_used = dict.fromkeys(cpu_seconds(dep), 0.0)
     floor_cpu = 0.0
-    with zmq_floor.Floor() as floor:
+    with zmq_floor.Floor(args.payload_bytes) as floor:
         for _ in range(args.blocks):
             floor_before = process_cpu_seconds(p.pid for p in floor.procs)
             floor_block = floor.block(per_block)
@@ -427,6 +427,7 @@ def transfer_comparison(flux: Path, mib: int, n: int, blocks: int) -> dict[str, 
     return {
         "transfer_bytes": nbytes,
         "transfer_blocks": blocks,
+        "handoff_requests_per_block": per_block,  # n rounded up to a multiple of the blocks
         "handoff_ms": statistics.median(handoff_s) * 1e3,
         "write_ms": statistics.median(write_s) * 1e3,
         "raw_mooncake_ms": statistics.median(raw_s) * 1e3,
@@ -553,15 +554,18 @@ def main() -> int:
         )
     print(
         f"  raw ZMQ floor           {result['zmq_floor_ms']:8.2f} ms   (the same {result['zmq_floor_messages']} "
-        f"messages, sizes and CURVE over 5 forwarding-only processes, in {args.blocks} blocks alternating with "
-        f"the head's; p99 {result['zmq_floor_p99_ms']:.2f} ms)"
+        f"messages, sizes and CURVE between a client and 4 forwarding-only processes, in {args.blocks} blocks "
+        f"alternating with the head's; p99 {result['zmq_floor_p99_ms']:.2f} ms)"
     )
     per_block = " ".join(f"{r:.2f}" for r in result["overhead_over_floor_per_block"])
     print(f"  overhead / floor        {result['overhead_over_floor']:8.2f}x  median of the block pairs: {per_block}")
     cpu = ", ".join(
         f"{k.removeprefix('cpu_ms_per_request_')} {v:.2f}" for k, v in result.items() if k.startswith("cpu_ms")
     )
-    print(f"  CPU per request (ms)    {cpu}; the floor's 5 processes {result['zmq_floor_cpu_ms_per_request']:.2f}")
+    print(
+        f"  CPU per request (ms)    {cpu}; the floor's 4 forwarding processes (head, 3 workers) "
+        f"{result['zmq_floor_cpu_ms_per_request']:.2f}"
+    )
     print(f"  throughput, frontend    {result['frontend_rps']:8.1f} req/s at concurrency {args.concurrency}   "
           f"(head CPU {result['head_cpu_ms_per_request_frontend']:.2f} ms/request)")  # fmt: skip
     print(f"  throughput, HTTP        {result['http_rps']:8.1f} req/s at concurrency {args.concurrency}   "
@@ -581,8 +585,9 @@ def main() -> int:
     if args.transfer_mib:
         t = transfer_comparison(flux, args.transfer_mib, 10, args.blocks)
         result.update(t)
+        handoffs = t["handoff_requests_per_block"] * args.blocks
         print(
-            f"encoder->denoiser hand-off of {args.transfer_mib} MiB (10 requests), vs raw Mooncake in "
+            f"encoder->denoiser hand-off of {args.transfer_mib} MiB ({handoffs} requests), vs raw Mooncake in "
             f"{args.blocks} alternating blocks (raw, ours, raw, ours, ...); medians, ratios the median of the blocks'"
         )
         print(f"  raw transfer_sync_write {t['raw_mooncake_ms']:8.2f} ms")
