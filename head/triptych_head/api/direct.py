@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from triptych_head.api.errors import is_json_type
 from triptych_head.api.forms import is_form, media_type
 
 Handler = Callable[[Any, Request], Awaitable[BaseModel | Response]]
@@ -40,9 +41,10 @@ class DirectRoute:
     form: Reader | None = None  # a form body's reader, where the endpoint takes forms too
 
     def reader(self, scope: Scope) -> Reader | None:
-        """How this request's body is read here; None: FastAPI's route reads it (another JSON type)."""
+        """How this request's body is read here; None: FastAPI's route reads it (neither JSON, which
+        includes application/*+json as FastAPI takes it, nor a form the endpoint takes)."""
         content_type = _content_type(scope)
-        if content_type is None or content_type == "application/json":
+        if content_type is None or is_json_type(content_type):
             return self._json
         if self.form is not None and is_form(content_type):
             return self.form

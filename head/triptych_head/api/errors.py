@@ -88,7 +88,7 @@ def install_error_handlers(app: FastAPI) -> None:
             given = "has no body" if first.get("type") == "missing" else "body is not a JSON object"
             message = f'the request {given}: send a JSON object of its parameters, such as {{"prompt": "a red fox"}}'
             content_type = request.headers.get("content-type", JSON_TYPE).split(";", 1)[0].strip().lower()
-            if first.get("type") != "missing" and not _json_type(content_type):  # FastAPI read no JSON from it
+            if first.get("type") != "missing" and not is_json_type(content_type):  # FastAPI read no JSON from it
                 given = content_type[:ECHO] or "of no type"
                 message = f"the request body is {given}, not JSON: send Content-Type: {JSON_TYPE}"
         return JSONResponse(error_body(400, message, param), 400)
@@ -99,6 +99,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), exc.status_code, exc.headers)
 
 
-def _json_type(content_type: str) -> bool:
+def is_json_type(content_type: str) -> bool:
     """A media type FastAPI reads a body of as JSON: application/json or application/*+json."""
     return content_type == JSON_TYPE or (content_type.startswith("application/") and content_type.endswith("+json"))
