@@ -73,6 +73,9 @@ def test_a_head_with_only_denoiser_urls_is_a_full_pipeline_pool_and_its_workers_
          "--encoder-urls"),
         (["--disagg-timeout", "0"], "--disagg-timeout"),
         (["--results-max-age", "0"], "--results-max-age"),
+        # Accepted, and then the retention sweep deleted every result (images, videos, stored answers).
+        (["--results-max-bytes", "0"], re.escape("--results-max-bytes 0 must be > 0 (the bytes of results")),
+        (["--results-max-bytes", "0GiB"], r"--results-max-bytes 0 must be > 0 .*; use e\.g\. 5GiB"),
         (["--results-store", "/mnt/results"], "--results-store '/mnt/results' is not s3://BUCKET/PREFIX"),
         (["--results-store", "s3://B/p"], "not an S3 bucket name"),
         (["--results-s3-endpoint", "http://s3:8333"], "--results-s3-endpoint only applies with --results-store"),

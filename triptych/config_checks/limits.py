@@ -72,6 +72,11 @@ def check_time_limits(args: ServeArgs) -> None:
         )
     if args.results_max_age <= 0:
         raise ConfigError(f"--results-max-age {args.results_max_age} must be > 0 seconds")
+    if args.results_max_bytes < 1:  # 0 is no "unlimited": the retention sweep deleted every result within a minute
+        raise ConfigError(
+            f"--results-max-bytes {args.results_max_bytes} must be > 0 (the bytes of results the head keeps); "
+            "use e.g. 5GiB"
+        )
 
 
 def check_capacity(args: ServeArgs) -> None:
