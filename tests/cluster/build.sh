@@ -35,8 +35,10 @@ build_binary() {
       done
       go_build helm "$out" helm.sh/helm/v3/cmd/helm "$helm_ldflags" ;;
     promtool)
-      log "building promtool $PROMETHEUS_VERSION (first time, ~5 min on 2 idle cores)"
-      go_build promtool "$out" github.com/prometheus/prometheus/cmd/promtool ;;
+      # remove_all_sd: without Prometheus's service discovery (the cloud SDKs: most of the compile),
+      # which the rule checks and rule tests never use (~2 min cold instead of ~5, or ~16 beside a CI run).
+      log "building promtool $PROMETHEUS_VERSION (first time, ~2 min on 2 idle cores)"
+      go_build promtool "$out" github.com/prometheus/prometheus/cmd/promtool "" remove_all_sd ;;
     kube-apiserver)
       log "building kube-apiserver $K8S_VERSION (first time, ~3.5 min)"
       go_build k8s "$out" "k8s.io/kubernetes/cmd/$b" "$(k8s_version_ldflags)" ;;

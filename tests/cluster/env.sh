@@ -26,7 +26,7 @@ NODE_BIN_DIR=$K8S_CACHE/node-${K8S_VERSION}_coredns-${COREDNS_VERSION}_${_node_h
 
 # --- promtool (tests/operator/test_alerts.py: the chart's alerting rules run by Prometheus's own rule engine) ---
 PROMETHEUS_VERSION=v0.316.0  # the Go module's version of Prometheus 3.x's promtool
-_promtool_hash=$(cat "$CLUSTER_SRC"/toolchain/promtool/go.{mod,sum} <(echo "cgo0 trimpath ldflags-v2") | sha256sum | cut -c1-10)
+_promtool_hash=$(cat "$CLUSTER_SRC"/toolchain/promtool/go.{mod,sum} <(echo "cgo0 trimpath ldflags-v2 remove_all_sd") | sha256sum | cut -c1-10)
 PROMTOOL_BIN_DIR=$K8S_CACHE/promtool-${PROMETHEUS_VERSION}_${_promtool_hash}/bin
 
 # --- running cluster (loopback only) ---

@@ -29,15 +29,15 @@ build_lock() {
   fi
 }
 
-# go_build <module dir under toolchain/> <output file> <package> [ldflags]: a static, reproducible binary,
+# go_build <module dir under toolchain/> <output file> <package> [ldflags] [build tags]: a static, reproducible binary,
 # moved into place only once it is complete.
 go_build() {
-  local dir=$1 out=$2 pkg=$3 ldflags=${4:-}
+  local dir=$1 out=$2 pkg=$3 ldflags=${4:-} tags=${5:-}
   local tmp
   tmp="$(dirname "$out")/.$(basename "$out").tmp.$$"
   (cd "$CLUSTER_SRC/toolchain/$dir" &&
     CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS="-buildvcs=false -mod=readonly" \
-      "$GO" build -p 2 -trimpath -ldflags "-s -w $ldflags" -o "$tmp" "$pkg")
+      "$GO" build -p 2 -trimpath -tags "$tags" -ldflags "-s -w $ldflags" -o "$tmp" "$pkg")
   mv -f "$tmp" "$out"
 }
 

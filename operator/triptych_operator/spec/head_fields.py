@@ -184,7 +184,7 @@ def _api_keys_secret() -> Field:
         "it shares: docs/security.md). "
         "Mounted read-only at `/etc/triptych/api-keys` (a whole-volume mount, so Secret updates reach it) and "
         "passed as `--api-keys-file`; clients then send `Authorization: Bearer KEY`, while /health, /ready and "
-        '/metrics stay open. Updating the Secret rotates keys without a restart (README, "HTTP API and '
+        '/metrics stay open. Updating the Secret rotates keys without a restart (docs/security.md, "HTTP API and '
         'overload"). Unset: the API is open.'
     )
     return Field(
