@@ -49,9 +49,12 @@ PREEMPT = "preempt"  # the hand-off reason of a suspension
 SUSPENDED, RESUMED = "suspended", "resumed"  # RequestEvent.preemption
 
 
+MAX_AGED_LEVEL = 2**31  # what a Work message carries at most (messages.AgedLevel): ~2000 years of aging at 30 s
+
+
 def aged(priority: int, waited_s: float, aging_s: float) -> int:
     """A priority level raised one level per `aging_s` seconds waited (monolithic mode's queue too)."""
-    return priority + int(waited_s / aging_s)
+    return min(priority + int(waited_s / aging_s), MAX_AGED_LEVEL)
 
 
 def effective_level(rec: RequestRecord, now: float, aging_s: float) -> int:

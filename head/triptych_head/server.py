@@ -213,7 +213,10 @@ class DiffusionServer:
                         self.core.tick(self._discovered())
                     except Exception:  # e.g. an unusable address from discovery: log it, keep serving
                         log.exception("periodic upkeep failed")
-                self.core.dispatch()
+                try:
+                    self.core.dispatch()
+                except Exception:  # a bug in one request's dispatch: logged, the loop and the others go on
+                    log.exception("dispatch failed")
                 if self._transport.replied:  # a send on the frontend may have taken its descriptor's signal
                     self._transport.replied = False
                     waiting.recheck(frontend)

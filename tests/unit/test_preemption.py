@@ -285,3 +285,27 @@ def test_the_pipeline_view_shows_each_request_s_priority_and_whether_it_is_suspe
     listed = {r["id"]: r for r in h.core.pipeline_view["requests"]}
     assert (listed["video"]["priority"], listed["video"]["suspended"]) == ("low", True)
     assert (listed["image"]["priority"], listed["image"]["suspended"]) == ("high", False)
+
+
+def test_a_submit_of_a_priority_past_high_is_refused_and_an_aged_level_stays_one_a_worker_reads() -> None:
+    """The frontend takes the Submit as sent (no API key checks it there): a level past high is a 400
+    naming priority, not a number that, aged, would overflow the Work the head encodes and stop its
+    loop. Aging is capped where a worker's decoder still reads it."""
+    from tests.unit.core_harness import PARAMS
+    from triptych.params import GenerationParams
+    from triptych.protocol import RequestResult, Submit, decode, encode
+    from triptych_head.preemption import MAX_AGED_LEVEL, aged
+
+    h = harness()
+    params = GenerationParams(**PARAMS)
+    for level in (3, 2**64 - 1):
+        h.core.on_frontend(b"attacker", encode(Submit(f"p{level}", params, priority=level)))
+    refusals = [m for client, m in h.transport.replies if client == b"attacker"]
+    assert len(refusals) == 2 and not h.core.requests, refusals
+    assert all("priority" in str(getattr(m, "error", m)) for m in refusals), refusals
+    assert not any(isinstance(m, RequestResult) for m in refusals)
+
+    assert aged(HIGH, 1e30, 0.001) == MAX_AGED_LEVEL
+    work = Work("w", "http://x", params, priority=aged(HIGH, 1e30, 0.001))
+    decoded, _ = decode(encode(work))
+    assert decoded.priority == MAX_AGED_LEVEL

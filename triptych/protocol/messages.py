@@ -47,6 +47,10 @@ __all__ = [
 # or a status code that is not an HTTP error.
 MAX_SECONDS = 7 * 24 * 3600.0
 Count = Annotated[int, msgspec.Meta(ge=0)]
+# A request's named priority level (triptych.priority: 0 low, 1 normal, 2 high).
+Level = Annotated[int, msgspec.Meta(ge=0, le=2)]
+# The level it is dispatched at, raised one step per --disagg-priority-aging waited (preemption.aged).
+AgedLevel = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
 HttpError = Annotated[int, msgspec.Meta(ge=400, le=599)]
 # A denoising preview (PNG of the latents' low-resolution RGB projection, worker/triptych_worker/preview.py).
@@ -68,7 +72,7 @@ class Submit(Message, tag="submit", frozen=True):
     params: GenerationParams
     watch: bool = False
     preview_every: Count = 0
-    priority: Count = 1  # triptych.priority's level (0 low, 1 normal, 2 high), the API key's ceiling checked
+    priority: Level = 1  # triptych.priority's level (0 low, 1 normal, 2 high), the API key's ceiling checked
 
 
 class Cancel(Message, tag="cancel", frozen=True):
@@ -124,7 +128,7 @@ class Work(Message, tag="work", frozen=True):
     preview_every: Count = 0  # with progress: a preview PNG every k steps (0: none)
     head_id: str = ""  # the head that sends it (Ping.head_id): whose request this is, on a worker serving several
     traceparent: str = ""  # the request's trace (W3C Trace Context) when the head traces it (triptych.tracing)
-    priority: Count = 1  # its effective priority level when dispatched: a worker runs its queued jobs highest first
+    priority: AgedLevel = 1  # its effective level when dispatched: a worker runs its queued jobs highest first
 
 
 class WorkBatch(Message, tag="work_batch", frozen=True):
@@ -173,7 +177,7 @@ class TransferReady(Message, tag="transfer_ready", frozen=True):
     # The input is the continuation this worker itself staged for the request (a suspended request
     # resuming where it stopped): nothing was written, no slot was reserved.
     in_place: bool = False
-    priority: Count = 1  # as Work's
+    priority: AgedLevel = 1  # as Work's
     # The request edits a reference image, which `params` no longer carries past the encoders: like
     # every edit (triptych.batching) it runs in no batch with others.
     edit: bool = False
