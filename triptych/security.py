@@ -155,8 +155,15 @@ class ControlPlane:
     def authenticated(self) -> bool:
         return self.keys is not None
 
-    def server(self, sock: zmq.Socket[Any]) -> None:
-        """A socket that binds: only the peer key may connect, everything is encrypted."""
+    def server(self, sock: zmq.Socket[Any], max_message_bytes: int | None = None) -> None:
+        """A socket that binds: only the peer key may connect, everything is encrypted.
+        `max_message_bytes`: the largest frame a peer may send; a peer that announces a larger one
+        is disconnected at once, before it is read. libzmq reads a handshake's frames before it can
+        refuse their sender's key, so without it a peer holding no key could make this process hold
+        as much memory as it sends for the handshake's timeout (set where every frame is bounded: a
+        worker's work socket, whose messages are headers of at most MAX_HEADER_BYTES)."""
+        if max_message_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if self.keys is None:
             return
         sock.curve_secretkey = self.keys.secret

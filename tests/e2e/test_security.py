@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import io
 import ipaddress
+import socket
+import struct
 import subprocess
 import threading
 import time
@@ -128,6 +131,39 @@ def test_forged_work_is_never_run_and_holds_no_pool_bytes(dep, expected, attacke
     for i in range(20):  # as issue 12: Work naming an instance the head does not know, so nothing frees it
         attacker.send(encoder, Work(f"forged-work-{i}", FOREIGN, PARAMS))
     assert settled(dep) == before
+    with dep.client() as c:
+        assert generate(c) == expected
+
+
+def rss_mib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_a_peer_without_keys_announcing_a_huge_frame_is_cut_off_before_it_costs_memory(dep, expected):
+    """libzmq reads a handshake's frames before the key check can refuse their sender: a peer with no
+    key that greets a worker's work port as a CURVE client, announces a 2 GiB frame and streams it is
+    disconnected at once (the work port takes frames of a header's size at most), instead of the
+    worker holding all it sends for the handshake's 30 s."""
+    worker = dep.workers(Role.DENOISER)[0]
+    host, port = worker.url.removeprefix("tcp://").rsplit(":", 1)
+    before = rss_mib(worker.popen.pid)
+    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\x00") + b"\x00" * 32
+    sent_mib = 0
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(greeting)
+        s.recv(64)
+        s.sendall(bytes([0x06]) + struct.pack(">Q", 2 << 30))  # a command frame, long: 2 GiB
+        chunk = b"\x00" * (1 << 20)
+        with contextlib.suppress(OSError):  # the worker hung up: what it should do
+            for _ in range(256):
+                s.sendall(chunk)
+                sent_mib += 1
+        time.sleep(1)
+        grown = rss_mib(worker.popen.pid) - before  # while the connection is open: what it holds for it
+    assert sent_mib < 64 and grown < 64, f"sent {sent_mib} MiB before the worker hung up; it grew {grown} MiB"
     with dep.client() as c:
         assert generate(c) == expected
 

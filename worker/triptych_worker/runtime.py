@@ -52,6 +52,7 @@ from triptych.protocol import (
     WorkBatch,
     decode,
 )
+from triptych.protocol.codec import MAX_HEADER_BYTES
 from triptych.roles import Role
 from triptych.security import ControlPlane, control_plane
 from triptych.sockets import has_queued_message, recv_message, wait_for_message
@@ -91,6 +92,8 @@ IDLE_POLL_MS = 100  # how long the leader waits for a message when no write is u
 DRAIN_LIMIT = 1000  # messages handled per wake-up before the leader looks at its writes again
 THREADS = 2  # one leads while the other computes
 CANCELLED_MEMORY = 10_000  # how many cancelled request ids are remembered
+# The largest frame a peer may send to the work port: the head sends headers only (codec.MAX_HEADER_BYTES).
+WORK_FRAME_BYTES = MAX_HEADER_BYTES + (1 << 16)
 
 
 BATCH_ASSEMBLY_S = 0.5  # how long a group the head dispatched together waits for its last members
@@ -221,7 +224,8 @@ class Worker:
         """Serve until stop() (or Ctrl-C); raises if a worker thread died of a bug."""
         self._work = self.ctx.socket(zmq.PULL)
         self._work.setsockopt(zmq.LINGER, 0)
-        self.security.server(self._work)  # with keys: only the head's key may connect and send
+        # With keys only the head's key may connect and send; any peer's frame is at most a header.
+        self.security.server(self._work, max_message_bytes=WORK_FRAME_BYTES)
         self._work.setsockopt(zmq.RCVTIMEO, IDLE_POLL_MS)  # a blocking receive returns to look at stop and heartbeats
         try:
             self._work.bind(self.work_endpoint)
