@@ -26,6 +26,7 @@ from tests.e2e.harness import deployment
 from tests.e2e.test_pixels import IMAGE, VIDEO, http_image, http_video
 from triptych.roles import Role
 from triptych_dev.localdeploy import free_port_block
+from triptych_worker.transfer.listeners import listening_sockets
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +73,12 @@ def test_a_pool_of_two_denoisers_of_two_cpu_ranks_each_from_the_specs_gpu_lists(
         denoisers = pool.deployment.workers(Role.DENOISER)
         assert len(denoisers) == 2
         assert [len(rank_processes(p.popen.pid)) for p in denoisers] == [1, 1]  # one follower rank each
+        # Nothing of the ranks listens on every address: torch.distributed's store at the master port
+        # binds [::] whatever host it is given, and the bind shim puts it on loopback.
+        for proc in denoisers:
+            for pid in (proc.popen.pid, *rank_processes(proc.popen.pid)):
+                wildcard = {(a, port) for a, port in listening_sockets(pid) if a in ("0.0.0.0", "::")}
+                assert not wildcard, f"rank process {pid} listens on {wildcard}"
         with httpx.Client(base_url=pool.url, timeout=300) as c:
             health = c.get("/health").json()["workers"]["denoiser"]
             assert len(health) == 2 and all(w["alive"] for w in health)  # one instance per list, not per rank

@@ -1,8 +1,10 @@
 """A role's ranks joined with torch.distributed: the process groups each kind of parallelism uses.
 
 Every rank of a role runs on one host (one pod), so the rendezvous is on loopback at
-`--master-port`: gloo on CPU, NCCL on CUDA. Collectives are timed, so that a job can report how
-much of its time went to communication.
+`--master-port`: gloo on CPU, NCCL on CUDA. torch.distributed's store listens on every address
+whatever host it is given; under the worker's bind shim (LOOPBACK_PORT_ENV) it listens on loopback
+only, as gloo's and NCCL's own listeners do (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME). Collectives
+are timed, so that a job can report how much of its time went to communication.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)
 # A collective inside a job that waits this long has lost a peer that is still alive (hung): every
 # group a job uses has it, the world group included (RankMesh.world_group).
 STEP_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+LOOPBACK_PORT_ENV = "TRIPTYCH_BIND_LOOPBACK_PORT"  # read by the bind shim at each bind
 
 
 def backend_for(device: str) -> str:
@@ -76,6 +81,10 @@ class RankMesh:
         layout = RankLayout(degrees)
         # All ranks share one host: talk over loopback unless the deployment chose an interface.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        # The store rank 0 serves at the master port binds every address whatever host it is given:
+        # the worker's bind shim (transfer/bind_shim.c) puts that bind on loopback.
+        os.environ[LOOPBACK_PORT_ENV] = str(master_port)
         if device.startswith("cuda"):
             import torch
 
