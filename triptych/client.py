@@ -19,9 +19,9 @@ MAX_RETRY_AFTER_S. A connection failure moves on to the next URL at once; the ot
 a growing backoff. GETs retry the same way (they change nothing). A stream cut before its last
 event is sent again too: a job's events from the start, a streamed image request under its key
 (its progress again from the run that takes it over, or only its `completed` event when it had
-finished), as is a streamed request whose `error` event has status 502-504. `retries` counts failures
-in a row: a reconnection that brings an event not seen before starts the count again. A read that
-timed out is never retried (`timeout` is the caller's bound).
+finished), and a streamed request whose `error` event says its head stopped under it (at most
+`retries` times). `retries` counts failures in a row: a reconnection that brings an event not seen
+before starts the count again. A read that timed out is never retried (`timeout` is the caller's bound).
 """
 
 from __future__ import annotations
@@ -221,16 +221,18 @@ class TriptychClient:
     def _events(self, method: str, path: str, resumable: bool = False, **kwargs: Any) -> Iterator[Event]:
         """The Server-Sent Events of `path`; `resumable` (a GET of a job's events, which any head
         serves from the start, or a streamed POST under an Idempotency-Key): a connection lost
-        midway is opened again, on the next URL, as are a proxy's 502-504, a 409/429 with a
-        Retry-After, and an `error` event of status 502-504 (the head stopped under the request, or
-        a worker's result was bad: the key's next attempt runs it again). `retries` bounds the
-        failures in a row: a connection that brought an event not seen before (a new state or step)
-        starts the count again, so a long job followed across several head restarts is not given up
-        on. Out of retries, a resumable stream raises ClientError naming every failure; a stream that
-        is not resumable just ends, and the caller sees it end without a result."""
+        midway is opened again, on the next URL, as are a proxy's 502-504 and a 409/429 with a
+        Retry-After. `retries` bounds those failures in a row: a connection that brought an event
+        not seen before (a new state or step) starts the count again, so a long job followed across
+        several head restarts is not given up on; out of them, a resumable stream raises ClientError
+        naming every failure (one that is not resumable just ends: the caller sees it end without a
+        result). An `error` event saying the head stopped under the request (_head_gone: the key's
+        next attempt runs it on another head) is sent again too, at most `retries` times in all; any
+        other error event is the request's end, as is that one past them."""
         failures: list[str] = []
         seen: set[tuple[Any, ...]] = set()  # what the connections so far brought (_progress_mark)
         attempt = 0
+        runs_lost = 0  # runs the head stopped under (their error events), never forgiven
         while True:
             url = self.url
             wait: float | None = None
@@ -249,11 +251,10 @@ class TriptychClient:
                                 seen.add(mark)
                                 attempt = 0  # this connection brought news: a fresh count of failures
                                 failures.clear()
-                            if event.event == "error" and resumable and attempt < self.retries:
-                                status = (event.data.get("error") or {}).get("status")
-                                if status in RETRY_STATUSES:
-                                    failures.append(f"{url}: {status} {_event_error_text(event)}")
-                                    break
+                            if resumable and _head_gone(event) and runs_lost < self.retries:
+                                runs_lost += 1
+                                failures.append(f"{url}: {_event_error_text(event)}")
+                                break
                             yield event
                             if event.event in ("completed", "error"):
                                 return
@@ -379,6 +380,17 @@ def _progress_mark(event: Event) -> tuple[Any, ...]:
     before (a replay from the start, a rerun that got no further) brought no news."""
     data = event.data
     return (event.event, data.get("state"), data.get("role"), data.get("step"))
+
+
+HEAD_GONE_CODES = frozenset({"head_shut_down", "shutting_down", "rejected"})
+
+
+def _head_gone(event: Event) -> bool:
+    """An error event that says the head stopped under the request (or, draining, would not take
+    it): a 503 whose code is one of HEAD_GONE_CODES. Not a failure the head decided (a deadline
+    passed, no instance of a role, retries used up), which another run would repeat."""
+    error = event.data.get("error") or {}
+    return event.event == "error" and error.get("status") == 503 and error.get("code") in HEAD_GONE_CODES
 
 
 def _event_error_text(event: Event) -> str:

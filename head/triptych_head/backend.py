@@ -43,11 +43,18 @@ class GenerationOutput:
     server_timing: str = ""  # where its time went (timeline.py), for the answer's Server-Timing header
 
 
+HEAD_SHUT_DOWN = "head_shut_down"  # an error's code when this head stopped under the request: another head may run it
+
+
 class GenerationFailed(Exception):
-    def __init__(self, message: str, status_code: int = 500, state: str = RequestState.FAILED):
+    """A request that ended without its output; `code`: the error's code in the answer (default: the
+    state it ended in, lower case)."""
+
+    def __init__(self, message: str, status_code: int = 500, state: str = RequestState.FAILED, code: str | None = None):
         super().__init__(message)
         self.status_code = status_code
         self.state = state
+        self.code = code or state.lower()
 
 
 class Backend(Protocol):
@@ -112,7 +119,7 @@ class LocalClient:
             try:
                 self._channel.put(submit)
             except ChannelClosed as exc:
-                raise GenerationFailed(f"{exc}; retry on another head", 503) from None
+                raise GenerationFailed(f"{exc}; retry on another head", 503, code=HEAD_SHUT_DOWN) from None
             return await future
         except asyncio.CancelledError:
             await self.cancel(request_id)
@@ -144,7 +151,11 @@ class LocalClient:
     def _fail_pending(self) -> None:
         for future, _ in self._pending.values():
             if not future.done():
-                future.set_exception(GenerationFailed("the head's DiffusionServer stopped; retry on another head", 503))
+                future.set_exception(
+                    GenerationFailed(
+                        "the head's DiffusionServer stopped; retry on another head", 503, code=HEAD_SHUT_DOWN
+                    )
+                )
 
     def _answer(self, msg: Any, frames: Sequence[Any]) -> None:
         entry = self._pending.get(msg.request_id)

@@ -237,29 +237,45 @@ def test_a_job_whose_streams_bring_nothing_new_is_given_up_on_with_every_failure
     assert [e.data["step"] for e in seen][:2] == [1, 2]
 
 
+def error_event(status: int, code: str, message: str) -> bytes:
+    error = json.dumps({"id": "img_1", "error": {"message": message, "status": status, "code": code}})
+    return f"event: error\ndata: {error}\n\n".encode()
+
+
 def test_a_streamed_request_whose_head_stopped_under_it_is_sent_again_under_its_key() -> None:
-    """A 503 error event (the head shut down before the run finished, a bad result from a worker: the
-    key's failed attempt runs again) is retried like the same answer without streaming, on the next
+    """An error event saying the head shut down under the run (503 head_shut_down: the key's failed
+    attempt runs again elsewhere) is retried like the same answer without streaming, on the next
     head; an error event of another status is the request's end."""
-    stopped = (
-        b'event: error\ndata: {"id": "img_1", "error": {"message": "the head shut down; retry it", "status": 503}}\n\n'
-    )
+    stopped = error_event(503, "head_shut_down", "the head shut down before this request finished; retry it")
     with server((200, SSE, STEP + stopped)) as (first, cut), server((200, SSE, STEP + COMPLETED)) as (second, again):
         c, _ = client([first, second])
         events = [e.event for e in c.stream_images({"prompt": "x"})]
     assert events == ["step", "step", "completed"]  # the 503 is not the caller's: it was retried
     assert keys(cut)[0] is not None and keys(cut) == keys(again)
 
-    refused = b'event: error\ndata: {"id": "img_2", "error": {"message": "loras: no such adapter", "status": 400}}\n\n'
+    refused = error_event(400, "failed", "loras: no such adapter")
     with server((200, SSE, refused)) as (url, script):
         c, _ = client([url, closed_port()])
         events = list(c.stream_images({"prompt": "x"}))
     assert [e.event for e in events] == ["error"] and len(script.seen) == 1
 
-    with server(*[(200, SSE, stopped)] * 4) as (url, script):
+
+def test_a_failure_the_head_decided_is_not_run_again_and_lost_runs_are_bounded_by_retries() -> None:
+    """A deadline that passed (504 timed_out) or a role without an instance (503 failed) would fail the
+    same way again: the caller gets it at once. Runs the head stopped under are sent again at most
+    `retries` times in all, however far each got (new steps forgive cut streams, not lost runs)."""
+    for status, code in ((504, "timed_out"), (503, "failed")):
+        with server((200, SSE, STEP + error_event(status, code, "no"))) as (url, script):
+            c, _ = client([url], retries=3)
+            events = list(c.stream_images({"prompt": "x"}))
+        assert [e.event for e in events][-1] == "error" and len(script.seen) == 1, (status, code)
+
+    stopped = error_event(503, "head_shut_down", "the head shut down; retry it")
+    runs = [(200, SSE, b"".join(step(n) for n in range(1, k + 1)) + stopped) for k in range(1, 10)]
+    with server(*runs) as (url, script):
         c, _ = client([url], retries=3)
         events = list(c.stream_images({"prompt": "x"}))
-    assert [e.event for e in events] == ["error"] and len(script.seen) == 4  # out of retries: the caller's
+    assert events[-1].event == "error" and len(script.seen) == 4  # the first run and 3 retries, not 9
 
 
 def test_bad_settings_are_named() -> None:

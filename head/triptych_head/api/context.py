@@ -35,7 +35,7 @@ from triptych_head.api.key_sharing import LiveCounts
 from triptych_head.api.priorities import requested_priority
 from triptych_head.api.reference import Reference
 from triptych_head.api.schemas import parse_size
-from triptych_head.backend import Backend, GenerationFailed
+from triptych_head.backend import HEAD_SHUT_DOWN, Backend, GenerationFailed
 from triptych_head.deadline import Estimate
 from triptych_head.idempotency import Idempotency
 from triptych_head.media import MediaPool
@@ -302,13 +302,13 @@ class HeadContext:
                     503,
                     f"the head shut down before this request finished (it had {self.drain_seconds:g}s to drain, "
                     "--disagg-drain-timeout); retry it",
-                    code="failed",
+                    code=HEAD_SHUT_DOWN,
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 ) from None
             status = exc.status_code if exc.status_code >= 400 else 500
             headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 and self.draining else None
             param = refused_field(str(exc)) if status == 400 else None
-            raise APIError(status, str(exc), param=param, code=exc.state.lower(), headers=headers) from None
+            raise APIError(status, str(exc), param=param, code=exc.code, headers=headers) from None
         finally:
             self.release(request_id)
 
