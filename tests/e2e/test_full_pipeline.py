@@ -23,6 +23,7 @@ import triptych_dev
 from tests.e2e.harness import deployment
 from tests.e2e.test_image_edits import PARAMS as EDIT_PARAMS
 from tests.e2e.test_image_edits import edit, pixels_of
+from tests.e2e.test_parallel_roles import rank_processes
 from tests.e2e.test_pixels import IMAGE, VIDEO, http_image, http_video, stock_image, stock_video
 from tests.e2e.test_progress_events import IMAGE as STREAMED
 from tests.e2e.test_progress_events import VAE_SCALE, png_size
@@ -33,6 +34,7 @@ from triptych.params import GenerationParams
 from triptych.roles import Role
 from triptych_dev.localdeploy import LocalDeployment
 from triptych_worker.pipeline import load_role_pipeline
+from triptych_worker.transfer.listeners import listening_sockets
 
 pytestmark = pytest.mark.slow
 
@@ -121,6 +123,11 @@ def test_a_full_pipeline_worker_on_two_ranks_returns_stock_diffusers_pixels(
         sent = messages_sent(dep.http)
         assert sent.get("work") == 1 and all(sent.get(kind, 0) == 0 for kind in TRANSFER_MESSAGES), sent
         log = (dep.workdir / "denoiser-0.log").read_text(errors="replace")
+        # No bind shim here (no Mooncake in this mode): the ranks' store is on loopback all the same.
+        rank0 = dep.workers(Role.DENOISER)[0].popen.pid
+        for pid in (rank0, *rank_processes(rank0)):
+            wildcard = {(a, port) for a, port in listening_sockets(pid) if a in ("0.0.0.0", "::")}
+            assert not wildcard, f"rank process {pid} listens on {wildcard}"
         if package == "tiny-flux":  # rank 0 holds the whole latents after each step: it previews them
             events = list(TriptychClient(dep.http).stream_images({**STREAMED, "preview_every": 2}))
             steps = [e.data for e in events if e.event == "step"]

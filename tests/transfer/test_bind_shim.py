@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from triptych.ports import MOONCAKE_PORT_RANGE
-from triptych_worker.parallel.mesh import LOOPBACK_PORT_ENV
 from triptych_worker.transfer.listeners import ADDRESS_ENV, PORTS_ENV, SHIM_ENV, SHIM_NAME, listening_sockets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,12 +46,8 @@ def shim(tmp_path_factory) -> Path:
     return out
 
 
-def bind_under_shim(
-    shim: Path, address: str, ports: str, binds: list[tuple[str, str, int]], loopback_port: int | None = None
-) -> list[str]:
+def bind_under_shim(shim: Path, address: str, ports: str, binds: list[tuple[str, str, int]]) -> list[str]:
     env = {**os.environ, "LD_PRELOAD": str(shim), ADDRESS_ENV: address, PORTS_ENV: ports}
-    if loopback_port is not None:
-        env[LOOPBACK_PORT_ENV] = str(loopback_port)
     out = subprocess.run(
         [sys.executable, "-c", BINDER, json.dumps(binds)], env=env, capture_output=True, text=True, timeout=30
     )
@@ -76,18 +71,6 @@ def test_other_binds_are_left_alone(shim):
     binds = [("AF_INET", "0.0.0.0", 0), ("AF_INET6", "::", 0), ("AF_INET", "127.0.0.2", 0)]
     assert bind_under_shim(shim, "127.0.0.1", "1-65535", binds) == ["0.0.0.0", "::", "127.0.0.2"]
     assert bind_under_shim(shim, "", "0-0", binds) == ["0.0.0.0", "::", "127.0.0.2"]
-
-
-def test_wildcard_binds_of_the_loopback_port_go_to_loopback_with_or_without_an_address(shim):
-    """A multi-device role's torch.distributed store (TRIPTYCH_BIND_LOOPBACK_PORT: its --master-port)
-    binds every address whatever host it is given; under the shim it listens on loopback only. Other
-    ports' wildcard binds are the address's rule's."""
-    port = free_port()
-    binds = [("AF_INET", "0.0.0.0", port), ("AF_INET6", "::", port), ("AF_INET", "0.0.0.0", 0)]
-    assert bind_under_shim(shim, "", "", binds, loopback_port=port) == ["127.0.0.1", "::ffff:127.0.0.1", "0.0.0.0"]
-    got = bind_under_shim(shim, "127.0.0.2", "0-0", binds, loopback_port=port)
-    assert got == ["127.0.0.1", "::ffff:127.0.0.1", "127.0.0.2"]  # the range's rule for the other port
-    assert bind_under_shim(shim, "", "", [("AF_INET", "127.0.0.3", port)], loopback_port=port) == ["127.0.0.3"]
 
 
 def test_the_build_is_skipped_when_the_source_is_unchanged(shim):

@@ -1,16 +1,17 @@
 """A role's ranks joined with torch.distributed: the process groups each kind of parallelism uses.
 
 Every rank of a role runs on one host (one pod), so the rendezvous is on loopback at
-`--master-port`: gloo on CPU, NCCL on CUDA. torch.distributed's store listens on every address
-whatever host it is given; under the worker's bind shim (LOOPBACK_PORT_ENV) it listens on loopback
-only, as gloo's and NCCL's own listeners do (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME). Collectives
-are timed, so that a job can report how much of its time went to communication.
+`--master-port` (rank 0 serves torch.distributed's store there, bound to 127.0.0.1 only:
+rendezvous_store): gloo on CPU, NCCL on CUDA, whose own listeners stay on loopback too
+(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME). Collectives are timed, so that a job can report how
+much of its time went to communication.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
@@ -31,7 +32,29 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)
 STEP_TIMEOUT = datetime.timedelta(seconds=300)
 
 
-LOOPBACK_PORT_ENV = "TRIPTYCH_BIND_LOOPBACK_PORT"  # read by the bind shim at each bind
+def rendezvous_store(rank: int, world_size: int, master_port: int) -> dist.Store:
+    """torch.distributed's store, served by rank 0 at 127.0.0.1:`master_port`: its listening socket is
+    bound here, on loopback, and handed over (`init_method="tcp://..."` makes the store bind every
+    address, whatever host it names, where anyone who reaches the port could read and write the
+    ranks' keys). The other ranks connect to it, waiting for it as long as the idle timeout."""
+    import torch.distributed as dist
+
+    listen_fd = None
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", master_port))
+            sock.listen(world_size * 4)
+        except OSError as exc:
+            sock.close()
+            raise OSError(
+                exc.errno, f"--master-port {master_port} on 127.0.0.1 (the ranks' rendezvous): {exc.strerror}"
+            ) from None
+        listen_fd = sock.detach()  # the store owns it from here
+    return dist.TCPStore(
+        "127.0.0.1", master_port, world_size, rank == 0, timeout=IDLE_TIMEOUT, master_listen_fd=listen_fd
+    )
 
 
 def backend_for(device: str) -> str:
@@ -82,16 +105,13 @@ class RankMesh:
         # All ranks share one host: talk over loopback unless the deployment chose an interface.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        # The store rank 0 serves at the master port binds every address whatever host it is given:
-        # the worker's bind shim (transfer/bind_shim.c) puts that bind on loopback.
-        os.environ[LOOPBACK_PORT_ENV] = str(master_port)
         if device.startswith("cuda"):
             import torch
 
             torch.cuda.set_device(device)
         dist.init_process_group(
             backend_for(device),
-            init_method=f"tcp://127.0.0.1:{master_port}",
+            store=rendezvous_store(rank, layout.world_size, master_port),
             rank=rank,
             world_size=layout.world_size,
             timeout=IDLE_TIMEOUT,

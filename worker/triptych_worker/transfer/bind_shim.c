@@ -11,20 +11,12 @@
  *                          rewritten (Mooncake's MC_MIN_RPC_PORT..MC_MAX_RPC_PORT), so other
  *                          listeners of the process (torch.distributed's store, ...) keep theirs
  *
- *   TRIPTYCH_BIND_LOOPBACK_PORT  a port whose wildcard binds go to loopback instead (127.0.0.1, or
- *                          ::ffff:127.0.0.1 for a dual-stack socket): a multi-device role's
- *                          torch.distributed store at --master-port (its ranks meet on 127.0.0.1;
- *                          the store binds every address whatever host it is given). Read at each
- *                          bind, so the process sets it just before that bind, with or without
- *                          TRIPTYCH_BIND_ADDRESS
- *
  * For an IPv4 address an in6addr_any bind becomes the IPv4-mapped ::ffff:A.B.C.D (a dual-stack
  * socket then accepts IPv4 connections to that address only); for an IPv6 address an INADDR_ANY
  * bind fails with EADDRNOTAVAIL (an IPv4 socket cannot take an IPv6 address, and leaving it would
  * listen everywhere). Every other bind (a specific address, a port outside the range, another
- * family) is passed through unchanged. Without TRIPTYCH_BIND_ADDRESS it changes nothing but the
- * loopback port's binds. TRIPTYCH_BIND_ADDRESS and TRIPTYCH_BIND_PORTS are read once, when the
- * library is loaded.
+ * family) is passed through unchanged. Without TRIPTYCH_BIND_ADDRESS it changes nothing.
+ * Both variables are read once, when the library is loaded.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -81,44 +73,8 @@ static int in_range(in_port_t port) {
     return p >= min_port && p <= max_port;
 }
 
-/* Whether `port` is TRIPTYCH_BIND_LOOPBACK_PORT's (read now: the process sets it before the bind). */
-static int loopback_port(in_port_t port) {
-    const char *value = getenv("TRIPTYCH_BIND_LOOPBACK_PORT");
-    if (value == NULL || *value == '\0') return 0;
-    char *end;
-    unsigned long p = strtoul(value, &end, 10);
-    return *end == '\0' && p > 0 && p <= 65535 && p == ntohs(port);
-}
-
-/* A wildcard bind of the loopback port, to loopback; 0 when `addr` is not one (then *result is unset). */
-static int bind_loopback(int fd, const struct sockaddr *addr, socklen_t len, int *result) {
-    if (addr->sa_family == AF_INET && len >= sizeof(struct sockaddr_in)) {
-        struct sockaddr_in sin;
-        memcpy(&sin, addr, sizeof sin);
-        if (sin.sin_addr.s_addr != htonl(INADDR_ANY) || !loopback_port(sin.sin_port)) return 0;
-        sin.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        *result = real_bind(fd, (const struct sockaddr *)&sin, sizeof sin);
-        return 1;
-    }
-    if (addr->sa_family == AF_INET6 && len >= sizeof(struct sockaddr_in6)) {
-        struct sockaddr_in6 sin6;
-        memcpy(&sin6, addr, sizeof sin6);
-        if (!IN6_IS_ADDR_UNSPECIFIED(&sin6.sin6_addr) || !loopback_port(sin6.sin6_port)) return 0;
-        memset(&sin6.sin6_addr, 0, sizeof sin6.sin6_addr);
-        sin6.sin6_addr.s6_addr[10] = 0xff;
-        sin6.sin6_addr.s6_addr[11] = 0xff;
-        sin6.sin6_addr.s6_addr[12] = 127;
-        sin6.sin6_addr.s6_addr[15] = 1;
-        *result = real_bind(fd, (const struct sockaddr *)&sin6, sizeof sin6);
-        return 1;
-    }
-    return 0;
-}
-
 int bind(int fd, const struct sockaddr *addr, socklen_t len) {
     if (real_bind == NULL) real_bind = (bind_fn)dlsym(RTLD_NEXT, "bind");
-    int result;
-    if (addr != NULL && bind_loopback(fd, addr, len, &result)) return result;
     if (target_family == 0 || addr == NULL) return real_bind(fd, addr, len);
 
     if (addr->sa_family == AF_INET && len >= sizeof(struct sockaddr_in)) {
