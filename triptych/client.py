@@ -38,6 +38,8 @@ from typing import Any
 
 import httpx
 
+from triptych.protocol.messages import HEAD_SHUT_DOWN
+
 
 class ClientError(Exception):
     """The head answered with an error (its message), or could not be reached."""
@@ -382,7 +384,7 @@ def _progress_mark(event: Event) -> tuple[Any, ...]:
     return (event.event, data.get("state"), data.get("role"), data.get("step"))
 
 
-HEAD_GONE_CODES = frozenset({"head_shut_down", "shutting_down", "rejected"})
+HEAD_GONE_CODES = frozenset({HEAD_SHUT_DOWN, "shutting_down", "rejected"})
 
 
 def _head_gone(event: Event) -> bool:

@@ -22,6 +22,7 @@ from triptych.config import DEFAULT_PRIORITY_AGING_S
 from triptych.params import GenerationParams
 from triptych.priority import DEFAULT_LEVEL
 from triptych.protocol import Cancel, RequestEvent, RequestResult, Submit, TensorSpec
+from triptych.protocol.messages import HEAD_SHUT_DOWN
 from triptych.protocol.tensors import PIXELS
 from triptych.roles import Role
 from triptych_head.local_channel import ChannelClosed, LocalChannel
@@ -41,9 +42,6 @@ class GenerationOutput:
     pixels: np.ndarray  # uint8 [num_outputs, frames, height, width, 3]
     timings: dict[str, float] = field(default_factory=dict)
     server_timing: str = ""  # where its time went (timeline.py), for the answer's Server-Timing header
-
-
-HEAD_SHUT_DOWN = "head_shut_down"  # an error's code when this head stopped under the request: another head may run it
 
 
 class GenerationFailed(Exception):
@@ -172,7 +170,7 @@ class LocalClient:
                 future.set_exception(GenerationFailed(f"bad result from the decoder: {exc}", 502))
         elif isinstance(msg, RequestEvent):
             if msg.error is not None:
-                future.set_exception(GenerationFailed(msg.error, msg.status_code or 500, msg.state))
+                future.set_exception(GenerationFailed(msg.error, msg.status_code or 500, msg.state, msg.code or None))
             elif on_event is not None:
                 on_event(msg)
 

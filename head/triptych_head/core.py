@@ -51,6 +51,7 @@ from triptych.protocol import (
     TransferStaged,
     decode,
 )
+from triptych.protocol.messages import HEAD_SHUT_DOWN
 from triptych.roles import WORKER_ROLES, Role, is_full_pipeline, route_for
 from triptych.step_cache import MODES as STEP_CACHE_MODES
 from triptych.tracing import Tracing
@@ -234,8 +235,8 @@ class HeadCore:
                 f"the head shut down before this request finished (it had {self.drain_seconds:g}s to drain, "
                 "--disagg-drain-timeout); its worker slots were released; retry it"
             )
-            for rec in list(self.requests.values()):
-                self.finish(rec, RequestState.FAILED, reason, status_code=503)
+            for rec in list(self.requests.values()):  # clients send them again to another head (its code)
+                self.finish(rec, RequestState.FAILED, reason, status_code=503, code=HEAD_SHUT_DOWN)
             for rid in list(self.held_slots):
                 self.release_held(rid)  # as at its own timeout: this head is going and would never free it
         return not self.requests and not self.held_slots
@@ -513,8 +514,11 @@ class HeadCore:
         else:
             self.finish(rec, RequestState.FAILED, f"{exc}: {source} outputs manifest/meta is too large ({sizes})")
 
-    def finish(self, rec: RequestRecord, state: RequestState, error: str | None = None, status_code: int = 500) -> None:
-        """End a request: release what it holds on every worker, tell its client, forget it."""
+    def finish(
+        self, rec: RequestRecord, state: RequestState, error: str | None = None, status_code: int = 500, code: str = ""
+    ) -> None:
+        """End a request: release what it holds on every worker, tell its client, forget it; `code`:
+        the error's code in the client's answer ("": the state's name)."""
         if rec.state is not state:
             rec.move(state)
         if state is RequestState.DONE:
@@ -533,7 +537,7 @@ class HeadCore:
             self.metrics.request_seconds.observe(self.clock() - rec.created)
             return
         log.info("request %s %s: %s", rec.request_id, state.value, error)
-        ended = RequestEvent(rec.request_id, state.value, error=error, status_code=status_code)
+        ended = RequestEvent(rec.request_id, state.value, error=error, status_code=status_code, code=code)
         self.transport.reply(rec.client, ended)
 
 

@@ -54,7 +54,7 @@ MAX_AGED_LEVEL = 2**31  # what a Work message carries at most (messages.AgedLeve
 
 def aged(priority: int, waited_s: float, aging_s: float) -> int:
     """A priority level raised one level per `aging_s` seconds waited (monolithic mode's queue too)."""
-    return min(priority + int(waited_s / aging_s), MAX_AGED_LEVEL)
+    return priority + int(min(waited_s / aging_s, MAX_AGED_LEVEL - priority))  # capped before int(): inf
 
 
 def effective_level(rec: RequestRecord, now: float, aging_s: float) -> int:

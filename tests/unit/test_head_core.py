@@ -134,7 +134,26 @@ def test_the_core_refuses_new_requests_once_shutting_down_and_fails_the_rest_at_
     assert h.core.drained()
     (ended,) = h.endings()["r"]
     assert isinstance(ended, RequestEvent) and ended.state == "FAILED" and ended.status_code == 503
+    assert ended.code == "head_shut_down"  # what a client sends again to another head (triptych.client)
     h.check_idle()
+
+    # Through the head's own API client: the answer's error carries that code.
+    import asyncio
+
+    from triptych_head.backend import LocalClient
+
+    async def answer() -> str:
+        future = asyncio.get_running_loop().create_future()
+        client = LocalClient.__new__(LocalClient)
+        client._pending = {"r": (future, None)}
+        client._answer(ended, [])
+        try:
+            await future
+        except Exception as exc:
+            return str(getattr(exc, "code", ""))
+        return ""
+
+    assert asyncio.run(answer()) == "head_shut_down"
 
 
 def _run_schedule(

@@ -309,3 +309,13 @@ def test_a_submit_of_a_priority_past_high_is_refused_and_an_aged_level_stays_one
     work = Work("w", "http://x", params, priority=aged(HIGH, 1e30, 0.001))
     decoded, _ = decode(encode(work))
     assert decoded.priority == MAX_AGED_LEVEL
+
+
+def test_aging_by_a_tiny_period_is_capped_not_an_overflow() -> None:
+    """--disagg-priority-aging only has to be > 0: a waited time over a tiny period is infinite as a
+    float, and the cap applies before it becomes an int."""
+    from triptych_head.preemption import MAX_AGED_LEVEL, aged
+
+    assert aged(LOW, 10.0, 1e-308) == MAX_AGED_LEVEL
+    assert aged(HIGH, 10.0, 1e-300) == MAX_AGED_LEVEL
+    assert aged(NORMAL, 25.0, 10.0) == NORMAL + 2

@@ -79,6 +79,11 @@ class Cancel(Message, tag="cancel", frozen=True):
     request_id: str
 
 
+# An error's code when the head stopped under the request (a drain that ran out, its loop ended):
+# the client sends it again, under its Idempotency-Key, to another head (triptych.client).
+HEAD_SHUT_DOWN = "head_shut_down"
+
+
 class RequestEvent(Message, tag="event", frozen=True):
     """A state change or denoising progress of one request, streamed to the API client."""
 
@@ -93,6 +98,7 @@ class RequestEvent(Message, tag="event", frozen=True):
     # "suspended": its denoising stopped at a step boundary for a higher-priority request (its state
     # kept in a denoiser's pool); "resumed": it runs again from that step ("": any other event)
     preemption: str = ""
+    code: str = ""  # with an error: its code in the answer ("": the state's name); head_shut_down, say
 
 
 class RequestResult(Message, tag="result", frozen=True):

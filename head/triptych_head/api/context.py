@@ -24,6 +24,7 @@ from triptych.lora import BadAdapter, LoraCatalog
 from triptych.params import GenerationParams
 from triptych.priority import DEFAULT_LEVEL
 from triptych.priority import FIELD as PRIORITY_FIELD
+from triptych.protocol.messages import HEAD_SHUT_DOWN
 from triptych_head.admission import AdmissionControl, DeadlineUnachievable, Overloaded
 from triptych_head.api.auth import APIKeys
 from triptych_head.api.deadlines import FIELD as DEADLINE_FIELD
@@ -35,7 +36,7 @@ from triptych_head.api.key_sharing import LiveCounts
 from triptych_head.api.priorities import requested_priority
 from triptych_head.api.reference import Reference
 from triptych_head.api.schemas import parse_size
-from triptych_head.backend import HEAD_SHUT_DOWN, Backend, GenerationFailed
+from triptych_head.backend import Backend, GenerationFailed
 from triptych_head.deadline import Estimate
 from triptych_head.idempotency import Idempotency
 from triptych_head.media import MediaPool
