@@ -73,8 +73,8 @@ def test_a_pool_of_two_denoisers_of_two_cpu_ranks_each_from_the_specs_gpu_lists(
         denoisers = pool.deployment.workers(Role.DENOISER)
         assert len(denoisers) == 2
         assert [len(rank_processes(p.popen.pid)) for p in denoisers] == [1, 1]  # one follower rank each
-        # Nothing of the ranks listens on every address: torch.distributed's store at the master port
-        # binds [::] whatever host it is given, and the bind shim puts it on loopback.
+        # Nothing of the ranks listens on every address: rank 0 binds the store's socket on 127.0.0.1
+        # and hands it to torch.distributed (mesh.rendezvous_store), whose own would bind [::].
         for proc in denoisers:
             for pid in (proc.popen.pid, *rank_processes(proc.popen.pid)):
                 wildcard = {(a, port) for a, port in listening_sockets(pid) if a in ("0.0.0.0", "::")}
