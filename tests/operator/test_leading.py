@@ -17,9 +17,9 @@ from triptych_operator.leading import Leadership, leads
 NOW = datetime.datetime(2026, 12, 7, 18, 0, tzinfo=datetime.UTC)
 
 
-def peer(priority: int, seen_s_ago: float = 1, lifetime: int = 60) -> dict[str, Any]:
-    """A peer's entry as kopf writes it in the peering object's status."""
-    seen = NOW - datetime.timedelta(seconds=seen_s_ago)
+def peer(priority: int, seen_s_ago: float = 1, lifetime: int = 60, now: datetime.datetime = NOW) -> dict[str, Any]:
+    """A peer's entry as kopf writes it in the peering object's status, as seen `seen_s_ago` before `now`."""
+    seen = now - datetime.timedelta(seconds=seen_s_ago)
     return {"priority": priority, "lifetime": lifetime, "lastseen": seen.isoformat()}
 
 
@@ -38,7 +38,8 @@ def test_a_replica_leads_unless_another_live_peer_has_a_priority_as_high() -> No
 
 def test_standalone_always_leads_and_a_peering_object_is_read_in_the_pipeline_s_namespace(monkeypatch: Any) -> None:
     reads: list[tuple[str, str | None]] = []
-    status: dict[str, Any] = {"me": peer(100), "other": peer(200)}
+    now = datetime.datetime.now(datetime.UTC)  # Leadership.leads reads the clock
+    status: dict[str, Any] = {"me": peer(100, now=now), "other": peer(200, now=now)}
 
     def peering_status(name: str, namespace: str | None) -> dict[str, Any] | None:
         reads.append((name, namespace))
