@@ -38,7 +38,23 @@ def _kinds(model: type[BaseModel], name: str) -> frozenset[Any]:
     return frozenset(get_args(annotation) or (annotation,))
 
 
-class RequestBody(BaseModel):
+class BooleansApart(BaseModel):
+    """A model whose numbers take no JSON true or false, and whose booleans no number."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_and_numbers_apart(cls, v: object, info: ValidationInfo) -> object:
+        # pydantic's lax mode reads a JSON true as 1 and a 0 or 1 as false or true; neither is what the
+        # client wrote. A form's text ("1", "true") is still read as the field's type.
+        kinds = _kinds(cls, str(info.field_name))
+        if isinstance(v, bool) and kinds & {int, float}:
+            raise ValueError(f"must be a number, not {str(v).lower()}")
+        if isinstance(v, int | float) and not isinstance(v, bool) and bool in kinds:
+            raise ValueError(f"must be true or false, not {v!r}")
+        return v
+
+
+class RequestBody(BooleansApart):
     """A request's JSON body (or an edit's form fields); each endpoint's model adds the contract's
     parameters it takes (request_model)."""
 
@@ -53,18 +69,6 @@ class RequestBody(BaseModel):
                 v.encode("utf-8")
             except UnicodeEncodeError:
                 raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
-        return v
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _booleans_and_numbers_apart(cls, v: object, info: ValidationInfo) -> object:
-        # pydantic's lax mode reads a JSON true as 1 and a 0 or 1 as false or true; neither is what the
-        # client wrote. A form's text ("1", "true") is still read as the field's type.
-        kinds = _kinds(cls, str(info.field_name))
-        if isinstance(v, bool) and kinds & {int, float}:
-            raise ValueError(f"must be a number, not {str(v).lower()}")
-        if isinstance(v, int | float) and not isinstance(v, bool) and bool in kinds:
-            raise ValueError(f"must be true or false, not {v!r}")
         return v
 
     @field_validator("loras", mode="before", check_fields=False)
@@ -90,7 +94,7 @@ class RequestBody(BaseModel):
         return f"{width}x{height}"  # as a video job stores and answers it: "0032x0032" is "32x32"
 
 
-class LoraChoice(BaseModel):
+class LoraChoice(BooleansApart):
     """One LoRA adapter a request names (triptych.lora)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -99,14 +103,6 @@ class LoraChoice(BaseModel):
     weight: float = Field(
         1.0, ge=lora.MIN_WEIGHT, le=lora.MAX_WEIGHT, allow_inf_nan=False, description="Its scale (1: as trained)"
     )
-
-    @field_validator("weight", mode="before")
-    @classmethod
-    def _not_a_boolean(cls, v: object) -> object:
-        # As RequestBody's numbers: lax mode read a JSON false as weight 0.0, true as 1.0.
-        if isinstance(v, bool):
-            raise ValueError(f"must be a number, not {str(v).lower()}")
-        return v
 
 
 def _field(param: RequestParam, endpoint: str) -> tuple[Any, Any]:
