@@ -8,6 +8,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from triptych_head.loop_metrics import LoopCounter, LoopHistogram
 
+# The label naming a worker (its URL) in what the head reports per worker. Not "instance": Prometheus
+# sets `instance` on every scraped series to the target's (the head's) address, which would rename
+# ours to exported_instance and leave queries grouping by instance grouping by head.
+WORKER = "worker"
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -120,28 +125,26 @@ class HeadMetrics:
         )
         self.active_requests = Gauge("triptych_active_requests", "Requests in flight", registry=r)
         self.free_slots = Gauge(
-            "triptych_free_slots", "Free scheduling slots per instance", ["role", "instance"], registry=r
+            "triptych_free_slots", "Free scheduling slots per instance", ["role", WORKER], registry=r
         )
         self.free_pool_bytes = Gauge(
             "triptych_transfer_pool_free_bytes",
             "Free transfer-pool bytes per instance",
-            ["role", "instance"],
+            ["role", WORKER],
             registry=r,
         )
-        self.instance_up = Gauge(
-            "triptych_instance_up", "1 when the instance heartbeats", ["role", "instance"], registry=r
-        )
+        self.instance_up = Gauge("triptych_instance_up", "1 when the instance heartbeats", ["role", WORKER], registry=r)
         self.worker_open_files = Gauge(
             "triptych_worker_open_files",
             "Descriptors the instance's process has open, as of its last heartbeat (Mooncake's TCP transport "
             "keeps connections to peers that went away: alert as it nears triptych_worker_open_files_limit)",
-            ["role", "instance"],
+            ["role", WORKER],
             registry=r,
         )
         self.worker_open_files_limit = Gauge(
             "triptych_worker_open_files_limit",
             "The instance's soft open-file limit (each process raises it to its hard limit at start-up); 0: none",
-            ["role", "instance"],
+            ["role", WORKER],
             registry=r,
         )
         self.transfer_bytes = LoopCounter(
@@ -219,7 +222,7 @@ class HeadMetrics:
             "capacity_bytes": "The worker's --encoder-cache-bytes",
         }
         self.encoder_cache = {
-            field: Gauge(f"triptych_encoder_cache_{field}", text, ["role", "instance"], registry=r)
+            field: Gauge(f"triptych_encoder_cache_{field}", text, ["role", WORKER], registry=r)
             for field, text in cache.items()
         }
 
@@ -231,7 +234,7 @@ class HeadMetrics:
             "attentions), since it started",
         }
         self.step_cache = {
-            field: Gauge(f"triptych_step_cache_{field}", text, ["role", "instance", "mode"], registry=r)
+            field: Gauge(f"triptych_step_cache_{field}", text, ["role", WORKER, "mode"], registry=r)
             for field, text in step.items()
         }
 

@@ -82,10 +82,10 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "TriptychInstanceNotHeartbeating",
-        f"max by ({ROLE}, instance) (triptych_instance_up) == 0",
+        f"max by ({ROLE}, worker) (triptych_instance_up) == 0",
         "5m",
         "warning",
-        f"{WHO}: {{{{ $labels.role }}}} instance {{{{ $labels.instance }}}} stopped heartbeating",
+        f"{WHO}: {{{{ $labels.role }}}} instance {{{{ $labels.worker }}}} stopped heartbeating",
         "Discovery still lists the instance but no head has had its heartbeat within --disagg-heartbeat-timeout "
         "for 5 minutes: it hangs, or a NetworkPolicy or CURVE key mismatch keeps it from the heads. Its work went "
         "to other instances.",
@@ -97,17 +97,18 @@ ALERTS: tuple[Alert, ...] = (
         "warning",
         f"{WHO}: {{{{ $labels.role }}}} instances keep failing under requests ({{{{ $labels.cause }}}})",
         "More than 3 requests in 15 minutes were restarted on another instance after losing one (heartbeat lost, "
-        "disconnected, gone from discovery, a transfer failed). The requests still complete; the instances, or "
-        "the network between them, are unhealthy.",
+        "disconnected, gone from discovery, a transfer failed, a receiver whose transfer session changed). The "
+        "requests are restarted, each up to --disagg-max-retries times, then fail; the instances, or the network "
+        "between them, are unhealthy.",
     ),
     Alert(
         "TriptychInstanceNearOpenFilesLimit",
-        f"max by ({ROLE}, instance) (triptych_worker_open_files)\n"
-        f"/\nmax by ({ROLE}, instance) (triptych_worker_open_files_limit > 0)\n"
+        f"max by ({ROLE}, worker) (triptych_worker_open_files)\n"
+        f"/\nmax by ({ROLE}, worker) (triptych_worker_open_files_limit > 0)\n"
         "> 0.8",
         "15m",
         "warning",
-        f"{WHO}: {{{{ $labels.role }}}} instance {{{{ $labels.instance }}}} holds over 80% of its open-file limit",
+        f"{WHO}: {{{{ $labels.role }}}} instance {{{{ $labels.worker }}}} holds over 80% of its open-file limit",
         "For 15 minutes the worker's process has held more than 80% of its open-file limit; at the limit its "
         "transfers and connections fail. Mooncake's TCP transport keeps up to 4 connections to every peer that "
         "went away, so a long-lived worker behind a pool that scales often keeps growing: restart its pod (it "

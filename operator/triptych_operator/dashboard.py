@@ -23,6 +23,7 @@ UID = "triptych-pipelines"
 # Every query's series selector: the pipelines (and namespaces) chosen in the dashboard's variables.
 S = '{namespace=~"$namespace", app_kubernetes_io_instance=~"$pipeline"}'
 PIPELINE = "namespace, app_kubernetes_io_instance"  # one series per pipeline
+NAME = "{{app_kubernetes_io_instance}}"  # the pipeline, in a legend
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 ROW_WIDTH, PANEL_HEIGHT = 24, 8
 
@@ -36,26 +37,41 @@ class Panel:
     kind: str = "timeseries"  # or "stat": one number per series over the dashboard's time range
 
 
+# Every query keeps the pipelines apart (the variables may select several) and every legend names one:
+# `by` below is what a query groups by within a pipeline ("" for the pipeline alone).
+
+
+def within(by: str) -> str:
+    return f"{PIPELINE}, {by}" if by else PIPELINE
+
+
+def legend(text: str) -> str:
+    return f"{NAME} {text}"
+
+
 def rate(metric: str, by: str) -> str:
-    return f"sum by ({by}) (rate({metric}{S}[$__rate_interval]))"
+    return f"sum by ({within(by)}) (rate({metric}{S}[$__rate_interval]))"
 
 
-def quantiles(metric: str, by: str, legend: str) -> tuple[tuple[str, str], ...]:
-    """p50 and p95 of histogram `metric` per `by` labels."""
+def quantiles(metric: str, by: str, text: str) -> tuple[tuple[str, str], ...]:
+    """p50 and p95 of histogram `metric` per pipeline and `by` labels."""
     return tuple(
-        (f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{S}[$__rate_interval])))", f"{legend} p{p}")
+        (
+            f"histogram_quantile({q}, sum by ({within(by)}, le) (rate({metric}_bucket{S}[$__rate_interval])))",
+            legend(f"{text} p{p}".lstrip()),
+        )
         for q, p in ((0.5, 50), (0.95, 95))
     )
 
 
 def per(metric: str, by: str) -> str:
-    return f"sum by ({by}) ({metric}{S})"
+    return f"sum by ({within(by)}) ({metric}{S})"
 
 
 def seen(metric: str, by: str) -> str:
     """What every head reports about the same workers (their instances, slots, pools): the largest
     any head sees, not the sum over the heads, which would count each worker once per head."""
-    return f"max by ({by}) ({metric}{S})"
+    return f"max by ({within(by)}) ({metric}{S})"
 
 
 ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
@@ -67,12 +83,9 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 "Requests the head holds, and the cap --max-queued-requests sets when given (none by default: "
                 "requests are refused only when they would miss their deadline).",
                 (
-                    (per("triptych_active_requests", PIPELINE), "{{app_kubernetes_io_instance}} in flight"),
-                    (per("triptych_admission_in_flight_requests", PIPELINE), "{{app_kubernetes_io_instance}} admitted"),
-                    (
-                        per("triptych_admission_max_in_flight_requests", PIPELINE),
-                        "{{app_kubernetes_io_instance}} bound",
-                    ),
+                    (per("triptych_active_requests", ""), legend("in flight")),
+                    (per("triptych_admission_in_flight_requests", ""), legend("admitted")),
+                    (per("triptych_admission_max_in_flight_requests", ""), legend("bound")),
                 ),
             ),
             Panel(
@@ -80,16 +93,16 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 "Requests per second by final state, and those refused with 429: they would have missed their "
                 "deadline, or the pipeline was at --max-queued-requests.",
                 (
-                    (rate("triptych_requests_total", "state"), "{{state}}"),
-                    (rate("triptych_rejected_deadline_requests_total", PIPELINE), "refused: deadline (429)"),
-                    (rate("triptych_rejected_overloaded_requests_total", PIPELINE), "refused: cap (429)"),
+                    (rate("triptych_requests_total", "state"), legend("{{state}}")),
+                    (rate("triptych_rejected_deadline_requests_total", ""), legend("refused: deadline (429)")),
+                    (rate("triptych_rejected_overloaded_requests_total", ""), legend("refused: cap (429)")),
                 ),
                 unit="reqps",
             ),
             Panel(
                 "End-to-end latency",
                 "From the head taking a request to its result.",
-                quantiles("triptych_request_seconds", PIPELINE, "{{app_kubernetes_io_instance}}"),
+                quantiles("triptych_request_seconds", "", ""),
                 unit="s",
             ),
         ),
@@ -100,18 +113,18 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel(
                 "Queued requests",
                 "Requests waiting for an instance of the role.",
-                ((per("triptych_role_queued_requests", "role"), "{{role}}"),),
+                ((per("triptych_role_queued_requests", "role"), legend("{{role}}")),),
             ),
             Panel(
                 "Running requests",
                 "Requests dispatched to an instance of the role.",
-                ((per("triptych_role_running_requests", "role"), "{{role}}"),),
+                ((per("triptych_role_running_requests", "role"), legend("{{role}}")),),
             ),
             Panel(
                 "Pending device-seconds",
                 "The head's estimate of the device time accepted requests still need from each role: "
                 "the signal autoscaled roles follow.",
-                ((per("triptych_role_pending_work_seconds", "role"), "{{role}}"),),
+                ((per("triptych_role_pending_work_seconds", "role"), legend("{{role}}")),),
                 unit="s",
             ),
         ),
@@ -145,7 +158,12 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel(
                 "Transfer throughput",
                 "Bytes moved worker to worker through Mooncake, per second.",
-                ((rate("triptych_transfer_bytes_total", "source, destination"), "{{source}} → {{destination}}"),),
+                (
+                    (
+                        rate("triptych_transfer_bytes_total", "source, destination"),
+                        legend("{{source}} → {{destination}}"),
+                    ),
+                ),
                 unit="Bps",
             ),
             Panel(
@@ -157,7 +175,7 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel(
                 "Free transfer-pool bytes",
                 "Free bytes of each instance's registered transfer pool, from its heartbeats.",
-                ((seen("triptych_transfer_pool_free_bytes", "role, instance"), "{{role}} {{instance}}"),),
+                ((seen("triptych_transfer_pool_free_bytes", "role, worker"), legend("{{role}} {{worker}}")),),
                 unit="bytes",
             ),
         ),
@@ -168,22 +186,22 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel(
                 "Ready instances",
                 "Instances that heartbeat and take new work (not draining or leaving).",
-                ((seen("triptych_role_ready_instances", "role"), "{{role}}"),),
+                ((seen("triptych_role_ready_instances", "role"), legend("{{role}}")),),
             ),
             Panel(
                 "Instances up",
                 "1 while an instance heartbeats, 0 once the head counts it gone.",
-                ((seen("triptych_instance_up", "role, instance"), "{{role}} {{instance}}"),),
+                ((seen("triptych_instance_up", "role, worker"), legend("{{role}} {{worker}}")),),
             ),
             Panel(
                 "Free scheduling slots",
                 "Requests each instance can still take.",
-                ((seen("triptych_free_slots", "role, instance"), "{{role}} {{instance}}"),),
+                ((seen("triptych_free_slots", "role, worker"), legend("{{role}} {{worker}}")),),
             ),
             Panel(
                 "Retries",
                 "Requests restarted on another instance after losing one, by cause.",
-                ((rate("triptych_retries_total", "role, cause"), "{{role}} {{cause}}"),),
+                ((rate("triptych_retries_total", "role, cause"), legend("{{role}} {{cause}}")),),
                 unit="reqps",
             ),
             Panel(
@@ -192,9 +210,9 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 "connections to peers that went away, so it can grow over a worker's life; the alert fires past 80%.",
                 (
                     (
-                        f"{seen('triptych_worker_open_files', 'role, instance')} / "
-                        f"({seen('triptych_worker_open_files_limit', 'role, instance')} > 0)",
-                        "{{role}} {{instance}}",
+                        f"{seen('triptych_worker_open_files', 'role, worker')} / "
+                        f"({seen('triptych_worker_open_files_limit', 'role, worker')} > 0)",
+                        legend("{{role}} {{worker}}"),
                     ),
                 ),
                 unit="percentunit",
@@ -208,19 +226,24 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 "Busy devices",
                 "Device-seconds per second workers spend on requests' stages (their own time, no queueing): "
                 "how many replicas' devices are busy on average. Times a role's gpusPerReplica: GPUs busy.",
-                ((rate("triptych_worker_seconds_total", "role"), "{{role}}"),),
+                ((rate("triptych_worker_seconds_total", "role"), legend("{{role}}")),),
             ),
             Panel(
                 "Device-seconds in the time range",
                 "Device time spent per role over the dashboard's range; times gpusPerReplica: GPU-seconds.",
-                ((f"sum by (role) (increase(triptych_worker_seconds_total{S}[$__range]))", "{{role}}"),),
+                (
+                    (
+                        f"sum by ({within('role')}) (increase(triptych_worker_seconds_total{S}[$__range]))",
+                        legend("{{role}}"),
+                    ),
+                ),
                 unit="s",
                 kind="stat",
             ),
             Panel(
                 "Device-seconds per unit of work",
                 "The head's calibrated cost of one unit of each role's work (docs/autoscaling.md).",
-                ((seen("triptych_role_seconds_per_work_unit", "role"), "{{role}}"),),
+                ((seen("triptych_role_seconds_per_work_unit", "role"), legend("{{role}}")),),
                 unit="s",
             ),
         ),

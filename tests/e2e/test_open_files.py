@@ -37,7 +37,7 @@ def open_files_limits(pid: int) -> tuple[int, int]:
 def gauge(metrics: str, suffix: str, proc: Proc) -> float:
     """triptych_worker_open_files[_`suffix`] of the worker `proc` in the head's /metrics `metrics` (0: none yet)."""
     name = "triptych_worker_open_files" + (f"_{suffix}" if suffix else "")
-    labels = re.escape(f'{{instance="{proc.url}",role="{proc.role.value}"}}')
+    labels = re.escape(f'{{role="{proc.role.value}",worker="{proc.url}"}}')
     found = re.search(rf"^{name}{labels} (\S+)$", metrics, re.M)
     return float(found[1]) if found else 0.0
 

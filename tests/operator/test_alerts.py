@@ -63,9 +63,10 @@ WAN = {"namespace": "ml", "app_kubernetes_io_instance": "wan"}
 
 
 def series(name: str, values: str, head: str = "h1", **labels: str) -> dict[str, str]:
-    """One input series as a head (pod `head`) exports it, scraped with the pipeline's labels."""
+    """One input series as a head (pod `head`) exports it, scraped with the pipeline's labels and the
+    target's own: `instance` is the scraped head's address, as Prometheus sets it on every series."""
     pipeline = WAN if labels.pop("pipeline", "flux") == "wan" else FLUX
-    all_labels = {**pipeline, "pod": head, **labels}
+    all_labels = {**pipeline, "job": "rel-triptych-heads", "pod": head, "instance": f"{head}:30000", **labels}
     return {"series": name + "{" + ",".join(f'{k}="{v}"' for k, v in all_labels.items()) + "}", "values": values}
 
 
@@ -123,14 +124,14 @@ CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, list[dict[str, Any]
     ),
     "TriptychInstanceNotHeartbeating": (
         [
-            series("triptych_instance_up", "1 1 0x20", role="denoiser", instance="tcp://a:19000"),
-            series("triptych_instance_up", "1 1 0x20", head="h2", role="denoiser", instance="tcp://a:19000"),
-            series("triptych_instance_up", "0x22", role="denoiser", instance="tcp://b:19000"),
-            series("triptych_instance_up", "1x22", head="h2", role="denoiser", instance="tcp://b:19000"),
+            series("triptych_instance_up", "1 1 0x20", role="denoiser", worker="tcp://a:19000"),
+            series("triptych_instance_up", "1 1 0x20", head="h2", role="denoiser", worker="tcp://a:19000"),
+            series("triptych_instance_up", "0x22", role="denoiser", worker="tcp://b:19000"),
+            series("triptych_instance_up", "1x22", head="h2", role="denoiser", worker="tcp://b:19000"),
         ],
         [
             ("5m", []),
-            ("10m", [expected("TriptychInstanceNotHeartbeating", role="denoiser", instance="tcp://a:19000")]),
+            ("10m", [expected("TriptychInstanceNotHeartbeating", role="denoiser", worker="tcp://a:19000")]),
         ],
     ),
     "TriptychInstancesLostUnderRequests": (
@@ -146,18 +147,18 @@ CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, list[dict[str, Any]
     "TriptychInstanceNearOpenFilesLimit": (
         [
             # a's descriptors grow towards its limit (as both heads hear it); b's stay low; c reports no limit
-            series("triptych_worker_open_files", "100+50x40", role="denoiser", instance="tcp://a:19000"),
-            series("triptych_worker_open_files", "100+50x40", head="h2", role="denoiser", instance="tcp://a:19000"),
-            series("triptych_worker_open_files_limit", "1024x40", role="denoiser", instance="tcp://a:19000"),
-            series("triptych_worker_open_files_limit", "1024x40", head="h2", role="denoiser", instance="tcp://a:19000"),
-            series("triptych_worker_open_files", "200x40", role="denoiser", instance="tcp://b:19000"),
-            series("triptych_worker_open_files_limit", "1024x40", role="denoiser", instance="tcp://b:19000"),
-            series("triptych_worker_open_files", "5000x40", role="decoder", instance="tcp://c:19000"),
-            series("triptych_worker_open_files_limit", "0x40", role="decoder", instance="tcp://c:19000"),
+            series("triptych_worker_open_files", "100+50x40", role="denoiser", worker="tcp://a:19000"),
+            series("triptych_worker_open_files", "100+50x40", head="h2", role="denoiser", worker="tcp://a:19000"),
+            series("triptych_worker_open_files_limit", "1024x40", role="denoiser", worker="tcp://a:19000"),
+            series("triptych_worker_open_files_limit", "1024x40", head="h2", role="denoiser", worker="tcp://a:19000"),
+            series("triptych_worker_open_files", "200x40", role="denoiser", worker="tcp://b:19000"),
+            series("triptych_worker_open_files_limit", "1024x40", role="denoiser", worker="tcp://b:19000"),
+            series("triptych_worker_open_files", "5000x40", role="decoder", worker="tcp://c:19000"),
+            series("triptych_worker_open_files_limit", "0x40", role="decoder", worker="tcp://c:19000"),
         ],
         [
             ("20m", []),  # over 80% (819 of 1024) since minute 15: pending, not yet for 15 minutes
-            ("36m", [expected("TriptychInstanceNearOpenFilesLimit", role="denoiser", instance="tcp://a:19000")]),
+            ("36m", [expected("TriptychInstanceNearOpenFilesLimit", role="denoiser", worker="tcp://a:19000")]),
         ],
     ),
 }

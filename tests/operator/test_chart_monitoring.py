@@ -163,6 +163,30 @@ def test_what_every_head_reports_of_the_same_workers_is_not_summed_over_the_head
         assert expr.startswith("max by ("), expr
 
 
+def groupings(expr: str) -> list[set[str]]:
+    """The labels each aggregation in a query keeps (`by`), from its syntax tree."""
+    expr = re.sub(r"\$__(rate_interval|interval|range)\b", "5m", expr)
+    kept: list[set[str]] = []
+
+    def visit(node: object) -> None:
+        if isinstance(node, promql_parser.AggregateExpr):
+            assert node.modifier is not None and str(node.modifier).startswith("by"), expr
+            kept.append(set(node.modifier.labels))
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return kept
+
+
+def test_every_panel_keeps_the_selected_pipelines_apart_and_says_which_is_which() -> None:
+    # The pipeline variable takes several values: a per-role sum over all of them would hide one's outage.
+    # `instance` is the scraped head's address (Prometheus's target label), never a worker.
+    board = json.loads(DASHBOARD_FILE.read_text())
+    for target in [t for p in board["panels"] for t in p.get("targets", [])]:
+        for labels in groupings(target["expr"]):
+            assert {"namespace", "app_kubernetes_io_instance"} <= labels and "instance" not in labels, target
+        assert target["legendFormat"].startswith("{{app_kubernetes_io_instance}}"), target
+
+
 def relabel(rules: list[dict[str, Any]], labels: dict[str, str]) -> dict[str, str]:
     """`labels` after Prometheus's `replace` relabelings: the source labels' values joined by the separator,
     the regex matched against the whole string, ${n} in the replacement the n-th group's text."""
