@@ -54,6 +54,9 @@ HEAD_HTTP_PORT: Final = DEFAULT_HTTP_PORT
 MODEL_MOUNT: Final = "/models"
 HF_CACHE_MOUNT: Final = "/cache"
 SHM_MOUNT: Final = "/dev/shm"
+# The containers' root filesystem is read-only: /tmp (HOME in the images) is the one writable folder besides
+# the mounted volumes (torch's and triton's caches, a bucket's staging files, anything a library writes there).
+TMP_MOUNT: Final = "/tmp"
 SHM_PER_RANK_GIB: Final = 2  # /dev/shm per rank of a multi-GPU role (NCCL's intra-node buffers, with room)
 # A worker's own IP (downward API), which its --disagg-p2p-hostname expands: a role's env may not set it.
 POD_IP_ENV: Final = "POD_IP"

@@ -566,12 +566,17 @@ def test_the_operator_runs_under_the_chart_service_account(real_node: KubeCluste
 
 
 def test_an_image_request_through_the_head_service_equals_stock_diffusers(
-    tiny_flux: Pipeline, tiny_models: dict[str, Path]
+    real_node: KubeCluster, tiny_flux: Pipeline, tiny_models: dict[str, Path]
 ) -> None:
+    """Served by pods on a read-only root filesystem: what the head and the workers write lands on their volumes."""
     t0 = time.monotonic()
     got = http_image(tiny_flux.http)
     print(f"request through the head's Service in {time.monotonic() - t0:.1f} s")
     np.testing.assert_array_equal(got, stock_image(tiny_models["tiny-flux"]))
+    selector = f"app.kubernetes.io/instance={tiny_flux.name}"
+    pods = real_node.kubectl_json("-n", tiny_flux.namespace, "get", "pods", "-l", selector)["items"]
+    containers = [c for pod in pods for c in pod["spec"]["containers"]]
+    assert len(containers) == 4 and all(c["securityContext"]["readOnlyRootFilesystem"] for c in containers)
 
 
 def test_a_wan_video_job_completes_with_frames_equal_to_stock_diffusers(

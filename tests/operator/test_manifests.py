@@ -13,7 +13,7 @@ from triptych.cli import build_parser
 from triptych.config import HEAD_SHUTDOWN_OVERHEAD_S, ServeArgs
 from triptych.ports import MOONCAKE_PORT_RANGE
 from triptych.roles import Role
-from triptych_operator.constants import GPU_RESOURCE, HEAD_HTTP_PORT, HEAD_SCHEDULER_PORT, WORKER_PORT
+from triptych_operator.constants import GPU_RESOURCE, HEAD_HTTP_PORT, HEAD_SCHEDULER_PORT, OUTPUT_MOUNT, WORKER_PORT
 from triptych_operator.manifests import Manifest, render
 from triptych_operator.manifests.head import head_ingress
 from triptych_operator.manifests.parts import KEYS_FILE_MODE
@@ -161,7 +161,36 @@ def test_heads_and_workers_run_without_capabilities_token_or_unfiltered_syscalls
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         for c in pod["containers"]:
-            assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+            assert c["securityContext"] == {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"]},
+            }
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [minimal_spec(), example("flux-t2i.yaml")["spec"], minimal_spec(fullPipeline={})],
+    ids=["model-on-a-claim", "hub-model", "full-pipeline"],
+)
+def test_on_a_read_only_root_every_folder_the_processes_write_is_a_mounted_volume(spec: dict[str, Any]) -> None:
+    """/tmp (HOME: torch's and triton's caches, a bucket's staging), the hub cache, the head's results and
+    /dev/shm are volumes the pod mounts writable; the model, keys and catalogue stay read-only."""
+    deployments = [obj for key, obj in children(spec).items() if key[0] == "Deployment"]
+    for deployment in deployments:
+        pod = deployment["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        c = pod["containers"][0]
+        writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+        assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+        hf_home = next((e["value"] for e in c["env"] if e["name"] == "HF_HOME"), None)
+        if hf_home is not None:
+            assert any(hf_home.startswith(path + "/") for path in writable), (deployment["metadata"]["name"], hf_home)
+        if c["name"] == "head":
+            assert OUTPUT_MOUNT in writable
+        else:
+            assert "/dev/shm" in writable
 
 
 def test_a_multi_gpu_role_gets_a_master_port_loopback_collectives_and_shm_for_its_ranks() -> None:

@@ -33,6 +33,7 @@ from triptych_operator.manifests.parts import (
     pod_security,
     standard_probes,
     template_annotations,
+    tmp_volume,
 )
 from triptych_operator.serve_args import SERVE_COMMAND, object_name
 from triptych_operator.spec.head_fields import HEAD_UNROUTE_S, S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
@@ -169,8 +170,9 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
     lora_volumes, lora_mounts = lora_catalog_volume(pipeline)
     tls_volumes, tls_mounts = head_tls_volume(pipeline)
     hook_volumes, hook_mounts = head_webhook_volume(pipeline)
-    volumes = [*volumes, *lora_volumes, *tls_volumes, *hook_volumes]
-    mounts = [*mounts, *lora_mounts, *tls_mounts, *hook_mounts]
+    tmp, tmp_mount = tmp_volume()
+    volumes = [*volumes, *lora_volumes, *tls_volumes, *hook_volumes, tmp]
+    mounts = [*mounts, *lora_mounts, *tls_mounts, *hook_mounts, tmp_mount]
     container: Manifest = {
         "name": HEAD_COMPONENT,
         "image": pipeline.head_image,

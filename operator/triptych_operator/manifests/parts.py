@@ -25,6 +25,7 @@ from triptych_operator.constants import (
     MANAGER,
     MODEL_MOUNT,
     RUN_AS_USER,
+    TMP_MOUNT,
 )
 from triptych_operator.serve_args import object_name
 from triptych_operator.spec.model import PipelineSpec, SpecError
@@ -38,6 +39,7 @@ PROGRESS_DEADLINE_S = STARTUP_GRACE_S + 600
 PROBE_PERIOD_S = 10
 KEYS_VOLUME = "control-keys"
 KEYS_FILE_MODE = 0o440  # owner root, group the pod's fsGroup (the process): nobody else reads the secret keys
+TMP_VOLUME = "tmp"
 
 
 @dataclass(frozen=True)
@@ -188,10 +190,17 @@ def pod_security() -> Manifest:
 
 
 def container_security() -> Manifest:
-    """The container securityContext of heads and workers: no capability at all. A worker's Mooncake pins its
-    transfer buffers under RLIMIT_MEMLOCK: CAP_IPC_LOCK would not reach a non-root process anyway (only
-    ambient capabilities would, which Kubernetes does not set)."""
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    """The container securityContext of heads and workers: no capability at all, and a read-only root
+    filesystem (what the processes write goes to mounted volumes: tmp_volume, the hub cache, the results,
+    /dev/shm). A worker's Mooncake pins its transfer buffers under RLIMIT_MEMLOCK: CAP_IPC_LOCK would not
+    reach a non-root process anyway (only ambient capabilities would, which Kubernetes does not set)."""
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def tmp_volume() -> tuple[Manifest, Manifest]:
+    """(volume, mount) of /tmp, the images' HOME, writable on the read-only root filesystem: torch's and
+    triton's caches, the temporary files of libraries, a head's staging of results for its bucket."""
+    return {"name": TMP_VOLUME, "emptyDir": {}}, {"name": TMP_VOLUME, "mountPath": TMP_MOUNT}
 
 
 def container_resources(user: Mapping[str, Any], extended: Mapping[str, int]) -> Manifest:

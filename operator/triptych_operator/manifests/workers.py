@@ -31,6 +31,7 @@ from triptych_operator.manifests.parts import (
     pod_security,
     standard_probes,
     template_annotations,
+    tmp_volume,
 )
 from triptych_operator.serve_args import SERVE_COMMAND, object_name
 from triptych_operator.spec.model import PipelineSpec
@@ -70,6 +71,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
     # model's token. They always have the cache, so an adapter added to the catalogue rolls no pod.
     volumes, mounts, model_env = model_volume_mounts(pipeline, downloads=role in LORA_WORKERS)
     keys_volume, keys_mount = control_keys_volume(pipeline, "worker")
+    tmp, tmp_mount = tmp_volume()
     if role in LORA_WORKERS:  # the roles that load adapters
         lora_volumes, lora_mounts = lora_catalog_volume(pipeline)
         volumes, mounts = [*volumes, *lora_volumes], [*mounts, *lora_mounts]
@@ -92,7 +94,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
         "securityContext": container_security(),
         # A refused start-up ends the log with one line naming the flag; the status shows it (and its CR field).
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": [*mounts, {"name": "shm", "mountPath": SHM_MOUNT}, keys_mount],
+        "volumeMounts": [*mounts, {"name": "shm", "mountPath": SHM_MOUNT}, tmp_mount, keys_mount],
         # The worker binds its work socket only after loading its model, so "open" means "can take work".
         **standard_probes({"tcpSocket": {"port": "work"}}),
     }
@@ -110,7 +112,7 @@ def worker_deployment(pipeline: PipelineSpec, role: Role, argv: list[str], keys_
         "terminationGracePeriodSeconds": spec.drain_seconds,
         "containers": [container],
         # NCCL and torch.multiprocessing share tensors through /dev/shm; the default 64 MiB is too small.
-        "volumes": [*volumes, shm_volume(spec.num_devices), keys_volume],
+        "volumes": [*volumes, shm_volume(spec.num_devices), tmp, keys_volume],
         "tolerations": tolerations,
     }
     if spec.node_selector:
