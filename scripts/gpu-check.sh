@@ -26,6 +26,9 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   echo "gpu-check: torch sees no CUDA GPU (check nvidia-smi and that torch is a CUDA build)" >&2
   exit 2
 fi
+# Workers start as ordinary processes: a child forked from the tests' preloaded interpreter cannot initialise
+# CUDA (triptych_dev.prefork declines on a machine with a CUDA device anyway).
+export TRIPTYCH_PREFORK=0
 mkdir -p "$OUT"
 : > "$OUT/steps.tsv"
 failed=0

@@ -186,6 +186,7 @@ class Launcher:
     def spawn(self, argv: Sequence[str], log: Path, env: Mapping[str, str]) -> PreforkedProcess | None:
         """A forked child running `argv`, or None when it needs an ordinary process (reason in `declined`)."""
         try:
+            _check_no_cuda()
             _check_worker_argv(argv)
             self._ensure_server()
             return self._request(argv, log, env)
@@ -252,6 +253,16 @@ class Launcher:
             raise Declined(reply["declined"])
         self.forked += 1
         return PreforkedProcess(conn, int(reply["pid"]), argv)
+
+
+def _check_no_cuda() -> None:
+    """Decline on a machine with a CUDA device: the server's preload imports diffusers, which asks torch
+    whether CUDA is there, and a child forked after that cannot initialise CUDA ("Cannot re-initialize
+    CUDA in forked subprocess"), whatever its --device; an ordinary process can."""
+    import torch
+
+    if torch.cuda.is_available():
+        raise Declined("a CUDA device is present (a child forked from the preloaded server cannot initialise CUDA)")
 
 
 def _check_worker_argv(argv: Sequence[str]) -> None:

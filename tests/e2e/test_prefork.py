@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from triptych import __version__
 from triptych.ports import MOONCAKE_PORT_RANGE
@@ -99,6 +100,13 @@ def test_what_a_child_could_not_be_is_declined(launcher: Launcher, tmp_path: Pat
     assert any(reason in why for why in launcher.declined), launcher.declined
     assert launcher.spawn([sys.executable, "-m", "json.tool"], tmp_path / "y.log", env()) is None
     assert any("only `python -m`" in why for why in launcher.declined), launcher.declined
+
+
+def test_a_machine_with_a_cuda_device_gets_ordinary_processes(launcher: Launcher, tmp_path: Path, monkeypatch):
+    # No GPU here: torch is told there is one (a stand-in for the device). A forked child could not use it.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert launcher.spawn([sys.executable, "-m", "triptych", "serve"], tmp_path / "x.log", env()) is None
+    assert any("a CUDA device is present" in why for why in launcher.declined), launcher.declined
 
 
 def test_a_request_giving_what_the_server_set_itself_is_forked(launcher: Launcher, tmp_path: Path):
