@@ -14,12 +14,14 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from triptych.parallelism import Parallelism
 from triptych_worker.parallel.layout import RankLayout
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     import torch.distributed as dist
 
@@ -59,6 +61,23 @@ def rendezvous_store(rank: int, world_size: int, master_port: int) -> dist.Store
 
 def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
+
+
+# A point-to-point operation: dist.isend or dist.irecv, its tensor, the peer's (global) rank, a tag.
+P2P = tuple["Callable[..., Any]", "torch.Tensor", int, int]
+
+
+def exchange(ops: list[P2P], group: dist.ProcessGroup | None) -> None:
+    """Run sends and receives as one batch and wait for them all. NCCL runs a batch's operations together;
+    issued one by one, a send larger than its buffer (4 MiB) waits for the peer's receive, which two ranks
+    that each send first queue behind their own send: a ring of two, or neighbours swapping halos, hang.
+    Gloo (the CPU) runs them one by one either way."""
+    import torch.distributed as dist
+
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv([dist.P2POp(op, t, peer, group, tag) for op, t, peer, tag in ops]):
+        work.wait()
 
 
 @dataclass
@@ -195,11 +214,8 @@ class RankMesh:
         me = ring.index(self.rank)
         to, frm = ring[(me + 1) % len(ring)], ring[(me - 1) % len(ring)]
         received = [torch.empty_like(t) for t in tensors]
-        requests = [dist.isend(t.contiguous(), to, group=self.ring_group) for t in tensors]
-        requests += [dist.irecv(r, frm, group=self.ring_group) for r in received]
-        for request in requests:
-            if request is not None:
-                request.wait()
+        sends = [(dist.isend, t.contiguous(), to, 0) for t in tensors]
+        exchange(sends + [(dist.irecv, r, frm, 0) for r in received], self.ring_group)
         self.comm.seconds += time.perf_counter() - started
         return received
 
@@ -215,19 +231,11 @@ class RankMesh:
         me = ranks.index(self.rank)
         before = torch.zeros_like(last)
         after = torch.zeros_like(first)
-        requests = []
+        ops: list[P2P] = []
         if me > 0:
-            requests += [
-                dist.isend(first.contiguous(), ranks[me - 1], group=self.world_group, tag=1),
-                dist.irecv(before, ranks[me - 1], group=self.world_group, tag=2),
-            ]
+            ops += [(dist.isend, first.contiguous(), ranks[me - 1], 1), (dist.irecv, before, ranks[me - 1], 2)]
         if me < len(ranks) - 1:
-            requests += [
-                dist.isend(last.contiguous(), ranks[me + 1], group=self.world_group, tag=2),
-                dist.irecv(after, ranks[me + 1], group=self.world_group, tag=1),
-            ]
-        for request in requests:
-            if request is not None:
-                request.wait()
+            ops += [(dist.isend, last.contiguous(), ranks[me + 1], 2), (dist.irecv, after, ranks[me + 1], 1)]
+        exchange(ops, self.world_group)
         self.comm.seconds += time.perf_counter() - started
         return before, after
