@@ -8,6 +8,7 @@ import time
 import pytest
 
 from triptych_worker.transfer import ALIGNMENT, Allocation, PayloadTooLarge, TransferPool
+from triptych_worker.transfer.pool import raw_bytes
 
 KIB = 1024
 
@@ -25,6 +26,13 @@ def test_pool_registers_its_whole_buffer_once() -> None:
     pool = TransferPool(64 * KIB, "encoder", registrar)
     pool.allocate(KIB, "r1")
     assert registrar.calls == [(pool.base_addr, 64 * KIB)]
+
+
+def test_a_pinned_pool_asks_for_exactly_its_size() -> None:
+    # torch rounds a pinned allocation up to a power of two: one byte over 256 MiB would lock 512 MiB.
+    # Pinned memory is page-aligned already; only plain memory needs the slack to align its base.
+    assert raw_bytes(256 * 1024 * KIB, pinned=True) == 256 * 1024 * KIB
+    assert raw_bytes(256 * 1024 * KIB, pinned=False) == 256 * 1024 * KIB + ALIGNMENT - 1
 
 
 def test_allocations_are_aligned_in_offset_and_address() -> None:

@@ -36,6 +36,15 @@ class Allocation:
     owner: str
 
 
+def raw_bytes(pool_bytes: int, pinned: bool) -> int:
+    """The bytes to allocate for a pool of `pool_bytes` whose base must be ALIGNMENT-aligned. Plain
+    memory is over-allocated by one alignment unit, so the base can be moved to an aligned address.
+    Pinned memory is page-aligned already, and gets exactly `pool_bytes`: torch's pinned allocator
+    rounds every request up to a power of two, so one byte over the default 256 MiB would page-lock
+    512 MiB. (A pool size that is not a power of two is rounded up all the same: choose one that is.)"""
+    return pool_bytes if pinned else pool_bytes + ALIGNMENT - 1
+
+
 class TransferPool:
     """A contiguous uint8 buffer of `pool_bytes`, registered once, shared out by first fit.
 
@@ -55,17 +64,18 @@ class TransferPool:
         self.role = role
         self.memory = memory
         self._allocator = FirstFitAllocator(pool_bytes, ALIGNMENT)
-        # Over-allocate by one alignment unit so the base address itself can be aligned.
         raw: Any
         if memory == "torch":
             import torch
 
             self.pinned = torch.cuda.is_available()
-            raw = torch.empty(pool_bytes + ALIGNMENT - 1, dtype=torch.uint8, pin_memory=self.pinned)
+            raw = torch.empty(raw_bytes(pool_bytes, self.pinned), dtype=torch.uint8, pin_memory=self.pinned)
             shift = -raw.data_ptr() % ALIGNMENT
+            if self.pinned and shift:
+                raise RuntimeError(f"pinned memory at {raw.data_ptr():#x} is not {ALIGNMENT}-byte aligned")
         elif memory == "numpy":
             self.pinned = False
-            raw = np.empty(pool_bytes + ALIGNMENT - 1, dtype=np.uint8)  # untouched pages cost no memory
+            raw = np.empty(raw_bytes(pool_bytes, False), dtype=np.uint8)  # untouched pages cost no memory
             shift = -raw.ctypes.data % ALIGNMENT
         else:
             raise ValueError(f"pool memory must be 'torch' or 'numpy', got {memory!r}")
