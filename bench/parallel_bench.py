@@ -117,7 +117,10 @@ def child(opts: argparse.Namespace) -> None:
             for i, follower in enumerate(pipeline.followers, start=1):
                 os.sched_setaffinity(follower.pid, {i})
     else:
-        pipeline = load_role_pipeline(opts.model, role, opts.device)  # type: ignore[assignment]
+        # The dtype the ranks compute in (start_ranks: --dtype auto, bfloat16 on a GPU), so both sides compare alike.
+        one_rank = ServeArgs.from_namespace(build_parser().parse_args(["serve", "--model-path", opts.model]))
+        dtype = one_rank.compute_dtype(opts.device)
+        pipeline = load_role_pipeline(opts.model, role, opts.device, dtype=dtype)  # type: ignore[assignment]
         if opts.device == "cpu" and cores >= 1:
             os.sched_setaffinity(0, {0})
     print("ready", flush=True)
