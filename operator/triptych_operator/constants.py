@@ -94,6 +94,9 @@ DEFAULT_WORKER_IMAGE: Final = "ghcr.io/triptych-ai/triptych-worker:0.1.0"
 DEFAULT_HEAD_IMAGE: Final = "ghcr.io/triptych-ai/triptych-head:0.1.0"
 WORKER_IMAGE_ENV: Final = "TRIPTYCH_WORKER_IMAGE"
 HEAD_IMAGE_ENV: Final = "TRIPTYCH_HEAD_IMAGE"
+# The folders a pipeline's hostPath model volume must lie under, comma-separated (chart value allowedHostPaths);
+# unset or empty: any folder the CRD takes.
+ALLOWED_HOST_PATHS_ENV: Final = "TRIPTYCH_ALLOWED_HOST_PATHS"
 
 # Resources and scheduling.
 GPU_RESOURCE: Final = "nvidia.com/gpu"

@@ -178,6 +178,17 @@ def bounded_match(name: str, max_length: int, pattern: str, message: str) -> Rul
     )
 
 
+def matches_and_avoids(name: str, pattern: str, avoid: str, message: str) -> Rule:
+    """The string `name` matches `pattern` and holds nothing `avoid` matches (both searched, as CEL's
+    `matches` does; CEL's RE2 and Python's re agree on the simple patterns this is used with)."""
+    return Rule(
+        f"self.{name}.matches('{pattern}') && !self.{name}.matches('{avoid}')",
+        message,
+        lambda o: None if re.search(pattern, o[name]) and not re.search(avoid, o[name]) else name,
+        reason="FieldValueInvalid",
+    )
+
+
 def cel_only(cel: str, message: str, reason: str | None = None) -> Rule:
     return Rule(cel, message, None, reason)
 
@@ -202,6 +213,12 @@ class Field:
     minimum: int | None = None
     maximum: int | None = None
     min_length: int | None = None
+    # A string's and an array's upper bounds: what lets the API server bound the cost of a CEL rule on them.
+    max_length: int | None = None
+    min_items: int | None = None  # an array's
+    max_items: int | None = None
+    # An array of objects keyed by these fields (x-kubernetes-list-type: map): no two items share their values.
+    list_map_keys: tuple[str, ...] = ()
     pattern: str | None = None  # anchored (^...$); RE2 on the API server, re.ASCII in the parser
     enum: tuple[str, ...] | None = None
     required: bool = False
@@ -245,6 +262,15 @@ def schema(field: Field) -> Schema:
         out["maximum"] = field.maximum
     if field.min_length is not None:
         out["minLength"] = field.min_length
+    if field.max_length is not None:
+        out["maxLength"] = field.max_length
+    if field.min_items is not None:
+        out["minItems"] = field.min_items
+    if field.max_items is not None:
+        out["maxItems"] = field.max_items
+    if field.list_map_keys:
+        out["x-kubernetes-list-type"] = "map"
+        out["x-kubernetes-list-map-keys"] = list(field.list_map_keys)
     if field.pattern is not None:
         out["pattern"] = field.pattern
     if field.fields:
@@ -309,6 +335,8 @@ def _read_string(field: Field, value: Any, where: str) -> str:
         raise FieldError(where, f"must be a string, not {value!r}")
     if field.min_length is not None and len(value) < field.min_length:
         raise FieldError(where, "must not be empty")
+    if field.max_length is not None and len(value) > field.max_length:
+        raise FieldError(where, f"is {len(value)} characters long; it must be at most {field.max_length}")
     # fullmatch: Python's `$` would also match before a final newline, RE2's does not.
     if field.pattern is not None and not re.fullmatch(field.pattern, value, re.ASCII):
         raise FieldError(where, f"is {value!r}; it must match {field.pattern}")
@@ -328,15 +356,36 @@ def _read_object(field: Field, value: Any, where: str) -> dict[str, Any]:
     for rule in field.rules:
         bad = rule.check(out) if rule.check is not None else None
         if bad is not None:
-            raise FieldError(f"{where}.{bad}" if bad else where, rule.message)
+            given = out.get(bad) if bad else None  # a string the rule refuses is quoted, as _read_string does
+            raise FieldError(
+                f"{where}.{bad}" if bad else where,
+                f"is {given!r}; {rule.message}" if isinstance(given, str) else rule.message,
+            )
     return out
 
 
 def _read_array(field: Field, value: Any, where: str) -> list[Any]:
     if not isinstance(value, list):
         raise FieldError(where, f"must be a list, not {type(value).__name__}")
+    if field.min_items is not None and len(value) < field.min_items:
+        raise FieldError(where, f"must list at least {field.min_items}")
+    if field.max_items is not None and len(value) > field.max_items:
+        raise FieldError(where, f"lists {len(value)}; it may list at most {field.max_items}")
     assert field.items is not None
-    return [read(field.items, item, f"{where}[{i}]") for i, item in enumerate(value)]
+    items = [read(field.items, item, f"{where}[{i}]") for i, item in enumerate(value)]
+    _check_unique(items, field.list_map_keys, where)
+    return items
+
+
+def _check_unique(items: list[Any], keys: tuple[str, ...], where: str) -> None:
+    """No two items with the same values of `keys` (the API server's x-kubernetes-list-type: map); names the second."""
+    seen: dict[tuple[Any, ...], int] = {}
+    for i, item in enumerate(items if keys else ()):
+        key = tuple(item.get(k) for k in keys)
+        if key in seen:
+            shown = ", ".join(f"{k} {v!r}" for k, v in zip(keys, key, strict=True))
+            raise FieldError(f"{where}[{i}].{keys[0]}", f"{shown} twice (also {where}[{seen[key]}]); list each once")
+        seen[key] = i
 
 
 def _read_size(field: Field, value: Any, where: str) -> int:

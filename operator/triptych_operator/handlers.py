@@ -64,6 +64,8 @@ STATUS_RETRY_S = 10
 PEERING_LIFETIME_S = 60
 # This replica among its peers (main.py sets it with --peering): whether the scale-to-zero loop acts.
 LEADERSHIP = Leadership()
+# The folders a hostPath model volume must lie under (main.py sets them: --allowed-host-path); none: any.
+ALLOWED_HOST_PATHS: tuple[str, ...] = ()
 
 # The watched kinds, by the (apiVersion, kind) of the manifests, and the kopf index holding each.
 CHILD_KINDS: dict[tuple[str, str], tuple[str, str, str, str]] = {
@@ -278,6 +280,7 @@ def _parse(pipeline: Mapping[str, Any]) -> PipelineSpec:
         pipeline.get("spec") or {},
         worker_image=os.environ.get(WORKER_IMAGE_ENV, DEFAULT_WORKER_IMAGE),
         head_image=os.environ.get(HEAD_IMAGE_ENV, DEFAULT_HEAD_IMAGE),
+        allowed_host_paths=ALLOWED_HOST_PATHS,
     )
 
 

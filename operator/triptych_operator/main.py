@@ -26,7 +26,9 @@ import kopf
 from triptych import __version__
 from triptych.log_format import FIELDS, JSON, JsonFormatter
 from triptych.log_format import FORMATS as LOG_FORMATS
+from triptych_operator.constants import ALLOWED_HOST_PATHS_ENV
 from triptych_operator.leading import Leadership
+from triptych_operator.spec.rules import allowed_host_paths
 
 WATCH_NAMESPACES_ENV = "TRIPTYCH_WATCH_NAMESPACES"
 LIVENESS_ENV = "TRIPTYCH_LIVENESS_ENDPOINT"
@@ -71,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds after its last keep-alive that a silent replica is taken for dead and another takes over "
         f"(default: ${PEERING_LIFETIME_ENV} or {DEFAULT_PEERING_LIFETIME_S})",
     )
+    parser.add_argument(
+        "--allowed-host-path",
+        action="append",
+        default=None,
+        metavar="FOLDER",
+        help="refuse a pipeline whose hostPath model volume is not under FOLDER or another one given (repeatable; "
+        f"default: ${ALLOWED_HOST_PATHS_ENV}, comma-separated; none: any absolute folder but /)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument(
         "--log-format",
@@ -97,6 +107,14 @@ def watched_namespaces(flags: Sequence[str] | None, env: str | None) -> list[str
     if flags:
         return list(flags)
     return [ns.strip() for ns in (env or "").split(",") if ns.strip()]
+
+
+def host_path_allow_list(flags: Sequence[str] | None, env: str | None) -> tuple[str, ...]:
+    """The hostPath folders from the flags, else from the comma-separated env value; empty: no allow-list.
+    ValueError naming the flag or variable and the entry that is not an absolute folder."""
+    if flags:
+        return allowed_host_paths(flags, "--allowed-host-path")
+    return allowed_host_paths([p.strip() for p in (env or "").split(",") if p.strip()], ALLOWED_HOST_PATHS_ENV)
 
 
 def configure_logging(args: argparse.Namespace) -> None:
@@ -126,9 +144,16 @@ class ObjectJsonFormatter(JsonFormatter):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `triptych-operator` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     namespaces = watched_namespaces(args.namespace, os.environ.get(WATCH_NAMESPACES_ENV))
+    try:
+        host_paths = host_path_allow_list(args.allowed_host_path, os.environ.get(ALLOWED_HOST_PATHS_ENV))
+    except ValueError as exc:
+        parser.error(str(exc))
     import triptych_operator.handlers  # registers the handlers
+
+    triptych_operator.handlers.ALLOWED_HOST_PATHS = host_paths
 
     configure_logging(args)
     priority = 0

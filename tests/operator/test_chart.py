@@ -17,12 +17,26 @@ import yaml
 from tests.cluster.fixtures import cluster_settings
 from tests.operator.helpers import REPO, minimal_spec, pipeline
 from triptych_operator import manifests
-from triptych_operator.constants import DEFAULT_HEAD_IMAGE, DEFAULT_WORKER_IMAGE, HEAD_IMAGE_ENV, WORKER_IMAGE_ENV
+from triptych_operator.constants import (
+    ALLOWED_HOST_PATHS_ENV,
+    DEFAULT_HEAD_IMAGE,
+    DEFAULT_WORKER_IMAGE,
+    HEAD_IMAGE_ENV,
+    WORKER_IMAGE_ENV,
+)
 from triptych_operator.handlers import CHILD_KINDS
-from triptych_operator.main import LIVENESS_ENV, PEERING_ENV, PEERING_LIFETIME_ENV, POD_ID_ENV, WATCH_NAMESPACES_ENV
+from triptych_operator.main import (
+    LIVENESS_ENV,
+    PEERING_ENV,
+    PEERING_LIFETIME_ENV,
+    POD_ID_ENV,
+    WATCH_NAMESPACES_ENV,
+    host_path_allow_list,
+)
 from triptych_operator.main import build_parser as operator_parser
 from triptych_operator.metrics_api.main import build_parser as metrics_api_parser
 from triptych_operator.metrics_api.prometheus import HEAD_GAUGES
+from triptych_operator.spec.declaration import HOST_PATH_RULE
 
 CHART = REPO / "charts" / "triptych"
 PROMETHEUS_OPERATOR = "monitoring.coreos.com/v1"  # the API its PodMonitor and ServiceMonitor CRDs serve
@@ -155,13 +169,27 @@ def test_example_pipeline_is_optional_and_valid(helm_bin: Path) -> None:
 def test_the_operator_env_the_chart_sets_is_the_env_the_operator_reads(helm_bin: Path) -> None:
     deployment = operator_deployment(render(helm_bin))
     env = {e["name"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env == {WATCH_NAMESPACES_ENV, LIVENESS_ENV, WORKER_IMAGE_ENV, HEAD_IMAGE_ENV}
+    standalone = {WATCH_NAMESPACES_ENV, ALLOWED_HOST_PATHS_ENV, LIVENESS_ENV, WORKER_IMAGE_ENV, HEAD_IMAGE_ENV}
+    assert env == standalone
     peered = operator_deployment(render(helm_bin, "replicas=2"))
     env = {e["name"] for e in peered["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env == {WATCH_NAMESPACES_ENV, LIVENESS_ENV, WORKER_IMAGE_ENV, HEAD_IMAGE_ENV, PEERING_ENV} | {
-        PEERING_LIFETIME_ENV,
-        POD_ID_ENV,
+    assert env == standalone | {PEERING_ENV, PEERING_LIFETIME_ENV, POD_ID_ENV}
+
+
+def operator_env(docs: list[dict[str, Any]]) -> dict[str, str]:
+    return {
+        e["name"]: e.get("value") for e in operator_deployment(docs)["spec"]["template"]["spec"]["containers"][0]["env"]
     }
+
+
+def test_allowed_host_paths_reach_the_operator_as_the_list_it_reads_and_none_by_default(helm_bin: Path) -> None:
+    assert host_path_allow_list(None, operator_env(render(helm_bin))[ALLOWED_HOST_PATHS_ENV]) == ()
+    listed = operator_env(render(helm_bin, "allowedHostPaths={/var/lib/triptych/models,/mnt/models}"))
+    assert host_path_allow_list(None, listed[ALLOWED_HOST_PATHS_ENV]) == ("/var/lib/triptych/models", "/mnt/models")
+    with pytest.raises(AssertionError, match=re.escape("at '/allowedHostPaths/0'")):
+        render(helm_bin, "allowedHostPaths={models}")  # a relative folder: refused at install, as the operator would
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert f"matches('{schema['properties']['allowedHostPaths']['items']['pattern']}')" in HOST_PATH_RULE.cel
 
 
 # ---------------------------------------------------------------- the custom metrics API
@@ -322,7 +350,7 @@ def test_replicas_above_one_peer_through_kopf_with_only_the_peering_rights_they_
     assert deployment["spec"]["replicas"] == 2
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
     env = {
-        e["name"]: e.get("value") or e["valueFrom"]
+        e["name"]: e["value"] if "value" in e else e["valueFrom"]
         for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert env["TRIPTYCH_PEERING"] == "rel-triptych" and env["TRIPTYCH_PEERING_LIFETIME"] == "60"

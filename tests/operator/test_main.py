@@ -7,11 +7,14 @@ import logging
 
 import pytest
 
+from triptych_operator.constants import ALLOWED_HOST_PATHS_ENV
 from triptych_operator.main import (
     PEERING_ENV,
     PEERING_LIFETIME_ENV,
     build_parser,
     configure_logging,
+    host_path_allow_list,
+    main,
     watched_namespaces,
 )
 
@@ -28,6 +31,24 @@ def test_environment_lists_namespaces_comma_separated() -> None:
 def test_nothing_given_means_cluster_wide() -> None:
     assert watched_namespaces(None, None) == []
     assert watched_namespaces(None, "") == []
+
+
+def test_the_host_path_allow_list_comes_from_the_flags_else_the_environment_and_none_means_no_list() -> None:
+    args = build_parser().parse_args(["--allowed-host-path", "/srv/models", "--allowed-host-path", "/mnt/m"])
+    assert host_path_allow_list(args.allowed_host_path, "/other") == ("/srv/models", "/mnt/m")
+    assert host_path_allow_list(None, " /srv/models, /mnt/m ,") == ("/srv/models", "/mnt/m")
+    assert host_path_allow_list(None, None) == host_path_allow_list(None, "") == ()
+
+
+@pytest.mark.parametrize("entry", ["models", "/", "/srv/../etc"])
+def test_an_allow_list_entry_that_is_not_an_absolute_folder_stops_the_operator_naming_it(
+    entry: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(ALLOWED_HOST_PATHS_ENV, f"/srv/models,{entry}")
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    assert f"{ALLOWED_HOST_PATHS_ENV}: {entry!r} is not a folder a hostPath may name" in capsys.readouterr().err
 
 
 def test_liveness_endpoint_can_be_disabled() -> None:

@@ -459,6 +459,48 @@ def test_ingress_routes_to_the_api_service_with_tls() -> None:
     assert ing["tls"] == [{"hosts": ["wan.example.com"], "secretName": "t"}]
 
 
+def routed(paths: list[Manifest], url: str) -> bool:
+    """Whether an Ingress with these `paths` sends `url` on: Exact is the whole path, Prefix whole elements."""
+    return any(
+        url == p["path"]
+        if p["pathType"] == "Exact"
+        else p["path"] == "/" or url == p["path"] or url.startswith(p["path"].rstrip("/") + "/")
+        for p in paths
+    )
+
+
+def test_the_ingress_publishes_the_api_and_the_playground_but_not_metrics_health_or_ready_by_default() -> None:
+    """What the OpenAI SDK and the playground's page request goes through; what tells worker addresses and load
+    (/metrics, /health, /ready: for probes and scrapers inside the cluster) and FastAPI's /docs do not."""
+    ingress = {"enabled": True, "host": "wan.example.com"}
+    paths = children(minimal_spec(head={"ingress": ingress}))[("Ingress", "wan-t2v-api")]["spec"]["rules"][0]["http"][
+        "paths"
+    ]
+    backend = {"service": {"name": "wan-t2v-api", "port": {"name": "http"}}}
+    assert paths == [
+        {"path": "/v1", "pathType": "Prefix", "backend": backend},
+        {"path": "/static", "pathType": "Prefix", "backend": backend},
+        {"path": "/", "pathType": "Exact", "backend": backend},
+    ]
+    for url in ("/v1/images/generations", "/v1/videos/v_1/content", "/v1/files/images/a.png", "/", "/static/app.js"):
+        assert routed(paths, url), url
+    for url in ("/metrics", "/health", "/ready", "/docs", "/openapi.json", "/v1x", "/staticfoo"):
+        assert not routed(paths, url), url
+
+
+def test_the_ingress_publishes_the_paths_the_spec_lists() -> None:
+    ingress = {
+        "enabled": True,
+        "host": "wan.example.com",
+        "paths": [{"path": "/v1/images"}, {"path": "/", "pathType": "Exact"}],
+    }
+    rule = children(minimal_spec(head={"ingress": ingress}))[("Ingress", "wan-t2v-api")]["spec"]["rules"][0]
+    assert [(p["path"], p["pathType"]) for p in rule["http"]["paths"]] == [("/v1/images", "Prefix"), ("/", "Exact")]
+    everything = {**ingress, "paths": [{"path": "/"}]}
+    rule = children(minimal_spec(head={"ingress": everything}))[("Ingress", "wan-t2v-api")]["spec"]["rules"][0]
+    assert [(p["path"], p["pathType"]) for p in rule["http"]["paths"]] == [("/", "Prefix")]
+
+
 def test_the_ingress_lets_requests_through_as_the_heads_take_them_and_the_spec_s_annotations_win() -> None:
     """ingress-nginx would refuse a body over 1 MiB (an edit's upload) and cut an answer after 60 s."""
     ingress = {"enabled": True, "host": "wan.example.com"}

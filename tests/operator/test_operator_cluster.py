@@ -457,6 +457,10 @@ def test_deleting_the_pipeline_removes_everything(crd: KubeCluster, kube_namespa
         ({"head": {"drainSeconds": 10**6}}, "spec.head.drainSeconds"),
         ({"denoiser": {"resources": {"limits": {"cpu": "lots"}}}}, "spec.denoiser.resources.limits.cpu"),
         ({"head": {"resources": {"requests": {"memory": -1}}}}, "spec.head.resources.requests.memory"),
+        ({"model": {"path": "m", "volume": {"hostPath": {"path": "/"}}}}, "path must be an absolute folder other"),
+        ({"model": {"path": "m", "volume": {"hostPath": {"path": "/srv/../etc"}}}}, "path must be an absolute folder"),
+        ({"head": {"ingress": {"paths": [{"path": "v1"}]}}}, "path must start with '/'"),
+        ({"head": {"ingress": {"paths": [{"path": "/v1"}, {"path": "/v1"}]}}}, "spec.head.ingress.paths[1]: Duplicate"),
     ],
     ids=[
         "negative-replicas",
@@ -477,6 +481,10 @@ def test_deleting_the_pipeline_removes_everything(crd: KubeCluster, kube_namespa
         "endless-drain",
         "bad-quantity",
         "negative-quantity",
+        "host-root",
+        "host-dot-dot",
+        "relative-ingress-path",
+        "duplicate-ingress-path",
     ],
 )
 def test_api_server_rejects_invalid_pipelines(

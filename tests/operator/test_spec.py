@@ -64,6 +64,49 @@ def test_model_path_cannot_leave_the_volume() -> None:
     assert error_for(spec).field == "spec.model.path"
 
 
+def on_host(path: str) -> dict:
+    return {"model": {"path": "tiny", "volume": {"hostPath": {"path": path}}}}
+
+
+@pytest.mark.parametrize("path", ["/", "//", "models", "models/tiny", "/models/../etc", "/models/..", "/./", "/a//b"])
+def test_a_host_path_that_is_not_an_absolute_folder_below_the_root_is_refused_naming_it(path: str) -> None:
+    err = error_for(on_host(path))
+    assert err.field == "spec.model.volume.hostPath.path"
+    assert f"is {path!r}; path must be an absolute folder other than /" in str(err)
+
+
+@pytest.mark.parametrize("path", ["/var/lib/triptych/models", "/mnt/models/", "/srv/.models/m..1"])
+def test_absolute_host_folders_are_taken(path: str) -> None:
+    assert pipeline(on_host(path)).model.host_path == path
+
+
+ALLOWED = ("/var/lib/triptych/models", "/mnt/models/")
+
+
+@pytest.mark.parametrize("path", ["/var/lib/triptych/models", "/var/lib/triptych/models/flux", "/mnt/models"])
+def test_with_an_allow_list_a_host_path_under_a_listed_folder_is_taken(path: str) -> None:
+    spec = parse_pipeline("p", NAMESPACE, on_host(path), allowed_host_paths=ALLOWED)
+    assert spec.model.host_path == path
+
+
+@pytest.mark.parametrize("path", ["/etc", "/var/lib/triptych/models-other", "/var/lib/triptych", "/mnt/modelsx/a"])
+def test_with_an_allow_list_any_other_host_path_is_refused_naming_the_field_the_value_and_the_list(path: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_pipeline("p", NAMESPACE, on_host(path), allowed_host_paths=ALLOWED)
+    assert info.value.field == "spec.model.volume.hostPath.path"
+    assert f"{path!r} is not under a folder this cluster allows for hostPath volumes" in str(info.value)
+    assert "/var/lib/triptych/models, /mnt/models/" in str(info.value)
+    assert "persistentVolumeClaim" in str(info.value)  # what to do instead
+
+
+def test_an_allow_list_leaves_a_model_on_a_claim_or_the_hub_alone() -> None:
+    assert parse_pipeline("p", NAMESPACE, minimal_spec(), allowed_host_paths=ALLOWED).model.pvc_claim_name == "models"
+    hub = {"model": {"hubId": "black-forest-labs/FLUX.1-dev"}}
+    assert (
+        parse_pipeline("p", NAMESPACE, hub, allowed_host_paths=ALLOWED).model.hub_id == "black-forest-labs/FLUX.1-dev"
+    )
+
+
 def test_hub_model_uses_the_hub_id_as_model_path() -> None:
     p = pipeline({"model": {"hubId": "black-forest-labs/FLUX.1-dev", "tokenSecretRef": {"name": "hf"}}})
     assert p.model.model_path == "black-forest-labs/FLUX.1-dev"
@@ -335,3 +378,22 @@ def test_drain_seconds_have_a_maximum(section: dict) -> None:
     err = error_for(minimal_spec(**section))
     assert err.field.endswith(".drainSeconds")
     assert "86400" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("paths", "field", "says"),
+    [
+        ([{"path": "v1"}], "spec.head.ingress.paths[0].path", "is 'v1'; path must start with '/'"),
+        ([{"path": "/v1"}, {"path": "//v1"}], "spec.head.ingress.paths[1].path", "is '//v1'"),
+        ([{"path": "/v1/../metrics"}], "spec.head.ingress.paths[0].path", "is '/v1/../metrics'"),
+        ([{"path": "/v1%2Fmetrics"}], "spec.head.ingress.paths[0].path", "'%2F'"),
+        ([{"path": "/v1"}, {"path": "/v1", "pathType": "Exact"}], "spec.head.ingress.paths[1].path", "'/v1' twice"),
+        ([], "spec.head.ingress.paths", "must list at least 1"),
+        ([{"path": "/v1", "pathType": "ImplementationSpecific"}], "spec.head.ingress.paths[0].pathType", "Prefix"),
+    ],
+    ids=["relative", "double-slash", "dot-dot", "encoded-slash", "duplicate", "empty", "other-path-type"],
+)
+def test_an_ingress_path_the_ingress_would_not_take_is_refused_naming_it(paths: list, field: str, says: str) -> None:
+    err = error_for(minimal_spec(head={"ingress": {"enabled": True, "host": "h.example.com", "paths": paths}}))
+    assert err.field == field
+    assert says in str(err)

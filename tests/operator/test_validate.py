@@ -48,3 +48,23 @@ def test_a_spec_error_is_recorded_with_its_field_and_a_fixed_spec_clears_it() ->
     assert state.spec_error is not None and state.spec_error.startswith("spec.transfer.ibDevice: ")
     handlers._validate(body(minimal_spec(), generation=2), state, logger=LOG)
     assert state.spec is not None and state.spec_error is None
+
+
+def test_a_host_path_outside_the_operators_allow_list_makes_the_pipeline_invalid_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chart's allowedHostPaths (main.py sets them): the status says which field, which value, what to do."""
+    monkeypatch.setattr(handlers, "ALLOWED_HOST_PATHS", ("/srv/models",))
+    state = PipelineState()
+    host = {"model": {"path": "tiny", "volume": {"hostPath": {"path": "/etc"}}}}
+    handlers._validate(body(host), state, logger=LOG)
+    assert state.spec is None and state.spec_error is not None
+    assert state.spec_error.startswith(
+        "spec.model.volume.hostPath.path: '/etc' is not under a folder this cluster allows for hostPath volumes "
+        "(/srv/models"
+    )
+    status = compute_status(1, {}, spec_error=state.spec_error, now="2026-01-01T00:00:00Z")
+    assert status["phase"] == "Invalid"
+    host["model"]["volume"]["hostPath"]["path"] = "/srv/models/tiny"
+    handlers._validate(body(host, generation=2), state, logger=LOG)
+    assert state.spec is not None and state.spec_error is None

@@ -320,15 +320,15 @@ def api_service(pipeline: PipelineSpec) -> Manifest:
 
 
 def head_ingress(pipeline: PipelineSpec, head_flags: ServeArgs) -> Manifest | None:
-    """The Ingress to the API Service; `head_flags`: the heads' flags (their request size and timeout)."""
+    """The Ingress to the API Service, on the paths spec.head.ingress.paths lists (by default the API and the
+    playground, not /metrics, /health or /ready); `head_flags`: the heads' flags (their request size and timeout)."""
     ingress = pipeline.head.ingress
     if not ingress.enabled:
         return None
     name = object_name(pipeline.name, API_COMPONENT)
     backend = {"service": {"name": name, "port": {"name": api_port_name(pipeline)}}}
-    spec: Manifest = {
-        "rules": [{"host": ingress.host, "http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": backend}]}}]
-    }
+    paths = [{"path": p["path"], "pathType": p["pathType"], "backend": backend} for p in ingress.paths]
+    spec: Manifest = {"rules": [{"host": ingress.host, "http": {"paths": paths}}]}
     if ingress.class_name:
         spec["ingressClassName"] = ingress.class_name
     if ingress.tls_secret_name:

@@ -32,6 +32,7 @@ from triptych_operator.fields import (
     each_at_most,
     exactly_one,
     excludes,
+    matches_and_avoids,
     needs,
     not_above,
     not_above_limit,
@@ -313,14 +314,27 @@ def role_field(role: Role) -> Field:
     )
 
 
+# A node folder a pod may mount: absolute, below / (never / itself), with no empty, `.` or `..` segment, so
+# what it names is what it says (and an allow-list compares it by its prefix: spec/rules.py).
+MAX_HOST_PATH_LENGTH = 4096  # Linux's PATH_MAX
+HOST_PATH_RULE = matches_and_avoids(
+    "path",
+    "^(/[^/]+)+/?$",
+    "/[.][.]?(/|$)",
+    "path must be an absolute folder other than /, with no '.', '..' or empty segment (e.g. /var/lib/triptych/models)",
+)
+
+
 def _model_volume() -> Field:
     claim = (
         f"A PVC in the pipeline's namespace, mounted read-only at `{MODEL_MOUNT}` in every pod. "
         "Use a ReadOnlyMany/ReadWriteMany volume when pods land on several nodes."
     )
     host = (
-        f"A node directory (type `Directory`), mounted read-only at `{MODEL_MOUNT}`. "
-        "Exactly one of `persistentVolumeClaim` and `hostPath`."
+        f"A node directory (type `Directory`), mounted read-only at `{MODEL_MOUNT}`: an absolute path other than `/`, "
+        "with no `.` or `..` segment. Where the operator is given an allow-list (chart value `allowedHostPaths`), "
+        "it must lie under one of its folders. Exactly one of `persistentVolumeClaim` and `hostPath`; a hostPath "
+        "volume is outside Pod Security's `baseline` and `restricted` levels (docs/security.md)."
     )
     return Field(
         "volume",
@@ -337,7 +351,8 @@ def _model_volume() -> Field:
                 "hostPath",
                 "object",
                 "A directory on every node.",
-                fields=(Field("path", "string", host, min_length=1, required=True),),
+                fields=(Field("path", "string", host, min_length=1, max_length=MAX_HOST_PATH_LENGTH, required=True),),
+                rules=(HOST_PATH_RULE,),
             ),
         ),
         rules=(

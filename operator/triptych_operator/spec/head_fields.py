@@ -20,6 +20,7 @@ from triptych_operator.constants import (
 from triptych_operator.fields import (
     Field,
     excludes,
+    matches_and_avoids,
     required_when,
 )
 from triptych_operator.spec.pod_fields import DRAIN_MARGIN_S, MAX_DRAIN_SECONDS, pod_fields, resources_field
@@ -56,6 +57,49 @@ _INGRESS_ANNOTATIONS = (
 )
 
 
+# What the Ingress publishes unless told otherwise: the API the OpenAI SDK calls (/v1/...) and the playground's
+# page (/ alone) and files (/static/...), as head/triptych_head/api serves them. Not /health, /ready and
+# /metrics (the workers' addresses and load: for the kubelet and scrapers, which reach the pods directly),
+# nor FastAPI's /docs and /openapi.json.
+DEFAULT_INGRESS_PATHS = (
+    {"path": "/v1", "pathType": "Prefix"},
+    {"path": "/static", "pathType": "Prefix"},
+    {"path": "/", "pathType": "Exact"},
+)
+INGRESS_PATH_TYPES = ("Prefix", "Exact")
+# Bounds that keep the API server's cost estimate of the paths' CEL rule within its budget.
+MAX_INGRESS_PATHS = 32
+MAX_INGRESS_PATH_LENGTH = 1024
+# What the API server refuses in an Ingress path of these types (Kubernetes' own validation of one).
+INGRESS_PATH_RULE = matches_and_avoids(
+    "path",
+    "^/",
+    "//|/[.][.]?(/|$)|%2[fF]",
+    "path must start with '/' and hold no '//', '/./', '/../' or '%2F', as an Ingress path does (e.g. /v1)",
+)
+_INGRESS_PATHS = (
+    "The paths the Ingress sends to the heads, each once: a `path` and its `pathType`, `Prefix` (whole path "
+    "elements: `/v1` takes `/v1/images/generations`, not `/v1x`) or `Exact`. The default publishes the API "
+    "(`/v1`) and the playground (`/` and `/static`), and not `/health`, `/ready` and `/metrics`, which list the "
+    "workers' addresses and load (the kubelet and the metrics API reach the pods directly), nor FastAPI's `/docs` "
+    "and `/openapi.json`. `[{path: /}]` publishes everything; `[{path: /v1}]` the API alone (docs/security.md)."
+)
+
+
+def _ingress_path() -> Field:
+    return Field(
+        "",
+        "object",
+        "A path of the Ingress.",
+        fields=(
+            Field("path", "string", "Starts with `/`.", required=True, max_length=MAX_INGRESS_PATH_LENGTH),
+            Field("pathType", "string", "How `path` matches.", enum=INGRESS_PATH_TYPES, default="Prefix"),
+        ),
+        rules=(INGRESS_PATH_RULE,),
+        doc_type="`{path, pathType}`",
+    )
+
+
 def _ingress() -> Field:
     return Field(
         "ingress",
@@ -67,6 +111,17 @@ def _ingress() -> Field:
             Field("className", "string", "The Ingress's `ingressClassName`."),
             Field("tls", "object", "TLS.", fields=(Field("secretName", "string", "TLS Secret for `host`."),)),
             Field("annotations", "string-map", _INGRESS_ANNOTATIONS),
+            Field(
+                "paths",
+                "array",
+                _INGRESS_PATHS,
+                items=_ingress_path(),
+                default=[dict(p) for p in DEFAULT_INGRESS_PATHS],
+                min_items=1,
+                max_items=MAX_INGRESS_PATHS,
+                list_map_keys=("path",),
+                doc_default="`/v1`, `/static` (Prefix); `/` (Exact)",
+            ),
         ),
         rules=(required_when("host", "enabled", "host is required when enabled"),),
     )

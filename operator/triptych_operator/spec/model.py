@@ -197,6 +197,7 @@ class IngressSpec:
     class_name: str | None
     tls_secret_name: str | None = dataclasses.field(metadata=bound("tls.secretName"))
     annotations: Mapping[str, str]  # over the operator's own (manifests/head.py)
+    paths: Sequence[Mapping[str, str]]  # each {path, pathType}, as the Ingress's rule lists them
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ parser (model.parse). What CEL cannot express is checked here only, once: which 
 runs, parallel degrees against the GPU count (triptych.parallelism), Service names that fit, model
 paths that stay on their volume, each pod's resources as the API server checks a container's
 (spec/resources.py: requests within limits; extended resources and huge pages whole, never
-overcommitted), each pod's env (a name once, never a worker's POD_IP), the head's port against its
+overcommitted), each pod's env (a name once, never a worker's POD_IP), a hostPath model volume under the
+operator's allow-list of folders (when it has one), the head's port against its
 scheduler ports, the results bucket and the trace collector as the processes' flags check them, and
 several heads only with results they all share.
 Each pod's argv is checked as `triptych serve` parses it in serve_args. A bad field raises
@@ -22,6 +23,7 @@ from triptych.config_checks import check_otlp_endpoint, check_results_store
 from triptych.parallelism import Parallelism, ParallelismError, resolve_parallelism
 from triptych.roles import FULL_PIPELINE_ROLE, Role
 from triptych_operator.constants import (
+    ALLOWED_HOST_PATHS_ENV,
     DEFAULT_HEAD_IMAGE,
     DEFAULT_ROLES,
     DEFAULT_WORKER_IMAGE,
@@ -32,7 +34,14 @@ from triptych_operator.constants import (
     crd_field,
 )
 from triptych_operator.fields import read
-from triptych_operator.spec.declaration import FULL_PIPELINE, NAME_RULE, PARALLEL_DEGREES, SPEC, role_field
+from triptych_operator.spec.declaration import (
+    FULL_PIPELINE,
+    HOST_PATH_RULE,
+    NAME_RULE,
+    PARALLEL_DEGREES,
+    SPEC,
+    role_field,
+)
 from triptych_operator.spec.model import PipelineSpec, PoolSpec, SpecError, build, checked
 from triptych_operator.spec.resources import check_resource_name, check_resources
 
@@ -46,13 +55,16 @@ def parse_pipeline(
     *,
     worker_image: str = DEFAULT_WORKER_IMAGE,
     head_image: str = DEFAULT_HEAD_IMAGE,
+    allowed_host_paths: Sequence[str] = (),
 ) -> PipelineSpec:
-    """Parse and validate a DiffusionPipeline spec; raise SpecError naming the first bad field."""
+    """Parse and validate a DiffusionPipeline spec; raise SpecError naming the first bad field.
+    `allowed_host_paths`: the folders a hostPath model volume must lie under (none: any the schema takes)."""
     assert NAME_RULE.check is not None
     if NAME_RULE.check({"metadata.name": name}) is not None:
         raise SpecError("metadata.name", f"{name!r}: {NAME_RULE.message.removeprefix('metadata.name ')}")
     values = checked(SPEC, spec, "spec")  # as the API server would store it: defaults in, unknown keys out
     _check_model_path(values["model"]["path"])
+    _check_host_path_allowed(((values["model"]["volume"] or {}).get("hostPath") or {}).get("path"), allowed_host_paths)
     full = values["fullPipeline"]
     roles = _full_pipeline_pool(name, full) if full is not None else _role_pools(name, values)
     if full is None and values["transfer"]["mode"] == "rdma":  # the resource every worker pod then asks for
@@ -169,6 +181,34 @@ def _check_env(env: Sequence[Mapping[str, Any]] | None, where: str, *, worker: b
 def _check_model_path(path: str | None) -> None:
     if path is not None and ".." in path.split("/"):
         raise SpecError("spec.model.path", f"{path!r} must stay inside the volume (no '..')")
+
+
+def _check_host_path_allowed(path: str | None, allowed: Sequence[str]) -> None:
+    """With an allow-list, a hostPath model volume lies under one of its folders (both are checked paths
+    without `.` or `..` segments, so a comparison of whole segments is enough)."""
+    if path is None or not allowed or any(_is_under(path, folder) for folder in allowed):
+        return
+    raise SpecError(
+        "spec.model.volume.hostPath.path",
+        f"{path!r} is not under a folder this cluster allows for hostPath volumes ({', '.join(allowed)}: "
+        f"the operator's {ALLOWED_HOST_PATHS_ENV}, chart value allowedHostPaths); put the model under one of them, "
+        "or on a persistentVolumeClaim",
+    )
+
+
+def _is_under(path: str, folder: str) -> bool:
+    path, folder = path.rstrip("/"), folder.rstrip("/")
+    return path == folder or path.startswith(folder + "/")
+
+
+def allowed_host_paths(entries: Sequence[str], source: str) -> tuple[str, ...]:
+    """The operator's allow-list of hostPath folders (`source`: the flag or variable that gave it), each an
+    absolute folder as spec.model.volume.hostPath.path must be; ValueError naming the entry that is not."""
+    assert HOST_PATH_RULE.check is not None
+    for entry in entries:
+        if HOST_PATH_RULE.check({"path": entry}) is not None:
+            raise ValueError(f"{source}: {entry!r} is not a folder a hostPath may name: {HOST_PATH_RULE.message}")
+    return tuple(entries)
 
 
 def _check_head_port(port: int) -> None:
