@@ -13,12 +13,13 @@ from tests.unit.core_harness import Harness
 from triptych.batching import batch_key
 from triptych.cli import build_parser
 from triptych.config import ConfigError, ServeArgs
-from triptych.params import GenerationParams
+from triptych.params import GenerationParams, LoraWeight
 from triptych.protocol import TransferReady, Work, WorkBatch, decode, encode
 from triptych.roles import Role
 from triptych_head.batcher import GroupBatcher
 from triptych_head.state import RequestRecord
 from triptych_worker.job_groups import Job, resize_group, take_group
+from triptych_worker.resume import ADAPTERS, RESUME
 
 BASE = GenerationParams("a cat", width=64, height=48, num_inference_steps=4, guidance_scale=3.5, seed=1)
 
@@ -181,6 +182,19 @@ def test_an_edit_whose_reference_the_head_left_out_still_runs_in_no_batch():
                    Job("q", ready.params, incoming)])  # fmt: skip
     assert [j.request_id for j in take_group(queue, 4, 0.0)] == ["p", "q"]
     assert [j.request_id for j in take_group(queue, 4, 0.0)] == ["e"]
+
+
+def test_continuations_whose_earlier_steps_used_other_adapter_files_run_apart():
+    """A merged batch runs on with its first member's adapter files: continuations of one step, some
+    suspended before the catalogue pointed `style` at another file and some after, never share one."""
+    styled = msgspec.structs.replace(BASE, loras=(LoraWeight("style", 1.0),))
+
+    def continuation(rid: str, source: str) -> Job:
+        return Job(rid, styled, (None, [], {RESUME: {"step": 2, ADAPTERS: {"style": source}}}))
+
+    queue = deque([continuation("a", "/ink"), continuation("b", "/paper"), continuation("c", "/ink")])
+    assert [j.request_id for j in take_group(queue, 4, 0.0)] == ["a", "c"]
+    assert [j.request_id for j in take_group(queue, 4, 0.0)] == ["b"]
 
 
 def test_a_wrongly_grouped_member_runs_apart():

@@ -19,11 +19,12 @@ import torch
 
 from tests.e2e.test_batching import assert_close
 from tests.worker.test_role_pipelines import FLUX, WAN, over_the_wire
-from triptych.params import GenerationParams
+from triptych.lora import LoraCatalog
+from triptych.params import GenerationParams, LoraWeight
 from triptych.roles import Role
 from triptych_worker.batching import run_merged
 from triptych_worker.pipeline import RolePipeline, load_role_pipeline
-from triptych_worker.resume import RESUME, CannotResume, capture, restore, start
+from triptych_worker.resume import ADAPTERS, RESUME, CannotResume, capture, check_adapter_sources, restore, start
 from triptych_worker.stages import PIXELS, StageBatch
 
 STEPS = 6
@@ -313,3 +314,90 @@ def test_on_a_rank_a_group_whose_continuation_cannot_resume_fails_together_and_t
     assert Batched(refused).run_many(group) == [refused, refused]
     with pytest.raises(RuntimeError, match="out of memory"):
         Batched(RuntimeError("out of memory")).run_many(group)
+
+
+# --- the adapter files a request's steps use ------------------------------------------------------------
+
+STYLED = msgspec.structs.replace(CASES["flux"][1], loras=(LoraWeight("style", 1.0),))
+
+
+class StyleCatalogue:
+    """A --lora-catalog file naming adapter `style`, which `point` sends to another tiny adapter's
+    folder (the processes re-read it at their next request), and the pipelines that read it."""
+
+    def __init__(self, tiny_models: dict[str, Path], tiny_loras: dict[str, Path], folder: Path):
+        self.model, self.loras, self.path = str(tiny_models["tiny-flux"]), tiny_loras, folder / "loras.txt"
+
+    def point(self, adapter: str) -> None:
+        self.path.write_text(f"style={self.loras[adapter]}\n")
+
+    def source(self, adapter: str) -> str:
+        return str(self.loras[adapter])
+
+    def role(self, role: Role, adapter: str | None = None) -> RolePipeline:
+        """`role` reading the file, or a catalogue of its own naming `adapter` (another denoiser's)."""
+        own = None if adapter is None else {"style": self.source(adapter)}
+        catalogue = LoraCatalog(own, path=None if own else str(self.path))
+        return load_role_pipeline(self.model, role, "cpu", 0, catalogue, 1 << 30)
+
+
+@pytest.fixture
+def style(tiny_models, tiny_loras, tmp_path) -> StyleCatalogue:  # type: ignore[no-untyped-def]
+    catalogue = StyleCatalogue(tiny_models, tiny_loras, tmp_path)
+    catalogue.point("flux-ink")
+    return catalogue
+
+
+def _stopping_at(batch: StageBatch, step: int) -> StageBatch:
+    """`batch`, asked to hand off at the boundary before `step`."""
+    progress: list[int] = []
+    batch.on_progress = lambda at, total, latents=None: progress.append(at)
+    batch.hand_off = lambda: len(progress) == step
+    return batch
+
+
+def test_a_continuation_resumes_only_with_the_adapter_file_its_earlier_steps_used(style: StyleCatalogue) -> None:
+    """Suspended at step 3 with `style` = ink, a request resumes into the latents of one that never
+    stopped where the catalogue still gives ink; where it gives paper now (re-read meanwhile, or another
+    denoiser's in a rolling update) it is refused, naming the adapter. It used to run its last steps
+    with paper: the latents of neither file."""
+    encoded = style.role(Role.ENCODER).run(StageBatch(STYLED))
+    unmoved = style.role(Role.DENOISER, "flux-ink").run(over_the_wire(encoded)).tensors["latents"]
+    denoiser = style.role(Role.DENOISER)
+    suspended = over_the_wire(denoiser.run(_stopping_at(over_the_wire(encoded), 3)))
+    assert suspended.meta[RESUME]["step"] == 3
+    assert suspended.meta[RESUME][ADAPTERS] == {"style": style.source("flux-ink")}
+    style.point("flux-paper")
+    for paper in (denoiser, style.role(Role.DENOISER, "flux-paper")):  # in place, and moved
+        with pytest.raises(CannotResume, match=r"^adapter 'style': its earlier steps used '.*flux-ink', .*flux-paper"):
+            paper.run(over_the_wire(suspended))
+    assert torch.equal(style.role(Role.DENOISER, "flux-ink").run(suspended).tensors["latents"], unmoved)
+
+
+def test_the_members_that_stay_when_one_leaves_the_group_keep_their_adapter_file(style: StyleCatalogue) -> None:
+    """A group of two with `style` = ink, one asked to leave at step 3 while the catalogue is pointed at
+    paper: the other runs its last steps with ink, as if the catalogue had not changed. It used to go on
+    with paper (run_merged runs the stage again for those that stay, which read the catalogue anew)."""
+    encoded = [style.role(Role.ENCODER).run(StageBatch(msgspec.structs.replace(STYLED, seed=s))) for s in (1, 2)]
+
+    def stayer_when_the_catalogue_goes_to(adapter: str) -> torch.Tensor:
+        style.point("flux-ink")
+        denoiser, group = style.role(Role.DENOISER), [over_the_wire(b) for b in encoded]
+        _stopping_at(group[1], 3).leave = lambda: style.point(adapter)
+        with torch.no_grad():
+            for stage in denoiser.stages:
+                assert stage.run_many(group) == [None, None]
+        assert group[1].meta[RESUME]["step"] == 3 and RESUME not in group[0].meta
+        return group[0].tensors["latents"]
+
+    assert torch.equal(stayer_when_the_catalogue_goes_to("flux-paper"), stayer_when_the_catalogue_goes_to("flux-ink"))
+
+
+@pytest.mark.parametrize(
+    "recorded",
+    [["style"], {"style": 1}, {f"a{i}": "/x" for i in range(5)}],
+    ids=["a list", "a source not a string", "more adapters than a request has"],
+)
+def test_a_malformed_record_of_adapter_files_is_refused_naming_it(recorded: Any) -> None:
+    with pytest.raises(CannotResume, match=r"^meta\.resume\.loras must map .* adapter names to sources.*malformed"):
+        check_adapter_sources({RESUME: {"step": 1, ADAPTERS: recorded}}, {})

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from triptych.batching import batch_key
 from triptych.params import GenerationParams
-from triptych_worker.resume import step_of
+from triptych_worker.resume import adapter_sources, step_of
 
 if TYPE_CHECKING:
     from triptych_worker.transfer import Allocation
@@ -40,11 +40,19 @@ class Job:
 
     @property
     def key(self) -> tuple[Any, ...]:
-        # Continuations batch only with continuations of the same step (resume.py).
+        # Continuations batch only with continuations of the same step whose earlier steps used the same
+        # adapter files (resume.py): a merged batch runs on with its first member's.
         step = None if self.incoming is None else step_of(self.incoming[2])
+        files = None if self.incoming is None else _adapter_files(self.incoming[2])
         if self.edit:  # as batch_key keys an edit whose params still carry the reference: its own
-            return (self.incoming is None, step, "edit", self.request_id)
-        return (self.incoming is None, step, *batch_key(self.params, self.request_id))
+            return (self.incoming is None, step, files, "edit", self.request_id)
+        return (self.incoming is None, step, files, *batch_key(self.params, self.request_id))
+
+
+def _adapter_files(meta: dict[str, Any]) -> tuple[tuple[str, str], ...] | str:
+    """A continuation's adapter sources as a key ("malformed": refused when it runs, alone or not)."""
+    sources = adapter_sources(meta)
+    return "malformed" if sources is None else tuple(sorted(sources.items()))
 
 
 def enqueue(queue: deque[Job], job: Job) -> None:

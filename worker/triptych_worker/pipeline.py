@@ -27,7 +27,7 @@ from triptych_worker.batching import run_in_turn, run_merged, split
 from triptych_worker.encoder_cache import EncoderCache
 from triptych_worker.lora import LoraAdapters
 from triptych_worker.preview import LatentPreviewer, find_projection, should_preview
-from triptych_worker.resume import RESUME, CannotResume
+from triptych_worker.resume import ADAPTERS, RESUME, CannotResume, check_adapter_sources
 from triptych_worker.stages import PIXELS, PipelineStage, StageBatch
 from triptych_worker.step_cache import StepCaching
 
@@ -180,8 +180,24 @@ class DenoisingStage(BatchedAdapterStage):
         self.loras = loras or LoraAdapters(adapter, LoraCatalog(), 0)
 
     def run(self, batch: StageBatch) -> None:
-        with self.loras.applied(batch.params), self.step_cache.applied(batch.params):
-            self.adapter.denoise(batch)
+        # Every step of a request uses the adapter files its first step did: one reading of the catalogue
+        # for the loop, checked against the files a continuation's earlier steps used, and recorded in
+        # the continuation when the loop stops at a step boundary (resume.py).
+        sources = self.loras.sources(batch.params)
+        if RESUME in batch.meta:
+            check_adapter_sources(batch.meta, sources)
+        with self.loras.pinned(sources):
+            with self.loras.applied(batch.params), self.step_cache.applied(batch.params):
+                self.adapter.denoise(batch)
+        if RESUME in batch.meta and sources:
+            batch.meta[RESUME][ADAPTERS] = sources
+
+    def run_many(self, batches: list[StageBatch]) -> list[Exception | None]:
+        # One reading of the catalogue for the whole group: run_merged enters `run` again after a member
+        # leaves (and a failed batched forward runs each alone), and the members that stay must keep the
+        # files their first steps used. The group shares its adapters (triptych.batching).
+        with self.loras.pinned(self.loras.sources(batches[0].params)):
+            return super().run_many(batches)
 
 
 class DecodingStage(BatchedAdapterStage):

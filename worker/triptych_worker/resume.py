@@ -7,7 +7,10 @@ state. The receiver rebuilds the schedule itself, exactly as the first denoiser 
 from the request and its meta), so what travels is only what the steps changed: the step index
 and, for a multistep scheduler, its history. Tensors go through Mooncake with the inputs
 (`scheduler.*`), scalars in meta under RESUME. Each known scheduler class is captured explicitly;
-any other is refused, naming it, rather than resumed into different pixels.
+any other is refused, naming it, rather than resumed into different pixels. So is a continuation
+whose earlier steps used other LoRA adapter files than this denoiser's catalogue gives now (the
+denoising stage records and checks them, `check_adapter_sources`): every step of a request uses the
+files its first step did.
 
 torch is imported inside functions so that the module loads without it.
 """
@@ -17,13 +20,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from triptych.lora import MAX_ADAPTERS
+
 if TYPE_CHECKING:
     import torch
 
     from triptych_worker.stages import StageBatch
 
 RESUME = "resume"
-"""The meta key of a continuation: {"step": the next step to run, "scheduler": its scalars}."""
+"""The meta key of a continuation: {"step": the next step to run, "scheduler": its scalars, and for a
+request naming LoRA adapters "loras": name -> the source its steps so far used (`ADAPTERS`)}."""
+ADAPTERS = "loras"
+"""Under RESUME: the adapter sources (triptych.lora catalogue entries) the earlier steps used."""
 TENSOR_PREFIX = "scheduler."
 """Names of the scheduler's history tensors among a continuation's tensors."""
 
@@ -51,6 +59,43 @@ def check_continuation(meta: dict[str, Any]) -> None:
     if step_of(meta) == -1:
         raise CannotResume(
             f"meta.{RESUME} must be a map with a non-negative integer 'step', got {meta[RESUME]!r:.200}; {MALFORMED}"
+        )
+
+
+def adapter_sources(meta: dict[str, Any]) -> dict[str, str] | None:
+    """The adapter sources a continuation's earlier steps used, name -> source ({}: none; None: a
+    malformed record, which `check_adapter_sources` refuses). Never raises: the queue groups jobs by
+    it before any of them runs."""
+    resume = meta.get(RESUME)
+    recorded = resume.get(ADAPTERS, {}) if isinstance(resume, dict) else {}
+    if not isinstance(recorded, dict) or len(recorded) > MAX_ADAPTERS:
+        return None
+    if not all(isinstance(name, str) and isinstance(source, str) for name, source in recorded.items()):
+        return None
+    return dict(recorded)
+
+
+def check_adapter_sources(meta: dict[str, Any], sources: dict[str, str]) -> None:
+    """Refuse a continuation whose earlier steps used other adapter files than `sources` (what this
+    denoiser's catalogue gives now for the request's adapters): its later steps would use the new
+    files, and the pixels would be those of neither."""
+    recorded = adapter_sources(meta)
+    if recorded is None:
+        raise CannotResume(
+            f"meta.{RESUME}.{ADAPTERS} must map at most {MAX_ADAPTERS} adapter names to sources, got "
+            f"{meta[RESUME].get(ADAPTERS)!r:.200}; {MALFORMED}"
+        )
+    differ = sorted(name for name in {*recorded, *sources} if recorded.get(name) != sources.get(name))
+    if differ:
+        said = "; ".join(
+            f"adapter {name!r:.70}: its earlier steps used {recorded.get(name)!r:.200}, this denoiser's "
+            f"catalogue gives {sources.get(name)!r:.200}"
+            for name in differ
+        )
+        raise CannotResume(
+            f"{said}; a continuation resumes only with the adapter files it started with (the catalogue "
+            "changed while the request was suspended or moving, or the denoisers' catalogues differ): "
+            "send the request again"
         )
 
 
