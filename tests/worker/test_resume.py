@@ -393,6 +393,12 @@ def test_the_members_that_stay_when_one_leaves_the_group_keep_their_adapter_file
     assert torch.equal(stayer_when_the_catalogue_goes_to("flux-paper"), stayer_when_the_catalogue_goes_to("flux-ink"))
 
 
+def test_a_continuation_from_a_denoiser_that_records_no_adapter_files_resumes_with_this_ones() -> None:
+    # An older release's denoiser, mid rolling update, sends no record: refusing it would fail every
+    # request with adapters that its draining denoisers hand over.
+    check_adapter_sources({RESUME: {"step": 1}}, {"style": "/adapters/ink"})
+
+
 @pytest.mark.parametrize(
     "recorded",
     [["style"], {"style": 1}, {f"a{i}": "/x" for i in range(5)}],

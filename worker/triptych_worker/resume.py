@@ -78,7 +78,11 @@ def adapter_sources(meta: dict[str, Any]) -> dict[str, str] | None:
 def check_adapter_sources(meta: dict[str, Any], sources: dict[str, str]) -> None:
     """Refuse a continuation whose earlier steps used other adapter files than `sources` (what this
     denoiser's catalogue gives now for the request's adapters): its later steps would use the new
-    files, and the pixels would be those of neither."""
+    files, and the pixels would be those of neither. A continuation with no record at all comes from a
+    denoiser that kept none (an older release, mid rolling update: where its requests migrate most):
+    it resumes with this denoiser's files, as every continuation did before the record."""
+    if isinstance(meta.get(RESUME), dict) and ADAPTERS not in meta[RESUME]:
+        return
     recorded = adapter_sources(meta)
     if recorded is None:
         raise CannotResume(
