@@ -168,23 +168,32 @@ def not_both_zero(a: str, b: str, message: str) -> Rule:
     )
 
 
+def as_re2(pattern: str) -> re.Pattern[str]:
+    """`pattern` as CEL's RE2 reads it, for Python's re: `$` is the end of the text only (Python's also
+    matches before a final newline, so the parser and the API server would disagree on "/a/..\n")."""
+    return re.compile(re.sub(r"(?<!\\)\$", r"\\Z", pattern))
+
+
 def bounded_match(name: str, max_length: int, pattern: str, message: str) -> Rule:
     """The string `name` is at most `max_length` long and matches `pattern` (CEL's RE2 and Python's re
-    agree on the simple patterns this is used with)."""
+    agree on the simple patterns this is used with, `$` read as RE2 does)."""
+    compiled = as_re2(pattern)
     return Rule(
         f"self.{name}.size() <= {max_length} && self.{name}.matches('{pattern}')",
         message,
-        lambda o: None if len(o[name]) <= max_length and re.match(pattern, o[name]) else name,
+        lambda o: None if len(o[name]) <= max_length and compiled.match(o[name]) else name,
     )
 
 
 def matches_and_avoids(name: str, pattern: str, avoid: str, message: str) -> Rule:
     """The string `name` matches `pattern` and holds nothing `avoid` matches (both searched, as CEL's
-    `matches` does; CEL's RE2 and Python's re agree on the simple patterns this is used with)."""
+    `matches` does; CEL's RE2 and Python's re agree on the simple patterns this is used with, `$` read
+    as RE2 does)."""
+    wanted, unwanted = as_re2(pattern), as_re2(avoid)
     return Rule(
         f"self.{name}.matches('{pattern}') && !self.{name}.matches('{avoid}')",
         message,
-        lambda o: None if re.search(pattern, o[name]) and not re.search(avoid, o[name]) else name,
+        lambda o: None if wanted.search(o[name]) and not unwanted.search(o[name]) else name,
         reason="FieldValueInvalid",
     )
 

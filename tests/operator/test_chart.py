@@ -186,10 +186,14 @@ def test_allowed_host_paths_reach_the_operator_as_the_list_it_reads_and_none_by_
     assert host_path_allow_list(None, operator_env(render(helm_bin))[ALLOWED_HOST_PATHS_ENV]) == ()
     listed = operator_env(render(helm_bin, "allowedHostPaths={/var/lib/triptych/models,/mnt/models}"))
     assert host_path_allow_list(None, listed[ALLOWED_HOST_PATHS_ENV]) == ("/var/lib/triptych/models", "/mnt/models")
-    with pytest.raises(AssertionError, match=re.escape("at '/allowedHostPaths/0'")):
-        render(helm_bin, "allowedHostPaths={models}")  # a relative folder: refused at install, as the operator would
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    assert f"matches('{schema['properties']['allowedHostPaths']['items']['pattern']}')" in HOST_PATH_RULE.cel
+    # Refused at install, as the operator would refuse them at its start: a relative folder, a '..' segment,
+    # a comma (the operator reads the list comma-separated).
+    for entry in ("models", "/srv/../etc", "/srv/models\\,old"):
+        with pytest.raises(AssertionError, match=re.escape("at '/allowedHostPaths/0'")):
+            render(helm_bin, f"allowedHostPaths={{{entry}}}")
+    item = json.loads((CHART / "values.schema.json").read_text())["properties"]["allowedHostPaths"]["items"]
+    assert f"matches('{item['pattern'].replace('[^/,]', '[^/]')}')" in HOST_PATH_RULE.cel
+    assert f"!self.path.matches('{item['not']['pattern']}')" in HOST_PATH_RULE.cel
 
 
 # ---------------------------------------------------------------- the custom metrics API

@@ -75,7 +75,9 @@ def test_a_host_path_that_is_not_an_absolute_folder_below_the_root_is_refused_na
     assert f"is {path!r}; path must be an absolute folder other than /" in str(err)
 
 
-@pytest.mark.parametrize("path", ["/var/lib/triptych/models", "/mnt/models/", "/srv/.models/m..1"])
+# "/srv/..\n": a folder named "..\n", which the API server's rule (RE2: `$` is the end of the text) takes;
+# the parser must agree (Python's `$` also matches before a final newline, and refused it).
+@pytest.mark.parametrize("path", ["/var/lib/triptych/models", "/mnt/models/", "/srv/.models/m..1", "/srv/..\n"])
 def test_absolute_host_folders_are_taken(path: str) -> None:
     assert pipeline(on_host(path)).model.host_path == path
 
