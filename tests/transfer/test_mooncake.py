@@ -271,8 +271,10 @@ class _OneRangeRefused:
     `fail_status`, its first batch reads failed: a peer's refusal of one range of several, which a
     loopback peer cannot be made to give at will. Everything else is the engine's own."""
 
-    def __init__(self, engine: Any, refuse: int | None = None, fail_first: bool = False) -> None:
-        self._engine, self._refuse, self._fail_first = engine, refuse, fail_first
+    def __init__(
+        self, engine: Any, refuse: int | None = None, fail_first: bool = False, last_ends: bool = False
+    ) -> None:
+        self._engine, self._refuse, self._fail_first, self._last_ends = engine, refuse, fail_first, last_ends
         self.submitted: list[int] = []
 
     def transfer_submit_write(self, *args: Any) -> int:
@@ -285,7 +287,7 @@ class _OneRangeRefused:
     def transfer_check_status(self, batch: int) -> int:
         if self._fail_first and batch == self.submitted[0]:
             return -1  # failed
-        if batch == self.submitted[-1]:
+        if batch == self.submitted[-1] and not self._last_ends:
             return 0  # the last range still under way
         return int(self._engine.transfer_check_status(batch))
 
@@ -301,8 +303,11 @@ def test_a_write_of_several_ranges_whose_range_fails_while_another_may_write_is_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A range under way still writes into the peer (and reads the local bytes) after another range of
-    the same write failed: the write is reported stalled (TransferStalled), so the worker keeps its
-    tensors and the head keeps the receiver's slot out of use, rather than failed and forgotten."""
+    the same write failed: the write is reported stalled (TransferStalled) once it has not ended in
+    WRITE_TIMEOUT_S (or at once where it could not be submitted), so the worker keeps its tensors and
+    the head keeps the receiver's slot out of use, rather than failed and forgotten."""
+    from triptych_worker.transfer import engine as engine_module
+
     transport, pool = sender
     peer_transport, peer_pool = peer
     src = pool.allocate(8192, "req-1")
@@ -310,12 +315,31 @@ def test_a_write_of_several_ranges_whose_range_fails_while_another_may_write_is_
     engine = _OneRangeRefused(transport.engine, refuse=2) if how.startswith("second") else None
     engine = engine or _OneRangeRefused(transport.engine, fail_first=True)
     monkeypatch.setattr(transport, "_engine", engine)
+    monkeypatch.setattr(engine_module, "WRITE_TIMEOUT_S", 0.2)
     ranges = [(src.addr, peer_pool.base_addr, 4096), (src.addr + 4096, peer_pool.base_addr + 4096, 4096)]
     with pytest.raises(TransferStalled, match="may still write") as stalled:
-        pending = transport.submit_writes(peer_transport.session_id, ranges)
-        pending.done()
+        transport.submit_writes(peer_transport.session_id, ranges).wait()
     assert len(engine.submitted) == 1 if how.startswith("second") else len(engine.submitted) == 2
     assert "127.0.0.1" in str(stalled.value)
+
+
+def test_a_write_of_several_ranges_whose_range_failed_fails_once_the_others_have_ended(
+    sender: tuple[MooncakeTransport, TransferPool],
+    peer: tuple[MooncakeTransport, TransferPool],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once every range has ended, nothing reads the local bytes any more: a failed range makes the write
+    failed, not stalled, so the worker frees its outputs (a receiver gone under autoscaling used to leave
+    every push to it held for the worker's life)."""
+    transport, pool = sender
+    peer_transport, peer_pool = peer
+    src = pool.allocate(8192, "req-1")
+    assert src is not None
+    monkeypatch.setattr(transport, "_engine", _OneRangeRefused(transport.engine, fail_first=True, last_ends=True))
+    ranges = [(src.addr, peer_pool.base_addr, 4096), (src.addr + 4096, peer_pool.base_addr + 4096, 4096)]
+    with pytest.raises(TransferError, match=r"failed \(status -1\)") as failed:
+        transport.submit_writes(peer_transport.session_id, ranges).wait()
+    assert not isinstance(failed.value, TransferStalled)
 
 
 def test_a_write_of_one_range_that_fails_is_failed_not_stalled(

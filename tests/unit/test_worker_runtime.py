@@ -376,21 +376,34 @@ def test_outputs_sent_in_place_are_kept_while_a_failed_write_may_still_read_them
         worker.transport.close()
 
 
-def test_outputs_sent_in_place_whose_write_could_not_start_are_kept(monkeypatch):
-    """A write of several ranges can fail after its first range was submitted: treated as stalled."""
+@pytest.mark.parametrize(
+    ("error", "kept"),
+    [
+        (TransferStalled("Mooncake tcp write could not start all its ranges, and 1 under way may still write"), True),
+        (TransferError("Mooncake tcp write of 16384 bytes could not start"), False),
+    ],
+    ids=["a range under way: may still read", "nothing started: read no more"],
+)
+def test_outputs_sent_in_place_whose_write_could_not_start_are_kept_only_while_a_range_may_read_them(
+    monkeypatch, error, kept
+):
+    """A write of several ranges can fail after its first range was submitted (TransferStalled): its
+    outputs are kept. One that started nothing frees them (they used to be kept for the worker's life,
+    one push's outputs per receiver gone before its write)."""
     worker = make_worker()
     link = RecordingLink()
     try:
         outputs = in_place_outputs(worker, staged_as="r")
 
         def refused(session: str, addr: int) -> None:
-            raise TransferError("Mooncake tcp write of 16384 bytes could not start")
+            raise error
 
         monkeypatch.setattr(outputs, "submit_write", refused)
         pushes.start_push(worker, link, TransferPush("r", "w", dest_session="127.0.0.1:1", dest_addr=4096))  # type: ignore[arg-type]
         (failed,) = [m for m in link.sent if isinstance(m, Failed)]
-        assert failed.request_id == "r" and "could not start" in failed.error
-        assert not outputs.released and worker._unfinished_sends == [outputs] and "r" not in worker._staged
+        assert failed.request_id == "r" and "could not start" in failed.error and failed.write_pending is kept
+        assert outputs.released is not kept and (worker._unfinished_sends == [outputs]) is kept
+        assert "r" not in worker._staged
     finally:
         worker.transport.close()
 

@@ -45,8 +45,10 @@ def start_push(worker: Worker, link: HeadLinks, msg: TransferPush) -> None:
                 msg.dest_session, staged.allocation.addr, msg.dest_addr, staged.nbytes
             )
     except Exception as exc:
-        # Tensors sent in place may have had a first range submitted: treated as a stalled write.
-        _end_push(worker, link, msg.request_id, staged, _push_failed(worker, msg.request_id, exc), maybe_read=True)
+        # A write of several ranges whose later range could not start while earlier ones are under way
+        # raises TransferStalled (its outputs are kept: reported write_pending); one that started nothing
+        # reads nothing, and its outputs are freed.
+        _end_push(worker, link, msg.request_id, staged, _push_failed(worker, msg.request_id, exc))
         return
     worker._pushes.append(Push(msg.request_id, staged, write))
 
@@ -79,11 +81,9 @@ def _end_push(
     request_id: str,
     staged: StagedTensors | InPlaceTensors,
     report: Failed | TransferPushed,
-    maybe_read: bool = False,
 ) -> None:
     link.send(report)
-    still_read = maybe_read or (isinstance(report, Failed) and report.write_pending)
-    if still_read and isinstance(staged, InPlaceTensors):
+    if isinstance(report, Failed) and report.write_pending and isinstance(staged, InPlaceTensors):
         # The engine may still read these tensors: never free memory under it (a stall is rare; this
         # holds its bytes until the worker exits).
         log.warning("request %s: keeping %d bytes of outputs the engine may still read", request_id, staged.nbytes)

@@ -237,7 +237,8 @@ class PendingWrite:
         self._engine = engine
         self._batches = list(batches)  # those not reported done yet
         self._what = what
-        self._failed: TransferError | None = None
+        self._failure: str | None = None  # the first range that failed, while the others are polled to their end
+        self._failed: TransferError | None = None  # raised: what every later call raises too
         self.started = started  # perf_counter() when the write was submitted
         self._nbytes, self._peer, self._rates = nbytes, peer, rates
         self._expected = rates.expected_s(peer, nbytes) if rates is not None else None
@@ -245,9 +246,10 @@ class PendingWrite:
     def done(self) -> bool:
         """True once the bytes are in the peer's memory; False while the write is under way.
 
-        Raises TransferError if the write failed, and TransferStalled (a TransferError) once it
-        has been pending for WRITE_TIMEOUT_S, or when one of its ranges failed while others may be
-        under way: the engine may still write into the peer's range (and read the local one).
+        Raises TransferError if the write failed, once every range has ended (a range that failed
+        while others are under way: those are polled to their end first, so that the memory they read
+        can then be freed), and TransferStalled (a TransferError) once it has been pending for
+        WRITE_TIMEOUT_S: the engine may still write into the peer's range (and read the local one).
         """
         if self._failed is not None:
             raise self._failed
@@ -255,21 +257,23 @@ class PendingWrite:
             status = self._engine.transfer_check_status(self._batches[0])
             if status == _PENDING:
                 break
-            if status != _DONE:
-                self._failed = TransferError(f"{self._what} failed (status {status}); {_PEER_HINT}")
-                if len(self._batches) > 1:  # its later ranges may still be written: as a stalled write
-                    self._failed = TransferStalled(
-                        f"{self._what} failed (status {status}) with {len(self._batches) - 1} more of its ranges "
-                        f"not known to have ended, which may still write; {_PEER_HINT}"
-                    )
-                raise self._failed
+            if status != _DONE and self._failure is None:
+                self._failure = f"{self._what} failed (status {status})"
             self._batches.pop(0)
         if not self._batches:
+            if self._failure is not None:
+                self._failed = TransferError(f"{self._failure}; {_PEER_HINT}")
+                raise self._failed
             if self._rates is not None:
                 self._rates.observe(self._peer, self._nbytes, self.elapsed())
                 self._rates = None  # observed once
             return True
         if self.elapsed() > WRITE_TIMEOUT_S:
+            if self._failure is not None:
+                raise TransferStalled(
+                    f"{self._failure}, and {len(self._batches)} more of its ranges did not end in "
+                    f"{WRITE_TIMEOUT_S:g}s, which may still write; {_PEER_HINT}"
+                )
             raise TransferStalled(
                 f"{self._what} did not finish in {WRITE_TIMEOUT_S:g}s; the peer may be stalled or its network congested"
             )
