@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from triptych.protocol import Ping
+from triptych.step_cache import MODES as STEP_CACHE_MODES
 from triptych.roles import Role
 from triptych_head.instances import WorkerInstance
 from triptych_head.metrics import HeadMetrics
@@ -172,6 +173,18 @@ class Membership:
                 for stats in inst.step_cache:
                     for field, gauge in self._metrics.step_cache.items():
                         gauge.labels(role.value, url, stats.mode).set(getattr(stats, field))
+                self._forget_step_cache_modes(inst, keep={stats.mode for stats in inst.step_cache})
+
+    def _forget_step_cache_modes(self, inst: WorkerInstance, keep: set[str]) -> None:
+        """Remove `inst`'s step-cache series of every mode but `keep`: a worker restarted at the same URL
+        reports none of its predecessor's modes, whose series would otherwise show stale counts (and
+        outlive the worker when it leaves)."""
+        for mode in STEP_CACHE_MODES.keys() - keep:
+            for gauge in self._metrics.step_cache.values():
+                try:
+                    gauge.remove(inst.role.value, inst.url, mode)
+                except KeyError:
+                    pass
 
     def _forget_metrics(self, inst: WorkerInstance) -> None:
         role, url = inst.role, inst.url
@@ -187,12 +200,7 @@ class Membership:
                 gauge.remove(role.value, url)
             except KeyError:
                 pass
-        for stats in inst.step_cache:
-            for gauge in self._metrics.step_cache.values():
-                try:
-                    gauge.remove(role.value, url, stats.mode)
-                except KeyError:
-                    pass
+        self._forget_step_cache_modes(inst, keep=set())
 
     def snapshot(self) -> dict[str, list[dict[str, Any]]]:
         """For /health: every instance with its liveness and load."""

@@ -27,6 +27,7 @@ from triptych.protocol import (
     Ping,
     RequestEvent,
     RequestResult,
+    StepCacheStats,
     Submit,
     TransferAlloc,
     TransferAllocated,
@@ -124,6 +125,7 @@ class SimWorker:
     hold: bool = False
     max_batch: int = 1  # its --batching-max-size, which it heartbeats
     devices: int = 1  # its --num-gpus, which it heartbeats
+    step_cache: tuple[StepCacheStats, ...] = ()  # its step caches' counts, which it heartbeats
     resized: list[BatchResized] = field(default_factory=list)  # the groups the head said lost members
 
     def held(self) -> set[str]:
@@ -137,7 +139,7 @@ class SimWorker:
         return Heartbeat(
             self.url, self.role.value, self.session, POOL_BYTES, POOL_BYTES, self.capacity, "m",
             head_id=head_id, others_busy=others, held=len(self.held()), model_fingerprint=self.fingerprint,
-            max_batch=self.max_batch, devices=self.devices,
+            max_batch=self.max_batch, devices=self.devices, step_cache=self.step_cache,
         )  # fmt: skip
 
     def start(self, rid: str) -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 import time
 
+from prometheus_client import generate_latest
+
+from tests.unit.core_harness import Harness
 from tests.unit.scripted import PARAMS, scripted_head
 from triptych.params import GenerationParams
-from triptych.protocol import RequestEvent, Submit, TransferStaged, Work, decode, encode
+from triptych.protocol import RequestEvent, StepCacheStats, Submit, TransferStaged, Work, decode, encode
 from triptych.roles import Role
 
 MANIFEST = [{"name": "x", "dtype": "uint8", "shape": [8], "offset": 0}]
@@ -55,3 +58,23 @@ def test_worker_seconds_add_up_what_workers_report_and_an_impossible_report_fail
             assert time.monotonic() < deadline, "the head dispatched nothing after the impossible reports"
             for worker in everyone:
                 worker.pump(0.01)
+
+
+def test_a_worker_restarted_at_its_url_keeps_no_series_of_its_predecessors_step_caches():
+    """A container restart keeps the pod's IP: the new process reports none of its predecessor's modes.
+    Their series went on showing the old counts, and outlived the worker when it left."""
+    h = Harness({Role.ENCODER: 1, Role.DENOISER: 1, Role.DECODER: 1})
+    denoiser = next(w for w in h.workers.values() if w.role is Role.DENOISER)
+
+    def step_cache_series() -> list[str]:
+        text = generate_latest(h.core.metrics.registry).decode()
+        return [line for line in text.splitlines() if line.startswith("triptych_step_cache_") and denoiser.url in line]
+
+    denoiser.step_cache = (StepCacheStats("first_block", 1, 2, 3), StepCacheStats("taylorseer", 1, 2, 3))
+    h.tick()
+    assert len(step_cache_series()) == 6  # requests, computed, skipped for each mode
+    denoiser.session, denoiser.step_cache = "restarted", (StepCacheStats("taylorseer", 1, 0, 0),)
+    h.tick()
+    assert len(step_cache_series()) == 3 and all('mode="taylorseer"' in line for line in step_cache_series())
+    h.core.membership.remove(h.core.membership.get(Role.DENOISER, denoiser.url))
+    assert step_cache_series() == []
