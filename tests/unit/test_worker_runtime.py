@@ -1135,3 +1135,18 @@ def test_a_member_of_a_batch_asked_to_hand_off_is_reported_at_its_step_not_after
         assert worker._held_requests() == {"r0", "r2"}  # their outputs wait for their pushes; r1's state holds none
     finally:
         worker.transport.close()
+
+
+def test_a_request_asked_to_hand_off_and_then_cancelled_while_queued_is_forgotten():
+    """A queued request dropped with its head never reaches the computing thread, which is what forgot
+    a hand-off it was asked: one id kept per such request, for the worker's life."""
+    worker = make_worker()
+    try:
+        worker.hands_off = True
+        worker._outstanding.add("r")
+        worker._hand_off("r")
+        assert worker.handing_off("r")
+        worker._cancel("r")
+        assert not worker.handing_off("r") and not worker._handing_off
+    finally:
+        worker.transport.close()

@@ -505,6 +505,7 @@ class Worker:
             staged = self._staged.pop(request_id, None)
             self._slots.pop(request_id, None)
             self._outstanding.discard(request_id)
+            self._handing_off.discard(request_id)  # a queued one never reaches compute's _settle
         if staged is not None:
             self.free_staged(staged)
         if free:
