@@ -15,6 +15,7 @@ from triptych_worker.transfer.waiting import (
     POLL_FRACTION,
     POLL_MAX_S,
     POLL_MIN_S,
+    RATE_MAX_PEERS,
     RATE_MIN_BYTES,
     SPIN_S,
     TIMER_SLACK_NS,
@@ -60,6 +61,18 @@ def test_a_wrong_estimate_costs_at_most_the_spin():
     for expected in (1e-6, 10.0):
         for elapsed in (SPIN_S, 100e-6, 1e-3, 0.05):
             assert poll_interval(elapsed, expected) <= fallback(elapsed)
+
+
+def test_rates_are_kept_for_the_peers_most_recently_written_to_only():
+    # Peers come and go (autoscaling, restarts: a new session each time); the worker lives on.
+    rates = WriteRates()
+    rates.observe("kept", MIB, 1e-3)
+    for i in range(3 * RATE_MAX_PEERS):
+        rates.observe(f"gone-{i}", MIB, 1e-3)
+        if i % 10 == 0:
+            rates.observe("kept", MIB, 1e-3)  # still written to now and then
+    assert len(rates._seconds_per_byte) == RATE_MAX_PEERS
+    assert rates.expected_s("kept", MIB) is not None and rates.expected_s("gone-0", MIB) is None
 
 
 def test_rates_are_per_peer_for_large_writes_only_and_follow_recent_writes():

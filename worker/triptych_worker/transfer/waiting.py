@@ -33,6 +33,9 @@ RATE_MIN_BYTES = 256 << 10  # smaller writes are mostly latency: no rate to expe
 WAKE_EARLY_S = 80e-6  # a sleep ends up to ~50 us late (timer slack): spin from this long before the expected end
 END_SPIN_S = 150e-6  # at most this long polled without pause around the expected end
 RATE_WEIGHT = 0.25  # of each new write in the estimate (an exponentially weighted mean)
+# Peers a worker keeps an estimate for, the most recently written to: a peer that restarts or is
+# scaled away comes back under a new session, and the old one's estimate is never asked for again.
+RATE_MAX_PEERS = 256
 TIMER_SLACK_NS = 1000  # how late a sleep of a worker's threads may end (Linux's default: 50 us)
 _PR_SET_TIMERSLACK = 29  # prctl(2)
 
@@ -71,8 +74,10 @@ class WriteRates:
         if nbytes < RATE_MIN_BYTES or seconds <= 0:
             return
         sample = seconds / nbytes
-        old = self._seconds_per_byte.get(peer)
+        old = self._seconds_per_byte.pop(peer, None)  # put back last: the most recently written to
         self._seconds_per_byte[peer] = sample if old is None else old + RATE_WEIGHT * (sample - old)
+        while len(self._seconds_per_byte) > RATE_MAX_PEERS:
+            del self._seconds_per_byte[next(iter(self._seconds_per_byte))]
 
 
 def poll_interval(elapsed: float, expected: float | None) -> float:
