@@ -11,7 +11,8 @@ activates a request's set for its denoising (its text encoding) only (triptych_w
                             adding a line adds an adapter without a restart
 
 SOURCE is what diffusers' `load_lora_weights` takes: a folder holding pytorch_lora_weights.safetensors,
-a .safetensors file, or a hub id (downloaded on first use, with HF_TOKEN for a gated one).
+a .safetensors file, or a hub id (downloaded on first use; a gated one with the token in HF_TOKEN or in the
+file HF_TOKEN_PATH names).
 
 A process that loads adapters (a denoiser, a prompt encoder: `LoraCatalog.check_sources`) refuses to
 start when a SOURCE that is a path on this machine (`is_path`) is missing or holds no adapter

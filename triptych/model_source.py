@@ -1,8 +1,9 @@
 """--model-path: a local diffusers package, or a hub id fetched once into the local cache.
 
 Every process resolves the path the same way before it reads a config, so a DiffusionPipeline
-with `model.hubId` works on clusters that can reach the hub (HF_TOKEN for gated models, HF_HOME
-for the cache), and a local path never touches the network.
+with `model.hubId` works on clusters that can reach the hub (for gated models the token in HF_TOKEN,
+or in the file HF_TOKEN_PATH names, as the operator mounts it; HF_HOME for the cache), and a local
+path never touches the network.
 """
 
 from __future__ import annotations
@@ -42,5 +43,6 @@ def resolve_model_path(model_path: str) -> str:
     except Exception as exc:  # offline, gated, unknown repo: all end here with the hub's own reason
         raise ModelSourceError(
             f"--model-path {model_path}: not a local directory and fetching it from the hub failed "
-            f"({type(exc).__name__}: {exc}); mount the package and pass its path, or set HF_TOKEN for a gated model"
+            f"({type(exc).__name__}: {exc}); mount the package and pass its path, or, for a gated model, "
+            "give a token in HF_TOKEN or in the file HF_TOKEN_PATH names"
         ) from None

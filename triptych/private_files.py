@@ -3,8 +3,9 @@
 The control plane's secret keys are refused when others may read or write them, as ssh refuses such
 a private key: `triptych keys generate` writes them 0600 and the operator mounts them 0440, so
 another mode is a copy that went wrong. The HTTP side's secrets (--api-keys-file,
---webhook-secret-file, --ssl-keyfile) are the operator's own files: a warning at start-up names
-each one that is open, and the chmod that closes it.
+--webhook-secret-file, --ssl-keyfile) and the files the environment names for the hub token and the
+S3 credentials (HF_TOKEN_PATH, AWS_*_FILE: triptych.env_secrets) are the operator's own files: a
+warning at start-up names each one that is open, and the chmod that closes it.
 """
 
 from __future__ import annotations

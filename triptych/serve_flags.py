@@ -115,7 +115,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
       help="head: most bytes kept under --output-path, oldest results removed first (default 5GiB)")  # fmt: skip
     a("--results-store", default=None, metavar="s3://BUCKET/PREFIX",
       help="head/monolithic: keep results in this S3-compatible bucket, shared by every head (credentials from "
-           "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY); default: the --output-path folder, which several "
+           "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the files AWS_ACCESS_KEY_ID_FILE and "
+           "AWS_SECRET_ACCESS_KEY_FILE name); default: the --output-path folder, which several "
            "heads share as one ReadWriteMany volume")  # fmt: skip
     a("--results-s3-endpoint", default=None, metavar="URL",
       help="head: the S3-compatible server of --results-store, e.g. http://seaweedfs:8333 "
@@ -187,7 +188,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     a("--lora", action="extend", type=parse_urls, default=[], metavar="NAME=SOURCE",
       help="head, denoiser, encoders, monolithic: a LoRA adapter requests may name (`loras`), repeatable (or "
            "';'-separated); SOURCE: a folder with pytorch_lora_weights.safetensors, a .safetensors file or a hub "
-           "id (HF_TOKEN)")  # fmt: skip
+           "id (a gated one: HF_TOKEN, or HF_TOKEN_PATH naming the token's file)")  # fmt: skip
     a("--lora-catalog", default=None, metavar="PATH",
       help="head, denoiser, encoders, monolithic: a file of NAME=SOURCE lines (# comments), re-read when it "
            "changes, so adding a line adds an adapter without a restart; its names win over --lora's")  # fmt: skip

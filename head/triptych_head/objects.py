@@ -7,7 +7,8 @@ another one made (results.py says which objects make up a result). Two backends:
                        (ReadWriteMany). Writes go to a temporary name and are renamed into place.
     S3Objects          s3://BUCKET/PREFIX (--results-store) on any S3-compatible server
                        (--results-s3-endpoint), credentials from AWS_ACCESS_KEY_ID and
-                       AWS_SECRET_ACCESS_KEY (AWS_SESSION_TOKEN, AWS_REGION when set). An S3 PUT
+                       AWS_SECRET_ACCESS_KEY (AWS_SESSION_TOKEN, AWS_REGION when set), or from the
+                       files AWS_ACCESS_KEY_ID_FILE etc. name (triptych.env_secrets). An S3 PUT
                        is atomic: a reader sees the old object or the new one.
 
 Names are relative paths such as `videos/<job id>.json`; a name never starts with a dot.
@@ -22,7 +23,7 @@ import shutil
 import stat
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,6 +31,17 @@ from pathlib import Path
 from time import monotonic
 from typing import Protocol
 from urllib.parse import urlsplit
+
+from triptych.env_secrets import (
+    S3_ACCESS_KEY_ENV,
+    S3_CREDENTIAL_ENV,
+    S3_SECRET_KEY_ENV,
+    S3_SESSION_TOKEN_ENV,
+    EnvSecret,
+    EnvSecretError,
+    file_variable,
+    read_env_secret,
+)
 
 log = logging.getLogger(__name__)
 
@@ -248,23 +260,36 @@ class S3Location:
         return cls(parts.netloc, f"{prefix}/" if prefix else "")
 
 
-S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+S3_CREDENTIALS = (S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV)  # required; S3_SESSION_TOKEN_ENV is optional
+
+
+def s3_credentials(where: str, env: Mapping[str, str]) -> dict[str, EnvSecret]:
+    """The bucket's credentials by variable name (the session token only when given), each from its
+    variable or from the file its `_FILE` variable names. StoreError naming `where` and the variables."""
+    try:
+        found = {name: read_env_secret(env, name) for name in S3_CREDENTIAL_ENV}
+    except EnvSecretError as exc:
+        raise StoreError(f"{where}: {exc}") from None
+    missing = [name for name in S3_CREDENTIALS if found[name] is None]
+    if missing:
+        raise StoreError(
+            f"{where}: {' and '.join(missing)} not set; give the bucket's credentials in the environment, or "
+            f"each in a file that {' and '.join(file_variable(name) for name in missing)} names (never as a flag)"
+        )
+    return {name: secret for name, secret in found.items() if secret is not None}
 
 
 class S3Objects:
     """Objects in an S3-compatible bucket, through the MinIO client (any S3 API: AWS, MinIO, SeaweedFS, Ceph)."""
 
-    def __init__(self, location: S3Location, endpoint: str, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, location: S3Location, endpoint: str, environ: Mapping[str, str] | None = None) -> None:
         import urllib3
         from minio import Minio
 
         env = os.environ if environ is None else environ
-        missing = [v for v in S3_CREDENTIALS if not env.get(v)]
-        if missing:
-            raise StoreError(
-                f"--results-store s3://{location.bucket}/{location.prefix}: {' and '.join(missing)} not set; "
-                "give the bucket's credentials in the environment (never as a flag)"
-            )
+        creds = s3_credentials(f"--results-store s3://{location.bucket}/{location.prefix}", env)
+        session = creds.get(S3_SESSION_TOKEN_ENV)
+        self._credential_sources = {name: secret.source for name, secret in creds.items()}
         url = urlsplit(endpoint)
         self.location = location
         self.endpoint = endpoint
@@ -281,9 +306,9 @@ class S3Objects:
         def client(http: urllib3.PoolManager) -> Minio:
             return Minio(
                 url.netloc,
-                access_key=env["AWS_ACCESS_KEY_ID"],
-                secret_key=env["AWS_SECRET_ACCESS_KEY"],
-                session_token=env.get("AWS_SESSION_TOKEN") or None,
+                access_key=creds[S3_ACCESS_KEY_ENV].value,
+                secret_key=creds[S3_SECRET_KEY_ENV].value,
+                session_token=session.value if session else None,
                 secure=url.scheme == "https",
                 region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
                 http_client=http,
@@ -312,8 +337,8 @@ class S3Objects:
             self.delete(probe)
         except S3Error as exc:
             hint = {
-                "InvalidAccessKeyId": "check AWS_ACCESS_KEY_ID",
-                "SignatureDoesNotMatch": "check AWS_SECRET_ACCESS_KEY",
+                "InvalidAccessKeyId": f"check {self._credential_sources[S3_ACCESS_KEY_ENV]}",
+                "SignatureDoesNotMatch": f"check {self._credential_sources[S3_SECRET_KEY_ENV]}",
                 "AccessDenied": "give these credentials read, write and delete on the prefix",
                 "NoSuchBucket": "create the bucket, or name another",
             }.get(exc.code or "", "check the bucket, the prefix and the credentials")

@@ -75,6 +75,15 @@ WEBHOOK_SECRET_FILE: Final = f"{WEBHOOK_MOUNT}/secret"
 HEAD_TLS_MOUNT: Final = "/etc/triptych/tls"
 HEAD_TLS_CERT_FILE: Final = f"{HEAD_TLS_MOUNT}/tls.crt"
 HEAD_TLS_KEY_FILE: Final = f"{HEAD_TLS_MOUNT}/tls.key"
+# model.tokenSecretRef: the hub token as this file (HF_TOKEN_PATH names it), never an env value that
+# every child process inherits; mounted whole, so a Secret update reaches the file (read at each download).
+HUB_TOKEN_MOUNT: Final = "/etc/triptych/hub"
+HUB_TOKEN_FILE: Final = f"{HUB_TOKEN_MOUNT}/token"
+# head.results.s3.credentialsSecret: the bucket's two keys as these files (AWS_ACCESS_KEY_ID_FILE and
+# AWS_SECRET_ACCESS_KEY_FILE name them), read by the head at start-up.
+S3_CREDENTIALS_MOUNT: Final = "/etc/triptych/s3"
+S3_ACCESS_KEY_FILE: Final = f"{S3_CREDENTIALS_MOUNT}/access-key-id"
+S3_SECRET_KEY_FILE: Final = f"{S3_CREDENTIALS_MOUNT}/secret-access-key"
 # The pipeline's control-plane key set (Secret "<name>-control-keys"), read-only: --disagg-keys-dir.
 KEYS_MOUNT: Final = "/etc/triptych/keys"
 # spec.model.loras as the --lora-catalog file of the head, the denoisers and the prompt encoders: a

@@ -99,21 +99,65 @@ def test_without_a_bucket_the_head_gets_no_bucket_flags_or_credentials() -> None
     assert not any(e["name"].startswith("AWS_") for e in c["env"])
 
 
-def test_the_credentials_come_from_the_secret_by_reference_never_by_value() -> None:
-    env = {e["name"]: e for e in container(head_deployment(head_spec(results={"s3": S3})))["env"]}
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        assert env[name] == {"name": name, "valueFrom": {"secretKeyRef": {"name": "results-s3", "key": name}}}
-        assert "value" not in env[name]
+def credential_files(spec: dict[str, Any]) -> dict[str, str]:
+    """Each variable the head's env names a credentials file by -> the Secret key that file holds."""
+    deployment = head_deployment(spec)
+    c = container(deployment)
+    [volume] = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "s3-credentials"]
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "s3-credentials"]
+    assert mount["readOnly"] is True and "subPath" not in mount  # whole: a Secret update reaches the files
+    assert volume["secret"]["defaultMode"] == 0o440  # root and the pod's fsGroup; nobody else
+    keys = {f"{mount['mountPath']}/{item['path']}": item["key"] for item in volume["secret"]["items"]}
+    return {e["name"]: keys[e["value"]] for e in c["env"] if e["name"].endswith("_FILE")}
+
+
+def test_the_credentials_are_files_of_the_secret_that_file_variables_name_never_env_values() -> None:
+    """Env values reach every child process and /proc/<pid>/environ: the head gets files instead."""
+    deployment = head_deployment(head_spec(results={"s3": S3}))
+    env = container(deployment)["env"]
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & {e["name"] for e in env}
+    assert not any("valueFrom" in e for e in env)
+    assert credential_files(head_spec(results={"s3": S3})) == {
+        "AWS_ACCESS_KEY_ID_FILE": "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY_FILE": "AWS_SECRET_ACCESS_KEY",
+    }
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["s3-credentials"]["secret"]["secretName"] == "results-s3"
 
 
 def test_the_credentials_secret_key_names_can_be_chosen() -> None:
     secret = {"name": "minio", "accessKeyIdKey": "rootUser", "secretAccessKeyKey": "rootPassword"}
-    env = container(head_deployment(head_spec(results={"s3": {**S3, "credentialsSecret": secret}})))["env"]
-    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if e["name"].startswith("AWS_")}
-    assert refs == {
-        "AWS_ACCESS_KEY_ID": {"name": "minio", "key": "rootUser"},
-        "AWS_SECRET_ACCESS_KEY": {"name": "minio", "key": "rootPassword"},
+    assert credential_files(head_spec(results={"s3": {**S3, "credentialsSecret": secret}})) == {
+        "AWS_ACCESS_KEY_ID_FILE": "rootUser",
+        "AWS_SECRET_ACCESS_KEY_FILE": "rootPassword",
     }
+
+
+def test_the_head_reads_the_secret_s_values_from_the_files_the_operator_mounts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from triptych_head.objects import s3_credentials
+
+    c = container(head_deployment(head_spec(results={"s3": S3})))
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "s3-credentials"]
+    secret = {"AWS_ACCESS_KEY_ID": "minio\n", "AWS_SECRET_ACCESS_KEY": "s3cr3t"}  # a trailing newline is dropped
+    env: dict[str, str] = {}
+    for name, key in credential_files(head_spec(results={"s3": S3})).items():
+        path = next(e["value"] for e in c["env"] if e["name"] == name)
+        local = tmp_path / path.removeprefix(mount["mountPath"] + "/")
+        local.write_text(secret[key])
+        env[name] = str(local)
+    creds = s3_credentials("--results-store", env)
+    assert {name: found.value for name, found in creds.items()} == {
+        "AWS_ACCESS_KEY_ID": "minio",
+        "AWS_SECRET_ACCESS_KEY": "s3cr3t",
+    }
+
+
+def test_a_users_own_credential_value_replaces_the_operators_file_of_it() -> None:
+    """The head refuses a variable beside its _FILE; the user's head.env value wins, as for any name."""
+    mine = [{"name": "AWS_ACCESS_KEY_ID", "value": "minio"}]
+    env = {e["name"] for e in container(head_deployment(head_spec(results={"s3": S3}, env=mine)))["env"]}
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY_FILE"} <= env
+    assert "AWS_ACCESS_KEY_ID_FILE" not in env
 
 
 def test_a_bucket_without_a_credentials_secret_sets_no_credentials() -> None:

@@ -234,7 +234,7 @@ def test_the_users_env_replaces_the_operators_entry_of_the_same_name() -> None:
         assert len(names) == len(set(names)), names
         assert all(e in env for e in own)
     head_env_names = {e["name"] for e in container(objs[("Deployment", "wan-t2v-head")])["env"]}
-    assert {"HF_HOME", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY"} <= head_env_names  # the operator's, not overridden
+    assert {"HF_HOME", "HF_TOKEN_PATH", "AWS_SECRET_ACCESS_KEY_FILE"} <= head_env_names  # the operator's, kept
 
 
 @pytest.mark.parametrize(
@@ -528,12 +528,28 @@ def test_the_ingress_lets_requests_through_as_the_heads_take_them_and_the_spec_s
     assert annotations[nginx + "proxy-buffering"] == "on"  # the spec's own win
 
 
+def hub_token_file(deployment: Manifest) -> tuple[str, str] | None:
+    """(Secret name, key) of the hub token file HF_TOKEN_PATH names in the pod, None without one; the
+    token is never an env value (every child process would inherit it), and its file is read-only 0440."""
+    c = container(deployment)
+    assert all(e["name"] not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN") for e in c["env"])
+    path = next((e["value"] for e in c["env"] if e["name"] == "HF_TOKEN_PATH"), None)
+    if path is None:
+        return None
+    folder, name = path.rsplit("/", 1)
+    [mount] = [m for m in c["volumeMounts"] if m["mountPath"] == folder]
+    assert mount["readOnly"] is True and "subPath" not in mount
+    [volume] = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["defaultMode"] == 0o440  # root and the pod's fsGroup; nobody else
+    [item] = [i for i in volume["secret"]["items"] if i["path"] == name]
+    return volume["secret"]["secretName"], item["key"]
+
+
 def test_hub_model_gets_token_and_cache_instead_of_a_volume() -> None:
     objs = children(example("flux-t2i.yaml")["spec"])
-    c = container(objs[("Deployment", "wan-t2v-encoder")])
-    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
-    assert token in c["env"]
-    assert parse_serve(c).model_path == "black-forest-labs/FLUX.1-dev"
+    for name in ("head", "encoder", "denoiser", "decoder"):
+        assert hub_token_file(objs[("Deployment", f"wan-t2v-{name}")]) == ("hf-token", "token"), name
+    assert parse_serve(container(objs[("Deployment", "wan-t2v-encoder")])).model_path == "black-forest-labs/FLUX.1-dev"
 
 
 def test_lora_adapters_are_a_catalogue_configmap_the_head_the_denoisers_and_the_encoders_read() -> None:
@@ -571,13 +587,13 @@ def test_denoisers_and_encoders_download_hub_adapters_into_a_cache_with_the_mode
     spec = minimal_spec()
     spec["model"].update(loras=["paper=org/paper-lora"], tokenSecretRef={"name": "hf"})
     objs = children(spec)
-    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
     for name in ("denoiser", "encoder"):
         c = container(objs[("Deployment", f"wan-t2v-{name}")])
-        assert token in c["env"] and {"name": "hf-cache", "mountPath": "/cache"} in c["volumeMounts"], name
+        assert hub_token_file(objs[("Deployment", f"wan-t2v-{name}")]) == ("hf", "token"), name
+        assert {"name": "hf-cache", "mountPath": "/cache"} in c["volumeMounts"], name
         assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"], name
-    decoder = container(objs[("Deployment", "wan-t2v-decoder")])
-    assert token not in decoder["env"] and all(m["name"] != "hf-cache" for m in decoder["volumeMounts"])
+    decoder = objs[("Deployment", "wan-t2v-decoder")]
+    assert hub_token_file(decoder) is None and all(m["name"] != "hf-cache" for m in container(decoder)["volumeMounts"])
 
 
 def test_a_pipeline_without_adapters_has_no_catalogue_and_a_bad_entry_renders_nothing() -> None:

@@ -254,12 +254,11 @@ def test_replicated_heads_get_a_budget_a_headless_service_and_lose_the_budget_at
     head = objs["Deployment/ha-head"]
     assert head["spec"]["replicas"] == 2
     assert head["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
-    env = {e["name"]: e for e in container(head)["env"]}
-    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": "ha-s3",
-        "key": "AWS_SECRET_ACCESS_KEY",
-    }
-    assert "ha-secret" not in json.dumps(head)  # by reference only
+    env = {e["name"]: e.get("value") for e in container(head)["env"]}
+    assert env["AWS_SECRET_ACCESS_KEY_FILE"] == "/etc/triptych/s3/secret-access-key"
+    [volume] = [v for v in head["spec"]["template"]["spec"]["volumes"] if v["name"] == "s3-credentials"]
+    assert volume["secret"]["secretName"] == "ha-s3"
+    assert "ha-secret" not in json.dumps(head)  # a file of the Secret, never a value in the Deployment
     args = container(head)["args"]
     assert args[args.index("--results-store") + 1] == "s3://triptych-results/ha"
     pdb = objs["PodDisruptionBudget/ha-head"]

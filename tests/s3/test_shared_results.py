@@ -415,6 +415,17 @@ def without_credentials() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
 
 
+def credential_files(folder: Path, access_key: str, secret_key: str) -> dict[str, str]:
+    """The credentials as the operator gives them: files (0440, a trailing newline) that *_FILE variables name."""
+    env: dict[str, str] = {}
+    for name, value in (("AWS_ACCESS_KEY_ID", access_key), ("AWS_SECRET_ACCESS_KEY", secret_key)):
+        path = folder / name.lower()
+        path.write_text(value + "\n")
+        path.chmod(0o440)
+        env[f"{name}_FILE"] = str(path)
+    return env
+
+
 @pytest.mark.parametrize(
     ("case", "flag", "says"),
     [
@@ -422,10 +433,11 @@ def without_credentials() -> dict[str, str]:
         ("missing bucket", "--results-store", "does not exist"),
         ("missing credentials", "--results-store", "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY not set"),
         ("wrong secret", "--results-store", "check AWS_SECRET_ACCESS_KEY"),
+        ("wrong secret in its file", "--results-store", "check AWS_SECRET_ACCESS_KEY_FILE ("),
     ],
 )
 def test_a_store_the_head_cannot_use_stops_it_at_start_up_with_one_line_naming_the_flag(
-    s3_server, s3_bucket, tiny_models, case, flag, says
+    s3_server, s3_bucket, tiny_models, tmp_path, case, flag, says
 ):
     env, bucket, endpoint = {**os.environ}, s3_bucket, s3_server.endpoint
     if case == "unreachable endpoint":
@@ -434,8 +446,10 @@ def test_a_store_the_head_cannot_use_stops_it_at_start_up_with_one_line_naming_t
         bucket = "no-such-bucket-here"
     elif case == "missing credentials":
         env = without_credentials()
-    else:
+    elif case == "wrong secret":
         env["AWS_SECRET_ACCESS_KEY"] = "not-the-secret"
+    else:  # the access key from its file is taken; the secret from its file does not sign
+        env = {**without_credentials(), **credential_files(tmp_path, s3_server.access_key, "not-the-secret")}
     store = ("--results-store", f"s3://{bucket}/p", "--results-s3-endpoint", endpoint)
     done = serve_head(tiny_models["tiny-wan"], *store, env=env)
     lines = done.stderr.strip().splitlines()
@@ -462,7 +476,11 @@ def test_two_head_processes_serve_each_others_video_jobs(backend, tiny_models, t
     flags: tuple[str, ...] = ()
     if backend == "s3":
         server: S3Server = request.getfixturevalue("s3_server")
-        bucket = request.getfixturevalue("s3_bucket")  # sets the credentials the heads inherit
+        bucket = request.getfixturevalue("s3_bucket")
+        monkeypatch = request.getfixturevalue("monkeypatch")  # the heads read their credentials from files
+        for name, path in credential_files(tmp_path, server.access_key, server.secret_key).items():
+            monkeypatch.delenv(name.removesuffix("_FILE"))
+            monkeypatch.setenv(name, path)
         flags = ("--results-store", f"s3://{bucket}/{uuid.uuid4().hex}", "--results-s3-endpoint", server.endpoint)
     with deployment(tiny_models["tiny-wan"], tmp_path, simulate=True, worker_flags=INSTANT, heads=2,
                     head_flags=flags) as dep:  # fmt: skip

@@ -30,8 +30,24 @@ def test_missing_path_that_is_not_a_hub_id_is_rejected(tmp_path):
 def test_unreachable_hub_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    with pytest.raises(ModelSourceError, match="mount the package"):
+    with pytest.raises(ModelSourceError, match="mount the package") as refused:
         resolve_model_path("example-org/not-cached-model")
+    assert "give a token in HF_TOKEN or in the file HF_TOKEN_PATH names" in str(refused.value)
+
+
+def test_the_hub_client_sends_the_token_of_the_file_hf_token_path_names(tmp_path):
+    """What the operator gives pods instead of an HF_TOKEN value: downloads (the model's, hub-id LoRA
+    adapters' through diffusers) authenticate with the file's token (a fresh process: the hub client
+    reads HF_TOKEN_PATH when it is imported)."""
+    token = tmp_path / "token"
+    token.write_text("hf_fromthefile\n")
+    token.chmod(0o440)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+    env.update(HF_TOKEN_PATH=str(token), HF_HOME=str(tmp_path / "home"))
+    code = "from huggingface_hub.utils import build_hf_headers; print(build_hf_headers()['authorization'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "Bearer hf_fromthefile"
 
 
 def test_serve_exits_with_one_line_for_a_bad_model_path(tmp_path):

@@ -105,6 +105,25 @@ def test_the_http_side_s_secret_files_open_to_every_user_are_named_in_a_warning(
     assert secret_file_warnings(args) == []
 
 
+def test_the_secret_files_the_environment_names_open_to_every_user_are_named_in_a_warning(tmp_path):
+    """HF_TOKEN_PATH (the hub token) and the S3 credentials' AWS_*_FILE, as the operator mounts them."""
+    from triptych.config_checks import secret_file_warnings
+
+    token, secret = tmp_path / "token", tmp_path / "secret-access-key"
+    for path in (token, secret):
+        path.write_text("value\n")
+    token.chmod(0o444)
+    secret.chmod(0o440)  # as the operator's Secret volume mounts it
+    env = {"HF_TOKEN_PATH": str(token), "AWS_SECRET_ACCESS_KEY_FILE": str(secret)}
+    (warning,) = secret_file_warnings(head(), env)
+    assert warning.startswith(f"HF_TOKEN_PATH {token} is open to every user of this host (mode 0444)"), warning
+    secret.chmod(0o604)
+    assert [w.split(" is open")[0] for w in secret_file_warnings(head(), env)] == [
+        f"HF_TOKEN_PATH {token}",
+        f"AWS_SECRET_ACCESS_KEY_FILE {secret}",
+    ]
+
+
 @pytest.mark.parametrize(
     ("build", "flag", "address"),
     [

@@ -4,6 +4,7 @@ operator builds flags for files a pod mounts later)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from triptych import private_files
 from triptych.config import (
@@ -12,6 +13,7 @@ from triptych.config import (
     ServeArgs,
     parse_urls,
 )
+from triptych.env_secrets import secret_file_variables
 from triptych.serve_help import flag
 
 
@@ -66,11 +68,14 @@ def check_pool_fits_memory(args: ServeArgs) -> None:
         )
 
 
-def secret_file_warnings(args: ServeArgs) -> list[str]:
-    """The HTTP side's secret files that every user of the host may read (triptych.private_files)."""
-    named = (
+def secret_file_warnings(args: ServeArgs, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The secret files that every user of the host may read (triptych.private_files): the HTTP side's
+    flags', and those the environment names (the hub token's, the S3 credentials': triptych.env_secrets)."""
+    env = os.environ if environ is None else environ
+    named = [
         ("--api-keys-file", args.api_keys_file),
         ("--webhook-secret-file", args.webhook_secret_file),
         ("--ssl-keyfile", args.ssl_keyfile),
-    )
+        *((variable, env.get(variable)) for variable in secret_file_variables()),
+    ]
     return [problem for name, path in named if path and (problem := private_files.problem(path, name)) is not None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from triptych.config import MIB, ServeArgs
+from triptych.env_secrets import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, file_variable
 from triptych.ports import result_port
 from triptych.roles import Role
 from triptych_operator.constants import (
@@ -16,6 +17,9 @@ from triptych_operator.constants import (
     HEAD_TLS_MOUNT,
     HEADS_SERVICE,
     OUTPUT_MOUNT,
+    S3_ACCESS_KEY_FILE,
+    S3_CREDENTIALS_MOUNT,
+    S3_SECRET_KEY_FILE,
     WEBHOOK_MOUNT,
     WEBHOOK_SECRET_FILE,
 )
@@ -31,12 +35,13 @@ from triptych_operator.manifests.parts import (
     model_volume_mounts,
     object_metadata,
     pod_security,
+    secret_files_volume,
     standard_probes,
     template_annotations,
     tmp_volume,
 )
 from triptych_operator.serve_args import SERVE_COMMAND, object_name
-from triptych_operator.spec.head_fields import HEAD_UNROUTE_S, S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
+from triptych_operator.spec.head_fields import HEAD_UNROUTE_S
 from triptych_operator.spec.model import PipelineSpec, SpecError
 
 API_COMPONENT = "api"  # the head's public HTTP Service; the scheduler ports stay on the internal one
@@ -116,17 +121,26 @@ def head_results_volume(pipeline: PipelineSpec) -> Manifest:
     return {"name": "outputs", "emptyDir": {}}
 
 
-def head_results_env(pipeline: PipelineSpec) -> list[Manifest]:
-    """The bucket's credentials, as the head's S3 client reads them: references to the Secret's keys,
-    so the values are in no Deployment (and `kubectl get deploy -o yaml` shows none)."""
+def head_results_credentials(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest], list[Manifest]]:
+    """(volumes, mounts, env) of the bucket's credentials: the Secret's two keys as files, and
+    AWS_ACCESS_KEY_ID_FILE / AWS_SECRET_ACCESS_KEY_FILE naming them, so the values are in neither the
+    Deployment nor the head's environment (which every child process inherits)."""
     s3 = pipeline.head.results.s3
     if s3 is None or s3.credentials is None:
-        return []
+        return [], [], []
     creds = s3.credentials
-    return [
-        {"name": env, "valueFrom": {"secretKeyRef": {"name": creds.name, "key": key}}}
-        for env, key in ((S3_ACCESS_KEY_ENV, creds.access_key_id_key), (S3_SECRET_KEY_ENV, creds.secret_access_key_key))
-    ]
+    named = (
+        (S3_ACCESS_KEY_ENV, creds.access_key_id_key, S3_ACCESS_KEY_FILE),
+        (S3_SECRET_KEY_ENV, creds.secret_access_key_key, S3_SECRET_KEY_FILE),
+    )
+    files = [(key, _file_name(path)) for _, key, path in named]
+    volume, mount = secret_files_volume("s3-credentials", creds.name, files, S3_CREDENTIALS_MOUNT)
+    env = [{"name": file_variable(name), "value": path} for name, _, path in named]
+    return [volume], [mount], env
+
+
+def _file_name(path: str) -> str:
+    return path.rsplit("/", 1)[1]
 
 
 def head_apicontrol_keys_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest]]:
@@ -135,9 +149,8 @@ def head_apicontrol_keys_volume(pipeline: PipelineSpec) -> tuple[list[Manifest],
     ref = pipeline.head.api_keys_secret
     if ref is None:
         return [], []
-    items = [{"key": ref.key, "path": API_KEYS_FILE.rsplit("/", 1)[1]}]
-    volume = {"name": "api-keys", "secret": {"secretName": ref.name, "items": items, "defaultMode": 0o440}}
-    return [volume], [{"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True}]
+    volume, mount = secret_files_volume("api-keys", ref.name, [(ref.key, _file_name(API_KEYS_FILE))], API_KEYS_MOUNT)
+    return [volume], [mount]
 
 
 def head_webhook_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest]]:
@@ -145,9 +158,9 @@ def head_webhook_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Ma
     webhook = pipeline.head.webhook
     if webhook is None:
         return [], []
-    items = [{"key": webhook.secret.key, "path": WEBHOOK_SECRET_FILE.rsplit("/", 1)[1]}]
-    volume = {"name": "webhook", "secret": {"secretName": webhook.secret.name, "items": items, "defaultMode": 0o440}}
-    return [volume], [{"name": "webhook", "mountPath": WEBHOOK_MOUNT, "readOnly": True}]
+    files = [(webhook.secret.key, _file_name(WEBHOOK_SECRET_FILE))]
+    volume, mount = secret_files_volume("webhook", webhook.secret.name, files, WEBHOOK_MOUNT)
+    return [volume], [mount]
 
 
 def head_tls_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest]]:
@@ -156,9 +169,8 @@ def head_tls_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manife
     name = pipeline.head.tls_secret_name
     if name is None:
         return [], []
-    items = [{"key": key, "path": key} for key in ("tls.crt", "tls.key")]
-    volume = {"name": "tls", "secret": {"secretName": name, "items": items, "defaultMode": 0o440}}
-    return [volume], [{"name": "tls", "mountPath": HEAD_TLS_MOUNT, "readOnly": True}]
+    volume, mount = secret_files_volume("tls", name, [(key, key) for key in ("tls.crt", "tls.key")], HEAD_TLS_MOUNT)
+    return [volume], [mount]
 
 
 def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: str = "") -> Manifest:
@@ -170,15 +182,16 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
     lora_volumes, lora_mounts = lora_catalog_volume(pipeline)
     tls_volumes, tls_mounts = head_tls_volume(pipeline)
     hook_volumes, hook_mounts = head_webhook_volume(pipeline)
+    s3_volumes, s3_mounts, s3_env = head_results_credentials(pipeline)
     tmp, tmp_mount = tmp_volume()
-    volumes = [*volumes, *lora_volumes, *tls_volumes, *hook_volumes, tmp]
-    mounts = [*mounts, *lora_mounts, *tls_mounts, *hook_mounts, tmp_mount]
+    volumes = [*volumes, *lora_volumes, *tls_volumes, *hook_volumes, *s3_volumes, tmp]
+    mounts = [*mounts, *lora_mounts, *tls_mounts, *hook_mounts, *s3_mounts, tmp_mount]
     container: Manifest = {
         "name": HEAD_COMPONENT,
         "image": pipeline.head_image,
         "command": list(SERVE_COMMAND),
         "args": argv,
-        "env": merged_env([*model_env, *head_results_env(pipeline)], head.env),
+        "env": merged_env([*model_env, *s3_env], head.env),
         "ports": _head_ports(pipeline),
         "resources": container_resources(head.resources, {}),
         "securityContext": container_security(),

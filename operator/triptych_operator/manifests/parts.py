@@ -7,11 +7,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from triptych.env_secrets import HUB_TOKEN_PATH_ENV, file_variable
 from triptych.lora import parse_entries
 from triptych.security import Side, key_files
 from triptych_operator.constants import (
     APP_NAME,
     HF_CACHE_MOUNT,
+    HUB_TOKEN_FILE,
+    HUB_TOKEN_MOUNT,
     KEYS_COMPONENT,
     KEYS_FINGERPRINT_ANNOTATION,
     KEYS_MOUNT,
@@ -38,7 +41,10 @@ STARTUP_GRACE_S = 1800
 PROGRESS_DEADLINE_S = STARTUP_GRACE_S + 600
 PROBE_PERIOD_S = 10
 KEYS_VOLUME = "control-keys"
-KEYS_FILE_MODE = 0o440  # owner root, group the pod's fsGroup (the process): nobody else reads the secret keys
+# Every Secret the pods mount: owner root, group the pod's fsGroup (the process): nobody else reads them.
+SECRET_FILE_MODE = 0o440
+KEYS_FILE_MODE = SECRET_FILE_MODE
+HUB_TOKEN_VOLUME = "hub-token"
 TMP_VOLUME = "tmp"
 
 
@@ -80,17 +86,19 @@ def object_metadata(pipeline: PipelineSpec, component: str, name: str | None = N
 def merged_env(operator_env: Sequence[Manifest], user_env: Sequence[Mapping[str, Any]]) -> list[Manifest]:
     """A container's env: the operator's entries, less those whose name the user's `env` sets, then the
     user's. The user's value wins (a token from another Secret, a cache elsewhere), and no name appears
-    twice, which server-side apply refuses. Names the operator cannot give up are refused by the spec's
-    rules instead (POD_IP)."""
+    twice, which server-side apply refuses. A value the user gives also replaces the operator's file of it
+    (AWS_ACCESS_KEY_ID the operator's AWS_ACCESS_KEY_ID_FILE), which the head would refuse beside it. Names
+    the operator cannot give up are refused by the spec's rules instead (POD_IP)."""
     chosen = {e.get("name") for e in user_env}
-    return [*(e for e in operator_env if e["name"] not in chosen), *(dict(e) for e in user_env)]
+    replaced = chosen | {file_variable(name) for name in chosen if name}
+    return [*(e for e in operator_env if e["name"] not in replaced), *(dict(e) for e in user_env)]
 
 
 def model_volume_mounts(
     pipeline: PipelineSpec, downloads: bool = False
 ) -> tuple[list[Manifest], list[Manifest], list[Manifest]]:
-    """(volumes, mounts, env) that give a container the model; a hub model needs a cache and a token,
-    as does a denoiser of a model on a volume (`downloads`) that may fetch hub-id LoRA adapters."""
+    """(volumes, mounts, env) that give a container the model; a hub model needs a cache and a token (a
+    Secret file), as does a denoiser of a model on a volume (`downloads`) that may fetch hub-id LoRA adapters."""
     model = pipeline.model
     if model.uses_volume and not downloads:
         if model.pvc_claim_name:
@@ -104,9 +112,11 @@ def model_volume_mounts(
         model_volumes, model_mounts, _ = model_volume_mounts(pipeline)
         volumes, mounts = [*model_volumes, *volumes], [*model_mounts, *mounts]
     env: list[Manifest] = [{"name": "HF_HOME", "value": f"{HF_CACHE_MOUNT}/huggingface"}]
-    if model.token_secret_name:
-        ref = {"name": model.token_secret_name, "key": model.token_secret_key}
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    if model.token_secret_name:  # a file HF_TOKEN_PATH names, not an HF_TOKEN value every child process inherits
+        token = [(model.token_secret_key, HUB_TOKEN_FILE.rsplit("/", 1)[1])]
+        volume, mount = secret_files_volume(HUB_TOKEN_VOLUME, model.token_secret_name, token, HUB_TOKEN_MOUNT)
+        volumes, mounts = [*volumes, volume], [*mounts, mount]
+        env.append({"name": HUB_TOKEN_PATH_ENV, "value": HUB_TOKEN_FILE})
     return volumes, mounts, env
 
 
@@ -156,12 +166,21 @@ def control_keys_secret(pipeline: PipelineSpec, files: Mapping[str, str]) -> Man
     }
 
 
+def secret_files_volume(
+    volume: str, secret_name: str, files: Sequence[tuple[str, str]], mount_path: str
+) -> tuple[Manifest, Manifest]:
+    """(volume, mount) of a Secret's keys as files (`files`: (key, file name) pairs) in `mount_path`: read-only,
+    SECRET_FILE_MODE, and mounted whole (never subPath) so that a Secret update reaches the files."""
+    items = [{"key": key, "path": name} for key, name in files]
+    secret = {"secretName": secret_name, "items": items, "defaultMode": SECRET_FILE_MODE}
+    return {"name": volume, "secret": secret}, {"name": volume, "mountPath": mount_path, "readOnly": True}
+
+
 def control_keys_volume(pipeline: PipelineSpec, side: Side) -> tuple[Manifest, Manifest]:
     """(volume, mount) of the key files one side needs: its own pair and the other side's public key.
     A worker never holds the head's secret key, nor the head a worker's."""
-    items = [{"key": name, "path": name} for name in key_files(side)]
-    secret = {"secretName": keys_secret_name(pipeline), "defaultMode": KEYS_FILE_MODE, "items": items}
-    return {"name": KEYS_VOLUME, "secret": secret}, {"name": KEYS_VOLUME, "mountPath": KEYS_MOUNT, "readOnly": True}
+    files = [(name, name) for name in key_files(side)]
+    return secret_files_volume(KEYS_VOLUME, keys_secret_name(pipeline), files, KEYS_MOUNT)
 
 
 def template_annotations(keys_fingerprint: str) -> dict[str, str]:

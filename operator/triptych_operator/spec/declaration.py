@@ -16,6 +16,7 @@ from triptych.model_source import HUB_ID
 from triptych.roles import FULL_PIPELINE_ROLE, Role
 from triptych_operator.constants import (
     DEFAULT_RDMA_RESOURCE,
+    HUB_TOKEN_FILE,
     MAX_NAME_LENGTH,
     MODEL_MOUNT,
     PENDING_WORK_METRIC,
@@ -381,8 +382,12 @@ def _model() -> Field:
         "(its termination message says which entry and why); added while they run, it fails only the requests "
         "naming it."
     )
+    token_secret = (
+        f"Secret with the hub token, mounted as the file `{HUB_TOKEN_FILE}` (mode 0440) that `HF_TOKEN_PATH` "
+        "names, never an environment value (which every child process would inherit)."
+    )
     token = (
-        Field("name", "string", "Secret with the hub token, exposed as `HF_TOKEN`.", min_length=1, required=True),
+        Field("name", "string", token_secret, min_length=1, required=True),
         Field("key", "string", "Key in that Secret.", default=DEFAULT_TOKEN_KEY),
     )
     return Field(
@@ -394,7 +399,7 @@ def _model() -> Field:
             Field("path", "string", path),
             _model_volume(),
             Field("hubId", "string", hub_id, min_length=1, pattern=HUB_ID.pattern),
-            Field("tokenSecretRef", "object", "Secret holding the hub token (exposed as HF_TOKEN).", fields=token),
+            Field("tokenSecretRef", "object", "Secret holding the hub token (a file, not an env value).", fields=token),
             Field("loras", "array", loras, items=Field("", "string", min_length=3, doc_type="string")),
         ),
         rules=(

@@ -13,9 +13,11 @@ from triptych.config import (
     HEAD_SHUTDOWN_OVERHEAD_S,
     MAX_PRESIGN_S,
 )
+from triptych.env_secrets import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, file_variable
 from triptych_operator.constants import (
     HEAD_HTTP_PORT,
     HEAD_SCHEDULER_PORT,
+    S3_CREDENTIALS_MOUNT,
 )
 from triptych_operator.fields import (
     Field,
@@ -28,9 +30,6 @@ from triptych_operator.spec.pod_fields import DRAIN_MARGIN_S, MAX_DRAIN_SECONDS,
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 DEFAULT_API_KEYS_KEY = "keys"
 DEFAULT_WEBHOOK_SECRET_KEY = "secret"
-# The env names the head's S3 client reads (--results-store), and so the default Secret keys.
-S3_ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
-S3_SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
 # head.replicas when unset: two heads when every head sees the same results (a rollout then replaces
 # one while the other serves), one when each head would keep its own.
 SHARED_RESULTS_HEADS = 2
@@ -150,9 +149,10 @@ def _s3() -> Field:
     )
     endpoint = "`--results-s3-endpoint`: the server's `http(s)://HOST[:PORT]` (e.g. MinIO, SeaweedFS); unset: AWS S3."
     secret = (
-        f"A Secret in the pipeline's namespace whose keys become the head's `{S3_ACCESS_KEY_ENV}` and "
-        f"`{S3_SECRET_KEY_ENV}` (`secretKeyRef`: the values never appear in the Deployment). Unset: the operator "
-        "sets no credentials (give them in `head.env`)."
+        "A Secret in the pipeline's namespace whose two keys the operator mounts into the head as files (0440, in "
+        f"`{S3_CREDENTIALS_MOUNT}`) that `{file_variable(S3_ACCESS_KEY_ENV)}` and `{file_variable(S3_SECRET_KEY_ENV)}` "
+        "name: the values are in neither the Deployment nor the head's environment. Read at start-up: a changed "
+        "Secret takes effect as the heads restart. Unset: the operator sets no credentials (give them in `head.env`)."
     )
     presign = (
         "`--results-presign`: image URLs and video content are handed out as presigned URLs valid this long, so "

@@ -60,11 +60,13 @@ def pod_fields(who: str) -> tuple[Field, ...]:
     operator_env = (
         "`NCCL_SOCKET_IFNAME` and `GLOO_SOCKET_IFNAME` with several GPUs"
         if who == "role"
-        else "`AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY` with `results.s3.credentialsSecret`"
+        else "`AWS_ACCESS_KEY_ID_FILE` and `AWS_SECRET_ACCESS_KEY_FILE` with `results.s3.credentialsSecret` "
+        "(`AWS_ACCESS_KEY_ID` or `AWS_SECRET_ACCESS_KEY` here replaces its `_FILE` too)"
     )
     env = (
         "More container environment variables, each name once. A name the operator also sets takes the value "
-        f"given here instead: `HF_HOME` and `HF_TOKEN` with a hub model, {operator_env}."
+        f"given here instead: `HF_HOME` and `HF_TOKEN_PATH` with a hub model (an `HF_TOKEN` here wins over the "
+        f"token file), {operator_env}."
     )
     if who == "role":
         env += " `POD_IP` is the operator's (the address the worker announces to its peers) and is refused."
