@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from triptych.protocol import Ping
-from triptych.step_cache import MODES as STEP_CACHE_MODES
 from triptych.roles import Role
+from triptych.step_cache import MODES as STEP_CACHE_MODES
 from triptych_head.instances import WorkerInstance
 from triptych_head.metrics import HeadMetrics
 
