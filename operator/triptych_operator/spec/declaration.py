@@ -333,9 +333,9 @@ def _model_volume() -> Field:
     )
     host = (
         f"A node directory (type `Directory`), mounted read-only at `{MODEL_MOUNT}`: an absolute path other than `/`, "
-        "with no `.` or `..` segment. Where the operator is given an allow-list (chart value `allowedHostPaths`), "
-        "it must lie under one of its folders. Exactly one of `persistentVolumeClaim` and `hostPath`; a hostPath "
-        "volume is outside Pod Security's `baseline` and `restricted` levels (docs/security.md)."
+        "with no `.`, `..` or empty (`//`) segment. Where the operator is given an allow-list (chart value "
+        "`allowedHostPaths`), it must lie under one of its folders. Exactly one of `persistentVolumeClaim` and "
+        "`hostPath`; a hostPath volume is outside Pod Security's `baseline` and `restricted` levels (docs/security.md)."
     )
     return Field(
         "volume",
