@@ -235,6 +235,11 @@ def test_the_users_env_replaces_the_operators_entry_of_the_same_name() -> None:
         assert all(e in env for e in own)
     head_env_names = {e["name"] for e in container(objs[("Deployment", "wan-t2v-head")])["env"]}
     assert {"HF_HOME", "HF_TOKEN_PATH", "AWS_SECRET_ACCESS_KEY_FILE"} <= head_env_names  # the operator's, kept
+    # The access key the user gives is not read from the Secret, which need not hold it: a volume naming a
+    # key the Secret lacks keeps the pod from starting.
+    volumes = objs[("Deployment", "wan-t2v-head")]["spec"]["template"]["spec"]["volumes"]
+    (s3_files,) = [v["secret"]["items"] for v in volumes if v.get("secret", {}).get("secretName") == "results-s3"]
+    assert [item["key"] for item in s3_files] == ["AWS_SECRET_ACCESS_KEY"]
 
 
 @pytest.mark.parametrize(

@@ -129,10 +129,19 @@ def head_results_credentials(pipeline: PipelineSpec) -> tuple[list[Manifest], li
     if s3 is None or s3.credentials is None:
         return [], [], []
     creds = s3.credentials
-    named = (
-        (S3_ACCESS_KEY_ENV, creds.access_key_id_key, S3_ACCESS_KEY_FILE),
-        (S3_SECRET_KEY_ENV, creds.secret_access_key_key, S3_SECRET_KEY_FILE),
-    )
+    # A credential head.env sets (a value, or a file of the user's own) is not read from the Secret: the
+    # Secret need not hold it, and a volume naming a key the Secret lacks would keep the pod from starting.
+    given = {e.get("name") for e in pipeline.head.env}
+    named = [
+        (name, key, path)
+        for name, key, path in (
+            (S3_ACCESS_KEY_ENV, creds.access_key_id_key, S3_ACCESS_KEY_FILE),
+            (S3_SECRET_KEY_ENV, creds.secret_access_key_key, S3_SECRET_KEY_FILE),
+        )
+        if not given & {name, file_variable(name)}
+    ]
+    if not named:
+        return [], [], []
     files = [(key, _file_name(path)) for _, key, path in named]
     volume, mount = secret_files_volume("s3-credentials", creds.name, files, S3_CREDENTIALS_MOUNT)
     env = [{"name": file_variable(name), "value": path} for name, _, path in named]
