@@ -817,6 +817,13 @@ def test_workers_accept_work_from_their_head_and_mooncake_from_their_peers_only(
     }
 
 
+def test_full_pipeline_workers_take_only_their_heads_work() -> None:
+    # They start no Mooncake engine (NoTransport): nothing of theirs listens on its ports.
+    spec = children(minimal_spec(fullPipeline={}))[("NetworkPolicy", "wan-t2v-workers")]["spec"]
+    (work,) = spec["ingress"]
+    assert work["ports"] == [{"protocol": "TCP", "port": WORKER_PORT}]
+
+
 def test_the_head_accepts_results_from_its_workers_only_and_http_from_anyone() -> None:
     spec = policy("wan-t2v-head")
     assert spec["podSelector"] == HEAD and spec["policyTypes"] == ["Ingress"]

@@ -31,9 +31,16 @@ def _head_selector(pipeline: PipelineSpec) -> Manifest:
 
 def worker_network_policy(pipeline: PipelineSpec) -> Manifest:
     """Workers accept their work port from the pipeline's head only, and Mooncake's ports (handshake
-    and TCP data, both from MOONCAKE_PORT_RANGE) from the pipeline's other workers only. RDMA
+    and TCP data, both from MOONCAKE_PORT_RANGE) from the pipeline's other workers only; a
+    full-pipeline pool's workers start no Mooncake engine, and take nothing from each other. RDMA
     traffic bypasses the kernel and is not subject to NetworkPolicy."""
     low, high = MOONCAKE_PORT_RANGE
+    rules: list[Manifest] = [
+        {"from": [{"podSelector": _head_selector(pipeline)}], "ports": [{"protocol": "TCP", "port": WORKER_PORT}]}
+    ]
+    if not pipeline.full_pipeline:
+        peers = {"from": [{"podSelector": _workers_selector(pipeline)}]}
+        rules.append({**peers, "ports": [{"protocol": "TCP", "port": low, "endPort": high}]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -41,16 +48,7 @@ def worker_network_policy(pipeline: PipelineSpec) -> Manifest:
         "spec": {
             "podSelector": _workers_selector(pipeline),
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {
-                    "from": [{"podSelector": _head_selector(pipeline)}],
-                    "ports": [{"protocol": "TCP", "port": WORKER_PORT}],
-                },
-                {
-                    "from": [{"podSelector": _workers_selector(pipeline)}],
-                    "ports": [{"protocol": "TCP", "port": low, "endPort": high}],
-                },
-            ],
+            "ingress": rules,
         },
     }
 
