@@ -13,7 +13,6 @@ from typing import Any, Protocol
 
 from triptych.protocol import Ping
 from triptych.roles import Role
-from triptych.step_cache import MODES as STEP_CACHE_MODES
 from triptych_head.instances import WorkerInstance
 from triptych_head.metrics import HeadMetrics
 
@@ -50,6 +49,9 @@ class Membership:
         self._transport = transport
         self._clock = clock
         self._instances: dict[Role, dict[str, WorkerInstance]] = {role: {} for role in roles}
+        # The step-cache modes each worker has series of in /metrics: a mode its worker stops reporting
+        # (a process restarted at the same URL) has its series removed, as have all of a departed worker.
+        self._step_cache_series: dict[tuple[Role, str], set[str]] = {}
         self.head_id = uuid.uuid4().hex  # pings carry it: a worker knows which heads it serves
 
     def roles(self) -> list[Role]:
@@ -179,12 +181,17 @@ class Membership:
         """Remove `inst`'s step-cache series of every mode but `keep`: a worker restarted at the same URL
         reports none of its predecessor's modes, whose series would otherwise show stale counts (and
         outlive the worker when it leaves)."""
-        for mode in STEP_CACHE_MODES.keys() - keep:
+        key = (inst.role, inst.url)
+        for mode in self._step_cache_series.get(key, set()) - keep:
             for gauge in self._metrics.step_cache.values():
                 try:
                     gauge.remove(inst.role.value, inst.url, mode)
                 except KeyError:
                     pass
+        if keep:
+            self._step_cache_series[key] = keep
+        else:
+            self._step_cache_series.pop(key, None)
 
     def _forget_metrics(self, inst: WorkerInstance) -> None:
         role, url = inst.role, inst.url
