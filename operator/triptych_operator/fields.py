@@ -245,6 +245,17 @@ class Field:
 # ---------------------------------------------------------------- schema
 
 
+# The Field attributes that become OpenAPI bounds when set, and their keywords.
+BOUNDS = (
+    ("minimum", "minimum"),
+    ("maximum", "maximum"),
+    ("min_length", "minLength"),
+    ("max_length", "maxLength"),
+    ("min_items", "minItems"),
+    ("max_items", "maxItems"),
+)
+
+
 def schema(field: Field) -> Schema:
     """The OpenAPI v3 schema of `field` (structural, as a CRD needs)."""
     out: Schema = {}
@@ -265,18 +276,9 @@ def schema(field: Field) -> Schema:
         out["additionalProperties"] = {"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN, "minimum": 0}
     if field.enum is not None:
         out["enum"] = list(field.enum)
-    if field.minimum is not None:
-        out["minimum"] = field.minimum
-    if field.maximum is not None:
-        out["maximum"] = field.maximum
-    if field.min_length is not None:
-        out["minLength"] = field.min_length
-    if field.max_length is not None:
-        out["maxLength"] = field.max_length
-    if field.min_items is not None:
-        out["minItems"] = field.min_items
-    if field.max_items is not None:
-        out["maxItems"] = field.max_items
+    for attribute, keyword in BOUNDS:
+        if (bound := getattr(field, attribute)) is not None:
+            out[keyword] = bound
     if field.list_map_keys:
         out["x-kubernetes-list-type"] = "map"
         out["x-kubernetes-list-map-keys"] = list(field.list_map_keys)
