@@ -102,11 +102,16 @@ def own_identity() -> str:
     return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
 
 
+def comma_list(env: str | None) -> list[str]:
+    """The entries of a comma-separated env value, blanks around and empty entries dropped."""
+    return [entry.strip() for entry in (env or "").split(",") if entry.strip()]
+
+
 def watched_namespaces(flags: Sequence[str] | None, env: str | None) -> list[str]:
     """Namespaces from the flags, else from the comma-separated env value; empty means cluster-wide."""
     if flags:
         return list(flags)
-    return [ns.strip() for ns in (env or "").split(",") if ns.strip()]
+    return comma_list(env)
 
 
 def host_path_allow_list(flags: Sequence[str] | None, env: str | None) -> tuple[str, ...]:
@@ -114,7 +119,7 @@ def host_path_allow_list(flags: Sequence[str] | None, env: str | None) -> tuple[
     ValueError naming the flag or variable and the entry that is not an absolute folder."""
     if flags:
         return allowed_host_paths(flags, "--allowed-host-path")
-    return allowed_host_paths([p.strip() for p in (env or "").split(",") if p.strip()], ALLOWED_HOST_PATHS_ENV)
+    return allowed_host_paths(comma_list(env), ALLOWED_HOST_PATHS_ENV)
 
 
 def configure_logging(args: argparse.Namespace) -> None:
