@@ -16,7 +16,7 @@ from triptych.roles import Role
 from triptych_operator.constants import GPU_RESOURCE, HEAD_HTTP_PORT, HEAD_SCHEDULER_PORT, OUTPUT_MOUNT, WORKER_PORT
 from triptych_operator.manifests import Manifest, render
 from triptych_operator.manifests.head import head_ingress
-from triptych_operator.manifests.parts import KEYS_FILE_MODE
+from triptych_operator.manifests.parts import SECRET_FILE_MODE
 from triptych_operator.serve_args import head_argv
 from triptych_operator.spec.model import SpecError
 
@@ -784,7 +784,7 @@ def test_the_keys_secret_holds_a_key_set_the_processes_can_load(tmp_path) -> Non
     assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", "wan-t2v-control-keys")
     for name, text in secret["stringData"].items():
         (tmp_path / name).write_text(text)
-        (tmp_path / name).chmod(KEYS_FILE_MODE)  # as the pods' Secret volume gives them
+        (tmp_path / name).chmod(SECRET_FILE_MODE)  # as the pods' Secret volume gives them
     head, worker = load_keys(tmp_path, "head"), load_keys(tmp_path, "worker")
     assert head.peer_public == worker.public and worker.peer_public == head.public
 

@@ -29,6 +29,7 @@ from triptych_operator.manifests.parts import (
     container_resources,
     container_security,
     control_keys_volume,
+    file_name,
     labels,
     lora_catalog_volume,
     merged_env,
@@ -142,14 +143,10 @@ def head_results_credentials(pipeline: PipelineSpec) -> tuple[list[Manifest], li
     ]
     if not named:
         return [], [], []
-    files = [(key, _file_name(path)) for _, key, path in named]
+    files = [(key, file_name(path)) for _, key, path in named]
     volume, mount = secret_files_volume("s3-credentials", creds.name, files, S3_CREDENTIALS_MOUNT)
     env = [{"name": file_variable(name), "value": path} for name, _, path in named]
     return [volume], [mount], env
-
-
-def _file_name(path: str) -> str:
-    return path.rsplit("/", 1)[1]
 
 
 def head_apicontrol_keys_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manifest]]:
@@ -158,7 +155,7 @@ def head_apicontrol_keys_volume(pipeline: PipelineSpec) -> tuple[list[Manifest],
     ref = pipeline.head.api_keys_secret
     if ref is None:
         return [], []
-    volume, mount = secret_files_volume("api-keys", ref.name, [(ref.key, _file_name(API_KEYS_FILE))], API_KEYS_MOUNT)
+    volume, mount = secret_files_volume("api-keys", ref.name, [(ref.key, file_name(API_KEYS_FILE))], API_KEYS_MOUNT)
     return [volume], [mount]
 
 
@@ -167,7 +164,7 @@ def head_webhook_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Ma
     webhook = pipeline.head.webhook
     if webhook is None:
         return [], []
-    files = [(webhook.secret.key, _file_name(WEBHOOK_SECRET_FILE))]
+    files = [(webhook.secret.key, file_name(WEBHOOK_SECRET_FILE))]
     volume, mount = secret_files_volume("webhook", webhook.secret.name, files, WEBHOOK_MOUNT)
     return [volume], [mount]
 

@@ -43,7 +43,6 @@ PROBE_PERIOD_S = 10
 KEYS_VOLUME = "control-keys"
 # Every Secret the pods mount: owner root, group the pod's fsGroup (the process): nobody else reads them.
 SECRET_FILE_MODE = 0o440
-KEYS_FILE_MODE = SECRET_FILE_MODE
 HUB_TOKEN_VOLUME = "hub-token"
 TMP_VOLUME = "tmp"
 
@@ -113,7 +112,7 @@ def model_volume_mounts(
         volumes, mounts = [*model_volumes, *volumes], [*model_mounts, *mounts]
     env: list[Manifest] = [{"name": "HF_HOME", "value": f"{HF_CACHE_MOUNT}/huggingface"}]
     if model.token_secret_name:  # a file HF_TOKEN_PATH names, not an HF_TOKEN value every child process inherits
-        token = [(model.token_secret_key, HUB_TOKEN_FILE.rsplit("/", 1)[1])]
+        token = [(model.token_secret_key, file_name(HUB_TOKEN_FILE))]
         volume, mount = secret_files_volume(HUB_TOKEN_VOLUME, model.token_secret_name, token, HUB_TOKEN_MOUNT)
         volumes, mounts = [*volumes, volume], [*mounts, mount]
         env.append({"name": HUB_TOKEN_PATH_ENV, "value": HUB_TOKEN_FILE})
@@ -135,7 +134,7 @@ def lora_catalog(pipeline: PipelineSpec) -> Manifest | None:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": object_metadata(pipeline, LORA_COMPONENT, object_name(pipeline.name, LORA_COMPONENT)),
-        "data": {LORA_CATALOG_FILE.rsplit("/", 1)[1]: "".join(f"{entry}\n" for entry in loras)},
+        "data": {file_name(LORA_CATALOG_FILE): "".join(f"{entry}\n" for entry in loras)},
     }
 
 
@@ -164,6 +163,11 @@ def control_keys_secret(pipeline: PipelineSpec, files: Mapping[str, str]) -> Man
         "type": "Opaque",
         "stringData": dict(files),
     }
+
+
+def file_name(path: str) -> str:
+    """The last element of a file's path in a pod: the name a volume item gives it in its mount."""
+    return path.rsplit("/", 1)[1]
 
 
 def secret_files_volume(
