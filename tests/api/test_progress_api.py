@@ -129,3 +129,18 @@ def test_previews_faster_than_the_client_reads_leave_it_the_newest_ones_and_the_
     assert [e.data["step"] for e in got if e.event == "step"] == list(range(1, 51))
     assert [e.data["step"] for e in got if e.event == "step" and "preview" in e.data] == list(range(43, 51))
     assert got[-1].event == "completed" and len(got[-1].data["data"]) == 1
+
+
+def test_a_streamed_image_that_fails_unexpectedly_ends_with_an_internal_error_naming_only_its_id(
+    backend, tmp_path, caplog
+):
+    """An exception the head did not expect: the client's `error` event says internal_error and the
+    request's id, never the exception's text (a host, a path); the head's log has that."""
+    backend.fail = RuntimeError("connect to 10.0.3.7:9000 refused")  # type: ignore[assignment]
+    with make_client(backend, tmp_path, kind="image") as c:
+        got = events(c, "POST", "/v1/images/generations", json={"prompt": "cat", "size": "32x32", "stream": True})
+    assert got[-1].event == "error"
+    error = got[-1].data["error"]
+    assert error["code"] == "internal_error" and error["status"] == 500, error
+    assert error["message"].startswith("internal error (request img") and "10.0.3.7" not in error["message"], error
+    assert "10.0.3.7" in caplog.text

@@ -172,3 +172,69 @@ def test_a_url_image_the_store_cannot_keep_is_a_503_naming_it(tmp_path: Path, mo
             streamed = c.post("/v1/images/generations", json={**body, "stream": True}).text
         assert '"code":"store_unavailable"' in streamed and "storing images/" in streamed, streamed
         assert c.post("/v1/images/generations", json=body).json()["data"][0]["url"]  # the store is back
+
+
+def test_video_content_the_store_cannot_take_fails_the_job_as_store_unavailable_without_the_store_s_words(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """The MP4's upload failing (an S3 endpoint that does not answer) ends the job `failed` in state FAILED
+    with a store_unavailable error naming what was stored and saying to retry; the exception's text (an
+    internal host name, urllib3's repr) is in the head's log only, not in the job, its events or its record."""
+    put_file = DirectoryObjects.put_file
+    detail = "HTTPConnectionPool(host='minio.storage.svc.cluster.local', port=9000): Max retries exceeded"
+
+    def no_mp4(self: DirectoryObjects, name: str, path: Path, content_type: str) -> None:
+        if name.endswith(".mp4"):
+            raise ConnectionError(detail)
+        put_file(self, name, path, content_type)
+
+    monkeypatch.setattr(DirectoryObjects, "put_file", no_mp4)
+    with make_client(ScriptedBackend(), tmp_path) as c:
+        job_id = c.post("/v1/videos", json=VIDEO).json()["id"]
+        job = wait_for(c, job_id, "failed")
+        ended = c.get(f"/v1/videos/{job_id}/events").text
+    assert job["state"] == "FAILED", job
+    error = job["error"]
+    assert error["code"] == "store_unavailable", error
+    assert f"storing the MP4 of video {job_id}" in error["message"] and "retry" in error["message"], error
+    stored = ResultStore(tmp_path).load_job(job_id)
+    assert stored is not None and stored.job.error == error
+    for shown in (str(error), ended, str(stored.job.model_dump())):
+        assert "minio" not in shown and "HTTPConnectionPool" not in shown, shown
+    assert "minio.storage.svc.cluster.local" in caplog.text, "the cause is the head's log's"
+
+
+def test_staging_that_fails_while_a_video_is_written_is_store_unavailable(tmp_path: Path, monkeypatch) -> None:
+    """The store's staging folder full (numpy's OSError while the frames are saved): store_unavailable,
+    not numpy's message with the staging path."""
+    from triptych_head.api import videos
+
+    def full(frames: Any, path: Path) -> None:
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(videos, "save_frames", full)
+    with make_client(ScriptedBackend(), tmp_path) as c:
+        job_id = c.post("/v1/videos", json=VIDEO).json()["id"]
+        job = wait_for(c, job_id, "failed")
+    assert job["state"] == "FAILED" and job["error"]["code"] == "store_unavailable", job
+    assert "No space" not in job["error"]["message"] and str(tmp_path) not in job["error"]["message"], job
+
+
+def test_a_video_job_that_fails_unexpectedly_says_internal_error_with_its_id_and_nothing_of_the_cause(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """An exception the head did not expect (the encoder's own error) is an internal_error naming the job's
+    id, whose cause the head's log has; the job ends in state FAILED, not left at DENOISING_RUNNING."""
+    from triptych_head.api import videos
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("libx264 private detail /var/lib/head/staging")
+
+    monkeypatch.setattr(videos, "write_mp4", broken)
+    with make_client(ScriptedBackend(), tmp_path) as c:
+        job_id = c.post("/v1/videos", json=VIDEO).json()["id"]
+        job = wait_for(c, job_id, "failed")
+    assert job["state"] == "FAILED", job
+    assert job["error"] == {"message": f"internal error (request {job_id}); the head's log names its cause",
+                            "code": "internal_error"}, job  # fmt: skip
+    assert "libx264 private detail" in caplog.text

@@ -38,6 +38,12 @@ class APIError(Exception):
         self.details = details  # more fields of the error object, for a client to act on (a 429's estimate)
 
 
+def internal_error(request_id: str) -> str:
+    """The message of an error the head did not expect: its request's id, which the head's log names
+    with the cause; never the exception's own text (a store's host, a path, a library's repr)."""
+    return f"internal error (request {request_id}); the head's log names its cause"
+
+
 def error_body(
     status_code: int, message: str, param: str | None = None, code: str | None = None,
     details: dict[str, Any] | None = None,

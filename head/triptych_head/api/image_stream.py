@@ -24,7 +24,7 @@ from starlette.concurrency import iterate_in_threadpool
 from triptych.params import GenerationParams
 from triptych_head.api.context import REQUEST_ID_HEADER, HeadContext, errors_named, new_request_id
 from triptych_head.api.deadlines import Deadline, estimate_seconds, with_estimate
-from triptych_head.api.errors import APIError
+from triptych_head.api.errors import APIError, internal_error
 from triptych_head.api.idempotent import REPLAYED, stream_once
 from triptych_head.api.key_limits import key_limit
 from triptych_head.api.ownership import owner_of
@@ -123,7 +123,7 @@ def progress_response(
             feed.publish(error_message(request_id, exc.message, exc.code, exc.status_code, exc.param))
         elif exc is not None:  # the stream must still end, with the error
             log.error("streamed image request %s failed", request_id, exc_info=exc)
-            feed.publish(error_message(request_id, f"{type(exc).__name__}: {exc}", "internal_error", 500))
+            feed.publish(error_message(request_id, internal_error(request_id), "internal_error", 500))
         elif isinstance(data := done.result(), dict):
             feed.publish(SSEMessage("completed", data))
         else:  # a large b64_json answer: its pieces encoded as they are sent

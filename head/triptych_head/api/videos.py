@@ -13,6 +13,7 @@ import io
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
@@ -26,7 +27,7 @@ from triptych.protocol import RequestEvent
 from triptych_head.api.context import REQUEST_ID_HEADER, HeadContext, new_request_id
 from triptych_head.api.deadlines import Deadline, with_estimate
 from triptych_head.api.direct import DirectRoute
-from triptych_head.api.errors import APIError
+from triptych_head.api.errors import APIError, internal_error
 from triptych_head.api.files import object_response
 from triptych_head.api.forms import read_form
 from triptych_head.api.idempotent import answer_once, fingerprint, idempotency_key
@@ -196,9 +197,15 @@ async def _run_job(
             job.status = "cancelled" if exc.code == "cancelled" else "failed"
             job.state = (exc.code or "failed").upper()
             job.error = {"message": exc.message, "code": exc.code}
-    except Exception as exc:
+    except ContentNotStored as exc:  # the store's words (a host, a path) are the log's, not the client's
+        cause = exc.__cause__
+        log.warning("video job %s failed storing %s: %s: %s", job.id, exc.what, type(cause).__name__, cause)
+        job.status, job.state = "failed", RequestState.FAILED.value
+        job.error = {"message": exc.message, "code": "store_unavailable"}
+    except Exception:
         log.exception("video job %s failed", job.id)
-        job.status, job.error = "failed", {"message": f"{type(exc).__name__}: {exc}", "code": "internal_error"}
+        job.status, job.state = "failed", RequestState.FAILED.value
+        job.error = {"message": internal_error(job.id), "code": "internal_error"}
     finally:
         await _end_run(ctx, jobs, entry)
 
@@ -223,21 +230,49 @@ async def _end_run(ctx: HeadContext, jobs: VideoJobs, entry: JobEntry) -> None:
         entry.close_feed()  # its followers reconnect, to a head that follows it through the store
 
 
+class ContentNotStored(Exception):
+    """The result store failed while a job's content was saved: its staging folder could not be written
+    (a full disk), or the store did not take an object (an S3 error, an endpoint that does not answer).
+    The cause (`__cause__`) is logged; the job's error says what was being stored and to retry."""
+
+    def __init__(self, job_id: str, what: str) -> None:
+        self.what = what
+        self.message = (
+            f"the result store did not answer storing {what} of video {job_id}; "
+            "retry: create the video job again (POST /v1/videos)"
+        )
+        super().__init__(self.message)
+
+
 def _store_content(results: ResultStore, job_id: str, frames: Any, fps: int, threads: int) -> None:
     """The MP4 (libx264 on `threads` threads), the exact frames and the first frame's thumbnail, made in
-    the store's staging folder and then stored whole (on the media pool: the encode is most of it)."""
-    results.objects.staging.mkdir(parents=True, exist_ok=True)
+    the store's staging folder and then stored whole (on the media pool: the encode is most of it).
+    A failure of the store: ContentNotStored; anything else (the encoder's own error) as it is."""
     stem = results.objects.staging / f"{job_id}-{uuid.uuid4().hex}"
     mp4, npy = stem.with_suffix(".mp4"), stem.with_suffix(".npy")
     try:
-        write_mp4(frames, mp4, fps, threads)
-        save_frames(frames, npy)
-        results.objects.put_file(results.video_name(job_id), mp4, "video/mp4")
-        results.objects.put_file(results.frames_name(job_id), npy, "application/octet-stream")
-        results.objects.put_bytes(results.thumbnail_name(job_id), THUMBNAIL.encode(frames[0]), THUMBNAIL.media_type)
+        try:  # the staging folder is the store's: a disk that is full or gone is the store failing
+            results.objects.staging.mkdir(parents=True, exist_ok=True)
+            write_mp4(frames, mp4, fps, threads)
+            save_frames(frames, npy)
+        except OSError as exc:
+            raise ContentNotStored(job_id, "the MP4 and frames") from exc
+        put = results.objects
+        _stored(job_id, "the MP4", put.put_file, results.video_name(job_id), mp4, "video/mp4")
+        _stored(job_id, "the frames", put.put_file, results.frames_name(job_id), npy, "application/octet-stream")
+        thumbnail = THUMBNAIL.encode(frames[0])
+        _stored(job_id, "the thumbnail", put.put_bytes, results.thumbnail_name(job_id), thumbnail, THUMBNAIL.media_type)
     finally:
         mp4.unlink(missing_ok=True)
         npy.unlink(missing_ok=True)
+
+
+def _stored(job_id: str, what: str, call: Callable[..., None], *args: Any) -> None:
+    """`call(*args)`, a put into the result store: its failure a ContentNotStored naming `what`."""
+    try:
+        call(*args)
+    except Exception as exc:
+        raise ContentNotStored(job_id, what) from exc
 
 
 @router.get("/v1/videos", response_model=VideoList)
