@@ -17,6 +17,7 @@ from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from triptych.tracing import Attributes
+from triptych.urls import shown_url
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +30,12 @@ class OtlpTracing:
         # Its own provider, not the global one: nothing else in the process is traced through it.
         # No shutdown at exit of its own (it would wait for the collector up to 30 s): `shutdown`'s, bounded.
         self._provider = TracerProvider(resource=Resource.create({"service.name": service}), shutdown_on_exit=False)
-        self._url = url
+        self._shown = shown_url(url)  # in logs: its user part may hold the collector's credentials
         exporter = OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S)
         self._provider.add_span_processor(BatchSpanProcessor(exporter, export_timeout_millis=EXPORT_TIMEOUT_S * 1000))
         self._tracer = self._provider.get_tracer("triptych")
         self._propagator = TraceContextTextMapPropagator()
-        log.info("tracing: spans of %s go to %s (OTLP/HTTP)", service, url)
+        log.info("tracing: spans of %s go to %s (OTLP/HTTP)", service, self._shown)
 
     def start_request(self, name: str, start_ns: int, attributes: Attributes) -> Any:
         return self._tracer.start_span(name, start_time=start_ns, attributes=attributes)
@@ -70,4 +71,6 @@ class OtlpTracing:
         exporting.start()
         exporting.join(SHUTDOWN_S)
         if exporting.is_alive():
-            log.warning("tracing: %s took no spans within %.0f s; exiting without the last ones", self._url, SHUTDOWN_S)
+            log.warning(
+                "tracing: %s took no spans within %.0f s; exiting without the last ones", self._shown, SHUTDOWN_S
+            )

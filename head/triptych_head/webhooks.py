@@ -33,7 +33,6 @@ import json
 import logging
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from triptych.urls import shown_url
 from triptych_head.webhook_outbox import LEASE_S, Outbox, Pending
 
 log = logging.getLogger(__name__)
@@ -266,15 +266,6 @@ class Webhooks:
                 log.warning("webhook %s: not delivered, the head stopped", pending.event_id)
         if left and self.outbox is not None:
             log.warning("handed %d webhook events not yet delivered to the other heads", len(left))
-
-
-def shown_url(url: str) -> str:
-    """The URL as logs show it: scheme, host, port and path, without a user part or a query."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 def _seconds(value: str | None) -> float | None:

@@ -131,3 +131,20 @@ tracing.shutdown()
     assert done.returncode == 0, done.stderr
     assert "took no spans within 5 s" in done.stderr, done.stderr
     assert took < 15, f"the process took {took:.1f} s to exit"
+
+
+def test_the_collector_s_credentials_are_never_logged(caplog, monkeypatch) -> None:
+    """An endpoint's user part (`http://user:password@collector`) or query reached the head's and the
+    workers' logs whole: at start (INFO) and when the collector took no spans at exit (WARNING)."""
+    from triptych import otlp
+
+    monkeypatch.setattr(otlp, "SHUTDOWN_S", 0.05)
+    caplog.set_level("INFO", logger="triptych.otlp")
+    tracing = OtlpTracing("http://tracer:s3cretpass@127.0.0.1:9/v1/traces?token=s3crettoken", "triptych-head")
+    monkeypatch.setattr(tracing._provider, "shutdown", lambda: time.sleep(1))  # a collector that never answers
+    tracing.shutdown()
+    lines = [r.getMessage() for r in caplog.records if r.name == "triptych.otlp"]
+    assert len(lines) == 2 and "took no spans" in lines[1], lines
+    for line in lines:
+        assert "http://127.0.0.1:9/v1/traces" in line, line
+        assert "s3cret" not in line and "tracer" not in line, line
