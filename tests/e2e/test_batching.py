@@ -8,8 +8,10 @@ from __future__ import annotations
 import base64
 import io
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -87,29 +89,48 @@ def generate(client: httpx.Client, request: dict) -> np.ndarray:
     return np.array(Image.open(io.BytesIO(base64.b64decode(image["b64_json"]))))
 
 
+BARRIER_S = 60  # the longest a request's thread waits for the others to be ready
+RACE_S = 600  # every request of a race done, all together
+
+
+def all_at_once(count: int, one: Callable[[int, threading.Barrier], Any]) -> list[Any]:
+    """one(i, start) for i in range(count), each in its own daemon thread, `start` the barrier they
+    pass together: what each returned or raised. A thread that fails breaks the barrier, so none
+    waits on it; the threads get RACE_S in all and every one must have finished."""
+    results: list[Any] = [None] * count
+    start = threading.Barrier(count, timeout=BARRIER_S)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = one(i, start)
+        except BaseException as exc:
+            start.abort()
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + RACE_S
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    running = [i for i, t in enumerate(threads) if t.is_alive()]
+    assert not running, f"requests {running} still running after {RACE_S}s: {results}"
+    return results
+
+
 def concurrently(dep: LocalDeployment, requests: list[dict]) -> list[np.ndarray]:
     """Every request at once, each from its own thread and connection (opened beforehand), released together."""
-    results: list[np.ndarray | BaseException | None] = [None] * len(requests)
-    start = threading.Barrier(len(requests))
 
-    def one(i: int) -> None:
+    def one(i: int, start: threading.Barrier) -> np.ndarray:
         with dep.client() as c:
             assert c.get("/health").status_code == 200  # the connection is up before the race starts
             start.wait()
-            try:
-                results[i] = generate(c, requests[i])
-            except BaseException as exc:
-                results[i] = exc
+            return generate(c, requests[i])
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    for r in results:
-        if not isinstance(r, np.ndarray):
-            raise AssertionError(f"a request did not return an image: {r!r}")
-    return results  # type: ignore[return-value]
+    results = all_at_once(len(requests), one)
+    failed = [r for r in results if not isinstance(r, np.ndarray)]
+    assert not failed, f"requests did not return an image: {failed!r}"
+    return results
 
 
 def assert_close(batched: np.ndarray, alone: np.ndarray) -> None:
@@ -155,24 +176,15 @@ def test_incompatible_requests_are_never_batched_together(batching: LocalDeploym
 
 def test_requests_in_one_batch_each_stream_their_own_steps_and_previews(batching: LocalDeployment):
     requests = [{**BASE, "prompt": f"a tower {i}", "seed": 40 + i, "preview_every": 1} for i in range(4)]
-    streams: list[list[Event] | BaseException | None] = [None] * len(requests)
-    start = threading.Barrier(len(requests))
 
-    def one(i: int) -> None:
+    def one(i: int, start: threading.Barrier) -> list[Event]:
         client = TriptychClient(batching.http)
         start.wait()
-        try:
-            streams[i] = list(client.stream_images(requests[i]))
-        except BaseException as exc:
-            streams[i] = exc
+        return list(client.stream_images(requests[i]))
 
     with batching.client() as c:
         ran_before = histograms(c, "triptych_worker_batch_size")
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=600)
+        streams = all_at_once(len(requests), one)
         ran_after = histograms(c, "triptych_worker_batch_size")
     assert delta(ran_after, ran_before, "denoiser", "sum") == 4
     assert delta(ran_after, ran_before, "denoiser", "count") <= 2  # they shared batched forwards
