@@ -15,10 +15,8 @@ import base64
 import concurrent.futures
 import contextlib
 import io
-import ipaddress
 import socket
 import struct
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +28,7 @@ import pytest
 import zmq
 
 from tests.e2e.harness import deployment
+from tests.local_address import local_address
 from tests.models.fixtures import MODELS_DIR
 from triptych.params import GenerationParams
 from triptych.ports import MOONCAKE_PORT_RANGE, result_port
@@ -44,6 +43,8 @@ IMAGE = {"prompt": "a lighthouse at dusk", "size": "32x32", "seed": 7, "num_infe
 PARAMS = GenerationParams("a forged prompt", width=32, height=32, num_inference_steps=2, seed=1)
 SETTLE_S = 2.5  # two worker heartbeats: what a worker holds shows in the head's /health by then
 FOREIGN = "tcp://192.0.2.66:19000"  # an instance name the head does not know
+HOST_ADDRESS = "198.18.0.42"  # TEST-NET (RFC 2544), on this machine only: tests.local_address
+HOST_DEVICE = "trp-p2p"
 
 
 @pytest.fixture(scope="module")
@@ -263,16 +264,6 @@ def test_forged_messages_on_the_heads_result_ports_change_nothing(dep, expected,
     assert settled(dep) == before
 
 
-def non_loopback_ipv4() -> str | None:
-    """An IPv4 address of this host other than loopback (e.g. eth0's), or None."""
-    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True)
-    for line in out.stdout.splitlines():
-        address = line.split()[3].split("/")[0]
-        if not ipaddress.ip_address(address).is_loopback:
-            return address
-    return None
-
-
 def assert_workers_listen_only_on(dep: LocalDeployment, address: str) -> None:
     """Everything each worker listens on: its work socket and Mooncake's two listeners (handshake,
     TCP data), all on `address` (--disagg-p2p-hostname), none on 0.0.0.0 or ::. Mooncake's ports
@@ -316,12 +307,13 @@ def test_workers_listen_only_on_the_p2p_hostname_on_loopback(dep, expected):
 
 
 def test_workers_listen_only_on_the_p2p_hostname_on_a_host_address(tiny_models, tmp_path, expected):
-    """The same on an address other hosts reach (this host's eth0 address), and the request
-    returns the pixels the loopback deployment does."""
-    address = non_loopback_ipv4()
-    if address is None:
-        pytest.skip("this host has no non-loopback IPv4 address")
-    with deployment(tiny_models["tiny-flux"], tmp_path, host=address) as host_dep:
+    """The same on an address of a network interface rather than loopback (HOST_ADDRESS, put on this
+    machine for the test: a real interface's address would be dialled), and the request returns the
+    pixels the loopback deployment does."""
+    with (
+        local_address(HOST_ADDRESS, HOST_DEVICE) as address,
+        deployment(tiny_models["tiny-flux"], tmp_path, host=address) as host_dep,
+    ):
         assert_workers_listen_only_on(host_dep, address)
         with host_dep.client() as c:
             assert generate(c) == expected

@@ -31,6 +31,7 @@ import yaml
 from kopf.testing import KopfRunner
 
 from tests.cluster.fixtures import KubeCluster, poll
+from tests.local_address import local_address
 from tests.operator.helpers import REPO
 from tests.operator.test_operator_cluster import CRD, apply, condition, get, pipeline_manifest
 from triptych.roles import Role
@@ -53,29 +54,11 @@ TARGET_WORK_SECONDS = 1  # per replica: ~6 s of pending work asks for the maximu
 MAX_REPLICAS = 4
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=False)
-
-
 @pytest.fixture
 def metrics_address() -> Iterator[str]:
     """192.0.2.251 on this machine: on a dummy interface, or (no dummy driver) as a /32 on lo."""
-    if METRICS_IP in _ip("-o", "addr", "show").stdout:
-        yield METRICS_IP  # left by someone else: use it, leave it
-        return
-    if _ip("link", "add", METRICS_DEVICE, "type", "dummy").returncode == 0:
-        added = ["link", "del", METRICS_DEVICE]
-        _ip("addr", "add", f"{METRICS_IP}/32", "dev", METRICS_DEVICE)
-        _ip("link", "set", METRICS_DEVICE, "up")
-    else:
-        proc = _ip("addr", "add", f"{METRICS_IP}/32", "dev", "lo")
-        if proc.returncode != 0:
-            pytest.fail(f"cannot put {METRICS_IP} on this machine (needs CAP_NET_ADMIN): {proc.stderr}", pytrace=False)
-        added = ["addr", "del", f"{METRICS_IP}/32", "dev", "lo"]
-    try:
-        yield METRICS_IP
-    finally:
-        _ip(*added)
+    with local_address(METRICS_IP, METRICS_DEVICE) as address:
+        yield address
 
 
 def _available(apiservice: dict[str, Any]) -> bool:
