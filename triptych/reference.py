@@ -20,6 +20,8 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from triptych.urls import shown_url
+
 if TYPE_CHECKING:
     from PIL import Image
 
@@ -31,6 +33,7 @@ READ_STALL_S = 5.0  # the longest a connection or a read may wait for the server
 READ_CHUNK = 256 << 10
 OVERRUN_S = 1.0  # past a fetch's time, its sockets are shut whatever it waits for (a slow read's own timeout first)
 FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
+ECHO = 200  # characters of a URL that an error message repeats
 
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -295,7 +298,11 @@ class _HTTPOnlyRedirects(urllib.request.HTTPRedirectHandler):
     """Follow redirects to http(s) only (urllib's default also follows ftp://)."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
-        check_reference_url(newurl)
+        try:
+            check_reference_url(newurl)
+        except BadReference:  # its message would repeat the new URL whole, its query (a signature) included
+            fp.close()
+            raise urllib.error.URLError(f"redirected to {shown_reference(newurl)}, not an http(s) URL") from None
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
         fp.close()  # its body is not read: urllib would read all of it, however long, before following
         return new
@@ -322,27 +329,36 @@ def fetch_reference(
     )
     request = urllib.request.Request(url, headers={"User-Agent": "triptych"})
     deadline = time.monotonic() + timeout
-    too_slow = BadReference(f"{field}: GET {url[:200]} took longer than {timeout:g}s")
+    shown = shown_reference(url)  # these messages reach the head's log and the trace: no credentials
+    too_slow = BadReference(f"{field}: GET {shown} took longer than {timeout:g}s")
     try:
         # Each socket operation (connect, every read) waits at most READ_STALL_S, the body's reads stop
         # at `timeout`, and the watchdog ends whatever else is still waiting just after it.
         with opener.open(request, timeout=min(timeout, READ_STALL_S)) as response:
             data = _read_until(response, max_bytes, deadline)
     except urllib.error.HTTPError as exc:
-        raise too_slow if watchdog.expired else BadReference(f"{field}: GET {url[:200]} answered {exc.code}") from None
+        raise too_slow if watchdog.expired else BadReference(f"{field}: GET {shown} answered {exc.code}") from None
     except _TooSlow:
         raise too_slow from None
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         if watchdog.expired:
             raise too_slow from None
-        raise BadReference(f"{field}: GET {url[:200]} failed: {getattr(exc, 'reason', exc)}") from None
+        raise BadReference(f"{field}: GET {shown} failed: {getattr(exc, 'reason', exc)}") from None
     finally:
         watchdog.stop()
     if watchdog.expired:  # a read the shutdown ended reads as the body's end: what came is not all of it
         raise too_slow
     if len(data) > max_bytes:
-        raise BadReference(f"{field}: {url[:200]} is larger than {max_bytes} bytes")
+        raise BadReference(f"{field}: {shown} is larger than {max_bytes} bytes")
     return data
+
+
+def shown_reference(url: str) -> str:
+    """The URL as a fetch's error shows it: no user part and no query (a presigned S3, GCS or Azure URL's
+    signature), `?…` where a query was left out; ECHO characters at most."""
+    shown = shown_url(url)
+    shown = shown if len(shown) <= ECHO else f"{shown[:ECHO]}…"
+    return f"{shown}?…" if "?" in url else shown
 
 
 class _TooSlow(Exception):

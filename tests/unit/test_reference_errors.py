@@ -1,0 +1,85 @@
+"""What a failed reference-image fetch (triptych.reference) says: its messages reach the client's 400,
+the head's log and the trace's span status, so they name the URL without its user part or query (a
+presigned S3, GCS or Azure URL's signature, user:password) and never repeat a server's raw words (a
+status line with a carriage return would forge a log line)."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from triptych.reference import BadReference, fetch_reference, parse_networks
+
+LOOPBACK = parse_networks("127.0.0.0/8")
+SIGNED = "?X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature=5ec2e7516a7e"
+SECRETS = ("AKIAEXAMPLE", "5ec2e7516a7e", "alice", "pa55word")
+
+
+class _Server(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path.startswith("/expired"):  # a presigned URL past its expiry
+            self.send_response(403)
+            self.end_headers()
+        elif self.path.startswith("/moved"):
+            self.send_response(302)
+            self.send_header("Location", f"ftp://files.example.com/cat.png{SIGNED}")
+            self.end_headers()
+        else:
+            self.send_response(200)
+            self.send_header("Content-Length", "64")
+            self.end_headers()
+            self.wfile.write(b"x" * 64)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_port
+    server.shutdown()
+
+
+def _refused(url: str, **kwargs: object) -> str:
+    with pytest.raises(BadReference) as caught:
+        fetch_reference(url, "image", networks=LOOPBACK, **kwargs)  # type: ignore[arg-type]
+    return str(caught.value)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("path", "kwargs", "says"),
+    [
+        ("/expired", {}, "answered 403"),
+        ("/big", {"max_bytes": 10}, "is larger than 10 bytes"),
+        ("/moved", {}, "redirected to ftp://files.example.com/cat.png?…, not an http(s) URL"),
+    ],
+)
+def test_a_failed_fetch_names_the_url_without_its_user_part_or_query(
+    port: int, path: str, kwargs: dict[str, object], says: str
+) -> None:
+    message = _refused(f"http://127.0.0.1:{port}{path}{SIGNED}", **kwargs)
+    assert f"127.0.0.1:{port}{path}?…" in message and says in message, message
+    for secret in SECRETS:
+        assert secret not in message, message
+
+
+@pytest.mark.parametrize("user", ["", "alice:pa55word@"])
+def test_an_unreachable_server_is_named_without_the_url_s_user_part_or_query(user: str) -> None:
+    """urllib takes a user part for the host's name: such a URL fails too, and its message shows neither."""
+    port = _closed_port()
+    message = _refused(f"http://{user}127.0.0.1:{port}/cat.png{SIGNED}")
+    assert f"GET http://127.0.0.1:{port}/cat.png?… failed: " in message, message
+    for secret in SECRETS:
+        assert secret not in message, message
