@@ -9,6 +9,7 @@ import functools
 import http.server
 import io
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import httpx
 import numpy as np
@@ -163,20 +165,35 @@ def test_ctrl_c_during_video_cancels_the_job_on_the_server_and_frees_its_slots(w
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     assert proc.stderr is not None
-    job_id, seen = "", []
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline().strip()
-        seen.append(line)
-        job_id = job_id or (line.split()[0] if line.startswith("video_") else "")
-        if line.startswith("denoiser step 2/200"):
-            break
-    else:
-        proc.kill()
-        pytest.fail(f"no progress within 180 s: {seen}")
-    proc.send_signal(signal.SIGINT)
-    rest = proc.stderr.read()
-    assert proc.wait(timeout=60) == 130
+    lines: queue.Queue[str | None] = queue.Queue()  # stderr's lines, read aside: every wait here has a timeout
+
+    def read(stream: IO[str]) -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, args=(proc.stderr,), daemon=True)
+    reader.start()
+    try:
+        job_id, seen = "", []
+        deadline = time.monotonic() + 180
+        while not seen or not seen[-1].startswith("denoiser step 2/200"):
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no progress within 180 s: {seen}")
+            if line is None:
+                pytest.fail(f"the CLI ended (exit {proc.wait(timeout=30)}) before its second step: {seen}")
+            seen.append(line.strip())
+            job_id = job_id or (seen[-1].split()[0] if seen[-1].startswith("video_") else "")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        reader.join(timeout=60)
+        assert not reader.is_alive(), "stderr still open 60 s after the CLI exited"
+    finally:
+        proc.kill()  # nothing once it has exited
+        proc.wait(timeout=30)
+    rest = "".join(iter(lines.get_nowait, None))
     assert f"cancelled {job_id} on the server (cancelled)" in rest
     assert httpx.get(f"{wan.http}/v1/videos/{job_id}", timeout=30).json()["status"] == "cancelled"
     deadline = time.monotonic() + 30

@@ -322,10 +322,14 @@ def test_ctrl_c_while_a_head_has_not_answered_is_one_line_and_exit_130(tmp_path)
             [sys.executable, "-m", "triptych", "generate", "a fox", "-o", str(tmp_path / "fox.png"), "--url", head],
             stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while not script.seen and time.monotonic() < deadline:  # the request is with the "head"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        try:
+            deadline = time.monotonic() + 60
+            while not script.seen and time.monotonic() < deadline:  # the request is with the "head"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()  # nothing once it has exited
+            proc.wait(timeout=30)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err

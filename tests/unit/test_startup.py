@@ -59,6 +59,7 @@ def test_sigterm_while_a_role_starts_ends_the_process_at_once() -> None:
     import signal
     import subprocess
     import sys
+    import threading
     import time
 
     child = (
@@ -76,10 +77,17 @@ def test_sigterm_while_a_role_starts_ends_the_process_at_once() -> None:
         "sys.exit(launch.serve(args))\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "loading"
-    started = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
+    watchdog = threading.Timer(60, proc.kill)  # a child that never says "loading" ends, and readline with it
+    watchdog.start()
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "loading"
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        watchdog.cancel()
+        proc.kill()  # nothing once it has exited
+        proc.wait(timeout=30)
     assert proc.returncode == 143, err
     assert "triptych: SIGTERM while starting: exiting before serving" in err
     assert time.monotonic() - started < 10
