@@ -33,7 +33,7 @@ READ_STALL_S = 5.0  # the longest a connection or a read may wait for the server
 READ_CHUNK = 256 << 10
 OVERRUN_S = 1.0  # past a fetch's time, its sockets are shut whatever it waits for (a slow read's own timeout first)
 FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
-ECHO = 200  # characters of a URL that an error message repeats
+ECHO = 200  # characters of a URL or of a server's words that an error message repeats
 
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -343,7 +343,7 @@ def fetch_reference(
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         if watchdog.expired:
             raise too_slow from None
-        raise BadReference(f"{field}: GET {shown} failed: {getattr(exc, 'reason', exc)}") from None
+        raise BadReference(f"{field}: GET {shown} failed: {_why(exc)}") from None
     finally:
         watchdog.stop()
     if watchdog.expired:  # a read the shutdown ended reads as the body's end: what came is not all of it
@@ -359,6 +359,21 @@ def shown_reference(url: str) -> str:
     shown = shown_url(url)
     shown = shown if len(shown) <= ECHO else f"{shown[:ECHO]}…"
     return f"{shown}?…" if "?" in url else shown
+
+
+def _why(exc: BaseException) -> str:
+    """Why a fetch failed, in words that cannot forge a log line: a fixed phrase for a server that
+    answered no HTTP (BadStatusLine would repeat its status line, up to 64 KiB, carriage returns and
+    all), else the reason's text with control characters escaped, ECHO characters at most."""
+    reason = getattr(exc, "reason", exc)
+    if isinstance(reason, http.client.RemoteDisconnected):
+        return "the server closed the connection without answering"
+    if isinstance(reason, http.client.IncompleteRead):
+        return "the server's answer broke off before its end"
+    if isinstance(reason, http.client.HTTPException):
+        return "the server answered something that is not HTTP"
+    said = repr(str(reason))[1:-1]  # repr's escapes (\r, \n, \x1b), without its quotes
+    return said if len(said) <= ECHO else f"{said[:ECHO]}…"
 
 
 class _TooSlow(Exception):

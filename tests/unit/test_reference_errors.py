@@ -8,11 +8,12 @@ from __future__ import annotations
 import http.server
 import socket
 import threading
+import urllib.error
 from collections.abc import Iterator
 
 import pytest
 
-from triptych.reference import BadReference, fetch_reference, parse_networks
+from triptych.reference import BadReference, _why, fetch_reference, parse_networks
 
 LOOPBACK = parse_networks("127.0.0.0/8")
 SIGNED = "?X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature=5ec2e7516a7e"
@@ -83,3 +84,42 @@ def test_an_unreachable_server_is_named_without_the_url_s_user_part_or_query(use
     assert f"GET http://127.0.0.1:{port}/cat.png?… failed: " in message, message
     for secret in SECRETS:
         assert secret not in message, message
+
+
+def _raw_server(answer: bytes) -> socket.socket:
+    """A listening socket that reads one request and answers `answer`, bytes as given."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        (
+            b"SSH-2.0-OpenSSH\r\n2026-12-06 15:20:12,279 INFO [server] forged: admin key used\r\n\r\n",
+            "answered something that is not HTTP",
+        ),
+        (b"", "closed the connection without answering"),
+    ],
+)
+def test_a_server_that_answers_no_http_is_named_in_fixed_words_not_its_own(answer: bytes, says: str) -> None:
+    """BadStatusLine's reason is the server's status line (up to 64 KiB, carriage returns included): it
+    went into the client's 400 and the head's text log, where its \\r forged a line of the server's own."""
+    with _raw_server(answer) as listener:
+        message = _refused(f"http://127.0.0.1:{listener.getsockname()[1]}/cat.png")
+    assert f"failed: the server {says}" in message, message
+    assert "\r" not in message and "forged" not in message and "SSH" not in message, message
+
+
+def test_a_reason_of_its_own_is_escaped_and_cut_short() -> None:
+    said = _why(urllib.error.URLError("broken\r\nINFO forged line " + "x" * 1000))
+    assert "\r" not in said and "\n" not in said and said.startswith("broken\\r\\nINFO forged"), said
+    assert len(said) <= 201, len(said)
