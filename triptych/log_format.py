@@ -7,9 +7,10 @@ json: one object per line, for a log pipeline (Loki, Elasticsearch, Cloud Loggin
      "logger": "triptych_head.shutdown", "message": "HTTP API on http://..."}
 
 with `exception` (the traceback, one string) when the line carries one, `request_id` when the line
-is about one request (the id the head gave it, as `X-Request-Id` says it: named among the line's
-arguments, or else the request the code that logs it serves, `about()`: the head's handling of an
-image request and its video job's run, a worker's computing of one request), and the record's
+is about one request (the id the head gave it, as `X-Request-Id` says it: the one its call names
+(`NAMED`, the access log's), or else named among the line's arguments, or else the request the
+code that logs it serves, `about()`: the head's handling of an image request and its video job's
+run, a worker's computing of one request), and the record's
 structured fields beside them: a call
 passes `extra={FIELDS: {...}}` (the access log's `http` object). Every line of the process is one of
 these, uvicorn's included (it logs through the same handler). Mooncake's engine writes its own
@@ -30,6 +31,10 @@ TEXT = "text"
 JSON = "json"
 FORMATS = (TEXT, JSON)
 FIELDS = "fields"  # a record's structured fields: log.info(..., extra={FIELDS: {"http": {...}}})
+# The request a line is about, named by its caller: log.info(..., extra={NAMED: id or None}). Its
+# `request_id` is that one (None: none), never an argument that looks like an id: the access log's
+# arguments hold a client's X-Request-Id, which may be another request's.
+NAMED = "triptych_named_request"
 _OWN = ("time", "level", "process", "logger", "message", "exception", "request_id")
 # A request's id as the head makes it (triptych_head.api.context.new_request_id): img_, video_ or req_
 # and 32 hex digits, distinct enough to be recognized among a line's arguments.
@@ -69,7 +74,11 @@ class JsonFormatter(logging.Formatter):
             line["exception"] = self.formatException(record.exc_info)
         elif record.exc_text:
             line["exception"] = record.exc_text
-        if (request_id := _request_id(record.args) or _SERVING.get()) is not None:
+        if hasattr(record, NAMED):
+            request_id = getattr(record, NAMED)
+        else:
+            request_id = _request_id(record.args) or _SERVING.get()
+        if isinstance(request_id, str):
             line["request_id"] = request_id
         fields = getattr(record, FIELDS, None)
         if isinstance(fields, dict):

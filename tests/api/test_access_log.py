@@ -3,6 +3,7 @@ the key's and body limit's refusals included; probes only when they fail; one li
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -115,3 +116,24 @@ def test_off_by_default(tmp_path: Path, caplog) -> None:
     with head(tmp_path, access_log=False) as c:
         assert c.post(IMAGES, json=BODY).status_code == 200
     assert lines(caplog) == []
+
+
+def test_a_client_s_x_request_id_never_becomes_the_line_s_request_id(tmp_path: Path, caplog) -> None:
+    """--log-format json took the first argument that looked like a request's id as the line's
+    `request_id`: where the head gave none (a 401, a 400, a 404), a client without a key tagged the line
+    with another request's id, which a log search for that request then found."""
+    from triptych.log_format import JsonFormatter
+
+    caplog.set_level(logging.INFO, "triptych_head.access")
+    victim = {"X-Request-Id": "img_" + "5f0c" * 8}
+    with head(tmp_path, keys="sk-acme-1 tenant=acme\n") as c:
+        assert c.post(IMAGES, json=BODY, headers=victim).status_code == 401
+        key = {"Authorization": "Bearer sk-acme-1"}
+        assert c.post(IMAGES, json={**BODY, "size": "big"}, headers={**victim, **key}).status_code == 400
+        ok = c.post(IMAGES, json=BODY, headers={**victim, **key})
+    records = [r for r in caplog.records if r.name == "triptych_head.access"]
+    parsed = [json.loads(JsonFormatter("server").format(r)) for r in records]
+    assert [p["http"]["status"] for p in parsed] == [401, 400, 200]
+    assert all(p["http"]["ref"] == victim["X-Request-Id"] for p in parsed), parsed  # kept as the client's own
+    assert "request_id" not in parsed[0] and "request_id" not in parsed[1], parsed
+    assert parsed[2]["request_id"] == ok.headers["x-request-id"] != victim["X-Request-Id"], parsed[2]

@@ -87,3 +87,16 @@ def test_a_line_logged_while_serving_a_request_names_it_though_its_arguments_do_
         return list(await asyncio.gather(serve("video_" + "b" * 32), serve("video_" + "c" * 32)))
 
     assert asyncio.run(two_requests()) == ["video_" + "b" * 32, "video_" + "c" * 32]
+
+
+def test_a_line_that_names_its_request_is_about_that_one_and_no_argument_of_it() -> None:
+    """The access log names the head's id (or none) itself: an argument that looks like an id (a
+    client's X-Request-Id) and the request being served are not read in its stead."""
+    from triptych.log_format import NAMED, about
+
+    client_said, served, head_gave = ("img_" + c * 32 for c in "abc")
+    with about(served):
+        unnamed = json.loads(JsonFormatter("server").format(record("ref=%s", client_said, **{NAMED: None})))
+        named = json.loads(JsonFormatter("server").format(record("ref=%s", client_said, **{NAMED: head_gave})))
+    assert "request_id" not in unnamed, unnamed
+    assert named["request_id"] == head_gave, named

@@ -12,7 +12,8 @@ left, the head stopped) logs status 0. Probes and scrapes (/health, /ready, /met
 only when they fail. Lines are INFO, written whatever --log-level. Off by default: uvicorn's own
 access log stays off either way. A line costs the head ~50 us of CPU (bench/http_app_bench.py
 --access-log). With --log-format json the line's parts are also its `http` object (client, method,
-path, status, seconds, request_id, owner, ref).
+path, status, seconds, request_id, owner, ref), and its `request_id` field is the head's id, or
+absent: never `ref`, which a client without a key could set to another request's id.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from urllib.parse import quote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from triptych.log_format import FIELDS
+from triptych.log_format import FIELDS, NAMED
 from triptych_head.api.context import REQUEST_ID_HEADER
 from triptych_head.api.ownership import OWNER
 
@@ -76,7 +77,9 @@ def _write(scope: Scope, status: int, seconds: float, request_id: str, ref: str)
     line = (_client(scope), scope.get("method", "-"), _shown_path(scope), status, seconds, request_id,
             scope.get("state", {}).get(OWNER) or "-", ref)  # fmt: skip
     http = dict(zip(("client", "method", "path", "status", "seconds", "request_id", "owner", "ref"), line, strict=True))
-    log.info('%s "%s %s" %d %.3fs id=%s owner=%s ref=%s', *line, extra={FIELDS: {"http": http}})
+    # The line's request_id is the head's id or none: never `ref`, the client's, which may name another request.
+    named = None if request_id == "-" else request_id
+    log.info('%s "%s %s" %d %.3fs id=%s owner=%s ref=%s', *line, extra={FIELDS: {"http": http}, NAMED: named})
 
 
 def _client(scope: Scope) -> str:
