@@ -12,8 +12,9 @@ A key's runs are records in the result store every head shares (objects.py), one
 A request whose key has
 
 - no record, or a last attempt that failed, or one whose head stopped renewing its lease (it
-  died): runs, as attempt n+1, if this head wins that attempt's record; a head that loses it
-  follows the winner instead. So of any number of retries at once, one runs;
+  died; judged on this head's own clock, sightings.py): runs, as attempt n+1, if this head wins
+  that attempt's record; a head that loses it follows the winner instead. So of any number of
+  retries at once, one runs;
 - a last attempt running on a live head: waits for it (polling the record), then answers what it
   answered; still running after the caller's wait: InProgress (the client retries later);
 - a last attempt done: that answer, without running anything;
@@ -43,6 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from triptych_head.objects import CHUNK_BYTES, ObjectMissing, ObjectStore, StoredObject
+from triptych_head.sightings import Sightings
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +71,7 @@ class Attempt:
     state: str  # running, done, failed
     fingerprint: str  # "": not known yet (its record is being written)
     head: str
-    lease_until: float
-
-    def live(self, now: float) -> bool:
-        return self.state == "running" and self.lease_until >= now
+    lease_until: float  # by its head's clock: read by heads of releases before sightings.py
 
 
 def valid_key(key: str) -> bool:
@@ -81,11 +80,19 @@ def valid_key(key: str) -> bool:
 
 
 class Idempotency:
-    def __init__(self, objects: ObjectStore, head_id: str, lease_s: float = LEASE_S, poll_s: float = POLL_S) -> None:
+    def __init__(
+        self,
+        objects: ObjectStore,
+        head_id: str,
+        lease_s: float = LEASE_S,
+        poll_s: float = POLL_S,
+        sightings: Sightings | None = None,
+    ) -> None:
         self.objects = objects
         self.head_id = head_id
         self.lease_s = lease_s
         self.poll_s = poll_s
+        self.sightings = sightings or Sightings()  # how long other heads' records stood unchanged
         self._tidying: set[asyncio.Future[None]] = set()  # earlier attempts being removed (held: not collected)
 
     @staticmethod
@@ -109,7 +116,7 @@ class Idempotency:
         digest = self.digest(scope, key)
         deadline = time.monotonic() + wait_s
         while True:
-            n, attempt = await asyncio.to_thread(self._latest, digest)
+            n, attempt, live = await asyncio.to_thread(self._latest, digest)
             if attempt is not None and attempt.fingerprint and attempt.fingerprint != fingerprint:
                 raise KeyReused(key)
             if attempt is not None and attempt.state == "done":
@@ -117,7 +124,7 @@ class Idempotency:
                     return await asyncio.to_thread(self._read, self._response(digest, n)), True
                 except ObjectMissing:  # removed by retention between the two reads: run it again
                     attempt = None
-            if attempt is not None and attempt.live(time.time()):
+            if attempt is not None and live:
                 if time.monotonic() >= deadline:
                     raise InProgress(key)
                 await asyncio.sleep(self.poll_s)
@@ -237,22 +244,30 @@ class Idempotency:
             if number.isdigit():
                 yield int(number), suffix, obj
 
-    def _latest(self, digest: str) -> tuple[int, Attempt | None]:
-        """The key's last attempt: (n, its record), or (-1, None) when it has none. A record that cannot
-        be read yet, written less than a lease ago, is one being written (a store without hard links
-        creates it empty, its content just after): a running attempt, whose request is not known yet."""
-        written = {number: obj.mtime for number, suffix, obj in self._attempts(digest) if suffix == "json"}
+    def _latest(self, digest: str) -> tuple[int, Attempt | None, bool]:
+        """The key's last attempt: (n, its record, whether it runs on a live head), or (-1, None, False)
+        when it has none. A running attempt's head is gone once its record stood unchanged for a lease
+        (sightings.py). A record that cannot be read, until it stood so for a lease, is one being
+        written (a store without hard links creates it empty, its content just after): a running
+        attempt, whose request is not known yet."""
+        written = {number: obj for number, suffix, obj in self._attempts(digest) if suffix == "json"}
         if not written:
-            return -1, None
+            return -1, None, False
         n = max(written)
+        name = self._record(digest, n)
         try:
-            data = json.loads(self.objects.get_bytes(self._record(digest, n)))
-            return n, Attempt(**{k: data[k] for k in ("state", "fingerprint", "head", "lease_until")})
+            raw = self.objects.get_bytes(name)
+            data = json.loads(raw)
+            attempt = Attempt(**{k: data[k] for k in ("state", "fingerprint", "head", "lease_until")})
+            lease_until = float(attempt.lease_until)
         except (ObjectMissing, ValueError, KeyError, TypeError) as exc:
-            if time.time() - written[n] < self.lease_s:
-                return n, Attempt("running", "", "", written[n] + self.lease_s)
+            obj = written[n]
+            if not self.sightings.lapsed(name, (obj.mtime, obj.size, obj.tag), self.lease_s, obj.mtime + self.lease_s):
+                return n, Attempt("running", "", "", obj.mtime + self.lease_s), True
             log.warning("skipping unreadable idempotency record %s.%d: %s", digest, n, exc)
-            return n, None  # its attempt number is taken all the same: the next run is n+1
+            return n, None, False  # its attempt number is taken all the same: the next run is n+1
+        live = attempt.state == "running" and not self.sightings.lapsed(name, raw, self.lease_s, lease_until)
+        return n, attempt, live
 
 
 def _encode(attempt: Attempt) -> bytes:

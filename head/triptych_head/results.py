@@ -29,6 +29,7 @@ from triptych.config import DEFAULT_RESULTS_MAX_AGE_S, DEFAULT_RESULTS_MAX_BYTES
 from triptych_head import idempotency
 from triptych_head.api.schemas import VideoJob
 from triptych_head.objects import DirectoryObjects, ObjectMissing, ObjectStore
+from triptych_head.sightings import CLOCK_SKEW_S
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,9 @@ class _Result:
     nbytes: int = 0
 
     def running_key(self, now: float) -> bool:
-        """An Idempotency-Key whose run may still go on: its head renews its record well within a lease."""
-        return self.folder == idempotency.FOLDER and now - self.mtime < idempotency.LEASE_S
+        """An Idempotency-Key whose run may still go on: its head renews its record well within a lease
+        (its mtime, by the store's or the writer's clock, read with room for the clocks to differ)."""
+        return self.folder == idempotency.FOLDER and now - self.mtime < idempotency.LEASE_S + CLOCK_SKEW_S
 
 
 class ResultStore:
@@ -222,7 +224,9 @@ class ResultStore:
         if json_name not in result.names:
             return False
         stored = self.load_job(result.key)
-        return stored is not None and stored.job.status not in TERMINAL and not stored.orphaned(now)
+        # Its lease read against this head's clock, with room for the heads' clocks to differ: a job is
+        # removed only once no head's clock could still be within its lease (sightings.py).
+        return stored is not None and stored.job.status not in TERMINAL and not stored.orphaned(now - CLOCK_SKEW_S)
 
     def _results(self) -> list[_Result]:
         by_key: dict[tuple[str, str], _Result] = {}

@@ -7,9 +7,10 @@ event whose head dies before delivering it is delivered by another (webhooks.py)
 
 A head writes an event's record before its first attempt and renews the lease before each wait for the
 next; it removes the record once the event is delivered, refused or given up. A head that stops hands
-its events over (their leases end at once); one that dies leaves them until their leases run out.
-Every head looks for such orphans every OUTBOX_SCAN_S and adopts each it wins (the `.adopt-<n>`
-object, created once, decides), going on from the attempts already made, with the same event id: a
+its events over (their leases end at once); one that dies leaves them until their leases run out,
+judged by each head on its own clock (a record unchanged for its lease: sightings.py). Every head
+looks for such orphans every OUTBOX_SCAN_S and adopts each it wins (the `.adopt-<n>` object,
+created once, decides), going on from the attempts already made, with the same event id: a
 receiver may see the event twice (the dead head's attempt may have landed), never a different one.
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 
 from triptych_head import claims
 from triptych_head.objects import ObjectMissing, ObjectStore
+from triptych_head.sightings import Sightings
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +40,10 @@ class Pending:
     event: dict[str, Any]
     attempts: int = 0
     adoptions: int = 0
-    lease_until: float = 0.0
+    lease_until: float = 0.0  # by its head's clock (0: handed over); read as such by heads of older releases
     head: str = ""
     made: float = field(default_factory=time.time)
+    lease_s: float | None = None  # how long its head may leave the record unchanged (None: an older head's)
 
     @property
     def event_id(self) -> str:
@@ -48,9 +51,10 @@ class Pending:
 
 
 class Outbox:
-    def __init__(self, objects: ObjectStore, head_id: str) -> None:
+    def __init__(self, objects: ObjectStore, head_id: str, sightings: Sightings | None = None) -> None:
         self.objects = objects
         self.head_id = head_id
+        self.sightings = sightings or Sightings()  # how long other heads' records stood unchanged
 
     @staticmethod
     def name(event_id: str) -> str:
@@ -60,6 +64,7 @@ class Outbox:
         """Write the record, this head's for `lease_s` from now (0: handed over, adoptable at once)."""
         pending.head = self.head_id
         pending.lease_until = time.time() + lease_s if lease_s else 0.0
+        pending.lease_s = lease_s
         self.objects.put_bytes(self.name(pending.event_id), json.dumps(asdict(pending)).encode(), "application/json")
 
     def remove(self, event_id: str) -> None:
@@ -69,26 +74,34 @@ class Outbox:
             self.objects.delete(obj.name)
 
     def orphans(self, now: float) -> list[Pending]:
-        """The events whose head stopped renewing their leases (or handed them over)."""
+        """The events whose head stopped renewing their leases (or handed them over). `now`: this head's
+        wall clock, for records of older heads, which do not say how long their leases are."""
         found = []
         for obj in list(self.objects.list(f"{FOLDER}/")):
             if not obj.name.endswith(".json"):
                 continue
             try:
-                pending = Pending(**json.loads(self.objects.get_bytes(obj.name)))
+                raw = self.objects.get_bytes(obj.name)
+                pending = Pending(**json.loads(raw))
+                lease_until = float(pending.lease_until)
+                lease_s = None if pending.lease_s is None else float(pending.lease_s)
             except ObjectMissing:  # delivered meanwhile
                 continue
             except (ValueError, TypeError):
                 log.warning("webhook outbox: %s is not a record this head reads; left as it is", obj.name)
                 continue
-            if pending.lease_until < now:
+            if lease_s is None:
+                lapsed = lease_until < now
+            else:
+                lapsed = self.sightings.lapsed(obj.name, raw, lease_s, lease_until, now)
+            if lapsed:
                 found.append(pending)
         return found
 
     def claim(self, pending: Pending) -> bool:
         """Whether this head won the event's next adoption (at most one head does)."""
         base = f"{FOLDER}/{pending.event_id}.adopt-{pending.adoptions + 1}"
-        won = claims.claim(self.objects, base, self.head_id.encode())
+        won = claims.claim(self.objects, base, self.head_id.encode(), self.sightings)
         if won is None:
             return False
         # What this head read may be old: another head may have adopted the event since, delivered it

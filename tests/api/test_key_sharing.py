@@ -21,6 +21,7 @@ from triptych_head.api.errors import APIError
 from triptych_head.api.key_limits import KeyLimit, KeyLimits
 from triptych_head.api.key_sharing import LIVE_S, PREFIX, SWEEP_S, LiveCounts
 from triptych_head.objects import DirectoryObjects, StoredObject
+from triptych_head.sightings import Sightings
 
 IN_FLIGHT = KeyLimit("k", max_in_flight=2)
 PER_MINUTE = KeyLimit("k", max_per_minute=3)
@@ -31,7 +32,7 @@ class Head:
 
     def __init__(self, folder: Path, head_id: str, wall: Clock, objects: DirectoryObjects | None = None) -> None:
         self.errors = Counter("errors", "store errors", registry=CollectorRegistry())
-        self.live = LiveCounts(objects or DirectoryObjects(folder), head_id, self.errors, wall)
+        self.live = LiveCounts(objects or DirectoryObjects(folder), head_id, self.errors, wall, Sightings(wall))
         self.clock = Clock(1000.0)  # the token buckets' (monotonic) clock
         self.limits = KeyLimits(CollectorRegistry(), clock=self.clock, live=self.live)
         self.n = 0
@@ -270,3 +271,14 @@ def test_admissions_read_in_an_exchange_that_failed_part_way_are_counted_by_the_
     a.sync()  # B's counts read, C's read fails
     a.sync()
     refusal(a, PER_MINUTE)
+
+
+def test_a_head_whose_clock_runs_ahead_still_counts_the_others_requests_in_flight(tmp_path: Path, wall: Clock) -> None:
+    """Head B's clock ran 31 s ahead of the store's: every other head's object looked older than
+    LIVE_S, and B let a key run its max_in_flight on its own, beside the others'."""
+    a = Head(tmp_path, "head-a", wall)
+    b = Head(tmp_path, "head-b", Clock(wall.now + LIVE_S + 1))
+    a.sync(), b.sync()
+    a.admit(IN_FLIGHT), a.admit(IN_FLIGHT)
+    a.sync(), b.sync()
+    assert refusal(b, IN_FLIGHT).code == "key_concurrency_limit"

@@ -15,18 +15,20 @@ from tests.api.test_http_api import ScriptedBackend, make_client, wait_for
 from triptych.params import GenerationParams
 from triptych_head.api.schemas import VideoJob
 from triptych_head.results import ResultStore
+from triptych_head.sightings import CLOCK_SKEW_S
 
 VIDEO = {"prompt": "waves", "size": "32x16", "num_frames": 5, "num_inference_steps": 4, "seed": 7}
 
 
 def _orphan(store: ResultStore, job_id: str = "video_orphan", lease_until: float | None = None) -> GenerationParams:
     """What a head that died mid-job (SIGKILL) leaves in the shared store: the job, running, with the
-    parameters to run it again, a lease that has run out, and its entry among the running jobs."""
+    parameters to run it again, a lease that ran out long ago (beyond any clocks' difference: a head
+    takes it over at first sight, sightings.py), and its entry among the running jobs."""
     params = GenerationParams(prompt="waves", width=32, height=16, num_frames=5, num_inference_steps=4, seed=7)
     job = VideoJob(id=job_id, model="tiny", status="in_progress", state="DENOISING_RUNNING", step=2, total_steps=4,
                    created_at=int(time.time()), size="32x16", num_frames=5, fps=16, seed=7)  # fmt: skip
     run = {"params": json.loads(msgspec.json.encode(params)), "preview_every": 0}
-    store.save_job(job, lease_until if lease_until is not None else time.time() - 1, run)
+    store.save_job(job, lease_until if lease_until is not None else time.time() - 2 * CLOCK_SKEW_S, run)
     store.mark_running(job_id)
     return params
 
@@ -229,7 +231,7 @@ def test_an_orphan_whose_saved_run_this_head_cannot_read_ends_failed_and_the_oth
     run = {**saved.run, **change}
     if "params" in change:
         run["params"] = {**saved.run["params"], **change["params"]}
-    store.save_job(saved.job, time.time() - 1, run)
+    store.save_job(saved.job, time.time() - 2 * CLOCK_SKEW_S, run)
     backend = ScriptedBackend()
     with make_client(backend, tmp_path) as c:
         c.portal.call(c.app.state.video_jobs.take_over_orphans)  # type: ignore[union-attr]
@@ -262,6 +264,8 @@ def test_a_head_whose_lease_lapsed_stops_its_run_once_another_head_took_the_job_
         entry.task = asyncio.create_task(asyncio.sleep(60))  # its run
         follower = entry.progress_feed().subscribe()  # a client following its events on this head
         await first.add(entry)
+        await other.take_over_orphans()  # it sees the job's record as its head saved it: not an orphan
+        assert started == []
         put = first.store.objects.put_bytes
 
         def unreachable(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -292,3 +296,44 @@ def test_a_head_whose_lease_lapsed_stops_its_run_once_another_head_took_the_job_
         assert saved is not None and saved.job.restarts == 1 and saved.job.status != "completed"
 
     asyncio.run(scenario())
+
+
+def test_a_head_whose_clock_runs_ahead_takes_over_no_job_whose_head_renews_it(tmp_path, monkeypatch):
+    """Head B's clock ran 25 s ahead of head A's: it read A's lease, renewed 10 s before, as run out
+    and ran A's live job again from the start (A then stopped its own run)."""
+    import types
+
+    import triptych_head.api.video_jobs as video_jobs
+    import triptych_head.sightings as sightings
+
+    _orphan(ResultStore(tmp_path), lease_until=time.time() + 20)  # head A, alive, renewed it 10 s ago
+    ahead = types.SimpleNamespace(time=lambda: time.time() + 25, monotonic=time.monotonic)
+    monkeypatch.setattr(video_jobs, "time", ahead)  # head B's clock
+    monkeypatch.setattr(sightings, "time", ahead)
+    backend = ScriptedBackend()
+    with make_client(backend, tmp_path) as b:
+        c = b.app.state.video_jobs
+        b.portal.call(c.take_over_orphans)
+        job = b.get("/v1/videos/video_orphan").json()
+        assert job["status"] == "in_progress" and job["restarts"] == 0
+    assert backend.calls == []
+
+
+def test_a_job_whose_head_died_moments_ago_is_taken_over_once_its_record_stood_unchanged_for_a_lease(tmp_path):
+    import asyncio
+
+    from tests.api.test_key_quotas import Clock
+    from triptych_head.api.video_jobs import VideoJobs
+    from triptych_head.results import JOB_LEASE_S
+    from triptych_head.sightings import Sightings
+
+    _orphan(ResultStore(tmp_path), lease_until=time.time() - 1)  # its head died a moment ago
+    clock, started = Clock(100.0), []
+    jobs = VideoJobs(ResultStore(tmp_path), start=started.append, sightings=Sightings(clock))
+    asyncio.run(jobs.take_over_orphans())
+    clock.now += JOB_LEASE_S - 1
+    asyncio.run(jobs.take_over_orphans())
+    assert started == []  # as far as this head can tell, its head may be renewing it
+    clock.now += 1
+    asyncio.run(jobs.take_over_orphans())
+    assert [e.job.id for e in started] == ["video_orphan"]  # type: ignore[attr-defined]

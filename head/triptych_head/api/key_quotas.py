@@ -50,9 +50,9 @@ log = logging.getLogger(__name__)
 FOLDER = "quotas"
 SYNC_S = 2.0  # how often a head writes its counts and reads the others'
 SWEEP_S = 3600.0  # how often a head removes the objects of ended periods
-# Another head's counts are read again at every sync until their object is this old: a rewrite within
-# the same second can keep its mtime and size (S3 reports whole seconds), so only a settled object
-# (a stopped head's, mostly) is taken from the cache.
+# From a store that gives no tag (StoredObject.tag), another head's counts are read again at every sync
+# until their object is this old: a rewrite within the same second can keep its mtime and size, so only
+# a settled object (a stopped head's, mostly) is taken from the cache. With a tag, an unchanged tag is.
 SETTLED_S = 60.0
 
 
@@ -135,7 +135,7 @@ class QuotaLedger:
         self._own: dict[str, dict[str, int]] = {}  # period id -> key id -> admitted by this head
         self._dirty: set[str] = set()  # period ids whose counts the store has not seen yet
         self._others: dict[str, dict[str, int]] = {}  # period id -> key id -> admitted by the other heads
-        self._read: dict[str, tuple[float, int, dict[str, int]]] = {}  # object name -> (mtime, size, counts)
+        self._read: dict[str, tuple[object, dict[str, int]]] = {}  # object name -> (its version, counts)
         self._taken: dict[str, list[tuple[str, str]]] = {}  # request id -> the (period id, key id) it counts in
         self._swept = 0.0
         self.rejected = Counter(
@@ -268,12 +268,17 @@ class QuotaLedger:
             if obj.name == mine or not obj.name.endswith(".json"):
                 continue
             cached = self._read.get(obj.name)
-            settled = obj.mtime < time.time() - SETTLED_S  # a store's mtime may be whole seconds (S3)
-            if cached is not None and cached[:2] == (obj.mtime, obj.size) and settled:
-                counts = cached[2]
+            # Its tag changes with its content (an ETag, a file's inode, mtime and size); without one, an
+            # mtime and size tell a rewrite only once they are older than a store's mtime granularity
+            # (whole seconds on S3), by this head's clock against the store's: a cache of the same
+            # version is trusted only then.
+            version = obj.tag or (obj.mtime, obj.size)
+            settled = bool(obj.tag) or obj.mtime < time.time() - SETTLED_S
+            if cached is not None and cached[0] == version and settled:
+                counts = cached[1]
             else:
                 counts = _counts(obj.name, self._objects.get_bytes(obj.name))
-                self._read[obj.name] = (obj.mtime, obj.size, counts)
+                self._read[obj.name] = (version, counts)
             for key_id, n in counts.items():
                 total[key_id] = total.get(key_id, 0) + n
         return total

@@ -10,8 +10,9 @@ ReadWriteMany folder or the S3 bucket), one object per head:
 
 at every sync (key_quotas.SYNC_S) where that changed, and every REFRESH_S anyway, and reads the
 others'. A key's requests in flight are this head's plus those the other heads had at their last
-write (an object not rewritten for LIVE_S is a head gone without its last write: its requests
-ended with it); the requests the other heads admitted since this one last read their counts are
+write (an object this head saw stand unchanged for LIVE_S is a head gone without its last write:
+its requests ended with it; judged on this head's own clock, sightings.py, never against another
+head's or the store's); the requests the other heads admitted since this one last read their counts are
 taken from this head's token bucket of the key (key_limits.py), and a head that starts (a restart,
 a scale-out) begins each key's bucket where the fullest-drained other head's stands, not full. So
 the heads together hold a key
@@ -38,6 +39,7 @@ from prometheus_client import Counter
 
 from triptych_head.api.store_sync import SyncHealth
 from triptych_head.objects import ObjectMissing, ObjectStore
+from triptych_head.sightings import Sightings
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +74,23 @@ class PeerCounts:
 
 
 class LiveCounts:
-    """This head's side of the exchange: `exchange` runs in a thread (store I/O), one at a time."""
+    """This head's side of the exchange: `exchange` runs in a thread (store I/O), one at a time.
+    `clock`: the wall clock its objects' times are written in; `sightings`: what this head saw of the
+    others' objects, on a clock of its own (monotonic), which also times its rewrites and reads."""
 
     def __init__(
-        self, objects: ObjectStore, head_id: str, errors: Counter, clock: Callable[[], float] = time.time
+        self,
+        objects: ObjectStore,
+        head_id: str,
+        errors: Counter,
+        clock: Callable[[], float] = time.time,
+        sightings: Sightings | None = None,
     ) -> None:
         self._objects = objects
         self._name = f"{PREFIX}{head_id}.json"
         self._clock = clock
+        self._sightings = sightings or Sightings()
+        self._ticks = self._sightings.clock
         self._health = SyncHealth(errors, "key limits", "share the counts in flight and per minute")
         self._started = clock()
         self._lock = threading.Lock()
@@ -96,38 +107,38 @@ class LiveCounts:
         """Write this head's counts (when they changed, or every REFRESH_S), read the other heads':
         their requests in flight, and what they admitted since the last exchange."""
         with self._lock:
-            now = self._clock()
+            now, tick = self._clock(), self._ticks()
             try:
-                self._write(now, counts)
+                self._write(now, tick, counts)
                 fresh, seen = self._read_peers(now)
             except Exception as exc:
                 self._health.failed(exc, self._objects.description)
-                if now - self._read_at > LIVE_S:  # what the others had in flight is too old to count
+                if tick - self._read_at > LIVE_S:  # what the others had in flight is too old to count
                     self._peers = PeerCounts()
                 return PeerCounts(dict(self._peers.in_flight))
             self._admitted_seen = seen  # only a whole read moves the baselines: none of its admissions is lost
-            if now - self._swept >= SWEEP_S:
+            if not self._swept or tick - self._swept >= SWEEP_S:
                 try:
                     self._sweep(now)
-                    self._swept = now
+                    self._swept = tick
                 except Exception as exc:  # a good read stands; the sweep is tried again next time
                     log.warning("key limits: could not remove the counts of heads gone: %s", exc)
             self._health.succeeded(self._objects.description)
-            self._peers, self._read_at = PeerCounts(fresh.in_flight), now
+            self._peers, self._read_at = PeerCounts(fresh.in_flight), tick
             if not self._first:
                 fresh.tokens = {}
             self._first = False
             return fresh
 
-    def _write(self, now: float, counts: HeadCounts) -> None:
+    def _write(self, now: float, tick: float, counts: HeadCounts) -> None:
         tokens = {k: round(x, 3) for k, x in counts.tokens.items()}
         counts = HeadCounts({k: n for k, n in counts.in_flight.items() if n}, dict(counts.admitted), tokens)
-        if counts == self._written and now - self._written_at < REFRESH_S:
+        if counts == self._written and tick - self._written_at < REFRESH_S:
             return
         data = {"started": self._started, "written": now, "in_flight": counts.in_flight,
                 "admitted": counts.admitted, "tokens": counts.tokens}  # fmt: skip
         self._objects.put_bytes(self._name, json.dumps(data, separators=(",", ":")).encode(), "application/json")
-        self._written, self._written_at = counts, now
+        self._written, self._written_at = counts, tick
 
     def _read_peers(self, now: float) -> tuple[PeerCounts, dict[str, tuple[float, dict[str, int]]]]:
         """The other heads' counts, and the admissions seen of each (the baselines of the next read)."""
@@ -148,7 +159,7 @@ class LiveCounts:
             self._unreadable.discard(obj.name)
             started, written, counts = parsed
             in_flight, admitted = counts.in_flight, counts.admitted
-            if now - obj.mtime <= LIVE_S:
+            if not self._sightings.lapsed(obj.name, written, LIVE_S, written + LIVE_S, now):
                 for key_id, n in in_flight.items():
                     peers.in_flight[key_id] = peers.in_flight.get(key_id, 0) + n
                 for key_id, x in counts.tokens.items():

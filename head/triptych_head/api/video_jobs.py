@@ -38,11 +38,12 @@ from triptych_head.api.schemas import VideoJob
 from triptych_head.api.store_calls import from_store
 from triptych_head.api.video_list import StoredJobIndex
 from triptych_head.results import JOB_LEASE_S, TERMINAL, ResultStore, StoredJob
+from triptych_head.sightings import Sightings
 from triptych_head.state import RequestState
 
 log = logging.getLogger(__name__)
 
-LEASE_MARGIN_S = JOB_LEASE_S / 3  # JobEntry.leased_until: held surely until this long before its end
+LEASE_MARGIN_S = JOB_LEASE_S / 3  # JobEntry.lease_from: held surely until this long before its end
 
 MAX_JOBS = 1000  # remembered jobs; the oldest finished ones are forgotten first
 RESTARTED = "the head restarted while this job was running; submit it again"
@@ -69,7 +70,10 @@ class JobEntry:
     # Another head took the job over while this one ran it (its lease lapsed: the store was out of reach
     # longer than a lease): this head stops its run, and saves and tells nothing more of it.
     taken: bool = False
-    leased_until: float = 0.0  # the lease of this head's last save that landed (time.time())
+    # When (time.monotonic()) this head began its last save with a lease that landed: no other head
+    # sees the record unchanged for JOB_LEASE_S (sightings.py), so none takes the job over, before
+    # JOB_LEASE_S from then. 0: never saved so.
+    lease_from: float = 0.0
     server_timing: str = ""  # where a completed run's time went (timeline.py), on the head that ran it
     key_id: str | None = None  # the API key it counts against (a digest, auth.py), when that key has limits
     owner: str | None = None  # whose requests see it (ownership.py); None: everyone's
@@ -156,7 +160,8 @@ class VideoJobs:
     """The video jobs this head runs or has seen; every job's JSON in the result store, which all
     heads share, is the truth for a job this head does not run (its status as its head last wrote it).
 
-    A job whose head died (its lease ran out) is taken over by the first head that notices (each
+    A job whose head died (its lease ran out: its record stood unchanged for JOB_LEASE_S as this head
+    saw it, sightings.py) is taken over by the first head that notices (each
     looks every JOB_LEASE_RENEW_S, and whenever a client asks for it) and wins the job's next
     attempt (`videos/<id>.adopt-<n>`, created once): that head runs it again from the start, same
     parameters and seed, so the same pixels; `restarts` counts the take-overs."""
@@ -168,8 +173,10 @@ class VideoJobs:
         registry: CollectorRegistry | None = None,
         on_end: Ended | None = None,
         adopting: Callable[[], bool] = lambda: True,
+        sightings: Sightings | None = None,
     ) -> None:
         self._jobs: OrderedDict[str, JobEntry] = OrderedDict()
+        self.sightings = sightings or Sightings()  # how long other heads' job records stood unchanged
         # Whether this head takes over orphaned jobs now: not while it drains, when each would only be
         # run again from the start by the next head (and hold up the drain).
         self.adopting = adopting
@@ -205,6 +212,15 @@ class VideoJobs:
     def _lease(self) -> float:
         return time.time() + JOB_LEASE_S
 
+    def _orphaned(self, stored: StoredJob) -> bool:
+        """Still running, but no head holds it: handed over, or its record stood unchanged for a lease
+        as this head saw it (its head died). Each save with a lease writes a new `lease_until`."""
+        assert self.store is not None
+        if stored.job.status in TERMINAL:
+            return False
+        name = self.store.job_name(stored.job.id)
+        return self.sightings.lapsed(name, stored.lease_until, JOB_LEASE_S, stored.lease_until)
+
     def save(self, entry: JobEntry) -> None:
         """Save now (blocking): at shutdown."""
         if self.store is None:
@@ -225,21 +241,23 @@ class VideoJobs:
             self.store.stamp_expiry(entry.job)  # this head's answers show it as the store's do
             job = entry.job.model_copy()
             lease = self._lease() if entry.running_here else None
+            began = time.monotonic()
             try:
                 await self._own_io(self.store.save_job, job, lease, entry.run_record(), entry.owner)
-                entry.leased_until = max(entry.leased_until, lease or 0.0)
+                if lease is not None:
+                    entry.lease_from = max(entry.lease_from, began)
             except Exception:
                 log.exception("could not save video job %s", job.id)
 
     async def _still_ours(self, entry: JobEntry) -> bool:
         """Whether this head may save the job it runs. Another head can have taken it over only once
-        this head's lease may have lapsed (LEASE_MARGIN_S before its end, for clocks and slow
-        writes), so only then is the store read first; a read that fails skips this save (the next
+        this head's lease may have lapsed (LEASE_MARGIN_S before its end, by this head's monotonic
+        clock, for slow writes), so only then is the store read first; a read that fails skips this save (the next
         one reads again), since writing blind could overwrite the other head's record. A job taken
         over is that head's from now on: this head's run is stopped, and it saves and tells nothing
         more (`entry.taken`)."""
         assert self.store is not None
-        if not entry.leased_until or time.time() < entry.leased_until - LEASE_MARGIN_S:
+        if not entry.lease_from or time.monotonic() < entry.lease_from + JOB_LEASE_S - LEASE_MARGIN_S:
             return True  # (never leased: a new job, which no other head can know yet)
         try:
             stored = await self._own_io(self.store.load_job, entry.job.id)
@@ -334,7 +352,7 @@ class VideoJobs:
             if entry is not None and entry.running_here:
                 continue
             stored = await asyncio.to_thread(self.store.load_job, job_id)
-            if stored is not None and stored.orphaned(time.time()):
+            if stored is not None and self._orphaned(stored):
                 await self.take_over(stored)
 
     async def take_over(self, stored: StoredJob) -> JobEntry | None:
@@ -353,7 +371,9 @@ class VideoJobs:
             return None
         attempt = job.restarts + 1
         marker = f"{self.store.job_name(job.id).removesuffix('.json')}.adopt-{attempt}"
-        won = await from_store(f"taking over video {job.id}", claims.claim, self.store.objects, marker, b"")
+        won = await from_store(
+            f"taking over video {job.id}", claims.claim, self.store.objects, marker, b"", self.sightings
+        )
         if won is None:
             return None  # another head takes it over: its next save shows it
         if won.ordinal > 1 and not await self._still_orphaned(job.id, attempt):
@@ -366,13 +386,13 @@ class VideoJobs:
         entry.priority = run.priority
         entry.key_id = run.key_id  # its key's device-seconds are charged for the run again
         entry.owner = stored.owner
-        lease = self._lease()
+        began = time.monotonic()
         try:  # it runs here only once the store shows it this head's (else a later claim runs it, once stale)
-            record = (lease, entry.run_record(), entry.owner)
+            record = (self._lease(), entry.run_record(), entry.owner)
             await from_store(f"taking over video {job.id}", self.store.save_job, job, *record)
         except APIError:
             return None
-        entry.leased_until = lease
+        entry.lease_from = began
         entry.feed = ProgressFeed(job.id, HISTORY_LINGER_S)
         self._jobs[job.id] = entry
         self._jobs.move_to_end(job.id)
@@ -386,7 +406,7 @@ class VideoJobs:
         winner, only slow, may have saved it as its own since this head read it)."""
         assert self.store is not None
         stored = await from_store(f"taking over video {job_id}", self.store.load_job, job_id)
-        return stored is not None and stored.job.restarts < attempt and stored.orphaned(time.time())
+        return stored is not None and stored.job.restarts < attempt and self._orphaned(stored)
 
     async def get(self, job_id: str, owner: str | None = None) -> JobEntry:
         """The job, wherever it runs: the jobs this head runs from memory (the ones it ran too, once the
@@ -411,7 +431,7 @@ class VideoJobs:
             raise APIError(404, f"no video job {job_id!r}", "video_id")
         if entry is not None and entry.made_here and not entry.handed_over:
             return entry  # this head ran it: its memory is ahead of the store until its last save lands
-        if stored.orphaned(time.time()) and self.adopting():  # its head died: this head may take it over
+        if self._orphaned(stored) and self.adopting():  # its head died: this head may take it over
             adopted = await self.take_over(stored)
             if adopted is not None:
                 return adopted
