@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from triptych_head.api.auth import APIKeys, parse_entries
 from triptych_head.api.errors import APIError
 from triptych_head.api.key_limits import KeyLimit, KeyLimits
-from triptych_head.api.key_quotas import DEVICE_TIME, FOLDER, PERIODS, SWEEP_S, QuotaExceeded, QuotaLedger
+from triptych_head.api.key_quotas import DEVICE_TIME, FOLDER, PERIODS, SETTLED_S, SWEEP_S, QuotaExceeded, QuotaLedger
 from triptych_head.objects import DirectoryObjects, StoredObject
 
 DAY = (("day", 3),)
@@ -321,3 +321,30 @@ def test_a_key_s_finished_requests_use_its_device_seconds_and_the_next_one_gets_
         backend.fail = GenerationFailed("boom", 500)  # a failed request uses none of the key's
         assert client.post("/v1/images/generations", json=image, headers=other).status_code == 500
         assert client.get("/v1/usage", headers=other).json()["device_seconds"][0]["used"] == 0
+
+
+class AheadOfTheStore(WholeSecondStore):
+    """The same, with each object's tag (an S3 ETag; a file's inode, mtime and size), and mtimes a
+    minute behind this head's clock: the store's clock, or this head's, is off."""
+
+    def list(self, prefix: str) -> Iterator[StoredObject]:
+        for obj in DirectoryObjects.list(self, prefix):
+            yield StoredObject(obj.name, obj.size, self.mtime, obj.tag)
+
+
+def test_a_head_whose_clock_runs_ahead_of_the_store_s_still_reads_a_rewrite_with_the_same_size(
+    tmp_path: Path,
+) -> None:
+    """Its clock more than SETTLED_S ahead, the head took a rewrite in the same second and of the same
+    size for the settled object it had read, and counted from the old counts."""
+    clock = Clock(at("2026-12-05T10:00:00"))
+    (a,) = ledgers(tmp_path, clock, "head-a")
+    b = QuotaLedger(AheadOfTheStore(tmp_path, time.time() - 2 * SETTLED_S), "head-b", CollectorRegistry(), clock)
+    admit(a, "r1")
+    a.sync({"day"})
+    b.sync({"day"})
+    assert b.used(PERIODS["day"], "k") == 1
+    admit(a, "r2")
+    a.sync({"day"})
+    b.sync({"day"})
+    assert b.used(PERIODS["day"], "k") == 2
