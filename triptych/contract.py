@@ -286,6 +286,9 @@ class Contract:
         why = lora.check_request(values.get(lora.FIELD) or ())
         if why is not None:
             raise ParamError(lora.FIELD, why)
+        why = unguided_negative(values)
+        if why is not None:
+            raise ParamError("negative_prompt", why)
 
     def _checks(self, traits: ModelTraits | None) -> tuple[Check, ...]:
         """What check() looks at for `traits`: each field a parameter sets (its name for the head's
@@ -340,6 +343,18 @@ def _frames(t: ModelTraits) -> Limits:
         "(e.g. {nearest})"
     )
     return Limits(maximum=t.max_frames, step=t.frame_step, offset=1, message=text, step_message=text)
+
+
+def unguided_negative(values: Mapping[str, Any]) -> str | None:
+    """Why a negative prompt would be ignored, or None: it steers classifier-free guidance, which a
+    pipeline runs only at guidance_scale above 1 (WanPipeline.do_classifier_free_guidance)."""
+    negative, guidance = values.get("negative_prompt"), values.get("guidance_scale")
+    if not negative or guidance is None or guidance > 1.0:
+        return None
+    return (
+        f"negative_prompt is used only with classifier-free guidance, which runs at guidance_scale above 1 "
+        f"(got guidance_scale {guidance:g}): raise guidance_scale, or leave negative_prompt out"
+    )
 
 
 NO_CFG = (

@@ -166,6 +166,9 @@ def test_the_playground_s_fields_are_parameters_the_contract_shows_in_forms() ->
         (FLUX, IMAGES, {"num_inference_steps": 51}, "num_inference_steps", "num_inference_steps 51 must be between"),
         (FLUX, IMAGES, {"negative_prompt": "blurry"}, "negative_prompt", "negative_prompt is not supported"),
         (WAN, VIDEOS, {"num_frames": 6}, "num_frames", "num_frames 6 is invalid: WanPipeline needs 1 + a multiple"),
+        (WAN, VIDEOS, {"negative_prompt": "blurry", "guidance_scale": 1.0}, "negative_prompt",
+         "negative_prompt is used only with classifier-free guidance, which runs at guidance_scale above 1 "
+         "(got guidance_scale 1): raise guidance_scale, or leave negative_prompt out"),
         (FLUX, IMAGES, {"step_cache": "teacache"}, "step_cache", "step_cache: Input should be 'none', 'first_block'"),
         (WAN, VIDEOS, {"step_cache": "taylorseer"}, "step_cache",
          "step_cache 'taylorseer' is not available for WanPipeline: choose one of none, first_block, pyramid"),
