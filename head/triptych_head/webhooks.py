@@ -37,12 +37,12 @@ import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from triptych.urls import shown_url
+from triptych.watched_file import WatchedFile
 from triptych_head.webhook_outbox import LEASE_S, Outbox, Pending
 
 log = logging.getLogger(__name__)
@@ -62,18 +62,24 @@ class WebhookConfigError(ValueError):
 
 @dataclass(frozen=True)
 class WebhookTarget:
-    """Where events go and the key that signs them."""
+    """Where events go and the key that signs them: `key`, or, from --webhook-secret-file, the file's
+    key as it is now (a rotated Secret is read again: triptych.watched_file)."""
 
     url: str
-    key: bytes
+    key: bytes = b""
+    secret: WatchedFile[bytes] | None = None
 
     @classmethod
     def from_flags(cls, url: str, secret_file: str) -> WebhookTarget:
+        what = f"--webhook-secret-file {secret_file}"
         try:
-            text = Path(secret_file).read_text().strip()
+            secret = WatchedFile(secret_file, lambda text: parse_secret(text.strip(), secret_file), what)
         except (OSError, UnicodeDecodeError) as exc:
-            raise WebhookConfigError(f"--webhook-secret-file {secret_file}: cannot read it ({exc})") from None
-        return cls(url, parse_secret(text, secret_file))
+            raise WebhookConfigError(f"{what}: cannot read it ({exc})") from None
+        return cls(url, secret=secret)
+
+    def signing_key(self) -> bytes:
+        return self.secret.get() if self.secret is not None else self.key
 
 
 def parse_secret(text: str, source: str) -> bytes:
@@ -220,7 +226,7 @@ class Webhooks:
             "user-agent": "triptych-webhooks",
             "webhook-id": event_id,
             "webhook-timestamp": str(timestamp),
-            "webhook-signature": signature(self.target.key, event_id, timestamp, body),
+            "webhook-signature": signature(self.target.signing_key(), event_id, timestamp, body),
         }
         request = urllib.request.Request(self.target.url, data=body, headers=headers, method="POST")
         try:

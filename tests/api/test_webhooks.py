@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import socket
 import threading
 import time
@@ -164,9 +165,43 @@ def test_a_secret_that_cannot_sign_is_refused_naming_the_flag(text: str, says: s
 
 def test_a_secret_file_is_read_whole_and_a_missing_one_is_named(tmp_path: Path) -> None:
     (tmp_path / "secret").write_text(SECRET + "\n")
-    assert WebhookTarget.from_flags("https://h.example/x", str(tmp_path / "secret")).key == KEY
+    assert WebhookTarget.from_flags("https://h.example/x", str(tmp_path / "secret")).signing_key() == KEY
     with pytest.raises(WebhookConfigError, match=r"--webhook-secret-file .*missing: cannot read it"):
         WebhookTarget.from_flags("https://h.example/x", str(tmp_path / "missing"))
+
+
+def _mount(folder: Path, secret: str, version: int) -> None:
+    """What the kubelet does with a Secret mounted as files: its data in a new folder, then the
+    `..data` symlink swapped to it at once (the file `secret` links through `..data`)."""
+    data = folder / f"..{version}"
+    data.mkdir()
+    (data / "secret").write_text(secret + "\n")
+    (folder / "..data_tmp").symlink_to(data.name)
+    (folder / "..data_tmp").rename(folder / "..data")
+    if not (folder / "secret").is_symlink():
+        (folder / "secret").symlink_to("..data/secret")
+
+
+def test_a_rotated_secret_signs_the_next_attempts_and_a_bad_update_keeps_the_key_before(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The secret was read once at start: after a rotation the head signed with the old key for ever,
+    the receiver refused every event (401), and each was dropped as refused."""
+    new_key = bytes(range(1, 33))
+    _mount(tmp_path, SECRET, 1)
+    target = WebhookTarget.from_flags("https://h.example/x", str(tmp_path / "secret"))
+    assert target.signing_key() == KEY
+    _mount(tmp_path, "whsec_" + base64.b64encode(new_key).decode(), 2)
+    deadline = time.monotonic() + 10
+    while target.signing_key() != new_key:
+        assert time.monotonic() < deadline, "the rotated secret was never read"
+        time.sleep(0.1)
+    with caplog.at_level(logging.ERROR):
+        _mount(tmp_path, "not a secret", 3)
+        time.sleep(1.2)  # past a recheck
+        assert target.signing_key() == new_key and target.signing_key() == new_key
+    [logged] = [r.message for r in caplog.records if "cannot re-read --webhook-secret-file" in r.message]
+    assert "keeping what was read before" in logged and "whsec_" in logged and "not a secret" not in logged
 
 
 @pytest.mark.parametrize(
