@@ -28,9 +28,9 @@ import uvicorn
 from triptych import startup
 from triptych.config import ServeArgs
 from triptych.ports import host_port
+from triptych.tls_reload import CertificateReloader
 from triptych_head.api.context import HeadContext
 from triptych_head.server import DiffusionServer
-from triptych_head.tls import CertificateReloader
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class DrainingServer(uvicorn.Server):
         self._hurry = hurry
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
-        self._reloading: asyncio.Task[None] | None = None  # the HTTPS certificate's (tls.py)
+        self._reloading: asyncio.Task[None] | None = None  # the HTTPS certificate's (triptych/tls_reload.py)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()

@@ -4,9 +4,13 @@ head-like /metrics pages over HTTP; the Kubernetes reads and the SubjectAccessRe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import logging
+import os
+import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -19,6 +23,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.certs import der
 from tests.operator.tls import make_ca, make_cert
 from triptych_operator.constants import HEAD_METRICS_URL_ANNOTATION
 from triptych_operator.metrics_api.auth import Authorizer, RequestHeaderConfig
@@ -431,6 +436,17 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+def header_config(pki: dict[str, Path]) -> RequestHeaderConfig:
+    """What extension-apiserver-authentication would say: the front proxy's CA and name."""
+    return RequestHeaderConfig(
+        client_ca_pem=pki["proxy_ca"].read_text(),
+        allowed_names=(PROXY_NAME,),
+        username_headers=("X-Remote-User",),
+        group_headers=("X-Remote-Group",),
+        extra_prefixes=("X-Remote-Extra-",),
+    )
+
+
 class Api:
     """The app on loopback HTTPS, with a recorded, scriptable SubjectAccessReview."""
 
@@ -447,14 +463,8 @@ class Api:
         return spec["user"] not in self.deny_users
 
     async def get(self, path: str, *, cert: str | None = "proxy", user: str = HPA_USER) -> tuple[int, Any]:
-        config = RequestHeaderConfig(
-            client_ca_pem=self.pki["proxy_ca"].read_text(),
-            allowed_names=(PROXY_NAME,),
-            username_headers=("X-Remote-User",),
-            group_headers=("X-Remote-Group",),
-            extra_prefixes=("X-Remote-Extra-",),
-        )
-        tls = server_tls(str(self.pki["serving_crt"]), str(self.pki["serving_key"]), config.client_ca_pem)
+        config = header_config(self.pki)
+        tls, _reloader = server_tls(str(self.pki["serving_crt"]), str(self.pki["serving_key"]), config.client_ca_pem)
         client = ssl.create_default_context(cafile=str(self.pki["server_ca"]))
         if cert:
             client.load_cert_chain(str(self.pki[f"{cert}_crt"]), str(self.pki[f"{cert}_key"]))
@@ -647,6 +657,135 @@ def test_when_the_review_cannot_be_made_the_request_is_refused_with_503(api: Api
 def test_health_needs_no_credentials(api: Api) -> None:
     code, body = asyncio.run(api.get("/healthz", cert=None))
     assert (code, body) == (200, "ok")
+
+
+# ---------------------------------------------------------------- a renewed serving certificate
+
+RELOAD_S = 0.05  # the reload interval the test gives the server (RECHECK_S, 5 s, in production)
+WITHIN_S = 5.0  # bound on every wait (the server should take a few RELOAD_S)
+
+
+def kubelet_publish(mount: Path, files: Mapping[str, bytes], version: int) -> None:
+    """Write a Secret volume as the kubelet does (its AtomicWriter): the files go into a new timestamped
+    folder, the `..data` symlink is swapped to it by one rename and the old folder removed; tls.crt and
+    tls.key are symlinks to ..data/tls.crt and ..data/tls.key, which never change themselves."""
+    mount.mkdir(exist_ok=True)
+    folder = mount / f"..2025_01_01_00_00_00.{version:09d}"
+    folder.mkdir()
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    data_link = mount / "..data"
+    old = os.readlink(data_link) if data_link.is_symlink() else None
+    os.symlink(folder.name, mount / "..data_tmp")
+    os.replace(mount / "..data_tmp", data_link)
+    for name in files:
+        if not (mount / name).is_symlink():
+            os.symlink(f"..data/{name}", mount / name)
+    if old is not None:
+        shutil.rmtree(mount / old)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_renewed_serving_certificate_is_served_without_a_restart(
+    pki: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """metricsApi.tls.secretName (cert-manager's Secret) is renewed under the running server and the
+    chart's checksum does not change, so nothing restarts it: the real server (main.serve, its
+    Kubernetes reads faked) serves the renewed pair to new connections within a few reload intervals
+    of the kubelet's ..data swap. A half-written pair is logged once and the pair in use kept."""
+    from triptych_operator.metrics_api import main as metrics_main
+
+    ca = make_ca(tmp_path, "renewing-ca")
+    made = [
+        make_cert(tmp_path, f"serving-{i}", ca, cn="metrics", san="DNS:localhost,IP:127.0.0.1", usage="serverAuth")
+        for i in range(3)
+    ]
+    pairs = [{"tls.crt": crt.read_bytes(), "tls.key": key.read_bytes()} for crt, key in made]
+    mount = tmp_path / "tls"
+    kubelet_publish(mount, pairs[0], 1)
+    config = header_config(pki)
+    monkeypatch.setattr(metrics_main, "api_client", lambda kubeconfig: object())
+    monkeypatch.setattr(metrics_main, "read_request_header_config", lambda kube: config)
+    monkeypatch.setattr(metrics_main, "KubePipelineReader", lambda kube: FakeReader({}))
+    monkeypatch.setattr(metrics_main, "kube_review", lambda kube: lambda spec: True)
+    port = free_port()
+    cert_flags = ["--tls-cert-file", str(mount / "tls.crt"), "--tls-private-key-file", str(mount / "tls.key")]
+    args = metrics_main.build_parser().parse_args(
+        [*cert_flags, "--bind-address", "127.0.0.1", "--secure-port", str(port)]
+    )
+    verified = ssl.create_default_context(cafile=str(ca[0]))  # as the kube-apiserver checks it (caBundle)
+    names = {der(crt): f"pair {i}" for i, (crt, _key) in enumerate(made)}
+
+    async def presented() -> bytes | None:
+        """The certificate a new connection is shown; None while nothing listens."""
+        unverified = ssl.create_default_context()
+        unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE
+        try:
+            _reader, writer = await asyncio.wait_for(
+                asyncio.open_connection("127.0.0.1", port, ssl=unverified), WITHIN_S
+            )
+        except ConnectionRefusedError:
+            return None
+        cert = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        writer.close()
+        await writer.wait_closed()
+        return cert
+
+    async def until_presented(want: bytes, server: asyncio.Task[None], what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + WITHIN_S
+        while (got := await presented()) != want:
+            if server.done():
+                server.result()  # its exception, if it failed
+                raise AssertionError("the server stopped")
+            assert asyncio.get_running_loop().time() < deadline, f"{what}: still served {names.get(got or b'', got)}"
+            await asyncio.sleep(0.02)
+
+    async def healthz() -> tuple[int, str]:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"https://localhost:{port}/healthz", ssl=verified) as resp:
+                return resp.status, await resp.text()
+
+    def refusals() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "triptych.tls_reload" and r.levelno >= logging.ERROR]
+
+    async def scenario() -> None:
+        server = asyncio.create_task(metrics_main.serve(args, tls_recheck_s=RELOAD_S))
+        try:
+            await until_presented(der(made[0][0]), server, "the first pair at start")
+            assert await healthz() == (200, "ok")
+
+            kubelet_publish(mount, pairs[1], 2)  # the renewal
+            await until_presented(der(made[1][0]), server, "the renewed pair")
+            assert await healthz() == (200, "ok"), "a client that verifies the server accepts the renewed pair"
+
+            caplog.clear()
+            half = {"tls.crt": pairs[2]["tls.crt"][: len(pairs[2]["tls.crt"]) // 2], "tls.key": pairs[2]["tls.key"]}
+            kubelet_publish(mount, half, 3)
+            deadline = asyncio.get_running_loop().time() + WITHIN_S
+            while not refusals():
+                assert asyncio.get_running_loop().time() < deadline, "a half-written pair is never logged"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(10 * RELOAD_S)  # ten more checks of the same bad pair
+            assert len(refusals()) == 1, "a bad pair is logged once, not at every check"
+            assert "does not load" in refusals()[0].getMessage()
+            assert await presented() == der(made[1][0]), "the pair in use is kept"
+            assert await healthz() == (200, "ok")
+
+            kubelet_publish(mount, pairs[2], 4)  # the whole pair, written again
+            await until_presented(der(made[2][0]), server, "a good pair after a bad one")
+            assert await healthz() == (200, "ok")
+        finally:
+            server.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(server, WITHIN_S)
+
+    with caplog.at_level(logging.INFO, logger="triptych.tls_reload"):
+        asyncio.run(scenario())
 
 
 def test_the_server_imports_nothing_the_operator_image_lacks() -> None:

@@ -1,7 +1,8 @@
-"""The head's HTTPS certificate is reloaded when its files change (head/triptych_head/tls.py): a real
-TLS server on loopback with the head's reloader on its context. New connections get the new pair; a
-pair that does not load (a key of another certificate, a missing file) is logged once and the pair in
-use kept."""
+"""An HTTPS certificate is reloaded when its files change (triptych/tls_reload.py, the head's and the
+metrics API server's): a real TLS server on loopback with the reloader on its context. New connections
+get the new pair; a pair that does not load (a key of another certificate, a missing file) is logged
+once and the pair in use kept. The metrics API server's own, on a kubelet-style Secret mount:
+tests/operator/test_metrics_api.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.certs import der, self_signed
-from triptych_head.tls import CertificateReloader
+from triptych.tls_reload import CertificateReloader
 
 
 def install(cert: Path, key: Path, folder: Path) -> tuple[Path, Path]:
@@ -67,7 +68,7 @@ def test_a_renewed_pair_is_served_to_new_connections_and_a_bad_one_is_refused_on
 
         caplog.clear()
         install(c[0], b[1], live)  # c's certificate with b's key: does not load
-        with caplog.at_level(logging.ERROR, logger="triptych_head.tls"):
+        with caplog.at_level(logging.ERROR, logger="triptych.tls_reload"):
             assert not reloader.check()
             assert not reloader.check()
         assert len(caplog.records) == 1, "logged once, not on every check"
@@ -76,7 +77,7 @@ def test_a_renewed_pair_is_served_to_new_connections_and_a_bad_one_is_refused_on
 
         caplog.clear()
         key.unlink()
-        with caplog.at_level(logging.ERROR, logger="triptych_head.tls"):
+        with caplog.at_level(logging.ERROR, logger="triptych.tls_reload"):
             assert not reloader.check()
             assert not reloader.check()
         assert len(caplog.records) == 1 and "cannot be read" in caplog.records[0].getMessage()

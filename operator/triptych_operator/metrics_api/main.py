@@ -3,7 +3,8 @@
     triptych-metrics-api --tls-cert-file tls.crt --tls-private-key-file tls.key [--secure-port 6443]
 
 Runs in-cluster with its service account, or with $KUBECONFIG / --kubeconfig elsewhere. It must
-be registered as the APIService v1beta2.custom.metrics.k8s.io (the Helm chart does this).
+be registered as the APIService v1beta2.custom.metrics.k8s.io (the Helm chart does this). The serving
+pair is reloaded when its files change (triptych/tls_reload.py), as a renewed Secret's are.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from aiohttp import web
 
 from triptych import log_format
 from triptych.log_format import FORMATS as LOG_FORMATS
+from triptych.tls_reload import RECHECK_S as TLS_RECHECK_S
+from triptych.tls_reload import CertificateReloader
 from triptych_operator.metrics_api.auth import AuthConfigError, Authorizer, kube_review, read_request_header_config
 from triptych_operator.metrics_api.server import build_app
 from triptych_operator.metrics_api.source import (
@@ -79,20 +82,29 @@ def api_client(kubeconfig: str | None) -> Any:
     return config.new_client_from_config(config_file=kubeconfig or os.environ.get("KUBECONFIG"))
 
 
-def server_tls(cert_file: str, key_file: str, client_ca_pem: str) -> ssl.SSLContext:
-    """TLS that asks for (but does not require) a client certificate, trusting only the requestheader CA."""
+def server_tls(cert_file: str, key_file: str, client_ca_pem: str) -> tuple[ssl.SSLContext, CertificateReloader]:
+    """TLS that asks for (but does not require) a client certificate, trusting only the requestheader CA,
+    and the reloader that keeps it serving the pair on disk (run it: `reloader.run(every_s)`).
+
+    The serving pair must be reloaded: a Secret the chart did not make (metricsApi.tls.secretName,
+    cert-manager's) is renewed under the running pod, and nothing restarts it; the old certificate
+    expiring would leave the kube-apiserver unable to verify the APIService, and every HPA blind.
+    """
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    # The files are stamped before they are loaded: a renewal landing in between is loaded at the first check.
+    reloader = CertificateReloader(ctx, cert_file, key_file)
     ctx.load_cert_chain(cert_file, key_file)
     ctx.verify_mode = ssl.CERT_OPTIONAL
     ctx.load_verify_locations(cadata=client_ca_pem)
-    return ctx
+    return ctx, reloader
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, *, tls_recheck_s: float = TLS_RECHECK_S) -> None:
+    """Serve until SIGTERM/SIGINT (or cancelled); the serving pair is looked at every `tls_recheck_s`."""
     kube = api_client(args.kubeconfig)
     auth_config = await asyncio.to_thread(read_request_header_config, kube)
-    tls = server_tls(args.tls_cert_file, args.tls_private_key_file, auth_config.client_ca_pem)
+    tls, reloader = server_tls(args.tls_cert_file, args.tls_private_key_file, auth_config.client_ca_pem)
     heads = heads_tls(args.head_ca_file)
     if heads is None:
         log.info("--head-ca-file unset: heads serving HTTPS are scraped without verifying their certificates")
@@ -104,12 +116,14 @@ async def serve(args: argparse.Namespace) -> None:
         await runner.setup()
         await web.TCPSite(runner, args.bind_address, args.secure_port, ssl_context=tls).start()
         log.info("serving custom.metrics.k8s.io on https://%s:%d", args.bind_address, args.secure_port)
+        reloading = asyncio.create_task(reloader.run(tls_recheck_s))
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         try:
             await stop.wait()
         finally:
+            reloading.cancel()
             await runner.cleanup()
 
 

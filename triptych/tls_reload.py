@@ -1,6 +1,8 @@
-"""The HTTPS certificate, reloaded when its files change: a renewed certificate (a mounted Secret the
+"""An HTTPS certificate, reloaded when its files change: a renewed certificate (a mounted Secret the
 kubelet updates, cert-manager's renewal) takes effect without a restart. New connections get the new
-pair, open ones keep theirs.
+pair, open ones keep theirs. Shared by the head (triptych_head.shutdown, --ssl-certfile) and the
+custom metrics API server (triptych_operator.metrics_api.main, --tls-cert-file), each checking every
+RECHECK_S seconds.
 
 A changed pair is loaded into a scratch context first: a key of another certificate, a half-written
 file or a missing one is logged and the pair in use kept. Only a pair that loads is loaded into the
@@ -29,7 +31,7 @@ class CertificateReloader:
         self.context = context
         self.certfile = certfile
         self.keyfile = keyfile
-        self._loaded = self._stamp()  # the pair uvicorn loaded at start
+        self._loaded = self._stamp()  # the pair loaded at start (by uvicorn, or server_tls just after this)
         self._refused: Stamp | str | None = None  # a changed pair that did not load (logged once)
 
     def _stamp(self) -> Stamp:
