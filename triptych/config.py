@@ -33,6 +33,7 @@ MIN_DISCOVERY_INTERVAL_S = 0.05  # --disagg-discovery-interval: each pass resolv
 DEFAULT_PRIORITY_AGING_S = 30.0  # --disagg-priority-aging: a wait this long raises a request one level
 DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
 DEFAULT_RESULTS_MAX_BYTES = 5 << 30
+PIPELINE_ENV = "TRIPTYCH_PIPELINE"  # the pipeline a head serves (<namespace>/<name>): whose its result store is
 S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 MAX_PRESIGN_S = 7 * 24 * 3600  # S3 signs a URL for a week at most
 DISPATCH_POLICIES = ("round_robin", "max_free_slots")

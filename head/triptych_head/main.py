@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import threading
 import time
@@ -16,6 +17,7 @@ from triptych.config import ConfigError, ServeArgs
 from triptych.families import ModelInfo, read_model_info, read_rules
 from triptych.lora import LoraCatalog
 from triptych.params import GenerationParams
+from triptych_head import store_owner
 from triptych_head.admission import MIN_QUEUED, AdmissionControl
 from triptych_head.api.app import create_app
 from triptych_head.api.auth import APIKeyError, APIKeys
@@ -50,6 +52,8 @@ def _results(args: ServeArgs) -> dict[str, Any] | None:
     result must not start taking requests."""
     try:
         store = open_object_store(args.output_path, args.results_store, args.results_s3_endpoint)
+        if pipeline := os.environ.get(store_owner.ENV):
+            store_owner.claim_store(store, pipeline)
     except StoreError as exc:
         print(f"triptych: error: {exc}", file=sys.stderr)
         return None

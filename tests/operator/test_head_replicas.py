@@ -9,7 +9,7 @@ import pytest
 
 from tests.operator.helpers import NAMESPACE, OWNER, minimal_spec, pipeline
 from tests.operator.test_manifests import children, container, parse_serve
-from triptych.config import HEAD_SHUTDOWN_OVERHEAD_S
+from triptych.config import HEAD_SHUTDOWN_OVERHEAD_S, PIPELINE_ENV
 from triptych.discovery import expand
 from triptych.ports import result_endpoint
 from triptych.roles import Role
@@ -265,3 +265,12 @@ def test_a_deleted_head_keeps_serving_until_it_is_unrouted_then_drains_before_th
     drain = parse_serve(c).disagg_drain_timeout
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert HEAD_UNROUTE_S + drain + HEAD_SHUTDOWN_OVERHEAD_S + 10 <= grace == 300
+
+
+def test_the_head_is_told_its_pipeline_so_it_marks_its_store_and_head_env_may_name_another() -> None:
+    """Two pipelines given one store took over each other's records: the head marks its store as its
+    pipeline's (head/triptych_head/store_owner.py) with the name the operator gives it."""
+    env = container(head_deployment(head_spec(results={"s3": S3})))["env"]
+    assert [e["value"] for e in env if e["name"] == PIPELINE_ENV] == [f"{NAMESPACE}/wan-t2v"]
+    kept = head_spec(results={"s3": S3}, env=[{"name": PIPELINE_ENV, "value": "ml/old-name"}])
+    assert [e["value"] for e in container(head_deployment(kept))["env"] if e["name"] == PIPELINE_ENV] == ["ml/old-name"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from triptych.config import MIB, ServeArgs
+from triptych.config import MIB, PIPELINE_ENV, ServeArgs
 from triptych.env_secrets import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, file_variable
 from triptych.ports import result_port
 from triptych.roles import Role
@@ -179,6 +179,12 @@ def head_tls_volume(pipeline: PipelineSpec) -> tuple[list[Manifest], list[Manife
     return [volume], [mount]
 
 
+def _pipeline_env(pipeline: PipelineSpec) -> Manifest:
+    """Whose results the head keeps: it marks its store as this pipeline's and refuses one marked as
+    another's (head/triptych_head/store_owner.py). head.env may set another (a store kept across a rename)."""
+    return {"name": PIPELINE_ENV, "value": f"{pipeline.namespace}/{pipeline.name}"}
+
+
 def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: str = "") -> Manifest:
     """The GPU-less head: HTTP API plus the scheduler frontend and result sockets."""
     head = pipeline.head
@@ -197,7 +203,7 @@ def head_deployment(pipeline: PipelineSpec, argv: list[str], keys_fingerprint: s
         "image": pipeline.head_image,
         "command": list(SERVE_COMMAND),
         "args": argv,
-        "env": merged_env([*model_env, *s3_env], head.env),
+        "env": merged_env([*model_env, *s3_env, _pipeline_env(pipeline)], head.env),
         "ports": _head_ports(pipeline),
         "resources": container_resources(head.resources, {}),
         "securityContext": container_security(),
