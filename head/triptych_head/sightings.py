@@ -7,7 +7,7 @@ may disagree (a node whose NTP broke, a VM paused and resumed, a clock stepped),
 clock ran ahead would take over work whose holder is alive, running it twice. So a head judges
 another's lease the way Kubernetes' leader election does, by what it sees itself: the holder is gone
 once its record has stood unchanged for a whole lease by this head's monotonic clock, counted from the
-first time this head saw the record as it is. No two clocks are ever compared.
+first time this head saw the record as it is, never against another head's clock or the store's.
 
 The price: a head that first sees a record waits a lease before taking it over, even when its holder
 died a while before. Two cases are taken at once: a holder that hands its work over says so in the

@@ -5,10 +5,12 @@ event whose head dies before delivering it is delivered by another (webhooks.py)
     webhooks/<event id>.adopt-<n>      created once: the head that won the event's n-th adoption
                                        (.r2, .r3, ...: a later claim of it, the winner having died first; claims.py)
 
-A head writes an event's record before its first attempt and renews the lease before each wait for the
-next; it removes the record once the event is delivered, refused or given up. A head that stops hands
-its events over (their leases end at once); one that dies leaves them until their leases run out,
-judged by each head on its own clock (a record unchanged for its lease: sightings.py). Every head
+A head writes an event's record before its first attempt and renews the lease every third of LEASE_S
+until it ends (through each wait for the next attempt, whose length the lease covers too); it removes
+the record once the event is delivered, refused or given up. A head that stops hands its events over
+(their leases end at once); one that dies leaves them until their leases run out: the record stood
+unchanged for LEASE_S as the adopting head saw it (sightings.py), and its `lease_until` passed by that
+head's clock (a head of an older release renews only before each wait). Every head
 looks for such orphans every OUTBOX_SCAN_S and adopts each it wins (the `.adopt-<n>` object,
 created once, decides), going on from the attempts already made, with the same event id: a
 receiver may see the event twice (the dead head's attempt may have landed), never a different one.
@@ -40,10 +42,9 @@ class Pending:
     event: dict[str, Any]
     attempts: int = 0
     adoptions: int = 0
-    lease_until: float = 0.0  # by its head's clock (0: handed over); read as such by heads of older releases
+    lease_until: float = 0.0  # by its head's clock (0: handed over)
     head: str = ""
     made: float = field(default_factory=time.time)
-    lease_s: float | None = None  # how long its head may leave the record unchanged (None: an older head's)
 
     @property
     def event_id(self) -> str:
@@ -64,7 +65,6 @@ class Outbox:
         """Write the record, this head's for `lease_s` from now (0: handed over, adoptable at once)."""
         pending.head = self.head_id
         pending.lease_until = time.time() + lease_s if lease_s else 0.0
-        pending.lease_s = lease_s
         self.objects.put_bytes(self.name(pending.event_id), json.dumps(asdict(pending)).encode(), "application/json")
 
     def remove(self, event_id: str) -> None:
@@ -75,7 +75,9 @@ class Outbox:
 
     def orphans(self, now: float) -> list[Pending]:
         """The events whose head stopped renewing their leases (or handed them over). `now`: this head's
-        wall clock, for records of older heads, which do not say how long their leases are."""
+        wall clock. Both must say so: the record unchanged for LEASE_S as this head saw it (a head whose
+        clock runs ahead takes no event its head renews) and its lease past by this clock (a head of an
+        older release leaves the record unchanged through a wait its lease covers)."""
         found = []
         for obj in list(self.objects.list(f"{FOLDER}/")):
             if not obj.name.endswith(".json"):
@@ -84,17 +86,12 @@ class Outbox:
                 raw = self.objects.get_bytes(obj.name)
                 pending = Pending(**json.loads(raw))
                 lease_until = float(pending.lease_until)
-                lease_s = None if pending.lease_s is None else float(pending.lease_s)
             except ObjectMissing:  # delivered meanwhile
                 continue
             except (ValueError, TypeError):
                 log.warning("webhook outbox: %s is not a record this head reads; left as it is", obj.name)
                 continue
-            if lease_s is None:
-                lapsed = lease_until < now
-            else:
-                lapsed = self.sightings.lapsed(obj.name, raw, lease_s, lease_until, now)
-            if lapsed:
+            if self.sightings.lapsed(obj.name, raw, LEASE_S, lease_until, now) and lease_until < now:
                 found.append(pending)
         return found
 

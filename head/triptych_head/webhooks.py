@@ -203,8 +203,15 @@ class Webhooks:
             wait = max(self.retry_after_s[pending.attempts - 1], min(retry_after or 0.0, MAX_WAIT_S))
             answer = "no answer" if status is None else f"{status}"
             log.info("%s: %s from %s; sending again in %.0f s", what, answer, self.shown, wait)
-            await self._keep(pending, wait + LEASE_S)
-            await asyncio.sleep(wait)
+            await self._wait_keeping(pending, wait)
+
+    async def _wait_keeping(self, pending: Pending, wait: float) -> None:
+        """Sleep `wait`, renewing the event's lease every third of LEASE_S meanwhile: other heads see
+        its record change (sightings.py), so none takes it for an orphan, whatever their clocks."""
+        end = time.monotonic() + wait
+        while (left := end - time.monotonic()) > 0:
+            await self._keep(pending, left + LEASE_S)
+            await asyncio.sleep(min(left, LEASE_S / 3))
 
     async def _keep(self, pending: Pending, lease_s: float) -> None:
         if self.outbox is not None:

@@ -246,6 +246,36 @@ def outbox_files(tmp_path: Path) -> list[str]:
 JOB = {"id": "video_7", "status": "completed", "state": "DONE"}
 
 
+def test_an_event_waiting_for_its_next_attempt_keeps_its_lease_renewed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its head wrote the lease once for the whole wait: a head whose clock ran ahead by more than
+    what was left of it adopted an event its head was still to send (sightings.py sees no renewal)."""
+    import triptych_head.webhooks as webhooks
+
+    monkeypatch.setattr(webhooks, "LEASE_S", 0.3)  # renewed every 0.1 s
+    with webhook_receiver(answers=[503]) as hooks:
+        [(a, _), _] = heads(tmp_path, hooks.url, retry_after_s=(1.5,))
+
+        async def run() -> list[float]:
+            a.job_ended(JOB)
+            await asyncio.to_thread(hooks.wait, 1)
+            leases: list[float] = []
+            while len(hooks.received) < 2 and len(leases) < 400:  # the wait: 1.5 s
+                [record] = [n for n in outbox_files(tmp_path) if n.endswith(".json")] or [None]
+                if record is not None:
+                    lease = json.loads((tmp_path / "store" / "webhooks" / record).read_text())["lease_until"]
+                    if not leases or leases[-1] != lease:
+                        leases.append(lease)
+                await asyncio.sleep(0.02)
+            await a.close(5)
+            return leases
+
+        leases = asyncio.run(run())
+    assert len(hooks.received) == 2
+    assert len(leases) >= 8, f"the lease was written {len(leases)} times during a 1.5 s wait"
+
+
 def test_a_delivered_event_leaves_nothing_in_the_store(tmp_path: Path) -> None:
     with webhook_receiver() as hooks:
         [(a, registry), _] = heads(tmp_path, hooks.url)

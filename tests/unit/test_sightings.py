@@ -71,14 +71,20 @@ def test_a_webhook_event_renewed_by_its_head_is_no_orphan_to_a_head_whose_clock_
     assert orphan.event_id == "evt_1" and b.claim(orphan)
 
 
-def test_an_older_head_s_webhook_record_without_its_lease_length_is_judged_as_before(tmp_path: Path) -> None:
-    store = DirectoryObjects(tmp_path)
-    record = {"event": EVENT, "attempts": 1, "adoptions": 0, "lease_until": time.time() + 30, "head": "old",
-              "made": time.time()}  # fmt: skip
+def test_an_event_is_adopted_only_once_its_lease_passed_too_as_an_older_head_writes_one_for_a_wait(
+    tmp_path: Path,
+) -> None:
+    """A head of an older release writes the lease once for its whole wait before the next attempt
+    (here 70 s, plus LEASE_S): unchanged for a lease, the event is still that head's until then."""
+    store, now = DirectoryObjects(tmp_path), time.time()
+    record = {"event": EVENT, "attempts": 1, "adoptions": 0, "lease_until": now + 100, "head": "old", "made": now}
     store.put_bytes("webhooks/evt_1.json", json.dumps(record).encode(), "application/json")
-    b = Outbox(store, "head-b")
-    assert b.orphans(time.time()) == []
-    assert [p.event_id for p in b.orphans(time.time() + 31)] == ["evt_1"]
+    clock = Clock(100.0)
+    b = Outbox(store, "head-b", Sightings(clock))
+    assert b.orphans(now) == []
+    clock.now += 31
+    assert b.orphans(now + 31) == []  # in its wait
+    assert [p.event_id for p in b.orphans(now + 101)] == ["evt_1"]
 
 
 SKEW = contextvars.ContextVar("skew", default=0.0)  # how far the wall clock of the head running a task is ahead
