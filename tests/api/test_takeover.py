@@ -337,3 +337,37 @@ def test_a_job_whose_head_died_moments_ago_is_taken_over_once_its_record_stood_u
     clock.now += 1
     asyncio.run(jobs.take_over_orphans())
     assert [e.job.id for e in started] == ["video_orphan"]  # type: ignore[attr-defined]
+
+
+def test_a_head_resumed_from_a_suspend_reads_the_store_before_it_saves_a_job_it_may_have_lost(tmp_path, monkeypatch):
+    """A suspended VM's monotonic clock stands still: by it alone, the head resumed thought its lease
+    fresh, saved blind over the record of the head that took its job over meanwhile, and ran on."""
+    import asyncio
+    import types
+
+    import triptych_head.api.video_jobs as video_jobs
+    from triptych_head.objects import DirectoryObjects
+
+    async def scenario() -> tuple[video_jobs.JobEntry, ResultStore]:
+        head = video_jobs.VideoJobs(ResultStore(DirectoryObjects(tmp_path)), start=lambda entry: None)
+        params = GenerationParams(prompt="waves", width=32, height=16, num_frames=5, num_inference_steps=4, seed=7)
+        job = VideoJob(id="video_live", model="tiny", status="in_progress", created_at=int(time.time()),
+                       size="32x16", num_frames=5, fps=16, seed=7)  # fmt: skip
+        entry = video_jobs.JobEntry(job, made_here=True, params=params)
+        entry.task = asyncio.create_task(asyncio.sleep(60))  # its run
+        await head.add(entry)
+        store = ResultStore(DirectoryObjects(tmp_path))
+        adopted = store.load_job("video_live")
+        assert adopted is not None
+        store.save_job(adopted.job.model_copy(update={"restarts": 1}), time.time() + 30, adopted.run)  # taken over
+        frozen = time.monotonic()  # suspended from here: resumed a minute later by the wall clock
+        monkeypatch.setattr(video_jobs, "time", types.SimpleNamespace(monotonic=lambda: frozen,
+                                                                      time=lambda: time.time() + 60))  # fmt: skip
+        entry.job.step = 3
+        await head.save_async(entry)
+        return entry, store
+
+    entry, store = asyncio.run(scenario())
+    assert entry.taken
+    saved = store.load_job("video_live")
+    assert saved is not None and saved.job.restarts == 1

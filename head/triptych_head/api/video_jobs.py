@@ -70,10 +70,11 @@ class JobEntry:
     # Another head took the job over while this one ran it (its lease lapsed: the store was out of reach
     # longer than a lease): this head stops its run, and saves and tells nothing more of it.
     taken: bool = False
-    # When (time.monotonic()) this head began its last save with a lease that landed: no other head
-    # sees the record unchanged for JOB_LEASE_S (sightings.py), so none takes the job over, before
-    # JOB_LEASE_S from then. 0: never saved so.
-    lease_from: float = 0.0
+    # When this head began its last save with a lease that landed, (time.monotonic(), time.time()): no
+    # other head sees the record unchanged for JOB_LEASE_S (sightings.py), so none takes the job over,
+    # before JOB_LEASE_S from then. Both clocks: a monotonic one stands still while a VM is suspended.
+    # None: never saved so.
+    lease_from: tuple[float, float] | None = None
     server_timing: str = ""  # where a completed run's time went (timeline.py), on the head that ran it
     key_id: str | None = None  # the API key it counts against (a digest, auth.py), when that key has limits
     owner: str | None = None  # whose requests see it (ownership.py); None: everyone's
@@ -241,24 +242,28 @@ class VideoJobs:
             self.store.stamp_expiry(entry.job)  # this head's answers show it as the store's do
             job = entry.job.model_copy()
             lease = self._lease() if entry.running_here else None
-            began = time.monotonic()
+            began = time.monotonic(), time.time()
             try:
                 await self._own_io(self.store.save_job, job, lease, entry.run_record(), entry.owner)
                 if lease is not None:
-                    entry.lease_from = max(entry.lease_from, began)
+                    entry.lease_from = began if entry.lease_from is None else max(entry.lease_from, began)
             except Exception:
                 log.exception("could not save video job %s", job.id)
 
     async def _still_ours(self, entry: JobEntry) -> bool:
         """Whether this head may save the job it runs. Another head can have taken it over only once
-        this head's lease may have lapsed (LEASE_MARGIN_S before its end, by this head's monotonic
-        clock, for slow writes), so only then is the store read first; a read that fails skips this save (the next
-        one reads again), since writing blind could overwrite the other head's record. A job taken
+        this head's lease may have lapsed (LEASE_MARGIN_S before its end, for slow writes, by either of
+        this head's clocks), so only then is the store read first; a read that fails skips this save (the
+        next one reads again), since writing blind could overwrite the other head's record. A job taken
         over is that head's from now on: this head's run is stopped, and it saves and tells nothing
         more (`entry.taken`)."""
         assert self.store is not None
-        if not entry.lease_from or time.monotonic() < entry.lease_from + JOB_LEASE_S - LEASE_MARGIN_S:
-            return True  # (never leased: a new job, which no other head can know yet)
+        if entry.lease_from is None:
+            return True  # never leased: a new job, which no other head can know yet
+        held = JOB_LEASE_S - LEASE_MARGIN_S
+        since_monotonic, since_wall = entry.lease_from
+        if time.monotonic() < since_monotonic + held and time.time() < since_wall + held:
+            return True
         try:
             stored = await self._own_io(self.store.load_job, entry.job.id)
         except Exception as exc:
@@ -386,7 +391,7 @@ class VideoJobs:
         entry.priority = run.priority
         entry.key_id = run.key_id  # its key's device-seconds are charged for the run again
         entry.owner = stored.owner
-        began = time.monotonic()
+        began = time.monotonic(), time.time()
         try:  # it runs here only once the store shows it this head's (else a later claim runs it, once stale)
             record = (self._lease(), entry.run_record(), entry.owner)
             await from_store(f"taking over video {job.id}", self.store.save_job, job, *record)
