@@ -45,6 +45,12 @@ class BadReference(ValueError):
     """A reference image that cannot be used; the message names the field and why."""
 
 
+class Refused(OSError):
+    """A fetch the head or the image encoder refuses itself (a private address, a redirect to no
+    http(s) URL): its message is this process's own words, shown whole; a server's or a library's
+    words are escaped and cut (_why)."""
+
+
 def parse_networks(text: str) -> list[Network]:
     """'10.1.0.0/16;fd00::/8' -> networks; ValueError naming the bad entry."""
     networks = []
@@ -146,7 +152,7 @@ def _vetted_connection(
     resolved = [str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
     refused = [a for a in resolved if not _permitted(a, allowed)]
     if refused:
-        raise OSError(
+        raise Refused(
             f"{host} resolves to {refused[0]}, not a public address; "
             "the image encoder's --reference-url-networks lists the private networks it may fetch from"
         )
@@ -302,7 +308,9 @@ class _HTTPOnlyRedirects(urllib.request.HTTPRedirectHandler):
             check_reference_url(newurl)
         except BadReference:  # its message would repeat the new URL whole, its query (a signature) included
             fp.close()
-            raise urllib.error.URLError(f"redirected to {shown_reference(newurl)}, not an http(s) URL") from None
+            raise urllib.error.URLError(
+                Refused(f"redirected to {shown_reference(newurl)}, not an http(s) URL")
+            ) from None
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
         fp.close()  # its body is not read: urllib would read all of it, however long, before following
         return new
@@ -362,10 +370,13 @@ def shown_reference(url: str) -> str:
 
 
 def _why(exc: BaseException) -> str:
-    """Why a fetch failed, in words that cannot forge a log line: a fixed phrase for a server that
-    answered no HTTP (BadStatusLine would repeat its status line, up to 64 KiB, carriage returns and
-    all), else the reason's text with control characters escaped, ECHO characters at most."""
+    """Why a fetch failed, in words that cannot forge a log line: this process's own refusal (Refused)
+    whole; a fixed phrase for a server that answered no HTTP (BadStatusLine would repeat its status
+    line, up to 64 KiB, carriage returns and all); else the reason's text with control characters
+    escaped, ECHO characters at most."""
     reason = getattr(exc, "reason", exc)
+    if isinstance(reason, Refused):  # its words are ours: the URL in it already shortened, the advice whole
+        return str(reason)
     if isinstance(reason, http.client.RemoteDisconnected):
         return "the server closed the connection without answering"
     if isinstance(reason, http.client.IncompleteRead):

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from triptych.reference import BadReference, _why, fetch_reference, parse_networks
+from triptych.reference import ECHO, BadReference, _why, fetch_reference, parse_networks
 
 LOOPBACK = parse_networks("127.0.0.0/8")
 SIGNED = "?X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature=5ec2e7516a7e"
@@ -24,6 +24,10 @@ class _Server(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path.startswith("/expired"):  # a presigned URL past its expiry
             self.send_response(403)
+            self.end_headers()
+        elif self.path.startswith("/long-ftp"):  # a redirect whose target's path is longer than ECHO
+            self.send_response(302)
+            self.send_header("Location", f"ftp://files.example.com/{'d' * 300}/cat.png")
             self.end_headers()
         elif self.path.startswith("/moved"):
             self.send_response(302)
@@ -123,3 +127,34 @@ def test_a_reason_of_its_own_is_escaped_and_cut_short() -> None:
     said = _why(urllib.error.URLError("broken\r\nINFO forged line " + "x" * 1000))
     assert "\r" not in said and "\n" not in said and said.startswith("broken\\r\\nINFO forged"), said
     assert len(said) <= 201, len(said)
+
+
+def test_the_head_s_own_refusals_are_shown_whole_however_long_the_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_why escaped and cut every reason at ECHO characters, the head's own refusals too: a redirect
+    to an ftp:// URL with a long path lost "not an http(s) URL", a private address with a long host
+    name lost the --reference-url-networks advice. Only a server's or a library's words are cut."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        redirected = _refused(f"http://127.0.0.1:{server.server_port}/long-ftp")
+    finally:
+        server.shutdown()
+    assert redirected.endswith("…, not an http(s) URL"), redirected  # the target cut at ECHO, the reason whole
+
+    host = "a-reference-image-host-with-a-long-name." * 5 + "example"
+    resolve = socket.getaddrinfo
+
+    def resolver(name: str, port: int, *args: object, **kwargs: object) -> list:  # type: ignore[type-arg]
+        if name == host:  # a name that points at a private address (refused: nothing is dialled)
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.168.0.7", port))]
+        return resolve(name, port, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    with pytest.raises(BadReference) as refused:
+        fetch_reference(f"http://{host}/cat.png", "image", networks=[])
+    message = str(refused.value)
+    assert len(f"{host} resolves to 192.168.0.7") > ECHO
+    assert message.endswith(
+        f"failed: {host} resolves to 192.168.0.7, not a public address; the image encoder's "
+        "--reference-url-networks lists the private networks it may fetch from"
+    ), message
