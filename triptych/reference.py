@@ -288,6 +288,11 @@ def check_reference_url(url: str, field: str = "image") -> str:
     """An http(s) URL, or BadReference naming the field (nothing else is fetched: no file://, no ftp://)."""
     from urllib.parse import urlsplit
 
+    if _has_user_part(url):  # checked first: the messages below repeat the URL, and so would its password
+        raise BadReference(
+            f"{field}: {shown_reference(url)}: a URL with user:password@ is not fetched (credentials do not "
+            "belong in a URL); give a presigned URL or upload the image"
+        )
     try:
         parts = urlsplit(url)
         host, _ = parts.hostname, parts.port  # .port: ValueError for one that is no number in 0..65535
@@ -300,6 +305,19 @@ def check_reference_url(url: str, field: str = "image") -> str:
     return url
 
 
+def _has_user_part(url: str) -> bool:
+    """Whether `url`'s authority (what follows `//`, up to a `/`, `?` or `#`) holds a user part
+    (`user@`, `user:password@`), read without the URL parser, which may refuse the URL first. urllib
+    reads such a URL's host wrongly: `alice:pa55word@host` as a host with the port `pa55word@host`
+    (InvalidURL), `alice@host:80` as a host of that name."""
+    _, slashes, rest = url.partition("//")
+    if not slashes:
+        return False
+    for end in "/?#":
+        rest = rest.partition(end)[0]
+    return "@" in rest
+
+
 class _HTTPOnlyRedirects(urllib.request.HTTPRedirectHandler):
     """Follow redirects to http(s) only (urllib's default also follows ftp://)."""
 
@@ -308,9 +326,8 @@ class _HTTPOnlyRedirects(urllib.request.HTTPRedirectHandler):
             check_reference_url(newurl)
         except BadReference:  # its message would repeat the new URL whole, its query (a signature) included
             fp.close()
-            raise urllib.error.URLError(
-                Refused(f"redirected to {shown_reference(newurl)}, not an http(s) URL")
-            ) from None
+            why = "a URL with a user part" if _has_user_part(newurl) else "not an http(s) URL"
+            raise urllib.error.URLError(Refused(f"redirected to {shown_reference(newurl)}, {why}")) from None
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
         fp.close()  # its body is not read: urllib would read all of it, however long, before following
         return new
@@ -372,11 +389,13 @@ def shown_reference(url: str) -> str:
 def _why(exc: BaseException) -> str:
     """Why a fetch failed, in words that cannot forge a log line: this process's own refusal (Refused)
     whole; a fixed phrase for a server that answered no HTTP (BadStatusLine would repeat its status
-    line, up to 64 KiB, carriage returns and all); else the reason's text with control characters
-    escaped, ECHO characters at most."""
+    line, up to 64 KiB, carriage returns and all) and for a URL http.client will not send; else the
+    reason's text with control characters escaped, ECHO characters at most."""
     reason = getattr(exc, "reason", exc)
     if isinstance(reason, Refused):  # its words are ours: the URL in it already shortened, the advice whole
         return str(reason)
+    if isinstance(reason, http.client.InvalidURL):  # an HTTPException too, but nothing was asked of any server
+        return "http.client refused the URL before connecting (a port that is not a number, a host it cannot read)"
     if isinstance(reason, http.client.RemoteDisconnected):
         return "the server closed the connection without answering"
     if isinstance(reason, http.client.IncompleteRead):

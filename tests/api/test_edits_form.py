@@ -354,3 +354,27 @@ def test_a_url_encoded_text_field_that_is_not_utf8_is_a_400_naming_it(backend, t
     assert error["param"] == "prompt" and "UTF-8" in error["message"], error
     assert [a.status_code for a in (escaped, raw, percent)] == [200] * 3, (escaped.text, raw.text, percent.text)
     assert [p.prompt for p in backend.calls] == ["café 猫", "café 猫", "100% %41"]
+
+
+@pytest.mark.parametrize("size", [None, "64x48"])  # fetched by the head, or passed on to the image encoder
+@pytest.mark.parametrize("ported", [False, True])
+def test_a_url_with_a_user_part_is_a_400_naming_image_before_any_connection(
+    backend, tmp_path, images, size, ported
+) -> None:
+    """`http://alice:pa55word@host/r.png` was fetched by the head (a false "the server answered something
+    that is not HTTP", nothing asked) or passed on to the image encoder, `alice@host:port` failed as an
+    unknown host: a 400 naming `image` now, saying why, before any name is looked up or any connection
+    made, repeating neither the user nor the password."""
+    from tests.unit.test_reference_errors import no_dials
+
+    address = images.removeprefix("http://") if ported else "127.0.0.1"
+    fields = {} if size is None else {"size": size}
+    with client_for(backend, tmp_path) as c, no_dials() as dials:
+        r = post(c, files={}, image=f"http://alice:pa55word@{address}/r.png", **fields)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "image" and error["message"].startswith(
+        f"image: http://{address}/r.png: a URL with user:password@ is not fetched (credentials do not belong in a URL)"
+    ), error
+    assert "alice" not in r.text and "pa55word" not in r.text, r.text
+    assert dials == [] and _Images.gets == [] and backend.calls == [], (dials, _Images.gets)

@@ -5,15 +5,18 @@ status line with a carriage return would forge a log line)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import http.server
 import socket
+import sys
 import threading
 import urllib.error
 from collections.abc import Iterator
 
 import pytest
 
-from triptych.reference import ECHO, BadReference, _why, fetch_reference, parse_networks
+from triptych.reference import ECHO, BadReference, _why, check_reference_url, fetch_reference, parse_networks
 
 LOOPBACK = parse_networks("127.0.0.0/8")
 SIGNED = "?X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature=5ec2e7516a7e"
@@ -24,6 +27,10 @@ class _Server(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path.startswith("/expired"):  # a presigned URL past its expiry
             self.send_response(403)
+            self.end_headers()
+        elif self.path.startswith("/to-user-part"):
+            self.send_response(302)
+            self.send_header("Location", "http://alice:pa55word@127.0.0.1/x.png")
             self.end_headers()
         elif self.path.startswith("/long-ftp"):  # a redirect whose target's path is longer than ECHO
             self.send_response(302)
@@ -80,14 +87,112 @@ def test_a_failed_fetch_names_the_url_without_its_user_part_or_query(
         assert secret not in message, message
 
 
-@pytest.mark.parametrize("user", ["", "alice:pa55word@"])
-def test_an_unreachable_server_is_named_without_the_url_s_user_part_or_query(user: str) -> None:
-    """urllib takes a user part for the host's name: such a URL fails too, and its message shows neither."""
+def test_an_unreachable_server_is_named_without_the_url_s_query() -> None:
     port = _closed_port()
-    message = _refused(f"http://{user}127.0.0.1:{port}/cat.png{SIGNED}")
+    message = _refused(f"http://127.0.0.1:{port}/cat.png{SIGNED}")
     assert f"GET http://127.0.0.1:{port}/cat.png?… failed: " in message, message
     for secret in SECRETS:
         assert secret not in message, message
+
+
+_DIALS: list[tuple[str, object]] | None = None  # the sockets' audit events while no_dials() watches
+
+
+def _audit(event: str, args: tuple[object, ...]) -> None:
+    if _DIALS is not None and event in ("socket.connect", "socket.getaddrinfo", "socket.gethostbyname"):
+        _DIALS.append((event, args[1] if event == "socket.connect" else args[0]))
+
+
+@contextlib.contextmanager
+def no_dials() -> Iterator[list[tuple[str, object]]]:
+    """The name look-ups and connections this process makes inside, from any thread (an audit hook,
+    added once: it cannot be removed, and records nothing outside)."""
+    global _DIALS, _HOOKED
+    if not _HOOKED:
+        sys.addaudithook(_audit)
+        _HOOKED = True
+    _DIALS = dials = []
+    try:
+        yield dials
+    finally:
+        _DIALS = None
+
+
+_HOOKED = False
+
+
+@contextlib.contextmanager
+def recording_listener() -> Iterator[tuple[int, list[object]]]:
+    """A listening port on loopback and the connections made to it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    accepted: list[object] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, peer = listener.accept()
+            except TimeoutError:
+                continue
+            accepted.append(peer)
+            conn.close()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1], accepted
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+@pytest.mark.parametrize("user", ["alice:pa55word@", "alice@", "alice:@"])
+@pytest.mark.parametrize("ported", [False, True])
+def test_a_url_with_a_user_part_is_refused_before_any_connection_without_repeating_it(user: str, ported: bool) -> None:
+    """urllib took `alice:pa55word@127.0.0.1` for a host with the port `pa55word@127.0.0.1` (InvalidURL,
+    an HTTPException: "the server answered something that is not HTTP", no server asked), and
+    `alice@127.0.0.1:port` for a host named so ("Name or service not known", the user part hidden):
+    the client could not tell why. Refused up front, by check_reference_url (the head's door) and
+    the image encoder's fetch alike, saying why; nothing looked up, nothing dialled."""
+    with recording_listener() as (port, accepted), no_dials() as dials:
+        address = f"127.0.0.1:{port}" if ported else "127.0.0.1"
+        url = f"http://{user}{address}/cat.png{SIGNED}"
+        with pytest.raises(BadReference) as checked:
+            check_reference_url(url)
+        fetched = _refused(url)
+    for message in (str(checked.value), fetched):
+        assert message == (
+            f"image: http://{address}/cat.png?…: a URL with user:password@ is not fetched (credentials do not "
+            "belong in a URL); give a presigned URL or upload the image"
+        ), message
+        for secret in SECRETS:
+            assert secret not in message, message
+    assert dials == [] and accepted == [], (dials, accepted)
+
+
+def test_the_user_part_check_sees_only_the_authority() -> None:
+    """An `@` in the path or the query is no user part; one in a URL the parser refuses still is
+    (whose message would otherwise repeat the URL, its password with it)."""
+    assert check_reference_url("http://example.com/a@b.png?by=me@x") == "http://example.com/a@b.png?by=me@x"
+    for url in ("http://alice:pa55word@[::1/x.png", "http://alice:pa55word@example.com:99999/x.png"):
+        with pytest.raises(BadReference, match="user:password@") as refused:
+            check_reference_url(url)
+        assert "pa55word" not in str(refused.value) and "alice" not in str(refused.value)
+
+
+def test_a_redirect_to_a_url_with_a_user_part_is_refused_naming_why(port: int) -> None:
+    message = _refused(f"http://127.0.0.1:{port}/to-user-part")
+    assert message.endswith("redirected to http://127.0.0.1/x.png, a URL with a user part"), message
+    assert "alice" not in message and "pa55word" not in message, message
+
+
+def test_a_url_http_client_refuses_is_not_called_a_server_s_answer() -> None:
+    """http.client's InvalidURL is an HTTPException, but no server said anything."""
+    said = _why(urllib.error.URLError(http.client.InvalidURL("nonnumeric port: 'pa55word@127.0.0.1'")))
+    assert "not HTTP" not in said and "server" not in said and "pa55word" not in said, said
+    assert "refused the URL before connecting" in said, said
 
 
 def _raw_server(answer: bytes) -> socket.socket:
