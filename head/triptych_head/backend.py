@@ -25,6 +25,7 @@ from triptych.protocol import Cancel, RequestEvent, RequestResult, Submit, Tenso
 from triptych.protocol.messages import HEAD_SHUT_DOWN
 from triptych.protocol.tensors import PIXELS
 from triptych.roles import Role
+from triptych_head.api.errors import internal_error
 from triptych_head.local_channel import ChannelClosed, LocalChannel
 from triptych_head.local_queue import PriorityRunner
 from triptych_head.state import REJECTED, RequestState
@@ -237,7 +238,7 @@ class LocalBackend:
             try:
                 if request_id in self._cancelled:  # while it waited its turn (a drain's end cancels every one)
                     raise GenerationFailed("cancelled by the client", 499, RequestState.CANCELLED)
-                return self._pipeline.generate(params, progress, preview_every if on_event else 0)
+                return self._stages(request_id, params, progress, preview_every if on_event else 0)
             finally:
                 ran[0] = time.perf_counter() - began
                 self._ended(request_id)
@@ -258,14 +259,27 @@ class LocalBackend:
             raise
         except GenerationFailed:
             raise
+        except Exception:  # the head's own code around the stages (after_request, the queue): not the client's
+            log.exception("request %s failed", request_id)
+            raise GenerationFailed(internal_error(request_id), code="internal_error") from None
+        total = loop.time() - started
+        timings = {"total": total, DEVICE_SECONDS: ran[0]}
+        return GenerationOutput(pixels=pixels, timings=timings, server_timing=server_timing({}, total))
+
+    def _stages(self, request_id: str, params: GenerationParams, progress: ProgressCallback, every: int) -> np.ndarray:
+        """The pipeline's stages, which fail as a worker's do (triptych_worker.compute._fails_alone): a
+        ValueError (the request's reference, adapter, or a parameter the model cannot serve) is a 400,
+        any other exception (the model's own failure: CUDA out of memory) a 500 that says it, type and
+        text, as a worker's error does (docs/security.md), and the head's log has its traceback."""
+        try:
+            return self._pipeline.generate(params, progress, every)
+        except GenerationFailed:  # cancelled at a step
+            raise
         except ValueError as exc:
             raise GenerationFailed(str(exc), 400) from None
         except Exception as exc:
             log.exception("request %s failed", request_id)
             raise GenerationFailed(f"{type(exc).__name__}: {exc}") from None
-        total = loop.time() - started
-        timings = {"total": total, DEVICE_SECONDS: ran[0]}
-        return GenerationOutput(pixels=pixels, timings=timings, server_timing=server_timing({}, total))
 
     async def cancel(self, request_id: str) -> None:
         with self._lock:
