@@ -242,3 +242,15 @@ def test_a_size_past_the_transformer_s_positional_table_is_a_400_at_the_door(tin
         r = c.post(VIDEOS, json={"prompt": "x", "size": "32x32", "num_frames": 513})
         assert r.status_code == 400 and r.json()["error"]["param"] == "num_frames", r.text
         assert c.post(VIDEOS, json={"prompt": "x", "size": "1024x480", "num_frames": 509}).status_code == 200
+
+
+def test_a_video_model_makes_images_as_one_frame_videos_and_an_image_model_refuses_videos() -> None:
+    backend = ScriptedBackend()
+    with client(WAN, backend=backend) as c:
+        r = c.post(IMAGES, json={"prompt": "x", "size": "32x32", "n": 2})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["data"]) == 2 and [(p.num_frames, p.num_outputs) for p in backend.calls] == [(1, 2)]
+    with client(FLUX, backend=ScriptedBackend()) as c:
+        r = c.post(VIDEOS, json={"prompt": "x", "size": "32x32"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert "generates images; use POST /v1/images/generations" in r.json()["error"]["message"]
