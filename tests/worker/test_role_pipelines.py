@@ -39,6 +39,8 @@ CASES = {
     "flux-kontext": ("tiny-flux-kontext", FLUX),
     "wan": ("tiny-wan", WAN),
     "wan-cfg-negative-prompt": ("tiny-wan", msgspec.structs.replace(WAN, guidance_scale=4.0, negative_prompt="blurry")),
+    # What POST /v1/images/generations asks of a video model: one-frame videos, two of them.
+    "wan-images": ("tiny-wan", msgspec.structs.replace(WAN, num_frames=1, num_outputs=2)),
 }
 
 
