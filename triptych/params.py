@@ -2,6 +2,11 @@
 
 A msgspec Struct that the messages carry typed: the message decoder (protocol/codec.py) checks
 every field of it, and rejects fields it does not know, wherever a request arrives.
+
+A field at its default is not sent (omit_defaults): a process of the release before one that added a
+field (a rolling upgrade: a new head, old workers) takes every request that does not use it, and
+refuses, naming the field, one that does, rather than serving it without (other pixels). So a field
+added here needs a default that means "as before".
 """
 
 from __future__ import annotations
@@ -11,14 +16,14 @@ import msgspec
 from triptych.step_cache import NONE, StepCache, resolved
 
 
-class LoraWeight(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class LoraWeight(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One LoRA adapter a request names (triptych/lora.py), and the scale it applies it with."""
 
     name: str
     weight: float = 1.0
 
 
-class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     prompt: str
     width: int
     height: int

@@ -49,6 +49,7 @@ from triptych.protocol import (
     TransferAllocated,
     TransferPushed,
     TransferStaged,
+    UnknownMessageType,
     decode,
 )
 from triptych.protocol.messages import HEAD_SHUT_DOWN
@@ -154,7 +155,7 @@ class HeadCore:
             msg, frames = decode(parts)
         except ProtocolError as exc:
             self.metrics.dropped_messages.inc()
-            rec = self.attempts.get(exc.request_id or "")
+            rec = None if isinstance(exc, UnknownMessageType) else self.attempts.get(exc.request_id or "")
             if rec is None:
                 log.warning("dropped undecodable message on the %s result socket: %s", role.value, exc)
             else:

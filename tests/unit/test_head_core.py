@@ -35,6 +35,7 @@ from triptych.protocol import (
     Work,
     encode,
 )
+from triptych.protocol.codec import PROTOCOL_VERSION
 from triptych.roles import Role
 from triptych_head.state import RequestState
 from triptych_head.timeline import DEVICE_SECONDS, parse_server_timing
@@ -73,6 +74,24 @@ def test_a_request_walks_the_transfer_flow_one_message_at_a_time() -> None:
     h.answer()  # pixels
     assert [type(m) for m in h.endings()["r"]] == [RequestResult]
     h.check_idle()
+
+
+def test_a_message_type_of_a_newer_worker_is_dropped_without_failing_its_request() -> None:
+    """A worker of a newer release sends something this head does not know, naming a request: it is
+    dropped and counted, and the request goes on; a known message that is malformed still fails it."""
+    h = Harness(THREE_ROLES)
+    h.submit("r")
+    ((encoder, work),) = h.pending
+    newer = msgspec.msgpack.encode({"v": PROTOCOL_VERSION, "type": "stage_note_v9", "request_id": work.request_id,
+                                    "instance": encoder})  # fmt: skip
+    h.core.on_worker(Role.ENCODER, [newer])
+    assert h.state("r") is RequestState.ENCODER_RUNNING and h.endings() == {}
+    h.deliver()
+    h.answer()
+    assert h.state("r") is RequestState.DENOISING_WAITING
+    garbled = msgspec.msgpack.encode({"v": PROTOCOL_VERSION, "type": "failed", "request_id": work.request_id})
+    h.core.on_worker(Role.ENCODER, [garbled])
+    assert h.core.requests.get("r") is None and "r" in h.endings()
 
 
 def test_a_dead_encoder_is_found_by_the_clock_and_its_request_goes_to_the_other_one() -> None:

@@ -181,3 +181,40 @@ def test_a_heartbeat_carries_the_topology_and_the_encoder_cache_counts_range_che
     header["encoder_cache"]["hits"] = -1
     with pytest.raises(ProtocolError, match="hits"):
         decode([_pack(header)])
+
+
+class _ParamsBeforeLoras(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """GenerationParams as the release before LoRA adapters decoded it (a worker not rolled yet)."""
+
+    prompt: str
+    width: int
+    height: int
+    num_frames: int = 1
+    num_inference_steps: int = 4
+    guidance_scale: float = 3.5
+    negative_prompt: str | None = None
+    seed: int = 0
+    num_outputs: int = 1
+    max_sequence_length: int = 512
+    image: bytes | None = None
+    image_url: str | None = None
+    step_cache: str = "none"
+    step_cache_threshold: float | None = None
+    step_cache_interval: int | None = None
+
+
+def test_a_process_of_the_release_before_a_new_parameter_takes_requests_that_leave_it_at_its_default():
+    """A new head sent `"loras": []` in every request: the workers not rolled yet refused them all
+    (an unknown field) until the last one had rolled."""
+    from triptych.params import LoraWeight
+
+    plain = GenerationParams("a fox", 64, 48, seed=3, num_inference_steps=2)
+    header = _unpack(encode(Submit("r1", plain))[0])
+    assert header["params"] == {"prompt": "a fox", "width": 64, "height": 48, "num_inference_steps": 2, "seed": 3}
+    old = msgspec.msgpack.decode(_pack(header["params"]), type=_ParamsBeforeLoras)
+    assert (old.prompt, old.seed, old.num_inference_steps, old.max_sequence_length) == ("a fox", 3, 2, 512)
+    with_lora = msgspec.structs.replace(plain, loras=(LoraWeight("ink", 0.8),))
+    header = _unpack(encode(Submit("r2", with_lora))[0])
+    with pytest.raises(msgspec.ValidationError, match="loras"):  # refused, not served without its adapter
+        msgspec.msgpack.decode(_pack(header["params"]), type=_ParamsBeforeLoras)
+    assert decode(encode(Submit("r2", with_lora)))[0].params == with_lora

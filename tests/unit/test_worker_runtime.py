@@ -41,7 +41,7 @@ from triptych.protocol import (
     decode,
     encode,
 )
-from triptych.protocol.codec import MAX_HEADER_BYTES
+from triptych.protocol.codec import MAX_HEADER_BYTES, PROTOCOL_VERSION
 from triptych.roles import Role
 from triptych_dev.localdeploy import free_port_block
 from triptych_dev.null_pipeline import NullPipeline
@@ -490,6 +490,24 @@ def test_a_message_the_worker_cannot_act_on_fails_its_request_and_the_worker_goe
         assert "transfer_alloc could not be handled: pool bookkeeping broke" in failed.error
         worker._on_message(link, _encoded(Ping("w", head_id="h")))  # type: ignore[arg-type]
         assert isinstance(link.sent[-1], Heartbeat)  # still answering
+    finally:
+        worker.transport.close()
+
+
+def test_a_message_type_of_a_newer_head_is_dropped_without_failing_its_request():
+    """A newer head's HandOff (a message added after this worker's release) at a worker not rolled
+    yet failed the request being moved with a 500; what it adds is lost, the request goes on."""
+    worker = make_worker()
+    link = RecordingLink()
+    try:
+        newer = msgspec.msgpack.encode({"v": PROTOCOL_VERSION, "type": "hand_off_v9", "request_id": "r1",
+                                        "instance": "w"})  # fmt: skip
+        worker._on_message(link, [newer])  # type: ignore[arg-type]
+        assert link.sent == []
+        garbled = msgspec.msgpack.encode({"v": PROTOCOL_VERSION, "type": "cancel_work", "request_id": "r2"})
+        worker._on_message(link, [garbled])  # type: ignore[arg-type]  # a known message, malformed
+        (failed,) = link.sent
+        assert isinstance(failed, Failed) and failed.request_id == "r2" and "malformed message" in failed.error
     finally:
         worker.transport.close()
 

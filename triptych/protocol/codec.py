@@ -39,6 +39,12 @@ class ProtocolError(ValueError):
         self.request_id = request_id
 
 
+class UnknownMessageType(ProtocolError):
+    """A message of a type this process does not know: a peer of a newer release sent something it
+    added. Dropped with a warning, never its request's failure: a new message adds to a flow that
+    goes on without it (docs/design.md, "Wire protocol")."""
+
+
 class HeaderTooLarge(ProtocolError):
     """A message `encode` refused to build: its header is over MAX_HEADER_BYTES, so its peer would
     drop it unread (decode). `message_type`, `nbytes`: which message, how long its header was."""
@@ -120,7 +126,7 @@ def _explain(header: Any, exc: msgspec.DecodeError) -> ProtocolError:
         return ProtocolError(f"protocol version {raw.get('v')!r} is not {PROTOCOL_VERSION}", request_id)
     type_name = raw.get("type")
     if not isinstance(type_name, str) or type_name not in message_types():
-        return ProtocolError(f"unknown message type {type_name!r}", request_id)
+        return UnknownMessageType(f"unknown message type {type_name!r}", request_id)
     return ProtocolError(f"{type_name}: {_field_problem(str(exc))}", request_id)
 
 

@@ -48,6 +48,7 @@ from triptych.protocol import (
     TransferAlloc,
     TransferPush,
     TransferReady,
+    UnknownMessageType,
     Work,
     WorkBatch,
     decode,
@@ -393,7 +394,7 @@ class Worker:
             msg, _ = decode(parts)
         except ProtocolError as exc:
             log.warning("dropped undecodable message from the head: %s", exc)
-            if exc.request_id:
+            if exc.request_id and not isinstance(exc, UnknownMessageType):
                 link.send(Failed(exc.request_id, self.instance, f"malformed message: {exc}"))
             return
         if not isinstance(msg, HEAD_TO_WORKER):
