@@ -18,6 +18,7 @@ receiver may see the event twice (the dead head's attempt may have landed), neve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -49,6 +50,15 @@ class Pending:
     @property
     def event_id(self) -> str:
         return str(self.event["id"])
+
+    @classmethod
+    def read(cls, raw: bytes) -> Pending:
+        """A record as stored, keys it does not know left out (a record of another release: a rolling
+        upgrade or a rollback); ValueError or TypeError when it is not a record."""
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            raise ValueError("not a JSON object")
+        return cls(**{f.name: body[f.name] for f in dataclasses.fields(cls) if f.name in body})
 
 
 class Outbox:
@@ -84,7 +94,7 @@ class Outbox:
                 continue
             try:
                 raw = self.objects.get_bytes(obj.name)
-                pending = Pending(**json.loads(raw))
+                pending = Pending.read(raw)
                 lease_until = float(pending.lease_until)
             except ObjectMissing:  # delivered meanwhile
                 continue
@@ -105,7 +115,7 @@ class Outbox:
         # and removed it with its markers, so that this marker could be made again. Only the record
         # as it still is now, unadopted since, is this head's to deliver.
         try:
-            now = Pending(**json.loads(self.objects.get_bytes(self.name(pending.event_id))))
+            now = Pending.read(self.objects.get_bytes(self.name(pending.event_id)))
         except (ObjectMissing, ValueError, TypeError):
             now = None
         if now is None or now.adoptions != pending.adoptions:

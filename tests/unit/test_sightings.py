@@ -129,3 +129,15 @@ def test_an_idempotency_key_running_on_a_live_head_is_not_run_again_by_a_head_wh
 
     (answer_a, replayed_a), (answer_b, replayed_b) = asyncio.run(scenario())
     assert runs == ["a"] and answer_a == answer_b == b'{"answer from a"}' and (replayed_a, replayed_b) == (False, True)
+
+
+def test_an_event_record_with_keys_of_another_release_is_read_and_delivered(tmp_path: Path) -> None:
+    """A record with a key this release does not know (another release's, in a rolling upgrade or
+    after a rollback) was 'not a record this head reads': handed over, it was never delivered."""
+    store = DirectoryObjects(tmp_path)
+    record = {"event": EVENT, "attempts": 2, "adoptions": 0, "lease_until": 0.0, "head": "gone", "made": time.time(),
+              "lease_s": 0.0, "priority_v9": "high"}  # fmt: skip
+    store.put_bytes("webhooks/evt_1.json", json.dumps(record).encode(), "application/json")
+    b = Outbox(store, "head-b")
+    [orphan] = b.orphans(time.time())  # handed over: adoptable at once
+    assert (orphan.event_id, orphan.attempts) == ("evt_1", 2) and b.claim(orphan)

@@ -183,8 +183,9 @@ def _counts(data: bytes) -> tuple[float, float, HeadCounts] | None:
     """(started, written, counts) of an object; None for one that is not that shape."""
     try:
         body = json.loads(data)
-        started, written = body["started"], body["written"]
-        in_flight, admitted, tokens = body["in_flight"], body["admitted"], body["tokens"]
+        started, in_flight, admitted = body["started"], body["in_flight"], body["admitted"]
+        # An older release's head writes neither: its counts count all the same (a rolling upgrade).
+        written, tokens = body.get("written", started), body.get("tokens", {})
         numbers = (started, written, *tokens.values())
         if all(_is_number(x) for x in numbers) and all(_is_counts(c) for c in (in_flight, admitted)):
             return float(started), float(written), HeadCounts(in_flight, admitted, tokens)
