@@ -13,36 +13,59 @@ checks nothing: several such heads of one model may share a folder on purpose.
 from __future__ import annotations
 
 import json
+import random
 import time
 
 from triptych.config import PIPELINE_ENV
-from triptych_head.objects import ObjectMissing, ObjectStore, StoreError
+from triptych_head.objects import CLAIM_STALE_S, ObjectMissing, ObjectStore, StoreError
 
 ENV = PIPELINE_ENV
 MARKER = "triptych-store.json"
-SETTLE_S = 2.0  # a marker another head is writing right now (created empty, then filled) is read again
+CLAIM_WAIT_S = CLAIM_STALE_S + 15.0  # contenders that withdraw try again; a dead one's claim is stale by then
 
 
-def claim_store(objects: ObjectStore, pipeline: str) -> None:
-    """Mark the store as `pipeline`'s, or check that it is: StoreError, saying what to do, when it is another's."""
-    if objects.create(MARKER, json.dumps({"pipeline": pipeline}).encode(), "application/json"):
-        return
-    deadline = time.monotonic() + SETTLE_S
+def claim_store(objects: ObjectStore, pipeline: str, wait_s: float = CLAIM_WAIT_S) -> None:
+    """Mark the store as `pipeline`'s, or check that it is: StoreError, saying what to do, when it is another's.
+    Heads starting together contend for the marker (ObjectStore.create: on S3, two that meet both
+    withdraw): each tries again, a little apart, until one wrote it or `wait_s` passed."""
+    deadline = time.monotonic() + wait_s
+    data = json.dumps({"pipeline": pipeline}).encode()
     while True:
+        if objects.create(MARKER, data, "application/json"):
+            return
         try:
-            owner = json.loads(objects.get_bytes(MARKER))["pipeline"]
-            break
-        except (ObjectMissing, ValueError, KeyError, TypeError) as exc:
+            raw = objects.get_bytes(MARKER)
+        except ObjectMissing:  # contenders withdrew (or one is writing it): try again
             if time.monotonic() >= deadline:
                 raise StoreError(
-                    f"{objects.description}: its {MARKER} (which pipeline the store's results belong to) cannot "
-                    f"be read ({exc}); if no other pipeline uses this store, delete {MARKER} and start again"
+                    f"{objects.description}: could not write {MARKER} (which pipeline the store's results "
+                    f"belong to) in {wait_s:.0f} s of trying beside other heads; check the store, then start again"
                 ) from None
+            time.sleep(random.uniform(0.2, 1.0))
+            continue
+        owner = _owner(raw)
+        if owner is None and time.monotonic() < deadline and not raw:  # created empty, filled next (a folder)
             time.sleep(0.1)
+            continue
+        break
+    if owner is None:
+        raise StoreError(
+            f"{objects.description}: its {MARKER} (which pipeline the store's results belong to) is not one "
+            f"this head reads; if no other pipeline uses this store, delete {MARKER} and start again"
+        )
     if owner != pipeline:
         raise StoreError(
             f"{objects.description} holds the results of pipeline {owner!r} ({MARKER}), not of {pipeline!r}: "
             "two pipelines sharing a store would run each other's video jobs, send each other's webhook "
             "events and remove each other's results; give this pipeline a store of its own (another folder, "
-            f"claim or bucket prefix), or, if {owner!r} is gone for good, delete {MARKER} there"
+            f"claim or bucket prefix), or, if it is this pipeline renamed, set {ENV}={owner} in its head's "
+            f"env (spec.head.env); if {owner!r} is gone for good, delete {MARKER} there"
         )
+
+
+def _owner(raw: bytes) -> str | None:
+    try:
+        owner = json.loads(raw)["pipeline"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return owner if isinstance(owner, str) else None

@@ -46,9 +46,10 @@ from triptych_head.api.context import HeadContext
 from triptych_head.api.key_quotas import PERIODS
 from triptych_head.api.schemas import VideoJob
 from triptych_head.backend import GenerationOutput
-from triptych_head.objects import DirectoryObjects, ObjectStore, S3Location, S3Objects
+from triptych_head.objects import DirectoryObjects, ObjectStore, S3Location, S3Objects, StoreError
 from triptych_head.results import ResultStore, Retention
 from triptych_head.sightings import CLOCK_SKEW_S
+from triptych_head.store_owner import MARKER, claim_store
 from triptych_head.webhook_outbox import Outbox
 from triptych_head.webhooks import Webhooks, WebhookTarget
 
@@ -249,6 +250,33 @@ def test_create_lets_exactly_one_of_many_contenders_write_a_name(shared_store):
         assert stores[0].get_bytes(name) == str(won.index(True)).encode()  # the winner's, never overwritten
         assert list(stores[0].list(f"{name}.claim-")) == []  # no claim left behind, the winner's included
         assert not stores[1].create(name, b"late", "application/json")
+
+
+def _beside(store: ObjectStore, name: str) -> ObjectStore:
+    """A store of its own next to `store` (a subfolder, or a longer prefix): a fresh one per round."""
+    if isinstance(store, DirectoryObjects):
+        return DirectoryObjects(store.root / name)
+    assert isinstance(store, S3Objects)
+    return S3Objects(S3Location.parse(f"s3://{store.location.bucket}/{store.location.prefix}{name}"), store.endpoint)
+
+
+def _start_head(store: ObjectStore, barrier: threading.Barrier) -> None:
+    barrier.wait(10)
+    claim_store(store, "ml/flux", wait_s=60)
+
+
+def test_heads_of_one_pipeline_starting_together_all_start_on_the_store_they_mark(shared_store):
+    """On a bucket, heads that met claiming the marker all withdrew, and each refused to start: the
+    default two heads of a new pipeline did, most times."""
+    for _round in range(3):
+        base = _beside(shared_store, f"round-{uuid.uuid4().hex}")
+        stores, barrier = [open_store(base) for _ in range(6)], threading.Barrier(6)
+        with concurrent.futures.ThreadPoolExecutor(len(stores)) as pool:
+            list(pool.map(_start_head, stores, [barrier] * len(stores)))  # raises on any head's refusal
+        assert json.loads(base.get_bytes(MARKER)) == {"pipeline": "ml/flux"}
+        assert list(base.list(f"{MARKER}.claim-")) == []
+        with pytest.raises(StoreError, match="holds the results of pipeline 'ml/flux'"):
+            claim_store(open_store(base), "ml/wan", wait_s=5)
 
 
 def test_a_contender_slower_than_a_third_of_the_stale_age_withdraws(s3_server, s3_bucket, monkeypatch):  # type: ignore[no-untyped-def]

@@ -34,15 +34,14 @@ def test_a_store_another_pipeline_marked_is_refused_naming_both_and_what_to_do(t
     message = str(refused.value)
     assert "holds the results of pipeline 'ml/flux'" in message and "not of 'ml/wan'" in message
     assert "a store of its own" in message and f"delete {MARKER}" in message
+    assert f"set {store_owner.ENV}=ml/flux in its head's env" in message  # a renamed pipeline keeps its store
 
 
-def test_a_marker_that_cannot_be_read_is_refused_once_it_stays_so(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(store_owner, "SETTLE_S", 0.3)
-    (tmp_path / MARKER).write_text("")  # a head that died between creating it and filling it in
-    with pytest.raises(StoreError, match=rf"its {MARKER} .* cannot be read .*delete {MARKER} and start again"):
-        claim_store(DirectoryObjects(tmp_path), "ml/flux")
+@pytest.mark.parametrize("content", ["", "{not json", '{"pipeline": 7}'])
+def test_a_marker_this_head_cannot_read_is_refused_saying_what_to_do(tmp_path: Path, content: str) -> None:
+    (tmp_path / MARKER).write_text(content)  # "": a head that died between creating it and filling it in
+    with pytest.raises(StoreError, match=rf"its {MARKER} .* is not one this head reads; .*delete {MARKER} and start"):
+        claim_store(DirectoryObjects(tmp_path), "ml/flux", wait_s=0.3)
 
 
 def test_a_head_of_another_pipeline_does_not_start_on_the_store(tmp_path: Path) -> None:
