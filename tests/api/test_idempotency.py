@@ -172,3 +172,20 @@ def test_a_run_still_going_after_the_wait_is_a_409_to_retry(tmp_path):
         first.join(10)
     assert r.status_code == 409 and r.json()["error"]["code"] == "idempotency_key_in_progress", r.text
     assert r.headers["Retry-After"] and len(backend.calls) == 1
+
+
+def test_a_field_at_its_default_does_not_change_a_request_s_fingerprint():
+    """A retry through a head of the next release, which added a field (output_format, say) at a
+    default that means "as before": its body dumped with the new field gave another fingerprint,
+    and the retry got 422 idempotency_key_reused instead of the first run's answer."""
+    from triptych.contract import CONTRACT, IMAGES
+    from triptych_head.api.idempotent import fingerprint
+    from triptych_head.api.schemas import request_model
+
+    dumped = request_model("Images", IMAGES).model_validate(IMAGE).model_dump()  # every field, defaults too
+    before = {k: v for k, v in dumped.items() if k not in ("output_format", "output_compression")}  # older release
+    assert fingerprint(IMAGES, dumped) == fingerprint(IMAGES, before) == fingerprint(IMAGES, IMAGE)
+    assert CONTRACT["n"].default_for(IMAGES) == 1
+    assert fingerprint(IMAGES, {**IMAGE, "n": 1}) == fingerprint(IMAGES, IMAGE)  # given as the default: the same
+    assert fingerprint(IMAGES, {**IMAGE, "n": 2}) != fingerprint(IMAGES, IMAGE)
+    assert fingerprint(IMAGES, {**IMAGE, "output_format": "jpeg"}) != fingerprint(IMAGES, IMAGE)

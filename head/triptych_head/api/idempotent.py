@@ -16,6 +16,7 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from triptych.contract import CONTRACT
 from triptych_head.api.auth import bearer_token
 from triptych_head.api.context import HeadContext
 from triptych_head.api.deadlines import FIELD as DEADLINE_FIELD
@@ -44,9 +45,12 @@ def idempotency_key(request: Request) -> str | None:
 
 def fingerprint(endpoint: str, values: dict[str, Any], reference: Reference | None = None) -> str:
     """What makes two requests the same request: the endpoint, the body's fields, the reference image
-    (not the deadline: a retry has less time left, and is still the same request)."""
+    (not the deadline: a retry has less time left, and is still the same request). A field at the
+    contract's default counts as not given: a release that adds a field (at a default that means "as
+    before") gives a retry reaching it the fingerprint the first run's head gave it."""
     digest = hashlib.sha256(endpoint.encode())
-    same = {k: v for k, v in values.items() if k != DEADLINE_FIELD}
+    defaults = {p.name: p.default_for(endpoint) for p in CONTRACT.taken_by(endpoint) if not p.required}
+    same = {k: v for k, v in values.items() if k != DEADLINE_FIELD and (k not in defaults or v != defaults[k])}
     digest.update(json.dumps(same, sort_keys=True, default=str).encode())
     if reference is not None:
         digest.update(reference.identity)
