@@ -137,6 +137,10 @@ class Webhooks:
         self.retry_after_s = retry_after_s
         self._opener = urllib.request.build_opener(_NoRedirects)
         self._tasks: dict[asyncio.Task[None], Pending] = {}
+        # Outbox writes under way: a thread's write goes on when its task is cancelled, and must land
+        # before a hand-over's, which it would otherwise overwrite with a live lease.
+        self._writes: set[asyncio.Future[None]] = set()
+        self._failing: set[str] = set()  # names of outbox writes failing now (logged once until one lands)
         self.deliveries = Counter(
             "triptych_webhook_deliveries",
             "Webhook events by how they ended on this head: delivered (a 2xx), refused (another 4xx or a "
@@ -218,11 +222,30 @@ class Webhooks:
             await self._in_store(self.outbox.save, pending, lease_s)
 
     async def _in_store(self, fn: Callable[..., None], *args: Any) -> None:
-        """A write to the outbox; a store that fails costs the event its hand-over, not its delivery."""
+        """A write to the outbox; a store that fails costs the event its hand-over, not its delivery.
+        Failures are logged once per kind of write until one lands (lease renewals every 10 s per
+        waiting event would flood the log through a store outage)."""
+        name = getattr(fn, "__name__", str(fn))
+        write = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._writes.add(write)
+        write.add_done_callback(self._written)
         try:
-            await asyncio.to_thread(fn, *args)
-        except Exception:
-            log.exception("webhook outbox: %s failed", getattr(fn, "__name__", fn))
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if name not in self._failing:
+                self._failing.add(name)
+                log.warning("webhook outbox: %s failed (%s); retried with the next write, logged once", name, exc)
+            return
+        if name in self._failing:
+            self._failing.discard(name)
+            log.info("webhook outbox: %s works again", name)
+
+    def _written(self, write: asyncio.Future[None]) -> None:
+        self._writes.discard(write)
+        if not write.cancelled():
+            write.exception()  # seen here too: a write whose task was cancelled is awaited by no one else
 
     def _post(self, event_id: str, body: bytes) -> tuple[int | None, float | None]:
         """One attempt: the answer's status and Retry-After (None, None: no answer)."""
@@ -272,6 +295,7 @@ class Webhooks:
         for task in left:
             task.cancel()
         await asyncio.gather(*left, return_exceptions=True)
+        await asyncio.gather(*self._writes, return_exceptions=True)  # renewals under way land first
         for pending in left.values():
             if self.outbox is not None:
                 await self._in_store(self.outbox.save, pending, 0.0)

@@ -276,6 +276,63 @@ def test_an_event_waiting_for_its_next_attempt_keeps_its_lease_renewed(
     assert len(leases) >= 8, f"the lease was written {len(leases)} times during a 1.5 s wait"
 
 
+class SlowRenewals(DirectoryObjects):
+    """A store whose writes of a live lease are slow (an S3 PUT, an NFS write), or fail when `failing`."""
+
+    failing = False
+
+    def put_bytes(self, name: str, data: bytes, content_type: str) -> None:
+        if self.failing:
+            raise OSError("the store does not answer")
+        if json.loads(data).get("lease_until"):
+            time.sleep(0.5)
+        super().put_bytes(name, data, content_type)
+
+
+def test_a_head_that_stops_while_a_renewal_is_written_hands_the_event_over_all_the_same(tmp_path: Path) -> None:
+    """The renewal's write, in a thread the head's stop could not cancel, landed after the hand-over
+    and left the event leased to a head that had gone: no other head took it for minutes."""
+    store = SlowRenewals(tmp_path / "store")
+    with webhook_receiver(answers=[503]) as hooks:
+        hooked = Webhooks(WebhookTarget(hooks.url, KEY), CollectorRegistry(), Outbox(store, "head-a"), (60.0,))
+
+        async def run() -> None:
+            hooked.job_ended(JOB)
+            await asyncio.to_thread(hooks.wait, 1)
+            await asyncio.sleep(0.15)  # the wait's first renewal is being written
+            await hooked.close(0)
+
+        asyncio.run(run())
+    [record] = [n for n in outbox_files(tmp_path) if n.endswith(".json")]
+    assert json.loads((tmp_path / "store" / "webhooks" / record).read_text())["lease_until"] == 0.0
+
+
+def test_a_store_that_fails_the_renewals_is_logged_once_until_a_write_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import triptych_head.webhooks as webhooks
+
+    monkeypatch.setattr(webhooks, "LEASE_S", 0.3)  # renewed every 0.1 s
+    store = SlowRenewals(tmp_path / "store")
+    with webhook_receiver(answers=[503]) as hooks:
+        hooked = Webhooks(WebhookTarget(hooks.url, KEY), CollectorRegistry(), Outbox(store, "head-a"), (60.0,))
+
+        async def run() -> None:
+            hooked.job_ended(JOB)
+            await asyncio.to_thread(hooks.wait, 1)
+            store.failing = True
+            with caplog.at_level(logging.INFO, logger="triptych_head.webhooks"):
+                await asyncio.sleep(1.0)  # ten renewals fail
+                store.failing = False
+                await asyncio.sleep(1.0)
+            await hooked.close(0)
+
+        asyncio.run(run())
+    said = [r.message for r in caplog.records if "webhook outbox" in r.message]
+    assert len([m for m in said if "failed" in m]) == 1 and "logged once" in said[0], said
+    assert any("works again" in m for m in said), said
+
+
 def test_a_delivered_event_leaves_nothing_in_the_store(tmp_path: Path) -> None:
     with webhook_receiver() as hooks:
         [(a, registry), _] = heads(tmp_path, hooks.url)
