@@ -12,7 +12,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -289,20 +289,24 @@ class SlowRenewals(DirectoryObjects):
         super().put_bytes(name, data, content_type)
 
 
-def test_a_head_that_stops_while_a_renewal_is_written_hands_the_event_over_all_the_same(tmp_path: Path) -> None:
-    """The renewal's write, in a thread the head's stop could not cancel, landed after the hand-over
-    and left the event leased to a head that had gone: no other head took it for minutes."""
-    store = SlowRenewals(tmp_path / "store")
+def _waiting_event(store: DirectoryObjects, while_waiting: Callable[[], Awaitable[None]]) -> None:
+    """One head's event refused once (503), then `while_waiting` during its 60 s wait, then the head stops."""
     with webhook_receiver(answers=[503]) as hooks:
         hooked = Webhooks(WebhookTarget(hooks.url, KEY), CollectorRegistry(), Outbox(store, "head-a"), (60.0,))
 
         async def run() -> None:
             hooked.job_ended(JOB)
             await asyncio.to_thread(hooks.wait, 1)
-            await asyncio.sleep(0.15)  # the wait's first renewal is being written
+            await while_waiting()
             await hooked.close(0)
 
         asyncio.run(run())
+
+
+def test_a_head_that_stops_while_a_renewal_is_written_hands_the_event_over_all_the_same(tmp_path: Path) -> None:
+    """The renewal's write, in a thread the head's stop could not cancel, landed after the hand-over
+    and left the event leased to a head that had gone: no other head took it for minutes."""
+    _waiting_event(SlowRenewals(tmp_path / "store"), lambda: asyncio.sleep(0.15))  # a renewal being written
     [record] = [n for n in outbox_files(tmp_path) if n.endswith(".json")]
     assert json.loads((tmp_path / "store" / "webhooks" / record).read_text())["lease_until"] == 0.0
 
@@ -314,20 +318,15 @@ def test_a_store_that_fails_the_renewals_is_logged_once_until_a_write_lands(
 
     monkeypatch.setattr(webhooks, "LEASE_S", 0.3)  # renewed every 0.1 s
     store = SlowRenewals(tmp_path / "store")
-    with webhook_receiver(answers=[503]) as hooks:
-        hooked = Webhooks(WebhookTarget(hooks.url, KEY), CollectorRegistry(), Outbox(store, "head-a"), (60.0,))
 
-        async def run() -> None:
-            hooked.job_ended(JOB)
-            await asyncio.to_thread(hooks.wait, 1)
-            store.failing = True
-            with caplog.at_level(logging.INFO, logger="triptych_head.webhooks"):
-                await asyncio.sleep(1.0)  # ten renewals fail
-                store.failing = False
-                await asyncio.sleep(1.0)
-            await hooked.close(0)
+    async def outage() -> None:
+        store.failing = True
+        with caplog.at_level(logging.INFO, logger="triptych_head.webhooks"):
+            await asyncio.sleep(1.0)  # renewals fail
+            store.failing = False
+            await asyncio.sleep(1.0)
 
-        asyncio.run(run())
+    _waiting_event(store, outage)
     said = [r.message for r in caplog.records if "webhook outbox" in r.message]
     assert len([m for m in said if "failed" in m]) == 1 and "logged once" in said[0], said
     assert any("works again" in m for m in said), said

@@ -183,24 +183,14 @@ def test_a_heartbeat_carries_the_topology_and_the_encoder_cache_counts_range_che
         decode([_pack(header)])
 
 
-class _ParamsBeforeLoras(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """GenerationParams as the release before LoRA adapters decoded it (a worker not rolled yet)."""
-
-    prompt: str
-    width: int
-    height: int
-    num_frames: int = 1
-    num_inference_steps: int = 4
-    guidance_scale: float = 3.5
-    negative_prompt: str | None = None
-    seed: int = 0
-    num_outputs: int = 1
-    max_sequence_length: int = 512
-    image: bytes | None = None
-    image_url: str | None = None
-    step_cache: str = "none"
-    step_cache_threshold: float | None = None
-    step_cache_interval: int | None = None
+# GenerationParams as the release before LoRA adapters decoded it (a worker not rolled yet).
+_ParamsBeforeLoras = msgspec.defstruct(
+    "ParamsBeforeLoras",
+    [(f.name, f.type, f.default) if f.required is False else (f.name, f.type)
+     for f in msgspec.structs.fields(GenerationParams) if f.name != "loras"],
+    frozen=True,
+    forbid_unknown_fields=True,
+)  # fmt: skip
 
 
 def test_a_process_of_the_release_before_a_new_parameter_takes_requests_that_leave_it_at_its_default():
