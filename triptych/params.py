@@ -11,6 +11,9 @@ added here needs a default that means "as before".
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import msgspec
 
 from triptych.step_cache import NONE, StepCache, resolved
@@ -54,3 +57,20 @@ class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     def resolved_step_cache(self) -> StepCache:
         """The request's step cache, its knob's default filled in (what the denoiser applies)."""
         return resolved(self.step_cache, self.step_cache_threshold, self.step_cache_interval)
+
+
+_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(GenerationParams) if f.default is not msgspec.NODEFAULT}
+
+
+def params_from(fields: Mapping[str, Any]) -> GenerationParams:
+    """GenerationParams of `fields` (msgspec.convert: a request's LoRA adapters become LoraWeight), a value
+    equal to its field's default left out: omit_defaults leaves out only the default object itself, so
+    a default that arrived as a value (a client's "guidance_scale": 3.5, a model's default) would be
+    sent, and refused by a process of the release before that field."""
+    kept = {k: v for k, v in fields.items() if not _at_default(k, v)}
+    return msgspec.convert(kept, GenerationParams)
+
+
+def _at_default(name: str, value: Any) -> bool:
+    default = _DEFAULTS.get(name, msgspec.NODEFAULT)
+    return type(value) is type(default) and value == default

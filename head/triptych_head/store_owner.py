@@ -22,6 +22,7 @@ from triptych_head.objects import CLAIM_STALE_S, ObjectMissing, ObjectStore, Sto
 ENV = PIPELINE_ENV
 MARKER = "triptych-store.json"
 CLAIM_WAIT_S = CLAIM_STALE_S + 15.0  # contenders that withdraw try again; a dead one's claim is stale by then
+SETTLE_S = 2.0  # a marker another head is writing right now (created empty, then filled) is read again this long
 
 
 def claim_store(objects: ObjectStore, pipeline: str, wait_s: float = CLAIM_WAIT_S) -> None:
@@ -29,6 +30,7 @@ def claim_store(objects: ObjectStore, pipeline: str, wait_s: float = CLAIM_WAIT_
     Heads starting together contend for the marker (ObjectStore.create: on S3, two that meet both
     withdraw): each tries again, a little apart, until one wrote it or `wait_s` passed."""
     deadline = time.monotonic() + wait_s
+    settled = time.monotonic() + min(SETTLE_S, wait_s)
     data = json.dumps({"pipeline": pipeline}).encode()
     while True:
         if objects.create(MARKER, data, "application/json"):
@@ -44,7 +46,7 @@ def claim_store(objects: ObjectStore, pipeline: str, wait_s: float = CLAIM_WAIT_
             time.sleep(random.uniform(0.2, 1.0))
             continue
         owner = _owner(raw)
-        if owner is None and time.monotonic() < deadline and not raw:  # created empty, filled next (a folder)
+        if owner is None and time.monotonic() < settled and not raw:  # created empty, filled next (a folder)
             time.sleep(0.1)
             continue
         break

@@ -141,6 +141,7 @@ class Webhooks:
         # before a hand-over's, which it would otherwise overwrite with a live lease.
         self._writes: set[asyncio.Future[None]] = set()
         self._failing: set[str] = set()  # names of outbox writes failing now (logged once until one lands)
+        self._settled: set[str] = set()  # events whose delivery ended, their records being removed
         self.deliveries = Counter(
             "triptych_webhook_deliveries",
             "Webhook events by how they ended on this head: delivered (a 2xx), refused (another 4xx or a "
@@ -186,7 +187,9 @@ class Webhooks:
             outcome = "undelivered"
         self.deliveries.labels(kind, outcome).inc()
         if self.outbox is not None:
+            self._settled.add(pending.event_id)  # a stop while it is removed hands nothing over
             await self._in_store(self.outbox.remove, pending.event_id)
+            self._settled.discard(pending.event_id)
 
     async def _attempts(self, pending: Pending) -> str:
         """Send until delivered, refused or out of attempts: which of the three."""
@@ -221,10 +224,10 @@ class Webhooks:
         if self.outbox is not None:
             await self._in_store(self.outbox.save, pending, lease_s)
 
-    async def _in_store(self, fn: Callable[..., None], *args: Any) -> None:
+    async def _in_store(self, fn: Callable[..., None], *args: Any) -> bool:
         """A write to the outbox; a store that fails costs the event its hand-over, not its delivery.
         Failures are logged once per kind of write until one lands (lease renewals every 10 s per
-        waiting event would flood the log through a store outage)."""
+        waiting event would flood the log through a store outage). Whether it landed."""
         name = getattr(fn, "__name__", str(fn))
         write = asyncio.ensure_future(asyncio.to_thread(fn, *args))
         self._writes.add(write)
@@ -237,10 +240,11 @@ class Webhooks:
             if name not in self._failing:
                 self._failing.add(name)
                 log.warning("webhook outbox: %s failed (%s); retried with the next write, logged once", name, exc)
-            return
+            return False
         if name in self._failing:
             self._failing.discard(name)
             log.info("webhook outbox: %s works again", name)
+        return True
 
     def _written(self, write: asyncio.Future[None]) -> None:
         self._writes.discard(write)
@@ -296,13 +300,18 @@ class Webhooks:
             task.cancel()
         await asyncio.gather(*left, return_exceptions=True)
         await asyncio.gather(*self._writes, return_exceptions=True)  # renewals under way land first
+        handed = 0
         for pending in left.values():
-            if self.outbox is not None:
-                await self._in_store(self.outbox.save, pending, 0.0)
-            else:
+            if pending.event_id in self._settled:
+                continue  # ended: its record's removal landed (awaited above), nothing to hand over
+            if self.outbox is None:
                 log.warning("webhook %s: not delivered, the head stopped", pending.event_id)
-        if left and self.outbox is not None:
-            log.warning("handed %d webhook events not yet delivered to the other heads", len(left))
+            elif await self._in_store(self.outbox.save, pending, 0.0):
+                handed += 1
+            else:
+                log.warning("webhook %s: not handed over (the store did not take it); lost", pending.event_id)
+        if handed:
+            log.warning("handed %d webhook events not yet delivered to the other heads", handed)
 
 
 def _seconds(value: str | None) -> float | None:

@@ -287,8 +287,14 @@ def test_a_head_whose_clock_runs_ahead_still_counts_the_others_requests_in_fligh
 def test_an_older_release_s_head_counts_too(tmp_path: Path, wall: Clock) -> None:
     """A head of the release before `written` and `tokens` were written: a newer head ignored its
     object ('not a head's counts'), and a key ran its limit on each release's heads during an upgrade."""
-    old = {"started": wall.now, "in_flight": {"k": 2}, "admitted": {"k": 2}}
-    DirectoryObjects(tmp_path).put_bytes(f"{PREFIX}head-old.json", json.dumps(old).encode(), "application/json")
+    objects = DirectoryObjects(tmp_path)
+    old = {"started": wall.now - 3600, "in_flight": {"k": 2}, "admitted": {"k": 2}}  # up for an hour
     b = Head(tmp_path, "head-b", wall)
+    for _ in range(6):  # a minute of the old head rewriting its object every 10 s, as it does
+        objects.put_bytes(f"{PREFIX}head-old.json", json.dumps(old).encode(), "application/json")
+        b.sync()
+        assert refusal(b, IN_FLIGHT).code == "key_concurrency_limit"
+        wall.now += 10
+    wall.now += LIVE_S  # then it stops: gone, its requests with it
     b.sync()
-    assert refusal(b, IN_FLIGHT).code == "key_concurrency_limit"
+    b.admit(IN_FLIGHT)

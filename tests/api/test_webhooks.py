@@ -311,6 +311,29 @@ def test_a_head_that_stops_while_a_renewal_is_written_hands_the_event_over_all_t
     assert json.loads((tmp_path / "store" / "webhooks" / record).read_text())["lease_until"] == 0.0
 
 
+class SlowRemovals(DirectoryObjects):
+    def delete(self, name: str) -> None:
+        time.sleep(0.5)
+        super().delete(name)
+
+
+def test_a_head_that_stops_while_a_delivered_event_s_record_is_removed_hands_nothing_over(tmp_path: Path) -> None:
+    """The stop cancelled the removal's wait; the hand-over then wrote the record back, and another
+    head delivered the event a second time."""
+    store = SlowRemovals(tmp_path / "store")
+    with webhook_receiver() as hooks:
+        hooked = Webhooks(WebhookTarget(hooks.url, KEY), CollectorRegistry(), Outbox(store, "head-a"), FAST)
+
+        async def run() -> None:
+            hooked.job_ended(JOB)
+            await asyncio.to_thread(hooks.wait, 1)
+            await asyncio.sleep(0.2)  # delivered: its record is being removed
+            await hooked.close(0)
+
+        asyncio.run(run())
+    assert len(hooks.received) == 1 and outbox_files(tmp_path) == []
+
+
 def test_a_store_that_fails_the_renewals_is_logged_once_until_a_write_lands(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

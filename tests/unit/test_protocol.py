@@ -208,3 +208,20 @@ def test_a_process_of_the_release_before_a_new_parameter_takes_requests_that_lea
     with pytest.raises(msgspec.ValidationError, match="loras"):  # refused, not served without its adapter
         msgspec.msgpack.decode(_pack(header["params"]), type=_ParamsBeforeLoras)
     assert decode(encode(Submit("r2", with_lora)))[0].params == with_lora
+
+
+def test_parameters_given_at_their_default_are_not_sent_either():
+    """omit_defaults leaves out only the default object itself: a client's "guidance_scale": 3.5, a
+    512 or "none" parsed from JSON went on the wire, and a process of the release before such a field
+    would refuse the request."""
+    import json
+
+    from triptych.params import params_from
+
+    given = '"guidance_scale": 3.5, "max_sequence_length": 512, "step_cache": "none", "loras": []'
+    body = json.loads('{"prompt": "a fox", "width": 64, "height": 48, "num_inference_steps": 2, ' + given + "}")
+    params = params_from(body)
+    assert _unpack(encode(Submit("r1", params))[0])["params"] == {"prompt": "a fox", "width": 64, "height": 48,
+                                                                   "num_inference_steps": 2}  # fmt: skip
+    assert params == GenerationParams("a fox", 64, 48, num_inference_steps=2)
+    assert params_from({**body, "guidance_scale": 3.0}).guidance_scale == 3.0

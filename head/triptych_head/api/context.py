@@ -21,7 +21,7 @@ from triptych.contract import CONTRACT, VIDEOS, Contract, ParamError
 from triptych.families import ModelInfo
 from triptych.log_format import about
 from triptych.lora import BadAdapter, LoraCatalog
-from triptych.params import GenerationParams
+from triptych.params import GenerationParams, params_from
 from triptych.priority import DEFAULT_LEVEL
 from triptych.priority import FIELD as PRIORITY_FIELD
 from triptych.protocol.messages import HEAD_SHUT_DOWN
@@ -167,7 +167,7 @@ class HeadContext:
             fields["seed"] = secrets.randbelow(2**31)
         if reference is not None:
             fields.update(image=reference.data, image_url=reference.url)
-        params = msgspec.convert(fields, GenerationParams)  # the request's LoRA adapters become LoraWeight
+        params = params_from(fields)
         own = {name: values[name] for name in head_own}
         try:
             self.contract.check({**own, **msgspec.structs.asdict(params)}, self.model)

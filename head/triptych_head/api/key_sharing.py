@@ -157,7 +157,8 @@ class LiveCounts:
                 self._unreadable.add(obj.name)
                 continue
             self._unreadable.discard(obj.name)
-            started, written, counts = parsed
+            started, given, counts = parsed
+            written = obj.mtime if given is None else given  # an older head's: each rewrite is a new mtime
             in_flight, admitted = counts.in_flight, counts.admitted
             if not self._sightings.lapsed(obj.name, written, LIVE_S, written + LIVE_S, now):
                 for key_id, n in in_flight.items():
@@ -179,16 +180,16 @@ class LiveCounts:
                 self._admitted_seen.pop(obj.name, None)
 
 
-def _counts(data: bytes) -> tuple[float, float, HeadCounts] | None:
-    """(started, written, counts) of an object; None for one that is not that shape."""
+def _counts(data: bytes) -> tuple[float, float | None, HeadCounts] | None:
+    """(started, written, counts) of an object; None for one that is not that shape. `written` None: a
+    head of an older release, which writes neither it nor its buckets (a rolling upgrade)."""
     try:
         body = json.loads(data)
         started, in_flight, admitted = body["started"], body["in_flight"], body["admitted"]
-        # An older release's head writes neither: its counts count all the same (a rolling upgrade).
-        written, tokens = body.get("written", started), body.get("tokens", {})
-        numbers = (started, written, *tokens.values())
+        written, tokens = body.get("written"), body.get("tokens", {})
+        numbers = (started, *(() if written is None else (written,)), *tokens.values())
         if all(_is_number(x) for x in numbers) and all(_is_counts(c) for c in (in_flight, admitted)):
-            return float(started), float(written), HeadCounts(in_flight, admitted, tokens)
+            return float(started), None if written is None else float(written), HeadCounts(in_flight, admitted, tokens)
     except (ValueError, KeyError, TypeError, AttributeError):
         pass
     return None
