@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from triptych import lora, priority, step_cache
+from triptych.guidance import unguided_negative
 
 IMAGES = "/v1/images/generations"
 EDITS = "/v1/images/edits"
@@ -343,18 +344,6 @@ def _frames(t: ModelTraits) -> Limits:
         "(e.g. {nearest})"
     )
     return Limits(maximum=t.max_frames, step=t.frame_step, offset=1, message=text, step_message=text)
-
-
-def unguided_negative(values: Mapping[str, Any]) -> str | None:
-    """Why a negative prompt would be ignored, or None: it steers classifier-free guidance, which a
-    pipeline runs only at guidance_scale above 1 (WanPipeline.do_classifier_free_guidance)."""
-    negative, guidance = values.get("negative_prompt"), values.get("guidance_scale")
-    if not negative or guidance is None or guidance > 1.0:
-        return None
-    return (
-        f"negative_prompt is used only with classifier-free guidance, which runs at guidance_scale above 1 "
-        f"(got guidance_scale {guidance:g}): raise guidance_scale, or leave negative_prompt out"
-    )
 
 
 NO_CFG = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from triptych.contract import MAX_FRAMES, MAX_SIDE
 from triptych.families.package import ModelPackage, lcm
 from triptych.families.rules import FamilyRules
+from triptych.guidance import guided
 from triptych.params import GenerationParams
 from triptych.protocol.tensors import TensorSpec
 
@@ -12,7 +13,7 @@ FPS = 16  # Wan2.1's frame rate; the head uses it when it writes the video file
 
 
 def uses_cfg(params: GenerationParams) -> bool:
-    return params.guidance_scale > 1.0  # WanPipeline.do_classifier_free_guidance
+    return guided(params.guidance_scale)
 
 
 class WanRules(FamilyRules):
