@@ -7,6 +7,7 @@ that one event."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 from collections.abc import Awaitable, Callable
@@ -49,12 +50,18 @@ def fingerprint(endpoint: str, values: dict[str, Any], reference: Reference | No
     contract's default counts as not given: a release that adds a field (at a default that means "as
     before") gives a retry reaching it the fingerprint the first run's head gave it."""
     digest = hashlib.sha256(endpoint.encode())
-    defaults = {p.name: p.default_for(endpoint) for p in CONTRACT.taken_by(endpoint) if not p.required}
+    defaults = _defaults(endpoint)
     same = {k: v for k, v in values.items() if k != DEADLINE_FIELD and (k not in defaults or v != defaults[k])}
     digest.update(json.dumps(same, sort_keys=True, default=str).encode())
     if reference is not None:
         digest.update(reference.identity)
     return digest.hexdigest()
+
+
+@functools.cache
+def _defaults(endpoint: str) -> dict[str, Any]:
+    """The contract's default of each optional field of `endpoint`'s body (worked out once)."""
+    return {p.name: p.default_for(endpoint) for p in CONTRACT.taken_by(endpoint) if not p.required}
 
 
 async def answer_once(
